@@ -1,0 +1,197 @@
+"""The one typed schema for a loongforge run.
+
+Every YAML preset, user config file and ``key=value`` override is resolved into these
+dataclasses (see ``loongforge.config.loader``), and every check that spans fields lives in
+``loongforge.config.validate``. Field names mirror transformers' Qwen2.5-VL config where a
+counterpart exists, so checkpoint maps and parity tests stay nearly identity.
+
+Defaults are the published Qwen2.5-VL-7B numbers unless a comment says otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class VisionConfig:
+    """The ViT encoder (``visual`` in transformers), without the patch merger."""
+
+    depth: int = 32
+    hidden_size: int = 1280
+    intermediate_size: int = 3420
+    num_heads: int = 16
+    in_channels: int = 3
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    # Pixel side of one attention window; 112 px = 8x8 patches = 4x4 merged tokens.
+    window_size: int = 112
+    # Blocks that attend over the whole image instead of inside windows.
+    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    rms_norm_eps: float = 1e-6
+    hidden_act: str = "silu"
+
+
+@dataclass
+class ProjectorConfig:
+    """The patch merger: RMSNorm, then an MLP over each 2x2 group of patch features."""
+
+    spatial_merge_size: int = 2
+    hidden_act: str = "gelu"
+    # Must equal language.hidden_size: the merger writes straight into the text embeddings.
+    out_hidden_size: int = 3584
+
+
+@dataclass
+class LanguageConfig:
+    """The Qwen2 decoder (``language_model`` in transformers)."""
+
+    num_layers: int = 28
+    hidden_size: int = 3584
+    ffn_hidden_size: int = 18944
+    num_attention_heads: int = 28
+    # GQA: number of key/value heads.
+    num_query_groups: int = 4
+    vocab_size: int = 152064
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 1_000_000.0
+    # M-RoPE: rotary pairs given to the temporal, height and width position ids; sums to head_dim/2.
+    mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    max_position_embeddings: int = 128_000
+    tie_word_embeddings: bool = False
+    add_qkv_bias: bool = True
+
+
+@dataclass
+class TokenIdsConfig:
+    """Special token ids of the Qwen2 vocabulary the model and data pipeline agree on."""
+
+    image_token_id: int = 151655
+    video_token_id: int = 151656
+    vision_start_token_id: int = 151652
+    vision_end_token_id: int = 151653
+    pad_token_id: int = 151643
+
+
+@dataclass
+class ModelConfig:
+    # Registry key selecting the model family implementation (see loongforge.models.registry).
+    family: str = "qwen2_5_vl"
+    vision: VisionConfig = field(default_factory=VisionConfig)
+    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    language: LanguageConfig = field(default_factory=LanguageConfig)
+    tokens: TokenIdsConfig = field(default_factory=TokenIdsConfig)
+    # Video frames per second of position time; Qwen2.5-VL uses 2 temporal ids per second.
+    tokens_per_second: int = 2
+    # auto: Transformer Engine, then flash-attn on GPU when importable; torch SDPA otherwise.
+    attention_backend: str = "auto"
+    # Published parameter count, checked by tests against the architecture arithmetic.
+    reference_num_params: Optional[int] = None
+
+
+@dataclass
+class DataConfig:
+    # "synthetic" uses the built-in generator; "files" reads `paths`; "packed" reads a `loongforge pack` folder.
+    source: str = "synthetic"
+    paths: list[str] = field(default_factory=list)
+    packed: Optional[str] = None
+    # Samples drawn from the synthetic generator (an epoch); ignored for files.
+    synthetic_num_samples: int = 2000
+    # Tokens per packed row (the language model's sequence length).
+    seq_len: int = 4096
+    # "qwen" builds Qwen's BPE from the bundled ranks offline; otherwise a HF tokenizer directory.
+    tokenizer: str = "qwen"
+    # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules.
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+    video_fps: float = 2.0
+    video_max_frames: int = 32
+    system_prompt: str = "You are a helpful assistant."
+    shuffle: bool = True
+    seed: int = 1234
+    num_workers: int = 1
+
+
+@dataclass
+class ParallelConfig:
+    tensor_model_parallel_size: int = 1
+    pipeline_model_parallel_size: int = 1
+    # Tensor parallel size of the vision encoder; null = same as the language model.
+    vision_tensor_model_parallel_size: Optional[int] = None
+    sequence_parallel: bool = False
+    # Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer).
+    use_distributed_optimizer: bool = False
+    overlap_grad_reduce: bool = False
+    # Launch size used by --dry-run and for deriving DP before processes exist.
+    world_size: int = 1
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adam"
+    lr: float = 1e-5
+    min_lr: float = 1e-6
+    weight_decay: float = 0.1
+    adam_beta1: float = 0.9
+    adam_beta2: float = 0.95
+    adam_eps: float = 1e-8
+    clip_grad: float = 1.0
+
+
+@dataclass
+class ScheduleConfig:
+    warmup_steps: int = 100
+    # "cosine" or "constant" after warmup.
+    decay_style: str = "cosine"
+
+
+@dataclass
+class TrainingConfig:
+    train_steps: int = 1000
+    # Packed rows (of data.seq_len tokens each) per optimizer step over all data-parallel ranks.
+    # One micro-batch is one packed row, as packed (THD) training runs; micro-batches per rank per
+    # step = global_batch_size / DP.
+    global_batch_size: int = 8
+    seed: int = 1234
+    # "bf16" or "fp32"; on GPU the default bf16 is what users run.
+    precision: str = "bf16"
+    # "auto" picks cuda when available, else cpu.
+    device: str = "auto"
+    recompute_activations: bool = False
+    freeze_vision: bool = False
+
+
+@dataclass
+class CheckpointConfig:
+    # Folder for checkpoints; null = <output_dir>/checkpoints.
+    dir: Optional[str] = None
+    # Steps between saves; 0 = only at the end.
+    save_interval: int = 0
+    # Checkpoint folder to start from; --resume sets it to the latest in `dir`.
+    load: Optional[str] = None
+    save_at_end: bool = True
+
+
+@dataclass
+class LoggingConfig:
+    output_dir: str = "runs/default"
+    log_interval: int = 10
+    tensorboard: bool = True
+    progress_bar: bool = True
+
+
+@dataclass
+class RunConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    schedule: ScheduleConfig = field(default_factory=ScheduleConfig)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    # Name of the preset this config was composed from (informational).
+    preset: Optional[str] = None
