@@ -151,6 +151,9 @@ class ScheduleConfig:
 @dataclass
 class TrainingConfig:
     train_steps: int = 1000
+    # Stop (with a checkpoint) after this step without changing the LR schedule; null = run to the end.
+    # For time-limited allocations: the next job resumes with --resume.
+    exit_at_step: Optional[int] = None
     # Packed rows (of data.seq_len tokens each) per optimizer step over all data-parallel ranks.
     # One micro-batch is one packed row, as packed (THD) training runs; micro-batches per rank per
     # step = global_batch_size / DP.

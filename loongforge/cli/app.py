@@ -1,0 +1,63 @@
+"""The ``loongforge`` command: assembles the subcommands, nothing else.
+
+Each subcommand lives in its own module; shared option types are in ``options``, and the mapping
+of library errors to messages and exit codes in ``errors``.
+"""
+
+from __future__ import annotations
+
+from importlib import metadata
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge import __version__
+from loongforge.cli import train
+
+app = typer.Typer(
+    name="loongforge",
+    help="Load-balanced training of vision-language models (Qwen2.5-VL) on megatron-core.",
+    no_args_is_help=True,
+    add_completion=False,
+    # Plain click output: one-line errors that scripts and logs can grep.
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+app.command("train", no_args_is_help=False)(train.train)
+
+
+def _installed_version(distribution: str) -> str:
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return "not installed"
+
+
+def version_text() -> str:
+    # Read from package metadata: importing torch/megatron just to print versions takes seconds.
+    return (f"loongforge {__version__}\n"
+            f"torch {_installed_version('torch')}\n"
+            f"megatron-core {_installed_version('megatron-core')}")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        typer.echo(version_text())
+        raise typer.Exit()
+
+
+@app.callback()
+def loongforge(
+    version: Annotated[Optional[bool], typer.Option(
+        "--version", callback=_print_version, is_eager=True,
+        help="Print loongforge, torch and megatron-core versions, then exit.")] = None,
+) -> None:
+    """Load-balanced training of vision-language models (Qwen2.5-VL) on megatron-core."""
+
+
+def main() -> None:
+    app(prog_name="loongforge")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Option and argument types shared by every loongforge command.
+
+Commands declare parameters with these ``Annotated`` aliases so that an option is spelled, typed
+and explained the same way everywhere (``--preset`` in ``train`` means what it will mean in
+``pack`` or ``bench``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.config.presets import DEFAULT_PRESET
+
+PresetOption = Annotated[Optional[str], typer.Option(
+    "--preset", "-p", metavar="NAME", show_default=False,
+    help=f"Preset to start from (see --list-presets). Default: {DEFAULT_PRESET}.")]
+
+ConfigFileOption = Annotated[Optional[Path], typer.Option(
+    "--config", "-c", metavar="FILE.yaml", show_default=False,
+    help="YAML file merged on top of the preset (same keys as --dry-run prints).")]
+
+OverridesArgument = Annotated[Optional[list[str]], typer.Argument(
+    metavar="KEY=VALUE|~KEY", show_default=False,
+    help="Dotted overrides applied last, e.g. optimizer.lr=1e-4 "
+         "model.language.mrope_section=[16,24,24]; ~KEY restores the schema default.")]
+
+ListPresetsOption = Annotated[bool, typer.Option(
+    "--list-presets",
+    help="List the presets with their size, layout and sequence length, then exit.")]
+
+ShowPresetOption = Annotated[Optional[str], typer.Option(
+    "--show-preset", metavar="NAME", show_default=False,
+    help="Print a preset composed from its component files as YAML, then exit.")]
+
+DryRunOption = Annotated[bool, typer.Option(
+    "--dry-run",
+    help="Resolve and validate the config, print it with the parallel plan, then exit.")]
+
+NprocPerNodeOption = Annotated[Optional[int], typer.Option(
+    "--nproc-per-node", min=1, metavar="N", show_default=False,
+    help="Processes to start on this node (torch elastic launcher); ignored under torchrun/SLURM. "
+         "Default: parallel.world_size for --dry-run, else 1.")]
+
+ResumeOption = Annotated[bool, typer.Option(
+    "--resume", help="Continue from the latest checkpoint in the run's checkpoint folder.")]
+
+OutputDirOption = Annotated[Optional[Path], typer.Option(
+    "--output-dir", "-o", metavar="DIR", show_default=False,
+    help="Run folder for logs, resolved config and checkpoints (sets logging.output_dir).")]

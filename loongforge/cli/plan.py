@@ -1,0 +1,184 @@
+"""The parallel plan ``--dry-run`` prints: sizes, batches, parameters and memory per rank.
+
+Pure arithmetic over a validated RunConfig, no torch: it has to work for a 72B preset on a laptop.
+Parameter counts come from the model family's own arithmetic
+(``loongforge.models.qwen2_5_vl.params.count_parameters``), split into the parts pipeline stages
+hold by counting the model again without its decoder layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
+from loongforge.config.schema import ModelConfig, RunConfig
+
+GIB = 1024**3
+
+
+def total_parameters(model: ModelConfig) -> int:
+    from loongforge.models.qwen2_5_vl.params import count_parameters
+
+    return int(count_parameters(model)["total"])
+
+
+@dataclass(frozen=True)
+class ParameterSplit:
+    """Parameters by where pipeline stages keep them."""
+
+    total: int
+    vision_and_projector: int  # first stage; also holds the final norm's few weights (negligible)
+    per_decoder_layer: float
+    input_embedding: int  # first stage
+    output_head: int  # last stage; 0 when tied and everything is one stage
+
+
+def split_parameters(model: ModelConfig) -> ParameterSplit:
+    language = model.language
+    total = total_parameters(model)
+    without_layers = total_parameters(
+        dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0)))
+    embedding = language.vocab_size * language.hidden_size
+    head = 0 if language.tie_word_embeddings else embedding
+    return ParameterSplit(
+        total=total,
+        vision_and_projector=max(without_layers - embedding - head, 0),
+        per_decoder_layer=(total - without_layers) / language.num_layers,
+        input_embedding=embedding,
+        output_head=head,
+    )
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    index: int
+    first_layer: int
+    num_layers: int
+    holds: tuple[str, ...]
+    params_per_rank: int
+
+
+def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) -> list[StagePlan]:
+    tp, vision_tp = sizes.tensor_parallel, sizes.vision_tensor_parallel
+    tied = cfg.model.language.tie_word_embeddings
+    stages, first_layer = [], 0
+    counts = layers_per_stage(cfg.model.language.num_layers, sizes.pipeline_parallel)
+    for index, num_layers in enumerate(counts):
+        holds, params = [], num_layers * split.per_decoder_layer / tp
+        if index == 0:
+            holds += ["vision tower + projector", "embeddings"]
+            params += split.vision_and_projector / vision_tp + split.input_embedding / tp
+        if index == len(counts) - 1:
+            # A tied head is the embedding itself on one stage, a copy on the last one otherwise.
+            head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)
+            holds += ["LM head"] if head or not tied else ["LM head (tied)"]
+            params += head / tp
+        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params)))
+        first_layer += num_layers
+    return stages
+
+
+def training_bytes_per_param(precision: str, optimizer: str, distributed_optimizer: bool,
+                             data_parallel: int) -> float:
+    """Weights + gradients + optimizer state bytes per parameter, megatron-core's accounting.
+
+    Gradients accumulate in fp32 in both precisions; bf16 adds an fp32 master copy of the
+    weights; Adam keeps two fp32 moments, plain SGD none. The distributed optimizer shards the
+    master copy and the moments over the data-parallel ranks.
+    """
+    weights = 2 if precision == "bf16" else 4
+    grads = 4
+    master = 4 if precision == "bf16" else 0
+    moments = 8 if optimizer == "adam" else 0
+    sharded = (master + moments) / (data_parallel if distributed_optimizer else 1)
+    return weights + grads + sharded
+
+
+@dataclass(frozen=True)
+class ParallelPlan:
+    sizes: ParallelSizes
+    global_batch_size: int
+    micro_batches_per_rank: int
+    seq_len: int
+    split: ParameterSplit
+    stages: list[StagePlan]
+    bytes_per_param: float
+    precision: str
+    optimizer: str
+    distributed_optimizer: bool
+
+    @property
+    def max_params_per_rank(self) -> int:
+        return max(stage.params_per_rank for stage in self.stages)
+
+    @property
+    def memory_per_rank_bytes(self) -> float:
+        return self.max_params_per_rank * self.bytes_per_param
+
+
+def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
+    """The plan for ``cfg`` at ``cfg.parallel.world_size`` (validated configs only)."""
+    sizes = derive_parallel_sizes(cfg.parallel)
+    split = split_parameters(cfg.model)
+    return ParallelPlan(
+        sizes=sizes,
+        global_batch_size=cfg.training.global_batch_size,
+        micro_batches_per_rank=cfg.training.global_batch_size // sizes.data_parallel,
+        seq_len=cfg.data.seq_len,
+        split=split,
+        stages=_stage_plans(cfg, sizes, split),
+        bytes_per_param=training_bytes_per_param(
+            cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
+            sizes.data_parallel),
+        precision=cfg.training.precision,
+        optimizer=cfg.optimizer.name,
+        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+
+
+def human_count(number: float) -> str:
+    for unit, scale in (("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if abs(number) >= scale:
+            return f"{number / scale:.2f}{unit}"
+    return str(int(number))
+
+
+def layout_label(sizes: ParallelSizes) -> str:
+    return f"TP{sizes.tensor_parallel} x PP{sizes.pipeline_parallel} x DP{sizes.data_parallel}"
+
+
+def _memory_note(plan: ParallelPlan) -> str:
+    states = "Adam moments" if plan.optimizer == "adam" else "no optimizer state (SGD)"
+    master = ", fp32 master weights" if plan.precision == "bf16" else ""
+    sharding = (f", master/moments sharded over DP{plan.sizes.data_parallel}"
+                if plan.distributed_optimizer else "")
+    return (f"{plan.precision} weights, fp32 grads{master}, {states}{sharding}; "
+            f"{plan.bytes_per_param:.2f} bytes/param; activations not included")
+
+
+def format_parallel_plan(plan: ParallelPlan) -> str:
+    sizes = plan.sizes
+    rows = [
+        ("world size", f"{sizes.world_size} process{'es' if sizes.world_size > 1 else ''} = "
+                       f"{layout_label(sizes)}"),
+        ("tensor parallel",
+         f"{sizes.tensor_parallel} (vision encoder: {sizes.vision_tensor_parallel})"),
+        ("pipeline parallel", str(sizes.pipeline_parallel)),
+        ("data parallel", f"{sizes.data_parallel} = {sizes.world_size} / "
+                          f"({sizes.tensor_parallel} x {sizes.pipeline_parallel})"),
+        ("micro-batches", f"{plan.micro_batches_per_rank} per rank per step = global batch "
+                          f"{plan.global_batch_size} / DP{sizes.data_parallel}, "
+                          f"one {plan.seq_len}-token packed row each"),
+        ("tokens per step", f"{plan.global_batch_size * plan.seq_len:,}"),
+        ("parameters", f"{human_count(plan.split.total)} total ({plan.split.total:,})"),
+    ]
+    for stage in plan.stages:
+        layers = f"layers {stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"
+        rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers}) + "
+                     f"{' + '.join(stage.holds)}: {human_count(stage.params_per_rank)} "
+                     f"params per rank"))
+    rows.append(("memory per rank", f"~{plan.memory_per_rank_bytes / GIB:.1f} GiB for "
+                 f"weights + grads + optimizer state on the busiest stage ({_memory_note(plan)})"))
+    width = max(len(label) for label, _ in rows)
+    return "parallel plan\n" + "\n".join(f"  {label:<{width}}  {text}" for label, text in rows)

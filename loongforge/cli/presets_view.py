@@ -1,0 +1,45 @@
+"""What ``--list-presets`` and ``--show-preset`` print."""
+
+from __future__ import annotations
+
+from loongforge.cli.plan import human_count, layout_label, total_parameters
+from loongforge.config.layout import derive_parallel_sizes
+from loongforge.config.loader import load_run_config
+from loongforge.config.presets import (
+    DEFAULT_PRESET, compose_preset, list_preset_names, preset_description, presets_dir)
+from loongforge.config.schema import RunConfig
+from loongforge.config.yaml_io import dump_yaml_tree
+
+_COLUMNS = ("preset", "model", "parameters", "default layout", "world", "seq_len")
+
+
+def _model_label(cfg: RunConfig) -> str:
+    language, vision = cfg.model.language, cfg.model.vision
+    return (f"{cfg.model.family}: LM {language.num_layers}x{language.hidden_size}, "
+            f"ViT {vision.depth}x{vision.hidden_size}")
+
+
+def _preset_row(name: str) -> tuple[str, ...]:
+    cfg = load_run_config(name)
+    sizes = derive_parallel_sizes(cfg.parallel)
+    label = f"{name} (default)" if name == DEFAULT_PRESET else name
+    return (label, _model_label(cfg), human_count(total_parameters(cfg.model)),
+            layout_label(sizes), str(sizes.world_size), str(cfg.data.seq_len))
+
+
+def format_presets_table() -> str:
+    rows = [_COLUMNS, *(_preset_row(name) for name in list_preset_names())]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+             for row in rows]
+    lines.insert(1, "  ".join("-" * width for width in widths))
+    lines.append(f"\npresets folder: {presets_dir()}")
+    return "\n".join(lines)
+
+
+def format_composed_preset(name: str) -> str:
+    tree = compose_preset(name)
+    header = [f"# preset {name}: {preset_description(name) or ''}".rstrip(": "),
+              "# composed from its component files; keys not shown take the schema defaults",
+              "# (`loongforge train --preset NAME --dry-run` prints every key)."]
+    return "\n".join(header) + "\n" + dump_yaml_tree(tree)

@@ -1,0 +1,19 @@
+"""The one exception type configuration problems are reported with."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+class ConfigError(Exception):
+    """One or more configuration problems, each a self-contained sentence with a remedy.
+
+    Validation collects every problem it finds before raising, so a user fixes a config in one
+    round instead of one error per run.
+    """
+
+    def __init__(self, messages: str | Iterable[str]):
+        self.messages: list[str] = [messages] if isinstance(messages, str) else list(messages)
+        if not self.messages:
+            raise ValueError("ConfigError needs at least one message")
+        super().__init__("\n".join(self.messages))

@@ -1,0 +1,440 @@
+"""Every configuration check, in one place.
+
+Two passes, each collecting all of its problems before raising one ``ConfigError``:
+
+1. ``build_run_config``: the composed tree against the schema's shape: unknown keys (with the full
+   dotted path and a did-you-mean), and types (ints, floats that also take ints, lists, Optional).
+2. ``check_run_config``: rules spanning fields: allowed choices, model shapes (head_dim, M-RoPE
+   sections, projector width), the parallel layout against the launch's world size, data sources
+   and training numbers. It runs only when the shape is right, because a wrong type makes the
+   cross-field rules misfire.
+
+Messages are one sentence naming the key and saying what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import functools
+import operator
+import types
+import typing
+from typing import Any, Iterator, Union
+
+from loongforge.config.errors import ConfigError
+from loongforge.config.layout import divisors, vision_tensor_parallel_size
+from loongforge.config.schema import RunConfig
+
+# String fields restricted to a few values, keyed by dotted path.
+CHOICES: dict[str, tuple[str, ...]] = {
+    "model.attention_backend": ("auto", "sdpa", "te", "flash"),
+    "training.precision": ("bf16", "fp32"),
+    "training.device": ("auto", "cpu", "cuda"),
+    "schedule.decay_style": ("cosine", "constant"),
+    "data.source": ("synthetic", "files", "packed"),
+    "optimizer.name": ("adam", "sgd"),
+}
+
+# Numbers that must be >= 1 (sizes, counts) and >= 0 (rates, intervals).
+_AT_LEAST_ONE = (
+    "model.vision.depth", "model.vision.hidden_size", "model.vision.intermediate_size",
+    "model.vision.num_heads", "model.vision.patch_size", "model.vision.temporal_patch_size",
+    "model.vision.window_size", "model.projector.spatial_merge_size",
+    "model.language.num_layers", "model.language.hidden_size", "model.language.ffn_hidden_size",
+    "model.language.num_attention_heads", "model.language.num_query_groups",
+    "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
+    "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
+    "parallel.world_size", "training.train_steps", "training.global_batch_size",
+    "logging.log_interval",
+)
+_AT_LEAST_ZERO = (
+    "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
+    "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
+    "data.synthetic_num_samples",
+)
+
+
+# --------------------------------------------------------------------------------------------
+# Schema introspection
+# --------------------------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _field_types(cls: type) -> dict[str, Any]:
+    # get_type_hints resolves the string annotations `from __future__ import annotations` leaves.
+    hints = typing.get_type_hints(cls)
+    return {f.name: hints[f.name] for f in dataclasses.fields(cls)}
+
+
+def _optional_inner(type_: Any) -> Any | None:
+    """X for Optional[X] / X | None, else None."""
+    if typing.get_origin(type_) in (Union, types.UnionType):
+        args = [arg for arg in typing.get_args(type_) if arg is not type(None)]
+        if len(args) == 1 and len(typing.get_args(type_)) == 2:
+            return args[0]
+    return None
+
+
+def _is_section(type_: Any) -> bool:
+    return isinstance(type_, type) and dataclasses.is_dataclass(type_)
+
+
+def _iter_schema_paths(cls: type, prefix: str = "") -> Iterator[str]:
+    for name, type_ in _field_types(cls).items():
+        path = f"{prefix}{name}"
+        yield path
+        if _is_section(type_):
+            yield from _iter_schema_paths(type_, f"{path}.")
+
+
+@functools.lru_cache(maxsize=None)
+def schema_paths() -> tuple[str, ...]:
+    """Every dotted key of RunConfig, sections included (``model``, ``model.vision``, ...)."""
+    return tuple(_iter_schema_paths(RunConfig))
+
+
+def _section_type(dotted: str) -> type | None:
+    cls: Any = RunConfig
+    for segment in filter(None, dotted.split(".")):
+        cls = _field_types(cls).get(segment) if _is_section(cls) else None
+    return cls if _is_section(cls) else None
+
+
+def is_schema_path(dotted: str) -> bool:
+    return dotted in schema_paths()
+
+
+def suggest_key(dotted: str) -> str | None:
+    """The closest valid dotted key: a sibling first, then the same name in another section."""
+    parent, _, leaf = dotted.rpartition(".")
+    section = _section_type(parent)
+    if section is not None:
+        close = difflib.get_close_matches(leaf, list(_field_types(section)), n=1, cutoff=0.6)
+        if close:
+            return f"{parent}.{close[0]}" if parent else close[0]
+    # A key put in the wrong section (training.lr -> optimizer.lr).
+    by_leaf = {path.rpartition(".")[2]: path for path in reversed(schema_paths())}
+    close = difflib.get_close_matches(leaf, list(by_leaf), n=1, cutoff=0.8)
+    return by_leaf[close[0]] if close else None
+
+
+def unknown_key_message(dotted: str) -> str:
+    suggestion = suggest_key(dotted)
+    if suggestion:
+        return f"unknown key '{dotted}'; did you mean '{suggestion}'?"
+    parent = dotted.rpartition(".")[0]
+    section = _section_type(parent)
+    if section is None:
+        sections = ", ".join(_field_types(RunConfig))
+        return f"unknown key '{dotted}'; top-level sections are: {sections}."
+    where = f"under '{parent}'" if parent else "at the top level"
+    return f"unknown key '{dotted}'; valid keys {where}: {', '.join(_field_types(section))}."
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 1: tree -> RunConfig, checking keys and types
+# --------------------------------------------------------------------------------------------
+
+_TYPE_WORDS = {int: ("an integer", "integers"), float: ("a number", "numbers"),
+               bool: ("true or false", "booleans"), str: ("a string", "strings")}
+
+
+def describe_type(type_: Any) -> str:
+    inner = _optional_inner(type_)
+    if inner is not None:
+        return f"{describe_type(inner)} or null"
+    if typing.get_origin(type_) is list:
+        (item,) = typing.get_args(type_)
+        return f"a list of {_TYPE_WORDS.get(item, (None, str(item)))[1]}"
+    if _is_section(type_):
+        return "a section of keys"
+    return _TYPE_WORDS.get(type_, (str(type_),))[0]
+
+
+def _describe_value(value: Any) -> str:
+    kinds = {bool: "a boolean", int: "an integer", float: "a number", str: "a string",
+             list: "a list", dict: "a section", type(None): "null"}
+    kind = kinds.get(type(value), type(value).__name__)
+    shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:37] + "..."
+    return kind if value is None or isinstance(value, dict) else f"{shown} ({kind})"
+
+
+def _yaml_text(value: Any) -> str:
+    """How a value is written in YAML (null, true), as users type it."""
+    if value is None or isinstance(value, bool):
+        return {None: "null", True: "true", False: "false"}[value]
+    return repr(value)
+
+
+def _scalar_fits(value: Any, type_: Any) -> bool:
+    if type_ is float:
+        return isinstance(value, (int, float)) and not isinstance(value, bool)
+    if type_ is int:
+        return isinstance(value, int) and not isinstance(value, bool)
+    return isinstance(value, type_)
+
+
+class _Builder:
+    """Converts a composed tree into schema dataclasses, recording every problem it meets."""
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def type_error(self, path: str, type_: Any, value: Any, default: Any) -> None:
+        default_hint = "" if _is_section(type_) else f"; the default is {_yaml_text(default)}"
+        self.errors.append(f"{path}: expected {describe_type(type_)}, "
+                           f"got {_describe_value(value)}{default_hint}.")
+
+    def section(self, cls: type, tree: Any, path: str) -> Any:
+        default = cls()
+        if not isinstance(tree, dict):
+            self.type_error(path or "config", cls, tree, None)
+            return default
+        prefix = f"{path}." if path else ""
+        types_ = _field_types(cls)
+        values = {}
+        for key, raw in tree.items():
+            dotted = f"{prefix}{key}"
+            if key not in types_:
+                self.errors.append(unknown_key_message(dotted))
+                continue
+            values[key] = self.value(types_[key], raw, dotted, getattr(default, key))
+        return dataclasses.replace(default, **values)
+
+    def value(self, type_: Any, raw: Any, path: str, default: Any,
+              declared: Any = None) -> Any:
+        """``raw`` converted to ``type_``; ``declared`` is the field's full type for messages."""
+        declared = declared or type_
+        inner = _optional_inner(type_)
+        if inner is not None:
+            return None if raw is None else self.value(inner, raw, path, default, declared)
+        if _is_section(type_):
+            return self.section(type_, raw, path)
+        if typing.get_origin(type_) is list:
+            (item_type,) = typing.get_args(type_)
+            if not isinstance(raw, list) or not all(_scalar_fits(v, item_type) for v in raw):
+                self.type_error(path, declared, raw, default)
+                return default
+            return [float(v) if item_type is float else v for v in raw]
+        if not _scalar_fits(raw, type_):
+            self.type_error(path, declared, raw, default)
+            return default
+        return float(raw) if type_ is float else raw
+
+
+def build_run_config(tree: dict[str, Any]) -> RunConfig:
+    """The RunConfig a composed tree describes; keys not in the tree keep the schema default."""
+    builder = _Builder()
+    cfg = builder.section(RunConfig, tree, "")
+    if builder.errors:
+        raise ConfigError(builder.errors)
+    return cfg
+
+
+# --------------------------------------------------------------------------------------------
+# Pass 2: rules across fields
+# --------------------------------------------------------------------------------------------
+
+def _get(cfg: RunConfig, dotted: str) -> Any:
+    return operator.attrgetter(dotted)(cfg)
+
+
+def _check_choices(cfg: RunConfig) -> list[str]:
+    errors = []
+    for path, allowed in CHOICES.items():
+        value = _get(cfg, path)
+        if value not in allowed:
+            close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)
+            hint = f" did you mean '{close[0]}'?" if close else ""
+            errors.append(f"{path}='{value}' is not one of {' | '.join(allowed)};{hint} "
+                          f"set {path} to one of those.")
+    return errors
+
+
+def _check_ranges(cfg: RunConfig) -> list[str]:
+    errors = [f"{path}={_get(cfg, path)} must be at least 1." for path in _AT_LEAST_ONE
+              if _get(cfg, path) < 1]
+    errors += [f"{path}={_get(cfg, path)} must not be negative." for path in _AT_LEAST_ZERO
+               if _get(cfg, path) < 0]
+    exit_at_step = getattr(cfg.training, "exit_at_step", None)
+    if exit_at_step is not None and exit_at_step < 1:
+        errors.append(f"training.exit_at_step={exit_at_step} must be at least 1 (or null to run "
+                      f"all training.train_steps).")
+    vision_tp = cfg.parallel.vision_tensor_model_parallel_size
+    if vision_tp is not None and vision_tp < 1:
+        errors.append(f"parallel.vision_tensor_model_parallel_size={vision_tp} must be at least 1 "
+                      f"(or null to follow the language TP).")
+    return errors
+
+
+def _check_language_shape(cfg: RunConfig) -> list[str]:
+    language = cfg.model.language
+    errors = []
+    if language.hidden_size % language.num_attention_heads:
+        errors.append(f"model.language.hidden_size={language.hidden_size} is not divisible by "
+                      f"model.language.num_attention_heads={language.num_attention_heads}; "
+                      f"head_dim must be a whole number.")
+        return errors
+    if language.num_attention_heads % language.num_query_groups:
+        errors.append(f"model.language.num_attention_heads={language.num_attention_heads} is not "
+                      f"divisible by model.language.num_query_groups={language.num_query_groups}; "
+                      f"choose query groups from {_list(divisors(language.num_attention_heads))}.")
+    head_dim = language.hidden_size // language.num_attention_heads
+    section = language.mrope_section
+    if len(section) != 3:
+        errors.append(f"model.language.mrope_section={section} must have 3 entries "
+                      f"(temporal, height, width rotary pairs).")
+    elif sum(section) != head_dim // 2 or head_dim % 2:
+        errors.append(f"model.language.mrope_section={section} sums to {sum(section)} but must sum "
+                      f"to head_dim/2 = {head_dim // 2} (head_dim = hidden_size "
+                      f"{language.hidden_size} / heads {language.num_attention_heads} = "
+                      f"{head_dim}); adjust the three entries.")
+    return errors
+
+
+def _check_vision_shape(cfg: RunConfig) -> list[str]:
+    vision, projector = cfg.model.vision, cfg.model.projector
+    errors = []
+    if vision.hidden_size % vision.num_heads:
+        errors.append(f"model.vision.hidden_size={vision.hidden_size} is not divisible by "
+                      f"model.vision.num_heads={vision.num_heads}; head_dim must be a whole "
+                      f"number.")
+    bad_blocks = [i for i in vision.fullatt_block_indexes if not 0 <= i < vision.depth]
+    if bad_blocks:
+        errors.append(f"model.vision.fullatt_block_indexes has {bad_blocks} outside the "
+                      f"{vision.depth} vision blocks; use indexes 0..{vision.depth - 1}.")
+    merged_patch_px = vision.patch_size * projector.spatial_merge_size
+    if vision.window_size % merged_patch_px:
+        errors.append(f"model.vision.window_size={vision.window_size} px must be a multiple of "
+                      f"patch_size x spatial_merge_size = {merged_patch_px} px so windows hold "
+                      f"whole merged tokens.")
+    if projector.out_hidden_size != cfg.model.language.hidden_size:
+        errors.append(f"model.projector.out_hidden_size={projector.out_hidden_size} must equal "
+                      f"model.language.hidden_size={cfg.model.language.hidden_size} (the merger "
+                      f"writes into the text embeddings); set model.projector.out_hidden_size="
+                      f"{cfg.model.language.hidden_size}.")
+    return errors
+
+
+def _list(numbers: list[int]) -> str:
+    return ", ".join(str(n) for n in numbers)
+
+
+def _common_divisors(*numbers: int) -> list[int]:
+    return [d for d in divisors(min(numbers)) if all(n % d == 0 for n in numbers)]
+
+
+def _check_tensor_parallel(cfg: RunConfig) -> list[str]:
+    language, tp = cfg.model.language, cfg.parallel.tensor_model_parallel_size
+    dims = {"model.language.num_attention_heads": language.num_attention_heads,
+            "model.language.num_query_groups (KV heads)": language.num_query_groups,
+            "model.language.ffn_hidden_size": language.ffn_hidden_size}
+    valid = _list(_common_divisors(*dims.values()))
+    return [f"parallel.tensor_model_parallel_size={tp} does not divide {name}={size}; "
+            f"set it to one of {valid} (sizes dividing the heads, KV heads and FFN size)."
+            for name, size in dims.items() if size % tp]
+
+
+def _check_vision_tensor_parallel(cfg: RunConfig) -> list[str]:
+    vision, parallel = cfg.model.vision, cfg.parallel
+    vision_tp, tp = vision_tensor_parallel_size(parallel), parallel.tensor_model_parallel_size
+    inherited = parallel.vision_tensor_model_parallel_size is None
+    source = " (inherited from parallel.tensor_model_parallel_size)" if inherited else ""
+    dims = {"model.vision.num_heads": vision.num_heads,
+            "model.vision.intermediate_size": vision.intermediate_size,
+            "parallel.tensor_model_parallel_size": tp}
+    valid = _list(_common_divisors(*dims.values()))
+    return [f"vision tensor parallel size {vision_tp}{source} does not divide {name}={size}; "
+            f"set parallel.vision_tensor_model_parallel_size to one of {valid}."
+            for name, size in dims.items() if size % vision_tp]
+
+
+def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
+    parallel, training = cfg.parallel, cfg.training
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    errors = []
+    num_layers = cfg.model.language.num_layers
+    if num_layers % pp:
+        errors.append(f"parallel.pipeline_model_parallel_size={pp} does not divide "
+                      f"model.language.num_layers={num_layers}; set it to one of "
+                      f"{_list(divisors(num_layers))}.")
+    if world_size % (tp * pp):
+        errors.append(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp} = "
+                      f"{tp * pp}; launch a multiple of {tp * pp} processes (--nproc-per-node or "
+                      f"parallel.world_size) or lower the TP/PP sizes.")
+        return errors
+    data_parallel = world_size // (tp * pp)
+    if training.global_batch_size % data_parallel:
+        errors.append(f"training.global_batch_size={training.global_batch_size} is not divisible "
+                      f"by the data-parallel size {data_parallel} (world {world_size} / (TP {tp} x "
+                      f"PP {pp})); use a multiple of {data_parallel}.")
+    if parallel.sequence_parallel and tp == 1:
+        errors.append("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size "
+                      "> 1; turn it off or raise TP.")
+    return errors
+
+
+def _check_parallel_layout(cfg: RunConfig, world_size: int) -> list[str]:
+    errors = _check_tensor_parallel(cfg)
+    # An inherited vision TP repeats a bad language TP's complaint; fix that one first.
+    if not errors or cfg.parallel.vision_tensor_model_parallel_size is not None:
+        errors += _check_vision_tensor_parallel(cfg)
+    return errors + _check_world_and_batch(cfg, world_size)
+
+
+def _check_data(cfg: RunConfig) -> list[str]:
+    data = cfg.data
+    errors = []
+    if data.source == "files" and not data.paths:
+        errors.append("data.source=files needs data.paths, a list of dataset files; "
+                      "set data.paths=[/path/a.jsonl] or use data.source=synthetic.")
+    if data.source == "packed" and not data.packed:
+        errors.append("data.source=packed needs data.packed, the folder `loongforge pack` wrote; "
+                      "set data.packed=/path/to/packed.")
+    if data.min_pixels > data.max_pixels:
+        errors.append(f"data.min_pixels={data.min_pixels} is larger than "
+                      f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")
+    if data.video_min_pixels > data.video_max_pixels:
+        errors.append(f"data.video_min_pixels={data.video_min_pixels} is larger than "
+                      f"data.video_max_pixels={data.video_max_pixels}; swap or adjust them.")
+    return errors
+
+
+def _check_optimizer(cfg: RunConfig) -> list[str]:
+    optimizer = cfg.optimizer
+    if optimizer.min_lr > optimizer.lr:
+        return [f"optimizer.min_lr={optimizer.min_lr} is above optimizer.lr={optimizer.lr}; "
+                f"the schedule decays from lr to min_lr, so set min_lr <= lr."]
+    return []
+
+
+def check_run_config(cfg: RunConfig, world_size: int | None = None) -> list[str]:
+    """Every cross-field problem of ``cfg``; ``world_size`` comes from the launch.
+
+    Without a launch (dry runs, tests) the world size is ``cfg.parallel.world_size``.
+    """
+    world = cfg.parallel.world_size if world_size is None else world_size
+    errors = _check_choices(cfg)
+    range_errors = _check_ranges(cfg)
+    if range_errors:
+        # Zero or negative sizes would make the divisibility checks below divide by zero.
+        return errors + range_errors
+    errors += _check_language_shape(cfg) + _check_vision_shape(cfg)
+    errors += _check_parallel_layout(cfg, world)
+    return errors + _check_data(cfg) + _check_optimizer(cfg)
+
+
+def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+    """``cfg`` unchanged if every rule holds for a launch of ``world_size``; else ConfigError."""
+    errors = check_run_config(cfg, world_size)
+    if errors:
+        raise ConfigError(errors)
+    return cfg
+
+
+validate_run_config = validate
+
+
+def validate_tree(tree: dict[str, Any], world_size: int | None = None) -> RunConfig:
+    """Build and check: the one entry point from a composed tree to a valid RunConfig."""
+    return validate(build_run_config(tree), world_size)

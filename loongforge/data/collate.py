@@ -1,0 +1,136 @@
+"""One packed row -> one micro-batch dict: the contract with the training loop.
+
+Keys (T = real tokens rounded up to ``pad_to_multiple``; padding is at the end):
+
+==================== ============================ ==============================================
+input_ids            LongTensor[1, T]             token ids; padding = model.tokens.pad_token_id
+labels               LongTensor[1, T]             labels[t] = input_ids[t+1] of the same sample;
+                                                  0 at each sample's last token and on padding
+loss_mask            FloatTensor[1, T]            1 where labels[t] is an assistant answer token
+                                                  (or its <|im_end|>), else 0
+position_ids         LongTensor[3, 1, T]          M-RoPE (temporal, height, width) per sample,
+                                                  restarting at 0; padding counts 0, 1, 2, ...
+cu_seqlens           IntTensor[n_segments + 1]    int32 sample boundaries over T; the padding
+                                                  tail, if any, is its own last segment
+pixel_values         FloatTensor[P, 1176] | None  all images of the row, in token order
+image_grid_thw       LongTensor[n_img, 3] | None
+pixel_values_videos  FloatTensor[Pv, 1176] | None
+video_grid_thw       LongTensor[n_vid, 3] | None
+second_per_grid_ts   FloatTensor[n_vid] | None    seconds per temporal patch, per video
+num_loss_tokens      int                          loss_mask.sum()
+sample_lengths       list[int]                    real tokens per sample (sum = real length)
+sample_ids           list[str]                    "<file>:<line>" or "synthetic:<index>"
+==================== ============================ ==============================================
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from loongforge.config.schema import ModelConfig
+from loongforge.data.measure import MaterializedSample
+from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
+
+
+@dataclass(frozen=True)
+class RopeSettings:
+    spatial_merge_size: int
+    image_token_id: int
+    video_token_id: int
+    vision_start_token_id: int
+    tokens_per_second: int
+
+    @classmethod
+    def from_model_config(cls, model_cfg: ModelConfig) -> "RopeSettings":
+        return cls(
+            spatial_merge_size=model_cfg.projector.spatial_merge_size,
+            image_token_id=model_cfg.tokens.image_token_id,
+            video_token_id=model_cfg.tokens.video_token_id,
+            vision_start_token_id=model_cfg.tokens.vision_start_token_id,
+            tokens_per_second=model_cfg.tokens_per_second,
+        )
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+def collate_row(
+    row: list[MaterializedSample], *, pad_to_multiple: int, pad_token_id: int, rope: RopeSettings
+) -> dict:
+    if not row:
+        raise ValueError("cannot collate an empty row")
+    ids, labels, loss_mask, positions = [], [], [], []
+    for item in row:
+        sample_ids, sample_labels, sample_mask = _shifted_targets(item)
+        ids.append(sample_ids)
+        labels.append(sample_labels)
+        loss_mask.append(sample_mask)
+        positions.append(_sample_positions(item, rope))
+    lengths = [len(t) for t in ids]
+    real_len = sum(lengths)
+    total_len = round_up(real_len, pad_to_multiple)
+    pad_len = total_len - real_len
+    if pad_len:
+        ids.append(torch.full((pad_len,), pad_token_id, dtype=torch.long))
+        labels.append(torch.zeros(pad_len, dtype=torch.long))
+        loss_mask.append(torch.zeros(pad_len, dtype=torch.float32))
+        positions.append(torch.arange(pad_len).expand(3, -1))
+    boundaries = np.cumsum([0, *lengths, *([pad_len] if pad_len else [])])
+    loss_mask_t = torch.cat(loss_mask)[None]  # [1, T]
+    return {
+        "input_ids": torch.cat(ids)[None],  # [1, T]
+        "labels": torch.cat(labels)[None],  # [1, T]
+        "loss_mask": loss_mask_t,
+        "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),  # [3, 1, T]
+        "cu_seqlens": torch.as_tensor(boundaries, dtype=torch.int32),  # [n_segments + 1]
+        **_vision_inputs(row),
+        "num_loss_tokens": int(loss_mask_t.sum().item()),
+        "sample_lengths": lengths,
+        "sample_ids": [item.sample.sample_id for item in row],
+    }
+
+
+def _shifted_targets(item: MaterializedSample) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(ids [L], labels [L], loss_mask [L]) with targets shifted inside the sample."""
+    ids = torch.from_numpy(item.sample.input_ids).long()
+    labels = torch.zeros_like(ids)
+    labels[:-1] = ids[1:]
+    loss_mask = torch.zeros(len(ids), dtype=torch.float32)
+    if item.late_reject is None:  # a sample whose media failed to decode trains nothing
+        loss_mask[:-1] = torch.from_numpy(item.sample.is_answer[1:]).float()
+    return ids, labels, loss_mask
+
+
+def _sample_positions(item: MaterializedSample, rope: RopeSettings) -> torch.Tensor:
+    sample = item.sample
+    return get_rope_index(
+        torch.from_numpy(sample.input_ids).long(),
+        torch.tensor(sample.image_grids, dtype=torch.long) if sample.image_grids else None,
+        torch.tensor([p.grid_thw for p in sample.video_plans], dtype=torch.long) if sample.video_plans else None,
+        [p.second_per_grid_t for p in sample.video_plans] if sample.video_plans else None,
+        spatial_merge_size=rope.spatial_merge_size,
+        image_token_id=rope.image_token_id,
+        video_token_id=rope.video_token_id,
+        vision_start_token_id=rope.vision_start_token_id,
+        tokens_per_second=rope.tokens_per_second,
+    )  # [3, L]
+
+
+def _vision_inputs(row: list[MaterializedSample]) -> dict:
+    image_pixels = [p for item in row for p in item.image_pixels]
+    image_grids = [g for item in row for g in item.sample.image_grids]
+    video_pixels = [p for item in row for p in item.video_pixels]
+    video_plans = [plan for item in row for plan in item.sample.video_plans]
+    return {
+        "pixel_values": torch.from_numpy(np.concatenate(image_pixels)) if image_pixels else None,
+        "image_grid_thw": torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
+        "pixel_values_videos": torch.from_numpy(np.concatenate(video_pixels)) if video_pixels else None,
+        "video_grid_thw": torch.tensor([p.grid_thw for p in video_plans], dtype=torch.long) if video_plans else None,
+        "second_per_grid_ts": (
+            torch.tensor([p.second_per_grid_t for p in video_plans], dtype=torch.float32) if video_plans else None
+        ),
+    }

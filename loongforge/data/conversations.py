@@ -1,0 +1,326 @@
+"""Read LLaVA / ShareGPT / OpenAI-style conversation files into ConversationSample records.
+
+Accepted layouts (one record per conversation):
+
+- ``{"conversations": [{"from": "human"|"gpt"|"system", "value": "..."}], "image": "a.jpg"}``
+- ``{"messages": [{"role": "user"|"assistant"|"system", "content": "<image>..."}], "images": [...]}``
+- content as a list of parts, ``[{"type": "image_url", "value": "a.jpg"}, {"type": "text", ...}]``
+  (LLaMA-Factory v1); each media part becomes a placeholder at its position.
+
+Files: JSON (a list, read element by element so each record keeps its line), JSONL, parquet
+(images may be ``{"bytes": ..., "path": ...}`` dicts). Relative media paths resolve against the
+data file's folder. LLaMA-Factory writes them relative to its repo root (``data/x.jpg`` for a file
+living in ``data/``); when the plain join does not exist, leading folders of the relative path are
+dropped one by one until one exists.
+
+``FileSamples.get(i)`` never raises for bad data: it returns a ``Reject`` instead.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Union
+
+from loongforge.data.records import ConversationSample, Reject
+from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
+
+ROLE_ALIASES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "system": "system",
+}
+_IMAGE_PART_TYPES = {"image", "image_url"}
+_VIDEO_PART_TYPES = {"video", "video_url"}
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+
+
+# ---------------------------------------------------------------- record -> sample
+
+
+class RecordError(Exception):
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+def parse_record(record: Any, *, file: str, line: int, media_root: Path) -> Union[ConversationSample, Reject]:
+    """Validate one decoded record; a Reject names the first problem found."""
+    try:
+        turns, inline_images, inline_videos = _parse_turns(record)
+        images = _media_list(record, ("images", "image"), inline_images, media_root)
+        videos = _media_list(record, ("videos", "video"), inline_videos, media_root)
+        _check_roles(turns)
+        _check_answers(turns)
+        _check_media_counts(turns, len(images), len(videos))
+    except RecordError as error:
+        return Reject(file=file, line=line, reason=error.reason, detail=error.detail)
+    return ConversationSample(
+        sample_id=f"{file}:{line}", file=file, line=line, turns=turns, images=images, videos=videos
+    )
+
+
+def _parse_turns(record: Any) -> tuple[list[Turn], list, list]:
+    if not isinstance(record, dict):
+        raise RecordError("malformed_json", f"record is a {type(record).__name__}, not an object")
+    messages = record.get("conversations", record.get("messages"))
+    if not isinstance(messages, list) or not messages:
+        raise RecordError("malformed_json", "no non-empty 'conversations' or 'messages' list")
+    turns, images, videos = [], [], []
+    for index, message in enumerate(messages):
+        if not isinstance(message, dict):
+            raise RecordError("malformed_json", f"message {index} is not an object")
+        raw_role = message.get("from", message.get("role"))
+        role = ROLE_ALIASES.get(raw_role) if isinstance(raw_role, str) else None
+        if role is None:
+            raise RecordError("bad_roles", f"message {index} has unknown role {raw_role!r}")
+        content = message.get("value", message.get("content"))
+        turns.append(Turn(role=role, text=_content_text(content, index, images, videos)))
+    return turns, images, videos
+
+
+def _content_text(content: Any, index: int, images: list, videos: list) -> str:
+    """A string content as is; a list of parts flattened, media parts becoming placeholders."""
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise RecordError("malformed_json", f"message {index} content is {type(content).__name__}")
+    pieces = []
+    for part in content:
+        if isinstance(part, str):
+            pieces.append(part)
+            continue
+        if not isinstance(part, dict):
+            raise RecordError("malformed_json", f"message {index} has a non-object content part")
+        kind = part.get("type", "text")
+        value = next((part[k] for k in ("value", "text", "url", kind) if k in part), None)
+        if isinstance(value, dict):  # OpenAI style {"image_url": {"url": ...}}
+            value = value.get("url")
+        if kind in _IMAGE_PART_TYPES:
+            pieces.append(IMAGE_PLACEHOLDER)
+            images.append(value)
+        elif kind in _VIDEO_PART_TYPES:
+            pieces.append(VIDEO_PLACEHOLDER)
+            videos.append(value)
+        elif kind == "text" and isinstance(value, str):
+            pieces.append(value)
+        else:
+            raise RecordError("malformed_json", f"message {index} has an unusable part of type {kind!r}")
+    return "".join(pieces)
+
+
+def _media_list(record: dict, keys: tuple[str, str], inline: list, media_root: Path) -> list:
+    listed = next((record[k] for k in keys if record.get(k) is not None), None)
+    if listed is None:
+        listed = []
+    elif not isinstance(listed, list):
+        listed = [listed]
+    if inline and listed:
+        raise RecordError("media_mismatch", f"media both inline in messages and in '{keys[0]}'")
+    return [_resolve_media(item, media_root) for item in (inline or listed)]
+
+
+def _resolve_media(item: Any, media_root: Path):
+    if isinstance(item, dict):  # parquet / HF datasets Image feature
+        if item.get("bytes"):
+            return bytes(item["bytes"])
+        item = item.get("path")
+    if isinstance(item, (bytes, bytearray)):
+        return bytes(item)
+    if not isinstance(item, str) or not item:
+        raise RecordError("malformed_json", f"media entry {item!r} is not a path")
+    return str(resolve_media_path(item, media_root))
+
+
+def resolve_media_path(path: str, media_root: Path) -> Path:
+    candidate = Path(path)
+    if candidate.is_absolute():
+        return candidate
+    direct = media_root / candidate
+    if direct.exists():
+        return direct
+    parts = candidate.parts
+    for skip in range(1, len(parts)):
+        shorter = media_root.joinpath(*parts[skip:])
+        if shorter.exists():
+            return shorter
+    return direct  # does not exist: reported as missing_image when measured
+
+
+def _check_roles(turns: list[Turn]) -> None:
+    body = turns[1:] if turns[0].role == "system" else turns
+    if not body:
+        raise RecordError("bad_roles", "no user/assistant turns")
+    for index, turn in enumerate(body):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if turn.role != expected:
+            raise RecordError("bad_roles", f"turn {index} is {turn.role!r}, expected {expected!r}")
+    if body[-1].role != "assistant":
+        raise RecordError("bad_roles", "conversation ends with a user turn")
+
+
+def _check_answers(turns: list[Turn]) -> None:
+    for index, turn in enumerate(turns):
+        if turn.role == "assistant" and not turn.text.strip():
+            raise RecordError("empty_answer", f"assistant turn {index} is empty")
+
+
+def _check_media_counts(turns: list[Turn], num_images: int, num_videos: int) -> None:
+    image_slots = sum(turn.text.count(IMAGE_PLACEHOLDER) for turn in turns)
+    video_slots = sum(turn.text.count(VIDEO_PLACEHOLDER) for turn in turns)
+    if image_slots != num_images or video_slots != num_videos:
+        raise RecordError(
+            "media_mismatch",
+            f"{image_slots} <image> for {num_images} images, {video_slots} <video> for {num_videos} videos",
+        )
+
+
+# ---------------------------------------------------------------- files -> located records
+
+
+@dataclass(frozen=True)
+class _Located:
+    """A raw record (or the reason it could not be decoded) and the line it starts at."""
+
+    line: int
+    record: Any = None
+    error: str | None = None
+
+
+class _LineIndex:
+    """Character offset -> 1-based line number."""
+
+    def __init__(self, text: str):
+        self._newlines = [m.start() for m in re.finditer("\n", text)]
+
+    def line_of(self, offset: int) -> int:
+        return bisect.bisect_left(self._newlines, offset) + 1
+
+
+def read_json_array(text: str) -> list[_Located]:
+    """Decode a JSON list element by element so each keeps its line. A broken element becomes one
+    error entry; reading resumes at the next line indented like the first element (pretty-printed
+    files), else the rest of the file is reported as unreadable in that entry."""
+    decoder = json.JSONDecoder()
+    lines = _LineIndex(text)
+    pos = _skip_ws(text, 0)
+    if pos >= len(text) or text[pos] != "[":
+        return [_Located(line=lines.line_of(pos), error="file is not a JSON list")]
+    pos = _skip_ws(text, pos + 1)
+    element_indent = _indent_at(text, pos)
+    located: list[_Located] = []
+    while pos < len(text) and text[pos] != "]":
+        try:
+            record, end = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError as error:
+            resume = _resync(text, pos + 1, element_indent)
+            note = "" if resume is not None else "; rest of file unreadable"
+            located.append(_Located(line=lines.line_of(pos), error=f"{error.msg} at line {error.lineno}{note}"))
+            if resume is None:
+                break
+            pos = resume
+            continue
+        located.append(_Located(line=lines.line_of(pos), record=record))
+        pos = _skip_ws(text, end)
+        if pos < len(text) and text[pos] == ",":
+            pos = _skip_ws(text, pos + 1)
+        elif pos < len(text) and text[pos] != "]":
+            located.append(_Located(line=lines.line_of(pos), error="expected ',' or ']' after element"))
+            break
+    return located
+
+
+def _skip_ws(text: str, pos: int) -> int:
+    while pos < len(text) and text[pos] in " \t\r\n":
+        pos += 1
+    return pos
+
+
+def _indent_at(text: str, pos: int) -> str | None:
+    line_start = text.rfind("\n", 0, pos) + 1
+    prefix = text[line_start:pos]
+    return prefix if line_start > 0 and prefix.strip() == "" else None
+
+
+def _resync(text: str, search_from: int, indent: str | None) -> int | None:
+    # Search from the broken element's start: the decoder may have failed inside the next one.
+    if indent is None:
+        return None
+    match = re.compile(r"\n" + re.escape(indent) + r"\{").search(text, search_from)
+    return match.start() + 1 + len(indent) if match else None
+
+
+def read_jsonl(path: Path) -> list[_Located]:
+    located = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            if not raw.strip():
+                continue
+            try:
+                located.append(_Located(line=number, record=json.loads(raw)))
+            except (json.JSONDecodeError, UnicodeDecodeError) as error:
+                located.append(_Located(line=number, error=str(error)))
+    return located
+
+
+def read_parquet(path: Path) -> list[_Located]:
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path)
+    return [_Located(line=row + 1, record=record) for row, record in enumerate(table.to_pylist())]
+
+
+def read_data_file(path: Path) -> list[_Located]:
+    if path.suffix == ".parquet":
+        return read_parquet(path)
+    if path.suffix == ".jsonl":
+        return read_jsonl(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as error:
+        return [_Located(line=1, error=f"not UTF-8: {error}")]
+    if text.lstrip().startswith("{"):  # JSON lines saved as .json
+        return read_jsonl(path)
+    return read_json_array(text)
+
+
+def expand_data_paths(paths: list[str]) -> list[Path]:
+    """Files as given; folders expand to their data files, sorted, so the order is stable."""
+    files: list[Path] = []
+    for entry in paths:
+        path = Path(entry)
+        if path.is_dir():
+            files.extend(sorted(p for p in path.rglob("*") if p.suffix in DATA_FILE_SUFFIXES))
+        elif path.is_file():
+            files.append(path)
+        else:
+            raise FileNotFoundError(f"data.paths entry {entry!r} does not exist")
+    if not files:
+        raise FileNotFoundError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files")
+    return files
+
+
+class FileSamples:
+    """All records of the data files, indexable in a fixed order (files in order, records in
+    file order). Records are decoded up front (metadata only, no media), so an epoch can be
+    shuffled as a whole; ``get`` validates lazily and returns a sample or a Reject."""
+
+    def __init__(self, paths: list[str]):
+        self._entries: list[tuple[Path, _Located]] = []
+        for path in expand_data_paths(paths):
+            self._entries.extend((path, located) for located in read_data_file(path))
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, index: int) -> Union[ConversationSample, Reject]:
+        path, located = self._entries[index]
+        if located.error is not None:
+            return Reject(file=str(path), line=located.line, reason="malformed_json", detail=located.error)
+        return parse_record(located.record, file=str(path), line=located.line, media_root=path.parent)

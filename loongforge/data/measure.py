@@ -1,0 +1,184 @@
+"""The two per-sample phases of the pipeline.
+
+measure (every rank, every sample): tokenize the rendered chat, read image sizes from headers and
+video sizes/frame counts from containers, and expand each media pad token to its exact count.
+This gives the exact LLM length used for packing, without decoding any pixel.
+
+materialize (only the rank that trains on the sample): decode media into ``pixel_values``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Union
+
+import numpy as np
+
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.data.records import ConversationSample, Reject
+from loongforge.data.template import expand_media_tokens, render_chat, tokenize_chat
+from loongforge.data.vision import (
+    ImageSource,
+    MediaError,
+    VideoPlan,
+    VisionSizing,
+    decode_video_frames,
+    image_grid_thw,
+    load_rgb_image,
+    num_llm_tokens,
+    plan_video,
+    preprocess_image,
+    preprocess_video,
+    probe_image_size,
+    probe_video,
+)
+
+
+@dataclass
+class MeasuredSample:
+    """A sample ready to pack: final token ids and the media plans that produce its pixels."""
+
+    sample_id: str
+    file: str
+    line: int
+    input_ids: np.ndarray  # int64 [L], media pads expanded
+    is_answer: np.ndarray  # bool [L], True on assistant answer tokens and their <|im_end|>
+    images: list[ImageSource] = field(default_factory=list)
+    image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    video_plans: list[VideoPlan] = field(default_factory=list)
+
+    @property
+    def length(self) -> int:
+        return len(self.input_ids)
+
+
+@dataclass
+class MaterializedSample:
+    """Pixels for one measured sample; ``late_reject`` is set when decoding failed after packing
+    (the sample keeps its row slot with zero pixels and no loss)."""
+
+    sample: MeasuredSample
+    image_pixels: list[np.ndarray]  # float32 [grid_t*grid_h*grid_w, patch_dim] each
+    video_pixels: list[np.ndarray]
+    late_reject: Reject | None = None
+
+
+def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> VisionSizing:
+    return VisionSizing(
+        patch_size=model_cfg.vision.patch_size,
+        temporal_patch_size=model_cfg.vision.temporal_patch_size,
+        merge_size=model_cfg.projector.spatial_merge_size,
+        min_pixels=data_cfg.min_pixels,
+        max_pixels=data_cfg.max_pixels,
+        video_min_pixels=data_cfg.video_min_pixels,
+        video_max_pixels=data_cfg.video_max_pixels,
+    )
+
+
+class SampleMeasurer:
+    def __init__(self, tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig):
+        self.tokenizer = tokenizer
+        self.data_cfg = data_cfg
+        self.sizing = vision_sizing(data_cfg, model_cfg)
+        self.tokens = model_cfg.tokens
+        self.vision_token_ids = np.asarray(
+            [self.tokens.image_token_id, self.tokens.video_token_id, self.tokens.vision_start_token_id,
+             self.tokens.vision_end_token_id]
+        )
+        _check_token_ids(tokenizer, model_cfg)
+
+    def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
+        try:
+            image_grids = [self._image_grid(image) for image in sample.images]
+            video_plans = [self._video_plan(video) for video in sample.videos]
+        except MediaError as error:
+            return Reject(file=sample.file, line=sample.line, reason=error.reason, detail=error.detail)
+        chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None))
+        try:
+            input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_grids, video_plans)
+        except ValueError as error:  # literal <|image_pad|> typed into the text
+            return Reject(file=sample.file, line=sample.line, reason="media_mismatch", detail=str(error))
+        # Vision markers are inputs, never targets, even if a placeholder sat in an answer.
+        is_answer &= ~np.isin(input_ids, self.vision_token_ids)
+        if len(input_ids) > self.data_cfg.seq_len:
+            return Reject(file=sample.file, line=sample.line, reason="too_long",
+                          detail=f"{len(input_ids)} tokens > data.seq_len={self.data_cfg.seq_len}")
+        return MeasuredSample(
+            sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
+            is_answer=is_answer, images=list(sample.images), image_grids=image_grids,
+            videos=list(sample.videos), video_plans=video_plans,
+        )
+
+    def _expand_media(self, input_ids, is_answer, image_grids, video_plans):
+        merge = self.sizing.merge_size
+        input_ids, is_answer = expand_media_tokens(
+            input_ids, is_answer, self.tokens.image_token_id, [num_llm_tokens(grid, merge) for grid in image_grids]
+        )
+        return expand_media_tokens(
+            input_ids, is_answer, self.tokens.video_token_id,
+            [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],
+        )
+
+    def _image_grid(self, image: ImageSource) -> tuple[int, int, int]:
+        width, height = probe_image_size(image)
+        try:
+            return image_grid_thw(width, height, self.sizing)
+        except ValueError as error:  # extreme aspect ratio
+            raise MediaError("corrupt_image", f"{_name(image)}: {error}") from None
+
+    def _video_plan(self, video: str) -> VideoPlan:
+        probe = probe_video(video)
+        try:
+            return plan_video(probe, self.sizing, self.data_cfg.video_fps, self.data_cfg.video_max_frames)
+        except ValueError as error:
+            raise MediaError("corrupt_image", f"{video}: {error}") from None
+
+
+def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSample:
+    """Decode and patchify this sample's media; a decode failure (file changed or corrupt past
+    its header) yields zero pixels of the planned shape and a late reject, never an exception."""
+    try:
+        images = [_image_pixels(image, grid, sizing) for image, grid in zip(sample.images, sample.image_grids)]
+        videos = [preprocess_video(decode_video_frames(video, plan.frame_indices), plan, sizing)
+                  for video, plan in zip(sample.videos, sample.video_plans)]
+        return MaterializedSample(sample=sample, image_pixels=images, video_pixels=videos)
+    except MediaError as error:
+        reject = Reject(file=sample.file, line=sample.line, reason=error.reason,
+                        detail=f"{error.detail} (found when decoding; sample trained with no loss)")
+    return MaterializedSample(
+        sample=sample,
+        image_pixels=[_zeros(grid, sizing) for grid in sample.image_grids],
+        video_pixels=[_zeros(plan.grid_thw, sizing) for plan in sample.video_plans],
+        late_reject=reject,
+    )
+
+
+def _image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
+    pixels, decoded_grid = preprocess_image(load_rgb_image(image), sizing)
+    if decoded_grid != grid:  # header and decoded size disagree
+        raise MediaError("corrupt_image", f"{_name(image)}: decoded grid {decoded_grid} != header grid {grid}")
+    return pixels
+
+
+def _zeros(grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
+    grid_t, grid_h, grid_w = grid
+    return np.zeros((grid_t * grid_h * grid_w, sizing.patch_dim), dtype=np.float32)
+
+
+def _name(image: ImageSource) -> str:
+    return image if isinstance(image, str) else f"<in-memory {type(image).__name__}>"
+
+
+def _check_token_ids(tokenizer, model_cfg: ModelConfig) -> None:
+    """The tokenizer and model.tokens must agree, or vision tokens would land on the wrong ids."""
+    expected = {
+        "<|image_pad|>": ("model.tokens.image_token_id", model_cfg.tokens.image_token_id),
+        "<|video_pad|>": ("model.tokens.video_token_id", model_cfg.tokens.video_token_id),
+        "<|vision_start|>": ("model.tokens.vision_start_token_id", model_cfg.tokens.vision_start_token_id),
+        "<|vision_end|>": ("model.tokens.vision_end_token_id", model_cfg.tokens.vision_end_token_id),
+    }
+    for token, (key, token_id) in expected.items():
+        actual = tokenizer.convert_tokens_to_ids(token)
+        if actual != token_id:
+            raise ValueError(f"{key}={token_id} but the tokenizer maps {token} to {actual}")

@@ -1,0 +1,83 @@
+"""Online packing of variable-length samples into rows, and the split of rows over ranks.
+
+Pure algorithms: no torch, no torch.distributed. Every data-parallel rank runs the same packer
+over the same sample stream, so all ranks agree on the global row stream without talking.
+
+Packing is first-fit over a lookahead buffer: a row starts with the oldest buffered sample (so no
+sample waits forever), then takes, in buffer order, every later sample that still fits. The
+buffer is refilled to ``lookahead`` samples before each row, so the result is a deterministic
+function of the stream and the buffer contents, which is all a checkpoint needs to store.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable, Generic, Hashable, Optional, TypeVar
+
+Payload = TypeVar("Payload")
+
+
+@dataclass
+class PackItem(Generic[Payload]):
+    key: Hashable  # stable identity for checkpoints (e.g. (epoch, position) in the stream)
+    length: int  # tokens
+    payload: Payload = None
+
+
+class LookaheadPacker(Generic[Payload]):
+    def __init__(self, seq_len: int, lookahead: int):
+        if seq_len < 1 or lookahead < 1:
+            raise ValueError(f"seq_len and lookahead must be >= 1, got {seq_len}, {lookahead}")
+        self.seq_len = seq_len
+        self.lookahead = lookahead
+        self.buffer: list[PackItem[Payload]] = []
+
+    def next_row(self, pull: Callable[[], Optional[PackItem[Payload]]]) -> list[PackItem[Payload]]:
+        """The next row; ``pull`` returns the next stream item, or None when the stream ended.
+        Returns [] only when the stream ended and the buffer is empty."""
+        while len(self.buffer) < self.lookahead:
+            item = pull()
+            if item is None:
+                break
+            if item.length > self.seq_len:
+                raise ValueError(f"item {item.key} has {item.length} tokens > seq_len {self.seq_len}")
+            self.buffer.append(item)
+        if not self.buffer:
+            return []
+        row = [self.buffer.pop(0)]
+        free = self.seq_len - row[0].length
+        kept = []
+        for item in self.buffer:
+            if item.length <= free:
+                row.append(item)
+                free -= item.length
+            else:
+                kept.append(item)
+        self.buffer = kept
+        return row
+
+    def buffer_keys(self) -> list[Any]:
+        return [item.key for item in self.buffer]
+
+
+def pack_lengths(lengths: list[int], seq_len: int, lookahead: int) -> list[list[int]]:
+    """Pack a finite list; returns rows of indices into ``lengths`` (for tests and planning)."""
+    packer: LookaheadPacker[None] = LookaheadPacker(seq_len, lookahead)
+    stream = iter(PackItem(key=i, length=n) for i, n in enumerate(lengths))
+    rows = []
+    while row := packer.next_row(lambda: next(stream, None)):
+        rows.append([item.key for item in row])
+    return rows
+
+
+def rank_rows(global_batch_size: int, dp_rank: int, dp_size: int) -> range:
+    """Indices, within one step's ``global_batch_size`` rows, that DP rank ``dp_rank`` trains on:
+    a contiguous block, so the union over ranks in rank order is the step's rows in order."""
+    if dp_size < 1 or not 0 <= dp_rank < dp_size:
+        raise ValueError(f"dp_rank={dp_rank} out of range for dp_size={dp_size}")
+    if global_batch_size % dp_size:
+        raise ValueError(
+            f"training.global_batch_size={global_batch_size} is not divisible by data-parallel size {dp_size}"
+        )
+    per_rank = global_batch_size // dp_size
+    return range(dp_rank * per_rank, (dp_rank + 1) * per_rank)

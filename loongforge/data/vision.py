@@ -1,0 +1,332 @@
+"""Qwen2.5-VL pixel preprocessing, with transformers' Qwen2-VL image-processor semantics.
+
+Image path (bit-equal to ``Qwen2VLImageProcessorPil`` with default arguments):
+RGB (alpha composited on white) -> ``smart_resize`` to multiples of 28 inside
+[min_pixels, max_pixels] -> PIL bicubic resize -> ``x * (1/255)`` in float64, cast to float32 ->
+``(x - CLIP_MEAN) / CLIP_STD`` in float32 -> patchify.
+
+Patchify layout: ``pixel_values[grid_t*grid_h*grid_w, C*temporal_patch*14*14]``; rows are ordered
+(t, h-block, w-block, h-in-block, w-in-block) with 2x2 merge blocks, so every 4 consecutive rows
+are one merged LLM token; each row is (C, temporal, 14, 14) flattened. A still image is repeated
+over the 2 temporal slots.
+
+Video: frames are sampled uniformly at ``video_fps`` (at most ``video_max_frames``, at least 4
+when the video has them, an even count), resized per frame with the same PIL bicubic and
+normalised the same way; ``second_per_grid_t = temporal_patch / sampled_fps``. (transformers'
+video processor resizes with torchvision instead of PIL, so video pixels are close to, not bit
+equal to, its output; grids follow the same rules.)
+"""
+
+from __future__ import annotations
+
+import io
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Union
+
+import numpy as np
+from PIL import Image
+
+OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
+MIN_VIDEO_FRAMES = 4  # transformers' Qwen2-VL video processor default
+
+# A media item: a path, raw encoded bytes, or an already decoded image (synthetic data).
+ImageSource = Union[str, Path, bytes, Image.Image]
+
+
+class MediaError(Exception):
+    """A media file that cannot be used; ``reason`` is a reject reason (missing_image, corrupt_image)."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+        self.detail = detail
+
+
+@dataclass(frozen=True)
+class VisionSizing:
+    """Patch geometry and pixel budgets (from ModelConfig.vision/projector and DataConfig)."""
+
+    patch_size: int = 14
+    temporal_patch_size: int = 2
+    merge_size: int = 2
+    min_pixels: int = 56 * 56
+    max_pixels: int = 28 * 28 * 1280
+    video_min_pixels: int = 128 * 28 * 28
+    video_max_pixels: int = 768 * 28 * 28
+
+    @property
+    def factor(self) -> int:
+        return self.patch_size * self.merge_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+def smart_resize(
+    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
+) -> tuple[int, int]:
+    """(height, width) rounded to multiples of ``factor`` with area in [min_pixels, max_pixels],
+    keeping the aspect ratio as closely as possible (Qwen2-VL's rule)."""
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+    resized_h = round(height / factor) * factor
+    resized_w = round(width / factor) * factor
+    if resized_h * resized_w > max_pixels:
+        scale = math.sqrt(height * width / max_pixels)
+        resized_h = max(factor, math.floor(height / scale / factor) * factor)
+        resized_w = max(factor, math.floor(width / scale / factor) * factor)
+    elif resized_h * resized_w < min_pixels:
+        scale = math.sqrt(min_pixels / (height * width))
+        resized_h = math.ceil(height * scale / factor) * factor
+        resized_w = math.ceil(width * scale / factor) * factor
+    return resized_h, resized_w
+
+
+# ---------------------------------------------------------------- images: cheap probe
+
+
+def probe_image_size(source: ImageSource) -> tuple[int, int]:
+    """(width, height) from the header only; raises MediaError. Also catches truncated JPEG/PNG
+    files cheaply (end marker missing), so they are rejected before packing rather than after."""
+    if isinstance(source, Image.Image):
+        return source.size
+    try:
+        with _open_image(source) as image:
+            size = image.size
+            image_format = image.format
+    except FileNotFoundError as error:
+        raise MediaError("missing_image", f"{source}: {error.strerror}") from None
+    except Exception as error:  # PIL raises many types for unreadable headers
+        raise MediaError("corrupt_image", f"{_describe(source)}: {error}") from None
+    if min(size) < 1:
+        raise MediaError("corrupt_image", f"{_describe(source)}: empty image {size}")
+    _check_end_marker(source, image_format)
+    return size
+
+
+def _open_image(source: ImageSource) -> Image.Image:
+    if isinstance(source, bytes):
+        return Image.open(io.BytesIO(source))
+    return Image.open(source)
+
+
+def _describe(source: ImageSource) -> str:
+    return f"<{len(source)} bytes>" if isinstance(source, bytes) else str(source)
+
+
+_END_MARKERS = {"JPEG": b"\xff\xd9", "PNG": b"IEND"}
+
+
+def _check_end_marker(source: ImageSource, image_format: str | None) -> None:
+    marker = _END_MARKERS.get(image_format or "")
+    if marker is None:
+        return
+    # Some encoders pad after the end marker; look at the tail rather than the last bytes.
+    if isinstance(source, bytes):
+        tail = source[-4096:]
+    else:
+        with open(source, "rb") as f:
+            f.seek(0, io.SEEK_END)
+            f.seek(max(0, f.tell() - 4096))
+            tail = f.read()
+    if marker not in tail:
+        raise MediaError("corrupt_image", f"{_describe(source)}: truncated {image_format} (no end marker)")
+
+
+def image_grid_thw(width: int, height: int, sizing: VisionSizing) -> tuple[int, int, int]:
+    """(grid_t, grid_h, grid_w) in 14-px patches for an image of this size."""
+    resized_h, resized_w = smart_resize(height, width, sizing.factor, sizing.min_pixels, sizing.max_pixels)
+    return 1, resized_h // sizing.patch_size, resized_w // sizing.patch_size
+
+
+def num_llm_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:
+    """LLM placeholder tokens for one image/video: one per merged merge_size x merge_size group."""
+    grid_t, grid_h, grid_w = grid_thw
+    return grid_t * grid_h * grid_w // (merge_size * merge_size)
+
+
+# ---------------------------------------------------------------- images: decode + patchify
+
+
+def load_rgb_image(source: ImageSource) -> Image.Image:
+    """Fully decoded RGB image; transparency composited on white as transformers does."""
+    try:
+        image = source if isinstance(source, Image.Image) else _open_image(source)
+        image.load()
+        return to_rgb(image)
+    except FileNotFoundError as error:
+        raise MediaError("missing_image", f"{source}: {error.strerror}") from None
+    except Exception as error:
+        raise MediaError("corrupt_image", f"{_describe(source)}: {error}") from None
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    has_alpha = "A" in image.getbands() or image.info.get("transparency") is not None
+    if not has_alpha:
+        return image.convert("RGB")
+    rgba = image.convert("RGBA")
+    white = Image.new("RGBA", rgba.size, (255, 255, 255, 255))
+    return Image.alpha_composite(white, rgba).convert("RGB")
+
+
+def preprocess_image(image: Image.Image, sizing: VisionSizing) -> tuple[np.ndarray, tuple[int, int, int]]:
+    """RGB PIL image -> (pixel_values float32 [grid_h*grid_w, 3*2*14*14], (1, grid_h, grid_w))."""
+    width, height = image.size
+    resized_h, resized_w = smart_resize(height, width, sizing.factor, sizing.min_pixels, sizing.max_pixels)
+    frame = normalize_frame(resize_bicubic(image, resized_h, resized_w))  # [H, W, 3]
+    frames = np.repeat(frame[None], sizing.temporal_patch_size, axis=0)  # [tp, H, W, 3]
+    return patchify(frames, sizing), (1, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
+
+
+def resize_bicubic(image: Image.Image, height: int, width: int) -> np.ndarray:
+    """uint8 [H, W, 3]; always through PIL.resize, as transformers does even at equal size."""
+    return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
+
+
+_MEAN32 = np.asarray(OPENAI_CLIP_MEAN, dtype=np.float32)
+_STD32 = np.asarray(OPENAI_CLIP_STD, dtype=np.float32)
+
+
+def normalize_frame(pixels_uint8: np.ndarray) -> np.ndarray:
+    """uint8 [H, W, 3] -> float32 [H, W, 3]; rescale in float64 then normalise in float32, the
+    exact dtype sequence of transformers' numpy path (so results are bit-equal)."""
+    rescaled = (pixels_uint8.astype(np.float64) * (1 / 255)).astype(np.float32)
+    return (rescaled - _MEAN32) / _STD32
+
+
+def patchify(frames: np.ndarray, sizing: VisionSizing) -> np.ndarray:
+    """float32 [T, H, W, 3] (T a multiple of temporal_patch_size) -> [T/tp * H/p * W/p, 3*tp*p*p]."""
+    num_frames, height, width, channels = frames.shape
+    tp, p, m = sizing.temporal_patch_size, sizing.patch_size, sizing.merge_size
+    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
+    blocks = frames.reshape(grid_t, tp, grid_h // m, m, p, grid_w // m, m, p, channels)
+    # -> (t, h-block, w-block, h-in-block, w-in-block, C, tp, py, px)
+    blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
+    return np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
+
+
+# ---------------------------------------------------------------- video
+
+
+@dataclass(frozen=True)
+class VideoProbe:
+    """Container metadata read without decoding."""
+
+    num_frames: int
+    fps: float
+    width: int
+    height: int
+
+
+@dataclass(frozen=True)
+class VideoPlan:
+    """What materialisation will produce for one video, known before decoding any frame."""
+
+    frame_indices: tuple[int, ...]
+    resized_height: int
+    resized_width: int
+    grid_thw: tuple[int, int, int]
+    second_per_grid_t: float  # seconds of video covered by one temporal patch
+
+
+def _import_av():
+    try:
+        import av
+    except ImportError as error:  # pragma: no cover - exercised only without the optional dep
+        raise MediaError("corrupt_image", "video support needs PyAV: pip install av") from error
+    return av
+
+
+def probe_video(path: str | Path) -> VideoProbe:
+    """Frame count, frame rate and size from the container; raises MediaError."""
+    av = _import_av()
+    if not Path(path).exists():
+        raise MediaError("missing_image", f"{path}: video not found")
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            fps = float(stream.average_rate or stream.guessed_rate or 0)
+            num_frames = stream.frames or _count_video_packets(container, stream)
+            width, height = stream.codec_context.width, stream.codec_context.height
+    except Exception as error:
+        raise MediaError("corrupt_image", f"{path}: unreadable video: {error}") from None
+    if num_frames < 1 or fps <= 0 or min(width, height) < 1:
+        raise MediaError("corrupt_image", f"{path}: video has frames={num_frames} fps={fps} size={width}x{height}")
+    return VideoProbe(num_frames=num_frames, fps=fps, width=width, height=height)
+
+
+def _count_video_packets(container, stream) -> int:
+    # Some containers do not record a frame count; demuxing counts frames without decoding.
+    return sum(1 for packet in container.demux(stream) if packet.size > 0)
+
+
+def sample_frame_indices(
+    num_frames: int, native_fps: float, target_fps: float, max_frames: int, temporal_patch_size: int = 2
+) -> list[int]:
+    """Uniform frame indices: ``duration * target_fps`` frames, clamped to [4, max_frames] and to
+    the frames available, rounded down to a multiple of temporal_patch_size (at least one patch)."""
+    wanted = num_frames / native_fps * target_fps
+    limit = min(max_frames, num_frames) // temporal_patch_size * temporal_patch_size
+    count = min(max(wanted, MIN_VIDEO_FRAMES), limit) // temporal_patch_size * temporal_patch_size
+    count = max(int(count), temporal_patch_size)
+    return [i * num_frames // count for i in range(count)]
+
+
+def plan_video(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
+    indices = sample_frame_indices(probe.num_frames, probe.fps, target_fps, max_frames, sizing.temporal_patch_size)
+    resized_h, resized_w = smart_resize(
+        probe.height, probe.width, sizing.factor, sizing.video_min_pixels, sizing.video_max_pixels
+    )
+    duration_s = probe.num_frames / probe.fps
+    sampled_fps = len(indices) / duration_s
+    grid = (len(indices) // sizing.temporal_patch_size, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
+    return VideoPlan(
+        frame_indices=tuple(indices),
+        resized_height=resized_h,
+        resized_width=resized_w,
+        grid_thw=grid,
+        second_per_grid_t=sizing.temporal_patch_size / sampled_fps,
+    )
+
+
+def decode_video_frames(path: str | Path, frame_indices: tuple[int, ...]) -> list[Image.Image]:
+    """RGB frames at the given decode-order indices. If the stream holds fewer frames than its
+    header promised, its last frame stands in for the missing ones, so the planned grid holds."""
+    av = _import_av()
+    wanted = set(frame_indices)
+    decoded: dict[int, Image.Image] = {}
+    last_frame = None
+    try:
+        with av.open(str(path)) as container:
+            stream = container.streams.video[0]
+            stream.thread_type = "AUTO"
+            for index, frame in enumerate(container.decode(stream)):
+                if index in wanted:
+                    decoded[index] = frame.to_image()
+                last_frame = frame
+                if index >= max(frame_indices):
+                    break
+    except Exception as error:
+        raise MediaError("corrupt_image", f"{path}: video decode failed: {error}") from None
+    if last_frame is None:
+        raise MediaError("corrupt_image", f"{path}: no decodable frames")
+    missing = wanted - decoded.keys()
+    if missing:
+        stand_in = last_frame.to_image()
+        decoded.update({index: stand_in for index in missing})
+    return [to_rgb(decoded[index]) for index in frame_indices]
+
+
+def preprocess_video(frames: list[Image.Image], plan: VideoPlan, sizing: VisionSizing) -> np.ndarray:
+    """Frames -> pixel_values_videos float32 [grid_t*grid_h*grid_w, 3*2*14*14]."""
+    stacked = np.stack(
+        [normalize_frame(resize_bicubic(frame, plan.resized_height, plan.resized_width)) for frame in frames]
+    )  # [T, H, W, 3]
+    pad = -len(frames) % sizing.temporal_patch_size
+    if pad:  # repeat the last frame, as transformers does
+        stacked = np.concatenate([stacked, np.repeat(stacked[-1:], pad, axis=0)])
+    return patchify(stacked, sizing)

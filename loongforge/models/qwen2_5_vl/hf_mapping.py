@@ -1,0 +1,354 @@
+"""Weight map between transformers' Qwen2.5-VL checkpoints and ``Qwen2_5_VLModel``.
+
+One declarative table, ``mapping_rules(model_cfg)``: each ``Rule`` pairs HF key(s) with one of our
+keys and a ``Transform`` that knows both directions (full HF tensors -> this TP rank's shard, and
+all ranks' shards -> full HF tensors). ``hf_to_megatron`` and ``megatron_to_hf`` only walk the table.
+
+HF keys come in two styles: the Hub's (``visual.*``, ``model.layers.*``, ``model.embed_tokens``,
+``lm_head``) and newer transformers' (``model.visual.*``, ``model.language_model.*``). Both are
+read (``to_hub_style``); the Hub style is written. ``{i}`` in a pattern is a layer index; language
+layers are global in HF and local to the pipeline stage in megatron (``layer_offset``).
+
+Layouts that are not a plain copy:
+- language ``linear_qkv``: megatron groups the query heads of each key/value group with that
+  group's k and v: ``[q(g, 0..r-1), k(g), v(g)]`` for g in groups, r = heads/groups; TP splits
+  whole groups (or, with fewer groups than TP ranks, equal contiguous slices of that layout).
+- vision ``qkv``: HF stores ``[3, heads, hd]``; megatron wants ``[heads, 3, hd]`` (groups = heads).
+- ``linear_fc1`` of SwiGLU MLPs: each TP rank holds ``[gate shard, up shard]``.
+- column-parallel weights split along dim 0, row-parallel along dim 1 (their bias is whole).
+- vocabulary: rows padded to ``padded_vocab_size`` with zeros, then split along dim 0.
+- patch embedding: HF's Conv3d weight [hidden, C, T, p, p] is our Linear [hidden, C*T*p*p].
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
+
+Tensor = torch.Tensor
+LANGUAGE, VISION = "language", "vision"
+
+
+# ---------------------------------------------------------------------------------------------
+# Transforms: shard (HF full tensors -> one rank's tensor) and unshard (all ranks -> HF tensors)
+# ---------------------------------------------------------------------------------------------
+
+
+class Transform:
+    def shard(self, hf: Sequence[Tensor], rank: int, size: int) -> Tensor:
+        raise NotImplementedError
+
+    def unshard(self, shards: Sequence[Tensor]) -> list[Tensor]:
+        raise NotImplementedError
+
+
+class Replicated(Transform):
+    """Same tensor on every rank (norms, row-parallel biases)."""
+
+    def shard(self, hf, rank, size):
+        return hf[0]
+
+    def unshard(self, shards):
+        return [shards[0]]
+
+
+@dataclass(frozen=True)
+class Split(Transform):
+    """Column-parallel (dim 0) or row-parallel (dim 1) split into equal contiguous chunks."""
+
+    dim: int
+
+    def shard(self, hf, rank, size):
+        return _chunk(hf[0], size, self.dim)[rank]
+
+    def unshard(self, shards):
+        return [torch.cat(list(shards), dim=self.dim)]
+
+
+@dataclass(frozen=True)
+class Vocab(Transform):
+    """Embedding / output rows: pad the vocabulary with zero rows, then split along dim 0."""
+
+    vocab_size: int
+
+    def shard(self, hf, rank, size):
+        full = hf[0][: self.vocab_size]
+        padding = full.new_zeros(padded_vocab_size(self.vocab_size, size) - full.shape[0], *full.shape[1:])
+        return _chunk(torch.cat([full, padding]), size, 0)[rank]
+
+    def unshard(self, shards):
+        return [torch.cat(list(shards))[: self.vocab_size]]
+
+
+@dataclass(frozen=True)
+class GroupedQKV(Transform):
+    """HF q, k, v (weights [out, in] or biases [out]) <-> megatron's per-group interleaved qkv."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+    def shard(self, hf, rank, size):
+        return _chunk(self.interleave(*hf), size, 0)[rank]
+
+    def unshard(self, shards):
+        return self.deinterleave(torch.cat(list(shards)))
+
+    def interleave(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+        g, r, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        rest = q.shape[1:]
+        # [g, r*d | d | d, ...] -> [g*(r+2)*d, ...]
+        return torch.cat(
+            [q.reshape(g, r * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1
+        ).reshape(g * (r + 2) * d, *rest)
+
+    def deinterleave(self, qkv: Tensor) -> list[Tensor]:
+        g, r, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
+        rest = qkv.shape[1:]
+        q, k, v = qkv.reshape(g, (r + 2) * d, *rest).split([r * d, d, d], dim=1)
+        return [q.reshape(g * r * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
+
+
+@dataclass(frozen=True)
+class FusedHeadQKV(Transform):
+    """HF vision qkv [3*heads*hd, ...] ordered (q|k|v, head) <-> megatron (head, q|k|v)."""
+
+    num_heads: int
+    head_dim: int
+
+    def shard(self, hf, rank, size):
+        x = hf[0]
+        per_head = x.reshape(3, self.num_heads, self.head_dim, *x.shape[1:]).transpose(0, 1)
+        return _chunk(per_head.reshape(x.shape), size, 0)[rank]
+
+    def unshard(self, shards):
+        x = torch.cat(list(shards))
+        return [x.reshape(self.num_heads, 3, self.head_dim, *x.shape[1:]).transpose(0, 1).reshape(x.shape)]
+
+
+class GateUp(Transform):
+    """HF gate_proj, up_proj <-> megatron linear_fc1 holding [gate shard, up shard] per rank."""
+
+    def shard(self, hf, rank, size):
+        gate, up = hf
+        return torch.cat([_chunk(gate, size, 0)[rank], _chunk(up, size, 0)[rank]])
+
+    def unshard(self, shards):
+        gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards))
+        return [torch.cat(gates), torch.cat(ups)]
+
+
+class PatchEmbedding(Transform):
+    """Conv3d weight [hidden, C, T, p, p] <-> Linear weight [hidden, C*T*p*p] (replicated)."""
+
+    def __init__(self, conv_shape: tuple[int, ...]):
+        self.conv_shape = conv_shape
+
+    def shard(self, hf, rank, size):
+        return hf[0].reshape(hf[0].shape[0], -1)
+
+    def unshard(self, shards):
+        return [shards[0].reshape(self.conv_shape)]
+
+
+def _chunk(x: Tensor, parts: int, dim: int) -> tuple[Tensor, ...]:
+    if x.shape[dim] % parts != 0:
+        raise ValueError(f"cannot split a dimension of {x.shape[dim]} into {parts} TP shards")
+    return x.chunk(parts, dim=dim)
+
+
+# ---------------------------------------------------------------------------------------------
+# The table
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Rule:
+    hf: tuple[str, ...]  # Hub-style key pattern(s); several when megatron fuses tensors
+    megatron: str  # our key pattern
+    transform: Transform
+    group: str  # LANGUAGE or VISION: which TP group shards it
+    # HF key to read when ``hf`` is absent (a tied checkpoint has no lm_head.weight).
+    fallback_hf: Optional[str] = None
+
+
+def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
+    vis, lang = model_cfg.vision, model_cfg.language
+    vision_head_dim = vis.hidden_size // vis.num_heads
+    vocab = Vocab(lang.vocab_size)
+    conv_shape = (vis.hidden_size, vis.in_channels, vis.temporal_patch_size, vis.patch_size, vis.patch_size)
+    rep, col, row, gate_up = Replicated(), Split(0), Split(1), GateUp()
+    vqkv = FusedHeadQKV(vis.num_heads, vision_head_dim)
+    lqkv = GroupedQKV(lang.num_attention_heads, lang.num_query_groups, lang.hidden_size // lang.num_attention_heads)
+
+    vb, vl = "visual.blocks.{i}.", "vision_model.layers.{i}."
+    lb, ll = "model.layers.{i}.", "language_model.decoder.layers.{i}."
+    rules = [
+        Rule(("visual.patch_embed.proj.weight",), "vision_model.patch_embed.proj.weight", PatchEmbedding(conv_shape), VISION),
+        Rule((vb + "norm1.weight",), vl + "input_layernorm.weight", rep, VISION),
+        Rule((vb + "attn.qkv.weight",), vl + "self_attention.linear_qkv.weight", vqkv, VISION),
+        Rule((vb + "attn.qkv.bias",), vl + "self_attention.linear_qkv.bias", vqkv, VISION),
+        Rule((vb + "attn.proj.weight",), vl + "self_attention.linear_proj.weight", row, VISION),
+        Rule((vb + "attn.proj.bias",), vl + "self_attention.linear_proj.bias", rep, VISION),
+        Rule((vb + "norm2.weight",), vl + "pre_mlp_layernorm.weight", rep, VISION),
+        Rule((vb + "mlp.gate_proj.weight", vb + "mlp.up_proj.weight"), vl + "mlp.linear_fc1.weight", gate_up, VISION),
+        Rule((vb + "mlp.gate_proj.bias", vb + "mlp.up_proj.bias"), vl + "mlp.linear_fc1.bias", gate_up, VISION),
+        Rule((vb + "mlp.down_proj.weight",), vl + "mlp.linear_fc2.weight", row, VISION),
+        Rule((vb + "mlp.down_proj.bias",), vl + "mlp.linear_fc2.bias", rep, VISION),
+        Rule(("visual.merger.ln_q.weight",), "projector.ln_q.weight", rep, VISION),
+        Rule(("visual.merger.mlp.0.weight",), "projector.mlp.linear_fc1.weight", col, VISION),
+        Rule(("visual.merger.mlp.0.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
+        Rule(("visual.merger.mlp.2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
+        Rule(("visual.merger.mlp.2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
+        Rule(("model.embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
+        Rule((lb + "input_layernorm.weight",), ll + "input_layernorm.weight", rep, LANGUAGE),
+        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", lqkv, LANGUAGE),
+        Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias", lqkv, LANGUAGE),
+        Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE),
+        Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+        Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up, LANGUAGE),
+        Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
+        Rule(("model.norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
+        Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
+             fallback_hf="model.embed_tokens.weight"),
+    ]
+    return rules
+
+
+# ---------------------------------------------------------------------------------------------
+# Key styles and pattern matching
+# ---------------------------------------------------------------------------------------------
+
+_NEW_TO_HUB = (("model.visual.", "visual."), ("model.language_model.", "model."))
+
+
+def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    """Rename ``model.visual.*`` / ``model.language_model.*`` keys to the Hub's style."""
+    renamed = {}
+    for key, value in hf_state.items():
+        for new, hub in _NEW_TO_HUB:
+            if key.startswith(new):
+                key = hub + key[len(new) :]
+                break
+        renamed[key] = value
+    return renamed
+
+
+def _regex(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
+    for rule in rules:
+        found = _regex(rule.megatron).match(key)
+        if found:
+            return rule, int(found.group(1)) if found.groups() else None
+    raise KeyError(f"no hf_mapping rule for {key!r}")
+
+
+def _fill(pattern: str, index: Optional[int]) -> str:
+    return pattern if index is None else pattern.replace("{i}", str(index))
+
+
+def _hf_index(rule: Rule, local_index: Optional[int], layer_offset: int) -> Optional[int]:
+    """Language layers are numbered per pipeline stage in megatron, globally in HF."""
+    if local_index is None or rule.group == VISION:
+        return local_index
+    return local_index + layer_offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, Tensor],
+    model_cfg: ModelConfig,
+    keys: Iterable[str],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vision_tp_rank: int = 0,
+    vision_tp_size: int = 1,
+    layer_offset: int = 0,
+) -> dict[str, Tensor]:
+    """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
+
+    ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
+    """
+    hf_state = to_hub_style(hf_state)
+    rules = mapping_rules(model_cfg)
+    out = {}
+    for key in keys:
+        if key.endswith("_extra_state"):
+            continue
+        rule, local_index = _match(rules, key)
+        index = _hf_index(rule, local_index, layer_offset)
+        sources = [_fill(p, index) for p in rule.hf]
+        if rule.fallback_hf and sources[0] not in hf_state:
+            sources = [rule.fallback_hf]
+        missing = [s for s in sources if s not in hf_state]
+        if missing:
+            raise KeyError(f"{key} needs {missing} from the HF checkpoint")
+        rank, size = (vision_tp_rank, vision_tp_size) if rule.group == VISION else (tp_rank, tp_size)
+        out[key] = rule.transform.shard([hf_state[s] for s in sources], rank, size).clone()
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, Tensor]],
+    model_cfg: ModelConfig,
+    *,
+    vision_tp_size: Optional[int] = None,
+    layer_offset: int = 0,
+) -> dict[str, Tensor]:
+    """Hub-style HF tensors from one pipeline stage's state dicts, one per language TP rank.
+
+    Vision tensors are read from the first ``vision_tp_size`` ranks (None: all of them).
+    A tied output layer is not written (tied Hub checkpoints have no ``lm_head.weight``).
+    """
+    rules = mapping_rules(model_cfg)
+    vision_tp_size = vision_tp_size or len(shards)
+    out = {}
+    for key in shards[0]:
+        if key.endswith("_extra_state"):
+            continue
+        rule, local_index = _match(rules, key)
+        if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
+            continue
+        ranks = shards[:vision_tp_size] if rule.group == VISION else shards
+        tensors = rule.transform.unshard([shard[key] for shard in ranks])
+        index = _hf_index(rule, local_index, layer_offset)
+        for pattern, tensor in zip(rule.hf, tensors):
+            out[_fill(pattern, index)] = tensor
+    return out
+
+
+def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -> None:
+    """Load an HF state dict into this rank's ``Qwen2_5_VLModel`` (TP ranks and the pipeline
+    layer offset are read from the model's own process groups and layers)."""
+    language = model.language_model
+    tp_group = language.pg_collection.tp
+    vision_group = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
+    layers = language.decoder.layers
+    converted = hf_to_megatron(
+        hf_state,
+        model.model_cfg,
+        model.state_dict().keys(),
+        tp_rank=tp_group.rank(),
+        tp_size=tp_group.size(),
+        vision_tp_rank=0 if vision_group is None else vision_group.rank(),
+        vision_tp_size=1 if vision_group is None else vision_group.size(),
+        layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
+    )
+    result = model.load_state_dict(converted, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")

@@ -1,0 +1,271 @@
+"""Qwen2.5-VL on megatron-core: vision tower -> projector -> M-RoPE GPT decoder.
+
+Mirrors transformers' ``Qwen2_5_VLForConditionalGeneration`` module for module (see
+``hf_mapping.py`` for the weight correspondence), with megatron-core doing tensor and pipeline
+parallelism:
+
+- ``vision_model`` (first pipeline stage only): patches -> patch features, TP over the vision group.
+- ``projector``: the patch merger, 2x2 patch features -> one language-model token.
+- ``language_model``: megatron-core ``GPTModel`` with ``position_embedding_type="mrope"``; it gets
+  ``decoder_input`` (text embeddings with the projected image/video features written over the
+  image/video placeholder tokens) and 3-D position ids.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
+
+from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.attention import core_attention_module, resolve_attention_backend
+from loongforge.models.qwen2_5_vl import configs
+from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
+from loongforge.models.qwen2_5_vl.process_groups import build_vision_tp_group, mark_replicated_over_language_tp
+from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel, optional_cat, vision_pg_collection
+from loongforge.parallel import cpu_compat
+
+
+class LanguageModel(GPTModel):
+    """``GPTModel`` whose loss ignores the vocabulary-padding logits.
+
+    The output layer has ``padded_vocab_size`` rows; padded rows would still add ``exp(logit)`` to
+    the softmax denominator, so their logits are set to -inf before the cross entropy.
+    """
+
+    def __init__(self, *args, true_vocab_size: int, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.true_vocab_size = true_vocab_size
+
+    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+        if self.vocab_size > self.true_vocab_size:
+            # logits [s, b, V/tp]: this rank holds vocab ids [rank*V/tp, (rank+1)*V/tp)
+            shard = logits.shape[-1]
+            first_id = get_pg_rank(self.pg_collection.tp) * shard
+            vocab_ids = torch.arange(first_id, first_id + shard, device=logits.device)
+            logits = logits.masked_fill(vocab_ids >= self.true_vocab_size, float("-inf"))
+        return super().compute_language_model_loss(labels, logits)
+
+
+class Qwen2_5_VLModel(MegatronModule):
+    """One pipeline stage of Qwen2.5-VL. Build it with ``build_model``."""
+
+    def __init__(
+        self,
+        *,
+        model_cfg: ModelConfig,
+        language_config: TransformerConfig,
+        vision_config: TransformerConfig,
+        projector_config: TransformerConfig,
+        core_attention: type,
+        language_pgs: ProcessGroupCollection,
+        vision_tp_group: torch.distributed.ProcessGroup,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: Optional[int] = None,
+    ):
+        super().__init__(config=language_config)
+        self.model_cfg = model_cfg
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.merge_unit = model_cfg.projector.spatial_merge_size**2
+        self.share_embeddings_and_output_weights = model_cfg.language.tie_word_embeddings
+
+        self.vision_model: Optional[VisionModel] = None
+        self.projector: Optional[PatchMerger] = None
+        if pre_process:
+            self.vision_model = VisionModel(
+                vision_config,
+                model_cfg,
+                vision_layer_spec(core_attention),
+                vision_pg_collection(vision_tp_group, language_pgs),
+            )
+            self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group)
+
+        lang = model_cfg.language
+        tp = language_pgs.tp.size()
+        self.language_model = LanguageModel(
+            config=language_config,
+            transformer_layer_spec=language_block_spec(
+                language_config, core_attention, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage
+            ),
+            vocab_size=configs.padded_vocab_size(lang.vocab_size, tp),
+            true_vocab_size=lang.vocab_size,
+            max_sequence_length=lang.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=lang.tie_word_embeddings,
+            position_embedding_type="mrope",
+            rotary_base=lang.rope_theta,
+            # Vision features are written into the embeddings first; we scatter afterwards.
+            scatter_embedding_sequence_parallel=False,
+            pg_collection=language_pgs,
+            vp_stage=vp_stage,
+        )
+
+    # -- pipeline plumbing (megatron schedules and finalize_model_grads call these) -------------
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        return self.language_model.shared_embedding_or_output_weight()
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
+
+        input_ids [b, s]; position_ids [3, b, s] (M-RoPE t/h/w); labels [b, s] next-token targets,
+        valid ids everywhere (the caller masks); packed_seq_params: thd with b == 1 and cu_seqlens
+        over all b*s tokens; pixel_values [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos.
+        On later pipeline stages the hidden states come from ``set_input_tensor`` instead.
+        """
+        _check_inputs(input_ids, position_ids, packed_seq_params)
+        decoder_input = None
+        if self.pre_process:
+            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+        return self.language_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=None,
+            decoder_input=decoder_input,
+            labels=labels,
+            packed_seq_params=packed_seq_params,
+        )
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: Optional[torch.Tensor],
+        image_grid_thw: Optional[torch.Tensor],
+        pixel_values_videos: Optional[torch.Tensor],
+        video_grid_thw: Optional[torch.Tensor],
+    ) -> torch.Tensor:
+        """Text embeddings with image/video features in place of their placeholders: [s, b, h]."""
+        embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+        tokens = self.model_cfg.tokens
+        image_count = self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image")
+        video_count = self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")
+        pixels = optional_cat(pixel_values, pixel_values_videos)
+        if pixels is not None:
+            # Images and videos go through the tower together: segments never cross an image, so
+            # this equals two separate calls and costs one.
+            grid_thw = optional_cat(image_grid_thw, video_grid_thw)
+            features = self.projector(self.vision_model(pixels, grid_thw)).to(embeddings.dtype)
+            image_features, video_features = features.split([image_count, video_count])
+            embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
+            embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
+        if self.config.sequence_parallel:
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
+                embeddings, group=self.language_model.pg_collection.tp
+            )
+        return embeddings
+
+    def _placeholder_count(
+        self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str
+    ) -> int:
+        """Merged-patch count of the images (or videos); must equal their placeholder tokens."""
+        num_tokens = int((input_ids == token_id).sum())
+        num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // self.merge_unit
+        if num_tokens != num_features:
+            raise ValueError(
+                f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
+                f"{num_features} merged patches ({what} grid_thw={None if grid_thw is None else grid_thw.tolist()})"
+            )
+        return num_features
+
+
+def _scatter_features(
+    embeddings: torch.Tensor, input_ids: torch.Tensor, token_id: int, features: torch.Tensor
+) -> torch.Tensor:
+    """Write features [n, h] over the placeholder positions, in (batch, position) order."""
+    if features.shape[0] == 0:
+        return embeddings
+    mask = (input_ids == token_id)[..., None]  # [b, s, 1]
+    merged = embeddings.transpose(0, 1).masked_scatter(mask, features)  # [b, s, h]
+    return merged.transpose(0, 1).contiguous()
+
+
+def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
+    batch, seq_len = input_ids.shape
+    if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
+        raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
+    if packed_seq_params is not None:
+        if batch != 1:
+            raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
+        covered = int(packed_seq_params.cu_seqlens_q[-1])
+        if covered != seq_len:
+            # M-RoPE and the core attention index tokens by cu_seqlens: trailing padding must be
+            # a segment of its own.
+            raise ValueError(f"cu_seqlens_q[-1]={covered} must equal the sequence length {seq_len}")
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    params_dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    device: torch.device | str,
+    vp_stage: Optional[int] = None,
+) -> Qwen2_5_VLModel:
+    """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
+    ``parallel_cfg``. Collective (the vision TP groups): every rank calls it."""
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        cpu_compat.apply()
+    core_attention = core_attention_module(resolve_attention_backend(model_cfg.attention_backend, device))
+
+    language_pgs = ProcessGroupCollection.use_mpu_process_groups()
+    _check_parallel_state(parallel_cfg, language_pgs)
+    vision_tp = configs.vision_tensor_parallel_size(parallel_cfg)
+    vision_tp_group = build_vision_tp_group(language_pgs.tp, vision_tp)
+
+    model = Qwen2_5_VLModel(
+        model_cfg=model_cfg,
+        language_config=configs.language_config(model_cfg, parallel_cfg, params_dtype, on_cpu),
+        vision_config=configs.vision_config(model_cfg, vision_tp, params_dtype, on_cpu),
+        projector_config=configs.projector_config(model_cfg, vision_tp, params_dtype, on_cpu),
+        core_attention=core_attention,
+        language_pgs=language_pgs,
+        vision_tp_group=vision_tp_group,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+    )
+    if pre_process:
+        for tower in (model.vision_model, model.projector):
+            mark_replicated_over_language_tp(tower, vision_tp, parallel_cfg.tensor_model_parallel_size)
+    return model.to(device)
+
+
+def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
+    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
+        expected = getattr(parallel_cfg, key)
+        if group is None or group.size() != expected:
+            actual = None if group is None else group.size()
+            raise ValueError(
+                f"parallel.{key}={expected} but megatron's parallel state has {actual}; call "
+                "megatron.core.parallel_state.initialize_model_parallel with the same sizes first"
+            )

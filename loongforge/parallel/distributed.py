@@ -1,0 +1,159 @@
+"""Process-group set-up: torch.distributed from the launch environment, then megatron-core's groups.
+
+Three launch styles reach the same state:
+* ``loongforge train --nproc-per-node N`` (our elastic launcher) and an external ``torchrun`` both set
+  ``RANK``/``WORLD_SIZE``/``LOCAL_RANK``/``MASTER_ADDR``/``MASTER_PORT``;
+* a SLURM allocation (``srun loongforge train ...``) sets ``SLURM_PROCID``/``SLURM_NTASKS``/
+  ``SLURM_LOCALID``; the master address is the first host of the allocation (or ``MASTER_ADDR``);
+* a plain single process gets a world of one on 127.0.0.1 with a free port.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import subprocess
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from loongforge.config.schema import ParallelConfig
+
+
+@dataclass(frozen=True)
+class DistributedEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    device: torch.device
+    backend: str
+
+
+@dataclass(frozen=True)
+class ParallelLayout:
+    """This rank's place in the TP x PP x DP grid (megatron-core's groups hold the communicators)."""
+
+    tp_size: int
+    pp_size: int
+    dp_size: int
+    tp_rank: int
+    pp_rank: int
+    dp_rank: int
+
+    @property
+    def is_first_stage(self) -> bool:
+        return self.pp_rank == 0
+
+    @property
+    def is_last_stage(self) -> bool:
+        return self.pp_rank == self.pp_size - 1
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _slurm_master_addr() -> str:
+    nodelist = os.environ.get("SLURM_JOB_NODELIST") or os.environ.get("SLURM_NODELIST")
+    if not nodelist:
+        return "127.0.0.1"
+    try:
+        out = subprocess.run(["scontrol", "show", "hostnames", nodelist], check=True,
+                             capture_output=True, text=True).stdout.split()
+        return out[0]
+    except (OSError, subprocess.CalledProcessError):
+        return nodelist.split(",")[0]
+
+
+def _launch_env_from_slurm() -> None:
+    """Translate SLURM's task variables into the torch.distributed ones, unless a launcher set them."""
+    if "RANK" in os.environ or "SLURM_PROCID" not in os.environ or "SLURM_NTASKS" not in os.environ:
+        return
+    os.environ["RANK"] = os.environ["SLURM_PROCID"]
+    os.environ["WORLD_SIZE"] = os.environ["SLURM_NTASKS"]
+    os.environ["LOCAL_RANK"] = os.environ.get("SLURM_LOCALID", "0")
+    os.environ.setdefault("MASTER_ADDR", _slurm_master_addr())
+    # A port derived from the job id so every task of the job agrees without talking first.
+    os.environ.setdefault("MASTER_PORT", str(20000 + int(os.environ.get("SLURM_JOB_ID", "0")) % 20000))
+
+
+def resolve_device(preference: str) -> torch.device:
+    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> DistributedEnv:
+    """Initialise the default process group (gloo on CPU, NCCL on GPU) from the launch environment."""
+    _launch_env_from_slurm()
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    os.environ.setdefault("LOCAL_RANK", "0")
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    if "MASTER_PORT" not in os.environ:
+        os.environ["MASTER_PORT"] = str(free_port())
+    rank, world_size = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    local_rank = int(os.environ["LOCAL_RANK"])
+    device = resolve_device(device_preference)
+    if device.type == "cuda":
+        torch.cuda.set_device(local_rank)
+        device = torch.device("cuda", local_rank)
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    if not dist.is_initialized():
+        dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
+                                timeout=datetime.timedelta(seconds=timeout_s))
+    return DistributedEnv(rank, world_size, local_rank, device, backend)
+
+
+def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int) -> ParallelLayout:
+    """Create megatron-core's TP/PP/DP groups and seed every RNG so TP ranks agree."""
+    from megatron.core import parallel_state as mpu
+    from megatron.core import tensor_parallel
+
+    if not mpu.model_parallel_is_initialized():
+        mpu.initialize_model_parallel(
+            tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+            pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        )
+    layout = ParallelLayout(
+        tp_size=mpu.get_tensor_model_parallel_world_size(),
+        pp_size=mpu.get_pipeline_model_parallel_world_size(),
+        dp_size=mpu.get_data_parallel_world_size(),
+        tp_rank=mpu.get_tensor_model_parallel_rank(),
+        pp_rank=mpu.get_pipeline_model_parallel_rank(),
+        dp_rank=mpu.get_data_parallel_rank(),
+    )
+    # One seed on every rank: with CPU initialisation megatron-core builds each full weight from this
+    # RNG and slices it, so the initial model does not depend on the TP layout.
+    seed_everything(seed)
+    if torch.cuda.is_available():
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    else:
+        # The CUDA RNG tracker cannot be created on CPU; this form falls back to the CPU generator
+        # (dropout masks are then identical across TP ranks, which is correct for replicated regions).
+        tensor_parallel.model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True,
+                                                        force_reset_rng=True)
+    return layout
+
+
+def seed_everything(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    random.seed(seed)
+    np.random.seed(seed % (2**32))
+    torch.manual_seed(seed)
+
+
+def shutdown() -> None:
+    from megatron.core import parallel_state as mpu
+
+    if mpu.model_parallel_is_initialized():
+        mpu.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()

@@ -1,0 +1,91 @@
+"""What a training run shows: a tqdm bar, one log line every N steps, TensorBoard scalars."""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+from tqdm import tqdm
+
+
+@dataclass
+class StepMetrics:
+    step: int
+    loss: float
+    grad_norm: Optional[float]
+    lr: float
+    tokens: int  # real (non-padding) tokens processed this step over all DP ranks
+    step_s: float
+    data_wait_s: float
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+
+def format_log_line(m: StepMetrics, total_steps: int) -> str:
+    grad = "n/a" if m.grad_norm is None else f"{m.grad_norm:.3f}"
+    return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | grad_norm {grad} | lr {m.lr:.3e} | "
+            f"tokens/s {m.tokens_per_s:,.0f} | step {m.step_s:.2f}s | data_wait {m.data_wait_s:.3f}s")
+
+
+@dataclass
+class RunLogger:
+    """Rank-0 reporter; every method is a no-op on other ranks."""
+
+    output_dir: Path
+    total_steps: int
+    start_step: int
+    log_interval: int
+    enabled: bool
+    tensorboard: bool = True
+    progress_bar: bool = True
+    history: list = field(default_factory=list)
+
+    def __post_init__(self):
+        self._bar = None
+        self._writer = None
+        if not self.enabled:
+            return
+        if self.progress_bar:
+            self._bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train",
+                             unit="step", dynamic_ncols=True, file=sys.stderr)
+        if self.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
+        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+
+    def write(self, line: str) -> None:
+        if self.enabled:
+            (self._bar.write if self._bar else print)(line)
+
+    def log_step(self, m: StepMetrics) -> None:
+        if not self.enabled:
+            return
+        self.history.append(m)
+        record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
+                  "tokens_per_s": m.tokens_per_s, "step_s": m.step_s, "data_wait_s": m.data_wait_s}
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._writer:
+            for key, value in record.items():
+                if key != "step" and value is not None:
+                    self._writer.add_scalar(f"train/{key}", value, m.step)
+        if self._bar:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{m.loss:.4f}", lr=f"{m.lr:.2e}")
+        if m.step % self.log_interval == 0 or m.step == self.total_steps:
+            self.write(format_log_line(m, self.total_steps))
+
+    def close(self) -> None:
+        if not self.enabled:
+            return
+        if self._bar:
+            self._bar.close()
+        if self._writer:
+            self._writer.close()
+        self._metrics_file.close()

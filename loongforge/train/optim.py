@@ -1,0 +1,53 @@
+"""megatron-core optimizer and learning-rate schedule built from our config."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.config.schema import OptimizerConfig, ParallelConfig, ScheduleConfig
+
+
+def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, parallel_cfg: ParallelConfig,
+                    *, params_dtype: torch.dtype):
+    """Adam (or SGD) with fp32 main params; the distributed optimizer shards its state over DP."""
+    from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
+    from megatron.core.optimizer import get_megatron_optimizer
+
+    mcore_cfg = McoreOptimizerConfig(
+        optimizer=optim_cfg.name,
+        lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr,
+        weight_decay=optim_cfg.weight_decay,
+        adam_beta1=optim_cfg.adam_beta1,
+        adam_beta2=optim_cfg.adam_beta2,
+        adam_eps=optim_cfg.adam_eps,
+        clip_grad=optim_cfg.clip_grad,
+        bf16=params_dtype == torch.bfloat16,
+        params_dtype=params_dtype,
+        use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
+    )
+    return get_megatron_optimizer(mcore_cfg, model_chunks)
+
+
+def build_scheduler(optimizer, optim_cfg: OptimizerConfig, schedule_cfg: ScheduleConfig,
+                    *, train_steps: int):
+    """Linear warm-up from 0 to lr over ``warmup_steps``, then cosine (or constant) down to min_lr."""
+    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+
+    warmup = min(schedule_cfg.warmup_steps, max(train_steps - 1, 0))
+    scheduler = OptimizerParamScheduler(
+        optimizer,
+        init_lr=0.0,
+        max_lr=optim_cfg.lr,
+        min_lr=optim_cfg.min_lr if schedule_cfg.decay_style != "constant" else optim_cfg.lr,
+        lr_warmup_steps=warmup,
+        lr_decay_steps=max(train_steps, warmup + 1),
+        lr_decay_style=schedule_cfg.decay_style,
+        start_wd=optim_cfg.weight_decay,
+        end_wd=optim_cfg.weight_decay,
+        wd_incr_steps=max(train_steps, 1),
+        wd_incr_style="constant",
+    )
+    # Megatron's schedule gives lr 0 at step 0; advance once so the first update already learns.
+    scheduler.step(increment=1)
+    return scheduler

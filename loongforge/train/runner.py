@@ -1,0 +1,219 @@
+"""``loongforge train``: build everything from a resolved RunConfig and run the training loop.
+
+Order of operations (each step needs the previous one):
+  process groups -> CPU compatibility (no CUDA only) -> run folder -> model -> DDP -> optimizer and
+  schedule -> data pipeline -> optional checkpoint restore -> steps -> final checkpoint and summary.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from loongforge import __version__
+from loongforge.config.schema import RunConfig
+from loongforge.parallel.distributed import (
+    DistributedEnv,
+    ParallelLayout,
+    init_distributed,
+    init_model_parallel,
+)
+from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from loongforge.train.metrics import RunLogger, StepMetrics
+from loongforge.train.optim import build_optimizer, build_scheduler
+from loongforge.train.step import train_step
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+@dataclass
+class TrainingSummary:
+    start_step: int
+    end_step: int
+    losses: list = field(default_factory=list)  # (step, loss) for the steps run in this call
+    rejects: dict = field(default_factory=dict)
+    output_dir: Optional[str] = None
+    checkpoint: Optional[str] = None
+    wall_s: float = 0.0
+
+
+def library_versions() -> dict:
+    versions = {"loongforge": __version__, "python": platform.python_version(), "torch": torch.__version__}
+    for name in ("megatron.core", "transformers", "transformer_engine", "flash_attn"):
+        try:
+            module = __import__(name, fromlist=["__version__"])
+            versions[name] = getattr(module, "__version__", "unknown")
+        except ImportError:
+            continue
+    return versions
+
+
+def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env: DistributedEnv,
+                     layout: ParallelLayout) -> None:
+    from loongforge.config.loader import dump_yaml
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "config.yaml").write_text(dump_yaml(cfg))
+    (out_dir / "command.txt").write_text(" ".join(command_line) + "\n")
+    environment = {"versions": library_versions(), "world_size": env.world_size,
+                   "backend": env.backend, "device": str(env.device),
+                   "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}}
+    (out_dir / "environment.json").write_text(json.dumps(environment, indent=2))
+
+
+def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device):
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+    from megatron.core.distributed import finalize_model_grads
+
+    from loongforge.models.registry import build_model
+
+    model = build_model(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
+                        pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
+                        device=device)
+    if cfg.training.freeze_vision and layout.is_first_stage:
+        for param in model.vision_model.parameters():
+            param.requires_grad_(False)
+    config = model.config
+    # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
+    config.calculate_per_token_loss = True
+    config.finalize_model_grads_func = finalize_model_grads
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True,
+        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
+        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+    )
+    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
+    config.no_sync_func = ddp_model.no_sync
+    return [ddp_model], config
+
+
+def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
+    # Pipeline stages exchange fixed-shape activations, so rows are padded to seq_len there;
+    # otherwise a small multiple keeps TP/sequence-parallel splits even without wasting compute.
+    if layout.pp_size > 1:
+        return cfg.data.seq_len
+    return 8 * layout.tp_size
+
+
+def _global_real_tokens(micro_batches: list[dict], count_here: bool) -> int:
+    local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
+    total = torch.tensor([local], dtype=torch.int64)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    return int(total[0])
+
+
+def apply_cpu_compat() -> None:
+    from loongforge.parallel.cpu_compat import apply
+    from loongforge.parallel.cpu_compat_training import apply_training_patches
+
+    apply()
+    apply_training_patches()
+
+
+def run_training(cfg: RunConfig, *, resume: bool = False,
+                 command_line: Optional[list[str]] = None) -> TrainingSummary:
+    """Train according to ``cfg``; the process group is created here unless a caller already did."""
+    from loongforge.config.validate import validate
+    from loongforge.data.pipeline import DataPipeline
+
+    wall_start = time.perf_counter()
+    env = init_distributed(cfg.training.device)
+    validate(cfg, world_size=env.world_size)
+    if env.device.type == "cpu":
+        apply_cpu_compat()
+    layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed)
+    torch.manual_seed(cfg.training.seed)
+    out_dir = Path(cfg.logging.output_dir)
+    if env.rank == 0:
+        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout)
+
+    model, model_config = _build_ddp_model(cfg, layout, env.device)
+    params_dtype = _DTYPES[cfg.training.precision]
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
+                                train_steps=cfg.training.train_steps)
+    pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
+                            dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+                            pad_to_multiple=_pad_multiple(cfg, layout),
+                            rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None)
+
+    ckpt_root = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
+    load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
+    if resume and load_path is None:
+        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}; "
+                                "run without --resume to start fresh")
+    start_step, consumed_rows = 0, 0
+    is_log_rank = env.rank == 0
+    logger_enabled = is_log_rank
+    if load_path is not None:
+        state = load_checkpoint(load_path, model, optimizer, scheduler)
+        pipeline.load_state_dict(state.data_state)
+        start_step, consumed_rows = state.step, state.consumed_rows
+
+    logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
+                       enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,
+                       progress_bar=cfg.logging.progress_bar)
+    if load_path is not None:
+        logger.write(f"resumed from {load_path} at step {start_step}")
+    is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
+    summary = TrainingSummary(start_step=start_step, end_step=start_step, output_dir=str(out_dir))
+    seq_length = cfg.data.seq_len
+
+    def checkpoint(step: int) -> Path:
+        state = TrainState(step=step, consumed_rows=consumed_rows,
+                           data_state=pipeline.state_dict(), extra={})
+        layout_info = {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
+        return save_checkpoint(ckpt_root, state, model, optimizer, scheduler, layout=layout_info)
+
+    try:
+        last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
+        for step in range(start_step + 1, last_step + 1):
+            fetch_start = time.perf_counter()
+            micro_batches = pipeline.next_step()
+            data_wait = time.perf_counter() - fetch_start
+            result = train_step(model, optimizer, scheduler, micro_batches, device=env.device,
+                                seq_length=seq_length, is_loss_rank=is_loss_rank)
+            consumed_rows += cfg.training.global_batch_size
+            tokens = _global_real_tokens(micro_batches, is_loss_rank)
+            metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
+                                  lr=result.lr, tokens=tokens,
+                                  step_s=result.compute_s + data_wait, data_wait_s=data_wait)
+            logger.log_step(metrics)
+            summary.losses.append((step, result.loss))
+            summary.end_step = step
+            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+                summary.checkpoint = str(checkpoint(step))
+        if cfg.checkpoint.save_at_end and summary.end_step > start_step and (
+                not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
+            summary.checkpoint = str(checkpoint(summary.end_step))
+        summary.rejects = pipeline.reject_counts()
+        summary.wall_s = time.perf_counter() - wall_start
+        logger.write(_summary_text(summary, out_dir))
+    finally:
+        logger.close()
+    if env.rank == 0:
+        (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, default=str))
+    return summary
+
+
+def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
+    losses = [loss for _, loss in summary.losses]
+    if not losses:
+        return f"nothing to do: already at step {summary.end_step}"
+    window = max(1, min(10, len(losses) // 4))
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    rejected = sum(summary.rejects.values())
+    reject_text = (f"{rejected} samples rejected ({', '.join(f'{k}: {v}' for k, v in sorted(summary.rejects.items()))}),"
+                   f" see {out_dir / 'rejects.jsonl'}" if rejected else "0 samples rejected")
+    return (f"done: steps {summary.start_step + 1}-{summary.end_step} in {summary.wall_s:.0f}s | "
+            f"loss {first:.4f} (first {window}) -> {last:.4f} (last {window}) | {reject_text}"
+            + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))

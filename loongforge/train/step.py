@@ -1,0 +1,118 @@
+"""One optimizer step: megatron-core's forward/backward schedule over this rank's micro-batches.
+
+Loss normalisation: every micro-batch returns the *sum* of its masked token losses and its loss-token
+count (``calculate_per_token_loss``); megatron-core's ``finalize_model_grads`` all-reduces the count
+over data-parallel ranks and scales the gradients by 1 / (tokens in the whole global batch). The result
+therefore does not depend on how samples are split over ranks and micro-batches, which is what lets the
+load balancer move samples between ranks without changing the training math.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from functools import partial
+from typing import Callable, Optional
+
+import torch
+import torch.distributed as dist
+
+# Keys of a micro-batch dict that are tensors and travel to the compute device.
+_TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values",
+                "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+
+
+@dataclass
+class StepResult:
+    loss: float  # mean loss per loss token over the global batch
+    loss_tokens: int  # loss tokens in the global batch
+    grad_norm: Optional[float]
+    lr: float
+    compute_s: float
+    skipped: bool
+
+
+def to_device(micro_batch: dict, device: torch.device) -> dict:
+    return {k: (v.to(device, non_blocking=True) if k in _TENSOR_KEYS and v is not None else v)
+            for k, v in micro_batch.items()}
+
+
+def _packed_seq_params(cu_seqlens: torch.Tensor):
+    from megatron.core.packed_seq_params import PackedSeqParams
+
+    cu = cu_seqlens.to(torch.int32)  # [n_segments + 1]
+    max_len = int((cu[1:] - cu[:-1]).max())
+    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
+                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+
+
+def _masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
+    """Loss function handed to megatron's schedule: (sum of masked losses, loss tokens, report)."""
+    mask = loss_mask.float()  # [b, s]
+    loss_sum = (per_token_loss.float() * mask).sum()
+    num_tokens = mask.sum().to(torch.int)
+    report = torch.stack([loss_sum.detach(), num_tokens.detach().float()])
+    return loss_sum, num_tokens, {"lm_loss": report}
+
+
+def make_forward_step(device: torch.device) -> Callable:
+    def forward_step(data_iterator, model):
+        batch = to_device(next(data_iterator), device)
+        output = model(
+            input_ids=batch["input_ids"],
+            position_ids=batch["position_ids"],
+            labels=batch["labels"],
+            packed_seq_params=_packed_seq_params(batch["cu_seqlens"]),
+            pixel_values=batch.get("pixel_values"),
+            image_grid_thw=batch.get("image_grid_thw"),
+            pixel_values_videos=batch.get("pixel_values_videos"),
+            video_grid_thw=batch.get("video_grid_thw"),
+        )
+        return output, partial(_masked_loss_sum, batch["loss_mask"])
+
+    return forward_step
+
+
+def _global_loss(reports: list[dict], is_loss_rank: bool) -> tuple[float, int]:
+    """Sum (loss, tokens) over micro-batches and over the ranks that own a copy of the loss."""
+    total = torch.zeros(2, dtype=torch.float64)
+    if is_loss_rank:
+        for report in reports:
+            total += report["lm_loss"].double().cpu()
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(total)
+    loss_sum, tokens = float(total[0]), int(total[1])
+    return loss_sum / max(tokens, 1), tokens
+
+
+def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device: torch.device,
+               seq_length: int, is_loss_rank: bool) -> StepResult:
+    """Forward+backward over ``micro_batches``, optimizer update, LR step.
+
+    ``is_loss_rank``: true on exactly one rank per data-parallel replica (last pipeline stage, TP rank
+    0), so the logged loss counts each replica once.
+    """
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    for chunk in model:
+        chunk.zero_grad_buffer()
+    optimizer.zero_grad()
+    start = time.perf_counter()
+    reports = get_forward_backward_func()(
+        forward_step_func=make_forward_step(device),
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=False,
+    )
+    update_ok, grad_norm, _ = optimizer.step()
+    compute_s = time.perf_counter() - start
+    lr = optimizer.param_groups[0]["lr"]
+    if update_ok:
+        scheduler.step(increment=1)
+    loss, tokens = _global_loss(reports, is_loss_rank)
+    return StepResult(loss=loss, loss_tokens=tokens,
+                      grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
+                      compute_s=compute_s, skipped=not update_ok)

@@ -1,0 +1,176 @@
+"""``loongforge train`` through typer's CliRunner: listing, showing, dry runs, usage errors."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from loongforge.cli.app import app
+from loongforge.config.presets import list_preset_names
+
+runner = CliRunner()
+PRESETS = list_preset_names()
+
+
+def invoke(*args: str):
+    return runner.invoke(app, ["train", *args])
+
+
+def assert_usage_error(result, *fragments: str) -> list[str]:
+    """Exit code 2, and only `error: ...` lines, one per problem."""
+    assert result.exit_code == 2, result.output
+    lines = result.stderr.strip().splitlines()
+    assert lines and all(line.startswith("error: ") for line in lines), result.stderr
+    for fragment in fragments:
+        assert any(fragment in line for line in lines), (fragment, lines)
+    return lines
+
+
+def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
+    from loongforge.models.qwen2_5_vl.params import count_parameters  # noqa: F401 (needed)
+
+    result = invoke("--list-presets")
+    assert result.exit_code == 0, result.output
+    rows = {line.split()[0]: line for line in result.stdout.splitlines()[2:] if line.strip()}
+    for name in PRESETS:
+        assert name in rows
+    assert "8.29B" in rows["qwen2.5vl-7b"] and "TP2 x PP1 x DP4" in rows["qwen2.5vl-7b"]
+    assert "16384" in rows["qwen2.5vl-7b"]
+    assert "73.41B" in rows["qwen2.5vl-72b"] and "TP8 x PP2 x DP2" in rows["qwen2.5vl-72b"]
+    assert "3.75B" in rows["qwen2.5vl-3b"] and "33.45B" in rows["qwen2.5vl-32b"]
+
+
+def test_show_preset_prints_composed_yaml():
+    import yaml
+
+    result = invoke("--show-preset", "qwen2.5vl-3b")
+    assert result.exit_code == 0, result.output
+    tree = yaml.safe_load(result.stdout)
+    assert tree["model"]["vision"]["depth"] == 32  # from the vision component
+    assert tree["model"]["language"]["hidden_size"] == 2048  # from the language component
+    assert tree["training"]["precision"] == "bf16"  # from the training component
+    assert "components" not in tree and tree["preset"] == "qwen2.5vl-3b"
+
+
+def test_show_unknown_preset_is_a_usage_error():
+    assert_usage_error(invoke("--show-preset", "qwen2.5vl-8b"), "did you mean")
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_dry_run_every_preset_at_its_default_layout(name):
+    import yaml
+
+    result = invoke("--preset", name, "--dry-run")
+    assert result.exit_code == 0, result.output
+    resolved, plan = result.stdout.split("parallel plan\n")
+    assert yaml.safe_load(resolved)["preset"] == name
+    for label in ("world size", "tensor parallel", "pipeline parallel", "data parallel",
+                  "micro-batches", "stage 0", "memory per rank"):
+        assert label in plan
+
+
+def test_dry_run_72b_plan_numbers():
+    plan = invoke("--preset", "qwen2.5vl-72b", "--dry-run").stdout.split("parallel plan\n")[1]
+    assert "32 processes = TP8 x PP2 x DP2" in plan
+    assert "(vision encoder: 8)" in plan
+    assert "64 per rank per step" in plan
+    assert "layers 0-39 (40)" in plan and "layers 40-79 (40)" in plan
+    assert "73,410,777,344" in plan
+    assert "GiB" in plan
+
+
+@pytest.mark.parametrize("world_source", [
+    ["parallel.world_size=8"], ["--nproc-per-node", "8"]])
+def test_dry_run_7b_at_tp4_pp2(world_source):
+    result = invoke("--preset", "qwen2.5vl-7b", "parallel.tensor_model_parallel_size=4",
+                    "parallel.pipeline_model_parallel_size=2", *world_source, "--dry-run")
+    assert result.exit_code == 0, result.output
+    plan = result.stdout.split("parallel plan\n")[1]
+    assert "8 processes = TP4 x PP2 x DP1" in plan
+    assert "64 per rank per step" in plan
+    assert "layers 0-13 (14)" in plan and "layers 14-27 (14)" in plan
+
+
+def test_dry_run_output_dir_sets_logging_output_dir(tmp_path):
+    import yaml
+
+    result = invoke("--dry-run", "--output-dir", str(tmp_path / "run: 1"))
+    assert result.exit_code == 0, result.output
+    resolved = yaml.safe_load(result.stdout.split("parallel plan\n")[0])
+    assert resolved["logging"]["output_dir"] == str(tmp_path / "run: 1")
+
+
+def test_config_errors_exit_2_with_one_line_each():
+    lines = assert_usage_error(invoke("--dry-run", "optimizer.lrr=1", "training.precision=fp16"),
+                               "did you mean 'optimizer.lr'?")
+    assert len(lines) == 1  # structure errors first; the choice error shows once they are fixed
+    lines = assert_usage_error(invoke("--dry-run", "training.precision=fp16", "data.source=files"),
+                               "training.precision", "data.paths")
+    assert len(lines) == 2
+
+
+def test_unknown_preset_exits_2_with_did_you_mean():
+    assert_usage_error(invoke("--preset", "qwen2.5vl-7", "--dry-run"),
+                       "unknown preset 'qwen2.5vl-7'; did you mean 'qwen2.5vl-7b'?")
+
+
+def test_bad_override_syntax_exits_2():
+    assert_usage_error(invoke("--dry-run", "lr"), "is not a key=value override")
+
+
+def test_layout_error_exits_2_with_remedy():
+    assert_usage_error(invoke("--preset", "qwen2.5vl-7b", "--nproc-per-node", "3", "--dry-run"),
+                       "world size 3 is not a multiple of TP x PP = 2 x 1 = 2")
+
+
+def test_missing_config_file_exits_2(tmp_path):
+    assert_usage_error(invoke("--dry-run", "--config", str(tmp_path / "absent.yaml")),
+                       "cannot read config file")
+
+
+def test_yaml_syntax_error_exits_2_with_position(tmp_path):
+    path = tmp_path / "bad.yaml"
+    path.write_text("training: [\n")
+    assert_usage_error(invoke("--dry-run", "--config", str(path)), f"{path}:2:1: YAML syntax error")
+
+
+def test_real_run_without_launch_is_validated_as_one_process():
+    # The 7B preset needs TP2; a plain `loongforge train` is one process, so it must refuse
+    # before any training code is imported.
+    assert_usage_error(invoke("--preset", "qwen2.5vl-7b"), "world size 1 is not a multiple")
+
+
+def test_train_calls_runner_with_resolved_config(monkeypatch):
+    calls = []
+    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+                        lambda cfg, resume, command_line: calls.append((cfg, resume, command_line)))
+    result = invoke("training.train_steps=2", "--resume")
+    assert result.exit_code == 0, result.output
+    ((cfg, resume, command_line),) = calls
+    assert cfg.training.train_steps == 2 and resume is True
+    assert isinstance(command_line, list)
+
+
+def test_train_under_torchrun_does_not_spawn(monkeypatch):
+    monkeypatch.setenv("RANK", "0")
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    calls = []
+    monkeypatch.setattr("loongforge.parallel.launcher.launch_local_workers",
+                        lambda *a, **k: pytest.fail("must not spawn under torchrun"))
+    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+                        lambda cfg, resume, command_line: calls.append(cfg))
+    result = invoke("--nproc-per-node", "2")
+    assert result.exit_code == 0, result.output
+    assert calls[0].parallel.world_size == 2  # taken from the launcher's WORLD_SIZE
+
+
+def test_nproc_per_node_spawns_local_workers(monkeypatch):
+    monkeypatch.delenv("RANK", raising=False)
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    monkeypatch.delenv("SLURM_PROCID", raising=False)
+    launched = {}
+    monkeypatch.setattr("loongforge.parallel.launcher.launch_local_workers",
+                        lambda cfg, **kwargs: launched.update(cfg=cfg, **kwargs))
+    result = invoke("--nproc-per-node", "2")
+    assert result.exit_code == 0, result.output
+    assert launched["nproc_per_node"] == 2 and launched["cfg"].parallel.world_size == 2

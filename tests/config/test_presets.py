@@ -1,0 +1,86 @@
+"""Every shipped preset composes, validates at its own layout and matches its published size."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge.config.layout import derive_parallel_sizes
+from loongforge.config.loader import dump_yaml, load_resolved_config, load_run_config
+from loongforge.config.presets import DEFAULT_PRESET, list_preset_names, presets_dir
+from loongforge.config.validate import check_run_config
+
+PRESETS = list_preset_names()
+
+
+def test_presets_folder_has_the_shipped_presets():
+    assert {"qwen2.5vl-3b", "qwen2.5vl-7b", "qwen2.5vl-32b", "qwen2.5vl-72b",
+            DEFAULT_PRESET} <= set(PRESETS)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_preset_loads_and_validates(name):
+    cfg = load_run_config(name)
+    assert cfg.preset == name
+    assert check_run_config(cfg) == []
+    sizes = derive_parallel_sizes(cfg.parallel)
+    assert sizes.data_parallel * sizes.tensor_parallel * sizes.pipeline_parallel == sizes.world_size
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_resolved_yaml_round_trips(name, tmp_path):
+    cfg = load_run_config(name)
+    path = tmp_path / "config.yaml"
+    path.write_text(dump_yaml(cfg))
+    assert load_resolved_config(path) == cfg
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n != DEFAULT_PRESET])
+def test_full_size_presets_match_published_parameter_counts(name):
+    from loongforge.models.qwen2_5_vl.params import count_parameters
+
+    cfg = load_run_config(name)
+    assert cfg.model.reference_num_params is not None
+    assert count_parameters(cfg.model)["total"] == cfg.model.reference_num_params
+
+
+def test_7b_preset_is_the_schema_default_model():
+    from loongforge.config.schema import LanguageConfig, VisionConfig
+
+    cfg = load_run_config("qwen2.5vl-7b")
+    assert cfg.model.language == LanguageConfig()
+    assert cfg.model.vision == VisionConfig()
+    assert cfg.model.reference_num_params == 8_292_166_656
+
+
+def test_tiny_preset_has_the_agreed_dimensions():
+    cfg = load_run_config(DEFAULT_PRESET)
+    vision, language = cfg.model.vision, cfg.model.language
+    assert (vision.depth, vision.hidden_size) == (2, 64)
+    assert (vision.num_heads, vision.intermediate_size) == (4, 128)
+    assert (vision.patch_size, vision.temporal_patch_size, vision.window_size) == (14, 2, 112)
+    assert vision.fullatt_block_indexes == [1]
+    assert cfg.model.projector.spatial_merge_size == 2
+    assert cfg.model.projector.out_hidden_size == 128
+    assert (language.num_layers, language.hidden_size, language.ffn_hidden_size) == (4, 128, 384)
+    assert (language.num_attention_heads, language.num_query_groups) == (4, 2)
+    assert language.mrope_section == [4, 6, 6]
+    assert (language.vocab_size, language.rope_theta) == (151936, 1e6)
+    assert language.tie_word_embeddings
+    assert (cfg.data.source, cfg.data.seq_len, cfg.data.tokenizer) == ("synthetic", 1024, "qwen")
+    assert (cfg.data.max_pixels, cfg.data.min_pixels) == (224 * 224, 56 * 56)
+    assert (cfg.training.precision, cfg.training.device) == ("fp32", "cpu")
+    assert (cfg.training.global_batch_size, cfg.training.train_steps) == (4, 150)
+    assert (cfg.optimizer.lr, cfg.optimizer.min_lr) == (1e-3, 1e-4)
+    assert cfg.optimizer.weight_decay == 0.0
+    assert (cfg.schedule.warmup_steps, cfg.schedule.decay_style) == (10, "cosine")
+    assert cfg.optimizer.clip_grad == 1.0
+    assert (cfg.logging.output_dir, cfg.logging.log_interval) == ("runs/qwen2.5vl-tiny", 10)
+    assert cfg.checkpoint.save_at_end
+
+
+def test_presets_env_var_points_elsewhere(tmp_path, monkeypatch):
+    (tmp_path / "mine.yaml").write_text("training:\n  train_steps: 7\n")
+    monkeypatch.setenv("LOONGFORGE_PRESETS", str(tmp_path))
+    assert presets_dir() == tmp_path
+    assert list_preset_names() == ["mine"]
+    assert load_run_config("mine").training.train_steps == 7

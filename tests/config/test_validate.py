@@ -1,0 +1,185 @@
+"""Shape and cross-field validation messages."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge.config.errors import ConfigError
+from loongforge.config.loader import load_run_config
+from loongforge.config.validate import build_run_config, check_run_config
+
+
+def errors_for(*overrides, preset="qwen2.5vl-tiny", world_size=None):
+    with pytest.raises(ConfigError) as info:
+        load_run_config(preset, overrides=list(overrides), world_size=world_size)
+    return info.value.messages
+
+
+def test_unknown_key_gives_full_path_and_did_you_mean():
+    (message,) = errors_for("model.language.num_layer=3")
+    assert message == ("unknown key 'model.language.num_layer'; "
+                       "did you mean 'model.language.num_layers'?")
+
+
+def test_key_in_wrong_section_suggests_its_real_section():
+    (message,) = errors_for("training.lr=1e-4")
+    assert "did you mean 'optimizer.lr'?" in message
+
+
+def test_unknown_key_without_close_match_lists_valid_keys():
+    (message,) = errors_for("schedule.zzzzzz=1")
+    assert "unknown key 'schedule.zzzzzz'" in message
+    assert "warmup_steps, decay_style" in message
+
+
+def test_unknown_section_is_reported_once():
+    (message,) = errors_for("modle.language.num_layers=3")
+    assert message == "unknown key 'modle'; did you mean 'model'?"
+
+
+def test_type_error_names_key_and_expected_type():
+    (message,) = errors_for("model.language.num_layers=four")
+    assert message.startswith(
+        "model.language.num_layers: expected an integer, got 'four' (a string)")
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("optimizer.lr=fast", "optimizer.lr: expected a number"),
+    ("training.freeze_vision=3", "training.freeze_vision: expected true or false"),
+    ("model.language.mrope_section=[4, x, 6]",
+     "model.language.mrope_section: expected a list of integers"),
+    ("parallel.vision_tensor_model_parallel_size=two",
+     "parallel.vision_tensor_model_parallel_size: expected an integer or null"),
+    ("model.vision=5", "model.vision: expected a section of keys"),
+    ("training.train_steps=1.5", "training.train_steps: expected an integer"),
+    ("training.train_steps=true", "training.train_steps: expected an integer"),
+])
+def test_type_errors(override, expected):
+    (message,) = errors_for(override)
+    assert message.startswith(expected)
+
+
+def test_floats_accept_ints_and_optional_accepts_null():
+    cfg = build_run_config({"optimizer": {"lr": 1}, "checkpoint": {"dir": None},
+                            "parallel": {"vision_tensor_model_parallel_size": 1}})
+    assert cfg.optimizer.lr == 1.0 and isinstance(cfg.optimizer.lr, float)
+    assert cfg.parallel.vision_tensor_model_parallel_size == 1
+
+
+def test_multiple_structure_errors_reported_at_once():
+    messages = errors_for("training.train_stepz=3", "optimizer.lr=x", "data.seq_lenn=5")
+    assert len(messages) == 3
+    assert any("training.train_stepz" in m for m in messages)
+    assert any(m.startswith("optimizer.lr: expected a number") for m in messages)
+    assert any("data.seq_lenn" in m for m in messages)
+
+
+def test_multiple_rule_errors_reported_at_once():
+    messages = errors_for("training.precision=bf32", "data.source=files",
+                          "model.language.mrope_section=[4, 6, 8]")
+    assert len(messages) == 3
+    assert any("training.precision='bf32' is not one of bf16 | fp32; did you mean" in m
+               for m in messages)
+    assert any("data.source=files needs data.paths" in m for m in messages)
+    assert any("mrope_section" in m for m in messages)
+
+
+@pytest.mark.parametrize("path, bad", [
+    ("model.attention_backend", "flash2"), ("training.precision", "fp16"),
+    ("schedule.decay_style", "linear"), ("data.source", "web"), ("optimizer.name", "adamw"),
+    ("training.device", "gpu"),
+])
+def test_choices(path, bad):
+    (message,) = errors_for(f"{path}={bad}")
+    assert message.startswith(f"{path}='{bad}' is not one of")
+
+
+def test_tp_not_dividing_heads_says_what_to_change():
+    messages = errors_for("parallel.tensor_model_parallel_size=3", preset="qwen2.5vl-7b",
+                          world_size=3)
+    heads = [m for m in messages if "num_attention_heads=28" in m]
+    assert heads == ["parallel.tensor_model_parallel_size=3 does not divide "
+                     "model.language.num_attention_heads=28; set it to one of 1, 2, 4 "
+                     "(sizes dividing the heads, KV heads and FFN size)."]
+    assert any("num_query_groups (KV heads)=4" in m for m in messages)
+
+
+def test_tp_not_dividing_kv_heads():
+    messages = errors_for("parallel.tensor_model_parallel_size=4", preset="qwen2.5vl-3b")
+    assert any("model.language.num_query_groups (KV heads)=2" in m for m in messages)
+
+
+def test_vision_tp_inherited_from_language_tp_must_divide_vision_mlp():
+    # The 32B language model splits over TP8; a 3420-wide vision MLP (3B/7B tower) does not.
+    messages = errors_for("model.vision.intermediate_size=3420", preset="qwen2.5vl-32b")
+    assert messages == ["vision tensor parallel size 8 (inherited from "
+                        "parallel.tensor_model_parallel_size) does not divide "
+                        "model.vision.intermediate_size=3420; set "
+                        "parallel.vision_tensor_model_parallel_size to one of 1, 2, 4."]
+    # The remedy works:
+    cfg = load_run_config("qwen2.5vl-32b", overrides=[
+        "model.vision.intermediate_size=3420", "parallel.vision_tensor_model_parallel_size=4"])
+    assert cfg.parallel.vision_tensor_model_parallel_size == 4
+
+
+def test_bad_language_tp_is_not_repeated_for_inherited_vision_tp():
+    messages = errors_for("parallel.tensor_model_parallel_size=8", preset="qwen2.5vl-7b")
+    assert messages and not any("vision" in m for m in messages)
+
+
+def test_vision_tp_must_divide_language_tp():
+    messages = errors_for("parallel.vision_tensor_model_parallel_size=4", preset="qwen2.5vl-7b")
+    assert any("does not divide parallel.tensor_model_parallel_size=2" in m for m in messages)
+
+
+def test_world_size_must_be_multiple_of_tp_times_pp():
+    messages = errors_for("parallel.tensor_model_parallel_size=4",
+                          "parallel.pipeline_model_parallel_size=2", preset="qwen2.5vl-7b",
+                          world_size=12)
+    assert messages == ["world size 12 is not a multiple of TP x PP = 4 x 2 = 8; launch a "
+                        "multiple of 8 processes (--nproc-per-node or parallel.world_size) or "
+                        "lower the TP/PP sizes."]
+
+
+def test_global_batch_divisible_by_data_parallel():
+    (message,) = errors_for("training.global_batch_size=5", world_size=2)
+    assert "training.global_batch_size=5 is not divisible by the data-parallel size 2" in message
+
+
+def test_pipeline_must_divide_layers():
+    (message,) = errors_for("parallel.pipeline_model_parallel_size=3", world_size=3,
+                            preset="qwen2.5vl-tiny")
+    assert message.startswith("parallel.pipeline_model_parallel_size=3 does not divide "
+                              "model.language.num_layers=4; set it to one of 1, 2, 4")
+
+
+def test_mrope_sections_must_sum_to_half_head_dim():
+    (message,) = errors_for("model.language.mrope_section=[16,24,24]")
+    assert message.startswith("model.language.mrope_section=[16, 24, 24] sums to 64 but must "
+                              "sum to head_dim/2 = 16")
+
+
+def test_projector_width_must_match_language_hidden():
+    (message,) = errors_for("model.projector.out_hidden_size=64")
+    assert "set model.projector.out_hidden_size=128" in message
+
+
+def test_data_sources_need_their_inputs():
+    assert "data.source=files needs data.paths" in errors_for("data.source=files")[0]
+    assert "data.source=packed needs data.packed" in errors_for("data.source=packed")[0]
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["data.source=packed", "data.packed=/tmp/p"])
+    assert cfg.data.packed == "/tmp/p"
+
+
+def test_nonpositive_sizes_are_reported_without_crashing():
+    messages = errors_for("parallel.tensor_model_parallel_size=0",
+                          "model.language.num_attention_heads=0")
+    assert len(messages) == 2
+    assert all("must be at least 1" in m for m in messages)
+
+
+def test_world_size_argument_overrides_config_value():
+    cfg = load_run_config("qwen2.5vl-tiny")
+    assert check_run_config(cfg, world_size=3) == [
+        "training.global_batch_size=4 is not divisible by the data-parallel size 3 (world 3 / "
+        "(TP 1 x PP 1)); use a multiple of 3."]

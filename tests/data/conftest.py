@@ -1,0 +1,63 @@
+"""Shared fixtures: the offline Qwen tokenizer and the real demo data (read-only)."""
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+SHARED_DATA = Path(os.environ.get("LOONGFORGE_SHARED_DATA", "/work/shared/data"))
+LLAMAFACTORY = SHARED_DATA / "llamafactory"
+LOONGFORGE_VLM = SHARED_DATA / "loongforge" / "vlm"
+COCO_IMAGES = SHARED_DATA / "coco2017" / "val2017"
+
+
+def require(path: Path) -> Path:
+    if not path.exists():
+        pytest.skip(f"shared data {path} not present")
+    return path
+
+
+@pytest.fixture(scope="session")
+def tokenizer():
+    from loongforge.data.tokenizer import load_tokenizer
+
+    return load_tokenizer("qwen")
+
+
+def good_record(image="img.jpg"):
+    return {"messages": [{"role": "user", "content": "<image>What is it?"},
+                         {"role": "assistant", "content": "A photo."}], "images": [image]}
+
+
+@pytest.fixture()
+def bad_data(tmp_path):
+    """A JSONL file with one sample per reject reason (and two good ones), plus its images."""
+    jpg = sorted(require(COCO_IMAGES).glob("*.jpg"))[0]
+    shutil.copy(jpg, tmp_path / "img.jpg")
+    data = jpg.read_bytes()
+    (tmp_path / "truncated.jpg").write_bytes(data[: len(data) // 3])
+    lines = [
+        json.dumps(good_record()),  # 1 ok
+        '{"messages": [{"role": "user", "content": "hi"},',  # 2 malformed_json
+        json.dumps({"conversations": [{"from": "human", "value": "hi"}, {"from": "robot", "value": "x"}]}),  # 3
+        json.dumps({"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}),  # 4
+        json.dumps({"conversations": [{"from": "human", "value": "q"}, {"from": "gpt", "value": "  "}]}),  # 5
+        json.dumps(good_record("nowhere/missing.jpg")),  # 6 missing_image
+        json.dumps(good_record("truncated.jpg")),  # 7 corrupt_image
+        json.dumps({"messages": [{"role": "user", "content": "word " * 3000},
+                                 {"role": "assistant", "content": "ok"}]}),  # 8 too_long
+        json.dumps({"messages": [{"role": "user", "content": "<image><image>two?"},
+                                 {"role": "assistant", "content": "one"}], "images": ["img.jpg"]}),  # 9
+        "",  # blank lines are not records
+        json.dumps({"conversations": [{"from": "system", "value": "s"}, {"from": "human", "value": "<image>x"},
+                                      {"from": "gpt", "value": "y"}], "image": "img.jpg"}),  # 11 ok (LLaVA)
+    ]
+    path = tmp_path / "bad.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+EXPECTED_REASONS = {2: "malformed_json", 3: "bad_roles", 4: "bad_roles", 5: "empty_answer", 6: "missing_image",
+                    7: "corrupt_image", 8: "too_long", 9: "media_mismatch"}

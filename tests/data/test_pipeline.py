@@ -1,0 +1,175 @@
+"""DataPipeline: the micro-batch contract, DP invariance, exact resume, and accounting of samples."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.data.pipeline import DataPipeline
+from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
+from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
+
+MODEL = ModelConfig()
+TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values", "image_grid_thw",
+               "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def _pipeline(tokenizer, data_cfg, *, gbs=4, dp_rank=0, dp_size=1, pad=16, rejects_path=None, **kwargs):
+    return DataPipeline(data_cfg, MODEL, global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
+                        pad_to_multiple=pad, rejects_path=rejects_path, tokenizer=tokenizer, **kwargs)
+
+
+def _synthetic(**overrides):
+    return DataConfig(**{"source": "synthetic", "synthetic_num_samples": 60, "seq_len": 512, "num_workers": 0,
+                         "seed": 5, **overrides})
+
+
+def _assert_same_batches(left: list[dict], right: list[dict]):
+    assert len(left) == len(right)
+    for a, b in zip(left, right):
+        assert a.keys() == b.keys()
+        for key in a:
+            if isinstance(a[key], torch.Tensor):
+                assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            else:
+                assert a[key] == b[key], key
+
+
+def test_micro_batch_contract(tokenizer):
+    pipeline = _pipeline(tokenizer, _synthetic(), pad=16)
+    micro_batches = pipeline.next_step()
+    assert len(micro_batches) == 4
+    for mb in micro_batches:
+        T = mb["input_ids"].shape[1]
+        real = sum(mb["sample_lengths"])
+        assert T % 16 == 0 and real <= 512 and T - real < 16
+        assert mb["input_ids"].shape == mb["labels"].shape == mb["loss_mask"].shape == (1, T)
+        assert mb["input_ids"].dtype == mb["labels"].dtype == torch.long and mb["loss_mask"].dtype == torch.float32
+        assert mb["position_ids"].shape == (3, 1, T) and mb["position_ids"].dtype == torch.long
+        cu = mb["cu_seqlens"]
+        assert cu.dtype == torch.int32 and cu[0] == 0 and cu[-1] == T
+        assert (cu[1:] - cu[:-1]).tolist() == mb["sample_lengths"] + ([T - real] if T > real else [])
+        assert len(mb["sample_ids"]) == len(mb["sample_lengths"])
+        assert mb["num_loss_tokens"] == int(mb["loss_mask"].sum()) > 0
+        ids, labels, mask = mb["input_ids"][0], mb["labels"][0], mb["loss_mask"][0]
+        num_samples = len(mb["sample_lengths"])
+        for start, end in zip(cu[:num_samples].tolist(), cu[1:num_samples + 1].tolist()):
+            assert torch.equal(labels[start:end - 1], ids[start + 1:end])  # shifted within the sample
+            assert labels[end - 1] == 0 and mask[end - 1] == 0  # no target across samples
+            assert mb["position_ids"][:, 0, start].tolist() == [0, 0, 0]  # restarts per sample
+        assert (ids[real:] == MODEL.tokens.pad_token_id).all() and (mask[real:] == 0).all()
+        assert (labels[real:] == 0).all()
+        # targets under the mask are answer tokens: never vision tokens, never the role header
+        assert not torch.isin(labels[mask.bool()], torch.tensor([151652, 151653, 151655, 151644])).any()
+        grids = mb["image_grid_thw"]
+        assert mb["pixel_values"].shape == (int(grids.prod(-1).sum()), 1176)
+        assert int((ids == MODEL.tokens.image_token_id).sum()) == int(grids.prod(-1).sum()) // 4
+
+
+def test_position_ids_are_rope_index_per_sample(tokenizer):
+    mb = _pipeline(tokenizer, _synthetic()).next_step()[0]
+    cu = mb["cu_seqlens"].tolist()
+    grids = iter(mb["image_grid_thw"])
+    for start, end in zip(cu[:-1], cu[1:len(mb["sample_lengths"]) + 1]):
+        ids = mb["input_ids"][0, start:end]
+        n_images = int((ids == MODEL.tokens.vision_start_token_id).sum())
+        sample_grids = torch.stack([next(grids) for _ in range(n_images)]) if n_images else None
+        expected = get_rope_index(ids, sample_grids, None, None, spatial_merge_size=2, image_token_id=151655,
+                                  video_token_id=151656, vision_start_token_id=151652, tokens_per_second=2)
+        assert torch.equal(mb["position_ids"][:, 0, start:end], expected)
+
+
+def test_dp_split_union_equals_single_rank(tokenizer):
+    single = _pipeline(tokenizer, _synthetic(), gbs=4, dp_size=1)
+    ranks = [_pipeline(tokenizer, _synthetic(), gbs=4, dp_rank=r, dp_size=2) for r in range(2)]
+    for _ in range(3):
+        expected = single.next_step()
+        per_rank = [p.next_step() for p in ranks]
+        assert [len(mbs) for mbs in per_rank] == [2, 2]
+        _assert_same_batches(per_rank[0] + per_rank[1], expected)
+
+
+@pytest.mark.parametrize("num_workers", [0, 1])
+def test_resume_from_state_dict_gives_identical_batches(tokenizer, num_workers):
+    # 30 samples, ~15 per row, 4 rows per step: epochs turn over every other step, with reshuffles.
+    cfg = _synthetic(synthetic_num_samples=30, num_workers=num_workers, shuffle=True)
+    first = _pipeline(tokenizer, cfg)
+    for _ in range(3):
+        first.next_step()
+    state = json.loads(json.dumps(first.state_dict()))  # must survive a JSON checkpoint
+    continued = [first.next_step() for _ in range(4)]
+    assert state["stream"]["epoch"] >= 1  # the test really crossed an epoch boundary
+    resumed = _pipeline(tokenizer, cfg)
+    resumed.load_state_dict(state)
+    for expected in continued:
+        _assert_same_batches(resumed.next_step(), expected)
+    first.close()
+    resumed.close()
+
+
+def test_close_rewinds_prefetched_steps(tokenizer):
+    cfg = _synthetic(num_workers=2)
+    reference = _pipeline(tokenizer, _synthetic())
+    expected = [reference.next_step() for _ in range(4)]
+    prefetching = _pipeline(tokenizer, cfg, prefetch_steps=3)
+    _assert_same_batches(prefetching.next_step(), expected[0])
+    prefetching.close()  # the worker had packed steps 2.. ahead; they must not be lost
+    for step in expected[1:]:
+        _assert_same_batches(prefetching.next_step(), step)
+    prefetching.close()
+
+
+def test_every_sample_in_one_row_or_rejected_once(tokenizer, bad_data, tmp_path):
+    rejects_path = tmp_path / "rejects.jsonl"
+    cfg = DataConfig(source="files", paths=[str(bad_data), str(require(LLAMAFACTORY / "mllm_demo.json"))],
+                     seq_len=1024, num_workers=0, shuffle=True)
+    pipeline = _pipeline(tokenizer, cfg, gbs=1, rejects_path=rejects_path)
+    num_records = len(pipeline.stream.source)
+    epoch0_positions = []
+    # Run until epoch 0 has fully left the packing buffer; later epochs meet the rejects again.
+    while pipeline.stream.epoch < 3 or any(key[0] == 0 for key in pipeline.stream.packer.buffer_keys()):
+        row = pipeline.stream.next_row()
+        assert sum(item.length for item in row) <= 1024
+        epoch0_positions += [item.key[1] for item in row if item.key[0] == 0]
+    lines = [json.loads(line) for line in rejects_path.read_text().splitlines()]
+    assert sorted((r["line"], r["reason"]) for r in lines) == sorted(EXPECTED_REASONS.items())
+    assert all(r["file"] == str(bad_data) and r["detail"] for r in lines)
+    assert sum(pipeline.reject_counts().values()) == len(EXPECTED_REASONS)
+    assert len(epoch0_positions) == len(set(epoch0_positions))  # no sample twice in an epoch
+    assert len(epoch0_positions) + len(EXPECTED_REASONS) == num_records == 16  # none silently dropped
+
+
+def test_rows_padded_to_seq_len_for_pipeline_parallel(tokenizer):
+    for mb in _pipeline(tokenizer, _synthetic(), pad=512).next_step():
+        assert mb["input_ids"].shape == (1, 512) and mb["cu_seqlens"][-1] == 512
+
+
+def test_real_demo_conversations_with_images_and_video(tokenizer):
+    pytest.importorskip("av")
+    paths = [LLAMAFACTORY / "mllm_demo.json", LLAMAFACTORY / "mllm_video_demo.json",
+             LLAMAFACTORY / "v1_multimodal_demo.jsonl", LOONGFORGE_VLM / "mix.json", LOONGFORGE_VLM / "mllm_demo.json"]
+    cfg = DataConfig(source="files", paths=[str(require(p)) for p in paths], seq_len=8192, num_workers=2,
+                     shuffle=False, video_max_frames=16)
+    pipeline = _pipeline(tokenizer, cfg, gbs=2)
+    seen, videos, images = [], 0, 0
+    while len(set(seen)) < 45:
+        for mb in pipeline.next_step():
+            seen += mb["sample_ids"]
+            assert sum(mb["sample_lengths"]) <= 8192
+            if mb["pixel_values_videos"] is not None:
+                grids = mb["video_grid_thw"]
+                videos += len(grids)
+                assert mb["pixel_values_videos"].shape == (int(grids.prod(-1).sum()), 1176)
+                assert mb["second_per_grid_ts"].shape == (len(grids),)
+                assert int((mb["input_ids"] == 151656).sum()) == int(grids.prod(-1).sum()) // 4
+                assert (grids[:, 0] <= 8).all()  # video_max_frames=16 -> at most 8 temporal patches
+            if mb["pixel_values"] is not None:
+                images += len(mb["image_grid_thw"])
+                assert np.isfinite(mb["pixel_values"].numpy()).all()
+        assert len(seen) < 100, "demo samples did not all arrive"
+    pipeline.close()
+    assert pipeline.reject_counts() == {}
+    assert videos >= 2 and images >= 10
+    assert any(s.startswith(str(LLAMAFACTORY / "mllm_video_demo.json")) for s in seen)

@@ -1,0 +1,211 @@
+"""Shared test helpers: the tiny preset, a matching random transformers model, sample inputs, and
+megatron parallel-state setup over gloo (usable in-process and in spawned workers)."""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import socket
+from datetime import timedelta
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+
+# Channels * temporal patch * patch^2: the width of one row of pixel_values.
+PATCH_DIM = 3 * 2 * 14 * 14
+
+
+def tiny_model_cfg(*, tie: bool = True, num_layers: int = 2) -> ModelConfig:
+    """The shipped tiny preset's dims (language depth reduced for speed)."""
+    return ModelConfig(
+        vision=VisionConfig(
+            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
+            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+        ),
+        projector=ProjectorConfig(spatial_merge_size=2, out_hidden_size=128),
+        language=LanguageConfig(
+            num_layers=num_layers, hidden_size=128, ffn_hidden_size=384, num_attention_heads=4,
+            num_query_groups=2, vocab_size=151936, rope_theta=1e6, mrope_section=[4, 6, 6],
+            tie_word_embeddings=tie,
+        ),
+        attention_backend="sdpa",
+    )
+
+
+def hf_config(model_cfg: ModelConfig):
+    from transformers import Qwen2_5_VLConfig
+
+    vis, lang, tok = model_cfg.vision, model_cfg.language, model_cfg.tokens
+    return Qwen2_5_VLConfig(
+        text_config=dict(
+            vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
+            intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
+            num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
+            rms_norm_eps=lang.rms_norm_eps, max_position_embeddings=lang.max_position_embeddings,
+            rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta,
+                             "mrope_section": list(lang.mrope_section)},
+        ),
+        vision_config=dict(
+            depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
+            num_heads=vis.num_heads, in_channels=vis.in_channels, patch_size=vis.patch_size,
+            temporal_patch_size=vis.temporal_patch_size, window_size=vis.window_size,
+            fullatt_block_indexes=list(vis.fullatt_block_indexes),
+            spatial_merge_size=model_cfg.projector.spatial_merge_size,
+            out_hidden_size=model_cfg.projector.out_hidden_size,
+            tokens_per_second=model_cfg.tokens_per_second, hidden_act=vis.hidden_act,
+        ),
+        image_token_id=tok.image_token_id, video_token_id=tok.video_token_id,
+        vision_start_token_id=tok.vision_start_token_id, vision_end_token_id=tok.vision_end_token_id,
+        tie_word_embeddings=lang.tie_word_embeddings,
+    )
+
+
+def build_hf_model(model_cfg: ModelConfig, seed: int = 0):
+    """A random fp32 transformers Qwen2.5-VL; every parameter (norms and biases too) randomised so
+    that a wrong mapping of any tensor shows up in the logits."""
+    from transformers import Qwen2_5_VLForConditionalGeneration
+
+    torch.manual_seed(seed)
+    model = Qwen2_5_VLForConditionalGeneration(hf_config(model_cfg)).float().eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            if "norm" in name or "ln_q" in name:
+                param.copy_(1.0 + 0.1 * noise)
+            else:
+                param.copy_(0.05 * noise)
+    return model
+
+
+@dataclasses.dataclass
+class Sample:
+    input_ids: torch.Tensor  # [1, s]
+    mm_token_type_ids: torch.Tensor  # [1, s]: 0 text, 1 image, 2 video
+    pixel_values: Optional[torch.Tensor] = None
+    image_grid_thw: Optional[torch.Tensor] = None
+    pixel_values_videos: Optional[torch.Tensor] = None
+    video_grid_thw: Optional[torch.Tensor] = None
+
+
+def make_sample(
+    model_cfg: ModelConfig,
+    *,
+    text_len: int = 12,
+    images: tuple[tuple[int, int, int], ...] = (),
+    videos: tuple[tuple[int, int, int], ...] = (),
+    seed: int = 0,
+) -> Sample:
+    """Text, then each image/video as <vision_start> pad*n <vision_end>, then more text."""
+    g = torch.Generator().manual_seed(seed)
+    tok, merge_unit = model_cfg.tokens, model_cfg.projector.spatial_merge_size**2
+    ids, types = [torch.randint(0, 150000, (text_len,), generator=g)], [torch.zeros(text_len, dtype=torch.long)]
+    pixels = {"image": [], "video": []}
+    for kind, grids, token_id, type_id in (("image", images, tok.image_token_id, 1), ("video", videos, tok.video_token_id, 2)):
+        for t, h, w in grids:
+            n = t * h * w // merge_unit
+            ids += [torch.tensor([tok.vision_start_token_id]), torch.full((n,), token_id), torch.tensor([tok.vision_end_token_id])]
+            types += [torch.zeros(1, dtype=torch.long), torch.full((n,), type_id), torch.zeros(1, dtype=torch.long)]
+            pixels[kind].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
+    ids.append(torch.randint(0, 150000, (5,), generator=g))
+    types.append(torch.zeros(5, dtype=torch.long))
+    grid = lambda gs: torch.tensor(gs, dtype=torch.long) if gs else None  # noqa: E731
+    cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731
+    return Sample(
+        input_ids=torch.cat(ids)[None],
+        mm_token_type_ids=torch.cat(types)[None],
+        pixel_values=cat(pixels["image"]),
+        image_grid_thw=grid(images),
+        pixel_values_videos=cat(pixels["video"]),
+        video_grid_thw=grid(videos),
+    )
+
+
+def hf_position_ids(hf_model, sample: Sample) -> torch.Tensor:
+    """[3, 1, s] M-RoPE positions from transformers' own get_rope_index."""
+    positions, _ = hf_model.model.get_rope_index(
+        sample.input_ids, sample.mm_token_type_ids,
+        image_grid_thw=sample.image_grid_thw, video_grid_thw=sample.video_grid_thw,
+    )
+    return positions
+
+
+@torch.no_grad()
+def hf_logits(hf_model, sample: Sample) -> torch.Tensor:
+    """[1, s, V] logits of the transformers model."""
+    return hf_model(
+        input_ids=sample.input_ids,
+        position_ids=hf_position_ids(hf_model, sample),
+        pixel_values=sample.pixel_values,
+        image_grid_thw=sample.image_grid_thw,
+        pixel_values_videos=sample.pixel_values_videos,
+        video_grid_thw=sample.video_grid_thw,
+    ).logits
+
+
+def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
+    return dict(
+        input_ids=sample.input_ids,
+        position_ids=position_ids,
+        pixel_values=sample.pixel_values,
+        image_grid_thw=sample.image_grid_thw,
+        pixel_values_videos=sample.pixel_values_videos,
+        video_grid_thw=sample.video_grid_thw,
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron parallel state over gloo
+# ---------------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    dist.init_process_group(
+        "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
+        timeout=timedelta(seconds=120),
+    )
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    # The CPU-safe form (docs/megatron-cpu.md): a plain model_parallel_cuda_manual_seed needs CUDA.
+    model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
+
+
+def destroy_megatron() -> None:
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def limit_threads() -> None:
+    """Two worker processes on two cores: one intra-op thread each avoids oversubscription."""
+    torch.set_num_threads(1)
+    os.environ["OMP_NUM_THREADS"] = "1"
+
+
+def run_workers(worker, nprocs: int, args: tuple, timeout_s: float) -> None:
+    """Spawn ``worker(rank, *args)`` in ``nprocs`` processes; re-raise a worker's error; kill all
+    and fail when they are not done within ``timeout_s`` (so a hung collective cannot hang CI)."""
+    import time
+
+    import pytest
+
+    context = torch.multiprocessing.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    deadline = time.monotonic() + timeout_s
+    while not context.join(timeout=1):  # raises if a worker failed
+        if time.monotonic() > deadline:
+            for process in context.processes:
+                process.kill()
+            pytest.fail(f"{nprocs} workers did not finish within {timeout_s} s")

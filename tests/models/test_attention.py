@@ -1,0 +1,84 @@
+"""SDPA core attention: packed segments, GQA, causality; backend selection."""
+
+import pytest
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loongforge.models.attention import (
+    FlashCoreAttention,
+    SDPACoreAttention,
+    core_attention_module,
+    resolve_attention_backend,
+)
+
+HEADS, GROUPS, HEAD_DIM = 4, 2, 8
+
+
+def _attention(mask_type: AttnMaskType) -> SDPACoreAttention:
+    config = TransformerConfig(
+        num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS, num_query_groups=GROUPS,
+        attention_dropout=0.0,
+    )
+    return SDPACoreAttention(config, layer_number=1, attn_mask_type=mask_type, attention_type="self")
+
+
+def _reference(q, k, v, causal: bool) -> torch.Tensor:
+    """Plain softmax attention of one sequence: q [s, np, d], k/v [s, ng, d] -> [s, np*d]."""
+    repeat = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(repeat, dim=1), v.repeat_interleave(repeat, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / HEAD_DIM**0.5
+    if causal:
+        scores = scores.masked_fill(torch.ones_like(scores, dtype=torch.bool).triu(1), float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).reshape(q.shape[0], -1)
+
+
+@pytest.mark.parametrize("mask_type", [AttnMaskType.causal, AttnMaskType.no_mask])
+def test_packed_segments_attend_only_within_themselves(mask_type):
+    lengths = [5, 3, 5, 1, 7]  # repeated lengths take the batched path
+    total = sum(lengths)
+    q, k, v = torch.randn(total, HEADS, HEAD_DIM), torch.randn(total, GROUPS, HEAD_DIM), torch.randn(total, GROUPS, HEAD_DIM)
+    cu_seqlens = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+    out = _attention(mask_type)(q, k, v, None, packed_seq_params=params)
+    causal = mask_type == AttnMaskType.causal
+    expected = torch.cat([_reference(*(x.split(lengths)[i] for x in (q, k, v)), causal) for i in range(len(lengths))])
+    assert out.shape == (total, HEADS * HEAD_DIM)
+    assert (out - expected).abs().max() < 1e-5
+
+
+def test_sbhd_layout_is_causal_per_batch_row():
+    s, b = 6, 2
+    q, k, v = torch.randn(s, b, HEADS, HEAD_DIM), torch.randn(s, b, GROUPS, HEAD_DIM), torch.randn(s, b, GROUPS, HEAD_DIM)
+    out = _attention(AttnMaskType.causal)(q, k, v, None)
+    assert out.shape == (s, b, HEADS * HEAD_DIM)
+    for row in range(b):
+        assert (out[:, row] - _reference(q[:, row], k[:, row], v[:, row], causal=True)).abs().max() < 1e-5
+
+
+def test_cu_seqlens_must_cover_every_token():
+    q = torch.randn(4, HEADS, HEAD_DIM)
+    k = v = torch.randn(4, GROUPS, HEAD_DIM)
+    cu_seqlens = torch.tensor([0, 3], dtype=torch.int32)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
+    with pytest.raises(ValueError, match="covers 3 tokens"):
+        _attention(AttnMaskType.causal)(q, k, v, None, packed_seq_params=params)
+
+
+def test_backend_resolution_on_cpu():
+    assert resolve_attention_backend("auto", "cpu") == "sdpa"
+    assert resolve_attention_backend("sdpa", "cpu") == "sdpa"
+    assert core_attention_module("sdpa") is SDPACoreAttention
+    assert core_attention_module("flash") is FlashCoreAttention
+
+
+@pytest.mark.parametrize("backend", ["te", "flash"])
+def test_gpu_backends_refuse_cpu(backend):
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        resolve_attention_backend(backend, "cpu")
+
+
+def test_unknown_backend_names_the_key():
+    with pytest.raises(ValueError, match=r"model.attention_backend='xformers' is not one of auto, sdpa, te, flash"):
+        resolve_attention_backend("xformers", "cpu")
