@@ -29,7 +29,7 @@ from loongforge.data.collate import RopeSettings, collate_row
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import MeasuredSample, SampleMeasurer, materialize, vision_sizing
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
-from loongforge.data.records import ConversationSample, Reject
+from loongforge.data.records import Reject
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 

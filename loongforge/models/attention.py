@@ -110,6 +110,8 @@ class SDPACoreAttention(_CoreAttentionBase):
 
     def _packed(self, q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
         """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd], attending within each segment."""
+        if len(lengths) == 1:  # one sequence: no gather/scatter needed
+            return self._sdpa(*(x.transpose(0, 1)[None] for x in (q, k, v)), causal)[0].transpose(0, 1)
         starts = [0]
         for length in lengths[:-1]:
             starts.append(starts[-1] + length)

@@ -4,7 +4,6 @@ import json
 
 import pyarrow as pa
 import pyarrow.parquet as pq
-import pytest
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples, read_json_array

@@ -173,3 +173,28 @@ def test_real_demo_conversations_with_images_and_video(tokenizer):
     assert pipeline.reject_counts() == {}
     assert videos >= 2 and images >= 10
     assert any(s.startswith(str(LLAMAFACTORY / "mllm_video_demo.json")) for s in seen)
+
+
+def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer, tmp_path):
+    import io
+    import zlib
+
+    from PIL import Image
+
+    png = io.BytesIO()
+    Image.new("RGB", (64, 48), (200, 10, 10)).save(png, format="PNG")
+    data = bytearray(png.getvalue())
+    idat = data.index(b"IDAT") + 4
+    data[idat:idat + 8] = b"\x00garbage"  # header and IEND intact; pixel data broken
+    (tmp_path / "broken.png").write_bytes(bytes(data))
+    assert zlib.crc32(b"x")  # (zlib present: PIL needs it to notice the damage)
+    record = {"messages": [{"role": "user", "content": "<image>colour?"}, {"role": "assistant", "content": "Red."}],
+              "images": ["broken.png"]}
+    (tmp_path / "d.json").write_text(json.dumps([record]))
+    rejects_path = tmp_path / "rejects.jsonl"
+    cfg = DataConfig(source="files", paths=[str(tmp_path / "d.json")], seq_len=256, num_workers=0)
+    mb = _pipeline(tokenizer, cfg, gbs=1, rejects_path=rejects_path).next_step()[0]
+    assert mb["num_loss_tokens"] == 0 and not mb["pixel_values"].any()
+    assert mb["pixel_values"].shape == (int(mb["image_grid_thw"].prod()), 1176)
+    [reject] = [json.loads(line) for line in rejects_path.read_text().splitlines()]
+    assert reject["reason"] == "corrupt_image" and reject["line"] == 1 and "decoding" in reject["detail"]

@@ -16,7 +16,8 @@ def hf_model():
 
     config = Qwen2_5_VLConfig(
         text_config=dict(hidden_size=16, intermediate_size=32, num_hidden_layers=1, num_attention_heads=2,
-                         num_key_value_heads=1, vocab_size=152064, rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
+                         num_key_value_heads=1, vocab_size=152064,
+                         rope_scaling={"type": "mrope", "mrope_section": [2, 1, 1]}),
         vision_config=dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=16,
                            tokens_per_second=TOKENS_PER_SECOND, fullatt_block_indexes=[0]),
         image_token_id=IMAGE, video_token_id=VIDEO, vision_start_token_id=VSTART,

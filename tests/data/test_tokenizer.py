@@ -16,11 +16,13 @@ from tests.data.conftest import LLAMAFACTORY, SHARED_DATA, require
 
 def _real_texts() -> list[str]:
     texts = []
-    for name in ("alpaca_zh_demo.json", "alpaca_en_demo.json", "oaast_sft_zh.json", "glaive_toolcall_en_demo.json"):
+    names = ("alpaca_zh_demo.json", "alpaca_en_demo.json", "oaast_sft_zh.json", "glaive_toolcall_en_demo.json")
+    for name in names:
         records = json.loads(require(LLAMAFACTORY / name).read_text(encoding="utf-8"))
         texts += [json.dumps(r, ensure_ascii=False) for r in records[:150]]
     texts.append(require(LLAMAFACTORY / "wiki_demo.txt").read_text(encoding="utf-8")[:200_000])
-    with open(require(SHARED_DATA / "arena_hard" / "v2.0_model_answer_o3-mini-2025-01-31.jsonl"), encoding="utf-8") as f:
+    answers = require(SHARED_DATA / "arena_hard" / "v2.0_model_answer_o3-mini-2025-01-31.jsonl")
+    with open(answers, encoding="utf-8") as f:
         texts += [next(f) for _ in range(100)]
     # whitespace runs, digits, CRLF, emoji, combining marks (NFC), mixed scripts
     texts += ["  \n\n\t x\r\n\r\n  y   ", "12345678 3.14159 1e-9", "naïve café 😀👍🏽 ñ", "Привет мир こんにちは 안녕하세요 مرحبا"]

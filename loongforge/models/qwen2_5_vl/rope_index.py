@@ -70,7 +70,8 @@ def get_rope_index(
         grid_t, grid_h, grid_w = grids[kind][used[kind]]
         time_step = tokens_per_second * seconds[used[kind]] if kind == 2 else 1
         used[kind] += 1
-        pieces.append(_vision_ids(position, grid_t, grid_h // spatial_merge_size, grid_w // spatial_merge_size, time_step))
+        merged_h, merged_w = grid_h // spatial_merge_size, grid_w // spatial_merge_size
+        pieces.append(_vision_ids(position, grid_t, merged_h, merged_w, time_step))
         position += max(grid_h, grid_w) // spatial_merge_size
     if not pieces:
         return torch.zeros(3, 0, dtype=torch.long)
@@ -109,6 +110,8 @@ def _check_run_counts(runs, grids, input_ids: torch.Tensor, vision_start_token_i
         for (start, end), (grid_t, grid_h, grid_w) in zip(found, grids[kind]):
             expected = grid_t * grid_h * grid_w // (merge * merge)
             if end - start != expected:
-                raise ValueError(f"{name} run at {start} has {end - start} tokens, grid {grid_t}x{grid_h}x{grid_w} needs {expected}")
+                raise ValueError(
+                    f"{name} run at {start} has {end - start} tokens; grid {grid_t}x{grid_h}x{grid_w} needs {expected}"
+                )
             if start == 0 or int(input_ids[start - 1]) != vision_start_token_id:
                 raise ValueError(f"{name} tokens at {start} are not preceded by vision_start")
