@@ -11,7 +11,7 @@ from typing import Iterator
 
 import typer
 
-from loongforge.config.errors import ConfigError
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.parallel.launcher import LaunchError
 
 USAGE_EXIT_CODE = 2
@@ -35,7 +35,7 @@ def cli_errors() -> Iterator[None]:
         for message in exc.messages:
             _print_error(message)
         raise typer.Exit(USAGE_EXIT_CODE) from None
-    except UsageError as exc:
+    except (UsageError, InputError) as exc:
         _print_error(str(exc))
         raise typer.Exit(USAGE_EXIT_CODE) from None
     except LaunchError as exc:

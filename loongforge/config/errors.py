@@ -17,3 +17,11 @@ class ConfigError(Exception):
         if not self.messages:
             raise ValueError("ConfigError needs at least one message")
         super().__init__("\n".join(self.messages))
+
+
+class InputError(Exception):
+    """A file, folder or checkpoint the user pointed at cannot be used.
+
+    The message names the path (and line or tensor where known) and says what to do instead; the
+    CLI prints it as one line and exits with the usage code.
+    """

@@ -3,10 +3,26 @@
 Entry points: ``DataPipeline`` (training steps), ``load_tokenizer``, ``FileSamples`` /
 ``SyntheticSamples`` (sample sources), ``SampleMeasurer`` (tokens + media sizes of one sample).
 The micro-batch contract is documented in ``loongforge.data.collate``.
+
+Imports are lazy so that pure modules (``loongforge.data.packing``) load without torch.
 """
 
-from loongforge.data.pipeline import DataPipeline
-from loongforge.data.records import REJECT_REASONS, ConversationSample, Reject
-from loongforge.data.tokenizer import load_tokenizer
+from importlib import import_module
 
-__all__ = ["DataPipeline", "REJECT_REASONS", "ConversationSample", "Reject", "load_tokenizer"]
+_EXPORTS = {
+    "DataPipeline": "loongforge.data.pipeline",
+    "FileSamples": "loongforge.data.conversations",
+    "SyntheticSamples": "loongforge.data.synthetic",
+    "SampleMeasurer": "loongforge.data.measure",
+    "ConversationSample": "loongforge.data.records",
+    "Reject": "loongforge.data.records",
+    "REJECT_REASONS": "loongforge.data.records",
+    "load_tokenizer": "loongforge.data.tokenizer",
+}
+__all__ = sorted(_EXPORTS)
+
+
+def __getattr__(name: str):
+    if name not in _EXPORTS:
+        raise AttributeError(f"module 'loongforge.data' has no attribute {name!r}")
+    return getattr(import_module(_EXPORTS[name]), name)

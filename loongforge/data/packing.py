@@ -4,9 +4,10 @@ Pure algorithms: no torch, no torch.distributed. Every data-parallel rank runs t
 over the same sample stream, so all ranks agree on the global row stream without talking.
 
 Packing is first-fit over a lookahead buffer: a row starts with the oldest buffered sample (so no
-sample waits forever), then takes, in buffer order, every later sample that still fits. The
-buffer is refilled to ``lookahead`` samples before each row, so the result is a deterministic
-function of the stream and the buffer contents, which is all a checkpoint needs to store.
+sample waits forever), then takes, in buffer order, every buffered sample that still fits; the
+buffer is topped up to ``lookahead`` samples and scanned again until a pass takes nothing. The
+result is a deterministic function of the stream and the buffer contents, which is all a
+checkpoint needs to store.
 """
 
 from __future__ import annotations
@@ -35,26 +36,35 @@ class LookaheadPacker(Generic[Payload]):
     def next_row(self, pull: Callable[[], Optional[PackItem[Payload]]]) -> list[PackItem[Payload]]:
         """The next row; ``pull`` returns the next stream item, or None when the stream ended.
         Returns [] only when the stream ended and the buffer is empty."""
-        while len(self.buffer) < self.lookahead:
-            item = pull()
-            if item is None:
-                break
-            if item.length > self.seq_len:
-                raise ValueError(f"item {item.key} has {item.length} tokens > seq_len {self.seq_len}")
-            self.buffer.append(item)
+        self._refill(pull)
         if not self.buffer:
             return []
         row = [self.buffer.pop(0)]
         free = self.seq_len - row[0].length
-        kept = []
-        for item in self.buffer:
-            if item.length <= free:
-                row.append(item)
-                free -= item.length
-            else:
-                kept.append(item)
-        self.buffer = kept
+        # Items taken from the buffer free slots; refilled slots get a chance in the next pass, so
+        # rows of many short samples fill up instead of stopping at `lookahead` samples.
+        while free > 0:
+            self._refill(pull)
+            taken = []
+            for item in self.buffer:
+                if item.length <= free:
+                    taken.append(item)
+                    free -= item.length
+            if not taken:
+                break
+            row.extend(taken)
+            taken_ids = {id(item) for item in taken}
+            self.buffer = [item for item in self.buffer if id(item) not in taken_ids]
         return row
+
+    def _refill(self, pull: Callable[[], Optional[PackItem[Payload]]]) -> None:
+        while len(self.buffer) < self.lookahead:
+            item = pull()
+            if item is None:
+                return
+            if item.length > self.seq_len:
+                raise ValueError(f"item {item.key} has {item.length} tokens > seq_len {self.seq_len}")
+            self.buffer.append(item)
 
     def buffer_keys(self) -> list[Any]:
         return [item.key for item in self.buffer]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import importlib
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
@@ -64,7 +65,7 @@ class Patch:
 
     def owner(self) -> Any:
         module_name, _, class_name = self.owner_path.partition(":")
-        owner = __import__(module_name, fromlist=["_"])
+        owner = importlib.import_module(module_name)
         return getattr(owner, class_name) if class_name else owner
 
 
@@ -74,7 +75,7 @@ PATCHES: list[Patch] = [
         name="rope_inv_freq",
         owner_path="megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding",
         attribute="get_emb",
-        why="moves inv_freq to torch.cuda.current_device() on the first forward (rotary_pos_embedding.py:162)",
+        why="moves inv_freq to torch.cuda.current_device() at first forward (rotary_pos_embedding.py:162)",
     ),
     Patch(
         name="mrope_inv_freq",
@@ -86,7 +87,7 @@ PATCHES: list[Patch] = [
         name="tied_embedding_sync",
         owner_path="megatron.core.models.common.language_module.language_module:LanguageModule",
         attribute="setup_embeddings_and_output_layer",
-        why="calls weight.data.cuda() before all-reducing tied embeddings when PP > 1 (language_module.py:244)",
+        why="weight.data.cuda() before all-reducing tied embeddings, PP > 1 (language_module.py:244)",
     ),
 ]
 

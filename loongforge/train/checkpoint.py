@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge import __version__
+from loongforge.config.errors import InputError
 
 LATEST_FILE = "latest"
 
@@ -121,7 +122,7 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
 
     path = Path(path)
     if not (path / "meta.json").is_file():
-        raise FileNotFoundError(f"{path}: not a complete loongforge checkpoint (no meta.json); "
+        raise InputError(f"{path}: not a complete loongforge checkpoint (no meta.json); "
                                 "pass a step_* folder or the checkpoint root with --resume")
     loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True),
                                      str(path / "model_optim"))

@@ -19,12 +19,14 @@ import torch
 import torch.distributed as dist
 
 from loongforge import __version__
+from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
 from loongforge.parallel.distributed import (
     DistributedEnv,
     ParallelLayout,
     init_distributed,
     init_model_parallel,
+    shutdown,
 )
 from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from loongforge.train.metrics import RunLogger, StepMetrics
@@ -73,9 +75,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
     from megatron.core.distributed import finalize_model_grads
 
-    from loongforge.models.registry import build_model
+    from loongforge.models.registry import get_builder
 
-    model = build_model(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
+    model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device)
     if cfg.training.freeze_vision and layout.is_first_stage:
@@ -122,11 +124,21 @@ def apply_cpu_compat() -> None:
 def run_training(cfg: RunConfig, *, resume: bool = False,
                  command_line: Optional[list[str]] = None) -> TrainingSummary:
     """Train according to ``cfg``; the process group is created here unless a caller already did."""
+    wall_start = time.perf_counter()
+    owns_process_group = not dist.is_initialized()
+    env = init_distributed(cfg.training.device)
+    try:
+        return _train(cfg, env, resume=resume, command_line=command_line, wall_start=wall_start)
+    finally:
+        if owns_process_group:
+            shutdown()
+
+
+def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
+           wall_start: float) -> TrainingSummary:
     from loongforge.config.validate import validate
     from loongforge.data.pipeline import DataPipeline
 
-    wall_start = time.perf_counter()
-    env = init_distributed(cfg.training.device)
     validate(cfg, world_size=env.world_size)
     if env.device.type == "cpu":
         apply_cpu_compat()
@@ -149,7 +161,7 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
     ckpt_root = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
     load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
     if resume and load_path is None:
-        raise FileNotFoundError(f"--resume: no complete checkpoint under {ckpt_root}; "
+        raise InputError(f"--resume: no complete checkpoint under {ckpt_root}; "
                                 "run without --resume to start fresh")
     start_step, consumed_rows = 0, 0
     is_log_rank = env.rank == 0
@@ -196,6 +208,7 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
                 not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
             summary.checkpoint = str(checkpoint(summary.end_step))
         summary.rejects = pipeline.reject_counts()
+        pipeline.close()
         summary.wall_s = time.perf_counter() - wall_start
         logger.write(_summary_text(summary, out_dir))
     finally:

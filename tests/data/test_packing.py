@@ -20,11 +20,17 @@ def test_rows_hold_every_item_once_and_never_exceed_seq_len():
 
 def test_first_fit_order_is_deterministic_and_oldest_first():
     assert pack_lengths([6, 6, 3, 4, 1], seq_len=10, lookahead=5) == [[0, 2, 4], [1, 3]]
-    # item 4 is outside a 4-item window when row 0 is built
-    assert pack_lengths([6, 6, 3, 4, 1], seq_len=10, lookahead=4) == [[0, 2], [1, 3], [4]]
+    # a 2-item window: item 4 arrives only after item 3 failed to fit, and row 0 then stops
+    assert pack_lengths([6, 6, 3, 4, 1], seq_len=10, lookahead=2) == [[0, 2], [1, 3], [4]]
     # the oldest item always opens the next row, so nothing starves
     assert pack_lengths([9, 9, 1, 1, 1], seq_len=10, lookahead=5) == [[0, 2], [1, 3], [4]]
-    assert pack_lengths([5, 5], seq_len=10, lookahead=1) == [[0], [1]]  # lookahead 1 = no reordering
+    # lookahead 1 = next-fit in stream order, no reordering
+    assert pack_lengths([5, 5, 6, 5], seq_len=10, lookahead=1) == [[0, 1], [2], [3]]
+
+
+def test_many_short_items_fill_a_row_beyond_the_lookahead():
+    rows = pack_lengths([10] * 100, seq_len=400, lookahead=4)
+    assert [len(row) for row in rows] == [40, 40, 20]
 
 
 def test_item_longer_than_seq_len_is_an_error():
@@ -37,3 +43,11 @@ def test_rank_rows_split_is_contiguous_and_covers_the_step():
     assert list(rank_rows(8, 0, 1)) == list(range(8))
     with pytest.raises(ValueError, match="global_batch_size"):
         rank_rows(6, 0, 4)
+
+
+def test_packing_imports_without_torch():
+    import subprocess
+    import sys
+
+    code = "import sys, loongforge.data.packing; assert 'torch' not in sys.modules, 'packing pulled in torch'"
+    subprocess.run([sys.executable, "-c", code], check=True)

@@ -25,7 +25,8 @@ def _real_texts() -> list[str]:
     with open(answers, encoding="utf-8") as f:
         texts += [next(f) for _ in range(100)]
     # whitespace runs, digits, CRLF, emoji, combining marks (NFC), mixed scripts
-    texts += ["  \n\n\t x\r\n\r\n  y   ", "12345678 3.14159 1e-9", "naïve café 😀👍🏽 ñ", "Привет мир こんにちは 안녕하세요 مرحبا"]
+    texts += ["  \n\n\t x\r\n\r\n  y   ", "12345678 3.14159 1e-9", "naïve café 😀👍🏽 ñ",
+              "Привет мир こんにちは 안녕하세요 مرحبا"]
     return texts
 
 

@@ -28,8 +28,16 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.attention import core_attention_module, resolve_attention_backend
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
-from loongforge.models.qwen2_5_vl.process_groups import build_vision_tp_group, mark_replicated_over_language_tp
-from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel, optional_cat, vision_pg_collection
+from loongforge.models.qwen2_5_vl.process_groups import (
+    build_vision_tp_group,
+    mark_replicated_over_language_tp,
+)
+from loongforge.models.qwen2_5_vl.vision import (
+    PatchMerger,
+    VisionModel,
+    optional_cat,
+    vision_pg_collection,
+)
 from loongforge.parallel import cpu_compat
 
 
@@ -142,7 +150,9 @@ class Qwen2_5_VLModel(MegatronModule):
         _check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input = None
         if self.pre_process:
-            decoder_input = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw)
+            decoder_input = self.embed(
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+            )
         return self.language_model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -187,9 +197,10 @@ class Qwen2_5_VLModel(MegatronModule):
         num_tokens = int((input_ids == token_id).sum())
         num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // self.merge_unit
         if num_tokens != num_features:
+            grids = None if grid_thw is None else grid_thw.tolist()
             raise ValueError(
                 f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
-                f"{num_features} merged patches ({what} grid_thw={None if grid_thw is None else grid_thw.tolist()})"
+                f"{num_features} merged patches ({what}_grid_thw={grids})"
             )
         return num_features
 
@@ -208,7 +219,9 @@ def _scatter_features(
 def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
     batch, seq_len = input_ids.shape
     if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
-        raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
+        raise ValueError(
+            f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}"
+        )
     if packed_seq_params is not None:
         if batch != 1:
             raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")

@@ -28,9 +28,8 @@ def language_layer_parameters(model_cfg: ModelConfig) -> int:
     h, ffn = lang.hidden_size, lang.ffn_hidden_size
     kv_width = lang.num_query_groups * (h // lang.num_attention_heads)
     norms = 2 * h
-    attention = (
-        _linear(h, h, lang.add_qkv_bias) + 2 * _linear(h, kv_width, lang.add_qkv_bias) + _linear(h, h, bias=False)
-    )
+    q_and_kv = _linear(h, h, lang.add_qkv_bias) + 2 * _linear(h, kv_width, lang.add_qkv_bias)
+    attention = q_and_kv + _linear(h, h, bias=False)  # o_proj has no bias
     mlp = 3 * _linear(h, ffn, bias=False)
     return norms + attention + mlp
 

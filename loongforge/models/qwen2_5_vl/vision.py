@@ -94,7 +94,8 @@ def rotary_freqs(positions: torch.Tensor, head_dim: int, theta: float = VISION_R
     are duplicated because megatron (like transformers) rotates ``x`` against ``rotate_half(x)``.
     """
     quarter = head_dim // 4
-    inv_freq = 1.0 / (theta ** (torch.arange(quarter, dtype=torch.float32, device=positions.device) * 2 / (head_dim // 2)))
+    exponents = torch.arange(quarter, dtype=torch.float32, device=positions.device) * 2 / (head_dim // 2)
+    inv_freq = 1.0 / theta**exponents
     angles = (positions[..., None].float() * inv_freq).flatten(1)  # [P, 2 * quarter]: rows, cols
     return torch.cat([angles, angles], dim=-1)
 
@@ -177,7 +178,10 @@ class VisionModel(MegatronModule):
 
     def _run_layer(self, layer, hidden, freqs, params):
         def run(x):
-            return layer(hidden_states=x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params)[0]
+            output, _ = layer(
+                hidden_states=x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params
+            )
+            return output
 
         if self.recompute and self.training:
             return torch.utils.checkpoint.checkpoint(run, hidden, use_reentrant=False)

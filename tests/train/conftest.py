@@ -1,0 +1,69 @@
+"""Shared helpers: run `loongforge train` in subprocesses on a very small Qwen2.5-VL and read the results.
+
+Training tests run the real command line in fresh processes, so each run initialises its own
+process groups (gloo on 127.0.0.1) and nothing leaks into the pytest process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+# A Qwen2.5-VL small enough for a few CPU steps in seconds, yet with every part exercised:
+# windowed + full vision blocks, GQA, tied embeddings, images and text-only samples in packed rows.
+SMALL_MODEL = [
+    "model.language.num_layers=2",
+    "data.seq_len=384",
+    "data.synthetic_num_samples=96",
+    "data.max_pixels=12544",  # 112 x 112: at most 16 image tokens per image
+    "training.global_batch_size=4",
+    "training.train_steps=4",
+    "schedule.warmup_steps=1",
+    "logging.log_interval=1",
+    "logging.progress_bar=false",
+    "logging.tensorboard=false",
+]
+
+RUN_TIMEOUT_S = 420
+
+
+def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
+              expect_ok: bool = True) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", "qwen2.5vl-tiny",
+           *SMALL_MODEL, f"logging.output_dir={out_dir}", *extra]
+    if nproc > 1:
+        cmd += ["--nproc-per-node", str(nproc)]
+    if resume:
+        cmd.append("--resume")
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1" if nproc > 1 else env.get("OMP_NUM_THREADS", "2")
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    if expect_ok and proc.returncode != 0:
+        raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
+                             f"{proc.stderr[-6000:]}")
+    return proc
+
+
+def losses(out_dir: Path) -> list[float]:
+    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
+    return [r["loss"] for r in records]
+
+
+def assert_close_relative(actual: list[float], expected: list[float], rel: float) -> None:
+    assert len(actual) == len(expected), (actual, expected)
+    for step, (a, e) in enumerate(zip(actual, expected), start=1):
+        assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e} (rel {abs(a - e) / abs(e):.2e})"
+
+
+@pytest.fixture(scope="session")
+def baseline_run(tmp_path_factory) -> Path:
+    """The reference: one process, TP1 PP1 DP1, 4 steps of 4 rows."""
+    out = tmp_path_factory.mktemp("baseline")
+    run_train(out)
+    return out

@@ -1,0 +1,50 @@
+"""End-to-end training on CPU over gloo: the layout must not change the math, and resume is exact."""
+
+from __future__ import annotations
+
+import json
+import math
+
+from tests.train.conftest import assert_close_relative, losses, run_train
+
+
+def test_baseline_run_learns_and_leaves_run_files(baseline_run):
+    values = losses(baseline_run)
+    assert len(values) == 4 and all(math.isfinite(v) for v in values)
+    assert values[-1] < values[0], values
+    for name in ("config.yaml", "command.txt", "environment.json", "summary.json"):
+        assert (baseline_run / name).is_file(), name
+    env = json.loads((baseline_run / "environment.json").read_text())
+    assert env["layout"] == {"tp": 1, "pp": 1, "dp": 1} and "torch" in env["versions"]
+    assert (baseline_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+
+
+def test_data_parallel_2_matches_single_process(baseline_run, tmp_path):
+    run_train(tmp_path, nproc=2)
+    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-5)
+
+
+def test_tensor_parallel_2_matches_single_process(baseline_run, tmp_path):
+    run_train(tmp_path, "parallel.tensor_model_parallel_size=2", nproc=2)
+    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-4)
+
+
+def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
+    run_train(tmp_path, "training.exit_at_step=2")
+    assert len(losses(tmp_path)) == 2
+    proc = run_train(tmp_path, resume=True)
+    assert "resumed from" in proc.stdout + proc.stderr
+    assert losses(tmp_path) == losses(baseline_run)
+
+
+def test_pipeline_parallel_2_trains_and_resumes(tmp_path):
+    run_train(tmp_path, "parallel.pipeline_model_parallel_size=2", "training.exit_at_step=2", nproc=2)
+    run_train(tmp_path, "parallel.pipeline_model_parallel_size=2", nproc=2, resume=True)
+    values = losses(tmp_path)
+    assert len(values) == 4 and all(math.isfinite(v) for v in values)
+
+
+def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
+    proc = run_train(tmp_path, resume=True, expect_ok=False)
+    assert proc.returncode != 0
+    assert "no complete checkpoint" in proc.stderr
