@@ -91,3 +91,29 @@ def test_padded_vocabulary_does_not_change_the_loss(megatron_world_of_one):
     assert logits.shape[-1] == 151808
     assert (logits[..., :151700] - reference).abs().max() <= TOLERANCE
     assert (loss[0] - F.cross_entropy(reference[0], labels[0], reduction="none")).abs().max() <= TOLERANCE
+
+
+def test_runs_under_megatron_schedule(megatron_world_of_one):
+    """megatron's forward/backward schedule finds what it needs on the model (config, model_type)."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    from loongforge.parallel.cpu_compat_training import apply_training_patches
+
+    apply_training_patches()  # the schedule itself has CUDA-only call sites
+    model_cfg, hf_model, model = _build_pair(tie=True)
+    sample = make_sample(model_cfg, images=((1, 8, 12),))
+    labels = torch.randint(0, model_cfg.language.vocab_size, sample.input_ids.shape)
+    batch = dict(our_inputs(sample, hf_position_ids(hf_model, sample)), labels=labels)
+
+    def forward_step(data_iterator, model):
+        loss = model(**next(data_iterator))
+        return loss, lambda output: (output.sum(), {"loss_sum": output.sum().detach()})
+
+    reports = get_forward_backward_func()(
+        forward_step_func=forward_step, data_iterator=iter([batch]), model=[model], num_microbatches=1,
+        seq_length=sample.input_ids.shape[1], micro_batch_size=1, forward_only=False,
+    )
+    with torch.no_grad():
+        expected = model(**batch).sum()
+    assert torch.allclose(reports[0]["loss_sum"], expected)
+    assert model.projector.mlp.linear_fc1.weight.grad is not None

@@ -20,6 +20,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
@@ -85,6 +86,8 @@ class Qwen2_5_VLModel(MegatronModule):
         self.post_process = post_process
         self.merge_unit = model_cfg.projector.spatial_merge_size**2
         self.share_embeddings_and_output_weights = model_cfg.language.tie_word_embeddings
+        # megatron's pipeline schedules read this: one decoder stack, no separate encoder stages.
+        self.model_type = ModelType.encoder_or_decoder
 
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
