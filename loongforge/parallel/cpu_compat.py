@@ -10,6 +10,11 @@ Add a patch by appending a ``Patch`` to ``PATCHES`` with a name, the owner (clas
 attribute, a one-line reason and a wrapper factory (usually ``run_in_cpu_device_scope``). ``apply()``
 is idempotent; ``revert()`` restores the originals (tests use it).
 
+Sites that allocate with a literal ``device="cuda"`` (DDP buffers, optimizer flags, grad-norm
+buffers, schedule token counters, checkpoint exchange) cannot be reached by a scope: for those, the
+modules in ``DEVICE_PROXY_MODULES`` get a module-local ``torch`` whose tensor factories map a CUDA
+device to the CPU. Other modules, and user code, keep the real torch.
+
 The scope swaps process-global attributes of ``torch`` for the duration of the wrapped call, so it
 is not thread-safe; megatron-core builds and runs models on the main thread, which is all we need.
 """
@@ -19,26 +24,45 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import sys
+import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Patch", "PATCHES", "apply", "revert", "applied", "cpu_device_scope", "run_in_cpu_device_scope"]
+__all__ = ["Patch", "PATCHES", "DEVICE_PROXY_MODULES", "apply", "revert", "applied", "cpu_device_scope",
+           "run_in_cpu_device_scope"]
+
+# CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
+_CUDA_TYPE_NAMES = {
+    "torch.FloatTensor": "torch.cuda.FloatTensor",
+    "torch.HalfTensor": "torch.cuda.HalfTensor",
+    "torch.BFloat16Tensor": "torch.cuda.BFloat16Tensor",
+}
 
 
 @contextlib.contextmanager
 def cpu_device_scope() -> Iterator[None]:
-    """Inside: ``torch.cuda.current_device()`` is the CPU, ``Tensor.cuda()`` keeps tensors on the CPU
-    and ``torch.cuda.synchronize()`` does nothing. Re-entrant: restores whatever was there before."""
-    saved = (torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize)
+    """Inside: ``torch.cuda.current_device()`` is the CPU, ``Tensor.cuda()`` keeps tensors on the CPU,
+    ``torch.cuda.synchronize()`` does nothing and ``Tensor.type()`` names CPU float tensors as CUDA
+    ones. Re-entrant: restores whatever was there before."""
+    saved = (torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize, torch.Tensor.type)
+    original_type = torch.Tensor.type
+
+    def type_as_cuda(self, *args, **kwargs):
+        name = original_type(self, *args, **kwargs)
+        return _CUDA_TYPE_NAMES.get(name, name) if not args and not kwargs else name
+
     torch.cuda.current_device = lambda: torch.device("cpu")
     torch.Tensor.cuda = lambda self, *args, **kwargs: self
     torch.cuda.synchronize = lambda *args, **kwargs: None
+    torch.Tensor.type = type_as_cuda
     try:
         yield
     finally:
-        torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize = saved
+        (torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize,
+         torch.Tensor.type) = saved
 
 
 def run_in_cpu_device_scope(original: Callable) -> Callable:
@@ -69,8 +93,8 @@ class Patch:
         return getattr(owner, class_name) if class_name else owner
 
 
-# Model-side patches. Training-side ones (DDP buffers, optimizer, clip_grads, p2p, schedules) go below.
 PATCHES: list[Patch] = [
+    # Model side.
     Patch(
         name="rope_inv_freq",
         owner_path="megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding",
@@ -89,10 +113,106 @@ PATCHES: list[Patch] = [
         attribute="setup_embeddings_and_output_layer",
         why="weight.data.cuda() before all-reducing tied embeddings, PP > 1 (language_module.py:244)",
     ),
+    # Training side.
+    Patch(
+        name="float16_optimizer_param_types",
+        owner_path="megatron.core.optimizer.optimizer:Float16OptimizerWithFloat16Params",
+        attribute="__init__",
+        why="sorts params by param.type() == 'torch.cuda.*Tensor' names (optimizer.py:671/690)",
+    ),
+    Patch(
+        name="distributed_optimizer_param_types",
+        owner_path="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+        attribute="_build_model_and_main_param_groups",
+        why="sorts params by param.type() == 'torch.cuda.*Tensor' names (distrib_optimizer.py:361/420)",
+    ),
+    Patch(
+        name="clip_grads_grad_type",
+        owner_path="megatron.core.optimizer.clip_grads",
+        attribute="clip_grad_by_total_norm_fp32",
+        why="asserts grad.type() == 'torch.cuda.FloatTensor' (clip_grads.py:167)",
+    ),
 ]
+
+# megatron-core modules that allocate with a literal device="cuda" or torch.cuda.current_device();
+# each gets a module-local torch whose factories allocate on the CPU instead.
+DEVICE_PROXY_MODULES: list[str] = [
+    "megatron.core.distributed.param_and_grad_buffer",  # grad buffers (:768/783/800/806)
+    "megatron.core.distributed.distributed_data_parallel",  # communication stream (:230)
+    "megatron.core.optimizer.optimizer",  # found_inf / loss-scale tensors (:473/481/485/907/1141)
+    "megatron.core.optimizer.distrib_optimizer",  # shard buffers (:791)
+    "megatron.core.optimizer.clip_grads",  # grad-norm buffers (:90/103/115/174/207)
+    "megatron.core.utils",  # local multi-tensor l2-norm fallback
+    "megatron.core.pipeline_parallel.schedules",  # total_num_tokens (:596/983/2138)
+    "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, synchronize (:190-398)
+    "megatron.core.dist_checkpointing.exchange_utils",  # load-time exchange buffers (:104/326/499)
+    "megatron.core.dist_checkpointing.strategies.async_utils",  # writer liveness flags (:165/604)
+    "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize (:230)
+    "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # plan-reuse flags (:204/252)
+    "megatron.core.dist_checkpointing.strategies.fully_parallel",  # synchronize (:271/281)
+]
+
+_TENSOR_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
+                     "empty_like", "full_like", "rand", "randn")
+
+
+def _cpu_instead_of_cuda(device: Any) -> Any:
+    if device is None:
+        return None
+    if isinstance(device, int):  # a CUDA ordinal
+        return torch.device("cpu")
+    return torch.device("cpu") if torch.device(device).type == "cuda" else device
+
+
+class _CudaOnCpu(types.SimpleNamespace):
+    """``torch.cuda`` as the proxied modules see it: the current device is the CPU."""
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch(types.ModuleType):
+    """A module-local ``torch`` whose tensor factories never allocate on CUDA."""
+
+    def __init__(self) -> None:
+        super().__init__("torch")
+        self.cuda = _CudaOnCpu(
+            current_device=lambda: torch.device("cpu"),
+            synchronize=lambda *args, **kwargs: None,
+            empty_cache=lambda: None,
+            default_stream=lambda *args, **kwargs: None,
+            stream=lambda *args, **kwargs: contextlib.nullcontext(),
+        )
+        for name in _TENSOR_FACTORIES:
+            setattr(self, name, self._on_cpu(getattr(torch, name)))
+
+    @staticmethod
+    def _on_cpu(factory: Callable) -> Callable:
+        @functools.wraps(factory)
+        def cpu_factory(*args: Any, **kwargs: Any) -> Any:
+            if "device" in kwargs:
+                kwargs["device"] = _cpu_instead_of_cuda(kwargs["device"])
+            return factory(*args, **kwargs)
+
+        return cpu_factory
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(torch, name)
 
 # name -> (owner, attribute, original callable)
 _APPLIED: dict[str, tuple[Any, str, Callable]] = {}
+# Proxied module -> the torch it had before; other modules that imported a patched function by name.
+_PROXIED: dict[str, Any] = {}
+_REBOUND: list[tuple[Any, str, Callable]] = []
+
+
+def _rebind_importers(attribute: str, original: Callable, wrapped: Callable) -> None:
+    """megatron modules that did ``from x import f`` hold their own reference to ``f``: patch those."""
+    for module in list(sys.modules.values()):
+        if getattr(module, "__name__", "").startswith("megatron.core") and \
+                getattr(module, attribute, None) is original:
+            setattr(module, attribute, wrapped)
+            _REBOUND.append((module, attribute, original))
 
 
 def apply(force: bool = False) -> list[str]:
@@ -108,14 +228,27 @@ def apply(force: bool = False) -> list[str]:
             continue
         owner = patch.owner()
         original = getattr(owner, patch.attribute)
-        setattr(owner, patch.attribute, patch.wrap(original))
+        wrapped = patch.wrap(original)
+        setattr(owner, patch.attribute, wrapped)
+        if isinstance(owner, types.ModuleType):
+            _rebind_importers(patch.attribute, original, wrapped)
         _APPLIED[patch.name] = (owner, patch.attribute, original)
         installed.append(patch.name)
+    for module_name in DEVICE_PROXY_MODULES:
+        if module_name not in _PROXIED:
+            module = importlib.import_module(module_name)
+            _PROXIED[module_name] = module.torch
+            module.torch = _CpuTorch()
     return installed
 
 
 def revert() -> None:
-    """Restore every patched callable (newest first)."""
+    """Restore every patched callable and module-level torch (newest first)."""
+    while _REBOUND:
+        module, attribute, original = _REBOUND.pop()
+        setattr(module, attribute, original)
+    for module_name in list(_PROXIED):
+        sys.modules[module_name].torch = _PROXIED.pop(module_name)
     for name in reversed(list(_APPLIED)):
         owner, attribute, original = _APPLIED.pop(name)
         setattr(owner, attribute, original)

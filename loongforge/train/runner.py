@@ -21,6 +21,7 @@ import torch.distributed as dist
 from loongforge import __version__
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
+from loongforge.parallel import cpu_compat
 from loongforge.parallel.distributed import (
     DistributedEnv,
     ParallelLayout,
@@ -79,7 +80,7 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
 
     model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                        device=device)
+                        device=device, recompute_activations=cfg.training.recompute_activations)
     if cfg.training.freeze_vision and layout.is_first_stage:
         for param in model.vision_model.parameters():
             param.requires_grad_(False)
@@ -113,14 +114,6 @@ def _global_real_tokens(micro_batches: list[dict], count_here: bool) -> int:
     return int(total[0])
 
 
-def apply_cpu_compat() -> None:
-    from loongforge.parallel.cpu_compat import apply
-    from loongforge.parallel.cpu_compat_training import apply_training_patches
-
-    apply()
-    apply_training_patches()
-
-
 def run_training(cfg: RunConfig, *, resume: bool = False,
                  command_line: Optional[list[str]] = None) -> TrainingSummary:
     """Train according to ``cfg``; the process group is created here unless a caller already did."""
@@ -141,7 +134,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
 
     validate(cfg, world_size=env.world_size)
     if env.device.type == "cpu":
-        apply_cpu_compat()
+        cpu_compat.apply()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed)
     torch.manual_seed(cfg.training.seed)
     out_dir = Path(cfg.logging.output_dir)

@@ -67,6 +67,7 @@ def make_forward_step(device: torch.device) -> Callable:
             image_grid_thw=batch.get("image_grid_thw"),
             pixel_values_videos=batch.get("pixel_values_videos"),
             video_grid_thw=batch.get("video_grid_thw"),
+            loss_mask=batch["loss_mask"],
         )
         return output, partial(_masked_loss_sum, batch["loss_mask"])
 

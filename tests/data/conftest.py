@@ -7,15 +7,16 @@ from pathlib import Path
 
 import pytest
 
-SHARED_DATA = Path(os.environ.get("LOONGFORGE_SHARED_DATA", "/work/shared/data"))
+from tests.shared_data import SHARED_DATA
 LLAMAFACTORY = SHARED_DATA / "llamafactory"
 LOONGFORGE_VLM = SHARED_DATA / "loongforge" / "vlm"
 COCO_IMAGES = SHARED_DATA / "coco2017" / "val2017"
 
 
 def require(path: Path) -> Path:
-    if not path.exists():
-        pytest.skip(f"shared data {path} not present")
+    # The data ships beside the repository in CI and on every developer machine: a missing file is
+    # a broken checkout, not a reason to skip.
+    assert path.exists(), f"shared data {path} not present (set LOONGFORGE_SHARED_DATA)"
     return path
 
 

@@ -51,3 +51,25 @@ def test_rope_and_mrope_run_on_cpu(patched):
     # Every section sees the same (text) positions, so M-RoPE equals 1-D RoPE.
     rope = RotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
     assert torch.allclose(rope.get_emb(5), emb)
+
+
+def test_training_modules_allocate_on_cpu_and_accept_cpu_float_params(patched):
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert clip_grads.torch.tensor([1.0], device="cuda:0").device.type == "cpu"
+    assert schedules.torch.cuda.current_device() == torch.device("cpu")
+    # clip_grads is imported by name into optimizer.py: both references must be the patched one.
+    assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(param.grad, torch.full((3,), 0.5), atol=1e-5)
+
+
+def test_revert_restores_module_torch(patched):
+    from megatron.core.pipeline_parallel import schedules
+
+    cpu_compat.revert()
+    assert schedules.torch is torch

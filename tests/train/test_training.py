@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
+
 from tests.train.conftest import assert_close_relative, losses, run_train
 
 
@@ -19,14 +21,25 @@ def test_baseline_run_learns_and_leaves_run_files(baseline_run):
     assert (baseline_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
-def test_data_parallel_2_matches_single_process(baseline_run, tmp_path):
-    run_train(tmp_path, nproc=2)
+@pytest.mark.parametrize("options", [
+    (),
+    ("parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"),
+], ids=["ddp", "distributed-optimizer"])
+def test_data_parallel_2_matches_single_process(baseline_run, tmp_path, options):
+    run_train(tmp_path, *options, nproc=2)
     assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-5)
 
 
-def test_tensor_parallel_2_matches_single_process(baseline_run, tmp_path):
-    run_train(tmp_path, "parallel.tensor_model_parallel_size=2", nproc=2)
+@pytest.mark.parametrize("options", [(), ("parallel.sequence_parallel=true",)],
+                         ids=["tp", "tp-sequence-parallel"])
+def test_tensor_parallel_2_matches_single_process(baseline_run, tmp_path, options):
+    run_train(tmp_path, "parallel.tensor_model_parallel_size=2", *options, nproc=2)
     assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-4)
+
+
+def test_activation_recompute_does_not_change_losses(baseline_run, tmp_path):
+    run_train(tmp_path, "training.recompute_activations=true")
+    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-6)
 
 
 def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
@@ -48,3 +61,24 @@ def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
     proc = run_train(tmp_path, resume=True, expect_ok=False)
     assert proc.returncode != 0
     assert "no complete checkpoint" in proc.stderr
+
+
+def test_real_demo_conversations_train_and_bad_samples_are_counted(tmp_path):
+    from tests.shared_data import SHARED_DATA
+
+    demo = SHARED_DATA / "llamafactory"
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(
+        '{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}\n'
+        '{"messages": [{"role": "user", "content": "<image>what?"}, '
+        '{"role": "assistant", "content": "x"}], "images": ["missing.jpg"]}\n'
+        '{not json\n')
+    out = tmp_path / "run"
+    paths = f"[{demo / 'mllm_demo.json'},{demo / 'mllm_video_demo.json'},{broken}]"
+    proc = run_train(out, "data.source=files", f"data.paths={paths}", "data.seq_len=2048",
+                     "data.video_max_frames=4", "training.train_steps=2")
+    assert all(math.isfinite(v) for v in losses(out))
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert {(r["line"], r["reason"]) for r in rejects} == {(2, "missing_image"), (3, "malformed_json")}
+    assert all(r["file"] == str(broken) for r in rejects)
+    assert "2 samples rejected" in proc.stdout + proc.stderr

@@ -62,6 +62,40 @@ class LanguageModel(GPTModel):
             logits = logits.masked_fill(vocab_ids >= self.true_vocab_size, float("-inf"))
         return super().compute_language_model_loss(labels, logits)
 
+    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, loss_mask=None,
+                     **kwargs):
+        """With ``loss_mask``, run the LM head and cross entropy only where the loss counts.
+
+        In VLM fine-tuning most positions (system prompt, question, image tokens, padding) carry no
+        loss, and the head over a 152k vocabulary is the largest matmul of a small model: skipping
+        them changes no gradient and saves most of that work. Returns per-token loss [b, s], zero
+        outside the mask.
+        """
+        if labels is None or loss_mask is None or getattr(self, "mtp_process", False):
+            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                        loss_mask=loss_mask, **kwargs)
+        if self.config.sequence_parallel:
+            # [s/tp, b, h] -> [s, b, h]: every TP rank needs the full sequence to pick positions.
+            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
+                hidden_states, tensor_parallel_output_grad=True, group=self.pg_collection.tp)
+        seq_len, batch = hidden_states.shape[:2]
+        # Positions in [s, b] order, the layout of hidden_states.
+        picked = loss_mask.transpose(0, 1).reshape(-1).nonzero(as_tuple=True)[0]  # [n]
+        picked_hidden = hidden_states.reshape(seq_len * batch, 1, -1)[picked]  # [n, 1, h]
+        output_weight = self.shared_embedding_or_output_weight() if (
+            self.share_embeddings_and_output_weights) else None
+        sequence_parallel = self.output_layer.sequence_parallel
+        self.output_layer.sequence_parallel = False  # already gathered above
+        try:
+            logits, _ = self.output_layer(picked_hidden, weight=output_weight)  # [n, 1, V/tp]
+        finally:
+            self.output_layer.sequence_parallel = sequence_parallel
+        picked_labels = labels.transpose(0, 1).reshape(-1)[picked].unsqueeze(0)  # [1, n]
+        picked_loss = self.compute_language_model_loss(picked_labels, logits)  # [1, n]
+        loss = torch.zeros(seq_len * batch, dtype=picked_loss.dtype, device=picked_loss.device)
+        loss = loss.index_put((picked,), picked_loss.reshape(-1))
+        return loss.reshape(seq_len, batch).transpose(0, 1).contiguous()  # [b, s]
+
 
 class Qwen2_5_VLModel(MegatronModule):
     """One pipeline stage of Qwen2.5-VL. Build it with ``build_model``."""
@@ -142,8 +176,12 @@ class Qwen2_5_VLModel(MegatronModule):
         image_grid_thw: Optional[torch.Tensor] = None,
         pixel_values_videos: Optional[torch.Tensor] = None,
         video_grid_thw: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
+
+        With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
+        loss is zero elsewhere (same gradients, much less work on a large vocabulary).
 
         input_ids [b, s]; position_ids [3, b, s] (M-RoPE t/h/w); labels [b, s] next-token targets,
         valid ids everywhere (the caller masks); packed_seq_params: thd with b == 1 and cu_seqlens
@@ -162,6 +200,7 @@ class Qwen2_5_VLModel(MegatronModule):
             attention_mask=None,
             decoder_input=decoder_input,
             labels=labels,
+            loss_mask=loss_mask,
             packed_seq_params=packed_seq_params,
         )
 
@@ -244,9 +283,11 @@ def build_model(
     post_process: bool,
     device: torch.device | str,
     vp_stage: Optional[int] = None,
+    recompute_activations: bool = False,
 ) -> Qwen2_5_VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
-    ``parallel_cfg``. Collective (the vision TP groups): every rank calls it."""
+    ``parallel_cfg``. Collective (the vision TP groups): every rank calls it.
+    ``recompute_activations``: full activation recompute in both towers."""
     device = torch.device(device)
     on_cpu = device.type == "cpu"
     if on_cpu:
@@ -260,8 +301,10 @@ def build_model(
 
     model = Qwen2_5_VLModel(
         model_cfg=model_cfg,
-        language_config=configs.language_config(model_cfg, parallel_cfg, params_dtype, on_cpu),
-        vision_config=configs.vision_config(model_cfg, vision_tp, params_dtype, on_cpu),
+        language_config=configs.language_config(model_cfg, parallel_cfg, params_dtype, on_cpu,
+                                                recompute=recompute_activations),
+        vision_config=configs.vision_config(model_cfg, vision_tp, params_dtype, on_cpu,
+                                            recompute=recompute_activations),
         projector_config=configs.projector_config(model_cfg, vision_tp, params_dtype, on_cpu),
         core_attention=core_attention,
         language_pgs=language_pgs,
