@@ -176,6 +176,13 @@ class CheckpointConfig:
     # Checkpoint folder to start from; --resume sets it to the latest in `dir`.
     load: Optional[str] = None
     save_at_end: bool = True
+    # HF folder (config.json + safetensors) to take the initial weights from, mapped at start-up
+    # through the `loongforge convert` table: no separate conversion step. Unused when `load` or
+    # --resume restores a checkpoint (that already holds the weights).
+    load_hf: Optional[str] = None
+    # Also write the final checkpoint as an HF folder, <output_dir>/hf (Hub key names, with the
+    # config and tokenizer files of `load_hf` when given), so a run's result loads in transformers.
+    save_hf: bool = False
 
 
 @dataclass
@@ -184,6 +191,22 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     progress_bar: bool = True
+
+
+@dataclass
+class BalanceConfig:
+    """Data-parallel load balancing: the compute-cost model (``loongforge fit-cost``)."""
+
+    # COST.json from `loongforge fit-cost`; null = the checkpoint's model on resume, else fit online.
+    cost_model: Optional[str] = None
+    # Online fit when no cost_model is given: steps of per-rank timings to fit from (after
+    # fit_warmup_steps); 0 = never fit. 20 steps x micro-batches x ranks is hundreds of points.
+    fit_steps: int = 20
+    # Steps recorded but not fitted at the start: the first steps pay for allocation and warm caches.
+    fit_warmup_steps: int = 2
+    # Refit every this many steps on the latest fit_steps steps (0 = fit once). Recording costs a
+    # device synchronisation per micro-batch on GPU, so it is off unless asked for.
+    refit_interval: int = 0
 
 
 @dataclass
@@ -196,5 +219,6 @@ class RunConfig:
     training: TrainingConfig = field(default_factory=TrainingConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+    balance: BalanceConfig = field(default_factory=BalanceConfig)
     # Name of the preset this config was composed from (informational).
     preset: Optional[str] = None

@@ -20,6 +20,7 @@ import functools
 import operator
 import types
 import typing
+from pathlib import Path
 from typing import Any, Iterator, Union
 
 from loongforge.config.errors import ConfigError
@@ -51,7 +52,8 @@ _AT_LEAST_ONE = (
 _AT_LEAST_ZERO = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
     "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
-    "data.synthetic_num_samples",
+    "data.synthetic_num_samples", "balance.fit_steps", "balance.fit_warmup_steps",
+    "balance.refit_interval",
 )
 
 
@@ -400,6 +402,17 @@ def _check_data(cfg: RunConfig) -> list[str]:
     return errors
 
 
+def _check_balance(cfg: RunConfig) -> list[str]:
+    balance = cfg.balance
+    if balance.cost_model is not None and not Path(balance.cost_model).is_file():
+        return [f"balance.cost_model={balance.cost_model} is not a file; pass a COST.json written "
+                f"by `loongforge fit-cost`, or null to fit online."]
+    if balance.refit_interval and not balance.fit_steps:
+        return [f"balance.refit_interval={balance.refit_interval} needs balance.fit_steps > 0 "
+                f"(the window each refit uses)."]
+    return []
+
+
 def _check_optimizer(cfg: RunConfig) -> list[str]:
     optimizer = cfg.optimizer
     if optimizer.min_lr > optimizer.lr:
@@ -421,7 +434,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None) -> list[str]
         return errors + range_errors
     errors += _check_language_shape(cfg) + _check_vision_shape(cfg)
     errors += _check_parallel_layout(cfg, world)
-    return errors + _check_data(cfg) + _check_optimizer(cfg)
+    return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg)
 
 
 def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:

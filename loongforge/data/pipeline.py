@@ -167,9 +167,16 @@ class DataPipeline:
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path)
         measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
-        self.stream = RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
-                                lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
-                                rejects=self.rejects)
+        if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
+            from loongforge.data.packed import PackedFolder, PackedRowStream
+
+            folder = PackedFolder(data_cfg.packed)
+            folder.check_compatible(data_cfg.seq_len, self.sizing)
+            self.stream = PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
+        else:
+            self.stream = RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
+                                    lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
+                                    rejects=self.rejects)
         self.last_data_wait_s = 0.0
         self._step = 0
         self._consumed_state = self._stream_state()

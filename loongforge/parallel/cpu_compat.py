@@ -24,6 +24,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
+import inspect
 import sys
 import types
 from dataclasses import dataclass
@@ -127,6 +128,12 @@ PATCHES: list[Patch] = [
         why="sorts params by param.type() == 'torch.cuda.*Tensor' names (distrib_optimizer.py:361/420)",
     ),
     Patch(
+        name="distributed_optimizer_gather",
+        owner_path="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+        attribute="get_parameter_state_dp_zero",
+        why="send_tensor.cuda() while gathering optimizer state for a checkpoint (distrib_optimizer.py:1089)",
+    ),
+    Patch(
         name="clip_grads_grad_type",
         owner_path="megatron.core.optimizer.clip_grads",
         attribute="clip_grad_by_total_norm_fp32",
@@ -227,12 +234,16 @@ def apply(force: bool = False) -> list[str]:
         if patch.name in _APPLIED:
             continue
         owner = patch.owner()
-        original = getattr(owner, patch.attribute)
+        # Wrap the function itself and keep a static/class method what it was, or it would receive
+        # the instance (or the class twice) as its first argument.
+        stored = inspect.getattr_static(owner, patch.attribute)
+        descriptor = type(stored) if isinstance(stored, (staticmethod, classmethod)) else None
+        original = stored.__func__ if descriptor else getattr(owner, patch.attribute)
         wrapped = patch.wrap(original)
-        setattr(owner, patch.attribute, wrapped)
+        setattr(owner, patch.attribute, descriptor(wrapped) if descriptor else wrapped)
         if isinstance(owner, types.ModuleType):
             _rebind_importers(patch.attribute, original, wrapped)
-        _APPLIED[patch.name] = (owner, patch.attribute, original)
+        _APPLIED[patch.name] = (owner, patch.attribute, stored)
         installed.append(patch.name)
     for module_name in DEVICE_PROXY_MODULES:
         if module_name not in _PROXIED:

@@ -13,7 +13,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.distributed as dist
@@ -33,6 +33,9 @@ from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_chec
 from loongforge.train.metrics import RunLogger, StepMetrics
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.step import train_step
+
+if TYPE_CHECKING:
+    from loongforge.profile.recorder import TrainingObserver
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -115,22 +118,29 @@ def _global_real_tokens(micro_batches: list[dict], count_here: bool) -> int:
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False,
-                 command_line: Optional[list[str]] = None) -> TrainingSummary:
-    """Train according to ``cfg``; the process group is created here unless a caller already did."""
+                 command_line: Optional[list[str]] = None,
+                 observer: Optional["TrainingObserver"] = None) -> TrainingSummary:
+    """Train according to ``cfg``; the process group is created here unless a caller already did.
+
+    ``observer`` (``loongforge profile``) sees every step; by default the run's cost-model keeper
+    (``balance.*``: load, fit online, checkpoint) is the observer.
+    """
     wall_start = time.perf_counter()
     owns_process_group = not dist.is_initialized()
     env = init_distributed(cfg.training.device)
     try:
-        return _train(cfg, env, resume=resume, command_line=command_line, wall_start=wall_start)
+        return _train(cfg, env, resume=resume, command_line=command_line, wall_start=wall_start,
+                      observer=observer)
     finally:
         if owns_process_group:
             shutdown()
 
 
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
-           wall_start: float) -> TrainingSummary:
+           wall_start: float, observer: Optional["TrainingObserver"] = None) -> TrainingSummary:
     from loongforge.config.validate import validate
     from loongforge.data.pipeline import DataPipeline
+    from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
     if env.device.type == "cpu":
@@ -142,6 +152,13 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout)
 
     model, model_config = _build_ddp_model(cfg, layout, env.device)
+    if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
+        from loongforge.convert.model_io import load_hf_weights
+
+        load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
+    # Per-micro-batch timing hooks (profile, online cost-model fit) and the cost model's home.
+    observer = training_observer(cfg, observer)
+    observer.attach(model_config, cfg=cfg, env=env, layout=layout)
     params_dtype = _DTYPES[cfg.training.precision]
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
@@ -150,6 +167,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
                             dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                             pad_to_multiple=_pad_multiple(cfg, layout),
                             rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None)
+    pipeline = observer.data_source(pipeline)
 
     ckpt_root = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
     load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
@@ -161,8 +179,10 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     logger_enabled = is_log_rank
     if load_path is not None:
         state = load_checkpoint(load_path, model, optimizer, scheduler)
-        pipeline.load_state_dict(state.data_state)
+        if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
+            pipeline.load_state_dict(state.data_state)
         start_step, consumed_rows = state.step, state.consumed_rows
+        observer.load_state_dict(state.extra)
 
     logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
                        enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,
@@ -175,7 +195,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
 
     def checkpoint(step: int) -> Path:
         state = TrainState(step=step, consumed_rows=consumed_rows,
-                           data_state=pipeline.state_dict(), extra={})
+                           data_state=pipeline.state_dict(), extra=observer.state_dict())
         layout_info = {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
         return save_checkpoint(ckpt_root, state, model, optimizer, scheduler, layout=layout_info)
 
@@ -185,8 +205,10 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             fetch_start = time.perf_counter()
             micro_batches = pipeline.next_step()
             data_wait = time.perf_counter() - fetch_start
+            micro_batches = observer.begin_step(step, micro_batches)
             result = train_step(model, optimizer, scheduler, micro_batches, device=env.device,
                                 seq_length=seq_length, is_loss_rank=is_loss_rank)
+            observer.end_step(step, result, data_wait_s=data_wait)
             consumed_rows += cfg.training.global_batch_size
             tokens = _global_real_tokens(micro_batches, is_loss_rank)
             metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
@@ -200,6 +222,12 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         if cfg.checkpoint.save_at_end and summary.end_step > start_step and (
                 not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
             summary.checkpoint = str(checkpoint(summary.end_step))
+        observer.close()
+        if cfg.checkpoint.save_hf and summary.checkpoint and env.rank == 0:
+            from loongforge.convert.model_io import export_hf
+
+            hf_dir = export_hf(cfg.model, summary.checkpoint, out_dir / "hf", hf_source=cfg.checkpoint.load_hf)
+            logger.write(f"exported HF weights to {hf_dir}")
         summary.rejects = pipeline.reject_counts()
         pipeline.close()
         summary.wall_s = time.perf_counter() - wall_start

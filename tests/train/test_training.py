@@ -50,6 +50,17 @@ def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
     assert losses(tmp_path) == losses(baseline_run)
 
 
+def test_distributed_optimizer_resume_is_exact(tmp_path):
+    # Exercises the restore fixes in train/checkpoint.py (state init, no_grad copy, unshared steps).
+    options = ("parallel.use_distributed_optimizer=true",)
+    uninterrupted = tmp_path / "uninterrupted"
+    run_train(uninterrupted, *options, nproc=2)
+    resumed = tmp_path / "resumed"
+    run_train(resumed, *options, "training.exit_at_step=2", nproc=2)
+    run_train(resumed, *options, nproc=2, resume=True)
+    assert losses(resumed) == losses(uninterrupted)
+
+
 def test_pipeline_parallel_2_trains_and_resumes(tmp_path):
     run_train(tmp_path, "parallel.pipeline_model_parallel_size=2", "training.exit_at_step=2", nproc=2)
     run_train(tmp_path, "parallel.pipeline_model_parallel_size=2", nproc=2, resume=True)

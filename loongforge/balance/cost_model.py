@@ -1,0 +1,190 @@
+"""The compute-cost model shared by ``fit-cost``, the load balancer and ``bench balance``.
+
+One micro-batch's forward+backward time on one rank is modelled as
+
+    t = a * sum L^2 + b * sum L + c * N + d * sum P^2 + e * sum P + f * n_img
+
+over its samples (L: a sample's language-model tokens, text and merged image tokens included) and
+its images/videos (P: one image's or video's vision patches before the 2x2 merge). The quadratic
+terms are attention (causal over each packed sample in the LLM; over each image in the ViT's
+full-attention blocks), the linear terms are the matmuls, N and n_img are per-sample and per-image
+overheads. Everything is in seconds; coefficients are non-negative.
+
+This module is pure Python + numpy: the planner runs in data-loading threads and in simulations.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Iterable, Optional, Sequence
+
+import numpy as np
+
+COST_FORMAT = "loongforge-cost/1"
+
+# Order of the features and coefficients everywhere (profiles, fits, COST.json).
+TERMS = ("sum_L2", "sum_L", "N", "sum_P2", "sum_P", "n_img")
+TERM_DESCRIPTIONS = {
+    "sum_L2": "sum over samples of L^2, L = the sample's language-model tokens",
+    "sum_L": "sum over samples of L",
+    "N": "number of samples",
+    "sum_P2": "sum over images/videos of P^2, P = vision patches of one image before merging",
+    "sum_P": "sum over images/videos of P",
+    "n_img": "number of images and videos",
+}
+
+
+@dataclass(frozen=True)
+class SampleCost:
+    """What the cost model needs to know about one sample."""
+
+    tokens: int  # L
+    patches: tuple[int, ...] = ()  # P of each image / video in the sample
+
+    def features(self) -> np.ndarray:
+        """This sample's contribution to each term, in ``TERMS`` order: shape [6]."""
+        p = np.asarray(self.patches, dtype=np.float64)
+        return np.array([float(self.tokens) ** 2, float(self.tokens), 1.0,
+                         float((p * p).sum()), float(p.sum()), float(len(p))])
+
+
+def batch_features(samples: Iterable[SampleCost]) -> np.ndarray:
+    """Aggregated features of a micro-batch: shape [6]."""
+    total = np.zeros(len(TERMS))
+    for sample in samples:
+        total += sample.features()
+    return total
+
+
+@dataclass
+class CostModel:
+    coefficients: dict[str, float]
+    units: str = "seconds"
+    source: str = "default"  # "default", "flops", "fit:nnls", "fit:smoothmax", "tokens"
+    environment: dict = field(default_factory=dict)
+    accuracy: dict = field(default_factory=dict)
+    # Fixed seconds per micro-batch (launches, embedding-gradient accumulation, Python); the same on
+    # every rank for equal micro-batch counts, so it never changes a plan, only absolute predictions.
+    micro_batch_overhead_s: float = 0.0
+
+    def __post_init__(self):
+        missing = [t for t in TERMS if t not in self.coefficients]
+        if missing:
+            raise ValueError(f"cost model is missing coefficients {missing}; expected {list(TERMS)}")
+        bad = {k: v for k, v in self.coefficients.items() if not (math.isfinite(v) and v >= 0)}
+        if bad:
+            raise ValueError(f"cost model coefficients must be finite and >= 0, got {bad}")
+        if not (math.isfinite(self.micro_batch_overhead_s) and self.micro_batch_overhead_s >= 0):
+            raise ValueError(f"micro_batch_overhead_s must be finite and >= 0, got "
+                             f"{self.micro_batch_overhead_s}")
+
+    @property
+    def vector(self) -> np.ndarray:
+        return np.array([self.coefficients[t] for t in TERMS], dtype=np.float64)
+
+    def predict_features(self, features: np.ndarray) -> np.ndarray:
+        """features [..., 6] -> predicted seconds [...]."""
+        return np.asarray(features, dtype=np.float64) @ self.vector
+
+    def predict_micro_batch(self, features: np.ndarray) -> np.ndarray:
+        """Aggregated micro-batch features [..., 6] -> predicted forward+backward seconds [...]."""
+        return self.predict_features(features) + self.micro_batch_overhead_s
+
+    def sample_cost(self, sample: SampleCost) -> float:
+        return float(self.predict_features(sample.features()))
+
+    def sample_costs(self, tokens: Sequence[int], patches: Sequence[Sequence[int]]) -> np.ndarray:
+        """Vectorised per-sample cost: tokens [n], patches (n lists) -> seconds [n]."""
+        L = np.asarray(tokens, dtype=np.float64)
+        p2 = np.array([sum(p * p for p in ps) for ps in patches], dtype=np.float64)
+        p1 = np.array([sum(ps) for ps in patches], dtype=np.float64)
+        n_img = np.array([len(ps) for ps in patches], dtype=np.float64)
+        feats = np.stack([L * L, L, np.ones_like(L), p2, p1, n_img], axis=-1)
+        return feats @ self.vector
+
+    def term_shares(self, features: np.ndarray) -> dict[str, float]:
+        """Each term's share of the total predicted time over ``features`` [n, 6]."""
+        parts = (np.asarray(features, dtype=np.float64) * self.vector).sum(axis=0)
+        total = parts.sum()
+        return {t: float(v / total) if total > 0 else 0.0 for t, v in zip(TERMS, parts)}
+
+    def crossover_length(self) -> Optional[float]:
+        """The sample length where the attention term a*L^2 equals the linear term b*L."""
+        a, b = self.coefficients["sum_L2"], self.coefficients["sum_L"]
+        return b / a if a > 0 else None
+
+    # -- persistence ---------------------------------------------------------------------------
+
+    def to_dict(self) -> dict:
+        return {"format": COST_FORMAT,
+                "model": "t = a*sum_L2 + b*sum_L + c*N + d*sum_P2 + e*sum_P + f*n_img "
+                         "(+ micro_batch_overhead_s per micro-batch)",
+                "terms": {t: TERM_DESCRIPTIONS[t] for t in TERMS},
+                **asdict(self)}
+
+    def save(self, path: str | Path) -> None:
+        Path(path).write_text(json.dumps(self.to_dict(), indent=2) + "\n")
+
+    @classmethod
+    def from_dict(cls, data: dict, *, origin: str = "cost model") -> "CostModel":
+        if data.get("format") != COST_FORMAT:
+            raise ValueError(f"{origin}: format {data.get('format')!r} is not {COST_FORMAT!r}; "
+                             "write it with `loongforge fit-cost`")
+        return cls(coefficients={k: float(v) for k, v in data["coefficients"].items()},
+                   units=data.get("units", "seconds"), source=data.get("source", "file"),
+                   environment=data.get("environment", {}), accuracy=data.get("accuracy", {}),
+                   micro_batch_overhead_s=float(data.get("micro_batch_overhead_s", 0.0)))
+
+    @classmethod
+    def load(cls, path: str | Path) -> "CostModel":
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, json.JSONDecodeError) as exc:
+            raise ValueError(f"{path}: cannot read cost model ({exc}); pass a COST.json written "
+                             "by `loongforge fit-cost`") from exc
+        return cls.from_dict(data, origin=str(path))
+
+
+def token_count_model() -> CostModel:
+    """Plain token counts (what balancers use before any fit): t = sum L."""
+    return CostModel({t: (1.0 if t == "sum_L" else 0.0) for t in TERMS}, units="tokens",
+                     source="tokens")
+
+
+def flops_model(*, hidden: int, layers: int, params_language: float, vision_hidden: int,
+                vision_full_attention_layers: int, params_vision: float,
+                achieved_flops_per_s: float) -> CostModel:
+    """Coefficients from FLOP counts (forward+backward = 3x forward) at a given achieved throughput.
+
+    LLM: 6 * params FLOPs per token; causal attention 2 * 2 * L^2 * hidden / 2 per layer forward.
+    ViT: 6 * params per patch; full attention 2 * 2 * P^2 * width per full-attention block forward
+    (windowed blocks are linear in P and folded into the per-patch term).
+    """
+    s = 1.0 / achieved_flops_per_s
+    return CostModel({
+        "sum_L2": 3 * 2 * hidden * layers * s,
+        "sum_L": 6 * params_language * s,
+        "N": 0.0,
+        "sum_P2": 3 * 4 * vision_hidden * vision_full_attention_layers * s,
+        "sum_P": 6 * params_vision * s,
+        "n_img": 0.0,
+    }, source="flops")
+
+
+# The documented default: Qwen2.5-VL-7B in bf16 on an H100-class GPU at 400 TFLOP/s achieved
+# (about 40% of dense bf16 peak), from FLOP counts; replace it with a fitted COST.json.
+QWEN2_5_VL_7B_H100 = dict(hidden=3584, layers=28, params_language=7.07e9, vision_hidden=1280,
+                          vision_full_attention_layers=4, params_vision=0.68e9,
+                          achieved_flops_per_s=4.0e14)
+
+
+def default_cost_model() -> CostModel:
+    model = flops_model(**QWEN2_5_VL_7B_H100)
+    model.environment = {"preset": "qwen2.5vl-7b", "device": "H100-class (modelled)", "dtype": "bf16",
+                         "achieved_flops_per_s": QWEN2_5_VL_7B_H100["achieved_flops_per_s"]}
+    model.source = "default"
+    return model

@@ -1,0 +1,1 @@
+"""Benchmarks behind ``loongforge bench``: simulations and measurements, no CLI code."""

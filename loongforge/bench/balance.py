@@ -1,0 +1,340 @@
+"""``loongforge bench balance``: the DP load-balancing strategies side by side on real sample costs.
+
+Pipeline: read a pool of samples (tokens L and image patches P of each), price them with a cost model
+(a COST.json from ``fit-cost`` or the documented qwen2.5vl-7b H100 default), simulate steps at each
+(DP, micro-batches) with ``loongforge.balance.simulate``, and report one row per strategy.
+
+Inputs ``--data`` understands (each file or folder; all of them form one pool):
+- a packed folder (``manifest.jsonl`` from ``loongforge pack``: lines ``{"samples": [{"tokens": L,
+  "patches": [P, ...]}, ...]}``);
+- OmniBal cost CSVs (``vit_num,token_num,...``): ``token_num`` is L; each of the ``vit_num`` InternVL
+  tiles is one 448x448 image = 32x32 = 1024 patches of 14 px before merging;
+- MathVista ``testmini.json`` and COCO ``captions_*.json`` (image sizes from their metadata; text
+  tokenized with the preset's chat template; images sized by the preset's resize rules), and
+  arena-hard model-answer JSONL (text only; its answers are ``{"answer": ...}`` objects);
+- conversation files (JSON/JSONL/parquet), measured exactly as ``pack`` measures them
+  (``loongforge.data.measure.SampleMeasurer``; media sizes read from file headers).
+Samples longer than ``seq_len`` are dropped and counted, as packing drops them.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import numpy as np
+
+from loongforge.balance.cost_model import CostModel, default_cost_model
+from loongforge.balance.simulate import STRATEGY_NAMES, simulate
+from loongforge.config.errors import InputError
+
+DEFAULT_DP_SIZES = (8, 32, 128, 256, 512, 1024)
+DEFAULT_MICRO_BATCHES = (1, 4)
+INTERNVL_TILE_PATCHES = (448 // 14) ** 2  # 1024 patches per 448x448 tile
+MANIFEST_NAME = "manifest.jsonl"
+
+
+@dataclass
+class SamplePool:
+    tokens: list = field(default_factory=list)  # L per sample
+    patches: list = field(default_factory=list)  # tuple of P per image/video, per sample
+    sources: dict = field(default_factory=dict)  # path -> samples read
+    dropped_too_long: int = 0
+    rejected: int = 0
+
+    def add(self, tokens: int, patches: Sequence[int], seq_len: int) -> None:
+        if tokens > seq_len:
+            self.dropped_too_long += 1
+            return
+        self.tokens.append(int(tokens))
+        self.patches.append(tuple(int(p) for p in patches))
+
+    def arrays(self, model: CostModel) -> tuple[np.ndarray, np.ndarray]:
+        """(costs in seconds [n], tokens [n])."""
+        tokens = np.asarray(self.tokens, dtype=np.int64)
+        return model.sample_costs(tokens, self.patches), tokens
+
+
+# -------------------------------------------------------------------------------------- readers
+
+
+def _read_manifest(folder: Path, pool: SamplePool, seq_len: int) -> None:
+    path = folder / MANIFEST_NAME
+    with open(path, encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                for sample in json.loads(line)["samples"]:
+                    pool.add(int(sample["tokens"]), sample.get("patches", []), seq_len)
+            except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+                raise InputError(f"{path}:{number}: not a pack manifest line ({exc}); expected "
+                                 '{"samples": [{"tokens": L, "patches": [P, ...]}, ...]}') from None
+
+
+def _read_omnibal_csv(path: Path, pool: SamplePool, seq_len: int) -> None:
+    with open(path, newline="", encoding="utf-8") as f:
+        for row in csv.DictReader(f):
+            tiles = int(row["vit_num"])
+            pool.add(int(row["token_num"]), (INTERNVL_TILE_PATCHES,) * tiles, seq_len)
+
+
+def _is_omnibal_csv(path: Path) -> bool:
+    if path.suffix != ".csv":
+        return False
+    with open(path, encoding="utf-8") as f:
+        header = f.readline().strip().split(",")
+    return "vit_num" in header and "token_num" in header
+
+
+class _ChatSizer:
+    """Token counts of image + text chats from image sizes alone (no pixels read)."""
+
+    def __init__(self, preset: str, seq_len: int):
+        from loongforge.config.loader import load_run_config
+        from loongforge.data.measure import vision_sizing
+        from loongforge.data.tokenizer import load_tokenizer
+
+        cfg = load_run_config(preset, overrides=[f"data.seq_len={seq_len}"])
+        self.sizing = vision_sizing(cfg.data, cfg.model)
+        self.system_prompt = cfg.data.system_prompt or None
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+
+    def add_all(self, chats: list[tuple], pool: SamplePool, seq_len: int) -> None:
+        """chats: (question, answer, image width, image height), one image each, or
+        (question, answer, None, None) for text only."""
+        from loongforge.data.template import Turn, render_chat
+        from loongforge.data.vision import image_grid_thw, num_llm_tokens
+
+        texts = [render_chat([Turn("user", ("<image>" if w else "") + q), Turn("assistant", a)],
+                             self.system_prompt).text for q, a, w, _ in chats]
+        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
+        for (_, _, width, height), length in zip(chats, lengths):
+            if not width:
+                pool.add(length, (), seq_len)
+                continue
+            try:
+                grid = image_grid_thw(width, height, self.sizing)
+            except ValueError:
+                pool.rejected += 1
+                continue
+            # One <|image_pad|> in the text becomes one token per merged 2x2 patch group.
+            tokens = length - 1 + num_llm_tokens(grid, self.sizing.merge_size)
+            pool.add(tokens, (grid[0] * grid[1] * grid[2],), seq_len)
+
+
+def _mathvista_chats(data: dict) -> list[tuple[str, str, int, int]]:
+    chats = []
+    for record in data.values():
+        meta = record["metadata"]
+        if isinstance(meta, str):  # stored as a Python dict literal
+            import ast
+            meta = ast.literal_eval(meta)
+        chats.append((str(record["question"]), str(record.get("answer", "")),
+                      int(meta["img_width"]), int(meta["img_height"])))
+    return chats
+
+
+def _coco_chats(data: dict) -> list[tuple[str, str, int, int]]:
+    sizes = {image["id"]: (image["width"], image["height"]) for image in data["images"]}
+    return [("Describe this image.", a["caption"], *sizes[a["image_id"]]) for a in data["annotations"]]
+
+
+def _arena_hard_chats(path: Path) -> Optional[list[tuple]]:
+    """arena-hard model-answer JSONL (assistant content is {"answer": ...}): text-only chats."""
+    if path.suffix != ".jsonl":
+        return None
+    with open(path, encoding="utf-8") as f:
+        first = json.loads(f.readline() or "{}")
+    messages = first.get("messages") if isinstance(first, dict) else None
+    if not (isinstance(messages, list) and any(isinstance(m.get("content"), dict) for m in messages)):
+        return None
+    chats = []
+    with open(path, encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                turns = json.loads(line)["messages"]
+                text = [m["content"]["answer"] if isinstance(m["content"], dict) else m["content"]
+                        for m in turns]
+                chats.append((text[0], "\n".join(text[1:]), None, None))
+    return chats
+
+
+def _sized_chats(path: Path) -> Optional[list[tuple[str, str, int, int]]]:
+    """MathVista / COCO caption files: chats with image sizes; None for anything else."""
+    if path.suffix != ".json":
+        return None
+    text = path.read_text(encoding="utf-8", errors="replace")
+    if not text.lstrip().startswith("{"):  # conversation files are arrays (or JSON lines)
+        return None
+    try:
+        data = json.loads(text)
+    except json.JSONDecodeError:  # JSON lines saved as .json
+        return None
+    if isinstance(data, dict) and "images" in data and "annotations" in data:
+        return _coco_chats(data)
+    if isinstance(data, dict) and all(isinstance(v, dict) and "metadata" in v for v in data.values()):
+        return _mathvista_chats(data)
+    return None
+
+
+def _read_conversations(paths: list[Path], pool: SamplePool, preset: str, seq_len: int) -> None:
+    from loongforge.config.loader import load_run_config
+    from loongforge.data.conversations import FileSamples
+    from loongforge.data.measure import MeasuredSample, SampleMeasurer
+    from loongforge.data.records import Reject
+    from loongforge.data.tokenizer import load_tokenizer
+
+    # Measure without the seq_len reject so too-long samples are counted like the other readers.
+    cfg = load_run_config(preset, overrides=["data.seq_len=10000000"])
+    measurer = SampleMeasurer(load_tokenizer(cfg.data.tokenizer), cfg.data, cfg.model)
+    source = FileSamples([str(p) for p in paths])
+    for index in range(len(source)):
+        sample = source.get(index)
+        measured = sample if isinstance(sample, Reject) else measurer.measure(sample)
+        if not isinstance(measured, MeasuredSample):
+            pool.rejected += 1
+            continue
+        grids = list(measured.image_grids) + [plan.grid_thw for plan in measured.video_plans]
+        pool.add(measured.length, [t * h * w for t, h, w in grids], seq_len)
+
+
+def load_pool(paths: Sequence[str | Path], *, preset: str, seq_len: int) -> SamplePool:
+    """Read every ``--data`` entry into one pool; raises InputError for what it cannot read."""
+    pool = SamplePool()
+    conversation_files: list[Path] = []
+    sizer: Optional[_ChatSizer] = None
+    for entry in paths:
+        path = Path(entry)
+        before = len(pool.tokens)
+        if path.is_dir() and (path / MANIFEST_NAME).is_file():
+            _read_manifest(path, pool, seq_len)
+        elif path.is_dir():
+            conversation_files.append(path)
+        elif not path.is_file():
+            raise InputError(f"--data {entry}: no such file or folder")
+        elif _is_omnibal_csv(path):
+            _read_omnibal_csv(path, pool, seq_len)
+        elif path.suffix == ".csv":
+            raise InputError(f"--data {entry}: a CSV needs the OmniBal columns vit_num,token_num")
+        elif (chats := _sized_chats(path) or _arena_hard_chats(path)) is not None:
+            sizer = sizer or _ChatSizer(preset, seq_len)
+            sizer.add_all(chats, pool, seq_len)
+        else:
+            conversation_files.append(path)
+        pool.sources[str(path)] = len(pool.tokens) - before
+    if conversation_files:
+        before = len(pool.tokens)
+        try:
+            _read_conversations(conversation_files, pool, preset, seq_len)
+        except FileNotFoundError as exc:
+            raise InputError(f"--data: {exc}") from None
+        for path in conversation_files:
+            pool.sources[str(path)] = None  # counted together below
+        pool.sources["conversation files"] = len(pool.tokens) - before
+    if not pool.tokens:
+        raise InputError(f"--data {list(map(str, paths))}: no usable samples (dropped as longer "
+                         f"than seq_len={seq_len}: {pool.dropped_too_long}, rejected: {pool.rejected})")
+    return pool
+
+
+# ------------------------------------------------------------------------------------ the bench
+
+
+@dataclass
+class BalanceBench:
+    rows: list
+    pool: SamplePool
+    cost_model: CostModel
+    seq_len: int
+    steps: int
+    details: dict  # (dp, ga) -> strategy -> summed counters
+
+
+def run_balance_bench(paths: Sequence[str | Path], *, preset: str, seq_len: int,
+                      cost: Optional[Path] = None, dp_sizes: Sequence[int] = DEFAULT_DP_SIZES,
+                      micro_batches: Sequence[int] = DEFAULT_MICRO_BATCHES, steps: int = 10,
+                      seed: int = 0, strategies: Sequence[str] = STRATEGY_NAMES,
+                      progress: Optional[Callable[[str], None]] = None) -> BalanceBench:
+    model = CostModel.load(cost) if cost is not None else default_cost_model()
+    pool = load_pool(paths, preset=preset, seq_len=seq_len)
+    costs, tokens = pool.arrays(model)
+    details: dict = {}
+
+    def on_config(dp, m, results):
+        details[(dp, m)] = {name: dict(res.extra) for name, res in results.items()}
+        if progress is not None:
+            progress(f"dp={dp} ga={m}: done")
+
+    rows = simulate(costs, tokens, dp_sizes=dp_sizes, micro_batches=micro_batches, seq_len=seq_len,
+                    steps=steps, seed=seed, strategies=strategies, on_config=on_config)
+    return BalanceBench(rows=rows, pool=pool, cost_model=model, seq_len=seq_len, steps=steps,
+                        details=details)
+
+
+def format_table(rows: list[dict]) -> str:
+    """Markdown table of the rows (also what the terminal shows)."""
+    lines = ["| DP | GA | strategy | max/mean | max/LB | gain vs none | plan ms p50 | plan ms p99 |",
+             "|---:|---:|---|---:|---:|---:|---:|---:|"]
+    for r in rows:
+        lines.append(f"| {r['dp']} | {r['ga']} | {r['strategy']} | {r['max_over_mean']:.4f} | "
+                     f"{r['max_over_lb']:.4f} | {100 * r['gain']:+.2f}% | {r['plan_ms_p50']:.1f} | "
+                     f"{r['plan_ms_p99']:.1f} |")
+    return "\n".join(lines)
+
+
+def describe_bench(bench: BalanceBench) -> str:
+    """Pool, cost model and per-config counters (skips, capacity overflows) in a few lines."""
+    pool = bench.pool
+    tokens = np.asarray(pool.tokens)
+    lines = [f"pool: {len(tokens)} samples (L p50 {np.percentile(tokens, 50):.0f}, p99 "
+             f"{np.percentile(tokens, 99):.0f}, max {tokens.max()}; "
+             f"{sum(1 for p in pool.patches if p)} with images), dropped as > seq_len: "
+             f"{pool.dropped_too_long}, rejected: {pool.rejected}",
+             f"cost model: {bench.cost_model.source} {bench.cost_model.environment or ''}".rstrip(),
+             f"seq_len={bench.seq_len}, steps per config={bench.steps}"]
+    for (dp, m), per in bench.details.items():
+        ref, tok = per.get("reference", {}), per.get("token", {})
+        parts = []
+        if ref:
+            parts.append(f"reference applied {ref.get('applied', 0)}, skipped (sample > mean) "
+                         f"{ref.get('skipped_sample_over_mean', 0)}, skipped (< 20% imbalance) "
+                         f"{ref.get('skipped_balanced', 0)}, micro-batches over seq_len "
+                         f"{ref.get('capacity_violations', 0)}")
+        if tok:
+            parts.append(f"token: micro-batches over seq_len {tok.get('capacity_violations', 0)}")
+        if parts:
+            lines.append(f"dp={dp} ga={m}: " + "; ".join(parts))
+    return "\n".join(lines)
+
+
+def plot_gain(rows: list[dict], path: Path, title: str = "") -> None:
+    """PNG: modelled step-time gain over none vs DP, one line per strategy and GA."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    colors = {"token": "tab:blue", "reference": "tab:orange", "loongforge": "tab:green"}
+    styles = ["--", "-", ":", "-."]
+    fig, ax = plt.subplots(figsize=(7, 4.2))
+    for k, m in enumerate(sorted({r["ga"] for r in rows})):
+        for name, color in colors.items():
+            pts = sorted((r["dp"], 100 * r["gain"]) for r in rows if r["ga"] == m and r["strategy"] == name)
+            if pts:
+                ax.plot(*zip(*pts), marker="o", color=color, linestyle=styles[k % len(styles)],
+                        label=f"{name}, GA={m}")
+    ax.axhline(0.0, color="grey", linewidth=0.8)  # none
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("data-parallel size")
+    ax.set_ylabel("modelled step-time gain over none (%)")
+    ax.set_title(title or "DP load balancing: gain vs DP")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

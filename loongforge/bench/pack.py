@@ -1,0 +1,326 @@
+"""``loongforge bench pack``: fill ratio of the packing algorithms on real data, plan and scan speed.
+
+Sets (from the shared data folder; every sample's LLM length is exact: the chat is rendered and
+tokenized as ``pack`` does, and each image adds the tokens the preset's resize rules give for its
+recorded width x height, so no image file is needed):
+
+- ``coco``: COCO val2017 captions, one "describe" chat per caption, image sizes from the json;
+- ``mathvista``: MathVista testmini question (+ choices) -> answer, image sizes from its metadata;
+- ``arena_hard``: arena-hard v2.0 prompts with o3-mini answers (long-tail text);
+- ``alpaca``: LLaMA-Factory's alpaca_en demo (short chat);
+- ``mixed``: all of the above, interleaved in a fixed random order.
+
+Samples longer than ``seq_len`` are dropped and counted (``pack`` rejects them as too_long).
+Every algorithm packs the same samples in the same run; "bound" is the best fill any algorithm
+could reach, tokens / (ceil(tokens / seq_len) x seq_len).
+
+Plan speed: the plan stage's algorithms on 1,000,000 lengths drawn from the mixed set. Scan speed:
+the real scan stage (read, tokenize, read image headers) on COCO chats that point at the 50 COCO
+images in the shared folder, with 1 and 2 worker processes.
+"""
+
+from __future__ import annotations
+
+import json
+import tempfile
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+import numpy as np
+
+from loongforge.pack.algorithms import ALGORITHMS, BASELINES, fill_ratio, plan_packs, quadratic_costs
+
+SEQ_LENS = (8192, 32768)
+BENCH_ALGORITHMS = ALGORITHMS + BASELINES
+SETS = ("coco", "mathvista", "arena_hard", "alpaca", "mixed")
+DESCRIBE_PROMPT = "<image>Describe this image in one sentence."
+
+
+@dataclass
+class Chat:
+    question: str  # with one <image> per entry of ``image_sizes``
+    answer: str
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height)
+
+
+@dataclass
+class PackBench:
+    preset: str
+    set_sizes: dict[str, int]
+    lengths: dict[str, np.ndarray]
+    rows: list[dict]
+    plan_rows: list[dict]
+    scan_rows: list[dict]
+
+
+# ---------------------------------------------------------------- the real sets
+
+
+def coco_chats(root: Path) -> list[Chat]:
+    data = json.loads((root / "coco2017" / "captions_val2017.json").read_text())
+    sizes = {image["id"]: (image["width"], image["height"]) for image in data["images"]}
+    return [Chat(DESCRIBE_PROMPT, a["caption"].strip(), [sizes[a["image_id"]]]) for a in data["annotations"]]
+
+
+def mathvista_chats(root: Path) -> list[Chat]:
+    data = json.loads((root / "mathvista" / "testmini.json").read_text())
+    chats = []
+    for key in sorted(data, key=int):
+        item = data[key]
+        question = "<image>" + item["question"]
+        if item.get("choices"):
+            question += "\nChoices: " + "; ".join(str(c) for c in item["choices"])
+        meta = item["metadata"]
+        chats.append(Chat(question, str(item["answer"]), [(meta["img_width"], meta["img_height"])]))
+    return chats
+
+
+def arena_hard_chats(root: Path) -> list[Chat]:
+    folder = root / "arena_hard"
+    prompts = {}
+    for line in _jsonl_lines(folder / "v2.0_question.jsonl"):
+        record = json.loads(line)
+        prompts[record["uid"]] = record["prompt"]
+    chats = []
+    for line in _jsonl_lines(folder / "v2.0_model_answer_o3-mini-2025-01-31.jsonl"):
+        record = json.loads(line)
+        answer = record["messages"][-1]["content"]
+        answer = answer.get("answer", "") if isinstance(answer, dict) else str(answer)
+        chats.append(Chat(prompts.get(record["uid"], record["messages"][0]["content"]), answer))
+    return chats
+
+
+def _jsonl_lines(path: Path) -> list[str]:
+    # Split on "\n" only: str.splitlines also splits at U+2028 inside JSON strings.
+    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
+
+
+def alpaca_chats(root: Path) -> list[Chat]:
+    data = json.loads((root / "llamafactory" / "alpaca_en_demo.json").read_text())
+    return [Chat("\n".join(p for p in (r["instruction"], r.get("input", "")) if p), r["output"]) for r in data]
+
+
+def load_sets(root: Path) -> dict[str, list[Chat]]:
+    sets = {"coco": coco_chats(root), "mathvista": mathvista_chats(root), "arena_hard": arena_hard_chats(root),
+            "alpaca": alpaca_chats(root)}
+    everything = [chat for name in ("coco", "mathvista", "arena_hard", "alpaca") for chat in sets[name]]
+    order = np.random.default_rng(0).permutation(len(everything))
+    sets["mixed"] = [everything[i] for i in order]
+    return sets
+
+
+# ---------------------------------------------------------------- exact lengths
+
+
+class ChatLengths:
+    """LLM tokens of chats as ``SampleMeasurer`` counts them, from image sizes instead of files."""
+
+    def __init__(self, preset: str):
+        from loongforge.config.loader import load_run_config
+        from loongforge.data.measure import vision_sizing
+        from loongforge.data.tokenizer import load_tokenizer
+
+        cfg = load_run_config(preset)
+        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
+        self.sizing = vision_sizing(cfg.data, cfg.model)
+        self.system_prompt = cfg.data.system_prompt or None
+
+    def __call__(self, chats: list[Chat]) -> np.ndarray:
+        from loongforge.data.template import Turn, render_chat
+        from loongforge.data.vision import image_grid_thw, num_llm_tokens
+
+        texts = [render_chat([Turn("user", c.question), Turn("assistant", c.answer)], self.system_prompt).text
+                 for c in chats]
+        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
+        lengths = np.empty(len(chats), dtype=np.int64)
+        for k, (chat, tokens) in enumerate(zip(chats, ids)):
+            image_tokens = sum(num_llm_tokens(image_grid_thw(w, h, self.sizing), self.sizing.merge_size)
+                               for w, h in chat.image_sizes)
+            lengths[k] = len(tokens) - len(chat.image_sizes) + image_tokens  # one pad each -> its tokens
+        return lengths
+
+
+# ---------------------------------------------------------------- the benchmark
+
+
+def fill_rows(name: str, lengths: np.ndarray, seq_len: int) -> list[dict]:
+    kept = lengths[lengths <= seq_len]
+    total = int(kept.sum())
+    bound = total / (-(-total // seq_len) * seq_len) if total else 0.0
+    rows = []
+    for algorithm in BENCH_ALGORITHMS:
+        start = time.perf_counter()
+        packs = plan_packs(kept, seq_len, algorithm)
+        seconds = time.perf_counter() - start
+        costs = quadratic_costs(packs, kept)
+        rows.append({"set": name, "seq_len": seq_len, "samples": int(len(kept)),
+                     "too_long": int(len(lengths) - len(kept)), "algorithm": algorithm, "packs": len(packs),
+                     "fill": fill_ratio(packs, kept, seq_len), "bound": bound,
+                     "cost_cv": float(costs.std() / costs.mean()), "plan_s": seconds})
+    return rows
+
+
+def plan_speed_rows(pool: np.ndarray, num_samples: int, seq_len: int = 8192) -> list[dict]:
+    lengths = np.random.default_rng(0).choice(pool[pool <= seq_len], size=num_samples, replace=True)
+    rows = []
+    for algorithm in ALGORITHMS:
+        start = time.perf_counter()
+        packs = plan_packs(lengths, seq_len, algorithm)
+        seconds = time.perf_counter() - start
+        rows.append({"algorithm": algorithm, "samples": num_samples, "seq_len": seq_len, "seconds": seconds,
+                     "samples_per_s": num_samples / seconds, "fill": fill_ratio(packs, lengths, seq_len)})
+    return rows
+
+
+def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tuple[int, ...]) -> list[dict]:
+    """The scan stage proper (FileSamples already read, tokenizer already loaded) on real JPEGs."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.data.conversations import FileSamples
+    from loongforge.pack import workers
+    from loongforge.pack.scan import run_scan
+
+    images = sorted((root / "coco2017" / "val2017").glob("*.jpg"))
+    captions = coco_chats(root)
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        data = Path(tmp) / "coco_chats.jsonl"
+        with open(data, "w") as f:
+            for k in range(num_samples):
+                chat = captions[k % len(captions)]
+                f.write(json.dumps({"messages": [{"role": "user", "content": chat.question},
+                                                 {"role": "assistant", "content": chat.answer}],
+                                    "images": [str(images[k % len(images)])]}) + "\n")
+        cfg = load_run_config(preset, overrides=["data.seq_len=32768"])
+        samples = FileSamples([str(data)])
+        context = workers.MeasureContext(inputs=(str(data),), data_cfg=cfg.data, model_cfg=cfg.model)
+        workers.install(context, samples)
+        workers.measurer()
+        for count in worker_counts:
+            out = Path(tmp) / f"scan_{count}"
+            start = time.perf_counter()
+            run_scan(out, len(samples), context, num_workers=count)
+            seconds = time.perf_counter() - start
+            rows.append({"workers": count, "samples": len(samples), "seconds": seconds,
+                         "samples_per_s": len(samples) / seconds,
+                         "samples_per_s_per_worker": len(samples) / seconds / count})
+    return rows
+
+
+def run_pack_bench(root: Path, *, preset: str, seq_lens: tuple[int, ...] = SEQ_LENS,
+                   plan_samples: int = 1_000_000, scan_samples: int = 4000,
+                   scan_workers: tuple[int, ...] = (1, 2),
+                   on_progress: Optional[Callable[[str], None]] = None) -> PackBench:
+    say = on_progress or (lambda message: None)
+    say("reading and tokenizing the sets")
+    chats = load_sets(root)
+    measure = ChatLengths(preset)
+    lengths = {name: measure(chats[name]) for name in SETS}
+    rows = []
+    for seq_len in seq_lens:
+        for name in SETS:
+            say(f"packing {name} at seq_len {seq_len}")
+            rows.extend(fill_rows(name, lengths[name], seq_len))
+    say(f"planning {plan_samples} samples")
+    plan_rows = plan_speed_rows(lengths["mixed"], plan_samples)
+    say(f"scanning {scan_samples} COCO chats")
+    scan_rows = scan_speed_rows(root, preset, scan_samples, scan_workers)
+    return PackBench(preset=preset, set_sizes={k: len(v) for k, v in chats.items()}, lengths=lengths, rows=rows,
+                     plan_rows=plan_rows, scan_rows=scan_rows)
+
+
+# ---------------------------------------------------------------- reporting
+
+
+def format_fill_table(rows: list[dict]) -> str:
+    lines = ["| set | seq_len | samples (too long) | bound | " + " | ".join(BENCH_ALGORITHMS) + " |",
+             "|---|---:|---:|---:|" + "---:|" * len(BENCH_ALGORITHMS)]
+    keys = sorted({(r["seq_len"], SETS.index(r["set"])) for r in rows})
+    for seq_len, set_index in keys:
+        group = {r["algorithm"]: r for r in rows if r["seq_len"] == seq_len and r["set"] == SETS[set_index]}
+        first = next(iter(group.values()))
+        cells = [f"{group[a]['fill']:.2%} ({group[a]['packs']})" for a in BENCH_ALGORITHMS]
+        lines.append(f"| {first['set']} | {seq_len} | {first['samples']} ({first['too_long']}) | "
+                     f"{first['bound']:.2%} | " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def format_cost_table(rows: list[dict]) -> str:
+    lines = ["| set | seq_len | " + " | ".join(BENCH_ALGORITHMS) + " |", "|---|---:|" + "---:|" * len(BENCH_ALGORITHMS)]
+    keys = sorted({(r["seq_len"], SETS.index(r["set"])) for r in rows})
+    for seq_len, set_index in keys:
+        group = {r["algorithm"]: r for r in rows if r["seq_len"] == seq_len and r["set"] == SETS[set_index]}
+        lines.append(f"| {SETS[set_index]} | {seq_len} | "
+                     + " | ".join(f"{group[a]['cost_cv']:.3f}" for a in BENCH_ALGORITHMS) + " |")
+    return "\n".join(lines)
+
+
+def format_speed_tables(bench: PackBench) -> str:
+    plan = ["| algorithm | samples | seq_len | seconds | samples/s | fill |", "|---|---:|---:|---:|---:|---:|"]
+    plan += [f"| {r['algorithm']} | {r['samples']:,} | {r['seq_len']} | {r['seconds']:.2f} | "
+             f"{r['samples_per_s']:,.0f} | {r['fill']:.4%} |" for r in bench.plan_rows]
+    scan = ["| workers | samples | seconds | samples/s | samples/s per worker |", "|---:|---:|---:|---:|---:|"]
+    scan += [f"| {r['workers']} | {r['samples']} | {r['seconds']:.2f} | {r['samples_per_s']:.0f} | "
+             f"{r['samples_per_s_per_worker']:.0f} |" for r in bench.scan_rows]
+    return "\n".join(plan) + "\n\n" + "\n".join(scan)
+
+
+def plot(bench: PackBench, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seq_lens = sorted({r["seq_len"] for r in bench.rows})
+    fig, axes = plt.subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))
+    width = 0.8 / len(BENCH_ALGORITHMS)
+    for ax, seq_len in zip(axes, seq_lens):
+        for k, algorithm in enumerate(BENCH_ALGORITHMS):
+            fills = [next(r["fill"] for r in bench.rows if r["seq_len"] == seq_len and r["set"] == name
+                          and r["algorithm"] == algorithm) for name in SETS]
+            ax.bar(np.arange(len(SETS)) + (k - (len(BENCH_ALGORITHMS) - 1) / 2) * width, fills, width,
+                   label=algorithm)
+        ax.axhline(0.99, color="black", linewidth=0.8, linestyle="--")
+        ax.set_xticks(np.arange(len(SETS)), SETS, rotation=20)
+        ax.set_ylim(0.8, 1.005)
+        ax.set_title(f"fill ratio at seq_len {seq_len}")
+        ax.legend(fontsize=8, loc="lower left")
+    ax = axes[-1]
+    bins = np.logspace(1, np.log10(32768), 50)
+    for name in SETS[:-1]:
+        ax.hist(bench.lengths[name], bins=bins, histtype="step", label=name, density=True)
+    ax.set_xscale("log")
+    ax.set_title(f"sample LLM length ({bench.preset})")
+    ax.set_xlabel("tokens")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def report(bench: PackBench, png_name: str) -> str:
+    sizes = ", ".join(f"{k} {v:,}" for k, v in bench.set_sizes.items())
+    return "\n".join([
+        "# `loongforge bench pack`",
+        "",
+        f"Preset `{bench.preset}` (its tokenizer and image rules). Samples per set: {sizes}. "
+        "Cells: fill ratio = real tokens / (packs x seq_len), packs in brackets; *bound* is the best any "
+        "algorithm can reach with that many tokens (ceil(tokens / seq_len) packs). `first_fit` is first fit "
+        "in arrival order, `knapsack` fills one pack at a time with the largest remaining sample that fits.",
+        "",
+        format_fill_table(bench.rows),
+        "",
+        "Spread of attention cost over packs (coefficient of variation of sum L^2 per pack; lower is "
+        "more even):",
+        "",
+        format_cost_table(bench.rows),
+        "",
+        "Plan stage speed (lengths drawn from the mixed set) and scan stage speed (COCO chats over the 50 "
+        "real JPEGs: read, tokenize, image headers):",
+        "",
+        format_speed_tables(bench),
+        "",
+        f"![fill ratio and length histogram]({png_name})",
+        "",
+    ])

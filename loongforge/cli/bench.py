@@ -1,0 +1,130 @@
+"""``loongforge bench``: benchmarks, one subcommand each."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.cli.errors import UsageError, cli_errors
+
+# The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
+BALANCE_PRESET = "qwen2.5vl-7b"
+
+app = typer.Typer(name="bench", help="Benchmarks: load balancing, packing.", no_args_is_help=True,
+                  add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
+
+
+def _int_list(text: str, flag: str) -> list[int]:
+    try:
+        values = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise UsageError(f"{flag} {text!r}: expected comma-separated integers, e.g. 8,32,128") from None
+    if not values or min(values) < 1:
+        raise UsageError(f"{flag} {text!r}: expected positive integers, e.g. 8,32,128")
+    return values
+
+
+@app.command("balance")
+def balance(
+    data: Annotated[list[str], typer.Option(
+        "--data", metavar="PATH", show_default=False,
+        help="Packed folder (manifest.jsonl), OmniBal CSV, MathVista/COCO json or conversation "
+             "files; repeat for more; all form one pool.")],
+    preset: Annotated[Optional[str], typer.Option(
+        "--preset", "-p", metavar="NAME", show_default=False,
+        help=f"Preset whose tokenizer, image rules and data.seq_len apply. Default: {BALANCE_PRESET} "
+             "(the model the default cost model describes).")] = None,
+    cost: Annotated[Optional[Path], typer.Option(
+        "--cost", metavar="COST.json", show_default=False,
+        help="Cost model from `loongforge fit-cost`. "
+             "Default: the documented qwen2.5vl-7b H100 model.")] = None,
+    seq_len: Annotated[Optional[int], typer.Option(
+        "--seq-len", min=1, metavar="N", show_default=False,
+        help="Tokens per micro-batch. Default: the preset's data.seq_len.")] = None,
+    dp: Annotated[str, typer.Option(
+        "--dp", metavar="8,32,...", help="DP sizes.")] = "8,32,128,256,512,1024",
+    ga: Annotated[str, typer.Option("--ga", metavar="1,4", help="Micro-batches per rank per step.")] = "1,4",
+    steps: Annotated[int, typer.Option(
+        "--steps", min=1, metavar="N", help="Simulated steps per (DP, GA).")] = 10,
+    seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draws.")] = 0,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write balance.md (table + settings) and gain_vs_dp.png here. Default: bench_balance/.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object {rows: [...]} only.")] = False,
+) -> None:
+    """Simulate DP load balancing on real sample costs: none / token / reference / loongforge."""
+    from loongforge.balance.planner import PlanError
+    from loongforge.bench.balance import describe_bench, format_table, plot_gain, run_balance_bench
+    from loongforge.config.loader import load_run_config
+
+    with cli_errors():
+        dp_sizes, micro_batches = _int_list(dp, "--dp"), _int_list(ga, "--ga")
+        preset = preset or BALANCE_PRESET
+        if seq_len is None:
+            seq_len = load_run_config(preset).data.seq_len
+        try:
+            bench = run_balance_bench(data, preset=preset, seq_len=seq_len, cost=cost,
+                                      dp_sizes=dp_sizes, micro_batches=micro_batches, steps=steps,
+                                      seed=seed)
+        except (PlanError, ValueError) as exc:
+            raise UsageError(str(exc)) from None
+        if as_json:
+            typer.echo(json.dumps({"rows": bench.rows}))
+            return
+        table, about = format_table(bench.rows), describe_bench(bench)
+        typer.echo(table)
+        typer.echo(about)
+        out = out or Path("bench_balance")
+        out.mkdir(parents=True, exist_ok=True)
+        plot_gain(bench.rows, out / "gain_vs_dp.png")
+        (out / "balance.md").write_text(f"{table}\n\n```\n{about}\n```\n")
+        typer.echo(f"wrote {out / 'balance.md'} and {out / 'gain_vs_dp.png'}")
+
+
+@app.command("pack")
+def pack(
+    data_root: Annotated[Optional[Path], typer.Option(
+        "--data-root", metavar="DIR", show_default=False,
+        help="The shared data folder (coco2017/, mathvista/, arena_hard/, llamafactory/). "
+             "Default: ../shared/data beside the repository, or $LOONGFORGE_SHARED_DATA.")] = None,
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", metavar="NAME", help="Preset whose tokenizer and image rules size the samples.")]
+        = "qwen2.5vl-7b",
+    seq_len: Annotated[str, typer.Option("--seq-len", metavar="8192,32768", help="Pack capacities.")]
+        = "8192,32768",
+    plan_samples: Annotated[int, typer.Option(
+        "--plan-samples", min=1, metavar="N", help="Samples for the plan-speed run.")] = 1_000_000,
+    scan_samples: Annotated[int, typer.Option(
+        "--scan-samples", min=1, metavar="N", help="Samples for the scan-speed run.")] = 4000,
+    workers: Annotated[str, typer.Option("--workers", metavar="1,2", help="Worker counts for the scan run.")]
+        = "1,2",
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write pack.md (tables) and pack.png (fill ratios, length histogram) here. Default: bench_pack/.")]
+        = None,
+) -> None:
+    """Fill ratio of bfd/ffd/balanced vs first-fit and greedy knapsack on real sets; plan and scan speed."""
+    import os
+
+    from loongforge.bench.pack import plot, report, run_pack_bench
+    from loongforge.config.errors import InputError
+
+    with cli_errors():
+        root = data_root or Path(os.environ.get("LOONGFORGE_SHARED_DATA",
+                                                Path(__file__).resolve().parents[2].parent / "shared" / "data"))
+        if not (root / "coco2017" / "captions_val2017.json").exists():
+            raise InputError(f"--data-root {root}: no coco2017/captions_val2017.json; point it at the shared data")
+        bench = run_pack_bench(root, preset=preset, seq_lens=tuple(_int_list(seq_len, "--seq-len")),
+                               plan_samples=plan_samples, scan_samples=scan_samples,
+                               scan_workers=tuple(_int_list(workers, "--workers")),
+                               on_progress=lambda message: typer.echo(f"... {message}", err=True))
+        out = out or Path("bench_pack")
+        out.mkdir(parents=True, exist_ok=True)
+        plot(bench, out / "pack.png")
+        text = report(bench, "pack.png")
+        (out / "pack.md").write_text(text)
+        typer.echo(text)
+        typer.echo(f"wrote {out / 'pack.md'} and {out / 'pack.png'}")

@@ -1,0 +1,85 @@
+"""``loongforge convert``: HF <-> megatron-core checkpoints, and the in-memory round-trip check."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.cli.errors import FAILURE_EXIT_CODE, UsageError, cli_errors
+from loongforge.cli.options import PresetOption
+
+SrcArgument = Annotated[Path, typer.Argument(
+    metavar="SRC", show_default=False,
+    help="HF folder (config.json + safetensors) or a loongforge checkpoint (step folder or run checkpoint root).")]
+DstArgument = Annotated[Optional[Path], typer.Argument(
+    metavar="DST", show_default=False, help="Output folder (written beside it, renamed at the end).")]
+ToOption = Annotated[Optional[str], typer.Option(
+    "--to", metavar="mcore|hf", show_default=False, help="Target format.")]
+TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help="Language tensor-parallel size to check and pad the vocabulary for.")]
+PpOption = Annotated[int, typer.Option("--pp", min=1, metavar="N", help="Pipeline-parallel size to check.")]
+VisionTpOption = Annotated[Optional[int], typer.Option(
+    "--vision-tp", min=1, metavar="N", show_default=False, help="Vision tensor-parallel size (default: --tp).")]
+DtypeOption = Annotated[Optional[str], typer.Option(
+    "--dtype", metavar="bf16|fp16|fp32", show_default=False, help="Cast every tensor (default: keep the source's).")]
+MaxShardOption = Annotated[str, typer.Option(
+    "--max-shard-size", metavar="SIZE", help="Largest HF safetensors shard, e.g. 5GB, 500MB.")]
+OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
+VerifyOption = Annotated[bool, typer.Option("--verify", help="Re-read DST and compare every tensor with SRC.")]
+RoundtripOption = Annotated[bool, typer.Option(
+    "--roundtrip", help="HF -> megatron -> HF in memory (nothing written); table per tensor, exit 1 unless exact.")]
+JsonOption = Annotated[bool, typer.Option("--json", help="With --roundtrip: print the report as one JSON object.")]
+NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+
+
+def convert(
+    src: SrcArgument,
+    dst: DstArgument = None,
+    to: ToOption = None,
+    preset: PresetOption = None,
+    tp: TpOption = 1,
+    pp: PpOption = 1,
+    vision_tp: VisionTpOption = None,
+    dtype: DtypeOption = None,
+    max_shard_size: MaxShardOption = "5GB",
+    overwrite: OverwriteOption = False,
+    verify: VerifyOption = False,
+    roundtrip: RoundtripOption = False,
+    json_output: JsonOption = False,
+    no_progress: NoProgressOption = False,
+) -> None:
+    """Convert Qwen2.5-VL checkpoints between Hugging Face and megatron-core (any TP/PP), streamed."""
+    with cli_errors():
+        if roundtrip:
+            _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress)
+            return
+        if dst is None or to is None:
+            raise UsageError("convert needs SRC DST --to mcore|hf (or SRC --roundtrip)")
+        if dtype is not None and dtype not in ("bf16", "fp16", "fp32"):
+            raise UsageError(f"--dtype={dtype} must be bf16, fp16 or fp32")
+        from loongforge.convert.engine import convert as run_convert
+        from loongforge.convert.hf_io import parse_size
+
+        try:
+            shard_bytes = parse_size(max_shard_size)
+        except ValueError as exc:
+            raise UsageError(f"--max-shard-size: {exc}") from None
+        report = run_convert(src, dst, to=to, preset=preset, tp=tp, pp=pp, vision_tp=vision_tp, dtype=dtype,
+                             max_shard_size=shard_bytes, overwrite=overwrite, verify=verify,
+                             progress=not no_progress)
+        typer.echo(report.summary())
+        if report.verify_mismatches:
+            raise typer.Exit(FAILURE_EXIT_CODE)
+
+
+def _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress) -> None:
+    if dst is not None or to is not None:
+        raise UsageError("--roundtrip takes SRC only (nothing is written); drop DST and --to")
+    from loongforge.convert.roundtrip import roundtrip
+
+    report = roundtrip(src, tp=tp, pp=pp, vision_tp=vision_tp, progress=not no_progress and not json_output)
+    typer.echo(json.dumps(report.to_json()) if json_output else report.table())
+    if not report.exact:
+        raise typer.Exit(FAILURE_EXIT_CODE)

@@ -1,0 +1,91 @@
+"""``loongforge fit-cost``: fit the compute-cost model to PROFILE.jsonl files, write COST.json."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.cli.errors import cli_errors
+
+METHODS = ("nnls", "smoothmax")
+
+
+def _num(metrics: dict, key: str, digits: int) -> str:
+    value = metrics.get(key)
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _format_report(name: str, report: dict) -> list[str]:
+    mb, step = report["held_out_micro_batch"], report["step_time"]
+    obs = report["observations"]
+    shares = ", ".join(f"{t} {v * 100:.1f}%" for t, v in report["term_shares"].items() if v > 0)
+    lines = [f"{name}: {obs['train']} observations in {obs['train_steps']} steps fitted, "
+             f"{obs['held_out']} in {obs['held_out_steps']} steps held out",
+             f"  held-out micro-batch: R^2 {_num(mb, 'r2', 4)}, median error "
+             f"{_num(mb, 'median_ape_pct', 2)}%, p90 {_num(mb, 'p90_ape_pct', 2)}%",
+             f"  held-out step time:   R^2 {_num(step, 'r2', 4)}, median error "
+             f"{_num(step, 'median_ape_pct', 2)}%, p90 {_num(step, 'p90_ape_pct', 2)}%",
+             f"  term shares (held-out): {shares}"]
+    if report.get("crossover_length"):
+        lines.append(f"  attention = linear at L = {report['crossover_length']:.0f} tokens")
+    return lines
+
+
+def fit_cost(
+    profiles: Annotated[list[Path], typer.Argument(
+        metavar="PROFILE.jsonl...", help="Profiles written by `loongforge profile` (same model, device, dtype).")],
+    output: Annotated[Path, typer.Option(
+        "--output", metavar="COST.json", help="Where to write the fitted cost model.")] = Path("COST.json"),
+    method: Annotated[str, typer.Option(
+        "--method", metavar="nnls|smoothmax",
+        help="nnls: per-rank per-micro-batch least squares (default); smoothmax: the reference "
+             "system's fit of the max over ranks to step times. Both are reported.")] = "nnls",
+    plot: Annotated[Optional[Path], typer.Option(
+        "--plot", metavar="FIG.png", help="Predicted vs measured plot (held-out), both methods.")] = None,
+    clock: Annotated[str, typer.Option(
+        "--clock", metavar="wall|cpu",
+        help="wall: wall-clock compute time (default); cpu: process CPU time, for CPU profiles "
+             "taken on a machine shared with other processes.")] = "wall",
+    include_warmup: Annotated[bool, typer.Option(
+        "--include-warmup", help="Also fit the steps the profile flagged as warm-up.")] = False,
+) -> None:
+    """Fit t = a*sum L^2 + b*sum L + c*N + d*sum P^2 + e*sum P + f*n_img to measured compute times."""
+    from loongforge.balance.fit import FitError, fit, observations_from_profile, plot_fit
+    from loongforge.cli.errors import UsageError
+    from loongforge.profile.records import read_profile
+
+    with cli_errors():
+        if method not in METHODS:
+            raise UsageError(f"--method {method!r} is not one of {' | '.join(METHODS)}")
+        profile = read_profile(profiles)
+        obs = observations_from_profile(profile, include_warmup=include_warmup, clock=clock)
+        results = {method: fit(obs, method)}
+        for other in METHODS:  # the comparison is part of every report
+            if other not in results:
+                try:
+                    results[other] = fit(obs, other)
+                except FitError as exc:
+                    typer.echo(f"warning: {other} comparison not fitted: {exc}", err=True)
+        chosen = results[method]
+        for warning in chosen.warnings:
+            typer.echo(f"warning: {warning}", err=True)
+        model = chosen.model
+        env = {k: v for k, v in profile.env.items() if k not in ("kind", "model")}
+        model.environment = {**env, "profiles": profile.sources, "clock": clock}
+        model.accuracy = {**chosen.report, "comparison": {
+            name: {"held_out_micro_batch": r.report["held_out_micro_batch"],
+                   "step_time": r.report["step_time"]} for name, r in results.items()},
+            "warnings": chosen.warnings}
+        model.save(output)
+        for name in (method, *[m for m in results if m != method]):
+            for line in _format_report(name, results[name].report):
+                typer.echo(line)
+        typer.echo("coefficients (s): " + ", ".join(
+            f"{t} {v:.3e}" for t, v in model.coefficients.items())
+            + f", micro_batch_overhead_s {model.micro_batch_overhead_s:.3e}")
+        if plot is not None:
+            plot_fit(plot, results, title=f"{profile.env.get('preset')} on {profile.env.get('device')}")
+            typer.echo(f"wrote {plot}")
+        typer.echo(f"wrote {output}")

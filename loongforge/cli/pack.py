@@ -1,0 +1,52 @@
+"""``loongforge pack``: conversation files -> packed shards + manifest + stats + rejects."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.cli.errors import cli_errors
+from loongforge.cli.options import PresetOption
+from loongforge.config.presets import DEFAULT_PRESET
+
+InputsArgument = Annotated[list[Path], typer.Argument(
+    metavar="INPUT...", show_default=False,
+    help="LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files, or folders of them.")]
+
+
+def pack(
+    inputs: InputsArgument,
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", metavar="DIR", show_default=False,
+        help="Folder to write: shards/, manifest.jsonl, stats.json, rejects.jsonl.")],
+    seq_len: Annotated[int, typer.Option(
+        "--seq-len", min=1, metavar="N", show_default=False,
+        help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long).")],
+    preset: PresetOption = None,
+    algorithm: Annotated[str, typer.Option(
+        "--algorithm", metavar="bfd|ffd|balanced",
+        help="best-fit decreasing; first-fit decreasing; or bfd then evening out sum(L^2) across packs.")] = "bfd",
+    workers: Annotated[int, typer.Option(
+        "--workers", min=1, metavar="N", help="Processes for the scan and write stages.")] = 1,
+    max_images_per_pack: Annotated[Optional[int], typer.Option(
+        "--max-images-per-pack", min=1, metavar="N", show_default=False,
+        help="At most N images+videos in one pack. Default: no limit.")] = None,
+    group_by_media: Annotated[bool, typer.Option(
+        "--group-by-media", help="Keep text-only, image and video samples in separate packs.")] = False,
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Continue an interrupted pack into the same folder, with the same inputs and flags.")] = False,
+    packs_per_shard: Annotated[int, typer.Option(
+        "--packs-per-shard", min=1, metavar="N", help="Packs per parquet shard (the unit --resume skips).")] = 256,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars per stage.")] = True,
+) -> None:
+    """Pack conversation files offline into fixed-capacity packs with per-sample cost metadata."""
+    from loongforge.pack.job import PackOptions, run_pack
+
+    with cli_errors():
+        summary = run_pack(PackOptions(
+            inputs=tuple(str(p) for p in inputs), output=output, preset=preset or DEFAULT_PRESET, seq_len=seq_len,
+            algorithm=algorithm, workers=workers, max_images_per_pack=max_images_per_pack,
+            group_by_media=group_by_media, resume=resume, packs_per_shard=packs_per_shard, progress=progress))
+        typer.echo(summary.format())

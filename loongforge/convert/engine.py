@@ -1,0 +1,484 @@
+"""The conversion engine: HF <-> megatron-core checkpoints, one tensor (or one layer) at a time.
+
+A conversion is a list of ``Link``s, one per row of the family's mapping table and layer: the HF
+tensor(s) on one side, one global megatron chunk on the other. The megatron side is always the
+*global* layout of dist_checkpointing (TP=1 tensors, language layers stacked on a leading axis),
+so it is the mapping table's transform at TP size 1; tensor/pipeline layouts are dist_checkpointing's
+business at load time. Each link is converted when the writer asks for it, so peak memory is a
+few tensors, not the model.
+
+Folder writes go to ``.<DST>.tmp-<pid>`` beside DST and are renamed into place at the end: an error
+or a kill never leaves a half-written DST.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+
+from loongforge import __version__
+from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.schema import ModelConfig
+from loongforge.convert import families
+from loongforge.convert.hf_io import (
+    HFCheckpoint, PlannedTensor, SafetensorsStreamWriter, is_hf_folder, plan_shards, shard_names, write_index)
+from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
+from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
+from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, GateUp, Rule, Split, Vocab, mapping_rules
+
+DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
+HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
+CHECKPOINT_KIND_MODEL = "model"
+
+
+# ---------------------------------------------------------------------------------------------
+# Links: the mapping table unrolled over layers
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Link:
+    rule: Rule
+    hf_keys: tuple[str, ...]  # Hub style
+    mcore_key: str  # global dist_checkpointing key
+    layer: Optional[int]  # index on the stacked layer axis; None: not stacked
+
+
+def _fill(pattern: str, index: int) -> str:
+    return pattern.replace("{i}", str(index))
+
+
+def build_links(model_cfg: ModelConfig) -> list[Link]:
+    """Every tensor of the model, vision first, in layer order. A tied model has no output layer."""
+    links = []
+    for rule in mapping_rules(model_cfg):
+        if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
+            continue  # megatron keeps one embedding; HF's tied checkpoints have no lm_head
+        if "{i}" not in rule.megatron:
+            links.append(Link(rule, rule.hf, rule.megatron, None))
+        elif rule.group == VISION:  # vision blocks are separate keys per block
+            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
+                      for i in range(model_cfg.vision.depth)]
+        else:  # language layers: one key, stacked on axis 0 over the global layer index
+            stacked = rule.megatron.replace("layers.{i}.", "layers.")
+            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), stacked, i)
+                      for i in range(model_cfg.language.num_layers)]
+    order = {VISION: 0, LANGUAGE: 1}
+    return sorted(links, key=lambda link: order[link.rule.group])  # stable: table order within
+
+
+def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Tensor:
+    """HF tensor(s) -> the link's global megatron chunk (TP=1 layout, vocabulary padded)."""
+    tensor = link.rule.transform.shard(hf, 0, 1)
+    if isinstance(link.rule.transform, Vocab) and tensor.shape[0] != vocab_rows:
+        padding = tensor.new_zeros(vocab_rows - tensor.shape[0], *tensor.shape[1:])
+        tensor = torch.cat([tensor[: link.rule.transform.vocab_size], padding])
+    return tensor if link.layer is None else tensor.unsqueeze(0)
+
+
+def to_hf(link: Link, chunk: torch.Tensor) -> list[torch.Tensor]:
+    """The link's global megatron tensor (one layer's slice if stacked) -> HF tensor(s)."""
+    return link.rule.transform.unshard([chunk])
+
+
+def megatron_shapes(links: list[Link], hf_shapes: dict[str, tuple[int, ...]], model_cfg: ModelConfig,
+                    vocab_rows: int) -> dict[str, tuple[int, ...]]:
+    """Global shape of every megatron key, computed on meta tensors through the transforms."""
+    shapes = {}
+    for link in links:
+        if link.mcore_key in shapes:
+            continue
+        hf = [torch.empty(hf_shapes[k], device="meta") for k in link.hf_keys]
+        chunk = to_megatron(link, hf, vocab_rows)
+        shapes[link.mcore_key] = tuple(chunk.shape) if link.layer is None else (
+            model_cfg.language.num_layers, *chunk.shape[1:])
+    return shapes
+
+
+# ---------------------------------------------------------------------------------------------
+# Progress and folders
+# ---------------------------------------------------------------------------------------------
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if abs(n) < 1000 or unit == "TB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1000
+    return f"{n:.1f} TB"
+
+
+class Progress:
+    """tqdm bar in tensors (the rate is tensors/s) with the bytes written so far as postfix."""
+
+    def __init__(self, total: int, label: str, enabled: bool):
+        from tqdm import tqdm
+
+        self.bytes = 0
+        self.tensors = 0
+        self.start = time.perf_counter()
+        self.bar = tqdm(total=total, desc=label, unit="tensor", disable=not enabled, dynamic_ncols=True)
+
+    def update(self, nbytes: int) -> None:
+        self.bytes += nbytes
+        self.tensors += 1
+        self.bar.update(1)
+        self.bar.set_postfix_str(_human(self.bytes), refresh=False)
+
+    def close(self) -> float:
+        self.bar.close()
+        return time.perf_counter() - self.start
+
+
+@contextmanager
+def staged_folder(dst: Path, overwrite: bool) -> Iterator[Path]:
+    """A temporary folder beside ``dst``, renamed to ``dst`` when the body succeeds, removed if not."""
+    dst = Path(dst)
+    if dst.exists() and not overwrite:
+        raise InputError(f"{dst}: already exists; pass --overwrite to replace it")
+    dst.parent.mkdir(parents=True, exist_ok=True)
+    tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir()
+    try:
+        yield tmp
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if dst.exists():
+        old = dst.parent / f".{dst.name}.old-{os.getpid()}"
+        os.replace(dst, old)
+        os.replace(tmp, dst)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, dst)
+
+
+def _copy_side_files(files: list[Path], dst: Path) -> list[str]:
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in files:
+        shutil.copy2(f, dst / f.name)
+    return [f.name for f in files]
+
+
+@dataclass
+class ConversionReport:
+    direction: str
+    src: str
+    dst: str
+    tensors: int = 0
+    bytes: int = 0
+    seconds: float = 0.0
+    verify_mismatches: Optional[list[str]] = None
+    notes: list[str] = field(default_factory=list)
+
+    def summary(self) -> str:
+        rate = self.bytes / self.seconds if self.seconds else 0.0
+        text = (f"converted {self.tensors} tensors ({_human(self.bytes)}) {self.src} -> {self.dst} "
+                f"[{self.direction}] in {self.seconds:.1f}s ({_human(rate)}/s)")
+        if self.verify_mismatches is not None:
+            text += (" | verify: all tensors equal" if not self.verify_mismatches else
+                     f" | verify: {len(self.verify_mismatches)} tensors differ ({self.verify_mismatches[0]}, ...)")
+        return text
+
+
+# ---------------------------------------------------------------------------------------------
+# Source checks
+# ---------------------------------------------------------------------------------------------
+
+
+def _preset_model(preset: str) -> ModelConfig:
+    from loongforge.config.loader import load_run_config
+
+    return load_run_config(preset).model
+
+
+def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) -> dict[str, tuple[int, ...]]:
+    """Every tensor present with the shape ``model_cfg`` implies, and nothing else; errors name the
+    file and the tensor. Returns the expected shapes."""
+    expected = families.expected_hf_shapes(model_cfg)
+    for key, shape in expected.items():
+        entry = src.entries.get(key)
+        if entry is None:
+            raise InputError(f"{src.root}: tensor {key} is missing (required by {against})")
+        if entry.shape != shape:
+            raise InputError(f"{entry.file}: tensor {entry.key} has shape {list(entry.shape)} but {against} "
+                             f"expects {list(shape)}")
+    for key, entry in src.entries.items():
+        if key not in expected and not (key == "lm_head.weight" and model_cfg.language.tie_word_embeddings):
+            raise InputError(f"{entry.file}: unexpected tensor {entry.key}: not part of a Qwen2.5-VL with "
+                             f"{against}")
+    return expected
+
+
+def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[int]) -> None:
+    """The layout a converted checkpoint is meant for must be one the model can be built at."""
+    lang, vis = model_cfg.language, model_cfg.vision
+    vision_tp = vision_tp or tp
+    problems = []
+    for flag, size, what in (("--tp", tp, {"model.language.num_attention_heads": lang.num_attention_heads,
+                                            "model.language.ffn_hidden_size": lang.ffn_hidden_size}),
+                             ("--pp", pp, {"model.language.num_layers": lang.num_layers}),
+                             ("--vision-tp", vision_tp, {"model.vision.num_heads": vis.num_heads,
+                                                         "model.vision.intermediate_size": vis.intermediate_size})):
+        for name, value in what.items():
+            if size < 1 or value % size:
+                problems.append(f"{flag}={size} must divide {name}={value}")
+    if tp % vision_tp:
+        problems.append(f"--vision-tp={vision_tp} must divide --tp={tp}")
+    if problems:
+        raise ConfigError(problems)
+
+
+# ---------------------------------------------------------------------------------------------
+# HF -> megatron
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int = 1, pp: int = 1,
+                vision_tp: Optional[int] = None, dtype: Optional[str] = None, overwrite: bool = False,
+                verify: bool = False, progress: bool = True) -> ConversionReport:
+    """Write a model-only checkpoint ``loongforge train checkpoint.load=DST`` starts from."""
+    checkpoint = HFCheckpoint(src)
+    family = families.detect_family(checkpoint.config, str(src / "config.json"))
+    model_cfg = families.model_config_from_hf(checkpoint.config, str(src / "config.json"))
+    if preset:
+        preset_cfg = _preset_model(preset)
+        check_hf_tensors(checkpoint, preset_cfg, f"preset {preset}")
+        differences = families.config_differences(preset_cfg, model_cfg)
+        if differences:
+            raise InputError(f"{src / 'config.json'}: does not match preset {preset}: " + "; ".join(differences))
+    hf_shapes = check_hf_tensors(checkpoint, model_cfg, f"{src / 'config.json'}")
+    check_layout(model_cfg, tp, pp, vision_tp)
+    out_dtype = DTYPES[dtype] if dtype else None
+    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, tp)
+    links = build_links(model_cfg)
+    global_shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
+
+    def produce(link: Link) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            tensor = to_megatron(link, [checkpoint.load(k) for k in link.hf_keys], vocab_rows)
+            return tensor.to(item_dtype(link))
+        return make
+
+    def item_dtype(link: Link) -> torch.dtype:
+        return out_dtype or checkpoint.entries[link.hf_keys[0]].dtype
+
+    items = [McoreItem(link.mcore_key, global_shapes[link.mcore_key], item_dtype(link), link.layer, produce(link))
+             for link in links]
+    report = ConversionReport("hf->mcore", str(src), str(dst))
+    bar = Progress(len(items), "hf -> mcore", progress)
+    with staged_folder(dst, overwrite) as tmp:
+        write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))
+        copied = _copy_side_files(checkpoint.side_files(("config.json", *families.HF_SIDE_FILES)), tmp / HF_SUBDIR)
+        (tmp / "meta.json").write_text(json.dumps({
+            "kind": CHECKPOINT_KIND_MODEL, "step": 0, "family": family,
+            "layout": {"tp": tp, "pp": pp, "vision_tp": vision_tp or tp},
+            "source": str(src), "hf_files": copied, "loongforge": __version__,
+        }, indent=2) + "\n")
+        report.seconds = bar.close()
+        report.tensors, report.bytes = bar.tensors, bar.bytes
+        if verify:
+            report.verify_mismatches = _verify_mcore(tmp, links, checkpoint, vocab_rows, item_dtype, progress)
+    return report
+
+
+def _verify_mcore(folder: Path, links: list[Link], checkpoint: HFCheckpoint, vocab_rows: int,
+                  item_dtype: Callable[[Link], torch.dtype], progress: bool) -> list[str]:
+    reader = McoreReader(folder / MODEL_DIR)
+    bar = Progress(len(links), "verify", progress)
+    mismatches = []
+    for link in links:
+        expected = to_megatron(link, [checkpoint.load(k) for k in link.hf_keys], vocab_rows).to(item_dtype(link))
+        written = reader.read(link.mcore_key, link.layer)
+        if not torch.equal(written, expected if link.layer is None else expected[0]):
+            mismatches.append(link.mcore_key + ("" if link.layer is None else f"[{link.layer}]"))
+        bar.update(written.nbytes)
+    bar.close()
+    return mismatches
+
+
+# ---------------------------------------------------------------------------------------------
+# megatron -> HF
+# ---------------------------------------------------------------------------------------------
+
+
+def resolve_mcore_checkpoint(src: Path) -> Path:
+    """A ``step_*`` folder (or a converted checkpoint) from itself or a checkpoint root."""
+    from loongforge.train.checkpoint import latest_checkpoint
+
+    if is_mcore_folder(src):
+        return src
+    latest = latest_checkpoint(src) if src.is_dir() else None
+    if latest is not None and is_mcore_folder(latest):
+        return latest
+    raise InputError(f"{src}: neither an HF folder (config.json + *.safetensors) nor a loongforge "
+                     f"checkpoint (step folder with {MODEL_DIR}/, or a root with step_* folders)")
+
+
+def _run_config_near(step_dir: Path) -> Optional[Path]:
+    """``config.yaml`` of the run that wrote ``<run>/checkpoints/step_*`` (or ``<run>/step_*``)."""
+    for parent in list(step_dir.resolve().parents)[:3]:
+        if (parent / "config.yaml").is_file():
+            return parent / "config.yaml"
+    return None
+
+
+def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConfig, Optional[dict]]:
+    """The model config of a megatron checkpoint and the HF config.json it came from, if any."""
+    from loongforge.config.loader import load_resolved_config
+
+    hf_config_file = step_dir / HF_SUBDIR / "config.json"
+    hf_config = json.loads(hf_config_file.read_text()) if hf_config_file.is_file() else None
+    found, source = None, None
+    if hf_config is not None:
+        found, source = families.model_config_from_hf(hf_config, str(hf_config_file)), str(hf_config_file)
+    elif (run_config := _run_config_near(step_dir)) is not None:
+        found, source = load_resolved_config(run_config).model, str(run_config)
+    if preset:
+        preset_cfg = _preset_model(preset)
+        if found is not None:
+            differences = families.config_differences(preset_cfg, found)
+            if differences:
+                raise InputError(f"{source}: does not match preset {preset}: " + "; ".join(differences))
+        return preset_cfg, hf_config
+    if found is None:
+        raise InputError(f"{step_dir}: no model config found (no {HF_SUBDIR}/config.json, no run config.yaml "
+                         f"above it); pass --preset NAME")
+    return found, hf_config
+
+
+def _resolve_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
+                  vocab_size: int) -> dict[str, str]:
+    """Our global key -> the key in the checkpoint (plain or Transformer-Engine norm names)."""
+    available = {}
+    for key in reader.tensors:
+        if key.startswith("optimizer."):
+            continue
+        plain = key
+        for te_name, name in families.TE_NORM_ALIASES.items():
+            if key.endswith(te_name):
+                plain = key[: -len(te_name)] + name
+        available[plain] = key
+    resolved = {}
+    for link in links:
+        if link.mcore_key in resolved:
+            continue
+        actual = available.get(link.mcore_key)
+        if actual is None:
+            raise InputError(f"{reader.folder}: tensor {link.mcore_key} is missing from the checkpoint")
+        found, expected = reader.shape(actual), shapes[link.mcore_key]
+        vocab_ok = isinstance(link.rule.transform, Vocab) and found[1:] == expected[1:] and found[0] >= vocab_size
+        if found != expected and not vocab_ok:
+            hint = (" (saved with vision TP > 1, which stores only TP rank 0's shard of vision blocks)"
+                    if link.rule.group == VISION else "")
+            raise InputError(f"{reader.folder}: tensor {actual} has shape {list(found)}, the model config "
+                             f"expects {list(expected)}{hint}")
+        resolved[link.mcore_key] = actual
+    return resolved
+
+
+def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Optional[str] = None,
+                max_shard_size: int = 5 * 10**9, overwrite: bool = False, verify: bool = False,
+                progress: bool = True, model_cfg: Optional[ModelConfig] = None,
+                hf_source: Optional[Path] = None) -> ConversionReport:
+    """Hub-style safetensors shards, index, config.json and side files from a megatron checkpoint.
+
+    ``model_cfg`` / ``hf_source`` (a folder with config.json and tokenizer files) are given by
+    ``loongforge train``; otherwise both are found beside the checkpoint (or from ``--preset``).
+    """
+    step_dir = resolve_mcore_checkpoint(Path(src))
+    hf_source = hf_source or step_dir / HF_SUBDIR
+    if model_cfg is None:
+        model_cfg, hf_config = mcore_model_config(step_dir, preset)
+    else:
+        config_file = hf_source / "config.json"
+        hf_config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    reader = McoreReader(step_dir / MODEL_DIR)
+    links = build_links(model_cfg)
+    hf_shapes = families.expected_hf_shapes(model_cfg)
+    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, 1)
+    shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
+    keys = _resolve_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    out_dtype = DTYPES[dtype] if dtype else None
+    planned = [PlannedTensor(k, out_dtype or reader.dtype(keys[link.mcore_key]), hf_shapes[k])
+               for link in links for k in link.hf_keys]
+    shards = plan_shards(planned, max_shard_size)
+    names = shard_names(len(shards))
+    file_of = {t.key: (i, name) for i, (shard, name) in enumerate(zip(shards, names)) for t in shard}
+
+    report = ConversionReport("mcore->hf", str(step_dir), str(dst))
+    bar = Progress(len(planned), "mcore -> hf", progress)
+    with staged_folder(dst, overwrite) as tmp:
+        writer, current = None, -1
+        for link in links:
+            tensors = to_hf(link, reader.read(keys[link.mcore_key], link.layer))
+            for key, tensor in zip(link.hf_keys, tensors):
+                index, name = file_of[key]
+                if index != current:
+                    if writer is not None:
+                        writer.close()
+                    writer, current = SafetensorsStreamWriter(tmp / name, shards[index]), index
+                tensor = tensor.to(out_dtype) if out_dtype else tensor
+                writer.write(key, tensor)
+                bar.update(tensor.nbytes)
+        writer.close()
+        write_index(tmp, shards, names)
+        config = hf_config or families.hf_config_from_model(model_cfg, _dtype_name(planned[0].dtype))
+        if out_dtype is not None:
+            config = {**config, "torch_dtype": _dtype_name(out_dtype)}
+        (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+        _copy_side_files([f for f in hf_source.glob("*") if f.name in families.HF_SIDE_FILES], tmp)
+        report.seconds = bar.close()
+        report.tensors, report.bytes = bar.tensors, bar.bytes
+        if verify:
+            report.verify_mismatches = _verify_hf(tmp, links, reader, keys, out_dtype, progress)
+    return report
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}.get(dtype, "float32")
+
+
+def _verify_hf(folder: Path, links: list[Link], reader: McoreReader, keys: dict[str, str],
+               out_dtype: Optional[torch.dtype], progress: bool) -> list[str]:
+    written = HFCheckpoint(folder)
+    bar = Progress(len(written.entries), "verify", progress)
+    mismatches = []
+    for link in links:
+        expected = to_hf(link, reader.read(keys[link.mcore_key], link.layer))
+        for key, tensor in zip(link.hf_keys, expected):
+            actual = written.load(key)
+            if not torch.equal(actual, tensor.to(out_dtype) if out_dtype else tensor):
+                mismatches.append(key)
+            bar.update(actual.nbytes)
+    bar.close()
+    return mismatches
+
+
+def convert(src: Path, dst: Path, *, to: str, **kwargs) -> ConversionReport:
+    """Detect SRC's format and convert it to ``to`` ("mcore" or "hf")."""
+    src = Path(src)
+    if not src.exists():
+        raise InputError(f"{src}: no such file or folder")
+    source_is_hf = is_hf_folder(src) or (src / "config.json").is_file()
+    if to == "mcore":
+        if not source_is_hf:
+            raise InputError(f"{src}: --to mcore needs an HF folder (config.json + *.safetensors)")
+        kwargs.pop("max_shard_size", None)
+        return hf_to_mcore(src, dst, **kwargs)
+    if to == "hf":
+        if source_is_hf:
+            raise InputError(f"{src}: is already an HF checkpoint; use --to mcore")
+        for unused in ("tp", "pp", "vision_tp"):
+            kwargs.pop(unused, None)
+        return mcore_to_hf(src, dst, **kwargs)
+    raise ConfigError(f"--to={to!r} must be 'mcore' or 'hf'")

@@ -1,0 +1,254 @@
+"""Hugging Face checkpoint folders: read tensor by tensor, write shard by shard, never whole.
+
+Reading goes through ``safetensors.safe_open`` one tensor at a time, and the file is closed again
+right after, so memory-mapped pages of tensors already converted do not stay resident (they would
+count toward peak RSS and grow with the model). Headers are parsed up front so that a truncated
+file, a shard named in the index but absent, or a tensor of the wrong shape is reported before
+anything is written.
+
+Writing uses the safetensors layout directly (8-byte little-endian header length, JSON header,
+raw little-endian bytes): the header is computed from the planned names, dtypes and shapes, then
+each tensor's bytes are appended as it is produced, so a 5 GB shard never sits in memory.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable, Optional
+
+import torch
+from safetensors import safe_open
+
+from loongforge.config.errors import InputError
+from loongforge.models.qwen2_5_vl.hf_mapping import to_hub_style
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+
+# safetensors dtype names <-> torch dtypes (those a checkpoint of this family can hold).
+_ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
+              "I64": torch.int64, "I32": torch.int32, "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    file: Path
+    key: str  # the name as stored in the file (either key style)
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def is_hf_folder(path: Path) -> bool:
+    return (path / "config.json").is_file() and (
+        (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
+
+
+def read_header(file: Path) -> dict:
+    """The JSON header of a safetensors file, checked against the file's length."""
+    try:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise InputError(f"{file}: truncated safetensors file ({size} bytes, no header)")
+            (header_len,) = struct.unpack("<Q", prefix)
+            if header_len > size - 8:
+                raise InputError(f"{file}: truncated safetensors file (header of {header_len} bytes, "
+                                 f"file of {size})")
+            header = json.loads(f.read(header_len))
+    except FileNotFoundError:
+        raise InputError(f"{file}: file not found") from None
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        raise InputError(f"{file}: not a safetensors file (unreadable header)") from None
+    data_len = size - 8 - header_len
+    for key, info in header.items():
+        if key == "__metadata__":
+            continue
+        end = info["data_offsets"][1]
+        if end > data_len:
+            raise InputError(f"{file}: truncated safetensors file: tensor {key} ends at byte {end} of the "
+                             f"data section but the file holds {data_len}; re-download or re-export it")
+    return header
+
+
+class HFCheckpoint:
+    """An HF model folder: ``config.json`` plus one safetensors file or an index of shards.
+
+    Tensors are addressed by their Hub-style names whichever style the files use.
+    """
+
+    def __init__(self, root: Path):
+        self.root = Path(root)
+        config_file = self.root / "config.json"
+        if not config_file.is_file():
+            raise InputError(f"{self.root}: no config.json; an HF checkpoint folder needs one")
+        try:
+            self.config = json.loads(config_file.read_text())
+        except json.JSONDecodeError as exc:
+            raise InputError(f"{config_file}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        self.entries = self._scan()
+
+    def _files(self) -> dict[str, list[str]]:
+        """File name -> tensor names it should hold according to the index (None: from headers)."""
+        index = self.root / INDEX_FILE
+        if index.is_file():
+            weight_map = json.loads(index.read_text()).get("weight_map", {})
+            by_file: dict[str, list[str]] = {}
+            for key, name in weight_map.items():
+                by_file.setdefault(name, []).append(key)
+            return by_file
+        files = sorted(p.name for p in self.root.glob("*.safetensors"))
+        if not files:
+            raise InputError(f"{self.root}: no *.safetensors files and no {INDEX_FILE}")
+        return {name: [] for name in files}
+
+    def _scan(self) -> dict[str, TensorEntry]:
+        entries: dict[str, TensorEntry] = {}
+        for name, indexed_keys in self._files().items():
+            file = self.root / name
+            if not file.is_file():
+                first = indexed_keys[0] if indexed_keys else "?"
+                raise InputError(f"{file}: shard named in {INDEX_FILE} is missing (it holds {first} and "
+                                 f"{len(indexed_keys) - 1} more tensors)")
+            header = read_header(file)
+            for key in indexed_keys:
+                if key not in header:
+                    raise InputError(f"{file}: tensor {key} is listed in {INDEX_FILE} but not in the file")
+            for key, info in header.items():
+                if key == "__metadata__":
+                    continue
+                if info["dtype"] not in _ST_DTYPES:
+                    raise InputError(f"{file}: tensor {key} has unsupported dtype {info['dtype']}")
+                hub_key = next(iter(to_hub_style({key: None})))
+                entries[hub_key] = TensorEntry(file, key, _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+        return entries
+
+    def side_files(self, names: Iterable[str]) -> list[Path]:
+        return [self.root / n for n in names if (self.root / n).is_file()]
+
+    def load(self, hub_key: str) -> torch.Tensor:
+        entry = self.entries[hub_key]
+        try:
+            with safe_open(str(entry.file), framework="pt") as f:
+                # clone: own the bytes so the file mapping can be closed now
+                return f.get_tensor(entry.key).clone()
+        except Exception as exc:  # safetensors raises its own error types
+            raise InputError(f"{entry.file}: cannot read tensor {entry.key}: {exc}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+def parse_size(text: str) -> int:
+    """'5GB' / '500MB' / '2GiB' / '1000' -> bytes."""
+    units = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+             "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+    value = text.strip().upper()
+    number = value.rstrip("KMGTIB")
+    unit = value[len(number):]
+    if unit not in units or not number:
+        raise ValueError(f"cannot read size {text!r}; use e.g. 5GB, 500MB or 2GiB")
+    return int(float(number) * units[unit])
+
+
+@dataclass(frozen=True)
+class PlannedTensor:
+    key: str
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        numel = 1
+        for size in self.shape:
+            numel *= size
+        return numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
+    """Consecutive groups of at most ``max_shard_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: list[list[PlannedTensor]] = [[]]
+    size = 0
+    for tensor in tensors:
+        if shards[-1] and size + tensor.nbytes > max_shard_bytes:
+            shards.append([])
+            size = 0
+        shards[-1].append(tensor)
+        size += tensor.nbytes
+    return [s for s in shards if s]
+
+
+def shard_names(count: int) -> list[str]:
+    if count == 1:
+        return [SINGLE_FILE]
+    return [f"model-{i + 1:05d}-of-{count:05d}.safetensors" for i in range(count)]
+
+
+class SafetensorsStreamWriter:
+    """Write one safetensors file whose tensors are known up front and arrive one at a time."""
+
+    def __init__(self, path: Path, tensors: list[PlannedTensor]):
+        self.path = path
+        self.expected = [(t.key, t.dtype, t.shape) for t in tensors]
+        header, offset = {"__metadata__": {"format": "pt"}}, 0
+        for t in tensors:
+            header[t.key] = {"dtype": _ST_NAMES[t.dtype], "shape": list(t.shape),
+                             "data_offsets": [offset, offset + t.nbytes]}
+            offset += t.nbytes
+        encoded = json.dumps(header, separators=(",", ":")).encode()
+        encoded += b" " * (-len(encoded) % 8)  # the data section starts 8-byte aligned
+        self.file = open(path, "wb")
+        self.file.write(struct.pack("<Q", len(encoded)) + encoded)
+        self.position = 0
+
+    def write(self, key: str, tensor: torch.Tensor) -> None:
+        expected_key, dtype, shape = self.expected[self.position]
+        if (key, tensor.dtype, tuple(tensor.shape)) != (expected_key, dtype, shape):
+            raise RuntimeError(f"{self.path}: expected {expected_key} {dtype} {shape}, got {key} "
+                               f"{tensor.dtype} {tuple(tensor.shape)}")
+        data = tensor.detach().contiguous().reshape(-1)
+        # bytes through a uint8 view (no numpy: it has no bfloat16); little-endian like torch on x86/arm
+        self.file.write(memoryview(data.view(torch.uint8).numpy()))
+        self.position += 1
+
+    def close(self) -> None:
+        self.file.close()
+        if self.position != len(self.expected):
+            raise RuntimeError(f"{self.path}: {len(self.expected) - self.position} tensors were never written")
+
+
+def write_index(root: Path, shards: list[list[PlannedTensor]], names: list[str]) -> None:
+    """``model.safetensors.index.json`` (written for a single file too: tools read either)."""
+    weight_map = {t.key: name for shard, name in zip(shards, names) for t in shard}
+    total = sum(t.nbytes for shard in shards for t in shard)
+    (root / INDEX_FILE).write_text(json.dumps(
+        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+
+
+def fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def find_hf_folder(path: Path) -> Optional[Path]:
+    return path if is_hf_folder(path) else None

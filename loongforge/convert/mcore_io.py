@@ -1,0 +1,203 @@
+"""megatron-core ``dist_checkpointing`` (torch_dist) folders, read and written region by region.
+
+What ``loongforge train`` writes under ``step_*/model_optim/`` is a torch.distributed.checkpoint
+(DCP) folder whose tensors have TP- and PP-independent *global* shapes: language-layer tensors are
+stacked along a leading layer axis (``language_model.decoder.layers.<name>`` of shape [L, ...]),
+everything else is the whole TP=1 tensor. One global layout therefore serves every TP/PP, and
+dist_checkpointing reshards on load.
+
+- ``McoreReader.read(key, layer)`` loads one tensor, or one layer's slice of a stacked tensor,
+  through a DCP load plan covering just that region (whatever chunks the writing ranks produced).
+- ``write_mcore(folder, items)`` saves with a DCP save plan whose write items are declared up front
+  (name, dtype, global shape, chunk) and whose data is produced lazily in ``resolve_data``: one
+  chunk (one tensor or one layer) is in memory at a time.
+
+``_extra_state`` objects (megatron's FP8 metadata, empty without Transformer Engine) are not
+weights: they are not read, and a converted checkpoint does not contain them (a model-only load
+skips them, see ``loongforge.train.checkpoint``).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
+from torch.distributed.checkpoint.metadata import ChunkStorageMetadata, MetadataIndex, TensorProperties, TensorStorageMetadata
+from torch.distributed.checkpoint.planner import LoadPlan, LoadPlanner, ReadItem, SavePlan, TensorWriteData, WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
+
+from loongforge.config.errors import InputError
+
+MODEL_DIR = "model_optim"
+# What megatron-core's dist_checkpointing.save writes beside the DCP files; its loader reads it.
+DIST_CKPT_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
+                    "common_backend": "torch", "common_backend_version": 1}
+
+
+def is_mcore_folder(path: Path) -> bool:
+    return (path / MODEL_DIR / ".metadata").is_file()
+
+
+class _CachedReader(FileSystemReader):
+    """FileSystemReader that parses ``.metadata`` once (it is read again by every load call)."""
+
+    _metadata = None
+
+    def read_metadata(self):
+        if self._metadata is None:
+            self._metadata = super().read_metadata()
+        return self._metadata
+
+
+class _RegionLoadPlanner(LoadPlanner):
+    """Load plan for explicit regions: {key: (offsets, destination tensor)}; no process group."""
+
+    def __init__(self, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]):
+        self.regions = regions
+
+    def set_up_planner(self, state_dict, metadata=None, is_coordinator=False) -> None:
+        self.metadata = metadata
+
+    def create_local_plan(self) -> LoadPlan:
+        items: list[ReadItem] = []
+        for key, (offsets, dest) in self.regions.items():
+            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.size())
+            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
+        return LoadPlan(items)
+
+    def create_global_plan(self, global_plan):
+        return global_plan
+
+    def finish_plan(self, central_plan):
+        return central_plan
+
+    def load_bytes(self, read_item, value) -> None:
+        raise RuntimeError(f"unexpected object {read_item.dest_index.fqn} in a tensor load plan")
+
+    def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
+        dest = self.regions[read_item.dest_index.fqn][1]
+        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+            dest = dest.narrow(dim, start, length)
+        return dest
+
+    def commit_tensor(self, read_item, tensor) -> None:
+        pass  # the reader copied into the narrowed view of the destination
+
+
+class McoreReader:
+    """Tensors of a dist_checkpointing folder (``<step>/model_optim``), by global key and layer."""
+
+    def __init__(self, folder: Path):
+        self.folder = Path(folder)
+        self.storage = _CachedReader(str(self.folder))
+        try:
+            metadata = self.storage.read_metadata()
+        except Exception as exc:
+            raise InputError(f"{self.folder}: unreadable dist_checkpointing metadata ({exc})") from None
+        self.tensors: dict[str, TensorStorageMetadata] = {
+            k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+        }
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        return tuple(self.tensors[key].size)
+
+    def dtype(self, key: str) -> torch.dtype:
+        return self.tensors[key].properties.dtype
+
+    def read(self, key: str, layer: Optional[int] = None) -> torch.Tensor:
+        """The whole tensor, or ``[layer]`` of a layer-stacked one."""
+        shape = self.shape(key)
+        if layer is None:
+            offsets, dest = (0,) * len(shape), torch.empty(shape, dtype=self.dtype(key))
+        else:
+            offsets, dest = (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=self.dtype(key))
+        try:
+            dcp.load({}, storage_reader=self.storage, planner=_RegionLoadPlanner({key: (offsets, dest)}), no_dist=True)
+        except Exception as exc:
+            raise InputError(f"{self.folder}: cannot read tensor {key}"
+                             f"{'' if layer is None else f' layer {layer}'}: {exc}") from None
+        return dest if layer is None else dest[0]
+
+
+# ---------------------------------------------------------------------------------------------
+# Writing
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class McoreItem:
+    """One chunk of the checkpoint: global ``key`` of ``global_shape``, and either the whole tensor
+    (``layer`` None) or the ``[layer]`` slice of a layer-stacked one, produced by ``produce``."""
+
+    key: str
+    global_shape: tuple[int, ...]
+    dtype: torch.dtype
+    layer: Optional[int]
+    produce: Callable[[], torch.Tensor]
+
+    @property
+    def chunk_shape(self) -> tuple[int, ...]:
+        return self.global_shape if self.layer is None else (1, *self.global_shape[1:])
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        rest = (0,) * (len(self.global_shape) - 1)
+        return (0, *rest) if self.layer is None else (self.layer, *rest)
+
+
+class _LazySavePlanner(DefaultSavePlanner):
+    """A save plan declared from ``McoreItem``s; each chunk's data is made when the writer asks."""
+
+    def __init__(self, items: list[McoreItem], on_written: Callable[[McoreItem, torch.Tensor], None]):
+        super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
+        self.items = {(i.key, i.offsets): i for i in items}
+        self.on_written = on_written
+
+    def create_local_plan(self) -> SavePlan:
+        write_items = [
+            WriteItem(
+                index=MetadataIndex(item.key, torch.Size(item.offsets)),
+                type=WriteItemType.SHARD,
+                tensor_data=TensorWriteData(
+                    chunk=ChunkStorageMetadata(offsets=torch.Size(item.offsets), sizes=torch.Size(item.chunk_shape)),
+                    properties=TensorProperties(dtype=item.dtype),
+                    size=torch.Size(item.global_shape),
+                ),
+            )
+            for item in self.items.values()
+        ]
+        self.plan = SavePlan(write_items)
+        return self.plan
+
+    def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        item = self.items[(write_item.index.fqn, tuple(write_item.index.offset))]
+        tensor = item.produce()
+        if tensor.dtype != item.dtype or tuple(tensor.shape) != item.chunk_shape:
+            raise RuntimeError(f"{item.key}: produced {tensor.dtype} {tuple(tensor.shape)}, planned "
+                               f"{item.dtype} {item.chunk_shape}")
+        self.on_written(item, tensor)
+        return tensor.contiguous()
+
+
+def write_mcore(folder: Path, items: list[McoreItem],
+                on_written: Callable[[McoreItem, torch.Tensor], None] = lambda item, tensor: None) -> None:
+    """A dist_checkpointing folder (``folder`` = ``<step>/model_optim``) holding ``items``.
+
+    One writer thread and one file: the serial loader resolves and writes chunk after chunk.
+    """
+    folder.mkdir(parents=True, exist_ok=True)
+    writer = FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True)
+    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, on_written), no_dist=True)
+    torch.save({}, folder / "common.pt")  # dist_checkpointing's non-sharded part: nothing for a model
+    (folder / "metadata.json").write_text(json.dumps(DIST_CKPT_CONFIG))
+
+
+def iter_model_keys(reader: McoreReader) -> Iterator[str]:
+    """Model tensor keys (optimizer state excluded)."""
+    return (k for k in reader.tensors if not k.startswith("optimizer."))

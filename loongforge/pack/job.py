@@ -1,0 +1,217 @@
+"""``run_pack``: the scan -> plan -> write stages over one output folder, resumable.
+
+A folder is created with ``pack_config.json`` (inputs, flags, tokenizer and image rules: all
+that decides the output, and nothing that does not, such as ``workers``). ``resume=True``
+accepts a folder only if its config matches, removes partial ``*.tmp`` files, and then each
+stage skips what is already on disk: scan chunks, the manifest, shards. The plan is recomputed
+from the scan (it is deterministic and takes seconds), so shards written before a kill and
+after it belong to the same plan. ``stats.json`` is written last.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable, Optional
+
+from loongforge.config.errors import ConfigError, InputError
+from loongforge.pack.algorithms import ALGORITHMS
+from loongforge.pack.layout import (CONFIG_FILE, FORMAT, MANIFEST_FILE, STATS_FILE, remove_partial_files,
+                                    write_atomic)
+
+# Called after each finished unit of work with ("scan", chunk) or ("write", shard); tests use it
+# to interrupt a run at a known point.
+FaultHook = Callable[[str, int], None]
+
+
+@dataclass(frozen=True)
+class PackOptions:
+    inputs: tuple[str, ...]
+    output: Path
+    preset: str
+    seq_len: int
+    algorithm: str = "bfd"
+    workers: int = 1
+    max_images_per_pack: Optional[int] = None
+    group_by_media: bool = False
+    resume: bool = False
+    # Packs per parquet shard: a shard is the unit of resumable write work (~ a few hundred MB of
+    # tokens at 32K seq_len, before media bytes).
+    packs_per_shard: int = 256
+    progress: bool = True
+
+
+@dataclass
+class PackSummary:
+    output: Path
+    stats: dict
+    seconds: dict[str, float] = field(default_factory=dict)  # per stage, this call only
+    samples: dict[str, int] = field(default_factory=dict)  # processed per stage, this call only
+    workers: int = 1
+
+    def rate(self, stage: str) -> float:
+        seconds = self.seconds.get(stage, 0.0)
+        return self.samples.get(stage, 0) / seconds if seconds > 0 else 0.0
+
+    def format(self) -> str:
+        s = self.stats
+        rejects = ", ".join(f"{k} {v}" for k, v in s["rejects_by_reason"].items() if v) or "none"
+        lines = [f"packed {s['samples_packed']} of {s['samples_in']} samples into {s['packs']} packs "
+                 f"of {s['seq_len']} tokens ({s['algorithm']}): fill ratio {s['fill_ratio']:.4f}",
+                 f"rejected {s['samples_rejected']} ({rejects}); see {self.output / 'rejects.jsonl'}"]
+        for stage in ("scan", "plan", "write"):
+            if stage in self.seconds:
+                lines.append(f"{stage}: {self.samples.get(stage, 0)} samples in {self.seconds[stage]:.2f} s "
+                             f"({self.rate(stage):.0f} samples/s, {self.workers if stage != 'plan' else 1} "
+                             f"worker(s))")
+        lines.append(f"output: {self.output}")
+        return "\n".join(lines)
+
+
+def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> PackSummary:
+    from loongforge.data.conversations import FileSamples, expand_data_paths
+    from loongforge.pack import workers
+    from loongforge.pack.plan import make_plan, write_plan
+    from loongforge.pack.scan import read_scan, run_scan
+    from loongforge.pack.stats import compute_stats
+    from loongforge.pack.write import run_write, shard_tasks
+
+    _check_options(options)
+    cfg = _load_config(options)
+    try:
+        files = [str(p) for p in expand_data_paths(list(options.inputs))]
+    except FileNotFoundError as error:
+        raise InputError(f"{error}; pass .json/.jsonl/.parquet files or folders holding them") from None
+    sizing = _sizing_dict(cfg)
+    config = _folder_config(options, cfg, files, sizing)
+    root = Path(options.output)
+    _prepare_folder(root, config, options.resume)
+    summary = PackSummary(output=root, stats={}, workers=options.workers)
+
+    start = time.perf_counter()
+    samples = FileSamples(files)
+    context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
+    workers.install(context, samples)
+    workers.measurer()  # load the tokenizer once, before workers fork
+    with _bar(options, len(samples), "scan") as bar:
+        bar.update(len(samples) - _remaining_scan(root, len(samples)))
+        summary.samples["scan"] = run_scan(root, len(samples), context, num_workers=options.workers,
+                                           on_chunk=_tick(bar, fault, "scan"))
+    summary.seconds["scan"] = time.perf_counter() - start
+
+    start = time.perf_counter()
+    with _bar(options, len(samples), "plan") as bar:
+        records = read_scan(root, len(samples))
+        plan = make_plan(records, seq_len=options.seq_len, algorithm=options.algorithm,
+                         max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
+                         packs_per_shard=options.packs_per_shard)
+        if not (root / MANIFEST_FILE).exists():
+            write_plan(root, plan)
+        bar.update(len(samples))
+    summary.seconds["plan"], summary.samples["plan"] = time.perf_counter() - start, len(plan.accepted)
+
+    start = time.perf_counter()
+    with _bar(options, len(plan.accepted), "write") as bar:
+        pending = sum(len(members) for _, _, packs in shard_tasks(root, plan) for _, members in packs)
+        bar.update(len(plan.accepted) - pending)
+        summary.samples["write"] = run_write(root, plan, context, num_workers=options.workers,
+                                             on_shard=_tick(bar, fault, "write"))
+    summary.seconds["write"] = time.perf_counter() - start
+
+    summary.stats = compute_stats(plan, seq_len=options.seq_len, algorithm=options.algorithm, preset=options.preset,
+                                  max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
+                                  vision_sizing=sizing)
+    write_atomic(root / STATS_FILE, (json.dumps(summary.stats, indent=2) + "\n").encode())
+    return summary
+
+
+# ---------------------------------------------------------------- helpers
+
+
+def _check_options(options: PackOptions) -> None:
+    problems = []
+    if options.algorithm not in ALGORITHMS:
+        problems.append(f"--algorithm {options.algorithm!r} is unknown; choose one of {', '.join(ALGORITHMS)}.")
+    if options.seq_len < 1:
+        problems.append(f"--seq-len must be >= 1, got {options.seq_len}.")
+    if options.workers < 1:
+        problems.append(f"--workers must be >= 1, got {options.workers}.")
+    if options.max_images_per_pack is not None and options.max_images_per_pack < 1:
+        problems.append(f"--max-images-per-pack must be >= 1, got {options.max_images_per_pack}.")
+    if options.packs_per_shard < 1:
+        problems.append(f"--packs-per-shard must be >= 1, got {options.packs_per_shard}.")
+    if problems:
+        raise ConfigError(problems)
+
+
+def _load_config(options: PackOptions):
+    from loongforge.config.loader import load_run_config
+
+    # The pack's capacity is the training row length: tokenization rejects longer samples.
+    return load_run_config(options.preset, overrides=[f"data.seq_len={options.seq_len}"])
+
+
+def _sizing_dict(cfg) -> dict:
+    from loongforge.data.measure import vision_sizing
+
+    return asdict(vision_sizing(cfg.data, cfg.model))
+
+
+def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) -> dict:
+    data = cfg.data
+    return {
+        "format": FORMAT,
+        "inputs": [{"path": f, "bytes": Path(f).stat().st_size} for f in files],
+        "preset": options.preset,
+        "seq_len": options.seq_len,
+        "algorithm": options.algorithm,
+        "max_images_per_pack": options.max_images_per_pack,
+        "group_by_media": options.group_by_media,
+        "packs_per_shard": options.packs_per_shard,
+        "tokenizer": data.tokenizer,
+        "system_prompt": data.system_prompt,
+        "video_fps": data.video_fps,
+        "video_max_frames": data.video_max_frames,
+        "vision_sizing": sizing,
+        "tokens": asdict(cfg.model.tokens),
+    }
+
+
+def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
+    text = json.dumps(config, indent=2) + "\n"
+    if root.exists() and any(root.iterdir()):
+        if not resume:
+            raise InputError(f"output folder {root} is not empty; pass --resume to continue the run that "
+                             f"wrote it, or choose a new folder")
+        config_path = root / CONFIG_FILE
+        if not config_path.exists() or config_path.read_text() != text:
+            raise InputError(f"--resume: {root} was written with other inputs or flags (see {config_path}); "
+                             f"rerun with the same ones or pack into a new folder")
+        remove_partial_files(root)
+        return
+    write_atomic(root / CONFIG_FILE, text.encode())
+
+
+def _remaining_scan(root: Path, num_samples: int) -> int:
+    from loongforge.pack import layout
+    from loongforge.pack.scan import num_chunks
+
+    size = layout.SCAN_CHUNK
+    return sum(min(size, num_samples - c * size) for c in range(num_chunks(num_samples))
+               if not layout.scan_part(root, c).exists())
+
+
+def _bar(options: PackOptions, total: int, stage: str):
+    from tqdm import tqdm
+
+    return tqdm(total=total, desc=stage, unit="sample", disable=not options.progress, dynamic_ncols=True)
+
+
+def _tick(bar, fault: Optional[FaultHook], stage: str):
+    def on_unit(unit: int, count: int) -> None:
+        bar.update(count)
+        if fault is not None:
+            fault(stage, unit)
+    return on_unit

@@ -1,0 +1,66 @@
+"""Scan stage: every input sample -> one scan record (measured lengths, or a reject).
+
+A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos"}`` for a usable
+sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
+t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "reason",
+"detail"}`` for a rejected one. Records are written in chunks of ``layout.SCAN_CHUNK`` samples,
+each file complete or absent, so a resumed scan redoes at most the chunks in flight.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Callable, Optional
+
+from loongforge.data.measure import MeasuredSample
+from loongforge.pack import workers
+from loongforge.pack import layout
+from loongforge.pack.layout import read_lines, scan_part, write_lines_atomic
+
+
+def scan_record(index: int) -> dict:
+    measured = workers.measure_index(index)
+    if not isinstance(measured, MeasuredSample):
+        return {"i": index, "file": measured.file, "line": measured.line, "reason": measured.reason,
+                "detail": measured.detail}
+    patches = [t * h * w for t, h, w in measured.image_grids]
+    patches += [t * h * w for t, h, w in (plan.grid_thw for plan in measured.video_plans)]
+    return {"i": index, "id": measured.sample_id, "file": measured.file, "line": measured.line,
+            "tokens": measured.length, "patches": patches, "images": len(measured.image_grids),
+            "videos": len(measured.video_plans)}
+
+
+def _scan_chunk(task: tuple[int, int, int]) -> tuple[int, list[dict]]:
+    chunk, start, stop = task
+    return chunk, [scan_record(i) for i in range(start, stop)]
+
+
+def num_chunks(num_samples: int) -> int:
+    return math.ceil(num_samples / layout.SCAN_CHUNK)
+
+
+def run_scan(root: Path, num_samples: int, context: workers.MeasureContext, *, num_workers: int,
+             on_chunk: Optional[Callable[[int, int], None]] = None) -> int:
+    """Scan the chunks not yet on disk; ``on_chunk(chunk, samples)`` after each is written.
+    Returns the number of samples scanned in this call."""
+    size = layout.SCAN_CHUNK
+    tasks = [(c, c * size, min(num_samples, (c + 1) * size))
+             for c in range(num_chunks(num_samples)) if not scan_part(root, c).exists()]
+    scanned = 0
+    for chunk, records in workers.map_ordered(_scan_chunk, tasks, context, num_workers):
+        write_lines_atomic(scan_part(root, chunk), records)
+        scanned += len(records)
+        if on_chunk is not None:
+            on_chunk(chunk, len(records))
+    return scanned
+
+
+def read_scan(root: Path, num_samples: int) -> list[dict]:
+    """All scan records in input order; checks that the chunks cover every sample once."""
+    records: list[dict] = []
+    for chunk in range(num_chunks(num_samples)):
+        records.extend(read_lines(scan_part(root, chunk)))
+    if [r["i"] for r in records] != list(range(num_samples)):
+        raise RuntimeError(f"scan chunks under {root} do not cover samples 0..{num_samples - 1} exactly once")
+    return records

@@ -1,0 +1,84 @@
+"""The parquet schema of pack shards: one row per pack, one list entry per sample in the pack.
+
+A row holds everything ``train`` needs to rebuild the packed row without re-tokenizing or
+re-probing media: token ids with media pads expanded, the answer mask, the images (absolute
+path, or encoded bytes when the input carried them), their grids, and each video's frame plan.
+Pixels are decoded at training time, as for ``data.source=files``. Each pack is its own row
+group, so a reader fetches one pack without reading its shard.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pyarrow as pa
+
+from loongforge.data.measure import MeasuredSample
+from loongforge.data.vision import VideoPlan
+
+IMAGE = pa.struct([("path", pa.string()), ("bytes", pa.binary())])
+VIDEO_PLAN = pa.struct([
+    ("frame_indices", pa.list_(pa.int32())),
+    ("resized_height", pa.int32()),
+    ("resized_width", pa.int32()),
+    ("grid_thw", pa.list_(pa.int32())),
+    ("second_per_grid_t", pa.float64()),
+])
+SCHEMA = pa.schema([
+    ("pack", pa.int64()),
+    ("sample_ids", pa.list_(pa.string())),
+    ("input_ids", pa.list_(pa.list_(pa.int32()))),  # per sample [L]
+    ("is_answer", pa.list_(pa.list_(pa.bool_()))),  # per sample [L]
+    ("images", pa.list_(pa.list_(IMAGE))),
+    ("image_grid_thw", pa.list_(pa.list_(pa.list_(pa.int32())))),  # per sample, per image [t, h, w]
+    ("videos", pa.list_(pa.list_(pa.string()))),
+    ("video_plans", pa.list_(pa.list_(VIDEO_PLAN))),
+])
+
+
+def encode_pack(pack: int, samples: list[MeasuredSample]) -> dict:
+    """One shard row from the measured samples of a pack, in pack order."""
+    return {
+        "pack": pack,
+        "sample_ids": [s.sample_id for s in samples],
+        "input_ids": [s.input_ids.astype(np.int32) for s in samples],
+        "is_answer": [s.is_answer.astype(bool) for s in samples],
+        "images": [[_image_ref(image) for image in s.images] for s in samples],
+        "image_grid_thw": [[list(grid) for grid in s.image_grids] for s in samples],
+        "videos": [[os.path.abspath(str(video)) for video in s.videos] for s in samples],
+        "video_plans": [[_plan_dict(plan) for plan in s.video_plans] for s in samples],
+    }
+
+
+def _image_ref(image) -> dict:
+    if isinstance(image, bytes):
+        return {"path": None, "bytes": image}
+    if isinstance(image, (str, os.PathLike)):
+        return {"path": os.path.abspath(str(image)), "bytes": None}
+    raise TypeError(f"cannot store an in-memory {type(image).__name__} image in a pack shard")
+
+
+def _plan_dict(plan: VideoPlan) -> dict:
+    return {"frame_indices": list(plan.frame_indices), "resized_height": plan.resized_height,
+            "resized_width": plan.resized_width, "grid_thw": list(plan.grid_thw),
+            "second_per_grid_t": plan.second_per_grid_t}
+
+
+def decode_pack(row: dict) -> list[MeasuredSample]:
+    """The pack's samples back from a shard row (``Table.to_pylist()`` element)."""
+    samples = []
+    for k, sample_id in enumerate(row["sample_ids"]):
+        file, _, line = sample_id.rpartition(":")
+        samples.append(MeasuredSample(
+            sample_id=sample_id, file=file, line=int(line) if line.isdigit() else 0,
+            input_ids=np.asarray(row["input_ids"][k], dtype=np.int64),
+            is_answer=np.asarray(row["is_answer"][k], dtype=bool),
+            images=[ref["bytes"] if ref["bytes"] is not None else ref["path"] for ref in row["images"][k]],
+            image_grids=[tuple(grid) for grid in row["image_grid_thw"][k]],
+            videos=list(row["videos"][k]),
+            video_plans=[VideoPlan(frame_indices=tuple(p["frame_indices"]), resized_height=p["resized_height"],
+                                   resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),
+                                   second_per_grid_t=p["second_per_grid_t"]) for p in row["video_plans"][k]],
+        ))
+    return samples

@@ -1,0 +1,56 @@
+"""A micro-batch dict (``data.collate`` contract) -> the cost model's per-sample and summed features.
+
+Images and videos are assigned to samples in token order: each one occupies
+``t*h*w / merge^2`` pad tokens inside exactly one sample's span of ``input_ids``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from loongforge.balance.cost_model import TERMS, SampleCost, batch_features
+
+
+def _media_patches(grid_thw: torch.Tensor | None) -> list[int]:
+    if grid_thw is None:
+        return []
+    return [int(t * h * w) for t, h, w in grid_thw.tolist()]
+
+
+def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
+                 merge_size: int) -> list[SampleCost]:
+    """One SampleCost per real sample (padding excluded) with the patches of its images/videos."""
+    lengths = [int(n) for n in micro_batch["sample_lengths"]]
+    ids = micro_batch["input_ids"].reshape(-1)
+    merge = merge_size * merge_size
+    patches: list[list[int]] = [[] for _ in lengths]
+    for token_id, grids in ((image_token_id, micro_batch.get("image_grid_thw")),
+                            (video_token_id, micro_batch.get("video_grid_thw"))):
+        media = _media_patches(grids)
+        if not media:
+            continue
+        # Count this media kind's pad tokens per sample, then hand out media in order.
+        starts = np.cumsum([0, *lengths])
+        pads = [int((ids[starts[i]:starts[i + 1]] == token_id).sum()) for i in range(len(lengths))]
+        sample = 0
+        for p in media:
+            while sample < len(lengths) and pads[sample] < p // merge:
+                sample += 1
+            if sample == len(lengths):
+                raise ValueError(f"micro-batch has more {token_id} media than pad tokens; "
+                                 f"grids {media}, pads per sample {pads}")
+            patches[sample].append(p)
+            pads[sample] -= p // merge
+    return [SampleCost(tokens=L, patches=tuple(ps)) for L, ps in zip(lengths, patches)]
+
+
+def micro_batch_record(micro_batch: dict, samples: list[SampleCost]) -> dict:
+    """The feature part of a ``micro_batch`` record."""
+    features = batch_features(samples)
+    return {
+        "samples": [{"L": s.tokens, "patches": list(s.patches)} for s in samples],
+        "features": {t: float(v) for t, v in zip(TERMS, features)},
+        "tokens_padded": int(micro_batch["input_ids"].numel()),
+        "loss_tokens": int(micro_batch.get("num_loss_tokens", 0)),
+    }

@@ -1,0 +1,129 @@
+"""The cost model a training run uses: from ``balance.cost_model``, a checkpoint, or fitted online.
+
+Precedence: an explicit ``balance.cost_model`` file, else the model saved in the checkpoint being
+resumed, else an online fit: with ``balance.fit_steps = K > 0`` every rank records its
+per-micro-batch compute (``StepRecorder``) for ``balance.fit_warmup_steps`` + K steps; then all
+ranks gather everyone's observations and run the same NNLS fit, so every rank holds the same
+model. ``balance.refit_interval = M > 0`` keeps recording and refits every M steps on the latest
+K steps. The model travels in every checkpoint (``TrainState.extra["cost_model"]``), so a resumed
+run keeps it instead of falling back to token counts.
+
+A fit that the observations cannot support (e.g. every row the same length) keeps the previous
+model and logs why; it never stops training.
+"""
+
+from __future__ import annotations
+
+import sys
+from typing import Optional
+
+import torch.distributed as dist
+
+from loongforge.balance.cost_model import CostModel
+from loongforge.balance.fit import FitError, fit_nnls, observations_from_records
+from loongforge.config.errors import InputError
+from loongforge.profile.recorder import StepRecorder, TrainingObserver
+
+EXTRA_KEY = "cost_model"
+
+
+def _all_ranks_records(records: list[dict]) -> list[dict]:
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return records
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, records)
+    return [r for part in gathered for r in part]
+
+
+class CostModelKeeper(TrainingObserver):
+    """Holds ``cost_model`` for the run (None = no model yet: planners use token counts)."""
+
+    def __init__(self, balance_cfg, *, log=None):
+        self.cfg = balance_cfg
+        self.cost_model: Optional[CostModel] = None
+        self.from_file = balance_cfg.cost_model is not None
+        if self.from_file:
+            try:
+                self.cost_model = CostModel.load(balance_cfg.cost_model)
+            except ValueError as exc:
+                raise InputError(f"balance.cost_model: {exc}") from exc
+        self._log = log or (lambda message: print(message, file=sys.stderr, flush=True))
+        self._recorder: Optional[StepRecorder] = None
+        self._records: list[dict] = []
+        self._steps_seen = 0
+        self._rank = 0
+        self._clock = "wall"
+
+    # -- TrainingObserver ----------------------------------------------------------------------
+
+    def attach(self, model_config, *, cfg, env, layout) -> None:
+        self._rank = env.rank
+        # CPU time on CPU: immune to other processes sharing the cores (see profile.timers).
+        self._clock = "cpu" if env.device.type == "cpu" else "wall"
+        if self.cfg.fit_steps > 0 and not self.from_file:
+            self._recorder = StepRecorder(model_cfg=cfg.model, rank=env.rank, layout=layout,
+                                          warmup_steps=self.cfg.fit_warmup_steps)
+            self._recorder.attach(model_config, env.device)
+
+    def _recording(self) -> bool:
+        if self._recorder is None:
+            return False
+        if self.cost_model is None or self.cost_model.source != "fit:online":
+            return True  # not fitted yet (or only a restored / default model)
+        return self.cfg.refit_interval > 0
+
+    def begin_step(self, step: int, micro_batches: list) -> list:
+        if self._recording():
+            return self._recorder.begin_step(step, micro_batches)
+        return micro_batches
+
+    def end_step(self, step: int, result, *, data_wait_s: float) -> None:
+        if self._recorder is None or not self._recorder.recording:
+            return
+        new = self._recorder.end_step(step, result)
+        self._records += new
+        if not new[-1]["warmup"]:
+            self._steps_seen += 1
+        first_fit = self._steps_seen == self.cfg.fit_steps and (
+            self.cost_model is None or self.cost_model.source != "fit:online")
+        refit = (self.cfg.refit_interval > 0 and self._steps_seen > self.cfg.fit_steps
+                 and (self._steps_seen - self.cfg.fit_steps) % self.cfg.refit_interval == 0)
+        if first_fit or refit:
+            self._fit(step)
+
+    def _fit(self, step: int) -> None:
+        recorded_steps = sorted({r["step"] for r in self._records if not r["warmup"]})
+        keep = set(recorded_steps[-self.cfg.fit_steps:])
+        self._records = [r for r in self._records if r["step"] in keep]
+        records = _all_ranks_records(self._records)  # collective: every rank calls it at this step
+        try:
+            obs = observations_from_records(
+                [r for r in records if r["kind"] == "micro_batch"],
+                [r for r in records if r["kind"] == "step"], clock=self._clock)
+            result = fit_nnls(obs)
+        except FitError as exc:
+            if self._rank == 0:
+                self._log(f"cost model: online fit at step {step} failed, keeping "
+                          f"{self.cost_model.source if self.cost_model else 'token counts'}: {exc}")
+            return
+        result.model.source = "fit:online"
+        result.model.environment = {"fitted_at_step": step, "steps": len(keep)}
+        self.cost_model = result.model
+        if self._rank == 0:
+            acc = result.report["held_out_micro_batch"]
+            self._log(f"cost model: fitted online at step {step} from {len(records)} records, "
+                      f"held-out median error {acc.get('median_ape_pct', float('nan')):.1f}%"
+                      + "".join(f"\ncost model warning: {w}" for w in result.warnings))
+
+    def state_dict(self) -> dict:
+        return {EXTRA_KEY: self.cost_model.to_dict()} if self.cost_model is not None else {}
+
+    def load_state_dict(self, extra: dict) -> None:
+        if self.from_file or EXTRA_KEY not in (extra or {}):
+            return
+        self.cost_model = CostModel.from_dict(extra[EXTRA_KEY], origin="checkpoint")
+
+
+def training_observer(cfg, observer: Optional[TrainingObserver] = None) -> TrainingObserver:
+    """The observer ``run_training`` uses: the caller's (``profile``), else the cost-model keeper."""
+    return observer if observer is not None else CostModelKeeper(cfg.balance)

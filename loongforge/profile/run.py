@@ -1,0 +1,111 @@
+"""``loongforge profile``: real training steps with every rank's micro-batch compute recorded.
+
+The steps are ``train.runner.run_training``'s (same model, DDP, optimizer, schedule, data
+pipeline and parallel layout); ``ProfileObserver`` only adds the timers, optionally swaps the
+data for the sweep design, and writes PROFILE.jsonl. Each rank appends to its own part file as it
+goes; at the end rank 0 writes the env record and the parts, in rank order, into the output.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import platform
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+
+from loongforge.config.schema import RunConfig
+from loongforge.profile.records import PROFILE_FORMAT, write_records
+from loongforge.profile.recorder import StepRecorder, TrainingObserver
+from loongforge.profile.sweep import SweepSource
+from loongforge.profile.timers import cpu_clock_name
+
+
+def environment_record(cfg: RunConfig, *, env, layout, sweep: bool) -> dict:
+    from loongforge.train.runner import library_versions
+
+    device = env.device
+    return {
+        "kind": "env", "format": PROFILE_FORMAT,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "device_type": device.type,
+        "host": {"cpu": platform.processor() or platform.machine(), "cpu_count": os.cpu_count(),
+                 "torch_threads": torch.get_num_threads()},
+        "cpu_clock": cpu_clock_name() if device.type == "cpu" else None,
+        "dtype": cfg.training.precision, "preset": cfg.preset,
+        "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
+        "world_size": env.world_size, "seq_len": cfg.data.seq_len,
+        "global_batch_size": cfg.training.global_batch_size,
+        "data": "sweep" if sweep else (cfg.data.source, list(cfg.data.paths)),
+        "model": dataclasses.asdict(cfg.model),
+        "versions": library_versions(),
+    }
+
+
+class ProfileObserver(TrainingObserver):
+    def __init__(self, output: Path, *, sweep: bool, warmup_steps: int):
+        self.output = Path(output)
+        self.sweep = sweep
+        self.warmup_steps = warmup_steps
+        self._recorder: Optional[StepRecorder] = None
+        self._env_record: dict = {}
+        self._part: Optional[Path] = None
+        self._rank = 0
+        self._cfg: Optional[RunConfig] = None
+        self._layout = None
+
+    def _part_path(self, rank: int) -> Path:
+        return self.output.with_name(f"{self.output.name}.rank{rank:05d}.part")
+
+    def attach(self, model_config, *, cfg, env, layout) -> None:
+        self._cfg, self._layout, self._rank = cfg, layout, env.rank
+        self._recorder = StepRecorder(model_cfg=cfg.model, rank=env.rank, layout=layout,
+                                      warmup_steps=self.warmup_steps)
+        self._recorder.attach(model_config, env.device)
+        self._env_record = environment_record(cfg, env=env, layout=layout, sweep=self.sweep)
+        self._part = self._part_path(env.rank)
+        self._part.parent.mkdir(parents=True, exist_ok=True)
+        self._part.write_text("")
+
+    def data_source(self, pipeline):
+        if not self.sweep:
+            return pipeline
+        pipeline.close()
+        return SweepSource(self._cfg, dp_rank=self._layout.dp_rank, dp_size=self._layout.dp_size,
+                           pad_to_multiple=pipeline.pad_to_multiple)
+
+    def begin_step(self, step: int, micro_batches: list) -> list:
+        return self._recorder.begin_step(step, micro_batches)
+
+    def end_step(self, step: int, result, *, data_wait_s: float) -> None:
+        records = self._recorder.end_step(step, result)
+        records[-1]["data_wait_s"] = data_wait_s
+        write_records(self._part, records)
+
+    def close(self) -> None:
+        world = dist.get_world_size() if dist.is_initialized() else 1
+        if dist.is_initialized():
+            dist.barrier()
+        if self._rank == 0:
+            tmp = self.output.with_name(self.output.name + ".tmp")
+            write_records(tmp, [self._env_record], append=False)
+            with open(tmp, "a", encoding="utf-8") as out:
+                for rank in range(world):
+                    part = self._part_path(rank)
+                    out.write(part.read_text(encoding="utf-8"))
+                    part.unlink()
+            os.replace(tmp, self.output)
+        if dist.is_initialized():
+            dist.barrier()
+
+
+def profile_worker(cfg: RunConfig, resume: bool, command_line: list[str], *, output: str,
+                   sweep: bool, warmup_steps: int) -> None:
+    """One rank of ``loongforge profile`` (module level: the spawn launcher pickles it)."""
+    from loongforge.train.runner import run_training
+
+    run_training(cfg, resume=resume, command_line=command_line,
+                 observer=ProfileObserver(Path(output), sweep=sweep, warmup_steps=warmup_steps))

@@ -1,0 +1,198 @@
+"""``loongforge profile --sweep``: micro-batches from a designed grid instead of the dataset.
+
+A cost model fitted on a narrow dataset (every sample about the same length, every image the same
+size) cannot separate the L^2, L and N terms. The sweep covers the space on purpose, cycling
+through five row designs with lengths on a geometric grid from 64 tokens to ``data.seq_len`` and
+image grids from 4x4 patches to the largest ``data.max_pixels`` allows:
+
+  single        one text-only sample of length L
+  packed_equal  k text-only samples of one length (k = 2, 4, 8, ...)
+  packed_mixed  one long sample plus short ones (the long-tail case balancing is about)
+  image_single  one sample with one or two images of one grid
+  image_packed  several image samples of different grids, with text-only samples
+
+Rows follow the ``data.collate`` contract exactly (random token ids, M-RoPE positions from
+``get_rope_index``, an answer-like loss mask over each sample's last quarter, random pixels), so
+the model runs the same code as on real data. Step ``s`` always gets the same rows on every
+rank; DP rank ``r`` trains on its block of the step's rows, like the data pipeline.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from loongforge.config.schema import RunConfig
+from loongforge.data.packing import rank_rows
+from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
+
+ROW_DESIGNS = ("single", "packed_equal", "packed_mixed", "image_single", "image_packed")
+MIN_LENGTH = 64
+# Share of each sample's tokens with loss (answers): the LM head runs on loss tokens only, so a
+# realistic share keeps its cost in proportion to L as in real SFT data.
+ANSWER_SHARE = 0.25
+# Text token ids drawn below the Qwen special tokens.
+_TEXT_VOCAB = 150_000
+
+
+def length_grid(seq_len: int, points: int = 8) -> list[int]:
+    """Geometric grid of sample lengths from MIN_LENGTH to seq_len (inclusive)."""
+    top = max(seq_len, MIN_LENGTH)
+    return sorted({int(round(MIN_LENGTH * (top / MIN_LENGTH) ** (i / (points - 1))))
+                   for i in range(points)})
+
+
+def image_grids(max_pixels: int, patch_size: int, merge: int) -> list[tuple[int, int]]:
+    """(h, w) patch grids, multiples of the merge size, from 4x4 to the largest max_pixels allows."""
+    side_max = max(merge, int(math.sqrt(max_pixels) // (patch_size * merge)) * merge)
+    sides = sorted({s for s in (4, 8, 12, 16, 24, 32, 48, 64) if s <= side_max} | {side_max})
+    grids = [(s, s) for s in sides]
+    grids += [(s, 2 * s) for s in sides if 2 * s <= side_max]
+    return grids
+
+
+class SweepDesign:
+    """The deterministic sequence of designed rows: row ``i`` -> [(text_len, [(h, w), ...]), ...]."""
+
+    def __init__(self, seq_len: int, grids: list[tuple[int, int]], merge: int, seed: int):
+        self.seq_len = seq_len
+        self.lengths = length_grid(seq_len)
+        self.grids = grids
+        self.merge = merge
+        self.seed = seed
+
+    def _image_tokens(self, grid: tuple[int, int]) -> int:
+        return grid[0] * grid[1] // (self.merge * self.merge) + 2  # + vision_start / vision_end
+
+    def row(self, index: int) -> list[tuple[int, list[tuple[int, int]]]]:
+        rng = np.random.default_rng([self.seed, index])
+        design = ROW_DESIGNS[index % len(ROW_DESIGNS)]
+        lengths, cap = self.lengths, self.seq_len
+        if design == "single":
+            return [(int(rng.choice(lengths)), [])]
+        if design == "packed_equal":
+            k = int(rng.choice([2, 4, 8]))
+            fitting = [L for L in lengths if k * L <= cap] or [max(MIN_LENGTH // 2, cap // k)]
+            return [(int(rng.choice(fitting)), [])] * k
+        if design == "packed_mixed":
+            long = int(rng.choice(lengths[len(lengths) // 2:]))
+            row, room = [(long, [])], cap - long
+            while room >= MIN_LENGTH and len(row) < 8:
+                short = int(rng.choice([L for L in lengths if L <= room]))
+                row.append((short, []))
+                room -= short
+            return row
+        return self._image_row(rng, single=design == "image_single")
+
+    def _image_row(self, rng, *, single: bool):
+        row, room = [], self.seq_len
+        for _ in range(1 if single else int(rng.integers(2, 5))):
+            fitting = [g for g in self.grids if self._image_tokens(g) + MIN_LENGTH <= room]
+            if not fitting:
+                break
+            count = int(rng.integers(1, 3)) if single else 1
+            grid = fitting[int(rng.integers(len(fitting)))]
+            count = max(1, min(count, (room - MIN_LENGTH) // self._image_tokens(grid)))
+            text_room = room - count * self._image_tokens(grid)
+            text = int(rng.choice([L for L in self.lengths if L <= text_room] or [MIN_LENGTH]))
+            row.append((text, [grid] * count))
+            room -= text + count * self._image_tokens(grid)
+        if not single and room >= MIN_LENGTH:
+            row.append((int(rng.choice([L for L in self.lengths if L <= room])), []))
+        return row or [(MIN_LENGTH, [])]
+
+
+class SweepSource:
+    """Drop-in for ``DataPipeline`` in the runner: ``next_step()`` returns this rank's rows."""
+
+    def __init__(self, cfg: RunConfig, *, dp_rank: int, dp_size: int, pad_to_multiple: int):
+        model, data = cfg.model, cfg.data
+        self.tokens = model.tokens
+        self.merge = model.projector.spatial_merge_size
+        self.pixel_width = (model.vision.in_channels * model.vision.temporal_patch_size
+                            * model.vision.patch_size ** 2)
+        self.tokens_per_second = model.tokens_per_second
+        self.design = SweepDesign(data.seq_len, image_grids(data.max_pixels, model.vision.patch_size,
+                                                            self.merge), self.merge, data.seed)
+        self.global_batch_size = cfg.training.global_batch_size
+        self.my_rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
+        self.pad_to_multiple = pad_to_multiple
+        self.step = 0
+
+    def next_step(self) -> list[dict]:
+        first = self.step * self.global_batch_size
+        self.step += 1
+        return [self.micro_batch(first + i, self.design.row(first + i)) for i in self.my_rows]
+
+    def _sample(self, rng, text_len: int, grids: list[tuple[int, int]]):
+        t = self.tokens
+        text = rng.integers(0, _TEXT_VOCAB, size=text_len)
+        pieces = [text[: text_len // 2]]
+        for h, w in grids:
+            pieces += [np.array([t.vision_start_token_id]),
+                       np.full(h * w // (self.merge * self.merge), t.image_token_id),
+                       np.array([t.vision_end_token_id])]
+        pieces.append(text[text_len // 2:])
+        ids = torch.from_numpy(np.concatenate(pieces)).long()
+        positions = get_rope_index(
+            ids, torch.tensor([[1, h, w] for h, w in grids]) if grids else None, None, None,
+            spatial_merge_size=self.merge, image_token_id=t.image_token_id,
+            video_token_id=t.video_token_id, vision_start_token_id=t.vision_start_token_id,
+            tokens_per_second=self.tokens_per_second)
+        return ids, positions
+
+    def micro_batch(self, row_index: int, row) -> dict:
+        rng = np.random.default_rng([self.design.seed, row_index, 1])
+        ids, positions, labels, masks, grids = [], [], [], [], []
+        for text_len, sample_grids in row:
+            sample_ids, sample_pos = self._sample(rng, text_len, sample_grids)
+            L = len(sample_ids)
+            sample_labels = torch.zeros_like(sample_ids)
+            sample_labels[:-1] = sample_ids[1:]
+            mask = torch.zeros(L)
+            mask[L - max(1, int(L * ANSWER_SHARE)):L - 1] = 1.0
+            ids.append(sample_ids), positions.append(sample_pos), labels.append(sample_labels)
+            masks.append(mask)
+            grids += sample_grids
+        lengths = [len(x) for x in ids]
+        real = sum(lengths)
+        pad = -(-real // self.pad_to_multiple) * self.pad_to_multiple - real
+        if pad:
+            ids.append(torch.full((pad,), self.tokens.pad_token_id, dtype=torch.long))
+            labels.append(torch.zeros(pad, dtype=torch.long))
+            masks.append(torch.zeros(pad))
+            positions.append(torch.arange(pad).expand(3, -1))
+        loss_mask = torch.cat(masks)[None]
+        patches = sum(h * w for h, w in grids)
+        return {
+            "input_ids": torch.cat(ids)[None],
+            "labels": torch.cat(labels)[None],
+            "loss_mask": loss_mask,
+            "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),
+            "cu_seqlens": torch.as_tensor(np.cumsum([0, *lengths, *([pad] if pad else [])]),
+                                          dtype=torch.int32),
+            "pixel_values": torch.from_numpy(rng.standard_normal(
+                (patches, self.pixel_width), dtype=np.float32)) if grids else None,
+            "image_grid_thw": torch.tensor([[1, h, w] for h, w in grids]) if grids else None,
+            "pixel_values_videos": None,
+            "video_grid_thw": None,
+            "second_per_grid_ts": None,
+            "num_loss_tokens": int(loss_mask.sum()),
+            "sample_lengths": lengths,
+            "sample_ids": [f"sweep:{row_index}:{i}" for i in range(len(row))],
+        }
+
+    # The DataPipeline interface the runner uses.
+    def state_dict(self) -> dict:
+        return {"sweep_step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.step = int(state.get("sweep_step", 0))
+
+    def reject_counts(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass

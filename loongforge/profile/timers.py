@@ -1,0 +1,77 @@
+"""Per-rank compute timing through megatron-core's own ``config.timers`` hooks.
+
+megatron-core's schedules call ``config.timers('forward-compute').start()/.stop()`` around each
+micro-batch forward and ``'backward-compute'`` around each backward (pipeline send/receive and the
+gradient all-reduce happen outside those intervals), and ``'forward-backward'`` around the whole
+schedule. ``IntervalTimers`` implements that interface and keeps every interval, in order, so
+``train`` and ``profile`` time exactly the code path they run.
+
+On CUDA each start/stop first synchronises the device: kernels are asynchronous, so a wall clock
+alone would time the launches, not the work. On CPU the wall clock is the work, but on a shared
+machine it also counts time other processes hold the cores; there every interval is also timed
+with a CPU clock, which counts only this process's work: with one compute thread
+(``OMP_NUM_THREADS=1``; CPU autograd runs on the calling thread) the calling thread's CPU time, so
+the data-loading thread is not counted; with more, the whole process's (OpenMP workers included,
+and their spin-waiting).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable, Optional
+
+import torch
+
+
+def cpu_clock_name() -> str:
+    return "thread" if torch.get_num_threads() == 1 else "process"
+
+
+def cpu_clock():
+    """The CPU clock for this process's compute (see the module docstring)."""
+    return time.thread_time if cpu_clock_name() == "thread" else time.process_time
+
+
+class _Timer:
+    def __init__(self, owner: "IntervalTimers", name: str):
+        self._owner, self._name = owner, name
+        self._start: Optional[float] = None
+        self._start_cpu = 0.0
+
+    def start(self, barrier: bool = False) -> None:  # barrier: megatron's flag, deliberately ignored
+        self._owner.sync()
+        self._start = time.perf_counter()
+        self._start_cpu = self._owner.cpu_clock()
+
+    def stop(self, barrier: bool = False) -> None:
+        if self._start is None:
+            return
+        self._owner.sync()
+        self._owner.on_stop(self._name, time.perf_counter() - self._start,
+                            self._owner.cpu_clock() - self._start_cpu)
+        self._start = None
+
+
+class IntervalTimers:
+    """Callable like megatron's ``Timers``: ``timers(name, log_level=None)`` -> a start/stop timer.
+
+    Each finished interval is handed to ``on_stop(name, wall_seconds, cpu_seconds)`` as it ends.
+    """
+
+    def __init__(self, device: torch.device, on_stop: Callable[[str, float, float], None]):
+        self._cuda = device.type == "cuda"
+        self._timers: dict[str, _Timer] = {}
+        self._on_stop = on_stop
+        self.cpu_clock = cpu_clock()
+
+    def __call__(self, name: str, log_level: Optional[int] = None) -> _Timer:
+        if name not in self._timers:
+            self._timers[name] = _Timer(self, name)
+        return self._timers[name]
+
+    def sync(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+
+    def on_stop(self, name: str, seconds: float, cpu_seconds: float) -> None:
+        self._on_stop(name, seconds, cpu_seconds)

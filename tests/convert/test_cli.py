@@ -1,0 +1,156 @@
+"""``loongforge convert`` end to end on tiny checkpoints: both directions, round trip, bad input."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.convert.helpers import hub_state, invoke, one_line_error, save_hf_checkpoint
+from tests.models.helpers import tiny_model_cfg
+
+
+@pytest.fixture(scope="module")
+def hf_hub(tmp_path_factory) -> Path:
+    """Untied, Hub key style, two shards + index, flat config."""
+    folder = tmp_path_factory.mktemp("hf") / "hub"
+    save_hf_checkpoint(folder, tiny_model_cfg(tie=False), style="hub")
+    return folder
+
+
+@pytest.fixture(scope="module")
+def hf_new(tmp_path_factory) -> Path:
+    """Tied, transformers-5 key style, one file, nested config."""
+    folder = tmp_path_factory.mktemp("hf") / "new"
+    save_hf_checkpoint(folder, tiny_model_cfg(tie=True), style="new")
+    return folder
+
+
+@pytest.mark.parametrize("source", ["hf_hub", "hf_new"])
+def test_hf_to_mcore_to_hf_is_bit_exact(request, tmp_path, source):
+    src = request.getfixturevalue(source)
+    result = invoke(str(src), str(tmp_path / "mcore"), "--to", "mcore", "--tp", "2", "--pp", "2", "--verify")
+    assert result.exit_code == 0, result.output
+    assert "verify: all tensors equal" in result.output
+    meta = json.loads((tmp_path / "mcore" / "meta.json").read_text())
+    assert meta["kind"] == "model" and meta["step"] == 0
+    result = invoke(str(tmp_path / "mcore"), str(tmp_path / "back"), "--to", "hf", "--verify",
+                    "--max-shard-size", "50MB")
+    assert result.exit_code == 0, result.output
+    original, back = hub_state(src), hub_state(tmp_path / "back")
+    assert original.keys() == back.keys()
+    assert all(torch.equal(original[k], back[k]) and original[k].dtype == back[k].dtype for k in original)
+    index = json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(back) and len(set(index["weight_map"].values())) > 1
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in back.values())
+    # config and side files come through unchanged; no temporary folder is left behind
+    assert json.loads((tmp_path / "back" / "config.json").read_text()) == json.loads((src / "config.json").read_text())
+    side = [f.name for f in src.iterdir() if f.name in ("tokenizer_config.json", "generation_config.json")]
+    assert side and all((tmp_path / "back" / name).is_file() for name in side)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["back", "mcore"]
+
+
+def test_dtype_cast(hf_hub, tmp_path):
+    result = invoke(str(hf_hub), str(tmp_path / "m"), "--to", "mcore", "--dtype", "bf16")
+    assert result.exit_code == 0, result.output
+    invoke(str(tmp_path / "m"), str(tmp_path / "h"), "--to", "hf")
+    back = hub_state(tmp_path / "h")
+    assert all(t.dtype == torch.bfloat16 for t in back.values())
+    assert torch.equal(back["model.norm.weight"], hub_state(hf_hub)["model.norm.weight"].bfloat16())
+
+
+@pytest.mark.parametrize("source", ["hf_hub", "hf_new"])
+def test_roundtrip_table_and_json(request, source):
+    src = request.getfixturevalue(source)
+    result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2", "--vision-tp", "1")
+    assert result.exit_code == 0, result.output
+    assert "EXACT" in result.output.splitlines()[-1] and "0 different" in result.output
+    result = invoke(str(src), "--roundtrip", "--tp", "2", "--json")
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert report["exact"] and report["counts"]["different"] == 0 and not report["missing"]
+
+
+def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
+    from loongforge.models.qwen2_5_vl import hf_mapping
+
+    # A broken transform (gate and up swapped on the way back) must be caught.
+    monkeypatch.setattr(hf_mapping.GateUp, "unshard", lambda self, shards: list(reversed(
+        [torch.cat(x) for x in zip(*(s.chunk(2, dim=0) for s in shards))])))
+    result = invoke(str(hf_hub), "--roundtrip", "--json")
+    assert result.exit_code == 1
+    report = json.loads(result.output.strip().splitlines()[-1])
+    assert not report["exact"] and report["counts"]["different"] > 0
+
+
+def test_refuses_to_overwrite(hf_hub, tmp_path):
+    (tmp_path / "dst").mkdir()
+    result = invoke(str(hf_hub), str(tmp_path / "dst"), "--to", "mcore")
+    assert result.exit_code == 2 and "--overwrite" in one_line_error(result)
+    assert invoke(str(hf_hub), str(tmp_path / "dst"), "--to", "mcore", "--overwrite").exit_code == 0
+    assert (tmp_path / "dst" / "meta.json").is_file()
+
+
+def _copy(src: Path, tmp_path: Path) -> Path:
+    dst = tmp_path / "src"
+    shutil.copytree(src, dst)
+    return dst
+
+
+def _assert_bad_input(result, tmp_path: Path, *fragments: str) -> None:
+    assert result.exit_code == 2, result.output
+    line = one_line_error(result)
+    for fragment in fragments:
+        assert fragment in line, line
+    assert not (tmp_path / "dst").exists()
+    assert not [p for p in tmp_path.iterdir() if p.name.startswith(".dst")]  # no temporary left
+
+
+def test_truncated_safetensors(hf_hub, tmp_path):
+    src = _copy(hf_hub, tmp_path)
+    shard = src / "model-00002-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-1000])
+    result = invoke(str(src), str(tmp_path / "dst"), "--to", "mcore")
+    _assert_bad_input(result, tmp_path, str(shard), "truncated", "tensor ")
+
+
+def test_missing_shard(hf_hub, tmp_path):
+    src = _copy(hf_hub, tmp_path)
+    (src / "model-00001-of-00002.safetensors").unlink()
+    result = invoke(str(src), str(tmp_path / "dst"), "--to", "mcore")
+    _assert_bad_input(result, tmp_path, "model-00001-of-00002.safetensors", "missing", "holds ")
+
+
+def test_shape_mismatch_against_preset(hf_hub, tmp_path):
+    result = invoke(str(hf_hub), str(tmp_path / "dst"), "--to", "mcore", "--preset", "qwen2.5vl-7b")
+    _assert_bad_input(result, tmp_path, "model-0000", "tensor ", "preset qwen2.5vl-7b expects")
+
+
+def test_wrong_architecture(hf_hub, tmp_path):
+    src = _copy(hf_hub, tmp_path)
+    config = json.loads((src / "config.json").read_text())
+    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    (src / "config.json").write_text(json.dumps(config))
+    result = invoke(str(src), str(tmp_path / "dst"), "--to", "mcore")
+    _assert_bad_input(result, tmp_path, str(src / "config.json"), "LlamaForCausalLM")
+
+
+def test_tensor_of_wrong_shape_in_checkpoint(hf_hub, tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    src = _copy(hf_hub, tmp_path)
+    shard = src / "model-00002-of-00002.safetensors"
+    state = load_file(str(shard))
+    key = next(k for k in state if k.endswith("up_proj.weight"))
+    state[key] = state[key][:-1].clone()
+    save_file(state, str(shard))
+    result = invoke(str(src), str(tmp_path / "dst"), "--to", "mcore")
+    _assert_bad_input(result, tmp_path, str(shard), key)
+
+
+def test_not_a_checkpoint(tmp_path):
+    (tmp_path / "empty").mkdir()
+    result = invoke(str(tmp_path / "empty"), str(tmp_path / "dst"), "--to", "hf")
+    _assert_bad_input(result, tmp_path, "empty")

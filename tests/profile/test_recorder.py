@@ -1,0 +1,73 @@
+"""Pairing megatron's forward/backward timer intervals with micro-batches, without a model."""
+
+from __future__ import annotations
+
+import time
+from types import SimpleNamespace
+
+import torch
+
+from loongforge.config.loader import load_run_config
+from loongforge.profile.recorder import StepRecorder
+from loongforge.profile.sweep import SweepSource
+
+LAYOUT = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
+
+
+def _setup(steps_warmup=1):
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["data.seq_len=256"])
+    grad_syncs = []
+    config = SimpleNamespace(timers=None, finalize_model_grads_func=lambda *a, **k: grad_syncs.append(1))
+    recorder = StepRecorder(model_cfg=cfg.model, rank=3, layout=LAYOUT, warmup_steps=steps_warmup)
+    recorder.attach(config, torch.device("cpu"))
+    return cfg, config, recorder, grad_syncs
+
+
+def _forward(config, it, seconds):
+    config.timers("forward-compute", log_level=2).start()
+    next(it)
+    time.sleep(seconds)
+    config.timers("forward-compute").stop()
+
+
+def _backward(config, seconds):
+    config.timers("backward-compute", log_level=2).start()
+    time.sleep(seconds)
+    config.timers("backward-compute").stop()
+
+
+def test_one_f_one_b_order_pairs_each_interval_with_its_micro_batch():
+    cfg, config, recorder, grad_syncs = _setup()
+    source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=8)
+    forward = [0.01, 0.03, 0.05]
+    backward = [0.06, 0.02, 0.04]
+    records = []
+    for step in (1, 2):
+        batches = recorder.begin_step(step, source.next_step()[:3])
+        assert config.timers is not None
+        config.timers("forward-backward", log_level=1).start(barrier=False)
+        it = iter(batches)
+        # Pipeline-like order: two forwards in flight before the first backward.
+        _forward(config, it, forward[0])
+        _forward(config, it, forward[1])
+        _backward(config, backward[0])
+        _forward(config, it, forward[2])
+        _backward(config, backward[1])
+        _backward(config, backward[2])
+        config.finalize_model_grads_func()
+        config.timers("forward-backward").stop()
+        records += recorder.end_step(step, SimpleNamespace(compute_s=0.3))
+        assert config.timers is None
+    mbs = [r for r in records if r["kind"] == "micro_batch"]
+    steps = [r for r in records if r["kind"] == "step"]
+    assert [(r["step"], r["micro_batch"]) for r in mbs] == [(s, i) for s in (1, 2) for i in range(3)]
+    assert [r["warmup"] for r in steps] == [True, False]
+    for r in mbs:
+        i = r["micro_batch"]
+        assert abs(r["forward_s"] - forward[i]) < 0.008 and abs(r["backward_s"] - backward[i]) < 0.008
+        assert 0 <= r["forward_cpu_s"] < r["forward_s"]  # sleeping costs no CPU
+        assert r["rank"] == 3 and r["features"]["N"] == len(r["samples"])
+    for r in steps:
+        assert r["fwd_bwd_s"] >= sum(forward) + sum(backward) and r["step_s"] >= r["fwd_bwd_s"]
+        assert r["grad_sync_s"] >= 0 and r["num_micro_batches"] == 3
+    assert len(grad_syncs) == 2

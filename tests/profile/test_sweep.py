@@ -1,0 +1,84 @@
+"""The --sweep design and the features extracted from micro-batches."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.balance.cost_model import TERMS
+from loongforge.config.loader import load_run_config
+from loongforge.profile.features import micro_batch_record, sample_costs
+from loongforge.profile.sweep import ROW_DESIGNS, SweepSource, image_grids, length_grid
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return load_run_config("qwen2.5vl-tiny", overrides=["data.seq_len=1024"])
+
+
+def _costs(cfg, mb):
+    t = cfg.model.tokens
+    return sample_costs(mb, image_token_id=t.image_token_id, video_token_id=t.video_token_id,
+                        merge_size=cfg.model.projector.spatial_merge_size)
+
+
+def test_length_grid_spans_short_to_seq_len():
+    grid = length_grid(4096)
+    assert grid[0] == 64 and grid[-1] == 4096 and len(grid) == 8
+
+
+def test_image_grids_respect_max_pixels_and_merge():
+    grids = image_grids(50176, 14, 2)  # 224 x 224 px = 16 x 16 patches
+    assert max(h * w for h, w in grids) <= 256
+    assert all(h % 2 == 0 and w % 2 == 0 for h, w in grids)
+    assert (4, 4) in grids and (16, 16) in grids
+
+
+def test_sweep_rows_follow_the_collate_contract_and_cover_the_design(cfg):
+    source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=8)
+    rows = [mb for _ in range(5) for mb in source.next_step()]
+    seen_lengths, packed, with_images = set(), 0, 0
+    for mb in rows:
+        T = mb["input_ids"].shape[1]
+        assert T % 8 == 0 and T <= cfg.data.seq_len
+        assert mb["labels"].shape == mb["loss_mask"].shape == (1, T)
+        assert mb["position_ids"].shape == (3, 1, T)
+        assert int(mb["cu_seqlens"][-1]) == T
+        assert sum(mb["sample_lengths"]) <= T
+        assert 0 < mb["num_loss_tokens"] < sum(mb["sample_lengths"])
+        if mb["image_grid_thw"] is not None:
+            with_images += 1
+            patches = int(mb["image_grid_thw"].prod(dim=1).sum())
+            assert mb["pixel_values"].shape == (patches, 1176)
+            assert int((mb["input_ids"] == cfg.model.tokens.image_token_id).sum()) == patches // 4
+        packed += len(mb["sample_lengths"]) > 1
+        seen_lengths.update(mb["sample_lengths"])
+    assert len(rows) == 5 * cfg.training.global_batch_size
+    assert packed and with_images and len(rows) - packed
+    assert min(seen_lengths) <= 96 and max(seen_lengths) >= cfg.data.seq_len // 2
+
+
+def test_sweep_is_deterministic_and_split_over_dp_ranks(cfg):
+    whole = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=8).next_step()
+    halves = [SweepSource(cfg, dp_rank=r, dp_size=2, pad_to_multiple=8).next_step() for r in (0, 1)]
+    joined = halves[0] + halves[1]
+    assert [mb["sample_ids"] for mb in joined] == [mb["sample_ids"] for mb in whole]
+    assert all(torch.equal(a["input_ids"], b["input_ids"]) for a, b in zip(joined, whole))
+
+
+def test_features_assign_images_to_their_samples(cfg):
+    source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=8)
+    for index in range(40):
+        row = source.design.row(index)
+        mb = source.micro_batch(index, row)
+        costs = _costs(cfg, mb)
+        assert [list(c.patches) for c in costs] == [[h * w for h, w in grids] for _, grids in row]
+        record = micro_batch_record(mb, costs)
+        assert record["features"]["sum_L"] == sum(mb["sample_lengths"])
+        assert record["features"]["N"] == len(row)
+        assert record["features"]["n_img"] == sum(len(g) for _, g in row)
+        assert list(record["features"]) == list(TERMS)
+
+
+def test_row_designs_cycle():
+    assert len(ROW_DESIGNS) == 5
