@@ -3,7 +3,8 @@
 Two methods, on the same observations:
 
 ``nnls`` (default): non-negative least squares over every rank's every micro-batch,
-    forward+backward seconds = features . coefficients + micro_batch_overhead_s.
+    forward+backward seconds = features . coefficients + micro_batch_overhead_s, on relative
+    residuals (weights 1/t), Huber-reweighted against timing outliers.
     Hundreds of observations per run, each a rank's own compute (no waiting in collectives).
 ``smoothmax`` (the reference system's method, for comparison): one observation per step, the
     step time, fitted by the log-sum-exp maximum over ranks (alpha = 20 per second) of each rank's
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Optional, Sequence
 
 import numpy as np
 
@@ -31,6 +32,9 @@ from loongforge.config.errors import InputError
 
 SMOOTHMAX_ALPHA = 20.0  # per second, as in the reference system
 HOLDOUT_FRACTION = 0.25
+# Robust reweighting: residuals beyond HUBER_K robust standard deviations count linearly.
+HUBER_K = 1.345
+ROBUST_ITERATIONS = 10
 OVERHEAD = "micro_batch_overhead"  # the intercept column's name in diagnostics
 # Singular values below this fraction of the largest (of the column-normalised design) mean
 # the terms in that direction cannot be told apart; below WEAK they are identified but shaky.
@@ -85,16 +89,24 @@ class Observations:
 CLOCKS = ("wall", "cpu")
 
 
+STEP_TIMES = ("fwd_bwd", "step")
+
+
 def observations_from_records(micro_batches: list[dict], steps: list[dict], *,
                               include_warmup: bool = False, clock: str = "wall",
-                              step_key: str = "step") -> Observations:
+                              step_time: str = "fwd_bwd", step_key: str = "step") -> Observations:
     """Flatten profile records (warm-up steps left out unless asked).
 
     ``clock``: ``wall`` (wall-clock seconds) or ``cpu`` (the process's CPU seconds, immune to
     other processes on a shared CPU machine; see ``profile.timers``).
+    ``step_time``: what step-time predictions are checked against: ``fwd_bwd`` (the schedule:
+    every micro-batch plus the gradient sync, which is what balancing changes) or ``step`` (the
+    whole train_step, optimizer update included, which is the same on every rank).
     """
     if clock not in CLOCKS:
         raise FitError(f"clock {clock!r} is not one of {' | '.join(CLOCKS)}")
+    if step_time not in STEP_TIMES:
+        raise FitError(f"step time {step_time!r} is not one of {' | '.join(STEP_TIMES)}")
     suffix = "_cpu_s" if clock == "cpu" else "_s"
     mbs = [r for r in micro_batches if include_warmup or not r.get("warmup")]
     if mbs and f"forward{suffix}" not in mbs[0]:
@@ -105,17 +117,18 @@ def observations_from_records(micro_batches: list[dict], steps: list[dict], *,
     step_seconds: dict = {}
     for r in steps:
         if include_warmup or not r.get("warmup"):
-            step_seconds.setdefault(r[step_key], {})[int(r["rank"])] = float(r[f"step{suffix}"])
+            step_seconds.setdefault(r[step_key], {})[int(r["rank"])] = float(r[f"{step_time}{suffix}"])
     return Observations(features.reshape(-1, len(TERMS)), seconds,
                         np.array([r[step_key] for r in mbs]), np.array([r["rank"] for r in mbs]),
                         step_seconds)
 
 
-def observations_from_profile(profile, *, include_warmup: bool = False,
-                              clock: str = "wall") -> Observations:
+def observations_from_profile(profile, *, include_warmup: bool = False, clock: str = "wall",
+                              step_time: str = "fwd_bwd") -> Observations:
     """Observations of a ``profile.records.Profile`` (steps keyed apart per file)."""
     return observations_from_records(profile.micro_batches, profile.steps,
-                                     include_warmup=include_warmup, clock=clock, step_key="step_key")
+                                     include_warmup=include_warmup, clock=clock,
+                                     step_time=step_time, step_key="step_key")
 
 
 def split_by_step(steps: np.ndarray, *, holdout_fraction: float = HOLDOUT_FRACTION,
@@ -146,14 +159,22 @@ def _null_terms(vector: np.ndarray, names: list[str]) -> list[str]:
     return [name for name, w in zip(names, weights) if w > 0.1]
 
 
-def check_identifiable(features: np.ndarray, *, intercept: bool) -> Identifiability:
-    """Which terms the observations can determine; FitError names collinear ones."""
+def check_identifiable(features: np.ndarray, *, intercept: bool,
+                       exclude: Sequence[str] = ()) -> Identifiability:
+    """Which terms the observations can determine; FitError names collinear ones.
+
+    ``exclude``: terms the caller asked to leave out (coefficient 0, reported as such).
+    """
     names = list(TERMS) + ([OVERHEAD] if intercept else [])
+    unknown = [t for t in exclude if t not in names]
+    if unknown:
+        raise FitError(f"--exclude {', '.join(unknown)}: not a term; terms are {', '.join(names)}")
     X = _design(features, intercept)
-    present = np.abs(X).max(axis=0) > 0
+    present = (np.abs(X).max(axis=0) > 0) & ~np.isin(names, list(exclude))
     absent = [n for n, p in zip(names, present) if not p]
-    warnings = [f"term {n} is zero in every observation, so it cannot be fitted and is set to 0: "
-                f"{_REMEDY[n]} if your data has it" for n in absent]
+    warnings = [f"term {n} excluded on request: its coefficient is 0, not fitted" if n in exclude
+                else f"term {n} is zero in every observation, so it cannot be fitted and is set to 0: "
+                     f"{_REMEDY[n]} if your data has it" for n in absent]
     columns = [n for n, p in zip(names, present) if p]
     Xs = X[:, present] / np.abs(X[:, present]).max(axis=0)
     if len(Xs) < len(columns):
@@ -165,8 +186,9 @@ def check_identifiable(features: np.ndarray, *, intercept: bool) -> Identifiabil
         groups = sorted({tuple(_null_terms(vt[i], columns)) for i in dead})
         lengths = sorted({round(math.sqrt(x)) for x in features[:, 0] / np.maximum(features[:, 2], 1)})
         detail = "; ".join(f"{', '.join(g)} move together ({_REMEDY[g[0]]})" for g in groups)
-        raise FitError(f"rank-deficient profile: terms not identifiable: {detail}. "
-                       f"(the profile has {len(lengths)} distinct mean sample lengths)")
+        raise FitError(f"rank-deficient profile: terms not identifiable: {detail}; or leave such "
+                       f"terms out on purpose (fit-cost --exclude TERM). (The profile has "
+                       f"{len(lengths)} distinct mean sample lengths.)")
     weak = [list(_null_terms(vt[i], columns)) for i in range(len(s)) if s[i] < WEAK_TOLERANCE * s[0]]
     warnings += [f"terms {', '.join(g)} are nearly collinear in this profile; their split is "
                  f"uncertain: {_REMEDY[g[0]]}" for g in weak]
@@ -267,9 +289,20 @@ def _nnls_coefficients(obs: Observations, ident: Identifiability, intercept: boo
     X = _design(obs.features, intercept)
     keep = [names.index(c) for c in ident.columns]
     scale = np.abs(X[:, keep]).max(axis=0)
+    A = X[:, keep] / scale
     # Relative error is what matters across micro-batches from 64 to 8k tokens: weight by 1/t.
     w = 1.0 / np.maximum(obs.seconds, 1e-9)
-    solution, _ = nnls(X[:, keep] / scale * w[:, None], obs.seconds * w, maxiter=50 * len(keep))
+    solution, _ = nnls(A * w[:, None], obs.seconds * w, maxiter=50 * len(keep))
+    # Timing noise on a busy machine is one-sided and heavy-tailed (a preempted micro-batch is
+    # slow, never fast): Huber reweighting keeps those few from pulling every coefficient.
+    for _ in range(ROBUST_ITERATIONS):
+        relative = (A @ solution - obs.seconds) * w
+        mad = float(np.median(np.abs(relative - np.median(relative)))) * 1.4826
+        if mad <= 0:
+            break
+        huber = np.minimum(1.0, HUBER_K * mad / np.maximum(np.abs(relative), 1e-12))
+        rw = w * np.sqrt(huber)
+        solution, _ = nnls(A * rw[:, None], obs.seconds * rw, maxiter=50 * len(keep))
     values = dict.fromkeys(names, 0.0)
     values.update({names[j]: float(v / s) for j, v, s in zip(keep, solution, scale)})
     overhead = values.pop(OVERHEAD, 0.0)
@@ -278,12 +311,12 @@ def _nnls_coefficients(obs: Observations, ident: Identifiability, intercept: boo
 
 
 def fit_nnls(obs: Observations, *, intercept: bool = True, holdout_fraction: float = HOLDOUT_FRACTION,
-             seed: int = 0) -> FitResult:
+             seed: int = 0, exclude: Sequence[str] = ()) -> FitResult:
     """Non-negative least squares on per-rank per-micro-batch times, validated on held-out steps."""
-    ident = check_identifiable(obs.features, intercept=intercept)
+    ident = check_identifiable(obs.features, intercept=intercept, exclude=exclude)
     is_train = split_by_step(obs.step, holdout_fraction=holdout_fraction, seed=seed)
     train, held = obs.subset(is_train), obs.subset(~is_train) if (~is_train).any() else obs.subset(is_train)
-    check_identifiable(train.features, intercept=intercept)  # the training split alone too
+    check_identifiable(train.features, intercept=intercept, exclude=exclude)  # the training split too
     model = _nnls_coefficients(train, ident, intercept)
     warnings = list(ident.warnings)
     zeroed = [t for t in ident.columns if t in TERMS and model.coefficients[t] == 0.0]
@@ -298,11 +331,13 @@ def fit_nnls(obs: Observations, *, intercept: bool = True, holdout_fraction: flo
 
 
 def fit_smoothmax(obs: Observations, *, alpha: float = SMOOTHMAX_ALPHA,
-                  holdout_fraction: float = HOLDOUT_FRACTION, seed: int = 0) -> FitResult:
+                  holdout_fraction: float = HOLDOUT_FRACTION, seed: int = 0,
+                  exclude: Sequence[str] = ()) -> FitResult:
     """The reference method: fit smoothmax over ranks of predicted loads to the step times."""
     from scipy.optimize import minimize
 
-    ident = check_identifiable(obs.features, intercept=False)
+    ident = check_identifiable(obs.features, intercept=False,
+                               exclude=[t for t in exclude if t != OVERHEAD])
     is_train = split_by_step(obs.step, holdout_fraction=holdout_fraction, seed=seed)
     train, held = obs.subset(is_train), obs.subset(~is_train) if (~is_train).any() else obs.subset(is_train)
     keys, target = step_times(train)
@@ -360,6 +395,54 @@ def _report(model: CostModel, train: Observations, held: Observations, *, method
         "weakly_identified": ident.weak,
         "crossover_length": model.crossover_length(),
     }
+
+
+def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
+    """Where causal attention FLOPs equal the linear FLOPs per sample, from the architecture.
+
+    ``model``: the profile env's model config (dict). Forward+backward FLOPs of a sample of
+    length L: attention 6*h*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*h*layers*L^2, linear
+    6*params_per_layer*layers*L plus the LM head, which runs on loss tokens only
+    (6*vocab*h*loss_share*L). Returns the crossover without and with the head.
+    """
+    lang = model["language"]
+    h, layers = lang["hidden_size"], lang["num_layers"]
+    kv = h // lang["num_attention_heads"] * lang["num_query_groups"]
+    per_layer = h * (h + 2 * kv) + h * h + 3 * h * lang["ffn_hidden_size"]
+    head = loss_share * lang["vocab_size"] * h
+    return {"layers_only": per_layer / h, "with_lm_head": (per_layer * layers + head) / (h * layers),
+            "loss_share": loss_share}
+
+
+def cross_validate(obs: Observations, method: str, *, folds: int = 4, seed: int = 0,
+                   exclude: Sequence[str] = ()) -> dict:
+    """K-fold by step: every step is predicted once by a model that never saw it.
+
+    Steadier than one held-out quarter when a profile has few steps; the fit-cost report and the
+    benchmark compare methods on this.
+    """
+    steps = np.unique(obs.step)
+    folds = min(folds, len(steps))
+    if folds < 2:
+        return {}
+    order = np.random.default_rng(seed).permutation(steps)
+    mb_pred, mb_true, step_pred, step_true = [], [], [], []
+    for k in range(folds):
+        held_steps = order[k::folds]
+        is_held = np.isin(obs.step, held_steps)
+        train, held = obs.subset(~is_held), obs.subset(is_held)
+        result = fit(train, method, holdout_fraction=0.0, exclude=exclude)
+        model = result.model
+        mb_pred.append(model.predict_micro_batch(held.features))
+        mb_true.append(held.seconds)
+        if method == "nnls":
+            step_pred.append(predict_step_nnls(model, held, nnls_step_overhead(model, train)))
+        else:
+            step_pred.append(predict_step_smoothmax(model, held))
+        step_true.append(step_times(held)[1])
+    return {"folds": folds,
+            "micro_batch": accuracy(np.concatenate(mb_pred), np.concatenate(mb_true)),
+            "step_time": accuracy(np.concatenate(step_pred), np.concatenate(step_true))}
 
 
 def fit(obs: Observations, method: str = "nnls", **kwargs) -> FitResult:

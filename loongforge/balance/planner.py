@@ -12,19 +12,25 @@ Objectives:
   the sum over slots of the slowest rank in that slot: minimise that sum.
 
 Method (near-optimal, tens of milliseconds at 16k samples and 512 ranks):
-1. Longest-processing-time greedy with a token capacity, dealt in rounds: the next ``bins``
-   costliest samples go, largest first, to the bins in order of increasing load; a sample that would
+1. Longest-processing-time greedy with a token capacity, dealt in rounds: the bins whose load is
+   below (least load + next sample's cost) are those sequential LPT would fill next, so that many
+   of the costliest remaining samples go to them, costliest to least loaded; a sample that would
    overflow its bin's tokens goes to the least-loaded bin that still has room.
 2. Move/swap refinement while the most loaded bin is above the target ``(1 + tolerance) * LB``:
    in rounds, the bins above the target are paired heaviest-with-lightest and each pair applies
    the move or swap that lowers its maximum most (all pairs in one numpy step); when no pair can
    improve, the most loaded bin alone tries its best move/swap with the least loaded bins. Stops
    when that fails too.
-3. ``"sum"``: each rank's samples are split into its micro-batches (worst-fit decreasing by tokens,
-   which also evens the micro-batches); a sample that fits nowhere moves to the least-loaded rank
-   with room. ``"slots"``: steps 1-2 run on ``dp * micro_batches`` bins of ``seq_len`` tokens, and
-   the bins are dealt to slots in cost order (the ``dp`` costliest share slot 0, and so on), which
-   minimises the sum of per-slot maxima for those bins.
+3. ``"sum"``: steps 1-2 run on ``dp`` bins of ``micro_batches * seq_len`` tokens; each rank's
+   samples are then dealt, longest first, over its micro-batches in snake order, or where that
+   overflows a micro-batch, worst-fit decreasing by tokens; a sample that fits nowhere moves to the
+   least-loaded rank with room. ``"slots"`` (and ``micro_batches == 1``): steps 1-2 run on
+   ``dp * micro_batches`` bins of ``seq_len`` tokens, and the bins are dealt to slots in cost order
+   (the ``dp`` costliest share slot 0, and so on), which minimises the sum of per-slot maxima for
+   those bins.
+4. When the step is packed so tightly that cost-first placement finds no room (``stats["fallback"]``),
+   the plan starts from a packing that fits (input order packed next-fit, as the data pipeline packs
+   rows, else first-fit decreasing) and refines it micro-batch by micro-batch.
 
 Lower bound: LB = max(total cost / dp, largest sample cost); ``max_over_lb`` is how far the plan is
 from it (1.0 is optimal). The planner is pure numpy, uses no clock or randomness in its decisions,
@@ -35,7 +41,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import Literal, Sequence
+from typing import Literal, Optional, Sequence
 
 import numpy as np
 
@@ -43,7 +49,7 @@ Objective = Literal["sum", "slots"]
 OBJECTIVES = ("sum", "slots")
 
 # Stop refining once the slowest rank is within 0.2% of the lower bound: well below the cost
-# model's error, and half the refinement rounds of 0.1% (13 vs 30 ms at 16k samples, DP=512).
+# model's error, and about half the refinement work of 0.1% at 16k samples, DP=512.
 DEFAULT_TOLERANCE = 2e-3
 # Candidate partners per refinement round (the least loaded bins); more finds rarer fixes, slower.
 DEFAULT_PARTNERS = 8
@@ -66,7 +72,6 @@ class StepPlan:
     same per sample. ``rank_costs`` [dp] and ``slot_costs`` [dp, micro_batches] are modelled costs.
     """
 
-    micro_batches: list[list[list[int]]]
     rank_of: np.ndarray  # int64 [n]
     micro_batch_of: np.ndarray  # int64 [n]
     rank_costs: np.ndarray  # float64 [dp]
@@ -77,14 +82,28 @@ class StepPlan:
     plan_ms: float  # wall-clock planning time
     repairs: int = 0  # samples moved after refinement because no micro-batch of their rank had room
     stats: dict = field(default_factory=dict)
+    _lists: Optional[list] = field(default=None, repr=False, compare=False)
 
     @property
     def dp_size(self) -> int:
-        return len(self.micro_batches)
+        return self.slot_costs.shape[0]
 
     @property
     def num_micro_batches(self) -> int:
-        return len(self.micro_batches[0]) if self.micro_batches else 0
+        return self.slot_costs.shape[1]
+
+    @property
+    def micro_batches(self) -> list[list[list[int]]]:
+        """[rank][micro-batch] -> ascending sample indices (built on first use)."""
+        if self._lists is None:
+            dp, m = self.slot_costs.shape
+            flat = self.rank_of * m + self.micro_batch_of
+            order = np.argsort(flat, kind="stable")
+            bounds = np.searchsorted(flat[order], np.arange(dp * m + 1)).tolist()
+            ordered = order.tolist()
+            self._lists = [[ordered[bounds[r * m + j]:bounds[r * m + j + 1]] for j in range(m)]
+                           for r in range(dp)]
+        return self._lists
 
     def step_cost(self) -> float:
         """Modelled step time under this plan's objective."""
@@ -209,7 +228,7 @@ def _lpt(costs, tokens, bins, capacity):
     ones sequential LPT would fill next, so the next that many samples go to them, costliest to
     least loaded. Equal to sequential LPT for equal costs, and a numpy step per round."""
     n = costs.size
-    order = np.lexsort((np.arange(n), -costs))  # costliest first, ties by index
+    order = np.argsort(-costs, kind="stable")  # costliest first, ties by index
     bin_of = np.full(n, -1, dtype=np.int64)
     loads = np.zeros(bins)
     fill = np.zeros(bins, dtype=np.int64)
@@ -395,17 +414,33 @@ def _split_micro_batches(rank_of, costs, tokens, dp, m, seq_len):
     at once; a sample that fits in none of its rank's micro-batches moves to the least-loaded rank
     that has a micro-batch with room (counted as a repair)."""
     n = rank_of.size
-    mb_of = np.full(n, -1, dtype=np.int64)
-    fill = np.zeros((dp, m), dtype=np.int64)
-    order = np.lexsort((np.arange(n), -tokens, rank_of))  # by rank, then longest first
+    longest = int(tokens.max()) if n else 0
+    # By rank, then longest first, ties by index (one stable integer sort).
+    order = np.argsort(rank_of * (longest + 1) + (longest - tokens), kind="stable")
     counts = np.bincount(rank_of, minlength=dp)
     starts = np.concatenate([[0], np.cumsum(counts)[:-1]])
     position = np.arange(n) - np.repeat(starts, counts)  # rank of each sorted item within its rank
+    # Fast path: deal each rank's samples, longest first, over its micro-batches in snake order
+    # (0..m-1, m-1..0, ...); keep it for every rank where no micro-batch overflows.
+    lap, step = np.divmod(position, m)
+    mb_of = np.empty(n, dtype=np.int64)
+    mb_of[order] = np.where(lap % 2 == 0, step, m - 1 - step)
+    fill = np.bincount(rank_of * m + mb_of, weights=tokens, minlength=dp * m).reshape(dp, m)
+    overflowing = (fill > seq_len).any(axis=1)
+    if not overflowing.any():
+        return rank_of, mb_of, 0
+    # Worst-fit decreasing for the other ranks.
+    redo = overflowing[rank_of[order]]
+    order, position = order[redo], position[redo]
+    fill[overflowing] = 0
+    fill = fill.astype(np.int64)
+    mb_of[order] = -1
     by_position = np.argsort(position, kind="stable")
-    bounds = np.searchsorted(position[by_position], np.arange(int(counts.max()) + 1 if n else 1))
+    levels = int(position.max()) + 1 if order.size else 0
+    bounds = np.searchsorted(position[by_position], np.arange(levels + 1))
     order = order[by_position]
     failed = []
-    for k in range(int(counts.max()) if n else 0):
+    for k in range(levels):
         items = order[bounds[k]:bounds[k + 1]]
         ranks = rank_of[items]
         target = np.argmin(fill[ranks], axis=1)  # most room; ties -> lowest micro-batch index
@@ -479,14 +514,9 @@ def _make_plan(rank_of, mb_of, costs, tokens, dp, m, objective, lb, repairs) -> 
     flat = rank_of * m + mb_of
     slot_costs = np.bincount(flat, weights=costs, minlength=dp * m).reshape(dp, m)
     slot_tokens = np.bincount(flat, weights=tokens, minlength=dp * m).astype(np.int64).reshape(dp, m)
-    order = np.argsort(flat, kind="stable")
-    bounds = np.searchsorted(flat[order], np.arange(dp * m + 1))
-    ordered = order.tolist()
-    micro_batches = [[ordered[bounds[r * m + j]:bounds[r * m + j + 1]] for j in range(m)]
-                     for r in range(dp)]
     stats = plan_stats(slot_costs, costs, objective)
     stats["repairs"] = repairs
-    return StepPlan(micro_batches=micro_batches, rank_of=rank_of, micro_batch_of=mb_of,
+    return StepPlan(rank_of=rank_of, micro_batch_of=mb_of,
                     rank_costs=slot_costs.sum(axis=1), slot_costs=slot_costs,
                     slot_tokens=slot_tokens, objective=objective, lower_bound=lb, plan_ms=0.0,
                     repairs=repairs, stats=stats)

@@ -48,11 +48,20 @@ def fit_cost(
         "--clock", metavar="wall|cpu",
         help="wall: wall-clock compute time (default); cpu: process CPU time, for CPU profiles "
              "taken on a machine shared with other processes.")] = "wall",
+    step_time: Annotated[str, typer.Option(
+        "--step-time", metavar="fwd_bwd|step",
+        help="Step time the step predictions are checked against: fwd_bwd (all micro-batches + "
+             "gradient sync, what balancing changes; default) or step (optimizer included).")] = "fwd_bwd",
+    exclude: Annotated[Optional[list[str]], typer.Option(
+        "--exclude", metavar="TERM",
+        help="Leave a term out of the fit (coefficient 0, recorded in COST.json), e.g. the vision "
+             "terms of a profile whose images all have one size. Repeatable.")] = None,
     include_warmup: Annotated[bool, typer.Option(
         "--include-warmup", help="Also fit the steps the profile flagged as warm-up.")] = False,
 ) -> None:
     """Fit t = a*sum L^2 + b*sum L + c*N + d*sum P^2 + e*sum P + f*n_img to measured compute times."""
-    from loongforge.balance.fit import FitError, fit, observations_from_profile, plot_fit
+    from loongforge.balance.fit import (
+        FitError, cross_validate, fit, flops_crossover_length, observations_from_profile, plot_fit)
     from loongforge.cli.errors import UsageError
     from loongforge.profile.records import read_profile
 
@@ -60,12 +69,14 @@ def fit_cost(
         if method not in METHODS:
             raise UsageError(f"--method {method!r} is not one of {' | '.join(METHODS)}")
         profile = read_profile(profiles)
-        obs = observations_from_profile(profile, include_warmup=include_warmup, clock=clock)
-        results = {method: fit(obs, method)}
+        obs = observations_from_profile(profile, include_warmup=include_warmup, clock=clock,
+                                        step_time=step_time)
+        exclude = list(exclude or [])
+        results = {method: fit(obs, method, exclude=exclude)}
         for other in METHODS:  # the comparison is part of every report
             if other not in results:
                 try:
-                    results[other] = fit(obs, other)
+                    results[other] = fit(obs, other, exclude=exclude)
                 except FitError as exc:
                     typer.echo(f"warning: {other} comparison not fitted: {exc}", err=True)
         chosen = results[method]
@@ -73,18 +84,41 @@ def fit_cost(
             typer.echo(f"warning: {warning}", err=True)
         model = chosen.model
         env = {k: v for k, v in profile.env.items() if k not in ("kind", "model")}
-        model.environment = {**env, "profiles": profile.sources, "clock": clock}
+        model.environment = {**env, "profiles": profile.sources, "clock": clock,
+                             "step_time": step_time}
+        cv = {}
+        for name in results:
+            try:
+                cv[name] = cross_validate(obs, name, exclude=exclude)
+            except FitError as exc:  # a fold too small to identify the terms
+                typer.echo(f"warning: {name} cross-validation skipped: {exc}", err=True)
         model.accuracy = {**chosen.report, "comparison": {
             name: {"held_out_micro_batch": r.report["held_out_micro_batch"],
-                   "step_time": r.report["step_time"]} for name, r in results.items()},
-            "warnings": chosen.warnings}
+                   "step_time": r.report["step_time"], "cross_validated": cv.get(name, {})}
+            for name, r in results.items()},
+            "warnings": chosen.warnings, "excluded": exclude}
         model.save(output)
         for name in (method, *[m for m in results if m != method]):
             for line in _format_report(name, results[name].report):
                 typer.echo(line)
+            if cv.get(name):
+                c = cv[name]
+                typer.echo(f"  {c['folds']}-fold by step: micro-batch median error "
+                           f"{_num(c['micro_batch'], 'median_ape_pct', 2)}%, step time median error "
+                           f"{_num(c['step_time'], 'median_ape_pct', 2)}% "
+                           f"(p90 {_num(c['step_time'], 'p90_ape_pct', 2)}%)")
         typer.echo("coefficients (s): " + ", ".join(
             f"{t} {v:.3e}" for t, v in model.coefficients.items())
             + f", micro_batch_overhead_s {model.micro_batch_overhead_s:.3e}")
+        if "model" in profile.env and model.crossover_length():
+            mbs = profile.micro_batches
+            share = sum(r.get("loss_tokens", 0) for r in mbs) / max(1.0, sum(r["features"]["sum_L"] for r in mbs))
+            flops = flops_crossover_length(profile.env["model"], loss_share=share)
+            model.accuracy["flops_crossover_length"] = flops
+            typer.echo(f"crossover a*L^2 = b*L: fitted {model.crossover_length():.0f} tokens; FLOP "
+                       f"count {flops['with_lm_head']:.0f} (LM head on {share:.0%} of tokens), "
+                       f"{flops['layers_only']:.0f} without the head")
+            model.save(output)
         if plot is not None:
             plot_fit(plot, results, title=f"{profile.env.get('preset')} on {profile.env.get('device')}")
             typer.echo(f"wrote {plot}")

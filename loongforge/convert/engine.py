@@ -32,7 +32,7 @@ from loongforge.convert.hf_io import (
     HFCheckpoint, PlannedTensor, SafetensorsStreamWriter, is_hf_folder, plan_shards, shard_names, write_index)
 from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
-from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, GateUp, Rule, Split, Vocab, mapping_rules
+from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, Rule, Vocab, mapping_rules
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint

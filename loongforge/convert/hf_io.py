@@ -14,11 +14,10 @@ each tensor's bytes are appended as it is produced, so a 5 GB shard never sits i
 from __future__ import annotations
 
 import json
-import os
 import struct
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable, Optional
+from typing import Iterable
 
 import torch
 from safetensors import safe_open
@@ -141,9 +140,9 @@ class HFCheckpoint:
     def load(self, hub_key: str) -> torch.Tensor:
         entry = self.entries[hub_key]
         try:
+            # opened per tensor: pages mapped for tensors already converted are released at once
             with safe_open(str(entry.file), framework="pt") as f:
-                # clone: own the bytes so the file mapping can be closed now
-                return f.get_tensor(entry.key).clone()
+                return f.get_tensor(entry.key)
         except Exception as exc:  # safetensors raises its own error types
             raise InputError(f"{entry.file}: cannot read tensor {entry.key}: {exc}") from None
 
@@ -238,17 +237,3 @@ def write_index(root: Path, shards: list[list[PlannedTensor]], names: list[str])
     (root / INDEX_FILE).write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
 
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def find_hf_folder(path: Path) -> Optional[Path]:
-    return path if is_hf_folder(path) else None

@@ -20,9 +20,11 @@ skips them, see ``loongforge.train.checkpoint``).
 from __future__ import annotations
 
 import json
+import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Optional
+from typing import Callable, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -38,6 +40,14 @@ MODEL_DIR = "model_optim"
 # What megatron-core's dist_checkpointing.save writes beside the DCP files; its loader reads it.
 DIST_CKPT_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                     "common_backend": "torch", "common_backend_version": 1}
+
+
+@contextmanager
+def _single_process():
+    """DCP warns that it assumes one process when torch.distributed is not initialised: intended."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled")
+        yield
 
 
 def is_mcore_folder(path: Path) -> bool:
@@ -118,7 +128,9 @@ class McoreReader:
         else:
             offsets, dest = (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=self.dtype(key))
         try:
-            dcp.load({}, storage_reader=self.storage, planner=_RegionLoadPlanner({key: (offsets, dest)}), no_dist=True)
+            with _single_process():
+                dcp.load({}, storage_reader=self.storage, planner=_RegionLoadPlanner({key: (offsets, dest)}),
+                         no_dist=True)
         except Exception as exc:
             raise InputError(f"{self.folder}: cannot read tensor {key}"
                              f"{'' if layer is None else f' layer {layer}'}: {exc}") from None
@@ -193,11 +205,8 @@ def write_mcore(folder: Path, items: list[McoreItem],
     """
     folder.mkdir(parents=True, exist_ok=True)
     writer = FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True)
-    dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, on_written), no_dist=True)
+    with _single_process():
+        dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, on_written), no_dist=True)
     torch.save({}, folder / "common.pt")  # dist_checkpointing's non-sharded part: nothing for a model
     (folder / "metadata.json").write_text(json.dumps(DIST_CKPT_CONFIG))
 
-
-def iter_model_keys(reader: McoreReader) -> Iterator[str]:
-    """Model tensor keys (optimizer state excluded)."""
-    return (k for k in reader.tensors if not k.startswith("optimizer."))

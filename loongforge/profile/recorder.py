@@ -13,6 +13,7 @@ alike), so the k-th backward belongs to the k-th forward.
 
 from __future__ import annotations
 
+import os
 import time
 from collections import deque
 from typing import Optional
@@ -156,5 +157,7 @@ class StepRecorder:
         records.append({"kind": "step", **common, "num_micro_batches": len(self._features),
                         "step_s": step_s, "fwd_bwd_s": self._fwd_bwd_s,
                         "grad_sync_s": self._grad_sync_s, "step_cpu_s": step_cpu_s,
-                        "fwd_bwd_cpu_s": self._fwd_bwd_cpu_s, "grad_sync_cpu_s": self._grad_sync_cpu_s})
+                        "fwd_bwd_cpu_s": self._fwd_bwd_cpu_s, "grad_sync_cpu_s": self._grad_sync_cpu_s,
+                        # 1-minute load average: how contended the host was (CPU-shared machines).
+                        "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})
         return records

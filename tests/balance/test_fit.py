@@ -161,7 +161,8 @@ def _write_profile(path, obs: Observations) -> None:
                         "micro_batch": i, "features": dict(zip(TERMS, map(float, f))),
                         "forward_s": float(t) / 3, "backward_s": float(t) * 2 / 3})
     for s, per_rank in obs.step_seconds.items():
-        records += [{"kind": "step", "step": int(s), "rank": r, "warmup": bool(s == 0), "step_s": v}
+        records += [{"kind": "step", "step": int(s), "rank": r, "warmup": bool(s == 0), "step_s": v + 0.1,
+                     "fwd_bwd_s": v}
                     for r, v in per_rank.items()]
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
@@ -197,3 +198,11 @@ def test_fit_cost_command_reports_rank_deficiency_in_one_line(tmp_path):
     assert result.exit_code == 2
     assert result.output.startswith("error: rank-deficient profile") and "sum_L2" in result.output
     assert not (tmp_path / "C.json").exists()
+
+
+def test_excluded_terms_are_zero_and_reported():
+    result = fit_nnls(synthetic(), exclude=["sum_P2"])
+    assert result.model.coefficients["sum_P2"] == 0.0
+    assert any("sum_P2 excluded on request" in w for w in result.warnings)
+    with pytest.raises(FitError, match="not a term"):
+        fit_nnls(synthetic(steps=8), exclude=["sum_Q"])

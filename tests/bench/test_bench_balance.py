@@ -121,3 +121,13 @@ def test_real_omnibal_subset_meets_the_target():
     ours = [r for r in bench.rows if r["strategy"] == "loongforge"]
     assert all(r["max_over_lb"] <= 1.01 for r in ours)
     assert all(r["gain"] > 0 for r in ours)
+
+
+@pytest.mark.skipif(not (SHARED_DATA / "llamafactory").is_dir(), reason="shared data not present")
+def test_conversation_files_are_measured_like_pack():
+    pool = load_pool([SHARED_DATA / "llamafactory" / "mllm_demo.json"], preset="qwen2.5vl-7b", seq_len=16384)
+    assert len(pool.tokens) == 6 and pool.rejected == 0
+    # Every demo sample has one or two images; patches are counted before the 2x2 merge, and the
+    # merged image tokens are part of the sample's length.
+    assert all(len(p) in (1, 2) and all(x % 4 == 0 for x in p) for p in pool.patches)
+    assert all(t > sum(p) // 4 for t, p in zip(pool.tokens, pool.patches))

@@ -154,3 +154,26 @@ def test_not_a_checkpoint(tmp_path):
     (tmp_path / "empty").mkdir()
     result = invoke(str(tmp_path / "empty"), str(tmp_path / "dst"), "--to", "hf")
     _assert_bad_input(result, tmp_path, "empty")
+
+
+def test_reads_transformer_engine_norm_names(hf_hub, tmp_path):
+    """A checkpoint whose norms are TE's fused ``layer_norm_weight`` converts like a plain one."""
+    from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
+
+    assert invoke(str(hf_hub), str(tmp_path / "plain"), "--to", "mcore").exit_code == 0
+    reader = McoreReader(tmp_path / "plain" / "model_optim")
+    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
+               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
+    items = []
+    for key in reader.tensors:
+        new_key = next((key[: -len(a)] + b for a, b in renames.items() if key.endswith(a)), key)
+        items.append(McoreItem(new_key, reader.shape(key), reader.dtype(key), None, lambda key=key: reader.read(key)))
+    te = tmp_path / "te"
+    write_mcore(te / "model_optim", items)
+    assert any("layer_norm_weight" in k for k in McoreReader(te / "model_optim").tensors)
+    shutil.copytree(tmp_path / "plain" / "hf", te / "hf")
+    shutil.copy(tmp_path / "plain" / "meta.json", te / "meta.json")
+    result = invoke(str(te), str(tmp_path / "back"), "--to", "hf")
+    assert result.exit_code == 0, result.output
+    original, back = hub_state(hf_hub), hub_state(tmp_path / "back")
+    assert original.keys() == back.keys() and all(torch.equal(original[k], back[k]) for k in original)

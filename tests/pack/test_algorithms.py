@@ -71,12 +71,14 @@ def test_deterministic():
         assert len(first) == len(second) and all(np.array_equal(a, b) for a, b in zip(first, second))
 
 
-def test_balanced_keeps_fill_and_never_raises_pack_costs():
-    lengths = _lengths(4000, seed=4)
-    bfd, balanced = plan_packs(lengths, SEQ_LEN, "bfd"), plan_packs(lengths, SEQ_LEN, "balanced")
-    assert len(balanced) == len(bfd)
+@pytest.mark.parametrize("seq_len", [4096, 32768])
+def test_balanced_evens_attention_cost_at_bfd_fill(seq_len):
+    lengths = _lengths(4000, seed=4, seq_len=seq_len)
+    bfd, balanced = plan_packs(lengths, seq_len, "bfd"), plan_packs(lengths, seq_len, "balanced")
+    lower_bound = -(-lengths.sum() // seq_len)
+    assert len(balanced) <= max(len(bfd), lower_bound * 1.001 + 1)
     before, after = quadratic_costs(bfd, lengths), quadratic_costs(balanced, lengths)
-    assert after.max() <= before.max() and after.std() < before.std()
+    assert after.std() / after.mean() < 0.9 * before.std() / before.mean()
 
 
 def test_rejects_bad_input():
@@ -89,10 +91,20 @@ def test_rejects_bad_input():
 
 
 def test_plan_is_fast():
-    # 1M samples take < 10 s on the 2-core dev box (see docs/benchmarks/pack.md); 200k here keeps
-    # the suite quick while still catching an accidental O(n * packs) loop.
+    # 1M samples take ~2.6 CPU-s (docs/benchmarks/pack.md); 200k here keeps the suite quick while
+    # still catching an accidental O(n * packs) loop. CPU time, not wall: the dev box is shared.
     lengths = _lengths(200_000, seed=5, seq_len=8192)
-    start = time.perf_counter()
+    start = time.process_time()
     packs = plan_packs(lengths, 8192, "bfd")
-    assert time.perf_counter() - start < 4.0
+    assert time.process_time() - start < 4.0
     assert fill_ratio(packs, lengths, 8192) > 0.999
+
+
+def test_planning_imports_no_torch():
+    import subprocess
+    import sys
+
+    code = ("import sys, loongforge.pack.algorithms, loongforge.pack.plan, loongforge.pack.stats; "
+            "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

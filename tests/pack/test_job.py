@@ -1,7 +1,6 @@
 """run_pack end to end on real files: accounting, capacity, determinism, resume, errors."""
 
 import json
-import os
 import signal
 import subprocess
 import sys
