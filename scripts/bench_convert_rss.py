@@ -29,11 +29,11 @@ from loongforge.convert import families
 from loongforge.convert.hf_io import PlannedTensor, SafetensorsStreamWriter, plan_shards, shard_names, write_index
 
 
-def bench_model() -> ModelConfig:
+def bench_model(num_layers: int = 12) -> ModelConfig:
     return ModelConfig(
         vision=VisionConfig(depth=8, fullatt_block_indexes=[3, 7]),
         projector=ProjectorConfig(out_hidden_size=1536),
-        language=LanguageConfig(num_layers=12, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
+        language=LanguageConfig(num_layers=num_layers, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
                                 num_query_groups=2, vocab_size=151936, tie_word_embeddings=False),
     )
 
@@ -74,9 +74,13 @@ def folder_bytes(folder: Path) -> int:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--workdir", type=Path, default=Path("/tmp/loongforge_convert_bench"))
+    parser.add_argument("--num-layers", type=int, default=12,
+                        help="language layers: more layers, bigger checkpoint, same largest tensor")
+    parser.add_argument("--keep", action="store_true", help="keep the converted HF copy")
     args = parser.parse_args()
-    hf, mcore, back = args.workdir / "hf", args.workdir / "mcore", args.workdir / "hf_back"
-    model_cfg = bench_model()
+    workdir = args.workdir / f"layers{args.num_layers}"
+    hf, mcore, back = workdir / "hf", workdir / "mcore", workdir / "hf_back"
+    model_cfg = bench_model(args.num_layers)
     if not hf.exists():
         generate(hf, model_cfg)
     shapes = families.expected_hf_shapes(model_cfg)
@@ -106,7 +110,7 @@ def main() -> None:
     for name, run in runs.items():
         if run["summary"]:
             print(f"{name}: {run['summary']}")
-    if "--keep" not in sys.argv:
+    if not args.keep:
         shutil.rmtree(back, ignore_errors=True)
 
 

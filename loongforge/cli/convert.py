@@ -9,8 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from loongforge.cli.errors import FAILURE_EXIT_CODE, UsageError, cli_errors
-from loongforge.cli.options import PresetOption
 
+# Same flag as `train --preset`, but here it only checks: the model is read from SRC itself.
+PresetOption = Annotated[Optional[str], typer.Option(
+    "--preset", "-p", metavar="NAME", show_default=False,
+    help="Check SRC against this preset's model (shapes and config); needed for a checkpoint without "
+         "its run's config.yaml or HF config beside it.")]
 SrcArgument = Annotated[Path, typer.Argument(
     metavar="SRC", show_default=False,
     help="HF folder (config.json + safetensors) or a loongforge checkpoint (step folder or run checkpoint root).")]

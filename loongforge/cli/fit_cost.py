@@ -110,7 +110,7 @@ def fit_cost(
         typer.echo("coefficients (s): " + ", ".join(
             f"{t} {v:.3e}" for t, v in model.coefficients.items())
             + f", micro_batch_overhead_s {model.micro_batch_overhead_s:.3e}")
-        if "model" in profile.env and model.crossover_length():
+        if "language" in (profile.env.get("model") or {}) and model.crossover_length():
             mbs = profile.micro_batches
             share = sum(r.get("loss_tokens", 0) for r in mbs) / max(1.0, sum(r["features"]["sum_L"] for r in mbs))
             flops = flops_crossover_length(profile.env["model"], loss_share=share)

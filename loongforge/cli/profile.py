@@ -54,6 +54,10 @@ def profile(
     sweep: Annotated[bool, typer.Option(
         "--sweep", help="Train on a designed grid of lengths and image sizes instead of the data, "
                         "so every cost term can be fitted.")] = False,
+    answer_share: Annotated[float, typer.Option(
+        "--answer-share", min=0.01, max=1.0, metavar="FRACTION",
+        help="With --sweep: share of each sample's tokens that carry loss. The LM head runs on "
+             "those only; match your data's share (fit-cost prints it).")] = 0.25,
     nproc_per_node: NprocPerNodeOption = None,
 ) -> None:
     """Run real training steps and record each rank's per-micro-batch compute time and features."""
@@ -73,7 +77,7 @@ def profile(
                               overrides=[*overrides, *_profile_overrides(data, output, steps)],
                               world_size=launcher.resolve_world_size(nproc_per_node) or 1)
         worker = functools.partial(profile_worker, output=str(output), sweep=sweep,
-                                   warmup_steps=warmup_steps)
+                                   warmup_steps=warmup_steps, answer_share=answer_share)
         functools.update_wrapper(worker, profile_worker)  # the elastic launcher logs __name__
         command_line = list(sys.argv)
         if launcher.needs_local_workers(nproc_per_node):

@@ -1,0 +1,11 @@
+"""``loongforge convert``: Hugging Face <-> megatron-core checkpoints, streamed tensor by tensor.
+
+- ``families``: what is known per model family (HF architectures, config reading, expected shapes);
+- ``hf_io``: HF folders (safetensors shards + index) read and written one tensor at a time;
+- ``mcore_io``: dist_checkpointing (torch_dist) folders read and written one chunk at a time;
+- ``engine``: the conversion itself, driven by the family's mapping table
+  (``loongforge.models.qwen2_5_vl.hf_mapping``), with ``--verify``;
+- ``roundtrip``: HF -> megatron -> HF in memory, exact / close / different per tensor;
+- ``model_io``: HF weights into a built model (``checkpoint.load_hf``) and a run's checkpoint out
+  as HF (``checkpoint.save_hf``).
+"""

@@ -77,8 +77,12 @@ def build_links(model_cfg: ModelConfig) -> list[Link]:
 
 def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Tensor:
     """HF tensor(s) -> the link's global megatron chunk (TP=1 layout, vocabulary padded)."""
-    tensor = link.rule.transform.shard(hf, 0, 1)
-    if isinstance(link.rule.transform, Vocab) and tensor.shape[0] != vocab_rows:
+    vocab = link.rule.transform if isinstance(link.rule.transform, Vocab) else None
+    if vocab is not None and hf[0].shape[0] == vocab.vocab_size == vocab_rows:
+        tensor = hf[0]  # no padding needed: spare the transform's copy of the largest tensor
+    else:
+        tensor = link.rule.transform.shard(hf, 0, 1)
+    if vocab is not None and tensor.shape[0] != vocab_rows:
         padding = tensor.new_zeros(vocab_rows - tensor.shape[0], *tensor.shape[1:])
         tensor = torch.cat([tensor[: link.rule.transform.vocab_size], padding])
     return tensor if link.layer is None else tensor.unsqueeze(0)
@@ -86,6 +90,8 @@ def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Te
 
 def to_hf(link: Link, chunk: torch.Tensor) -> list[torch.Tensor]:
     """The link's global megatron tensor (one layer's slice if stacked) -> HF tensor(s)."""
+    if isinstance(link.rule.transform, Vocab):  # drop the padding rows without a copy
+        return [chunk[: link.rule.transform.vocab_size]]
     return link.rule.transform.unshard([chunk])
 
 

@@ -1,8 +1,8 @@
 """Hugging Face checkpoint folders: read tensor by tensor, write shard by shard, never whole.
 
-Reading goes through ``safetensors.safe_open`` one tensor at a time, and the file is closed again
-right after, so memory-mapped pages of tensors already converted do not stay resident (they would
-count toward peak RSS and grow with the model). Headers are parsed up front so that a truncated
+Reading is one tensor at a time, straight from the byte range the header names into memory the
+tensor owns (no memory map: mapped pages would count toward peak RSS for as long as anything of
+the file is referenced). Headers are parsed up front so that a truncated
 file, a shard named in the index but absent, or a tensor of the wrong shape is reported before
 anything is written.
 
@@ -20,7 +20,6 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
-from safetensors import safe_open
 
 from loongforge.config.errors import InputError
 from loongforge.models.qwen2_5_vl.hf_mapping import to_hub_style
@@ -40,6 +39,7 @@ class TensorEntry:
     key: str  # the name as stored in the file (either key style)
     dtype: torch.dtype
     shape: tuple[int, ...]
+    offset: int  # of the first byte in the file
 
     @property
     def nbytes(self) -> int:
@@ -54,8 +54,9 @@ def is_hf_folder(path: Path) -> bool:
         (path / INDEX_FILE).is_file() or any(path.glob("*.safetensors")))
 
 
-def read_header(file: Path) -> dict:
-    """The JSON header of a safetensors file, checked against the file's length."""
+def read_header(file: Path) -> tuple[dict, int]:
+    """The JSON header of a safetensors file, checked against the file's length, and the offset of
+    its data section."""
     try:
         size = file.stat().st_size
         with open(file, "rb") as f:
@@ -79,7 +80,7 @@ def read_header(file: Path) -> dict:
         if end > data_len:
             raise InputError(f"{file}: truncated safetensors file: tensor {key} ends at byte {end} of the "
                              f"data section but the file holds {data_len}; re-download or re-export it")
-    return header
+    return header, 8 + header_len
 
 
 class HFCheckpoint:
@@ -121,7 +122,7 @@ class HFCheckpoint:
                 first = indexed_keys[0] if indexed_keys else "?"
                 raise InputError(f"{file}: shard named in {INDEX_FILE} is missing (it holds {first} and "
                                  f"{len(indexed_keys) - 1} more tensors)")
-            header = read_header(file)
+            header, data_start = read_header(file)
             for key in indexed_keys:
                 if key not in header:
                     raise InputError(f"{file}: tensor {key} is listed in {INDEX_FILE} but not in the file")
@@ -131,20 +132,26 @@ class HFCheckpoint:
                 if info["dtype"] not in _ST_DTYPES:
                     raise InputError(f"{file}: tensor {key} has unsupported dtype {info['dtype']}")
                 hub_key = next(iter(to_hub_style({key: None})))
-                entries[hub_key] = TensorEntry(file, key, _ST_DTYPES[info["dtype"]], tuple(info["shape"]))
+                entries[hub_key] = TensorEntry(file, key, _ST_DTYPES[info["dtype"]], tuple(info["shape"]),
+                                               data_start + info["data_offsets"][0])
         return entries
 
     def side_files(self, names: Iterable[str]) -> list[Path]:
         return [self.root / n for n in names if (self.root / n).is_file()]
 
     def load(self, hub_key: str) -> torch.Tensor:
+        """One tensor, read into memory of its own (not memory-mapped: mapped pages of a file would
+        count toward the process's memory for as long as any tensor of it is alive)."""
         entry = self.entries[hub_key]
-        try:
-            # opened per tensor: pages mapped for tensors already converted are released at once
-            with safe_open(str(entry.file), framework="pt") as f:
-                return f.get_tensor(entry.key)
-        except Exception as exc:  # safetensors raises its own error types
-            raise InputError(f"{entry.file}: cannot read tensor {entry.key}: {exc}") from None
+        buffer = torch.empty(entry.nbytes, dtype=torch.uint8)
+        with open(entry.file, "rb") as f:
+            f.seek(entry.offset)
+            read = f.readinto(memoryview(buffer.numpy())) if entry.nbytes else 0
+        if read != entry.nbytes:
+            raise InputError(f"{entry.file}: truncated safetensors file: tensor {entry.key} has "
+                             f"{read} of its {entry.nbytes} bytes")
+        # safetensors stores little-endian, like torch's CPU tensors on x86 and arm
+        return buffer.view(entry.dtype).reshape(entry.shape)
 
 
 # ---------------------------------------------------------------------------------------------

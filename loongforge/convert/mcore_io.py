@@ -164,12 +164,25 @@ class McoreItem:
 
 
 class _LazySavePlanner(DefaultSavePlanner):
-    """A save plan declared from ``McoreItem``s; each chunk's data is made when the writer asks."""
+    """A save plan declared from ``McoreItem``s; each chunk's data is made when the writer asks.
+
+    torch's FileSystemWriter keeps a reference to every tensor it wrote to a file (it collects them
+    for its safetensors output format, unused here), which would hold the whole model by the end.
+    So each chunk is handed over in storage of its own, and that storage is emptied when the writer
+    asks for the next chunk: with the serial loader (``per_thread_copy_ahead=0``) the previous chunk
+    has been written by then.
+    """
 
     def __init__(self, items: list[McoreItem], on_written: Callable[[McoreItem, torch.Tensor], None]):
         super().__init__(flatten_state_dict=False, flatten_sharded_tensors=False)
         self.items = {(i.key, i.offsets): i for i in items}
         self.on_written = on_written
+        self.previous: Optional[torch.Tensor] = None
+
+    def _release_previous(self) -> None:
+        if self.previous is not None:
+            self.previous.untyped_storage().resize_(0)
+            self.previous = None
 
     def create_local_plan(self) -> SavePlan:
         write_items = [
@@ -188,13 +201,19 @@ class _LazySavePlanner(DefaultSavePlanner):
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
+        self._release_previous()
         item = self.items[(write_item.index.fqn, tuple(write_item.index.offset))]
         tensor = item.produce()
         if tensor.dtype != item.dtype or tuple(tensor.shape) != item.chunk_shape:
             raise RuntimeError(f"{item.key}: produced {tensor.dtype} {tuple(tensor.shape)}, planned "
                                f"{item.dtype} {item.chunk_shape}")
         self.on_written(item, tensor)
-        return tensor.contiguous()
+        tensor = tensor.contiguous()
+        storage = tensor.untyped_storage()
+        if not storage.resizable() or storage.nbytes() != tensor.nbytes:  # a view or a file mapping
+            tensor = tensor.clone()
+        self.previous = tensor
+        return tensor
 
 
 def write_mcore(folder: Path, items: list[McoreItem],
@@ -204,9 +223,13 @@ def write_mcore(folder: Path, items: list[McoreItem],
     One writer thread and one file: the serial loader resolves and writes chunk after chunk.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    writer = FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True)
+    # per_thread_copy_ahead=0: the serial loader (no prefetch, see _LazySavePlanner) even with CUDA
+    writer = FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True,
+                              per_thread_copy_ahead=0)
+    planner = _LazySavePlanner(items, on_written)
     with _single_process():
-        dcp.save({}, storage_writer=writer, planner=_LazySavePlanner(items, on_written), no_dist=True)
+        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+    planner._release_previous()
     torch.save({}, folder / "common.pt")  # dist_checkpointing's non-sharded part: nothing for a model
     (folder / "metadata.json").write_text(json.dumps(DIST_CKPT_CONFIG))
 

@@ -94,6 +94,14 @@ class Patch:
         return getattr(owner, class_name) if class_name else owner
 
 
+def _no_cuda_rng_state(*args: Any, **kwargs: Any) -> torch.Tensor:
+    return torch.empty(0, dtype=torch.uint8)
+
+
+def _ignore_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
 PATCHES: list[Patch] = [
     # Model side.
     Patch(
@@ -134,6 +142,20 @@ PATCHES: list[Patch] = [
         why="send_tensor.cuda() while gathering optimizer state for a checkpoint (distrib_optimizer.py:1089)",
     ),
     Patch(
+        name="recompute_cuda_rng_get",
+        owner_path="megatron.core.tensor_parallel.random",
+        attribute="_get_cuda_rng_state",
+        why="activation recompute saves the CUDA RNG state (random.py:447); the CPU state is saved too",
+        wrap=lambda original: _no_cuda_rng_state,
+    ),
+    Patch(
+        name="recompute_cuda_rng_set",
+        owner_path="megatron.core.tensor_parallel.random",
+        attribute="_set_cuda_rng_state",
+        why="activation recompute restores the CUDA RNG state before re-running a layer (random.py:457)",
+        wrap=lambda original: _ignore_cuda_rng_state,
+    ),
+    Patch(
         name="clip_grads_grad_type",
         owner_path="megatron.core.optimizer.clip_grads",
         attribute="clip_grad_by_total_norm_fp32",
@@ -150,6 +172,8 @@ DEVICE_PROXY_MODULES: list[str] = [
     "megatron.core.optimizer.distrib_optimizer",  # shard buffers (:791)
     "megatron.core.optimizer.clip_grads",  # grad-norm buffers (:90/103/115/174/207)
     "megatron.core.utils",  # local multi-tensor l2-norm fallback
+    "megatron.core.tensor_parallel.mappings",  # sequence-parallel gather/scatter buffers (:181)
+    "megatron.core.tensor_parallel.layers",  # sequence-parallel all-gather in linear backward (:552)
     "megatron.core.pipeline_parallel.schedules",  # total_num_tokens (:596/983/2138)
     "megatron.core.pipeline_parallel.p2p_communication",  # receive buffers, synchronize (:190-398)
     "megatron.core.dist_checkpointing.exchange_utils",  # load-time exchange buffers (:104/326/499)

@@ -25,6 +25,7 @@ from loongforge.config.errors import InputError
 from loongforge.profile.recorder import StepRecorder, TrainingObserver
 
 EXTRA_KEY = "cost_model"
+VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 
 
 def _all_ranks_records(records: list[dict]) -> list[dict]:
@@ -100,12 +101,14 @@ class CostModelKeeper(TrainingObserver):
             obs = observations_from_records(
                 [r for r in records if r["kind"] == "micro_batch"],
                 [r for r in records if r["kind"] == "step"], clock=self._clock)
-            result = fit_nnls(obs)
+            result = self._fit_observations(obs)
         except FitError as exc:
             if self._rank == 0:
                 self._log(f"cost model: online fit at step {step} failed, keeping "
                           f"{self.cost_model.source if self.cost_model else 'token counts'}: {exc}")
             return
+        if not self.cfg.refit_interval:
+            self._records = []  # fitted once: nothing will need them again
         result.model.source = "fit:online"
         result.model.environment = {"fitted_at_step": step, "steps": len(keep)}
         self.cost_model = result.model
@@ -114,6 +117,16 @@ class CostModelKeeper(TrainingObserver):
             self._log(f"cost model: fitted online at step {step} from {len(records)} records, "
                       f"held-out median error {acc.get('median_ape_pct', float('nan')):.1f}%"
                       + "".join(f"\ncost model warning: {w}" for w in result.warnings))
+
+    def _fit_observations(self, obs):
+        try:
+            return fit_nnls(obs)
+        except FitError as exc:
+            # Real data often has one image size (or none): the vision terms cannot be told
+            # apart. Image tokens still count in L, so fit the language terms rather than nothing.
+            result = fit_nnls(obs, exclude=VISION_TERMS)
+            result.warnings.insert(0, f"{exc} -- fitted without {', '.join(VISION_TERMS)}")
+            return result
 
     def state_dict(self) -> dict:
         return {EXTRA_KEY: self.cost_model.to_dict()} if self.cost_model is not None else {}

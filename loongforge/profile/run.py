@@ -20,7 +20,7 @@ import torch.distributed as dist
 from loongforge.config.schema import RunConfig
 from loongforge.profile.records import PROFILE_FORMAT, write_records
 from loongforge.profile.recorder import StepRecorder, TrainingObserver
-from loongforge.profile.sweep import SweepSource
+from loongforge.profile.sweep import ANSWER_SHARE, SweepSource
 from loongforge.profile.timers import cpu_clock_name
 
 
@@ -46,9 +46,11 @@ def environment_record(cfg: RunConfig, *, env, layout, sweep: bool) -> dict:
 
 
 class ProfileObserver(TrainingObserver):
-    def __init__(self, output: Path, *, sweep: bool, warmup_steps: int):
+    def __init__(self, output: Path, *, sweep: bool, warmup_steps: int,
+                 answer_share: float = ANSWER_SHARE):
         self.output = Path(output)
         self.sweep = sweep
+        self.answer_share = answer_share
         self.warmup_steps = warmup_steps
         self._recorder: Optional[StepRecorder] = None
         self._env_record: dict = {}
@@ -66,6 +68,8 @@ class ProfileObserver(TrainingObserver):
                                       warmup_steps=self.warmup_steps)
         self._recorder.attach(model_config, env.device)
         self._env_record = environment_record(cfg, env=env, layout=layout, sweep=self.sweep)
+        if self.sweep:
+            self._env_record["sweep_answer_share"] = self.answer_share
         self._part = self._part_path(env.rank)
         self._part.parent.mkdir(parents=True, exist_ok=True)
         self._part.write_text("")
@@ -75,7 +79,7 @@ class ProfileObserver(TrainingObserver):
             return pipeline
         pipeline.close()
         return SweepSource(self._cfg, dp_rank=self._layout.dp_rank, dp_size=self._layout.dp_size,
-                           pad_to_multiple=pipeline.pad_to_multiple)
+                           pad_to_multiple=pipeline.pad_to_multiple, answer_share=self.answer_share)
 
     def begin_step(self, step: int, micro_batches: list) -> list:
         return self._recorder.begin_step(step, micro_batches)
@@ -103,9 +107,10 @@ class ProfileObserver(TrainingObserver):
 
 
 def profile_worker(cfg: RunConfig, resume: bool, command_line: list[str], *, output: str,
-                   sweep: bool, warmup_steps: int) -> None:
+                   sweep: bool, warmup_steps: int, answer_share: float = ANSWER_SHARE) -> None:
     """One rank of ``loongforge profile`` (module level: the spawn launcher pickles it)."""
     from loongforge.train.runner import run_training
 
     run_training(cfg, resume=resume, command_line=command_line,
-                 observer=ProfileObserver(Path(output), sweep=sweep, warmup_steps=warmup_steps))
+                 observer=ProfileObserver(Path(output), sweep=sweep, warmup_steps=warmup_steps,
+                                          answer_share=answer_share))

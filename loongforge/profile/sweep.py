@@ -30,8 +30,9 @@ from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 
 ROW_DESIGNS = ("single", "packed_equal", "packed_mixed", "image_single", "image_packed")
 MIN_LENGTH = 64
-# Share of each sample's tokens with loss (answers): the LM head runs on loss tokens only, so a
-# realistic share keeps its cost in proportion to L as in real SFT data.
+# Default share of each sample's tokens with loss (answers). The LM head runs on loss tokens
+# only, so the sweep should match the training data's share (`profile --answer-share`): with a
+# large vocabulary and a small model the head is most of the cost.
 ANSWER_SHARE = 0.25
 # Text token ids drawn below the Qwen special tokens.
 _TEXT_VOCAB = 150_000
@@ -107,7 +108,11 @@ class SweepDesign:
 class SweepSource:
     """Drop-in for ``DataPipeline`` in the runner: ``next_step()`` returns this rank's rows."""
 
-    def __init__(self, cfg: RunConfig, *, dp_rank: int, dp_size: int, pad_to_multiple: int):
+    def __init__(self, cfg: RunConfig, *, dp_rank: int, dp_size: int, pad_to_multiple: int,
+                 answer_share: float = ANSWER_SHARE):
+        if not 0 < answer_share <= 1:
+            raise ValueError(f"answer_share must be in (0, 1], got {answer_share}")
+        self.answer_share = answer_share
         model, data = cfg.model, cfg.data
         self.tokens = model.tokens
         self.merge = model.projector.spatial_merge_size
@@ -152,7 +157,7 @@ class SweepSource:
             sample_labels = torch.zeros_like(sample_ids)
             sample_labels[:-1] = sample_ids[1:]
             mask = torch.zeros(L)
-            mask[L - max(1, int(L * ANSWER_SHARE)):L - 1] = 1.0
+            mask[L - max(2, int(L * self.answer_share)):L - 1] = 1.0
             ids.append(sample_ids), positions.append(sample_pos), labels.append(sample_labels)
             masks.append(mask)
             grids += sample_grids

@@ -71,13 +71,16 @@ class LanguageModel(GPTModel):
         them changes no gradient and saves most of that work. Returns per-token loss [b, s], zero
         outside the mask.
         """
-        if labels is None or loss_mask is None or getattr(self, "mtp_process", False):
+        if (not self.post_process or labels is None or loss_mask is None
+                or getattr(self, "mtp_process", False)):
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
                                         loss_mask=loss_mask, **kwargs)
         if self.config.sequence_parallel:
             # [s/tp, b, h] -> [s, b, h]: every TP rank needs the full sequence to pick positions.
+            # The head's input copy all-reduces its gradient, so each rank already holds the full
+            # gradient here: the backward only splits it (no second reduction).
             hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=True, group=self.pg_collection.tp)
+                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
         seq_len, batch = hidden_states.shape[:2]
         # Positions in [s, b] order, the layout of hidden_states.
         picked = loss_mask.transpose(0, 1).reshape(-1).nonzero(as_tuple=True)[0]  # [n]
