@@ -53,7 +53,7 @@ _AT_LEAST_ZERO = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
     "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
     "data.synthetic_num_samples", "balance.fit_steps", "balance.fit_warmup_steps",
-    "balance.refit_interval",
+    "balance.refit_interval", "balance.threshold",
 )
 
 
@@ -407,6 +407,9 @@ def _check_balance(cfg: RunConfig) -> list[str]:
     if balance.cost_model is not None and not Path(balance.cost_model).is_file():
         return [f"balance.cost_model={balance.cost_model} is not a file; pass a COST.json written "
                 f"by `loongforge fit-cost`, or null to fit online."]
+    if balance.threshold != balance.threshold or balance.threshold == float("inf"):
+        # NaN would never compare below (always re-plan) and inf would never re-plan: both typos.
+        return [f"balance.threshold={balance.threshold} must be a finite number >= 0 (e.g. 0.01)."]
     if balance.refit_interval and not balance.fit_steps:
         return [f"balance.refit_interval={balance.refit_interval} needs balance.fit_steps > 0 "
                 f"(the window each refit uses)."]

@@ -9,6 +9,11 @@ rows therefore do not depend on the DP size.
 The stream runs over epochs forever; epoch ``e`` visits every sample once, in a permutation drawn
 from (data.seed, e) when data.shuffle. ``state_dict()`` is the exact position after the last step
 returned (epoch, cursor, packing buffer, rejects seen), so a resumed run gets the same rows.
+
+With ``balance.enabled`` the step's samples are re-assigned to ranks / micro-batches by
+``loongforge.balance.apply.StepBalancer`` (metadata mode: every rank plans the same step from the
+measurements it already has, then materialises only its own samples). The cost model used is part
+of the state, so a resumed run makes the same plans.
 """
 
 from __future__ import annotations
@@ -154,7 +159,8 @@ class DataPipeline:
 
     def __init__(self, data_cfg: DataConfig, model_cfg: ModelConfig, *, global_batch_size: int,
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
-                 lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None):
+                 lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
+                 balance_cfg=None, pipeline_parallel: int = 1, cost_model=None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.my_rows = rank_rows(global_batch_size, dp_rank, dp_size)
@@ -178,6 +184,19 @@ class DataPipeline:
                                     lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
                                     rejects=self.rejects)
         self.last_data_wait_s = 0.0
+        self.dp_rank = dp_rank
+        self._balancer = None
+        self.balance_counters = None
+        self.last_balance = None  # the latest consumed step's BalanceDecision (balance.enabled)
+        if balance_cfg is not None and balance_cfg.enabled:
+            from loongforge.balance.apply import BalanceCounters, StepBalancer
+
+            # Pipeline parallelism synchronises every micro-batch slot, not just the step.
+            self._balancer = StepBalancer(
+                dp_size=dp_size, micro_batches=global_batch_size // dp_size, seq_len=data_cfg.seq_len,
+                threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum",
+                cost_model=cost_model)
+            self.balance_counters = BalanceCounters()
         self._step = 0
         self._consumed_state = self._stream_state()
         self._worker: Optional[_Prefetcher] = None
@@ -190,12 +209,36 @@ class DataPipeline:
         if self.num_workers >= 1:
             if self._worker is None:
                 self._worker = _Prefetcher(self._produce_step, self.prefetch_steps)
-            micro_batches, state = self._worker.get()
+            micro_batches, state, decision = self._worker.get()
         else:
-            micro_batches, state = self._produce_step()
+            micro_batches, state, decision = self._produce_step()
         self.last_data_wait_s = time.perf_counter() - start
         self._consumed_state = state
+        if decision is not None:
+            self.last_balance = decision
+            self.balance_counters.add(decision)
         return micro_batches
+
+    @property
+    def balance_cost_model(self):
+        """The cost model balancing prices samples with (None when balancing is off)."""
+        return self._balancer.cost_model if self._balancer is not None else None
+
+    def set_cost_model(self, cost_model) -> None:
+        """Price later steps with ``cost_model`` (None: token counts). Steps already prefetched
+        with the old model are dropped and re-made, so the switch happens at the same consumed
+        step on every rank."""
+        if self._balancer is None:
+            return
+        from loongforge.balance.cost_model import token_count_model
+
+        cost_model = cost_model or token_count_model()
+        if cost_model.to_dict() == self._balancer.cost_model.to_dict():
+            return
+        self._stop_worker()
+        self._rewind_to(self._consumed_state)
+        self._balancer.cost_model = cost_model
+        self._consumed_state = self._stream_state()
 
     def state_dict(self) -> dict:
         """Position after the last returned step; JSON-serialisable."""
@@ -227,22 +270,36 @@ class DataPipeline:
         # The prefetcher may have packed steps nobody consumed; start again from `state`.
         self.stream.load_state_dict(state["stream"])
         self._step = int(state["step"])
+        if self._balancer is not None and state.get("balance_cost_model") is not None:
+            from loongforge.balance.cost_model import CostModel
+
+            self._balancer.cost_model = CostModel.from_dict(state["balance_cost_model"],
+                                                            origin="data state")
         self._consumed_state = self._stream_state()
 
     # ------------------------------------------------------------ one step
 
     def _stream_state(self) -> dict:
-        return {"version": STATE_VERSION, "step": self._step, "stream": self.stream.state_dict()}
+        state = {"version": STATE_VERSION, "step": self._step, "stream": self.stream.state_dict()}
+        if self._balancer is not None:  # plans are a function of the step's samples and this model
+            state["balance_cost_model"] = self._balancer.cost_model.to_dict()
+        return state
 
-    def _produce_step(self) -> tuple[list[dict], dict]:
+    def _produce_step(self) -> tuple[list[dict], dict, object]:
         """Measure + pack the step's global rows, materialize this rank's; runs in order."""
         rows = [[item.payload for item in self.stream.next_row()] for _ in range(self.global_batch_size)]
         self._step += 1
         state = self._stream_state()
-        mine = [rows[i] for i in self.my_rows]
+        decision = None
+        if self._balancer is not None:
+            decision = self._balancer.decide(rows)
+            samples = [s for row in rows for s in row]
+            mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
+        else:
+            mine = [rows[i] for i in self.my_rows]
         if self._pool is not None:
-            return list(self._pool.map(self._collate, mine)), state
-        return [self._collate(row) for row in mine], state
+            return list(self._pool.map(self._collate, mine)), state, decision
+        return [self._collate(row) for row in mine], state, decision
 
     def _collate(self, row: list[MeasuredSample]) -> dict:
         materialized = [materialize(sample, self.sizing) for sample in row]

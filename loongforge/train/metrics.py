@@ -20,6 +20,8 @@ class StepMetrics:
     tokens: int  # real (non-padding) tokens processed this step over all DP ranks
     step_s: float
     data_wait_s: float
+    # balance.enabled: {"applied": bool, "before": max/LB of the arrival assignment, "after": trained}
+    balance: Optional[dict] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -29,7 +31,10 @@ class StepMetrics:
 def format_log_line(m: StepMetrics, total_steps: int) -> str:
     grad = "n/a" if m.grad_norm is None else f"{m.grad_norm:.3f}"
     return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | grad_norm {grad} | lr {m.lr:.3e} | "
-            f"tokens/s {m.tokens_per_s:,.0f} | step {m.step_s:.2f}s | data_wait {m.data_wait_s:.3f}s")
+            f"tokens/s {m.tokens_per_s:,.0f} | step {m.step_s:.2f}s | data_wait {m.data_wait_s:.3f}s"
+            + ("" if m.balance is None else
+               f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
+               f" ({'applied' if m.balance['applied'] else 'skipped'})"))
 
 
 @dataclass
@@ -69,12 +74,20 @@ class RunLogger:
         self.history.append(m)
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                   "tokens_per_s": m.tokens_per_s, "step_s": m.step_s, "data_wait_s": m.data_wait_s}
+        if m.balance is not None:
+            record.update({"balance_applied": bool(m.balance["applied"]),
+                           "balance_max_over_lb_before": m.balance["before"],
+                           "balance_max_over_lb": m.balance["after"]})
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._writer:
             for key, value in record.items():
-                if key != "step" and value is not None:
+                if key != "step" and value is not None and not key.startswith("balance_"):
                     self._writer.add_scalar(f"train/{key}", value, m.step)
+            if m.balance is not None:
+                self._writer.add_scalar("balance/max_over_lb", m.balance["after"], m.step)
+                self._writer.add_scalar("balance/max_over_lb_before", m.balance["before"], m.step)
+                self._writer.add_scalar("balance/applied", float(m.balance["applied"]), m.step)
         if self._bar:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{m.loss:.4f}", lr=f"{m.lr:.2e}")

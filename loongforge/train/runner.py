@@ -49,6 +49,7 @@ class TrainingSummary:
     output_dir: Optional[str] = None
     checkpoint: Optional[str] = None
     wall_s: float = 0.0
+    balance: Optional[dict] = None  # balance.enabled: applied/skipped steps, mean max/LB before/after
 
 
 def library_versions() -> dict:
@@ -166,8 +167,16 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
                             dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                             pad_to_multiple=_pad_multiple(cfg, layout),
-                            rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None)
+                            rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
+                            balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
+                            cost_model=getattr(observer, "cost_model", None))
+    balancing = pipeline if cfg.balance.enabled else None
     pipeline = observer.data_source(pipeline)
+
+    def sync_cost_model() -> None:
+        # Balancing prices samples with the keeper's model; every rank switches at the same step.
+        if balancing is not None:
+            balancing.set_cost_model(getattr(observer, "cost_model", None))
 
     ckpt_root = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
     load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
@@ -183,6 +192,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             pipeline.load_state_dict(state.data_state)
         start_step, consumed_rows = state.step, state.consumed_rows
         observer.load_state_dict(state.extra)
+    sync_cost_model()
 
     logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
                        enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,
@@ -209,11 +219,16 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             result = train_step(model, optimizer, scheduler, micro_batches, device=env.device,
                                 seq_length=seq_length, is_loss_rank=is_loss_rank)
             observer.end_step(step, result, data_wait_s=data_wait)
+            decision = balancing.last_balance if balancing is not None else None
+            sync_cost_model()
             consumed_rows += cfg.training.global_batch_size
             tokens = _global_real_tokens(micro_batches, is_loss_rank)
             metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
                                   lr=result.lr, tokens=tokens,
-                                  step_s=result.compute_s + data_wait, data_wait_s=data_wait)
+                                  step_s=result.compute_s + data_wait, data_wait_s=data_wait,
+                                  balance=None if decision is None else {
+                                      "applied": decision.applied, "before": decision.before,
+                                      "after": decision.after})
             logger.log_step(metrics)
             summary.losses.append((step, result.loss))
             summary.end_step = step
@@ -229,6 +244,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             hf_dir = export_hf(cfg.model, summary.checkpoint, out_dir / "hf", hf_source=cfg.checkpoint.load_hf)
             logger.write(f"exported HF weights to {hf_dir}")
         summary.rejects = pipeline.reject_counts()
+        if balancing is not None:
+            summary.balance = balancing.balance_counters.as_dict()
         pipeline.close()
         summary.wall_s = time.perf_counter() - wall_start
         logger.write(_summary_text(summary, out_dir))
@@ -250,4 +267,13 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
                    f" see {out_dir / 'rejects.jsonl'}" if rejected else "0 samples rejected")
     return (f"done: steps {summary.start_step + 1}-{summary.end_step} in {summary.wall_s:.0f}s | "
             f"loss {first:.4f} (first {window}) -> {last:.4f} (last {window}) | {reject_text}"
+            + (_balance_text(summary.balance) if summary.balance else "")
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
+
+
+def _balance_text(balance: dict) -> str:
+    text = f" | balance: {balance['applied_steps']} steps applied, {balance['skipped_steps']} skipped"
+    if balance["mean_max_over_lb_before"] is not None:
+        text += (f", mean max/LB {balance['mean_max_over_lb_before']:.3f} -> "
+                 f"{balance['mean_max_over_lb_after']:.3f}")
+    return text

@@ -1,0 +1,135 @@
+"""Metadata-mode balancing: re-plan one training step from what every rank already knows.
+
+Every data-parallel rank measures every sample of the global row stream (exact token counts and
+image / video grids, no pixels), so every rank can price the step's samples with the same cost
+model and compute the same plan; each then materialises only its own samples. No data moves.
+
+For one step (``rows``: the step's packed rows in arrival order, ``dp * micro_batches`` of them):
+1. price each sample: language term from its length L, vision term from each image's / video's
+   patches t*h*w (``CostModel.sample_costs``);
+2. score the arrival assignment (row i -> rank i // micro_batches, micro-batch i % micro_batches);
+3. if its max/LB - 1 is below ``threshold``, keep it (skipped); otherwise ``plan_step`` the step and
+   use that plan when it is better, every micro-batch holding at least one sample.
+
+The result is a pure function of the rows and the cost model's coefficients: identical on every rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Sequence
+
+import numpy as np
+
+from loongforge.balance.cost_model import CostModel, token_count_model
+from loongforge.balance.planner import PlanError, plan_from_assignment, plan_step
+
+
+@dataclass
+class BalanceDecision:
+    """One step's outcome. ``micro_batches[r][m]``: indices into the step's samples (rows
+    flattened in order) that rank ``r`` trains in micro-batch ``m``."""
+
+    micro_batches: list[list[list[int]]]
+    applied: bool
+    before: float  # max/LB of the arrival assignment
+    after: float  # max/LB of what is trained (== before when not applied)
+    reason: str = ""  # why a step was not applied: "below threshold", "no gain", "empty micro-batch", ...
+
+
+def sample_patches(sample) -> list[int]:
+    """Vision patches (t*h*w) of each image and video of a MeasuredSample."""
+    grids = list(sample.image_grids) + [plan.grid_thw for plan in sample.video_plans]
+    return [int(t) * int(h) * int(w) for t, h, w in grids]
+
+
+def _fill_empty(lists: list[list[list[int]]], costs: np.ndarray) -> Optional[list[list[list[int]]]]:
+    """Give every empty micro-batch one sample from the same rank's fullest micro-batch (its
+    cheapest sample): a rank's total cost is unchanged. None when a rank has fewer samples than
+    micro-batches (no valid plan keeps its samples)."""
+    out = [[list(mb) for mb in rank] for rank in lists]
+    for rank in out:
+        if sum(len(mb) for mb in rank) < len(rank):
+            return None
+        for empty in [j for j, mb in enumerate(rank) if not mb]:
+            donor = max(range(len(rank)), key=lambda j: (len(rank[j]), -j))
+            sample = min(rank[donor], key=lambda i: (costs[i], i))
+            rank[donor].remove(sample)
+            rank[empty].append(sample)
+        for mb in rank:
+            mb.sort()
+    return out
+
+
+class StepBalancer:
+    """Decides, per step, which rank trains which samples; see the module docstring."""
+
+    def __init__(self, *, dp_size: int, micro_batches: int, seq_len: int, threshold: float,
+                 objective: str = "sum", cost_model: Optional[CostModel] = None):
+        self.dp_size = dp_size
+        self.num_micro_batches = micro_batches
+        self.seq_len = seq_len
+        self.threshold = threshold
+        self.objective = objective
+        self.cost_model = cost_model or token_count_model()
+
+    def decide(self, rows: Sequence[Sequence]) -> BalanceDecision:
+        dp, m = self.dp_size, self.num_micro_batches
+        if len(rows) != dp * m:
+            raise ValueError(f"{len(rows)} rows for dp_size={dp} x micro_batches={m}")
+        samples = [s for row in rows for s in row]
+        tokens = np.array([s.length for s in samples], dtype=np.int64)
+        costs = self.cost_model.sample_costs(tokens, [sample_patches(s) for s in samples])
+        row_of = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
+        arrival = plan_from_assignment(row_of // m, row_of % m, costs, tokens, dp_size=dp,
+                                       micro_batches=m, objective=self.objective)
+        before = float(arrival.stats["max_over_lb"])
+
+        def keep(reason: str) -> BalanceDecision:
+            return BalanceDecision(arrival.micro_batches, False, before, before, reason)
+
+        if before - 1.0 < self.threshold:
+            return keep("below threshold")
+        try:
+            plan = plan_step(costs, tokens, dp_size=dp, micro_batches=m, seq_len=self.seq_len,
+                             objective=self.objective)
+        except PlanError:
+            return keep("no plan fits")
+        lists = _fill_empty(plan.micro_batches, costs)
+        if lists is None:
+            return keep("empty micro-batch")
+        rank_of = np.empty(len(samples), dtype=np.int64)
+        mb_of = np.empty(len(samples), dtype=np.int64)
+        for r, rank in enumerate(lists):
+            for j, mb in enumerate(rank):
+                rank_of[mb], mb_of[mb] = r, j
+        final = plan_from_assignment(rank_of, mb_of, costs, tokens, dp_size=dp, micro_batches=m,
+                                     objective=self.objective)
+        after = float(final.stats["max_over_lb"])
+        if after >= before:
+            return keep("no gain")
+        return BalanceDecision(lists, True, before, after)
+
+
+class BalanceCounters:
+    """Applied / skipped steps and mean max/LB before and after, over consumed steps."""
+
+    def __init__(self):
+        self.applied = 0
+        self.skipped = 0
+        self._before = 0.0
+        self._after = 0.0
+
+    def add(self, decision: BalanceDecision) -> None:
+        if decision.applied:
+            self.applied += 1
+        else:
+            self.skipped += 1
+        self._before += decision.before
+        self._after += decision.after
+
+    def as_dict(self) -> dict:
+        steps = self.applied + self.skipped
+        return {"applied_steps": self.applied, "skipped_steps": self.skipped,
+                "mean_max_over_lb_before": self._before / steps if steps else None,
+                "mean_max_over_lb_after": self._after / steps if steps else None}

@@ -1,0 +1,70 @@
+"""DataPipeline with balance.enabled: the balanced micro-batches of all ranks together hold exactly
+the step's samples; the state (incl. the cost model used) resumes exactly."""
+
+from loongforge.balance.cost_model import CostModel, TERMS
+from loongforge.config.schema import BalanceConfig, DataConfig, ModelConfig
+from loongforge.data.pipeline import DataPipeline
+
+MODEL = ModelConfig()
+
+
+def _data():
+    return DataConfig(source="synthetic", synthetic_num_samples=60, seq_len=384, num_workers=0, seed=3,
+                      max_pixels=12544)
+
+
+def _pipeline(tokenizer, *, dp_rank, dp_size, balance=True, gbs=4, **kw):
+    return DataPipeline(_data(), MODEL, global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
+                        pad_to_multiple=8, tokenizer=tokenizer,
+                        balance_cfg=BalanceConfig(enabled=balance, threshold=0.0), **kw)
+
+
+def _ids(micro_batches):
+    return [sid for mb in micro_batches for sid in mb["sample_ids"]]
+
+
+def test_balanced_ranks_hold_exactly_the_steps_samples(tokenizer):
+    plain = _pipeline(tokenizer, dp_rank=0, dp_size=1, balance=False)
+    ranks = [_pipeline(tokenizer, dp_rank=r, dp_size=2) for r in range(2)]
+    applied = 0
+    for _ in range(6):
+        expected = _ids(plain.next_step())
+        steps = [p.next_step() for p in ranks]
+        assert all(len(mbs) == 2 for mbs in steps)  # equal micro-batch count per rank
+        assert all(mb["sample_lengths"] for mbs in steps for mb in mbs)
+        got = _ids(steps[0]) + _ids(steps[1])
+        assert sorted(got) == sorted(expected)  # as a multiset (a step may span two epochs)
+        assert sum(sum(mb["sample_lengths"]) <= 384 for mbs in steps for mb in mbs) == 4
+        assert ranks[0].last_balance.micro_batches == ranks[1].last_balance.micro_batches
+        applied += ranks[0].last_balance.applied
+    assert applied > 0
+    counters = ranks[0].balance_counters.as_dict()
+    assert counters["applied_steps"] == applied
+    assert counters["mean_max_over_lb_after"] < counters["mean_max_over_lb_before"]
+
+
+def test_state_resumes_with_the_cost_model_used(tokenizer):
+    model = CostModel({t: 0.0 for t in TERMS} | {"sum_L2": 1e-3, "sum_L": 1.0, "sum_P": 2.0})
+    first = _pipeline(tokenizer, dp_rank=1, dp_size=2)
+    first.next_step()
+    first.set_cost_model(model)
+    state = first.state_dict()
+    expected = [_ids(first.next_step()) for _ in range(3)]
+    resumed = _pipeline(tokenizer, dp_rank=1, dp_size=2)  # starts with token counts
+    resumed.load_state_dict(state)
+    assert resumed.balance_cost_model.to_dict() == model.to_dict()
+    assert [_ids(resumed.next_step()) for _ in range(3)] == expected
+
+
+def test_prefetch_thread_and_model_switch_give_the_same_steps(tokenizer):
+    model = CostModel({t: 0.0 for t in TERMS} | {"sum_L2": 1e-3, "sum_L": 1.0})
+    plain = _pipeline(tokenizer, dp_rank=0, dp_size=2)
+    threaded = DataPipeline(DataConfig(**{**_data().__dict__, "num_workers": 1}), MODEL, global_batch_size=4,
+                            dp_rank=0, dp_size=2, pad_to_multiple=8, tokenizer=tokenizer,
+                            balance_cfg=BalanceConfig(enabled=True, threshold=0.0))
+    for step in range(4):
+        if step == 2:  # both switch at the same consumed step; the thread's prefetched steps are redone
+            plain.set_cost_model(model)
+            threaded.set_cost_model(model)
+        assert _ids(plain.next_step()) == _ids(threaded.next_step())
+    threaded.close()
