@@ -89,3 +89,20 @@ def test_deterministic_and_counters():
     counters.add(_balancer(threshold=10.0).decide(_rows([[50, 40], [45, 45], [40, 50], [45, 45]])))
     out = counters.as_dict()
     assert out["applied_steps"] + out["skipped_steps"] == 2 and out["skipped_steps"] >= 1
+
+
+@pytest.mark.parametrize("value", ["-0.5", "nan"])
+def test_bad_threshold_is_a_config_error(tmp_path, value):
+    from loongforge.config.errors import ConfigError
+    from loongforge.config.loader import load_run_config
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"balance:\n  enabled: true\n  threshold: {'.nan' if value == 'nan' else value}\n")
+    with pytest.raises(ConfigError, match="balance.threshold"):
+        load_run_config("qwen2.5vl-tiny", config_file=config)
+
+
+def test_threshold_defaults():
+    from loongforge.config.schema import BalanceConfig
+
+    assert BalanceConfig().enabled is False and BalanceConfig().threshold == 0.01

@@ -17,16 +17,6 @@ from tests.models.helpers import destroy_megatron, free_port, init_megatron, lim
 WORLD_SIZE, TP, PP = 4, 2, 2
 
 
-def _mark_projector_replicas(sharded: dict, language_tp_rank: int) -> None:
-    """Workaround for the model's checkpoint metadata at vision TP 1 < language TP: the projector's
-    tensors are replicated over the language TP group but every rank declares itself replica 0, so
-    megatron refuses to save (``validate_sharding_integrity``). Remove once the model marks them."""
-    for key, sh in sharded.items():
-        if key.startswith("projector.") and hasattr(sh, "replica_id") and isinstance(sh.replica_id, tuple):
-            pp, tp, dp = sh.replica_id
-            sh.replica_id = (pp, max(tp, language_tp_rank), dp)
-
-
 def _worker(rank: int, port: int, workdir: str, model_cfg) -> None:
     from megatron.core import dist_checkpointing, parallel_state
 
@@ -46,9 +36,8 @@ def _worker(rank: int, port: int, workdir: str, model_cfg) -> None:
             param.fill_(float("nan"))
     load_checkpoint(Path(workdir) / "mcore", [model], optimizer=None, scheduler=None)
     out = Path(workdir) / "trained" / "step_00000000"
-    sharded = model.sharded_state_dict()
-    _mark_projector_replicas(sharded, parallel_state.get_tensor_model_parallel_rank())
-    dist_checkpointing.save(sharded, str(out / "model_optim"))
+    # vision TP 1 under language TP 2: the model itself marks the towers' replicas
+    dist_checkpointing.save(model.sharded_state_dict(), str(out / "model_optim"))
     if rank == 0:
         (out / "meta.json").write_text(json.dumps({"step": 0, "layout": {"tp": TP, "pp": PP}}))
     destroy_megatron()

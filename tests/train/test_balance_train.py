@@ -5,15 +5,27 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from tests.train.conftest import assert_close_relative, losses, run_train
 
 
-def test_balancing_does_not_change_losses_at_dp2(tmp_path):
-    # SMALL_MODEL: global batch 4 at DP=2 -> 2 micro-batches per rank; synthetic samples of varied
-    # lengths (text-only and image samples); threshold 0 re-plans every step that has anything to gain.
-    off, on = tmp_path / "off", tmp_path / "on"
-    run_train(off, nproc=2)
-    run_train(on, "balance.enabled=true", "balance.threshold=0", nproc=2)
+BALANCE_ON = ("balance.enabled=true", "balance.threshold=0")
+
+
+@pytest.fixture(scope="module")
+def off(tmp_path_factory):
+    """DP=2 without balancing (SMALL_MODEL: global batch 4 -> 2 micro-batches per rank)."""
+    out = tmp_path_factory.mktemp("balance_off")
+    run_train(out, nproc=2)
+    return out
+
+
+def test_balancing_does_not_change_losses_at_dp2(off, tmp_path):
+    # Synthetic samples of varied lengths (text-only and image samples); threshold 0 re-plans
+    # every step that has anything to gain.
+    on = tmp_path / "on"
+    proc = run_train(on, *BALANCE_ON, nproc=2)
     assert_close_relative(losses(on), losses(off), rel=1e-5)
 
     summary = json.loads((on / "summary.json").read_text())
@@ -25,3 +37,11 @@ def test_balancing_does_not_change_losses_at_dp2(tmp_path):
     assert sum(r["balance_applied"] for r in records) == balance["applied_steps"]
     assert all(r["balance_max_over_lb"] <= r["balance_max_over_lb_before"] for r in records)
     assert json.loads((off / "summary.json").read_text())["balance"] is None
+    assert "balance max/LB" in proc.stdout + proc.stderr and "steps applied" in proc.stdout + proc.stderr
+
+
+def test_balanced_run_resumes_exactly(off, tmp_path):
+    # The data state carries the cost model the plans used, so a resumed run re-makes the same plans.
+    run_train(tmp_path, *BALANCE_ON, "training.exit_at_step=2", nproc=2)
+    run_train(tmp_path, *BALANCE_ON, nproc=2, resume=True)
+    assert_close_relative(losses(tmp_path), losses(off), rel=1e-5)

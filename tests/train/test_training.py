@@ -50,6 +50,19 @@ def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
     assert losses(tmp_path) == losses(baseline_run)
 
 
+@pytest.mark.parametrize("vision_tp", [2, 1])
+def test_tensor_parallel_checkpoint_resume_is_exact(tmp_path, vision_tp):
+    # Vision TP equal to and below the language TP: every vision shard must be saved exactly once.
+    options = ("parallel.tensor_model_parallel_size=2",
+               f"parallel.vision_tensor_model_parallel_size={vision_tp}", "training.train_steps=3")
+    uninterrupted = tmp_path / "uninterrupted"
+    run_train(uninterrupted, *options, nproc=2)
+    resumed = tmp_path / "resumed"
+    run_train(resumed, *options, "training.exit_at_step=1", nproc=2)
+    run_train(resumed, *options, nproc=2, resume=True)
+    assert losses(resumed) == losses(uninterrupted)
+
+
 def test_distributed_optimizer_resume_is_exact(tmp_path):
     # Exercises the restore fixes in train/checkpoint.py (state init, no_grad copy, unshared steps).
     options = ("parallel.use_distributed_optimizer=true",)

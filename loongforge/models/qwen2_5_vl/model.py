@@ -136,6 +136,10 @@ class Qwen2_5_VLModel(MegatronModule):
                 vision_pg_collection(vision_tp_group, language_pgs),
             )
             self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group)
+        # With a vision TP smaller than the language TP, the towers are replicated across the
+        # language TP group in blocks of vision-TP ranks: block k holds replica k of every shard.
+        self._vision_tp = vision_tp_group.size()
+        self._vision_replica_block = get_pg_rank(language_pgs.tp) // self._vision_tp
 
         lang = model_cfg.language
         tp = language_pgs.tp.size()
@@ -166,6 +170,17 @@ class Qwen2_5_VLModel(MegatronModule):
 
     def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
         return self.language_model.shared_embedding_or_output_weight()
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        if self.pre_process and self._vision_replica_block:
+            towers = (f"{prefix}vision_model.", f"{prefix}projector.")
+            for key, item in sharded.items():
+                if key.startswith(towers):
+                    item.replica_id = _with_tp_replica_block(item.replica_id, self._vision_replica_block,
+                                                             self._vision_tp)
+        return sharded
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -259,6 +274,14 @@ def _scatter_features(
     mask = (input_ids == token_id)[..., None]  # [b, s, 1]
     merged = embeddings.transpose(0, 1).masked_scatter(mask, features)  # [b, s, h]
     return merged.transpose(0, 1).contiguous()
+
+
+def _with_tp_replica_block(replica_id, block: int, vision_tp: int):
+    """Shift the TP part of a megatron replica id (an int or (pp, tp, dp)) past the replica blocks
+    before this one, so that exactly one rank owns (replica 0) each vision shard."""
+    if isinstance(replica_id, tuple):
+        return (replica_id[0], replica_id[1] + block * vision_tp, *replica_id[2:])
+    return replica_id + block * vision_tp
 
 
 def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:

@@ -27,6 +27,7 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.qwen2_5_vl.layer_specs import RMSNorm, mlp_submodules
@@ -150,6 +151,7 @@ class VisionModel(MegatronModule):
         self.fullatt_block_indexes = frozenset(vis.fullatt_block_indexes)
         self.recompute = config.recompute_granularity == "full"
         patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2
+        self.tp_group = pg_collection.tp
         self.patch_embed = PatchEmbed(patch_dim, vis.hidden_size, config.params_dtype)
         self.layers = torch.nn.ModuleList(
             build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
@@ -175,6 +177,25 @@ class VisionModel(MegatronModule):
         hidden = hidden[:, 0]
         # back to input order: [P/m^2, m^2, h][argsort(order)]
         return hidden.reshape(-1, unit, hidden.shape[-1])[torch.argsort(order)].reshape(hidden.shape)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Per-block sharded tensors with their true (vision-TP) global shapes.
+
+        ``self.layers`` is a plain ModuleList, which megatron's default would treat as replicated
+        tensors, recording each rank's TP shard as the whole tensor; ask each block instead.
+        """
+        sharded = {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        for name, child in self.named_children():
+            if name != "layers":
+                # Replicated over the vision TP group: replica ids count its ranks.
+                sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
+                                                          metadata, tp_group=self.tp_group))
+        for index, layer in enumerate(self.layers):
+            sharded.update(layer.sharded_state_dict(f"{prefix}layers.{index}.", sharded_offsets,
+                                                    metadata))
+        return sharded
 
     def _run_layer(self, layer, hidden, freqs, params):
         def run(x):
