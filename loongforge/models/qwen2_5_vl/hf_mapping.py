@@ -22,6 +22,8 @@ Layouts that are not a plain copy:
 
 from __future__ import annotations
 
+import abc
+
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
@@ -40,12 +42,16 @@ LANGUAGE, VISION = "language", "vision"
 # ---------------------------------------------------------------------------------------------
 
 
-class Transform:
-    def shard(self, hf: Sequence[Tensor], rank: int, size: int) -> Tensor:
-        raise NotImplementedError
+class Transform(abc.ABC):
+    """How one megatron tensor is made from HF tensors (``shard``) and back (``unshard``)."""
 
+    @abc.abstractmethod
+    def shard(self, hf: Sequence[Tensor], rank: int, size: int) -> Tensor:
+        """HF full tensors -> this TP rank's megatron tensor."""
+
+    @abc.abstractmethod
     def unshard(self, shards: Sequence[Tensor]) -> list[Tensor]:
-        raise NotImplementedError
+        """Every TP rank's megatron tensor -> the HF full tensors."""
 
 
 class Replicated(Transform):
