@@ -33,6 +33,13 @@ _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16
 _ST_NAMES = {v: k for k, v in _ST_DTYPES.items()}
 
 
+def tensor_nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return numel * torch.empty((), dtype=dtype).element_size()
+
+
 @dataclass(frozen=True)
 class TensorEntry:
     file: Path
@@ -43,10 +50,7 @@ class TensorEntry:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def is_hf_folder(path: Path) -> bool:
@@ -179,10 +183,7 @@ class PlannedTensor:
 
     @property
     def nbytes(self) -> int:
-        numel = 1
-        for size in self.shape:
-            numel *= size
-        return numel * torch.empty((), dtype=self.dtype).element_size()
+        return tensor_nbytes(self.shape, self.dtype)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:

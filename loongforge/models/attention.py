@@ -92,7 +92,7 @@ class SDPACoreAttention(_CoreAttentionBase):
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
         if attention_bias is not None:
-            raise NotImplementedError("SDPACoreAttention does not take an attention_bias")
+            raise ValueError("SDPACoreAttention does not take an attention_bias")
         causal = self._is_causal(attn_mask_type)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # q [t, np, hd], k/v [t, ng, hd] -> [t, np*hd]
@@ -163,7 +163,7 @@ class FlashCoreAttention(_CoreAttentionBase):
         from flash_attn import flash_attn_func, flash_attn_varlen_func
 
         if attention_mask is not None or attention_bias is not None:
-            raise NotImplementedError("FlashCoreAttention takes neither a mask nor a bias")
+            raise ValueError("FlashCoreAttention takes neither a mask nor a bias")
         causal = self._is_causal(attn_mask_type)
         dropout_p = self.dropout_p if self.training else 0.0
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
