@@ -1,8 +1,12 @@
-"""Metadata-mode balancing: re-plan one training step from what every rank already knows.
+"""Per-step balancing decisions, the same in both ways of applying them.
 
-Every data-parallel rank measures every sample of the global row stream (exact token counts and
-image / video grids, no pixels), so every rank can price the step's samples with the same cost
-model and compute the same plan; each then materialises only its own samples. No data moves.
+Manifest mode: every data-parallel rank knows every sample of the step (it measured the global row
+stream, or read a packed manifest: exact token counts and image / video grids, no pixels), so every
+rank prices the step's samples with the same cost model, computes the same plan, and materialises
+only its own samples. No data moves.
+
+Exchange mode (``loongforge.data.exchange``): each rank loads only its own share; the ranks
+all-gather the samples' sizes (``SampleSize``), compute the same plan here, and move samples.
 
 For one step (``rows``: the step's packed rows in arrival order, ``dp * micro_batches`` of them):
 1. price each sample: language term from its length L, vision term from each image's / video's
@@ -37,10 +41,25 @@ class BalanceDecision:
     reason: str = ""  # why a step was not applied: "below threshold", "no gain", "empty micro-batch", ...
 
 
+@dataclass(frozen=True)
+class SampleSize:
+    """What pricing a sample needs: its LLM length and each image's / video's vision patches.
+    Small and picklable: exchange mode all-gathers these instead of the samples."""
+
+    length: int
+    patches: tuple[int, ...] = ()
+
+
 def sample_patches(sample) -> list[int]:
-    """Vision patches (t*h*w) of each image and video of a MeasuredSample."""
+    """Vision patches (t*h*w) of each image and video of a MeasuredSample (or a SampleSize)."""
+    if isinstance(sample, SampleSize):
+        return list(sample.patches)
     grids = list(sample.image_grids) + [plan.grid_thw for plan in sample.video_plans]
     return [int(t) * int(h) * int(w) for t, h, w in grids]
+
+
+def sample_size(sample) -> SampleSize:
+    return SampleSize(int(sample.length), tuple(sample_patches(sample)))
 
 
 def _fill_empty(lists: list[list[list[int]]], costs: np.ndarray) -> Optional[list[list[list[int]]]]:

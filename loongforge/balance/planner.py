@@ -535,18 +535,22 @@ def plan_from_assignment(rank_of: np.ndarray, mb_of: np.ndarray, costs: np.ndarr
     return plan
 
 
-def exchange_lists(plan: StepPlan, owner_rank: Sequence[int] | np.ndarray) -> list[list[list[int]]]:
-    """For exchange mode: ``sends[src][dst]`` are the samples (input indices, ascending) that rank
-    ``src`` holds (``owner_rank[i]``: the rank that loaded sample i) and rank ``dst`` trains under
-    ``plan``. ``sends[r][r]`` stay in place; every rank gets the same lists from the same plan."""
+def exchange_lists(rank_of: Sequence[int] | np.ndarray, owner_rank: Sequence[int] | np.ndarray,
+                   dp_size: int) -> list[list[list[int]]]:
+    """For exchange mode: ``sends[src][dst]`` are the samples (indices, ascending) that rank ``src``
+    holds (``owner_rank[i]``: the rank that loaded sample i) and rank ``dst`` trains
+    (``rank_of[i]``, e.g. ``StepPlan.rank_of``). ``sends[r][r]`` stay in place; every rank gets the
+    same lists from the same inputs."""
     owner = np.asarray(owner_rank, dtype=np.int64)
-    if owner.shape != plan.rank_of.shape:
-        raise PlanError(f"owner_rank has {owner.size} entries for a plan of {plan.rank_of.size} samples")
-    dp = plan.dp_size
-    if owner.size and (owner.min() < 0 or owner.max() >= dp):
-        raise PlanError(f"owner_rank values must lie in [0, {dp})")
-    key = owner * dp + plan.rank_of
+    dest = np.asarray(rank_of, dtype=np.int64)
+    if owner.shape != dest.shape:
+        raise PlanError(f"owner_rank has {owner.size} entries for {dest.size} planned samples")
+    for name, values in (("owner_rank", owner), ("rank_of", dest)):
+        if values.size and (values.min() < 0 or values.max() >= dp_size):
+            raise PlanError(f"{name} values must lie in [0, {dp_size})")
+    key = owner * dp_size + dest
     order = np.argsort(key, kind="stable")
-    bounds = np.searchsorted(key[order], np.arange(dp * dp + 1))
+    bounds = np.searchsorted(key[order], np.arange(dp_size * dp_size + 1))
     ordered = order.tolist()
-    return [[ordered[bounds[s * dp + d]:bounds[s * dp + d + 1]] for d in range(dp)] for s in range(dp)]
+    return [[ordered[bounds[s * dp_size + d]:bounds[s * dp_size + d + 1]] for d in range(dp_size)]
+            for s in range(dp_size)]

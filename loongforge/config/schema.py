@@ -113,6 +113,12 @@ class DataConfig:
     shuffle: bool = True
     seed: int = 1234
     num_workers: int = 1
+    # Who reads what. "global": every DP rank reads and measures every sample (no pixels) and
+    # trains its share of the global rows, which then do not depend on the DP size. "sharded":
+    # each DP rank reads 1/DP of the samples (tokenizing and probing only those), the scalable
+    # choice for raw files at large DP; balancing then exchanges samples between ranks.
+    # "auto": sharded for data.source=files at DP > 1, else global.
+    read: str = "auto"
 
 
 @dataclass
@@ -208,8 +214,11 @@ class BalanceConfig:
     # device synchronisation per micro-batch on GPU, so it is off unless asked for.
     refit_interval: int = 0
     # Re-assign each step's samples to DP ranks / micro-batches so every rank's modelled cost is
-    # near the lower bound (metadata mode: every rank plans from measurements it already has; no
-    # data moves). The losses and gradients do not change: the loss is normalised by global tokens.
+    # near the lower bound. The mode follows data.read: with global reading (or a packed manifest)
+    # every rank plans from sizes it already has and nothing moves ("manifest" mode); with sharded
+    # reading the ranks all-gather sizes and move samples with an all-to-all in the data thread
+    # ("exchange" mode). The losses and gradients do not change: the loss is normalised by
+    # global tokens.
     enabled: bool = False
     # Keep the arrival assignment when its max/LB - 1 is below this (planning would gain less).
     # Measured (docs/benchmarks/balance_rows.json): balanced plans sit within 0.2% of LB and

@@ -34,6 +34,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.device": ("auto", "cpu", "cuda"),
     "schedule.decay_style": ("cosine", "constant"),
     "data.source": ("synthetic", "files", "packed"),
+    "data.read": ("auto", "global", "sharded"),
     "optimizer.name": ("adam", "sgd"),
 }
 
@@ -393,6 +394,9 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if data.source == "packed" and not data.packed:
         errors.append("data.source=packed needs data.packed, the folder `loongforge pack` wrote; "
                       "set data.packed=/path/to/packed.")
+    if data.source == "packed" and data.read == "sharded":
+        errors.append("data.read=sharded does not apply to data.source=packed: the pack manifest already "
+                      "gives every rank every length; use data.read=auto.")
     if data.min_pixels > data.max_pixels:
         errors.append(f"data.min_pixels={data.min_pixels} is larger than "
                       f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")

@@ -32,13 +32,23 @@ import numpy as np
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import RopeSettings, collate_row
 from loongforge.data.conversations import FileSamples
-from loongforge.data.measure import MeasuredSample, SampleMeasurer, materialize, vision_sizing
+from loongforge.data.measure import (MaterializedSample, MeasuredSample, SampleMeasurer, materialize,
+                                     vision_sizing)
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.records import Reject
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 
 STATE_VERSION = 1
+
+
+def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
+    """``data.read`` with ``auto`` resolved: ``sharded`` for raw files at DP > 1 (lengths are known
+    only after tokenizing, so each rank loads 1/DP of the data and balancing exchanges samples),
+    ``global`` otherwise (a packed manifest or the generator gives every rank every length)."""
+    if data_cfg.read != "auto":
+        return data_cfg.read
+    return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
 
 
 def build_sample_source(data_cfg: DataConfig) -> Union[FileSamples, SyntheticSamples]:
@@ -58,6 +68,7 @@ class RejectLog:
         self.path = Path(path) if path is not None else None
         self._seen: set[tuple[str, int, str]] = set()
         self._counts: Counter = Counter()
+        self._new: list[Reject] = []  # recorded since the last take_new() (exchange mode shares them)
         self._lock = threading.Lock()
 
     def record(self, reject: Reject) -> None:
@@ -66,6 +77,7 @@ class RejectLog:
                 return
             self._seen.add(reject.key)
             self._counts[reject.reason] += 1
+            self._new.append(reject)
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path, "a", encoding="utf-8") as f:
@@ -74,6 +86,11 @@ class RejectLog:
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
+
+    def take_new(self) -> list[Reject]:
+        with self._lock:
+            new, self._new = self._new, []
+            return new
 
     def state_dict(self) -> dict:
         with self._lock:
@@ -89,15 +106,20 @@ class RowStream:
     """The global stream of packed rows (lists of MeasuredSample), identical on every rank."""
 
     def __init__(self, source, measurer: SampleMeasurer, *, seq_len: int, lookahead: int,
-                 shuffle: bool, seed: int, rejects: RejectLog):
+                 shuffle: bool, seed: int, rejects: RejectLog, shard: tuple[int, int] = (0, 1)):
         self.source = source
         self.measurer = measurer
         self.shuffle = shuffle
         self.seed = seed
         self.rejects = rejects
         self.packer: LookaheadPacker[MeasuredSample] = LookaheadPacker(seq_len, lookahead)
+        # Shard (i, n) reads positions i, i+n, i+2n, ... of each epoch's order (data.read=sharded).
+        self.shard_index, self.shard_count = shard
+        if len(source) <= self.shard_index:
+            raise ValueError(f"{len(source)} samples cannot give every one of {self.shard_count} data-parallel "
+                             "ranks a share; use more data or data.read=global")
         self.epoch = 0
-        self.cursor = 0  # next position to read within the epoch's order
+        self.cursor = self.shard_index  # next position to read within the epoch's order
         self._orders: dict[int, np.ndarray] = {}
 
     def epoch_order(self, epoch: int) -> np.ndarray:
@@ -116,9 +138,9 @@ class RowStream:
         """Next accepted sample; rejects are logged and skipped."""
         for _ in range(len(self.source) + 1):
             position = (self.epoch, self.cursor)
-            self.cursor += 1
-            if self.cursor == len(self.source):
-                self.epoch, self.cursor = self.epoch + 1, 0
+            self.cursor += self.shard_count
+            if self.cursor >= len(self.source):
+                self.epoch, self.cursor = self.epoch + 1, self.shard_index
             measured = self._measure_at(position)
             if isinstance(measured, MeasuredSample):
                 return PackItem(key=position, length=measured.length, payload=measured)
@@ -160,9 +182,15 @@ class DataPipeline:
     def __init__(self, data_cfg: DataConfig, model_cfg: ModelConfig, *, global_batch_size: int,
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
-                 balance_cfg=None, pipeline_parallel: int = 1, cost_model=None):
+                 balance_cfg=None, pipeline_parallel: int = 1, cost_model=None,
+                 groups: Optional["DataGroups"] = None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
+        self.read = resolve_read(data_cfg, dp_size)
+        balancing = balance_cfg is not None and balance_cfg.enabled
+        if self.read == "sharded" and groups is None and dp_size > 1 and balancing:
+            raise ValueError("balancing with data.read=sharded at DP > 1 needs the data-exchange groups "
+                             "(loongforge.parallel.exchange.build_data_groups)")
         self.my_rows = rank_rows(global_batch_size, dp_rank, dp_size)
         self.global_batch_size = global_batch_size
         self.pad_to_multiple = pad_to_multiple
@@ -172,23 +200,18 @@ class DataPipeline:
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path)
-        measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
-        if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
-            from loongforge.data.packed import PackedFolder, PackedRowStream
-
-            folder = PackedFolder(data_cfg.packed)
-            folder.check_compatible(data_cfg.seq_len, self.sizing)
-            self.stream = PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
-        else:
-            self.stream = RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
-                                    lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
-                                    rejects=self.rejects)
+        self.groups = groups
+        # In sharded reading only each DP rank's leader loads; its TP / PP peers get its batches.
+        self.loads_data = self.read == "global" or groups is None or groups.is_leader
+        self.stream = None
+        if self.loads_data:
+            self.stream = self._build_stream(data_cfg, model_cfg, tokenizer, lookahead, dp_rank, dp_size)
         self.last_data_wait_s = 0.0
         self.dp_rank = dp_rank
         self._balancer = None
         self.balance_counters = None
         self.last_balance = None  # the latest consumed step's BalanceDecision (balance.enabled)
-        if balance_cfg is not None and balance_cfg.enabled:
+        if balancing:
             from loongforge.balance.apply import BalanceCounters, StepBalancer
 
             # Pipeline parallelism synchronises every micro-batch slot, not just the step.
@@ -197,10 +220,38 @@ class DataPipeline:
                 threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum",
                 cost_model=cost_model)
             self.balance_counters = BalanceCounters()
+        self._exchange = None
+        if self.read == "sharded" and self.loads_data:
+            from loongforge.data.exchange import SampleExchange
+
+            self._exchange = SampleExchange(groups.exchange if groups is not None else None,
+                                            dp_rank=dp_rank, dp_size=dp_size, balancer=self._balancer)
         self._step = 0
         self._consumed_state = self._stream_state()
-        self._worker: Optional[_Prefetcher] = None
+        self._worker: Optional[_StepWorker] = None
         self._pool = ThreadPoolExecutor(self.num_workers) if self.num_workers > 1 else None
+
+    @property
+    def balance_mode(self) -> Optional[str]:
+        """How plans are applied: "manifest" (every rank knows every sample; nothing moves),
+        "exchange" (sizes gathered, samples moved), or None when balancing is off."""
+        if self._balancer is None:
+            return None
+        return "exchange" if self.read == "sharded" else "manifest"
+
+    def _build_stream(self, data_cfg: DataConfig, model_cfg: ModelConfig, tokenizer, lookahead: int,
+                      dp_rank: int, dp_size: int):
+        if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
+            from loongforge.data.packed import PackedFolder, PackedRowStream
+
+            folder = PackedFolder(data_cfg.packed)
+            folder.check_compatible(data_cfg.seq_len, self.sizing)
+            return PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
+        measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
+        shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
+        return RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
+                         lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
+                         rejects=self.rejects, shard=shard)
 
     # ------------------------------------------------------------ public API
 
@@ -208,7 +259,7 @@ class DataPipeline:
         start = time.perf_counter()
         if self.num_workers >= 1:
             if self._worker is None:
-                self._worker = _Prefetcher(self._produce_step, self.prefetch_steps)
+                self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
             micro_batches, state, decision = self._worker.get()
         else:
             micro_batches, state, decision = self._produce_step()
@@ -247,6 +298,9 @@ class DataPipeline:
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')} != {STATE_VERSION}")
+        if state.get("read", "global") != self.read:
+            raise ValueError(f"the checkpoint's data position is for data.read={state.get('read', 'global')}, "
+                             f"this run reads data.read={self.read}; set data.read to match to resume")
         self._stop_worker()
         self.rejects.load_state_dict(state["rejects"])
         self._rewind_to(state)
@@ -268,8 +322,12 @@ class DataPipeline:
 
     def _rewind_to(self, state: dict) -> None:
         # The prefetcher may have packed steps nobody consumed; start again from `state`.
-        self.stream.load_state_dict(state["stream"])
+        if self.stream is not None:
+            self.stream.load_state_dict(state["stream"])
         self._step = int(state["step"])
+        if self.stream is None:  # a replica loads nothing: it keeps its leader's position as is
+            self._consumed_state = dict(state)
+            return
         if self._balancer is not None and state.get("balance_cost_model") is not None:
             from loongforge.balance.cost_model import CostModel
 
@@ -280,67 +338,103 @@ class DataPipeline:
     # ------------------------------------------------------------ one step
 
     def _stream_state(self) -> dict:
-        state = {"version": STATE_VERSION, "step": self._step, "stream": self.stream.state_dict()}
+        stream = self.stream.state_dict() if self.stream is not None else None  # replicas: the leader's
+        state = {"version": STATE_VERSION, "step": self._step, "stream": stream, "read": self.read}
         if self._balancer is not None:  # plans are a function of the step's samples and this model
             state["balance_cost_model"] = self._balancer.cost_model.to_dict()
         return state
 
     def _produce_step(self) -> tuple[list[dict], dict, object]:
-        """Measure + pack the step's global rows, materialize this rank's; runs in order."""
+        """One step's micro-batches, the stream position after it, and the balance decision."""
+        if self.read == "sharded":
+            return self._produce_sharded_step()
+        # Global reading: measure + pack the step's global rows, materialize this rank's.
         rows = [[item.payload for item in self.stream.next_row()] for _ in range(self.global_batch_size)]
         self._step += 1
         state = self._stream_state()
         decision = None
         if self._balancer is not None:
-            decision = self._balancer.decide(rows)
+            from loongforge.balance.apply import sample_size
+
+            decision = self._balancer.decide([[sample_size(s) for s in row] for row in rows])
             samples = [s for row in rows for s in row]
             mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
         else:
             mine = [rows[i] for i in self.my_rows]
-        if self._pool is not None:
-            return list(self._pool.map(self._collate, mine)), state, decision
-        return [self._collate(row) for row in mine], state, decision
+        return self._map(self._collate, mine), state, decision
 
-    def _collate(self, row: list[MeasuredSample]) -> dict:
+    def _produce_sharded_step(self) -> tuple[list[dict], dict, object]:
+        """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated
+        micro-batches to its TP / PP peers."""
+        result = None
+        if self.loads_data:
+            rows = [[item.payload for item in self.stream.next_row()] for _ in self.my_rows]
+            self._step += 1
+            state = self._stream_state()
+            materialized = self._map(self._materialize, rows)
+            mine, decision, rejects = self._exchange.run(materialized, self.rejects.take_new())
+            for reject in rejects:  # every rank counts every rank's rejects (rank 0 writes them)
+                self.rejects.record(reject)
+            self.rejects.take_new()  # those were just shared
+            result = (self._map(self._collate_materialized, mine), state, decision)
+        if self.groups is not None and self.groups.replicas is not None:
+            from loongforge.parallel.exchange import broadcast_object
+
+            result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
+            if not self.loads_data:
+                self._step = result[1]["step"]
+        return result
+
+    def _map(self, function, items: list) -> list:
+        return list(self._pool.map(function, items)) if self._pool is not None else [function(x) for x in items]
+
+    def _materialize(self, row: list[MeasuredSample]) -> list[MaterializedSample]:
         materialized = [materialize(sample, self.sizing) for sample in row]
         for item in materialized:
             if item.late_reject is not None:
                 self.rejects.record(item.late_reject)
+        return materialized
+
+    def _collate_materialized(self, materialized: list[MaterializedSample]) -> dict:
         return collate_row(materialized, pad_to_multiple=self.pad_to_multiple,
                            pad_token_id=self.pad_token_id, rope=self.rope)
 
+    def _collate(self, row: list[MeasuredSample]) -> dict:
+        return self._collate_materialized(self._materialize(row))
 
-class _Prefetcher:
-    """Runs ``produce`` in a daemon thread, keeping up to ``depth`` results ready, in order."""
+
+class _StepWorker:
+    """Produces steps in a background thread, ``depth`` steps ahead of the consumer.
+
+    New work is requested only by the consumer (one request per step taken), and ``stop`` lets
+    every requested step finish: every rank therefore runs ``produce`` the same number of times,
+    so collectives inside it (exchange mode) always find their peers, even while stopping.
+    """
 
     def __init__(self, produce, depth: int):
         self._produce = produce
-        self._queue: queue.Queue = queue.Queue(maxsize=max(1, depth))
-        self._stop = threading.Event()
+        self._requests: queue.Queue = queue.Queue()
+        self._results: queue.Queue = queue.Queue()
+        for _ in range(max(1, depth)):
+            self._requests.put(True)
         self._thread = threading.Thread(target=self._run, name="loongforge-data", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
-        while not self._stop.is_set():
+        while self._requests.get():
             try:
-                result = ("ok", self._produce())
+                self._results.put(("ok", self._produce()))
             except BaseException as error:  # handed to the consumer, which re-raises it
-                result = ("error", error)
-            while not self._stop.is_set():
-                try:
-                    self._queue.put(result, timeout=0.1)
-                    break
-                except queue.Full:
-                    continue
-            if result[0] == "error":
-                return
+                self._results.put(("error", error))
+                return  # later steps would wait on peers for a step this rank cannot make
 
     def get(self):
-        kind, value = self._queue.get()
+        kind, value = self._results.get()
         if kind == "error":
             raise value
+        self._requests.put(True)
         return value
 
     def stop(self) -> None:
-        self._stop.set()
+        self._requests.put(False)
         self._thread.join()

@@ -140,7 +140,8 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
            wall_start: float, observer: Optional["TrainingObserver"] = None) -> TrainingSummary:
     from loongforge.config.validate import validate
-    from loongforge.data.pipeline import DataPipeline
+    from loongforge.data.pipeline import DataPipeline, resolve_read
+    from loongforge.parallel.exchange import build_data_groups
     from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
@@ -164,12 +165,16 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
                                 train_steps=cfg.training.train_steps)
+    # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
+    data_groups = None
+    if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
+        data_groups = build_data_groups(layout.tp_rank, layout.pp_rank, layout.dp_rank)
     pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
                             dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                             pad_to_multiple=_pad_multiple(cfg, layout),
                             rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
                             balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
-                            cost_model=getattr(observer, "cost_model", None))
+                            cost_model=getattr(observer, "cost_model", None), groups=data_groups)
     balancing = pipeline if cfg.balance.enabled else None
     pipeline = observer.data_source(pipeline)
 
@@ -199,6 +204,9 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
                        progress_bar=cfg.logging.progress_bar)
     if load_path is not None:
         logger.write(f"resumed from {load_path} at step {start_step}")
+    if balancing is not None:
+        logger.write(f"balance: {balancing.balance_mode} mode (data.read={balancing.read}), "
+                     f"threshold {cfg.balance.threshold}")
     is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
     summary = TrainingSummary(start_step=start_step, end_step=start_step, output_dir=str(out_dir))
     seq_length = cfg.data.seq_len

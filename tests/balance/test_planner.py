@@ -172,7 +172,7 @@ def test_exchange_lists_route_every_sample_from_its_owner_to_its_planned_rank():
     costs, tokens = _long_tail(200, seed=4)
     owner = np.repeat(np.arange(4), 50)  # rank r loaded samples 50r .. 50r+49
     plan = plan_step(costs, tokens, dp_size=4, micro_batches=4, seq_len=16384)
-    sends = exchange_lists(plan, owner)
+    sends = exchange_lists(plan.rank_of, owner, 4)
     seen = []
     for src in range(4):
         for dst in range(4):
@@ -182,7 +182,7 @@ def test_exchange_lists_route_every_sample_from_its_owner_to_its_planned_rank():
     assert sorted(seen) == list(range(200))
     # A rank with nothing to send still gets (empty) lists for every peer.
     plan = plan_step(np.ones(3), np.ones(3, dtype=int), dp_size=4, micro_batches=1, seq_len=10)
-    sends = exchange_lists(plan, [0, 0, 0])
+    sends = exchange_lists(plan.rank_of, [0, 0, 0], 4)
     assert all(len(sends[s]) == 4 for s in range(4)) and sends[3] == [[], [], [], []]
 
 

@@ -183,3 +183,10 @@ def test_world_size_argument_overrides_config_value():
     assert check_run_config(cfg, world_size=3) == [
         "training.global_batch_size=4 is not divisible by the data-parallel size 3 (world 3 / "
         "(TP 1 x PP 1)); use a multiple of 3."]
+
+
+def test_data_read_choices_and_packed_sharded():
+    (message,) = errors_for("data.read=shard")
+    assert "data.read='shard'" in message and "did you mean 'sharded'" in message
+    messages = errors_for("data.source=packed", "data.packed=/tmp/x", "data.read=sharded")
+    assert any("data.read=sharded does not apply to data.source=packed" in m for m in messages)

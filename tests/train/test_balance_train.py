@@ -45,3 +45,18 @@ def test_balanced_run_resumes_exactly(off, tmp_path):
     run_train(tmp_path, *BALANCE_ON, "training.exit_at_step=2", nproc=2)
     run_train(tmp_path, *BALANCE_ON, nproc=2, resume=True)
     assert_close_relative(losses(tmp_path), losses(off), rel=1e-5)
+
+
+def test_exchange_mode_keeps_losses_and_resumes_exactly(tmp_path):
+    # data.read=sharded: each rank loads its own half of the samples, so balancing gathers sizes
+    # and moves samples between the ranks (exchange mode) in the data thread.
+    sharded = ("data.read=sharded", "data.synthetic_num_samples=400")
+    off = tmp_path / "off"
+    run_train(off, *sharded, nproc=2)
+    on = tmp_path / "on"
+    first = run_train(on, *sharded, *BALANCE_ON, "training.exit_at_step=2", nproc=2)
+    run_train(on, *sharded, *BALANCE_ON, nproc=2, resume=True)
+    assert "balance: exchange mode (data.read=sharded)" in first.stdout + first.stderr
+    assert_close_relative(losses(on), losses(off), rel=1e-5)
+    records = [json.loads(line) for line in (on / "metrics.jsonl").read_text().splitlines()]
+    assert len(records) == 4 and sum(r["balance_applied"] for r in records) > 0
