@@ -48,6 +48,7 @@ class SampleSize:
 
     length: int
     patches: tuple[int, ...] = ()
+    loss_tokens: int = 0  # tokens the loss is computed on (the LM head runs on these only)
 
 
 def sample_patches(sample) -> list[int]:
@@ -59,7 +60,8 @@ def sample_patches(sample) -> list[int]:
 
 
 def sample_size(sample) -> SampleSize:
-    return SampleSize(int(sample.length), tuple(sample_patches(sample)))
+    """A MeasuredSample's (or a SampleSize's) size for pricing."""
+    return SampleSize(int(sample.length), tuple(sample_patches(sample)), int(sample.loss_tokens))
 
 
 def _fill_empty(lists: list[list[list[int]]], costs: np.ndarray) -> Optional[list[list[list[int]]]]:
@@ -98,7 +100,8 @@ class StepBalancer:
             raise ValueError(f"{len(rows)} rows for dp_size={dp} x micro_batches={m}")
         samples = [s for row in rows for s in row]
         tokens = np.array([s.length for s in samples], dtype=np.int64)
-        costs = self.cost_model.sample_costs(tokens, [sample_patches(s) for s in samples])
+        costs = self.cost_model.sample_costs(tokens, [sample_patches(s) for s in samples],
+                                             [s.loss_tokens for s in samples])
         row_of = np.repeat(np.arange(len(rows)), [len(row) for row in rows])
         arrival = plan_from_assignment(row_of // m, row_of % m, costs, tokens, dp_size=dp,
                                        micro_batches=m, objective=self.objective)

@@ -2,13 +2,16 @@
 
 One micro-batch's forward+backward time on one rank is modelled as
 
-    t = a * sum L^2 + b * sum L + c * N + d * sum P^2 + e * sum P + f * n_img
+    t = a * sum L^2 + b * sum L + c * N + d * sum P^2 + e * sum P + f * n_img + g * n_loss
 
 over its samples (L: a sample's language-model tokens, text and merged image tokens included) and
 its images/videos (P: one image's or video's vision patches before the 2x2 merge). The quadratic
 terms are attention (causal over each packed sample in the LLM; over each image in the ViT's
 full-attention blocks), the linear terms are the matmuls, N and n_img are per-sample and per-image
-overheads. Everything is in seconds; coefficients are non-negative.
+overheads, and n_loss counts the tokens the loss is computed on: the LM head (vocabulary x hidden
+GEMM, softmax, cross-entropy) runs on those only, so a sample's cost depends on its answer share
+(most of a small model's cost with a 152k vocabulary; ~7% of the matmuls at 7B). Everything is in
+seconds; coefficients are non-negative.
 
 This module is pure Python + numpy: the planner runs in data-loading threads and in simulations.
 """
@@ -26,7 +29,7 @@ import numpy as np
 COST_FORMAT = "loongforge-cost/1"
 
 # Order of the features and coefficients everywhere (profiles, fits, COST.json).
-TERMS = ("sum_L2", "sum_L", "N", "sum_P2", "sum_P", "n_img")
+TERMS = ("sum_L2", "sum_L", "N", "sum_P2", "sum_P", "n_img", "n_loss")
 TERM_DESCRIPTIONS = {
     "sum_L2": "sum over samples of L^2, L = the sample's language-model tokens",
     "sum_L": "sum over samples of L",
@@ -34,7 +37,10 @@ TERM_DESCRIPTIONS = {
     "sum_P2": "sum over images/videos of P^2, P = vision patches of one image before merging",
     "sum_P": "sum over images/videos of P",
     "n_img": "number of images and videos",
+    "n_loss": "number of tokens with loss (the LM head and cross-entropy run on these only)",
 }
+# Terms a COST.json may lack (written before the term existed): read as 0.
+_OPTIONAL_TERMS = ("n_loss",)
 
 
 @dataclass(frozen=True)
@@ -43,16 +49,17 @@ class SampleCost:
 
     tokens: int  # L
     patches: tuple[int, ...] = ()  # P of each image / video in the sample
+    loss_tokens: int = 0  # tokens of this sample the loss is computed on
 
     def features(self) -> np.ndarray:
-        """This sample's contribution to each term, in ``TERMS`` order: shape [6]."""
+        """This sample's contribution to each term, in ``TERMS`` order: shape [7]."""
         p = np.asarray(self.patches, dtype=np.float64)
         return np.array([float(self.tokens) ** 2, float(self.tokens), 1.0,
-                         float((p * p).sum()), float(p.sum()), float(len(p))])
+                         float((p * p).sum()), float(p.sum()), float(len(p)), float(self.loss_tokens)])
 
 
 def batch_features(samples: Iterable[SampleCost]) -> np.ndarray:
-    """Aggregated features of a micro-batch: shape [6]."""
+    """Aggregated features of a micro-batch: shape [7]."""
     total = np.zeros(len(TERMS))
     for sample in samples:
         total += sample.features()
@@ -86,23 +93,31 @@ class CostModel:
         return np.array([self.coefficients[t] for t in TERMS], dtype=np.float64)
 
     def predict_features(self, features: np.ndarray) -> np.ndarray:
-        """features [..., 6] -> predicted seconds [...]."""
+        """features [..., 7] -> predicted seconds [...]."""
         return np.asarray(features, dtype=np.float64) @ self.vector
 
     def predict_micro_batch(self, features: np.ndarray) -> np.ndarray:
-        """Aggregated micro-batch features [..., 6] -> predicted forward+backward seconds [...]."""
+        """Aggregated micro-batch features [..., 7] -> predicted forward+backward seconds [...]."""
         return self.predict_features(features) + self.micro_batch_overhead_s
 
     def sample_cost(self, sample: SampleCost) -> float:
         return float(self.predict_features(sample.features()))
 
-    def sample_costs(self, tokens: Sequence[int], patches: Sequence[Sequence[int]]) -> np.ndarray:
-        """Vectorised per-sample cost: tokens [n], patches (n lists) -> seconds [n]."""
+    def sample_costs(self, tokens: Sequence[int], patches: Sequence[Sequence[int]],
+                     loss_tokens: Optional[Sequence[int]] = None) -> np.ndarray:
+        """Vectorised per-sample cost: tokens [n], patches (n lists), loss tokens [n] -> seconds [n].
+        ``loss_tokens`` may be omitted only when the model prices them at 0."""
         L = np.asarray(tokens, dtype=np.float64)
+        if loss_tokens is None:
+            if self.coefficients["n_loss"] > 0:
+                raise ValueError("this cost model prices loss tokens (n_loss > 0): pass each "
+                                 "sample's loss-token count")
+            loss_tokens = np.zeros_like(L)
         p2 = np.array([sum(p * p for p in ps) for ps in patches], dtype=np.float64)
         p1 = np.array([sum(ps) for ps in patches], dtype=np.float64)
         n_img = np.array([len(ps) for ps in patches], dtype=np.float64)
-        feats = np.stack([L * L, L, np.ones_like(L), p2, p1, n_img], axis=-1)
+        feats = np.stack([L * L, L, np.ones_like(L), p2, p1, n_img,
+                          np.asarray(loss_tokens, dtype=np.float64)], axis=-1)
         return feats @ self.vector
 
     def term_shares(self, features: np.ndarray) -> dict[str, float]:
@@ -120,7 +135,7 @@ class CostModel:
 
     def to_dict(self) -> dict:
         return {"format": COST_FORMAT,
-                "model": "t = a*sum_L2 + b*sum_L + c*N + d*sum_P2 + e*sum_P + f*n_img "
+                "model": "t = a*sum_L2 + b*sum_L + c*N + d*sum_P2 + e*sum_P + f*n_img + g*n_loss "
                          "(+ micro_batch_overhead_s per micro-batch)",
                 "terms": {t: TERM_DESCRIPTIONS[t] for t in TERMS},
                 **asdict(self)}
@@ -133,7 +148,8 @@ class CostModel:
         if data.get("format") != COST_FORMAT:
             raise ValueError(f"{origin}: format {data.get('format')!r} is not {COST_FORMAT!r}; "
                              "write it with `loongforge fit-cost`")
-        return cls(coefficients={k: float(v) for k, v in data["coefficients"].items()},
+        coefficients = {t: 0.0 for t in _OPTIONAL_TERMS} | {k: float(v) for k, v in data["coefficients"].items()}
+        return cls(coefficients=coefficients,
                    units=data.get("units", "seconds"), source=data.get("source", "file"),
                    environment=data.get("environment", {}), accuracy=data.get("accuracy", {}),
                    micro_batch_overhead_s=float(data.get("micro_batch_overhead_s", 0.0)))
@@ -172,6 +188,7 @@ def flops_model(*, hidden: int, layers: int, params_language: float, vision_hidd
         "sum_P2": 3 * 4 * vision_hidden * vision_full_attention_layers * s,
         "sum_P": 6 * params_vision * s,
         "n_img": 0.0,
+        "n_loss": 0.0,  # the head is counted in params_language, on every token
     }, source="flops")
 
 

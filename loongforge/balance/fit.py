@@ -49,6 +49,8 @@ _REMEDY = {
     "sum_P2": "profile images of several different sizes (`loongforge profile --sweep`)",
     "sum_P": "profile images of several different sizes (`loongforge profile --sweep`)",
     "n_img": "profile rows with different numbers of images (`loongforge profile --sweep`)",
+    "n_loss": "profile samples whose answer (loss) shares differ (`loongforge profile --sweep` varies "
+              "them; profiles of one fixed share cannot separate it from sum_L)",
     OVERHEAD: "profile packed rows with different numbers of samples (`loongforge profile --sweep`)",
 }
 
@@ -92,6 +94,15 @@ CLOCKS = ("wall", "cpu")
 STEP_TIMES = ("fwd_bwd", "step")
 
 
+def record_features(record: dict) -> list[float]:
+    """A micro_batch record's features in ``TERMS`` order. Profiles written before the n_loss term
+    carry the same count as the record's ``loss_tokens``."""
+    features = record["features"]
+    if "n_loss" not in features:
+        features = {**features, "n_loss": record.get("loss_tokens", 0)}
+    return [float(features[t]) for t in TERMS]
+
+
 def observations_from_records(micro_batches: list[dict], steps: list[dict], *,
                               include_warmup: bool = False, clock: str = "wall",
                               step_time: str = "fwd_bwd", step_key: str = "step") -> Observations:
@@ -112,7 +123,7 @@ def observations_from_records(micro_batches: list[dict], steps: list[dict], *,
     if mbs and f"forward{suffix}" not in mbs[0]:
         raise FitError(f"the profile has no {clock}-clock times (CPU times are recorded on CPU "
                        f"runs only); use --clock wall")
-    features = np.array([[r["features"][t] for t in TERMS] for r in mbs], dtype=np.float64)
+    features = np.array([record_features(r) for r in mbs], dtype=np.float64)
     seconds = np.array([r[f"forward{suffix}"] + r[f"backward{suffix}"] for r in mbs], dtype=np.float64)
     step_seconds: dict = {}
     for r in steps:
@@ -185,7 +196,8 @@ def check_identifiable(features: np.ndarray, *, intercept: bool,
     if dead:
         groups = sorted({tuple(_null_terms(vt[i], columns)) for i in dead})
         lengths = sorted({round(math.sqrt(x)) for x in features[:, 0] / np.maximum(features[:, 2], 1)})
-        detail = "; ".join(f"{', '.join(g)} move together ({_REMEDY[g[0]]})" for g in groups)
+        detail = "; ".join(f"{', '.join(g)} move together ({'; '.join(dict.fromkeys(_REMEDY[t] for t in g))})"
+                           for g in groups)
         raise FitError(f"rank-deficient profile: terms not identifiable: {detail}; or leave such "
                        f"terms out on purpose (fit-cost --exclude TERM). (The profile has "
                        f"{len(lengths)} distinct mean sample lengths.)")

@@ -41,21 +41,29 @@ MANIFEST_NAME = "manifest.jsonl"
 class SamplePool:
     tokens: list = field(default_factory=list)  # L per sample
     patches: list = field(default_factory=list)  # tuple of P per image/video, per sample
+    loss: list = field(default_factory=list)  # loss tokens per sample; None where the source lacks them
     sources: dict = field(default_factory=dict)  # path -> samples read
     dropped_too_long: int = 0
     rejected: int = 0
 
-    def add(self, tokens: int, patches: Sequence[int], seq_len: int) -> None:
+    def add(self, tokens: int, patches: Sequence[int], seq_len: int, loss_tokens: Optional[int] = None) -> None:
         if tokens > seq_len:
             self.dropped_too_long += 1
             return
         self.tokens.append(int(tokens))
         self.patches.append(tuple(int(p) for p in patches))
+        self.loss.append(None if loss_tokens is None else int(loss_tokens))
 
     def arrays(self, model: CostModel) -> tuple[np.ndarray, np.ndarray]:
         """(costs in seconds [n], tokens [n])."""
         tokens = np.asarray(self.tokens, dtype=np.int64)
-        return model.sample_costs(tokens, self.patches), tokens
+        if model.coefficients["n_loss"] == 0:
+            return model.sample_costs(tokens, self.patches), tokens
+        if any(n is None for n in self.loss):
+            raise InputError("the cost model prices loss tokens (n_loss > 0) but some --data sources carry "
+                             "no answer lengths (OmniBal CSVs, older pack manifests); use conversation files, or a "
+                             "cost model fitted with `fit-cost --exclude n_loss`")
+        return model.sample_costs(tokens, self.patches, self.loss), tokens
 
 
 # -------------------------------------------------------------------------------------- readers
@@ -69,7 +77,7 @@ def _read_manifest(folder: Path, pool: SamplePool, seq_len: int) -> None:
                 continue
             try:
                 for sample in json.loads(line)["samples"]:
-                    pool.add(int(sample["tokens"]), sample.get("patches", []), seq_len)
+                    pool.add(int(sample["tokens"]), sample.get("patches", []), seq_len, sample.get("loss_tokens"))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise InputError(f"{path}:{number}: not a pack manifest line ({exc}); expected "
                                  '{"samples": [{"tokens": L, "patches": [P, ...]}, ...]}') from None
@@ -112,9 +120,12 @@ class _ChatSizer:
         texts = [render_chat([Turn("user", ("<image>" if w else "") + q), Turn("assistant", a)],
                              self.system_prompt).text for q, a, w, _ in chats]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        for (_, _, width, height), length in zip(chats, lengths):
+        # Loss tokens: the answer and its <|im_end|>, as the chat template marks them.
+        answers = [len(ids) + 1 for ids in self.tokenizer([a for _, a, _, _ in chats],
+                                                          add_special_tokens=False)["input_ids"]]
+        for (_, _, width, height), length, answer in zip(chats, lengths, answers):
             if not width:
-                pool.add(length, (), seq_len)
+                pool.add(length, (), seq_len, answer)
                 continue
             try:
                 grid = image_grid_thw(width, height, self.sizing)
@@ -123,7 +134,7 @@ class _ChatSizer:
                 continue
             # One <|image_pad|> in the text becomes one token per merged 2x2 patch group.
             tokens = length - 1 + num_llm_tokens(grid, self.sizing.merge_size)
-            pool.add(tokens, (grid[0] * grid[1] * grid[2],), seq_len)
+            pool.add(tokens, (grid[0] * grid[1] * grid[2],), seq_len, answer)
 
 
 def _mathvista_chats(data: dict) -> list[tuple[str, str, int, int]]:
@@ -199,7 +210,7 @@ def _read_conversations(paths: list[Path], pool: SamplePool, preset: str, seq_le
             pool.rejected += 1
             continue
         grids = list(measured.image_grids) + [plan.grid_thw for plan in measured.video_plans]
-        pool.add(measured.length, [t * h * w for t, h, w in grids], seq_len)
+        pool.add(measured.length, [t * h * w for t, h, w in grids], seq_len, measured.loss_tokens)
 
 
 def load_pool(paths: Sequence[str | Path], *, preset: str, seq_len: int) -> SamplePool:

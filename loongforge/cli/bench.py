@@ -9,11 +9,12 @@ from typing import Annotated, Optional
 import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
+from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetOption
 
 # The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
 BALANCE_PRESET = "qwen2.5vl-7b"
 
-app = typer.Typer(name="bench", help="Benchmarks: load balancing, packing.", no_args_is_help=True,
+app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing.", no_args_is_help=True,
                   add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
@@ -128,3 +129,68 @@ def pack(
         (out / "pack.md").write_text(text)
         typer.echo(text)
         typer.echo(f"wrote {out / 'pack.md'} and {out / 'pack.png'}")
+
+
+@app.command("train")
+def train(
+    inputs: Annotated[Optional[list[str]], typer.Argument(
+        metavar="[DATA...] [KEY=VALUE...]", show_default=False,
+        help="Dataset files (as for data.paths; default: the preset's data) and dotted overrides.")] = None,
+    cost: Annotated[Path, typer.Option(
+        "--cost", metavar="COST.json", show_default=False,
+        help="Cost model from `loongforge fit-cost` for this model and machine; the balanced run "
+             "prices samples with it and the prediction uses it.")] = None,
+    preset: PresetOption = None,
+    config: ConfigFileOption = None,
+    steps: Annotated[int, typer.Option("--steps", min=2, metavar="N", help="Steps per run.")] = 12,
+    warmup_steps: Annotated[int, typer.Option(
+        "--warmup-steps", min=0, metavar="N", help="First steps of each run left out of the figures.")] = 2,
+    nproc_per_node: NprocPerNodeOption = None,
+    out: Annotated[Path, typer.Option(
+        "--out", metavar="DIR", help="Write train.md, train.json, train.png and both profiles here.")]
+        = Path("bench_train"),
+) -> None:
+    """Train the same steps with balancing off and on; measured step time and wait vs the prediction."""
+    import sys
+
+    from loongforge.bench.train import bench_overrides, compare_runs, format_report, measure_run, plot_runs
+    from loongforge.balance.cost_model import CostModel
+    from loongforge.cli.profile import split_inputs
+    from loongforge.config.errors import InputError
+    from loongforge.config.loader import load_run_config
+    from loongforge.config.presets import DEFAULT_PRESET
+    from loongforge.parallel import launcher
+    from loongforge.profile.records import read_profile
+    from loongforge.profile.run import profile_overrides, run_profile
+
+    with cli_errors():
+        if cost is None:
+            raise UsageError("--cost COST.json is required: profile (`loongforge profile --sweep`) and fit "
+                             "(`loongforge fit-cost`) this model on this machine first")
+        if warmup_steps >= steps:
+            raise UsageError(f"--warmup-steps {warmup_steps} leaves no measured step of --steps {steps}")
+        try:
+            model = CostModel.load(cost)
+        except ValueError as exc:
+            raise InputError(f"--cost: {exc}") from None
+        data, overrides = split_inputs(inputs or [])
+        out = out.resolve()
+        out.mkdir(parents=True, exist_ok=True)
+        world = launcher.resolve_world_size(nproc_per_node) or 1
+        runs = {}
+        for name, balanced in (("off", False), ("on", True)):
+            output = out / f"{name}.jsonl"
+            cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config, world_size=world, overrides=[
+                *overrides, *profile_overrides(data, output, steps),
+                *bench_overrides(balanced=balanced, cost=cost.resolve())])
+            typer.echo(f"... training {steps} steps with balance.enabled={str(balanced).lower()}", err=True)
+            run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=False, warmup_steps=warmup_steps,
+                        command_line=list(sys.argv))
+            runs[name] = read_profile([output])
+        result = compare_runs(measure_run("off", runs["off"], model), measure_run("on", runs["on"], model))
+        report = format_report(result)
+        plot_runs(out / "train.png", runs["off"], runs["on"], result)
+        (out / "train.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        (out / "train.md").write_text(f"```\n{' '.join(sys.argv)}\n```\n\n{report}\n\n![per-rank compute](train.png)\n")
+        typer.echo(report)
+        typer.echo(f"wrote {out / 'train.md'}, {out / 'train.json'} and {out / 'train.png'}")

@@ -59,7 +59,7 @@ def fit_cost(
     include_warmup: Annotated[bool, typer.Option(
         "--include-warmup", help="Also fit the steps the profile flagged as warm-up.")] = False,
 ) -> None:
-    """Fit t = a*sum L^2 + b*sum L + c*N + d*sum P^2 + e*sum P + f*n_img to measured compute times."""
+    """Fit t = a*sum L^2 + b*sum L + c*N + d*sum P^2 + e*sum P + f*n_img + g*n_loss to measured compute times."""
     from loongforge.balance.fit import (
         FitError, cross_validate, fit, flops_crossover_length, observations_from_profile, plot_fit)
     from loongforge.cli.errors import UsageError

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import functools
 import sys
 from pathlib import Path
 from typing import Annotated, Optional
@@ -11,7 +10,6 @@ import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
 from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetOption
-from loongforge.config.overrides import Override
 from loongforge.config.presets import DEFAULT_PRESET
 
 InputsArgument = Annotated[Optional[list[str]], typer.Argument(
@@ -23,20 +21,6 @@ def split_inputs(inputs: list[str]) -> tuple[list[str], list[str]]:
     """(data paths, overrides): an override contains '=' or starts with '~'."""
     overrides = [item for item in inputs if "=" in item or item.startswith("~")]
     return [item for item in inputs if item not in overrides], overrides
-
-
-def _profile_overrides(data: list[str], output: Path, steps: int) -> list[Override]:
-    # Built as values, not text, so paths are never reparsed as YAML.
-    run_dir = output.with_name(output.stem + ".run")
-    values = {("training", "train_steps"): steps, ("training", "exit_at_step"): None,
-              ("checkpoint", "save_at_end"): False, ("checkpoint", "save_interval"): 0,
-              ("logging", "output_dir"): str(run_dir), ("logging", "tensorboard"): False,
-              ("logging", "progress_bar"): False}
-    if data:
-        values[("data", "source")] = "files"
-        values[("data", "paths")] = [str(Path(p)) for p in data]
-    return [Override(f"profile:{'.'.join(key)}", key, delete=False, value=value)
-            for key, value in values.items()]
 
 
 def profile(
@@ -63,7 +47,7 @@ def profile(
     """Run real training steps and record each rank's per-micro-batch compute time and features."""
     from loongforge.config.loader import load_run_config
     from loongforge.parallel import launcher
-    from loongforge.profile.run import profile_worker
+    from loongforge.profile.run import profile_overrides, run_profile
 
     with cli_errors():
         data, overrides = split_inputs(inputs or [])
@@ -74,15 +58,8 @@ def profile(
                              f"--steps {steps}; raise --steps")
         output = output.resolve()
         cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config,
-                              overrides=[*overrides, *_profile_overrides(data, output, steps)],
+                              overrides=[*overrides, *profile_overrides(data, output, steps)],
                               world_size=launcher.resolve_world_size(nproc_per_node) or 1)
-        worker = functools.partial(profile_worker, output=str(output), sweep=sweep,
-                                   warmup_steps=warmup_steps, answer_share=answer_share)
-        functools.update_wrapper(worker, profile_worker)  # the elastic launcher logs __name__
-        command_line = list(sys.argv)
-        if launcher.needs_local_workers(nproc_per_node):
-            launcher.launch_local_workers(cfg, nproc_per_node=nproc_per_node, resume=False,
-                                          command_line=command_line, entrypoint=worker)
-        else:
-            worker(cfg, False, command_line)
+        run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=sweep, warmup_steps=warmup_steps,
+                    command_line=list(sys.argv), answer_share=answer_share)
         typer.echo(f"wrote {output}")

@@ -52,6 +52,12 @@ class MeasuredSample:
     def length(self) -> int:
         return len(self.input_ids)
 
+    @property
+    def loss_tokens(self) -> int:
+        """Positions trained with loss: labels are the next token, so every answer token but one
+        at position 0 is predicted from the position before it (``collate``'s loss_mask)."""
+        return int(self.is_answer[1:].sum())
+
 
 @dataclass
 class MaterializedSample:

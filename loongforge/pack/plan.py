@@ -4,7 +4,8 @@ Manifest line (the balancer and ``train`` read these names)::
 
     {"pack": i, "shard": "shards/shard-00000.parquet", "row": r, "tokens": total,
      "samples": [{"id": "<file>:<line>", "file": ..., "line": ..., "index": n, "tokens": L,
-                  "patches": [P per image, then per video], "images": n_img, "videos": n_vid}]}
+                  "patches": [P per image, then per video], "images": n_img, "videos": n_vid,
+                  "loss_tokens": tokens with loss (the LM head runs on these)}]}
 
 ``index`` is the sample's position in the inputs (files in order, records in file order).
 Pack ``i`` is row ``i % packs_per_shard`` of shard ``i // packs_per_shard``.
@@ -74,7 +75,7 @@ def manifest_lines(plan: Plan) -> Iterator[dict]:
 def _manifest_sample(record: dict) -> dict:
     return {"id": record["id"], "file": record["file"], "line": record["line"], "index": record["i"],
             "tokens": record["tokens"], "patches": record["patches"], "images": record["images"],
-            "videos": record["videos"]}
+            "videos": record["videos"], "loss_tokens": record.get("loss_tokens")}
 
 
 def reject_lines(plan: Plan) -> Iterator[dict]:

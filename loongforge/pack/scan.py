@@ -1,6 +1,6 @@
 """Scan stage: every input sample -> one scan record (measured lengths, or a reject).
 
-A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos"}`` for a usable
+A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos", "loss_tokens"}`` for a usable
 sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
 t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "reason",
 "detail"}`` for a rejected one. Records are written in chunks of ``layout.SCAN_CHUNK`` samples,
@@ -28,7 +28,7 @@ def scan_record(index: int) -> dict:
     patches += [t * h * w for t, h, w in (plan.grid_thw for plan in measured.video_plans)]
     return {"i": index, "id": measured.sample_id, "file": measured.file, "line": measured.line,
             "tokens": measured.length, "patches": patches, "images": len(measured.image_grids),
-            "videos": len(measured.video_plans)}
+            "videos": len(measured.video_plans), "loss_tokens": measured.loss_tokens}
 
 
 def _scan_chunk(task: tuple[int, int, int]) -> tuple[int, list[dict]]:

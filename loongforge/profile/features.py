@@ -20,9 +20,13 @@ def _media_patches(grid_thw: torch.Tensor | None) -> list[int]:
 
 def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
                  merge_size: int) -> list[SampleCost]:
-    """One SampleCost per real sample (padding excluded) with the patches of its images/videos."""
+    """One SampleCost per real sample (padding excluded) with the patches of its images/videos
+    and its loss tokens."""
     lengths = [int(n) for n in micro_batch["sample_lengths"]]
     ids = micro_batch["input_ids"].reshape(-1)
+    bounds = np.cumsum([0, *lengths])
+    loss_mask = micro_batch["loss_mask"].reshape(-1)
+    loss = [int(loss_mask[bounds[i]:bounds[i + 1]].sum()) for i in range(len(lengths))]
     merge = merge_size * merge_size
     patches: list[list[int]] = [[] for _ in lengths]
     for token_id, grids in ((image_token_id, micro_batch.get("image_grid_thw")),
@@ -42,14 +46,14 @@ def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
                                  f"grids {media}, pads per sample {pads}")
             patches[sample].append(p)
             pads[sample] -= p // merge
-    return [SampleCost(tokens=L, patches=tuple(ps)) for L, ps in zip(lengths, patches)]
+    return [SampleCost(tokens=L, patches=tuple(ps), loss_tokens=n) for L, ps, n in zip(lengths, patches, loss)]
 
 
 def micro_batch_record(micro_batch: dict, samples: list[SampleCost]) -> dict:
     """The feature part of a ``micro_batch`` record."""
     features = batch_features(samples)
     return {
-        "samples": [{"L": s.tokens, "patches": list(s.patches)} for s in samples],
+        "samples": [{"L": s.tokens, "patches": list(s.patches), "loss": s.loss_tokens} for s in samples],
         "features": {t: float(v) for t, v in zip(TERMS, features)},
         "tokens_padded": int(micro_batch["input_ids"].numel()),
         "loss_tokens": int(micro_batch.get("num_loss_tokens", 0)),

@@ -122,11 +122,17 @@ class CostModelKeeper(TrainingObserver):
         try:
             return fit_nnls(obs)
         except FitError as exc:
-            # Real data often has one image size (or none): the vision terms cannot be told
-            # apart. Image tokens still count in L, so fit the language terms rather than nothing.
-            result = fit_nnls(obs, exclude=VISION_TERMS)
-            result.warnings.insert(0, f"{exc} -- fitted without {', '.join(VISION_TERMS)}")
-            return result
+            # Real data often has one image size (or none), or one answer share: those terms
+            # cannot be told apart. Image tokens still count in L and answers in L, so fit the
+            # remaining terms rather than nothing.
+            for exclude in (VISION_TERMS, ("n_loss",), (*VISION_TERMS, "n_loss")):
+                try:
+                    result = fit_nnls(obs, exclude=exclude)
+                except FitError:
+                    continue
+                result.warnings.insert(0, f"{exc} -- fitted without {', '.join(exclude)}")
+                return result
+            raise
 
     def state_dict(self) -> dict:
         return {EXTRA_KEY: self.cost_model.to_dict()} if self.cost_model is not None else {}

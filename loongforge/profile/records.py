@@ -56,7 +56,7 @@ def _check_times(record: dict, where: str) -> None:
                              f"profile is corrupt or was edited, profile again with "
                              f"`loongforge profile`")
     features = record.get("features")
-    if not isinstance(features, dict) or any(t not in features for t in TERMS):
+    if not isinstance(features, dict) or any(t not in features for t in TERMS if t != "n_loss"):
         raise InputError(f"{where}: micro_batch record lacks features {list(TERMS)}; "
                          f"write profiles with `loongforge profile`")
 

@@ -58,12 +58,17 @@ class ProfileObserver(TrainingObserver):
         self._rank = 0
         self._cfg: Optional[RunConfig] = None
         self._layout = None
+        self.cost_model = None  # what balance.enabled prices samples with (token counts if None)
 
     def _part_path(self, rank: int) -> Path:
         return self.output.with_name(f"{self.output.name}.rank{rank:05d}.part")
 
     def attach(self, model_config, *, cfg, env, layout) -> None:
         self._cfg, self._layout, self._rank = cfg, layout, env.rank
+        if cfg.balance.cost_model is not None:  # a balanced profile prices samples with it
+            from loongforge.balance.cost_model import CostModel
+
+            self.cost_model = CostModel.load(cfg.balance.cost_model)
         self._recorder = StepRecorder(model_cfg=cfg.model, rank=env.rank, layout=layout,
                                       warmup_steps=self.warmup_steps)
         self._recorder.attach(model_config, env.device)
@@ -104,6 +109,40 @@ class ProfileObserver(TrainingObserver):
             os.replace(tmp, self.output)
         if dist.is_initialized():
             dist.barrier()
+
+
+def profile_overrides(data: list[str], output: Path, steps: int) -> list:
+    """Overrides that turn a training config into a profiling run writing beside ``output``.
+    Built as values, not text, so paths are never reparsed as YAML."""
+    from loongforge.config.overrides import Override
+
+    run_dir = output.with_name(output.stem + ".run")
+    values = {("training", "train_steps"): steps, ("training", "exit_at_step"): None,
+              ("checkpoint", "save_at_end"): False, ("checkpoint", "save_interval"): 0,
+              ("logging", "output_dir"): str(run_dir), ("logging", "tensorboard"): False,
+              ("logging", "progress_bar"): False}
+    if data:
+        values[("data", "source")] = "files"
+        values[("data", "paths")] = [str(Path(p)) for p in data]
+    return [Override(f"profile:{'.'.join(key)}", key, delete=False, value=value)
+            for key, value in values.items()]
+
+
+def run_profile(cfg: RunConfig, output: Path, *, nproc_per_node: Optional[int], sweep: bool,
+                warmup_steps: int, command_line: list[str], answer_share: float = ANSWER_SHARE) -> None:
+    """Profile ``cfg`` into ``output`` with the process layout ``--nproc-per-node`` asks for."""
+    import functools
+
+    from loongforge.parallel import launcher
+
+    worker = functools.partial(profile_worker, output=str(output), sweep=sweep,
+                               warmup_steps=warmup_steps, answer_share=answer_share)
+    functools.update_wrapper(worker, profile_worker)  # the elastic launcher logs __name__
+    if launcher.needs_local_workers(nproc_per_node):
+        launcher.launch_local_workers(cfg, nproc_per_node=nproc_per_node, resume=False,
+                                      command_line=command_line, entrypoint=worker)
+    else:
+        worker(cfg, False, command_line)
 
 
 def profile_worker(cfg: RunConfig, resume: bool, command_line: list[str], *, output: str,

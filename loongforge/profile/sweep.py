@@ -12,7 +12,8 @@ image grids from 4x4 patches to the largest ``data.max_pixels`` allows:
   image_packed  several image samples of different grids, with text-only samples
 
 Rows follow the ``data.collate`` contract exactly (random token ids, M-RoPE positions from
-``get_rope_index``, an answer-like loss mask over each sample's last quarter, random pixels), so
+``get_rope_index``, an answer-like loss mask over the end of each sample (the share varies around
+``--answer-share``), random pixels), so
 the model runs the same code as on real data. Step ``s`` always gets the same rows on every
 rank; DP rank ``r`` trains on its block of the step's rows, like the data pipeline.
 """
@@ -34,6 +35,7 @@ MIN_LENGTH = 64
 # only, so the sweep should match the training data's share (`profile --answer-share`): with a
 # large vocabulary and a small model the head is most of the cost.
 ANSWER_SHARE = 0.25
+ANSWER_SHARE_FACTORS = (0.5, 1.0, 1.5)  # per-sample share = mean share x one of these
 # Text token ids drawn below the Qwen special tokens.
 _TEXT_VOCAB = 150_000
 
@@ -156,8 +158,11 @@ class SweepSource:
             L = len(sample_ids)
             sample_labels = torch.zeros_like(sample_ids)
             sample_labels[:-1] = sample_ids[1:]
+            # Answer shares vary around the mean so the loss-token term (the LM head runs on
+            # those only) can be told apart from sum L.
+            share = min(0.95, self.answer_share * float(rng.choice(ANSWER_SHARE_FACTORS)))
             mask = torch.zeros(L)
-            mask[L - max(2, int(L * self.answer_share)):L - 1] = 1.0
+            mask[L - max(2, int(L * share)):L - 1] = 1.0
             ids.append(sample_ids), positions.append(sample_pos), labels.append(sample_labels)
             masks.append(mask)
             grids += sample_grids

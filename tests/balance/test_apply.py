@@ -14,6 +14,7 @@ class FakeSample:  # the MeasuredSample fields the balancer reads
     length: int
     image_grids: list = field(default_factory=list)
     video_plans: list = field(default_factory=list)
+    loss_tokens: int = 0
 
 
 def _rows(lengths_per_row):

@@ -14,7 +14,7 @@ from loongforge.config.errors import InputError
 from loongforge.profile.records import PROFILE_FORMAT, read_profile
 
 # Every term carries a few percent of a typical micro-batch, so each is measurable.
-TRUE = dict(sum_L2=2e-8, sum_L=1e-4, N=5e-2, sum_P2=2e-7, sum_P=1e-4, n_img=5e-2)
+TRUE = dict(sum_L2=2e-8, sum_L=1e-4, N=5e-2, sum_P2=2e-7, sum_P=1e-4, n_img=5e-2, n_loss=1e-4)
 OVERHEAD_S = 0.05
 
 
@@ -30,7 +30,7 @@ def synthetic(*, steps=60, ranks=4, micro_batches=2, noise=0.002, seed=0, images
                 for _ in range(int(rng.integers(1, 6))):
                     L = int(rng.integers(64, 4096)) if lengths is None else int(rng.choice(lengths))
                     patches = tuple(int(p) for p in rng.integers(16, 1600, size=rng.integers(0, 4))) if images else ()
-                    samples.append(SampleCost(L, patches))
+                    samples.append(SampleCost(L, patches, loss_tokens=int(L * rng.uniform(0.05, 0.9))))
                 feats.append(batch_features(samples))
                 step_ids.append(step), rank_ids.append(rank)
     F = np.array(feats)
@@ -152,6 +152,27 @@ def test_cost_json_round_trips(tmp_path):
     assert json.loads(path.read_text())["terms"].keys() == set(TERMS)
     features = np.array([batch_features([SampleCost(700, (256,))])])
     assert loaded.predict_micro_batch(features) == pytest.approx(model.predict_micro_batch(features))
+
+
+def test_one_answer_share_leaves_the_loss_term_unidentifiable_and_says_so():
+    obs = synthetic(steps=20)
+    obs.features[:, TERMS.index("n_loss")] = obs.features[:, TERMS.index("sum_L")] * 0.25
+    with pytest.raises(FitError) as error:
+        fit_nnls(obs)
+    assert "n_loss" in str(error.value) and "answer (loss) shares differ" in str(error.value)
+    assert fit_nnls(obs, exclude=["n_loss"]).model.coefficients["n_loss"] == 0.0
+
+
+def test_cost_json_without_the_loss_term_reads_as_zero_and_pricing_needs_loss_counts(tmp_path):
+    data = fit_nnls(synthetic(steps=12)).model.to_dict()
+    assert data["coefficients"]["n_loss"] > 0
+    with pytest.raises(ValueError, match="loss-token count"):
+        CostModel.from_dict(data).sample_costs([100], [()])
+    assert CostModel.from_dict(data).sample_costs([100], [()], [40])[0] > 0
+    del data["coefficients"]["n_loss"]  # a COST.json written before the term existed
+    old = CostModel.from_dict(data)
+    assert old.coefficients["n_loss"] == 0.0
+    assert old.sample_costs([100], [()])[0] > 0
 
 
 def _write_profile(path, obs: Observations) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import numpy as np
 import torch
 
 from loongforge.balance.cost_model import TERMS
@@ -77,7 +78,19 @@ def test_features_assign_images_to_their_samples(cfg):
         assert record["features"]["sum_L"] == sum(mb["sample_lengths"])
         assert record["features"]["N"] == len(row)
         assert record["features"]["n_img"] == sum(len(g) for _, g in row)
+        assert record["features"]["n_loss"] == mb["num_loss_tokens"] == sum(c.loss_tokens for c in costs)
         assert list(record["features"]) == list(TERMS)
+
+
+def test_answer_shares_vary_so_the_loss_term_is_identifiable(cfg):
+    # With one fixed share, n_loss would be a multiple of sum_L and could not be fitted apart.
+    source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=8, answer_share=0.4)
+    shares = []
+    for index in range(30):
+        mb = source.micro_batch(index, source.design.row(index))
+        shares += [c.loss_tokens / c.tokens for c in _costs(cfg, mb) if c.tokens >= 256]
+    assert min(shares) < 0.25 and max(shares) > 0.55
+    assert 0.3 < float(np.mean(shares)) < 0.5
 
 
 def test_row_designs_cycle():

@@ -1,0 +1,167 @@
+"""``loongforge bench train``: balancing measured in real training, next to what the model predicts.
+
+One invocation trains the same steps twice on the same data and layout, recording every rank's
+micro-batches (``loongforge profile`` records): once with ``balance.enabled=false`` (rows in
+arrival order) and once with ``balance.enabled=true`` pricing samples with COST.json. Both runs
+see the same samples in every step (the same seed and row stream; only who trains what changes).
+
+Measured, per run, over the non-warm-up steps:
+- step time: the slowest rank's whole ``train_step`` (forward, backward, gradient sync, optimizer);
+- compute: each rank's forward+backward compute (megatron's compute intervals, no collectives);
+  the step's critical path is the slowest rank's compute;
+- wait: each rank's (slowest rank's compute - own compute), the time it idles at the gradient sync.
+
+Predicted, from the same records and COST.json only (no timings): each rank's compute as the sum
+of the model's micro-batch predictions from the recorded features, so the off run's prediction is
+the arrival assignment's modelled cost and the on run's is the plan's. The predicted step-time gain
+is the predicted compute gain times the share of the off run's step that the slowest rank's compute
+takes (optimizer and the sync itself are not balanced).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+import numpy as np
+
+from loongforge.balance.cost_model import CostModel
+from loongforge.balance.fit import record_features
+from loongforge.profile.records import Profile
+
+
+@dataclass
+class RunMeasure:
+    """Means over the measured (non-warm-up) steps of one run; seconds unless noted."""
+
+    name: str
+    steps: int
+    step_s: float  # slowest rank's train_step
+    max_compute_s: float  # slowest rank's forward+backward compute
+    mean_compute_s: float  # mean over ranks
+    wait_s: float  # mean over ranks of (slowest compute - own compute)
+    wait_by_rank_s: list[float]
+    max_over_mean: float  # measured compute, mean over steps of max/mean over ranks
+    predicted_max_s: float  # model: slowest rank's predicted compute
+    predicted_max_over_mean: float
+
+
+def _per_step_rank(profile: Profile, values) -> dict[int, dict[int, float]]:
+    table: dict[int, dict[int, float]] = {}
+    for record in profile.micro_batches:
+        if record.get("warmup"):
+            continue
+        per_rank = table.setdefault(int(record["step"]), {})
+        per_rank[int(record["rank"])] = per_rank.get(int(record["rank"]), 0.0) + values(record)
+    return table
+
+
+def measure_run(name: str, profile: Profile, model: CostModel) -> RunMeasure:
+    measured = _per_step_rank(profile, lambda r: r["forward_s"] + r["backward_s"])
+    predicted = _per_step_rank(profile, lambda r: float(model.predict_micro_batch(
+        np.array(record_features(r)))))
+    steps = sorted(measured)
+    if not steps:
+        raise ValueError(f"{name}: the profile has no measured steps (all warm-up?); raise --steps")
+    ranks = sorted(measured[steps[0]])
+    compute = np.array([[measured[s][r] for r in ranks] for s in steps])  # [steps, ranks]
+    model_compute = np.array([[predicted[s][r] for r in ranks] for s in steps])  # [steps, ranks]
+    step_s: dict[int, float] = {}
+    for record in profile.steps:
+        if not record.get("warmup"):
+            step_s[int(record["step"])] = max(step_s.get(int(record["step"]), 0.0), float(record["step_s"]))
+    slowest = compute.max(axis=1, keepdims=True)  # [steps, 1]
+    return RunMeasure(
+        name=name, steps=len(steps),
+        step_s=float(np.mean([step_s[s] for s in steps])),
+        max_compute_s=float(slowest.mean()),
+        mean_compute_s=float(compute.mean()),
+        wait_s=float((slowest - compute).mean()),
+        wait_by_rank_s=[float(w) for w in (slowest - compute).mean(axis=0)],
+        max_over_mean=float((compute.max(axis=1) / compute.mean(axis=1)).mean()),
+        predicted_max_s=float(model_compute.max(axis=1).mean()),
+        predicted_max_over_mean=float((model_compute.max(axis=1) / model_compute.mean(axis=1)).mean()),
+    )
+
+
+@dataclass
+class TrainBenchResult:
+    off: RunMeasure
+    on: RunMeasure
+    measured_step_gain: float  # 1 - step_s(on) / step_s(off)
+    measured_compute_gain: float  # 1 - slowest compute(on) / slowest compute(off)
+    predicted_compute_gain: float  # the same from the model's per-rank predictions
+    predicted_step_gain: float  # predicted compute gain x off's compute share of the step
+
+    @property
+    def gap_pp(self) -> float:
+        """Measured minus predicted step-time gain, in percentage points."""
+        return 100.0 * (self.measured_step_gain - self.predicted_step_gain)
+
+    def to_dict(self) -> dict:
+        return {"off": asdict(self.off), "on": asdict(self.on),
+                "measured_step_gain": self.measured_step_gain,
+                "measured_compute_gain": self.measured_compute_gain,
+                "predicted_compute_gain": self.predicted_compute_gain,
+                "predicted_step_gain": self.predicted_step_gain, "gap_pp": self.gap_pp}
+
+
+def compare_runs(off: RunMeasure, on: RunMeasure) -> TrainBenchResult:
+    predicted_compute_gain = 1.0 - on.predicted_max_s / off.predicted_max_s
+    balanced_share = off.max_compute_s / off.step_s  # the part of a step balancing can shorten
+    return TrainBenchResult(
+        off=off, on=on,
+        measured_step_gain=1.0 - on.step_s / off.step_s,
+        measured_compute_gain=1.0 - on.max_compute_s / off.max_compute_s,
+        predicted_compute_gain=predicted_compute_gain,
+        predicted_step_gain=predicted_compute_gain * balanced_share,
+    )
+
+
+def format_report(result: TrainBenchResult) -> str:
+    rows = ["| run | steps | step time (s) | slowest rank compute (s) | mean rank compute (s) | "
+            "wait per rank (s) | compute max/mean | predicted max/mean |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for run in (result.off, result.on):
+        rows.append(f"| balance {run.name} | {run.steps} | {run.step_s:.3f} | {run.max_compute_s:.3f} | "
+                    f"{run.mean_compute_s:.3f} | {run.wait_s:.3f} "
+                    f"({', '.join(f'{w:.3f}' for w in run.wait_by_rank_s)}) | {run.max_over_mean:.4f} | "
+                    f"{run.predicted_max_over_mean:.4f} |")
+    rows += ["",
+             f"step-time gain: measured {100 * result.measured_step_gain:+.2f}%, predicted "
+             f"{100 * result.predicted_step_gain:+.2f}% (gap {result.gap_pp:+.2f} pp)",
+             f"slowest-rank compute gain: measured {100 * result.measured_compute_gain:+.2f}%, predicted "
+             f"{100 * result.predicted_compute_gain:+.2f}%"]
+    return "\n".join(rows)
+
+
+def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: TrainBenchResult) -> None:
+    """Per-step compute of every rank, off (left) and on (right): the gap is the wait."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, profile, run in ((axes[0], off_profile, result.off), (axes[1], on_profile, result.on)):
+        table = _per_step_rank(profile, lambda r: r["forward_s"] + r["backward_s"])
+        steps = sorted(table)
+        for rank in sorted(table[steps[0]]):
+            ax.plot(steps, [table[s][rank] for s in steps], marker="o", label=f"rank {rank}")
+        ax.set_title(f"balance {run.name}: mean wait {run.wait_s:.2f} s/step, step {run.step_s:.2f} s")
+        ax.set_xlabel("step")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("forward+backward compute (s)")
+    axes[1].legend()
+    fig.suptitle(f"step-time gain measured {100 * result.measured_step_gain:+.1f}%, "
+                 f"predicted {100 * result.predicted_step_gain:+.1f}%")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def bench_overrides(*, balanced: bool, cost: Path) -> list:
+    """The two runs differ in these settings only (values, so the path is not reparsed as YAML)."""
+    from loongforge.config.overrides import Override
+
+    values = {("balance", "enabled"): balanced, ("balance", "cost_model"): str(cost) if balanced else None}
+    return [Override(f"bench:{'.'.join(key)}", key, delete=False, value=value) for key, value in values.items()]
