@@ -115,9 +115,14 @@ def fit_cost(
             share = sum(r.get("loss_tokens", 0) for r in mbs) / max(1.0, sum(r["features"]["sum_L"] for r in mbs))
             flops = flops_crossover_length(profile.env["model"], loss_share=share)
             model.accuracy["flops_crossover_length"] = flops
-            typer.echo(f"crossover a*L^2 = b*L: fitted {model.crossover_length():.0f} tokens; FLOP "
-                       f"count {flops['with_lm_head']:.0f} (LM head on {share:.0%} of tokens), "
-                       f"{flops['layers_only']:.0f} without the head")
+            if model.coefficients["n_loss"] > 0:  # the head has its own term: b*L is the layers
+                typer.echo(f"crossover a*L^2 = b*L: fitted {model.crossover_length():.0f} tokens; FLOP count "
+                           f"{flops['layers_only']:.0f} (transformer layers; the LM head on {share:.0%} of "
+                           f"tokens is the n_loss term)")
+            else:
+                typer.echo(f"crossover a*L^2 = b*L: fitted {model.crossover_length():.0f} tokens; FLOP "
+                           f"count {flops['with_lm_head']:.0f} (LM head on {share:.0%} of tokens), "
+                           f"{flops['layers_only']:.0f} without the head")
             model.save(output)
         if plot is not None:
             plot_fit(plot, results, title=f"{profile.env.get('preset')} on {profile.env.get('device')}")

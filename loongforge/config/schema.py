@@ -171,6 +171,11 @@ class TrainingConfig:
     device: str = "auto"
     recompute_activations: bool = False
     freeze_vision: bool = False
+    # Python's garbage collector runs when allocation counts say so, at a different moment on every
+    # rank; a pause mid-step makes that rank the straggler everyone waits for. With N > 0 automatic
+    # collection is off and every rank collects after every N-th step, all at the same step.
+    # 0 = Python's automatic collection.
+    manual_gc_interval: int = 10
 
 
 @dataclass

@@ -54,6 +54,7 @@ _AT_LEAST_ZERO = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
     "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
     "data.synthetic_num_samples", "balance.fit_steps", "balance.fit_warmup_steps",
+    "training.manual_gc_interval",
     "balance.refit_interval", "balance.threshold",
 )
 

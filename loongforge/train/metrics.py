@@ -22,6 +22,9 @@ class StepMetrics:
     data_wait_s: float
     # balance.enabled: {"applied": bool, "before": max/LB of the arrival assignment, "after": trained}
     balance: Optional[dict] = None
+    # Measured imbalance: the longest minus the shortest gradient-sync time over ranks, i.e. how
+    # long the first rank to finish its micro-batches waited for the last one (None at one rank).
+    sync_wait_s: Optional[float] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -32,6 +35,7 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
     grad = "n/a" if m.grad_norm is None else f"{m.grad_norm:.3f}"
     return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | grad_norm {grad} | lr {m.lr:.3e} | "
             f"tokens/s {m.tokens_per_s:,.0f} | step {m.step_s:.2f}s | data_wait {m.data_wait_s:.3f}s"
+            + ("" if m.sync_wait_s is None else f" | sync_wait {m.sync_wait_s:.3f}s")
             + ("" if m.balance is None else
                f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
                f" ({'applied' if m.balance['applied'] else 'skipped'})"))
@@ -73,7 +77,8 @@ class RunLogger:
             return
         self.history.append(m)
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
-                  "tokens_per_s": m.tokens_per_s, "step_s": m.step_s, "data_wait_s": m.data_wait_s}
+                  "tokens_per_s": m.tokens_per_s, "step_s": m.step_s, "data_wait_s": m.data_wait_s,
+                  "sync_wait_s": m.sync_wait_s}
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],
@@ -88,6 +93,9 @@ class RunLogger:
                 self._writer.add_scalar("balance/max_over_lb", m.balance["after"], m.step)
                 self._writer.add_scalar("balance/max_over_lb_before", m.balance["before"], m.step)
                 self._writer.add_scalar("balance/applied", float(m.balance["applied"]), m.step)
+                # Modelled gain of this step's plan: the slowest rank's cost drops by before/after.
+                self._writer.add_scalar("balance/modelled_gain", m.balance["before"] / m.balance["after"] - 1,
+                                        m.step)
         if self._bar:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{m.loss:.4f}", lr=f"{m.lr:.2e}")

@@ -32,7 +32,7 @@ from loongforge.parallel.distributed import (
 from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from loongforge.train.metrics import RunLogger, StepMetrics
 from loongforge.train.optim import build_optimizer, build_scheduler
-from loongforge.train.step import train_step
+from loongforge.train.step import GradSyncClock, ManualGC, train_step
 
 if TYPE_CHECKING:
     from loongforge.profile.recorder import TrainingObserver
@@ -50,6 +50,11 @@ class TrainingSummary:
     checkpoint: Optional[str] = None
     wall_s: float = 0.0
     balance: Optional[dict] = None  # balance.enabled: applied/skipped steps, mean max/LB before/after
+    sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
+
+    @property
+    def mean_sync_wait_s(self) -> Optional[float]:
+        return sum(self.sync_waits) / len(self.sync_waits) if self.sync_waits else None
 
 
 def library_versions() -> dict:
@@ -110,12 +115,15 @@ def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
     return 8 * layout.tp_size
 
 
-def _global_real_tokens(micro_batches: list[dict], count_here: bool) -> int:
+def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float) -> tuple[int, Optional[float]]:
+    """(real tokens over all ranks, spread of the gradient-sync time over ranks), one collective."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
-    total = torch.tensor([local], dtype=torch.int64)
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.all_reduce(total)
-    return int(total[0])
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return local, None
+    gathered = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64)  # [rank * (tokens, sync_s)]
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(local), sync_s], dtype=torch.float64))
+    per_rank = gathered.view(-1, 2)  # [rank, 2]
+    return int(per_rank[:, 0].sum()), float(per_rank[:, 1].max() - per_rank[:, 1].min())
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False,
@@ -161,6 +169,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     # Per-micro-batch timing hooks (profile, online cost-model fit) and the cost model's home.
     observer = training_observer(cfg, observer)
     observer.attach(model_config, cfg=cfg, env=env, layout=layout)
+    sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
     params_dtype = _DTYPES[cfg.training.precision]
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
@@ -217,6 +226,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         layout_info = {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
         return save_checkpoint(ckpt_root, state, model, optimizer, scheduler, layout=layout_info)
 
+    manual_gc = ManualGC(cfg.training.manual_gc_interval)
     try:
         last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
         for step in range(start_step + 1, last_step + 1):
@@ -230,18 +240,22 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             decision = balancing.last_balance if balancing is not None else None
             sync_cost_model()
             consumed_rows += cfg.training.global_batch_size
-            tokens = _global_real_tokens(micro_batches, is_loss_rank)
+            tokens, sync_wait = _step_totals(micro_batches, is_loss_rank, sync_clock.take())
             metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
                                   lr=result.lr, tokens=tokens,
                                   step_s=result.compute_s + data_wait, data_wait_s=data_wait,
+                                  sync_wait_s=sync_wait,
                                   balance=None if decision is None else {
                                       "applied": decision.applied, "before": decision.before,
                                       "after": decision.after})
             logger.log_step(metrics)
             summary.losses.append((step, result.loss))
+            if sync_wait is not None:
+                summary.sync_waits.append(sync_wait)
             summary.end_step = step
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 summary.checkpoint = str(checkpoint(step))
+            manual_gc.after_step(step)
         if cfg.checkpoint.save_at_end and summary.end_step > start_step and (
                 not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
             summary.checkpoint = str(checkpoint(summary.end_step))
@@ -258,9 +272,11 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         summary.wall_s = time.perf_counter() - wall_start
         logger.write(_summary_text(summary, out_dir))
     finally:
+        manual_gc.close()
         logger.close()
     if env.rank == 0:
-        (out_dir / "summary.json").write_text(json.dumps(summary.__dict__, indent=2, default=str))
+        (out_dir / "summary.json").write_text(json.dumps(
+            {**summary.__dict__, "mean_sync_wait_s": summary.mean_sync_wait_s}, indent=2, default=str))
     return summary
 
 
@@ -276,6 +292,7 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
     return (f"done: steps {summary.start_step + 1}-{summary.end_step} in {summary.wall_s:.0f}s | "
             f"loss {first:.4f} (first {window}) -> {last:.4f} (last {window}) | {reject_text}"
             + (_balance_text(summary.balance) if summary.balance else "")
+            + (f" | mean sync wait {summary.mean_sync_wait_s:.3f}s/step" if summary.sync_waits else "")
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
 
 

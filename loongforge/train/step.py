@@ -9,6 +9,7 @@ load balancer move samples between ranks without changing the training math.
 
 from __future__ import annotations
 
+import gc
 import time
 from dataclasses import dataclass
 from functools import partial
@@ -84,6 +85,63 @@ def _global_loss(reports: list[dict], is_loss_rank: bool) -> tuple[float, int]:
         dist.all_reduce(total)
     loss_sum, tokens = float(total[0]), int(total[1])
     return loss_sum / max(tokens, 1), tokens
+
+
+class ManualGC:
+    """Python garbage collection at the same step on every rank (``training.manual_gc_interval``).
+
+    An automatic collection pauses whichever rank crosses its allocation threshold, mid-step and
+    at a different time on each rank: the paused rank is the straggler. Collecting after every
+    N-th step on all ranks puts the pause where no rank waits for another.
+    """
+
+    def __init__(self, interval: int):
+        self.interval = interval
+        self._was_enabled = gc.isenabled()
+        if interval > 0:
+            gc.collect()
+            gc.disable()
+
+    def after_step(self, step: int) -> None:
+        if self.interval > 0 and step % self.interval == 0:
+            gc.collect()
+
+    def close(self) -> None:
+        if self.interval > 0 and self._was_enabled:
+            gc.enable()
+
+
+class GradSyncClock:
+    """Times megatron's ``finalize_model_grads`` (the data-parallel gradient all-reduce) on this rank.
+
+    A rank that finishes its micro-batches early blocks there until the slowest rank arrives, so the
+    spread of these times over ranks is the step's measured load imbalance: what balancing removes.
+    """
+
+    def __init__(self, model_config, device: torch.device):
+        self._seconds = 0.0
+        self._cuda = device.type == "cuda"
+        finalize = model_config.finalize_model_grads_func
+        if finalize is None:
+            return
+
+        def timed_finalize(*args, **kwargs):
+            if self._cuda:  # kernels still queued belong to the backward, not to the wait
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            try:
+                return finalize(*args, **kwargs)
+            finally:
+                if self._cuda:
+                    torch.cuda.synchronize()
+                self._seconds += time.perf_counter() - start
+
+        model_config.finalize_model_grads_func = timed_finalize
+
+    def take(self) -> float:
+        """Seconds spent in the gradient sync since the last call."""
+        seconds, self._seconds = self._seconds, 0.0
+        return seconds
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device: torch.device,

@@ -36,6 +36,8 @@ def test_balancing_does_not_change_losses_at_dp2(off, tmp_path):
     records = [json.loads(line) for line in (on / "metrics.jsonl").read_text().splitlines()]
     assert sum(r["balance_applied"] for r in records) == balance["applied_steps"]
     assert all(r["balance_max_over_lb"] <= r["balance_max_over_lb_before"] for r in records)
+    assert all(r["sync_wait_s"] >= 0 for r in records)  # measured imbalance at the gradient sync
+    assert summary["mean_sync_wait_s"] >= 0 and "mean sync wait" in proc.stdout + proc.stderr
     assert json.loads((off / "summary.json").read_text())["balance"] is None
     assert "balance max/LB" in proc.stdout + proc.stderr and "steps applied" in proc.stdout + proc.stderr
 
