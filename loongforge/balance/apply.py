@@ -12,8 +12,9 @@ For one step (``rows``: the step's packed rows in arrival order, ``dp * micro_ba
 1. price each sample: language term from its length L, vision term from each image's / video's
    patches t*h*w (``CostModel.sample_costs``);
 2. score the arrival assignment (row i -> rank i // micro_batches, micro-batch i % micro_batches);
-3. if its max/LB - 1 is below ``threshold``, keep it (skipped); otherwise ``plan_step`` the step and
-   use that plan when it is better, every micro-batch holding at least one sample.
+3. if its max/LB - 1 is below ``threshold``, keep it (skipped); otherwise plan the step afresh
+   (``plan_step``) and polish the arrival assignment (``refine_assignment``), and use the better of
+   the two when it beats the arrival, every micro-batch holding at least one sample.
 
 The result is a pure function of the rows and the cost model's coefficients: identical on every rank.
 """
@@ -26,7 +27,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loongforge.balance.cost_model import CostModel, token_count_model
-from loongforge.balance.planner import PlanError, plan_from_assignment, plan_step
+from loongforge.balance.planner import PlanError, plan_from_assignment, plan_step, refine_assignment
 
 
 @dataclass
@@ -112,25 +113,39 @@ class StepBalancer:
 
         if before - 1.0 < self.threshold:
             return keep("below threshold")
+        candidates = []
         try:
-            plan = plan_step(costs, tokens, dp_size=dp, micro_batches=m, seq_len=self.seq_len,
-                             objective=self.objective)
+            candidates.append(plan_step(costs, tokens, dp_size=dp, micro_batches=m, seq_len=self.seq_len,
+                                        objective=self.objective))
         except PlanError:
-            return keep("no plan fits")
-        lists = _fill_empty(plan.micro_batches, costs)
-        if lists is None:
+            pass
+        # The arrival order polished: on tightly packed small steps it can beat a fresh plan.
+        candidates.append(refine_assignment(row_of // m, row_of % m, costs, tokens, dp_size=dp,
+                                            micro_batches=m, seq_len=self.seq_len, objective=self.objective))
+        best = None
+        for candidate in candidates:
+            lists = _fill_empty(candidate.micro_batches, costs)
+            if lists is None:
+                continue
+            after = self._score(lists, costs, tokens)
+            if best is None or after < best[0]:
+                best = (after, lists)
+        if best is None:
             return keep("empty micro-batch")
-        rank_of = np.empty(len(samples), dtype=np.int64)
-        mb_of = np.empty(len(samples), dtype=np.int64)
+        if best[0] >= before:
+            return keep("no gain")
+        return BalanceDecision(best[1], True, before, best[0])
+
+    def _score(self, lists: list[list[list[int]]], costs: np.ndarray, tokens: np.ndarray) -> float:
+        """max/LB of an assignment given as micro-batch lists."""
+        rank_of = np.empty(costs.size, dtype=np.int64)
+        mb_of = np.empty(costs.size, dtype=np.int64)
         for r, rank in enumerate(lists):
             for j, mb in enumerate(rank):
                 rank_of[mb], mb_of[mb] = r, j
-        final = plan_from_assignment(rank_of, mb_of, costs, tokens, dp_size=dp, micro_batches=m,
-                                     objective=self.objective)
-        after = float(final.stats["max_over_lb"])
-        if after >= before:
-            return keep("no gain")
-        return BalanceDecision(lists, True, before, after)
+        plan = plan_from_assignment(rank_of, mb_of, costs, tokens, dp_size=self.dp_size,
+                                    micro_batches=self.num_micro_batches, objective=self.objective)
+        return float(plan.stats["max_over_lb"])
 
 
 class BalanceCounters:

@@ -13,9 +13,11 @@ Measured, per run, over the non-warm-up steps:
 
 Predicted, from the same records and COST.json only (no timings): each rank's compute as the sum
 of the model's micro-batch predictions from the recorded features, so the off run's prediction is
-the arrival assignment's modelled cost and the on run's is the plan's. The predicted step-time gain
-is the predicted compute gain times the share of the off run's step that the slowest rank's compute
-takes (optimizer and the sync itself are not balanced).
+the arrival assignment's modelled cost and the on run's is the plan's.
+
+Compared (``compare_runs``): per step, the slowest rank's compute over the mean rank's, measured
+and predicted; raw step times are reported too, with the drift of the machine's speed between the
+two runs that they include.
 """
 
 from __future__ import annotations
@@ -87,33 +89,37 @@ def measure_run(name: str, profile: Profile, model: CostModel) -> RunMeasure:
 class TrainBenchResult:
     off: RunMeasure
     on: RunMeasure
-    measured_step_gain: float  # 1 - step_s(on) / step_s(off)
-    measured_compute_gain: float  # 1 - slowest compute(on) / slowest compute(off)
-    predicted_compute_gain: float  # the same from the model's per-rank predictions
-    predicted_step_gain: float  # predicted compute gain x off's compute share of the step
+    measured_step_gain: float  # step_s(off) / step_s(on) - 1: raw, includes machine-speed drift
+    work_drift: float  # mean rank compute(on) / (off) - 1: 0 on a steady machine (same work)
+    measured_balance_gain: float  # compute max/mean(off) / max/mean(on) - 1: per step, drift-free
+    predicted_balance_gain: float  # the same from the model's per-rank predictions
 
     @property
     def gap_pp(self) -> float:
-        """Measured minus predicted step-time gain, in percentage points."""
-        return 100.0 * (self.measured_step_gain - self.predicted_step_gain)
+        """Measured minus predicted balance gain, in percentage points."""
+        return 100.0 * (self.measured_balance_gain - self.predicted_balance_gain)
 
     def to_dict(self) -> dict:
         return {"off": asdict(self.off), "on": asdict(self.on),
-                "measured_step_gain": self.measured_step_gain,
-                "measured_compute_gain": self.measured_compute_gain,
-                "predicted_compute_gain": self.predicted_compute_gain,
-                "predicted_step_gain": self.predicted_step_gain, "gap_pp": self.gap_pp}
+                "measured_step_gain": self.measured_step_gain, "work_drift": self.work_drift,
+                "measured_balance_gain": self.measured_balance_gain,
+                "predicted_balance_gain": self.predicted_balance_gain, "gap_pp": self.gap_pp}
 
 
 def compare_runs(off: RunMeasure, on: RunMeasure) -> TrainBenchResult:
-    predicted_compute_gain = 1.0 - on.predicted_max_s / off.predicted_max_s
-    balanced_share = off.max_compute_s / off.step_s  # the part of a step balancing can shorten
+    """Gains as throughput (x_off / x_on - 1), like ``bench balance``'s "gain vs none".
+
+    Both runs train the same samples in every step, so each step's mean rank compute is the same
+    work; a machine that runs faster or slower between the runs shifts it (``work_drift``).
+    The slowest rank's compute divided by the mean, per step, is free of that drift: it is what
+    balancing changes, measured and predicted on the same micro-batches.
+    """
     return TrainBenchResult(
         off=off, on=on,
-        measured_step_gain=1.0 - on.step_s / off.step_s,
-        measured_compute_gain=1.0 - on.max_compute_s / off.max_compute_s,
-        predicted_compute_gain=predicted_compute_gain,
-        predicted_step_gain=predicted_compute_gain * balanced_share,
+        measured_step_gain=off.step_s / on.step_s - 1.0,
+        work_drift=on.mean_compute_s / off.mean_compute_s - 1.0,
+        measured_balance_gain=off.max_over_mean / on.max_over_mean - 1.0,
+        predicted_balance_gain=off.predicted_max_over_mean / on.predicted_max_over_mean - 1.0,
     )
 
 
@@ -127,10 +133,14 @@ def format_report(result: TrainBenchResult) -> str:
                     f"({', '.join(f'{w:.3f}' for w in run.wait_by_rank_s)}) | {run.max_over_mean:.4f} | "
                     f"{run.predicted_max_over_mean:.4f} |")
     rows += ["",
-             f"step-time gain: measured {100 * result.measured_step_gain:+.2f}%, predicted "
-             f"{100 * result.predicted_step_gain:+.2f}% (gap {result.gap_pp:+.2f} pp)",
-             f"slowest-rank compute gain: measured {100 * result.measured_compute_gain:+.2f}%, predicted "
-             f"{100 * result.predicted_compute_gain:+.2f}%"]
+             f"balance gain (slowest / mean rank compute, per step): measured "
+             f"{100 * result.measured_balance_gain:+.2f}%, predicted {100 * result.predicted_balance_gain:+.2f}% "
+             f"(gap {result.gap_pp:+.2f} pp)",
+             f"wait at the gradient sync: {result.off.wait_s:.3f} -> {result.on.wait_s:.3f} s per rank per step",
+             f"raw step time: {result.off.step_s:.3f} -> {result.on.step_s:.3f} s "
+             f"({100 * result.measured_step_gain:+.2f}%); the same work ran "
+             f"{100 * result.work_drift:+.2f}% {'longer' if result.work_drift > 0 else 'shorter'} per rank in "
+             f"the balanced run (machine speed between the runs)"]
     return "\n".join(rows)
 
 
@@ -152,8 +162,8 @@ def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: Tra
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("forward+backward compute (s)")
     axes[1].legend()
-    fig.suptitle(f"step-time gain measured {100 * result.measured_step_gain:+.1f}%, "
-                 f"predicted {100 * result.predicted_step_gain:+.1f}%")
+    fig.suptitle(f"balance gain (slowest/mean rank compute) measured {100 * result.measured_balance_gain:+.1f}%, "
+                 f"predicted {100 * result.predicted_balance_gain:+.1f}%")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -149,6 +149,9 @@ def train(
     out: Annotated[Path, typer.Option(
         "--out", metavar="DIR", help="Write train.md, train.json, train.png and both profiles here.")]
         = Path("bench_train"),
+    report_only: Annotated[bool, typer.Option(
+        "--report-only", help="Train nothing: rebuild the report from off.jsonl and on.jsonl in --out "
+                              "(e.g. with another --cost).")] = False,
 ) -> None:
     """Train the same steps with balancing off and on; measured step time and wait vs the prediction."""
     import sys
@@ -180,6 +183,11 @@ def train(
         runs = {}
         for name, balanced in (("off", False), ("on", True)):
             output = out / f"{name}.jsonl"
+            if report_only:
+                if not output.is_file():
+                    raise InputError(f"--report-only: no {output}; run without --report-only first")
+                runs[name] = read_profile([output])
+                continue
             cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config, world_size=world, overrides=[
                 *overrides, *profile_overrides(data, output, steps),
                 *bench_overrides(balanced=balanced, cost=cost.resolve())])

@@ -5,7 +5,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import pytest
 
-from loongforge.balance.apply import BalanceCounters, StepBalancer, sample_patches
+from loongforge.balance.apply import BalanceCounters, SampleSize, StepBalancer, sample_patches
 from loongforge.balance.cost_model import CostModel, TERMS
 
 
@@ -107,3 +107,15 @@ def test_threshold_defaults():
     from loongforge.config.schema import BalanceConfig
 
     assert BalanceConfig().enabled is False and BalanceConfig().threshold == 0.01
+
+
+def test_balancer_uses_the_polished_arrival_when_it_beats_a_fresh_plan():
+    from tests.balance.test_planner import TIGHT_COSTS, TIGHT_TOKENS
+
+    # Price samples by their loss tokens only, so the costs above are reproduced exactly.
+    model = CostModel({t: 0.0 for t in TERMS} | {"n_loss": 1.0})
+    sizes = [SampleSize(int(t), (), int(round(c * 100))) for t, c in zip(TIGHT_TOKENS, TIGHT_COSTS)]
+    rows = [sizes[0:3], sizes[3:6], sizes[6:10], sizes[10:13]]
+    decision = _balancer(seq_len=4096, cost_model=model).decide(rows)
+    assert decision.applied and decision.before > 1.08 and decision.after < 1.003
+    _check_partition(decision, rows, dp=2, m=2, seq_len=4096)
