@@ -465,6 +465,21 @@ def fit(obs: Observations, method: str = "nnls", **kwargs) -> FitResult:
     raise FitError(f"--method {method!r} is not one of nnls | smoothmax")
 
 
+def check_model(model: CostModel, obs: Observations) -> dict:
+    """How well an existing model predicts observations it was not fitted to (another data set,
+    machine or day): per micro-batch, the scale measured / predicted, and per step (slowest rank's
+    predicted compute + this profile's median fixed step overhead)."""
+    if len(obs.seconds) == 0:
+        raise FitError("the profile has no micro-batch observations to check against")
+    predicted = model.predict_micro_batch(obs.features)
+    _, measured_steps = step_times(obs)
+    overhead = nnls_step_overhead(model, obs)
+    return {"micro_batch": accuracy(predicted, obs.seconds),
+            "scale": float(np.median(obs.seconds / np.maximum(predicted, 1e-12))),
+            "step_time": accuracy(predict_step_nnls(model, obs, overhead), measured_steps),
+            "step_overhead_s": overhead}
+
+
 # --------------------------------------------------------------------------------------------
 # Plot
 # --------------------------------------------------------------------------------------------

@@ -149,6 +149,10 @@ def train(
     out: Annotated[Path, typer.Option(
         "--out", metavar="DIR", help="Write train.md, train.json, train.png and both profiles here.")]
         = Path("bench_train"),
+    order: Annotated[str, typer.Option(
+        "--order", metavar="off-on|on-off",
+        help="Which run goes first. A machine that speeds up or slows down over time favours one "
+             "order; running both orders (two --out folders) cancels that.")] = "off-on",
     report_only: Annotated[bool, typer.Option(
         "--report-only", help="Train nothing: rebuild the report from off.jsonl and on.jsonl in --out "
                               "(e.g. with another --cost).")] = False,
@@ -180,8 +184,11 @@ def train(
         out = out.resolve()
         out.mkdir(parents=True, exist_ok=True)
         world = launcher.resolve_world_size(nproc_per_node) or 1
+        if order not in ("off-on", "on-off"):
+            raise UsageError(f"--order {order!r} is not one of off-on | on-off")
         runs = {}
-        for name, balanced in (("off", False), ("on", True)):
+        sequence = (("off", False), ("on", True))
+        for name, balanced in (sequence if order == "off-on" else sequence[::-1]):
             output = out / f"{name}.jsonl"
             if report_only:
                 if not output.is_file():
@@ -198,7 +205,7 @@ def train(
         result = compare_runs(measure_run("off", runs["off"], model), measure_run("on", runs["on"], model))
         report = format_report(result)
         plot_runs(out / "train.png", runs["off"], runs["on"], result)
-        (out / "train.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        (out / "train.json").write_text(json.dumps({**result.to_dict(), "order": order}, indent=2) + "\n")
         (out / "train.md").write_text(f"```\n{' '.join(sys.argv)}\n```\n\n{report}\n\n![per-rank compute](train.png)\n")
         typer.echo(report)
         typer.echo(f"wrote {out / 'train.md'}, {out / 'train.json'} and {out / 'train.png'}")

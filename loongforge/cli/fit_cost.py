@@ -33,6 +33,24 @@ def _format_report(name: str, report: dict) -> list[str]:
     return lines
 
 
+def _report_check(path: Path, obs) -> None:
+    from loongforge.balance.cost_model import CostModel
+    from loongforge.balance.fit import check_model
+    from loongforge.config.errors import InputError
+
+    try:
+        model = CostModel.load(path)
+    except ValueError as exc:
+        raise InputError(f"--check: {exc}") from None
+    result = check_model(model, obs)
+    mb, step = result["micro_batch"], result["step_time"]
+    typer.echo(f"{path} on {mb['count']} micro-batches: R^2 {_num(mb, 'r2', 4)}, median error "
+               f"{_num(mb, 'median_ape_pct', 2)}%, p90 {_num(mb, 'p90_ape_pct', 2)}%; measured/predicted "
+               f"median {result['scale']:.3f}")
+    typer.echo(f"step time ({step['count']} steps, fixed overhead {result['step_overhead_s']:.3f} s): "
+               f"median error {_num(step, 'median_ape_pct', 2)}%, p90 {_num(step, 'p90_ape_pct', 2)}%")
+
+
 def fit_cost(
     profiles: Annotated[list[Path], typer.Argument(
         metavar="PROFILE.jsonl...", help="Profiles written by `loongforge profile` (same model, device, dtype).")],
@@ -56,6 +74,10 @@ def fit_cost(
         "--exclude", metavar="TERM",
         help="Leave a term out of the fit (coefficient 0, recorded in COST.json), e.g. the vision "
              "terms of a profile whose images all have one size. Repeatable.")] = None,
+    check: Annotated[Optional[Path], typer.Option(
+        "--check", metavar="COST.json",
+        help="Fit nothing: report how well this existing model predicts the profiles (e.g. a sweep "
+             "fit checked on real data, or last week's model on today's machine).")] = None,
     include_warmup: Annotated[bool, typer.Option(
         "--include-warmup", help="Also fit the steps the profile flagged as warm-up.")] = False,
 ) -> None:
@@ -71,6 +93,9 @@ def fit_cost(
         profile = read_profile(profiles)
         obs = observations_from_profile(profile, include_warmup=include_warmup, clock=clock,
                                         step_time=step_time)
+        if check is not None:
+            _report_check(check, obs)
+            return
         exclude = list(exclude or [])
         results = {method: fit(obs, method, exclude=exclude)}
         for other in METHODS:  # the comparison is part of every report

@@ -208,6 +208,31 @@ def test_fit_cost_command_writes_cost_json_with_accuracy_and_plot(tmp_path):
     assert fig.stat().st_size > 10_000
 
 
+def test_fit_cost_check_reports_an_existing_models_accuracy_on_another_profile(tmp_path):
+    from typer.testing import CliRunner
+
+    from loongforge.cli.app import app
+
+    fitted_on, checked_on = tmp_path / "A.jsonl", tmp_path / "B.jsonl"
+    _write_profile(fitted_on, synthetic(steps=40, seed=1))
+    _write_profile(checked_on, synthetic(steps=20, seed=2))
+    cost = tmp_path / "COST.json"
+    assert CliRunner().invoke(app, ["fit-cost", str(fitted_on), "--output", str(cost)]).exit_code == 0
+    result = CliRunner().invoke(app, ["fit-cost", str(checked_on), "--check", str(cost)])
+    assert result.exit_code == 0, result.output
+    median = float(result.output.split("median error ")[1].split("%")[0])
+    assert median < 1.0 and "measured/predicted median 1.0" in result.output
+    # A model that is off by 2x says so.
+    doubled = CostModel.load(cost)
+    doubled.coefficients = {k: 2 * v for k, v in doubled.coefficients.items()}
+    doubled.micro_batch_overhead_s *= 2
+    doubled.save(tmp_path / "double.json")
+    result = CliRunner().invoke(app, ["fit-cost", str(checked_on), "--check", str(tmp_path / "double.json")])
+    assert "measured/predicted median 0.50" in result.output
+    bad = CliRunner().invoke(app, ["fit-cost", str(checked_on), "--check", str(tmp_path / "missing.json")])
+    assert bad.exit_code == 2 and bad.output.startswith("error: --check:")
+
+
 def test_fit_cost_command_reports_rank_deficiency_in_one_line(tmp_path):
     from typer.testing import CliRunner
 
