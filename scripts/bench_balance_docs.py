@@ -68,7 +68,7 @@ def _targets(results, lat_values) -> list[str]:
                  f"{', '.join(behind)} | {'yes' if not behind else 'NO'} |")
     wall99, cpu99 = max(w for w, _ in lat_values), max(c for _, c in lat_values)
     lines.append(f"| planner p99 <= 50 ms at 16,384 samples, DP=512 | CPU time p99 <= {cpu99:.1f} ms; "
-                 f"wall p99 <= {wall99:.1f} ms on the shared box (see below) | "
+                 f"wall p99 <= {wall99:.1f} ms (see below) | "
                  f"{'yes' if wall99 <= 50 else 'CPU yes; wall only when the box is not oversubscribed'} |")
     return lines
 
@@ -129,7 +129,7 @@ HEADER = """# DP load balancing: `loongforge bench balance`
 Modelled step time of four strategies on the real sets in `../shared/data`, from
 `python scripts/bench_balance_docs.py --steps {steps}` (each set is one
 `loongforge bench balance --data ... --seq-len {seq_len} --steps {steps}` run). Measured {date} on
-{machine}, shared with other jobs (load average before / after: {load}); the strategy tables took
+{machine} (1-minute load average before / after: {load}; above 2 means other jobs shared the CPUs); the strategy tables took
 {table_s} s.
 
 Setup: preset `{preset}` (tokenizer, image resize rules), seq_len {seq_len}, the documented default
@@ -151,9 +151,9 @@ sample). gain = (sum of none's step times) / (sum of the strategy's) - 1, i.e. t
 
 """
 
-LATENCY_NOTE = """Wall time is what a rank would wait on this contended 2-CPU box; CPU time (`time.thread_time`)
+LATENCY_NOTE = """Wall time is what a rank would wait on this 2-CPU machine; CPU time (`time.thread_time`)
 is the planner's own cost. The target (p99 <= 50 ms) is about the planner, which runs in the data
-loader's background thread; p99 wall time here mostly measures the other jobs on the machine.
+loader's background thread; when other jobs share the CPUs, p99 wall time mostly measures them.
 """
 
 ABLATION_NOTE = """On packed steps the reference never rebalances: every rank gets about the same number of tokens,
@@ -203,7 +203,7 @@ CAVEATS = """
 - Steps are next-fit packs of the drawn samples; the tighter the packing, the less room
   any balancer has. The planner falls back to refining the arrival packing when cost-first placement
   finds no room (rare; counted in `plan.stats["fallback"]`).
-- Planner latency columns in the strategy tables are wall-clock on a machine shared with other jobs.
+- Planner latency columns in the strategy tables are wall-clock (see the load average above).
 """
 
 
