@@ -64,8 +64,9 @@ def build_sample_source(data_cfg: DataConfig) -> Union[FileSamples, SyntheticSam
 class RejectLog:
     """Counts each reject once (by file, line, reason) and appends new ones to a JSONL file."""
 
-    def __init__(self, path: Optional[Path]):
+    def __init__(self, path: Optional[Path], *, keep_new: bool = False):
         self.path = Path(path) if path is not None else None
+        self.keep_new = keep_new  # exchange mode hands new rejects to the other ranks
         self._seen: set[tuple[str, int, str]] = set()
         self._counts: Counter = Counter()
         self._new: list[Reject] = []  # recorded since the last take_new() (exchange mode shares them)
@@ -77,7 +78,8 @@ class RejectLog:
                 return
             self._seen.add(reject.key)
             self._counts[reject.reason] += 1
-            self._new.append(reject)
+            if self.keep_new:
+                self._new.append(reject)
             if self.path is not None:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path, "a", encoding="utf-8") as f:
@@ -199,7 +201,7 @@ class DataPipeline:
         self.sizing = vision_sizing(data_cfg, model_cfg)
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
-        self.rejects = RejectLog(rejects_path)
+        self.rejects = RejectLog(rejects_path, keep_new=self.read == "sharded")
         self.groups = groups
         # In sharded reading only each DP rank's leader loads; its TP / PP peers get its batches.
         self.loads_data = self.read == "global" or groups is None or groups.is_leader
