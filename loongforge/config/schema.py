@@ -84,8 +84,11 @@ class ModelConfig:
     tokens: TokenIdsConfig = field(default_factory=TokenIdsConfig)
     # Video frames per second of position time; Qwen2.5-VL uses 2 temporal ids per second.
     tokens_per_second: int = 2
-    # auto: Transformer Engine, then flash-attn on GPU when importable; torch SDPA otherwise.
-    attention_backend: str = "auto"
+    # What the transformer blocks of both towers are built from (loongforge.models.layer_backend):
+    # te (Transformer Engine norm-linear, linears, attention), flash (local linears, flash-attn),
+    # sdpa (local linears, torch SDPA; runs anywhere). auto: the first of te, flash, sdpa that can
+    # run the device and precision. Checkpoints do not depend on the choice.
+    layer_backend: str = "auto"
     # Published parameter count, checked by tests against the architecture arithmetic.
     reference_num_params: Optional[int] = None
 

@@ -29,7 +29,7 @@ from loongforge.config.schema import RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.attention_backend": ("auto", "sdpa", "te", "flash"),
+    "model.layer_backend": ("auto", "te", "flash", "sdpa"),
     "training.precision": ("bf16", "fp32"),
     "training.device": ("auto", "cpu", "cuda"),
     "schedule.decay_style": ("cosine", "constant"),

@@ -33,6 +33,7 @@ from loongforge.convert.hf_io import (
 from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
 from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, Rule, Vocab, mapping_rules
+from loongforge.models.state_dict_names import fused_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
@@ -364,16 +365,8 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
 
 def _resolve_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
                   vocab_size: int) -> dict[str, str]:
-    """Our global key -> the key in the checkpoint (plain or Transformer-Engine norm names)."""
-    available = {}
-    for key in reader.tensors:
-        if key.startswith("optimizer."):
-            continue
-        plain = key
-        for te_name, name in families.TE_NORM_ALIASES.items():
-            if key.endswith(te_name):
-                plain = key[: -len(te_name)] + name
-        available[plain] = key
+    """Our global key -> the key in the checkpoint (fused or separate norm names)."""
+    available = {fused_name(key): key for key in reader.tensors if not key.startswith("optimizer.")}
     resolved = {}
     for link in links:
         if link.mcore_key in resolved:

@@ -9,8 +9,7 @@ conversion needs around it:
   and nested (``text_config``, ``rope_parameters``) configs, and ``ModelConfig`` -> a Hub-style
   ``config.json`` when the source has none;
 - the HF tensor names and shapes a config implies, so a checkpoint is checked against a config or
-  a preset before anything is written;
-- Transformer-Engine norm names on the megatron side (fused into the following linear).
+  a preset before anything is written.
 """
 
 from __future__ import annotations
@@ -31,13 +30,6 @@ HF_SIDE_FILES = (
     "added_tokens.json", "preprocessor_config.json", "video_preprocessor_config.json",
     "processor_config.json", "chat_template.json", "chat_template.jinja", "generation_config.json",
 )
-
-# megatron key suffix with Transformer Engine's fused norm -> the plain-module name loongforge builds.
-TE_NORM_ALIASES = {
-    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
-    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
-}
-
 
 def detect_family(hf_config: Mapping[str, Any], where: str) -> str:
     """The family of an HF ``config.json``; InputError naming what was found otherwise."""

@@ -1,4 +1,4 @@
-"""Core attention modules for megatron-core layer specs, and the backend choice.
+"""Core attention modules for megatron-core's local layer specs.
 
 megatron-core's ``SelfAttention`` projects q, k, v, applies RoPE and then calls its ``core_attention``
 submodule. Its default local implementation (``DotProductAttention``) wants CUDA buffers and rejects
@@ -7,10 +7,8 @@ packed sequences, so loongforge supplies its own through the layer spec:
 - ``SDPACoreAttention``: torch ``scaled_dot_product_attention`` per packed segment. Runs anywhere;
   the CPU path and the numerical reference.
 - ``FlashCoreAttention``: flash-attn's varlen kernel (GPU, imported only when used).
-- Transformer Engine: megatron-core's own ``TEDotProductAttention``.
 
-``core_attention_module(backend, device)`` picks one; ``model.attention_backend`` in the config is
-``auto`` | ``sdpa`` | ``te`` | ``flash``.
+``loongforge.models.layer_backend`` picks one (or Transformer Engine's) from ``model.layer_backend``.
 
 Input/output contract (that of ``DotProductAttention``): q ``[t, np, hd]``, k/v ``[t, ng, hd]`` when
 ``packed_seq_params.qkv_format == "thd"``, else q ``[s, b, np, hd]``, k/v ``[s, b, ng, hd]``; returns
@@ -19,7 +17,6 @@ Input/output contract (that of ``DotProductAttention``): q ``[t, np, hd]``, k/v 
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Optional
 
@@ -31,9 +28,6 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
-
-ATTENTION_BACKENDS = ("auto", "sdpa", "te", "flash")
-
 
 class _CoreAttentionBase(MegatronModule):
     """Shared constructor: the signature ``SelfAttention`` builds core attention with."""
@@ -179,49 +173,3 @@ class FlashCoreAttention(_CoreAttentionBase):
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, heads, hd]
         out = flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
-
-
-def _importable(module_name: str) -> bool:
-    return importlib.util.find_spec(module_name) is not None
-
-
-def resolve_attention_backend(backend: str, device: torch.device | str) -> str:
-    """Turn ``model.attention_backend`` into a concrete backend: ``sdpa``, ``te`` or ``flash``.
-
-    ``auto`` prefers Transformer Engine, then flash-attn, on a CUDA device where they import, and
-    falls back to SDPA. Asking for ``te``/``flash`` where they cannot run is an error, not a fallback.
-    """
-    if backend not in ATTENTION_BACKENDS:
-        raise ValueError(
-            f"model.attention_backend={backend!r} is not one of {', '.join(ATTENTION_BACKENDS)}"
-        )
-    on_cuda = torch.device(device).type == "cuda"
-    if backend == "auto":
-        if on_cuda and _importable("transformer_engine"):
-            return "te"
-        if on_cuda and _importable("flash_attn"):
-            return "flash"
-        return "sdpa"
-    if backend in ("te", "flash"):
-        package = "transformer_engine" if backend == "te" else "flash_attn"
-        if not on_cuda:
-            raise ValueError(f"model.attention_backend={backend!r} needs a CUDA device; use sdpa or auto")
-        if not _importable(package):
-            raise ValueError(
-                f"model.attention_backend={backend!r} needs the {package} package; install it "
-                "(pip install 'loongforge[gpu]') or use sdpa"
-            )
-    return backend
-
-
-def core_attention_module(backend: str) -> type:
-    """The core-attention class for a resolved backend (see ``resolve_attention_backend``)."""
-    if backend == "sdpa":
-        return SDPACoreAttention
-    if backend == "flash":
-        return FlashCoreAttention
-    if backend == "te":
-        from megatron.core.extensions.transformer_engine import TEDotProductAttention
-
-        return TEDotProductAttention
-    raise ValueError(f"unresolved attention backend {backend!r}; call resolve_attention_backend first")

@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from loongforge.config.errors import ConfigError
 from loongforge.config.schema import ParallelConfig
 
 
@@ -82,13 +83,29 @@ def _launch_env_from_slurm() -> None:
 
 
 def resolve_device(preference: str) -> torch.device:
+    """``training.device`` -> the device this run computes on (``auto``: CUDA when there is one)."""
+    if preference == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("training.device=cuda but this machine has no usable CUDA device "
+                          "(torch.cuda.is_available() is False); use training.device=cpu or auto")
     if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
         return torch.device("cuda")
     return torch.device("cpu")
 
 
+def process_group_backend(device: torch.device) -> str:
+    """The default group's backend for a run on ``device``.
+
+    A CUDA run's collectives move CUDA tensors (gradients, pipeline activations) over NCCL, and its
+    per-step bookkeeping (loss and token totals, sync-wait spread) moves small CPU tensors; an
+    NCCL-only group refuses those ("No backend type associated with device type cpu"), so the
+    group carries both: gloo for CPU tensors, NCCL for CUDA ones. A CPU run is gloo only.
+    """
+    return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
+
+
 def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> DistributedEnv:
-    """Initialise the default process group (gloo on CPU, NCCL on GPU) from the launch environment."""
+    """Initialise the default process group (see ``process_group_backend``) from the launch
+    environment."""
     _launch_env_from_slurm()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -102,14 +119,14 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> 
     if device.type == "cuda":
         torch.cuda.set_device(local_rank)
         device = torch.device("cuda", local_rank)
-    backend = "nccl" if device.type == "cuda" else "gloo"
+    backend = process_group_backend(device)
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
     return DistributedEnv(rank, world_size, local_rank, device, backend)
 
 
-def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int) -> ParallelLayout:
+def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torch.device) -> ParallelLayout:
     """Create megatron-core's TP/PP/DP groups and seed every RNG so TP ranks agree."""
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -130,7 +147,7 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int) -> ParallelL
     # One seed on every rank: with CPU initialisation megatron-core builds each full weight from this
     # RNG and slices it, so the initial model does not depend on the TP layout.
     seed_everything(seed)
-    if torch.cuda.is_available():
+    if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)
     else:
         # The CUDA RNG tracker cannot be created on CPU; this form falls back to the CPU generator

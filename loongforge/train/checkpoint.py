@@ -25,6 +25,8 @@ import torch.distributed as dist
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
+from loongforge.models.state_dict_names import separate_name
+from loongforge.parallel import mcore_patches
 
 LATEST_FILE = "latest"
 # meta.json "kind" of a weights-only checkpoint (written by `loongforge convert --to mcore`).
@@ -43,19 +45,24 @@ def step_dir_name(step: int) -> str:
     return f"step_{step:08d}"
 
 
-def _rng_state() -> dict:
+def _on_cuda(model_chunks: list) -> bool:
+    """Whether the run computes on CUDA (read from its parameters, not from what is installed)."""
+    return any(param.is_cuda for chunk in model_chunks for param in chunk.parameters())
+
+
+def _rng_state(on_cuda: bool) -> dict:
     state = {"python": random.getstate(), "numpy": np.random.get_state(),
              "torch": torch.get_rng_state()}
-    if torch.cuda.is_available():
+    if on_cuda:
         state["cuda"] = torch.cuda.get_rng_state()
     return state
 
 
-def _set_rng_state(state: dict) -> None:
+def _set_rng_state(state: dict, on_cuda: bool) -> None:
     random.setstate(state["python"])
     np.random.set_state(state["numpy"])
     torch.set_rng_state(state["torch"])
-    if "cuda" in state and torch.cuda.is_available():
+    if "cuda" in state and on_cuda:
         torch.cuda.set_rng_state(state["cuda"])
 
 
@@ -64,8 +71,14 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
+def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool,
+                   saved_keys: Optional[set[str]] = None) -> dict:
+    """The model (and optimizer) as dist_checkpointing describes them; ``saved_keys`` (loading): the
+    keys of the checkpoint, whose naming the model's entries are fitted to first."""
     model_sd = {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    if saved_keys is not None:
+        # Before the optimizer's entries are derived from the model's: they follow the renames.
+        model_sd["model"] = fit_to_checkpoint_names(model_sd["model"], saved_keys)
     if optimizer is not None:
         # "fully_reshardable": the distributed optimizer's default format (fully_sharded_model_space)
         # cannot be written by megatron-core 0.16.1; this one also reshards across DP sizes.
@@ -75,45 +88,63 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool) -> dict:
     return model_sd
 
 
-def _init_optimizer_state(optimizer) -> None:
-    """Create empty Adam state (moments and step) for every parameter, so the optimizer can describe
-    the sharded layout it is about to load into; torch creates state lazily at the first step."""
-    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
-        inner = getattr(chained, "optimizer", None)
-        if inner is None or not isinstance(inner, torch.optim.Adam):
+def fit_to_checkpoint_names(sharded: dict, saved_keys: set[str]) -> dict:
+    """Point a model's sharded entries at the names a checkpoint uses for them.
+
+    Tensors: a checkpoint with separate-norm names (``input_layernorm.weight``; megatron's local spec
+    and loongforge before the fused layout) is read by renaming our fused keys (``state_dict_names``).
+    Objects (``_extra_state``: Transformer Engine's FP8 metadata, None elsewhere) that the checkpoint
+    lacks, because another layer backend wrote it, are left out and keep their fresh values; a
+    tensor the checkpoint lacks stays in, so dist_checkpointing names it as missing.
+    """
+    from megatron.core.dist_checkpointing.mapping import ShardedObject
+
+    fitted = {}
+    for name, item in sharded.items():
+        if isinstance(item, ShardedObject):
+            if item.key in saved_keys:
+                fitted[name] = item
             continue
-        for group in inner.param_groups:
-            for param in group["params"]:
-                state = inner.state[param]
-                if not state:
-                    state["step"] = torch.zeros((), dtype=torch.float32)
-                    state["exp_avg"] = torch.zeros_like(param.data)
-                    state["exp_avg_sq"] = torch.zeros_like(param.data)
+        if item.key not in saved_keys and separate_name(item.key) in saved_keys:
+            item.key = separate_name(item.key)
+        fitted[name] = item
+    return fitted
 
 
-def _fix_distributed_optimizer_state_restore() -> None:
-    """megatron-core 0.16.1 restores distributed-optimizer state (without TE/Apex) by ``copy_`` into
-    leaf tensors that require grad, and also into Adam's ``step`` entry, which the checkpoint does
-    not carry: both raise. Copy under no_grad and only the keys the checkpoint has."""
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+def _load_weights(model, loaded: dict, path: Path) -> None:
+    """Every parameter and buffer from ``loaded``; ``_extra_state`` entries the checkpoint did not
+    have (see ``fit_to_checkpoint_names``) keep their fresh values."""
+    result = model.load_state_dict(loaded, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise InputError(f"{path}: weights do not fit the model: missing {missing[:3]}, "
+                         f"unexpected {result.unexpected_keys[:3]}")
 
-    original = DistributedOptimizer._set_main_param_and_optimizer_states
-    if getattr(original, "_loongforge_fixed", False):
-        return
 
-    def set_states(self, model_param, tensors):
-        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
-            return original(self, model_param, tensors)
-        group_index, group_order = self.model_param_group_index_map[model_param]
-        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
-        destinations = {"param": main_param, **self.optimizer.state[main_param]}
-        with torch.no_grad():
-            for key, source in tensors.items():
-                if key in destinations and torch.is_tensor(destinations[key]):
-                    destinations[key].copy_(source)
+def _saved_keys(model_optim_dir: Path) -> set[str]:
+    from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
-    set_states._loongforge_fixed = True
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_states
+    return set(load_sharded_metadata(str(model_optim_dir)).keys())
+
+
+def _init_optimizer_state(optimizer) -> None:
+    """Create the (zero) optimizer state of every parameter, so the optimizer can describe the sharded
+    layout it is about to load into; torch and TE/Apex Adam create state lazily at the first step.
+
+    megatron-core's ``init_state_fn`` is the one made for the Adam it chose (torch, TE or Apex, with
+    or without precision-aware state); SGD has none and needs none.
+    """
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer]):
+        init_state_fn = getattr(chained, "init_state_fn", None)
+        inner = getattr(chained, "optimizer", None)
+        if init_state_fn is None or inner is None:
+            continue
+        init_state_fn(inner, chained.config)
+        if isinstance(inner, (torch.optim.Adam, torch.optim.AdamW)):
+            # torch's Adam counts steps per parameter, in the state (TE's and Apex's keep the count
+            # in the parameter groups); megatron's state_dict reads it while describing the layout.
+            for param_state in inner.state.values():
+                param_state.setdefault("step", torch.zeros((), dtype=torch.float32))
 
 
 def _unshare_adam_steps(optimizer) -> None:
@@ -147,7 +178,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
                             str(tmp_dir / "model_optim"))
     torch.save({"step": state.step, "consumed_rows": state.consumed_rows,
                 "data_state": state.data_state, "extra": state.extra,
-                "scheduler": scheduler.state_dict(), "rng": _rng_state()},
+                "scheduler": scheduler.state_dict(), "rng": _rng_state(_on_cuda(model_chunks))},
                tmp_dir / f"rank_{rank:05d}.pt")
     _barrier()
     if rank == 0:
@@ -185,17 +216,14 @@ def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
 
     model = _unwrap(model_chunks[0])
     sharded = {k: v for k, v in model.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
+    sharded = fit_to_checkpoint_names(sharded, _saved_keys(path / "model_optim"))
     try:
         # No access-integrity check: it is a save-time guarantee, and with a vision TP of 1 under a
         # larger language TP the projector's replicas are all marked main (see the convert docs).
         loaded = dist_checkpointing.load(sharded, str(path / "model_optim"), validate_access_integrity=False)
     except Exception as exc:  # megatron raises several types; the message names the tensor
         raise InputError(f"{path}: cannot load the model weights: {exc}") from None
-    result = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise InputError(f"{path}: weights do not fit the model: missing {missing[:3]}, "
-                         f"unexpected {result.unexpected_keys[:3]}")
+    _load_weights(model, loaded, path)
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # mixed precision keeps fp32 copies made at construction
 
@@ -213,14 +241,16 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
         # data_state None: no data position to restore, the run starts at step 0
         return TrainState(step=0, consumed_rows=0, data_state=None, extra={})
     if optimizer is not None:
-        _fix_distributed_optimizer_state_restore()
         _init_optimizer_state(optimizer)
-    loaded = dist_checkpointing.load(_sharded_state(model_chunks, optimizer, is_loading=True),
-                                     str(path / "model_optim"))
-    _unwrap(model_chunks[0]).load_state_dict(loaded["model"])
-    if optimizer is not None and "optimizer" in loaded:
-        optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(optimizer)
+    with mcore_patches.scoped(mcore_patches.CHECKPOINT_LOAD_PATCHES):
+        saved_keys = _saved_keys(path / "model_optim")
+        loaded = dist_checkpointing.load(
+            _sharded_state(model_chunks, optimizer, is_loading=True, saved_keys=saved_keys),
+            str(path / "model_optim"))
+        _load_weights(_unwrap(model_chunks[0]), loaded["model"], path)
+        if optimizer is not None and "optimizer" in loaded:
+            optimizer.load_state_dict(loaded["optimizer"])
+            _unshare_adam_steps(optimizer)
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank_file = path / f"rank_{rank:05d}.pt"
     if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
@@ -229,6 +259,6 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
     # megatron's scheduler *adds* the saved step count to its current one: start from zero.
     scheduler.num_steps = 0
     scheduler.load_state_dict(per_rank["scheduler"])
-    _set_rng_state(per_rank["rng"])
+    _set_rng_state(per_rank["rng"], _on_cuda(model_chunks))
     return TrainState(step=per_rank["step"], consumed_rows=per_rank["consumed_rows"],
                       data_state=per_rank["data_state"], extra=per_rank["extra"])

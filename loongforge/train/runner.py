@@ -1,7 +1,7 @@
 """``loongforge train``: build everything from a resolved RunConfig and run the training loop.
 
 Order of operations (each step needs the previous one):
-  process groups -> CPU compatibility (no CUDA only) -> run folder -> model -> DDP -> optimizer and
+  process groups -> CPU patches (a CPU run only) -> run folder -> model -> DDP -> optimizer and
   schedule -> data pipeline -> optional checkpoint restore -> steps -> final checkpoint and summary.
 """
 
@@ -21,7 +21,8 @@ import torch.distributed as dist
 from loongforge import __version__
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
-from loongforge.parallel import cpu_compat
+from loongforge.models.layer_backend import resolve_layer_backend
+from loongforge.parallel import mcore_patches
 from loongforge.parallel.distributed import (
     DistributedEnv,
     ParallelLayout,
@@ -69,7 +70,7 @@ def library_versions() -> dict:
 
 
 def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env: DistributedEnv,
-                     layout: ParallelLayout) -> None:
+                     layout: ParallelLayout, model: list, optimizer) -> None:
     from loongforge.config.loader import dump_yaml
 
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -77,7 +78,9 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
     (out_dir / "command.txt").write_text(" ".join(command_line) + "\n")
     environment = {"versions": library_versions(), "world_size": env.world_size,
                    "backend": env.backend, "device": str(env.device),
-                   "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}}
+                   "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
+                   "layer_backends": _unwrap_model(model[0]).layer_backends,
+                   "precision": precision_record(model, optimizer)}
     (out_dir / "environment.json").write_text(json.dumps(environment, indent=2))
 
 
@@ -105,6 +108,22 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync
     return [ddp_model], config
+
+
+def precision_record(model: list, optimizer) -> dict:
+    """The dtypes this run really trains with: model parameters, the gradients megatron's DDP
+    reduces into (``main_grad``), and the parameters the optimizer updates."""
+    param = next(p for p in _unwrap_model(model[0]).parameters() if p.requires_grad)
+    inner = next(iter(getattr(optimizer, "chained_optimizers", [optimizer]))).optimizer
+    main_param = inner.param_groups[0]["params"][0]
+    name = lambda dtype: str(dtype).removeprefix("torch.")  # noqa: E731
+    return {"params": name(param.dtype), "main_grads": name(param.main_grad.dtype),
+            "main_params": name(main_param.dtype)}
+
+
+def _unwrap_model(chunk):
+    """The family's model inside megatron's DDP wrapper."""
+    return getattr(chunk, "module", chunk)
 
 
 def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
@@ -153,14 +172,13 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
+    # An impossible model.layer_backend is a config error before anything is written or built.
+    resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
     if env.device.type == "cpu":
-        cpu_compat.apply()
-    layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed)
+        mcore_patches.apply_cpu()
+    layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)
     torch.manual_seed(cfg.training.seed)
     out_dir = Path(cfg.logging.output_dir)
-    if env.rank == 0:
-        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout)
-
     model, model_config = _build_ddp_model(cfg, layout, env.device)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         from loongforge.convert.model_io import load_hf_weights
@@ -174,6 +192,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
                                 train_steps=cfg.training.train_steps)
+    if env.rank == 0:
+        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout, model, optimizer)
     # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
@@ -211,6 +231,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
                        enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,
                        progress_bar=cfg.logging.progress_bar)
+    logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
+                                         _unwrap_model(model[0]).layer_backends.items()))
     if load_path is not None:
         logger.write(f"resumed from {load_path} at step {start_step}")
     if balancing is not None:

@@ -85,7 +85,7 @@ def test_multiple_rule_errors_reported_at_once():
 
 
 @pytest.mark.parametrize("path, bad", [
-    ("model.attention_backend", "flash2"), ("training.precision", "fp16"),
+    ("model.layer_backend", "flash2"), ("training.precision", "fp16"),
     ("schedule.decay_style", "linear"), ("data.source", "web"), ("optimizer.name", "adamw"),
     ("training.device", "gpu"),
 ])

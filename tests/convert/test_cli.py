@@ -156,21 +156,21 @@ def test_not_a_checkpoint(tmp_path):
     _assert_bad_input(result, tmp_path, "empty")
 
 
-def test_reads_transformer_engine_norm_names(hf_hub, tmp_path):
-    """A checkpoint whose norms are TE's fused ``layer_norm_weight`` converts like a plain one."""
+def test_reads_separate_norm_names(hf_hub, tmp_path):
+    """convert writes the fused norm names (TE's, ``linear_qkv.layer_norm_weight``); a checkpoint
+    with separate norm modules (megatron's local spec, loongforge before 0.2) converts the same."""
     from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
+    from loongforge.models.state_dict_names import separate_name
 
     assert invoke(str(hf_hub), str(tmp_path / "plain"), "--to", "mcore").exit_code == 0
     reader = McoreReader(tmp_path / "plain" / "model_optim")
-    renames = {"input_layernorm.weight": "self_attention.linear_qkv.layer_norm_weight",
-               "pre_mlp_layernorm.weight": "mlp.linear_fc1.layer_norm_weight"}
-    items = []
-    for key in reader.tensors:
-        new_key = next((key[: -len(a)] + b for a, b in renames.items() if key.endswith(a)), key)
-        items.append(McoreItem(new_key, reader.shape(key), reader.dtype(key), None, lambda key=key: reader.read(key)))
+    assert any(k.endswith("linear_qkv.layer_norm_weight") for k in reader.tensors)
+    assert not any("input_layernorm" in k for k in reader.tensors)
+    items = [McoreItem(separate_name(key), reader.shape(key), reader.dtype(key), None,
+                       lambda key=key: reader.read(key)) for key in reader.tensors]
     te = tmp_path / "te"
     write_mcore(te / "model_optim", items)
-    assert any("layer_norm_weight" in k for k in McoreReader(te / "model_optim").tensors)
+    assert any("input_layernorm" in k for k in McoreReader(te / "model_optim").tensors)
     shutil.copytree(tmp_path / "plain" / "hf", te / "hf")
     shutil.copy(tmp_path / "plain" / "meta.json", te / "meta.json")
     result = invoke(str(te), str(tmp_path / "back"), "--to", "hf")

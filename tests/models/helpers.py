@@ -31,7 +31,7 @@ def tiny_model_cfg(*, tie: bool = True, num_layers: int = 2) -> ModelConfig:
             num_query_groups=2, vocab_size=151936, rope_theta=1e6, mrope_section=[4, 6, 6],
             tie_word_embeddings=tie,
         ),
-        attention_backend="sdpa",
+        layer_backend="sdpa",
     )
 
 

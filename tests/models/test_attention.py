@@ -1,4 +1,4 @@
-"""SDPA core attention: packed segments, GQA, causality; backend selection."""
+"""SDPA core attention: packed segments, GQA, causality."""
 
 import pytest
 import torch
@@ -6,12 +6,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.models.attention import (
-    FlashCoreAttention,
-    SDPACoreAttention,
-    core_attention_module,
-    resolve_attention_backend,
-)
+from loongforge.models.attention import SDPACoreAttention
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 
@@ -64,21 +59,3 @@ def test_cu_seqlens_must_cover_every_token():
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
     with pytest.raises(ValueError, match="covers 3 tokens"):
         _attention(AttnMaskType.causal)(q, k, v, None, packed_seq_params=params)
-
-
-def test_backend_resolution_on_cpu():
-    assert resolve_attention_backend("auto", "cpu") == "sdpa"
-    assert resolve_attention_backend("sdpa", "cpu") == "sdpa"
-    assert core_attention_module("sdpa") is SDPACoreAttention
-    assert core_attention_module("flash") is FlashCoreAttention
-
-
-@pytest.mark.parametrize("backend", ["te", "flash"])
-def test_gpu_backends_refuse_cpu(backend):
-    with pytest.raises(ValueError, match="needs a CUDA device"):
-        resolve_attention_backend(backend, "cpu")
-
-
-def test_unknown_backend_names_the_key():
-    with pytest.raises(ValueError, match=r"model.attention_backend='xformers' is not one of auto, sdpa, te, flash"):
-        resolve_attention_backend("xformers", "cpu")

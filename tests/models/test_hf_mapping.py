@@ -57,9 +57,22 @@ def test_tied_checkpoint_without_lm_head_fills_output_layer(keys_and_hf_state):
 
 def test_pipeline_stage_layers_map_to_global_hf_layers(keys_and_hf_state):
     model_cfg, _, hf_state = keys_and_hf_state
-    key = "language_model.decoder.layers.0.input_layernorm.weight"
+    key = "language_model.decoder.layers.0.self_attention.linear_qkv.layer_norm_weight"
     out = hf_to_megatron(hf_state, model_cfg, [key], layer_offset=1)
     assert torch.equal(out[key], to_hub_style(hf_state)["model.layers.1.input_layernorm.weight"])
+
+
+def test_separate_norm_names_map_like_fused_ones(keys_and_hf_state):
+    """Keys of megatron's separate-norm layout (older checkpoints) find the same HF tensors."""
+    model_cfg, _, hf_state = keys_and_hf_state
+    hub = to_hub_style(hf_state)
+    pairs = {"language_model.decoder.layers.1.pre_mlp_layernorm.weight": "model.layers.1.post_attention_layernorm.weight",
+             "vision_model.layers.0.input_layernorm.weight": "visual.blocks.0.norm1.weight"}
+    out = hf_to_megatron(hf_state, model_cfg, list(pairs))
+    for key, hf_key in pairs.items():
+        assert torch.equal(out[key], hub[hf_key])
+    back = megatron_to_hf([out], model_cfg)
+    assert set(back) == set(pairs.values())
 
 
 def test_every_rule_names_distinct_keys():

@@ -97,9 +97,9 @@ def test_runs_under_megatron_schedule(megatron_world_of_one):
     """megatron's forward/backward schedule finds what it needs on the model (config, model_type)."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    from loongforge.parallel import cpu_compat
+    from loongforge.parallel import mcore_patches
 
-    cpu_compat.apply()  # the schedule itself has CUDA-only call sites
+    mcore_patches.apply_cpu()  # the schedule itself has CUDA-only call sites
     model_cfg, hf_model, model = _build_pair(tie=True)
     sample = make_sample(model_cfg, images=((1, 8, 12),))
     labels = torch.randint(0, model_cfg.language.vocab_size, sample.input_ids.shape)

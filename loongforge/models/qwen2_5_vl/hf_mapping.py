@@ -18,6 +18,9 @@ Layouts that are not a plain copy:
 - column-parallel weights split along dim 0, row-parallel along dim 1 (their bias is whole).
 - vocabulary: rows padded to ``padded_vocab_size`` with zeros, then split along dim 0.
 - patch embedding: HF's Conv3d weight [hidden, C, T, p, p] is our Linear [hidden, C*T*p*p].
+- pre-norms: HF's ``input_layernorm`` / ``norm1`` live in our ``linear_qkv.layer_norm_weight``, and
+  ``post_attention_layernorm`` / ``norm2`` in ``linear_fc1.layer_norm_weight`` (the fused names every
+  layer backend writes; the older separate names are read too, see ``state_dict_names``).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
+from loongforge.models.state_dict_names import fused_name
 
 Tensor = torch.Tensor
 LANGUAGE, VISION = "language", "vision"
@@ -197,12 +201,12 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
     lb, ll = "model.layers.{i}.", "language_model.decoder.layers.{i}."
     rules = [
         Rule(("visual.patch_embed.proj.weight",), "vision_model.patch_embed.proj.weight", PatchEmbedding(conv_shape), VISION),
-        Rule((vb + "norm1.weight",), vl + "input_layernorm.weight", rep, VISION),
+        Rule((vb + "norm1.weight",), vl + "self_attention.linear_qkv.layer_norm_weight", rep, VISION),
         Rule((vb + "attn.qkv.weight",), vl + "self_attention.linear_qkv.weight", vqkv, VISION),
         Rule((vb + "attn.qkv.bias",), vl + "self_attention.linear_qkv.bias", vqkv, VISION),
         Rule((vb + "attn.proj.weight",), vl + "self_attention.linear_proj.weight", row, VISION),
         Rule((vb + "attn.proj.bias",), vl + "self_attention.linear_proj.bias", rep, VISION),
-        Rule((vb + "norm2.weight",), vl + "pre_mlp_layernorm.weight", rep, VISION),
+        Rule((vb + "norm2.weight",), vl + "mlp.linear_fc1.layer_norm_weight", rep, VISION),
         Rule((vb + "mlp.gate_proj.weight", vb + "mlp.up_proj.weight"), vl + "mlp.linear_fc1.weight", gate_up, VISION),
         Rule((vb + "mlp.gate_proj.bias", vb + "mlp.up_proj.bias"), vl + "mlp.linear_fc1.bias", gate_up, VISION),
         Rule((vb + "mlp.down_proj.weight",), vl + "mlp.linear_fc2.weight", row, VISION),
@@ -213,11 +217,11 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
         Rule(("visual.merger.mlp.2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule(("visual.merger.mlp.2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
         Rule(("model.embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
-        Rule((lb + "input_layernorm.weight",), ll + "input_layernorm.weight", rep, LANGUAGE),
+        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
         Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", lqkv, LANGUAGE),
         Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias", lqkv, LANGUAGE),
         Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE),
-        Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+        Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
         Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up, LANGUAGE),
         Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         Rule(("model.norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
@@ -251,6 +255,8 @@ def _regex(pattern: str) -> re.Pattern:
 
 
 def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
+    """The rule for one of our keys; separate-norm (legacy) names match their fused rule."""
+    key = fused_name(key)
     for rule in rules:
         found = _regex(rule.megatron).match(key)
         if found:

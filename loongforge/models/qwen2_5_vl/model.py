@@ -26,7 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
-from loongforge.models.attention import core_attention_module, resolve_attention_backend
+from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
@@ -39,7 +39,7 @@ from loongforge.models.qwen2_5_vl.vision import (
     optional_cat,
     vision_pg_collection,
 )
-from loongforge.parallel import cpu_compat
+from loongforge.parallel import mcore_patches
 
 
 class LanguageModel(GPTModel):
@@ -110,7 +110,7 @@ class Qwen2_5_VLModel(MegatronModule):
         language_config: TransformerConfig,
         vision_config: TransformerConfig,
         projector_config: TransformerConfig,
-        core_attention: type,
+        modules: BlockModules,
         language_pgs: ProcessGroupCollection,
         vision_tp_group: torch.distributed.ProcessGroup,
         pre_process: bool,
@@ -123,6 +123,8 @@ class Qwen2_5_VLModel(MegatronModule):
         self.post_process = post_process
         self.merge_unit = model_cfg.projector.spatial_merge_size**2
         self.share_embeddings_and_output_weights = model_cfg.language.tie_word_embeddings
+        # What each tower is built from, for the run's startup line.
+        self.layer_backends = {"vision": modules.describe(), "language": modules.describe()}
         # megatron's pipeline schedules read this: one decoder stack, no separate encoder stages.
         self.model_type = ModelType.encoder_or_decoder
 
@@ -132,10 +134,10 @@ class Qwen2_5_VLModel(MegatronModule):
             self.vision_model = VisionModel(
                 vision_config,
                 model_cfg,
-                vision_layer_spec(core_attention),
+                vision_layer_spec(modules),
                 vision_pg_collection(vision_tp_group, language_pgs),
             )
-            self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group)
+            self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group, modules)
         # With a vision TP smaller than the language TP, the towers are replicated across the
         # language TP group in blocks of vision-TP ranks: block k holds replica k of every shard.
         self._vision_tp = vision_tp_group.size()
@@ -146,7 +148,7 @@ class Qwen2_5_VLModel(MegatronModule):
         self.language_model = LanguageModel(
             config=language_config,
             transformer_layer_spec=language_block_spec(
-                language_config, core_attention, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage
+                language_config, modules, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage
             ),
             vocab_size=configs.padded_vocab_size(lang.vocab_size, tp),
             true_vocab_size=lang.vocab_size,
@@ -317,8 +319,8 @@ def build_model(
     device = torch.device(device)
     on_cpu = device.type == "cpu"
     if on_cpu:
-        cpu_compat.apply()
-    core_attention = core_attention_module(resolve_attention_backend(model_cfg.attention_backend, device))
+        mcore_patches.apply_cpu()
+    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
 
     language_pgs = ProcessGroupCollection.use_mpu_process_groups()
     _check_parallel_state(parallel_cfg, language_pgs)
@@ -332,7 +334,7 @@ def build_model(
         vision_config=configs.vision_config(model_cfg, vision_tp, params_dtype, on_cpu,
                                             recompute=recompute_activations),
         projector_config=configs.projector_config(model_cfg, vision_tp, params_dtype, on_cpu),
-        core_attention=core_attention,
+        modules=modules,
         language_pgs=language_pgs,
         vision_tp_group=vision_tp_group,
         pre_process=pre_process,

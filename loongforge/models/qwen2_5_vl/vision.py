@@ -30,7 +30,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.qwen2_5_vl.layer_specs import RMSNorm, mlp_submodules
+from loongforge.models.layer_backend import BlockModules, RMSNorm
+from loongforge.models.qwen2_5_vl.layer_specs import projector_mlp_submodules
 
 # The 2-D rotary base of the ViT (fixed in Qwen2.5-VL; not the language model's rope_theta).
 VISION_ROPE_THETA = 10000.0
@@ -221,6 +222,7 @@ class PatchMerger(MegatronModule):
         config: TransformerConfig,
         model_cfg: ModelConfig,
         tp_group: torch.distributed.ProcessGroup,
+        modules: BlockModules,
     ):
         super().__init__(config=config)
         vision_hidden = model_cfg.vision.hidden_size
@@ -228,7 +230,7 @@ class PatchMerger(MegatronModule):
         self.ln_q = RMSNorm(config, vision_hidden, eps=model_cfg.vision.rms_norm_eps)
         self.mlp = MLP(
             config=config,
-            submodules=mlp_submodules(),
+            submodules=projector_mlp_submodules(modules),
             input_size=self.merged_width,
             ffn_hidden_size=self.merged_width,
             tp_group=tp_group,

@@ -1,14 +1,21 @@
-"""Run megatron-core on CPU (gloo) by patching its few CUDA-only call sites.
+"""The one registry of loongforge's patches to megatron-core: declared, scoped and revertible.
 
-megatron-core 0.16.1 assumes CUDA in a handful of places (see docs/megatron-cpu.md): it moves RoPE
-frequencies to ``torch.cuda.current_device()``, calls ``Tensor.cuda()`` before some all-reduces, and
-so on. Everything else runs fine over gloo. Rather than forking those functions, each patch below
-wraps one megatron-core callable so that *while it runs* CUDA device queries resolve to the CPU
-(``cpu_device_scope``). GPU users are untouched: ``apply()`` is a no-op when CUDA is available.
+Two groups, each applied for a reason the caller states, never process-wide by default:
 
-Add a patch by appending a ``Patch`` to ``PATCHES`` with a name, the owner (class or module), the
-attribute, a one-line reason and a wrapper factory (usually ``run_in_cpu_device_scope``). ``apply()``
-is idempotent; ``revert()`` restores the originals (tests use it).
+* ``CPU_PATCHES`` (with ``DEVICE_PROXY_MODULES``): megatron-core 0.16.1 assumes CUDA in a handful of
+  places (see docs/megatron-cpu.md): it moves RoPE frequencies to ``torch.cuda.current_device()``,
+  calls ``Tensor.cuda()`` before some all-reduces, and so on. Each patch wraps one megatron-core
+  callable so that *while it runs* CUDA device queries resolve to the CPU (``cpu_device_scope``).
+  ``apply_cpu()`` installs them because the run's device is the CPU (``training.device=cpu``, or
+  ``auto`` without CUDA), whether or not a GPU is visible; a CUDA run never calls it and runs
+  megatron-core untouched.
+* ``CHECKPOINT_LOAD_PATCHES``: fixes needed only while a checkpoint is read, on any device;
+  ``scoped(CHECKPOINT_LOAD_PATCHES)`` installs them for the duration of the load and restores the
+  originals afterwards, even on error.
+
+Add a patch by appending a ``Patch`` to a group with a name, the owner (class or module), the
+attribute, a one-line reason and a wrapper factory. Installing is idempotent; ``revert()`` restores
+every original (tests use it).
 
 Sites that allocate with a literal ``device="cuda"`` (DDP buffers, optimizer flags, grad-norm
 buffers, schedule token counters, checkpoint exchange) cannot be reached by a scope: for those, the
@@ -32,8 +39,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Patch", "PATCHES", "DEVICE_PROXY_MODULES", "apply", "revert", "applied", "cpu_device_scope",
-           "run_in_cpu_device_scope"]
+__all__ = ["Patch", "CPU_PATCHES", "CHECKPOINT_LOAD_PATCHES", "DEVICE_PROXY_MODULES", "apply_cpu", "scoped",
+           "revert", "applied", "cpu_device_scope", "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
 _CUDA_TYPE_NAMES = {
@@ -102,7 +109,7 @@ def _ignore_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
 
-PATCHES: list[Patch] = [
+CPU_PATCHES: list[Patch] = [
     # Model side.
     Patch(
         name="rope_inv_freq",
@@ -230,8 +237,50 @@ class _CpuTorch(types.ModuleType):
     def __getattr__(self, name: str) -> Any:
         return getattr(torch, name)
 
-# name -> (owner, attribute, original callable)
-_APPLIED: dict[str, tuple[Any, str, Callable]] = {}
+def _strict_optimizer_state_restore(original: Callable) -> Callable:
+    """``DistributedOptimizer._set_main_param_and_optimizer_states`` that copies under no_grad and
+    checks the checkpoint's state names against the optimizer's.
+
+    megatron-core 0.16.1 restores each main parameter and its Adam moments with ``copy_`` into leaf
+    tensors that require grad (which raises outside no_grad) and indexes the checkpoint with every
+    key of the live state. The live state may hold a ``step`` counter (torch's Adam keeps one per
+    parameter; the checkpoint stores steps with the parameter groups), which is not a tensor to
+    restore here. Any other difference is a real mismatch (a checkpoint of another optimizer) and
+    raises, naming both key sets.
+    """
+
+    @functools.wraps(original)
+    def set_states(self, model_param, tensors):
+        if self.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8:
+            return original(self, model_param, tensors)  # TE's own scaled-state setter: no copy_
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        main_param = self.optimizer.param_groups[group_index]["params"][group_order]
+        live = {"param": main_param, **self.optimizer.state[main_param]}
+        live.pop("step", None)
+        if set(live) != set(tensors):
+            raise RuntimeError(
+                f"optimizer state mismatch for a parameter of shape {list(model_param.shape)}: the "
+                f"checkpoint holds {sorted(tensors)}, this optimizer ({type(self.optimizer).__name__}) "
+                f"holds {sorted(live)}; resume with the optimizer the checkpoint was written with")
+        with torch.no_grad():
+            for key, source in tensors.items():
+                live[key].copy_(source)
+
+    return set_states
+
+
+CHECKPOINT_LOAD_PATCHES: list[Patch] = [
+    Patch(
+        name="distributed_optimizer_state_restore",
+        owner_path="megatron.core.optimizer.distrib_optimizer:DistributedOptimizer",
+        attribute="_set_main_param_and_optimizer_states",
+        why="copy_ into grad-requiring leaves, and a KeyError on Adam's step (distrib_optimizer.py:940)",
+        wrap=_strict_optimizer_state_restore,
+    ),
+]
+
+# name -> (owner, attribute, original as stored on the owner)
+_APPLIED: dict[str, tuple[Any, str, Any]] = {}
 # Proxied module -> the torch it had before; other modules that imported a patched function by name.
 _PROXIED: dict[str, Any] = {}
 _REBOUND: list[tuple[Any, str, Callable]] = []
@@ -246,35 +295,57 @@ def _rebind_importers(attribute: str, original: Callable, wrapped: Callable) -> 
             _REBOUND.append((module, attribute, original))
 
 
-def apply(force: bool = False) -> list[str]:
-    """Install every patch not yet installed; returns the names installed by this call.
+def _install(patch: Patch) -> bool:
+    """Install one patch; False when it already is."""
+    if patch.name in _APPLIED:
+        return False
+    owner = patch.owner()
+    # Wrap the function itself and keep a static/class method what it was, or it would receive
+    # the instance (or the class twice) as its first argument.
+    stored = inspect.getattr_static(owner, patch.attribute)
+    descriptor = type(stored) if isinstance(stored, (staticmethod, classmethod)) else None
+    original = stored.__func__ if descriptor else getattr(owner, patch.attribute)
+    wrapped = patch.wrap(original)
+    setattr(owner, patch.attribute, descriptor(wrapped) if descriptor else wrapped)
+    if isinstance(owner, types.ModuleType):
+        _rebind_importers(patch.attribute, original, wrapped)
+    _APPLIED[patch.name] = (owner, patch.attribute, stored)
+    return True
 
-    A no-op when CUDA is available (unless ``force``, for tests), so GPU runs use megatron-core as is.
+
+def _uninstall(name: str) -> None:
+    owner, attribute, stored = _APPLIED.pop(name)
+    for index in reversed(range(len(_REBOUND))):
+        module, rebound_attribute, original = _REBOUND[index]
+        if rebound_attribute == attribute and getattr(module, attribute, None) is getattr(owner, attribute):
+            setattr(module, attribute, original)
+            del _REBOUND[index]
+    setattr(owner, attribute, stored)
+
+
+def apply_cpu() -> list[str]:
+    """Install the CPU patches and device proxies; returns the patch names installed by this call.
+
+    Call it because the run's device is the CPU. Idempotent.
     """
-    if torch.cuda.is_available() and not force:
-        return []
-    installed = []
-    for patch in PATCHES:
-        if patch.name in _APPLIED:
-            continue
-        owner = patch.owner()
-        # Wrap the function itself and keep a static/class method what it was, or it would receive
-        # the instance (or the class twice) as its first argument.
-        stored = inspect.getattr_static(owner, patch.attribute)
-        descriptor = type(stored) if isinstance(stored, (staticmethod, classmethod)) else None
-        original = stored.__func__ if descriptor else getattr(owner, patch.attribute)
-        wrapped = patch.wrap(original)
-        setattr(owner, patch.attribute, descriptor(wrapped) if descriptor else wrapped)
-        if isinstance(owner, types.ModuleType):
-            _rebind_importers(patch.attribute, original, wrapped)
-        _APPLIED[patch.name] = (owner, patch.attribute, stored)
-        installed.append(patch.name)
+    installed = [patch.name for patch in CPU_PATCHES if _install(patch)]
     for module_name in DEVICE_PROXY_MODULES:
         if module_name not in _PROXIED:
             module = importlib.import_module(module_name)
             _PROXIED[module_name] = module.torch
             module.torch = _CpuTorch()
     return installed
+
+
+@contextlib.contextmanager
+def scoped(patches: list[Patch]) -> Iterator[list[str]]:
+    """Install ``patches`` for the body only; those that were already installed stay installed."""
+    installed = [patch.name for patch in patches if _install(patch)]
+    try:
+        yield installed
+    finally:
+        for name in reversed(installed):
+            _uninstall(name)
 
 
 def revert() -> None:

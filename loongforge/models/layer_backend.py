@@ -1,0 +1,161 @@
+"""Which implementation a transformer block is built from: the one seam between backends.
+
+``model.layer_backend`` selects it:
+
+- ``te``: megatron-core's Transformer Engine modules, as its own TE spec uses them: each pre-norm
+  fused into the linear after it (``TELayerNormColumnParallelLinear``), TE column/row linears, TE
+  attention. CUDA and ``transformer_engine`` only.
+- ``flash``: megatron-core's local (plain torch) linears with flash-attn's varlen kernel per packed
+  segment. CUDA, ``flash_attn`` and fp16/bf16 only (its kernels take no fp32).
+- ``sdpa``: local linears with torch SDPA per packed segment. Runs anywhere; the CPU path and the
+  numerical reference.
+- ``auto``: ``te`` where it can run, else ``flash`` where it can, else ``sdpa``. Never a kernel that
+  cannot run the device and dtype.
+
+Every backend names its weights the same way (``state_dict_names``): the local blocks fuse their
+pre-norms into the following linear too (``RMSNormColumnParallelLinear``), so a checkpoint written
+with one backend loads with another.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from dataclasses import dataclass
+
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loongforge.config.errors import ConfigError
+from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
+
+LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)
+_PACKAGES = {"te": "transformer_engine", "flash": "flash_attn"}
+
+
+class RMSNorm(torch.nn.Module):
+    """RMSNorm as Qwen computes it: normalise in fp32, cast back, then scale.
+
+    Built with megatron's norm signature ``(config, hidden_size, eps)``. Under sequence parallelism
+    each TP rank sees different tokens, so the weight is marked ``sequence_parallel`` and megatron's
+    ``finalize_model_grads`` all-reduces its gradient over TP.
+    """
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
+        super().__init__()
+        self.eps = eps
+        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        if config.sequence_parallel:
+            self.weight.sequence_parallel = True
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        return rms_norm(hidden_states, self.weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.weight.shape[0]}, eps={self.eps}"
+
+
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen's RMSNorm: the statistics in fp32, the scale in the input's dtype."""
+    input_dtype = hidden_states.dtype
+    x = hidden_states.float()
+    x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x.to(input_dtype)
+
+
+class RMSNormColumnParallelLinear(ColumnParallelLinear):
+    """RMSNorm, then a column-parallel linear, in one module whose weights are named as Transformer
+    Engine's ``TELayerNormColumnParallelLinear`` names them (``weight``, ``bias``,
+    ``layer_norm_weight``), so local and TE blocks share one checkpoint layout.
+
+    The norm runs on this rank's tokens before the linear's sequence-parallel all-gather (a norm is
+    per token, so this equals norming the gathered sequence); its weight is then marked
+    ``sequence_parallel`` for the TP gradient all-reduce, as TE marks its own.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm_eps = config.layernorm_epsilon
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        if config.sequence_parallel:
+            self.layer_norm_weight.sequence_parallel = True
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        return super().forward(rms_norm(input_, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
+
+
+@dataclass(frozen=True)
+class BlockModules:
+    """The modules one pre-norm transformer block (and the projector MLP) is built from."""
+
+    backend: str
+    norm_column_linear: type  # the pre-norm fused with the linear after it (qkv, fc1)
+    column_linear: type
+    row_linear: type
+    core_attention: type
+
+    def describe(self) -> str:
+        return f"{self.backend} ({_DESCRIPTIONS[self.backend]})"
+
+
+_DESCRIPTIONS = {
+    "te": "TE norm-linear, TE linears, TE attention",
+    "flash": "local norm-linear and linears, flash-attn varlen attention",
+    "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment",
+}
+
+
+def _importable(module_name: str) -> bool:
+    return importlib.util.find_spec(module_name) is not None
+
+
+def _unusable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
+    """Why ``backend`` cannot run on ``device`` at ``dtype``; None when it can."""
+    if backend == "sdpa":
+        return None
+    if device.type != "cuda":
+        return f"needs a CUDA device (the run's device is {device.type})"
+    if not _importable(_PACKAGES[backend]):
+        return f"needs the {_PACKAGES[backend]} package (pip install 'loongforge[gpu]')"
+    if backend == "flash" and dtype not in _FLASH_DTYPES:
+        return (f"needs fp16 or bf16 weights, not {str(dtype).removeprefix('torch.')} "
+                "(flash-attn kernels have no fp32; set training.precision=bf16)")
+    return None
+
+
+def resolve_layer_backend(requested: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """``model.layer_backend`` -> ``te``, ``flash`` or ``sdpa`` for this device and dtype.
+
+    ``auto`` takes the first that can run; an explicit choice that cannot run is a ConfigError
+    naming the key, never a silent fallback.
+    """
+    if requested not in LAYER_BACKENDS:
+        raise ConfigError(f"model.layer_backend={requested!r} is not one of {', '.join(LAYER_BACKENDS)}")
+    device = torch.device(device)
+    if requested == "auto":
+        return next(b for b in ("te", "flash", "sdpa") if _unusable_reason(b, device, dtype) is None)
+    reason = _unusable_reason(requested, device, dtype)
+    if reason is not None:
+        raise ConfigError(f"model.layer_backend={requested!r} {reason}; use sdpa or auto")
+    return requested
+
+
+def block_modules(backend: str) -> BlockModules:
+    """The modules of a resolved backend (see ``resolve_layer_backend``)."""
+    if backend == "te":
+        # Imported only here: importing it needs transformer_engine.
+        from megatron.core.extensions.transformer_engine import (
+            TEColumnParallelLinear,
+            TEDotProductAttention,
+            TELayerNormColumnParallelLinear,
+            TERowParallelLinear,
+        )
+
+        return BlockModules("te", TELayerNormColumnParallelLinear, TEColumnParallelLinear,
+                            TERowParallelLinear, TEDotProductAttention)
+    if backend in ("flash", "sdpa"):
+        attention = FlashCoreAttention if backend == "flash" else SDPACoreAttention
+        return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
+                            RowParallelLinear, attention)
+    raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")

@@ -1,0 +1,85 @@
+"""Layer backends: what ``auto`` picks per device, dtype and installed package; impossible explicit
+choices are config errors naming the key; the local fused norm-linear equals norm then linear."""
+
+import pytest
+import torch
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loongforge.config.errors import ConfigError
+from loongforge.models import layer_backend
+from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
+from loongforge.models.layer_backend import (
+    RMSNorm,
+    RMSNormColumnParallelLinear,
+    block_modules,
+    resolve_layer_backend,
+)
+
+CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """Pretend a set of optional packages is importable."""
+    def pretend(*packages):
+        monkeypatch.setattr(layer_backend, "_importable", lambda name: name in packages)
+    return pretend
+
+
+@pytest.mark.parametrize("packages, device, dtype, expected", [
+    ((), CPU, torch.float32, "sdpa"),
+    (("transformer_engine", "flash_attn"), CPU, torch.bfloat16, "sdpa"),  # CPU: never a GPU kernel
+    (("transformer_engine", "flash_attn"), CUDA, torch.bfloat16, "te"),
+    (("flash_attn",), CUDA, torch.bfloat16, "flash"),
+    (("flash_attn",), CUDA, torch.float32, "sdpa"),  # flash-attn cannot run fp32
+    ((), CUDA, torch.bfloat16, "sdpa"),
+])
+def test_auto_picks_the_first_backend_that_can_run(installed, packages, device, dtype, expected):
+    installed(*packages)
+    assert resolve_layer_backend("auto", device, dtype) == expected
+
+
+@pytest.mark.parametrize("requested, packages, device, dtype, reason", [
+    ("te", ("transformer_engine",), CPU, torch.float32, "needs a CUDA device"),
+    ("flash", ("flash_attn",), CPU, torch.bfloat16, "needs a CUDA device"),
+    ("te", (), CUDA, torch.bfloat16, "needs the transformer_engine package"),
+    ("flash", (), CUDA, torch.bfloat16, "needs the flash_attn package"),
+    ("flash", ("flash_attn",), CUDA, torch.float32, "needs fp16 or bf16 weights, not float32"),
+])
+def test_an_impossible_explicit_choice_names_the_key(installed, requested, packages, device, dtype, reason):
+    installed(*packages)
+    with pytest.raises(ConfigError, match=rf"model.layer_backend='{requested}' {reason}.*use sdpa or auto"):
+        resolve_layer_backend(requested, device, dtype)
+
+
+def test_unknown_backend_names_the_key():
+    with pytest.raises(ConfigError, match=r"model.layer_backend='xformers' is not one of auto, te, flash, sdpa"):
+        resolve_layer_backend("xformers", CPU, torch.float32)
+
+
+def test_local_backends_share_the_fused_norm_layout():
+    for name, attention in (("sdpa", SDPACoreAttention), ("flash", FlashCoreAttention)):
+        modules = block_modules(name)
+        assert modules.core_attention is attention
+        assert modules.norm_column_linear is RMSNormColumnParallelLinear
+        assert modules.column_linear is ColumnParallelLinear
+        assert name in modules.describe()
+
+
+def test_fused_norm_linear_equals_norm_then_linear(megatron_world_of_one):
+    torch.manual_seed(0)
+    config = TransformerConfig(num_layers=1, hidden_size=16, num_attention_heads=2, layernorm_epsilon=1e-6,
+                               use_cpu_initialization=True)
+    fused = RMSNormColumnParallelLinear(16, 24, config=config, init_method=torch.nn.init.normal_, bias=True,
+                                        gather_output=False)
+    assert {"weight", "bias", "layer_norm_weight"} <= set(fused.state_dict())
+    with torch.no_grad():
+        fused.layer_norm_weight.uniform_(0.5, 1.5)
+        fused.bias.uniform_(-1, 1)
+    norm = RMSNorm(config, 16, eps=1e-6)
+    norm.weight.data.copy_(fused.layer_norm_weight.data)
+    x = torch.randn(5, 1, 16)  # [s, b, h]
+    out, _ = fused(x)
+    expected = torch.nn.functional.linear(norm(x), fused.weight, fused.bias)
+    torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)

@@ -1,0 +1,132 @@
+"""mcore_patches: idempotent, reversible, scoped, applied by the run's device, and what it patches works."""
+
+import pytest
+import torch
+from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding, RotaryEmbedding
+
+from loongforge.parallel import mcore_patches
+
+
+@pytest.fixture
+def patched():
+    mcore_patches.revert()
+    yield mcore_patches.apply_cpu()
+    mcore_patches.revert()
+
+
+def test_apply_is_idempotent_and_revertible(patched):
+    assert patched == [p.name for p in mcore_patches.CPU_PATCHES]
+    original_init = mcore_patches._APPLIED["mrope_inv_freq"][2]
+    assert mcore_patches.apply_cpu() == []  # second call installs nothing
+    mcore_patches.revert()
+    assert mcore_patches.applied() == []
+    assert MultimodalRotaryEmbedding.__init__ is original_init
+
+
+def test_every_patch_says_why():
+    for patch in mcore_patches.CPU_PATCHES + mcore_patches.CHECKPOINT_LOAD_PATCHES:
+        assert patch.why and hasattr(patch.owner(), patch.attribute), patch.name
+
+
+def test_cpu_patches_install_whether_or_not_cuda_is_visible(monkeypatch):
+    """The caller decides by the run's device; a visible GPU does not turn the patches off."""
+    mcore_patches.revert()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    try:
+        assert mcore_patches.apply_cpu() == [p.name for p in mcore_patches.CPU_PATCHES]
+    finally:
+        mcore_patches.revert()
+
+
+def test_scoped_patches_are_gone_after_the_body_even_on_error():
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+
+    original = DistributedOptimizer._set_main_param_and_optimizer_states
+    with pytest.raises(RuntimeError, match="inside"):
+        with mcore_patches.scoped(mcore_patches.CHECKPOINT_LOAD_PATCHES) as installed:
+            assert installed == ["distributed_optimizer_state_restore"]
+            assert DistributedOptimizer._set_main_param_and_optimizer_states is not original
+            raise RuntimeError("inside")
+    assert DistributedOptimizer._set_main_param_and_optimizer_states is original
+    assert "distributed_optimizer_state_restore" not in mcore_patches.applied()
+
+
+def test_scoped_leaves_an_already_installed_patch_installed(patched):
+    with mcore_patches.scoped(mcore_patches.CPU_PATCHES[:1]) as installed:
+        assert installed == []
+    assert mcore_patches.CPU_PATCHES[0].name in mcore_patches.applied()
+
+
+class _FakeDistributedOptimizer:
+    """What the restore patch reads of a DistributedOptimizer: config, index map, inner optimizer."""
+
+    def __init__(self, inner: torch.optim.Optimizer, model_param: torch.nn.Parameter):
+        self.config = type("Config", (), {"use_precision_aware_optimizer_no_fp8_or_ds_fp8": False})()
+        self.optimizer = inner
+        self.model_param_group_index_map = {model_param: (0, 0)}
+
+
+def _restore():
+    patch = mcore_patches.CHECKPOINT_LOAD_PATCHES[0]
+    return patch.wrap(lambda *args: pytest.fail("original must not run"))
+
+
+def test_restore_copies_into_grad_requiring_params_and_ignores_adams_step():
+    main = torch.nn.Parameter(torch.zeros(3))
+    adam = torch.optim.Adam([main])
+    adam.state[main] = {"step": torch.tensor(7.0), "exp_avg": torch.zeros(3), "exp_avg_sq": torch.zeros(3)}
+    saved = {"param": torch.full((3,), 1.0), "exp_avg": torch.full((3,), 2.0), "exp_avg_sq": torch.full((3,), 3.0)}
+    _restore()(_FakeDistributedOptimizer(adam, main), main, saved)
+    assert torch.equal(main.detach(), saved["param"])
+    assert torch.equal(adam.state[main]["exp_avg_sq"], saved["exp_avg_sq"])
+    assert float(adam.state[main]["step"]) == 7.0
+
+
+def test_restore_raises_on_a_real_state_mismatch():
+    main = torch.nn.Parameter(torch.zeros(3))
+    sgd = torch.optim.SGD([main], lr=0.1, momentum=0.9)
+    sgd.state[main] = {"momentum_buffer": torch.zeros(3)}
+    saved = {"param": torch.ones(3), "exp_avg": torch.ones(3), "exp_avg_sq": torch.ones(3)}
+    with pytest.raises(RuntimeError, match=r"checkpoint holds \['exp_avg', 'exp_avg_sq', 'param'\].*SGD"):
+        _restore()(_FakeDistributedOptimizer(sgd, main), main, saved)
+
+
+def test_scope_restores_torch_attributes():
+    before = (torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize)
+    with mcore_patches.cpu_device_scope():
+        assert torch.cuda.current_device() == torch.device("cpu")
+        x = torch.ones(2)
+        assert x.cuda() is x
+    assert (torch.cuda.current_device, torch.Tensor.cuda, torch.cuda.synchronize) == before
+
+
+def test_rope_and_mrope_run_on_cpu(patched):
+    mrope = MultimodalRotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=10000)
+    position_ids = torch.arange(5).view(1, 1, 5).expand(3, 1, 5)
+    emb = mrope(position_ids, mrope_section=[4, 6, 6], cp_group=None)
+    assert emb.shape == (5, 1, 1, 32) and emb.device.type == "cpu"
+    # Every section sees the same (text) positions, so M-RoPE equals 1-D RoPE.
+    rope = RotaryEmbedding(kv_channels=32, rotary_percent=1.0, rotary_base=10000, use_cpu_initialization=True)
+    assert torch.allclose(rope.get_emb(5), emb)
+
+
+def test_training_modules_allocate_on_cpu_and_accept_cpu_float_params(patched):
+    from megatron.core.optimizer import clip_grads, optimizer
+    from megatron.core.pipeline_parallel import schedules
+
+    assert schedules.torch.zeros([], dtype=torch.int, device="cuda").device.type == "cpu"
+    assert clip_grads.torch.tensor([1.0], device="cuda:0").device.type == "cpu"
+    assert schedules.torch.cuda.current_device() == torch.device("cpu")
+    # clip_grads is imported by name into optimizer.py: both references must be the patched one.
+    assert optimizer.clip_grad_by_total_norm_fp32 is clip_grads.clip_grad_by_total_norm_fp32
+    param = torch.nn.Parameter(torch.ones(3))
+    param.grad = torch.full((3,), 2.0)
+    clip_grads.clip_grad_by_total_norm_fp32([param], max_norm=1.0, total_norm=4.0)
+    assert torch.allclose(param.grad, torch.full((3,), 0.5), atol=1e-5)
+
+
+def test_revert_restores_module_torch(patched):
+    from megatron.core.pipeline_parallel import schedules
+
+    mcore_patches.revert()
+    assert schedules.torch is torch
