@@ -14,7 +14,7 @@ from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetO
 # The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
 BALANCE_PRESET = "qwen2.5vl-7b"
 
-app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing.", no_args_is_help=True,
+app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing, model step throughput.", no_args_is_help=True,
                   add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
@@ -209,3 +209,86 @@ def train(
         (out / "train.md").write_text(f"```\n{' '.join(sys.argv)}\n```\n\n{report}\n\n![per-rank compute](train.png)\n")
         typer.echo(report)
         typer.echo(f"wrote {out / 'train.md'}, {out / 'train.json'} and {out / 'train.png'}")
+
+
+def _image_sizes(text: str) -> tuple:
+    """'448x448,1280x720' -> ((448, 448), (1280, 720)); '' or 'none' -> no images."""
+    if text.strip().lower() in ("", "none"):
+        return ()
+    try:
+        sizes = tuple(tuple(int(v) for v in item.lower().split("x")) for item in text.split(","))
+    except ValueError:
+        sizes = ((),)
+    if any(len(size) != 2 or min(size) < 1 for size in sizes):
+        raise UsageError(f"--images {text!r}: expected WIDTHxHEIGHT pixel sizes, e.g. 448x448,1280x720")
+    return sizes
+
+
+@app.command("model")
+def model(
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        metavar="[KEY=VALUE...]", show_default=False,
+        help="Dotted overrides applied to the preset before the bench's own (e.g. model.vision.window_size=112).")]
+        = None,
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", metavar="NAME", help="Preset whose widths, vocabulary and image rules apply.")]
+        = "qwen2.5vl-7b",
+    language_layers: Annotated[int, typer.Option(
+        "--language-layers", min=0, metavar="N", help="Decoder layers; 0 keeps the preset's depth.")] = 4,
+    vision_blocks: Annotated[int, typer.Option(
+        "--vision-blocks", min=0, metavar="N",
+        help="ViT blocks: the real tower's first N, its full-attention blocks among them; 0 keeps the "
+             "preset's depth.")] = 8,
+    tokens: Annotated[int, typer.Option("--tokens", min=8, metavar="N", help="Tokens per micro-batch.")] = 8192,
+    samples: Annotated[int, typer.Option(
+        "--samples", min=1, metavar="N", help="Equal-length samples packed into the micro-batch, one image each.")]
+        = 4,
+    images: Annotated[Optional[str], typer.Option(
+        "--images", metavar="WxH,...", show_default=False,
+        help="Image sizes in pixels, one per sample (cycled), resized by the preset's pixel limits; "
+             "'none' for text only. Default: 448x448,1280x720,644x644,504x896.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps per variant.")] = 10,
+    warmup_steps: Annotated[int, typer.Option(
+        "--warmup-steps", min=0, metavar="N", help="Untimed steps before them.")] = 3,
+    device: Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Parameter and compute dtype.")]
+        = "bf16",
+    baseline: Annotated[bool, typer.Option(
+        "--baseline/--no-baseline", help="Also time transformers' Qwen2_5_VLForConditionalGeneration (sdpa).")]
+        = True,
+    batch_variant: Annotated[bool, typer.Option(
+        "--batch-variant/--no-batch-variant", help="Also time loongforge on the unpacked batch transformers gets.")]
+        = True,
+    peak_tflops: Annotated[Optional[float], typer.Option(
+        "--peak-tflops", min=0.0, metavar="TFLOPS", show_default=False,
+        help="Peak of the device in this dtype, for MFU. Default: 989 on H100/H200 in bf16, else no MFU.")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="RESULT.json|RESULT.md", show_default=False,
+        help="Also write the result: JSON (.json) or a markdown table (any other suffix).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object only.")] = False,
+) -> None:
+    """Forward+backward tokens/s and MFU of the model on one device, next to transformers."""
+    from loongforge.bench.model_step import ModelBenchOptions, format_markdown, run_model_bench
+
+    with cli_errors():
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {device!r} is not one of auto | cpu | cuda")
+        if dtype not in ("bf16", "fp32"):
+            raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
+        if tokens % samples:
+            raise UsageError(f"--tokens {tokens} must be a multiple of --samples {samples}")
+        opts = ModelBenchOptions(
+            preset=preset, language_layers=language_layers or None, vision_blocks=vision_blocks or None,
+            tokens=tokens, samples=samples, steps=steps,
+            warmup_steps=warmup_steps, device=device, dtype=dtype, baseline=baseline,
+            batch_variant=batch_variant, peak_tflops=peak_tflops, overrides=list(overrides or []))
+        if images is not None:
+            opts.image_sizes = _image_sizes(images)
+        result = run_model_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
+        text = format_markdown(result)
+        if output is not None:
+            output.parent.mkdir(parents=True, exist_ok=True)
+            output.write_text(json.dumps(result, indent=2) + "\n" if output.suffix == ".json" else text)
+        typer.echo(json.dumps(result) if as_json else text)
+        if output is not None and not as_json:
+            typer.echo(f"wrote {output}")

