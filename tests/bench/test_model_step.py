@@ -74,7 +74,15 @@ def test_an_image_larger_than_its_sample_is_left_out():
     assert design_row(bench_run_config(opts), opts) == [(32, []), (32, [])]
 
 
-def test_bench_model_on_cpu_reports_tokens_per_s_and_mfu(tmp_path):
+def _restore_launch_env_afterwards(monkeypatch) -> None:
+    """The bench sets RANK, MASTER_PORT, ... for its world of one; later tests must not see them."""
+    for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.setenv(key, "unset")  # records the original value (or its absence) for undo
+        monkeypatch.delenv(key)
+
+
+def test_bench_model_on_cpu_reports_tokens_per_s_and_mfu(tmp_path, monkeypatch):
+    _restore_launch_env_afterwards(monkeypatch)
     out = tmp_path / "result.json"
     result = CliRunner().invoke(app, [
         "bench", "model", "--preset", "qwen2.5vl-tiny", "--language-layers", "1", "--vision-blocks", "0",
