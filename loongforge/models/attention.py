@@ -125,11 +125,9 @@ class SDPACoreAttention(_CoreAttentionBase):
         return out
 
     def _sdpa(self, q, k, v, causal: bool, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
-        # GQA: each group of np/ng consecutive query heads shares one key/value head.
-        if k.shape[1] != q.shape[1]:
-            repeat = divide(q.shape[1], k.shape[1])
-            k = k.repeat_interleave(repeat, dim=1)
-            v = v.repeat_interleave(repeat, dim=1)
+        # GQA: each group of np/ng consecutive query heads shares one key/value head. SDPA reads
+        # the shared heads in place (enable_gqa) instead of a repeated copy of k and v.
+        divide(q.shape[1], k.shape[1])  # raises unless the groups divide the heads
         return F.scaled_dot_product_attention(
             q,
             k,
@@ -138,6 +136,7 @@ class SDPACoreAttention(_CoreAttentionBase):
             dropout_p=self.dropout_p if self.training else 0.0,
             is_causal=causal,
             scale=self.softmax_scale,
+            enable_gqa=k.shape[1] != q.shape[1],
         )
 
 

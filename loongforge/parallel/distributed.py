@@ -30,6 +30,9 @@ class DistributedEnv:
     local_rank: int
     device: torch.device
     backend: str
+    # Launch variables this process set itself (a plain single process); shutdown removes them so
+    # that a later run in the same process reads its own launch, not this one's.
+    added_env: tuple[str, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -92,6 +95,9 @@ def resolve_device(preference: str) -> torch.device:
     return torch.device("cpu")
 
 
+_LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
 def process_group_backend(device: torch.device) -> str:
     """The default group's backend for a run on ``device``.
 
@@ -106,6 +112,7 @@ def process_group_backend(device: torch.device) -> str:
 def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> DistributedEnv:
     """Initialise the default process group (see ``process_group_backend``) from the launch
     environment."""
+    launched = {key for key in _LAUNCH_KEYS if key in os.environ}
     _launch_env_from_slurm()
     os.environ.setdefault("RANK", "0")
     os.environ.setdefault("WORLD_SIZE", "1")
@@ -123,7 +130,8 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> 
     if not dist.is_initialized():
         dist.init_process_group(backend=backend, rank=rank, world_size=world_size,
                                 timeout=datetime.timedelta(seconds=timeout_s))
-    return DistributedEnv(rank, world_size, local_rank, device, backend)
+    added = tuple(key for key in _LAUNCH_KEYS if key not in launched)
+    return DistributedEnv(rank, world_size, local_rank, device, backend, added_env=added)
 
 
 def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torch.device) -> ParallelLayout:
@@ -167,10 +175,14 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def shutdown() -> None:
+def shutdown(env: DistributedEnv | None = None) -> None:
+    """Destroy megatron's and torch's groups; with ``env``, also remove the launch variables
+    ``init_distributed`` set for it."""
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():
         mpu.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    for key in env.added_env if env is not None else ():
+        os.environ.pop(key, None)

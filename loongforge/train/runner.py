@@ -161,7 +161,7 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
                       observer=observer)
     finally:
         if owns_process_group:
-            shutdown()
+            shutdown(env)
 
 
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],

@@ -64,7 +64,10 @@ def test_one_f_one_b_order_pairs_each_interval_with_its_micro_batch():
     assert [r["warmup"] for r in steps] == [True, False]
     for r in mbs:
         i = r["micro_batch"]
-        assert abs(r["forward_s"] - forward[i]) < 0.008 and abs(r["backward_s"] - backward[i]) < 0.008
+        # A sleep never ends early and may end late on a busy machine; the expected durations are
+        # 0.02 s apart, so this window still tells every micro-batch's interval from the others'.
+        for measured, expected in ((r["forward_s"], forward[i]), (r["backward_s"], backward[i])):
+            assert expected - 0.001 <= measured < expected + 0.019, (i, measured, expected)
         assert 0 <= r["forward_cpu_s"] < r["forward_s"]  # sleeping costs no CPU
         assert r["rank"] == 3 and r["features"]["N"] == len(r["samples"])
     for r in steps:
