@@ -50,3 +50,8 @@ ResumeOption = Annotated[bool, typer.Option(
 OutputDirOption = Annotated[Optional[Path], typer.Option(
     "--output-dir", "-o", metavar="DIR", show_default=False,
     help="Run folder for logs, resolved config and checkpoints (sets logging.output_dir).")]
+
+OverwriteOption = Annotated[bool, typer.Option(
+    "--overwrite",
+    help="Start fresh in a run folder that holds an earlier run: move that run aside to "
+         "<folder>.old-<time> first (nothing is deleted).")]
