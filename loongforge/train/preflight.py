@@ -29,12 +29,17 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 def check_can_start(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check that needs no process group; raises InputError/ConfigError naming the key."""
-    if cfg.data.source == "files":
-        expand_data_paths(list(cfg.data.paths))
+    check_data(cfg)
     resolve_device(cfg.training.device)
     _check_folders(cfg)
     if not resume and not overwrite:
         _check_unused(cfg)
+
+
+def check_data(cfg: RunConfig) -> None:
+    """Data files that cannot be read fail here, not after the model is built."""
+    if cfg.data.source == "files":
+        expand_data_paths(list(cfg.data.paths))
 
 
 def _check_folders(cfg: RunConfig) -> None:

@@ -22,7 +22,6 @@ import torch.distributed as dist
 from loongforge import __version__
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
-from loongforge.data.conversations import expand_data_paths
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.distributed import (
@@ -35,7 +34,7 @@ from loongforge.parallel.distributed import (
 from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
 from loongforge.train.optim import build_optimizer, build_scheduler
-from loongforge.train.preflight import checkpoint_root
+from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import GradSyncClock, ManualGC, train_step
 
 if TYPE_CHECKING:
@@ -175,8 +174,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
-    if cfg.data.source == "files":  # unreadable data.paths: an InputError before the model is built
-        expand_data_paths(list(cfg.data.paths))
+    check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
     # An impossible model.layer_backend is a config error before anything is written or built.
     resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
     if env.device.type == "cpu":
