@@ -42,7 +42,7 @@ DryRunOption = Annotated[bool, typer.Option(
 NprocPerNodeOption = Annotated[Optional[int], typer.Option(
     "--nproc-per-node", min=1, metavar="N", show_default=False,
     help="Processes to start on this node (torch elastic launcher); ignored under torchrun/SLURM. "
-         "Default: parallel.world_size for --dry-run, else 1.")]
+         "Default: parallel.world_size for --dry-run; else one process, so parallel.world_size must be 1.")]
 
 ResumeOption = Annotated[bool, typer.Option(
     "--resume", help="Continue from the latest checkpoint in the run's checkpoint folder.")]
@@ -50,3 +50,8 @@ ResumeOption = Annotated[bool, typer.Option(
 OutputDirOption = Annotated[Optional[Path], typer.Option(
     "--output-dir", "-o", metavar="DIR", show_default=False,
     help="Run folder for logs, resolved config and checkpoints (sets logging.output_dir).")]
+
+OverwriteOption = Annotated[bool, typer.Option(
+    "--overwrite",
+    help="Start fresh in a run folder that holds an earlier run: move that run aside to "
+         "<folder>.old-<time> first (nothing is deleted).")]

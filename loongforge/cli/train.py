@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import os
 import sys
 from pathlib import Path
 
 import typer
 
-from loongforge.cli.errors import cli_errors
+from loongforge.cli.errors import UsageError, cli_errors
 from loongforge.cli.options import (
     ConfigFileOption, DryRunOption, ListPresetsOption, NprocPerNodeOption, OutputDirOption,
-    OverridesArgument, PresetOption, ResumeOption, ShowPresetOption)
+    OverridesArgument, OverwriteOption, PresetOption, ResumeOption, ShowPresetOption)
 from loongforge.config.loader import dump_yaml, load_run_config
 from loongforge.config.overrides import Override
 from loongforge.config.presets import DEFAULT_PRESET
@@ -26,14 +27,32 @@ def _output_dir_override(output_dir: Path | None) -> list[Override]:
                      value=str(output_dir))]
 
 
-def _launch_world_size(nproc_per_node: int | None, dry_run: bool) -> int | None:
-    """World size to validate against; None lets a dry run use parallel.world_size.
+def _check_single_process_launch(cfg: RunConfig) -> None:
+    """A run without a launcher or --nproc-per-node is one process; a larger
+    parallel.world_size would silently train with one, so it is refused with the ways to start N."""
+    world_size = cfg.parallel.world_size
+    if world_size != 1:
+        raise UsageError(f"parallel.world_size={world_size} but nothing starts {world_size} processes; "
+                         f"add --nproc-per-node {world_size} (one node) or start it with torchrun/srun")
 
-    A real run without a launcher or --nproc-per-node is one process, whatever the preset's
-    world_size says, so it is validated as such.
-    """
-    world_size = launcher.resolve_world_size(nproc_per_node)
-    return world_size if world_size is not None or dry_run else 1
+
+def _is_first_process() -> bool:
+    # Under torchrun or SLURM every process runs this command; one of them moves folders.
+    rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
+    return rank == "0"
+
+
+def _prepare_run(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
+    """Checks that need no process group, then (--overwrite) the earlier run moved aside."""
+    from loongforge.train.preflight import check_can_start, move_previous_run_aside
+
+    if resume and overwrite:
+        raise UsageError("--resume continues the run in the folder and --overwrite moves it aside; "
+                         "pass one of them")
+    check_can_start(cfg, resume=resume, overwrite=overwrite)
+    if overwrite and _is_first_process():
+        for old, new in move_previous_run_aside(cfg):
+            typer.echo(f"--overwrite: moved the earlier run {old} to {new}", err=True)
 
 
 def _print_dry_run(cfg: RunConfig) -> None:
@@ -54,6 +73,7 @@ def train(
     nproc_per_node: NprocPerNodeOption = None,
     resume: ResumeOption = False,
     output_dir: OutputDirOption = None,
+    overwrite: OverwriteOption = False,
 ) -> None:
     """Train a vision-language model from a preset, a YAML file and key=value overrides."""
     with cli_errors():
@@ -63,13 +83,18 @@ def train(
             text = format_presets_table() if list_presets else format_composed_preset(show_preset)
             typer.echo(text)
             return
+        # No launch information (None): validated at parallel.world_size, as a dry run plans it.
+        launch_world_size = launcher.resolve_world_size(nproc_per_node)
         cfg = load_run_config(
             preset or DEFAULT_PRESET,
             config_file=config,
             overrides=[*(overrides or []), *_output_dir_override(output_dir)],
-            world_size=_launch_world_size(nproc_per_node, dry_run),
+            world_size=launch_world_size,
         )
         if dry_run:
             _print_dry_run(cfg)
             return
+        if launch_world_size is None:
+            _check_single_process_launch(cfg)
+        _prepare_run(cfg, resume=resume, overwrite=overwrite)
         launcher.run(cfg, nproc_per_node=nproc_per_node, resume=resume, command_line=list(sys.argv))

@@ -20,8 +20,8 @@ from loongforge.config.errors import ConfigError
 from loongforge.config.overrides import Override, apply_overrides, parse_override
 from loongforge.config.presets import DEFAULT_PRESET, compose_file, compose_preset, deep_merge
 from loongforge.config.schema import RunConfig
-from loongforge.config.validate import is_schema_path, unknown_key_message, validate_tree
-from loongforge.config.yaml_io import dump_yaml_tree
+from loongforge.config.validate import KeyLocator, is_schema_path, unknown_key_message, validate_tree
+from loongforge.config.yaml_io import dump_yaml_tree, key_lines
 
 
 def _parse_overrides(overrides: Sequence[str | Override]) -> list[Override]:
@@ -68,7 +68,19 @@ def load_run_config(preset: str | None = DEFAULT_PRESET, *, config_file: Path | 
     tree = compose_tree(preset, config_file=config_file, overrides=overrides)
     if world_size is not None:
         tree = deep_merge(tree, {"parallel": {"world_size": world_size}})
-    return validate_tree(tree, world_size)
+    return validate_tree(tree, world_size, locate=_config_file_locator(config_file, overrides))
+
+
+def _config_file_locator(config_file: Path | None, overrides: Sequence[str | Override]) -> KeyLocator:
+    """``file:line`` for keys the user's config file sets last (an override wins over the file)."""
+    def locate(dotted: str) -> str | None:
+        # Called only for a broken key, so the file is read again only when there is an error.
+        lines = key_lines(Path(config_file)) if config_file is not None else {}
+        overridden = [".".join(o.path) for o in _parse_overrides(overrides)]
+        if dotted not in lines or any(dotted == o or dotted.startswith(f"{o}.") for o in overridden):
+            return None
+        return f"{config_file}:{lines[dotted]}"
+    return locate
 
 
 def load_resolved_config(path: Path, world_size: int | None = None) -> RunConfig:

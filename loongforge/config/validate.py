@@ -21,7 +21,7 @@ import operator
 import types
 import typing
 from pathlib import Path
-from typing import Any, Iterator, Union
+from typing import Any, Callable, Iterator, Optional, Union
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import divisors, vision_tensor_parallel_size
@@ -178,16 +178,25 @@ def _scalar_fits(value: Any, type_: Any) -> bool:
     return isinstance(value, type_)
 
 
+# Where a dotted key was set, as "file:line", or None (a preset, an override, a default).
+KeyLocator = Callable[[str], Optional[str]]
+
+
 class _Builder:
     """Converts a composed tree into schema dataclasses, recording every problem it meets."""
 
-    def __init__(self) -> None:
+    def __init__(self, locate: Optional[KeyLocator] = None) -> None:
         self.errors: list[str] = []
+        self._locate = locate or (lambda dotted: None)
+
+    def add_error(self, dotted: str, message: str) -> None:
+        where = self._locate(dotted)
+        self.errors.append(f"{where}: {message}" if where else message)
 
     def type_error(self, path: str, type_: Any, value: Any, default: Any) -> None:
         default_hint = "" if _is_section(type_) else f"; the default is {_yaml_text(default)}"
-        self.errors.append(f"{path}: expected {describe_type(type_)}, "
-                           f"got {_describe_value(value)}{default_hint}.")
+        self.add_error(path, f"{path}: expected {describe_type(type_)}, "
+                             f"got {_describe_value(value)}{default_hint}.")
 
     def section(self, cls: type, tree: Any, path: str) -> Any:
         default = cls()
@@ -200,7 +209,7 @@ class _Builder:
         for key, raw in tree.items():
             dotted = f"{prefix}{key}"
             if key not in types_:
-                self.errors.append(unknown_key_message(dotted))
+                self.add_error(dotted, unknown_key_message(dotted))
                 continue
             values[key] = self.value(types_[key], raw, dotted, getattr(default, key))
         return dataclasses.replace(default, **values)
@@ -226,9 +235,12 @@ class _Builder:
         return float(raw) if type_ is float else raw
 
 
-def build_run_config(tree: dict[str, Any]) -> RunConfig:
-    """The RunConfig a composed tree describes; keys not in the tree keep the schema default."""
-    builder = _Builder()
+def build_run_config(tree: dict[str, Any], locate: Optional[KeyLocator] = None) -> RunConfig:
+    """The RunConfig a composed tree describes; keys not in the tree keep the schema default.
+
+    ``locate`` names the file and line a key came from, so a user's YAML mistake points there.
+    """
+    builder = _Builder(locate)
     cfg = builder.section(RunConfig, tree, "")
     if builder.errors:
         raise ConfigError(builder.errors)
@@ -456,6 +468,7 @@ def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
 validate_run_config = validate
 
 
-def validate_tree(tree: dict[str, Any], world_size: int | None = None) -> RunConfig:
+def validate_tree(tree: dict[str, Any], world_size: int | None = None,
+                  locate: Optional[KeyLocator] = None) -> RunConfig:
     """Build and check: the one entry point from a composed tree to a valid RunConfig."""
-    return validate(build_run_config(tree), world_size)
+    return validate(build_run_config(tree, locate), world_size)

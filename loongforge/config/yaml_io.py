@@ -76,14 +76,36 @@ def parse_yaml_text(text: str, source: str) -> Any:
         raise _syntax_error(source, exc) from None
 
 
-def read_yaml_mapping(path: Path) -> dict[str, Any]:
-    """Read a YAML file whose top level must be a mapping (an empty file is an empty mapping)."""
+def _read_text(path: Path) -> str:
     try:
-        text = path.read_text(encoding="utf-8")
+        return path.read_text(encoding="utf-8")
     except OSError as exc:
         message = f"cannot read config file {path}: {exc.strerror}; check the path."
         raise ConfigError(message) from None
-    tree = parse_yaml_text(text, str(path))
+    except UnicodeDecodeError as exc:
+        raise ConfigError(f"{path}: not UTF-8 text (byte 0x{exc.object[exc.start]:02x} at offset "
+                          f"{exc.start}); save the config file as UTF-8.") from None
+
+
+def key_lines(path: Path) -> dict[str, int]:
+    """Dotted key -> the 1-based line where the YAML file ``path`` sets it (for error messages)."""
+    lines: dict[str, int] = {}
+
+    def walk(node: yaml.Node, prefix: str) -> None:
+        if not isinstance(node, yaml.MappingNode):
+            return
+        for key_node, value_node in node.value:
+            dotted = f"{prefix}{key_node.value}"
+            lines[dotted] = key_node.start_mark.line + 1
+            walk(value_node, f"{dotted}.")
+
+    walk(yaml.compose(_read_text(path), Loader=_ConfigLoader), "")
+    return lines
+
+
+def read_yaml_mapping(path: Path) -> dict[str, Any]:
+    """Read a YAML file whose top level must be a mapping (an empty file is an empty mapping)."""
+    tree = parse_yaml_text(_read_text(path), str(path))
     if tree is None:
         return {}
     if not isinstance(tree, dict):

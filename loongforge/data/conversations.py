@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Union
 
+from loongforge.config.errors import InputError
 from loongforge.data.records import ConversationSample, Reject
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
 
@@ -38,6 +39,7 @@ ROLE_ALIASES = {
 _IMAGE_PART_TYPES = {"image", "image_url"}
 _VIDEO_PART_TYPES = {"video", "video_url"}
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+_PATHS_REMEDY = "pass .json/.jsonl/.parquet files or folders holding them"
 
 
 # ---------------------------------------------------------------- record -> sample
@@ -291,7 +293,11 @@ def read_data_file(path: Path) -> list[_Located]:
 
 
 def expand_data_paths(paths: list[str]) -> list[Path]:
-    """Files as given; folders expand to their data files, sorted, so the order is stable."""
+    """Files as given; folders expand to their data files, sorted, so the order is stable.
+
+    The one check that data paths can be read at all (``pack`` and ``train`` both call it before
+    any work starts): a missing entry, an empty file, or nothing to read is an InputError.
+    """
     files: list[Path] = []
     for entry in paths:
         path = Path(entry)
@@ -300,9 +306,13 @@ def expand_data_paths(paths: list[str]) -> list[Path]:
         elif path.is_file():
             files.append(path)
         else:
-            raise FileNotFoundError(f"data.paths entry {entry!r} does not exist")
+            raise InputError(f"data.paths entry {entry!r} does not exist; {_PATHS_REMEDY}")
     if not files:
-        raise FileNotFoundError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files")
+        raise InputError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files; {_PATHS_REMEDY}")
+    empty = [str(f) for f in files if f.stat().st_size == 0]
+    if empty:
+        raise InputError(f"data.paths file {empty[0]} is empty"
+                         f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; {_PATHS_REMEDY}")
     return files
 
 

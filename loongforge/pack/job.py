@@ -80,10 +80,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
 
     _check_options(options)
     cfg = _load_config(options)
-    try:
-        files = [str(p) for p in expand_data_paths(list(options.inputs))]
-    except FileNotFoundError as error:
-        raise InputError(f"{error}; pass .json/.jsonl/.parquet files or folders holding them") from None
+    files = [str(p) for p in expand_data_paths(list(options.inputs))]
     sizing = _sizing_dict(cfg)
     config = _folder_config(options, cfg, files, sizing)
     root = Path(options.output)
@@ -124,6 +121,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
                                   max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
                                   vision_sizing=sizing)
     write_atomic(root / STATS_FILE, (json.dumps(summary.stats, indent=2) + "\n").encode())
+    _check_some_packs(summary.stats, root)
     return summary
 
 
@@ -144,6 +142,15 @@ def _check_options(options: PackOptions) -> None:
         problems.append(f"--packs-per-shard must be >= 1, got {options.packs_per_shard}.")
     if problems:
         raise ConfigError(problems)
+
+
+def _check_some_packs(stats: dict, root: Path) -> None:
+    # A folder without packs would fail only later, in training; stats and rejects stay for a look.
+    if stats["packs"]:
+        return
+    reasons = ", ".join(f"{k} {v}" for k, v in stats["rejects_by_reason"].items() if v) or "no samples read"
+    raise InputError(f"0 packs written: {stats['samples_rejected']} of {stats['samples_in']} samples rejected "
+                     f"({reasons}); see {root / 'rejects.jsonl'}, then fix the inputs or raise --seq-len")
 
 
 def _load_config(options: PackOptions):
@@ -181,6 +188,8 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) ->
 
 def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
     text = json.dumps(config, indent=2) + "\n"
+    if root.exists() and not root.is_dir():
+        raise InputError(f"--output {root} is a file, not a folder; choose a folder path to write packs into")
     if root.exists() and any(root.iterdir()):
         if not resume:
             raise InputError(f"output folder {root} is not empty; pass --resume to continue the run that "

@@ -10,6 +10,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+METRICS_FILE = "metrics.jsonl"  # one JSON line per step, in the run folder
+
 
 @dataclass
 class StepMetrics:
@@ -41,6 +43,19 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
                f" ({'applied' if m.balance['applied'] else 'skipped'})"))
 
 
+def drop_metrics_after(path: Path, step: int) -> None:
+    """Keep only the lines of steps <= ``step``: a run resumed from that step's checkpoint logs the
+    later steps again, and each step must appear once in ``metrics.jsonl``."""
+    if not path.is_file():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    kept = [line for line in lines if line.strip() and json.loads(line)["step"] <= step]
+    if len(kept) != len(lines):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text("".join(kept))
+        tmp.replace(path)  # atomic: a kill here leaves the old or the new file, never half of one
+
+
 @dataclass
 class RunLogger:
     """Rank-0 reporter; every method is a no-op on other ranks."""
@@ -66,7 +81,7 @@ class RunLogger:
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))
-        self._metrics_file = open(self.output_dir / "metrics.jsonl", "a")
+        self._metrics_file = open(self.output_dir / METRICS_FILE, "a")
 
     def write(self, line: str) -> None:
         if self.enabled:

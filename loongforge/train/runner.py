@@ -1,8 +1,9 @@
 """``loongforge train``: build everything from a resolved RunConfig and run the training loop.
 
 Order of operations (each step needs the previous one):
-  process groups -> CPU patches (a CPU run only) -> run folder -> model -> DDP -> optimizer and
-  schedule -> data pipeline -> optional checkpoint restore -> steps -> final checkpoint and summary.
+  process groups -> CPU patches (a CPU run only) -> model -> DDP -> optimizer and schedule -> data
+  pipeline -> optional checkpoint restore -> run folder files -> steps -> final checkpoint and
+  summary. The run folder is written only after the restore, so a failed --resume changes nothing.
 """
 
 from __future__ import annotations
@@ -31,8 +32,9 @@ from loongforge.parallel.distributed import (
     shutdown,
 )
 from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
-from loongforge.train.metrics import RunLogger, StepMetrics
+from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
 from loongforge.train.optim import build_optimizer, build_scheduler
+from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import GradSyncClock, ManualGC, train_step
 
 if TYPE_CHECKING:
@@ -172,6 +174,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
+    check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
     # An impossible model.layer_backend is a config error before anything is written or built.
     resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
     if env.device.type == "cpu":
@@ -192,8 +195,6 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
                                 train_steps=cfg.training.train_steps)
-    if env.rank == 0:
-        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout, model, optimizer)
     # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
@@ -212,7 +213,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         if balancing is not None:
             balancing.set_cost_model(getattr(observer, "cost_model", None))
 
-    ckpt_root = Path(cfg.checkpoint.dir or out_dir / "checkpoints")
+    ckpt_root = checkpoint_root(cfg)
     load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
     if resume and load_path is None:
         raise InputError(f"--resume: no complete checkpoint under {ckpt_root}; "
@@ -227,6 +228,12 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         start_step, consumed_rows = state.step, state.consumed_rows
         observer.load_state_dict(state.extra)
     sync_cost_model()
+    # Only now, with the config valid and the checkpoint loaded, does the run folder change: a
+    # failed --resume leaves config.yaml (which `convert` reads) and metrics.jsonl as they were.
+    if env.rank == 0:
+        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout, model, optimizer)
+        if load_path is not None:
+            drop_metrics_after(out_dir / METRICS_FILE, start_step)
 
     logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
                        enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,

@@ -134,24 +134,30 @@ def test_yaml_syntax_error_exits_2_with_position(tmp_path):
     assert_usage_error(invoke("--dry-run", "--config", str(path)), f"{path}:2:1: YAML syntax error")
 
 
-def test_real_run_without_launch_is_validated_as_one_process():
-    # The 7B preset needs TP2; a plain `loongforge train` is one process, so it must refuse
-    # before any training code is imported.
-    assert_usage_error(invoke("--preset", "qwen2.5vl-7b"), "world size 1 is not a multiple")
+def test_real_run_without_launch_refuses_a_larger_world_size(monkeypatch):
+    # A plain `loongforge train` is one process; a world size it cannot honour must be refused
+    # (it used to train with one process and exit 0), before any training code runs.
+    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+                        lambda *args: pytest.fail("must not train"))
+    for args in (["parallel.world_size=4"], ["--preset", "qwen2.5vl-7b"]):
+        world = "4" if args[0].endswith("4") else "8"
+        lines = assert_usage_error(invoke(*args), f"parallel.world_size={world} but nothing starts",
+                                   f"--nproc-per-node {world}", "torchrun/srun")
+        assert len(lines) == 1
 
 
-def test_train_calls_runner_with_resolved_config(monkeypatch):
+def test_train_calls_runner_with_resolved_config(monkeypatch, tmp_path):
     calls = []
     monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
                         lambda cfg, resume, command_line: calls.append((cfg, resume, command_line)))
-    result = invoke("training.train_steps=2", "--resume")
+    result = invoke("training.train_steps=2", "--resume", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     ((cfg, resume, command_line),) = calls
     assert cfg.training.train_steps == 2 and resume is True
     assert isinstance(command_line, list)
 
 
-def test_train_under_torchrun_does_not_spawn(monkeypatch):
+def test_train_under_torchrun_does_not_spawn(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     calls = []
@@ -159,18 +165,18 @@ def test_train_under_torchrun_does_not_spawn(monkeypatch):
                         lambda *a, **k: pytest.fail("must not spawn under torchrun"))
     monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
                         lambda cfg, resume, command_line: calls.append(cfg))
-    result = invoke("--nproc-per-node", "2")
+    result = invoke("--nproc-per-node", "2", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert calls[0].parallel.world_size == 2  # taken from the launcher's WORLD_SIZE
 
 
-def test_nproc_per_node_spawns_local_workers(monkeypatch):
+def test_nproc_per_node_spawns_local_workers(monkeypatch, tmp_path):
     monkeypatch.delenv("RANK", raising=False)
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)
     launched = {}
     monkeypatch.setattr("loongforge.parallel.launcher.launch_local_workers",
                         lambda cfg, **kwargs: launched.update(cfg=cfg, **kwargs))
-    result = invoke("--nproc-per-node", "2")
+    result = invoke("--nproc-per-node", "2", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert launched["nproc_per_node"] == 2 and launched["cfg"].parallel.world_size == 2

@@ -36,3 +36,29 @@ def test_pack_command_usage_errors_are_one_line(tmp_path):
 def test_bench_has_pack_subcommand():
     result = runner.invoke(app, ["bench", "pack", "--help"])
     assert result.exit_code == 0 and "--plan-samples" in result.output
+
+
+def _pack(*args: str):
+    return runner.invoke(app, ["pack", *args, "--preset", PRESET, "--seq-len", "1024", "--no-progress"])
+
+
+def test_pack_unreadable_inputs_and_file_output_are_one_line_errors(tmp_path):
+    (tmp_path / "empty.jsonl").write_text("")
+    (tmp_path / "no_data").mkdir()
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    (tmp_path / "taken").write_text("a file")
+    cases = [([str(tmp_path / "empty.jsonl"), "--output", str(tmp_path / "o1")], "is empty"),
+             ([str(tmp_path / "no_data"), "--output", str(tmp_path / "o2")], "holds no .json/.jsonl/.parquet"),
+             ([str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "taken")], "is a file, not a folder")]
+    for args, fragment in cases:
+        result = _pack(*args)
+        assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+        assert result.output.startswith("error: ") and fragment in result.output, result.output
+
+
+def test_pack_that_writes_no_packs_fails_with_counts_by_reason(tmp_path):
+    (tmp_path / "bad.jsonl").write_text("{}\n{}\n")
+    result = _pack(str(tmp_path / "bad.jsonl"), "--output", str(tmp_path / "out"))
+    assert result.exit_code == 2, result.output
+    assert result.output.startswith("error: 0 packs written: 2 of 2 samples rejected (malformed_json 2)"), result.output
+    assert (tmp_path / "out" / "rejects.jsonl").is_file()  # kept for a look
