@@ -316,6 +316,15 @@ def _check_file(path: Path, check) -> None:
         raise DamagedCheckpoint(f"{path}: unreadable ({detail})") from None
 
 
+def _rank_file(path: Path) -> Path:
+    """The per-rank state this rank restores from ``path``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank_file = path / f"rank_{rank:05d}.pt"
+    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
+        rank_file = path / "rank_00000.pt"
+    return rank_file
+
+
 def check_checkpoint_files(path: Path) -> None:
     """Raise DamagedCheckpoint naming the first file of checkpoint ``path`` that is unreadable or
     shorter than its index says. Cheap (sizes and the small pickles), so it runs before a load
@@ -329,9 +338,18 @@ def check_checkpoint_files(path: Path) -> None:
         if actual is None or actual < size:
             found = "missing" if actual is None else f"{actual} bytes"
             raise DamagedCheckpoint(f"{model_optim / name}: truncated ({found}, its index needs {size})")
-    for pickle_file in [model_optim / "common.pt", *sorted(path.glob("rank_*.pt"))]:
+    # Only the rank file this rank reads: at a thousand ranks, all of them on every rank add up.
+    for pickle_file in [model_optim / "common.pt", _rank_file(path)]:
         if pickle_file.exists():
             _check_file(pickle_file, lambda p: torch.load(p, weights_only=False, map_location="cpu"))
+
+
+def _damage(path: Path) -> Optional[str]:
+    try:
+        check_checkpoint_files(path)
+    except DamagedCheckpoint as exc:
+        return str(exc)
+    return None
 
 
 # What reading corrupt bytes raises (the size check catches truncation before any of these).
@@ -363,6 +381,11 @@ def load_newest_checkpoint(root: str | os.PathLike, model_chunks: list, optimize
     """
     skipped = []
     for path in checkpoint_candidates(root):
+        # Every rank skips a checkpoint any rank finds damaged; one alone would wait at a collective.
+        damaged = _gather_problems(_damage(path))
+        if damaged:
+            skipped.append(damaged[0])
+            continue
         try:
             return path, load_checkpoint(path, model_chunks, optimizer, scheduler), skipped
         except DamagedCheckpoint as exc:
@@ -435,11 +458,7 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
         if optimizer is not None and "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(optimizer)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
-        rank_file = path / "rank_00000.pt"
-    per_rank = torch.load(rank_file, weights_only=False)
+    per_rank = torch.load(_rank_file(path), weights_only=False)
     # megatron's scheduler *adds* the saved step count to its current one: start from zero.
     scheduler.num_steps = 0
     scheduler.load_state_dict(per_rank["scheduler"])
