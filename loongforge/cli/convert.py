@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import signal
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Iterator, Optional
 
 import typer
 
@@ -38,6 +40,38 @@ JsonOption = Annotated[bool, typer.Option("--json", help="With --roundtrip: prin
 NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
 
 
+class _Interrupted(BaseException):
+    """Raised in the main thread by SIGINT / SIGTERM. A BaseException, so that no ``except
+    Exception`` on the way up swallows it; the staging folder's cleanup still runs."""
+
+
+@contextlib.contextmanager
+def _exit_cleanly_on_signals() -> Iterator[None]:
+    """SIGINT / SIGTERM unwind the conversion (removing its staging folder), then one line and
+    exit 128 + signal (130, 143), the shell's convention for a process ended by a signal."""
+    received: list[int] = []
+
+    def handler(signum, _frame) -> None:
+        if not received:  # a second Ctrl-C must not interrupt the cleanup of the first
+            received.append(signum)
+            raise _Interrupted(signum)
+
+    previous = {signum: signal.signal(signum, handler) for signum in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        yield
+    except BaseException:
+        if not received:
+            raise
+        # torch.distributed.checkpoint re-raises a writer's exception wrapped in its own: the
+        # signal, not the exception type, says the run was interrupted.
+        typer.echo(f"error: convert interrupted by {signal.Signals(received[0]).name}; "
+                   "its partial output was removed", err=True)
+        raise typer.Exit(128 + received[0]) from None
+    finally:
+        for signum, old_handler in previous.items():
+            signal.signal(signum, old_handler)
+
+
 def convert(
     src: SrcArgument,
     dst: DstArgument = None,
@@ -55,7 +89,7 @@ def convert(
     no_progress: NoProgressOption = False,
 ) -> None:
     """Convert Qwen2.5-VL checkpoints between Hugging Face and megatron-core (any TP/PP), streamed."""
-    with cli_errors():
+    with _exit_cleanly_on_signals(), cli_errors():
         if roundtrip:
             _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress)
             return

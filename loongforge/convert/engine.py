@@ -8,11 +8,14 @@ business at load time. Each link is converted when the writer asks for it, so pe
 few tensors, not the model.
 
 Folder writes go to ``.<DST>.tmp-<pid>`` beside DST and are renamed into place at the end: an error
-or a kill never leaves a half-written DST.
+or a kill never leaves a half-written DST. The folder is removed on every exit a process can handle
+(errors; SIGINT / SIGTERM through the CLI), and the next conversion to DST removes those of
+processes that could not (SIGKILL).
 """
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
@@ -145,13 +148,45 @@ class Progress:
         return time.perf_counter() - self.start
 
 
+def _process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's live process
+        return True
+    return True
+
+
+def remove_stale_staging(dst: Path) -> list[str]:
+    """Remove ``.<DST>.tmp-<pid>`` folders beside ``dst`` whose process is gone.
+
+    A conversion killed by SIGKILL (or the OOM killer, or a reboot) cannot clean up after itself,
+    and its folder is as large as the output. Folders of live processes are left alone; so are
+    ``.old-<pid>`` ones, which may hold the only copy of a DST being replaced. Returns one note per
+    folder removed."""
+    notes = []
+    for candidate in dst.parent.glob(f".{glob.escape(dst.name)}.tmp-*"):
+        pid = candidate.name.rsplit("-", 1)[1]
+        if not pid.isdigit() or int(pid) == os.getpid() or _process_alive(int(pid)):
+            continue
+        shutil.rmtree(candidate, ignore_errors=True)
+        notes.append(f"removed {candidate.name}, left by process {pid} which no longer runs")
+    return notes
+
+
 @contextmanager
-def staged_folder(dst: Path, overwrite: bool) -> Iterator[Path]:
-    """A temporary folder beside ``dst``, renamed to ``dst`` when the body succeeds, removed if not."""
+def staged_folder(dst: Path, overwrite: bool, notes: Optional[list[str]] = None) -> Iterator[Path]:
+    """A temporary folder beside ``dst``, renamed to ``dst`` when the body succeeds, removed if not
+    (any exception, including the ones the CLI raises for SIGINT / SIGTERM). Stale folders of dead
+    conversions to the same ``dst`` are removed first and noted in ``notes``."""
     dst = Path(dst)
     if dst.exists() and not overwrite:
         raise InputError(f"{dst}: already exists; pass --overwrite to replace it")
     dst.parent.mkdir(parents=True, exist_ok=True)
+    stale = remove_stale_staging(dst)
+    if notes is not None:
+        notes.extend(stale)
     tmp = dst.parent / f".{dst.name}.tmp-{os.getpid()}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
@@ -194,7 +229,7 @@ class ConversionReport:
         if self.verify_mismatches is not None:
             text += (" | verify: all tensors equal" if not self.verify_mismatches else
                      f" | verify: {len(self.verify_mismatches)} tensors differ ({self.verify_mismatches[0]}, ...)")
-        return text
+        return " | ".join([text, *self.notes])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -283,7 +318,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
              for link in links]
     report = ConversionReport("hf->mcore", str(src), str(dst))
     bar = Progress(len(items), "hf -> mcore", progress)
-    with staged_folder(dst, overwrite) as tmp:
+    with staged_folder(dst, overwrite, report.notes) as tmp:
         write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))
         copied = _copy_side_files(checkpoint.side_files(("config.json", *families.HF_SIDE_FILES)), tmp / HF_SUBDIR)
         (tmp / "meta.json").write_text(json.dumps({
@@ -416,7 +451,7 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
 
     report = ConversionReport("mcore->hf", str(step_dir), str(dst))
     bar = Progress(len(planned), "mcore -> hf", progress)
-    with staged_folder(dst, overwrite) as tmp:
+    with staged_folder(dst, overwrite, report.notes) as tmp:
         writer, current = None, -1
         for link in links:
             tensors = to_hf(link, reader.read(keys[link.mcore_key], link.layer))

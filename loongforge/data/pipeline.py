@@ -29,6 +29,7 @@ from typing import Optional, Union
 
 import numpy as np
 
+from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import RopeSettings, collate_row
 from loongforge.data.conversations import FileSamples
@@ -123,6 +124,7 @@ class RowStream:
         self.epoch = 0
         self.cursor = self.shard_index  # next position to read within the epoch's order
         self._orders: dict[int, np.ndarray] = {}
+        self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -138,7 +140,7 @@ class RowStream:
 
     def _pull(self) -> PackItem[MeasuredSample]:
         """Next accepted sample; rejects are logged and skipped."""
-        for _ in range(len(self.source) + 1):
+        while True:
             position = (self.epoch, self.cursor)
             self.cursor += self.shard_count
             if self.cursor >= len(self.source):
@@ -147,15 +149,40 @@ class RowStream:
             if isinstance(measured, MeasuredSample):
                 return PackItem(key=position, length=measured.length, payload=measured)
             self.rejects.record(measured)
-        raise RuntimeError(f"all {len(self.source)} samples were rejected; see the rejects file "
-                           f"({self.rejects.counts()})")
+            self._check_some_accepted()
+
+    def _reachable_count(self) -> int:
+        """How many distinct samples this stream can ever read: all of them when epochs are
+        shuffled (every sample lands in every shard sooner or later), else its fixed share."""
+        if self.shuffle:
+            return len(self.source)
+        return len(range(self.shard_index, len(self.source), self.shard_count))
+
+    def _check_some_accepted(self) -> None:
+        """Give up once every sample this stream can read is known to be rejected.
+
+        Counted in distinct samples, not consecutive draws: a run of rejects may cross epoch
+        boundaries, and a shard sees only every n-th position, so a draw count says nothing."""
+        reachable = self._reachable_count()
+        if len(self._rejected) < reachable:
+            return
+        counts = Counter(reject.reason for reject in self._rejected.values())
+        by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(counts.items()))
+        share = (f" of this rank's share (data.read=sharded, rank {self.shard_index} of {self.shard_count}, "
+                 f"data.shuffle=false)" if reachable < len(self.source) else "")
+        where = f"; see {self.rejects.path}" if self.rejects.path is not None else ""
+        raise InputError(f"all {reachable} samples{share} were rejected ({by_reason}){where}")
 
     def _measure_at(self, position: tuple[int, int]) -> Union[MeasuredSample, Reject]:
         epoch, cursor = position
-        sample = self.source.get(int(self.epoch_order(epoch)[cursor]))
-        if isinstance(sample, Reject):
-            return sample
-        return self.measurer.measure(sample)
+        index = int(self.epoch_order(epoch)[cursor])
+        if index in self._rejected:  # measuring is deterministic: a reject stays one
+            return self._rejected[index]
+        sample = self.source.get(index)
+        measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
+        if isinstance(measured, Reject):
+            self._rejected[index] = measured
+        return measured
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()]}

@@ -11,10 +11,13 @@ complete.
 
 from __future__ import annotations
 
+import errno
 import json
 import os
+import pickle
 import random
 import shutil
+import zipfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -162,25 +165,104 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: list, optimizer,
-                    scheduler, *, layout: dict) -> Path:
+def _local_bytes(model_chunks: list, optimizer) -> int:
+    """Bytes of this rank's parameters and optimizer state: a lower bound of what a checkpoint
+    adds to the disk (every rank's share is saved once, replicas by one rank only)."""
+    tensors = [param for chunk in model_chunks for param in chunk.parameters()]
+    for chained in getattr(optimizer, "chained_optimizers", [optimizer] if optimizer is not None else []):
+        for state in getattr(getattr(chained, "optimizer", None), "state", {}).values():
+            tensors += [value for value in state.values() if torch.is_tensor(value)]
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _megabytes(num_bytes: int) -> str:
+    return f"{num_bytes / 2**20:,.0f} MiB"
+
+
+def _is_disk_full(error: BaseException, root: Path, needed: int) -> bool:
+    """ENOSPC anywhere in the chain, or (torch's zip writer reports a short write as "unexpected
+    pos", without the errno) less room left on the disk than this rank's share."""
+    seen, todo = set(), [error]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
+            return True
+        todo += [current.__cause__, current.__context__, *getattr(current, "failures", {}).values()]
+    return shutil.disk_usage(root).free < needed
+
+
+def _gather_problems(problem: Optional[str]) -> list[str]:
+    """Every rank's problem (None when fine), so that all ranks stop together or none does."""
+    if not (dist.is_initialized() and dist.get_world_size() > 1):
+        return [problem] if problem else []
+    gathered: list[Optional[str]] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, problem)
+    return [p for p in gathered if p]
+
+
+def _space_problem(root: Path, needed: int) -> Optional[str]:
+    free = shutil.disk_usage(root).free
+    if free >= needed:
+        return None
+    return (f"cannot save a checkpoint under {root}: no space left on device (this rank's share needs "
+            f"about {_megabytes(needed)}, {_megabytes(free)} free); free space or set checkpoint.dir")
+
+
+def _write_shards(tmp_dir: Path, state: TrainState, model_chunks: list, optimizer, scheduler,
+                  rank: int) -> None:
     from megatron.core import dist_checkpointing
 
-    root = Path(root)
-    final_dir = root / step_dir_name(state.step)
-    tmp_dir = root / (step_dir_name(state.step) + ".tmp")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    if rank == 0:
-        shutil.rmtree(tmp_dir, ignore_errors=True)
-        (tmp_dir / "model_optim").mkdir(parents=True)
-    _barrier()
     dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False),
                             str(tmp_dir / "model_optim"))
     torch.save({"step": state.step, "consumed_rows": state.consumed_rows,
                 "data_state": state.data_state, "extra": state.extra,
                 "scheduler": scheduler.state_dict(), "rng": _rng_state(_on_cuda(model_chunks))},
                tmp_dir / f"rank_{rank:05d}.pt")
+
+
+def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: list, optimizer,
+                    scheduler, *, layout: dict) -> Path:
+    """Write ``<root>/step_N`` (see the module docstring). A full disk is an InputError naming the
+    folder and the bytes needed, raised on every rank, with the partial ``.tmp`` removed."""
+    root = Path(root)
+    final_dir = root / step_dir_name(state.step)
+    tmp_dir = root / (step_dir_name(state.step) + ".tmp")
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    if rank == 0:
+        root.mkdir(parents=True, exist_ok=True)
+        for stale in root.glob("step_*.tmp"):  # left by a run that died mid-save; they hold disk space
+            shutil.rmtree(stale, ignore_errors=True)
     _barrier()
+    needed = _local_bytes(model_chunks, optimizer)
+    problems = _gather_problems(_space_problem(root, needed))  # before writing anything
+    if problems:
+        raise InputError(problems[0])
+    if rank == 0:
+        (tmp_dir / "model_optim").mkdir(parents=True)
+    _barrier()
+    error, disk_full = None, None
+    try:
+        _write_shards(tmp_dir, state, model_chunks, optimizer, scheduler, rank)
+    except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below
+        error = exc
+        if _is_disk_full(exc, root, needed):
+            disk_full = (f"cannot save checkpoint {final_dir}: no space left on device (this rank's share "
+                         f"needs about {_megabytes(needed)}, {_megabytes(shutil.disk_usage(root).free)} free); "
+                         f"removed the partial {tmp_dir.name}; free space or set checkpoint.dir")
+    # All ranks learn whether any failed: a rank that saved must not wait for one that did not.
+    failures = _gather_problems(disk_full or (f"rank {rank}: {error!r}" if error is not None else None))
+    if failures:
+        if rank == 0:
+            shutil.rmtree(tmp_dir, ignore_errors=True)  # a partial checkpoint would keep the disk full
+        full = [f for f in failures if f.startswith("cannot save")]
+        if full:
+            raise InputError(full[0])
+        if error is not None:
+            raise error
+        raise RuntimeError(f"checkpoint {final_dir} not saved: {failures[0]}")
     if rank == 0:
         (tmp_dir / "meta.json").write_text(json.dumps(
             {"step": state.step, "layout": layout, "loongforge": __version__}, indent=2))
@@ -192,16 +274,126 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
     return final_dir
 
 
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None."""
+def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
+    """Complete checkpoints under ``root``, newest first: the one ``latest`` names, then the
+    other ``step_*`` folders with a ``meta.json`` by descending step."""
     root = Path(root)
+    complete = sorted((p for p in root.glob("step_*") if (p / "meta.json").is_file()), reverse=True)
     marker = root / LATEST_FILE
     if marker.is_file():
-        candidate = root / marker.read_text().strip()
-        if (candidate / "meta.json").is_file():
-            return candidate
-    complete = sorted(p for p in root.glob("step_*") if (p / "meta.json").is_file())
-    return complete[-1] if complete else None
+        named = root / marker.read_text().strip()
+        if named in complete:
+            complete = [named] + [p for p in complete if p != named]
+    return complete
+
+
+def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
+    """The newest complete checkpoint under ``root``, or None."""
+    candidates = checkpoint_candidates(root)
+    return candidates[0] if candidates else None
+
+
+class DamagedCheckpoint(InputError):
+    """A checkpoint folder whose files cannot be read back (truncated, empty, unparsable)."""
+
+
+def _distcp_sizes_needed(model_optim: Path) -> dict[str, int]:
+    """Bytes each ``.distcp`` file must hold, from the ``.metadata`` dist_checkpointing wrote."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    needed: dict[str, int] = {}
+    for info in FileSystemReader(str(model_optim)).read_metadata().storage_data.values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    return needed
+
+
+def _check_file(path: Path, check) -> None:
+    """Run ``check(path)``; any failure becomes a DamagedCheckpoint naming the file."""
+    try:
+        check(path)
+    except Exception as exc:  # EOFError, UnpicklingError, RuntimeError, OSError, ...: all mean unreadable
+        detail = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise DamagedCheckpoint(f"{path}: unreadable ({detail})") from None
+
+
+def _rank_file(path: Path) -> Path:
+    """The per-rank state this rank restores from ``path``."""
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    rank_file = path / f"rank_{rank:05d}.pt"
+    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
+        rank_file = path / "rank_00000.pt"
+    return rank_file
+
+
+def check_checkpoint_files(path: Path) -> None:
+    """Raise DamagedCheckpoint naming the first file of checkpoint ``path`` that is unreadable or
+    shorter than its index says. Cheap (sizes and the small pickles), so it runs before a load
+    that would otherwise fail deep inside torch.distributed.checkpoint without naming the file."""
+    model_optim = path / "model_optim"
+    _check_file(path / "meta.json", lambda p: json.loads(p.read_text()))
+    needed = {}
+    _check_file(model_optim / ".metadata", lambda p: needed.update(_distcp_sizes_needed(p.parent)))
+    for name, size in sorted(needed.items()):
+        actual = (model_optim / name).stat().st_size if (model_optim / name).is_file() else None
+        if actual is None or actual < size:
+            found = "missing" if actual is None else f"{actual} bytes"
+            raise DamagedCheckpoint(f"{model_optim / name}: truncated ({found}, its index needs {size})")
+    # Only the rank file this rank reads: at a thousand ranks, all of them on every rank add up.
+    for pickle_file in [model_optim / "common.pt", _rank_file(path)]:
+        if pickle_file.exists():
+            _check_file(pickle_file, lambda p: torch.load(p, weights_only=False, map_location="cpu"))
+
+
+def _damage(path: Path) -> Optional[str]:
+    try:
+        check_checkpoint_files(path)
+    except DamagedCheckpoint as exc:
+        return str(exc)
+    return None
+
+
+# What reading corrupt bytes raises (the size check catches truncation before any of these).
+_UNREADABLE = (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
+
+
+def _unreadable_cause(exc: BaseException) -> Optional[BaseException]:
+    """The error inside ``exc`` that says a file is unreadable, or None. torch.distributed.checkpoint
+    collects each rank's error in ``failures``; megatron re-raises with ``from``."""
+    seen, todo = set(), [exc]
+    while todo:
+        current = todo.pop()
+        if current is None or id(current) in seen:
+            continue
+        seen.add(id(current))
+        if isinstance(current, _UNREADABLE) or "PytorchStreamReader failed" in str(current):
+            return current
+        todo += [current.__cause__, current.__context__, *getattr(current, "failures", {}).values()]
+    return None
+
+
+def load_newest_checkpoint(root: str | os.PathLike, model_chunks: list, optimizer, scheduler
+                           ) -> tuple[Path, TrainState, list[str]]:
+    """Restore the newest checkpoint under ``root`` that loads (``--resume``).
+
+    Damaged ones are skipped: a disk that filled up or a node that died mid-copy should cost the
+    steps since the previous checkpoint, not the run. Returns the folder loaded, its state, and one
+    reason per skipped checkpoint; raises InputError when none loads.
+    """
+    skipped = []
+    for path in checkpoint_candidates(root):
+        # Every rank skips a checkpoint any rank finds damaged; one alone would wait at a collective.
+        damaged = _gather_problems(_damage(path))
+        if damaged:
+            skipped.append(damaged[0])
+            continue
+        try:
+            return path, load_checkpoint(path, model_chunks, optimizer, scheduler), skipped
+        except DamagedCheckpoint as exc:
+            skipped.append(str(exc))  # names the folder and, where known, the file
+    if not skipped:
+        raise InputError(f"--resume: no complete checkpoint under {root}; run without --resume to start fresh")
+    raise InputError(f"--resume: no checkpoint under {root} loads ({'; '.join(skipped)}); "
+                     "run without --resume to start fresh")
 
 
 def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
@@ -229,13 +421,28 @@ def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
 
 
 def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, scheduler) -> TrainState:
-    """Restore model, optimizer, scheduler and RNG; return the step counters and data position."""
-    from megatron.core import dist_checkpointing
+    """Restore model, optimizer, scheduler and RNG; return the step counters and data position.
 
+    Raises DamagedCheckpoint (an InputError naming the folder and, where known, the file) when the
+    checkpoint's files cannot be read back."""
     path = Path(path)
     if not (path / "meta.json").is_file():
         raise InputError(f"{path}: not a complete loongforge checkpoint (no meta.json); "
                                 "pass a step_* folder or the checkpoint root with --resume")
+    check_checkpoint_files(path)
+    try:
+        return _load_checked(path, model_chunks, optimizer, scheduler)
+    except Exception as exc:
+        damage = _unreadable_cause(exc)
+        if damage is None:  # a mismatch or a bug, not damage: keep its own message and traceback
+            raise
+        raise DamagedCheckpoint(f"{path}: cannot be read back ({type(damage).__name__}: "
+                                f"{str(damage).strip() or 'file ends early'})") from None
+
+
+def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> TrainState:
+    from megatron.core import dist_checkpointing
+
     if json.loads((path / "meta.json").read_text()).get("kind") == MODEL_ONLY_KIND:
         load_model_only(path, model_chunks, optimizer)
         # data_state None: no data position to restore, the run starts at step 0
@@ -251,11 +458,7 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
         if optimizer is not None and "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(optimizer)
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
-        rank_file = path / "rank_00000.pt"
-    per_rank = torch.load(rank_file, weights_only=False)
+    per_rank = torch.load(_rank_file(path), weights_only=False)
     # megatron's scheduler *adds* the saved step count to its current one: start from zero.
     scheduler.num_steps = 0
     scheduler.load_state_dict(per_rank["scheduler"])

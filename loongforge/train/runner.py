@@ -31,7 +31,8 @@ from loongforge.parallel.distributed import (
     init_model_parallel,
     shutdown,
 )
-from loongforge.train.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
+from loongforge.train.checkpoint import (TrainState, latest_checkpoint, load_checkpoint, load_newest_checkpoint,
+                                         save_checkpoint)
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
@@ -218,11 +219,15 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     if resume and load_path is None:
         raise InputError(f"--resume: no complete checkpoint under {ckpt_root}; "
                                 "run without --resume to start fresh")
+    skipped_checkpoints: list[str] = []
     start_step, consumed_rows = 0, 0
     is_log_rank = env.rank == 0
     logger_enabled = is_log_rank
     if load_path is not None:
-        state = load_checkpoint(load_path, model, optimizer, scheduler)
+        if resume:  # the newest that loads: damaged newer ones are skipped, and said so below
+            load_path, state, skipped_checkpoints = load_newest_checkpoint(ckpt_root, model, optimizer, scheduler)
+        else:
+            state = load_checkpoint(load_path, model, optimizer, scheduler)
         if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
             pipeline.load_state_dict(state.data_state)
         start_step, consumed_rows = state.step, state.consumed_rows
@@ -240,6 +245,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
                        progress_bar=cfg.logging.progress_bar)
     logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                          _unwrap_model(model[0]).layer_backends.items()))
+    for reason in skipped_checkpoints:
+        logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if load_path is not None:
         logger.write(f"resumed from {load_path} at step {start_step}")
     if balancing is not None:

@@ -6,8 +6,11 @@ import numpy as np
 import pytest
 import torch
 
+from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.pipeline import DataPipeline
+from loongforge.data.conversations import FileSamples
+from loongforge.data.measure import SampleMeasurer
+from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
 
@@ -196,3 +199,36 @@ def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer,
     assert mb["pixel_values"].shape == (int(mb["image_grid_thw"].prod(-1).sum()), 1176)
     [reject] = [json.loads(line) for line in rejects_path.read_text().splitlines()]
     assert reject["reason"] == "corrupt_image" and reject["line"] == 1 and "decoding" in reject["detail"]
+
+
+def _demo_stream(tokenizer, *, seq_len, shard=(0, 1), shuffle=True, rejects_path=None):
+    """The real demo data (6 conversations) read as one shard of a data-parallel run."""
+    cfg = DataConfig(source="files", paths=[str(require(LLAMAFACTORY / "mllm_demo.json"))],
+                     seq_len=seq_len, num_workers=0, shuffle=shuffle, max_pixels=50176)  # qwen2.5vl-tiny's
+    return RowStream(FileSamples(cfg.paths), SampleMeasurer(tokenizer, cfg, MODEL), seq_len=seq_len,
+                     lookahead=4, shuffle=shuffle, seed=cfg.seed, rejects=RejectLog(rejects_path), shard=shard)
+
+
+@pytest.mark.parametrize("shard_index", [0, 1])
+def test_sharded_reader_survives_reject_runs_across_epochs(tokenizer, shard_index):
+    # 4 of the 6 demo conversations are longer than 128 tokens; a shard sees 3 positions an epoch,
+    # so runs of more than 6 rejects in a row happen although 2 samples are fine.
+    stream = _demo_stream(tokenizer, seq_len=128, shard=(shard_index, 2))
+    accepted = {item.payload.sample_id for _ in range(30) for item in stream.next_row()}
+    assert len(accepted) == 2
+    assert stream.rejects.counts() == {"too_long": 4}
+
+
+def test_all_samples_rejected_is_one_input_error_with_counts(tokenizer, tmp_path):
+    stream = _demo_stream(tokenizer, seq_len=16, shard=(1, 2), rejects_path=tmp_path / "rejects.jsonl")
+    with pytest.raises(InputError) as error:
+        stream.next_row()
+    message = str(error.value)
+    assert "\n" not in message
+    assert message == f"all 6 samples were rejected (too_long: 6); see {tmp_path / 'rejects.jsonl'}"
+
+
+def test_unshuffled_shard_with_only_bad_samples_names_its_share(tokenizer):
+    stream = _demo_stream(tokenizer, seq_len=16, shard=(0, 2), shuffle=False)
+    with pytest.raises(InputError, match=r"all 3 samples of this rank's share .* were rejected \(too_long: 3\)"):
+        stream.next_row()

@@ -106,3 +106,29 @@ def test_real_demo_conversations_train_and_bad_samples_are_counted(tmp_path):
     assert {(r["line"], r["reason"]) for r in rejects} == {(2, "missing_image"), (3, "malformed_json")}
     assert all(r["file"] == str(broken) for r in rejects)
     assert "2 samples rejected" in proc.stdout + proc.stderr
+
+
+def test_two_ranks_train_on_demo_data_where_most_samples_are_too_long(tmp_path):
+    # 4 of the 6 demo conversations exceed 128 tokens; each rank reads every second position
+    # (data.read=sharded), so reject runs longer than the data set are normal, not "all rejected".
+    from tests.shared_data import SHARED_DATA
+
+    demo = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+    proc = run_train(tmp_path, "data.source=files", f"data.paths=[{demo}]", "data.seq_len=128",
+                     "data.max_pixels=50176", "training.train_steps=2", nproc=2)
+    assert len(losses(tmp_path)) == 2 and all(math.isfinite(v) for v in losses(tmp_path))
+    rejects = [json.loads(line) for line in (tmp_path / "rejects.jsonl").read_text().splitlines()]
+    assert sorted(r["reason"] for r in rejects) == ["too_long"] * 4
+    assert "4 samples rejected (too_long: 4)" in proc.stdout + proc.stderr
+
+
+def test_only_rejected_samples_is_a_one_line_error(tmp_path):
+    from tests.shared_data import SHARED_DATA
+
+    demo = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+    proc = run_train(tmp_path, "data.source=files", f"data.paths=[{demo}]", "data.seq_len=16",
+                     "training.train_steps=1", expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: all 6 samples were rejected (too_long: 6); see {tmp_path / 'rejects.jsonl'}")
+    assert "Traceback" not in proc.stderr
