@@ -52,7 +52,10 @@ def _check_folders(cfg: RunConfig) -> None:
 def previous_run(cfg: RunConfig) -> list[str]:
     """What marks the run folder (and checkpoint folder) as used by an earlier run, newest last."""
     out_dir, ckpt_root = Path(cfg.logging.output_dir), checkpoint_root(cfg)
-    marks = sorted(str(p) for p in ckpt_root.glob("step_*")) if ckpt_root.is_dir() else []
+    # A ``step_*.tmp`` is a save a killed run never finished: no run's state, and the next save
+    # removes it; only finished checkpoints mark the folder as used.
+    steps = ckpt_root.glob("step_*") if ckpt_root.is_dir() else []
+    marks = sorted(str(p) for p in steps if not p.name.endswith(".tmp"))
     if (out_dir / METRICS_FILE).is_file():
         marks.append(str(out_dir / METRICS_FILE))
     return marks
