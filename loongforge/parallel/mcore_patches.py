@@ -48,7 +48,8 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = ["Patch", "CPU_PATCHES", "CHECKPOINT_LOAD_PATCHES", "CHECKPOINT_SAVE_PATCHES",
-           "DEVICE_PROXY_MODULES", "apply_cpu", "scoped", "revert", "applied", "cpu_device_scope", "run_in_cpu_device_scope"]
+           "DEVICE_PROXY_MODULES", "apply_cpu", "scoped", "revert", "applied", "cpu_device_scope",
+           "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
 _CUDA_TYPE_NAMES = {

@@ -9,6 +9,7 @@ import sys
 import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from loongforge.config.loader import load_run_config
@@ -75,8 +76,8 @@ def _fake_launch(monkeypatch, error: Exception) -> None:
 def test_workers_stopped_by_a_signal_exit_with_their_code(monkeypatch, codes, expected):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
-    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code, error_file="/nonexistent")
-                for rank, code in enumerate(codes)}
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                     error_file="/nonexistent") for rank, code in enumerate(codes)}
     _fake_launch(monkeypatch, ChildFailedError("record_rank", failures))
     cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
     with pytest.raises(SystemExit) as stopped:
@@ -134,8 +135,6 @@ def test_a_worker_dies_with_a_killed_launcher():
 
 
 def _alive(pid: int) -> bool:
-    import psutil
-
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:

@@ -1,10 +1,15 @@
 """mcore_patches: idempotent, reversible, scoped, applied by the run's device, and what it patches works."""
 
+import psutil
 import pytest
 import torch
+from megatron.core import dist_checkpointing
+from megatron.core.dist_checkpointing import ShardedTensor
+from megatron.core.dist_checkpointing.strategies import filesystem_async
 from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding, RotaryEmbedding
 
 from loongforge.parallel import mcore_patches
+from tests.models.helpers import destroy_megatron, free_port, init_megatron
 
 
 @pytest.fixture
@@ -136,17 +141,13 @@ def test_revert_restores_module_torch(patched):
 def test_checkpoint_save_starts_no_process_and_round_trips(patched, tmp_path, monkeypatch):
     """Saving under CHECKPOINT_SAVE_PATCHES writes every file from threads: no Manager, no forked
     writer, and the checkpoint reads back identical."""
-    import psutil
-    from megatron.core import dist_checkpointing
-    from megatron.core.dist_checkpointing import ShardedTensor
-    from megatron.core.dist_checkpointing.strategies import filesystem_async
-
-    from tests.models.helpers import destroy_megatron, free_port, init_megatron
-
     # Unpatched, megatron would create (and keep) its Manager here: make sure one is not cached.
     monkeypatch.setattr(filesystem_async, "_results_queue", None)
     tensors = {f"t{i}": torch.arange(1000 * (i + 1), dtype=torch.float32) for i in range(6)}
-    sharded = lambda source: {k: ShardedTensor.from_rank_offsets(k, v) for k, v in source.items()}  # noqa: E731
+
+    def sharded(source: dict) -> dict:
+        return {key: ShardedTensor.from_rank_offsets(key, value) for key, value in source.items()}
+
     init_megatron(rank=0, world_size=1, port=free_port())
     try:
         before = {child.pid for child in psutil.Process().children(recursive=True)}
