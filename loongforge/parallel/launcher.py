@@ -69,8 +69,10 @@ def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.
     return (nproc_per_node or 1) > 1 and external_launch_world_size(env) is None
 
 
-# Exit codes of a run stopped at a step boundary by SIGINT (130) or SIGTERM (143): 128 + signal.
-STOP_EXIT_CODES = frozenset({128 + signal.SIGINT, 128 + signal.SIGTERM})
+# Exit codes of a worker stopped by SIGINT or SIGTERM: 130/143 (128 + signal, a run stopped at a step
+# boundary) or -2/-15 (killed by the signal before it could install its handlers, at start-up).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_EXIT_CODES = frozenset([128 + sig for sig in _STOP_SIGNALS] + [-sig for sig in _STOP_SIGNALS])
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -158,8 +160,8 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
         codes = {failure.exitcode for failure in exc.failures.values()}
-        if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped cleanly
-            raise SystemExit(max(codes)) from None
+        if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped
+            raise SystemExit(128 + max(code - 128 if code > 0 else -code for code in codes)) from None
         failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})"
                            for rank, failure in sorted(exc.failures.items()))
         raise LaunchError(f"training workers failed: {failed}") from exc

@@ -72,7 +72,8 @@ def _fake_launch(monkeypatch, error: Exception) -> None:
                         lambda config, entrypoint: lambda *args: launch(config, entrypoint))
 
 
-@pytest.mark.parametrize("codes, expected", [((143, 143), 143), ((130, 143), 143), ((130,), 130)])
+@pytest.mark.parametrize("codes, expected", [((143, 143), 143), ((130, 143), 143), ((130,), 130),
+                                             ((-15, 143), 143)])  # -15: signalled during start-up
 def test_workers_stopped_by_a_signal_exit_with_their_code(monkeypatch, codes, expected):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
