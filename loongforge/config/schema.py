@@ -136,6 +136,10 @@ class ParallelConfig:
     overlap_grad_reduce: bool = False
     # Launch size used by --dry-run and for deriving DP before processes exist.
     world_size: int = 1
+    # Seconds a collective (and a stop-save after SIGTERM) may wait for the slowest rank before the
+    # run fails naming the ranks that did not arrive. torch's 30 min keeps a hung job holding a
+    # whole allocation for half an hour; a healthy step or checkpoint save is far below 10 min.
+    collective_timeout_s: int = 600
 
 
 @dataclass
@@ -179,6 +183,10 @@ class TrainingConfig:
     # collection is off and every rank collects after every N-th step, all at the same step.
     # 0 = Python's automatic collection.
     manual_gc_interval: int = 10
+    # On SIGTERM (what schedulers send before preemption) every rank finishes the current step and
+    # a checkpoint is saved before the run exits with 143, so --resume loses nothing. SIGINT
+    # (Ctrl-C) stops at the step end without a new checkpoint. false: stop without saving.
+    save_on_signal: bool = True
 
 
 @dataclass

@@ -47,7 +47,7 @@ _AT_LEAST_ONE = (
     "model.language.num_attention_heads", "model.language.num_query_groups",
     "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.world_size", "training.train_steps", "training.global_batch_size",
+    "parallel.world_size", "parallel.collective_timeout_s", "training.train_steps", "training.global_batch_size",
     "logging.log_interval",
 )
 _AT_LEAST_ZERO = (

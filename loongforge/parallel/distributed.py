@@ -11,6 +11,7 @@ Three launch styles reach the same state:
 from __future__ import annotations
 
 import datetime
+import math
 import os
 import socket
 import subprocess
@@ -109,9 +110,10 @@ def process_group_backend(device: torch.device) -> str:
     return "cpu:gloo,cuda:nccl" if device.type == "cuda" else "gloo"
 
 
-def init_distributed(device_preference: str = "auto", timeout_s: int = 1800) -> DistributedEnv:
+def init_distributed(device_preference: str = "auto", timeout_s: int = 600) -> DistributedEnv:
     """Initialise the default process group (see ``process_group_backend``) from the launch
-    environment."""
+    environment; a collective waiting longer than ``timeout_s`` for another rank fails
+    (``parallel.collective_timeout_s``)."""
     launched = {key for key in _LAUNCH_KEYS if key in os.environ}
     _launch_env_from_slurm()
     os.environ.setdefault("RANK", "0")
@@ -143,6 +145,8 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+            # megatron's groups take whole minutes; its default is torch's 30.
+            distributed_timeout_minutes=max(1, math.ceil(parallel_cfg.collective_timeout_s / 60)),
         )
     layout = ParallelLayout(
         tp_size=mpu.get_tensor_model_parallel_world_size(),

@@ -10,13 +10,26 @@ Three ways a run starts, one rule each:
   process group from those variables.
 * otherwise: one process trains.
 
+Stopping: a run stopped by SIGTERM or SIGINT (see ``loongforge.train.stop``) exits with 143 or 130
+from every process. The local launcher forwards those signals to its workers (torch's elastic agent
+does), gives them ``parallel.collective_timeout_s`` to finish the step and save, and exits with the
+workers' code. Nothing outlives the launcher: each worker asks the kernel to kill it when the
+launcher dies (``PR_SET_PDEATHSIG``, even under kill -9), and a worker whose peer dies fails in its
+next collective (gloo reports the closed connection), which makes the agent stop the others.
+
 torch is imported inside functions so that ``loongforge --help`` does not pay for it.
 """
 
 from __future__ import annotations
 
+import ctypes
+import functools
+import importlib
 import os
+import signal
 import socket
+import sys
+import threading
 import uuid
 from typing import Callable, Mapping
 
@@ -56,17 +69,60 @@ def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.
     return (nproc_per_node or 1) > 1 and external_launch_world_size(env) is None
 
 
+# Exit codes of a worker stopped by SIGINT or SIGTERM: 130/143 (128 + signal, a run stopped at a step
+# boundary) or -2/-15 (killed by the signal before it could install its handlers, at start-up).
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+STOP_EXIT_CODES = frozenset([128 + sig for sig in _STOP_SIGNALS] + [-sig for sig in _STOP_SIGNALS])
+_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+
+
 def run_training_worker(cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
-    """Entry point of one worker (module level so the spawn start method can pickle it)."""
+    """Entry point of one worker (module level so the spawn start method can pickle it). A run
+    stopped by a signal exits with 128 + the signal, as a shell reports a signalled process."""
     from loongforge.train.runner import run_training
 
-    run_training(cfg, resume=resume, command_line=command_line)
+    summary = run_training(cfg, resume=resume, command_line=command_line)
+    if summary.stop_signal:
+        sys.exit(128 + summary.stop_signal)
+
+
+def die_with_parent(parent_pid: int) -> bool:
+    """Have the kernel SIGKILL this process when ``parent_pid`` (its parent) exits, however it exits.
+
+    Linux only (prctl through libc); returns False where that is not available. A parent that died
+    before the request took effect is caught by comparing the parent pid afterwards.
+    """
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
+            return False
+    except (OSError, AttributeError):
+        return False
+    if os.getppid() != parent_pid:
+        os._exit(128 + signal.SIGKILL)  # orphaned already: nobody is left to collect our work
+    return True
+
+
+def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, cfg: RunConfig, resume: bool,
+                  command_line: list[str]) -> None:
+    """A spawned worker: tied to the launcher's life, then the entrypoint."""
+    die_with_parent(launcher_pid)
+    entrypoint(cfg, resume, command_line)
 
 
 def _free_local_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return sock.getsockname()[1]
+
+
+def _warm_failure_logging() -> None:
+    """torch's log formatter imports torch._dynamo the first time it formats an exception (1-2 s,
+    several on a loaded machine), and that first time is the agent reporting a failed worker: the
+    launcher, and with it the job, would linger after the failure. Importing it in the background
+    while the workers start takes that cost off the failure path."""
+    threading.Thread(target=importlib.import_module, args=("torch._dynamo",), daemon=True,
+                     name="loongforge-warm-logging").start()
 
 
 def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
@@ -77,6 +133,7 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     Blocks until all workers finish; raises LaunchError naming the failed ranks. No restarts: a
     crashed training step fails the same way again, and --resume is the recovery path.
     """
+    from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
@@ -89,10 +146,22 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         rdzv_endpoint=f"127.0.0.1:{_free_local_port()}",
         max_restarts=0,
         start_method="spawn",
+        # After a SIGTERM/SIGINT the agent forwards it and waits this long for the workers to finish
+        # the step and save before it kills them; a longer wait would be a hung collective anyway.
+        shutdown_timeout=cfg.parallel.collective_timeout_s,
     )
+    _warm_failure_logging()
+    # Named after the entrypoint: the elastic agent reports failures by the function's name.
+    worker = functools.update_wrapper(functools.partial(_local_worker, entrypoint, os.getpid()),
+                                      entrypoint)
     try:
-        elastic_launch(launch_config, entrypoint)(cfg, resume, command_line)
+        elastic_launch(launch_config, worker)(cfg, resume, command_line)
+    except SignalException as exc:  # this process was signalled; the workers have stopped
+        raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
+        codes = {failure.exitcode for failure in exc.failures.values()}
+        if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped
+            raise SystemExit(128 + max(code - 128 if code > 0 else -code for code in codes)) from None
         failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})"
                            for rank, failure in sorted(exc.failures.items()))
         raise LaunchError(f"training workers failed: {failed}") from exc

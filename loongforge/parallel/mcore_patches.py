@@ -12,6 +12,12 @@ Two groups, each applied for a reason the caller states, never process-wide by d
 * ``CHECKPOINT_LOAD_PATCHES``: fixes needed only while a checkpoint is read, on any device;
   ``scoped(CHECKPOINT_LOAD_PATCHES)`` installs them for the duration of the load and restores the
   originals afterwards, even on error.
+* ``CHECKPOINT_SAVE_PATCHES``: while a checkpoint is written, megatron-core's torch_dist writer
+  writes its files from threads of the saving process instead of forked writer processes that
+  report through a ``multiprocessing`` Manager (a spawned server process, ~280 MB, that megatron
+  keeps for the life of the process, plus the resource tracker spawning starts). Those processes
+  outlived a killed or signalled run, and a rank killed mid-save left its forked writer (~850 MB)
+  behind; threads die with the rank. Saving is synchronous either way.
 
 Add a patch by appending a ``Patch`` to a group with a name, the owner (class or module), the
 attribute, a one-line reason and a wrapper factory. Installing is idempotent; ``revert()`` restores
@@ -32,15 +38,18 @@ import contextlib
 import functools
 import importlib
 import inspect
+import queue
 import sys
+import threading
 import types
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Patch", "CPU_PATCHES", "CHECKPOINT_LOAD_PATCHES", "DEVICE_PROXY_MODULES", "apply_cpu", "scoped",
-           "revert", "applied", "cpu_device_scope", "run_in_cpu_device_scope"]
+__all__ = ["Patch", "CPU_PATCHES", "CHECKPOINT_LOAD_PATCHES", "CHECKPOINT_SAVE_PATCHES",
+           "DEVICE_PROXY_MODULES", "apply_cpu", "scoped", "revert", "applied", "cpu_device_scope",
+           "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
 _CUDA_TYPE_NAMES = {
@@ -276,6 +285,60 @@ CHECKPOINT_LOAD_PATCHES: list[Patch] = [
         attribute="_set_main_param_and_optimizer_states",
         why="copy_ into grad-requiring leaves, and a KeyError on Adam's step (distrib_optimizer.py:940)",
         wrap=_strict_optimizer_state_restore,
+    ),
+]
+
+def _in_process_results_queue(original: Callable) -> Callable:
+    """``_get_write_results_queue`` returning a plain queue: the writer threads share the process."""
+
+    @functools.wraps(original)
+    def results_queue() -> queue.Queue:
+        return queue.Queue()
+
+    return results_queue
+
+
+def _write_buckets_in_threads(original: Callable) -> Callable:
+    """``FileSystemWriterAsync.write_preloaded_data_multiproc`` with one thread per file instead of
+    one forked process; results travel the same way (a ``{bucket index: results}`` dict, or the
+    first exception, put on the results queue), so megatron's finalisation is unchanged."""
+    from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
+
+    @functools.wraps(original)
+    def write(transform_list, use_msc, rank, write_buckets, global_results_queue) -> None:
+        local_results, count_queue = queue.Queue(), queue.Queue()
+        threads = []
+        for index, bucket in enumerate(write_buckets):
+            count_queue.put(index)  # write_preloaded_data takes one entry off when it is done
+            threads.append(threading.Thread(
+                target=FileSystemWriterAsync.write_preloaded_data, name=f"ckpt-writer-{index}",
+                args=(transform_list, index, bucket, local_results, count_queue, True),
+                kwargs={"use_msc": use_msc} if use_msc else {}, daemon=True))
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        results = dict(local_results.get_nowait() for _ in threads)
+        failure = next((value for value in results.values() if isinstance(value, Exception)), None)
+        global_results_queue.put(failure if failure is not None else results)
+
+    return write
+
+
+CHECKPOINT_SAVE_PATCHES: list[Patch] = [
+    Patch(
+        name="checkpoint_results_queue_in_process",
+        owner_path="megatron.core.dist_checkpointing.strategies.filesystem_async",
+        attribute="_get_write_results_queue",
+        why="a spawned multiprocessing Manager kept for the life of the process (filesystem_async.py:51)",
+        wrap=_in_process_results_queue,
+    ),
+    Patch(
+        name="checkpoint_writers_in_threads",
+        owner_path="megatron.core.dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync",
+        attribute="write_preloaded_data_multiproc",
+        why="forked writer processes that outlive a rank killed mid-save (filesystem_async.py:266)",
+        wrap=_write_buckets_in_threads,
     ),
 ]
 

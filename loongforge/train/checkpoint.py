@@ -215,8 +215,10 @@ def _write_shards(tmp_dir: Path, state: TrainState, model_chunks: list, optimize
                   rank: int) -> None:
     from megatron.core import dist_checkpointing
 
-    dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False),
-                            str(tmp_dir / "model_optim"))
+    # Writer threads, not megatron's forked writers and Manager process: nothing outlives a rank.
+    with mcore_patches.scoped(mcore_patches.CHECKPOINT_SAVE_PATCHES):
+        dist_checkpointing.save(_sharded_state(model_chunks, optimizer, is_loading=False),
+                                str(tmp_dir / "model_optim"))
     torch.save({"step": state.step, "consumed_rows": state.consumed_rows,
                 "data_state": state.data_state, "extra": state.extra,
                 "scheduler": scheduler.state_dict(), "rng": _rng_state(_on_cuda(model_chunks))},

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import platform
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -31,12 +32,14 @@ from loongforge.parallel.distributed import (
     init_model_parallel,
     shutdown,
 )
+from loongforge.parallel.progress import RankProgress
 from loongforge.train.checkpoint import (TrainState, latest_checkpoint, load_checkpoint, load_newest_checkpoint,
-                                         save_checkpoint)
+                                         save_checkpoint, step_dir_name)
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import GradSyncClock, ManualGC, train_step
+from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
 
 if TYPE_CHECKING:
     from loongforge.profile.recorder import TrainingObserver
@@ -55,6 +58,7 @@ class TrainingSummary:
     wall_s: float = 0.0
     balance: Optional[dict] = None  # balance.enabled: applied/skipped steps, mean max/LB before/after
     sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
+    stop_signal: int = 0  # SIGTERM/SIGINT that stopped the run early (0: it ran to its last step)
 
     @property
     def mean_sync_wait_s(self) -> Optional[float]:
@@ -158,17 +162,46 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
     """
     wall_start = time.perf_counter()
     owns_process_group = not dist.is_initialized()
-    env = init_distributed(cfg.training.device)
-    try:
-        return _train(cfg, env, resume=resume, command_line=command_line, wall_start=wall_start,
-                      observer=observer)
-    finally:
-        if owns_process_group:
-            shutdown(env)
+    # Before the process group: a preemption during start-up also waits for the first step end.
+    with catch_stop_signals() as stop:
+        env = init_distributed(cfg.training.device, timeout_s=cfg.parallel.collective_timeout_s)
+        progress = RankProgress.of_default_group()
+        try:
+            return _train(cfg, env, resume=resume, command_line=command_line, wall_start=wall_start,
+                          observer=observer, stop=stop, progress=progress)
+        except RuntimeError as exc:
+            named = _named_timeout(exc, cfg.parallel.collective_timeout_s, progress)
+            if named is exc:
+                raise
+            raise named from exc
+        finally:
+            if owns_process_group:
+                shutdown(env)
+
+
+class CollectiveTimeout(RuntimeError):
+    """A collective waited longer than parallel.collective_timeout_s for another rank."""
+
+
+def _named_timeout(exc: RuntimeError, timeout_s: int, progress: RankProgress) -> RuntimeError:
+    """A collective timeout as one line: this rank, its step, the limit, the ranks that did not
+    arrive (see ``parallel.progress``) and torch's own text; other errors are returned unchanged."""
+    text = str(exc)
+    if "timed out" not in text.lower() and "timeout" not in text.lower():
+        return exc
+    # The other waiting ranks time out within about a step of this one.
+    hung = progress.name_hung_ranks(wait_s=min(60.0, timeout_s / 4))
+    first_line = next((line for line in text.splitlines() if line.strip()), text).strip()
+    return CollectiveTimeout(
+        f"rank {progress.rank}, step {progress.step}: a collective waited more than "
+        f"parallel.collective_timeout_s={timeout_s} s" + (f"; {hung}" if hung else "")
+        + f" (torch: {first_line})")
 
 
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
-           wall_start: float, observer: Optional["TrainingObserver"] = None) -> TrainingSummary:
+           wall_start: float, observer: Optional["TrainingObserver"] = None,
+           stop: Optional[StopRequest] = None,
+           progress: Optional[RankProgress] = None) -> TrainingSummary:
     from loongforge.config.validate import validate
     from loongforge.data.pipeline import DataPipeline, resolve_read
     from loongforge.parallel.exchange import build_data_groups
@@ -265,7 +298,9 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     manual_gc = ManualGC(cfg.training.manual_gc_interval)
     try:
         last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
+        progress = progress or RankProgress(None, env.rank, env.world_size)
         for step in range(start_step + 1, last_step + 1):
+            progress.begin_step(step)  # named in the error if a collective of this step times out
             fetch_start = time.perf_counter()
             micro_batches = pipeline.next_step()
             data_wait = time.perf_counter() - fetch_start
@@ -289,14 +324,21 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             if sync_wait is not None:
                 summary.sync_waits.append(sync_wait)
             summary.end_step = step
+            # Every rank learns at the same step whether any rank was signalled (see train.stop).
+            stop_signal = stop.agree() if stop is not None and step < last_step else 0
             if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
                 summary.checkpoint = str(checkpoint(step))
+            elif stop_signal and _saves_on_signal(stop_signal, cfg):
+                summary.checkpoint = str(checkpoint(step))
             manual_gc.after_step(step)
-        if cfg.checkpoint.save_at_end and summary.end_step > start_step and (
+            if stop_signal:
+                summary.stop_signal = stop_signal
+                break
+        if not summary.stop_signal and cfg.checkpoint.save_at_end and summary.end_step > start_step and (
                 not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
             summary.checkpoint = str(checkpoint(summary.end_step))
         observer.close()
-        if cfg.checkpoint.save_hf and summary.checkpoint and env.rank == 0:
+        if cfg.checkpoint.save_hf and summary.checkpoint and env.rank == 0 and not summary.stop_signal:
             from loongforge.convert.model_io import export_hf
 
             hf_dir = export_hf(cfg.model, summary.checkpoint, out_dir / "hf", hf_source=cfg.checkpoint.load_hf)
@@ -307,6 +349,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         pipeline.close()
         summary.wall_s = time.perf_counter() - wall_start
         logger.write(_summary_text(summary, out_dir))
+        if summary.stop_signal:
+            logger.write(_stop_text(summary, ckpt_root))
     finally:
         manual_gc.close()
         logger.close()
@@ -330,6 +374,24 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
             + (_balance_text(summary.balance) if summary.balance else "")
             + (f" | mean sync wait {summary.mean_sync_wait_s:.3f}s/step" if summary.sync_waits else "")
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
+
+
+def _saves_on_signal(signum: int, cfg: RunConfig) -> bool:
+    # SIGTERM is a preemption: the job will not get this allocation back. Ctrl-C is a person who
+    # wants the prompt back now; the last periodic checkpoint is what they resume from.
+    return signum == signal.SIGTERM and cfg.training.save_on_signal
+
+
+def _stop_text(summary: TrainingSummary, ckpt_root: Path) -> str:
+    saved = summary.checkpoint if summary.checkpoint and summary.checkpoint.endswith(
+        step_dir_name(summary.end_step)) else None
+    earlier = latest_checkpoint(ckpt_root)
+    if saved is None and earlier is None:
+        return (f"{signal_name(summary.stop_signal)}: stopped at step {summary.end_step}; no checkpoint "
+                f"was saved, so rerun without --resume to start over")
+    where = f"checkpoint {saved}" if saved else f"no checkpoint at this step; continues from {earlier}"
+    return (f"{signal_name(summary.stop_signal)}: stopped at step {summary.end_step}; "
+            f"resume with --resume ({where})")
 
 
 def _balance_text(balance: dict) -> str:

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
+import psutil
 import pytest
 
 from loongforge.config.loader import load_run_config
@@ -56,3 +61,82 @@ def test_failed_worker_raises_launch_error_naming_the_rank(monkeypatch):
     with pytest.raises(launcher.LaunchError, match=r"rank 1 \(exit code 3\)"):
         launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
                                       entrypoint=record_rank)
+
+
+def _fake_launch(monkeypatch, error: Exception) -> None:
+    def launch(config, entrypoint):
+        assert config.shutdown_timeout == 600  # parallel.collective_timeout_s: time to save
+        raise error
+
+    monkeypatch.setattr("torch.distributed.launcher.api.elastic_launch",
+                        lambda config, entrypoint: lambda *args: launch(config, entrypoint))
+
+
+@pytest.mark.parametrize("codes, expected", [((143, 143), 143), ((130, 143), 143), ((130,), 130),
+                                             ((-15, 143), 143)])  # -15: signalled during start-up
+def test_workers_stopped_by_a_signal_exit_with_their_code(monkeypatch, codes, expected):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {rank: ProcessFailure(local_rank=rank, pid=100 + rank, exitcode=code,
+                                     error_file="/nonexistent") for rank, code in enumerate(codes)}
+    _fake_launch(monkeypatch, ChildFailedError("record_rank", failures))
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
+    with pytest.raises(SystemExit) as stopped:
+        launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
+                                      entrypoint=record_rank)
+    assert stopped.value.code == expected
+
+
+def test_a_signal_stop_mixed_with_a_crash_is_a_failure(monkeypatch):
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
+
+    failures = {0: ProcessFailure(local_rank=0, pid=1, exitcode=143, error_file="/nonexistent"),
+                1: ProcessFailure(local_rank=1, pid=2, exitcode=-9, error_file="/nonexistent")}
+    _fake_launch(monkeypatch, ChildFailedError("record_rank", failures))
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
+    with pytest.raises(launcher.LaunchError, match=r"rank 1 \(exit code -9\)"):
+        launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
+                                      entrypoint=record_rank)
+
+
+def test_a_signalled_launcher_exits_with_the_signal_code(monkeypatch):
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    _fake_launch(monkeypatch, SignalException("got SIGINT", sigval=signal.SIGINT))
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
+    with pytest.raises(SystemExit) as stopped:
+        launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
+                                      entrypoint=record_rank)
+    assert stopped.value.code == 130
+
+
+# A parent that starts a child tied to it with die_with_parent, prints the child's pid and sleeps.
+_PARENT = """
+import os, subprocess, sys, time
+child = subprocess.Popen([sys.executable, "-c",
+    "import os, time; from loongforge.parallel.launcher import die_with_parent; "
+    f"assert die_with_parent({os.getpid()}); print('tied', flush=True); time.sleep(60)"],
+    stdout=subprocess.PIPE, text=True)
+assert child.stdout.readline().strip() == "tied"
+print(child.pid, flush=True)
+time.sleep(60)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_worker_dies_with_a_killed_launcher():
+    parent = subprocess.Popen([sys.executable, "-c", _PARENT], stdout=subprocess.PIPE, text=True)
+    child_pid = int(parent.stdout.readline())
+    parent.kill()  # SIGKILL: the parent runs no clean-up of its own
+    parent.wait()
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and _alive(child_pid):
+        time.sleep(0.05)
+    assert not _alive(child_pid)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

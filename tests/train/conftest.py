@@ -32,19 +32,29 @@ SMALL_MODEL = [
 RUN_TIMEOUT_S = 420
 
 
-def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
-              expect_ok: bool = True, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+def train_command(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False) -> list[str]:
     cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", "qwen2.5vl-tiny",
            *SMALL_MODEL, f"logging.output_dir={out_dir}", *extra]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
     if resume:
         cmd.append("--resume")
+    return cmd
+
+
+def train_env(nproc: int = 1, env_extra: dict | None = None) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                             "MASTER_ADDR", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1" if nproc > 1 else env.get("OMP_NUM_THREADS", "2")
     env.update(env_extra or {})
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    return env
+
+
+def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
+              expect_ok: bool = True, env_extra: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
+                          env=train_env(nproc, env_extra))
     if expect_ok and proc.returncode != 0:
         raise AssertionError(f"train failed ({proc.returncode}):\n{proc.stdout[-3000:]}\n"
                              f"{proc.stderr[-6000:]}")
