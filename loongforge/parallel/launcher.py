@@ -27,12 +27,16 @@ import functools
 import importlib
 import os
 import signal
+import shutil
 import socket
 import sys
+import tempfile
 import threading
 import uuid
+from pathlib import Path
 from typing import Callable, Mapping
 
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import RunConfig
 
 
@@ -103,11 +107,28 @@ def die_with_parent(parent_pid: int) -> bool:
     return True
 
 
-def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, cfg: RunConfig, resume: bool,
-                  command_line: list[str]) -> None:
+# A worker's exit code for a usage problem (bad config or input) it met after start-up; its message
+# is in the launch's usage folder, for the launcher to report as one line (only cli/ prints).
+USAGE_EXIT_CODE = 2
+
+
+def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, usage_dir: str, cfg: RunConfig,
+                  resume: bool, command_line: list[str]) -> None:
     """A spawned worker: tied to the launcher's life, then the entrypoint."""
     die_with_parent(launcher_pid)
-    entrypoint(cfg, resume, command_line)
+    try:
+        entrypoint(cfg, resume, command_line)
+    except (ConfigError, InputError) as exc:
+        # Found inside a worker (every sample of a shard rejected, a checkpoint that does not load):
+        # the message travels to the launcher instead of a traceback per rank.
+        (Path(usage_dir) / f"rank_{os.environ.get('RANK', '0')}.txt").write_text(str(exc))
+        raise SystemExit(USAGE_EXIT_CODE) from None
+
+
+def _usage_problem(usage_dir: Path) -> str | None:
+    """The first usage message a worker left (lowest rank), or None."""
+    messages = sorted(usage_dir.glob("rank_*.txt"), key=lambda p: int(p.stem.split("_")[1]))
+    return messages[0].read_text() if messages else None
 
 
 def _free_local_port() -> int:
@@ -151,9 +172,10 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         shutdown_timeout=cfg.parallel.collective_timeout_s,
     )
     _warm_failure_logging()
+    usage_dir = Path(tempfile.mkdtemp(prefix="loongforge-usage-"))
     # Named after the entrypoint: the elastic agent reports failures by the function's name.
-    worker = functools.update_wrapper(functools.partial(_local_worker, entrypoint, os.getpid()),
-                                      entrypoint)
+    worker = functools.update_wrapper(
+        functools.partial(_local_worker, entrypoint, os.getpid(), str(usage_dir)), entrypoint)
     try:
         elastic_launch(launch_config, worker)(cfg, resume, command_line)
     except SignalException as exc:  # this process was signalled; the workers have stopped
@@ -162,9 +184,14 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         codes = {failure.exitcode for failure in exc.failures.values()}
         if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped
             raise SystemExit(128 + max(code - 128 if code > 0 else -code for code in codes)) from None
+        # A usage problem in any worker is the cause: peers then fail on the closed connection.
+        if USAGE_EXIT_CODE in codes and (message := _usage_problem(usage_dir)) is not None:
+            raise InputError(message) from None
         failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})"
                            for rank, failure in sorted(exc.failures.items()))
         raise LaunchError(f"training workers failed: {failed}") from exc
+    finally:
+        shutil.rmtree(usage_dir, ignore_errors=True)
 
 
 def run(cfg: RunConfig, *, nproc_per_node: int | None, resume: bool,

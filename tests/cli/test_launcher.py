@@ -23,6 +23,14 @@ def record_rank(cfg, resume, command_line):
     (out / f"rank{os.environ['RANK']}").write_text(text)
 
 
+def reject_on_rank_1(cfg, resume, command_line):
+    """Worker entrypoint: rank 1 meets a usage problem after start-up (e.g. its shard all rejected)."""
+    from loongforge.config.errors import InputError
+
+    if os.environ["RANK"] == "1":
+        raise InputError("data.paths: all 6 samples of this rank's share were rejected (too_long: 6)")
+
+
 def test_external_launch_detection():
     assert launcher.external_launch_world_size({}) is None
     assert launcher.external_launch_world_size({"RANK": "0", "WORLD_SIZE": "4"}) == 4
@@ -43,6 +51,17 @@ def test_launch_local_workers_runs_entrypoint_on_every_rank(tmp_path):
                                   entrypoint=record_rank)
     assert (tmp_path / "rank0").read_text() == "2 True loongforge"
     assert (tmp_path / "rank1").read_text() == "2 True loongforge"
+
+
+@pytest.mark.timeout(120)
+def test_a_usage_problem_in_a_worker_is_one_input_error_not_tracebacks(tmp_path):
+    """The worker's message reaches the launcher (and the CLI's one line, exit 2)."""
+    from loongforge.config.errors import InputError
+
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2, overrides=[f"logging.output_dir={tmp_path}"])
+    with pytest.raises(InputError, match=r"^data.paths: all 6 samples of this rank's share were rejected"):
+        launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
+                                      entrypoint=reject_on_rank_1)
 
 
 def test_failed_worker_raises_launch_error_naming_the_rank(monkeypatch):
