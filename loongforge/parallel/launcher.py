@@ -78,6 +78,7 @@ def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_EXIT_CODES = frozenset([128 + sig for sig in _STOP_SIGNALS] + [-sig for sig in _STOP_SIGNALS])
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
+_AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 
 
 def run_training_worker(cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
@@ -176,6 +177,10 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     # Named after the entrypoint: the elastic agent reports failures by the function's name.
     worker = functools.update_wrapper(
         functools.partial(_local_worker, entrypoint, os.getpid(), str(usage_dir)), entrypoint)
+    # torch's elastic agent installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and leaves them:
+    # restored below, so a process that launched workers (a test, a notebook) and later forks does
+    # not pass a handler that outlives its purpose to the children.
+    handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
         elastic_launch(launch_config, worker)(cfg, resume, command_line)
     except SignalException as exc:  # this process was signalled; the workers have stopped
@@ -192,6 +197,8 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         raise LaunchError(f"training workers failed: {failed}") from exc
     finally:
         shutil.rmtree(usage_dir, ignore_errors=True)
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
 
 
 def run(cfg: RunConfig, *, nproc_per_node: int | None, resume: bool,

@@ -8,6 +8,7 @@ Order of operations (each step needs the previous one):
 
 from __future__ import annotations
 
+import datetime
 import json
 import platform
 import signal
@@ -232,7 +233,9 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
-        data_groups = build_data_groups(layout.tp_rank, layout.pp_rank, layout.dp_rank)
+        data_groups = build_data_groups(
+            layout.tp_rank, layout.pp_rank, layout.dp_rank,
+            timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s))
     pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
                             dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                             pad_to_multiple=_pad_multiple(cfg, layout),

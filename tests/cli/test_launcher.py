@@ -159,3 +159,15 @@ def _alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+@pytest.mark.timeout(120)
+def test_launching_leaves_this_process_signal_handlers_as_they_were(tmp_path):
+    """torch's agent installs handlers for the launch; a later fork (a pack worker pool) must not
+    inherit them."""
+    stop_signals = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+    before = {sig: signal.getsignal(sig) for sig in stop_signals}
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2, overrides=[f"logging.output_dir={tmp_path}"])
+    launcher.launch_local_workers(cfg, nproc_per_node=2, resume=False, command_line=["x"],
+                                  entrypoint=record_rank)
+    assert {sig: signal.getsignal(sig) for sig in stop_signals} == before
