@@ -20,7 +20,7 @@ import shutil
 import zipfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional
+from typing import Iterator, Optional
 
 import numpy as np
 import torch
@@ -182,16 +182,22 @@ def _megabytes(num_bytes: int) -> str:
 def _is_disk_full(error: BaseException, root: Path, needed: int) -> bool:
     """ENOSPC anywhere in the chain, or (torch's zip writer reports a short write as "unexpected
     pos", without the errno) less room left on the disk than this rank's share."""
+    if any(isinstance(e, OSError) and e.errno == errno.ENOSPC for e in _error_chain(error)):
+        return True
+    return shutil.disk_usage(root).free < needed
+
+
+def _error_chain(error: BaseException) -> Iterator[BaseException]:
+    """``error`` and every error behind it: causes, contexts, and the per-rank ``failures`` that
+    torch.distributed.checkpoint collects (megatron re-raises those with ``from``)."""
     seen, todo = set(), [error]
     while todo:
         current = todo.pop()
         if current is None or id(current) in seen:
             continue
         seen.add(id(current))
-        if isinstance(current, OSError) and current.errno == errno.ENOSPC:
-            return True
+        yield current
         todo += [current.__cause__, current.__context__, *getattr(current, "failures", {}).values()]
-    return shutil.disk_usage(root).free < needed
 
 
 def _gather_problems(problem: Optional[str]) -> list[str]:
@@ -359,18 +365,9 @@ _UNREADABLE = (EOFError, pickle.UnpicklingError, zipfile.BadZipFile)
 
 
 def _unreadable_cause(exc: BaseException) -> Optional[BaseException]:
-    """The error inside ``exc`` that says a file is unreadable, or None. torch.distributed.checkpoint
-    collects each rank's error in ``failures``; megatron re-raises with ``from``."""
-    seen, todo = set(), [exc]
-    while todo:
-        current = todo.pop()
-        if current is None or id(current) in seen:
-            continue
-        seen.add(id(current))
-        if isinstance(current, _UNREADABLE) or "PytorchStreamReader failed" in str(current):
-            return current
-        todo += [current.__cause__, current.__context__, *getattr(current, "failures", {}).values()]
-    return None
+    """The error inside ``exc`` (see ``_error_chain``) that says a file is unreadable, or None."""
+    return next((e for e in _error_chain(exc)
+                 if isinstance(e, _UNREADABLE) or "PytorchStreamReader failed" in str(e)), None)
 
 
 def load_newest_checkpoint(root: str | os.PathLike, model_chunks: list, optimizer, scheduler
