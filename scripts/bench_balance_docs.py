@@ -15,9 +15,9 @@ from pathlib import Path
 
 import numpy as np
 
+from loongforge.balance.cost_model import default_cost_model
 from loongforge.balance.planner import plan_step
 from loongforge.bench.balance import describe_bench, format_table, load_pool, plot_gain, run_balance_bench
-from loongforge.balance.cost_model import default_cost_model
 
 REPO = Path(__file__).resolve().parents[1]
 DATA = REPO.parent / "shared" / "data"

@@ -26,7 +26,13 @@ import torch
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
 from loongforge.convert import families
-from loongforge.convert.hf_io import PlannedTensor, SafetensorsStreamWriter, plan_shards, shard_names, write_index
+from loongforge.convert.hf_io import (
+    PlannedTensor,
+    SafetensorsStreamWriter,
+    plan_shards,
+    shard_names,
+    write_index,
+)
 
 
 def bench_model(num_layers: int = 12) -> ModelConfig:

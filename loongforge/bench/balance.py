@@ -196,7 +196,7 @@ def _read_conversations(paths: list[Path], pool: SamplePool, preset: str, seq_le
     from loongforge.config.loader import load_run_config
     from loongforge.data.conversations import FileSamples
     from loongforge.data.measure import MeasuredSample, SampleMeasurer
-    from loongforge.data.records import Reject
+    from loongforge.data.samples import Reject
     from loongforge.data.tokenizer import load_tokenizer
 
     # Measure without the seq_len reject so too-long samples are counted like the other readers.

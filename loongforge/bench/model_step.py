@@ -32,13 +32,13 @@ from typing import Callable, Optional
 import torch
 
 from loongforge.bench.flops import StepFlops, training_flops
+from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
 from loongforge.convert.families import hf_config_from_model
 from loongforge.data.vision import smart_resize
 from loongforge.models.registry import get_builder
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
-from loongforge.profile.sweep import SweepSource
 from loongforge.train.runner import library_versions
 
 # (width, height) in pixels: a square photo, 720p, a larger square and a portrait phone shot,

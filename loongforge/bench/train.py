@@ -24,11 +24,12 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from pathlib import Path
+
 import numpy as np
 
 from loongforge.balance.cost_model import CostModel
 from loongforge.balance.fit import record_features
-from loongforge.profile.records import Profile
+from loongforge.profile.profile_file import Profile
 
 
 @dataclass

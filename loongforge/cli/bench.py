@@ -160,15 +160,15 @@ def train(
     """Train the same steps with balancing off and on; measured step time and wait vs the prediction."""
     import sys
 
-    from loongforge.bench.train import bench_overrides, compare_runs, format_report, measure_run, plot_runs
     from loongforge.balance.cost_model import CostModel
+    from loongforge.bench.train import bench_overrides, compare_runs, format_report, measure_run, plot_runs
+    from loongforge.calibrate.profile_run import profile_overrides, run_profile
     from loongforge.cli.profile import split_inputs
     from loongforge.config.errors import InputError
     from loongforge.config.loader import load_run_config
     from loongforge.config.presets import DEFAULT_PRESET
-    from loongforge.parallel import launcher
-    from loongforge.profile.records import read_profile
-    from loongforge.profile.run import profile_overrides, run_profile
+    from loongforge.profile.profile_file import read_profile
+    from loongforge.parallel import launch_env
 
     with cli_errors():
         if cost is None:
@@ -183,7 +183,7 @@ def train(
         data, overrides = split_inputs(inputs or [])
         out = out.resolve()
         out.mkdir(parents=True, exist_ok=True)
-        world = launcher.resolve_world_size(nproc_per_node) or 1
+        world = launch_env.resolve_world_size(nproc_per_node) or 1
         if order not in ("off-on", "on-off"):
             raise UsageError(f"--order {order!r} is not one of off-on | on-off")
         runs = {}

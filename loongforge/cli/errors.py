@@ -11,8 +11,7 @@ from typing import Iterator
 
 import typer
 
-from loongforge.config.errors import ConfigError, InputError
-from loongforge.parallel.launcher import LaunchError
+from loongforge.config.errors import ConfigError, InputError, LaunchError
 
 USAGE_EXIT_CODE = 2
 FAILURE_EXIT_CODE = 1

@@ -2,13 +2,18 @@
 
 from __future__ import annotations
 
-from loongforge.cli.plan import human_count, layout_label, total_parameters
 from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.loader import load_run_config
 from loongforge.config.presets import (
-    DEFAULT_PRESET, compose_preset, list_preset_names, preset_description, presets_dir)
+    DEFAULT_PRESET,
+    compose_preset,
+    list_preset_names,
+    preset_description,
+    presets_dir,
+)
 from loongforge.config.schema import RunConfig
 from loongforge.config.yaml_io import dump_yaml_tree
+from loongforge.train.dry_run import human_count, layout_label, total_parameters
 
 _COLUMNS = ("preset", "model", "parameters", "default layout", "world", "seq_len")
 

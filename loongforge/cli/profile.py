@@ -45,9 +45,9 @@ def profile(
     nproc_per_node: NprocPerNodeOption = None,
 ) -> None:
     """Run real training steps and record each rank's per-micro-batch compute time and features."""
+    from loongforge.calibrate.profile_run import profile_overrides, run_profile
     from loongforge.config.loader import load_run_config
-    from loongforge.parallel import launcher
-    from loongforge.profile.run import profile_overrides, run_profile
+    from loongforge.parallel import launch_env
 
     with cli_errors():
         data, overrides = split_inputs(inputs or [])
@@ -59,7 +59,7 @@ def profile(
         output = output.resolve()
         cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config,
                               overrides=[*overrides, *profile_overrides(data, output, steps)],
-                              world_size=launcher.resolve_world_size(nproc_per_node) or 1)
+                              world_size=launch_env.resolve_world_size(nproc_per_node) or 1)
         run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=sweep, warmup_steps=warmup_steps,
                     command_line=list(sys.argv), answer_share=answer_share)
         typer.echo(f"wrote {output}")

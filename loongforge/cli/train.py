@@ -10,13 +10,22 @@ import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
 from loongforge.cli.options import (
-    ConfigFileOption, DryRunOption, ListPresetsOption, NprocPerNodeOption, OutputDirOption,
-    OverridesArgument, OverwriteOption, PresetOption, ResumeOption, ShowPresetOption)
+    ConfigFileOption,
+    DryRunOption,
+    ListPresetsOption,
+    NprocPerNodeOption,
+    OutputDirOption,
+    OverridesArgument,
+    OverwriteOption,
+    PresetOption,
+    ResumeOption,
+    ShowPresetOption,
+)
 from loongforge.config.loader import dump_yaml, load_run_config
 from loongforge.config.overrides import Override
 from loongforge.config.presets import DEFAULT_PRESET
+from loongforge.parallel import launch_env
 from loongforge.config.schema import RunConfig
-from loongforge.parallel import launcher
 
 
 def _output_dir_override(output_dir: Path | None) -> list[Override]:
@@ -56,7 +65,7 @@ def _prepare_run(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
 
 
 def _print_dry_run(cfg: RunConfig) -> None:
-    from loongforge.cli.plan import build_parallel_plan, format_parallel_plan
+    from loongforge.train.dry_run import build_parallel_plan, format_parallel_plan
 
     typer.echo("# resolved config")
     typer.echo(dump_yaml(cfg))
@@ -84,7 +93,7 @@ def train(
             typer.echo(text)
             return
         # No launch information (None): validated at parallel.world_size, as a dry run plans it.
-        launch_world_size = launcher.resolve_world_size(nproc_per_node)
+        launch_world_size = launch_env.resolve_world_size(nproc_per_node)
         cfg = load_run_config(
             preset or DEFAULT_PRESET,
             config_file=config,
@@ -97,4 +106,6 @@ def train(
         if launch_world_size is None:
             _check_single_process_launch(cfg)
         _prepare_run(cfg, resume=resume, overwrite=overwrite)
-        launcher.run(cfg, nproc_per_node=nproc_per_node, resume=resume, command_line=list(sys.argv))
+        from loongforge.train.launch import run
+
+        run(cfg, nproc_per_node=nproc_per_node, resume=resume, command_line=list(sys.argv))

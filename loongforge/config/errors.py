@@ -1,4 +1,4 @@
-"""The one exception type configuration problems are reported with."""
+"""The exception types the CLI turns into one-line messages and exit codes (``cli.errors``)."""
 
 from __future__ import annotations
 
@@ -25,3 +25,7 @@ class InputError(Exception):
     The message names the path (and line or tensor where known) and says what to do instead; the
     CLI prints it as one line and exits with the usage code.
     """
+
+
+class LaunchError(RuntimeError):
+    """Worker processes failed; their own tracebacks were printed above this message."""

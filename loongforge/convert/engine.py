@@ -29,10 +29,19 @@ import torch
 
 from loongforge import __version__
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.loader import load_resolved_config, load_run_config
 from loongforge.config.schema import ModelConfig
 from loongforge.convert import families
+from loongforge.convert.checkpoint_folders import META_FILE, MODEL_ONLY_KIND, latest_checkpoint
 from loongforge.convert.hf_io import (
-    HFCheckpoint, PlannedTensor, SafetensorsStreamWriter, is_hf_folder, plan_shards, shard_names, write_index)
+    HFCheckpoint,
+    PlannedTensor,
+    SafetensorsStreamWriter,
+    is_hf_folder,
+    plan_shards,
+    shard_names,
+    write_index,
+)
 from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
 from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, Rule, Vocab, mapping_rules
@@ -40,7 +49,6 @@ from loongforge.models.state_dict_names import fused_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
-CHECKPOINT_KIND_MODEL = "model"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -238,8 +246,6 @@ class ConversionReport:
 
 
 def _preset_model(preset: str) -> ModelConfig:
-    from loongforge.config.loader import load_run_config
-
     return load_run_config(preset).model
 
 
@@ -321,8 +327,8 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     with staged_folder(dst, overwrite, report.notes) as tmp:
         write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))
         copied = _copy_side_files(checkpoint.side_files(("config.json", *families.HF_SIDE_FILES)), tmp / HF_SUBDIR)
-        (tmp / "meta.json").write_text(json.dumps({
-            "kind": CHECKPOINT_KIND_MODEL, "step": 0, "family": family,
+        (tmp / META_FILE).write_text(json.dumps({
+            "kind": MODEL_ONLY_KIND, "step": 0, "family": family,
             "layout": {"tp": tp, "pp": pp, "vision_tp": vision_tp or tp},
             "source": str(src), "hf_files": copied, "loongforge": __version__,
         }, indent=2) + "\n")
@@ -355,8 +361,6 @@ def _verify_mcore(folder: Path, links: list[Link], checkpoint: HFCheckpoint, voc
 
 def resolve_mcore_checkpoint(src: Path) -> Path:
     """A ``step_*`` folder (or a converted checkpoint) from itself or a checkpoint root."""
-    from loongforge.train.checkpoint import latest_checkpoint
-
     if is_mcore_folder(src):
         return src
     latest = latest_checkpoint(src) if src.is_dir() else None
@@ -376,8 +380,6 @@ def _run_config_near(step_dir: Path) -> Optional[Path]:
 
 def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConfig, Optional[dict]]:
     """The model config of a megatron checkpoint and the HF config.json it came from, if any."""
-    from loongforge.config.loader import load_resolved_config
-
     hf_config_file = step_dir / HF_SUBDIR / "config.json"
     hf_config = json.loads(hf_config_file.read_text()) if hf_config_file.is_file() else None
     found, source = None, None

@@ -17,7 +17,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
+from loongforge.config.schema import (
+    LanguageConfig,
+    ModelConfig,
+    ProjectorConfig,
+    TokenIdsConfig,
+    VisionConfig,
+)
 
 QWEN2_5_VL = "qwen2_5_vl"
 HF_ARCHITECTURES = {"Qwen2_5_VLForConditionalGeneration": QWEN2_5_VL, "Qwen2_5_VLModel": QWEN2_5_VL}

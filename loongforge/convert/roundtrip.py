@@ -19,11 +19,25 @@ from typing import Optional
 import torch
 
 from loongforge.convert import families
-from loongforge.convert.engine import Progress, build_links, check_hf_tensors, check_layout, to_hf, to_megatron
+from loongforge.convert.engine import (
+    Progress,
+    build_links,
+    check_hf_tensors,
+    check_layout,
+    to_hf,
+    to_megatron,
+)
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
-from loongforge.models.qwen2_5_vl.hf_mapping import VISION, GateUp, Split, Transform, Vocab
-from loongforge.models.qwen2_5_vl.hf_mapping import FusedHeadQKV, GroupedQKV
+from loongforge.models.qwen2_5_vl.hf_mapping import (
+    VISION,
+    FusedHeadQKV,
+    GateUp,
+    GroupedQKV,
+    Split,
+    Transform,
+    Vocab,
+)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 

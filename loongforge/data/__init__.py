@@ -14,9 +14,9 @@ _EXPORTS = {
     "FileSamples": "loongforge.data.conversations",
     "SyntheticSamples": "loongforge.data.synthetic",
     "SampleMeasurer": "loongforge.data.measure",
-    "ConversationSample": "loongforge.data.records",
-    "Reject": "loongforge.data.records",
-    "REJECT_REASONS": "loongforge.data.records",
+    "ConversationSample": "loongforge.data.samples",
+    "Reject": "loongforge.data.samples",
+    "REJECT_REASONS": "loongforge.data.samples",
     "load_tokenizer": "loongforge.data.tokenizer",
 }
 __all__ = sorted(_EXPORTS)

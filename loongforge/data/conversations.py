@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any, Union
 
 from loongforge.config.errors import InputError
-from loongforge.data.records import ConversationSample, Reject
+from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
 
 ROLE_ALIASES = {

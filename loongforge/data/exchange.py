@@ -1,7 +1,7 @@
 """Exchange-mode balancing: each data-parallel rank loaded only its own share of the step.
 
 With ``data.read=sharded`` no rank knows the other ranks' samples in advance, so per step the
-leaders (one per data-parallel rank, see ``loongforge.parallel.exchange``):
+leaders (one per data-parallel rank, see ``loongforge.parallel.data_groups``):
 1. all-gather their samples' sizes (``SampleSize``: length and vision patches, a few bytes each)
    and the rejects they found since the last step (so every rank counts every reject once);
 2. each compute the same ``StepBalancer`` decision from the gathered sizes, rank 0's rows first;
@@ -22,8 +22,8 @@ import numpy as np
 from loongforge.balance.apply import BalanceDecision, StepBalancer, sample_size
 from loongforge.balance.planner import exchange_lists
 from loongforge.data.measure import MaterializedSample
-from loongforge.data.records import Reject
-from loongforge.parallel.exchange import all_gather_objects, exchange_objects
+from loongforge.data.samples import Reject
+from loongforge.parallel.data_groups import all_gather_objects, exchange_objects
 
 
 class SampleExchange:

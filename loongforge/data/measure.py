@@ -15,7 +15,7 @@ from typing import Union
 import numpy as np
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.records import ConversationSample, Reject
+from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.template import expand_media_tokens, render_chat, tokenize_chat
 from loongforge.data.vision import (
     ImageSource,

@@ -29,16 +29,26 @@ from typing import Optional, Union
 
 import numpy as np
 
+from loongforge.balance.apply import BalanceCounters, StepBalancer, sample_size
+from loongforge.balance.cost_model import token_count_model
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import RopeSettings, collate_row
 from loongforge.data.conversations import FileSamples
-from loongforge.data.measure import (MaterializedSample, MeasuredSample, SampleMeasurer, materialize,
-                                     vision_sizing)
+from loongforge.data.exchange import SampleExchange
+from loongforge.data.measure import (
+    MaterializedSample,
+    MeasuredSample,
+    SampleMeasurer,
+    materialize,
+    vision_sizing,
+)
+from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
-from loongforge.data.records import Reject
+from loongforge.data.samples import Reject
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
+from loongforge.parallel.data_groups import broadcast_object
 
 STATE_VERSION = 1
 
@@ -211,7 +221,7 @@ class DataPipeline:
     def __init__(self, data_cfg: DataConfig, model_cfg: ModelConfig, *, global_batch_size: int,
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
-                 balance_cfg=None, pipeline_parallel: int = 1, cost_model=None,
+                 balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional["DataGroups"] = None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
@@ -219,7 +229,7 @@ class DataPipeline:
         balancing = balance_cfg is not None and balance_cfg.enabled
         if self.read == "sharded" and groups is None and dp_size > 1 and balancing:
             raise ValueError("balancing with data.read=sharded at DP > 1 needs the data-exchange groups "
-                             "(loongforge.parallel.exchange.build_data_groups)")
+                             "(loongforge.parallel.data_groups.build_data_groups)")
         self.my_rows = rank_rows(global_batch_size, dp_rank, dp_size)
         self.global_batch_size = global_batch_size
         self.pad_to_multiple = pad_to_multiple
@@ -241,18 +251,17 @@ class DataPipeline:
         self.balance_counters = None
         self.last_balance = None  # the latest consumed step's BalanceDecision (balance.enabled)
         if balancing:
-            from loongforge.balance.apply import BalanceCounters, StepBalancer
-
             # Pipeline parallelism synchronises every micro-batch slot, not just the step.
             self._balancer = StepBalancer(
                 dp_size=dp_size, micro_batches=global_batch_size // dp_size, seq_len=data_cfg.seq_len,
-                threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum",
-                cost_model=cost_model)
+                threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum")
             self.balance_counters = BalanceCounters()
+        # The run's cost-model owner (train.balancing.RunBalancing): read, never pushed to, so every
+        # rank switches models at the same consumed step. None: token counts throughout.
+        self._cost_models = cost_models
+        self._priced_version = None
         self._exchange = None
         if self.read == "sharded" and self.loads_data:
-            from loongforge.data.exchange import SampleExchange
-
             self._exchange = SampleExchange(groups.exchange if groups is not None else None,
                                             dp_rank=dp_rank, dp_size=dp_size, balancer=self._balancer)
         self._step = 0
@@ -271,8 +280,6 @@ class DataPipeline:
     def _build_stream(self, data_cfg: DataConfig, model_cfg: ModelConfig, tokenizer, lookahead: int,
                       dp_rank: int, dp_size: int):
         if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
-            from loongforge.data.packed import PackedFolder, PackedRowStream
-
             folder = PackedFolder(data_cfg.packed)
             folder.check_compatible(data_cfg.seq_len, self.sizing)
             return PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
@@ -286,6 +293,7 @@ class DataPipeline:
 
     def next_step(self) -> list[dict]:
         start = time.perf_counter()
+        self._follow_cost_model()
         if self.num_workers >= 1:
             if self._worker is None:
                 self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
@@ -299,26 +307,21 @@ class DataPipeline:
             self.balance_counters.add(decision)
         return micro_batches
 
-    @property
-    def balance_cost_model(self):
-        """The cost model balancing prices samples with (None when balancing is off)."""
-        return self._balancer.cost_model if self._balancer is not None else None
-
-    def set_cost_model(self, cost_model) -> None:
-        """Price later steps with ``cost_model`` (None: token counts). Steps already prefetched
+    def _follow_cost_model(self) -> None:
+        """Price the steps from here on with the owner's current model. Steps already prefetched
         with the old model are dropped and re-made, so the switch happens at the same consumed
         step on every rank."""
-        if self._balancer is None:
+        if self._balancer is None or self._cost_models is None:
             return
-        from loongforge.balance.cost_model import token_count_model
-
-        cost_model = cost_model or token_count_model()
+        if self._cost_models.version == self._priced_version:
+            return
+        self._priced_version = self._cost_models.version
+        cost_model = self._cost_models.cost_model or token_count_model()
         if cost_model.to_dict() == self._balancer.cost_model.to_dict():
             return
         self._stop_worker()
         self._rewind_to(self._consumed_state)
         self._balancer.cost_model = cost_model
-        self._consumed_state = self._stream_state()
 
     def state_dict(self) -> dict:
         """Position after the last returned step; JSON-serialisable."""
@@ -357,21 +360,13 @@ class DataPipeline:
         if self.stream is None:  # a replica loads nothing: it keeps its leader's position as is
             self._consumed_state = dict(state)
             return
-        if self._balancer is not None and state.get("balance_cost_model") is not None:
-            from loongforge.balance.cost_model import CostModel
-
-            self._balancer.cost_model = CostModel.from_dict(state["balance_cost_model"],
-                                                            origin="data state")
         self._consumed_state = self._stream_state()
 
     # ------------------------------------------------------------ one step
 
     def _stream_state(self) -> dict:
         stream = self.stream.state_dict() if self.stream is not None else None  # replicas: the leader's
-        state = {"version": STATE_VERSION, "step": self._step, "stream": stream, "read": self.read}
-        if self._balancer is not None:  # plans are a function of the step's samples and this model
-            state["balance_cost_model"] = self._balancer.cost_model.to_dict()
-        return state
+        return {"version": STATE_VERSION, "step": self._step, "stream": stream, "read": self.read}
 
     def _produce_step(self) -> tuple[list[dict], dict, object]:
         """One step's micro-batches, the stream position after it, and the balance decision."""
@@ -383,8 +378,6 @@ class DataPipeline:
         state = self._stream_state()
         decision = None
         if self._balancer is not None:
-            from loongforge.balance.apply import sample_size
-
             decision = self._balancer.decide([[sample_size(s) for s in row] for row in rows])
             samples = [s for row in rows for s in row]
             mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
@@ -407,8 +400,6 @@ class DataPipeline:
             self.rejects.take_new()  # those were just shared
             result = (self._map(self._collate_materialized, mine), state, decision)
         if self.groups is not None and self.groups.replicas is not None:
-            from loongforge.parallel.exchange import broadcast_object
-
             result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
             if not self.loads_data:
                 self._step = result[1]["step"]

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 from PIL import Image, ImageDraw
 
-from loongforge.data.records import ConversationSample
+from loongforge.data.samples import ConversationSample
 from loongforge.data.template import Turn
 
 COLOURS = {

@@ -19,6 +19,8 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
+from loongforge.data.template import QWEN2_VL_CHAT_TEMPLATE
+
 # Bump when the builder's output changes, so stale caches are not reused.
 _BUILDER_VERSION = 1
 
@@ -194,8 +196,6 @@ def _add_special_tokens(backend, num_ranks: int) -> None:
 
 
 def _wrap_fast(tokenizer_file: str) -> PreTrainedTokenizerFast:
-    from loongforge.data.template import QWEN2_VL_CHAT_TEMPLATE
-
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=tokenizer_file,
         eos_token="<|im_end|>",

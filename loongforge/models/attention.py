@@ -29,6 +29,7 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
 
+
 class _CoreAttentionBase(MegatronModule):
     """Shared constructor: the signature ``SelfAttention`` builds core attention with."""
 

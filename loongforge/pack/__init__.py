@@ -9,5 +9,5 @@ Stages, each persisted in the output folder so ``--resume`` continues where a ru
 3. write (``write.py``): packed parquet shards under ``shards/`` (schema in ``shard_format.py``),
    then ``stats.json``, whose presence marks a finished folder.
 
-``job.run_pack`` runs them; ``loongforge.data.packed`` reads the folder back for ``train``.
+``job.run_pack`` runs them; ``loongforge.data.packfile.reader`` reads the folder back for ``train``.
 """

@@ -17,9 +17,24 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.loader import load_run_config
+from loongforge.data.conversations import FileSamples, expand_data_paths
+from loongforge.data.measure import vision_sizing
+from loongforge.data.packfile import folder
+from loongforge.data.packfile.folder import (
+    CONFIG_FILE,
+    FORMAT,
+    MANIFEST_FILE,
+    STATS_FILE,
+    remove_partial_files,
+    write_atomic,
+)
+from loongforge.pack import workers
 from loongforge.pack.algorithms import ALGORITHMS
-from loongforge.pack.layout import (CONFIG_FILE, FORMAT, MANIFEST_FILE, STATS_FILE, remove_partial_files,
-                                    write_atomic)
+from loongforge.pack.manifest import make_plan, write_plan
+from loongforge.pack.scan import num_chunks, read_scan, run_scan
+from loongforge.pack.stats import compute_stats
+from loongforge.pack.write import run_write, shard_tasks
 
 # Called after each finished unit of work with ("scan", chunk) or ("write", shard); tests use it
 # to interrupt a run at a known point.
@@ -71,12 +86,6 @@ class PackSummary:
 
 
 def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> PackSummary:
-    from loongforge.data.conversations import FileSamples, expand_data_paths
-    from loongforge.pack import workers
-    from loongforge.pack.plan import make_plan, write_plan
-    from loongforge.pack.scan import read_scan, run_scan
-    from loongforge.pack.stats import compute_stats
-    from loongforge.pack.write import run_write, shard_tasks
 
     _check_options(options)
     cfg = _load_config(options)
@@ -154,15 +163,11 @@ def _check_some_packs(stats: dict, root: Path) -> None:
 
 
 def _load_config(options: PackOptions):
-    from loongforge.config.loader import load_run_config
-
     # The pack's capacity is the training row length: tokenization rejects longer samples.
     return load_run_config(options.preset, overrides=[f"data.seq_len={options.seq_len}"])
 
 
 def _sizing_dict(cfg) -> dict:
-    from loongforge.data.measure import vision_sizing
-
     return asdict(vision_sizing(cfg.data, cfg.model))
 
 
@@ -204,12 +209,10 @@ def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
 
 
 def _remaining_scan(root: Path, num_samples: int) -> int:
-    from loongforge.pack import layout
-    from loongforge.pack.scan import num_chunks
 
-    size = layout.SCAN_CHUNK
+    size = folder.SCAN_CHUNK
     return sum(min(size, num_samples - c * size) for c in range(num_chunks(num_samples))
-               if not layout.scan_part(root, c).exists())
+               if not folder.scan_part(root, c).exists())
 
 
 def _bar(options: PackOptions, total: int, stage: str):

@@ -3,7 +3,7 @@
 A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos", "loss_tokens"}`` for a usable
 sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
 t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "reason",
-"detail"}`` for a rejected one. Records are written in chunks of ``layout.SCAN_CHUNK`` samples,
+"detail"}`` for a rejected one. Records are written in chunks of ``folder.SCAN_CHUNK`` samples,
 each file complete or absent, so a resumed scan redoes at most the chunks in flight.
 """
 
@@ -14,9 +14,9 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from loongforge.data.measure import MeasuredSample
+from loongforge.data.packfile import folder
+from loongforge.data.packfile.folder import read_lines, scan_part, write_lines_atomic
 from loongforge.pack import workers
-from loongforge.pack import layout
-from loongforge.pack.layout import read_lines, scan_part, write_lines_atomic
 
 
 def scan_record(index: int) -> dict:
@@ -37,14 +37,14 @@ def _scan_chunk(task: tuple[int, int, int]) -> tuple[int, list[dict]]:
 
 
 def num_chunks(num_samples: int) -> int:
-    return math.ceil(num_samples / layout.SCAN_CHUNK)
+    return math.ceil(num_samples / folder.SCAN_CHUNK)
 
 
 def run_scan(root: Path, num_samples: int, context: workers.MeasureContext, *, num_workers: int,
              on_chunk: Optional[Callable[[int, int], None]] = None) -> int:
     """Scan the chunks not yet on disk; ``on_chunk(chunk, samples)`` after each is written.
     Returns the number of samples scanned in this call."""
-    size = layout.SCAN_CHUNK
+    size = folder.SCAN_CHUNK
     tasks = [(c, c * size, min(num_samples, (c + 1) * size))
              for c in range(num_chunks(num_samples)) if not scan_part(root, c).exists()]
     scanned = 0

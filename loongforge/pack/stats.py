@@ -9,9 +9,9 @@ from collections import Counter
 
 import numpy as np
 
-from loongforge.data.records import REJECT_REASONS
+from loongforge.data.samples import REJECT_REASONS
 from loongforge.pack.algorithms import quadratic_costs
-from loongforge.pack.plan import Plan
+from loongforge.pack.manifest import Plan
 
 HISTOGRAM_BINS = 32
 

@@ -15,7 +15,8 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import MeasuredSample, SampleMeasurer
-from loongforge.data.records import Reject
+from loongforge.data.samples import Reject
+from loongforge.data.tokenizer import load_tokenizer
 
 
 @dataclass(frozen=True)
@@ -33,8 +34,6 @@ _TOKENIZERS: dict[str, Any] = {}  # by data.tokenizer: loading one takes seconds
 
 def _tokenizer(spec: str):
     if spec not in _TOKENIZERS:
-        from loongforge.data.tokenizer import load_tokenizer
-
         _TOKENIZERS[spec] = load_tokenizer(spec)
     return _TOKENIZERS[spec]
 

@@ -15,10 +15,10 @@ import pyarrow.parquet as pq
 
 from loongforge.config.errors import InputError
 from loongforge.data.measure import MeasuredSample
+from loongforge.data.packfile.folder import shard_name, write_atomic
+from loongforge.data.packfile.schema import SCHEMA, encode_pack
 from loongforge.pack import workers
-from loongforge.pack.layout import shard_name, write_atomic
-from loongforge.pack.plan import Plan
-from loongforge.pack.shard_format import SCHEMA, encode_pack
+from loongforge.pack.manifest import Plan
 
 # (shard, folder, [(pack number, [(sample index, scanned tokens), ...]), ...])
 ShardTask = tuple[int, str, list[tuple[int, list[tuple[int, int]]]]]

@@ -1,9 +1,8 @@
 """Recording per-rank, per-micro-batch compute observations during real training steps.
 
-``TrainingObserver`` is the hook interface ``train.runner`` calls (a no-op base class);
-``StepRecorder`` installs ``IntervalTimers`` on the model config and wraps
-``finalize_model_grads`` to turn one training step into ``micro_batch`` and ``step`` records
-(format in ``profile.records``).
+``StepRecorder`` installs ``IntervalTimers`` on the model config and reads the run's
+``GradSyncClock`` to turn one training step into ``micro_batch`` and ``step`` records (format in
+``profile.profile_file``).
 
 Pairing a forward/backward interval with its micro-batch: the runner's micro-batch list is
 wrapped so that handing out micro-batch ``i`` (inside megatron's forward-compute interval) tags
@@ -19,39 +18,11 @@ from collections import deque
 from typing import Optional
 
 from loongforge.profile.features import micro_batch_record, sample_costs
-from loongforge.profile.timers import IntervalTimers
+from loongforge.profile.timers import GradSyncClock, IntervalTimers
 
 # Per-micro-batch times: wall clock (the step's real duration) and process CPU time (this
 # process's own work, unaffected by other processes sharing the cores); see profile.timers.
 _MB_TIMES = ("forward_s", "backward_s", "forward_cpu_s", "backward_cpu_s")
-
-
-class TrainingObserver:
-    """What ``run_training`` tells an observer; every hook is optional (the defaults do nothing)."""
-
-    def attach(self, model_config, *, cfg, env, layout) -> None:
-        """Called once, after the model and DDP are built and before any step."""
-
-    def data_source(self, pipeline):
-        """The object the runner draws steps from (``next_step``, ``state_dict``, ...)."""
-        return pipeline
-
-    def begin_step(self, step: int, micro_batches: list) -> list:
-        """Called before ``train_step``; returns the micro-batches to train on."""
-        return micro_batches
-
-    def end_step(self, step: int, result, *, data_wait_s: float) -> None:
-        """Called after ``train_step`` with its ``StepResult``."""
-
-    def state_dict(self) -> dict:
-        """Saved in every checkpoint (``TrainState.extra``), per rank."""
-        return {}
-
-    def load_state_dict(self, extra: dict) -> None:
-        """Called with ``TrainState.extra`` when a checkpoint is restored."""
-
-    def close(self) -> None:
-        """Called once after the last step (all ranks), before the summary."""
 
 
 class _TaggedBatches(list):
@@ -81,28 +52,18 @@ class StepRecorder:
         self._features: list[dict] = []
         self._forwards: deque[int] = deque()
         self._times: dict[int, dict] = {}
-        self._grad_sync_s = self._grad_sync_cpu_s = 0.0
+        self._grad_sync: Optional[GradSyncClock] = None
+        self._grad_sync_start = (0.0, 0.0)  # the clock's totals when the step began
         self._fwd_bwd_s = self._fwd_bwd_cpu_s = 0.0
         self._step_start = (0.0, 0.0)
         self._first_step: Optional[int] = None
         self.current_micro_batch = -1
         self.recording = False
 
-    def attach(self, model_config, device) -> None:
+    def attach(self, model_config, device, grad_sync: GradSyncClock) -> None:
         self._config = model_config
         self._timers = IntervalTimers(device, on_stop=self._on_stop)
-        finalize = model_config.finalize_model_grads_func
-        if finalize is not None:
-            def timed_finalize(*args, **kwargs):
-                start, start_cpu = time.perf_counter(), self._timers.cpu_clock()
-                try:
-                    return finalize(*args, **kwargs)
-                finally:
-                    if self.recording:
-                        self._timers.sync()
-                        self._grad_sync_s += time.perf_counter() - start
-                        self._grad_sync_cpu_s += self._timers.cpu_clock() - start_cpu
-            model_config.finalize_model_grads_func = timed_finalize
+        self._grad_sync = grad_sync
 
     def _on_stop(self, name: str, seconds: float, cpu_seconds: float) -> None:
         if name == "forward-compute":
@@ -128,7 +89,7 @@ class StepRecorder:
             merge_size=self._merge)) for mb in micro_batches]
         self._forwards.clear()
         self._times = {}
-        self._grad_sync_s = self._grad_sync_cpu_s = 0.0
+        self._grad_sync_start = (self._grad_sync.total_s, self._grad_sync.total_cpu_s)
         self._fwd_bwd_s = self._fwd_bwd_cpu_s = 0.0
         self.current_micro_batch = -1
         self._config.timers = self._timers
@@ -143,6 +104,8 @@ class StepRecorder:
         step_cpu_s = self._timers.cpu_clock() - self._step_start[1]
         self._config.timers = None
         self.recording = False
+        grad_sync_s = self._grad_sync.total_s - self._grad_sync_start[0]
+        grad_sync_cpu_s = self._grad_sync.total_cpu_s - self._grad_sync_start[1]
         warmup = step < self._first_step + self.warmup_steps
         common = {"step": step, "rank": self.rank, "warmup": warmup,
                   "dp_rank": self.layout.dp_rank, "tp_rank": self.layout.tp_rank,
@@ -156,8 +119,8 @@ class StepRecorder:
                             **times})
         records.append({"kind": "step", **common, "num_micro_batches": len(self._features),
                         "step_s": step_s, "fwd_bwd_s": self._fwd_bwd_s,
-                        "grad_sync_s": self._grad_sync_s, "step_cpu_s": step_cpu_s,
-                        "fwd_bwd_cpu_s": self._fwd_bwd_cpu_s, "grad_sync_cpu_s": self._grad_sync_cpu_s,
+                        "grad_sync_s": grad_sync_s, "step_cpu_s": step_cpu_s,
+                        "fwd_bwd_cpu_s": self._fwd_bwd_cpu_s, "grad_sync_cpu_s": grad_sync_cpu_s,
                         # 1-minute load average: how contended the host was (CPU-shared machines).
                         "loadavg_1m": os.getloadavg()[0] if hasattr(os, "getloadavg") else None})
         return records

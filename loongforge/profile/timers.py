@@ -113,3 +113,43 @@ class IntervalTimers:
 
     def on_stop(self, name: str, seconds: float, cpu_seconds: float) -> None:
         self._on_stop(name, seconds, cpu_seconds)
+
+
+class GradSyncClock:
+    """The one timing hook on megatron's ``finalize_model_grads`` (the data-parallel gradient
+    all-reduce): running totals of its wall and CPU seconds on this rank.
+
+    A rank that finishes its micro-batches early blocks there until the slowest rank arrives, so
+    the spread of these times over ranks is the step's measured load imbalance (what balancing
+    removes); ``profile`` records the same interval per step. Readers take differences of the
+    totals, so several can share the clock without resetting each other.
+    """
+
+    def __init__(self, model_config, device: torch.device):
+        self.total_s = 0.0
+        self.total_cpu_s = 0.0
+        self._cuda = device.type == "cuda"
+        self._cpu_clock = cpu_clock()
+        self._taken = 0.0
+        finalize = model_config.finalize_model_grads_func
+        if finalize is None:
+            return
+
+        def timed_finalize(*args, **kwargs):
+            if self._cuda:  # kernels still queued belong to the backward, not to the wait
+                torch.cuda.synchronize()
+            start, start_cpu = time.perf_counter(), self._cpu_clock()
+            try:
+                return finalize(*args, **kwargs)
+            finally:
+                if self._cuda:
+                    torch.cuda.synchronize()
+                self.total_s += time.perf_counter() - start
+                self.total_cpu_s += self._cpu_clock() - start_cpu
+
+        model_config.finalize_model_grads_func = timed_finalize
+
+    def take(self) -> float:
+        """Wall seconds spent in the gradient sync since the last ``take``."""
+        seconds, self._taken = self.total_s - self._taken, self.total_s
+        return seconds

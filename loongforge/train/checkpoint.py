@@ -28,12 +28,16 @@ import torch.distributed as dist
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
+from loongforge.convert.checkpoint_folders import (
+    LATEST_FILE,
+    META_FILE,
+    MODEL_ONLY_KIND,
+    checkpoint_candidates,
+    latest_checkpoint,
+    step_dir_name,
+)
 from loongforge.models.state_dict_names import separate_name
 from loongforge.parallel import mcore_patches
-
-LATEST_FILE = "latest"
-# meta.json "kind" of a weights-only checkpoint (written by `loongforge convert --to mcore`).
-MODEL_ONLY_KIND = "model"
 
 
 @dataclass
@@ -42,10 +46,6 @@ class TrainState:
     consumed_rows: int
     data_state: dict
     extra: dict
-
-
-def step_dir_name(step: int) -> str:
-    return f"step_{step:08d}"
 
 
 def _on_cuda(model_chunks: list) -> bool:
@@ -272,7 +272,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
             raise error
         raise RuntimeError(f"checkpoint {final_dir} not saved: {failures[0]}")
     if rank == 0:
-        (tmp_dir / "meta.json").write_text(json.dumps(
+        (tmp_dir / META_FILE).write_text(json.dumps(
             {"step": state.step, "layout": layout, "loongforge": __version__}, indent=2))
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
@@ -280,25 +280,6 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
         os.replace(root / (LATEST_FILE + ".tmp"), root / LATEST_FILE)
     _barrier()
     return final_dir
-
-
-def checkpoint_candidates(root: str | os.PathLike) -> list[Path]:
-    """Complete checkpoints under ``root``, newest first: the one ``latest`` names, then the
-    other ``step_*`` folders with a ``meta.json`` by descending step."""
-    root = Path(root)
-    complete = sorted((p for p in root.glob("step_*") if (p / "meta.json").is_file()), reverse=True)
-    marker = root / LATEST_FILE
-    if marker.is_file():
-        named = root / marker.read_text().strip()
-        if named in complete:
-            complete = [named] + [p for p in complete if p != named]
-    return complete
-
-
-def latest_checkpoint(root: str | os.PathLike) -> Optional[Path]:
-    """The newest complete checkpoint under ``root``, or None."""
-    candidates = checkpoint_candidates(root)
-    return candidates[0] if candidates else None
 
 
 class DamagedCheckpoint(InputError):
@@ -338,7 +319,7 @@ def check_checkpoint_files(path: Path) -> None:
     shorter than its index says. Cheap (sizes and the small pickles), so it runs before a load
     that would otherwise fail deep inside torch.distributed.checkpoint without naming the file."""
     model_optim = path / "model_optim"
-    _check_file(path / "meta.json", lambda p: json.loads(p.read_text()))
+    _check_file(path / META_FILE, lambda p: json.loads(p.read_text()))
     needed = {}
     _check_file(model_optim / ".metadata", lambda p: needed.update(_distcp_sizes_needed(p.parent)))
     for name, size in sorted(needed.items()):
@@ -425,7 +406,7 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
     Raises DamagedCheckpoint (an InputError naming the folder and, where known, the file) when the
     checkpoint's files cannot be read back."""
     path = Path(path)
-    if not (path / "meta.json").is_file():
+    if not (path / META_FILE).is_file():
         raise InputError(f"{path}: not a complete loongforge checkpoint (no meta.json); "
                                 "pass a step_* folder or the checkpoint root with --resume")
     check_checkpoint_files(path)
@@ -442,7 +423,7 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
 def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> TrainState:
     from megatron.core import dist_checkpointing
 
-    if json.loads((path / "meta.json").read_text()).get("kind") == MODEL_ONLY_KIND:
+    if json.loads((path / META_FILE).read_text()).get("kind") == MODEL_ONLY_KIND:
         load_model_only(path, model_chunks, optimizer)
         # data_state None: no data position to restore, the run starts at step 0
         return TrainState(step=0, consumed_rows=0, data_state=None, extra={})

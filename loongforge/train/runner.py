@@ -16,16 +16,23 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Optional
+from typing import Optional
 
 import torch
 import torch.distributed as dist
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
+from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import RunConfig
+from loongforge.config.validate import validate
+from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
+from loongforge.convert.model_io import export_hf, load_hf_weights
+from loongforge.data.pipeline import DataPipeline, resolve_read
 from loongforge.models.layer_backend import resolve_layer_backend
+from loongforge.models.registry import get_builder
 from loongforge.parallel import mcore_patches
+from loongforge.parallel.data_groups import build_data_groups
 from loongforge.parallel.distributed import (
     DistributedEnv,
     ParallelLayout,
@@ -34,16 +41,15 @@ from loongforge.parallel.distributed import (
     shutdown,
 )
 from loongforge.parallel.progress import RankProgress
-from loongforge.train.checkpoint import (TrainState, latest_checkpoint, load_checkpoint, load_newest_checkpoint,
-                                         save_checkpoint, step_dir_name)
+from loongforge.profile.timers import GradSyncClock
+from loongforge.train.balancing import RunBalancing
+from loongforge.train.checkpoint import TrainState, load_checkpoint, load_newest_checkpoint, save_checkpoint
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
+from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
-from loongforge.train.step import GradSyncClock, ManualGC, train_step
+from loongforge.train.step import ManualGC, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-
-if TYPE_CHECKING:
-    from loongforge.profile.recorder import TrainingObserver
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -79,8 +85,6 @@ def library_versions() -> dict:
 
 def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env: DistributedEnv,
                      layout: ParallelLayout, model: list, optimizer) -> None:
-    from loongforge.config.loader import dump_yaml
-
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "config.yaml").write_text(dump_yaml(cfg))
     (out_dir / "command.txt").write_text(" ".join(command_line) + "\n")
@@ -93,10 +97,12 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device):
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
 
-    from loongforge.models.registry import get_builder
 
     model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
@@ -155,11 +161,11 @@ def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float) -> 
 
 def run_training(cfg: RunConfig, *, resume: bool = False,
                  command_line: Optional[list[str]] = None,
-                 observer: Optional["TrainingObserver"] = None) -> TrainingSummary:
+                 observer: Optional[TrainingObserver] = None) -> TrainingSummary:
     """Train according to ``cfg``; the process group is created here unless a caller already did.
 
-    ``observer`` (``loongforge profile``) sees every step; by default the run's cost-model keeper
-    (``balance.*``: load, fit online, checkpoint) is the observer.
+    ``observer`` (``loongforge profile``) sees every step. The run's cost model (``balance.*``:
+    load, fit online, checkpoint) is ``train.balancing.RunBalancing``'s.
     """
     wall_start = time.perf_counter()
     owns_process_group = not dist.is_initialized()
@@ -200,13 +206,9 @@ def _named_timeout(exc: RuntimeError, timeout_s: int, progress: RankProgress) ->
 
 
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
-           wall_start: float, observer: Optional["TrainingObserver"] = None,
+           wall_start: float, observer: Optional[TrainingObserver] = None,
            stop: Optional[StopRequest] = None,
            progress: Optional[RankProgress] = None) -> TrainingSummary:
-    from loongforge.config.validate import validate
-    from loongforge.data.pipeline import DataPipeline, resolve_read
-    from loongforge.parallel.exchange import build_data_groups
-    from loongforge.profile.online import training_observer
 
     validate(cfg, world_size=env.world_size)
     check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
@@ -219,13 +221,13 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     out_dir = Path(cfg.logging.output_dir)
     model, model_config = _build_ddp_model(cfg, layout, env.device)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
-        from loongforge.convert.model_io import load_hf_weights
-
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
-    # Per-micro-batch timing hooks (profile, online cost-model fit) and the cost model's home.
-    observer = training_observer(cfg, observer)
-    observer.attach(model_config, cfg=cfg, env=env, layout=layout)
     sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
+    # A profile run measures with its own timers, so the online fit does not record there.
+    balancing = RunBalancing(cfg.balance, fit_online=observer is None)
+    balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
+    observer = observer or TrainingObserver()
+    observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     params_dtype = _DTYPES[cfg.training.precision]
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
@@ -241,14 +243,9 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
                             pad_to_multiple=_pad_multiple(cfg, layout),
                             rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
                             balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
-                            cost_model=getattr(observer, "cost_model", None), groups=data_groups)
-    balancing = pipeline if cfg.balance.enabled else None
+                            cost_models=balancing, groups=data_groups)
+    balanced = pipeline if cfg.balance.enabled else None
     pipeline = observer.data_source(pipeline)
-
-    def sync_cost_model() -> None:
-        # Balancing prices samples with the keeper's model; every rank switches at the same step.
-        if balancing is not None:
-            balancing.set_cost_model(getattr(observer, "cost_model", None))
 
     ckpt_root = checkpoint_root(cfg)
     load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
@@ -267,8 +264,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
             pipeline.load_state_dict(state.data_state)
         start_step, consumed_rows = state.step, state.consumed_rows
-        observer.load_state_dict(state.extra)
-    sync_cost_model()
+        balancing.load_state_dict(state.extra)
     # Only now, with the config valid and the checkpoint loaded, does the run folder change: a
     # failed --resume leaves config.yaml (which `convert` reads) and metrics.jsonl as they were.
     if env.rank == 0:
@@ -285,8 +281,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if load_path is not None:
         logger.write(f"resumed from {load_path} at step {start_step}")
-    if balancing is not None:
-        logger.write(f"balance: {balancing.balance_mode} mode (data.read={balancing.read}), "
+    if balanced is not None:
+        logger.write(f"balance: {balanced.balance_mode} mode (data.read={balanced.read}), "
                      f"threshold {cfg.balance.threshold}")
     is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
     summary = TrainingSummary(start_step=start_step, end_step=start_step, output_dir=str(out_dir))
@@ -294,7 +290,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
 
     def checkpoint(step: int) -> Path:
         state = TrainState(step=step, consumed_rows=consumed_rows,
-                           data_state=pipeline.state_dict(), extra=observer.state_dict())
+                           data_state=pipeline.state_dict(), extra=balancing.state_dict())
         layout_info = {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
         return save_checkpoint(ckpt_root, state, model, optimizer, scheduler, layout=layout_info)
 
@@ -307,12 +303,12 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             fetch_start = time.perf_counter()
             micro_batches = pipeline.next_step()
             data_wait = time.perf_counter() - fetch_start
-            micro_batches = observer.begin_step(step, micro_batches)
+            micro_batches = observer.begin_step(step, balancing.begin_step(step, micro_batches))
             result = train_step(model, optimizer, scheduler, micro_batches, device=env.device,
                                 seq_length=seq_length, is_loss_rank=is_loss_rank)
+            balancing.end_step(step, result)
             observer.end_step(step, result, data_wait_s=data_wait)
-            decision = balancing.last_balance if balancing is not None else None
-            sync_cost_model()
+            decision = balanced.last_balance if balanced is not None else None
             consumed_rows += cfg.training.global_batch_size
             tokens, sync_wait = _step_totals(micro_batches, is_loss_rank, sync_clock.take())
             metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
@@ -342,13 +338,11 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
             summary.checkpoint = str(checkpoint(summary.end_step))
         observer.close()
         if cfg.checkpoint.save_hf and summary.checkpoint and env.rank == 0 and not summary.stop_signal:
-            from loongforge.convert.model_io import export_hf
-
             hf_dir = export_hf(cfg.model, summary.checkpoint, out_dir / "hf", hf_source=cfg.checkpoint.load_hf)
             logger.write(f"exported HF weights to {hf_dir}")
         summary.rejects = pipeline.reject_counts()
-        if balancing is not None:
-            summary.balance = balancing.balance_counters.as_dict()
+        if balanced is not None:
+            summary.balance = balanced.balance_counters.as_dict()
         pipeline.close()
         summary.wall_s = time.perf_counter() - wall_start
         logger.write(_summary_text(summary, out_dir))

@@ -111,39 +111,6 @@ class ManualGC:
             gc.enable()
 
 
-class GradSyncClock:
-    """Times megatron's ``finalize_model_grads`` (the data-parallel gradient all-reduce) on this rank.
-
-    A rank that finishes its micro-batches early blocks there until the slowest rank arrives, so the
-    spread of these times over ranks is the step's measured load imbalance: what balancing removes.
-    """
-
-    def __init__(self, model_config, device: torch.device):
-        self._seconds = 0.0
-        self._cuda = device.type == "cuda"
-        finalize = model_config.finalize_model_grads_func
-        if finalize is None:
-            return
-
-        def timed_finalize(*args, **kwargs):
-            if self._cuda:  # kernels still queued belong to the backward, not to the wait
-                torch.cuda.synchronize()
-            start = time.perf_counter()
-            try:
-                return finalize(*args, **kwargs)
-            finally:
-                if self._cuda:
-                    torch.cuda.synchronize()
-                self._seconds += time.perf_counter() - start
-
-        model_config.finalize_model_grads_func = timed_finalize
-
-    def take(self) -> float:
-        """Seconds spent in the gradient sync since the last call."""
-        seconds, self._seconds = self._seconds, 0.0
-        return seconds
-
-
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device: torch.device,
                seq_length: int, is_loss_rank: bool) -> StepResult:
     """Forward+backward over ``micro_batches``, optimizer update, LR step.

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from loongforge.balance.apply import BalanceCounters, SampleSize, StepBalancer, sample_patches
-from loongforge.balance.cost_model import CostModel, TERMS
+from loongforge.balance.cost_model import TERMS, CostModel
 
 
 @dataclass

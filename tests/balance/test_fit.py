@@ -9,9 +9,15 @@ import pytest
 
 from loongforge.balance.cost_model import TERMS, CostModel, SampleCost, batch_features
 from loongforge.balance.fit import (
-    FitError, Observations, check_identifiable, fit_nnls, fit_smoothmax, split_by_step)
+    FitError,
+    Observations,
+    check_identifiable,
+    fit_nnls,
+    fit_smoothmax,
+    split_by_step,
+)
 from loongforge.config.errors import InputError
-from loongforge.profile.records import PROFILE_FORMAT, read_profile
+from loongforge.profile.profile_file import PROFILE_FORMAT, read_profile
 
 # Every term carries a few percent of a typical micro-batch, so each is measurable.
 TRUE = dict(sum_L2=2e-8, sum_L=1e-4, N=5e-2, sum_P2=2e-7, sum_P=1e-4, n_img=5e-2, n_loss=1e-4)

@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.bench.train import compare_runs, measure_run
 from loongforge.cli.app import app
-from loongforge.profile.records import PROFILE_FORMAT, read_profile
+from loongforge.profile.profile_file import PROFILE_FORMAT, read_profile
 
 # Cost model: 1 s per loss token, nothing else, so predictions are the features' n_loss.
 MODEL = CostModel({t: 0.0 for t in TERMS} | {"n_loss": 1.0})

@@ -13,7 +13,8 @@ import psutil
 import pytest
 
 from loongforge.config.loader import load_run_config
-from loongforge.parallel import launcher
+from loongforge.parallel import launch_env
+from loongforge.train import launch as launcher
 
 
 def record_rank(cfg, resume, command_line):
@@ -32,15 +33,15 @@ def reject_on_rank_1(cfg, resume, command_line):
 
 
 def test_external_launch_detection():
-    assert launcher.external_launch_world_size({}) is None
-    assert launcher.external_launch_world_size({"RANK": "0", "WORLD_SIZE": "4"}) == 4
-    assert launcher.external_launch_world_size({"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}) == 16
-    assert launcher.resolve_world_size(2, {}) == 2
-    assert launcher.resolve_world_size(2, {"RANK": "0", "WORLD_SIZE": "4"}) == 4
-    assert launcher.resolve_world_size(None, {}) is None
-    assert launcher.needs_local_workers(2, {}) is True
-    assert launcher.needs_local_workers(1, {}) is False
-    assert launcher.needs_local_workers(2, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) is False
+    assert launch_env.external_launch_world_size({}) is None
+    assert launch_env.external_launch_world_size({"RANK": "0", "WORLD_SIZE": "4"}) == 4
+    assert launch_env.external_launch_world_size({"SLURM_PROCID": "0", "SLURM_NTASKS": "16"}) == 16
+    assert launch_env.resolve_world_size(2, {}) == 2
+    assert launch_env.resolve_world_size(2, {"RANK": "0", "WORLD_SIZE": "4"}) == 4
+    assert launch_env.resolve_world_size(None, {}) is None
+    assert launch_env.needs_local_workers(2, {}) is True
+    assert launch_env.needs_local_workers(1, {}) is False
+    assert launch_env.needs_local_workers(2, {"SLURM_PROCID": "0", "SLURM_NTASKS": "2"}) is False
 
 
 @pytest.mark.timeout(120)
@@ -133,7 +134,7 @@ def test_a_signalled_launcher_exits_with_the_signal_code(monkeypatch):
 _PARENT = """
 import os, subprocess, sys, time
 child = subprocess.Popen([sys.executable, "-c",
-    "import os, time; from loongforge.parallel.launcher import die_with_parent; "
+    "import os, time; from loongforge.train.launch import die_with_parent; "
     f"assert die_with_parent({os.getpid()}); print('tied', flush=True); time.sleep(60)"],
     stdout=subprocess.PIPE, text=True)
 assert child.stdout.readline().strip() == "tied"

@@ -137,7 +137,7 @@ def test_yaml_syntax_error_exits_2_with_position(tmp_path):
 def test_real_run_without_launch_refuses_a_larger_world_size(monkeypatch):
     # A plain `loongforge train` is one process; a world size it cannot honour must be refused
     # (it used to train with one process and exit 0), before any training code runs.
-    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+    monkeypatch.setattr("loongforge.train.launch.run_training_worker",
                         lambda *args: pytest.fail("must not train"))
     for args in (["parallel.world_size=4"], ["--preset", "qwen2.5vl-7b"]):
         world = "4" if args[0].endswith("4") else "8"
@@ -148,7 +148,7 @@ def test_real_run_without_launch_refuses_a_larger_world_size(monkeypatch):
 
 def test_train_calls_runner_with_resolved_config(monkeypatch, tmp_path):
     calls = []
-    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+    monkeypatch.setattr("loongforge.train.launch.run_training_worker",
                         lambda cfg, resume, command_line: calls.append((cfg, resume, command_line)))
     result = invoke("training.train_steps=2", "--resume", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
@@ -161,9 +161,9 @@ def test_train_under_torchrun_does_not_spawn(monkeypatch, tmp_path):
     monkeypatch.setenv("RANK", "0")
     monkeypatch.setenv("WORLD_SIZE", "2")
     calls = []
-    monkeypatch.setattr("loongforge.parallel.launcher.launch_local_workers",
+    monkeypatch.setattr("loongforge.train.launch.launch_local_workers",
                         lambda *a, **k: pytest.fail("must not spawn under torchrun"))
-    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+    monkeypatch.setattr("loongforge.train.launch.run_training_worker",
                         lambda cfg, resume, command_line: calls.append(cfg))
     result = invoke("--nproc-per-node", "2", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
@@ -175,7 +175,7 @@ def test_nproc_per_node_spawns_local_workers(monkeypatch, tmp_path):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     monkeypatch.delenv("SLURM_PROCID", raising=False)
     launched = {}
-    monkeypatch.setattr("loongforge.parallel.launcher.launch_local_workers",
+    monkeypatch.setattr("loongforge.train.launch.launch_local_workers",
                         lambda cfg, **kwargs: launched.update(cfg=cfg, **kwargs))
     result = invoke("--nproc-per-node", "2", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output

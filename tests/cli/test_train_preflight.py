@@ -19,7 +19,7 @@ runner = CliRunner()
 def trained(monkeypatch):
     """Records the configs the CLI would train with, instead of training."""
     calls = []
-    monkeypatch.setattr("loongforge.parallel.launcher.run_training_worker",
+    monkeypatch.setattr("loongforge.train.launch.run_training_worker",
                         lambda cfg, resume, command_line: calls.append(cfg))
     return calls
 

@@ -12,7 +12,14 @@ import torch
 
 from loongforge.config.schema import ParallelConfig
 from tests.convert.helpers import hub_state, invoke, save_hf_checkpoint
-from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers, tiny_model_cfg
+from tests.models.helpers import (
+    destroy_megatron,
+    free_port,
+    init_megatron,
+    limit_threads,
+    run_workers,
+    tiny_model_cfg,
+)
 
 WORLD_SIZE, TP, PP = 4, 2, 2
 

@@ -18,8 +18,17 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.convert.engine import hf_to_mcore
 from tests.convert.helpers import save_hf_checkpoint
 from tests.models.helpers import (
-    destroy_megatron, free_port, hf_logits, hf_position_ids, init_megatron, limit_threads, make_sample,
-    our_inputs, run_workers, tiny_model_cfg)
+    destroy_megatron,
+    free_port,
+    hf_logits,
+    hf_position_ids,
+    init_megatron,
+    limit_threads,
+    make_sample,
+    our_inputs,
+    run_workers,
+    tiny_model_cfg,
+)
 
 TOLERANCE = 1e-4
 CASES = {

@@ -8,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.shared_data import SHARED_DATA
+
 LLAMAFACTORY = SHARED_DATA / "llamafactory"
 LOONGFORGE_VLM = SHARED_DATA / "loongforge" / "vlm"
 COCO_IMAGES = SHARED_DATA / "coco2017" / "val2017"

@@ -1,7 +1,7 @@
 """DataPipeline with balance.enabled: the balanced micro-batches of all ranks together hold exactly
 the step's samples; the state (incl. the cost model used) resumes exactly."""
 
-from loongforge.balance.cost_model import CostModel, TERMS
+from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.config.schema import BalanceConfig, DataConfig, ModelConfig
 from loongforge.data.pipeline import DataPipeline
 
@@ -17,6 +17,16 @@ def _pipeline(tokenizer, *, dp_rank, dp_size, balance=True, gbs=4, **kw):
     return DataPipeline(_data(), MODEL, global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
                         pad_to_multiple=8, tokenizer=tokenizer,
                         balance_cfg=BalanceConfig(enabled=balance, threshold=0.0), **kw)
+
+
+class _Owner:
+    """What the pipeline reads the cost model from (train.balancing.RunBalancing's interface)."""
+
+    def __init__(self):
+        self.cost_model, self.version = None, 0
+
+    def switch(self, model):
+        self.cost_model, self.version = model, self.version + 1
 
 
 def _ids(micro_batches):
@@ -45,26 +55,29 @@ def test_balanced_ranks_hold_exactly_the_steps_samples(tokenizer):
 
 def test_state_resumes_with_the_cost_model_used(tokenizer):
     model = CostModel({t: 0.0 for t in TERMS} | {"sum_L2": 1e-3, "sum_L": 1.0, "sum_P": 2.0})
-    first = _pipeline(tokenizer, dp_rank=1, dp_size=2)
+    owner = _Owner()
+    first = _pipeline(tokenizer, dp_rank=1, dp_size=2, cost_models=owner)
     first.next_step()
-    first.set_cost_model(model)
+    owner.switch(model)
     state = first.state_dict()
     expected = [_ids(first.next_step()) for _ in range(3)]
-    resumed = _pipeline(tokenizer, dp_rank=1, dp_size=2)  # starts with token counts
+    resumed_owner = _Owner()  # the checkpoint restores the owner's model, then the data position
+    resumed = _pipeline(tokenizer, dp_rank=1, dp_size=2, cost_models=resumed_owner)
+    resumed_owner.switch(model)
     resumed.load_state_dict(state)
-    assert resumed.balance_cost_model.to_dict() == model.to_dict()
     assert [_ids(resumed.next_step()) for _ in range(3)] == expected
 
 
 def test_prefetch_thread_and_model_switch_give_the_same_steps(tokenizer):
     model = CostModel({t: 0.0 for t in TERMS} | {"sum_L2": 1e-3, "sum_L": 1.0})
-    plain = _pipeline(tokenizer, dp_rank=0, dp_size=2)
+    owners = _Owner(), _Owner()
+    plain = _pipeline(tokenizer, dp_rank=0, dp_size=2, cost_models=owners[0])
     threaded = DataPipeline(DataConfig(**{**_data().__dict__, "num_workers": 1}), MODEL, global_batch_size=4,
                             dp_rank=0, dp_size=2, pad_to_multiple=8, tokenizer=tokenizer,
-                            balance_cfg=BalanceConfig(enabled=True, threshold=0.0))
+                            balance_cfg=BalanceConfig(enabled=True, threshold=0.0), cost_models=owners[1])
     for step in range(4):
         if step == 2:  # both switch at the same consumed step; the thread's prefetched steps are redone
-            plain.set_cost_model(model)
-            threaded.set_cost_model(model)
+            owners[0].switch(model)
+            owners[1].switch(model)
         assert _ids(plain.next_step()) == _ids(threaded.next_step())
     threaded.close()

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples, read_json_array
 from loongforge.data.measure import MeasuredSample, SampleMeasurer
-from loongforge.data.records import REJECT_REASONS, ConversationSample, Reject
+from loongforge.data.samples import REJECT_REASONS, ConversationSample, Reject
 from tests.data.conftest import COCO_IMAGES, EXPECTED_REASONS, LLAMAFACTORY, good_record, require
 
 

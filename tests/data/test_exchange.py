@@ -77,7 +77,7 @@ def _worker(rank: int, world: int, port: int, layout: tuple[int, int], source: s
     from loongforge.config.schema import BalanceConfig, ModelConfig
     from loongforge.data.pipeline import DataPipeline
     from loongforge.data.tokenizer import load_tokenizer
-    from loongforge.parallel.exchange import build_data_groups
+    from loongforge.parallel.data_groups import build_data_groups
 
     limit_threads()
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
@@ -173,7 +173,7 @@ def test_exchange_with_pipeline_stages(tmp_path):
 
 
 def _transport_worker(rank: int, world: int, port: int, out_dir: str) -> None:
-    from loongforge.parallel.exchange import exchange_objects
+    from loongforge.parallel.data_groups import exchange_objects
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
     group = dist.new_group(list(range(world)), backend="gloo")

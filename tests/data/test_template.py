@@ -7,7 +7,7 @@ from PIL import Image
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import SampleMeasurer
-from loongforge.data.records import ConversationSample
+from loongforge.data.samples import ConversationSample
 from loongforge.data.template import QWEN2_VL_CHAT_TEMPLATE, Turn, render_chat, turns_to_hf_messages
 from tests.data.conftest import LLAMAFACTORY, LOONGFORGE_VLM, require
 

@@ -7,7 +7,14 @@ import torch.nn.functional as F
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.qwen2_5_vl.hf_mapping import load_hf_state_dict
 from loongforge.models.qwen2_5_vl.model import build_model
-from tests.models.helpers import build_hf_model, hf_logits, hf_position_ids, make_sample, our_inputs, tiny_model_cfg
+from tests.models.helpers import (
+    build_hf_model,
+    hf_logits,
+    hf_position_ids,
+    make_sample,
+    our_inputs,
+    tiny_model_cfg,
+)
 
 TOLERANCE = 1e-4
 

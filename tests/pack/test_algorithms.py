@@ -104,7 +104,7 @@ def test_planning_imports_no_torch():
     import subprocess
     import sys
 
-    code = ("import sys, loongforge.pack.algorithms, loongforge.pack.plan, loongforge.pack.stats; "
+    code = ("import sys, loongforge.pack.algorithms, loongforge.pack.manifest, loongforge.pack.stats; "
             "print(sorted(m for m in sys.modules if m == 'torch' or m.startswith('torch.')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "[]"

@@ -2,10 +2,17 @@
 
 import numpy as np
 
-from loongforge.bench.pack import BENCH_ALGORITHMS, Chat, ChatLengths, coco_chats, fill_rows, format_fill_table
+from loongforge.bench.pack import (
+    BENCH_ALGORITHMS,
+    Chat,
+    ChatLengths,
+    coco_chats,
+    fill_rows,
+    format_fill_table,
+)
 from loongforge.config.loader import load_run_config
 from loongforge.data.measure import SampleMeasurer
-from loongforge.data.records import ConversationSample
+from loongforge.data.samples import ConversationSample
 from loongforge.data.template import Turn
 from loongforge.data.vision import probe_image_size
 from tests.pack.conftest import COCO_IMAGES, require

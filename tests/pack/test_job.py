@@ -12,8 +12,8 @@ import pytest
 
 from loongforge.config.errors import InputError
 from loongforge.data.conversations import FileSamples
-from loongforge.data.records import REJECT_REASONS
-from loongforge.pack import layout
+from loongforge.data.packfile import folder
+from loongforge.data.samples import REJECT_REASONS
 from loongforge.pack.job import PackOptions, run_pack
 from tests.pack.conftest import BAD_LINES, PRESET, SEQ_LEN, folder_bytes
 from tests.shared_data import REPO_ROOT
@@ -26,13 +26,13 @@ def _options(inputs, output, **overrides):
 
 
 def _manifest(root):
-    return layout.read_lines(root / layout.MANIFEST_FILE)
+    return folder.read_lines(root / folder.MANIFEST_FILE)
 
 
 def test_every_sample_packed_once_or_rejected(pack_inputs, tmp_path):
     root = tmp_path / "out"
     stats = run_pack(_options(pack_inputs, root)).stats
-    manifest, rejects = _manifest(root), layout.read_lines(root / layout.REJECTS_FILE)
+    manifest, rejects = _manifest(root), folder.read_lines(root / folder.REJECTS_FILE)
     packed = [(s["file"], s["line"]) for pack in manifest for s in pack["samples"]]
     rejected = [(r["file"], r["line"]) for r in rejects]
     inputs = FileSamples(pack_inputs)
@@ -98,13 +98,13 @@ SMALL = dict(seq_len=512, packs_per_shard=1)
 
 @pytest.mark.parametrize("stage", ["scan", "write"])
 def test_resume_after_interruption_equals_uninterrupted(pack_inputs, tmp_path, monkeypatch, stage):
-    monkeypatch.setattr(layout, "SCAN_CHUNK", 5)
+    monkeypatch.setattr(folder, "SCAN_CHUNK", 5)
     run_pack(_options(pack_inputs, tmp_path / "reference", **SMALL))
     assert len(list((tmp_path / "reference" / "shards").iterdir())) >= 3
     root = tmp_path / "resumed"
     with pytest.raises(_Interrupt):
         run_pack(_options(pack_inputs, root, **SMALL), fault=_fail_at(stage, 1))
-    assert not (root / layout.STATS_FILE).exists()
+    assert not (root / folder.STATS_FILE).exists()
     (root / "shards").mkdir(exist_ok=True)
     (root / "shards" / "shard-00002.parquet.tmp").write_bytes(b"half a shard")  # as a kill mid-write leaves
     with pytest.raises(InputError, match="not empty"):
@@ -127,7 +127,7 @@ def test_resume_after_sigkill_mid_write(pack_inputs, tmp_path):
     """)
     done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120)
     assert done.returncode == -signal.SIGKILL, done.stderr
-    assert (root / layout.MANIFEST_FILE).exists() and not (root / layout.STATS_FILE).exists()
+    assert (root / folder.MANIFEST_FILE).exists() and not (root / folder.STATS_FILE).exists()
     run_pack(_options(pack_inputs, root, resume=True, **SMALL))
     run_pack(_options(pack_inputs, tmp_path / "reference", **SMALL))
     assert folder_bytes(root) == folder_bytes(tmp_path / "reference")
@@ -146,7 +146,7 @@ def test_resume_refuses_a_folder_written_with_other_flags(pack_inputs, tmp_path)
 def test_stats_json_keys(pack_inputs, tmp_path):
     root = tmp_path / "out"
     run_pack(_options(pack_inputs, root))
-    stats = json.loads((root / layout.STATS_FILE).read_text())
+    stats = json.loads((root / folder.STATS_FILE).read_text())
     for key in ("samples_in", "samples_packed", "samples_rejected", "packs", "fill_ratio", "rejects_by_reason",
                 "length_histogram", "seq_len", "algorithm", "preset"):
         assert key in stats

@@ -8,8 +8,8 @@ import torch
 
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
+from loongforge.data.packfile import folder
 from loongforge.data.pipeline import DataPipeline
-from loongforge.pack import layout
 from loongforge.pack.job import PackOptions, run_pack
 from loongforge.pack.workers import MeasureContext, install, measure_index
 from tests.pack.conftest import PRESET, SEQ_LEN
@@ -18,7 +18,7 @@ from tests.pack.conftest import PRESET, SEQ_LEN
 def _packed(pack_inputs, root):
     run_pack(PackOptions(inputs=tuple(pack_inputs), output=Path(root), preset=PRESET, seq_len=SEQ_LEN,
                          packs_per_shard=1, progress=False))
-    return layout.read_lines(Path(root) / layout.MANIFEST_FILE)
+    return folder.read_lines(Path(root) / folder.MANIFEST_FILE)
 
 
 def _pipeline(root, **data):
@@ -66,6 +66,6 @@ def test_incompatible_or_unfinished_folders_are_refused(pack_inputs, tmp_path):
         _pipeline(tmp_path / "packed", seq_len=SEQ_LEN // 2)
     with pytest.raises(InputError, match="other rules"):
         _pipeline(tmp_path / "packed", max_pixels=28 * 28 * 16)
-    (tmp_path / "packed" / layout.STATS_FILE).unlink()
+    (tmp_path / "packed" / folder.STATS_FILE).unlink()
     with pytest.raises(InputError, match="not a finished"):
         _pipeline(tmp_path / "packed")

@@ -6,7 +6,10 @@ import torch
 from megatron.core import dist_checkpointing
 from megatron.core.dist_checkpointing import ShardedTensor
 from megatron.core.dist_checkpointing.strategies import filesystem_async
-from megatron.core.models.common.embeddings.rotary_pos_embedding import MultimodalRotaryEmbedding, RotaryEmbedding
+from megatron.core.models.common.embeddings.rotary_pos_embedding import (
+    MultimodalRotaryEmbedding,
+    RotaryEmbedding,
+)
 
 from loongforge.parallel import mcore_patches
 from tests.models.helpers import destroy_megatron, free_port, init_megatron

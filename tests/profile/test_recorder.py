@@ -7,9 +7,10 @@ from types import SimpleNamespace
 
 import torch
 
+from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.profile.recorder import StepRecorder
-from loongforge.profile.sweep import SweepSource
+from loongforge.profile.timers import GradSyncClock
 
 LAYOUT = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
 
@@ -19,7 +20,7 @@ def _setup(steps_warmup=1):
     grad_syncs = []
     config = SimpleNamespace(timers=None, finalize_model_grads_func=lambda *a, **k: grad_syncs.append(1))
     recorder = StepRecorder(model_cfg=cfg.model, rank=3, layout=LAYOUT, warmup_steps=steps_warmup)
-    recorder.attach(config, torch.device("cpu"))
+    recorder.attach(config, torch.device("cpu"), GradSyncClock(config, torch.device("cpu")))
     return cfg, config, recorder, grad_syncs
 
 

@@ -9,7 +9,6 @@ import pytest
 
 from tests.train.conftest import assert_close_relative, losses, run_train
 
-
 BALANCE_ON = ("balance.enabled=true", "balance.threshold=0")
 
 

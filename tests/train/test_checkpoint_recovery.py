@@ -16,8 +16,13 @@ import torch.distributed.checkpoint as dcp
 
 from loongforge.config.errors import InputError
 from loongforge.train import checkpoint
-from loongforge.train.checkpoint import (DamagedCheckpoint, TrainState, check_checkpoint_files,
-                                         load_newest_checkpoint, save_checkpoint)
+from loongforge.train.checkpoint import (
+    DamagedCheckpoint,
+    TrainState,
+    check_checkpoint_files,
+    load_newest_checkpoint,
+    save_checkpoint,
+)
 from tests.train.conftest import run_train
 
 

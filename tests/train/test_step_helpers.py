@@ -8,7 +8,8 @@ from types import SimpleNamespace
 
 import torch
 
-from loongforge.train.step import GradSyncClock, ManualGC
+from loongforge.profile.timers import GradSyncClock
+from loongforge.train.step import ManualGC
 
 
 def test_manual_gc_collects_only_on_its_steps_and_restores_automatic_collection():

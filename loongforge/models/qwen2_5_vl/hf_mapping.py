@@ -26,7 +26,6 @@ Layouts that are not a plain copy:
 from __future__ import annotations
 
 import abc
-
 import re
 from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence

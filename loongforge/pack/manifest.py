@@ -20,8 +20,8 @@ from typing import Iterator, Optional
 import numpy as np
 
 from loongforge.config.errors import ConfigError
+from loongforge.data.packfile.folder import MANIFEST_FILE, REJECTS_FILE, shard_name, write_lines_atomic
 from loongforge.pack.algorithms import plan_packs
-from loongforge.pack.layout import MANIFEST_FILE, REJECTS_FILE, shard_name, write_lines_atomic
 
 KIND_TEXT, KIND_IMAGE, KIND_VIDEO = 0, 1, 2
 

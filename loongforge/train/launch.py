@@ -17,7 +17,7 @@ workers' code. Nothing outlives the launcher: each worker asks the kernel to kil
 launcher dies (``PR_SET_PDEATHSIG``, even under kill -9), and a worker whose peer dies fails in its
 next collective (gloo reports the closed connection), which makes the agent stop the others.
 
-torch is imported inside functions so that ``loongforge --help`` does not pay for it.
+How many processes a launch has is ``parallel.launch_env``'s (torch-free, for the CLI).
 """
 
 from __future__ import annotations
@@ -26,8 +26,8 @@ import ctypes
 import functools
 import importlib
 import os
-import signal
 import shutil
+import signal
 import socket
 import sys
 import tempfile
@@ -36,41 +36,13 @@ import uuid
 from pathlib import Path
 from typing import Callable, Mapping
 
-from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.errors import ConfigError, InputError, LaunchError
+from loongforge.parallel.launch_env import external_launch_world_size, needs_local_workers, resolve_world_size
 from loongforge.config.schema import RunConfig
-
+from loongforge.train.runner import run_training
 
 # entrypoint(cfg, resume, command_line), run once per worker.
 WorkerEntrypoint = Callable[[RunConfig, bool, list[str]], None]
-
-
-class LaunchError(RuntimeError):
-    """Worker processes failed; their own tracebacks were printed above this message."""
-
-
-def external_launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
-    """The world size an external launcher (torchrun, SLURM) set up, or None outside one."""
-    if "RANK" in env and "WORLD_SIZE" in env:
-        return int(env["WORLD_SIZE"])
-    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
-        return int(env["SLURM_NTASKS"])
-    return None
-
-
-def resolve_world_size(nproc_per_node: int | None,
-                       env: Mapping[str, str] = os.environ) -> int | None:
-    """The launch's process count: the external launcher's, else --nproc-per-node, else None.
-
-    None means "no launch information": validation then uses the config's parallel.world_size.
-    """
-    external = external_launch_world_size(env)
-    if external is not None:
-        return external
-    return nproc_per_node
-
-
-def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.environ) -> bool:
-    return (nproc_per_node or 1) > 1 and external_launch_world_size(env) is None
 
 
 # Exit codes of a worker stopped by SIGINT or SIGTERM: 130/143 (128 + signal, a run stopped at a step
@@ -84,8 +56,6 @@ _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
 def run_training_worker(cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
     """Entry point of one worker (module level so the spawn start method can pickle it). A run
     stopped by a signal exits with 128 + the signal, as a shell reports a signalled process."""
-    from loongforge.train.runner import run_training
-
     summary = run_training(cfg, resume=resume, command_line=command_line)
     if summary.stop_signal:
         sys.exit(128 + summary.stop_signal)

@@ -7,8 +7,7 @@ import pytest
 from loongforge.balance.cost_model import CostModel, token_count_model
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
-from loongforge.profile.online import EXTRA_KEY, CostModelKeeper, training_observer
-from loongforge.profile.recorder import TrainingObserver
+from loongforge.train.balancing import EXTRA_KEY, RunBalancing
 
 
 def _model(source: str, b: float) -> CostModel:
@@ -32,12 +31,12 @@ def test_balance_config_is_validated_with_the_key_named(tmp_path):
 
 def test_checkpoint_state_round_trips_and_restores_the_model():
     cfg = load_run_config("qwen2.5vl-tiny")
-    keeper = CostModelKeeper(cfg.balance)
+    keeper = RunBalancing(cfg.balance)
     assert keeper.cost_model is None and keeper.state_dict() == {}
     keeper.cost_model = _model("fit:online", 2e-4)
     extra = keeper.state_dict()
     assert set(extra) == {EXTRA_KEY}
-    resumed = CostModelKeeper(cfg.balance)
+    resumed = RunBalancing(cfg.balance)
     resumed.load_state_dict(extra)
     assert resumed.cost_model == keeper.cost_model
 
@@ -46,14 +45,17 @@ def test_an_explicit_cost_model_file_wins_over_the_checkpoint(tmp_path):
     path = tmp_path / "COST.json"
     _model("fit:nnls", 5e-4).save(path)
     cfg = load_run_config("qwen2.5vl-tiny", overrides=[f"balance.cost_model={path}"])
-    keeper = CostModelKeeper(cfg.balance)
+    keeper = RunBalancing(cfg.balance)
     keeper.load_state_dict({EXTRA_KEY: _model("fit:online", 1e-4).to_dict()})
     assert keeper.cost_model.source == "fit:nnls"
     assert keeper.cost_model.coefficients["sum_L"] == 5e-4
 
 
-def test_profile_observer_replaces_the_keeper():
+def test_every_model_change_is_a_new_version_the_pipeline_follows():
     cfg = load_run_config("qwen2.5vl-tiny")
-    mine = TrainingObserver()
-    assert training_observer(cfg, mine) is mine
-    assert isinstance(training_observer(cfg), CostModelKeeper)
+    balancing = RunBalancing(cfg.balance)
+    first = balancing.version
+    balancing.load_state_dict({EXTRA_KEY: _model("fit:online", 1e-4).to_dict()})
+    assert balancing.version == first + 1
+    balancing.load_state_dict({})  # nothing saved: the model and its version stay
+    assert balancing.version == first + 1

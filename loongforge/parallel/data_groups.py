@@ -19,7 +19,6 @@ that never comes).
 from __future__ import annotations
 
 import datetime
-
 import pickle
 from dataclasses import dataclass
 from typing import Any, Optional, Sequence

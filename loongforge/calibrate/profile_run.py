@@ -17,16 +17,19 @@ from typing import Optional
 import torch
 import torch.distributed as dist
 
+from loongforge.calibrate.sweep import ANSWER_SHARE, SweepSource
+from loongforge.config.overrides import Override
 from loongforge.config.schema import RunConfig
-from loongforge.profile.records import PROFILE_FORMAT, write_records
-from loongforge.profile.recorder import StepRecorder, TrainingObserver
-from loongforge.profile.sweep import ANSWER_SHARE, SweepSource
+from loongforge.profile.profile_file import PROFILE_FORMAT, write_records
+from loongforge.profile.recorder import StepRecorder
 from loongforge.profile.timers import cpu_clock_name
+from loongforge.parallel.launch_env import needs_local_workers
+from loongforge.train import launch
+from loongforge.train.observer import TrainingObserver
+from loongforge.train.runner import library_versions, run_training
 
 
 def environment_record(cfg: RunConfig, *, env, layout, sweep: bool) -> dict:
-    from loongforge.train.runner import library_versions
-
     device = env.device
     return {
         "kind": "env", "format": PROFILE_FORMAT,
@@ -58,20 +61,15 @@ class ProfileObserver(TrainingObserver):
         self._rank = 0
         self._cfg: Optional[RunConfig] = None
         self._layout = None
-        self.cost_model = None  # what balance.enabled prices samples with (token counts if None)
 
     def _part_path(self, rank: int) -> Path:
         return self.output.with_name(f"{self.output.name}.rank{rank:05d}.part")
 
-    def attach(self, model_config, *, cfg, env, layout) -> None:
+    def attach(self, model_config, *, cfg, env, layout, grad_sync) -> None:
         self._cfg, self._layout, self._rank = cfg, layout, env.rank
-        if cfg.balance.cost_model is not None:  # a balanced profile prices samples with it
-            from loongforge.balance.cost_model import CostModel
-
-            self.cost_model = CostModel.load(cfg.balance.cost_model)
         self._recorder = StepRecorder(model_cfg=cfg.model, rank=env.rank, layout=layout,
                                       warmup_steps=self.warmup_steps)
-        self._recorder.attach(model_config, env.device)
+        self._recorder.attach(model_config, env.device, grad_sync)
         self._env_record = environment_record(cfg, env=env, layout=layout, sweep=self.sweep)
         if self.sweep:
             self._env_record["sweep_answer_share"] = self.answer_share
@@ -114,8 +112,6 @@ class ProfileObserver(TrainingObserver):
 def profile_overrides(data: list[str], output: Path, steps: int) -> list:
     """Overrides that turn a training config into a profiling run writing beside ``output``.
     Built as values, not text, so paths are never reparsed as YAML."""
-    from loongforge.config.overrides import Override
-
     run_dir = output.with_name(output.stem + ".run")
     values = {("training", "train_steps"): steps, ("training", "exit_at_step"): None,
               ("checkpoint", "save_at_end"): False, ("checkpoint", "save_interval"): 0,
@@ -133,13 +129,12 @@ def run_profile(cfg: RunConfig, output: Path, *, nproc_per_node: Optional[int], 
     """Profile ``cfg`` into ``output`` with the process layout ``--nproc-per-node`` asks for."""
     import functools
 
-    from loongforge.parallel import launcher
 
     worker = functools.partial(profile_worker, output=str(output), sweep=sweep,
                                warmup_steps=warmup_steps, answer_share=answer_share)
     functools.update_wrapper(worker, profile_worker)  # the elastic launcher logs __name__
-    if launcher.needs_local_workers(nproc_per_node):
-        launcher.launch_local_workers(cfg, nproc_per_node=nproc_per_node, resume=False,
+    if needs_local_workers(nproc_per_node):
+        launch.launch_local_workers(cfg, nproc_per_node=nproc_per_node, resume=False,
                                       command_line=command_line, entrypoint=worker)
     else:
         worker(cfg, False, command_line)
@@ -148,8 +143,6 @@ def run_profile(cfg: RunConfig, output: Path, *, nproc_per_node: Optional[int], 
 def profile_worker(cfg: RunConfig, resume: bool, command_line: list[str], *, output: str,
                    sweep: bool, warmup_steps: int, answer_share: float = ANSWER_SHARE) -> None:
     """One rank of ``loongforge profile`` (module level: the spawn launcher pickles it)."""
-    from loongforge.train.runner import run_training
-
     run_training(cfg, resume=resume, command_line=command_line,
                  observer=ProfileObserver(Path(output), sweep=sweep, warmup_steps=warmup_steps,
                                           answer_share=answer_share))

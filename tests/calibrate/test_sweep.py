@@ -2,14 +2,14 @@
 
 from __future__ import annotations
 
-import pytest
 import numpy as np
+import pytest
 import torch
 
 from loongforge.balance.cost_model import TERMS
+from loongforge.calibrate.sweep import ROW_DESIGNS, SweepSource, image_grids, length_grid
 from loongforge.config.loader import load_run_config
 from loongforge.profile.features import micro_batch_record, sample_costs
-from loongforge.profile.sweep import ROW_DESIGNS, SweepSource, image_grids, length_grid
 
 
 @pytest.fixture(scope="module")

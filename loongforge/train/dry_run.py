@@ -13,13 +13,12 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
 from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.models.qwen2_5_vl.params import count_parameters
 
 GIB = 1024**3
 
 
 def total_parameters(model: ModelConfig) -> int:
-    from loongforge.models.qwen2_5_vl.params import count_parameters
-
     return int(count_parameters(model)["total"])
 
 

@@ -1,12 +1,16 @@
-"""The cost model a training run uses: from ``balance.cost_model``, a checkpoint, or fitted online.
+"""The run's balancing component: the one owner of the cost model a training run prices samples with.
+
+The model comes from ``balance.cost_model``, a checkpoint, or an online fit; the data pipeline is
+handed this object once (``DataPipeline(cost_models=...)``) and reads ``cost_model`` and
+``version`` itself, so a refit reaches it at the same consumed step on every rank; the model is
+saved once per checkpoint (``TrainState.extra["cost_model"]``).
 
 Precedence: an explicit ``balance.cost_model`` file, else the model saved in the checkpoint being
 resumed, else an online fit: with ``balance.fit_steps = K > 0`` every rank records its
 per-micro-batch compute (``StepRecorder``) for ``balance.fit_warmup_steps`` + K steps; then all
 ranks gather everyone's observations and run the same NNLS fit, so every rank holds the same
 model. ``balance.refit_interval = M > 0`` keeps recording and refits every M steps on the latest
-K steps. The model travels in every checkpoint (``TrainState.extra["cost_model"]``), so a resumed
-run keeps it instead of falling back to token counts.
+K steps. A resumed run keeps the checkpoint's model instead of falling back to token counts.
 
 A fit that the observations cannot support (e.g. every row the same length) keeps the previous
 model and logs why; it never stops training.
@@ -22,7 +26,8 @@ import torch.distributed as dist
 from loongforge.balance.cost_model import CostModel
 from loongforge.balance.fit import FitError, fit_nnls, observations_from_records
 from loongforge.config.errors import InputError
-from loongforge.profile.recorder import StepRecorder, TrainingObserver
+from loongforge.profile.recorder import StepRecorder
+from loongforge.profile.timers import GradSyncClock
 
 EXTRA_KEY = "cost_model"
 VISION_TERMS = ("sum_P2", "sum_P", "n_img")
@@ -36,12 +41,19 @@ def _all_ranks_records(records: list[dict]) -> list[dict]:
     return [r for part in gathered for r in part]
 
 
-class CostModelKeeper(TrainingObserver):
-    """Holds ``cost_model`` for the run (None = no model yet: planners use token counts)."""
+class RunBalancing:
+    """Holds ``cost_model`` for the run (None = no model yet: planners use token counts);
+    ``version`` changes whenever the model does.
 
-    def __init__(self, balance_cfg, *, log=None):
+    ``fit_online=False`` (a ``loongforge profile`` run, which measures on its own timers) keeps
+    the file's or the checkpoint's model and never records.
+    """
+
+    def __init__(self, balance_cfg, *, fit_online: bool = True, log=None):
         self.cfg = balance_cfg
-        self.cost_model: Optional[CostModel] = None
+        self.fit_online = fit_online
+        self._cost_model: Optional[CostModel] = None
+        self.version = 0
         self.from_file = balance_cfg.cost_model is not None
         if self.from_file:
             try:
@@ -55,16 +67,24 @@ class CostModelKeeper(TrainingObserver):
         self._rank = 0
         self._clock = "wall"
 
-    # -- TrainingObserver ----------------------------------------------------------------------
+    @property
+    def cost_model(self) -> Optional[CostModel]:
+        return self._cost_model
 
-    def attach(self, model_config, *, cfg, env, layout) -> None:
+    @cost_model.setter
+    def cost_model(self, model: Optional[CostModel]) -> None:
+        self._cost_model = model
+        self.version += 1
+
+    def attach(self, model_config, *, cfg, env, layout, grad_sync: GradSyncClock) -> None:
+        """Start recording for the online fit (when there is one to do)."""
         self._rank = env.rank
         # CPU time on CPU: immune to other processes sharing the cores (see profile.timers).
         self._clock = "cpu" if env.device.type == "cpu" else "wall"
-        if self.cfg.fit_steps > 0 and not self.from_file:
+        if self.fit_online and self.cfg.fit_steps > 0 and not self.from_file:
             self._recorder = StepRecorder(model_cfg=cfg.model, rank=env.rank, layout=layout,
                                           warmup_steps=self.cfg.fit_warmup_steps)
-            self._recorder.attach(model_config, env.device)
+            self._recorder.attach(model_config, env.device, grad_sync)
 
     def _recording(self) -> bool:
         if self._recorder is None:
@@ -78,7 +98,7 @@ class CostModelKeeper(TrainingObserver):
             return self._recorder.begin_step(step, micro_batches)
         return micro_batches
 
-    def end_step(self, step: int, result, *, data_wait_s: float) -> None:
+    def end_step(self, step: int, result) -> None:
         if self._recorder is None or not self._recorder.recording:
             return
         new = self._recorder.end_step(step, result)
@@ -135,6 +155,7 @@ class CostModelKeeper(TrainingObserver):
             raise
 
     def state_dict(self) -> dict:
+        """Saved in every checkpoint (``TrainState.extra``)."""
         return {EXTRA_KEY: self.cost_model.to_dict()} if self.cost_model is not None else {}
 
     def load_state_dict(self, extra: dict) -> None:
@@ -142,7 +163,3 @@ class CostModelKeeper(TrainingObserver):
             return
         self.cost_model = CostModel.from_dict(extra[EXTRA_KEY], origin="checkpoint")
 
-
-def training_observer(cfg, observer: Optional[TrainingObserver] = None) -> TrainingObserver:
-    """The observer ``run_training`` uses: the caller's (``profile``), else the cost-model keeper."""
-    return observer if observer is not None else CostModelKeeper(cfg.balance)

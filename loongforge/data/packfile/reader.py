@@ -18,10 +18,10 @@ import numpy as np
 
 from loongforge.config.errors import InputError
 from loongforge.data.measure import MeasuredSample
+from loongforge.data.packfile.folder import MANIFEST_FILE, STATS_FILE
+from loongforge.data.packfile.schema import decode_pack
 from loongforge.data.packing import PackItem
 from loongforge.data.vision import VisionSizing
-from loongforge.pack.layout import MANIFEST_FILE, STATS_FILE
-from loongforge.pack.shard_format import decode_pack
 
 _OPEN_SHARDS = 4  # parquet handles kept open; packs are read one row group at a time
 

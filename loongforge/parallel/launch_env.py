@@ -1,0 +1,32 @@
+"""How many processes a launch has, from the environment and --nproc-per-node (no torch: the CLI
+asks before it imports anything heavy, e.g. for a dry run)."""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+
+def external_launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
+    """The world size an external launcher (torchrun, SLURM) set up, or None outside one."""
+    if "RANK" in env and "WORLD_SIZE" in env:
+        return int(env["WORLD_SIZE"])
+    if "SLURM_PROCID" in env and "SLURM_NTASKS" in env:
+        return int(env["SLURM_NTASKS"])
+    return None
+
+
+def resolve_world_size(nproc_per_node: int | None,
+                       env: Mapping[str, str] = os.environ) -> int | None:
+    """The launch's process count: the external launcher's, else --nproc-per-node, else None.
+
+    None means "no launch information": validation then uses the config's parallel.world_size.
+    """
+    external = external_launch_world_size(env)
+    if external is not None:
+        return external
+    return nproc_per_node
+
+
+def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.environ) -> bool:
+    return (nproc_per_node or 1) > 1 and external_launch_world_size(env) is None
