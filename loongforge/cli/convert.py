@@ -1,4 +1,5 @@
-"""``loongforge convert``: HF <-> megatron-core checkpoints, and the in-memory round-trip check."""
+"""``loongforge convert``: HF <-> megatron-core checkpoints, and the round-trip check through a
+sharded megatron checkpoint."""
 
 from __future__ import annotations
 
@@ -24,10 +25,12 @@ DstArgument = Annotated[Optional[Path], typer.Argument(
     metavar="DST", show_default=False, help="Output folder (written beside it, renamed at the end).")]
 ToOption = Annotated[Optional[str], typer.Option(
     "--to", metavar="mcore|hf", show_default=False, help="Target format.")]
-TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help="Language tensor-parallel size to check and pad the vocabulary for.")]
+TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help=(
+    "Language tensor-parallel size to check and pad the vocabulary for; --roundtrip writes its shards."))]
 PpOption = Annotated[int, typer.Option("--pp", min=1, metavar="N", help="Pipeline-parallel size to check.")]
 VisionTpOption = Annotated[Optional[int], typer.Option(
-    "--vision-tp", min=1, metavar="N", show_default=False, help="Vision tensor-parallel size (default: --tp).")]
+    "--vision-tp", min=1, metavar="N", show_default=False,
+    help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards.")]
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="bf16|fp16|fp32", show_default=False, help="Cast every tensor (default: keep the source's).")]
 MaxShardOption = Annotated[str, typer.Option(
@@ -35,7 +38,10 @@ MaxShardOption = Annotated[str, typer.Option(
 OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 VerifyOption = Annotated[bool, typer.Option("--verify", help="Re-read DST and compare every tensor with SRC.")]
 RoundtripOption = Annotated[bool, typer.Option(
-    "--roundtrip", help="HF -> megatron -> HF in memory (nothing written); table per tensor, exit 1 unless exact.")]
+    "--roundtrip", help=(
+        "HF -> megatron -> HF through a torch_dist checkpoint written as the --tp/--vision-tp ranks "
+        "write it, in a temporary folder as large as the model (removed afterwards); table per "
+        "tensor, exit 1 unless exact."))]
 JsonOption = Annotated[bool, typer.Option("--json", help="With --roundtrip: print the report as one JSON object.")]
 NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
 
@@ -114,7 +120,7 @@ def convert(
 
 def _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress) -> None:
     if dst is not None or to is not None:
-        raise UsageError("--roundtrip takes SRC only (nothing is written); drop DST and --to")
+        raise UsageError("--roundtrip takes SRC only (it writes only a temporary copy); drop DST and --to")
     from loongforge.convert.roundtrip import roundtrip
 
     report = roundtrip(src, tp=tp, pp=pp, vision_tp=vision_tp, progress=not no_progress and not json_output)

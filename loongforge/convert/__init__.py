@@ -5,7 +5,7 @@
 - ``mcore_io``: dist_checkpointing (torch_dist) folders read and written one chunk at a time;
 - ``engine``: the conversion itself, driven by the family's mapping table
   (``loongforge.models.qwen2_5_vl.hf_mapping``), with ``--verify``;
-- ``roundtrip``: HF -> megatron -> HF in memory, exact / close / different per tensor;
+- ``roundtrip``: HF -> a sharded megatron checkpoint (temporary) -> HF, exact / close / different per tensor;
 - ``model_io``: HF weights into a built model (``checkpoint.load_hf``) and a run's checkpoint out
   as HF (``checkpoint.save_hf``).
 """

@@ -158,20 +158,28 @@ class McoreReader:
 @dataclass(frozen=True)
 class McoreItem:
     """One chunk of the checkpoint: global ``key`` of ``global_shape``, and either the whole tensor
-    (``layer`` None) or the ``[layer]`` slice of a layer-stacked one, produced by ``produce``."""
+    (``layer`` None) or the ``[layer]`` slice of a layer-stacked one, produced by ``produce``.
+
+    ``region`` (offsets, sizes in the global tensor, layer axis included) makes the chunk one
+    rank's shard instead, as the ranks of a TP layout write it (``convert --roundtrip``)."""
 
     key: str
     global_shape: tuple[int, ...]
     dtype: torch.dtype
     layer: Optional[int]
     produce: Callable[[], torch.Tensor]
+    region: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
+        if self.region is not None:
+            return tuple(self.region[1])
         return self.global_shape if self.layer is None else (1, *self.global_shape[1:])
 
     @property
     def offsets(self) -> tuple[int, ...]:
+        if self.region is not None:
+            return tuple(self.region[0])
         rest = (0,) * (len(self.global_shape) - 1)
         return (0, *rest) if self.layer is None else (self.layer, *rest)
 

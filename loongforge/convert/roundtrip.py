@@ -1,10 +1,14 @@
-"""``loongforge convert SRC --roundtrip``: HF -> megatron -> HF in memory, tensor by tensor.
+"""``loongforge convert SRC --roundtrip``: HF -> a sharded megatron checkpoint on disk -> HF.
 
-Each HF tensor goes through the same code as a real conversion (mapping transform into the global
-megatron layout, vocabulary padding for the TP size), is then cut into the pieces the TP ranks hold
-(dist_checkpointing's slicing of that layout: contiguous chunks along the split axis, gate and up
-halves each chunked for SwiGLU, vision tensors at the vision TP size) and put back together, and
-finally mapped back to HF. Nothing is written.
+Each HF tensor goes through the code a real run uses: every TP rank's tensor is made by the mapping
+table's ``shard`` (what ``loongforge train checkpoint.load_hf=`` loads into that rank), and is
+written where that rank's shard lies in dist_checkpointing's global layout (``rank_regions``:
+contiguous chunks along the split axis, the gate and up halves of a SwiGLU weight as two chunks,
+vision tensors at the vision TP size, replicated tensors once, language layers one chunk per layer
+as every pipeline stage writes them). The torch_dist folder is written by ``mcore_io.write_mcore``
+into a temporary folder (as large as the model; removed afterwards), then every tensor is read back
+whole by ``mcore_io.McoreReader`` and mapped to HF as ``convert --to hf`` does. A rank's shard in
+the wrong place, a writer or reader that mixes chunks, or a transform that does not invert shows.
 
 Buckets per tensor: ``exact`` (bit-identical), ``close`` (``allclose`` rtol 1e-4, atol 1e-6),
 ``different``; plus HF keys that did not come back (``missing``) or appeared (``unexpected``).
@@ -12,32 +16,21 @@ Buckets per tensor: ``exact`` (bit-identical), ``close`` (``allclose`` rtol 1e-4
 
 from __future__ import annotations
 
+import tempfile
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
 from loongforge.convert import families
 from loongforge.convert.engine import (
-    Progress,
-    build_links,
-    check_hf_tensors,
-    check_layout,
-    to_hf,
-    to_megatron,
-)
+    Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, to_hf)
 from loongforge.convert.hf_io import HFCheckpoint
+from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
 from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
 from loongforge.models.qwen2_5_vl.hf_mapping import (
-    VISION,
-    FusedHeadQKV,
-    GateUp,
-    GroupedQKV,
-    Split,
-    Transform,
-    Vocab,
-)
+    VISION, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 
@@ -85,24 +78,53 @@ class RoundTripReport:
         return "\n".join(lines)
 
 
-def _split_join(transform: Transform, tensor: torch.Tensor, size: int, stacked: bool) -> torch.Tensor:
-    """Cut a global megatron tensor into ``size`` TP pieces the way the ranks load it, and rejoin."""
-    offset = 1 if stacked else 0
-    if size == 1:
-        return tensor.clone()
-    if isinstance(transform, GateUp):
-        gate, up = tensor.chunk(2, dim=offset)
-        ranks = [torch.cat([g, u], dim=offset) for g, u in zip(gate.chunk(size, offset), up.chunk(size, offset))]
-        halves = [r.chunk(2, dim=offset) for r in ranks]
-        return torch.cat([torch.cat([h[0] for h in halves], offset), torch.cat([h[1] for h in halves], offset)], offset)
+Region = tuple[tuple[int, ...], torch.Tensor]  # offsets in the global tensor, the piece there
+
+
+def rank_regions(transform: Transform, local: torch.Tensor, rank: int, size: int) -> list[Region]:
+    """Where TP rank ``rank`` of ``size`` writes its tensor ``local`` in the global (TP=1) tensor,
+    as megatron-core's sharded state dict places it. Replicated tensors: rank 0 writes them."""
+    zeros = [0] * local.dim()
+    if isinstance(transform, GateUp):  # [gate shard; up shard] -> two chunks of the [gate; up] rows
+        gate, up = local.chunk(2, dim=0)
+        rows = gate.shape[0]
+        return [((rank * rows, *zeros[1:]), gate), ((size * rows + rank * rows, *zeros[1:]), up)]
     if isinstance(transform, (Vocab, GroupedQKV, FusedHeadQKV)):
         dim = 0
     elif isinstance(transform, Split):
         dim = transform.dim
-    else:  # replicated on every rank
-        return tensor.clone()
-    pieces = tensor.chunk(size, dim=dim + offset)
-    return torch.cat([p.clone() for p in pieces], dim=dim + offset)
+    else:  # the same on every rank
+        return [(tuple(zeros), local)] if rank == 0 else []
+    offsets = list(zeros)
+    offsets[dim] = rank * local.shape[dim]
+    return [(tuple(offsets), local)]
+
+
+def _sharded_items(link: Link, checkpoint: HFCheckpoint, global_shape: tuple[int, ...],
+                   size: int) -> list[McoreItem]:
+    """The chunks the ``size`` ranks of ``link``'s TP group write for it (one layer of it if stacked)."""
+    def local(rank: int) -> torch.Tensor:
+        return link.rule.transform.shard([checkpoint.load(k) for k in link.hf_keys], rank, size)
+
+    def piece(rank: int, index: int) -> Callable[[], torch.Tensor]:
+        def make() -> torch.Tensor:
+            tensor = rank_regions(link.rule.transform, local(rank), rank, size)[index][1]
+            return tensor if link.layer is None else tensor.unsqueeze(0)
+        return make
+
+    dtype = checkpoint.entries[link.hf_keys[0]].dtype
+    items = []
+    for rank in range(size):
+        # Shapes only: the transforms run on meta tensors here, on data when the writer asks.
+        meta = link.rule.transform.shard(
+            [torch.empty(checkpoint.entries[k].shape, device="meta") for k in link.hf_keys], rank, size)
+        for index, (offsets, region) in enumerate(rank_regions(link.rule.transform, meta, rank, size)):
+            sizes = tuple(region.shape)
+            if link.layer is not None:
+                offsets, sizes = (link.layer, *offsets), (1, *sizes)
+            items.append(McoreItem(link.mcore_key, global_shape, dtype, link.layer, piece(rank, index),
+                                   region=(offsets, sizes)))
+    return items
 
 
 def _compare(key: str, expected: torch.Tensor, actual: torch.Tensor) -> TensorResult:
@@ -116,28 +138,37 @@ def _compare(key: str, expected: torch.Tensor, actual: torch.Tensor) -> TensorRe
 
 
 def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] = None,
-              progress: bool = True) -> RoundTripReport:
+              progress: bool = True, work_dir: Optional[Path] = None) -> RoundTripReport:
+    """Write SRC as the ranks of TP ``tp`` (vision TP ``vision_tp``) would to a temporary folder
+    under ``work_dir`` (default: the system's), read it back and compare with SRC tensor by tensor.
+    ``pp`` is checked against the model; every stage writes its layers one chunk per layer, so the
+    files do not depend on it."""
     checkpoint = HFCheckpoint(Path(src))
     model_cfg = families.model_config_from_hf(checkpoint.config, str(Path(src) / "config.json"))
-    check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
+    hf_shapes = check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
     check_layout(model_cfg, tp, pp, vision_tp)
     vision_tp = vision_tp or tp
     vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, tp)
     report = RoundTripReport(str(src), tp, pp, vision_tp)
     links = build_links(model_cfg)
+    shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
+    items = [item for link in links for item in _sharded_items(
+        link, checkpoint, shapes[link.mcore_key], vision_tp if link.rule.group == VISION else tp)]
     produced = set()
-    bar = Progress(len(links), "round trip", progress)
-    for link in links:
-        originals = [checkpoint.load(k) for k in link.hf_keys]
-        chunk = to_megatron(link, originals, vocab_rows)
-        size = vision_tp if link.rule.group == VISION else tp
-        chunk = _split_join(link.rule.transform, chunk, size, stacked=link.layer is not None)
-        back = to_hf(link, chunk if link.layer is None else chunk[0])
-        for key, original, tensor in zip(link.hf_keys, originals, back):
-            report.tensors.append(_compare(key, original, tensor))
-            produced.add(key)
-        bar.update(chunk.nbytes)
-    bar.close()
+    with tempfile.TemporaryDirectory(prefix="loongforge-roundtrip-", dir=work_dir) as tmp:
+        folder = Path(tmp) / "model_optim"
+        bar = Progress(len(items), "round trip: write", progress)
+        write_mcore(folder, items, lambda item, tensor: bar.update(tensor.nbytes))
+        bar.close()
+        reader = McoreReader(folder)
+        bar = Progress(len(links), "round trip: read", progress)
+        for link in links:
+            chunk = reader.read(link.mcore_key, link.layer)
+            for key, tensor in zip(link.hf_keys, to_hf(link, chunk)):
+                report.tensors.append(_compare(key, checkpoint.load(key), tensor))
+                produced.add(key)
+            bar.update(chunk.nbytes)
+        bar.close()
     report.missing = sorted(set(checkpoint.entries) - produced)
     report.unexpected = sorted(produced - set(checkpoint.entries))
     return report

@@ -20,8 +20,8 @@ def families() -> list[str]:
 
 
 def get_builder(family: str) -> Callable:
-    """The ``build_model(model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device)``
-    of a model family."""
+    """The ``build_model(model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device,
+    recompute_activations, init_seed)`` of a model family."""
     if family not in _BUILDERS:
         raise ValueError(f"model.family={family!r} is not one of {', '.join(families())}")
     module_name, _, function_name = _BUILDERS[family].partition(":")

@@ -156,8 +156,8 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
     )
-    # One seed on every rank: with CPU initialisation megatron-core builds each full weight from this
-    # RNG and slices it, so the initial model does not depend on the TP layout.
+    # One seed on every rank. The initial weights do not come from this stream: the model draws
+    # them from keys of (seed, global name), the same at every TP/PP layout (models.initialization).
     seed_everything(seed)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

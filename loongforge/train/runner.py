@@ -106,7 +106,8 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
 
     model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                        device=device, recompute_activations=cfg.training.recompute_activations)
+                        device=device, recompute_activations=cfg.training.recompute_activations,
+                        init_seed=cfg.training.seed)
     if cfg.training.freeze_vision and layout.is_first_stage:
         for param in model.vision_model.parameters():
             param.requires_grad_(False)

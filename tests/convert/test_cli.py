@@ -85,6 +85,33 @@ def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
     assert not report["exact"] and report["counts"]["different"] > 0
 
 
+def test_roundtrip_catches_swapped_tp_shards(hf_hub, monkeypatch, tmp_path):
+    from loongforge.convert import roundtrip as roundtrip_module
+    from loongforge.models.qwen2_5_vl.hf_mapping import Split
+
+    correct = roundtrip_module.rank_regions
+
+    def swapped(transform, local, rank, size):
+        # A sharded writer that puts TP rank 0's row-parallel shard where rank 1's belongs and back.
+        if isinstance(transform, Split) and transform.dim == 1:
+            rank = size - 1 - rank
+        return correct(transform, local, rank, size)
+
+    monkeypatch.setattr(roundtrip_module, "rank_regions", swapped)
+    monkeypatch.setattr("tempfile.tempdir", str(tmp_path))
+    result = invoke(str(hf_hub), "--roundtrip", "--tp", "2", "--json")
+    assert result.exit_code == 1, result.output
+    report = json.loads(result.output.strip().splitlines()[-1])
+    different = {t["key"] for t in report["tensors"] if t["status"] == "different"}
+    # Exactly the row-parallel weights: attention output and MLP down projections, merger fc2.
+    assert different and all(k.endswith(("o_proj.weight", "attn.proj.weight", "down_proj.weight",
+                                          "merger.mlp.2.weight")) for k in different), different
+    assert "model.layers.1.self_attn.o_proj.weight" in different
+    assert list(tmp_path.iterdir()) == []  # the temporary checkpoint is gone
+    # At TP 1 there is nothing to swap: the same writer is exact.
+    assert invoke(str(hf_hub), "--roundtrip", "--json").exit_code == 0
+
+
 def test_refuses_to_overwrite(hf_hub, tmp_path):
     (tmp_path / "dst").mkdir()
     result = invoke(str(hf_hub), str(tmp_path / "dst"), "--to", "mcore")

@@ -22,6 +22,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
+from loongforge.models.initialization import SeededTransformerLayer
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 
 
@@ -57,8 +58,14 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType) 
     )
 
 
-def language_layer_spec(modules: BlockModules) -> ModuleSpec:
-    return transformer_layer_spec(modules, AttnMaskType.causal)
+def language_layer_spec(modules: BlockModules, init_seed: int | None = None) -> ModuleSpec:
+    """The decoder layer; with ``init_seed``, each layer's initial weights come from (seed, its
+    global index), whatever the pipeline layout (see ``models.initialization``)."""
+    spec = transformer_layer_spec(modules, AttnMaskType.causal)
+    if init_seed is not None:
+        spec.module = SeededTransformerLayer
+        spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
+    return spec
 
 
 def vision_layer_spec(modules: BlockModules) -> ModuleSpec:
@@ -67,7 +74,8 @@ def vision_layer_spec(modules: BlockModules) -> ModuleSpec:
 
 
 def language_block_spec(
-    config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None
+    config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None,
+    init_seed: int | None = None,
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec).
 
@@ -76,5 +84,5 @@ def language_block_spec(
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     return TransformerBlockSubmodules(
-        layer_specs=[language_layer_spec(modules)] * num_layers, layer_norm=RMSNorm
+        layer_specs=[language_layer_spec(modules, init_seed)] * num_layers, layer_norm=RMSNorm
     )

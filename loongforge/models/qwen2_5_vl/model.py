@@ -26,6 +26,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models import initialization
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
@@ -49,9 +50,20 @@ class LanguageModel(GPTModel):
     the softmax denominator, so their logits are set to -inf before the cross entropy.
     """
 
-    def __init__(self, *args, true_vocab_size: int, **kwargs):
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args, true_vocab_size: int, init_seed: Optional[int] = None, **kwargs):
+        # The embedding is GPTModel's first random draw; the decoder layers draw from keys of their
+        # own (see the block spec) and leave this stream alone.
+        with initialization.seeded(init_seed, "language_model.embedding"):
+            super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        if (init_seed is not None and self.post_process and not self.share_embeddings_and_output_weights
+                and initialization.draws_on_cpu(self.config)):
+            # GPTModel drew it from the embedding's stream, which only a stage holding the embedding
+            # had advanced: draw it again from a key of its own.
+            initialization.redraw_sharded(
+                self.output_layer.weight, (self.vocab_size, self.config.hidden_size),
+                self.config.init_method, seed=init_seed, key="language_model.output_layer",
+                tp_rank=get_pg_rank(self.pg_collection.tp), tp_size=self.pg_collection.tp.size())
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_size > self.true_vocab_size:
@@ -116,7 +128,10 @@ class Qwen2_5_VLModel(MegatronModule):
         pre_process: bool,
         post_process: bool,
         vp_stage: Optional[int] = None,
+        init_seed: Optional[int] = None,
     ):
+        """``init_seed``: initial weights keyed by (seed, global name), the same full model at
+        every TP/PP layout (``models.initialization``); None: megatron's one running stream."""
         super().__init__(config=language_config)
         self.model_cfg = model_cfg
         self.pre_process = pre_process
@@ -131,13 +146,15 @@ class Qwen2_5_VLModel(MegatronModule):
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
         if pre_process:
-            self.vision_model = VisionModel(
-                vision_config,
-                model_cfg,
-                vision_layer_spec(modules),
-                vision_pg_collection(vision_tp_group, language_pgs),
-            )
-            self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group, modules)
+            with initialization.seeded(init_seed, "vision_model"):
+                self.vision_model = VisionModel(
+                    vision_config,
+                    model_cfg,
+                    vision_layer_spec(modules),
+                    vision_pg_collection(vision_tp_group, language_pgs),
+                )
+            with initialization.seeded(init_seed, "projector"):
+                self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group, modules)
         # With a vision TP smaller than the language TP, the towers are replicated across the
         # language TP group in blocks of vision-TP ranks: block k holds replica k of every shard.
         self._vision_tp = vision_tp_group.size()
@@ -148,10 +165,12 @@ class Qwen2_5_VLModel(MegatronModule):
         self.language_model = LanguageModel(
             config=language_config,
             transformer_layer_spec=language_block_spec(
-                language_config, modules, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage
+                language_config, modules, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage,
+                init_seed=init_seed,
             ),
             vocab_size=configs.padded_vocab_size(lang.vocab_size, tp),
             true_vocab_size=lang.vocab_size,
+            init_seed=init_seed,
             max_sequence_length=lang.max_position_embeddings,
             pre_process=pre_process,
             post_process=post_process,
@@ -312,10 +331,15 @@ def build_model(
     device: torch.device | str,
     vp_stage: Optional[int] = None,
     recompute_activations: bool = False,
+    init_seed: Optional[int] = None,
 ) -> Qwen2_5_VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
     ``parallel_cfg``. Collective (the vision TP groups): every rank calls it.
-    ``recompute_activations``: full activation recompute in both towers."""
+    ``recompute_activations``: full activation recompute in both towers.
+    ``init_seed``: the seed of the initial weights (default: the seed torch's CPU generator was last
+    seeded with, ``torch.initial_seed()``); the same seed gives the same full model at every TP, PP
+    and vision-TP layout when weights are initialised on the CPU (``models.initialization``)."""
+    init_seed = torch.initial_seed() if init_seed is None else init_seed
     device = torch.device(device)
     on_cpu = device.type == "cpu"
     if on_cpu:
@@ -340,6 +364,7 @@ def build_model(
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,
+        init_seed=init_seed,
     )
     if pre_process:
         for tower in (model.vision_model, model.projector):
