@@ -117,5 +117,6 @@ def test_balancer_uses_the_polished_arrival_when_it_beats_a_fresh_plan():
     sizes = [SampleSize(int(t), (), int(round(c * 100))) for t, c in zip(TIGHT_TOKENS, TIGHT_COSTS)]
     rows = [sizes[0:3], sizes[3:6], sizes[6:10], sizes[10:13]]
     decision = _balancer(seq_len=4096, cost_model=model).decide(rows)
-    assert decision.applied and decision.before > 1.08 and decision.after < 1.003
+    # docs/benchmarks/train_balance.md: the polished arrival order "reach[es] 1.002 on that step".
+    assert decision.applied and decision.before > 1.08 and decision.after <= 1.002
     _check_partition(decision, rows, dp=2, m=2, seq_len=4096)

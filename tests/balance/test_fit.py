@@ -47,14 +47,15 @@ def synthetic(*, steps=60, ranks=4, micro_batches=2, noise=0.002, seed=0, images
     return Observations(F, t, step_ids, rank_ids, step_seconds)
 
 
-def test_nnls_recovers_known_coefficients_within_one_percent():
-    # 2,000 micro-batches with 0.2% timing noise: every coefficient lands within 0.5% (seeds 0-5).
+def test_nnls_recovers_known_coefficients_within_half_a_percent():
+    # The figures docs/benchmarks/cost_model.md quotes from this test: with 0.2% timing noise
+    # (2,000 micro-batches) every coefficient within 0.5%, held-out median error 0.16%.
     result = fit_nnls(synthetic(steps=250, noise=0.002))
     for term, true in TRUE.items():
-        assert result.model.coefficients[term] == pytest.approx(true, rel=0.01), term
-    assert result.model.micro_batch_overhead_s == pytest.approx(OVERHEAD_S, rel=0.01)
+        assert result.model.coefficients[term] == pytest.approx(true, rel=0.005), term
+    assert result.model.micro_batch_overhead_s == pytest.approx(OVERHEAD_S, rel=0.005)
     held = result.report["held_out_micro_batch"]
-    assert held["median_ape_pct"] < 0.5 and held["r2"] > 0.999
+    assert held["median_ape_pct"] <= 0.16 and held["r2"] > 0.999
     assert result.warnings == []
     assert sum(result.report["term_shares"].values()) == pytest.approx(1.0)
 

@@ -10,13 +10,14 @@ import numpy as np
 import pytest
 
 from loongforge.balance.baselines import plan_none
-from loongforge.balance.planner import (
-    DEFAULT_TOLERANCE,
-    PlanError,
-    lower_bound,
-    plan_step,
-    step_cost,
-)
+from loongforge.balance.planner import PlanError, lower_bound, plan_step, step_cost
+
+# The planner refines until the slowest rank is within 0.2% (DEFAULT_TOLERANCE) of the lower bound
+# (module docstring; docs/benchmarks/balance.md measures worst 1.0016 at GA=4): on steps with room
+# that is where every plan here ends. A step packed so tightly that samples can barely move may stop
+# above it; the documented target for those is max/LB <= 1.01 (balance.md, worst 1.0067).
+NEAR_LB = 1.002 + 1e-9
+TIGHT_LB = 1.01
 
 
 def _long_tail(n, seed, max_tokens=4096):
@@ -47,7 +48,7 @@ def test_plan_is_valid_and_near_the_lower_bound(dp, ga, objective):
     costs, tokens = _long_tail(dp * ga * 8, seed=dp * 10 + ga)
     plan = plan_step(costs, tokens, dp_size=dp, micro_batches=ga, seq_len=seq_len, objective=objective)
     _check_valid(plan, len(costs), dp, ga, seq_len, tokens)
-    assert plan.stats["max_over_lb"] <= 1.01
+    assert plan.stats["max_over_lb"] <= NEAR_LB
     assert plan.step_cost() == pytest.approx(plan.stats["step_cost"])
     assert plan.lower_bound == pytest.approx(lower_bound(costs, dp))
 
@@ -58,7 +59,7 @@ def test_beats_arrival_order_packing():
     ours = plan_step(costs, tokens, dp_size=dp, micro_batches=ga, seq_len=seq_len)
     arrival = plan_none(costs, tokens, dp_size=dp, micro_batches=ga, seq_len=seq_len)
     assert ours.stats["step_cost"] < arrival.stats["step_cost"]
-    assert ours.stats["max_over_lb"] <= 1 + DEFAULT_TOLERANCE + 1e-9
+    assert ours.stats["max_over_lb"] <= NEAR_LB
 
 
 def test_slots_objective_balances_every_slot():
@@ -68,7 +69,7 @@ def test_slots_objective_balances_every_slot():
     summed = plan_step(costs, tokens, dp_size=dp, micro_batches=ga, seq_len=16384, objective="sum")
     # The slot objective is what pipeline parallelism pays; its own plan should not be worse.
     assert step_cost(slots.slot_costs, "slots") <= step_cost(summed.slot_costs, "slots") + 1e-12
-    assert slots.stats["max_over_lb"] <= 1.01
+    assert slots.stats["max_over_lb"] <= NEAR_LB
 
 
 def test_one_giant_sample_gets_a_rank_to_itself():
@@ -163,7 +164,7 @@ def test_latency_is_tens_of_milliseconds_at_16k_samples_dp512():
     start = time.perf_counter()
     plan = plan_step(costs, tokens, dp_size=512, micro_batches=4, seq_len=16384)
     assert time.perf_counter() - start < 1.0
-    assert plan.stats["max_over_lb"] <= 1.01
+    assert plan.stats["max_over_lb"] <= NEAR_LB
 
 
 def test_exchange_lists_route_every_sample_from_its_owner_to_its_planned_rank():
@@ -198,7 +199,7 @@ def test_tightly_packed_step_falls_back_to_a_feasible_packing():
     plan = plan_step(costs[chosen], tokens[chosen], dp_size=4, micro_batches=2, seq_len=8192)
     assert plan.stats["fallback"]
     _check_valid(plan, chosen.size, 4, 2, 8192, tokens[chosen])
-    assert plan.stats["max_over_lb"] <= 1.01
+    assert plan.stats["max_over_lb"] <= TIGHT_LB
 
 
 # A real step from `bench train` (arena-hard, seq_len 4096, DP=2, 2 micro-batches; fitted CPU costs,
@@ -222,11 +223,11 @@ def test_tightly_packed_small_step_is_polished_across_ranks():
     assert arrival.stats["max_over_lb"] > 1.08
     plan = plan_step(TIGHT_COSTS, TIGHT_TOKENS, dp_size=2, micro_batches=2, seq_len=4096)
     _assert_valid(plan, 13, 4096)
-    assert plan.stats["max_over_lb"] < 1.01
+    assert plan.stats["max_over_lb"] <= TIGHT_LB
     polished = refine_assignment(*TIGHT_ARRIVAL, TIGHT_COSTS, TIGHT_TOKENS, dp_size=2, micro_batches=2,
                                  seq_len=4096)
     _assert_valid(polished, 13, 4096)
-    assert polished.stats["max_over_lb"] < 1.003
+    assert polished.stats["max_over_lb"] <= 1.002  # docs/benchmarks/train_balance.md: "reach 1.002"
     # Deterministic, and the input arrays are left alone.
     again = refine_assignment(*TIGHT_ARRIVAL, TIGHT_COSTS, TIGHT_TOKENS, dp_size=2, micro_batches=2,
                               seq_len=4096)

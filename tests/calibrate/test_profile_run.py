@@ -39,12 +39,12 @@ def test_two_rank_profile_has_one_record_per_rank_per_micro_batch(tmp_path):
     assert set(keys.values()) == {1}
     for r in mbs:
         assert r["forward_s"] > 0 and r["backward_s"] > 0
-        assert r["forward_cpu_s"] >= 0 and r["backward_cpu_s"] >= 0
+        assert r["forward_cpu_s"] > 0 and r["backward_cpu_s"] > 0  # a real forward costs CPU time
         assert r["warmup"] == (r["step"] == 1)
         assert r["features"]["sum_L"] == sum(s["L"] for s in r["samples"]) > 0
     assert Counter((r["step"], r["rank"]) for r in steps) == {(s, r): 1 for s in (1, 2, 3) for r in (0, 1)}
     for r in steps:
-        assert r["step_s"] >= r["fwd_bwd_s"] >= r["grad_sync_s"] >= 0
+        assert r["step_s"] >= r["fwd_bwd_s"] >= r["grad_sync_s"] > 0  # the all-reduce takes time
     # The two ranks trained different rows of the same designed step.
     ids = {r["rank"]: [s["L"] for s in r["samples"]] for r in mbs if (r["step"], r["micro_batch"]) == (1, 0)}
     assert ids[0] != ids[1]

@@ -53,19 +53,36 @@ def test_balanced_ranks_hold_exactly_the_steps_samples(tokenizer):
     assert counters["mean_max_over_lb_after"] < counters["mean_max_over_lb_before"]
 
 
+def _steps(pipeline, n):
+    """n steps as (the plan, this rank's sample ids per micro-batch)."""
+    steps = []
+    for _ in range(n):
+        micro_batches = pipeline.next_step()
+        steps.append((pipeline.last_balance.micro_batches, [mb["sample_ids"] for mb in micro_batches]))
+    return steps
+
+
 def test_state_resumes_with_the_cost_model_used(tokenizer):
+    # Each rank, resumed from its state, re-makes the plans and hands out the same samples in the
+    # same micro-batches as the uninterrupted pipeline; a resumed pipeline that priced with token
+    # counts (its default) would plan differently.
     model = CostModel({t: 0.0 for t in TERMS} | {"sum_L2": 1e-3, "sum_L": 1.0, "sum_P": 2.0})
-    owner = _Owner()
-    first = _pipeline(tokenizer, dp_rank=1, dp_size=2, cost_models=owner)
-    first.next_step()
-    owner.switch(model)
-    state = first.state_dict()
-    expected = [_ids(first.next_step()) for _ in range(3)]
-    resumed_owner = _Owner()  # the checkpoint restores the owner's model, then the data position
-    resumed = _pipeline(tokenizer, dp_rank=1, dp_size=2, cost_models=resumed_owner)
-    resumed_owner.switch(model)
-    resumed.load_state_dict(state)
-    assert [_ids(resumed.next_step()) for _ in range(3)] == expected
+    for rank in range(2):
+        owner = _Owner()
+        first = _pipeline(tokenizer, dp_rank=rank, dp_size=2, cost_models=owner)
+        first.next_step()
+        owner.switch(model)
+        state = first.state_dict()
+        expected = _steps(first, 3)
+        resumed_owner = _Owner()  # the checkpoint restores the owner's model, then the data position
+        resumed = _pipeline(tokenizer, dp_rank=rank, dp_size=2, cost_models=resumed_owner)
+        resumed_owner.switch(model)
+        resumed.load_state_dict(state)
+        assert _steps(resumed, 3) == expected, rank
+        assert first.balance_counters.applied > 1  # plans were made, not the arrival order kept
+        token_priced = _pipeline(tokenizer, dp_rank=rank, dp_size=2, cost_models=_Owner())
+        token_priced.load_state_dict(state)
+        assert [plan for plan, _ in _steps(token_priced, 3)] != [plan for plan, _ in expected]
 
 
 def test_prefetch_thread_and_model_switch_give_the_same_steps(tokenizer):

@@ -44,10 +44,33 @@ def test_colour_answer_matches_pixels():
             assert tuple(image[y, x]) == COLOURS[shape.colour], (shape, QUADRANTS[shape.quadrant])
 
 
+NUMBERS = {"no": 0, "one": 1, "2": 2, "3": 3, "4": 4}
+
+
 def test_count_answers_are_consistent():
+    # The count names the asked kind, never exceeds the shapes drawn (quadrant centres that are not
+    # background), and agrees with the same image's description when the sample has both.
+    samples = SyntheticSamples(300, 1)
+    asked = checked_against_description = 0
     for i in range(300):
-        sample = SyntheticSamples(300, 1).get(i)
-        for question, answer in zip(sample.turns[::2], sample.turns[1::2]):
-            match = re.search(r"How many (\w+)s are there\?", question.text)
-            if match:
-                assert match.group(1) in answer.text
+        sample = samples.get(i)
+        answers = {q.text: a.text for q, a in zip(sample.turns[::2], sample.turns[1::2])}
+        for question, answer in answers.items():
+            match = re.search(r"How many (\w+)s are there\?", question)
+            if not match:
+                continue
+            asked += 1
+            kind = match.group(1)
+            said = re.fullmatch(rf"There (?:are|is) (no|one|\d) {kind}s?\.", answer)
+            assert said, answer
+            image = np.asarray(sample.images[0])
+            height, width = image.shape[:2]
+            centres = [image[int((q // 2 + 0.5) * height / 2), int((q % 2 + 0.5) * width / 2)] for q in range(4)]
+            drawn = sum(tuple(c) != tuple(image[0, 0]) for c in centres)  # the corner is background
+            assert NUMBERS[said.group(1)] <= drawn, (answer, drawn)
+            description = next((a for q, a in answers.items() if q in ("Describe the image.", "What do you see?")),
+                               None)
+            if description is not None:
+                checked_against_description += 1
+                assert NUMBERS[said.group(1)] == len(re.findall(rf"\b{kind}\b", description)), (answer, description)
+    assert asked > 50 and checked_against_description > 0, (asked, checked_against_description)

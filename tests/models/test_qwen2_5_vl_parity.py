@@ -1,4 +1,5 @@
-"""Qwen2_5_VLModel (megatron-core, TP=1) equals transformers' Qwen2_5_VLForConditionalGeneration."""
+"""Qwen2_5_VLModel (megatron-core, TP=1) equals transformers' Qwen2_5_VLForConditionalGeneration:
+logits, per-token loss, and the answer-masked loss of a packed row as the training step computes it."""
 
 import pytest
 import torch
@@ -53,6 +54,65 @@ def test_logits_and_loss_match_transformers(megatron_world_of_one, tie):
         reference_loss = F.cross_entropy(reference[0], labels[0], reduction="none")
         assert loss.dtype == torch.float32 and loss.shape == labels.shape, name
         assert (loss[0] - reference_loss).abs().max() <= TOLERANCE, name
+
+
+def _answer_labels(sample, answer: list[range]) -> torch.Tensor:
+    """transformers' labels [1, s]: the input ids on answer positions, -100 (ignored) elsewhere."""
+    labels = torch.full_like(sample.input_ids, -100)
+    for span in answer:
+        labels[0, span] = sample.input_ids[0, span]
+    return labels
+
+
+def _shifted(hf_labels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The data pipeline's form of the same targets (data.collate): labels[t] = the token at t+1
+    and loss_mask[t] = 1 where that token is an answer token; 0 at the sample's last position."""
+    following = torch.cat([hf_labels[0, 1:], torch.tensor([-100])])
+    mask = following != -100
+    return torch.where(mask, following, 0), mask.float()
+
+
+def test_answer_masked_packed_loss_matches_transformers_loss(megatron_world_of_one):
+    """The training step's loss: two samples and a padding tail packed in one row, the LM head on
+    answer tokens only (``loss_mask``), summed and divided by the loss-token count (train.step);
+    against transformers' mean loss over labels != -100, per sample, weighted by its token count."""
+    from loongforge.train.step import make_forward_step
+
+    model_cfg, hf_model, model = _build_pair(tie=True)
+    samples = [make_sample(model_cfg, images=((1, 8, 12),), seed=1), make_sample(model_cfg, text_len=20, seed=2)]
+    # Answers: the closing text (5 tokens) and a span inside the opening text, as in a multi-turn chat.
+    answers = [_answer_labels(s, [range(2, 6), range(s.input_ids.shape[1] - 5, s.input_ids.shape[1])])
+               for s in samples]
+    hf_sums, hf_counts = [], []
+    for sample, labels in zip(samples, answers):
+        with torch.no_grad():
+            hf_loss = hf_model(input_ids=sample.input_ids, position_ids=hf_position_ids(hf_model, sample),
+                               pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+                               labels=labels).loss
+        count = int((labels[0, 1:] != -100).sum())  # transformers shifts: token t+1 from position t
+        assert count == 9  # the 4 + 5 answer tokens
+        hf_sums.append(float(hf_loss) * count)
+        hf_counts.append(count)
+    pad = 3
+    targets = [_shifted(labels) for labels in answers]
+    lengths = [s.input_ids.shape[1] for s in samples] + [pad]
+    batch = {
+        "input_ids": torch.cat([s.input_ids for s in samples] + [torch.zeros(1, pad, dtype=torch.long)], dim=1),
+        "labels": torch.cat([t[0] for t in targets] + [torch.zeros(pad, dtype=torch.long)])[None],
+        "loss_mask": torch.cat([t[1] for t in targets] + [torch.zeros(pad)])[None],
+        "position_ids": torch.cat([hf_position_ids(hf_model, s) for s in samples]
+                                  + [torch.arange(pad).expand(3, 1, pad)], dim=2),
+        "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
+        "pixel_values": samples[0].pixel_values,
+        "image_grid_thw": samples[0].image_grid_thw,
+    }
+    with torch.no_grad():
+        output, loss_func = make_forward_step(torch.device("cpu"))(iter([batch]), model)
+        loss_sum, num_tokens, _ = loss_func(output)
+    assert int(num_tokens) == sum(hf_counts)
+    assert (output[batch["loss_mask"] == 0] == 0).all()  # the head ran on answer tokens only
+    reference = sum(hf_sums) / sum(hf_counts)
+    assert abs(float(loss_sum) / int(num_tokens) - reference) <= TOLERANCE, (float(loss_sum) / int(num_tokens), reference)
 
 
 def test_tied_model_has_no_separate_output_weight(megatron_world_of_one):

@@ -13,12 +13,14 @@ from loongforge.profile.recorder import StepRecorder
 from loongforge.profile.timers import GradSyncClock
 
 LAYOUT = SimpleNamespace(dp_rank=0, tp_rank=0, pp_rank=0)
+GRAD_SYNC_S = 0.015  # how long the stand-in gradient sync takes
 
 
 def _setup(steps_warmup=1):
     cfg = load_run_config("qwen2.5vl-tiny", overrides=["data.seq_len=256"])
     grad_syncs = []
-    config = SimpleNamespace(timers=None, finalize_model_grads_func=lambda *a, **k: grad_syncs.append(1))
+    config = SimpleNamespace(timers=None, finalize_model_grads_func=lambda *a, **k: (
+        grad_syncs.append(1), time.sleep(GRAD_SYNC_S)))
     recorder = StepRecorder(model_cfg=cfg.model, rank=3, layout=LAYOUT, warmup_steps=steps_warmup)
     recorder.attach(config, torch.device("cpu"), GradSyncClock(config, torch.device("cpu")))
     return cfg, config, recorder, grad_syncs
@@ -73,5 +75,6 @@ def test_one_f_one_b_order_pairs_each_interval_with_its_micro_batch():
         assert r["rank"] == 3 and r["features"]["N"] == len(r["samples"])
     for r in steps:
         assert r["fwd_bwd_s"] >= sum(forward) + sum(backward) and r["step_s"] >= r["fwd_bwd_s"]
-        assert r["grad_sync_s"] >= 0 and r["num_micro_batches"] == 3
+        assert GRAD_SYNC_S - 0.001 <= r["grad_sync_s"] < GRAD_SYNC_S + 0.019, r["grad_sync_s"]
+        assert r["num_micro_batches"] == 3
     assert len(grad_syncs) == 2
