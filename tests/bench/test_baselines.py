@@ -3,7 +3,7 @@
 import numpy as np
 import pytest
 
-from loongforge.balance.baselines import (
+from loongforge.bench.baselines import (
     _reference_refine,
     karmarkar_karp_equal,
     next_fit_packs,
