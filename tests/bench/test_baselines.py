@@ -3,6 +3,7 @@
 import numpy as np
 import pytest
 
+from loongforge.balance.planner import PlanError
 from loongforge.bench.baselines import (
     _reference_refine,
     karmarkar_karp_equal,
@@ -12,7 +13,6 @@ from loongforge.bench.baselines import (
     plan_token,
     reference_skip_rule,
 )
-from loongforge.balance.planner import PlanError
 
 
 def _all_once(plan, n):

@@ -1,9 +1,11 @@
 """bench pack: its lengths are the ones `pack` measures, and its rows are consistent."""
 
 import numpy as np
+from typer.testing import CliRunner
 
 from loongforge.bench.datasets import COCO_CAPTIONS, coco_chats
 from loongforge.bench.pack import BENCH_ALGORITHMS, fill_rows, format_fill_table, mixed_lengths
+from loongforge.cli.app import app
 from tests.shared_data import SHARED_DATA
 
 
@@ -25,3 +27,12 @@ def test_mixed_set_interleaves_every_sample_once():
     mixed = mixed_lengths(lengths)
     assert sorted(mixed.tolist()) == list(range(12)) and mixed.tolist() != list(range(12))
     assert np.array_equal(mixed, mixed_lengths(lengths))  # a fixed order
+
+
+def test_cli_needs_a_data_root(monkeypatch, tmp_path):
+    monkeypatch.delenv("LOONGFORGE_SHARED_DATA", raising=False)
+    result = CliRunner().invoke(app, ["bench", "pack"])
+    assert result.exit_code == 2
+    assert "--data-root is not given" in result.output and len(result.output.strip().splitlines()) == 1
+    result = CliRunner().invoke(app, ["bench", "pack", "--data-root", str(tmp_path)])
+    assert result.exit_code == 2 and f"--data-root {tmp_path}: no coco2017" in result.output
