@@ -200,8 +200,8 @@ install_wheels() {
   "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
     "$WHEELS"/*.whl || return 1
   export PYTHONPATH="/tmp/site${PYTHONPATH:+:$PYTHONPATH}" PATH="/tmp/site/bin:$PATH"
-  # The wheel carries the code, not the repository's presets folder.
-  export LOONGFORGE_PRESETS="$REPO/presets"
+  # Wheels built before the presets became package data lack them: use this checkout's.
+  export LOONGFORGE_PRESETS="$REPO/loongforge/presets"
   [ -d "$WHEELS/shared_data" ] && export LOONGFORGE_SHARED_DATA="$WHEELS/shared_data"
   return 0
 }

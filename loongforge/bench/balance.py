@@ -2,38 +2,38 @@
 
 Pipeline: read a pool of samples (tokens L and image patches P of each), price them with a cost model
 (a COST.json from ``fit-cost`` or the documented qwen2.5vl-7b H100 default), simulate steps at each
-(DP, micro-batches) with ``loongforge.balance.simulate``, and report one row per strategy.
+(DP, micro-batches) with ``loongforge.bench.simulate``, and report one row per strategy.
 
 Inputs ``--data`` understands (each file or folder; all of them form one pool):
 - a packed folder (``manifest.jsonl`` from ``loongforge pack``: lines ``{"samples": [{"tokens": L,
   "patches": [P, ...]}, ...]}``);
 - OmniBal cost CSVs (``vit_num,token_num,...``): ``token_num`` is L; each of the ``vit_num`` InternVL
   tiles is one 448x448 image = 32x32 = 1024 patches of 14 px before merging;
-- MathVista ``testmini.json`` and COCO ``captions_*.json`` (image sizes from their metadata; text
-  tokenized with the preset's chat template; images sized by the preset's resize rules), and
-  arena-hard model-answer JSONL (text only; its answers are ``{"answer": ...}`` objects);
-- conversation files (JSON/JSONL/parquet), measured exactly as ``pack`` measures them
-  (``loongforge.data.measure.SampleMeasurer``; media sizes read from file headers).
+- the benchmark sets ``loongforge.bench.datasets`` reads: MathVista ``testmini.json``, COCO
+  ``captions_*.json``, arena-hard model-answer JSONL, alpaca JSON (image sizes from their metadata);
+- conversation files (JSON/JSONL/parquet; media sizes read from file headers).
+Every chat and conversation is sized as ``pack`` measures it (``bench.datasets.SampleSizer``).
 Samples longer than ``seq_len`` are dropped and counted, as packing drops them.
 """
 
 from __future__ import annotations
 
-import csv
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable, Optional, Sequence
+from typing import Callable, Optional, Sequence, Union
 
 import numpy as np
 
 from loongforge.balance.cost_model import CostModel, default_cost_model
-from loongforge.balance.simulate import STRATEGY_NAMES, simulate
+from loongforge.bench.datasets import SampleSize, SampleSizer, chat_reader, is_omnibal_csv, omnibal_sizes
+from loongforge.bench.simulate import STRATEGY_NAMES, simulate
 from loongforge.config.errors import InputError
+from loongforge.data.conversations import FileSamples
+from loongforge.data.samples import Reject
 
 DEFAULT_DP_SIZES = (8, 32, 128, 256, 512, 1024)
 DEFAULT_MICRO_BATCHES = (1, 4)
-INTERNVL_TILE_PATCHES = (448 // 14) ** 2  # 1024 patches per 448x448 tile
 MANIFEST_NAME = "manifest.jsonl"
 
 
@@ -83,141 +83,19 @@ def _read_manifest(folder: Path, pool: SamplePool, seq_len: int) -> None:
                                  '{"samples": [{"tokens": L, "patches": [P, ...]}, ...]}') from None
 
 
-def _read_omnibal_csv(path: Path, pool: SamplePool, seq_len: int) -> None:
-    with open(path, newline="", encoding="utf-8") as f:
-        for row in csv.DictReader(f):
-            tiles = int(row["vit_num"])
-            pool.add(int(row["token_num"]), (INTERNVL_TILE_PATCHES,) * tiles, seq_len)
-
-
-def _is_omnibal_csv(path: Path) -> bool:
-    if path.suffix != ".csv":
-        return False
-    with open(path, encoding="utf-8") as f:
-        header = f.readline().strip().split(",")
-    return "vit_num" in header and "token_num" in header
-
-
-class _ChatSizer:
-    """Token counts of image + text chats from image sizes alone (no pixels read)."""
-
-    def __init__(self, preset: str, seq_len: int):
-        from loongforge.config.loader import load_run_config
-        from loongforge.data.measure import vision_sizing
-        from loongforge.data.tokenizer import load_tokenizer
-
-        cfg = load_run_config(preset, overrides=[f"data.seq_len={seq_len}"])
-        self.sizing = vision_sizing(cfg.data, cfg.model)
-        self.system_prompt = cfg.data.system_prompt or None
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-
-    def add_all(self, chats: list[tuple], pool: SamplePool, seq_len: int) -> None:
-        """chats: (question, answer, image width, image height), one image each, or
-        (question, answer, None, None) for text only."""
-        from loongforge.data.template import Turn, render_chat
-        from loongforge.data.vision import image_grid_thw, num_llm_tokens
-
-        texts = [render_chat([Turn("user", ("<image>" if w else "") + q), Turn("assistant", a)],
-                             self.system_prompt).text for q, a, w, _ in chats]
-        lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
-        # Loss tokens: the answer and its <|im_end|>, as the chat template marks them.
-        answers = [len(ids) + 1 for ids in self.tokenizer([a for _, a, _, _ in chats],
-                                                          add_special_tokens=False)["input_ids"]]
-        for (_, _, width, height), length, answer in zip(chats, lengths, answers):
-            if not width:
-                pool.add(length, (), seq_len, answer)
-                continue
-            try:
-                grid = image_grid_thw(width, height, self.sizing)
-            except ValueError:
-                pool.rejected += 1
-                continue
-            # One <|image_pad|> in the text becomes one token per merged 2x2 patch group.
-            tokens = length - 1 + num_llm_tokens(grid, self.sizing.merge_size)
-            pool.add(tokens, (grid[0] * grid[1] * grid[2],), seq_len, answer)
-
-
-def _mathvista_chats(data: dict) -> list[tuple[str, str, int, int]]:
-    chats = []
-    for record in data.values():
-        meta = record["metadata"]
-        if isinstance(meta, str):  # stored as a Python dict literal
-            import ast
-            meta = ast.literal_eval(meta)
-        chats.append((str(record["question"]), str(record.get("answer", "")),
-                      int(meta["img_width"]), int(meta["img_height"])))
-    return chats
-
-
-def _coco_chats(data: dict) -> list[tuple[str, str, int, int]]:
-    sizes = {image["id"]: (image["width"], image["height"]) for image in data["images"]}
-    return [("Describe this image.", a["caption"], *sizes[a["image_id"]]) for a in data["annotations"]]
-
-
-def _arena_hard_chats(path: Path) -> Optional[list[tuple]]:
-    """arena-hard model-answer JSONL (assistant content is {"answer": ...}): text-only chats."""
-    if path.suffix != ".jsonl":
-        return None
-    with open(path, encoding="utf-8") as f:
-        first = json.loads(f.readline() or "{}")
-    messages = first.get("messages") if isinstance(first, dict) else None
-    if not (isinstance(messages, list) and any(isinstance(m.get("content"), dict) for m in messages)):
-        return None
-    chats = []
-    with open(path, encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                turns = json.loads(line)["messages"]
-                text = [m["content"]["answer"] if isinstance(m["content"], dict) else m["content"]
-                        for m in turns]
-                chats.append((text[0], "\n".join(text[1:]), None, None))
-    return chats
-
-
-def _sized_chats(path: Path) -> Optional[list[tuple[str, str, int, int]]]:
-    """MathVista / COCO caption files: chats with image sizes; None for anything else."""
-    if path.suffix != ".json":
-        return None
-    text = path.read_text(encoding="utf-8", errors="replace")
-    if not text.lstrip().startswith("{"):  # conversation files are arrays (or JSON lines)
-        return None
-    try:
-        data = json.loads(text)
-    except json.JSONDecodeError:  # JSON lines saved as .json
-        return None
-    if isinstance(data, dict) and "images" in data and "annotations" in data:
-        return _coco_chats(data)
-    if isinstance(data, dict) and all(isinstance(v, dict) and "metadata" in v for v in data.values()):
-        return _mathvista_chats(data)
-    return None
-
-
-def _read_conversations(paths: list[Path], pool: SamplePool, preset: str, seq_len: int) -> None:
-    from loongforge.config.loader import load_run_config
-    from loongforge.data.conversations import FileSamples
-    from loongforge.data.measure import MeasuredSample, SampleMeasurer
-    from loongforge.data.samples import Reject
-    from loongforge.data.tokenizer import load_tokenizer
-
-    # Measure without the seq_len reject so too-long samples are counted like the other readers.
-    cfg = load_run_config(preset, overrides=["data.seq_len=10000000"])
-    measurer = SampleMeasurer(load_tokenizer(cfg.data.tokenizer), cfg.data, cfg.model)
-    source = FileSamples([str(p) for p in paths])
-    for index in range(len(source)):
-        sample = source.get(index)
-        measured = sample if isinstance(sample, Reject) else measurer.measure(sample)
-        if not isinstance(measured, MeasuredSample):
+def _add_sizes(sizes: Sequence[Union[SampleSize, Reject]], pool: SamplePool, seq_len: int) -> None:
+    for size in sizes:
+        if isinstance(size, SampleSize):
+            pool.add(size.tokens, size.patches, seq_len, size.loss_tokens)
+        else:
             pool.rejected += 1
-            continue
-        grids = list(measured.image_grids) + [plan.grid_thw for plan in measured.video_plans]
-        pool.add(measured.length, [t * h * w for t, h, w in grids], seq_len, measured.loss_tokens)
 
 
 def load_pool(paths: Sequence[str | Path], *, preset: str, seq_len: int) -> SamplePool:
     """Read every ``--data`` entry into one pool; raises InputError for what it cannot read."""
     pool = SamplePool()
     conversation_files: list[Path] = []
-    sizer: Optional[_ChatSizer] = None
+    sizer: Optional[SampleSizer] = None
     for entry in paths:
         path = Path(entry)
         before = len(pool.tokens)
@@ -227,22 +105,24 @@ def load_pool(paths: Sequence[str | Path], *, preset: str, seq_len: int) -> Samp
             conversation_files.append(path)
         elif not path.is_file():
             raise InputError(f"--data {entry}: no such file or folder")
-        elif _is_omnibal_csv(path):
-            _read_omnibal_csv(path, pool, seq_len)
+        elif is_omnibal_csv(path):
+            _add_sizes(omnibal_sizes(path), pool, seq_len)
         elif path.suffix == ".csv":
             raise InputError(f"--data {entry}: a CSV needs the OmniBal columns vit_num,token_num")
-        elif (chats := _sized_chats(path) or _arena_hard_chats(path)) is not None:
-            sizer = sizer or _ChatSizer(preset, seq_len)
-            sizer.add_all(chats, pool, seq_len)
+        elif (reader := chat_reader(path)) is not None:
+            sizer = sizer or SampleSizer(preset)
+            _add_sizes(sizer.size_chats(reader(path), str(path)), pool, seq_len)
         else:
             conversation_files.append(path)
         pool.sources[str(path)] = len(pool.tokens) - before
     if conversation_files:
         before = len(pool.tokens)
         try:
-            _read_conversations(conversation_files, pool, preset, seq_len)
+            source = FileSamples([str(p) for p in conversation_files])
         except FileNotFoundError as exc:
             raise InputError(f"--data: {exc}") from None
+        sizer = sizer or SampleSizer(preset)
+        _add_sizes([sizer.size(source.get(index)) for index in range(len(source))], pool, seq_len)
         for path in conversation_files:
             pool.sources[str(path)] = None  # counted together below
         pool.sources["conversation files"] = len(pool.tokens) - before

@@ -25,6 +25,8 @@ segment; MFU = FLOPs / step time / peak.
 
 from __future__ import annotations
 
+import gc
+import platform
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Optional
@@ -259,8 +261,6 @@ def build_transformers_model(cfg: RunConfig, device: torch.device):
 
 
 def _release(device: torch.device) -> None:
-    import gc
-
     gc.collect()
     if device.type == "cuda":
         torch.cuda.empty_cache()
@@ -301,8 +301,6 @@ def peak_tflops_for(device: torch.device, dtype: str, explicit: Optional[float])
 
 
 def environment(device: torch.device) -> dict:
-    import platform
-
     return {"device": torch.cuda.get_device_name(device) if device.type == "cuda" else
             (platform.processor() or platform.machine()), "device_type": device.type,
             "torch_threads": torch.get_num_threads(), "versions": library_versions()}

@@ -1,8 +1,8 @@
 """``loongforge bench pack``: fill ratio of the packing algorithms on real data, plan and scan speed.
 
-Sets (from the shared data folder; every sample's LLM length is exact: the chat is rendered and
-tokenized as ``pack`` does, and each image adds the tokens the preset's resize rules give for its
-recorded width x height, so no image file is needed):
+Sets (read under ``--data-root`` by ``loongforge.bench.datasets``; every sample's LLM length is
+exact, sized by its ``SampleSizer`` as ``pack`` measures it, each image from its recorded
+width x height, so no image file is needed):
 
 - ``coco``: COCO val2017 captions, one "describe" chat per caption, image sizes from the json;
 - ``mathvista``: MathVista testmini question (+ choices) -> answer, image sizes from its metadata;
@@ -16,33 +16,47 @@ could reach, tokens / (ceil(tokens / seq_len) x seq_len).
 
 Plan speed: the plan stage's algorithms on 1,000,000 lengths drawn from the mixed set. Scan speed:
 the real scan stage (read, tokenize, read image headers) on COCO chats that point at the 50 COCO
-images in the shared folder, with 1 and 2 worker processes.
+images under the data root, with 1 and 2 worker processes.
 """
 
 from __future__ import annotations
 
 import json
+import resource
 import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 import numpy as np
 
+from loongforge.bench.datasets import (
+    ALPACA,
+    ARENA_HARD,
+    COCO_CAPTIONS,
+    COCO_IMAGES,
+    MATHVISTA,
+    Chat,
+    SampleSizer,
+    alpaca_chats,
+    arena_hard_chats,
+    coco_chats,
+    mathvista_chats,
+)
+from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
+from loongforge.data.conversations import FileSamples
+from loongforge.data.samples import Reject
+from loongforge.pack import workers
 from loongforge.pack.algorithms import ALGORITHMS, BASELINES, fill_ratio, plan_packs, quadratic_costs
+from loongforge.pack.scan import run_scan
 
 SEQ_LENS = (8192, 32768)
 BENCH_ALGORITHMS = ALGORITHMS + BASELINES
 SETS = ("coco", "mathvista", "arena_hard", "alpaca", "mixed")
-DESCRIBE_PROMPT = "<image>Describe this image in one sentence."
-
-
-@dataclass
-class Chat:
-    question: str  # with one <image> per entry of ``image_sizes``
-    answer: str
-    image_sizes: list[tuple[int, int]] = field(default_factory=list)  # (width, height)
+# What the benchmark reads under the data root.
+REQUIRED = (COCO_CAPTIONS, COCO_IMAGES, MATHVISTA, ARENA_HARD, ALPACA)
 
 
 @dataclass
@@ -58,88 +72,26 @@ class PackBench:
 # ---------------------------------------------------------------- the real sets
 
 
-def coco_chats(root: Path) -> list[Chat]:
-    data = json.loads((root / "coco2017" / "captions_val2017.json").read_text())
-    sizes = {image["id"]: (image["width"], image["height"]) for image in data["images"]}
-    return [Chat(DESCRIBE_PROMPT, a["caption"].strip(), [sizes[a["image_id"]]]) for a in data["annotations"]]
-
-
-def mathvista_chats(root: Path) -> list[Chat]:
-    data = json.loads((root / "mathvista" / "testmini.json").read_text())
-    chats = []
-    for key in sorted(data, key=int):
-        item = data[key]
-        question = "<image>" + item["question"]
-        if item.get("choices"):
-            question += "\nChoices: " + "; ".join(str(c) for c in item["choices"])
-        meta = item["metadata"]
-        chats.append(Chat(question, str(item["answer"]), [(meta["img_width"], meta["img_height"])]))
-    return chats
-
-
-def arena_hard_chats(root: Path) -> list[Chat]:
-    folder = root / "arena_hard"
-    prompts = {}
-    for line in _jsonl_lines(folder / "v2.0_question.jsonl"):
-        record = json.loads(line)
-        prompts[record["uid"]] = record["prompt"]
-    chats = []
-    for line in _jsonl_lines(folder / "v2.0_model_answer_o3-mini-2025-01-31.jsonl"):
-        record = json.loads(line)
-        answer = record["messages"][-1]["content"]
-        answer = answer.get("answer", "") if isinstance(answer, dict) else str(answer)
-        chats.append(Chat(prompts.get(record["uid"], record["messages"][0]["content"]), answer))
-    return chats
-
-
-def _jsonl_lines(path: Path) -> list[str]:
-    # Split on "\n" only: str.splitlines also splits at U+2028 inside JSON strings.
-    return [line for line in path.read_text(encoding="utf-8").split("\n") if line.strip()]
-
-
-def alpaca_chats(root: Path) -> list[Chat]:
-    data = json.loads((root / "llamafactory" / "alpaca_en_demo.json").read_text())
-    return [Chat("\n".join(p for p in (r["instruction"], r.get("input", "")) if p), r["output"]) for r in data]
-
-
 def load_sets(root: Path) -> dict[str, list[Chat]]:
-    sets = {"coco": coco_chats(root), "mathvista": mathvista_chats(root), "arena_hard": arena_hard_chats(root),
-            "alpaca": alpaca_chats(root)}
-    everything = [chat for name in ("coco", "mathvista", "arena_hard", "alpaca") for chat in sets[name]]
-    order = np.random.default_rng(0).permutation(len(everything))
-    sets["mixed"] = [everything[i] for i in order]
-    return sets
+    """The real sets (all of ``SETS`` but ``mixed``, which ``mixed_lengths`` makes from them)."""
+    return {"coco": coco_chats(root / COCO_CAPTIONS), "mathvista": mathvista_chats(root / MATHVISTA),
+            "arena_hard": arena_hard_chats(root / ARENA_HARD), "alpaca": alpaca_chats(root / ALPACA)}
 
 
-# ---------------------------------------------------------------- exact lengths
+def mixed_lengths(lengths: dict[str, np.ndarray]) -> np.ndarray:
+    """Every set's samples, interleaved in a fixed random order."""
+    everything = np.concatenate([lengths[name] for name in SETS[:-1]])
+    return everything[np.random.default_rng(0).permutation(len(everything))]
 
 
-class ChatLengths:
-    """LLM tokens of chats as ``SampleMeasurer`` counts them, from image sizes instead of files."""
-
-    def __init__(self, preset: str):
-        from loongforge.config.loader import load_run_config
-        from loongforge.data.measure import vision_sizing
-        from loongforge.data.tokenizer import load_tokenizer
-
-        cfg = load_run_config(preset)
-        self.tokenizer = load_tokenizer(cfg.data.tokenizer)
-        self.sizing = vision_sizing(cfg.data, cfg.model)
-        self.system_prompt = cfg.data.system_prompt or None
-
-    def __call__(self, chats: list[Chat]) -> np.ndarray:
-        from loongforge.data.template import Turn, render_chat
-        from loongforge.data.vision import image_grid_thw, num_llm_tokens
-
-        texts = [render_chat([Turn("user", c.question), Turn("assistant", c.answer)], self.system_prompt).text
-                 for c in chats]
-        ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
-        lengths = np.empty(len(chats), dtype=np.int64)
-        for k, (chat, tokens) in enumerate(zip(chats, ids)):
-            image_tokens = sum(num_llm_tokens(image_grid_thw(w, h, self.sizing), self.sizing.merge_size)
-                               for w, h in chat.image_sizes)
-            lengths[k] = len(tokens) - len(chat.image_sizes) + image_tokens  # one pad each -> its tokens
-        return lengths
+def chat_lengths(sizer: SampleSizer, chats: list[Chat], name: str) -> np.ndarray:
+    """LLM tokens of each chat as ``pack`` measures them; InputError if one would be rejected."""
+    lengths = np.empty(len(chats), dtype=np.int64)
+    for k, size in enumerate(sizer.size_chats(chats, name)):
+        if isinstance(size, Reject):
+            raise InputError(f"{name} sample {k}: {size.reason} ({size.detail})")
+        lengths[k] = size.tokens
+    return lengths
 
 
 # ---------------------------------------------------------------- the benchmark
@@ -177,13 +129,8 @@ def plan_speed_rows(pool: np.ndarray, num_samples: int, seq_len: int = 8192) -> 
 
 def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tuple[int, ...]) -> list[dict]:
     """The scan stage proper (FileSamples already read, tokenizer already loaded) on real JPEGs."""
-    from loongforge.config.loader import load_run_config
-    from loongforge.data.conversations import FileSamples
-    from loongforge.pack import workers
-    from loongforge.pack.scan import run_scan
-
-    images = sorted((root / "coco2017" / "val2017").glob("*.jpg"))
-    captions = coco_chats(root)
+    images = sorted((root / COCO_IMAGES).glob("*.jpg"))
+    captions = coco_chats(root / COCO_CAPTIONS)
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
         data = Path(tmp) / "coco_chats.jsonl"
@@ -213,8 +160,6 @@ def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tu
 def _cpu_seconds() -> float:
     """CPU time of this process and its finished children (scan workers): on a shared machine
     wall time says more about the neighbours than about the code."""
-    import resource
-
     own, children = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
     return own.ru_utime + own.ru_stime + children.ru_utime + children.ru_stime
 
@@ -224,10 +169,11 @@ def run_pack_bench(root: Path, *, preset: str, seq_lens: tuple[int, ...] = SEQ_L
                    scan_workers: tuple[int, ...] = (1, 2),
                    on_progress: Optional[Callable[[str], None]] = None) -> PackBench:
     say = on_progress or (lambda message: None)
-    say("reading and tokenizing the sets")
+    say("reading and sizing the sets")
     chats = load_sets(root)
-    measure = ChatLengths(preset)
-    lengths = {name: measure(chats[name]) for name in SETS}
+    sizer = SampleSizer(preset)
+    lengths = {name: chat_lengths(sizer, chats[name], name) for name in SETS[:-1]}
+    lengths["mixed"] = mixed_lengths(lengths)
     rows = []
     for seq_len in seq_lens:
         for name in SETS:
@@ -237,7 +183,7 @@ def run_pack_bench(root: Path, *, preset: str, seq_lens: tuple[int, ...] = SEQ_L
     plan_rows = plan_speed_rows(lengths["mixed"], plan_samples)
     say(f"scanning {scan_samples} COCO chats")
     scan_rows = scan_speed_rows(root, preset, scan_samples, scan_workers)
-    return PackBench(preset=preset, set_sizes={k: len(v) for k, v in chats.items()}, lengths=lengths, rows=rows,
+    return PackBench(preset=preset, set_sizes={k: len(v) for k, v in lengths.items()}, lengths=lengths, rows=rows,
                      plan_rows=plan_rows, scan_rows=scan_rows)
 
 

@@ -22,14 +22,24 @@ two runs that they include.
 
 from __future__ import annotations
 
+import json
 from dataclasses import asdict, dataclass
 from pathlib import Path
+from typing import Callable, Optional, Sequence
 
 import numpy as np
 
 from loongforge.balance.cost_model import CostModel
 from loongforge.balance.fit import record_features
-from loongforge.profile.profile_file import Profile
+from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
+from loongforge.config.overrides import Override
+from loongforge.config.presets import DEFAULT_PRESET
+from loongforge.parallel import launch_env
+from loongforge.profile.profile_file import Profile, read_profile
+from loongforge.calibrate.profile_run import profile_overrides, run_profile
+
+ORDERS = ("off-on", "on-off")
 
 
 @dataclass
@@ -172,7 +182,48 @@ def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: Tra
 
 def bench_overrides(*, balanced: bool, cost: Path) -> list:
     """The two runs differ in these settings only (values, so the path is not reparsed as YAML)."""
-    from loongforge.config.overrides import Override
-
     values = {("balance", "enabled"): balanced, ("balance", "cost_model"): str(cost) if balanced else None}
     return [Override(f"bench:{'.'.join(key)}", key, delete=False, value=value) for key, value in values.items()]
+
+
+def run_train_bench(out: Path, *, cost: Path, preset: Optional[str] = None, config_file: Optional[Path] = None,
+                    data: Sequence[str] = (), overrides: Sequence = (), steps: int = 12, warmup_steps: int = 2,
+                    nproc_per_node: Optional[int] = None, order: str = "off-on", report_only: bool = False,
+                    command_line: Sequence[str] = (),
+                    progress: Optional[Callable[[str], None]] = None) -> tuple[TrainBenchResult, str]:
+    """Train (or, with ``report_only``, reread) the off and on runs into ``out``; write train.md,
+    train.json and train.png there. Returns the result and the report's text."""
+    if order not in ORDERS:
+        raise ValueError(f"order {order!r} is not one of {' | '.join(ORDERS)}")
+    if warmup_steps >= steps:
+        raise ValueError(f"{warmup_steps} warm-up steps leave no measured step of {steps}")
+    try:
+        model = CostModel.load(cost)
+    except ValueError as exc:
+        raise InputError(f"--cost: {exc}") from None
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    world = launch_env.resolve_world_size(nproc_per_node) or 1
+    sequence = (("off", False), ("on", True))
+    runs: dict[str, Profile] = {}
+    for name, balanced in (sequence if order == "off-on" else sequence[::-1]):
+        output = out / f"{name}.jsonl"
+        if report_only:
+            if not output.is_file():
+                raise InputError(f"--report-only: no {output}; run without --report-only first")
+        else:
+            cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config_file, world_size=world, overrides=[
+                *overrides, *profile_overrides(list(data), output, steps),
+                *bench_overrides(balanced=balanced, cost=cost.resolve())])
+            if progress is not None:
+                progress(f"training {steps} steps with balance.enabled={str(balanced).lower()}")
+            run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=False, warmup_steps=warmup_steps,
+                        command_line=list(command_line))
+        runs[name] = read_profile([output])
+    result = compare_runs(measure_run("off", runs["off"], model), measure_run("on", runs["on"], model))
+    report = format_report(result)
+    plot_runs(out / "train.png", runs["off"], runs["on"], result)
+    (out / "train.json").write_text(json.dumps({**result.to_dict(), "order": order}, indent=2) + "\n")
+    (out / "train.md").write_text(f"```\n{' '.join(command_line)}\n```\n\n{report}\n\n"
+                                  "![per-rank compute](train.png)\n")
+    return result, report

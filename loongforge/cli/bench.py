@@ -13,6 +13,8 @@ from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetO
 
 # The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
 BALANCE_PRESET = "qwen2.5vl-7b"
+# Reports go under an ignored folder of the working directory, one subfolder per bench.
+DEFAULT_OUT = Path("outputs") / "bench"
 
 app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing, model step throughput.", no_args_is_help=True,
                   add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
@@ -53,7 +55,7 @@ def balance(
     seed: Annotated[int, typer.Option("--seed", help="Seed of the sample draws.")] = 0,
     out: Annotated[Optional[Path], typer.Option(
         "--out", metavar="DIR", show_default=False,
-        help="Write balance.md (table + settings) and gain_vs_dp.png here. Default: bench_balance/.")] = None,
+        help="Write balance.md (table + settings) and gain_vs_dp.png here. Default: outputs/bench/balance/.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object {rows: [...]} only.")] = False,
 ) -> None:
     """Simulate DP load balancing on real sample costs: none / token / reference / loongforge."""
@@ -78,7 +80,7 @@ def balance(
         table, about = format_table(bench.rows), describe_bench(bench)
         typer.echo(table)
         typer.echo(about)
-        out = out or Path("bench_balance")
+        out = out or DEFAULT_OUT / "balance"
         out.mkdir(parents=True, exist_ok=True)
         plot_gain(bench.rows, out / "gain_vs_dp.png")
         (out / "balance.md").write_text(f"{table}\n\n```\n{about}\n```\n")
@@ -90,7 +92,7 @@ def pack(
     data_root: Annotated[Optional[Path], typer.Option(
         "--data-root", metavar="DIR", show_default=False,
         help="The shared data folder (coco2017/, mathvista/, arena_hard/, llamafactory/). "
-             "Default: ../shared/data beside the repository, or $LOONGFORGE_SHARED_DATA.")] = None,
+             "Default: $LOONGFORGE_SHARED_DATA.")] = None,
     preset: Annotated[str, typer.Option(
         "--preset", "-p", metavar="NAME", help="Preset whose tokenizer and image rules size the samples.")]
         = "qwen2.5vl-7b",
@@ -104,25 +106,20 @@ def pack(
         = "1,2",
     out: Annotated[Optional[Path], typer.Option(
         "--out", metavar="DIR", show_default=False,
-        help="Write pack.md (tables) and pack.png (fill ratios, length histogram) here. Default: bench_pack/.")]
+        help="Write pack.md (tables) and pack.png (fill ratios, length histogram) here. Default: outputs/bench/pack/.")]
         = None,
 ) -> None:
     """Fill ratio of bfd/ffd/balanced vs first-fit and greedy knapsack on real sets; plan and scan speed."""
-    import os
-
-    from loongforge.bench.pack import plot, report, run_pack_bench
-    from loongforge.config.errors import InputError
+    from loongforge.bench.datasets import resolve_data_root
+    from loongforge.bench.pack import REQUIRED, plot, report, run_pack_bench
 
     with cli_errors():
-        root = data_root or Path(os.environ.get("LOONGFORGE_SHARED_DATA",
-                                                Path(__file__).resolve().parents[2].parent / "shared" / "data"))
-        if not (root / "coco2017" / "captions_val2017.json").exists():
-            raise InputError(f"--data-root {root}: no coco2017/captions_val2017.json; point it at the shared data")
+        root = resolve_data_root(data_root, REQUIRED)
         bench = run_pack_bench(root, preset=preset, seq_lens=tuple(_int_list(seq_len, "--seq-len")),
                                plan_samples=plan_samples, scan_samples=scan_samples,
                                scan_workers=tuple(_int_list(workers, "--workers")),
                                on_progress=lambda message: typer.echo(f"... {message}", err=True))
-        out = out or Path("bench_pack")
+        out = out or DEFAULT_OUT / "pack"
         out.mkdir(parents=True, exist_ok=True)
         plot(bench, out / "pack.png")
         text = report(bench, "pack.png")
@@ -146,9 +143,10 @@ def train(
     warmup_steps: Annotated[int, typer.Option(
         "--warmup-steps", min=0, metavar="N", help="First steps of each run left out of the figures.")] = 2,
     nproc_per_node: NprocPerNodeOption = None,
-    out: Annotated[Path, typer.Option(
-        "--out", metavar="DIR", help="Write train.md, train.json, train.png and both profiles here.")]
-        = Path("bench_train"),
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write train.md, train.json, train.png and both profiles here. Default: outputs/bench/train/.")]
+        = None,
     order: Annotated[str, typer.Option(
         "--order", metavar="off-on|on-off",
         help="Which run goes first. A machine that speeds up or slows down over time favours one "
@@ -160,15 +158,8 @@ def train(
     """Train the same steps with balancing off and on; measured step time and wait vs the prediction."""
     import sys
 
-    from loongforge.balance.cost_model import CostModel
-    from loongforge.bench.train import bench_overrides, compare_runs, format_report, measure_run, plot_runs
-    from loongforge.calibrate.profile_run import profile_overrides, run_profile
+    from loongforge.bench.train import ORDERS, run_train_bench
     from loongforge.cli.profile import split_inputs
-    from loongforge.config.errors import InputError
-    from loongforge.config.loader import load_run_config
-    from loongforge.config.presets import DEFAULT_PRESET
-    from loongforge.profile.profile_file import read_profile
-    from loongforge.parallel import launch_env
 
     with cli_errors():
         if cost is None:
@@ -176,37 +167,14 @@ def train(
                              "(`loongforge fit-cost`) this model on this machine first")
         if warmup_steps >= steps:
             raise UsageError(f"--warmup-steps {warmup_steps} leaves no measured step of --steps {steps}")
-        try:
-            model = CostModel.load(cost)
-        except ValueError as exc:
-            raise InputError(f"--cost: {exc}") from None
+        if order not in ORDERS:
+            raise UsageError(f"--order {order!r} is not one of {' | '.join(ORDERS)}")
         data, overrides = split_inputs(inputs or [])
-        out = out.resolve()
-        out.mkdir(parents=True, exist_ok=True)
-        world = launch_env.resolve_world_size(nproc_per_node) or 1
-        if order not in ("off-on", "on-off"):
-            raise UsageError(f"--order {order!r} is not one of off-on | on-off")
-        runs = {}
-        sequence = (("off", False), ("on", True))
-        for name, balanced in (sequence if order == "off-on" else sequence[::-1]):
-            output = out / f"{name}.jsonl"
-            if report_only:
-                if not output.is_file():
-                    raise InputError(f"--report-only: no {output}; run without --report-only first")
-                runs[name] = read_profile([output])
-                continue
-            cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config, world_size=world, overrides=[
-                *overrides, *profile_overrides(data, output, steps),
-                *bench_overrides(balanced=balanced, cost=cost.resolve())])
-            typer.echo(f"... training {steps} steps with balance.enabled={str(balanced).lower()}", err=True)
-            run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=False, warmup_steps=warmup_steps,
-                        command_line=list(sys.argv))
-            runs[name] = read_profile([output])
-        result = compare_runs(measure_run("off", runs["off"], model), measure_run("on", runs["on"], model))
-        report = format_report(result)
-        plot_runs(out / "train.png", runs["off"], runs["on"], result)
-        (out / "train.json").write_text(json.dumps({**result.to_dict(), "order": order}, indent=2) + "\n")
-        (out / "train.md").write_text(f"```\n{' '.join(sys.argv)}\n```\n\n{report}\n\n![per-rank compute](train.png)\n")
+        out = out or DEFAULT_OUT / "train"
+        _, report = run_train_bench(
+            out, cost=cost, preset=preset, config_file=config, data=data, overrides=overrides, steps=steps,
+            warmup_steps=warmup_steps, nproc_per_node=nproc_per_node, order=order, report_only=report_only,
+            command_line=sys.argv, progress=lambda message: typer.echo(f"... {message}", err=True))
         typer.echo(report)
         typer.echo(f"wrote {out / 'train.md'}, {out / 'train.json'} and {out / 'train.png'}")
 

@@ -1,6 +1,6 @@
 """Finding presets and composing them from component files.
 
-A preset is a top-level ``presets/<name>.yaml``. Any config file (preset, component or a user's
+A preset is a ``loongforge/presets/<name>.yaml`` (package data, so an installed wheel has them). Any config file (preset, component or a user's
 ``--config``) may start with two meta keys that are not part of the run config:
 
 * ``components``: files it builds on, as paths relative to the presets folder, merged in order;
@@ -9,7 +9,7 @@ A preset is a top-level ``presets/<name>.yaml``. Any config file (preset, compon
 
 The file's own keys are merged on top of its components: mappings merge key by key, anything else
 (numbers, strings, lists) replaces. The composition format is also documented at the top of
-``presets/qwen2.5vl-7b.yaml``.
+``loongforge/presets/qwen2.5vl-7b.yaml``.
 """
 
 from __future__ import annotations
@@ -32,19 +32,11 @@ _META_KEYS = (COMPONENTS_KEY, DESCRIPTION_KEY)
 
 
 def presets_dir() -> Path:
-    """The presets folder: $LOONGFORGE_PRESETS, else the repository's top-level ``presets/``.
-
-    An installed wheel has no repository around it, so a ``presets/`` folder inside the package
-    is looked for as well.
-    """
+    """The presets folder: $LOONGFORGE_PRESETS, else the ``presets/`` shipped inside the package."""
     override = os.environ.get(PRESETS_ENV_VAR)
     if override:
         return Path(override).expanduser()
-    package_dir = Path(__file__).resolve().parents[1]
-    for candidate in (package_dir.parent / "presets", package_dir / "presets"):
-        if candidate.is_dir():
-            return candidate
-    return package_dir.parent / "presets"
+    return Path(__file__).resolve().parents[1] / "presets"
 
 
 def _natural_key(name: str) -> list[Any]:

@@ -7,7 +7,8 @@ import pytest
 from typer.testing import CliRunner
 
 from loongforge.balance.cost_model import default_cost_model
-from loongforge.bench.balance import INTERNVL_TILE_PATCHES, load_pool, run_balance_bench
+from loongforge.bench.balance import load_pool, run_balance_bench
+from loongforge.bench.datasets import INTERNVL_TILE_PATCHES
 from loongforge.cli.app import app
 from loongforge.config.errors import InputError
 from tests.shared_data import SHARED_DATA

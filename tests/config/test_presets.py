@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import tomllib
+from pathlib import Path
+
 import pytest
 
 from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.loader import dump_yaml, load_resolved_config, load_run_config
-from loongforge.config.presets import DEFAULT_PRESET, list_preset_names, presets_dir
+from loongforge.config import presets as presets_module
+from loongforge.config.presets import DEFAULT_PRESET, PRESETS_ENV_VAR, list_preset_names, presets_dir
 from loongforge.config.validate import check_run_config
 
 PRESETS = list_preset_names()
@@ -15,6 +19,20 @@ PRESETS = list_preset_names()
 def test_presets_folder_has_the_shipped_presets():
     assert {"qwen2.5vl-3b", "qwen2.5vl-7b", "qwen2.5vl-32b", "qwen2.5vl-72b",
             DEFAULT_PRESET} <= set(PRESETS)
+
+
+def test_presets_ship_inside_the_package_and_the_wheel_declares_every_file(monkeypatch):
+    """The presets are package data: every YAML under loongforge/presets must match a pattern of
+    pyproject.toml's package-data, or an installed wheel lacks it (scripts/check_wheel.sh installs
+    one and dry-runs every preset)."""
+    monkeypatch.delenv(PRESETS_ENV_VAR, raising=False)
+    assert presets_dir() == Path(presets_module.__file__).resolve().parents[1] / "presets"
+    repo = Path(__file__).resolve().parents[2]
+    root = repo / "loongforge" / "presets"
+    patterns = tomllib.loads((repo / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]
+    shipped = {path for pattern in patterns["loongforge.presets"] for path in root.glob(pattern)}
+    assert set(root.rglob("*.yaml")) == shipped
+    assert {path.stem for path in shipped if path.parent == root} == set(list_preset_names(root))
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -13,7 +13,7 @@ from typing import Callable, Iterable, Sequence
 
 import numpy as np
 
-from loongforge.balance.baselines import plan_none, plan_reference, plan_reference_always, plan_token
+from loongforge.bench.baselines import plan_none, plan_reference, plan_reference_always, plan_token
 from loongforge.balance.planner import PlanError, StepPlan, plan_step
 
 STRATEGY_NAMES = ("none", "token", "reference", "loongforge")

@@ -6,8 +6,8 @@
   on sample lengths into ``dp`` partitions of equal sample counts; each rank's samples are then split
   into its micro-batches by tokens, largest first into the emptiest (verl's dynamic batching has no
   fixed micro-batch count; a micro-batch may overflow ``seq_len``, which is counted).
-- ``reference``: the reference system's method as ``shared/docs/reference.md`` section 1 documents
-  it; see ``plan_reference``.
+- ``reference``: the reference system's balancer as its design notes describe it (those notes are
+  not part of this repository); ``plan_reference`` writes out every rule it follows.
 
 Every function returns a ``StepPlan`` (``loongforge.balance.planner``) so the bench scores all
 strategies the same way; ``stats["capacity_violations"]`` counts micro-batches over ``seq_len``.
@@ -143,7 +143,7 @@ def plan_token(costs, tokens, *, dp_size: int, micro_batches: int, seq_len: int)
 
 def plan_reference(costs, tokens, *, dp_size: int, micro_batches: int, seq_len: int,
                    planner_costs=None, skip_rules: bool = True) -> StepPlan:
-    """The reference system's balancer (reference.md, section 1), micro-batch by micro-batch.
+    """The reference system's balancer, as its design notes describe it, micro-batch by micro-batch.
 
     Samples arrive as ``plan_none`` places them. For micro-batch slot j = 0..m-1, over the samples
     all ranks loaded for slot j, with ``planner_costs`` (default: token counts, what it uses before

@@ -3,7 +3,8 @@
 import numpy as np
 import pytest
 
-from loongforge.balance.baselines import (
+from loongforge.balance.planner import PlanError
+from loongforge.bench.baselines import (
     _reference_refine,
     karmarkar_karp_equal,
     next_fit_packs,
@@ -12,7 +13,6 @@ from loongforge.balance.baselines import (
     plan_token,
     reference_skip_rule,
 )
-from loongforge.balance.planner import PlanError
 
 
 def _all_once(plan, n):

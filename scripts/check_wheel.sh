@@ -1,0 +1,52 @@
+#!/usr/bin/env bash
+# The wheel is complete: build it, install it alone into a fresh virtual environment, and from
+# outside the repository list the presets and dry-run every one of them (the presets are package
+# data; a wheel without them fails here, not on a user's machine).
+#
+#   bash scripts/check_wheel.sh [PYTHON]
+#
+# PYTHON (default: $PYTHON, else python3) must have loongforge's dependencies installed; the fresh
+# environment borrows them through a .pth file, so nothing is downloaded and only loongforge itself
+# comes from the wheel. Writes only to a temporary folder, removed on exit.
+set -euo pipefail
+REPO="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${1:-${PYTHON:-python3}}"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$WORK"' EXIT
+
+# Build with the interpreter's own setuptools when it has one (offline), else in pip's isolated build env.
+isolation=()
+if "$PY" -c 'import setuptools.build_meta' 2> /dev/null; then
+  isolation=(--no-build-isolation)
+fi
+# From a copy of what the wheel is built from, so the build leaves nothing in the checkout.
+mkdir "$WORK/src"
+cp -r "$REPO/pyproject.toml" "$REPO/README.md" "$REPO/loongforge" "$WORK/src/"
+"$PY" -m pip wheel --quiet --no-deps "${isolation[@]}" -w "$WORK/dist" "$WORK/src"
+wheel=("$WORK"/dist/loongforge-*.whl)
+echo "built ${wheel[0]##*/}"
+
+"$PY" -m venv "$WORK/venv"
+VPY="$WORK/venv/bin/python"
+deps="$("$PY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+# Appended after the venv's own site-packages, so the wheel's loongforge wins over any other copy.
+echo "$deps" > "$site/zz_loongforge_deps.pth"
+"$VPY" -m pip install --quiet --no-index --no-deps "${wheel[0]}"
+
+cd /
+run() { env -u PYTHONPATH -u LOONGFORGE_PRESETS OMP_NUM_THREADS=1 "$@"; }
+where="$(run "$VPY" -c 'import loongforge.config.presets as p; print(p.presets_dir())')"
+case "$where" in
+  "$site"/*) ;;
+  *) echo "FAIL: presets resolve to $where, not inside the installed wheel ($site)" >&2; exit 1 ;;
+esac
+run "$WORK/venv/bin/loongforge" train --list-presets
+names="$(run "$VPY" -c 'from loongforge.config.presets import list_preset_names; print(*list_preset_names())')"
+[ -n "$names" ] || { echo "FAIL: the installed wheel has no presets" >&2; exit 1; }
+for name in $names; do
+  run "$WORK/venv/bin/loongforge" train --preset "$name" --dry-run > "$WORK/dry_run.txt" \
+    || { cat "$WORK/dry_run.txt" >&2; echo "FAIL: --preset $name --dry-run" >&2; exit 1; }
+  echo "ok: loongforge train --preset $name --dry-run"
+done
+echo "wheel check passed: $(echo $names | wc -w) presets from $where"
