@@ -103,7 +103,6 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
         finalize_model_grads,
     )
 
-
     model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
@@ -206,11 +205,27 @@ def _named_timeout(exc: RuntimeError, timeout_s: int, progress: RankProgress) ->
         + f" (torch: {first_line})")
 
 
-def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
-           wall_start: float, observer: Optional[TrainingObserver] = None,
-           stop: Optional[StopRequest] = None,
-           progress: Optional[RankProgress] = None) -> TrainingSummary:
+@dataclass
+class _Run:
+    """What one training run is built from, in the module docstring's order."""
 
+    cfg: RunConfig
+    env: DistributedEnv
+    layout: ParallelLayout
+    model: list
+    model_config: object
+    optimizer: object
+    scheduler: object
+    pipeline: object  # DataPipeline, or what the observer put in its place (profile --sweep)
+    balanced: Optional[DataPipeline]  # the pipeline, when balance.enabled
+    balancing: RunBalancing
+    observer: TrainingObserver
+    sync_clock: GradSyncClock
+    out_dir: Path
+    ckpt_root: Path
+
+
+def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
     validate(cfg, world_size=env.world_size)
     check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
     # An impossible model.layer_backend is a config error before anything is written or built.
@@ -219,7 +234,6 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         mcore_patches.apply_cpu()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)
     torch.manual_seed(cfg.training.seed)
-    out_dir = Path(cfg.logging.output_dir)
     model, model_config = _build_ddp_model(cfg, layout, env.device)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
@@ -229,133 +243,169 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()
     observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
-    params_dtype = _DTYPES[cfg.training.precision]
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=params_dtype)
-    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule,
-                                train_steps=cfg.training.train_steps)
+    optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision])
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
+    pipeline = _build_pipeline(cfg, env, layout, balancing)
+    return _Run(cfg=cfg, env=env, layout=layout, model=model, model_config=model_config, optimizer=optimizer,
+                scheduler=scheduler, pipeline=observer.data_source(pipeline),
+                balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
+                sync_clock=sync_clock, out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg))
+
+
+def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
+                    balancing: RunBalancing) -> DataPipeline:
     # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
         data_groups = build_data_groups(
             layout.tp_rank, layout.pp_rank, layout.dp_rank,
             timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s))
-    pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
-                            dp_rank=layout.dp_rank, dp_size=layout.dp_size,
-                            pad_to_multiple=_pad_multiple(cfg, layout),
-                            rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
-                            balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
-                            cost_models=balancing, groups=data_groups)
-    balanced = pipeline if cfg.balance.enabled else None
-    pipeline = observer.data_source(pipeline)
+    out_dir = Path(cfg.logging.output_dir)
+    return DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
+                        dp_rank=layout.dp_rank, dp_size=layout.dp_size, pad_to_multiple=_pad_multiple(cfg, layout),
+                        rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
+                        balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
+                        cost_models=balancing, groups=data_groups)
 
-    ckpt_root = checkpoint_root(cfg)
-    load_path = latest_checkpoint(ckpt_root) if resume else cfg.checkpoint.load
+
+@dataclass
+class _Restored:
+    path: Optional[Path] = None
+    step: int = 0
+    consumed_rows: int = 0
+    skipped: list = field(default_factory=list)  # damaged newer checkpoints (--resume)
+
+
+def _restore(run: _Run, resume: bool) -> _Restored:
+    """Load ``--resume``'s newest loadable checkpoint or ``checkpoint.load``; nothing otherwise."""
+    load_path = latest_checkpoint(run.ckpt_root) if resume else run.cfg.checkpoint.load
     if resume and load_path is None:
-        raise InputError(f"--resume: no complete checkpoint under {ckpt_root}; "
-                                "run without --resume to start fresh")
-    skipped_checkpoints: list[str] = []
-    start_step, consumed_rows = 0, 0
-    is_log_rank = env.rank == 0
-    logger_enabled = is_log_rank
-    if load_path is not None:
-        if resume:  # the newest that loads: damaged newer ones are skipped, and said so below
-            load_path, state, skipped_checkpoints = load_newest_checkpoint(ckpt_root, model, optimizer, scheduler)
-        else:
-            state = load_checkpoint(load_path, model, optimizer, scheduler)
-        if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
-            pipeline.load_state_dict(state.data_state)
-        start_step, consumed_rows = state.step, state.consumed_rows
-        balancing.load_state_dict(state.extra)
+        raise InputError(f"--resume: no complete checkpoint under {run.ckpt_root}; "
+                         "run without --resume to start fresh")
+    if load_path is None:
+        return _Restored()
+    skipped: list[str] = []
+    if resume:  # the newest that loads: damaged newer ones are skipped, and said so in the log
+        load_path, state, skipped = load_newest_checkpoint(run.ckpt_root, run.model, run.optimizer, run.scheduler)
+    else:
+        state = load_checkpoint(load_path, run.model, run.optimizer, run.scheduler)
+    if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
+        run.pipeline.load_state_dict(state.data_state)
+    run.balancing.load_state_dict(state.extra)
+    return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
+
+
+def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
+    cfg = run.cfg
+    logger = RunLogger(run.out_dir, cfg.training.train_steps, restored.step, cfg.logging.log_interval,
+                       enabled=run.env.rank == 0, tensorboard=cfg.logging.tensorboard,
+                       progress_bar=cfg.logging.progress_bar)
+    logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
+                                         _unwrap_model(run.model[0]).layer_backends.items()))
+    for reason in restored.skipped:
+        logger.write(f"warning: skipped a damaged checkpoint: {reason}")
+    if restored.path is not None:
+        logger.write(f"resumed from {restored.path} at step {restored.step}")
+    if run.balanced is not None:
+        logger.write(f"balance: {run.balanced.balance_mode} mode (data.read={run.balanced.read}), "
+                     f"threshold {cfg.balance.threshold}")
+    return logger
+
+
+def _save(run: _Run, step: int, consumed_rows: int) -> str:
+    state = TrainState(step=step, consumed_rows=consumed_rows, data_state=run.pipeline.state_dict(),
+                       extra=run.balancing.state_dict())
+    layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size}
+    return str(save_checkpoint(run.ckpt_root, state, run.model, run.optimizer, run.scheduler, layout=layout_info))
+
+
+def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],
+           wall_start: float, observer: Optional[TrainingObserver] = None,
+           stop: Optional[StopRequest] = None,
+           progress: Optional[RankProgress] = None) -> TrainingSummary:
+    run = _build_run(cfg, env, observer, resume=resume)
+    restored = _restore(run, resume)
     # Only now, with the config valid and the checkpoint loaded, does the run folder change: a
     # failed --resume leaves config.yaml (which `convert` reads) and metrics.jsonl as they were.
     if env.rank == 0:
-        _write_run_files(out_dir, cfg, command_line or sys.argv, env, layout, model, optimizer)
-        if load_path is not None:
-            drop_metrics_after(out_dir / METRICS_FILE, start_step)
-
-    logger = RunLogger(out_dir, cfg.training.train_steps, start_step, cfg.logging.log_interval,
-                       enabled=logger_enabled, tensorboard=cfg.logging.tensorboard,
-                       progress_bar=cfg.logging.progress_bar)
-    logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
-                                         _unwrap_model(model[0]).layer_backends.items()))
-    for reason in skipped_checkpoints:
-        logger.write(f"warning: skipped a damaged checkpoint: {reason}")
-    if load_path is not None:
-        logger.write(f"resumed from {load_path} at step {start_step}")
-    if balanced is not None:
-        logger.write(f"balance: {balanced.balance_mode} mode (data.read={balanced.read}), "
-                     f"threshold {cfg.balance.threshold}")
-    is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
-    summary = TrainingSummary(start_step=start_step, end_step=start_step, output_dir=str(out_dir))
-    seq_length = cfg.data.seq_len
-
-    def checkpoint(step: int) -> Path:
-        state = TrainState(step=step, consumed_rows=consumed_rows,
-                           data_state=pipeline.state_dict(), extra=balancing.state_dict())
-        layout_info = {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size}
-        return save_checkpoint(ckpt_root, state, model, optimizer, scheduler, layout=layout_info)
-
+        _write_run_files(run.out_dir, cfg, command_line or sys.argv, env, run.layout, run.model, run.optimizer)
+        if restored.path is not None:
+            drop_metrics_after(run.out_dir / METRICS_FILE, restored.step)
+    logger = _open_logger(run, restored)
+    summary = TrainingSummary(start_step=restored.step, end_step=restored.step, output_dir=str(run.out_dir))
     manual_gc = ManualGC(cfg.training.manual_gc_interval)
     try:
-        last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
-        progress = progress or RankProgress(None, env.rank, env.world_size)
-        for step in range(start_step + 1, last_step + 1):
-            progress.begin_step(step)  # named in the error if a collective of this step times out
-            fetch_start = time.perf_counter()
-            micro_batches = pipeline.next_step()
-            data_wait = time.perf_counter() - fetch_start
-            micro_batches = observer.begin_step(step, balancing.begin_step(step, micro_batches))
-            result = train_step(model, optimizer, scheduler, micro_batches, device=env.device,
-                                seq_length=seq_length, is_loss_rank=is_loss_rank)
-            balancing.end_step(step, result)
-            observer.end_step(step, result, data_wait_s=data_wait)
-            decision = balanced.last_balance if balanced is not None else None
-            consumed_rows += cfg.training.global_batch_size
-            tokens, sync_wait = _step_totals(micro_batches, is_loss_rank, sync_clock.take())
-            metrics = StepMetrics(step=step, loss=result.loss, grad_norm=result.grad_norm,
-                                  lr=result.lr, tokens=tokens,
-                                  step_s=result.compute_s + data_wait, data_wait_s=data_wait,
-                                  sync_wait_s=sync_wait,
-                                  balance=None if decision is None else {
-                                      "applied": decision.applied, "before": decision.before,
-                                      "after": decision.after})
-            logger.log_step(metrics)
-            summary.losses.append((step, result.loss))
-            if sync_wait is not None:
-                summary.sync_waits.append(sync_wait)
-            summary.end_step = step
-            # Every rank learns at the same step whether any rank was signalled (see train.stop).
-            stop_signal = stop.agree() if stop is not None and step < last_step else 0
-            if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
-                summary.checkpoint = str(checkpoint(step))
-            elif stop_signal and _saves_on_signal(stop_signal, cfg):
-                summary.checkpoint = str(checkpoint(step))
-            manual_gc.after_step(step)
-            if stop_signal:
-                summary.stop_signal = stop_signal
-                break
-        if not summary.stop_signal and cfg.checkpoint.save_at_end and summary.end_step > start_step and (
-                not cfg.checkpoint.save_interval or summary.end_step % cfg.checkpoint.save_interval):
-            summary.checkpoint = str(checkpoint(summary.end_step))
-        observer.close()
-        if cfg.checkpoint.save_hf and summary.checkpoint and env.rank == 0 and not summary.stop_signal:
-            hf_dir = export_hf(cfg.model, summary.checkpoint, out_dir / "hf", hf_source=cfg.checkpoint.load_hf)
-            logger.write(f"exported HF weights to {hf_dir}")
-        summary.rejects = pipeline.reject_counts()
-        if balanced is not None:
-            summary.balance = balanced.balance_counters.as_dict()
-        pipeline.close()
-        summary.wall_s = time.perf_counter() - wall_start
-        logger.write(_summary_text(summary, out_dir))
-        if summary.stop_signal:
-            logger.write(_stop_text(summary, ckpt_root))
+        consumed_rows = _run_steps(run, logger, summary, restored.consumed_rows, manual_gc, stop,
+                                   progress or RankProgress(None, env.rank, env.world_size))
+        _finish(run, logger, summary, consumed_rows, wall_start)
     finally:
         manual_gc.close()
         logger.close()
     if env.rank == 0:
-        (out_dir / "summary.json").write_text(json.dumps(
+        (run.out_dir / "summary.json").write_text(json.dumps(
             {**summary.__dict__, "mean_sync_wait_s": summary.mean_sync_wait_s}, indent=2, default=str))
     return summary
+
+
+def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_rows: int,
+               manual_gc: ManualGC, stop: Optional[StopRequest], progress: RankProgress) -> int:
+    """The steps from ``summary.start_step + 1``, logged into ``summary``; returns the rows consumed."""
+    cfg, layout = run.cfg, run.layout
+    is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
+    last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
+    for step in range(summary.start_step + 1, last_step + 1):
+        progress.begin_step(step)  # named in the error if a collective of this step times out
+        fetch_start = time.perf_counter()
+        micro_batches = run.pipeline.next_step()
+        data_wait = time.perf_counter() - fetch_start
+        micro_batches = run.observer.begin_step(step, run.balancing.begin_step(step, micro_batches))
+        result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
+                            seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank)
+        run.balancing.end_step(step, result)
+        run.observer.end_step(step, result, data_wait_s=data_wait)
+        consumed_rows += cfg.training.global_batch_size
+        tokens, sync_wait = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take())
+        decision = run.balanced.last_balance if run.balanced is not None else None
+        logger.log_step(StepMetrics(
+            step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=tokens,
+            step_s=result.compute_s + data_wait, data_wait_s=data_wait, sync_wait_s=sync_wait,
+            balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
+                                                   "after": decision.after}))
+        summary.losses.append((step, result.loss))
+        if sync_wait is not None:
+            summary.sync_waits.append(sync_wait)
+        summary.end_step = step
+        # Every rank learns at the same step whether any rank was signalled (see train.stop).
+        stop_signal = stop.agree() if stop is not None and step < last_step else 0
+        if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
+            summary.checkpoint = _save(run, step, consumed_rows)
+        elif stop_signal and _saves_on_signal(stop_signal, cfg):
+            summary.checkpoint = _save(run, step, consumed_rows)
+        manual_gc.after_step(step)
+        if stop_signal:
+            summary.stop_signal = stop_signal
+            break
+    return consumed_rows
+
+
+def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_rows: int, wall_start: float) -> None:
+    """The final checkpoint and HF export, then the summary line (and the stop line, if stopped)."""
+    cfg, checkpoint_cfg = run.cfg, run.cfg.checkpoint
+    if not summary.stop_signal and checkpoint_cfg.save_at_end and summary.end_step > summary.start_step and (
+            not checkpoint_cfg.save_interval or summary.end_step % checkpoint_cfg.save_interval):
+        summary.checkpoint = _save(run, summary.end_step, consumed_rows)
+    run.observer.close()
+    if checkpoint_cfg.save_hf and summary.checkpoint and run.env.rank == 0 and not summary.stop_signal:
+        hf_dir = export_hf(cfg.model, summary.checkpoint, run.out_dir / "hf", hf_source=checkpoint_cfg.load_hf)
+        logger.write(f"exported HF weights to {hf_dir}")
+    summary.rejects = run.pipeline.reject_counts()
+    if run.balanced is not None:
+        summary.balance = run.balanced.balance_counters.as_dict()
+    run.pipeline.close()
+    summary.wall_s = time.perf_counter() - wall_start
+    logger.write(_summary_text(summary, run.out_dir))
+    if summary.stop_signal:
+        logger.write(_stop_text(summary, run.ckpt_root))
 
 
 def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
