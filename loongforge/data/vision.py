@@ -47,15 +47,16 @@ class MediaError(Exception):
 
 @dataclass(frozen=True)
 class VisionSizing:
-    """Patch geometry and pixel budgets (from ModelConfig.vision/projector and DataConfig)."""
+    """Patch geometry and pixel budgets; built by ``data.measure.vision_sizing`` from
+    ModelConfig.vision/projector and DataConfig, whose defaults are the only ones."""
 
-    patch_size: int = 14
-    temporal_patch_size: int = 2
-    merge_size: int = 2
-    min_pixels: int = 56 * 56
-    max_pixels: int = 28 * 28 * 1280
-    video_min_pixels: int = 128 * 28 * 28
-    video_max_pixels: int = 768 * 28 * 28
+    patch_size: int
+    temporal_patch_size: int
+    merge_size: int
+    min_pixels: int
+    max_pixels: int
+    video_min_pixels: int
+    video_max_pixels: int
 
     @property
     def factor(self) -> int:

@@ -7,9 +7,10 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.data.measure import vision_sizing
 from loongforge.data.vision import (
     MediaError,
-    VisionSizing,
     decode_video_frames,
     image_grid_thw,
     load_rgb_image,
@@ -23,7 +24,7 @@ from loongforge.data.vision import (
 )
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, require
 
-SIZING = VisionSizing()
+SIZING = vision_sizing(DataConfig(), ModelConfig())  # the schema's defaults: Qwen2-VL's processor's
 
 
 @pytest.fixture(scope="module")
