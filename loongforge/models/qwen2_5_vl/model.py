@@ -32,7 +32,7 @@ from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
     build_vision_tp_group,
-    mark_replicated_over_language_tp,
+    mark_tp_duplicates,
 )
 from loongforge.models.qwen2_5_vl.vision import (
     PatchMerger,
@@ -368,7 +368,7 @@ def build_model(
     )
     if pre_process:
         for tower in (model.vision_model, model.projector):
-            mark_replicated_over_language_tp(tower, vision_tp, parallel_cfg.tensor_model_parallel_size)
+            mark_tp_duplicates(tower, vision_tp=vision_tp, replica_block=model._vision_replica_block)
     return model.to(device)
 
 

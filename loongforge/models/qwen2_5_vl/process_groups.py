@@ -36,15 +36,22 @@ def build_vision_tp_group(language_tp_group: dist.ProcessGroup, vision_tp: int) 
     return my_group
 
 
-def mark_replicated_over_language_tp(module: torch.nn.Module, vision_tp: int, language_tp: int) -> None:
-    """Tell megatron's grad-norm / optimizer code which vision parameters are TP duplicates.
+def mark_tp_duplicates(module: torch.nn.Module, *, vision_tp: int, replica_block: int) -> None:
+    """Clear ``tensor_model_parallel`` on this rank's vision parameters that are copies of another
+    language-TP rank's, so that megatron's grad norm counts every vision gradient exactly once.
 
-    megatron counts a parameter once per TP group unless it has ``tensor_model_parallel=True``.
-    With vision TP 1 under language TP > 1 the ViT's linear weights are replicated across the
-    language TP group, so their ``tensor_model_parallel`` flag must be cleared. (Sizes strictly
-    between 1 and the language TP shard *and* replicate; megatron has no flag for that, so the
-    grad norm over-counts those weights by language_tp / vision_tp.)
+    megatron-core's ``param_is_not_tensor_parallel_duplicate`` (used by the grad norm, hence by
+    clipping and the logged norm, and by the zero count) counts a parameter flagged
+    ``tensor_model_parallel`` on every language-TP rank, as a distinct shard, and any other
+    parameter on language-TP rank 0 only, as a replica. The optimizers copy the flag onto their
+    fp32 main parameters and distributed-optimizer shards, so marking the model covers them all.
+
+    Language-TP rank r holds vision shard ``r % vision_tp`` in replica block ``r // vision_tp``
+    (``build_vision_tp_group``). Block 0 (ranks 0 .. vision_tp-1, rank 0 among them) keeps its flags:
+    its shards are summed and its replicated parameters counted on rank 0. Every other block holds
+    copies of block 0's shards, so its flags are cleared: rank 0 is not in it, so nothing of it is
+    counted. With ``vision_tp == 1`` the tower is not sharded at all and is cleared everywhere.
     """
-    if vision_tp == 1 and language_tp > 1:
+    if vision_tp == 1 or replica_block > 0:
         for param in module.parameters():
             param.tensor_model_parallel = False
