@@ -30,7 +30,7 @@ from tests.models.helpers import (
     tiny_model_cfg,
 )
 
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 CASES = {
     "text": dict(),
     "one_image": dict(images=((1, 8, 12),)),

@@ -17,7 +17,7 @@ from tests.models.helpers import (
     tiny_model_cfg,
 )
 
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 
 CASES = {
     "text": dict(),

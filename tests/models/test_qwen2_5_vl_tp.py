@@ -24,7 +24,7 @@ from tests.models.helpers import (
     tiny_model_cfg,
 )
 
-TOLERANCE = 1e-4
+TOLERANCE = 1e-5
 WORLD_SIZE = 2
 TIMEOUT_S = 240
 VISION_TP_SIZES = (None, 1)  # None: same as the language model
