@@ -18,18 +18,18 @@ from typing import Optional
 
 import torch
 
-from loongforge.convert import families
 from loongforge.convert.engine import (
     Progress,
     build_links,
     check_hf_tensors,
     check_layout,
+    model_config_of,
     to_hf,
     to_megatron,
+    vocab_rows_at,
 )
 from loongforge.convert.hf_io import HFCheckpoint
-from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
-from loongforge.models.qwen2_5_vl.hf_mapping import (
+from loongforge.models.hf_rules import (
     VISION,
     FusedHeadQKV,
     GateUp,
@@ -118,11 +118,11 @@ def _compare(key: str, expected: torch.Tensor, actual: torch.Tensor) -> TensorRe
 def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] = None,
               progress: bool = True) -> RoundTripReport:
     checkpoint = HFCheckpoint(Path(src))
-    model_cfg = families.model_config_from_hf(checkpoint.config, str(Path(src) / "config.json"))
+    model_cfg = model_config_of(checkpoint.config, str(Path(src) / "config.json"))
     check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
     check_layout(model_cfg, tp, pp, vision_tp)
     vision_tp = vision_tp or tp
-    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, tp)
+    vocab_rows = vocab_rows_at(model_cfg, tp)
     report = RoundTripReport(str(src), tp, pp, vision_tp)
     links = build_links(model_cfg)
     produced = set()
