@@ -105,10 +105,12 @@ class _ChatSizer:
         from loongforge.config.loader import load_run_config
         from loongforge.data.measure import vision_sizing
         from loongforge.data.tokenizer import load_tokenizer
+        from loongforge.models.registry import get_family
 
         cfg = load_run_config(preset, overrides=[f"data.seq_len={seq_len}"])
         self.sizing = vision_sizing(cfg.data, cfg.model)
         self.system_prompt = cfg.data.system_prompt or None
+        self.chat = get_family(cfg.model.family).chat
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
 
     def add_all(self, chats: list[tuple], pool: SamplePool, seq_len: int) -> None:
@@ -118,7 +120,7 @@ class _ChatSizer:
         from loongforge.data.vision import image_grid_thw, num_llm_tokens
 
         texts = [render_chat([Turn("user", ("<image>" if w else "") + q), Turn("assistant", a)],
-                             self.system_prompt).text for q, a, w, _ in chats]
+                             self.system_prompt, self.chat).text for q, a, w, _ in chats]
         lengths = [len(ids) for ids in self.tokenizer(texts, add_special_tokens=False)["input_ids"]]
         # Loss tokens: the answer and its <|im_end|>, as the chat template marks them.
         answers = [len(ids) + 1 for ids in self.tokenizer([a for _, a, _, _ in chats],

@@ -121,17 +121,19 @@ class ChatLengths:
         from loongforge.config.loader import load_run_config
         from loongforge.data.measure import vision_sizing
         from loongforge.data.tokenizer import load_tokenizer
+        from loongforge.models.registry import get_family
 
         cfg = load_run_config(preset)
         self.tokenizer = load_tokenizer(cfg.data.tokenizer)
         self.sizing = vision_sizing(cfg.data, cfg.model)
         self.system_prompt = cfg.data.system_prompt or None
+        self.chat = get_family(cfg.model.family).chat
 
     def __call__(self, chats: list[Chat]) -> np.ndarray:
         from loongforge.data.template import Turn, render_chat
         from loongforge.data.vision import image_grid_thw, num_llm_tokens
 
-        texts = [render_chat([Turn("user", c.question), Turn("assistant", c.answer)], self.system_prompt).text
+        texts = [render_chat([Turn("user", c.question), Turn("assistant", c.answer)], self.system_prompt, self.chat).text
                  for c in chats]
         ids = self.tokenizer(texts, add_special_tokens=False)["input_ids"]
         lengths = np.empty(len(chats), dtype=np.int64)

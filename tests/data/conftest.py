@@ -24,8 +24,10 @@ def require(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer():
     from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.models.registry import get_family
 
-    return load_tokenizer("qwen")
+    # With the family's chat template, so tests can compare against apply_chat_template.
+    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat.jinja_template)
 
 
 def good_record(image="img.jpg"):
