@@ -64,12 +64,12 @@ def _parity_models(device):
 
     from loongforge.config.schema import ParallelConfig
     from loongforge.models.qwen2_5_vl.hf_mapping import load_hf_state_dict
-    from loongforge.models.registry import get_builder
+    from loongforge.models.registry import get_family
     from tests.models.helpers import build_hf_model, tiny_model_cfg
 
     model_cfg = tiny_model_cfg(tie=False)  # sdpa layers: the numerical reference backend
     hf_model = build_hf_model(model_cfg)  # random fp32, every tensor randomised
-    model = get_builder(model_cfg.family)(model_cfg, ParallelConfig(), params_dtype=torch.float32,
+    model = get_family(model_cfg.family).build(model_cfg, ParallelConfig(), params_dtype=torch.float32,
                                           pre_process=True, post_process=True, device=device).eval()
     load_hf_state_dict(model, hf_model.state_dict())
     return model_cfg, hf_model.to(device), model

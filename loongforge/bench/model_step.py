@@ -37,9 +37,8 @@ from loongforge.bench.flops import StepFlops, training_flops
 from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
-from loongforge.convert.families import hf_config_from_model
 from loongforge.data.vision import smart_resize
-from loongforge.models.registry import get_builder
+from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
 from loongforge.train.runner import library_versions
 
@@ -244,7 +243,7 @@ def transformers_step(model, batch: dict) -> Callable[[], None]:
 
 
 def build_loongforge_model(cfg: RunConfig, device: torch.device):
-    return get_builder(cfg.model.family)(
+    return get_family(cfg.model.family).build(
         cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision], pre_process=True,
         post_process=True, device=device).train()
 
@@ -253,7 +252,7 @@ def build_transformers_model(cfg: RunConfig, device: torch.device):
     """transformers' Qwen2.5-VL with the same shapes, random weights, SDPA attention."""
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
-    hf_cfg = Qwen2_5_VLConfig(**hf_config_from_model(cfg.model))
+    hf_cfg = Qwen2_5_VLConfig(**get_family(cfg.model.family).config_to_hf(cfg.model))
     with torch.device(device):  # initialise on the device: seconds instead of minutes at 7B widths
         model = Qwen2_5_VLForConditionalGeneration._from_config(
             hf_cfg, attn_implementation="sdpa", dtype=_DTYPES[cfg.training.precision])

@@ -12,7 +12,7 @@ image grids from 4x4 patches to the largest ``data.max_pixels`` allows:
   image_packed  several image samples of different grids, with text-only samples
 
 Rows follow the ``data.collate`` contract exactly (random token ids, M-RoPE positions from
-``get_rope_index``, an answer-like loss mask over the end of each sample (the share varies around
+the family's ``position_ids``, an answer-like loss mask over the end of each sample (the share varies around
 ``--answer-share``), random pixels), so
 the model runs the same code as on real data. Step ``s`` always gets the same rows on every
 rank; DP rank ``r`` trains on its block of the step's rows, like the data pipeline.
@@ -27,7 +27,7 @@ import torch
 
 from loongforge.config.schema import RunConfig
 from loongforge.data.packing import rank_rows
-from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
+from loongforge.models.registry import get_family
 
 ROW_DESIGNS = ("single", "packed_equal", "packed_mixed", "image_single", "image_packed")
 MIN_LENGTH = 64
@@ -120,7 +120,7 @@ class SweepSource:
         self.merge = model.projector.spatial_merge_size
         self.pixel_width = (model.vision.in_channels * model.vision.temporal_patch_size
                             * model.vision.patch_size ** 2)
-        self.tokens_per_second = model.tokens_per_second
+        self.position_ids = get_family(model.family).position_ids(model)
         self.design = SweepDesign(data.seq_len, image_grids(data.max_pixels, model.vision.patch_size,
                                                             self.merge), self.merge, data.seed)
         self.global_batch_size = cfg.training.global_batch_size
@@ -143,11 +143,8 @@ class SweepSource:
                        np.array([t.vision_end_token_id])]
         pieces.append(text[text_len // 2:])
         ids = torch.from_numpy(np.concatenate(pieces)).long()
-        positions = get_rope_index(
-            ids, torch.tensor([[1, h, w] for h, w in grids]) if grids else None, None, None,
-            spatial_merge_size=self.merge, image_token_id=t.image_token_id,
-            video_token_id=t.video_token_id, vision_start_token_id=t.vision_start_token_id,
-            tokens_per_second=self.tokens_per_second)
+        positions = self.position_ids(ids, torch.tensor([[1, h, w] for h, w in grids]) if grids else None,
+                                      None, None)
         return ids, positions
 
     def micro_batch(self, row_index: int, row) -> dict:

@@ -1,14 +1,20 @@
-"""Derived parallel sizes: pure arithmetic over a ParallelConfig and the launch's world size.
+"""The parallel layout: derived sizes, and the one rule deciding whether a model can run at a layout.
 
-Validation (``loongforge.config.validate``) checks the layout is consistent; these helpers assume
-it is and are shared by the dry-run plan and the trainer so every place derives DP the same way.
+``layout_problems`` is the only check of model sizes against TP / PP / vision TP. A model family
+states what it needs as a ``LayoutRule`` (which model sizes each axis splits); config validation,
+``loongforge convert`` and the model builder all ask this one function, naming the sizes the way
+their user typed them (``LayoutKeys``: config keys, or command-line flags).
+
+The size helpers assume a checked layout and are shared by the dry-run plan and the trainer so
+every place derives DP the same way.
 """
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
-from loongforge.config.schema import ParallelConfig
+from loongforge.config.schema import ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -47,3 +53,111 @@ def layers_per_stage(num_layers: int, pipeline_parallel: int) -> list[int]:
 
 def divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
+
+
+# --------------------------------------------------------------------------------------------
+# The layout rule
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Dim:
+    """A model size one parallel axis splits: a ``ModelConfig`` path and how a remedy names it."""
+
+    path: str  # under ``model.``, e.g. "language.num_attention_heads"
+    what: str  # e.g. "heads", for "(sizes dividing the heads, ...)"
+    aside: str = ""  # shown after the key, e.g. "KV heads" for num_query_groups
+
+
+@dataclass(frozen=True)
+class LayoutRule:
+    """What a model family needs of the parallel layout (its ``ModelFamily.layout``)."""
+
+    tensor: tuple[Dim, ...]  # language TP splits each of these
+    pipeline: tuple[Dim, ...]  # PP splits each of these (the decoder layers)
+    vision_tensor: tuple[Dim, ...]  # vision TP splits each of these
+    # Vision TP groups are cut from the language TP groups, so the vision size divides TP.
+    vision_within_tensor: bool = True
+
+
+@dataclass(frozen=True)
+class LayoutKeys:
+    """How the three sizes are named in messages: config keys, or a command's flags."""
+
+    tensor: str = "parallel.tensor_model_parallel_size"
+    pipeline: str = "parallel.pipeline_model_parallel_size"
+    vision_tensor: str = "parallel.vision_tensor_model_parallel_size"
+
+
+# What megatron's layers need of the schema's three sections: TP splits attention heads, KV heads and
+# the MLP; PP splits the decoder layers; vision TP splits the ViT's heads and MLP. A family whose
+# layers need more states its own rule; config loading, which knows no family, checks this one.
+DECODER_LAYOUT = LayoutRule(
+    tensor=(Dim("language.num_attention_heads", "heads"),
+            Dim("language.num_query_groups", "KV heads", aside="KV heads"),
+            Dim("language.ffn_hidden_size", "FFN size")),
+    pipeline=(Dim("language.num_layers", "decoder layers"),),
+    vision_tensor=(Dim("vision.num_heads", "vision heads"),
+                   Dim("vision.intermediate_size", "vision MLP size")),
+)
+
+
+def layout_problems(model_cfg: ModelConfig, rule: LayoutRule, *, tp: int, pp: int,
+                    vision_tp: int | None, keys: LayoutKeys = LayoutKeys()) -> list[str]:
+    """One sentence per way the layout does not fit the model; ``vision_tp=None`` follows TP.
+
+    A vision size inherited from a bad TP would repeat TP's complaint, so it is checked only once
+    TP fits (or when it was given explicitly)."""
+    sizes = {keys.tensor: tp, keys.pipeline: pp, keys.vision_tensor: vision_tp}
+    below_one = [f"{key}={size} must be at least 1." for key, size in sizes.items()
+                 if size is not None and size < 1]
+    if below_one:
+        return below_one  # every check below divides by these sizes
+    errors = _tensor_problems(model_cfg, rule, tp, keys)
+    if not errors or vision_tp is not None:
+        errors += _vision_problems(model_cfg, rule, tp, vision_tp, keys)
+    return errors + _pipeline_problems(model_cfg, rule, pp, keys)
+
+
+def _size(model_cfg: ModelConfig, dim: Dim) -> int:
+    return operator.attrgetter(dim.path)(model_cfg)
+
+
+def _label(dim: Dim) -> str:
+    return f"model.{dim.path}" + (f" ({dim.aside})" if dim.aside else "")
+
+
+def _common_divisors(numbers: list[int]) -> str:
+    return ", ".join(str(d) for d in divisors(min(numbers)) if all(n % d == 0 for n in numbers))
+
+
+def _spoken_list(words: list[str]) -> str:
+    return words[0] if len(words) == 1 else ", ".join(words[:-1]) + " and " + words[-1]
+
+
+def _tensor_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, keys: LayoutKeys) -> list[str]:
+    sizes = [_size(model_cfg, dim) for dim in rule.tensor]
+    valid, what = _common_divisors(sizes), _spoken_list([dim.what for dim in rule.tensor])
+    return [f"{keys.tensor}={tp} does not divide {_label(dim)}={size}; set it to one of {valid} "
+            f"(sizes dividing the {what})."
+            for dim, size in zip(rule.tensor, sizes) if size % tp]
+
+
+def _vision_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, vision_tp: int | None,
+                     keys: LayoutKeys) -> list[str]:
+    source = f" (inherited from {keys.tensor})" if vision_tp is None else ""
+    vision_tp = tp if vision_tp is None else vision_tp
+    named = {_label(dim): _size(model_cfg, dim) for dim in rule.vision_tensor}
+    if rule.vision_within_tensor:
+        named[keys.tensor] = tp
+    valid = _common_divisors(list(named.values()))
+    return [f"vision tensor parallel size {vision_tp}{source} does not divide {name}={size}; "
+            f"set {keys.vision_tensor} to one of {valid}."
+            for name, size in named.items() if size % vision_tp]
+
+
+def _pipeline_problems(model_cfg: ModelConfig, rule: LayoutRule, pp: int, keys: LayoutKeys) -> list[str]:
+    sizes = [_size(model_cfg, dim) for dim in rule.pipeline]
+    valid = _common_divisors(sizes)
+    return [f"{keys.pipeline}={pp} does not divide {_label(dim)}={size}; set it to one of {valid}."
+            for dim, size in zip(rule.pipeline, sizes) if size % pp]

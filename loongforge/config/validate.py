@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 from loongforge.config.errors import ConfigError
-from loongforge.config.layout import divisors, vision_tensor_parallel_size
+from loongforge.config.layout import DECODER_LAYOUT, LayoutRule, divisors, layout_problems
 from loongforge.config.schema import RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
@@ -336,44 +336,10 @@ def _list(numbers: list[int]) -> str:
     return ", ".join(str(n) for n in numbers)
 
 
-def _common_divisors(*numbers: int) -> list[int]:
-    return [d for d in divisors(min(numbers)) if all(n % d == 0 for n in numbers)]
-
-
-def _check_tensor_parallel(cfg: RunConfig) -> list[str]:
-    language, tp = cfg.model.language, cfg.parallel.tensor_model_parallel_size
-    dims = {"model.language.num_attention_heads": language.num_attention_heads,
-            "model.language.num_query_groups (KV heads)": language.num_query_groups,
-            "model.language.ffn_hidden_size": language.ffn_hidden_size}
-    valid = _list(_common_divisors(*dims.values()))
-    return [f"parallel.tensor_model_parallel_size={tp} does not divide {name}={size}; "
-            f"set it to one of {valid} (sizes dividing the heads, KV heads and FFN size)."
-            for name, size in dims.items() if size % tp]
-
-
-def _check_vision_tensor_parallel(cfg: RunConfig) -> list[str]:
-    vision, parallel = cfg.model.vision, cfg.parallel
-    vision_tp, tp = vision_tensor_parallel_size(parallel), parallel.tensor_model_parallel_size
-    inherited = parallel.vision_tensor_model_parallel_size is None
-    source = " (inherited from parallel.tensor_model_parallel_size)" if inherited else ""
-    dims = {"model.vision.num_heads": vision.num_heads,
-            "model.vision.intermediate_size": vision.intermediate_size,
-            "parallel.tensor_model_parallel_size": tp}
-    valid = _list(_common_divisors(*dims.values()))
-    return [f"vision tensor parallel size {vision_tp}{source} does not divide {name}={size}; "
-            f"set parallel.vision_tensor_model_parallel_size to one of {valid}."
-            for name, size in dims.items() if size % vision_tp]
-
-
 def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
     parallel, training = cfg.parallel, cfg.training
     tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
     errors = []
-    num_layers = cfg.model.language.num_layers
-    if num_layers % pp:
-        errors.append(f"parallel.pipeline_model_parallel_size={pp} does not divide "
-                      f"model.language.num_layers={num_layers}; set it to one of "
-                      f"{_list(divisors(num_layers))}.")
     if world_size % (tp * pp):
         errors.append(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp} = "
                       f"{tp * pp}; launch a multiple of {tp * pp} processes (--nproc-per-node or "
@@ -390,11 +356,11 @@ def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
     return errors
 
 
-def _check_parallel_layout(cfg: RunConfig, world_size: int) -> list[str]:
-    errors = _check_tensor_parallel(cfg)
-    # An inherited vision TP repeats a bad language TP's complaint; fix that one first.
-    if not errors or cfg.parallel.vision_tensor_model_parallel_size is not None:
-        errors += _check_vision_tensor_parallel(cfg)
+def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) -> list[str]:
+    parallel = cfg.parallel
+    errors = layout_problems(cfg.model, layout, tp=parallel.tensor_model_parallel_size,
+                             pp=parallel.pipeline_model_parallel_size,
+                             vision_tp=parallel.vision_tensor_model_parallel_size)
     return errors + _check_world_and_batch(cfg, world_size)
 
 
@@ -441,10 +407,13 @@ def _check_optimizer(cfg: RunConfig) -> list[str]:
     return []
 
 
-def check_run_config(cfg: RunConfig, world_size: int | None = None) -> list[str]:
+def check_run_config(cfg: RunConfig, world_size: int | None = None,
+                     layout: LayoutRule = DECODER_LAYOUT) -> list[str]:
     """Every cross-field problem of ``cfg``; ``world_size`` comes from the launch.
 
-    Without a launch (dry runs, tests) the world size is ``cfg.parallel.world_size``.
+    Without a launch (dry runs, tests) the world size is ``cfg.parallel.world_size``. ``layout``
+    is the model family's rule (``ModelFamily.layout``); config loading, below the model
+    families, checks the decoder rule every family starts from.
     """
     world = cfg.parallel.world_size if world_size is None else world_size
     errors = _check_choices(cfg)
@@ -453,13 +422,14 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None) -> list[str]
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
     errors += _check_language_shape(cfg) + _check_vision_shape(cfg)
-    errors += _check_parallel_layout(cfg, world)
+    errors += _check_parallel_layout(cfg, world, layout)
     return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg)
 
 
-def validate(cfg: RunConfig, world_size: int | None = None) -> RunConfig:
+def validate(cfg: RunConfig, world_size: int | None = None,
+             layout: LayoutRule = DECODER_LAYOUT) -> RunConfig:
     """``cfg`` unchanged if every rule holds for a launch of ``world_size``; else ConfigError."""
-    errors = check_run_config(cfg, world_size)
+    errors = check_run_config(cfg, world_size, layout)
     if errors:
         raise ConfigError(errors)
     return cfg

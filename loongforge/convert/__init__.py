@@ -1,10 +1,12 @@
 """``loongforge convert``: Hugging Face <-> megatron-core checkpoints, streamed tensor by tensor.
 
-- ``families``: what is known per model family (HF architectures, config reading, expected shapes);
+- ``families``: what holds for HF folders of every family (side files, config differences); the
+  per-family facts (architectures, config.json both ways, shapes, mapping table) are the family's
+  ``ModelFamily``, reached through ``loongforge.models.registry``;
 - ``hf_io``: HF folders (safetensors shards + index) read and written one tensor at a time;
 - ``mcore_io``: dist_checkpointing (torch_dist) folders read and written one chunk at a time;
 - ``engine``: the conversion itself, driven by the family's mapping table
-  (``loongforge.models.qwen2_5_vl.hf_mapping``), with ``--verify``;
+  (``ModelFamily.hf_rules``), with ``--verify``;
 - ``roundtrip``: HF -> a sharded megatron checkpoint (temporary) -> HF, exact / close / different per tensor;
 - ``model_io``: HF weights into a built model (``checkpoint.load_hf``) and a run's checkpoint out
   as HF (``checkpoint.save_hf``).

@@ -29,6 +29,7 @@ import torch
 
 from loongforge import __version__
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.layout import LayoutKeys, layout_problems
 from loongforge.config.loader import load_resolved_config, load_run_config
 from loongforge.config.schema import ModelConfig
 from loongforge.convert import families
@@ -43,8 +44,9 @@ from loongforge.convert.hf_io import (
     write_index,
 )
 from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
-from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
-from loongforge.models.qwen2_5_vl.hf_mapping import LANGUAGE, VISION, Rule, Vocab, mapping_rules
+from loongforge.models.family import ModelFamily
+from loongforge.models.hf_rules import LANGUAGE, VISION, Rule, Vocab
+from loongforge.models.registry import family_of_hf_config, get_family
 from loongforge.models.state_dict_names import fused_name
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
@@ -68,10 +70,25 @@ def _fill(pattern: str, index: int) -> str:
     return pattern.replace("{i}", str(index))
 
 
+def family_of(model_cfg: ModelConfig) -> ModelFamily:
+    """The family a model config belongs to (``model.family``)."""
+    return get_family(model_cfg.family)
+
+
+def vocab_rows_at(model_cfg: ModelConfig, tp: int) -> int:
+    """Rows of the embedding and output layer at TP size ``tp`` (the family's vocabulary padding)."""
+    return family_of(model_cfg).padded_vocab_size(model_cfg.language.vocab_size, tp)
+
+
+def model_config_of(hf_config: dict, where: str) -> ModelConfig:
+    """``ModelConfig`` of an HF ``config.json``, read by the family that names its architecture."""
+    return family_of_hf_config(hf_config, where).config_from_hf(hf_config, where)
+
+
 def build_links(model_cfg: ModelConfig) -> list[Link]:
     """Every tensor of the model, vision first, in layer order. A tied model has no output layer."""
     links = []
-    for rule in mapping_rules(model_cfg):
+    for rule in family_of(model_cfg).hf_rules(model_cfg):
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue  # megatron keeps one embedding; HF's tied checkpoints have no lm_head
         if "{i}" not in rule.megatron:
@@ -252,7 +269,8 @@ def _preset_model(preset: str) -> ModelConfig:
 def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) -> dict[str, tuple[int, ...]]:
     """Every tensor present with the shape ``model_cfg`` implies, and nothing else; errors name the
     file and the tensor. Returns the expected shapes."""
-    expected = families.expected_hf_shapes(model_cfg)
+    family = family_of(model_cfg)
+    expected = family.hf_shapes(model_cfg)
     for key, shape in expected.items():
         entry = src.entries.get(key)
         if entry is None:
@@ -262,26 +280,16 @@ def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) ->
                              f"expects {list(shape)}")
     for key, entry in src.entries.items():
         if key not in expected and not (key == "lm_head.weight" and model_cfg.language.tie_word_embeddings):
-            raise InputError(f"{entry.file}: unexpected tensor {entry.key}: not part of a Qwen2.5-VL with "
+            raise InputError(f"{entry.file}: unexpected tensor {entry.key}: not part of a {family.name} model with "
                              f"{against}")
     return expected
 
 
 def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[int]) -> None:
-    """The layout a converted checkpoint is meant for must be one the model can be built at."""
-    lang, vis = model_cfg.language, model_cfg.vision
-    vision_tp = vision_tp or tp
-    problems = []
-    for flag, size, what in (("--tp", tp, {"model.language.num_attention_heads": lang.num_attention_heads,
-                                            "model.language.ffn_hidden_size": lang.ffn_hidden_size}),
-                             ("--pp", pp, {"model.language.num_layers": lang.num_layers}),
-                             ("--vision-tp", vision_tp, {"model.vision.num_heads": vis.num_heads,
-                                                         "model.vision.intermediate_size": vis.intermediate_size})):
-        for name, value in what.items():
-            if size < 1 or value % size:
-                problems.append(f"{flag}={size} must divide {name}={value}")
-    if tp % vision_tp:
-        problems.append(f"--vision-tp={vision_tp} must divide --tp={tp}")
+    """The layout a converted checkpoint is meant for must be one the model can be built at: the
+    family's layout rule, the one training's config validation applies, named by this command's flags."""
+    problems = layout_problems(model_cfg, family_of(model_cfg).layout, tp=tp, pp=pp, vision_tp=vision_tp,
+                               keys=LayoutKeys(tensor="--tp", pipeline="--pp", vision_tensor="--vision-tp"))
     if problems:
         raise ConfigError(problems)
 
@@ -296,8 +304,8 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
                 verify: bool = False, progress: bool = True) -> ConversionReport:
     """Write a model-only checkpoint ``loongforge train checkpoint.load=DST`` starts from."""
     checkpoint = HFCheckpoint(src)
-    family = families.detect_family(checkpoint.config, str(src / "config.json"))
-    model_cfg = families.model_config_from_hf(checkpoint.config, str(src / "config.json"))
+    family = checkpoint.family.name
+    model_cfg = checkpoint.family.config_from_hf(checkpoint.config, str(src / "config.json"))
     if preset:
         preset_cfg = _preset_model(preset)
         check_hf_tensors(checkpoint, preset_cfg, f"preset {preset}")
@@ -307,7 +315,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     hf_shapes = check_hf_tensors(checkpoint, model_cfg, f"{src / 'config.json'}")
     check_layout(model_cfg, tp, pp, vision_tp)
     out_dtype = DTYPES[dtype] if dtype else None
-    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, tp)
+    vocab_rows = vocab_rows_at(model_cfg, tp)
     links = build_links(model_cfg)
     global_shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
 
@@ -384,7 +392,7 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
     hf_config = json.loads(hf_config_file.read_text()) if hf_config_file.is_file() else None
     found, source = None, None
     if hf_config is not None:
-        found, source = families.model_config_from_hf(hf_config, str(hf_config_file)), str(hf_config_file)
+        found, source = model_config_of(hf_config, str(hf_config_file)), str(hf_config_file)
     elif (run_config := _run_config_near(step_dir)) is not None:
         found, source = load_resolved_config(run_config).model, str(run_config)
     if preset:
@@ -440,8 +448,8 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         hf_config = json.loads(config_file.read_text()) if config_file.is_file() else None
     reader = McoreReader(step_dir / MODEL_DIR)
     links = build_links(model_cfg)
-    hf_shapes = families.expected_hf_shapes(model_cfg)
-    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, 1)
+    hf_shapes = family_of(model_cfg).hf_shapes(model_cfg)
+    vocab_rows = vocab_rows_at(model_cfg, 1)
     shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
     keys = _resolve_keys(reader, links, shapes, model_cfg.language.vocab_size)
     out_dtype = DTYPES[dtype] if dtype else None
@@ -468,7 +476,7 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
                 bar.update(tensor.nbytes)
         writer.close()
         write_index(tmp, shards, names)
-        config = hf_config or families.hf_config_from_model(model_cfg, _dtype_name(planned[0].dtype))
+        config = hf_config or family_of(model_cfg).config_to_hf(model_cfg, _dtype_name(planned[0].dtype))
         if out_dtype is not None:
             config = {**config, "torch_dtype": _dtype_name(out_dtype)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")

@@ -22,7 +22,7 @@ from typing import Iterable
 import torch
 
 from loongforge.config.errors import InputError
-from loongforge.models.qwen2_5_vl.hf_mapping import to_hub_style
+from loongforge.models.registry import family_of_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -90,7 +90,8 @@ def read_header(file: Path) -> tuple[dict, int]:
 class HFCheckpoint:
     """An HF model folder: ``config.json`` plus one safetensors file or an index of shards.
 
-    Tensors are addressed by their Hub-style names whichever style the files use.
+    Tensors are addressed by their Hub-style names whichever style the files use (the renaming is
+    the family's, the family the one ``config.json`` names).
     """
 
     def __init__(self, root: Path):
@@ -102,6 +103,7 @@ class HFCheckpoint:
             self.config = json.loads(config_file.read_text())
         except json.JSONDecodeError as exc:
             raise InputError(f"{config_file}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
+        self.family = family_of_hf_config(self.config, str(config_file))
         self.entries = self._scan()
 
     def _files(self) -> dict[str, list[str]]:
@@ -135,7 +137,7 @@ class HFCheckpoint:
                     continue
                 if info["dtype"] not in _ST_DTYPES:
                     raise InputError(f"{file}: tensor {key} has unsupported dtype {info['dtype']}")
-                hub_key = next(iter(to_hub_style({key: None})))
+                hub_key = next(iter(self.family.to_hub_style({key: None})))
                 entries[hub_key] = TensorEntry(file, key, _ST_DTYPES[info["dtype"]], tuple(info["shape"]),
                                                data_start + info["data_offsets"][0])
         return entries

@@ -16,7 +16,7 @@ import torch
 from loongforge.config.errors import InputError
 from loongforge.convert.engine import Link, build_links, check_hf_tensors, mcore_to_hf
 from loongforge.convert.hf_io import HFCheckpoint
-from loongforge.models.qwen2_5_vl.hf_mapping import VISION
+from loongforge.models.hf_rules import VISION
 
 
 def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:

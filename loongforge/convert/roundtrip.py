@@ -23,14 +23,12 @@ from typing import Callable, Optional
 
 import torch
 
-from loongforge.convert import families
 from loongforge.convert.engine import (
-    Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, to_hf)
+    Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, model_config_of, to_hf,
+    vocab_rows_at)
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
-from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
-from loongforge.models.qwen2_5_vl.hf_mapping import (
-    VISION, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab)
+from loongforge.models.hf_rules import VISION, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 
@@ -144,11 +142,11 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
     ``pp`` is checked against the model; every stage writes its layers one chunk per layer, so the
     files do not depend on it."""
     checkpoint = HFCheckpoint(Path(src))
-    model_cfg = families.model_config_from_hf(checkpoint.config, str(Path(src) / "config.json"))
+    model_cfg = model_config_of(checkpoint.config, str(Path(src) / "config.json"))
     hf_shapes = check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
     check_layout(model_cfg, tp, pp, vision_tp)
     vision_tp = vision_tp or tp
-    vocab_rows = padded_vocab_size(model_cfg.language.vocab_size, tp)
+    vocab_rows = vocab_rows_at(model_cfg, tp)
     report = RoundTripReport(str(src), tp, pp, vision_tp)
     links = build_links(model_cfg)
     shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)

@@ -25,33 +25,11 @@ sample_ids           list[str]                    "<file>:<line>" or "synthetic:
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import numpy as np
 import torch
 
-from loongforge.config.schema import ModelConfig
 from loongforge.data.measure import MaterializedSample
-from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
-
-
-@dataclass(frozen=True)
-class RopeSettings:
-    spatial_merge_size: int
-    image_token_id: int
-    video_token_id: int
-    vision_start_token_id: int
-    tokens_per_second: int
-
-    @classmethod
-    def from_model_config(cls, model_cfg: ModelConfig) -> "RopeSettings":
-        return cls(
-            spatial_merge_size=model_cfg.projector.spatial_merge_size,
-            image_token_id=model_cfg.tokens.image_token_id,
-            video_token_id=model_cfg.tokens.video_token_id,
-            vision_start_token_id=model_cfg.tokens.vision_start_token_id,
-            tokens_per_second=model_cfg.tokens_per_second,
-        )
+from loongforge.models.family import PositionIds
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -59,8 +37,10 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def collate_row(
-    row: list[MaterializedSample], *, pad_to_multiple: int, pad_token_id: int, rope: RopeSettings
+    row: list[MaterializedSample], *, pad_to_multiple: int, pad_token_id: int, position_ids: PositionIds
 ) -> dict:
+    """``position_ids``: the model family's per-sample rotary positions
+    (``ModelFamily.position_ids(model_cfg)``)."""
     if not row:
         raise ValueError("cannot collate an empty row")
     ids, labels, loss_mask, positions = [], [], [], []
@@ -69,7 +49,7 @@ def collate_row(
         ids.append(sample_ids)
         labels.append(sample_labels)
         loss_mask.append(sample_mask)
-        positions.append(_sample_positions(item, rope))
+        positions.append(_sample_positions(item, position_ids))
     lengths = [len(t) for t in ids]
     real_len = sum(lengths)
     total_len = round_up(real_len, pad_to_multiple)
@@ -105,18 +85,13 @@ def _shifted_targets(item: MaterializedSample) -> tuple[torch.Tensor, torch.Tens
     return ids, labels, loss_mask
 
 
-def _sample_positions(item: MaterializedSample, rope: RopeSettings) -> torch.Tensor:
+def _sample_positions(item: MaterializedSample, position_ids: PositionIds) -> torch.Tensor:
     sample = item.sample
-    return get_rope_index(
+    return position_ids(
         torch.from_numpy(sample.input_ids).long(),
         torch.tensor(sample.image_grids, dtype=torch.long) if sample.image_grids else None,
         torch.tensor([p.grid_thw for p in sample.video_plans], dtype=torch.long) if sample.video_plans else None,
         [p.second_per_grid_t for p in sample.video_plans] if sample.video_plans else None,
-        spatial_merge_size=rope.spatial_merge_size,
-        image_token_id=rope.image_token_id,
-        video_token_id=rope.video_token_id,
-        vision_start_token_id=rope.vision_start_token_id,
-        tokens_per_second=rope.tokens_per_second,
     )  # [3, L]
 
 

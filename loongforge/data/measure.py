@@ -32,6 +32,7 @@ from loongforge.data.vision import (
     probe_image_size,
     probe_video,
 )
+from loongforge.models.registry import get_family
 
 
 @dataclass
@@ -87,6 +88,7 @@ class SampleMeasurer:
         self.tokenizer = tokenizer
         self.data_cfg = data_cfg
         self.sizing = vision_sizing(data_cfg, model_cfg)
+        self.chat = get_family(model_cfg.family).chat
         self.tokens = model_cfg.tokens
         self.vision_token_ids = np.asarray(
             [self.tokens.image_token_id, self.tokens.video_token_id, self.tokens.vision_start_token_id,
@@ -100,7 +102,7 @@ class SampleMeasurer:
             video_plans = [self._video_plan(video) for video in sample.videos]
         except MediaError as error:
             return Reject(file=sample.file, line=sample.line, reason=error.reason, detail=error.detail)
-        chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None))
+        chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None, self.chat))
         try:
             input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_grids, video_plans)
         except ValueError as error:  # literal <|image_pad|> typed into the text

@@ -33,7 +33,7 @@ from loongforge.balance.apply import BalanceCounters, StepBalancer, sample_size
 from loongforge.balance.cost_model import token_count_model
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.collate import RopeSettings, collate_row
+from loongforge.data.collate import collate_row
 from loongforge.data.conversations import FileSamples
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
@@ -48,7 +48,8 @@ from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.samples import Reject
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
-from loongforge.parallel.data_groups import broadcast_object
+from loongforge.models.registry import get_family
+from loongforge.parallel.data_groups import DataGroups, broadcast_object
 
 STATE_VERSION = 1
 
@@ -222,7 +223,7 @@ class DataPipeline:
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
-                 groups: Optional["DataGroups"] = None):
+                 groups: Optional[DataGroups] = None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -234,7 +235,7 @@ class DataPipeline:
         self.global_batch_size = global_batch_size
         self.pad_to_multiple = pad_to_multiple
         self.pad_token_id = model_cfg.tokens.pad_token_id
-        self.rope = RopeSettings.from_model_config(model_cfg)
+        self.position_ids = get_family(model_cfg.family).position_ids(model_cfg)
         self.sizing = vision_sizing(data_cfg, model_cfg)
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
@@ -417,7 +418,7 @@ class DataPipeline:
 
     def _collate_materialized(self, materialized: list[MaterializedSample]) -> dict:
         return collate_row(materialized, pad_to_multiple=self.pad_to_multiple,
-                           pad_token_id=self.pad_token_id, rope=self.rope)
+                           pad_token_id=self.pad_token_id, position_ids=self.position_ids)
 
     def _collate(self, row: list[MeasuredSample]) -> dict:
         return self._collate_materialized(self._materialize(row))

@@ -1,15 +1,16 @@
-"""Qwen2-VL / Qwen2.5-VL chat format: render a conversation, tokenize it, mark answer tokens.
+"""Chat rendering: render a conversation in its model family's format, tokenize it, mark answers.
 
-The format (ChatML with vision markers)::
+The format's text (turn markers, vision blocks, the Jinja twin for ``apply_chat_template``) is the
+family's ``ChatFormat`` (``ModelFamily.chat``; Qwen2.5-VL's is ChatML with vision blocks)::
 
-    <|im_start|>system\\nYou are a helpful assistant.<|im_end|>\\n
-    <|im_start|>user\\n<|vision_start|><|image_pad|><|vision_end|>Who is he?<|im_end|>\\n
-    <|im_start|>assistant\\nHe's Thomas Muller.<|im_end|>\\n
+    {turn_start}system\\n{system prompt}{turn_end}\\n
+    {turn_start}user\\n{image_block}Who is he?{turn_end}\\n
+    {turn_start}assistant\\nHe's Thomas Muller.{turn_end}\\n
 
 A conversation without a leading system turn gets the default system prompt. Each image is one
-``<|image_pad|>`` in the text; after tokenization it is expanded to ``grid_t*grid_h*grid_w / 4``
-copies (one per merged 2x2 patch group), the processor's rule. Labels: the answer tokens of each
-assistant turn and its ``<|im_end|>``; not the role header, not the trailing newline.
+pad token in the text; after tokenization it is expanded to the image's LLM token count (one per
+merged patch group), the processor's rule. Labels: the answer tokens of each assistant turn and
+its ``turn_end``; not the role header, not the trailing newline.
 """
 
 from __future__ import annotations
@@ -18,38 +19,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from loongforge.models.family import ChatFormat
+
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
-IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"
-VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
-IM_START, IM_END = "<|im_start|>", "<|im_end|>"
-
-# Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
-# content-part form ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}).
-# No whitespace control: HF renders with trim_blocks, and no newline here follows a block tag.
-QWEN2_VL_CHAT_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}"
-    "{{ part['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 
 @dataclass(frozen=True)
@@ -68,8 +41,8 @@ class RenderedChat:
     label_spans: list[tuple[int, int]]  # [start, end) character offsets into text
 
 
-def render_chat(turns: list[Turn], default_system_prompt: str | None) -> RenderedChat:
-    """Render in Qwen's format; labels span each answer and its ``<|im_end|>``."""
+def render_chat(turns: list[Turn], default_system_prompt: str | None, chat: ChatFormat) -> RenderedChat:
+    """Render in the family's format; labels span each answer and its ``turn_end``."""
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     length = 0
@@ -80,20 +53,20 @@ def render_chat(turns: list[Turn], default_system_prompt: str | None) -> Rendere
         length += len(piece)
 
     if turns and turns[0].role != "system" and default_system_prompt is not None:
-        emit(f"{IM_START}system\n{default_system_prompt}{IM_END}\n")
+        emit(f"{chat.turn_start}system\n{default_system_prompt}{chat.turn_end}\n")
     for turn in turns:
-        emit(f"{IM_START}{turn.role}\n")
+        emit(f"{chat.turn_start}{turn.role}\n")
         start = length
-        emit(expand_placeholders(turn.text) + IM_END)
+        emit(expand_placeholders(turn.text, chat) + chat.turn_end)
         if turn.role == "assistant":
             spans.append((start, length))
         emit("\n")
     return RenderedChat(text="".join(pieces), label_spans=spans)
 
 
-def expand_placeholders(text: str) -> str:
-    """``<image>`` -> one vision block with a single ``<|image_pad|>`` (expanded after tokenizing)."""
-    return text.replace(IMAGE_PLACEHOLDER, IMAGE_BLOCK).replace(VIDEO_PLACEHOLDER, VIDEO_BLOCK)
+def expand_placeholders(text: str, chat: ChatFormat) -> str:
+    """``<image>`` -> one vision block with a single pad token (expanded after tokenizing)."""
+    return text.replace(IMAGE_PLACEHOLDER, chat.image_block).replace(VIDEO_PLACEHOLDER, chat.video_block)
 
 
 def turns_to_hf_messages(turns: list[Turn]) -> list[dict]:

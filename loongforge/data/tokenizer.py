@@ -19,8 +19,6 @@ from pathlib import Path
 
 from transformers import PreTrainedTokenizerFast
 
-from loongforge.data.template import QWEN2_VL_CHAT_TEMPLATE
-
 # Bump when the builder's output changes, so stale caches are not reused.
 _BUILDER_VERSION = 1
 
@@ -61,10 +59,13 @@ _NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>
                 "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
 
 
-def load_tokenizer(spec: str) -> PreTrainedTokenizerFast:
-    """``"qwen"`` -> Qwen2's tokenizer built offline; anything else -> local HF tokenizer dir."""
+def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """``"qwen"`` -> Qwen2's tokenizer built offline; anything else -> local HF tokenizer dir.
+
+    ``chat_template`` (a family's ``ChatFormat.jinja_template``) is given to the offline tokenizer,
+    which ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""
     if spec == "qwen":
-        return _load_qwen_tokenizer()
+        return _load_qwen_tokenizer(chat_template)
     if not Path(spec).is_dir():
         raise FileNotFoundError(
             f"data.tokenizer={spec!r} is neither 'qwen' nor a local tokenizer directory"
@@ -97,14 +98,14 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _load_qwen_tokenizer() -> PreTrainedTokenizerFast:
+def _load_qwen_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
     ranks_path = qwen_ranks_path()
     digest = hashlib.sha256(ranks_path.read_bytes()).hexdigest()[:16]
     cached = _cache_dir() / f"qwen2_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
     if not cached.exists():
         backend = build_qwen2_backend(read_tiktoken_ranks(ranks_path))
         _atomic_write_text(cached, backend.to_str())
-    return _wrap_fast(str(cached))
+    return _wrap_fast(str(cached), chat_template)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -195,7 +196,7 @@ def _add_special_tokens(backend, num_ranks: int) -> None:
         assert backend.token_to_id(token) == QWEN2_SPECIAL_START_ID + offset, token
 
 
-def _wrap_fast(tokenizer_file: str) -> PreTrainedTokenizerFast:
+def _wrap_fast(tokenizer_file: str, chat_template: str | None) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=tokenizer_file,
         eos_token="<|im_end|>",
@@ -206,5 +207,5 @@ def _wrap_fast(tokenizer_file: str) -> PreTrainedTokenizerFast:
         model_max_length=int(1e30),  # no length warnings: the pipeline enforces seq_len itself
         split_special_tokens=False,
     )
-    tokenizer.chat_template = QWEN2_VL_CHAT_TEMPLATE
+    tokenizer.chat_template = chat_template
     return tokenizer

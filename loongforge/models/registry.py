@@ -1,28 +1,46 @@
-"""Model families by name: ``model.family`` in a config selects the builder.
+"""Model families by name: ``model.family`` in a config selects a ``ModelFamily``.
 
-The table holds import paths, not modules, so that importing the registry does not import every
-model (and megatron-core) up front.
+The only module outside ``loongforge/models/<family>/`` that imports a family folder. Adding a
+family is its folder (exporting ``FAMILY``) and one line in ``_FAMILIES``. Families are imported
+when first asked for, so that looking one up does not import every model.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib
-from typing import Callable
+from typing import Any, Mapping
 
-# family -> "module:function" of a builder with build_model's signature
-_BUILDERS: dict[str, str] = {
-    "qwen2_5_vl": "loongforge.models.qwen2_5_vl.model:build_model",
+from loongforge.config.errors import ConfigError, InputError
+from loongforge.models.family import ModelFamily
+
+# family name -> the package whose FAMILY it is
+_FAMILIES: dict[str, str] = {
+    "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
 }
 
 
 def families() -> list[str]:
-    return sorted(_BUILDERS)
+    return sorted(_FAMILIES)
 
 
-def get_builder(family: str) -> Callable:
-    """The ``build_model(model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device,
-    recompute_activations, init_seed)`` of a model family."""
-    if family not in _BUILDERS:
-        raise ValueError(f"model.family={family!r} is not one of {', '.join(families())}")
-    module_name, _, function_name = _BUILDERS[family].partition(":")
-    return getattr(importlib.import_module(module_name), function_name)
+def get_family(name: str, key: str = "model.family") -> ModelFamily:
+    """The family ``name``; a one-line ConfigError naming ``key`` (and the nearest name) if unknown."""
+    if name not in _FAMILIES:
+        close = difflib.get_close_matches(str(name), families(), n=1, cutoff=0.5)
+        hint = f" did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{key}='{name}' is not one of {' | '.join(families())};{hint} "
+                          f"set {key} to one of those.")
+    return importlib.import_module(_FAMILIES[name]).FAMILY
+
+
+def family_of_hf_config(hf_config: Mapping[str, Any], where: str) -> ModelFamily:
+    """The family that reads an HF ``config.json``; InputError naming what was found otherwise."""
+    for name in families():
+        family = get_family(name)
+        if family.reads_hf_config(hf_config):
+            return family
+    architectures = hf_config.get("architectures") or []
+    found = ", ".join(architectures) or f"model_type={hf_config.get('model_type')!r}"
+    supported = ", ".join(sorted(a for name in families() for a in get_family(name).hf_architectures))
+    raise InputError(f"{where}: unsupported architecture {found}; loongforge convert reads {supported}")

@@ -33,7 +33,6 @@ from loongforge.convert.checkpoint_folders import (
     META_FILE,
     MODEL_ONLY_KIND,
     checkpoint_candidates,
-    latest_checkpoint,
     step_dir_name,
 )
 from loongforge.models.state_dict_names import separate_name

@@ -2,7 +2,7 @@
 
 Pure arithmetic over a validated RunConfig, no torch: it has to work for a 72B preset on a laptop.
 Parameter counts come from the model family's own arithmetic
-(``loongforge.models.qwen2_5_vl.params.count_parameters``), split into the parts pipeline stages
+(``ModelFamily.count_parameters``), split into the parts pipeline stages
 hold by counting the model again without its decoder layers.
 """
 
@@ -13,13 +13,13 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
 from loongforge.config.schema import ModelConfig, RunConfig
-from loongforge.models.qwen2_5_vl.params import count_parameters
+from loongforge.models.registry import get_family
 
 GIB = 1024**3
 
 
 def total_parameters(model: ModelConfig) -> int:
-    return int(count_parameters(model)["total"])
+    return int(get_family(model.family).count_parameters(model)["total"])
 
 
 @dataclass(frozen=True)

@@ -34,10 +34,10 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable, Mapping
+from typing import Callable
 
 from loongforge.config.errors import ConfigError, InputError, LaunchError
-from loongforge.parallel.launch_env import external_launch_world_size, needs_local_workers, resolve_world_size
+from loongforge.parallel.launch_env import needs_local_workers
 from loongforge.config.schema import RunConfig
 from loongforge.train.runner import run_training
 

@@ -30,7 +30,7 @@ from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_na
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
 from loongforge.models.layer_backend import resolve_layer_backend
-from loongforge.models.registry import get_builder
+from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.data_groups import build_data_groups
 from loongforge.parallel.distributed import (
@@ -103,7 +103,7 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
         finalize_model_grads,
     )
 
-    model = get_builder(cfg.model.family)(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
+    model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
                         init_seed=cfg.training.seed)
@@ -226,7 +226,7 @@ class _Run:
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
-    validate(cfg, world_size=env.world_size)
+    validate(cfg, world_size=env.world_size, layout=get_family(cfg.model.family).layout)
     check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
     # An impossible model.layer_backend is a config error before anything is written or built.
     resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])

@@ -3,8 +3,6 @@ staging folders of killed conversions (SIGKILL) are removed by the next one."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import sys
 from pathlib import Path

@@ -1,7 +1,6 @@
 """Shared fixtures: the offline Qwen tokenizer and the real demo data (read-only)."""
 
 import json
-import os
 import shutil
 from pathlib import Path
 
@@ -24,8 +23,10 @@ def require(path: Path) -> Path:
 @pytest.fixture(scope="session")
 def tokenizer():
     from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.models.registry import get_family
 
-    return load_tokenizer("qwen")
+    # With the family's chat template, so tests can compare against apply_chat_template.
+    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat.jinja_template)
 
 
 def good_record(image="img.jpg"):

@@ -8,7 +8,8 @@ from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import SampleMeasurer
 from loongforge.data.samples import ConversationSample
-from loongforge.data.template import QWEN2_VL_CHAT_TEMPLATE, Turn, render_chat, turns_to_hf_messages
+from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
+from loongforge.models.registry import get_family
 from tests.data.conftest import LLAMAFACTORY, LOONGFORGE_VLM, require
 
 DEMO_FILES = [
@@ -19,6 +20,7 @@ DEMO_FILES = [
     LOONGFORGE_VLM / "mllm_demo.json",
 ]
 SYSTEM = "You are a helpful assistant."
+CHAT = get_family("qwen2_5_vl").chat
 
 
 def _demo_samples():
@@ -34,7 +36,7 @@ def test_rendered_text_equals_apply_chat_template(tokenizer):
         [Turn("user", "<image>\n<video>Compare."), Turn("assistant", "  spaced  \n\nanswer ")],
     ]
     for turns in [s.turns for s in samples] + extra:
-        ours = render_chat(turns, SYSTEM).text
+        ours = render_chat(turns, SYSTEM, CHAT).text
         assert ours == tokenizer.apply_chat_template(turns_to_hf_messages(turns), tokenize=False)
 
 
@@ -42,7 +44,7 @@ def test_template_generation_prompt(tokenizer):
     text = tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
                                          add_generation_prompt=True)
     assert text == f"<|im_start|>system\n{SYSTEM}<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
-    assert tokenizer.chat_template == QWEN2_VL_CHAT_TEMPLATE
+    assert tokenizer.chat_template == CHAT.jinja_template
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,7 @@ def test_token_ids_equal_transformers_processing(tokenizer, measurer):
 def test_answer_starting_with_newlines_keeps_prompt_unlabelled(tokenizer, measurer):
     sample = ConversationSample("t:1", "t", 1, [Turn("user", "Q"), Turn("assistant", "\n\nA")])
     measured = measurer.measure(sample)
-    text = render_chat(sample.turns, SYSTEM).text
+    text = render_chat(sample.turns, SYSTEM, CHAT).text
     assert measured.input_ids.tolist() == tokenizer(text, add_special_tokens=False)["input_ids"]
     # Whatever BPE merged across the boundary is not labelled: labels never include the header.
     assert "assistant" not in tokenizer.decode(measured.input_ids[measured.is_answer])

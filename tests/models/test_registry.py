@@ -1,14 +1,66 @@
+"""The model-family contract: every registered family provides every field; unknown names say what to type."""
+
+import dataclasses
+import typing
+
 import pytest
 
+from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.layout import LayoutRule
+from loongforge.config.schema import ModelConfig
 from loongforge.models import registry
+from loongforge.models.family import ChatFormat, ModelFamily
 from loongforge.models.qwen2_5_vl.model import build_model
 
+# Fields that hold data; every other field is a function of the family.
+_VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "chat": ChatFormat,
+           "layout": LayoutRule}
 
-def test_qwen2_5_vl_is_registered():
-    assert registry.get_builder("qwen2_5_vl") is build_model
-    assert "qwen2_5_vl" in registry.families()
+
+@pytest.mark.parametrize("name", registry.families())
+def test_every_family_provides_every_field(name):
+    family = registry.get_family(name)
+    assert isinstance(family, ModelFamily) and family.name == name
+    for field in dataclasses.fields(ModelFamily):
+        value = getattr(family, field.name)
+        if field.name in _VALUES:
+            assert isinstance(value, _VALUES[field.name]), field.name
+        else:
+            assert callable(value), f"{name}: ModelFamily.{field.name} is not callable"
+    assert family.hf_architectures and family.hf_model_types
+    assert all(isinstance(v, str) and v for v in dataclasses.astuple(family.chat))
 
 
-def test_unknown_family_names_the_key():
-    with pytest.raises(ValueError, match="model.family='llama'"):
-        registry.get_builder("llama")
+@pytest.mark.parametrize("name", registry.families())
+def test_every_family_reads_the_config_it_writes(name):
+    family = registry.get_family(name)
+    model_cfg = ModelConfig(family=name)
+    hf_config = family.config_to_hf(model_cfg)
+    assert registry.family_of_hf_config(hf_config, "config.json") is family
+    assert family.config_from_hf(hf_config, "config.json").family == name
+    assert family.count_parameters(model_cfg)["total"] > 0
+
+
+def test_the_contract_lists_what_the_test_checks():
+    assert set(_VALUES) <= {f.name for f in dataclasses.fields(ModelFamily)}
+    hints = typing.get_type_hints(ModelFamily)
+    assert all(hints[name] is not typing.Any for name in hints)
+
+
+def test_qwen2_5_vl_builds_through_its_family():
+    assert registry.get_family("qwen2_5_vl").build.resolve() is build_model
+
+
+def test_unknown_family_names_the_key_and_the_nearest_name():
+    with pytest.raises(ConfigError) as error:
+        registry.get_family("qwen25_vl")
+    (message,) = error.value.messages
+    assert message == ("model.family='qwen25_vl' is not one of qwen2_5_vl; did you mean 'qwen2_5_vl'? "
+                       "set model.family to one of those.")
+    with pytest.raises(ConfigError, match=r"^model.family='llama' is not one of qwen2_5_vl; set"):
+        registry.get_family("llama")
+
+
+def test_unsupported_hf_architecture_names_what_was_found():
+    with pytest.raises(InputError, match=r"x/config.json: unsupported architecture LlamaForCausalLM"):
+        registry.family_of_hf_config({"architectures": ["LlamaForCausalLM"]}, "x/config.json")

@@ -7,38 +7,24 @@ fusions that need CUDA kernels) are in ``_common``.
 
 from __future__ import annotations
 
-import math
-
 import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loongforge.config import layout
 from loongforge.config.schema import ModelConfig, ParallelConfig
-
-# Megatron pads the vocabulary so the output GEMM splits evenly and stays aligned; 128 keeps Qwen's
-# vocabularies (151936 = 128*1187, 152064 = 128*1188) unpadded at every power-of-two TP size,
-# so checkpoints do not change shape with TP.
-VOCAB_PAD_MULTIPLE = 128
+from loongforge.models.hf_rules import padded_vocab_size  # noqa: F401  (model.py sizes its vocabulary with it)
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu}
 
 
-def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
-    """Smallest size >= vocab_size divisible by lcm(VOCAB_PAD_MULTIPLE, TP)."""
-    multiple = math.lcm(VOCAB_PAD_MULTIPLE, tensor_parallel_size)
-    return -(-vocab_size // multiple) * multiple
-
-
 def vision_tensor_parallel_size(parallel_cfg: ParallelConfig) -> int:
-    """``parallel.vision_tensor_model_parallel_size`` with ``None`` meaning "same as language"."""
-    language_tp = parallel_cfg.tensor_model_parallel_size
-    vision_tp = parallel_cfg.vision_tensor_model_parallel_size or language_tp
-    if language_tp % vision_tp != 0:
-        raise ValueError(
-            f"parallel.vision_tensor_model_parallel_size={vision_tp} must divide "
-            f"parallel.tensor_model_parallel_size={language_tp}"
-        )
-    return vision_tp
+    """``parallel.vision_tensor_model_parallel_size`` with ``None`` meaning "same as language".
+
+    Whether the layout fits is the family's layout rule (``config.layout.layout_problems``),
+    checked when the config is validated; ``build_vision_tp_group`` still refuses a size it
+    cannot cut groups for."""
+    return layout.vision_tensor_parallel_size(parallel_cfg)
 
 
 def _activation(name: str, key: str):

@@ -1,7 +1,7 @@
 """Weight map between transformers' Qwen2.5-VL checkpoints and ``Qwen2_5_VLModel``.
 
 One declarative table, ``mapping_rules(model_cfg)``: each ``Rule`` pairs HF key(s) with one of our
-keys and a ``Transform`` that knows both directions (full HF tensors -> this TP rank's shard, and
+keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both directions (full HF tensors -> this TP rank's shard, and
 all ranks' shards -> full HF tensors). ``hf_to_megatron`` and ``megatron_to_hf`` only walk the table.
 
 HF keys come in two styles: the Hub's (``visual.*``, ``model.layers.*``, ``model.embed_tokens``,
@@ -25,166 +25,31 @@ Layouts that are not a plain copy:
 
 from __future__ import annotations
 
-import abc
 import re
-from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.qwen2_5_vl.configs import padded_vocab_size
+from loongforge.models.hf_rules import (  # noqa: F401  (Transform, Vocab: re-exported for callers of this table)
+    LANGUAGE,
+    VISION,
+    FusedHeadQKV,
+    GateUp,
+    GroupedQKV,
+    PatchEmbedding,
+    Replicated,
+    Rule,
+    Split,
+    Tensor,
+    Transform,
+    Vocab,
+)
 from loongforge.models.state_dict_names import fused_name
-
-Tensor = torch.Tensor
-LANGUAGE, VISION = "language", "vision"
-
-
-# ---------------------------------------------------------------------------------------------
-# Transforms: shard (HF full tensors -> one rank's tensor) and unshard (all ranks -> HF tensors)
-# ---------------------------------------------------------------------------------------------
-
-
-class Transform(abc.ABC):
-    """How one megatron tensor is made from HF tensors (``shard``) and back (``unshard``)."""
-
-    @abc.abstractmethod
-    def shard(self, hf: Sequence[Tensor], rank: int, size: int) -> Tensor:
-        """HF full tensors -> this TP rank's megatron tensor."""
-
-    @abc.abstractmethod
-    def unshard(self, shards: Sequence[Tensor]) -> list[Tensor]:
-        """Every TP rank's megatron tensor -> the HF full tensors."""
-
-
-class Replicated(Transform):
-    """Same tensor on every rank (norms, row-parallel biases)."""
-
-    def shard(self, hf, rank, size):
-        return hf[0]
-
-    def unshard(self, shards):
-        return [shards[0]]
-
-
-@dataclass(frozen=True)
-class Split(Transform):
-    """Column-parallel (dim 0) or row-parallel (dim 1) split into equal contiguous chunks."""
-
-    dim: int
-
-    def shard(self, hf, rank, size):
-        return _chunk(hf[0], size, self.dim)[rank]
-
-    def unshard(self, shards):
-        return [torch.cat(list(shards), dim=self.dim)]
-
-
-@dataclass(frozen=True)
-class Vocab(Transform):
-    """Embedding / output rows: pad the vocabulary with zero rows, then split along dim 0."""
-
-    vocab_size: int
-
-    def shard(self, hf, rank, size):
-        full = hf[0][: self.vocab_size]
-        padding = full.new_zeros(padded_vocab_size(self.vocab_size, size) - full.shape[0], *full.shape[1:])
-        return _chunk(torch.cat([full, padding]), size, 0)[rank]
-
-    def unshard(self, shards):
-        return [torch.cat(list(shards))[: self.vocab_size]]
-
-
-@dataclass(frozen=True)
-class GroupedQKV(Transform):
-    """HF q, k, v (weights [out, in] or biases [out]) <-> megatron's per-group interleaved qkv."""
-
-    num_heads: int
-    num_groups: int
-    head_dim: int
-
-    def shard(self, hf, rank, size):
-        return _chunk(self.interleave(*hf), size, 0)[rank]
-
-    def unshard(self, shards):
-        return self.deinterleave(torch.cat(list(shards)))
-
-    def interleave(self, q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-        g, r, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
-        rest = q.shape[1:]
-        # [g, r*d | d | d, ...] -> [g*(r+2)*d, ...]
-        return torch.cat(
-            [q.reshape(g, r * d, *rest), k.reshape(g, d, *rest), v.reshape(g, d, *rest)], dim=1
-        ).reshape(g * (r + 2) * d, *rest)
-
-    def deinterleave(self, qkv: Tensor) -> list[Tensor]:
-        g, r, d = self.num_groups, self.num_heads // self.num_groups, self.head_dim
-        rest = qkv.shape[1:]
-        q, k, v = qkv.reshape(g, (r + 2) * d, *rest).split([r * d, d, d], dim=1)
-        return [q.reshape(g * r * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
-
-
-@dataclass(frozen=True)
-class FusedHeadQKV(Transform):
-    """HF vision qkv [3*heads*hd, ...] ordered (q|k|v, head) <-> megatron (head, q|k|v)."""
-
-    num_heads: int
-    head_dim: int
-
-    def shard(self, hf, rank, size):
-        x = hf[0]
-        per_head = x.reshape(3, self.num_heads, self.head_dim, *x.shape[1:]).transpose(0, 1)
-        return _chunk(per_head.reshape(x.shape), size, 0)[rank]
-
-    def unshard(self, shards):
-        x = torch.cat(list(shards))
-        return [x.reshape(self.num_heads, 3, self.head_dim, *x.shape[1:]).transpose(0, 1).reshape(x.shape)]
-
-
-class GateUp(Transform):
-    """HF gate_proj, up_proj <-> megatron linear_fc1 holding [gate shard, up shard] per rank."""
-
-    def shard(self, hf, rank, size):
-        gate, up = hf
-        return torch.cat([_chunk(gate, size, 0)[rank], _chunk(up, size, 0)[rank]])
-
-    def unshard(self, shards):
-        gates, ups = zip(*(shard.chunk(2, dim=0) for shard in shards))
-        return [torch.cat(gates), torch.cat(ups)]
-
-
-class PatchEmbedding(Transform):
-    """Conv3d weight [hidden, C, T, p, p] <-> Linear weight [hidden, C*T*p*p] (replicated)."""
-
-    def __init__(self, conv_shape: tuple[int, ...]):
-        self.conv_shape = conv_shape
-
-    def shard(self, hf, rank, size):
-        return hf[0].reshape(hf[0].shape[0], -1)
-
-    def unshard(self, shards):
-        return [shards[0].reshape(self.conv_shape)]
-
-
-def _chunk(x: Tensor, parts: int, dim: int) -> tuple[Tensor, ...]:
-    if x.shape[dim] % parts != 0:
-        raise ValueError(f"cannot split a dimension of {x.shape[dim]} into {parts} TP shards")
-    return x.chunk(parts, dim=dim)
-
 
 # ---------------------------------------------------------------------------------------------
 # The table
 # ---------------------------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Rule:
-    hf: tuple[str, ...]  # Hub-style key pattern(s); several when megatron fuses tensors
-    megatron: str  # our key pattern
-    transform: Transform
-    group: str  # LANGUAGE or VISION: which TP group shards it
-    # HF key to read when ``hf`` is absent (a tied checkpoint has no lm_head.weight).
-    fallback_hf: Optional[str] = None
 
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:

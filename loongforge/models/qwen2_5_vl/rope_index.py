@@ -2,7 +2,24 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
+
+from loongforge.config.schema import ModelConfig
+
+
+def position_ids_for(model_cfg: ModelConfig):
+    """``get_rope_index`` with this model's merge size, vision token ids and video time scale
+    bound: the family's ``position_ids`` (a partial, so data workers can pickle it)."""
+    return functools.partial(
+        get_rope_index,
+        spatial_merge_size=model_cfg.projector.spatial_merge_size,
+        image_token_id=model_cfg.tokens.image_token_id,
+        video_token_id=model_cfg.tokens.video_token_id,
+        vision_start_token_id=model_cfg.tokens.vision_start_token_id,
+        tokens_per_second=model_cfg.tokens_per_second,
+    )
 
 
 def get_rope_index(

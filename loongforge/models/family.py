@@ -1,0 +1,96 @@
+"""The model-family contract: everything the rest of loongforge needs from a family, in one object.
+
+A family folder (``loongforge/models/<name>/``) exports one ``ModelFamily`` as ``FAMILY``;
+``loongforge.models.registry`` maps ``model.family`` to it, and nothing else imports the folder.
+Training builds the model through ``build``, ``loongforge convert`` reads and writes HF checkpoints
+through the HF fields, the data pipeline and the profile sweep compute rotary positions through
+``position_ids``, the dry-run plan counts parameters through ``count_parameters``, tokenizing and
+chat rendering use ``chat``, and every layout check asks ``layout``.
+
+Fields are plain values and functions so that a family is data: a test walks every registered
+family and checks each field is there and callable where it should be.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass
+from typing import Any, Callable, Mapping, Optional
+
+import torch
+
+from loongforge.config.layout import LayoutRule
+from loongforge.config.schema import ModelConfig
+from loongforge.models.hf_rules import Rule
+
+# (input_ids [L], image_grid_thw [n, 3] | None, video_grid_thw [m, 3] | None,
+#  second_per_grid_ts [m] | None) -> rotary position ids [3, L] of one sample.
+PositionIds = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[list]], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class LazyFunction:
+    """A function named by ``"module:function"``, imported at its first call.
+
+    A family's ``build`` imports megatron-core (seconds); looking a family up for its parameter
+    count or its HF facts should not."""
+
+    path: str
+
+    def resolve(self) -> Callable:
+        module_name, _, function_name = self.path.partition(":")
+        return getattr(importlib.import_module(module_name), function_name)
+
+    def __call__(self, *args, **kwargs):
+        return self.resolve()(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class ChatFormat:
+    """How a family's processor turns a conversation into text (the data side's family facts).
+
+    ``data.template`` renders turns as ``turn_start + role + "\\n" + text + turn_end + "\\n"``,
+    with each media placeholder replaced by its block; the pad token inside a block is expanded
+    to the media item's token count after tokenizing (ids in ``model.tokens``)."""
+
+    turn_start: str
+    turn_end: str
+    image_block: str  # one image in the text, holding a single image pad token
+    video_block: str
+    jinja_template: str  # the same format for ``tokenizer.apply_chat_template``
+
+
+@dataclass(frozen=True)
+class ModelFamily:
+    """One model family. ``model_cfg`` below is the run's ``ModelConfig`` (``cfg.model``)."""
+
+    name: str  # the ``model.family`` value that selects it
+    hf_architectures: tuple[str, ...]  # config.json ``architectures`` entries it reads
+    hf_model_types: tuple[str, ...]  # config.json ``model_type`` values it reads
+    # (HF config.json dict, where it came from for errors) -> ModelConfig
+    config_from_hf: Callable[[Mapping[str, Any], str], ModelConfig]
+    # (ModelConfig, dtype name) -> a Hub-style config.json dict
+    config_to_hf: Callable[..., dict]
+    # ModelConfig -> Hub-style HF tensor name -> shape
+    hf_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
+    # ModelConfig -> the weight map's rows (``loongforge.models.hf_rules``)
+    hf_rules: Callable[[ModelConfig], list[Rule]]
+    # {HF key: tensor} in any key style the family reads -> the Hub style it writes
+    to_hub_style: Callable[[Mapping[str, Any]], dict]
+    # (vocab_size, TP size) -> rows of the embedding and output layer
+    padded_vocab_size: Callable[[int, int], int]
+    # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
+    # rank's pipeline stage; collective, needs megatron's parallel state
+    build: Callable[..., torch.nn.Module]
+    # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
+    count_parameters: Callable[[ModelConfig], dict[str, int]]
+    # ModelConfig -> the per-sample rotary position function (picklable)
+    position_ids: Callable[[ModelConfig], PositionIds]
+    chat: ChatFormat
+    layout: LayoutRule
+
+    def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
+        """Whether an HF config.json names this family, by an architecture or by its model_type."""
+        architectures = hf_config.get("architectures") or []
+        return (any(name in self.hf_architectures for name in architectures)
+                or hf_config.get("model_type") in self.hf_model_types)
