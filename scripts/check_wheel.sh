@@ -16,7 +16,8 @@ trap 'rm -rf "$WORK"' EXIT
 
 # Build with the interpreter's own setuptools when it has one (offline), else in pip's isolated build env.
 isolation=()
-if "$PY" -c 'import setuptools.build_meta' 2> /dev/null; then
+# (pyproject's build-system wants setuptools >= 77, for the PEP 639 license string).
+if "$PY" -c 'import setuptools, sys; sys.exit(int(setuptools.__version__.split(".")[0]) < 77)' 2> /dev/null; then
   isolation=(--no-build-isolation)
 fi
 # From a copy of what the wheel is built from, so the build leaves nothing in the checkout.
