@@ -112,7 +112,8 @@ def main() -> None:
     print("| run | peak RSS (GiB) | wall (s) |\n|---|---|---|")
     for name, run in runs.items():
         print(f"| {name} | {run['peak_rss_bytes'] / gib:.2f} | {run['wall_s']:.0f} |")
-    print(f"round trip in memory: {roundtrip['counts']} exact={roundtrip['exact']}")
+    print(f"round trip (HF -> sharded torch_dist in a temp folder -> HF): {roundtrip['counts']} "
+          f"exact={roundtrip['exact']}")
     for name, run in runs.items():
         if run["summary"]:
             print(f"{name}: {run['summary']}")
