@@ -15,17 +15,20 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Any, Callable, Mapping, Optional
-
-import torch
+from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import Rule
+
+if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
+    import torch
+
+    from loongforge.models.hf_rules import Rule
 
 # (input_ids [L], image_grid_thw [n, 3] | None, video_grid_thw [m, 3] | None,
 #  second_per_grid_ts [m] | None) -> rotary position ids [3, L] of one sample.
-PositionIds = Callable[[torch.Tensor, Optional[torch.Tensor], Optional[torch.Tensor], Optional[list]], torch.Tensor]
+PositionIds = Callable[["torch.Tensor", Optional["torch.Tensor"], Optional["torch.Tensor"], Optional[list]],
+                       "torch.Tensor"]
 
 
 @dataclass(frozen=True)
@@ -81,7 +84,7 @@ class ModelFamily:
     padded_vocab_size: Callable[[int, int], int]
     # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
     # rank's pipeline stage; collective, needs megatron's parallel state
-    build: Callable[..., torch.nn.Module]
+    build: Callable[..., "torch.nn.Module"]
     # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
     count_parameters: Callable[[ModelConfig], dict[str, int]]
     # ModelConfig -> the per-sample rotary position function (picklable)
