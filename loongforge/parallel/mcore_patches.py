@@ -8,7 +8,8 @@ Two groups, each applied for a reason the caller states, never process-wide by d
   callable so that *while it runs* CUDA device queries resolve to the CPU (``cpu_device_scope``).
   ``apply_cpu()`` installs them because the run's device is the CPU (``training.device=cpu``, or
   ``auto`` without CUDA), whether or not a GPU is visible; a CUDA run never calls it and runs
-  megatron-core untouched.
+  megatron-core untouched. One CPU patch is numerical, not about devices: the grad norm accumulates
+  in float64 (megatron's float32 fallback drifted with the TP shard size, ``_float64_l2_norm``).
 * ``CHECKPOINT_LOAD_PATCHES``: fixes needed only while a checkpoint is read, on any device;
   ``scoped(CHECKPOINT_LOAD_PATCHES)`` installs them for the duration of the load and restores the
   originals afterwards, even on error.
@@ -118,6 +119,31 @@ def _ignore_cuda_rng_state(*args: Any, **kwargs: Any) -> None:
     return None
 
 
+def _float64_l2_norm(original: Callable) -> Callable:
+    """The grad-norm kernel (``l2_norm_impl``) accumulating in float64.
+
+    Without apex or Transformer Engine megatron-core computes the norm with
+    ``local_multi_tensor_l2_norm``: ``torch.norm`` per gradient, in float32. On the CPU that
+    reduction loses precision with the tensor's length (measured: -2.6e-5 relative on the tiny
+    preset's 19.4M-element embedding gradient, -1.1e-5 on the whole norm), and the error depends on
+    how the tensor is sharded, so clipping and the logged norm changed with the TP layout while the
+    gradients agreed to 1e-7. Accumulated in float64, the same gradients give the same norm at every
+    layout (measured within 1e-7 of TP 1 at TP 2, TP 4, PP 2 and DP 2).
+    Same contract as apex's kernel: ``(norm tensor [1], per-tensor norms or None)``.
+    """
+
+    @functools.wraps(original)
+    def l2_norm(chunk_size, noop_flag, tensor_lists, per_tensor, *args):
+        if per_tensor:  # megatron's grad norm never asks for per-tensor norms
+            return original(chunk_size, noop_flag, tensor_lists, per_tensor, *args)
+        squares = torch.zeros(1, dtype=torch.float64)
+        for tensor in tensor_lists[0]:
+            squares += torch.linalg.vector_norm(tensor, dtype=torch.float64).square()
+        return squares.sqrt(), None
+
+    return l2_norm
+
+
 CPU_PATCHES: list[Patch] = [
     # Model side.
     Patch(
@@ -170,6 +196,13 @@ CPU_PATCHES: list[Patch] = [
         attribute="_set_cuda_rng_state",
         why="activation recompute restores the CUDA RNG state before re-running a layer (random.py:457)",
         wrap=lambda original: _ignore_cuda_rng_state,
+    ),
+    Patch(
+        name="grad_norm_float64",
+        owner_path="megatron.core.optimizer.clip_grads",
+        attribute="l2_norm_impl",
+        why="local_multi_tensor_l2_norm's float32 torch.norm drifts 1e-5 with the TP shard size (utils.py:1205)",
+        wrap=_float64_l2_norm,
     ),
     Patch(
         name="clip_grads_grad_type",

@@ -2,7 +2,7 @@
 
 Runs megatron-core's own counting rule (``param_is_not_tensor_parallel_duplicate``) over the ranks
 of one language-TP group, without processes; the end-to-end check with real groups and a real
-optimizer is ``tests/train/test_training.py::test_vision_tp_below_language_tp_counts_each_vision_shard_once``.
+optimizer is the ``tp4-vision-tp2-sp-recompute`` job of ``tests/train/test_layout_invariance.py``.
 """
 
 import pytest

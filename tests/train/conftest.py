@@ -87,15 +87,3 @@ def baseline_run(tmp_path_factory) -> Path:
     run_train(out)
     return out
 
-
-# Language TP 4 needs a query-group count divisible by 4 (the tiny preset has 2); two steps suffice
-# to see a grad norm, the clipped update it drives, and the next step's norm and loss.
-FOUR_KV_GROUPS = ("model.language.num_query_groups=4", "training.train_steps=2")
-
-
-@pytest.fixture(scope="session")
-def baseline_run_4_kv_groups(tmp_path_factory) -> Path:
-    """The reference for language TP 4: one process, TP1 PP1 DP1, 4 KV groups, 2 steps of 4 rows."""
-    out = tmp_path_factory.mktemp("baseline_4_kv_groups")
-    run_train(out, *FOUR_KV_GROUPS)
-    return out

@@ -1,4 +1,7 @@
-"""End-to-end training on CPU over gloo: the layout must not change the math, and resume is exact."""
+"""End-to-end training on CPU over gloo: the baseline learns, resume is exact, real data trains.
+
+That every parallel layout reproduces the single-process math is test_layout_invariance.py.
+"""
 
 from __future__ import annotations
 
@@ -7,13 +10,7 @@ import math
 
 import pytest
 
-from tests.train.conftest import (
-    FOUR_KV_GROUPS,
-    assert_close_relative,
-    grad_norms,
-    losses,
-    run_train,
-)
+from tests.train.conftest import assert_close_relative, losses, run_train
 
 
 def test_baseline_run_learns_and_leaves_run_files(baseline_run):
@@ -25,41 +22,6 @@ def test_baseline_run_learns_and_leaves_run_files(baseline_run):
     env = json.loads((baseline_run / "environment.json").read_text())
     assert env["layout"] == {"tp": 1, "pp": 1, "dp": 1} and "torch" in env["versions"]
     assert (baseline_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
-
-
-@pytest.mark.parametrize("options", [
-    (),
-    ("parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true"),
-], ids=["ddp", "distributed-optimizer"])
-def test_data_parallel_2_matches_single_process(baseline_run, tmp_path, options):
-    run_train(tmp_path, *options, nproc=2)
-    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-5)
-
-
-@pytest.mark.parametrize("options", [(), ("parallel.sequence_parallel=true",)],
-                         ids=["tp", "tp-sequence-parallel"])
-def test_tensor_parallel_2_matches_single_process(baseline_run, tmp_path, options):
-    run_train(tmp_path, "parallel.tensor_model_parallel_size=2", *options, nproc=2)
-    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-4)
-
-
-def test_vision_tp_below_language_tp_counts_each_vision_shard_once(baseline_run_4_kv_groups, tmp_path):
-    # Language TP 4, vision TP 2: ranks 0,1 and 2,3 hold the same two vision shards. The grad norm,
-    # which clips the update (clip_grad 1.0 < norm) and is logged, must count them once; counting
-    # both copies gave +1.5% here. Step 1's norm is exact to fp32 rounding (measured 1.5e-6); later
-    # ones carry Adam's amplification of it (TP 2 and vision TP 1 or 4 measure 0.8-1.6e-5).
-    reference = baseline_run_4_kv_groups
-    assert min(grad_norms(reference)) > 1.0  # clipping is active
-    run_train(tmp_path, *FOUR_KV_GROUPS, "parallel.tensor_model_parallel_size=4",
-              "parallel.vision_tensor_model_parallel_size=2", nproc=4)
-    assert_close_relative(grad_norms(tmp_path)[:1], grad_norms(reference)[:1], rel=1e-5)
-    assert_close_relative(grad_norms(tmp_path), grad_norms(reference), rel=1e-4)
-    assert_close_relative(losses(tmp_path), losses(reference), rel=1e-5)
-
-
-def test_activation_recompute_does_not_change_losses(baseline_run, tmp_path):
-    run_train(tmp_path, "training.recompute_activations=true")
-    assert_close_relative(losses(tmp_path), losses(baseline_run), rel=1e-6)
 
 
 def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):

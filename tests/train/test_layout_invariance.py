@@ -1,0 +1,120 @@
+"""The layout never changes the math: every parallel layout trains like one process.
+
+One reference run (TP 1, PP 1, DP 1) and a few multi-rank jobs that between them cover every
+layout feature; each must reproduce the reference's per-step loss *and* gradient norm to 1e-5
+relative (fp32) for 3 steps:
+
+    job                        ranks  covers
+    tp2-dp2-sp-distributed-opt   4    TP 2, DP 2, sequence parallel, distributed optimizer (overlapped
+                                      grad reduce), balancing off
+    tp4-vision-tp2-sp-recompute  4    TP 4, vision TP 2 below language TP 4, sequence parallel,
+                                      activation recompute
+    pp2-tp2                      4    PP 2, TP 2 without sequence parallelism
+    dp2-balanced                 2    DP 2 at TP 1, balancing on (plans applied)
+
+Data: the real LoongForge demo mix (text-only, one-image, two-image and two MP4 video conversations,
+shared/data/loongforge/vlm/mix.json); the reference records its micro-batches so the test can show
+that every step trains images and a video. Gradient clipping is active: the reference's grad norms
+exceed ``optimizer.clip_grad`` at every step, so a wrong norm changes the update, not just the log.
+
+Grad norms agree to ~1e-7 here because the CPU grad-norm kernel accumulates in float64
+(``mcore_patches`` ``grad_norm_float64``); megatron-core's float32 fallback drifted 1-3e-5 with the
+TP shard size of the embedding gradient, which an earlier test blamed on Adam. The model has 8 query
+heads in 4 groups (GQA) so that language TP 4 divides them; its rope sections sum to head_dim / 2 = 8.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loongforge.data.conversations import read_json_array
+from tests.shared_data import SHARED_DATA
+from tests.train.conftest import (
+    RUN_TIMEOUT_S,
+    grad_norms,
+    losses,
+    run_train,
+    train_command,
+    train_env,
+)
+
+MIX = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
+CLIP_GRAD = 1.0  # the tiny preset's optimizer.clip_grad
+REL = 1e-5
+
+INVARIANCE_MODEL = (
+    "data.source=files", f"data.paths=[{MIX}]", "data.read=global",
+    "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    "model.language.num_attention_heads=8", "model.language.num_query_groups=4",
+    "model.language.mrope_section=[2,3,3]",
+    "training.train_steps=3", "checkpoint.save_at_end=false",
+)
+
+# id -> (ranks, options)
+LAYOUTS = {
+    "tp2-dp2-sp-distributed-opt": (4, ("parallel.tensor_model_parallel_size=2",
+                                       "parallel.sequence_parallel=true",
+                                       "parallel.use_distributed_optimizer=true",
+                                       "parallel.overlap_grad_reduce=true")),
+    "tp4-vision-tp2-sp-recompute": (4, ("parallel.tensor_model_parallel_size=4",
+                                        "parallel.vision_tensor_model_parallel_size=2",
+                                        "parallel.sequence_parallel=true",
+                                        "training.recompute_activations=true")),
+    "pp2-tp2": (4, ("parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=2")),
+    "dp2-balanced": (2, ("balance.enabled=true", "balance.threshold=0")),
+}
+
+
+def _media_by_sample_id() -> dict[str, set[str]]:
+    records = read_json_array(MIX.read_text())
+    return {f"{MIX}:{r.line}": {kind for kind in ("images", "videos") if r.record.get(kind)}
+            for r in records}
+
+
+@pytest.fixture(scope="session")
+def reference(tmp_path_factory) -> Path:
+    """TP 1, PP 1, DP 1: one rank, launched as torchrun would so that tests.train.plan_recorder
+    records the sample ids of every micro-batch."""
+    out = tmp_path_factory.mktemp("invariance_reference")
+    command = train_command(out, *INVARIANCE_MODEL)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = train_env(1, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
+                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+    proc = subprocess.run([sys.executable, "-m", "tests.train.plan_recorder", str(out / "plans.jsonl"),
+                           *command[3:]], check=False, env=env, capture_output=True, text=True,
+                          timeout=RUN_TIMEOUT_S, cwd=os.getcwd())
+    assert proc.returncode == 0, proc.stderr[-6000:]
+    return out
+
+
+def test_reference_trains_images_and_a_video_every_step_with_clipping_active(reference):
+    media = _media_by_sample_id()
+    steps = [json.loads(line) for line in (reference / "plans.jsonl").read_text().splitlines()]
+    assert len(steps) == 3
+    for step in steps:
+        kinds = set().union(*(media[sid] for mb in step["sample_ids"] for sid in mb))
+        assert kinds == {"images", "videos"}, (step["step"], kinds)
+    assert json.loads((reference / "summary.json").read_text())["rejects"] == {}
+    assert min(grad_norms(reference)) > CLIP_GRAD, grad_norms(reference)
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_reproduces_reference_losses_and_grad_norms(reference, tmp_path, layout):
+    nproc, options = LAYOUTS[layout]
+    run_train(tmp_path, *INVARIANCE_MODEL, *options, nproc=nproc)
+    got = {"loss": losses(tmp_path), "grad_norm": grad_norms(tmp_path)}
+    want = {"loss": losses(reference), "grad_norm": grad_norms(reference)}
+    assert all(len(got[key]) == len(want[key]) for key in got), (got, want)
+    worst = {key: max(abs(a - e) / abs(e) for a, e in zip(got[key], want[key])) for key in got}
+    assert max(worst.values()) <= REL, f"{layout}: worst relative difference {worst}\n{got}\nvs {want}"
+    if layout == "dp2-balanced":  # balancing must really have moved samples
+        assert json.loads((tmp_path / "summary.json").read_text())["balance"]["applied_steps"] > 0
