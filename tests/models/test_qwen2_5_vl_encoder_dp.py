@@ -37,25 +37,29 @@ def _case(model_cfg, samples: list) -> dict:
         input_ids = torch.cat([input_ids, torch.tensor([[11]])], dim=1)  # a text token of its own
         lengths.append(1)
     seq_len = input_ids.shape[1]
-    cat = lambda xs: torch.cat([x for x in xs if x is not None]) if any(x is not None for x in xs) else None  # noqa: E731
     cu_seqlens = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
     return dict(
         input_ids=input_ids,
         position_ids=torch.arange(seq_len).expand(3, 1, seq_len).contiguous(),
-        labels=torch.randint(0, model_cfg.language.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(seq_len)),
+        labels=torch.randint(0, model_cfg.language.vocab_size, (1, seq_len),
+                             generator=torch.Generator().manual_seed(seq_len)),
         packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)),
-        pixel_values=cat([s.pixel_values for s in samples]),
-        image_grid_thw=cat([s.image_grid_thw for s in samples]),
-        pixel_values_videos=cat([s.pixel_values_videos for s in samples]),
-        video_grid_thw=cat([s.video_grid_thw for s in samples]),
+        **{key: _optional_cat([getattr(s, key) for s in samples])
+           for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")},
     )
+
+
+def _optional_cat(tensors: list):
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
 
 
 def _cases(model_cfg) -> dict:
     sample = lambda seed, **media: make_sample(model_cfg, seed=seed, **media)  # noqa: E731
     return {
-        "images_and_video": _case(model_cfg, [sample(1, images=((1, 8, 12), (1, 20, 16), (1, 8, 8)), videos=((2, 8, 8),))]),
+        "images_and_video": _case(model_cfg, [sample(1, images=((1, 8, 12), (1, 20, 16), (1, 8, 8)),
+                                                     videos=((2, 8, 8),))]),
         "packed": _case(model_cfg, [sample(2, images=((1, 12, 8), (1, 4, 4))), sample(3, videos=((2, 4, 8),))]),
         "one_image": _case(model_cfg, [sample(4, images=((1, 8, 8),))]),
         "text": _case(model_cfg, [sample(5)]),
@@ -116,10 +120,12 @@ def test_tp_shares_the_encoder_and_matches_none(tmp_path):
     ranks = [torch.load(tmp_path / f"outputs_{r}.pt", weights_only=False) for r in range(WORLD_SIZE)]
     for sequence_parallel in (False, True):
         for name, inputs in cases.items():
-            total = sum(int(g.prod(-1).sum()) for g in (inputs["image_grid_thw"], inputs["video_grid_thw"]) if g is not None)
-            encoded = [ranks[r][sequence_parallel, "tp"][name]["encoded"] for r in range(WORLD_SIZE)]
-            assert sum(encoded) == total and all(ranks[r][sequence_parallel, "none"][name]["encoded"] == total
-                                                 for r in range(WORLD_SIZE)), (name, encoded)
+            grids = _optional_cat([inputs["image_grid_thw"], inputs["video_grid_thw"]])
+            total = 0 if grids is None else int(grids.prod(-1).sum())
+            # none: every rank encodes every patch; tp: the ranks' shares add up to them.
+            encoded = [rank[sequence_parallel, "tp"][name]["encoded"] for rank in ranks]
+            assert sum(encoded) == total, (name, encoded)
+            assert all(rank[sequence_parallel, "none"][name]["encoded"] == total for rank in ranks), name
             if name == "images_and_video":
                 assert min(encoded) > 0  # both ranks did a share
             for rank in ranks:

@@ -1,11 +1,11 @@
-"""``parallel.encoder_dp=tp`` end to end: two ranks at TP 2 (vision TP 1) on the demo images and
-videos train exactly like ``none``: per-step losses, grad norms, and every saved tensor (weights
-and Adam's moments, which sum every gradient of every step) to 1e-5, with balancing on, and across
-a stop at step 2 and ``--resume``."""
+"""``parallel.encoder_dp=tp`` end to end: ranks at TP 2 (vision TP 1) on the demo images and
+videos train exactly like ``none``: per-step losses, grad norms, and every saved tensor (Adam's
+moments, which sum every gradient of every step, and the weights) to 1e-5; also at TP 2 x DP 2 with
+balancing moving samples between the DP ranks, and across a stop at step 2 and ``--resume``."""
 
 from __future__ import annotations
 
-import math
+import json
 from pathlib import Path
 
 import pytest
@@ -27,8 +27,8 @@ TP2_ON_DEMO_MEDIA = (
 pytestmark = pytest.mark.skipif(not DEMO.is_dir(), reason=f"needs the shared demo data ({DEMO})")
 
 
-def _train(out: Path, mode: str, *extra: str, resume: bool = False) -> Path:
-    run_train(out, *TP2_ON_DEMO_MEDIA, f"parallel.encoder_dp={mode}", *extra, nproc=2, resume=resume)
+def _train(out: Path, mode: str, *extra: str, nproc: int = 2, resume: bool = False) -> Path:
+    run_train(out, *TP2_ON_DEMO_MEDIA, f"parallel.encoder_dp={mode}", *extra, nproc=nproc, resume=resume)
     return out
 
 
@@ -48,8 +48,7 @@ def none_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("encoder_dp_none"), "none")
 
 
-def test_tp_trains_like_none(tmp_path, none_run):
-    tp_run = _train(tmp_path, "tp")
+def _assert_trains_alike(tp_run: Path, none_run: Path) -> None:
     assert_close_relative(losses(tp_run), losses(none_run), RELATIVE)
     assert_close_relative(grad_norms(tp_run), grad_norms(none_run), RELATIVE)
     differences = _checkpoint_differences(tp_run, none_run)
@@ -65,11 +64,17 @@ def test_tp_trains_like_none(tmp_path, none_run):
     assert weights[worst] <= 10 * RELATIVE, (worst, weights[worst])
 
 
-def test_tp_with_balancing_on(tmp_path, none_run):
-    # DP 1: balancing has no other rank to move samples to, but plans every step (threshold 0).
-    tp_run = _train(tmp_path, "tp", "balance.enabled=true", "balance.threshold=0")
-    assert all(math.isfinite(v) for v in losses(tp_run))
-    assert_close_relative(losses(tp_run), losses(none_run), RELATIVE)
+def test_tp_trains_like_none(tmp_path, none_run):
+    _assert_trains_alike(_train(tmp_path, "tp"), none_run)
+
+
+def test_tp_trains_like_none_at_dp2_with_balancing(tmp_path):
+    # Threshold 0: every step is re-planned and samples move between the two DP ranks.
+    balanced = ("balance.enabled=true", "balance.threshold=0")
+    none_run = _train(tmp_path / "none", "none", *balanced, nproc=4)
+    tp_run = _train(tmp_path / "tp", "tp", *balanced, nproc=4)
+    assert json.loads((tp_run / "summary.json").read_text())["balance"]["applied_steps"] == STEPS
+    _assert_trains_alike(tp_run, none_run)
 
 
 def test_tp_stopped_at_step_2_and_resumed(tmp_path, none_run):
