@@ -130,6 +130,10 @@ class ParallelConfig:
     pipeline_model_parallel_size: int = 1
     # Tensor parallel size of the vision encoder; null = same as the language model.
     vision_tensor_model_parallel_size: Optional[int] = None
+    # How the vision encoder's work is divided beyond its own TP: "none" runs the whole encoder on
+    # every rank of a language TP group (all on the same images); "tp" divides the group's images
+    # and videos among its ranks by modelled cost and gathers the embeddings (needs vision TP 1).
+    encoder_dp: str = "none"
     sequence_parallel: bool = False
     # Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer).
     use_distributed_optimizer: bool = False

@@ -36,6 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("synthetic", "files", "packed"),
     "data.read": ("auto", "global", "sharded"),
     "optimizer.name": ("adam", "sgd"),
+    "parallel.encoder_dp": ("none", "tp"),
 }
 
 # Numbers that must be >= 1 (sizes, counts) and >= 0 (rates, intervals).
@@ -361,7 +362,20 @@ def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) 
     errors = layout_problems(cfg.model, layout, tp=parallel.tensor_model_parallel_size,
                              pp=parallel.pipeline_model_parallel_size,
                              vision_tp=parallel.vision_tensor_model_parallel_size)
-    return errors + _check_world_and_batch(cfg, world_size)
+    return errors + _check_encoder_dp(parallel) + _check_world_and_batch(cfg, world_size)
+
+
+def _check_encoder_dp(parallel) -> list[str]:
+    """Dividing the media among the ranks of a TP group needs a whole encoder on each of them."""
+    vision_tp = parallel.vision_tensor_model_parallel_size
+    inherited = vision_tp is None
+    vision_tp = parallel.tensor_model_parallel_size if inherited else vision_tp
+    if parallel.encoder_dp == "none" or vision_tp == 1:
+        return []
+    source = " (inherited from parallel.tensor_model_parallel_size)" if inherited else ""
+    return [f"parallel.encoder_dp={parallel.encoder_dp} needs "
+            f"parallel.vision_tensor_model_parallel_size=1, got {vision_tp}{source}; set "
+            f"parallel.vision_tensor_model_parallel_size=1 or parallel.encoder_dp=none."]
 
 
 def _check_data(cfg: RunConfig) -> list[str]:

@@ -26,6 +26,7 @@ import torch.distributed as dist
 from loongforge.balance.cost_model import CostModel
 from loongforge.balance.fit import FitError, fit_nnls, observations_from_records
 from loongforge.config.errors import InputError
+from loongforge.parallel.media_assign import VisionCost
 from loongforge.profile.recorder import StepRecorder
 from loongforge.profile.timers import GradSyncClock
 
@@ -75,6 +76,12 @@ class RunBalancing:
     def cost_model(self, model: Optional[CostModel]) -> None:
         self._cost_model = model
         self.version += 1
+
+    def vision_cost(self) -> VisionCost:
+        """Per-image encoder cost from the model's vision terms (``parallel.encoder_dp``); P^2 + P
+        while the model has none (token counts, or a fit that left them out)."""
+        terms = [self.cost_model.coefficients[t] for t in VISION_TERMS] if self.cost_model else []
+        return VisionCost(*terms) if any(terms) else VisionCost()
 
     def attach(self, model_config, *, cfg, env, layout, grad_sync: GradSyncClock) -> None:
         """Start recording for the online fit (when there is one to do)."""

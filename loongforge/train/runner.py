@@ -9,6 +9,7 @@ Order of operations (each step needs the previous one):
 from __future__ import annotations
 
 import datetime
+import functools
 import json
 import platform
 import signal
@@ -40,6 +41,7 @@ from loongforge.parallel.distributed import (
     init_model_parallel,
     shutdown,
 )
+from loongforge.parallel.encoder_dp import sum_encoder_grads
 from loongforge.parallel.progress import RankProgress
 from loongforge.profile.timers import GradSyncClock
 from loongforge.train.balancing import RunBalancing
@@ -96,7 +98,8 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
     (out_dir / "environment.json").write_text(json.dumps(environment, indent=2))
 
 
-def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device):
+def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
+                     balancing: RunBalancing):
     from megatron.core.distributed import (
         DistributedDataParallel,
         DistributedDataParallelConfig,
@@ -106,14 +109,14 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
-                        init_seed=cfg.training.seed)
+                        init_seed=cfg.training.seed, vision_cost=balancing.vision_cost)
     if cfg.training.freeze_vision and layout.is_first_stage:
         for param in model.vision_model.parameters():
             param.requires_grad_(False)
     config = model.config
     # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
     config.calculate_per_token_loss = True
-    config.finalize_model_grads_func = finalize_model_grads
+    config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
@@ -122,6 +125,13 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync
     return [ddp_model], config
+
+
+def _finalize_grads(finalize_model_grads, model: list, *args, **kwargs) -> None:
+    """megatron's gradient reduction, then the sum of a shared encoder's gradients over the ranks
+    that divided its media (``parallel.encoder_dp=tp``; nothing is marked otherwise)."""
+    finalize_model_grads(model, *args, **kwargs)
+    sum_encoder_grads(model)
 
 
 def precision_record(model: list, optimizer) -> dict:
@@ -234,12 +244,12 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
         mcore_patches.apply_cpu()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)
     torch.manual_seed(cfg.training.seed)
-    model, model_config = _build_ddp_model(cfg, layout, env.device)
+    # A profile run measures with its own timers, so the online fit does not record there.
+    balancing = RunBalancing(cfg.balance, fit_online=observer is None)
+    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
     sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
-    # A profile run measures with its own timers, so the online fit does not record there.
-    balancing = RunBalancing(cfg.balance, fit_online=observer is None)
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()
     observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)

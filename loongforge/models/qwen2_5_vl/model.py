@@ -13,7 +13,7 @@ parallelism:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -29,6 +29,7 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import initialization
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
+from loongforge.models.qwen2_5_vl.encoder_share import SharedEncoding
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
     build_vision_tp_group,
@@ -41,6 +42,8 @@ from loongforge.models.qwen2_5_vl.vision import (
     vision_pg_collection,
 )
 from loongforge.parallel import mcore_patches
+from loongforge.parallel.encoder_dp import mark_encoder_replicas
+from loongforge.parallel.media_assign import VisionCost
 
 
 class LanguageModel(GPTModel):
@@ -159,6 +162,8 @@ class Qwen2_5_VLModel(MegatronModule):
         # language TP group in blocks of vision-TP ranks: block k holds replica k of every shard.
         self._vision_tp = vision_tp_group.size()
         self._vision_replica_block = get_pg_rank(language_pgs.tp) // self._vision_tp
+        # parallel.encoder_dp=tp: the TP group divides each micro-batch's media (build_model).
+        self.shared_encoding: Optional[SharedEncoding] = None
 
         lang = model_cfg.language
         tp = language_pgs.tp.size()
@@ -261,7 +266,7 @@ class Qwen2_5_VLModel(MegatronModule):
             # Images and videos go through the tower together: segments never cross an image, so
             # this equals two separate calls and costs one.
             grid_thw = optional_cat(image_grid_thw, video_grid_thw)
-            features = self.projector(self.vision_model(pixels, grid_thw)).to(embeddings.dtype)
+            features = self._encode(pixels, grid_thw).to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
             embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
             embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
@@ -270,6 +275,16 @@ class Qwen2_5_VLModel(MegatronModule):
                 embeddings, group=self.language_model.pg_collection.tp
             )
         return embeddings
+
+    def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged features [P/m^2, h] of every image and video, encoded here or shared out over
+        the TP group (``parallel.encoder_dp=tp``)."""
+        if self.shared_encoding is None:
+            return self.projector(self.vision_model(pixels, grid_thw))
+        trainable = [param for tower in (self.vision_model, self.projector)
+                     for param in tower.parameters() if param.requires_grad]
+        return self.shared_encoding(lambda p, g: self.projector(self.vision_model(p, g)), trainable,
+                                    pixels, grid_thw)
 
     def _placeholder_count(
         self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str
@@ -332,13 +347,16 @@ def build_model(
     vp_stage: Optional[int] = None,
     recompute_activations: bool = False,
     init_seed: Optional[int] = None,
+    vision_cost: Optional[Callable[[], VisionCost]] = None,
 ) -> Qwen2_5_VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
     ``parallel_cfg``. Collective (the vision TP groups): every rank calls it.
     ``recompute_activations``: full activation recompute in both towers.
     ``init_seed``: the seed of the initial weights (default: the seed torch's CPU generator was last
     seeded with, ``torch.initial_seed()``); the same seed gives the same full model at every TP, PP
-    and vision-TP layout when weights are initialised on the CPU (``models.initialization``)."""
+    and vision-TP layout when weights are initialised on the CPU (``models.initialization``).
+    ``vision_cost``: with ``parallel.encoder_dp=tp``, the current cost coefficients that divide
+    each micro-batch's media over the TP group (the run's cost model); default P^2 + P."""
     init_seed = torch.initial_seed() if init_seed is None else init_seed
     device = torch.device(device)
     on_cpu = device.type == "cpu"
@@ -369,7 +387,26 @@ def build_model(
     if pre_process:
         for tower in (model.vision_model, model.projector):
             mark_tp_duplicates(tower, vision_tp=vision_tp, replica_block=model._vision_replica_block)
+        if parallel_cfg.encoder_dp == "tp" and language_pgs.tp.size() > 1:
+            _share_encoder(model, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
+                           vision_cost=vision_cost or VisionCost)
     return model.to(device)
+
+
+def _share_encoder(model: Qwen2_5_VLModel, tp_group, *, vision_tp: int, dtype: torch.dtype,
+                   vision_cost: Callable[[], VisionCost]) -> None:
+    """``parallel.encoder_dp=tp``: the TP group's ranks each encode a share of the media, and
+    the encoder's gradients are summed over the group (``parallel.encoder_dp``). The grad norm
+    still counts the tower once: after the sum every TP rank holds the same gradient, and
+    ``mark_tp_duplicates`` already counts a vision-TP-1 tower on TP rank 0 only."""
+    if vision_tp != 1:
+        raise ValueError(f"parallel.encoder_dp=tp needs vision TP 1 (a whole encoder on every TP "
+                         f"rank), got {vision_tp}")
+    model.shared_encoding = SharedEncoding(
+        tp_group, merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size,
+        dtype=dtype, vision_cost=vision_cost)
+    for tower in (model.vision_model, model.projector):
+        mark_encoder_replicas(tower.parameters(), tp_group)
 
 
 def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:

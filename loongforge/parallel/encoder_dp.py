@@ -1,0 +1,104 @@
+"""Encoder data parallelism inside a group of ranks that share a micro-batch (``parallel.encoder_dp``).
+
+The ranks of a language TP group compute the language model on the same tokens. With a whole
+encoder on each of them (vision TP 1), each can encode a different part of the group's images and
+videos instead of all of them encoding everything. Two pieces make that exact:
+
+- ``gather_from_owners``: every rank's embeddings, gathered to every rank of the group in the
+  media's original order. Its backward hands each rank the gradient rows of the embeddings it
+  encoded, and no others, so each encoder backward runs on the owner only. It communicates nothing
+  in backward: the gradient of the language model's input is complete and identical on every rank
+  of a TP group (megatron's TP regions all-reduce it before it leaves the first layer and the
+  embedding), so each rank already holds its own rows.
+- ``sum_encoder_grads``: each rank now holds the encoder gradient of its own media only; parameters
+  marked with ``mark_encoder_replicas`` get their gradients summed over the group after megatron's
+  data-parallel reduction, so every replica of the encoder takes the same, complete step.
+
+Which rank owns which medium is ``parallel.media_assign``'s (pure, the same on every rank).
+"""
+
+from __future__ import annotations
+
+from typing import Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch._utils import _flatten_dense_tensors, _unflatten_dense_tensors
+
+# The parameter attribute naming the group an encoder replica's gradient is summed over.
+GROUP_ATTR = "encoder_dp_group"
+
+
+class _GatherFromOwners(torch.autograd.Function):
+    """forward: local rows [n_mine, h] -> all rows [N, h], placed at ``positions``.
+    backward: the rows of the incoming gradient this rank owns, in its local order."""
+
+    @staticmethod
+    def forward(ctx, local, group, rows_per_rank, positions):
+        rank, width = dist.get_rank(group), local.shape[-1]
+        padded = local.new_zeros(max(rows_per_rank), width)
+        padded[: local.shape[0]] = local
+        gathered = [torch.empty_like(padded) for _ in rows_per_rank]
+        dist.all_gather(gathered, padded, group=group)
+        owner_major = torch.cat([chunk[:rows] for chunk, rows in zip(gathered, rows_per_rank)])
+        full = local.new_empty(owner_major.shape)
+        full[positions] = owner_major
+        first = sum(rows_per_rank[:rank])
+        ctx.save_for_backward(positions[first: first + rows_per_rank[rank]])
+        return full
+
+    @staticmethod
+    def backward(ctx, grad_full):
+        (mine,) = ctx.saved_tensors
+        return grad_full[mine], None, None, None
+
+
+def gather_from_owners(local: torch.Tensor, group: dist.ProcessGroup,
+                       owner_rows: Sequence[torch.Tensor]) -> torch.Tensor:
+    """Every rank's rows, in the original order: [N, h].
+
+    ``local`` [n_mine, h]: this rank's rows, in the order ``owner_rows[my rank]`` lists them;
+    ``owner_rows[r]`` [n_r] int64: the indices (among the N output rows) of the rows rank r holds,
+    the same on every rank. A rank owning nothing passes a [0, h] tensor and still takes part:
+    every rank of the group must call this whenever any rank owns a row.
+    """
+    rank = dist.get_rank(group)
+    if local.shape[0] != len(owner_rows[rank]):
+        raise ValueError(f"rank {rank} of the encoder group holds {local.shape[0]} rows but owns "
+                         f"{len(owner_rows[rank])}")
+    rows_per_rank = [len(rows) for rows in owner_rows]
+    positions = torch.cat(list(owner_rows)).to(device=local.device, dtype=torch.long)
+    return _GatherFromOwners.apply(local, group, rows_per_rank, positions)
+
+
+def mark_encoder_replicas(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
+    """Flag ``params`` (an encoder replicated over ``group``) for ``sum_encoder_grads``."""
+    for param in params:
+        setattr(param, GROUP_ATTR, group)
+
+
+def sum_encoder_grads(modules: Iterable[torch.nn.Module]) -> None:
+    """Sum the gradients of every marked parameter over its group, one all-reduce per group.
+
+    Run it after megatron's ``finalize_model_grads``: the data-parallel reduction (which may still
+    be in flight with ``overlap_grad_reduce`` until then) and this sum commute. With the distributed
+    optimizer the rank-local shard of ``main_grad`` is the valid part after finalize; the ranks of a
+    TP group share their data-parallel rank, so they hold the same shard and the sum stays right.
+    """
+    grads_by_group: dict[int, tuple[dist.ProcessGroup, list[torch.Tensor]]] = {}
+    for module in modules:
+        for param in module.parameters():
+            group = getattr(param, GROUP_ATTR, None)
+            if group is None or not param.requires_grad or group.size() == 1:
+                continue
+            grad = getattr(param, "main_grad", None)
+            if grad is None:  # no megatron DDP: the plain .grad, zero where nothing reached it
+                if param.grad is None:
+                    param.grad = torch.zeros_like(param)
+                grad = param.grad
+            grads_by_group.setdefault(id(group), (group, []))[1].append(grad)
+    for group, grads in grads_by_group.values():
+        flat = _flatten_dense_tensors(grads)
+        dist.all_reduce(flat, group=group)
+        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
+            grad.copy_(summed)
