@@ -122,3 +122,13 @@ def test_models_outside_the_family_folders_name_no_family():
               and not any(file.startswith(f"models/{family}/") for family in families)
               and file != "models/registry.py"]
     assert not direct, "modules importing a family folder directly:\n" + "\n".join(direct)
+
+
+def test_functions_stay_short():
+    """p99 of function length <= 60 lines (issue 12's bar; measured 50 when it was set): a long
+    function is a sign that one place does several things."""
+    lengths = sorted(node.end_lineno - node.lineno + 1 for path in PACKAGE_ROOT.rglob("*.py")
+                     for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)))
+    p99 = lengths[min(len(lengths) - 1, -(-99 * len(lengths) // 100) - 1)]
+    assert len(lengths) > 500 and p99 <= 60, f"p99 function length {p99} lines over {len(lengths)} functions"
