@@ -50,7 +50,8 @@ def train(name: str, steps: int, out: Path) -> dict:
            f"training.train_steps={steps}", f"logging.output_dir={out}", *extra]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True,
+                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     if proc.returncode:
         sys.exit(f"{name} failed ({proc.returncode}):\n{proc.stderr[-4000:]}")
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
