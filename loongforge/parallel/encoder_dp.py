@@ -71,6 +71,17 @@ def gather_from_owners(local: torch.Tensor, group: dist.ProcessGroup,
     return _GatherFromOwners.apply(local, group, rows_per_rank, positions)
 
 
+def touch_with_zero(tensor: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:
+    """``tensor`` plus 0 * (one element of each of ``params``): the same values, and in backward a
+    zero gradient for every parameter. megatron's DDP with ``overlap_grad_reduce`` starts reducing a
+    bucket once each of its parameters has reported a gradient in the last micro-batch, so an
+    encoder that took no part in it (no media, or none of them assigned here) must still report."""
+    touch = [param.reshape(-1)[:1].sum() for param in params if param.requires_grad]
+    if not touch or not torch.is_grad_enabled():
+        return tensor
+    return tensor + torch.stack(touch).sum().to(tensor.dtype) * 0.0
+
+
 def mark_encoder_replicas(params: Iterable[torch.nn.Parameter], group: dist.ProcessGroup) -> None:
     """Flag ``params`` (an encoder replicated over ``group``) for ``sum_encoder_grads``."""
     for param in params:

@@ -19,7 +19,7 @@ from typing import Callable, Iterable
 import torch
 import torch.distributed as dist
 
-from loongforge.parallel.encoder_dp import gather_from_owners
+from loongforge.parallel.encoder_dp import gather_from_owners, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost, assign_media
 
 # (pixel rows [P, C*T*p*p], grid_thw [n, 3]) -> merged features [P / merge_unit, h]
@@ -60,14 +60,9 @@ class SharedEncoding:
         return gather_from_owners(local, self.group, owner_rows)
 
     def _nothing(self, trainable: Iterable[torch.nn.Parameter], device: torch.device) -> torch.Tensor:
-        """[0, width]: this rank encodes nothing, yet its backward still gives every trainable
-        encoder parameter a (zero) gradient, as megatron's DDP expects with overlap_grad_reduce
-        (a bucket is reduced once all of its parameters have reported a gradient)."""
-        empty = torch.zeros(0, self.width, dtype=self.dtype, device=device)
-        touch = [param.reshape(-1)[:1].sum() for param in trainable]
-        if not touch:
-            return empty
-        return empty + torch.stack(touch).sum().to(self.dtype) * 0.0
+        """[0, width]: this rank encodes nothing, yet still reports a (zero) gradient for every
+        trainable encoder parameter (``touch_with_zero``)."""
+        return touch_with_zero(torch.zeros(0, self.width, dtype=self.dtype, device=device), trainable)
 
 
 def _rows(media: list[int], starts: list[int]) -> torch.Tensor:

@@ -42,7 +42,7 @@ from loongforge.models.qwen2_5_vl.vision import (
     vision_pg_collection,
 )
 from loongforge.parallel import mcore_patches
-from loongforge.parallel.encoder_dp import mark_encoder_replicas
+from loongforge.parallel.encoder_dp import mark_encoder_replicas, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost
 
 
@@ -270,6 +270,9 @@ class Qwen2_5_VLModel(MegatronModule):
             image_features, video_features = features.split([image_count, video_count])
             embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
             embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
+        elif self.vision_model is not None:
+            # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
+            embeddings = touch_with_zero(embeddings, self._encoder_parameters())
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
                 embeddings, group=self.language_model.pg_collection.tp
@@ -281,10 +284,13 @@ class Qwen2_5_VLModel(MegatronModule):
         the TP group (``parallel.encoder_dp=tp``)."""
         if self.shared_encoding is None:
             return self.projector(self.vision_model(pixels, grid_thw))
-        trainable = [param for tower in (self.vision_model, self.projector)
-                     for param in tower.parameters() if param.requires_grad]
-        return self.shared_encoding(lambda p, g: self.projector(self.vision_model(p, g)), trainable,
-                                    pixels, grid_thw)
+        return self.shared_encoding(lambda p, g: self.projector(self.vision_model(p, g)),
+                                    self._encoder_parameters(), pixels, grid_thw)
+
+    def _encoder_parameters(self) -> list[torch.nn.Parameter]:
+        """The trainable parameters of the vision tower and the projector."""
+        return [param for tower in (self.vision_model, self.projector)
+                for param in tower.parameters() if param.requires_grad]
 
     def _placeholder_count(
         self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str
