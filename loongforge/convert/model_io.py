@@ -14,8 +14,20 @@ from typing import Optional
 import torch
 
 from loongforge.config.errors import InputError
-from loongforge.convert.engine import Link, build_links, check_hf_tensors, mcore_to_hf
-from loongforge.convert.hf_io import HFCheckpoint
+from loongforge.convert.engine import (
+    Link,
+    build_links,
+    check_hf_tensors,
+    family_of,
+    mcore_to_hf,
+    megatron_shapes,
+    resolve_checkpoint_keys,
+    resolve_mcore_checkpoint,
+    to_hf,
+    vocab_rows_at,
+)
+from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
+from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
 
 
@@ -66,6 +78,46 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
         target.copy_(local)
         loaded += 1
     return loaded
+
+
+@torch.no_grad()
+def load_encoder_weights(encoder: torch.nn.Module, model_cfg, source: str | Path) -> int:
+    """Fill a whole vision encoder (``ModelFamily.build_encoder``: vision TP 1) from an HF folder or
+    a loongforge checkpoint (a ``step_*`` folder, or a checkpoint root: its latest). Both go
+    through the HF tensors, so one table maps them. Returns the number of tensors loaded."""
+    hub_tensor = _encoder_hub_tensors(model_cfg, Path(source))
+    links = _stage_links(model_cfg, 0)
+    loaded = 0
+    for key, target in encoder.state_dict(keep_vars=True).items():
+        if key.endswith("_extra_state"):
+            continue
+        link = links.get(key)
+        if link is None or link.rule.group != VISION:
+            raise InputError(f"{source}: no HF vision tensor maps to encoder parameter {key}")
+        local = link.rule.transform.shard([hub_tensor(k) for k in link.hf_keys], 0, 1)
+        if local.shape != target.shape:
+            raise InputError(f"{source}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
+                             f"the encoder holds {list(target.shape)}")
+        target.copy_(local)
+        loaded += 1
+    return loaded
+
+
+def _encoder_hub_tensors(model_cfg, source: Path):
+    """HF key -> tensor for the vision tower and merger of ``source`` (HF or loongforge)."""
+    if is_hf_folder(source):
+        checkpoint = HFCheckpoint(source)
+        check_hf_tensors(checkpoint, model_cfg, "the run's model config")
+        return checkpoint.load
+    step_dir = resolve_mcore_checkpoint(source)
+    reader = McoreReader(step_dir / MODEL_DIR)
+    links = [link for link in build_links(model_cfg) if link.rule.group == VISION]
+    shapes = megatron_shapes(links, family_of(model_cfg).hf_shapes(model_cfg), model_cfg, vocab_rows_at(model_cfg, 1))
+    keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    tensors = {}
+    for link in links:
+        tensors.update(zip(link.hf_keys, to_hf(link, reader.read(keys[link.mcore_key], link.layer))))
+    return tensors.__getitem__
 
 
 def export_hf(model_cfg, step_dir: str | Path, dst: str | Path, *, hf_source: Optional[str] = None,
