@@ -29,6 +29,7 @@ from loongforge.convert.engine import (
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
 from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
+from loongforge.models.registry import get_family
 
 
 def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:
@@ -101,6 +102,19 @@ def load_encoder_weights(encoder: torch.nn.Module, model_cfg, source: str | Path
         target.copy_(local)
         loaded += 1
     return loaded
+
+
+def build_loaded_encoder(model_cfg, *, init_seed: int, device: torch.device | str,
+                         weights: Optional[str | Path] = None,
+                         group: Optional[torch.distributed.ProcessGroup] = None) -> torch.nn.Module:
+    """A run's vision encoder in fp32 on ``device`` (the process's device: a CPU build installs the
+    CPU patches), in eval mode: ``weights`` (HF folder or loongforge checkpoint) when given, else
+    the initial weights training draws for ``init_seed``. ``group``: see ``ModelFamily.build_encoder``."""
+    encoder = get_family(model_cfg.family).build_encoder(model_cfg, params_dtype=torch.float32, device=device,
+                                                        init_seed=init_seed, group=group)
+    if weights is not None:
+        load_encoder_weights(encoder, model_cfg, weights)
+    return encoder.eval()
 
 
 def _encoder_hub_tensors(model_cfg, source: Path):

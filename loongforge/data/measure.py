@@ -69,6 +69,9 @@ class MaterializedSample:
     image_pixels: list[np.ndarray]  # float32 [grid_t*grid_h*grid_w, patch_dim] each
     video_pixels: list[np.ndarray]
     late_reject: Reject | None = None
+    # With data.vision_embeddings: stored encoder features [tokens, LM hidden] instead of pixels.
+    image_embeds: list = field(default_factory=list)
+    video_embeds: list = field(default_factory=list)
 
 
 def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> VisionSizing:

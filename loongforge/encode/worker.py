@@ -21,7 +21,7 @@ import torch.distributed as dist
 from safetensors.torch import save
 
 from loongforge.config.schema import ParallelConfig, RunConfig
-from loongforge.convert.model_io import load_encoder_weights
+from loongforge.convert.model_io import build_loaded_encoder
 from loongforge.data.embedding_store import FORMAT, SHARD_METADATA_KEY, EmbeddingRow, shard_name
 from loongforge.data.measure import image_pixels, video_pixels, vision_sizing
 from loongforge.data.packfile.folder import write_atomic
@@ -29,7 +29,6 @@ from loongforge.data.samples import Reject
 from loongforge.data.vision import MediaError
 from loongforge.encode.plan import EncodePlan, MediaItem
 from loongforge.models.fingerprint import weights_digest
-from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_model_parallel, resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -59,7 +58,10 @@ def run_rank(spec: WorkerSpec, rank: int, on_shard: Optional[ShardDone] = None) 
     """Write this rank's missing shards; returns the encoder's weights digest."""
     torch.set_num_threads(spec.threads)
     device = _init_world_of_one(spec)
-    encoder = build_loaded_encoder(spec.cfg, dtype=DTYPES[spec.dtype], device=device, weights=spec.weights)
+    encoder = build_loaded_encoder(spec.cfg.model, init_seed=spec.cfg.training.seed, device=device,
+                                   weights=spec.weights)
+    digest = weights_digest(encoder)  # of the weights as loaded (fp32), which training recomputes
+    encoder = encoder.to(dtype=DTYPES[spec.dtype])
     merge_unit = spec.cfg.model.projector.spatial_merge_size ** 2
     shards = spec.plan.shards(rank, spec.world_size, merge_unit=merge_unit, shard_tokens=spec.shard_tokens)
     for number, items in enumerate(shards):
@@ -69,19 +71,7 @@ def run_rank(spec: WorkerSpec, rank: int, on_shard: Optional[ShardDone] = None) 
         _write_shard(path, shard_name(rank, number), items, encoder, spec, device)
         if on_shard is not None:
             on_shard(rank, number, len(items))
-    return weights_digest(encoder)
-
-
-def build_loaded_encoder(cfg: RunConfig, *, dtype: torch.dtype, device: torch.device,
-                         weights: Optional[str]) -> torch.nn.Module:
-    """The run's encoder: loaded from ``weights`` (HF folder or loongforge checkpoint), else with
-    the initial weights training draws for ``training.seed``. Needs megatron's state (TP = PP = 1)."""
-    family = get_family(cfg.model.family)
-    encoder = family.build_encoder(cfg.model, params_dtype=torch.float32, device="cpu",
-                                   init_seed=cfg.training.seed)
-    if weights is not None:
-        load_encoder_weights(encoder, cfg.model, weights)
-    return encoder.to(device=device, dtype=dtype).eval()
+    return digest
 
 
 def _init_world_of_one(spec: WorkerSpec) -> torch.device:
@@ -110,7 +100,8 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
         for (item, _), feature in zip(batch, features):
             key = f"{item.kind}:{item.order}"
             tensors[key] = feature.to(DTYPES[spec.dtype]).cpu().contiguous()
-            rows.append(EmbeddingRow(sample_id=item.sample_id, file=item.file, line=item.line, kind=item.kind,
+            rows.append(EmbeddingRow(sample_id=item.sample_id, file=os.path.abspath(item.file), line=item.line,
+                                     kind=item.kind,
                                      media_index=item.media_index, grid=item.grid, tokens=feature.shape[0],
                                      shard=name, key=key).to_json())
     # One metadata key: safetensors writes a header's keys in hash order, and a shard rewritten

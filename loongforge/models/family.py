@@ -86,9 +86,10 @@ class ModelFamily:
     # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
     # rank's pipeline stage; collective, needs megatron's parallel state
     build: Callable[..., "torch.nn.Module"]
-    # (model_cfg, *, params_dtype, device, init_seed) -> the vision encoder alone (tower + merger,
-    # the training model's parameter names and initial weights): (pixels, grid_thw) -> features
-    # [P / merge_unit, LM hidden]; needs megatron's parallel state at TP = PP = 1
+    # (model_cfg, *, params_dtype, device, init_seed, group=None) -> the vision encoder alone (tower
+    # + merger, the training model's parameter names and initial weights): (pixels, grid_thw) ->
+    # features [P / merge_unit, LM hidden]; its layers run on ``group`` (a group of this rank alone),
+    # else on megatron's groups, which must then be TP = PP = 1
     build_encoder: Callable[..., "torch.nn.Module"]
     # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
     count_parameters: Callable[[ModelConfig], dict[str, int]]

@@ -80,8 +80,8 @@ def _tensors(root: Path) -> dict[tuple, torch.Tensor]:
     """(sample, kind, media index) -> stored features, whichever shard holds them."""
     store = EmbeddingStore(root)
     rows = [json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()]
-    return {(r["sample_id"], r["kind"], r["media_index"]): store.features(store.rows_of(r["sample_id"], r["kind"])[r["media_index"]])
-            for r in rows}
+    return {(r["sample_id"], r["kind"], r["media_index"]):
+            store.features(store.rows_of(r["file"], r["line"], r["kind"])[r["media_index"]]) for r in rows}
 
 
 def test_every_medium_of_the_mix_is_stored_and_counted(encoded):
@@ -106,14 +106,13 @@ def test_stored_embeddings_equal_the_training_models_encoder(encoded):
         model = get_family(cfg.model.family).build(cfg.model, ParallelConfig(), params_dtype=torch.float32,
                                                    pre_process=True, post_process=True, device="cpu",
                                                    init_seed=cfg.training.seed).eval()
-        worst = 0.0
+        worst, store = 0.0, EmbeddingStore(encoded)
         for row in (json.loads(line) for line in (encoded / "index.jsonl").read_text().splitlines()):
             pixels = _pixels_of(row, sizing, cfg.data)
             grid = torch.tensor([row["grid"]])
             with torch.no_grad():
                 online = model.projector(model.vision_model(torch.from_numpy(pixels), grid))
-            stored = EmbeddingStore(encoded).features(
-                EmbeddingStore(encoded).rows_of(row["sample_id"], row["kind"])[row["media_index"]])
+            stored = store.features(store.rows_of(row["file"], row["line"], row["kind"])[row["media_index"]])
             assert stored.shape == online.shape
             worst = max(worst, float((stored - online).abs().max()))
         assert worst <= 1e-6, worst

@@ -37,9 +37,11 @@ class VisionEncoder(torch.nn.Module):
 
 
 def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: torch.device | str,
-                  init_seed: Optional[int] = None) -> VisionEncoder:
+                  init_seed: Optional[int] = None,
+                  group: Optional[torch.distributed.ProcessGroup] = None) -> VisionEncoder:
     """The whole encoder on ``device``; initial weights as ``build_model`` draws them for
-    ``init_seed`` (on the CPU). Needs megatron's parallel state at TP = PP = CP = 1 (a process
+    ``init_seed`` (on the CPU). Its layers need process groups of this rank alone: ``group`` (a
+    group of one, e.g. inside a training job), else megatron's own at TP = PP = CP = 1 (a process
     of its own, as in ``loongforge encode``)."""
     device = torch.device(device)
     on_cpu = device.type == "cpu"
@@ -47,7 +49,7 @@ def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: 
         mcore_patches.apply_cpu()
     init_seed = torch.initial_seed() if init_seed is None else init_seed
     modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
-    alone = _single_rank_groups()
+    alone = _single_rank_groups() if group is None else ProcessGroupCollection(tp=group, cp=group, pp=group)
     with initialization.seeded(init_seed, "vision_model"):
         vision_model = VisionModel(configs.vision_config(model_cfg, 1, params_dtype, on_cpu), model_cfg,
                                    vision_layer_spec(modules), vision_pg_collection(alone.tp, alone))
