@@ -32,8 +32,8 @@ BALANCED = ("balance.enabled=true", "balance.threshold=0")
 pytestmark = pytest.mark.skipif(not DEMO.is_dir(), reason=f"needs the shared demo data ({DEMO})")
 
 
-def _encode(out: Path, *inputs: Path) -> Path:
-    sets = [arg for setting in MEDIA for arg in ("--set", setting)]
+def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
+    sets = [arg for setting in settings for arg in ("--set", setting)]
     proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", *map(str, inputs), "--output",
                            str(out), "--preset", "qwen2.5vl-tiny", "--dtype", "fp32", "--no-progress", *sets],
                           capture_output=True, text=True, timeout=300)
@@ -93,3 +93,21 @@ def test_a_store_from_another_encoder_or_other_settings_is_a_one_line_error(stor
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: data.vision_embeddings={store} ") and expected in message, message
+
+
+def test_packed_data_at_tp2(tmp_path):
+    """A `pack` folder encoded as it is, trained at TP 2 (2 processes): as the frozen encoder."""
+    packed = tmp_path / "packed"
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "pack", *map(str, FILES), "--output",
+                           str(packed), "--preset", "qwen2.5vl-tiny", "--seq-len", "1024", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The pack's image rules are the preset's: encode and train with them.
+    preset_media = ("data.seq_len=1024", "data.max_pixels=50176")
+    stored = _encode(tmp_path / "embeddings", packed, settings=preset_media)
+    run = ("data.source=packed", f"data.packed={packed}", *preset_media, "training.train_steps=3",
+           "training.global_batch_size=2", "parallel.tensor_model_parallel_size=2")
+    run_train(tmp_path / "online", *run, *FROZEN, nproc=2)
+    run_train(tmp_path / "stored", *run, f"data.vision_embeddings={stored}", nproc=2)
+    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), RELATIVE)
+    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), RELATIVE)
