@@ -63,22 +63,12 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
     vision_tp = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
     layers = language.decoder.layers
     links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0)
-    state = model.state_dict(keep_vars=True)
-    loaded = 0
-    for key, target in state.items():
-        if key.endswith("_extra_state"):
-            continue
-        link = links.get(key)
-        if link is None:
-            raise InputError(f"{hf_dir}: no HF tensor maps to model parameter {key}")
+
+    def shard_of(link: Link) -> tuple[int, int]:
         group = vision_tp if link.rule.group == VISION else tp
-        local = link.rule.transform.shard([checkpoint.load(k) for k in link.hf_keys], group.rank(), group.size())
-        if local.shape != target.shape:
-            raise InputError(f"{hf_dir}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
-                             f"the model holds {list(target.shape)}")
-        target.copy_(local)
-        loaded += 1
-    return loaded
+        return group.rank(), group.size()
+
+    return _fill_from_hub(model, links, checkpoint.load, shard_of, where=str(hf_dir), holder="model")
 
 
 @torch.no_grad()
@@ -87,18 +77,25 @@ def load_encoder_weights(encoder: torch.nn.Module, model_cfg, source: str | Path
     a loongforge checkpoint (a ``step_*`` folder, or a checkpoint root: its latest). Both go
     through the HF tensors, so one table maps them. Returns the number of tensors loaded."""
     hub_tensor = _encoder_hub_tensors(model_cfg, Path(source))
-    links = _stage_links(model_cfg, 0)
+    links = {key: link for key, link in _stage_links(model_cfg, 0).items() if link.rule.group == VISION}
+    return _fill_from_hub(encoder, links, hub_tensor, lambda link: (0, 1), where=str(source), holder="encoder")
+
+
+def _fill_from_hub(module: torch.nn.Module, links: dict[str, Link], hub_tensor, shard_of, *, where: str,
+                   holder: str) -> int:
+    """Copy into every tensor of ``module``'s state dict its shard of the HF tensors its link names.
+    ``hub_tensor``: HF key -> tensor; ``shard_of``: link -> (rank, size) of the group sharding it."""
     loaded = 0
-    for key, target in encoder.state_dict(keep_vars=True).items():
+    for key, target in module.state_dict(keep_vars=True).items():
         if key.endswith("_extra_state"):
             continue
         link = links.get(key)
-        if link is None or link.rule.group != VISION:
-            raise InputError(f"{source}: no HF vision tensor maps to encoder parameter {key}")
-        local = link.rule.transform.shard([hub_tensor(k) for k in link.hf_keys], 0, 1)
+        if link is None:
+            raise InputError(f"{where}: no HF tensor maps to {holder} parameter {key}")
+        local = link.rule.transform.shard([hub_tensor(k) for k in link.hf_keys], *shard_of(link))
         if local.shape != target.shape:
-            raise InputError(f"{source}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
-                             f"the encoder holds {list(target.shape)}")
+            raise InputError(f"{where}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
+                             f"the {holder} holds {list(target.shape)}")
         target.copy_(local)
         loaded += 1
     return loaded
