@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from loongforge.balance.cost_model import CostModel
+from loongforge.balance.cost_model import VISION_TERMS, CostModel
 from loongforge.balance.fit import FitError, fit_nnls, observations_from_records
 from loongforge.config.errors import InputError
 from loongforge.parallel.media_assign import VisionCost
@@ -31,7 +31,6 @@ from loongforge.profile.recorder import StepRecorder
 from loongforge.profile.timers import GradSyncClock
 
 EXTRA_KEY = "cost_model"
-VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 
 
 def _all_ranks_records(records: list[dict]) -> list[dict]:
