@@ -300,12 +300,12 @@ class Qwen2_5_VLModel(MegatronModule):
         tokens = self.model_cfg.tokens
         image_count = self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image")
         video_count = self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")
-        pixels = optional_cat(pixel_values, pixel_values_videos)
-        if pixels is not None:
-            # Images and videos go through the tower together: segments never cross an image, so
-            # this equals two separate calls and costs one.
-            grid_thw = optional_cat(image_grid_thw, video_grid_thw)
-            features = self._encode(pixels, grid_thw).to(embeddings.dtype)
+        # Images and videos go through the tower together: segments never cross an image, so
+        # this equals two separate calls and costs one.
+        features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
+                                        optional_cat(image_grid_thw, video_grid_thw))
+        if features is not None:
+            features = features.to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
             embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
             embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
@@ -315,12 +315,19 @@ class Qwen2_5_VLModel(MegatronModule):
             )
         return embeddings
 
-    def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        """Merged features [P/m^2, h] of every image and video: encoded here, shared out over the
-        TP group (``parallel.encoder_dp=tp``), or this micro-batch's rows of the step's encoding
-        (``full``; outside a training step a ``full`` replica encodes here)."""
+    def _media_features(self, pixels: Optional[torch.Tensor],
+                        grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Merged features [P/m^2, h] of the micro-batch's images and videos; None without any."""
         if self.step_encoding is not None and self.step_encoding.active:
-            return self.step_encoding.take(grid_thw)
+            # encoder_dp=full: every micro-batch, with media or not, takes its turn in the step's
+            # features (outside a training step a full replica encodes here, as with none).
+            features = self.step_encoding.take(grid_thw)
+            return features if features.shape[0] else None
+        return None if pixels is None else self._encode(pixels, grid_thw)
+
+    def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """Merged features [P/m^2, h] of every image and video, encoded here or shared out over
+        the TP group (``parallel.encoder_dp=tp``)."""
         if self.shared_encoding is None:
             return self.projector(self.vision_model(pixels, grid_thw))
         trainable = self._trainable_encoder_params()
