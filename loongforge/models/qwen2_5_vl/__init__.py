@@ -6,6 +6,7 @@ layer_specs.py  megatron-core layer specs shared by both towers
 configs.py      ModelConfig -> megatron TransformerConfigs
 process_groups.py  the vision tower's own tensor-parallel groups
 encoder_share.py   parallel.encoder_dp=tp: the TP group divides a micro-batch's media
+encoder_full.py    parallel.encoder_dp=full: the TP x PP group divides a whole step's media
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 params.py       parameter counts by arithmetic
