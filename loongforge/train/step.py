@@ -152,9 +152,12 @@ def _begin_step(model: list, micro_batches: list[dict]) -> int:
     """Work a model does once per step before its pipeline runs (``parallel.encoder_dp=full``
     encodes the step's media there: the model's ``begin_step``, collective over its model-parallel
     group); returns the bytes it holds for the step. Its ``finish_step`` runs in the finalize."""
+    # A plain list: iterating the runner's list may tell a profiler which micro-batch is running
+    # (profile.recorder), and none is yet.
+    plain = [micro_batches[i] for i in range(len(micro_batches))]
     held = 0
     for chunk in model:
         begin = getattr(getattr(chunk, "module", chunk), "begin_step", None)
         if begin is not None:
-            held += begin(micro_batches)
+            held += begin(plain)
     return held
