@@ -22,7 +22,7 @@ import dataclasses
 
 import json
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Iterable, Optional, Sequence
 
@@ -172,6 +172,22 @@ class CostModel:
             raise ValueError(f"{path}: cannot read cost model ({exc}); pass a COST.json written "
                              "by `loongforge fit-cost`") from exc
         return cls.from_dict(data, origin=str(path))
+
+
+VISION_TERMS = ("sum_P2", "sum_P", "n_img")
+
+
+def with_vision_spread(model: CostModel, ranks: int) -> CostModel:
+    """``model`` with its vision terms divided by ``ranks``: the per-rank price of a sample when
+    ``ranks`` ranks share the encoder work of a data-parallel replica's samples
+    (``parallel.encoder_dp``: the TP group with ``tp``, the TP x PP group with ``full``). The
+    language terms are unchanged: each rank runs its own share of the language model either way."""
+    if ranks < 1:
+        raise ValueError(f"ranks must be at least 1, got {ranks}")
+    if ranks == 1:
+        return model
+    coefficients = {t: v / ranks if t in VISION_TERMS else v for t, v in model.coefficients.items()}
+    return replace(model, coefficients=coefficients)
 
 
 def token_count_model() -> CostModel:

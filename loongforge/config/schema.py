@@ -136,7 +136,9 @@ class ParallelConfig:
     vision_tensor_model_parallel_size: Optional[int] = None
     # How the vision encoder's work is divided beyond its own TP: "none" runs the whole encoder on
     # every rank of a language TP group (all on the same images); "tp" divides the group's images
-    # and videos among its ranks by modelled cost and gathers the embeddings (needs vision TP 1).
+    # and videos among its ranks by modelled cost and gathers the embeddings (needs vision TP 1);
+    # "full" divides all media of a step's micro-batches among the TP x PP ranks of a model-parallel
+    # group (every stage holds an encoder replica) before the pipeline runs (needs vision TP 1).
     encoder_dp: str = "none"
     sequence_parallel: bool = False
     # Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer).

@@ -36,7 +36,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.source": ("synthetic", "files", "packed"),
     "data.read": ("auto", "global", "sharded"),
     "optimizer.name": ("adam", "sgd"),
-    "parallel.encoder_dp": ("none", "tp"),
+    "parallel.encoder_dp": ("none", "tp", "full"),
 }
 
 # Numbers that must be >= 1 (sizes, counts) and >= 0 (rates, intervals).
@@ -366,7 +366,8 @@ def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) 
 
 
 def _check_encoder_dp(parallel) -> list[str]:
-    """Dividing the media among the ranks of a TP group needs a whole encoder on each of them."""
+    """Dividing the media among the ranks of a TP group (``tp``) or a model-parallel group
+    (``full``) needs a whole encoder on each of them."""
     vision_tp = parallel.vision_tensor_model_parallel_size
     inherited = vision_tp is None
     vision_tp = parallel.tensor_model_parallel_size if inherited else vision_tp

@@ -30,7 +30,7 @@ from typing import Optional, Union
 import numpy as np
 
 from loongforge.balance.apply import BalanceCounters, StepBalancer, sample_size
-from loongforge.balance.cost_model import token_count_model
+from loongforge.balance.cost_model import token_count_model, with_vision_spread
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import collate_row
@@ -224,7 +224,8 @@ class DataPipeline:
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
-                 groups: Optional[DataGroups] = None, embeddings: Optional[EmbeddingStore] = None):
+                 groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
+                 embeddings: Optional[EmbeddingStore] = None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -265,6 +266,9 @@ class DataPipeline:
         # rank switches models at the same consumed step. None: token counts throughout.
         self._cost_models = cost_models
         self._priced_version = None
+        # Ranks sharing a replica's encoder work (parallel.encoder_dp): the planner prices the
+        # vision terms at that parallel cost, so that plans stay balanced.
+        self.encoder_ranks = encoder_ranks
         self._exchange = None
         if self.read == "sharded" and self.loads_data:
             self._exchange = SampleExchange(groups.exchange if groups is not None else None,
@@ -323,7 +327,8 @@ class DataPipeline:
         if self._cost_models.version == self._priced_version:
             return
         self._priced_version = self._cost_models.version
-        cost_model = self._cost_models.cost_model or token_count_model()
+        cost_model = with_vision_spread(self._cost_models.cost_model or token_count_model(),
+                                        self.encoder_ranks)
         if cost_model.to_dict() == self._balancer.cost_model.to_dict():
             return
         self._stop_worker()

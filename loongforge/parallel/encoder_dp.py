@@ -14,6 +14,11 @@ videos instead of all of them encoding everything. Two pieces make that exact:
   marked with ``mark_encoder_replicas`` get their gradients summed over the group after megatron's
   data-parallel reduction, so every replica of the encoder takes the same, complete step.
 
+``parallel.encoder_dp=full`` (the model-parallel group divides a whole step's media, encoded
+before the pipeline runs) uses ``gather_rows`` to deliver the embeddings, ``sum_over_group`` to sum
+the encoder gradients over the group before the data-parallel reduction, ``add_encoder_grads`` to
+hand them to megatron's DDP, and ``mark_pipeline_replicas`` so the grad norm counts them once.
+
 Which rank owns which medium is ``parallel.media_assign``'s (pure, the same on every rank).
 """
 
@@ -35,14 +40,8 @@ class _GatherFromOwners(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, local, group, rows_per_rank, positions):
-        rank, width = dist.get_rank(group), local.shape[-1]
-        padded = local.new_zeros(max(rows_per_rank), width)
-        padded[: local.shape[0]] = local
-        gathered = [torch.empty_like(padded) for _ in rows_per_rank]
-        dist.all_gather(gathered, padded, group=group)
-        owner_major = torch.cat([chunk[:rows] for chunk, rows in zip(gathered, rows_per_rank)])
-        full = local.new_empty(owner_major.shape)
-        full[positions] = owner_major
+        rank = dist.get_rank(group)
+        full = _all_gather_rows(local, group, rows_per_rank, positions)
         first = sum(rows_per_rank[:rank])
         ctx.save_for_backward(positions[first: first + rows_per_rank[rank]])
         return full
@@ -51,6 +50,37 @@ class _GatherFromOwners(torch.autograd.Function):
     def backward(ctx, grad_full):
         (mine,) = ctx.saved_tensors
         return grad_full[mine], None, None, None
+
+
+def _all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup, rows_per_rank: Sequence[int],
+                     positions: torch.Tensor) -> torch.Tensor:
+    """[n_mine, h] on each rank -> [N, h] on every rank, row ``positions[j]`` from the j-th row in
+    owner-major order. Uneven counts are padded to the largest (gloo has no uneven all-gather)."""
+    width = local.shape[-1]
+    padded = local.new_zeros(max(rows_per_rank), width)
+    padded[: local.shape[0]] = local
+    gathered = [torch.empty_like(padded) for _ in rows_per_rank]
+    dist.all_gather(gathered, padded, group=group)
+    owner_major = torch.cat([chunk[:rows] for chunk, rows in zip(gathered, rows_per_rank)])
+    full = local.new_empty(owner_major.shape)
+    full[positions] = owner_major
+    return full
+
+
+def gather_rows(local: torch.Tensor, group: dist.ProcessGroup,
+                owner_rows: Sequence[Sequence[int]]) -> torch.Tensor:
+    """``gather_from_owners`` without autograd (``parallel.encoder_dp=full`` sends the gradient
+    back itself, after the pipeline flush): [n_mine, h] -> [N, h] on every rank of ``group``."""
+    rank = dist.get_rank(group)
+    if local.shape[0] != len(owner_rows[rank]):
+        raise ValueError(f"rank {rank} of the encoder group holds {local.shape[0]} rows but owns "
+                         f"{len(owner_rows[rank])}")
+    rows_per_rank = [len(rows) for rows in owner_rows]
+    if max(rows_per_rank, default=0) == 0:
+        return local.new_zeros(0, local.shape[-1])
+    positions = torch.tensor([row for rows in owner_rows for row in rows], dtype=torch.long,
+                             device=local.device)
+    return _all_gather_rows(local.detach(), group, rows_per_rank, positions)
 
 
 def gather_from_owners(local: torch.Tensor, group: dist.ProcessGroup,
@@ -109,7 +139,45 @@ def sum_encoder_grads(modules: Iterable[torch.nn.Module]) -> None:
                 grad = param.grad
             grads_by_group.setdefault(id(group), (group, []))[1].append(grad)
     for group, grads in grads_by_group.values():
-        flat = _flatten_dense_tensors(grads)
-        dist.all_reduce(flat, group=group)
-        for grad, summed in zip(grads, _unflatten_dense_tensors(flat, grads)):
-            grad.copy_(summed)
+        sum_over_group(grads, group)
+
+
+def sum_over_group(tensors: Sequence[torch.Tensor], group: dist.ProcessGroup) -> None:
+    """Sum ``tensors`` in place over ``group``: one flattened all-reduce."""
+    if not tensors or group.size() == 1:
+        return
+    flat = _flatten_dense_tensors(tensors)
+    dist.all_reduce(flat, group=group)
+    for tensor, summed in zip(tensors, _unflatten_dense_tensors(flat, tensors)):
+        tensor.copy_(summed)
+
+
+def mark_pipeline_replicas(params: Iterable[torch.nn.Parameter]) -> None:
+    """Flag an encoder replica on a later pipeline stage as ``shared``, so that megatron's grad
+    norm (and zero count), which sums over the whole model-parallel group, leaves it out: its
+    gradient equals the first stage's, which is counted (``param_is_not_shared``)."""
+    for param in params:
+        param.shared = True
+
+
+def add_encoder_grads(ddp_module: torch.nn.Module,
+                      grads: Sequence[tuple[torch.nn.Parameter, torch.Tensor]]) -> None:
+    """Hand each encoder parameter's gradient of the step to megatron's DDP, as its backward hook
+    would have (``DistributedDataParallel._make_backward_post_hook``): add it to ``main_grad`` and,
+    with ``overlap_grad_reduce``, report the parameter ready once, so that its bucket starts its
+    reduction. Without megatron's DDP (``main_grad`` absent) it is added to ``.grad``.
+
+    Call it after the pipeline flush and before ``finalize_model_grads``, once per step for every
+    trainable encoder parameter, also where the gradient is zero: a bucket is reduced only when
+    every one of its parameters has reported.
+    """
+    overlap = getattr(getattr(ddp_module, "ddp_config", None), "overlap_grad_reduce", False)
+    for param, grad in grads:
+        main_grad = getattr(param, "main_grad", None)
+        if main_grad is None:
+            param.grad = grad.clone() if param.grad is None else param.grad + grad
+            continue
+        main_grad.add_(grad)
+        if overlap:
+            ddp_module.param_to_bucket_group[param].register_grad_ready(
+                param, getattr(ddp_module, "force_all_reduce", False))

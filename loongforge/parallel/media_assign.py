@@ -1,7 +1,9 @@
 """Which rank encodes which image or video: longest first onto the least-loaded rank.
 
 With ``parallel.encoder_dp=tp`` the ranks of a language TP group share one micro-batch, and each
-encodes only some of its images and videos (``parallel.encoder_dp``). Every rank computes the same
+encodes only some of its images and videos (``parallel.encoder_dp``); with ``full`` the ranks of a
+model-parallel group (TP x PP) divide all media of a step's micro-batches (``assign_step_media``).
+Every rank computes the same
 assignment from the same inputs (the media's patch counts and the cost coefficients), so the ranks
 agree without communicating.
 
@@ -53,3 +55,57 @@ def assign_media(patches: Sequence[int], num_ranks: int, cost: VisionCost = Visi
         owners[index] = rank
         loads[rank] += costs[index]
     return owners
+
+
+@dataclass(frozen=True)
+class StepMedia:
+    """Every image and video of one step's micro-batches, divided among the ranks of a
+    model-parallel group (``parallel.encoder_dp=full``).
+
+    Media are numbered in step order: micro-batch 0's media (images, then videos: the order of its
+    ``grid_thw``), then micro-batch 1's, and so on. Medium i has ``patches[i]`` vision patches and
+    ``patches[i] // merge_unit`` rows of merged features; the step's features are the media's rows
+    in step order.
+    """
+
+    patches: tuple[int, ...]
+    owners: tuple[int, ...]  # the rank that encodes each medium
+    media_per_micro_batch: tuple[int, ...]
+    merge_unit: int
+
+    @property
+    def row_starts(self) -> list[int]:
+        """The first merged-feature row of each medium, then the total: [n + 1]."""
+        starts = [0]
+        for count in self.patches:
+            starts.append(starts[-1] + count // self.merge_unit)
+        return starts
+
+    def media_of(self, rank: int) -> list[int]:
+        """The media ``rank`` encodes, in step order."""
+        return [i for i, owner in enumerate(self.owners) if owner == rank]
+
+    def rows_of(self, rank: int) -> list[int]:
+        """The feature rows of ``rank``'s media, in the order it encodes them."""
+        starts = self.row_starts
+        return [row for i in self.media_of(rank) for row in range(starts[i], starts[i + 1])]
+
+    def micro_batch_rows(self, index: int) -> tuple[int, int]:
+        """[start, stop) of micro-batch ``index``'s feature rows."""
+        first = sum(self.media_per_micro_batch[:index])
+        starts = self.row_starts
+        return starts[first], starts[first + self.media_per_micro_batch[index]]
+
+
+def assign_step_media(patches_per_micro_batch: Sequence[Sequence[int]], num_ranks: int, *,
+                      merge_unit: int, cost: VisionCost = VisionCost()) -> StepMedia:
+    """Divide a step's media (patch counts per micro-batch, in order) among ``num_ranks`` ranks by
+    modelled cost, over the whole step rather than micro-batch by micro-batch: a micro-batch with
+    one large image no longer leaves the other ranks idle."""
+    patches = tuple(int(p) for media in patches_per_micro_batch for p in media)
+    bad = [p for p in patches if p % merge_unit]
+    if bad:
+        raise ValueError(f"patch counts {bad[:3]} are not multiples of the merge unit {merge_unit}")
+    return StepMedia(patches=patches, owners=tuple(assign_media(patches, num_ranks, cost)),
+                     media_per_micro_batch=tuple(len(media) for media in patches_per_micro_batch),
+                     merge_unit=merge_unit)

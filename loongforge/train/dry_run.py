@@ -27,7 +27,7 @@ class ParameterSplit:
     """Parameters by where pipeline stages keep them."""
 
     total: int
-    vision_and_projector: int  # first stage; also holds the final norm's few weights (negligible)
+    vision_and_projector: int  # first stage (all with encoder_dp=full); plus the final norm's weights
     per_decoder_layer: float
     input_embedding: int  # first stage
     output_head: int  # last stage; 0 when tied and everything is one stage
@@ -63,11 +63,16 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     tied = cfg.model.language.tie_word_embeddings
     stages, first_layer = [], 0
     counts = layers_per_stage(cfg.model.language.num_layers, sizes.pipeline_parallel)
+    # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
+    replicas_everywhere = cfg.parallel.encoder_dp == "full"
     for index, num_layers in enumerate(counts):
         holds, params = [], num_layers * split.per_decoder_layer / tp
+        if index == 0 or replicas_everywhere:
+            holds += ["vision tower + projector" if index == 0 else "vision tower + projector (replica)"]
+            params += split.vision_and_projector / vision_tp
         if index == 0:
-            holds += ["vision tower + projector", "embeddings"]
-            params += split.vision_and_projector / vision_tp + split.input_embedding / tp
+            holds += ["embeddings"]
+            params += split.input_embedding / tp
         if index == len(counts) - 1:
             # A tied head is the embedding itself on one stage, a copy on the last one otherwise.
             head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)

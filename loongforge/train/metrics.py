@@ -27,6 +27,9 @@ class StepMetrics:
     # Measured imbalance: the longest minus the shortest gradient-sync time over ranks, i.e. how
     # long the first rank to finish its micro-batches waited for the last one (None at one rank).
     sync_wait_s: Optional[float] = None
+    # parallel.encoder_dp=full: the most bytes any rank held for the step's precomputed vision
+    # features (pixels it encoded, its features, the gathered features); None otherwise.
+    vision_features_bytes: Optional[int] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -94,6 +97,8 @@ class RunLogger:
         record = {"step": m.step, "loss": m.loss, "grad_norm": m.grad_norm, "lr": m.lr,
                   "tokens_per_s": m.tokens_per_s, "step_s": m.step_s, "data_wait_s": m.data_wait_s,
                   "sync_wait_s": m.sync_wait_s}
+        if m.vision_features_bytes is not None:
+            record["vision_features_bytes"] = m.vision_features_bytes
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],

@@ -41,7 +41,7 @@ from loongforge.parallel.distributed import (
     init_model_parallel,
     shutdown,
 )
-from loongforge.parallel.encoder_dp import sum_encoder_grads
+from loongforge.parallel.encoder_dp import add_encoder_grads, sum_encoder_grads
 from loongforge.parallel.progress import RankProgress
 from loongforge.profile.timers import GradSyncClock
 from loongforge.train.balancing import RunBalancing
@@ -137,8 +137,15 @@ def _freeze(model, cfg: RunConfig) -> None:
 
 
 def _finalize_grads(finalize_model_grads, model: list, *args, **kwargs) -> None:
-    """megatron's gradient reduction, then the sum of a shared encoder's gradients over the ranks
-    that divided its media (``parallel.encoder_dp=tp``; nothing is marked otherwise)."""
+    """After the pipeline flush: the encoder gradients of a step encoded up front
+    (``parallel.encoder_dp=full``: the model's ``finish_step``, already summed over the
+    model-parallel group) handed to megatron's DDP before it reduces; megatron's gradient reduction;
+    then the sum of a shared encoder's gradients over the ranks that divided its media
+    (``parallel.encoder_dp=tp``; nothing is marked otherwise)."""
+    for chunk in model:
+        finish = getattr(_unwrap_model(chunk), "finish_step", None)
+        if finish is not None:
+            add_encoder_grads(chunk, finish())
     finalize_model_grads(model, *args, **kwargs)
     sum_encoder_grads(model)
 
@@ -167,15 +174,19 @@ def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
     return 8 * layout.tp_size
 
 
-def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float) -> tuple[int, Optional[float]]:
-    """(real tokens over all ranks, spread of the gradient-sync time over ranks), one collective."""
+def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float,
+                 vision_bytes: int) -> tuple[int, Optional[float], int]:
+    """(real tokens over all ranks, spread of the gradient-sync time over ranks, the most
+    vision-feature bytes a rank held), one collective."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
     if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return local, None
-    gathered = torch.zeros(dist.get_world_size() * 2, dtype=torch.float64)  # [rank * (tokens, sync_s)]
-    dist.all_gather_into_tensor(gathered, torch.tensor([float(local), sync_s], dtype=torch.float64))
-    per_rank = gathered.view(-1, 2)  # [rank, 2]
-    return int(per_rank[:, 0].sum()), float(per_rank[:, 1].max() - per_rank[:, 1].min())
+        return local, None, vision_bytes
+    gathered = torch.zeros(dist.get_world_size() * 3, dtype=torch.float64)  # [rank * (tokens, sync_s, bytes)]
+    dist.all_gather_into_tensor(gathered, torch.tensor([float(local), sync_s, float(vision_bytes)],
+                                                       dtype=torch.float64))
+    per_rank = gathered.view(-1, 3)  # [rank, 3]
+    return (int(per_rank[:, 0].sum()), float(per_rank[:, 1].max() - per_rank[:, 1].min()),
+            int(per_rank[:, 2].max()))
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False,
@@ -296,7 +307,17 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         dp_rank=layout.dp_rank, dp_size=layout.dp_size, pad_to_multiple=_pad_multiple(cfg, layout),
                         rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
                         balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
-                        cost_models=balancing, groups=data_groups, embeddings=embeddings)
+                        cost_models=balancing, groups=data_groups,
+                        encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings)
+
+
+def _encoder_ranks(cfg: RunConfig, layout: ParallelLayout) -> int:
+    """How many ranks share one data-parallel replica's encoder work (``parallel.encoder_dp``)."""
+    if cfg.parallel.encoder_dp == "full":
+        return layout.tp_size * layout.pp_size
+    if cfg.parallel.encoder_dp == "tp":
+        return layout.tp_size
+    return 1
 
 
 @dataclass
@@ -399,11 +420,13 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         run.balancing.end_step(step, result)
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
-        tokens, sync_wait = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take())
+        tokens, sync_wait, vision_bytes = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(),
+                                                       result.vision_features_bytes)
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
             step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=tokens,
             step_s=result.compute_s + data_wait, data_wait_s=data_wait, sync_wait_s=sync_wait,
+            vision_features_bytes=vision_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after}))
         summary.losses.append((step, result.loss))

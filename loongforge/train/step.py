@@ -31,6 +31,9 @@ class StepResult:
     lr: float
     compute_s: float
     skipped: bool
+    # Bytes this rank held for the step's vision features encoded before the pipeline ran
+    # (parallel.encoder_dp=full: pixels encoded here, its features, the gathered features); 0 otherwise.
+    vision_features_bytes: int = 0
 
 
 def to_device(micro_batch: dict, device: torch.device) -> dict:
@@ -126,6 +129,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     start = time.perf_counter()
+    vision_bytes = _begin_step(model, micro_batches)
     reports = get_forward_backward_func()(
         forward_step_func=make_forward_step(device),
         data_iterator=iter(micro_batches),
@@ -143,4 +147,19 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     loss, tokens = _global_loss(reports, is_loss_rank)
     return StepResult(loss=loss, loss_tokens=tokens,
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
-                      compute_s=compute_s, skipped=not update_ok)
+                      compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes)
+
+
+def _begin_step(model: list, micro_batches: list[dict]) -> int:
+    """Work a model does once per step before its pipeline runs (``parallel.encoder_dp=full``
+    encodes the step's media there: the model's ``begin_step``, collective over its model-parallel
+    group); returns the bytes it holds for the step. Its ``finish_step`` runs in the finalize."""
+    # A plain list: iterating the runner's list may tell a profiler which micro-batch is running
+    # (profile.recorder), and none is yet.
+    plain = [micro_batches[i] for i in range(len(micro_batches))]
+    held = 0
+    for chunk in model:
+        begin = getattr(getattr(chunk, "module", chunk), "begin_step", None)
+        if begin is not None:
+            held += begin(plain)
+    return held

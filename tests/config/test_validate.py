@@ -133,8 +133,8 @@ def test_vision_tp_must_divide_language_tp():
 
 
 def test_encoder_dp_choices_name_the_accepted_modes():
-    (message,) = errors_for("parallel.encoder_dp=full")
-    assert message == ("parallel.encoder_dp='full' is not one of none | tp; set "
+    (message,) = errors_for("parallel.encoder_dp=everything")
+    assert message == ("parallel.encoder_dp='everything' is not one of none | tp | full; set "
                        "parallel.encoder_dp to one of those.")
     (message,) = errors_for("parallel.encoder_dp=tpp")
     assert "did you mean 'tp'?" in message
@@ -154,6 +154,19 @@ def test_encoder_dp_needs_vision_tp_1_and_names_both_keys():
         cfg = load_run_config("qwen2.5vl-tiny", overrides=["parallel.encoder_dp=tp", *overrides],
                               world_size=2)
         assert cfg.parallel.encoder_dp == "tp"
+
+
+def test_encoder_dp_full_needs_vision_tp_1_and_names_both_keys():
+    (message,) = errors_for("parallel.encoder_dp=full", "parallel.tensor_model_parallel_size=2",
+                            "parallel.pipeline_model_parallel_size=2", world_size=4)
+    assert message == ("parallel.encoder_dp=full needs parallel.vision_tensor_model_parallel_size=1, "
+                       "got 2 (inherited from parallel.tensor_model_parallel_size); set "
+                       "parallel.vision_tensor_model_parallel_size=1 or parallel.encoder_dp=none.")
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=[
+        "parallel.encoder_dp=full", "parallel.tensor_model_parallel_size=2",
+        "parallel.pipeline_model_parallel_size=2", "parallel.vision_tensor_model_parallel_size=1"],
+        world_size=4)
+    assert cfg.parallel.encoder_dp == "full"
 
 
 def test_world_size_must_be_multiple_of_tp_times_pp():

@@ -98,3 +98,17 @@ def test_prefetch_thread_and_model_switch_give_the_same_steps(tokenizer):
             owners[1].switch(model)
         assert _ids(plain.next_step()) == _ids(threaded.next_step())
     threaded.close()
+
+
+def test_encoder_ranks_price_the_vision_terms_at_their_parallel_cost(tokenizer):
+    # parallel.encoder_dp=full at TP 2 x PP 2: four ranks share a replica's encoder work, so the
+    # planner sees a quarter of the vision price; the same plans as handing it that model directly.
+    model = CostModel({t: 0.0 for t in TERMS} | {"sum_L": 1.0, "sum_P2": 0.5, "sum_P": 8.0})
+    quarter = CostModel({t: 0.0 for t in TERMS} | {"sum_L": 1.0, "sum_P2": 0.125, "sum_P": 2.0})
+    owners = _Owner(), _Owner()
+    shared = _pipeline(tokenizer, dp_rank=0, dp_size=2, cost_models=owners[0], encoder_ranks=4)
+    direct = _pipeline(tokenizer, dp_rank=0, dp_size=2, cost_models=owners[1])
+    owners[0].switch(model)
+    owners[1].switch(quarter)
+    assert _steps(shared, 3) == _steps(direct, 3)
+    assert shared._balancer.cost_model.coefficients["sum_P2"] == 0.125

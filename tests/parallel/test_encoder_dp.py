@@ -8,7 +8,13 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from loongforge.parallel.encoder_dp import gather_from_owners, mark_encoder_replicas, sum_encoder_grads
+from loongforge.parallel.encoder_dp import (
+    add_encoder_grads,
+    gather_from_owners,
+    mark_encoder_replicas,
+    mark_pipeline_replicas,
+    sum_encoder_grads,
+)
 from tests.models.helpers import free_port, limit_threads, run_workers
 
 WIDTH = 3
@@ -59,3 +65,51 @@ def _worker(rank: int, port: int) -> None:
 
 def test_gather_from_owners_and_grad_sum_on_two_ranks():
     run_workers(_worker, 2, (free_port(),), timeout_s=120)
+
+
+class _BucketGroup:
+    def __init__(self):
+        self.ready = []
+
+    def register_grad_ready(self, param, force_all_reduce=False):
+        self.ready.append(param)
+
+
+class _DDP(torch.nn.Module):
+    """What add_encoder_grads reads of megatron's DistributedDataParallel."""
+
+    def __init__(self, params, overlap: bool):
+        super().__init__()
+        self.ddp_config = type("Config", (), {"overlap_grad_reduce": overlap})()
+        self.bucket_group = _BucketGroup()
+        self.param_to_bucket_group = {param: self.bucket_group for param in params}
+
+
+def test_add_encoder_grads_adds_to_main_grad_and_reports_each_parameter_once():
+    params = [torch.nn.Parameter(torch.ones(2)), torch.nn.Parameter(torch.ones(3))]
+    for param in params:
+        param.main_grad = torch.full_like(param, 0.5)
+    grads = [torch.full((2,), 2.0), torch.zeros(3)]  # a zero gradient is reported too
+    ddp = _DDP(params, overlap=True)
+    add_encoder_grads(ddp, list(zip(params, grads)))
+    assert torch.equal(params[0].main_grad, torch.full((2,), 2.5))
+    assert torch.equal(params[1].main_grad, torch.full((3,), 0.5))
+    assert ddp.bucket_group.ready == params
+    quiet = _DDP(params, overlap=False)
+    add_encoder_grads(quiet, list(zip(params, grads)))
+    assert quiet.bucket_group.ready == []
+
+
+def test_add_encoder_grads_without_megatron_ddp_accumulates_in_grad():
+    param = torch.nn.Parameter(torch.ones(2))
+    add_encoder_grads(torch.nn.Module(), [(param, torch.ones(2))])
+    add_encoder_grads(torch.nn.Module(), [(param, torch.ones(2))])
+    assert torch.equal(param.grad, torch.full((2,), 2.0))
+
+
+def test_pipeline_replicas_are_left_out_of_the_grad_norm():
+    from megatron.core.transformer.module import param_is_not_shared
+
+    tower = torch.nn.Linear(2, 2)
+    mark_pipeline_replicas(tower.parameters())
+    assert not any(param_is_not_shared(p) for p in tower.parameters())

@@ -4,7 +4,8 @@ Mirrors transformers' ``Qwen2_5_VLForConditionalGeneration`` module for module (
 ``hf_mapping.py`` for the weight correspondence), with megatron-core doing tensor and pipeline
 parallelism:
 
-- ``vision_model`` (first pipeline stage only): patches -> patch features, TP over the vision group.
+- ``vision_model`` (first pipeline stage only; every stage with ``parallel.encoder_dp=full``):
+  patches -> patch features, TP over the vision group.
 - ``projector``: the patch merger, 2x2 patch features -> one language-model token.
 - ``language_model``: megatron-core ``GPTModel`` with ``position_embedding_type="mrope"``; it gets
   ``decoder_input`` (text embeddings with the projected image/video features written over the
@@ -16,6 +17,7 @@ from __future__ import annotations
 from typing import Callable, Optional
 
 import torch
+import torch.distributed as dist
 from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
@@ -29,6 +31,7 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import initialization
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
+from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
 from loongforge.models.qwen2_5_vl.encoder_share import SharedEncoding
 from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
@@ -42,7 +45,7 @@ from loongforge.models.qwen2_5_vl.vision import (
     vision_pg_collection,
 )
 from loongforge.parallel import mcore_patches
-from loongforge.parallel.encoder_dp import mark_encoder_replicas, touch_with_zero
+from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost
 
 
@@ -132,10 +135,12 @@ class Qwen2_5_VLModel(MegatronModule):
         post_process: bool,
         vp_stage: Optional[int] = None,
         init_seed: Optional[int] = None,
+        encoder_everywhere: bool = False,
         with_encoder: bool = True,
     ):
         """``init_seed``: initial weights keyed by (seed, global name), the same full model at
         every TP/PP layout (``models.initialization``); None: megatron's one running stream.
+        ``encoder_everywhere``: build the towers on every pipeline stage (``encoder_dp=full``).
         ``with_encoder=False``: no vision tower or merger; image/video features come with each
         micro-batch (``image_embeds`` / ``video_embeds``, stored by ``loongforge encode``)."""
         super().__init__(config=language_config)
@@ -152,7 +157,7 @@ class Qwen2_5_VLModel(MegatronModule):
 
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
-        if pre_process and with_encoder:
+        if with_encoder and (pre_process or encoder_everywhere):
             with initialization.seeded(init_seed, "vision_model"):
                 self.vision_model = VisionModel(
                     vision_config,
@@ -168,6 +173,10 @@ class Qwen2_5_VLModel(MegatronModule):
         self._vision_replica_block = get_pg_rank(language_pgs.tp) // self._vision_tp
         # parallel.encoder_dp=tp: the TP group divides each micro-batch's media (build_model).
         self.shared_encoding: Optional[SharedEncoding] = None
+        # parallel.encoder_dp=full: the model-parallel group divides each step's media (build_model).
+        self.step_encoding: Optional[StepEncoding] = None
+        # The pipeline stage whose towers are the main replica in checkpoints (encoder_dp=full).
+        self._pp_rank = get_pg_rank(language_pgs.pp)
 
         lang = model_cfg.language
         tp = language_pgs.tp.size()
@@ -204,13 +213,43 @@ class Qwen2_5_VLModel(MegatronModule):
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
                            metadata: Optional[dict] = None) -> dict:
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
-        if self.pre_process and self._vision_replica_block:
-            towers = (f"{prefix}vision_model.", f"{prefix}projector.")
-            for key, item in sharded.items():
-                if key.startswith(towers):
-                    item.replica_id = _with_tp_replica_block(item.replica_id, self._vision_replica_block,
-                                                             self._vision_tp)
+        if self.vision_model is None:
+            return sharded
+        towers = (f"{prefix}vision_model.", f"{prefix}projector.")
+        for key, item in sharded.items():
+            if not key.startswith(towers):
+                continue
+            if self._vision_replica_block:
+                item.replica_id = _with_tp_replica_block(item.replica_id, self._vision_replica_block,
+                                                         self._vision_tp)
+            if self._pp_rank:  # encoder_dp=full: the first stage's towers are saved, these are copies
+                item.replica_id = _with_pp_replica(item.replica_id, self._pp_rank)
         return sharded
+
+    # -- parallel.encoder_dp=full: the step's media encoded before the pipeline runs -------------
+
+    def begin_step(self, micro_batches: list[dict]) -> int:
+        """Encode this rank's share of the step's media (collective over the model-parallel
+        group); returns the bytes held for the step. Without ``encoder_dp=full``: nothing, 0."""
+        if self.step_encoding is None:
+            return 0
+        media = [(optional_cat(mb.get("pixel_values"), mb.get("pixel_values_videos")),
+                  optional_cat(mb.get("image_grid_thw"), mb.get("video_grid_thw"))) for mb in micro_batches]
+        return self.step_encoding.begin(lambda p, g: self.projector(self.vision_model(p, g)), media,
+                                        _device_of(self))
+
+    def finish_step(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
+        """After the pipeline flush: (parameter, gradient of the whole step summed over the
+        model-parallel group) for every trainable encoder parameter; [] without ``encoder_dp=full``.
+        Collective over the model-parallel group."""
+        if self.step_encoding is None or not self.step_encoding.active:
+            return []
+        trainable = self._trainable_encoder_params()
+        return list(zip(trainable, self.step_encoding.finish(trainable)))
+
+    def _trainable_encoder_params(self) -> list[torch.nn.Parameter]:
+        return [param for tower in (self.vision_model, self.projector)
+                for param in tower.parameters() if param.requires_grad]
 
     # -- forward --------------------------------------------------------------------------------
 
@@ -272,48 +311,52 @@ class Qwen2_5_VLModel(MegatronModule):
         tokens = self.model_cfg.tokens
         image_count = self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image")
         video_count = self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")
-        pixels = optional_cat(pixel_values, pixel_values_videos)
-        if pixels is not None or stored is not None:
-            # Images and videos go through the tower together: segments never cross an image, so
-            # this equals two separate calls and costs one.
-            grid_thw = optional_cat(image_grid_thw, video_grid_thw)
-            features = self._features(pixels, grid_thw, stored).to(embeddings.dtype)
+        # Images and videos go through the tower together: segments never cross an image, so
+        # this equals two separate calls and costs one.
+        features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
+                                        optional_cat(image_grid_thw, video_grid_thw), stored)
+        if features is not None:
+            features = features.to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
             embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
             embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
-        elif self.vision_model is not None:
+        elif self.vision_model is not None and self.step_encoding is None:
             # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
-            embeddings = touch_with_zero(embeddings, self._encoder_parameters())
+            # (encoder_dp=full reports the encoder's gradients once per step, after the flush.)
+            embeddings = touch_with_zero(embeddings, self._trainable_encoder_params())
         if self.config.sequence_parallel:
             embeddings = tensor_parallel.scatter_to_sequence_parallel_region(
                 embeddings, group=self.language_model.pg_collection.tp
             )
         return embeddings
 
-    def _features(self, pixels: Optional[torch.Tensor], grid_thw: torch.Tensor,
-                  stored: Optional[torch.Tensor]) -> torch.Tensor:
-        """Merged features [P/m^2, h]: stored ones for a model without the encoder, else encoded."""
+    def _media_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
+                        stored: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
+        """Merged features [P/m^2, h] of the micro-batch's images and videos; None without any:
+        the stored ones for a model built without the encoder, the step's (encoder_dp=full), or
+        encoded here."""
         if self.vision_model is None:
-            if stored is None:
+            if pixels is not None:
                 raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
                                  "pass image_embeds / video_embeds, not pixels")
             return stored
         if stored is not None:
             raise ValueError("image_embeds / video_embeds given to a model that runs its own encoder")
-        return self._encode(pixels, grid_thw)
+        if self.step_encoding is not None and self.step_encoding.active:
+            # encoder_dp=full: every micro-batch, with media or not, takes its turn in the step's
+            # features (outside a training step a full replica encodes here, as with none).
+            features = self.step_encoding.take(grid_thw)
+            return features if features.shape[0] else None
+        return None if pixels is None else self._encode(pixels, grid_thw)
 
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged features [P/m^2, h] of every image and video, encoded here or shared out over
         the TP group (``parallel.encoder_dp=tp``)."""
         if self.shared_encoding is None:
             return self.projector(self.vision_model(pixels, grid_thw))
-        return self.shared_encoding(lambda p, g: self.projector(self.vision_model(p, g)),
-                                    self._encoder_parameters(), pixels, grid_thw)
-
-    def _encoder_parameters(self) -> list[torch.nn.Parameter]:
-        """The trainable parameters of the vision tower and the projector."""
-        return [param for tower in (self.vision_model, self.projector)
-                for param in tower.parameters() if param.requires_grad]
+        trainable = self._trainable_encoder_params()
+        return self.shared_encoding(lambda p, g: self.projector(self.vision_model(p, g)), trainable,
+                                    pixels, grid_thw)
 
     def _placeholder_count(
         self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str
@@ -347,6 +390,18 @@ def _with_tp_replica_block(replica_id, block: int, vision_tp: int):
     if isinstance(replica_id, tuple):
         return (replica_id[0], replica_id[1] + block * vision_tp, *replica_id[2:])
     return replica_id + block * vision_tp
+
+
+def _with_pp_replica(replica_id, pp_rank: int):
+    """A replica id (an int or (pp, tp, dp)) marked as pipeline stage ``pp_rank``'s copy: megatron
+    saves a tensor from the rank whose replica id is all zeros, the first stage's here."""
+    if isinstance(replica_id, tuple):
+        return (pp_rank, *replica_id[1:])
+    return (pp_rank, replica_id)
+
+
+def _device_of(module: torch.nn.Module) -> torch.device:
+    return next(module.parameters()).device
 
 
 def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
@@ -415,6 +470,7 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         init_seed=init_seed,
+        encoder_everywhere=parallel_cfg.encoder_dp == "full",
         with_encoder=with_encoder,
     )
     if model.vision_model is not None:
@@ -423,6 +479,9 @@ def build_model(
         if parallel_cfg.encoder_dp == "tp" and language_pgs.tp.size() > 1:
             _share_encoder(model, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
                            vision_cost=vision_cost or VisionCost)
+        if parallel_cfg.encoder_dp == "full":
+            _encode_per_step(model, language_pgs, vision_tp=vision_tp, dtype=params_dtype,
+                             vision_cost=vision_cost or VisionCost)
     return model.to(device)
 
 
@@ -440,6 +499,28 @@ def _share_encoder(model: Qwen2_5_VLModel, tp_group, *, vision_tp: int, dtype: t
         dtype=dtype, vision_cost=vision_cost)
     for tower in (model.vision_model, model.projector):
         mark_encoder_replicas(tower.parameters(), tp_group)
+
+
+def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vision_tp: int,
+                     dtype: torch.dtype, vision_cost: Callable[[], VisionCost]) -> None:
+    """``parallel.encoder_dp=full``: every rank of the model-parallel group (TP x PP) holds an
+    encoder replica and encodes a share of each step's media (``encoder_full``). The grad norm counts
+    the towers once: ``mark_tp_duplicates`` counts a vision-TP-1 tower on TP rank 0 only, and the
+    replicas of later pipeline stages are left out (``mark_pipeline_replicas``)."""
+    if vision_tp != 1:
+        raise ValueError(f"parallel.encoder_dp=full needs vision TP 1 (a whole encoder on every "
+                         f"model-parallel rank), got {vision_tp}")
+    # Collective over the whole job (as is building the model): where is (first stage, TP rank 0)?
+    mp_ranks = dist.get_process_group_ranks(pgs.mp)
+    roles = [None] * len(mp_ranks)
+    dist.all_gather_object(roles, (get_pg_rank(pgs.pp), get_pg_rank(pgs.tp)), group=pgs.mp)
+    model.step_encoding = StepEncoding(
+        pgs.mp, grad_source=mp_ranks[roles.index((0, 0))], receives=model.pre_process,
+        merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size, dtype=dtype,
+        vision_cost=vision_cost)
+    if model._pp_rank > 0:
+        for tower in (model.vision_model, model.projector):
+            mark_pipeline_replicas(tower.parameters())
 
 
 def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
