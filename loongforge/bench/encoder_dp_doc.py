@@ -14,7 +14,7 @@ from loongforge.bench.encoder_dp import PRESET, EncoderDpBench, layout_label
 from loongforge.bench.encoder_dp_predict import PRESET as PREDICT_PRESET
 from loongforge.bench.encoder_dp_predict import TENSOR_PARALLEL, MixPrediction, format_predictions
 from loongforge.config.loader import load_run_config
-from loongforge.models.qwen2_5_vl.params import count_parameters
+from loongforge.models.registry import get_family
 
 ACCEPTANCE = 0.6  # issue 14: encoder time per rank, tp / none at TP2
 
@@ -25,7 +25,7 @@ def _millions(count: int) -> str:
 
 def _setup(bench: EncoderDpBench) -> str:
     cfg = load_run_config(PRESET)
-    counts = count_parameters(cfg.model)
+    counts = get_family(cfg.model.family).count_parameters(cfg.model)
     vision, language, s = cfg.model.vision, cfg.model.language, bench.settings
     return "\n".join([
         f"- Preset `{PRESET}`: vision tower {vision.depth} x {vision.hidden_size} "

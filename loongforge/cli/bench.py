@@ -16,7 +16,8 @@ BALANCE_PRESET = "qwen2.5vl-7b"
 # Reports go under an ignored folder of the working directory, one subfolder per bench.
 DEFAULT_OUT = Path("outputs") / "bench"
 
-app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing, model step throughput.", no_args_is_help=True,
+app = typer.Typer(name="bench", help="Benchmarks: load balancing (simulated and trained), packing, model step "
+                  "throughput, encoder data parallelism.", no_args_is_help=True,
                   add_completion=False, rich_markup_mode=None, pretty_exceptions_enable=False)
 
 
