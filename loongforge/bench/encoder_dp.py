@@ -233,12 +233,14 @@ def plot(comparisons: Sequence[Comparison], path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, ax = plt.subplots(figsize=(2.2 * len(comparisons) + 2, 4))
+    labelled = set()
     for k, c in enumerate(comparisons):
-        values = [v or 0.0 for v in c.run.encoder_cpu_s]
-        width = 0.8 / len(values)
-        for rank, value in enumerate(values):
-            ax.bar(k + (rank - (len(values) - 1) / 2) * width, value, width, color=f"C{rank}",
-                   label=f"rank {rank}" if k == 0 else None)
+        ranks = [(rank, v) for rank, v in enumerate(c.run.encoder_cpu_s) if v is not None]  # encoder ranks only
+        width = 0.8 / len(ranks)
+        for slot, (rank, value) in enumerate(ranks):
+            ax.bar(k + (slot - (len(ranks) - 1) / 2) * width, value, width, color=f"C{rank}",
+                   label=None if rank in labelled else f"rank {rank}")
+            labelled.add(rank)
     ax.set_xticks(range(len(comparisons)),
                   [f"{layout_label(c.run.layout).split(' (')[0]}\n{c.run.mode} ({c.encoder_ratio:.2f}x)"
                    for c in comparisons])

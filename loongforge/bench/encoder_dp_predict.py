@@ -29,6 +29,7 @@ from typing import Optional, Sequence
 import numpy as np
 
 from loongforge.balance.cost_model import TERMS, CostModel, SampleCost, default_cost_model
+from loongforge.bench.balance import load_pool
 from loongforge.bench.datasets import (
     COCO_CAPTIONS,
     MATHVISTA,
@@ -40,6 +41,7 @@ from loongforge.bench.datasets import (
     omnibal_sizes,
 )
 from loongforge.config.loader import load_run_config
+from loongforge.models.registry import get_family
 from loongforge.parallel.media_assign import VisionCost, assign_media
 from loongforge.train.balancing import VISION_TERMS
 
@@ -74,13 +76,13 @@ def vision_cost(model: CostModel) -> VisionCost:
     return VisionCost(*(model.coefficients[term] for term in VISION_TERMS))
 
 
-def _language_s(model: CostModel, mix: Mix, row: list[int]) -> float:
+def _language_cost(model: CostModel, mix: Mix, row: list[int]) -> float:
     coefficients = np.array([model.coefficients[t] if t in LANGUAGE_TERMS else 0.0 for t in TERMS])
     features = sum(SampleCost(mix.tokens[i], (), mix.loss_tokens[i]).features() for i in row)
     return float(np.dot(features, coefficients))
 
 
-def _encoder_s(cost: VisionCost, media: list[int], ranks: int) -> tuple[float, float]:
+def _encoder_costs(cost: VisionCost, media: list[int], ranks: int) -> tuple[float, float]:
     """(every medium on one rank, the slowest rank's share when ``ranks`` divide them)."""
     owners = assign_media(media, ranks, cost)
     loads = [0.0] * ranks
@@ -91,28 +93,29 @@ def _encoder_s(cost: VisionCost, media: list[int], ranks: int) -> tuple[float, f
 
 @dataclass
 class MixPrediction:
-    """Per-rank seconds summed over the mix's rows (a long run of steps), and their ratios."""
+    """Per-rank cost summed over the mix's rows (a long run of steps), in the cost model's unit
+    (seconds for the default model, FLOPs for ``flops_cost_model``), and the ratios that matter."""
 
     name: str
     samples: int
     rows: int
     images_per_row: float
     patches_per_image: float
-    encoder_none_s: float  # every image on every rank (vision TP 1)
-    encoder_tp_s: float  # the slowest rank's share, row by row
-    language_s: float  # the decoder's share per rank (1 / TP of it)
+    encoder_none: float  # every image on every rank (vision TP 1)
+    encoder_tp: float  # the slowest rank's share, row by row
+    language: float  # the decoder's share per rank (1 / TP of it)
 
     @property
     def encoder_share_none(self) -> float:
-        return self.encoder_none_s / (self.encoder_none_s + self.language_s)
+        return self.encoder_none / (self.encoder_none + self.language)
 
     @property
     def encoder_ratio(self) -> float:
-        return self.encoder_tp_s / self.encoder_none_s
+        return self.encoder_tp / self.encoder_none
 
     @property
     def step_ratio(self) -> float:
-        return (self.encoder_tp_s + self.language_s) / (self.encoder_none_s + self.language_s)
+        return (self.encoder_tp + self.language) / (self.encoder_none + self.language)
 
     def to_dict(self) -> dict:
         return {**asdict(self), "encoder_share_none": self.encoder_share_none,
@@ -126,13 +129,36 @@ def predict_mix(mix: Mix, model: CostModel, *, tensor_parallel: int, seq_len: in
     images = patches = 0
     for row in rows:
         media = [p for i in row for p in mix.patches[i]]
-        none_s, tp_s = _encoder_s(cost, media, tensor_parallel)
-        encoder_none, encoder_tp = encoder_none + none_s, encoder_tp + tp_s
-        language += _language_s(model, mix, row) / tensor_parallel
+        none, tp = _encoder_costs(cost, media, tensor_parallel)
+        encoder_none, encoder_tp = encoder_none + none, encoder_tp + tp
+        language += _language_cost(model, mix, row) / tensor_parallel
         images, patches = images + len(media), patches + sum(media)
     return MixPrediction(name=mix.name, samples=sum(len(row) for row in rows), rows=len(rows),
                          images_per_row=images / max(len(rows), 1), patches_per_image=patches / max(images, 1),
-                         encoder_none_s=encoder_none, encoder_tp_s=encoder_tp, language_s=language)
+                         encoder_none=encoder_none, encoder_tp=encoder_tp, language=language)
+
+
+def flops_cost_model(model_cfg) -> CostModel:
+    """Coefficients in FLOPs (training = 3 x forward) for any preset's shapes, as
+    ``balance.cost_model.flops_model`` counts them but with the LM head priced on loss tokens only
+    (``n_loss``): with a 152k vocabulary over a 128-wide decoder the head is most of a small
+    language model, and it runs on the answer tokens alone. The merger runs once per merged
+    token, so it adds 1 / merge^2 of its parameters per patch. Used for the CPU bench's own
+    prediction; the 7B prediction keeps the documented default model."""
+    counts = get_family(model_cfg.family).count_parameters(model_cfg)
+    language, vision = model_cfg.language, model_cfg.vision
+    head = language.vocab_size * language.hidden_size
+    full_blocks = sum(1 for i in vision.fullatt_block_indexes if 0 <= i < vision.depth)
+    merge_unit = model_cfg.projector.spatial_merge_size ** 2
+    return CostModel({
+        "sum_L2": 3 * 2 * language.hidden_size * language.num_layers,
+        "sum_L": 6 * (counts["language_model"] - head),
+        "N": 0.0,
+        "sum_P2": 3 * 4 * vision.hidden_size * full_blocks,
+        "sum_P": 6 * (counts["vision_model"] + counts["projector"] / merge_unit),
+        "n_img": 0.0,
+        "n_loss": 6 * head,
+    }, units="flops", source="flops")
 
 
 # ------------------------------------------------------------------------------------ the mixes
@@ -160,6 +186,14 @@ def load_mixes(data_root: Path, preset: str = PRESET) -> list[Mix]:
         name = "OmniBal " + path.stem.removeprefix("omnibal_internvl_")
         mixes.append(_mix(name, _whole_images(omnibal_sizes(path))))
     return mixes
+
+
+def predict_conversations(path: Path, preset: str, *, tensor_parallel: int, seq_len: int) -> MixPrediction:
+    """The same arithmetic on a conversation file at a preset's own shapes (``flops_cost_model``)."""
+    pool = load_pool([path], preset=preset, seq_len=seq_len)
+    mix = Mix(Path(path).name, pool.tokens, pool.patches, [n or 0 for n in pool.loss])
+    return predict_mix(mix, flops_cost_model(load_run_config(preset).model),
+                       tensor_parallel=tensor_parallel, seq_len=seq_len)
 
 
 def predict(data_root: Path, *, model: Optional[CostModel] = None, preset: str = PRESET,

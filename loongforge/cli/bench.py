@@ -310,7 +310,9 @@ def encoder_dp(
 
     from loongforge.bench.datasets import resolve_data_root
     from loongforge.bench.encoder_dp import (
+        DATA_FILE,
         LAYOUTS,
+        PRESET,
         REQUIRED,
         BenchSettings,
         run_encoder_dp_bench,
@@ -318,7 +320,7 @@ def encoder_dp(
         valid_modes,
     )
     from loongforge.bench.encoder_dp_doc import format_doc
-    from loongforge.bench.encoder_dp_predict import predict
+    from loongforge.bench.encoder_dp_predict import predict, predict_conversations
     from loongforge.config.validate import CHOICES
 
     with cli_errors():
@@ -342,5 +344,9 @@ def encoder_dp(
             doc.parent.mkdir(parents=True, exist_ok=True)
             plot = doc.with_suffix(".png")
             shutil.copyfile(out / "encoder_dp.png", plot)
-            doc.write_text(format_doc(bench, predict(root), command_line=sys.argv, plot_name=plot.name))
+            command = ["loongforge", *sys.argv[1:]]  # as typed, not the module path python -m saw
+            cpu_prediction = predict_conversations(out / DATA_FILE, PRESET, tensor_parallel=LAYOUTS["tp2"][0],
+                                                   seq_len=settings.seq_len)
+            doc.write_text(format_doc(bench, predict(root), cpu_prediction, command_line=command,
+                                      plot_name=plot.name))
             typer.echo(f"wrote {doc} and {plot}")

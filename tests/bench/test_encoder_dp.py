@@ -132,3 +132,30 @@ def test_one_image_per_row_cannot_be_divided():
 def test_omnibal_tiles_become_one_whole_image():
     sizes = [SampleSize(600, (1024, 1024, 1024), None), SampleSize(50, (), None)]
     assert [s.patches for s in _whole_images(sizes)] == [(3072,), ()]
+
+
+def test_flops_cost_model_prices_the_head_on_loss_tokens_only():
+    from loongforge.bench.encoder_dp_predict import flops_cost_model
+
+    cfg = load_run_config(encoder_dp.PRESET)
+    coefficients = flops_cost_model(cfg.model).coefficients
+    language = cfg.model.language
+    assert coefficients["n_loss"] == 6 * language.vocab_size * language.hidden_size
+    assert coefficients["sum_L"] < coefficients["n_loss"] / 10  # the decoder layers: a small part
+    assert coefficients["sum_P"] > 6 * 21e6  # the tower's 21.1M parameters per patch, merger on top
+
+
+def test_doc_states_the_acceptance_verdict_and_the_prediction():
+    from loongforge.bench.encoder_dp import EncoderDpBench
+    from loongforge.bench.encoder_dp_doc import format_doc
+
+    runs = [measure_run("tp2", "none", _records([4.0, 4.0], 8.0, [200, 200]), 1),
+            measure_run("tp2", "tp", _records([2.6, 1.8], 6.0, [180, 190]), 1)]
+    comparisons = compare(runs)
+    bench = EncoderDpBench(comparisons, BenchSettings(), format_table(comparisons))
+    equal = Mix("equal", tokens=[100] * 8, patches=[(50, 50)] * 8, loss_tokens=[0] * 8)
+    prediction = predict_mix(equal, _model(sum_P=1.0, sum_L=1.0), tensor_parallel=4, seq_len=200)
+    text = format_doc(bench, [prediction], prediction, command_line=["loongforge", "bench", "encoder-dp"])
+    assert "loongforge bench encoder-dp\n" in text
+    assert "slowest rank: **0.65** (mean rank 0.55); this does NOT meet the issue's bound of 0.6" in text
+    assert "| Qwen2.5-VL-7B, equal, predicted | TP4 | 80% | 0.25 | 0.40 |" in text
