@@ -94,6 +94,16 @@ class BenchSettings:
     # Two 2-image chats (~500 tokens each at 448 x 448) fill a row: four images per micro-batch.
     seq_len: int = 1152
     micro_batches: int = 2  # per step (the global batch at DP 1): PP 2 runs a real 1F1B schedule
+    # Runs per (layout, mode), in mirrored order (none, tp, then tp, none): on a machine whose speed
+    # drifts with other jobs' load, each mode gets the early and the late slots alike.
+    repeats: int = 1
+
+
+def run_order(layouts: Sequence[str], modes: Sequence[str], repeats: int) -> list[tuple[str, str, int]]:
+    """(layout, mode, repeat) in the order they train: per layout, the modes forward on even
+    repeats and backward on odd ones."""
+    return [(layout, mode, r) for layout in layouts for r in range(repeats)
+            for mode in (modes if r % 2 == 0 else modes[::-1])]
 
 
 def run_overrides(layout: str, mode: str, data_file: Path, out_dir: Path, settings: BenchSettings) -> list[str]:
@@ -138,7 +148,7 @@ class RunMeasure:
     encoder_s: list  # per rank, wall
     step_s: float  # rank 0's wall train_step + data wait
     step_cpu_s: list  # per rank
-    peak_memory_mib: list  # per rank, high water at the last step
+    peak_memory_mib: list  # per rank, high water over the measured steps
 
     @property
     def max_encoder_cpu_s(self) -> float:
@@ -155,6 +165,7 @@ def _per_rank_mean(records: list[dict], key: str) -> list:
 
 
 def measure_run(layout: str, mode: str, records: list[dict], warmup_steps: int) -> RunMeasure:
+    """``records``: the metrics lines of one run, or of several repeats of it one after another."""
     measured = [record for record in records if record["step"] > warmup_steps]
     if not measured:
         raise ValueError(f"{layout} {mode}: no step after the {warmup_steps} warm-up steps; raise --steps")
@@ -165,7 +176,8 @@ def measure_run(layout: str, mode: str, records: list[dict], warmup_steps: int) 
                       encoder_s=_per_rank_mean(measured, "encoder_s_by_rank"),
                       step_s=mean(record["step_s"] for record in measured),
                       step_cpu_s=_per_rank_mean(measured, "step_cpu_s_by_rank"),
-                      peak_memory_mib=list(measured[-1]["peak_memory_mib_by_rank"]))
+                      peak_memory_mib=[max(column) for column in
+                                       zip(*(record["peak_memory_mib_by_rank"] for record in measured))])
 
 
 @dataclass
@@ -279,16 +291,18 @@ def run_encoder_dp_bench(out: Path, data_root: Path, *, modes: Sequence[str] = D
     if not report_only:
         chats = coco_chats(data_root, settings.images_per_sample, 4 * settings.steps * settings.micro_batches)
         data_file.write_text(json.dumps(chats, indent=1))
-    runs = []
-    pairs = [(layout, mode) for layout in layouts for mode in modes]
-    for layout, mode in tqdm(pairs, desc="encoder-dp runs", unit="run", disable=report_only):
-        run_dir = out / layout / mode
+    records: dict[tuple[str, str], list] = {}
+    order = run_order(layouts, modes, settings.repeats)
+    for layout, mode, repeat in tqdm(order, desc="encoder-dp runs", unit="run", disable=report_only):
+        run_dir = out / layout / mode / f"run{repeat}"
         if not report_only:
             if progress is not None:
-                progress(f"training {settings.steps} steps: {layout_label(layout)}, encoder_dp={mode}")
+                progress(f"training {settings.steps} steps: {layout_label(layout)}, encoder_dp={mode}, "
+                         f"run {repeat + 1} of {settings.repeats}")
             train_run(layout, mode, data_file, run_dir, settings, command_line)
-        runs.append(measure_run(layout, mode, read_metrics(run_dir), settings.warmup_steps))
-    comparisons = compare(runs)
+        records.setdefault((layout, mode), []).extend(read_metrics(run_dir))
+    comparisons = compare([measure_run(layout, mode, lines, settings.warmup_steps)
+                           for (layout, mode), lines in records.items()])
     bench = EncoderDpBench(comparisons=comparisons, settings=settings, table=format_table(comparisons))
     plot(comparisons, out / "encoder_dp.png")
     (out / "encoder_dp.json").write_text(json.dumps(bench.to_dict(), indent=2) + "\n")

@@ -37,11 +37,15 @@ def _setup(bench: EncoderDpBench) -> str:
         f"at most {cfg.data.max_pixels:,} pixels each (448 x 448; a 640 x 480 photo becomes 36 x 26 = 936 "
         f"patches); rows of {s.seq_len} tokens hold two chats, so each micro-batch carries "
         f"{2 * s.images_per_sample} images; {s.micro_batches} micro-batches per step (DP 1).",
-        f"- {s.steps} steps per run, the first {s.warmup_steps} left out; every run trains the same samples. "
-        f"All modes at vision TP 1 (a whole encoder per rank).",
+        f"- {s.steps} steps per run, the first {s.warmup_steps} left out; {s.repeats} run(s) per layout and "
+        "mode, in mirrored order (none, tp, tp, none, ...), figures pooled over them; every run trains the "
+        "same samples. All modes at vision TP 1 (a whole encoder per rank).",
         f"- Machine: {os.cpu_count()} CPU cores shared with other jobs, one torch thread per process, gloo. "
         "Encoder and step *CPU* seconds are each process's own work and do not count the other "
-        "processes on the cores; the wall-clock columns do, so they are noisy here.",
+        "processes on the cores; the wall-clock columns do, so they are noisy here. The CPU clock is "
+        "not fully immune either: with many processes on two cores (shared caches, context "
+        "switches) the same work took up to ~30% more CPU seconds in one run than in another "
+        "minutes apart, which is why the runs are mirrored and pooled.",
     ])
 
 

@@ -293,6 +293,10 @@ def encoder_dp(
         = 1152,
     micro_batches: Annotated[int, typer.Option(
         "--micro-batches", min=1, metavar="N", help="Micro-batches per step.")] = 2,
+    repeats: Annotated[int, typer.Option(
+        "--repeats", min=1, metavar="N",
+        help="Runs per layout and mode, in mirrored order (none,tp then tp,none) so that a machine "
+             "whose speed drifts favours neither mode; figures are means over all of them.")] = 1,
     out: Annotated[Optional[Path], typer.Option(
         "--out", metavar="DIR", show_default=False,
         help="Write encoder_dp.md, encoder_dp.json, encoder_dp.png and the runs here. "
@@ -330,7 +334,7 @@ def encoder_dp(
         layout_list = _name_list(layouts, "--layouts", tuple(LAYOUTS))
         root = resolve_data_root(data_root, REQUIRED)
         settings = BenchSettings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
-                                 seq_len=seq_len, micro_batches=micro_batches)
+                                 seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
         out = out or DEFAULT_OUT / "encoder_dp"
         bench = run_encoder_dp_bench(out, root, modes=mode_list, layouts=layout_list, settings=settings,
                                      report_only=report_only, command_line=sys.argv,

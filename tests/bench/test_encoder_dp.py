@@ -66,6 +66,15 @@ def test_ratios_are_against_none_of_the_same_layout():
     assert len(lines) == 2 and "encoder_dp=tp encoder time (slowest rank) 0.55x none" in lines[0]
 
 
+def test_repeats_mirror_the_mode_order_and_pool_their_steps():
+    assert encoder_dp.run_order(["tp2", "tp2pp2"], ["none", "tp"], 2) == [
+        ("tp2", "none", 0), ("tp2", "tp", 0), ("tp2", "tp", 1), ("tp2", "none", 1),
+        ("tp2pp2", "none", 0), ("tp2pp2", "tp", 0), ("tp2pp2", "tp", 1), ("tp2pp2", "none", 1)]
+    pooled = measure_run("tp2", "tp", _records([2.0, 2.0], 4.0, [100, 300]) + _records([4.0, 4.0], 6.0, [200, 100]), 1)
+    assert pooled.steps == 4 and pooled.encoder_cpu_s == [3.0, 3.0] and pooled.step_s == 5.0
+    assert pooled.peak_memory_mib == [203, 303]  # the high water over both runs, per rank
+
+
 def test_compare_needs_the_none_baseline():
     with pytest.raises(ValueError, match="no encoder_dp=none run"):
         compare([measure_run("tp2", "tp", _records([1.0, 1.0], 1.0, [1, 1]), 1)])
