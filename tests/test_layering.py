@@ -1,7 +1,7 @@
 """The house rules of the package layout, checked on every import statement (function-local ones
 included): no import cycle between subpackages, and project imports at module top outside ``cli/``.
 
-The layers, top to bottom: cli -> features (bench, calibrate, train, pack, convert) -> data ->
+The layers, top to bottom: cli -> features (bench, calibrate, train, pack, convert, encode) -> data ->
 profile -> balance / models -> parallel -> config. A new arrow that points back up shows as a
 cycle here, with the modules that make it.
 """

@@ -18,6 +18,8 @@ This module is pure Python + numpy: the planner runs in data-loading threads and
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import math
 from dataclasses import asdict, dataclass, field
@@ -30,6 +32,8 @@ COST_FORMAT = "loongforge-cost/1"
 
 # Order of the features and coefficients everywhere (profiles, fits, COST.json).
 TERMS = ("sum_L2", "sum_L", "N", "sum_P2", "sum_P", "n_img", "n_loss")
+# The terms that price the vision encoder's work.
+VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 TERM_DESCRIPTIONS = {
     "sum_L2": "sum over samples of L^2, L = the sample's language-model tokens",
     "sum_L": "sum over samples of L",
@@ -119,6 +123,11 @@ class CostModel:
         feats = np.stack([L * L, L, np.ones_like(L), p2, p1, n_img,
                           np.asarray(loss_tokens, dtype=np.float64)], axis=-1)
         return feats @ self.vector
+
+    def without_vision(self) -> "CostModel":
+        """The same model with the encoder's terms at 0: what a step costs when no encoder runs
+        (training on stored embeddings, ``data.vision_embeddings``)."""
+        return dataclasses.replace(self, coefficients={**self.coefficients, **dict.fromkeys(VISION_TERMS, 0.0)})
 
     def term_shares(self, features: np.ndarray) -> dict[str, float]:
         """Each term's share of the total predicted time over ``features`` [n, 6]."""

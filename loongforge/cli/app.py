@@ -12,7 +12,7 @@ from typing import Annotated, Optional
 import typer
 
 from loongforge import __version__
-from loongforge.cli import bench, convert, fit_cost, pack, profile, train
+from loongforge.cli import bench, convert, encode, fit_cost, pack, profile, train
 
 app = typer.Typer(
     name="loongforge",
@@ -26,6 +26,7 @@ app = typer.Typer(
 app.command("train", no_args_is_help=False)(train.train)
 app.command("pack", no_args_is_help=True)(pack.pack)
 app.command("convert", no_args_is_help=True)(convert.convert)
+app.command("encode", no_args_is_help=True)(encode.encode)
 app.command("profile", no_args_is_help=False)(profile.profile)
 app.command("fit-cost", no_args_is_help=True)(fit_cost.fit_cost)
 app.add_typer(bench.app, name="bench")

@@ -122,6 +122,10 @@ class DataConfig:
     # choice for raw files at large DP; balancing then exchanges samples between ranks.
     # "auto": sharded for data.source=files at DP > 1, else global.
     read: str = "auto"
+    # A `loongforge encode` folder: the vision encoder is neither built nor run, and each sample's
+    # image/video positions take its stored embeddings (checked at start against this run's
+    # encoder weights and processor settings; a sample without them is a `missing_embedding` reject).
+    vision_embeddings: Optional[str] = None
 
 
 @dataclass
@@ -182,6 +186,9 @@ class TrainingConfig:
     device: str = "auto"
     recompute_activations: bool = False
     freeze_vision: bool = False
+    # Freeze the patch merger (the projector into the language model) as well: with freeze_vision,
+    # the whole encoder is fixed, which is what training on stored embeddings (data.vision_embeddings) is.
+    freeze_projector: bool = False
     # Python's garbage collector runs when allocation counts say so, at a different moment on every
     # rank; a pause mid-step makes that rank the straggler everyone waits for. With N > 0 automatic
     # collection is off and every rank collects after every N-th step, all at the same step.

@@ -390,12 +390,30 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if data.source == "packed" and data.read == "sharded":
         errors.append("data.read=sharded does not apply to data.source=packed: the pack manifest already "
                       "gives every rank every length; use data.read=auto.")
+    if data.vision_embeddings is not None:
+        errors += _check_vision_embeddings(cfg)
     if data.min_pixels > data.max_pixels:
         errors.append(f"data.min_pixels={data.min_pixels} is larger than "
                       f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")
     if data.video_min_pixels > data.video_max_pixels:
         errors.append(f"data.video_min_pixels={data.video_min_pixels} is larger than "
                       f"data.video_max_pixels={data.video_max_pixels}; swap or adjust them.")
+    return errors
+
+
+def _check_vision_embeddings(cfg: RunConfig) -> list[str]:
+    """Stored embeddings replace the encoder: the samples must be ones `loongforge encode` read,
+    and there is no encoder left to divide among ranks."""
+    errors = []
+    if cfg.data.source == "synthetic":
+        errors.append("data.vision_embeddings needs data.source=files or packed (the inputs `loongforge encode` "
+                      "read); synthetic samples have no stored embeddings.")
+    if cfg.parallel.encoder_dp != "none":
+        errors.append(f"data.vision_embeddings runs no encoder, so parallel.encoder_dp={cfg.parallel.encoder_dp} "
+                      f"has nothing to divide; set parallel.encoder_dp=none.")
+    if not Path(cfg.data.vision_embeddings).is_dir():
+        errors.append(f"data.vision_embeddings={cfg.data.vision_embeddings} is not a folder; pass the --output "
+                      f"folder of `loongforge encode`.")
     return errors
 
 

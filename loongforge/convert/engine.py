@@ -408,7 +408,7 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
     return found, hf_config
 
 
-def _resolve_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
+def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
                   vocab_size: int) -> dict[str, str]:
     """Our global key -> the key in the checkpoint (fused or separate norm names)."""
     available = {fused_name(key): key for key in reader.tensors if not key.startswith("optimizer.")}
@@ -451,7 +451,7 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
     hf_shapes = family_of(model_cfg).hf_shapes(model_cfg)
     vocab_rows = vocab_rows_at(model_cfg, 1)
     shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
-    keys = _resolve_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
     out_dtype = DTYPES[dtype] if dtype else None
     planned = [PlannedTensor(k, out_dtype or reader.dtype(keys[link.mcore_key]), hf_shapes[k])
                for link in links for k in link.hf_keys]

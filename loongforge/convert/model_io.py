@@ -14,9 +14,22 @@ from typing import Optional
 import torch
 
 from loongforge.config.errors import InputError
-from loongforge.convert.engine import Link, build_links, check_hf_tensors, mcore_to_hf
-from loongforge.convert.hf_io import HFCheckpoint
+from loongforge.convert.engine import (
+    Link,
+    build_links,
+    check_hf_tensors,
+    family_of,
+    mcore_to_hf,
+    megatron_shapes,
+    resolve_checkpoint_keys,
+    resolve_mcore_checkpoint,
+    to_hf,
+    vocab_rows_at,
+)
+from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
+from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
+from loongforge.models.registry import get_family
 
 
 def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:
@@ -50,22 +63,72 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
     vision_tp = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
     layers = language.decoder.layers
     links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0)
-    state = model.state_dict(keep_vars=True)
+
+    def shard_of(link: Link) -> tuple[int, int]:
+        group = vision_tp if link.rule.group == VISION else tp
+        return group.rank(), group.size()
+
+    return _fill_from_hub(model, links, checkpoint.load, shard_of, where=str(hf_dir), holder="model")
+
+
+@torch.no_grad()
+def load_encoder_weights(encoder: torch.nn.Module, model_cfg, source: str | Path) -> int:
+    """Fill a whole vision encoder (``ModelFamily.build_encoder``: vision TP 1) from an HF folder or
+    a loongforge checkpoint (a ``step_*`` folder, or a checkpoint root: its latest). Both go
+    through the HF tensors, so one table maps them. Returns the number of tensors loaded."""
+    hub_tensor = _encoder_hub_tensors(model_cfg, Path(source))
+    links = {key: link for key, link in _stage_links(model_cfg, 0).items() if link.rule.group == VISION}
+    return _fill_from_hub(encoder, links, hub_tensor, lambda link: (0, 1), where=str(source), holder="encoder")
+
+
+def _fill_from_hub(module: torch.nn.Module, links: dict[str, Link], hub_tensor, shard_of, *, where: str,
+                   holder: str) -> int:
+    """Copy into every tensor of ``module``'s state dict its shard of the HF tensors its link names.
+    ``hub_tensor``: HF key -> tensor; ``shard_of``: link -> (rank, size) of the group sharding it."""
     loaded = 0
-    for key, target in state.items():
+    for key, target in module.state_dict(keep_vars=True).items():
         if key.endswith("_extra_state"):
             continue
         link = links.get(key)
         if link is None:
-            raise InputError(f"{hf_dir}: no HF tensor maps to model parameter {key}")
-        group = vision_tp if link.rule.group == VISION else tp
-        local = link.rule.transform.shard([checkpoint.load(k) for k in link.hf_keys], group.rank(), group.size())
+            raise InputError(f"{where}: no HF tensor maps to {holder} parameter {key}")
+        local = link.rule.transform.shard([hub_tensor(k) for k in link.hf_keys], *shard_of(link))
         if local.shape != target.shape:
-            raise InputError(f"{hf_dir}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
-                             f"the model holds {list(target.shape)}")
+            raise InputError(f"{where}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
+                             f"the {holder} holds {list(target.shape)}")
         target.copy_(local)
         loaded += 1
     return loaded
+
+
+def build_loaded_encoder(model_cfg, *, init_seed: int, device: torch.device | str,
+                         weights: Optional[str | Path] = None,
+                         group: Optional[torch.distributed.ProcessGroup] = None) -> torch.nn.Module:
+    """A run's vision encoder in fp32 on ``device`` (the process's device: a CPU build installs the
+    CPU patches), in eval mode: ``weights`` (HF folder or loongforge checkpoint) when given, else
+    the initial weights training draws for ``init_seed``. ``group``: see ``ModelFamily.build_encoder``."""
+    encoder = get_family(model_cfg.family).build_encoder(model_cfg, params_dtype=torch.float32, device=device,
+                                                        init_seed=init_seed, group=group)
+    if weights is not None:
+        load_encoder_weights(encoder, model_cfg, weights)
+    return encoder.eval()
+
+
+def _encoder_hub_tensors(model_cfg, source: Path):
+    """HF key -> tensor for the vision tower and merger of ``source`` (HF or loongforge)."""
+    if is_hf_folder(source):
+        checkpoint = HFCheckpoint(source)
+        check_hf_tensors(checkpoint, model_cfg, "the run's model config")
+        return checkpoint.load
+    step_dir = resolve_mcore_checkpoint(source)
+    reader = McoreReader(step_dir / MODEL_DIR)
+    links = [link for link in build_links(model_cfg) if link.rule.group == VISION]
+    shapes = megatron_shapes(links, family_of(model_cfg).hf_shapes(model_cfg), model_cfg, vocab_rows_at(model_cfg, 1))
+    keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    tensors = {}
+    for link in links:
+        tensors.update(zip(link.hf_keys, to_hf(link, reader.read(keys[link.mcore_key], link.layer))))
+    return tensors.__getitem__
 
 
 def export_hf(model_cfg, step_dir: str | Path, dst: str | Path, *, hf_source: Optional[str] = None,

@@ -17,6 +17,9 @@ image_grid_thw       LongTensor[n_img, 3] | None
 pixel_values_videos  FloatTensor[Pv, 1176] | None
 video_grid_thw       LongTensor[n_vid, 3] | None
 second_per_grid_ts   FloatTensor[n_vid] | None    seconds per temporal patch, per video
+image_embeds         Tensor[P/m^2, H] | None      stored encoder features of the row's images
+                                                  (data.vision_embeddings; then no pixel_values)
+video_embeds         Tensor[Pv/m^2, H] | None     likewise for videos
 num_loss_tokens      int                          loss_mask.sum()
 sample_lengths       list[int]                    real tokens per sample (sum = real length)
 sample_ids           list[str]                    "<file>:<line>" or "synthetic:<index>"
@@ -108,4 +111,10 @@ def _vision_inputs(row: list[MaterializedSample]) -> dict:
         "second_per_grid_ts": (
             torch.tensor([p.second_per_grid_t for p in video_plans], dtype=torch.float32) if video_plans else None
         ),
+        "image_embeds": _cat([e for item in row for e in item.image_embeds]),
+        "video_embeds": _cat([e for item in row for e in item.video_embeds]),
     }
+
+
+def _cat(tensors: list[torch.Tensor]):
+    return torch.cat(tensors) if tensors else None

@@ -69,6 +69,9 @@ class MaterializedSample:
     image_pixels: list[np.ndarray]  # float32 [grid_t*grid_h*grid_w, patch_dim] each
     video_pixels: list[np.ndarray]
     late_reject: Reject | None = None
+    # With data.vision_embeddings: stored encoder features [tokens, LM hidden] instead of pixels.
+    image_embeds: list = field(default_factory=list)
+    video_embeds: list = field(default_factory=list)
 
 
 def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> VisionSizing:
@@ -98,8 +101,7 @@ class SampleMeasurer:
 
     def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
         try:
-            image_grids = [self._image_grid(image) for image in sample.images]
-            video_plans = [self._video_plan(video) for video in sample.videos]
+            image_grids, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:
             return Reject(file=sample.file, line=sample.line, reason=error.reason, detail=error.detail)
         chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None, self.chat))
@@ -128,28 +130,38 @@ class SampleMeasurer:
             [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],
         )
 
-    def _image_grid(self, image: ImageSource) -> tuple[int, int, int]:
-        width, height = probe_image_size(image)
-        try:
-            return image_grid_thw(width, height, self.sizing)
-        except ValueError as error:  # extreme aspect ratio
-            raise MediaError("corrupt_image", f"{_name(image)}: {error}") from None
 
-    def _video_plan(self, video: str) -> VideoPlan:
-        probe = probe_video(video)
-        try:
-            return plan_video(probe, self.sizing, self.data_cfg.video_fps, self.data_cfg.video_max_frames)
-        except ValueError as error:
-            raise MediaError("corrupt_image", f"{video}: {error}") from None
+def measure_media(sample: ConversationSample, sizing: VisionSizing,
+                  data_cfg: DataConfig) -> tuple[list[tuple[int, int, int]], list[VideoPlan]]:
+    """Each image's patch grid (from its header) and each video's frame plan (from its container),
+    without decoding pixels; MediaError on the first medium that is missing or unreadable."""
+    image_grids = [_image_grid(image, sizing) for image in sample.images]
+    video_plans = [_video_plan(video, sizing, data_cfg) for video in sample.videos]
+    return image_grids, video_plans
+
+
+def _image_grid(image: ImageSource, sizing: VisionSizing) -> tuple[int, int, int]:
+    width, height = probe_image_size(image)
+    try:
+        return image_grid_thw(width, height, sizing)
+    except ValueError as error:  # extreme aspect ratio
+        raise MediaError("corrupt_image", f"{_name(image)}: {error}") from None
+
+
+def _video_plan(video: str, sizing: VisionSizing, data_cfg: DataConfig) -> VideoPlan:
+    probe = probe_video(video)
+    try:
+        return plan_video(probe, sizing, data_cfg.video_fps, data_cfg.video_max_frames)
+    except ValueError as error:
+        raise MediaError("corrupt_image", f"{video}: {error}") from None
 
 
 def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSample:
     """Decode and patchify this sample's media; a decode failure (file changed or corrupt past
     its header) yields zero pixels of the planned shape and a late reject, never an exception."""
     try:
-        images = [_image_pixels(image, grid, sizing) for image, grid in zip(sample.images, sample.image_grids)]
-        videos = [preprocess_video(decode_video_frames(video, plan.frame_indices), plan, sizing)
-                  for video, plan in zip(sample.videos, sample.video_plans)]
+        images = [image_pixels(image, grid, sizing) for image, grid in zip(sample.images, sample.image_grids)]
+        videos = [video_pixels(video, plan, sizing) for video, plan in zip(sample.videos, sample.video_plans)]
         return MaterializedSample(sample=sample, image_pixels=images, video_pixels=videos)
     except MediaError as error:
         reject = Reject(file=sample.file, line=sample.line, reason=error.reason,
@@ -162,11 +174,18 @@ def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSam
     )
 
 
-def _image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
+def image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
+    """float32 [t*h*w, patch_dim] of one image measured with ``grid``; MediaError if it cannot be
+    decoded or decodes to another size than its header said."""
     pixels, decoded_grid = preprocess_image(load_rgb_image(image), sizing)
     if decoded_grid != grid:  # header and decoded size disagree
         raise MediaError("corrupt_image", f"{_name(image)}: decoded grid {decoded_grid} != header grid {grid}")
     return pixels
+
+
+def video_pixels(video: str, plan: VideoPlan, sizing: VisionSizing) -> np.ndarray:
+    """float32 [t*h*w, patch_dim] of one video's planned frames; MediaError if they cannot be decoded."""
+    return preprocess_video(decode_video_frames(video, plan.frame_indices), plan, sizing)
 
 
 def _zeros(grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:

@@ -35,6 +35,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import collate_row
 from loongforge.data.conversations import FileSamples
+from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
     MaterializedSample,
@@ -223,7 +224,7 @@ class DataPipeline:
                  dp_rank: int, dp_size: int, pad_to_multiple: int, rejects_path: Optional[Path] = None,
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
-                 groups: Optional[DataGroups] = None):
+                 groups: Optional[DataGroups] = None, embeddings: Optional[EmbeddingStore] = None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -237,6 +238,9 @@ class DataPipeline:
         self.pad_token_id = model_cfg.tokens.pad_token_id
         self.position_ids = get_family(model_cfg.family).position_ids(model_cfg)
         self.sizing = vision_sizing(data_cfg, model_cfg)
+        # data.vision_embeddings: stored encoder features replace pixels (``data.embedding_store``).
+        self.embeddings = embeddings
+        self.embedding_width = model_cfg.projector.out_hidden_size
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path, keep_new=self.read == "sharded")
@@ -285,6 +289,8 @@ class DataPipeline:
             folder.check_compatible(data_cfg.seq_len, self.sizing)
             return PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
         measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
+        if self.embeddings is not None:
+            measurer = StoredMediaMeasurer(measurer, self.embeddings)
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
         return RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
@@ -410,7 +416,10 @@ class DataPipeline:
         return list(self._pool.map(function, items)) if self._pool is not None else [function(x) for x in items]
 
     def _materialize(self, row: list[MeasuredSample]) -> list[MaterializedSample]:
-        materialized = [materialize(sample, self.sizing) for sample in row]
+        if self.embeddings is not None:
+            materialized = [self.embeddings.materialize(sample, self.embedding_width) for sample in row]
+        else:
+            materialized = [materialize(sample, self.sizing) for sample in row]
         for item in materialized:
             if item.late_reject is not None:
                 self.rejects.record(item.late_reject)

@@ -16,6 +16,7 @@ REJECT_REASONS = (
     "corrupt_image",  # an image/video that cannot be read or decoded
     "too_long",  # more LLM tokens than data.seq_len
     "media_mismatch",  # <image>/<video> placeholder count != number of images/videos
+    "missing_embedding",  # data.vision_embeddings holds no stored features for one of its media
 )
 
 

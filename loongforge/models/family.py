@@ -2,7 +2,8 @@
 
 A family folder (``loongforge/models/<name>/``) exports one ``ModelFamily`` as ``FAMILY``;
 ``loongforge.models.registry`` maps ``model.family`` to it, and nothing else imports the folder.
-Training builds the model through ``build``, ``loongforge convert`` reads and writes HF checkpoints
+Training builds the model through ``build`` (``loongforge encode`` the encoder alone through
+``build_encoder``), ``loongforge convert`` reads and writes HF checkpoints
 through the HF fields, the data pipeline and the profile sweep compute rotary positions through
 ``position_ids``, the dry-run plan counts parameters through ``count_parameters``, tokenizing and
 chat rendering use ``chat``, and every layout check asks ``layout``.
@@ -85,6 +86,11 @@ class ModelFamily:
     # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
     # rank's pipeline stage; collective, needs megatron's parallel state
     build: Callable[..., "torch.nn.Module"]
+    # (model_cfg, *, params_dtype, device, init_seed, group=None) -> the vision encoder alone (tower
+    # + merger, the training model's parameter names and initial weights): (pixels, grid_thw) ->
+    # features [P / merge_unit, LM hidden]; its layers run on ``group`` (a group of this rank alone),
+    # else on megatron's groups, which must then be TP = PP = 1
+    build_encoder: Callable[..., "torch.nn.Module"]
     # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
     count_parameters: Callable[[ModelConfig], dict[str, int]]
     # ModelConfig -> the per-sample rotary position function (picklable)

@@ -23,7 +23,7 @@ from typing import Optional
 
 import torch.distributed as dist
 
-from loongforge.balance.cost_model import CostModel
+from loongforge.balance.cost_model import VISION_TERMS, CostModel
 from loongforge.balance.fit import FitError, fit_nnls, observations_from_records
 from loongforge.config.errors import InputError
 from loongforge.parallel.media_assign import VisionCost
@@ -31,7 +31,6 @@ from loongforge.profile.recorder import StepRecorder
 from loongforge.profile.timers import GradSyncClock
 
 EXTRA_KEY = "cost_model"
-VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 
 
 def _all_ranks_records(records: list[dict]) -> list[dict]:
@@ -50,9 +49,12 @@ class RunBalancing:
     the file's or the checkpoint's model and never records.
     """
 
-    def __init__(self, balance_cfg, *, fit_online: bool = True, log=None):
+    def __init__(self, balance_cfg, *, fit_online: bool = True, log=None, prices_vision: bool = True):
         self.cfg = balance_cfg
         self.fit_online = fit_online
+        # False when no encoder runs (data.vision_embeddings): planners see the model without its
+        # vision terms, so they price what actually runs.
+        self.prices_vision = prices_vision
         self._cost_model: Optional[CostModel] = None
         self.version = 0
         self.from_file = balance_cfg.cost_model is not None
@@ -70,7 +72,9 @@ class RunBalancing:
 
     @property
     def cost_model(self) -> Optional[CostModel]:
-        return self._cost_model
+        if self._cost_model is None or self.prices_vision:
+            return self._cost_model
+        return self._cost_model.without_vision()
 
     @cost_model.setter
     def cost_model(self, model: Optional[CostModel]) -> None:
@@ -163,7 +167,7 @@ class RunBalancing:
 
     def state_dict(self) -> dict:
         """Saved in every checkpoint (``TrainState.extra``)."""
-        return {EXTRA_KEY: self.cost_model.to_dict()} if self.cost_model is not None else {}
+        return {EXTRA_KEY: self._cost_model.to_dict()} if self._cost_model is not None else {}
 
     def load_state_dict(self, extra: dict) -> None:
         if self.from_file or EXTRA_KEY not in (extra or {}):

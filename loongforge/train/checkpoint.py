@@ -231,9 +231,10 @@ def _write_shards(tmp_dir: Path, state: TrainState, model_chunks: list, optimize
 
 
 def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: list, optimizer,
-                    scheduler, *, layout: dict) -> Path:
+                    scheduler, *, layout: dict, record: Optional[dict] = None) -> Path:
     """Write ``<root>/step_N`` (see the module docstring). A full disk is an InputError naming the
-    folder and the bytes needed, raised on every rank, with the partial ``.tmp`` removed."""
+    folder and the bytes needed, raised on every rank, with the partial ``.tmp`` removed.
+    ``record``: more entries for ``meta.json``."""
     root = Path(root)
     final_dir = root / step_dir_name(state.step)
     tmp_dir = root / (step_dir_name(state.step) + ".tmp")
@@ -272,7 +273,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
         raise RuntimeError(f"checkpoint {final_dir} not saved: {failures[0]}")
     if rank == 0:
         (tmp_dir / META_FILE).write_text(json.dumps(
-            {"step": state.step, "layout": layout, "loongforge": __version__}, indent=2))
+            {"step": state.step, "layout": layout, "loongforge": __version__, **(record or {})}, indent=2))
         shutil.rmtree(final_dir, ignore_errors=True)
         os.replace(tmp_dir, final_dir)
         (root / (LATEST_FILE + ".tmp")).write_text(final_dir.name)

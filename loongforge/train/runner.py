@@ -54,6 +54,7 @@ from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, train_step
+from loongforge.train.vision_embeddings import DIGEST_KEY, open_vision_embeddings
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -112,10 +113,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
-                        init_seed=cfg.training.seed, vision_cost=balancing.vision_cost)
-    if cfg.training.freeze_vision and layout.is_first_stage:
-        for param in model.vision_model.parameters():
-            param.requires_grad_(False)
+                        init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
+                        with_encoder=cfg.data.vision_embeddings is None)
+    _freeze(model, cfg)
     config = model.config
     # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
     config.calculate_per_token_loss = True
@@ -128,6 +128,15 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync
     return [ddp_model], config
+
+
+def _freeze(model, cfg: RunConfig) -> None:
+    """training.freeze_vision / freeze_projector: those towers take no gradient (where built)."""
+    frozen = [tower for flag, tower in ((cfg.training.freeze_vision, model.vision_model),
+                                        (cfg.training.freeze_projector, model.projector)) if flag and tower is not None]
+    for tower in frozen:
+        for param in tower.parameters():
+            param.requires_grad_(False)
 
 
 def _finalize_grads(finalize_model_grads, model: list, *args, **kwargs) -> None:
@@ -270,6 +279,7 @@ class _Run:
     encoder_clock: Optional[EncoderClock]  # this rank's vision encoder time, None without one
     out_dir: Path
     ckpt_root: Path
+    encoder_digest: Optional[str] = None  # data.vision_embeddings: the encoder the store matched
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -280,9 +290,10 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     if env.device.type == "cpu":
         mcore_patches.apply_cpu()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)
+    embeddings, encoder_digest = _open_embeddings(cfg, env, resume=resume)
     torch.manual_seed(cfg.training.seed)
     # A profile run measures with its own timers, so the online fit does not record there.
-    balancing = RunBalancing(cfg.balance, fit_online=observer is None)
+    balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None)
     model, model_config = _build_ddp_model(cfg, layout, env.device, balancing)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
@@ -292,16 +303,26 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision])
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
-    pipeline = _build_pipeline(cfg, env, layout, balancing)
+    pipeline = _build_pipeline(cfg, env, layout, balancing, embeddings)
     return _Run(cfg=cfg, env=env, layout=layout, model=model, model_config=model_config, optimizer=optimizer,
                 scheduler=scheduler, pipeline=observer.data_source(pipeline),
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
-                out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg))
+                out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
+                encoder_digest=encoder_digest)
+
+
+def _open_embeddings(cfg: RunConfig, env: DistributedEnv, *, resume: bool):
+    """data.vision_embeddings: the store, checked against this run's encoder (see
+    ``train.vision_embeddings``), and that encoder's digest; (None, None) without it."""
+    if cfg.data.vision_embeddings is None:
+        return None, None
+    load_path = latest_checkpoint(checkpoint_root(cfg)) if resume else cfg.checkpoint.load
+    return open_vision_embeddings(cfg, load_path=Path(load_path) if load_path else None, device=env.device)
 
 
 def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
-                    balancing: RunBalancing) -> DataPipeline:
+                    balancing: RunBalancing, embeddings=None) -> DataPipeline:
     # Sharded reading moves data in the loader thread: it gets gloo groups of its own.
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
@@ -313,7 +334,7 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         dp_rank=layout.dp_rank, dp_size=layout.dp_size, pad_to_multiple=_pad_multiple(cfg, layout),
                         rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
                         balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
-                        cost_models=balancing, groups=data_groups)
+                        cost_models=balancing, groups=data_groups, embeddings=embeddings)
 
 
 @dataclass
@@ -364,7 +385,11 @@ def _save(run: _Run, step: int, consumed_rows: int) -> str:
     state = TrainState(step=step, consumed_rows=consumed_rows, data_state=run.pipeline.state_dict(),
                        extra=run.balancing.state_dict())
     layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size}
-    return str(save_checkpoint(run.ckpt_root, state, run.model, run.optimizer, run.scheduler, layout=layout_info))
+    # A run on stored embeddings records the encoder they were checked against: its checkpoints
+    # hold no encoder, and a --resume checks the store against this.
+    record = {DIGEST_KEY: run.encoder_digest} if run.encoder_digest else {}
+    return str(save_checkpoint(run.ckpt_root, state, run.model, run.optimizer, run.scheduler, layout=layout_info,
+                               record=record))
 
 
 def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: Optional[list[str]],

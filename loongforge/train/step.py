@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
 _TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values",
-                "image_grid_thw", "pixel_values_videos", "video_grid_thw")
+                "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds", "video_embeds")
 
 
 @dataclass
@@ -68,6 +68,8 @@ def make_forward_step(device: torch.device) -> Callable:
             image_grid_thw=batch.get("image_grid_thw"),
             pixel_values_videos=batch.get("pixel_values_videos"),
             video_grid_thw=batch.get("video_grid_thw"),
+            image_embeds=batch.get("image_embeds"),
+            video_embeds=batch.get("video_embeds"),
             loss_mask=batch["loss_mask"],
         )
         return output, partial(_masked_loss_sum, batch["loss_mask"])

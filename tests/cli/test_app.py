@@ -21,12 +21,13 @@ def test_version_prints_loongforge_torch_and_megatron_versions():
     assert lines[2] == f"megatron-core {importlib.metadata.version('megatron-core')}"
 
 
-def test_help_lists_train_only():
+def test_help_lists_the_seven_subcommands_each_with_its_own_help():
     result = runner.invoke(app, ["--help"])
     assert result.exit_code == 0
-    assert "train" in result.output
-    commands = result.output.split("Commands:")[1].split()
-    assert commands[0] == "train"
+    listed = [line.split()[0] for line in result.output.split("Commands:")[1].splitlines() if line.strip()]
+    assert listed == ["train", "pack", "convert", "encode", "profile", "fit-cost", "bench"]
+    for command in listed:
+        assert runner.invoke(app, [command, "--help"]).exit_code == 0, command
 
 
 def test_no_arguments_shows_help():

@@ -59,3 +59,20 @@ def test_every_model_change_is_a_new_version_the_pipeline_follows():
     assert balancing.version == first + 1
     balancing.load_state_dict({})  # nothing saved: the model and its version stay
     assert balancing.version == first + 1
+
+
+def test_without_an_encoder_the_planner_sees_no_vision_terms_but_the_checkpoint_keeps_them():
+    """data.vision_embeddings: the encoder does not run, so a sample's images cost nothing more
+    than their tokens; the fitted model itself is saved whole."""
+    cfg = load_run_config("qwen2.5vl-tiny")
+    balancing = RunBalancing(cfg.balance, prices_vision=False)
+    model = _model("fit:nnls", 2e-4)
+    model.coefficients.update(sum_P2=1e-9, sum_P=3e-6, n_img=1e-3)
+    balancing.cost_model = model
+    priced = balancing.cost_model.sample_costs([100, 100], [[], [1024, 256]])
+    assert priced[0] == priced[1] == pytest.approx(100 * 2e-4)
+    assert balancing.state_dict()[EXTRA_KEY]["coefficients"]["n_img"] == 1e-3
+    with_encoder = RunBalancing(cfg.balance)
+    with_encoder.cost_model = model
+    costs = with_encoder.cost_model.sample_costs([100, 100], [[], [1024, 256]])
+    assert costs[1] > costs[0]

@@ -5,6 +5,7 @@ vision.py       the ViT tower and patch merger (window attention, 2-D RoPE)
 layer_specs.py  megatron-core layer specs shared by both towers
 configs.py      ModelConfig -> megatron TransformerConfigs
 process_groups.py  the vision tower's own tensor-parallel groups
+encoder.py      the vision encoder alone (loongforge encode)
 encoder_share.py   parallel.encoder_dp=tp: the TP group divides a micro-batch's media
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
@@ -35,6 +36,7 @@ FAMILY = ModelFamily(
     # Imported at the first build: megatron-core takes seconds, and a parameter count, a dry-run
     # plan or a config.json read should not pay for it.
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
+    build_encoder=LazyFunction("loongforge.models.qwen2_5_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
     position_ids=position_ids_for,
     chat=CHAT,

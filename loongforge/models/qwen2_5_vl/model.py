@@ -132,9 +132,12 @@ class Qwen2_5_VLModel(MegatronModule):
         post_process: bool,
         vp_stage: Optional[int] = None,
         init_seed: Optional[int] = None,
+        with_encoder: bool = True,
     ):
         """``init_seed``: initial weights keyed by (seed, global name), the same full model at
-        every TP/PP layout (``models.initialization``); None: megatron's one running stream."""
+        every TP/PP layout (``models.initialization``); None: megatron's one running stream.
+        ``with_encoder=False``: no vision tower or merger; image/video features come with each
+        micro-batch (``image_embeds`` / ``video_embeds``, stored by ``loongforge encode``)."""
         super().__init__(config=language_config)
         self.model_cfg = model_cfg
         self.pre_process = pre_process
@@ -142,13 +145,14 @@ class Qwen2_5_VLModel(MegatronModule):
         self.merge_unit = model_cfg.projector.spatial_merge_size**2
         self.share_embeddings_and_output_weights = model_cfg.language.tie_word_embeddings
         # What each tower is built from, for the run's startup line.
-        self.layer_backends = {"vision": modules.describe(), "language": modules.describe()}
+        self.layer_backends = {"vision": modules.describe() if with_encoder else "none (stored embeddings)",
+                               "language": modules.describe()}
         # megatron's pipeline schedules read this: one decoder stack, no separate encoder stages.
         self.model_type = ModelType.encoder_or_decoder
 
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
-        if pre_process:
+        if pre_process and with_encoder:
             with initialization.seeded(init_seed, "vision_model"):
                 self.vision_model = VisionModel(
                     vision_config,
@@ -221,6 +225,8 @@ class Qwen2_5_VLModel(MegatronModule):
         pixel_values_videos: Optional[torch.Tensor] = None,
         video_grid_thw: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        video_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
 
@@ -229,14 +235,17 @@ class Qwen2_5_VLModel(MegatronModule):
 
         input_ids [b, s]; position_ids [3, b, s] (M-RoPE t/h/w); labels [b, s] next-token targets,
         valid ids everywhere (the caller masks); packed_seq_params: thd with b == 1 and cu_seqlens
-        over all b*s tokens; pixel_values [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos.
+        over all b*s tokens; pixel_values [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos;
+        or, for a model built without the encoder, image_embeds [P/m^2, h] (and video_embeds) with
+        the grids.
         On later pipeline stages the hidden states come from ``set_input_tensor`` instead.
         """
         _check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw
+                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
+                stored=optional_cat(image_embeds, video_embeds),
             )
         return self.language_model(
             input_ids=input_ids,
@@ -255,18 +264,20 @@ class Qwen2_5_VLModel(MegatronModule):
         image_grid_thw: Optional[torch.Tensor],
         pixel_values_videos: Optional[torch.Tensor],
         video_grid_thw: Optional[torch.Tensor],
+        stored: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
-        """Text embeddings with image/video features in place of their placeholders: [s, b, h]."""
+        """Text embeddings with image/video features in place of their placeholders: [s, b, h].
+        ``stored`` [P/m^2, h]: the images' then the videos' features, computed offline."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         tokens = self.model_cfg.tokens
         image_count = self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image")
         video_count = self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")
         pixels = optional_cat(pixel_values, pixel_values_videos)
-        if pixels is not None:
+        if pixels is not None or stored is not None:
             # Images and videos go through the tower together: segments never cross an image, so
             # this equals two separate calls and costs one.
             grid_thw = optional_cat(image_grid_thw, video_grid_thw)
-            features = self._encode(pixels, grid_thw).to(embeddings.dtype)
+            features = self._features(pixels, grid_thw, stored).to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
             embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
             embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
@@ -278,6 +289,18 @@ class Qwen2_5_VLModel(MegatronModule):
                 embeddings, group=self.language_model.pg_collection.tp
             )
         return embeddings
+
+    def _features(self, pixels: Optional[torch.Tensor], grid_thw: torch.Tensor,
+                  stored: Optional[torch.Tensor]) -> torch.Tensor:
+        """Merged features [P/m^2, h]: stored ones for a model without the encoder, else encoded."""
+        if self.vision_model is None:
+            if stored is None:
+                raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
+                                 "pass image_embeds / video_embeds, not pixels")
+            return stored
+        if stored is not None:
+            raise ValueError("image_embeds / video_embeds given to a model that runs its own encoder")
+        return self._encode(pixels, grid_thw)
 
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged features [P/m^2, h] of every image and video, encoded here or shared out over
@@ -354,6 +377,7 @@ def build_model(
     recompute_activations: bool = False,
     init_seed: Optional[int] = None,
     vision_cost: Optional[Callable[[], VisionCost]] = None,
+    with_encoder: bool = True,
 ) -> Qwen2_5_VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
     ``parallel_cfg``. Collective (the vision TP groups): every rank calls it.
@@ -362,7 +386,9 @@ def build_model(
     seeded with, ``torch.initial_seed()``); the same seed gives the same full model at every TP, PP
     and vision-TP layout when weights are initialised on the CPU (``models.initialization``).
     ``vision_cost``: with ``parallel.encoder_dp=tp``, the current cost coefficients that divide
-    each micro-batch's media over the TP group (the run's cost model); default P^2 + P."""
+    each micro-batch's media over the TP group (the run's cost model); default P^2 + P.
+    ``with_encoder=False``: no vision tower or merger (training on ``loongforge encode``'s
+    stored features, passed to forward as ``image_embeds`` / ``video_embeds``)."""
     init_seed = torch.initial_seed() if init_seed is None else init_seed
     device = torch.device(device)
     on_cpu = device.type == "cpu"
@@ -389,8 +415,9 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         init_seed=init_seed,
+        with_encoder=with_encoder,
     )
-    if pre_process:
+    if model.vision_model is not None:
         for tower in (model.vision_model, model.projector):
             mark_tp_duplicates(tower, vision_tp=vision_tp, replica_block=model._vision_replica_block)
         if parallel_cfg.encoder_dp == "tp" and language_pgs.tp.size() > 1:

@@ -1,0 +1,64 @@
+"""``loongforge encode``: images and videos -> stored vision embeddings for training without the encoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from loongforge.cli.errors import UsageError, cli_errors
+from loongforge.cli.options import PresetOption
+from loongforge.config.presets import DEFAULT_PRESET
+
+InputsArgument = Annotated[list[Path], typer.Argument(
+    metavar="INPUT...", show_default=False,
+    help="LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files or folders of them (what "
+         "`train` reads), or one `loongforge pack` output folder.")]
+
+
+def encode(
+    inputs: InputsArgument,
+    output: Annotated[Path, typer.Option(
+        "--output", "-o", metavar="DIR", show_default=False,
+        help="Folder to write: shards/, index.jsonl, rejects.jsonl, encoder.json.")],
+    preset: PresetOption = None,
+    checkpoint: Annotated[Optional[Path], typer.Option(
+        "--checkpoint", metavar="CKPT", show_default=False,
+        help="Encoder weights from a loongforge checkpoint (a step_* folder or a checkpoint root: its latest).")] = None,
+    hf: Annotated[Optional[Path], typer.Option(
+        "--hf", metavar="HF_DIR", show_default=False,
+        help="Encoder weights from a transformers checkpoint folder. Neither: the preset's initial weights "
+             "(training.seed), as a run from scratch starts.")] = None,
+    nproc_per_node: Annotated[int, typer.Option(
+        "--nproc-per-node", min=1, metavar="N", help="Processes on this node, each with a whole encoder.")] = 1,
+    dtype: Annotated[str, typer.Option(
+        "--dtype", metavar="bf16|fp32", help="Encoder compute and storage precision.")] = "bf16",
+    device: Annotated[str, typer.Option(
+        "--device", metavar="auto|cpu|cuda", help="auto: CUDA when available.")] = "auto",
+    resume: Annotated[bool, typer.Option(
+        "--resume", help="Finish an interrupted encode into the same folder, with the same inputs and flags.")] = False,
+    overwrite: Annotated[bool, typer.Option(
+        "--overwrite", help="Delete an earlier encode's output in --output first.")] = False,
+    shard_tokens: Annotated[int, typer.Option(
+        "--shard-tokens", min=1, metavar="N", help="Embedding rows per shard (the unit --resume skips).")] = 65536,
+    batch_patches: Annotated[int, typer.Option(
+        "--batch-patches", min=1, metavar="N", help="Vision patches per encoder call (memory).")] = 16384,
+    overrides: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE", show_default=False,
+        help="Config override, as for train (e.g. --set data.max_pixels=1003520); repeatable.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A tqdm bar with media/s.")] = True,
+) -> None:
+    """Run the vision encoder and merger once over every image and video of a dataset, and store the embeddings."""
+    from loongforge.encode.job import EncodeOptions, run_encode
+
+    with cli_errors():
+        if checkpoint is not None and hf is not None:
+            raise UsageError("--checkpoint and --hf both name encoder weights; pass one of them.")
+        weights = checkpoint or hf
+        summary = run_encode(EncodeOptions(
+            inputs=tuple(str(p) for p in inputs), output=output, preset=preset or DEFAULT_PRESET,
+            weights=str(weights) if weights else None, nproc=nproc_per_node, dtype=dtype, device=device,
+            resume=resume, overwrite=overwrite, shard_tokens=shard_tokens, batch_patches=batch_patches,
+            overrides=tuple(overrides or ()), progress=progress))
+        typer.echo(summary.format())

@@ -1,0 +1,168 @@
+"""A folder of stored vision embeddings (``loongforge encode``'s output) and how to read it.
+
+    encode_job.json   what produced the folder (inputs, preset, weights, settings); --resume
+                      refuses a different one
+    shards/r<rank>-<n>.safetensors
+                      the merged features of some images/videos, one tensor each
+                      [tokens, LM hidden]; the header's metadata lists their index rows and the
+                      media of the shard that could not be decoded. A shard is written whole
+                      (tmp + rename) or not at all: it is the unit --resume skips.
+    index.jsonl       one row per stored medium, in input order (``EmbeddingRow``)
+    rejects.jsonl     samples whose media could not be read, with file, line and reason
+    encoder.json      written last (its presence marks a finished folder): the preset, the
+                      digest of the encoder + merger weights, the processor settings, counts
+
+A medium is named by its sample (``sample_id``: "<file>:<line>", as training names it), its kind
+(image or video) and its index among that sample's media of that kind.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from safetensors import safe_open
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.data.measure import MaterializedSample, MeasuredSample, vision_sizing
+from loongforge.data.samples import Reject
+
+FORMAT = "loongforge-embeddings/1"
+JOB_FILE = "encode_job.json"
+ENCODER_FILE = "encoder.json"
+INDEX_FILE = "index.jsonl"
+REJECTS_FILE = "rejects.jsonl"
+SHARD_DIR = "shards"
+KINDS = ("image", "video")
+# The shard header's metadata entry: JSON {"format", "rows": index rows, "rejects": rejects}.
+SHARD_METADATA_KEY = "loongforge"
+
+
+def shard_name(rank: int, number: int) -> str:
+    """A shard's path relative to the folder, as index rows record it."""
+    return f"{SHARD_DIR}/r{rank:03d}-{number:06d}.safetensors"
+
+
+@dataclass(frozen=True)
+class EmbeddingRow:
+    """Where one image's or video's stored features are."""
+
+    sample_id: str
+    file: str
+    line: int
+    kind: str  # "image" or "video"
+    media_index: int  # among the sample's media of this kind
+    grid: tuple[int, int, int]  # (t, h, w) patches
+    tokens: int  # rows of the stored tensor: t*h*w / merge_unit
+    shard: str
+    key: str
+
+    def to_json(self) -> dict:
+        record = asdict(self)
+        record["grid"] = list(self.grid)
+        return record
+
+    @staticmethod
+    def from_json(record: dict) -> "EmbeddingRow":
+        return EmbeddingRow(**{**record, "grid": tuple(record["grid"])})
+
+
+def processor_settings(data_cfg: DataConfig, model_cfg: ModelConfig) -> dict:
+    """Everything that decides the pixels the encoder sees: two runs agreeing on this dict
+    preprocess every image and video alike."""
+    return {"vision_sizing": asdict(vision_sizing(data_cfg, model_cfg)),
+            "video_fps": data_cfg.video_fps, "video_max_frames": data_cfg.video_max_frames}
+
+
+class EmbeddingStore:
+    """A finished ``loongforge encode`` folder: its ``encoder.json`` and lookups by sample."""
+
+    def __init__(self, root: str | Path):
+        self.root = Path(root)
+        encoder_file = self.root / ENCODER_FILE
+        if not encoder_file.is_file():
+            raise InputError(f"{self.root}: not a finished `loongforge encode` folder (no {ENCODER_FILE}); "
+                             f"finish it with `loongforge encode ... --output {self.root} --resume`")
+        self.encoder = json.loads(encoder_file.read_text())
+        # Samples by (absolute file path, line): the same sample whatever path spelling or
+        # working directory `encode` and `train` were given.
+        self._rows: dict[tuple[str, int], list[EmbeddingRow]] = {}
+        with open(self.root / INDEX_FILE, encoding="utf-8") as f:
+            for line in f:
+                if line.strip():
+                    row = EmbeddingRow.from_json(json.loads(line))
+                    self._rows.setdefault(_sample_key(row.file, row.line), []).append(row)
+        self._open: dict[str, object] = {}
+
+    def __len__(self) -> int:
+        return sum(len(rows) for rows in self._rows.values())
+
+    def rows_of(self, file: str, line: int, kind: str) -> list[EmbeddingRow]:
+        """The stored media of ``kind`` of the sample at ``file``:``line``, by media index."""
+        return sorted((row for row in self._rows.get(_sample_key(file, line), ()) if row.kind == kind),
+                      key=lambda row: row.media_index)
+
+    def problem(self, sample: MeasuredSample) -> Optional[str]:
+        """Why ``sample``'s media are not all stored as this run measures them, or None."""
+        wanted = {"image": [tuple(g) for g in sample.image_grids],
+                  "video": [tuple(p.grid_thw) for p in sample.video_plans]}
+        for kind, grids in wanted.items():
+            rows = self.rows_of(sample.file, sample.line, kind)
+            if [row.media_index for row in rows] != list(range(len(grids))):
+                return f"{len(grids)} {kind}(s) in the sample, {len(rows)} stored in {self.root}"
+            for row, grid in zip(rows, grids):
+                if row.grid != grid:
+                    return f"{kind} {row.media_index}: stored for grid {list(row.grid)}, this run measures {list(grid)}"
+        return None
+
+    def materialize(self, sample: MeasuredSample, width: int) -> MaterializedSample:
+        """The sample with its stored features in place of pixels; without them, zero features
+        of the right shape and a ``missing_embedding`` late reject (its row slot trains nothing)."""
+        problem = self.problem(sample)
+        if problem is None:
+            return MaterializedSample(
+                sample=sample, image_pixels=[], video_pixels=[],
+                image_embeds=[self.features(r) for r in self.rows_of(sample.file, sample.line, "image")],
+                video_embeds=[self.features(r) for r in self.rows_of(sample.file, sample.line, "video")])
+        merge_unit = self.encoder["processor"]["vision_sizing"]["merge_size"] ** 2
+        zeros = lambda grid: torch.zeros(grid[0] * grid[1] * grid[2] // merge_unit, width)  # noqa: E731
+        return MaterializedSample(
+            sample=sample, image_pixels=[], video_pixels=[],
+            image_embeds=[zeros(g) for g in sample.image_grids],
+            video_embeds=[zeros(p.grid_thw) for p in sample.video_plans],
+            late_reject=Reject(file=sample.file, line=sample.line, reason="missing_embedding",
+                               detail=f"{problem} (found when loading; sample trained with no loss)"))
+
+    def features(self, row: EmbeddingRow) -> torch.Tensor:
+        """[tokens, hidden] stored features of one medium, in the stored dtype."""
+        handle = self._open.get(row.shard)
+        if handle is None:
+            handle = self._open[row.shard] = safe_open(str(self.root / row.shard), framework="pt")
+        return handle.get_tensor(row.key)
+
+
+class StoredMediaMeasurer:
+    """A ``SampleMeasurer`` that also rejects (``missing_embedding``) a sample whose media are not
+    all in the store, before it is packed: its row room goes to samples that can train."""
+
+    def __init__(self, measurer, store: EmbeddingStore):
+        self.measurer = measurer
+        self.store = store
+
+    def measure(self, sample):
+        measured = self.measurer.measure(sample)
+        if isinstance(measured, Reject):
+            return measured
+        problem = self.store.problem(measured)
+        if problem is None:
+            return measured
+        return Reject(file=measured.file, line=measured.line, reason="missing_embedding", detail=problem)
+
+
+def _sample_key(file: str, line: int) -> tuple[str, int]:
+    return os.path.abspath(file), int(line)

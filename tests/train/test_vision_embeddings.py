@@ -1,0 +1,113 @@
+"""``train data.vision_embeddings=DIR`` on the LLaMA-Factory demo images and videos, encoded once
+by ``loongforge encode``: the same per-step losses and grad norms (1e-5) as training with the
+encoder online and frozen (tower and merger), at DP 1 and at DP 2 with balancing re-planning every
+step, across a stop and ``--resume``; a sample without stored embeddings is a counted reject; an
+encoder or processor mismatch is a one-line error before anything is built."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loongforge.data.conversations import read_data_file
+from tests.shared_data import SHARED_DATA
+from tests.train.conftest import assert_close_relative, grad_norms, losses, run_train
+
+RELATIVE = 1e-5
+STEPS = 10
+DEMO = SHARED_DATA / "llamafactory"
+FILES = (DEMO / "mllm_demo.json", DEMO / "mllm_video_demo.json")
+# What encode and train must agree on (conftest's SMALL_MODEL sets data.max_pixels=12544).
+MEDIA = ("data.seq_len=1024", "data.max_pixels=12544", "data.video_max_frames=4", "data.video_min_pixels=3136",
+         "data.video_max_pixels=12544")
+RUN = ("data.source=files", f"data.paths=[{FILES[0]},{FILES[1]}]", *MEDIA, f"training.train_steps={STEPS}",
+       "training.global_batch_size=2")
+FROZEN = ("training.freeze_vision=true", "training.freeze_projector=true")
+BALANCED = ("balance.enabled=true", "balance.threshold=0")
+
+pytestmark = pytest.mark.skipif(not DEMO.is_dir(), reason=f"needs the shared demo data ({DEMO})")
+
+
+def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
+    sets = [arg for setting in settings for arg in ("--set", setting)]
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", *map(str, inputs), "--output",
+                           str(out), "--preset", "qwen2.5vl-tiny", "--dtype", "fp32", "--no-progress", *sets],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return out
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> Path:
+    return _encode(tmp_path_factory.mktemp("embeddings") / "demo", *FILES)
+
+
+def _assert_same_training(a: Path, b: Path) -> None:
+    assert len(losses(a)) == STEPS
+    assert_close_relative(losses(a), losses(b), RELATIVE)
+    assert_close_relative(grad_norms(a), grad_norms(b), RELATIVE)
+
+
+def test_stored_embeddings_train_like_the_frozen_encoder(store, tmp_path):
+    run_train(tmp_path / "online", *RUN, *FROZEN)
+    run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}")
+    _assert_same_training(tmp_path / "stored", tmp_path / "online")
+    meta = json.loads((tmp_path / "stored" / "checkpoints" / "step_00000010" / "meta.json").read_text())
+    assert meta["vision_embeddings_encoder_digest"] == json.loads((store / "encoder.json").read_text())["weights_digest"]
+
+
+def test_at_dp2_with_balancing_and_across_a_resume(store, tmp_path):
+    run_train(tmp_path / "online", *RUN, *FROZEN, *BALANCED, nproc=2)
+    stored = tmp_path / "stored"
+    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", "training.exit_at_step=4", nproc=2)
+    assert len(losses(stored)) == 4
+    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", nproc=2, resume=True)
+    assert json.loads((stored / "summary.json").read_text())["balance"]["applied_steps"] > 0
+    _assert_same_training(stored, tmp_path / "online")
+
+
+def test_a_sample_without_stored_embeddings_is_a_counted_reject(tmp_path):
+    images_only = _encode(tmp_path / "images", FILES[0])
+    run_train(tmp_path / "run", *RUN, f"data.vision_embeddings={images_only}", "training.train_steps=2")
+    rejects = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
+    videos = json.loads(FILES[1].read_text())
+    assert {r["reason"] for r in rejects} == {"missing_embedding"}
+    assert {(r["file"], r["line"]) for r in rejects} == {(str(FILES[1]), line) for line in _record_lines(FILES[1])}
+    assert len(rejects) == len(videos)
+
+
+def _record_lines(path: Path) -> list[int]:
+    return [located.line for located in read_data_file(path)]
+
+
+@pytest.mark.parametrize("override, expected", [
+    ("training.seed=7", "was encoded with encoder weights sha256:"),
+    ("data.max_pixels=50176", "was encoded with other image/video settings (vision_sizing.max_pixels: "),
+])
+def test_a_store_from_another_encoder_or_other_settings_is_a_one_line_error(store, tmp_path, override, expected):
+    proc = run_train(tmp_path / "run", *RUN, f"data.vision_embeddings={store}", override, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    message = proc.stderr.strip().splitlines()[-1]
+    assert message.startswith(f"error: data.vision_embeddings={store} ") and expected in message, message
+
+
+def test_packed_data_at_tp2(tmp_path):
+    """A `pack` folder encoded as it is, trained at TP 2 (2 processes): as the frozen encoder."""
+    packed = tmp_path / "packed"
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "pack", *map(str, FILES), "--output",
+                           str(packed), "--preset", "qwen2.5vl-tiny", "--seq-len", "1024", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # The pack's image rules are the preset's: encode and train with them.
+    preset_media = ("data.seq_len=1024", "data.max_pixels=50176")
+    stored = _encode(tmp_path / "embeddings", packed, settings=preset_media)
+    run = ("data.source=packed", f"data.packed={packed}", *preset_media, "training.train_steps=3",
+           "training.global_batch_size=2", "parallel.tensor_model_parallel_size=2")
+    run_train(tmp_path / "online", *run, *FROZEN, nproc=2)
+    run_train(tmp_path / "stored", *run, f"data.vision_embeddings={stored}", nproc=2)
+    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), RELATIVE)
+    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), RELATIVE)
