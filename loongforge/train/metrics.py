@@ -30,17 +30,27 @@ class StepMetrics:
     # parallel.encoder_dp=full: the most bytes any rank held for the step's precomputed vision
     # features (pixels it encoded, its features, the gathered features); None otherwise.
     vision_features_bytes: Optional[int] = None
+    # Per-rank measures (runner.RANK_MEASURES: encoder time, step CPU time, peak memory), each a
+    # list in rank order with None where a rank has nothing to measure (no encoder on its stage).
+    by_rank: dict = field(default_factory=dict)
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
 
 
+def _slowest(values: Optional[list]) -> Optional[float]:
+    present = [value for value in values or () if value is not None]
+    return max(present) if present else None
+
+
 def format_log_line(m: StepMetrics, total_steps: int) -> str:
     grad = "n/a" if m.grad_norm is None else f"{m.grad_norm:.3f}"
+    encoder_s = _slowest(m.by_rank.get("encoder_s"))
     return (f"step {m.step}/{total_steps} | loss {m.loss:.4f} | grad_norm {grad} | lr {m.lr:.3e} | "
             f"tokens/s {m.tokens_per_s:,.0f} | step {m.step_s:.2f}s | data_wait {m.data_wait_s:.3f}s"
             + ("" if m.sync_wait_s is None else f" | sync_wait {m.sync_wait_s:.3f}s")
+            + ("" if encoder_s is None else f" | encoder max {encoder_s:.2f}s")
             + ("" if m.balance is None else
                f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
                f" ({'applied' if m.balance['applied'] else 'skipped'})"))
@@ -103,12 +113,16 @@ class RunLogger:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],
                            "balance_max_over_lb": m.balance["after"]})
+        record.update({f"{name}_by_rank": values for name, values in m.by_rank.items()})
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._writer:
             for key, value in record.items():
-                if key != "step" and value is not None and not key.startswith("balance_"):
+                if key != "step" and isinstance(value, (int, float)) and not key.startswith("balance_"):
                     self._writer.add_scalar(f"train/{key}", value, m.step)
+            for name, values in m.by_rank.items():
+                if _slowest(values) is not None:
+                    self._writer.add_scalar(f"ranks/{name}_max", _slowest(values), m.step)
             if m.balance is not None:
                 self._writer.add_scalar("balance/max_over_lb", m.balance["after"], m.step)
                 self._writer.add_scalar("balance/max_over_lb_before", m.balance["before"], m.step)

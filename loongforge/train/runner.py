@@ -11,6 +11,7 @@ from __future__ import annotations
 import datetime
 import functools
 import json
+import math
 import platform
 import signal
 import sys
@@ -43,7 +44,9 @@ from loongforge.parallel.distributed import (
 )
 from loongforge.parallel.encoder_dp import add_encoder_grads, sum_encoder_grads
 from loongforge.parallel.progress import RankProgress
-from loongforge.profile.timers import GradSyncClock
+from loongforge.profile.encoder_clock import EncoderClock, EncoderTime
+from loongforge.profile.memory import peak_memory_mib
+from loongforge.profile.timers import GradSyncClock, cpu_clock
 from loongforge.train.balancing import RunBalancing
 from loongforge.train.checkpoint import TrainState, load_checkpoint, load_newest_checkpoint, save_checkpoint
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
@@ -174,19 +177,51 @@ def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
     return 8 * layout.tp_size
 
 
-def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float,
-                 vision_bytes: int) -> tuple[int, Optional[float], int]:
-    """(real tokens over all ranks, spread of the gradient-sync time over ranks, the most
-    vision-feature bytes a rank held), one collective."""
+# What every rank measures each step, logged per rank (``<name>_by_rank`` in metrics.jsonl): its
+# vision encoder's forward+backward seconds, wall (device time on CUDA) and CPU (None on a rank
+# without the encoder: a later pipeline stage), its train_step's CPU seconds (its own work, free of
+# waits and of other processes on the cores) and its peak memory so far (``profile.memory``).
+RANK_MEASURES = ("encoder_s", "encoder_cpu_s", "step_cpu_s", "peak_memory_mib")
+
+
+@dataclass
+class _StepTotals:
+    tokens: int  # real tokens over all ranks
+    sync_wait_s: Optional[float]  # spread of the gradient-sync time over ranks (None at one rank)
+    vision_features_bytes: int  # the most bytes a rank held for the step's features (encoder_dp=full)
+    by_rank: dict  # RANK_MEASURES name -> [value of rank 0, rank 1, ...]
+
+
+def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device) -> list[float]:
+    """This rank's RANK_MEASURES, NaN for an encoder it does not hold."""
+    encoder_s = (encoder.total_s, encoder.total_cpu_s) if encoder else (math.nan, math.nan)
+    return [*encoder_s, step_cpu_s, peak_memory_mib(device)]
+
+
+def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vision_bytes: int,
+                 measures: list[float]) -> _StepTotals:
+    """Tokens, sync-time spread, the most vision-feature bytes a rank held and every rank's
+    ``measures`` (RANK_MEASURES), one collective."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
-    if not (dist.is_initialized() and dist.get_world_size() > 1):
-        return local, None, vision_bytes
-    gathered = torch.zeros(dist.get_world_size() * 3, dtype=torch.float64)  # [rank * (tokens, sync_s, bytes)]
-    dist.all_gather_into_tensor(gathered, torch.tensor([float(local), sync_s, float(vision_bytes)],
-                                                       dtype=torch.float64))
-    per_rank = gathered.view(-1, 3)  # [rank, 3]
-    return (int(per_rank[:, 0].sum()), float(per_rank[:, 1].max() - per_rank[:, 1].min()),
-            int(per_rank[:, 2].max()))
+    row = torch.tensor([float(local), sync_s, float(vision_bytes), *measures], dtype=torch.float64)
+    world = dist.get_world_size() if dist.is_initialized() else 1
+    per_rank = row.view(1, -1)  # [rank, 3 + measures]
+    if world > 1:
+        gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
+        dist.all_gather_into_tensor(gathered, row)
+        per_rank = gathered.view(world, -1)
+    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 3 + i].tolist()]
+               for i, name in enumerate(RANK_MEASURES)}
+    sync_wait = float(per_rank[:, 1].max() - per_rank[:, 1].min()) if world > 1 else None
+    return _StepTotals(tokens=int(per_rank[:, 0].sum()), sync_wait_s=sync_wait,
+                       vision_features_bytes=int(per_rank[:, 2].max()), by_rank=by_rank)
+
+
+def _encoder_clock(model: list, device: torch.device) -> Optional[EncoderClock]:
+    """A clock on this rank's vision tower and projector; None where the stage has none."""
+    inner = _unwrap_model(model[0])
+    towers = [getattr(inner, name, None) for name in ("vision_model", "projector")]
+    return EncoderClock(towers, device) if all(tower is not None for tower in towers) else None
 
 
 def run_training(cfg: RunConfig, *, resume: bool = False,
@@ -251,6 +286,7 @@ class _Run:
     balancing: RunBalancing
     observer: TrainingObserver
     sync_clock: GradSyncClock
+    encoder_clock: Optional[EncoderClock]  # this rank's vision encoder time, None without one
     out_dir: Path
     ckpt_root: Path
     encoder_digest: Optional[str] = None  # data.vision_embeddings: the encoder the store matched
@@ -281,7 +317,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     return _Run(cfg=cfg, env=env, layout=layout, model=model, model_config=model_config, optimizer=optimizer,
                 scheduler=scheduler, pipeline=observer.data_source(pipeline),
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
-                sync_clock=sync_clock, out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
+                sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
+                out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
                 encoder_digest=encoder_digest)
 
 
@@ -408,6 +445,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
     """The steps from ``summary.start_step + 1``, logged into ``summary``; returns the rows consumed."""
     cfg, layout = run.cfg, run.layout
     is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
+    step_cpu_clock = cpu_clock()
     last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
     for step in range(summary.start_step + 1, last_step + 1):
         progress.begin_step(step)  # named in the error if a collective of this step times out
@@ -415,23 +453,27 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         micro_batches = run.pipeline.next_step()
         data_wait = time.perf_counter() - fetch_start
         micro_batches = run.observer.begin_step(step, run.balancing.begin_step(step, micro_batches))
+        step_cpu_start = step_cpu_clock()
         result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
                             seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank)
+        step_cpu_s = step_cpu_clock() - step_cpu_start
         run.balancing.end_step(step, result)
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
-        tokens, sync_wait, vision_bytes = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(),
-                                                       result.vision_features_bytes)
+        encoder = run.encoder_clock.take() if run.encoder_clock is not None else None
+        totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
+                              _rank_measures(encoder, step_cpu_s, run.env.device))
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
-            step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=tokens,
-            step_s=result.compute_s + data_wait, data_wait_s=data_wait, sync_wait_s=sync_wait,
-            vision_features_bytes=vision_bytes if cfg.parallel.encoder_dp == "full" else None,
+            step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=totals.tokens,
+            step_s=result.compute_s + data_wait, data_wait_s=data_wait, sync_wait_s=totals.sync_wait_s,
+            vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
-                                                   "after": decision.after}))
+                                                   "after": decision.after},
+            by_rank=totals.by_rank))
         summary.losses.append((step, result.loss))
-        if sync_wait is not None:
-            summary.sync_waits.append(sync_wait)
+        if totals.sync_wait_s is not None:
+            summary.sync_waits.append(totals.sync_wait_s)
         summary.end_step = step
         # Every rank learns at the same step whether any rank was signalled (see train.stop).
         stop_signal = stop.agree() if stop is not None and step < last_step else 0
@@ -453,6 +495,8 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
             not checkpoint_cfg.save_interval or summary.end_step % checkpoint_cfg.save_interval):
         summary.checkpoint = _save(run, summary.end_step, consumed_rows)
     run.observer.close()
+    if run.encoder_clock is not None:
+        run.encoder_clock.close()
     if checkpoint_cfg.save_hf and summary.checkpoint and run.env.rank == 0 and not summary.stop_signal:
         hf_dir = export_hf(cfg.model, summary.checkpoint, run.out_dir / "hf", hf_source=checkpoint_cfg.load_hf)
         logger.write(f"exported HF weights to {hf_dir}")

@@ -18,7 +18,7 @@ PRESETS = list_preset_names()
 
 def test_presets_folder_has_the_shipped_presets():
     assert {"qwen2.5vl-3b", "qwen2.5vl-7b", "qwen2.5vl-32b", "qwen2.5vl-72b",
-            DEFAULT_PRESET} <= set(PRESETS)
+            *CPU_PRESETS} <= set(PRESETS)
 
 
 def test_presets_ship_inside_the_package_and_the_wheel_declares_every_file(monkeypatch):
@@ -52,7 +52,11 @@ def test_resolved_yaml_round_trips(name, tmp_path):
     assert load_resolved_config(path) == cfg
 
 
-@pytest.mark.parametrize("name", [n for n in PRESETS if n != DEFAULT_PRESET])
+# Toy sizes for CPU runs: no published checkpoint to match.
+CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit"}
+
+
+@pytest.mark.parametrize("name", [n for n in PRESETS if n not in CPU_PRESETS])
 def test_full_size_presets_match_published_parameter_counts(name):
     from loongforge.models.qwen2_5_vl.params import count_parameters
 
@@ -94,6 +98,29 @@ def test_tiny_preset_has_the_agreed_dimensions():
     assert cfg.optimizer.clip_grad == 1.0
     assert (cfg.logging.output_dir, cfg.logging.log_interval) == ("runs/qwen2.5vl-tiny", 10)
     assert cfg.checkpoint.save_at_end
+
+
+def test_tiny_vit_preset_is_encoder_heavy_at_tp2_with_encoder_dp():
+    """The encoder-DP bench's preset: the vision tower outweighs the whole language model
+    (embedding included) in parameters, and an image costs the encoder more FLOPs than its
+    tokens cost the language model; TP2 with a whole encoder per rank, dividing the images."""
+    from loongforge.bench.flops import language_forward_flops, vision_forward_flops
+    from loongforge.models.qwen2_5_vl.params import count_parameters
+
+    cfg = load_run_config("qwen2.5vl-tiny-vit")
+    counts = count_parameters(cfg.model)
+    assert counts["vision_model"] > counts["language_model"]
+    assert (cfg.model.vision.depth, cfg.model.vision.hidden_size) == (6, 512)
+    assert cfg.model.language == load_run_config(DEFAULT_PRESET).model.language
+    grid = (1, 26, 36)  # a 640 x 480 photo at the preset's 448 x 448 pixel limit
+    assert cfg.data.max_pixels == 448 * 448
+    encoder, projector = vision_forward_flops(cfg.model, [grid])
+    image_tokens = grid[1] * grid[2] // cfg.model.projector.spatial_merge_size ** 2
+    assert encoder + projector > 10 * language_forward_flops(cfg.model, [image_tokens])
+    parallel = cfg.parallel
+    assert (parallel.world_size, parallel.tensor_model_parallel_size) == (2, 2)
+    assert (parallel.vision_tensor_model_parallel_size, parallel.encoder_dp) == (1, "tp")
+    assert (cfg.training.device, cfg.training.precision) == ("cpu", "fp32")
 
 
 def test_presets_env_var_points_elsewhere(tmp_path, monkeypatch):

@@ -1,0 +1,215 @@
+"""The cost model's prediction of ``parallel.encoder_dp=tp`` against ``none`` at full scale.
+
+One rank of a TP group spends on a micro-batch, as ``balance.cost_model`` splits the time:
+
+- encoder: the vision terms (``sum_P2``, ``sum_P``, ``n_img``: ``train.balancing.VISION_TERMS``)
+  of the images it encodes: with ``none`` at vision TP 1 every image of the micro-batch (each rank
+  holds a whole encoder and repeats the work), with ``tp`` its share as ``parallel.media_assign``
+  assigns it with the same coefficients (the slowest rank's share is what the step waits for);
+- language model: the other terms (``sum_L2``, ``sum_L``, ``N``, ``n_loss``) divided by the TP
+  size: TP splits the decoder's matmuls and attention heads evenly.
+
+Not modelled (each named in the report): the language model's TP communication (the same in both
+modes), the all-gather of the merged image embeddings and the once-per-step all-reduce of the
+encoder's gradients over the TP group (``tp`` only), pipeline bubbles, and the vision-TP
+alternative (``none`` at vision TP = TP divides the encoder's FLOPs as well, at the price of two
+all-reduces per block and narrower matmuls, which a FLOP model cannot price).
+
+Data: real image-size mixes, sized with the preset's tokenizer and image rules
+(``bench.datasets``) and packed in file order into ``seq_len`` rows (next fit), so a row holds the
+images that arrive together. Pure arithmetic on sizes: no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Optional, Sequence
+
+import numpy as np
+
+from loongforge.balance.cost_model import TERMS, CostModel, SampleCost, default_cost_model
+from loongforge.bench.balance import load_pool
+from loongforge.bench.datasets import (
+    COCO_CAPTIONS,
+    MATHVISTA,
+    OMNIBAL,
+    SampleSize,
+    SampleSizer,
+    coco_chats,
+    mathvista_chats,
+    omnibal_sizes,
+)
+from loongforge.config.loader import load_run_config
+from loongforge.models.registry import get_family
+from loongforge.parallel.media_assign import VisionCost, assign_media
+from loongforge.train.balancing import VISION_TERMS
+
+PRESET = "qwen2.5vl-7b"
+TENSOR_PARALLEL = 4
+LANGUAGE_TERMS = tuple(term for term in TERMS if term not in VISION_TERMS)
+
+
+@dataclass
+class Mix:
+    name: str
+    tokens: list  # LLM tokens per sample
+    patches: list  # per sample, a tuple of vision patches per image
+    loss_tokens: list  # per sample; 0 where the source does not say
+
+
+def pack_rows(tokens: Sequence[int], seq_len: int) -> list[list[int]]:
+    """Sample indices per row: next fit in order; samples longer than ``seq_len`` are left out."""
+    rows, row, used = [], [], 0
+    for index, length in enumerate(tokens):
+        if length > seq_len:
+            continue
+        if used + length > seq_len and row:
+            rows.append(row)
+            row, used = [], 0
+        row.append(index)
+        used += length
+    return rows + ([row] if row else [])
+
+
+def vision_cost(model: CostModel) -> VisionCost:
+    return VisionCost(*(model.coefficients[term] for term in VISION_TERMS))
+
+
+def _language_cost(model: CostModel, mix: Mix, row: list[int]) -> float:
+    coefficients = np.array([model.coefficients[t] if t in LANGUAGE_TERMS else 0.0 for t in TERMS])
+    features = sum(SampleCost(mix.tokens[i], (), mix.loss_tokens[i]).features() for i in row)
+    return float(np.dot(features, coefficients))
+
+
+def _encoder_costs(cost: VisionCost, media: list[int], ranks: int) -> tuple[float, float]:
+    """(every medium on one rank, the slowest rank's share when ``ranks`` divide them)."""
+    owners = assign_media(media, ranks, cost)
+    loads = [0.0] * ranks
+    for patches, owner in zip(media, owners):
+        loads[owner] += cost.of(patches)
+    return sum(cost.of(p) for p in media), max(loads)
+
+
+@dataclass
+class MixPrediction:
+    """Per-rank cost summed over the mix's rows (a long run of steps), in the cost model's unit
+    (seconds for the default model, FLOPs for ``flops_cost_model``), and the ratios that matter."""
+
+    name: str
+    samples: int
+    rows: int
+    images_per_row: float
+    patches_per_image: float
+    encoder_none: float  # every image on every rank (vision TP 1)
+    encoder_tp: float  # the slowest rank's share, row by row
+    language: float  # the decoder's share per rank (1 / TP of it)
+
+    @property
+    def encoder_share_none(self) -> float:
+        return self.encoder_none / (self.encoder_none + self.language)
+
+    @property
+    def encoder_ratio(self) -> float:
+        return self.encoder_tp / self.encoder_none
+
+    @property
+    def step_ratio(self) -> float:
+        return (self.encoder_tp + self.language) / (self.encoder_none + self.language)
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "encoder_share_none": self.encoder_share_none,
+                "encoder_ratio": self.encoder_ratio, "step_ratio": self.step_ratio}
+
+
+def predict_mix(mix: Mix, model: CostModel, *, tensor_parallel: int, seq_len: int) -> MixPrediction:
+    cost = vision_cost(model)
+    rows = pack_rows(mix.tokens, seq_len)
+    encoder_none = encoder_tp = language = 0.0
+    images = patches = 0
+    for row in rows:
+        media = [p for i in row for p in mix.patches[i]]
+        none, tp = _encoder_costs(cost, media, tensor_parallel)
+        encoder_none, encoder_tp = encoder_none + none, encoder_tp + tp
+        language += _language_cost(model, mix, row) / tensor_parallel
+        images, patches = images + len(media), patches + sum(media)
+    return MixPrediction(name=mix.name, samples=sum(len(row) for row in rows), rows=len(rows),
+                         images_per_row=images / max(len(rows), 1), patches_per_image=patches / max(images, 1),
+                         encoder_none=encoder_none, encoder_tp=encoder_tp, language=language)
+
+
+def flops_cost_model(model_cfg) -> CostModel:
+    """Coefficients in FLOPs (training = 3 x forward) for any preset's shapes, as
+    ``balance.cost_model.flops_model`` counts them but with the LM head priced on loss tokens only
+    (``n_loss``): with a 152k vocabulary over a 128-wide decoder the head is most of a small
+    language model, and it runs on the answer tokens alone. The merger runs once per merged
+    token, so it adds 1 / merge^2 of its parameters per patch. Used for the CPU bench's own
+    prediction; the 7B prediction keeps the documented default model."""
+    counts = get_family(model_cfg.family).count_parameters(model_cfg)
+    language, vision = model_cfg.language, model_cfg.vision
+    head = language.vocab_size * language.hidden_size
+    full_blocks = sum(1 for i in vision.fullatt_block_indexes if 0 <= i < vision.depth)
+    merge_unit = model_cfg.projector.spatial_merge_size ** 2
+    return CostModel({
+        "sum_L2": 3 * 2 * language.hidden_size * language.num_layers,
+        "sum_L": 6 * (counts["language_model"] - head),
+        "N": 0.0,
+        "sum_P2": 3 * 4 * vision.hidden_size * full_blocks,
+        "sum_P": 6 * (counts["vision_model"] + counts["projector"] / merge_unit),
+        "n_img": 0.0,
+        "n_loss": 6 * head,
+    }, units="flops", source="flops")
+
+
+# ------------------------------------------------------------------------------------ the mixes
+
+
+def _mix(name: str, sizes: Sequence) -> Mix:
+    kept = [size for size in sizes if isinstance(size, SampleSize)]  # Rejects: what pack drops
+    return Mix(name, [s.tokens for s in kept], [tuple(s.patches) for s in kept],
+               [s.loss_tokens or 0 for s in kept])
+
+
+def _whole_images(sizes: list[SampleSize]) -> list[SampleSize]:
+    """OmniBal counts an image as InternVL 448-pixel tiles; Qwen2.5-VL encodes it whole, at
+    native resolution: one medium of all its tiles' patches (full attention over all of them)."""
+    return [SampleSize(s.tokens, (sum(s.patches),) if s.patches else (), s.loss_tokens) for s in sizes]
+
+
+def load_mixes(data_root: Path, preset: str = PRESET) -> list[Mix]:
+    """COCO captions (photos <= 640 px: low variance), MathVista testmini (up to 5236 px: the heavy
+    tail, capped by the preset's max_pixels) and the four OmniBal sets (documents, charts)."""
+    sizer = SampleSizer(preset)
+    mixes = [_mix("COCO captions", sizer.size_chats(coco_chats(data_root / COCO_CAPTIONS), "coco")),
+             _mix("MathVista testmini", sizer.size_chats(mathvista_chats(data_root / MATHVISTA), "mathvista"))]
+    for path in sorted((data_root / OMNIBAL).glob("*.csv")):
+        name = "OmniBal " + path.stem.removeprefix("omnibal_internvl_")
+        mixes.append(_mix(name, _whole_images(omnibal_sizes(path))))
+    return mixes
+
+
+def predict_conversations(path: Path, preset: str, *, tensor_parallel: int, seq_len: int) -> MixPrediction:
+    """The same arithmetic on a conversation file at a preset's own shapes (``flops_cost_model``)."""
+    pool = load_pool([path], preset=preset, seq_len=seq_len)
+    mix = Mix(Path(path).name, pool.tokens, pool.patches, [n or 0 for n in pool.loss])
+    return predict_mix(mix, flops_cost_model(load_run_config(preset).model),
+                       tensor_parallel=tensor_parallel, seq_len=seq_len)
+
+
+def predict(data_root: Path, *, model: Optional[CostModel] = None, preset: str = PRESET,
+            tensor_parallel: int = TENSOR_PARALLEL, seq_len: Optional[int] = None) -> list[MixPrediction]:
+    model = model or default_cost_model()
+    seq_len = seq_len or load_run_config(preset).data.seq_len
+    return [predict_mix(mix, model, tensor_parallel=tensor_parallel, seq_len=seq_len)
+            for mix in load_mixes(data_root, preset)]
+
+
+def format_predictions(predictions: Sequence[MixPrediction]) -> str:
+    rows = ["| image mix | rows | images per row | patches per image | encoder share of a rank's time "
+            "(none) | encoder time tp / none (slowest rank) | step time tp / none | step speed-up |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for p in predictions:
+        rows.append(f"| {p.name} | {p.rows} | {p.images_per_row:.1f} | {p.patches_per_image:,.0f} | "
+                    f"{100 * p.encoder_share_none:.0f}% | {p.encoder_ratio:.3f} | {p.step_ratio:.3f} | "
+                    f"{1 / p.step_ratio:.2f}x |")
+    return "\n".join(rows)
