@@ -354,3 +354,43 @@ def encoder_dp(
             doc.write_text(format_doc(bench, predict(root), cpu_prediction, command_line=command,
                                       plot_name=plot.name))
             typer.echo(f"wrote {doc} and {plot}")
+
+
+@app.command("encode")
+def encode(
+    data_root: Annotated[Optional[Path], typer.Option(
+        "--data-root", metavar="DIR", show_default=False,
+        help="The shared data folder (its coco2017/ photos and captions). Default: $LOONGFORGE_SHARED_DATA.")] = None,
+    samples: Annotated[int, typer.Option("--samples", min=1, metavar="N", help="Caption chats to encode and train on.")]
+        = 32,
+    steps: Annotated[int, typer.Option("--steps", min=2, metavar="N", help="Training steps per run.")] = 4,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write encode.md, encode.json, the encode folders and the runs here. Default: outputs/bench/encode/.")]
+        = None,
+    doc: Annotated[Optional[Path], typer.Option(
+        "--doc", metavar="FILE.md", show_default=False, help="Also write the benchmark document here.")] = None,
+    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A tqdm bar over the runs.")] = True,
+) -> None:
+    """Encode at 1 and 2 processes (media/s, bytes per token) and train from stored embeddings vs the frozen encoder."""
+    import sys
+
+    from loongforge.bench.encode import (
+        EncodeBenchSettings,
+        format_report,
+        run_encode_bench,
+        summary_lines,
+        write_doc,
+    )
+
+    with cli_errors():
+        out = out or DEFAULT_OUT / "encode"
+        result = run_encode_bench(out, data_root, EncodeBenchSettings(samples=samples, steps=steps), progress=progress)
+        (out / "encode.json").write_text(json.dumps(result.to_dict(), indent=2) + "\n")
+        report = format_report(result)
+        (out / "encode.md").write_text(report + "\n")
+        if doc is not None:
+            write_doc(result, doc, "loongforge " + " ".join(sys.argv[1:]))
+        typer.echo(report)
+        for line in summary_lines(result):
+            typer.echo(line)

@@ -11,6 +11,7 @@
     rejects.jsonl     samples whose media could not be read, with file, line and reason
     encoder.json      written last (its presence marks a finished folder): the preset, the
                       digest of the encoder + merger weights, the processor settings, counts
+    runs.jsonl        one line per `encode` call that wrote here: media encoded, seconds, processes
 
 A medium is named by its sample (``sample_id``: "<file>:<line>", as training names it), its kind
 (image or video) and its index among that sample's media of that kind.
@@ -37,6 +38,7 @@ JOB_FILE = "encode_job.json"
 ENCODER_FILE = "encoder.json"
 INDEX_FILE = "index.jsonl"
 REJECTS_FILE = "rejects.jsonl"
+RUNS_FILE = "runs.jsonl"
 SHARD_DIR = "shards"
 KINDS = ("image", "video")
 # The shard header's metadata entry: JSON {"format", "rows": index rows, "rejects": rejects}.

@@ -29,6 +29,7 @@ from loongforge.data.embedding_store import (
     INDEX_FILE,
     JOB_FILE,
     REJECTS_FILE,
+    RUNS_FILE,
     SHARD_DIR,
     SHARD_METADATA_KEY,
     processor_settings,
@@ -97,6 +98,9 @@ def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) 
     digest = _run_ranks(spec, options, pending, on_shard)
     seconds = time.perf_counter() - start
     encoder = _finish(root, spec, job, digest)
+    with open(root / RUNS_FILE, "a", encoding="utf-8") as log:  # timings: not part of the output proper
+        log.write(json_line({"media": pending, "seconds": round(seconds, 3), "processes": options.nproc,
+                             "resumed": options.resume}))
     return EncodeSummary(output=root, encoder=encoder, seconds=seconds, media_this_run=pending)
 
 
