@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from loongforge.convert.mcore_io import McoreReader
+
 # A Qwen2.5-VL small enough for a few CPU steps in seconds, yet with every part exercised:
 # windowed + full vision blocks, GQA, tied embeddings, images and text-only samples in packed rows.
 SMALL_MODEL = [
@@ -87,3 +89,36 @@ def baseline_run(tmp_path_factory) -> Path:
     run_train(out)
     return out
 
+
+def final_checkpoint(run: Path) -> Path:
+    return sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
+
+
+def checkpoint_differences(run: Path, reference: Path) -> dict[str, float]:
+    """|a - b| / |b| (Frobenius) of every tensor of the reference's final checkpoint, read from
+    both (the distributed optimizer also saves its fp32 parameters, which the reference lacks)."""
+    readers = [McoreReader(final_checkpoint(r) / "model_optim") for r in (run, reference)]
+    missing = set(readers[1].tensors) - set(readers[0].tensors)
+    assert not missing, sorted(missing)[:5]
+    differences = {}
+    for key in readers[1].tensors:
+        x, y = (reader.read(key).double() for reader in readers)
+        differences[key] = float((x - y).norm() / y.norm()) if y.norm() > 0 else float((x - y).norm())
+    return differences
+
+
+def assert_trains_alike(run: Path, reference: Path, steps: slice = slice(None), relative: float = 1e-5) -> None:
+    """Losses and grad norms (relative), Adam's moments (relative) and the weights (10x relative: see
+    below) of two runs' final checkpoints."""
+    assert_close_relative(losses(run)[steps], losses(reference)[steps], relative)
+    assert_close_relative(grad_norms(run)[steps], grad_norms(reference)[steps], relative)
+    differences = checkpoint_differences(run, reference)
+    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
+    assert any(key.startswith("optimizer.state.exp_avg.vision_model") for key in moments)
+    worst = max(moments, key=moments.get)
+    assert moments[worst] <= relative, (worst, moments[worst])
+    # Adam turns a gradient that is ~0 up to rounding into a full step either way: weights that
+    # start at 0 (biases) carry 1e-5-level differences.
+    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
+    worst = max(weights, key=weights.get)
+    assert weights[worst] <= 10 * relative, (worst, weights[worst])

@@ -21,11 +21,19 @@ from safetensors.torch import load_file
 from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.config.loader import load_run_config
 from loongforge.convert.checkpoint_folders import step_dir_name
-from loongforge.convert.mcore_io import McoreReader
 from loongforge.convert.model_io import export_hf
 from loongforge.data.pipeline import DataPipeline
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import SMALL_MODEL, assert_close_relative, grad_norms, losses, run_train, step_metric
+from tests.train.conftest import (
+    SMALL_MODEL,
+    assert_trains_alike,
+    checkpoint_differences,
+    final_checkpoint,
+    grad_norms,
+    losses,
+    run_train,
+    step_metric,
+)
 
 RELATIVE = 1e-5
 STEPS = 5
@@ -57,38 +65,6 @@ def _resume_from_step_2(source: Path, out: Path, mode: str, *extra: str) -> Path
     return _train(out, mode, *extra, resume=True)
 
 
-def _final_checkpoint(run: Path) -> Path:
-    return sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
-
-
-def _checkpoint_differences(run: Path, reference: Path) -> dict[str, float]:
-    """|a - b| / |b| (Frobenius) of every tensor of the reference's final checkpoint, read from
-    both (the distributed optimizer also saves its fp32 parameters, which the reference lacks)."""
-    readers = [McoreReader(_final_checkpoint(r) / "model_optim") for r in (run, reference)]
-    missing = set(readers[1].tensors) - set(readers[0].tensors)
-    assert not missing, sorted(missing)[:5]
-    differences = {}
-    for key in readers[1].tensors:
-        x, y = (reader.read(key).double() for reader in readers)
-        differences[key] = float((x - y).norm() / y.norm()) if y.norm() > 0 else float((x - y).norm())
-    return differences
-
-
-def _assert_trains_alike(run: Path, reference: Path, steps: slice = slice(None)) -> None:
-    assert_close_relative(losses(run)[steps], losses(reference)[steps], RELATIVE)
-    assert_close_relative(grad_norms(run)[steps], grad_norms(reference)[steps], RELATIVE)
-    differences = _checkpoint_differences(run, reference)
-    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
-    assert any(key.startswith("optimizer.state.exp_avg.vision_model") for key in moments)
-    worst = max(moments, key=moments.get)
-    assert moments[worst] <= RELATIVE, (worst, moments[worst])
-    # Adam turns a gradient that is ~0 up to rounding into a full step either way: weights that
-    # start at 0 (biases) carry 1e-5-level differences (as in test_encoder_dp_train).
-    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
-    worst = max(weights, key=weights.get)
-    assert weights[worst] <= 10 * RELATIVE, (worst, weights[worst])
-
-
 @pytest.fixture(scope="module")
 def none_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("none"), "none")
@@ -112,7 +88,7 @@ def test_the_data_has_micro_batches_without_media():
 
 
 def test_full_trains_like_none_with_the_distributed_optimizer_and_overlap(full_run, none_run):
-    _assert_trains_alike(full_run, none_run)
+    assert_trains_alike(full_run, none_run)
     held = step_metric(full_run, "vision_features_bytes")
     assert len(held) == STEPS and all(b > 0 for b in held)
 
@@ -121,7 +97,7 @@ def test_full_resumed_at_step_2_is_bit_identical(tmp_path, full_run):
     resumed = _resume_from_step_2(full_run, tmp_path / "resumed", "full", *DISTRIBUTED, *OVERLAP)
     assert losses(resumed) == losses(full_run)
     assert grad_norms(resumed) == grad_norms(full_run)
-    differences = _checkpoint_differences(resumed, full_run)
+    differences = checkpoint_differences(resumed, full_run)
     assert max(differences.values()) == 0.0, max(differences, key=differences.get)
 
 
@@ -129,19 +105,19 @@ def test_a_full_checkpoint_loads_in_none(tmp_path, full_run, none_run):
     # The same optimizer kind as the checkpoint's; none with overlap would need every encoder
     # parameter to get a gradient in every micro-batch (a separate issue).
     resumed = _resume_from_step_2(full_run, tmp_path / "as_none", "none", *DISTRIBUTED)
-    _assert_trains_alike(resumed, none_run)
+    assert_trains_alike(resumed, none_run)
 
 
 def test_a_none_checkpoint_loads_in_full(tmp_path, none_run):
     resumed = _resume_from_step_2(none_run, tmp_path / "as_full", "full")
-    _assert_trains_alike(resumed, none_run)
+    assert_trains_alike(resumed, none_run)
 
 
 def test_convert_exports_a_full_checkpoint(tmp_path, full_run, none_run):
     exported = []
     for name, run in (("full", full_run), ("none", none_run)):
         cfg = load_run_config("qwen2.5vl-tiny", overrides=[*SMALL_MODEL, *DATA], world_size=1)
-        hf_dir = export_hf(cfg.model, _final_checkpoint(run), tmp_path / name)
+        hf_dir = export_hf(cfg.model, final_checkpoint(run), tmp_path / name)
         exported.append({k: v for path in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(path).items()})
     assert set(exported[0]) == set(exported[1])
     # The encoder as saved once from the first stage (the language model is compared in the
@@ -174,4 +150,4 @@ def test_full_trains_like_none_with_balancing_on_packed_rows(tmp_path):
                       f"balance.cost_model={_cost_file(tmp_path / 'quarter.json', 0.25)}")
     for run in (full_run, none_run):
         assert json.loads((run / "summary.json").read_text())["balance"]["applied_steps"] >= 1
-    _assert_trains_alike(full_run, none_run)
+    assert_trains_alike(full_run, none_run)
