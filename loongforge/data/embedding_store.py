@@ -13,12 +13,15 @@
                       digest of the encoder + merger weights, the processor settings, counts
     runs.jsonl        one line per `encode` call that wrote here: media encoded, seconds, processes
 
-A medium is named by its sample (``sample_id``: "<file>:<line>", as training names it), its kind
-(image or video) and its index among that sample's media of that kind.
+A medium is found by its sample's file and line (as training names samples), its kind (image or
+video), its index among that sample's media of that kind and its source (the file it is read from,
+or a digest of inline bytes): records sharing a line (a JSON array on one line) stay apart, and
+two that show the same image at the same place have the same features.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from dataclasses import asdict, dataclass
@@ -55,10 +58,13 @@ class EmbeddingRow:
     """Where one image's or video's stored features are."""
 
     sample_id: str
-    file: str
+    file: str  # absolute
     line: int
     kind: str  # "image" or "video"
     media_index: int  # among the sample's media of this kind
+    source: str  # ``media_source_key`` of the image or video
+    order: int  # the medium's position in the input
+    sample_order: int  # its sample's position in the input
     grid: tuple[int, int, int]  # (t, h, w) patches
     tokens: int  # rows of the stored tensor: t*h*w / merge_unit
     shard: str
@@ -72,6 +78,16 @@ class EmbeddingRow:
     @staticmethod
     def from_json(record: dict) -> "EmbeddingRow":
         return EmbeddingRow(**{**record, "grid": tuple(record["grid"])})
+
+
+def media_source_key(source) -> str:
+    """What names an image or video across runs: its file's absolute path, or the sha256 of its
+    inline bytes. In-memory images (synthetic data) have no stable name."""
+    if isinstance(source, (str, Path)):
+        return os.path.abspath(source)
+    if isinstance(source, (bytes, bytearray)):
+        return "sha256:" + hashlib.sha256(source).hexdigest()
+    raise ValueError(f"an in-memory {type(source).__name__} has no name to store its embedding under")
 
 
 def processor_settings(data_cfg: DataConfig, model_cfg: ModelConfig) -> dict:
@@ -91,35 +107,42 @@ class EmbeddingStore:
             raise InputError(f"{self.root}: not a finished `loongforge encode` folder (no {ENCODER_FILE}); "
                              f"finish it with `loongforge encode ... --output {self.root} --resume`")
         self.encoder = json.loads(encoder_file.read_text())
-        # Samples by (absolute file path, line): the same sample whatever path spelling or
-        # working directory `encode` and `train` were given.
-        self._rows: dict[tuple[str, int], list[EmbeddingRow]] = {}
+        # Media by (absolute file, line, kind, media index, source): see the module docstring.
+        self._rows: dict[tuple, EmbeddingRow] = {}
         with open(self.root / INDEX_FILE, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     row = EmbeddingRow.from_json(json.loads(line))
-                    self._rows.setdefault(_sample_key(row.file, row.line), []).append(row)
+                    self._rows[(row.file, row.line, row.kind, row.media_index, row.source)] = row
         self._open: dict[str, object] = {}
 
     def __len__(self) -> int:
-        return sum(len(rows) for rows in self._rows.values())
+        return len(self._rows)
 
-    def rows_of(self, file: str, line: int, kind: str) -> list[EmbeddingRow]:
-        """The stored media of ``kind`` of the sample at ``file``:``line``, by media index."""
-        return sorted((row for row in self._rows.get(_sample_key(file, line), ()) if row.kind == kind),
-                      key=lambda row: row.media_index)
+    def rows(self, sample: MeasuredSample) -> tuple[list[Optional[EmbeddingRow]], list[Optional[EmbeddingRow]]]:
+        """The stored rows of the sample's images and of its videos (None where one is missing)."""
+        file = os.path.abspath(sample.file)
+
+        def find(kind: str, index: int, source) -> Optional[EmbeddingRow]:
+            try:
+                key = media_source_key(source)
+            except ValueError:
+                return None
+            return self._rows.get((file, int(sample.line), kind, index, key))
+
+        return ([find("image", i, image) for i, image in enumerate(sample.images)],
+                [find("video", i, video) for i, video in enumerate(sample.videos)])
 
     def problem(self, sample: MeasuredSample) -> Optional[str]:
         """Why ``sample``'s media are not all stored as this run measures them, or None."""
-        wanted = {"image": [tuple(g) for g in sample.image_grids],
-                  "video": [tuple(p.grid_thw) for p in sample.video_plans]}
-        for kind, grids in wanted.items():
-            rows = self.rows_of(sample.file, sample.line, kind)
-            if [row.media_index for row in rows] != list(range(len(grids))):
-                return f"{len(grids)} {kind}(s) in the sample, {len(rows)} stored in {self.root}"
-            for row, grid in zip(rows, grids):
-                if row.grid != grid:
-                    return f"{kind} {row.media_index}: stored for grid {list(row.grid)}, this run measures {list(grid)}"
+        images, videos = self.rows(sample)
+        wanted = [("image", row, tuple(grid)) for row, grid in zip(images, sample.image_grids)]
+        wanted += [("video", row, tuple(plan.grid_thw)) for row, plan in zip(videos, sample.video_plans)]
+        for index, (kind, row, grid) in enumerate(wanted):
+            if row is None:
+                return f"{kind} {index if kind == 'image' else index - len(images)} is not stored in {self.root}"
+            if row.grid != grid:
+                return f"{kind} {row.media_index}: stored for grid {list(row.grid)}, this run measures {list(grid)}"
         return None
 
     def materialize(self, sample: MeasuredSample, width: int) -> MaterializedSample:
@@ -127,10 +150,10 @@ class EmbeddingStore:
         of the right shape and a ``missing_embedding`` late reject (its row slot trains nothing)."""
         problem = self.problem(sample)
         if problem is None:
-            return MaterializedSample(
-                sample=sample, image_pixels=[], video_pixels=[],
-                image_embeds=[self.features(r) for r in self.rows_of(sample.file, sample.line, "image")],
-                video_embeds=[self.features(r) for r in self.rows_of(sample.file, sample.line, "video")])
+            images, videos = self.rows(sample)
+            return MaterializedSample(sample=sample, image_pixels=[], video_pixels=[],
+                                      image_embeds=[self.features(r) for r in images],
+                                      video_embeds=[self.features(r) for r in videos])
         merge_unit = self.encoder["processor"]["vision_sizing"]["merge_size"] ** 2
         zeros = lambda grid: torch.zeros(grid[0] * grid[1] * grid[2] // merge_unit, width)  # noqa: E731
         return MaterializedSample(
@@ -164,7 +187,3 @@ class StoredMediaMeasurer:
         if problem is None:
             return measured
         return Reject(file=measured.file, line=measured.line, reason="missing_embedding", detail=problem)
-
-
-def _sample_key(file: str, line: int) -> tuple[str, int]:
-    return os.path.abspath(file), int(line)

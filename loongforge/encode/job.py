@@ -249,33 +249,24 @@ def _refresh(bar, spec: WorkerSpec) -> None:
 
 def _finish(root: Path, spec: WorkerSpec, job: dict, digest: str) -> dict:
     """index.jsonl, rejects.jsonl and encoder.json from the shards' headers."""
-    rows, rejects, total_bytes = [], [r.to_json() for r in spec.plan.rejects], 0
+    rows, total_bytes = [], 0
+    rejects = {order: reject.to_json() for order, reject in spec.plan.rejects}
     shards = sorted((root / SHARD_DIR).glob("*.safetensors"))
     for path in shards:
         with safe_open(str(path), framework="pt") as handle:
             header = json.loads(handle.metadata()[SHARD_METADATA_KEY])
-        rows += header["rows"]
-        rejects += header["rejects"]
         total_bytes += path.stat().st_size
-    order = {(item.sample_id, item.kind, item.media_index): item.order for item in spec.plan.items}
-    rows.sort(key=lambda row: order[(row["sample_id"], row["kind"], row["media_index"])])
-    rejects = _one_per_sample(rejects)
+        rows += header["rows"]
+        for reject in header["rejects"]:  # a sample with two bad media is one reject (its first)
+            rejects.setdefault(reject.pop("sample_order"), reject)
     # A sample is stored whole or not at all: training rejects it either way, and the index says so.
-    rejected = {(r["file"], r["line"]) for r in rejects}
-    rows = [row for row in rows if (row["file"], row["line"]) not in rejected]
+    rows = sorted((row for row in rows if row["sample_order"] not in rejects), key=lambda row: row["order"])
+    rejects = [rejects[order] for order in sorted(rejects)]
     write_atomic(root / INDEX_FILE, "".join(json_line(row) for row in rows).encode())
     write_atomic(root / REJECTS_FILE, "".join(json_line(r) for r in rejects).encode())
     encoder = {**job, "weights_digest": digest, "counts": _counts(rows, rejects, spec, len(shards), total_bytes)}
     write_atomic(root / ENCODER_FILE, (json.dumps(encoder, indent=2) + "\n").encode())
     return encoder
-
-
-def _one_per_sample(rejects: list[dict]) -> list[dict]:
-    """A sample with two bad media is one rejected sample (its first reason), in input order."""
-    first = {}
-    for reject in rejects:
-        first.setdefault((reject["file"], reject["line"]), reject)
-    return [first[key] for key in sorted(first)]
 
 
 def _counts(rows: list[dict], rejects: list[dict], spec: WorkerSpec, shards: int, total_bytes: int) -> dict:

@@ -27,6 +27,7 @@ class MediaItem:
     """One image or video to encode."""
 
     order: int  # position in the plan (input order)
+    sample_order: int  # the sample's position in the input (records on one line stay apart)
     sample_id: str
     file: str
     line: int
@@ -45,7 +46,8 @@ class MediaItem:
 @dataclass
 class EncodePlan:
     items: list[MediaItem]
-    rejects: list[Reject]  # samples whose media cannot be read (sizes), found while planning
+    # (sample position, reject): samples unreadable or whose media cannot be read (sizes)
+    rejects: list[tuple[int, Reject]]
     samples: int  # samples read, rejected ones included
 
     def shards(self, rank: int, world_size: int, *, merge_unit: int, shard_tokens: int) -> list[list[MediaItem]]:
@@ -71,14 +73,15 @@ def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> 
     for index in range(len(source)):
         sample = source.get(index)
         if isinstance(sample, Reject):
-            rejects.append(sample)
+            rejects.append((index, sample))
             continue
         try:
             image_grids, video_plans = measure_media(sample, sizing, data_cfg)
         except MediaError as error:
-            rejects.append(Reject(file=sample.file, line=sample.line, reason=error.reason, detail=error.detail))
+            rejects.append((index, Reject(file=sample.file, line=sample.line, reason=error.reason,
+                                          detail=error.detail)))
             continue
-        items += _sample_items(sample, image_grids, video_plans, first=len(items))
+        items += _sample_items(sample, image_grids, video_plans, first=len(items), sample_order=index)
     return EncodePlan(items=items, rejects=rejects, samples=len(source))
 
 
@@ -87,14 +90,15 @@ def plan_packed(folder: PackedFolder) -> EncodePlan:
     items, samples = [], 0
     for pack in range(len(folder)):
         for sample in folder.pack(pack):
+            items += _sample_items(sample, sample.image_grids, sample.video_plans, first=len(items),
+                                   sample_order=samples)
             samples += 1
-            items += _sample_items(sample, sample.image_grids, sample.video_plans, first=len(items))
     return EncodePlan(items=items, rejects=[], samples=samples)
 
 
 def _sample_items(sample: Union[ConversationSample, MeasuredSample], image_grids: list, video_plans: list,
-                  first: int) -> list[MediaItem]:
-    common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line)
+                  first: int, sample_order: int) -> list[MediaItem]:
+    common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line, sample_order=sample_order)
     items = [MediaItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid), **common)
              for i, (image, grid) in enumerate(zip(sample.images, image_grids))]
     items += [MediaItem(order=first + len(items) + i, kind="video", media_index=i, source=video,

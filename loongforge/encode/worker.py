@@ -22,7 +22,7 @@ from safetensors.torch import save
 
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.convert.model_io import build_loaded_encoder
-from loongforge.data.embedding_store import FORMAT, SHARD_METADATA_KEY, EmbeddingRow, shard_name
+from loongforge.data.embedding_store import FORMAT, SHARD_METADATA_KEY, EmbeddingRow, media_source_key, shard_name
 from loongforge.data.measure import image_pixels, video_pixels, vision_sizing
 from loongforge.data.packfile.folder import write_atomic
 from loongforge.data.samples import Reject
@@ -92,8 +92,9 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
         try:
             decoded.append((item, _pixels(item, sizing)))
         except MediaError as error:
-            rejects.append(Reject(file=item.file, line=item.line, reason=error.reason,
-                                  detail=f"{item.kind} {item.media_index}: {error.detail}"))
+            reject = Reject(file=item.file, line=item.line, reason=error.reason,
+                            detail=f"{item.kind} {item.media_index}: {error.detail}")
+            rejects.append({"sample_order": item.sample_order, **reject.to_json()})
     tensors, rows = {}, []
     for batch in _batches(decoded, spec.batch_patches):
         features = _encode(encoder, batch, device)
@@ -101,12 +102,13 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
             key = f"{item.kind}:{item.order}"
             tensors[key] = feature.to(DTYPES[spec.dtype]).cpu().contiguous()
             rows.append(EmbeddingRow(sample_id=item.sample_id, file=os.path.abspath(item.file), line=item.line,
-                                     kind=item.kind,
+                                     kind=item.kind, source=media_source_key(item.source), order=item.order,
+                                     sample_order=item.sample_order,
                                      media_index=item.media_index, grid=item.grid, tokens=feature.shape[0],
                                      shard=name, key=key).to_json())
     # One metadata key: safetensors writes a header's keys in hash order, and a shard rewritten
     # after --resume must be byte-identical to the first.
-    header = {"format": FORMAT, "rows": rows, "rejects": [r.to_json() for r in rejects]}
+    header = {"format": FORMAT, "rows": rows, "rejects": rejects}
     write_atomic(path, save(tensors, metadata={SHARD_METADATA_KEY: json.dumps(header)}))
 
 

@@ -10,16 +10,18 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
+from PIL import Image
 from safetensors.torch import load_file
 
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ParallelConfig
 from loongforge.data.conversations import read_data_file
-from loongforge.data.embedding_store import EmbeddingStore
-from loongforge.data.measure import image_pixels, video_pixels, vision_sizing
-from loongforge.data.vision import plan_video, probe_video
+from loongforge.data.embedding_store import EmbeddingRow, EmbeddingStore
+from loongforge.data.measure import MeasuredSample, image_pixels, video_pixels, vision_sizing
+from loongforge.data.vision import image_grid_thw, plan_video, probe_video
 from loongforge.models.registry import get_family
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.shared_data import SHARED_DATA
@@ -80,8 +82,7 @@ def _tensors(root: Path) -> dict[tuple, torch.Tensor]:
     """(sample, kind, media index) -> stored features, whichever shard holds them."""
     store = EmbeddingStore(root)
     rows = [json.loads(line) for line in (root / "index.jsonl").read_text().splitlines()]
-    return {(r["sample_id"], r["kind"], r["media_index"]):
-            store.features(store.rows_of(r["file"], r["line"], r["kind"])[r["media_index"]]) for r in rows}
+    return {(r["sample_id"], r["kind"], r["media_index"]): store.features(EmbeddingRow.from_json(r)) for r in rows}
 
 
 def test_every_medium_of_the_mix_is_stored_and_counted(encoded):
@@ -112,7 +113,7 @@ def test_stored_embeddings_equal_the_training_models_encoder(encoded):
             grid = torch.tensor([row["grid"]])
             with torch.no_grad():
                 online = model.projector(model.vision_model(torch.from_numpy(pixels), grid))
-            stored = store.features(store.rows_of(row["file"], row["line"], row["kind"])[row["media_index"]])
+            stored = store.features(EmbeddingRow.from_json(row))
             assert stored.shape == online.shape
             worst = max(worst, float((stored - online).abs().max()))
         assert worst <= 1e-6, worst
@@ -198,3 +199,28 @@ def test_unreadable_media_are_rejects_with_file_line_and_reason(tmp_path):
     rows = [json.loads(line) for line in (out / "index.jsonl").read_text().splitlines()]
     assert [r["line"] for r in rows] == [1]
     assert load_file(str(out / rows[0]["shard"]))[rows[0]["key"]].shape[0] == rows[0]["tokens"]
+
+
+def test_records_sharing_a_line_are_found_apart(tmp_path):
+    """A JSON array on one line (what many tools write): every record is line 1, yet each sample
+    finds its own images' features, as training looks them up."""
+    photos = sorted((MIX.parent / "mllm_demo_data").glob("*.jpg"))[:3]
+    records = [{"messages": [{"role": "user", "content": "<image>What is it?"},
+                             {"role": "assistant", "content": f"Photo {i}."}], "images": [str(photo)]}
+               for i, photo in enumerate(photos)]
+    data = tmp_path / "one_line.json"
+    data.write_text(json.dumps(records))
+    out = tmp_path / "out"
+    _ok(_encode(out, inputs=(data,)))
+    store = EmbeddingStore(out)
+    cfg = load_run_config(PRESET, overrides=list(SETTINGS))
+    sizing = vision_sizing(cfg.data, cfg.model)
+    found = []
+    for photo in photos:
+        grid = image_grid_thw(*Image.open(photo).size, sizing)
+        sample = MeasuredSample(sample_id=f"{data}:1", file=str(data), line=1, input_ids=np.zeros(1, dtype=np.int64),
+                                is_answer=np.zeros(1, dtype=bool), images=[str(photo)], image_grids=[grid])
+        assert store.problem(sample) is None
+        (row,), _ = store.rows(sample)
+        found.append(row.order)
+    assert found == [0, 1, 2] and len(store) == 3
