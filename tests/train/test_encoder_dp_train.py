@@ -45,7 +45,8 @@ def test_tp_trains_like_none_at_dp2_with_balancing(tmp_path):
     balanced = ("balance.enabled=true", "balance.threshold=0")
     none_run = _train(tmp_path / "none", "none", *balanced, nproc=4)
     tp_run = _train(tmp_path / "tp", "tp", *balanced, nproc=4)
-    assert json.loads((tp_run / "summary.json").read_text())["balance"]["applied_steps"] == STEPS
+    # Re-planned wherever a plan was not already even: samples moved between the DP ranks.
+    assert json.loads((tp_run / "summary.json").read_text())["balance"]["applied_steps"] >= STEPS - 1
     assert_trains_alike(tp_run, none_run)
 
 
