@@ -9,8 +9,10 @@ projector that consumes its output):
   encodes nothing in a micro-batch (a text-only micro-batch; ``encoder_dp=tp`` giving its media to
   other ranks) calls neither tower and counts nothing.
 - backward: from the moment the gradient of the last tower's output arrives (a hook on that
-  tensor) to the moment the gradient of every trainable encoder parameter is computed (torch's
-  multi-grad hook, once per backward call). A backward that never reaches the output (the same
+  tensor) to the moment the gradient of every trainable encoder parameter is computed (a hook on
+  each parameter, counted down; unlike torch's multi-grad hook this also works inside
+  ``torch.autograd.grad``, which ``encoder_dp=full`` runs the encoder's backward with). A backward
+  that never reaches the output (the same
   cases: the encoder's parameters still get a zero gradient so megatron's buckets fill) opens no
   interval, so it counts nothing either. Backwards run whole, one at a time, so one open interval
   at a time is enough, pipelining included.
@@ -23,6 +25,7 @@ the step), with the host's CPU time kept too.
 
 from __future__ import annotations
 
+import functools
 import time
 from dataclasses import dataclass
 from typing import Optional, Sequence
@@ -67,9 +70,10 @@ class EncoderClock:
         self._handles = [towers[0].register_forward_pre_hook(self._tower_starts),
                          towers[-1].register_forward_hook(self._tower_ends)]
         trainable = [p for tower in towers for p in tower.parameters() if p.requires_grad]
-        if trainable:
-            self._handles.append(torch.autograd.graph.register_multi_grad_hook(
-                trainable, self._gradients_done, mode="all"))
+        self._trainable = frozenset(range(len(trainable)))
+        self._waiting: set[int] = set()  # parameters whose gradient the open backward still owes
+        for index, param in enumerate(trainable):
+            self._handles.append(param.register_hook(functools.partial(self._gradient_computed, index)))
 
     def _mark(self) -> tuple:
         if self._cuda:
@@ -92,12 +96,15 @@ class EncoderClock:
 
     def _output_gradient_arrives(self, grad: torch.Tensor) -> None:
         self._backward_start = self._mark()
+        self._waiting = set(self._trainable)
 
-    def _gradients_done(self, grads) -> None:
+    def _gradient_computed(self, index: int, grad: torch.Tensor) -> None:
         if self._backward_start is None:  # a backward that did not pass through the encoder
             return
-        self._intervals.append(("backward", self._backward_start, self._mark()))
-        self._backward_start = None
+        self._waiting.discard(index)
+        if not self._waiting:
+            self._intervals.append(("backward", self._backward_start, self._mark()))
+            self._backward_start = None
 
     def take(self) -> EncoderTime:
         """Encoder time since the previous ``take`` (on CUDA: waits for the intervals' ends)."""

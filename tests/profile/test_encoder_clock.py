@@ -88,3 +88,15 @@ def test_frozen_encoder_is_timed_forward_only_and_close_removes_hooks():
 
 def test_peak_memory_is_positive_on_cpu():
     assert peak_memory_mib(torch.device("cpu")) > 10
+
+
+def test_a_backward_run_with_autograd_grad_is_timed():
+    """encoder_dp=full runs the encoder's backward with torch.autograd.grad (the gradients go to
+    megatron's buffers by hand): the clock times it, and does not break it."""
+    tower, projector, clock = _encoder()
+    features = _encode(tower, projector)
+    params = [*tower.parameters(), *projector.parameters()]
+    grads = torch.autograd.grad(features, params, grad_outputs=torch.ones_like(features))
+    assert all(g is not None for g in grads) and tower.weight.grad is None
+    took = clock.take()
+    assert took.forwards == 1 and took.backward_s >= 0.01
