@@ -139,7 +139,10 @@ def format_doc(bench: EncoderDpBench, predictions: Sequence[MixPrediction], cpu_
         "`none`: every rank of a language TP group runs the whole vision encoder on every image of the "
         "micro-batch they share. `tp`: the group divides the images by modelled cost "
         "(`parallel.media_assign`), each rank encodes its share, the merged embeddings are gathered, "
-        "and the encoder's gradients are summed over the group once per step.",
+        "and the encoder's gradients are summed over the group once per step. `full`: every rank of "
+        "the model-parallel group (TP x PP, later pipeline stages included) holds an encoder; the "
+        "step's images, over all its micro-batches, are divided among them and encoded once before "
+        "the pipeline runs, and the features go to the first stage.",
         "",
         "## Measured: real training on CPU",
         "",
