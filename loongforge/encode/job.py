@@ -94,8 +94,9 @@ def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) 
                       weights=options.weights, device=options.device, shard_tokens=options.shard_tokens,
                       batch_patches=options.batch_patches, threads=default_threads(options.nproc))
     start = time.perf_counter()
-    pending = _pending_media(root, spec)
-    digest = _run_ranks(spec, options, pending, on_shard)
+    shard_sizes = _shard_sizes(spec)
+    pending = _pending_media(shard_sizes)
+    digest = _run_ranks(spec, options, shard_sizes, on_shard)
     seconds = time.perf_counter() - start
     encoder = _finish(root, spec, job, digest)
     with open(root / RUNS_FILE, "a", encoding="utf-8") as log:  # timings: not part of the output proper
@@ -182,24 +183,32 @@ def _remove_encode_folder(root: Path) -> None:
 # ---------------------------------------------------------------- running the ranks
 
 
-def _pending_media(root: Path, spec: WorkerSpec) -> int:
+def _shard_sizes(spec: WorkerSpec) -> dict[Path, int]:
+    """Every shard the plan writes (all ranks) -> its media count; computed once per call."""
     merge_unit = spec.cfg.model.projector.spatial_merge_size ** 2
-    pending = 0
+    sizes = {}
     for rank in range(spec.world_size):
         shards = spec.plan.shards(rank, spec.world_size, merge_unit=merge_unit, shard_tokens=spec.shard_tokens)
-        pending += sum(len(items) for n, items in enumerate(shards) if not (root / shard_name(rank, n)).exists())
-    return pending
+        sizes.update({spec.root / shard_name(rank, n): len(items) for n, items in enumerate(shards)})
+    return sizes
 
 
-def _run_ranks(spec: WorkerSpec, options: EncodeOptions, pending: int, on_shard: Optional[ShardDone]) -> str:
+def _pending_media(shard_sizes: dict[Path, int]) -> int:
+    """Media in shards not on disk yet."""
+    return sum(count for path, count in shard_sizes.items() if not path.exists())
+
+
+def _run_ranks(spec: WorkerSpec, options: EncodeOptions, shard_sizes: dict[Path, int],
+               on_shard: Optional[ShardDone]) -> str:
     from tqdm import tqdm
 
     total = len(spec.plan.items)
-    with tqdm(total=total, initial=total - pending, desc="encode", unit="media", disable=not options.progress,
+    with tqdm(total=total, initial=total - _pending_media(shard_sizes), desc="encode", unit="media",
+              disable=not options.progress,
               dynamic_ncols=True) as bar:
         if spec.world_size == 1:
             return run_rank(spec, 0, _ticker(bar, on_shard))
-        return _run_spawned(spec, bar, on_shard)
+        return _run_spawned(spec, bar, shard_sizes)
 
 
 def _ticker(bar, on_shard: Optional[ShardDone]) -> ShardDone:
@@ -210,7 +219,7 @@ def _ticker(bar, on_shard: Optional[ShardDone]) -> ShardDone:
     return tick
 
 
-def _run_spawned(spec: WorkerSpec, bar, on_shard: Optional[ShardDone]) -> str:
+def _run_spawned(spec: WorkerSpec, bar, shard_sizes: dict[Path, int]) -> str:
     """N processes on this node, each writing its shards; the bar follows the shard files."""
     context = mp.get_context("spawn")
     digests = context.Manager().dict()
@@ -221,7 +230,7 @@ def _run_spawned(spec: WorkerSpec, bar, on_shard: Optional[ShardDone]) -> str:
     try:
         while any(p.is_alive() for p in processes):
             time.sleep(0.5)
-            _refresh(bar, spec)
+            _refresh(bar, shard_sizes)
             failed = [p for p in processes if p.exitcode not in (None, 0)]
             if failed:
                 raise RuntimeError(f"encode process {processes.index(failed[0])} failed with exit code "
@@ -231,7 +240,7 @@ def _run_spawned(spec: WorkerSpec, bar, on_shard: Optional[ShardDone]) -> str:
             if process.is_alive():
                 process.terminate()
             process.join()
-    _refresh(bar, spec)
+    _refresh(bar, shard_sizes)
     return digests[0]
 
 
@@ -239,8 +248,8 @@ def _spawned_rank(spec: WorkerSpec, rank: int, digests) -> None:
     digests[rank] = run_rank(spec, rank)
 
 
-def _refresh(bar, spec: WorkerSpec) -> None:
-    bar.n = len(spec.plan.items) - _pending_media(spec.root, spec)
+def _refresh(bar, shard_sizes: dict[Path, int]) -> None:
+    bar.n = bar.total - _pending_media(shard_sizes)
     bar.refresh()
 
 
