@@ -45,7 +45,7 @@ class ProjectorConfig:
 
 @dataclass
 class LanguageConfig:
-    """The Qwen2 decoder (``language_model`` in transformers)."""
+    """The decoder (``language_model`` in transformers): Qwen2, Qwen3 or Llama blocks."""
 
     num_layers: int = 28
     hidden_size: int = 3584
@@ -57,10 +57,18 @@ class LanguageConfig:
     rms_norm_eps: float = 1e-6
     rope_theta: float = 1_000_000.0
     # M-RoPE: rotary pairs given to the temporal, height and width position ids; sums to head_dim/2.
+    # Empty for a text-only model (plain 1-D RoPE).
     mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
     max_position_embeddings: int = 128_000
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = True
+    # Channels per head; null: hidden_size / num_attention_heads (Qwen3 may set it otherwise).
+    head_dim: Optional[int] = None
+    # RMSNorm over each head's query and key before RoPE (Qwen3).
+    qk_norm: bool = False
+    # Llama 3.x RoPE frequency scaling (its factor; low/high frequency factors 1 and 4, original
+    # context 8192); null: none.
+    rope_scaling_factor: Optional[float] = None
 
 
 @dataclass
@@ -78,8 +86,9 @@ class TokenIdsConfig:
 class ModelConfig:
     # Registry key selecting the model family implementation (see loongforge.models.registry).
     family: str = "qwen2_5_vl"
-    vision: VisionConfig = field(default_factory=VisionConfig)
-    projector: ProjectorConfig = field(default_factory=ProjectorConfig)
+    # null in a text-only model (a language-model family: no vision tower, no merger).
+    vision: Optional[VisionConfig] = field(default_factory=VisionConfig)
+    projector: Optional[ProjectorConfig] = field(default_factory=ProjectorConfig)
     language: LanguageConfig = field(default_factory=LanguageConfig)
     tokens: TokenIdsConfig = field(default_factory=TokenIdsConfig)
     # Video frames per second of position time; Qwen2.5-VL uses 2 temporal ids per second.

@@ -84,12 +84,19 @@ def _is_section(type_: Any) -> bool:
     return isinstance(type_, type) and dataclasses.is_dataclass(type_)
 
 
+def _section_of(type_: Any) -> type | None:
+    """The section class of a field typed as a section or an optional (nullable) section."""
+    type_ = _optional_inner(type_) or type_
+    return type_ if _is_section(type_) else None
+
+
 def _iter_schema_paths(cls: type, prefix: str = "") -> Iterator[str]:
     for name, type_ in _field_types(cls).items():
         path = f"{prefix}{name}"
         yield path
-        if _is_section(type_):
-            yield from _iter_schema_paths(type_, f"{path}.")
+        section = _section_of(type_)
+        if section is not None:
+            yield from _iter_schema_paths(section, f"{path}.")
 
 
 @functools.lru_cache(maxsize=None)
@@ -101,7 +108,7 @@ def schema_paths() -> tuple[str, ...]:
 def _section_type(dotted: str) -> type | None:
     cls: Any = RunConfig
     for segment in filter(None, dotted.split(".")):
-        cls = _field_types(cls).get(segment) if _is_section(cls) else None
+        cls = _section_of(_field_types(cls).get(segment)) if _is_section(cls) else None
     return cls if _is_section(cls) else None
 
 
@@ -268,9 +275,14 @@ def _check_choices(cfg: RunConfig) -> list[str]:
     return errors
 
 
+def _present(cfg: RunConfig, dotted: str) -> bool:
+    """Whether the section holding ``dotted`` is there (a text-only model has no model.vision)."""
+    return _get(cfg, dotted.rpartition(".")[0]) is not None
+
+
 def _check_ranges(cfg: RunConfig) -> list[str]:
     errors = [f"{path}={_get(cfg, path)} must be at least 1." for path in _AT_LEAST_ONE
-              if _get(cfg, path) < 1]
+              if _present(cfg, path) and _get(cfg, path) < 1]
     errors += [f"{path}={_get(cfg, path)} must not be negative." for path in _AT_LEAST_ZERO
                if _get(cfg, path) < 0]
     exit_at_step = getattr(cfg.training, "exit_at_step", None)
@@ -287,30 +299,43 @@ def _check_ranges(cfg: RunConfig) -> list[str]:
 def _check_language_shape(cfg: RunConfig) -> list[str]:
     language = cfg.model.language
     errors = []
-    if language.hidden_size % language.num_attention_heads:
+    if language.head_dim is None and language.hidden_size % language.num_attention_heads:
         errors.append(f"model.language.hidden_size={language.hidden_size} is not divisible by "
                       f"model.language.num_attention_heads={language.num_attention_heads}; "
-                      f"head_dim must be a whole number.")
+                      f"head_dim must be a whole number (or set model.language.head_dim).")
         return errors
     if language.num_attention_heads % language.num_query_groups:
         errors.append(f"model.language.num_attention_heads={language.num_attention_heads} is not "
                       f"divisible by model.language.num_query_groups={language.num_query_groups}; "
                       f"choose query groups from {_list(divisors(language.num_attention_heads))}.")
-    head_dim = language.hidden_size // language.num_attention_heads
+    head_dim = language.head_dim or language.hidden_size // language.num_attention_heads
+    if language.head_dim is not None and language.head_dim < 1:
+        errors.append(f"model.language.head_dim={language.head_dim} must be at least 1 (or null).")
+        return errors
     section = language.mrope_section
-    if len(section) != 3:
+    if cfg.model.vision is None:
+        # A text-only model: 1-D RoPE, positions from the token order.
+        if section:
+            errors.append(f"model.language.mrope_section={section} is for vision-language models; "
+                          f"a text-only model (model.vision: null) uses 1-D RoPE: set it to [].")
+    elif len(section) != 3:
         errors.append(f"model.language.mrope_section={section} must have 3 entries "
                       f"(temporal, height, width rotary pairs).")
     elif sum(section) != head_dim // 2 or head_dim % 2:
         errors.append(f"model.language.mrope_section={section} sums to {sum(section)} but must sum "
-                      f"to head_dim/2 = {head_dim // 2} (head_dim = hidden_size "
-                      f"{language.hidden_size} / heads {language.num_attention_heads} = "
-                      f"{head_dim}); adjust the three entries.")
+                      f"to head_dim/2 = {head_dim // 2} (head_dim {head_dim}); adjust the three "
+                      f"entries.")
     return errors
 
 
 def _check_vision_shape(cfg: RunConfig) -> list[str]:
     vision, projector = cfg.model.vision, cfg.model.projector
+    if vision is None or projector is None:
+        if vision is not projector:
+            present, absent = ("vision", "projector") if projector is None else ("projector", "vision")
+            return [f"model.{present} is set but model.{absent} is null; a text-only model sets both "
+                    f"to null, a vision-language model neither."]
+        return []
     errors = []
     if vision.hidden_size % vision.num_heads:
         errors.append(f"model.vision.hidden_size={vision.hidden_size} is not divisible by "

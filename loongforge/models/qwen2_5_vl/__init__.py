@@ -2,7 +2,7 @@
 
 model.py        Qwen2_5_VLModel and build_model (the entry point)
 vision.py       the ViT tower and patch merger (window attention, 2-D RoPE)
-layer_specs.py  megatron-core layer specs shared by both towers
+layer_specs.py  the vision layer spec (the decoder block of ``models.decoder``, bidirectional)
 configs.py      ModelConfig -> megatron TransformerConfigs
 process_groups.py  the vision tower's own tensor-parallel groups
 encoder.py      the vision encoder alone (loongforge encode)

@@ -45,6 +45,7 @@ from loongforge.models.hf_rules import (  # noqa: F401  (Transform, Vocab: re-ex
     Transform,
     Vocab,
 )
+from loongforge.models.decoder.hf_mapping import language_rules
 from loongforge.models.state_dict_names import fused_name
 
 # ---------------------------------------------------------------------------------------------
@@ -55,14 +56,11 @@ from loongforge.models.state_dict_names import fused_name
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
     vis, lang = model_cfg.vision, model_cfg.language
     vision_head_dim = vis.hidden_size // vis.num_heads
-    vocab = Vocab(lang.vocab_size)
     conv_shape = (vis.hidden_size, vis.in_channels, vis.temporal_patch_size, vis.patch_size, vis.patch_size)
     rep, col, row, gate_up = Replicated(), Split(0), Split(1), GateUp()
     vqkv = FusedHeadQKV(vis.num_heads, vision_head_dim)
-    lqkv = GroupedQKV(lang.num_attention_heads, lang.num_query_groups, lang.hidden_size // lang.num_attention_heads)
 
     vb, vl = "visual.blocks.{i}.", "vision_model.layers.{i}."
-    lb, ll = "model.layers.{i}.", "language_model.decoder.layers.{i}."
     rules = [
         Rule(("visual.patch_embed.proj.weight",), "vision_model.patch_embed.proj.weight", PatchEmbedding(conv_shape), VISION),
         Rule((vb + "norm1.weight",), vl + "self_attention.linear_qkv.layer_norm_weight", rep, VISION),
@@ -80,19 +78,8 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
         Rule(("visual.merger.mlp.0.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
         Rule(("visual.merger.mlp.2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule(("visual.merger.mlp.2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
-        Rule(("model.embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
-        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
-        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", lqkv, LANGUAGE),
-        Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias", lqkv, LANGUAGE),
-        Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE),
-        Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
-        Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up, LANGUAGE),
-        Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
-        Rule(("model.norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
-        Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
-             fallback_hf="model.embed_tokens.weight"),
     ]
-    return rules
+    return rules + language_rules(lang)
 
 
 # ---------------------------------------------------------------------------------------------

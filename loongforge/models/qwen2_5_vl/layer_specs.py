@@ -1,88 +1,14 @@
-"""megatron-core layer specs for Qwen2.5-VL: the same pre-norm block for both towers.
-
-The modules come from ``loongforge.models.layer_backend`` (Transformer Engine's, or local linears
-with SDPA / flash-attn); this file only arranges them. Each pre-norm is fused into the linear after
-it (``linear_qkv`` and ``linear_fc1`` hold ``layer_norm_weight``), so the layer's own norm slots are
-identities and the state-dict names do not depend on the backend. The language model is causal,
-the vision tower is not.
-"""
+"""The Qwen2.5-VL vision tower's layer: the decoder's pre-norm block, bidirectional."""
 
 from __future__ import annotations
 
-from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
-from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
-from megatron.core.transformer.identity_op import IdentityOp
-from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
-from megatron.core.transformer.transformer_block import (
-    TransformerBlockSubmodules,
-    get_num_layers_to_build,
-)
-from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from loongforge.models.initialization import SeededTransformerLayer
-from loongforge.models.layer_backend import BlockModules, RMSNorm
-
-
-def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
-    """The merger MLP: column-parallel up-projection, row-parallel down-projection, no fused norm
-    (its norm runs per patch, before the merge units are concatenated)."""
-    return MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
-
-
-def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType) -> ModuleSpec:
-    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each norm inside the next linear."""
-    return ModuleSpec(
-        module=TransformerLayer,
-        submodules=TransformerLayerSubmodules(
-            input_layernorm=IdentityOp,
-            self_attention=ModuleSpec(
-                module=SelfAttention,
-                params={"attn_mask_type": attn_mask_type},
-                submodules=SelfAttentionSubmodules(
-                    linear_qkv=modules.norm_column_linear,
-                    core_attention=modules.core_attention,
-                    linear_proj=modules.row_linear,
-                    q_layernorm=IdentityOp,
-                    k_layernorm=IdentityOp,
-                ),
-            ),
-            self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=modules.norm_column_linear, linear_fc2=modules.row_linear)),
-            mlp_bda=get_bias_dropout_add,
-        ),
-    )
-
-
-def language_layer_spec(modules: BlockModules, init_seed: int | None = None) -> ModuleSpec:
-    """The decoder layer; with ``init_seed``, each layer's initial weights come from (seed, its
-    global index), whatever the pipeline layout (see ``models.initialization``)."""
-    spec = transformer_layer_spec(modules, AttnMaskType.causal)
-    if init_seed is not None:
-        spec.module = SeededTransformerLayer
-        spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
-    return spec
+from loongforge.models.decoder.layer_specs import transformer_layer_spec
+from loongforge.models.layer_backend import BlockModules
 
 
 def vision_layer_spec(modules: BlockModules) -> ModuleSpec:
     # no_mask: bidirectional inside each window / image; TE maps it to "padding" for packed input.
     return transformer_layer_spec(modules, AttnMaskType.no_mask)
-
-
-def language_block_spec(
-    config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None,
-    init_seed: int | None = None,
-) -> TransformerBlockSubmodules:
-    """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec).
-
-    Given as block submodules rather than a layer spec so that the final norm is our ``RMSNorm``
-    and not megatron's global default norm class.
-    """
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    return TransformerBlockSubmodules(
-        layer_specs=[language_layer_spec(modules, init_seed)] * num_layers, layer_norm=RMSNorm
-    )

@@ -19,7 +19,6 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 from megatron.core import tensor_parallel
-from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import ModelType
@@ -29,11 +28,14 @@ from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import initialization
+from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
 from loongforge.models.qwen2_5_vl.encoder_share import SharedEncoding
-from loongforge.models.qwen2_5_vl.layer_specs import language_block_spec, vision_layer_spec
+from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.qwen2_5_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
     build_vision_tp_group,
     mark_tp_duplicates,
@@ -47,75 +49,6 @@ from loongforge.models.qwen2_5_vl.vision import (
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost
-
-
-class LanguageModel(GPTModel):
-    """``GPTModel`` whose loss ignores the vocabulary-padding logits.
-
-    The output layer has ``padded_vocab_size`` rows; padded rows would still add ``exp(logit)`` to
-    the softmax denominator, so their logits are set to -inf before the cross entropy.
-    """
-
-    def __init__(self, *args, true_vocab_size: int, init_seed: Optional[int] = None, **kwargs):
-        # The embedding is GPTModel's first random draw; the decoder layers draw from keys of their
-        # own (see the block spec) and leave this stream alone.
-        with initialization.seeded(init_seed, "language_model.embedding"):
-            super().__init__(*args, **kwargs)
-        self.true_vocab_size = true_vocab_size
-        if (init_seed is not None and self.post_process and not self.share_embeddings_and_output_weights
-                and initialization.draws_on_cpu(self.config)):
-            # GPTModel drew it from the embedding's stream, which only a stage holding the embedding
-            # had advanced: draw it again from a key of its own.
-            initialization.redraw_sharded(
-                self.output_layer.weight, (self.vocab_size, self.config.hidden_size),
-                self.config.init_method, seed=init_seed, key="language_model.output_layer",
-                tp_rank=get_pg_rank(self.pg_collection.tp), tp_size=self.pg_collection.tp.size())
-
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
-        if self.vocab_size > self.true_vocab_size:
-            # logits [s, b, V/tp]: this rank holds vocab ids [rank*V/tp, (rank+1)*V/tp)
-            shard = logits.shape[-1]
-            first_id = get_pg_rank(self.pg_collection.tp) * shard
-            vocab_ids = torch.arange(first_id, first_id + shard, device=logits.device)
-            logits = logits.masked_fill(vocab_ids >= self.true_vocab_size, float("-inf"))
-        return super().compute_language_model_loss(labels, logits)
-
-    def _postprocess(self, hidden_states, input_ids, position_ids, labels, *args, loss_mask=None,
-                     **kwargs):
-        """With ``loss_mask``, run the LM head and cross entropy only where the loss counts.
-
-        In VLM fine-tuning most positions (system prompt, question, image tokens, padding) carry no
-        loss, and the head over a 152k vocabulary is the largest matmul of a small model: skipping
-        them changes no gradient and saves most of that work. Returns per-token loss [b, s], zero
-        outside the mask.
-        """
-        if (not self.post_process or labels is None or loss_mask is None
-                or getattr(self, "mtp_process", False)):
-            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
-                                        loss_mask=loss_mask, **kwargs)
-        if self.config.sequence_parallel:
-            # [s/tp, b, h] -> [s, b, h]: every TP rank needs the full sequence to pick positions.
-            # The head's input copy all-reduces its gradient, so each rank already holds the full
-            # gradient here: the backward only splits it (no second reduction).
-            hidden_states = tensor_parallel.gather_from_sequence_parallel_region(
-                hidden_states, tensor_parallel_output_grad=False, group=self.pg_collection.tp)
-        seq_len, batch = hidden_states.shape[:2]
-        # Positions in [s, b] order, the layout of hidden_states.
-        picked = loss_mask.transpose(0, 1).reshape(-1).nonzero(as_tuple=True)[0]  # [n]
-        picked_hidden = hidden_states.reshape(seq_len * batch, 1, -1)[picked]  # [n, 1, h]
-        output_weight = self.shared_embedding_or_output_weight() if (
-            self.share_embeddings_and_output_weights) else None
-        sequence_parallel = self.output_layer.sequence_parallel
-        self.output_layer.sequence_parallel = False  # already gathered above
-        try:
-            logits, _ = self.output_layer(picked_hidden, weight=output_weight)  # [n, 1, V/tp]
-        finally:
-            self.output_layer.sequence_parallel = sequence_parallel
-        picked_labels = labels.transpose(0, 1).reshape(-1)[picked].unsqueeze(0)  # [1, n]
-        picked_loss = self.compute_language_model_loss(picked_labels, logits)  # [1, n]
-        loss = torch.zeros(seq_len * batch, dtype=picked_loss.dtype, device=picked_loss.device)
-        loss = loss.index_put((picked,), picked_loss.reshape(-1))
-        return loss.reshape(seq_len, batch).transpose(0, 1).contiguous()  # [b, s]
 
 
 class Qwen2_5_VLModel(MegatronModule):
@@ -458,8 +391,8 @@ def build_model(
 
     model = Qwen2_5_VLModel(
         model_cfg=model_cfg,
-        language_config=configs.language_config(model_cfg, parallel_cfg, params_dtype, on_cpu,
-                                                recompute=recompute_activations),
+        language_config=decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype, on_cpu,
+                                                        recompute_layers=recompute_activations),
         vision_config=configs.vision_config(model_cfg, vision_tp, params_dtype, on_cpu,
                                             recompute=recompute_activations),
         projector_config=configs.projector_config(model_cfg, vision_tp, params_dtype, on_cpu),

@@ -31,7 +31,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, RMSNorm
-from loongforge.models.qwen2_5_vl.layer_specs import projector_mlp_submodules
+from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 
 # The 2-D rotary base of the ViT (fixed in Qwen2.5-VL; not the language model's rope_theta).
 VISION_ROPE_THETA = 10000.0

@@ -1,0 +1,94 @@
+"""megatron-core ``TransformerConfig``s every family builds from: the decoder's, and the settings
+all towers share (precision, dropout, fusions that need CUDA kernels, recompute).
+
+Families build their tower configs with ``common`` and ``recompute`` so that a precision or fusion
+rule is written once.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+from loongforge.config.schema import LanguageConfig, ParallelConfig
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+
+
+def activation(name: str, key: str):
+    if name not in _ACTIVATIONS:
+        raise ValueError(f"{key}={name!r} is not one of {', '.join(_ACTIVATIONS)}")
+    return _ACTIVATIONS[name]
+
+
+def recompute(enabled: bool) -> dict:
+    # Full recompute of every layer: activation memory drops to one layer's inputs per layer, for
+    # about a third more compute; what the 32B/72B presets need to fit long packed rows.
+    if not enabled:
+        return {}
+    return dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+
+
+def common(params_dtype: torch.dtype, on_cpu: bool) -> dict:
+    return dict(
+        params_dtype=params_dtype,
+        pipeline_dtype=params_dtype,
+        bf16=params_dtype == torch.bfloat16,
+        fp16=params_dtype == torch.float16,
+        # CPU tensors cannot be created on torch.cuda.current_device(); megatron then builds the full
+        # weight on CPU and keeps this rank's shard, which is also TP-size independent.
+        use_cpu_initialization=on_cpu,
+        # The families here train without dropout.
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        # The fused kernels below exist only as CUDA/TE code paths.
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        gradient_accumulation_fusion=False,
+        persist_layer_norm=False,
+        normalization="RMSNorm",
+    )
+
+
+def head_dim(lang: LanguageConfig) -> int:
+    """Channels per attention head: ``model.language.head_dim``, else hidden / heads."""
+    return lang.head_dim or lang.hidden_size // lang.num_attention_heads
+
+
+def language_config(
+    lang: LanguageConfig, parallel_cfg: ParallelConfig, params_dtype: torch.dtype, on_cpu: bool,
+    recompute_layers: bool = False,
+) -> TransformerConfig:
+    """The decoder: SwiGLU MLP, GQA, RMSNorm, optional qkv bias and per-head q/k norm. Rotary
+    positions are the family's choice (``LanguageModel``'s ``position_embedding_type``); M-RoPE
+    sections, when the model has them, must cover every rotary pair."""
+    channels = head_dim(lang)
+    if lang.mrope_section and 2 * sum(lang.mrope_section) != channels:
+        raise ValueError(
+            f"model.language.mrope_section={lang.mrope_section} must sum to head_dim/2={channels // 2}"
+        )
+    return TransformerConfig(
+        num_layers=lang.num_layers,
+        hidden_size=lang.hidden_size,
+        ffn_hidden_size=lang.ffn_hidden_size,
+        num_attention_heads=lang.num_attention_heads,
+        num_query_groups=lang.num_query_groups,
+        kv_channels=channels,
+        layernorm_epsilon=lang.rms_norm_eps,
+        gated_linear_unit=True,  # SwiGLU: [gate, up] in linear_fc1
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=lang.add_qkv_bias,
+        # megatron sums these norms' gradients over TP (each rank normalises its own heads).
+        qk_layernorm=lang.qk_norm,
+        mrope_section=list(lang.mrope_section) or None,
+        tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        sequence_parallel=parallel_cfg.sequence_parallel,
+        cross_entropy_loss_fusion=False,
+        **recompute(recompute_layers),
+        **common(params_dtype, on_cpu),
+    )

@@ -1,0 +1,86 @@
+"""megatron-core layer specs of the decoder every family builds, and the pre-norm block its towers share.
+
+The modules come from ``loongforge.models.layer_backend`` (Transformer Engine's, or local linears
+with SDPA / flash-attn); this file only arranges them. Each pre-norm is fused into the linear after
+it (``linear_qkv`` and ``linear_fc1`` hold ``layer_norm_weight``), so the layer's own norm slots are
+identities and the state-dict names do not depend on the backend. Families build their vision
+towers from ``transformer_layer_spec`` with a bidirectional mask.
+"""
+
+from __future__ import annotations
+
+from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
+from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
+from megatron.core.transformer.enums import AttnMaskType
+from megatron.core.transformer.identity_op import IdentityOp
+from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import (
+    TransformerBlockSubmodules,
+    get_num_layers_to_build,
+)
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+
+from loongforge.models.initialization import SeededTransformerLayer
+from loongforge.models.layer_backend import BlockModules, RMSNorm
+
+
+def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
+    """The merger MLP: column-parallel up-projection, row-parallel down-projection, no fused norm
+    (its norm runs per patch, before the merge units are concatenated)."""
+    return MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
+
+
+def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,
+                           qk_norm: bool = False) -> ModuleSpec:
+    """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each norm inside the next linear.
+    ``qk_norm``: RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
+    head_norm = RMSNorm if qk_norm else IdentityOp
+    return ModuleSpec(
+        module=TransformerLayer,
+        submodules=TransformerLayerSubmodules(
+            input_layernorm=IdentityOp,
+            self_attention=ModuleSpec(
+                module=SelfAttention,
+                params={"attn_mask_type": attn_mask_type},
+                submodules=SelfAttentionSubmodules(
+                    linear_qkv=modules.norm_column_linear,
+                    core_attention=modules.core_attention,
+                    linear_proj=modules.row_linear,
+                    q_layernorm=head_norm,
+                    k_layernorm=head_norm,
+                ),
+            ),
+            self_attn_bda=get_bias_dropout_add,
+            pre_mlp_layernorm=IdentityOp,
+            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
+                linear_fc1=modules.norm_column_linear, linear_fc2=modules.row_linear)),
+            mlp_bda=get_bias_dropout_add,
+        ),
+    )
+
+
+def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *,
+                        qk_norm: bool = False) -> ModuleSpec:
+    """The decoder layer; with ``init_seed``, each layer's initial weights come from (seed, its
+    global index), whatever the pipeline layout (see ``models.initialization``)."""
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm)
+    if init_seed is not None:
+        spec.module = SeededTransformerLayer
+        spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
+    return spec
+
+
+def language_block_spec(
+    config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None,
+    init_seed: int | None = None,
+) -> TransformerBlockSubmodules:
+    """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec).
+
+    Given as block submodules rather than a layer spec so that the final norm is our ``RMSNorm``
+    and not megatron's global default norm class.
+    """
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
