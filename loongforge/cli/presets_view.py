@@ -20,8 +20,8 @@ _COLUMNS = ("preset", "model", "parameters", "default layout", "world", "seq_len
 
 def _model_label(cfg: RunConfig) -> str:
     language, vision = cfg.model.language, cfg.model.vision
-    return (f"{cfg.model.family}: LM {language.num_layers}x{language.hidden_size}, "
-            f"ViT {vision.depth}x{vision.hidden_size}")
+    towers = f"LM {language.num_layers}x{language.hidden_size}"
+    return f"{cfg.model.family}: {towers}" + (f", ViT {vision.depth}x{vision.hidden_size}" if vision else "")
 
 
 def _preset_row(name: str) -> tuple[str, ...]:

@@ -145,6 +145,10 @@ def _tensor_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, keys: La
 
 def _vision_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, vision_tp: int | None,
                      keys: LayoutKeys) -> list[str]:
+    if model_cfg.vision is None:  # a text-only model: nothing for a vision TP to split
+        return [] if vision_tp is None else [
+            f"{keys.vision_tensor}={vision_tp} is set but the model has no vision tower (model.vision is "
+            f"null); leave it unset."]
     source = f" (inherited from {keys.tensor})" if vision_tp is None else ""
     vision_tp = tp if vision_tp is None else vision_tp
     named = {_label(dim): _size(model_cfg, dim) for dim in rule.vision_tensor}

@@ -10,7 +10,7 @@ materialize (only the rank that trains on the sample): decode media into ``pixel
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 
@@ -74,7 +74,10 @@ class MaterializedSample:
     video_embeds: list = field(default_factory=list)
 
 
-def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> VisionSizing:
+def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[VisionSizing]:
+    """How images and videos become patches; None for a text-only model (it takes no media)."""
+    if model_cfg.vision is None:
+        return None
     return VisionSizing(
         patch_size=model_cfg.vision.patch_size,
         temporal_patch_size=model_cfg.vision.temporal_patch_size,
@@ -100,6 +103,10 @@ class SampleMeasurer:
         _check_token_ids(tokenizer, model_cfg)
 
     def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
+        if self.sizing is None and (sample.images or sample.videos):
+            return Reject(file=sample.file, line=sample.line, reason="media_in_text_model",
+                          detail=f"{len(sample.images)} image(s), {len(sample.videos)} video(s) for a model "
+                                 f"without a vision tower")
         try:
             image_grids, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:
@@ -121,6 +128,8 @@ class SampleMeasurer:
         )
 
     def _expand_media(self, input_ids, is_answer, image_grids, video_plans):
+        if not image_grids and not video_plans:
+            return input_ids, is_answer
         merge = self.sizing.merge_size
         input_ids, is_answer = expand_media_tokens(
             input_ids, is_answer, self.tokens.image_token_id, [num_llm_tokens(grid, merge) for grid in image_grids]

@@ -64,9 +64,10 @@ def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
     return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
 
 
-def build_sample_source(data_cfg: DataConfig) -> Union[FileSamples, SyntheticSamples]:
+def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[FileSamples, SyntheticSamples]:
+    """``text_only``: the model has no vision tower (generated samples carry no images)."""
     if data_cfg.source == "synthetic":
-        return SyntheticSamples(data_cfg.synthetic_num_samples, data_cfg.seed)
+        return SyntheticSamples(data_cfg.synthetic_num_samples, data_cfg.seed, text_only=text_only)
     if data_cfg.source == "files":
         if not data_cfg.paths:
             raise ValueError("data.source=files needs data.paths")
@@ -241,7 +242,7 @@ class DataPipeline:
         self.sizing = vision_sizing(data_cfg, model_cfg)
         # data.vision_embeddings: stored encoder features replace pixels (``data.embedding_store``).
         self.embeddings = embeddings
-        self.embedding_width = model_cfg.projector.out_hidden_size
+        self.embedding_width = model_cfg.language.hidden_size  # the merger writes LM-width features
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path, keep_new=self.read == "sharded")
@@ -296,7 +297,7 @@ class DataPipeline:
         if self.embeddings is not None:
             measurer = StoredMediaMeasurer(measurer, self.embeddings)
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
-        return RowStream(build_sample_source(data_cfg), measurer, seq_len=data_cfg.seq_len,
+        return RowStream(build_sample_source(data_cfg, text_only=self.sizing is None), measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
                          rejects=self.rejects, shard=shard)
 

@@ -17,6 +17,7 @@ REJECT_REASONS = (
     "too_long",  # more LLM tokens than data.seq_len
     "media_mismatch",  # <image>/<video> placeholder count != number of images/videos
     "missing_embedding",  # data.vision_embeddings holds no stored features for one of its media
+    "media_in_text_model",  # an image or video for a model without a vision tower
 )
 
 

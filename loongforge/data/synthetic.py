@@ -5,6 +5,10 @@ triangles, one per quadrant, on a plain background. Questions ask for a shape's 
 a position, a description, or compare two images; answers are a fixed function of the scene, so a
 small model's loss falls as it learns to read the pixels. About 10% of samples are text-only
 arithmetic, so text-only rows also occur. Sample ``i`` depends only on (seed, i).
+
+For a text-only model (``text_only``) the scene is told in words instead of drawn, and the same
+questions are asked about the story (again with about 10% arithmetic): the answers stay a fixed
+function of the input, so the loss still falls as the model learns to read it.
 """
 
 from __future__ import annotations
@@ -150,14 +154,33 @@ def single_image_sample(rng: random.Random) -> tuple[list[Turn], list[Image.Imag
     return turns, [render_scene(scene)]
 
 
-class SyntheticSamples:
-    """``num_samples`` samples; ``get(i)`` renders sample i from (seed, i) alone."""
+def scene_in_words(scene: Scene) -> str:
+    parts = [f"a {s.colour} {s.kind} in the {QUADRANTS[s.quadrant]}" for s in scene.shapes]
+    listing = parts[0] if len(parts) == 1 else ", ".join(parts[:-1]) + " and " + parts[-1]
+    return f"A {scene.background} card shows {listing}."
 
-    def __init__(self, num_samples: int, seed: int):
+
+def story_sample(rng: random.Random) -> list[Turn]:
+    """A scene told in words, then one or two questions about it."""
+    scene = random_scene(rng)
+    turns: list[Turn] = []
+    for turn_index in range(rng.choice([1, 1, 1, 2])):
+        question, answer = rng.choice(QUESTIONS[:3])(scene, rng)
+        prefix = scene_in_words(scene) + " " if turn_index == 0 else ""
+        turns += [Turn("user", prefix + question), Turn("assistant", answer)]
+    return turns
+
+
+class SyntheticSamples:
+    """``num_samples`` samples; ``get(i)`` renders sample i from (seed, i) alone. ``text_only``:
+    samples without images, for a model without a vision tower."""
+
+    def __init__(self, num_samples: int, seed: int, text_only: bool = False):
         if num_samples < 1:
             raise ValueError(f"data.synthetic_num_samples must be >= 1, got {num_samples}")
         self.num_samples = num_samples
         self.seed = seed
+        self.text_only = text_only
 
     def __len__(self) -> int:
         return self.num_samples
@@ -165,7 +188,9 @@ class SyntheticSamples:
     def get(self, index: int) -> ConversationSample:
         rng = random.Random(f"loongforge-synthetic:{self.seed}:{index}")
         draw = rng.random()
-        if draw < 0.1:
+        if self.text_only:
+            turns, images = (arithmetic_turns(rng) if draw < 0.1 else story_sample(rng)), []
+        elif draw < 0.1:
             turns, images = arithmetic_turns(rng), []
         elif draw < 0.15:
             turns, images = comparison_sample(rng)

@@ -59,7 +59,7 @@ class ChatFormat:
 
     turn_start: str
     turn_end: str
-    image_block: str  # one image in the text, holding a single image pad token
+    image_block: str  # one image in the text, holding a single image pad token ("" : no images)
     video_block: str
     jinja_template: str  # the same format for ``tokenizer.apply_chat_template``
 
@@ -89,14 +89,20 @@ class ModelFamily:
     # (model_cfg, *, params_dtype, device, init_seed, group=None) -> the vision encoder alone (tower
     # + merger, the training model's parameter names and initial weights): (pixels, grid_thw) ->
     # features [P / merge_unit, LM hidden]; its layers run on ``group`` (a group of this rank alone),
-    # else on megatron's groups, which must then be TP = PP = 1
-    build_encoder: Callable[..., "torch.nn.Module"]
+    # else on megatron's groups, which must then be TP = PP = 1. None: a text-only family.
+    build_encoder: Optional[Callable[..., "torch.nn.Module"]]
     # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
     count_parameters: Callable[[ModelConfig], dict[str, int]]
     # ModelConfig -> the per-sample rotary position function (picklable)
     position_ids: Callable[[ModelConfig], PositionIds]
     chat: ChatFormat
     layout: LayoutRule
+    # The CPU-sized preset that exercises this family (tests walk every family through it).
+    tiny_preset: str
+
+    @property
+    def has_vision(self) -> bool:
+        return self.build_encoder is not None
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""

@@ -16,6 +16,7 @@ from loongforge.models.family import ModelFamily
 
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
+    "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
 }
 

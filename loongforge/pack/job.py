@@ -168,7 +168,8 @@ def _load_config(options: PackOptions):
 
 
 def _sizing_dict(cfg) -> dict:
-    return asdict(vision_sizing(cfg.data, cfg.model))
+    sizing = vision_sizing(cfg.data, cfg.model)
+    return {} if sizing is None else asdict(sizing)
 
 
 def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) -> dict:

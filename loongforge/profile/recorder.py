@@ -46,7 +46,8 @@ class StepRecorder:
         self.layout = layout
         self.warmup_steps = warmup_steps
         self._token_ids = (model_cfg.tokens.image_token_id, model_cfg.tokens.video_token_id)
-        self._merge = model_cfg.projector.spatial_merge_size
+        # Merged patches per LLM token; a text-only model has no media to count.
+        self._merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
         self._config = None
         self._timers: Optional[IntervalTimers] = None
         self._features: list[dict] = []

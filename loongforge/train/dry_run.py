@@ -67,7 +67,7 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
     for index, num_layers in enumerate(counts):
         holds, params = [], num_layers * split.per_decoder_layer / tp
-        if index == 0 or replicas_everywhere:
+        if cfg.model.vision is not None and (index == 0 or replicas_everywhere):
             holds += ["vision tower + projector" if index == 0 else "vision tower + projector (replica)"]
             params += split.vision_and_projector / vision_tp
         if index == 0:
@@ -111,6 +111,7 @@ class ParallelPlan:
     precision: str
     optimizer: str
     distributed_optimizer: bool
+    has_vision: bool = True
 
     @property
     def max_params_per_rank(self) -> int:
@@ -138,6 +139,7 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         precision=cfg.training.precision,
         optimizer=cfg.optimizer.name,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        has_vision=cfg.model.vision is not None,
     )
 
 
@@ -166,8 +168,8 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
     rows = [
         ("world size", f"{sizes.world_size} process{'es' if sizes.world_size > 1 else ''} = "
                        f"{layout_label(sizes)}"),
-        ("tensor parallel",
-         f"{sizes.tensor_parallel} (vision encoder: {sizes.vision_tensor_parallel})"),
+        ("tensor parallel", f"{sizes.tensor_parallel}" + (
+            f" (vision encoder: {sizes.vision_tensor_parallel})" if plan.has_vision else "")),
         ("pipeline parallel", str(sizes.pipeline_parallel)),
         ("data parallel", f"{sizes.data_parallel} = {sizes.world_size} / "
                           f"({sizes.tensor_parallel} x {sizes.pipeline_parallel})"),

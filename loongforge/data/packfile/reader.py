@@ -75,8 +75,9 @@ class PackedFolder:
         if self.stats["seq_len"] > seq_len:
             raise InputError(f"data.packed={self.root} was packed for seq_len {self.stats['seq_len']} > "
                              f"data.seq_len={seq_len}; set data.seq_len={self.stats['seq_len']} or repack")
-        expected = asdict(sizing)
-        differing = sorted(k for k in expected if self.stats["vision_sizing"].get(k) != expected[k])
+        expected = {} if sizing is None else asdict(sizing)
+        packed = self.stats["vision_sizing"]
+        differing = sorted(k for k in expected.keys() | packed.keys() if packed.get(k) != expected.get(k))
         if differing:
             raise InputError(f"data.packed={self.root} sized images with other rules ({', '.join(differing)} "
                              f"differ from this config's model.vision/data settings); repack with this preset")

@@ -37,3 +37,27 @@ def language_rules(lang: LanguageConfig) -> list[Rule]:
         Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
              fallback_hf="model.embed_tokens.weight"),
     ]
+
+
+def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
+    """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied)."""
+    d, ffn, channels = lang.hidden_size, lang.ffn_hidden_size, head_dim(lang)
+    q, kv = lang.num_attention_heads * channels, lang.num_query_groups * channels
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (lang.vocab_size, d), "model.norm.weight": (d,)}
+    if not lang.tie_word_embeddings:
+        shapes["lm_head.weight"] = (lang.vocab_size, d)
+    for i in range(lang.num_layers):
+        b = f"model.layers.{i}."
+        shapes.update({
+            b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
+            b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),
+            b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.o_proj.weight": (d, q),
+            b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
+            b + "mlp.down_proj.weight": (d, ffn),
+        })
+        if lang.add_qkv_bias:
+            shapes.update({b + "self_attn.q_proj.bias": (q,), b + "self_attn.k_proj.bias": (kv,),
+                           b + "self_attn.v_proj.bias": (kv,)})
+        if lang.qk_norm:
+            shapes.update({b + "self_attn.q_norm.weight": (channels,), b + "self_attn.k_norm.weight": (channels,)})
+    return shapes

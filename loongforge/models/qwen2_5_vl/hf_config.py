@@ -19,6 +19,7 @@ from loongforge.config.schema import (
     TokenIdsConfig,
     VisionConfig,
 )
+from loongforge.models.decoder.hf_mapping import language_hf_shapes
 
 NAME = "qwen2_5_vl"
 HF_ARCHITECTURES = ("Qwen2_5_VLForConditionalGeneration", "Qwen2_5_VLModel")
@@ -134,22 +135,5 @@ def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "mlp.up_proj.weight": (ffn, h), b + "mlp.up_proj.bias": (ffn,),
             b + "mlp.down_proj.weight": (h, ffn), b + "mlp.down_proj.bias": (h,),
         })
-    d = lang.hidden_size
-    q, kv = d, lang.num_query_groups * (d // lang.num_attention_heads)
-    shapes["model.embed_tokens.weight"] = (lang.vocab_size, d)
-    shapes["model.norm.weight"] = (d,)
-    if not lang.tie_word_embeddings:
-        shapes["lm_head.weight"] = (lang.vocab_size, d)
-    for i in range(lang.num_layers):
-        b = f"model.layers.{i}."
-        shapes.update({
-            b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
-            b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),
-            b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.o_proj.weight": (d, q),
-            b + "mlp.gate_proj.weight": (lang.ffn_hidden_size, d), b + "mlp.up_proj.weight": (lang.ffn_hidden_size, d),
-            b + "mlp.down_proj.weight": (d, lang.ffn_hidden_size),
-        })
-        if lang.add_qkv_bias:
-            shapes.update({b + "self_attn.q_proj.bias": (q,), b + "self_attn.k_proj.bias": (kv,),
-                           b + "self_attn.v_proj.bias": (kv,)})
+    shapes.update(language_hf_shapes(lang))
     return shapes

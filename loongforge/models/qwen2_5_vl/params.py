@@ -7,10 +7,8 @@ counted once.
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-
-
-def _linear(fan_in: int, fan_out: int, bias: bool) -> int:
-    return fan_in * fan_out + (fan_out if bias else 0)
+from loongforge.models.decoder.params import language_parameters
+from loongforge.models.decoder.params import linear_parameters as _linear
 
 
 def vision_layer_parameters(model_cfg: ModelConfig) -> int:
@@ -19,18 +17,6 @@ def vision_layer_parameters(model_cfg: ModelConfig) -> int:
     norms = 2 * h
     attention = _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
     mlp = 2 * _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True)
-    return norms + attention + mlp
-
-
-def language_layer_parameters(model_cfg: ModelConfig) -> int:
-    """One decoder layer: 2 RMSNorms, GQA attention (qkv bias, no o_proj bias), SwiGLU MLP."""
-    lang = model_cfg.language
-    h, ffn = lang.hidden_size, lang.ffn_hidden_size
-    kv_width = lang.num_query_groups * (h // lang.num_attention_heads)
-    norms = 2 * h
-    q_and_kv = _linear(h, h, lang.add_qkv_bias) + 2 * _linear(h, kv_width, lang.add_qkv_bias)
-    attention = q_and_kv + _linear(h, h, bias=False)  # o_proj has no bias
-    mlp = 3 * _linear(h, ffn, bias=False)
     return norms + attention + mlp
 
 
@@ -47,11 +33,7 @@ def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
         + _linear(merged, model_cfg.projector.out_hidden_size, bias=True)
     )
 
-    embedding = lang.vocab_size * lang.hidden_size
-    output_layer = 0 if lang.tie_word_embeddings else embedding
-    language_model = (
-        embedding + lang.num_layers * language_layer_parameters(model_cfg) + lang.hidden_size + output_layer
-    )
+    language_model = language_parameters(lang)
     return {
         "vision_model": vision_model,
         "projector": projector,

@@ -1,0 +1,38 @@
+"""Text-only causal LLMs (Qwen2 / Qwen2.5, Qwen3, Llama 3.x) on megatron-core; ``FAMILY`` is what
+the rest of loongforge sees of them.
+
+model.py      TextModel and build_model: the shared decoder with 1-D RoPE
+hf_config.py  HF config.json <-> ModelConfig for the three architectures, and their tensor shapes
+hf_mapping.py the weight map (the decoder's rows)
+params.py     parameter counts by arithmetic
+positions.py  per-sample rotary positions
+chat.py       the chat format (ChatML)
+"""
+
+from loongforge.config.layout import DECODER_LAYOUT
+from loongforge.models.family import LazyFunction, ModelFamily
+from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.llm import hf_config
+from loongforge.models.llm.chat import CHAT
+from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
+from loongforge.models.llm.params import count_parameters
+from loongforge.models.llm.positions import position_ids_for
+
+FAMILY = ModelFamily(
+    name=hf_config.NAME,
+    hf_architectures=hf_config.HF_ARCHITECTURES,
+    hf_model_types=hf_config.HF_MODEL_TYPES,
+    config_from_hf=hf_config.model_config_from_hf,
+    config_to_hf=hf_config.hf_config_from_model,
+    hf_shapes=hf_config.expected_hf_shapes,
+    hf_rules=mapping_rules,
+    to_hub_style=to_hub_style,
+    padded_vocab_size=padded_vocab_size,
+    build=LazyFunction("loongforge.models.llm.model:build_model"),
+    build_encoder=None,
+    count_parameters=count_parameters,
+    position_ids=position_ids_for,
+    chat=CHAT,
+    layout=DECODER_LAYOUT,
+    tiny_preset="llm-tiny",
+)

@@ -1,0 +1,140 @@
+"""Text-only LLMs' HF ``config.json`` both ways: Qwen2 / Qwen2.5, Qwen3 and Llama 3.x.
+
+The three architectures differ, as far as the weights go, in two switches of ``LanguageConfig``:
+q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3); Llama has neither (and may scale its RoPE
+frequencies). ``architecture`` reads the switches back, so a config written for one is read as it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
+from loongforge.models.decoder.hf_mapping import language_hf_shapes
+
+NAME = "llm"
+# architecture name -> (model_type, add_qkv_bias, qk_norm)
+_ARCHITECTURES = {
+    "Qwen2ForCausalLM": ("qwen2", True, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True),
+    "LlamaForCausalLM": ("llama", False, False),
+}
+HF_ARCHITECTURES = tuple(_ARCHITECTURES)
+HF_MODEL_TYPES = tuple(model_type for model_type, _, _ in _ARCHITECTURES.values())
+# Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
+_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
+
+
+def architecture(lang: LanguageConfig) -> str:
+    """The transformers class whose weights ``lang`` describes."""
+    for name, (_, bias, qk_norm) in _ARCHITECTURES.items():
+        if (lang.add_qkv_bias, lang.qk_norm) == (bias, qk_norm):
+            return name
+    raise ValueError("model.language has both add_qkv_bias and qk_norm: no transformers text "
+                     "architecture has both; set one of them to false")
+
+
+def _architecture_of(cfg: Mapping[str, Any], where: str) -> str:
+    for name in cfg.get("architectures") or []:
+        if name in _ARCHITECTURES:
+            return name
+    for name, (model_type, _, _) in _ARCHITECTURES.items():
+        if cfg.get("model_type") == model_type:
+            return name
+    raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
+
+
+def _rope_scaling_factor(cfg: Mapping[str, Any], where: str) -> float | None:
+    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
+    kind = scaling.get("rope_type", scaling.get("type", "default"))
+    if kind == "default":
+        return None
+    if kind != "llama3":
+        raise InputError(f"{where}: rope_scaling type {kind!r} is not supported; loongforge reads llama3 scaling")
+    for key, expected in _LLAMA3_SCALING.items():
+        if float(scaling.get(key, expected)) != expected:
+            raise InputError(f"{where}: rope_scaling.{key}={scaling[key]} but loongforge's llama3 scaling "
+                             f"uses {expected}")
+    return float(scaling["factor"])
+
+
+def _rope_theta(cfg: Mapping[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+
+
+def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
+    """``ModelConfig`` (no vision tower) from a Qwen2 / Qwen3 / Llama ``config.json``."""
+    _, bias, qk_norm = _ARCHITECTURES[_architecture_of(cfg, where)]
+    for key in ("attention_bias", "mlp_bias"):
+        if cfg.get(key) and not bias:
+            raise InputError(f"{where}: {key}=true is not supported (Llama-style models train here without "
+                             f"attention or MLP biases)")
+    try:
+        heads = cfg["num_attention_heads"]
+        channels = cfg.get("head_dim") or cfg["hidden_size"] // heads
+        return ModelConfig(
+            family=NAME,
+            vision=None,
+            projector=None,
+            language=LanguageConfig(
+                num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
+                ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
+                num_query_groups=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
+                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg), mrope_section=[],
+                max_position_embeddings=cfg.get("max_position_embeddings", 32_768),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+                add_qkv_bias=bias,
+                head_dim=None if channels * heads == cfg["hidden_size"] else channels,
+                qk_norm=qk_norm,
+                rope_scaling_factor=_rope_scaling_factor(cfg, where),
+            ),
+            tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)),
+        )
+    except KeyError as exc:
+        raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete config.json?") from None
+
+
+def _pad_token_id(cfg: Mapping[str, Any]) -> int:
+    # Padding positions carry no loss; any valid id works. Prefer the model's own.
+    for key in ("pad_token_id", "eos_token_id", "bos_token_id"):
+        value = cfg.get(key)
+        if isinstance(value, list):
+            value = value[0] if value else None
+        if isinstance(value, int):
+            return value
+    return 0
+
+
+def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A Hub-style ``config.json`` for ``model_cfg``, written when the source carries none."""
+    lang = model_cfg.language
+    name = architecture(lang)
+    config: dict[str, Any] = {
+        "architectures": [name],
+        "model_type": _ARCHITECTURES[name][0],
+        "hidden_size": lang.hidden_size,
+        "intermediate_size": lang.ffn_hidden_size,
+        "num_hidden_layers": lang.num_layers,
+        "num_attention_heads": lang.num_attention_heads,
+        "num_key_value_heads": lang.num_query_groups,
+        "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads,
+        "vocab_size": lang.vocab_size,
+        "rms_norm_eps": lang.rms_norm_eps,
+        "max_position_embeddings": lang.max_position_embeddings,
+        "rope_theta": lang.rope_theta,
+        "hidden_act": "silu",
+        "tie_word_embeddings": lang.tie_word_embeddings,
+        "pad_token_id": model_cfg.tokens.pad_token_id,
+        "torch_dtype": dtype,
+    }
+    if name == "LlamaForCausalLM":
+        config.update(attention_bias=False, mlp_bias=False)
+    if lang.rope_scaling_factor is not None:
+        config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}
+    return config
+
+
+def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return language_hf_shapes(model_cfg.language)

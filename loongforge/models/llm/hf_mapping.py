@@ -1,0 +1,21 @@
+"""Weight map between transformers' Qwen2 / Qwen3 / Llama checkpoints and ``TextModel``: the
+decoder's rows alone (``models.decoder.hf_mapping``). HF 5's nested key style is read too."""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.decoder.hf_mapping import language_rules
+from loongforge.models.hf_rules import Rule
+
+
+def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
+    return language_rules(model_cfg.language)
+
+
+def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
+    """``model.language_model.*`` (a causal LM saved from inside a VLM wrapper) -> ``model.*``."""
+    prefix = "model.language_model."
+    return {("model." + key[len(prefix):] if key.startswith(prefix) else key): value
+            for key, value in hf_state.items()}

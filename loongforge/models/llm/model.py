@@ -1,0 +1,129 @@
+"""A text-only causal LM (Qwen2 / Qwen3 / Llama 3.x) on megatron-core.
+
+The model is the decoder every family builds (``models.decoder.LanguageModel``) with 1-D RoPE;
+this module gives it the forward signature the training step calls every family with. Rotary
+positions come from the packed layout: megatron restarts them at every ``cu_seqlens`` segment,
+which is what the data pipeline's per-sample positions (0..len-1, three equal rows) say.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
+
+from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.parallel import mcore_patches
+
+_MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds",
+                 "video_embeds")
+
+
+class TextModel(MegatronModule):
+    """One pipeline stage of a text-only LLM. Build it with ``build_model``."""
+
+    def __init__(self, *, model_cfg: ModelConfig, language_config: TransformerConfig, modules: BlockModules,
+                 pgs: ProcessGroupCollection, pre_process: bool, post_process: bool,
+                 vp_stage: Optional[int] = None, init_seed: Optional[int] = None):
+        super().__init__(config=language_config)
+        lang = model_cfg.language
+        self.model_cfg = model_cfg
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.share_embeddings_and_output_weights = lang.tie_word_embeddings
+        self.layer_backends = {"language": modules.describe()}
+        self.model_type = ModelType.encoder_or_decoder
+        # The towers a vision-language model has; the training loop asks for them by name.
+        self.vision_model = None
+        self.projector = None
+        self.language_model = LanguageModel(
+            config=language_config,
+            transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
+                                                       vp_stage=vp_stage, init_seed=init_seed),
+            vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
+            true_vocab_size=lang.vocab_size,
+            init_seed=init_seed,
+            max_sequence_length=lang.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=lang.tie_word_embeddings,
+            position_embedding_type="rope",
+            rotary_base=lang.rope_theta,
+            rope_scaling=lang.rope_scaling_factor is not None,
+            rope_scaling_factor=lang.rope_scaling_factor or 8.0,
+            pg_collection=pgs,
+            vp_stage=vp_stage,
+        )
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        return self.language_model.shared_embedding_or_output_weight()
+
+    def begin_step(self, micro_batches: list[dict]) -> int:
+        """No encoder work to schedule ahead of the pipeline: 0 bytes held."""
+        return 0
+
+    def finish_step(self) -> list:
+        return []
+
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                packed_seq_params: Optional[PackedSeqParams] = None, loss_mask: Optional[torch.Tensor] = None,
+                **media: Optional[torch.Tensor]) -> torch.Tensor:
+        """Per-token loss [b, s] fp32 with ``labels`` (the LM head only where ``loss_mask`` counts),
+        else logits [b, s, V_padded/tp]. input_ids [b, s]; position_ids [3, b, s] (three equal rows:
+        the positions the packed layout implies); packed_seq_params: thd with b == 1."""
+        given = sorted(name for name, value in media.items() if value is not None)
+        unknown = sorted(set(media) - set(_MEDIA_INPUTS))
+        if unknown:
+            raise TypeError(f"TextModel.forward got unexpected inputs {unknown}")
+        if given:
+            raise ValueError(f"a text-only model takes no images or videos, got {given}")
+        batch, seq_len = input_ids.shape
+        if position_ids.shape != (3, batch, seq_len):
+            raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
+        if packed_seq_params is not None and int(packed_seq_params.cu_seqlens_q[-1]) != seq_len:
+            raise ValueError(f"cu_seqlens_q[-1]={int(packed_seq_params.cu_seqlens_q[-1])} must equal the "
+                             f"sequence length {seq_len}")
+        return self.language_model(input_ids=input_ids, position_ids=position_ids[0], attention_mask=None,
+                                   labels=labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params)
+
+
+def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_dtype: torch.dtype,
+                pre_process: bool, post_process: bool, device: torch.device | str,
+                vp_stage: Optional[int] = None, recompute_activations: bool = False,
+                init_seed: Optional[int] = None, vision_cost=None, with_encoder: bool = True) -> TextModel:
+    """This rank's pipeline stage; needs megatron's parallel state initialised to ``parallel_cfg``.
+    ``vision_cost`` and ``with_encoder`` are part of the family contract's build call and have
+    nothing to act on in a text-only model."""
+    init_seed = torch.initial_seed() if init_seed is None else init_seed
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        mcore_patches.apply_cpu()
+    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
+        if group is None or group.size() != getattr(parallel_cfg, key):
+            raise ValueError(f"parallel.{key}={getattr(parallel_cfg, key)} but megatron's parallel state has "
+                             f"{None if group is None else group.size()}; initialise it with the same sizes first")
+    model = TextModel(
+        model_cfg=model_cfg,
+        language_config=decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype, on_cpu,
+                                                        recompute_layers=recompute_activations),
+        modules=modules, pgs=pgs, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
+        init_seed=init_seed)
+    return model.to(device)

@@ -1,0 +1,12 @@
+"""Parameter counts of a text-only LLM by arithmetic on the config."""
+
+from __future__ import annotations
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.decoder.params import language_parameters
+
+
+def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
+    """{"vision_model", "projector", "language_model", "total"}: no towers besides the decoder."""
+    language_model = language_parameters(model_cfg.language)
+    return {"vision_model": 0, "projector": 0, "language_model": language_model, "total": language_model}
