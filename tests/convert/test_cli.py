@@ -87,7 +87,7 @@ def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
 
 def test_roundtrip_catches_swapped_tp_shards(hf_hub, monkeypatch, tmp_path):
     from loongforge.convert import roundtrip as roundtrip_module
-    from loongforge.models.qwen2_5_vl.hf_mapping import Split
+    from loongforge.models.hf_rules import Split
 
     correct = roundtrip_module.rank_regions
 
@@ -158,10 +158,10 @@ def test_shape_mismatch_against_preset(hf_hub, tmp_path):
 def test_wrong_architecture(hf_hub, tmp_path):
     src = _copy(hf_hub, tmp_path)
     config = json.loads((src / "config.json").read_text())
-    config.update(architectures=["LlamaForCausalLM"], model_type="llama")
+    config.update(architectures=["GemmaForCausalLM"], model_type="gemma")
     (src / "config.json").write_text(json.dumps(config))
     result = invoke(str(src), str(tmp_path / "dst"), "--to", "mcore")
-    _assert_bad_input(result, tmp_path, str(src / "config.json"), "LlamaForCausalLM")
+    _assert_bad_input(result, tmp_path, str(src / "config.json"), "GemmaForCausalLM")
 
 
 def test_tensor_of_wrong_shape_in_checkpoint(hf_hub, tmp_path):

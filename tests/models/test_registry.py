@@ -8,6 +8,7 @@ import torch
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.layout import LayoutRule
+from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ModelConfig
 from loongforge.models import family as family_module
 from loongforge.models import registry
@@ -17,7 +18,9 @@ from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "chat": ChatFormat,
-           "layout": LayoutRule}
+           "layout": LayoutRule, "tiny_preset": str}
+# Fields a family may leave None: a text-only family has no vision encoder.
+_OPTIONAL = {"build_encoder"}
 
 
 @pytest.mark.parametrize("name", registry.families())
@@ -28,19 +31,25 @@ def test_every_family_provides_every_field(name):
         value = getattr(family, field.name)
         if field.name in _VALUES:
             assert isinstance(value, _VALUES[field.name]), field.name
-        else:
+        elif not (field.name in _OPTIONAL and value is None):
             assert callable(value), f"{name}: ModelFamily.{field.name} is not callable"
     assert family.hf_architectures and family.hf_model_types
-    assert all(isinstance(v, str) and v for v in dataclasses.astuple(family.chat))
+    chat = family.chat
+    assert chat.turn_start and chat.turn_end and chat.jinja_template
+    # A family that sees images has a block for them in its chat format, and only such a family.
+    assert bool(chat.image_block and chat.video_block) == family.has_vision
 
 
 @pytest.mark.parametrize("name", registry.families())
 def test_every_family_reads_the_config_it_writes(name):
     family = registry.get_family(name)
-    model_cfg = ModelConfig(family=name)
+    model_cfg = load_run_config(family.tiny_preset).model
+    assert model_cfg.family == name
     hf_config = family.config_to_hf(model_cfg)
     assert registry.family_of_hf_config(hf_config, "config.json") is family
     assert family.config_from_hf(hf_config, "config.json").family == name
+    assert family.config_from_hf(hf_config, "config.json") == dataclasses.replace(
+        model_cfg, reference_num_params=None, layer_backend=ModelConfig().layer_backend)
     assert family.count_parameters(model_cfg)["total"] > 0
 
 
@@ -59,12 +68,12 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of qwen2_5_vl; did you mean 'qwen2_5_vl'? "
+    assert message == ("model.family='qwen25_vl' is not one of llm | qwen2_5_vl; did you mean 'qwen2_5_vl'? "
                        "set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='llama' is not one of qwen2_5_vl; set"):
-        registry.get_family("llama")
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of llm \| qwen2_5_vl; set"):
+        registry.get_family("gemma")
 
 
 def test_unsupported_hf_architecture_names_what_was_found():
-    with pytest.raises(InputError, match=r"x/config.json: unsupported architecture LlamaForCausalLM"):
-        registry.family_of_hf_config({"architectures": ["LlamaForCausalLM"]}, "x/config.json")
+    with pytest.raises(InputError, match=r"x/config.json: unsupported architecture GemmaForCausalLM"):
+        registry.family_of_hf_config({"architectures": ["GemmaForCausalLM"]}, "x/config.json")

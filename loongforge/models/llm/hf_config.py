@@ -66,7 +66,8 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` (no vision tower) from a Qwen2 / Qwen3 / Llama ``config.json``."""
-    _, bias, qk_norm = _ARCHITECTURES[_architecture_of(cfg, where)]
+    name = _architecture_of(cfg, where)
+    _, bias, qk_norm = _ARCHITECTURES[name]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not bias:
             raise InputError(f"{where}: {key}=true is not supported (Llama-style models train here without "
@@ -86,7 +87,8 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 max_position_embeddings=cfg.get("max_position_embeddings", 32_768),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
                 add_qkv_bias=bias,
-                head_dim=None if channels * heads == cfg["hidden_size"] else channels,
+                # Qwen3 configs always state it (transformers' Qwen3 default is 128, not hidden/heads).
+                head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
                 qk_norm=qk_norm,
                 rope_scaling_factor=_rope_scaling_factor(cfg, where),
             ),

@@ -1,0 +1,136 @@
+"""HF state dicts <-> one rank's megatron state dict, for any family: walks the family's weight map.
+
+The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf_rules``); keys in any
+style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_style``). ``{i}`` in
+a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
+megatron (``layer_offset``).
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping, Optional, Sequence
+
+import torch
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.hf_rules import VISION, Rule, Tensor
+from loongforge.models.registry import get_family
+from loongforge.models.state_dict_names import fused_name
+
+
+def _regex(pattern: str) -> re.Pattern:
+    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
+
+
+def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
+    """The rule for one of our keys; separate-norm (legacy) names match their fused rule."""
+    key = fused_name(key)
+    for rule in rules:
+        found = _regex(rule.megatron).match(key)
+        if found:
+            return rule, int(found.group(1)) if found.groups() else None
+    raise KeyError(f"no hf_mapping rule for {key!r}")
+
+
+def _fill(pattern: str, index: Optional[int]) -> str:
+    return pattern if index is None else pattern.replace("{i}", str(index))
+
+
+def _hf_index(rule: Rule, local_index: Optional[int], layer_offset: int) -> Optional[int]:
+    """Language layers are numbered per pipeline stage in megatron, globally in HF."""
+    if local_index is None or rule.group == VISION:
+        return local_index
+    return local_index + layer_offset
+
+
+# ---------------------------------------------------------------------------------------------
+# Conversion
+# ---------------------------------------------------------------------------------------------
+
+
+def hf_to_megatron(
+    hf_state: Mapping[str, Tensor],
+    model_cfg: ModelConfig,
+    keys: Iterable[str],
+    *,
+    tp_rank: int = 0,
+    tp_size: int = 1,
+    vision_tp_rank: int = 0,
+    vision_tp_size: int = 1,
+    layer_offset: int = 0,
+) -> dict[str, Tensor]:
+    """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
+
+    ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
+    """
+    family = get_family(model_cfg.family)
+    hf_state = family.to_hub_style(hf_state)
+    rules = family.hf_rules(model_cfg)
+    out = {}
+    for key in keys:
+        if key.endswith("_extra_state"):
+            continue
+        rule, local_index = _match(rules, key)
+        index = _hf_index(rule, local_index, layer_offset)
+        sources = [_fill(p, index) for p in rule.hf]
+        if rule.fallback_hf and sources[0] not in hf_state:
+            sources = [rule.fallback_hf]
+        missing = [s for s in sources if s not in hf_state]
+        if missing:
+            raise KeyError(f"{key} needs {missing} from the HF checkpoint")
+        rank, size = (vision_tp_rank, vision_tp_size) if rule.group == VISION else (tp_rank, tp_size)
+        out[key] = rule.transform.shard([hf_state[s] for s in sources], rank, size).clone()
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, Tensor]],
+    model_cfg: ModelConfig,
+    *,
+    vision_tp_size: Optional[int] = None,
+    layer_offset: int = 0,
+) -> dict[str, Tensor]:
+    """Hub-style HF tensors from one pipeline stage's state dicts, one per language TP rank.
+
+    Vision tensors are read from the first ``vision_tp_size`` ranks (None: all of them).
+    A tied output layer is not written (tied Hub checkpoints have no ``lm_head.weight``).
+    """
+    rules = get_family(model_cfg.family).hf_rules(model_cfg)
+    vision_tp_size = vision_tp_size or len(shards)
+    out = {}
+    for key in shards[0]:
+        if key.endswith("_extra_state"):
+            continue
+        rule, local_index = _match(rules, key)
+        if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
+            continue
+        ranks = shards[:vision_tp_size] if rule.group == VISION else shards
+        tensors = rule.transform.unshard([shard[key] for shard in ranks])
+        index = _hf_index(rule, local_index, layer_offset)
+        for pattern, tensor in zip(rule.hf, tensors):
+            out[_fill(pattern, index)] = tensor
+    return out
+
+
+def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -> None:
+    """Load an HF state dict into this rank's model of any family (TP ranks and the pipeline
+    layer offset are read from the model's own process groups and layers)."""
+    language = model.language_model
+    tp_group = language.pg_collection.tp
+    vision_group = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
+    layers = language.decoder.layers
+    converted = hf_to_megatron(
+        hf_state,
+        model.model_cfg,
+        model.state_dict().keys(),
+        tp_rank=tp_group.rank(),
+        tp_size=tp_group.size(),
+        vision_tp_rank=0 if vision_group is None else vision_group.rank(),
+        vision_tp_size=1 if vision_group is None else vision_group.size(),
+        layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
+    )
+    result = model.load_state_dict(converted, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    if missing or result.unexpected_keys:
+        raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")

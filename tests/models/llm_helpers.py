@@ -1,0 +1,55 @@
+"""Tiny random transformers text LLMs (Qwen2, Qwen3, Llama 3.x) and their loongforge configs."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.registry import get_family
+
+# Each architecture's distinguishing features at toy size: Qwen2's q/k/v biases; Qwen3's q/k norms
+# with a head_dim that is not hidden / heads, and tied embeddings; Llama's llama3 RoPE scaling.
+ARCHITECTURES = {
+    "qwen2": dict(architectures=["Qwen2ForCausalLM"], model_type="qwen2", rope_theta=10_000.0,
+                  tie_word_embeddings=False),
+    "qwen3": dict(architectures=["Qwen3ForCausalLM"], model_type="qwen3", head_dim=24, rope_theta=1_000_000.0,
+                  tie_word_embeddings=True),
+    "llama": dict(architectures=["LlamaForCausalLM"], model_type="llama", rope_theta=500_000.0,
+                  tie_word_embeddings=False, attention_bias=False, mlp_bias=False,
+                  rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}),
+}
+# 300 is not a multiple of 128: the padded vocabulary rows are exercised too.
+_SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=131072, hidden_act="silu")
+
+
+def tiny_hf_config_dict(arch: str) -> dict:
+    return {**_SHAPE, **ARCHITECTURES[arch]}
+
+
+def tiny_llm_cfg(arch: str) -> ModelConfig:
+    """Our config, read from the HF config.json the tiny model is built from (the convert path)."""
+    return get_family("llm").config_from_hf(tiny_hf_config_dict(arch), f"{arch}/config.json")
+
+
+def build_hf_llm(arch: str, seed: int = 0):
+    """A random fp32 transformers causal LM; every parameter (norms too) randomised."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = tiny_hf_config_dict(arch)
+    hf_config = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
+    hf_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(hf_config).float().eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+    return model
+
+
+def text_positions(length: int) -> torch.Tensor:
+    """[3, 1, L]: the data pipeline's positions of one text sample."""
+    return torch.arange(length).expand(3, 1, length)
