@@ -34,8 +34,9 @@ SMALL_MODEL = [
 RUN_TIMEOUT_S = 420
 
 
-def train_command(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False) -> list[str]:
-    cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", "qwen2.5vl-tiny",
+def train_command(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
+                  preset: str = "qwen2.5vl-tiny") -> list[str]:
+    cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", preset,
            *SMALL_MODEL, f"logging.output_dir={out_dir}", *extra]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
@@ -53,8 +54,9 @@ def train_env(nproc: int = 1, env_extra: dict | None = None) -> dict:
 
 
 def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
-              expect_ok: bool = True, env_extra: dict | None = None) -> subprocess.CompletedProcess:
-    cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume)
+              expect_ok: bool = True, env_extra: dict | None = None,
+              preset: str = "qwen2.5vl-tiny") -> subprocess.CompletedProcess:
+    cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=train_env(nproc, env_extra))
     if expect_ok and proc.returncode != 0:
