@@ -65,13 +65,15 @@ class SweepDesign:
         self.grids = grids
         self.merge = merge
         self.seed = seed
+        # A text-only model (no grids) cycles through the text designs only.
+        self.designs = ROW_DESIGNS if grids else tuple(d for d in ROW_DESIGNS if not d.startswith("image"))
 
     def _image_tokens(self, grid: tuple[int, int]) -> int:
         return grid[0] * grid[1] // (self.merge * self.merge) + 2  # + vision_start / vision_end
 
     def row(self, index: int) -> list[tuple[int, list[tuple[int, int]]]]:
         rng = np.random.default_rng([self.seed, index])
-        design = ROW_DESIGNS[index % len(ROW_DESIGNS)]
+        design = self.designs[index % len(self.designs)]
         lengths, cap = self.lengths, self.seq_len
         if design == "single":
             return [(int(rng.choice(lengths)), [])]
@@ -117,12 +119,17 @@ class SweepSource:
         self.answer_share = answer_share
         model, data = cfg.model, cfg.data
         self.tokens = model.tokens
-        self.merge = model.projector.spatial_merge_size
-        self.pixel_width = (model.vision.in_channels * model.vision.temporal_patch_size
-                            * model.vision.patch_size ** 2)
+        # Text ids below the Qwen special tokens, and inside the model's vocabulary (Llama's is smaller).
+        self.text_vocab = min(_TEXT_VOCAB, model.language.vocab_size)
         self.position_ids = get_family(model.family).position_ids(model)
-        self.design = SweepDesign(data.seq_len, image_grids(data.max_pixels, model.vision.patch_size,
-                                                            self.merge), self.merge, data.seed)
+        if model.vision is None:  # a text-only model: text designs only
+            self.merge, self.pixel_width, grids = 1, 0, []
+        else:
+            self.merge = model.projector.spatial_merge_size
+            self.pixel_width = (model.vision.in_channels * model.vision.temporal_patch_size
+                                * model.vision.patch_size ** 2)
+            grids = image_grids(data.max_pixels, model.vision.patch_size, self.merge)
+        self.design = SweepDesign(data.seq_len, grids, self.merge, data.seed)
         self.global_batch_size = cfg.training.global_batch_size
         self.my_rows = rank_rows(self.global_batch_size, dp_rank, dp_size)
         self.pad_to_multiple = pad_to_multiple
@@ -135,7 +142,7 @@ class SweepSource:
 
     def _sample(self, rng, text_len: int, grids: list[tuple[int, int]]):
         t = self.tokens
-        text = rng.integers(0, _TEXT_VOCAB, size=text_len)
+        text = rng.integers(0, self.text_vocab, size=text_len)
         pieces = [text[: text_len // 2]]
         for h, w in grids:
             pieces += [np.array([t.vision_start_token_id]),

@@ -16,7 +16,7 @@ from loongforge.cli import bench, convert, encode, fit_cost, pack, profile, trai
 
 app = typer.Typer(
     name="loongforge",
-    help="Load-balanced training of vision-language models (Qwen2.5-VL) on megatron-core.",
+    help="Load-balanced training of vision-language models and LLMs on megatron-core.",
     no_args_is_help=True,
     add_completion=False,
     # Plain click output: one-line errors that scripts and logs can grep.
@@ -58,7 +58,7 @@ def loongforge(
         "--version", callback=_print_version, is_eager=True,
         help="Print loongforge, torch and megatron-core versions, then exit.")] = None,
 ) -> None:
-    """Load-balanced training of vision-language models (Qwen2.5-VL) on megatron-core."""
+    """Load-balanced training of vision-language models and LLMs on megatron-core."""
 
 
 def main() -> None:

@@ -94,7 +94,7 @@ def convert(
     json_output: JsonOption = False,
     no_progress: NoProgressOption = False,
 ) -> None:
-    """Convert Qwen2.5-VL checkpoints between Hugging Face and megatron-core (any TP/PP), streamed."""
+    """Convert checkpoints of any model family between Hugging Face and megatron-core (any TP/PP), streamed."""
     with _exit_cleanly_on_signals(), cli_errors():
         if roundtrip:
             _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress)

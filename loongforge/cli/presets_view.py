@@ -24,20 +24,31 @@ def _model_label(cfg: RunConfig) -> str:
     return f"{cfg.model.family}: {towers}" + (f", ViT {vision.depth}x{vision.hidden_size}" if vision else "")
 
 
-def _preset_row(name: str) -> tuple[str, ...]:
+def _preset_row(name: str) -> tuple[str, tuple[str, ...]]:
+    """(family, the table row) of one preset."""
     cfg = load_run_config(name)
     sizes = derive_parallel_sizes(cfg.parallel)
     label = f"{name} (default)" if name == DEFAULT_PRESET else name
-    return (label, _model_label(cfg), human_count(total_parameters(cfg.model)),
-            layout_label(sizes), str(sizes.world_size), str(cfg.data.seq_len))
+    return cfg.model.family, (label, _model_label(cfg), human_count(total_parameters(cfg.model)),
+                              layout_label(sizes), str(sizes.world_size), str(cfg.data.seq_len))
 
 
 def format_presets_table() -> str:
-    rows = [_COLUMNS, *(_preset_row(name) for name in list_preset_names())]
+    """One table, the presets grouped under a line naming their model family."""
+    by_family: dict[str, list[tuple[str, ...]]] = {}
+    for name in list_preset_names():
+        family, row = _preset_row(name)
+        by_family.setdefault(family, []).append(row)
+    rows = [_COLUMNS, *(row for family_rows in by_family.values() for row in family_rows)]
     widths = [max(len(row[i]) for row in rows) for i in range(len(_COLUMNS))]
-    lines = ["  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
-             for row in rows]
-    lines.insert(1, "  ".join("-" * width for width in widths))
+
+    def line(row: tuple[str, ...]) -> str:
+        return "  ".join(cell.ljust(width) for cell, width in zip(row, widths)).rstrip()
+
+    lines = [line(_COLUMNS), "  ".join("-" * width for width in widths)]
+    for family in sorted(by_family):
+        lines.append(f"[family {family}]")
+        lines += [line(row) for row in by_family[family]]
     lines.append(f"\npresets folder: {presets_dir()}")
     return "\n".join(lines)
 

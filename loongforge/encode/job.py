@@ -41,6 +41,7 @@ from loongforge.data.packfile.folder import json_line, remove_partial_files, wri
 from loongforge.data.packfile.reader import PackedFolder
 from loongforge.encode.plan import EncodePlan, plan_files, plan_packed
 from loongforge.encode.worker import DTYPES, ShardDone, WorkerSpec, default_threads, run_rank
+from loongforge.models.registry import get_family
 
 
 @dataclass(frozen=True)
@@ -86,6 +87,9 @@ class EncodeSummary:
 def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) -> EncodeSummary:
     _check_options(options)
     cfg = load_run_config(options.preset, overrides=list(options.overrides))
+    if not get_family(cfg.model.family).has_vision:
+        raise ConfigError(f"--preset {options.preset}: model family {cfg.model.family} has no vision encoder; "
+                          f"encode runs a vision-language preset's encoder (see --list-presets)")
     plan, inputs = _plan(options, cfg)
     root = Path(options.output)
     job = _job_record(options, cfg, inputs)

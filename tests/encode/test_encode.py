@@ -224,3 +224,12 @@ def test_records_sharing_a_line_are_found_apart(tmp_path):
         (row,), _ = store.rows(sample)
         found.append(row.order)
     assert found == [0, 1, 2] and len(store) == 3
+
+
+def test_a_text_only_preset_is_a_usage_error(tmp_path):
+    refused = _encode(tmp_path / "out", "--preset", "llm-tiny")
+    assert refused.returncode == 2
+    assert refused.stderr.strip().splitlines()[-1] == (
+        "error: --preset llm-tiny: model family llm has no vision encoder; encode runs a vision-language "
+        "preset's encoder (see --list-presets)")
+    assert not (tmp_path / "out").exists()

@@ -11,12 +11,12 @@ import pyarrow.parquet as pq
 import pytest
 
 from loongforge.config.errors import InputError
-from loongforge.data.conversations import FileSamples
+from loongforge.data.conversations import FileSamples, read_json_array
 from loongforge.data.packfile import folder
 from loongforge.data.samples import REJECT_REASONS
 from loongforge.pack.job import PackOptions, run_pack
 from tests.pack.conftest import BAD_LINES, PRESET, SEQ_LEN, folder_bytes
-from tests.shared_data import REPO_ROOT
+from tests.shared_data import REPO_ROOT, SHARED_DATA
 
 
 def _options(inputs, output, **overrides):
@@ -42,14 +42,32 @@ def test_every_sample_packed_once_or_rejected(pack_inputs, tmp_path):
     assert stats["samples_packed"] == len(packed) and stats["samples_rejected"] == len(rejected)
     assert stats["packs"] == len(manifest) and [p["pack"] for p in manifest] == list(range(len(manifest)))
     # Every reason is exercised by a real malformed input, at the line that carries it.
-    # (missing_embedding needs a store of embeddings, which pack does not read)
-    assert all(stats["rejects_by_reason"][reason] >= 1 for reason in REJECT_REASONS if reason != "missing_embedding")
+    # (missing_embedding needs a store of embeddings, which pack does not read; media_in_text_model
+    # a text-only model: test_text_model_packs_text_and_rejects_media)
+    assert all(stats["rejects_by_reason"][reason] >= 1 for reason in REJECT_REASONS
+               if reason not in ("missing_embedding", "media_in_text_model"))
     bad = {r["line"]: r["reason"] for r in rejects if r["file"].endswith("bad.jsonl")}
     assert bad == BAD_LINES
     assert {(r["line"], r["reason"]) for r in rejects if r["file"].endswith("broken.json")} == {(3, "malformed_json")}
     assert all(r["detail"] for r in rejects)
     real_tokens = sum(p["tokens"] for p in manifest)
     assert stats["fill_ratio"] == round(real_tokens / (len(manifest) * SEQ_LEN), 6)
+
+
+def test_text_model_packs_text_and_rejects_media(tmp_path):
+    """A text-only preset packs the text-only conversations and counts each one with images or a
+    video as a media_in_text_model reject, with its file and line."""
+    mix = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
+    root = tmp_path / "out"
+    stats = run_pack(_options([mix], root, preset="llm-tiny")).stats
+    rejects = folder.read_lines(root / folder.REJECTS_FILE)
+    records = read_json_array(mix.read_text())
+    with_media = {r.line for r in records if r.record.get("images") or r.record.get("videos")}
+    assert with_media and len(with_media) < len(records)
+    assert {(r["line"], r["reason"]) for r in rejects} == {(line, "media_in_text_model") for line in with_media}
+    packed = [s["line"] for pack in _manifest(root) for s in pack["samples"]]
+    assert sorted(packed) == sorted({r.line for r in records} - with_media)
+    assert stats["samples_rejected"] == len(with_media)
 
 
 def test_packs_fit_and_shards_match_manifest(pack_inputs, tmp_path):
