@@ -168,3 +168,20 @@ def test_image_token_count_mismatch_is_a_loud_error(pair):
     inputs["pixel_values"] = inputs["pixel_values"][:64]
     with pytest.raises(ValueError, match=r"24 image tokens .* 16 merged patches"):
         model(**inputs)
+
+
+def test_weights_round_trip_to_the_hub_key_style(pair):
+    """Every HF tensor is read (both key styles) and written back unchanged, in the Hub's style."""
+    from loongforge.models.qwen3_vl.hf_mapping import megatron_to_hf, to_hub_style
+
+    model_cfg, hf_model, model = pair
+    expected = to_hub_style(hf_model.state_dict())
+    if model_cfg.language.tie_word_embeddings:
+        expected.pop("lm_head.weight")
+    written = megatron_to_hf([model.state_dict()], model_cfg, TINY_VISION)
+    assert written.keys() == expected.keys()
+    assert all(torch.equal(written[key], expected[key]) for key in expected)
+    hub_loaded = _build(model_cfg).eval()
+    load_hf_state_dict(hub_loaded, expected)
+    assert all(torch.equal(a, b) for a, b in zip(hub_loaded.state_dict().values(), model.state_dict().values())
+               if isinstance(a, torch.Tensor))

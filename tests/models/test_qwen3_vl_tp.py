@@ -1,5 +1,6 @@
 """Tensor parallel size 2 over gloo (two spawned processes) gives transformers' Qwen3-VL logits and
-losses, without and with sequence parallelism (hidden states and DeepStack features [s/2, b, ...])."""
+losses, without and with sequence parallelism (hidden states and DeepStack features [s/2, b, ...]);
+the two ranks' shards convert back to the transformers weights."""
 
 from pathlib import Path
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.schema import ParallelConfig
+from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
 from tests.models.test_qwen3_vl_support import (
     TINY_VISION,
@@ -33,7 +35,7 @@ LAYOUTS = {
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.qwen3_vl.hf_mapping import load_hf_state_dict
+    from loongforge.models.qwen3_vl.hf_mapping import load_hf_state_dict, megatron_to_hf
     from loongforge.models.qwen3_vl.model import build_model
 
     limit_threads()
@@ -46,6 +48,10 @@ def _worker(rank: int, port: int, workdir: str) -> None:
         model = build_model(data["model_cfg"], parallel_cfg, params_dtype=torch.float32, pre_process=True,
                             post_process=True, device="cpu", vision=TINY_VISION).eval()
         load_hf_state_dict(model, data["hf_state"])
+        if not sequence_parallel:  # both ranks' shards -> whole HF tensors again
+            shards = [None] * WORLD_SIZE
+            dist.all_gather_object(shards, model.state_dict())
+            results["written"] = megatron_to_hf(shards, data["model_cfg"], TINY_VISION)
         for name, inputs in data["cases"].items():
             with torch.no_grad():
                 logits = model(**inputs)  # [1, s, V/2]
@@ -94,6 +100,9 @@ def test_tp2_matches_transformers(tmp_path):
     run_workers(_worker, WORLD_SIZE, (free_port(), str(tmp_path)), TIMEOUT_S)
 
     results = torch.load(tmp_path / "outputs.pt", weights_only=False)
+    expected = to_hub_style(hf_model.state_dict())
+    assert results["written"].keys() == expected.keys()
+    assert all(torch.equal(results["written"][key], expected[key]) for key in expected)
     for name, reference in references.items():
         picked = loss_masks[name][0].bool()
         reference_loss = F.cross_entropy(reference[0][picked], labels[name][0][picked], reduction="none")

@@ -3,7 +3,8 @@
 One declarative table, ``mapping_rules(model_cfg, vision)``: each ``Rule`` pairs HF key(s) with one
 of our keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both directions. The
 language rows are the shared decoder's (``decoder.hf_mapping.language_rules``: Qwen3 q/k norms, no
-qkv bias); the vision rows are below. ``hf_to_megatron`` and ``load_hf_state_dict`` only walk it.
+qkv bias); the vision rows are below. ``hf_to_megatron``, ``megatron_to_hf`` and
+``load_hf_state_dict`` only walk it.
 
 HF keys come in two styles: transformers 5's state dict (``model.visual.*``,
 ``model.language_model.*``, ``lm_head``) and the older Hub style (``visual.*``, ``model.layers.*``,
@@ -106,6 +107,17 @@ def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
     raise KeyError(f"no Qwen3-VL hf_mapping rule for {key!r}")
 
 
+def _fill(pattern: str, index: Optional[int]) -> str:
+    return pattern if index is None else pattern.replace("{i}", str(index))
+
+
+def _hf_index(rule: Rule, local_index: Optional[int], layer_offset: int) -> Optional[int]:
+    """Language layers are numbered per pipeline stage here, globally in HF."""
+    if local_index is None or rule.group == VISION:
+        return local_index
+    return local_index + layer_offset
+
+
 def hf_to_megatron(
     hf_state: Mapping[str, Tensor],
     model_cfg: ModelConfig,
@@ -125,16 +137,37 @@ def hf_to_megatron(
     for key in keys:
         if key.endswith("_extra_state"):
             continue
-        rule, index = _match(rules, key)
-        if index is not None and rule.group != VISION:
-            index += layer_offset
-        sources = [p if index is None else p.replace("{i}", str(index)) for p in rule.hf]
+        rule, local_index = _match(rules, key)
+        sources = [_fill(p, _hf_index(rule, local_index, layer_offset)) for p in rule.hf]
         if rule.fallback_hf and sources[0] not in hf_state:
             sources = [rule.fallback_hf]
         missing = [s for s in sources if s not in hf_state]
         if missing:
             raise KeyError(f"{key} needs {missing} from the HF checkpoint")
         out[key] = rule.transform.shard([hf_state[s] for s in sources], tp_rank, tp_size).clone()
+    return out
+
+
+def megatron_to_hf(
+    shards: Sequence[Mapping[str, Tensor]],
+    model_cfg: ModelConfig,
+    vision: Qwen3VisionConfig,
+    *,
+    layer_offset: int = 0,
+) -> dict[str, Tensor]:
+    """Hub-style HF tensors from one pipeline stage's state dicts, one per TP rank. A tied output
+    layer is not written (tied checkpoints have no ``lm_head.weight``)."""
+    rules = mapping_rules(model_cfg, vision)
+    out = {}
+    for key in shards[0]:
+        if key.endswith("_extra_state"):
+            continue
+        rule, local_index = _match(rules, key)
+        if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
+            continue
+        tensors = rule.transform.unshard([shard[key] for shard in shards])
+        for pattern, tensor in zip(rule.hf, tensors):
+            out[_fill(pattern, _hf_index(rule, local_index, layer_offset))] = tensor
     return out
 
 
