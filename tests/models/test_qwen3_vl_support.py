@@ -2,13 +2,14 @@
 inputs (videos written as the processor writes them: a timestamp, then each frame in its own
 vision_start/vision_end block) and transformers' own position ids and logits.
 
-Named ``test_*`` to live beside the tests it serves; its one test checks the helpers agree."""
+Named ``test_*`` to live beside the tests it serves; its tests check the vision facts' sources."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Optional
 
+import pytest
 import torch
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
@@ -162,3 +163,16 @@ def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
 def test_vision_facts_read_from_the_hf_config():
     config = hf_config(tiny_model_cfg())
     assert Qwen3VisionConfig.from_hf(config.vision_config.to_dict()) == TINY_VISION
+
+
+def test_vision_facts_from_model_cfg_need_the_qwen3_vl_fields():
+    model_cfg = tiny_model_cfg()
+    with pytest.raises(ValueError, match=r"model.vision.num_position_embeddings, model.vision.deepstack_layers must be set"):
+        Qwen3VisionConfig.from_model_cfg(model_cfg)
+    # The fields the schema is to gain, set by hand until it has them.
+    model_cfg.vision.num_position_embeddings = TINY_VISION.num_position_embeddings
+    model_cfg.vision.deepstack_layers = list(TINY_VISION.deepstack_visual_indexes)
+    assert Qwen3VisionConfig.from_model_cfg(model_cfg) == TINY_VISION
+    model_cfg.vision.norm = "rms"
+    with pytest.raises(ValueError, match="model.vision.norm='rms'"):
+        Qwen3VisionConfig.from_model_cfg(model_cfg)

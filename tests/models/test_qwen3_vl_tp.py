@@ -32,6 +32,14 @@ LAYOUTS = {
     "video": dict(videos=((3, 4, 6),)),
     "image_and_video": dict(images=((1, 6, 4),), videos=((2, 4, 6),)),
 }
+# Column-parallel weights of each tower: a checkpoint must record their whole (unsharded) shape.
+SHARDED_SHAPES = {
+    "vision_model.layers.0.mlp.linear_fc1.weight": (64, 32),
+    "projector.mlp.linear_fc1.weight": (128, 128),
+    "deepstack_projectors.1.mlp.linear_fc1.weight": (128, 128),
+    # megatron stacks the decoder layers: [layers, out, in]
+    "language_model.decoder.layers.0.self_attention.linear_qkv.weight": (3, 4 * 32 + 2 * 2 * 32, 64),
+}
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
@@ -52,6 +60,8 @@ def _worker(rank: int, port: int, workdir: str) -> None:
             shards = [None] * WORLD_SIZE
             dist.all_gather_object(shards, model.state_dict())
             results["written"] = megatron_to_hf(shards, data["model_cfg"], TINY_VISION)
+            sharded = model.sharded_state_dict()  # what a distributed checkpoint records
+            results["global_shapes"] = {key: tuple(sharded[key].global_shape) for key in SHARDED_SHAPES}
         for name, inputs in data["cases"].items():
             with torch.no_grad():
                 logits = model(**inputs)  # [1, s, V/2]
@@ -100,6 +110,7 @@ def test_tp2_matches_transformers(tmp_path):
     run_workers(_worker, WORLD_SIZE, (free_port(), str(tmp_path)), TIMEOUT_S)
 
     results = torch.load(tmp_path / "outputs.pt", weights_only=False)
+    assert results["global_shapes"] == SHARDED_SHAPES
     expected = to_hub_style(hf_model.state_dict())
     assert results["written"].keys() == expected.keys()
     assert all(torch.equal(results["written"][key], expected[key]) for key in expected)

@@ -90,6 +90,8 @@ class Qwen3VisionConfig:
         if missing:
             raise ValueError(f"{', '.join(missing)} must be set for a Qwen3-VL model (or pass the vision "
                              "facts to build_model as vision=Qwen3VisionConfig.from_hf(...))")
+        if getattr(vis, "norm", "layer") != "layer":
+            raise ValueError(f"model.vision.norm={vis.norm!r}: Qwen3-VL's vision blocks use LayerNorm (layer)")
         return cls(
             depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
             num_heads=vis.num_heads, in_channels=vis.in_channels, patch_size=vis.patch_size,

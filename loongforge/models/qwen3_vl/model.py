@@ -39,7 +39,7 @@ from loongforge.models.qwen3_vl import configs, deepstack
 from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
 from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
-from loongforge.models.qwen3_vl.vision import PatchMerger, VisionModel
+from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
 from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.encoder_dp import touch_with_zero
@@ -78,7 +78,7 @@ class Qwen3VLModel(MegatronModule):
 
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
-        self.deepstack_projectors: Optional[torch.nn.ModuleList] = None
+        self.deepstack_projectors: Optional[MergerList] = None
         if pre_process:
             tp_group = language_pgs.tp
             with initialization.seeded(init_seed, "vision_model"):
@@ -87,7 +87,7 @@ class Qwen3VLModel(MegatronModule):
             with initialization.seeded(init_seed, "projector"):
                 self.projector = PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=False)
             with initialization.seeded(init_seed, "deepstack_projectors"):
-                self.deepstack_projectors = torch.nn.ModuleList(
+                self.deepstack_projectors = MergerList(
                     PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=True)
                     for _ in vision.deepstack_visual_indexes)
         # The k-th DeepStack block (in block order) goes through this merger and after decoder layer k.
@@ -307,6 +307,8 @@ def _check_model(model_cfg: ModelConfig, vision: Qwen3VisionConfig) -> None:
                          f"model.language.hidden_size={lang.hidden_size}")
     if not lang.mrope_section:
         raise ValueError("model.language.mrope_section must be set for Qwen3-VL (interleaved M-RoPE)")
+    if getattr(lang, "mrope_interleaved", True) is False:
+        raise ValueError("model.language.mrope_interleaved=false: Qwen3-VL's M-RoPE is interleaved")
 
 
 def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:

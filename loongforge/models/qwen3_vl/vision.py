@@ -180,3 +180,15 @@ class PatchMerger(MegatronModule):
         if bias is not None:
             out = out + bias
         return out[:, 0]
+
+
+class MergerList(torch.nn.ModuleList):
+    """The DeepStack mergers. A plain ModuleList would be saved by megatron as replicated tensors,
+    recording each rank's TP shard of a merger MLP as the whole tensor; ask each merger instead."""
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        sharded = {}
+        for index, merger in enumerate(self):
+            sharded.update(merger.sharded_state_dict(f"{prefix}{index}.", sharded_offsets, metadata))
+        return sharded
