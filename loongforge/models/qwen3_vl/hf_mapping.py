@@ -51,7 +51,10 @@ def _merger_rules(hf: str, ours: str) -> list[Rule]:
     ]
 
 
-def mapping_rules(model_cfg: ModelConfig, vision: Qwen3VisionConfig) -> list[Rule]:
+def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = None) -> list[Rule]:
+    """The rows; ``vision`` defaults to the facts in ``model_cfg`` (so this can be a family's
+    ``hf_rules(model_cfg)`` once the schema has the Qwen3-VL vision fields)."""
+    vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
     conv_shape = (vision.hidden_size, vision.in_channels, vision.temporal_patch_size, vision.patch_size,
                   vision.patch_size)
     rep, col, row = Replicated(), Split(0), Split(1)
