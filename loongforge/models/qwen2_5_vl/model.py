@@ -40,12 +40,8 @@ from loongforge.models.qwen2_5_vl.process_groups import (
     build_vision_tp_group,
     mark_tp_duplicates,
 )
-from loongforge.models.qwen2_5_vl.vision import (
-    PatchMerger,
-    VisionModel,
-    optional_cat,
-    vision_pg_collection,
-)
+from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel
+from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost
@@ -251,8 +247,8 @@ class Qwen2_5_VLModel(MegatronModule):
         if features is not None:
             features = features.to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
-            embeddings = _scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
-            embeddings = _scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
+            embeddings = scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
+            embeddings = scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
         elif self.vision_model is not None and self.step_encoding is None:
             # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
             # (encoder_dp=full reports the encoder's gradients once per step, after the flush.)
@@ -304,17 +300,6 @@ class Qwen2_5_VLModel(MegatronModule):
                 f"{num_features} merged patches ({what}_grid_thw={grids})"
             )
         return num_features
-
-
-def _scatter_features(
-    embeddings: torch.Tensor, input_ids: torch.Tensor, token_id: int, features: torch.Tensor
-) -> torch.Tensor:
-    """Write features [n, h] over the placeholder positions, in (batch, position) order."""
-    if features.shape[0] == 0:
-        return embeddings
-    mask = (input_ids == token_id)[..., None]  # [b, s, 1]
-    merged = embeddings.transpose(0, 1).masked_scatter(mask, features)  # [b, s, h]
-    return merged.transpose(0, 1).contiguous()
 
 
 def _with_tp_replica_block(replica_id, block: int, vision_tp: int):

@@ -10,6 +10,9 @@ and the merger MLP. What is Qwen-specific lives in small pure functions:
   window ``cu_seqlens``; blocks outside ``fullatt_block_indexes`` attend only inside a window.
 - ``frame_cu_seqlens``: full-attention segments; every frame of every image/video is its own.
 
+``patch_positions``, ``frame_cu_seqlens`` and the 2-D rotary angles are shared with Qwen3-VL
+(``models.vision_common``); ``window_partition`` is Qwen2.5-VL's own.
+
 Several images/videos in one call never attend to each other: every segment boundary above is also
 an image boundary.
 """
@@ -21,7 +24,6 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 import torch.utils.checkpoint
-from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
@@ -32,33 +34,17 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
-
-# The 2-D rotary base of the ViT (fixed in Qwen2.5-VL; not the language model's rope_theta).
-VISION_ROPE_THETA = 10000.0
-
+from loongforge.models.vision_common import (  # noqa: F401  (vision_pg_collection: encoder.py imports it from here)
+    frame_cu_seqlens,
+    packed_segments,
+    patch_positions,
+    rotary_freqs,
+    vision_pg_collection,
+)
 
 # ---------------------------------------------------------------------------------------------
-# Index math (pure functions of grid_thw)
+# Index math (pure functions of grid_thw; those shared with Qwen3-VL are in ``vision_common``)
 # ---------------------------------------------------------------------------------------------
-
-
-def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
-    """[P, 2] (row, column) of each patch, merge-unit major, repeated for every frame."""
-    positions = []
-    for t, h, w in grid_thw.tolist():
-        rows = torch.arange(h)[:, None].expand(h, w)
-        cols = torch.arange(w)[None, :].expand(h, w)
-        # (h, w) -> (h/m, m, w/m, m) -> (h/m, w/m, m, m): the m*m patches of a merge unit adjacent
-        hw = torch.stack([rows, cols], dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
-        hw = hw.permute(0, 2, 1, 3, 4).reshape(-1, 2)
-        positions.append(hw.repeat(t, 1))
-    return torch.cat(positions).to(grid_thw.device)
-
-
-def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
-    """[num_frames + 1] int32 patch offsets: one full-attention segment per frame."""
-    frame_sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
-    return F.pad(frame_sizes.cumsum(0, dtype=torch.int32), (1, 0))
 
 
 def window_partition(
@@ -87,30 +73,6 @@ def window_partition(
     sizes = sizes[sizes > 0]
     cu_seqlens = F.pad(sizes.cumsum(0, dtype=torch.int32), (1, 0))
     return torch.cat(order).to(grid_thw.device), cu_seqlens.to(grid_thw.device)
-
-
-def rotary_freqs(positions: torch.Tensor, head_dim: int, theta: float = VISION_ROPE_THETA) -> torch.Tensor:
-    """[P, head_dim] rotary angles in megatron's non-interleaved layout.
-
-    A quarter of the head's frequencies rotate with the row, a quarter with the column; the halves
-    are duplicated because megatron (like transformers) rotates ``x`` against ``rotate_half(x)``.
-    """
-    quarter = head_dim // 4
-    exponents = torch.arange(quarter, dtype=torch.float32, device=positions.device) * 2 / (head_dim // 2)
-    inv_freq = 1.0 / theta**exponents
-    angles = (positions[..., None].float() * inv_freq).flatten(1)  # [P, 2 * quarter]: rows, cols
-    return torch.cat([angles, angles], dim=-1)
-
-
-def _packed(cu_seqlens: torch.Tensor) -> PackedSeqParams:
-    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-    return PackedSeqParams(
-        qkv_format="thd",
-        cu_seqlens_q=cu_seqlens,
-        cu_seqlens_kv=cu_seqlens,
-        max_seqlen_q=max_seqlen,
-        max_seqlen_kv=max_seqlen,
-    )
 
 
 # ---------------------------------------------------------------------------------------------
@@ -161,7 +123,7 @@ class VisionModel(MegatronModule):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         order, cu_windows = window_partition(grid_thw, self.merge, self.window_units)
-        window_params, full_params = _packed(cu_windows), _packed(frame_cu_seqlens(grid_thw))
+        window_params, full_params = packed_segments(cu_windows), packed_segments(frame_cu_seqlens(grid_thw))
         unit = self.merge * self.merge
 
         def to_window_order(x: torch.Tensor) -> torch.Tensor:
@@ -242,18 +204,3 @@ class PatchMerger(MegatronModule):
         if bias is not None:
             out = out + bias
         return out[:, 0]
-
-
-def vision_pg_collection(
-    tp_group: torch.distributed.ProcessGroup, language_pgs: ProcessGroupCollection
-) -> ProcessGroupCollection:
-    """Process groups the ViT layers are built with: their own TP group; the (size-1) CP group and
-    the PP group come from the language model (the ViT is whole on the first pipeline stage)."""
-    if language_pgs.cp.size() != 1:
-        raise ValueError("the vision tower does not support context parallelism")
-    return ProcessGroupCollection(tp=tp_group, cp=language_pgs.cp, pp=language_pgs.pp)
-
-
-def optional_cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-    present = [t for t in tensors if t is not None]
-    return torch.cat(present) if present else None

@@ -1,0 +1,322 @@
+"""Qwen3-VL (dense) on megatron-core: vision tower -> mergers -> Qwen3 decoder with interleaved
+M-RoPE and DeepStack.
+
+Mirrors transformers' ``Qwen3VLForConditionalGeneration`` (``hf_mapping.py`` gives the weight
+correspondence), with megatron-core doing tensor and pipeline parallelism:
+
+- ``vision_model`` (first pipeline stage only): patches -> patch features, plus the outputs of the
+  DeepStack blocks; TP over the language TP group.
+- ``projector``: the main merger, 2x2 patch features -> one language-model token.
+- ``deepstack_projectors``: one merger per DeepStack block (norm after the 2x2 concatenation).
+- ``language_model``: the shared decoder (``models.decoder``, Qwen3 blocks: per-head q/k RMSNorm,
+  no qkv bias) with ``InterleavedMRoPE`` in place of megatron's chunked M-RoPE. It gets
+  ``decoder_input`` (text embeddings with merged features over the image/video placeholders) and,
+  when there is media, the DeepStack features as the block's ``context`` (``deepstack.py``).
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+from megatron.core import tensor_parallel
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.enums import ModelType
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.utils import get_pg_rank
+
+from loongforge.config.layout import vision_tensor_parallel_size
+from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models import initialization
+from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.models.qwen3_vl import configs, deepstack
+from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
+from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
+from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
+from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
+from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
+from loongforge.parallel import mcore_patches
+from loongforge.parallel.encoder_dp import touch_with_zero
+
+
+class Qwen3VLModel(MegatronModule):
+    """One pipeline stage of Qwen3-VL. Build it with ``build_model``."""
+
+    def __init__(
+        self,
+        *,
+        model_cfg: ModelConfig,
+        vision: Qwen3VisionConfig,
+        language_config: TransformerConfig,
+        vision_config: TransformerConfig,
+        merger_config: TransformerConfig,
+        modules: BlockModules,
+        language_pgs: ProcessGroupCollection,
+        pre_process: bool,
+        post_process: bool,
+        vp_stage: Optional[int] = None,
+        init_seed: Optional[int] = None,
+    ):
+        """``init_seed``: initial weights keyed by (seed, global name), the same full model at
+        every TP/PP layout (``models.initialization``); None: megatron's one running stream."""
+        super().__init__(config=language_config)
+        self.model_cfg = model_cfg
+        self.vision = vision
+        self.pre_process = pre_process
+        self.post_process = post_process
+        self.merge_unit = vision.spatial_merge_size**2
+        self.share_embeddings_and_output_weights = model_cfg.language.tie_word_embeddings
+        self.layer_backends = {"vision": modules.describe(), "language": modules.describe()}
+        # megatron's pipeline schedules read this: one decoder stack, no separate encoder stages.
+        self.model_type = ModelType.encoder_or_decoder
+
+        self.vision_model: Optional[VisionModel] = None
+        self.projector: Optional[PatchMerger] = None
+        self.deepstack_projectors: Optional[MergerList] = None
+        if pre_process:
+            tp_group = language_pgs.tp
+            with initialization.seeded(init_seed, "vision_model"):
+                self.vision_model = VisionModel(vision_config, vision, vision_layer_spec(modules),
+                                                vision_pg_collection(tp_group, language_pgs))
+            with initialization.seeded(init_seed, "projector"):
+                self.projector = PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=False)
+            with initialization.seeded(init_seed, "deepstack_projectors"):
+                self.deepstack_projectors = MergerList(
+                    PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=True)
+                    for _ in vision.deepstack_visual_indexes)
+        # The k-th DeepStack block (in block order) goes through this merger and after decoder layer k.
+        self._deepstack_mergers = [vision.deepstack_visual_indexes.index(block)
+                                   for block in sorted(vision.deepstack_visual_indexes)]
+
+        lang = model_cfg.language
+        self.language_model = LanguageModel(
+            config=language_config,
+            transformer_layer_spec=language_block_spec(
+                language_config, modules, pp_rank=get_pg_rank(language_pgs.pp), vp_stage=vp_stage,
+                init_seed=init_seed,
+            ),
+            vocab_size=padded_vocab_size(lang.vocab_size, language_pgs.tp.size()),
+            true_vocab_size=lang.vocab_size,
+            init_seed=init_seed,
+            max_sequence_length=lang.max_position_embeddings,
+            pre_process=pre_process,
+            post_process=post_process,
+            parallel_output=True,
+            share_embeddings_and_output_weights=lang.tie_word_embeddings,
+            position_embedding_type="mrope",
+            rotary_base=lang.rope_theta,
+            # Vision features are written into the embeddings first; we scatter afterwards.
+            scatter_embedding_sequence_parallel=False,
+            pg_collection=language_pgs,
+            vp_stage=vp_stage,
+        )
+        # GPTModel calls rotary_pos_emb(position_ids, mrope_section, cp_group=...): same call,
+        # interleaved frequency layout.
+        self.language_model.rotary_pos_emb = InterleavedMRoPE(
+            decoder_configs.head_dim(lang), lang.mrope_section, lang.rope_theta)
+        if pre_process:
+            deepstack.install_hooks(self.language_model.decoder.layers, vision.num_deepstack_layers)
+
+    # -- pipeline plumbing (megatron schedules and finalize_model_grads call these) -------------
+
+    def set_input_tensor(self, input_tensor) -> None:
+        self.language_model.set_input_tensor(input_tensor)
+
+    def shared_embedding_or_output_weight(self) -> Optional[torch.Tensor]:
+        return self.language_model.shared_embedding_or_output_weight()
+
+    # -- forward --------------------------------------------------------------------------------
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        position_ids: torch.Tensor,
+        labels: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+        pixel_values: Optional[torch.Tensor] = None,
+        image_grid_thw: Optional[torch.Tensor] = None,
+        pixel_values_videos: Optional[torch.Tensor] = None,
+        video_grid_thw: Optional[torch.Tensor] = None,
+        loss_mask: Optional[torch.Tensor] = None,
+    ) -> torch.Tensor:
+        """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
+
+        With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
+        loss is zero elsewhere.
+
+        input_ids [b, s]; position_ids [3, b, s] (interleaved M-RoPE t/h/w, ``rope_index``);
+        labels [b, s] next-token targets, valid ids everywhere (the caller masks);
+        packed_seq_params: thd with b == 1 and cu_seqlens over all b*s tokens; pixel_values
+        [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos. On later pipeline stages the
+        hidden states come from ``set_input_tensor`` instead.
+        """
+        _check_inputs(input_ids, position_ids, packed_seq_params)
+        decoder_input, context = None, None
+        if self.pre_process:
+            decoder_input, context = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
+                                                video_grid_thw)
+        return self.language_model(
+            input_ids=input_ids,
+            position_ids=position_ids,
+            attention_mask=None,
+            decoder_input=decoder_input,
+            labels=labels,
+            loss_mask=loss_mask,
+            packed_seq_params=packed_seq_params,
+            extra_block_kwargs=None if context is None else {"context": context},
+        )
+
+    def embed(
+        self,
+        input_ids: torch.Tensor,
+        pixel_values: Optional[torch.Tensor],
+        image_grid_thw: Optional[torch.Tensor],
+        pixel_values_videos: Optional[torch.Tensor],
+        video_grid_thw: Optional[torch.Tensor],
+    ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """(text embeddings with merged features over their placeholders [s, b, h], DeepStack
+        context [s, b, k, h] or None without media); both [s/tp, ...] under sequence parallelism."""
+        embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
+        tokens = self.model_cfg.tokens
+        counts = [self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image"),
+                  self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")]
+        pixels = optional_cat(pixel_values, pixel_values_videos)
+        context = None
+        if pixels is not None:
+            # Images and videos go through the tower together: attention never crosses a frame and
+            # position embeddings are per image, so this equals two separate calls.
+            features, deepstack_features = self._encode(pixels, optional_cat(image_grid_thw, video_grid_thw))
+            token_ids = (tokens.image_token_id, tokens.video_token_id)
+            for token_id, part in zip(token_ids, features.to(embeddings.dtype).split(counts)):
+                embeddings = scatter_features(embeddings, input_ids, token_id, part)
+            if deepstack_features:
+                parts = [f.to(embeddings.dtype).split(counts) for f in deepstack_features]  # [k][image, video]
+                per_token = [(token_id, [p[kind] for p in parts])
+                             for kind, token_id in enumerate(token_ids) if counts[kind]]
+                context = deepstack.dense_context(input_ids, per_token, tuple(embeddings.shape))
+        else:
+            # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
+            embeddings = touch_with_zero(embeddings, self._trainable_encoder_params())
+        if self.config.sequence_parallel:
+            group = self.language_model.pg_collection.tp
+            embeddings = tensor_parallel.scatter_to_sequence_parallel_region(embeddings, group=group)
+            if context is not None:
+                context = tensor_parallel.scatter_to_sequence_parallel_region(context, group=group)
+        return embeddings, context
+
+    def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Merged features [P/m^2, h] and the k DeepStack feature sets [P/m^2, h], decoder layer order."""
+        patch_features, block_outputs = self.vision_model(pixels, grid_thw)
+        deepstack_features = [self.deepstack_projectors[merger](outputs)
+                              for merger, outputs in zip(self._deepstack_mergers, block_outputs)]
+        return self.projector(patch_features), deepstack_features
+
+    def _trainable_encoder_params(self) -> list[torch.nn.Parameter]:
+        return [param for tower in (self.vision_model, self.projector, self.deepstack_projectors)
+                for param in tower.parameters() if param.requires_grad]
+
+    def _placeholder_count(self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor],
+                           what: str) -> int:
+        """Merged-patch count of the images (or videos); must equal their placeholder tokens."""
+        num_tokens = int((input_ids == token_id).sum())
+        num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // self.merge_unit
+        if num_tokens != num_features:
+            grids = None if grid_thw is None else grid_thw.tolist()
+            raise ValueError(f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
+                             f"{num_features} merged patches ({what}_grid_thw={grids})")
+        return num_features
+
+
+def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
+    batch, seq_len = input_ids.shape
+    if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
+        raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
+    if packed_seq_params is not None:
+        if batch != 1:
+            raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
+        covered = int(packed_seq_params.cu_seqlens_q[-1])
+        if covered != seq_len:
+            # M-RoPE and the core attention index tokens by cu_seqlens: trailing padding must be
+            # a segment of its own.
+            raise ValueError(f"cu_seqlens_q[-1]={covered} must equal the sequence length {seq_len}")
+
+
+def build_model(
+    model_cfg: ModelConfig,
+    parallel_cfg: ParallelConfig,
+    *,
+    params_dtype: torch.dtype,
+    pre_process: bool,
+    post_process: bool,
+    device: torch.device | str,
+    vp_stage: Optional[int] = None,
+    recompute_activations: bool = False,
+    init_seed: Optional[int] = None,
+    vision: Optional[Qwen3VisionConfig] = None,
+) -> Qwen3VLModel:
+    """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
+    ``parallel_cfg``. ``recompute_activations``: full activation recompute in both towers.
+    ``init_seed``: the seed of the initial weights (default ``torch.initial_seed()``).
+    ``vision``: the Qwen3-VL vision facts; default ``Qwen3VisionConfig.from_model_cfg(model_cfg)``
+    (which needs the Qwen3-VL fields of ``model.vision``)."""
+    vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
+    init_seed = torch.initial_seed() if init_seed is None else init_seed
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        mcore_patches.apply_cpu()
+    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
+    language_pgs = ProcessGroupCollection.use_mpu_process_groups()
+    _check_parallel_state(parallel_cfg, language_pgs)
+    _check_model(model_cfg, vision)
+    tp = parallel_cfg.tensor_model_parallel_size
+    if vision_tensor_parallel_size(parallel_cfg) != tp:
+        raise ValueError(f"parallel.vision_tensor_model_parallel_size={parallel_cfg.vision_tensor_model_parallel_size}"
+                         f": Qwen3-VL's vision tower runs at the language TP size ({tp}); leave it null")
+    if parallel_cfg.encoder_dp != "none":
+        raise ValueError(f"parallel.encoder_dp={parallel_cfg.encoder_dp!r} is not supported by Qwen3-VL yet; use none")
+    language_config = decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype, on_cpu,
+                                                      recompute_layers=recompute_activations)
+    deepstack.check_pipeline(language_config, vision.num_deepstack_layers)
+    model = Qwen3VLModel(
+        model_cfg=model_cfg,
+        vision=vision,
+        language_config=language_config,
+        vision_config=configs.vision_config(vision, tp, params_dtype, on_cpu, recompute=recompute_activations),
+        merger_config=configs.merger_config(vision, tp, params_dtype, on_cpu),
+        modules=modules,
+        language_pgs=language_pgs,
+        pre_process=pre_process,
+        post_process=post_process,
+        vp_stage=vp_stage,
+        init_seed=init_seed,
+    )
+    return model.to(device)
+
+
+def _check_model(model_cfg: ModelConfig, vision: Qwen3VisionConfig) -> None:
+    lang = model_cfg.language
+    if vision.out_hidden_size != lang.hidden_size:
+        raise ValueError(f"vision out_hidden_size={vision.out_hidden_size} must equal "
+                         f"model.language.hidden_size={lang.hidden_size}")
+    if not lang.mrope_section:
+        raise ValueError("model.language.mrope_section must be set for Qwen3-VL (interleaved M-RoPE)")
+    if getattr(lang, "mrope_interleaved", True) is False:
+        raise ValueError("model.language.mrope_interleaved=false: Qwen3-VL's M-RoPE is interleaved")
+
+
+def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
+    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
+        expected = getattr(parallel_cfg, key)
+        if group is None or group.size() != expected:
+            actual = None if group is None else group.size()
+            raise ValueError(
+                f"parallel.{key}={expected} but megatron's parallel state has {actual}; call "
+                "megatron.core.parallel_state.initialize_model_parallel with the same sizes first"
+            )

@@ -1,0 +1,91 @@
+"""Family-independent pieces of Qwen-style vision towers and of writing their features into text.
+
+Qwen2.5-VL and Qwen3-VL emit patches in merge-unit order (the ``m*m`` patches of one merged token
+consecutive), rotate each patch by its 2-D (row, column) grid position, and attend within each frame;
+their models write the merged features over placeholder tokens. Those index and scatter rules live
+here, once; what differs between the families (windows, norms, position embeddings) stays in each
+family's ``vision.py``.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+# The 2-D rotary base of the ViT (fixed in Qwen2.5-VL and Qwen3-VL; not the language model's rope_theta).
+VISION_ROPE_THETA = 10000.0
+
+
+def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
+    """[P, 2] (row, column) of each patch, merge-unit major, repeated for every frame."""
+    positions = []
+    for t, h, w in grid_thw.tolist():
+        rows = torch.arange(h)[:, None].expand(h, w)
+        cols = torch.arange(w)[None, :].expand(h, w)
+        # (h, w) -> (h/m, m, w/m, m) -> (h/m, w/m, m, m): the m*m patches of a merge unit adjacent
+        hw = torch.stack([rows, cols], dim=-1).reshape(h // merge, merge, w // merge, merge, 2)
+        hw = hw.permute(0, 2, 1, 3, 4).reshape(-1, 2)
+        positions.append(hw.repeat(t, 1))
+    return torch.cat(positions).to(grid_thw.device)
+
+
+def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
+    """[num_frames + 1] int32 patch offsets: one full-attention segment per frame."""
+    frame_sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])
+    return F.pad(frame_sizes.cumsum(0, dtype=torch.int32), (1, 0))
+
+
+def rotary_freqs(positions: torch.Tensor, head_dim: int, theta: float = VISION_ROPE_THETA) -> torch.Tensor:
+    """[P, head_dim] rotary angles in megatron's non-interleaved layout.
+
+    A quarter of the head's frequencies rotate with the row, a quarter with the column; the halves
+    are duplicated because megatron (like transformers) rotates ``x`` against ``rotate_half(x)``.
+    """
+    quarter = head_dim // 4
+    exponents = torch.arange(quarter, dtype=torch.float32, device=positions.device) * 2 / (head_dim // 2)
+    inv_freq = 1.0 / theta**exponents
+    angles = (positions[..., None].float() * inv_freq).flatten(1)  # [P, 2 * quarter]: rows, cols
+    return torch.cat([angles, angles], dim=-1)
+
+
+def packed_segments(cu_seqlens: torch.Tensor) -> PackedSeqParams:
+    """thd parameters of self-attention within each ``cu_seqlens`` segment."""
+    max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+    return PackedSeqParams(
+        qkv_format="thd",
+        cu_seqlens_q=cu_seqlens,
+        cu_seqlens_kv=cu_seqlens,
+        max_seqlen_q=max_seqlen,
+        max_seqlen_kv=max_seqlen,
+    )
+
+
+def vision_pg_collection(
+    tp_group: torch.distributed.ProcessGroup, language_pgs: ProcessGroupCollection
+) -> ProcessGroupCollection:
+    """Process groups the ViT layers are built with: their own TP group; the (size-1) CP group and
+    the PP group come from the language model (the ViT is whole on the first pipeline stage)."""
+    if language_pgs.cp.size() != 1:
+        raise ValueError("the vision tower does not support context parallelism")
+    return ProcessGroupCollection(tp=tp_group, cp=language_pgs.cp, pp=language_pgs.pp)
+
+
+def optional_cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    present = [t for t in tensors if t is not None]
+    return torch.cat(present) if present else None
+
+
+def scatter_features(
+    embeddings: torch.Tensor, input_ids: torch.Tensor, token_id: int, features: torch.Tensor
+) -> torch.Tensor:
+    """Write features [n, h] over the placeholder positions of embeddings [s, b, h], in (batch,
+    position) order."""
+    if features.shape[0] == 0:
+        return embeddings
+    mask = (input_ids == token_id)[..., None]  # [b, s, 1]
+    merged = embeddings.transpose(0, 1).masked_scatter(mask, features)  # [b, s, h]
+    return merged.transpose(0, 1).contiguous()
