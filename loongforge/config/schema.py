@@ -31,6 +31,13 @@ class VisionConfig:
     fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
+    # Block norms: rms (Qwen2.5-VL: RMSNorm) or layer (Qwen3-VL: LayerNorm with bias).
+    norm: str = "rms"
+    # Qwen3-VL: a learned position-embedding grid of this many (a square) positions, resampled to
+    # each image's grid; null: none (Qwen2.5-VL).
+    num_position_embeddings: Optional[int] = None
+    # Qwen3-VL DeepStack: vision blocks whose merged features are added after decoder layers 0..k-1.
+    deepstack_layers: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -59,6 +66,9 @@ class LanguageConfig:
     # M-RoPE: rotary pairs given to the temporal, height and width position ids; sums to head_dim/2.
     # Empty for a text-only model (plain 1-D RoPE).
     mrope_section: list[int] = field(default_factory=lambda: [16, 24, 24])
+    # Qwen3-VL: the sections interleave t, h, w over the rotary frequencies instead of taking
+    # three contiguous blocks (Qwen2.5-VL).
+    mrope_interleaved: bool = False
     max_position_embeddings: int = 128_000
     tie_word_embeddings: bool = False
     add_qkv_bias: bool = True

@@ -37,6 +37,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.read": ("auto", "global", "sharded"),
     "optimizer.name": ("adam", "sgd"),
     "parallel.encoder_dp": ("none", "tp", "full"),
+    "model.vision.norm": ("rms", "layer"),
 }
 
 # Numbers that must be >= 1 (sizes, counts) and >= 0 (rates, intervals).
@@ -266,6 +267,8 @@ def _get(cfg: RunConfig, dotted: str) -> Any:
 def _check_choices(cfg: RunConfig) -> list[str]:
     errors = []
     for path, allowed in CHOICES.items():
+        if not _present(cfg, path):
+            continue
         value = _get(cfg, path)
         if value not in allowed:
             close = difflib.get_close_matches(str(value), allowed, n=1, cutoff=0.5)

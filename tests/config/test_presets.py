@@ -53,16 +53,16 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 
 
 # Toy sizes for CPU runs: no published checkpoint to match.
-CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit"}
+CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny"}
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n not in CPU_PRESETS])
 def test_full_size_presets_match_published_parameter_counts(name):
-    from loongforge.models.qwen2_5_vl.params import count_parameters
+    from loongforge.models.registry import get_family
 
     cfg = load_run_config(name)
     assert cfg.model.reference_num_params is not None
-    assert count_parameters(cfg.model)["total"] == cfg.model.reference_num_params
+    assert get_family(cfg.model.family).count_parameters(cfg.model)["total"] == cfg.model.reference_num_params
 
 
 def test_7b_preset_is_the_schema_default_model():

@@ -30,12 +30,15 @@ def tiny_model_cfg(*, tie: bool = False) -> ModelConfig:
     return ModelConfig(
         family="qwen3_vl",
         vision=VisionConfig(depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
-                            num_heads=vis.num_heads, patch_size=vis.patch_size, hidden_act=vis.hidden_act),
+                            num_heads=vis.num_heads, patch_size=vis.patch_size, hidden_act=vis.hidden_act,
+                            norm="layer", num_position_embeddings=vis.num_position_embeddings,
+                            deepstack_layers=list(vis.deepstack_visual_indexes)),
         projector=ProjectorConfig(spatial_merge_size=vis.spatial_merge_size, out_hidden_size=vis.out_hidden_size),
         language=LanguageConfig(
             num_layers=3, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2,
             head_dim=32,  # != 64 / 4: Qwen3's free head width
             qk_norm=True, add_qkv_bias=False, vocab_size=151936, rope_theta=5e6, mrope_section=[6, 5, 5],
+            mrope_interleaved=True,
             tie_word_embeddings=tie,
         ),
         layer_backend="sdpa",
@@ -167,12 +170,11 @@ def test_vision_facts_read_from_the_hf_config():
 
 def test_vision_facts_from_model_cfg_need_the_qwen3_vl_fields():
     model_cfg = tiny_model_cfg()
+    assert Qwen3VisionConfig.from_model_cfg(model_cfg) == TINY_VISION
+    model_cfg.vision.num_position_embeddings, model_cfg.vision.deepstack_layers = None, []
     with pytest.raises(ValueError, match=r"model.vision.num_position_embeddings, model.vision.deepstack_layers must be set"):
         Qwen3VisionConfig.from_model_cfg(model_cfg)
-    # The fields the schema is to gain, set by hand until it has them.
-    model_cfg.vision.num_position_embeddings = TINY_VISION.num_position_embeddings
-    model_cfg.vision.deepstack_layers = list(TINY_VISION.deepstack_visual_indexes)
-    assert Qwen3VisionConfig.from_model_cfg(model_cfg) == TINY_VISION
+    model_cfg = tiny_model_cfg()
     model_cfg.vision.norm = "rms"
     with pytest.raises(ValueError, match="model.vision.norm='rms'"):
         Qwen3VisionConfig.from_model_cfg(model_cfg)

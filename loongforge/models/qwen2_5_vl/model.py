@@ -371,6 +371,7 @@ def build_model(
 
     language_pgs = ProcessGroupCollection.use_mpu_process_groups()
     _check_parallel_state(parallel_cfg, language_pgs)
+    _check_qwen2_5_vl(model_cfg)
     vision_tp = configs.vision_tensor_parallel_size(parallel_cfg)
     vision_tp_group = build_vision_tp_group(language_pgs.tp, vision_tp)
 
@@ -439,6 +440,19 @@ def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vis
     if model._pp_rank > 0:
         for tower in (model.vision_model, model.projector):
             mark_pipeline_replicas(tower.parameters())
+
+
+def _check_qwen2_5_vl(model_cfg: ModelConfig) -> None:
+    """Settings of other families this model has no part for are errors, not silently ignored."""
+    vision, lang = model_cfg.vision, model_cfg.language
+    foreign = [f"model.vision.norm={vision.norm}" if vision.norm != "rms" else "",
+               "model.vision.num_position_embeddings" if vision.num_position_embeddings is not None else "",
+               "model.vision.deepstack_layers" if vision.deepstack_layers else "",
+               "model.language.mrope_interleaved" if lang.mrope_interleaved else ""]
+    foreign = [item for item in foreign if item]
+    if foreign:
+        raise ValueError(f"{', '.join(foreign)}: not part of a Qwen2.5-VL model (RMSNorm vision blocks, no "
+                         f"learned positions or DeepStack, contiguous M-RoPE); unset them")
 
 
 def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:

@@ -80,17 +80,17 @@ class Qwen3VisionConfig:
 
     @classmethod
     def from_model_cfg(cls, model_cfg: ModelConfig) -> "Qwen3VisionConfig":
-        """From ``model.vision`` / ``model.projector`` with the Qwen3-VL fields the schema is to gain
-        (``vision.num_position_embeddings``, ``vision.deepstack_layers``)."""
+        """From ``model.vision`` / ``model.projector``, whose Qwen3-VL fields (``norm: layer``,
+        ``num_position_embeddings``, ``deepstack_layers``) must be set."""
         vis, proj = model_cfg.vision, model_cfg.projector
         if vis is None or proj is None:
             raise ValueError("model.vision and model.projector must be set for a Qwen3-VL model")
         missing = [f"model.vision.{name}" for name in ("num_position_embeddings", "deepstack_layers")
-                   if getattr(vis, name, None) is None]
+                   if getattr(vis, name) in (None, [])]
         if missing:
             raise ValueError(f"{', '.join(missing)} must be set for a Qwen3-VL model (or pass the vision "
                              "facts to build_model as vision=Qwen3VisionConfig.from_hf(...))")
-        if getattr(vis, "norm", "layer") != "layer":
+        if vis.norm != "layer":
             raise ValueError(f"model.vision.norm={vis.norm!r}: Qwen3-VL's vision blocks use LayerNorm (layer)")
         return cls(
             depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,

@@ -307,7 +307,7 @@ def _check_model(model_cfg: ModelConfig, vision: Qwen3VisionConfig) -> None:
                          f"model.language.hidden_size={lang.hidden_size}")
     if not lang.mrope_section:
         raise ValueError("model.language.mrope_section must be set for Qwen3-VL (interleaved M-RoPE)")
-    if getattr(lang, "mrope_interleaved", True) is False:
+    if not lang.mrope_interleaved:
         raise ValueError("model.language.mrope_interleaved=false: Qwen3-VL's M-RoPE is interleaved")
 
 
