@@ -25,8 +25,9 @@ class VisionConfig:
     in_channels: int = 3
     patch_size: int = 14
     temporal_patch_size: int = 2
-    # Pixel side of one attention window; 112 px = 8x8 patches = 4x4 merged tokens.
-    window_size: int = 112
+    # Pixel side of one attention window; 112 px = 8x8 patches = 4x4 merged tokens. null: no window
+    # attention (Qwen3-VL: every block sees the whole image).
+    window_size: Optional[int] = 112
     # Blocks that attend over the whole image instead of inside windows.
     fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
     rms_norm_eps: float = 1e-6
@@ -38,6 +39,10 @@ class VisionConfig:
     num_position_embeddings: Optional[int] = None
     # Qwen3-VL DeepStack: vision blocks whose merged features are added after decoder layers 0..k-1.
     deepstack_layers: list[int] = field(default_factory=list)
+    # The image processor's per-channel normalisation (image_mean / image_std): OpenAI CLIP's for
+    # Qwen2.5-VL, 0.5 / 0.5 for Qwen3-VL.
+    pixel_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])
+    pixel_std: list[float] = field(default_factory=lambda: [0.26862954, 0.26130258, 0.27577711])
 
 
 @dataclass

@@ -44,7 +44,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
 _AT_LEAST_ONE = (
     "model.vision.depth", "model.vision.hidden_size", "model.vision.intermediate_size",
     "model.vision.num_heads", "model.vision.patch_size", "model.vision.temporal_patch_size",
-    "model.vision.window_size", "model.projector.spatial_merge_size",
+    "model.projector.spatial_merge_size",
     "model.language.num_layers", "model.language.hidden_size", "model.language.ffn_hidden_size",
     "model.language.num_attention_heads", "model.language.num_query_groups",
     "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
@@ -349,7 +349,7 @@ def _check_vision_shape(cfg: RunConfig) -> list[str]:
         errors.append(f"model.vision.fullatt_block_indexes has {bad_blocks} outside the "
                       f"{vision.depth} vision blocks; use indexes 0..{vision.depth - 1}.")
     merged_patch_px = vision.patch_size * projector.spatial_merge_size
-    if vision.window_size % merged_patch_px:
+    if vision.window_size is not None and (vision.window_size < 1 or vision.window_size % merged_patch_px):
         errors.append(f"model.vision.window_size={vision.window_size} px must be a multiple of "
                       f"patch_size x spatial_merge_size = {merged_patch_px} px so windows hold "
                       f"whole merged tokens.")

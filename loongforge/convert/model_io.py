@@ -29,6 +29,7 @@ from loongforge.convert.engine import (
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
 from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
+from loongforge.models.hf_weights import vision_tp_group
 from loongforge.models.registry import get_family
 
 
@@ -60,7 +61,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
     check_hf_tensors(checkpoint, model.model_cfg, "the run's model config")
     language = model.language_model
     tp = language.pg_collection.tp
-    vision_tp = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
+    vision_tp = vision_tp_group(model)
     layers = language.decoder.layers
     links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0)
 

@@ -86,6 +86,8 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
         max_pixels=data_cfg.max_pixels,
         video_min_pixels=data_cfg.video_min_pixels,
         video_max_pixels=data_cfg.video_max_pixels,
+        pixel_mean=tuple(model_cfg.vision.pixel_mean),
+        pixel_std=tuple(model_cfg.vision.pixel_std),
     )
 
 

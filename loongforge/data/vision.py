@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Union
 
@@ -57,6 +57,13 @@ class VisionSizing:
     max_pixels: int
     video_min_pixels: int
     video_max_pixels: int
+    # Per-channel normalisation (the processor's image_mean / image_std).
+    pixel_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
+    pixel_std: tuple[float, float, float] = OPENAI_CLIP_STD
+
+    def geometry(self) -> dict:
+        """The fields that decide grids and token counts (what a packed folder must agree on)."""
+        return {k: v for k, v in asdict(self).items() if k not in ("pixel_mean", "pixel_std")}
 
     @property
     def factor(self) -> int:
@@ -178,7 +185,7 @@ def preprocess_image(image: Image.Image, sizing: VisionSizing) -> tuple[np.ndarr
     """RGB PIL image -> (pixel_values float32 [grid_h*grid_w, 3*2*14*14], (1, grid_h, grid_w))."""
     width, height = image.size
     resized_h, resized_w = smart_resize(height, width, sizing.factor, sizing.min_pixels, sizing.max_pixels)
-    frame = normalize_frame(resize_bicubic(image, resized_h, resized_w))  # [H, W, 3]
+    frame = normalize_frame(resize_bicubic(image, resized_h, resized_w), sizing)  # [H, W, 3]
     frames = np.repeat(frame[None], sizing.temporal_patch_size, axis=0)  # [tp, H, W, 3]
     return patchify(frames, sizing), (1, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
 
@@ -188,15 +195,13 @@ def resize_bicubic(image: Image.Image, height: int, width: int) -> np.ndarray:
     return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
 
 
-_MEAN32 = np.asarray(OPENAI_CLIP_MEAN, dtype=np.float32)
-_STD32 = np.asarray(OPENAI_CLIP_STD, dtype=np.float32)
-
-
-def normalize_frame(pixels_uint8: np.ndarray) -> np.ndarray:
+def normalize_frame(pixels_uint8: np.ndarray, sizing: VisionSizing) -> np.ndarray:
     """uint8 [H, W, 3] -> float32 [H, W, 3]; rescale in float64 then normalise in float32, the
     exact dtype sequence of transformers' numpy path (so results are bit-equal)."""
     rescaled = (pixels_uint8.astype(np.float64) * (1 / 255)).astype(np.float32)
-    return (rescaled - _MEAN32) / _STD32
+    mean = np.asarray(sizing.pixel_mean, dtype=np.float32)
+    std = np.asarray(sizing.pixel_std, dtype=np.float32)
+    return (rescaled - mean) / std
 
 
 def patchify(frames: np.ndarray, sizing: VisionSizing) -> np.ndarray:
@@ -325,7 +330,7 @@ def decode_video_frames(path: str | Path, frame_indices: tuple[int, ...]) -> lis
 def preprocess_video(frames: list[Image.Image], plan: VideoPlan, sizing: VisionSizing) -> np.ndarray:
     """Frames -> pixel_values_videos float32 [grid_t*grid_h*grid_w, 3*2*14*14]."""
     stacked = np.stack(
-        [normalize_frame(resize_bicubic(frame, plan.resized_height, plan.resized_width)) for frame in frames]
+        [normalize_frame(resize_bicubic(frame, plan.resized_height, plan.resized_width), sizing) for frame in frames]
     )  # [T, H, W, 3]
     pad = -len(frames) % sizing.temporal_patch_size
     if pad:  # repeat the last frame, as transformers does

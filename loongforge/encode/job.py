@@ -87,9 +87,9 @@ class EncodeSummary:
 def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) -> EncodeSummary:
     _check_options(options)
     cfg = load_run_config(options.preset, overrides=list(options.overrides))
-    if not get_family(cfg.model.family).has_vision:
-        raise ConfigError(f"--preset {options.preset}: model family {cfg.model.family} has no vision encoder; "
-                          f"encode runs a vision-language preset's encoder (see --list-presets)")
+    if get_family(cfg.model.family).build_encoder is None:
+        raise ConfigError(f"--preset {options.preset}: model family {cfg.model.family} has no vision encoder "
+                          f"that runs on its own; encode runs a qwen2_5_vl preset's encoder (see --list-presets)")
     plan, inputs = _plan(options, cfg)
     root = Path(options.output)
     job = _job_record(options, cfg, inputs)

@@ -89,7 +89,8 @@ class ModelFamily:
     # (model_cfg, *, params_dtype, device, init_seed, group=None) -> the vision encoder alone (tower
     # + merger, the training model's parameter names and initial weights): (pixels, grid_thw) ->
     # features [P / merge_unit, LM hidden]; its layers run on ``group`` (a group of this rank alone),
-    # else on megatron's groups, which must then be TP = PP = 1. None: a text-only family.
+    # else on megatron's groups, which must then be TP = PP = 1. None: no encoder to run on its
+    # own (a text-only family; Qwen3-VL, whose DeepStack features are not stored yet).
     build_encoder: Optional[Callable[..., "torch.nn.Module"]]
     # ModelConfig -> {"vision_model", "projector", "language_model", "total"} parameter counts
     count_parameters: Callable[[ModelConfig], dict[str, int]]
@@ -102,7 +103,8 @@ class ModelFamily:
 
     @property
     def has_vision(self) -> bool:
-        return self.build_encoder is not None
+        """Whether the family's models see images (its chat format has a block for them)."""
+        return bool(self.chat.image_block)
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""

@@ -11,7 +11,7 @@ from __future__ import annotations
 import abc
 import math
 from dataclasses import dataclass
-from typing import Optional, Sequence
+from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
@@ -19,6 +19,19 @@ import torch
 # vocabularies (151936 = 128*1187, 152064 = 128*1188) unpadded at every power-of-two TP size,
 # so checkpoints do not change shape with TP.
 VOCAB_PAD_MULTIPLE = 128
+
+
+def rename_prefixes(state: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
+    """Keys starting with a pair's first prefix get its second instead (the first pair that
+    matches); other keys unchanged. How a family maps the key styles it reads to the one it writes."""
+    renamed = {}
+    for key, value in state.items():
+        for old, new in pairs:
+            if key.startswith(old):
+                key = new + key[len(old):]
+                break
+        renamed[key] = value
+    return renamed
 
 
 def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:

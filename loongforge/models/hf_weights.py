@@ -118,7 +118,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
     layer offset are read from the model's own process groups and layers)."""
     language = model.language_model
     tp_group = language.pg_collection.tp
-    vision_group = None if model.vision_model is None else model.vision_model.layers[0].pg_collection.tp
+    vision_group = vision_tp_group(model)
     layers = language.decoder.layers
     converted = hf_to_megatron(
         hf_state,
@@ -134,3 +134,10 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+def vision_tp_group(model: torch.nn.Module):
+    """The process group the model's vision tower is tensor-parallel over; None without a tower
+    on this rank (a text-only model, a later pipeline stage)."""
+    tower = getattr(model, "vision_model", None)
+    return None if tower is None else tower.layers[0].pg_collection.tp

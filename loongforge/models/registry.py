@@ -18,6 +18,7 @@ from loongforge.models.family import ModelFamily
 _FAMILIES: dict[str, str] = {
     "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
+    "qwen3_vl": "loongforge.models.qwen3_vl",
 }
 
 

@@ -169,7 +169,7 @@ def _load_config(options: PackOptions):
 
 def _sizing_dict(cfg) -> dict:
     sizing = vision_sizing(cfg.data, cfg.model)
-    return {} if sizing is None else asdict(sizing)
+    return {} if sizing is None else sizing.geometry()
 
 
 def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) -> dict:

@@ -132,8 +132,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
 
 def _freeze(model, cfg: RunConfig) -> None:
     """training.freeze_vision / freeze_projector: those towers take no gradient (where built)."""
-    frozen = [tower for flag, tower in ((cfg.training.freeze_vision, model.vision_model),
-                                        (cfg.training.freeze_projector, model.projector)) if flag and tower is not None]
+    towers = model.towers()
+    frozen = [tower for flag, name in ((cfg.training.freeze_vision, "vision"), (cfg.training.freeze_projector, "projector"))
+              if flag for tower in towers[name]]
     for tower in frozen:
         for param in tower.parameters():
             param.requires_grad_(False)

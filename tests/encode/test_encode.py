@@ -230,6 +230,6 @@ def test_a_text_only_preset_is_a_usage_error(tmp_path):
     refused = _encode(tmp_path / "out", "--preset", "llm-tiny")
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
-        "error: --preset llm-tiny: model family llm has no vision encoder; encode runs a vision-language "
-        "preset's encoder (see --list-presets)")
+        "error: --preset llm-tiny: model family llm has no vision encoder that runs on its own; encode runs a "
+        "qwen2_5_vl preset's encoder (see --list-presets)")
     assert not (tmp_path / "out").exists()

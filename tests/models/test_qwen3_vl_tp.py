@@ -43,7 +43,7 @@ SHARDED_SHAPES = {
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.qwen3_vl.hf_mapping import load_hf_state_dict, megatron_to_hf
+    from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
     from loongforge.models.qwen3_vl.model import build_model
 
     limit_threads()
@@ -59,7 +59,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
         if not sequence_parallel:  # both ranks' shards -> whole HF tensors again
             shards = [None] * WORLD_SIZE
             dist.all_gather_object(shards, model.state_dict())
-            results["written"] = megatron_to_hf(shards, data["model_cfg"], TINY_VISION)
+            results["written"] = megatron_to_hf(shards, data["model_cfg"])
             sharded = model.sharded_state_dict()  # what a distributed checkpoint records
             results["global_shapes"] = {key: tuple(sharded[key].global_shape) for key in SHARDED_SHAPES}
         for name, inputs in data["cases"].items():

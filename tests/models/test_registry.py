@@ -36,8 +36,9 @@ def test_every_family_provides_every_field(name):
     assert family.hf_architectures and family.hf_model_types
     chat = family.chat
     assert chat.turn_start and chat.turn_end and chat.jinja_template
-    # A family that sees images has a block for them in its chat format, and only such a family.
-    assert bool(chat.image_block and chat.video_block) == family.has_vision
+    # A family that sees images has blocks for images and videos in its chat format.
+    assert bool(chat.image_block) == bool(chat.video_block) == family.has_vision
+    assert family.has_vision == (load_run_config(family.tiny_preset).model.vision is not None)
 
 
 @pytest.mark.parametrize("name", registry.families())
@@ -68,9 +69,9 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of llm | qwen2_5_vl; did you mean 'qwen2_5_vl'? "
-                       "set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of llm \| qwen2_5_vl; set"):
+    assert message == ("model.family='qwen25_vl' is not one of llm | qwen2_5_vl | qwen3_vl; did you mean "
+                       "'qwen2_5_vl'? set model.family to one of those.")
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of llm \| qwen2_5_vl \| qwen3_vl; set"):
         registry.get_family("gemma")
 
 

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 from collections import OrderedDict
-from dataclasses import asdict
 from pathlib import Path
 
 import numpy as np
@@ -75,7 +74,7 @@ class PackedFolder:
         if self.stats["seq_len"] > seq_len:
             raise InputError(f"data.packed={self.root} was packed for seq_len {self.stats['seq_len']} > "
                              f"data.seq_len={seq_len}; set data.seq_len={self.stats['seq_len']} or repack")
-        expected = {} if sizing is None else asdict(sizing)
+        expected = {} if sizing is None else sizing.geometry()
         packed = self.stats["vision_sizing"]
         differing = sorted(k for k in expected.keys() | packed.keys() if packed.get(k) != expected.get(k))
         if differing:

@@ -7,7 +7,7 @@ from typing import Any, Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule
+from loongforge.models.hf_rules import Rule, rename_prefixes
 
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
@@ -16,6 +16,4 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
 
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
     """``model.language_model.*`` (a causal LM saved from inside a VLM wrapper) -> ``model.*``."""
-    prefix = "model.language_model."
-    return {("model." + key[len(prefix):] if key.startswith(prefix) else key): value
-            for key, value in hf_state.items()}
+    return rename_prefixes(hf_state, (("model.language_model.", "model."),))

@@ -44,9 +44,6 @@ class TextModel(MegatronModule):
         self.share_embeddings_and_output_weights = lang.tie_word_embeddings
         self.layer_backends = {"language": modules.describe()}
         self.model_type = ModelType.encoder_or_decoder
-        # The towers a vision-language model has; the training loop asks for them by name.
-        self.vision_model = None
-        self.projector = None
         self.language_model = LanguageModel(
             config=language_config,
             transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
@@ -66,6 +63,10 @@ class TextModel(MegatronModule):
             pg_collection=pgs,
             vp_stage=vp_stage,
         )
+
+    def towers(self) -> dict[str, list[torch.nn.Module]]:
+        """No encoder parts: ``training.freeze_vision`` / ``freeze_projector`` freeze nothing."""
+        return {"vision": [], "projector": []}
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

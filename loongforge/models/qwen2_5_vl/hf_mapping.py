@@ -42,6 +42,7 @@ from loongforge.models.hf_rules import (  # noqa: F401  (Transform, Vocab: re-ex
     Tensor,
     Transform,
     Vocab,
+    rename_prefixes,
 )
 from loongforge.models.decoder.hf_mapping import language_rules
 
@@ -88,11 +89,4 @@ _NEW_TO_HUB = (("model.visual.", "visual."), ("model.language_model.", "model.")
 
 def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Rename ``model.visual.*`` / ``model.language_model.*`` keys to the Hub's style."""
-    renamed = {}
-    for key, value in hf_state.items():
-        for new, hub in _NEW_TO_HUB:
-            if key.startswith(new):
-                key = hub + key[len(new) :]
-                break
-        renamed[key] = value
-    return renamed
+    return rename_prefixes(hf_state, _NEW_TO_HUB)

@@ -131,6 +131,11 @@ class Qwen2_5_VLModel(MegatronModule):
             vp_stage=vp_stage,
         )
 
+    def towers(self) -> dict[str, list[torch.nn.Module]]:
+        """The encoder's parts this rank holds, by what ``training.freeze_*`` names them."""
+        return {"vision": [m for m in (self.vision_model,) if m is not None],
+                "projector": [m for m in (self.projector,) if m is not None]}
+
     # -- pipeline plumbing (megatron schedules and finalize_model_grads call these) -------------
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -446,6 +451,7 @@ def _check_qwen2_5_vl(model_cfg: ModelConfig) -> None:
     """Settings of other families this model has no part for are errors, not silently ignored."""
     vision, lang = model_cfg.vision, model_cfg.language
     foreign = [f"model.vision.norm={vision.norm}" if vision.norm != "rms" else "",
+               "model.vision.window_size=null" if vision.window_size is None else "",
                "model.vision.num_position_embeddings" if vision.num_position_embeddings is not None else "",
                "model.vision.deepstack_layers" if vision.deepstack_layers else "",
                "model.language.mrope_interleaved" if lang.mrope_interleaved else ""]

@@ -1,4 +1,4 @@
-"""Qwen3-VL (dense) on megatron-core.
+"""Qwen3-VL (dense) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of it.
 
 model.py        Qwen3VLModel and build_model (the entry point)
 vision.py       the ViT tower (learned, resampled position embeddings; 2-D RoPE) and patch mergers
@@ -6,9 +6,36 @@ deepstack.py    DeepStack: vision features added after the first decoder layers 
 rotary.py       interleaved M-RoPE for the decoder
 layer_specs.py  the vision layer spec (the shared pre-norm block with LayerNorm pre-norms)
 configs.py      Qwen3VisionConfig (the vision facts) and the towers' megatron TransformerConfigs
-hf_mapping.py   transformers checkpoint -> this model, per TP rank
+hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
+hf_mapping.py   the weight map (rows for ``models.hf_weights``)
+params.py       parameter counts by arithmetic
 rope_index.py   M-RoPE position ids per sample (data side)
-
-Not yet a registered family (no ``FAMILY``): the chat format, HF config.json conversion, parameter
-count, presets and the schema fields of ``Qwen3VisionConfig`` are still to come.
 """
+
+from loongforge.config.layout import DECODER_LAYOUT
+from loongforge.models.chatml import CHATML_VISION
+from loongforge.models.family import LazyFunction, ModelFamily
+from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.qwen3_vl import hf_config
+from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
+from loongforge.models.qwen3_vl.params import count_parameters
+from loongforge.models.qwen3_vl.rope_index import position_ids_for
+
+FAMILY = ModelFamily(
+    name=hf_config.NAME,
+    hf_architectures=hf_config.HF_ARCHITECTURES,
+    hf_model_types=hf_config.HF_MODEL_TYPES,
+    config_from_hf=hf_config.model_config_from_hf,
+    config_to_hf=hf_config.hf_config_from_model,
+    hf_shapes=hf_config.expected_hf_shapes,
+    hf_rules=mapping_rules,
+    to_hub_style=to_hub_style,
+    padded_vocab_size=padded_vocab_size,
+    build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
+    build_encoder=None,
+    count_parameters=count_parameters,
+    position_ids=position_ids_for,
+    chat=CHATML_VISION,
+    layout=DECODER_LAYOUT,
+    tiny_preset="qwen3vl-tiny",
+)

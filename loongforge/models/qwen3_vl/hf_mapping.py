@@ -3,8 +3,7 @@
 One declarative table, ``mapping_rules(model_cfg, vision)``: each ``Rule`` pairs HF key(s) with one
 of our keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both directions. The
 language rows are the shared decoder's (``decoder.hf_mapping.language_rules``: Qwen3 q/k norms, no
-qkv bias); the vision rows are below. ``hf_to_megatron``, ``megatron_to_hf`` and
-``load_hf_state_dict`` only walk it.
+qkv bias); the vision rows are below. ``loongforge.models.hf_weights`` walks it.
 
 HF keys come in two styles: transformers 5's state dict (``model.visual.*``,
 ``model.language_model.*``, ``lm_head``) and the older Hub style (``visual.*``, ``model.layers.*``,
@@ -20,10 +19,7 @@ Layouts that are not a plain copy:
 
 from __future__ import annotations
 
-import re
-from typing import Iterable, Mapping, Optional, Sequence
-
-import torch
+from typing import Mapping, Optional
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
@@ -35,6 +31,7 @@ from loongforge.models.hf_rules import (
     Rule,
     Split,
     Tensor,
+    rename_prefixes,
 )
 from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
 
@@ -83,109 +80,9 @@ def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = 
     return rules + language_rules(model_cfg.language)
 
 
-# ---------------------------------------------------------------------------------------------
-# Key styles and pattern matching
-# ---------------------------------------------------------------------------------------------
-
+# Key styles: transformers 5's nested names -> the Hub's (the rules' style).
 _NEW_TO_HUB = (("model.visual.", "visual."), ("model.language_model.", "model."))
 
 
 def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Rename ``model.visual.*`` / ``model.language_model.*`` keys to the Hub's style."""
-    renamed = {}
-    for key, value in hf_state.items():
-        for new, hub in _NEW_TO_HUB:
-            if key.startswith(new):
-                key = hub + key[len(new):]
-                break
-        renamed[key] = value
-    return renamed
-
-
-def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
-    for rule in rules:
-        found = re.fullmatch(re.escape(rule.megatron).replace(r"\{i\}", r"(\d+)"), key)
-        if found:
-            return rule, int(found.group(1)) if found.groups() else None
-    raise KeyError(f"no Qwen3-VL hf_mapping rule for {key!r}")
-
-
-def _fill(pattern: str, index: Optional[int]) -> str:
-    return pattern if index is None else pattern.replace("{i}", str(index))
-
-
-def _hf_index(rule: Rule, local_index: Optional[int], layer_offset: int) -> Optional[int]:
-    """Language layers are numbered per pipeline stage here, globally in HF."""
-    if local_index is None or rule.group == VISION:
-        return local_index
-    return local_index + layer_offset
-
-
-def hf_to_megatron(
-    hf_state: Mapping[str, Tensor],
-    model_cfg: ModelConfig,
-    vision: Qwen3VisionConfig,
-    keys: Iterable[str],
-    *,
-    tp_rank: int = 0,
-    tp_size: int = 1,
-    layer_offset: int = 0,
-) -> dict[str, Tensor]:
-    """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state
-    dict. Language layers are global in HF and local to the pipeline stage here (``layer_offset``);
-    ``_extra_state`` keys carry no weights and are skipped."""
-    hf_state = to_hub_style(hf_state)
-    rules = mapping_rules(model_cfg, vision)
-    out = {}
-    for key in keys:
-        if key.endswith("_extra_state"):
-            continue
-        rule, local_index = _match(rules, key)
-        sources = [_fill(p, _hf_index(rule, local_index, layer_offset)) for p in rule.hf]
-        if rule.fallback_hf and sources[0] not in hf_state:
-            sources = [rule.fallback_hf]
-        missing = [s for s in sources if s not in hf_state]
-        if missing:
-            raise KeyError(f"{key} needs {missing} from the HF checkpoint")
-        out[key] = rule.transform.shard([hf_state[s] for s in sources], tp_rank, tp_size).clone()
-    return out
-
-
-def megatron_to_hf(
-    shards: Sequence[Mapping[str, Tensor]],
-    model_cfg: ModelConfig,
-    vision: Qwen3VisionConfig,
-    *,
-    layer_offset: int = 0,
-) -> dict[str, Tensor]:
-    """Hub-style HF tensors from one pipeline stage's state dicts, one per TP rank. A tied output
-    layer is not written (tied checkpoints have no ``lm_head.weight``)."""
-    rules = mapping_rules(model_cfg, vision)
-    out = {}
-    for key in shards[0]:
-        if key.endswith("_extra_state"):
-            continue
-        rule, local_index = _match(rules, key)
-        if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
-            continue
-        tensors = rule.transform.unshard([shard[key] for shard in shards])
-        for pattern, tensor in zip(rule.hf, tensors):
-            out[_fill(pattern, _hf_index(rule, local_index, layer_offset))] = tensor
-    return out
-
-
-def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -> None:
-    """Load an HF state dict into this rank's ``Qwen3VLModel`` (TP rank and the pipeline layer
-    offset are read from the model's own process groups and layers)."""
-    language = model.language_model
-    tp_group = language.pg_collection.tp
-    layers = language.decoder.layers
-    converted = hf_to_megatron(
-        hf_state, model.model_cfg, model.vision, model.state_dict().keys(),
-        tp_rank=tp_group.rank(), tp_size=tp_group.size(),
-        layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-    )
-    result = model.load_state_dict(converted, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    if missing or result.unexpected_keys:
-        raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
+    return rename_prefixes(hf_state, _NEW_TO_HUB)

@@ -123,6 +123,18 @@ class Qwen3VLModel(MegatronModule):
         if pre_process:
             deepstack.install_hooks(self.language_model.decoder.layers, vision.num_deepstack_layers)
 
+    def towers(self) -> dict[str, list[torch.nn.Module]]:
+        """The encoder's parts this rank holds, by what ``training.freeze_*`` names them."""
+        return {"vision": [m for m in (self.vision_model,) if m is not None],
+                "projector": [m for m in (self.projector, self.deepstack_projectors) if m is not None]}
+
+    def begin_step(self, micro_batches: list[dict]) -> int:
+        """Nothing is encoded ahead of the pipeline (no ``encoder_dp=full``): 0 bytes held."""
+        return 0
+
+    def finish_step(self) -> list:
+        return []
+
     # -- pipeline plumbing (megatron schedules and finalize_model_grads call these) -------------
 
     def set_input_tensor(self, input_tensor) -> None:
@@ -259,12 +271,19 @@ def build_model(
     recompute_activations: bool = False,
     init_seed: Optional[int] = None,
     vision: Optional[Qwen3VisionConfig] = None,
+    vision_cost=None,
+    with_encoder: bool = True,
 ) -> Qwen3VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
     ``parallel_cfg``. ``recompute_activations``: full activation recompute in both towers.
     ``init_seed``: the seed of the initial weights (default ``torch.initial_seed()``).
     ``vision``: the Qwen3-VL vision facts; default ``Qwen3VisionConfig.from_model_cfg(model_cfg)``
-    (which needs the Qwen3-VL fields of ``model.vision``)."""
+    (which needs the Qwen3-VL fields of ``model.vision``). ``vision_cost`` (the cost that divides
+    media under ``parallel.encoder_dp``) has nothing to act on: Qwen3-VL runs encoder_dp=none.
+    ``with_encoder=False`` (stored embeddings) is refused: DeepStack's features are not stored."""
+    if not with_encoder:
+        raise ValueError("data.vision_embeddings is not supported by Qwen3-VL: `loongforge encode` stores the "
+                         "merged features only, not DeepStack's; train with the online encoder")
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
     init_seed = torch.initial_seed() if init_seed is None else init_seed
     device = torch.device(device)

@@ -1,0 +1,51 @@
+"""ChatML with vision blocks: the chat format of the Qwen-VL families (Qwen2-VL, Qwen2.5-VL, Qwen3-VL).
+
+The format (ChatML with vision markers)::
+
+    <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n
+    <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Who is he?<|im_end|>\n
+    <|im_start|>assistant\nHe's Thomas Muller.<|im_end|>\n
+
+Each image is one ``<|image_pad|>`` in the text; after tokenization it is expanded to
+``grid_t*grid_h*grid_w / merge**2`` copies (one per merged patch group), the processor's rule.
+The generic rendering, tokenizing and labelling is ``loongforge.data.template``.
+"""
+
+from __future__ import annotations
+
+from loongforge.models.family import ChatFormat
+
+# Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
+# content-part form ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}).
+# No whitespace control: HF renders with trim_blocks, and no newline here follows a block tag.
+CHATML_VISION_TEMPLATE = (
+    "{% for message in messages %}"
+    "{% if loop.first and message['role'] != 'system' %}"
+    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+    "{% endif %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    "{% if message['content'] is string %}"
+    "{{ message['content'] }}"
+    "{% else %}"
+    "{% for part in message['content'] %}"
+    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+    "<|vision_start|><|image_pad|><|vision_end|>"
+    "{% elif part['type'] == 'video' or 'video' in part %}"
+    "<|vision_start|><|video_pad|><|vision_end|>"
+    "{% elif 'text' in part %}"
+    "{{ part['text'] }}"
+    "{% endif %}"
+    "{% endfor %}"
+    "{% endif %}"
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+CHATML_VISION = ChatFormat(
+    turn_start="<|im_start|>",
+    turn_end="<|im_end|>",
+    image_block="<|vision_start|><|image_pad|><|vision_end|>",
+    video_block="<|vision_start|><|video_pad|><|vision_end|>",
+    jinja_template=CHATML_VISION_TEMPLATE,
+)

@@ -1,0 +1,125 @@
+"""Qwen3-VL's HF ``config.json`` both ways, and the HF tensor shapes a config implies.
+
+transformers nests the decoder under ``text_config`` (Qwen3: q/k norms, no qkv bias, ``head_dim``)
+with its rotary settings under ``rope_parameters`` (older Hub files: ``rope_scaling`` and a flat
+``rope_theta``), and the ViT under ``vision_config``.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
+from loongforge.models.decoder.hf_mapping import language_hf_shapes
+
+NAME = "qwen3_vl"
+HF_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel")
+HF_MODEL_TYPES = ("qwen3_vl",)
+_DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default when a config names none
+_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _rope(text: Mapping[str, Any]) -> tuple[float, list[int]]:
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = params.get("rope_theta", text.get("rope_theta", 5_000_000.0))
+    return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION)
+
+
+def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
+    """``ModelConfig`` from a Qwen3-VL ``config.json``."""
+    text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
+    try:
+        theta, section = _rope(text)
+        heads = text["num_attention_heads"]
+        defaults = TokenIdsConfig()
+        return ModelConfig(
+            family=NAME,
+            vision=VisionConfig(
+                depth=vision["depth"], hidden_size=vision["hidden_size"],
+                intermediate_size=vision["intermediate_size"], num_heads=vision["num_heads"],
+                in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 16),
+                temporal_patch_size=vision.get("temporal_patch_size", 2), hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+                norm="layer", num_position_embeddings=vision["num_position_embeddings"],
+                deepstack_layers=list(vision.get("deepstack_visual_indexes", [])),
+                window_size=None, fullatt_block_indexes=[],  # no window attention
+                # The processor's normalisation (preprocessor_config.json, not config.json): 0.5 / 0.5.
+                pixel_mean=[0.5, 0.5, 0.5], pixel_std=[0.5, 0.5, 0.5],
+            ),
+            projector=ProjectorConfig(spatial_merge_size=vision.get("spatial_merge_size", 2),
+                                      hidden_act="gelu", out_hidden_size=vision["out_hidden_size"]),
+            language=LanguageConfig(
+                num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
+                ffn_hidden_size=text["intermediate_size"], num_attention_heads=heads,
+                num_query_groups=text.get("num_key_value_heads", heads), vocab_size=text["vocab_size"],
+                rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta, mrope_section=section,
+                mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
+                add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 128),
+            ),
+            tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
+        )
+    except KeyError as exc:
+        raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete Qwen3-VL config.json?") from None
+
+
+def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A transformers-style ``config.json``, written when the source carries none."""
+    vis, lang, proj, tok = model_cfg.vision, model_cfg.language, model_cfg.projector, model_cfg.tokens
+    return {
+        "architectures": [HF_ARCHITECTURES[0]],
+        "model_type": HF_MODEL_TYPES[0],
+        "tie_word_embeddings": lang.tie_word_embeddings,
+        "dtype": dtype,
+        **{name: getattr(tok, name) for name in _TOKEN_FIELDS},
+        "text_config": {
+            "model_type": "qwen3_vl_text", "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
+            "intermediate_size": lang.ffn_hidden_size, "num_hidden_layers": lang.num_layers,
+            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.num_query_groups,
+            "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads, "hidden_act": "silu",
+            "max_position_embeddings": lang.max_position_embeddings, "rms_norm_eps": lang.rms_norm_eps,
+            "attention_bias": False, "tie_word_embeddings": lang.tie_word_embeddings, "dtype": dtype,
+            "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
+                                "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
+        },
+        "vision_config": {
+            "model_type": "qwen3_vl_vision", "depth": vis.depth, "hidden_size": vis.hidden_size,
+            "intermediate_size": vis.intermediate_size, "num_heads": vis.num_heads, "in_channels": vis.in_channels,
+            "patch_size": vis.patch_size, "temporal_patch_size": vis.temporal_patch_size,
+            "spatial_merge_size": proj.spatial_merge_size, "out_hidden_size": proj.out_hidden_size,
+            "num_position_embeddings": vis.num_position_embeddings,
+            "deepstack_visual_indexes": list(vis.deepstack_layers), "hidden_act": vis.hidden_act,
+        },
+    }
+
+
+def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hub-style HF tensor name -> shape implied by ``model_cfg``."""
+    vis, proj = model_cfg.vision, model_cfg.projector
+    h, ffn = vis.hidden_size, vis.intermediate_size
+    merged, out = h * proj.spatial_merge_size**2, proj.out_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "visual.patch_embed.proj.weight": (h, vis.in_channels, vis.temporal_patch_size, vis.patch_size, vis.patch_size),
+        "visual.patch_embed.proj.bias": (h,),
+        "visual.pos_embed.weight": (vis.num_position_embeddings, h),
+    }
+    for i in range(vis.depth):
+        b = f"visual.blocks.{i}."
+        shapes.update({
+            b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,), b + "norm2.bias": (h,),
+            b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+            b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+            b + "mlp.linear_fc1.weight": (ffn, h), b + "mlp.linear_fc1.bias": (ffn,),
+            b + "mlp.linear_fc2.weight": (h, ffn), b + "mlp.linear_fc2.bias": (h,),
+        })
+    # The final merger normalises each patch (width h); DeepStack's normalise the merged unit.
+    mergers = [("visual.merger.", h)] + [(f"visual.deepstack_merger_list.{i}.", merged)
+                                         for i in range(len(vis.deepstack_layers))]
+    for prefix, norm_width in mergers:
+        shapes.update({
+            prefix + "norm.weight": (norm_width,), prefix + "norm.bias": (norm_width,),
+            prefix + "linear_fc1.weight": (merged, merged), prefix + "linear_fc1.bias": (merged,),
+            prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,),
+        })
+    shapes.update(language_hf_shapes(model_cfg.language))
+    return shapes
