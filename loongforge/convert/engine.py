@@ -95,7 +95,7 @@ def build_links(model_cfg: ModelConfig) -> list[Link]:
             links.append(Link(rule, rule.hf, rule.megatron, None))
         elif rule.group == VISION:  # vision blocks are separate keys per block
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
-                      for i in range(model_cfg.vision.depth)]
+                      for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
         else:  # language layers: one key, stacked on axis 0 over the global layer index
             stacked = rule.megatron.replace("layers.{i}.", "layers.")
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), stacked, i)

@@ -45,7 +45,7 @@ class RoundTripReport:
     src: str
     tp: int
     pp: int
-    vision_tp: int
+    vision_tp: Optional[int]  # None: a text-only model
     tensors: list[TensorResult] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
@@ -70,7 +70,8 @@ class RoundTripReport:
         lines += [f"{k:<{width}}  {'missing':<9}  -" for k in self.missing]
         lines += [f"{k:<{width}}  {'unexpected':<9}  -" for k in self.unexpected]
         c = self.counts()
-        lines.append(f"round trip HF -> mcore (tp={self.tp}, pp={self.pp}, vision_tp={self.vision_tp}) -> HF: "
+        vision = "" if self.vision_tp is None else f", vision_tp={self.vision_tp}"
+        lines.append(f"round trip HF -> mcore (tp={self.tp}, pp={self.pp}{vision}) -> HF: "
                      f"{c[EXACT]} exact, {c[CLOSE]} close, {c[DIFFERENT]} different, {len(self.missing)} missing, "
                      f"{len(self.unexpected)} unexpected: {'EXACT' if self.exact else 'NOT EXACT'}")
         return "\n".join(lines)
@@ -147,7 +148,8 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
     check_layout(model_cfg, tp, pp, vision_tp)
     vision_tp = vision_tp or tp
     vocab_rows = vocab_rows_at(model_cfg, tp)
-    report = RoundTripReport(str(src), tp, pp, vision_tp)
+    # A text-only model has no vision TP to report.
+    report = RoundTripReport(str(src), tp, pp, None if model_cfg.vision is None else vision_tp)
     links = build_links(model_cfg)
     shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
     items = [item for link in links for item in _sharded_items(

@@ -189,3 +189,5 @@ class Rule:
     group: str  # LANGUAGE or VISION: which TP group shards it
     # HF key to read when ``hf`` is absent (a tied checkpoint has no lm_head.weight).
     fallback_hf: Optional[str] = None
+    # How many indices ``{i}`` runs over in a vision rule; None: every vision block.
+    count: Optional[int] = None

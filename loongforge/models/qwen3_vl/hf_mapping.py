@@ -36,15 +36,16 @@ from loongforge.models.hf_rules import (
 from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
 
 
-def _merger_rules(hf: str, ours: str) -> list[Rule]:
+def _merger_rules(hf: str, ours: str, count: Optional[int] = None) -> list[Rule]:
+    """One merger's rows; ``count``: how many mergers ``{i}`` in the names runs over."""
     rep, col, row = Replicated(), Split(0), Split(1)
     return [
-        Rule((hf + "norm.weight",), ours + "norm.weight", rep, VISION),
-        Rule((hf + "norm.bias",), ours + "norm.bias", rep, VISION),
-        Rule((hf + "linear_fc1.weight",), ours + "mlp.linear_fc1.weight", col, VISION),
-        Rule((hf + "linear_fc1.bias",), ours + "mlp.linear_fc1.bias", col, VISION),
-        Rule((hf + "linear_fc2.weight",), ours + "mlp.linear_fc2.weight", row, VISION),
-        Rule((hf + "linear_fc2.bias",), ours + "mlp.linear_fc2.bias", rep, VISION),
+        Rule((hf + "norm.weight",), ours + "norm.weight", rep, VISION, count=count),
+        Rule((hf + "norm.bias",), ours + "norm.bias", rep, VISION, count=count),
+        Rule((hf + "linear_fc1.weight",), ours + "mlp.linear_fc1.weight", col, VISION, count=count),
+        Rule((hf + "linear_fc1.bias",), ours + "mlp.linear_fc1.bias", col, VISION, count=count),
+        Rule((hf + "linear_fc2.weight",), ours + "mlp.linear_fc2.weight", row, VISION, count=count),
+        Rule((hf + "linear_fc2.bias",), ours + "mlp.linear_fc2.bias", rep, VISION, count=count),
     ]
 
 
@@ -76,7 +77,8 @@ def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = 
         Rule((vb + "mlp.linear_fc2.bias",), vl + "mlp.linear_fc2.bias", rep, VISION),
     ]
     rules += _merger_rules("visual.merger.", "projector.")
-    rules += _merger_rules("visual.deepstack_merger_list.{i}.", "deepstack_projectors.{i}.")
+    rules += _merger_rules("visual.deepstack_merger_list.{i}.", "deepstack_projectors.{i}.",
+                           count=vision.num_deepstack_layers)
     return rules + language_rules(model_cfg.language)
 
 

@@ -156,8 +156,12 @@ class Qwen3VLModel(MegatronModule):
         pixel_values_videos: Optional[torch.Tensor] = None,
         video_grid_thw: Optional[torch.Tensor] = None,
         loss_mask: Optional[torch.Tensor] = None,
+        image_embeds: Optional[torch.Tensor] = None,
+        video_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
+        ``image_embeds`` / ``video_embeds`` (stored features) are part of the family contract's
+        call and are refused: DeepStack needs the tower's intermediate features.
 
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
         loss is zero elsewhere.
@@ -168,6 +172,8 @@ class Qwen3VLModel(MegatronModule):
         [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos. On later pipeline stages the
         hidden states come from ``set_input_tensor`` instead.
         """
+        if image_embeds is not None or video_embeds is not None:
+            raise ValueError("Qwen3-VL runs its own encoder: stored image/video embeddings are not supported")
         _check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input, context = None, None
         if self.pre_process:
