@@ -1,5 +1,5 @@
-"""``loongforge convert``: HF <-> megatron-core checkpoints, and the round-trip check through a
-sharded megatron checkpoint."""
+"""``loongforge convert``: HF <-> megatron-core checkpoints, the round-trip check through a sharded
+megatron checkpoint, and the logits check of the family's model against transformers."""
 
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ DstArgument = Annotated[Optional[Path], typer.Argument(
 ToOption = Annotated[Optional[str], typer.Option(
     "--to", metavar="mcore|hf", show_default=False, help="Target format.")]
 TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help=(
-    "Language tensor-parallel size to check and pad the vocabulary for; --roundtrip writes its shards."))]
+    "Language tensor-parallel size to check and pad the vocabulary for; --roundtrip writes its shards, "
+    "--check-logits runs the model at it (N gloo processes)."))]
 PpOption = Annotated[int, typer.Option("--pp", min=1, metavar="N", help="Pipeline-parallel size to check.")]
 VisionTpOption = Annotated[Optional[int], typer.Option(
     "--vision-tp", min=1, metavar="N", show_default=False,
-    help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards.")]
+    help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards, --check-logits runs at it.")]
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="bf16|fp16|fp32", show_default=False, help="Cast every tensor (default: keep the source's).")]
 MaxShardOption = Annotated[str, typer.Option(
@@ -42,7 +43,19 @@ RoundtripOption = Annotated[bool, typer.Option(
         "HF -> megatron -> HF through a torch_dist checkpoint written as the --tp/--vision-tp ranks "
         "write it, in a temporary folder as large as the model (removed afterwards); table per "
         "tensor, exit 1 unless exact."))]
-JsonOption = Annotated[bool, typer.Option("--json", help="With --roundtrip: print the report as one JSON object.")]
+CheckLogitsOption = Annotated[bool, typer.Option(
+    "--check-logits", help=(
+        "Run SRC in transformers and in loongforge's own model (fp32, at --tp) on one built-in chat (with an "
+        "image for a vision model) and compare the logits; exit 1 unless the max abs difference <= --atol. "
+        "A loongforge checkpoint is first written as HF to a temporary folder."))]
+ImageOption = Annotated[Optional[Path], typer.Option(
+    "--image", metavar="PATH", show_default=False,
+    help="With --check-logits: this picture instead of the built-in one (sized and patchified as training does).")]
+AtolOption = Annotated[Optional[float], typer.Option(
+    "--atol", min=0.0, metavar="X", show_default=False,
+    help="With --check-logits: the largest logit difference that passes (default: 1e-4, for fp32).")]
+JsonOption = Annotated[bool, typer.Option(
+    "--json", help="With --roundtrip or --check-logits: print the report as one JSON object.")]
 NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
 
 
@@ -91,11 +104,22 @@ def convert(
     overwrite: OverwriteOption = False,
     verify: VerifyOption = False,
     roundtrip: RoundtripOption = False,
+    check_logits: CheckLogitsOption = False,
+    image: ImageOption = None,
+    atol: AtolOption = None,
     json_output: JsonOption = False,
     no_progress: NoProgressOption = False,
 ) -> None:
     """Convert checkpoints of any model family between Hugging Face and megatron-core (any TP/PP), streamed."""
     with _exit_cleanly_on_signals(), cli_errors():
+        if not check_logits and (image is not None or atol is not None):
+            raise UsageError("--image and --atol go with --check-logits")
+        if check_logits:
+            if roundtrip or dst is not None or to is not None or dtype is not None or pp != 1:
+                raise UsageError("--check-logits takes SRC only (with --tp, --vision-tp, --image, --atol, --preset); "
+                                 "drop DST, --to, --dtype, --pp and --roundtrip")
+            _check_logits(src, preset, tp, vision_tp, image, atol, json_output, no_progress)
+            return
         if roundtrip:
             _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress)
             return
@@ -126,4 +150,17 @@ def _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress) -> Non
     report = roundtrip(src, tp=tp, pp=pp, vision_tp=vision_tp, progress=not no_progress and not json_output)
     typer.echo(json.dumps(report.to_json()) if json_output else report.table())
     if not report.exact:
+        raise typer.Exit(FAILURE_EXIT_CODE)
+
+
+def _check_logits(src, preset, tp, vision_tp, image, atol, json_output, no_progress) -> None:
+    from loongforge.convert.check_logits import DEFAULT_ATOL, check_logits
+
+    quiet = no_progress or json_output
+    report = check_logits(src, image=image, tp=tp, vision_tp=vision_tp,
+                          atol=DEFAULT_ATOL if atol is None else atol, preset=preset,
+                          say=(lambda message: None) if quiet else (lambda message: typer.echo(message, err=True)),
+                          progress=not quiet)
+    typer.echo(json.dumps(report.to_json()) if json_output else report.text())
+    if not report.passed:
         raise typer.Exit(FAILURE_EXIT_CODE)

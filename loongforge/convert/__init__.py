@@ -8,6 +8,7 @@
 - ``engine``: the conversion itself, driven by the family's mapping table
   (``ModelFamily.hf_rules``), with ``--verify``;
 - ``roundtrip``: HF -> a sharded megatron checkpoint (temporary) -> HF, exact / close / different per tensor;
+- ``check_logits``: the family's own model against transformers on one built-in sample (``--check-logits``);
 - ``model_io``: HF weights into a built model (``checkpoint.load_hf``) and a run's checkpoint out
   as HF (``checkpoint.save_hf``).
 """

@@ -6,7 +6,8 @@ Training builds the model through ``build`` (``loongforge encode`` the encoder a
 ``build_encoder``), ``loongforge convert`` reads and writes HF checkpoints
 through the HF fields, the data pipeline and the profile sweep compute rotary positions through
 ``position_ids``, the dry-run plan counts parameters through ``count_parameters``, tokenizing and
-chat rendering use ``chat``, and every layout check asks ``layout``.
+chat rendering use ``chat``, every layout check asks ``layout``, and ``loongforge convert
+--check-logits`` loads its reference through ``hf_model_class``.
 
 Fields are plain values and functions so that a family is data: a test walks every registered
 family and checks each field is there and callable where it should be.
@@ -98,6 +99,10 @@ class ModelFamily:
     position_ids: Callable[[ModelConfig], PositionIds]
     chat: ChatFormat
     layout: LayoutRule
+    # The transformers class (a name in ``transformers``) that loads this family's HF folders: the
+    # reference ``convert --check-logits`` compares the family's model with. Its forward takes
+    # ``input_ids`` and, in a family with vision, the collated media inputs and ``mm_token_type_ids``.
+    hf_model_class: str
     # The CPU-sized preset that exercises this family (tests walk every family through it).
     tiny_preset: str
 

@@ -18,7 +18,7 @@ from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "chat": ChatFormat,
-           "layout": LayoutRule, "tiny_preset": str}
+           "layout": LayoutRule, "tiny_preset": str, "hf_model_class": str}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
@@ -34,6 +34,9 @@ def test_every_family_provides_every_field(name):
         elif not (field.name in _OPTIONAL and value is None):
             assert callable(value), f"{name}: ModelFamily.{field.name} is not callable"
     assert family.hf_architectures and family.hf_model_types
+    import transformers
+
+    assert hasattr(transformers, family.hf_model_class), family.hf_model_class
     chat = family.chat
     assert chat.turn_start and chat.turn_end and chat.jinja_template
     # A family that sees images has blocks for images and videos in its chat format.

@@ -34,5 +34,6 @@ FAMILY = ModelFamily(
     position_ids=position_ids_for,
     chat=CHAT,
     layout=DECODER_LAYOUT,
+    hf_model_class="AutoModelForCausalLM",
     tiny_preset="llm-tiny",
 )

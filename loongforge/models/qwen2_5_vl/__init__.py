@@ -44,5 +44,6 @@ FAMILY = ModelFamily(
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups
     # are cut from the language TP groups (process_groups.py), which the rule includes.
     layout=DECODER_LAYOUT,
+    hf_model_class="Qwen2_5_VLForConditionalGeneration",
     tiny_preset="qwen2.5vl-tiny",
 )

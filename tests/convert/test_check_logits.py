@@ -1,0 +1,123 @@
+"""``loongforge convert SRC --check-logits`` on tiny random checkpoints: every family and architecture
+agrees with transformers to 1e-5, a wrong weight fails with exit 1, bad input is a one-line exit 2."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+from loongforge.convert import check_logits
+from tests.convert.helpers import invoke, one_line_error, save_hf_checkpoint
+from tests.models.helpers import tiny_model_cfg
+from tests.models.llm_helpers import ARCHITECTURES, build_hf_llm
+from tests.shared_data import SHARED_DATA
+
+TOLERANCE = 1e-5
+COCO_PHOTO = SHARED_DATA / "coco2017" / "val2017" / "000000161044.jpg"  # 640 x 229: a 16 x 46 patch grid
+
+
+@pytest.fixture(scope="module")
+def llm_folders(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("llm")
+    for arch in ARCHITECTURES:
+        build_hf_llm(arch).save_pretrained(root / arch)
+    return {arch: root / arch for arch in ARCHITECTURES}
+
+
+@pytest.fixture(scope="module")
+def vl_folder(tmp_path_factory) -> Path:
+    """Untied, Hub key style in two shards: the layout of a real Qwen2.5-VL download."""
+    folder = tmp_path_factory.mktemp("vl") / "hub"
+    save_hf_checkpoint(folder, tiny_model_cfg(tie=False), style="hub")
+    return folder
+
+
+def _max_diff(result) -> float:
+    (value,) = re.findall(r"^max abs diff\s+(\S+)", result.stdout, flags=re.M)
+    return float(value)
+
+
+def _passes(result) -> float:
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1].startswith("verdict: PASS")
+    diff = _max_diff(result)
+    assert diff <= TOLERANCE
+    return diff
+
+
+def test_qwen2_5_vl_with_the_built_in_image(vl_folder):
+    result = invoke(str(vl_folder), "--check-logits")
+    _passes(result)
+    assert "patch grid [1, 8, 10]" in result.stdout
+    tokens = int(re.search(r"(\d+) tokens", result.stdout).group(1))
+    assert f"argmax agree    {tokens}/{tokens}" in result.stdout
+
+
+@pytest.mark.skipif(not COCO_PHOTO.is_file(), reason="needs the shared COCO photos")
+def test_qwen2_5_vl_with_a_photo(vl_folder):
+    result = invoke(str(vl_folder), "--check-logits", "--image", str(COCO_PHOTO), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["max_abs_diff"] <= TOLERANCE
+    assert "patch grid [1, 16, 46]" in report["sample"]  # sized as training sizes it
+    assert report["argmax_agree"] == report["tokens"] and report["vocab_size"] == 151936
+
+
+@pytest.mark.parametrize("arch", list(ARCHITECTURES))
+def test_llm_architectures(llm_folders, arch):
+    _passes(invoke(str(llm_folders[arch]), "--check-logits"))
+
+
+def test_a_loongforge_checkpoint_is_checked_through_its_hf_export(llm_folders, tmp_path):
+    assert invoke(str(llm_folders["qwen3"]), str(tmp_path / "mcore"), "--to", "mcore").exit_code == 0
+    result = invoke(str(tmp_path / "mcore"), "--check-logits")
+    _passes(result)
+    assert "was converted to HF" in result.stdout
+
+
+def test_a_wrong_weight_fails(llm_folders, monkeypatch):
+    """One tensor of the converted weights scaled (a q_proj, as a faulty conversion would leave it):
+    loongforge's model no longer computes what transformers does. (A tensor damaged in SRC itself
+    reaches both models alike; the check compares the mapping and the model, not two copies.)"""
+    load = check_logits.load_hf_state_dict
+
+    def load_scaled(model, hf_state):
+        key = "model.layers.1.self_attn.q_proj.weight"
+        load(model, {**hf_state, key: hf_state[key] * 3})
+
+    monkeypatch.setattr(check_logits, "load_hf_state_dict", load_scaled)
+    result = invoke(str(llm_folders["qwen2"]), "--check-logits")
+    assert result.exit_code == 1, result.output
+    assert result.stdout.splitlines()[-1].startswith("verdict: FAIL")
+    assert _max_diff(result) > 1e-2
+
+
+def test_tp2_in_two_processes(llm_folders):
+    """Qwen2 (q/k/v biases, untied): the 300-row vocabulary is padded to 512 and split over 2 ranks."""
+    result = invoke(str(llm_folders["qwen2"]), "--check-logits", "--tp", "2", "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["tp"] == 2 and report["passed"] and report["max_abs_diff"] <= TOLERANCE
+
+
+def test_bad_input_is_one_line_exit_2(llm_folders, tmp_path):
+    result = invoke(str(tmp_path / "missing"), "--check-logits")
+    assert result.exit_code == 2
+    assert one_line_error(result) == f"error: {tmp_path / 'missing'}: no such file or folder"
+    result = invoke(str(llm_folders["llama"]), "--check-logits", "--image", str(COCO_PHOTO))
+    assert result.exit_code == 2 and "text-only; drop --image" in one_line_error(result)
+    result = invoke(str(llm_folders["llama"]), "--check-logits", "--tp", "3")
+    assert result.exit_code == 2 and "--tp" in result.output
+    result = invoke(str(llm_folders["llama"]), str(tmp_path / "out"), "--check-logits")
+    assert result.exit_code == 2 and "--check-logits takes SRC only" in one_line_error(result)
+    result = invoke(str(llm_folders["llama"]), "--atol", "1e-3")
+    assert result.exit_code == 2 and "go with --check-logits" in one_line_error(result)
+
+
+def test_a_missing_image_is_one_line_exit_2(vl_folder, tmp_path):
+    result = invoke(str(vl_folder), "--check-logits", "--image", str(tmp_path / "none.jpg"))
+    assert result.exit_code == 2
+    assert one_line_error(result).startswith(f"error: --image {tmp_path / 'none.jpg'}:")
