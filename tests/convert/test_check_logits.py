@@ -66,6 +66,21 @@ def test_qwen2_5_vl_with_a_photo(vl_folder):
     assert report["argmax_agree"] == report["tokens"] and report["vocab_size"] == 151936
 
 
+@pytest.mark.skipif(not COCO_PHOTO.is_file(), reason="needs the shared COCO photos")
+def test_qwen3_vl_with_a_photo(tmp_path):
+    """Qwen3-VL's tower (patch 16, learned positions, DeepStack) on a real photo sized as training sizes
+    it for this family (32 px per merged token, 0.5 / 0.5 normalisation)."""
+    from tests.models.test_qwen3_vl_support import build_hf_model
+    from tests.models.test_qwen3_vl_support import tiny_model_cfg as qwen3_vl_tiny
+
+    build_hf_model(qwen3_vl_tiny()).save_pretrained(tmp_path / "hf")
+    result = invoke(str(tmp_path / "hf"), "--check-logits", "--image", str(COCO_PHOTO), "--json")
+    assert result.exit_code == 0, result.output
+    report = json.loads(result.stdout)
+    assert report["passed"] and report["max_abs_diff"] <= TOLERANCE
+    assert report["argmax_agree"] == report["tokens"]
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_llm_architectures(llm_folders, arch):
     _passes(invoke(str(llm_folders[arch]), "--check-logits"))

@@ -38,4 +38,5 @@ FAMILY = ModelFamily(
     chat=CHATML_VISION,
     layout=DECODER_LAYOUT,
     tiny_preset="qwen3vl-tiny",
+    hf_model_class="Qwen3VLForConditionalGeneration",
 )
