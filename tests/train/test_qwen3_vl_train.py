@@ -1,0 +1,50 @@
+"""Qwen3-VL trains through the same command: DP 2 with balancing re-planning every step equals one
+process (losses, grad norms and Adam moments, DeepStack's mergers included, to 1e-5 relative), and a
+stop + --resume at DP 2 ends bit-identical to the uninterrupted run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.train.conftest import (
+    assert_close_relative,
+    checkpoint_differences,
+    grad_norms,
+    losses,
+    run_train,
+)
+
+PRESET = "qwen3vl-tiny"
+REL = 1e-5
+OPTIONS = ("data.read=global",)
+BALANCED = ("balance.enabled=true", "balance.threshold=0")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen3vl")
+    for name, extra, nproc in (("dp1", (), 1), ("dp2", BALANCED, 2)):
+        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    return {"dp1": root / "dp1", "dp2": root / "dp2"}
+
+
+def test_dp2_with_balancing_trains_like_one_process(runs):
+    assert losses(runs["dp1"])[-1] < losses(runs["dp1"])[0]
+    assert_close_relative(losses(runs["dp2"]), losses(runs["dp1"]), REL)
+    assert_close_relative(grad_norms(runs["dp2"]), grad_norms(runs["dp1"]), REL)
+    moments = {k: v for k, v in checkpoint_differences(runs["dp2"], runs["dp1"]).items()
+               if k.startswith("optimizer.state.exp_avg")}
+    assert any(".deepstack_projectors." in key for key in moments)  # DeepStack's mergers train
+    assert any(".vision_model.pos_embed." in key for key in moments)  # the learned positions train
+    worst = max(moments, key=moments.get)
+    assert moments[worst] <= REL, (worst, moments[worst])
+
+
+def test_stop_and_resume_is_exact(runs, tmp_path):
+    resumed = tmp_path / "resumed"
+    run_train(resumed, *OPTIONS, *BALANCED, "training.exit_at_step=2", nproc=2, preset=PRESET)
+    run_train(resumed, *OPTIONS, *BALANCED, nproc=2, resume=True, preset=PRESET)
+    assert losses(resumed) == losses(runs["dp2"])
+    assert max(checkpoint_differences(resumed, runs["dp2"]).values()) == 0.0
