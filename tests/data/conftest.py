@@ -1,4 +1,4 @@
-"""Shared fixtures: the offline Qwen tokenizer and the real demo data (read-only)."""
+"""Shared fixtures: the offline Qwen and Llama 3 tokenizers and the real demo data (read-only)."""
 
 import json
 import shutil
@@ -27,6 +27,13 @@ def tokenizer():
 
     # With the family's chat template, so tests can compare against apply_chat_template.
     return load_tokenizer("qwen", get_family("qwen2_5_vl").chat.jinja_template)
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    from loongforge.data.tokenizer import load_tokenizer
+
+    return load_tokenizer("llama3")
 
 
 def good_record(image="img.jpg"):
