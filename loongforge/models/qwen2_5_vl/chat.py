@@ -13,6 +13,7 @@ The generic rendering, tokenizing and labelling is ``loongforge.data.template``.
 
 from __future__ import annotations
 
+from loongforge.config.schema import ModelConfig
 from loongforge.models.family import ChatFormat
 
 # Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
@@ -49,3 +50,8 @@ CHAT = ChatFormat(
     video_block="<|vision_start|><|video_pad|><|vision_end|>",
     jinja_template=QWEN2_VL_CHAT_TEMPLATE,
 )
+
+
+def chat_format(model_cfg: ModelConfig) -> ChatFormat:
+    """Every Qwen2.5-VL model uses the one format."""
+    return CHAT
