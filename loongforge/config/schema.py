@@ -127,7 +127,8 @@ class DataConfig:
     synthetic_num_samples: int = 2000
     # Tokens per packed row (the language model's sequence length).
     seq_len: int = 4096
-    # "qwen" builds Qwen's BPE from the bundled ranks offline; otherwise a HF tokenizer directory.
+    # "qwen" (Qwen2/2.5/3) or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
+    # package ships (loongforge.data.tokenizer); otherwise a local HF tokenizer directory.
     tokenizer: str = "qwen"
     # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules.
     min_pixels: int = 56 * 56

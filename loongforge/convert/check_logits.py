@@ -48,7 +48,7 @@ from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.synthetic import Scene, Shape, render_scene
 from loongforge.data.template import IMAGE_PLACEHOLDER, Turn, render_chat, tokenize_chat
 from loongforge.data.tokenizer import load_tokenizer
-from loongforge.models.family import ModelFamily
+from loongforge.models.family import ChatFormat, ModelFamily
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import free_port, init_model_parallel, shutdown
@@ -173,12 +173,13 @@ def build_sample(model_cfg: ModelConfig, hf_dir: Path, image: Optional[Path], no
     """The built-in chat as training collates it (with one image for a family with vision: ``image``,
     or the built-in scene). ``notes`` gets a line for each liberty taken with it."""
     family = get_family(model_cfg.family)
-    tokenizer = _tokenizer(hf_dir, family, notes)
+    chat_format = family.chat(model_cfg)
+    tokenizer = _tokenizer(hf_dir, chat_format, notes)
     data_cfg = DataConfig()
     if family.has_vision:
         measured, description = _measured_vision(model_cfg, tokenizer, data_cfg, image)
     else:
-        chat = tokenize_chat(tokenizer, render_chat(list(TEXT_TURNS), data_cfg.system_prompt, family.chat))
+        chat = tokenize_chat(tokenizer, render_chat(list(TEXT_TURNS), data_cfg.system_prompt, chat_format))
         measured = MeasuredSample(sample_id="check-logits", file="<built-in>", line=0, input_ids=chat.input_ids,
                                   is_answer=chat.is_answer)
         description = "built-in text chat"
@@ -211,7 +212,7 @@ def _measured_vision(model_cfg: ModelConfig, tokenizer, data_cfg: DataConfig,
     return measured, f"chat with one image ({name}, patch grid {list(grid)})"
 
 
-def _tokenizer(hf_dir: Path, family: ModelFamily, notes: list[str]):
+def _tokenizer(hf_dir: Path, chat_format: ChatFormat, notes: list[str]):
     """SRC's tokenizer when it ships one; else Qwen's, which loongforge builds offline."""
     if (hf_dir / "tokenizer.json").is_file() or (hf_dir / "tokenizer.model").is_file():
         try:
@@ -219,7 +220,7 @@ def _tokenizer(hf_dir: Path, family: ModelFamily, notes: list[str]):
         except (OSError, ValueError) as error:
             raise InputError(f"{hf_dir}: its tokenizer files cannot be loaded ({error})") from None
     notes.append("no tokenizer in SRC: the sample is tokenized with Qwen2's (loongforge's offline build)")
-    return load_tokenizer("qwen", family.chat.jinja_template)
+    return load_tokenizer("qwen", chat_format.jinja_template)
 
 
 def _fit_vocabulary(measured: MeasuredSample, model_cfg: ModelConfig, family: ModelFamily, notes: list[str]) -> None:

@@ -32,6 +32,7 @@ from loongforge.data.vision import (
     probe_image_size,
     probe_video,
 )
+from loongforge.models.family import ChatFormat
 from loongforge.models.registry import get_family
 
 
@@ -43,7 +44,7 @@ class MeasuredSample:
     file: str
     line: int
     input_ids: np.ndarray  # int64 [L], media pads expanded
-    is_answer: np.ndarray  # bool [L], True on assistant answer tokens and their <|im_end|>
+    is_answer: np.ndarray  # bool [L], True on assistant answer tokens and their end-of-turn token
     images: list[ImageSource] = field(default_factory=list)
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
@@ -96,13 +97,13 @@ class SampleMeasurer:
         self.tokenizer = tokenizer
         self.data_cfg = data_cfg
         self.sizing = vision_sizing(data_cfg, model_cfg)
-        self.chat = get_family(model_cfg.family).chat
+        self.chat = get_family(model_cfg.family).chat(model_cfg)
         self.tokens = model_cfg.tokens
         self.vision_token_ids = np.asarray(
             [self.tokens.image_token_id, self.tokens.video_token_id, self.tokens.vision_start_token_id,
              self.tokens.vision_end_token_id]
         )
-        _check_token_ids(tokenizer, model_cfg)
+        _check_token_ids(tokenizer, data_cfg, model_cfg, self.chat)
 
     def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
         if self.sizing is None and (sample.images or sample.videos):
@@ -208,8 +209,22 @@ def _name(image: ImageSource) -> str:
     return image if isinstance(image, str) else f"<in-memory {type(image).__name__}>"
 
 
-def _check_token_ids(tokenizer, model_cfg: ModelConfig) -> None:
-    """The tokenizer and model.tokens must agree, or vision tokens would land on the wrong ids."""
+def _check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, chat: ChatFormat) -> None:
+    """The tokenizer, model.tokens and the chat format must agree: vision tokens would land on the
+    wrong ids, a text model's padding on a real token, a format's markers be split as plain text."""
+    if model_cfg.vision is not None:
+        _check_vision_token_ids(tokenizer, model_cfg)
+        return
+    _check_pad_token_id(tokenizer, model_cfg.tokens.pad_token_id)
+    for marker in chat.markers:
+        pieces = len(tokenizer(marker, add_special_tokens=False)["input_ids"])
+        if pieces != 1:
+            raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a turn marker of the "
+                             f"model's chat format, into {pieces} tokens; set data.tokenizer to the "
+                             f"model's own tokenizer")
+
+
+def _check_vision_token_ids(tokenizer, model_cfg: ModelConfig) -> None:
     expected = {
         "<|image_pad|>": ("model.tokens.image_token_id", model_cfg.tokens.image_token_id),
         "<|video_pad|>": ("model.tokens.video_token_id", model_cfg.tokens.video_token_id),
@@ -220,3 +235,14 @@ def _check_token_ids(tokenizer, model_cfg: ModelConfig) -> None:
         actual = tokenizer.convert_tokens_to_ids(token)
         if actual != token_id:
             raise ValueError(f"{key}={token_id} but the tokenizer maps {token} to {actual}")
+
+
+def _check_pad_token_id(tokenizer, pad_token_id: int) -> None:
+    """The tokenizer's pad token where it names one (Llama 3's <|finetune_right_pad_id|>), else
+    some id of its vocabulary."""
+    if tokenizer.pad_token_id is not None and pad_token_id != tokenizer.pad_token_id:
+        raise ValueError(f"model.tokens.pad_token_id={pad_token_id} but the tokenizer's pad token "
+                         f"{tokenizer.pad_token} is {tokenizer.pad_token_id}")
+    if not 0 <= pad_token_id < len(tokenizer):
+        raise ValueError(f"model.tokens.pad_token_id={pad_token_id} is outside the tokenizer's "
+                         f"{len(tokenizer)} ids")

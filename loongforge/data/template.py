@@ -1,16 +1,19 @@
-"""Chat rendering: render a conversation in its model family's format, tokenize it, mark answers.
+"""Chat rendering: render a conversation in its model's format, tokenize it, mark answers.
 
 The format's text (turn markers, vision blocks, the Jinja twin for ``apply_chat_template``) is the
-family's ``ChatFormat`` (``ModelFamily.chat``; Qwen2.5-VL's is ChatML with vision blocks)::
+model's ``ChatFormat`` (``ModelFamily.chat(model_cfg)``). Qwen's is ChatML (with vision blocks in
+Qwen2.5-VL)::
 
     {turn_start}system\\n{system prompt}{turn_end}\\n
     {turn_start}user\\n{image_block}Who is he?{turn_end}\\n
     {turn_start}assistant\\nHe's Thomas Muller.{turn_end}\\n
 
-A conversation without a leading system turn gets the default system prompt. Each image is one
-pad token in the text; after tokenization it is expanded to the image's LLM token count (one per
-merged patch group), the processor's rule. Labels: the answer tokens of each assistant turn and
-its ``turn_end``; not the role header, not the trailing newline.
+Llama 3's opens the text with ``<|begin_of_text|>``, ends the role with
+``<|end_header_id|>\\n\\n`` and puts nothing between turns. A conversation without a leading system
+turn gets the default system prompt. Each image is one pad token in the text; after tokenization
+it is expanded to the image's LLM token count (one per merged patch group), the processor's rule.
+Labels: the answer tokens of each assistant turn and its ``turn_end``; not the role header, not
+what separates turns.
 """
 
 from __future__ import annotations
@@ -42,7 +45,7 @@ class RenderedChat:
 
 
 def render_chat(turns: list[Turn], default_system_prompt: str | None, chat: ChatFormat) -> RenderedChat:
-    """Render in the family's format; labels span each answer and its ``turn_end``."""
+    """Render in the model's format; labels span each answer and its ``turn_end``."""
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     length = 0
@@ -52,15 +55,16 @@ def render_chat(turns: list[Turn], default_system_prompt: str | None, chat: Chat
         pieces.append(piece)
         length += len(piece)
 
+    emit(chat.text_start)
     if turns and turns[0].role != "system" and default_system_prompt is not None:
-        emit(f"{chat.turn_start}system\n{default_system_prompt}{chat.turn_end}\n")
+        emit(f"{chat.turn_start}system{chat.role_end}{default_system_prompt}{chat.turn_end}{chat.turn_sep}")
     for turn in turns:
-        emit(f"{chat.turn_start}{turn.role}\n")
+        emit(f"{chat.turn_start}{turn.role}{chat.role_end}")
         start = length
         emit(expand_placeholders(turn.text, chat) + chat.turn_end)
         if turn.role == "assistant":
             spans.append((start, length))
-        emit("\n")
+        emit(chat.turn_sep)
     return RenderedChat(text="".join(pieces), label_spans=spans)
 
 

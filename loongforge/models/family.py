@@ -6,8 +6,8 @@ Training builds the model through ``build`` (``loongforge encode`` the encoder a
 ``build_encoder``), ``loongforge convert`` reads and writes HF checkpoints
 through the HF fields, the data pipeline and the profile sweep compute rotary positions through
 ``position_ids``, the dry-run plan counts parameters through ``count_parameters``, tokenizing and
-chat rendering use ``chat``, every layout check asks ``layout``, and ``loongforge convert
---check-logits`` loads its reference through ``hf_model_class``.
+chat rendering use the format ``chat`` gives for the run's model, every layout check asks
+``layout``, and ``loongforge convert --check-logits`` loads its reference through ``hf_model_class``.
 
 Fields are plain values and functions so that a family is data: a test walks every registered
 family and checks each field is there and callable where it should be.
@@ -52,17 +52,26 @@ class LazyFunction:
 
 @dataclass(frozen=True)
 class ChatFormat:
-    """How a family's processor turns a conversation into text (the data side's family facts).
+    """How a model's processor turns a conversation into text (the data side's model facts).
 
-    ``data.template`` renders turns as ``turn_start + role + "\\n" + text + turn_end + "\\n"``,
-    with each media placeholder replaced by its block; the pad token inside a block is expanded
-    to the media item's token count after tokenizing (ids in ``model.tokens``)."""
+    ``data.template`` renders ``text_start`` once, then each turn as
+    ``turn_start + role + role_end + text + turn_end + turn_sep``, with each media placeholder
+    replaced by its block; the pad token inside a block is expanded to the media item's token count
+    after tokenizing (ids in ``model.tokens``). The defaults are ChatML's."""
 
     turn_start: str
     turn_end: str
     image_block: str  # one image in the text, holding a single image pad token ("" : no images)
     video_block: str
     jinja_template: str  # the same format for ``tokenizer.apply_chat_template``
+    role_end: str = "\n"  # between the role name and the text
+    turn_sep: str = "\n"  # after each turn's ``turn_end``
+    text_start: str = ""  # before the first turn
+
+    @property
+    def markers(self) -> tuple[str, ...]:
+        """The format's own text pieces that must each be one (special) token of the tokenizer."""
+        return tuple(marker for marker in (self.text_start, self.turn_start, self.turn_end) if marker)
 
 
 @dataclass(frozen=True)
@@ -97,7 +106,8 @@ class ModelFamily:
     count_parameters: Callable[[ModelConfig], dict[str, int]]
     # ModelConfig -> the per-sample rotary position function (picklable)
     position_ids: Callable[[ModelConfig], PositionIds]
-    chat: ChatFormat
+    # ModelConfig -> the chat format of that model (a family's architectures may differ in it)
+    chat: Callable[[ModelConfig], ChatFormat]
     layout: LayoutRule
     # The transformers class (a name in ``transformers``) that loads this family's HF folders: the
     # reference ``convert --check-logits`` compares the family's model with. Its forward takes
@@ -105,11 +115,10 @@ class ModelFamily:
     hf_model_class: str
     # The CPU-sized preset that exercises this family (tests walk every family through it).
     tiny_preset: str
+    # Whether its models see images and videos (a vision tower; ``model.vision`` is set).
+    has_vision: bool
 
-    @property
-    def has_vision(self) -> bool:
-        """Whether the family's models see images (its chat format has a block for them)."""
-        return bool(self.chat.image_block)
+
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""

@@ -53,7 +53,7 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 
 
 # Toy sizes for CPU runs: no published checkpoint to match.
-CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny", "qwen3vl-tiny"}
+CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny", "llama-tiny", "qwen3vl-tiny"}
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n not in CPU_PRESETS])
@@ -129,3 +129,19 @@ def test_presets_env_var_points_elsewhere(tmp_path, monkeypatch):
     assert presets_dir() == tmp_path
     assert list_preset_names() == ["mine"]
     assert load_run_config("mine").training.train_steps == 7
+
+
+def test_llama_presets_use_llama3s_tokenizer_and_architecture():
+    """The preset overrides the training component's tokenizer: Llama 3's vocabulary, pad token and
+    (chosen by the architecture) chat format."""
+    from loongforge.models.llm.hf_config import architecture
+
+    for name in ("llama3.1-8b", "llama-tiny"):
+        cfg = load_run_config(name)
+        assert (cfg.model.family, cfg.data.tokenizer) == ("llm", "llama3")
+        assert architecture(cfg.model.language) == "LlamaForCausalLM"
+        assert (cfg.model.language.vocab_size, cfg.model.tokens.pad_token_id) == (128256, 128004)
+    tiny = load_run_config("llama-tiny")
+    language = tiny.model.language
+    assert (language.num_layers, language.hidden_size, language.rope_scaling_factor) == (4, 128, 8.0)
+    assert language.tie_word_embeddings and (tiny.training.device, tiny.data.source) == ("cpu", "synthetic")

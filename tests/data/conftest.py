@@ -1,4 +1,4 @@
-"""Shared fixtures: the offline Qwen tokenizer and the real demo data (read-only)."""
+"""Shared fixtures: the offline Qwen and Llama 3 tokenizers and the real demo data (read-only)."""
 
 import json
 import shutil
@@ -22,11 +22,23 @@ def require(path: Path) -> Path:
 
 @pytest.fixture(scope="session")
 def tokenizer():
+    from loongforge.config.schema import ModelConfig
     from loongforge.data.tokenizer import load_tokenizer
     from loongforge.models.registry import get_family
 
-    # With the family's chat template, so tests can compare against apply_chat_template.
-    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat.jinja_template)
+    # With the model's chat template, so tests can compare against apply_chat_template.
+    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig()).jinja_template)
+
+
+@pytest.fixture(scope="session")
+def llama_tokenizer():
+    """The offline Llama 3 tokenizer with the Llama chat template of the llama-tiny preset's model."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.models.registry import get_family
+
+    model_cfg = load_run_config("llama-tiny").model
+    return load_tokenizer("llama3", get_family(model_cfg.family).chat(model_cfg).jinja_template)
 
 
 def good_record(image="img.jpg"):

@@ -1,16 +1,21 @@
-"""Chat rendering equals apply_chat_template; labels cover only assistant answers."""
+"""Chat rendering equals apply_chat_template (Qwen2.5-VL's ChatML, Llama 3's headers); labels cover
+only assistant answers."""
+
+import itertools
+import json
 
 import numpy as np
 import pytest
 from PIL import Image
 
+from loongforge.config.loader import load_run_config
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import SampleMeasurer
 from loongforge.data.samples import ConversationSample
 from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
 from loongforge.models.registry import get_family
-from tests.data.conftest import LLAMAFACTORY, LOONGFORGE_VLM, require
+from tests.data.conftest import LLAMAFACTORY, LOONGFORGE_VLM, SHARED_DATA, require
 
 DEMO_FILES = [
     LLAMAFACTORY / "mllm_demo.json",
@@ -20,7 +25,7 @@ DEMO_FILES = [
     LOONGFORGE_VLM / "mllm_demo.json",
 ]
 SYSTEM = "You are a helpful assistant."
-CHAT = get_family("qwen2_5_vl").chat
+CHAT = get_family("qwen2_5_vl").chat(ModelConfig())
 
 
 def _demo_samples():
@@ -91,3 +96,81 @@ def test_answer_starting_with_newlines_keeps_prompt_unlabelled(tokenizer, measur
     # Whatever BPE merged across the boundary is not labelled: labels never include the header.
     assert "assistant" not in tokenizer.decode(measured.input_ids[measured.is_answer])
     assert tokenizer.decode(measured.input_ids[measured.is_answer]).endswith("A<|im_end|>")
+
+
+# ---------------------------------------------------------------- Llama 3 (llm family, Llama architecture)
+
+LLAMA_MODEL = load_run_config("llama-tiny").model
+LLAMA_CHAT = get_family("llm").chat(LLAMA_MODEL)
+LLAMA_HEADER = "<|start_header_id|>assistant<|end_header_id|>\n\n"
+
+
+def _llama_conversations() -> list[list[Turn]]:
+    """Real long text (arena-hard prompts with o3-mini's answers), the text-only demo samples, and
+    a system turn, several turns and whitespace at both ends of an answer."""
+    answers = require(SHARED_DATA / "arena_hard" / "v2.0_model_answer_o3-mini-2025-01-31.jsonl")
+    with open(answers, encoding="utf-8") as f:
+        records = [json.loads(line) for line in itertools.islice(f, 12)]
+    conversations = [[Turn("user", r["messages"][0]["content"]), Turn("assistant", r["messages"][1]["content"]["answer"])]
+                     for r in records]
+    conversations += [s.turns for s in _demo_samples() if not s.images and not s.videos]
+    return conversations + [
+        [Turn("system", "Be brief."), Turn("user", "Hi"), Turn("assistant", "Hello!")],
+        [Turn("user", "2 + 2?"), Turn("assistant", "4"), Turn("user", "And 3 + 3?"), Turn("assistant", " 6 ")],
+        [Turn("user", "Spaces?"), Turn("assistant", "  spaced  \n\nanswer \n")],
+    ]
+
+
+def test_llama_format_is_chosen_by_architecture():
+    assert LLAMA_CHAT.text_start == "<|begin_of_text|>" and LLAMA_CHAT.turn_end == "<|eot_id|>"
+    assert get_family("llm").chat(load_run_config("llama3.1-8b").model) == LLAMA_CHAT
+    assert get_family("llm").chat(load_run_config("llm-tiny").model).turn_end == "<|im_end|>"  # Qwen3
+    turns = [Turn("user", "Hi"), Turn("assistant", "Hello!")]
+    assert render_chat(turns, SYSTEM, LLAMA_CHAT).text == (
+        f"<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\n{SYSTEM}<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nHello!<|eot_id|>")
+
+
+def test_llama_rendered_text_equals_apply_chat_template(llama_tokenizer):
+    conversations = _llama_conversations()
+    assert len(conversations) == 12 + 1 + 3  # one text-only demo sample (in mix.json)
+    for turns in conversations:
+        ours = render_chat(turns, SYSTEM, LLAMA_CHAT).text
+        assert ours == llama_tokenizer.apply_chat_template(turns_to_hf_messages(turns), tokenize=False)
+    text = llama_tokenizer.apply_chat_template([{"role": "user", "content": "Hi"}], tokenize=False,
+                                               add_generation_prompt=True)
+    assert text.endswith("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>" + LLAMA_HEADER)
+
+
+@pytest.fixture(scope="module")
+def llama_measurer(llama_tokenizer):
+    return SampleMeasurer(llama_tokenizer, DataConfig(seq_len=100_000, tokenizer="llama3"), LLAMA_MODEL)
+
+
+def test_llama_token_ids_equal_apply_chat_template_and_labels_are_the_answers(llama_tokenizer, llama_measurer):
+    header = llama_tokenizer(LLAMA_HEADER, add_special_tokens=False)["input_ids"]
+    for k, turns in enumerate(_llama_conversations()):
+        measured = llama_measurer.measure(ConversationSample(f"t:{k}", "t", k, turns))
+        expected = llama_tokenizer.apply_chat_template(turns_to_hf_messages(turns), tokenize=True, return_dict=False)
+        assert measured.input_ids.tolist() == expected
+        assert expected[0] == 128000 and expected.count(128000) == 1
+        # The labelled tokens decode to exactly each answer followed by <|eot_id|>, one run per
+        # answer, each right after the assistant header.
+        answers = [t.text for t in turns if t.role == "assistant"]
+        assert llama_tokenizer.decode(measured.input_ids[measured.is_answer]) == "".join(a + "<|eot_id|>" for a in answers)
+        starts = np.flatnonzero(np.diff(np.r_[0, measured.is_answer.astype(int)]) == 1)
+        assert len(starts) == len(answers)
+        for start in starts:
+            assert measured.input_ids[start - len(header):start].tolist() == header
+        ends = np.flatnonzero(np.diff(np.r_[measured.is_answer.astype(int), 0]) == -1)
+        assert (measured.input_ids[ends] == llama_tokenizer.convert_tokens_to_ids("<|eot_id|>")).all()
+
+
+def test_llama_answer_starting_with_newlines_keeps_the_header_unlabelled(llama_tokenizer, llama_measurer):
+    sample = ConversationSample("t:1", "t", 1, [Turn("user", "Q"), Turn("assistant", "\n\nA")])
+    measured = llama_measurer.measure(sample)
+    text = render_chat(sample.turns, SYSTEM, LLAMA_CHAT).text
+    assert measured.input_ids.tolist() == llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+    labelled = llama_tokenizer.decode(measured.input_ids[measured.is_answer])
+    assert "<|end_header_id|>" not in labelled and labelled.endswith("A<|eot_id|>")

@@ -1,4 +1,5 @@
-"""The offline Qwen2 tokenizer equals tiktoken on the same ranks, and has Qwen2's special ids."""
+"""The offline Qwen2 and Llama 3 tokenizers equal tiktoken on the same ranks, and have their models'
+special ids."""
 
 import json
 import unicodedata
@@ -6,8 +7,11 @@ import unicodedata
 import tiktoken
 
 from loongforge.data.tokenizer import (
+    LLAMA3_PRETOKENIZE_REGEX,
+    LLAMA3_SPECIAL_TOKENS,
     QWEN2_PRETOKENIZE_REGEX,
     bpe_merges_from_ranks,
+    llama3_ranks_path,
     qwen_ranks_path,
     read_tiktoken_ranks,
 )
@@ -61,13 +65,69 @@ def test_merges_follow_rank_order():
     assert bpe_merges_from_ranks(ranks) == [(b"a", b"b"), (b"b", b"c"), (b"a", b"bc"), (b"ab", b"c")]
 
 
-def test_second_load_reads_the_cache(tokenizer, monkeypatch):
+def test_llama3_matches_tiktoken_on_real_multilingual_text(llama_tokenizer):
+    """Against the llama-models package's own tiktoken encoding of the ranks (its regex, no
+    normalising: a decomposed accent stays two characters)."""
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    reference = Tokenizer(llama3_ranks_path()).model
+    assert reference._pat_str == LLAMA3_PRETOKENIZE_REGEX
+    total = 0
+    for text in _real_texts() + ["cafe\u0301 vs caf\u00e9", "1234567 89 0.5 2024-07-23"]:
+        ours = llama_tokenizer(text, add_special_tokens=False)["input_ids"]
+        assert ours == reference.encode(text, disallowed_special=()), text[:80]
+        total += len(ours)
+    assert total > 200_000
+    chat = "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|><|python_tag|>x<|eom_id|>"
+    assert llama_tokenizer(chat, add_special_tokens=False)["input_ids"] == reference.encode(chat, allowed_special="all")
+
+
+def test_llama3_special_tokens_at_the_package_ids(llama_tokenizer):
+    from llama_models.llama3.tokenizer import Tokenizer
+
+    package = Tokenizer(llama3_ranks_path()).special_tokens
+    assert len(package) == len(LLAMA3_SPECIAL_TOKENS) == 256 and len(llama_tokenizer) == 128_256
+    # Every named token at the package's id; the package names two of Llama 3.1's reserved slots
+    # after later uses (so its reserved tokens are numbered differently from there on).
+    reserved = "<|reserved_special_token_"
+    for name, token_id in package.items():
+        ours = llama_tokenizer.convert_ids_to_tokens(token_id)
+        if name.startswith(reserved) or name in ("<|step_id|>", "<|image|>"):
+            assert ours.startswith(reserved), (name, ours)
+        else:
+            assert ours == name
+    assert llama_tokenizer.convert_ids_to_tokens([128005, 128011]) == [f"{reserved}2|>", f"{reserved}3|>"]
+    expected = {"<|begin_of_text|>": 128000, "<|end_of_text|>": 128001, "<|finetune_right_pad_id|>": 128004,
+                "<|start_header_id|>": 128006, "<|end_header_id|>": 128007, "<|eom_id|>": 128008,
+                "<|eot_id|>": 128009, "<|python_tag|>": 128010, "<|reserved_special_token_247|>": 128255}
+    assert {t: llama_tokenizer.convert_tokens_to_ids(t) for t in expected} == expected
+    assert (llama_tokenizer.bos_token_id, llama_tokenizer.eos_token_id, llama_tokenizer.pad_token_id) == (
+        128000, 128009, 128004)
+    # As the Hub tokenizer: <|begin_of_text|> first unless special tokens are left out.
+    assert llama_tokenizer("Hello world")["input_ids"] == [128000, 9906, 1917]
+    assert llama_tokenizer("Hello world", add_special_tokens=False)["input_ids"] == [9906, 1917]
+    ids = llama_tokenizer("<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>", add_special_tokens=False)["input_ids"]
+    assert ids[0] == 128006 and ids[-1] == 128009
+    assert llama_tokenizer.decode(ids) == "<|start_header_id|>user<|end_header_id|>\n\nHi<|eot_id|>"
+
+
+def test_second_load_reads_the_cache(tokenizer, llama_tokenizer, monkeypatch):
     import loongforge.data.tokenizer as tokenizer_module
 
-    def must_not_build(ranks):
+    def must_not_build(spec, ranks):
         raise AssertionError("tokenizer rebuilt although a cached tokenizer.json exists")
 
-    monkeypatch.setattr(tokenizer_module, "build_qwen2_backend", must_not_build)
-    again = tokenizer_module.load_tokenizer("qwen")  # the session fixture already built + cached it
-    assert again("héllo 世界")["input_ids"] == tokenizer("héllo 世界")["input_ids"]
+    monkeypatch.setattr(tokenizer_module, "build_backend", must_not_build)
+    for spec, built in (("qwen", tokenizer), ("llama3", llama_tokenizer)):  # the fixtures built + cached them
+        again = tokenizer_module.load_tokenizer(spec)
+        assert again("héllo 世界")["input_ids"] == built("héllo 世界")["input_ids"]
     assert not list(tokenizer_module._cache_dir().glob("*.tmp"))  # atomic write left no temp file
+
+
+def test_unknown_tokenizer_names_the_offline_ones(tmp_path):
+    import pytest
+
+    from loongforge.data.tokenizer import load_tokenizer
+
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer='llama' is neither one of qwen \| llama3 nor"):
+        load_tokenizer("llama")

@@ -7,7 +7,7 @@ import torch
 from loongforge.config.loader import load_run_config
 from loongforge.models.registry import get_family
 
-PRESETS = ("qwen2.5-7b", "qwen3-8b", "llama3.1-8b", "llm-tiny")
+PRESETS = ("qwen2.5-7b", "qwen3-8b", "llama3.1-8b", "llm-tiny", "llama-tiny")
 
 
 @pytest.mark.parametrize("preset", PRESETS)

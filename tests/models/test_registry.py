@@ -17,8 +17,8 @@ from loongforge.models.hf_rules import Rule
 from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.
-_VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "chat": ChatFormat,
-           "layout": LayoutRule, "tiny_preset": str, "hf_model_class": str}
+_VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
+           "tiny_preset": str, "hf_model_class": str, "has_vision": bool}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
@@ -37,7 +37,8 @@ def test_every_family_provides_every_field(name):
     import transformers
 
     assert hasattr(transformers, family.hf_model_class), family.hf_model_class
-    chat = family.chat
+    chat = family.chat(load_run_config(family.tiny_preset).model)
+    assert isinstance(chat, ChatFormat)
     assert chat.turn_start and chat.turn_end and chat.jinja_template
     # A family that sees images has blocks for images and videos in its chat format.
     assert bool(chat.image_block) == bool(chat.video_block) == family.has_vision

@@ -6,14 +6,14 @@ hf_config.py  HF config.json <-> ModelConfig for the three architectures, and th
 hf_mapping.py the weight map (the decoder's rows)
 params.py     parameter counts by arithmetic
 positions.py  per-sample rotary positions
-chat.py       the chat format (ChatML)
+chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.llm import hf_config
-from loongforge.models.llm.chat import CHAT
+from loongforge.models.llm.chat import chat_format
 from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llm.params import count_parameters
 from loongforge.models.llm.positions import position_ids_for
@@ -32,8 +32,9 @@ FAMILY = ModelFamily(
     build_encoder=None,
     count_parameters=count_parameters,
     position_ids=position_ids_for,
-    chat=CHAT,
+    chat=chat_format,
     layout=DECODER_LAYOUT,
     hf_model_class="AutoModelForCausalLM",
+    has_vision=False,
     tiny_preset="llm-tiny",
 )

@@ -19,7 +19,7 @@ from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.qwen2_5_vl import hf_config
-from loongforge.models.qwen2_5_vl.chat import CHAT
+from loongforge.models.qwen2_5_vl.chat import chat_format
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen2_5_vl.params import count_parameters
 from loongforge.models.qwen2_5_vl.rope_index import position_ids_for
@@ -40,10 +40,11 @@ FAMILY = ModelFamily(
     build_encoder=LazyFunction("loongforge.models.qwen2_5_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
     position_ids=position_ids_for,
-    chat=CHAT,
+    chat=chat_format,
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups
     # are cut from the language TP groups (process_groups.py), which the rule includes.
     layout=DECODER_LAYOUT,
     hf_model_class="Qwen2_5_VLForConditionalGeneration",
+    has_vision=True,
     tiny_preset="qwen2.5vl-tiny",
 )

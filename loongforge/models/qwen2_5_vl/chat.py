@@ -4,4 +4,5 @@ facts of this family. Each image is one ``<|image_pad|>`` in the text, expanded 
 
 from __future__ import annotations
 
-from loongforge.models.chatml import CHATML_VISION as CHAT  # noqa: F401  (the family's chat format)
+from loongforge.models.chatml import CHATML_VISION as CHAT  # noqa: F401  (the family's one format)
+from loongforge.models.chatml import chatml_vision as chat_format  # noqa: F401  (ModelFamily.chat)
