@@ -20,11 +20,11 @@ from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.build import build_context, check_inputs
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
-from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
-from loongforge.parallel import mcore_patches
+from loongforge.models.layer_backend import BlockModules
 
 _MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds",
                  "video_embeds")
@@ -93,12 +93,7 @@ class TextModel(MegatronModule):
             raise TypeError(f"TextModel.forward got unexpected inputs {unknown}")
         if given:
             raise ValueError(f"a text-only model takes no images or videos, got {given}")
-        batch, seq_len = input_ids.shape
-        if position_ids.shape != (3, batch, seq_len):
-            raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
-        if packed_seq_params is not None and int(packed_seq_params.cu_seqlens_q[-1]) != seq_len:
-            raise ValueError(f"cu_seqlens_q[-1]={int(packed_seq_params.cu_seqlens_q[-1])} must equal the "
-                             f"sequence length {seq_len}")
+        check_inputs(input_ids, position_ids, packed_seq_params)
         return self.language_model(input_ids=input_ids, position_ids=position_ids[0], attention_mask=None,
                                    labels=labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params)
 
@@ -110,21 +105,11 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_
     """This rank's pipeline stage; needs megatron's parallel state initialised to ``parallel_cfg``.
     ``vision_cost`` and ``with_encoder`` are part of the family contract's build call and have
     nothing to act on in a text-only model."""
-    init_seed = torch.initial_seed() if init_seed is None else init_seed
-    device = torch.device(device)
-    on_cpu = device.type == "cpu"
-    if on_cpu:
-        mcore_patches.apply_cpu()
-    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
-    pgs = ProcessGroupCollection.use_mpu_process_groups()
-    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
-        if group is None or group.size() != getattr(parallel_cfg, key):
-            raise ValueError(f"parallel.{key}={getattr(parallel_cfg, key)} but megatron's parallel state has "
-                             f"{None if group is None else group.size()}; initialise it with the same sizes first")
+    context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
     model = TextModel(
         model_cfg=model_cfg,
-        language_config=decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype, on_cpu,
-                                                        recompute_layers=recompute_activations),
-        modules=modules, pgs=pgs, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage,
-        init_seed=init_seed)
-    return model.to(device)
+        language_config=decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype,
+                                                        context.on_cpu, recompute_layers=recompute_activations),
+        modules=context.modules, pgs=context.pgs, pre_process=pre_process, post_process=post_process,
+        vp_stage=vp_stage, init_seed=context.init_seed)
+    return model.to(context.device)

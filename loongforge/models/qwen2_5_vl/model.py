@@ -29,8 +29,9 @@ from megatron.core.utils import get_pg_rank
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import initialization
 from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
-from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
 from loongforge.models.qwen2_5_vl.encoder_share import SharedEncoding
@@ -42,7 +43,6 @@ from loongforge.models.qwen2_5_vl.process_groups import (
 )
 from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel
 from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
-from loongforge.parallel import mcore_patches
 from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
 from loongforge.parallel.media_assign import VisionCost
 
@@ -213,7 +213,7 @@ class Qwen2_5_VLModel(MegatronModule):
         the grids.
         On later pipeline stages the hidden states come from ``set_input_tensor`` instead.
         """
-        _check_inputs(input_ids, position_ids, packed_seq_params)
+        check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(
@@ -295,16 +295,7 @@ class Qwen2_5_VLModel(MegatronModule):
     def _placeholder_count(
         self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str
     ) -> int:
-        """Merged-patch count of the images (or videos); must equal their placeholder tokens."""
-        num_tokens = int((input_ids == token_id).sum())
-        num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // self.merge_unit
-        if num_tokens != num_features:
-            grids = None if grid_thw is None else grid_thw.tolist()
-            raise ValueError(
-                f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
-                f"{num_features} merged patches ({what}_grid_thw={grids})"
-            )
-        return num_features
+        return placeholder_count(input_ids, token_id, grid_thw, what, self.merge_unit)
 
 
 def _with_tp_replica_block(replica_id, block: int, vision_tp: int):
@@ -327,20 +318,6 @@ def _device_of(module: torch.nn.Module) -> torch.device:
     return next(module.parameters()).device
 
 
-def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
-    batch, seq_len = input_ids.shape
-    if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
-        raise ValueError(
-            f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}"
-        )
-    if packed_seq_params is not None:
-        if batch != 1:
-            raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
-        covered = int(packed_seq_params.cu_seqlens_q[-1])
-        if covered != seq_len:
-            # M-RoPE and the core attention index tokens by cu_seqlens: trailing padding must be
-            # a segment of its own.
-            raise ValueError(f"cu_seqlens_q[-1]={covered} must equal the sequence length {seq_len}")
 
 
 def build_model(
@@ -367,15 +344,9 @@ def build_model(
     each micro-batch's media over the TP group (the run's cost model); default P^2 + P.
     ``with_encoder=False``: no vision tower or merger (training on ``loongforge encode``'s
     stored features, passed to forward as ``image_embeds`` / ``video_embeds``)."""
-    init_seed = torch.initial_seed() if init_seed is None else init_seed
-    device = torch.device(device)
-    on_cpu = device.type == "cpu"
-    if on_cpu:
-        mcore_patches.apply_cpu()
-    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
-
-    language_pgs = ProcessGroupCollection.use_mpu_process_groups()
-    _check_parallel_state(parallel_cfg, language_pgs)
+    context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
+    device, on_cpu, init_seed, modules = context.device, context.on_cpu, context.init_seed, context.modules
+    language_pgs = context.pgs
     _check_qwen2_5_vl(model_cfg)
     vision_tp = configs.vision_tensor_parallel_size(parallel_cfg)
     vision_tp_group = build_vision_tp_group(language_pgs.tp, vision_tp)
@@ -459,14 +430,3 @@ def _check_qwen2_5_vl(model_cfg: ModelConfig) -> None:
     if foreign:
         raise ValueError(f"{', '.join(foreign)}: not part of a Qwen2.5-VL model (RMSNorm vision blocks, no "
                          f"learned positions or DeepStack, contiguous M-RoPE); unset them")
-
-
-def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
-    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
-        expected = getattr(parallel_cfg, key)
-        if group is None or group.size() != expected:
-            actual = None if group is None else group.size()
-            raise ValueError(
-                f"parallel.{key}={expected} but megatron's parallel state has {actual}; call "
-                "megatron.core.parallel_state.initialize_model_parallel with the same sizes first"
-            )

@@ -31,17 +31,17 @@ from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import initialization
 from loongforge.models.decoder import configs as decoder_configs
+from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
-from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen3_vl import configs, deepstack
 from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
 from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
 from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
-from loongforge.parallel import mcore_patches
 from loongforge.parallel.encoder_dp import touch_with_zero
 
 
@@ -174,7 +174,7 @@ class Qwen3VLModel(MegatronModule):
         """
         if image_embeds is not None or video_embeds is not None:
             raise ValueError("Qwen3-VL runs its own encoder: stored image/video embeddings are not supported")
-        _check_inputs(input_ids, position_ids, packed_seq_params)
+        check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input, context = None, None
         if self.pre_process:
             decoder_input, context = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
@@ -241,28 +241,9 @@ class Qwen3VLModel(MegatronModule):
 
     def _placeholder_count(self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor],
                            what: str) -> int:
-        """Merged-patch count of the images (or videos); must equal their placeholder tokens."""
-        num_tokens = int((input_ids == token_id).sum())
-        num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // self.merge_unit
-        if num_tokens != num_features:
-            grids = None if grid_thw is None else grid_thw.tolist()
-            raise ValueError(f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
-                             f"{num_features} merged patches ({what}_grid_thw={grids})")
-        return num_features
+        return placeholder_count(input_ids, token_id, grid_thw, what, self.merge_unit)
 
 
-def _check_inputs(input_ids, position_ids, packed_seq_params) -> None:
-    batch, seq_len = input_ids.shape
-    if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
-        raise ValueError(f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}")
-    if packed_seq_params is not None:
-        if batch != 1:
-            raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
-        covered = int(packed_seq_params.cu_seqlens_q[-1])
-        if covered != seq_len:
-            # M-RoPE and the core attention index tokens by cu_seqlens: trailing padding must be
-            # a segment of its own.
-            raise ValueError(f"cu_seqlens_q[-1]={covered} must equal the sequence length {seq_len}")
 
 
 def build_model(
@@ -291,14 +272,9 @@ def build_model(
         raise ValueError("data.vision_embeddings is not supported by Qwen3-VL: `loongforge encode` stores the "
                          "merged features only, not DeepStack's; train with the online encoder")
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
-    init_seed = torch.initial_seed() if init_seed is None else init_seed
-    device = torch.device(device)
-    on_cpu = device.type == "cpu"
-    if on_cpu:
-        mcore_patches.apply_cpu()
-    modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
-    language_pgs = ProcessGroupCollection.use_mpu_process_groups()
-    _check_parallel_state(parallel_cfg, language_pgs)
+    context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
+    device, on_cpu, init_seed, modules = context.device, context.on_cpu, context.init_seed, context.modules
+    language_pgs = context.pgs
     _check_model(model_cfg, vision)
     tp = parallel_cfg.tensor_model_parallel_size
     if vision_tensor_parallel_size(parallel_cfg) != tp:
@@ -334,14 +310,3 @@ def _check_model(model_cfg: ModelConfig, vision: Qwen3VisionConfig) -> None:
         raise ValueError("model.language.mrope_section must be set for Qwen3-VL (interleaved M-RoPE)")
     if not lang.mrope_interleaved:
         raise ValueError("model.language.mrope_interleaved=false: Qwen3-VL's M-RoPE is interleaved")
-
-
-def _check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
-    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
-        expected = getattr(parallel_cfg, key)
-        if group is None or group.size() != expected:
-            actual = None if group is None else group.size()
-            raise ValueError(
-                f"parallel.{key}={expected} but megatron's parallel state has {actual}; call "
-                "megatron.core.parallel_state.initialize_model_parallel with the same sizes first"
-            )

@@ -1,0 +1,84 @@
+"""What every family's ``build_model`` does before building its modules, and the input checks every
+family's forward makes: one place for each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+from megatron.core.process_groups_config import ProcessGroupCollection
+
+from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.parallel import mcore_patches
+
+
+@dataclass(frozen=True)
+class BuildContext:
+    device: torch.device
+    on_cpu: bool
+    init_seed: int
+    modules: BlockModules  # what the transformer blocks are built from (``model.layer_backend``)
+    pgs: ProcessGroupCollection  # megatron's groups (the language model's)
+
+
+def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_dtype: torch.dtype,
+                  device: torch.device | str, init_seed: Optional[int]) -> BuildContext:
+    """The device, the seed of the initial weights (default: ``torch.initial_seed()``), the layer
+    backend and megatron's process groups, checked against ``parallel_cfg``; on CPU, megatron's
+    CUDA-only call sites patched (``parallel.mcore_patches``)."""
+    device = torch.device(device)
+    on_cpu = device.type == "cpu"
+    if on_cpu:
+        mcore_patches.apply_cpu()
+    pgs = ProcessGroupCollection.use_mpu_process_groups()
+    check_parallel_state(parallel_cfg, pgs)
+    return BuildContext(device=device, on_cpu=on_cpu,
+                        init_seed=torch.initial_seed() if init_seed is None else init_seed,
+                        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype)),
+                        pgs=pgs)
+
+
+def check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
+    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
+        expected = getattr(parallel_cfg, key)
+        if group is None or group.size() != expected:
+            actual = None if group is None else group.size()
+            raise ValueError(
+                f"parallel.{key}={expected} but megatron's parallel state has {actual}; call "
+                "megatron.core.parallel_state.initialize_model_parallel with the same sizes first"
+            )
+
+
+def check_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params) -> None:
+    """input_ids [b, s]; position_ids [3, b, s]; packed (thd) input has b == 1 and cu_seqlens
+    covering every position."""
+    batch, seq_len = input_ids.shape
+    if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
+        raise ValueError(
+            f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}"
+        )
+    if packed_seq_params is not None:
+        if batch != 1:
+            raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")
+        covered = int(packed_seq_params.cu_seqlens_q[-1])
+        if covered != seq_len:
+            # Rotary positions and the core attention index tokens by cu_seqlens: trailing padding
+            # must be a segment of its own.
+            raise ValueError(f"cu_seqlens_q[-1]={covered} must equal the sequence length {seq_len}")
+
+
+def placeholder_count(input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str,
+                      merge_unit: int) -> int:
+    """Merged-patch count of the images (or videos) of ``grid_thw``; must equal their placeholder
+    tokens in ``input_ids`` (else a ValueError with both counts)."""
+    num_tokens = int((input_ids == token_id).sum())
+    num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // merge_unit
+    if num_tokens != num_features:
+        grids = None if grid_thw is None else grid_thw.tolist()
+        raise ValueError(
+            f"input_ids hold {num_tokens} {what} tokens (id {token_id}) but the {what}s give "
+            f"{num_features} merged patches ({what}_grid_thw={grids})"
+        )
+    return num_features
