@@ -90,6 +90,13 @@ def media_source_key(source) -> str:
     raise ValueError(f"an in-memory {type(source).__name__} has no name to store its embedding under")
 
 
+def stored_feature_width(model_cfg: ModelConfig) -> int:
+    """Features stored per LLM token: the merger's (the language model's width), then one set per
+    DeepStack level (Qwen3-VL), concatenated."""
+    levels = 1 + (len(model_cfg.vision.deepstack_layers) if model_cfg.vision is not None else 0)
+    return model_cfg.language.hidden_size * levels
+
+
 def processor_settings(data_cfg: DataConfig, model_cfg: ModelConfig) -> dict:
     """Everything that decides the pixels the encoder sees: two runs agreeing on this dict
     preprocess every image and video alike."""

@@ -35,7 +35,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import collate_row
 from loongforge.data.conversations import FileSamples
-from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer
+from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
     MaterializedSample,
@@ -242,7 +242,7 @@ class DataPipeline:
         self.sizing = vision_sizing(data_cfg, model_cfg)
         # data.vision_embeddings: stored encoder features replace pixels (``data.embedding_store``).
         self.embeddings = embeddings
-        self.embedding_width = model_cfg.language.hidden_size  # the merger writes LM-width features
+        self.embedding_width = stored_feature_width(model_cfg)
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path, keep_new=self.read == "sharded")

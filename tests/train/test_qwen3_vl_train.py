@@ -1,13 +1,19 @@
 """Qwen3-VL trains through the same command: DP 2 with balancing re-planning every step equals one
 process (losses, grad norms and Adam moments, DeepStack's mergers included, to 1e-5 relative), and a
-stop + --resume at DP 2 ends bit-identical to the uninterrupted run."""
+stop + --resume at DP 2 ends bit-identical to the uninterrupted run; stored embeddings (merger and
+DeepStack features) train like the frozen online encoder."""
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+from safetensors import safe_open
 
+from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     assert_close_relative,
     checkpoint_differences,
@@ -48,3 +54,30 @@ def test_stop_and_resume_is_exact(runs, tmp_path):
     run_train(resumed, *OPTIONS, *BALANCED, nproc=2, resume=True, preset=PRESET)
     assert losses(resumed) == losses(runs["dp2"])
     assert max(checkpoint_differences(resumed, runs["dp2"]).values()) == 0.0
+
+
+DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+MEDIA = ("data.seq_len=1024", "data.max_pixels=12544")
+STORED_RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", *MEDIA, "training.train_steps=4",
+              "training.global_batch_size=2")
+
+
+@pytest.mark.skipif(not DEMO_IMAGES.is_file(), reason="needs the shared demo data")
+def test_stored_embeddings_with_deepstack_train_like_the_frozen_encoder(tmp_path):
+    """`loongforge encode` stores per token the merger's features and each DeepStack level's; training
+    on them equals training with the towers online and frozen (losses and grad norms at 1e-5)."""
+    store = tmp_path / "embeddings"
+    sets = [arg for setting in MEDIA for arg in ("--set", setting)]
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(DEMO_IMAGES), "--output",
+                           str(store), "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    row = json.loads((store / "index.jsonl").read_text().splitlines()[0])
+    with safe_open(str(store / row["shard"]), framework="pt") as shard:
+        width = shard.get_tensor(row["key"]).shape[-1]
+    assert width == 128 * 3  # LM hidden x (merger + 2 DeepStack levels)
+    run_train(tmp_path / "online", *STORED_RUN, "training.freeze_vision=true", "training.freeze_projector=true",
+              preset=PRESET)
+    run_train(tmp_path / "stored", *STORED_RUN, f"data.vision_embeddings={store}", preset=PRESET)
+    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), REL)
+    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), REL)

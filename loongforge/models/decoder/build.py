@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
@@ -82,3 +83,14 @@ def placeholder_count(input_ids: torch.Tensor, token_id: int, grid_thw: Optional
             f"{num_features} merged patches ({what}_grid_thw={grids})"
         )
     return num_features
+
+
+def single_rank_groups() -> ProcessGroupCollection:
+    """megatron's groups, which must be of this rank alone (a TP = PP = CP = 1 layout): where a
+    family's encoder runs on its own (``loongforge encode``)."""
+    sizes = {"TP": parallel_state.get_tensor_model_parallel_world_size(),
+             "PP": parallel_state.get_pipeline_model_parallel_world_size(),
+             "CP": parallel_state.get_context_parallel_world_size()}
+    if set(sizes.values()) != {1}:
+        raise ValueError(f"build_encoder needs megatron's parallel state at TP = PP = CP = 1, got {sizes}")
+    return ProcessGroupCollection.use_mpu_process_groups()

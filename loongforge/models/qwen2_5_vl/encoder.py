@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models import initialization
+from loongforge.models.decoder.build import single_rank_groups
 from loongforge.models.layer_backend import block_modules, resolve_layer_backend
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.layer_specs import vision_layer_spec
@@ -49,7 +49,7 @@ def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: 
         mcore_patches.apply_cpu()
     init_seed = torch.initial_seed() if init_seed is None else init_seed
     modules = block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype))
-    alone = _single_rank_groups() if group is None else ProcessGroupCollection(tp=group, cp=group, pp=group)
+    alone = single_rank_groups() if group is None else ProcessGroupCollection(tp=group, cp=group, pp=group)
     with initialization.seeded(init_seed, "vision_model"):
         vision_model = VisionModel(configs.vision_config(model_cfg, 1, params_dtype, on_cpu), model_cfg,
                                    vision_layer_spec(modules), vision_pg_collection(alone.tp, alone))
@@ -58,13 +58,3 @@ def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: 
                                 alone.tp, modules)
     encoder = VisionEncoder(vision_model, projector, model_cfg.projector.spatial_merge_size**2)
     return encoder.to(device).eval()
-
-
-def _single_rank_groups() -> ProcessGroupCollection:
-    """megatron's groups, which must be of this rank alone (a TP = PP = CP = 1 layout)."""
-    sizes = {"TP": parallel_state.get_tensor_model_parallel_world_size(),
-             "PP": parallel_state.get_pipeline_model_parallel_world_size(),
-             "CP": parallel_state.get_context_parallel_world_size()}
-    if set(sizes.values()) != {1}:
-        raise ValueError(f"build_encoder needs megatron's parallel state at TP = PP = CP = 1, got {sizes}")
-    return ProcessGroupCollection.use_mpu_process_groups()

@@ -10,6 +10,7 @@ hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a confi
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic
 rope_index.py   M-RoPE position ids per sample (data side)
+encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
@@ -32,7 +33,7 @@ FAMILY = ModelFamily(
     to_hub_style=to_hub_style,
     padded_vocab_size=padded_vocab_size,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
-    build_encoder=None,
+    build_encoder=LazyFunction("loongforge.models.qwen3_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
     position_ids=position_ids_for,
     chat=chatml_vision,

@@ -29,7 +29,6 @@ from megatron.core.utils import get_pg_rank
 
 from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
-from loongforge.models import initialization
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
@@ -38,10 +37,10 @@ from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen3_vl import configs, deepstack
 from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
-from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
+from loongforge.models.qwen3_vl.encoder import build_towers, encode_with
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
-from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
+from loongforge.models.vision_common import optional_cat, scatter_features
 from loongforge.parallel.encoder_dp import touch_with_zero
 
 
@@ -62,9 +61,12 @@ class Qwen3VLModel(MegatronModule):
         post_process: bool,
         vp_stage: Optional[int] = None,
         init_seed: Optional[int] = None,
+        with_encoder: bool = True,
     ):
         """``init_seed``: initial weights keyed by (seed, global name), the same full model at
-        every TP/PP layout (``models.initialization``); None: megatron's one running stream."""
+        every TP/PP layout (``models.initialization``); None: megatron's one running stream.
+        ``with_encoder=False``: no towers; each micro-batch brings its features (``image_embeds`` /
+        ``video_embeds`` [tokens, (1 + k) * h]: the merger's, then DeepStack's, ``encoder.py``)."""
         super().__init__(config=language_config)
         self.model_cfg = model_cfg
         self.vision = vision
@@ -79,20 +81,11 @@ class Qwen3VLModel(MegatronModule):
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
         self.deepstack_projectors: Optional[MergerList] = None
-        if pre_process:
-            tp_group = language_pgs.tp
-            with initialization.seeded(init_seed, "vision_model"):
-                self.vision_model = VisionModel(vision_config, vision, vision_layer_spec(modules),
-                                                vision_pg_collection(tp_group, language_pgs))
-            with initialization.seeded(init_seed, "projector"):
-                self.projector = PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=False)
-            with initialization.seeded(init_seed, "deepstack_projectors"):
-                self.deepstack_projectors = MergerList(
-                    PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=True)
-                    for _ in vision.deepstack_visual_indexes)
-        # The k-th DeepStack block (in block order) goes through this merger and after decoder layer k.
-        self._deepstack_mergers = [vision.deepstack_visual_indexes.index(block)
-                                   for block in sorted(vision.deepstack_visual_indexes)]
+        if pre_process and with_encoder:
+            self.vision_model, self.projector, self.deepstack_projectors = build_towers(
+                vision, vision_config, merger_config, modules, language_pgs.tp, language_pgs, init_seed)
+        if not with_encoder:
+            self.layer_backends["vision"] = "none (stored embeddings)"
 
         lang = model_cfg.language
         self.language_model = LanguageModel(
@@ -172,13 +165,11 @@ class Qwen3VLModel(MegatronModule):
         [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos. On later pipeline stages the
         hidden states come from ``set_input_tensor`` instead.
         """
-        if image_embeds is not None or video_embeds is not None:
-            raise ValueError("Qwen3-VL runs its own encoder: stored image/video embeddings are not supported")
         check_inputs(input_ids, position_ids, packed_seq_params)
         decoder_input, context = None, None
         if self.pre_process:
             decoder_input, context = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                video_grid_thw)
+                                                video_grid_thw, stored=optional_cat(image_embeds, video_embeds))
         return self.language_model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -197,19 +188,29 @@ class Qwen3VLModel(MegatronModule):
         image_grid_thw: Optional[torch.Tensor],
         pixel_values_videos: Optional[torch.Tensor],
         video_grid_thw: Optional[torch.Tensor],
+        stored: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(text embeddings with merged features over their placeholders [s, b, h], DeepStack
-        context [s, b, k, h] or None without media); both [s/tp, ...] under sequence parallelism."""
+        context [s, b, k, h] or None without media); both [s/tp, ...] under sequence parallelism.
+        ``stored`` [P/m^2, (1 + k) * h]: the images' then the videos' features, computed offline."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         tokens = self.model_cfg.tokens
         counts = [self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image"),
                   self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")]
         pixels = optional_cat(pixel_values, pixel_values_videos)
         context = None
-        if pixels is not None:
+        if self.vision_model is None and pixels is not None:
+            raise ValueError("this model was built without the vision encoder (data.vision_embeddings): pass "
+                             "image_embeds / video_embeds, not pixels")
+        if self.vision_model is not None and stored is not None:
+            raise ValueError("image_embeds / video_embeds given to a model that runs its own encoder")
+        if stored is not None:
+            features, *deepstack_features = stored.chunk(1 + self.vision.num_deepstack_layers, dim=-1)
+        elif pixels is not None:
             # Images and videos go through the tower together: attention never crosses a frame and
             # position embeddings are per image, so this equals two separate calls.
             features, deepstack_features = self._encode(pixels, optional_cat(image_grid_thw, video_grid_thw))
+        if stored is not None or pixels is not None:
             token_ids = (tokens.image_token_id, tokens.video_token_id)
             for token_id, part in zip(token_ids, features.to(embeddings.dtype).split(counts)):
                 embeddings = scatter_features(embeddings, input_ids, token_id, part)
@@ -218,7 +219,7 @@ class Qwen3VLModel(MegatronModule):
                 per_token = [(token_id, [p[kind] for p in parts])
                              for kind, token_id in enumerate(token_ids) if counts[kind]]
                 context = deepstack.dense_context(input_ids, per_token, tuple(embeddings.shape))
-        else:
+        elif self.vision_model is not None:
             # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
             embeddings = touch_with_zero(embeddings, self._trainable_encoder_params())
         if self.config.sequence_parallel:
@@ -230,10 +231,8 @@ class Qwen3VLModel(MegatronModule):
 
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Merged features [P/m^2, h] and the k DeepStack feature sets [P/m^2, h], decoder layer order."""
-        patch_features, block_outputs = self.vision_model(pixels, grid_thw)
-        deepstack_features = [self.deepstack_projectors[merger](outputs)
-                              for merger, outputs in zip(self._deepstack_mergers, block_outputs)]
-        return self.projector(patch_features), deepstack_features
+        return encode_with(self.vision_model, self.projector, self.deepstack_projectors, self.vision,
+                           pixels, grid_thw)
 
     def _trainable_encoder_params(self) -> list[torch.nn.Parameter]:
         return [param for tower in (self.vision_model, self.projector, self.deepstack_projectors)
@@ -267,10 +266,8 @@ def build_model(
     ``vision``: the Qwen3-VL vision facts; default ``Qwen3VisionConfig.from_model_cfg(model_cfg)``
     (which needs the Qwen3-VL fields of ``model.vision``). ``vision_cost`` (the cost that divides
     media under ``parallel.encoder_dp``) has nothing to act on: Qwen3-VL runs encoder_dp=none.
-    ``with_encoder=False`` (stored embeddings) is refused: DeepStack's features are not stored."""
-    if not with_encoder:
-        raise ValueError("data.vision_embeddings is not supported by Qwen3-VL: `loongforge encode` stores the "
-                         "merged features only, not DeepStack's; train with the online encoder")
+    ``with_encoder=False``: no towers (training on ``loongforge encode``'s stored features, the
+    merger's and DeepStack's)."""
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
     context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
     device, on_cpu, init_seed, modules = context.device, context.on_cpu, context.init_seed, context.modules
@@ -297,6 +294,7 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         init_seed=init_seed,
+        with_encoder=with_encoder,
     )
     return model.to(device)
 
