@@ -63,6 +63,12 @@ class ChatFormat:
     image_block: str  # one image in the text, holding a single image pad token ("" : no images)
     video_block: str
     jinja_template: str  # the same format for ``tokenizer.apply_chat_template``
+    # True: ``video_block`` is a bare video pad that becomes, per temporal patch, ``<{t:.1f} seconds>``
+    # text + vision_start + that patch's pads + vision_end (Qwen3-VL's processor; ``data.video_tokens``).
+    # False: the pad inside ``video_block`` becomes one run of the whole video's pads (Qwen2.5-VL).
+    timestamped_video_frames: bool = False
+    # The processor's frame sampling and video sizing rule: a key of ``data.vision.VIDEO_RULES``.
+    video_rule: str = "qwen2_vl"
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ rope_index.py   M-RoPE position ids per sample (data side)
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.chatml import CHATML_VISION
+from loongforge.models.chatml import CHATML_VISION_TIMESTAMPED
 from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.qwen3_vl import hf_config
@@ -35,7 +35,7 @@ FAMILY = ModelFamily(
     build_encoder=None,
     count_parameters=count_parameters,
     position_ids=position_ids_for,
-    chat=CHATML_VISION,
+    chat=CHATML_VISION_TIMESTAMPED,
     layout=DECODER_LAYOUT,
     tiny_preset="qwen3vl-tiny",
     hf_model_class="Qwen3VLForConditionalGeneration",
