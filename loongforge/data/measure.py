@@ -1,7 +1,9 @@
 """The two per-sample phases of the pipeline.
 
 measure (every rank, every sample): tokenize the rendered chat, read image sizes from headers and
-video sizes/frame counts from containers, and expand each media pad token to its exact count.
+video sizes/frame counts from containers, and expand each media pad token to its exact count
+(a family with ``ChatFormat.timestamped_video_frames`` gets Qwen3-VL's per-temporal-patch video
+blocks with timestamp text, ``data.video_tokens``).
 This gives the exact LLM length used for packing, without decoding any pixel.
 
 materialize (only the rank that trains on the sample): decode media into ``pixel_values``.
@@ -17,6 +19,7 @@ import numpy as np
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.template import expand_media_tokens, render_chat, tokenize_chat
+from loongforge.data.video_tokens import expand_timestamped_videos, timestamped_video_ids
 from loongforge.data.vision import (
     ImageSource,
     MediaError,
@@ -89,6 +92,7 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
         video_max_pixels=data_cfg.video_max_pixels,
         pixel_mean=tuple(model_cfg.vision.pixel_mean),
         pixel_std=tuple(model_cfg.vision.pixel_std),
+        video_rule=get_family(model_cfg.family).chat(model_cfg).video_rule,
     )
 
 
@@ -137,6 +141,10 @@ class SampleMeasurer:
         input_ids, is_answer = expand_media_tokens(
             input_ids, is_answer, self.tokens.image_token_id, [num_llm_tokens(grid, merge) for grid in image_grids]
         )
+        if self.chat.timestamped_video_frames:
+            blocks = [timestamped_video_ids(plan, self.tokenizer, self.tokens, self.sizing.temporal_patch_size, merge)
+                      for plan in video_plans]
+            return expand_timestamped_videos(input_ids, is_answer, self.tokens.video_token_id, blocks)
         return expand_media_tokens(
             input_ids, is_answer, self.tokens.video_token_id,
             [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],

@@ -10,11 +10,21 @@ Patchify layout: ``pixel_values[grid_t*grid_h*grid_w, C*temporal_patch*14*14]``;
 are one merged LLM token; each row is (C, temporal, 14, 14) flattened. A still image is repeated
 over the 2 temporal slots.
 
-Video: frames are sampled uniformly at ``video_fps`` (at most ``video_max_frames``, at least 4
-when the video has them, an even count), resized per frame with the same PIL bicubic and
-normalised the same way; ``second_per_grid_t = temporal_patch / sampled_fps``. (transformers'
-video processor resizes with torchvision instead of PIL, so video pixels are close to, not bit
-equal to, its output; grids follow the same rules.)
+Video: frames are sampled and sized by the family's rule (``VIDEO_RULES``, named by
+``ChatFormat.video_rule``), resized per frame with the same PIL bicubic and normalised the same
+way; ``second_per_grid_t = temporal_patch / sampled_fps``.
+
+- ``qwen2_vl`` (Qwen2-VL, Qwen2.5-VL): frames at ``video_fps`` (at most ``video_max_frames``, at
+  least 4 when the video has them, an even count); each frame sized by ``smart_resize`` with
+  ``video_min_pixels`` / ``video_max_pixels`` per frame.
+- ``qwen3_vl`` (transformers' Qwen3VLVideoProcessor): ``int(duration * video_fps)`` frames clamped
+  to [4, video_max_frames] and to the frames available, at ``linspace(0, frames - 1, n).round()``;
+  sized by ``smart_resize_video`` with ``video_min_pixels`` / ``video_max_pixels`` bounding the
+  whole clip (frames x height x width); an odd count is padded by repeating the last frame.
+
+(transformers' video processors resize with torchvision instead of PIL, so video pixels are
+close to, not bit equal to, their output: at most 3 uint8 levels after resizing, 0.0235 after
+Qwen3-VL's normalisation, on a demo clip; grids and frame indices follow the same rules.)
 """
 
 from __future__ import annotations
@@ -57,13 +67,18 @@ class VisionSizing:
     max_pixels: int
     video_min_pixels: int
     video_max_pixels: int
+    # How videos are sampled and sized: a key of VIDEO_RULES (``ChatFormat.video_rule``).
+    video_rule: str = "qwen2_vl"
     # Per-channel normalisation (the processor's image_mean / image_std).
     pixel_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     pixel_std: tuple[float, float, float] = OPENAI_CLIP_STD
 
     def geometry(self) -> dict:
         """The fields that decide grids and token counts (what a packed folder must agree on)."""
-        return {k: v for k, v in asdict(self).items() if k not in ("pixel_mean", "pixel_std")}
+        geometry = {k: v for k, v in asdict(self).items() if k not in ("pixel_mean", "pixel_std")}
+        if self.video_rule == "qwen2_vl":  # the only rule before it was recorded: old folders stay readable
+            del geometry["video_rule"]
+        return geometry
 
     @property
     def factor(self) -> int:
@@ -237,6 +252,9 @@ class VideoPlan:
     resized_width: int
     grid_thw: tuple[int, int, int]
     second_per_grid_t: float  # seconds of video covered by one temporal patch
+    # The container's frame rate (frames per second): frame index / fps is a frame's time, which
+    # Qwen3-VL writes as text before each temporal patch. None in folders packed before it was kept.
+    fps: float | None = None
 
 
 def _import_av():
@@ -283,20 +301,89 @@ def sample_frame_indices(
 
 
 def plan_video(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
+    """The frames to decode and the size to give them, by the family's rule (``sizing.video_rule``)."""
+    if sizing.video_rule not in VIDEO_RULES:
+        raise ValueError(f"unknown video rule {sizing.video_rule!r}; known: {sorted(VIDEO_RULES)}")
+    return VIDEO_RULES[sizing.video_rule](probe, sizing, target_fps, max_frames)
+
+
+def _plan_qwen2_vl(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
     indices = sample_frame_indices(probe.num_frames, probe.fps, target_fps, max_frames, sizing.temporal_patch_size)
     resized_h, resized_w = smart_resize(
         probe.height, probe.width, sizing.factor, sizing.video_min_pixels, sizing.video_max_pixels
     )
-    duration_s = probe.num_frames / probe.fps
-    sampled_fps = len(indices) / duration_s
-    grid = (len(indices) // sizing.temporal_patch_size, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
+    return _video_plan(probe, sizing, indices, resized_h, resized_w)
+
+
+def _plan_qwen3_vl(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
+    indices = sample_frame_indices_linspace(probe.num_frames, probe.fps, target_fps, max_frames)
+    resized_h, resized_w = smart_resize_video(
+        len(indices), probe.height, probe.width, sizing.temporal_patch_size, sizing.factor,
+        sizing.video_min_pixels, sizing.video_max_pixels,
+    )
+    return _video_plan(probe, sizing, indices, resized_h, resized_w)
+
+
+def _video_plan(probe: VideoProbe, sizing: VisionSizing, indices: list[int], resized_h: int,
+                resized_w: int) -> VideoPlan:
+    sampled_fps = len(indices) / (probe.num_frames / probe.fps)
+    grid_t = -(-len(indices) // sizing.temporal_patch_size)  # an odd count is padded with the last frame
     return VideoPlan(
         frame_indices=tuple(indices),
         resized_height=resized_h,
         resized_width=resized_w,
-        grid_thw=grid,
+        grid_thw=(grid_t, resized_h // sizing.patch_size, resized_w // sizing.patch_size),
         second_per_grid_t=sizing.temporal_patch_size / sampled_fps,
+        fps=probe.fps,
     )
+
+
+def sample_frame_indices_linspace(num_frames: int, native_fps: float, target_fps: float, max_frames: int) -> list[int]:
+    """Qwen3-VL's sampling: ``int(duration * target_fps)`` frames clamped to [4, max_frames] and
+    to ``num_frames``, spread evenly from the first frame to the last (rounded to the nearest)."""
+    count = int(num_frames / native_fps * target_fps)
+    count = min(max(count, MIN_VIDEO_FRAMES), max_frames, num_frames)
+    return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
+
+
+def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
+                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
+    """(height, width) for every frame of a clip, multiples of ``factor``, such that the clip's
+    volume (frames rounded to ``temporal_factor``, x height x width) lies in [min_pixels,
+    max_pixels], keeping the aspect ratio as closely as possible (Qwen3-VL's video rule)."""
+    if num_frames < temporal_factor:
+        raise ValueError(f"{num_frames} sampled frame(s) < temporal patch {temporal_factor}")
+    if height < factor or width < factor:  # too small: scale up so that the short side is factor
+        scale = max(factor / height, factor / width)
+        height, width = int(height * scale), int(width * scale)
+    if max(height, width) / min(height, width) > 200:
+        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
+    resized_h = round(height / factor) * factor
+    resized_w = round(width / factor) * factor
+    volume_t = round(num_frames / temporal_factor) * temporal_factor
+    if volume_t * resized_h * resized_w > max_pixels:
+        scale = math.sqrt(num_frames * height * width / max_pixels)
+        resized_h = max(factor, math.floor(height / scale / factor) * factor)
+        resized_w = max(factor, math.floor(width / scale / factor) * factor)
+    elif volume_t * resized_h * resized_w < min_pixels:
+        scale = math.sqrt(min_pixels / (num_frames * height * width))
+        resized_h = math.ceil(height * scale / factor) * factor
+        resized_w = math.ceil(width * scale / factor) * factor
+    return resized_h, resized_w
+
+
+VIDEO_RULES = {"qwen2_vl": _plan_qwen2_vl, "qwen3_vl": _plan_qwen3_vl}
+
+
+def frame_timestamps(plan: VideoPlan, temporal_patch_size: int) -> list[float]:
+    """Seconds at each temporal patch: the mean time of its first and last frame (an odd frame
+    count repeats the last frame), frame time = index / the video's frame rate."""
+    if plan.fps is None:
+        raise ValueError("this video plan has no frame rate (packed before it was recorded); repack the data")
+    indices = list(plan.frame_indices)
+    indices += indices[-1:] * (-len(indices) % temporal_patch_size)
+    seconds = [index / plan.fps for index in indices]
+    return [(seconds[i] + seconds[i + temporal_patch_size - 1]) / 2 for i in range(0, len(seconds), temporal_patch_size)]
 
 
 def decode_video_frames(path: str | Path, frame_indices: tuple[int, ...]) -> list[Image.Image]:

@@ -8,10 +8,14 @@ The format (ChatML with vision markers)::
 
 Each image is one ``<|image_pad|>`` in the text; after tokenization it is expanded to
 ``grid_t*grid_h*grid_w / merge**2`` copies (one per merged patch group), the processor's rule.
+Qwen3-VL (``CHATML_VISION_TIMESTAMPED``) writes a video as a bare ``<|video_pad|>`` that becomes,
+per temporal patch, ``<{t:.1f} seconds><|vision_start|>`` + that patch's pads + ``<|vision_end|>``.
 The generic rendering, tokenizing and labelling is ``loongforge.data.template``.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.family import ChatFormat
@@ -19,29 +23,33 @@ from loongforge.models.family import ChatFormat
 # Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
 # content-part form ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}).
 # No whitespace control: HF renders with trim_blocks, and no newline here follows a block tag.
-CHATML_VISION_TEMPLATE = (
-    "{% for message in messages %}"
-    "{% if loop.first and message['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-    "{% endif %}"
-    "<|im_start|>{{ message['role'] }}\n"
-    "{% if message['content'] is string %}"
-    "{{ message['content'] }}"
-    "{% else %}"
-    "{% for part in message['content'] %}"
-    "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-    "<|vision_start|><|image_pad|><|vision_end|>"
-    "{% elif part['type'] == 'video' or 'video' in part %}"
-    "<|vision_start|><|video_pad|><|vision_end|>"
-    "{% elif 'text' in part %}"
-    "{{ part['text'] }}"
-    "{% endif %}"
-    "{% endfor %}"
-    "{% endif %}"
-    "<|im_end|>\n"
-    "{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
+def _chatml_vision_template(video_block: str) -> str:
+    return (
+        "{% for message in messages %}"
+        "{% if loop.first and message['role'] != 'system' %}"
+        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
+        "{% endif %}"
+        "<|im_start|>{{ message['role'] }}\n"
+        "{% if message['content'] is string %}"
+        "{{ message['content'] }}"
+        "{% else %}"
+        "{% for part in message['content'] %}"
+        "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
+        "<|vision_start|><|image_pad|><|vision_end|>"
+        "{% elif part['type'] == 'video' or 'video' in part %}"
+        + video_block +
+        "{% elif 'text' in part %}"
+        "{{ part['text'] }}"
+        "{% endif %}"
+        "{% endfor %}"
+        "{% endif %}"
+        "<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+
+
+CHATML_VISION_TEMPLATE = _chatml_vision_template("<|vision_start|><|video_pad|><|vision_end|>")
 
 CHATML_VISION = ChatFormat(
     turn_start="<|im_start|>",
@@ -51,7 +59,22 @@ CHATML_VISION = ChatFormat(
     jinja_template=CHATML_VISION_TEMPLATE,
 )
 
+# Qwen3-VL: the video pad stands alone; the data side writes each temporal patch's timestamp and
+# vision markers around its pads (``timestamped_video_frames``), as Qwen3VLProcessor does.
+CHATML_VISION_TIMESTAMPED = replace(
+    CHATML_VISION,
+    video_block="<|video_pad|>",
+    jinja_template=_chatml_vision_template("<|video_pad|>"),
+    timestamped_video_frames=True,
+    video_rule="qwen3_vl",
+)
+
 
 def chatml_vision(model_cfg: ModelConfig) -> ChatFormat:
-    """The format of every model of a Qwen-VL family (``ModelFamily.chat``)."""
+    """Qwen2-VL / Qwen2.5-VL's format (``ModelFamily.chat``)."""
     return CHATML_VISION
+
+
+def chatml_vision_timestamped(model_cfg: ModelConfig) -> ChatFormat:
+    """Qwen3-VL's format (``ModelFamily.chat``)."""
+    return CHATML_VISION_TIMESTAMPED

@@ -67,6 +67,12 @@ class ChatFormat:
     role_end: str = "\n"  # between the role name and the text
     turn_sep: str = "\n"  # after each turn's ``turn_end``
     text_start: str = ""  # before the first turn
+    # True: ``video_block`` is a bare video pad that becomes, per temporal patch, ``<{t:.1f} seconds>``
+    # text + vision_start + that patch's pads + vision_end (Qwen3-VL's processor; ``data.video_tokens``).
+    # False: the pad inside ``video_block`` becomes one run of the whole video's pads (Qwen2.5-VL).
+    timestamped_video_frames: bool = False
+    # The processor's frame sampling and video sizing rule: a key of ``data.vision.VIDEO_RULES``.
+    video_rule: str = "qwen2_vl"
 
     @property
     def markers(self) -> tuple[str, ...]:

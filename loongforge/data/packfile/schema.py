@@ -24,6 +24,7 @@ VIDEO_PLAN = pa.struct([
     ("resized_width", pa.int32()),
     ("grid_thw", pa.list_(pa.int32())),
     ("second_per_grid_t", pa.float64()),
+    ("fps", pa.float64()),  # the video's frame rate; null in folders packed before it was kept
 ])
 SCHEMA = pa.schema([
     ("pack", pa.int64()),
@@ -62,7 +63,7 @@ def _image_ref(image) -> dict:
 def _plan_dict(plan: VideoPlan) -> dict:
     return {"frame_indices": list(plan.frame_indices), "resized_height": plan.resized_height,
             "resized_width": plan.resized_width, "grid_thw": list(plan.grid_thw),
-            "second_per_grid_t": plan.second_per_grid_t}
+            "second_per_grid_t": plan.second_per_grid_t, "fps": plan.fps}
 
 
 def decode_pack(row: dict) -> list[MeasuredSample]:
@@ -79,6 +80,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
             videos=list(row["videos"][k]),
             video_plans=[VideoPlan(frame_indices=tuple(p["frame_indices"]), resized_height=p["resized_height"],
                                    resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),
-                                   second_per_grid_t=p["second_per_grid_t"]) for p in row["video_plans"][k]],
+                                   second_per_grid_t=p["second_per_grid_t"], fps=p.get("fps"))
+                        for p in row["video_plans"][k]],
         ))
     return samples

@@ -14,7 +14,7 @@ encoder.py      the towers alone (loongforge encode): merged + DeepStack feature
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.chatml import chatml_vision
+from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.qwen3_vl import hf_config
@@ -36,7 +36,7 @@ FAMILY = ModelFamily(
     build_encoder=LazyFunction("loongforge.models.qwen3_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
     position_ids=position_ids_for,
-    chat=chatml_vision,
+    chat=chatml_vision_timestamped,
     layout=DECODER_LAYOUT,
     has_vision=True,
     tiny_preset="qwen3vl-tiny",
