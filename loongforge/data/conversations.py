@@ -8,10 +8,11 @@ Accepted layouts (one record per conversation):
   (LLaMA-Factory v1); each media part becomes a placeholder at its position.
 
 Files: JSON (a list, read element by element so each record keeps its line), JSONL, parquet
-(images may be ``{"bytes": ..., "path": ...}`` dicts). Relative media paths resolve against the
-data file's folder. LLaMA-Factory writes them relative to its repo root (``data/x.jpg`` for a file
-living in ``data/``); when the plain join does not exist, leading folders of the relative path are
-dropped one by one until one exists.
+(images may be ``{"bytes": ..., "path": ...}`` dicts). Records that share a line (a JSON list
+written on one line) also carry their ordinal in the file, so each stays one sample. Relative
+media paths resolve against the data file's folder. LLaMA-Factory writes them relative to its
+repo root (``data/x.jpg`` for a file living in ``data/``); when the plain join does not exist,
+leading folders of the relative path are dropped one by one until one exists.
 
 ``FileSamples.get(i)`` never raises for bad data: it returns a ``Reject`` instead.
 """
@@ -21,9 +22,10 @@ from __future__ import annotations
 import bisect
 import json
 import re
+from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Union
+from typing import Any, Optional, Union
 
 from loongforge.config.errors import InputError
 from loongforge.data.samples import ConversationSample, Reject
@@ -52,8 +54,10 @@ class RecordError(Exception):
         self.detail = detail
 
 
-def parse_record(record: Any, *, file: str, line: int, media_root: Path) -> Union[ConversationSample, Reject]:
-    """Validate one decoded record; a Reject names the first problem found."""
+def parse_record(record: Any, *, file: str, line: int, media_root: Path,
+                 ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
+    """Validate one decoded record; a Reject names the first problem found. ``ordinal``: the
+    record's position in its file, given when its line holds other records too."""
     try:
         turns, inline_images, inline_videos = _parse_turns(record)
         images = _media_list(record, ("images", "image"), inline_images, media_root)
@@ -62,9 +66,9 @@ def parse_record(record: Any, *, file: str, line: int, media_root: Path) -> Unio
         _check_answers(turns)
         _check_media_counts(turns, len(images), len(videos))
     except RecordError as error:
-        return Reject(file=file, line=line, reason=error.reason, detail=error.detail)
+        return Reject(file=file, line=line, reason=error.reason, detail=error.detail, record=ordinal)
     return ConversationSample(
-        sample_id=f"{file}:{line}", file=file, line=line, turns=turns, images=images, videos=videos
+        sample_id=f"{file}:{line}", file=file, line=line, turns=turns, images=images, videos=videos, record=ordinal
     )
 
 
@@ -316,6 +320,13 @@ def expand_data_paths(paths: list[str]) -> list[Path]:
     return files
 
 
+def record_ordinals(located: list[_Located]) -> list[Optional[int]]:
+    """Per entry of one file, its position in the file where its line holds other entries too (a
+    JSON array on one line), else None: file and line then name a sample on their own."""
+    per_line = Counter(entry.line for entry in located)
+    return [ordinal if per_line[entry.line] > 1 else None for ordinal, entry in enumerate(located)]
+
+
 class FileSamples:
     """All records of the data files, indexable in a fixed order (files in order, records in
     file order). Records are decoded up front (metadata only, no media), so an epoch can be
@@ -323,14 +334,19 @@ class FileSamples:
 
     def __init__(self, paths: list[str]):
         self._entries: list[tuple[Path, _Located]] = []
+        self._ordinals: list[Optional[int]] = []  # per entry, see record_ordinals
         for path in expand_data_paths(paths):
-            self._entries.extend((path, located) for located in read_data_file(path))
+            located = read_data_file(path)
+            self._entries.extend((path, entry) for entry in located)
+            self._ordinals.extend(record_ordinals(located))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, index: int) -> Union[ConversationSample, Reject]:
-        path, located = self._entries[index]
+        (path, located), ordinal = self._entries[index], self._ordinals[index]
         if located.error is not None:
-            return Reject(file=str(path), line=located.line, reason="malformed_json", detail=located.error)
-        return parse_record(located.record, file=str(path), line=located.line, media_root=path.parent)
+            return Reject(file=str(path), line=located.line, reason="malformed_json", detail=located.error,
+                          record=ordinal)
+        return parse_record(located.record, file=str(path), line=located.line, media_root=path.parent,
+                            ordinal=ordinal)

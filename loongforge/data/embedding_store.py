@@ -8,7 +8,8 @@
                       media of the shard that could not be decoded. A shard is written whole
                       (tmp + rename) or not at all: it is the unit --resume skips.
     index.jsonl       one row per stored medium, in input order (``EmbeddingRow``)
-    rejects.jsonl     samples whose media could not be read, with file, line and reason
+    rejects.jsonl     samples whose media could not be read, with file, line (and record, when the
+                      line holds several records) and reason
     encoder.json      written last (its presence marks a finished folder): the preset, the
                       digest of the encoder + merger weights, the processor settings, counts
     runs.jsonl        one line per `encode` call that wrote here: media encoded, seconds, processes
@@ -169,8 +170,8 @@ class EmbeddingStore:
             sample=sample, image_pixels=[], video_pixels=[],
             image_embeds=[zeros(g) for g in sample.image_grids],
             video_embeds=[zeros(p.grid_thw) for p in sample.video_plans],
-            late_reject=Reject(file=sample.file, line=sample.line, reason="missing_embedding",
-                               detail=f"{problem} (found when loading; sample trained with no loss)"))
+            late_reject=Reject.of(sample, "missing_embedding",
+                                  f"{problem} (found when loading; sample trained with no loss)"))
 
     def features(self, row: EmbeddingRow) -> torch.Tensor:
         """[tokens, hidden] stored features of one medium, in the stored dtype."""
@@ -195,4 +196,4 @@ class StoredMediaMeasurer:
         problem = self.store.problem(measured)
         if problem is None:
             return measured
-        return Reject(file=measured.file, line=measured.line, reason="missing_embedding", detail=problem)
+        return Reject.of(measured, "missing_embedding", problem)

@@ -52,6 +52,7 @@ class MeasuredSample:
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
     video_plans: list[VideoPlan] = field(default_factory=list)
+    record: Optional[int] = None  # as ConversationSample.record
 
     @property
     def length(self) -> int:
@@ -111,27 +112,26 @@ class SampleMeasurer:
 
     def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
         if self.sizing is None and (sample.images or sample.videos):
-            return Reject(file=sample.file, line=sample.line, reason="media_in_text_model",
-                          detail=f"{len(sample.images)} image(s), {len(sample.videos)} video(s) for a model "
-                                 f"without a vision tower")
+            return Reject.of(sample, "media_in_text_model", f"{len(sample.images)} image(s), "
+                                                            f"{len(sample.videos)} video(s) for a model without a vision tower")
         try:
             image_grids, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:
-            return Reject(file=sample.file, line=sample.line, reason=error.reason, detail=error.detail)
+            return Reject.of(sample, error.reason, error.detail)
         chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None, self.chat))
         try:
             input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_grids, video_plans)
         except ValueError as error:  # literal <|image_pad|> typed into the text
-            return Reject(file=sample.file, line=sample.line, reason="media_mismatch", detail=str(error))
+            return Reject.of(sample, "media_mismatch", str(error))
         # Vision markers are inputs, never targets, even if a placeholder sat in an answer.
         is_answer &= ~np.isin(input_ids, self.vision_token_ids)
         if len(input_ids) > self.data_cfg.seq_len:
-            return Reject(file=sample.file, line=sample.line, reason="too_long",
-                          detail=f"{len(input_ids)} tokens > data.seq_len={self.data_cfg.seq_len}")
+            return Reject.of(sample, "too_long",
+                             f"{len(input_ids)} tokens > data.seq_len={self.data_cfg.seq_len}")
         return MeasuredSample(
             sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
             is_answer=is_answer, images=list(sample.images), image_grids=image_grids,
-            videos=list(sample.videos), video_plans=video_plans,
+            videos=list(sample.videos), video_plans=video_plans, record=sample.record,
         )
 
     def _expand_media(self, input_ids, is_answer, image_grids, video_plans):
@@ -184,8 +184,8 @@ def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSam
         videos = [video_pixels(video, plan, sizing) for video, plan in zip(sample.videos, sample.video_plans)]
         return MaterializedSample(sample=sample, image_pixels=images, video_pixels=videos)
     except MediaError as error:
-        reject = Reject(file=sample.file, line=sample.line, reason=error.reason,
-                        detail=f"{error.detail} (found when decoding; sample trained with no loss)")
+        reject = Reject.of(sample, error.reason,
+                           f"{error.detail} (found when decoding; sample trained with no loss)")
     return MaterializedSample(
         sample=sample,
         image_pixels=[_zeros(grid, sizing) for grid in sample.image_grids],

@@ -46,7 +46,7 @@ from loongforge.data.measure import (
 )
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
-from loongforge.data.samples import Reject
+from loongforge.data.samples import Reject, RejectKey
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
@@ -76,12 +76,13 @@ def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[
 
 
 class RejectLog:
-    """Counts each reject once (by file, line, reason) and appends new ones to a JSONL file."""
+    """Counts each reject once (by ``Reject.key``: file, line, record, reason) and appends new ones
+    to a JSONL file."""
 
     def __init__(self, path: Optional[Path], *, keep_new: bool = False):
         self.path = Path(path) if path is not None else None
         self.keep_new = keep_new  # exchange mode hands new rejects to the other ranks
-        self._seen: set[tuple[str, int, str]] = set()
+        self._seen: set[RejectKey] = set()
         self._counts: Counter = Counter()
         self._new: list[Reject] = []  # recorded since the last take_new() (exchange mode shares them)
         self._lock = threading.Lock()
@@ -109,12 +110,17 @@ class RejectLog:
             return new
 
     def state_dict(self) -> dict:
+        """``seen``: [file, line, reason] per reject, with its record appended when it has one
+        (so a state without records, as older checkpoints hold, reads the same)."""
         with self._lock:
-            return {"seen": sorted([list(key) for key in self._seen]), "counts": dict(self._counts)}
+            seen = [[f, line, reason] if record is None else [f, line, reason, record]
+                    for f, line, record, reason in self._seen]
+            return {"seen": sorted(seen), "counts": dict(self._counts)}
 
     def load_state_dict(self, state: dict) -> None:
         with self._lock:
-            self._seen = {(f, int(line), reason) for f, line, reason in state["seen"]}
+            self._seen = {(f, int(line), int(record[0]) if record else None, reason)
+                          for f, line, reason, *record in state["seen"]}
             self._counts = Counter(state["counts"])
 
 

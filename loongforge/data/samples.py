@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
+from typing import Optional
 
 from loongforge.data.template import Turn
 from loongforge.data.vision import ImageSource
@@ -21,26 +22,42 @@ REJECT_REASONS = (
 )
 
 
+# (file, line, record, reason): one rejected sample, however often it is met.
+RejectKey = tuple[str, int, Optional[int], str]
+
+
 @dataclass(frozen=True)
 class Reject:
-    """A skipped sample: ``line`` is the 1-based line (JSON/JSONL) or row (parquet) it starts at."""
+    """A skipped sample: ``line`` is the 1-based line (JSON/JSONL) or row (parquet) it starts at;
+    ``record`` tells apart records that start on one line (see ``ConversationSample.record``)."""
 
     file: str
     line: int
     reason: str
     detail: str
+    record: Optional[int] = None
 
     def __post_init__(self):
         if self.reason not in REJECT_REASONS:
             raise ValueError(f"unknown reject reason {self.reason!r}")
 
+    @classmethod
+    def of(cls, sample, reason: str, detail: str) -> "Reject":
+        """The reject of ``sample`` (anything with ``file``, ``line`` and ``record``)."""
+        return cls(file=sample.file, line=sample.line, reason=reason, detail=detail, record=sample.record)
+
     @property
-    def key(self) -> tuple[str, int, str]:
-        """Identity used to count a reject once, however many epochs meet it."""
-        return (self.file, self.line, self.reason)
+    def key(self) -> RejectKey:
+        """Identity used to count a reject once, however many epochs (or ranks) meet it."""
+        return (self.file, self.line, self.record, self.reason)
 
     def to_json(self) -> dict:
-        return asdict(self)
+        """``file``, ``line``, ``reason``, ``detail``, and ``record`` only when the line holds
+        several records."""
+        fields = asdict(self)
+        if self.record is None:
+            del fields["record"]
+        return fields
 
 
 @dataclass
@@ -54,3 +71,6 @@ class ConversationSample:
     turns: list[Turn]
     images: list[ImageSource] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
+    # The record's 0-based ordinal in its file when its line holds other records too (a JSON array
+    # written on one line); None when file and line name it alone.
+    record: Optional[int] = None

@@ -36,6 +36,7 @@ class MediaItem:
     source: Union[ImageSource, str]
     grid: tuple[int, int, int]
     video_plan: Optional[VideoPlan] = None
+    record: Optional[int] = None  # the sample's ConversationSample.record (for its reject)
 
     @property
     def patches(self) -> int:
@@ -78,8 +79,7 @@ def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> 
         try:
             image_grids, video_plans = measure_media(sample, sizing, data_cfg)
         except MediaError as error:
-            rejects.append((index, Reject(file=sample.file, line=sample.line, reason=error.reason,
-                                          detail=error.detail)))
+            rejects.append((index, Reject.of(sample, error.reason, error.detail)))
             continue
         items += _sample_items(sample, image_grids, video_plans, first=len(items), sample_order=index)
     return EncodePlan(items=items, rejects=rejects, samples=len(source))
@@ -98,7 +98,8 @@ def plan_packed(folder: PackedFolder) -> EncodePlan:
 
 def _sample_items(sample: Union[ConversationSample, MeasuredSample], image_grids: list, video_plans: list,
                   first: int, sample_order: int) -> list[MediaItem]:
-    common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line, sample_order=sample_order)
+    common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line, record=sample.record,
+                  sample_order=sample_order)
     items = [MediaItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid), **common)
              for i, (image, grid) in enumerate(zip(sample.images, image_grids))]
     items += [MediaItem(order=first + len(items) + i, kind="video", media_index=i, source=video,

@@ -92,8 +92,7 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
         try:
             decoded.append((item, _pixels(item, sizing)))
         except MediaError as error:
-            reject = Reject(file=item.file, line=item.line, reason=error.reason,
-                            detail=f"{item.kind} {item.media_index}: {error.detail}")
+            reject = Reject.of(item, error.reason, f"{item.kind} {item.media_index}: {error.detail}")
             rejects.append({"sample_order": item.sample_order, **reject.to_json()})
     tensors, rows = {}, []
     for batch in _batches(decoded, spec.batch_patches):

@@ -7,7 +7,9 @@ Manifest line (the balancer and ``train`` read these names)::
                   "patches": [P per image, then per video], "images": n_img, "videos": n_vid,
                   "loss_tokens": tokens with loss (the LM head runs on these)}]}
 
-``index`` is the sample's position in the inputs (files in order, records in file order).
+``index`` is the sample's position in the inputs (files in order, records in file order). A sample
+whose line holds other samples too (a JSON list on one line) also has ``"record"``, its ordinal in
+its file, in the manifest and in ``rejects.jsonl``.
 Pack ``i`` is row ``i % packs_per_shard`` of shard ``i // packs_per_shard``.
 """
 
@@ -73,14 +75,19 @@ def manifest_lines(plan: Plan) -> Iterator[dict]:
 
 
 def _manifest_sample(record: dict) -> dict:
-    return {"id": record["id"], "file": record["file"], "line": record["line"], "index": record["i"],
+    return {"id": record["id"], **_where(record), "index": record["i"],
             "tokens": record["tokens"], "patches": record["patches"], "images": record["images"],
             "videos": record["videos"], "loss_tokens": record.get("loss_tokens")}
 
 
+def _where(record: dict) -> dict:
+    """file and line, and the record's ordinal in its file where the scan gave one."""
+    return {key: record[key] for key in ("file", "line", "record") if key in record}
+
+
 def reject_lines(plan: Plan) -> Iterator[dict]:
     for r in plan.rejected:
-        yield {"file": r["file"], "line": r["line"], "reason": r["reason"], "detail": r["detail"]}
+        yield {**_where(r), "reason": r["reason"], "detail": r["detail"]}
 
 
 def write_plan(root: Path, plan: Plan) -> None:

@@ -3,8 +3,10 @@
 A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos", "loss_tokens"}`` for a usable
 sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
 t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "reason",
-"detail"}`` for a rejected one. Records are written in chunks of ``folder.SCAN_CHUNK`` samples,
-each file complete or absent, so a resumed scan redoes at most the chunks in flight.
+"detail"}`` for a rejected one; either also holds ``"record"`` (the sample's ordinal in its file)
+when its line holds several samples (a JSON list on one line). Records are written in chunks of
+``folder.SCAN_CHUNK`` samples, each file complete or absent, so a resumed scan redoes at most the
+chunks in flight.
 """
 
 from __future__ import annotations
@@ -21,12 +23,14 @@ from loongforge.pack import workers
 
 def scan_record(index: int) -> dict:
     measured = workers.measure_index(index)
+    where = {"file": measured.file, "line": measured.line}
+    if measured.record is not None:
+        where["record"] = measured.record
     if not isinstance(measured, MeasuredSample):
-        return {"i": index, "file": measured.file, "line": measured.line, "reason": measured.reason,
-                "detail": measured.detail}
+        return {"i": index, **where, "reason": measured.reason, "detail": measured.detail}
     patches = [t * h * w for t, h, w in measured.image_grids]
     patches += [t * h * w for t, h, w in (plan.grid_thw for plan in measured.video_plans)]
-    return {"i": index, "id": measured.sample_id, "file": measured.file, "line": measured.line,
+    return {"i": index, "id": measured.sample_id, **where,
             "tokens": measured.length, "patches": patches, "images": len(measured.image_grids),
             "videos": len(measured.video_plans), "loss_tokens": measured.loss_tokens}
 

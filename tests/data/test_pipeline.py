@@ -139,9 +139,45 @@ def test_every_sample_in_one_row_or_rejected_once(tokenizer, bad_data, tmp_path)
     lines = [json.loads(line) for line in rejects_path.read_text().splitlines()]
     assert sorted((r["line"], r["reason"]) for r in lines) == sorted(EXPECTED_REASONS.items())
     assert all(r["file"] == str(bad_data) and r["detail"] for r in lines)
+    assert all("record" not in r for r in lines)  # one record a line: file and line name it
     assert sum(pipeline.reject_counts().values()) == len(EXPECTED_REASONS)
     assert len(epoch0_positions) == len(set(epoch0_positions))  # no sample twice in an epoch
     assert len(epoch0_positions) + len(EXPECTED_REASONS) == num_records == 16  # none silently dropped
+
+
+def test_records_of_a_one_line_json_list_are_each_rejected_once(tokenizer, tmp_path):
+    """A JSON list written on one line: its records all start on line 1, yet each bad one is its
+    own reject, counted and written once however often epochs (or a resumed run) meet it."""
+    bad_roles = {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}
+    bad_roles_too = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}
+    empty_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}
+    good = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
+    data = tmp_path / "one_line.json"
+    data.write_text(json.dumps([bad_roles, good, bad_roles_too, empty_answer]))
+    assert len(data.read_text().splitlines()) == 1
+    rejects_path = tmp_path / "rejects.jsonl"
+    cfg = DataConfig(source="files", paths=[str(data)], seq_len=256, num_workers=0, shuffle=True)
+    pipeline = _pipeline(tokenizer, cfg, gbs=1, rejects_path=rejects_path)
+    while pipeline.stream.epoch < 3:
+        pipeline.next_step()
+    expected = [{"file": str(data), "line": 1, "record": 0, "reason": "bad_roles"},
+                {"file": str(data), "line": 1, "record": 2, "reason": "bad_roles"},
+                {"file": str(data), "line": 1, "record": 3, "reason": "empty_answer"}]
+
+    def written():
+        lines = [json.loads(line) for line in rejects_path.read_text().splitlines()]
+        assert all(r.pop("detail") for r in lines)
+        return sorted(lines, key=lambda r: r.get("record", -1))
+
+    assert pipeline.reject_counts() == {"bad_roles": 2, "empty_answer": 1}
+    assert written() == expected
+    # Resumed from its state, a run meets the same records again and counts none of them anew.
+    resumed = _pipeline(tokenizer, cfg, gbs=1, rejects_path=rejects_path)
+    resumed.load_state_dict(json.loads(json.dumps(pipeline.state_dict())))
+    while resumed.stream.epoch < 6:
+        resumed.next_step()
+    assert written() == expected
+    assert resumed.reject_counts() == {"bad_roles": 2, "empty_answer": 1}
 
 
 def test_rows_padded_to_seq_len_for_pipeline_parallel(tokenizer):

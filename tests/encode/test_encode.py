@@ -203,15 +203,20 @@ def test_unreadable_media_are_rejects_with_file_line_and_reason(tmp_path):
 
 def test_records_sharing_a_line_are_found_apart(tmp_path):
     """A JSON array on one line (what many tools write): every record is line 1, yet each sample
-    finds its own images' features, as training looks them up."""
+    finds its own images' features, as training looks them up, and each reject names its record."""
     photos = sorted((MIX.parent / "mllm_demo_data").glob("*.jpg"))[:3]
+    truncated = tmp_path / "truncated.jpg"
+    truncated.write_bytes(photos[0].read_bytes()[:2000])
     records = [{"messages": [{"role": "user", "content": "<image>What is it?"},
                              {"role": "assistant", "content": f"Photo {i}."}], "images": [str(photo)]}
-               for i, photo in enumerate(photos)]
+               for i, photo in enumerate([*photos, tmp_path / "missing.jpg", truncated])]
     data = tmp_path / "one_line.json"
     data.write_text(json.dumps(records))
     out = tmp_path / "out"
     _ok(_encode(out, inputs=(data,)))
+    rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
+    assert [(r["file"], r["line"], r["record"], r["reason"]) for r in rejects] == [
+        (str(data), 1, 3, "missing_image"), (str(data), 1, 4, "corrupt_image")]
     store = EmbeddingStore(out)
     cfg = load_run_config(PRESET, overrides=list(SETTINGS))
     sizing = vision_sizing(cfg.data, cfg.model)

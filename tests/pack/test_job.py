@@ -13,6 +13,7 @@ import pytest
 from loongforge.config.errors import InputError
 from loongforge.data.conversations import FileSamples, read_json_array
 from loongforge.data.packfile import folder
+from loongforge.data.packfile.reader import PackedFolder
 from loongforge.data.samples import REJECT_REASONS
 from loongforge.pack.job import PackOptions, run_pack
 from tests.pack.conftest import BAD_LINES, PRESET, SEQ_LEN, folder_bytes
@@ -50,6 +51,7 @@ def test_every_sample_packed_once_or_rejected(pack_inputs, tmp_path):
     assert bad == BAD_LINES
     assert {(r["line"], r["reason"]) for r in rejects if r["file"].endswith("broken.json")} == {(3, "malformed_json")}
     assert all(r["detail"] for r in rejects)
+    assert not any("record" in entry for entry in rejects + [s for pack in manifest for s in pack["samples"]])
     real_tokens = sum(p["tokens"] for p in manifest)
     assert stats["fill_ratio"] == round(real_tokens / (len(manifest) * SEQ_LEN), 6)
 
@@ -68,6 +70,28 @@ def test_text_model_packs_text_and_rejects_media(tmp_path):
     packed = [s["line"] for pack in _manifest(root) for s in pack["samples"]]
     assert sorted(packed) == sorted({r.line for r in records} - with_media)
     assert stats["samples_rejected"] == len(with_media)
+
+
+def test_records_of_a_one_line_json_list_keep_their_ordinal(tmp_path):
+    """A JSON list written on one line: all its records start on line 1, so each reject, manifest
+    entry and packed sample also names its record (ordinal in the file)."""
+    bad_roles = {"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}]}
+    bad_roles_too = {"conversations": [{"from": "gpt", "value": "a"}, {"from": "human", "value": "b"}]}
+    empty_answer = {"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": " "}]}
+    good = {"messages": [{"role": "user", "content": "Hello?"}, {"role": "assistant", "content": "Hi."}]}
+    data = tmp_path / "one_line.json"
+    data.write_text(json.dumps([bad_roles, good, bad_roles_too, empty_answer]))
+    root = tmp_path / "out"
+    stats = run_pack(_options([str(data)], root)).stats
+    rejects = folder.read_lines(root / folder.REJECTS_FILE)
+    assert [(r["file"], r["line"], r["record"], r["reason"]) for r in rejects] == [
+        (str(data), 1, 0, "bad_roles"), (str(data), 1, 2, "bad_roles"), (str(data), 1, 3, "empty_answer")]
+    assert stats["samples_rejected"] == 3 and stats["samples_packed"] == 1
+    assert {k: v for k, v in stats["rejects_by_reason"].items() if v} == {"bad_roles": 2, "empty_answer": 1}
+    [pack] = _manifest(root)
+    assert [(s["line"], s["record"], s["index"]) for s in pack["samples"]] == [(1, 1, 1)]
+    [sample] = PackedFolder(root).pack(0)
+    assert (sample.file, sample.line, sample.record) == (str(data), 1, 1)
 
 
 def test_packs_fit_and_shards_match_manifest(pack_inputs, tmp_path):

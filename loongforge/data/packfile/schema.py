@@ -35,6 +35,9 @@ SCHEMA = pa.schema([
     ("image_grid_thw", pa.list_(pa.list_(pa.list_(pa.int32())))),  # per sample, per image [t, h, w]
     ("videos", pa.list_(pa.list_(pa.string()))),
     ("video_plans", pa.list_(pa.list_(VIDEO_PLAN))),
+    # per sample its ordinal in its file, null unless its line holds other samples (MeasuredSample.record);
+    # shards written before this column read as all null
+    ("sample_records", pa.list_(pa.int64())),
 ])
 
 
@@ -49,6 +52,7 @@ def encode_pack(pack: int, samples: list[MeasuredSample]) -> dict:
         "image_grid_thw": [[list(grid) for grid in s.image_grids] for s in samples],
         "videos": [[os.path.abspath(str(video)) for video in s.videos] for s in samples],
         "video_plans": [[_plan_dict(plan) for plan in s.video_plans] for s in samples],
+        "sample_records": [s.record for s in samples],
     }
 
 
@@ -69,6 +73,7 @@ def _plan_dict(plan: VideoPlan) -> dict:
 def decode_pack(row: dict) -> list[MeasuredSample]:
     """The pack's samples back from a shard row (``Table.to_pylist()`` element)."""
     samples = []
+    records = row.get("sample_records") or [None] * len(row["sample_ids"])
     for k, sample_id in enumerate(row["sample_ids"]):
         file, _, line = sample_id.rpartition(":")
         samples.append(MeasuredSample(
@@ -82,5 +87,6 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
                                    resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),
                                    second_per_grid_t=p["second_per_grid_t"], fps=p.get("fps"))
                         for p in row["video_plans"][k]],
+            record=records[k],
         ))
     return samples
