@@ -1,5 +1,5 @@
-"""Qwen3-VL trains through the same command: DP 2 with balancing re-planning every step equals one
-process (losses, grad norms and Adam moments, DeepStack's mergers included, to 1e-5 relative), and a
+"""Qwen3-VL trains through the same command: DP 2 with balancing re-planning every step, and TP 2 x
+PP 2, equal one process (losses, grad norms and Adam moments, DeepStack's mergers included, to 1e-5 relative), and a
 stop + --resume at DP 2 ends bit-identical to the uninterrupted run; stored embeddings (merger and
 DeepStack features) train like the frozen online encoder."""
 
@@ -24,23 +24,28 @@ from tests.train.conftest import (
 
 PRESET = "qwen3vl-tiny"
 REL = 1e-5
-OPTIONS = ("data.read=global",)
+# 4 decoder layers: at PP 2 the first stage holds both DeepStack layers.
+OPTIONS = ("data.read=global", "model.language.num_layers=4")
 BALANCED = ("balance.enabled=true", "balance.threshold=0")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("qwen3vl")
-    for name, extra, nproc in (("dp1", (), 1), ("dp2", BALANCED, 2)):
+    launches = (("dp1", (), 1), ("dp2", BALANCED, 2),
+                ("tp2-pp2", ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"), 4))
+    for name, extra, nproc in launches:
         run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    return {"dp1": root / "dp1", "dp2": root / "dp2"}
+    return {name: root / name for name, _, _ in launches}
 
 
-def test_dp2_with_balancing_trains_like_one_process(runs):
+@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
+def test_layout_trains_like_one_process(runs, layout):
+    """DP 2 with balancing re-planning every step; TP 2 x PP 2 (DeepStack on the first stage)."""
     assert losses(runs["dp1"])[-1] < losses(runs["dp1"])[0]
-    assert_close_relative(losses(runs["dp2"]), losses(runs["dp1"]), REL)
-    assert_close_relative(grad_norms(runs["dp2"]), grad_norms(runs["dp1"]), REL)
-    moments = {k: v for k, v in checkpoint_differences(runs["dp2"], runs["dp1"]).items()
+    assert_close_relative(losses(runs[layout]), losses(runs["dp1"]), REL)
+    assert_close_relative(grad_norms(runs[layout]), grad_norms(runs["dp1"]), REL)
+    moments = {k: v for k, v in checkpoint_differences(runs[layout], runs["dp1"]).items()
                if k.startswith("optimizer.state.exp_avg")}
     assert any(".deepstack_projectors." in key for key in moments)  # DeepStack's mergers train
     assert any(".vision_model.pos_embed." in key for key in moments)  # the learned positions train
