@@ -89,3 +89,19 @@ def scatter_features(
     mask = (input_ids == token_id)[..., None]  # [b, s, 1]
     merged = embeddings.transpose(0, 1).masked_scatter(mask, features)  # [b, s, h]
     return merged.transpose(0, 1).contiguous()
+
+
+class PatchEmbed(torch.nn.Module):
+    """Conv3d with kernel == stride == one patch (with a bias or not), written as the linear map it is.
+
+    ``proj.weight`` is [hidden, C*T*p*p], transformers' Conv3d weight [hidden, C, T, p, p] flattened
+    (the processor flattens each patch in the same (C, T, p, p) order).
+    """
+
+    def __init__(self, patch_dim: int, hidden_size: int, dtype: torch.dtype, bias: bool = False):
+        super().__init__()
+        self.proj = torch.nn.Linear(patch_dim, hidden_size, bias=bias, dtype=dtype)
+
+    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
+        # [P, C*T*p*p] -> [P, hidden]
+        return self.proj(pixel_values.to(self.proj.weight.dtype))

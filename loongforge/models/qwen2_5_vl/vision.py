@@ -35,6 +35,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 from loongforge.models.vision_common import (  # noqa: F401  (vision_pg_collection: encoder.py imports it from here)
+    PatchEmbed,
     frame_cu_seqlens,
     packed_segments,
     patch_positions,
@@ -78,22 +79,6 @@ def window_partition(
 # ---------------------------------------------------------------------------------------------
 # Modules
 # ---------------------------------------------------------------------------------------------
-
-
-class PatchEmbed(torch.nn.Module):
-    """Conv3d with kernel == stride == one patch, written as the linear map it is.
-
-    ``proj.weight`` is [hidden, C*T*p*p], transformers' Conv3d weight [hidden, C, T, p, p] flattened
-    (the processor flattens each patch in the same (C, T, p, p) order).
-    """
-
-    def __init__(self, patch_dim: int, hidden_size: int, dtype: torch.dtype):
-        super().__init__()
-        self.proj = torch.nn.Linear(patch_dim, hidden_size, bias=False, dtype=dtype)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        # [P, C*T*p*p] -> [P, hidden]
-        return self.proj(pixel_values.to(self.proj.weight.dtype))
 
 
 class VisionModel(MegatronModule):

@@ -153,8 +153,8 @@ class Qwen3VLModel(MegatronModule):
         video_embeds: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
-        ``image_embeds`` / ``video_embeds`` (stored features) are part of the family contract's
-        call and are refused: DeepStack needs the tower's intermediate features.
+        For a model built without the encoder: ``image_embeds`` / ``video_embeds`` [P/m^2, (1 + k) h]
+        (the merger's then DeepStack's features, ``encoder.py``) with the grids, instead of pixels.
 
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
         loss is zero elsewhere.

@@ -31,7 +31,13 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen3_vl.configs import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
-from loongforge.models.vision_common import frame_cu_seqlens, packed_segments, patch_positions, rotary_freqs
+from loongforge.models.vision_common import (
+    PatchEmbed,
+    frame_cu_seqlens,
+    packed_segments,
+    patch_positions,
+    rotary_freqs,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Index math (pure functions of grid_thw)
@@ -71,22 +77,6 @@ def position_embedding_taps(grid_thw: torch.Tensor, side: int, merge: int) -> tu
 # ---------------------------------------------------------------------------------------------
 
 
-class PatchEmbed(torch.nn.Module):
-    """Conv3d with kernel == stride == one patch (and a bias), written as the linear map it is.
-
-    ``proj.weight`` is [hidden, C*T*p*p], transformers' Conv3d weight [hidden, C, T, p, p] flattened
-    (the processor flattens each patch in the same (C, T, p, p) order).
-    """
-
-    def __init__(self, patch_dim: int, hidden_size: int, dtype: torch.dtype):
-        super().__init__()
-        self.proj = torch.nn.Linear(patch_dim, hidden_size, bias=True, dtype=dtype)
-
-    def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
-        # [P, C*T*p*p] -> [P, hidden]
-        return self.proj(pixel_values.to(self.proj.weight.dtype))
-
-
 class VisionModel(MegatronModule):
     """The ViT: patches [P, C*T*p*p] + grid_thw -> (patch features [P, hidden], the outputs [P, hidden]
     of the ``deepstack_visual_indexes`` blocks in block order)."""
@@ -98,7 +88,7 @@ class VisionModel(MegatronModule):
         self.recompute = config.recompute_granularity == "full"
         self.tp_group = pg_collection.tp
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
-        self.patch_embed = PatchEmbed(patch_dim, vision.hidden_size, config.params_dtype)
+        self.patch_embed = PatchEmbed(patch_dim, vision.hidden_size, config.params_dtype, bias=True)
         self.pos_embed = torch.nn.Embedding(vision.num_position_embeddings, vision.hidden_size,
                                             dtype=config.params_dtype)
         self.layers = torch.nn.ModuleList(
