@@ -94,3 +94,19 @@ def test_shell_script_parses_and_rejects_unknown_flags():
     assert subprocess.run(["bash", "-n", str(SCRIPT)]).returncode == 0
     result = subprocess.run(["bash", str(SCRIPT), "--gpu"], capture_output=True, text=True)
     assert result.returncode == 2 and "usage: bash scripts/gpu_check.sh" in result.stderr
+
+
+def test_the_parity_step_runs_on_cpu_within_its_tolerance(gpu_check):
+    """The GPU run's parity step, on CPU: catches a moved import or a broken helper before the one
+    GPU call of a session does (the CI rehearsal runs it too, but only after the whole suite)."""
+    import torch
+
+    from tests.models.helpers import destroy_megatron, free_port, init_megatron
+
+    init_megatron(rank=0, world_size=1, port=free_port())
+    try:
+        diffs = gpu_check._parity_diffs(torch.device("cpu"))
+    finally:
+        destroy_megatron()
+    assert set(diffs) == set(gpu_check.PARITY_CASES)
+    assert max(diffs.values()) < gpu_check.PARITY_TOLERANCE
