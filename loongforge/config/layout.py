@@ -116,7 +116,7 @@ def layout_problems(model_cfg: ModelConfig, rule: LayoutRule, *, tp: int, pp: in
     errors = _tensor_problems(model_cfg, rule, tp, keys)
     if not errors or vision_tp is not None:
         errors += _vision_problems(model_cfg, rule, tp, vision_tp, keys)
-    return errors + _pipeline_problems(model_cfg, rule, pp, keys)
+    return errors + _pipeline_problems(model_cfg, rule, pp, keys) + _deepstack_problems(model_cfg, pp, keys)
 
 
 def _size(model_cfg: ModelConfig, dim: Dim) -> int:
@@ -165,3 +165,22 @@ def _pipeline_problems(model_cfg: ModelConfig, rule: LayoutRule, pp: int, keys: 
     valid = _common_divisors(sizes)
     return [f"{keys.pipeline}={pp} does not divide {_label(dim)}={size}; set it to one of {valid}."
             for dim, size in zip(rule.pipeline, sizes) if size % pp]
+
+
+def _deepstack_problems(model_cfg: ModelConfig, pp: int, keys: LayoutKeys) -> list[str]:
+    """DeepStack (``model.vision.deepstack_layers``, k entries) adds vision features after decoder
+    layers 0..k-1; they are the first pipeline stage's, so that stage must hold at least k layers."""
+    wanted = len(model_cfg.vision.deepstack_layers) if model_cfg.vision is not None else 0
+    layers = model_cfg.language.num_layers
+    if wanted == 0 or layers % pp:  # an uneven split is _pipeline_problems' complaint
+        return []
+    if layers < wanted:
+        return [f"model.vision.deepstack_layers has {wanted} entries, added after the first {wanted} "
+                f"decoder layers, but model.language.num_layers={layers}; use at least {wanted} layers "
+                f"or fewer deepstack_layers."]
+    if layers // pp >= wanted:
+        return []
+    valid = ", ".join(str(d) for d in divisors(layers) if layers // d >= wanted)
+    return [f"{keys.pipeline}={pp} leaves {layers // pp} decoder layers on the first stage, but DeepStack "
+            f"adds vision features after the first {wanted} (model.vision.deepstack_layers), which must "
+            f"all be there; set it to one of {valid}."]

@@ -190,6 +190,21 @@ def test_pipeline_must_divide_layers():
                               "model.language.num_layers=4; set it to one of 1, 2, 4")
 
 
+def test_deepstack_layers_must_all_be_on_the_first_pipeline_stage():
+    # qwen3vl-tiny: 4 decoder layers, DeepStack into layers 0 and 1.
+    (message,) = errors_for("parallel.pipeline_model_parallel_size=4", world_size=4, preset="qwen3vl-tiny")
+    assert message == ("parallel.pipeline_model_parallel_size=4 leaves 1 decoder layers on the first "
+                       "stage, but DeepStack adds vision features after the first 2 "
+                       "(model.vision.deepstack_layers), which must all be there; set it to one of 1, 2.")
+    load_run_config("qwen3vl-tiny", overrides=["parallel.pipeline_model_parallel_size=2"], world_size=2)
+
+
+def test_deepstack_needs_as_many_decoder_layers_as_entries():
+    (message,) = errors_for("model.language.num_layers=1", preset="qwen3vl-tiny")
+    assert message.startswith("model.vision.deepstack_layers has 2 entries, added after the first 2 "
+                              "decoder layers, but model.language.num_layers=1;")
+
+
 def test_mrope_sections_must_sum_to_half_head_dim():
     (message,) = errors_for("model.language.mrope_section=[16,24,24]")
     assert message.startswith("model.language.mrope_section=[16, 24, 24] sums to 64 but must "

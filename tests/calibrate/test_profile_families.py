@@ -1,0 +1,68 @@
+"""`loongforge profile --sweep` and `fit-cost` on the other families: a text-only LLM profiles text
+rows and fits no vision term; Qwen3-VL's designed images are cut into its own 16-pixel patches.
+(Qwen2.5-VL's records, over two ranks, are test_profile_run.py's.) Two decoder layers: Qwen3-VL's
+DeepStack adds features after both."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from loongforge.balance.cost_model import CostModel
+from loongforge.calibrate.fit_cost import run_fit_cost
+from loongforge.calibrate.sweep import image_grids
+from loongforge.config.loader import load_run_config
+from tests.train.conftest import RUN_TIMEOUT_S
+
+SMALL = ("model.language.num_layers=2", "data.seq_len=512", "training.global_batch_size=4",
+         "logging.progress_bar=false", "logging.tensorboard=false")
+VISION_TERMS = ("sum_P2", "sum_P", "n_img")
+
+
+def _profile(preset: str, output: Path, steps: int) -> list[dict]:
+    cmd = [sys.executable, "-m", "loongforge.cli.app", "profile", "--preset", preset, "--sweep",
+           "--steps", str(steps), "--warmup-steps", "1", "--output", str(output), *SMALL]
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                            "MASTER_ADDR", "MASTER_PORT")}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    return [json.loads(line) for line in output.read_text().splitlines()]
+
+
+def _fit(profile: Path, output: Path) -> CostModel:
+    return run_fit_cost([profile], output=output, echo=lambda line: None, warn=lambda line: None)
+
+
+def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path):
+    records = _profile("llm-tiny", tmp_path / "PROFILE.jsonl", steps=4)
+    assert records[0]["preset"] == "llm-tiny"
+    micro_batches = [r for r in records if r["kind"] == "micro_batch"]
+    assert len(micro_batches) == 4 * 4  # 4 steps of 4 one-row micro-batches
+    for record in micro_batches:
+        assert all(record["features"][term] == 0 for term in VISION_TERMS), record["features"]
+        assert record["features"]["sum_L"] > 0 and all(s["patches"] == [] for s in record["samples"])
+    model = _fit(tmp_path / "PROFILE.jsonl", tmp_path / "COST.json")
+    assert all(model.coefficients[term] == 0 for term in VISION_TERMS), model.coefficients
+    assert CostModel.load(tmp_path / "COST.json").coefficients == model.coefficients
+
+
+def test_qwen3_vl_profiles_images_in_its_own_patches(tmp_path):
+    cfg = load_run_config("qwen3vl-tiny", overrides=list(SMALL))
+    vision = cfg.model.vision
+    assert vision.patch_size == 16
+    designed = {h * w for h, w in image_grids(cfg.data.max_pixels, vision.patch_size,
+                                              cfg.model.projector.spatial_merge_size)}
+    # Eight terms to fit: 5 measured steps of 4 micro-batches determine them; 3 do not.
+    records = _profile("qwen3vl-tiny", tmp_path / "PROFILE.jsonl", steps=6)
+    patches = [p for r in records if r["kind"] == "micro_batch" for s in r["samples"] for p in s["patches"]]
+    assert patches and set(patches) <= designed, (sorted(set(patches)), sorted(designed))
+    micro_batches = [r for r in records if r["kind"] == "micro_batch"]
+    assert any(r["features"]["n_img"] > 0 for r in micro_batches)
+    assert any(r["features"]["n_img"] == 0 for r in micro_batches)  # text rows too: the text terms fit
+    model = _fit(tmp_path / "PROFILE.jsonl", tmp_path / "COST.json")
+    assert model.micro_batch_overhead_s + sum(model.coefficients.values()) > 0
