@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
 
 from loongforge.balance.cost_model import CostModel
 from loongforge.calibrate.fit_cost import run_fit_cost
