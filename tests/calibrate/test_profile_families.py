@@ -11,7 +11,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-
 from loongforge.balance.cost_model import CostModel
 from loongforge.calibrate.fit_cost import run_fit_cost
 from loongforge.calibrate.sweep import image_grids
