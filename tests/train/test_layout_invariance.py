@@ -21,12 +21,22 @@ Grad norms agree to ~1e-7 here because the CPU grad-norm kernel accumulates in f
 (``mcore_patches`` ``grad_norm_float64``); megatron-core's float32 fallback drifted 1-3e-5 with the
 TP shard size of the embedding gradient, which an earlier test blamed on Adam. The model has 8 query
 heads in 4 groups (GQA) so that language TP 4 divides them; its rope sections sum to head_dim / 2 = 8.
+
+Resume is exact at every multi-rank layout that shards a checkpoint differently: the layout jobs are
+shared (module fixture) and save checkpoints at steps 2 and 3; a copy of tp4-vision-tp2-sp-recompute
+(vision TP below language TP: every vision shard must be saved exactly once),
+tp2-dp2-sp-distributed-opt (the distributed optimizer's restore fixes in train/checkpoint.py) and
+pp2-tp2 (PP) is cut back to its step-2 checkpoint and resumed: step 3's loss and grad norm, and every
+tensor of the final checkpoint (weights and Adam moments), must equal the uninterrupted job's bit for
+bit. dp2-balanced is not resumed here: test_balance_train.py resumes balanced DP 2 runs (same plans,
+same samples). One process stopped and resumed is test_training.py.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -34,10 +44,13 @@ from pathlib import Path
 
 import pytest
 
+from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_json_array
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     RUN_TIMEOUT_S,
+    checkpoint_differences,
+    final_checkpoint,
     grad_norms,
     losses,
     run_train,
@@ -70,6 +83,10 @@ LAYOUTS = {
     "pp2-tp2": (4, ("parallel.pipeline_model_parallel_size=2", "parallel.tensor_model_parallel_size=2")),
     "dp2-balanced": (2, ("balance.enabled=true", "balance.threshold=0")),
 }
+# Layouts whose jobs save checkpoints (steps 2 and 3) and are resumed from step 2.
+RESUMED = ("tp4-vision-tp2-sp-recompute", "tp2-dp2-sp-distributed-opt", "pp2-tp2")
+SAVES = ("checkpoint.save_interval=2", "checkpoint.save_at_end=true")
+RESUME_STEP = 2
 
 
 def _media_by_sample_id() -> dict[str, set[str]]:
@@ -107,14 +124,57 @@ def test_reference_trains_images_and_a_video_every_step_with_clipping_active(ref
     assert min(grad_norms(reference)) > CLIP_GRAD, grad_norms(reference)
 
 
+def _layout_options(layout: str) -> tuple[str, ...]:
+    return (*INVARIANCE_MODEL, *LAYOUTS[layout][1], *(SAVES if layout in RESUMED else ()))
+
+
+@pytest.fixture(scope="module")
+def layout_runs(tmp_path_factory):
+    """layout -> its finished run folder; each job runs once, shared by the invariance and resume tests."""
+    runs: dict[str, Path] = {}
+
+    def get(layout: str) -> Path:
+        if layout not in runs:
+            out = tmp_path_factory.mktemp(layout)
+            run_train(out, *_layout_options(layout), nproc=LAYOUTS[layout][0])
+            runs[layout] = out
+        return runs[layout]
+    return get
+
+
 @pytest.mark.parametrize("layout", list(LAYOUTS))
-def test_layout_reproduces_reference_losses_and_grad_norms(reference, tmp_path, layout):
-    nproc, options = LAYOUTS[layout]
-    run_train(tmp_path, *INVARIANCE_MODEL, *options, nproc=nproc)
-    got = {"loss": losses(tmp_path), "grad_norm": grad_norms(tmp_path)}
+def test_layout_reproduces_reference_losses_and_grad_norms(reference, layout_runs, layout):
+    run = layout_runs(layout)
+    got = {"loss": losses(run), "grad_norm": grad_norms(run)}
     want = {"loss": losses(reference), "grad_norm": grad_norms(reference)}
     assert all(len(got[key]) == len(want[key]) for key in got), (got, want)
     worst = {key: max(abs(a - e) / abs(e) for a, e in zip(got[key], want[key])) for key in got}
     assert max(worst.values()) <= REL, f"{layout}: worst relative difference {worst}\n{got}\nvs {want}"
     if layout == "dp2-balanced":  # balancing must really have moved samples
-        assert json.loads((tmp_path / "summary.json").read_text())["balance"]["applied_steps"] > 0
+        assert json.loads((run / "summary.json").read_text())["balance"]["applied_steps"] > 0
+
+
+@pytest.mark.parametrize("layout", RESUMED)
+def test_layout_resumed_from_step_2_is_bit_identical(layout_runs, tmp_path, layout):
+    uninterrupted = layout_runs(layout)
+    # A copy of the finished job cut back to its step-2 checkpoint: `latest` still names step 3, which
+    # is gone, so --resume takes the newest complete one. Step 3's metrics line is dropped too, so
+    # the one compared below can only come from the resumed run.
+    resumed = tmp_path / "resumed"
+    shutil.copytree(uninterrupted, resumed)
+    checkpoints = resumed / "checkpoints"
+    for step_dir in checkpoints.iterdir():
+        if step_dir.name.startswith("step_") and step_dir.name != step_dir_name(RESUME_STEP):
+            shutil.rmtree(step_dir)
+    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == [step_dir_name(RESUME_STEP)]
+    metrics = resumed / "metrics.jsonl"
+    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
+                               if json.loads(line)["step"] <= RESUME_STEP))
+    proc = run_train(resumed, *_layout_options(layout), nproc=LAYOUTS[layout][0], resume=True)
+    assert f"resumed from {checkpoints / step_dir_name(RESUME_STEP)} at step {RESUME_STEP}" in proc.stdout + proc.stderr
+    assert final_checkpoint(resumed).name == final_checkpoint(uninterrupted).name == step_dir_name(3)
+    assert losses(resumed) == losses(uninterrupted)
+    assert grad_norms(resumed) == grad_norms(uninterrupted)
+    differences = checkpoint_differences(resumed, uninterrupted)
+    assert any(key.startswith("optimizer.state.exp_avg.vision_model") for key in differences)
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
