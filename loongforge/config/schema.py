@@ -127,7 +127,8 @@ class DataConfig:
     synthetic_num_samples: int = 2000
     # Tokens per packed row (the language model's sequence length).
     seq_len: int = 4096
-    # "qwen" (Qwen2/2.5/3) or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
+    # "qwen" (Qwen2/2.5), "qwen3" (Qwen3, Qwen3-VL: Qwen2.5's plus <think> and tool-response tokens)
+    # or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
     # package ships (loongforge.data.tokenizer); otherwise a local HF tokenizer directory.
     tokenizer: str = "qwen"
     # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules.
@@ -137,7 +138,9 @@ class DataConfig:
     video_max_pixels: int = 768 * 28 * 28
     video_fps: float = 2.0
     video_max_frames: int = 32
-    system_prompt: str = "You are a helpful assistant."
+    # The system turn of conversations that have none: null = the model's own template's default
+    # (Qwen2.5's "You are a helpful assistant."; none for Qwen3 and Qwen3-VL), "" = none.
+    system_prompt: Optional[str] = None
     shuffle: bool = True
     seed: int = 1234
     num_workers: int = 1

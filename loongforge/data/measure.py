@@ -118,7 +118,7 @@ class SampleMeasurer:
             image_grids, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:
             return Reject.of(sample, error.reason, error.detail)
-        chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt or None, self.chat))
+        chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt, self.chat))
         try:
             input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_grids, video_plans)
         except ValueError as error:  # literal <|image_pad|> typed into the text
@@ -227,7 +227,7 @@ def _check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, ch
     for marker in chat.markers:
         pieces = len(tokenizer(marker, add_special_tokens=False)["input_ids"])
         if pieces != 1:
-            raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a turn marker of the "
+            raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a marker of the "
                              f"model's chat format, into {pieces} tokens; set data.tokenizer to the "
                              f"model's own tokenizer")
 

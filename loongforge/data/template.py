@@ -10,10 +10,14 @@ Qwen2.5-VL)::
 
 Llama 3's opens the text with ``<|begin_of_text|>``, ends the role with
 ``<|end_header_id|>\\n\\n`` and puts nothing between turns. A conversation without a leading system
-turn gets the default system prompt. Each image is one pad token in the text; after tokenization
-it is expanded to the image's LLM token count (one per merged patch group), the processor's rule.
-Labels: the answer tokens of each assistant turn and its ``turn_end``; not the role header, not
-what separates turns.
+turn gets ``data.system_prompt``, or when that is unset the model's own default (Qwen2.5's "You are a
+helpful assistant."; none for Qwen3 and Qwen3-VL); ``""`` means no system turn. Qwen3's thinking
+format writes the reasoning of an assistant turn after the last user turn as
+``<think>\\n{reasoning}\\n</think>\\n\\n`` before its answer (empty in the last turn when the data
+has none) and drops the reasoning of earlier turns, as its template does. Each image is one pad
+token in the text; after tokenization it is expanded to the image's LLM token count (one per merged
+patch group), the processor's rule. Labels: the answer tokens of each assistant turn (with its
+reasoning block) and its ``turn_end``; not the role header, not what separates turns.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from loongforge.models.family import ChatFormat
+from loongforge.models.family import THINK_CLOSE, THINK_OPEN, ChatFormat
 
 IMAGE_PLACEHOLDER = "<image>"
 VIDEO_PLACEHOLDER = "<video>"
@@ -44,8 +48,13 @@ class RenderedChat:
     label_spans: list[tuple[int, int]]  # [start, end) character offsets into text
 
 
-def render_chat(turns: list[Turn], default_system_prompt: str | None, chat: ChatFormat) -> RenderedChat:
-    """Render in the model's format; labels span each answer and its ``turn_end``."""
+def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) -> RenderedChat:
+    """Render in the model's format; labels span each answer and its ``turn_end``.
+
+    ``system_prompt`` (``data.system_prompt``) is written when the conversation has no system turn:
+    None means the format's ``default_system_prompt``, ``""`` none."""
+    system = chat.default_system_prompt if system_prompt is None else system_prompt
+    last_user = max((i for i, turn in enumerate(turns) if turn.role == "user"), default=-1)
     pieces: list[str] = []
     spans: list[tuple[int, int]] = []
     length = 0
@@ -56,16 +65,34 @@ def render_chat(turns: list[Turn], default_system_prompt: str | None, chat: Chat
         length += len(piece)
 
     emit(chat.text_start)
-    if turns and turns[0].role != "system" and default_system_prompt is not None:
-        emit(f"{chat.turn_start}system{chat.role_end}{default_system_prompt}{chat.turn_end}{chat.turn_sep}")
-    for turn in turns:
+    if turns and turns[0].role != "system" and system:
+        emit(f"{chat.turn_start}system{chat.role_end}{system}{chat.turn_end}{chat.turn_sep}")
+    for index, turn in enumerate(turns):
         emit(f"{chat.turn_start}{turn.role}{chat.role_end}")
         start = length
-        emit(expand_placeholders(turn.text, chat) + chat.turn_end)
+        text = turn.text
+        if chat.thinking and turn.role == "assistant":
+            text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
+        emit(expand_placeholders(text, chat) + chat.turn_end)
         if turn.role == "assistant":
             spans.append((start, length))
         emit(chat.turn_sep)
     return RenderedChat(text="".join(pieces), label_spans=spans)
+
+
+def with_reasoning_block(text: str, *, keep: bool, last: bool) -> str:
+    """An assistant turn as Qwen3's thinking template writes it: reasoning (``<think>...</think>``
+    in the data, possibly without the opening tag) split from the answer, then either written back
+    in a normalised block (``keep``, and the data has reasoning or the turn is the ``last``) or
+    dropped."""
+    reasoning, answer = "", text
+    if THINK_CLOSE in text:
+        before, answer = text.split(THINK_CLOSE, 1)[0], text.split(THINK_CLOSE)[-1].lstrip("\n")
+        reasoning = before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
+    if keep and (last or reasoning):
+        reasoning, answer = reasoning.strip("\n"), answer.lstrip("\n")
+        return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
+    return answer
 
 
 def expand_placeholders(text: str, chat: ChatFormat) -> str:

@@ -66,6 +66,8 @@ QWEN2_SPECIAL_TOKENS = (
     "<|file_sep|>",
 )
 QWEN2_SPECIAL_START_ID = 151643
+# Qwen3 (and Qwen3-VL) add these after Qwen2.5's, ids 151665-151668; none is special.
+QWEN3_EXTRA_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
 _QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                 "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
@@ -130,6 +132,13 @@ RANKS_TOKENIZERS = {
         special_tokens=QWEN2_SPECIAL_TOKENS, not_special=_QWEN2_NOT_SPECIAL,
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
     ),
+    "qwen3": RanksTokenizer(
+        cache_name="qwen3", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True,
+        special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS,
+        not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    ),
     "llama3": RanksTokenizer(
         cache_name="llama3", ranks_path=llama3_ranks_path, num_ranks=LLAMA3_SPECIAL_START_ID,
         pretokenize_regex=LLAMA3_PRETOKENIZE_REGEX, nfc=False,
@@ -141,7 +150,8 @@ RANKS_TOKENIZERS = {
 
 
 def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """``"qwen"`` / ``"llama3"`` -> that tokenizer built offline; anything else -> local HF tokenizer dir.
+    """``"qwen"`` (Qwen2/2.5) / ``"qwen3"`` / ``"llama3"`` -> that tokenizer built offline; anything else
+    -> a local HF tokenizer directory.
 
     ``chat_template`` (a ``ChatFormat.jinja_template``) is given to an offline tokenizer, which
     ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""

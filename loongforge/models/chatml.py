@@ -2,7 +2,7 @@
 
 The format (ChatML with vision markers)::
 
-    <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n
+    <|im_start|>system\nYou are a helpful assistant.<|im_end|>\n      (Qwen2.5-VL's default; Qwen3-VL has none)
     <|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Who is he?<|im_end|>\n
     <|im_start|>assistant\nHe's Thomas Muller.<|im_end|>\n
 
@@ -20,15 +20,26 @@ from dataclasses import replace
 from loongforge.config.schema import ModelConfig
 from loongforge.models.family import ChatFormat
 
+QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."  # Qwen2 / Qwen2.5 (-VL) templates' default
+
+
+def default_system_jinja(prompt: str | None, turn_start: str = "<|im_start|>", role_end: str = "\n",
+                         turn_end: str = "<|im_end|>", turn_sep: str = "\n") -> str:
+    """Jinja for a template's default system turn, written before a first message that is not one."""
+    if not prompt:
+        return ""
+    return ("{% if loop.first and message['role'] != 'system' %}"
+            f"{turn_start}system{role_end}{prompt}{turn_end}{turn_sep}"
+            "{% endif %}")
+
+
 # Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
 # content-part form ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}).
 # No whitespace control: HF renders with trim_blocks, and no newline here follows a block tag.
-def _chatml_vision_template(video_block: str) -> str:
+def _chatml_vision_template(video_block: str, system_prompt: str | None) -> str:
     return (
         "{% for message in messages %}"
-        "{% if loop.first and message['role'] != 'system' %}"
-        "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n"
-        "{% endif %}"
+        + default_system_jinja(system_prompt) +
         "<|im_start|>{{ message['role'] }}\n"
         "{% if message['content'] is string %}"
         "{{ message['content'] }}"
@@ -49,22 +60,23 @@ def _chatml_vision_template(video_block: str) -> str:
     )
 
 
-CHATML_VISION_TEMPLATE = _chatml_vision_template("<|vision_start|><|video_pad|><|vision_end|>")
-
 CHATML_VISION = ChatFormat(
     turn_start="<|im_start|>",
     turn_end="<|im_end|>",
     image_block="<|vision_start|><|image_pad|><|vision_end|>",
     video_block="<|vision_start|><|video_pad|><|vision_end|>",
-    jinja_template=CHATML_VISION_TEMPLATE,
+    jinja_template=_chatml_vision_template("<|vision_start|><|video_pad|><|vision_end|>", QWEN2_SYSTEM_PROMPT),
+    default_system_prompt=QWEN2_SYSTEM_PROMPT,
 )
 
-# Qwen3-VL: the video pad stands alone; the data side writes each temporal patch's timestamp and
-# vision markers around its pads (``timestamped_video_frames``), as Qwen3VLProcessor does.
+# Qwen3-VL (Instruct): no default system turn; the video pad stands alone and the data side writes
+# each temporal patch's timestamp and vision markers around its pads (``timestamped_video_frames``),
+# as Qwen3VLProcessor does.
 CHATML_VISION_TIMESTAMPED = replace(
     CHATML_VISION,
     video_block="<|video_pad|>",
-    jinja_template=_chatml_vision_template("<|video_pad|>"),
+    jinja_template=_chatml_vision_template("<|video_pad|>", None),
+    default_system_prompt=None,
     timestamped_video_frames=True,
     video_rule="qwen3_vl",
 )

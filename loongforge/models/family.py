@@ -50,6 +50,10 @@ class LazyFunction:
         return self.resolve()(*args, **kwargs)
 
 
+# Qwen3's reasoning tags (``ChatFormat.thinking``); one token each in its tokenizer.
+THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+
+
 @dataclass(frozen=True)
 class ChatFormat:
     """How a model's processor turns a conversation into text (the data side's model facts).
@@ -73,11 +77,19 @@ class ChatFormat:
     timestamped_video_frames: bool = False
     # The processor's frame sampling and video sizing rule: a key of ``data.vision.VIDEO_RULES``.
     video_rule: str = "qwen2_vl"
+    # The system turn the model's own template writes when a conversation has none (None: none);
+    # ``data.system_prompt`` overrides it.
+    default_system_prompt: Optional[str] = None
+    # Qwen3's hybrid-thinking template: an assistant turn after the last user turn opens with its
+    # reasoning in THINK_OPEN ... THINK_CLOSE (empty in the conversation's last turn when the data has
+    # none); earlier assistant turns are written without theirs.
+    thinking: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:
         """The format's own text pieces that must each be one (special) token of the tokenizer."""
-        return tuple(marker for marker in (self.text_start, self.turn_start, self.turn_end) if marker)
+        tags = (THINK_OPEN, THINK_CLOSE) if self.thinking else ()
+        return tuple(marker for marker in (self.text_start, self.turn_start, self.turn_end, *tags) if marker)
 
 
 @dataclass(frozen=True)

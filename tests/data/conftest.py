@@ -76,3 +76,15 @@ def bad_data(tmp_path):
 
 EXPECTED_REASONS = {2: "malformed_json", 3: "bad_roles", 4: "bad_roles", 5: "empty_answer", 6: "missing_image",
                     7: "corrupt_image", 8: "too_long", 9: "media_mismatch"}
+
+
+@pytest.fixture(scope="session")
+def qwen3_tokenizer():
+    """The offline Qwen3 tokenizer (Qwen2.5's plus <think> tokens) with the llm-tiny preset's
+    (Qwen3 architecture) chat template."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.models.registry import get_family
+
+    model_cfg = load_run_config("llm-tiny").model
+    return load_tokenizer("qwen3", get_family(model_cfg.family).chat(model_cfg).jinja_template)

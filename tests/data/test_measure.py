@@ -36,10 +36,10 @@ def test_pad_id_must_be_the_tokenizers_pad_token(llama_tokenizer):
         _measurer(llama_tokenizer, QWEN3, "llama3")
 
 
-def test_chat_markers_must_be_single_tokens(tokenizer):
+def test_chat_markers_must_be_single_tokens(tokenizer, qwen3_tokenizer):
     # A Llama model with Qwen's tokenizer (and Qwen's pad id): Llama's markers would be plain text.
     llama_on_qwen = dataclasses.replace(LLAMA, tokens=TokenIdsConfig())
-    with pytest.raises(ValueError, match=r"data.tokenizer=qwen splits <\|begin_of_text\|>, a turn marker of "
+    with pytest.raises(ValueError, match=r"data.tokenizer=qwen splits <\|begin_of_text\|>, a marker of "
                                          r"the model's chat format, into \d+ tokens"):
         _measurer(tokenizer, llama_on_qwen, "qwen")
-    _measurer(tokenizer, QWEN3, "qwen")  # ChatML's markers are Qwen tokens
+    _measurer(qwen3_tokenizer, QWEN3, "qwen3")  # ChatML's markers and Qwen3's think tags are tokens

@@ -174,3 +174,65 @@ def test_llama_answer_starting_with_newlines_keeps_the_header_unlabelled(llama_t
     assert measured.input_ids.tolist() == llama_tokenizer(text, add_special_tokens=False)["input_ids"]
     labelled = llama_tokenizer.decode(measured.input_ids[measured.is_answer])
     assert "<|end_header_id|>" not in labelled and labelled.endswith("A<|eot_id|>")
+
+
+# ---------------------------------------------------------------- Qwen3 (thinking) and Qwen3-VL
+
+QWEN3_MODEL = load_run_config("llm-tiny").model  # Qwen3 architecture
+QWEN3_CHAT = get_family("llm").chat(QWEN3_MODEL)
+QWEN3_VL_CHAT = get_family("qwen3_vl").chat(load_run_config("qwen3vl-tiny").model)
+
+
+def _qwen3_conversations() -> list[list[Turn]]:
+    """Text conversations, plus reasoning in every place Qwen3's template treats differently."""
+    return _llama_conversations() + [
+        [Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd them.\n</think>\n\n4")],
+        [Turn("user", "2 + 2?"), Turn("assistant", "Add them.</think>4")],  # no opening tag
+        [Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd.\n</think>\n\n4"),  # dropped: not the last
+         Turn("user", "And 3 + 3?"), Turn("assistant", "<think>\n\nAdd again.\n\n</think>\n\n\n6")],
+        [Turn("system", "Think."), Turn("user", "Hi"), Turn("assistant", "Hello"), Turn("assistant", "<think>x</think>Bye")],
+    ]
+
+
+def test_qwen3_writes_an_empty_think_block_in_the_last_answer_and_no_default_system_turn():
+    # Qwen3's own template on a plain exchange (the reference text, not our Jinja twin).
+    turns = [Turn("user", "2 + 2?"), Turn("assistant", "4"), Turn("user", "3 + 3?"), Turn("assistant", "6")]
+    assert render_chat(turns, None, QWEN3_CHAT).text == (
+        "<|im_start|>user\n2 + 2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n"
+        "<|im_start|>user\n3 + 3?<|im_end|>\n<|im_start|>assistant\n<think>\n\n</think>\n\n6<|im_end|>\n")
+    reasoned = [Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd.\n</think>\n\n4"),
+                Turn("user", "3 + 3?"), Turn("assistant", "6")]
+    assert render_chat(reasoned, None, QWEN3_CHAT).text == render_chat(turns, None, QWEN3_CHAT).text
+    assert render_chat(turns, "Be brief.", QWEN3_CHAT).text.startswith(
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\n")
+
+
+def test_qwen3_rendered_text_equals_apply_chat_template(qwen3_tokenizer):
+    for turns in _qwen3_conversations():
+        ours = render_chat(turns, None, QWEN3_CHAT).text
+        assert ours == qwen3_tokenizer.apply_chat_template(turns_to_hf_messages(turns), tokenize=False)
+
+
+def test_qwen3_tokenizer_has_its_think_tokens_and_labels_cover_the_think_block(qwen3_tokenizer, tokenizer):
+    ids = {token: qwen3_tokenizer.convert_tokens_to_ids(token)
+           for token in ("<tool_response>", "</tool_response>", "<think>", "</think>")}
+    assert ids == {"<tool_response>": 151665, "</tool_response>": 151666, "<think>": 151667, "</think>": 151668}
+    assert len(tokenizer("<think>", add_special_tokens=False)["input_ids"]) > 1  # Qwen2.5's has none
+    measurer = SampleMeasurer(qwen3_tokenizer, DataConfig(seq_len=100_000, tokenizer="qwen3"), QWEN3_MODEL)
+    for k, turns in enumerate(_qwen3_conversations()):
+        measured = measurer.measure(ConversationSample(f"t:{k}", "t", k, turns))
+        expected = qwen3_tokenizer.apply_chat_template(turns_to_hf_messages(turns), tokenize=True, return_dict=False)
+        assert measured.input_ids.tolist() == expected
+    measured = measurer.measure(ConversationSample("t", "t", 0, [Turn("user", "Q"), Turn("assistant", "A")]))
+    assert qwen3_tokenizer.decode(measured.input_ids[measured.is_answer]) == "<think>\n\n</think>\n\nA<|im_end|>"
+    with pytest.raises(ValueError, match=r"data.tokenizer=qwen splits <think>, a marker of the model's chat format"):
+        SampleMeasurer(tokenizer, DataConfig(seq_len=4096, tokenizer="qwen"), QWEN3_MODEL)
+
+
+def test_system_prompt_unset_is_the_models_default_and_empty_is_none():
+    turns = [Turn("user", "<image>Hi"), Turn("assistant", "Hello!")]
+    qwen3_vl = render_chat(turns, None, QWEN3_VL_CHAT).text
+    assert qwen3_vl.startswith("<|im_start|>user\n<|vision_start|><|image_pad|><|vision_end|>Hi")
+    assert render_chat(turns, None, CHAT).text.startswith(f"<|im_start|>system\n{SYSTEM}<|im_end|>\n")
+    assert render_chat(turns, "", CHAT).text == render_chat(turns, None, QWEN3_VL_CHAT).text
+    assert DataConfig().system_prompt is None
