@@ -127,8 +127,9 @@ def test_balanced_run_resumes_with_the_same_plans_and_samples(on, tmp_path):
 
 def test_exchange_mode_keeps_losses_and_resumes_exactly(tmp_path):
     # data.read=sharded: each rank loads its own half of the samples, so balancing gathers sizes
-    # and moves samples between the ranks (exchange mode) in the data thread.
-    sharded = ("data.read=sharded", "data.synthetic_num_samples=400")
+    # and moves samples between the ranks (exchange mode) in the data thread. seq_len 192: rows of
+    # about three samples (half SMALL_MODEL's 384), enough for balancing to move some.
+    sharded = ("data.read=sharded", "data.synthetic_num_samples=400", "data.seq_len=192")
     off = tmp_path / "off"
     run_train(off, *sharded, nproc=2)
     on = tmp_path / "on"

@@ -29,20 +29,22 @@ def test_cpu_run_is_unchanged_by_a_visible_gpu(baseline_run, tmp_path):
 
 
 # bf16 weights and activations round to 8 mantissa bits, but the loss, gradients and the Adam update
-# stay fp32. Measured over these 20 steps: max relative loss difference 4.2e-4 (step 4), mean 1.7e-4;
-# the tolerance leaves 2.4x for other CPUs' kernels.
-BF16_LOSS_REL_TOL = 1e-3
+# stay fp32. Measured over these 10 steps of 2 rows: max relative loss difference 7.2e-4 (step 6),
+# mean 2.3e-4; the tolerance leaves 2.2x for other CPUs' kernels.
+BF16_LOSS_REL_TOL = 1.6e-3
+STEPS = 10
 
 
 def test_bf16_trains_like_fp32(tmp_path):
     """bf16 parameters with fp32 main grads and optimizer (megatron DDP + Float16 optimizer): over
-    20 steps the loss falls as in fp32 and stays within BF16_LOSS_REL_TOL of it at every step."""
-    steps = ("training.train_steps=20", "schedule.warmup_steps=2", "checkpoint.save_at_end=false")
+    10 steps the loss falls as in fp32 and stays within BF16_LOSS_REL_TOL of it at every step."""
+    steps = (f"training.train_steps={STEPS}", "training.global_batch_size=2", "schedule.warmup_steps=2",
+             "checkpoint.save_at_end=false")
     run_train(tmp_path / "fp32", *steps, "training.precision=fp32")
     run_train(tmp_path / "bf16", *steps, "training.precision=bf16")
     fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")
-    assert len(bf16) == 20 and all(math.isfinite(v) for v in bf16)
-    assert sum(bf16[-5:]) / 5 < 0.85 * sum(bf16[:5]) / 5, bf16  # 11.3 -> 9.0 measured
+    assert len(bf16) == STEPS and all(math.isfinite(v) for v in bf16)
+    assert sum(bf16[-5:]) / 5 < 0.95 * sum(bf16[:5]) / 5, bf16  # 11.3 -> 10.4 measured
     assert_close_relative(bf16, fp32, rel=BF16_LOSS_REL_TOL)
     environment = json.loads((tmp_path / "bf16" / "environment.json").read_text())
     assert environment["precision"] == {"params": "bfloat16", "main_grads": "float32",

@@ -138,12 +138,16 @@ def _cost_file(path: Path, vision_share: float) -> Path:
 
 
 def test_full_trains_like_none_with_balancing_on_packed_rows(tmp_path):
-    # Rows of ~22 packed samples and a cost model that prices the vision terms. full's planner sees
-    # them at a quarter (four ranks share the encoder) and moves samples between micro-batches.
-    # none is handed that quarter-priced model itself, so both train the very same micro-batches:
-    # otherwise the language model's gradients are summed in another order (1e-7 relative), which
-    # Adam amplifies in biases that start at 0 beyond the weights' bound.
-    balanced = ("data.seq_len=2048", "balance.enabled=true", "balance.threshold=0")
+    # Rows of five or six packed samples (seq_len 512) and a cost model that prices the vision terms.
+    # full's planner sees them at a quarter (four ranks share the encoder) and moves samples between
+    # micro-batches. none is handed that quarter-priced model itself, so both train the very same
+    # micro-batches: otherwise the language model's gradients are summed in another order (1e-7
+    # relative), which Adam amplifies in biases that start at 0 (beyond the weights' bound, as noted
+    # at seq_len 2048; at 512, measured: the language qkv bias ends 4.5e-5 apart, bound 1e-4, and
+    # as far from a none run without balancing).
+    # At DP 1 every plan scores max/LB 1 up to rounding, so a step is re-planned only where rounding
+    # puts the arrival order above 1: measured, step 4 of 5 in both runs.
+    balanced = ("data.seq_len=512", "balance.enabled=true", "balance.threshold=0")
     full_run = _train(tmp_path / "full", "full", *balanced,
                       f"balance.cost_model={_cost_file(tmp_path / 'cost.json', 1.0)}")
     none_run = _train(tmp_path / "none", "none", *balanced,

@@ -13,16 +13,18 @@ from pathlib import Path
 
 import pytest
 
+from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_data_file
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import assert_close_relative, grad_norms, losses, run_train
 
 RELATIVE = 1e-5
-STEPS = 10
+STEPS = 6
 DEMO = SHARED_DATA / "llamafactory"
 FILES = (DEMO / "mllm_demo.json", DEMO / "mllm_video_demo.json")
 # What encode and train must agree on (conftest's SMALL_MODEL sets data.max_pixels=12544).
-MEDIA = ("data.seq_len=1024", "data.max_pixels=12544", "data.video_max_frames=4", "data.video_min_pixels=3136",
+# seq_len 256: rows of two or three samples.
+MEDIA = ("data.seq_len=256", "data.max_pixels=12544", "data.video_max_frames=4", "data.video_min_pixels=3136",
          "data.video_max_pixels=12544")
 RUN = ("data.source=files", f"data.paths=[{FILES[0]},{FILES[1]}]", *MEDIA, f"training.train_steps={STEPS}",
        "training.global_batch_size=2")
@@ -56,15 +58,15 @@ def test_stored_embeddings_train_like_the_frozen_encoder(store, tmp_path):
     run_train(tmp_path / "online", *RUN, *FROZEN)
     run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}")
     _assert_same_training(tmp_path / "stored", tmp_path / "online")
-    meta = json.loads((tmp_path / "stored" / "checkpoints" / "step_00000010" / "meta.json").read_text())
+    meta = json.loads((tmp_path / "stored" / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert meta["vision_embeddings_encoder_digest"] == json.loads((store / "encoder.json").read_text())["weights_digest"]
 
 
 def test_at_dp2_with_balancing_and_across_a_resume(store, tmp_path):
     run_train(tmp_path / "online", *RUN, *FROZEN, *BALANCED, nproc=2)
     stored = tmp_path / "stored"
-    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", "training.exit_at_step=4", nproc=2)
-    assert len(losses(stored)) == 4
+    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", "training.exit_at_step=3", nproc=2)
+    assert len(losses(stored)) == 3
     run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", nproc=2, resume=True)
     assert json.loads((stored / "summary.json").read_text())["balance"]["applied_steps"] > 0
     _assert_same_training(stored, tmp_path / "online")
@@ -99,11 +101,11 @@ def test_packed_data_at_tp2(tmp_path):
     """A `pack` folder encoded as it is, trained at TP 2 (2 processes): as the frozen encoder."""
     packed = tmp_path / "packed"
     proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "pack", *map(str, FILES), "--output",
-                           str(packed), "--preset", "qwen2.5vl-tiny", "--seq-len", "1024", "--no-progress"],
+                           str(packed), "--preset", "qwen2.5vl-tiny", "--seq-len", "256", "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The pack's image rules are the preset's: encode and train with them.
-    preset_media = ("data.seq_len=1024", "data.max_pixels=50176")
+    preset_media = ("data.seq_len=256", "data.max_pixels=50176")
     stored = _encode(tmp_path / "embeddings", packed, settings=preset_media)
     run = ("data.source=packed", f"data.packed={packed}", *preset_media, "training.train_steps=3",
            "training.global_batch_size=2", "parallel.tensor_model_parallel_size=2")
