@@ -62,6 +62,30 @@ def test_rgba_palette_and_grey_images_equal_transformers(hf_image_processor):
         assert np.abs(pixels - expected["pixel_values"]).max() == 0.0
 
 
+def test_qwen3_vl_images_equal_transformers_image_processor_as_qwen3_vl_configures_it():
+    """Qwen3-VL's preprocessor_config: the Qwen2-VL image processor with 16-pixel patches and mean =
+    std = 0.5. Its PIL backend is the reference here (the torchvision one needs torchvision, which has
+    no build for this machine's torch); sizes at the qwen3vl-8b preset's pixel bounds."""
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+    from loongforge.config.loader import load_run_config
+
+    cfg = load_run_config("qwen3vl-8b")
+    sizing = vision_sizing(cfg.data, cfg.model)
+    assert (sizing.patch_size, sizing.pixel_mean, sizing.pixel_std) == (16, (0.5,) * 3, (0.5,) * 3)
+    reference = Qwen2VLImageProcessorPil(patch_size=16, merge_size=2, temporal_patch_size=2,
+                                         image_mean=[0.5] * 3, image_std=[0.5] * 3,
+                                         min_pixels=cfg.data.min_pixels, max_pixels=cfg.data.max_pixels)
+    rng = np.random.default_rng(0)
+    odd = [Image.fromarray(rng.integers(0, 256, (61, 97, 3), dtype=np.uint8)),  # below min_pixels
+           Image.fromarray(rng.integers(0, 256, (1500, 1400, 3), dtype=np.uint8))]  # above max_pixels
+    for image in [Image.open(path) for path in _real_images()] + odd:
+        expected = reference(images=[image], return_tensors="np")
+        pixels, grid = preprocess_image(load_rgb_image(image), sizing)
+        assert [list(grid)] == expected["image_grid_thw"].tolist()
+        assert np.abs(pixels - expected["pixel_values"]).max() == 0.0
+
+
 def test_smart_resize_matches_transformers():
     from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import smart_resize as hf_smart_resize
 
