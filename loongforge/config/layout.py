@@ -78,6 +78,10 @@ class LayoutRule:
     vision_tensor: tuple[Dim, ...]  # vision TP splits each of these
     # Vision TP groups are cut from the language TP groups, so the vision size divides TP.
     vision_within_tensor: bool = True
+    # False: the family's towers run at the language TP size only (vision TP = TP).
+    vision_below_tensor: bool = True
+    # The ``parallel.encoder_dp`` modes the family implements.
+    encoder_dp_modes: tuple[str, ...] = ("none", "tp", "full")
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,9 @@ def _vision_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, vision_t
         return [] if vision_tp is None else [
             f"{keys.vision_tensor}={vision_tp} is set but the model has no vision tower (model.vision is "
             f"null); leave it unset."]
+    if not rule.vision_below_tensor and vision_tp not in (None, tp):
+        return [f"{keys.vision_tensor}={vision_tp}: this model's vision tower runs at the language TP size "
+                f"only; leave it unset or set it to {tp}."]
     source = f" (inherited from {keys.tensor})" if vision_tp is None else ""
     vision_tp = tp if vision_tp is None else vision_tp
     named = {_label(dim): _size(model_cfg, dim) for dim in rule.vision_tensor}

@@ -386,16 +386,25 @@ def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
 
 
 def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) -> list[str]:
+    return family_layout_problems(cfg, layout) + _check_world_and_batch(cfg, world_size)
+
+
+def family_layout_problems(cfg: RunConfig, layout: LayoutRule) -> list[str]:
+    """What a model family's layout rule refuses in ``cfg`` (no world size involved): for checks
+    above config loading, which only knows the decoder rule."""
     parallel = cfg.parallel
-    errors = layout_problems(cfg.model, layout, tp=parallel.tensor_model_parallel_size,
-                             pp=parallel.pipeline_model_parallel_size,
-                             vision_tp=parallel.vision_tensor_model_parallel_size)
-    return errors + _check_encoder_dp(parallel) + _check_world_and_batch(cfg, world_size)
+    return layout_problems(cfg.model, layout, tp=parallel.tensor_model_parallel_size,
+                           pp=parallel.pipeline_model_parallel_size,
+                           vision_tp=parallel.vision_tensor_model_parallel_size) + _check_encoder_dp(cfg, layout)
 
 
-def _check_encoder_dp(parallel) -> list[str]:
+def _check_encoder_dp(cfg: RunConfig, layout: LayoutRule) -> list[str]:
     """Dividing the media among the ranks of a TP group (``tp``) or a model-parallel group
-    (``full``) needs a whole encoder on each of them."""
+    (``full``) needs a whole encoder on each of them, and a family that implements the mode."""
+    parallel = cfg.parallel
+    if parallel.encoder_dp in CHOICES["parallel.encoder_dp"] and parallel.encoder_dp not in layout.encoder_dp_modes:
+        return [f"parallel.encoder_dp={parallel.encoder_dp}: model.family={cfg.model.family} implements "
+                f"{' | '.join(layout.encoder_dp_modes)}; set parallel.encoder_dp={layout.encoder_dp_modes[0]}."]
     vision_tp = parallel.vision_tensor_model_parallel_size
     inherited = vision_tp is None
     vision_tp = parallel.tensor_model_parallel_size if inherited else vision_tp

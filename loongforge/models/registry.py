@@ -12,6 +12,8 @@ import importlib
 from typing import Any, Mapping
 
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.schema import RunConfig
+from loongforge.config.validate import family_layout_problems
 from loongforge.models.family import ModelFamily
 
 # family name -> the package whose FAMILY it is
@@ -34,6 +36,14 @@ def get_family(name: str, key: str = "model.family") -> ModelFamily:
         raise ConfigError(f"{key}='{name}' is not one of {' | '.join(families())};{hint} "
                           f"set {key} to one of those.")
     return importlib.import_module(_FAMILIES[name]).FAMILY
+
+
+def check_family_layout(cfg: RunConfig) -> None:
+    """``cfg``'s layout against its family's own rule (config loading checks the decoder rule, which
+    every family starts from); a ConfigError listing each problem."""
+    problems = family_layout_problems(cfg, get_family(cfg.model.family).layout)
+    if problems:
+        raise ConfigError(problems)
 
 
 def family_of_hf_config(hf_config: Mapping[str, Any], where: str) -> ModelFamily:

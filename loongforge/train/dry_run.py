@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
 from loongforge.config.schema import ModelConfig, RunConfig
-from loongforge.models.registry import get_family
+from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3
 
@@ -123,7 +123,9 @@ class ParallelPlan:
 
 
 def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
-    """The plan for ``cfg`` at ``cfg.parallel.world_size`` (validated configs only)."""
+    """The plan for ``cfg`` at ``cfg.parallel.world_size`` (validated configs only); ConfigError
+    where the model family's own layout rule refuses it."""
+    check_family_layout(cfg)
     sizes = derive_parallel_sizes(cfg.parallel)
     split = split_parameters(cfg.model)
     return ParallelPlan(

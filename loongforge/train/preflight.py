@@ -18,6 +18,7 @@ from pathlib import Path
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
 from loongforge.data.conversations import expand_data_paths
+from loongforge.models.registry import check_family_layout
 from loongforge.parallel.distributed import resolve_device
 from loongforge.train.metrics import METRICS_FILE
 
@@ -29,6 +30,7 @@ def checkpoint_root(cfg: RunConfig) -> Path:
 
 def check_can_start(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
     """Every check that needs no process group; raises InputError/ConfigError naming the key."""
+    check_family_layout(cfg)
     check_data(cfg)
     resolve_device(cfg.training.device)
     _check_folders(cfg)

@@ -131,6 +131,15 @@ def test_layout_error_exits_2_with_remedy():
                        "world size 3 is not a multiple of TP x PP = 2 x 1 = 2")
 
 
+def test_a_layout_the_model_family_refuses_exits_2_before_anything_starts(tmp_path):
+    # The dry run says it; so does a real start (checked before any process is launched).
+    overrides = ("--preset", "qwen3vl-tiny", "parallel.tensor_model_parallel_size=2",
+                 "parallel.vision_tensor_model_parallel_size=1", "--nproc-per-node", "2")
+    for mode in (("--dry-run",), ("--output-dir", str(tmp_path / "run"))):
+        assert_usage_error(invoke(*overrides, *mode), "vision tower runs at the language TP size only")
+    assert not (tmp_path / "run").exists()
+
+
 def test_missing_config_file_exits_2(tmp_path):
     assert_usage_error(invoke("--dry-run", "--config", str(tmp_path / "absent.yaml")),
                        "cannot read config file")

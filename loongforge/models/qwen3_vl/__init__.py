@@ -13,6 +13,8 @@ rope_index.py   M-RoPE position ids per sample (data side)
 encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
 
+from dataclasses import replace
+
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily
@@ -21,6 +23,9 @@ from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.params import count_parameters
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
+
+# The towers run at the language TP size, encoding every micro-batch's media on the first stage.
+LAYOUT = replace(DECODER_LAYOUT, vision_below_tensor=False, encoder_dp_modes=("none",))
 
 FAMILY = ModelFamily(
     name=hf_config.NAME,
@@ -37,7 +42,7 @@ FAMILY = ModelFamily(
     count_parameters=count_parameters,
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,
-    layout=DECODER_LAYOUT,
+    layout=LAYOUT,
     has_vision=True,
     tiny_preset="qwen3vl-tiny",
     hf_model_class="Qwen3VLForConditionalGeneration",
