@@ -35,12 +35,17 @@ PositionIds = Callable[["torch.Tensor", Optional["torch.Tensor"], Optional["torc
 
 @dataclass(frozen=True)
 class LazyFunction:
-    """A function named by ``"module:function"``, imported at its first call.
+    """A function named by ``"module:function"``, imported at its first call (and picklable as its
+    name: a spawned process imports it there, not the process that pickled it).
 
     A family's ``build`` imports megatron-core (seconds); looking a family up for its parameter
-    count or its HF facts should not."""
+    count or its HF facts should not, nor should a launcher that only starts the workers."""
 
     path: str
+
+    @property
+    def __name__(self) -> str:  # the function's, for whoever reports a callable by name
+        return self.path.partition(":")[2]
 
     def resolve(self) -> Callable:
         module_name, _, function_name = self.path.partition(":")

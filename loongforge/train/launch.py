@@ -29,7 +29,6 @@ import os
 import shutil
 import signal
 import socket
-import sys
 import tempfile
 import threading
 import uuid
@@ -37,12 +36,16 @@ from pathlib import Path
 from typing import Callable
 
 from loongforge.config.errors import ConfigError, InputError, LaunchError
-from loongforge.parallel.launch_env import needs_local_workers
 from loongforge.config.schema import RunConfig
-from loongforge.train.runner import run_training
+from loongforge.models.family import LazyFunction
+from loongforge.parallel.launch_env import needs_local_workers
 
 # entrypoint(cfg, resume, command_line), run once per worker.
 WorkerEntrypoint = Callable[[RunConfig, bool, list[str]], None]
+
+# Training, imported by each worker when it starts: the launcher itself never loads megatron-core
+# and the model code (seconds of CPU a launch, while the workers import the same).
+run_training_worker = LazyFunction("loongforge.train.runner:run_training_worker")
 
 
 # Exit codes of a worker stopped by SIGINT or SIGTERM: 130/143 (128 + signal, a run stopped at a step
@@ -51,14 +54,6 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_EXIT_CODES = frozenset([128 + sig for sig in _STOP_SIGNALS] + [-sig for sig in _STOP_SIGNALS])
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
-def run_training_worker(cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
-    """Entry point of one worker (module level so the spawn start method can pickle it). A run
-    stopped by a signal exits with 128 + the signal, as a shell reports a signalled process."""
-    summary = run_training(cfg, resume=resume, command_line=command_line)
-    if summary.stop_signal:
-        sys.exit(128 + summary.stop_signal)
 
 
 def die_with_parent(parent_pid: int) -> bool:
@@ -145,8 +140,8 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     _warm_failure_logging()
     usage_dir = Path(tempfile.mkdtemp(prefix="loongforge-usage-"))
     # Named after the entrypoint: the elastic agent reports failures by the function's name.
-    worker = functools.update_wrapper(
-        functools.partial(_local_worker, entrypoint, os.getpid(), str(usage_dir)), entrypoint)
+    worker = functools.partial(_local_worker, entrypoint, os.getpid(), str(usage_dir))
+    worker.__name__ = worker.__qualname__ = entrypoint.__name__
     # torch's elastic agent installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and leaves them:
     # restored below, so a process that launched workers (a test, a notebook) and later forks does
     # not pass a handler that outlives its purpose to the children.

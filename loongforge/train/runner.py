@@ -551,3 +551,11 @@ def _balance_text(balance: dict) -> str:
         text += (f", mean max/LB {balance['mean_max_over_lb_before']:.3f} -> "
                  f"{balance['mean_max_over_lb_after']:.3f}")
     return text
+
+
+def run_training_worker(cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
+    """Entry point of one training process (``train.launch``). A run stopped by a signal exits with
+    128 + the signal, as a shell reports a signalled process."""
+    summary = run_training(cfg, resume=resume, command_line=command_line)
+    if summary.stop_signal:
+        sys.exit(128 + summary.stop_signal)

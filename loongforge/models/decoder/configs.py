@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import LanguageConfig, ParallelConfig
+from loongforge.models.decoder.params import head_dim
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 
@@ -51,11 +52,6 @@ def common(params_dtype: torch.dtype, on_cpu: bool) -> dict:
         persist_layer_norm=False,
         normalization="RMSNorm",
     )
-
-
-def head_dim(lang: LanguageConfig) -> int:
-    """Channels per attention head: ``model.language.head_dim``, else hidden / heads."""
-    return lang.head_dim or lang.hidden_size // lang.num_attention_heads
 
 
 def language_config(

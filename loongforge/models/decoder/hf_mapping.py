@@ -9,7 +9,7 @@ merger) in front of these. Which optional tensors exist follows the config: q/k/
 from __future__ import annotations
 
 from loongforge.config.schema import LanguageConfig
-from loongforge.models.decoder.configs import head_dim
+from loongforge.models.decoder.params import head_dim
 from loongforge.models.hf_rules import LANGUAGE, GateUp, GroupedQKV, Replicated, Rule, Split, Vocab
 
 

@@ -6,7 +6,11 @@ Counts use the true vocabulary (as published), not megatron's TP padding; tied e
 from __future__ import annotations
 
 from loongforge.config.schema import LanguageConfig
-from loongforge.models.decoder.configs import head_dim
+
+
+def head_dim(lang: LanguageConfig) -> int:
+    """Channels per attention head: ``model.language.head_dim``, else hidden / heads."""
+    return lang.head_dim or lang.hidden_size // lang.num_attention_heads
 
 
 def linear_parameters(fan_in: int, fan_out: int, bias: bool) -> int:

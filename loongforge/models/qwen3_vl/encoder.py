@@ -20,7 +20,7 @@ from loongforge.models import initialization
 from loongforge.models.decoder.build import single_rank_groups
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.models.qwen3_vl import configs
-from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
+from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
 from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
 from loongforge.models.vision_common import vision_pg_collection

@@ -33,10 +33,11 @@ from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.decoder.params import head_dim
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen3_vl import configs, deepstack
-from loongforge.models.qwen3_vl.configs import Qwen3VisionConfig
+from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
 from loongforge.models.qwen3_vl.encoder import build_towers, encode_with
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
@@ -112,7 +113,7 @@ class Qwen3VLModel(MegatronModule):
         # GPTModel calls rotary_pos_emb(position_ids, mrope_section, cp_group=...): same call,
         # interleaved frequency layout.
         self.language_model.rotary_pos_emb = InterleavedMRoPE(
-            decoder_configs.head_dim(lang), lang.mrope_section, lang.rope_theta)
+            head_dim(lang), lang.mrope_section, lang.rope_theta)
         if pre_process:
             deepstack.install_hooks(self.language_model.decoder.layers, vision.num_deepstack_layers)
 

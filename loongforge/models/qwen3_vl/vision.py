@@ -30,7 +30,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sha
 
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 from loongforge.models.layer_backend import BlockModules
-from loongforge.models.qwen3_vl.configs import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
+from loongforge.models.qwen3_vl.vision_facts import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
 from loongforge.models.vision_common import (
     PatchEmbed,
     frame_cu_seqlens,
