@@ -24,7 +24,11 @@ from tests.train.conftest import (
 
 PRESET = "qwen3vl-tiny"
 REL = 1e-5
-OPTIONS = ("data.read=global",)
+# Adam's epsilon at 1e-6 (preset: 1e-8): with 1e-8, a gradient element that is zero up to rounding
+# becomes a full +-lr step whose sign depends on the summation order, and the next steps carry that:
+# TP 2 x PP 2 vs one process measured grad norms 2.7e-5 apart at step 4 and moments 4.7e-5. At 1e-6
+# the same runs measure losses 3e-8, grad norms 2.5e-7, moments 2.7e-6, weights 3.7e-6.
+OPTIONS = ("data.read=global", "optimizer.adam_eps=1e-6")
 # 4 decoder layers (SMALL_MODEL has 2): at PP 2 the first stage holds both DeepStack layers.
 FOUR_LAYERS = ("model.language.num_layers=4",)
 BALANCED = ("balance.enabled=true", "balance.threshold=0")
@@ -41,14 +45,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     return {name: root / name for name, _, _ in launches}
 
 
-# Adam moments of the TP 2 x PP 2 run: its vision tower and mergers are TP-split, so their gradients
-# are summed in another order than in one process; measured 1.2e-5 (first moment of a DeepStack
-# merger's fc1) and 1.4e-5 (second moment of the merger's fc1), with losses and grad norms at 1e-6.
-TP_MOMENT_REL = 2e-5
-
-
-@pytest.mark.parametrize("layout,reference,moment_rel", [("dp2", "dp1", REL), ("tp2-pp2", "dp1-4l", TP_MOMENT_REL)])
-def test_layout_trains_like_one_process(runs, layout, reference, moment_rel):
+@pytest.mark.parametrize("layout,reference", [("dp2", "dp1"), ("tp2-pp2", "dp1-4l")])
+def test_layout_trains_like_one_process(runs, layout, reference):
     """DP 2 with balancing re-planning every step; TP 2 x PP 2 (DeepStack on the first stage)."""
     assert losses(runs[reference])[-1] < losses(runs[reference])[0]
     assert_close_relative(losses(runs[layout]), losses(runs[reference]), REL)
@@ -57,10 +55,8 @@ def test_layout_trains_like_one_process(runs, layout, reference, moment_rel):
                if k.startswith("optimizer.state.exp_avg")}
     assert any(".deepstack_projectors." in key for key in moments)  # DeepStack's mergers train
     assert any(".vision_model.pos_embed." in key for key in moments)  # the learned positions train
-    # Adam's second moment is a sum of squared gradients: a gradient's relative error doubles in it.
-    for key, difference in moments.items():
-        bound = 2 * moment_rel if key.startswith("optimizer.state.exp_avg_sq.") else moment_rel
-        assert difference <= bound, (key, difference)
+    worst = max(moments, key=moments.get)
+    assert moments[worst] <= REL, (worst, moments[worst])
 
 
 def test_stop_and_resume_is_exact(runs, tmp_path):
