@@ -144,6 +144,26 @@ def _float64_l2_norm(original: Callable) -> Callable:
     return l2_norm
 
 
+def _router_gating_without_te(original: Callable) -> Callable:
+    """The MoE router's logits (``router_gating_linear``) where Transformer Engine is absent.
+
+    megatron-core 0.16.1's ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``,
+    but ``moe_utils`` binds that name only when TE imports (moe_utils.py:22-39), so without TE
+    every router forward raises NameError (a GPU run without TE too). Without the name this computes
+    what its torch fallback would: ``input @ weight.T (+ bias)`` in the router dtype, with plain
+    autograd. With TE present the original runs.
+    """
+
+    @functools.wraps(original)
+    def gating_linear(inp, weight, bias, router_dtype):
+        if "te_general_gemm" in vars(sys.modules[original.__module__]):
+            return original(inp, weight, bias, router_dtype)
+        bias = None if bias is None else bias.to(router_dtype)
+        return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+
+    return gating_linear
+
+
 CPU_PATCHES: list[Patch] = [
     # Model side.
     Patch(
@@ -163,6 +183,26 @@ CPU_PATCHES: list[Patch] = [
         owner_path="megatron.core.models.common.language_module.language_module:LanguageModule",
         attribute="setup_embeddings_and_output_layer",
         why="weight.data.cuda() before all-reducing tied embeddings, PP > 1 (language_module.py:244)",
+    ),
+    Patch(
+        name="moe_router_gating",
+        owner_path="megatron.core.transformer.moe.router:Router",
+        attribute="gating",
+        why="moves a router weight it finds on the CPU to torch.cuda.current_device() at every forward "
+            "(moe/router.py:88-92)",
+    ),
+    Patch(
+        name="moe_router_gating_linear",
+        owner_path="megatron.core.transformer.moe.moe_utils",
+        attribute="router_gating_linear",
+        why="without Transformer Engine the router's linear reads an unbound te_general_gemm (moe_utils.py:1192)",
+        wrap=_router_gating_without_te,
+    ),
+    Patch(
+        name="moe_router_buffers",
+        owner_path="megatron.core.transformer.moe.router:TopKRouter",
+        attribute="__init__",
+        why="expert-bias and global aux-loss buffers created on torch.cuda.current_device() (moe/router.py:166-198)",
     ),
     # Training side.
     Patch(
