@@ -108,9 +108,12 @@ def _experts_from_hf(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
     if step != 1 or dense:
         raise InputError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense}: loongforge's "
                          f"Qwen3-MoE makes every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
-    if cfg.get("num_experts", 0) < 1:
-        raise InputError(f"{where}: a Qwen3-MoE config needs num_experts >= 1, got {cfg.get('num_experts')}")
-    return dict(num_experts=cfg["num_experts"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+    # The Hub's config.json says num_experts; transformers 5 writes it as num_local_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not isinstance(experts, int) or experts < 1:
+        raise InputError(f"{where}: a Qwen3-MoE config needs num_experts (or num_local_experts) >= 1, "
+                         f"got {experts}")
+    return dict(num_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
                 moe_router_topk=cfg.get("num_experts_per_tok", 8),
                 norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
                 moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
