@@ -56,3 +56,17 @@ def test_hf_config_round_trips_through_model_config():
     assert hf_dict["norm_topk_prob"] is True and hf_dict["router_aux_loss_coef"] == 0.001
     again = family.config_from_hf(hf_dict, "config.json")
     assert again.language == model_cfg.language
+
+
+def test_flops_count_the_routed_experts_only():
+    """A MoE layer's MLP FLOPs per token: the router plus top-k experts, not the dense width."""
+    import dataclasses
+
+    from loongforge.bench.flops import language_forward_flops
+
+    moe = load_run_config("qwen3-moe-tiny").model
+    lang = moe.language
+    as_dense = dataclasses.replace(moe, language=dataclasses.replace(
+        lang, num_experts=0, moe_ffn_hidden_size=None, ffn_hidden_size=lang.moe_router_topk * lang.moe_ffn_hidden_size))
+    router = 2 * lang.hidden_size * lang.num_experts * lang.num_layers * 10
+    assert language_forward_flops(moe, [10]) == language_forward_flops(as_dense, [10]) + router
