@@ -28,6 +28,13 @@ with megatron-core's per-layer loss (``model.language.moe_aux_loss_coeff`` is it
 transformers' ``router_aux_loss_coef`` read as is); ``RouterStatistics`` records f and P from a
 forward pass so both values can be computed and compared (tests check each against its library
 to 1e-6).
+
+Known scaling gap (not fixed yet): with ``calculate_per_token_loss`` (loongforge's training step),
+megatron-core multiplies each layer's aux loss by the micro-batch's token count and
+``finalize_model_grads`` divides every gradient by the global count of *loss* tokens. In
+pre-training the two counts agree; in answer-masked fine-tuning the loss tokens are a fraction of
+all tokens, so the load-balancing gradient is scaled up by (all tokens / loss tokens) relative to
+``moe_aux_loss_coeff``.
 """
 
 from __future__ import annotations
