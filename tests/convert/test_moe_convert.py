@@ -55,3 +55,16 @@ def test_converted_checkpoint_loads_into_the_model_and_back(megatron_world_of_on
     reloaded = AutoModelForCausalLM.from_pretrained(tmp_path / "back", dtype=torch.float32).state_dict()
     for key, tensor in hf_model.state_dict().items():
         assert torch.equal(reloaded[key], tensor), key
+
+
+def test_check_logits_passes(tmp_path):
+    """``loongforge convert --check-logits``: the megatron model loaded from the HF folder agrees with
+    transformers' Qwen3MoeForCausalLM on its built-in prompt."""
+    import re
+
+    _save(tmp_path / "hf")
+    result = invoke(str(tmp_path / "hf"), "--check-logits")
+    assert result.exit_code == 0, result.output
+    assert result.stdout.splitlines()[-1].startswith("verdict: PASS")
+    (diff,) = re.findall(r"^max abs diff\s+(\S+)", result.stdout, flags=re.M)
+    assert float(diff) <= 1e-5
