@@ -7,7 +7,7 @@ import math
 
 import yaml
 
-from tests.train.conftest import grad_norms, losses, run_train
+from tests.train.conftest import grad_norms, losses, run_train, step_metric
 
 
 def test_qwen3_moe_tiny_trains_two_steps(tmp_path):
@@ -17,3 +17,7 @@ def test_qwen3_moe_tiny_trains_two_steps(tmp_path):
     assert abs(losses(tmp_path)[0] - math.log(151_936)) < 1.0
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
     assert resolved["model"]["language"]["num_experts"] == 8
+    # megatron's per-layer balance losses summed over the run's 2 layers (the test harness's
+    # SMALL_MODEL): each about 1 when balanced (a fresh router), at most num_experts / topk = 4.
+    balance = step_metric(tmp_path, "load_balancing_loss")
+    assert len(balance) == 2 and all(1.5 <= value <= 8.0 for value in balance), balance
