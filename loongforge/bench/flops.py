@@ -76,11 +76,16 @@ def vision_forward_flops(model_cfg: ModelConfig, grids: Sequence[Sequence[int]])
 
 
 def language_forward_flops(model_cfg: ModelConfig, segment_lengths: Sequence[int]) -> float:
-    """Decoder layers' forward FLOPs over packed segments of ``segment_lengths`` tokens."""
+    """Decoder layers' forward FLOPs over packed segments of ``segment_lengths`` tokens. A
+    mixture-of-experts layer costs its router and the ``moe_router_topk`` experts each token runs."""
     lang = model_cfg.language
     h, heads = lang.hidden_size, lang.num_attention_heads
     kv_width = h // heads * lang.num_query_groups
-    per_token = 2 * (h * (h + 2 * kv_width) + h * h + 3 * h * lang.ffn_hidden_size)
+    if lang.num_experts:
+        mlp = h * lang.num_experts + 3 * h * lang.moe_ffn_hidden_size * lang.moe_router_topk
+    else:
+        mlp = 3 * h * lang.ffn_hidden_size
+    per_token = 2 * (h * (h + 2 * kv_width) + h * h + mlp)
     tokens = sum(segment_lengths)
     attention = 2 * h * sum(length * length for length in segment_lengths)
     return float(lang.num_layers * (tokens * per_token + attention))

@@ -99,7 +99,10 @@ class LayoutKeys:
 DECODER_LAYOUT = LayoutRule(
     tensor=(Dim("language.num_attention_heads", "heads"),
             Dim("language.num_query_groups", "KV heads", aside="KV heads"),
-            Dim("language.ffn_hidden_size", "FFN size")),
+            Dim("language.ffn_hidden_size", "FFN size"),
+            # Each expert's MLP, split over TP like the dense one (no expert parallelism yet);
+            # null in a dense model, then not checked.
+            Dim("language.moe_ffn_hidden_size", "expert FFN size")),
     pipeline=(Dim("language.num_layers", "decoder layers"),),
     vision_tensor=(Dim("vision.num_heads", "vision heads"),
                    Dim("vision.intermediate_size", "vision MLP size")),
@@ -140,11 +143,13 @@ def _spoken_list(words: list[str]) -> str:
 
 
 def _tensor_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, keys: LayoutKeys) -> list[str]:
-    sizes = [_size(model_cfg, dim) for dim in rule.tensor]
-    valid, what = _common_divisors(sizes), _spoken_list([dim.what for dim in rule.tensor])
+    # An optional size the model leaves unset (null) has nothing to split.
+    dims = [(dim, size) for dim in rule.tensor if (size := _size(model_cfg, dim)) is not None]
+    valid = _common_divisors([size for _, size in dims])
+    what = _spoken_list([dim.what for dim, _ in dims])
     return [f"{keys.tensor}={tp} does not divide {_label(dim)}={size}; set it to one of {valid} "
             f"(sizes dividing the {what})."
-            for dim, size in zip(rule.tensor, sizes) if size % tp]
+            for dim, size in dims if size % tp]
 
 
 def _vision_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, vision_tp: int | None,

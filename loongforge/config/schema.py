@@ -84,6 +84,17 @@ class LanguageConfig:
     # Llama 3.x RoPE frequency scaling (its factor; low/high frequency factors 1 and 4, original
     # context 8192); null: none.
     rope_scaling_factor: Optional[float] = None
+    # Mixture of experts (Qwen3-MoE), run by megatron-core's MoE layer: routed experts per layer;
+    # 0: a dense model (the SwiGLU MLP of ffn_hidden_size). Every decoder layer is sparse when set.
+    num_experts: int = 0
+    # Channels of each expert's SwiGLU MLP (transformers' moe_intermediate_size); null when dense.
+    moe_ffn_hidden_size: Optional[int] = None
+    # Experts each token is routed to (transformers' num_experts_per_tok).
+    moe_router_topk: int = 2
+    # Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE: true).
+    norm_topk_prob: bool = True
+    # Weight of the load-balancing loss (transformers' router_aux_loss_coef); 0: none.
+    moe_aux_loss_coeff: float = 0.0
 
 
 @dataclass

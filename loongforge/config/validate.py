@@ -331,6 +331,31 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
     return errors
 
 
+def _check_experts(cfg: RunConfig) -> list[str]:
+    """Mixture-of-experts fields: all-or-nothing, top-k within the experts."""
+    language, key = cfg.model.language, "model.language"
+    if language.num_experts < 0:
+        return [f"{key}.num_experts={language.num_experts} must not be negative (0: a dense model)."]
+    if language.num_experts == 0:
+        if language.moe_ffn_hidden_size is not None:
+            return [f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} is set but "
+                    f"{key}.num_experts=0 (a dense model); set num_experts or moe_ffn_hidden_size: null."]
+        return []
+    errors = []
+    if cfg.model.family != "llm":
+        errors.append(f"{key}.num_experts={language.num_experts} but model.family={cfg.model.family} has no "
+                      f"mixture-of-experts layers yet; use model.family=llm or num_experts: 0.")
+    if language.moe_ffn_hidden_size is None or language.moe_ffn_hidden_size < 1:
+        errors.append(f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} must be at least 1 with "
+                      f"{key}.num_experts={language.num_experts} (each expert's MLP width).")
+    if not 1 <= language.moe_router_topk <= language.num_experts:
+        errors.append(f"{key}.moe_router_topk={language.moe_router_topk} must be between 1 and "
+                      f"{key}.num_experts={language.num_experts}.")
+    if language.moe_aux_loss_coeff < 0:
+        errors.append(f"{key}.moe_aux_loss_coeff={language.moe_aux_loss_coeff} must not be negative (0: none).")
+    return errors
+
+
 def _check_vision_shape(cfg: RunConfig) -> list[str]:
     vision, projector = cfg.model.vision, cfg.model.projector
     if vision is None or projector is None:
@@ -491,7 +516,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
     if range_errors:
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
-    errors += _check_language_shape(cfg) + _check_vision_shape(cfg)
+    errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_vision_shape(cfg)
     errors += _check_parallel_layout(cfg, world, layout)
     return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg)
 

@@ -43,7 +43,16 @@ from loongforge.convert.hf_io import (
     shard_names,
     write_index,
 )
-from loongforge.convert.mcore_io import MODEL_DIR, McoreItem, McoreReader, is_mcore_folder, write_mcore
+from loongforge.convert.mcore_io import (
+    MODEL_DIR,
+    McoreItem,
+    McoreReader,
+    is_mcore_folder,
+    stack_index,
+    stacked,
+    unstacked,
+    write_mcore,
+)
 from loongforge.models.family import ModelFamily
 from loongforge.models.hf_rules import LANGUAGE, VISION, Rule, Vocab
 from loongforge.models.registry import family_of_hf_config, get_family
@@ -64,10 +73,16 @@ class Link:
     hf_keys: tuple[str, ...]  # Hub style
     mcore_key: str  # global dist_checkpointing key
     layer: Optional[int]  # index on the stacked layer axis; None: not stacked
+    expert: Optional[int] = None  # index on the expert axis after the layer axis; None: none
+
+    @property
+    def stack(self) -> tuple[int, ...]:
+        return stack_index(self.layer, self.expert)
 
 
-def _fill(pattern: str, index: int) -> str:
-    return pattern.replace("{i}", str(index))
+def _fill(pattern: str, index: int, expert: Optional[int] = None) -> str:
+    pattern = pattern.replace("{i}", str(index))
+    return pattern if expert is None else pattern.replace("{e}", str(expert))
 
 
 def family_of(model_cfg: ModelConfig) -> ModelFamily:
@@ -96,9 +111,14 @@ def build_links(model_cfg: ModelConfig) -> list[Link]:
         elif rule.group == VISION:  # vision blocks are separate keys per block
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
                       for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
+        elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
+            key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
+            links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
+                      for i in range(model_cfg.language.num_layers)
+                      for e in range(model_cfg.language.num_experts)]
         else:  # language layers: one key, stacked on axis 0 over the global layer index
-            stacked = rule.megatron.replace("layers.{i}.", "layers.")
-            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), stacked, i)
+            key = rule.megatron.replace("layers.{i}.", "layers.")
+            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
                       for i in range(model_cfg.language.num_layers)]
     order = {VISION: 0, LANGUAGE: 1}
     return sorted(links, key=lambda link: order[link.rule.group])  # stable: table order within
@@ -114,7 +134,7 @@ def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Te
     if vocab is not None and tensor.shape[0] != vocab_rows:
         padding = tensor.new_zeros(vocab_rows - tensor.shape[0], *tensor.shape[1:])
         tensor = torch.cat([tensor[: link.rule.transform.vocab_size], padding])
-    return tensor if link.layer is None else tensor.unsqueeze(0)
+    return stacked(tensor, link.stack)
 
 
 def to_hf(link: Link, chunk: torch.Tensor) -> list[torch.Tensor]:
@@ -133,8 +153,8 @@ def megatron_shapes(links: list[Link], hf_shapes: dict[str, tuple[int, ...]], mo
             continue
         hf = [torch.empty(hf_shapes[k], device="meta") for k in link.hf_keys]
         chunk = to_megatron(link, hf, vocab_rows)
-        shapes[link.mcore_key] = tuple(chunk.shape) if link.layer is None else (
-            model_cfg.language.num_layers, *chunk.shape[1:])
+        leading = (model_cfg.language.num_layers, model_cfg.language.num_experts)[:len(link.stack)]
+        shapes[link.mcore_key] = (*leading, *chunk.shape[len(link.stack):])
     return shapes
 
 
@@ -328,8 +348,8 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     def item_dtype(link: Link) -> torch.dtype:
         return out_dtype or checkpoint.entries[link.hf_keys[0]].dtype
 
-    items = [McoreItem(link.mcore_key, global_shapes[link.mcore_key], item_dtype(link), link.layer, produce(link))
-             for link in links]
+    items = [McoreItem(link.mcore_key, global_shapes[link.mcore_key], item_dtype(link), link.layer, produce(link),
+                       expert=link.expert) for link in links]
     report = ConversionReport("hf->mcore", str(src), str(dst))
     bar = Progress(len(items), "hf -> mcore", progress)
     with staged_folder(dst, overwrite, report.notes) as tmp:
@@ -354,9 +374,9 @@ def _verify_mcore(folder: Path, links: list[Link], checkpoint: HFCheckpoint, voc
     mismatches = []
     for link in links:
         expected = to_megatron(link, [checkpoint.load(k) for k in link.hf_keys], vocab_rows).to(item_dtype(link))
-        written = reader.read(link.mcore_key, link.layer)
-        if not torch.equal(written, expected if link.layer is None else expected[0]):
-            mismatches.append(link.mcore_key + ("" if link.layer is None else f"[{link.layer}]"))
+        written = reader.read(link.mcore_key, link.layer, link.expert)
+        if not torch.equal(written, unstacked(expected, link.stack)):
+            mismatches.append(link.mcore_key + ("" if link.layer is None else str(list(link.stack))))
         bar.update(written.nbytes)
     bar.close()
     return mismatches
@@ -410,13 +430,16 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
 
 def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
                   vocab_size: int) -> dict[str, str]:
-    """Our global key -> the key in the checkpoint (fused or separate norm names)."""
-    available = {fused_name(key): key for key in reader.tensors if not key.startswith("optimizer.")}
+    """Our global key -> the key in the checkpoint (fused or separate norm names; a key our map
+    itself names, such as a mixture-of-experts layer's own ``pre_mlp_layernorm``, as it is)."""
+    model_keys = [key for key in reader.tensors if not key.startswith("optimizer.")]
+    exact = set(model_keys)
+    available = {fused_name(key): key for key in model_keys}
     resolved = {}
     for link in links:
         if link.mcore_key in resolved:
             continue
-        actual = available.get(link.mcore_key)
+        actual = link.mcore_key if link.mcore_key in exact else available.get(link.mcore_key)
         if actual is None:
             raise InputError(f"{reader.folder}: tensor {link.mcore_key} is missing from the checkpoint")
         found, expected = reader.shape(actual), shapes[link.mcore_key]
@@ -464,7 +487,7 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
     with staged_folder(dst, overwrite, report.notes) as tmp:
         writer, current = None, -1
         for link in links:
-            tensors = to_hf(link, reader.read(keys[link.mcore_key], link.layer))
+            tensors = to_hf(link, reader.read(keys[link.mcore_key], link.layer, link.expert))
             for key, tensor in zip(link.hf_keys, tensors):
                 index, name = file_of[key]
                 if index != current:
@@ -498,7 +521,7 @@ def _verify_hf(folder: Path, links: list[Link], reader: McoreReader, keys: dict[
     bar = Progress(len(written.entries), "verify", progress)
     mismatches = []
     for link in links:
-        expected = to_hf(link, reader.read(keys[link.mcore_key], link.layer))
+        expected = to_hf(link, reader.read(keys[link.mcore_key], link.layer, link.expert))
         for key, tensor in zip(link.hf_keys, expected):
             actual = written.load(key)
             if not torch.equal(actual, tensor.to(out_dtype) if out_dtype else tensor):

@@ -133,21 +133,39 @@ class McoreReader:
     def dtype(self, key: str) -> torch.dtype:
         return self.tensors[key].properties.dtype
 
-    def read(self, key: str, layer: Optional[int] = None) -> torch.Tensor:
-        """The whole tensor, or ``[layer]`` of a layer-stacked one."""
-        shape = self.shape(key)
-        if layer is None:
-            offsets, dest = (0,) * len(shape), torch.empty(shape, dtype=self.dtype(key))
-        else:
-            offsets, dest = (layer,) + (0,) * (len(shape) - 1), torch.empty((1, *shape[1:]), dtype=self.dtype(key))
+    def read(self, key: str, layer: Optional[int] = None, expert: Optional[int] = None) -> torch.Tensor:
+        """The whole tensor, or ``[layer]`` of a layer-stacked one (``[layer, expert]`` of a layer-
+        and expert-stacked one)."""
+        shape, stack = self.shape(key), stack_index(layer, expert)
+        offsets = (*stack, *(0,) * (len(shape) - len(stack)))
+        dest = torch.empty((1,) * len(stack) + shape[len(stack):], dtype=self.dtype(key))
         try:
             with _single_process():
                 dcp.load({}, storage_reader=self.storage, planner=_RegionLoadPlanner({key: (offsets, dest)}),
                          no_dist=True)
         except Exception as exc:
             raise InputError(f"{self.folder}: cannot read tensor {key}"
-                             f"{'' if layer is None else f' layer {layer}'}: {exc}") from None
-        return dest if layer is None else dest[0]
+                             f"{'' if layer is None else f' at {list(stack)}'}: {exc}") from None
+        return unstacked(dest, stack)
+
+
+def stack_index(layer: Optional[int], expert: Optional[int]) -> tuple[int, ...]:
+    """Where a chunk sits on the stacked leading axes of its key: () for a whole tensor, (layer,) on
+    megatron's layer axis, (layer, expert) on the layer and expert axes of a mixture-of-experts
+    layer's experts (megatron-core's ``SequentialMLP`` stacks its experts after the layer axis)."""
+    if layer is None:
+        return ()
+    return (layer,) if expert is None else (layer, expert)
+
+
+def stacked(tensor: torch.Tensor, stack: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` with a length-1 axis in front for each stacked axis."""
+    return tensor.reshape((1,) * len(stack) + tuple(tensor.shape))
+
+
+def unstacked(tensor: torch.Tensor, stack: tuple[int, ...]) -> torch.Tensor:
+    """``tensor`` without its length-1 stacked leading axes."""
+    return tensor.reshape(tuple(tensor.shape[len(stack):]))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -158,7 +176,8 @@ class McoreReader:
 @dataclass(frozen=True)
 class McoreItem:
     """One chunk of the checkpoint: global ``key`` of ``global_shape``, and either the whole tensor
-    (``layer`` None) or the ``[layer]`` slice of a layer-stacked one, produced by ``produce``.
+    (``layer`` None) or the ``[layer]`` slice of a layer-stacked one (``[layer, expert]`` of a
+    layer- and expert-stacked one: a mixture-of-experts layer's experts), produced by ``produce``.
 
     ``region`` (offsets, sizes in the global tensor, layer axis included) makes the chunk one
     rank's shard instead, as the ranks of a TP layout write it (``convert --roundtrip``)."""
@@ -169,19 +188,21 @@ class McoreItem:
     layer: Optional[int]
     produce: Callable[[], torch.Tensor]
     region: Optional[tuple[tuple[int, ...], tuple[int, ...]]] = None
+    expert: Optional[int] = None
 
     @property
     def chunk_shape(self) -> tuple[int, ...]:
         if self.region is not None:
             return tuple(self.region[1])
-        return self.global_shape if self.layer is None else (1, *self.global_shape[1:])
+        stack = stack_index(self.layer, self.expert)
+        return (1,) * len(stack) + self.global_shape[len(stack):]
 
     @property
     def offsets(self) -> tuple[int, ...]:
         if self.region is not None:
             return tuple(self.region[0])
-        rest = (0,) * (len(self.global_shape) - 1)
-        return (0, *rest) if self.layer is None else (self.layer, *rest)
+        stack = stack_index(self.layer, self.expert)
+        return (*stack, *(0,) * (len(self.global_shape) - len(stack)))
 
 
 class _LazySavePlanner(DefaultSavePlanner):

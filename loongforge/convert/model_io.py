@@ -46,9 +46,12 @@ def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:
             link = dataclasses.replace(link, hf_keys=(link.rule.fallback_hf,))
         if link.layer is None:
             by_key[link.mcore_key] = link
-        else:
-            local = link.layer - layer_offset
-            by_key[link.mcore_key.replace("layers.", f"layers.{local}.", 1)] = link
+            continue
+        local = link.layer - layer_offset
+        key = link.mcore_key.replace("layers.", f"layers.{local}.", 1)
+        if link.expert is not None:  # every rank holds every expert (no expert parallelism yet)
+            key = key.replace(".experts.experts.", f".experts.local_experts.{link.expert}.", 1)
+        by_key[key] = link
     return by_key
 
 
@@ -128,7 +131,7 @@ def _encoder_hub_tensors(model_cfg, source: Path):
     keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
     tensors = {}
     for link in links:
-        tensors.update(zip(link.hf_keys, to_hf(link, reader.read(keys[link.mcore_key], link.layer))))
+        tensors.update(zip(link.hf_keys, to_hf(link, reader.read(keys[link.mcore_key], link.layer, link.expert))))
     return tensors.__getitem__
 
 

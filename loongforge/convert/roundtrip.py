@@ -27,7 +27,7 @@ from loongforge.convert.engine import (
     Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, model_config_of, to_hf,
     vocab_rows_at)
 from loongforge.convert.hf_io import HFCheckpoint
-from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
+from loongforge.convert.mcore_io import McoreItem, McoreReader, stacked, write_mcore
 from loongforge.models.hf_rules import VISION, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
@@ -108,7 +108,7 @@ def _sharded_items(link: Link, checkpoint: HFCheckpoint, global_shape: tuple[int
     def piece(rank: int, index: int) -> Callable[[], torch.Tensor]:
         def make() -> torch.Tensor:
             tensor = rank_regions(link.rule.transform, local(rank), rank, size)[index][1]
-            return tensor if link.layer is None else tensor.unsqueeze(0)
+            return stacked(tensor, link.stack)
         return make
 
     dtype = checkpoint.entries[link.hf_keys[0]].dtype
@@ -119,10 +119,9 @@ def _sharded_items(link: Link, checkpoint: HFCheckpoint, global_shape: tuple[int
             [torch.empty(checkpoint.entries[k].shape, device="meta") for k in link.hf_keys], rank, size)
         for index, (offsets, region) in enumerate(rank_regions(link.rule.transform, meta, rank, size)):
             sizes = tuple(region.shape)
-            if link.layer is not None:
-                offsets, sizes = (link.layer, *offsets), (1, *sizes)
+            offsets, sizes = (*link.stack, *offsets), (*(1,) * len(link.stack), *sizes)
             items.append(McoreItem(link.mcore_key, global_shape, dtype, link.layer, piece(rank, index),
-                                   region=(offsets, sizes)))
+                                   region=(offsets, sizes), expert=link.expert))
     return items
 
 
@@ -163,7 +162,7 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
         reader = McoreReader(folder)
         bar = Progress(len(links), "round trip: read", progress)
         for link in links:
-            chunk = reader.read(link.mcore_key, link.layer)
+            chunk = reader.read(link.mcore_key, link.layer, link.expert)
             for key, tensor in zip(link.hf_keys, to_hf(link, chunk)):
                 report.tensors.append(_compare(key, checkpoint.load(key), tensor))
                 produced.add(key)

@@ -3,7 +3,8 @@
 The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf_rules``); keys in any
 style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_style``). ``{i}`` in
 a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
-megatron (``layer_offset``).
+megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers), the same in
+both (no expert parallelism yet: every rank holds every expert).
 """
 
 from __future__ import annotations
@@ -20,21 +21,26 @@ from loongforge.models.state_dict_names import fused_name
 
 
 def _regex(pattern: str) -> re.Pattern:
-    return re.compile(re.escape(pattern).replace(r"\{i\}", r"(\d+)") + "$")
+    escaped = re.escape(pattern).replace(r"\{i\}", r"(?P<i>\d+)").replace(r"\{e\}", r"(?P<e>\d+)")
+    return re.compile(escaped + "$")
 
 
-def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int]]:
-    """The rule for one of our keys; separate-norm (legacy) names match their fused rule."""
-    key = fused_name(key)
-    for rule in rules:
-        found = _regex(rule.megatron).match(key)
-        if found:
-            return rule, int(found.group(1)) if found.groups() else None
-    raise KeyError(f"no hf_mapping rule for {key!r}")
+def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int], Optional[int]]:
+    """The rule for one of our keys, with its layer and expert indices; a key no rule names
+    matches by its fused-norm name (separate-norm, legacy, names match their fused rule)."""
+    for candidate in dict.fromkeys((key, fused_name(key))):
+        for rule in rules:
+            found = _regex(rule.megatron).match(candidate)
+            if found:
+                indices = found.groupdict()
+                layer, expert = indices.get("i"), indices.get("e")
+                return rule, None if layer is None else int(layer), None if expert is None else int(expert)
+    raise KeyError(f"no hf_mapping rule for {fused_name(key)!r}")
 
 
-def _fill(pattern: str, index: Optional[int]) -> str:
-    return pattern if index is None else pattern.replace("{i}", str(index))
+def _fill(pattern: str, index: Optional[int], expert: Optional[int] = None) -> str:
+    pattern = pattern if index is None else pattern.replace("{i}", str(index))
+    return pattern if expert is None else pattern.replace("{e}", str(expert))
 
 
 def _hf_index(rule: Rule, local_index: Optional[int], layer_offset: int) -> Optional[int]:
@@ -71,9 +77,9 @@ def hf_to_megatron(
     for key in keys:
         if key.endswith("_extra_state"):
             continue
-        rule, local_index = _match(rules, key)
+        rule, local_index, expert = _match(rules, key)
         index = _hf_index(rule, local_index, layer_offset)
-        sources = [_fill(p, index) for p in rule.hf]
+        sources = [_fill(p, index, expert) for p in rule.hf]
         if rule.fallback_hf and sources[0] not in hf_state:
             sources = [rule.fallback_hf]
         missing = [s for s in sources if s not in hf_state]
@@ -102,14 +108,14 @@ def megatron_to_hf(
     for key in shards[0]:
         if key.endswith("_extra_state"):
             continue
-        rule, local_index = _match(rules, key)
+        rule, local_index, expert = _match(rules, key)
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue
         ranks = shards[:vision_tp_size] if rule.group == VISION else shards
         tensors = rule.transform.unshard([shard[key] for shard in ranks])
         index = _hf_index(rule, local_index, layer_offset)
         for pattern, tensor in zip(rule.hf, tensors):
-            out[_fill(pattern, index)] = tensor
+            out[_fill(pattern, index, expert)] = tensor
     return out
 
 

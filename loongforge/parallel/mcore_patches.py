@@ -10,6 +10,9 @@ Two groups, each applied for a reason the caller states, never process-wide by d
   ``auto`` without CUDA), whether or not a GPU is visible; a CUDA run never calls it and runs
   megatron-core untouched. One CPU patch is numerical, not about devices: the grad norm accumulates
   in float64 (megatron's float32 fallback drifted with the TP shard size, ``_float64_l2_norm``).
+* ``NO_TE_PATCHES``: megatron-core's MoE router linear assumes Transformer Engine imported
+  (``_router_gating_without_te``); part of ``CPU_PATCHES``, and installed alone by
+  ``apply_without_te()`` for a CUDA run without TE.
 * ``CHECKPOINT_LOAD_PATCHES``: fixes needed only while a checkpoint is read, on any device;
   ``scoped(CHECKPOINT_LOAD_PATCHES)`` installs them for the duration of the load and restores the
   originals afterwards, even on error.
@@ -48,9 +51,9 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Patch", "CPU_PATCHES", "CHECKPOINT_LOAD_PATCHES", "CHECKPOINT_SAVE_PATCHES",
-           "DEVICE_PROXY_MODULES", "apply_cpu", "scoped", "revert", "applied", "cpu_device_scope",
-           "run_in_cpu_device_scope"]
+__all__ = ["Patch", "CPU_PATCHES", "NO_TE_PATCHES", "CHECKPOINT_LOAD_PATCHES", "CHECKPOINT_SAVE_PATCHES",
+           "DEVICE_PROXY_MODULES", "apply_cpu", "apply_without_te", "scoped", "revert", "applied",
+           "cpu_device_scope", "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
 _CUDA_TYPE_NAMES = {
@@ -144,6 +147,38 @@ def _float64_l2_norm(original: Callable) -> Callable:
     return l2_norm
 
 
+def _router_gating_without_te(original: Callable) -> Callable:
+    """The MoE router's logits (``router_gating_linear``) where Transformer Engine is absent.
+
+    megatron-core 0.16.1's ``RouterGatingLinearFunction`` tests ``te_general_gemm is not None``,
+    but ``moe_utils`` binds that name only when TE imports (moe_utils.py:22-39), so without TE
+    every router forward raises NameError (a GPU run without TE too). Without the name this computes
+    what its torch fallback would: ``input @ weight.T (+ bias)`` in the router dtype, with plain
+    autograd. With TE present the original runs.
+    """
+
+    @functools.wraps(original)
+    def gating_linear(inp, weight, bias, router_dtype):
+        if "te_general_gemm" in vars(sys.modules[original.__module__]):
+            return original(inp, weight, bias, router_dtype)
+        bias = None if bias is None else bias.to(router_dtype)
+        return torch.nn.functional.linear(inp.to(router_dtype), weight.to(router_dtype), bias)
+
+    return gating_linear
+
+
+# Needed wherever Transformer Engine is absent, on any device (``apply_without_te``); part of the
+# CPU group too (TE never runs on the CPU).
+NO_TE_PATCHES: list[Patch] = [
+    Patch(
+        name="moe_router_gating_linear",
+        owner_path="megatron.core.transformer.moe.moe_utils",
+        attribute="router_gating_linear",
+        why="without Transformer Engine the router's linear reads an unbound te_general_gemm (moe_utils.py:1192)",
+        wrap=_router_gating_without_te,
+    ),
+]
+
 CPU_PATCHES: list[Patch] = [
     # Model side.
     Patch(
@@ -163,6 +198,20 @@ CPU_PATCHES: list[Patch] = [
         owner_path="megatron.core.models.common.language_module.language_module:LanguageModule",
         attribute="setup_embeddings_and_output_layer",
         why="weight.data.cuda() before all-reducing tied embeddings, PP > 1 (language_module.py:244)",
+    ),
+    Patch(
+        name="moe_router_gating",
+        owner_path="megatron.core.transformer.moe.router:Router",
+        attribute="gating",
+        why="moves a router weight it finds on the CPU to torch.cuda.current_device() at every forward "
+            "(moe/router.py:88-92)",
+    ),
+    *NO_TE_PATCHES,
+    Patch(
+        name="moe_router_buffers",
+        owner_path="megatron.core.transformer.moe.router:TopKRouter",
+        attribute="__init__",
+        why="expert-bias and global aux-loss buffers created on torch.cuda.current_device() (moe/router.py:166-198)",
     ),
     # Training side.
     Patch(
@@ -431,6 +480,11 @@ def apply_cpu() -> list[str]:
             _PROXIED[module_name] = module.torch
             module.torch = _CpuTorch()
     return installed
+
+
+def apply_without_te() -> list[str]:
+    """Install ``NO_TE_PATCHES``: a CUDA run whose process cannot import Transformer Engine. Idempotent."""
+    return [patch.name for patch in NO_TE_PATCHES if _install(patch)]
 
 
 @contextlib.contextmanager

@@ -33,6 +33,8 @@ class StepMetrics:
     # Per-rank measures (runner.RANK_MEASURES: encoder time, step CPU time, peak memory), each a
     # list in rank order with None where a rank has nothing to measure (no encoder on its stage).
     by_rank: dict = field(default_factory=dict)
+    # Mixture-of-experts models: the load-balancing loss (train.step.StepResult); None otherwise.
+    load_balancing_loss: Optional[float] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -109,6 +111,8 @@ class RunLogger:
                   "sync_wait_s": m.sync_wait_s}
         if m.vision_features_bytes is not None:
             record["vision_features_bytes"] = m.vision_features_bytes
+        if m.load_balancing_loss is not None:
+            record["load_balancing_loss"] = m.load_balancing_loss
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],

@@ -471,7 +471,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
-            by_rank=totals.by_rank))
+            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss))
         summary.losses.append((step, result.loss))
         if totals.sync_wait_s is not None:
             summary.sync_waits.append(totals.sync_wait_s)

@@ -34,6 +34,10 @@ class StepResult:
     # Bytes this rank held for the step's vision features encoded before the pipeline ran
     # (parallel.encoder_dp=full: pixels encoded here, its features, the gathered features); 0 otherwise.
     vision_features_bytes: int = 0
+    # Mixture-of-experts models with a load-balancing loss: megatron-core's per-layer losses summed
+    # over the layers, without the coefficient, averaged over micro-batches and data-parallel
+    # replicas (``models.decoder.moe_balance``); None otherwise.
+    load_balancing_loss: Optional[float] = None
 
 
 def to_device(micro_batch: dict, device: torch.device) -> dict:
@@ -147,7 +151,25 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     loss, tokens = _global_loss(reports, is_loss_rank)
     return StepResult(loss=loss, loss_tokens=tokens,
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
-                      compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes)
+                      compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes,
+                      load_balancing_loss=_load_balancing_loss(model, len(micro_batches)))
+
+
+def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]:
+    """The step's load-balancing loss from megatron-core's tracker (reduced over pipeline stages and
+    data-parallel ranks by megatron's own helper, a collective), then cleared for the next step."""
+    config = getattr(getattr(model[0], "module", model[0]), "config", None)
+    if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
+        return None
+    from megatron.core.transformer.moe import moe_utils
+
+    name = "load_balancing_loss"
+    if name not in moe_utils.get_moe_layer_wise_logging_tracker():
+        return None
+    moe_utils.reduce_aux_losses_tracker_across_ranks([name])
+    value = float(moe_utils.get_moe_layer_wise_logging_tracker()[name]["values"].sum()) / num_micro_batches
+    moe_utils.clear_aux_losses_tracker()
+    return value
 
 
 def _begin_step(model: list, micro_batches: list[dict]) -> int:

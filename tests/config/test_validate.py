@@ -242,3 +242,25 @@ def test_data_read_choices_and_packed_sharded():
     assert "data.read='shard'" in message and "did you mean 'sharded'" in message
     messages = errors_for("data.source=packed", "data.packed=/tmp/x", "data.read=sharded")
     assert any("data.read=sharded does not apply to data.source=packed" in m for m in messages)
+
+
+def test_moe_fields_are_checked_with_the_fix():
+    load_run_config("qwen3-moe-tiny")  # valid as shipped
+    (topk,) = errors_for("model.language.moe_router_topk=9", preset="qwen3-moe-tiny")
+    assert topk == ("model.language.moe_router_topk=9 must be between 1 and model.language.num_experts=8.")
+    (width,) = errors_for("model.language.moe_ffn_hidden_size=null", preset="qwen3-moe-tiny")
+    assert width.startswith("model.language.moe_ffn_hidden_size=None must be at least 1 with")
+    (dense,) = errors_for("model.language.num_experts=0", preset="qwen3-moe-tiny")
+    assert dense.startswith("model.language.moe_ffn_hidden_size=64 is set but model.language.num_experts=0")
+    (coeff,) = errors_for("model.language.moe_aux_loss_coeff=-1", preset="qwen3-moe-tiny")
+    assert "must not be negative" in coeff
+    (family,) = errors_for("model.language.num_experts=4", "model.language.moe_ffn_hidden_size=64",
+                           preset="qwen2.5vl-tiny")
+    assert family.startswith("model.language.num_experts=4 but model.family=qwen2_5_vl has no mixture-of-experts")
+
+
+def test_tp_must_divide_the_expert_width():
+    messages = errors_for("parallel.tensor_model_parallel_size=2", "parallel.world_size=2",
+                          "model.language.moe_ffn_hidden_size=33", preset="qwen3-moe-tiny")
+    assert any("does not divide model.language.moe_ffn_hidden_size=33" in m for m in messages), messages
+    load_run_config("qwen3-moe-tiny", overrides=["parallel.tensor_model_parallel_size=2", "parallel.world_size=2"])

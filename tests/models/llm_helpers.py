@@ -1,4 +1,4 @@
-"""Tiny random transformers text LLMs (Qwen2, Qwen3, Llama 3.x) and their loongforge configs."""
+"""Tiny random transformers text LLMs (Qwen2, Qwen3, Qwen3-MoE, Llama 3.x) and their loongforge configs."""
 
 from __future__ import annotations
 
@@ -25,7 +25,7 @@ _SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_l
 
 
 def tiny_hf_config_dict(arch: str) -> dict:
-    return {**_SHAPE, **ARCHITECTURES[arch]}
+    return {**_SHAPE, **ARCHITECTURES_WITH_MOE[arch]}
 
 
 def tiny_llm_cfg(arch: str) -> ModelConfig:
@@ -53,3 +53,15 @@ def build_hf_llm(arch: str, seed: int = 0):
 def text_positions(length: int) -> torch.Tensor:
     """[3, 1, L]: the data pipeline's positions of one text sample."""
     return torch.arange(length).expand(3, 1, length)
+
+
+# Qwen3-MoE at toy size: Qwen3's attention (q/k norms, head_dim 24), every layer 4 routed experts of
+# width 32 with top-2 routing. ``norm_topk_prob`` false is the other router (no renormalisation).
+MOE_ARCHITECTURES = {
+    "qwen3_moe": dict(architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", head_dim=24,
+                      rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=4, num_experts_per_tok=2,
+                      moe_intermediate_size=32, norm_topk_prob=True, router_aux_loss_coef=0.001,
+                      decoder_sparse_step=1, mlp_only_layers=[]),
+}
+MOE_ARCHITECTURES["qwen3_moe_unnormalised"] = {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False}
+ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES}

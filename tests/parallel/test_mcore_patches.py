@@ -188,3 +188,31 @@ def test_grad_norm_is_float64_accurate_whatever_the_sharding(patched):
     # What the patch is for: the fallback's float32 norm misses by far more than fp32 rounding.
     fallback, _ = local_multi_tensor_l2_norm(0, None, [[grad]], False)
     assert abs(fallback.item() - exact) > 1e-6 * exact
+
+
+def test_moe_router_linear_runs_without_transformer_engine(patched):
+    """Unpatched, megatron-core 0.16.1's router linear raises NameError without TE; patched, it is
+    input @ weight.T in the router dtype, with gradients, and router.py calls the patched one."""
+    from megatron.core.transformer.moe import moe_utils, router
+
+    assert "te_general_gemm" not in vars(moe_utils)  # this machine has no Transformer Engine
+    original = mcore_patches._APPLIED["moe_router_gating_linear"][2]
+    inputs = torch.randn(5, 2, 8, requires_grad=True)
+    weight = torch.randn(4, 8, requires_grad=True)
+    with pytest.raises(NameError, match="te_general_gemm"):
+        original(inputs, weight, None, torch.float32)
+    assert router.router_gating_linear is moe_utils.router_gating_linear is not original
+    logits = router.router_gating_linear(inputs, weight, None, torch.float64)
+    assert logits.dtype == torch.float64 and logits.shape == (5, 2, 4)
+    assert torch.allclose(logits, inputs.double() @ weight.double().T)
+    logits.sum().backward()
+    assert inputs.grad is not None and weight.grad is not None
+
+
+def test_without_te_installs_only_the_router_fix():
+    mcore_patches.revert()
+    try:
+        assert mcore_patches.apply_without_te() == ["moe_router_gating_linear"]
+        assert mcore_patches.applied() == ["moe_router_gating_linear"]
+    finally:
+        mcore_patches.revert()

@@ -1,7 +1,9 @@
 """What every model family's language model is built from (megatron-core parts, no family facts).
 
 language_model.py  LanguageModel: GPTModel with the vocabulary-padding mask and the loss-masked head
-layer_specs.py     the pre-norm block (optional per-head q/k norm) and the decoder block spec
+layer_specs.py     the pre-norm block (optional per-head q/k norm, optional MoE MLP) and the decoder block spec
 configs.py         the decoder's TransformerConfig and the settings every tower shares
-hf_mapping.py      the decoder's rows of an HF weight map
+hf_mapping.py      the decoder's rows of an HF weight map (routed experts included)
+params.py          parameter counts by arithmetic
+moe_balance.py     the load-balancing loss: transformers' form and megatron-core's
 """

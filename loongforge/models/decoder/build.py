@@ -3,6 +3,7 @@ family's forward makes: one place for each."""
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import Optional
 
@@ -33,6 +34,8 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     on_cpu = device.type == "cpu"
     if on_cpu:
         mcore_patches.apply_cpu()
+    elif importlib.util.find_spec("transformer_engine") is None:
+        mcore_patches.apply_without_te()  # megatron's MoE router needs TE or this fix
     pgs = ProcessGroupCollection.use_mpu_process_groups()
     check_parallel_state(parallel_cfg, pgs)
     return BuildContext(device=device, on_cpu=on_cpu,

@@ -85,6 +85,34 @@ def language_config(
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
         cross_entropy_loss_fusion=False,
+        **experts(lang),
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
+    )
+
+
+def experts(lang: LanguageConfig) -> dict:
+    """megatron-core's MoE settings for ``lang`` (none for a dense model).
+
+    Qwen3-MoE's router: softmax over all experts, top-k, renormalised when ``norm_topk_prob``.
+    megatron's softmax router without ``moe_router_pre_softmax`` takes the top-k logits and
+    softmaxes over those k alone, which is the renormalised top-k of the full softmax
+    (exp(l_i) / sum_k exp(l_k) either way); with ``moe_router_pre_softmax`` it softmaxes over all
+    experts first and keeps the k probabilities as they are (``norm_topk_prob: false``).
+    Experts are ``SequentialMLP`` (plain linears per expert: no grouped GEMM, which needs CUDA
+    kernels); tokens reach them through the all-gather dispatcher (the all-to-all one opens a
+    CUDA stream when built). No expert bias, no shared experts, no token dropping.
+    """
+    if not lang.num_experts:
+        return {}
+    return dict(
+        num_moe_experts=lang.num_experts,
+        moe_ffn_hidden_size=lang.moe_ffn_hidden_size,
+        moe_router_topk=lang.moe_router_topk,
+        moe_router_score_function="softmax",
+        moe_router_pre_softmax=not lang.norm_topk_prob,
+        moe_router_load_balancing_type="aux_loss" if lang.moe_aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=lang.moe_aux_loss_coeff,
+        moe_grouped_gemm=False,
+        moe_token_dispatcher_type="allgather",
     )

@@ -3,10 +3,18 @@
 Qwen2, Qwen3 and Llama name their decoder tensors alike in transformers (``model.layers.{i}.*``,
 ``model.embed_tokens``, ``model.norm``, ``lm_head``); a family adds its own rows (vision tower,
 merger) in front of these. Which optional tensors exist follows the config: q/k/v biases
-(``add_qkv_bias``), per-head q/k norms (``qk_norm``), ``lm_head`` (untied embeddings).
+(``add_qkv_bias``), per-head q/k norms (``qk_norm``), ``lm_head`` (untied embeddings), and routed
+experts in place of the MLP (``num_experts``, Qwen3-MoE).
+
+Experts are written in the Hub layout, one tensor per expert and projection
+(``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses into ``experts.gate_up_proj``
+[E, 2*ffn, h] and ``experts.down_proj`` [E, h, ffn] when it loads; ``hub_experts`` splits those
+fused tensors (a transformers 5 ``state_dict()``) back into the Hub layout.
 """
 
 from __future__ import annotations
+
+from typing import Any, Mapping
 
 from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
@@ -28,11 +36,24 @@ def language_rules(lang: LanguageConfig) -> list[Rule]:
     if lang.qk_norm:
         rules += [Rule((lb + "self_attn.q_norm.weight",), ll + "self_attention.q_layernorm.weight", rep, LANGUAGE),
                   Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", rep, LANGUAGE)]
+    rules.append(Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE))
+    if lang.num_experts:
+        le, he = ll + "mlp.experts.local_experts.{e}.", lb + "mlp.experts.{e}."
+        rules += [
+            # The MoE layer's norm is its own module (the router and the experts share its output).
+            Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+            Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE),
+            Rule((he + "gate_proj.weight", he + "up_proj.weight"), le + "linear_fc1.weight", gate_up, LANGUAGE),
+            Rule((he + "down_proj.weight",), le + "linear_fc2.weight", row, LANGUAGE),
+        ]
+    else:
+        rules += [
+            Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
+            Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up,
+                 LANGUAGE),
+            Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
+        ]
     return rules + [
-        Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE),
-        Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
-        Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up, LANGUAGE),
-        Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         Rule(("model.norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
         Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
              fallback_hf="model.embed_tokens.weight"),
@@ -41,7 +62,7 @@ def language_rules(lang: LanguageConfig) -> list[Rule]:
 
 def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
     """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied)."""
-    d, ffn, channels = lang.hidden_size, lang.ffn_hidden_size, head_dim(lang)
+    d, channels = lang.hidden_size, head_dim(lang)
     q, kv = lang.num_attention_heads * channels, lang.num_query_groups * channels
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (lang.vocab_size, d), "model.norm.weight": (d,)}
     if not lang.tie_word_embeddings:
@@ -52,12 +73,45 @@ def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
             b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
             b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),
             b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.o_proj.weight": (d, q),
-            b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
-            b + "mlp.down_proj.weight": (d, ffn),
         })
+        shapes.update(_mlp_shapes(lang, b))
         if lang.add_qkv_bias:
             shapes.update({b + "self_attn.q_proj.bias": (q,), b + "self_attn.k_proj.bias": (kv,),
                            b + "self_attn.v_proj.bias": (kv,)})
         if lang.qk_norm:
             shapes.update({b + "self_attn.q_norm.weight": (channels,), b + "self_attn.k_norm.weight": (channels,)})
     return shapes
+
+
+def _mlp_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+    d = lang.hidden_size
+    if not lang.num_experts:
+        ffn = lang.ffn_hidden_size
+        return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
+                b + "mlp.down_proj.weight": (d, ffn)}
+    ffn, shapes = lang.moe_ffn_hidden_size, {b + "mlp.gate.weight": (lang.num_experts, d)}
+    for e in range(lang.num_experts):
+        shapes.update({f"{b}mlp.experts.{e}.gate_proj.weight": (ffn, d), f"{b}mlp.experts.{e}.up_proj.weight": (ffn, d),
+                       f"{b}mlp.experts.{e}.down_proj.weight": (d, ffn)})
+    return shapes
+
+
+_FUSED_GATE_UP, _FUSED_DOWN = ".mlp.experts.gate_up_proj", ".mlp.experts.down_proj"
+
+
+def hub_experts(hf_state: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5's fused expert tensors -> one Hub tensor per expert and projection (views,
+    no copies); other keys unchanged. ``gate_up_proj`` [E, 2*ffn, h] holds each expert's gate rows,
+    then its up rows (transformers chunks the product in two); ``down_proj`` is [E, h, ffn]."""
+    out: dict[str, Any] = {}
+    for key, value in hf_state.items():
+        if key.endswith(_FUSED_GATE_UP):
+            prefix = key[: -len(_FUSED_GATE_UP)] + ".mlp.experts."
+            for e, (gate, up) in enumerate(tensor.chunk(2, dim=0) for tensor in value):
+                out[f"{prefix}{e}.gate_proj.weight"], out[f"{prefix}{e}.up_proj.weight"] = gate, up
+        elif key.endswith(_FUSED_DOWN):
+            prefix = key[: -len(_FUSED_DOWN)] + ".mlp.experts."
+            out.update({f"{prefix}{e}.down_proj.weight": tensor for e, tensor in enumerate(value)})
+        else:
+            out[key] = value
+    return out

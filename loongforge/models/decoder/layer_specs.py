@@ -14,6 +14,8 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -32,11 +34,29 @@ def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
     return MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
 
 
+def moe_spec(modules: BlockModules) -> ModuleSpec:
+    """megatron-core's MoE layer: its top-k router, its token dispatcher, ``SequentialMLP`` experts
+    (one SwiGLU MLP of plain column/row linears each). The settings (softmax top-k, the dispatcher)
+    are the TransformerConfig's (``configs.experts``)."""
+    expert = MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
+    return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
+        experts=ModuleSpec(module=SequentialMLP, submodules=expert), shared_experts=None))
+
+
 def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,
-                           qk_norm: bool = False) -> ModuleSpec:
+                           qk_norm: bool = False, moe: bool = False) -> ModuleSpec:
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each norm inside the next linear.
-    ``qk_norm``: RMSNorm over each head's query and key before the rotary embedding (Qwen3)."""
+    ``qk_norm``: RMSNorm over each head's query and key before the rotary embedding (Qwen3).
+    ``moe``: the MLP is megatron's MoE layer; the router and every expert read the normed hidden
+    state, so that norm is a module of its own (``pre_mlp_layernorm``: megatron's own MoE specs
+    name it so, and ``state_dict_names`` reads it as the fused ``mlp.linear_fc1.layer_norm_weight``
+    row of the weight map)."""
     head_norm = RMSNorm if qk_norm else IdentityOp
+    if moe:
+        pre_mlp_norm, mlp = RMSNorm, moe_spec(modules)
+    else:
+        pre_mlp_norm, mlp = IdentityOp, ModuleSpec(module=MLP, submodules=MLPSubmodules(
+            linear_fc1=modules.norm_column_linear, linear_fc2=modules.row_linear))
     return ModuleSpec(
         module=TransformerLayer,
         submodules=TransformerLayerSubmodules(
@@ -53,19 +73,18 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
                 ),
             ),
             self_attn_bda=get_bias_dropout_add,
-            pre_mlp_layernorm=IdentityOp,
-            mlp=ModuleSpec(module=MLP, submodules=MLPSubmodules(
-                linear_fc1=modules.norm_column_linear, linear_fc2=modules.row_linear)),
+            pre_mlp_layernorm=pre_mlp_norm,
+            mlp=mlp,
             mlp_bda=get_bias_dropout_add,
         ),
     )
 
 
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *,
-                        qk_norm: bool = False) -> ModuleSpec:
+                        qk_norm: bool = False, moe: bool = False) -> ModuleSpec:
     """The decoder layer; with ``init_seed``, each layer's initial weights come from (seed, its
     global index), whatever the pipeline layout (see ``models.initialization``)."""
-    spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm)
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe)
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
@@ -82,5 +101,6 @@ def language_block_spec(
     and not megatron's global default norm class.
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm)
+    layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm,
+                                moe=bool(config.num_moe_experts))
     return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)

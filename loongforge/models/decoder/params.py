@@ -17,21 +17,32 @@ def linear_parameters(fan_in: int, fan_out: int, bias: bool) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
-def language_layer_parameters(lang: LanguageConfig) -> int:
+def mlp_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+    """One layer's SwiGLU MLP; with experts, the router plus every expert (``active``: the router
+    plus the ``moe_router_topk`` experts one token runs through)."""
+    if not lang.num_experts:
+        return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
+    experts = lang.moe_router_topk if active else lang.num_experts
+    router = linear_parameters(lang.hidden_size, lang.num_experts, bias=False)
+    return router + experts * 3 * linear_parameters(lang.hidden_size, lang.moe_ffn_hidden_size, bias=False)
+
+
+def language_layer_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One decoder layer: 2 RMSNorms, GQA attention (optional qkv bias and per-head q/k norms, no
-    o_proj bias), SwiGLU MLP."""
-    h, ffn, channels = lang.hidden_size, lang.ffn_hidden_size, head_dim(lang)
+    o_proj bias), SwiGLU MLP or routed experts (``mlp_parameters``)."""
+    h, channels = lang.hidden_size, head_dim(lang)
     q_width, kv_width = lang.num_attention_heads * channels, lang.num_query_groups * channels
     norms = 2 * h + (2 * channels if lang.qk_norm else 0)
     q_and_kv = (linear_parameters(h, q_width, lang.add_qkv_bias)
                 + 2 * linear_parameters(h, kv_width, lang.add_qkv_bias))
     attention = q_and_kv + linear_parameters(q_width, h, bias=False)
-    mlp = 3 * linear_parameters(h, ffn, bias=False)
-    return norms + attention + mlp
+    return norms + attention + mlp_parameters(lang, active=active)
 
 
-def language_parameters(lang: LanguageConfig) -> int:
-    """Embedding, every layer, the final norm, and the output layer unless tied."""
+def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+    """Embedding, every layer, the final norm, and the output layer unless tied. ``active``: the
+    parameters one token runs through (a dense model's are all of them; the embedding counts)."""
     embedding = lang.vocab_size * lang.hidden_size
     output_layer = 0 if lang.tie_word_embeddings else embedding
-    return embedding + lang.num_layers * language_layer_parameters(lang) + lang.hidden_size + output_layer
+    layers = lang.num_layers * language_layer_parameters(lang, active=active)
+    return embedding + layers + lang.hidden_size + output_layer

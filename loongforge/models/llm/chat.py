@@ -122,7 +122,8 @@ LLAMA3 = ChatFormat(
 )
 
 # transformers architecture -> its instruct models' chat format
-_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "LlamaForCausalLM": LLAMA3}
+_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
+            "LlamaForCausalLM": LLAMA3}
 
 
 def chat_format(model_cfg: ModelConfig) -> ChatFormat:

@@ -1,8 +1,9 @@
-"""Text-only LLMs' HF ``config.json`` both ways: Qwen2 / Qwen2.5, Qwen3 and Llama 3.x.
+"""Text-only LLMs' HF ``config.json`` both ways: Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and Llama 3.x.
 
-The three architectures differ, as far as the weights go, in two switches of ``LanguageConfig``:
-q/k/v biases (Qwen2) and per-head q/k RMSNorm (Qwen3); Llama has neither (and may scale its RoPE
-frequencies). ``architecture`` reads the switches back, so a config written for one is read as it.
+The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and routed experts (Qwen3-MoE: Qwen3's
+attention, ``num_experts`` > 0); Llama has none (and may scale its RoPE frequencies).
+``architecture`` reads the switches back, so a config written for one is read as it.
 """
 
 from __future__ import annotations
@@ -14,32 +15,34 @@ from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 
 NAME = "llm"
-# architecture name -> (model_type, add_qkv_bias, qk_norm)
+# architecture name -> (model_type, add_qkv_bias, qk_norm, experts)
 _ARCHITECTURES = {
-    "Qwen2ForCausalLM": ("qwen2", True, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True),
-    "LlamaForCausalLM": ("llama", False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True),
+    "LlamaForCausalLM": ("llama", False, False, False),
 }
 HF_ARCHITECTURES = tuple(_ARCHITECTURES)
-HF_MODEL_TYPES = tuple(model_type for model_type, _, _ in _ARCHITECTURES.values())
+HF_MODEL_TYPES = tuple(model_type for model_type, *_ in _ARCHITECTURES.values())
 # Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
 _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def architecture(lang: LanguageConfig) -> str:
     """The transformers class whose weights ``lang`` describes."""
-    for name, (_, bias, qk_norm) in _ARCHITECTURES.items():
-        if (lang.add_qkv_bias, lang.qk_norm) == (bias, qk_norm):
+    for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
+        if (lang.add_qkv_bias, lang.qk_norm, lang.num_experts > 0) == (bias, qk_norm, experts):
             return name
-    raise ValueError("model.language has both add_qkv_bias and qk_norm: no transformers text "
-                     "architecture has both; set one of them to false")
+    raise ValueError("model.language's add_qkv_bias, qk_norm and num_experts describe no transformers "
+                     "text architecture (experts need qk_norm: true and add_qkv_bias: false; qkv "
+                     "biases and qk_norm never go together)")
 
 
 def _architecture_of(cfg: Mapping[str, Any], where: str) -> str:
     for name in cfg.get("architectures") or []:
         if name in _ARCHITECTURES:
             return name
-    for name, (model_type, _, _) in _ARCHITECTURES.items():
+    for name, (model_type, *_) in _ARCHITECTURES.items():
         if cfg.get("model_type") == model_type:
             return name
     raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
@@ -67,7 +70,7 @@ def _rope_theta(cfg: Mapping[str, Any]) -> float:
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` (no vision tower) from a Qwen2 / Qwen3 / Llama ``config.json``."""
     name = _architecture_of(cfg, where)
-    _, bias, qk_norm = _ARCHITECTURES[name]
+    _, bias, qk_norm, experts = _ARCHITECTURES[name]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not bias:
             raise InputError(f"{where}: {key}=true is not supported (Llama-style models train here without "
@@ -91,11 +94,29 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
                 qk_norm=qk_norm,
                 rope_scaling_factor=_rope_scaling_factor(cfg, where),
+                **(_experts_from_hf(cfg, where) if experts else {}),
             ),
             tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)),
         )
     except KeyError as exc:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete config.json?") from None
+
+
+def _experts_from_hf(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Qwen3-MoE's expert fields; every decoder layer must be sparse (as in the published models)."""
+    step, dense = cfg.get("decoder_sparse_step", 1), list(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise InputError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense}: loongforge's "
+                         f"Qwen3-MoE makes every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
+    # The Hub's config.json says num_experts; transformers 5 writes it as num_local_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not isinstance(experts, int) or experts < 1:
+        raise InputError(f"{where}: a Qwen3-MoE config needs num_experts (or num_local_experts) >= 1, "
+                         f"got {experts}")
+    return dict(num_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_router_topk=cfg.get("num_experts_per_tok", 8),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
 
 
 def _pad_token_id(cfg: Mapping[str, Any]) -> int:
@@ -133,6 +154,10 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
     }
     if name == "LlamaForCausalLM":
         config.update(attention_bias=False, mlp_bias=False)
+    if lang.num_experts:
+        config.update(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
+                      num_experts_per_tok=lang.moe_router_topk, norm_topk_prob=lang.norm_topk_prob,
+                      router_aux_loss_coef=lang.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}
     return config

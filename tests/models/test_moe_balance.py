@@ -1,0 +1,62 @@
+"""The load-balancing loss: ``RouterStatistics`` of loongforge's Qwen3-MoE give transformers'
+``aux_loss`` (``output_router_logits``) and megatron-core's own per-layer losses, each to 1e-6; the
+two differ (``models.decoder.moe_balance`` says how)."""
+
+import pytest
+import torch
+
+from loongforge.config.schema import ParallelConfig
+from loongforge.models.decoder.moe_balance import (
+    RouterStatistics,
+    megatron_balance_loss,
+    transformers_balance_loss,
+)
+from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.llm.model import build_model
+from tests.models.llm_helpers import build_hf_llm, text_positions, tiny_llm_cfg
+
+ARCH = "qwen3_moe"
+
+
+@pytest.fixture
+def pair(megatron_world_of_one):
+    model_cfg = tiny_llm_cfg(ARCH)
+    hf_model = build_hf_llm(ARCH)
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                        post_process=True, device="cpu")
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model_cfg, hf_model, model
+
+
+def _ids(length: int = 40) -> torch.Tensor:
+    return torch.randint(0, 300, (1, length), generator=torch.Generator().manual_seed(5))
+
+
+def test_statistics_give_transformers_aux_loss(pair):
+    model_cfg, hf_model, model = pair
+    input_ids = _ids()
+    with torch.no_grad():
+        reference = hf_model(input_ids=input_ids, output_router_logits=True).aux_loss
+        with RouterStatistics(model.eval()).record() as recorded:
+            model(input_ids=input_ids, position_ids=text_positions(40))
+    assert len(recorded.statistics) == model_cfg.language.num_layers
+    assert abs(float(transformers_balance_loss(recorded.statistics)) - float(reference)) <= 1e-6
+
+
+def test_statistics_give_megatrons_per_layer_losses(pair):
+    from megatron.core.transformer.moe.moe_utils import (
+        clear_aux_losses_tracker,
+        get_moe_layer_wise_logging_tracker,
+    )
+
+    model_cfg, _, model = pair
+    lang = model_cfg.language
+    clear_aux_losses_tracker()
+    with RouterStatistics(model.train()).record() as recorded:
+        model(input_ids=_ids(), position_ids=text_positions(40))  # training mode, grad on: aux loss
+    per_layer = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]  # aux / coeff
+    ours = megatron_balance_loss(recorded.statistics, lang.moe_router_topk)
+    assert abs(float(per_layer.sum()) - float(ours)) <= 1e-6
+    # Not transformers' value: no 1/k there, and its product is over the layer averages.
+    assert abs(float(ours) - float(transformers_balance_loss(recorded.statistics))) > 1e-3
+    clear_aux_losses_tracker()

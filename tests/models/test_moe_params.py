@@ -1,0 +1,72 @@
+"""Parameter counts of the Qwen3-MoE presets by arithmetic equal transformers' Qwen3MoeForCausalLM
+built on the meta device from the preset's own config.json; active parameters per token are the
+router's top-k experts of every layer (Qwen3-30B-A3B: the published 30.5B total, 3.3B active)."""
+
+import pytest
+import torch
+
+from loongforge.config.loader import load_run_config
+from loongforge.models.registry import get_family
+
+
+def _hf_meta_model(model_cfg):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    hf_dict = get_family(model_cfg.family).config_to_hf(model_cfg)
+    hf_config = AutoConfig.for_model(hf_dict["model_type"], **{k: v for k, v in hf_dict.items() if k != "model_type"})
+    assert hf_config.architectures == ["Qwen3MoeForCausalLM"]
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(hf_config)
+
+
+@pytest.mark.parametrize("preset", ["qwen3-30b-a3b", "qwen3-moe-tiny"])
+def test_counts_equal_transformers_on_meta_device(preset):
+    model_cfg = load_run_config(preset).model
+    hf_model = _hf_meta_model(model_cfg)
+    counts = get_family("llm").count_parameters(model_cfg)
+    assert counts["total"] == sum(p.numel() for p in hf_model.parameters())
+    # Active: everything but the (num_experts - topk) experts a token skips in each layer.
+    lang = model_cfg.language
+    per_expert = hf_model.model.layers[0].mlp.experts.down_proj.numel() // lang.num_experts * 3
+    skipped = lang.num_layers * (lang.num_experts - lang.moe_router_topk) * per_expert
+    assert counts["active"] == counts["total"] - skipped
+
+
+def test_qwen3_30b_a3b_published_sizes():
+    counts = get_family("llm").count_parameters(load_run_config("qwen3-30b-a3b").model)
+    assert counts["total"] == 30_532_122_624 and round(counts["total"] / 1e9, 1) == 30.5
+    # Qwen's model card: 3.3B activated (3.35B, with the embedding and the output layer, written
+    # truncated); 29.9B without the embedding and the output layer.
+    assert 3.3e9 <= counts["active"] < 3.4e9
+    lang = load_run_config("qwen3-30b-a3b").model.language
+    assert round((counts["total"] - 2 * lang.vocab_size * lang.hidden_size) / 1e9, 1) == 29.9
+
+
+def test_dense_models_count_every_parameter_active():
+    counts = get_family("llm").count_parameters(load_run_config("qwen3-8b").model)
+    assert counts["active"] == counts["total"]
+
+
+def test_hf_config_round_trips_through_model_config():
+    """config.json (as written for the preset) -> ModelConfig -> config.json: the expert fields survive."""
+    family = get_family("llm")
+    model_cfg = load_run_config("qwen3-30b-a3b").model
+    hf_dict = family.config_to_hf(model_cfg)
+    assert (hf_dict["num_experts"], hf_dict["num_experts_per_tok"], hf_dict["moe_intermediate_size"]) == (128, 8, 768)
+    assert hf_dict["norm_topk_prob"] is True and hf_dict["router_aux_loss_coef"] == 0.001
+    again = family.config_from_hf(hf_dict, "config.json")
+    assert again.language == model_cfg.language
+
+
+def test_flops_count_the_routed_experts_only():
+    """A MoE layer's MLP FLOPs per token: the router plus top-k experts, not the dense width."""
+    import dataclasses
+
+    from loongforge.bench.flops import language_forward_flops
+
+    moe = load_run_config("qwen3-moe-tiny").model
+    lang = moe.language
+    as_dense = dataclasses.replace(moe, language=dataclasses.replace(
+        lang, num_experts=0, moe_ffn_hidden_size=None, ffn_hidden_size=lang.moe_router_topk * lang.moe_ffn_hidden_size))
+    router = 2 * lang.hidden_size * lang.num_experts * lang.num_layers * 10
+    assert language_forward_flops(moe, [10]) == language_forward_flops(as_dense, [10]) + router
