@@ -1,6 +1,8 @@
 """The text-only family (TextModel, megatron-core, TP=1) equals transformers' Qwen2ForCausalLM,
-Qwen3ForCausalLM and LlamaForCausalLM: logits, per-token loss, a packed row of several samples, and
-the answer-masked loss the training step computes."""
+Qwen3ForCausalLM, LlamaForCausalLM and Qwen3MoeForCausalLM (both routers: top-k renormalised or not):
+logits, per-token loss, a packed row of several samples (routing is per token, so packing changes no
+expert choice), and the answer-masked loss the training step computes (transformers' MoE aux loss
+left out: ``output_router_logits`` is off, as in its default)."""
 
 import pytest
 import torch
@@ -9,12 +11,12 @@ import torch.nn.functional as F
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
-from tests.models.llm_helpers import ARCHITECTURES, build_hf_llm, text_positions, tiny_llm_cfg
+from tests.models.llm_helpers import ARCHITECTURES_WITH_MOE, build_hf_llm, text_positions, tiny_llm_cfg
 
 TOLERANCE = 1e-5
 
 
-@pytest.fixture(params=list(ARCHITECTURES))
+@pytest.fixture(params=list(ARCHITECTURES_WITH_MOE))
 def pair(request, megatron_world_of_one):
     arch = request.param
     model_cfg = tiny_llm_cfg(arch)
