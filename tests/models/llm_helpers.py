@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.config.schema import ModelConfig
+from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.llm.model import build_model
 from loongforge.models.registry import get_family
 
 # Each architecture's distinguishing features at toy size: Qwen2's q/k/v biases; Qwen3's q/k norms
@@ -48,6 +50,17 @@ def build_hf_llm(arch: str, seed: int = 0):
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
     return model
+
+
+def build_pair(arch: str):
+    """(ModelConfig, transformers model, our megatron model holding its weights), fp32 on CPU; needs
+    megatron's parallel state (the ``megatron_world_of_one`` fixture)."""
+    model_cfg = tiny_llm_cfg(arch)
+    hf_model = build_hf_llm(arch)
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                        post_process=True, device="cpu").eval()
+    load_hf_state_dict(model, hf_model.state_dict())
+    return model_cfg, hf_model, model
 
 
 def text_positions(length: int) -> torch.Tensor:

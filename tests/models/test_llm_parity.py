@@ -8,23 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict
-from loongforge.models.llm.model import build_model
-from tests.models.llm_helpers import ARCHITECTURES_WITH_MOE, build_hf_llm, text_positions, tiny_llm_cfg
+from tests.models.llm_helpers import ARCHITECTURES_WITH_MOE, build_pair, text_positions
 
 TOLERANCE = 1e-5
 
 
 @pytest.fixture(params=list(ARCHITECTURES_WITH_MOE))
 def pair(request, megatron_world_of_one):
-    arch = request.param
-    model_cfg = tiny_llm_cfg(arch)
-    hf_model = build_hf_llm(arch)
-    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
-                        post_process=True, device="cpu").eval()
-    load_hf_state_dict(model, hf_model.state_dict())
-    return arch, model_cfg, hf_model, model
+    return (request.param, *build_pair(request.param))
 
 
 def _ids(length: int, seed: int, vocab: int) -> torch.Tensor:

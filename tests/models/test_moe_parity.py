@@ -6,20 +6,12 @@ test_llm_parity.py's."""
 import pytest
 import torch
 
-from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict
-from loongforge.models.llm.model import build_model
-from tests.models.llm_helpers import MOE_ARCHITECTURES, build_hf_llm, tiny_llm_cfg
+from tests.models.llm_helpers import MOE_ARCHITECTURES, build_pair
+
 
 @pytest.fixture(params=list(MOE_ARCHITECTURES))
 def pair(request, megatron_world_of_one):
-    arch = request.param
-    model_cfg = tiny_llm_cfg(arch)
-    hf_model = build_hf_llm(arch)
-    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
-                        post_process=True, device="cpu").eval()
-    load_hf_state_dict(model, hf_model.state_dict())
-    return arch, model_cfg, hf_model, model
+    return (request.param, *build_pair(request.param))
 
 
 def test_model_is_megatron_moe(pair):
