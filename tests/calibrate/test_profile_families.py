@@ -6,7 +6,6 @@ DeepStack adds features after both."""
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +14,7 @@ from loongforge.balance.cost_model import CostModel
 from loongforge.calibrate.fit_cost import run_fit_cost
 from loongforge.calibrate.sweep import image_grids
 from loongforge.config.loader import load_run_config
-from tests.train.conftest import RUN_TIMEOUT_S
+from tests.train.conftest import RUN_TIMEOUT_S, train_env
 
 SMALL = ("model.language.num_layers=2", "data.seq_len=512", "training.global_batch_size=4",
          "logging.progress_bar=false", "logging.tensorboard=false")
@@ -25,9 +24,7 @@ VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 def _profile(preset: str, output: Path, steps: int) -> list[dict]:
     cmd = [sys.executable, "-m", "loongforge.cli.app", "profile", "--preset", preset, "--sweep",
            "--steps", str(steps), "--warmup-steps", "1", "--output", str(output), *SMALL]
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
-                                                            "MASTER_ADDR", "MASTER_PORT")}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=train_env())
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in output.read_text().splitlines()]
 
