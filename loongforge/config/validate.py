@@ -411,7 +411,20 @@ def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
 
 
 def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) -> list[str]:
-    return family_layout_problems(cfg, layout) + _check_world_and_batch(cfg, world_size)
+    return (family_layout_problems(cfg, layout) + _check_world_and_batch(cfg, world_size)
+            + _check_expert_layout(cfg))
+
+
+def _check_expert_layout(cfg: RunConfig) -> list[str]:
+    """How mixture-of-experts layers may be split over ranks."""
+    experts, parallel = cfg.model.language.num_experts, cfg.parallel
+    tp = parallel.tensor_model_parallel_size
+    if experts > 0 and tp > 1 and not parallel.sequence_parallel:
+        # megatron-core's MoE layer raises at the first training forward otherwise.
+        return [f"model.language.num_experts={experts} with parallel.tensor_model_parallel_size={tp} needs "
+                f"parallel.sequence_parallel=true (megatron-core trains MoE layers under TP only with "
+                f"sequence parallelism); set it."]
+    return []
 
 
 def family_layout_problems(cfg: RunConfig, layout: LayoutRule) -> list[str]:

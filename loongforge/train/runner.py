@@ -26,7 +26,7 @@ import torch.distributed as dist
 from loongforge import __version__
 from loongforge.config.errors import InputError
 from loongforge.config.loader import dump_yaml
-from loongforge.config.schema import RunConfig
+from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
@@ -104,26 +104,33 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
                      balancing: RunBalancing):
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
     model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
                         init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
+    return wrap_for_training(model, cfg.parallel)
+
+
+def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object]:
+    """A built model as the step trains it: megatron's DDP wrapper (fp32 gradient buffers) and the
+    per-token loss normalisation; ([wrapped model], its TransformerConfig)."""
+    from megatron.core.distributed import (
+        DistributedDataParallel,
+        DistributedDataParallelConfig,
+        finalize_model_grads,
+    )
+
     config = model.config
-    # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
-    config.calculate_per_token_loss = True
+    # Per-token loss (set at build, models.decoder.configs.common): finalize_model_grads divides the
+    # gradients by the global loss-token count.
+    assert config.calculate_per_token_loss
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=cfg.parallel.overlap_grad_reduce,
-        use_distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
+        use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
     )
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync

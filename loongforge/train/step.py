@@ -18,6 +18,8 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
+from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
+
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
 _TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values",
                 "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds", "video_embeds")
@@ -120,6 +122,45 @@ class ManualGC:
             gc.enable()
 
 
+def forward_backward(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
+                     is_loss_rank: bool) -> list[dict]:
+    """megatron-core's schedule over this rank's micro-batches: forward, backward, and the gradient
+    finalize (all-reduce, division by the global loss-token count); the loss reports it returns.
+    Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with weighted_aux_loss(model, _aux_loss_factor(model, micro_batches, is_loss_rank)):
+        return get_forward_backward_func()(
+            forward_step_func=make_forward_step(device),
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=1,
+            forward_only=False,
+        )
+
+
+def _aux_loss_factor(model: list, micro_batches: list[dict], is_loss_rank: bool) -> float:
+    """``moe_balance.aux_loss_weight`` from the global batch's loss and routed tokens (summed over
+    the ranks that hold one copy of each replica's batch); 1.0 for a model without a balance loss."""
+    config = _model_config(model)
+    if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
+        return 1.0
+    counts = torch.zeros(2, dtype=torch.float64)
+    if is_loss_rank:
+        counts[0] = sum(mb["num_loss_tokens"] for mb in micro_batches)
+        counts[1] = sum(mb["input_ids"].numel() for mb in micro_batches)
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(counts)
+    return aux_loss_weight(int(counts[0]), int(counts[1]), config.tensor_model_parallel_size)
+
+
+def _model_config(model: list):
+    """The megatron TransformerConfig of the first model chunk (inside megatron's DDP wrapper)."""
+    return getattr(getattr(model[0], "module", model[0]), "config", None)
+
+
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device: torch.device,
                seq_length: int, is_loss_rank: bool) -> StepResult:
     """Forward+backward over ``micro_batches``, optimizer update, LR step.
@@ -127,22 +168,13 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     ``is_loss_rank``: true on exactly one rank per data-parallel replica (last pipeline stage, TP rank
     0), so the logged loss counts each replica once.
     """
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     for chunk in model:
         chunk.zero_grad_buffer()
     optimizer.zero_grad()
     start = time.perf_counter()
     vision_bytes = _begin_step(model, micro_batches)
-    reports = get_forward_backward_func()(
-        forward_step_func=make_forward_step(device),
-        data_iterator=iter(micro_batches),
-        model=model,
-        num_microbatches=len(micro_batches),
-        seq_length=seq_length,
-        micro_batch_size=1,
-        forward_only=False,
-    )
+    reports = forward_backward(model, micro_batches, device=device, seq_length=seq_length,
+                               is_loss_rank=is_loss_rank)
     update_ok, grad_norm, _ = optimizer.step()
     compute_s = time.perf_counter() - start
     lr = optimizer.param_groups[0]["lr"]
@@ -158,7 +190,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
 def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]:
     """The step's load-balancing loss from megatron-core's tracker (reduced over pipeline stages and
     data-parallel ranks by megatron's own helper, a collective), then cleared for the next step."""
-    config = getattr(getattr(model[0], "module", model[0]), "config", None)
+    config = _model_config(model)
     if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
         return None
     from megatron.core.transformer.moe import moe_utils

@@ -263,4 +263,12 @@ def test_tp_must_divide_the_expert_width():
     messages = errors_for("parallel.tensor_model_parallel_size=2", "parallel.world_size=2",
                           "model.language.moe_ffn_hidden_size=33", preset="qwen3-moe-tiny")
     assert any("does not divide model.language.moe_ffn_hidden_size=33" in m for m in messages), messages
-    load_run_config("qwen3-moe-tiny", overrides=["parallel.tensor_model_parallel_size=2", "parallel.world_size=2"])
+    load_run_config("qwen3-moe-tiny", overrides=["parallel.tensor_model_parallel_size=2", "parallel.world_size=2",
+                                                 "parallel.sequence_parallel=true"])
+
+
+def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
+    (message,) = errors_for("parallel.tensor_model_parallel_size=2", "parallel.world_size=2", preset="qwen3-moe-tiny")
+    assert message == ("model.language.num_experts=8 with parallel.tensor_model_parallel_size=2 needs "
+                       "parallel.sequence_parallel=true (megatron-core trains MoE layers under TP only with "
+                       "sequence parallelism); set it.")

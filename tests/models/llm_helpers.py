@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.decoder.moe_balance import layer_statistics
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
 from loongforge.models.registry import get_family
@@ -78,3 +79,54 @@ MOE_ARCHITECTURES = {
 }
 MOE_ARCHITECTURES["qwen3_moe_unnormalised"] = {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False}
 ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES}
+
+
+def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True) -> dict:
+    """A micro-batch of one row: two packed samples (one when not ``packed``); the loss on the last
+    ``loss_tokens`` positions (an answer)."""
+    generator = torch.Generator().manual_seed(seed)
+    split = length // 2 if packed else length
+    input_ids = torch.randint(0, 300, (1, length), generator=generator)
+    loss_mask = torch.zeros(1, length)
+    loss_mask[0, length - loss_tokens:] = 1.0
+    positions = torch.cat([torch.arange(split), torch.arange(length - split)])
+    return {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, dims=1), "loss_mask": loss_mask,
+            "position_ids": positions.expand(3, 1, length).contiguous(),
+            "cu_seqlens": torch.tensor(sorted({0, split, length}), dtype=torch.int32),
+            "num_loss_tokens": loss_tokens}
+
+
+def expected_balance_grad(weight: torch.Tensor, inputs: list, topk: int, coefficient: float) -> torch.Tensor:
+    """coeff * d/dW of the token-weighted mean of the micro-batches' balance losses (the last layer's
+    only: nothing before its router depends on its weight)."""
+    weight = weight.detach().clone().requires_grad_(True)
+    routed = sum(hidden.shape[0] for hidden in inputs)
+    objective = 0.0
+    for hidden in inputs:
+        logits = hidden.reshape(-1, weight.shape[1]).float() @ weight.t()  # [T, E]
+        fractions, _ = layer_statistics(logits.detach(), topk)
+        probs = torch.softmax(logits, dim=-1).mean(dim=0)  # [E]
+        balance = weight.shape[0] / topk * torch.sum(fractions * probs)
+        objective = objective + hidden.shape[0] / routed * balance
+    (coefficient * objective).backward()
+    return weight.grad
+
+
+def router_grad(chunks, router, micro_batches: list[dict], coefficient: float,
+                is_loss_rank: bool = True) -> tuple[torch.Tensor, list]:
+    """``router``'s weight gradient after loongforge's step (forward, backward, finalize) at the
+    balance-loss ``coefficient``, and the router's inputs per micro-batch; ``chunks``: the model as
+    ``train.runner.wrap_for_training`` wraps it."""
+    from loongforge.train.step import forward_backward
+
+    config = router.config
+    config.moe_aux_loss_coeff = coefficient
+    inputs = []
+    handle = router.register_forward_hook(lambda module, args, out: inputs.append(args[0].detach()))
+    chunks[0].zero_grad_buffer()
+    try:
+        forward_backward(chunks, micro_batches, device=torch.device("cpu"), seq_length=64,
+                         is_loss_rank=is_loss_rank)
+    finally:
+        handle.remove()
+    return router.weight.main_grad.clone(), inputs

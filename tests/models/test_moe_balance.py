@@ -13,7 +13,14 @@ from loongforge.models.decoder.moe_balance import (
 )
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
-from tests.models.llm_helpers import build_hf_llm, text_positions, tiny_llm_cfg
+from tests.models.llm_helpers import (
+    answer_masked_row,
+    build_hf_llm,
+    expected_balance_grad,
+    router_grad,
+    text_positions,
+    tiny_llm_cfg,
+)
 
 ARCH = "qwen3_moe"
 
@@ -60,3 +67,27 @@ def test_statistics_give_megatrons_per_layer_losses(pair):
     # Not transformers' value: no 1/k there, and its product is over the layer averages.
     assert abs(float(ours) - float(transformers_balance_loss(recorded.statistics))) > 1e-3
     clear_aux_losses_tracker()
+
+
+@pytest.mark.parametrize("lengths", [(48,), (48, 32, 64, 16)], ids=["one-micro-batch", "four-micro-batches"])
+def test_step_trains_the_balance_loss_at_its_coefficient(megatron_world_of_one, lengths):
+    """Answer-masked rows (a third of the tokens carry loss): the balance loss's gradient is the
+    coefficient times the token-weighted mean of the micro-batches' losses, whatever share of
+    tokens carries the language-model loss (megatron-core alone scales it by tokens / loss tokens)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from loongforge.train.runner import wrap_for_training
+
+    model_cfg = tiny_llm_cfg(ARCH)
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                        post_process=True, device="cpu")
+    load_hf_state_dict(model, build_hf_llm(ARCH).state_dict())
+    chunks, _ = wrap_for_training(model.train(), ParallelConfig())
+    router = [m for m in model.modules() if isinstance(m, TopKRouter)][-1]
+    micro_batches = [answer_masked_row(length, length // 3, seed) for seed, length in enumerate(lengths)]
+    coefficient = 0.5
+    with_balance, inputs = router_grad(chunks, router, micro_batches, coefficient)
+    without_balance, _ = router_grad(chunks, router, micro_batches, 0.0)
+    expected = expected_balance_grad(router.weight, inputs, model_cfg.language.moe_router_topk, coefficient)
+    assert float(expected.abs().max()) > 1e-3  # a gradient worth comparing
+    assert (with_balance - without_balance - expected).abs().max() <= 1e-6 * max(1.0, float(expected.abs().max()))

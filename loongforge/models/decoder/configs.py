@@ -51,6 +51,10 @@ def common(params_dtype: torch.dtype, on_cpu: bool) -> dict:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         normalization="RMSNorm",
+        # loongforge's step returns loss sums and divides gradients by the global loss-token count
+        # (train.step). Set at build, not when training starts: megatron-core's MoE routers copy
+        # this flag when constructed and weigh their balance loss by it (moe_balance).
+        calculate_per_token_loss=True,
     )
 
 

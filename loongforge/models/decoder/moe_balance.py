@@ -29,18 +29,27 @@ transformers' ``router_aux_loss_coef`` read as is); ``RouterStatistics`` records
 forward pass so both values can be computed and compared (tests check each against its library
 to 1e-6).
 
-Known scaling gap (not fixed yet): with ``calculate_per_token_loss`` (loongforge's training step),
-megatron-core multiplies each layer's aux loss by the micro-batch's token count and
-``finalize_model_grads`` divides every gradient by the global count of *loss* tokens. In
-pre-training the two counts agree; in answer-masked fine-tuning the loss tokens are a fraction of
-all tokens, so the load-balancing gradient is scaled up by (all tokens / loss tokens) relative to
-``moe_aux_loss_coeff``.
+How loongforge weighs it in training (``aux_loss_weight`` / ``weighted_aux_loss``): the step's
+objective is
+
+    sum(token losses) / (loss tokens) + coeff * sum_mb(T_mb * aux_mb) / sum_mb(T_mb)
+
+over every micro-batch mb of the global batch (T_mb: the tokens its routers saw, padding included):
+the mean cross entropy plus the coefficient times the token-weighted mean of the micro-batches'
+balance losses, so one micro-batch on one rank trains on ``CE + coeff * aux`` as transformers
+does, and splitting the batch over micro-batches or ranks does not change the coefficient's
+meaning. megatron-core alone gets this wrong under ``calculate_per_token_loss`` (the loongforge
+step): it weighs each micro-batch's aux loss by the tokens one TP rank routes (T_mb / TP, with or
+without sequence parallelism) and ``finalize_model_grads`` divides by the loss tokens, so the
+weight would be coeff * T_mb / (TP * loss tokens): too large by (all tokens / loss tokens) in
+answer-masked fine-tuning and too small by TP. ``aux_loss_weight`` is the factor that corrects
+both; the step applies it to the coefficient the routers read.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator
+from typing import Iterator, Sequence
 
 import torch
 
@@ -92,3 +101,30 @@ class RouterStatistics:
         finally:
             for handle in handles:
                 handle.remove()
+
+
+def aux_loss_weight(loss_tokens: int, routed_tokens: int, tensor_parallel: int) -> float:
+    """Factor on megatron-core's aux-loss coefficient that gives the step objective above, from the
+    global batch's loss tokens and routed tokens (sum of T_mb) and the TP size."""
+    if routed_tokens <= 0:
+        return 1.0
+    return tensor_parallel * max(loss_tokens, 1) / routed_tokens
+
+
+@contextmanager
+def weighted_aux_loss(model_chunks: Sequence[torch.nn.Module], factor: float) -> Iterator[None]:
+    """megatron-core's routers read ``config.moe_aux_loss_coeff`` at every forward (and log the
+    loss divided by it, so logged values stay coefficient-free): scale it by ``factor`` for the
+    duration of one step's forward and backward, then restore it."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    configs = {id(m.config): m.config for chunk in model_chunks for m in chunk.modules()
+               if isinstance(m, TopKRouter)}
+    saved = {key: config.moe_aux_loss_coeff for key, config in configs.items()}
+    for config in configs.values():
+        config.moe_aux_loss_coeff = config.moe_aux_loss_coeff * factor
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.moe_aux_loss_coeff = saved[key]
