@@ -33,6 +33,13 @@ def vision_tensor_parallel_size(parallel: ParallelConfig) -> int:
     return parallel.vision_tensor_model_parallel_size
 
 
+def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
+    """Expert TP defaults to the language TP (null in the config)."""
+    if parallel.expert_tensor_parallel_size is None:
+        return parallel.tensor_model_parallel_size
+    return parallel.expert_tensor_parallel_size
+
+
 def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = None) -> ParallelSizes:
     """TP, PP and vision TP from the config; DP = world / (TP x PP), world from the launch."""
     world = parallel.world_size if world_size is None else world_size
@@ -100,9 +107,8 @@ DECODER_LAYOUT = LayoutRule(
     tensor=(Dim("language.num_attention_heads", "heads"),
             Dim("language.num_query_groups", "KV heads", aside="KV heads"),
             Dim("language.ffn_hidden_size", "FFN size"),
-            # Each expert's MLP, split over TP like the dense one (no expert parallelism yet);
-            # null in a dense model, then not checked.
-            Dim("language.moe_ffn_hidden_size", "expert FFN size")),
+            # Experts' MLPs are split by the expert TP size (config.validate's expert layout).
+            ),
     pipeline=(Dim("language.num_layers", "decoder layers"),),
     vision_tensor=(Dim("vision.num_heads", "vision heads"),
                    Dim("vision.intermediate_size", "vision MLP size")),

@@ -180,6 +180,11 @@ class ParallelConfig:
     # group (every stage holds an encoder replica) before the pipeline runs (needs vision TP 1).
     encoder_dp: str = "none"
     sequence_parallel: bool = False
+    # Mixture-of-experts layers: their experts are split over this many data-parallel ranks (expert
+    # parallelism, EP; each holds num_experts / EP, tokens reach them by all-to-all), and each
+    # expert's MLP over expert_tensor_parallel_size ranks (null = the language TP size).
+    expert_model_parallel_size: int = 1
+    expert_tensor_parallel_size: Optional[int] = None
     # Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer).
     use_distributed_optimizer: bool = False
     overlap_grad_reduce: bool = False

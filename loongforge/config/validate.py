@@ -24,7 +24,13 @@ from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
 from loongforge.config.errors import ConfigError
-from loongforge.config.layout import DECODER_LAYOUT, LayoutRule, divisors, layout_problems
+from loongforge.config.layout import (
+    DECODER_LAYOUT,
+    LayoutRule,
+    divisors,
+    expert_tensor_parallel_size,
+    layout_problems,
+)
 from loongforge.config.schema import RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
@@ -412,19 +418,43 @@ def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
 
 def _check_parallel_layout(cfg: RunConfig, world_size: int, layout: LayoutRule) -> list[str]:
     return (family_layout_problems(cfg, layout) + _check_world_and_batch(cfg, world_size)
-            + _check_expert_layout(cfg))
+            + _check_expert_layout(cfg, world_size))
 
 
-def _check_expert_layout(cfg: RunConfig) -> list[str]:
-    """How mixture-of-experts layers may be split over ranks."""
-    experts, parallel = cfg.model.language.num_experts, cfg.parallel
-    tp = parallel.tensor_model_parallel_size
-    if experts > 0 and tp > 1 and not parallel.sequence_parallel:
+def _check_expert_layout(cfg: RunConfig, world_size: int) -> list[str]:
+    """How mixture-of-experts layers may be split over ranks: expert parallelism (EP) divides the
+    experts among data-parallel ranks, expert TP (ETP) each expert's MLP; megatron-core cuts the
+    world into PP x (ETP x EP x expert-DP) for the experts."""
+    language, parallel = cfg.model.language, cfg.parallel
+    ep, etp = parallel.expert_model_parallel_size, expert_tensor_parallel_size(parallel)
+    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    if ep < 1 or etp < 1:
+        return [f"parallel.expert_model_parallel_size={ep} and parallel.expert_tensor_parallel_size={etp} "
+                f"must be at least 1."]
+    if language.num_experts == 0:
+        if ep > 1 or parallel.expert_tensor_parallel_size is not None:
+            return [f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size="
+                    f"{parallel.expert_tensor_parallel_size} split experts, but model.language.num_experts=0 "
+                    f"(a dense model); remove them."]
+        return []
+    errors = []
+    if tp > 1 and not parallel.sequence_parallel:
         # megatron-core's MoE layer raises at the first training forward otherwise.
-        return [f"model.language.num_experts={experts} with parallel.tensor_model_parallel_size={tp} needs "
-                f"parallel.sequence_parallel=true (megatron-core trains MoE layers under TP only with "
-                f"sequence parallelism); set it."]
-    return []
+        errors.append(f"model.language.num_experts={language.num_experts} with "
+                      f"parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
+                      f"(megatron-core trains MoE layers under TP only with sequence parallelism); set it.")
+    if language.num_experts % ep:
+        errors.append(f"parallel.expert_model_parallel_size={ep} does not divide model.language.num_experts="
+                      f"{language.num_experts}; use one of {_list(divisors(language.num_experts))}.")
+    width = language.moe_ffn_hidden_size
+    if width and width % etp:
+        errors.append(f"parallel.expert_tensor_parallel_size={etp}{' (TP)' if parallel.expert_tensor_parallel_size is None else ''} "
+                      f"does not divide model.language.moe_ffn_hidden_size={width}; use one of "
+                      f"{_list(divisors(width))}.")
+    if world_size % pp == 0 and (world_size // pp) % (etp * ep):
+        errors.append(f"world size {world_size} / PP {pp} is not a multiple of expert TP x EP = {etp} x {ep}; "
+                      f"launch a multiple of {pp * etp * ep} processes or lower the expert sizes.")
+    return errors
 
 
 def family_layout_problems(cfg: RunConfig, layout: LayoutRule) -> list[str]:

@@ -8,6 +8,8 @@ labels               LongTensor[1, T]             labels[t] = input_ids[t+1] of 
                                                   0 at each sample's last token and on padding
 loss_mask            FloatTensor[1, T]            1 where labels[t] is an assistant answer token
                                                   (or its <|im_end|>), else 0
+padding_mask         BoolTensor[1, T]             True on the padding tail (kept out of the
+                                                  mixture-of-experts routers' statistics)
 position_ids         LongTensor[3, 1, T]          M-RoPE (temporal, height, width) per sample,
                                                   restarting at 0; padding counts 0, 1, 2, ...
 cu_seqlens           IntTensor[n_segments + 1]    int32 sample boundaries over T; the padding
@@ -68,6 +70,7 @@ def collate_row(
         "input_ids": torch.cat(ids)[None],  # [1, T]
         "labels": torch.cat(labels)[None],  # [1, T]
         "loss_mask": loss_mask_t,
+        "padding_mask": (torch.arange(total_len) >= real_len)[None],  # [1, T]
         "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),  # [3, 1, T]
         "cu_seqlens": torch.as_tensor(boundaries, dtype=torch.int32),  # [n_segments + 1]
         **_vision_inputs(row),

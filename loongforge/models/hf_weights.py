@@ -3,8 +3,9 @@
 The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf_rules``); keys in any
 style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_style``). ``{i}`` in
 a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
-megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers), the same in
-both (no expert parallelism yet: every rank holds every expert).
+megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers): global in HF,
+local to the expert-parallel rank in megatron (``expert_offset``); experts are split by the expert
+TP size, everything else of the language model by TP.
 """
 
 from __future__ import annotations
@@ -65,8 +66,12 @@ def hf_to_megatron(
     vision_tp_rank: int = 0,
     vision_tp_size: int = 1,
     layer_offset: int = 0,
+    expert_offset: int = 0,
+    expert_tp_rank: Optional[int] = None,
+    expert_tp_size: Optional[int] = None,
 ) -> dict[str, Tensor]:
     """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
+    Expert TP rank and size default to the TP ones.
 
     ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
     """
@@ -77,15 +82,22 @@ def hf_to_megatron(
     for key in keys:
         if key.endswith("_extra_state"):
             continue
-        rule, local_index, expert = _match(rules, key)
+        rule, local_index, local_expert = _match(rules, key)
         index = _hf_index(rule, local_index, layer_offset)
+        expert = None if local_expert is None else local_expert + expert_offset
         sources = [_fill(p, index, expert) for p in rule.hf]
         if rule.fallback_hf and sources[0] not in hf_state:
             sources = [rule.fallback_hf]
         missing = [s for s in sources if s not in hf_state]
         if missing:
             raise KeyError(f"{key} needs {missing} from the HF checkpoint")
-        rank, size = (vision_tp_rank, vision_tp_size) if rule.group == VISION else (tp_rank, tp_size)
+        if rule.group == VISION:
+            rank, size = vision_tp_rank, vision_tp_size
+        elif expert is not None:
+            rank = tp_rank if expert_tp_rank is None else expert_tp_rank
+            size = tp_size if expert_tp_size is None else expert_tp_size
+        else:
+            rank, size = tp_rank, tp_size
         out[key] = rule.transform.shard([hf_state[s] for s in sources], rank, size).clone()
     return out
 
@@ -135,11 +147,22 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
+        **_expert_layout(layers),
     )
     result = model.load_state_dict(converted, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
+
+
+def _expert_layout(layers) -> dict:
+    """Where this rank's experts sit: the global index of its first, its expert TP rank and size
+    (nothing for a dense model)."""
+    experts = next((getattr(layer.mlp, "experts", None) for layer in layers), None)
+    if experts is None:
+        return {}
+    return dict(expert_offset=experts.ep_group.rank() * experts.num_local_experts,
+                expert_tp_rank=experts.tp_group.rank(), expert_tp_size=experts.tp_group.size())
 
 
 def vision_tp_group(model: torch.nn.Module):

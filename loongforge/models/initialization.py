@@ -11,7 +11,9 @@ seeded by ``keyed_seed(seed, key)``, where the key is a layout-independent name:
   virtual stages), see ``SeededTransformerLayer``;
 - ``language_model.embedding``: the word embeddings (the first draw of ``GPTModel``);
 - ``language_model.output_layer``: an untied output layer, redrawn by ``redraw_sharded`` after
-  ``GPTModel`` built it (its first draw followed the embedding's on a first-and-last stage only).
+  ``GPTModel`` built it (its first draw followed the embedding's on a first-and-last stage only);
+- ``<layer key>.mlp.experts.<e>``: expert ``e`` (global index) of a mixture-of-experts layer, so an
+  expert gets the same weights on whichever expert-parallel rank holds it (``SeededSequentialMLP``).
 
 Each keyed draw runs in ``torch.random.fork_rng``, so it leaves the caller's stream as it found it.
 On CUDA without ``use_cpu_initialization`` megatron-core draws each shard on the device from its RNG
@@ -21,11 +23,14 @@ tracker instead, and none of this applies (megatron's GPU initialisation depends
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import hashlib
 from typing import Callable, Iterator, Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, get_transformer_layer_offset
 from megatron.core.utils import get_pg_rank
@@ -37,6 +42,10 @@ def keyed_seed(seed: int, key: str) -> int:
     return int.from_bytes(digest[:8], "little") >> 1
 
 
+# The (seed, key) of the innermost ``seeded`` block, for parts drawn under a key of their own.
+_ACTIVE_KEY: contextvars.ContextVar[Optional[tuple[int, str]]] = contextvars.ContextVar("init_key", default=None)
+
+
 @contextlib.contextmanager
 def seeded(seed: Optional[int], key: str) -> Iterator[None]:
     """Inside: torch's CPU generator starts from ``keyed_seed(seed, key)``; afterwards it is back
@@ -44,9 +53,19 @@ def seeded(seed: Optional[int], key: str) -> Iterator[None]:
     if seed is None:
         yield
         return
-    with torch.random.fork_rng(devices=[]):
-        torch.default_generator.manual_seed(keyed_seed(seed, key))
-        yield
+    token = _ACTIVE_KEY.set((seed, key))
+    try:
+        with torch.random.fork_rng(devices=[]):
+            torch.default_generator.manual_seed(keyed_seed(seed, key))
+            yield
+    finally:
+        _ACTIVE_KEY.reset(token)
+
+
+def seeded_below(suffix: str) -> contextlib.AbstractContextManager:
+    """``seeded`` under ``<active key>.<suffix>`` inside a seeded block; nothing outside one."""
+    active = _ACTIVE_KEY.get()
+    return contextlib.nullcontext() if active is None else seeded(active[0], f"{active[1]}.{suffix}")
 
 
 def draws_on_cpu(config: TransformerConfig) -> bool:
@@ -86,3 +105,20 @@ def redraw_sharded(weight: torch.Tensor, full_shape: tuple[int, int], init_metho
                          f"{full_shape}")
     with torch.no_grad():
         weight.copy_(full[tp_rank * rows:(tp_rank + 1) * rows].to(weight.dtype))
+
+
+class SeededSequentialMLP(SequentialMLP):
+    """megatron-core's ``SequentialMLP`` whose experts each draw their weights from their global
+    index (``mlp.experts.<e>`` below the layer's key): with expert parallelism rank r holds experts
+    r * n .. r * n + n - 1, which a plain ``SequentialMLP`` would draw as the stream's first n."""
+
+    def __init__(self, num_local_experts: int, config: TransformerConfig, submodules,
+                 pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(0, config, submodules, pg_collection=pg_collection)  # the experts follow
+        self.num_local_experts = num_local_experts
+        first = self.ep_group.rank() * num_local_experts
+        for local in range(num_local_experts):
+            with seeded_below(f"mlp.experts.{first + local}"):
+                self.local_experts.append(MLP(self.config, submodules, ffn_hidden_size=self.config.moe_ffn_hidden_size,
+                                              is_expert=True, tp_group=self.tp_group))
+

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.config.errors import ConfigError
+from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.schema import ParallelConfig
 
 
@@ -145,6 +146,8 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+            expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+            expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
             # megatron's groups take whole minutes; its default is torch's 30.
             distributed_timeout_minutes=max(1, math.ceil(parallel_cfg.collective_timeout_s / 60)),
         )

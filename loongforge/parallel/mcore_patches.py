@@ -167,6 +167,25 @@ def _router_gating_without_te(original: Callable) -> Callable:
     return gating_linear
 
 
+def _host_split_sizes(original: Callable) -> Callable:
+    """The all-to-all dispatcher's device-to-host copy (``maybe_move_tensor_to_cpu``) for tensors
+    already on the host.
+
+    The dispatcher counts tokens per rank on the device and copies the counts to the host as numpy
+    arrays (``as_numpy``), the form ``all_to_all_single`` takes as split sizes; megatron-core skips
+    the copy, and so the conversion, for a tensor that is not on CUDA, and torch then refuses the
+    tensor as split sizes. On the host this does the conversion the device path would have done.
+    """
+
+    @functools.wraps(original)
+    def move_to_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+        if as_numpy and torch.is_tensor(tensor) and not tensor.is_cuda:
+            return tensor.numpy()
+        return original(tensor, as_numpy=as_numpy, record_stream=record_stream)
+
+    return move_to_host
+
+
 # Needed wherever Transformer Engine is absent, on any device (``apply_without_te``); part of the
 # CPU group too (TE never runs on the CPU).
 NO_TE_PATCHES: list[Patch] = [
@@ -207,6 +226,14 @@ CPU_PATCHES: list[Patch] = [
             "(moe/router.py:88-92)",
     ),
     *NO_TE_PATCHES,
+    Patch(
+        name="moe_dispatch_split_sizes",
+        owner_path="megatron.core.transformer.moe.token_dispatcher",
+        attribute="maybe_move_tensor_to_cpu",
+        why="the all-to-all dispatcher's split sizes stay tensors on the host, which all_to_all_single "
+            "refuses (token_dispatcher.py:879-886)",
+        wrap=_host_split_sizes,
+    ),
     Patch(
         name="moe_router_buffers",
         owner_path="megatron.core.transformer.moe.router:TopKRouter",
@@ -279,6 +306,9 @@ DEVICE_PROXY_MODULES: list[str] = [
     "megatron.core.dist_checkpointing.strategies.filesystem_async",  # synchronize (:230)
     "megatron.core.dist_checkpointing.strategies.state_dict_saver",  # plan-reuse flags (:204/252)
     "megatron.core.dist_checkpointing.strategies.fully_parallel",  # synchronize (:271/281)
+    # The all-to-all MoE dispatcher's device-to-host side stream, made at construction (:445) and
+    # entered, waited on and synchronised at every dispatch (:871-900).
+    "megatron.core.transformer.moe.token_dispatcher",
 ]
 
 _TENSOR_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
@@ -291,6 +321,22 @@ def _cpu_instead_of_cuda(device: Any) -> Any:
     if isinstance(device, int):  # a CUDA ordinal
         return torch.device("cpu")
     return torch.device("cpu") if torch.device(device).type == "cuda" else device
+
+
+class _HostStream:
+    """A CUDA stream's stand-in where all work runs in order on the host: nothing to wait for."""
+
+    def wait_stream(self, stream: Any) -> None:
+        return None
+
+    def record_event(self, event: Any = None) -> "_HostStream":
+        return self  # an event whose synchronize() returns at once
+
+    def synchronize(self) -> None:
+        return None
+
+
+_HOST_STREAM = _HostStream()
 
 
 class _CudaOnCpu(types.SimpleNamespace):
@@ -311,6 +357,8 @@ class _CpuTorch(types.ModuleType):
             empty_cache=lambda: None,
             default_stream=lambda *args, **kwargs: None,
             stream=lambda *args, **kwargs: contextlib.nullcontext(),
+            Stream=lambda *args, **kwargs: _HOST_STREAM,
+            current_stream=lambda *args, **kwargs: _HOST_STREAM,
         )
         for name in _TENSOR_FACTORIES:
             setattr(self, name, self._on_cpu(getattr(torch, name)))

@@ -31,6 +31,7 @@ from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
+from loongforge.models.decoder.moe_balance import unscaled_balance_losses
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -123,9 +124,9 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
     )
 
     config = model.config
-    # Per-token loss (set at build, models.decoder.configs.common): finalize_model_grads divides the
-    # gradients by the global loss-token count.
-    assert config.calculate_per_token_loss
+    # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
+    config.calculate_per_token_loss = True
+    unscaled_balance_losses(model)
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
 
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
-_TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values",
+_TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask", "position_ids", "cu_seqlens", "pixel_values",
                 "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds", "video_embeds")
 
 
@@ -80,6 +80,7 @@ def make_forward_step(device: torch.device) -> Callable:
             image_embeds=batch.get("image_embeds"),
             video_embeds=batch.get("video_embeds"),
             loss_mask=batch["loss_mask"],
+            padding_mask=batch.get("padding_mask"),
         )
         return output, partial(_masked_loss_sum, batch["loss_mask"])
 
@@ -142,18 +143,18 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
 
 
 def _aux_loss_factor(model: list, micro_batches: list[dict], is_loss_rank: bool) -> float:
-    """``moe_balance.aux_loss_weight`` from the global batch's loss and routed tokens (summed over
-    the ranks that hold one copy of each replica's batch); 1.0 for a model without a balance loss."""
+    """``moe_balance.aux_loss_weight`` from the global batch's loss tokens and micro-batches (summed
+    over the ranks that hold one copy of each replica's batch); 1.0 without a balance loss."""
     config = _model_config(model)
     if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
         return 1.0
     counts = torch.zeros(2, dtype=torch.float64)
     if is_loss_rank:
         counts[0] = sum(mb["num_loss_tokens"] for mb in micro_batches)
-        counts[1] = sum(mb["input_ids"].numel() for mb in micro_batches)
+        counts[1] = len(micro_batches)
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(counts)
-    return aux_loss_weight(int(counts[0]), int(counts[1]), config.tensor_model_parallel_size)
+    return aux_loss_weight(int(counts[0]), int(counts[1]))
 
 
 def _model_config(model: list):

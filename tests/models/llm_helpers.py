@@ -81,33 +81,35 @@ MOE_ARCHITECTURES["qwen3_moe_unnormalised"] = {**MOE_ARCHITECTURES["qwen3_moe"],
 ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES}
 
 
-def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True) -> dict:
-    """A micro-batch of one row: two packed samples (one when not ``packed``); the loss on the last
-    ``loss_tokens`` positions (an answer)."""
+def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True, padding: int = 0) -> dict:
+    """A micro-batch of one row as ``data.collate`` makes it: two packed samples of ``length`` tokens
+    in all (one when not ``packed``), the loss on the last ``loss_tokens`` of them (an answer), then
+    ``padding`` pad tokens."""
     generator = torch.Generator().manual_seed(seed)
     split = length // 2 if packed else length
-    input_ids = torch.randint(0, 300, (1, length), generator=generator)
-    loss_mask = torch.zeros(1, length)
-    loss_mask[0, length - loss_tokens:] = 1.0
-    positions = torch.cat([torch.arange(split), torch.arange(length - split)])
+    total = length + padding
+    input_ids = torch.randint(0, 300, (1, total), generator=generator)
+    loss_mask = torch.zeros(1, total)
+    loss_mask[0, length - loss_tokens:length] = 1.0
+    positions = torch.cat([torch.arange(split), torch.arange(length - split), torch.arange(padding)])
     return {"input_ids": input_ids, "labels": torch.roll(input_ids, -1, dims=1), "loss_mask": loss_mask,
-            "position_ids": positions.expand(3, 1, length).contiguous(),
-            "cu_seqlens": torch.tensor(sorted({0, split, length}), dtype=torch.int32),
+            "padding_mask": (torch.arange(total) >= length)[None],
+            "position_ids": positions.expand(3, 1, total).contiguous(),
+            "cu_seqlens": torch.tensor(sorted({0, split, length, total}), dtype=torch.int32),
             "num_loss_tokens": loss_tokens}
 
 
 def expected_balance_grad(weight: torch.Tensor, inputs: list, topk: int, coefficient: float) -> torch.Tensor:
-    """coeff * d/dW of the token-weighted mean of the micro-batches' balance losses (the last layer's
-    only: nothing before its router depends on its weight)."""
+    """coeff * d/dW of the mean of the micro-batches' balance losses, each over its router inputs
+    [T, 1, h] (real tokens only); the last layer's alone, as nothing before its router depends on its
+    weight."""
     weight = weight.detach().clone().requires_grad_(True)
-    routed = sum(hidden.shape[0] for hidden in inputs)
     objective = 0.0
     for hidden in inputs:
         logits = hidden.reshape(-1, weight.shape[1]).float() @ weight.t()  # [T, E]
         fractions, _ = layer_statistics(logits.detach(), topk)
         probs = torch.softmax(logits, dim=-1).mean(dim=0)  # [E]
-        balance = weight.shape[0] / topk * torch.sum(fractions * probs)
-        objective = objective + hidden.shape[0] / routed * balance
+        objective = objective + weight.shape[0] / topk * torch.sum(fractions * probs) / len(inputs)
     (coefficient * objective).backward()
     return weight.grad
 

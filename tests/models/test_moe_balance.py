@@ -71,9 +71,10 @@ def test_statistics_give_megatrons_per_layer_losses(pair):
 
 @pytest.mark.parametrize("lengths", [(48,), (48, 32, 64, 16)], ids=["one-micro-batch", "four-micro-batches"])
 def test_step_trains_the_balance_loss_at_its_coefficient(megatron_world_of_one, lengths):
-    """Answer-masked rows (a third of the tokens carry loss): the balance loss's gradient is the
-    coefficient times the token-weighted mean of the micro-batches' losses, whatever share of
-    tokens carries the language-model loss (megatron-core alone scales it by tokens / loss tokens)."""
+    """Answer-masked, padded rows (a third of the real tokens carry loss, 8 pad tokens each): the
+    balance loss's gradient is the coefficient times the mean of the micro-batches' losses over
+    their real tokens, whatever share of tokens carries the language-model loss (megatron-core alone
+    divides it by the loss tokens) and however much padding a row has."""
     from megatron.core.transformer.moe.router import TopKRouter
 
     from loongforge.train.runner import wrap_for_training
@@ -84,10 +85,11 @@ def test_step_trains_the_balance_loss_at_its_coefficient(megatron_world_of_one, 
     load_hf_state_dict(model, build_hf_llm(ARCH).state_dict())
     chunks, _ = wrap_for_training(model.train(), ParallelConfig())
     router = [m for m in model.modules() if isinstance(m, TopKRouter)][-1]
-    micro_batches = [answer_masked_row(length, length // 3, seed) for seed, length in enumerate(lengths)]
+    micro_batches = [answer_masked_row(length, length // 3, seed, padding=8) for seed, length in enumerate(lengths)]
     coefficient = 0.5
     with_balance, inputs = router_grad(chunks, router, micro_batches, coefficient)
     without_balance, _ = router_grad(chunks, router, micro_batches, 0.0)
-    expected = expected_balance_grad(router.weight, inputs, model_cfg.language.moe_router_topk, coefficient)
+    real_inputs = [hidden[:length] for hidden, length in zip(inputs, lengths)]  # [T, 1, h] without padding
+    expected = expected_balance_grad(router.weight, real_inputs, model_cfg.language.moe_router_topk, coefficient)
     assert float(expected.abs().max()) > 1e-3  # a gradient worth comparing
     assert (with_balance - without_balance - expected).abs().max() <= 1e-6 * max(1.0, float(expected.abs().max()))

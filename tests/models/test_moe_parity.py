@@ -1,4 +1,4 @@
-"""Qwen3-MoE is built from megatron-core's MoE layer (router, all-gather dispatcher, SequentialMLP
+"""Qwen3-MoE is built from megatron-core's MoE layer (router, all-to-all dispatcher, SequentialMLP
 experts), and its experts round-trip between transformers 5's fused tensors and the Hub layout.
 Logits, packed rows and the answer-masked loss against Qwen3MoeForCausalLM (both routers) are
 test_llm_parity.py's."""
@@ -17,12 +17,12 @@ def pair(request, megatron_world_of_one):
 def test_model_is_megatron_moe(pair):
     from megatron.core.transformer.moe.experts import SequentialMLP
     from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAllGatherTokenDispatcher
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
 
     _, model_cfg, _, model = pair
     for layer in model.language_model.decoder.layers:
         assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.experts, SequentialMLP)
-        assert isinstance(layer.mlp.token_dispatcher, MoEAllGatherTokenDispatcher)
+        assert isinstance(layer.mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
         assert layer.mlp.router.topk == model_cfg.language.moe_router_topk == 2
         assert len(layer.mlp.experts.local_experts) == model_cfg.language.num_experts == 4
 

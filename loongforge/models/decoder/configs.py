@@ -11,6 +11,7 @@ import torch
 import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
+from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.params import head_dim
 
@@ -51,10 +52,6 @@ def common(params_dtype: torch.dtype, on_cpu: bool) -> dict:
         gradient_accumulation_fusion=False,
         persist_layer_norm=False,
         normalization="RMSNorm",
-        # loongforge's step returns loss sums and divides gradients by the global loss-token count
-        # (train.step). Set at build, not when training starts: megatron-core's MoE routers copy
-        # this flag when constructed and weigh their balance loss by it (moe_balance).
-        calculate_per_token_loss=True,
     )
 
 
@@ -89,13 +86,13 @@ def language_config(
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
         cross_entropy_loss_fusion=False,
-        **experts(lang),
+        **experts(lang, parallel_cfg),
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
     )
 
 
-def experts(lang: LanguageConfig) -> dict:
+def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
     """megatron-core's MoE settings for ``lang`` (none for a dense model).
 
     Qwen3-MoE's router: softmax over all experts, top-k, renormalised when ``norm_topk_prob``.
@@ -104,8 +101,9 @@ def experts(lang: LanguageConfig) -> dict:
     (exp(l_i) / sum_k exp(l_k) either way); with ``moe_router_pre_softmax`` it softmaxes over all
     experts first and keeps the k probabilities as they are (``norm_topk_prob: false``).
     Experts are ``SequentialMLP`` (plain linears per expert: no grouped GEMM, which needs CUDA
-    kernels); tokens reach them through the all-gather dispatcher (the all-to-all one opens a
-    CUDA stream when built). No expert bias, no shared experts, no token dropping.
+    kernels), ``num_experts / expert_model_parallel_size`` of them on each rank; tokens reach them
+    through the all-to-all dispatcher (on the CPU its CUDA stream is a stand-in:
+    ``parallel.mcore_patches``). No expert bias, no shared experts, no token dropping.
     """
     if not lang.num_experts:
         return {}
@@ -118,5 +116,7 @@ def experts(lang: LanguageConfig) -> dict:
         moe_router_load_balancing_type="aux_loss" if lang.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=lang.moe_aux_loss_coeff,
         moe_grouped_gemm=False,
-        moe_token_dispatcher_type="allgather",
+        moe_token_dispatcher_type="alltoall",
+        expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
+        expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
     )

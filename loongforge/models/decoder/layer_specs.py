@@ -14,7 +14,6 @@ from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubm
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
-from megatron.core.transformer.moe.experts import SequentialMLP
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
@@ -24,7 +23,7 @@ from megatron.core.transformer.transformer_block import (
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
 
-from loongforge.models.initialization import SeededTransformerLayer
+from loongforge.models.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 
 
@@ -36,11 +35,12 @@ def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
 
 def moe_spec(modules: BlockModules) -> ModuleSpec:
     """megatron-core's MoE layer: its top-k router, its token dispatcher, ``SequentialMLP`` experts
-    (one SwiGLU MLP of plain column/row linears each). The settings (softmax top-k, the dispatcher)
-    are the TransformerConfig's (``configs.experts``)."""
+    (one SwiGLU MLP of plain column/row linears each, drawn from their global expert index:
+    ``SeededSequentialMLP``). The settings (softmax top-k, the dispatcher) are the
+    TransformerConfig's (``configs.experts``)."""
     expert = MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SequentialMLP, submodules=expert), shared_experts=None))
+        experts=ModuleSpec(module=SeededSequentialMLP, submodules=expert), shared_experts=None))
 
 
 def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,

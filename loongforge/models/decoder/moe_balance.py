@@ -29,27 +29,26 @@ transformers' ``router_aux_loss_coef`` read as is); ``RouterStatistics`` records
 forward pass so both values can be computed and compared (tests check each against its library
 to 1e-6).
 
-How loongforge weighs it in training (``aux_loss_weight`` / ``weighted_aux_loss``): the step's
-objective is
+How loongforge weighs it in training (``unscaled_balance_losses``, ``aux_loss_weight``,
+``weighted_aux_loss``): the step's objective is
 
-    sum(token losses) / (loss tokens) + coeff * sum_mb(T_mb * aux_mb) / sum_mb(T_mb)
+    sum(token losses) / (loss tokens) + coeff * mean over the step's micro-batches of aux_mb
 
-over every micro-batch mb of the global batch (T_mb: the tokens its routers saw, padding included):
-the mean cross entropy plus the coefficient times the token-weighted mean of the micro-batches'
-balance losses, so one micro-batch on one rank trains on ``CE + coeff * aux`` as transformers
-does, and splitting the batch over micro-batches or ranks does not change the coefficient's
-meaning. megatron-core alone gets this wrong under ``calculate_per_token_loss`` (the loongforge
-step): it weighs each micro-batch's aux loss by the tokens one TP rank routes (T_mb / TP, with or
-without sequence parallelism) and ``finalize_model_grads`` divides by the loss tokens, so the
-weight would be coeff * T_mb / (TP * loss tokens): too large by (all tokens / loss tokens) in
-answer-masked fine-tuning and too small by TP. ``aux_loss_weight`` is the factor that corrects
-both; the step applies it to the coefficient the routers read.
+over every micro-batch of the global batch (all data-parallel ranks), each aux_mb over the real
+tokens of its row (padding is masked out of the router statistics: rows are padded differently at
+each TP / PP layout). One micro-batch on one rank trains on ``CE + coeff * aux`` as transformers
+does, and the objective does not depend on how rows are spread over ranks. megatron-core's own
+weighting under ``calculate_per_token_loss`` (the loongforge step) cannot give this: its routers
+weigh each TP rank's share of the loss by that rank's token count, then ``finalize_model_grads``
+divides by the loss tokens. So the routers attach their loss unscaled (megatron's other mode) and
+the step multiplies the coefficient by (loss tokens / micro-batches) of the global batch, which the
+gradient division turns into the plain mean.
 """
 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from typing import Iterator, Sequence
+from typing import Iterator, Optional, Sequence
 
 import torch
 
@@ -103,12 +102,39 @@ class RouterStatistics:
                 handle.remove()
 
 
-def aux_loss_weight(loss_tokens: int, routed_tokens: int, tensor_parallel: int) -> float:
+def routing_padding_mask(padding_mask: Optional[torch.Tensor], config, *, scattered_by_gpt_model: bool
+                         ) -> Optional[torch.Tensor]:
+    """The row's padding mask [b, s] (True at padding) as megatron-core's ``GPTModel`` hands it to
+    its MoE layers, which leave those tokens out of the router statistics; None for a dense model.
+
+    Under sequence parallelism each rank routes its slice of the sequence, so the mask must be cut
+    the same way: ``GPTModel`` does that itself only when it embeds ``input_ids`` on the first stage
+    (``scattered_by_gpt_model``); for a ``decoder_input`` built by the caller, or on a later
+    pipeline stage, it is cut here."""
+    if padding_mask is None or not getattr(config, "num_moe_experts", None):
+        return None
+    if config.sequence_parallel and not scattered_by_gpt_model:
+        from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
+
+        padding_mask = scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous())
+        padding_mask = padding_mask.transpose(0, 1).contiguous()  # [b, s / tp]
+    return padding_mask
+
+
+def unscaled_balance_losses(model: torch.nn.Module) -> None:
+    """Have every router of ``model`` attach its balance loss unscaled (megatron-core's mode without
+    ``calculate_per_token_loss``, which routers copy when built), whatever the config says now."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    for module in model.modules():
+        if isinstance(module, TopKRouter):
+            module.calculate_per_token_loss = False
+
+
+def aux_loss_weight(loss_tokens: int, micro_batches: int) -> float:
     """Factor on megatron-core's aux-loss coefficient that gives the step objective above, from the
-    global batch's loss tokens and routed tokens (sum of T_mb) and the TP size."""
-    if routed_tokens <= 0:
-        return 1.0
-    return tensor_parallel * max(loss_tokens, 1) / routed_tokens
+    global batch's loss tokens and micro-batches."""
+    return max(loss_tokens, 1) / max(micro_batches, 1)
 
 
 @contextmanager

@@ -22,6 +22,7 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs
 from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.moe_balance import routing_padding_mask
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules
@@ -83,10 +84,11 @@ class TextModel(MegatronModule):
 
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None, loss_mask: Optional[torch.Tensor] = None,
-                **media: Optional[torch.Tensor]) -> torch.Tensor:
+                padding_mask: Optional[torch.Tensor] = None, **media: Optional[torch.Tensor]) -> torch.Tensor:
         """Per-token loss [b, s] fp32 with ``labels`` (the LM head only where ``loss_mask`` counts),
         else logits [b, s, V_padded/tp]. input_ids [b, s]; position_ids [3, b, s] (three equal rows:
-        the positions the packed layout implies); packed_seq_params: thd with b == 1."""
+        the positions the packed layout implies); packed_seq_params: thd with b == 1;
+        ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics."""
         given = sorted(name for name, value in media.items() if value is not None)
         unknown = sorted(set(media) - set(_MEDIA_INPUTS))
         if unknown:
@@ -94,8 +96,11 @@ class TextModel(MegatronModule):
         if given:
             raise ValueError(f"a text-only model takes no images or videos, got {given}")
         check_inputs(input_ids, position_ids, packed_seq_params)
+        padding_mask = routing_padding_mask(padding_mask, self.language_model.config,
+                                            scattered_by_gpt_model=self.pre_process)
         return self.language_model(input_ids=input_ids, position_ids=position_ids[0], attention_mask=None,
-                                   labels=labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params)
+                                   labels=labels, loss_mask=loss_mask, packed_seq_params=packed_seq_params,
+                                   padding_mask=padding_mask)
 
 
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_dtype: torch.dtype,

@@ -31,6 +31,7 @@ from loongforge.models import initialization
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.moe_balance import routing_padding_mask
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
@@ -200,9 +201,11 @@ class Qwen2_5_VLModel(MegatronModule):
         loss_mask: Optional[torch.Tensor] = None,
         image_embeds: Optional[torch.Tensor] = None,
         video_embeds: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
 
+        ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics.
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
         loss is zero elsewhere (same gradients, much less work on a large vocabulary).
 
@@ -228,6 +231,9 @@ class Qwen2_5_VLModel(MegatronModule):
             labels=labels,
             loss_mask=loss_mask,
             packed_seq_params=packed_seq_params,
+            # The caller's decoder_input (or a later stage's hidden states): cut here under SP.
+            padding_mask=routing_padding_mask(padding_mask, self.language_model.config,
+                                              scattered_by_gpt_model=False),
         )
 
     def embed(

@@ -32,6 +32,7 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.moe_balance import routing_padding_mask
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.decoder.params import head_dim
 from loongforge.models.hf_rules import padded_vocab_size
@@ -152,11 +153,13 @@ class Qwen3VLModel(MegatronModule):
         loss_mask: Optional[torch.Tensor] = None,
         image_embeds: Optional[torch.Tensor] = None,
         video_embeds: Optional[torch.Tensor] = None,
+        padding_mask: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
         For a model built without the encoder: ``image_embeds`` / ``video_embeds`` [P/m^2, (1 + k) h]
         (the merger's then DeepStack's features, ``encoder.py``) with the grids, instead of pixels.
 
+        ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics.
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
         loss is zero elsewhere.
 
@@ -179,6 +182,9 @@ class Qwen3VLModel(MegatronModule):
             labels=labels,
             loss_mask=loss_mask,
             packed_seq_params=packed_seq_params,
+            # The caller's decoder_input (or a later stage's hidden states): cut here under SP.
+            padding_mask=routing_padding_mask(padding_mask, self.language_model.config,
+                                              scattered_by_gpt_model=False),
             extra_block_kwargs=None if context is None else {"context": context},
         )
 
