@@ -29,12 +29,14 @@ from loongforge.convert.engine import (
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
 from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
-from loongforge.models.hf_weights import vision_tp_group
+from loongforge.models.hf_weights import expert_placement, vision_tp_group
 from loongforge.models.registry import get_family
 
 
-def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:
-    """This pipeline stage's model state-dict key -> link (language layers renumbered locally).
+def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[str, Link]:
+    """This pipeline stage's model state-dict key -> link (language layers renumbered locally, and
+    experts: this expert-parallel rank's start at global index ``expert_offset``; the keys of experts
+    other ranks hold are never looked up).
 
     A tied model's last stage (PP > 1) keeps its own copy of the embedding as the output layer:
     it is filled from ``model.embed_tokens.weight``.
@@ -49,8 +51,10 @@ def _stage_links(model_cfg, layer_offset: int) -> dict[str, Link]:
             continue
         local = link.layer - layer_offset
         key = link.mcore_key.replace("layers.", f"layers.{local}.", 1)
-        if link.expert is not None:  # every rank holds every expert (no expert parallelism yet)
-            key = key.replace(".experts.experts.", f".experts.local_experts.{link.expert}.", 1)
+        if link.expert is not None:
+            if link.expert < expert_offset:
+                continue
+            key = key.replace(".experts.experts.", f".experts.local_experts.{link.expert - expert_offset}.", 1)
         by_key[key] = link
     return by_key
 
@@ -66,11 +70,16 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
     tp = language.pg_collection.tp
     vision_tp = vision_tp_group(model)
     layers = language.decoder.layers
-    links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0)
+    experts = expert_placement(layers)
+    links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0,
+                         expert_offset=0 if experts is None else experts.offset)
 
     def shard_of(link: Link) -> tuple[int, int]:
-        group = vision_tp if link.rule.group == VISION else tp
-        return group.rank(), group.size()
+        if link.rule.group == VISION:
+            return vision_tp.rank(), vision_tp.size()
+        if link.expert is not None:
+            return experts.tp_rank, experts.tp_size
+        return tp.rank(), tp.size()
 
     return _fill_from_hub(model, links, checkpoint.load, shard_of, where=str(hf_dir), holder="model")
 

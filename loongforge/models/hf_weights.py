@@ -11,6 +11,7 @@ TP size, everything else of the language model by TP.
 from __future__ import annotations
 
 import re
+from dataclasses import dataclass
 from typing import Iterable, Mapping, Optional, Sequence
 
 import torch
@@ -147,7 +148,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-        **_expert_layout(layers),
+        **_expert_arguments(expert_placement(layers)),
     )
     result = model.load_state_dict(converted, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -155,14 +156,29 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
         raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
 
 
-def _expert_layout(layers) -> dict:
-    """Where this rank's experts sit: the global index of its first, its expert TP rank and size
-    (nothing for a dense model)."""
+@dataclass(frozen=True)
+class ExpertPlacement:
+    """Where this rank's experts sit: the global index of its first, and the expert TP group."""
+
+    offset: int
+    tp_rank: int
+    tp_size: int
+
+
+def expert_placement(layers) -> Optional[ExpertPlacement]:
+    """This rank's experts in ``layers`` (a decoder's); None for a dense model or an empty stage."""
     experts = next((getattr(layer.mlp, "experts", None) for layer in layers), None)
     if experts is None:
+        return None
+    return ExpertPlacement(offset=experts.ep_group.rank() * experts.num_local_experts,
+                           tp_rank=experts.tp_group.rank(), tp_size=experts.tp_group.size())
+
+
+def _expert_arguments(placement: Optional[ExpertPlacement]) -> dict:
+    if placement is None:
         return {}
-    return dict(expert_offset=experts.ep_group.rank() * experts.num_local_experts,
-                expert_tp_rank=experts.tp_group.rank(), expert_tp_size=experts.tp_group.size())
+    return dict(expert_offset=placement.offset, expert_tp_rank=placement.tp_rank,
+                expert_tp_size=placement.tp_size)
 
 
 def vision_tp_group(model: torch.nn.Module):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -100,11 +101,14 @@ def checkpoint_differences(run: Path, reference: Path) -> dict[str, float]:
     """|a - b| / |b| (Frobenius) of every tensor of the reference's final checkpoint, read from
     both (the distributed optimizer also saves its fp32 parameters, which the reference lacks)."""
     readers = [McoreReader(final_checkpoint(r) / "model_optim") for r in (run, reference)]
-    missing = set(readers[1].tensors) - set(readers[0].tensors)
+    # megatron-core chains one optimizer per parameter kind (dense, experts) under expert
+    # parallelism and prefixes their state with "chained_<n>."; the names after it are unique.
+    names = [{re.sub(r"^chained_\d+\.", "", key): key for key in reader.tensors} for reader in readers]
+    missing = set(names[1]) - set(names[0])
     assert not missing, sorted(missing)[:5]
     differences = {}
-    for key in readers[1].tensors:
-        x, y = (reader.read(key).double() for reader in readers)
+    for key in names[1]:
+        x, y = (reader.read(keys[key]).double() for reader, keys in zip(readers, names))
         differences[key] = float((x - y).norm() / y.norm()) if y.norm() > 0 else float((x - y).norm())
     return differences
 
