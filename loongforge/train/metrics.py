@@ -10,6 +10,8 @@ from typing import Optional
 
 from tqdm import tqdm
 
+from loongforge.models.decoder.moe_balance import ExpertLoad
+
 METRICS_FILE = "metrics.jsonl"  # one JSON line per step, in the run folder
 
 
@@ -33,8 +35,10 @@ class StepMetrics:
     # Per-rank measures (runner.RANK_MEASURES: encoder time, step CPU time, peak memory), each a
     # list in rank order with None where a rank has nothing to measure (no encoder on its stage).
     by_rank: dict = field(default_factory=dict)
-    # Mixture-of-experts models: the load-balancing loss (train.step.StepResult); None otherwise.
+    # Mixture-of-experts models: the load-balancing loss (train.step.StepResult) and the tokens
+    # each expert received (moe_balance.ExpertLoad); None otherwise.
     load_balancing_loss: Optional[float] = None
+    expert_load: Optional[ExpertLoad] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -55,7 +59,8 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
             + ("" if encoder_s is None else f" | encoder max {encoder_s:.2f}s")
             + ("" if m.balance is None else
                f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
-               f" ({'applied' if m.balance['applied'] else 'skipped'})"))
+               f" ({'applied' if m.balance['applied'] else 'skipped'})")
+            + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}"))
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -113,6 +118,9 @@ class RunLogger:
             record["vision_features_bytes"] = m.vision_features_bytes
         if m.load_balancing_loss is not None:
             record["load_balancing_loss"] = m.load_balancing_loss
+        if m.expert_load is not None:
+            record.update({"expert_tokens_min": m.expert_load.tokens_min, "expert_tokens_max": m.expert_load.tokens_max,
+                           "expert_load_max_over_mean": m.expert_load.max_over_mean})
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],

@@ -31,7 +31,7 @@ from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
-from loongforge.models.decoder.moe_balance import unscaled_balance_losses
+from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -299,6 +299,7 @@ class _Run:
     out_dir: Path
     ckpt_root: Path
     encoder_digest: Optional[str] = None  # data.vision_embeddings: the encoder the store matched
+    expert_load: Optional[ExpertLoadCounter] = None  # mixture-of-experts models: tokens per expert
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -328,7 +329,14 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
-                encoder_digest=encoder_digest)
+                encoder_digest=encoder_digest, expert_load=_expert_load_counter(cfg, model, env.device))
+
+
+def _expert_load_counter(cfg: RunConfig, model: list, device: torch.device) -> Optional[ExpertLoadCounter]:
+    language = cfg.model.language
+    if not language.num_experts:
+        return None
+    return ExpertLoadCounter(model, num_layers=language.num_layers, num_experts=language.num_experts, device=device)
 
 
 def _open_embeddings(cfg: RunConfig, env: DistributedEnv, *, resume: bool):
@@ -466,6 +474,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
                             seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank)
         step_cpu_s = step_cpu_clock() - step_cpu_start
+        expert_load = run.expert_load.take() if run.expert_load is not None else None  # collective
         run.balancing.end_step(step, result)
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
@@ -479,7 +488,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
-            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss))
+            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load))
         summary.losses.append((step, result.loss))
         if totals.sync_wait_s is not None:
             summary.sync_waits.append(totals.sync_wait_s)

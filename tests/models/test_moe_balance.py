@@ -1,6 +1,7 @@
 """The load-balancing loss: ``RouterStatistics`` of loongforge's Qwen3-MoE give transformers'
 ``aux_loss`` (``output_router_logits``) and megatron-core's own per-layer losses, each to 1e-6; the
-two differ (``models.decoder.moe_balance`` says how)."""
+two differ (``models.decoder.moe_balance`` says how). The training step trains it at its coefficient,
+and counts the tokens each expert receives."""
 
 import pytest
 import torch
@@ -8,6 +9,7 @@ import torch
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.decoder.moe_balance import (
     RouterStatistics,
+    layer_statistics,
     megatron_balance_loss,
     transformers_balance_loss,
 )
@@ -93,3 +95,44 @@ def test_step_trains_the_balance_loss_at_its_coefficient(megatron_world_of_one, 
     expected = expected_balance_grad(router.weight, real_inputs, model_cfg.language.moe_router_topk, coefficient)
     assert float(expected.abs().max()) > 1e-3  # a gradient worth comparing
     assert (with_balance - without_balance - expected).abs().max() <= 1e-6 * max(1.0, float(expected.abs().max()))
+
+
+def test_expert_load_counts_each_routed_real_token_once(megatron_world_of_one):
+    """``ExpertLoadCounter``: per layer and expert, the real tokens whose top-k chose it over the
+    step's training forwards (padding out; a forward without autograd not counted)."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    from loongforge.models.decoder.moe_balance import ExpertLoadCounter
+    from loongforge.train.runner import wrap_for_training
+
+    model_cfg = tiny_llm_cfg(ARCH)
+    lang = model_cfg.language
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                        post_process=True, device="cpu")
+    load_hf_state_dict(model, build_hf_llm(ARCH).state_dict())
+    chunks, _ = wrap_for_training(model.train(), ParallelConfig())
+    counter = ExpertLoadCounter(chunks, num_layers=lang.num_layers, num_experts=lang.num_experts,
+                                device=torch.device("cpu"))
+    lengths = (40, 24)
+    rows = [answer_masked_row(length, 8, seed, padding=8) for seed, length in enumerate(lengths)]
+    routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+    expected = torch.zeros(lang.num_layers, lang.num_experts)
+    inputs = {}
+    handles = [r.register_forward_hook(lambda m, a, o, i=i: inputs.setdefault(i, []).append(a[0].detach()))
+               for i, r in enumerate(routers)]
+    router_grad(chunks, routers[-1], rows, 0.0)
+    for handle in handles:
+        handle.remove()
+    for layer, router in enumerate(routers):
+        for hidden, length in zip(inputs[layer], lengths):
+            logits = hidden[:length].reshape(length, -1) @ router.weight.detach().t()  # [T, E]
+            fractions, _ = layer_statistics(logits, lang.moe_router_topk)
+            expected[layer] += fractions * length
+    with torch.no_grad():
+        model(**{k: v for k, v in rows[0].items() if k in ("input_ids", "position_ids", "padding_mask")})
+    load = counter.take()
+    assert expected.sum() == sum(lengths) * lang.moe_router_topk * lang.num_layers
+    assert (load.tokens_min, load.tokens_max) == (int(expected.min()), int(expected.max()))
+    assert abs(load.max_over_mean - float((expected.max(dim=1).values / expected.mean(dim=1)).max())) <= 1e-12
+    assert counter.take() is None  # zeroed
+    counter.close()

@@ -56,6 +56,9 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
     assert_close_relative(losses(run), losses(reference), REL)
     assert_close_relative(grad_norms(run), grad_norms(reference), REL)
     assert_close_relative(step_metric(run, "load_balancing_loss"), step_metric(reference, "load_balancing_loss"), REL)
+    # Tokens per expert, summed over every rank: the same routing at every layout.
+    for key in ("expert_tokens_min", "expert_tokens_max"):
+        assert step_metric(run, key) == step_metric(reference, key), key
     differences = checkpoint_differences(run, reference)
     experts = {k: v for k, v in differences.items() if ".experts." in k}
     assert any(k.startswith("optimizer.state.exp_avg.") for k in experts), sorted(experts)[:5]

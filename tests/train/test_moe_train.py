@@ -1,5 +1,6 @@
 """Qwen3-MoE trains through the same command: the qwen3-moe-tiny preset (megatron-core's MoE layer,
-8 experts top-2, the load-balancing loss on) runs two steps on the CPU to finite losses."""
+8 experts top-2, the load-balancing loss on) runs two steps on the CPU to finite losses, logging its
+balance loss and tokens per expert."""
 
 from __future__ import annotations
 
@@ -11,7 +12,7 @@ from tests.train.conftest import grad_norms, losses, run_train, step_metric
 
 
 def test_qwen3_moe_tiny_trains_two_steps(tmp_path):
-    run_train(tmp_path, "training.train_steps=2", preset="qwen3-moe-tiny")
+    proc = run_train(tmp_path, "training.train_steps=2", preset="qwen3-moe-tiny")
     assert len(losses(tmp_path)) == 2 and all(math.isfinite(v) for v in losses(tmp_path) + grad_norms(tmp_path))
     # A fresh model's loss starts near ln(vocabulary size).
     assert abs(losses(tmp_path)[0] - math.log(151_936)) < 1.0
@@ -21,3 +22,8 @@ def test_qwen3_moe_tiny_trains_two_steps(tmp_path):
     # SMALL_MODEL): each about 1 when balanced (a fresh router), at most num_experts / topk = 4.
     balance = step_metric(tmp_path, "load_balancing_loss")
     assert len(balance) == 2 and all(1.5 <= value <= 8.0 for value in balance), balance
+    # Tokens per expert over the step: logged, and in the log line.
+    low, high = step_metric(tmp_path, "expert_tokens_min"), step_metric(tmp_path, "expert_tokens_max")
+    load = step_metric(tmp_path, "expert_load_max_over_mean")
+    assert all(0 <= a <= b for a, b in zip(low, high)) and all(1.0 <= value <= 4.0 for value in load), (low, high, load)
+    assert f"experts max/mean {load[-1]:.2f}" in proc.stdout + proc.stderr

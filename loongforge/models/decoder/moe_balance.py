@@ -48,6 +48,7 @@ gradient division turns into the plain mean.
 from __future__ import annotations
 
 from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
@@ -154,3 +155,63 @@ def weighted_aux_loss(model_chunks: Sequence[torch.nn.Module], factor: float) ->
     finally:
         for key, config in configs.items():
             config.moe_aux_loss_coeff = saved[key]
+
+
+@dataclass(frozen=True)
+class ExpertLoad:
+    """Tokens routed to the experts over one step (global batch, real tokens only): the fewest and
+    the most any expert of any layer received, and the worst layer's max / mean (1.0: even)."""
+
+    tokens_min: int
+    tokens_max: int
+    max_over_mean: float
+
+
+class ExpertLoadCounter:
+    """Counts, on every rank, the tokens each router sends to each expert during training forwards,
+    and sums them over all ranks once per step (``take``, a collective).
+
+    Each layer lives on one pipeline stage; sequence-parallel TP ranks route disjoint slices of a
+    row and data-parallel (and expert-parallel) ranks disjoint rows, so the sum over the world
+    counts every routed token once. Padding is left out (the router's padding mask). A forward
+    without autograd is not counted: with activation recompute the first forward of a layer runs
+    without it and its recomputation with it, so each micro-batch is counted once either way.
+    """
+
+    def __init__(self, model_chunks: Sequence[torch.nn.Module], *, num_layers: int, num_experts: int,
+                 device: torch.device):
+        from megatron.core.transformer.moe.router import TopKRouter
+
+        routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
+        # [layers (global index), experts]: this rank's counts; float64 holds exact integers
+        # far beyond any step's token count.
+        self._counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
+        self._handles = [router.register_forward_hook(self._count, with_kwargs=True) for router in routers]
+
+    def _count(self, router, args, kwargs, output) -> None:
+        if not torch.is_grad_enabled():
+            return
+        _, routing_map = output  # [tokens, experts] bool
+        padding = args[1] if len(args) > 1 else kwargs.get("padding_mask")
+        if padding is not None:
+            routing_map = routing_map[~padding.reshape(-1)]
+        self._counts[router.layer_number - 1] += routing_map.sum(dim=0).double()
+
+    def take(self) -> Optional[ExpertLoad]:
+        """The step's load over all ranks (every rank must call it), then zero; None when nothing
+        was routed."""
+        import torch.distributed as dist
+
+        counts = self._counts.clone()
+        self._counts.zero_()
+        if dist.is_initialized() and dist.get_world_size() > 1:
+            dist.all_reduce(counts)
+        if float(counts.sum()) == 0.0:
+            return None
+        means = counts.mean(dim=1).clamp(min=1e-12)  # [layers]
+        return ExpertLoad(tokens_min=int(counts.min()), tokens_max=int(counts.max()),
+                          max_over_mean=float((counts.max(dim=1).values / means).max()))
+
+    def close(self) -> None:
+        for handle in self._handles:
+            handle.remove()
