@@ -409,23 +409,6 @@ def _report(model: CostModel, train: Observations, held: Observations, *, method
     }
 
 
-def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
-    """Where causal attention FLOPs equal the linear FLOPs per sample, from the architecture.
-
-    ``model``: the profile env's model config (dict). Forward+backward FLOPs of a sample of
-    length L: attention 6*h*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*h*layers*L^2, linear
-    6*params_per_layer*layers*L plus the LM head, which runs on loss tokens only
-    (6*vocab*h*loss_share*L). Returns the crossover without and with the head.
-    """
-    lang = model["language"]
-    h, layers = lang["hidden_size"], lang["num_layers"]
-    kv = h // lang["num_attention_heads"] * lang["num_query_groups"]
-    per_layer = h * (h + 2 * kv) + h * h + 3 * h * lang["ffn_hidden_size"]
-    head = loss_share * lang["vocab_size"] * h
-    return {"layers_only": per_layer / h, "with_lm_head": (per_layer * layers + head) / (h * layers),
-            "loss_share": loss_share}
-
-
 def cross_validate(obs: Observations, method: str, *, folds: int = 4, seed: int = 0,
                    exclude: Sequence[str] = ()) -> dict:
     """K-fold by step: every step is predicted once by a model that never saw it.

@@ -16,11 +16,12 @@ from loongforge.balance.fit import (
     check_model,
     cross_validate,
     fit,
-    flops_crossover_length,
     observations_from_profile,
     plot_fit,
 )
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.validate import build_run_config
+from loongforge.models.decoder.params import language_layer_parameters
 from loongforge.profile.profile_file import read_profile
 
 METHODS = ("nnls", "smoothmax")
@@ -96,6 +97,24 @@ def _report_lines(method: str, results: dict, cv: dict) -> list[str]:
                          f"{_num(c['step_time'], 'median_ape_pct', 2)}% "
                          f"(p90 {_num(c['step_time'], 'p90_ape_pct', 2)}%)")
     return lines
+
+
+def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
+    """Where causal attention FLOPs equal the linear FLOPs per sample, from the architecture.
+
+    ``model``: the profile env's model config (dict). Forward+backward FLOPs of a sample of
+    length L: attention 6*h*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*h*layers*L^2, linear
+    6*params_per_layer*layers*L, where a mixture-of-experts layer counts the parameters one token
+    runs through (router and its top-k experts: ``language_layer_parameters(active=True)``), plus
+    the LM head, which runs on loss tokens only (6*vocab*h*loss_share*L). Returns the crossover
+    without and with the head.
+    """
+    lang = build_run_config({"model": model}).model.language
+    h, layers = lang.hidden_size, lang.num_layers
+    per_layer = language_layer_parameters(lang, active=True)
+    head = loss_share * lang.vocab_size * h
+    return {"layers_only": per_layer / h, "with_lm_head": (per_layer * layers + head) / (h * layers),
+            "loss_share": loss_share}
 
 
 def _crossover_line(model: CostModel, profile) -> Optional[str]:

@@ -1,5 +1,5 @@
-"""`loongforge profile --sweep` and `fit-cost` on the other families: a text-only LLM profiles text
-rows and fits no vision term; Qwen3-VL's designed images are cut into its own 16-pixel patches.
+"""`loongforge profile --sweep` and `fit-cost` on the other families: a text-only LLM (dense, and
+Qwen3-MoE) profiles text rows and fits no vision term; Qwen3-VL's designed images are cut into its own 16-pixel patches.
 (Qwen2.5-VL's records, over two ranks, are test_profile_run.py's.) Two decoder layers: Qwen3-VL's
 DeepStack adds features after both."""
 
@@ -9,6 +9,8 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 from loongforge.balance.cost_model import CostModel
 from loongforge.calibrate.fit_cost import run_fit_cost
@@ -33,9 +35,10 @@ def _fit(profile: Path, output: Path) -> CostModel:
     return run_fit_cost([profile], output=output, echo=lambda line: None, warn=lambda line: None)
 
 
-def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path):
-    records = _profile("llm-tiny", tmp_path / "PROFILE.jsonl", steps=4)
-    assert records[0]["preset"] == "llm-tiny"
+@pytest.mark.parametrize("preset", ["llm-tiny", "qwen3-moe-tiny"])
+def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path, preset):
+    records = _profile(preset, tmp_path / "PROFILE.jsonl", steps=4)
+    assert records[0]["preset"] == preset
     micro_batches = [r for r in records if r["kind"] == "micro_batch"]
     assert len(micro_batches) == 4 * 4  # 4 steps of 4 one-row micro-batches
     for record in micro_batches:
