@@ -24,6 +24,13 @@ class ParallelSizes:
     pipeline_parallel: int
     vision_tensor_parallel: int
     data_parallel: int
+    expert_parallel: int = 1
+    expert_tensor_parallel: int = 1
+
+    @property
+    def expert_data_parallel(self) -> int:
+        """Replicas of each expert shard: the ranks its optimizer state can be sharded over."""
+        return self.world_size // (self.pipeline_parallel * self.expert_parallel * self.expert_tensor_parallel)
 
 
 def vision_tensor_parallel_size(parallel: ParallelConfig) -> int:
@@ -41,7 +48,8 @@ def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
 
 
 def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = None) -> ParallelSizes:
-    """TP, PP and vision TP from the config; DP = world / (TP x PP), world from the launch."""
+    """TP, PP, vision TP, EP and expert TP from the config; DP = world / (TP x PP), world from the
+    launch."""
     world = parallel.world_size if world_size is None else world_size
     model_parallel = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
     return ParallelSizes(
@@ -50,6 +58,8 @@ def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = Non
         pipeline_parallel=parallel.pipeline_model_parallel_size,
         vision_tensor_parallel=vision_tensor_parallel_size(parallel),
         data_parallel=world // model_parallel,
+        expert_parallel=parallel.expert_model_parallel_size,
+        expert_tensor_parallel=expert_tensor_parallel_size(parallel),
     )
 
 

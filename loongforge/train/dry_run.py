@@ -1,9 +1,11 @@
 """The parallel plan ``--dry-run`` prints: sizes, batches, parameters and memory per rank.
 
-Pure arithmetic over a validated RunConfig, no torch: it has to work for a 72B preset on a laptop.
+Pure arithmetic over a validated RunConfig: it has to work for a 235B preset on a laptop.
 Parameter counts come from the model family's own arithmetic
 (``ModelFamily.count_parameters``), split into the parts pipeline stages
-hold by counting the model again without its decoder layers.
+hold by counting the model again without its decoder layers. A mixture-of-experts layer's experts
+are split over EP x expert TP ranks (and their optimizer state over the expert data-parallel
+ranks), the rest of the layer over TP.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
 from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.models.decoder.params import expert_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3
@@ -22,15 +25,22 @@ def total_parameters(model: ModelConfig) -> int:
     return int(get_family(model.family).count_parameters(model)["total"])
 
 
+def active_parameters(model: ModelConfig) -> int:
+    """What one token runs through (all of a dense model)."""
+    return int(get_family(model.family).count_parameters(model)["active"])
+
+
 @dataclass(frozen=True)
 class ParameterSplit:
     """Parameters by where pipeline stages keep them."""
 
     total: int
     vision_and_projector: int  # first stage (all with encoder_dp=full); plus the final norm's weights
-    per_decoder_layer: float
+    per_decoder_layer: float  # everything but the routed experts (split over TP)
     input_embedding: int  # first stage
     output_head: int  # last stage; 0 when tied and everything is one stage
+    experts_per_decoder_layer: int = 0  # routed experts (split over EP x expert TP)
+    active: int = 0  # parameters one token runs through
 
 
 def split_parameters(model: ModelConfig) -> ParameterSplit:
@@ -40,12 +50,15 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
         dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0)))
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
+    experts = expert_parameters(language)
     return ParameterSplit(
         total=total,
         vision_and_projector=max(without_layers - embedding - head, 0),
-        per_decoder_layer=(total - without_layers) / language.num_layers,
+        per_decoder_layer=(total - without_layers) / language.num_layers - experts,
         input_embedding=embedding,
         output_head=head,
+        experts_per_decoder_layer=experts,
+        active=active_parameters(model),
     )
 
 
@@ -56,6 +69,7 @@ class StagePlan:
     num_layers: int
     holds: tuple[str, ...]
     params_per_rank: int
+    expert_params_per_rank: int = 0  # part of params_per_rank
 
 
 def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) -> list[StagePlan]:
@@ -65,8 +79,10 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     counts = layers_per_stage(cfg.model.language.num_layers, sizes.pipeline_parallel)
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
+    expert_shards = sizes.expert_parallel * sizes.expert_tensor_parallel
     for index, num_layers in enumerate(counts):
-        holds, params = [], num_layers * split.per_decoder_layer / tp
+        expert_params = num_layers * split.experts_per_decoder_layer / expert_shards
+        holds, params = [], num_layers * split.per_decoder_layer / tp + expert_params
         if cfg.model.vision is not None and (index == 0 or replicas_everywhere):
             holds += ["vision tower + projector" if index == 0 else "vision tower + projector (replica)"]
             params += split.vision_and_projector / vision_tp
@@ -78,7 +94,7 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
             head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)
             holds += ["LM head"] if head or not tied else ["LM head (tied)"]
             params += head / tp
-        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params)))
+        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params), round(expert_params)))
         first_layer += num_layers
     return stages
 
@@ -112,14 +128,25 @@ class ParallelPlan:
     optimizer: str
     distributed_optimizer: bool
     has_vision: bool = True
+    # Routed experts' bytes per parameter: their optimizer state is sharded over the expert
+    # data-parallel ranks, not DP.
+    expert_bytes_per_param: float = 0.0
 
     @property
     def max_params_per_rank(self) -> int:
         return max(stage.params_per_rank for stage in self.stages)
 
+    def stage_memory_bytes(self, stage: StagePlan) -> float:
+        dense = stage.params_per_rank - stage.expert_params_per_rank
+        return dense * self.bytes_per_param + stage.expert_params_per_rank * self.expert_bytes_per_param
+
     @property
     def memory_per_rank_bytes(self) -> float:
-        return self.max_params_per_rank * self.bytes_per_param
+        return max(self.stage_memory_bytes(stage) for stage in self.stages)
+
+    @property
+    def has_experts(self) -> bool:
+        return self.split.experts_per_decoder_layer > 0
 
 
 def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
@@ -138,6 +165,9 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         bytes_per_param=training_bytes_per_param(
             cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
             sizes.data_parallel),
+        expert_bytes_per_param=training_bytes_per_param(
+            cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
+            sizes.expert_data_parallel),
         precision=cfg.training.precision,
         optimizer=cfg.optimizer.name,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
@@ -160,9 +190,20 @@ def _memory_note(plan: ParallelPlan) -> str:
     states = "Adam moments" if plan.optimizer == "adam" else "no optimizer state (SGD)"
     master = ", fp32 master weights" if plan.precision == "bf16" else ""
     sharding = (f", master/moments sharded over DP{plan.sizes.data_parallel}"
+                + (f" (experts: expert DP{plan.sizes.expert_data_parallel})" if plan.has_experts else "")
                 if plan.distributed_optimizer else "")
+    experts = f" (routed experts {plan.expert_bytes_per_param:.2f})" if plan.has_experts else ""
     return (f"{plan.precision} weights, fp32 grads{master}, {states}{sharding}; "
-            f"{plan.bytes_per_param:.2f} bytes/param; activations not included")
+            f"{plan.bytes_per_param:.2f} bytes/param{experts}; activations not included")
+
+
+def _expert_rows(plan: ParallelPlan) -> list[tuple[str, str]]:
+    if not plan.has_experts:
+        return []
+    sizes = plan.sizes
+    return [("expert parallel", f"EP{sizes.expert_parallel} x expert TP{sizes.expert_tensor_parallel} x expert "
+                                f"DP{sizes.expert_data_parallel}: each rank holds 1/{sizes.expert_parallel} of "
+                                f"every MoE layer's experts, tokens reach them by all-to-all")]
 
 
 def format_parallel_plan(plan: ParallelPlan) -> str:
@@ -173,13 +214,15 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
         ("tensor parallel", f"{sizes.tensor_parallel}" + (
             f" (vision encoder: {sizes.vision_tensor_parallel})" if plan.has_vision else "")),
         ("pipeline parallel", str(sizes.pipeline_parallel)),
+        *_expert_rows(plan),
         ("data parallel", f"{sizes.data_parallel} = {sizes.world_size} / "
                           f"({sizes.tensor_parallel} x {sizes.pipeline_parallel})"),
         ("micro-batches", f"{plan.micro_batches_per_rank} per rank per step = global batch "
                           f"{plan.global_batch_size} / DP{sizes.data_parallel}, "
                           f"one {plan.seq_len}-token packed row each"),
         ("tokens per step", f"{plan.global_batch_size * plan.seq_len:,}"),
-        ("parameters", f"{human_count(plan.split.total)} total ({plan.split.total:,})"),
+        ("parameters", f"{human_count(plan.split.total)} total ({plan.split.total:,})"
+                       + (f", {human_count(plan.split.active)} active per token" if plan.has_experts else "")),
     ]
     for stage in plan.stages:
         layers = f"layers {stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"

@@ -88,6 +88,21 @@ def test_dry_run_72b_plan_numbers():
     assert "GiB" in plan
 
 
+def test_dry_run_moe_plan_splits_the_experts_over_ep():
+    """qwen3-30b-a3b at EP 8 over 16 ranks: a rank holds the dense part whole (TP 1) and 1/8 of
+    the routed experts; the experts' optimizer state is sharded over their 2 replicas only."""
+    plan = invoke("--preset", "qwen3-30b-a3b", "--dry-run").stdout.split("parallel plan\n")[1]
+    assert "16 processes = TP1 x PP1 x DP16" in plan
+    assert "EP8 x expert TP1 x expert DP2" in plan
+    assert "30.53B total (30,532,122,624), 3.35B active per token" in plan
+    experts = 48 * 128 * 3 * 2048 * 768  # routed experts, all layers
+    dense = 30_532_122_624 - experts
+    assert "5.16B params per rank" in plan  # dense + experts / 8
+    # bf16 + fp32 grads + (fp32 master + Adam) / 16 for the dense part, / 2 for the experts.
+    memory = dense * (2 + 4 + 12 / 16) + experts / 8 * (2 + 4 + 12 / 2)
+    assert f"~{memory / 1024**3:.1f} GiB" in plan and "6.75 bytes/param (routed experts 12.00)" in plan
+
+
 @pytest.mark.parametrize("world_source", [
     ["parallel.world_size=8"], ["--nproc-per-node", "8"]])
 def test_dry_run_7b_at_tp4_pp2(world_source):

@@ -17,14 +17,21 @@ def linear_parameters(fan_in: int, fan_out: int, bias: bool) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
+def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+    """One layer's routed experts, router not included (0 in a dense model); ``active``: the
+    ``moe_router_topk`` experts one token runs through."""
+    if not lang.num_experts:
+        return 0
+    experts = lang.moe_router_topk if active else lang.num_experts
+    return experts * 3 * linear_parameters(lang.hidden_size, lang.moe_ffn_hidden_size, bias=False)
+
+
 def mlp_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One layer's SwiGLU MLP; with experts, the router plus every expert (``active``: the router
     plus the ``moe_router_topk`` experts one token runs through)."""
     if not lang.num_experts:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
-    experts = lang.moe_router_topk if active else lang.num_experts
-    router = linear_parameters(lang.hidden_size, lang.num_experts, bias=False)
-    return router + experts * 3 * linear_parameters(lang.hidden_size, lang.moe_ffn_hidden_size, bias=False)
+    return linear_parameters(lang.hidden_size, lang.num_experts, bias=False) + expert_parameters(lang, active=active)
 
 
 def language_layer_parameters(lang: LanguageConfig, *, active: bool = False) -> int:

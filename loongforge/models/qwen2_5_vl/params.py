@@ -39,4 +39,5 @@ def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
         "projector": projector,
         "language_model": language_model,
         "total": vision_model + projector + language_model,
+        "active": vision_model + projector + language_model,  # dense: every parameter, every token
     }

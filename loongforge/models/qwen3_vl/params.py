@@ -22,5 +22,7 @@ def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
 
     projector = merger(h) + len(vis.deepstack_layers) * merger(merged)
     language_model = language_parameters(model_cfg.language)
+    towers = vision_model + projector
     return {"vision_model": vision_model, "projector": projector, "language_model": language_model,
-            "total": vision_model + projector + language_model}
+            "total": towers + language_model,
+            "active": towers + language_parameters(model_cfg.language, active=True)}
