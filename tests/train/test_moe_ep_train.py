@@ -1,4 +1,7 @@
-"""Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
+"""Qwen3-MoE through `loongforge train` (qwen3-moe-tiny: megatron-core's MoE layer, 8 experts top-2, the
+load-balancing loss on), logging its balance loss and tokens per expert each step.
+
+Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
 data-parallel ranks (EP 2), and over EP 2 x TP 2 (sequence parallel, expert TP 1), gives the per-step
 losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 1e-5 over 5
 steps, and the same Adam moments; EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
@@ -7,6 +10,7 @@ weights go into an EP-2 run and come back out of its checkpoint bit-exact."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -45,8 +49,25 @@ LAYOUTS = {
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp("moe-ep")
     for name, (extra, nproc) in LAYOUTS.items():
-        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+        proc = run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+        (root / name / "console.txt").write_text(proc.stdout + proc.stderr)
     return {name: root / name for name in LAYOUTS}
+
+
+def test_moe_run_learns_and_logs_its_experts(runs):
+    run = runs["ep1"]
+    assert all(math.isfinite(v) for v in losses(run) + grad_norms(run))
+    # A fresh model's loss starts near ln(vocabulary size), and falls.
+    assert abs(losses(run)[0] - math.log(151_936)) < 1.0 and losses(run)[-1] < losses(run)[0]
+    # megatron's per-layer balance losses summed over the run's 2 layers (the test harness's
+    # SMALL_MODEL): each about 1 when balanced (a fresh router), at most num_experts / topk = 4.
+    balance = step_metric(run, "load_balancing_loss")
+    assert all(1.5 <= value <= 8.0 for value in balance), balance
+    # Tokens per expert over each step: logged, and in the log line.
+    low, high = step_metric(run, "expert_tokens_min"), step_metric(run, "expert_tokens_max")
+    load = step_metric(run, "expert_load_max_over_mean")
+    assert all(0 <= a <= b for a, b in zip(low, high)) and all(1.0 <= value <= 4.0 for value in load), (low, high, load)
+    assert f"experts max/mean {load[-1]:.2f}" in (run / "console.txt").read_text()
 
 
 @pytest.mark.parametrize("layout", ["ep2", "ep2-tp2"])
