@@ -333,6 +333,24 @@ def check_checkpoint_files(path: Path) -> None:
             _check_file(pickle_file, lambda p: torch.load(p, weights_only=False, map_location="cpu"))
 
 
+def _expert_parallel_size(model_chunks: list) -> int:
+    for module in _unwrap(model_chunks[0]).modules():
+        if hasattr(module, "ep_group") and hasattr(module, "local_experts"):  # the experts of a MoE layer
+            return module.ep_group.size()
+    return 1
+
+
+def _check_expert_parallel_size(path: Path, meta: dict, model_chunks: list) -> None:
+    """Optimizer state loads only at the EP size it was saved at: megatron-core keeps one optimizer
+    per kind of parameter under expert parallelism (prefixed ``chained_<n>.``) and one without, and
+    its chained optimizer does not read the other's state. Weights alone reshard (through HF)."""
+    saved, running = meta.get("layout", {}).get("ep", 1), _expert_parallel_size(model_chunks)
+    if saved != running:
+        raise InputError(f"{path} was saved at parallel.expert_model_parallel_size={saved}, this run has "
+                         f"{running}: resume at {saved}, or start a new run from its weights (loongforge "
+                         f"convert {path} HF_DIR --to hf, then checkpoint.load_hf=HF_DIR).")
+
+
 def _damage(path: Path) -> Optional[str]:
     try:
         check_checkpoint_files(path)
@@ -423,11 +441,13 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
 def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> TrainState:
     from megatron.core import dist_checkpointing
 
-    if json.loads((path / META_FILE).read_text()).get("kind") == MODEL_ONLY_KIND:
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get("kind") == MODEL_ONLY_KIND:
         load_model_only(path, model_chunks, optimizer)
         # data_state None: no data position to restore, the run starts at step 0
         return TrainState(step=0, consumed_rows=0, data_state=None, extra={})
     if optimizer is not None:
+        _check_expert_parallel_size(path, meta, model_chunks)
         _init_optimizer_state(optimizer)
     with mcore_patches.scoped(mcore_patches.CHECKPOINT_LOAD_PATCHES):
         saved_keys = _saved_keys(path / "model_optim")

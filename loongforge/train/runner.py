@@ -421,7 +421,8 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
 def _save(run: _Run, step: int, consumed_rows: int) -> str:
     state = TrainState(step=step, consumed_rows=consumed_rows, data_state=run.pipeline.state_dict(),
                        extra=run.balancing.state_dict())
-    layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size}
+    layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size,
+                   "ep": run.cfg.parallel.expert_model_parallel_size}
     # A run on stored embeddings records the encoder they were checked against: its checkpoints
     # hold no encoder, and a --resume checks the store against this.
     record = {DIGEST_KEY: run.encoder_digest} if run.encoder_digest else {}

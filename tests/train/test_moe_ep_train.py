@@ -138,3 +138,16 @@ def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
     assert sorted(end) == sorted(start)
     different = [key for key in start if not torch.equal(start[key], end[key])]
     assert not different, different[:5]
+
+
+def test_resuming_at_another_expert_parallel_size_is_refused_in_one_line(runs, tmp_path):
+    """megatron-core's optimizer state under EP > 1 is chained per kind of parameter: it does not
+    load at another EP size, so the run stops before training with what to do instead."""
+    moved = tmp_path / "moved"
+    shutil.copytree(runs["ep1"], moved)
+    proc = run_train(moved, *OPTIONS, *EP2, nproc=2, resume=True, expect_ok=False, preset=PRESET)
+    assert proc.returncode == 2
+    saved = final_checkpoint(moved)
+    assert (f"error: {saved} was saved at parallel.expert_model_parallel_size=1, this run has 2: resume at 1, "
+            f"or start a new run from its weights (loongforge convert {saved} HF_DIR --to hf, then "
+            f"checkpoint.load_hf=HF_DIR).") in proc.stderr
