@@ -337,6 +337,10 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
     return errors
 
 
+# Families whose decoder builds megatron-core's MoE layer when num_experts > 0.
+_FAMILIES_WITH_EXPERTS = ("llm", "qwen3_vl")
+
+
 def _check_experts(cfg: RunConfig) -> list[str]:
     """Mixture-of-experts fields: all-or-nothing, top-k within the experts."""
     language, key = cfg.model.language, "model.language"
@@ -348,9 +352,14 @@ def _check_experts(cfg: RunConfig) -> list[str]:
                     f"{key}.num_experts=0 (a dense model); set num_experts or moe_ffn_hidden_size: null."]
         return []
     errors = []
-    if cfg.model.family != "llm":
+    if cfg.model.family not in _FAMILIES_WITH_EXPERTS:
         errors.append(f"{key}.num_experts={language.num_experts} but model.family={cfg.model.family} has no "
-                      f"mixture-of-experts layers yet; use model.family=llm or num_experts: 0.")
+                      f"mixture-of-experts layers yet; use model.family "
+                      f"{' or '.join(_FAMILIES_WITH_EXPERTS)}, or num_experts: 0.")
+    if cfg.model.family == "qwen3_vl" and not language.norm_topk_prob:
+        # Qwen3-VL-MoE's router (transformers') always renormalises: the weights would not export.
+        errors.append(f"{key}.norm_topk_prob=false: Qwen3-VL-MoE always renormalises the top-k routing "
+                      f"probabilities; set norm_topk_prob: true.")
     if language.moe_ffn_hidden_size is None or language.moe_ffn_hidden_size < 1:
         errors.append(f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} must be at least 1 with "
                       f"{key}.num_experts={language.num_experts} (each expert's MLP width).")

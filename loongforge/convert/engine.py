@@ -113,6 +113,10 @@ def build_links(model_cfg: ModelConfig) -> list[Link]:
                       for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
         elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
             key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
+            if rule.fuses_experts:  # one HF tensor holds a layer's experts: one link per layer
+                links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
+                          for i in range(model_cfg.language.num_layers)]
+                continue
             links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
                       for i in range(model_cfg.language.num_layers)
                       for e in range(model_cfg.language.num_experts)]
@@ -287,15 +291,16 @@ def _preset_model(preset: str) -> ModelConfig:
 
 
 def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) -> dict[str, tuple[int, ...]]:
-    """Every tensor present with the shape ``model_cfg`` implies, and nothing else; errors name the
-    file and the tensor. Returns the expected shapes."""
+    """Every tensor present with the shape ``model_cfg`` implies (or another layout its transform
+    reads), and nothing else; errors name the file and the tensor. Returns the expected shapes."""
     family = family_of(model_cfg)
     expected = family.hf_shapes(model_cfg)
+    transforms = {key: link.rule.transform for link in build_links(model_cfg) for key in link.hf_keys}
     for key, shape in expected.items():
         entry = src.entries.get(key)
         if entry is None:
             raise InputError(f"{src.root}: tensor {key} is missing (required by {against})")
-        if entry.shape != shape:
+        if entry.shape != shape and not (key in transforms and transforms[key].accepts_hf_shape(entry.shape)):
             raise InputError(f"{entry.file}: tensor {entry.key} has shape {list(entry.shape)} but {against} "
                              f"expects {list(shape)}")
     for key, entry in src.entries.items():

@@ -28,7 +28,8 @@ from loongforge.convert.engine import (
     vocab_rows_at)
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.convert.mcore_io import McoreItem, McoreReader, stacked, write_mcore
-from loongforge.models.hf_rules import VISION, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab
+from loongforge.models.hf_rules import (
+    VISION, FusedExperts, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 
@@ -84,6 +85,10 @@ def rank_regions(transform: Transform, local: torch.Tensor, rank: int, size: int
     """Where TP rank ``rank`` of ``size`` writes its tensor ``local`` in the global (TP=1) tensor,
     as megatron-core's sharded state dict places it. Replicated tensors: rank 0 writes them."""
     zeros = [0] * local.dim()
+    if isinstance(transform, FusedExperts):  # [E, ...]: each expert's regions, stacked on the expert axis
+        per_expert = [rank_regions(transform.per_expert, expert, rank, size) for expert in local]
+        return [((0, *offsets), torch.stack([regions[part][1] for regions in per_expert]))
+                for part, (offsets, _) in enumerate(per_expert[0])]
     if isinstance(transform, GateUp):  # [gate shard; up shard] -> two chunks of the [gate; up] rows
         gate, up = local.chunk(2, dim=0)
         rows = gate.shape[0]

@@ -60,6 +60,11 @@ class Transform(abc.ABC):
     def unshard(self, shards: Sequence[Tensor]) -> list[Tensor]:
         """Every TP rank's megatron tensor -> the HF full tensors."""
 
+    def accepts_hf_shape(self, shape: tuple[int, ...]) -> bool:
+        """Whether an HF file's tensor of ``shape`` can be read where the config implies another
+        shape (a layout the transform also reads); only ``FusedExperts`` has one."""
+        return False
+
 
 class Replicated(Transform):
     """Same tensor on every rank (norms, row-parallel biases)."""
@@ -170,6 +175,54 @@ class PatchEmbedding(Transform):
         return [shards[0].reshape(self.conv_shape)]
 
 
+@dataclass(frozen=True)
+class FusedExperts(Transform):
+    """Every expert of one layer in one HF tensor [E, out, in] <-> megatron's per-expert tensors
+    (``SequentialMLP``'s ``local_experts.{e}``), each made from its expert's slice by ``per_expert``.
+
+    transformers 5's Qwen3-VL-MoE holds (and ``save_pretrained`` writes) ``experts.gate_up_proj``
+    [E, 2*ffn, h] (each expert's gate rows, then its up rows) and ``experts.down_proj`` [E, h, ffn];
+    ``expert_shape`` is one expert's [out, in] in that layout. The Hub's Qwen3-VL-MoE files store the
+    two trailing axes the other way round ([E, h, 2*ffn], [E, ffn, h]: the batched-matmul layout of
+    transformers 4), which is read transposed. A square slice could be either; it is read as
+    transformers 5 reads it (its loader transposes only when the shape differs). Written: transformers
+    5's layout. ``shard`` / ``unshard`` move all E experts ([E, ...] per rank); ``shard_expert`` one.
+    """
+
+    per_expert: Transform  # GateUp for gate_up_proj, Split(1) for down_proj
+    num_experts: int
+    expert_shape: tuple[int, int]
+    # The HF tensors ``per_expert`` takes from one expert's slice: 2 (gate, up) or 1 (down).
+    parts: int
+
+    def accepts_hf_shape(self, shape: tuple[int, ...]) -> bool:
+        return shape in ((self.num_experts, *self.expert_shape), (self.num_experts, *self.expert_shape[::-1]))
+
+    def _experts(self, fused: Tensor) -> Tensor:
+        """[E, out, in] whichever layout ``fused`` is in."""
+        if tuple(fused.shape[1:]) == self.expert_shape:
+            return fused
+        if tuple(fused.shape[1:]) == self.expert_shape[::-1]:
+            return fused.transpose(1, 2)
+        raise ValueError(f"fused expert tensor of shape {list(fused.shape)}: expected "
+                         f"[{self.num_experts}, {self.expert_shape[0]}, {self.expert_shape[1]}] or its last two "
+                         f"axes swapped")
+
+    def shard_expert(self, hf: Sequence[Tensor], expert: int, rank: int, size: int) -> Tensor:
+        """Expert ``expert``'s tensor on TP rank ``rank``."""
+        return self.per_expert.shard(list(self._experts(hf[0])[expert].chunk(self.parts, dim=0)), rank, size)
+
+    def shard(self, hf, rank, size):
+        return torch.stack([self.shard_expert(hf, e, rank, size) for e in range(self.num_experts)])
+
+    def unshard(self, shards):
+        return self.unshard_experts([[shard[e] for shard in shards] for e in range(self.num_experts)])
+
+    def unshard_experts(self, per_expert_shards: Sequence[Sequence[Tensor]]) -> list[Tensor]:
+        """[expert][TP rank] megatron tensors -> the fused HF tensor [E, out, in]."""
+        return [torch.stack([torch.cat(self.per_expert.unshard(shards)) for shards in per_expert_shards])]
+
+
 def _chunk(x: Tensor, parts: int, dim: int) -> tuple[Tensor, ...]:
     if x.shape[dim] % parts != 0:
         raise ValueError(f"cannot split a dimension of {x.shape[dim]} into {parts} TP shards")
@@ -191,3 +244,8 @@ class Rule:
     fallback_hf: Optional[str] = None
     # How many indices ``{i}`` runs over in a vision rule; None: every vision block.
     count: Optional[int] = None
+
+    @property
+    def fuses_experts(self) -> bool:
+        """One HF tensor per layer holds every expert that our ``{e}`` keys hold one by one."""
+        return "{e}" in self.megatron and not any("{e}" in pattern for pattern in self.hf)

@@ -5,7 +5,8 @@ style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_
 a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
 megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers): global in HF,
 local to the expert-parallel rank in megatron (``expert_offset``); experts are split by the expert
-TP size, everything else of the language model by TP.
+TP size, everything else of the language model by TP. A rule whose HF tensor holds every expert of
+a layer (``Rule.fuses_experts``) fills our ``{e}`` keys from that one tensor's slices.
 """
 
 from __future__ import annotations
@@ -99,7 +100,11 @@ def hf_to_megatron(
             size = tp_size if expert_tp_size is None else expert_tp_size
         else:
             rank, size = tp_rank, tp_size
-        out[key] = rule.transform.shard([hf_state[s] for s in sources], rank, size).clone()
+        hf = [hf_state[s] for s in sources]
+        if rule.fuses_experts:
+            out[key] = rule.transform.shard_expert(hf, expert, rank, size).clone()
+        else:
+            out[key] = rule.transform.shard(hf, rank, size).clone()
     return out
 
 
@@ -118,6 +123,8 @@ def megatron_to_hf(
     rules = get_family(model_cfg.family).hf_rules(model_cfg)
     vision_tp_size = vision_tp_size or len(shards)
     out = {}
+    # (HF key, rule) -> expert -> that expert's tensor on every TP rank, for HF tensors of all experts
+    fused: dict[tuple[str, Rule], dict[int, list[Tensor]]] = {}
     for key in shards[0]:
         if key.endswith("_extra_state"):
             continue
@@ -125,10 +132,15 @@ def megatron_to_hf(
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue
         ranks = shards[:vision_tp_size] if rule.group == VISION else shards
-        tensors = rule.transform.unshard([shard[key] for shard in ranks])
         index = _hf_index(rule, local_index, layer_offset)
+        if rule.fuses_experts:
+            fused.setdefault((_fill(rule.hf[0], index), rule), {})[expert] = [shard[key] for shard in ranks]
+            continue
+        tensors = rule.transform.unshard([shard[key] for shard in ranks])
         for pattern, tensor in zip(rule.hf, tensors):
             out[_fill(pattern, index, expert)] = tensor
+    for (hf_key, rule), experts in fused.items():
+        (out[hf_key],) = rule.transform.unshard_experts([experts[e] for e in sorted(experts)])
     return out
 
 

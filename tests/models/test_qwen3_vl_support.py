@@ -1,4 +1,4 @@
-"""Shared pieces of the Qwen3-VL tests: a tiny config, the matching random transformers model, sample
+"""Shared pieces of the Qwen3-VL tests (dense and MoE): a tiny config, the matching random transformers model, sample
 inputs (videos written as the processor writes them: a timestamp, then each frame in its own
 vision_start/vision_end block) and transformers' own position ids and logits.
 
@@ -25,7 +25,15 @@ PATCH_DIM = 3 * 2 * 16 * 16  # channels * temporal patch * patch^2: one row of p
 TIMESTAMP_TOKEN = 27  # stands for the "<1.5 seconds>" text before each video frame
 
 
-def tiny_model_cfg(*, tie: bool = False) -> ModelConfig:
+# Qwen3-VL-MoE at toy size: every decoder layer 4 routed experts of width 48, top-2, renormalised
+# (the only router transformers' Qwen3-VL-MoE has). 48, not 32: each expert's gate_up slice [96, 64]
+# is not square, so reading it in the wrong orientation fails loudly instead of silently.
+TINY_EXPERTS = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, norm_topk_prob=True,
+                    moe_aux_loss_coeff=0.001)
+
+
+def tiny_model_cfg(*, tie: bool = False, experts: bool = False) -> ModelConfig:
+    """The tiny dense Qwen3-VL; ``experts``: Qwen3-VL-MoE (``TINY_EXPERTS`` in every layer)."""
     vis = TINY_VISION
     return ModelConfig(
         family="qwen3_vl",
@@ -40,17 +48,24 @@ def tiny_model_cfg(*, tie: bool = False) -> ModelConfig:
             qk_norm=True, add_qkv_bias=False, vocab_size=151936, rope_theta=5e6, mrope_section=[6, 5, 5],
             mrope_interleaved=True,
             tie_word_embeddings=tie,
+            **(TINY_EXPERTS if experts else {}),
         ),
         layer_backend="sdpa",
     )
 
 
 def hf_config(model_cfg: ModelConfig, vision: Qwen3VisionConfig = TINY_VISION):
-    from transformers import Qwen3VLConfig
+    """transformers' Qwen3VLConfig, or Qwen3VLMoeConfig for a model with experts."""
+    from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     lang, tok = model_cfg.language, model_cfg.tokens
-    return Qwen3VLConfig(
+    experts = dict(num_experts=lang.num_experts, num_experts_per_tok=lang.moe_router_topk,
+                   moe_intermediate_size=lang.moe_ffn_hidden_size, router_aux_loss_coef=lang.moe_aux_loss_coeff,
+                   decoder_sparse_step=1, mlp_only_layers=[])
+    config_class = Qwen3VLMoeConfig if lang.num_experts else Qwen3VLConfig
+    return config_class(
         text_config=dict(
+            **(experts if lang.num_experts else {}),
             vocab_size=lang.vocab_size, hidden_size=lang.hidden_size, intermediate_size=lang.ffn_hidden_size,
             num_hidden_layers=lang.num_layers, num_attention_heads=lang.num_attention_heads,
             num_key_value_heads=lang.num_query_groups, head_dim=lang.head_dim, rms_norm_eps=lang.rms_norm_eps,
@@ -72,12 +87,18 @@ def hf_config(model_cfg: ModelConfig, vision: Qwen3VisionConfig = TINY_VISION):
 
 
 def build_hf_model(model_cfg: ModelConfig, seed: int = 0):
-    """A random fp32 transformers Qwen3-VL; every parameter (norm weights and biases, position
-    embeddings, mergers) drawn anew, so a wrong mapping of any tensor shows in the logits."""
-    from transformers import Qwen3VLForConditionalGeneration
+    """A random fp32 transformers Qwen3-VL (Qwen3-VL-MoE with experts, eager attention); every
+    parameter (norm weights and biases, position embeddings, mergers, routers, experts) drawn anew,
+    so a wrong mapping of any tensor shows in the logits."""
+    from transformers import Qwen3VLForConditionalGeneration, Qwen3VLMoeForConditionalGeneration
 
     torch.manual_seed(seed)
-    model = Qwen3VLForConditionalGeneration(hf_config(model_cfg)).float().eval()
+    config = hf_config(model_cfg)
+    if model_cfg.language.num_experts:
+        config._attn_implementation = "eager"
+        model = Qwen3VLMoeForConditionalGeneration(config).float().eval()
+    else:
+        model = Qwen3VLForConditionalGeneration(config).float().eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():

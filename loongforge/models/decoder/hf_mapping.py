@@ -6,10 +6,13 @@ merger) in front of these. Which optional tensors exist follows the config: q/k/
 (``add_qkv_bias``), per-head q/k norms (``qk_norm``), ``lm_head`` (untied embeddings), and routed
 experts in place of the MLP (``num_experts``, Qwen3-MoE).
 
-Experts are written in the Hub layout, one tensor per expert and projection
-(``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses into ``experts.gate_up_proj``
-[E, 2*ffn, h] and ``experts.down_proj`` [E, h, ffn] when it loads; ``hub_experts`` splits those
-fused tensors (a transformers 5 ``state_dict()``) back into the Hub layout.
+Experts come in two HF layouts, chosen by the family (``fused_experts``):
+- per expert (Qwen3-MoE's Hub files): one tensor per expert and projection
+  (``mlp.experts.{e}.gate_proj.weight``), which transformers 5 fuses into ``experts.gate_up_proj``
+  [E, 2*ffn, h] and ``experts.down_proj`` [E, h, ffn] when it loads; ``hub_experts`` splits those
+  fused tensors (a transformers 5 ``state_dict()``) back into the Hub layout;
+- fused (Qwen3-VL-MoE, whose Hub files are fused too): ``experts.gate_up_proj`` and
+  ``experts.down_proj`` per layer, read in either orientation (``hf_rules.FusedExperts``).
 """
 
 from __future__ import annotations
@@ -18,10 +21,12 @@ from typing import Any, Mapping
 
 from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.hf_rules import LANGUAGE, GateUp, GroupedQKV, Replicated, Rule, Split, Vocab
+from loongforge.models.hf_rules import LANGUAGE, FusedExperts, GateUp, GroupedQKV, Replicated, Rule, Split, Vocab
 
 
-def language_rules(lang: LanguageConfig) -> list[Rule]:
+def language_rules(lang: LanguageConfig, *, fused_experts: bool = False) -> list[Rule]:
+    """The decoder's rows; ``fused_experts``: the routed experts' HF tensors hold every expert of a
+    layer (Qwen3-VL-MoE), else one tensor per expert (Qwen3-MoE)."""
     vocab, rep, row, gate_up = Vocab(lang.vocab_size), Replicated(), Split(1), GateUp()
     qkv = GroupedQKV(lang.num_attention_heads, lang.num_query_groups, head_dim(lang))
     lb, ll = "model.layers.{i}.", "language_model.decoder.layers.{i}."
@@ -38,14 +43,12 @@ def language_rules(lang: LanguageConfig) -> list[Rule]:
                   Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", rep, LANGUAGE)]
     rules.append(Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE))
     if lang.num_experts:
-        le, he = ll + "mlp.experts.local_experts.{e}.", lb + "mlp.experts.{e}."
         rules += [
             # The MoE layer's norm is its own module (the router and the experts share its output).
             Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
             Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE),
-            Rule((he + "gate_proj.weight", he + "up_proj.weight"), le + "linear_fc1.weight", gate_up, LANGUAGE),
-            Rule((he + "down_proj.weight",), le + "linear_fc2.weight", row, LANGUAGE),
         ]
+        rules += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
     else:
         rules += [
             Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
@@ -60,7 +63,22 @@ def language_rules(lang: LanguageConfig) -> list[Rule]:
     ]
 
 
-def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
+def _expert_rules(lb: str, ll: str) -> list[Rule]:
+    le, he = ll + "mlp.experts.local_experts.{e}.", lb + "mlp.experts.{e}."
+    return [Rule((he + "gate_proj.weight", he + "up_proj.weight"), le + "linear_fc1.weight", GateUp(), LANGUAGE),
+            Rule((he + "down_proj.weight",), le + "linear_fc2.weight", Split(1), LANGUAGE)]
+
+
+def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
+    experts, d, ffn = lang.num_experts, lang.hidden_size, lang.moe_ffn_hidden_size
+    le = ll + "mlp.experts.local_experts.{e}."
+    gate_up = FusedExperts(GateUp(), experts, (2 * ffn, d), parts=2)
+    down = FusedExperts(Split(1), experts, (d, ffn), parts=1)
+    return [Rule((lb + "mlp.experts.gate_up_proj",), le + "linear_fc1.weight", gate_up, LANGUAGE),
+            Rule((lb + "mlp.experts.down_proj",), le + "linear_fc2.weight", down, LANGUAGE)]
+
+
+def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
     """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied)."""
     d, channels = lang.hidden_size, head_dim(lang)
     q, kv = lang.num_attention_heads * channels, lang.num_query_groups * channels
@@ -74,7 +92,7 @@ def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
             b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),
             b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.o_proj.weight": (d, q),
         })
-        shapes.update(_mlp_shapes(lang, b))
+        shapes.update(_mlp_shapes(lang, b, fused_experts))
         if lang.add_qkv_bias:
             shapes.update({b + "self_attn.q_proj.bias": (q,), b + "self_attn.k_proj.bias": (kv,),
                            b + "self_attn.v_proj.bias": (kv,)})
@@ -83,13 +101,16 @@ def language_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def _mlp_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool) -> dict[str, tuple[int, ...]]:
     d = lang.hidden_size
     if not lang.num_experts:
         ffn = lang.ffn_hidden_size
         return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
                 b + "mlp.down_proj.weight": (d, ffn)}
     ffn, shapes = lang.moe_ffn_hidden_size, {b + "mlp.gate.weight": (lang.num_experts, d)}
+    if fused_experts:  # transformers 5's layout (``FusedExperts`` reads the Hub's transposed one too)
+        return {**shapes, b + "mlp.experts.gate_up_proj": (lang.num_experts, 2 * ffn, d),
+                b + "mlp.experts.down_proj": (lang.num_experts, d, ffn)}
     for e in range(lang.num_experts):
         shapes.update({f"{b}mlp.experts.{e}.gate_proj.weight": (ffn, d), f"{b}mlp.experts.{e}.up_proj.weight": (ffn, d),
                        f"{b}mlp.experts.{e}.down_proj.weight": (d, ffn)})

@@ -12,6 +12,7 @@ from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
+from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 
 NAME = "llm"
@@ -94,29 +95,12 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
                 qk_norm=qk_norm,
                 rope_scaling_factor=_rope_scaling_factor(cfg, where),
-                **(_experts_from_hf(cfg, where) if experts else {}),
+                **(experts_from_hf(cfg, where, model="Qwen3-MoE") if experts else {}),
             ),
             tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)),
         )
     except KeyError as exc:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete config.json?") from None
-
-
-def _experts_from_hf(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
-    """Qwen3-MoE's expert fields; every decoder layer must be sparse (as in the published models)."""
-    step, dense = cfg.get("decoder_sparse_step", 1), list(cfg.get("mlp_only_layers") or [])
-    if step != 1 or dense:
-        raise InputError(f"{where}: decoder_sparse_step={step}, mlp_only_layers={dense}: loongforge's "
-                         f"Qwen3-MoE makes every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
-    # The Hub's config.json says num_experts; transformers 5 writes it as num_local_experts.
-    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
-    if not isinstance(experts, int) or experts < 1:
-        raise InputError(f"{where}: a Qwen3-MoE config needs num_experts (or num_local_experts) >= 1, "
-                         f"got {experts}")
-    return dict(num_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                moe_router_topk=cfg.get("num_experts_per_tok", 8),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
 
 
 def _pad_token_id(cfg: Mapping[str, Any]) -> int:
@@ -155,9 +139,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
     if name == "LlamaForCausalLM":
         config.update(attention_bias=False, mlp_bias=False)
     if lang.num_experts:
-        config.update(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
-                      num_experts_per_tok=lang.moe_router_topk, norm_topk_prob=lang.norm_topk_prob,
-                      router_aux_loss_coef=lang.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
+        config.update(experts_to_hf(lang))
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}
     return config

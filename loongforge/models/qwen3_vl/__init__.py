@@ -1,4 +1,6 @@
-"""Qwen3-VL (dense) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of it.
+"""Qwen3-VL on megatron-core, dense or with mixture-of-experts decoder layers (Qwen3-VL-MoE:
+megatron-core's MoE layer in every decoder layer, ``model.language.num_experts`` > 0; the towers,
+DeepStack and M-RoPE are the dense model's); ``FAMILY`` is what the rest of loongforge sees of it.
 
 model.py        Qwen3VLModel and build_model (the entry point)
 vision.py       the ViT tower (learned, resampled position embeddings; 2-D RoPE) and patch mergers
@@ -8,7 +10,7 @@ layer_specs.py  the vision layer spec (the shared pre-norm block with LayerNorm 
 configs.py      Qwen3VisionConfig (the vision facts) and the towers' megatron TransformerConfigs
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
-params.py       parameter counts by arithmetic
+params.py       parameter counts by arithmetic (total, and active per token)
 rope_index.py   M-RoPE position ids per sample (data side)
 encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
@@ -45,5 +47,6 @@ FAMILY = ModelFamily(
     layout=LAYOUT,
     has_vision=True,
     tiny_preset="qwen3vl-tiny",
-    hf_model_class="Qwen3VLForConditionalGeneration",
+    # Resolves to Qwen3VLForConditionalGeneration or Qwen3VLMoeForConditionalGeneration by model_type.
+    hf_model_class="AutoModelForImageTextToText",
 )

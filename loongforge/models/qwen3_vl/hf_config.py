@@ -3,6 +3,11 @@
 transformers nests the decoder under ``text_config`` (Qwen3: q/k norms, no qkv bias, ``head_dim``)
 with its rotary settings under ``rope_parameters`` (older Hub files: ``rope_scaling`` and a flat
 ``rope_theta``), and the ViT under ``vision_config``.
+
+Qwen3-VL-MoE (``Qwen3VLMoeForConditionalGeneration``, model_type ``qwen3_vl_moe``) is the same
+model with routed experts in every decoder layer: the expert fields sit in ``text_config``
+(``models.decoder.hf_config``), and its router always renormalises the top-k probabilities
+(transformers' ``Qwen3VLMoeTextTopKRouter`` has no ``norm_topk_prob`` switch).
 """
 
 from __future__ import annotations
@@ -11,11 +16,16 @@ from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
+from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 
 NAME = "qwen3_vl"
-HF_ARCHITECTURES = ("Qwen3VLForConditionalGeneration", "Qwen3VLModel")
-HF_MODEL_TYPES = ("qwen3_vl",)
+_DENSE, _MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
+HF_ARCHITECTURES = (_DENSE, "Qwen3VLModel", _MOE, "Qwen3VLMoeModel")
+HF_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
+# config.json model_type of (the model, its text_config, its vision_config), dense and MoE.
+_MODEL_TYPES = {False: ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_vision"),
+                True: ("qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_vl_moe_vision")}
 _DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default when a config names none
 _TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
@@ -26,10 +36,22 @@ def _rope(text: Mapping[str, Any]) -> tuple[float, list[int]]:
     return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION)
 
 
+def _is_moe(cfg: Mapping[str, Any]) -> bool:
+    return _MOE in (cfg.get("architectures") or []) or cfg.get("model_type") == _MODEL_TYPES[True][0]
+
+
+def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
+    if text.get("norm_topk_prob", True) is not True:
+        raise InputError(f"{where}: text_config.norm_topk_prob={text['norm_topk_prob']}: transformers' Qwen3-VL-MoE "
+                         f"router always renormalises the top-k probabilities (norm_topk_prob true)")
+    return experts_from_hf(text, where, model="Qwen3-VL-MoE", key_prefix="text_config.")
+
+
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
-    """``ModelConfig`` from a Qwen3-VL ``config.json``."""
+    """``ModelConfig`` from a Qwen3-VL or Qwen3-VL-MoE ``config.json``."""
     text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
     try:
+        experts = _experts(text, where) if _is_moe(cfg) else {}
         theta, section = _rope(text)
         heads = text["num_attention_heads"]
         defaults = TokenIdsConfig()
@@ -55,7 +77,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta, mrope_section=section,
                 mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 128),
+                add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 128), **experts,
             ),
             tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
         )
@@ -66,14 +88,19 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
     vis, lang, proj, tok = model_cfg.vision, model_cfg.language, model_cfg.projector, model_cfg.tokens
+    moe = lang.num_experts > 0
+    if moe and not lang.norm_topk_prob:
+        raise ValueError("model.language.norm_topk_prob=false has no Qwen3-VL-MoE config.json: transformers' "
+                         "router always renormalises the top-k probabilities")
+    model_type, text_type, vision_type = _MODEL_TYPES[moe]
     return {
-        "architectures": [HF_ARCHITECTURES[0]],
-        "model_type": HF_MODEL_TYPES[0],
+        "architectures": [_MOE if moe else _DENSE],
+        "model_type": model_type,
         "tie_word_embeddings": lang.tie_word_embeddings,
         "dtype": dtype,
         **{name: getattr(tok, name) for name in _TOKEN_FIELDS},
         "text_config": {
-            "model_type": "qwen3_vl_text", "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
+            "model_type": text_type, "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
             "intermediate_size": lang.ffn_hidden_size, "num_hidden_layers": lang.num_layers,
             "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.num_query_groups,
             "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads, "hidden_act": "silu",
@@ -81,9 +108,10 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
             "attention_bias": False, "tie_word_embeddings": lang.tie_word_embeddings, "dtype": dtype,
             "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
                                 "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
+            **(experts_to_hf(lang) if moe else {}),
         },
         "vision_config": {
-            "model_type": "qwen3_vl_vision", "depth": vis.depth, "hidden_size": vis.hidden_size,
+            "model_type": vision_type, "depth": vis.depth, "hidden_size": vis.hidden_size,
             "intermediate_size": vis.intermediate_size, "num_heads": vis.num_heads, "in_channels": vis.in_channels,
             "patch_size": vis.patch_size, "temporal_patch_size": vis.temporal_patch_size,
             "spatial_merge_size": proj.spatial_merge_size, "out_hidden_size": proj.out_hidden_size,
@@ -121,5 +149,5 @@ def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             prefix + "linear_fc1.weight": (merged, merged), prefix + "linear_fc1.bias": (merged,),
             prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,),
         })
-    shapes.update(language_hf_shapes(model_cfg.language))
+    shapes.update(language_hf_shapes(model_cfg.language, fused_experts=True))
     return shapes

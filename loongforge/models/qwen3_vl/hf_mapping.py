@@ -14,7 +14,10 @@ Layouts that are not a plain copy:
 - patch embedding: HF's Conv3d weight [hidden, C, T, p, p] is our Linear [hidden, C*T*p*p];
 - vision pre-norms (LayerNorm, weight and bias): ``norm1`` lives in our
   ``linear_qkv.layer_norm_{weight,bias}``, ``norm2`` in ``linear_fc1.layer_norm_{weight,bias}``;
-- mergers: ``linear_fc1`` column-parallel (bias split with it), ``linear_fc2`` row-parallel.
+- mergers: ``linear_fc1`` column-parallel (bias split with it), ``linear_fc2`` row-parallel;
+- Qwen3-VL-MoE's experts: ``mlp.experts.gate_up_proj`` / ``down_proj`` hold a layer's experts
+  [E, ...], each expert a megatron ``local_experts.{e}`` pair (``hf_rules.FusedExperts``; the Hub's
+  files have the two trailing axes swapped relative to transformers 5, and both are read).
 """
 
 from __future__ import annotations
@@ -79,7 +82,8 @@ def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = 
     rules += _merger_rules("visual.merger.", "projector.")
     rules += _merger_rules("visual.deepstack_merger_list.{i}.", "deepstack_projectors.{i}.",
                            count=vision.num_deepstack_layers)
-    return rules + language_rules(model_cfg.language)
+    # Qwen3-VL-MoE's experts: one gate_up_proj and one down_proj per layer, every expert in each.
+    return rules + language_rules(model_cfg.language, fused_experts=True)
 
 
 # Key styles: transformers 5's nested names -> the Hub's (the rules' style).

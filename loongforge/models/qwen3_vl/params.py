@@ -8,8 +8,9 @@ from loongforge.models.decoder.params import linear_parameters as _linear
 
 
 def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
-    """{"vision_model", "projector", "language_model", "total"}; ``projector`` counts the merger
-    and the DeepStack mergers."""
+    """{"vision_model", "projector", "language_model", "total", "active"}; ``projector`` counts the
+    merger and the DeepStack mergers; ``active`` is what one token runs through (the towers whole,
+    the router's top-k experts of each MoE layer; every parameter of a dense model)."""
     vis, proj = model_cfg.vision, model_cfg.projector
     h, ffn = vis.hidden_size, vis.intermediate_size
     patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2

@@ -1,0 +1,39 @@
+"""The decoder's routed-expert fields of an HF ``config.json``, both ways: the one reading of them
+that Qwen3-MoE (``llm``, top level) and Qwen3-VL-MoE (``qwen3_vl``, under ``text_config``) share.
+
+transformers makes layer ``l`` sparse when ``l`` is not in ``mlp_only_layers`` and
+``(l + 1) % decoder_sparse_step == 0``; loongforge builds every decoder layer alike, so only the
+published setting (every layer sparse) is read.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import LanguageConfig
+
+
+def experts_from_hf(cfg: Mapping[str, Any], where: str, *, model: str, key_prefix: str = "") -> dict[str, Any]:
+    """``LanguageConfig`` expert fields from the decoder's part of a config.json (``cfg``); errors
+    name the file (``where``) and the key (``key_prefix``: where ``cfg`` sits in the file)."""
+    step, dense = cfg.get("decoder_sparse_step", 1), list(cfg.get("mlp_only_layers") or [])
+    if step != 1 or dense:
+        raise InputError(f"{where}: {key_prefix}decoder_sparse_step={step}, {key_prefix}mlp_only_layers={dense}: "
+                         f"loongforge's {model} makes every layer sparse (decoder_sparse_step 1, no mlp_only_layers)")
+    # The Hub's config.json says num_experts; transformers 5 writes it as num_local_experts.
+    experts = cfg.get("num_experts", cfg.get("num_local_experts"))
+    if not isinstance(experts, int) or experts < 1:
+        raise InputError(f"{where}: a {model} config needs {key_prefix}num_experts (or "
+                         f"{key_prefix}num_local_experts) >= 1, got {experts}")
+    return dict(num_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
+                moe_router_topk=cfg.get("num_experts_per_tok", 8),
+                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
+
+
+def experts_to_hf(lang: LanguageConfig) -> dict[str, Any]:
+    """The config.json expert fields of ``lang`` (a model with experts): every layer sparse."""
+    return dict(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
+                num_experts_per_tok=lang.moe_router_topk, norm_topk_prob=lang.norm_topk_prob,
+                router_aux_loss_coef=lang.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
