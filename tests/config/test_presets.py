@@ -53,7 +53,8 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 
 
 # Toy sizes for CPU runs: no published checkpoint to match.
-CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny"}
+CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny",
+               "qwen3vl-moe-tiny"}
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n not in CPU_PRESETS])

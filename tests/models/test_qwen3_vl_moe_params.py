@@ -1,0 +1,119 @@
+"""Qwen3-VL-MoE in the qwen3_vl family: parameter counts (total and active) by arithmetic equal
+transformers' Qwen3VLMoeForConditionalGeneration on the meta device for every MoE preset; the
+config.json it writes is transformers' and reads back; configs it cannot build are refused with the
+file and the key."""
+
+import pytest
+import torch
+
+from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
+from loongforge.convert import families
+from loongforge.models.registry import family_of_hf_config, get_family
+
+PRESETS = ("qwen3vl-moe-tiny", "qwen3vl-30b-a3b", "qwen3vl-235b-a22b")
+
+
+def _hf_meta_model(hf_dict: dict):
+    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
+
+    with torch.device("meta"):
+        return Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**hf_dict))
+
+
+@pytest.mark.parametrize("preset", PRESETS)
+def test_counts_equal_transformers_on_meta_device(preset):
+    model_cfg = load_run_config(preset).model
+    family = get_family(model_cfg.family)
+    hf_dict = family.config_to_hf(model_cfg)
+    assert hf_dict["architectures"] == ["Qwen3VLMoeForConditionalGeneration"]
+    hf_model = _hf_meta_model(hf_dict)
+    counts = family.count_parameters(model_cfg)
+    assert counts["total"] == sum(p.numel() for p in hf_model.parameters())
+    if model_cfg.reference_num_params is not None:
+        assert counts["total"] == model_cfg.reference_num_params
+    assert counts["vision_model"] + counts["projector"] == sum(p.numel() for p in hf_model.model.visual.parameters())
+    # Active: everything but the (num_experts - topk) experts a token skips in each layer.
+    lang = model_cfg.language
+    experts = hf_model.model.language_model.layers[0].mlp.experts
+    per_expert = (experts.gate_up_proj.numel() + experts.down_proj.numel()) // lang.num_experts
+    skipped = lang.num_layers * (lang.num_experts - lang.moe_router_topk) * per_expert
+    assert counts["active"] == counts["total"] - skipped
+    shapes = {k: tuple(v.shape) for k, v in family.to_hub_style(hf_model.state_dict()).items()}
+    if lang.tie_word_embeddings:
+        shapes.pop("lm_head.weight")
+    assert family.hf_shapes(model_cfg) == shapes
+
+
+def test_published_sizes():
+    """Qwen3-VL-30B-A3B: 31.07B parameters (as the Hub checkpoint's listings give); its decoder is
+    Qwen3-30B-A3B's parameter for parameter (30.5B); about 3.3B of the decoder active per token."""
+    counts = get_family("qwen3_vl").count_parameters(load_run_config("qwen3vl-30b-a3b").model)
+    assert round(counts["total"] / 1e9, 2) == 31.07
+    text_only = get_family("llm").count_parameters(load_run_config("qwen3-30b-a3b").model)
+    assert counts["language_model"] == text_only["total"]
+    assert counts["active"] - counts["vision_model"] - counts["projector"] == text_only["active"]
+    big = get_family("qwen3_vl").count_parameters(load_run_config("qwen3vl-235b-a22b").model)
+    assert round(big["total"] / 1e9) == 236 and round(big["active"] / 1e9) == 23
+
+
+def test_dense_qwen3_vl_counts_every_parameter_active():
+    counts = get_family("qwen3_vl").count_parameters(load_run_config("qwen3vl-8b").model)
+    assert counts["active"] == counts["total"]
+
+
+def test_config_json_round_trips_through_transformers():
+    """Ours -> config.json -> transformers' Qwen3VLMoeConfig.to_dict() (which writes
+    num_local_experts) -> ours: the same model; the family is found by its architecture."""
+    from transformers import Qwen3VLMoeConfig
+
+    model_cfg = load_run_config("qwen3vl-30b-a3b").model
+    family = get_family("qwen3_vl")
+    hf_dict = family.config_to_hf(model_cfg)
+    assert (hf_dict["model_type"], hf_dict["text_config"]["model_type"]) == ("qwen3_vl_moe", "qwen3_vl_moe_text")
+    text = hf_dict["text_config"]
+    assert (text["num_experts"], text["num_experts_per_tok"], text["moe_intermediate_size"]) == (128, 8, 768)
+    through_transformers = Qwen3VLMoeConfig(**hf_dict).to_dict()
+    assert "num_experts" not in through_transformers["text_config"]
+    assert family_of_hf_config(through_transformers, "config.json") is family
+    again = family.config_from_hf(through_transformers, "config.json")
+    assert families.config_differences(model_cfg, again) == []
+    # Read by model_type alone too (architectures absent).
+    del through_transformers["architectures"]
+    assert family.config_from_hf(through_transformers, "config.json").language.num_experts == 128
+
+
+def test_dense_config_is_still_written_as_qwen3_vl():
+    hf_dict = get_family("qwen3_vl").config_to_hf(load_run_config("qwen3vl-8b").model)
+    assert hf_dict["architectures"] == ["Qwen3VLForConditionalGeneration"]
+    assert "num_experts" not in hf_dict["text_config"]
+
+
+def _moe_config_json(**text_fields) -> dict:
+    hf_dict = get_family("qwen3_vl").config_to_hf(load_run_config("qwen3vl-moe-tiny").model)
+    hf_dict["text_config"].update(text_fields)
+    return hf_dict
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(decoder_sparse_step=2), r"^ckpt/config.json: text_config.decoder_sparse_step=2, "
+                                  r"text_config.mlp_only_layers=\[\]: loongforge's Qwen3-VL-MoE makes every layer sparse"),
+    (dict(mlp_only_layers=[0]), r"text_config.mlp_only_layers=\[0\]"),
+    (dict(norm_topk_prob=False), r"^ckpt/config.json: text_config.norm_topk_prob=False: transformers' Qwen3-VL-MoE"),
+    (dict(num_experts=0), r"^ckpt/config.json: a Qwen3-VL-MoE config needs text_config.num_experts"),
+])
+def test_configs_it_cannot_build_are_refused_naming_file_and_key(fields, message):
+    with pytest.raises(InputError, match=message) as raised:
+        get_family("qwen3_vl").config_from_hf(_moe_config_json(**fields), "ckpt/config.json")
+    assert "\n" not in str(raised.value)
+
+
+def test_unnormalised_router_is_refused_by_validation_and_export():
+    from loongforge.config.validate import check_run_config
+
+    cfg = load_run_config("qwen3vl-moe-tiny")
+    cfg.model.language.norm_topk_prob = False
+    assert any(e.startswith("model.language.norm_topk_prob=false: Qwen3-VL-MoE always renormalises")
+               for e in check_run_config(cfg))
+    with pytest.raises(ValueError, match="norm_topk_prob=false has no Qwen3-VL-MoE config.json"):
+        get_family("qwen3_vl").config_to_hf(cfg.model)
