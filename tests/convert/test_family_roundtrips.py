@@ -1,5 +1,6 @@
 """Every model family converts HF -> megatron (TP 2, PP 2) -> HF bit-exact: the text-only LLMs
-(Qwen2, Qwen3, Llama) and Qwen3-VL (vision blocks, the merger and DeepStack's mergers)."""
+(Qwen2, Qwen3, Llama) and Qwen3-VL (vision blocks, the merger and DeepStack's mergers), dense and
+MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every expert)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,10 @@ from tests.convert.helpers import invoke
 from tests.models.llm_helpers import ARCHITECTURES, build_hf_llm
 
 
-def _save_qwen3_vl(path) -> int:
+def _save_qwen3_vl(path, experts: bool = False) -> int:
     from tests.models.test_qwen3_vl_support import build_hf_model, tiny_model_cfg
 
-    model_cfg = tiny_model_cfg()
+    model_cfg = tiny_model_cfg(experts=experts)
     # 4 decoder layers: PP 2 leaves both DeepStack layers on the first stage.
     model_cfg = dataclasses.replace(model_cfg, language=dataclasses.replace(model_cfg.language, num_layers=4))
     model = build_hf_model(model_cfg)
@@ -28,10 +29,13 @@ def _save_llm(arch: str, path) -> int:
     return len(model.state_dict()) - int(model.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl"])
+@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe"])
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     src = tmp_path / "hf"
-    tensors = _save_qwen3_vl(src) if family == "qwen3_vl" else _save_llm(family, src)
+    if family.startswith("qwen3_vl"):
+        tensors = _save_qwen3_vl(src, experts=family == "qwen3_vl_moe")
+    else:
+        tensors = _save_llm(family, src)
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
     assert result.exit_code == 0, result.output
     verdict = result.output.strip().splitlines()[-1]

@@ -142,7 +142,7 @@ def test_weights_round_trip_and_the_hubs_expert_layout_reads_the_same(pair):
     written = megatron_to_hf([model.state_dict()], model_cfg)
     assert written.keys() == expected.keys()
     assert all(torch.equal(written[key], expected[key]) for key in expected)
-    assert written["model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    assert written["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
 
     from_hub = _build(model_cfg).eval()
     hub_state = _hub_layout(hf_model.state_dict())

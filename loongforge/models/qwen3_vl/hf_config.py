@@ -18,6 +18,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
+from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
 
 NAME = "qwen3_vl"
 _DENSE, _MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
@@ -122,7 +123,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Hub-style HF tensor name -> shape implied by ``model_cfg``."""
+    """Hub-style HF tensor name (Qwen3-VL's nested names) -> shape implied by ``model_cfg``."""
     vis, proj = model_cfg.vision, model_cfg.projector
     h, ffn = vis.hidden_size, vis.intermediate_size
     merged, out = h * proj.spatial_merge_size**2, proj.out_hidden_size
@@ -150,4 +151,4 @@ def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
             prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,),
         })
     shapes.update(language_hf_shapes(model_cfg.language, fused_experts=True))
-    return shapes
+    return to_hub_style(shapes)

@@ -5,9 +5,12 @@ of our keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both
 language rows are the shared decoder's (``decoder.hf_mapping.language_rules``: Qwen3 q/k norms, no
 qkv bias); the vision rows are below. ``loongforge.models.hf_weights`` walks it.
 
-HF keys come in two styles: transformers 5's state dict (``model.visual.*``,
-``model.language_model.*``, ``lm_head``) and the older Hub style (``visual.*``, ``model.layers.*``,
-``model.embed_tokens``). Both are read (``to_hub_style``); the rules are written in the Hub style.
+HF keys come in two styles: Qwen3-VL's own, which its Hub files and transformers 5's state dict and
+``save_pretrained`` share (``model.visual.*``, ``model.language_model.*``, ``lm_head``), and the flat
+names of Qwen2.5-VL's era (``visual.*``, ``model.layers.*``, ``model.embed_tokens``), which
+transformers 5 does not load into Qwen3-VL. Both are read (``to_hub_style``); Qwen3-VL's own is the
+style of the rules and the one written. The rows below and the shared decoder's are built flat and
+renamed once (``_nested``).
 
 Layouts that are not a plain copy:
 - vision ``qkv`` [3, heads, hd] -> megatron [heads, 3, hd] (``FusedHeadQKV``);
@@ -22,6 +25,7 @@ Layouts that are not a plain copy:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Mapping, Optional
 
 from loongforge.config.schema import ModelConfig
@@ -83,12 +87,23 @@ def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = 
     rules += _merger_rules("visual.deepstack_merger_list.{i}.", "deepstack_projectors.{i}.",
                            count=vision.num_deepstack_layers)
     # Qwen3-VL-MoE's experts: one gate_up_proj and one down_proj per layer, every expert in each.
-    return rules + language_rules(model_cfg.language, fused_experts=True)
+    rules += language_rules(model_cfg.language, fused_experts=True)
+    return [_nested(rule) for rule in rules]
 
 
-# Key styles: transformers 5's nested names -> the Hub's (the rules' style).
-_NEW_TO_HUB = (("model.visual.", "visual."), ("model.language_model.", "model."))
+# Key styles: flat names -> Qwen3-VL's nested ones (the rules' style); nested names stay as they are.
+_FLAT_TO_NESTED = (("model.visual.", "model.visual."), ("model.language_model.", "model.language_model."),
+                   ("visual.", "model.visual."), ("model.", "model.language_model."))
 
 
 def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    return rename_prefixes(hf_state, _NEW_TO_HUB)
+    return rename_prefixes(hf_state, _FLAT_TO_NESTED)
+
+
+def _nested_key(key: str) -> str:
+    return next(iter(rename_prefixes({key: None}, _FLAT_TO_NESTED)))
+
+
+def _nested(rule: Rule) -> Rule:
+    fallback = None if rule.fallback_hf is None else _nested_key(rule.fallback_hf)
+    return dataclasses.replace(rule, hf=tuple(_nested_key(pattern) for pattern in rule.hf), fallback_hf=fallback)
