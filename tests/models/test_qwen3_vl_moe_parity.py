@@ -4,7 +4,7 @@ image, a video and both; the load-balancing statistics give transformers' ``aux_
 megatron-core's per-layer losses; the weight map reads the Hub's transposed expert layout too.
 
 Only the renormalised router is compared: transformers' Qwen3-VL-MoE has no other (the unnormalised
-one, ``norm_topk_prob: false``, is checked against transformers' Qwen3-MoE in test_moe_parity)."""
+one, ``norm_topk_prob: false``, is checked against transformers' Qwen3-MoE in test_llm_parity)."""
 
 import pytest
 import torch
@@ -150,3 +150,18 @@ def test_weights_round_trip_and_the_hubs_expert_layout_reads_the_same(pair):
     load_hf_state_dict(from_hub, hub_state)
     ours = {k: v for k, v in model.state_dict().items() if isinstance(v, torch.Tensor)}
     assert all(torch.equal(v, ours[k]) for k, v in from_hub.state_dict().items() if isinstance(v, torch.Tensor))
+
+
+def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
+    """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``expert_offset``)."""
+    from loongforge.models.hf_weights import hf_to_megatron
+
+    model_cfg, hf_model, model = pair
+    full = model.state_dict()
+    local = {0: 2, 1: 3}
+    keys = [k for k in full if any(f".local_experts.{e}." in k for e in local)]
+    second_rank = hf_to_megatron(hf_model.state_dict(), model_cfg, keys, expert_offset=2)
+    assert len(second_rank) == 2 * 2 * model_cfg.language.num_layers  # fc1 and fc2 of 2 experts a layer
+    for key, tensor in second_rank.items():
+        e = next(e for e in local if f".local_experts.{e}." in key)
+        assert torch.equal(tensor, full[key.replace(f".local_experts.{e}.", f".local_experts.{local[e]}.")]), key
