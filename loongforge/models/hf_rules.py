@@ -65,6 +65,11 @@ class Transform(abc.ABC):
         shape (a layout the transform also reads); only ``FusedExperts`` has one."""
         return False
 
+    def as_written(self, hf: Sequence[Tensor]) -> list[Tensor]:
+        """HF tensors as ``unshard`` writes them back (the same values; another layout only where
+        ``accepts_hf_shape`` read one)."""
+        return list(hf)
+
 
 class Replicated(Transform):
     """Same tensor on every rank (norms, row-parallel biases)."""
@@ -207,6 +212,9 @@ class FusedExperts(Transform):
         raise ValueError(f"fused expert tensor of shape {list(fused.shape)}: expected "
                          f"[{self.num_experts}, {self.expert_shape[0]}, {self.expert_shape[1]}] or its last two "
                          f"axes swapped")
+
+    def as_written(self, hf):
+        return [self._experts(hf[0])]
 
     def shard_expert(self, hf: Sequence[Tensor], expert: int, rank: int, size: int) -> Tensor:
         """Expert ``expert``'s tensor on TP rank ``rank``."""
