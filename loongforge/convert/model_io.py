@@ -8,6 +8,7 @@ no separate conversion step.
 from __future__ import annotations
 
 import dataclasses
+import functools
 from pathlib import Path
 from typing import Optional
 
@@ -39,7 +40,8 @@ def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[s
     other ranks hold are never looked up).
 
     A tied model's last stage (PP > 1) keeps its own copy of the embedding as the output layer:
-    it is filled from ``model.embed_tokens.weight``.
+    it is filled from ``model.embed_tokens.weight``. A link whose HF tensor holds every expert of a
+    layer (``Rule.fuses_experts``) stands for each of those experts, one key each.
     """
     untied = dataclasses.replace(model_cfg, language=dataclasses.replace(model_cfg.language, tie_word_embeddings=False))
     by_key = {}
@@ -51,6 +53,11 @@ def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[s
             continue
         local = link.layer - layer_offset
         key = link.mcore_key.replace("layers.", f"layers.{local}.", 1)
+        if link.rule.fuses_experts:
+            for expert in range(expert_offset, model_cfg.language.num_experts):
+                by_key[key.replace(".experts.experts.", f".experts.local_experts.{expert - expert_offset}.", 1)] = (
+                    dataclasses.replace(link, expert=expert))
+            continue
         if link.expert is not None:
             if link.expert < expert_offset:
                 continue
@@ -81,7 +88,10 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
             return experts.tp_rank, experts.tp_size
         return tp.rank(), tp.size()
 
-    return _fill_from_hub(model, links, checkpoint.load, shard_of, where=str(hf_dir), holder="model")
+    # The experts of a layer come one by one from its fused tensors (gate_up, down), when a
+    # family has them: keep the last two read instead of reading them again for every expert.
+    load = functools.lru_cache(maxsize=2)(checkpoint.load)
+    return _fill_from_hub(model, links, load, shard_of, where=str(hf_dir), holder="model")
 
 
 @torch.no_grad()
@@ -105,7 +115,11 @@ def _fill_from_hub(module: torch.nn.Module, links: dict[str, Link], hub_tensor, 
         link = links.get(key)
         if link is None:
             raise InputError(f"{where}: no HF tensor maps to {holder} parameter {key}")
-        local = link.rule.transform.shard([hub_tensor(k) for k in link.hf_keys], *shard_of(link))
+        hf = [hub_tensor(k) for k in link.hf_keys]
+        if link.rule.fuses_experts:
+            local = link.rule.transform.shard_expert(hf, link.expert, *shard_of(link))
+        else:
+            local = link.rule.transform.shard(hf, *shard_of(link))
         if local.shape != target.shape:
             raise InputError(f"{where}: {link.hf_keys[0]} gives {list(local.shape)} for {key}, "
                              f"the {holder} holds {list(target.shape)}")
