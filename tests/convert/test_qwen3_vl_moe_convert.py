@@ -2,8 +2,9 @@
 down_proj per layer, every expert in each) of the folder transformers 5 saves, and the Hub's
 transposed layout of them, give the same megatron checkpoint (experts stacked on (layer, expert)
 axes, as megatron-core's ``SequentialMLP`` shards them); it loads into the model, which then gives
-transformers' logits, and converts back to what transformers saved; training loads and saves them
-(``checkpoint.load_hf`` / ``save_hf``). (The TP 2 / PP 2 round trip is in test_family_roundtrips.)"""
+transformers' logits, and converts back to what transformers saved; ``checkpoint.load_hf`` fills
+the model from them. (The TP 2 / PP 2 round trip is in test_family_roundtrips; training's
+load_hf / save_hf in tests/train/test_qwen3_vl_moe_train.)"""
 
 from __future__ import annotations
 
@@ -148,29 +149,3 @@ def test_load_hf_fills_each_expert_from_the_fused_tensors(megatron_world_of_one,
     expected = {k: v for k, v in from_memory.state_dict().items() if not k.endswith("_extra_state")}
     assert loaded == len(expected)
     assert all(torch.equal(from_disk.state_dict()[k], v) for k, v in expected.items())
-
-
-def test_train_loads_and_saves_hf_weights_bit_exact(tmp_path):
-    """``loongforge train --preset qwen3vl-moe-tiny checkpoint.load_hf=DIR checkpoint.save_hf=true`` at
-    learning rate 0 exports the fused expert tensors it loaded, bit for bit."""
-    from transformers import Qwen3VLMoeConfig, Qwen3VLMoeForConditionalGeneration
-
-    from loongforge.config.loader import load_run_config
-    from loongforge.models.registry import get_family
-    from tests.train.conftest import SMALL_MODEL, run_train
-
-    model_cfg = load_run_config("qwen3vl-moe-tiny", overrides=SMALL_MODEL).model  # the run's model
-    torch.manual_seed(0)
-    hf_model = Qwen3VLMoeForConditionalGeneration(Qwen3VLMoeConfig(**get_family("qwen3_vl").config_to_hf(model_cfg)))
-    with torch.no_grad():
-        for param in hf_model.parameters():
-            param.normal_(0.0, 0.05)
-    hf_model.float().save_pretrained(tmp_path / "hf")
-    frozen = ["training.train_steps=1", "optimizer.lr=0", "optimizer.min_lr=0", "optimizer.weight_decay=0"]
-    run_train(tmp_path / "run", f"checkpoint.load_hf={tmp_path / 'hf'}", "checkpoint.save_hf=true", *frozen,
-              preset="qwen3vl-moe-tiny")
-    exported = load_file(tmp_path / "run" / "hf" / "model.safetensors")
-    original = load_file(tmp_path / "hf" / "model.safetensors")
-    assert exported.keys() == original.keys()
-    assert any(key.endswith(".mlp.experts.gate_up_proj") for key in exported)
-    assert all(torch.equal(exported[k], original[k]) for k in original)
