@@ -201,13 +201,14 @@ class FusedExperts(Transform):
     parts: int
 
     def accepts_hf_shape(self, shape: tuple[int, ...]) -> bool:
-        return shape in ((self.num_experts, *self.expert_shape), (self.num_experts, *self.expert_shape[::-1]))
+        return tuple(shape) in ((self.num_experts, *self.expert_shape), (self.num_experts, *self.expert_shape[::-1]))
 
     def _experts(self, fused: Tensor) -> Tensor:
         """[E, out, in] whichever layout ``fused`` is in."""
-        if tuple(fused.shape[1:]) == self.expert_shape:
+        shape = tuple(fused.shape)
+        if shape == (self.num_experts, *self.expert_shape):
             return fused
-        if tuple(fused.shape[1:]) == self.expert_shape[::-1]:
+        if shape == (self.num_experts, *self.expert_shape[::-1]):
             return fused.transpose(1, 2)
         raise ValueError(f"fused expert tensor of shape {list(fused.shape)}: expected "
                          f"[{self.num_experts}, {self.expert_shape[0]}, {self.expert_shape[1]}] or its last two "

@@ -52,3 +52,5 @@ def test_shapes_it_reads_and_a_loud_error_for_others():
     assert not fused_down.accepts_hf_shape((EXPERTS + 1, HIDDEN, FFN))
     with pytest.raises(ValueError, match=r"fused expert tensor of shape \[3, 8, 5\]: expected \[3, 8, 6\]"):
         fused_down.shard_expert([down[..., :5]], 0, 0, 1)
+    with pytest.raises(ValueError, match=r"fused expert tensor of shape \[2, 8, 6\]"):
+        fused_down.shard_expert([down[:2]], 0, 0, 1)
