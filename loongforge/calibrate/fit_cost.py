@@ -7,6 +7,7 @@ reports how well an existing COST.json predicts the profiles.
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
 
@@ -21,7 +22,7 @@ from loongforge.balance.fit import (
 )
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.validate import build_run_config
-from loongforge.models.decoder.params import language_layer_parameters
+from loongforge.models.registry import get_family
 from loongforge.profile.profile_file import read_profile
 
 METHODS = ("nnls", "smoothmax")
@@ -105,13 +106,16 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     ``model``: the profile env's model config (dict). Forward+backward FLOPs of a sample of
     length L: attention 6*h*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*h*layers*L^2, linear
     6*params_per_layer*layers*L, where a mixture-of-experts layer counts the parameters one token
-    runs through (router and its top-k experts: ``language_layer_parameters(active=True)``), plus
+    runs through (router and its top-k experts: the family's ``active`` count), plus
     the LM head, which runs on loss tokens only (6*vocab*h*loss_share*L). Returns the crossover
     without and with the head.
     """
-    lang = build_run_config({"model": model}).model.language
+    model_cfg = build_run_config({"model": model}).model
+    lang = model_cfg.language
     h, layers = lang.hidden_size, lang.num_layers
-    per_layer = language_layer_parameters(lang, active=True)
+    count = get_family(model_cfg.family).count_parameters
+    without_layers = replace(model_cfg, language=replace(lang, num_layers=0))
+    per_layer = (count(model_cfg)["active"] - count(without_layers)["active"]) / layers
     head = loss_share * lang.vocab_size * h
     return {"layers_only": per_layer / h, "with_lm_head": (per_layer * layers + head) / (h * layers),
             "loss_share": loss_share}

@@ -125,8 +125,9 @@ class ModelFamily:
     # else on megatron's groups, which must then be TP = PP = 1. None: no encoder to run on its
     # own (a text-only family; Qwen3-VL, whose DeepStack features are not stored yet).
     build_encoder: Optional[Callable[..., "torch.nn.Module"]]
-    # ModelConfig -> {"vision_model", "projector", "language_model", "total", "active"} parameter
-    # counts; "active": what one token runs through (the total, unless the layers route to experts)
+    # ModelConfig -> {"vision_model", "projector", "language_model", "total", "active",
+    # "routed_experts"} parameter counts; "active": what one token runs through (the total, unless
+    # the layers route to experts); "routed_experts": the experts of every MoE layer (0 if dense)
     count_parameters: Callable[[ModelConfig], dict[str, int]]
     # ModelConfig -> the per-sample rotary position function (picklable)
     position_ids: Callable[[ModelConfig], PositionIds]

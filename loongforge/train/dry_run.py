@@ -15,7 +15,6 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
 from loongforge.config.schema import ModelConfig, RunConfig
-from loongforge.models.decoder.params import expert_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3
@@ -25,9 +24,6 @@ def total_parameters(model: ModelConfig) -> int:
     return int(get_family(model.family).count_parameters(model)["total"])
 
 
-def active_parameters(model: ModelConfig) -> int:
-    """What one token runs through (all of a dense model)."""
-    return int(get_family(model.family).count_parameters(model)["active"])
 
 
 @dataclass(frozen=True)
@@ -45,12 +41,13 @@ class ParameterSplit:
 
 def split_parameters(model: ModelConfig) -> ParameterSplit:
     language = model.language
-    total = total_parameters(model)
+    counts = get_family(model.family).count_parameters(model)
+    total = int(counts["total"])
     without_layers = total_parameters(
         dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0)))
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
-    experts = expert_parameters(language)
+    experts = int(counts["routed_experts"]) // language.num_layers
     return ParameterSplit(
         total=total,
         vision_and_projector=max(without_layers - embedding - head, 0),
@@ -58,7 +55,7 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
         input_embedding=embedding,
         output_head=head,
         experts_per_decoder_layer=experts,
-        active=active_parameters(model),
+        active=int(counts["active"]),
     )
 
 

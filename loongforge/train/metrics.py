@@ -10,7 +10,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from loongforge.models.decoder.moe_balance import ExpertLoad
+from loongforge.models.moe_balance import ExpertLoad
 
 METRICS_FILE = "metrics.jsonl"  # one JSON line per step, in the run folder
 

@@ -31,7 +31,7 @@ from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
-from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
+from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches

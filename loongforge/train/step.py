@@ -18,7 +18,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
+from loongforge.models.moe_balance import aux_loss_weight, weighted_aux_loss
 
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
 _TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask", "position_ids", "cu_seqlens", "pixel_values",
@@ -38,7 +38,7 @@ class StepResult:
     vision_features_bytes: int = 0
     # Mixture-of-experts models with a load-balancing loss: megatron-core's per-layer losses summed
     # over the layers, without the coefficient, averaged over micro-batches and data-parallel
-    # replicas (``models.decoder.moe_balance``); None otherwise.
+    # replicas (``models.moe_balance``); None otherwise.
     load_balancing_loss: Optional[float] = None
 
 

@@ -103,6 +103,15 @@ def test_dry_run_moe_plan_splits_the_experts_over_ep():
     assert f"~{memory / 1024**3:.1f} GiB" in plan and "6.75 bytes/param (routed experts 12.00)" in plan
 
 
+def test_dry_run_235b_moe_vl_plan_fits_with_expert_parallelism():
+    plan = invoke("--preset", "qwen3vl-235b-a22b", "--dry-run").stdout.split("parallel plan\n")[1]
+    assert "128 processes = TP4 x PP2 x DP16" in plan
+    assert "EP32 x expert TP1 x expert DP2" in plan
+    assert "235.67B total (235,670,022,896), 22.77B active per token" in plan
+    assert "layers 0-46 (47)" in plan and "layers 47-93 (47)" in plan
+    assert "~46.8 GiB" in plan  # without EP: ~206 GiB
+
+
 @pytest.mark.parametrize("world_source", [
     ["parallel.world_size=8"], ["--nproc-per-node", "8"]])
 def test_dry_run_7b_at_tp4_pp2(world_source):

@@ -6,5 +6,4 @@ configs.py         the decoder's TransformerConfig and the settings every tower 
 hf_mapping.py      the decoder's rows of an HF weight map (routed experts included)
 hf_config.py       the routed-expert fields of an HF config.json, both ways
 params.py          parameter counts by arithmetic
-moe_balance.py     the load-balancing loss: transformers' form and megatron-core's
 """

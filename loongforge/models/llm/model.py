@@ -22,7 +22,7 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs
 from loongforge.models.decoder.language_model import LanguageModel
-from loongforge.models.decoder.moe_balance import routing_padding_mask
+from loongforge.models.moe_balance import routing_padding_mask
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules

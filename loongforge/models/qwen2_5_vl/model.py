@@ -31,7 +31,7 @@ from loongforge.models import initialization
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import build_context, check_inputs, placeholder_count
 from loongforge.models.decoder.language_model import LanguageModel
-from loongforge.models.decoder.moe_balance import routing_padding_mask
+from loongforge.models.moe_balance import routing_padding_mask
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding

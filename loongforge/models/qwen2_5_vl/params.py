@@ -40,4 +40,5 @@ def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
         "language_model": language_model,
         "total": vision_model + projector + language_model,
         "active": vision_model + projector + language_model,  # dense: every parameter, every token
+        "routed_experts": 0,
     }

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.params import language_parameters
+from loongforge.models.decoder.params import expert_parameters, language_parameters
 from loongforge.models.decoder.params import linear_parameters as _linear
 
 
@@ -26,4 +26,5 @@ def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
     towers = vision_model + projector
     return {"vision_model": vision_model, "projector": projector, "language_model": language_model,
             "total": towers + language_model,
-            "active": towers + language_parameters(model_cfg.language, active=True)}
+            "active": towers + language_parameters(model_cfg.language, active=True),
+            "routed_experts": model_cfg.language.num_layers * expert_parameters(model_cfg.language)}

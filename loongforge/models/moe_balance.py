@@ -1,4 +1,5 @@
-"""The load-balancing loss of mixture-of-experts layers: transformers' form and megatron-core's.
+"""Mixture-of-experts layers in training, for any family: the load-balancing loss (transformers' form
+and megatron-core's, and the weight loongforge trains it at), routing statistics, tokens per expert.
 
 Both start from the same two per-layer statistics of the router, over the T tokens of a batch and
 the E experts of layer l (softmax probabilities p, the top-k experts chosen from them):
