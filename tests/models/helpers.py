@@ -183,10 +183,14 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
 
 def destroy_megatron() -> None:
     from megatron.core import parallel_state
+    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
         dist.destroy_process_group()
+    # megatron-core's per-layer MoE loss tracker is a process global sized by the first model's
+    # layer count: the next test's model may have another.
+    get_moe_layer_wise_logging_tracker().clear()
 
 
 def limit_threads() -> None:
