@@ -19,11 +19,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
-STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost")
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe")
 TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume", "b_parity": "b. logits parity vs transformers (fp32)",
           "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
           "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
-          "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)"}
+          "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
+          "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)"}
 PARITY_TOLERANCE = 1e-4
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
@@ -190,8 +191,28 @@ def check_cost(work: Path, args) -> tuple[bool, dict, str]:
                          f"on {env.get('device')}")
 
 
+def check_moe(work: Path, args) -> tuple[bool, dict, str]:
+    records = _read_jsonl(work / "moe" / "metrics.jsonl")
+    steps = [r["step"] for r in records]
+    losses = [r["loss"] for r in records]
+    window = max(1, min(5, len(losses) // 4))
+    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    balance = [r.get("load_balancing_loss") for r in records]
+    load = [r.get("expert_load_max_over_mean") for r in records]
+    figures = {"steps": len(steps), "loss_first": first, "loss_last": last, "window": window,
+               "load_balancing_loss_last": balance[-1] if balance else None,
+               "expert_load_max_over_mean_last": load[-1] if load else None}
+    measured = [v for v in balance + load if v is not None]
+    ok = (steps == list(range(1, args.steps + 1)) and all(map(math.isfinite, losses + measured))
+          and len(measured) == 2 * len(records) and last < args.max_loss_ratio * first)
+    return ok, figures, (f"steps 1-{steps[-1] if steps else 0} ({len(steps)} logged), loss {first:.3f} "
+                         f"(first {window}) -> {last:.3f} (last {window}), must fall below "
+                         f"{args.max_loss_ratio:.2f}x; balance loss {figures['load_balancing_loss_last']}, "
+                         f"experts max/mean {figures['expert_load_max_over_mean_last']}")
+
+
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
-          "d_pytest": check_pytest, "e_cost": check_cost}
+          "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe}
 
 
 def cmd_check(args) -> int:
@@ -303,9 +324,9 @@ def main(argv=None) -> int:
     p.add_argument("--rc", type=int, required=True)
     p.add_argument("--seconds", type=float, required=True)
     p.add_argument("--timeout", type=int, default=0)
-    p.add_argument("--steps", type=int, default=30, help="a_train: steps the run must log")
+    p.add_argument("--steps", type=int, default=30, help="a_train, f_moe: steps the run must log")
     p.add_argument("--exit-at", type=int, default=20, help="a_train: step of the first run's exit")
-    p.add_argument("--max-loss-ratio", type=float, default=0.9, help="a_train: last/first loss below this")
+    p.add_argument("--max-loss-ratio", type=float, default=0.9, help="a_train, f_moe: last/first loss below this")
     p.add_argument("--require-baseline", action="store_true", help="c_bench: transformers must have run")
     p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
     p = sub.add_parser("report")

@@ -18,7 +18,10 @@
 #      tokens/s, MFU, and transformers (sdpa) on the same samples;
 #   d. the CPU test suite with the GPU visible, less its slow training files and the video tests;
 #   e. `loongforge profile --sweep` + `loongforge fit-cost` on the stack of c (CUDA-event timing):
-#      held-out median per-micro-batch error of the cost model, target <= 5%.
+#      held-out median per-micro-batch error of the cost model, target <= 5%;
+#   f. train qwen3-moe-tiny on CUDA in bf16 (megatron-core's MoE layer, all-to-all dispatcher, the
+#      router without Transformer Engine): every step logged, the loss falls, balance loss and
+#      tokens per expert logged. Run before d, whose time is the least GPU-specific.
 # Each step prints PASS/FAIL with its figures; the report goes to docs/benchmarks/gpu.md (GPU run)
 # or a temporary folder (rehearsal), and with $OUT set (the device tool) the results are copied
 # there too. Exit code: 0 when every step passed.
@@ -96,7 +99,8 @@ gpu_settings() {
     --deselect tests/data/test_template.py::test_labels_only_on_assistant_answers"
   export PYTEST_PATHS="tests"
   export PROFILE_STEPS=24 PROFILE_WARMUP=2 PROFILE_BATCH=4 COST_TARGET=5
-  export LIMIT_A=100 LIMIT_B=50 LIMIT_C=100 LIMIT_D=120 LIMIT_E=110
+  export MOE_STEPS=20 MOE_EXTRA="" MOE_LOSS_RATIO=0.95
+  export LIMIT_A=100 LIMIT_B=50 LIMIT_C=100 LIMIT_D=100 LIMIT_E=110 LIMIT_F=50
 }
 
 rehearsal_settings() {
@@ -107,7 +111,9 @@ rehearsal_settings() {
   export BENCH_STEPS=2 BENCH_WARMUP=1 BENCH_DTYPE=fp32
   export PYTEST_ARGS="" PYTEST_PATHS="tests/scripts/test_gpu_check.py"
   export PROFILE_STEPS=6 PROFILE_WARMUP=1 PROFILE_BATCH=4 COST_TARGET=""
-  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120
+  export MOE_STEPS=4 MOE_LOSS_RATIO=1.0
+  export MOE_EXTRA="model.language.num_layers=2 data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
+  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90
 }
 
 # -------------------------------------------------------------------------------------------------
@@ -163,6 +169,14 @@ step_e_cost() {
   run loongforge fit-cost "$WORK/e_profile.jsonl" --output "$WORK/e_cost.json"
 }
 
+step_f_moe() {
+  cd "$WORK" || return 1
+  # shellcheck disable=SC2086
+  run loongforge train --preset qwen3-moe-tiny training.device="$DEVICE" training.precision="$TRAIN_DTYPE" \
+    training.train_steps="$MOE_STEPS" -o "$WORK/moe" logging.log_interval=1 logging.progress_bar=false \
+    logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA
+}
+
 # -------------------------------------------------------------------------------------------------
 # Driver
 # -------------------------------------------------------------------------------------------------
@@ -175,6 +189,7 @@ check_args() {  # per-step options of `gpu_check.py check`
     a_train) echo "--steps $TRAIN_STEPS --exit-at $TRAIN_EXIT --max-loss-ratio $TRAIN_LOSS_RATIO" ;;
     c_bench) echo "--require-baseline" ;;
     e_cost) [ -n "$COST_TARGET" ] && echo "--target $COST_TARGET" ;;
+    f_moe) echo "--steps $MOE_STEPS --max-loss-ratio $MOE_LOSS_RATIO" ;;
   esac
 }
 
@@ -215,7 +230,7 @@ copy_to_out() {  # the device tool brings back at most 8 files from $OUT
   for f in gpu_results.json c_bench.result.json e_cost.json e_profile.jsonl machine.json; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
   done
-  for s in a_train b_parity c_bench d_pytest e_cost; do
+  for s in a_train b_parity c_bench d_pytest e_cost f_moe; do
     [ -f "$WORK/$s.log" ] && { echo "===== $s"; tail -n 150 "$WORK/$s.log"; }
   done > "$OUT/logs.txt"
 }
@@ -233,6 +248,7 @@ main() {
   run_step a_train "$LIMIT_A"
   run_step b_parity "$LIMIT_B"
   run_step c_bench "$LIMIT_C"
+  run_step f_moe "$LIMIT_F"
   run_step d_pytest "$LIMIT_D"
   run_step e_cost "$LIMIT_E"
   "$PY" "$REPO/scripts/gpu_check.py" report --work "$WORK" --output "$REPORT" --mode "$MODE" || FAILED=1

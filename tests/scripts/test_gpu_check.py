@@ -76,6 +76,24 @@ def test_parity_and_cost_thresholds(gpu_check, tmp_path):
     assert figures["held_out_median_ape_pct"] == 4.2 and figures["cross_validated_median_ape_pct"] == 4.5
 
 
+def _moe_outputs(work: Path, losses: list[float], balance: float = 2.1) -> None:
+    (work / "moe").mkdir(parents=True)
+    (work / "moe" / "metrics.jsonl").write_text("".join(
+        json.dumps({"step": i + 1, "loss": loss, "load_balancing_loss": balance,
+                    "expert_load_max_over_mean": 1.4}) + "\n" for i, loss in enumerate(losses)))
+
+
+@pytest.mark.parametrize("losses, balance, passed", [
+    ([12.0 - 0.2 * i for i in range(20)], 2.1, True),
+    ([12.0] * 20, 2.1, False),  # the loss does not fall
+    ([12.0 - 0.2 * i for i in range(19)], 2.1, False),  # a step missing
+    ([12.0 - 0.2 * i for i in range(20)], float("nan"), False),  # the balance loss is not finite
+])
+def test_moe_step(gpu_check, tmp_path, losses, balance, passed):
+    _moe_outputs(tmp_path, losses, balance)
+    assert _check(gpu_check, tmp_path, "f_moe", 0, "--steps", "20", "--max-loss-ratio", "0.95") == (0 if passed else 1)
+
+
 def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
     _check(gpu_check, tmp_path, "a_train")
@@ -84,7 +102,7 @@ def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     report = tmp_path / "gpu.md"
     assert gpu_check.main(["report", "--work", str(tmp_path), "--output", str(report)]) == 1
     text = report.read_text()
-    assert "2026-01-01 00:00 UTC: 1/5 steps passed" in text and "Machine: device H200" in text
+    assert "2026-01-01 00:00 UTC: 1/6 steps passed" in text and "Machine: device H200" in text
     assert "| a. train qwen2.5vl-tiny, save, resume | PASS |" in text and "| d. CPU test suite" in text
     assert "```bash\nloongforge train --preset qwen2.5vl-tiny\n```" in text
     assert json.loads((tmp_path / "gpu_results.json").read_text())["steps"][1]["passed"] is False
