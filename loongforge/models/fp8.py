@@ -1,0 +1,138 @@
+"""FP8 linear layers through ``torch._scaled_mm``: the torch-native FP8 path (no Transformer Engine).
+
+Recipe (per-tensor current scaling, "hybrid" formats as Transformer Engine calls them): every GEMM
+of a linear layer (forward ``y = x W^T``, data gradient ``dx = dy W``, weight gradient
+``dW = dy^T x``) reads FP8 operands, each quantised right before the GEMM with its own scale
+(the tensor's absolute maximum mapped to the format's largest value); activations and weights in
+E4M3 (more mantissa), gradients in E5M2 (more range); the products accumulate in fp32 inside the
+GEMM and come out in the input's dtype. No amax history is kept (current scaling), so nothing of
+FP8 goes into a checkpoint: the weights stay in their training dtype and FP8 copies live for one
+GEMM. Shapes: ``_scaled_mm`` on CUDA needs every dimension a multiple of 16; the token dimension is
+padded with zero rows (zeros change neither the products nor the amax), and a layer whose own widths
+are not multiples of 16 is not eligible (``eligible``).
+
+``fp8_linear_forward`` is the drop-in for megatron-core's ``_forward_impl`` of its column- and
+row-parallel linears: the same tensor-parallel communication (megatron's own autograd mappings:
+all-gather / reduce-scatter under sequence parallelism, all-reduce of the data gradient otherwise),
+the FP8 GEMMs in between. ``use_fp8`` installs it on chosen layers of a built model.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Callable, Optional
+
+import torch
+
+E4M3 = torch.float8_e4m3fn
+E5M2 = torch.float8_e5m2
+_ALIGN = 16  # _scaled_mm's dimension multiple on CUDA
+
+
+def _fp8_max(dtype: torch.dtype) -> float:
+    return float(torch.finfo(dtype).max)
+
+
+def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """(FP8 tensor, inverse scale): ``tensor ~= fp8.float() * inverse_scale``, the absolute maximum
+    mapped to the format's largest finite value (an all-zero tensor gets scale 1)."""
+    amax = tensor.detach().abs().max().float()
+    scale = torch.where(amax > 0, _fp8_max(dtype) / amax, torch.ones_like(amax))
+    fp8 = (tensor.float() * scale).clamp(-_fp8_max(dtype), _fp8_max(dtype)).to(dtype)
+    return fp8, scale.reciprocal()
+
+
+def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
+    rows = tensor.shape[0]
+    padded = -(-rows // _ALIGN) * _ALIGN
+    return tensor if padded == rows else torch.nn.functional.pad(tensor, (0, 0, 0, padded - rows))
+
+
+def scaled_matmul(a: torch.Tensor, a_dtype: torch.dtype, b_t: torch.Tensor, b_dtype: torch.dtype,
+                  out_dtype: torch.dtype) -> torch.Tensor:
+    """``a @ b_t.T`` with both operands quantised: a [M, K], b_t [N, K] (row-major, as a weight is
+    stored) -> [M, N] in ``out_dtype``. Rows of ``a`` are padded to the GEMM's multiple."""
+    rows = a.shape[0]
+    a_fp8, a_inverse = quantize(_pad_rows(a), a_dtype)
+    b_fp8, b_inverse = quantize(b_t, b_dtype)
+    # _scaled_mm takes its second operand column-major: the transpose of a row-major [N, K].
+    out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
+    return out[:rows]
+
+
+class Fp8Matmul(torch.autograd.Function):
+    """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        return scaled_matmul(x, E4M3, weight, E4M3, x.dtype)  # [M, N]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        grad_out = grad_out.contiguous()  # [M, N]
+        # dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N].
+        grad_x = scaled_matmul(grad_out, E5M2, weight.t().contiguous(), E4M3, x.dtype)
+        # dW [N, K] = dy^T [N, M] @ x [M, K]: the token dimension is the contraction here; pad it
+        # on both sides (zero tokens add nothing).
+        dy_t = _pad_rows(grad_out).t().contiguous()  # [N, M']
+        x_t = _pad_rows(x).t().contiguous()  # [K, M']
+        grad_w = scaled_matmul(dy_t, E5M2, x_t, E4M3, weight.dtype)
+        return grad_x, grad_w
+
+
+def eligible(weight: torch.Tensor) -> bool:
+    """Whether a linear's weight [N, K] (this rank's shard) fits FP8 GEMMs."""
+    return weight.dim() == 2 and weight.shape[0] % _ALIGN == 0 and weight.shape[1] % _ALIGN == 0
+
+
+def fp8_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
+                       allreduce_dgrad: bool = False, sequence_parallel: bool = False,
+                       tp_group=None) -> torch.Tensor:
+    """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs.
+
+    input [s(/tp), b, K] -> [s, b, N]. Under sequence parallelism the input is all-gathered over TP
+    (its gradient reduce-scattered back); with ``allreduce_dgrad`` the input gradient is all-reduced
+    over TP (megatron's own autograd mappings do both).
+    """
+    from megatron.core.tensor_parallel.mappings import (
+        copy_to_tensor_model_parallel_region,
+        gather_from_sequence_parallel_region,
+    )
+
+    if sequence_parallel:
+        total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
+    elif allreduce_dgrad:
+        total = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    else:
+        total = input
+    tokens = total.reshape(-1, total.shape[-1])  # [s * b, K]
+    output = Fp8Matmul.apply(tokens, weight).reshape(*total.shape[:-1], weight.shape[0])  # [s, b, N]
+    return output if bias is None else output + bias
+
+
+_IMPL_ARGUMENTS = ("input", "weight", "bias", "gradient_accumulation_fusion", "allreduce_dgrad",
+                   "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "tp_group")
+
+
+def _fp8_impl(original: Callable, *args, **kwargs) -> torch.Tensor:
+    """A linear's ``_forward_impl`` with FP8 GEMMs; a frozen weight (no weight gradient, nothing to
+    gain) and a deferred weight gradient run the original."""
+    bound = {**dict(zip(_IMPL_ARGUMENTS, args)), **kwargs}
+    if not bound["weight"].requires_grad or bound.get("grad_output_buffer") is not None:
+        return original(*args, **kwargs)
+    return fp8_linear_forward(bound["input"], bound["weight"], bound.get("bias"),
+                              allreduce_dgrad=bound.get("allreduce_dgrad", False),
+                              sequence_parallel=bound.get("sequence_parallel", False),
+                              tp_group=bound.get("tp_group"))
+
+
+def use_fp8(module: torch.nn.Module) -> bool:
+    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on; False (and nothing
+    changed) when its weight shard is not ``eligible``."""
+    if not eligible(module.weight):
+        return False
+    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl)
+    module.fp8 = True
+    return True
