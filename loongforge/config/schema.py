@@ -228,6 +228,11 @@ class TrainingConfig:
     seed: int = 1234
     # "bf16" or "fp32"; on GPU the default bf16 is what users run.
     precision: str = "bf16"
+    # FP8 GEMMs in the linear layers (CUDA compute capability 8.9+, bf16 runs; models.fp8): "off";
+    # "auto": the layer kinds that `loongforge bench gemm` measured at least 5% faster in FP8 at this
+    # run's TP sizes and token counts (fp8.policy; without a policy, bf16 everywhere); "on": every
+    # eligible linear. The LM head stays bf16.
+    fp8: str = "off"
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     recompute_activations: bool = False
@@ -300,6 +305,12 @@ class BalanceConfig:
 
 
 @dataclass
+class Fp8Config:
+    # The policy file `loongforge bench gemm` writes, read with training.fp8=auto.
+    policy: Optional[str] = None
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -310,5 +321,6 @@ class RunConfig:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     # Name of the preset this config was composed from (informational).
     preset: Optional[str] = None

@@ -38,6 +38,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "model.layer_backend": ("auto", "te", "flash", "sdpa"),
     "training.precision": ("bf16", "fp32"),
     "training.device": ("auto", "cpu", "cuda"),
+    "training.fp8": ("off", "auto", "on"),
     "schedule.decay_style": ("cosine", "constant"),
     "data.source": ("synthetic", "files", "packed"),
     "data.read": ("auto", "global", "sharded"),
@@ -546,6 +547,25 @@ def _check_balance(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _check_fp8(cfg: RunConfig) -> list[str]:
+    """FP8 replaces bf16 GEMMs on a GPU; the policy file belongs to ``auto``."""
+    mode, errors = cfg.training.fp8, []
+    if mode not in CHOICES["training.fp8"]:
+        return []  # the choice check names it
+    if mode != "off" and cfg.training.precision != "bf16":
+        errors.append(f"training.fp8={mode} needs training.precision=bf16 (FP8 GEMMs replace bf16 ones); "
+                      f"set training.precision=bf16 or training.fp8=off.")
+    if mode == "on" and cfg.training.device == "cpu":
+        errors.append("training.fp8=on needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+) and this run "
+                      "is on the CPU (training.device=cpu); set training.fp8=off (or auto, which falls back to bf16).")
+    if cfg.fp8.policy is not None and mode != "auto":
+        errors.append(f"fp8.policy={cfg.fp8.policy} is read only with training.fp8=auto (it is {mode}); set "
+                      f"training.fp8=auto or fp8.policy: null.")
+    elif cfg.fp8.policy is not None and not Path(cfg.fp8.policy).is_file():
+        errors.append(f"fp8.policy={cfg.fp8.policy} is not a file; pass the policy `loongforge bench gemm` wrote.")
+    return errors
+
+
 def _check_optimizer(cfg: RunConfig) -> list[str]:
     optimizer = cfg.optimizer
     if optimizer.min_lr > optimizer.lr:
@@ -570,7 +590,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
         return errors + range_errors
     errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_vision_shape(cfg)
     errors += _check_parallel_layout(cfg, world, layout)
-    return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg)
+    return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
 
 
 def validate(cfg: RunConfig, world_size: int | None = None,

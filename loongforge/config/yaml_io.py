@@ -27,7 +27,8 @@ _FLOAT_PATTERN = re.compile(
 
 
 class _ConfigLoader(yaml.SafeLoader):
-    """SafeLoader that reads ``1e-5`` as a float and rejects duplicate keys."""
+    """SafeLoader that reads ``1e-5`` as a float, only true/false as booleans (YAML 1.2: ``on``,
+    ``off``, ``yes``, ``no`` stay words, e.g. ``training.fp8: on``) and rejects duplicate keys."""
 
     def construct_mapping(self, node, deep=False):  # noqa: D401 - PyYAML hook
         seen: set[Any] = set()
@@ -48,6 +49,12 @@ _ConfigLoader.yaml_implicit_resolvers = {
 }
 _ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:float", _FLOAT_PATTERN,
                                     list("-+0123456789."))
+_ConfigLoader.yaml_implicit_resolvers = {
+    first: [(tag, regexp) for tag, regexp in resolvers if tag != "tag:yaml.org,2002:bool"]
+    for first, resolvers in _ConfigLoader.yaml_implicit_resolvers.items()
+}
+_ConfigLoader.add_implicit_resolver("tag:yaml.org,2002:bool", re.compile(r"^(?:true|True|TRUE|false|False|FALSE)$"),
+                                    list("tTfF"))
 
 
 class _ConfigDumper(yaml.SafeDumper):

@@ -20,9 +20,16 @@ the FP8 GEMMs in between. ``use_fp8`` installs it on chosen layers of a built mo
 from __future__ import annotations
 
 import functools
+import json
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+
+from loongforge.config.errors import InputError
+from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
+from loongforge.config.schema import RunConfig
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -136,3 +143,130 @@ def use_fp8(module: torch.nn.Module) -> bool:
     module._forward_impl = functools.partial(_fp8_impl, module._forward_impl)
     module.fp8 = True
     return True
+
+
+# ---------------------------------------------------------------------------------------------
+# Which layers: layer kinds, the measured policy, the device
+# ---------------------------------------------------------------------------------------------
+
+# A linear's kind by the last part of its megatron name; experts get their own kinds (their GEMMs
+# see only the tokens routed to one expert). The LM head (``output_layer``) is never FP8.
+_KINDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+_TOWERS = {"vision_model": "vision", "projector": "projector", "language_model": "language"}
+POLICY_FORMAT = "loongforge-fp8-policy"
+
+
+def layer_kind(name: str) -> Optional[str]:
+    """``<tower>.<kind>`` of a linear by its module name (``language.qkv``, ``vision.fc2``,
+    ``projector.fc1``, ``language.expert_fc1``); None for a module that is not a FP8 candidate."""
+    parts = name.split(".")
+    tower = _TOWERS.get(parts[0])
+    kind = _KINDS.get(parts[-1])
+    if tower is None or kind is None:
+        return None
+    return f"{tower}.{'expert_' if 'experts' in parts else ''}{kind}"
+
+
+@dataclass(frozen=True)
+class Fp8Policy:
+    """What ``loongforge bench gemm`` measured: per layer kind and TP size, the smallest token count
+    at which FP8 was at least ``min_speedup`` times faster than bf16 (None: at no measured count)."""
+
+    min_tokens: dict  # kind -> {tp size (int) -> smallest token count or None}
+    min_speedup: float
+    device: str
+    source: str = "policy"
+
+    def uses_fp8(self, kind: str, tp: int, tokens: int) -> bool:
+        threshold = self.min_tokens.get(kind, {}).get(tp)
+        return threshold is not None and tokens >= threshold
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Fp8Policy":
+        """Read a policy file; a file that is not one is an InputError naming it and the key."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise InputError(f"{path}: cannot read the FP8 policy ({exc}); make one with loongforge bench gemm") from exc
+        if not isinstance(data, dict) or data.get("format") != POLICY_FORMAT:
+            raise InputError(f"{path}: not an FP8 policy (\"format\" is not {POLICY_FORMAT!r}); make one with "
+                             f"loongforge bench gemm")
+        try:
+            min_tokens = {kind: {int(tp): (None if entry["min_tokens"] is None else int(entry["min_tokens"]))
+                                 for tp, entry in by_tp.items()}
+                          for kind, by_tp in data["layers"].items()}
+            return cls(min_tokens=min_tokens, min_speedup=float(data["min_speedup"]), device=str(data["device"]),
+                       source=str(path))
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise InputError(f"{path}: FP8 policy entry missing or malformed ({exc!r}); regenerate it with "
+                             f"loongforge bench gemm") from exc
+
+
+def fp8_gemms_available(device: torch.device) -> bool:
+    """FP8 tensor-core GEMMs: CUDA compute capability 8.9 (Ada) or newer (Hopper, Blackwell)."""
+    return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool]) -> dict[str, tuple[int, int]]:
+    """Switch the linears whose kind ``decide`` picks to FP8 GEMMs; returns, per kind found,
+    (layers now FP8, layers of that kind) (a shard with widths off the GEMM's multiple stays)."""
+    counts: dict[str, list[int]] = {}
+    for name, module in model.named_modules():
+        kind = layer_kind(name)
+        if kind is None or not hasattr(module, "_forward_impl") or not isinstance(getattr(module, "weight", None), torch.Tensor):
+            continue
+        count = counts.setdefault(kind, [0, 0])
+        count[1] += 1
+        if decide(kind) and use_fp8(module):
+            count[0] += 1
+    return {kind: (on, total) for kind, (on, total) in sorted(counts.items())}
+
+
+def gemm_tokens(cfg: RunConfig, kind: str) -> int:
+    """The rows of a layer kind's GEMMs in one micro-batch of ``cfg``'s run, as a policy reads them:
+    a packed row's tokens in the language model (the gathered sequence under sequence parallelism),
+    their share per expert (``seq_len * topk / experts``) in routed experts; the patches of the
+    largest image (``data.max_pixels``) in the vision tower, merged units in the projector."""
+    tower, _, name = kind.partition(".")
+    if tower == "language":
+        lang = cfg.model.language
+        if name.startswith("expert_"):
+            return max(1, cfg.data.seq_len * lang.moe_router_topk // lang.num_experts)
+        return cfg.data.seq_len
+    vision = cfg.model.vision
+    patches = max(1, cfg.data.max_pixels // vision.patch_size ** 2)
+    return patches if tower == "vision" else max(1, patches // cfg.model.projector.spatial_merge_size ** 2)
+
+
+def gemm_tp(cfg: RunConfig, kind: str) -> int:
+    """The TP size that shards a layer kind's weights in ``cfg``'s run."""
+    tower, _, name = kind.partition(".")
+    if tower == "language":
+        return expert_tensor_parallel_size(cfg.parallel) if name.startswith("expert_") else \
+            cfg.parallel.tensor_model_parallel_size
+    return vision_tensor_parallel_size(cfg.parallel)
+
+
+def fp8_choice(cfg: RunConfig, device: torch.device) -> tuple[Optional[Callable[[str], bool]], str]:
+    """(which layer kinds run FP8, or None for none; the line saying so) for ``training.fp8``."""
+    mode = cfg.training.fp8
+    if mode == "off":
+        return None, "fp8: off"
+    if not fp8_gemms_available(device):
+        if mode == "on":
+            raise InputError(f"training.fp8=on needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+); this "
+                             f"run's device is {device}: set training.fp8=off (or auto, which falls back to bf16).")
+        return None, f"fp8: auto, but {device} has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
+    if mode == "on":
+        return (lambda kind: True), "fp8: on (every eligible linear but the LM head)"
+    if cfg.fp8.policy is None:
+        return None, "fp8: auto without fp8.policy: bf16 everywhere (measure a policy with loongforge bench gemm)"
+    policy = Fp8Policy.load(cfg.fp8.policy)
+    return (lambda kind: policy.uses_fp8(kind, gemm_tp(cfg, kind), gemm_tokens(cfg, kind))), \
+        f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device})"
+
+
+def describe_fp8_layers(counts: dict[str, tuple[int, int]]) -> str:
+    """``language.fc1 8/8, vision.qkv 0/4``: FP8 layers / layers of each kind."""
+    return ", ".join(f"{kind} {on}/{total}" for kind, (on, total) in counts.items())

@@ -32,6 +32,7 @@ from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_na
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
+from loongforge.models.fp8 import apply_fp8, describe_fp8_layers, fp8_choice
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -99,6 +100,7 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
                    "backend": env.backend, "device": str(env.device),
                    "layout": {"tp": layout.tp_size, "pp": layout.pp_size, "dp": layout.dp_size},
                    "layer_backends": _unwrap_model(model[0]).layer_backends,
+                   "fp8_layers": {kind: list(counts) for kind, counts in _unwrap_model(model[0]).fp8_layers.items()},
                    "precision": precision_record(model, optimizer)}
     (out_dir / "environment.json").write_text(json.dumps(environment, indent=2))
 
@@ -111,6 +113,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
                         init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
+    decide, note = fp8_choice(cfg, device)
+    model.fp8_layers = apply_fp8(model, decide) if decide is not None else {}
+    model.fp8_note = note + (f": {describe_fp8_layers(model.fp8_layers)}" if model.fp8_layers else "")
     return wrap_for_training(model, cfg.parallel)
 
 
@@ -408,6 +413,8 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
                        progress_bar=cfg.logging.progress_bar)
     logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                          _unwrap_model(run.model[0]).layer_backends.items()))
+    if run.cfg.training.fp8 != "off":
+        logger.write(_unwrap_model(run.model[0]).fp8_note)
     for reason in restored.skipped:
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if restored.path is not None:

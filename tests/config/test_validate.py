@@ -272,3 +272,24 @@ def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
     assert message == ("model.language.num_experts=8 with parallel.tensor_model_parallel_size=2 needs "
                        "parallel.sequence_parallel=true (megatron-core trains MoE layers under TP only with "
                        "sequence parallelism); set it.")
+
+
+def test_fp8_settings_are_checked_with_the_fix(tmp_path):
+    load_run_config("qwen2.5vl-7b", overrides=["training.fp8=on"])  # "on" is a word, not YAML 1.1's true
+    (choice,) = errors_for("training.fp8=fast", preset="qwen2.5vl-7b")
+    assert choice.startswith("training.fp8='fast' is not one of off | auto | on")
+    (precision,) = errors_for("training.fp8=auto")  # the tiny preset trains in fp32
+    assert precision == ("training.fp8=auto needs training.precision=bf16 (FP8 GEMMs replace bf16 ones); "
+                         "set training.precision=bf16 or training.fp8=off.")
+    (cpu,) = errors_for("training.fp8=on", "training.device=cpu", preset="qwen2.5vl-7b")
+    assert cpu.startswith("training.fp8=on needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+)")
+    (orphan,) = errors_for(f"fp8.policy={tmp_path}/p.json", preset="qwen2.5vl-7b")
+    assert orphan.endswith("is read only with training.fp8=auto (it is off); set training.fp8=auto or fp8.policy: null.")
+    (missing,) = errors_for("training.fp8=auto", f"fp8.policy={tmp_path}/p.json", preset="qwen2.5vl-7b")
+    assert missing == f"fp8.policy={tmp_path}/p.json is not a file; pass the policy `loongforge bench gemm` wrote."
+
+
+def test_yaml_booleans_are_true_and_false_only():
+    (message,) = errors_for("balance.enabled=yes")
+    assert message == "balance.enabled: expected true or false, got 'yes' (a string); the default is false."
+    assert load_run_config("qwen2.5vl-tiny", overrides=["balance.enabled=True"]).balance.enabled is True

@@ -1,13 +1,30 @@
 """FP8 GEMMs through ``torch._scaled_mm`` (``models.fp8``): each of a linear's three GEMMs equals the
 same product of the quantised-then-dequantised operands (the scales and layouts are right) to fp32
-rounding, and stays within FP8's own error of the full-precision product."""
+rounding, and stays within FP8's own error of the full-precision product; a model's chosen layers
+switch to them (the LM head never)."""
 
 from __future__ import annotations
+
+import json
 
 import pytest
 import torch
 
-from loongforge.models.fp8 import E4M3, E5M2, Fp8Matmul, eligible, quantize
+from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
+from loongforge.models.fp8 import (
+    E4M3,
+    E5M2,
+    Fp8Matmul,
+    Fp8Policy,
+    apply_fp8,
+    eligible,
+    fp8_choice,
+    gemm_tokens,
+    gemm_tp,
+    quantize,
+)
+from tests.models.llm_helpers import build_pair, text_positions
 
 
 def _dequantized(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -49,3 +66,90 @@ def test_three_gemms_are_the_products_of_the_quantised_operands(tokens):
 
 def test_only_widths_of_sixteen_are_eligible():
     assert eligible(torch.empty(48, 96)) and not eligible(torch.empty(48, 100)) and not eligible(torch.empty(8, 96))
+
+
+def _emulated_fp8_impl(input, weight, bias=None, *args, **kwargs):
+    """A linear's forward with its operands quantised and dequantised in fp32 (what the FP8 GEMM
+    computes), for one process (no TP communication)."""
+    tokens = input.reshape(-1, input.shape[-1])
+    output = (_dequantized(tokens, E4M3) @ _dequantized(weight, E4M3).t()).reshape(*input.shape[:-1], -1)
+    return output if bias is None else output + bias
+
+
+def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
+    """``apply_fp8`` on Qwen3 (tiny, fp32): every language linear switches, the LM head does not;
+    the logits equal those of the same model with each linear's operands quantised and dequantised
+    (to fp32 rounding), and the weights get gradients."""
+    _, _, model = build_pair("qwen3")
+    input_ids = torch.randint(0, 300, (1, 48), generator=torch.Generator().manual_seed(1))
+    positions = text_positions(48)
+    with torch.no_grad():
+        full_precision = model(input_ids=input_ids, position_ids=positions)
+    linears = [m for name, m in model.named_modules() if name.endswith(("linear_qkv", "linear_proj", "linear_fc1",
+                                                                      "linear_fc2"))]
+    originals = [m._forward_impl for m in linears]
+    for module in linears:
+        module._forward_impl = _emulated_fp8_impl
+    with torch.no_grad():
+        emulated = model(input_ids=input_ids, position_ids=positions)
+    for module, original in zip(linears, originals):
+        module._forward_impl = original
+
+    counts = apply_fp8(model, lambda kind: kind.endswith(("qkv", "proj", "fc1", "fc2")))
+    assert counts == {"language.fc1": (2, 2), "language.fc2": (2, 2), "language.proj": (2, 2), "language.qkv": (2, 2)}
+    assert not getattr(model.language_model.output_layer, "fp8", False)
+    logits = model(input_ids=input_ids, position_ids=positions)
+    assert _relative(logits, emulated) <= 1e-5
+    assert _relative(logits, full_precision) > 1e-3  # FP8 really ran (8 quantised GEMMs: ~9% here)
+    logits.float().square().mean().backward()
+    qkv = model.language_model.decoder.layers[0].self_attention.linear_qkv
+    assert qkv.weight.grad is not None and torch.isfinite(qkv.weight.grad).all() and qkv.weight.grad.abs().sum() > 0
+
+
+def _policy_file(path, layers: dict) -> str:
+    path.write_text(json.dumps({"format": "loongforge-fp8-policy", "version": 1, "device": "NVIDIA H200",
+                                "min_speedup": 1.05, "layers": layers}))
+    return str(path)
+
+
+def test_policy_picks_a_layer_kind_from_its_tp_and_token_count(tmp_path):
+    policy = Fp8Policy.load(_policy_file(tmp_path / "policy.json", {
+        "language.fc1": {"1": {"min_tokens": 2048}, "2": {"min_tokens": 4096}},
+        "vision.qkv": {"1": {"min_tokens": None}}}))
+    assert policy.uses_fp8("language.fc1", 1, 2048) and not policy.uses_fp8("language.fc1", 1, 2047)
+    assert policy.uses_fp8("language.fc1", 2, 4096) and not policy.uses_fp8("language.fc1", 2, 3000)
+    assert not policy.uses_fp8("language.fc1", 4, 10**6)  # not measured at TP 4: bf16
+    assert not policy.uses_fp8("vision.qkv", 1, 10**6)  # FP8 never won
+    assert not policy.uses_fp8("language.fc2", 1, 10**6)
+
+
+@pytest.mark.parametrize("text, fragment", [
+    ("{", "cannot read the FP8 policy"),
+    ('{"format": "other"}', "not an FP8 policy"),
+    ('{"format": "loongforge-fp8-policy", "layers": {"language.fc1": {"1": {}}}, "min_speedup": 1.05, "device": "x"}',
+     "entry missing or malformed"),
+])
+def test_a_bad_policy_file_is_one_line_naming_it(tmp_path, text, fragment):
+    path = tmp_path / "policy.json"
+    path.write_text(text)
+    with pytest.raises(InputError) as info:
+        Fp8Policy.load(path)
+    assert str(info.value).startswith(f"{path}: ") and fragment in str(info.value) and "\n" not in str(info.value)
+
+
+def test_gemm_rows_and_tp_of_each_layer_kind():
+    cfg = load_run_config("qwen3vl-30b-a3b")  # TP 2, expert TP 1, seq 16384, top-8 of 128 experts
+    assert gemm_tokens(cfg, "language.qkv") == 16384 and gemm_tp(cfg, "language.qkv") == 2
+    assert gemm_tokens(cfg, "language.expert_fc1") == 16384 * 8 // 128 and gemm_tp(cfg, "language.expert_fc1") == 1
+    patches = cfg.data.max_pixels // 16**2
+    assert gemm_tokens(cfg, "vision.fc1") == patches and gemm_tokens(cfg, "projector.fc1") == patches // 4
+    assert gemm_tp(cfg, "vision.fc1") == 2
+
+
+def test_choice_on_a_machine_without_fp8_gemms(tmp_path):
+    cpu = torch.device("cpu")
+    assert fp8_choice(load_run_config("qwen2.5vl-7b"), cpu) == (None, "fp8: off")
+    decide, line = fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto"]), cpu)
+    assert decide is None and line == "fp8: auto, but cpu has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
+    with pytest.raises(InputError, match=r"^training.fp8=on needs a CUDA GPU with FP8 GEMMs"):
+        fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=on"]), cpu)
