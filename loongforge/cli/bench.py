@@ -263,6 +263,47 @@ def model(
             typer.echo(f"wrote {output}")
 
 
+@app.command("gemm")
+def gemm(
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        metavar="[KEY=VALUE...]", show_default=False, help="Dotted overrides applied to the preset.")] = None,
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", metavar="NAME", help="Preset whose layers (widths, TP sizes, token counts) are timed.")]
+        = "qwen2.5vl-7b",
+    tp: Annotated[Optional[int], typer.Option(
+        "--tp", min=1, metavar="N", show_default=False,
+        help="Language TP size (vision and expert TP follow unless the preset sets them). Default: the preset's.")]
+        = None,
+    tokens: Annotated[Optional[str], typer.Option(
+        "--tokens", metavar="N,N,...", show_default=False,
+        help="GEMM row counts to time. Default: powers of two from 128 to the run's largest.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed repetitions per shape.")] = 20,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", min=0, metavar="N", help="Untimed ones before.")]
+        = 5,
+    device: Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to time.")] = "auto",
+    output: Annotated[Path, typer.Option(
+        "--output", metavar="POLICY.json", help="The policy file (fp8.policy=...); the plot goes beside it (.png).")]
+        = DEFAULT_OUT / "gemm" / "fp8_policy.json",
+) -> None:
+    """Every linear layer's GEMMs (forward, both backward) in bf16 and FP8: the FP8 policy per layer kind."""
+    from loongforge.bench.gemm import at_tensor_parallel, format_table, run_gemm_bench, write_results
+    from loongforge.config.loader import load_run_config
+    from loongforge.parallel.distributed import resolve_device
+
+    with cli_errors():
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {device!r} is not one of auto | cpu | cuda")
+        counts = None if tokens is None else _int_list(tokens, "--tokens")
+        cfg = load_run_config(preset, overrides=list(overrides or []))
+        if tp is not None:
+            cfg = at_tensor_parallel(cfg, tp)
+        bench = run_gemm_bench(cfg, tokens=counts, device=resolve_device(device), steps=steps, warmup=warmup_steps,
+                               log=lambda message: typer.echo(message, err=True))
+        policy, plot = write_results(bench, output)
+        typer.echo(format_table(bench))
+        typer.echo(f"wrote {policy} (train with training.fp8=auto fp8.policy={policy}) and {plot}")
+
+
 def _name_list(text: str, flag: str, allowed) -> list[str]:
     names = [v.strip() for v in text.split(",") if v.strip()]
     unknown = [name for name in names if name not in allowed]

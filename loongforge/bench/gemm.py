@@ -1,0 +1,233 @@
+"""``loongforge bench gemm``: every linear layer's GEMMs of a preset, timed in bf16 and in FP8, and the
+policy ``training.fp8=auto`` reads.
+
+The layers come from the model family's own weight map (``ModelFamily.hf_rules``): each rule for a
+linear's weight is applied to meta tensors of the HF shapes the config implies (``hf_shapes``), so
+the shard this TP rank holds is the one training builds (fused QKV, gate+up, experts). For each
+layer kind (``models.fp8.layer_kind``: tower and role, e.g. ``language.fc1``, ``vision.qkv``) at its
+TP size, and each token count, one step is the forward GEMM and both backward GEMMs: bf16
+``torch.matmul`` against ``models.fp8.Fp8Matmul`` (quantisation included, the cost FP8 really
+pays). The policy keeps, per kind and TP, the smallest token count from which FP8 stayed at least
+``min_speedup`` times faster at every larger measured count (None: it never did).
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import Callable, Optional, Sequence
+
+import torch
+from tqdm import tqdm
+
+from loongforge.config.errors import ConfigError
+from loongforge.config.layout import LayoutKeys, layout_problems
+from loongforge.config.schema import RunConfig
+from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, eligible, gemm_tokens, gemm_tp, layer_kind
+from loongforge.models.registry import get_family
+
+MIN_SPEEDUP = 1.05
+
+
+@dataclass(frozen=True)
+class LinearShape:
+    kind: str  # models.fp8.layer_kind, e.g. "language.fc1"
+    tp: int  # the TP size sharding it in the run
+    out_features: int  # N of this rank's weight shard [N, K]
+    in_features: int  # K
+    run_tokens: int  # the rows its GEMMs get in one micro-batch of the run (models.fp8.gemm_tokens)
+
+
+def _fill(pattern: str) -> str:
+    return pattern.replace("{i}", "0").replace("{e}", "0")
+
+
+def linear_shapes(cfg: RunConfig) -> list[LinearShape]:
+    """One entry per layer kind of ``cfg``'s model: its weight shard at the kind's TP size."""
+    family = get_family(cfg.model.family)
+    hf_shapes = family.hf_shapes(cfg.model)
+    shapes = {}
+    for rule in family.hf_rules(cfg.model):
+        if not rule.megatron.endswith(".weight"):
+            continue
+        kind = layer_kind(_fill(rule.megatron)[: -len(".weight")])
+        if kind is None or kind in shapes:
+            continue
+        tp = gemm_tp(cfg, kind)
+        hf = [torch.empty(hf_shapes[_fill(pattern)], device="meta") for pattern in rule.hf]
+        shard = (rule.transform.shard_expert(hf, 0, 0, tp) if rule.fuses_experts
+                 else rule.transform.shard(hf, 0, tp))
+        shapes[kind] = LinearShape(kind, tp, shard.shape[0], shard.shape[1], gemm_tokens(cfg, kind))
+    return sorted(shapes.values(), key=lambda s: s.kind)
+
+
+def default_token_counts(cfg: RunConfig, shapes: Sequence[LinearShape]) -> list[int]:
+    """Powers of two from 128 up to the largest row count any layer kind gets in the run."""
+    largest = max([cfg.data.seq_len, *(s.run_tokens for s in shapes)])
+    counts, tokens = [], 128
+    while tokens < largest:
+        counts.append(tokens)
+        tokens *= 2
+    return counts + [tokens]
+
+
+def _timer(device: torch.device) -> Callable[[Callable[[], None], int, int], float]:
+    def run(step: Callable[[], None], steps: int, warmup: int) -> float:
+        for _ in range(warmup):
+            step()
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(steps):
+                step()
+            end.record()
+            torch.cuda.synchronize(device)
+            return start.elapsed_time(end) / steps
+        began = time.perf_counter()
+        for _ in range(steps):
+            step()
+        return (time.perf_counter() - began) * 1e3 / steps
+
+    return run
+
+
+def time_linear(shape: LinearShape, tokens: int, *, device: torch.device, steps: int, warmup: int) -> dict:
+    """Milliseconds of one forward + backward (three GEMMs) of ``shape`` on ``tokens`` rows, in bf16
+    and in FP8."""
+    generator = torch.Generator(device=device).manual_seed(0)
+    x = torch.randn(tokens, shape.in_features, device=device, dtype=torch.bfloat16, generator=generator)
+    weight = torch.randn(shape.out_features, shape.in_features, device=device, dtype=torch.bfloat16,
+                         generator=generator) * shape.in_features ** -0.5
+    grad_out = torch.randn(tokens, shape.out_features, device=device, dtype=torch.bfloat16, generator=generator)
+    x.requires_grad_(True)
+    weight.requires_grad_(True)
+
+    def bf16_step() -> None:
+        (x @ weight.t()).backward(grad_out)
+
+    def fp8_step() -> None:
+        Fp8Matmul.apply(x, weight).backward(grad_out)
+
+    timer = _timer(device)
+    bf16_ms, fp8_ms = timer(bf16_step, steps, warmup), timer(fp8_step, steps, warmup)
+    return {"tokens": tokens, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "speedup": bf16_ms / fp8_ms}
+
+
+def smallest_winning_tokens(timings: Sequence[dict], min_speedup: float) -> Optional[int]:
+    """The smallest measured token count from which FP8 stays at least ``min_speedup`` times faster
+    at every larger count; None when it is not faster at the largest."""
+    winning = None
+    for timing in sorted(timings, key=lambda t: t["tokens"], reverse=True):
+        if timing["speedup"] < min_speedup:
+            break
+        winning = timing["tokens"]
+    return winning
+
+
+@dataclass
+class GemmBench:
+    preset: str
+    device: str
+    shapes: list[LinearShape]
+    timings: dict = field(default_factory=dict)  # kind -> [timing dicts]
+    min_speedup: float = MIN_SPEEDUP
+
+    def policy(self) -> dict:
+        layers = {}
+        for shape in self.shapes:
+            timings = self.timings.get(shape.kind, [])
+            layers[shape.kind] = {str(shape.tp): {
+                "min_tokens": smallest_winning_tokens(timings, self.min_speedup) if eligible_shape(shape) else None,
+                "shape": [shape.out_features, shape.in_features], "run_tokens": shape.run_tokens,
+                "timings": timings}}
+        return {"format": POLICY_FORMAT, "version": 1, "preset": self.preset, "device": self.device,
+                "min_speedup": self.min_speedup, "layers": layers}
+
+
+def eligible_shape(shape: LinearShape) -> bool:
+    return eligible(torch.empty(shape.out_features, shape.in_features, device="meta"))
+
+
+def device_name(device: torch.device) -> str:
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def at_tensor_parallel(cfg: RunConfig, tp: int) -> RunConfig:
+    """``cfg`` with language TP ``tp`` (vision and expert TP follow it unless the config sets them);
+    a ConfigError when the model's widths do not split ``tp`` ways."""
+    problems = layout_problems(cfg.model, get_family(cfg.model.family).layout, tp=tp, pp=1, vision_tp=None,
+                               keys=LayoutKeys(tensor="--tp"))
+    if problems:
+        raise ConfigError(problems)
+    return replace(cfg, parallel=replace(cfg.parallel, tensor_model_parallel_size=tp))
+
+
+def run_gemm_bench(cfg: RunConfig, *, tokens: Optional[Sequence[int]], device: torch.device, steps: int,
+                   warmup: int, log: Callable[[str], None] = lambda message: None) -> GemmBench:
+    shapes = linear_shapes(cfg)
+    counts = list(tokens) if tokens else default_token_counts(cfg, shapes)
+    bench = GemmBench(preset=cfg.preset or "custom", device=device_name(device), shapes=shapes)
+    measured = [s for s in shapes if eligible_shape(s)]
+    for shape in shapes:
+        if shape not in measured:
+            log(f"{shape.kind}: weight shard {shape.out_features}x{shape.in_features} is not FP8-eligible "
+                f"(widths must be multiples of 16): bf16")
+    with tqdm(total=len(measured) * len(counts), desc="bench gemm", unit="shape", disable=None) as bar:
+        for shape in measured:
+            bench.timings[shape.kind] = []
+            for count in counts:
+                bench.timings[shape.kind].append(time_linear(shape, count, device=device, steps=steps, warmup=warmup))
+                bar.update(1)
+    return bench
+
+
+def format_table(bench: GemmBench) -> str:
+    lines = [f"FP8 vs bf16, one forward + backward (3 GEMMs) per layer kind, {bench.device} ({bench.preset})",
+             "", "| layer kind | TP | weight shard | tokens | bf16 ms | fp8 ms | speedup |", "|---|---|---|---|---|---|---|"]
+    policy = bench.policy()["layers"]
+    for shape in bench.shapes:
+        for timing in bench.timings.get(shape.kind, []):
+            lines.append(f"| {shape.kind} | {shape.tp} | {shape.out_features}x{shape.in_features} | {timing['tokens']} | "
+                         f"{timing['bf16_ms']:.3f} | {timing['fp8_ms']:.3f} | {timing['speedup']:.2f}x |")
+    lines += ["", f"policy (FP8 from the smallest token count where it stays >= {bench.min_speedup:.2f}x faster):"]
+    for shape in bench.shapes:
+        entry = policy[shape.kind][str(shape.tp)]
+        chosen = "bf16 (never faster)" if entry["min_tokens"] is None else f"fp8 from {entry['min_tokens']} tokens"
+        in_run = "fp8" if entry["min_tokens"] is not None and shape.run_tokens >= entry["min_tokens"] else "bf16"
+        lines.append(f"  {shape.kind} (TP {shape.tp}): {chosen}; this run's {shape.run_tokens} tokens -> {in_run}")
+    return "\n".join(lines)
+
+
+def plot_speedups(bench: GemmBench, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axes = plt.subplots(figsize=(8, 5))
+    for shape in bench.shapes:
+        timings = bench.timings.get(shape.kind)
+        if timings:
+            axes.plot([t["tokens"] for t in timings], [t["speedup"] for t in timings], marker="o",
+                      label=f"{shape.kind} ({shape.out_features}x{shape.in_features}, TP {shape.tp})")
+    axes.axhline(bench.min_speedup, color="grey", linestyle="--", label=f"{bench.min_speedup:.2f}x: FP8 chosen above")
+    axes.set_xscale("log", base=2)
+    axes.set_xlabel("tokens (GEMM rows)")
+    axes.set_ylabel("bf16 time / FP8 time")
+    axes.set_title(f"FP8 speedup per layer kind, {bench.device} ({bench.preset})")
+    axes.legend(fontsize=7)
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def write_results(bench: GemmBench, output: Path) -> tuple[Path, Path]:
+    """The policy (``output``, JSON) and the plot beside it (``.png``)."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    output.write_text(json.dumps(bench.policy(), indent=2) + "\n")
+    plot = output.with_suffix(".png")
+    plot_speedups(bench, plot)
+    return output, plot
+
