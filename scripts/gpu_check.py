@@ -19,12 +19,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
-STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe")
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8")
 TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume", "b_parity": "b. logits parity vs transformers (fp32)",
           "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
           "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
           "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
-          "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)"}
+          "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)",
+          "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training"}
 PARITY_TOLERANCE = 1e-4
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
@@ -211,8 +212,43 @@ def check_moe(work: Path, args) -> tuple[bool, dict, str]:
                          f"experts max/mean {figures['expert_load_max_over_mean_last']}")
 
 
+def _fp8_run(work: Path, mode: str, steps: int) -> dict:
+    records = _read_jsonl(work / "fp8" / f"train_{mode}" / "metrics.jsonl")
+    losses = [r["loss"] for r in records]
+    timed = [r["tokens_per_s"] for r in records[max(1, steps // 5):]]  # past the warm-up steps
+    window = max(1, min(10, len(losses) // 4))
+    return {"steps": [r["step"] for r in records], "losses": losses,
+            "tokens_per_s": sum(timed) / max(1, len(timed)), "final_loss": sum(losses[-window:]) / window}
+
+
+def check_fp8(work: Path, args) -> tuple[bool, dict, str]:
+    policies = {path.stem.split("_tp")[-1]: json.loads(path.read_text())
+                for path in sorted((work / "fp8").glob("policy_tp*.json"))}
+    chosen = {tp: sorted(kind for kind, by_tp in policy["layers"].items()
+                         if by_tp[tp]["min_tokens"] is not None) for tp, policy in policies.items()}
+    off, auto = _fp8_run(work, "off", args.steps), _fp8_run(work, "auto", args.steps)
+    ratio = auto["tokens_per_s"] / off["tokens_per_s"]
+    loss_diff = abs(auto["final_loss"] - off["final_loss"]) / abs(off["final_loss"])
+    log = (work / "g_fp8.log").read_text(errors="replace")
+    said = [line for line in log.splitlines() if line.startswith("fp8: auto")]
+    figures = {"fp8_kinds_by_tp": chosen, "tokens_per_s_bf16": off["tokens_per_s"],
+               "tokens_per_s_fp8_auto": auto["tokens_per_s"], "ratio": ratio, "final_loss_bf16": off["final_loss"],
+               "final_loss_fp8_auto": auto["final_loss"], "loss_diff": loss_diff, "fp8_line": said[-1] if said else None}
+    complete = all(run["steps"] == list(range(1, args.steps + 1)) and all(map(math.isfinite, run["losses"]))
+                   for run in (off, auto))
+    ok = complete and bool(said) and len(policies) > 0
+    targets = args.min_ratio is not None
+    if targets:
+        ok = ok and ratio >= args.min_ratio and loss_diff <= args.max_loss_diff
+    kinds = "; ".join(f"TP {tp}: {', '.join(kinds) or 'none'}" for tp, kinds in chosen.items())
+    target_text = (f"targets >= {args.min_ratio:.2f}x, <= {100 * args.max_loss_diff:.0f}%" if targets
+                   else "targets not enforced in the rehearsal")
+    return ok, figures, (f"FP8 layer kinds by policy: {kinds}; fp8-auto / bf16 tokens/s {ratio:.3f}x, final loss "
+                         f"{auto['final_loss']:.4f} vs {off['final_loss']:.4f} ({100 * loss_diff:.2f}%; {target_text})")
+
+
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
-          "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe}
+          "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe, "g_fp8": check_fp8}
 
 
 def cmd_check(args) -> int:
@@ -329,6 +365,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-loss-ratio", type=float, default=0.9, help="a_train, f_moe: last/first loss below this")
     p.add_argument("--require-baseline", action="store_true", help="c_bench: transformers must have run")
     p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
+    p.add_argument("--min-ratio", type=float, default=None, help="g_fp8: fp8-auto / bf16 tokens/s at least")
+    p.add_argument("--max-loss-diff", type=float, default=None, help="g_fp8: relative final-loss difference at most")
     p = sub.add_parser("report")
     p.add_argument("--work", required=True)
     p.add_argument("--output", required=True)

@@ -21,7 +21,11 @@
 #      held-out median per-micro-batch error of the cost model, target <= 5%;
 #   f. train qwen3-moe-tiny on CUDA in bf16 (megatron-core's MoE layer, all-to-all dispatcher, the
 #      router without Transformer Engine): every step logged, the loss falls, balance loss and
-#      tokens per expert logged. Run before d, whose time is the least GPU-specific.
+#      tokens per expert logged. Run before d, whose time is the least GPU-specific;
+#   g. FP8: `loongforge bench gemm` on qwen2.5vl-7b's layers at TP 1, 2 and 4 (policies and plots),
+#      then the stack of c trained FP8_STEPS steps in bf16 and with training.fp8=auto (the TP 1
+#      policy): tokens/s ratio (target >= 1.15x) and the final loss difference (target <= 1%).
+#      Also before d.
 # Each step prints PASS/FAIL with its figures; the report goes to docs/benchmarks/gpu.md (GPU run)
 # or a temporary folder (rehearsal), and with $OUT set (the device tool) the results are copied
 # there too. Exit code: 0 when every step passed.
@@ -85,7 +89,7 @@ build_wheels() {
 # -------------------------------------------------------------------------------------------------
 
 gpu_settings() {
-  export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-480}"
+  export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-530}"
   export TRAIN_DTYPE=bf16 TRAIN_STEPS=30 TRAIN_EXIT=20 TRAIN_EXTRA="" TRAIN_LOSS_RATIO=0.9
   export BENCH_PRESET=qwen2.5vl-7b BENCH_LAYERS=4 BENCH_BLOCKS=8 BENCH_TOKENS=8192 BENCH_SAMPLES=4
   export BENCH_STEPS=10 BENCH_WARMUP=3 BENCH_DTYPE=bf16
@@ -100,11 +104,13 @@ gpu_settings() {
   export PYTEST_PATHS="tests"
   export PROFILE_STEPS=24 PROFILE_WARMUP=2 PROFILE_BATCH=4 COST_TARGET=5
   export MOE_STEPS=20 MOE_EXTRA="" MOE_LOSS_RATIO=0.95
-  export LIMIT_A=100 LIMIT_B=50 LIMIT_C=100 LIMIT_D=100 LIMIT_E=110 LIMIT_F=50
+  export FP8_TP="1 2 4" FP8_STEPS=100 FP8_GEMM_ARGS="--steps 10 --warmup-steps 3" FP8_TARGETS="--min-ratio 1.15 --max-loss-diff 0.01"
+  # Run order a b c f g e d: d (CPU tests) is the least GPU-specific and gets what is left.
+  export LIMIT_A=80 LIMIT_B=40 LIMIT_C=80 LIMIT_D=100 LIMIT_E=90 LIMIT_F=40 LIMIT_G=150
 }
 
 rehearsal_settings() {
-  export MODE=cpu-rehearsal DEVICE=cpu BUDGET_S="${GPU_CHECK_BUDGET_S:-600}"
+  export MODE=cpu-rehearsal DEVICE=cpu BUDGET_S="${GPU_CHECK_BUDGET_S:-720}"
   export TRAIN_DTYPE=fp32 TRAIN_STEPS=8 TRAIN_EXIT=5 TRAIN_LOSS_RATIO=0.95
   export TRAIN_EXTRA="model.language.num_layers=2 data.seq_len=384 training.global_batch_size=2 schedule.warmup_steps=1"
   export BENCH_PRESET=qwen2.5vl-tiny BENCH_LAYERS=0 BENCH_BLOCKS=0 BENCH_TOKENS=256 BENCH_SAMPLES=2
@@ -112,8 +118,9 @@ rehearsal_settings() {
   export PYTEST_ARGS="" PYTEST_PATHS="tests/scripts/test_gpu_check.py"
   export PROFILE_STEPS=6 PROFILE_WARMUP=1 PROFILE_BATCH=4 COST_TARGET=""
   export MOE_STEPS=4 MOE_LOSS_RATIO=1.0
+  export FP8_TP="1" FP8_STEPS=3 FP8_GEMM_ARGS="--tokens 16 --steps 1 --warmup-steps 0" FP8_TARGETS=""
   export MOE_EXTRA="model.language.num_layers=2 data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
-  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90
+  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90 LIMIT_G=180
 }
 
 # -------------------------------------------------------------------------------------------------
@@ -177,6 +184,27 @@ step_f_moe() {
     logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA
 }
 
+step_g_fp8() {
+  local text overrides tp mode
+  mkdir -p "$WORK/fp8" && cd "$WORK" || return 1
+  for tp in $FP8_TP; do
+    # shellcheck disable=SC2086
+    run loongforge bench gemm --preset "$BENCH_PRESET" --tp "$tp" --device "$DEVICE" $FP8_GEMM_ARGS \
+      --output "$WORK/fp8/policy_tp$tp.json" || return 1
+  done
+  text=$("$PY" "$REPO/scripts/gpu_check.py" overrides --preset "$BENCH_PRESET" --tokens "$BENCH_TOKENS" \
+    --language-layers "$BENCH_LAYERS" --vision-blocks "$BENCH_BLOCKS" --device "$DEVICE" \
+    --dtype bf16) || return 1
+  mapfile -t overrides <<< "$text"
+  for mode in off auto; do
+    run loongforge train --preset "$BENCH_PRESET" "${overrides[@]}" training.train_steps="$FP8_STEPS" \
+      training.global_batch_size=1 schedule.warmup_steps=1 -o "$WORK/fp8/train_$mode" \
+      logging.log_interval=1 logging.progress_bar=false logging.tensorboard=false \
+      checkpoint.save_at_end=false training.fp8="$mode" \
+      $([ "$mode" = auto ] && echo "fp8.policy=$WORK/fp8/policy_tp1.json") || return 1
+  done
+}
+
 # -------------------------------------------------------------------------------------------------
 # Driver
 # -------------------------------------------------------------------------------------------------
@@ -190,6 +218,7 @@ check_args() {  # per-step options of `gpu_check.py check`
     c_bench) echo "--require-baseline" ;;
     e_cost) [ -n "$COST_TARGET" ] && echo "--target $COST_TARGET" ;;
     f_moe) echo "--steps $MOE_STEPS --max-loss-ratio $MOE_LOSS_RATIO" ;;
+    g_fp8) echo "--steps $FP8_STEPS $FP8_TARGETS" ;;
   esac
 }
 
@@ -227,10 +256,10 @@ install_wheels() {
 copy_to_out() {  # the device tool brings back at most 8 files from $OUT
   [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
   cp "$REPORT" "$OUT/gpu.md"
-  for f in gpu_results.json c_bench.result.json e_cost.json e_profile.jsonl machine.json; do
+  for f in gpu_results.json c_bench.result.json e_cost.json machine.json fp8/policy_tp1.json fp8/policy_tp1.png; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
   done
-  for s in a_train b_parity c_bench d_pytest e_cost f_moe; do
+  for s in a_train b_parity c_bench d_pytest e_cost f_moe g_fp8; do
     [ -f "$WORK/$s.log" ] && { echo "===== $s"; tail -n 150 "$WORK/$s.log"; }
   done > "$OUT/logs.txt"
 }
@@ -249,8 +278,9 @@ main() {
   run_step b_parity "$LIMIT_B"
   run_step c_bench "$LIMIT_C"
   run_step f_moe "$LIMIT_F"
-  run_step d_pytest "$LIMIT_D"
+  run_step g_fp8 "$LIMIT_G"
   run_step e_cost "$LIMIT_E"
+  run_step d_pytest "$LIMIT_D"
   "$PY" "$REPO/scripts/gpu_check.py" report --work "$WORK" --output "$REPORT" --mode "$MODE" || FAILED=1
   copy_to_out
   rm -rf "$WORK/train/checkpoints"  # hundreds of MB; the logs and the report stay in $WORK

@@ -94,6 +94,32 @@ def test_moe_step(gpu_check, tmp_path, losses, balance, passed):
     assert _check(gpu_check, tmp_path, "f_moe", 0, "--steps", "20", "--max-loss-ratio", "0.95") == (0 if passed else 1)
 
 
+def _fp8_outputs(work: Path, bf16_rate: float, fp8_rate: float, fp8_final: float) -> None:
+    (work / "fp8").mkdir(parents=True)
+    policy = {"layers": {"language.fc1": {"1": {"min_tokens": 2048}}, "vision.qkv": {"1": {"min_tokens": None}}}}
+    (work / "fp8" / "policy_tp1.json").write_text(json.dumps(policy))
+    for mode, rate, final in (("off", bf16_rate, 2.0), ("auto", fp8_rate, fp8_final)):
+        (work / "fp8" / f"train_{mode}").mkdir()
+        (work / "fp8" / f"train_{mode}" / "metrics.jsonl").write_text("".join(
+            json.dumps({"step": i + 1, "loss": 4.0 - (4.0 - final) * i / 99, "tokens_per_s": rate}) + "\n"
+            for i in range(100)))
+    (work / "g_fp8.log").write_text("fp8: auto, per layer kind from policy_tp1.json (measured on H200): language.fc1 4/4\n")
+
+
+@pytest.mark.parametrize("fp8_rate, fp8_final, passed", [
+    (12_000.0, 2.01, True),  # 1.2x, 0.5% loss difference
+    (10_500.0, 2.01, False),  # 1.05x: below the 1.15x target
+    (12_000.0, 2.1, False),  # 5% loss difference
+])
+def test_fp8_step(gpu_check, tmp_path, fp8_rate, fp8_final, passed):
+    _fp8_outputs(tmp_path, 10_000.0, fp8_rate, fp8_final)
+    rc = _check(gpu_check, tmp_path, "g_fp8", 0, "--steps", "100", "--min-ratio", "1.15", "--max-loss-diff", "0.01")
+    assert rc == (0 if passed else 1)
+    figures = json.loads((tmp_path / "g_fp8.status.json").read_text())["figures"]
+    assert figures["fp8_kinds_by_tp"] == {"1": ["language.fc1"]}
+    assert figures["ratio"] == pytest.approx(fp8_rate / 10_000.0)
+
+
 def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
     _check(gpu_check, tmp_path, "a_train")
@@ -102,7 +128,7 @@ def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     report = tmp_path / "gpu.md"
     assert gpu_check.main(["report", "--work", str(tmp_path), "--output", str(report)]) == 1
     text = report.read_text()
-    assert "2026-01-01 00:00 UTC: 1/6 steps passed" in text and "Machine: device H200" in text
+    assert "2026-01-01 00:00 UTC: 1/7 steps passed" in text and "Machine: device H200" in text
     assert "| a. train qwen2.5vl-tiny, save, resume | PASS |" in text and "| d. CPU test suite" in text
     assert "```bash\nloongforge train --preset qwen2.5vl-tiny\n```" in text
     assert json.loads((tmp_path / "gpu_results.json").read_text())["steps"][1]["passed"] is False
