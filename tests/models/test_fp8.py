@@ -153,3 +153,76 @@ def test_choice_on_a_machine_without_fp8_gemms(tmp_path):
     assert decide is None and line == "fp8: auto, but cpu has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
     with pytest.raises(InputError, match=r"^training.fp8=on needs a CUDA GPU with FP8 GEMMs"):
         fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=on"]), cpu)
+
+
+def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
+    """Current scaling keeps no FP8 state: checkpoints and ``convert`` see the same weights."""
+    _, _, model = build_pair("qwen3")
+    def described():  # _extra_state entries are None without Transformer Engine
+        return {k: None if v is None else (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
+
+    before = described()
+    apply_fp8(model, lambda kind: True)
+    assert described() == before
+
+
+def _tp_worker(rank: int, port: int, workdir: str) -> None:
+    """TP 2 with and without sequence parallelism: loss and gradients of the unchanged model, of the
+    FP8 path with an exact GEMM in place of the FP8 one (its communication alone), and of real FP8."""
+    from pathlib import Path
+
+    import loongforge.models.fp8 as fp8
+    from loongforge.config.schema import ParallelConfig
+    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.llm.model import build_model
+    from tests.models.helpers import destroy_megatron, init_megatron, limit_threads
+
+    limit_threads()
+    init_megatron(rank, 2, port, tp=2)
+    case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
+    exact = type("ExactMatmul", (torch.autograd.Function,), {
+        "forward": staticmethod(lambda ctx, x, w: (ctx.save_for_backward(x, w), x @ w.t())[1]),
+        "backward": staticmethod(lambda ctx, dy: (dy @ ctx.saved_tensors[1], dy.t() @ ctx.saved_tensors[0]))})
+    results = {}
+    for sequence_parallel in (False, True):
+        for variant in ("plain", "fp8_path_exact_gemm", "fp8"):
+            parallel_cfg = ParallelConfig(tensor_model_parallel_size=2, world_size=2, sequence_parallel=sequence_parallel)
+            model = build_model(case["model_cfg"], parallel_cfg, params_dtype=torch.float32, pre_process=True,
+                                post_process=True, device="cpu")
+            load_hf_state_dict(model, case["hf_state"])
+            if variant != "plain":
+                apply_fp8(model, lambda kind: True)
+            matmul = fp8.Fp8Matmul
+            if variant == "fp8_path_exact_gemm":
+                fp8.Fp8Matmul = exact
+            try:
+                loss = model(input_ids=case["input_ids"], position_ids=text_positions(32), labels=case["labels"])
+                loss.sum().backward()
+            finally:
+                fp8.Fp8Matmul = matmul
+            results[(sequence_parallel, variant)] = {
+                "loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+    if rank == 0:
+        torch.save(results, Path(workdir) / "outputs.pt")
+    destroy_megatron()
+
+
+def test_tp2_fp8_path_communicates_like_megatron(tmp_path):
+    from tests.models.helpers import free_port, run_workers
+    from tests.models.llm_helpers import build_hf_llm, tiny_llm_cfg
+
+    generator = torch.Generator().manual_seed(3)
+    torch.save({"model_cfg": tiny_llm_cfg("qwen3"), "hf_state": build_hf_llm("qwen3").state_dict(),
+                "input_ids": torch.randint(0, 300, (1, 32), generator=generator),
+                "labels": torch.randint(0, 300, (1, 32), generator=generator)}, tmp_path / "inputs.pt")
+    run_workers(_tp_worker, 2, (free_port(), str(tmp_path)), 240)
+    results = torch.load(tmp_path / "outputs.pt", weights_only=False)
+    for sequence_parallel in (False, True):
+        plain = results[(sequence_parallel, "plain")]
+        path = results[(sequence_parallel, "fp8_path_exact_gemm")]
+        real = results[(sequence_parallel, "fp8")]
+        assert _relative(path["loss"], plain["loss"]) <= 1e-6, sequence_parallel
+        for name, grad in plain["grads"].items():
+            assert _relative(path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
+        assert 1e-4 < _relative(real["loss"], plain["loss"]) <= 0.1  # real FP8 ran, within its error
+        assert all(torch.isfinite(g).all() for g in real["grads"].values())
