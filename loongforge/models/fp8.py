@@ -267,6 +267,14 @@ def fp8_choice(cfg: RunConfig, device: torch.device) -> tuple[Optional[Callable[
         f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device})"
 
 
+def check_fp8_backend(mode: str, layer_backend: str) -> None:
+    """FP8 here runs on megatron's local linears (``use_fp8``); Transformer Engine's linears have
+    their own FP8, which loongforge does not drive: refused rather than silently left in bf16."""
+    if mode != "off" and layer_backend == "te":
+        raise InputError(f"training.fp8={mode} runs on the local linears (model.layer_backend=flash or sdpa) and "
+                         f"this run resolves model.layer_backend to te; set model.layer_backend=flash.")
+
+
 def describe_fp8_layers(counts: dict[str, tuple[int, int]]) -> str:
     """``language.fc1 8/8, vision.qkv 0/4``: FP8 layers / layers of each kind."""
     return ", ".join(f"{kind} {on}/{total}" for kind, (on, total) in counts.items())

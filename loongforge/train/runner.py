@@ -32,7 +32,7 @@ from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_na
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
-from loongforge.models.fp8 import apply_fp8, describe_fp8_layers, fp8_choice
+from loongforge.models.fp8 import apply_fp8, check_fp8_backend, describe_fp8_layers, fp8_choice
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -311,7 +311,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     validate(cfg, world_size=env.world_size, layout=get_family(cfg.model.family).layout)
     check_data(cfg)  # library callers (profile) too: unreadable data.paths before the model
     # An impossible model.layer_backend is a config error before anything is written or built.
-    resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
+    backend = resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
+    check_fp8_backend(cfg.training.fp8, backend)
     if env.device.type == "cpu":
         mcore_patches.apply_cpu()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)

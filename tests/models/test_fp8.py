@@ -18,6 +18,7 @@ from loongforge.models.fp8 import (
     Fp8Matmul,
     Fp8Policy,
     apply_fp8,
+    check_fp8_backend,
     eligible,
     fp8_choice,
     gemm_tokens,
@@ -226,3 +227,10 @@ def test_tp2_fp8_path_communicates_like_megatron(tmp_path):
             assert _relative(path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
         assert 1e-4 < _relative(real["loss"], plain["loss"]) <= 0.1  # real FP8 ran, within its error
         assert all(torch.isfinite(g).all() for g in real["grads"].values())
+
+
+def test_fp8_with_transformer_engine_linears_is_refused():
+    check_fp8_backend("off", "te")
+    check_fp8_backend("auto", "flash")
+    with pytest.raises(InputError, match=r"^training.fp8=auto runs on the local linears .* set model.layer_backend=flash.$"):
+        check_fp8_backend("auto", "te")
