@@ -1,14 +1,13 @@
-"""Qwen3VLModel with mixture-of-experts decoder layers (megatron-core's MoELayer, TP=1) equals
-transformers' Qwen3VLMoeForConditionalGeneration in fp32: logits and per-token loss on text, an
-image, a video and both; the load-balancing statistics give transformers' ``aux_loss`` and
+"""Qwen3VLModel with mixture-of-experts decoder layers (megatron-core's MoELayer, TP=1): the
+load-balancing statistics give transformers' ``aux_loss`` (Qwen3VLMoeForConditionalGeneration) and
 megatron-core's per-layer losses; the weight map reads the Hub's transposed expert layout too.
+Logits and losses against transformers are test_qwen3_vl_parity.py's ("moe" variant).
 
 Only the renormalised router is compared: transformers' Qwen3-VL-MoE has no other (the unnormalised
 one, ``norm_topk_prob: false``, is checked against transformers' Qwen3-MoE in test_llm_parity)."""
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
@@ -19,7 +18,6 @@ from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.test_qwen3_vl_support import (
     TINY_VISION,
     build_hf_model,
-    hf_logits,
     hf_position_ids,
     make_sample,
     our_inputs,
@@ -29,12 +27,8 @@ from tests.models.test_qwen3_vl_support import (
 TOLERANCE = 1e-5
 AUX_TOLERANCE = 1e-6
 
-CASES = {
-    "text": dict(),
-    "one_image": dict(images=((1, 8, 12),)),  # position grid 6x6 resampled up to 8x12
-    "video": dict(videos=((3, 4, 6),)),  # 3 frames, each after its own timestamp
-    "image_and_video": dict(images=((1, 6, 4),), videos=((2, 4, 6),)),
-}
+CASES = {"text": dict(), "one_image": dict(images=((1, 8, 12),)),
+         "image_and_video": dict(images=((1, 6, 4),), videos=((2, 4, 6),))}
 
 
 @pytest.fixture(scope="module")
@@ -70,24 +64,6 @@ def test_decoder_layers_are_megatrons_moe_layers_with_deepstack_hooks(pair):
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_logits_and_loss_match_transformers(pair, case):
-    model_cfg, hf_model, model = pair
-    sample = make_sample(model_cfg, **CASES[case])
-    reference = hf_logits(hf_model, sample)  # [1, s, V]
-    inputs = our_inputs(sample, hf_position_ids(hf_model, sample))
-    labels = torch.randint(0, model_cfg.language.vocab_size, sample.input_ids.shape)
-    with torch.no_grad():
-        logits = model(**inputs)
-        loss = model(**inputs, labels=labels)
-    assert logits.shape == reference.shape
-    diff = (logits - reference).abs().max()
-    print(f"{case}: max abs logits diff {float(diff):.3e}")
-    assert diff <= TOLERANCE
-    reference_loss = F.cross_entropy(reference[0], labels[0], reduction="none")
-    assert (loss[0] - reference_loss).abs().max() <= TOLERANCE
-
-
-@pytest.mark.parametrize("case", ["text", "image_and_video"])
 def test_router_statistics_give_transformers_aux_loss(pair, case):
     """Every token (text, image and video placeholders alike) goes through every router on both
     sides; transformers averages the statistics over layers before taking the product."""

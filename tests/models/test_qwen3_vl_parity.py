@@ -1,6 +1,7 @@
-"""Qwen3VLModel (megatron-core, TP=1) equals transformers' Qwen3VLForConditionalGeneration in fp32:
-logits and per-token loss on text, images, a video and both; the loss-masked head; a packed (thd)
-row of two samples against separate transformers runs; DeepStack under activation recompute."""
+"""Qwen3VLModel (megatron-core, TP=1) equals transformers' Qwen3VLForConditionalGeneration, and with
+routed experts Qwen3VLMoeForConditionalGeneration, in fp32: logits and per-token loss on text, images,
+a video and both; the loss-masked head; a packed (thd) row of two samples against separate
+transformers runs; DeepStack under activation recompute."""
 
 import pytest
 import torch
@@ -44,9 +45,13 @@ def _build(model_cfg, **kwargs):
                        device="cpu", vision=TINY_VISION, **kwargs)
 
 
-@pytest.fixture(scope="module", params=[False, True], ids=["untied", "tied"])
+# Qwen3-VL with untied and tied embeddings, and Qwen3-VL-MoE (Qwen3VLMoeForConditionalGeneration).
+VARIANTS = {"untied": dict(), "tied": dict(tie=True), "moe": dict(experts=True)}
+
+
+@pytest.fixture(scope="module", params=list(VARIANTS))
 def pair(world, request):
-    model_cfg = tiny_model_cfg(tie=request.param)
+    model_cfg = tiny_model_cfg(**VARIANTS[request.param])
     hf_model = build_hf_model(model_cfg)
     model = _build(model_cfg).eval()
     load_hf_state_dict(model, hf_model.state_dict())
