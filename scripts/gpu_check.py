@@ -123,12 +123,16 @@ def _read_jsonl(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
 
 
-def check_train(work: Path, args) -> tuple[bool, dict, str]:
-    records = _read_jsonl(work / "train" / "metrics.jsonl")
-    steps = [r["step"] for r in records]
-    losses = [r["loss"] for r in records]
+def _loss_trend(records: list[dict]) -> tuple[list[int], list[float], int, float, float]:
+    """(steps, losses, window, mean loss of the first window, of the last): the window is a quarter
+    of the run, 1 to 5 steps."""
+    steps, losses = [r["step"] for r in records], [r["loss"] for r in records]
     window = max(1, min(5, len(losses) // 4))
-    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    return steps, losses, window, sum(losses[:window]) / window, sum(losses[-window:]) / window
+
+
+def check_train(work: Path, args) -> tuple[bool, dict, str]:
+    steps, losses, window, first, last = _loss_trend(_read_jsonl(work / "train" / "metrics.jsonl"))
     log = (work / "a_train.log").read_text(errors="replace")
     resumed = f"at step {args.exit_at}" in log and "resumed from" in log
     figures = {"steps": len(steps), "loss_first": first, "loss_last": last, "window": window,
@@ -194,10 +198,7 @@ def check_cost(work: Path, args) -> tuple[bool, dict, str]:
 
 def check_moe(work: Path, args) -> tuple[bool, dict, str]:
     records = _read_jsonl(work / "moe" / "metrics.jsonl")
-    steps = [r["step"] for r in records]
-    losses = [r["loss"] for r in records]
-    window = max(1, min(5, len(losses) // 4))
-    first, last = sum(losses[:window]) / window, sum(losses[-window:]) / window
+    steps, losses, window, first, last = _loss_trend(records)
     balance = [r.get("load_balancing_loss") for r in records]
     load = [r.get("expert_load_max_over_mean") for r in records]
     figures = {"steps": len(steps), "loss_first": first, "loss_last": last, "window": window,
