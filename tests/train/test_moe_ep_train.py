@@ -2,7 +2,8 @@
 load-balancing loss on), logging its balance loss and tokens per expert each step.
 
 Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
-data-parallel ranks (EP 2), and over EP 2 x TP 2 (sequence parallel, expert TP 1), gives the per-step
+data-parallel ranks (EP 2), over EP 2 x TP 2 (sequence parallel, expert TP 1) and over EP 2 x PP 2
+(rows padded to the full sequence, padding kept out of the routing statistics) gives the per-step
 losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 1e-5 over 5
 steps, and the same Adam moments; EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
 weights go into an EP-2 run and come back out of its checkpoint bit-exact."""
@@ -42,6 +43,8 @@ LAYOUTS = {
     "ep2": (EP2, 2),
     "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                  "parallel.expert_tensor_parallel_size=1"), 4),
+    # Two pipeline stages of one MoE layer each; rows padded to the full sequence there.
+    "ep2-pp2": ((*EP2, "parallel.pipeline_model_parallel_size=2"), 4),
 }
 
 
@@ -70,7 +73,7 @@ def test_moe_run_learns_and_logs_its_experts(runs):
     assert f"experts max/mean {load[-1]:.2f}" in (run / "console.txt").read_text()
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2-tp2"])
+@pytest.mark.parametrize("layout", ["ep2", "ep2-tp2", "ep2-pp2"])
 def test_expert_layout_trains_like_one_expert_group(runs, layout):
     run, reference = runs[layout], runs["ep1"]
     assert len(losses(reference)) == 5
