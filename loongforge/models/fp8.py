@@ -68,16 +68,21 @@ def scaled_matmul(a: torch.Tensor, a_dtype: torch.dtype, b_t: torch.Tensor, b_dt
 
 
 class Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]."""
+    """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]. No tokens (an
+    expert no token was routed to) is an empty product: nothing to quantise."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        if x.shape[0] == 0:
+            return x @ weight.t()
         return scaled_matmul(x, E4M3, weight, E4M3, x.dtype)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
+        if x.shape[0] == 0:
+            return grad_out @ weight, torch.zeros_like(weight)
         grad_out = grad_out.contiguous()  # [M, N]
         # dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N].
         grad_x = scaled_matmul(grad_out, E5M2, weight.t().contiguous(), E4M3, x.dtype)

@@ -234,3 +234,13 @@ def test_fp8_with_transformer_engine_linears_is_refused():
     check_fp8_backend("auto", "flash")
     with pytest.raises(InputError, match=r"^training.fp8=auto runs on the local linears .* set model.layer_backend=flash.$"):
         check_fp8_backend("auto", "te")
+
+
+def test_no_tokens_is_an_empty_product():
+    """An expert that no token was routed to in a micro-batch: empty output, zero weight gradient."""
+    x = torch.zeros(0, 32, requires_grad=True)
+    weight = torch.randn(16, 32, requires_grad=True)
+    y = Fp8Matmul.apply(x, weight)
+    assert y.shape == (0, 16)
+    y.sum().backward()
+    assert x.grad.shape == (0, 32) and not weight.grad.any()
