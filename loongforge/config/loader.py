@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any, Sequence
 
 from loongforge.config.errors import ConfigError
+from loongforge.config.interpolation import resolve_interpolations
 from loongforge.config.overrides import Override, apply_overrides, parse_override
 from loongforge.config.presets import DEFAULT_PRESET, compose_file, compose_preset, deep_merge
 from loongforge.config.schema import RunConfig
@@ -68,7 +69,9 @@ def load_run_config(preset: str | None = DEFAULT_PRESET, *, config_file: Path | 
     tree = compose_tree(preset, config_file=config_file, overrides=overrides)
     if world_size is not None:
         tree = deep_merge(tree, {"parallel": {"world_size": world_size}})
-    return validate_tree(tree, world_size, locate=_config_file_locator(config_file, overrides))
+    locate = _config_file_locator(config_file, overrides)
+    tree = resolve_interpolations(tree, locate=locate, describe_unknown=unknown_key_message)
+    return validate_tree(tree, world_size, locate=locate)
 
 
 def _config_file_locator(config_file: Path | None, overrides: Sequence[str | Override]) -> KeyLocator:

@@ -293,3 +293,26 @@ def test_yaml_booleans_are_true_and_false_only():
     (message,) = errors_for("balance.enabled=yes")
     assert message == "balance.enabled: expected true or false, got 'yes' (a string); the default is false."
     assert load_run_config("qwen2.5vl-tiny", overrides=["balance.enabled=True"]).balance.enabled is True
+
+
+def test_values_reference_other_keys(tmp_path):
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["logging.output_dir=runs/${preset}/${training.precision}",
+                                                       "checkpoint.dir=${logging.output_dir}/ckpt",
+                                                       "data.synthetic_num_samples=${training.global_batch_size}"])
+    assert cfg.logging.output_dir == "runs/qwen2.5vl-tiny/fp32"
+    assert cfg.checkpoint.dir == "runs/qwen2.5vl-tiny/fp32/ckpt"
+    assert cfg.data.synthetic_num_samples == cfg.training.global_batch_size == 4  # a whole reference keeps the type
+    literal = load_run_config("qwen2.5vl-tiny", overrides=[r"data.system_prompt=costs \${price}"])
+    assert literal.data.system_prompt == "costs ${price}"
+
+
+def test_every_unresolvable_reference_is_one_line_with_its_file_and_the_fix(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("logging:\n  output_dir: runs/${presets}\ncheckpoint:\n  dir: ${logging.ouput_dir}/ckpt\n")
+    with pytest.raises(ConfigError) as info:
+        load_run_config("qwen2.5vl-tiny", config_file=config)
+    assert sorted(info.value.messages, key=lambda m: m.split(": ")[0]) == [
+        f"{config}:2: logging.output_dir='runs/${{presets}}': the reference names no key of the config "
+        f"(unknown key 'presets'; did you mean 'preset'?)",
+        f"{config}:4: checkpoint.dir='${{logging.ouput_dir}}/ckpt': the reference names no key of the config "
+        f"(unknown key 'logging.ouput_dir'; did you mean 'logging.output_dir'?)"]

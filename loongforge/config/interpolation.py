@@ -1,0 +1,70 @@
+"""``${...}`` references between config values, resolved by OmegaConf on the composed tree.
+
+``logging.output_dir: runs/${preset}`` or ``checkpoint.dir: ${logging.output_dir}/ckpt``: a value may
+name any other key of the composed config (preset, components, config file and ``key=value``
+overrides all merged) by its dotted path; a value that is only a reference takes the referenced
+value's type (``training.seed: ${data.shuffle_seed}`` stays an integer). References resolve before
+validation, so the resolved config (the run folder's ``config.yaml``) holds the values the run used.
+A literal ``${`` is written ``\\${``. Every unresolvable reference is reported at once, one line
+each, naming the key (and its file and line when a config file set it) and, for a misspelt target,
+the key it probably meant.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Iterator, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
+
+from loongforge.config.errors import ConfigError
+
+KeyLocator = Callable[[str], Optional[str]]  # as config.validate names it: key -> "file:line"
+
+
+def _references(tree: Any, path: str = "") -> Iterator[str]:
+    """Dotted paths of the string values (in mappings and lists) that hold a ``${``."""
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            yield from _references(value, f"{path}.{key}" if path else str(key))
+    elif isinstance(tree, list):
+        for index, value in enumerate(tree):
+            yield from _references(value, f"{path}.{index}")
+    elif isinstance(tree, str) and "${" in tree:
+        yield path
+
+
+def _problem(path: str, value: str, exc: OmegaConfBaseException, locate: Optional[KeyLocator],
+             describe_unknown: Callable[[str], str]) -> str:
+    where = locate(path) if locate else None
+    prefix = f"{where}: " if where else ""
+    reason = str(exc).splitlines()[0]
+    if isinstance(exc, InterpolationKeyError):
+        target = reason.split("'")[1] if "'" in reason else reason
+        return f"{prefix}{path}={value!r}: the reference names no key of the config ({describe_unknown(target)})"
+    return f"{prefix}{path}={value!r}: cannot resolve the reference ({reason}); write a literal ${{ as \\${{"
+
+
+def resolve_interpolations(tree: dict[str, Any], *, locate: Optional[KeyLocator] = None,
+                           describe_unknown: Callable[[str], str] = lambda key: f"'{key}'") -> dict[str, Any]:
+    """``tree`` with every ``${...}`` reference replaced by what it names; a ConfigError listing every
+    reference that does not resolve. A tree without references is returned as it is."""
+    paths = list(_references(tree))
+    if not paths:
+        return tree
+    config = OmegaConf.create(tree)
+    errors = []
+    for path in paths:
+        try:
+            OmegaConf.select(config, path, throw_on_resolution_failure=True)
+        except OmegaConfBaseException as exc:
+            errors.append(_problem(path, _raw(tree, path), exc, locate, describe_unknown))
+    if errors:
+        raise ConfigError(errors)
+    return OmegaConf.to_container(config, resolve=True)
+
+
+def _raw(tree: Any, path: str) -> Any:
+    for part in path.split("."):
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    return tree
