@@ -26,6 +26,10 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+)
 
 from loongforge.config.errors import InputError
 from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
@@ -108,11 +112,6 @@ def fp8_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional
     (its gradient reduce-scattered back); with ``allreduce_dgrad`` the input gradient is all-reduced
     over TP (megatron's own autograd mappings do both).
     """
-    from megatron.core.tensor_parallel.mappings import (
-        copy_to_tensor_model_parallel_region,
-        gather_from_sequence_parallel_region,
-    )
-
     if sequence_parallel:
         total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
     elif allreduce_dgrad:
