@@ -14,7 +14,7 @@ pays). The policy keeps, per kind and TP, the smallest token count from which FP
 from __future__ import annotations
 
 import json
-import time
+import statistics
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutKeys, layout_problems
+from loongforge.bench.model_step import time_steps
 from loongforge.config.schema import RunConfig
 from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, eligible, gemm_tokens, gemm_tp, layer_kind
 from loongforge.models.registry import get_family
@@ -73,26 +74,6 @@ def default_token_counts(cfg: RunConfig, shapes: Sequence[LinearShape]) -> list[
     return counts + [tokens]
 
 
-def _timer(device: torch.device) -> Callable[[Callable[[], None], int, int], float]:
-    def run(step: Callable[[], None], steps: int, warmup: int) -> float:
-        for _ in range(warmup):
-            step()
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(steps):
-                step()
-            end.record()
-            torch.cuda.synchronize(device)
-            return start.elapsed_time(end) / steps
-        began = time.perf_counter()
-        for _ in range(steps):
-            step()
-        return (time.perf_counter() - began) * 1e3 / steps
-
-    return run
-
-
 def time_linear(shape: LinearShape, tokens: int, *, device: torch.device, steps: int, warmup: int) -> dict:
     """Milliseconds of one forward + backward (three GEMMs) of ``shape`` on ``tokens`` rows, in bf16
     and in FP8."""
@@ -110,8 +91,8 @@ def time_linear(shape: LinearShape, tokens: int, *, device: torch.device, steps:
     def fp8_step() -> None:
         Fp8Matmul.apply(x, weight).backward(grad_out)
 
-    timer = _timer(device)
-    bf16_ms, fp8_ms = timer(bf16_step, steps, warmup), timer(fp8_step, steps, warmup)
+    bf16_ms, fp8_ms = (1e3 * statistics.mean(time_steps(step, device, steps=steps, warmup_steps=warmup))
+                       for step in (bf16_step, fp8_step))
     return {"tokens": tokens, "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "speedup": bf16_ms / fp8_ms}
 
 

@@ -12,14 +12,13 @@ the key it probably meant.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Iterator, Optional
 
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from loongforge.config.errors import ConfigError
-
-KeyLocator = Callable[[str], Optional[str]]  # as config.validate names it: key -> "file:line"
+from loongforge.config.validate import KeyLocator, unknown_key_message
 
 
 def _references(tree: Any, path: str = "") -> Iterator[str]:
@@ -34,19 +33,17 @@ def _references(tree: Any, path: str = "") -> Iterator[str]:
         yield path
 
 
-def _problem(path: str, value: str, exc: OmegaConfBaseException, locate: Optional[KeyLocator],
-             describe_unknown: Callable[[str], str]) -> str:
+def _problem(path: str, value: str, exc: OmegaConfBaseException, locate: Optional[KeyLocator]) -> str:
     where = locate(path) if locate else None
     prefix = f"{where}: " if where else ""
     reason = str(exc).splitlines()[0]
     if isinstance(exc, InterpolationKeyError):
         target = reason.split("'")[1] if "'" in reason else reason
-        return f"{prefix}{path}={value!r}: the reference names no key of the config ({describe_unknown(target)})"
+        return f"{prefix}{path}={value!r}: the reference names no key of the config ({unknown_key_message(target)})"
     return f"{prefix}{path}={value!r}: cannot resolve the reference ({reason}); write a literal ${{ as \\${{"
 
 
-def resolve_interpolations(tree: dict[str, Any], *, locate: Optional[KeyLocator] = None,
-                           describe_unknown: Callable[[str], str] = lambda key: f"'{key}'") -> dict[str, Any]:
+def resolve_interpolations(tree: dict[str, Any], *, locate: Optional[KeyLocator] = None) -> dict[str, Any]:
     """``tree`` with every ``${...}`` reference replaced by what it names; a ConfigError listing every
     reference that does not resolve. A tree without references is returned as it is."""
     paths = list(_references(tree))
@@ -58,7 +55,7 @@ def resolve_interpolations(tree: dict[str, Any], *, locate: Optional[KeyLocator]
         try:
             OmegaConf.select(config, path, throw_on_resolution_failure=True)
         except OmegaConfBaseException as exc:
-            errors.append(_problem(path, _raw(tree, path), exc, locate, describe_unknown))
+            errors.append(_problem(path, _raw(tree, path), exc, locate))
     if errors:
         raise ConfigError(errors)
     return OmegaConf.to_container(config, resolve=True)

@@ -70,7 +70,7 @@ def load_run_config(preset: str | None = DEFAULT_PRESET, *, config_file: Path | 
     if world_size is not None:
         tree = deep_merge(tree, {"parallel": {"world_size": world_size}})
     locate = _config_file_locator(config_file, overrides)
-    tree = resolve_interpolations(tree, locate=locate, describe_unknown=unknown_key_message)
+    tree = resolve_interpolations(tree, locate=locate)
     return validate_tree(tree, world_size, locate=locate)
 
 

@@ -4,7 +4,7 @@ The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf_rules
 style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_style``). ``{i}`` in
 a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
 megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers): global in HF,
-local to the expert-parallel rank in megatron (``expert_offset``); experts are split by the expert
+local to the expert-parallel rank in megatron (``ExpertPlacement.offset``); experts are split by the expert
 TP size, everything else of the language model by TP. A rule whose HF tensor holds every expert of
 a layer (``Rule.fuses_experts``) fills our ``{e}`` keys from that one tensor's slices.
 """
@@ -68,12 +68,10 @@ def hf_to_megatron(
     vision_tp_rank: int = 0,
     vision_tp_size: int = 1,
     layer_offset: int = 0,
-    expert_offset: int = 0,
-    expert_tp_rank: Optional[int] = None,
-    expert_tp_size: Optional[int] = None,
+    experts: Optional[ExpertPlacement] = None,
 ) -> dict[str, Tensor]:
     """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
-    Expert TP rank and size default to the TP ones.
+    ``experts``: where this rank's experts sit (``expert_placement``); None: every expert, at TP.
 
     ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
     """
@@ -86,7 +84,7 @@ def hf_to_megatron(
             continue
         rule, local_index, local_expert = _match(rules, key)
         index = _hf_index(rule, local_index, layer_offset)
-        expert = None if local_expert is None else local_expert + expert_offset
+        expert = None if local_expert is None else local_expert + (experts.offset if experts else 0)
         sources = [_fill(p, index, expert) for p in rule.hf]
         if rule.fallback_hf and sources[0] not in hf_state:
             sources = [rule.fallback_hf]
@@ -95,9 +93,8 @@ def hf_to_megatron(
             raise KeyError(f"{key} needs {missing} from the HF checkpoint")
         if rule.group == VISION:
             rank, size = vision_tp_rank, vision_tp_size
-        elif expert is not None:
-            rank = tp_rank if expert_tp_rank is None else expert_tp_rank
-            size = tp_size if expert_tp_size is None else expert_tp_size
+        elif expert is not None and experts is not None:
+            rank, size = experts.tp_rank, experts.tp_size
         else:
             rank, size = tp_rank, tp_size
         hf = [hf_state[s] for s in sources]
@@ -160,7 +157,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-        **_expert_arguments(expert_placement(layers)),
+        experts=expert_placement(layers),
     )
     result = model.load_state_dict(converted, strict=False)
     missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
@@ -184,13 +181,6 @@ def expert_placement(layers) -> Optional[ExpertPlacement]:
         return None
     return ExpertPlacement(offset=experts.ep_group.rank() * experts.num_local_experts,
                            tp_rank=experts.tp_group.rank(), tp_size=experts.tp_group.size())
-
-
-def _expert_arguments(placement: Optional[ExpertPlacement]) -> dict:
-    if placement is None:
-        return {}
-    return dict(expert_offset=placement.offset, expert_tp_rank=placement.tp_rank,
-                expert_tp_size=placement.tp_size)
 
 
 def vision_tp_group(model: torch.nn.Module):

@@ -53,6 +53,14 @@ from dataclasses import dataclass
 from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
+
+
+def routers_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
+    """Every megatron-core MoE router (``TopKRouter``) inside ``modules``."""
+    from megatron.core.transformer.moe.router import TopKRouter
+
+    return [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
 
 
 def layer_statistics(logits: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -83,9 +91,7 @@ class RouterStatistics:
     inputs are read by forward hooks and the logits recomputed from the router weights."""
 
     def __init__(self, model: torch.nn.Module):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        self.routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
+        self.routers = routers_of([model])
         self.statistics: list[tuple[torch.Tensor, torch.Tensor]] = []
 
     def _hook(self, router, inputs, output) -> None:
@@ -126,11 +132,8 @@ def routing_padding_mask(padding_mask: Optional[torch.Tensor], config, *, scatte
 def unscaled_balance_losses(model: torch.nn.Module) -> None:
     """Have every router of ``model`` attach its balance loss unscaled (megatron-core's mode without
     ``calculate_per_token_loss``, which routers copy when built), whatever the config says now."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    for module in model.modules():
-        if isinstance(module, TopKRouter):
-            module.calculate_per_token_loss = False
+    for router in routers_of([model]):
+        router.calculate_per_token_loss = False
 
 
 def aux_loss_weight(loss_tokens: int, micro_batches: int) -> float:
@@ -144,10 +147,7 @@ def weighted_aux_loss(model_chunks: Sequence[torch.nn.Module], factor: float) ->
     """megatron-core's routers read ``config.moe_aux_loss_coeff`` at every forward (and log the
     loss divided by it, so logged values stay coefficient-free): scale it by ``factor`` for the
     duration of one step's forward and backward, then restore it."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    configs = {id(m.config): m.config for chunk in model_chunks for m in chunk.modules()
-               if isinstance(m, TopKRouter)}
+    configs = {id(router.config): router.config for router in routers_of(model_chunks)}
     saved = {key: config.moe_aux_loss_coeff for key, config in configs.items()}
     for config in configs.values():
         config.moe_aux_loss_coeff = config.moe_aux_loss_coeff * factor
@@ -181,13 +181,11 @@ class ExpertLoadCounter:
 
     def __init__(self, model_chunks: Sequence[torch.nn.Module], *, num_layers: int, num_experts: int,
                  device: torch.device):
-        from megatron.core.transformer.moe.router import TopKRouter
-
-        routers = [m for chunk in model_chunks for m in chunk.modules() if isinstance(m, TopKRouter)]
         # [layers (global index), experts]: this rank's counts; float64 holds exact integers
         # far beyond any step's token count.
         self._counts = torch.zeros(num_layers, num_experts, dtype=torch.float64, device=device)
-        self._handles = [router.register_forward_hook(self._count, with_kwargs=True) for router in routers]
+        self._handles = [router.register_forward_hook(self._count, with_kwargs=True)
+                         for router in routers_of(model_chunks)]
 
     def _count(self, router, args, kwargs, output) -> None:
         if not torch.is_grad_enabled():
@@ -201,8 +199,6 @@ class ExpertLoadCounter:
     def take(self) -> Optional[ExpertLoad]:
         """The step's load over all ranks (every rank must call it), then zero; None when nothing
         was routed."""
-        import torch.distributed as dist
-
         counts = self._counts.clone()
         self._counts.zero_()
         if dist.is_initialized() and dist.get_world_size() > 1:

@@ -31,9 +31,9 @@ from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline, resolve_read
-from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.fp8 import apply_fp8, check_fp8_backend, describe_fp8_layers, fp8_choice
 from loongforge.models.layer_backend import resolve_layer_backend
+from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.data_groups import build_data_groups

@@ -9,6 +9,7 @@ load balancer move samples between ranks without changing the training math.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import time
 from dataclasses import dataclass
@@ -130,7 +131,9 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
     Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
-    with weighted_aux_loss(model, _aux_loss_factor(model, micro_batches, is_loss_rank)):
+    weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank))
+                 if _has_balance_loss(_model_config(model)) else contextlib.nullcontext())
+    with weighting:
         return get_forward_backward_func()(
             forward_step_func=make_forward_step(device),
             data_iterator=iter(micro_batches),
@@ -142,12 +145,14 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
         )
 
 
-def _aux_loss_factor(model: list, micro_batches: list[dict], is_loss_rank: bool) -> float:
+def _has_balance_loss(config) -> bool:
+    """A mixture-of-experts model trained with megatron-core's load-balancing loss."""
+    return bool(getattr(config, "num_moe_experts", None) and getattr(config, "moe_aux_loss_coeff", 0))
+
+
+def _aux_loss_factor(micro_batches: list[dict], is_loss_rank: bool) -> float:
     """``moe_balance.aux_loss_weight`` from the global batch's loss tokens and micro-batches (summed
-    over the ranks that hold one copy of each replica's batch); 1.0 without a balance loss."""
-    config = _model_config(model)
-    if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
-        return 1.0
+    over the ranks that hold one copy of each replica's batch)."""
     counts = torch.zeros(2, dtype=torch.float64)
     if is_loss_rank:
         counts[0] = sum(mb["num_loss_tokens"] for mb in micro_batches)
@@ -191,8 +196,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
 def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]:
     """The step's load-balancing loss from megatron-core's tracker (reduced over pipeline stages and
     data-parallel ranks by megatron's own helper, a collective), then cleared for the next step."""
-    config = _model_config(model)
-    if not getattr(config, "num_moe_experts", None) or not getattr(config, "moe_aux_loss_coeff", 0):
+    if not _has_balance_loss(_model_config(model)):
         return None
     from megatron.core.transformer.moe import moe_utils
 

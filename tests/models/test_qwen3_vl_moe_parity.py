@@ -129,14 +129,15 @@ def test_weights_round_trip_and_the_hubs_expert_layout_reads_the_same(pair):
 
 
 def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
-    """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``expert_offset``)."""
-    from loongforge.models.hf_weights import hf_to_megatron
+    """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``ExpertPlacement``)."""
+    from loongforge.models.hf_weights import ExpertPlacement, hf_to_megatron
 
     model_cfg, hf_model, model = pair
     full = model.state_dict()
     local = {0: 2, 1: 3}
     keys = [k for k in full if any(f".local_experts.{e}." in k for e in local)]
-    second_rank = hf_to_megatron(hf_model.state_dict(), model_cfg, keys, expert_offset=2)
+    second_rank = hf_to_megatron(hf_model.state_dict(), model_cfg, keys,
+                                 experts=ExpertPlacement(offset=2, tp_rank=0, tp_size=1))
     assert len(second_rank) == 2 * 2 * model_cfg.language.num_layers  # fc1 and fc2 of 2 experts a layer
     for key, tensor in second_rank.items():
         e = next(e for e in local if f".local_experts.{e}." in key)
