@@ -29,7 +29,7 @@ from loongforge.balance.cost_model import CostModel, default_cost_model
 from loongforge.bench.datasets import SampleSize, SampleSizer, chat_reader, is_omnibal_csv, omnibal_sizes
 from loongforge.bench.simulate import STRATEGY_NAMES, simulate
 from loongforge.config.errors import InputError
-from loongforge.data.conversations import FileSamples
+from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.samples import Reject
 
 DEFAULT_DP_SIZES = (8, 32, 128, 256, 512, 1024)
@@ -118,7 +118,7 @@ def load_pool(paths: Sequence[str | Path], *, preset: str, seq_len: int) -> Samp
     if conversation_files:
         before = len(pool.tokens)
         try:
-            source = FileSamples([str(p) for p in conversation_files])
+            source = ArrowSamples([str(p) for p in conversation_files])
         except FileNotFoundError as exc:
             raise InputError(f"--data: {exc}") from None
         sizer = sizer or SampleSizer(preset)

@@ -46,7 +46,7 @@ from loongforge.bench.datasets import (
 )
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
-from loongforge.data.conversations import FileSamples
+from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.samples import Reject
 from loongforge.pack import workers
 from loongforge.pack.algorithms import ALGORITHMS, BASELINES, fill_ratio, plan_packs, quadratic_costs
@@ -128,7 +128,7 @@ def plan_speed_rows(pool: np.ndarray, num_samples: int, seq_len: int = 8192) -> 
 
 
 def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tuple[int, ...]) -> list[dict]:
-    """The scan stage proper (FileSamples already read, tokenizer already loaded) on real JPEGs."""
+    """The scan stage proper (ArrowSamples already mapped, tokenizer already loaded) on real JPEGs."""
     images = sorted((root / COCO_IMAGES).glob("*.jpg"))
     captions = coco_chats(root / COCO_CAPTIONS)
     rows = []
@@ -141,7 +141,7 @@ def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tu
                                                  {"role": "assistant", "content": chat.answer}],
                                     "images": [str(images[k % len(images)])]}) + "\n")
         cfg = load_run_config(preset, overrides=["data.seq_len=32768"])
-        samples = FileSamples([str(data)])
+        samples = ArrowSamples([str(data)], str(Path(tmp) / "arrow"))
         context = workers.MeasureContext(inputs=(str(data),), data_cfg=cfg.data, model_cfg=cfg.model)
         workers.install(context, samples)
         workers.measurer()

@@ -161,6 +161,15 @@ class DataConfig:
     # choice for raw files at large DP; balancing then exchanges samples between ranks.
     # "auto": sharded for data.source=files at DP > 1, else global.
     read: str = "auto"
+    # Where Arrow copies of data files are kept (built once per node by its first process, keyed
+    # by content, memory-mapped by all); null = <LOONGFORGE_CACHE or ~/.cache/loongforge>/datasets.
+    # Put it on node-local disk.
+    cache_dir: Optional[str] = None
+    # Read data.paths front to back instead of through the Arrow cache, for inputs too large to
+    # copy: memory holds one window of data.shuffle_window records, each window shuffled on its
+    # own (data.shuffle); a checkpoint saves the position, so resuming gives the same samples.
+    streaming: bool = False
+    shuffle_window: int = 4096
     # A `loongforge encode` folder: the vision encoder is neither built nor run, and each sample's
     # image/video positions take its stored embeddings (checked at start against this run's
     # encoder weights and processor settings; a sample without them is a `missing_embedding` reject).

@@ -506,6 +506,11 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if data.source == "packed" and data.read == "sharded":
         errors.append("data.read=sharded does not apply to data.source=packed: the pack manifest already "
                       "gives every rank every length; use data.read=auto.")
+    if data.streaming and data.source != "files":
+        errors.append(f"data.streaming=true reads data.paths; it does not apply to data.source={data.source}; "
+                      "set data.source=files or data.streaming=false.")
+    if data.shuffle_window < 1:
+        errors.append(f"data.shuffle_window={data.shuffle_window} must be >= 1 (records per shuffled window).")
     if data.vision_embeddings is not None:
         errors += _check_vision_embeddings(cfg)
     if data.min_pixels > data.max_pixels:

@@ -1,6 +1,6 @@
 """Data: conversation files and synthetic samples -> tokens and pixels -> packed micro-batches.
 
-Entry points: ``DataPipeline`` (training steps), ``load_tokenizer``, ``FileSamples`` /
+Entry points: ``DataPipeline`` (training steps), ``load_tokenizer``, ``ArrowSamples`` /
 ``SyntheticSamples`` (sample sources), ``SampleMeasurer`` (tokens + media sizes of one sample).
 The micro-batch contract is documented in ``loongforge.data.collate``.
 
@@ -11,6 +11,7 @@ from importlib import import_module
 
 _EXPORTS = {
     "DataPipeline": "loongforge.data.pipeline",
+    "ArrowSamples": "loongforge.data.arrow_samples",
     "FileSamples": "loongforge.data.conversations",
     "SyntheticSamples": "loongforge.data.synthetic",
     "SampleMeasurer": "loongforge.data.measure",

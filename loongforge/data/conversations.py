@@ -296,28 +296,62 @@ def read_data_file(path: Path) -> list[_Located]:
     return read_json_array(text)
 
 
-def expand_data_paths(paths: list[str]) -> list[Path]:
-    """Files as given; folders expand to their data files, sorted, so the order is stable.
+HUB_PREFIX = "hf:"  # data.paths entry naming a dataset in the local Hugging Face cache
+
+
+def is_saved_dataset(path: Path) -> bool:
+    """A folder written by ``datasets.Dataset.save_to_disk``."""
+    return (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+
+
+def _saved_dataset_splits(path: Path) -> Optional[list[str]]:
+    """The split names of a ``DatasetDict.save_to_disk`` folder, else None."""
+    listing = path / "dataset_dict.json"
+    if not listing.is_file():
+        return None
+    return json.loads(listing.read_text(encoding="utf-8")).get("splits", [])
+
+
+def expand_data_paths(paths: list) -> list[str]:
+    """The data sources of ``data.paths``, in a stable order: files as given; folders expand to
+    their data files, sorted, a ``save_to_disk`` folder among them staying one source; ``hf:NAME``
+    entries as given.
 
     The one check that data paths can be read at all (``pack`` and ``train`` both call it before
     any work starts): a missing entry, an empty file, or nothing to read is an InputError.
     """
-    files: list[Path] = []
-    for entry in paths:
+    sources: list[str] = []
+    for entry in map(str, paths):  # paths or strings
         path = Path(entry)
-        if path.is_dir():
-            files.extend(sorted(p for p in path.rglob("*") if p.suffix in DATA_FILE_SUFFIXES))
+        if entry.startswith(HUB_PREFIX):
+            sources.append(entry)
+        elif path.is_dir():
+            sources.extend(str(p) for p in _folder_sources(path, entry))
         elif path.is_file():
-            files.append(path)
+            sources.append(str(path))
         else:
             raise InputError(f"data.paths entry {entry!r} does not exist; {_PATHS_REMEDY}")
-    if not files:
+    if not sources:
         raise InputError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files; {_PATHS_REMEDY}")
-    empty = [str(f) for f in files if f.stat().st_size == 0]
+    empty = [s for s in sources if Path(s).is_file() and Path(s).stat().st_size == 0]
     if empty:
         raise InputError(f"data.paths file {empty[0]} is empty"
                          f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; {_PATHS_REMEDY}")
-    return files
+    return sources
+
+
+def _folder_sources(folder: Path, entry: str) -> list[Path]:
+    splits = _saved_dataset_splits(folder)
+    if splits is not None:
+        raise InputError(f"data.paths entry {entry!r} holds the splits {', '.join(splits)} of a saved dataset; "
+                         f"name the one to train on, e.g. {str(folder / splits[0])!r}" if splits else
+                         f"data.paths entry {entry!r} is a saved DatasetDict without splits")
+    if is_saved_dataset(folder):
+        return [folder]
+    saved = sorted(p.parent for p in folder.rglob("state.json") if is_saved_dataset(p.parent))
+    files = [p for p in folder.rglob("*") if p.suffix in DATA_FILE_SUFFIXES and p.is_file()
+             and not any(p.is_relative_to(d) for d in saved)]
+    return sorted(files + saved)
 
 
 def record_ordinals(located: list[_Located]) -> list[Optional[int]]:
@@ -329,13 +363,20 @@ def record_ordinals(located: list[_Located]) -> list[Optional[int]]:
 
 class FileSamples:
     """All records of the data files, indexable in a fixed order (files in order, records in
-    file order). Records are decoded up front (metadata only, no media), so an epoch can be
-    shuffled as a whole; ``get`` validates lazily and returns a sample or a Reject."""
+    file order), decoded up front into Python objects (metadata only, no media); ``get`` validates
+    lazily and returns a sample or a Reject.
+
+    The in-memory reader: it defines the samples, order and rejects that
+    ``loongforge.data.arrow_samples.ArrowSamples`` (what runs read) reproduces without holding
+    the records, and is the baseline of ``loongforge bench data``. Memory grows with the data."""
 
     def __init__(self, paths: list[str]):
         self._entries: list[tuple[Path, _Located]] = []
         self._ordinals: list[Optional[int]] = []  # per entry, see record_ordinals
-        for path in expand_data_paths(paths):
+        for source in expand_data_paths(paths):
+            path = Path(source)
+            if not path.is_file():
+                raise InputError(f"{source}: the in-memory reader takes data files only")
             located = read_data_file(path)
             self._entries.extend((path, entry) for entry in located)
             self._ordinals.extend(record_ordinals(located))

@@ -34,7 +34,7 @@ from loongforge.balance.cost_model import token_count_model, with_vision_spread
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import collate_row
-from loongforge.data.conversations import FileSamples
+from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
@@ -47,6 +47,7 @@ from loongforge.data.measure import (
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.samples import Reject, RejectKey
+from loongforge.data.streaming import StreamingRowStream, StreamingSamples
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
@@ -64,14 +65,14 @@ def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
     return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
 
 
-def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[FileSamples, SyntheticSamples]:
+def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[ArrowSamples, SyntheticSamples]:
     """``text_only``: the model has no vision tower (generated samples carry no images)."""
     if data_cfg.source == "synthetic":
         return SyntheticSamples(data_cfg.synthetic_num_samples, data_cfg.seed, text_only=text_only)
     if data_cfg.source == "files":
         if not data_cfg.paths:
             raise ValueError("data.source=files needs data.paths")
-        return FileSamples(data_cfg.paths)
+        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir)
     raise ValueError(f"data.source={data_cfg.source!r} is not readable by DataPipeline (synthetic, files)")
 
 
@@ -207,6 +208,9 @@ class RowStream:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()]}
 
     def load_state_dict(self, state: dict) -> None:
+        if "window_starts" in state:
+            raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
+                             "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         buffer = []
         for epoch, cursor in state["buffer"]:
@@ -303,6 +307,11 @@ class DataPipeline:
         if self.embeddings is not None:
             measurer = StoredMediaMeasurer(measurer, self.embeddings)
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
+        if data_cfg.streaming:
+            samples = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
+                                       shuffle=data_cfg.shuffle, seed=data_cfg.seed)
+            return StreamingRowStream(samples, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
+                                      rejects=self.rejects, shard=shard)
         return RowStream(build_sample_source(data_cfg, text_only=self.sizing is None), measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
                          rejects=self.rejects, shard=shard)

@@ -26,6 +26,8 @@ from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerFast
 
+from loongforge.data.cache import cache_root
+
 # Bump when the builder's output changes, so stale caches are not reused.
 _BUILDER_VERSION = 1
 
@@ -179,15 +181,10 @@ def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
     return ranks
 
 
-def _cache_dir() -> Path:
-    root = os.environ.get("LOONGFORGE_CACHE") or Path.home() / ".cache" / "loongforge"
-    return Path(root)
-
-
 def _load_ranks_tokenizer(spec: RanksTokenizer, chat_template: str | None) -> PreTrainedTokenizerFast:
     ranks_path = spec.ranks_path()
     digest = hashlib.sha256(ranks_path.read_bytes()).hexdigest()[:16]
-    cached = _cache_dir() / f"{spec.cache_name}_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
+    cached = cache_root() / f"{spec.cache_name}_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
     if not cached.exists():
         backend = build_backend(spec, read_tiktoken_ranks(ranks_path))
         _atomic_write_text(cached, backend.to_str())

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Optional, Union
 
 from loongforge.config.schema import DataConfig
-from loongforge.data.conversations import FileSamples
+from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.measure import MeasuredSample, measure_media
 from loongforge.data.packfile.reader import PackedFolder
 from loongforge.data.samples import ConversationSample, Reject
@@ -69,7 +69,7 @@ class EncodePlan:
 
 def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> EncodePlan:
     """The plan of conversation files (the formats ``train`` reads)."""
-    source = FileSamples(files)
+    source = ArrowSamples(files, data_cfg.cache_dir)
     items, rejects = [], []
     for index in range(len(source)):
         sample = source.get(index)

@@ -18,7 +18,8 @@ from typing import Callable, Optional
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
-from loongforge.data.conversations import FileSamples, expand_data_paths
+from loongforge.data.arrow_samples import ArrowSamples
+from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import (
@@ -97,7 +98,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     summary = PackSummary(output=root, stats={}, workers=options.workers)
 
     start = time.perf_counter()
-    samples = FileSamples(files)
+    samples = ArrowSamples(files, cfg.data.cache_dir)
     context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork

@@ -1,8 +1,8 @@
 """Per-process state for the scan and write stages, and an ordered map over worker processes.
 
-Each process holds the input records (``FileSamples``) and a ``SampleMeasurer``. With the fork
-start method the workers inherit the parent's already-read records; otherwise they read them
-again. Results come back in task order, so the output never depends on ``--workers``.
+Each process maps the input records (``ArrowSamples``) and holds a ``SampleMeasurer``. With the
+fork start method the workers inherit the parent's mapping; otherwise they map the Arrow copies
+the parent built. Results come back in task order, so the output never depends on ``--workers``.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Iterator, Optional, Union
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.conversations import FileSamples
+from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.measure import MeasuredSample, SampleMeasurer
 from loongforge.data.samples import Reject
 from loongforge.data.tokenizer import load_tokenizer
@@ -38,8 +38,8 @@ def _tokenizer(spec: str):
     return _TOKENIZERS[spec]
 
 
-def install(context: MeasureContext, samples: Optional[FileSamples] = None) -> None:
-    """Make ``context`` current in this process (the parent passes the records it already read)."""
+def install(context: MeasureContext, samples: Optional[ArrowSamples] = None) -> None:
+    """Make ``context`` current in this process (the parent passes the records it already mapped)."""
     if _STATE.get("context") != context:
         _STATE.clear()
         _STATE["context"] = context
@@ -47,9 +47,10 @@ def install(context: MeasureContext, samples: Optional[FileSamples] = None) -> N
         _STATE["samples"] = samples
 
 
-def samples() -> FileSamples:
+def samples() -> ArrowSamples:
     if "samples" not in _STATE:
-        _STATE["samples"] = FileSamples(list(_STATE["context"].inputs))
+        context = _STATE["context"]
+        _STATE["samples"] = ArrowSamples(list(context.inputs), context.data_cfg.cache_dir)
     return _STATE["samples"]
 
 

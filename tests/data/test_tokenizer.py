@@ -121,7 +121,7 @@ def test_second_load_reads_the_cache(tokenizer, llama_tokenizer, monkeypatch):
     for spec, built in (("qwen", tokenizer), ("llama3", llama_tokenizer)):  # the fixtures built + cached them
         again = tokenizer_module.load_tokenizer(spec)
         assert again("héllo 世界")["input_ids"] == built("héllo 世界")["input_ids"]
-    assert not list(tokenizer_module._cache_dir().glob("*.tmp"))  # atomic write left no temp file
+    assert not list(tokenizer_module.cache_root().glob("*.tmp"))  # atomic write left no temp file
 
 
 def test_unknown_tokenizer_names_the_offline_ones(tmp_path):

@@ -1,0 +1,252 @@
+"""Conversation records through memory-mapped Arrow (Hugging Face ``datasets``): what ``train``,
+``pack`` and ``encode`` read.
+
+Each JSON / JSONL / parquet file is copied once into an Arrow file in the cache folder
+(``data.cache_dir``, default ``<LOONGFORGE_CACHE>/datasets``), named by a hash of the file's
+content, and memory-mapped from there by every process: a rank holds a few offsets, not the
+records, and the page cache holds one copy per node. The first process of a node to need a copy
+builds it under a file lock; the others wait and map it. A ``save_to_disk`` folder or a dataset in
+the local Hugging Face cache (``hf:NAME``, ``hf:NAME:SPLIT``) is already Arrow and is mapped as is.
+
+Samples, their order and their rejects are those of the in-memory reader
+(``loongforge.data.conversations.FileSamples``): JSON lines are stored undecoded and decoded on
+access; JSON arrays are stored element by element with their lines; table rows (parquet, saved and
+cached datasets) come back as plain values (images as ``{"bytes", "path"}``), line = row + 1.
+"""
+
+from __future__ import annotations
+
+import bisect
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator, Optional, Union
+
+import datasets
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import xxhash
+from filelock import FileLock
+from tqdm import tqdm
+
+from loongforge.config.errors import InputError
+from loongforge.data.cache import cache_root
+from loongforge.data.conversations import (
+    HUB_PREFIX,
+    expand_data_paths,
+    is_saved_dataset,
+    parse_record,
+    read_data_file,
+    record_ordinals,
+)
+from loongforge.data.samples import ConversationSample, Reject
+
+# Bump when what a cache file holds changes, so stale copies are never mapped.
+CACHE_FORMAT = 1
+_RECORDS_SCHEMA = pa.schema([
+    ("line", pa.int64()),  # 1-based line the record starts at
+    ("ordinal", pa.int64()),  # position in its file when its line holds other records too, else null
+    ("raw", pa.large_binary()),  # the record's JSON text; null when it could not be read
+    ("error", pa.string()),  # why it could not be read; null otherwise
+])
+_BATCH_ROWS = 65_536
+_HASH_CHUNK = 16 << 20
+_PROGRESS_BYTES = 64 << 20  # a copy of a smaller file takes about a second: no bar
+
+
+def arrow_cache_dir(cache_dir: Optional[str]) -> Path:
+    """``data.cache_dir``, or the loongforge cache's ``datasets`` folder."""
+    return Path(cache_dir) if cache_dir else cache_root() / "datasets"
+
+
+# ---------------------------------------------------------------- content keys
+
+
+def content_key(path: Path, cache: Path) -> str:
+    """Hash of the file's bytes, remembered per (path, size, mtime, inode) so that a warm start
+    does not read every data file again."""
+    stat = path.stat()
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    memo = cache / "keys" / f"{xxhash.xxh3_64_hexdigest(identity.encode())}.json"
+    if memo.is_file():
+        remembered = json.loads(memo.read_text(encoding="utf-8"))
+        if remembered.get("identity") == identity:
+            return remembered["key"]
+    digest = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            digest.update(chunk)
+    key = digest.hexdigest()
+    _write_atomic(memo, json.dumps({"identity": identity, "key": key}).encode())
+    return key
+
+
+def _write_atomic(path: Path, data: bytes) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- building a copy
+
+
+def _jsonl_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
+    """JSON lines, undecoded (decoded on access, so a broken line costs nothing here)."""
+    lines, raws = [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            bar.update(len(raw))
+            if not raw.strip():
+                continue
+            lines.append(number)
+            raws.append(raw)
+            if len(raws) == _BATCH_ROWS:
+                yield _records_batch(lines, raws, None, None)
+                lines, raws = [], []
+    if raws:
+        yield _records_batch(lines, raws, None, None)
+
+
+def _json_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
+    """A .json file through the in-memory reader (a JSON list must be parsed as a whole)."""
+    located = read_data_file(path)
+    ordinals = record_ordinals(located)
+    bar.update(path.stat().st_size)
+    for start in range(0, len(located), _BATCH_ROWS):
+        chunk = located[start:start + _BATCH_ROWS]
+        raws = [None if e.error is not None else json.dumps(e.record, ensure_ascii=False).encode() for e in chunk]
+        yield _records_batch([e.line for e in chunk], raws, ordinals[start:start + _BATCH_ROWS],
+                             [e.error for e in chunk])
+
+
+def _records_batch(lines, raws, ordinals, errors) -> pa.RecordBatch:
+    count = len(lines)
+    return pa.record_batch([
+        pa.array(lines, pa.int64()),
+        pa.array(ordinals, pa.int64()) if ordinals is not None else pa.nulls(count, pa.int64()),
+        pa.array(raws, pa.large_binary()),
+        pa.array(errors, pa.string()) if errors is not None else pa.nulls(count, pa.string()),
+    ], schema=_RECORDS_SCHEMA)
+
+
+def _parquet_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
+    parquet = pq.ParquetFile(path)
+    for group in range(parquet.num_row_groups):
+        for batch in parquet.iter_batches(batch_size=_BATCH_ROWS, row_groups=[group]):
+            yield batch.replace_schema_metadata(None)  # plain values, never decoded features
+        bar.update(parquet.metadata.row_group(group).total_byte_size)
+
+
+def _write_copy(path: Path, target: Path, progress: bool) -> None:
+    """Write the Arrow copy of ``path`` to ``target`` (atomically: a killed build leaves none)."""
+    if path.suffix == ".parquet":
+        batches, schema = _parquet_batches, pq.read_schema(path).remove_metadata()
+    else:
+        batches, schema = (_jsonl_batches if path.suffix == ".jsonl" else _json_batches), _RECORDS_SCHEMA
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
+    with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"arrow copy of {path.name}",
+              disable=not progress or path.stat().st_size < _PROGRESS_BYTES, leave=False) as bar:
+        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+            for batch in batches(path, bar):
+                writer.write_batch(batch)
+    os.replace(tmp, target)
+
+
+def arrow_copy(path: Path, cache: Path, *, progress: bool = True) -> Path:
+    """The cache's Arrow copy of data file ``path``, built here unless a process built it already."""
+    kind = "table" if path.suffix == ".parquet" else "records"
+    target = cache / f"v{CACHE_FORMAT}" / f"{content_key(path, cache)}-{kind}.arrow"
+    if target.is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(str(target) + ".lock"):
+        if not target.is_file():  # the lock's previous holder may have built it
+            _write_copy(path, target, progress)
+    return target
+
+
+# ---------------------------------------------------------------- sources
+
+
+@dataclass
+class _Part:
+    """One source: its rows (memory-mapped), the name rejects carry, and where relative media are."""
+
+    rows: datasets.Dataset
+    file: str
+    media_root: Path
+    records: bool  # rows are (line, ordinal, raw, error) records, else plain table rows
+
+    def __len__(self) -> int:
+        return self.rows.num_rows
+
+    def get(self, row: int) -> Union[ConversationSample, Reject]:
+        if self.records:
+            return self._record(self.rows[row])
+        record = self.rows[row].to_pylist()[0]  # arrow format: storage values, images undecoded
+        return parse_record(record, file=self.file, line=row + 1, media_root=self.media_root)
+
+    def _record(self, entry: dict) -> Union[ConversationSample, Reject]:
+        line, ordinal = entry["line"], entry["ordinal"]
+        if entry["error"] is not None:
+            return Reject(file=self.file, line=line, reason="malformed_json", detail=entry["error"], record=ordinal)
+        try:
+            record = json.loads(entry["raw"])
+        except (json.JSONDecodeError, UnicodeDecodeError) as error:
+            return Reject(file=self.file, line=line, reason="malformed_json", detail=str(error), record=ordinal)
+        return parse_record(record, file=self.file, line=line, media_root=self.media_root, ordinal=ordinal)
+
+
+def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
+    copy = arrow_copy(path, cache, progress=progress)
+    rows = datasets.Dataset.from_file(str(copy))
+    records = path.suffix != ".parquet"
+    return _Part(rows if records else rows.with_format("arrow"), str(path), path.parent, records)
+
+
+def _saved_part(folder: Path) -> _Part:
+    rows = datasets.load_from_disk(str(folder))
+    return _Part(rows.with_format("arrow"), str(folder), folder, records=False)
+
+
+def _hub_part(entry: str) -> _Part:
+    """``hf:NAME`` or ``hf:NAME:SPLIT`` (default split ``train``), from the local HF cache."""
+    name, _, split = entry[len(HUB_PREFIX):].partition(":")
+    try:
+        rows = datasets.load_dataset(name, split=split or "train")
+    except Exception as error:  # datasets raises many types for "not found / not cached"
+        raise InputError(f"data.paths entry {entry!r} cannot be loaded ({type(error).__name__}: "
+                         f"{str(error).splitlines()[0] if str(error) else ''}); download it once with "
+                         f"datasets.load_dataset({name!r}) on a connected machine") from None
+    return _Part(rows.with_format("arrow"), entry, Path.cwd(), records=False)
+
+
+def _open_source(source: str, cache: Path, progress: bool) -> _Part:
+    if source.startswith(HUB_PREFIX):
+        return _hub_part(source)
+    path = Path(source)
+    if path.is_dir() and is_saved_dataset(path):
+        return _saved_part(path)
+    return _file_part(path, cache, progress)
+
+
+class ArrowSamples:
+    """All records of ``data.paths`` in a fixed order (sources in order, records in source order),
+    indexable without holding them: ``get`` reads, validates and returns a sample or a Reject."""
+
+    def __init__(self, paths: list[str], cache_dir: Optional[str] = None, *, progress: bool = True):
+        cache = arrow_cache_dir(cache_dir)
+        self._parts = [_open_source(source, cache, progress) for source in expand_data_paths(paths)]
+        self._starts = np.cumsum([0] + [len(part) for part in self._parts]).tolist()  # per part, its first index
+
+    def __len__(self) -> int:
+        return self._starts[-1]
+
+    def get(self, index: int) -> Union[ConversationSample, Reject]:
+        if not 0 <= index < len(self):
+            raise IndexError(f"sample {index} of {len(self)}")
+        part = bisect.bisect_right(self._starts, index) - 1
+        return self._parts[part].get(index - self._starts[part])

@@ -1,0 +1,284 @@
+"""``data.streaming=true``: read the data sources front to back, never copying or indexing them.
+
+For inputs too large to copy into the Arrow cache. The stream is the records of ``data.paths`` in
+order (the same records, lines and rejects as ``ArrowSamples``), cut into windows of
+``data.shuffle_window`` records; with ``data.shuffle`` each window is visited in a permutation drawn
+from (data.seed, epoch, window), so memory holds a window, not the data, and any position of the
+stream is found again from where its window starts. Positions are dealt to data-parallel shards
+as in ``RowStream`` (shard ``i`` of ``n`` takes positions i, i+n, ...; every rank reads the raw
+records, each decodes and measures only its own).
+
+Exact resume: a checkpoint holds the stream position (epoch, cursor), the packer's buffered
+positions and where the windows holding them start (source, byte offset or row, line), so a
+resumed run seeks there and continues with the same samples.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import Counter, OrderedDict
+from pathlib import Path
+from typing import Callable, Iterator, Optional, Union
+
+import datasets
+import numpy as np
+import pyarrow.parquet as pq
+
+from loongforge.config.errors import InputError
+from loongforge.data.conversations import (
+    HUB_PREFIX,
+    expand_data_paths,
+    is_saved_dataset,
+    parse_record,
+    read_data_file,
+    record_ordinals,
+)
+from loongforge.data.measure import MeasuredSample
+from loongforge.data.packing import PackItem
+from loongforge.data.samples import ConversationSample, Reject
+
+# Where a record starts: (source index, byte offset (JSON lines) or record index (others), line).
+Location = tuple[int, int, int]
+Sample = Union[ConversationSample, Reject]
+_WINDOWS_KEPT = 4  # decoded windows kept in memory: the packer looks back at most a few
+
+
+class _Entry:
+    """One record as read, parsed into a sample only when its shard asks for it."""
+
+    __slots__ = ("parse",)
+
+    def __init__(self, parse: Callable[[], Sample]):
+        self.parse = parse
+
+
+def _jsonl_entries(path: Path, start: Location) -> Iterator[tuple[Location, _Entry]]:
+    source, offset, line = start
+    name, root = str(path), path.parent
+    with open(path, "rb") as f:
+        f.seek(offset)
+        for raw in iter(f.readline, b""):
+            here = (source, offset, line)
+            offset, line = offset + len(raw), line + 1
+            if raw.strip():
+                yield here, _Entry(lambda raw=raw, line=here[2]: _parse_json_line(raw, name, line, root))
+
+
+def _parse_json_line(raw: bytes, file: str, line: int, media_root: Path) -> Sample:
+    try:
+        record = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as error:
+        return Reject(file=file, line=line, reason="malformed_json", detail=str(error))
+    return parse_record(record, file=file, line=line, media_root=media_root)
+
+
+def _json_entries(path: Path, parsed, start: Location) -> Iterator[tuple[Location, _Entry]]:
+    """A .json file is parsed whole (a JSON list has no record boundaries to seek to)."""
+    located, ordinals = parsed
+    source, first, _ = start
+    for index in range(first, len(located)):
+        entry, ordinal = located[index], ordinals[index]
+        yield (source, index, entry.line), _Entry(lambda e=entry, o=ordinal: _parse_located(e, o, path))
+
+
+def _parse_located(entry, ordinal: Optional[int], path: Path) -> Sample:
+    if entry.error is not None:
+        return Reject(file=str(path), line=entry.line, reason="malformed_json", detail=entry.error, record=ordinal)
+    return parse_record(entry.record, file=str(path), line=entry.line, media_root=path.parent, ordinal=ordinal)
+
+
+def _table_entries(rows: Iterator[dict], name: str, media_root: Path, start: Location):
+    source, first, _ = start
+    for index, record in enumerate(rows, start=first):
+        yield (source, index, index + 1), _Entry(
+            lambda r=record, line=index + 1: parse_record(r, file=name, line=line, media_root=media_root))
+
+
+def _parquet_rows(path: Path, first: int) -> Iterator[dict]:
+    parquet = pq.ParquetFile(path)
+    skipped = 0
+    for group in range(parquet.num_row_groups):
+        size = parquet.metadata.row_group(group).num_rows
+        if skipped + size <= first:
+            skipped += size
+            continue
+        table = parquet.read_row_group(group).replace_schema_metadata(None)
+        yield from table.slice(max(0, first - skipped)).to_pylist()
+        skipped += size
+
+
+def _dataset_rows(rows: datasets.Dataset, first: int) -> Iterator[dict]:
+    table = rows.with_format("arrow")
+    for start in range(first, rows.num_rows, 1024):
+        yield from table[start:start + 1024].to_pylist()
+
+
+class _Sources:
+    """The records of ``data.paths`` as one sequence, readable from any Location."""
+
+    def __init__(self, paths: list[str]):
+        self.sources = expand_data_paths(paths)
+        self._opened: dict[int, object] = {}  # the latest parsed .json file or opened dataset, by source
+
+    def entries(self, start: Location) -> Iterator[tuple[Location, _Entry]]:
+        for source in range(start[0], len(self.sources)):
+            first = start if source == start[0] else (source, 0, 1)
+            yield from self._source_entries(source, first)
+
+    def _source_entries(self, source: int, start: Location):
+        name = self.sources[source]
+        path = Path(name)
+        if path.suffix == ".jsonl" and path.is_file():
+            return _jsonl_entries(path, start)
+        if path.suffix == ".parquet" and path.is_file():
+            return _table_entries(_parquet_rows(path, start[1]), name, path.parent, start)
+        opened = self._open(source)
+        if isinstance(opened, datasets.Dataset):
+            media_root = path if path.is_dir() else Path.cwd()
+            return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start)
+        return _json_entries(path, opened, start)
+
+    def _open(self, source: int):
+        """Parse a .json file or open a dataset once, not once per window."""
+        if source not in self._opened:
+            self._opened.clear()  # one at a time: the stream moves forward
+            name = self.sources[source]
+            if name.startswith(HUB_PREFIX):
+                hub, _, split = name[len(HUB_PREFIX):].partition(":")
+                self._opened[source] = datasets.load_dataset(hub, split=split or "train")
+            elif Path(name).is_dir() and is_saved_dataset(Path(name)):
+                self._opened[source] = datasets.load_from_disk(name)
+            else:
+                located = read_data_file(Path(name))
+                self._opened[source] = (located, record_ordinals(located))
+        return self._opened[source]
+
+
+class StreamingSamples:
+    """Records by (epoch, position): position ``p`` is entry ``p % W`` of window ``p // W`` (of
+    ``W`` = ``window`` records, in its epoch's permutation when shuffling). ``get`` returns None past
+    the end of the data."""
+
+    def __init__(self, paths: list[str], *, window: int, shuffle: bool, seed: int):
+        if window < 1:
+            raise ValueError(f"data.shuffle_window must be >= 1, got {window}")
+        self._sources = _Sources(paths)
+        self.window, self.shuffle, self.seed = window, shuffle, seed
+        self.starts: dict[int, Location] = {0: (0, 0, 1)}  # window -> where its first record is
+        self.num_windows: Optional[int] = None  # known once the end was read
+        self._windows: OrderedDict[tuple[int, int], list[_Entry]] = OrderedDict()
+
+    def get(self, epoch: int, position: int) -> Optional[Sample]:
+        window, offset = divmod(position, self.window)
+        entries = self._entries(epoch, window)
+        return entries[offset].parse() if offset < len(entries) else None
+
+    def _entries(self, epoch: int, window: int) -> list[_Entry]:
+        key = (epoch, window)
+        if key not in self._windows:
+            entries = self._read_window(window)
+            if self.shuffle and entries:
+                order = np.random.default_rng([self.seed, epoch, window]).permutation(len(entries))
+                entries = [entries[i] for i in order]
+            self._windows[key] = entries
+            while len(self._windows) > _WINDOWS_KEPT:
+                self._windows.popitem(last=False)
+        return self._windows[key]
+
+    def _read_window(self, window: int) -> list[_Entry]:
+        if self.num_windows is not None and window >= self.num_windows:
+            return []
+        known = max(k for k in self.starts if k <= window)
+        while known < window:  # read forward to find where `window` starts
+            self._read_from(known)
+            known += 1
+            if known not in self.starts:
+                return []
+        return self._read_from(window)
+
+    def _read_from(self, window: int) -> list[_Entry]:
+        entries: list[_Entry] = []
+        for location, entry in self._sources.entries(self.starts[window]):
+            if len(entries) == self.window:
+                self.starts[window + 1] = location
+                return entries
+            entries.append(entry)
+        self.num_windows = window + (1 if entries else 0)
+        return entries
+
+    def state_for(self, positions: list[int]) -> dict:
+        """Window starts a reader needs to find ``positions`` again (JSON-serialisable): for each
+        position's window, the nearest start known at or below it (reading resumes from there)."""
+        needed = {max(k for k in self.starts if k <= p // self.window) for p in positions}
+        return {str(k): list(self.starts[k]) for k in sorted(needed)}
+
+    def load_starts(self, starts: dict) -> None:
+        for window, location in starts.items():
+            self.starts[int(window)] = tuple(location)
+        self._windows.clear()
+
+
+class StreamingRowStream:
+    """``RowStream``'s contract (``next_row``, ``state_dict``) over a ``StreamingSamples``."""
+
+    def __init__(self, source: StreamingSamples, measurer, *, packer, rejects, shard: tuple[int, int]):
+        self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
+        self.shard_index, self.shard_count = shard
+        self.epoch, self.cursor = 0, self.shard_index
+        self._accepted_this_epoch = False
+        self._rejected_this_epoch: Counter = Counter()
+
+    def next_row(self) -> list[PackItem[MeasuredSample]]:
+        return self.packer.next_row(self._pull)
+
+    def _pull(self) -> PackItem[MeasuredSample]:
+        while True:
+            position = (self.epoch, self.cursor)
+            sample = self.source.get(*position)
+            if sample is None:  # past the end: next epoch
+                self._end_epoch()
+                continue
+            self.cursor += self.shard_count
+            measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
+            if isinstance(measured, MeasuredSample):
+                self._accepted_this_epoch = True
+                return PackItem(key=position, length=measured.length, payload=measured)
+            self.rejects.record(measured)
+            self._rejected_this_epoch[measured.reason] += 1
+
+    def _end_epoch(self) -> None:
+        if not self._accepted_this_epoch:
+            by_reason = ", ".join(f"{r}: {n}" for r, n in sorted(self._rejected_this_epoch.items())) or "none read"
+            share = f" of data-parallel shard {self.shard_index} of {self.shard_count}" if self.shard_count > 1 else ""
+            where = f"; see {self.rejects.path}" if self.rejects.path is not None else ""
+            raise InputError(f"a whole pass over data.paths{share} gave no usable sample ({by_reason}){where}")
+        self.epoch, self.cursor = self.epoch + 1, self.shard_index
+        self._accepted_this_epoch = False
+        self._rejected_this_epoch.clear()
+
+    def _measure_at(self, position: tuple[int, int]) -> Union[MeasuredSample, Reject, None]:
+        sample = self.source.get(*position)
+        if sample is None or isinstance(sample, Reject):
+            return sample
+        return self.measurer.measure(sample)
+
+    def state_dict(self) -> dict:
+        keys = self.packer.buffer_keys()
+        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
+                "window_starts": self.source.state_for([self.cursor] + [p for _, p in keys])}
+
+    def load_state_dict(self, state: dict) -> None:
+        if "window_starts" not in state:
+            raise ValueError("the checkpoint's data position was not saved by a streaming run; "
+                             "resume with data.streaming=false")
+        self.source.load_starts(state["window_starts"])
+        self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self._accepted_this_epoch = True  # the checkpointed run had accepted samples
+        buffer = []
+        for epoch, position in state["buffer"]:
+            measured = self._measure_at((epoch, position))
+            if not isinstance(measured, MeasuredSample):
+                raise RuntimeError(f"buffered sample at epoch {epoch} position {position} no longer measures "
+                                   f"(data changed since the checkpoint?): {measured}")
+            buffer.append(PackItem(key=(epoch, position), length=measured.length, payload=measured))
+        self.packer.buffer = buffer
