@@ -2,7 +2,8 @@
 
 ``logging.output_dir: runs/${preset}`` or ``checkpoint.dir: ${logging.output_dir}/ckpt``: a value may
 name any other key of the composed config (preset, components, config file and ``key=value``
-overrides all merged) by its dotted path; a value that is only a reference takes the referenced
+overrides all merged), or any schema key at its default (the schema as an OmegaConf structured
+config), by its dotted path; a value that is only a reference takes the referenced
 value's type (``training.seed: ${data.shuffle_seed}`` stays an integer). References resolve before
 validation, so the resolved config (the run folder's ``config.yaml``) holds the values the run used.
 A literal ``${`` is written ``\\${``. Every unresolvable reference is reported at once, one line
@@ -12,12 +13,15 @@ the key it probably meant.
 
 from __future__ import annotations
 
+import copy
 from typing import Any, Iterator, Optional
 
-from omegaconf import OmegaConf
+from omegaconf import Container, OmegaConf
 from omegaconf.errors import InterpolationKeyError, OmegaConfBaseException
 
 from loongforge.config.errors import ConfigError
+from loongforge.config.presets import deep_merge
+from loongforge.config.schema import RunConfig
 from loongforge.config.validate import KeyLocator, unknown_key_message
 
 
@@ -43,22 +47,42 @@ def _problem(path: str, value: str, exc: OmegaConfBaseException, locate: Optiona
     return f"{prefix}{path}={value!r}: cannot resolve the reference ({reason}); write a literal ${{ as \\${{"
 
 
+def schema_defaults() -> dict[str, Any]:
+    """Every key of the schema with its default, from the schema as an OmegaConf structured config."""
+    return OmegaConf.to_container(OmegaConf.structured(RunConfig))
+
+
 def resolve_interpolations(tree: dict[str, Any], *, locate: Optional[KeyLocator] = None) -> dict[str, Any]:
-    """``tree`` with every ``${...}`` reference replaced by what it names; a ConfigError listing every
-    reference that does not resolve. A tree without references is returned as it is."""
+    """``tree`` with every ``${...}`` reference replaced by what it names (a key the tree sets, or
+    any other schema key at its default); a ConfigError listing every reference that does not
+    resolve. A tree without references is returned as it is."""
     paths = list(_references(tree))
     if not paths:
         return tree
-    config = OmegaConf.create(tree)
-    errors = []
+    config = OmegaConf.create(deep_merge(schema_defaults(), tree))
+    resolved, errors = copy.deepcopy(tree), []
     for path in paths:
         try:
-            OmegaConf.select(config, path, throw_on_resolution_failure=True)
+            value = OmegaConf.select(config, path, throw_on_resolution_failure=True)
         except OmegaConfBaseException as exc:
             errors.append(_problem(path, _raw(tree, path), exc, locate))
+            continue
+        if isinstance(value, Container):
+            value = OmegaConf.to_container(value, resolve=True)
+        _set(resolved, path, value)
     if errors:
         raise ConfigError(errors)
-    return OmegaConf.to_container(config, resolve=True)
+    return resolved
+
+
+def _set(tree: Any, path: str, value: Any) -> None:
+    *parents, last = path.split(".")
+    for part in parents:
+        tree = tree[int(part)] if isinstance(tree, list) else tree[part]
+    if isinstance(tree, list):
+        tree[int(last)] = value
+    else:
+        tree[last] = value
 
 
 def _raw(tree: Any, path: str) -> Any:

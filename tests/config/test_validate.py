@@ -302,6 +302,10 @@ def test_values_reference_other_keys(tmp_path):
     assert cfg.logging.output_dir == "runs/qwen2.5vl-tiny/fp32"
     assert cfg.checkpoint.dir == "runs/qwen2.5vl-tiny/fp32/ckpt"
     assert cfg.data.synthetic_num_samples == cfg.training.global_batch_size == 4  # a whole reference keeps the type
+    # A key no layer sets resolves to its schema default (OmegaConf's structured config of RunConfig).
+    defaults = load_run_config("qwen2.5vl-tiny", overrides=["logging.output_dir=runs/w${data.shuffle_window}",
+                                                            "training.seed=${data.shuffle_window}"])
+    assert defaults.logging.output_dir == "runs/w4096" and defaults.training.seed == 4096
     literal = load_run_config("qwen2.5vl-tiny", overrides=[r"data.system_prompt=costs \${price}"])
     assert literal.data.system_prompt == "costs ${price}"
 
