@@ -435,3 +435,53 @@ def encode(
         typer.echo(report)
         for line in summary_lines(result):
             typer.echo(line)
+
+
+@app.command("data")
+def data(
+    data_root: Annotated[Optional[Path], typer.Option(
+        "--data-root", metavar="DIR", show_default=False,
+        help="The shared data folder (coco2017/, mathvista/, arena_hard/, llamafactory/). "
+             "Default: $LOONGFORGE_SHARED_DATA.")] = None,
+    samples: Annotated[str, typer.Option(
+        "--samples", metavar="100000,1000000", help="Input sizes, in samples.")] = "100000,1000000,10000000",
+    baseline_max: Annotated[int, typer.Option(
+        "--baseline-max", min=0, metavar="N",
+        help="Largest size the in-memory reader runs at (its memory grows with the data).")] = 1_000_000,
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", metavar="NAME", help="Preset whose data settings and tokenizer are used.")]
+        = "qwen2.5vl-7b",
+    dp: Annotated[int, typer.Option("--dp", min=1, metavar="N", help="Rank processes per run.")] = 2,
+    global_batch_size: Annotated[int, typer.Option(
+        "--global-batch-size", min=1, metavar="ROWS", help="Rows of the first step.")] = 16,
+    work: Annotated[Optional[Path], typer.Option(
+        "--work", metavar="DIR", show_default=False,
+        help="Where the generated inputs and Arrow copies go (removed after each size; the largest "
+             "needs ~2x its JSONL size). Default: the output folder.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write data.md, data.json and data.png here. Default: outputs/bench/data/.")] = None,
+) -> None:
+    """Peak RSS per rank and time to first step at 100k-10M samples: Arrow reader vs the in-memory one."""
+    import dataclasses
+    import sys
+
+    from loongforge.bench.data import REQUIRED, plot, report, run_data_bench
+    from loongforge.bench.datasets import resolve_data_root
+
+    with cli_errors():
+        root = resolve_data_root(data_root, REQUIRED)
+        if global_batch_size % dp:
+            raise UsageError(f"--global-batch-size {global_batch_size} is not divisible by --dp {dp}")
+        out = out or DEFAULT_OUT / "data"
+        out.mkdir(parents=True, exist_ok=True)
+        bench = run_data_bench(root, (work or out) / "work", sizes=tuple(_int_list(samples, "--samples")),
+                               baseline_max=baseline_max, preset=preset, dp=dp,
+                               global_batch_size=global_batch_size,
+                               on_progress=lambda message: typer.echo(f"... {message}", err=True))
+        plot(bench, out / "data.png")
+        text = report(bench, "data.png", "loongforge " + " ".join(sys.argv[1:]))
+        (out / "data.md").write_text(text)
+        (out / "data.json").write_text(json.dumps(dataclasses.asdict(bench), indent=1) + "\n")
+        typer.echo(text)
+        typer.echo(f"wrote {out / 'data.md'}, {out / 'data.json'} and {out / 'data.png'}")

@@ -41,6 +41,7 @@ from loongforge.data.conversations import (
     read_data_file,
     record_ordinals,
 )
+from loongforge.data.mapped_pages import MappedPages
 from loongforge.data.samples import ConversationSample, Reject
 
 # Bump when what a cache file holds changes, so stale copies are never mapped.
@@ -180,10 +181,14 @@ class _Part:
     media_root: Path
     records: bool  # rows are (line, ordinal, raw, error) records, else plain table rows
 
+    def __post_init__(self):
+        self.pages = MappedPages([entry["filename"] for entry in self.rows.cache_files])
+
     def __len__(self) -> int:
         return self.rows.num_rows
 
     def get(self, row: int) -> Union[ConversationSample, Reject]:
+        self.pages.read()
         if self.records:
             return self._record(self.rows[row])
         record = self.rows[row].to_pylist()[0]  # arrow format: storage values, images undecoded

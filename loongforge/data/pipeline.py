@@ -236,7 +236,7 @@ class DataPipeline:
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
-                 embeddings: Optional[EmbeddingStore] = None):
+                 embeddings: Optional[EmbeddingStore] = None, samples=None):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -261,7 +261,7 @@ class DataPipeline:
         self.loads_data = self.read == "global" or groups is None or groups.is_leader
         self.stream = None
         if self.loads_data:
-            self.stream = self._build_stream(data_cfg, model_cfg, tokenizer, lookahead, dp_rank, dp_size)
+            self.stream = self._build_stream(data_cfg, model_cfg, tokenizer, lookahead, dp_rank, dp_size, samples)
         self.last_data_wait_s = 0.0
         self.dp_rank = dp_rank
         self._balancer = None
@@ -298,7 +298,9 @@ class DataPipeline:
         return "exchange" if self.read == "sharded" else "manifest"
 
     def _build_stream(self, data_cfg: DataConfig, model_cfg: ModelConfig, tokenizer, lookahead: int,
-                      dp_rank: int, dp_size: int):
+                      dp_rank: int, dp_size: int, samples=None):
+        """``samples``: a source to read instead of the one data_cfg names (``bench data`` passes
+        the in-memory baseline reader)."""
         if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
             folder = PackedFolder(data_cfg.packed)
             folder.check_compatible(data_cfg.seq_len, self.sizing)
@@ -308,11 +310,12 @@ class DataPipeline:
             measurer = StoredMediaMeasurer(measurer, self.embeddings)
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
         if data_cfg.streaming:
-            samples = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
+            windows = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
                                        shuffle=data_cfg.shuffle, seed=data_cfg.seed)
-            return StreamingRowStream(samples, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
+            return StreamingRowStream(windows, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
                                       rejects=self.rejects, shard=shard)
-        return RowStream(build_sample_source(data_cfg, text_only=self.sizing is None), measurer, seq_len=data_cfg.seq_len,
+        samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
+        return RowStream(samples, measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
                          rejects=self.rejects, shard=shard)
 
