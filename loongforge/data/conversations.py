@@ -30,6 +30,7 @@ from typing import Any, Optional, Union
 from loongforge.config.errors import InputError
 from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
+from loongforge.data.vision import path_exists
 
 ROLE_ALIASES = {
     "human": "user",
@@ -149,12 +150,12 @@ def resolve_media_path(path: str, media_root: Path) -> Path:
     if candidate.is_absolute():
         return candidate
     direct = media_root / candidate
-    if direct.exists():
+    if path_exists(direct):
         return direct
     parts = candidate.parts
     for skip in range(1, len(parts)):
         shorter = media_root.joinpath(*parts[skip:])
-        if shorter.exists():
+        if path_exists(shorter):
             return shorter
     return direct  # does not exist: reported as missing_image when measured
 

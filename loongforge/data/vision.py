@@ -265,10 +265,19 @@ def _import_av():
     return av
 
 
+def path_exists(path: str | Path) -> bool:
+    """``Path.exists`` that answers False for a path the OS cannot even look up (a file name over
+    the system's limit raises from ``Path.exists``): data files hold such paths."""
+    try:
+        return Path(path).exists()
+    except OSError:
+        return False
+
+
 def probe_video(path: str | Path) -> VideoProbe:
     """Frame count, frame rate and size from the container; raises MediaError."""
     av = _import_av()
-    if not Path(path).exists():
+    if not path_exists(path):
         raise MediaError("missing_image", f"{path}: video not found")
     try:
         with av.open(str(path)) as container:

@@ -172,3 +172,24 @@ def test_demo_files_resolve_media_as_before(tmp_path):
     got = _all(ArrowSamples(files, str(tmp_path / "cache")))
     assert len(got) == 30 and got[6].images == [str(LLAMAFACTORY / "mllm_demo_data" / "1.jpg")] * 2
     assert all(os.path.exists(image) for sample in got for image in sample.images)
+
+
+def _rss_file_kb() -> int:
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("RssFile:"))
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status"), reason="Linux /proc accounting")
+def test_reads_do_not_leave_the_mapped_copy_in_the_resident_set(tmp_path):
+    data = tmp_path / "d.jsonl"
+    record = good_record()
+    record["messages"][1]["content"] = "x" * 400
+    data.write_text((json.dumps(record) + "\n") * 100_000)
+    samples = ArrowSamples([str(data)], str(tmp_path / "cache"))
+    (part,) = samples._parts
+    part.pages.release()
+    assert part.pages._ranges  # the copy's mapping was found in /proc/self/maps
+    before = _rss_file_kb()
+    for index in range(0, 100_000, 97):  # ~1,000 reads spread over the 50 MB copy
+        samples.get(index)
+    assert _rss_file_kb() - before < 8 * 1024

@@ -77,3 +77,15 @@ def test_parquet_with_image_bytes(tokenizer, tmp_path):
     results = _measure_all(tokenizer, tmp_path / "d.parquet")
     assert isinstance(results[0], MeasuredSample) and results[0].image_grids
     assert isinstance(results[1], Reject) and (results[1].reason, results[1].line) == ("empty_answer", 2)
+
+
+def test_media_names_too_long_for_the_os_are_rejects_not_crashes(tokenizer, tmp_path):
+    name = "x" * 300  # over the usual 255-byte file-name limit: Path.exists raises, not answers
+    records = [good_record(f"{name}.jpg"),
+               {"messages": [{"role": "user", "content": "<video>What?"}, {"role": "assistant", "content": "A."}],
+                "videos": [f"{name}.mp4"]}]
+    path = tmp_path / "long.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    results = _measure_all(tokenizer, path)
+    assert [(r.line, r.reason) for r in results] == [(1, "corrupt_image"), (2, "missing_image")]
+    assert "File name too long" in results[0].detail
