@@ -54,6 +54,9 @@ class SampleCost:
     tokens: int  # L
     patches: tuple[int, ...] = ()  # P of each image / video in the sample
     loss_tokens: int = 0  # tokens of this sample the loss is computed on
+    # (t, h, w) patch grid of each image / video, where known (a micro-batch's, not a planner's
+    # size estimate): the model-FLOP count needs the shape, not only P = t * h * w.
+    grids: tuple[tuple[int, int, int], ...] = ()
 
     def features(self) -> np.ndarray:
         """This sample's contribution to each term, in ``TERMS`` order: shape [7]."""

@@ -12,41 +12,43 @@ import torch
 from loongforge.balance.cost_model import TERMS, SampleCost, batch_features
 
 
-def _media_patches(grid_thw: torch.Tensor | None) -> list[int]:
+def _media_grids(grid_thw: torch.Tensor | None) -> list[tuple[int, int, int]]:
     if grid_thw is None:
         return []
-    return [int(t * h * w) for t, h, w in grid_thw.tolist()]
+    return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
 
 
 def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
                  merge_size: int) -> list[SampleCost]:
-    """One SampleCost per real sample (padding excluded) with the patches of its images/videos
-    and its loss tokens."""
+    """One SampleCost per real sample (padding excluded) with the patches (and grids) of its
+    images/videos and its loss tokens."""
     lengths = [int(n) for n in micro_batch["sample_lengths"]]
     ids = micro_batch["input_ids"].reshape(-1)
     bounds = np.cumsum([0, *lengths])
     loss_mask = micro_batch["loss_mask"].reshape(-1)
     loss = [int(loss_mask[bounds[i]:bounds[i + 1]].sum()) for i in range(len(lengths))]
     merge = merge_size * merge_size
-    patches: list[list[int]] = [[] for _ in lengths]
-    for token_id, grids in ((image_token_id, micro_batch.get("image_grid_thw")),
-                            (video_token_id, micro_batch.get("video_grid_thw"))):
-        media = _media_patches(grids)
+    grids: list[list[tuple[int, int, int]]] = [[] for _ in lengths]
+    for token_id, grid_thw in ((image_token_id, micro_batch.get("image_grid_thw")),
+                               (video_token_id, micro_batch.get("video_grid_thw"))):
+        media = _media_grids(grid_thw)
         if not media:
             continue
         # Count this media kind's pad tokens per sample, then hand out media in order.
         starts = np.cumsum([0, *lengths])
         pads = [int((ids[starts[i]:starts[i + 1]] == token_id).sum()) for i in range(len(lengths))]
         sample = 0
-        for p in media:
+        for grid in media:
+            p = grid[0] * grid[1] * grid[2]
             while sample < len(lengths) and pads[sample] < p // merge:
                 sample += 1
             if sample == len(lengths):
                 raise ValueError(f"micro-batch has more {token_id} media than pad tokens; "
                                  f"grids {media}, pads per sample {pads}")
-            patches[sample].append(p)
+            grids[sample].append(grid)
             pads[sample] -= p // merge
-    return [SampleCost(tokens=L, patches=tuple(ps), loss_tokens=n) for L, ps, n in zip(lengths, patches, loss)]
+    return [SampleCost(tokens=L, patches=tuple(t * h * w for t, h, w in gs), loss_tokens=n, grids=tuple(gs))
+            for L, gs, n in zip(lengths, grids, loss)]
 
 
 def micro_batch_record(micro_batch: dict, samples: list[SampleCost]) -> dict:
