@@ -216,10 +216,26 @@ def check_moe(work: Path, args) -> tuple[bool, dict, str]:
 def _fp8_run(work: Path, mode: str, steps: int) -> dict:
     records = _read_jsonl(work / "fp8" / f"train_{mode}" / "metrics.jsonl")
     losses = [r["loss"] for r in records]
-    timed = [r["tokens_per_s"] for r in records[max(1, steps // 5):]]  # past the warm-up steps
+    steady = records[max(1, steps // 5):]  # past the warm-up steps
+    timed = [r["tokens_per_s"] for r in steady]
+    tflops = [r.get("model_tflops_per_gpu") for r in steady]
+    mfus = [r.get("mfu") for r in steady]
     window = max(1, min(10, len(losses) // 4))
     return {"steps": [r["step"] for r in records], "losses": losses,
-            "tokens_per_s": sum(timed) / max(1, len(timed)), "final_loss": sum(losses[-window:]) / window}
+            "tokens_per_s": sum(timed) / max(1, len(timed)), "final_loss": sum(losses[-window:]) / window,
+            # The run's own throughput columns (profile.throughput): model FLOPs with the encoder.
+            "model_tflops_per_gpu": _mean(tflops), "mfu": _mean(mfus)}
+
+
+def _mean(values: list) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present and len(present) == len(values) else None
+
+
+def _throughput_text(run: dict) -> str:
+    tflops = "n/a" if run["model_tflops_per_gpu"] is None else f"{run['model_tflops_per_gpu']:.1f}"
+    mfu = "n/a" if run["mfu"] is None else f"{100 * run['mfu']:.1f}%"
+    return f"{tflops} model TFLOP/s/GPU, MFU {mfu}"
 
 
 def check_fp8(work: Path, args) -> tuple[bool, dict, str]:
@@ -234,7 +250,9 @@ def check_fp8(work: Path, args) -> tuple[bool, dict, str]:
     said = [line for line in log.splitlines() if line.startswith("fp8: auto")]
     figures = {"fp8_kinds_by_tp": chosen, "tokens_per_s_bf16": off["tokens_per_s"],
                "tokens_per_s_fp8_auto": auto["tokens_per_s"], "ratio": ratio, "final_loss_bf16": off["final_loss"],
-               "final_loss_fp8_auto": auto["final_loss"], "loss_diff": loss_diff, "fp8_line": said[-1] if said else None}
+               "final_loss_fp8_auto": auto["final_loss"], "loss_diff": loss_diff, "fp8_line": said[-1] if said else None,
+               "model_tflops_per_gpu_bf16": off["model_tflops_per_gpu"], "mfu_bf16": off["mfu"],
+               "model_tflops_per_gpu_fp8_auto": auto["model_tflops_per_gpu"], "mfu_fp8_auto": auto["mfu"]}
     complete = all(run["steps"] == list(range(1, args.steps + 1)) and all(map(math.isfinite, run["losses"]))
                    for run in (off, auto))
     ok = complete and bool(said) and len(policies) > 0
@@ -245,7 +263,8 @@ def check_fp8(work: Path, args) -> tuple[bool, dict, str]:
     target_text = (f"targets >= {args.min_ratio:.2f}x, <= {100 * args.max_loss_diff:.0f}%" if targets
                    else "targets not enforced in the rehearsal")
     return ok, figures, (f"FP8 layer kinds by policy: {kinds}; fp8-auto / bf16 tokens/s {ratio:.3f}x, final loss "
-                         f"{auto['final_loss']:.4f} vs {off['final_loss']:.4f} ({100 * loss_diff:.2f}%; {target_text})")
+                         f"{auto['final_loss']:.4f} vs {off['final_loss']:.4f} ({100 * loss_diff:.2f}%; {target_text}); "
+                         f"7B-shaped stack bf16 {_throughput_text(off)}, fp8-auto {_throughput_text(auto)}")
 
 
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,

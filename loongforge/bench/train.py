@@ -36,7 +36,11 @@ from loongforge.config.loader import load_run_config
 from loongforge.config.overrides import Override
 from loongforge.config.presets import DEFAULT_PRESET
 from loongforge.parallel import launch_env
+from loongforge.config.schema import RunConfig
+from loongforge.models.registry import get_family
+from loongforge.profile.features import record_samples
 from loongforge.profile.profile_file import Profile, read_profile
+from loongforge.profile.throughput import Throughput, flop_options
 from loongforge.calibrate.profile_run import profile_overrides, run_profile
 
 ORDERS = ("off-on", "on-off")
@@ -56,6 +60,9 @@ class RunMeasure:
     max_over_mean: float  # measured compute, mean over steps of max/mean over ranks
     predicted_max_s: float  # model: slowest rank's predicted compute
     predicted_max_over_mean: float
+    model_tflops_per_gpu: float = 0.0  # model FLOPs of the step / step time / ranks
+    mfu: Optional[float] = None  # against logging.peak_tflops (None: not given, e.g. on CPU)
+    encoder_flops_share: float = 0.0  # the vision encoder's and projector's share of the FLOPs
 
 
 def _per_step_rank(profile: Profile, values) -> dict[int, dict[int, float]]:
@@ -68,7 +75,24 @@ def _per_step_rank(profile: Profile, values) -> dict[int, dict[int, float]]:
     return table
 
 
-def measure_run(name: str, profile: Profile, model: CostModel) -> RunMeasure:
+def step_flops(profile: Profile, cfg: RunConfig) -> dict[int, tuple[float, float]]:
+    """Per measured step: (model FLOPs, of which encoder) over every micro-batch of every replica,
+    each counted once (the TP and PP ranks of a replica record the same micro-batch)."""
+    family, options = get_family(cfg.model.family), flop_options(cfg)
+    totals: dict[int, tuple[float, float]] = {}
+    seen = set()
+    for record in profile.micro_batches:
+        key = (int(record["step"]), int(record.get("dp_rank", record["rank"])), int(record["micro_batch"]))
+        if record.get("warmup") or key in seen:
+            continue
+        seen.add(key)
+        flops = family.training_flops(cfg.model, record_samples(record), options)
+        total, encoder = totals.get(key[0], (0.0, 0.0))
+        totals[key[0]] = (total + flops.total, encoder + flops.vision + flops.projector)
+    return totals
+
+
+def measure_run(name: str, profile: Profile, model: CostModel, cfg: RunConfig) -> RunMeasure:
     measured = _per_step_rank(profile, lambda r: r["forward_s"] + r["backward_s"])
     predicted = _per_step_rank(profile, lambda r: float(model.predict_micro_batch(
         np.array(record_features(r)))))
@@ -83,6 +107,10 @@ def measure_run(name: str, profile: Profile, model: CostModel) -> RunMeasure:
         if not record.get("warmup"):
             step_s[int(record["step"])] = max(step_s.get(int(record["step"]), 0.0), float(record["step_s"]))
     slowest = compute.max(axis=1, keepdims=True)  # [steps, 1]
+    flops = step_flops(profile, cfg)
+    throughput = Throughput(model_flops=sum(flops[s][0] for s in steps), encoder_flops=sum(flops[s][1] for s in steps),
+                            step_s=sum(step_s[s] for s in steps), world_size=len({int(r["rank"]) for r in profile.steps}),
+                            peak_tflops=cfg.logging.peak_tflops)
     return RunMeasure(
         name=name, steps=len(steps),
         step_s=float(np.mean([step_s[s] for s in steps])),
@@ -93,7 +121,10 @@ def measure_run(name: str, profile: Profile, model: CostModel) -> RunMeasure:
         max_over_mean=float((compute.max(axis=1) / compute.mean(axis=1)).mean()),
         predicted_max_s=float(model_compute.max(axis=1).mean()),
         predicted_max_over_mean=float((model_compute.max(axis=1) / model_compute.mean(axis=1)).mean()),
+        model_tflops_per_gpu=throughput.tflops_per_gpu, mfu=throughput.mfu,
+        encoder_flops_share=throughput.encoder_share,
     )
+
 
 
 @dataclass
@@ -136,13 +167,15 @@ def compare_runs(off: RunMeasure, on: RunMeasure) -> TrainBenchResult:
 
 def format_report(result: TrainBenchResult) -> str:
     rows = ["| run | steps | step time (s) | slowest rank compute (s) | mean rank compute (s) | "
-            "wait per rank (s) | compute max/mean | predicted max/mean |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
+            "wait per rank (s) | compute max/mean | predicted max/mean | model TFLOP/s/GPU | MFU | encoder FLOPs |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for run in (result.off, result.on):
+        mfu = "n/a" if run.mfu is None else f"{run.mfu:.1%}"
         rows.append(f"| balance {run.name} | {run.steps} | {run.step_s:.3f} | {run.max_compute_s:.3f} | "
                     f"{run.mean_compute_s:.3f} | {run.wait_s:.3f} "
                     f"({', '.join(f'{w:.3f}' for w in run.wait_by_rank_s)}) | {run.max_over_mean:.4f} | "
-                    f"{run.predicted_max_over_mean:.4f} |")
+                    f"{run.predicted_max_over_mean:.4f} | {run.model_tflops_per_gpu:.4g} | {mfu} | "
+                    f"{run.encoder_flops_share:.1%} |")
     rows += ["",
              f"balance gain (slowest / mean rank compute, per step): measured "
              f"{100 * result.measured_balance_gain:+.2f}%, predicted {100 * result.predicted_balance_gain:+.2f}% "
@@ -206,21 +239,23 @@ def run_train_bench(out: Path, *, cost: Path, preset: Optional[str] = None, conf
     world = launch_env.resolve_world_size(nproc_per_node) or 1
     sequence = (("off", False), ("on", True))
     runs: dict[str, Profile] = {}
+    configs: dict[str, RunConfig] = {}
     for name, balanced in (sequence if order == "off-on" else sequence[::-1]):
         output = out / f"{name}.jsonl"
+        cfg = configs[name] = load_run_config(
+            preset or DEFAULT_PRESET, config_file=config_file, world_size=world, overrides=[
+                *overrides, *profile_overrides(list(data), output, steps),
+                *bench_overrides(balanced=balanced, cost=cost.resolve())])
         if report_only:
             if not output.is_file():
                 raise InputError(f"--report-only: no {output}; run without --report-only first")
         else:
-            cfg = load_run_config(preset or DEFAULT_PRESET, config_file=config_file, world_size=world, overrides=[
-                *overrides, *profile_overrides(list(data), output, steps),
-                *bench_overrides(balanced=balanced, cost=cost.resolve())])
             if progress is not None:
                 progress(f"training {steps} steps with balance.enabled={str(balanced).lower()}")
             run_profile(cfg, output, nproc_per_node=nproc_per_node, sweep=False, warmup_steps=warmup_steps,
                         command_line=list(command_line))
         runs[name] = read_profile([output])
-    result = compare_runs(measure_run("off", runs["off"], model), measure_run("on", runs["on"], model))
+    result = compare_runs(*(measure_run(name, runs[name], model, configs[name]) for name in ("off", "on")))
     report = format_report(result)
     plot_runs(out / "train.png", runs["off"], runs["on"], result)
     (out / "train.json").write_text(json.dumps({**result.to_dict(), "order": order}, indent=2) + "\n")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import operator
 from dataclasses import dataclass
 
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import DataConfig, ModelConfig, ParallelConfig
 
 
 @dataclass(frozen=True)
@@ -212,3 +212,12 @@ def _deepstack_problems(model_cfg: ModelConfig, pp: int, keys: LayoutKeys) -> li
     return [f"{keys.pipeline}={pp} leaves {layers // pp} decoder layers on the first stage, but DeepStack "
             f"adds vision features after the first {wanted} (model.vision.deepstack_layers), which must "
             f"all be there; set it to one of {valid}."]
+
+
+def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
+    """``data.read`` with ``auto`` resolved: ``sharded`` for raw files at DP > 1 (lengths are known
+    only after tokenizing, so each rank loads 1/DP of the data and balancing exchanges samples),
+    ``global`` otherwise (a packed manifest or the generator gives every rank every length)."""
+    if data_cfg.read != "auto":
+        return data_cfg.read
+    return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"

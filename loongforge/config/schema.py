@@ -284,6 +284,10 @@ class LoggingConfig:
     log_interval: int = 10
     tensorboard: bool = True
     progress_bar: bool = True
+    # Dense peak TFLOP/s of one GPU for the run's dtype, the denominator of MFU; null = the table's
+    # value for the device (loongforge.profile.throughput.PEAK_TFLOPS). On the CPU or a device the
+    # table lacks, MFU is reported as n/a unless this is set.
+    peak_tflops: Optional[float] = None
 
 
 @dataclass

@@ -32,6 +32,7 @@ import numpy as np
 from loongforge.balance.apply import BalanceCounters, StepBalancer, sample_size
 from loongforge.balance.cost_model import token_count_model, with_vision_spread
 from loongforge.config.errors import InputError
+from loongforge.config.layout import resolve_read
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.collate import collate_row
 from loongforge.data.arrow_samples import ArrowSamples
@@ -54,15 +55,6 @@ from loongforge.models.registry import get_family
 from loongforge.parallel.data_groups import DataGroups, broadcast_object
 
 STATE_VERSION = 1
-
-
-def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
-    """``data.read`` with ``auto`` resolved: ``sharded`` for raw files at DP > 1 (lengths are known
-    only after tokenizing, so each rank loads 1/DP of the data and balancing exchanges samples),
-    ``global`` otherwise (a packed manifest or the generator gives every rank every length)."""
-    if data_cfg.read != "auto":
-        return data_cfg.read
-    return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
 
 
 def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[ArrowSamples, SyntheticSamples]:

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from loongforge.balance.cost_model import TERMS, SampleCost, batch_features
+from loongforge.config.schema import ModelConfig
 
 
 def _media_grids(grid_thw: torch.Tensor | None) -> list[tuple[int, int, int]]:
@@ -51,12 +52,29 @@ def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
             for L, gs, n in zip(lengths, grids, loss)]
 
 
+def model_sample_costs(micro_batch: dict, model_cfg: ModelConfig) -> list[SampleCost]:
+    """``sample_costs`` with the token ids and merge size of ``model_cfg`` (a text-only model
+    has no media to place)."""
+    merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
+    return sample_costs(micro_batch, image_token_id=model_cfg.tokens.image_token_id,
+                        video_token_id=model_cfg.tokens.video_token_id, merge_size=merge)
+
+
 def micro_batch_record(micro_batch: dict, samples: list[SampleCost]) -> dict:
     """The feature part of a ``micro_batch`` record."""
     features = batch_features(samples)
     return {
-        "samples": [{"L": s.tokens, "patches": list(s.patches), "loss": s.loss_tokens} for s in samples],
+        "samples": [{"L": s.tokens, "patches": list(s.patches), "loss": s.loss_tokens,
+                     "grids": [list(grid) for grid in s.grids]} for s in samples],
         "features": {t: float(v) for t, v in zip(TERMS, features)},
         "tokens_padded": int(micro_batch["input_ids"].numel()),
         "loss_tokens": int(micro_batch.get("num_loss_tokens", 0)),
     }
+
+
+def record_samples(record: dict) -> list[SampleCost]:
+    """The samples of a ``micro_batch`` record (``micro_batch_record``'s inverse). Records written
+    before grids were kept have none (their vision FLOPs cannot be counted)."""
+    return [SampleCost(tokens=int(s["L"]), patches=tuple(int(p) for p in s["patches"]), loss_tokens=int(s["loss"]),
+                       grids=tuple(tuple(int(n) for n in grid) for grid in s.get("grids", ())))
+            for s in record["samples"]]

@@ -17,7 +17,7 @@ import time
 from collections import deque
 from typing import Optional
 
-from loongforge.profile.features import micro_batch_record, sample_costs
+from loongforge.profile.features import micro_batch_record, model_sample_costs
 from loongforge.profile.timers import GradSyncClock, IntervalTimers
 
 # Per-micro-batch times: wall clock (the step's real duration) and process CPU time (this
@@ -45,9 +45,7 @@ class StepRecorder:
         self.rank = rank
         self.layout = layout
         self.warmup_steps = warmup_steps
-        self._token_ids = (model_cfg.tokens.image_token_id, model_cfg.tokens.video_token_id)
-        # Merged patches per LLM token; a text-only model has no media to count.
-        self._merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
+        self._model_cfg = model_cfg
         self._config = None
         self._timers: Optional[IntervalTimers] = None
         self._features: list[dict] = []
@@ -85,9 +83,7 @@ class StepRecorder:
         if self._first_step is None:
             self._first_step = step
         self.recording = True
-        self._features = [micro_batch_record(mb, sample_costs(
-            mb, image_token_id=self._token_ids[0], video_token_id=self._token_ids[1],
-            merge_size=self._merge)) for mb in micro_batches]
+        self._features = [micro_batch_record(mb, model_sample_costs(mb, self._model_cfg)) for mb in micro_batches]
         self._forwards.clear()
         self._times = {}
         self._grad_sync_start = (self._grad_sync.total_s, self._grad_sync.total_cpu_s)

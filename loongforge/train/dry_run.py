@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage
+from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage, resolve_read
 from loongforge.config.schema import ModelConfig, RunConfig
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -128,6 +128,7 @@ class ParallelPlan:
     # Routed experts' bytes per parameter: their optimizer state is sharded over the expert
     # data-parallel ranks, not DP.
     expert_bytes_per_param: float = 0.0
+    balancing: str = "off"  # what balance.* does at this layout (balancing_text)
 
     @property
     def max_params_per_rank(self) -> int:
@@ -169,7 +170,25 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         optimizer=cfg.optimizer.name,
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         has_vision=cfg.model.vision is not None,
+        balancing=balancing_text(cfg, sizes),
     )
+
+
+def balancing_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
+    """DP load balancing at this layout: off, or its mode and where its cost model comes from."""
+    balance = cfg.balance
+    if not balance.enabled:
+        return "off (balance.enabled=false)"
+    mode = "exchange" if resolve_read(cfg.data, sizes.data_parallel) == "sharded" else "manifest"
+    if balance.cost_model:
+        source = f"cost model {balance.cost_model}"
+    elif balance.fit_steps:
+        first = balance.fit_warmup_steps + 1
+        source = (f"cost model fitted online from steps {first}-{first + balance.fit_steps - 1} "
+                  f"(token counts until then)")
+    else:
+        source = "token counts (balance.fit_steps=0)"
+    return f"on, {mode} mode over DP{sizes.data_parallel}, {source}"
 
 
 def human_count(number: float) -> str:
@@ -226,6 +245,7 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
         rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers}) + "
                      f"{' + '.join(stage.holds)}: {human_count(stage.params_per_rank)} "
                      f"params per rank"))
+    rows.append(("DP balancing", plan.balancing))
     rows.append(("memory per rank", f"~{plan.memory_per_rank_bytes / GIB:.1f} GiB for "
                  f"weights + grads + optimizer state on the busiest stage ({_memory_note(plan)})"))
     width = max(len(label) for label, _ in rows)

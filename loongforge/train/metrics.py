@@ -11,6 +11,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from loongforge.models.moe_balance import ExpertLoad
+from loongforge.profile.throughput import Throughput
 
 METRICS_FILE = "metrics.jsonl"  # one JSON line per step, in the run folder
 
@@ -39,10 +40,22 @@ class StepMetrics:
     # each expert received (moe_balance.ExpertLoad); None otherwise.
     load_balancing_loss: Optional[float] = None
     expert_load: Optional[ExpertLoad] = None
+    # Model FLOPs, TFLOP/s per GPU and MFU of the step (profile.throughput); by_rank["model_tflop"]
+    # holds each model replica's share (None on ranks that do not count: one per replica counts).
+    throughput: Optional[Throughput] = None
 
     @property
     def tokens_per_s(self) -> float:
         return self.tokens / self.step_s if self.step_s > 0 else 0.0
+
+    @property
+    def flops_max_over_mean(self) -> Optional[float]:
+        """The largest replica's model FLOPs over the mean: DP imbalance in work, beside sync_wait's
+        imbalance in time (None with one replica)."""
+        present = [value for value in self.by_rank.get("model_tflop") or () if value is not None]
+        if len(present) < 2 or not sum(present):
+            return None
+        return max(present) / (sum(present) / len(present))
 
 
 def _slowest(values: Optional[list]) -> Optional[float]:
@@ -60,7 +73,18 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
             + ("" if m.balance is None else
                f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
                f" ({'applied' if m.balance['applied'] else 'skipped'})")
-            + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}"))
+            + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}")
+            + _throughput_text(m))
+
+
+def _throughput_text(m: StepMetrics) -> str:
+    if m.throughput is None:
+        return ""
+    t = m.throughput
+    mfu = "n/a" if t.mfu is None else f"{t.mfu:.1%}"
+    imbalance = m.flops_max_over_mean
+    return (f" | {t.tflops_per_gpu:.3g} TFLOP/s/GPU | MFU {mfu} | encoder {t.encoder_share:.0%} of FLOPs"
+            + ("" if imbalance is None else f" | FLOPs max/mean {imbalance:.3f}"))
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -121,6 +145,10 @@ class RunLogger:
         if m.expert_load is not None:
             record.update({"expert_tokens_min": m.expert_load.tokens_min, "expert_tokens_max": m.expert_load.tokens_max,
                            "expert_load_max_over_mean": m.expert_load.max_over_mean})
+        if m.throughput is not None:
+            record.update({"model_flops": m.throughput.model_flops, "model_tflops_per_gpu": m.throughput.tflops_per_gpu,
+                           "mfu": m.throughput.mfu, "encoder_flops_share": m.throughput.encoder_share,
+                           "flops_max_over_mean": m.flops_max_over_mean})
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),
                            "balance_max_over_lb_before": m.balance["before"],

@@ -30,7 +30,8 @@ from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
-from loongforge.data.pipeline import DataPipeline, resolve_read
+from loongforge.config.layout import resolve_read
+from loongforge.data.pipeline import DataPipeline
 from loongforge.models.fp8 import apply_fp8, check_fp8_backend, describe_fp8_layers, fp8_choice
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
@@ -47,7 +48,9 @@ from loongforge.parallel.distributed import (
 from loongforge.parallel.encoder_dp import add_encoder_grads, sum_encoder_grads
 from loongforge.parallel.progress import RankProgress
 from loongforge.profile.encoder_clock import EncoderClock, EncoderTime
+from loongforge.models.flops import StepFlops
 from loongforge.profile.memory import peak_memory_mib
+from loongforge.profile.throughput import Throughput, device_peak_tflops, run_dtype, steps_flops
 from loongforge.profile.timers import GradSyncClock, cpu_clock
 from loongforge.train.balancing import RunBalancing
 from loongforge.train.checkpoint import TrainState, load_checkpoint, load_newest_checkpoint, save_checkpoint
@@ -73,11 +76,25 @@ class TrainingSummary:
     wall_s: float = 0.0
     balance: Optional[dict] = None  # balance.enabled: applied/skipped steps, mean max/LB before/after
     sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
+    throughput: list = field(default_factory=list)  # profile.throughput.Throughput per step (rank 0)
     stop_signal: int = 0  # SIGTERM/SIGINT that stopped the run early (0: it ran to its last step)
 
     @property
     def mean_sync_wait_s(self) -> Optional[float]:
         return sum(self.sync_waits) / len(self.sync_waits) if self.sync_waits else None
+
+    def throughput_means(self) -> dict:
+        """Model TFLOP/s per GPU and MFU over the steps after the first (which pays for warm-up),
+        and the encoder's share of the model FLOPs; {} on ranks that did not log."""
+        steps = [t for t in self.throughput if t is not None]
+        if not steps:
+            return {}
+        steady = steps[1:] if len(steps) > 1 else steps
+        flops, seconds = sum(t.model_flops for t in steady), sum(t.step_s for t in steady)
+        total = Throughput(model_flops=flops, encoder_flops=sum(t.encoder_flops for t in steady), step_s=seconds,
+                           world_size=steady[0].world_size, peak_tflops=steady[0].peak_tflops)
+        return {"model_tflops_per_gpu": total.tflops_per_gpu, "mfu": total.mfu,
+                "encoder_flops_share": total.encoder_share}
 
 
 def library_versions() -> dict:
@@ -203,7 +220,9 @@ class _StepTotals:
     tokens: int  # real tokens over all ranks
     sync_wait_s: Optional[float]  # spread of the gradient-sync time over ranks (None at one rank)
     vision_features_bytes: int  # the most bytes a rank held for the step's features (encoder_dp=full)
-    by_rank: dict  # RANK_MEASURES name -> [value of rank 0, rank 1, ...]
+    by_rank: dict  # RANK_MEASURES name -> [value of rank 0, rank 1, ...], and "model_tflop"
+    model_flops: float  # the step's model FLOPs, over all replicas
+    encoder_flops: float  # of which the vision encoder's and projector's
 
 
 def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device) -> list[float]:
@@ -213,22 +232,27 @@ def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: to
 
 
 def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vision_bytes: int,
-                 measures: list[float]) -> _StepTotals:
-    """Tokens, sync-time spread, the most vision-feature bytes a rank held and every rank's
-    ``measures`` (RANK_MEASURES), one collective."""
+                 measures: list[float], flops: Optional[StepFlops]) -> _StepTotals:
+    """Tokens, sync-time spread, the most vision-feature bytes a rank held, every rank's
+    ``measures`` (RANK_MEASURES) and the model FLOPs of its micro-batches, one collective.
+    Tokens and FLOPs are counted by one rank per model replica (``count_here``: ``flops`` given)."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
-    row = torch.tensor([float(local), sync_s, float(vision_bytes), *measures], dtype=torch.float64)
+    model_flops, encoder_flops = (flops.total, flops.vision + flops.projector) if flops else (math.nan, 0.0)
+    row = torch.tensor([float(local), sync_s, float(vision_bytes), model_flops, encoder_flops, *measures],
+                       dtype=torch.float64)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = row.view(1, -1)  # [rank, 3 + measures]
+    per_rank = row.view(1, -1)  # [rank, 5 + measures]
     if world > 1:
         gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
         dist.all_gather_into_tensor(gathered, row)
         per_rank = gathered.view(world, -1)
-    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 3 + i].tolist()]
+    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 5 + i].tolist()]
                for i, name in enumerate(RANK_MEASURES)}
+    by_rank["model_tflop"] = [None if math.isnan(value) else value / 1e12 for value in per_rank[:, 3].tolist()]
     sync_wait = float(per_rank[:, 1].max() - per_rank[:, 1].min()) if world > 1 else None
     return _StepTotals(tokens=int(per_rank[:, 0].sum()), sync_wait_s=sync_wait,
-                       vision_features_bytes=int(per_rank[:, 2].max()), by_rank=by_rank)
+                       vision_features_bytes=int(per_rank[:, 2].max()), by_rank=by_rank,
+                       model_flops=float(per_rank[:, 3].nansum()), encoder_flops=float(per_rank[:, 4].sum()))
 
 
 def _encoder_clock(model: list, device: torch.device) -> Optional[EncoderClock]:
@@ -305,6 +329,7 @@ class _Run:
     ckpt_root: Path
     encoder_digest: Optional[str] = None  # data.vision_embeddings: the encoder the store matched
     expert_load: Optional[ExpertLoadCounter] = None  # mixture-of-experts models: tokens per expert
+    peak_tflops: Optional[float] = None  # per GPU, the MFU denominator (None: unknown device)
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -335,7 +360,16 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
-                encoder_digest=encoder_digest, expert_load=_expert_load_counter(cfg, model, env.device))
+                encoder_digest=encoder_digest, expert_load=_expert_load_counter(cfg, model, env.device),
+                peak_tflops=_peak_tflops(cfg, env.device))
+
+
+def _peak_tflops(cfg: RunConfig, device: torch.device) -> Optional[float]:
+    if cfg.logging.peak_tflops is not None:
+        return cfg.logging.peak_tflops
+    if device.type != "cuda":
+        return None
+    return device_peak_tflops(torch.cuda.get_device_name(device), run_dtype(cfg))
 
 
 def _expert_load_counter(cfg: RunConfig, model: list, device: torch.device) -> Optional[ExpertLoadCounter]:
@@ -461,8 +495,10 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
         manual_gc.close()
         logger.close()
     if env.rank == 0:
+        fields = {key: value for key, value in summary.__dict__.items() if key != "throughput"}
         (run.out_dir / "summary.json").write_text(json.dumps(
-            {**summary.__dict__, "mean_sync_wait_s": summary.mean_sync_wait_s}, indent=2, default=str))
+            {**fields, "mean_sync_wait_s": summary.mean_sync_wait_s, **summary.throughput_means()},
+            indent=2, default=str))
     return summary
 
 
@@ -488,17 +524,22 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
         encoder = run.encoder_clock.take() if run.encoder_clock is not None else None
+        flops = steps_flops(micro_batches, cfg) if is_loss_rank else None
         totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
-                              _rank_measures(encoder, step_cpu_s, run.env.device))
+                              _rank_measures(encoder, step_cpu_s, run.env.device), flops)
+        step_s = result.compute_s + data_wait
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
             step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=totals.tokens,
-            step_s=result.compute_s + data_wait, data_wait_s=data_wait, sync_wait_s=totals.sync_wait_s,
+            step_s=step_s, data_wait_s=data_wait, sync_wait_s=totals.sync_wait_s,
+            throughput=Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
+                                  world_size=run.env.world_size, peak_tflops=run.peak_tflops),
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load))
         summary.losses.append((step, result.loss))
+        summary.throughput.append(logger.history[-1].throughput if logger.history else None)
         if totals.sync_wait_s is not None:
             summary.sync_waits.append(totals.sync_wait_s)
         summary.end_step = step
@@ -550,7 +591,16 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
             f"loss {first:.4f} (first {window}) -> {last:.4f} (last {window}) | {reject_text}"
             + (_balance_text(summary.balance) if summary.balance else "")
             + (f" | mean sync wait {summary.mean_sync_wait_s:.3f}s/step" if summary.sync_waits else "")
+            + _throughput_text(summary.throughput_means())
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
+
+
+def _throughput_text(means: dict) -> str:
+    if not means:
+        return ""
+    mfu = "n/a" if means["mfu"] is None else f"{means['mfu']:.1%}"
+    return (f" | {means['model_tflops_per_gpu']:.3g} model TFLOP/s/GPU, MFU {mfu}, "
+            f"encoder {means['encoder_flops_share']:.0%} of FLOPs")
 
 
 def _saves_on_signal(signum: int, cfg: RunConfig) -> bool:

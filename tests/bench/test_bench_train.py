@@ -13,10 +13,15 @@ from typer.testing import CliRunner
 from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.bench.train import compare_runs, measure_run
 from loongforge.cli.app import app
+from loongforge.config.loader import load_run_config
+from loongforge.models.registry import get_family
+from loongforge.profile.features import record_samples
+from loongforge.models.flops import FlopOptions
 from loongforge.profile.profile_file import PROFILE_FORMAT, read_profile
 
 # Cost model: 1 s per loss token, nothing else, so predictions are the features' n_loss.
 MODEL = CostModel({t: 0.0 for t in TERMS} | {"n_loss": 1.0})
+CFG = load_run_config("llm-tiny", overrides=["logging.peak_tflops=0.002"])
 
 
 def _records(per_step: list[list[tuple[float, float]]], overhead_s: float = 0.5) -> list[dict]:
@@ -27,8 +32,9 @@ def _records(per_step: list[list[tuple[float, float]]], overhead_s: float = 0.5)
         slowest = max(measured for measured, _ in ranks)
         for rank, (measured, predicted) in enumerate(ranks):
             features = dict.fromkeys(TERMS, 0.0) | {"n_loss": predicted}
-            records.append({"kind": "micro_batch", "step": step, "rank": rank, "warmup": step == 0,
-                            "micro_batch": 0, "features": features,
+            records.append({"kind": "micro_batch", "step": step, "rank": rank, "dp_rank": rank,
+                            "warmup": step == 0, "micro_batch": 0, "features": features,
+                            "samples": [{"L": 200, "patches": [], "loss": 50}],
                             "forward_s": measured / 3, "backward_s": measured * 2 / 3})
             records.append({"kind": "step", "step": step, "rank": rank, "warmup": step == 0,
                             "step_s": slowest + overhead_s, "fwd_bwd_s": slowest})
@@ -45,8 +51,8 @@ def _write(path, per_step):
 
 
 def test_measured_and_predicted_gains_from_per_rank_records(tmp_path):
-    off = measure_run("off", read_profile([_write(tmp_path / "off.jsonl", OFF)]), MODEL)
-    on = measure_run("on", read_profile([_write(tmp_path / "on.jsonl", ON)]), MODEL)
+    off = measure_run("off", read_profile([_write(tmp_path / "off.jsonl", OFF)]), MODEL, CFG)
+    on = measure_run("on", read_profile([_write(tmp_path / "on.jsonl", ON)]), MODEL, CFG)
     assert off.steps == on.steps == 2  # the warm-up step is left out
     assert off.max_over_mean == pytest.approx(1.5)
     assert on.max_over_mean == pytest.approx((1.1 + 1.0) / 2)
@@ -54,6 +60,11 @@ def test_measured_and_predicted_gains_from_per_rank_records(tmp_path):
     assert off.wait_s == pytest.approx((1.0 + 2.0) / 2)  # per rank: (2 + 0) / 2 and (4 + 0) / 2
     assert off.wait_by_rank_s == pytest.approx([0.0, 3.0])
     assert off.step_s == pytest.approx((3.5 + 6.5) / 2)
+    # Model FLOPs: each of 2 ranks ran one 200-token sample (50 loss tokens) per measured step.
+    record = next(r for r in read_profile([tmp_path / "off.jsonl"]).micro_batches)
+    per_micro_batch = get_family("llm").training_flops(CFG.model, record_samples(record), FlopOptions()).total
+    assert off.model_tflops_per_gpu == pytest.approx(2 * 2 * per_micro_batch / (3.5 + 6.5) / 2 / 1e12)
+    assert off.mfu == pytest.approx(off.model_tflops_per_gpu / 0.002) and off.encoder_flops_share == 0.0
     result = compare_runs(off, on)
     assert result.measured_balance_gain == pytest.approx(1.5 / 1.05 - 1)
     assert result.predicted_balance_gain == pytest.approx(0.5)
@@ -64,8 +75,8 @@ def test_measured_and_predicted_gains_from_per_rank_records(tmp_path):
 
 def test_a_slower_machine_in_one_run_shows_as_drift_not_as_balance_gain(tmp_path):
     slower = [[(m * 1.2, p) for m, p in ranks] for ranks in OFF]  # same plan, 20% slower machine
-    off = measure_run("off", read_profile([_write(tmp_path / "off.jsonl", OFF)]), MODEL)
-    slow = measure_run("on", read_profile([_write(tmp_path / "on.jsonl", slower)]), MODEL)
+    off = measure_run("off", read_profile([_write(tmp_path / "off.jsonl", OFF)]), MODEL, CFG)
+    slow = measure_run("on", read_profile([_write(tmp_path / "on.jsonl", slower)]), MODEL, CFG)
     result = compare_runs(off, slow)
     assert result.work_drift == pytest.approx(0.2)
     assert result.measured_balance_gain == pytest.approx(0.0)

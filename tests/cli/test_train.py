@@ -74,8 +74,13 @@ def test_dry_run_every_preset_at_its_default_layout(name):
     resolved, plan = result.stdout.split("parallel plan\n")
     assert yaml.safe_load(resolved)["preset"] == name
     for label in ("world size", "tensor parallel", "pipeline parallel", "data parallel",
-                  "micro-batches", "stage 0", "memory per rank"):
+                  "micro-batches", "stage 0", "DP balancing", "memory per rank"):
         assert label in plan
+    balancing = next(line for line in plan.splitlines() if "DP balancing" in line)
+    # On in every full-size preset (losses are the same with it on or off), off in the tiny ones.
+    assert ("tiny" in name) == ("off (balance.enabled=false)" in balancing), balancing
+    if "tiny" not in name:
+        assert "on, manifest mode over DP" in balancing and "fitted online from steps 3-22" in balancing
 
 
 def test_dry_run_72b_plan_numbers():

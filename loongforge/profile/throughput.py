@@ -1,0 +1,97 @@
+"""Model FLOPs of a training step, TFLOP/s per GPU and MFU: the throughput a run reports.
+
+Model FLOPs are what the model's definition costs on the step's real samples (the family's
+``training_flops``: the vision encoder and projector on every image and video, the language model
+over packed segments, the LM head on loss tokens; padding and recomputation beyond what the
+options say are not the model's work). TFLOP/s per GPU = the step's model FLOPs over all ranks /
+step seconds / ranks; MFU = that / the device's dense peak for the run's dtype (``PEAK_TFLOPS``,
+``logging.peak_tflops`` overrides it; unknown devices and the CPU report no MFU unless given).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.registry import get_family
+from loongforge.profile.features import model_sample_costs
+
+# Dense (no sparsity) tensor-core peaks in TFLOP/s, from the vendors' datasheets, by device-name
+# fragment (checked in order: the first fragment in the name wins) and dtype.
+PEAK_TFLOPS: tuple[tuple[str, dict[str, float]], ...] = (
+    ("H100 PCIe", {"bf16": 756.0, "fp8": 1513.0, "tf32": 378.0}),
+    ("H100 NVL", {"bf16": 835.5, "fp8": 1671.0, "tf32": 417.5}),
+    ("GH200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H200", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H100", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H800", {"bf16": 989.4, "fp8": 1978.9, "tf32": 494.7}),
+    ("H20", {"bf16": 148.0, "fp8": 296.0, "tf32": 74.0}),
+    ("B200", {"bf16": 2250.0, "fp8": 4500.0, "tf32": 1100.0}),
+    ("L40S", {"bf16": 362.1, "fp8": 733.0, "tf32": 183.0}),
+    ("A100", {"bf16": 312.0, "tf32": 156.0}),
+    ("A800", {"bf16": 312.0, "tf32": 156.0}),
+)
+
+
+def run_dtype(cfg: RunConfig) -> str:
+    """The dtype of the run's matmuls that MFU is measured against: fp8 only when every eligible
+    linear runs in FP8 (training.fp8=on); fp32 runs use TF32 tensor cores."""
+    if cfg.training.fp8 == "on":
+        return "fp8"
+    return "tf32" if cfg.training.precision == "fp32" else "bf16"
+
+
+def device_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
+    """The table's peak for a device (``torch.cuda.get_device_name()``) and dtype; None if unknown."""
+    for fragment, peaks in PEAK_TFLOPS:
+        if fragment in device_name:
+            return peaks.get(dtype)
+    return None
+
+
+def flop_options(cfg: RunConfig) -> FlopOptions:
+    training = cfg.training
+    return FlopOptions(recompute=training.recompute_activations, freeze_vision=training.freeze_vision,
+                       freeze_projector=training.freeze_vision and training.freeze_projector)
+
+
+def micro_batch_flops(micro_batch: dict, model_cfg: ModelConfig, options: FlopOptions) -> StepFlops:
+    """Model FLOPs (forward + backward) of one collated micro-batch, from the same per-sample
+    description the cost model's features come from (``profile.features.sample_costs``)."""
+    return get_family(model_cfg.family).training_flops(model_cfg, model_sample_costs(micro_batch, model_cfg), options)
+
+
+def steps_flops(micro_batches: list[dict], cfg: RunConfig) -> StepFlops:
+    """The model FLOPs of a rank's micro-batches for this run. With data.vision_embeddings the
+    encoder does not run: stored features stand in for it, so it counts nothing."""
+    options = flop_options(cfg)
+    parts = [micro_batch_flops(mb, cfg.model, options) for mb in micro_batches]
+    encoder_runs = cfg.data.vision_embeddings is None
+    return StepFlops(vision=sum(p.vision for p in parts) if encoder_runs else 0.0,
+                     projector=sum(p.projector for p in parts) if encoder_runs else 0.0,
+                     language=sum(p.language for p in parts), lm_head=sum(p.lm_head for p in parts))
+
+
+@dataclass(frozen=True)
+class Throughput:
+    """One step's throughput figures."""
+
+    model_flops: float  # the step's model FLOPs over all ranks
+    encoder_flops: float  # of which the vision encoder and projector
+    step_s: float
+    world_size: int
+    peak_tflops: Optional[float]  # per GPU, for the run's dtype; None: unknown (no MFU)
+
+    @property
+    def tflops_per_gpu(self) -> float:
+        return self.model_flops / self.step_s / self.world_size / 1e12 if self.step_s > 0 else 0.0
+
+    @property
+    def mfu(self) -> Optional[float]:
+        return self.tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
+
+    @property
+    def encoder_share(self) -> float:
+        return self.encoder_flops / self.model_flops if self.model_flops else 0.0
