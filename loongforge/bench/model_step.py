@@ -19,8 +19,9 @@ are the same work without padding:
   Its LM head and loss run on every position (it has no loss-token selection), which equals
   ours here because every position but the last carries loss.
 
-Model FLOPs (``bench.flops``) count the vision encoder, the projector and causal attention per
-segment; MFU = FLOPs / step time / peak.
+Model FLOPs are the family's ``training_flops`` (convention in ``models.flops``): the vision
+encoder, the projector, the decoder with attention over each segment's full square, the LM head on
+the loss tokens; MFU = FLOPs / step time / peak.
 """
 
 from __future__ import annotations
@@ -33,13 +34,15 @@ from typing import Callable, Optional
 
 import torch
 
-from loongforge.bench.flops import StepFlops, training_flops
+from loongforge.balance.cost_model import SampleCost
 from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
 from loongforge.data.vision import smart_resize
+from loongforge.models.flops import FlopOptions, StepFlops
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
+from loongforge.profile.features import sample_costs
 from loongforge.train.runner import library_versions
 
 # (width, height) in pixels: a square photo, 720p, a larger square and a portrait phone shot,
@@ -133,6 +136,7 @@ class BenchInputs:
     segment_lengths: list[int]
     grids: list[tuple[int, int, int]]
     loss_tokens: int
+    samples: list[SampleCost]  # what the model-FLOP count reads, per sample of the packed row
 
     @property
     def tokens(self) -> int:
@@ -163,8 +167,11 @@ def build_inputs(cfg: RunConfig, opts: ModelBenchOptions) -> BenchInputs:
         "image_grid_thw": packed["image_grid_thw"],
     }
     grids = [] if packed["image_grid_thw"] is None else [tuple(g) for g in packed["image_grid_thw"].tolist()]
+    tokens = cfg.model.tokens
+    samples = sample_costs(packed, image_token_id=tokens.image_token_id, video_token_id=tokens.video_token_id,
+                           merge_size=cfg.model.projector.spatial_merge_size)
     return BenchInputs(packed=packed, batch=batch, segment_lengths=list(packed["sample_lengths"]),
-                       grids=grids, loss_tokens=packed["num_loss_tokens"])
+                       grids=grids, loss_tokens=packed["num_loss_tokens"], samples=samples)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -335,8 +342,8 @@ def run_model_bench(opts: ModelBenchOptions, log: Callable[[str], None] = lambda
 def _run(cfg: RunConfig, opts: ModelBenchOptions, device: torch.device, log) -> dict:
     torch.manual_seed(opts.seed)
     inputs = build_inputs(cfg, opts)
-    flops = training_flops(cfg.model, segment_lengths=inputs.segment_lengths, grids=inputs.grids,
-                           loss_tokens=inputs.loss_tokens)
+    # The bench's model has no frozen tower and no recompute (build_loongforge_model): default options.
+    flops = get_family(cfg.model.family).training_flops(cfg.model, inputs.samples, FlopOptions())
     peak, peak_source = peak_tflops_for(device, opts.dtype, opts.peak_tflops)
     peak_flops = None if peak is None else peak * 1e12
     packed, batch = _to(inputs.packed, device), _to(inputs.batch, device)

@@ -5,7 +5,8 @@ A family folder (``loongforge/models/<name>/``) exports one ``ModelFamily`` as `
 Training builds the model through ``build`` (``loongforge encode`` the encoder alone through
 ``build_encoder``), ``loongforge convert`` reads and writes HF checkpoints
 through the HF fields, the data pipeline and the profile sweep compute rotary positions through
-``position_ids``, the dry-run plan counts parameters through ``count_parameters``, tokenizing and
+``position_ids``, the dry-run plan counts parameters through ``count_parameters``, MFU counts a
+step's model FLOPs through ``training_flops``, tokenizing and
 chat rendering use the format ``chat`` gives for the run's model, every layout check asks
 ``layout``, and ``loongforge convert --check-logits`` loads its reference through ``hf_model_class``.
 
@@ -21,6 +22,7 @@ from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import StepFlops
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
     import torch
@@ -129,6 +131,11 @@ class ModelFamily:
     # "routed_experts"} parameter counts; "active": what one token runs through (the total, unless
     # the layers route to experts); "routed_experts": the experts of every MoE layer (0 if dense)
     count_parameters: Callable[[ModelConfig], dict[str, int]]
+    # (model_cfg, samples: Sequence[SampleCost], options: FlopOptions = FlopOptions()) -> StepFlops:
+    # the model FLOPs of one training micro-batch, the samples packed in one row, by part
+    # (``models.flops`` gives the convention); a sample's images/videos must carry their ``grids``
+    # (else ValueError). Torch-free: MFU and plans count without building a model.
+    training_flops: Callable[..., StepFlops]
     # ModelConfig -> the per-sample rotary position function (picklable)
     position_ids: Callable[[ModelConfig], PositionIds]
     # ModelConfig -> the chat format of that model (a family's architectures may differ in it)

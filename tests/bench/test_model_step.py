@@ -9,10 +9,11 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from loongforge.bench.flops import training_flops, window_sizes
+from loongforge.balance.cost_model import SampleCost
 from loongforge.bench.model_step import ModelBenchOptions, bench_run_config, build_inputs, design_row
 from loongforge.cli.app import app
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.models.registry import get_family
 
 
 def _small_model() -> ModelConfig:
@@ -28,24 +29,19 @@ def _small_model() -> ModelConfig:
 def test_flops_equal_a_hand_count():
     # One image of 4 x 12 patches (48 patches, 2 x 6 merge units), segments of 10 and 6 tokens,
     # 14 loss tokens. Windows are 4 x 4 merge units: 2 x 4 units (32 patches) and 2 x 2 (16).
-    flops = training_flops(_small_model(), segment_lengths=[10, 6], grids=[(1, 4, 12)], loss_tokens=14)
+    samples = [SampleCost(tokens=10, patches=(48,), loss_tokens=14, grids=((1, 4, 12),)), SampleCost(tokens=6)]
+    flops = get_family("qwen2_5_vl").training_flops(_small_model(), samples)
     patch_embed = 48 * 2 * 1176 * 4  # pixels per patch 3*2*14*14 = 1176 -> width 4
     blocks = 2 * 48 * 2 * (3 * 4 * 4 + 4 * 4 + 3 * 4 * 8)  # qkv, proj, SwiGLU per patch and block
     attention = 4 * 4 * (48 ** 2) + 4 * 4 * (32 ** 2 + 16 ** 2)  # full block, then window block
-    assert flops.vision == 3 * (patch_embed + blocks + attention) == 3 * 539648
+    # The patch embedding's backward is its weight gradient only: pixels take no gradient.
+    assert flops.vision == 2 * patch_embed + 3 * (blocks + attention) == 1167360
     assert flops.projector == 3 * 12 * 2 * (16 * 16 + 16 * 6) == 3 * 8448
     linear = 16 * 2 * (4 * (4 + 2 * 2) + 4 * 4 + 3 * 4 * 8)  # kv width: 1 group of head_dim 2
-    assert flops.language == 3 * (linear + 2 * 4 * (10 ** 2 + 6 ** 2)) == 3 * 5696
+    # Attention over each segment's full L x L square (q width 2 heads x 2): 4 * L^2 * 4.
+    assert flops.language == 3 * (linear + 4 * 4 * (10 ** 2 + 6 ** 2)) == 3 * 6784
     assert flops.lm_head == 3 * 2 * 4 * 10 * 14
-    assert flops.total == 1664736 and flops.to_dict()["total"] == flops.total
-
-
-@pytest.mark.parametrize("grid", [(4, 12), (8, 8), (20, 16), (46, 46), (52, 92)])
-def test_window_sizes_match_the_models_window_partition(grid):
-    from loongforge.models.qwen2_5_vl.vision import window_partition
-
-    _, cu_seqlens = window_partition(torch.tensor([[1, *grid]]), merge=2, window_units=4)
-    assert window_sizes(*grid, merge=2, window_units=4) == (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+    assert flops.total == 1216416 and flops.to_dict()["total"] == flops.total
 
 
 def _tiny_options(**kwargs) -> ModelBenchOptions:
@@ -66,12 +62,24 @@ def test_packed_row_and_batch_hold_the_same_equal_length_samples():
     assert inputs.loss_tokens == 510 and batch["loss_mask"][:, -1].sum() == 0
     # 448x448 and 1280x720 shrink to the tiny preset's 224x224 pixel budget.
     assert inputs.grids == [(1, 16, 16), (1, 12, 20)]
+    # The FLOP count's view: each sample with its own image and its loss tokens.
+    assert [(s.tokens, s.grids, s.loss_tokens) for s in inputs.samples] == [
+        (256, ((1, 16, 16),), 255), (256, ((1, 12, 20),), 255)]
     assert int((packed["input_ids"] == cfg.model.tokens.image_token_id).sum()) == (256 + 240) // 4
 
 
 def test_an_image_larger_than_its_sample_is_left_out():
     opts = _tiny_options(tokens=64, samples=2)
     assert design_row(bench_run_config(opts), opts) == [(32, []), (32, [])]
+
+
+def _samples_of(stack: dict) -> list[SampleCost]:
+    """The bench's row as SampleCosts: the count is a sum over samples and over media, so which
+    sample holds which image (the stack does not say) does not change it."""
+    lengths, grids = stack["segment_lengths"], [tuple(g) for g in stack["image_grids_thw"]]
+    first = SampleCost(tokens=lengths[0], patches=tuple(t * h * w for t, h, w in grids),
+                       loss_tokens=stack["loss_tokens"], grids=tuple(grids))
+    return [first, *(SampleCost(tokens=length) for length in lengths[1:])]
 
 
 def _restore_launch_env_afterwards(monkeypatch) -> None:
@@ -94,8 +102,7 @@ def test_bench_model_on_cpu_reports_tokens_per_s_and_mfu(tmp_path, monkeypatch):
     stack = data["stack"]
     assert stack["language_layers"] == 1 and stack["vision_blocks"] == 2 and stack["tokens"] == 256
     cfg = bench_run_config(_tiny_options(language_layers=1, tokens=256))
-    expected = training_flops(cfg.model, segment_lengths=stack["segment_lengths"],
-                              grids=stack["image_grids_thw"], loss_tokens=stack["loss_tokens"])
+    expected = get_family(cfg.model.family).training_flops(cfg.model, _samples_of(stack))
     assert data["flops_per_step"]["total"] == expected.total
     for run in data["runs"]:
         assert run["tokens_per_s"] == pytest.approx(256 / run["step_s_median"])

@@ -105,8 +105,9 @@ def test_tiny_vit_preset_is_encoder_heavy_at_tp2_with_encoder_dp():
     """The encoder-DP bench's preset: the vision tower outweighs the whole language model
     (embedding included) in parameters, and an image costs the encoder more FLOPs than its
     tokens cost the language model; TP2 with a whole encoder per rank, dividing the images."""
-    from loongforge.bench.flops import language_forward_flops, vision_forward_flops
+    from loongforge.balance.cost_model import SampleCost
     from loongforge.models.qwen2_5_vl.params import count_parameters
+    from loongforge.models.registry import get_family
 
     cfg = load_run_config("qwen2.5vl-tiny-vit")
     counts = count_parameters(cfg.model)
@@ -115,9 +116,10 @@ def test_tiny_vit_preset_is_encoder_heavy_at_tp2_with_encoder_dp():
     assert cfg.model.language == load_run_config(DEFAULT_PRESET).model.language
     grid = (1, 26, 36)  # a 640 x 480 photo at the preset's 448 x 448 pixel limit
     assert cfg.data.max_pixels == 448 * 448
-    encoder, projector = vision_forward_flops(cfg.model, [grid])
     image_tokens = grid[1] * grid[2] // cfg.model.projector.spatial_merge_size ** 2
-    assert encoder + projector > 10 * language_forward_flops(cfg.model, [image_tokens])
+    image = SampleCost(tokens=image_tokens, patches=(grid[0] * grid[1] * grid[2],), grids=(grid,))
+    flops = get_family(cfg.model.family).training_flops(cfg.model, [image])
+    assert flops.vision + flops.projector > 10 * flops.language
     parallel = cfg.parallel
     assert (parallel.world_size, parallel.tensor_model_parallel_size) == (2, 2)
     assert (parallel.vision_tensor_model_parallel_size, parallel.encoder_dp) == (1, "tp")

@@ -6,6 +6,7 @@ model.py      TextModel and build_model: the shared decoder with 1-D RoPE
 hf_config.py  HF config.json <-> ModelConfig for the four architectures, and their tensor shapes
 hf_mapping.py the weight map (the decoder's rows)
 params.py     parameter counts by arithmetic (total, and active per token)
+flops.py      model FLOPs of a training micro-batch (MFU)
 positions.py  per-sample rotary positions
 chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
@@ -15,6 +16,7 @@ from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
+from loongforge.models.llm.flops import training_flops
 from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llm.params import count_parameters
 from loongforge.models.llm.positions import position_ids_for
@@ -32,6 +34,7 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.llm.model:build_model"),
     build_encoder=None,
     count_parameters=count_parameters,
+    training_flops=training_flops,
     position_ids=position_ids_for,
     chat=chat_format,
     layout=DECODER_LAYOUT,

@@ -11,6 +11,7 @@ encoder_full.py    parallel.encoder_dp=full: the TP x PP group divides a whole s
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 params.py       parameter counts by arithmetic
+flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side)
 chat.py         the chat format (ChatML with vision blocks)
 """
@@ -20,6 +21,7 @@ from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
+from loongforge.models.qwen2_5_vl.flops import training_flops
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen2_5_vl.params import count_parameters
 from loongforge.models.qwen2_5_vl.rope_index import position_ids_for
@@ -39,6 +41,7 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.qwen2_5_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
+    training_flops=training_flops,
     position_ids=position_ids_for,
     chat=chat_format,
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups

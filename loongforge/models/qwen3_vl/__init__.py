@@ -11,6 +11,7 @@ configs.py      Qwen3VisionConfig (the vision facts) and the towers' megatron Tr
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic (total, and active per token)
+flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side)
 encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
@@ -22,6 +23,7 @@ from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.qwen3_vl import hf_config
+from loongforge.models.qwen3_vl.flops import training_flops
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.params import count_parameters
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
@@ -42,6 +44,7 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.qwen3_vl.encoder:build_encoder"),
     count_parameters=count_parameters,
+    training_flops=training_flops,
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,
     layout=LAYOUT,

@@ -1,0 +1,236 @@
+"""Model FLOPs of one training step on a packed micro-batch: the numerator of MFU.
+
+Each family counts its own towers in its folder (``<family>/flops.py``, the family contract's
+``training_flops``) with the pieces here: the convention, the pass counts the training options imply,
+the decoder layers over packed segments, the LM head, and what vision towers share. Pure arithmetic,
+no torch: the dry-run plan and the benchmarks read it without building a model.
+
+Convention:
+
+- a multiply-add is 2 FLOPs: a linear ``fan_in -> fan_out`` over ``n`` tokens is ``2 n fan_in fan_out``;
+- attention is QK^T and AV over the full ``L x L`` square of every segment it runs on (a packed
+  sample, a vision window, a frame): ``4 L^2 q_width`` with ``q_width = heads * head_dim``, for causal
+  attention too. That is what the kernels execute and what ``torch.utils.flop_counter.FlopCounterMode``
+  counts, and PaLM's MFU convention (Chowdhery et al. 2022, appendix B);
+- forward x1, backward x2 (activation gradients and weight gradients), except where no gradient is
+  needed: the patch embedding takes none w.r.t. its pixels (x1, its weight gradient), nothing runs
+  backward below a frozen tower, and a frozen part above a trained one computes activation gradients
+  only (x1); see ``FlopOptions``;
+- full activation recompute runs every transformer layer's forward (vision blocks and decoder layers)
+  a second time in the backward; patch embedding, mergers and LM head are not recomputed;
+- the LM head runs on the loss tokens only (``models.decoder.language_model``), over the true
+  vocabulary (megatron's padding rows are work, not the model's).
+
+Not counted: norms, rotary embeddings, softmax, activations, biases, the embedding lookup, Qwen3-VL's
+position-embedding resampling (a gather and a weighted sum), DeepStack's additions, the loss, and
+the score recompute inside flash-style attention backward kernels (hardware work, like activation
+recompute, but not asked for by any option).
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Sequence
+
+from loongforge.balance.cost_model import SampleCost
+from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig
+
+Grid = tuple[int, int, int]  # (t, h, w) patches of one image or video
+
+# Passes of a trained layer, in forward-equivalents: the forward, then the backward's activation
+# gradients and weight gradients (each a matmul of the forward's size).
+FORWARD, ACTIVATION_GRADIENTS, WEIGHT_GRADIENTS = 1, 1, 1
+TRAINED = FORWARD + ACTIVATION_GRADIENTS + WEIGHT_GRADIENTS
+
+
+@dataclass(frozen=True)
+class StepFlops:
+    """Training FLOPs of one micro-batch (forward + backward, recompute where asked) by part;
+    ``total`` is what MFU divides."""
+
+    vision: float  # patch embedding and transformer blocks
+    projector: float  # the merger (and Qwen3-VL's DeepStack mergers)
+    language: float  # decoder layers
+    lm_head: float
+
+    @property
+    def total(self) -> float:
+        return self.vision + self.projector + self.language + self.lm_head
+
+    @property
+    def encoder_share(self) -> float:
+        """(vision + projector) / total; 0 for an empty step."""
+        return (self.vision + self.projector) / self.total if self.total else 0.0
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "total": self.total, "encoder_share": self.encoder_share}
+
+
+@dataclass(frozen=True)
+class FlopOptions:
+    """The training settings that change which passes run."""
+
+    # Full activation recompute (training.recompute_activations): every layer's forward runs twice.
+    recompute: bool = False
+    # Frozen parts run forward only (training.freeze_vision / freeze_projector); a frozen projector
+    # under a trained tower still passes activation gradients down to it.
+    freeze_vision: bool = False
+    freeze_projector: bool = False
+
+    @classmethod
+    def from_training(cls, training: TrainingConfig) -> "FlopOptions":
+        return cls(recompute=training.recompute_activations, freeze_vision=training.freeze_vision,
+                   freeze_projector=training.freeze_projector)
+
+
+# ---------------------------------------------------------------------------------------------
+# Passes per part, in forward-equivalents
+# ---------------------------------------------------------------------------------------------
+
+
+def layer_passes(*, trained: bool, recompute: bool) -> int:
+    """A transformer layer: forward, a second forward under recompute, and both gradients. A frozen
+    layer with nothing trained below it runs forward once (with no gradient its checkpoint keeps
+    nothing to recompute)."""
+    if not trained:
+        return FORWARD
+    return TRAINED + (FORWARD if recompute else 0)
+
+
+def vision_block_passes(options: FlopOptions) -> int:
+    return layer_passes(trained=not options.freeze_vision, recompute=options.recompute)
+
+
+def patch_embedding_passes(options: FlopOptions) -> int:
+    """Forward, and its weight gradient when trained: pixels take no gradient."""
+    return FORWARD if options.freeze_vision else FORWARD + WEIGHT_GRADIENTS
+
+
+def projector_passes(options: FlopOptions) -> int:
+    """A merger. Trained: both gradients, also under a frozen tower, because every merger here
+    normalises its input with learned weights before its first linear, whose input gradient those
+    weights need. Frozen under a trained tower: activation gradients only, carrying the loss down.
+    Both frozen: forward only."""
+    if not options.freeze_projector:
+        return TRAINED
+    if not options.freeze_vision:
+        return FORWARD + ACTIVATION_GRADIENTS
+    return FORWARD
+
+
+def language_layer_passes(options: FlopOptions) -> int:
+    return layer_passes(trained=True, recompute=options.recompute)
+
+
+# The LM head is never recomputed; its weight (the embedding when tied) is always trained.
+LM_HEAD_PASSES = TRAINED
+
+
+# ---------------------------------------------------------------------------------------------
+# Forward FLOPs of the shared pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def linear_flops(tokens: int, fan_in: int, fan_out: int) -> int:
+    return 2 * tokens * fan_in * fan_out
+
+
+def attention_flops(segment_lengths: Sequence[int], q_width: int) -> int:
+    """QK^T and AV over each segment's full ``L x L`` square (causal too): ``2 L^2 q_width`` each."""
+    return sum(4 * length * length * q_width for length in segment_lengths)
+
+
+def mlp_forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    """One decoder layer's MLP: SwiGLU (gate and up ``h -> ffn``, down ``ffn -> h``), or with
+    experts the router (``h -> num_experts``) plus the ``moe_router_topk`` SwiGLU experts each token
+    runs through."""
+    h = lang.hidden_size
+    if lang.num_experts:
+        router = linear_flops(tokens, h, lang.num_experts)
+        return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size)
+    return linear_flops(tokens, h, 3 * lang.ffn_hidden_size)
+
+
+def head_dim(lang: LanguageConfig) -> int:
+    """Channels per attention head: ``model.language.head_dim``, else hidden / heads (as the decoder
+    reads it, ``models.decoder.params.head_dim``; a module here outside the family folders imports
+    none of the model folders)."""
+    return lang.head_dim or lang.hidden_size // lang.num_attention_heads
+
+
+def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """One decoder layer over packed segments: QKV at the real widths (q: heads * head_dim, k and v:
+    query_groups * head_dim each; Qwen3's head_dim need not be hidden / heads), the output projection
+    ``q_width -> h``, the MLP, and attention within each segment."""
+    tokens, h, channels = sum(segment_lengths), lang.hidden_size, head_dim(lang)
+    q_width, kv_width = lang.num_attention_heads * channels, lang.num_query_groups * channels
+    projections = linear_flops(tokens, h, q_width + 2 * kv_width) + linear_flops(tokens, q_width, h)
+    return projections + mlp_forward_flops(lang, tokens) + attention_flops(segment_lengths, q_width)
+
+
+def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions) -> int:
+    return lang.num_layers * language_layer_passes(options) * decoder_layer_forward_flops(lang, segment_lengths)
+
+
+def lm_head_flops(lang: LanguageConfig, loss_tokens: int) -> int:
+    """The output layer ``h -> vocab`` on the loss tokens, forward and backward."""
+    return LM_HEAD_PASSES * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
+
+
+def vision_block_linear_flops(patches: int, width: int, intermediate: int, *, gated: bool) -> int:
+    """One vision block's matmuls but attention: QKV (``w -> 3w``), output projection, and the MLP
+    (gated: gate and up ``w -> intermediate``, down; plain: up and down)."""
+    mlp_matrices = 3 if gated else 2
+    return linear_flops(patches, width, 3 * width) + linear_flops(patches, width, width) + linear_flops(
+        patches, width, mlp_matrices * intermediate)
+
+
+def merger_forward_flops(merged_tokens: int, merged_width: int, out_width: int) -> int:
+    """A patch merger's MLP: ``m^2 w -> m^2 w -> out`` per merged token."""
+    return linear_flops(merged_tokens, merged_width, merged_width) + linear_flops(merged_tokens, merged_width,
+                                                                                  out_width)
+
+
+def frame_lengths(grids: Sequence[Grid]) -> list[int]:
+    """Patches of every frame (temporal patch) of every medium: the full-attention segments."""
+    return [h * w for t, h, w in grids for _ in range(t)]
+
+
+# ---------------------------------------------------------------------------------------------
+# Samples -> what the count needs
+# ---------------------------------------------------------------------------------------------
+
+
+def media_grids(samples: Sequence[SampleCost]) -> list[Grid]:
+    """Every image's and video's (t, h, w) grid; ValueError when a sample has patches but no grids
+    (a cost model's size estimate): the vision count depends on the shape, not only on P."""
+    grids: list[Grid] = []
+    for index, sample in enumerate(samples):
+        if sample.patches and not sample.grids:
+            raise ValueError(
+                f"sample {index} has {len(sample.patches)} image(s)/video(s) ({sum(sample.patches)} patches) "
+                "but no grids: the vision FLOPs need each medium's (t, h, w) patch grid; build the "
+                "SampleCosts from a micro-batch with loongforge.profile.features.sample_costs, or pass "
+                "SampleCost(grids=...)")
+        grids.extend(tuple(grid) for grid in sample.grids)
+    return grids
+
+
+def refuse_media(samples: Sequence[SampleCost], family: str) -> None:
+    """A text-only family: any image or video is a mistake of the caller."""
+    with_media = [index for index, sample in enumerate(samples) if sample.patches or sample.grids]
+    if with_media:
+        raise ValueError(f"samples {with_media} carry images or videos, but model.family={family} is text-only; "
+                         "count them with a vision family's training_flops")
+
+
+def step_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost], options: FlopOptions, *,
+               vision: float = 0.0, projector: float = 0.0) -> StepFlops:
+    """A step's parts: the family's encoder counts, and the decoder layers over the samples as packed
+    segments and the LM head on their loss tokens (which every family shares)."""
+    lang = model_cfg.language
+    segment_lengths = [sample.tokens for sample in samples]
+    loss_tokens = sum(sample.loss_tokens for sample in samples)
+    return StepFlops(vision=float(vision), projector=float(projector),
+                     language=float(language_flops(lang, segment_lengths, options)),
+                     lm_head=float(lm_head_flops(lang, loss_tokens)))

@@ -1,0 +1,84 @@
+"""Qwen2.5-VL's model FLOPs per training step (``FAMILY.training_flops``; convention in ``models.flops``).
+
+What runs (``vision.py``): the patch embedding (a linear over ``C*T*p*p`` pixels), ``depth`` blocks
+of QKV, output projection and a SwiGLU MLP, where attention is bidirectional within each window
+(``window_size`` pixels square, tiled from the top-left of each frame in merge units, edge windows
+smaller: ``window_partition``) except in the ``fullatt_block_indexes`` blocks, which attend within
+whole frames; then the merger MLP per merged token, and the shared decoder and LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from loongforge.balance.cost_model import SampleCost
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import (
+    FlopOptions,
+    Grid,
+    StepFlops,
+    attention_flops,
+    frame_lengths,
+    linear_flops,
+    media_grids,
+    merger_forward_flops,
+    patch_embedding_passes,
+    projector_passes,
+    step_flops,
+    vision_block_linear_flops,
+    vision_block_passes,
+)
+
+
+def window_sizes(h: int, w: int, merge: int, window_units: int) -> list[int]:
+    """Patches per attention window of one ``h x w``-patch frame: merge units tiled from the
+    top-left in ``window_units``-square windows, edge windows smaller (``vision.window_partition``)."""
+    units_h, units_w = h // merge, w // merge
+
+    def spans(n: int) -> list[int]:
+        return [min(window_units, n - start) for start in range(0, n, window_units)]
+
+    return [rows * cols * merge * merge for rows in spans(units_h) for cols in spans(units_w)]
+
+
+def window_lengths(grids: Sequence[Grid], merge: int, window_units: int) -> list[int]:
+    """The window segments of every frame of every medium."""
+    return [size for t, h, w in grids for _ in range(t) for size in window_sizes(h, w, merge, window_units)]
+
+
+def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
+    """All vision blocks' forward: matmuls per patch, attention per window or per frame."""
+    vis, merge = model_cfg.vision, model_cfg.projector.spatial_merge_size
+    patches = sum(t * h * w for t, h, w in grids)
+    full_blocks = sum(1 for index in set(vis.fullatt_block_indexes) if 0 <= index < vis.depth)
+    window_units = vis.window_size // vis.patch_size // merge
+    # Vision heads are hidden / num_heads wide: q_width is the tower's width.
+    windowed = attention_flops(window_lengths(grids, merge, window_units), vis.hidden_size)
+    full = attention_flops(frame_lengths(grids), vis.hidden_size)
+    linears = vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=True)
+    return vis.depth * linears + full_blocks * full + (vis.depth - full_blocks) * windowed
+
+
+def vision_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
+    vis = model_cfg.vision
+    patches = sum(t * h * w for t, h, w in grids)
+    pixel_width = vis.in_channels * vis.temporal_patch_size * vis.patch_size ** 2
+    embedding = linear_flops(patches, pixel_width, vis.hidden_size)
+    return (patch_embedding_passes(options) * embedding
+            + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids))
+
+
+def projector_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
+    merge, width = model_cfg.projector.spatial_merge_size, model_cfg.vision.hidden_size
+    merged_tokens = sum(t * h * w for t, h, w in grids) // (merge * merge)
+    merger = merger_forward_flops(merged_tokens, width * merge * merge, model_cfg.projector.out_hidden_size)
+    return projector_passes(options) * merger
+
+
+def training_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost],
+                   options: FlopOptions = FlopOptions()) -> StepFlops:
+    """Forward + backward FLOPs of one micro-batch of ``samples`` (packed segments of
+    ``sample.tokens``, images and videos of ``sample.grids``)."""
+    grids = media_grids(samples)
+    return step_flops(model_cfg, samples, options, vision=vision_flops(model_cfg, grids, options),
+                      projector=projector_flops(model_cfg, grids, options))

@@ -1,0 +1,66 @@
+"""Qwen3-VL's model FLOPs per training step (``FAMILY.training_flops``; convention in ``models.flops``).
+
+What runs (``vision.py``, ``encoder.py``): the patch embedding (a linear over ``C*T*p*p`` pixels);
+the learned position embeddings resampled to each grid (four table rows per patch blended with
+bilinear weights: a gather and a weighted sum, no matmul, not counted); ``depth`` blocks of QKV,
+output projection and a plain (ungated) MLP, attending within each frame (no windows); the merger
+on the last block's output and one DeepStack merger on each ``deepstack_visual_indexes`` block's
+output, the same MLP per merged token (their features are added to the decoder's hidden states:
+not counted); then the shared decoder (with or without experts) and the LM head.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from loongforge.balance.cost_model import SampleCost
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import (
+    FlopOptions,
+    Grid,
+    StepFlops,
+    attention_flops,
+    frame_lengths,
+    linear_flops,
+    media_grids,
+    merger_forward_flops,
+    patch_embedding_passes,
+    projector_passes,
+    step_flops,
+    vision_block_linear_flops,
+    vision_block_passes,
+)
+from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+
+
+def blocks_forward_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid]) -> int:
+    """All vision blocks' forward: matmuls per patch, attention per frame (heads are hidden /
+    num_heads wide: q_width is the tower's width)."""
+    patches = sum(t * h * w for t, h, w in grids)
+    linears = vision_block_linear_flops(patches, vision.hidden_size, vision.intermediate_size, gated=False)
+    return vision.depth * (linears + attention_flops(frame_lengths(grids), vision.hidden_size))
+
+
+def vision_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
+    patches = sum(t * h * w for t, h, w in grids)
+    pixel_width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
+    embedding = linear_flops(patches, pixel_width, vision.hidden_size)
+    return (patch_embedding_passes(options) * embedding
+            + vision_block_passes(options) * blocks_forward_flops(vision, grids))
+
+
+def projector_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
+    """The merger and the DeepStack mergers (``training.freeze_projector`` freezes them all)."""
+    merged_tokens = sum(t * h * w for t, h, w in grids) // vision.spatial_merge_size ** 2
+    merger = merger_forward_flops(merged_tokens, vision.merged_width, vision.out_hidden_size)
+    return projector_passes(options) * (1 + vision.num_deepstack_layers) * merger
+
+
+def training_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost],
+                   options: FlopOptions = FlopOptions()) -> StepFlops:
+    """Forward + backward FLOPs of one micro-batch of ``samples`` (packed segments of
+    ``sample.tokens``, images and videos of ``sample.grids``)."""
+    grids = media_grids(samples)
+    vision = Qwen3VisionConfig.from_model_cfg(model_cfg)
+    return step_flops(model_cfg, samples, options, vision=vision_flops(vision, grids, options),
+                      projector=projector_flops(vision, grids, options))

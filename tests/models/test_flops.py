@@ -1,0 +1,421 @@
+"""The model-FLOP count of every family (``ModelFamily.training_flops``) against what its model executes.
+
+Each family's tiny preset is built on CPU (one process, megatron over gloo), a packed row of several
+samples goes through the data path (synthetic chats and a real video clip, measured, materialised and
+collated as training does), and the training step's forward + backward runs under torch's
+``FlopCounterMode``. The counted FLOPs, split by the model's parts (vision tower, mergers, decoder
+layers, LM head), must equal the analytic count within 2%; ``pytest -s`` prints both.
+"""
+
+from __future__ import annotations
+
+import ast
+import dataclasses
+from pathlib import Path
+
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
+
+from loongforge.balance.cost_model import SampleCost
+from loongforge.config.loader import load_run_config
+from loongforge.data.collate import collate_row
+from loongforge.data.measure import SampleMeasurer, materialize
+from loongforge.data.samples import ConversationSample
+from loongforge.data.synthetic import SyntheticSamples
+from loongforge.data.template import Turn
+from loongforge.data.tokenizer import load_tokenizer
+from loongforge.models import registry
+from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.qwen2_5_vl.flops import window_sizes
+from loongforge.models.qwen2_5_vl.vision import window_partition
+from loongforge.profile.features import sample_costs
+from loongforge.train.runner import _freeze
+from loongforge.train.step import make_forward_step
+from tests.data.conftest import LLAMAFACTORY, require
+from tests.models.helpers import destroy_megatron, free_port, init_megatron
+
+TOLERANCE = 0.02
+VIDEO = LLAMAFACTORY / "mllm_demo_data" / "1.mp4"  # 243 frames at 25 fps, 640x360
+# A short, small video so that its sample fits data.seq_len: 4 frames (2 temporal patches) of at
+# most 224 x 224 pixels.
+VIDEO_OVERRIDES = ["data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=50176"]
+# Each case: a packed row of several samples, by kind ("text", "image": one image, "two_images",
+# "video"), in row order.
+ROWS = {
+    "text": ("text", "text", "text"),
+    "one_image": ("image", "text", "text"),
+    "several_images": ("two_images", "image", "text", "image"),
+    "video": ("video", "text", "image"),
+}
+# The model's parts, by their modules' names in the model.
+PARTS = {
+    "vision": ("vision_model",),
+    "projector": ("projector", "deepstack_projectors"),
+    "language": ("language_model.decoder",),
+    "lm_head": ("language_model.output_layer",),
+}
+# Matmuls the convention leaves out: megatron's M-RoPE (Qwen2.5-VL) forms its rotary angles as a
+# matmul of the inverse frequencies [3, hd/2, 1] by the positions [3, 1, L], an outer product.
+NOT_COUNTED = {"rotary": ("language_model.rotary_pos_emb",)}
+
+
+@pytest.fixture(scope="module")
+def world():
+    init_megatron(rank=0, world_size=1, port=free_port())
+    yield
+    destroy_megatron()
+
+
+# ---------------------------------------------------------------------------------------------
+# The micro-batch, through the data path
+# ---------------------------------------------------------------------------------------------
+
+
+def _conversations(text_only: bool) -> dict[str, list[ConversationSample]]:
+    """Chats by kind, the first few of each kind the synthetic generator makes, and the video clip."""
+    found: dict[str, list[ConversationSample]] = {"text": [SyntheticSamples(64, seed=0, text_only=True).get(i)
+                                                           for i in range(3)]}
+    if text_only:
+        return found
+    kinds = {1: "image", 2: "two_images"}
+    media_samples = SyntheticSamples(64, seed=0)
+    for index in range(len(media_samples)):
+        sample = media_samples.get(index)
+        found.setdefault(kinds.get(len(sample.images), "other"), []).append(sample)
+        if len(found.get("image", [])) >= 2 and found.get("two_images"):
+            break
+    turns = [Turn("user", "<video>What happens in this clip?"), Turn("assistant", "A baby puts on glasses.")]
+    found["video"] = [ConversationSample(sample_id=f"{VIDEO}:1", file=str(VIDEO), line=1, turns=turns,
+                                         videos=[str(require(VIDEO))])]
+    return found
+
+
+class RowBuilder:
+    """Micro-batches of one preset's model, built the way the training pipeline builds them."""
+
+    def __init__(self, cfg):
+        self.cfg = cfg
+        family = registry.get_family(cfg.model.family)
+        chat = family.chat(cfg.model)
+        self.measurer = SampleMeasurer(load_tokenizer(cfg.data.tokenizer, chat.jinja_template), cfg.data, cfg.model)
+        self.position_ids = family.position_ids(cfg.model)
+        self.conversations = _conversations(text_only=not family.has_vision)
+
+    def micro_batch(self, kinds: tuple[str, ...]) -> dict:
+        """One packed row of ``kinds``; a kind named twice takes its next chat."""
+        chats = [self.conversations[kind][kinds[:position].count(kind)] for position, kind in enumerate(kinds)]
+        measured = [self.measurer.measure(chat) for chat in chats]
+        rejected = [m for m in measured if not hasattr(m, "input_ids")]
+        assert not rejected, rejected
+        row = [materialize(m, self.measurer.sizing) for m in measured]
+        # No padding: the padding tail would be one more segment of work the samples do not hold.
+        return collate_row(row, pad_to_multiple=1, pad_token_id=self.cfg.model.tokens.pad_token_id,
+                           position_ids=self.position_ids)
+
+    def samples(self, micro_batch: dict) -> list[SampleCost]:
+        model_cfg = self.cfg.model
+        merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
+        return sample_costs(micro_batch, image_token_id=model_cfg.tokens.image_token_id,
+                            video_token_id=model_cfg.tokens.video_token_id, merge_size=merge)
+
+
+# ---------------------------------------------------------------------------------------------
+# What the model executes
+# ---------------------------------------------------------------------------------------------
+
+
+def build_model(cfg):
+    """The preset's model as training builds it (recompute, frozen towers), in fp32 on CPU."""
+    model = registry.get_family(cfg.model.family).build(
+        cfg.model, cfg.parallel, params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
+        recompute_activations=cfg.training.recompute_activations, init_seed=cfg.training.seed)
+    _freeze(model, cfg)
+    return model.train()
+
+
+class CpuAttentionFormulas:
+    """FlopCounterMode formulas for torch's CPU flash-attention kernel, which SDPA runs on CPU (GQA
+    and causal included) and torch gives none (its attention would count 0).
+
+    Forward: QK^T and AV over the full square, torch's formula for every SDPA kernel. Backward: the
+    gradients, dV and dP (from AV), dQ and dK (from QK^T): 2 x forward. The kernel, like flash-attn,
+    also recomputes QK^T from the saved log-sum-exp; torch's formulas for the GPU kernels count that
+    too (2.5 x forward), the model-FLOP convention (``models.flops``) does not: it is kept apart here
+    in ``score_recompute``, printed, not compared."""
+
+    def __init__(self):
+        self.score_recompute = 0
+
+    def forward(self, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+    def backward(self, grad_out_shape, query_shape, key_shape, value_shape, *args, out_shape=None, **kwargs) -> int:
+        batch, heads, q_len, channels = query_shape  # [b, heads, L, hd]
+        recompute = bmm_flop((batch * heads, q_len, channels), (batch * heads, channels, key_shape[2]))
+        self.score_recompute += recompute
+        return sdpa_backward_flop_count(grad_out_shape, query_shape, key_shape, value_shape) - recompute
+
+    def mapping(self) -> dict:
+        aten = torch.ops.aten
+        return {aten._scaled_dot_product_flash_attention_for_cpu: self.forward,
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: self.backward}
+
+
+class PartTracker:
+    """Which part of the model (``PARTS``) an executing op belongs to.
+
+    FlopCounterMode's own module tracker cannot say in the backward: it sees a module's inputs only
+    when they are positional (megatron's blocks take keyword arguments), so a module it entered in
+    the backward is never left and later work is charged to it as well. Here, each part's forward
+    tags the autograd nodes it created (from its outputs back to its inputs); an op in the backward
+    belongs to the part of the node running it. Nodes made in the backward (megatron's reentrant
+    checkpoint re-runs a layer and back-propagates through that copy) inherit the part of the last
+    tagged node, the checkpoint's own."""
+
+    def __init__(self, model):
+        self.node_part: dict = {}
+        self.forward_parts: list[str] = []
+        self.inputs: list[set] = []
+        self.last_backward_part = "other"
+        self.handles = []
+        for part, names in {**PARTS, **NOT_COUNTED}.items():
+            for module in _modules(model, names):
+                self.handles += [module.register_forward_pre_hook(self._enter(part), with_kwargs=True),
+                                 module.register_forward_hook(self._leave(part), with_kwargs=True)]
+
+    def _enter(self, part: str):
+        def hook(module, args, kwargs):
+            self.forward_parts.append(part)
+            self.inputs.append({t.grad_fn for t in _tensors((args, kwargs)) if t.grad_fn is not None})
+        return hook
+
+    def _leave(self, part: str):
+        def hook(module, args, kwargs, output):
+            self.forward_parts.pop()
+            stop = self.inputs.pop()
+            pending = [t.grad_fn for t in _tensors(output) if t.grad_fn is not None]
+            while pending:
+                node = pending.pop()
+                if node is None or node in stop or node in self.node_part:
+                    continue
+                self.node_part[node] = part
+                pending.extend(next_node for next_node, _ in node.next_functions)
+        return hook
+
+    def current(self) -> str:
+        node = torch._C._current_autograd_node()
+        if node is None:  # the forward
+            return self.forward_parts[-1] if self.forward_parts else "other"
+        self.last_backward_part = self.node_part.get(node, self.last_backward_part)
+        return self.last_backward_part
+
+    def remove(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+
+
+def _modules(model, names: tuple[str, ...]) -> list[torch.nn.Module]:
+    """The modules of ``names`` this model has; a ModuleList's items (the list itself never runs:
+    its owner calls the items, as Qwen3-VL calls its DeepStack mergers)."""
+    found = []
+    for name in names:
+        try:
+            module = model.get_submodule(name)
+        except AttributeError:
+            continue
+        found += list(module) if isinstance(module, torch.nn.ModuleList) else [module]
+    return found
+
+
+def _tensors(tree) -> list[torch.Tensor]:
+    leaves, _ = torch.utils._pytree.tree_flatten(tree)
+    return [leaf for leaf in leaves if isinstance(leaf, torch.Tensor)]
+
+
+class PartFlopCounter(FlopCounterMode):
+    """FlopCounterMode that charges every counted op to one part (``PartTracker``)."""
+
+    def __init__(self, tracker: PartTracker, custom_mapping: dict):
+        super().__init__(display=False, custom_mapping=custom_mapping)
+        self.tracker = tracker
+        self.by_part: dict[str, int] = {part: 0 for part in (*PARTS, *NOT_COUNTED, "other")}
+
+    def _count_flops(self, func_packet, out, args, kwargs):
+        if func_packet in self.flop_registry:
+            flops = self.flop_registry[func_packet](*args, **kwargs, out_val=out)
+            self.flop_counts["Global"][func_packet] += flops
+            self.by_part[self.tracker.current()] += flops
+        return out
+
+
+def counted_flops(model, micro_batch: dict) -> dict[str, float]:
+    """FLOPs FlopCounterMode counts in the training step's forward and backward, by part, and in all."""
+    forward_step = make_forward_step(torch.device("cpu"))
+    model.zero_grad(set_to_none=True)
+    attention, tracker = CpuAttentionFormulas(), PartTracker(model)
+    try:
+        with PartFlopCounter(tracker, attention.mapping()) as counter:
+            output, loss_function = forward_step(iter([micro_batch]), model)
+            loss_sum, _, _ = loss_function(output)
+            loss_sum.backward()
+    finally:
+        tracker.remove()
+    counted = {part: float(flops) for part, flops in counter.by_part.items()}
+    counted["total"] = float(counter.get_total_flops())
+    counted["score_recompute"] = float(attention.score_recompute)
+    return counted
+
+
+def compare(label: str, analytic: StepFlops, counted: dict[str, float]) -> None:
+    parts = ", ".join(f"{part} {getattr(analytic, part):.4g}/{counted[part]:.4g}" for part in PARTS)
+    largest = max(abs(counted[part] - getattr(analytic, part)) / max(getattr(analytic, part), 1) for part in PARTS)
+    print(f"\n{label}: analytic {analytic.total:.6g} counted {counted['total']:.6g} "
+          f"({counted['total'] / analytic.total - 1:+.4%}); by part analytic/counted: {parts} (largest "
+          f"difference {largest:.4%}); "
+          f"not counted: attention kernels' QK^T recompute in backward {counted['score_recompute']:.4g}, "
+          f"rotary angles {counted['rotary']:.4g}")
+    # Everything executed is in one of the four parts (nothing else runs matmuls), but the rotary
+    # angles' outer product: 2 * 3 * hd/2 FLOPs per token.
+    assert counted["other"] == 0
+    assert counted["rotary"] <= 1e-4 * counted["total"]
+    for part in PARTS:
+        assert counted[part] == pytest.approx(getattr(analytic, part), rel=TOLERANCE, abs=0), part
+    assert counted["total"] == pytest.approx(analytic.total, rel=TOLERANCE)
+
+
+# ---------------------------------------------------------------------------------------------
+# Per family: the four rows
+# ---------------------------------------------------------------------------------------------
+
+
+def _preset(name: str) -> str:
+    return registry.get_family(name).tiny_preset
+
+
+@pytest.fixture(scope="module", params=registry.families())
+def family_run(world, request):
+    """(preset config, row builder, model) of one family's tiny preset."""
+    cfg = load_run_config(_preset(request.param), overrides=VIDEO_OVERRIDES if _has_vision(request.param) else [])
+    return cfg, RowBuilder(cfg), build_model(cfg)
+
+
+def _has_vision(name: str) -> bool:
+    return registry.get_family(name).has_vision
+
+
+@pytest.mark.parametrize("case", ROWS)
+def test_analytic_flops_equal_the_counted_flops(family_run, case):
+    cfg, rows, model = family_run
+    if case != "text" and not registry.get_family(cfg.model.family).has_vision:
+        pytest.skip("a text-only family reads text rows only")
+    micro_batch = rows.micro_batch(ROWS[case])
+    samples = rows.samples(micro_batch)
+    assert len(samples) == len(ROWS[case]) and sum(len(s.grids) for s in samples) == _media_count(ROWS[case])
+    analytic = registry.get_family(cfg.model.family).training_flops(cfg.model, samples)
+    compare(f"{cfg.preset} {case} (grids {[g for s in samples for g in s.grids]})", analytic,
+            counted_flops(model, micro_batch))
+
+
+def _media_count(kinds: tuple[str, ...]) -> int:
+    return sum({"text": 0, "image": 1, "two_images": 2, "video": 1}[kind] for kind in kinds)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training options: recompute, frozen towers; Qwen3's own head_dim; routed experts
+# ---------------------------------------------------------------------------------------------
+
+OPTIONS = {
+    "recompute": ["training.recompute_activations=true"],
+    "freeze_vision": ["training.freeze_vision=true"],
+    "freeze_projector": ["training.freeze_projector=true"],
+    "freeze_both": ["training.freeze_vision=true", "training.freeze_projector=true"],
+    "recompute_freeze_vision": ["training.recompute_activations=true", "training.freeze_vision=true"],
+}
+
+
+@pytest.mark.parametrize("option", OPTIONS)
+@pytest.mark.parametrize("name", [name for name in registry.families() if _has_vision(name)])
+def test_training_options_change_the_count_as_they_change_the_work(world, name, option):
+    cfg = load_run_config(_preset(name), overrides=OPTIONS[option])
+    rows = RowBuilder(cfg)
+    micro_batch = rows.micro_batch(ROWS["several_images"])
+    options = FlopOptions.from_training(cfg.training)
+    analytic = registry.get_family(name).training_flops(cfg.model, rows.samples(micro_batch), options)
+    compare(f"{cfg.preset} several_images {option}", analytic, counted_flops(build_model(cfg), micro_batch))
+
+
+LANGUAGE_VARIANTS = {
+    # Qwen3 lets head_dim differ from hidden / heads: 4 heads of 48 (q width 192) on a width of 128.
+    "head_dim_48": ("llm-tiny", ["model.language.head_dim=48"]),
+    "moe": ("qwen3-moe-tiny", []),
+    "moe_recompute": ("qwen3-moe-tiny", ["training.recompute_activations=true"]),
+}
+
+
+@pytest.mark.parametrize("variant", LANGUAGE_VARIANTS)
+def test_decoder_variants(world, variant):
+    preset, overrides = LANGUAGE_VARIANTS[variant]
+    cfg = load_run_config(preset, overrides=overrides)
+    rows = RowBuilder(cfg)
+    micro_batch = rows.micro_batch(ROWS["text"])
+    options = FlopOptions.from_training(cfg.training)
+    analytic = registry.get_family(cfg.model.family).training_flops(cfg.model, rows.samples(micro_batch), options)
+    compare(f"{preset} text {variant}", analytic, counted_flops(build_model(cfg), micro_batch))
+
+
+# ---------------------------------------------------------------------------------------------
+# The contract without a model
+# ---------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("name", [name for name in registry.families() if _has_vision(name)])
+def test_a_vision_family_needs_the_grids(name):
+    model_cfg = load_run_config(_preset(name)).model
+    with pytest.raises(ValueError, match=r"sample 1 has 1 image\(s\)/video\(s\) \(64 patches\) but no grids.*"
+                                         r"profile.features.sample_costs"):
+        registry.get_family(name).training_flops(model_cfg, [SampleCost(tokens=8), SampleCost(tokens=30, patches=(64,))])
+
+
+def test_a_text_family_refuses_media():
+    model_cfg = load_run_config(_preset("llm")).model
+    with pytest.raises(ValueError, match=r"samples \[0\] carry images or videos, but model.family=llm is text-only"):
+        registry.get_family("llm").training_flops(model_cfg, [SampleCost(tokens=30, patches=(64,), grids=((1, 8, 8),))])
+
+
+def test_step_flops_parts_and_share():
+    flops = StepFlops(vision=2.0, projector=1.0, language=5.0, lm_head=2.0)
+    assert flops.total == 10.0 and flops.encoder_share == 0.3
+    assert flops.to_dict() == {"vision": 2.0, "projector": 1.0, "language": 5.0, "lm_head": 2.0, "total": 10.0,
+                               "encoder_share": 0.3}
+    assert StepFlops(0.0, 0.0, 0.0, 0.0).encoder_share == 0.0
+
+
+def test_an_empty_micro_batch_costs_nothing():
+    for name in registry.families():
+        model_cfg = load_run_config(_preset(name)).model
+        assert registry.get_family(name).training_flops(model_cfg, []).total == 0
+
+
+@pytest.mark.parametrize("grid", [(4, 12), (8, 8), (20, 16), (46, 46), (52, 92)])
+def test_window_sizes_match_the_models_window_partition(grid):
+    _, cu_seqlens = window_partition(torch.tensor([[1, *grid]]), merge=2, window_units=4)
+    assert window_sizes(*grid, merge=2, window_units=4) == (cu_seqlens[1:] - cu_seqlens[:-1]).tolist()
+
+
+def test_the_flop_modules_import_no_torch():
+    """MFU and plans count without a model: the count's own modules stay torch-free."""
+    models = Path(registry.__file__).parent
+    files = [models / "flops.py", *(models / name / "flops.py" for name in registry.families())]
+    for path in files:
+        imported = [alias.name for node in ast.walk(ast.parse(path.read_text()))
+                    if isinstance(node, ast.Import) for alias in node.names]
+        imported += [node.module for node in ast.walk(ast.parse(path.read_text()))
+                     if isinstance(node, ast.ImportFrom) and node.module]
+        assert not [name for name in imported if name.split(".")[0] in ("torch", "megatron")], path
+
+
+def test_options_follow_the_training_config():
+    training = load_run_config("qwen2.5vl-tiny", overrides=["training.freeze_projector=true"]).training
+    assert FlopOptions.from_training(training) == FlopOptions(freeze_projector=True)
+    assert dataclasses.is_dataclass(FlopOptions) and FlopOptions.__dataclass_params__.frozen
