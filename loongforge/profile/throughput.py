@@ -52,9 +52,7 @@ def device_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
 
 
 def flop_options(cfg: RunConfig) -> FlopOptions:
-    training = cfg.training
-    return FlopOptions(recompute=training.recompute_activations, freeze_vision=training.freeze_vision,
-                       freeze_projector=training.freeze_vision and training.freeze_projector)
+    return FlopOptions.from_training(cfg.training)
 
 
 def micro_batch_flops(micro_batch: dict, model_cfg: ModelConfig, options: FlopOptions) -> StepFlops:

@@ -25,14 +25,20 @@ import torch.distributed as dist
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
+from loongforge.config.layout import resolve_read
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
-from loongforge.config.layout import resolve_read
 from loongforge.data.pipeline import DataPipeline
-from loongforge.models.fp8 import apply_fp8, check_fp8_backend, describe_fp8_layers, fp8_choice
+from loongforge.models.flops import StepFlops
+from loongforge.models.fp8 import (
+    apply_fp8,
+    check_fp8_backend,
+    describe_fp8_layers,
+    fp8_choice,
+)
 from loongforge.models.layer_backend import resolve_layer_backend
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.registry import get_family
@@ -48,19 +54,33 @@ from loongforge.parallel.distributed import (
 from loongforge.parallel.encoder_dp import add_encoder_grads, sum_encoder_grads
 from loongforge.parallel.progress import RankProgress
 from loongforge.profile.encoder_clock import EncoderClock, EncoderTime
-from loongforge.models.flops import StepFlops
 from loongforge.profile.memory import peak_memory_mib
-from loongforge.profile.throughput import Throughput, device_peak_tflops, run_dtype, steps_flops
+from loongforge.profile.throughput import (
+    Throughput,
+    device_peak_tflops,
+    run_dtype,
+    steps_flops,
+)
 from loongforge.profile.timers import GradSyncClock, cpu_clock
 from loongforge.train.balancing import RunBalancing
-from loongforge.train.checkpoint import TrainState, load_checkpoint, load_newest_checkpoint, save_checkpoint
-from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, drop_metrics_after
+from loongforge.train.checkpoint import (
+    TrainState,
+    load_checkpoint,
+    load_newest_checkpoint,
+    save_checkpoint,
+)
+from loongforge.train.metrics import (
+    METRICS_FILE,
+    RunLogger,
+    StepMetrics,
+    drop_metrics_after,
+)
 from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, train_step
-from loongforge.train.vision_embeddings import DIGEST_KEY, open_vision_embeddings
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
+from loongforge.train.vision_embeddings import DIGEST_KEY, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
