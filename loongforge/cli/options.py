@@ -51,6 +51,9 @@ OutputDirOption = Annotated[Optional[Path], typer.Option(
     "--output-dir", "-o", metavar="DIR", show_default=False,
     help="Run folder for logs, resolved config and checkpoints (sets logging.output_dir).")]
 
+VerboseOption = Annotated[bool, typer.Option(
+    "--verbose",
+    help="Also show the known harmless third-party warnings, once each (logging.verbose=true).")]
 OverwriteOption = Annotated[bool, typer.Option(
     "--overwrite",
     help="Start fresh in a run folder that holds an earlier run: move that run aside to "

@@ -20,6 +20,7 @@ from loongforge.cli.options import (
     PresetOption,
     ResumeOption,
     ShowPresetOption,
+    VerboseOption,
 )
 from loongforge.config.loader import dump_yaml, load_run_config
 from loongforge.config.overrides import Override
@@ -34,6 +35,10 @@ def _output_dir_override(output_dir: Path | None) -> list[Override]:
         return []
     return [Override("--output-dir", ("logging", "output_dir"), delete=False,
                      value=str(output_dir))]
+
+
+def _verbose_override(verbose: bool) -> list[Override]:
+    return [Override("--verbose", ("logging", "verbose"), delete=False, value=True)] if verbose else []
 
 
 def _check_single_process_launch(cfg: RunConfig) -> None:
@@ -83,6 +88,7 @@ def train(
     resume: ResumeOption = False,
     output_dir: OutputDirOption = None,
     overwrite: OverwriteOption = False,
+    verbose: VerboseOption = False,
 ) -> None:
     """Train a vision-language model from a preset, a YAML file and key=value overrides."""
     with cli_errors():
@@ -97,7 +103,7 @@ def train(
         cfg = load_run_config(
             preset or DEFAULT_PRESET,
             config_file=config,
-            overrides=[*(overrides or []), *_output_dir_override(output_dir)],
+            overrides=[*(overrides or []), *_output_dir_override(output_dir), *_verbose_override(verbose)],
             world_size=launch_world_size,
         )
         if dry_run:

@@ -288,6 +288,9 @@ class LoggingConfig:
     # value for the device (loongforge.profile.throughput.PEAK_TFLOPS). On the CPU or a device the
     # table lacks, MFU is reported as n/a unless this is set.
     peak_tflops: Optional[float] = None
+    # Show the known harmless third-party warnings (loongforge.parallel.console), once each;
+    # `loongforge train --verbose` sets it.
+    verbose: bool = False
 
 
 @dataclass

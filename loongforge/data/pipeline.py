@@ -34,9 +34,13 @@ from loongforge.balance.cost_model import token_count_model, with_vision_spread
 from loongforge.config.errors import InputError
 from loongforge.config.layout import resolve_read
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.collate import collate_row
 from loongforge.data.arrow_samples import ArrowSamples
-from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
+from loongforge.data.collate import collate_row
+from loongforge.data.embedding_store import (
+    EmbeddingStore,
+    StoredMediaMeasurer,
+    stored_feature_width,
+)
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
     MaterializedSample,
@@ -280,6 +284,19 @@ class DataPipeline:
         self._consumed_state = self._stream_state()
         self._worker: Optional[_StepWorker] = None
         self._pool = ThreadPoolExecutor(self.num_workers) if self.num_workers > 1 else None
+
+    def source_text(self) -> str:
+        """What this rank reads, for the start-up summary: the source and how many samples (rows
+        for a pack folder) an epoch has, where known."""
+        stream = self.stream
+        if stream is None:
+            return f"{self.read} reading, batches from this rank's data-parallel leader"
+        if isinstance(stream, PackedRowStream):
+            return f"pack folder, {len(stream.folder):,} packed rows per epoch"
+        if isinstance(stream, StreamingRowStream):
+            return f"streamed front to back in windows of {stream.source.window:,} records"
+        share = f", this rank reads 1/{stream.shard_count}" if stream.shard_count > 1 else ""
+        return f"{len(stream.source):,} samples per epoch{share}"
 
     @property
     def balance_mode(self) -> Optional[str]:

@@ -38,6 +38,7 @@ from typing import Callable
 from loongforge.config.errors import ConfigError, InputError, LaunchError
 from loongforge.config.schema import RunConfig
 from loongforge.models.family import LazyFunction
+from loongforge.parallel.console import filter_known_warnings
 from loongforge.parallel.launch_env import needs_local_workers
 
 # entrypoint(cfg, resume, command_line), run once per worker.
@@ -82,6 +83,7 @@ def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, usage_dir: st
                   resume: bool, command_line: list[str]) -> None:
     """A spawned worker: tied to the launcher's life, then the entrypoint."""
     die_with_parent(launcher_pid)
+    filter_known_warnings(cfg.logging.verbose)
     try:
         entrypoint(cfg, resume, command_line)
     except (ConfigError, InputError) as exc:
@@ -173,4 +175,5 @@ def run(cfg: RunConfig, *, nproc_per_node: int | None, resume: bool,
         launch_local_workers(cfg, nproc_per_node=nproc_per_node or 1, resume=resume,
                              command_line=command_line)
     else:
+        filter_known_warnings(cfg.logging.verbose)
         run_training_worker(cfg, resume, command_line)

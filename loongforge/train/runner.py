@@ -461,22 +461,34 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
 
 
+def _startup_summary(run: _Run) -> list[str]:
+    """Rank 0's opening lines: what runs, on what layout, from which data, balanced how, where."""
+    cfg, layout = run.cfg, run.layout
+    processes = f"{run.env.world_size} process{'es' if run.env.world_size > 1 else ''}"
+    balancing = (f"{run.balanced.balance_mode} mode (data.read={run.balanced.read}), threshold "
+                 f"{cfg.balance.threshold}" if run.balanced is not None else "off")
+    data = run.pipeline.source_text() if isinstance(run.pipeline, DataPipeline) else "the profile sweep's rows"
+    return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
+            f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
+            f"data: {cfg.data.source}, {data}",
+            f"balance: {balancing}",
+            "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
+                                    _unwrap_model(run.model[0]).layer_backends.items())]
+
+
 def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
     cfg = run.cfg
     logger = RunLogger(run.out_dir, cfg.training.train_steps, restored.step, cfg.logging.log_interval,
                        enabled=run.env.rank == 0, tensorboard=cfg.logging.tensorboard,
                        progress_bar=cfg.logging.progress_bar)
-    logger.write("layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
-                                         _unwrap_model(run.model[0]).layer_backends.items()))
+    for line in _startup_summary(run):
+        logger.write(line)
     if run.cfg.training.fp8 != "off":
         logger.write(_unwrap_model(run.model[0]).fp8_note)
     for reason in restored.skipped:
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if restored.path is not None:
         logger.write(f"resumed from {restored.path} at step {restored.step}")
-    if run.balanced is not None:
-        logger.write(f"balance: {run.balanced.balance_mode} mode (data.read={run.balanced.read}), "
-                     f"threshold {cfg.balance.threshold}")
     return logger
 
 

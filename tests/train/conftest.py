@@ -87,9 +87,12 @@ def assert_close_relative(actual: list[float], expected: list[float], rel: float
 
 @pytest.fixture(scope="session")
 def baseline_run(tmp_path_factory) -> Path:
-    """The reference: one process, TP1 PP1 DP1, 4 steps of 4 rows."""
+    """The reference: one process, TP1 PP1 DP1, 4 steps of 4 rows. Its console output is kept
+    beside the run folder (``<run>.stdout``, ``<run>.stderr``)."""
     out = tmp_path_factory.mktemp("baseline")
-    run_train(out)
+    proc = run_train(out)
+    out.with_suffix(".stdout").write_text(proc.stdout)
+    out.with_suffix(".stderr").write_text(proc.stderr)
     return out
 
 

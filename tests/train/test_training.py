@@ -26,6 +26,20 @@ def test_baseline_run_learns_and_leaves_run_files(baseline_run):
     assert (baseline_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
+def test_default_run_opens_with_a_summary_and_shows_no_third_party_warning(baseline_run):
+    stdout = baseline_run.with_suffix(".stdout").read_text().splitlines()
+    stderr = baseline_run.with_suffix(".stderr").read_text()
+    assert "Warning" not in stderr and "warnings.warn" not in stderr, stderr
+    assert [line.split(":")[0] for line in stdout[:4]] == ["run", "data", "balance", "layers"]
+    assert stdout[0].startswith("run: preset qwen2.5vl-tiny | 1 process, TP1 x PP1 x DP1 on cpu | output ")
+    assert stdout[1] == "data: synthetic, 96 samples per epoch" and stdout[2] == "balance: off"
+    # Every step line and the summary carry the throughput; on the CPU MFU is n/a.
+    assert all("TFLOP/s/GPU | MFU n/a | encoder " in line for line in stdout if line.startswith("step "))
+    summary = json.loads((baseline_run / "summary.json").read_text())
+    assert summary["model_tflops_per_gpu"] > 0 and summary["mfu"] is None
+    assert 0 < summary["encoder_flops_share"] < 0.5
+
+
 def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
     run_train(tmp_path, "training.exit_at_step=2")
     assert len(losses(tmp_path)) == 2
