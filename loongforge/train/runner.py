@@ -264,7 +264,8 @@ def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vis
     per_rank = row.view(1, -1)  # [rank, 5 + measures]
     if world > 1:
         gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
-        dist.all_gather_into_tensor(gathered, row)
+        # torch 2.13 renamed it (and warns on the old name); older torch has the old name only.
+        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
         per_rank = gathered.view(world, -1)
     by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 5 + i].tolist()]
                for i, name in enumerate(RANK_MEASURES)}
