@@ -58,6 +58,9 @@ def video_processor_config(model_cfg: ModelConfig, data_cfg: DataConfig, video_p
         "fps": data_cfg.video_fps,
         "min_frames": MIN_VIDEO_FRAMES,
         "max_frames": data_cfg.video_max_frames,
+        # data.vision sizes a video by its pixel bounds alone; transformers would otherwise warn
+        # that its per-frame cap (off today) is to become the default.
+        "cap_pixels_per_frame": False,
         "video_processor_type": video_processor_class,
     }
 

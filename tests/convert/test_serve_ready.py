@@ -9,6 +9,7 @@ run's (here a larger ``max_pixels``) is one line of the report."""
 
 from __future__ import annotations
 
+import ast
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -19,7 +20,7 @@ import pytest
 import torch
 import transformers
 from PIL import Image
-from transformers.processing_utils import ProcessorMixin
+from transformers.processing_utils import ProcessorMixin, VideosKwargs
 
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
@@ -205,3 +206,19 @@ def test_a_tokenizer_of_another_model_is_refused(tmp_path):
                                          r"=128004 but the tokenizer's pad token <\|endoftext\|> is 151643\); set it"):
         mcore_to_hf(tmp_path / "mcore", tmp_path / "guessed", progress=False)
     assert not (tmp_path / "guessed").exists()
+
+
+@pytest.mark.parametrize("preset", [get_family(name).tiny_preset for name in families() if get_family(name).has_vision])
+def test_every_video_setting_is_one_its_processor_reads(preset):
+    """transformers' video processors need torchvision (no build for this project's torch), so the
+    section is checked against what the class declares it reads: the generic video settings and its
+    own init keywords, read from its source."""
+    cfg = load_run_config(preset)
+    video = get_family(cfg.model.family).hf_processor_files(cfg.model, cfg.data)["processor_config.json"]["video_processor"]
+    module = {"Qwen2VLVideoProcessor": "qwen2_vl/video_processing_qwen2_vl.py",
+              "Qwen3VLVideoProcessor": "qwen3_vl/video_processing_qwen3_vl.py"}[video["video_processor_type"]]
+    tree = ast.parse((Path(transformers.__file__).parent / "models" / module).read_text())
+    init_kwargs = next(node for node in tree.body if isinstance(node, ast.ClassDef)
+                       and node.name == f"{video['video_processor_type']}InitKwargs")
+    own = {node.target.id for node in init_kwargs.body if isinstance(node, ast.AnnAssign)}
+    assert set(video) - {"video_processor_type"} <= own | set(VideosKwargs.__annotations__)
