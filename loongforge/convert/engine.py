@@ -271,8 +271,9 @@ class ConversionReport:
     seconds: float = 0.0
     verify_mismatches: Optional[list[str]] = None
     notes: list[str] = field(default_factory=list)
-    # Settings of copied processor files that differ from the run's (``serving``), one line each.
-    processor_mismatches: list[str] = field(default_factory=list)
+    # Settings of copied processor files that differ from the run's, and serving files not written
+    # (``serving``), one line each.
+    serving_warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         rate = self.bytes / self.seconds if self.seconds else 0.0
@@ -281,7 +282,7 @@ class ConversionReport:
         if self.verify_mismatches is not None:
             text += (" | verify: all tensors equal" if not self.verify_mismatches else
                      f" | verify: {len(self.verify_mismatches)} tensors differ ({self.verify_mismatches[0]}, ...)")
-        return "\n".join([" | ".join([text, *self.notes]), *self.processor_mismatches])
+        return "\n".join([" | ".join([text, *self.notes]), *self.serving_warnings])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -528,12 +529,12 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
             config = {**config, "torch_dtype": _dtype_name(out_dtype)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
         serving = write_serving_files(tmp, model_cfg, data_cfg, hf_source)
-        report.processor_mismatches = serving.mismatches
+        report.serving_warnings = serving.warnings
         if serving.copied:
             report.notes.append(f"{', '.join(serving.copied)} files copied from {hf_source}")
         if serving.written:
             report.notes.append(f"{', '.join(serving.written)} files written from the run's settings")
-            if data_note and serving.written != ["generation"]:
+            if data_note and {"tokenizer", "processor"} & set(serving.written):
                 report.notes.append(data_note)
         report.seconds = bar.close()
         report.tensors, report.bytes = bar.tensors, bar.bytes

@@ -47,8 +47,9 @@ class ServingFiles:
 
     copied: list[str] = field(default_factory=list)  # group names: tokenizer, processor, generation
     written: list[str] = field(default_factory=list)
-    # One line per setting of a copied processor that differs from the run's.
-    mismatches: list[str] = field(default_factory=list)
+    # One line per setting of a copied processor that differs from the run's, and one per group
+    # that could not be written; the export goes on either way.
+    warnings: list[str] = field(default_factory=list)
 
 
 def write_serving_files(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
@@ -57,26 +58,41 @@ def write_serving_files(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
     source_files = _files_in(source)
     processor_files = get_family(model_cfg.family).hf_processor_files(model_cfg, data_cfg)
     done = ServingFiles()
-    if _has_tokenizer(source_files):
+    has_tokenizer = _has_tokenizer(source_files)
+    if has_tokenizer:
         _copy(source_files, TOKENIZER_FILES, dst)
         done.copied.append("tokenizer")
     else:
-        write_tokenizer(dst, model_cfg, data_cfg, processor_files)
-        done.written.append("tokenizer")
+        has_tokenizer = _write_tokenizer_or_warn(dst, model_cfg, data_cfg, processor_files, done)
     if any(name in source_files for name in PROCESSOR_FILES):
         _copy(source_files, PROCESSOR_FILES, dst)
         done.copied.append("processor")
-        done.mismatches = processor_mismatches(source_files, processor_files)
+        done.warnings += processor_mismatches(source_files, processor_files)
     elif processor_files:
         _write_json_files(dst, processor_files)
         done.written.append("processor")
     if GENERATION_FILE in source_files:
         _copy(source_files, (GENERATION_FILE,), dst)
         done.copied.append("generation")
-    else:
+    elif has_tokenizer:  # its end-of-turn and padding ids are the tokenizer's
         generation_config(model_cfg, AutoTokenizer.from_pretrained(dst, local_files_only=True)).save_pretrained(dst)
         done.written.append("generation")
     return done
+
+
+def _write_tokenizer_or_warn(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
+                             processor_files: dict[str, dict], done: ServingFiles) -> bool:
+    """Whether the run's tokenizer was written; a tokenizer of another model (data settings guessed
+    for a checkpoint without its run's) is a warning, not a failed export."""
+    try:
+        write_tokenizer(dst, model_cfg, data_cfg, processor_files)
+    except ValueError as error:
+        done.warnings.append(f"tokenizer and generation files not written: data.tokenizer={data_cfg.tokenizer} is "
+                             f"not this model's tokenizer ({error}); set data.tokenizer to the model's own "
+                             f"(convert: --preset NAME)")
+        return False
+    done.written.append("tokenizer")
+    return True
 
 
 def _files_in(source: Optional[Path]) -> dict[str, Path]:
@@ -104,14 +120,11 @@ def _write_json_files(dst: Path, files: dict[str, dict]) -> None:
 
 def write_tokenizer(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
                     processor_files: dict[str, dict]) -> None:
-    """The run's tokenizer with the chat template loongforge renders, saved by transformers."""
+    """The run's tokenizer with the chat template loongforge renders, saved by transformers;
+    ValueError if it is not the model's (the check training starts with)."""
     chat = get_family(model_cfg.family).chat(model_cfg)
     tokenizer = load_tokenizer(data_cfg.tokenizer, chat.jinja_template)
-    try:  # the check training starts with: a tokenizer of another model must not be served with this one
-        check_token_ids(tokenizer, data_cfg, model_cfg, chat)
-    except ValueError as error:
-        raise InputError(f"data.tokenizer={data_cfg.tokenizer} is not this model's tokenizer ({error}); set it to the "
-                         f"model's own (convert: --preset NAME of the run's preset)") from None
+    check_token_ids(tokenizer, data_cfg, model_cfg, chat)
     tokenizer.chat_template = chat.jinja_template  # a tokenizer folder's own template is not what trained
     # The training limit, not the builder's "no limit" (which only keeps the pipeline quiet).
     tokenizer.model_max_length = model_cfg.language.max_position_embeddings

@@ -527,7 +527,7 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
     if checkpoint_cfg.save_hf and summary.checkpoint and run.env.rank == 0 and not summary.stop_signal:
         export = export_hf(cfg.model, cfg.data, summary.checkpoint, run.out_dir / "hf", hf_source=checkpoint_cfg.load_hf)
         logger.write(f"exported HF weights to {export.dst}")
-        for line in export.processor_mismatches:
+        for line in export.serving_warnings:
             logger.write(line)
     summary.rejects = run.pipeline.reject_counts()
     if run.balanced is not None:

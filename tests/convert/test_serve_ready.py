@@ -22,7 +22,6 @@ import transformers
 from PIL import Image
 from transformers.processing_utils import ProcessorMixin, VideosKwargs
 
-from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
 from loongforge.convert.engine import ConversionReport, hf_to_mcore, mcore_to_hf
@@ -128,7 +127,7 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
     assert expected <= names, sorted(names)
     written = "tokenizer, processor, generation" if exported.has_vision else "tokenizer, generation"
     assert f"{written} files written from the run's settings" in exported.report.notes
-    assert not exported.report.processor_mismatches
+    assert not exported.report.serving_warnings
     if exported.has_vision:
         processor = json.loads((exported.folder / "processor_config.json").read_text())
         data, vision = exported.cfg.data, exported.cfg.model.vision
@@ -172,10 +171,10 @@ def test_processor_files_of_the_source_are_kept_and_differences_reported(tmp_pat
     copied = json.loads((done.folder / "processor_config.json").read_text())
     assert copied["image_processor"]["size"]["longest_edge"] == 4 * cfg.data.max_pixels
     source = tmp_path / "mcore" / "hf" / "processor_config.json"
-    assert done.report.processor_mismatches == [
+    assert done.report.serving_warnings == [
         f"{source}: image_processor.size.longest_edge is {4 * cfg.data.max_pixels}, the run's data settings "
         f"give {cfg.data.max_pixels} (copied as it is)"]
-    assert done.report.summary().splitlines()[1:] == done.report.processor_mismatches
+    assert done.report.summary().splitlines()[1:] == done.report.serving_warnings
     assert load_processor(done.folder).image_processor.size["longest_edge"] == 4 * cfg.data.max_pixels
 
 
@@ -198,14 +197,17 @@ def test_processor_files_of_older_hub_folders_are_checked_too(tmp_path):
         f"{tmp_path / 'preprocessor_config.json'}: patch_size is 14, the run's data settings give 16 (copied as it is)"]
 
 
-def test_a_tokenizer_of_another_model_is_refused(tmp_path):
+def test_a_tokenizer_of_another_model_is_not_written(tmp_path):
     """No run config and no --preset: the default data settings name Qwen's tokenizer, which a
-    Llama checkpoint must not be served with."""
+    Llama checkpoint must not be served with; the weights are exported all the same."""
     export("llama-tiny", tmp_path)
-    with pytest.raises(InputError, match=r"^data.tokenizer=qwen is not this model's tokenizer \(model.tokens.pad_token_id"
-                                         r"=128004 but the tokenizer's pad token <\|endoftext\|> is 151643\); set it"):
-        mcore_to_hf(tmp_path / "mcore", tmp_path / "guessed", progress=False)
-    assert not (tmp_path / "guessed").exists()
+    report = mcore_to_hf(tmp_path / "mcore", tmp_path / "guessed", progress=False)
+    assert report.serving_warnings == [
+        "tokenizer and generation files not written: data.tokenizer=qwen is not this model's tokenizer "
+        "(model.tokens.pad_token_id=128004 but the tokenizer's pad token <|endoftext|> is 151643); set "
+        "data.tokenizer to the model's own (convert: --preset NAME)"]
+    names = {path.name for path in (tmp_path / "guessed").iterdir()}
+    assert "model.safetensors" in names and not names & {"tokenizer.json", "generation_config.json"}
 
 
 @pytest.mark.parametrize("preset", [get_family(name).tiny_preset for name in families() if get_family(name).has_vision])
