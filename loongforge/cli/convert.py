@@ -17,7 +17,8 @@ from loongforge.cli.errors import FAILURE_EXIT_CODE, UsageError, cli_errors
 PresetOption = Annotated[Optional[str], typer.Option(
     "--preset", "-p", metavar="NAME", show_default=False,
     help="Check SRC against this preset's model (shapes and config); needed for a checkpoint without "
-         "its run's config.yaml or HF config beside it.")]
+         "its run's config.yaml or HF config beside it. With --to hf and no run config.yaml, its data "
+         "settings size the processor files written.")]
 SrcArgument = Annotated[Path, typer.Argument(
     metavar="SRC", show_default=False,
     help="HF folder (config.json + safetensors) or a loongforge checkpoint (step folder or run checkpoint root).")]

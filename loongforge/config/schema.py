@@ -274,7 +274,8 @@ class CheckpointConfig:
     # --resume restores a checkpoint (that already holds the weights).
     load_hf: Optional[str] = None
     # Also write the final checkpoint as an HF folder, <output_dir>/hf (Hub key names, with the
-    # config and tokenizer files of `load_hf` when given), so a run's result loads in transformers.
+    # config and tokenizer, processor and generation files of `load_hf` when it has them, else
+    # written from this run's model and data settings), so a run's result serves in transformers.
     save_hf: bool = False
 
 

@@ -10,5 +10,8 @@
 - ``roundtrip``: HF -> a sharded megatron checkpoint (temporary) -> HF, exact / close / different per tensor;
 - ``check_logits``: the family's own model against transformers on one built-in sample (``--check-logits``);
 - ``model_io``: HF weights into a built model (``checkpoint.load_hf``) and a run's checkpoint out
-  as HF (``checkpoint.save_hf``).
+  as HF (``checkpoint.save_hf``);
+- ``serving``: what makes an exported HF folder ready to serve (tokenizer, chat template, image and
+  video processors, generation defaults), copied from the source folder or written from the run's
+  settings, for ``--to hf`` and ``checkpoint.save_hf`` alike.
 """

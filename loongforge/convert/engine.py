@@ -31,7 +31,7 @@ from loongforge import __version__
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.layout import LayoutKeys, layout_problems
 from loongforge.config.loader import load_resolved_config, load_run_config
-from loongforge.config.schema import ModelConfig
+from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.convert import families
 from loongforge.convert.checkpoint_folders import META_FILE, MODEL_ONLY_KIND, latest_checkpoint
 from loongforge.convert.hf_io import (
@@ -53,6 +53,7 @@ from loongforge.convert.mcore_io import (
     unstacked,
     write_mcore,
 )
+from loongforge.convert.serving import write_serving_files
 from loongforge.models.family import ModelFamily
 from loongforge.models.hf_rules import LANGUAGE, VISION, Rule, Vocab
 from loongforge.models.registry import family_of_hf_config, get_family
@@ -270,6 +271,9 @@ class ConversionReport:
     seconds: float = 0.0
     verify_mismatches: Optional[list[str]] = None
     notes: list[str] = field(default_factory=list)
+    # Settings of copied processor files that differ from the run's, and serving files not written
+    # (``serving``), one line each.
+    serving_warnings: list[str] = field(default_factory=list)
 
     def summary(self) -> str:
         rate = self.bytes / self.seconds if self.seconds else 0.0
@@ -278,7 +282,7 @@ class ConversionReport:
         if self.verify_mismatches is not None:
             text += (" | verify: all tensors equal" if not self.verify_mismatches else
                      f" | verify: {len(self.verify_mismatches)} tensors differ ({self.verify_mismatches[0]}, ...)")
-        return " | ".join([text, *self.notes])
+        return "\n".join([" | ".join([text, *self.notes]), *self.serving_warnings])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -433,6 +437,18 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
     return found, hf_config
 
 
+def mcore_data_config(step_dir: Path, preset: Optional[str]) -> tuple[DataConfig, Optional[str]]:
+    """The data settings a megatron checkpoint was trained with (its run's config.yaml, else
+    ``--preset``'s), which size the exported processor and pick its tokenizer; without either, the
+    defaults and a note saying so."""
+    if (run_config := _run_config_near(step_dir)) is not None:
+        return load_resolved_config(run_config).data, None
+    if preset:
+        return load_run_config(preset).data, None
+    return DataConfig(), (f"no run config.yaml near {step_dir}: tokenizer and processor files not found beside "
+                          f"it are written from the default data settings; pass --preset NAME for a preset's")
+
+
 def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict[str, tuple[int, ...]],
                   vocab_size: int) -> dict[str, str]:
     """Our global key -> the key in the checkpoint (fused or separate norm names; a key our map
@@ -461,14 +477,18 @@ def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict
 def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Optional[str] = None,
                 max_shard_size: int = 5 * 10**9, overwrite: bool = False, verify: bool = False,
                 progress: bool = True, model_cfg: Optional[ModelConfig] = None,
-                hf_source: Optional[Path] = None) -> ConversionReport:
-    """Hub-style safetensors shards, index, config.json and side files from a megatron checkpoint.
+                data_cfg: Optional[DataConfig] = None, hf_source: Optional[Path] = None) -> ConversionReport:
+    """Hub-style safetensors shards, index, config.json, and the tokenizer, processor and generation
+    files (``serving``) from a megatron checkpoint.
 
-    ``model_cfg`` / ``hf_source`` (a folder with config.json and tokenizer files) are given by
-    ``loongforge train``; otherwise both are found beside the checkpoint (or from ``--preset``).
+    ``model_cfg`` / ``data_cfg`` / ``hf_source`` (a folder with config.json and tokenizer files) are
+    given by ``loongforge train``; otherwise they are found beside the checkpoint (or from ``--preset``).
     """
     step_dir = resolve_mcore_checkpoint(Path(src))
     hf_source = hf_source or step_dir / HF_SUBDIR
+    data_note = None
+    if data_cfg is None:
+        data_cfg, data_note = mcore_data_config(step_dir, preset)
     if model_cfg is None:
         model_cfg, hf_config = mcore_model_config(step_dir, preset)
     else:
@@ -508,7 +528,14 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         if out_dtype is not None:
             config = {**config, "torch_dtype": _dtype_name(out_dtype)}
         (tmp / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-        _copy_side_files([f for f in hf_source.glob("*") if f.name in families.HF_SIDE_FILES], tmp)
+        serving = write_serving_files(tmp, model_cfg, data_cfg, hf_source)
+        report.serving_warnings = serving.warnings
+        if serving.copied:
+            report.notes.append(f"{', '.join(serving.copied)} files copied from {hf_source}")
+        if serving.written:
+            report.notes.append(f"{', '.join(serving.written)} files written from the run's settings")
+            if data_note and {"tokenizer", "processor"} & set(serving.written):
+                report.notes.append(data_note)
         report.seconds = bar.close()
         report.tensors, report.bytes = bar.tensors, bar.bytes
         if verify:

@@ -16,6 +16,7 @@ import torch
 
 from loongforge.config.errors import InputError
 from loongforge.convert.engine import (
+    ConversionReport,
     Link,
     build_links,
     check_hf_tensors,
@@ -158,9 +159,10 @@ def _encoder_hub_tensors(model_cfg, source: Path):
     return tensors.__getitem__
 
 
-def export_hf(model_cfg, step_dir: str | Path, dst: str | Path, *, hf_source: Optional[str] = None,
-              progress: bool = False) -> Path:
-    """Write ``dst`` (replaced if present) as an HF folder from a ``loongforge train`` checkpoint."""
-    mcore_to_hf(Path(step_dir), Path(dst), model_cfg=model_cfg, hf_source=Path(hf_source) if hf_source else None,
-                overwrite=True, progress=progress)
-    return Path(dst)
+def export_hf(model_cfg, data_cfg, step_dir: str | Path, dst: str | Path, *, hf_source: Optional[str] = None,
+              progress: bool = False) -> ConversionReport:
+    """Write ``dst`` (replaced if present) as an HF folder ready to serve from a ``loongforge train``
+    checkpoint: weights, config, and the tokenizer, processor and generation files of ``hf_source``
+    or, where it has none, of the run's settings (``data_cfg``)."""
+    return mcore_to_hf(Path(step_dir), Path(dst), model_cfg=model_cfg, data_cfg=data_cfg,
+                       hf_source=Path(hf_source) if hf_source else None, overwrite=True, progress=progress)

@@ -108,7 +108,7 @@ class SampleMeasurer:
             [self.tokens.image_token_id, self.tokens.video_token_id, self.tokens.vision_start_token_id,
              self.tokens.vision_end_token_id]
         )
-        _check_token_ids(tokenizer, data_cfg, model_cfg, self.chat)
+        check_token_ids(tokenizer, data_cfg, model_cfg, self.chat)
 
     def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
         if self.sizing is None and (sample.images or sample.videos):
@@ -217,7 +217,7 @@ def _name(image: ImageSource) -> str:
     return image if isinstance(image, str) else f"<in-memory {type(image).__name__}>"
 
 
-def _check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, chat: ChatFormat) -> None:
+def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, chat: ChatFormat) -> None:
     """The tokenizer, model.tokens and the chat format must agree: vision tokens would land on the
     wrong ids, a text model's padding on a real token, a format's markers be split as plain text."""
     if model_cfg.vision is not None:

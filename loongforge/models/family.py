@@ -8,7 +8,8 @@ through the HF fields, the data pipeline and the profile sweep compute rotary po
 ``position_ids``, the dry-run plan counts parameters through ``count_parameters``, MFU counts a
 step's model FLOPs through ``training_flops``, tokenizing and
 chat rendering use the format ``chat`` gives for the run's model, every layout check asks
-``layout``, and ``loongforge convert --check-logits`` loads its reference through ``hf_model_class``.
+``layout``, ``loongforge convert --check-logits`` loads its reference through ``hf_model_class``, and
+every HF export writes the processor files ``hf_processor_files`` gives (``convert.serving``).
 
 Fields are plain values and functions so that a family is data: a test walks every registered
 family and checks each field is there and callable where it should be.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from loongforge.config.layout import LayoutRule
-from loongforge.config.schema import ModelConfig
+from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
@@ -149,11 +150,19 @@ class ModelFamily:
     tiny_preset: str
     # Whether its models see images and videos (a vision tower; ``model.vision`` is set).
     has_vision: bool
-
-
+    # (model_cfg, data_cfg) -> the processor files of a served HF folder besides the tokenizer's,
+    # file name -> JSON object: the image and video processors at the run's data settings (sizes,
+    # patch geometry, frame sampling) as transformers reads them; {} for a text-only family
+    # (``no_processor_files``), which serves with its tokenizer alone.
+    hf_processor_files: Callable[[ModelConfig, DataConfig], dict[str, dict]]
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""
         architectures = hf_config.get("architectures") or []
         return (any(name in self.hf_architectures for name in architectures)
                 or hf_config.get("model_type") in self.hf_model_types)
+
+
+def no_processor_files(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict[str, dict]:
+    """``ModelFamily.hf_processor_files`` of a text-only family: its tokenizer is its whole processor."""
+    return {}

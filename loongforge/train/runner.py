@@ -599,8 +599,10 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
     if run.encoder_clock is not None:
         run.encoder_clock.close()
     if checkpoint_cfg.save_hf and summary.checkpoint and run.env.rank == 0 and not summary.stop_signal:
-        hf_dir = export_hf(cfg.model, summary.checkpoint, run.out_dir / "hf", hf_source=checkpoint_cfg.load_hf)
-        logger.write(f"exported HF weights to {hf_dir}")
+        export = export_hf(cfg.model, cfg.data, summary.checkpoint, run.out_dir / "hf", hf_source=checkpoint_cfg.load_hf)
+        logger.write(f"exported HF weights to {export.dst}")
+        for line in export.serving_warnings:
+            logger.write(line)
     summary.rejects = run.pipeline.reject_counts()
     if run.balanced is not None:
         summary.balance = run.balanced.balance_counters.as_dict()

@@ -26,6 +26,12 @@ def test_load_hf_save_hf_and_load_converted(tmp_path):
     assert all(torch.equal(exported[k], original[k]) for k in original)
     assert json.loads((tmp_path / "run_hf" / "hf" / "config.json").read_text()) == json.loads(
         (tmp_path / "hf" / "config.json").read_text())
+    # ready to serve: the source's generation defaults, the run's tokenizer and processor (the source has none)
+    served = {path.name for path in (tmp_path / "run_hf" / "hf").iterdir()}
+    assert {"generation_config.json", "tokenizer.json", "chat_template.jinja", "processor_config.json"} <= served
+    processor = json.loads((tmp_path / "run_hf" / "hf" / "processor_config.json").read_text())
+    data_cfg = load_run_config("qwen2.5vl-tiny", overrides=SMALL_MODEL).data
+    assert processor["image_processor"]["size"]["longest_edge"] == data_cfg.max_pixels
 
     # the same weights through a converted checkpoint: same first loss, and the run starts at step 0
     hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)

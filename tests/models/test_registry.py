@@ -43,6 +43,9 @@ def test_every_family_provides_every_field(name):
     # A family that sees images has blocks for images and videos in its chat format.
     assert bool(chat.image_block) == bool(chat.video_block) == family.has_vision
     assert family.has_vision == (load_run_config(family.tiny_preset).model.vision is not None)
+    # A family that sees images serves with a processor; a text-only one with its tokenizer alone.
+    tiny = load_run_config(family.tiny_preset)
+    assert bool(family.hf_processor_files(tiny.model, tiny.data)) == family.has_vision
 
 
 @pytest.mark.parametrize("name", registry.families())

@@ -117,7 +117,7 @@ def test_convert_exports_a_full_checkpoint(tmp_path, full_run, none_run):
     exported = []
     for name, run in (("full", full_run), ("none", none_run)):
         cfg = load_run_config("qwen2.5vl-tiny", overrides=[*SMALL_MODEL, *DATA], world_size=1)
-        hf_dir = export_hf(cfg.model, final_checkpoint(run), tmp_path / name)
+        hf_dir = Path(export_hf(cfg.model, cfg.data, final_checkpoint(run), tmp_path / name).dst)
         exported.append({k: v for path in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(path).items()})
     assert set(exported[0]) == set(exported[1])
     # The encoder as saved once from the first stage (the language model is compared in the

@@ -12,7 +12,7 @@ chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.family import LazyFunction, ModelFamily
+from loongforge.models.family import LazyFunction, ModelFamily, no_processor_files
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
@@ -41,4 +41,5 @@ FAMILY = ModelFamily(
     hf_model_class="AutoModelForCausalLM",
     has_vision=False,
     tiny_preset="llm-tiny",
+    hf_processor_files=no_processor_files,
 )

@@ -13,6 +13,7 @@ hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a confi
 params.py       parameter counts by arithmetic
 flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side)
+processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML with vision blocks)
 """
 
@@ -24,6 +25,7 @@ from loongforge.models.qwen2_5_vl.chat import chat_format
 from loongforge.models.qwen2_5_vl.flops import training_flops
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen2_5_vl.params import count_parameters
+from loongforge.models.qwen2_5_vl.processor import processor_files
 from loongforge.models.qwen2_5_vl.rope_index import position_ids_for
 
 FAMILY = ModelFamily(
@@ -50,4 +52,5 @@ FAMILY = ModelFamily(
     hf_model_class="Qwen2_5_VLForConditionalGeneration",
     has_vision=True,
     tiny_preset="qwen2.5vl-tiny",
+    hf_processor_files=processor_files,
 )

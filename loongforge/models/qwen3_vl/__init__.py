@@ -13,6 +13,7 @@ hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic (total, and active per token)
 flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side)
+processor.py    the processor files of an exported HF folder
 encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
 
@@ -26,6 +27,7 @@ from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.flops import training_flops
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.params import count_parameters
+from loongforge.models.qwen3_vl.processor import processor_files
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
 
 # The towers run at the language TP size, encoding every micro-batch's media on the first stage.
@@ -50,6 +52,7 @@ FAMILY = ModelFamily(
     layout=LAYOUT,
     has_vision=True,
     tiny_preset="qwen3vl-tiny",
+    hf_processor_files=processor_files,
     # Resolves to Qwen3VLForConditionalGeneration or Qwen3VLMoeForConditionalGeneration by model_type.
     hf_model_class="AutoModelForImageTextToText",
 )
