@@ -52,7 +52,7 @@ from loongforge.data.measure import (
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.samples import Reject, RejectKey
-from loongforge.data.streaming import StreamingRowStream, StreamingSamples
+from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
@@ -208,14 +208,7 @@ class RowStream:
             raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
                              "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        buffer = []
-        for epoch, cursor in state["buffer"]:
-            measured = self._measure_at((epoch, cursor))
-            if not isinstance(measured, MeasuredSample):
-                raise RuntimeError(f"buffered sample at epoch {epoch} position {cursor} no longer measures "
-                                   f"(data changed since the checkpoint?): {measured}")
-            buffer.append(PackItem(key=(epoch, cursor), length=measured.length, payload=measured))
-        self.packer.buffer = buffer
+        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
 
 
 class DataPipeline:

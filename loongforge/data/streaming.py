@@ -274,11 +274,17 @@ class StreamingRowStream:
         self.source.load_starts(state["window_starts"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
-        buffer = []
-        for epoch, position in state["buffer"]:
-            measured = self._measure_at((epoch, position))
-            if not isinstance(measured, MeasuredSample):
-                raise RuntimeError(f"buffered sample at epoch {epoch} position {position} no longer measures "
-                                   f"(data changed since the checkpoint?): {measured}")
-            buffer.append(PackItem(key=(epoch, position), length=measured.length, payload=measured))
-        self.packer.buffer = buffer
+        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+
+
+def measured_buffer(positions: list, measure_at) -> list[PackItem[MeasuredSample]]:
+    """The packer buffer a checkpoint names by stream positions, measured again (a stream's
+    ``load_state_dict``); a position that no longer measures means the data changed."""
+    buffer = []
+    for epoch, position in positions:
+        measured = measure_at((epoch, position))
+        if not isinstance(measured, MeasuredSample):
+            raise RuntimeError(f"buffered sample at epoch {epoch} position {position} no longer measures "
+                               f"(data changed since the checkpoint?): {measured}")
+        buffer.append(PackItem(key=(epoch, position), length=measured.length, payload=measured))
+    return buffer
