@@ -183,7 +183,7 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
 
 def destroy_megatron() -> None:
     from megatron.core import parallel_state
-    from megatron.core.transformer.moe.moe_utils import get_moe_layer_wise_logging_tracker
+    from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler, get_moe_layer_wise_logging_tracker
 
     parallel_state.destroy_model_parallel()
     if dist.is_initialized():
@@ -191,6 +191,10 @@ def destroy_megatron() -> None:
     # megatron-core's per-layer MoE loss tracker is a process global sized by the first model's
     # layer count: the next test's model may have another.
     get_moe_layer_wise_logging_tracker().clear()
+    # So is the aux-loss backward scale: a backward run outside megatron's schedule (the FLOP
+    # counting tests) creates it as a 0-d tensor, which the schedule's [1]-shaped scale then
+    # cannot be copied into.
+    MoEAuxLossAutoScaler.main_loss_backward_scale = None
 
 
 def limit_threads() -> None:
