@@ -158,6 +158,10 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         model = transformers.AutoModelForCausalLM.from_pretrained(exported.folder, local_files_only=True)
     assert torch.equal(inputs["input_ids"], batch["input_ids"])
+    media = (f", grids {batch['image_grid_thw'].tolist()} equal, pixel_values {tuple(batch['pixel_values'].shape)} "
+             f"bit-equal" if exported.has_vision else "")
+    print(f"\n{exported.cfg.preset}: {len(text)}-character conversation, {inputs['input_ids'].shape[1]} token ids "
+          f"equal{media}")
     prompt_length = inputs["input_ids"].shape[1]
     generated = model.generate(**inputs, max_new_tokens=3, do_sample=False)
     assert prompt_length < generated.shape[1] <= prompt_length + 3  # a random model may end its turn early
