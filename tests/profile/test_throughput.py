@@ -38,6 +38,7 @@ def test_logged_mfu_is_the_formula(tmp_path):
     # Four replicas counted 1.5, 1.7, 1.6 and 1.6 PFLOP: max/mean 1.7 / 1.6.
     metrics = _step(throughput, [1500.0, None, 1700.0, None, 1600.0, None, 1600.0, None])
     line = format_log_line(metrics, 10)
+    print(f"\n{line}")
     assert "| 400 TFLOP/s/GPU | MFU 40.4% | encoder 25% of FLOPs | FLOPs max/mean 1.062" in line
     logger = RunLogger(tmp_path, total_steps=10, start_step=2, log_interval=1, enabled=True, tensorboard=False,
                        progress_bar=False)
