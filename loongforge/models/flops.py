@@ -106,6 +106,14 @@ def patch_embedding_passes(options: FlopOptions) -> int:
     return FORWARD if options.freeze_vision else FORWARD + WEIGHT_GRADIENTS
 
 
+def patch_embedding_flops(grids: Sequence[Grid], *, in_channels: int, temporal_patch_size: int, patch_size: int,
+                          width: int, options: FlopOptions) -> int:
+    """The patch embedding over every patch (a linear from a patch's pixels to the tower's width)."""
+    patches = sum(t * h * w for t, h, w in grids)
+    pixel_width = in_channels * temporal_patch_size * patch_size ** 2
+    return patch_embedding_passes(options) * linear_flops(patches, pixel_width, width)
+
+
 def projector_passes(options: FlopOptions) -> int:
     """A merger. Trained: both gradients, also under a frozen tower, because every merger here
     normalises its input with learned weights before its first linear, whose input gradient those

@@ -19,10 +19,9 @@ from loongforge.models.flops import (
     StepFlops,
     attention_flops,
     frame_lengths,
-    linear_flops,
     media_grids,
     merger_forward_flops,
-    patch_embedding_passes,
+    patch_embedding_flops,
     projector_passes,
     step_flops,
     vision_block_linear_flops,
@@ -61,11 +60,9 @@ def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
 
 def vision_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
     vis = model_cfg.vision
-    patches = sum(t * h * w for t, h, w in grids)
-    pixel_width = vis.in_channels * vis.temporal_patch_size * vis.patch_size ** 2
-    embedding = linear_flops(patches, pixel_width, vis.hidden_size)
-    return (patch_embedding_passes(options) * embedding
-            + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids))
+    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=vis.temporal_patch_size,
+                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
+    return embedding + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids)
 
 
 def projector_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:

@@ -21,10 +21,9 @@ from loongforge.models.flops import (
     StepFlops,
     attention_flops,
     frame_lengths,
-    linear_flops,
     media_grids,
     merger_forward_flops,
-    patch_embedding_passes,
+    patch_embedding_flops,
     projector_passes,
     step_flops,
     vision_block_linear_flops,
@@ -42,11 +41,10 @@ def blocks_forward_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid]) -> in
 
 
 def vision_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
-    patches = sum(t * h * w for t, h, w in grids)
-    pixel_width = vision.in_channels * vision.temporal_patch_size * vision.patch_size ** 2
-    embedding = linear_flops(patches, pixel_width, vision.hidden_size)
-    return (patch_embedding_passes(options) * embedding
-            + vision_block_passes(options) * blocks_forward_flops(vision, grids))
+    embedding = patch_embedding_flops(grids, in_channels=vision.in_channels,
+                                      temporal_patch_size=vision.temporal_patch_size, patch_size=vision.patch_size,
+                                      width=vision.hidden_size, options=options)
+    return embedding + vision_block_passes(options) * blocks_forward_flops(vision, grids)
 
 
 def projector_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
