@@ -39,6 +39,8 @@ from loongforge.data.conversations import (
     is_saved_dataset,
     parse_record,
     read_data_file,
+    read_json_record,
+    read_record,
     record_ordinals,
 )
 from loongforge.data.mapped_pages import MappedPages
@@ -85,6 +87,8 @@ def content_key(path: Path, cache: Path) -> str:
 
 
 def _write_atomic(path: Path, data: bytes) -> None:
+    # A temp name per process, not packfile.folder.write_atomic's fixed one: every rank of a node
+    # may write the same memo at once.
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
     tmp.write_bytes(data)
@@ -195,14 +199,10 @@ class _Part:
         return parse_record(record, file=self.file, line=row + 1, media_root=self.media_root)
 
     def _record(self, entry: dict) -> Union[ConversationSample, Reject]:
-        line, ordinal = entry["line"], entry["ordinal"]
+        where = {"file": self.file, "line": entry["line"], "media_root": self.media_root, "ordinal": entry["ordinal"]}
         if entry["error"] is not None:
-            return Reject(file=self.file, line=line, reason="malformed_json", detail=entry["error"], record=ordinal)
-        try:
-            record = json.loads(entry["raw"])
-        except (json.JSONDecodeError, UnicodeDecodeError) as error:
-            return Reject(file=self.file, line=line, reason="malformed_json", detail=str(error), record=ordinal)
-        return parse_record(record, file=self.file, line=line, media_root=self.media_root, ordinal=ordinal)
+            return read_record(None, entry["error"], **where)
+        return read_json_record(entry["raw"], **where)
 
 
 def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
@@ -217,16 +217,19 @@ def _saved_part(folder: Path) -> _Part:
     return _Part(rows.with_format("arrow"), str(folder), folder, records=False)
 
 
-def _hub_part(entry: str) -> _Part:
+def open_hub_dataset(entry: str) -> datasets.Dataset:
     """``hf:NAME`` or ``hf:NAME:SPLIT`` (default split ``train``), from the local HF cache."""
     name, _, split = entry[len(HUB_PREFIX):].partition(":")
     try:
-        rows = datasets.load_dataset(name, split=split or "train")
+        return datasets.load_dataset(name, split=split or "train")
     except Exception as error:  # datasets raises many types for "not found / not cached"
         raise InputError(f"data.paths entry {entry!r} cannot be loaded ({type(error).__name__}: "
                          f"{str(error).splitlines()[0] if str(error) else ''}); download it once with "
                          f"datasets.load_dataset({name!r}) on a connected machine") from None
-    return _Part(rows.with_format("arrow"), entry, Path.cwd(), records=False)
+
+
+def _hub_part(entry: str) -> _Part:
+    return _Part(open_hub_dataset(entry).with_format("arrow"), entry, Path.cwd(), records=False)
 
 
 def _open_source(source: str, cache: Path, progress: bool) -> _Part:

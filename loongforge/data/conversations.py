@@ -73,6 +73,24 @@ def parse_record(record: Any, *, file: str, line: int, media_root: Path,
     )
 
 
+def read_record(record: Any, error: Optional[str], *, file: str, line: int, media_root: Path,
+                ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
+    """A decoded record, or the reason it could not be decoded (a malformed_json reject)."""
+    if error is not None:
+        return Reject(file=file, line=line, reason="malformed_json", detail=error, record=ordinal)
+    return parse_record(record, file=file, line=line, media_root=media_root, ordinal=ordinal)
+
+
+def read_json_record(raw: bytes, *, file: str, line: int, media_root: Path,
+                     ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
+    """One record's JSON text (a JSON line, undecoded until now) as ``read_record`` takes it."""
+    try:
+        record, error = json.loads(raw), None
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        record, error = None, str(exc)
+    return read_record(record, error, file=file, line=line, media_root=media_root, ordinal=ordinal)
+
+
 def _parse_turns(record: Any) -> tuple[list[Turn], list, list]:
     if not isinstance(record, dict):
         raise RecordError("malformed_json", f"record is a {type(record).__name__}, not an object")
@@ -387,8 +405,5 @@ class FileSamples:
 
     def get(self, index: int) -> Union[ConversationSample, Reject]:
         (path, located), ordinal = self._entries[index], self._ordinals[index]
-        if located.error is not None:
-            return Reject(file=str(path), line=located.line, reason="malformed_json", detail=located.error,
-                          record=ordinal)
-        return parse_record(located.record, file=str(path), line=located.line, media_root=path.parent,
-                            ordinal=ordinal)
+        return read_record(located.record, located.error, file=str(path), line=located.line, media_root=path.parent,
+                           ordinal=ordinal)

@@ -36,11 +36,7 @@ from loongforge.config.layout import resolve_read
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.collate import collate_row
-from loongforge.data.embedding_store import (
-    EmbeddingStore,
-    StoredMediaMeasurer,
-    stored_feature_width,
-)
+from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.measure import (
     MaterializedSample,

@@ -15,7 +15,6 @@ resumed run seeks there and continues with the same samples.
 
 from __future__ import annotations
 
-import json
 from collections import Counter, OrderedDict
 from pathlib import Path
 from typing import Callable, Iterator, Optional, Union
@@ -25,12 +24,15 @@ import numpy as np
 import pyarrow.parquet as pq
 
 from loongforge.config.errors import InputError
+from loongforge.data.arrow_samples import open_hub_dataset
 from loongforge.data.conversations import (
     HUB_PREFIX,
     expand_data_paths,
     is_saved_dataset,
     parse_record,
     read_data_file,
+    read_json_record,
+    read_record,
     record_ordinals,
 )
 from loongforge.data.measure import MeasuredSample
@@ -61,15 +63,8 @@ def _jsonl_entries(path: Path, start: Location) -> Iterator[tuple[Location, _Ent
             here = (source, offset, line)
             offset, line = offset + len(raw), line + 1
             if raw.strip():
-                yield here, _Entry(lambda raw=raw, line=here[2]: _parse_json_line(raw, name, line, root))
-
-
-def _parse_json_line(raw: bytes, file: str, line: int, media_root: Path) -> Sample:
-    try:
-        record = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as error:
-        return Reject(file=file, line=line, reason="malformed_json", detail=str(error))
-    return parse_record(record, file=file, line=line, media_root=media_root)
+                yield here, _Entry(lambda raw=raw, line=here[2]: read_json_record(raw, file=name, line=line,
+                                                                                  media_root=root))
 
 
 def _json_entries(path: Path, parsed, start: Location) -> Iterator[tuple[Location, _Entry]]:
@@ -78,13 +73,8 @@ def _json_entries(path: Path, parsed, start: Location) -> Iterator[tuple[Locatio
     source, first, _ = start
     for index in range(first, len(located)):
         entry, ordinal = located[index], ordinals[index]
-        yield (source, index, entry.line), _Entry(lambda e=entry, o=ordinal: _parse_located(e, o, path))
-
-
-def _parse_located(entry, ordinal: Optional[int], path: Path) -> Sample:
-    if entry.error is not None:
-        return Reject(file=str(path), line=entry.line, reason="malformed_json", detail=entry.error, record=ordinal)
-    return parse_record(entry.record, file=str(path), line=entry.line, media_root=path.parent, ordinal=ordinal)
+        yield (source, index, entry.line), _Entry(lambda e=entry, o=ordinal: read_record(
+            e.record, e.error, file=str(path), line=e.line, media_root=path.parent, ordinal=o))
 
 
 def _table_entries(rows: Iterator[dict], name: str, media_root: Path, start: Location):
@@ -144,8 +134,7 @@ class _Sources:
             self._opened.clear()  # one at a time: the stream moves forward
             name = self.sources[source]
             if name.startswith(HUB_PREFIX):
-                hub, _, split = name[len(HUB_PREFIX):].partition(":")
-                self._opened[source] = datasets.load_dataset(hub, split=split or "train")
+                self._opened[source] = open_hub_dataset(name)
             elif Path(name).is_dir() and is_saved_dataset(Path(name)):
                 self._opened[source] = datasets.load_from_disk(name)
             else:
