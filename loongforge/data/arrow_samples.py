@@ -32,7 +32,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from loongforge.config.errors import InputError
-from loongforge.data.cache import cache_root
+from loongforge.data.cache import cache_root, write_cache_file
 from loongforge.data.conversations import (
     HUB_PREFIX,
     expand_data_paths,
@@ -82,17 +82,8 @@ def content_key(path: Path, cache: Path) -> str:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     key = digest.hexdigest()
-    _write_atomic(memo, json.dumps({"identity": identity, "key": key}).encode())
+    write_cache_file(memo, json.dumps({"identity": identity, "key": key}))
     return key
-
-
-def _write_atomic(path: Path, data: bytes) -> None:
-    # A temp name per process, not packfile.folder.write_atomic's fixed one: every rank of a node
-    # may write the same memo at once.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f"{path.name}.{os.getpid()}.tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
 
 
 # ---------------------------------------------------------------- building a copy

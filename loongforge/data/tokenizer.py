@@ -18,15 +18,13 @@ Any other spec is a local Hugging Face tokenizer directory.
 from __future__ import annotations
 
 import hashlib
-import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Optional
 
 from transformers import PreTrainedTokenizerFast
 
-from loongforge.data.cache import cache_root
+from loongforge.data.cache import cache_root, write_cache_file
 
 # Bump when the builder's output changes, so stale caches are not reused.
 _BUILDER_VERSION = 1
@@ -187,22 +185,8 @@ def _load_ranks_tokenizer(spec: RanksTokenizer, chat_template: str | None) -> Pr
     cached = cache_root() / f"{spec.cache_name}_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
     if not cached.exists():
         backend = build_backend(spec, read_tiktoken_ranks(ranks_path))
-        _atomic_write_text(cached, backend.to_str())
+        write_cache_file(cached, backend.to_str())
     return _wrap_fast(str(cached), spec, chat_template)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    # Several ranks may build at once; each writes a private temp file and renames it over.
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.name, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shared by users of the machine
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
 
 
 def _byte_to_unicode() -> dict[int, str]:
