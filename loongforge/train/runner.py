@@ -96,7 +96,7 @@ class TrainingSummary:
     wall_s: float = 0.0
     balance: Optional[dict] = None  # balance.enabled: applied/skipped steps, mean max/LB before/after
     sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
-    throughput: list = field(default_factory=list)  # profile.throughput.Throughput per step (rank 0)
+    throughput: list = field(default_factory=list)  # profile.throughput.Throughput per step
     stop_signal: int = 0  # SIGTERM/SIGINT that stopped the run early (0: it ran to its last step)
 
     @property
@@ -105,8 +105,8 @@ class TrainingSummary:
 
     def throughput_means(self) -> dict:
         """Model TFLOP/s per GPU and MFU over the steps after the first (which pays for warm-up),
-        and the encoder's share of the model FLOPs; {} on ranks that did not log."""
-        steps = [t for t in self.throughput if t is not None]
+        and the encoder's share of the model FLOPs; {} before any step."""
+        steps = self.throughput
         if not steps:
             return {}
         steady = steps[1:] if len(steps) > 1 else steps
@@ -561,18 +561,19 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
                               _rank_measures(encoder, step_cpu_s, run.env.device), flops)
         step_s = result.compute_s + data_wait
+        throughput = Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
+                                world_size=run.env.world_size, peak_tflops=run.peak_tflops)
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
             step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=totals.tokens,
             step_s=step_s, data_wait_s=data_wait, sync_wait_s=totals.sync_wait_s,
-            throughput=Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
-                                  world_size=run.env.world_size, peak_tflops=run.peak_tflops),
+            throughput=throughput,
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load))
         summary.losses.append((step, result.loss))
-        summary.throughput.append(logger.history[-1].throughput if logger.history else None)
+        summary.throughput.append(throughput)
         if totals.sync_wait_s is not None:
             summary.sync_waits.append(totals.sync_wait_s)
         summary.end_step = step
