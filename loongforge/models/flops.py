@@ -65,6 +65,13 @@ class StepFlops:
     def to_dict(self) -> dict:
         return {**asdict(self), "total": self.total, "encoder_share": self.encoder_share}
 
+    def __add__(self, other: "StepFlops") -> "StepFlops":
+        return StepFlops(vision=self.vision + other.vision, projector=self.projector + other.projector,
+                         language=self.language + other.language, lm_head=self.lm_head + other.lm_head)
+
+
+NO_FLOPS = StepFlops(vision=0.0, projector=0.0, language=0.0, lm_head=0.0)
+
 
 @dataclass(frozen=True)
 class FlopOptions:

@@ -10,11 +10,11 @@ step seconds / ranks; MFU = that / the device's dense peak for the run's dtype (
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Optional
 
 from loongforge.config.schema import ModelConfig, RunConfig
-from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.flops import NO_FLOPS, FlopOptions, StepFlops
 from loongforge.models.registry import get_family
 from loongforge.profile.features import model_sample_costs
 
@@ -65,11 +65,10 @@ def steps_flops(micro_batches: list[dict], cfg: RunConfig) -> StepFlops:
     """The model FLOPs of a rank's micro-batches for this run. With data.vision_embeddings the
     encoder does not run: stored features stand in for it, so it counts nothing."""
     options = flop_options(cfg)
-    parts = [micro_batch_flops(mb, cfg.model, options) for mb in micro_batches]
-    encoder_runs = cfg.data.vision_embeddings is None
-    return StepFlops(vision=sum(p.vision for p in parts) if encoder_runs else 0.0,
-                     projector=sum(p.projector for p in parts) if encoder_runs else 0.0,
-                     language=sum(p.language for p in parts), lm_head=sum(p.lm_head for p in parts))
+    flops = sum((micro_batch_flops(mb, cfg.model, options) for mb in micro_batches), NO_FLOPS)
+    if cfg.data.vision_embeddings is not None:
+        flops = replace(flops, vision=0.0, projector=0.0)
+    return flops
 
 
 @dataclass(frozen=True)
