@@ -219,7 +219,12 @@ def _name(image: ImageSource) -> str:
 
 def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, chat: ChatFormat) -> None:
     """The tokenizer, model.tokens and the chat format must agree: vision tokens would land on the
-    wrong ids, a text model's padding on a real token, a format's markers be split as plain text."""
+    wrong ids, a text model's padding on a real token, a format's markers be split as plain text,
+    an id beyond the embedding fail deep inside a step."""
+    if len(tokenizer) > model_cfg.language.vocab_size:
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {len(tokenizer)} ids but "
+                         f"model.language.vocab_size={model_cfg.language.vocab_size}; use the model's "
+                         f"own tokenizer or a vocabulary of at least {len(tokenizer)}")
     if model_cfg.vision is not None:
         _check_vision_token_ids(tokenizer, model_cfg)
         return

@@ -8,6 +8,14 @@ for Llama 3 / 3.1 from the package ``llama-models`` (``llama3/tokenizer.model``:
 normaliser, Llama 3's regex, 256 special tokens at 128000..128255 named as in Llama 3.1's
 tokenizer.json, ``<|begin_of_text|>`` prepended when special tokens are added).
 
+``qwen-small``, ``qwen3-small`` and ``llama3-small`` are the same tokenizers cut to their first
+4,096 BPE ranks, with the special tokens moved to the ids right after them (4096, 4097, ...). A
+tiktoken-ordered BPE cut at any rank is still a BPE: every kept token of two or more bytes splits
+into two kept tokens of lower rank, and all 256 single bytes come first, so any text encodes and
+decodes back to itself. Tests and quick CPU runs use them with models whose vocabulary is 4k
+instead of 128-152k (the ``*-small-vocab`` presets): the LM head and the embedding are then no
+longer 95% of a tiny model's step and of its checkpoint.
+
 Building the merge list takes seconds, so the result is cached as a ``tokenizer.json`` under
 ``~/.cache/loongforge/`` (override with ``LOONGFORGE_CACHE``); the cache key is a hash of the ranks
 file and of this builder's version.
@@ -18,7 +26,7 @@ Any other spec is a local Hugging Face tokenizer directory.
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -123,6 +131,19 @@ class RanksTokenizer:
     # Prepended by ``tokenizer(text)`` unless ``add_special_tokens=False``, as the Hub tokenizer does;
     # None: nothing is added.
     bos_token: Optional[str] = None
+    # Keep only the ranks below this (a cut of the BPE; num_ranks then equals it); None: all of them.
+    keep_ranks: Optional[int] = None
+
+
+# BPE ranks kept by the small test vocabularies: the 256 bytes and the 3,840 most useful merges,
+# enough for English chat text to stay within ~1.5x the full vocabulary's token count.
+SMALL_VOCAB_RANKS = 4096
+
+
+def small_vocabulary(spec: RanksTokenizer) -> RanksTokenizer:
+    """``spec`` cut to its first ``SMALL_VOCAB_RANKS`` ranks, its special tokens right after them."""
+    return replace(spec, cache_name=f"{spec.cache_name}-small", num_ranks=SMALL_VOCAB_RANKS,
+                   keep_ranks=SMALL_VOCAB_RANKS)
 
 
 RANKS_TOKENIZERS = {
@@ -147,11 +168,12 @@ RANKS_TOKENIZERS = {
         eos_token="<|eot_id|>", pad_token="<|finetune_right_pad_id|>", bos_token="<|begin_of_text|>",
     ),
 }
+RANKS_TOKENIZERS.update({f"{name}-small": small_vocabulary(spec) for name, spec in list(RANKS_TOKENIZERS.items())})
 
 
 def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTokenizerFast:
-    """``"qwen"`` (Qwen2/2.5) / ``"qwen3"`` / ``"llama3"`` -> that tokenizer built offline; anything else
-    -> a local HF tokenizer directory.
+    """``"qwen"`` (Qwen2/2.5) / ``"qwen3"`` / ``"llama3"`` -> that tokenizer built offline (``"<name>-small"``:
+    cut to its first 4,096 ranks); anything else -> a local HF tokenizer directory.
 
     ``chat_template`` (a ``ChatFormat.jinja_template``) is given to an offline tokenizer, which
     ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""
@@ -167,15 +189,16 @@ def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTok
     return AutoTokenizer.from_pretrained(spec, local_files_only=True)
 
 
-def read_tiktoken_ranks(path: Path) -> dict[bytes, int]:
-    """``base64(token) rank`` lines -> {token bytes: rank}."""
+def read_tiktoken_ranks(path: Path, keep_ranks: int | None = None) -> dict[bytes, int]:
+    """``base64(token) rank`` lines -> {token bytes: rank}, only ranks below ``keep_ranks`` if given."""
     import base64
 
     ranks = {}
     for line in path.read_bytes().splitlines():
         if line:
             token_b64, rank = line.split()
-            ranks[base64.b64decode(token_b64)] = int(rank)
+            if keep_ranks is None or int(rank) < keep_ranks:
+                ranks[base64.b64decode(token_b64)] = int(rank)
     return ranks
 
 
@@ -184,7 +207,7 @@ def _load_ranks_tokenizer(spec: RanksTokenizer, chat_template: str | None) -> Pr
     digest = hashlib.sha256(ranks_path.read_bytes()).hexdigest()[:16]
     cached = cache_root() / f"{spec.cache_name}_tokenizer_v{_BUILDER_VERSION}_{digest}.json"
     if not cached.exists():
-        backend = build_backend(spec, read_tiktoken_ranks(ranks_path))
+        backend = build_backend(spec, read_tiktoken_ranks(ranks_path, spec.keep_ranks))
         write_cache_file(cached, backend.to_str())
     return _wrap_fast(str(cached), spec, chat_template)
 
