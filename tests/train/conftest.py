@@ -1,7 +1,11 @@
 """Shared helpers: run `loongforge train` in subprocesses on a very small Qwen2.5-VL and read the results.
 
 Training tests run the real command line in fresh processes, so each run initialises its own
-process groups (gloo on 127.0.0.1) and nothing leaks into the pytest process.
+process groups (gloo on 127.0.0.1) and nothing leaks into the pytest process. They train the
+``*-small-vocab`` presets (a 4k cut of the real BPE: the full 152k vocabulary would be 95% of every
+step and checkpoint) and save no checkpoint unless they read one (``SAVE_AT_END``); a claim that a
+resumed run equals the uninterrupted one resumes a cut-back copy of a finished run
+(``resume_from_copy``) instead of training twice. docs/testing.md says what a new test should reuse.
 """
 
 from __future__ import annotations
@@ -9,13 +13,19 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.convert.mcore_io import McoreReader
+from loongforge.train.metrics import drop_metrics_after
+
+# What the training tests train unless they say otherwise: qwen2.5vl-tiny with the small vocabulary.
+PRESET = "qwen2.5vl-tiny-small-vocab"
 
 # A Qwen2.5-VL small enough for a few CPU steps in seconds, yet with every part exercised:
 # windowed + full vision blocks, GQA, tied embeddings, images and text-only samples in packed rows.
@@ -30,13 +40,15 @@ SMALL_MODEL = [
     "logging.log_interval=1",
     "logging.progress_bar=false",
     "logging.tensorboard=false",
+    "checkpoint.save_at_end=false",  # 4 of 5 runs never read one; those that do add SAVE_AT_END
 ]
+SAVE_AT_END = "checkpoint.save_at_end=true"
 
 RUN_TIMEOUT_S = 420
 
 
 def train_command(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
-                  preset: str = "qwen2.5vl-tiny") -> list[str]:
+                  preset: str = PRESET) -> list[str]:
     cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", preset,
            *SMALL_MODEL, f"logging.output_dir={out_dir}", *extra]
     if nproc > 1:
@@ -56,7 +68,7 @@ def train_env(nproc: int = 1, env_extra: dict | None = None) -> dict:
 
 def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
               expect_ok: bool = True, env_extra: dict | None = None,
-              preset: str = "qwen2.5vl-tiny") -> subprocess.CompletedProcess:
+              preset: str = PRESET) -> subprocess.CompletedProcess:
     cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=train_env(nproc, env_extra))
@@ -87,13 +99,40 @@ def assert_close_relative(actual: list[float], expected: list[float], rel: float
 
 @pytest.fixture(scope="session")
 def baseline_run(tmp_path_factory) -> Path:
-    """The reference: one process, TP1 PP1 DP1, 4 steps of 4 rows. Its console output is kept
-    beside the run folder (``<run>.stdout``, ``<run>.stderr``)."""
+    """The reference: one process, TP1 PP1 DP1, 4 steps of 4 rows, checkpoints at steps 2 and 4
+    (for resumed copies). Its console output is kept beside the run folder (``<run>.stdout``,
+    ``<run>.stderr``)."""
     out = tmp_path_factory.mktemp("baseline")
-    proc = run_train(out)
+    proc = run_train(out, "checkpoint.save_interval=2", SAVE_AT_END)
     out.with_suffix(".stdout").write_text(proc.stdout)
     out.with_suffix(".stderr").write_text(proc.stderr)
     return out
+
+
+def cut_back_copy(run: Path, out: Path, step: int) -> Path:
+    """A copy of the finished ``run`` as if it had stopped right after saving at ``step``: later
+    checkpoints and metrics lines are gone (``latest`` may still name a later step, which --resume
+    then skips for the newest complete checkpoint), so whatever the copy logs after ``step`` can
+    only come from a resumed run."""
+    shutil.copytree(run, out)
+    checkpoints = out / "checkpoints"
+    for step_dir in checkpoints.iterdir():
+        if step_dir.name.startswith("step_") and step_dir.name > step_dir_name(step):
+            shutil.rmtree(step_dir)
+    assert (checkpoints / step_dir_name(step)).is_dir(), f"{run} saved no checkpoint at step {step}"
+    drop_metrics_after(out / "metrics.jsonl", step)
+    return out
+
+
+def resume_from_copy(run: Path, out: Path, step: int, *extra: str, nproc: int = 1,
+                     **kwargs) -> subprocess.CompletedProcess:
+    """Resume a cut-back copy of ``run`` (``cut_back_copy``) from ``step``: the cheap way to prove
+    that a resumed run equals the uninterrupted one. ``extra`` repeats the run's own options."""
+    cut_back_copy(run, out, step)
+    proc = run_train(out, *extra, nproc=nproc, resume=True, **kwargs)
+    output = proc.stdout + proc.stderr
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(step)} at step {step}" in output, output[-3000:]
+    return proc
 
 
 def final_checkpoint(run: Path) -> Path:

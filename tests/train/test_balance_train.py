@@ -13,9 +13,19 @@ from pathlib import Path
 
 import pytest
 
-from tests.train.conftest import RUN_TIMEOUT_S, assert_close_relative, losses, run_train, train_command, train_env
+from tests.train.conftest import (
+    RUN_TIMEOUT_S,
+    SAVE_AT_END,
+    assert_close_relative,
+    cut_back_copy,
+    losses,
+    run_train,
+    train_command,
+    train_env,
+)
 
 BALANCE_ON = ("balance.enabled=true", "balance.threshold=0")
+SAVES = ("checkpoint.save_interval=2", SAVE_AT_END)
 NPROC = 2
 
 
@@ -70,9 +80,9 @@ def off(tmp_path_factory):
 def on(tmp_path_factory):
     """The same with balancing, uninterrupted, plans and sample ids recorded per rank. Synthetic
     samples of varied lengths (text-only and image samples); threshold 0 re-plans every step that
-    has anything to gain."""
+    has anything to gain. Checkpoints at steps 2 and 4, for a resumed copy."""
     out = tmp_path_factory.mktemp("balance_on")
-    (out / "rank0_output.txt").write_text(run_recorded(out, *BALANCE_ON))
+    (out / "rank0_output.txt").write_text(run_recorded(out, *BALANCE_ON, *SAVES))
     return out
 
 
@@ -110,11 +120,15 @@ def test_balancing_moves_samples_but_not_the_losses_at_dp2(off, on):
 
 def test_balanced_run_resumes_with_the_same_plans_and_samples(on, tmp_path):
     # The data state carries the cost model the plans used, so a resumed run re-makes the same
-    # plans: every rank gets the same samples in the same micro-batches at every step.
-    run_recorded(tmp_path, *BALANCE_ON, "training.exit_at_step=2")
-    assert [r["step"] for r in plan_records(tmp_path)[0]] == [1, 2]
-    run_recorded(tmp_path, *BALANCE_ON, resume=True)
-    resumed, uninterrupted = plan_records(tmp_path), plan_records(on)
+    # plans: every rank gets the same samples in the same micro-batches at every step. A copy of
+    # the uninterrupted run cut back to step 2, its plan records too, is resumed.
+    out = cut_back_copy(on, tmp_path / "resumed", 2)
+    for rank, records in enumerate(plan_records(out)):
+        (out / f"plans_rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
+    assert [r["step"] for r in plan_records(out)[0]] == [1, 2]
+    output = run_recorded(out, *BALANCE_ON, *SAVES, resume=True)
+    assert "resumed from" in output and "at step 2" in output, output[-3000:]
+    resumed, uninterrupted = plan_records(out), plan_records(on)
     for rank in range(NPROC):
         assert [r["step"] for r in resumed[rank]] == [1, 2, 3, 4]
         assert resumed[rank] == uninterrupted[rank], f"rank {rank}"
@@ -122,7 +136,7 @@ def test_balanced_run_resumes_with_the_same_plans_and_samples(on, tmp_path):
     # arrival order), so equal plans are evidence, not a default.
     assert [r["plan"] for r in resumed[0]] == [r["plan"] for r in resumed[1]]
     assert any(r["applied"] for r in resumed[0][2:]), resumed[0]
-    assert_close_relative(losses(tmp_path), losses(on), rel=1e-6)
+    assert losses(out) == losses(on)
 
 
 def test_exchange_mode_keeps_losses_and_resumes_exactly(tmp_path):
@@ -133,7 +147,7 @@ def test_exchange_mode_keeps_losses_and_resumes_exactly(tmp_path):
     off = tmp_path / "off"
     run_train(off, *sharded, nproc=2)
     on = tmp_path / "on"
-    first = run_train(on, *sharded, *BALANCE_ON, "training.exit_at_step=2", nproc=2)
+    first = run_train(on, *sharded, *BALANCE_ON, "training.exit_at_step=2", SAVE_AT_END, nproc=2)
     run_train(on, *sharded, *BALANCE_ON, nproc=2, resume=True)
     assert "balance: exchange mode (data.read=sharded)" in first.stdout + first.stderr
     assert_close_relative(losses(on), losses(off), rel=1e-5)

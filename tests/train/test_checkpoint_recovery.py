@@ -7,6 +7,7 @@ not allowed (not root, no CAP_SYS_ADMIN).
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 from pathlib import Path
 
@@ -23,15 +24,16 @@ from loongforge.train.checkpoint import (
     load_newest_checkpoint,
     save_checkpoint,
 )
-from tests.train.conftest import run_train
+from tests.train.conftest import SAVE_AT_END, losses, run_train
 
 
 @pytest.fixture
 def small_disk(tmp_path):
-    """A 16 MiB file system of its own, unmounted afterwards."""
+    """An 8 MiB file system of its own (the small-vocabulary model's checkpoint needs ~14 MiB),
+    unmounted afterwards."""
     mount_point = tmp_path / "disk"
     mount_point.mkdir()
-    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=16m", "tmpfs", str(mount_point)],
+    mounted = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8m", "tmpfs", str(mount_point)],
                              capture_output=True, text=True)
     if mounted.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.strip()}")
@@ -71,7 +73,7 @@ def test_training_onto_a_full_disk_is_one_line_and_clears_stale_partial_saves(sm
     stale.mkdir(parents=True)
     (stale / "__0_0.distcp").write_bytes(bytes(2**20))
     proc = run_train(tmp_path / "run", f"checkpoint.dir={small_disk / 'ckpt'}", "training.train_steps=1",
-                     expect_ok=False)
+                     SAVE_AT_END, expect_ok=False)
     assert proc.returncode == 2, proc.stderr[-3000:]
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith(f"error: cannot save a checkpoint under {small_disk / 'ckpt'}: no space left on "
@@ -80,17 +82,20 @@ def test_training_onto_a_full_disk_is_one_line_and_clears_stale_partial_saves(sm
     assert list((small_disk / "ckpt").iterdir()) == []
 
 
-def test_resume_skips_a_truncated_newest_checkpoint(tmp_path):
-    run_train(tmp_path, "checkpoint.save_interval=1", "training.train_steps=2", "training.exit_at_step=2")
-    newest = tmp_path / "checkpoints" / "step_00000002"
+def test_resume_skips_a_truncated_newest_checkpoint(baseline_run, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(baseline_run, run)  # checkpoints at steps 2 and 4
+    newest = run / "checkpoints" / "step_00000004"
     shard = max((newest / "model_optim").glob("*.distcp"), key=lambda p: p.stat().st_size)
     with open(shard, "r+b") as f:  # a copy or a node that died halfway
         f.truncate(shard.stat().st_size // 2)
-    proc = run_train(tmp_path, "checkpoint.save_interval=1", "training.train_steps=2", resume=True)
+    proc = run_train(run, "checkpoint.save_interval=2", resume=True)
     output = proc.stdout + proc.stderr
     assert f"warning: skipped a damaged checkpoint: {shard}: truncated" in output
-    assert f"resumed from {tmp_path / 'checkpoints' / 'step_00000001'} at step 1" in output
-    assert [json.loads(line)["step"] for line in (tmp_path / "metrics.jsonl").read_text().splitlines()] == [1, 2]  # step 2 once: re-run after the skip
+    assert f"resumed from {run / 'checkpoints' / 'step_00000002'} at step 2" in output
+    # Steps 3 and 4 once each: re-run after the skip, as the baseline ran them.
+    assert [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()] == [1, 2, 3, 4]
+    assert losses(run) == losses(baseline_run)
 
 
 def _tiny_checkpoint(path: Path) -> Path:

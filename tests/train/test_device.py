@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import math
 
-from tests.train.conftest import assert_close_relative, losses, run_train
+from tests.train.conftest import SAVE_AT_END, assert_close_relative, losses, run_train
 
 # Seen by every process of the run before anything else imports torch: CUDA looks available.
 _VISIBLE_GPU = """
@@ -23,7 +23,7 @@ def test_cpu_run_is_unchanged_by_a_visible_gpu(baseline_run, tmp_path):
     (site / "sitecustomize.py").write_text(_VISIBLE_GPU)
     env = {"PYTHONPATH": str(site)}
     out = tmp_path / "run"
-    run_train(out, "training.exit_at_step=2", env_extra=env)
+    run_train(out, "training.exit_at_step=2", SAVE_AT_END, env_extra=env)
     run_train(out, env_extra=env, resume=True)
     assert_close_relative(losses(out), losses(baseline_run), rel=1e-6)
 
@@ -38,8 +38,7 @@ STEPS = 10
 def test_bf16_trains_like_fp32(tmp_path):
     """bf16 parameters with fp32 main grads and optimizer (megatron DDP + Float16 optimizer): over
     10 steps the loss falls as in fp32 and stays within BF16_LOSS_REL_TOL of it at every step."""
-    steps = (f"training.train_steps={STEPS}", "training.global_batch_size=2", "schedule.warmup_steps=2",
-             "checkpoint.save_at_end=false")
+    steps = (f"training.train_steps={STEPS}", "training.global_batch_size=2", "schedule.warmup_steps=2")
     run_train(tmp_path / "fp32", *steps, "training.precision=fp32")
     run_train(tmp_path / "bf16", *steps, "training.precision=bf16")
     fp32, bf16 = losses(tmp_path / "fp32"), losses(tmp_path / "bf16")

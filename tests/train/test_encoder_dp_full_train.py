@@ -12,7 +12,6 @@ Each 4-rank run takes about a minute on 2 cores, so the runs are shared: two mod
 from __future__ import annotations
 
 import json
-import shutil
 from pathlib import Path
 
 import pytest
@@ -20,17 +19,19 @@ from safetensors.torch import load_file
 
 from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.config.loader import load_run_config
-from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.convert.model_io import export_hf
 from loongforge.data.pipeline import DataPipeline
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
+    PRESET,
+    SAVE_AT_END,
     SMALL_MODEL,
     assert_trains_alike,
     checkpoint_differences,
     final_checkpoint,
     grad_norms,
     losses,
+    resume_from_copy,
     run_train,
     step_metric,
 )
@@ -43,11 +44,9 @@ DATA = ("data.source=files", f"data.paths=[{MIX}]", "data.seq_len=128", "data.vi
         "data.video_min_pixels=3136", "data.video_max_pixels=12544")
 LAYOUT = ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
           "parallel.vision_tensor_model_parallel_size=1", f"training.train_steps={STEPS}",
-          "checkpoint.save_interval=2")
+          "checkpoint.save_interval=2", SAVE_AT_END)
 DISTRIBUTED = ("parallel.use_distributed_optimizer=true",)
 OVERLAP = ("parallel.overlap_grad_reduce=true",)
-
-pytestmark = pytest.mark.skipif(not MIX.is_file(), reason=f"needs the shared data ({MIX})")
 
 
 def _train(out: Path, mode: str, *extra: str, resume: bool = False) -> Path:
@@ -57,12 +56,8 @@ def _train(out: Path, mode: str, *extra: str, resume: bool = False) -> Path:
 
 def _resume_from_step_2(source: Path, out: Path, mode: str, *extra: str) -> Path:
     """A copy of ``source`` cut back to its step-2 checkpoint, resumed with ``mode``."""
-    shutil.copytree(source, out)
-    for step_dir in (out / "checkpoints").iterdir():
-        if step_dir.name != step_dir_name(2) and step_dir.name.startswith("step_"):
-            shutil.rmtree(step_dir)
-    assert [p.name for p in (out / "checkpoints").iterdir() if p.name.startswith("step_")] == [step_dir_name(2)]
-    return _train(out, mode, *extra, resume=True)
+    resume_from_copy(source, out, 2, *DATA, *LAYOUT, f"parallel.encoder_dp={mode}", *extra, nproc=4)
+    return out
 
 
 @pytest.fixture(scope="module")
@@ -76,7 +71,7 @@ def full_run(tmp_path_factory) -> Path:
 
 
 def test_the_data_has_micro_batches_without_media():
-    cfg = load_run_config("qwen2.5vl-tiny", overrides=[*SMALL_MODEL, *DATA], world_size=1)
+    cfg = load_run_config(PRESET, overrides=[*SMALL_MODEL, *DATA], world_size=1)
     pipeline = DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
                             dp_rank=0, dp_size=1, pad_to_multiple=cfg.data.seq_len, pipeline_parallel=2)
     kinds = set()
@@ -116,7 +111,7 @@ def test_a_none_checkpoint_loads_in_full(tmp_path, none_run):
 def test_convert_exports_a_full_checkpoint(tmp_path, full_run, none_run):
     exported = []
     for name, run in (("full", full_run), ("none", none_run)):
-        cfg = load_run_config("qwen2.5vl-tiny", overrides=[*SMALL_MODEL, *DATA], world_size=1)
+        cfg = load_run_config(PRESET, overrides=[*SMALL_MODEL, *DATA], world_size=1)
         hf_dir = Path(export_hf(cfg.model, cfg.data, final_checkpoint(run), tmp_path / name).dst)
         exported.append({k: v for path in sorted(hf_dir.glob("*.safetensors")) for k, v in load_file(path).items()})
     assert set(exported[0]) == set(exported[1])

@@ -1,7 +1,7 @@
 """``parallel.encoder_dp=tp`` end to end: ranks at TP 2 (vision TP 1) on the demo images and
 videos train exactly like ``none``: per-step losses, grad norms, and every saved tensor (Adam's
 moments, which sum every gradient of every step, and the weights) to 1e-5 over 5 steps; also at TP 2 x DP 2 with
-balancing moving samples between the DP ranks, and across a stop at step 2 and ``--resume``."""
+balancing moving samples between the DP ranks; and a copy cut back to step 2 resumes bit for bit."""
 
 from __future__ import annotations
 
@@ -11,7 +11,15 @@ from pathlib import Path
 import pytest
 
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import assert_close_relative, assert_trains_alike, grad_norms, losses, run_train
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_trains_alike,
+    checkpoint_differences,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+)
 
 RELATIVE = 1e-5
 STEPS = 5
@@ -21,10 +29,8 @@ TP2_ON_DEMO_MEDIA = (
     "data.seq_len=1024", "data.video_max_frames=4", "data.video_min_pixels=3136",
     "data.video_max_pixels=12544", f"training.train_steps={STEPS}",
     "parallel.tensor_model_parallel_size=2", "parallel.vision_tensor_model_parallel_size=1",
+    "checkpoint.save_interval=2", SAVE_AT_END,
 )
-
-pytestmark = pytest.mark.skipif(not DEMO.is_dir(), reason=f"needs the shared demo data ({DEMO})")
-
 
 def _train(out: Path, mode: str, *extra: str, nproc: int = 2, resume: bool = False) -> Path:
     run_train(out, *TP2_ON_DEMO_MEDIA, f"parallel.encoder_dp={mode}", *extra, nproc=nproc, resume=resume)
@@ -36,8 +42,13 @@ def none_run(tmp_path_factory) -> Path:
     return _train(tmp_path_factory.mktemp("encoder_dp_none"), "none")
 
 
-def test_tp_trains_like_none(tmp_path, none_run):
-    assert_trains_alike(_train(tmp_path, "tp"), none_run)
+@pytest.fixture(scope="module")
+def tp_run(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("encoder_dp_tp"), "tp")
+
+
+def test_tp_trains_like_none(tp_run, none_run):
+    assert_trains_alike(tp_run, none_run)
 
 
 def test_tp_trains_like_none_at_dp2_with_balancing(tmp_path):
@@ -52,9 +63,10 @@ def test_tp_trains_like_none_at_dp2_with_balancing(tmp_path):
     assert_trains_alike(tp_run, none_run)
 
 
-def test_tp_stopped_at_step_2_and_resumed(tmp_path, none_run):
-    _train(tmp_path, "tp", "training.exit_at_step=2")
-    assert len(losses(tmp_path)) == 2
-    _train(tmp_path, "tp", resume=True)
-    assert_close_relative(losses(tmp_path), losses(none_run), RELATIVE)
-    assert_close_relative(grad_norms(tmp_path), grad_norms(none_run), RELATIVE)
+def test_tp_resumed_at_step_2_is_bit_identical(tmp_path, tp_run):
+    resumed = tmp_path / "resumed"
+    resume_from_copy(tp_run, resumed, 2, *TP2_ON_DEMO_MEDIA, "parallel.encoder_dp=tp", nproc=2)
+    assert losses(resumed) == losses(tp_run)
+    assert grad_norms(resumed) == grad_norms(tp_run)
+    differences = checkpoint_differences(resumed, tp_run)
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)

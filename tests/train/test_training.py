@@ -1,6 +1,8 @@
 """End-to-end training on CPU over gloo: the baseline learns, resume is exact, real data trains.
 
-Here resume is shown exact for one process (stopped at step 2, resumed). That every parallel layout
+The one end-to-end run at the full vocabulary (the default preset, qwen2.5vl-tiny, as a user runs it)
+is here; every other training test trains the small-vocabulary variant. Here resume is shown exact
+for one process (a copy of the baseline cut back to step 2, resumed). That every parallel layout
 reproduces the single-process math, and that a multi-rank run resumes bit for bit (losses, grad norms
 and the final checkpoint) at vision TP below language TP, with the distributed optimizer and at PP 2,
 is test_layout_invariance.py; vision TP 1 under language TP 2 resumes in test_encoder_dp_full_train.py
@@ -12,21 +14,49 @@ from __future__ import annotations
 import json
 import math
 
-from tests.train.conftest import losses, run_train
+import pytest
+
+from tests.train.conftest import (
+    SAVE_AT_END,
+    checkpoint_differences,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+)
 
 
-def test_baseline_run_learns_and_leaves_run_files(baseline_run):
-    values = losses(baseline_run)
+@pytest.fixture(scope="module")
+def full_vocabulary_run(tmp_path_factory):
+    """The default preset as it ships (the full Qwen vocabulary), on the tests' small settings; console
+    output kept beside it (``<run>.stdout``, ``<run>.stderr``)."""
+    out = tmp_path_factory.mktemp("full_vocabulary")
+    proc = run_train(out, preset="qwen2.5vl-tiny")
+    out.with_suffix(".stdout").write_text(proc.stdout)
+    out.with_suffix(".stderr").write_text(proc.stderr)
+    return out
+
+
+@pytest.mark.parametrize("run_name", ["full_vocabulary_run", "baseline_run"])
+def test_run_learns_and_leaves_run_files(run_name, request):
+    run = request.getfixturevalue(run_name)
+    values = losses(run)
+    print(f"{run_name}: losses {values}")
     assert len(values) == 4 and all(math.isfinite(v) for v in values)
     assert values[-1] < values[0], values
+    # The full vocabulary starts near ln(151,936) = 11.9, the small one near ln(4,224) = 8.3.
+    expected_start = 11.9 if run_name == "full_vocabulary_run" else 8.3
+    assert abs(values[0] - expected_start) < 0.3, values
     for name in ("config.yaml", "command.txt", "environment.json", "summary.json"):
-        assert (baseline_run / name).is_file(), name
-    env = json.loads((baseline_run / "environment.json").read_text())
+        assert (run / name).is_file(), name
+    env = json.loads((run / "environment.json").read_text())
     assert env["layout"] == {"tp": 1, "pp": 1, "dp": 1} and "torch" in env["versions"]
-    assert (baseline_run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
+    if run_name == "baseline_run":  # the only one that saves
+        assert (run / "checkpoints" / "latest").read_text().strip() == "step_00000004"
 
 
-def test_default_run_opens_with_a_summary_and_shows_no_third_party_warning(baseline_run):
+def test_default_run_opens_with_a_summary_and_shows_no_third_party_warning(full_vocabulary_run):
+    baseline_run = full_vocabulary_run
     stdout = baseline_run.with_suffix(".stdout").read_text().splitlines()
     stderr = baseline_run.with_suffix(".stderr").read_text()
     assert "Warning" not in stderr and "warnings.warn" not in stderr, stderr
@@ -40,12 +70,14 @@ def test_default_run_opens_with_a_summary_and_shows_no_third_party_warning(basel
     assert 0 < summary["encoder_flops_share"] < 0.5
 
 
-def test_stop_and_resume_gives_identical_losses(baseline_run, tmp_path):
-    run_train(tmp_path, "training.exit_at_step=2")
-    assert len(losses(tmp_path)) == 2
-    proc = run_train(tmp_path, resume=True)
-    assert "resumed from" in proc.stdout + proc.stderr
-    assert losses(tmp_path) == losses(baseline_run)
+def test_resume_gives_identical_losses(baseline_run, tmp_path):
+    resumed = tmp_path / "resumed"
+    resume_from_copy(baseline_run, resumed, 2, "checkpoint.save_interval=2", SAVE_AT_END)
+    assert losses(resumed) == losses(baseline_run)
+    assert grad_norms(resumed) == grad_norms(baseline_run)
+    worst = max(checkpoint_differences(resumed, baseline_run).values())
+    print(f"resumed at step 2: losses and grad norms equal, final checkpoint max difference {worst}")
+    assert worst == 0.0
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
