@@ -114,7 +114,6 @@ def test_cli_usage_errors(omnibal_csv, args, message):
     assert message in result.output
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "omnibal").is_dir(), reason="shared data not present")
 def test_real_omnibal_subset_meets_the_target():
     path = SHARED_DATA / "omnibal" / "omnibal_internvl_docvqa.csv"
     bench = run_balance_bench([path], preset="qwen2.5vl-7b", seq_len=16384, dp_sizes=(8, 32),
@@ -124,7 +123,6 @@ def test_real_omnibal_subset_meets_the_target():
     assert all(r["gain"] > 0 for r in ours)
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "llamafactory").is_dir(), reason="shared data not present")
 def test_conversation_files_are_measured_like_pack():
     pool = load_pool([SHARED_DATA / "llamafactory" / "mllm_demo.json"], preset="qwen2.5vl-7b", seq_len=16384)
     assert len(pool.tokens) == 6 and pool.rejected == 0

@@ -30,7 +30,6 @@ from loongforge.data.vision import probe_image_size
 from tests.shared_data import SHARED_DATA
 
 PRESET = "qwen2.5vl-7b"
-needs_data = pytest.mark.skipif(not (SHARED_DATA / COCO_CAPTIONS).exists(), reason="shared data not present")
 
 
 def test_data_root_comes_from_the_option_or_the_environment(tmp_path, monkeypatch):
@@ -44,7 +43,6 @@ def test_data_root_comes_from_the_option_or_the_environment(tmp_path, monkeypatc
     assert resolve_data_root(tmp_path / "x") == tmp_path / "x"
 
 
-@needs_data
 def test_each_reader_and_its_detection():
     expected = {COCO_CAPTIONS: (coco_chats, 25014, 1), MATHVISTA: (mathvista_chats, 1000, 1),
                 ARENA_HARD: (arena_hard_chats, 750, 0), ALPACA: (alpaca_chats, 999, 0)}

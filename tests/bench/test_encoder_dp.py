@@ -99,7 +99,6 @@ def test_each_run_is_a_valid_config(layout, mode, tmp_path):
     assert (cfg.parallel.tensor_model_parallel_size, cfg.parallel.pipeline_model_parallel_size) == (tp, pp)
 
 
-@pytest.mark.skipif(not (SHARED_DATA / "coco2017" / "val2017").is_dir(), reason="needs the shared COCO photos")
 def test_coco_chats_show_real_photos_with_their_captions():
     chats = coco_chats(SHARED_DATA, images_per_sample=3, samples=20)
     assert len(chats) == 20

@@ -56,7 +56,6 @@ def test_qwen2_5_vl_with_the_built_in_image(vl_folder):
     assert f"argmax agree    {tokens}/{tokens}" in result.stdout
 
 
-@pytest.mark.skipif(not COCO_PHOTO.is_file(), reason="needs the shared COCO photos")
 def test_qwen2_5_vl_with_a_photo(vl_folder):
     result = invoke(str(vl_folder), "--check-logits", "--image", str(COCO_PHOTO), "--json")
     assert result.exit_code == 0, result.output
@@ -66,7 +65,6 @@ def test_qwen2_5_vl_with_a_photo(vl_folder):
     assert report["argmax_agree"] == report["tokens"] and report["vocab_size"] == 151936
 
 
-@pytest.mark.skipif(not COCO_PHOTO.is_file(), reason="needs the shared COCO photos")
 def test_qwen3_vl_with_a_photo(tmp_path):
     """Qwen3-VL's tower (patch 16, learned positions, DeepStack) on a real photo sized as training sizes
     it for this family (32 px per merged token, 0.5 / 0.5 normalisation)."""

@@ -34,8 +34,6 @@ SETTINGS = ("data.max_pixels=50176", "data.video_max_frames=4", "data.video_min_
 FLAGS = ("--dtype", "fp32", "--shard-tokens", "100", "--batch-patches", "600", "--no-progress")
 TIMEOUT_S = 300
 
-pytestmark = pytest.mark.skipif(not MIX.is_file(), reason=f"needs the shared demo data ({MIX})")
-
 # Runs the CLI in a fresh process that SIGKILLs itself right after its second shard is on disk.
 KILL_AFTER_TWO_SHARDS = """
 import os, signal, sys

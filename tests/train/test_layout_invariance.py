@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import socket
 import subprocess
 import sys
@@ -49,10 +48,12 @@ from loongforge.data.conversations import read_json_array
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     RUN_TIMEOUT_S,
+    SAVE_AT_END,
     checkpoint_differences,
     final_checkpoint,
     grad_norms,
     losses,
+    resume_from_copy,
     run_train,
     train_command,
     train_env,
@@ -67,7 +68,7 @@ INVARIANCE_MODEL = (
     "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
     "model.language.num_attention_heads=8", "model.language.num_query_groups=4",
     "model.language.mrope_section=[2,3,3]",
-    "training.train_steps=3", "checkpoint.save_at_end=false",
+    "training.train_steps=3",
 )
 
 # id -> (ranks, options)
@@ -85,7 +86,7 @@ LAYOUTS = {
 }
 # Layouts whose jobs save checkpoints (steps 2 and 3) and are resumed from step 2.
 RESUMED = ("tp4-vision-tp2-sp-recompute", "tp2-dp2-sp-distributed-opt", "pp2-tp2")
-SAVES = ("checkpoint.save_interval=2", "checkpoint.save_at_end=true")
+SAVES = ("checkpoint.save_interval=2", SAVE_AT_END)
 RESUME_STEP = 2
 
 
@@ -161,17 +162,7 @@ def test_layout_resumed_from_step_2_is_bit_identical(layout_runs, tmp_path, layo
     # is gone, so --resume takes the newest complete one. Step 3's metrics line is dropped too, so
     # the one compared below can only come from the resumed run.
     resumed = tmp_path / "resumed"
-    shutil.copytree(uninterrupted, resumed)
-    checkpoints = resumed / "checkpoints"
-    for step_dir in checkpoints.iterdir():
-        if step_dir.name.startswith("step_") and step_dir.name != step_dir_name(RESUME_STEP):
-            shutil.rmtree(step_dir)
-    assert sorted(p.name for p in checkpoints.iterdir() if p.name.startswith("step_")) == [step_dir_name(RESUME_STEP)]
-    metrics = resumed / "metrics.jsonl"
-    metrics.write_text("".join(line + "\n" for line in metrics.read_text().splitlines()
-                               if json.loads(line)["step"] <= RESUME_STEP))
-    proc = run_train(resumed, *_layout_options(layout), nproc=LAYOUTS[layout][0], resume=True)
-    assert f"resumed from {checkpoints / step_dir_name(RESUME_STEP)} at step {RESUME_STEP}" in proc.stdout + proc.stderr
+    resume_from_copy(uninterrupted, resumed, RESUME_STEP, *_layout_options(layout), nproc=LAYOUTS[layout][0])
     assert final_checkpoint(resumed).name == final_checkpoint(uninterrupted).name == step_dir_name(3)
     assert losses(resumed) == losses(uninterrupted)
     assert grad_norms(resumed) == grad_norms(uninterrupted)

@@ -31,8 +31,6 @@ RUN = ("data.source=files", f"data.paths=[{FILES[0]},{FILES[1]}]", *MEDIA, f"tra
 FROZEN = ("training.freeze_vision=true", "training.freeze_projector=true")
 BALANCED = ("balance.enabled=true", "balance.threshold=0")
 
-pytestmark = pytest.mark.skipif(not DEMO.is_dir(), reason=f"needs the shared demo data ({DEMO})")
-
 
 def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
     sets = [arg for setting in settings for arg in ("--set", setting)]
