@@ -16,7 +16,7 @@ import pytest
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_data_file
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import assert_close_relative, grad_norms, losses, run_train
+from tests.train.conftest import PRESET, SAVE_AT_END, assert_close_relative, grad_norms, losses, run_train
 
 RELATIVE = 1e-5
 STEPS = 6
@@ -35,7 +35,7 @@ BALANCED = ("balance.enabled=true", "balance.threshold=0")
 def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
     sets = [arg for setting in settings for arg in ("--set", setting)]
     proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", *map(str, inputs), "--output",
-                           str(out), "--preset", "qwen2.5vl-tiny", "--dtype", "fp32", "--no-progress", *sets],
+                           str(out), "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -54,7 +54,7 @@ def _assert_same_training(a: Path, b: Path) -> None:
 
 def test_stored_embeddings_train_like_the_frozen_encoder(store, tmp_path):
     run_train(tmp_path / "online", *RUN, *FROZEN)
-    run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}")
+    run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}", SAVE_AT_END)
     _assert_same_training(tmp_path / "stored", tmp_path / "online")
     meta = json.loads((tmp_path / "stored" / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert meta["vision_embeddings_encoder_digest"] == json.loads((store / "encoder.json").read_text())["weights_digest"]
@@ -63,7 +63,8 @@ def test_stored_embeddings_train_like_the_frozen_encoder(store, tmp_path):
 def test_at_dp2_with_balancing_and_across_a_resume(store, tmp_path):
     run_train(tmp_path / "online", *RUN, *FROZEN, *BALANCED, nproc=2)
     stored = tmp_path / "stored"
-    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", "training.exit_at_step=3", nproc=2)
+    run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", "training.exit_at_step=3",
+              SAVE_AT_END, nproc=2)
     assert len(losses(stored)) == 3
     run_train(stored, *RUN, *BALANCED, f"data.vision_embeddings={store}", nproc=2, resume=True)
     assert json.loads((stored / "summary.json").read_text())["balance"]["applied_steps"] > 0
@@ -99,7 +100,7 @@ def test_packed_data_at_tp2(tmp_path):
     """A `pack` folder encoded as it is, trained at TP 2 (2 processes): as the frozen encoder."""
     packed = tmp_path / "packed"
     proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "pack", *map(str, FILES), "--output",
-                           str(packed), "--preset", "qwen2.5vl-tiny", "--seq-len", "256", "--no-progress"],
+                           str(packed), "--preset", PRESET, "--seq-len", "256", "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     # The pack's image rules are the preset's: encode and train with them.
