@@ -39,8 +39,9 @@ def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
     families = [line for line in lines if line.startswith("[family")]
     assert families == ["[family llm]", "[family qwen2_5_vl]", "[family qwen3_vl]"]
     llm_block = lines[lines.index("[family llm]") + 1:lines.index("[family qwen2_5_vl]")]
-    assert sorted(row.split()[0] for row in llm_block) == ["llama-tiny", "llama3.1-8b", "llm-tiny", "qwen2.5-7b",
-                                                          "qwen3-30b-a3b", "qwen3-8b", "qwen3-moe-tiny"]
+    assert sorted(row.split()[0] for row in llm_block) == [
+        "llama-tiny", "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "qwen2.5-7b",
+        "qwen3-30b-a3b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-moe-tiny-small-vocab"]
     assert "8.19B" in rows["qwen3-8b"] and "8.03B" in rows["llama3.1-8b"] and "8.77B" in rows["qwen3vl-8b"]
     assert "LM 48x2048 MoE 128e top-8" in rows["qwen3-30b-a3b"] and "30.53B" in rows["qwen3-30b-a3b"]
     assert "8.29B" in rows["qwen2.5vl-7b"] and "TP2 x PP1 x DP4" in rows["qwen2.5vl-7b"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import tomllib
 from pathlib import Path
 
@@ -53,8 +54,20 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 
 
 # Toy sizes for CPU runs: no published checkpoint to match.
-CPU_PRESETS = {DEFAULT_PRESET, "qwen2.5vl-tiny-vit", "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny",
-               "qwen3vl-moe-tiny"}
+TINY_PRESETS = {DEFAULT_PRESET, "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny", "qwen3vl-moe-tiny"}
+CPU_PRESETS = {"qwen2.5vl-tiny-vit", *TINY_PRESETS, *(f"{name}-small-vocab" for name in TINY_PRESETS)}
+
+
+@pytest.mark.parametrize("name", sorted(TINY_PRESETS))
+def test_every_tiny_preset_has_a_small_vocabulary_variant_of_the_same_architecture(name):
+    """The tests train the variants: they must differ from the preset in the vocabulary alone."""
+    full, small = load_run_config(name), load_run_config(f"{name}-small-vocab")
+    assert small.data.tokenizer == f"{full.data.tokenizer}-small"
+    assert small.model.language.vocab_size in (4224, 4352)
+    different = {(section, key) for section in ("model", "data") for key in vars(getattr(full, section))
+                 if getattr(getattr(full, section), key) != getattr(getattr(small, section), key)}
+    assert different == {("model", "language"), ("model", "tokens"), ("data", "tokenizer")}, different
+    assert dataclasses.replace(small.model.language, vocab_size=full.model.language.vocab_size) == full.model.language
 
 
 @pytest.mark.parametrize("name", [n for n in PRESETS if n not in CPU_PRESETS])
