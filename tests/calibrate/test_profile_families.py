@@ -35,7 +35,7 @@ def _fit(profile: Path, output: Path) -> CostModel:
     return run_fit_cost([profile], output=output, echo=lambda line: None, warn=lambda line: None)
 
 
-@pytest.mark.parametrize("preset", ["llm-tiny", "qwen3-moe-tiny"])
+@pytest.mark.parametrize("preset", ["llm-tiny-small-vocab", "qwen3-moe-tiny-small-vocab"])
 def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path, preset):
     records = _profile(preset, tmp_path / "PROFILE.jsonl", steps=4)
     assert records[0]["preset"] == preset
@@ -50,13 +50,13 @@ def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path, pr
 
 
 def test_qwen3_vl_profiles_images_in_its_own_patches(tmp_path):
-    cfg = load_run_config("qwen3vl-tiny", overrides=list(SMALL))
+    cfg = load_run_config("qwen3vl-tiny-small-vocab", overrides=list(SMALL))
     vision = cfg.model.vision
     assert vision.patch_size == 16
     designed = {h * w for h, w in image_grids(cfg.data.max_pixels, vision.patch_size,
                                               cfg.model.projector.spatial_merge_size)}
     # Eight terms to fit: 5 measured steps of 4 micro-batches determine them; 3 do not.
-    records = _profile("qwen3vl-tiny", tmp_path / "PROFILE.jsonl", steps=6)
+    records = _profile("qwen3vl-tiny-small-vocab", tmp_path / "PROFILE.jsonl", steps=6)
     patches = [p for r in records if r["kind"] == "micro_batch" for s in r["samples"] for p in s["patches"]]
     assert patches and set(patches) <= designed, (sorted(set(patches)), sorted(designed))
     micro_batches = [r for r in records if r["kind"] == "micro_batch"]

@@ -11,11 +11,11 @@ from pathlib import Path
 
 import torch
 
-from tests.train.conftest import RUN_TIMEOUT_S, SMALL_MODEL, run_train
+from tests.train.conftest import PRESET, RUN_TIMEOUT_S, SAVE_AT_END, SMALL_MODEL, run_train
 
 
 def run_profile(output: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
-    cmd = [sys.executable, "-m", "loongforge.cli.app", "profile", "--preset", "qwen2.5vl-tiny",
+    cmd = [sys.executable, "-m", "loongforge.cli.app", "profile", "--preset", PRESET,
            *SMALL_MODEL, "--output", str(output), "--nproc-per-node", str(nproc), *extra]
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
                                                             "MASTER_ADDR", "MASTER_PORT")}
@@ -59,12 +59,12 @@ def _checkpoint_cost_model(out: Path, step: int):
 def test_online_fit_is_saved_in_checkpoints_and_restored_on_resume(tmp_path):
     out = tmp_path / "run"
     fit = ["balance.fit_steps=4", "balance.fit_warmup_steps=1"]
-    first = run_train(out, *fit, "training.train_steps=6")
+    first = run_train(out, *fit, "training.train_steps=6", SAVE_AT_END)
     assert "cost model: fitted online at step 5" in first.stderr, first.stderr[-3000:]
     fitted = _checkpoint_cost_model(out, 6)
     assert fitted is not None and fitted["source"] == "fit:online"
     assert fitted["micro_batch_overhead_s"] + sum(fitted["coefficients"].values()) > 0
     # Resumed for one step: too few steps to fit again, so a model in the new checkpoint can only
     # have come from the restored one.
-    run_train(out, *fit, "training.train_steps=7", resume=True)
+    run_train(out, *fit, "training.train_steps=7", SAVE_AT_END, resume=True)
     assert _checkpoint_cost_model(out, 7) == fitted
