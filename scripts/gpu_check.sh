@@ -90,6 +90,7 @@ build_wheels() {
 
 gpu_settings() {
   export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-530}"
+  export TRAIN_PRESET=qwen2.5vl-tiny MOE_PRESET=qwen3-moe-tiny
   export TRAIN_DTYPE=bf16 TRAIN_STEPS=30 TRAIN_EXIT=20 TRAIN_EXTRA="" TRAIN_LOSS_RATIO=0.9
   export BENCH_PRESET=qwen2.5vl-7b BENCH_LAYERS=4 BENCH_BLOCKS=8 BENCH_TOKENS=8192 BENCH_SAMPLES=4
   export BENCH_STEPS=10 BENCH_WARMUP=3 BENCH_DTYPE=bf16
@@ -111,9 +112,11 @@ gpu_settings() {
 
 rehearsal_settings() {
   export MODE=cpu-rehearsal DEVICE=cpu BUDGET_S="${GPU_CHECK_BUDGET_S:-720}"
+  # The small-vocabulary presets: the same code paths at a third of the CPU time (docs/testing.md).
+  export TRAIN_PRESET=qwen2.5vl-tiny-small-vocab MOE_PRESET=qwen3-moe-tiny-small-vocab
   export TRAIN_DTYPE=fp32 TRAIN_STEPS=8 TRAIN_EXIT=5 TRAIN_LOSS_RATIO=0.95
   export TRAIN_EXTRA="model.language.num_layers=2 data.seq_len=384 training.global_batch_size=2 schedule.warmup_steps=1"
-  export BENCH_PRESET=qwen2.5vl-tiny BENCH_LAYERS=0 BENCH_BLOCKS=0 BENCH_TOKENS=256 BENCH_SAMPLES=2
+  export BENCH_PRESET=qwen2.5vl-tiny-small-vocab BENCH_LAYERS=0 BENCH_BLOCKS=0 BENCH_TOKENS=256 BENCH_SAMPLES=2
   export BENCH_STEPS=2 BENCH_WARMUP=1 BENCH_DTYPE=fp32
   export PYTEST_ARGS="" PYTEST_PATHS="tests/scripts/test_gpu_check.py"
   export PROFILE_STEPS=6 PROFILE_WARMUP=1 PROFILE_BATCH=4 COST_TARGET=""
@@ -135,7 +138,7 @@ run() {  # record the exact command for the report, then run it
 
 step_a_train() {
   # shellcheck disable=SC2206
-  local common=(--preset qwen2.5vl-tiny training.device="$DEVICE" training.precision="$TRAIN_DTYPE"
+  local common=(--preset "$TRAIN_PRESET" training.device="$DEVICE" training.precision="$TRAIN_DTYPE"
                 training.train_steps="$TRAIN_STEPS" -o "$WORK/train" logging.log_interval=1
                 logging.progress_bar=false logging.tensorboard=false $TRAIN_EXTRA)
   cd "$WORK" || return 1
@@ -179,7 +182,7 @@ step_e_cost() {
 step_f_moe() {
   cd "$WORK" || return 1
   # shellcheck disable=SC2086
-  run loongforge train --preset qwen3-moe-tiny training.device="$DEVICE" training.precision="$TRAIN_DTYPE" \
+  run loongforge train --preset "$MOE_PRESET" training.device="$DEVICE" training.precision="$TRAIN_DTYPE" \
     training.train_steps="$MOE_STEPS" -o "$WORK/moe" logging.log_interval=1 logging.progress_bar=false \
     logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA
 }
