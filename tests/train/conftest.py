@@ -91,8 +91,16 @@ def grad_norms(out_dir: Path) -> list[float]:
     return step_metric(out_dir, "grad_norm")
 
 
-def assert_close_relative(actual: list[float], expected: list[float], rel: float) -> None:
+def worst_relative(actual: list[float], expected: list[float]) -> float:
+    """max |a - e| / |e| over the steps (the figure a tolerance is set from; tests print it)."""
     assert len(actual) == len(expected), (actual, expected)
+    return max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
+
+
+def assert_close_relative(actual: list[float], expected: list[float], rel: float, what: str = "") -> None:
+    """Every step within ``rel`` (relative); prints the worst difference against the bound."""
+    print(f"{what or 'per-step values'}: worst relative difference {worst_relative(actual, expected):.1e} "
+          f"(asserted <= {rel:.0e})")
     for step, (a, e) in enumerate(zip(actual, expected), start=1):
         assert abs(a - e) <= rel * abs(e), f"step {step}: {a} vs {e} (rel {abs(a - e) / abs(e):.2e})"
 
@@ -158,15 +166,17 @@ def checkpoint_differences(run: Path, reference: Path) -> dict[str, float]:
 def assert_trains_alike(run: Path, reference: Path, steps: slice = slice(None), relative: float = 1e-5) -> None:
     """Losses and grad norms (relative), Adam's moments (relative) and the weights (10x relative: see
     below) of two runs' final checkpoints."""
-    assert_close_relative(losses(run)[steps], losses(reference)[steps], relative)
-    assert_close_relative(grad_norms(run)[steps], grad_norms(reference)[steps], relative)
+    assert_close_relative(losses(run)[steps], losses(reference)[steps], relative, "losses")
+    assert_close_relative(grad_norms(run)[steps], grad_norms(reference)[steps], relative, "grad norms")
     differences = checkpoint_differences(run, reference)
     moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
     assert any(key.startswith("optimizer.state.exp_avg.vision_model") for key in moments)
     worst = max(moments, key=moments.get)
+    print(f"Adam moments: worst relative difference {moments[worst]:.1e} ({worst}; asserted <= {relative:.0e})")
     assert moments[worst] <= relative, (worst, moments[worst])
     # Adam turns a gradient that is ~0 up to rounding into a full step either way: weights that
     # start at 0 (biases) carry 1e-5-level differences.
     weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
     worst = max(weights, key=weights.get)
+    print(f"weights: worst relative difference {weights[worst]:.1e} ({worst}; asserted <= {10 * relative:.0e})")
     assert weights[worst] <= 10 * relative, (worst, weights[worst])
