@@ -4,8 +4,8 @@ load-balancing loss on), logging its balance loss and tokens per expert each ste
 Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
 data-parallel ranks (EP 2), over EP 2 x TP 2 (sequence parallel, expert TP 1) and over EP 2 x PP 2
 (rows padded to the full sequence, padding kept out of the routing statistics) gives the per-step
-losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 1e-5 over 5
-steps, and the same Adam moments; EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
+losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 1e-7 over 5
+steps, and the same Adam moments and weights (1.5e-6); EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
 weights go into an EP-2 run and come back out of its checkpoint bit-exact."""
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ from tests.train.conftest import (
 )
 
 PRESET = "qwen3-moe-tiny-small-vocab"
-REL = 1e-5
+# About 3x the worst measured over ep2, ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
+# losses and grad norms 3.5e-8, load-balancing losses within them; Adam moments 5.0e-7, weights 3.1e-7.
+REL = 1e-7
+STATE_REL = 1.5e-6
 RESUME_STEP = 2
 # 5 steps of 4 rows of 256 tokens; a checkpoint every 2 steps (2, 4) and at the end (5). A balance
 # coefficient large enough that its gradient counts; Adam's epsilon as the other layout tests use.
@@ -92,13 +95,13 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
     assert any(k.startswith("optimizer.state.exp_avg.") for k in experts), sorted(experts)[:5]
     moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
     worst = max(moments, key=moments.get)
-    assert moments[worst] <= REL, (worst, moments[worst])
+    assert moments[worst] <= STATE_REL, (worst, moments[worst])
     weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
     worst_weight = max(weights, key=weights.get)
     print(f"{layout} vs ep1: losses {_worst_relative(losses(run), losses(reference)):.1e}, grad norms "
           f"{_worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e}, "
           f"weights {weights[worst_weight]:.1e} (worst relative difference)")
-    assert weights[worst_weight] <= REL, (worst_weight, weights[worst_weight])
+    assert weights[worst_weight] <= STATE_REL, (worst_weight, weights[worst_weight])
 
 
 def test_ep2_tp2_resumed_from_step_2_is_bit_identical(runs, tmp_path):
