@@ -1,6 +1,8 @@
 """The model-FLOP count of every family (``ModelFamily.training_flops``) against what its model executes.
 
-Each family's tiny preset is built on CPU (one process, megatron over gloo), a packed row of several
+Each family's tiny preset (its small-vocabulary variant: the head's count scales with the vocabulary
+either way, and the full one would be 95% of every count) is built on CPU (one process, megatron over
+gloo), a packed row of several
 samples goes through the data path (synthetic chats and a real video clip, measured, materialised and
 collated as training does), and the training step's forward + backward runs under torch's
 ``FlopCounterMode``. The counted FLOPs, split by the model's parts (vision tower, mergers, decoder
@@ -290,7 +292,7 @@ def compare(label: str, analytic: StepFlops, counted: dict[str, float]) -> None:
 
 
 def _preset(name: str) -> str:
-    return registry.get_family(name).tiny_preset
+    return f"{registry.get_family(name).tiny_preset}-small-vocab"
 
 
 @pytest.fixture(scope="module", params=registry.families())
@@ -347,9 +349,9 @@ def test_training_options_change_the_count_as_they_change_the_work(world, name, 
 
 LANGUAGE_VARIANTS = {
     # Qwen3 lets head_dim differ from hidden / heads: 4 heads of 48 (q width 192) on a width of 128.
-    "head_dim_48": ("llm-tiny", ["model.language.head_dim=48"]),
-    "moe": ("qwen3-moe-tiny", []),
-    "moe_recompute": ("qwen3-moe-tiny", ["training.recompute_activations=true"]),
+    "head_dim_48": ("llm-tiny-small-vocab", ["model.language.head_dim=48"]),
+    "moe": ("qwen3-moe-tiny-small-vocab", []),
+    "moe_recompute": ("qwen3-moe-tiny-small-vocab", ["training.recompute_activations=true"]),
 }
 
 
