@@ -432,6 +432,7 @@ def _write_buckets_in_threads(original: Callable) -> Callable:
     """``FileSystemWriterAsync.write_preloaded_data_multiproc`` with one thread per file instead of
     one forked process; results travel the same way (a ``{bucket index: results}`` dict, or the
     first exception, put on the results queue), so megatron's finalisation is unchanged."""
+    # lazy: the patch list names megatron-core modules without importing them
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     @functools.wraps(original)

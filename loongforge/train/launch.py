@@ -122,6 +122,7 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     Blocks until all workers finish; raises LaunchError naming the failed ranks. No restarts: a
     crashed training step fails the same way again, and --resume is the recovery path.
     """
+    # lazy: a run in this process (under torchrun, or one process) needs no elastic launcher
     from torch.distributed.elastic.multiprocessing.api import SignalException
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
