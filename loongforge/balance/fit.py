@@ -295,7 +295,7 @@ class FitResult:
 
 
 def _nnls_coefficients(obs: Observations, ident: Identifiability, intercept: bool) -> CostModel:
-    from scipy.optimize import nnls
+    from scipy.optimize import nnls  # lazy: only fitting needs scipy; balance imports none otherwise
 
     names = list(TERMS) + ([OVERHEAD] if intercept else [])
     X = _design(obs.features, intercept)
@@ -346,7 +346,7 @@ def fit_smoothmax(obs: Observations, *, alpha: float = SMOOTHMAX_ALPHA,
                   holdout_fraction: float = HOLDOUT_FRACTION, seed: int = 0,
                   exclude: Sequence[str] = ()) -> FitResult:
     """The reference method: fit smoothmax over ranks of predicted loads to the step times."""
-    from scipy.optimize import minimize
+    from scipy.optimize import minimize  # lazy: only fitting needs scipy; balance imports none otherwise
 
     ident = check_identifiable(obs.features, intercept=False,
                                exclude=[t for t in exclude if t != OVERHEAD])
@@ -469,10 +469,10 @@ def check_model(model: CostModel, obs: Observations) -> dict:
 
 def plot_fit(path, results: dict[str, FitResult], *, title: Optional[str] = None) -> None:
     """Predicted vs measured: per micro-batch (left) and per step (right), one colour per method."""
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     fig, (ax_mb, ax_step) = plt.subplots(1, 2, figsize=(11, 4.8))
     colours = {"nnls": "tab:blue", "smoothmax": "tab:orange"}

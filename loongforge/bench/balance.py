@@ -204,10 +204,10 @@ def describe_bench(bench: BalanceBench) -> str:
 
 def plot_gain(rows: list[dict], path: Path, title: str = "") -> None:
     """PNG: modelled step-time gain over none vs DP, one line per strategy and GA."""
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     colors = {"token": "tab:blue", "reference": "tab:orange", "loongforge": "tab:green"}
     styles = ["--", "-", ":", "-."]

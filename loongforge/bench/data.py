@@ -279,10 +279,10 @@ def report(bench: DataBench, plot_name: str, command: str) -> str:
 
 
 def plot(bench: DataBench, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
     series = [("in-memory", "-", "in-memory reader"), ("arrow", "cold", "Arrow, cold cache"),

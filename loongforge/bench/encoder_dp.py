@@ -239,10 +239,10 @@ def summary_lines(comparisons: Sequence[Comparison]) -> list[str]:
 
 def plot(comparisons: Sequence[Comparison], path: Path) -> None:
     """Per-rank encoder CPU time per step, one group of bars per (layout, mode)."""
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     fig, ax = plt.subplots(figsize=(2.2 * len(comparisons) + 2, 4))
     labelled = set()

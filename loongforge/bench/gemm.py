@@ -182,10 +182,10 @@ def format_table(bench: GemmBench) -> str:
 
 
 def plot_speedups(bench: GemmBench, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     figure, axes = plt.subplots(figsize=(8, 5))
     for shape in bench.shapes:

@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Optional
 
 import torch
+from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.balance.cost_model import SampleCost
 from loongforge.calibrate.sweep import SweepSource
@@ -207,8 +208,6 @@ def _to(inputs: dict, device: torch.device) -> dict:
 
 def packed_seq_params(cu_seqlens: torch.Tensor):
     """thd ``PackedSeqParams`` over ``cu_seqlens`` [segments + 1], as the training step builds them."""
-    from megatron.core.packed_seq_params import PackedSeqParams
-
     cu = cu_seqlens.to(torch.int32)
     longest = int((cu[1:] - cu[:-1]).max())
     return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
@@ -257,6 +256,7 @@ def build_loongforge_model(cfg: RunConfig, device: torch.device):
 
 def build_transformers_model(cfg: RunConfig, device: torch.device):
     """transformers' Qwen2.5-VL with the same shapes, random weights, SDPA attention."""
+    # lazy: transformers (~1.5 s) only for the transformers baseline
     from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
 
     hf_cfg = Qwen2_5_VLConfig(**get_family(cfg.model.family).config_to_hf(cfg.model))

@@ -227,10 +227,10 @@ def format_speed_tables(bench: PackBench) -> str:
 
 
 def plot(bench: PackBench, path: Path) -> None:
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     seq_lens = sorted({r["seq_len"] for r in bench.rows})
     fig, axes = plt.subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))

@@ -190,10 +190,10 @@ def format_report(result: TrainBenchResult) -> str:
 
 def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: TrainBenchResult) -> None:
     """Per-step compute of every rank, off (left) and on (right): the gap is the wait."""
-    import matplotlib
+    import matplotlib  # lazy: only plotting needs matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, profile, run in ((axes[0], off_profile, result.off), (axes[1], on_profile, result.on)):

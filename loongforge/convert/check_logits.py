@@ -246,7 +246,7 @@ def reference_logits(hf_dir: Path, family: ModelFamily, model_cfg: ModelConfig, 
                      progress: bool = False) -> torch.Tensor:
     """[L, V] logits of transformers' model of ``hf_dir`` in fp32; it is freed before returning.
     ``progress``: transformers' bar while it loads the weights."""
-    import transformers
+    import transformers  # lazy: transformers (~1.5 s) only for the reference logits
     from transformers.utils import logging as hf_logging
 
     model_class = getattr(transformers, family.hf_model_class)
@@ -331,7 +331,7 @@ def _spawned_rank(rank: int, job: _Job) -> None:
 
 def _spawn(job: _Job) -> None:
     """``job.tp`` processes on this machine; a failed one stops the others."""
-    import torch.multiprocessing as mp
+    import torch.multiprocessing as mp  # lazy: only a multi-process check spawns
 
     context = mp.get_context("spawn")
     processes = [context.Process(target=_spawned_rank, args=(rank, job), daemon=True) for rank in range(job.tp)]

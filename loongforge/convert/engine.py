@@ -180,7 +180,7 @@ class Progress:
     """tqdm bar in tensors (the rate is tensors/s) with the bytes written so far as postfix."""
 
     def __init__(self, total: int, label: str, enabled: bool):
-        from tqdm import tqdm
+        from tqdm import tqdm  # lazy: every training rank imports this module (model_io) and draws no bar
 
         self.bytes = 0
         self.tensors = 0

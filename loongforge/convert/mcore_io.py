@@ -19,40 +19,44 @@ skips them, see ``loongforge.train.checkpoint``).
 
 from __future__ import annotations
 
+import functools
 import json
+import types
 import warnings
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
-from torch.distributed.checkpoint.metadata import (
-    ChunkStorageMetadata,
-    MetadataIndex,
-    TensorProperties,
-    TensorStorageMetadata,
-)
-from torch.distributed.checkpoint.planner import (
-    LoadPlan,
-    LoadPlanner,
-    ReadItem,
-    SavePlan,
-    TensorWriteData,
-    WriteItem,
-    WriteItemType,
-)
-from torch.distributed.checkpoint.planner_helpers import create_read_items_for_chunk_list
 
 from loongforge.config.errors import InputError
+
+if TYPE_CHECKING:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+    from torch.distributed.checkpoint.planner import LoadPlan, ReadItem, SavePlan, WriteItem
 
 MODEL_DIR = "model_optim"
 # What megatron-core's dist_checkpointing.save writes beside the DCP files; its loader reads it.
 DIST_CKPT_CONFIG = {"sharded_backend": "torch_dist", "sharded_backend_version": 1,
                     "common_backend": "torch", "common_backend_version": 1}
+
+
+def _dcp() -> types.ModuleType:
+    """``torch.distributed.checkpoint``; its submodules (``metadata``, ``planner``, ...) come with it."""
+    # lazy: DCP imports DTensor and its ops (~0.8 s a process), which a training rank needs only
+    # when it reads or writes a checkpoint
+    import torch.distributed.checkpoint as dcp
+
+    return dcp
+
+
+@functools.cache
+def _on_dcp_base(methods: type, base: str) -> type:
+    """The class ``methods`` over the DCP class at ``base`` (a dotted path under
+    ``torch.distributed.checkpoint``), made on first use so that importing this module imports no DCP."""
+    base_class = functools.reduce(getattr, base.split("."), _dcp())
+    return type(methods.__name__, (methods, base_class), {"__module__": __name__, "__doc__": methods.__doc__})
 
 
 @contextmanager
@@ -67,8 +71,9 @@ def is_mcore_folder(path: Path) -> bool:
     return (path / MODEL_DIR / ".metadata").is_file()
 
 
-class _CachedReader(FileSystemReader):
-    """FileSystemReader that parses ``.metadata`` once (it is read again by every load call)."""
+class _CachedReader:
+    """DCP's FileSystemReader (``_on_dcp_base``) that parses ``.metadata`` once (it is read again by
+    every load call)."""
 
     _metadata = None
 
@@ -78,8 +83,9 @@ class _CachedReader(FileSystemReader):
         return self._metadata
 
 
-class _RegionLoadPlanner(LoadPlanner):
-    """Load plan for explicit regions: {key: (offsets, destination tensor)}; no process group."""
+class _RegionLoadPlanner:
+    """A DCP LoadPlanner (``_on_dcp_base``) for explicit regions: {key: (offsets, destination
+    tensor)}; no process group."""
 
     def __init__(self, regions: dict[str, tuple[tuple[int, ...], torch.Tensor]]):
         self.regions = regions
@@ -88,11 +94,13 @@ class _RegionLoadPlanner(LoadPlanner):
         self.metadata = metadata
 
     def create_local_plan(self) -> LoadPlan:
+        dcp = _dcp()
         items: list[ReadItem] = []
         for key, (offsets, dest) in self.regions.items():
-            chunk = ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.size())
-            items += create_read_items_for_chunk_list(key, self.metadata.state_dict_metadata[key], [chunk])
-        return LoadPlan(items)
+            chunk = dcp.metadata.ChunkStorageMetadata(offsets=torch.Size(offsets), sizes=dest.size())
+            items += dcp.planner_helpers.create_read_items_for_chunk_list(
+                key, self.metadata.state_dict_metadata[key], [chunk])
+        return dcp.planner.LoadPlan(items)
 
     def create_global_plan(self, global_plan):
         return global_plan
@@ -118,13 +126,14 @@ class McoreReader:
 
     def __init__(self, folder: Path):
         self.folder = Path(folder)
-        self.storage = _CachedReader(str(self.folder))
+        self.storage = _on_dcp_base(_CachedReader, "FileSystemReader")(str(self.folder))
         try:
             metadata = self.storage.read_metadata()
         except Exception as exc:
             raise InputError(f"{self.folder}: unreadable dist_checkpointing metadata ({exc})") from None
         self.tensors: dict[str, TensorStorageMetadata] = {
-            k: v for k, v in metadata.state_dict_metadata.items() if isinstance(v, TensorStorageMetadata)
+            k: v for k, v in metadata.state_dict_metadata.items()
+            if isinstance(v, _dcp().metadata.TensorStorageMetadata)
         }
 
     def shape(self, key: str) -> tuple[int, ...]:
@@ -141,8 +150,8 @@ class McoreReader:
         dest = torch.empty((1,) * len(stack) + shape[len(stack):], dtype=self.dtype(key))
         try:
             with _single_process():
-                dcp.load({}, storage_reader=self.storage, planner=_RegionLoadPlanner({key: (offsets, dest)}),
-                         no_dist=True)
+                planner = _on_dcp_base(_RegionLoadPlanner, "LoadPlanner")({key: (offsets, dest)})
+                _dcp().load({}, storage_reader=self.storage, planner=planner, no_dist=True)
         except Exception as exc:
             raise InputError(f"{self.folder}: cannot read tensor {key}"
                              f"{'' if layer is None else f' at {list(stack)}'}: {exc}") from None
@@ -205,8 +214,9 @@ class McoreItem:
         return (*stack, *(0,) * (len(self.global_shape) - len(stack)))
 
 
-class _LazySavePlanner(DefaultSavePlanner):
-    """A save plan declared from ``McoreItem``s; each chunk's data is made when the writer asks.
+class _LazySavePlanner:
+    """A save plan declared from ``McoreItem``s; each chunk's data is made when the writer asks
+    (over DCP's DefaultSavePlanner, ``_on_dcp_base``).
 
     torch's FileSystemWriter keeps a reference to every tensor it wrote to a file (it collects them
     for its safetensors output format, unused here), which would hold the whole model by the end.
@@ -227,19 +237,21 @@ class _LazySavePlanner(DefaultSavePlanner):
             self.previous = None
 
     def create_local_plan(self) -> SavePlan:
+        metadata, planner = _dcp().metadata, _dcp().planner
         write_items = [
-            WriteItem(
-                index=MetadataIndex(item.key, torch.Size(item.offsets)),
-                type=WriteItemType.SHARD,
-                tensor_data=TensorWriteData(
-                    chunk=ChunkStorageMetadata(offsets=torch.Size(item.offsets), sizes=torch.Size(item.chunk_shape)),
-                    properties=TensorProperties(dtype=item.dtype),
+            planner.WriteItem(
+                index=metadata.MetadataIndex(item.key, torch.Size(item.offsets)),
+                type=planner.WriteItemType.SHARD,
+                tensor_data=planner.TensorWriteData(
+                    chunk=metadata.ChunkStorageMetadata(offsets=torch.Size(item.offsets),
+                                                        sizes=torch.Size(item.chunk_shape)),
+                    properties=metadata.TensorProperties(dtype=item.dtype),
                     size=torch.Size(item.global_shape),
                 ),
             )
             for item in self.items.values()
         ]
-        self.plan = SavePlan(write_items)
+        self.plan = planner.SavePlan(write_items)
         return self.plan
 
     def resolve_data(self, write_item: WriteItem) -> torch.Tensor:
@@ -266,11 +278,11 @@ def write_mcore(folder: Path, items: list[McoreItem],
     """
     folder.mkdir(parents=True, exist_ok=True)
     # per_thread_copy_ahead=0: the serial loader (no prefetch, see _LazySavePlanner) even with CUDA
-    writer = FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True,
-                              per_thread_copy_ahead=0)
-    planner = _LazySavePlanner(items, on_written)
+    writer = _dcp().FileSystemWriter(str(folder), single_file_per_rank=True, thread_count=1, sync_files=True,
+                                     per_thread_copy_ahead=0)
+    planner = _on_dcp_base(_LazySavePlanner, "default_planner.DefaultSavePlanner")(items, on_written)
     with _single_process():
-        dcp.save({}, storage_writer=writer, planner=planner, no_dist=True)
+        _dcp().save({}, storage_writer=writer, planner=planner, no_dist=True)
     planner._release_previous()
     torch.save({}, folder / "common.pt")  # dist_checkpointing's non-sharded part: nothing for a model
     (folder / "metadata.json").write_text(json.dumps(DIST_CKPT_CONFIG))

@@ -23,9 +23,7 @@ import json
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Optional
-
-from transformers import AutoTokenizer, GenerationConfig
+from typing import TYPE_CHECKING, Any, Optional
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
@@ -33,6 +31,9 @@ from loongforge.convert.families import GENERATION_FILE, PROCESSOR_FILES, TOKENI
 from loongforge.data.measure import check_token_ids
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
+
+if TYPE_CHECKING:
+    from transformers import GenerationConfig
 
 # Before transformers 5 a processor's parts were saved to files of their own; a Hub folder may
 # still hold them instead of (or beside) processor_config.json's sections.
@@ -75,9 +76,15 @@ def write_serving_files(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
         _copy(source_files, (GENERATION_FILE,), dst)
         done.copied.append("generation")
     elif has_tokenizer:  # its end-of-turn and padding ids are the tokenizer's
-        generation_config(model_cfg, AutoTokenizer.from_pretrained(dst, local_files_only=True)).save_pretrained(dst)
+        _write_generation_config(dst, model_cfg)
         done.written.append("generation")
     return done
+
+
+def _write_generation_config(dst: Path, model_cfg: ModelConfig) -> None:
+    from transformers import AutoTokenizer  # lazy: ~1.5 s, which a training rank pays only to export
+
+    generation_config(model_cfg, AutoTokenizer.from_pretrained(dst, local_files_only=True)).save_pretrained(dst)
 
 
 def _write_tokenizer_or_warn(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
@@ -137,6 +144,8 @@ def write_tokenizer(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
 def generation_config(model_cfg: ModelConfig, tokenizer) -> GenerationConfig:
     """Greedy defaults that end generation at the chat format's end of turn (and the tokenizer's
     end of sequence where that is another token), padding with the model's pad token."""
+    from transformers import GenerationConfig  # lazy: ~1.5 s, which a training rank pays only to export
+
     chat = get_family(model_cfg.family).chat(model_cfg)
     end_ids = [tokenizer.convert_tokens_to_ids(chat.turn_end)]
     if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in end_ids:

@@ -21,9 +21,8 @@ import json
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterator, Optional, Union
+from typing import TYPE_CHECKING, Iterator, Optional, Union
 
-import datasets
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -45,6 +44,9 @@ from loongforge.data.conversations import (
 )
 from loongforge.data.mapped_pages import MappedPages
 from loongforge.data.samples import ConversationSample, Reject
+
+if TYPE_CHECKING:
+    import datasets
 
 # Bump when what a cache file holds changes, so stale copies are never mapped.
 CACHE_FORMAT = 1
@@ -197,19 +199,29 @@ class _Part:
 
 
 def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
+    import datasets  # lazy: ~0.7 s to import, paid only where data.source=files opens a file
+
     copy = arrow_copy(path, cache, progress=progress)
     rows = datasets.Dataset.from_file(str(copy))
     records = path.suffix != ".parquet"
     return _Part(rows if records else rows.with_format("arrow"), str(path), path.parent, records)
 
 
+def load_saved_dataset(folder: Path) -> datasets.Dataset:
+    """A folder written by ``Dataset.save_to_disk`` (``is_saved_dataset``), memory-mapped."""
+    import datasets  # lazy: ~0.7 s to import, paid only where data.source=files opens a dataset
+
+    return datasets.load_from_disk(str(folder))
+
+
 def _saved_part(folder: Path) -> _Part:
-    rows = datasets.load_from_disk(str(folder))
-    return _Part(rows.with_format("arrow"), str(folder), folder, records=False)
+    return _Part(load_saved_dataset(folder).with_format("arrow"), str(folder), folder, records=False)
 
 
 def open_hub_dataset(entry: str) -> datasets.Dataset:
     """``hf:NAME`` or ``hf:NAME:SPLIT`` (default split ``train``), from the local HF cache."""
+    import datasets  # lazy: ~0.7 s to import, paid only where data.source=files opens a dataset
+
     name, _, split = entry[len(HUB_PREFIX):].partition(":")
     try:
         return datasets.load_dataset(name, split=split or "train")

@@ -295,7 +295,7 @@ def read_jsonl(path: Path) -> list[_Located]:
 
 
 def read_parquet(path: Path) -> list[_Located]:
-    import pyarrow.parquet as pq
+    import pyarrow.parquet as pq  # lazy: pyarrow only for .parquet files
 
     table = pq.read_table(path)
     return [_Located(line=row + 1, record=record) for row, record in enumerate(table.to_pylist())]

@@ -17,14 +17,13 @@ from __future__ import annotations
 
 from collections import Counter, OrderedDict
 from pathlib import Path
-from typing import Callable, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
-import datasets
 import numpy as np
 import pyarrow.parquet as pq
 
 from loongforge.config.errors import InputError
-from loongforge.data.arrow_samples import open_hub_dataset
+from loongforge.data.arrow_samples import load_saved_dataset, open_hub_dataset
 from loongforge.data.conversations import (
     HUB_PREFIX,
     expand_data_paths,
@@ -38,6 +37,9 @@ from loongforge.data.conversations import (
 from loongforge.data.measure import MeasuredSample
 from loongforge.data.packing import PackItem
 from loongforge.data.samples import ConversationSample, Reject
+
+if TYPE_CHECKING:
+    import datasets
 
 # Where a record starts: (source index, byte offset (JSON lines) or record index (others), line).
 Location = tuple[int, int, int]
@@ -123,10 +125,10 @@ class _Sources:
         if path.suffix == ".parquet" and path.is_file():
             return _table_entries(_parquet_rows(path, start[1]), name, path.parent, start)
         opened = self._open(source)
-        if isinstance(opened, datasets.Dataset):
-            media_root = path if path.is_dir() else Path.cwd()
-            return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start)
-        return _json_entries(path, opened, start)
+        if isinstance(opened, tuple):  # a parsed .json file, else an opened dataset
+            return _json_entries(path, opened, start)
+        media_root = path if path.is_dir() else Path.cwd()
+        return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start)
 
     def _open(self, source: int):
         """Parse a .json file or open a dataset once, not once per window."""
@@ -136,7 +138,7 @@ class _Sources:
             if name.startswith(HUB_PREFIX):
                 self._opened[source] = open_hub_dataset(name)
             elif Path(name).is_dir() and is_saved_dataset(Path(name)):
-                self._opened[source] = datasets.load_from_disk(name)
+                self._opened[source] = load_saved_dataset(Path(name))
             else:
                 located = read_data_file(Path(name))
                 self._opened[source] = (located, record_ordinals(located))

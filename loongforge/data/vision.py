@@ -259,7 +259,7 @@ class VideoPlan:
 
 def _import_av():
     try:
-        import av
+        import av  # lazy: optional, only for video
     except ImportError as error:  # pragma: no cover - exercised only without the optional dep
         raise MediaError("corrupt_image", "video support needs PyAV: pip install av") from error
     return av

@@ -204,7 +204,7 @@ def _pending_media(shard_sizes: dict[Path, int]) -> int:
 
 def _run_ranks(spec: WorkerSpec, options: EncodeOptions, shard_sizes: dict[Path, int],
                on_shard: Optional[ShardDone]) -> str:
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazy: only the parent draws the bar, not the workers that import this module
 
     total = len(spec.plan.items)
     with tqdm(total=total, initial=total - _pending_media(shard_sizes), desc="encode", unit="media",

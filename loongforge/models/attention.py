@@ -154,6 +154,7 @@ class FlashCoreAttention(_CoreAttentionBase):
         attention_bias: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
     ) -> torch.Tensor:
+        # lazy: optional, only for attention_backend=flash
         from flash_attn import flash_attn_func, flash_attn_varlen_func
 
         if attention_mask is not None or attention_bias is not None:

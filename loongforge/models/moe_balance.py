@@ -58,6 +58,7 @@ import torch.distributed as dist
 
 def routers_of(modules: Sequence[torch.nn.Module]) -> list[torch.nn.Module]:
     """Every megatron-core MoE router (``TopKRouter``) inside ``modules``."""
+    # lazy: this module imports no megatron-core (train.metrics, on the launcher)
     from megatron.core.transformer.moe.router import TopKRouter
 
     return [m for module in modules for m in module.modules() if isinstance(m, TopKRouter)]
@@ -122,6 +123,7 @@ def routing_padding_mask(padding_mask: Optional[torch.Tensor], config, *, scatte
     if padding_mask is None or not getattr(config, "num_moe_experts", None):
         return None
     if config.sequence_parallel and not scattered_by_gpt_model:
+        # lazy: this module imports no megatron-core (train.metrics, on the launcher)
         from megatron.core.tensor_parallel import scatter_to_sequence_parallel_region
 
         padding_mask = scatter_to_sequence_parallel_region(padding_mask.transpose(0, 1).contiguous())

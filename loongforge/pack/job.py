@@ -218,7 +218,7 @@ def _remaining_scan(root: Path, num_samples: int) -> int:
 
 
 def _bar(options: PackOptions, total: int, stage: str):
-    from tqdm import tqdm
+    from tqdm import tqdm  # lazy: only a run with progress on draws a bar
 
     return tqdm(total=total, desc=stage, unit="sample", disable=not options.progress, dynamic_ncols=True)
 

@@ -17,6 +17,7 @@ import socket
 import subprocess
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
@@ -139,6 +140,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600) -> D
 
 def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torch.device) -> ParallelLayout:
     """Create megatron-core's TP/PP/DP groups and seed every RNG so TP ranks agree."""
+    # lazy: the launcher (preflight) imports this module without megatron-core
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
 
@@ -175,8 +177,6 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
 def seed_everything(seed: int) -> None:
     import random
 
-    import numpy as np
-
     random.seed(seed)
     np.random.seed(seed % (2**32))
     torch.manual_seed(seed)
@@ -185,6 +185,7 @@ def seed_everything(seed: int) -> None:
 def shutdown(env: DistributedEnv | None = None) -> None:
     """Destroy megatron's and torch's groups; with ``env``, also remove the launch variables
     ``init_distributed`` set for it."""
+    # lazy: the launcher (preflight) imports this module without megatron-core
     from megatron.core import parallel_state as mpu
 
     if mpu.model_parallel_is_initialized():

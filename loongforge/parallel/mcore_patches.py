@@ -23,6 +23,10 @@ Two groups, each applied for a reason the caller states, never process-wide by d
   outlived a killed or signalled run, and a rank killed mid-save left its forked writer (~850 MB)
   behind; threads die with the rank. Saving is synchronous either way.
 
+One adjustment is not here because it must precede megatron-core's import, not wrap what it
+imported: ``mcore_jit`` (installed by ``import loongforge``) defers megatron's ``torch.compile``
+decorations to the first call, so that importing megatron-core imports no ``torch._dynamo``.
+
 Add a patch by appending a ``Patch`` to a group with a name, the owner (class or module), the
 attribute, a one-line reason and a wrapper factory. Installing is idempotent; ``revert()`` restores
 every original (tests use it).
@@ -432,6 +436,7 @@ def _write_buckets_in_threads(original: Callable) -> Callable:
     """``FileSystemWriterAsync.write_preloaded_data_multiproc`` with one thread per file instead of
     one forked process; results travel the same way (a ``{bucket index: results}`` dict, or the
     first exception, put on the results queue), so megatron's finalisation is unchanged."""
+    # lazy: the patch list names megatron-core modules without importing them
     from megatron.core.dist_checkpointing.strategies.filesystem_async import FileSystemWriterAsync
 
     @functools.wraps(original)

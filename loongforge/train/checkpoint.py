@@ -99,6 +99,7 @@ def fit_to_checkpoint_names(sharded: dict, saved_keys: set[str]) -> dict:
     lacks, because another layer backend wrote it, are left out and keep their fresh values; a
     tensor the checkpoint lacks stays in, so dist_checkpointing names it as missing.
     """
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
     fitted = {}
@@ -124,6 +125,7 @@ def _load_weights(model, loaded: dict, path: Path) -> None:
 
 
 def _saved_keys(model_optim_dir: Path) -> set[str]:
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.dist_checkpointing.serialization import load_sharded_metadata
 
     return set(load_sharded_metadata(str(model_optim_dir)).keys())
@@ -218,6 +220,7 @@ def _space_problem(root: Path, needed: int) -> Optional[str]:
 
 def _write_shards(tmp_dir: Path, state: TrainState, model_chunks: list, optimizer, scheduler,
                   rank: int) -> None:
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core import dist_checkpointing
 
     # Writer threads, not megatron's forked writers and Manager process: nothing outlives a rank.
@@ -288,6 +291,7 @@ class DamagedCheckpoint(InputError):
 
 def _distcp_sizes_needed(model_optim: Path) -> dict[str, int]:
     """Bytes each ``.distcp`` file must hold, from the ``.metadata`` dist_checkpointing wrote."""
+    # lazy: torch.distributed.checkpoint only to check a written checkpoint
     from torch.distributed.checkpoint import FileSystemReader
 
     needed: dict[str, int] = {}
@@ -401,6 +405,7 @@ def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
     objects (FP8 metadata, empty without Transformer Engine): those keep their freshly built values.
     dist_checkpointing reshards the global tensors to this run's TP/PP layout.
     """
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
@@ -439,6 +444,7 @@ def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, sche
 
 
 def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> TrainState:
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core import dist_checkpointing
 
     meta = json.loads((path / META_FILE).read_text())

@@ -3,8 +3,11 @@
 Three ways a run starts, one rule each:
 
 * ``loongforge train --nproc-per-node N`` (N > 1) outside any launcher: this process becomes the
-  elastic agent and spawns N workers on this node (rendezvous on 127.0.0.1, a free port); each
-  worker calls ``run_training``.
+  elastic agent and starts N workers on this node (rendezvous on 127.0.0.1, a free port); each
+  worker calls ``run_training``. The workers are forked by a fork server (``parallel.fork_server``)
+  that this launch starts first and that imports the training code once, while the agent sets up
+  the rendezvous: a worker starts with torch, megatron-core and the model code imported, instead
+  of importing them itself as a spawned interpreter would (N at once on the node's cores).
 * under ``torchrun`` or SLURM (``RANK``/``WORLD_SIZE`` or ``SLURM_PROCID``/``SLURM_NTASKS`` set):
   the launcher already made the processes, so this one just trains; the runner initialises the
   process group from those variables.
@@ -13,16 +16,19 @@ Three ways a run starts, one rule each:
 Stopping: a run stopped by SIGTERM or SIGINT (see ``loongforge.train.stop``) exits with 143 or 130
 from every process. The local launcher forwards those signals to its workers (torch's elastic agent
 does), gives them ``parallel.collective_timeout_s`` to finish the step and save, and exits with the
-workers' code. Nothing outlives the launcher: each worker asks the kernel to kill it when the
-launcher dies (``PR_SET_PDEATHSIG``, even under kill -9), and a worker whose peer dies fails in its
-next collective (gloo reports the closed connection), which makes the agent stop the others.
+workers' code. Nothing outlives the launcher, even under kill -9: the fork server exits when the
+launcher does (CPython's server exits at the end of its "alive" pipe, which only the launcher then
+holds), each worker asks the kernel to kill it when the server, its parent, dies
+(``PR_SET_PDEATHSIG``), and a worker whose peer dies fails in its next collective (gloo reports the
+closed connection), which makes the agent stop the others. A worker's environment is the
+launcher's at the launch (the server is started by it) plus the agent's per-rank variables
+(``RANK``, ``LOCAL_RANK``, ``MASTER_ADDR``, ...), which torch sets in the worker before it runs.
 
 How many processes a launch has is ``parallel.launch_env``'s (torch-free, for the CLI).
 """
 
 from __future__ import annotations
 
-import ctypes
 import functools
 import importlib
 import os
@@ -38,14 +44,16 @@ from typing import Callable
 from loongforge.config.errors import ConfigError, InputError, LaunchError
 from loongforge.config.schema import RunConfig
 from loongforge.models.family import LazyFunction
+from loongforge.parallel import fork_server
 from loongforge.parallel.console import filter_known_warnings
+from loongforge.parallel.fork_server import die_with_parent
 from loongforge.parallel.launch_env import needs_local_workers
 
 # entrypoint(cfg, resume, command_line), run once per worker.
 WorkerEntrypoint = Callable[[RunConfig, bool, list[str]], None]
 
-# Training, imported by each worker when it starts: the launcher itself never loads megatron-core
-# and the model code (seconds of CPU a launch, while the workers import the same).
+# Training, imported by the workers' fork server: the launcher itself never loads megatron-core and
+# the model code (seconds of CPU, while the server imports the same for the workers).
 run_training_worker = LazyFunction("loongforge.train.runner:run_training_worker")
 
 
@@ -53,25 +61,7 @@ run_training_worker = LazyFunction("loongforge.train.runner:run_training_worker"
 # boundary) or -2/-15 (killed by the signal before it could install its handlers, at start-up).
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 STOP_EXIT_CODES = frozenset([128 + sig for sig in _STOP_SIGNALS] + [-sig for sig in _STOP_SIGNALS])
-_PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 _AGENT_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
-
-
-def die_with_parent(parent_pid: int) -> bool:
-    """Have the kernel SIGKILL this process when ``parent_pid`` (its parent) exits, however it exits.
-
-    Linux only (prctl through libc); returns False where that is not available. A parent that died
-    before the request took effect is caught by comparing the parent pid afterwards.
-    """
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        if libc.prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0) != 0:
-            return False
-    except (OSError, AttributeError):
-        return False
-    if os.getppid() != parent_pid:
-        os._exit(128 + signal.SIGKILL)  # orphaned already: nobody is left to collect our work
-    return True
 
 
 # A worker's exit code for a usage problem (bad config or input) it met after start-up; its message
@@ -79,10 +69,22 @@ def die_with_parent(parent_pid: int) -> bool:
 USAGE_EXIT_CODE = 2
 
 
-def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, usage_dir: str, cfg: RunConfig,
-                  resume: bool, command_line: list[str]) -> None:
-    """A spawned worker: tied to the launcher's life, then the entrypoint."""
-    die_with_parent(launcher_pid)
+def _tie_to_launcher(launcher_pid: int, server_pid: int) -> None:
+    """Die with the launcher, however it dies: the kernel kills this worker when the fork server,
+    its parent, exits, and the server exits when the launcher does once no worker holds its alive
+    pipe. A launcher gone before the tie took effect is caught by asking after it."""
+    fork_server.release_alive_pipe()
+    die_with_parent(server_pid)
+    try:
+        os.kill(launcher_pid, 0)
+    except ProcessLookupError:
+        os._exit(128 + signal.SIGKILL)  # orphaned already: nobody is left to collect our work
+
+
+def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, server_pid: int, usage_dir: str,
+                  cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
+    """A forked worker: tied to the launcher's life, then the entrypoint."""
+    _tie_to_launcher(launcher_pid, server_pid)
     filter_known_warnings(cfg.logging.verbose)
     try:
         entrypoint(cfg, resume, command_line)
@@ -105,6 +107,13 @@ def _free_local_port() -> int:
         return sock.getsockname()[1]
 
 
+def _worker_preload(entrypoint: WorkerEntrypoint, verbose: bool) -> list[str]:
+    """What the workers' fork server imports: the entrypoint's module and this one (the worker
+    function's), after the warning filters a worker would install before importing megatron-core."""
+    module = entrypoint.path.partition(":")[0] if isinstance(entrypoint, LazyFunction) else entrypoint.__module__
+    return ([] if verbose else ["loongforge.parallel.quiet_known_warnings"]) + [__name__, module]
+
+
 def _warm_failure_logging() -> None:
     """torch's log formatter imports torch._dynamo the first time it formats an exception (1-2 s,
     several on a loaded machine), and that first time is the agent reporting a failed worker: the
@@ -114,19 +123,12 @@ def _warm_failure_logging() -> None:
                      name="loongforge-warm-logging").start()
 
 
-def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
-                         command_line: list[str],
-                         entrypoint: WorkerEntrypoint = run_training_worker) -> None:
-    """Run ``entrypoint(cfg, resume, command_line)`` in ``nproc_per_node`` spawned workers.
+def _launch_config(cfg: RunConfig, nproc_per_node: int):
+    """One node, a free local port, no restarts, workers forked by the fork server."""
+    # lazy: a run in this process (under torchrun, or one process) needs no elastic launcher
+    from torch.distributed.launcher.api import LaunchConfig
 
-    Blocks until all workers finish; raises LaunchError naming the failed ranks. No restarts: a
-    crashed training step fails the same way again, and --resume is the recovery path.
-    """
-    from torch.distributed.elastic.multiprocessing.api import SignalException
-    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
-    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
-
-    launch_config = LaunchConfig(
+    return LaunchConfig(
         min_nodes=1,
         max_nodes=1,
         nproc_per_node=nproc_per_node,
@@ -134,35 +136,59 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
         rdzv_backend="c10d",
         rdzv_endpoint=f"127.0.0.1:{_free_local_port()}",
         max_restarts=0,
-        start_method="spawn",
+        start_method="forkserver",
         # After a SIGTERM/SIGINT the agent forwards it and waits this long for the workers to finish
         # the step and save before it kills them; a longer wait would be a hung collective anyway.
         shutdown_timeout=cfg.parallel.collective_timeout_s,
     )
-    _warm_failure_logging()
+
+
+def _raise_worker_failure(error: Exception, usage_dir: Path) -> None:
+    """The exit of a launch whose workers failed (``error``: torch's ChildFailedError)."""
+    failures = error.failures  # rank -> ProcessFailure
+    codes = {failure.exitcode for failure in failures.values()}
+    if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped
+        raise SystemExit(128 + max(code - 128 if code > 0 else -code for code in codes)) from None
+    # A usage problem in any worker is the cause: peers then fail on the closed connection.
+    if USAGE_EXIT_CODE in codes and (message := _usage_problem(usage_dir)) is not None:
+        raise InputError(message) from None
+    failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})" for rank, failure in sorted(failures.items()))
+    raise LaunchError(f"training workers failed: {failed}") from error
+
+
+def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
+                         command_line: list[str],
+                         entrypoint: WorkerEntrypoint = run_training_worker) -> None:
+    """Run ``entrypoint(cfg, resume, command_line)`` in ``nproc_per_node`` forked workers.
+
+    Blocks until all workers finish; raises LaunchError naming the failed ranks. No restarts: a
+    crashed training step fails the same way again, and --resume is the recovery path.
+    """
+    # lazy: a run in this process (under torchrun, or one process) needs no elastic launcher
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import elastic_launch
+
+    # First: the server imports the training code while the agent sets up the rendezvous.
+    server_pid = fork_server.start(_worker_preload(entrypoint, cfg.logging.verbose))
     usage_dir = Path(tempfile.mkdtemp(prefix="loongforge-usage-"))
-    # Named after the entrypoint: the elastic agent reports failures by the function's name.
-    worker = functools.partial(_local_worker, entrypoint, os.getpid(), str(usage_dir))
-    worker.__name__ = worker.__qualname__ = entrypoint.__name__
     # torch's elastic agent installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and leaves them:
     # restored below, so a process that launched workers (a test, a notebook) and later forks does
     # not pass a handler that outlives its purpose to the children.
     handlers = {sig: signal.getsignal(sig) for sig in _AGENT_SIGNALS}
     try:
+        launch_config = _launch_config(cfg, nproc_per_node)
+        _warm_failure_logging()
+        # Named after the entrypoint: the elastic agent reports failures by the function's name.
+        worker = functools.partial(_local_worker, entrypoint, os.getpid(), server_pid, str(usage_dir))
+        worker.__name__ = worker.__qualname__ = entrypoint.__name__
         elastic_launch(launch_config, worker)(cfg, resume, command_line)
     except SignalException as exc:  # this process was signalled; the workers have stopped
         raise SystemExit(128 + int(exc.sigval)) from None
     except ChildFailedError as exc:
-        codes = {failure.exitcode for failure in exc.failures.values()}
-        if codes <= STOP_EXIT_CODES:  # the workers were signalled and stopped
-            raise SystemExit(128 + max(code - 128 if code > 0 else -code for code in codes)) from None
-        # A usage problem in any worker is the cause: peers then fail on the closed connection.
-        if USAGE_EXIT_CODE in codes and (message := _usage_problem(usage_dir)) is not None:
-            raise InputError(message) from None
-        failed = ", ".join(f"rank {rank} (exit code {failure.exitcode})"
-                           for rank, failure in sorted(exc.failures.items()))
-        raise LaunchError(f"training workers failed: {failed}") from exc
+        _raise_worker_failure(exc, usage_dir)
     finally:
+        fork_server.stop()  # a later launch or fork in this process starts from its own state
         shutil.rmtree(usage_dir, ignore_errors=True)
         for sig, handler in handlers.items():
             signal.signal(sig, handler)

@@ -122,6 +122,7 @@ class RunLogger:
             self._bar = tqdm(total=self.total_steps, initial=self.start_step, desc="train",
                              unit="step", dynamic_ncols=True, file=sys.stderr)
         if self.tensorboard:
+            # lazy: tensorboard only when logging.tensorboard is on
             from torch.utils.tensorboard import SummaryWriter
 
             self._writer = SummaryWriter(log_dir=str(self.output_dir / "tensorboard"))

@@ -10,6 +10,7 @@ from loongforge.config.schema import OptimizerConfig, ParallelConfig, ScheduleCo
 def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, parallel_cfg: ParallelConfig,
                     *, params_dtype: torch.dtype):
     """Adam (or SGD) with fp32 main params; the distributed optimizer shards its state over DP."""
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
 
@@ -32,6 +33,7 @@ def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, parallel_cfg
 def build_scheduler(optimizer, optim_cfg: OptimizerConfig, schedule_cfg: ScheduleConfig,
                     *, train_steps: int):
     """Linear warm-up from 0 to lr over ``warmup_steps``, then cosine (or constant) down to min_lr."""
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     warmup = min(schedule_cfg.warmup_steps, max(train_steps - 1, 0))

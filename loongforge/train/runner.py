@@ -22,6 +22,7 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
@@ -159,12 +160,6 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
 def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object]:
     """A built model as the step trains it: megatron's DDP wrapper (fp32 gradient buffers) and the
     per-token loss normalisation; ([wrapped model], its TransformerConfig)."""
-    from megatron.core.distributed import (
-        DistributedDataParallel,
-        DistributedDataParallelConfig,
-        finalize_model_grads,
-    )
-
     config = model.config
     # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
     config.calculate_per_token_loss = True

@@ -49,6 +49,7 @@ def to_device(micro_batch: dict, device: torch.device) -> dict:
 
 
 def _packed_seq_params(cu_seqlens: torch.Tensor):
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.packed_seq_params import PackedSeqParams
 
     cu = cu_seqlens.to(torch.int32)  # [n_segments + 1]
@@ -129,6 +130,7 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
     """megatron-core's schedule over this rank's micro-batches: forward, backward, and the gradient
     finalize (all-reduce, division by the global loss-token count); the loss reports it returns.
     Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank))
@@ -198,6 +200,7 @@ def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]
     data-parallel ranks by megatron's own helper, a collective), then cleared for the next step."""
     if not _has_balance_loss(_model_config(model)):
         return None
+    # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.transformer.moe import moe_utils
 
     name = "load_balancing_loss"

@@ -16,11 +16,17 @@ from loongforge.config.loader import load_run_config
 from loongforge.parallel import launch_env
 from loongforge.train import launch as launcher
 
+# Which process imported this module: in a worker, the fork server (its parent) when the server's
+# preload (the entrypoint's module) took effect; the worker itself had it not.
+IMPORTED_BY_PID = os.getpid()
+
 
 def record_rank(cfg, resume, command_line):
-    """Worker entrypoint: proves each spawned process got the config and launch variables."""
+    """Worker entrypoint: proves each worker got the config and launch variables, and was forked
+    with its module imported already."""
     out = Path(cfg.logging.output_dir)
-    text = f"{os.environ['WORLD_SIZE']} {resume} {command_line[0]}"
+    preloaded = "preloaded" if IMPORTED_BY_PID == os.getppid() != os.getpid() else f"imported by {IMPORTED_BY_PID}"
+    text = f"{os.environ['WORLD_SIZE']} {resume} {command_line[0]} {preloaded}"
     (out / f"rank{os.environ['RANK']}").write_text(text)
 
 
@@ -50,8 +56,8 @@ def test_launch_local_workers_runs_entrypoint_on_every_rank(tmp_path):
                           overrides=[f"logging.output_dir={tmp_path}"])
     launcher.launch_local_workers(cfg, nproc_per_node=2, resume=True, command_line=["loongforge"],
                                   entrypoint=record_rank)
-    assert (tmp_path / "rank0").read_text() == "2 True loongforge"
-    assert (tmp_path / "rank1").read_text() == "2 True loongforge"
+    assert (tmp_path / "rank0").read_text() == "2 True loongforge preloaded"
+    assert (tmp_path / "rank1").read_text() == "2 True loongforge preloaded"
 
 
 @pytest.mark.timeout(120)
@@ -70,7 +76,7 @@ def test_failed_worker_raises_launch_error_naming_the_rank(monkeypatch):
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure
 
     def failing_launch(config, entrypoint):
-        assert (config.start_method, config.max_restarts, config.nproc_per_node) == ("spawn", 0, 2)
+        assert (config.start_method, config.max_restarts, config.nproc_per_node) == ("forkserver", 0, 2)
         assert config.rdzv_endpoint.startswith("127.0.0.1:")
         failure = ProcessFailure(local_rank=1, pid=123, exitcode=3, error_file="/nonexistent")
         raise ChildFailedError("record_rank", {1: failure})

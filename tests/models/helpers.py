@@ -1,18 +1,23 @@
-"""Shared test helpers: the tiny preset, a matching random transformers model, sample inputs, and
-megatron parallel-state setup over gloo (usable in-process and in spawned workers)."""
+"""Shared test helpers: the tiny preset, a matching random transformers model, sample inputs,
+megatron parallel-state setup over gloo (usable in-process and in worker processes), and
+``run_workers``, which forks test workers from one fork server per test session."""
 
 from __future__ import annotations
 
 import dataclasses
 import os
 import socket
+import time
 from datetime import timedelta
+from multiprocessing import reduction
 from typing import Optional
 
+import pytest
 import torch
 import torch.distributed as dist
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.parallel import fork_server
 
 # Channels * temporal patch * patch^2: the width of one row of pixel_values.
 PATCH_DIM = 3 * 2 * 14 * 14
@@ -203,14 +208,46 @@ def limit_threads() -> None:
     os.environ["OMP_NUM_THREADS"] = "1"
 
 
+# What the fork server of ``run_workers`` imports once per session, so that a worker group only
+# forks (a spawned worker paid a fresh interpreter, torch, megatron-core and the model code, seconds
+# of CPU each, ~50 groups in the suite): the training code, with megatron-core (loongforge's import
+# installs its deferred jit first) and every model family, and these helpers.
+WORKER_PRELOAD = ("loongforge.parallel.quiet_known_warnings", "loongforge.train.runner", __name__)
+
+
+class _CallersStdio:
+    """The caller's stdout and stderr, handed to a forked worker as file descriptors: the fork
+    server's own are those of the test it was started in (pytest captures each test's output apart),
+    and a spawned worker had its caller's."""
+
+    def __reduce__(self):
+        return _use_stdio, (reduction.DupFd(1), reduction.DupFd(2))
+
+
+def _use_stdio(stdout, stderr) -> None:
+    os.dup2(stdout.detach(), 1)
+    os.dup2(stderr.detach(), 2)
+
+
+def _forked_worker(rank: int, worker, environ: dict[str, str], _stdio: None, *args) -> None:
+    """In a worker forked by the session's fork server: the caller's environment (the server's is
+    the one it started with), tied to the server's life, then ``worker(rank, *args)``."""
+    os.environ.clear()
+    os.environ.update(environ)
+    fork_server.die_with_parent(os.getppid())  # a killed test session leaves no worker behind
+    worker(rank, *args)
+
+
 def run_workers(worker, nprocs: int, args: tuple, timeout_s: float) -> None:
-    """Spawn ``worker(rank, *args)`` in ``nprocs`` processes; re-raise a worker's error; kill all
-    and fail when they are not done within ``timeout_s`` (so a hung collective cannot hang CI)."""
-    import time
+    """Run ``worker(rank, *args)`` in ``nprocs`` forked processes; re-raise a worker's error; kill all
+    and fail when they are not done within ``timeout_s`` (so a hung collective cannot hang CI).
 
-    import pytest
-
-    context = torch.multiprocessing.start_processes(worker, args=args, nprocs=nprocs, join=False, start_method="spawn")
+    ``worker`` must be importable by its qualified name (a module-level function of a test module):
+    the worker process imports its module, as a spawned one did."""
+    fork_server.ensure(WORKER_PRELOAD)
+    context = torch.multiprocessing.start_processes(
+        _forked_worker, args=(worker, dict(os.environ), _CallersStdio(), *args), nprocs=nprocs, join=False,
+        start_method="forkserver")
     deadline = time.monotonic() + timeout_s
     while not context.join(timeout=1):  # raises if a worker failed
         if time.monotonic() > deadline:

@@ -65,6 +65,17 @@ def assert_no_job_process_left(proc: subprocess.Popen, within_s: float) -> None:
             process.kill()
 
 
+def fork_servers(launcher_pid: int) -> list[psutil.Process]:
+    return [p for p in psutil.Process(launcher_pid).children()
+            if "multiprocessing.forkserver" in " ".join(p.cmdline())]
+
+
+def worker_processes(launcher_pid: int) -> list[psutil.Process]:
+    """The job's training workers, in the order they were forked: the children of the launcher's
+    fork server."""
+    return sorted((w for server in fork_servers(launcher_pid) for w in server.children()), key=lambda p: p.pid)
+
+
 def logged_steps(out_dir: Path) -> int:
     metrics = out_dir / "metrics.jsonl"
     return len(metrics.read_text().splitlines()) if metrics.is_file() else 0
@@ -138,12 +149,39 @@ def test_kill_9_of_the_writing_rank_during_a_save_leaves_no_process(tmp_path):
             (out / "checkpoints" / "step_00000002").is_dir()
             and any((out / "checkpoints").glob("step_*.tmp"))), 300, interval_s=0.005)
         assert saving and proc.poll() is None, "no save was caught in progress:\n" + log.read_text()[-3000:]
-        workers = sorted((p for p in psutil.Process(proc.pid).children()
-                          if "spawn_main" in " ".join(p.cmdline())), key=lambda p: p.pid)
+        workers = worker_processes(proc.pid)
         assert len(workers) == 2, workers
-        # The first spawned, rank 0: with DP replicas only it writes files (rank 1 has no writer).
+        # The first forked, rank 0: with DP replicas only it writes files (rank 1 has no writer).
         workers[0].kill()
         returncode = proc.wait(timeout=10)
     finally:
         assert_no_job_process_left(proc, within_s=10)
     assert returncode not in (0, 143), log.read_text()[-3000:]
+
+
+@pytest.mark.timeout(300)
+def test_kill_9_of_the_launcher_while_training_leaves_no_process(tmp_path):
+    """The workers' parent is the fork server: it exits with the launcher, and they with it."""
+    out = tmp_path / "launcher_killed"
+    proc, log = start_job(out, "training.train_steps=40")
+    try:
+        assert wait_until(lambda: logged_steps(out) >= 1 or proc.poll() is not None, 300)
+        assert proc.poll() is None, log.read_text()[-3000:]
+        assert len(worker_processes(proc.pid)) == 2
+        proc.kill()  # SIGKILL: the launcher runs no clean-up of its own
+        proc.wait(timeout=10)
+    finally:
+        assert_no_job_process_left(proc, within_s=10)
+
+
+@pytest.mark.timeout(120)
+def test_kill_9_of_the_launcher_while_the_fork_server_imports_leaves_no_process(tmp_path):
+    """Before it forks a worker the server imports the training code (seconds), deaf to its alive pipe."""
+    proc, log = start_job(tmp_path / "launcher_killed_early", "training.train_steps=40")
+    try:
+        assert wait_until(lambda: proc.poll() is not None or fork_servers(proc.pid), 60, interval_s=0.01)
+        assert proc.poll() is None and not worker_processes(proc.pid), log.read_text()[-3000:]
+        proc.kill()
+        proc.wait(timeout=10)
+    finally:
+        assert_no_job_process_left(proc, within_s=10)

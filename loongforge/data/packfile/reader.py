@@ -60,7 +60,7 @@ class PackedFolder:
         return decode_pack(record)
 
     def _file(self, shard: str):
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # lazy: pyarrow.parquet only once a shard is opened
 
         if shard not in self._files:
             if len(self._files) >= _OPEN_SHARDS:

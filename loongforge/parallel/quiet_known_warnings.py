@@ -1,0 +1,11 @@
+"""Imported for its effect: this process ignores the known harmless third-party warnings
+(``console.KNOWN_HARMLESS``).
+
+A fork server's preload takes module names, not calls: a launcher puts this module first in the
+preload of a run without ``logging.verbose``, so that the server ignores the warnings megatron-core
+issues while it is imported (once for every worker it then forks) as each worker would have.
+"""
+
+from loongforge.parallel.console import filter_known_warnings
+
+filter_known_warnings(verbose=False)
