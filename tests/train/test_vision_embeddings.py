@@ -73,7 +73,10 @@ def test_at_dp2_with_balancing_and_across_a_resume(store, tmp_path):
 
 def test_a_sample_without_stored_embeddings_is_a_counted_reject(tmp_path):
     images_only = _encode(tmp_path / "images", FILES[0])
-    run_train(tmp_path / "run", *RUN, f"data.vision_embeddings={images_only}", "training.train_steps=2")
+    # Rows of 512: every demo conversation fits (the longest is 360 tokens with the small vocabulary),
+    # so the only rejects are the samples without embeddings.
+    run_train(tmp_path / "run", *RUN, f"data.vision_embeddings={images_only}", "training.train_steps=2",
+              "data.seq_len=512")
     rejects = [json.loads(line) for line in (tmp_path / "run" / "rejects.jsonl").read_text().splitlines()]
     videos = json.loads(FILES[1].read_text())
     assert {r["reason"] for r in rejects} == {"missing_embedding"}
