@@ -107,11 +107,23 @@ def _free_local_port() -> int:
         return sock.getsockname()[1]
 
 
-def _worker_preload(entrypoint: WorkerEntrypoint, verbose: bool) -> list[str]:
+# Imported by every training rank while it sets up, lazily (importing the runner stays light for
+# whatever else imports it): the workers' fork server imports them once for all ranks.
+_TRAINING_SET_UP_IMPORTS = (
+    "torch._dynamo",  # torch.optim's add_param_group imports it when the optimizer is built
+    "transformers",  # the data pipeline's tokenizer
+)
+
+
+def _worker_preload(entrypoint: WorkerEntrypoint, cfg: RunConfig) -> list[str]:
     """What the workers' fork server imports: the entrypoint's module and this one (the worker
-    function's), after the warning filters a worker would install before importing megatron-core."""
+    function's), after the warning filters a worker would install before importing megatron-core;
+    for training, also what each rank would import while it sets up."""
     module = entrypoint.path.partition(":")[0] if isinstance(entrypoint, LazyFunction) else entrypoint.__module__
-    return ([] if verbose else ["loongforge.parallel.quiet_known_warnings"]) + [__name__, module]
+    preload = ([] if cfg.logging.verbose else ["loongforge.parallel.quiet_known_warnings"]) + [__name__, module]
+    if entrypoint is run_training_worker:
+        preload += [*_TRAINING_SET_UP_IMPORTS, *(["datasets"] if cfg.data.source == "files" else [])]
+    return preload
 
 
 def _warm_failure_logging() -> None:
@@ -170,7 +182,7 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     from torch.distributed.launcher.api import elastic_launch
 
     # First: the server imports the training code while the agent sets up the rendezvous.
-    server_pid = fork_server.start(_worker_preload(entrypoint, cfg.logging.verbose))
+    server_pid = fork_server.start(_worker_preload(entrypoint, cfg))
     usage_dir = Path(tempfile.mkdtemp(prefix="loongforge-usage-"))
     # torch's elastic agent installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and leaves them:
     # restored below, so a process that launched workers (a test, a notebook) and later forks does

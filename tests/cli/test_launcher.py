@@ -71,6 +71,18 @@ def test_a_usage_problem_in_a_worker_is_one_input_error_not_tracebacks(tmp_path)
                                       entrypoint=reject_on_rank_1)
 
 
+def test_the_fork_server_preloads_what_the_workers_import():
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
+    assert launcher._worker_preload(launcher.run_training_worker, cfg) == [
+        "loongforge.parallel.quiet_known_warnings", "loongforge.train.launch", "loongforge.train.runner",
+        "torch._dynamo", "transformers"]
+    files = load_run_config("qwen2.5vl-tiny", world_size=2, overrides=["data.source=files", "data.paths=[x.jsonl]",
+                                                                       "logging.verbose=true"])
+    assert launcher._worker_preload(launcher.run_training_worker, files)[0] == "loongforge.train.launch"
+    assert launcher._worker_preload(launcher.run_training_worker, files)[-1] == "datasets"
+    assert launcher._worker_preload(record_rank, cfg)[1:] == ["loongforge.train.launch", __name__]
+
+
 def test_failed_worker_raises_launch_error_naming_the_rank(monkeypatch):
     # Spawning a failing worker costs as much as the test above; the mapping is what matters here.
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError, ProcessFailure

@@ -211,8 +211,10 @@ def limit_threads() -> None:
 # What the fork server of ``run_workers`` imports once per session, so that a worker group only
 # forks (a spawned worker paid a fresh interpreter, torch, megatron-core and the model code, seconds
 # of CPU each, ~50 groups in the suite): the training code, with megatron-core (loongforge's import
-# installs its deferred jit first) and every model family, and these helpers.
-WORKER_PRELOAD = ("loongforge.parallel.quiet_known_warnings", "loongforge.train.runner", __name__)
+# installs its deferred jit first) and every model family; what workers import lazily (torch._dynamo
+# when they build an optimizer, transformers' models for parity); these helpers.
+WORKER_PRELOAD = ("loongforge.parallel.quiet_known_warnings", "loongforge.train.runner", "torch._dynamo",
+                  "transformers.modeling_utils", __name__)
 
 
 class _CallersStdio:
