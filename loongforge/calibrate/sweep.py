@@ -119,8 +119,12 @@ class SweepSource:
         self.answer_share = answer_share
         model, data = cfg.model, cfg.data
         self.tokens = model.tokens
-        # Text ids below the Qwen special tokens, and inside the model's vocabulary (Llama's is smaller).
-        self.text_vocab = min(_TEXT_VOCAB, model.language.vocab_size)
+        # Text ids below every special token the model knows (a vision token drawn as text would
+        # make a row the model refuses) and inside its vocabulary (Llama's is smaller).
+        tokens = model.tokens
+        self.text_vocab = min(_TEXT_VOCAB, model.language.vocab_size, tokens.pad_token_id,
+                              *((tokens.image_token_id, tokens.video_token_id, tokens.vision_start_token_id,
+                                 tokens.vision_end_token_id) if model.vision is not None else ()))
         self.position_ids = get_family(model.family).position_ids(model)
         if model.vision is None:  # a text-only model: text designs only
             self.merge, self.pixel_width, grids = 1, 0, []

@@ -12,9 +12,10 @@ from loongforge.config.loader import load_run_config
 from loongforge.profile.features import micro_batch_record, sample_costs
 
 
-@pytest.fixture(scope="module")
-def cfg():
-    return load_run_config("qwen2.5vl-tiny", overrides=["data.seq_len=1024"])
+@pytest.fixture(scope="module", params=["qwen2.5vl-tiny", "qwen2.5vl-tiny-small-vocab"])
+def cfg(request):
+    # The small vocabulary puts the vision tokens at 4105-4109, inside the range text is drawn from.
+    return load_run_config(request.param, overrides=["data.seq_len=1024"])
 
 
 def _costs(cfg, mb):
@@ -52,6 +53,9 @@ def test_sweep_rows_follow_the_collate_contract_and_cover_the_design(cfg):
             patches = int(mb["image_grid_thw"].prod(dim=1).sum())
             assert mb["pixel_values"].shape == (patches, 1176)
             assert int((mb["input_ids"] == cfg.model.tokens.image_token_id).sum()) == patches // 4
+        else:  # no text token is drawn on a vision token's id
+            assert not torch.isin(mb["input_ids"], torch.tensor([cfg.model.tokens.image_token_id,
+                                                                 cfg.model.tokens.vision_start_token_id])).any()
         packed += len(mb["sample_lengths"]) > 1
         seen_lengths.update(mb["sample_lengths"])
     assert len(rows) == 5 * cfg.training.global_batch_size
