@@ -221,20 +221,20 @@ def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, cha
     """The tokenizer, model.tokens and the chat format must agree: vision tokens would land on the
     wrong ids, a text model's padding on a real token, a format's markers be split as plain text,
     an id beyond the embedding fail deep inside a step."""
+    if model_cfg.vision is not None:
+        _check_vision_token_ids(tokenizer, model_cfg)
+    else:
+        _check_pad_token_id(tokenizer, model_cfg.tokens.pad_token_id)
+        for marker in chat.markers:
+            pieces = len(tokenizer(marker, add_special_tokens=False)["input_ids"])
+            if pieces != 1:
+                raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a marker of the "
+                                 f"model's chat format, into {pieces} tokens; set data.tokenizer to the "
+                                 f"model's own tokenizer")
     if len(tokenizer) > model_cfg.language.vocab_size:
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {len(tokenizer)} ids but "
                          f"model.language.vocab_size={model_cfg.language.vocab_size}; use the model's "
                          f"own tokenizer or a vocabulary of at least {len(tokenizer)}")
-    if model_cfg.vision is not None:
-        _check_vision_token_ids(tokenizer, model_cfg)
-        return
-    _check_pad_token_id(tokenizer, model_cfg.tokens.pad_token_id)
-    for marker in chat.markers:
-        pieces = len(tokenizer(marker, add_special_tokens=False)["input_ids"])
-        if pieces != 1:
-            raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a marker of the "
-                             f"model's chat format, into {pieces} tokens; set data.tokenizer to the "
-                             f"model's own tokenizer")
 
 
 def _check_vision_token_ids(tokenizer, model_cfg: ModelConfig) -> None:

@@ -109,7 +109,7 @@ def test_small_vocab_preset_renders_the_same_token_structure(full_preset, small_
 def test_a_tokenizer_larger_than_the_vocabulary_is_one_clear_error():
     from loongforge.data.measure import check_token_ids
 
-    cfg = load_run_config("qwen2.5vl-tiny-small-vocab", overrides=["data.tokenizer=qwen"])
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["model.language.vocab_size=4224"])
     tokenizer, chat, _ = _preset_tokenizer("qwen2.5vl-tiny")
     with pytest.raises(ValueError, match=r"data.tokenizer=qwen has 151665 ids but model.language.vocab_size=4224"):
         check_token_ids(tokenizer, cfg.data, cfg.model, chat)

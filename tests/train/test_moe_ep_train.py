@@ -4,7 +4,7 @@ load-balancing loss on), logging its balance loss and tokens per expert each ste
 Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
 data-parallel ranks (EP 2), over EP 2 x TP 2 (sequence parallel, expert TP 1) and over EP 2 x PP 2
 (rows padded to the full sequence, padding kept out of the routing statistics) gives the per-step
-losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 1e-7 over 5
+losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 3e-7 over 5
 steps, and the same Adam moments and weights (1.5e-6); EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
 weights go into an EP-2 run and come back out of its checkpoint bit-exact."""
 
@@ -32,8 +32,8 @@ from tests.train.conftest import (
 
 PRESET = "qwen3-moe-tiny-small-vocab"
 # About 3x the worst measured over ep2, ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
-# losses and grad norms 3.5e-8, load-balancing losses within them; Adam moments 5.0e-7, weights 3.1e-7.
-REL = 1e-7
+# losses and grad norms 3.5e-8, load-balancing losses 1.2e-7; Adam moments 5.0e-7, weights 3.1e-7.
+REL = 3e-7
 STATE_REL = 1.5e-6
 RESUME_STEP = 2
 # 5 steps of 4 rows of 256 tokens; a checkpoint every 2 steps (2, 4) and at the end (5). A balance
