@@ -38,6 +38,8 @@ from typing import Sequence
 __all__ = ["start", "ensure", "stop", "pid", "release_alive_pipe", "die_with_parent"]
 
 PREAMBLE = "loongforge.parallel.fork_server_preamble"
+# The pid of the process that started the server, for the preamble (set only while it starts).
+STARTER_ENV = "LOONGFORGE_FORK_SERVER_STARTER"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
 
 
@@ -70,7 +72,17 @@ def start(preload: Sequence[str]) -> int:
     main thread: the server dies with the thread that started it."""
     stop()
     multiprocessing.get_context("forkserver").set_forkserver_preload([PREAMBLE, *preload])
-    forkserver.ensure_running()  # returns at once: the server imports while requests queue up
+    # The server's preamble ties it to this pid: its own getppid() would already name init if this
+    # process died before the preamble ran (a kill -9 while the server starts up, on a loaded node).
+    previous = os.environ.get(STARTER_ENV)
+    os.environ[STARTER_ENV] = str(os.getpid())
+    try:
+        forkserver.ensure_running()  # returns at once: the server imports while requests queue up
+    finally:
+        if previous is None:
+            os.environ.pop(STARTER_ENV, None)
+        else:
+            os.environ[STARTER_ENV] = previous
     return pid()
 
 

@@ -6,6 +6,6 @@ alive pipe), and the preload takes seconds: a launcher killed meanwhile would le
 
 import os
 
-from loongforge.parallel.fork_server import die_with_parent
+from loongforge.parallel.fork_server import STARTER_ENV, die_with_parent
 
-die_with_parent(os.getppid())
+die_with_parent(int(os.environ.get(STARTER_ENV, os.getppid())))
