@@ -111,7 +111,9 @@ def train(
             return
         if launch_world_size is None:
             _check_single_process_launch(cfg)
-        _prepare_run(cfg, resume=resume, overwrite=overwrite)
-        from loongforge.train.launch import run
+        from loongforge.train.launch import run, worker_server_started
 
+        # Local workers' fork server imports the training code while the checks run (they import torch).
+        with worker_server_started(cfg, nproc_per_node=nproc_per_node):
+            _prepare_run(cfg, resume=resume, overwrite=overwrite)
         run(cfg, nproc_per_node=nproc_per_node, resume=resume, command_line=list(sys.argv))

@@ -29,6 +29,7 @@ How many processes a launch has is ``parallel.launch_env``'s (torch-free, for th
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import os
@@ -39,7 +40,7 @@ import tempfile
 import threading
 import uuid
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 from loongforge.config.errors import ConfigError, InputError, LaunchError
 from loongforge.config.schema import RunConfig
@@ -135,6 +136,21 @@ def _warm_failure_logging() -> None:
                      name="loongforge-warm-logging").start()
 
 
+@contextlib.contextmanager
+def worker_server_started(cfg: RunConfig, *, nproc_per_node: int | None,
+                          entrypoint: WorkerEntrypoint = run_training_worker) -> Iterator[None]:
+    """When this run launches local workers, their fork server starts now and imports the training
+    code while the body runs (the CLI's checks); ``launch_local_workers`` then forks the workers from
+    it. Stopped again when the body raises: a refused run starts nothing."""
+    if needs_local_workers(nproc_per_node):
+        fork_server.start(_worker_preload(entrypoint, cfg))
+    try:
+        yield
+    except BaseException:
+        fork_server.stop()
+        raise
+
+
 def _launch_config(cfg: RunConfig, nproc_per_node: int):
     """One node, a free local port, no restarts, workers forked by the fork server."""
     # lazy: a run in this process (under torchrun, or one process) needs no elastic launcher
@@ -181,8 +197,9 @@ def launch_local_workers(cfg: RunConfig, *, nproc_per_node: int, resume: bool,
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import elastic_launch
 
-    # First: the server imports the training code while the agent sets up the rendezvous.
-    server_pid = fork_server.start(_worker_preload(entrypoint, cfg))
+    # First (unless start_worker_server did): the server imports the training code while the agent
+    # sets up the rendezvous.
+    server_pid = fork_server.ensure(_worker_preload(entrypoint, cfg))
     usage_dir = Path(tempfile.mkdtemp(prefix="loongforge-usage-"))
     # torch's elastic agent installs its own SIGTERM/SIGINT/SIGHUP/SIGQUIT handlers and leaves them:
     # restored below, so a process that launched workers (a test, a notebook) and later forks does

@@ -13,7 +13,7 @@ import psutil
 import pytest
 
 from loongforge.config.loader import load_run_config
-from loongforge.parallel import launch_env
+from loongforge.parallel import fork_server, launch_env
 from loongforge.train import launch as launcher
 
 # Which process imported this module: in a worker, the fork server (its parent) when the server's
@@ -81,6 +81,17 @@ def test_the_fork_server_preloads_what_the_workers_import():
     assert launcher._worker_preload(launcher.run_training_worker, files)[0] == "loongforge.train.launch"
     assert launcher._worker_preload(launcher.run_training_worker, files)[-1] == "datasets"
     assert launcher._worker_preload(record_rank, cfg)[1:] == ["loongforge.train.launch", __name__]
+
+
+def test_the_fork_server_starts_before_the_checks_and_stops_when_they_refuse_the_run():
+    cfg = load_run_config("qwen2.5vl-tiny", world_size=2)
+    with pytest.raises(RuntimeError, match="refused"):
+        with launcher.worker_server_started(cfg, nproc_per_node=2, entrypoint=record_rank):
+            assert fork_server.pid() is not None
+            raise RuntimeError("refused")
+    assert fork_server.pid() is None
+    with launcher.worker_server_started(cfg, nproc_per_node=1, entrypoint=record_rank):
+        assert fork_server.pid() is None  # one process: no workers to fork
 
 
 def test_failed_worker_raises_launch_error_naming_the_rank(monkeypatch):
