@@ -28,6 +28,7 @@ from tests.train.conftest import (
     resume_from_copy,
     run_train,
     step_metric,
+    worst_relative,
 )
 
 PRESET = "qwen3-moe-tiny-small-vocab"
@@ -76,10 +77,6 @@ def test_moe_run_learns_and_logs_its_experts(runs):
     assert f"experts max/mean {load[-1]:.2f}" in (run / "console.txt").read_text()
 
 
-def _worst_relative(actual: list[float], expected: list[float]) -> float:
-    return max(abs(a - e) / abs(e) for a, e in zip(actual, expected))
-
-
 @pytest.mark.parametrize("layout", ["ep2", "ep2-tp2", "ep2-pp2"])
 def test_expert_layout_trains_like_one_expert_group(runs, layout):
     run, reference = runs[layout], runs["ep1"]
@@ -98,8 +95,8 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
     assert moments[worst] <= STATE_REL, (worst, moments[worst])
     weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
     worst_weight = max(weights, key=weights.get)
-    print(f"{layout} vs ep1: losses {_worst_relative(losses(run), losses(reference)):.1e}, grad norms "
-          f"{_worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e}, "
+    print(f"{layout} vs ep1: losses {worst_relative(losses(run), losses(reference)):.1e}, grad norms "
+          f"{worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e}, "
           f"weights {weights[worst_weight]:.1e} (worst relative difference)")
     assert weights[worst_weight] <= STATE_REL, (worst_weight, weights[worst_weight])
 
