@@ -20,7 +20,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
 STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8")
-TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume", "b_parity": "b. logits parity vs transformers (fp32)",
+TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
+          "b_parity": "b. the run's process group (an all-reduce of a CPU and a device tensor), logits parity vs "
+                      "transformers (fp32)",
           "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
           "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
           "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
@@ -93,6 +95,26 @@ def _parity_diffs(device) -> dict:
     return diffs
 
 
+def _collectives(env) -> dict:
+    """An all-reduce of a CPU tensor and of one on the run's device through the default group the
+    training run makes (``init_distributed``): a CUDA run's group must carry both (gloo for the CPU
+    bookkeeping, NCCL for CUDA tensors), which an NCCL-only group fails even at world size 1.
+    {device type: "ok" or the error}."""
+    import torch
+    import torch.distributed as dist
+
+    results = {}
+    for device in dict.fromkeys(["cpu", env.device.type]):
+        try:
+            tensor = torch.full((4,), 2.0, device=env.device if device != "cpu" else "cpu")
+            dist.all_reduce(tensor)
+            expected = 2.0 * dist.get_world_size()
+            results[device] = "ok" if bool((tensor == expected).all()) else f"sum {tensor.tolist()} != {expected}"
+        except Exception as exc:  # the check's point: any failure is this step's FAIL line
+            results[device] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+    return results
+
+
 def cmd_parity(args) -> int:
     import torch
 
@@ -104,11 +126,13 @@ def cmd_parity(args) -> int:
     torch.backends.cudnn.allow_tf32 = False
     env = init_distributed(args.device)
     try:
+        collectives = _collectives(env)
         init_model_parallel(ParallelConfig(), seed=0, device=env.device)
         diffs = _parity_diffs(env.device)
     finally:
         shutdown()
-    result = {"device": str(env.device), "tolerance": PARITY_TOLERANCE, "max_abs_diff": diffs}
+    result = {"device": str(env.device), "backend": env.backend, "collectives": collectives,
+              "tolerance": PARITY_TOLERANCE, "max_abs_diff": diffs}
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
@@ -147,9 +171,12 @@ def check_train(work: Path, args) -> tuple[bool, dict, str]:
 def check_parity(work: Path, args) -> tuple[bool, dict, str]:
     result = json.loads((work / "b_parity.result.json").read_text())
     worst = max(result["max_abs_diff"].values())
-    ok = worst <= result["tolerance"]
+    collectives = result["collectives"]
+    ok = worst <= result["tolerance"] and all(outcome == "ok" for outcome in collectives.values())
     cases = ", ".join(f"{k} {v:.2e}" for k, v in result["max_abs_diff"].items())
-    return ok, result, f"max |logits diff| {worst:.2e} (tolerance {result['tolerance']:.0e}) on {result['device']}: {cases}"
+    reduces = ", ".join(f"{device} {outcome}" for device, outcome in collectives.items())
+    return ok, result, (f"{result['backend']} group all-reduces: {reduces}; max |logits diff| {worst:.2e} "
+                        f"(tolerance {result['tolerance']:.0e}) on {result['device']}: {cases}")
 
 
 def check_bench(work: Path, args) -> tuple[bool, dict, str]:

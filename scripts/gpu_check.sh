@@ -11,8 +11,9 @@
 # every step runs even when an earlier one failed:
 #   a. train qwen2.5vl-tiny on CUDA in bf16 over NCCL: exit at step 20 with a checkpoint, --resume to
 #      30; every step logged once and the loss falls;
-#   b. logits parity with transformers' Qwen2_5_VLForConditionalGeneration, fp32 on CUDA, TF32 off:
-#      max |diff| <= 1e-4;
+#   b. the process group a CUDA run makes (cpu:gloo,cuda:nccl, also at world size 1): an all-reduce
+#      of a CPU and of a CUDA tensor; logits parity with transformers'
+#      Qwen2_5_VLForConditionalGeneration, fp32 on CUDA, TF32 off: max |diff| <= 1e-4;
 #   c. `loongforge bench model`: a Qwen2.5-VL-7B-shaped stack (real widths, 4 language layers, the
 #      tower's first 8 blocks) on 8192 packed tokens with real image sizes, bf16 forward+backward:
 #      tokens/s, MFU, and transformers (sdpa) on the same samples;

@@ -26,7 +26,7 @@ from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutKeys, layout_problems
 from loongforge.bench.model_step import time_steps
 from loongforge.config.schema import RunConfig
-from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, eligible, gemm_tokens, gemm_tp, layer_kind
+from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, device_name, eligible, gemm_tokens, gemm_tp, layer_kind
 from loongforge.models.registry import get_family
 
 MIN_SPEEDUP = 1.05
@@ -129,10 +129,6 @@ class GemmBench:
 
 def eligible_shape(shape: LinearShape) -> bool:
     return eligible(torch.empty(shape.out_features, shape.in_features, device="meta"))
-
-
-def device_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
 
 
 def at_tensor_parallel(cfg: RunConfig, tp: int) -> RunConfig:

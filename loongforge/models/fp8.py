@@ -252,11 +252,22 @@ def gemm_tp(cfg: RunConfig, kind: str) -> int:
     return vision_tensor_parallel_size(cfg.parallel)
 
 
-def fp8_choice(cfg: RunConfig, device: torch.device) -> tuple[Optional[Callable[[str], bool]], str]:
-    """(which layer kinds run FP8, or None for none; the line saying so) for ``training.fp8``."""
+def device_name(device: torch.device) -> str:
+    """The name a policy records and is checked against (``torch.cuda.get_device_name``; "cpu")."""
+    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+
+
+def fp8_choice(cfg: RunConfig, device: torch.device,
+               layer_backend: str) -> tuple[Optional[Callable[[str], bool]], str]:
+    """(which layer kinds run FP8, or None for none; the line saying so) for ``training.fp8`` on
+    ``device``, whose linears the resolved ``layer_backend`` builds."""
     mode = cfg.training.fp8
     if mode == "off":
         return None, "fp8: off"
+    check_fp8_backend(mode, layer_backend)
+    if layer_backend == "te":  # auto: Transformer Engine's linears have an FP8 of their own, not driven here
+        return None, ("fp8: auto, but the layers are Transformer Engine's (model.layer_backend=te), whose FP8 "
+                      "loongforge does not drive: bf16 everywhere (model.layer_backend=flash for FP8)")
     if not fp8_gemms_available(device):
         if mode == "on":
             raise InputError(f"training.fp8=on needs a CUDA GPU with FP8 GEMMs (compute capability 8.9+); this "
@@ -267,14 +278,19 @@ def fp8_choice(cfg: RunConfig, device: torch.device) -> tuple[Optional[Callable[
     if cfg.fp8.policy is None:
         return None, "fp8: auto without fp8.policy: bf16 everywhere (measure a policy with loongforge bench gemm)"
     policy = Fp8Policy.load(cfg.fp8.policy)
+    here = device_name(device)
+    if policy.device != here:  # where FP8 pays is a property of the device's GEMMs
+        raise InputError(f"fp8.policy={cfg.fp8.policy} was measured on {policy.device} and this run's device is "
+                         f"{here}: measure a policy here with loongforge bench gemm (or set training.fp8=off).")
     return (lambda kind: policy.uses_fp8(kind, gemm_tp(cfg, kind), gemm_tokens(cfg, kind))), \
         f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device})"
 
 
 def check_fp8_backend(mode: str, layer_backend: str) -> None:
     """FP8 here runs on megatron's local linears (``use_fp8``); Transformer Engine's linears have
-    their own FP8, which loongforge does not drive: refused rather than silently left in bf16."""
-    if mode != "off" and layer_backend == "te":
+    their own FP8, which loongforge does not drive: ``on`` is refused rather than silently left in
+    bf16 (``auto`` trains bf16 and says so: ``fp8_choice``)."""
+    if mode == "on" and layer_backend == "te":
         raise InputError(f"training.fp8={mode} runs on the local linears (model.layer_backend=flash or sdpa) and "
                          f"this run resolves model.layer_backend to te; set model.layer_backend=flash.")
 

@@ -32,6 +32,7 @@ from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
 LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _PACKAGES = {"te": "transformer_engine", "flash": "flash_attn"}
+_AUTO_ORDER = ("te", "flash", "sdpa")  # what auto takes: the first that can run
 
 
 class RMSNorm(torch.nn.Module):
@@ -106,8 +107,19 @@ _DESCRIPTIONS = {
 }
 
 
-def _importable(module_name: str) -> bool:
-    return importlib.util.find_spec(module_name) is not None
+def _import_problem(module_name: str) -> str | None:
+    """Why ``module_name`` cannot be used: "not installed", or how its import failed; None when it
+    imports."""
+    if importlib.util.find_spec(module_name) is None:
+        return "not installed"
+    try:
+        # lazy: a GPU package is imported only where a CUDA run may use it. An installed but broken
+        # build (a CUDA or torch version mismatch) raises anything from ImportError to OSError.
+        importlib.import_module(module_name)
+    except Exception as exc:  # noqa: BLE001 - every failure means "cannot use it", said in one line
+        detail = str(exc).strip().splitlines()[0] if str(exc).strip() else "no message"
+        return f"installed but does not import ({type(exc).__name__}: {detail})"
+    return None
 
 
 def _unusable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> str | None:
@@ -116,12 +128,31 @@ def _unusable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> 
         return None
     if device.type != "cuda":
         return f"needs a CUDA device (the run's device is {device.type})"
-    if not _importable(_PACKAGES[backend]):
-        return f"needs the {_PACKAGES[backend]} package (pip install 'loongforge[gpu]')"
+    package = _PACKAGES[backend]
+    problem = _import_problem(package)
+    if problem == "not installed":
+        return f"needs the {package} package (pip install 'loongforge[gpu]')"
+    if problem is not None:
+        return f"needs the {package} package, which is {problem}"
     if backend == "flash" and dtype not in _FLASH_DTYPES:
         return (f"needs fp16 or bf16 weights, not {str(dtype).removeprefix('torch.')} "
                 "(flash-attn kernels have no fp32; set training.precision=bf16)")
     return None
+
+
+def passed_over_backends(requested: str, device: torch.device | str, dtype: torch.dtype) -> list[str]:
+    """One line for each backend ``auto`` passed over although its package is installed (a broken
+    GPU install looks like a slow run otherwise); empty for an explicit choice."""
+    device = torch.device(device)
+    if requested != "auto" or device.type != "cuda":
+        return []
+    chosen = resolve_layer_backend(requested, device, dtype)
+    lines = []
+    for backend in _AUTO_ORDER[:_AUTO_ORDER.index(chosen)]:
+        reason = _unusable_reason(backend, device, dtype)
+        if _import_problem(_PACKAGES[backend]) != "not installed":
+            lines.append(f"model.layer_backend=auto: {backend} {reason}; using {chosen}")
+    return lines
 
 
 def resolve_layer_backend(requested: str, device: torch.device | str, dtype: torch.dtype) -> str:
@@ -134,7 +165,7 @@ def resolve_layer_backend(requested: str, device: torch.device | str, dtype: tor
         raise ConfigError(f"model.layer_backend={requested!r} is not one of {', '.join(LAYER_BACKENDS)}")
     device = torch.device(device)
     if requested == "auto":
-        return next(b for b in ("te", "flash", "sdpa") if _unusable_reason(b, device, dtype) is None)
+        return next(b for b in _AUTO_ORDER if _unusable_reason(b, device, dtype) is None)
     reason = _unusable_reason(requested, device, dtype)
     if reason is not None:
         raise ConfigError(f"model.layer_backend={requested!r} {reason}; use sdpa or auto")

@@ -40,7 +40,7 @@ from loongforge.models.fp8 import (
     describe_fp8_layers,
     fp8_choice,
 )
-from loongforge.models.layer_backend import resolve_layer_backend
+from loongforge.models.layer_backend import passed_over_backends, resolve_layer_backend
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -144,14 +144,14 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
-                     balancing: RunBalancing):
+                     balancing: RunBalancing, layer_backend: str):
     model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
                         pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
                         device=device, recompute_activations=cfg.training.recompute_activations,
                         init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
-    decide, note = fp8_choice(cfg, device)
+    decide, note = fp8_choice(cfg, device, layer_backend)
     model.fp8_layers = apply_fp8(model, decide) if decide is not None else {}
     model.fp8_note = note + (f": {describe_fp8_layers(model.fp8_layers)}" if model.fp8_layers else "")
     return wrap_for_training(model, cfg.parallel)
@@ -346,6 +346,7 @@ class _Run:
     encoder_digest: Optional[str] = None  # data.vision_embeddings: the encoder the store matched
     expert_load: Optional[ExpertLoadCounter] = None  # mixture-of-experts models: tokens per expert
     peak_tflops: Optional[float] = None  # per GPU, the MFU denominator (None: unknown device)
+    backend_notes: tuple = ()  # layer backends auto passed over although installed (layer_backend)
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -361,7 +362,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     torch.manual_seed(cfg.training.seed)
     # A profile run measures with its own timers, so the online fit does not record there.
     balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None)
-    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing)
+    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
     sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
@@ -377,7 +378,9 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
                 encoder_digest=encoder_digest, expert_load=_expert_load_counter(cfg, model, env.device),
-                peak_tflops=_peak_tflops(cfg, env.device))
+                peak_tflops=_peak_tflops(cfg, env.device),
+                backend_notes=tuple(passed_over_backends(cfg.model.layer_backend, env.device,
+                                                         _DTYPES[cfg.training.precision])))
 
 
 def _peak_tflops(cfg: RunConfig, device: torch.device) -> Optional[float]:
@@ -477,7 +480,7 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
     logger = RunLogger(run.out_dir, cfg.training.train_steps, restored.step, cfg.logging.log_interval,
                        enabled=run.env.rank == 0, tensorboard=cfg.logging.tensorboard,
                        progress_bar=cfg.logging.progress_bar)
-    for line in _startup_summary(run):
+    for line in (*_startup_summary(run), *run.backend_notes):
         logger.write(line)
     if run.cfg.training.fp8 != "off":
         logger.write(_unwrap_model(run.model[0]).fp8_note)

@@ -12,6 +12,7 @@ import torch
 
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
+from loongforge.models import fp8
 from loongforge.models.fp8 import (
     E4M3,
     E5M2,
@@ -149,11 +150,11 @@ def test_gemm_rows_and_tp_of_each_layer_kind():
 
 def test_choice_on_a_machine_without_fp8_gemms(tmp_path):
     cpu = torch.device("cpu")
-    assert fp8_choice(load_run_config("qwen2.5vl-7b"), cpu) == (None, "fp8: off")
-    decide, line = fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto"]), cpu)
+    assert fp8_choice(load_run_config("qwen2.5vl-7b"), cpu, "sdpa") == (None, "fp8: off")
+    decide, line = fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto"]), cpu, "sdpa")
     assert decide is None and line == "fp8: auto, but cpu has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
     with pytest.raises(InputError, match=r"^training.fp8=on needs a CUDA GPU with FP8 GEMMs"):
-        fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=on"]), cpu)
+        fp8_choice(load_run_config("qwen2.5vl-7b", overrides=["training.fp8=on"]), cpu, "sdpa")
 
 
 def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
@@ -229,11 +230,33 @@ def test_tp2_fp8_path_communicates_like_megatron(tmp_path):
         assert all(torch.isfinite(g).all() for g in real["grads"].values())
 
 
-def test_fp8_with_transformer_engine_linears_is_refused():
+def test_fp8_on_with_transformer_engine_linears_is_refused_and_auto_trains_bf16_saying_so():
     check_fp8_backend("off", "te")
-    check_fp8_backend("auto", "flash")
-    with pytest.raises(InputError, match=r"^training.fp8=auto runs on the local linears .* set model.layer_backend=flash.$"):
-        check_fp8_backend("auto", "te")
+    check_fp8_backend("auto", "te")
+    check_fp8_backend("on", "flash")
+    with pytest.raises(InputError, match=r"^training.fp8=on runs on the local linears .* set model.layer_backend=flash.$"):
+        check_fp8_backend("on", "te")
+    cfg = load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto"])
+    decide, line = fp8_choice(cfg, torch.device("cuda"), "te")  # decided before the device is asked
+    print(line)
+    assert decide is None
+    assert line.startswith("fp8: auto, but the layers are Transformer Engine's") and "bf16 everywhere" in line
+
+
+def test_a_policy_measured_on_another_device_is_refused(tmp_path, monkeypatch):
+    policy = _policy_file(tmp_path / "policy.json", {"language.fc1": {"1": {"min_tokens": 2048}}})  # an H200's
+    cfg = load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto", f"fp8.policy={policy}"])
+    monkeypatch.setattr(fp8, "fp8_gemms_available", lambda device: True)
+    monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA H200")
+    decide, line = fp8_choice(cfg, torch.device("cuda"), "flash")
+    assert decide is not None and line.endswith("(measured on NVIDIA H200)")
+    monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
+    with pytest.raises(InputError) as refused:
+        fp8_choice(cfg, torch.device("cuda"), "flash")
+    print(refused.value)
+    assert str(refused.value) == (f"fp8.policy={policy} was measured on NVIDIA H200 and this run's device is "
+                                  "NVIDIA A100-SXM4-80GB: measure a policy here with loongforge bench gemm (or set "
+                                  "training.fp8=off).")
 
 
 def test_no_tokens_is_an_empty_product():

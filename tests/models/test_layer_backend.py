@@ -1,6 +1,8 @@
 """Layer backends: what ``auto`` picks per device, dtype and installed package; impossible explicit
 choices are config errors naming the key; the local fused norm-linear equals norm then linear."""
 
+import sys
+
 import pytest
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
@@ -13,6 +15,7 @@ from loongforge.models.layer_backend import (
     RMSNorm,
     RMSNormColumnParallelLinear,
     block_modules,
+    passed_over_backends,
     resolve_layer_backend,
 )
 
@@ -23,7 +26,8 @@ CUDA, CPU = torch.device("cuda"), torch.device("cpu")
 def installed(monkeypatch):
     """Pretend a set of optional packages is importable."""
     def pretend(*packages):
-        monkeypatch.setattr(layer_backend, "_importable", lambda name: name in packages)
+        monkeypatch.setattr(layer_backend, "_import_problem",
+                            lambda name: None if name in packages else "not installed")
     return pretend
 
 
@@ -51,6 +55,39 @@ def test_an_impossible_explicit_choice_names_the_key(installed, requested, packa
     installed(*packages)
     with pytest.raises(ConfigError, match=rf"model.layer_backend='{requested}' {reason}.*use sdpa or auto"):
         resolve_layer_backend(requested, device, dtype)
+
+
+@pytest.fixture
+def broken_transformer_engine(tmp_path, monkeypatch):
+    """A transformer_engine whose import fails as a CUDA-mismatched build does, and a flash_attn
+    that imports, on the path; both gone from sys.modules afterwards."""
+    (tmp_path / "transformer_engine").mkdir()
+    (tmp_path / "transformer_engine" / "__init__.py").write_text(
+        'raise OSError("libcudart.so.12: cannot open shared object file: No such file or directory")\n')
+    (tmp_path / "flash_attn").mkdir()
+    (tmp_path / "flash_attn" / "__init__.py").write_text("")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    yield
+    for name in ("transformer_engine", "flash_attn"):
+        sys.modules.pop(name, None)
+
+
+def test_auto_passes_over_an_installed_but_broken_package_and_says_why(broken_transformer_engine):
+    assert resolve_layer_backend("auto", CUDA, torch.bfloat16) == "flash"
+    lines = passed_over_backends("auto", CUDA, torch.bfloat16)
+    print(lines)
+    assert lines == ["model.layer_backend=auto: te needs the transformer_engine package, which is installed but "
+                     "does not import (OSError: libcudart.so.12: cannot open shared object file: No such file or "
+                     "directory); using flash"]
+    assert passed_over_backends("auto", CPU, torch.bfloat16) == []  # CPU: no GPU package is even tried
+    with pytest.raises(ConfigError, match=r"model.layer_backend='te' needs the transformer_engine package, which "
+                                          r"is installed but does not import \(OSError: libcudart"):
+        resolve_layer_backend("te", CUDA, torch.bfloat16)
+
+
+def test_auto_says_nothing_of_packages_that_are_not_installed(installed):
+    installed()
+    assert passed_over_backends("auto", CUDA, torch.bfloat16) == []
 
 
 def test_unknown_backend_names_the_key():

@@ -8,6 +8,7 @@ import importlib.util
 import json
 import subprocess
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -63,8 +64,16 @@ def test_a_step_that_left_no_files_fails_with_the_reason(gpu_check, tmp_path, ca
 
 
 def test_parity_and_cost_thresholds(gpu_check, tmp_path):
-    (tmp_path / "b_parity.result.json").write_text(json.dumps(
-        {"device": "cuda:0", "tolerance": 1e-4, "max_abs_diff": {"text": 3e-5, "image": 2e-4}}))
+    parity = {"device": "cuda:0", "backend": "cpu:gloo,cuda:nccl", "collectives": {"cpu": "ok", "cuda": "ok"},
+              "tolerance": 1e-4, "max_abs_diff": {"text": 3e-5, "image": 2e-4}}
+    (tmp_path / "b_parity.result.json").write_text(json.dumps(parity))
+    assert _check(gpu_check, tmp_path, "b_parity") == 1
+    parity["max_abs_diff"]["image"] = 5e-5
+    (tmp_path / "b_parity.result.json").write_text(json.dumps(parity))
+    assert _check(gpu_check, tmp_path, "b_parity") == 0
+    # The regression the step exists for: an NCCL-only group refuses the CPU bookkeeping's tensors.
+    parity["collectives"]["cpu"] = "RuntimeError: No backend type associated with device type cpu"
+    (tmp_path / "b_parity.result.json").write_text(json.dumps(parity))
     assert _check(gpu_check, tmp_path, "b_parity") == 1
     accuracy = {"held_out_micro_batch": {"median_ape_pct": 4.2, "p90_ape_pct": 9.0},
                 "comparison": {"nnls": {"cross_validated": {"micro_batch": {"median_ape_pct": 4.5}}}}}
@@ -149,8 +158,10 @@ def test_the_parity_step_runs_on_cpu_within_its_tolerance(gpu_check):
 
     init_megatron(rank=0, world_size=1, port=free_port())
     try:
+        collectives = gpu_check._collectives(SimpleNamespace(device=torch.device("cpu")))
         diffs = gpu_check._parity_diffs(torch.device("cpu"))
     finally:
         destroy_megatron()
+    assert collectives == {"cpu": "ok"}
     assert set(diffs) == set(gpu_check.PARITY_CASES)
     assert max(diffs.values()) < gpu_check.PARITY_TOLERANCE
