@@ -57,6 +57,7 @@ def _rng_state(on_cuda: bool) -> dict:
              "torch": torch.get_rng_state()}
     if on_cuda:
         state["cuda"] = torch.cuda.get_rng_state()
+        state["cuda_tracker"] = _cuda_tracker_states()
     return state
 
 
@@ -66,6 +67,36 @@ def _set_rng_state(state: dict, on_cuda: bool) -> None:
     torch.set_rng_state(state["torch"])
     if "cuda" in state and on_cuda:
         torch.cuda.set_rng_state(state["cuda"])
+    if "cuda_tracker" in state and on_cuda:
+        _set_cuda_tracker_states(state["cuda_tracker"])
+
+
+def _cuda_tracker():
+    # lazy: this module imports no megatron-core until a run uses it
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return get_cuda_rng_tracker()
+
+
+def _cuda_tracker_states() -> dict:
+    """megatron's named CUDA RNG streams (model-parallel, expert-parallel, data-parallel): dropout
+    inside tensor-parallel regions draws from them, not from the default CUDA generator, so a
+    resume without them draws other masks."""
+    return {name: (state.get_state() if isinstance(state, torch.Generator) else state.clone())
+            for name, state in _cuda_tracker().get_states().items()}
+
+
+def _set_cuda_tracker_states(saved: dict) -> None:
+    tracker = _cuda_tracker()
+    current = tracker.get_states()
+    restored = {}
+    for name, state in saved.items():
+        if isinstance(current.get(name), torch.Generator):  # megatron's CUDA-graph-safe streams
+            current[name].set_state(state)
+            restored[name] = current[name]
+        else:
+            restored[name] = state.clone()
+    tracker.set_states(restored)
 
 
 def _unwrap(chunk):
