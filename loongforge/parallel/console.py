@@ -2,36 +2,77 @@
 warnings are filtered.
 
 Each of these is expected in a supported setup and says nothing the run can act on: megatron-core
-announcing the torch fallbacks it uses when Transformer Engine or Apex are absent (loongforge picks
-its layers itself and prints them at start), megatron's deprecation of a default it sets itself,
-the optimizer's probe of `.grad` on its main parameters, and torch's deprecation of collectives
-megatron calls. With ``logging.verbose=true`` (``--verbose``) they are shown, once each. Warnings of our
-own and every other third-party warning always pass.
+announcing the torch fallbacks it uses when Transformer Engine or Apex are absent, on a CPU run
+(loongforge picks its layers itself and prints them at start; on CUDA they mean a broken GPU
+install and show), megatron's deprecation of a default it sets itself, the optimizer's probe of
+`.grad` on its main parameters, and torch's deprecation of collectives where megatron calls them
+(a call of ours shows). With ``logging.verbose=true`` (``--verbose``) they are shown, once each.
+Warnings of our own and every other third-party warning always pass.
 """
 
 from __future__ import annotations
 
+import re
+import sys
 import warnings
 
 # (message start, the warning's category, the module that issues it), regexes as the warnings
 # module matches them: the message from its start, the module in full.
 KNOWN_HARMLESS: tuple[tuple[str, type[Warning], str], ...] = (
-    (r"Transformer Engine and Apex are not installed\. Falling back to", UserWarning, r"megatron\..*"),
-    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\..*"),
     (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning, r"megatron\..*"),
     # megatron-core 0.16's optimizer probes `.grad` of its fp32 main parameters, views that are not
     # autograd leaves; the gradients it uses are in `main_grad`.
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
      r"megatron\.core\.optimizer\..*"),
-    # torch 2.13 renamed the tensor collectives (all_gather_into_tensor, reduce_scatter_tensor);
-    # megatron-core 0.16 calls the old names, which torch's c10d logger wrapper reports.
-    (r"`torch\.distributed\.\w+` is deprecated", FutureWarning, r"torch\.distributed\..*"),
 )
+# megatron-core's notices of the torch fallbacks it takes without Transformer Engine or Apex: what a
+# CPU run expects, so hidden there; on a CUDA run they mean a broken GPU install, so they show.
+CPU_RUN_NOTICES: tuple[tuple[str, type[Warning], str], ...] = (
+    (r"Transformer Engine and Apex are not installed\. Falling back to", UserWarning, r"megatron\..*"),
+    (r"Apex is not installed\. Falling back to Torch Norm", UserWarning, r"megatron\..*"),
+)
+# torch 2.13 renamed the tensor collectives (all_gather_into_tensor, reduce_scatter_tensor);
+# megatron-core 0.16 calls the old names. torch reports them from its own c10d wrapper, so every
+# caller looks alike to a module filter: hidden only where the caller is megatron-core (a call of
+# ours is a defect to fix, and shows).
+MEGATRONS_DEPRECATED_CALLS = re.compile(r"`torch\.distributed\.\w+` is deprecated")
+# Frames between the deprecated call and the warning being shown: torch's wrappers, the
+# deprecation decorator, the warnings module, this module.
+_PASS_THROUGH = re.compile(r"^(torch(\..*)?|typing_extensions|warnings|" + re.escape(__name__) + r")$")
 
 
-def filter_known_warnings(verbose: bool) -> None:
-    """Install the filters in this process (before megatron-core is imported: some warn at import)."""
+def filter_known_warnings(verbose: bool, on_cuda: bool = False) -> None:
+    """Install the filters in this process (before megatron-core is imported: some warn at import).
+    ``on_cuda``: the run computes on CUDA (megatron's fallback notices then show)."""
     action = "once" if verbose else "ignore"
-    for message, category, module in KNOWN_HARMLESS:
+    for message, category, module in KNOWN_HARMLESS + (() if on_cuda else CPU_RUN_NOTICES):
         warnings.filterwarnings(action, message=message, category=category, module=module)
+    if verbose:
+        warnings.filterwarnings("once", message=MEGATRONS_DEPRECATED_CALLS.pattern, category=FutureWarning)
+    else:
+        _hide_megatrons_deprecated_calls()
 
+
+def _hide_megatrons_deprecated_calls() -> None:
+    """Show torch's collective deprecations except where megatron-core made the call."""
+    warnings.filterwarnings("always", message=MEGATRONS_DEPRECATED_CALLS.pattern, category=FutureWarning)
+    shown = warnings.showwarning
+    if getattr(shown, "hides_megatrons_deprecated_calls", False):
+        return
+
+    def showwarning(message, category, filename, lineno, file=None, line=None):
+        if not (issubclass(category, FutureWarning) and MEGATRONS_DEPRECATED_CALLS.match(str(message))
+                and _caller_module().startswith("megatron.")):
+            shown(message, category, filename, lineno, file, line)
+
+    showwarning.hides_megatrons_deprecated_calls = True
+    warnings.showwarning = showwarning
+
+
+def _caller_module() -> str:
+    """The module of the first frame up the stack that is not torch, the deprecation machinery or
+    the warnings module: whoever called the deprecated function."""
+    frame = sys._getframe(1)
+    while frame is not None and _PASS_THROUGH.match(frame.f_globals.get("__name__", "")):
+        frame = frame.f_back
+    return "" if frame is None else frame.f_globals.get("__name__", "")

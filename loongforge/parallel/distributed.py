@@ -24,6 +24,7 @@ import torch.distributed as dist
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.schema import ParallelConfig
+from loongforge.parallel.launch_env import runs_on_cuda
 
 
 @dataclass(frozen=True)
@@ -93,9 +94,7 @@ def resolve_device(preference: str) -> torch.device:
     if preference == "cuda" and not torch.cuda.is_available():
         raise ConfigError("training.device=cuda but this machine has no usable CUDA device "
                           "(torch.cuda.is_available() is False); use training.device=cpu or auto")
-    if preference == "cuda" or (preference == "auto" and torch.cuda.is_available()):
-        return torch.device("cuda")
-    return torch.device("cpu")
+    return torch.device("cuda") if runs_on_cuda(preference) else torch.device("cpu")
 
 
 _LAUNCH_KEYS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")

@@ -30,3 +30,13 @@ def resolve_world_size(nproc_per_node: int | None,
 
 def needs_local_workers(nproc_per_node: int | None, env: Mapping[str, str] = os.environ) -> bool:
     return (nproc_per_node or 1) > 1 and external_launch_world_size(env) is None
+
+
+def runs_on_cuda(device_preference: str) -> bool:
+    """Whether ``training.device`` means CUDA on this machine (``auto``: when it has a CUDA device)."""
+    if device_preference in ("cuda", "cpu"):
+        return device_preference == "cuda"
+    # lazy: this module stays torch-free for the CLI; only an ``auto`` run asks the machine
+    import torch
+
+    return torch.cuda.is_available()

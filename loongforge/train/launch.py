@@ -48,7 +48,7 @@ from loongforge.models.family import LazyFunction
 from loongforge.parallel import fork_server
 from loongforge.parallel.console import filter_known_warnings
 from loongforge.parallel.fork_server import die_with_parent
-from loongforge.parallel.launch_env import needs_local_workers
+from loongforge.parallel.launch_env import needs_local_workers, runs_on_cuda
 
 # entrypoint(cfg, resume, command_line), run once per worker.
 WorkerEntrypoint = Callable[[RunConfig, bool, list[str]], None]
@@ -86,7 +86,7 @@ def _local_worker(entrypoint: WorkerEntrypoint, launcher_pid: int, server_pid: i
                   cfg: RunConfig, resume: bool, command_line: list[str]) -> None:
     """A forked worker: tied to the launcher's life, then the entrypoint."""
     _tie_to_launcher(launcher_pid, server_pid)
-    filter_known_warnings(cfg.logging.verbose)
+    filter_known_warnings(cfg.logging.verbose, on_cuda=runs_on_cuda(cfg.training.device))
     try:
         entrypoint(cfg, resume, command_line)
     except (ConfigError, InputError) as exc:
@@ -230,5 +230,5 @@ def run(cfg: RunConfig, *, nproc_per_node: int | None, resume: bool,
         launch_local_workers(cfg, nproc_per_node=nproc_per_node or 1, resume=resume,
                              command_line=command_line)
     else:
-        filter_known_warnings(cfg.logging.verbose)
+        filter_known_warnings(cfg.logging.verbose, on_cuda=runs_on_cuda(cfg.training.device))
         run_training_worker(cfg, resume, command_line)
