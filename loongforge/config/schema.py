@@ -188,6 +188,12 @@ class ParallelConfig:
     # "full" divides all media of a step's micro-batches among the TP x PP ranks of a model-parallel
     # group (every stage holds an encoder replica) before the pipeline runs (needs vision TP 1).
     encoder_dp: str = "none"
+    # encoder_dp=full: encode the step's media without keeping the graph and encode them again in
+    # the backward, one micro-batch's patches at a time, so a rank holds no more encoder
+    # activations than encoder_dp=none (plus the gathered features) for a second encoder forward;
+    # off, a rank keeps micro-batches / (TP x PP) micro-batches' encoder activations through the
+    # step (the dry run states both).
+    encoder_full_recompute: bool = False
     sequence_parallel: bool = False
     # Mixture-of-experts layers: their experts are split over this many data-parallel ranks (expert
     # parallelism, EP; each holds num_experts / EP, tokens reach them by all-to-all), and each

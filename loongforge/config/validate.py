@@ -483,6 +483,9 @@ def _check_encoder_dp(cfg: RunConfig, layout: LayoutRule) -> list[str]:
     if parallel.encoder_dp in CHOICES["parallel.encoder_dp"] and parallel.encoder_dp not in layout.encoder_dp_modes:
         return [f"parallel.encoder_dp={parallel.encoder_dp}: model.family={cfg.model.family} implements "
                 f"{' | '.join(layout.encoder_dp_modes)}; set parallel.encoder_dp={layout.encoder_dp_modes[0]}."]
+    if parallel.encoder_full_recompute and parallel.encoder_dp != "full":
+        return [f"parallel.encoder_full_recompute=true applies to parallel.encoder_dp=full (it is "
+                f"{parallel.encoder_dp}); set parallel.encoder_dp=full or parallel.encoder_full_recompute=false."]
     vision_tp = parallel.vision_tensor_model_parallel_size
     inherited = vision_tp is None
     vision_tp = parallel.tensor_model_parallel_size if inherited else vision_tp

@@ -129,6 +129,10 @@ class ParallelPlan:
     # data-parallel ranks, not DP.
     expert_bytes_per_param: float = 0.0
     balancing: str = "off"  # what balance.* does at this layout (balancing_text)
+    # Per rank, bytes of vision-encoder activations saved for backward by encoder mode
+    # (encoder_activation_bytes); None without an online encoder.
+    encoder_activations: dict | None = None
+    encoder_mode: str = "none"  # the run's: parallel.encoder_dp, "full, recompute" with encoder_full_recompute
 
     @property
     def max_params_per_rank(self) -> int:
@@ -171,7 +175,47 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         distributed_optimizer=cfg.parallel.use_distributed_optimizer,
         has_vision=cfg.model.vision is not None,
         balancing=balancing_text(cfg, sizes),
+        encoder_activations=encoder_activation_bytes(cfg, sizes),
+        encoder_mode=_encoder_mode(cfg),
     )
+
+
+def _encoder_mode(cfg: RunConfig) -> str:
+    full_recompute = cfg.parallel.encoder_dp == "full" and cfg.parallel.encoder_full_recompute
+    return "full, recompute" if full_recompute else cfg.parallel.encoder_dp
+
+
+def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, float] | None:
+    """Per rank, the vision encoder's activations saved for backward at their peak, for each way of
+    running it (``none``, ``tp``, ``full``, ``full, recompute``); None without an online encoder.
+
+    An estimate for planning, at the worst case of a micro-batch whose every token is an image
+    token (``seq_len x merge^2`` patches): per patch and block, the values a pre-norm block saves,
+    4 h whole (the norms' and linears' inputs) and 4 h + 3 i split over the encoder's TP (q, k, v,
+    the attention output, the MLP's gate, up and product). ``none`` / ``tp``: the micro-batches a
+    first stage holds at once (PP under 1F1B; ``tp`` divides each over the TP group); ``full``: a
+    rank's share of the step (micro-batches / (TP x PP)) plus the step's gathered features and
+    their gradient; ``full, recompute``: one micro-batch's plus those features.
+    """
+    vision = cfg.model.vision
+    if vision is None or cfg.data.vision_embeddings is not None:
+        return None
+    value_bytes = 4 if cfg.training.precision == "fp32" else 2
+    merge = cfg.model.projector.spatial_merge_size ** 2
+    patches = cfg.data.seq_len * merge  # one micro-batch of image tokens only
+
+    def per_patch(tp: int) -> float:
+        h, i = vision.hidden_size, vision.intermediate_size
+        return vision.depth * value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+
+    micro_batches = cfg.training.global_batch_size // sizes.data_parallel
+    in_flight = min(sizes.pipeline_parallel, micro_batches)
+    group = sizes.tensor_parallel * sizes.pipeline_parallel
+    features = micro_batches * patches / merge * cfg.model.projector.out_hidden_size * value_bytes * 2
+    return {"none": in_flight * patches * per_patch(sizes.vision_tensor_parallel),
+            "tp": in_flight * patches / sizes.tensor_parallel * per_patch(1),
+            "full": micro_batches * patches / group * per_patch(1) + features,
+            "full, recompute": patches * per_patch(1) + features}
 
 
 def balancing_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
@@ -213,6 +257,13 @@ def _memory_note(plan: ParallelPlan) -> str:
             f"{plan.bytes_per_param:.2f} bytes/param{experts}; activations not included")
 
 
+def _encoder_activation_text(plan: ParallelPlan) -> str:
+    modes = ", ".join(f"{mode} ~{size / GIB:.1f} GiB" + (" (this run)" if mode == plan.encoder_mode else "")
+                      for mode, size in plan.encoder_activations.items())
+    return (f"per rank at most, by parallel.encoder_dp: {modes} (an estimate: every token of a "
+            f"micro-batch an image token; full, recompute = parallel.encoder_full_recompute=true)")
+
+
 def _expert_rows(plan: ParallelPlan) -> list[tuple[str, str]]:
     if not plan.has_experts:
         return []
@@ -248,5 +299,7 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
     rows.append(("DP balancing", plan.balancing))
     rows.append(("memory per rank", f"~{plan.memory_per_rank_bytes / GIB:.1f} GiB for "
                  f"weights + grads + optimizer state on the busiest stage ({_memory_note(plan)})"))
+    if plan.encoder_activations is not None:
+        rows.append(("encoder activations", _encoder_activation_text(plan)))
     width = max(len(label) for label, _ in rows)
     return "parallel plan\n" + "\n".join(f"  {label:<{width}}  {text}" for label, text in rows)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 from typer.testing import CliRunner
 
@@ -116,6 +118,35 @@ def test_dry_run_235b_moe_vl_plan_fits_with_expert_parallelism():
     assert "235.67B total (235,670,022,896), 22.77B active per token" in plan
     assert "layers 0-46 (47)" in plan and "layers 47-93 (47)" in plan
     assert "~46.8 GiB" in plan  # without EP: ~206 GiB
+
+
+def test_dry_run_states_the_encoders_activations_per_rank_in_every_mode():
+    """qwen2.5vl-7b at TP 4 x PP 2 (64 micro-batches per rank): full keeps a rank's share of the
+    step's encoder activations, 64 / 8 micro-batches' worth; with recompute one micro-batch's plus
+    the step's gathered features, at most none's (at vision TP 1) plus those features."""
+    result = invoke("--preset", "qwen2.5vl-7b", "parallel.tensor_model_parallel_size=4",
+                    "parallel.pipeline_model_parallel_size=2", "parallel.world_size=8",
+                    "parallel.vision_tensor_model_parallel_size=1", "parallel.encoder_dp=full", "--dry-run")
+    assert result.exit_code == 0, result.output
+    row = next(line for line in result.stdout.splitlines() if "encoder activations" in line)
+    print(row)
+    sizes = dict(re.findall(r"(none|tp|full|full, recompute) ~([\d.]+) GiB", row))
+    h, i, depth, seq_len, merge, out = 1280, 3420, 32, 16384, 4, 3584  # the preset's
+    per_patch = depth * 2 * (4 * h + (4 * h + 3 * i))  # bf16, vision TP 1
+    patches = seq_len * merge
+    features = 64 * seq_len * out * 2 * 2
+    expected = {"none": 2 * patches * per_patch, "tp": 2 * patches / 4 * per_patch,
+                "full": 64 / 8 * patches * per_patch + features, "full, recompute": patches * per_patch + features}
+    assert {mode: float(size) for mode, size in sizes.items()} == {
+        mode: round(size / 1024**3, 1) for mode, size in expected.items()}
+    assert "full ~" + sizes["full"] + " GiB (this run)" in row
+    assert float(sizes["full, recompute"]) <= float(sizes["none"]) / 2 + features / 1024**3 + 0.1
+    assert float(sizes["full"]) >= 4 * float(sizes["full, recompute"])
+
+
+def test_encoder_full_recompute_without_full_is_one_line():
+    assert_usage_error(invoke("--preset", "qwen2.5vl-7b", "parallel.encoder_full_recompute=true", "--dry-run"),
+                       "parallel.encoder_full_recompute=true applies to parallel.encoder_dp=full")
 
 
 @pytest.mark.parametrize("world_source", [

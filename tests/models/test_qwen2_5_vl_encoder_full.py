@@ -1,7 +1,9 @@
 """``StepEncoding`` (``parallel.encoder_dp=full``) on three gloo ranks with a toy encoder: each
 micro-batch's slice of the step's features equals encoding it alone, a text-only micro-batch takes
 an empty turn, a rank that encodes nothing still takes part, and the encoder gradients every rank
-gets back (summed over the group) equal one rank encoding everything and running the backward."""
+gets back (summed over the group) equal one rank encoding everything and running the backward.
+With ``recompute`` the same, and the activations a rank saves for backward are measured: none
+while the pipeline runs, at most one micro-batch's at a time in ``finish``."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
+from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding, _media_groups
 from loongforge.parallel.media_assign import VisionCost
 from tests.models.helpers import free_port, limit_threads, run_workers
 
@@ -63,12 +65,35 @@ def _reference(micro_batches) -> tuple[list, list]:
     return features, [p.grad for p in tower.parameters()]
 
 
-def _shared(micro_batches, group) -> tuple[list, list, int]:
+class SavedBytes:
+    """Bytes of the tensors each encoder call saves for its backward (autograd's pack hook)."""
+
+    def __init__(self):
+        self.per_call: list[int] = []
+
+    def encode(self, tower, pixels, grid_thw):
+        saved = [0]
+
+        def pack(tensor):
+            saved[0] += tensor.numel() * tensor.element_size()
+            return tensor
+
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+            out = _encode(tower, pixels, grid_thw)
+        self.per_call.append(saved[0])
+        return out
+
+
+def _shared(micro_batches, group, recompute: bool = False, saved: SavedBytes = None) -> tuple[list, list, int]:
     rank = dist.get_rank(group)
     tower = _seeded_linear()
+    saved = saved or SavedBytes()
     encoding = StepEncoding(group, grad_source=0, receives=rank == 0, merge_unit=MERGE_UNIT,
-                            width=WIDTH, dtype=torch.float64, vision_cost=VisionCost)
-    held = encoding.begin(lambda p, g: _encode(tower, p, g), micro_batches, torch.device("cpu"))
+                            width=WIDTH, dtype=torch.float64, vision_cost=VisionCost, recompute=recompute)
+    held = encoding.begin(lambda p, g: saved.encode(tower, p, g), micro_batches, torch.device("cpu"))
+    saved_through_the_pipeline = sum(saved.per_call)
+    if recompute:
+        assert saved_through_the_pipeline == 0, saved.per_call
     features = []
     if rank == 0:  # the first stage embeds: one slice per micro-batch, in order
         for index, (_, grid) in enumerate(micro_batches):
@@ -79,6 +104,8 @@ def _shared(micro_batches, group) -> tuple[list, list, int]:
             encoding.take(None)
     grads = encoding.finish(list(tower.parameters()))
     assert not encoding.active and all(p.grad is None for p in tower.parameters())
+    if not recompute:
+        assert len(saved.per_call) <= 1  # the whole share's graph, kept from begin to finish
     return features, grads, held
 
 
@@ -87,10 +114,18 @@ def _worker(rank: int, port: int) -> None:
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=WORLD_SIZE, timeout=timedelta(seconds=60))
     try:
-        for step in (STEP, [[(1, 2, 2)], []], [[], []]):  # rank 2 (then all) encode nothing
+        steps = (STEP, [[(1, 2, 2)], []], [[], []])  # rank 2 (then all) encode nothing
+        for step, recompute in [(step, recompute) for recompute in (False, True) for step in steps]:
             micro_batches = [_micro_batch(grids, seed) for seed, grids in enumerate(step)]
             expected_features, expected_grads = _reference(micro_batches)
-            features, grads, held = _shared(micro_batches, dist.group.WORLD)
+            saved = SavedBytes()
+            features, grads, held = _shared(micro_batches, dist.group.WORLD, recompute, saved)
+            if recompute and saved.per_call:
+                # "none" saves one micro-batch's pixel rows [P, C] (the toy linear's input) at a time
+                one_micro_batch = max(sum(t * h * w for t, h, w in grids) for grids in step) * CHANNELS * 8
+                print(f"rank {rank} recompute: saved per encoder call {saved.per_call} B, one micro-batch "
+                      f"{one_micro_batch} B")
+                assert max(saved.per_call) <= one_micro_batch
             for got, want in zip(grads, expected_grads):
                 torch.testing.assert_close(got, torch.zeros_like(got) if want is None else want)
             if rank == 0:
@@ -105,3 +140,10 @@ def _worker(rank: int, port: int) -> None:
 
 def test_step_encoding_matches_encoding_each_micro_batch_alone():
     run_workers(_worker, WORLD_SIZE, (free_port(),), 120)
+
+
+def test_recompute_groups_consecutive_media_within_one_micro_batchs_patches():
+    assert _media_groups([16, 8, 16, 4], 24) == [(0, 2), (2, 4)]
+    assert _media_groups([30, 4, 4], 24) == [(0, 1), (1, 3)]  # a medium larger than the budget: alone
+    assert _media_groups([4, 30], 24) == [(0, 1), (1, 2)]
+    assert _media_groups([], 24) == []

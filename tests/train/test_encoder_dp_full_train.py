@@ -3,7 +3,8 @@ data (``../shared/data/loongforge/vlm/mix.json``: text-only, one-image, two-imag
 the same per-step losses, grad norms, Adam moments (sums of every gradient, language and vision)
 and weights as ``none`` over 5 steps; with the distributed optimizer and overlap_grad_reduce on
 micro-batches without media; with balancing re-planning packed rows; resumed from step 2 bit for
-bit; checkpoints that ``none`` loads and the other way round; and an HF export of its checkpoint.
+bit; checkpoints that ``none`` loads and the other way round (there with the encoder recomputed in
+the backward, ``parallel.encoder_full_recompute``); and an HF export of its checkpoint.
 
 Each 4-rank run takes about a minute on 2 cores, so the runs are shared: two module fixtures
 (``none`` and ``full``, checkpoints at steps 2 and 4 and 5) and resumed copies of them.
@@ -103,8 +104,10 @@ def test_a_full_checkpoint_loads_in_none(tmp_path, full_run, none_run):
     assert_trains_alike(resumed, none_run)
 
 
-def test_a_none_checkpoint_loads_in_full(tmp_path, none_run):
-    resumed = _resume_from_step_2(none_run, tmp_path / "as_full", "full")
+def test_a_none_checkpoint_loads_in_full_with_the_encoder_recomputed(tmp_path, none_run):
+    # parallel.encoder_full_recompute: the step's media encoded without a graph, then again in the
+    # backward a micro-batch's patches at a time; the same math (the share's memory is the point).
+    resumed = _resume_from_step_2(none_run, tmp_path / "as_full", "full", "parallel.encoder_full_recompute=true")
     assert_trains_alike(resumed, none_run)
 
 

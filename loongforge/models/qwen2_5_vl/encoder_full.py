@@ -19,10 +19,19 @@ stages, and every rank receives all of the step's micro-batches. At the start of
 
 Summing over the group before the data-parallel reduction keeps the distributed optimizer right:
 every replica's ``main_grad`` holds the whole step's gradient before DDP reduces and shards it.
+
+Memory (``recompute``): keeping the graph of step 1 holds a rank's whole share of the step's
+encoder activations, micro-batches / (TP x PP) micro-batches' worth, through the pipeline. With
+``parallel.encoder_full_recompute=true`` step 1 encodes without a graph, and step 3 encodes the
+rank's media again with one, a group of media at most one micro-batch's patches at a time, each
+group's backward before the next group's forward: a rank then never holds more encoder
+activations than ``encoder_dp=none`` holds for one micro-batch, plus the step's gathered features,
+at the price of a second encoder forward.
 """
 
 from __future__ import annotations
 
+import contextlib
 from typing import Callable, Optional, Sequence
 
 import torch
@@ -42,11 +51,12 @@ class StepEncoding:
 
     ``grad_source``: the global rank whose features' gradient is broadcast (first stage, TP rank 0);
     ``receives``: whether this rank's pipeline stage embeds (the first stage);
-    ``vision_cost``: called at every step for the current cost coefficients.
+    ``vision_cost``: called at every step for the current cost coefficients;
+    ``recompute``: encode without a graph and again in ``finish`` (the module docstring's memory).
     """
 
     def __init__(self, group: dist.ProcessGroup, *, grad_source: int, receives: bool, merge_unit: int,
-                 width: int, dtype: torch.dtype, vision_cost: Callable[[], VisionCost]):
+                 width: int, dtype: torch.dtype, vision_cost: Callable[[], VisionCost], recompute: bool = False):
         self.group = group
         self.grad_source = grad_source
         self.receives = receives
@@ -54,7 +64,13 @@ class StepEncoding:
         self.width = width
         self.dtype = dtype
         self.vision_cost = vision_cost
+        self.recompute = recompute
         self._media: Optional[StepMedia] = None
+        # recompute: how to encode, this rank's media (pixel rows, grids) and the most patches one
+        # group of them may have (the step's largest micro-batch's)
+        self._encode: Optional[Encode] = None
+        self._mine: MicroBatchMedia = (None, None)
+        self._group_patches = 0
         self._local: Optional[torch.Tensor] = None  # [n_mine, width], with the encoder's graph
         self._features: Optional[torch.Tensor] = None  # [N, width] leaf (first stage only)
         self._next_micro_batch = 0
@@ -80,9 +96,13 @@ class StepEncoding:
         if grid_thw is None:
             local = torch.zeros(0, self.width, dtype=self.dtype, device=device)
         else:
-            local = encode(pixels.to(device), grid_thw.to(device)).to(self.dtype)  # [n_mine, width]
+            with torch.no_grad() if self.recompute else contextlib.nullcontext():
+                local = encode(pixels.to(device), grid_thw.to(device)).to(self.dtype)  # [n_mine, width]
         gathered = gather_rows(local, self.group, [media.rows_of(r) for r in range(self.group.size())])
         self._media, self._local, self._next_micro_batch = media, local, 0
+        if self.recompute:
+            self._encode, self._mine = encode, (pixels, grid_thw)
+            self._group_patches = max(sum(p) for p in patches)
         if self.receives:
             self._features = gathered.requires_grad_(True)
         held = [local, gathered] + ([] if pixels is None else [pixels])
@@ -116,9 +136,14 @@ class StepEncoding:
             grad_full.copy_(self._features.grad)
         if total_rows and self.group.size() > 1:
             dist.broadcast(grad_full, src=self.grad_source, group=self.group)
-        grads = self._encoder_backward(trainable, grad_full, media.rows_of(dist.get_rank(self.group)))
+        my_rows = media.rows_of(dist.get_rank(self.group))
+        if self.recompute:
+            grads = self._recomputed_backward(trainable, grad_full, my_rows)
+        else:
+            grads = self._encoder_backward(trainable, grad_full, my_rows)
         sum_over_group(grads, self.group)
-        self._media = self._local = self._features = None
+        self._media = self._local = self._features = self._encode = None
+        self._mine = (None, None)
         return grads
 
     def _encoder_backward(self, trainable: Sequence[torch.nn.Parameter], grad_full: torch.Tensor,
@@ -133,6 +158,45 @@ class StepEncoding:
                                         allow_unused=True)
         return [torch.zeros_like(param) if grad is None else grad
                 for param, grad in zip(trainable, grads)]
+
+    def _recomputed_backward(self, trainable: Sequence[torch.nn.Parameter], grad_full: torch.Tensor,
+                             my_rows: list[int]) -> list[torch.Tensor]:
+        """``_encoder_backward`` with the forward run again, one group of this rank's media at a
+        time (at most ``_group_patches`` patches, or one medium that has more): each group's graph
+        is freed by its backward before the next group is encoded."""
+        totals = [torch.zeros_like(param) for param in trainable]
+        pixels, grid_thw = self._mine
+        if grid_thw is None or not trainable:
+            return totals
+        patches = grid_thw.prod(-1).tolist()
+        pixel_start = row_start = 0
+        for first, stop in _media_groups(patches, self._group_patches):
+            count = sum(patches[first:stop])
+            rows = count // self.merge_unit
+            with torch.enable_grad():
+                features = self._encode(pixels[pixel_start:pixel_start + count].to(grad_full.device),
+                                        grid_thw[first:stop].to(grad_full.device)).to(self.dtype)  # [rows, width]
+            index = torch.tensor(my_rows[row_start:row_start + rows], dtype=torch.long, device=grad_full.device)
+            grads = torch.autograd.grad(features, list(trainable), grad_outputs=grad_full[index], allow_unused=True)
+            for total, grad in zip(totals, grads):
+                if grad is not None:
+                    total.add_(grad)
+            pixel_start, row_start = pixel_start + count, row_start + rows
+        return totals
+
+
+def _media_groups(patches: Sequence[int], budget: int) -> list[tuple[int, int]]:
+    """[first, stop) runs of consecutive media with at most ``budget`` patches each (a medium with
+    more is a group of its own)."""
+    groups, first, held = [], 0, 0
+    for index, count in enumerate(patches):
+        if index > first and held + count > budget:
+            groups.append((first, index))
+            first, held = index, 0
+        held += count
+    if patches:
+        groups.append((first, len(patches)))
+    return groups
 
 
 def _select_media(micro_batches: Sequence[MicroBatchMedia], media: StepMedia,

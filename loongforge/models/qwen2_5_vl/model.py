@@ -382,7 +382,7 @@ def build_model(
                            vision_cost=vision_cost or VisionCost)
         if parallel_cfg.encoder_dp == "full":
             _encode_per_step(model, language_pgs, vision_tp=vision_tp, dtype=params_dtype,
-                             vision_cost=vision_cost or VisionCost)
+                             vision_cost=vision_cost or VisionCost, recompute=parallel_cfg.encoder_full_recompute)
     return model.to(device)
 
 
@@ -403,7 +403,7 @@ def _share_encoder(model: Qwen2_5_VLModel, tp_group, *, vision_tp: int, dtype: t
 
 
 def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vision_tp: int,
-                     dtype: torch.dtype, vision_cost: Callable[[], VisionCost]) -> None:
+                     dtype: torch.dtype, vision_cost: Callable[[], VisionCost], recompute: bool) -> None:
     """``parallel.encoder_dp=full``: every rank of the model-parallel group (TP x PP) holds an
     encoder replica and encodes a share of each step's media (``encoder_full``). The grad norm counts
     the towers once: ``mark_tp_duplicates`` counts a vision-TP-1 tower on TP rank 0 only, and the
@@ -418,7 +418,7 @@ def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vis
     model.step_encoding = StepEncoding(
         pgs.mp, grad_source=mp_ranks[roles.index((0, 0))], receives=model.pre_process,
         merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size, dtype=dtype,
-        vision_cost=vision_cost)
+        vision_cost=vision_cost, recompute=recompute)
     if model._pp_rank > 0:
         for tower in (model.vision_model, model.projector):
             mark_pipeline_replicas(tower.parameters())
