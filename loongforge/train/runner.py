@@ -35,6 +35,7 @@ from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline
 from loongforge.models.flops import StepFlops
 from loongforge.models.fp8 import (
+    Fp8WeightCache,
     apply_fp8,
     check_fp8_backend,
     describe_fp8_layers,
@@ -152,7 +153,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
     decide, note = fp8_choice(cfg, device)
-    model.fp8_layers = apply_fp8(model, decide) if decide is not None else {}
+    # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
+    model.fp8_weights = Fp8WeightCache() if decide is not None else None
+    model.fp8_layers = apply_fp8(model, decide, model.fp8_weights) if decide is not None else {}
     model.fp8_note = note + (f": {describe_fp8_layers(model.fp8_layers)}" if model.fp8_layers else "")
     return wrap_for_training(model, cfg.parallel)
 
