@@ -106,16 +106,19 @@ class TrainingSummary:
         return sum(self.sync_waits) / len(self.sync_waits) if self.sync_waits else None
 
     def throughput_means(self) -> dict:
-        """Model TFLOP/s per GPU and MFU over the steps after the first (which pays for warm-up),
-        and the encoder's share of the model FLOPs; {} before any step."""
+        """Model and hardware TFLOP/s per GPU, MFU and HFU over the steps after the first (which
+        pays for warm-up), and the encoder's share of the model FLOPs; {} before any step."""
         steps = self.throughput
         if not steps:
             return {}
         steady = steps[1:] if len(steps) > 1 else steps
         flops, seconds = sum(t.model_flops for t in steady), sum(t.step_s for t in steady)
+        hardware = sum(t.model_flops if t.hardware_flops is None else t.hardware_flops for t in steady)
         total = Throughput(model_flops=flops, encoder_flops=sum(t.encoder_flops for t in steady), step_s=seconds,
-                           world_size=steady[0].world_size, peak_tflops=steady[0].peak_tflops)
+                           world_size=steady[0].world_size, peak_tflops=steady[0].peak_tflops,
+                           hardware_flops=hardware)
         return {"model_tflops_per_gpu": total.tflops_per_gpu, "mfu": total.mfu,
+                "hardware_tflops_per_gpu": total.hardware_tflops_per_gpu, "hfu": total.hfu,
                 "encoder_flops_share": total.encoder_share}
 
 
@@ -241,6 +244,7 @@ class _StepTotals:
     by_rank: dict  # RANK_MEASURES name -> [value of rank 0, rank 1, ...], and "model_tflop"
     model_flops: float  # the step's model FLOPs, over all replicas
     encoder_flops: float  # of which the vision encoder's and projector's
+    hardware_flops: float  # the model FLOPs and the recomputed forwards, over all replicas
 
 
 def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device) -> list[float]:
@@ -250,28 +254,31 @@ def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: to
 
 
 def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vision_bytes: int,
-                 measures: list[float], flops: Optional[StepFlops]) -> _StepTotals:
+                 measures: list[float], flops: Optional[tuple[StepFlops, StepFlops]]) -> _StepTotals:
     """Tokens, sync-time spread, the most vision-feature bytes a rank held, every rank's
-    ``measures`` (RANK_MEASURES) and the model FLOPs of its micro-batches, one collective.
-    Tokens and FLOPs are counted by one rank per model replica (``count_here``: ``flops`` given)."""
+    ``measures`` (RANK_MEASURES) and the (model, hardware) FLOPs of its micro-batches, one
+    collective. Tokens and FLOPs are counted by one rank per model replica (``count_here``:
+    ``flops`` given)."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
-    model_flops, encoder_flops = (flops.total, flops.vision + flops.projector) if flops else (math.nan, 0.0)
-    row = torch.tensor([float(local), sync_s, float(vision_bytes), model_flops, encoder_flops, *measures],
-                       dtype=torch.float64)
+    model, hardware = flops if flops else (None, None)
+    model_flops, encoder_flops = (model.total, model.vision + model.projector) if model else (math.nan, 0.0)
+    row = torch.tensor([float(local), sync_s, float(vision_bytes), model_flops, encoder_flops,
+                        hardware.total if hardware else 0.0, *measures], dtype=torch.float64)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = row.view(1, -1)  # [rank, 5 + measures]
+    per_rank = row.view(1, -1)  # [rank, 6 + measures]
     if world > 1:
         gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
         # torch 2.13 renamed it (and warns on the old name); older torch has the old name only.
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
         per_rank = gathered.view(world, -1)
-    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 5 + i].tolist()]
+    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 6 + i].tolist()]
                for i, name in enumerate(RANK_MEASURES)}
     by_rank["model_tflop"] = [None if math.isnan(value) else value / 1e12 for value in per_rank[:, 3].tolist()]
     sync_wait = float(per_rank[:, 1].max() - per_rank[:, 1].min()) if world > 1 else None
     return _StepTotals(tokens=int(per_rank[:, 0].sum()), sync_wait_s=sync_wait,
                        vision_features_bytes=int(per_rank[:, 2].max()), by_rank=by_rank,
-                       model_flops=float(per_rank[:, 3].nansum()), encoder_flops=float(per_rank[:, 4].sum()))
+                       model_flops=float(per_rank[:, 3].nansum()), encoder_flops=float(per_rank[:, 4].sum()),
+                       hardware_flops=float(per_rank[:, 5].sum()))
 
 
 def _encoder_clock(model: list, device: torch.device) -> Optional[EncoderClock]:
@@ -555,12 +562,14 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
         encoder = run.encoder_clock.take() if run.encoder_clock is not None else None
-        flops = steps_flops(micro_batches, cfg) if is_loss_rank else None
+        flops = (steps_flops(micro_batches, cfg), steps_flops(micro_batches, cfg, hardware=True)) \
+            if is_loss_rank else None
         totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
                               _rank_measures(encoder, step_cpu_s, run.env.device), flops)
         step_s = result.compute_s + data_wait
         throughput = Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
-                                world_size=run.env.world_size, peak_tflops=run.peak_tflops)
+                                world_size=run.env.world_size, peak_tflops=run.peak_tflops,
+                                hardware_flops=totals.hardware_flops)
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
             step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=totals.tokens,
@@ -632,8 +641,8 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
 def _throughput_text(means: dict) -> str:
     if not means:
         return ""
-    mfu = "n/a" if means["mfu"] is None else f"{means['mfu']:.1%}"
-    return (f" | {means['model_tflops_per_gpu']:.3g} model TFLOP/s/GPU, MFU {mfu}, "
+    mfu, hfu = ("n/a" if means[key] is None else f"{means[key]:.1%}" for key in ("mfu", "hfu"))
+    return (f" | {means['model_tflops_per_gpu']:.3g} model TFLOP/s/GPU, MFU {mfu}, HFU {hfu}, "
             f"encoder {means['encoder_flops_share']:.0%} of FLOPs")
 
 

@@ -63,10 +63,12 @@ def test_default_run_opens_with_a_summary_and_shows_no_third_party_warning(full_
     assert [line.split(":")[0] for line in stdout[:4]] == ["run", "data", "balance", "layers"]
     assert stdout[0].startswith("run: preset qwen2.5vl-tiny | 1 process, TP1 x PP1 x DP1 on cpu | output ")
     assert stdout[1] == "data: synthetic, 96 samples per epoch" and stdout[2] == "balance: off"
-    # Every step line and the summary carry the throughput; on the CPU MFU is n/a.
-    assert all("TFLOP/s/GPU | MFU n/a | encoder " in line for line in stdout if line.startswith("step "))
+    # Every step line and the summary carry the throughput; on the CPU MFU and HFU are n/a.
+    assert all("TFLOP/s/GPU | MFU n/a | HFU n/a | encoder " in line for line in stdout if line.startswith("step "))
     summary = json.loads((baseline_run / "summary.json").read_text())
-    assert summary["model_tflops_per_gpu"] > 0 and summary["mfu"] is None
+    assert summary["model_tflops_per_gpu"] > 0 and summary["mfu"] is None and summary["hfu"] is None
+    # No recompute: the hardware FLOPs are the model FLOPs.
+    assert summary["hardware_tflops_per_gpu"] == summary["model_tflops_per_gpu"]
     assert 0 < summary["encoder_flops_share"] < 0.5
 
 
