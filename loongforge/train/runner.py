@@ -370,7 +370,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     embeddings, encoder_digest = _open_embeddings(cfg, env, resume=resume)
     torch.manual_seed(cfg.training.seed)
     # A profile run measures with its own timers, so the online fit does not record there.
-    balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None)
+    balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None,
+                             model_in_use=cfg.balance.enabled or cfg.parallel.encoder_dp != "none")
     model, model_config = _build_ddp_model(cfg, layout, env.device, balancing)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
