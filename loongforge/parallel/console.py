@@ -5,7 +5,7 @@ Each of these is expected in a supported setup and says nothing the run can act 
 announcing the torch fallbacks it uses when Transformer Engine or Apex are absent (loongforge picks
 its layers itself and prints them at start), megatron's deprecation of a default it sets itself,
 the optimizer's probe of `.grad` on its main parameters, and torch's deprecation of collectives
-megatron calls. With ``logging.verbose=true`` (``--verbose``) they are shown, once each. Warnings of our
+and checkpoint calls megatron makes. With ``logging.verbose=true`` (``--verbose``) they are shown, once each. Warnings of our
 own and every other third-party warning always pass.
 """
 
@@ -26,6 +26,13 @@ KNOWN_HARMLESS: tuple[tuple[str, type[Warning], str], ...] = (
     # torch 2.13 renamed the tensor collectives (all_gather_into_tensor, reduce_scatter_tensor);
     # megatron-core 0.16 calls the old names, which torch's c10d logger wrapper reports.
     (r"`torch\.distributed\.\w+` is deprecated", FutureWarning, r"torch\.distributed\..*"),
+    # Loading a checkpoint (--resume, checkpoint.load=): megatron-core 0.16's torch_dist strategy
+    # calls torch.distributed.checkpoint's deprecated load_state_dict and hands it ShardedTensors,
+    # which torch 2.13's planner reports twice.
+    (r"`load_state_dict` is deprecated and will be removed", FutureWarning,
+     r"megatron\.core\.dist_checkpointing\..*"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"torch\.distributed\.checkpoint\..*"),
 )
 
 

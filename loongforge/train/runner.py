@@ -82,7 +82,7 @@ from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-from loongforge.train.vision_embeddings import DIGEST_KEY, open_vision_embeddings
+from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -475,12 +475,14 @@ def _startup_summary(run: _Run) -> list[str]:
     balancing = (f"{run.balanced.balance_mode} mode (data.read={run.balanced.read}), threshold "
                  f"{cfg.balance.threshold}" if run.balanced is not None else "off")
     data = run.pipeline.source_text() if isinstance(run.pipeline, DataPipeline) else "the profile sweep's rows"
+    encoder_note = frozen_encoder_note(cfg)
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
             f"data: {cfg.data.source}, {data}",
             f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
-                                    _unwrap_model(run.model[0]).layer_backends.items())]
+                                    _unwrap_model(run.model[0]).layer_backends.items()),
+            *([encoder_note] if encoder_note else [])]
 
 
 def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
