@@ -13,6 +13,7 @@ import typer
 
 from loongforge import __version__
 from loongforge.cli import bench, convert, encode, fit_cost, pack, profile, train
+from loongforge.parallel.console import filter_known_warnings
 
 app = typer.Typer(
     name="loongforge",
@@ -59,6 +60,10 @@ def loongforge(
         help="Print loongforge, torch and megatron-core versions, then exit.")] = None,
 ) -> None:
     """Load-balanced training of vision-language models and LLMs on megatron-core."""
+    # Every command, before it imports megatron-core (encode, convert and profile build models too):
+    # the known harmless third-party warnings stay off stderr. `train --verbose` shows them again
+    # (train.launch installs its own filters over these).
+    filter_known_warnings(verbose=False)
 
 
 def main() -> None:

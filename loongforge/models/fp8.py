@@ -2,12 +2,15 @@
 
 Recipe (per-tensor current scaling, "hybrid" formats as Transformer Engine calls them): every GEMM
 of a linear layer (forward ``y = x W^T``, data gradient ``dx = dy W``, weight gradient
-``dW = dy^T x``) reads FP8 operands, each quantised right before the GEMM with its own scale
-(the tensor's absolute maximum mapped to the format's largest value); activations and weights in
-E4M3 (more mantissa), gradients in E5M2 (more range); the products accumulate in fp32 inside the
-GEMM and come out in the input's dtype. No amax history is kept (current scaling), so nothing of
-FP8 goes into a checkpoint: the weights stay in their training dtype and FP8 copies live for one
-GEMM. Shapes: ``_scaled_mm`` on CUDA needs every dimension a multiple of 16; the token dimension is
+``dW = dy^T x``) reads FP8 operands, each quantised with its own scale (the tensor's absolute
+maximum, floored at ``AMAX_FLOOR``, mapped to the format's largest value); activations and weights
+in E4M3 (more mantissa), gradients in E5M2 (more range); the products accumulate in fp32 inside the
+GEMM and come out in the input's dtype. Activations and gradients are quantised right before their
+GEMM; a weight once per optimizer step (``Fp8WeightCache``: its E4M3 copy serves the forward of
+every micro-batch, recomputed forwards and the data-gradient GEMMs, whose per-tensor quantisation of
+``W^T`` is the transpose of ``W``'s). No amax history is kept (current scaling), so nothing of FP8
+goes into a checkpoint: the weights stay in their training dtype and FP8 copies live for one step.
+Shapes: ``_scaled_mm`` on CUDA needs every dimension a multiple of 16; the token dimension is
 padded with zero rows (zeros change neither the products nor the amax), and a layer whose own widths
 are not multiples of 16 is not eligible (``eligible``).
 
@@ -44,13 +47,47 @@ def _fp8_max(dtype: torch.dtype) -> float:
     return float(torch.finfo(dtype).max)
 
 
+# The smallest absolute maximum a scale is computed from (torchao's floor). Without one, a tensor
+# whose amax is tiny but not 0 (1e-35) gets scale E5M2 max / amax = inf in fp32, and its zeros
+# 0 * inf = NaN. With it such a tensor's values quantise to (nearly) 0, as they are next to any
+# value the GEMM's other operand can bring, and an all-zero tensor needs no case of its own.
+AMAX_FLOOR = 1e-12
+
+
 def quantize(tensor: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """(FP8 tensor, inverse scale): ``tensor ~= fp8.float() * inverse_scale``, the absolute maximum
-    mapped to the format's largest finite value (an all-zero tensor gets scale 1)."""
-    amax = tensor.detach().abs().max().float()
-    scale = torch.where(amax > 0, _fp8_max(dtype) / amax, torch.ones_like(amax))
+    (at least ``AMAX_FLOOR``) mapped to the format's largest finite value."""
+    amax = tensor.detach().abs().max().float().clamp(min=AMAX_FLOOR)
+    scale = _fp8_max(dtype) / amax
     fp8 = (tensor.float() * scale).clamp(-_fp8_max(dtype), _fp8_max(dtype)).to(dtype)
     return fp8, scale.reciprocal()
+
+
+class Fp8WeightCache:
+    """The E4M3 copies of FP8 layers' weights for one optimizer step: a weight is quantised at its
+    first GEMM of the step and the copy serves every later one (the forward of each micro-batch, a
+    recomputed forward, the data gradient's ``W^T``). ``weights_changed`` (the training step calls it
+    after ``optimizer.step``) drops them. ``quantisations`` counts the weights quantised."""
+
+    def __init__(self) -> None:
+        self._copies: dict[int, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}
+        self.quantisations = 0
+
+    def get(self, weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(E4M3 weight [N, K], inverse scale) of ``weight`` as it is in this step."""
+        entry = self._copies.get(id(weight))
+        if entry is None or entry[0] is not weight:
+            entry = (weight, *quantize(weight.detach(), E4M3))
+            self._copies[id(weight)] = entry
+            self.quantisations += 1
+        return entry[1], entry[2]
+
+    def weights_changed(self) -> None:
+        self._copies.clear()
+
+
+def _quantized_weight(weight: torch.Tensor, cache: Optional[Fp8WeightCache]) -> tuple[torch.Tensor, torch.Tensor]:
+    return quantize(weight, E4M3) if cache is None else cache.get(weight)
 
 
 def _pad_rows(tensor: torch.Tensor) -> torch.Tensor:
@@ -63,39 +100,48 @@ def scaled_matmul(a: torch.Tensor, a_dtype: torch.dtype, b_t: torch.Tensor, b_dt
                   out_dtype: torch.dtype) -> torch.Tensor:
     """``a @ b_t.T`` with both operands quantised: a [M, K], b_t [N, K] (row-major, as a weight is
     stored) -> [M, N] in ``out_dtype``. Rows of ``a`` are padded to the GEMM's multiple."""
+    return matmul_quantized_b(a, a_dtype, *quantize(b_t, b_dtype), out_dtype)
+
+
+def matmul_quantized_b(a: torch.Tensor, a_dtype: torch.dtype, b_t_fp8: torch.Tensor, b_inverse: torch.Tensor,
+                       out_dtype: torch.dtype) -> torch.Tensor:
+    """``scaled_matmul`` with the second operand already quantised (``b_t_fp8`` [N, K] row-major)."""
     rows = a.shape[0]
     a_fp8, a_inverse = quantize(_pad_rows(a), a_dtype)
-    b_fp8, b_inverse = quantize(b_t, b_dtype)
     # _scaled_mm takes its second operand column-major: the transpose of a row-major [N, K].
-    out = torch._scaled_mm(a_fp8, b_fp8.t(), scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
+    out = torch._scaled_mm(a_fp8, b_t_fp8.t(), scale_a=a_inverse, scale_b=b_inverse, out_dtype=out_dtype)
     return out[:rows]
 
 
 class Fp8Matmul(torch.autograd.Function):
-    """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]. No tokens (an
+    """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]; ``cache``: where
+    the weight's E4M3 copy for the step is kept (None: quantised at each GEMM). No tokens (an
     expert no token was routed to) is an empty product: nothing to quantise."""
 
     @staticmethod
-    def forward(ctx, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
+        ctx.cache = cache
         if x.shape[0] == 0:
             return x @ weight.t()
-        return scaled_matmul(x, E4M3, weight, E4M3, x.dtype)  # [M, N]
+        return matmul_quantized_b(x, E4M3, *_quantized_weight(weight, cache), x.dtype)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
         if x.shape[0] == 0:
-            return grad_out @ weight, torch.zeros_like(weight)
+            return grad_out @ weight, torch.zeros_like(weight), None
         grad_out = grad_out.contiguous()  # [M, N]
-        # dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N].
-        grad_x = scaled_matmul(grad_out, E5M2, weight.t().contiguous(), E4M3, x.dtype)
+        # dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N], whose
+        # per-tensor quantisation is the transpose of W's (the same amax, elementwise).
+        weight_fp8, weight_inverse = _quantized_weight(weight, ctx.cache)
+        grad_x = matmul_quantized_b(grad_out, E5M2, weight_fp8.t().contiguous(), weight_inverse, x.dtype)
         # dW [N, K] = dy^T [N, M] @ x [M, K]: the token dimension is the contraction here; pad it
         # on both sides (zero tokens add nothing).
         dy_t = _pad_rows(grad_out).t().contiguous()  # [N, M']
         x_t = _pad_rows(x).t().contiguous()  # [K, M']
         grad_w = scaled_matmul(dy_t, E5M2, x_t, E4M3, weight.dtype)
-        return grad_x, grad_w
+        return grad_x, grad_w, None
 
 
 def eligible(weight: torch.Tensor) -> bool:
@@ -105,8 +151,9 @@ def eligible(weight: torch.Tensor) -> bool:
 
 def fp8_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None,
                        allreduce_dgrad: bool = False, sequence_parallel: bool = False,
-                       tp_group=None) -> torch.Tensor:
-    """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs.
+                       tp_group=None, cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
+    """megatron-core's ``linear_with_grad_accumulation_and_async_allreduce`` with FP8 GEMMs (the
+    weight's E4M3 copy kept in ``cache`` for the step, when given).
 
     input [s(/tp), b, K] -> [s, b, N]. Under sequence parallelism the input is all-gathered over TP
     (its gradient reduce-scattered back); with ``allreduce_dgrad`` the input gradient is all-reduced
@@ -119,7 +166,7 @@ def fp8_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional
     else:
         total = input
     tokens = total.reshape(-1, total.shape[-1])  # [s * b, K]
-    output = Fp8Matmul.apply(tokens, weight).reshape(*total.shape[:-1], weight.shape[0])  # [s, b, N]
+    output = Fp8Matmul.apply(tokens, weight, cache).reshape(*total.shape[:-1], weight.shape[0])  # [s, b, N]
     return output if bias is None else output + bias
 
 
@@ -127,7 +174,7 @@ _IMPL_ARGUMENTS = ("input", "weight", "bias", "gradient_accumulation_fusion", "a
                    "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "tp_group")
 
 
-def _fp8_impl(original: Callable, *args, **kwargs) -> torch.Tensor:
+def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], *args, **kwargs) -> torch.Tensor:
     """A linear's ``_forward_impl`` with FP8 GEMMs; a frozen weight (no weight gradient, nothing to
     gain) and a deferred weight gradient run the original."""
     bound = {**dict(zip(_IMPL_ARGUMENTS, args)), **kwargs}
@@ -136,15 +183,16 @@ def _fp8_impl(original: Callable, *args, **kwargs) -> torch.Tensor:
     return fp8_linear_forward(bound["input"], bound["weight"], bound.get("bias"),
                               allreduce_dgrad=bound.get("allreduce_dgrad", False),
                               sequence_parallel=bound.get("sequence_parallel", False),
-                              tp_group=bound.get("tp_group"))
+                              tp_group=bound.get("tp_group"), cache=cache)
 
 
-def use_fp8(module: torch.nn.Module) -> bool:
-    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on; False (and nothing
-    changed) when its weight shard is not ``eligible``."""
+def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None) -> bool:
+    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on, its weight's E4M3
+    copy kept in ``cache`` for the step (None: quantised at each GEMM); False (and nothing changed)
+    when its weight shard is not ``eligible``."""
     if not eligible(module.weight):
         return False
-    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl)
+    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl, cache)
     module.fp8 = True
     return True
 
@@ -212,9 +260,11 @@ def fp8_gemms_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool]) -> dict[str, tuple[int, int]]:
-    """Switch the linears whose kind ``decide`` picks to FP8 GEMMs; returns, per kind found,
-    (layers now FP8, layers of that kind) (a shard with widths off the GEMM's multiple stays)."""
+def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool],
+              cache: Optional[Fp8WeightCache] = None) -> dict[str, tuple[int, int]]:
+    """Switch the linears whose kind ``decide`` picks to FP8 GEMMs, their weights' E4M3 copies kept
+    in ``cache``; returns, per kind found, (layers now FP8, layers of that kind) (a shard with widths
+    off the GEMM's multiple stays)."""
     counts: dict[str, list[int]] = {}
     for name, module in model.named_modules():
         kind = layer_kind(name)
@@ -222,7 +272,7 @@ def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool]) -> dict[str
             continue
         count = counts.setdefault(kind, [0, 0])
         count[1] += 1
-        if decide(kind) and use_fp8(module):
+        if decide(kind) and use_fp8(module, cache):
             count[0] += 1
     return {kind: (on, total) for kind, (on, total) in sorted(counts.items())}
 

@@ -5,9 +5,10 @@ Each of these is expected in a supported setup and says nothing the run can act 
 announcing the torch fallbacks it uses when Transformer Engine or Apex are absent, on a CPU run
 (loongforge picks its layers itself and prints them at start; on CUDA they mean a broken GPU
 install and show), megatron's deprecation of a default it sets itself, the optimizer's probe of
-`.grad` on its main parameters, and torch's deprecation of collectives where megatron calls them
-(a call of ours shows). With ``logging.verbose=true`` (``--verbose``) they are shown, once each.
-Warnings of our own and every other third-party warning always pass.
+`.grad` on its main parameters, torch's deprecation of collectives where megatron calls them (a
+call of ours shows) and of the checkpoint calls megatron makes. With ``logging.verbose=true``
+(``--verbose``) they are shown, once each. Warnings of our own and every other third-party warning
+always pass.
 """
 
 from __future__ import annotations
@@ -24,6 +25,13 @@ KNOWN_HARMLESS: tuple[tuple[str, type[Warning], str], ...] = (
     # autograd leaves; the gradients it uses are in `main_grad`.
     (r"The \.grad attribute of a Tensor that is not a leaf Tensor is being accessed", UserWarning,
      r"megatron\.core\.optimizer\..*"),
+    # Loading a checkpoint (--resume, checkpoint.load=): megatron-core 0.16's torch_dist strategy
+    # calls torch.distributed.checkpoint's deprecated load_state_dict and hands it ShardedTensors,
+    # which torch 2.13's planner reports twice.
+    (r"`load_state_dict` is deprecated and will be removed", FutureWarning,
+     r"megatron\.core\.dist_checkpointing\..*"),
+    (r"Please use DTensor instead and we are deprecating ShardedTensor", FutureWarning,
+     r"torch\.distributed\.checkpoint\..*"),
 )
 # megatron-core's notices of the torch fallbacks it takes without Transformer Engine or Apex: what a
 # CPU run expects, so hidden there; on a CUDA run they mean a broken GPU install, so they show.

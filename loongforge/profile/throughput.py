@@ -1,11 +1,15 @@
-"""Model FLOPs of a training step, TFLOP/s per GPU and MFU: the throughput a run reports.
+"""Model FLOPs of a training step, TFLOP/s per GPU, MFU and HFU: the throughput a run reports.
 
 Model FLOPs are what the model's definition costs on the step's real samples (the family's
 ``training_flops``: the vision encoder and projector on every image and video, the language model
-over packed segments, the LM head on loss tokens; padding and recomputation beyond what the
-options say are not the model's work). TFLOP/s per GPU = the step's model FLOPs over all ranks /
-step seconds / ranks; MFU = that / the device's dense peak for the run's dtype (``PEAK_TFLOPS``,
-``logging.peak_tflops`` overrides it; unknown devices and the CPU report no MFU unless given).
+over packed segments, the LM head on loss tokens; padding is not the model's work), forward and
+backward, without activation recompute: PaLM's MFU (Chowdhery et al. 2022, appendix B) counts
+the model's FLOPs whatever the implementation re-runs. Hardware FLOPs add the recomputed forwards
+(``training.recompute_activations``: every transformer layer's forward a second time), what the
+GPU executes. TFLOP/s per GPU = the step's model FLOPs over all ranks / step seconds / ranks;
+MFU = that / the device's dense peak for the run's dtype (``PEAK_TFLOPS``, ``logging.peak_tflops``
+overrides it; unknown devices and the CPU report no MFU unless given); HFU the same with hardware
+FLOPs. Without recompute the two are equal; with it HFU / MFU = hardware / model FLOPs (up to 4/3).
 """
 
 from __future__ import annotations
@@ -51,8 +55,11 @@ def device_peak_tflops(device_name: str, dtype: str) -> Optional[float]:
     return None
 
 
-def flop_options(cfg: RunConfig) -> FlopOptions:
-    return FlopOptions.from_training(cfg.training)
+def flop_options(cfg: RunConfig, *, hardware: bool = False) -> FlopOptions:
+    """The passes ``cfg``'s run counts: the model's (no recompute: MFU's numerator), or with
+    ``hardware`` what runs (the recomputed forwards too: HFU's numerator)."""
+    options = FlopOptions.from_training(cfg.training)
+    return options if hardware else replace(options, recompute=False)
 
 
 def micro_batch_flops(micro_batch: dict, model_cfg: ModelConfig, options: FlopOptions) -> StepFlops:
@@ -61,10 +68,11 @@ def micro_batch_flops(micro_batch: dict, model_cfg: ModelConfig, options: FlopOp
     return get_family(model_cfg.family).training_flops(model_cfg, model_sample_costs(micro_batch, model_cfg), options)
 
 
-def steps_flops(micro_batches: list[dict], cfg: RunConfig) -> StepFlops:
-    """The model FLOPs of a rank's micro-batches for this run. With data.vision_embeddings the
-    encoder does not run: stored features stand in for it, so it counts nothing."""
-    options = flop_options(cfg)
+def steps_flops(micro_batches: list[dict], cfg: RunConfig, *, hardware: bool = False) -> StepFlops:
+    """The model FLOPs (``hardware``: the hardware FLOPs) of a rank's micro-batches for this run.
+    With data.vision_embeddings the encoder does not run: stored features stand in for it, so it
+    counts nothing."""
+    options = flop_options(cfg, hardware=hardware)
     flops = sum((micro_batch_flops(mb, cfg.model, options) for mb in micro_batches), NO_FLOPS)
     if cfg.data.vision_embeddings is not None:
         flops = replace(flops, vision=0.0, projector=0.0)
@@ -80,6 +88,9 @@ class Throughput:
     step_s: float
     world_size: int
     peak_tflops: Optional[float]  # per GPU, for the run's dtype; None: unknown (no MFU)
+    # The step's hardware FLOPs over all ranks (model FLOPs + recomputed forwards); None: no
+    # recompute counted, the model FLOPs.
+    hardware_flops: Optional[float] = None
 
     @property
     def tflops_per_gpu(self) -> float:
@@ -87,7 +98,18 @@ class Throughput:
 
     @property
     def mfu(self) -> Optional[float]:
+        """Model FLOPs utilisation (PaLM's): model FLOPs per GPU-second over the peak."""
         return self.tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
+
+    @property
+    def hardware_tflops_per_gpu(self) -> float:
+        flops = self.model_flops if self.hardware_flops is None else self.hardware_flops
+        return flops / self.step_s / self.world_size / 1e12 if self.step_s > 0 else 0.0
+
+    @property
+    def hfu(self) -> Optional[float]:
+        """Hardware FLOPs utilisation: with the recomputed forwards; >= MFU."""
+        return self.hardware_tflops_per_gpu / self.peak_tflops if self.peak_tflops else None
 
     @property
     def encoder_share(self) -> float:

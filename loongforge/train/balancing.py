@@ -46,12 +46,17 @@ class RunBalancing:
     ``version`` changes whenever the model does.
 
     ``fit_online=False`` (a ``loongforge profile`` run, which measures on its own timers) keeps
-    the file's or the checkpoint's model and never records.
+    the file's or the checkpoint's model and never records. ``model_in_use=False`` (balancing off
+    and no ``parallel.encoder_dp`` pricing media): the online fit still runs and is saved for a later
+    balanced run, but its warnings about the fit's terms stay off the console of a run that does
+    not price anything with it.
     """
 
-    def __init__(self, balance_cfg, *, fit_online: bool = True, log=None, prices_vision: bool = True):
+    def __init__(self, balance_cfg, *, fit_online: bool = True, log=None, prices_vision: bool = True,
+                 model_in_use: bool = True):
         self.cfg = balance_cfg
         self.fit_online = fit_online
+        self.model_in_use = model_in_use
         # False when no encoder runs (data.vision_embeddings): planners see the model without its
         # vision terms, so they price what actually runs.
         self.prices_vision = prices_vision
@@ -147,7 +152,7 @@ class RunBalancing:
             acc = result.report["held_out_micro_batch"]
             self._log(f"cost model: fitted online at step {step} from {len(records)} records, "
                       f"held-out median error {acc.get('median_ape_pct', float('nan')):.1f}%"
-                      + "".join(f"\ncost model warning: {w}" for w in result.warnings))
+                      + "".join(f"\ncost model warning: {w}" for w in result.warnings if self.model_in_use))
 
     def _fit_observations(self, obs):
         try:

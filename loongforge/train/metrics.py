@@ -40,7 +40,7 @@ class StepMetrics:
     # each expert received (moe_balance.ExpertLoad); None otherwise.
     load_balancing_loss: Optional[float] = None
     expert_load: Optional[ExpertLoad] = None
-    # Model FLOPs, TFLOP/s per GPU and MFU of the step (profile.throughput); by_rank["model_tflop"]
+    # Model FLOPs, TFLOP/s per GPU, MFU and HFU of the step (profile.throughput); by_rank["model_tflop"]
     # holds each model replica's share (None on ranks that do not count: one per replica counts).
     throughput: Optional[Throughput] = None
 
@@ -81,9 +81,9 @@ def _throughput_text(m: StepMetrics) -> str:
     if m.throughput is None:
         return ""
     t = m.throughput
-    mfu = "n/a" if t.mfu is None else f"{t.mfu:.1%}"
+    mfu, hfu = ("n/a" if value is None else f"{value:.1%}" for value in (t.mfu, t.hfu))
     imbalance = m.flops_max_over_mean
-    return (f" | {t.tflops_per_gpu:.3g} TFLOP/s/GPU | MFU {mfu} | encoder {t.encoder_share:.0%} of FLOPs"
+    return (f" | {t.tflops_per_gpu:.3g} TFLOP/s/GPU | MFU {mfu} | HFU {hfu} | encoder {t.encoder_share:.0%} of FLOPs"
             + ("" if imbalance is None else f" | FLOPs max/mean {imbalance:.3f}"))
 
 
@@ -147,8 +147,11 @@ class RunLogger:
             record.update({"expert_tokens_min": m.expert_load.tokens_min, "expert_tokens_max": m.expert_load.tokens_max,
                            "expert_load_max_over_mean": m.expert_load.max_over_mean})
         if m.throughput is not None:
-            record.update({"model_flops": m.throughput.model_flops, "model_tflops_per_gpu": m.throughput.tflops_per_gpu,
-                           "mfu": m.throughput.mfu, "encoder_flops_share": m.throughput.encoder_share,
+            t = m.throughput
+            record.update({"model_flops": t.model_flops, "model_tflops_per_gpu": t.tflops_per_gpu, "mfu": t.mfu,
+                           "hardware_flops": t.model_flops if t.hardware_flops is None else t.hardware_flops,
+                           "hardware_tflops_per_gpu": t.hardware_tflops_per_gpu, "hfu": t.hfu,
+                           "encoder_flops_share": t.encoder_share,
                            "flops_max_over_mean": m.flops_max_over_mean})
         if m.balance is not None:
             record.update({"balance_applied": bool(m.balance["applied"]),

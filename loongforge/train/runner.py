@@ -35,6 +35,7 @@ from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.pipeline import DataPipeline
 from loongforge.models.flops import StepFlops
 from loongforge.models.fp8 import (
+    Fp8WeightCache,
     apply_fp8,
     check_fp8_backend,
     describe_fp8_layers,
@@ -81,7 +82,7 @@ from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-from loongforge.train.vision_embeddings import DIGEST_KEY, open_vision_embeddings
+from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
@@ -105,16 +106,19 @@ class TrainingSummary:
         return sum(self.sync_waits) / len(self.sync_waits) if self.sync_waits else None
 
     def throughput_means(self) -> dict:
-        """Model TFLOP/s per GPU and MFU over the steps after the first (which pays for warm-up),
-        and the encoder's share of the model FLOPs; {} before any step."""
+        """Model and hardware TFLOP/s per GPU, MFU and HFU over the steps after the first (which
+        pays for warm-up), and the encoder's share of the model FLOPs; {} before any step."""
         steps = self.throughput
         if not steps:
             return {}
         steady = steps[1:] if len(steps) > 1 else steps
         flops, seconds = sum(t.model_flops for t in steady), sum(t.step_s for t in steady)
+        hardware = sum(t.model_flops if t.hardware_flops is None else t.hardware_flops for t in steady)
         total = Throughput(model_flops=flops, encoder_flops=sum(t.encoder_flops for t in steady), step_s=seconds,
-                           world_size=steady[0].world_size, peak_tflops=steady[0].peak_tflops)
+                           world_size=steady[0].world_size, peak_tflops=steady[0].peak_tflops,
+                           hardware_flops=hardware)
         return {"model_tflops_per_gpu": total.tflops_per_gpu, "mfu": total.mfu,
+                "hardware_tflops_per_gpu": total.hardware_tflops_per_gpu, "hfu": total.hfu,
                 "encoder_flops_share": total.encoder_share}
 
 
@@ -152,7 +156,9 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
     decide, note = fp8_choice(cfg, device, layer_backend)
-    model.fp8_layers = apply_fp8(model, decide) if decide is not None else {}
+    # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
+    model.fp8_weights = Fp8WeightCache() if decide is not None else None
+    model.fp8_layers = apply_fp8(model, decide, model.fp8_weights) if decide is not None else {}
     model.fp8_note = note + (f": {describe_fp8_layers(model.fp8_layers)}" if model.fp8_layers else "")
     return wrap_for_training(model, cfg.parallel)
 
@@ -238,6 +244,7 @@ class _StepTotals:
     by_rank: dict  # RANK_MEASURES name -> [value of rank 0, rank 1, ...], and "model_tflop"
     model_flops: float  # the step's model FLOPs, over all replicas
     encoder_flops: float  # of which the vision encoder's and projector's
+    hardware_flops: float  # the model FLOPs and the recomputed forwards, over all replicas
 
 
 def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device) -> list[float]:
@@ -247,28 +254,31 @@ def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: to
 
 
 def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vision_bytes: int,
-                 measures: list[float], flops: Optional[StepFlops]) -> _StepTotals:
+                 measures: list[float], flops: Optional[tuple[StepFlops, StepFlops]]) -> _StepTotals:
     """Tokens, sync-time spread, the most vision-feature bytes a rank held, every rank's
-    ``measures`` (RANK_MEASURES) and the model FLOPs of its micro-batches, one collective.
-    Tokens and FLOPs are counted by one rank per model replica (``count_here``: ``flops`` given)."""
+    ``measures`` (RANK_MEASURES) and the (model, hardware) FLOPs of its micro-batches, one
+    collective. Tokens and FLOPs are counted by one rank per model replica (``count_here``:
+    ``flops`` given)."""
     local = sum(sum(mb["sample_lengths"]) for mb in micro_batches) if count_here else 0
-    model_flops, encoder_flops = (flops.total, flops.vision + flops.projector) if flops else (math.nan, 0.0)
-    row = torch.tensor([float(local), sync_s, float(vision_bytes), model_flops, encoder_flops, *measures],
-                       dtype=torch.float64)
+    model, hardware = flops if flops else (None, None)
+    model_flops, encoder_flops = (model.total, model.vision + model.projector) if model else (math.nan, 0.0)
+    row = torch.tensor([float(local), sync_s, float(vision_bytes), model_flops, encoder_flops,
+                        hardware.total if hardware else 0.0, *measures], dtype=torch.float64)
     world = dist.get_world_size() if dist.is_initialized() else 1
-    per_rank = row.view(1, -1)  # [rank, 5 + measures]
+    per_rank = row.view(1, -1)  # [rank, 6 + measures]
     if world > 1:
         gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
         # torch 2.13 renamed it (and warns on the old name); older torch has the old name only.
         getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
         per_rank = gathered.view(world, -1)
-    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 5 + i].tolist()]
+    by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 6 + i].tolist()]
                for i, name in enumerate(RANK_MEASURES)}
     by_rank["model_tflop"] = [None if math.isnan(value) else value / 1e12 for value in per_rank[:, 3].tolist()]
     sync_wait = float(per_rank[:, 1].max() - per_rank[:, 1].min()) if world > 1 else None
     return _StepTotals(tokens=int(per_rank[:, 0].sum()), sync_wait_s=sync_wait,
                        vision_features_bytes=int(per_rank[:, 2].max()), by_rank=by_rank,
-                       model_flops=float(per_rank[:, 3].nansum()), encoder_flops=float(per_rank[:, 4].sum()))
+                       model_flops=float(per_rank[:, 3].nansum()), encoder_flops=float(per_rank[:, 4].sum()),
+                       hardware_flops=float(per_rank[:, 5].sum()))
 
 
 def _encoder_clock(model: list, device: torch.device) -> Optional[EncoderClock]:
@@ -361,7 +371,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     embeddings, encoder_digest = _open_embeddings(cfg, env, resume=resume)
     torch.manual_seed(cfg.training.seed)
     # A profile run measures with its own timers, so the online fit does not record there.
-    balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None)
+    balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None,
+                             model_in_use=cfg.balance.enabled or cfg.parallel.encoder_dp != "none")
     model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
     if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
         load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
@@ -467,12 +478,14 @@ def _startup_summary(run: _Run) -> list[str]:
     balancing = (f"{run.balanced.balance_mode} mode (data.read={run.balanced.read}), threshold "
                  f"{cfg.balance.threshold}" if run.balanced is not None else "off")
     data = run.pipeline.source_text() if isinstance(run.pipeline, DataPipeline) else "the profile sweep's rows"
+    encoder_note = frozen_encoder_note(cfg)
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
             f"data: {cfg.data.source}, {data}",
             f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
-                                    _unwrap_model(run.model[0]).layer_backends.items())]
+                                    _unwrap_model(run.model[0]).layer_backends.items()),
+            *([encoder_note] if encoder_note else [])]
 
 
 def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
@@ -555,12 +568,14 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         run.observer.end_step(step, result, data_wait_s=data_wait)
         consumed_rows += cfg.training.global_batch_size
         encoder = run.encoder_clock.take() if run.encoder_clock is not None else None
-        flops = steps_flops(micro_batches, cfg) if is_loss_rank else None
+        flops = (steps_flops(micro_batches, cfg), steps_flops(micro_batches, cfg, hardware=True)) \
+            if is_loss_rank else None
         totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
                               _rank_measures(encoder, step_cpu_s, run.env.device), flops)
         step_s = result.compute_s + data_wait
         throughput = Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
-                                world_size=run.env.world_size, peak_tflops=run.peak_tflops)
+                                world_size=run.env.world_size, peak_tflops=run.peak_tflops,
+                                hardware_flops=totals.hardware_flops)
         decision = run.balanced.last_balance if run.balanced is not None else None
         logger.log_step(StepMetrics(
             step=step, loss=result.loss, grad_norm=result.grad_norm, lr=result.lr, tokens=totals.tokens,
@@ -632,8 +647,8 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
 def _throughput_text(means: dict) -> str:
     if not means:
         return ""
-    mfu = "n/a" if means["mfu"] is None else f"{means['mfu']:.1%}"
-    return (f" | {means['model_tflops_per_gpu']:.3g} model TFLOP/s/GPU, MFU {mfu}, "
+    mfu, hfu = ("n/a" if means[key] is None else f"{means[key]:.1%}" for key in ("mfu", "hfu"))
+    return (f" | {means['model_tflops_per_gpu']:.3g} model TFLOP/s/GPU, MFU {mfu}, HFU {hfu}, "
             f"encoder {means['encoder_flops_share']:.0%} of FLOPs")
 
 

@@ -184,6 +184,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     reports = forward_backward(model, micro_batches, device=device, seq_length=seq_length,
                                is_loss_rank=is_loss_rank)
     update_ok, grad_norm, _ = optimizer.step()
+    _weights_changed(model)
     compute_s = time.perf_counter() - start
     lr = optimizer.param_groups[0]["lr"]
     if update_ok:
@@ -193,6 +194,14 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
                       compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes,
                       load_balancing_loss=_load_balancing_loss(model, len(micro_batches)))
+
+
+def _weights_changed(model: list) -> None:
+    """After the update: FP8 layers' weight copies of this step are stale (``models.fp8``)."""
+    for chunk in model:
+        cache = getattr(getattr(chunk, "module", chunk), "fp8_weights", None)
+        if cache is not None:
+            cache.weights_changed()
 
 
 def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]:

@@ -33,6 +33,20 @@ from loongforge.models.fingerprint import weights_digest
 DIGEST_KEY = "vision_embeddings_encoder_digest"
 
 
+def frozen_encoder_note(cfg: RunConfig) -> Optional[str]:
+    """The start-up line of a run on stored features that leaves the vision tower or the projector
+    trainable: the store holds the projector's outputs, so neither runs nor trains here, and an
+    online run with those settings (which trains them) gives other losses. None otherwise."""
+    training = cfg.training
+    if cfg.data.vision_embeddings is None or (training.freeze_vision and training.freeze_projector):
+        return None
+    unfrozen = [f"training.{key}=false" for key in ("freeze_vision", "freeze_projector") if not getattr(training, key)]
+    return (f"encoder: frozen: data.vision_embeddings holds the projector's outputs, so neither the vision tower "
+            f"nor the projector runs or trains here, whatever training.freeze_* say (this run: {', '.join(unfrozen)}); "
+            f"the same run with the encoder online trains what they leave unfrozen and gives other losses (compare "
+            f"with training.freeze_vision=true training.freeze_projector=true)")
+
+
 def open_vision_embeddings(cfg: RunConfig, *, load_path: Optional[Path], device) -> tuple[EmbeddingStore, str]:
     """The store, checked against this run (InputError on every rank otherwise), and the digest.
     Collective: every rank calls it."""

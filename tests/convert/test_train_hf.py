@@ -10,7 +10,7 @@ import torch
 from loongforge.config.loader import load_run_config
 from loongforge.convert.engine import hf_to_mcore
 from tests.convert.helpers import hub_state, save_hf_checkpoint
-from tests.train.conftest import PRESET, SAVE_AT_END, SMALL_MODEL, losses, run_train
+from tests.train.conftest import PRESET, SAVE_AT_END, SMALL_MODEL, assert_quiet_stderr, losses, run_train
 
 FROZEN = ["training.train_steps=1", "optimizer.lr=0", "optimizer.min_lr=0", "optimizer.weight_decay=0"]
 
@@ -36,6 +36,7 @@ def test_load_hf_save_hf_and_load_converted(tmp_path):
 
     # the same weights through a converted checkpoint: same first loss, and the run starts at step 0
     hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)
-    run_train(tmp_path / "run_mcore", f"checkpoint.load={tmp_path / 'mcore'}", *FROZEN)
+    loaded = run_train(tmp_path / "run_mcore", f"checkpoint.load={tmp_path / 'mcore'}", *FROZEN)
+    assert_quiet_stderr(loaded.stderr, "train checkpoint.load=")
     first_hf, first_mcore = losses(tmp_path / "run_hf"), losses(tmp_path / "run_mcore")
     assert len(first_mcore) == 1 and first_mcore == first_hf

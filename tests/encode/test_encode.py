@@ -236,3 +236,15 @@ def test_a_text_only_preset_is_a_usage_error(tmp_path):
         "error: --preset llm-tiny: model family llm has no vision encoder that runs on its own; encode runs a "
         "qwen2_5_vl preset's encoder (see --list-presets)")
     assert not (tmp_path / "out").exists()
+
+
+def test_help_says_what_the_default_bf16_store_costs_in_the_loss():
+    """Issue 30, item 14: a bf16 store (the default) is not the online encoder's features."""
+    from typer.testing import CliRunner
+
+    from loongforge.cli.app import app
+
+    result = CliRunner().invoke(app, ["encode", "--help"], env={"COLUMNS": "200"})
+    assert result.exit_code == 0, result.output
+    text = " ".join(result.output.split())
+    assert "bf16 halves the store" in text and "about 1e-5 relative in the loss; fp32 matches it to about 1e-7" in text

@@ -16,7 +16,9 @@ from loongforge.models import fp8
 from loongforge.models.fp8 import (
     E4M3,
     E5M2,
+    AMAX_FLOOR,
     Fp8Matmul,
+    Fp8WeightCache,
     Fp8Policy,
     apply_fp8,
     check_fp8_backend,
@@ -44,7 +46,67 @@ def test_quantize_maps_the_absolute_maximum_to_the_largest_fp8_value():
     assert float(fp8.float().abs().max()) == torch.finfo(E4M3).max == 448.0
     assert float(inverse) == pytest.approx(3.0 / 448.0)
     zeros, inverse = quantize(torch.zeros(2, 2), E5M2)
-    assert float(inverse) == 1.0 and not zeros.float().any()
+    assert not zeros.float().any() and (zeros.float() * inverse == 0).all()
+
+
+@pytest.mark.parametrize("dtype", [E4M3, E5M2])
+def test_a_tiny_nonzero_amax_quantises_to_finite_values(dtype):
+    """Issue 30, 5(d): amax 1e-35 gave scale 57344 / 1e-35 = inf in fp32 and [57344, nan]; the
+    floored amax gives finite values whose dequantisation is within the floor of the tensor."""
+    tensor = torch.tensor([1e-35, 0.0])
+    fp8, inverse = quantize(tensor, dtype)
+    dequantised = fp8.float() * inverse
+    print(f"\n{dtype}: {tensor.tolist()} -> {fp8.float().tolist()} x {float(inverse):.3g} = {dequantised.tolist()}")
+    assert torch.isfinite(fp8.float()).all() and torch.isfinite(inverse)
+    assert (dequantised - tensor).abs().max() <= AMAX_FLOOR
+    # Through the three GEMMs: a gradient of 1e-35 everywhere is finite gradients, not NaN.
+    x = torch.randn(16, 32, requires_grad=True)
+    weight = torch.randn(16, 32, requires_grad=True)
+    Fp8Matmul.apply(x, weight).backward(torch.full((16, 16), 1e-35))
+    assert torch.isfinite(x.grad).all() and torch.isfinite(weight.grad).all()
+
+
+def test_a_weight_is_quantised_once_per_optimizer_step():
+    """Issue 30, 5(e): with an ``Fp8WeightCache`` a weight is quantised at its first GEMM of the step
+    and its copy serves the forward and data-gradient GEMMs of every micro-batch (a recomputed
+    forward too) until ``weights_changed``; the products are the same as quantising at each GEMM."""
+    import loongforge.models.fp8 as fp8
+
+    generator = torch.Generator().manual_seed(4)
+    weight = (0.05 * torch.randn(48, 96, generator=generator)).requires_grad_(True)  # [N, K]
+    micro_batches = [(torch.randn(32, 96, generator=generator), torch.randn(32, 48, generator=generator))
+                     for _ in range(4)]
+    weight_shapes = {(48, 96), (96, 48)}  # W, and W^T in the data gradient
+
+    def one_step(cache):
+        quantised = []
+        original = fp8.quantize
+        fp8.quantize = lambda tensor, dtype: (quantised.append(tuple(tensor.shape)), original(tensor, dtype))[1]
+        try:
+            weight.grad, outputs = None, []
+            for x, grad_out in micro_batches:
+                x = x.clone().requires_grad_(True)
+                y = Fp8Matmul.apply(x, weight, cache)
+                y.backward(grad_out)
+                outputs.append((y.detach(), x.grad))
+        finally:
+            fp8.quantize = original
+        return sum(shape in weight_shapes for shape in quantised), outputs, weight.grad.clone()
+
+    uncached, uncached_outputs, uncached_grad = one_step(None)
+    cache = Fp8WeightCache()
+    cached, cached_outputs, cached_grad = one_step(cache)
+    print(f"\nweight quantisations in a step of 4 micro-batches: {uncached} per GEMM, {cached} cached")
+    assert uncached == 8 and cached == 1 and cache.quantisations == 1
+    assert all(torch.equal(a, b) for pair in zip(uncached_outputs, cached_outputs) for a, b in zip(*pair))
+    assert torch.equal(cached_grad, uncached_grad)
+    # The optimizer steps: the next step quantises the updated weight once again, and uses it.
+    with torch.no_grad():
+        weight.mul_(2.0)
+    cache.weights_changed()
+    again, outputs, _ = one_step(cache)
+    assert again == 1 and cache.quantisations == 2
+    assert torch.equal(outputs[0][0], one_step(None)[1][0][0])
 
 
 @pytest.mark.parametrize("tokens", [64, 37])  # 37: rows padded to the GEMM's multiple of 16
@@ -183,8 +245,8 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     init_megatron(rank, 2, port, tp=2)
     case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
     exact = type("ExactMatmul", (torch.autograd.Function,), {
-        "forward": staticmethod(lambda ctx, x, w: (ctx.save_for_backward(x, w), x @ w.t())[1]),
-        "backward": staticmethod(lambda ctx, dy: (dy @ ctx.saved_tensors[1], dy.t() @ ctx.saved_tensors[0]))})
+        "forward": staticmethod(lambda ctx, x, w, cache=None: (ctx.save_for_backward(x, w), x @ w.t())[1]),
+        "backward": staticmethod(lambda ctx, dy: (dy @ ctx.saved_tensors[1], dy.t() @ ctx.saved_tensors[0], None))})
     results = {}
     for sequence_parallel in (False, True):
         for variant in ("plain", "fp8_path_exact_gemm", "fp8"):

@@ -78,6 +78,18 @@ def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
     return proc
 
 
+# What no command's stderr may hold (issue 30, item 13): a third-party warning (Python's warnings
+# print "<file>:<line>: <Category>Warning: ..." and then the source line, often "warnings.warn("), a
+# transformers log line, or a message about a feature the run leaves off (the online cost-model fit's
+# term warnings with balancing off).
+STDERR_NOISE = ("Warning: ", "warnings.warn", "[transformers]", "cost model warning")
+
+
+def assert_quiet_stderr(stderr: str, what: str) -> None:
+    noisy = [line for line in stderr.splitlines() if any(noise in line for noise in STDERR_NOISE)]
+    assert not noisy, f"{what}: stderr holds {noisy}"
+
+
 def step_metric(out_dir: Path, key: str) -> list:
     records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
     return [r[key] for r in records]

@@ -76,3 +76,25 @@ def test_without_an_encoder_the_planner_sees_no_vision_terms_but_the_checkpoint_
     with_encoder.cost_model = model
     costs = with_encoder.cost_model.sample_costs([100, 100], [[], [1024, 256]])
     assert costs[1] > costs[0]
+
+
+def test_fit_warnings_stay_off_the_console_of_a_run_that_does_not_use_the_model(monkeypatch):
+    """Issue 30, item 13: balancing off (the default run) printed "cost model warning: term ... was
+    fitted to 0" about a model it does not use; the fit line stays (the model is saved for a later
+    balanced run), its warnings only where the model prices something."""
+    from types import SimpleNamespace
+
+    import loongforge.train.balancing as balancing
+
+    monkeypatch.setattr(balancing, "observations_from_records", lambda *args, **kwargs: None)
+    cfg = load_run_config("qwen2.5vl-tiny")
+    lines = {}
+    for in_use in (True, False):
+        logged = lines.setdefault(in_use, [])
+        run = RunBalancing(cfg.balance, log=logged.append, model_in_use=in_use)
+        run._fit_observations = lambda obs: SimpleNamespace(
+            model=SimpleNamespace(source=None, environment=None), report={"held_out_micro_batch": {"median_ape_pct": 3.0}},
+            warnings=["term n_img was fitted to 0: its effect is below the measurement noise"])
+        run._fit(20)
+    assert lines[True][0].count("\ncost model warning: term n_img was fitted to 0") == 1
+    assert lines[False] == ["cost model: fitted online at step 20 from 0 records, held-out median error 3.0%"]

@@ -55,6 +55,7 @@ from tests.train.conftest import (
     losses,
     resume_from_copy,
     run_train,
+    step_metric,
     train_command,
     train_env,
 )
@@ -151,6 +152,12 @@ def test_layout_reproduces_reference_losses_and_grad_norms(reference, layout_run
     assert all(len(got[key]) == len(want[key]) for key in got), (got, want)
     worst = {key: max(abs(a - e) / abs(e) for a, e in zip(got[key], want[key])) for key in got}
     assert max(worst.values()) <= REL, f"{layout}: worst relative difference {worst}\n{got}\nvs {want}"
+    if "recompute" in layout:  # MFU's FLOPs are the model's, HFU's add the recomputed forwards (issue 30)
+        model, hardware = step_metric(run, "model_flops"), step_metric(run, "hardware_flops")
+        assert model == pytest.approx(step_metric(reference, "model_flops"), rel=1e-12)
+        assert step_metric(reference, "hardware_flops") == step_metric(reference, "model_flops")
+        print(f"{layout}: hardware / model FLOPs per step {[h / m for h, m in zip(hardware, model)]}")
+        assert all(1 < h / m < 4 / 3 for h, m in zip(hardware, model))
     if layout == "dp2-balanced":  # balancing must really have moved samples
         assert json.loads((run / "summary.json").read_text())["balance"]["applied_steps"] > 0
 

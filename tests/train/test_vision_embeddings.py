@@ -16,7 +16,17 @@ import pytest
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_data_file
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import PRESET, SAVE_AT_END, assert_close_relative, grad_norms, losses, run_train
+from loongforge.config.loader import load_run_config
+from loongforge.train.vision_embeddings import frozen_encoder_note
+from tests.train.conftest import (
+    PRESET,
+    SAVE_AT_END,
+    assert_close_relative,
+    assert_quiet_stderr,
+    grad_norms,
+    losses,
+    run_train,
+)
 
 RELATIVE = 1e-5
 STEPS = 6
@@ -38,6 +48,7 @@ def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
                            str(out), "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_quiet_stderr(proc.stderr, "encode")  # megatron-core's import warnings used to print here
     return out
 
 
@@ -54,8 +65,13 @@ def _assert_same_training(a: Path, b: Path) -> None:
 
 def test_stored_embeddings_train_like_the_frozen_encoder(store, tmp_path):
     run_train(tmp_path / "online", *RUN, *FROZEN)
-    run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}", SAVE_AT_END)
+    stored = run_train(tmp_path / "stored", *RUN, f"data.vision_embeddings={store}", SAVE_AT_END)
     _assert_same_training(tmp_path / "stored", tmp_path / "online")
+    # It leaves freeze_vision / freeze_projector false: its start-up lines say they change nothing.
+    start = stored.stdout.splitlines()[:6]
+    assert any(line.startswith("encoder: frozen: data.vision_embeddings holds the projector's outputs")
+               and "(this run: training.freeze_vision=false, training.freeze_projector=false)" in line
+               for line in start), start
     meta = json.loads((tmp_path / "stored" / "checkpoints" / step_dir_name(STEPS) / "meta.json").read_text())
     assert meta["vision_embeddings_encoder_digest"] == json.loads((store / "encoder.json").read_text())["weights_digest"]
 
@@ -106,6 +122,7 @@ def test_packed_data_at_tp2(tmp_path):
                            str(packed), "--preset", PRESET, "--seq-len", "256", "--no-progress"],
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
+    assert_quiet_stderr(proc.stderr, "pack")
     # The pack's image rules are the preset's: encode and train with them.
     preset_media = ("data.seq_len=256", "data.max_pixels=50176")
     stored = _encode(tmp_path / "embeddings", packed, settings=preset_media)
@@ -115,3 +132,17 @@ def test_packed_data_at_tp2(tmp_path):
     run_train(tmp_path / "stored", *run, f"data.vision_embeddings={stored}", nproc=2)
     assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), RELATIVE)
     assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), RELATIVE)
+
+
+def test_a_run_on_stored_features_says_the_projector_is_not_trained(tmp_path):
+    """Issue 30, item 14: the store holds the projector's outputs; a run that leaves
+    training.freeze_projector=false (or freeze_vision) is told, naming what it left on."""
+    files = ("data.source=files", f"data.paths=[{FILES[0]}]", f"data.vision_embeddings={tmp_path}")
+    assert frozen_encoder_note(load_run_config(PRESET)) is None  # the encoder runs online
+    frozen = load_run_config(PRESET, overrides=[*files, *FROZEN])
+    assert frozen_encoder_note(frozen) is None
+    note = frozen_encoder_note(load_run_config(PRESET, overrides=[*files, "training.freeze_vision=true"]))
+    print(f"\n{note}")
+    assert note.startswith("encoder: frozen: data.vision_embeddings holds the projector's outputs, so neither the "
+                           "vision tower nor the projector runs or trains here")
+    assert "(this run: training.freeze_projector=false)" in note
