@@ -15,9 +15,10 @@ padded with zero rows (zeros change neither the products nor the amax), and a la
 are not multiples of 16 is not eligible (``eligible``).
 
 ``fp8_linear_forward`` is the drop-in for megatron-core's ``_forward_impl`` of its column- and
-row-parallel linears: the same tensor-parallel communication (megatron's own autograd mappings:
-all-gather / reduce-scatter under sequence parallelism, all-reduce of the data gradient otherwise),
-the FP8 GEMMs in between. ``use_fp8`` installs it on chosen layers of a built model.
+row-parallel linears: the same tensor-parallel communication on the same schedule and memory
+(``Fp8TensorParallelLinear``: under sequence parallelism the local input shard is saved and gathered
+again in the backward; the data gradient's reduce-scatter or all-reduce overlaps the weight-gradient
+GEMM), the FP8 GEMMs in between. ``use_fp8`` installs it on chosen layers of a built model.
 """
 
 from __future__ import annotations
@@ -29,10 +30,8 @@ from pathlib import Path
 from typing import Callable, Optional
 
 import torch
-from megatron.core.tensor_parallel.mappings import (
-    copy_to_tensor_model_parallel_region,
-    gather_from_sequence_parallel_region,
-)
+import torch.distributed as dist
+from megatron.core.parallel_state import get_tensor_model_parallel_group
 
 from loongforge.config.errors import InputError
 from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
@@ -113,35 +112,108 @@ def matmul_quantized_b(a: torch.Tensor, a_dtype: torch.dtype, b_t_fp8: torch.Ten
     return out[:rows]
 
 
+def forward_gemm(x: torch.Tensor, weight: torch.Tensor, cache: Optional[Fp8WeightCache]) -> torch.Tensor:
+    """y [M, N] = x [M, K] W^T, W [N, K]; no tokens is an empty product (nothing to quantise)."""
+    if x.shape[0] == 0:
+        return x @ weight.t()
+    return matmul_quantized_b(x, E4M3, *_quantized_weight(weight, cache), x.dtype)
+
+
+def input_gradient_gemm(grad_out: torch.Tensor, weight: torch.Tensor, cache: Optional[Fp8WeightCache],
+                        dtype: torch.dtype) -> torch.Tensor:
+    """dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N], whose per-tensor
+    quantisation is the transpose of W's (the same amax, elementwise)."""
+    if grad_out.shape[0] == 0:
+        return grad_out @ weight
+    weight_fp8, weight_inverse = _quantized_weight(weight, cache)
+    return matmul_quantized_b(grad_out, E5M2, weight_fp8.t().contiguous(), weight_inverse, dtype)
+
+
+def weight_gradient_gemm(grad_out: torch.Tensor, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """dW [N, K] = dy^T [N, M] @ x [M, K]: the token dimension is the contraction here; padded on both
+    sides (zero tokens add nothing)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(weight)
+    dy_t = _pad_rows(grad_out).t().contiguous()  # [N, M']
+    x_t = _pad_rows(x).t().contiguous()  # [K, M']
+    return scaled_matmul(dy_t, E5M2, x_t, E4M3, weight.dtype)
+
+
 class Fp8Matmul(torch.autograd.Function):
     """y = x W^T with all three GEMMs in FP8. x [M, K] (M tokens), weight [N, K]; ``cache``: where
-    the weight's E4M3 copy for the step is kept (None: quantised at each GEMM). No tokens (an
-    expert no token was routed to) is an empty product: nothing to quantise."""
+    the weight's E4M3 copy for the step is kept (None: quantised at each GEMM)."""
 
     @staticmethod
     def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cache: Optional[Fp8WeightCache] = None) -> torch.Tensor:
         ctx.save_for_backward(x, weight)
         ctx.cache = cache
-        if x.shape[0] == 0:
-            return x @ weight.t()
-        return matmul_quantized_b(x, E4M3, *_quantized_weight(weight, cache), x.dtype)  # [M, N]
+        return forward_gemm(x, weight, cache)  # [M, N]
 
     @staticmethod
     def backward(ctx, grad_out: torch.Tensor):
         x, weight = ctx.saved_tensors
-        if x.shape[0] == 0:
-            return grad_out @ weight, torch.zeros_like(weight), None
         grad_out = grad_out.contiguous()  # [M, N]
-        # dx [M, K] = dy [M, N] @ W [N, K]: the second operand row-major is W^T [K, N], whose
-        # per-tensor quantisation is the transpose of W's (the same amax, elementwise).
-        weight_fp8, weight_inverse = _quantized_weight(weight, ctx.cache)
-        grad_x = matmul_quantized_b(grad_out, E5M2, weight_fp8.t().contiguous(), weight_inverse, x.dtype)
-        # dW [N, K] = dy^T [N, M] @ x [M, K]: the token dimension is the contraction here; pad it
-        # on both sides (zero tokens add nothing).
-        dy_t = _pad_rows(grad_out).t().contiguous()  # [N, M']
-        x_t = _pad_rows(x).t().contiguous()  # [K, M']
-        grad_w = scaled_matmul(dy_t, E5M2, x_t, E4M3, weight.dtype)
-        return grad_x, grad_w, None
+        return (input_gradient_gemm(grad_out, weight, ctx.cache, x.dtype),
+                weight_gradient_gemm(grad_out, x, weight), None)
+
+
+class Fp8TensorParallelLinear(torch.autograd.Function):
+    """A tensor-parallel linear's communication around the three FP8 GEMMs, scheduled as
+    megatron-core's own linear schedules it.
+
+    ``sequence_parallel``: the input x [s/tp, b, K] is all-gathered over TP for the forward GEMM, and
+    only the local shard is saved: the backward gathers it again (while the data-gradient GEMM runs)
+    for the weight gradient, so the layer holds 1/tp of the gathered input between forward and
+    backward, as megatron's does. The data gradient [s, b, K] is reduce-scattered back while the
+    weight-gradient GEMM runs. Otherwise (``allreduce_dgrad``) x [s, b, K] is whole and its gradient
+    is all-reduced over TP, also while the weight-gradient GEMM runs.
+    """
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor, weight: torch.Tensor, cache: Optional[Fp8WeightCache],
+                sequence_parallel: bool, group) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.cache, ctx.sequence_parallel, ctx.group = cache, sequence_parallel, group
+        total = _gather_sequence(x, group)[0] if sequence_parallel else x  # [s, b, K]
+        output = forward_gemm(total.reshape(-1, total.shape[-1]), weight, cache)  # [s * b, N]
+        return output.view(*total.shape[:-1], weight.shape[0])  # [s, b, N]
+
+    @staticmethod
+    def backward(ctx, grad_out: torch.Tensor):
+        x, weight = ctx.saved_tensors
+        group = ctx.group
+        if ctx.sequence_parallel:
+            total, gathering = _gather_sequence(x, group, async_op=True)  # overlaps the dgrad GEMM
+        grad_out = grad_out.contiguous()
+        dy = grad_out.view(-1, grad_out.shape[-1])  # [s * b, N]
+        grad_total = input_gradient_gemm(dy, weight, ctx.cache, x.dtype)  # [s * b, K]
+        if ctx.sequence_parallel:
+            gathering.wait()
+            grad_x = torch.empty_like(x)  # [s/tp, b, K]
+            reducing = _reduce_scatter_fn()(grad_x, grad_total.view(-1, *x.shape[1:]), group=group, async_op=True)
+        else:
+            total, grad_x = x, grad_total.view(x.shape)
+            reducing = dist.all_reduce(grad_x, group=group, async_op=True)
+        grad_w = weight_gradient_gemm(dy, total.reshape(-1, total.shape[-1]), weight)  # overlaps the reduction
+        reducing.wait()
+        return grad_x, grad_w, None, None, None
+
+
+def _all_gather_fn():
+    # torch 2.13 renamed the tensor collectives; older torch has only the first names
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _reduce_scatter_fn():
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def _gather_sequence(x: torch.Tensor, group, async_op: bool = False):
+    """(x [s/tp, b, K] of every TP rank concatenated along the sequence: [s, b, K], the collective's
+    handle when ``async_op``)."""
+    total = x.new_empty(x.shape[0] * group.size(), *x.shape[1:])
+    handle = _all_gather_fn()(total, x.contiguous(), group=group, async_op=async_op)
+    return total, handle
 
 
 def eligible(weight: torch.Tensor) -> bool:
@@ -157,16 +229,14 @@ def fp8_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional
 
     input [s(/tp), b, K] -> [s, b, N]. Under sequence parallelism the input is all-gathered over TP
     (its gradient reduce-scattered back); with ``allreduce_dgrad`` the input gradient is all-reduced
-    over TP (megatron's own autograd mappings do both).
+    over TP (``Fp8TensorParallelLinear``: megatron's schedule and memory).
     """
-    if sequence_parallel:
-        total = gather_from_sequence_parallel_region(input, tensor_parallel_output_grad=True, group=tp_group)
-    elif allreduce_dgrad:
-        total = copy_to_tensor_model_parallel_region(input, group=tp_group)
+    if sequence_parallel or allreduce_dgrad:
+        group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
+        output = Fp8TensorParallelLinear.apply(input, weight, cache, sequence_parallel, group)  # [s, b, N]
     else:
-        total = input
-    tokens = total.reshape(-1, total.shape[-1])  # [s * b, K]
-    output = Fp8Matmul.apply(tokens, weight, cache).reshape(*total.shape[:-1], weight.shape[0])  # [s, b, N]
+        tokens = input.reshape(-1, input.shape[-1])  # [s * b, K]
+        output = Fp8Matmul.apply(tokens, weight, cache).reshape(*input.shape[:-1], weight.shape[0])  # [s, b, N]
     return output if bias is None else output + bias
 
 

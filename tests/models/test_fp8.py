@@ -230,9 +230,29 @@ def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
     assert described() == before
 
 
+def _saved_bytes(run) -> tuple[object, int]:
+    """(run()'s result, bytes of the tensors autograd saved for backward while it ran)."""
+    saved = [0]
+
+    def pack(tensor):
+        saved[0] += tensor.numel() * tensor.element_size()
+        return tensor
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda tensor: tensor):
+        result = run()
+    return result, saved[0]
+
+
+# The three GEMMs without quantisation: the FP8 path's communication alone.
+EXACT_GEMMS = {"forward_gemm": lambda x, w, cache: x @ w.t(),
+               "input_gradient_gemm": lambda dy, w, cache, dtype: dy @ w,
+               "weight_gradient_gemm": lambda dy, x, w: dy.t() @ x}
+
+
 def _tp_worker(rank: int, port: int, workdir: str) -> None:
-    """TP 2 with and without sequence parallelism: loss and gradients of the unchanged model, of the
-    FP8 path with an exact GEMM in place of the FP8 one (its communication alone), and of real FP8."""
+    """TP 2 with and without sequence parallelism: loss, gradients and the bytes saved for backward
+    of the unchanged model, of the FP8 path with exact GEMMs in place of the FP8 ones (its
+    communication alone), and of real FP8."""
     from pathlib import Path
 
     import loongforge.models.fp8 as fp8
@@ -244,9 +264,6 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     limit_threads()
     init_megatron(rank, 2, port, tp=2)
     case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
-    exact = type("ExactMatmul", (torch.autograd.Function,), {
-        "forward": staticmethod(lambda ctx, x, w, cache=None: (ctx.save_for_backward(x, w), x @ w.t())[1]),
-        "backward": staticmethod(lambda ctx, dy: (dy @ ctx.saved_tensors[1], dy.t() @ ctx.saved_tensors[0], None))})
     results = {}
     for sequence_parallel in (False, True):
         for variant in ("plain", "fp8_path_exact_gemm", "fp8"):
@@ -256,22 +273,29 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
             load_hf_state_dict(model, case["hf_state"])
             if variant != "plain":
                 apply_fp8(model, lambda kind: True)
-            matmul = fp8.Fp8Matmul
+            gemms = {name: getattr(fp8, name) for name in EXACT_GEMMS}
             if variant == "fp8_path_exact_gemm":
-                fp8.Fp8Matmul = exact
+                for name, exact in EXACT_GEMMS.items():
+                    setattr(fp8, name, exact)
             try:
-                loss = model(input_ids=case["input_ids"], position_ids=text_positions(32), labels=case["labels"])
+                loss, saved = _saved_bytes(lambda: model(input_ids=case["input_ids"], position_ids=text_positions(32),
+                                                         labels=case["labels"]))
                 loss.sum().backward()
             finally:
-                fp8.Fp8Matmul = matmul
+                for name, gemm in gemms.items():
+                    setattr(fp8, name, gemm)
             results[(sequence_parallel, variant)] = {
-                "loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()}}
+                "loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
+                "saved_bytes": saved}
     if rank == 0:
         torch.save(results, Path(workdir) / "outputs.pt")
     destroy_megatron()
 
 
-def test_tp2_fp8_path_communicates_like_megatron(tmp_path):
+def test_tp2_fp8_path_communicates_and_saves_like_megatron(tmp_path):
+    """Under TP 2 the FP8 path's communication gives megatron's losses and gradients, and it saves
+    the same activations for backward: with sequence parallelism the local input shard, not the
+    gathered input (TP times more, before the fix)."""
     from tests.models.helpers import free_port, run_workers
     from tests.models.llm_helpers import build_hf_llm, tiny_llm_cfg
 
@@ -285,6 +309,9 @@ def test_tp2_fp8_path_communicates_like_megatron(tmp_path):
         plain = results[(sequence_parallel, "plain")]
         path = results[(sequence_parallel, "fp8_path_exact_gemm")]
         real = results[(sequence_parallel, "fp8")]
+        print(f"sequence_parallel={sequence_parallel}: bytes saved for backward, megatron {plain['saved_bytes']}, "
+              f"FP8 path {real['saved_bytes']}")
+        assert real["saved_bytes"] == plain["saved_bytes"], sequence_parallel
         assert _relative(path["loss"], plain["loss"]) <= 1e-6, sequence_parallel
         for name, grad in plain["grads"].items():
             assert _relative(path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
