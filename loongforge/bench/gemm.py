@@ -124,7 +124,13 @@ class GemmBench:
                 "shape": [shape.out_features, shape.in_features], "run_tokens": shape.run_tokens,
                 "timings": timings}}
         return {"format": POLICY_FORMAT, "version": 1, "preset": self.preset, "device": self.device,
-                "min_speedup": self.min_speedup, "layers": layers}
+                "min_speedup": self.min_speedup, "min_tokens_are": MIN_TOKENS_ARE, "layers": layers}
+
+
+# What a policy's thresholds count, written into it: a run compares them with each GEMM call's rows.
+MIN_TOKENS_ARE = ("rows of one GEMM call as the layer sees it: a micro-batch's packed tokens (language; "
+                  "gathered over TP under sequence parallelism), the tokens routed to one expert (experts), "
+                  "patches (vision), merged patches (projector); run_tokens is the estimate for the preset")
 
 
 def eligible_shape(shape: LinearShape) -> bool:

@@ -244,25 +244,38 @@ _IMPL_ARGUMENTS = ("input", "weight", "bias", "gradient_accumulation_fusion", "a
                    "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "tp_group")
 
 
-def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], *args, **kwargs) -> torch.Tensor:
-    """A linear's ``_forward_impl`` with FP8 GEMMs; a frozen weight (no weight gradient, nothing to
-    gain) and a deferred weight gradient run the original."""
+def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], min_rows: int, *args, **kwargs) -> torch.Tensor:
+    """A linear's ``_forward_impl`` with FP8 GEMMs from ``min_rows`` rows of a GEMM call on (the
+    rows this call really has: a micro-batch's packed tokens after the sequence-parallel gather, the
+    tokens routed to one expert); a frozen weight (no weight gradient, nothing to gain), a deferred
+    weight gradient and a call with fewer rows run the original."""
     bound = {**dict(zip(_IMPL_ARGUMENTS, args)), **kwargs}
     if not bound["weight"].requires_grad or bound.get("grad_output_buffer") is not None:
         return original(*args, **kwargs)
+    sequence_parallel, tp_group = bound.get("sequence_parallel", False), bound.get("tp_group")
+    if min_rows and _gemm_rows(bound["input"], sequence_parallel, tp_group) < min_rows:
+        return original(*args, **kwargs)  # bf16 measured faster at this size
     return fp8_linear_forward(bound["input"], bound["weight"], bound.get("bias"),
                               allreduce_dgrad=bound.get("allreduce_dgrad", False),
-                              sequence_parallel=bound.get("sequence_parallel", False),
-                              tp_group=bound.get("tp_group"), cache=cache)
+                              sequence_parallel=sequence_parallel, tp_group=tp_group, cache=cache)
 
 
-def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None) -> bool:
-    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on, its weight's E4M3
-    copy kept in ``cache`` for the step (None: quantised at each GEMM); False (and nothing changed)
-    when its weight shard is not ``eligible``."""
+def _gemm_rows(input: torch.Tensor, sequence_parallel: bool, tp_group) -> int:
+    """The rows of this call's GEMMs: the input's tokens, gathered over TP under sequence parallelism."""
+    rows = input.numel() // input.shape[-1]
+    if sequence_parallel:
+        rows *= (tp_group if tp_group is not None else get_tensor_model_parallel_group()).size()
+    return rows
+
+
+def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None, min_rows: int = 0) -> bool:
+    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on, in every call with
+    at least ``min_rows`` rows (0: every call), its weight's E4M3 copy kept in ``cache`` for the step
+    (None: quantised at each GEMM); False (and nothing changed) when its weight shard is not
+    ``eligible``."""
     if not eligible(module.weight):
         return False
-    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl, cache)
+    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl, cache, min_rows)
     module.fp8 = True
     return True
 
@@ -299,8 +312,13 @@ class Fp8Policy:
     device: str
     source: str = "policy"
 
+    def min_rows(self, kind: str, tp: int) -> Optional[int]:
+        """The fewest rows of a GEMM call at which a layer of ``kind`` at TP ``tp`` runs FP8; None:
+        never (FP8 never won, or not measured at this TP)."""
+        return self.min_tokens.get(kind, {}).get(tp)
+
     def uses_fp8(self, kind: str, tp: int, tokens: int) -> bool:
-        threshold = self.min_tokens.get(kind, {}).get(tp)
+        threshold = self.min_rows(kind, tp)
         return threshold is not None and tokens >= threshold
 
     @classmethod
@@ -330,11 +348,12 @@ def fp8_gemms_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool],
+def apply_fp8(model: torch.nn.Module, min_rows_of: Callable[[str], Optional[int]],
               cache: Optional[Fp8WeightCache] = None) -> dict[str, tuple[int, int]]:
-    """Switch the linears whose kind ``decide`` picks to FP8 GEMMs, their weights' E4M3 copies kept
-    in ``cache``; returns, per kind found, (layers now FP8, layers of that kind) (a shard with widths
-    off the GEMM's multiple stays)."""
+    """Switch the linears of every kind ``min_rows_of`` gives a row count (None: bf16) to FP8 GEMMs
+    from that many rows of a call on (0: always), their weights' E4M3 copies kept in ``cache``;
+    returns, per kind found, (layers now FP8, layers of that kind) (a shard with widths off the
+    GEMM's multiple stays)."""
     counts: dict[str, list[int]] = {}
     for name, module in model.named_modules():
         kind = layer_kind(name)
@@ -342,16 +361,18 @@ def apply_fp8(model: torch.nn.Module, decide: Callable[[str], bool],
             continue
         count = counts.setdefault(kind, [0, 0])
         count[1] += 1
-        if decide(kind) and use_fp8(module, cache):
+        min_rows = min_rows_of(kind)
+        if min_rows is not None and use_fp8(module, cache, min_rows):
             count[0] += 1
     return {kind: (on, total) for kind, (on, total) in sorted(counts.items())}
 
 
 def gemm_tokens(cfg: RunConfig, kind: str) -> int:
-    """The rows of a layer kind's GEMMs in one micro-batch of ``cfg``'s run, as a policy reads them:
-    a packed row's tokens in the language model (the gathered sequence under sequence parallelism),
-    their share per expert (``seq_len * topk / experts``) in routed experts; the patches of the
-    largest image (``data.max_pixels``) in the vision tower, merged units in the projector."""
+    """An estimate of the rows of a layer kind's GEMMs in one micro-batch of ``cfg``'s run, where
+    ``bench gemm`` times and marks a kind: a packed row's tokens in the language model (the gathered
+    sequence under sequence parallelism), their even share per expert (``seq_len * topk / experts``)
+    in routed experts; the patches of the largest image (``data.max_pixels``) in the vision tower,
+    merged units in the projector. A run compares each GEMM call's real rows with the policy."""
     tower, _, name = kind.partition(".")
     if tower == "language":
         lang = cfg.model.language
@@ -378,9 +399,11 @@ def device_name(device: torch.device) -> str:
 
 
 def fp8_choice(cfg: RunConfig, device: torch.device,
-               layer_backend: str) -> tuple[Optional[Callable[[str], bool]], str]:
-    """(which layer kinds run FP8, or None for none; the line saying so) for ``training.fp8`` on
-    ``device``, whose linears the resolved ``layer_backend`` builds."""
+               layer_backend: str) -> tuple[Optional[Callable[[str], Optional[int]]], str]:
+    """(per layer kind, the fewest rows of a GEMM call at which its layers run FP8, None for never,
+    0 for always; or None for no FP8 at all; the line saying so) for ``training.fp8`` on ``device``,
+    whose linears the resolved ``layer_backend`` builds. A policy's thresholds are compared with
+    each call's real rows (``_fp8_impl``), not with an estimate of the run's shapes."""
     mode = cfg.training.fp8
     if mode == "off":
         return None, "fp8: off"
@@ -394,7 +417,7 @@ def fp8_choice(cfg: RunConfig, device: torch.device,
                              f"run's device is {device}: set training.fp8=off (or auto, which falls back to bf16).")
         return None, f"fp8: auto, but {device} has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
     if mode == "on":
-        return (lambda kind: True), "fp8: on (every eligible linear but the LM head)"
+        return (lambda kind: 0), "fp8: on (every eligible linear but the LM head)"
     if cfg.fp8.policy is None:
         return None, "fp8: auto without fp8.policy: bf16 everywhere (measure a policy with loongforge bench gemm)"
     policy = Fp8Policy.load(cfg.fp8.policy)
@@ -402,8 +425,9 @@ def fp8_choice(cfg: RunConfig, device: torch.device,
     if policy.device != here:  # where FP8 pays is a property of the device's GEMMs
         raise InputError(f"fp8.policy={cfg.fp8.policy} was measured on {policy.device} and this run's device is "
                          f"{here}: measure a policy here with loongforge bench gemm (or set training.fp8=off).")
-    return (lambda kind: policy.uses_fp8(kind, gemm_tp(cfg, kind), gemm_tokens(cfg, kind))), \
-        f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device})"
+    return (lambda kind: policy.min_rows(kind, gemm_tp(cfg, kind))), \
+        (f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device}), each GEMM call "
+         f"by its own rows")
 
 
 def check_fp8_backend(mode: str, layer_backend: str) -> None:

@@ -159,7 +159,7 @@ def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
     for module, original in zip(linears, originals):
         module._forward_impl = original
 
-    counts = apply_fp8(model, lambda kind: kind.endswith(("qkv", "proj", "fc1", "fc2")))
+    counts = apply_fp8(model, lambda kind: 0 if kind.endswith(("qkv", "proj", "fc1", "fc2")) else None)
     assert counts == {"language.fc1": (2, 2), "language.fc2": (2, 2), "language.proj": (2, 2), "language.qkv": (2, 2)}
     assert not getattr(model.language_model.output_layer, "fp8", False)
     logits = model(input_ids=input_ids, position_ids=positions)
@@ -168,6 +168,25 @@ def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
     logits.float().square().mean().backward()
     qkv = model.language_model.decoder.layers[0].self_attention.linear_qkv
     assert qkv.weight.grad is not None and torch.isfinite(qkv.weight.grad).all() and qkv.weight.grad.abs().sum() > 0
+
+
+def test_a_layer_runs_fp8_from_its_policys_rows_on_counting_each_calls_own(megatron_world_of_one):
+    """The policy's threshold is compared with each call's rows (a micro-batch's packed tokens),
+    not with an estimate from the preset: 48 tokens under a threshold of 64 run the original GEMMs
+    bit for bit, 80 tokens run FP8."""
+    _, _, model = build_pair("qwen3")
+    generator = torch.Generator().manual_seed(1)
+    short, long = (torch.randint(0, 300, (1, tokens), generator=generator) for tokens in (48, 80))
+    with torch.no_grad():
+        plain = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
+    counts = apply_fp8(model, lambda kind: 64)
+    assert counts["language.qkv"] == (2, 2)
+    with torch.no_grad():
+        fp8_run = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
+    print(f"48 tokens: relative difference {_relative(fp8_run[48], plain[48]):.1e}; "
+          f"80 tokens: {_relative(fp8_run[80], plain[80]):.1e}")
+    assert torch.equal(fp8_run[48], plain[48])
+    assert _relative(fp8_run[80], plain[80]) > 1e-3
 
 
 def _policy_file(path, layers: dict) -> str:
@@ -226,7 +245,7 @@ def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
         return {k: None if v is None else (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
 
     before = described()
-    apply_fp8(model, lambda kind: True)
+    apply_fp8(model, lambda kind: 0)
     assert described() == before
 
 
@@ -272,7 +291,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
                                 post_process=True, device="cpu")
             load_hf_state_dict(model, case["hf_state"])
             if variant != "plain":
-                apply_fp8(model, lambda kind: True)
+                apply_fp8(model, lambda kind: 0)
             gemms = {name: getattr(fp8, name) for name in EXACT_GEMMS}
             if variant == "fp8_path_exact_gemm":
                 for name, exact in EXACT_GEMMS.items():
@@ -338,7 +357,12 @@ def test_a_policy_measured_on_another_device_is_refused(tmp_path, monkeypatch):
     monkeypatch.setattr(fp8, "fp8_gemms_available", lambda device: True)
     monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA H200")
     decide, line = fp8_choice(cfg, torch.device("cuda"), "flash")
-    assert decide is not None and line.endswith("(measured on NVIDIA H200)")
+    assert "(measured on NVIDIA H200), each GEMM call by its own rows" in line
+    assert cfg.parallel.tensor_model_parallel_size == 2 and decide("language.fc1") is None  # measured at TP 1 only
+    at_tp1 = load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto", f"fp8.policy={policy}",
+                                                        "parallel.tensor_model_parallel_size=1",
+                                                        "parallel.sequence_parallel=false"])
+    assert fp8_choice(at_tp1, torch.device("cuda"), "flash")[0]("language.fc1") == 2048
     monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(InputError) as refused:
         fp8_choice(cfg, torch.device("cuda"), "flash")
