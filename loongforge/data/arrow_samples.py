@@ -93,7 +93,7 @@ def content_key(path: Path, cache: Path) -> str:
     try:
         write_cache_file(memo, json.dumps({"identity": identity, "head_tail": ends, "key": key}))
     except OSError as error:  # a read-only cache of prebuilt copies is usable: the memo only saves time
-        if cache_write_problem(error, cache) is None:
+        if cache_write_problem(error, cache, "remembering a content key") is None:
             raise
     return key
 
@@ -154,10 +154,14 @@ def _temp_name(target: Path) -> str:
     return f"{target.name}.{socket.gethostname()}.{os.getpid()}."
 
 
-def _rows_in(copy: Path) -> int:
-    """Rows of an Arrow stream file, read back (batch headers only: the file is memory-mapped)."""
-    with pa.memory_map(str(copy)) as source:
-        return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+def _rows_in(copy: Path) -> Optional[int]:
+    """Rows of an Arrow stream file, read back (batch headers only: the file is memory-mapped);
+    None when it does not read as one."""
+    try:
+        with pa.memory_map(str(copy)) as source:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    except (pa.ArrowException, OSError):  # pyarrow reports a short file as an OSError
+        return None
 
 
 def _write_copy(path: Path, target: Path, progress: bool) -> None:
@@ -180,8 +184,9 @@ def _write_copy(path: Path, target: Path, progress: bool) -> None:
                     written += batch.num_rows
         expected = pq.ParquetFile(path).metadata.num_rows if path.suffix == ".parquet" else written
         if (found := _rows_in(Path(tmp))) != expected:
-            raise RuntimeError(f"the Arrow copy of {path} came out with {found} rows, not {expected} (another "
-                               f"process writing {tmp}?); it was not published; run again")
+            held = "an unreadable file" if found is None else f"{found} rows"
+            raise RuntimeError(f"the Arrow copy of {path} came out holding {held}, not {expected} rows (another "
+                               f"process writing {tmp}? a failing disk?); it was not published; run again")
         fd = os.open(tmp, os.O_RDONLY)
         try:
             os.fsync(fd)  # the rename must not reach other nodes before the bytes do
@@ -224,11 +229,10 @@ def arrow_copy(path: Path, cache: Path, *, progress: bool = True, key: Optional[
                 _check_room(path, target.parent)
                 _write_copy(path, target, progress)
     except OSError as error:
-        problem = cache_write_problem(error, cache)
+        problem = cache_write_problem(error, cache, f"making the Arrow copy of {path}")
         if problem is None:
             raise
-        raise InputError(f"{problem} while making the Arrow copy of {path}; point data.cache_dir (or "
-                         "LOONGFORGE_CACHE) at a writable node-local disk with room, or free space there") from None
+        raise InputError(problem) from None
     return target
 
 
