@@ -75,7 +75,7 @@ def arrow_cache_dir(cache_dir: Optional[str]) -> Path:
 
 def content_key(path: Path, cache: Path) -> str:
     """Hash of the file's bytes, remembered per (path, size, mtime, ctime, inode) and checked against
-    a hash of the file's first and last MiB, so that a warm start does not read every data file
+    a hash of the file's first and last 64 KiB, so that a warm start does not read every data file
     again, and a rewrite in place that keeps the size and restores the mtime is still noticed."""
     stat = path.stat()
     identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"

@@ -4,7 +4,7 @@ changed file instead of seeking the old byte offsets (streaming) or indices (Arr
 A checkpoint's data state holds one fingerprint per source of ``data.paths`` (``files``): its size
 and either the content key of its Arrow copy (a hash of every byte, ``arrow_samples.content_key``,
 already computed to find the copy) or, where nothing reads the file whole (``data.streaming``),
-``head_tail``: a hash of its first and last MiB. A ``save_to_disk`` folder is fingerprinted by its
+``head_tail``: a hash of its first and last 64 KiB. A ``save_to_disk`` folder is fingerprinted by its
 files' names and sizes and the bytes of its ``state.json`` (which holds ``datasets``' own fingerprint);
 ``hf:`` entries by nothing (the Hugging Face cache keeps one revision per folder).
 
@@ -24,7 +24,9 @@ import xxhash
 from loongforge.config.errors import InputError
 from loongforge.data.conversations import HUB_PREFIX, expand_data_paths
 
-HEAD_TAIL_BYTES = 1 << 20  # hashed at each end: a rewrite that keeps the size rarely keeps both ends
+# Hashed at each end: a rewrite that keeps the size rarely keeps both ends, and a start that
+# fingerprints thousands of shards reads 128 KiB of each, not the data.
+HEAD_TAIL_BYTES = 64 << 10
 Fingerprint = dict  # {"file": str, "size": int, and "content" or "head_tail": str}; {"file"} for hf: entries
 
 

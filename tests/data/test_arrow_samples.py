@@ -335,6 +335,8 @@ def test_a_full_or_read_only_cache_is_one_line(tmp_path, monkeypatch, capsys):
     assert len(ArrowSamples([str(data)], str(cache))) == 1
     # A data file that cannot be read is its own problem, not the cache's.
     assert cache_write_problem(PermissionError(errno.EACCES, "Permission denied", str(data)), cache, "x") is None
+    unreadable = OSError(f"Failed to open local file '{data}'. Detail: [errno 13] Permission denied")  # pyarrow's
+    assert cache_write_problem(unreadable, cache, "x") is None
     no_space = OSError("IOError: error writing to /x: No space left on device")  # pyarrow's: no errno
     assert cache_write_problem(no_space, cache, "writing").startswith(
         f"data.cache_dir {cache} is full (No space left on device) while writing; free space there")
