@@ -17,6 +17,7 @@ cached datasets) come back as plain values (images as ``{"bytes", "path"}``), li
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import os
 import shutil
@@ -189,14 +190,28 @@ def _write_copy(path: Path, target: Path, progress: bool) -> None:
                                f"process writing {tmp}? a failing disk?); it was not published; run again")
         fd = os.open(tmp, os.O_RDONLY)
         try:
-            os.fsync(fd)  # the rename must not reach other nodes before the bytes do
+            os.fsync(fd)  # a crash must not leave a published name whose bytes never reached the disk
         finally:
             os.close(fd)
         os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shared by users of the machine
-        os.replace(tmp, target)
-    except BaseException:
+        _publish(Path(tmp), target)
+    finally:
         Path(tmp).unlink(missing_ok=True)
-        raise
+
+
+def _publish(tmp: Path, target: Path) -> None:
+    """Give the finished ``tmp`` its content-key name unless a builder on another node did first:
+    a hard link is atomic and never replaces, so a copy that ranks have mapped stays in place (on a
+    network file system, replacing a file another node has open fails that node's reads)."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        pass  # the same bytes, published by another builder
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        if not target.exists():  # a file system without hard links
+            os.replace(tmp, target)
 
 
 def _estimated_copy_bytes(path: Path) -> int:
