@@ -225,7 +225,7 @@ def _build_as_host(path, cache, host, barrier, result):
     socket.gethostname = lambda: host
     os.getpid = lambda: 4242
     arrow_samples.FileLock = _NoLock
-    arrow_samples._BATCH_ROWS = 1024  # many batches: the two writes interleave
+    arrow_samples._BATCH_ROWS = 512  # many batches: the two writes interleave
     batches = arrow_samples._jsonl_batches
 
     def together(*args):  # both have their temp file open before either writes a batch
@@ -243,7 +243,7 @@ def _build_as_host(path, cache, host, barrier, result):
 
 def test_two_hosts_with_one_pid_build_one_cache_at_once(tmp_path):
     data = tmp_path / "d.jsonl"
-    data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(20_000)))
+    data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(8_000)))
     cache = tmp_path / "cache"
     context = multiprocessing.get_context("fork")
     barrier = context.Barrier(2)
@@ -256,7 +256,7 @@ def test_two_hosts_with_one_pid_build_one_cache_at_once(tmp_path):
         builder.join(timeout=120)
     outcomes = [json.loads((tmp_path / f"{host}.json").read_text()) for host in ("node-a", "node-b")]
     print(f"\n{outcomes}")
-    assert outcomes == [{"rows": 20_000, "last": [str(tmp_path / "19999.jpg")]}] * 2
+    assert outcomes == [{"rows": 8_000, "last": [str(tmp_path / "7999.jpg")]}] * 2
     left = sorted(p.name for p in (cache / "v1").iterdir())
     assert len([name for name in left if name.endswith(".arrow")]) == 1 and not [n for n in left if ".tmp" in n]
     assert _all(ArrowSamples([str(data)], str(cache))) == _all(FileSamples([str(data)]))  # the published copy
