@@ -170,6 +170,12 @@ class DataConfig:
     # own (data.shuffle); a checkpoint saves the position, so resuming gives the same samples.
     streaming: bool = False
     shuffle_window: int = 4096
+    # A checkpoint records each data file's fingerprint (size and content hash), and a resume whose
+    # files changed since refuses, naming the file: the saved position (byte offsets, sample
+    # indices) would point at other samples. true: resume anyway, from the recorded sample count
+    # (same epoch, same number of samples into it) in the changed data; the samples the packer held
+    # at the checkpoint are dropped.
+    accept_changed_files: bool = False
     # A `loongforge encode` folder: the vision encoder is neither built nor run, and each sample's
     # image/video positions take its stored embeddings (checked at start against this run's
     # encoder weights and processor settings; a sample without them is a `missing_embedding` reject).

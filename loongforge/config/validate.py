@@ -512,6 +512,9 @@ def _check_data(cfg: RunConfig) -> list[str]:
     if data.streaming and data.source != "files":
         errors.append(f"data.streaming=true reads data.paths; it does not apply to data.source={data.source}; "
                       "set data.source=files or data.streaming=false.")
+    if data.accept_changed_files and data.source != "files":
+        errors.append(f"data.accept_changed_files=true resumes past changed data.paths files; it does not apply "
+                      f"to data.source={data.source}; set data.source=files or data.accept_changed_files=false.")
     if data.shuffle_window < 1:
         errors.append(f"data.shuffle_window={data.shuffle_window} must be >= 1 (records per shuffled window).")
     if data.vision_embeddings is not None:

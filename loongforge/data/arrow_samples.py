@@ -17,8 +17,12 @@ cached datasets) come back as plain values (images as ``{"bytes", "path"}``), li
 from __future__ import annotations
 
 import bisect
+import errno
 import json
 import os
+import shutil
+import socket
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator, Optional, Union
@@ -31,7 +35,7 @@ from filelock import FileLock
 from tqdm import tqdm
 
 from loongforge.config.errors import InputError
-from loongforge.data.cache import cache_root, write_cache_file
+from loongforge.data.cache import cache_root, cache_write_problem, write_cache_file
 from loongforge.data.conversations import (
     HUB_PREFIX,
     expand_data_paths,
@@ -42,6 +46,7 @@ from loongforge.data.conversations import (
     read_record,
     record_ordinals,
 )
+from loongforge.data.fingerprint import Fingerprint, content_fingerprint, head_tail_hash, source_fingerprint
 from loongforge.data.mapped_pages import MappedPages
 from loongforge.data.samples import ConversationSample, Reject
 
@@ -70,21 +75,27 @@ def arrow_cache_dir(cache_dir: Optional[str]) -> Path:
 
 
 def content_key(path: Path, cache: Path) -> str:
-    """Hash of the file's bytes, remembered per (path, size, mtime, inode) so that a warm start
-    does not read every data file again."""
+    """Hash of the file's bytes, remembered per (path, size, mtime, ctime, inode) and checked against
+    a hash of the file's first and last 64 KiB, so that a warm start does not read every data file
+    again, and a rewrite in place that keeps the size and restores the mtime is still noticed."""
     stat = path.stat()
-    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ino}"
+    identity = f"{path.resolve()}|{stat.st_size}|{stat.st_mtime_ns}|{stat.st_ctime_ns}|{stat.st_ino}"
+    ends = head_tail_hash(path, stat.st_size)
     memo = cache / "keys" / f"{xxhash.xxh3_64_hexdigest(identity.encode())}.json"
     if memo.is_file():
         remembered = json.loads(memo.read_text(encoding="utf-8"))
-        if remembered.get("identity") == identity:
+        if remembered.get("identity") == identity and remembered.get("head_tail") == ends:
             return remembered["key"]
     digest = xxhash.xxh3_128()
     with open(path, "rb") as f:
         while chunk := f.read(_HASH_CHUNK):
             digest.update(chunk)
     key = digest.hexdigest()
-    write_cache_file(memo, json.dumps({"identity": identity, "key": key}))
+    try:
+        write_cache_file(memo, json.dumps({"identity": identity, "head_tail": ends, "key": key}))
+    except OSError as error:  # a read-only cache of prebuilt copies is usable: the memo only saves time
+        if cache_write_problem(error, cache, "remembering a content key") is None:
+            raise
     return key
 
 
@@ -138,32 +149,124 @@ def _parquet_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
         bar.update(parquet.metadata.row_group(group).total_byte_size)
 
 
+def _temp_name(target: Path) -> str:
+    """A prefix naming who writes: two nodes of a shared cache may run processes with the same pid
+    (containers), so the host is part of it, and mkstemp makes the name unique whatever it is."""
+    return f"{target.name}.{socket.gethostname()}.{os.getpid()}."
+
+
+def _rows_in(copy: Path) -> Optional[int]:
+    """Rows of an Arrow stream file, read back (batch headers only: the file is memory-mapped);
+    None when it does not read as one."""
+    try:
+        with pa.memory_map(str(copy)) as source:
+            return sum(batch.num_rows for batch in pa.ipc.open_stream(source))
+    except (pa.ArrowException, OSError):  # pyarrow reports a short file as an OSError
+        return None
+
+
 def _write_copy(path: Path, target: Path, progress: bool) -> None:
-    """Write the Arrow copy of ``path`` to ``target`` (atomically: a killed build leaves none)."""
+    """Write the Arrow copy of ``path`` to ``target``: into a temp file of this process's own, read
+    back and checked to hold every row written, flushed to disk, then renamed into place, so that a
+    killed build, a full disk or another writer never leaves a partial copy under a content key."""
     if path.suffix == ".parquet":
         batches, schema = _parquet_batches, pq.read_schema(path).remove_metadata()
     else:
         batches, schema = (_jsonl_batches if path.suffix == ".jsonl" else _json_batches), _RECORDS_SCHEMA
-    tmp = target.with_name(f"{target.name}.{os.getpid()}.tmp")
-    with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"arrow copy of {path.name}",
-              disable=not progress or path.stat().st_size < _PROGRESS_BYTES, leave=False) as bar:
-        with pa.OSFile(str(tmp), "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
-            for batch in batches(path, bar):
-                writer.write_batch(batch)
-    os.replace(tmp, target)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_temp_name(target), suffix=".tmp")
+    os.close(fd)
+    try:
+        written = 0
+        with tqdm(total=path.stat().st_size, unit="B", unit_scale=True, desc=f"arrow copy of {path.name}",
+                  disable=not progress or path.stat().st_size < _PROGRESS_BYTES, leave=False) as bar:
+            with pa.OSFile(tmp, "wb") as sink, pa.ipc.new_stream(sink, schema) as writer:
+                for batch in batches(path, bar):
+                    writer.write_batch(batch)
+                    written += batch.num_rows
+        expected = pq.ParquetFile(path).metadata.num_rows if path.suffix == ".parquet" else written
+        if (found := _rows_in(Path(tmp))) != expected:
+            held = "an unreadable file" if found is None else f"{found} rows"
+            raise RuntimeError(f"the Arrow copy of {path} came out holding {held}, not {expected} rows (another "
+                               f"process writing {tmp}? a failing disk?); it was not published; run again")
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)  # a crash must not leave a published name whose bytes never reached the disk
+        finally:
+            os.close(fd)
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; the cache is shared by users of the machine
+        _publish(Path(tmp), target)
+    finally:
+        Path(tmp).unlink(missing_ok=True)
 
 
-def arrow_copy(path: Path, cache: Path, *, progress: bool = True) -> Path:
-    """The cache's Arrow copy of data file ``path``, built here unless a process built it already."""
+def _publish(tmp: Path, target: Path) -> None:
+    """Give the finished ``tmp`` its content-key name unless a builder on another node did first:
+    a hard link is atomic and never replaces, so a copy that ranks have mapped stays in place (on a
+    network file system, replacing a file another node has open fails that node's reads)."""
+    try:
+        os.link(tmp, target)
+    except FileExistsError:
+        pass  # the same bytes, published by another builder
+    except OSError as error:
+        if error.errno not in (errno.EPERM, errno.ENOTSUP, errno.EOPNOTSUPP):
+            raise
+        if not target.exists():  # a file system without hard links
+            os.replace(tmp, target)
+
+
+def _estimated_copy_bytes(path: Path) -> int:
+    """About what the Arrow copy of ``path`` takes: its records' bytes (parquet: uncompressed)."""
+    if path.suffix == ".parquet":
+        metadata = pq.ParquetFile(path).metadata
+        return sum(metadata.row_group(g).total_byte_size for g in range(metadata.num_row_groups))
+    return path.stat().st_size
+
+
+def _check_room(path: Path, folder: Path) -> None:
+    needed, free = _estimated_copy_bytes(path), shutil.disk_usage(folder).free
+    if needed > free:
+        raise InputError(f"data.cache_dir {folder.parent} is full: the Arrow copy of {path} needs about "
+                         f"{_size_text(needed)}, {_size_text(free)} is free; free space there or point "
+                         "data.cache_dir (or LOONGFORGE_CACHE) at a larger node-local disk")
+
+
+def arrow_copy(path: Path, cache: Path, *, progress: bool = True, key: Optional[str] = None) -> Path:
+    """The cache's Arrow copy of data file ``path``, built here unless a process built it already.
+    ``key``: its ``content_key`` when the caller has it."""
     kind = "table" if path.suffix == ".parquet" else "records"
-    target = cache / f"v{CACHE_FORMAT}" / f"{content_key(path, cache)}-{kind}.arrow"
+    target = cache / f"v{CACHE_FORMAT}" / f"{key or content_key(path, cache)}-{kind}.arrow"
     if target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with FileLock(str(target) + ".lock"):
-        if not target.is_file():  # the lock's previous holder may have built it
-            _write_copy(path, target, progress)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+        with FileLock(str(target) + ".lock"):
+            if not target.is_file():  # the lock's previous holder may have built it
+                _check_room(path, target.parent)
+                _write_copy(path, target, progress)
+    except OSError as error:
+        problem = cache_write_problem(error, cache, f"making the Arrow copy of {path}")
+        if problem is None:
+            raise
+        raise InputError(problem) from None
     return target
+
+
+def _size_text(size: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if size < 1000:
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1000
+    return f"{size:.1f} TB"
+
+
+def cache_summary(cache_dir: Optional[str]) -> str:
+    """The start-up line on the Arrow cache: where it is, what it holds, how much room is left."""
+    cache = arrow_cache_dir(cache_dir)
+    copies = list((cache / f"v{CACHE_FORMAT}").glob("*.arrow"))
+    held = sum(copy.stat().st_size for copy in copies)
+    existing = next(p for p in (cache, *cache.parents) if p.exists())
+    return (f"cache: {cache}, {len(copies)} Arrow cop{'y' if len(copies) == 1 else 'ies'} "
+            f"({_size_text(held)}), {_size_text(shutil.disk_usage(existing).free)} free")
 
 
 # ---------------------------------------------------------------- sources
@@ -177,6 +280,7 @@ class _Part:
     file: str
     media_root: Path
     records: bool  # rows are (line, ordinal, raw, error) records, else plain table rows
+    fingerprint: Fingerprint  # what a checkpoint records of the source (loongforge.data.fingerprint)
 
     def __post_init__(self):
         self.pages = MappedPages([entry["filename"] for entry in self.rows.cache_files])
@@ -201,10 +305,12 @@ class _Part:
 def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
     import datasets  # lazy: ~0.7 s to import, paid only where data.source=files opens a file
 
-    copy = arrow_copy(path, cache, progress=progress)
+    key = content_key(path, cache)
+    copy = arrow_copy(path, cache, progress=progress, key=key)
     rows = datasets.Dataset.from_file(str(copy))
     records = path.suffix != ".parquet"
-    return _Part(rows if records else rows.with_format("arrow"), str(path), path.parent, records)
+    return _Part(rows if records else rows.with_format("arrow"), str(path), path.parent, records,
+                 content_fingerprint(str(path), path.stat().st_size, key))
 
 
 def load_saved_dataset(folder: Path) -> datasets.Dataset:
@@ -215,7 +321,8 @@ def load_saved_dataset(folder: Path) -> datasets.Dataset:
 
 
 def _saved_part(folder: Path) -> _Part:
-    return _Part(load_saved_dataset(folder).with_format("arrow"), str(folder), folder, records=False)
+    return _Part(load_saved_dataset(folder).with_format("arrow"), str(folder), folder, records=False,
+                 fingerprint=source_fingerprint(str(folder)))
 
 
 def open_hub_dataset(entry: str) -> datasets.Dataset:
@@ -232,7 +339,8 @@ def open_hub_dataset(entry: str) -> datasets.Dataset:
 
 
 def _hub_part(entry: str) -> _Part:
-    return _Part(open_hub_dataset(entry).with_format("arrow"), entry, Path.cwd(), records=False)
+    return _Part(open_hub_dataset(entry).with_format("arrow"), entry, Path.cwd(), records=False,
+                 fingerprint=source_fingerprint(entry))
 
 
 def _open_source(source: str, cache: Path, progress: bool) -> _Part:
@@ -255,6 +363,10 @@ class ArrowSamples:
 
     def __len__(self) -> int:
         return self._starts[-1]
+
+    def fingerprints(self) -> list[Fingerprint]:
+        """One per source, in order: what a checkpoint records to notice a changed file on resume."""
+        return [part.fingerprint for part in self._parts]
 
     def get(self, index: int) -> Union[ConversationSample, Reject]:
         if not 0 <= index < len(self):

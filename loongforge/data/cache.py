@@ -6,9 +6,11 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import tempfile
 from pathlib import Path
+from typing import Optional
 
 
 def cache_root() -> Path:
@@ -28,3 +30,27 @@ def write_cache_file(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+_READ_ONLY = (errno.EROFS, errno.EACCES, errno.EPERM)
+_FULL = (errno.ENOSPC, errno.EDQUOT)
+
+
+def cache_write_problem(error: OSError, cache: Path, doing: str) -> Optional[str]:
+    """The one-line message for ``error``, met ``doing`` something (``making the Arrow copy of X``)
+    in the cache folder ``cache``, when it says that folder is full or read-only; None when it is
+    about something else (a data file that cannot be read is its own problem). pyarrow's write
+    errors carry no errno, only the system's words."""
+    filename = getattr(error, "filename", None)
+    if filename is not None and not Path(os.fsdecode(filename)).resolve().is_relative_to(cache.resolve()):
+        return None
+    text = str(error)
+    if error.errno in _FULL or "No space left on device" in text or "Disk quota exceeded" in text:
+        return (f"data.cache_dir {cache} is full ({os.strerror(error.errno or errno.ENOSPC)}) while {doing}; free "
+                "space there or point data.cache_dir (or LOONGFORGE_CACHE) at a larger node-local disk")
+    about_cache = filename is not None or str(cache) in text  # pyarrow's errors name the file in their text
+    read_only = error.errno in _READ_ONLY or "Read-only file system" in text or "Permission denied" in text
+    if about_cache and read_only:
+        return (f"data.cache_dir {cache} is not writable ({os.strerror(error.errno or errno.EROFS)}) while {doing}; "
+                "point data.cache_dir (or LOONGFORGE_CACHE) at a writable node-local folder")
+    return None

@@ -38,6 +38,7 @@ from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.collate import collate_row
 from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
+from loongforge.data.fingerprint import check_files, counted_position, run_fingerprints
 from loongforge.data.measure import (
     MaterializedSample,
     MeasuredSample,
@@ -247,6 +248,11 @@ class DataPipeline:
         self.stream = None
         if self.loads_data:
             self.stream = self._build_stream(data_cfg, model_cfg, tokenizer, lookahead, dp_rank, dp_size, samples)
+        # What checkpoints record of data.paths, so a resume notices a changed file (data.fingerprint).
+        self.data_files = (run_fingerprints(data_cfg.source, list(data_cfg.paths), getattr(self.stream, "source", None))
+                           if self.stream is not None else None)
+        self.accept_changed_files = data_cfg.accept_changed_files
+        self.resume_note: Optional[str] = None  # set by a resume that continued in changed data
         self.last_data_wait_s = 0.0
         self.dp_rank = dp_rank
         self._balancer = None
@@ -354,7 +360,8 @@ class DataPipeline:
 
     def state_dict(self) -> dict:
         """Position after the last returned step; JSON-serialisable."""
-        return {**self._consumed_state, "rejects": self.rejects.state_dict()}
+        files = {"files": self.data_files} if self.data_files is not None else {}
+        return {**self._consumed_state, "rejects": self.rejects.state_dict(), **files}
 
     def load_state_dict(self, state: dict) -> None:
         if state.get("version") != STATE_VERSION:
@@ -362,6 +369,12 @@ class DataPipeline:
         if state.get("read", "global") != self.read:
             raise ValueError(f"the checkpoint's data position is for data.read={state.get('read', 'global')}, "
                              f"this run reads data.read={self.read}; set data.read to match to resume")
+        change = check_files(state.get("files"), self.data_files, accept_changed=self.accept_changed_files)
+        if change is not None:  # data.accept_changed_files: continue from the recorded sample count
+            count = len(self.stream.source) if isinstance(self.stream, RowStream) else None
+            state = {**state, "stream": counted_position(state["stream"], count=count, first=self.stream.shard_index)}
+            self.resume_note = (f"{change}; data.accept_changed_files=true: continuing at epoch "
+                                f"{state['stream']['epoch']}, sample {state['stream']['cursor']} of the changed data")
         self._stop_worker()
         self.rejects.load_state_dict(state["rejects"])
         self._rewind_to(state)

@@ -32,6 +32,7 @@ from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
+from loongforge.data.arrow_samples import cache_summary
 from loongforge.data.pipeline import DataPipeline
 from loongforge.models.flops import StepFlops
 from loongforge.models.fp8 import (
@@ -479,9 +480,11 @@ def _startup_summary(run: _Run) -> list[str]:
                  f"{cfg.balance.threshold}" if run.balanced is not None else "off")
     data = run.pipeline.source_text() if isinstance(run.pipeline, DataPipeline) else "the profile sweep's rows"
     encoder_note = frozen_encoder_note(cfg)
+    # The Arrow cache of data files (data.source=files, not streamed): where, how big, room left.
+    cache = [cache_summary(cfg.data.cache_dir)] if cfg.data.source == "files" and not cfg.data.streaming else []
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
-            f"data: {cfg.data.source}, {data}",
+            f"data: {cfg.data.source}, {data}", *cache,
             f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                     _unwrap_model(run.model[0]).layer_backends.items()),
@@ -501,6 +504,8 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if restored.path is not None:
         logger.write(f"resumed from {restored.path} at step {restored.step}")
+    if getattr(run.pipeline, "resume_note", None):  # data.accept_changed_files met a changed file
+        logger.write(f"warning: {run.pipeline.resume_note}")
     return logger
 
 

@@ -223,6 +223,17 @@ def test_data_sources_need_their_inputs():
     assert cfg.data.packed == "/tmp/p"
 
 
+def test_accept_changed_files_applies_to_data_files_and_is_a_bool():
+    (message,) = errors_for("data.accept_changed_files=true")  # the preset reads synthetic samples
+    assert message == ("data.accept_changed_files=true resumes past changed data.paths files; it does not apply to "
+                       "data.source=synthetic; set data.source=files or data.accept_changed_files=false.")
+    (message,) = errors_for("data.accept_changed_files=maybe")
+    assert "data.accept_changed_files" in message
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["data.source=files", "data.paths=[a.jsonl]",
+                                                       "data.accept_changed_files=true"])
+    assert cfg.data.accept_changed_files is True and load_run_config("qwen2.5vl-tiny").data.accept_changed_files is False
+
+
 def test_nonpositive_sizes_are_reported_without_crashing():
     messages = errors_for("parallel.tensor_model_parallel_size=0",
                           "model.language.num_attention_heads=0")

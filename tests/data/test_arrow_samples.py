@@ -1,18 +1,27 @@
 """The memory-mapped reader gives the in-memory reader's samples, order and rejects, from a cache
-built once per content, for every source kind (files, save_to_disk folders, the HF cache)."""
+built once per content, for every source kind (files, save_to_disk folders, the HF cache); nodes
+sharing a cache folder never publish a broken copy, and a full or read-only cache is one line."""
 
+import errno
 import json
 import multiprocessing
 import os
+import re
+import shutil
+import socket
+from pathlib import Path
 
 import datasets
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
+import typer
 
+from loongforge.cli.errors import cli_errors
 from loongforge.config.errors import InputError
 from loongforge.data import arrow_samples
-from loongforge.data.arrow_samples import ArrowSamples
+from loongforge.data.arrow_samples import ArrowSamples, cache_summary
+from loongforge.data.cache import cache_write_problem
 from loongforge.data.conversations import FileSamples
 from loongforge.data.samples import ConversationSample, Reject
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, good_record, require
@@ -193,3 +202,154 @@ def test_reads_do_not_leave_the_mapped_copy_in_the_resident_set(tmp_path):
     for index in range(0, 100_000, 97):  # ~1,000 reads spread over the 50 MB copy
         samples.get(index)
     assert _rss_file_kb() - before < 8 * 1024
+
+
+# ---------------------------------------------------------------- a cache shared by nodes (issue 30)
+
+class _NoLock:
+    """A file lock that does not hold across nodes, as on many network file systems."""
+
+    def __init__(self, path):
+        pass
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def _build_as_host(path, cache, host, barrier, result):
+    """A builder on node ``host`` of a shared cache folder: the same pid as the other node's builder
+    (containers), no lock between them, both writing their copies at the same time."""
+    socket.gethostname = lambda: host
+    os.getpid = lambda: 4242
+    arrow_samples.FileLock = _NoLock
+    arrow_samples._BATCH_ROWS = 512  # many batches: the two writes interleave
+    batches = arrow_samples._jsonl_batches
+
+    def together(*args):  # both have their temp file open before either writes a batch
+        barrier.wait(timeout=60)
+        yield from batches(*args)
+
+    arrow_samples._jsonl_batches = together
+    try:
+        samples = ArrowSamples([path], cache, progress=False)
+        outcome = {"rows": len(samples), "last": samples.get(len(samples) - 1).images}
+    except Exception as error:  # reported to the test, which shows it
+        outcome = {"error": repr(error)}
+    Path(result).write_text(json.dumps(outcome))
+
+
+def test_two_hosts_with_one_pid_build_one_cache_at_once(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(8_000)))
+    cache = tmp_path / "cache"
+    context = multiprocessing.get_context("fork")
+    barrier = context.Barrier(2)
+    builders = [context.Process(target=_build_as_host, args=(str(data), str(cache), host, barrier,
+                                                             str(tmp_path / f"{host}.json")))
+                for host in ("node-a", "node-b")]
+    for builder in builders:
+        builder.start()
+    for builder in builders:
+        builder.join(timeout=120)
+    outcomes = [json.loads((tmp_path / f"{host}.json").read_text()) for host in ("node-a", "node-b")]
+    print(f"\n{outcomes}")
+    assert outcomes == [{"rows": 8_000, "last": [str(tmp_path / "7999.jpg")]}] * 2
+    left = sorted(p.name for p in (cache / "v1").iterdir())
+    assert len([name for name in left if name.endswith(".arrow")]) == 1 and not [n for n in left if ".tmp" in n]
+    assert _all(ArrowSamples([str(data)], str(cache))) == _all(FileSamples([str(data)]))  # the published copy
+
+
+def test_a_rewrite_in_place_with_the_same_size_and_mtime_is_a_new_copy(tmp_path):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(good_record("a.jpg")) + "\n")
+    cache = str(tmp_path / "cache")
+    assert ArrowSamples([str(data)], cache).get(0).images == [str(tmp_path / "a.jpg")]
+    before = data.stat()
+    with open(data, "r+b") as f:  # same inode, same size
+        f.write(data.read_bytes().replace(b"a.jpg", b"b.jpg"))
+    os.utime(data, ns=(before.st_atime_ns, before.st_mtime_ns))  # as a copy tool preserving times leaves it
+    after = data.stat()
+    assert (after.st_ino, after.st_size, after.st_mtime_ns) == (before.st_ino, before.st_size, before.st_mtime_ns)
+    assert ArrowSamples([str(data)], cache).get(0).images == [str(tmp_path / "b.jpg")]
+
+
+def test_a_copy_that_lost_rows_is_not_published(tmp_path, monkeypatch):
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(5_000)))
+    rows_in = arrow_samples._rows_in
+
+    def truncated_meanwhile(copy):  # as a writer that shares the file would leave it
+        with open(copy, "r+b") as f:
+            f.truncate(copy.stat().st_size // 2)
+        return rows_in(copy)
+
+    monkeypatch.setattr(arrow_samples, "_rows_in", truncated_meanwhile)
+    monkeypatch.setattr(arrow_samples, "_BATCH_ROWS", 1024)
+    with pytest.raises(RuntimeError, match=r"came out holding (\d+ rows|an unreadable file), not 5000 rows .* "
+                                           r"it was not published"):
+        ArrowSamples([str(data)], str(tmp_path / "cache"))
+    assert [p.name for p in (tmp_path / "cache" / "v1").iterdir() if not p.name.endswith(".lock")] == []
+
+
+def test_a_full_or_read_only_cache_is_one_line(tmp_path, monkeypatch, capsys):
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps(good_record()) + "\n")
+    cache = tmp_path / "cache"
+
+    def one_line(expected: str) -> None:
+        with pytest.raises(typer.Exit) as exit_, cli_errors():
+            ArrowSamples([str(data)], str(cache))
+        lines = capsys.readouterr().err.strip().splitlines()
+        print(lines)
+        assert exit_.value.exit_code == 2 and lines == [f"error: {expected}"]
+
+    with monkeypatch.context() as patch:
+        patch.setattr(arrow_samples.shutil, "disk_usage", lambda _: shutil._ntuple_diskusage(10**12, 10**12 - 100, 100))
+        one_line(f"data.cache_dir {cache} is full: the Arrow copy of {data} needs about {data.stat().st_size} B, "
+                 "100 B is free; free space there or point data.cache_dir (or LOONGFORGE_CACHE) at a larger "
+                 "node-local disk")
+
+    class ReadOnlyLock(_NoLock):  # what filelock meets on a read-only mount
+        def __init__(self, path):
+            self.path = path
+
+        def __enter__(self):
+            raise OSError(errno.EROFS, os.strerror(errno.EROFS), self.path)
+
+    with monkeypatch.context() as patch:
+        patch.setattr(arrow_samples, "FileLock", ReadOnlyLock)
+        one_line(f"data.cache_dir {cache} is not writable (Read-only file system) while making the Arrow copy of "
+                 f"{data}; point data.cache_dir (or LOONGFORGE_CACHE) at a writable node-local folder")
+
+    # A read-only cache of copies built before serves them (its key memo cannot be written: no matter).
+    ArrowSamples([str(data)], str(cache))
+    os.utime(data)  # a new mtime: the memo is looked up again and written again
+
+    def read_only(path, text):
+        raise OSError(errno.EROFS, os.strerror(errno.EROFS), str(path))
+
+    monkeypatch.setattr(arrow_samples, "write_cache_file", read_only)
+    assert len(ArrowSamples([str(data)], str(cache))) == 1
+    # A data file that cannot be read is its own problem, not the cache's.
+    assert cache_write_problem(PermissionError(errno.EACCES, "Permission denied", str(data)), cache, "x") is None
+    unreadable = OSError(f"Failed to open local file '{data}'. Detail: [errno 13] Permission denied")  # pyarrow's
+    assert cache_write_problem(unreadable, cache, "x") is None
+    no_space = OSError("IOError: error writing to /x: No space left on device")  # pyarrow's: no errno
+    assert cache_write_problem(no_space, cache, "writing").startswith(
+        f"data.cache_dir {cache} is full (No space left on device) while writing; free space there")
+
+
+def test_the_start_up_line_says_where_the_cache_is_and_how_big(tmp_path):
+    cache = tmp_path / "cache"
+    assert cache_summary(str(cache)).startswith(f"cache: {cache}, 0 Arrow copies (0 B), ")
+    data = tmp_path / "d.jsonl"
+    data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(1_000)))
+    ArrowSamples([str(data)], str(cache))
+    (copy,) = (cache / "v1").glob("*.arrow")
+    line = cache_summary(str(cache))
+    print(f"\n{line}")
+    assert re.fullmatch(rf"cache: {cache}, 1 Arrow copy \({copy.stat().st_size / 1000:.1f} KB\), [\d.]+ [KMGT]?B free",
+                        line)

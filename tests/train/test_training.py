@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 
 import pytest
 
@@ -105,7 +106,10 @@ def test_real_demo_conversations_train_and_bad_samples_are_counted(tmp_path):
     out = tmp_path / "run"
     paths = f"[{demo / 'mllm_demo.json'},{demo / 'mllm_video_demo.json'},{broken}]"
     proc = run_train(out, "data.source=files", f"data.paths={paths}", "data.seq_len=2048",
-                     "data.video_max_frames=4", "training.train_steps=2")
+                     "data.video_max_frames=4", "training.train_steps=2", f"data.cache_dir={tmp_path / 'cache'}")
+    # The start-up lines say where the Arrow cache is, what it holds and the room left (issue 30).
+    assert re.search(rf"^cache: {tmp_path / 'cache'}, 3 Arrow copies \([\d.]+ KB\), [\d.]+ [KMGT]?B free$",
+                     proc.stdout + proc.stderr, re.MULTILINE), proc.stdout[-3000:]
     assert all(math.isfinite(v) for v in losses(out))
     rejects = [json.loads(line) for line in (out / "rejects.jsonl").read_text().splitlines()]
     assert {(r["line"], r["reason"]) for r in rejects} == {(2, "missing_image"), (3, "malformed_json")}
