@@ -60,11 +60,13 @@ def write_serving_files(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
     processor_files = get_family(model_cfg.family).hf_processor_files(model_cfg, data_cfg)
     done = ServingFiles()
     has_tokenizer = _has_tokenizer(source_files)
+    written_tokenizer = None
     if has_tokenizer:
         _copy(source_files, TOKENIZER_FILES, dst)
         done.copied.append("tokenizer")
     else:
-        has_tokenizer = _write_tokenizer_or_warn(dst, model_cfg, data_cfg, processor_files, done)
+        written_tokenizer = _write_tokenizer_or_warn(dst, model_cfg, data_cfg, processor_files, done)
+        has_tokenizer = written_tokenizer is not None
     if any(name in source_files for name in PROCESSOR_FILES):
         _copy(source_files, PROCESSOR_FILES, dst)
         done.copied.append("processor")
@@ -76,30 +78,55 @@ def write_serving_files(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
         _copy(source_files, (GENERATION_FILE,), dst)
         done.copied.append("generation")
     elif has_tokenizer:  # its end-of-turn and padding ids are the tokenizer's
-        _write_generation_config(dst, model_cfg)
+        # A config.json from the source is the source's, ids and all; one written from the model
+        # config gets the tokenizer's.
+        _write_generation_config(dst, model_cfg, written_tokenizer, fill_config="config.json" not in source_files)
         done.written.append("generation")
     return done
 
 
-def _write_generation_config(dst: Path, model_cfg: ModelConfig) -> None:
-    from transformers import AutoTokenizer  # lazy: ~1.5 s, which a training rank pays only to export
+def _write_generation_config(dst: Path, model_cfg: ModelConfig, tokenizer=None, *, fill_config: bool) -> None:
+    """generation_config.json from ``tokenizer`` (None: the one copied into ``dst``), and with
+    ``fill_config`` its ids in the config.json where it has none."""
+    if tokenizer is None:
+        from transformers import AutoTokenizer  # lazy: ~1.5 s, which a training rank pays only to export
 
-    generation_config(model_cfg, AutoTokenizer.from_pretrained(dst, local_files_only=True)).save_pretrained(dst)
+        tokenizer = AutoTokenizer.from_pretrained(dst, local_files_only=True)
+    generation = generation_config(model_cfg, tokenizer)
+    generation.save_pretrained(dst)
+    if fill_config:
+        _fill_config_token_ids(dst / "config.json", generation)
+
+
+def _fill_config_token_ids(config_file: Path, generation) -> None:
+    """The token ids a config.json written from the model config lacks: without them transformers fills in its class defaults, Qwen's full-vocabulary ids, which lie
+    outside a smaller vocabulary (the small test vocabularies) and name other tokens in any other.
+    A tokenizer without a BOS token (Qwen's) gets its padding token there, as Qwen's own configs
+    have it (<|endoftext|>): transformers reads a missing or null id as "use the default"."""
+    if not config_file.is_file():
+        return
+    config = json.loads(config_file.read_text())
+    eos = generation.eos_token_id[0] if isinstance(generation.eos_token_id, list) else generation.eos_token_id
+    bos = generation.bos_token_id if generation.bos_token_id is not None else generation.pad_token_id
+    ids = {"bos_token_id": bos, "eos_token_id": eos, "pad_token_id": generation.pad_token_id}
+    missing = {key: value for key, value in ids.items() if key not in config}
+    if missing:
+        config_file.write_text(json.dumps({**config, **missing}, indent=2) + "\n")  # the engine's layout
 
 
 def _write_tokenizer_or_warn(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
-                             processor_files: dict[str, dict], done: ServingFiles) -> bool:
-    """Whether the run's tokenizer was written; a tokenizer of another model (data settings guessed
-    for a checkpoint without its run's) is a warning, not a failed export."""
+                             processor_files: dict[str, dict], done: ServingFiles):
+    """The run's tokenizer, written; None for a tokenizer of another model (data settings guessed
+    for a checkpoint without its run's), a warning, not a failed export."""
     try:
-        write_tokenizer(dst, model_cfg, data_cfg, processor_files)
+        tokenizer = write_tokenizer(dst, model_cfg, data_cfg, processor_files)
     except ValueError as error:
         done.warnings.append(f"tokenizer and generation files not written: data.tokenizer={data_cfg.tokenizer} is "
                              f"not this model's tokenizer ({error}); set data.tokenizer to the model's own "
                              f"(convert: --preset NAME)")
-        return False
+        return None
     done.written.append("tokenizer")
-    return True
+    return tokenizer
 
 
 def _files_in(source: Optional[Path]) -> dict[str, Path]:
@@ -125,10 +152,9 @@ def _write_json_files(dst: Path, files: dict[str, dict]) -> None:
         (dst / name).write_text(json.dumps(content, indent=2, sort_keys=True) + "\n")
 
 
-def write_tokenizer(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
-                    processor_files: dict[str, dict]) -> None:
-    """The run's tokenizer with the chat template loongforge renders, saved by transformers;
-    ValueError if it is not the model's (the check training starts with)."""
+def write_tokenizer(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig, processor_files: dict[str, dict]):
+    """The run's tokenizer with the chat template loongforge renders, saved by transformers (and
+    returned); ValueError if it is not the model's (the check training starts with)."""
     chat = get_family(model_cfg.family).chat(model_cfg)
     tokenizer = load_tokenizer(data_cfg.tokenizer, chat.jinja_template)
     check_token_ids(tokenizer, data_cfg, model_cfg, chat)
@@ -139,6 +165,7 @@ def write_tokenizer(dst: Path, model_cfg: ModelConfig, data_cfg: DataConfig,
     if processor_class is not None:  # what a processor's save_pretrained records in its tokenizer
         tokenizer._set_processor_class(processor_class)
     tokenizer.save_pretrained(dst)
+    return tokenizer
 
 
 def generation_config(model_cfg: ModelConfig, tokenizer) -> GenerationConfig:

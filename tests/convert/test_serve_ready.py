@@ -228,3 +228,24 @@ def test_every_video_setting_is_one_its_processor_reads(preset):
                        and node.name == f"{video['video_processor_type']}InitKwargs")
     own = {node.target.id for node in init_kwargs.body if isinstance(node, ast.AnnAssign)}
     assert set(video) - {"video_processor_type"} <= own | set(VideosKwargs.__annotations__)
+
+
+def test_a_config_written_from_the_model_gets_the_tokenizers_ids(tmp_path, caplog):
+    """A folder exported without an HF source (a training run's save_hf at the small vocabulary):
+    config.json gets the tokenizer's end-of-turn and pad ids (BOS: Qwen has none, its configs name
+    <|endoftext|>, the pad token), instead of transformers' class defaults (Qwen's full-vocabulary
+    151643 / 151645, outside a 4,224-token vocabulary)."""
+    from loongforge.convert.serving import write_serving_files
+
+    cfg = load_run_config("qwen2.5vl-tiny-small-vocab")
+    (tmp_path / "config.json").write_text(json.dumps(get_family(cfg.model.family).config_to_hf(cfg.model), indent=2))
+    write_serving_files(tmp_path, cfg.model, cfg.data, None)
+    written = json.loads((tmp_path / "config.json").read_text())
+    tokenizer = load_tokenizer(cfg.data.tokenizer)
+    print({key: written[key] for key in ("bos_token_id", "eos_token_id", "pad_token_id")})
+    assert written["eos_token_id"] == tokenizer.convert_tokens_to_ids("<|im_end|>") < cfg.model.language.vocab_size
+    assert written["pad_token_id"] == written["bos_token_id"] == cfg.model.tokens.pad_token_id
+    with caplog.at_level("WARNING"):
+        config = transformers.AutoConfig.from_pretrained(tmp_path)
+    assert config.text_config.eos_token_id == written["eos_token_id"]
+    assert not [r for r in caplog.records if "token_id" in r.getMessage()], caplog.text
