@@ -256,6 +256,7 @@ class StreamingRowStream:
     def state_dict(self) -> dict:
         keys = self.packer.buffer_keys()
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
+                "shard": [self.shard_index, self.shard_count],
                 "window_starts": self.source.state_for([self.cursor] + [p for _, p in keys])}
 
     def load_state_dict(self, state: dict) -> None:

@@ -318,6 +318,20 @@ def _rank_file(path: Path) -> Path:
     return rank_file
 
 
+def saved_data_states(path: Path) -> list[dict]:
+    """Every rank's saved data position in checkpoint ``path``, in rank order: a sharded read
+    resumed at another data-parallel size deals them again (``DataPipeline.load_state_dict``)."""
+    states = []
+    for rank_file in sorted(path.glob("rank_*.pt")):
+        _check_file(rank_file, lambda p: states.append(torch.load(p, weights_only=False)["data_state"]))
+    return states
+
+
+def saved_dp_size(path: Path) -> Optional[int]:
+    """The data-parallel size checkpoint ``path`` was saved at (its meta.json), where recorded."""
+    return json.loads((path / META_FILE).read_text()).get("layout", {}).get("dp")
+
+
 def check_checkpoint_files(path: Path) -> None:
     """Raise DamagedCheckpoint naming the first file of checkpoint ``path`` that is unreadable or
     shorter than its index says. Cheap (sizes and the small pickles), so it runs before a load
