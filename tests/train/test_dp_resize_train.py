@@ -1,0 +1,113 @@
+"""A sharded read (data.read=sharded) resumed at another data-parallel size trains every sample of
+the epoch exactly once across the restarts (issue 30): DP 2 for steps 1-2, a cut-back copy
+resumed at DP 4 for steps 3-4, a cut-back copy of that resumed at DP 2 for steps 5-8, each rank
+recording the sample ids and stream positions of what it trained (tests.train.plan_recorder)."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongforge.convert.checkpoint_folders import step_dir_name
+from tests.train.conftest import RUN_TIMEOUT_S, SAVE_AT_END, cut_back_copy, train_command, train_env
+
+PRESET = "llm-tiny-small-vocab"  # text only: the data path is the VLM's, the steps are cheaper
+SAMPLES = 60
+# Synthetic text samples read sharded and unprefetched (the recorder's positions are the rows made).
+OPTIONS = ("data.read=sharded", f"data.synthetic_num_samples={SAMPLES}", "data.num_workers=0",
+           "checkpoint.save_interval=2", SAVE_AT_END)
+
+
+def _run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False) -> str:
+    """A `loongforge train` job of ``nproc`` ranks launched as torchrun would, each rank recording
+    to out_dir/plans_rank<r>.jsonl; returns rank 0's output."""
+    command = train_command(out_dir, *OPTIONS, *extra, resume=resume, preset=PRESET)
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = train_env(nproc, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.train.plan_recorder",
+                                       str(out_dir / f"plans_rank{rank}.jsonl"), *command[3:]], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.getcwd()))
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, output) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{output[-6000:]}"
+    return outputs[0]
+
+
+def _resumed_copy(run: Path, out: Path, step: int, *extra: str, nproc: int) -> Path:
+    """``run`` cut back to ``step`` (its records too) and resumed at ``nproc`` ranks."""
+    cut_back_copy(run, out, step)
+    for record in out.glob("plans_rank*.jsonl"):
+        kept = [line for line in record.read_text().splitlines() if json.loads(line)["step"] <= step]
+        record.write_text("".join(line + "\n" for line in kept))
+    output = _run_recorded(out, *extra, nproc=nproc, resume=True)
+    assert f"resumed from {out / 'checkpoints' / step_dir_name(step)} at step {step}" in output, output[-3000:]
+    return out
+
+
+def _trained(run: Path) -> list[tuple[int, str, int]]:
+    """(step, sample id, epoch) of every sample the run's ranks trained, each rank's steps in order."""
+    trained = []
+    for record_file in sorted(run.glob("plans_rank*.jsonl")):
+        for record in map(json.loads, record_file.read_text().splitlines()):
+            for ids, keys in zip(record["sample_ids"], record["keys"], strict=True):
+                trained += [(record["step"], sid, epoch) for sid, (epoch, _) in zip(ids, keys, strict=True)]
+    return trained
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("dp_resize")
+    _run_recorded(root / "dp2", "training.train_steps=2", nproc=2)
+    _resumed_copy(root / "dp2", root / "dp2-4", 2, "training.train_steps=4", nproc=4)
+    _resumed_copy(root / "dp2-4", root / "dp2-4-2", 4, "training.train_steps=8", nproc=2)
+    return {"dp2-4": root / "dp2-4", "dp2-4-2": root / "dp2-4-2"}
+
+
+def _assert_epochs_once(trained: list[tuple[int, str, int]], complete: int, what: str) -> None:
+    """The first ``complete`` epochs trained every sample once; later ones none twice."""
+    epochs = {e: Counter(sid for _, sid, epoch in trained if epoch == e) for e in sorted({t[2] for t in trained})}
+    print(f"\n{what}: {len(trained)} samples trained over steps {sorted({t[0] for t in trained})}; " + "; ".join(
+        f"epoch {e}: {sum(c.values())} trained, {len(c)} distinct of {SAMPLES}" for e, c in epochs.items()))
+    for epoch, counts in epochs.items():
+        assert max(counts.values()) == 1, f"epoch {epoch}: {sorted(s for s, n in counts.items() if n > 1)} twice"
+        if epoch < complete:
+            assert sorted(counts) == sorted(f"synthetic:{i}" for i in range(SAMPLES)), f"epoch {epoch}"
+
+
+def _saved_positions(checkpoint: Path) -> str:
+    """What each shard's saved position holds (the figures behind a re-deal)."""
+    states = [torch.load(f, weights_only=False)["data_state"]["stream"] for f in sorted(checkpoint.glob("rank_*.pt"))]
+    return ", ".join(f"shard {s.get('shard')} at epoch {s['epoch']} cursor {s['cursor']} ({len(s['buffer'])} "
+                     f"buffered, {sum(len(p) for _, p in s.get('dealt', []))} dealt)" for s in states)
+
+
+def test_dp2_resumed_at_dp4_trains_each_sample_once(runs):
+    print(f"\nsaved at DP 2, step 2: {_saved_positions(runs['dp2-4'] / 'checkpoints' / step_dir_name(2))}")
+    trained = _trained(runs["dp2-4"])
+    assert {step for step, _, _ in trained} == {1, 2, 3, 4}
+    _assert_epochs_once(trained, 1, "DP 2 -> 4")
+
+
+def test_dp4_resumed_at_dp2_trains_each_sample_once(runs):
+    print(f"\nsaved at DP 4, step 4: {_saved_positions(runs['dp2-4-2'] / 'checkpoints' / step_dir_name(4))}")
+    trained = _trained(runs["dp2-4-2"])
+    assert {step for step, _, _ in trained} == set(range(1, 9))
+    _assert_epochs_once(trained, 2, "DP 2 -> 4 -> 2")
