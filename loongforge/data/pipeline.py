@@ -22,7 +22,7 @@ import json
 import queue
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -47,7 +47,7 @@ from loongforge.data.measure import (
 )
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
-from loongforge.data.redeal import merged_rejects, redeal
+from loongforge.data.redeal import DealtPositions, merged_rejects, redeal
 from loongforge.data.samples import Reject, RejectKey
 from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer
 from loongforge.data.synthetic import SyntheticSamples
@@ -136,9 +136,8 @@ class RowStream:
                              "ranks a share; use more data or data.read=global")
         self.epoch = 0
         self.cursor = self.shard_index  # next position to read within the epoch's order
-        # Positions a resume at another DP size dealt to this shard, read before its regular share
-        # (loongforge.data.redeal): [epoch, deque of positions] in epoch order.
-        self.dealt: list[tuple[int, deque]] = []
+        # Positions a resume at another DP size dealt to this shard, read before its regular share.
+        self.dealt = DealtPositions()
         self._orders: dict[int, np.ndarray] = {}
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
 
@@ -165,11 +164,9 @@ class RowStream:
             self._check_some_accepted()
 
     def _next_position(self) -> tuple[int, int]:
-        while self.dealt:
-            epoch, positions = self.dealt[0]
-            if positions:
-                return epoch, positions.popleft()
-            self.dealt.pop(0)
+        dealt = self.dealt.pop()
+        if dealt is not None:
+            return dealt
         position = (self.epoch, self.cursor)
         self.cursor += self.shard_count
         if self.cursor >= len(self.source):
@@ -213,14 +210,14 @@ class RowStream:
         """``shard`` and ``dealt`` let a resume at another DP size deal the position again."""
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
                 "shard": [self.shard_index, self.shard_count],
-                "dealt": [[epoch, list(positions)] for epoch, positions in self.dealt if positions]}
+                "dealt": self.dealt.state()}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" in state:
             raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
                              "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
-        self.dealt = [(int(epoch), deque(int(p) for p in positions)) for epoch, positions in state.get("dealt", [])]
+        self.dealt = DealtPositions(state.get("dealt"))
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
 
     def redealt(self, states: list[dict]) -> dict:
@@ -412,19 +409,15 @@ class DataPipeline:
         states = saved_states() if saved_states is not None else [state]
         shards = [s["stream"].get("shard") for s in states]
         saved_count = state["stream"]["shard"][1]
-        fix = (f"{checkpoint} holds the data position of data.read=sharded at data-parallel size {saved_count}, "
-               f"this run has {stream.shard_count}")
         if any(shard is None for shard in shards):
-            raise InputError(f"{fix} and some of its rank files record no shard: resume at data-parallel "
-                             f"size {saved_count}")
+            raise InputError(f"{checkpoint} holds the data position of data.read=sharded at data-parallel size "
+                             f"{saved_count}, this run has {stream.shard_count}, and some of its rank files "
+                             f"record no shard: resume at data-parallel size {saved_count}")
         by_index = {}
         for saved, shard in zip(states, shards):  # TP / PP peers hold copies of their leader's state
             by_index.setdefault(tuple(shard), saved)
         if {shard[1] for shard in by_index} == {stream.shard_count} and tuple(here) in by_index:
             return by_index[tuple(here)]  # same DP size, ranks mapped to DP ranks differently
-        if not isinstance(stream, RowStream):
-            raise InputError(f"{fix}; a streamed read (data.streaming=true) cannot be dealt again exactly: "
-                             f"resume at data-parallel size {saved_count}")
         if len({int(s["step"]) for s in by_index.values()}) != 1:
             raise InputError(f"{checkpoint}: its rank files hold data positions of different steps; "
                              "the checkpoint is damaged")

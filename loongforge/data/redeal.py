@@ -19,7 +19,8 @@ Pure: no torch, no I/O. States are the JSON-ready dicts ``RowStream.state_dict``
 
 from __future__ import annotations
 
-from collections import Counter
+from collections import Counter, deque
+from typing import Optional
 
 
 def _shard(state: dict) -> tuple[int, int]:
@@ -76,3 +77,30 @@ def merged_rejects(states: list[dict]) -> dict:
     seen = sorted({tuple(entry) for state in states for entry in state["seen"]})
     counts = Counter(entry[2] for entry in seen)
     return {"seen": [list(entry) for entry in seen], "counts": dict(counts)}
+
+
+class DealtPositions:
+    """The positions a re-deal gave one shard, read before its regular share: ``pop`` hands them
+    out in epoch order, ``state`` is what is left (as ``redeal`` writes it)."""
+
+    def __init__(self, dealt: Optional[list] = None):
+        self._epochs = deque((int(epoch), deque(int(p) for p in positions)) for epoch, positions in dealt or [])
+
+    def __bool__(self) -> bool:
+        return any(positions for _, positions in self._epochs)
+
+    def pop(self) -> Optional[tuple[int, int]]:
+        """The next (epoch, position), or None when all were read."""
+        while self._epochs:
+            epoch, positions = self._epochs[0]
+            if positions:
+                return epoch, positions.popleft()
+            self._epochs.popleft()
+        return None
+
+    def first(self) -> list[tuple[int, int]]:
+        """The next position of each epoch (where a reader must be able to seek to)."""
+        return [(epoch, positions[0]) for epoch, positions in self._epochs if positions]
+
+    def state(self) -> list:
+        return [[epoch, list(positions)] for epoch, positions in self._epochs if positions]

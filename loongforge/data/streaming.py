@@ -36,6 +36,7 @@ from loongforge.data.conversations import (
 )
 from loongforge.data.measure import MeasuredSample
 from loongforge.data.packing import PackItem
+from loongforge.data.redeal import DealtPositions, redeal
 from loongforge.data.samples import ConversationSample, Reject
 
 if TYPE_CHECKING:
@@ -197,6 +198,16 @@ class StreamingSamples:
         self.num_windows = window + (1 if entries else 0)
         return entries
 
+    def record_count(self) -> int:
+        """Records an epoch has; reads forward from the furthest window start known (a pass over
+        the rest of the data the first time: a resume at another DP size needs it)."""
+        window = max(self.starts)
+        while True:
+            entries = self._read_from(window)
+            if self.num_windows is not None:
+                return window * self.window + len(entries)
+            window += 1
+
     def state_for(self, positions: list[int]) -> dict:
         """Window starts a reader needs to find ``positions`` again (JSON-serialisable): for each
         position's window, the nearest start known at or below it (reading resumes from there)."""
@@ -216,6 +227,7 @@ class StreamingRowStream:
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
+        self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
         self._accepted_this_epoch = False
         self._rejected_this_epoch: Counter = Counter()
 
@@ -224,12 +236,14 @@ class StreamingRowStream:
 
     def _pull(self) -> PackItem[MeasuredSample]:
         while True:
-            position = (self.epoch, self.cursor)
+            dealt = self.dealt.pop()
+            position = dealt or (self.epoch, self.cursor)
             sample = self.source.get(*position)
-            if sample is None:  # past the end: next epoch
+            if sample is None:  # past the end: next epoch (a dealt position is never past it)
                 self._end_epoch()
                 continue
-            self.cursor += self.shard_count
+            if dealt is None:
+                self.cursor += self.shard_count
             measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
             if isinstance(measured, MeasuredSample):
                 self._accepted_this_epoch = True
@@ -255,9 +269,10 @@ class StreamingRowStream:
 
     def state_dict(self) -> dict:
         keys = self.packer.buffer_keys()
+        seek_to = [self.cursor] + [p for _, p in keys] + [p for _, p in self.dealt.first()]
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
-                "shard": [self.shard_index, self.shard_count],
-                "window_starts": self.source.state_for([self.cursor] + [p for _, p in keys])}
+                "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
+                "window_starts": self.source.state_for(seek_to)}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
@@ -265,8 +280,19 @@ class StreamingRowStream:
                              "resume with data.streaming=false")
         self.source.load_starts(state["window_starts"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+
+
+    def redealt(self, states: list[dict]) -> dict:
+        """This shard's state continuing the saved ``states`` of all shards of a run at another DP
+        size (``loongforge.data.redeal``). Counting an epoch's records reads the data through once."""
+        for state in states:  # every shard's window starts: the dealt positions lie in any of them
+            self.source.load_starts(state["window_starts"])
+        dealt = redeal(states, self.shard_count, self.source.record_count())[self.shard_index]
+        starts = {k: v for state in states for k, v in state["window_starts"].items()}
+        return {**dealt, "window_starts": starts}
 
 
 def measured_buffer(positions: list, measure_at) -> list[PackItem[MeasuredSample]]:

@@ -13,7 +13,6 @@ from loongforge.data.measure import MeasuredSample
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.redeal import merged_rejects, redeal, untrained_positions
 from loongforge.data.samples import Reject
-from tests.data.conftest import LLAMAFACTORY, require
 
 REJECTED = 7  # every 7th sample index is rejected by the stand-in source
 
@@ -141,6 +140,19 @@ def _sharded(tokenizer, dp_rank, dp_size, **overrides):
                         tokenizer=tokenizer)
 
 
+def write_conversations(path, count: int):
+    """``count`` text conversations of varied lengths, one a line (sample ids ``<path>:<line>``)."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}: " + "why " * (i % 9)},
+                                      {"role": "assistant", "content": "Because. " * (1 + i % 5)}]})
+             for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _streamed(path):
+    return {"source": "files", "paths": [str(path)], "streaming": True, "shuffle_window": 8}
+
+
 def _recorded(pipeline, trained):
     """Record the (epoch, position) of every sample the pipeline's rows hold (num_workers=0: every
     row made is a row trained)."""
@@ -155,17 +167,20 @@ def _recorded(pipeline, trained):
     return pipeline
 
 
+@pytest.mark.parametrize("streaming", [False, True], ids=["indexed", "streaming"])
 @pytest.mark.parametrize("old, new", [(2, 4), (4, 2)])
-def test_pipelines_resumed_at_another_dp_size_train_the_epoch_once(tokenizer, old, new):
-    # 40 synthetic samples (images and text), about 4 a row: the old ranks train 2 steps, the new
-    # ones until the first epoch is done everywhere (dealt positions read, none left buffered).
+def test_pipelines_resumed_at_another_dp_size_train_the_epoch_once(tokenizer, tmp_path, old, new, streaming):
+    # 40 samples (synthetic images and text, or streamed text conversations in windows of 8): the
+    # old ranks train 2 steps, the new ones until the first epoch is done everywhere (dealt
+    # positions read, none left buffered).
+    data = _streamed(write_conversations(tmp_path / "chats.jsonl", 40)) if streaming else {}
     trained = []
-    before = [_recorded(_sharded(tokenizer, r, old), trained) for r in range(old)]
+    before = [_recorded(_sharded(tokenizer, r, old, **data), trained) for r in range(old)]
     for _ in range(2):
         for pipeline in before:
             pipeline.next_step()
     saved = [json.loads(json.dumps(p.state_dict())) for p in before]
-    after = [_recorded(_sharded(tokenizer, r, new), trained) for r in range(new)]
+    after = [_recorded(_sharded(tokenizer, r, new, **data), trained) for r in range(new)]
     for rank, pipeline in enumerate(after):
         pipeline.load_state_dict(saved[rank % old], saved_states=lambda: saved)
     assert all(p.stream.dealt for p in after)
@@ -173,27 +188,9 @@ def test_pipelines_resumed_at_another_dp_size_train_the_epoch_once(tokenizer, ol
         for pipeline in after:
             pipeline.next_step()
     first_epoch = sorted(p for e, p in trained if e == 0)
-    print(f"\nDP {old} -> {new}: {len(first_epoch)} samples of epoch 0 trained, {len(set(first_epoch))} distinct")
+    print(f"\n{'streamed' if streaming else 'indexed'} DP {old} -> {new}: {len(first_epoch)} samples of epoch 0 "
+          f"trained, {len(set(first_epoch))} distinct")
     assert first_epoch == list(range(40))
-
-
-def test_a_streamed_read_at_another_dp_size_is_refused_in_one_line(tokenizer):
-    demo = str(require(LLAMAFACTORY / "v1_multimodal_demo.jsonl"))
-    cfg = DataConfig(source="files", paths=[demo], streaming=True, shuffle_window=4, seq_len=1024,
-                     num_workers=0, read="sharded", max_pixels=12544)
-    saved = []
-    for rank in range(2):
-        pipeline = DataPipeline(cfg, MODEL, global_batch_size=4, dp_rank=rank, dp_size=2, pad_to_multiple=16,
-                                tokenizer=tokenizer)
-        pipeline.next_step()
-        saved.append(pipeline.state_dict())
-    resumed = DataPipeline(cfg, MODEL, global_batch_size=4, dp_rank=1, dp_size=4, pad_to_multiple=16,
-                           tokenizer=tokenizer)
-    with pytest.raises(InputError) as error:
-        resumed.load_state_dict(saved[1], saved_states=lambda: saved, checkpoint="ckpt/step_00000002")
-    message = str(error.value)
-    assert "\n" not in message and "ckpt/step_00000002" in message
-    assert "data-parallel size 2, this run has 4" in message and "resume at data-parallel size 2" in message
 
 
 def test_a_position_saved_without_shards_resumes_only_at_its_dp_size(tokenizer):
@@ -202,8 +199,12 @@ def test_a_position_saved_without_shards_resumes_only_at_its_dp_size(tokenizer):
     state = old.state_dict()
     del state["stream"]["shard"], state["stream"]["dealt"]  # as an older loongforge saved it
     _sharded(tokenizer, 1, 2).load_state_dict(state, saved_dp_size=2)
-    with pytest.raises(InputError, match="resume at data-parallel size 2"):
-        _sharded(tokenizer, 1, 4).load_state_dict(state, saved_dp_size=2)
+    with pytest.raises(InputError) as error:
+        _sharded(tokenizer, 1, 4).load_state_dict(state, saved_dp_size=2, checkpoint="ckpt/step_00000002")
+    message = str(error.value)
+    assert "\n" not in message and message.startswith("ckpt/step_00000002 holds")
+    assert "data-parallel size 2" in message and "this run has 4" in message
+    assert message.endswith("resume at data-parallel size 2")
 
 
 def test_same_dp_size_with_ranks_mapped_differently_takes_its_own_shard(tokenizer):
