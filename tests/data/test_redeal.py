@@ -13,6 +13,7 @@ from loongforge.data.measure import MeasuredSample
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.redeal import merged_rejects, redeal, untrained_positions
 from loongforge.data.samples import Reject
+from tests.data.conftest import write_conversations
 
 REJECTED = 7  # every 7th sample index is rejected by the stand-in source
 
@@ -138,15 +139,6 @@ def _sharded(tokenizer, dp_rank, dp_size, **overrides):
                         "seed": 5, "read": "sharded", **overrides})
     return DataPipeline(cfg, MODEL, global_batch_size=4, dp_rank=dp_rank, dp_size=dp_size, pad_to_multiple=16,
                         tokenizer=tokenizer)
-
-
-def write_conversations(path, count: int):
-    """``count`` text conversations of varied lengths, one a line (sample ids ``<path>:<line>``)."""
-    lines = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}: " + "why " * (i % 9)},
-                                      {"role": "assistant", "content": "Because. " * (1 + i % 5)}]})
-             for i in range(count)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
 
 
 def _streamed(path):
