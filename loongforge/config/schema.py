@@ -158,7 +158,10 @@ class DataConfig:
     # Who reads what. "global": every DP rank reads and measures every sample (no pixels) and
     # trains its share of the global rows, which then do not depend on the DP size. "sharded":
     # each DP rank reads 1/DP of the samples (tokenizing and probing only those), the scalable
-    # choice for raw files at large DP; balancing then exchanges samples between ranks.
+    # choice for raw files at large DP; balancing then exchanges samples between ranks. A sharded
+    # run resumes at another DP size (or TP x PP layout) exactly: each rank file records its shard,
+    # and the positions no shard trained are dealt again to the new ranks (data/redeal.py; a
+    # streamed read counts its records once to do so).
     # "auto": sharded for data.source=files at DP > 1, else global.
     read: str = "auto"
     # Where Arrow copies of data files are kept (built once per node by its first process, keyed
