@@ -171,6 +171,8 @@ class DataConfig:
     # Read data.paths front to back instead of through the Arrow cache, for inputs too large to
     # copy: memory holds one window of data.shuffle_window records, each window shuffled on its
     # own (data.shuffle); a checkpoint saves the position, so resuming gives the same samples.
+    # The data.paths entries are mixed, each in proportion to its bytes on disk (equal shares with a
+    # hub dataset among them), so every stretch of steps sees every entry, not one after another.
     streaming: bool = False
     shuffle_window: int = 4096
     # A `loongforge encode` folder: the vision encoder is neither built nor run, and each sample's
