@@ -14,13 +14,15 @@ shard 1 at (epoch 0, cursor 9), buffer []. Untrained in epoch 0: 2, 4, 6, 8 (sha
 (shard 1), so [2, 4, 6, 8, 9]. At 3 shards: shard 0 reads 2, 8 then epoch 1 from 0; shard 1 reads
 4, 9 then epoch 1 from 1; shard 2 reads 6 then epoch 1 from 2.
 
-Pure: no torch, no I/O. States are the JSON-ready dicts ``RowStream.state_dict`` returns.
+Pure: no torch, no I/O (numpy for the position lists). States are the JSON-ready dicts ``RowStream.state_dict`` returns.
 """
 
 from __future__ import annotations
 
 from collections import Counter, deque
 from typing import Optional
+
+import numpy as np
 
 
 def _shard(state: dict) -> tuple[int, int]:
@@ -34,23 +36,27 @@ def untrained_positions(states: list[dict], epoch_size: int) -> dict[int, list[i
     if epoch_size < 1:
         raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
     last = max(int(s["epoch"]) for s in states)
-    remaining: dict[int, list[int]] = {}
+    pieces: dict[int, list[np.ndarray]] = {}
     for state in states:
         index, count = _shard(state)
         epoch, cursor = int(state["epoch"]), int(state["cursor"])
-        positions = [(epoch, p) for p in range(cursor, epoch_size, count)]
-        positions += [(e, p) for e in range(epoch + 1, last + 1) for p in range(index, epoch_size, count)]
-        positions += [(int(e), int(p)) for e, p in state["buffer"]]
-        positions += [(int(e), int(p)) for e, dealt in state.get("dealt", []) for p in dealt]
-        for e, p in positions:
-            remaining.setdefault(e, []).append(p)
-    for epoch, positions in remaining.items():
-        repeated = [p for p, n in Counter(positions).items() if n > 1]
-        if repeated:  # two shards claim one position: the states are not one run's
-            raise ValueError(f"epoch {epoch} positions {sorted(repeated)[:5]} are untrained in more than one "
-                             "shard's saved position")
-        positions.sort()
-    return dict(sorted(remaining.items()))
+        pieces.setdefault(epoch, []).append(np.arange(cursor, epoch_size, count))  # its regular share left
+        for later in range(epoch + 1, last + 1):
+            pieces.setdefault(later, []).append(np.arange(index, epoch_size, count))
+        for e, p in state["buffer"]:
+            pieces.setdefault(int(e), []).append(np.array([int(p)]))
+        for e, dealt in state.get("dealt", []):
+            pieces.setdefault(int(e), []).append(np.asarray(dealt, dtype=np.int64))
+    remaining = {}
+    for epoch in sorted(pieces):
+        positions = np.sort(np.concatenate(pieces[epoch]))
+        repeated = positions[1:][positions[1:] == positions[:-1]]
+        if len(repeated):  # two shards claim one position: the states are not one run's
+            raise ValueError(f"epoch {epoch} positions {sorted(set(repeated.tolist()))[:5]} are untrained in "
+                             "more than one shard's saved position")
+        if len(positions):
+            remaining[epoch] = positions.tolist()
+    return remaining
 
 
 def redeal(states: list[dict], count: int, epoch_size: int) -> list[dict]:
