@@ -427,7 +427,7 @@ class DataPipeline:
         except ValueError as exc:
             raise InputError(f"{checkpoint}: its data positions cannot be dealt again ({exc}); "
                              f"resume at data-parallel size {saved_count}") from None
-        return {**state, "stream": stream_state, "rejects": merged_rejects([s["rejects"] for s in ordered])}
+        return {**state, "stream": stream_state, "rejects": merged_rejects([s["rejects"] for s in states])}
 
     def reject_counts(self) -> dict[str, int]:
         return self.rejects.counts()

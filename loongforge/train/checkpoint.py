@@ -313,7 +313,9 @@ def _rank_file(path: Path) -> Path:
     """The per-rank state this rank restores from ``path``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
+    # A different world size: rank 0's counters are global anyway, and a sharded data position is
+    # dealt again from every rank's (saved_data_states).
+    if not rank_file.is_file():
         rank_file = path / "rank_00000.pt"
     return rank_file
 
