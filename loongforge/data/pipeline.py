@@ -384,9 +384,11 @@ class DataPipeline:
         (its meta.json) checks a position saved without shards."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')} != {STATE_VERSION}")
-        if state.get("read", "global") != self.read:
-            raise ValueError(f"the checkpoint's data position is for data.read={state.get('read', 'global')}, "
-                             f"this run reads data.read={self.read}; set data.read to match to resume")
+        saved_read = state.get("read", "global")
+        if saved_read != self.read:  # e.g. data.read=auto: sharded at DP 2, global at DP 1
+            raise InputError(f"{checkpoint} holds the data position of data.read={saved_read}, this run reads "
+                             f"data.read={self.read}: set data.read={saved_read} to resume (a sharded position "
+                             "resumes at any data-parallel size)")
         if self.read == "sharded" and isinstance(self.stream, (RowStream, StreamingRowStream)):
             state = self._own_share(state, saved_states, checkpoint, saved_dp_size)
         self._stop_worker()

@@ -160,7 +160,7 @@ def _recorded(pipeline, trained):
 
 
 @pytest.mark.parametrize("streaming", [False, True], ids=["indexed", "streaming"])
-@pytest.mark.parametrize("old, new", [(2, 4), (4, 2)])
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2), (2, 1)])
 def test_pipelines_resumed_at_another_dp_size_train_the_epoch_once(tokenizer, tmp_path, old, new, streaming):
     # 40 samples (synthetic images and text, or streamed text conversations in windows of 8): the
     # old ranks train 2 steps, the new ones until the first epoch is done everywhere (dealt
@@ -209,3 +209,13 @@ def test_same_dp_size_with_ranks_mapped_differently_takes_its_own_shard(tokenize
     resumed = _sharded(tokenizer, 1, 2)
     resumed.load_state_dict(saved[0], saved_states=lambda: saved)
     assert resumed.state_dict()["stream"] == saved[1]["stream"]
+
+
+def test_a_sharded_position_resumed_by_global_reading_names_the_fix(tokenizer):
+    # data.read=auto reads sharded at DP 2 and globally at DP 1.
+    old = _sharded(tokenizer, 0, 2)
+    old.next_step()
+    with pytest.raises(InputError) as error:
+        _sharded(tokenizer, 0, 1, read="global").load_state_dict(old.state_dict(), checkpoint="ckpt/step_00000002")
+    assert str(error.value).startswith("ckpt/step_00000002 holds the data position of data.read=sharded")
+    assert "set data.read=sharded to resume" in str(error.value)
