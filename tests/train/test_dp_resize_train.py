@@ -7,10 +7,6 @@ sample ids and stream positions of what it trained (tests.train.plan_recorder)."
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 
@@ -19,7 +15,7 @@ import torch
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from tests.data.conftest import write_conversations
-from tests.train.conftest import RUN_TIMEOUT_S, SAVE_AT_END, cut_back_copy, train_command, train_env
+from tests.train.conftest import SAVE_AT_END, cut_back_copy, run_recorded
 
 PRESET = "llm-tiny-small-vocab"  # text only: the data path is the VLM's, the steps are cheaper
 SAMPLES = 60
@@ -30,28 +26,7 @@ INDEXED = (f"data.synthetic_num_samples={SAMPLES}",)
 
 
 def _run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False) -> str:
-    """A `loongforge train` job of ``nproc`` ranks launched as torchrun would, each rank recording
-    to out_dir/plans_rank<r>.jsonl; returns rank 0's output."""
-    command = train_command(out_dir, *OPTIONS, *extra, resume=resume, preset=PRESET)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = train_env(nproc, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.train.plan_recorder",
-                                       str(out_dir / f"plans_rank{rank}.jsonl"), *command[3:]], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.getcwd()))
-    try:
-        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, output) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{output[-6000:]}"
-    return outputs[0]
+    return run_recorded(out_dir, *OPTIONS, *extra, nproc=nproc, resume=resume, preset=PRESET)
 
 
 def _resumed_copy(run: Path, out: Path, step: int, *extra: str, nproc: int) -> Path:
