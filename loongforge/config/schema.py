@@ -158,7 +158,10 @@ class DataConfig:
     # Who reads what. "global": every DP rank reads and measures every sample (no pixels) and
     # trains its share of the global rows, which then do not depend on the DP size. "sharded":
     # each DP rank reads 1/DP of the samples (tokenizing and probing only those), the scalable
-    # choice for raw files at large DP; balancing then exchanges samples between ranks.
+    # choice for raw files at large DP; balancing then exchanges samples between ranks. A sharded
+    # run resumes at another DP size (or TP x PP layout) exactly: each rank file records its shard,
+    # and the positions no shard trained are dealt again to the new ranks (data/redeal.py; a
+    # streamed read counts its records once to do so).
     # "auto": sharded for data.source=files at DP > 1, else global.
     read: str = "auto"
     # Where Arrow copies of data files are kept (built once per node by its first process, keyed
@@ -168,6 +171,8 @@ class DataConfig:
     # Read data.paths front to back instead of through the Arrow cache, for inputs too large to
     # copy: memory holds one window of data.shuffle_window records, each window shuffled on its
     # own (data.shuffle); a checkpoint saves the position, so resuming gives the same samples.
+    # The data.paths entries are mixed, each in proportion to its bytes on disk (equal shares with a
+    # hub dataset among them), so every stretch of steps sees every entry, not one after another.
     streaming: bool = False
     shuffle_window: int = 4096
     # A checkpoint records each data file's fingerprint (size and content hash), and a resume whose

@@ -25,7 +25,7 @@ import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Optional, Union
+from typing import Callable, Optional, Union
 
 import numpy as np
 
@@ -48,6 +48,7 @@ from loongforge.data.measure import (
 )
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
+from loongforge.data.redeal import DealtPositions, merged_rejects, redeal
 from loongforge.data.samples import Reject, RejectKey
 from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer
 from loongforge.data.synthetic import SyntheticSamples
@@ -136,6 +137,8 @@ class RowStream:
                              "ranks a share; use more data or data.read=global")
         self.epoch = 0
         self.cursor = self.shard_index  # next position to read within the epoch's order
+        # Positions a resume at another DP size dealt to this shard, read before its regular share.
+        self.dealt = DealtPositions()
         self._orders: dict[int, np.ndarray] = {}
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
 
@@ -154,15 +157,22 @@ class RowStream:
     def _pull(self) -> PackItem[MeasuredSample]:
         """Next accepted sample; rejects are logged and skipped."""
         while True:
-            position = (self.epoch, self.cursor)
-            self.cursor += self.shard_count
-            if self.cursor >= len(self.source):
-                self.epoch, self.cursor = self.epoch + 1, self.shard_index
+            position = self._next_position()
             measured = self._measure_at(position)
             if isinstance(measured, MeasuredSample):
                 return PackItem(key=position, length=measured.length, payload=measured)
             self.rejects.record(measured)
             self._check_some_accepted()
+
+    def _next_position(self) -> tuple[int, int]:
+        dealt = self.dealt.pop()
+        if dealt is not None:
+            return dealt
+        position = (self.epoch, self.cursor)
+        self.cursor += self.shard_count
+        if self.cursor >= len(self.source):
+            self.epoch, self.cursor = self.epoch + 1, self.shard_index
+        return position
 
     def _reachable_count(self) -> int:
         """How many distinct samples this stream can ever read: all of them when epochs are
@@ -198,14 +208,23 @@ class RowStream:
         return measured
 
     def state_dict(self) -> dict:
-        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()]}
+        """``shard`` and ``dealt`` let a resume at another DP size deal the position again."""
+        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
+                "shard": [self.shard_index, self.shard_count],
+                "dealt": self.dealt.state()}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" in state:
             raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
                              "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.dealt = DealtPositions(state.get("dealt"))
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+
+    def redealt(self, states: list[dict]) -> dict:
+        """This shard's state continuing the saved ``states`` of all shards of a run at another DP
+        size (``loongforge.data.redeal``)."""
+        return redeal(states, self.shard_count, len(self.source))[self.shard_index]
 
 
 class DataPipeline:
@@ -363,14 +382,28 @@ class DataPipeline:
         files = {"files": self.data_files} if self.data_files is not None else {}
         return {**self._consumed_state, "rejects": self.rejects.state_dict(), **files}
 
-    def load_state_dict(self, state: dict) -> None:
+    def load_state_dict(self, state: dict, *, saved_states: Optional[Callable[[], list[dict]]] = None,
+                        checkpoint: str = "the checkpoint", saved_dp_size: Optional[int] = None) -> None:
+        """``state``: the position this rank saved (or, after a layout change, the one it is handed).
+        ``saved_states``: every rank's saved data state, read only when sharded reading resumes at
+        another shard (a new DP size or DP rank), whose position is then dealt again exactly
+        (``loongforge.data.redeal``); ``checkpoint`` names the checkpoint in errors, ``saved_dp_size``
+        (its meta.json) checks a position saved without shards."""
         if state.get("version") != STATE_VERSION:
             raise ValueError(f"data state version {state.get('version')} != {STATE_VERSION}")
-        if state.get("read", "global") != self.read:
-            raise ValueError(f"the checkpoint's data position is for data.read={state.get('read', 'global')}, "
-                             f"this run reads data.read={self.read}; set data.read to match to resume")
+        saved_read = state.get("read", "global")
+        if saved_read != self.read:  # e.g. data.read=auto: sharded at DP 2, global at DP 1
+            raise InputError(f"{checkpoint} holds the data position of data.read={saved_read}, this run reads "
+                             f"data.read={self.read}: set data.read={saved_read} to resume (a sharded position "
+                             "resumes at any data-parallel size)")
+        if self.read == "sharded" and isinstance(self.stream, (RowStream, StreamingRowStream)):
+            state = self._own_share(state, saved_states, checkpoint, saved_dp_size)
         change = check_files(state.get("files"), self.data_files, accept_changed=self.accept_changed_files)
         if change is not None:  # data.accept_changed_files: continue from the recorded sample count
+            if state["stream"].get("dealt"):  # positions dealt at a resize name samples of the old data
+                raise InputError(f"{change}; {checkpoint} also resumes at another data-parallel size, whose "
+                                 "positions are dealt from the old data: resume at the saved data-parallel size "
+                                 "to continue on the changed files")
             count = len(self.stream.source) if isinstance(self.stream, RowStream) else None
             state = {**state, "stream": counted_position(state["stream"], count=count, first=self.stream.shard_index)}
             self.resume_note = (f"{change}; data.accept_changed_files=true: continuing at epoch "
@@ -378,6 +411,42 @@ class DataPipeline:
         self._stop_worker()
         self.rejects.load_state_dict(state["rejects"])
         self._rewind_to(state)
+
+    def _own_share(self, state: dict, saved_states, checkpoint: str, saved_dp_size: Optional[int]) -> dict:
+        """The saved position of this rank's shard, dealt again from every shard's when the run
+        was saved at another DP size; an InputError where that cannot be exact."""
+        stream = self.stream
+        here = [stream.shard_index, stream.shard_count]
+        if state["stream"].get("shard") == here:
+            return state
+        if "shard" not in state["stream"]:  # saved before shards were recorded: only the same DP size
+            if saved_dp_size in (None, stream.shard_count):
+                return state
+            raise InputError(f"{checkpoint} holds the data position of data.read=sharded at data-parallel size "
+                             f"{saved_dp_size} without its shards (an older loongforge), this run has "
+                             f"{stream.shard_count}: resume at data-parallel size {saved_dp_size}")
+        states = saved_states() if saved_states is not None else [state]
+        shards = [s["stream"].get("shard") for s in states]
+        saved_count = state["stream"]["shard"][1]
+        if any(shard is None for shard in shards):
+            raise InputError(f"{checkpoint} holds the data position of data.read=sharded at data-parallel size "
+                             f"{saved_count}, this run has {stream.shard_count}, and some of its rank files "
+                             f"record no shard: resume at data-parallel size {saved_count}")
+        by_index = {}
+        for saved, shard in zip(states, shards):  # TP / PP peers hold copies of their leader's state
+            by_index.setdefault(tuple(shard), saved)
+        if {shard[1] for shard in by_index} == {stream.shard_count} and tuple(here) in by_index:
+            return by_index[tuple(here)]  # same DP size, ranks mapped to DP ranks differently
+        if len({int(s["step"]) for s in by_index.values()}) != 1:
+            raise InputError(f"{checkpoint}: its rank files hold data positions of different steps; "
+                             "the checkpoint is damaged")
+        ordered = [by_index[key] for key in sorted(by_index)]
+        try:
+            stream_state = stream.redealt([s["stream"] for s in ordered])
+        except ValueError as exc:
+            raise InputError(f"{checkpoint}: its data positions cannot be dealt again ({exc}); "
+                             f"resume at data-parallel size {saved_count}") from None
+        return {**state, "stream": stream_state, "rejects": merged_rejects([s["rejects"] for s in states])}
 
     def reject_counts(self) -> dict[str, int]:
         return self.rejects.counts()

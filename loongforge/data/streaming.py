@@ -1,7 +1,10 @@
 """``data.streaming=true``: read the data sources front to back, never copying or indexing them.
 
-For inputs too large to copy into the Arrow cache. The stream is the records of ``data.paths`` in
-order (the same records, lines and rejects as ``ArrowSamples``), cut into windows of
+For inputs too large to copy into the Arrow cache. The stream is the records of ``data.paths`` (the
+same records, lines and rejects as ``ArrowSamples``) with the entries mixed: each next record comes
+from the entry furthest behind its share, shares in proportion to the entries' bytes on disk, so
+``data.paths=[coco.jsonl, math.jsonl]`` trains both all through the epoch, not all of COCO first
+(within an entry, a folder's files follow one another). The stream is cut into windows of
 ``data.shuffle_window`` records; with ``data.shuffle`` each window is visited in a permutation drawn
 from (data.seed, epoch, window), so memory holds a window, not the data, and any position of the
 stream is found again from where its window starts. Positions are dealt to data-parallel shards
@@ -9,8 +12,9 @@ as in ``RowStream`` (shard ``i`` of ``n`` takes positions i, i+n, ...; every ran
 records, each decodes and measures only its own).
 
 Exact resume: a checkpoint holds the stream position (epoch, cursor), the packer's buffered
-positions and where the windows holding them start (source, byte offset or row, line), so a
-resumed run seeks there and continues with the same samples.
+positions and where the windows holding them start (for each entry: records taken, and source,
+byte offset or row, line of its next record), so a resumed run seeks there and continues with the
+same samples.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ from loongforge.data.conversations import (
 )
 from loongforge.data.measure import MeasuredSample
 from loongforge.data.packing import PackItem
+from loongforge.data.redeal import DealtPositions, redeal
 from loongforge.data.samples import ConversationSample, Reject
 
 if TYPE_CHECKING:
@@ -105,15 +110,51 @@ def _dataset_rows(rows: datasets.Dataset, first: int) -> Iterator[dict]:
         yield from table[start:start + 1024].to_pylist()
 
 
+# Where the mixed stream stands: per data.paths entry, how many of its records were taken and where
+# its next record starts (None once it is used up).
+MixLocation = tuple[tuple[int, Optional[Location]], ...]
+
+
+def _entry_groups(paths: list[str]) -> list[range]:
+    """The sources (indices into ``expand_data_paths(paths)``) of each data.paths entry."""
+    groups, first = [], 0
+    for entry in paths:
+        try:
+            count = len(expand_data_paths([entry]))
+        except InputError:  # an entry with nothing to read: the whole list was checked already
+            count = 0
+        groups.append(range(first, first + count))
+        first += count
+    return groups
+
+
+def _entry_weights(sources: list[str], groups: list[range]) -> list[int]:
+    """Each entry's share of the mix: its bytes on disk when every source is a local file (records
+    are about proportional to them), else equal shares (a hub dataset's size is not at hand)."""
+    if not all(Path(source).is_file() for source in sources):
+        return [1] * len(groups)
+    return [max(1, sum(Path(sources[i]).stat().st_size for i in group)) for group in groups]
+
+
 class _Sources:
-    """The records of ``data.paths`` as one sequence, readable from any Location."""
+    """The records of ``data.paths``, the entries mixed (``_MixedReader``), readable from any
+    MixLocation. Within an entry (a folder's files) records follow the entry's order."""
 
     def __init__(self, paths: list[str]):
         self.sources = expand_data_paths(paths)
-        self._opened: dict[int, object] = {}  # the latest parsed .json file or opened dataset, by source
+        self.groups = [group for group in _entry_groups(list(paths)) if len(group)]
+        self.weights = _entry_weights(self.sources, self.groups)
+        self._group_of = {source: g for g, group in enumerate(self.groups) for source in group}
+        self._opened: dict[int, object] = {}  # per entry, its latest parsed .json file or opened dataset
 
-    def entries(self, start: Location) -> Iterator[tuple[Location, _Entry]]:
-        for source in range(start[0], len(self.sources)):
+    def start(self) -> MixLocation:
+        return tuple((0, (group.start, 0, 1)) for group in self.groups)
+
+    def reader(self, start: MixLocation) -> _MixedReader:
+        return _MixedReader(self, start)
+
+    def group_entries(self, group: int, start: Location) -> Iterator[tuple[Location, _Entry]]:
+        for source in range(start[0], self.groups[group].stop):
             first = start if source == start[0] else (source, 0, 1)
             yield from self._source_entries(source, first)
 
@@ -133,7 +174,8 @@ class _Sources:
     def _open(self, source: int):
         """Parse a .json file or open a dataset once, not once per window."""
         if source not in self._opened:
-            self._opened.clear()  # one at a time: the stream moves forward
+            group = self._group_of[source]  # one per entry: each entry's stream moves forward
+            self._opened = {s: o for s, o in self._opened.items() if self._group_of[s] != group}
             name = self.sources[source]
             if name.startswith(HUB_PREFIX):
                 self._opened[source] = open_hub_dataset(name)
@@ -143,6 +185,55 @@ class _Sources:
                 located = read_data_file(Path(name))
                 self._opened[source] = (located, record_ordinals(located))
         return self._opened[source]
+
+    def location_json(self, location: MixLocation) -> list:
+        return [[taken, list(at) if at is not None else None] for taken, at in location]
+
+    def location_from_json(self, value: list) -> MixLocation:
+        if len(value) == 3 and all(isinstance(v, int) for v in value):  # saved reading entries in turn
+            if len(self.groups) > 1:
+                raise InputError("the checkpoint's streamed position was saved reading the data.paths entries "
+                                 "one after another (loongforge before issue 30); this one mixes them: resume "
+                                 "it with the loongforge that saved it, or start without it")
+            return ((0, tuple(value)),)
+        return tuple((int(taken), tuple(at) if at is not None else None) for taken, at in value)
+
+
+class _MixedReader:
+    """The records of every data.paths entry, mixed: each next record comes from the entry
+    furthest behind its share (``_Sources.weights``) of the records taken so far, ties to the
+    first; a used-up entry drops out. A function of the MixLocation alone, so any window is found
+    again from where it starts. Two equal entries alternate; coco.jsonl at 9x math.jsonl's bytes
+    gives 9 COCO records, then a math one, and so on."""
+
+    def __init__(self, sources: _Sources, start: MixLocation):
+        self._weights, self._total_weight = sources.weights, sum(sources.weights)
+        self._taken = [taken for taken, _ in start]
+        self._iters = [sources.group_entries(g, at) if at is not None else iter(())
+                       for g, (_, at) in enumerate(start)]
+        self._next = [next(it, None) for it in self._iters]  # each entry's next (location, entry)
+
+    def __iter__(self) -> _MixedReader:
+        return self
+
+    def __next__(self) -> _Entry:
+        live = [g for g, peeked in enumerate(self._next) if peeked is not None]
+        if not live:
+            raise StopIteration
+        count = sum(self._taken) + 1
+        g = max(live, key=lambda g: (count * self._weights[g] - self._taken[g] * self._total_weight, -g))
+        _, entry = self._next[g]
+        self._next[g] = next(self._iters[g], None)
+        self._taken[g] += 1
+        return entry
+
+    def has_next(self) -> bool:
+        return any(peeked is not None for peeked in self._next)
+
+    def location(self) -> MixLocation:
+        """Where the next record starts."""
+        return tuple((taken, peeked[0] if peeked is not None else None)
+                     for taken, peeked in zip(self._taken, self._next))
 
 
 class StreamingSamples:
@@ -155,7 +246,7 @@ class StreamingSamples:
             raise ValueError(f"data.shuffle_window must be >= 1, got {window}")
         self._sources = _Sources(paths)
         self.window, self.shuffle, self.seed = window, shuffle, seed
-        self.starts: dict[int, Location] = {0: (0, 0, 1)}  # window -> where its first record is
+        self.starts: dict[int, MixLocation] = {0: self._sources.start()}  # window -> where its first record is
         self.num_windows: Optional[int] = None  # known once the end was read
         self._windows: OrderedDict[tuple[int, int], list[_Entry]] = OrderedDict()
 
@@ -188,24 +279,37 @@ class StreamingSamples:
         return self._read_from(window)
 
     def _read_from(self, window: int) -> list[_Entry]:
+        reader = self._sources.reader(self.starts[window])
         entries: list[_Entry] = []
-        for location, entry in self._sources.entries(self.starts[window]):
-            if len(entries) == self.window:
-                self.starts[window + 1] = location
-                return entries
+        for entry in reader:
             entries.append(entry)
+            if len(entries) == self.window:
+                break
+        if len(entries) == self.window and reader.has_next():
+            self.starts[window + 1] = reader.location()
+            return entries
         self.num_windows = window + (1 if entries else 0)
         return entries
+
+    def record_count(self) -> int:
+        """Records an epoch has; reads forward from the furthest window start known (a pass over
+        the rest of the data the first time: a resume at another DP size needs it)."""
+        window = max(self.starts)
+        while True:
+            entries = self._read_from(window)
+            if self.num_windows is not None:
+                return window * self.window + len(entries)
+            window += 1
 
     def state_for(self, positions: list[int]) -> dict:
         """Window starts a reader needs to find ``positions`` again (JSON-serialisable): for each
         position's window, the nearest start known at or below it (reading resumes from there)."""
         needed = {max(k for k in self.starts if k <= p // self.window) for p in positions}
-        return {str(k): list(self.starts[k]) for k in sorted(needed)}
+        return {str(k): self._sources.location_json(self.starts[k]) for k in sorted(needed)}
 
     def load_starts(self, starts: dict) -> None:
         for window, location in starts.items():
-            self.starts[int(window)] = tuple(location)
+            self.starts[int(window)] = self._sources.location_from_json(location)
         self._windows.clear()
 
 
@@ -216,6 +320,7 @@ class StreamingRowStream:
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
+        self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
         self._accepted_this_epoch = False
         self._rejected_this_epoch: Counter = Counter()
 
@@ -224,12 +329,14 @@ class StreamingRowStream:
 
     def _pull(self) -> PackItem[MeasuredSample]:
         while True:
-            position = (self.epoch, self.cursor)
+            dealt = self.dealt.pop()
+            position = dealt or (self.epoch, self.cursor)
             sample = self.source.get(*position)
-            if sample is None:  # past the end: next epoch
+            if sample is None:  # past the end: next epoch (a dealt position is never past it)
                 self._end_epoch()
                 continue
-            self.cursor += self.shard_count
+            if dealt is None:
+                self.cursor += self.shard_count
             measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
             if isinstance(measured, MeasuredSample):
                 self._accepted_this_epoch = True
@@ -255,8 +362,10 @@ class StreamingRowStream:
 
     def state_dict(self) -> dict:
         keys = self.packer.buffer_keys()
+        seek_to = [self.cursor] + [p for _, p in keys] + [p for _, p in self.dealt.first()]
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
-                "window_starts": self.source.state_for([self.cursor] + [p for _, p in keys])}
+                "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
+                "window_starts": self.source.state_for(seek_to)}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
@@ -264,8 +373,19 @@ class StreamingRowStream:
                              "resume with data.streaming=false")
         self.source.load_starts(state["window_starts"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
+        self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+
+
+    def redealt(self, states: list[dict]) -> dict:
+        """This shard's state continuing the saved ``states`` of all shards of a run at another DP
+        size (``loongforge.data.redeal``). Counting an epoch's records reads the data through once."""
+        for state in states:  # every shard's window starts: the dealt positions lie in any of them
+            self.source.load_starts(state["window_starts"])
+        dealt = redeal(states, self.shard_count, self.source.record_count())[self.shard_index]
+        starts = {k: v for state in states for k, v in state["window_starts"].items()}
+        return {**dealt, "window_starts": starts}
 
 
 def measured_buffer(positions: list, measure_at) -> list[PackItem[MeasuredSample]]:

@@ -344,9 +344,25 @@ def _rank_file(path: Path) -> Path:
     """The per-rank state this rank restores from ``path``."""
     rank = dist.get_rank() if dist.is_initialized() else 0
     rank_file = path / f"rank_{rank:05d}.pt"
-    if not rank_file.is_file():  # a different world size: rank 0's counters are global anyway
+    # A different world size: rank 0's counters are global anyway, and a sharded data position is
+    # dealt again from every rank's (saved_data_states).
+    if not rank_file.is_file():
         rank_file = path / "rank_00000.pt"
     return rank_file
+
+
+def saved_data_states(path: Path) -> list[dict]:
+    """Every rank's saved data position in checkpoint ``path``, in rank order: a sharded read
+    resumed at another data-parallel size deals them again (``DataPipeline.load_state_dict``)."""
+    states = []
+    for rank_file in sorted(path.glob("rank_*.pt")):
+        _check_file(rank_file, lambda p: states.append(torch.load(p, weights_only=False)["data_state"]))
+    return states
+
+
+def saved_dp_size(path: Path) -> Optional[int]:
+    """The data-parallel size checkpoint ``path`` was saved at (its meta.json), where recorded."""
+    return json.loads((path / META_FILE).read_text()).get("layout", {}).get("dp")
 
 
 def check_checkpoint_files(path: Path) -> None:

@@ -71,6 +71,8 @@ from loongforge.train.checkpoint import (
     load_checkpoint,
     load_newest_checkpoint,
     save_checkpoint,
+    saved_data_states,
+    saved_dp_size,
 )
 from loongforge.train.metrics import (
     METRICS_FILE,
@@ -467,9 +469,19 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     else:
         state = load_checkpoint(load_path, run.model, run.optimizer, run.scheduler)
     if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
-        run.pipeline.load_state_dict(state.data_state)
+        _load_data_state(run, Path(load_path), state.data_state)
     run.balancing.load_state_dict(state.extra)
     return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
+
+
+def _load_data_state(run: _Run, path: Path, data_state: dict) -> None:
+    """The data position; a DataPipeline resumed by a sharded read at another DP size reads every
+    rank's (the profile sweep's rows have no position to share)."""
+    if not isinstance(run.pipeline, DataPipeline):
+        run.pipeline.load_state_dict(data_state)
+        return
+    run.pipeline.load_state_dict(data_state, saved_states=lambda: saved_data_states(path), checkpoint=str(path),
+                                 saved_dp_size=saved_dp_size(path))
 
 
 def _startup_summary(run: _Run) -> list[str]:

@@ -41,6 +41,15 @@ def llama_tokenizer():
     return load_tokenizer("llama3", get_family(model_cfg.family).chat(model_cfg).jinja_template)
 
 
+def write_conversations(path: Path, count: int) -> Path:
+    """``count`` text conversations of varied lengths, one a line (sample ids ``<path>:<line>``)."""
+    lines = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}: " + "why " * (i % 9)},
+                                      {"role": "assistant", "content": "Because. " * (1 + i % 5)}]})
+             for i in range(count)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
 def good_record(image="img.jpg"):
     return {"messages": [{"role": "user", "content": "<image>What is it?"},
                          {"role": "assistant", "content": "A photo."}], "images": [image]}

@@ -44,26 +44,50 @@ def _pipeline(tokenizer, cfg, *, dp_rank=0, dp_size=1, gbs=4):
                         pad_to_multiple=8, tokenizer=tokenizer, lookahead=8)
 
 
-def test_each_window_is_a_permutation_of_the_records_in_order(inputs, tmp_path):
+def test_each_window_is_a_permutation_of_the_records_mixed(inputs, tmp_path):
     every = ArrowSamples(inputs, str(tmp_path / "cache"))
     expected = [every.get(i) for i in range(len(every))]
     plain = StreamingSamples(inputs, window=16, shuffle=False, seed=3)
     shuffled = StreamingSamples(inputs, window=16, shuffle=True, seed=3)
-    assert [plain.get(0, p) for p in range(len(expected))] == expected and plain.get(0, len(expected)) is None
+    mixed = [plain.get(0, p) for p in range(len(expected))]
+    assert plain.get(0, len(expected)) is None
+    assert sorted(map(repr, mixed)) == sorted(map(repr, expected))  # every record once
+    for source in inputs:  # each entry read front to back, the entries mixed
+        assert [r for r in mixed if r.file == source] == [r for r in expected if r.file == source]
+    assert {r.file for r in mixed[:16]} == set(inputs)
     got = [shuffled.get(1, p) for p in range(len(expected))]
-    assert got != expected and shuffled.get(1, len(expected)) is None
+    assert got != mixed and shuffled.get(1, len(expected)) is None
     for start in range(0, len(expected), 16):
         window = got[start:start + 16]
-        assert sorted(map(repr, window)) == sorted(map(repr, expected[start:start + 16]))
+        assert sorted(map(repr, window)) == sorted(map(repr, mixed[start:start + 16]))
     assert shuffled.get(2, 5) != shuffled.get(1, 5) or shuffled.get(2, 6) != shuffled.get(1, 6)  # per epoch
 
 
-def _epoch_sample_ids(pipeline, steps):
-    ids = []
-    for _ in range(steps):
-        for mb in pipeline.next_step():
-            ids.extend(mb["sample_ids"])
-    return ids
+def test_every_stretch_of_the_stream_mixes_the_entries_in_proportion(tmp_path):
+    # Issue 30: data.paths=[coco, math] streamed all of COCO, then all of math. Records of one
+    # size, COCO 3x math's bytes: every window of 8 takes 6 COCO records and 2 math ones, until
+    # both end together; the order is a function of the data alone, found again from any window.
+    for name, count in (("coco", 90), ("math", 30)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(_chat(i, 5)) + "\n" for i in range(count)))
+    paths = [str(tmp_path / "coco.jsonl"), str(tmp_path / "math.jsonl")]
+    stream = StreamingSamples(paths, window=8, shuffle=True, seed=3)
+    files = [stream.get(0, p).file for p in range(120)]
+    per_window = [files[w:w + 8].count(paths[1]) for w in range(0, 120, 8)]
+    print(f"\nmath records per window of 8: {per_window}")
+    assert per_window == [2] * 15 and stream.get(0, 120) is None
+    again = StreamingSamples(paths, window=8, shuffle=True, seed=3)
+    again.load_starts(stream.state_for([77]))  # seeks to window 9 (records 72..79) directly
+    assert [again.get(0, p) for p in range(77, 120)] == [stream.get(0, p) for p in range(77, 120)]
+    assert [again.get(1, p) for p in range(0, 120, 7)] == [stream.get(1, p) for p in range(0, 120, 7)]
+
+
+def test_a_position_saved_reading_entries_in_turn_is_refused_when_they_would_mix(inputs):
+    stream = StreamingSamples(inputs, window=16, shuffle=False, seed=3)
+    with pytest.raises(InputError, match="one after another"):
+        stream.load_starts({"1": [0, 812, 17]})  # before issue 30: (source, offset, line)
+    single = StreamingSamples(inputs[:1], window=16, shuffle=False, seed=3)
+    single.load_starts({"0": [0, 0, 1]})  # one entry: the same stream either way
+    assert single.get(0, 0) == StreamingSamples(inputs[:1], window=16, shuffle=False, seed=3).get(0, 0)
 
 
 def test_shards_read_disjoint_halves_and_every_record_once(tokenizer, inputs, tmp_path):

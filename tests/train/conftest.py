@@ -14,6 +14,7 @@ import json
 import os
 import re
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -88,6 +89,33 @@ STDERR_NOISE = ("Warning: ", "warnings.warn", "[transformers]", "cost model warn
 def assert_quiet_stderr(stderr: str, what: str) -> None:
     noisy = [line for line in stderr.splitlines() if any(noise in line for noise in STDERR_NOISE)]
     assert not noisy, f"{what}: stderr holds {noisy}"
+
+
+def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, preset: str = PRESET) -> str:
+    """`run_train` of ``nproc`` ranks launched as torchrun would (RANK / WORLD_SIZE per process),
+    each rank recording per step its plans, micro-batch sample ids and rows' stream positions to
+    out_dir/plans_rank<r>.jsonl (tests.train.plan_recorder). Returns rank 0's output."""
+    command = train_command(out_dir, *extra, resume=resume, preset=preset)
+    assert command[1:3] == ["-m", "loongforge.cli.app"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(nproc):
+        env = train_env(nproc, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
+        procs.append(subprocess.Popen([sys.executable, "-m", "tests.train.plan_recorder",
+                                       str(out_dir / f"plans_rank{rank}.jsonl"), *command[3:]], env=env,
+                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.getcwd()))
+    try:
+        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    for rank, (p, output) in enumerate(zip(procs, outputs)):
+        assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{output[-6000:]}"
+    return outputs[0]
 
 
 def step_metric(out_dir: Path, key: str) -> list:

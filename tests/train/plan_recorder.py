@@ -1,6 +1,7 @@
 """Test-only: run `loongforge train` as one rank of an externally launched job and record, per
 consumed step, what the data pipeline handed this rank: the balancing plan (``last_balance``) and
-the sample ids of each of its micro-batches.
+the sample ids of each of its micro-batches, and the stream positions (epoch, position) of its rows'
+samples.
 
     python -m tests.train.plan_recorder RECORD.jsonl train --preset ... (RANK/WORLD_SIZE set)
 
@@ -15,9 +16,43 @@ import json
 import sys
 
 
+class _Step(list):
+    """A step's micro-batches, carrying the stream positions of its rows from the data thread."""
+
+    keys = None
+
+
+def _record_stream_keys() -> None:
+    """Each produced step carries the (epoch, position) of its rows' samples (``keys``: one list
+    per row, in row order; with sharded reading and no balancing, one per micro-batch)."""
+    from loongforge.data.pipeline import DataPipeline, RowStream
+    from loongforge.data.streaming import StreamingRowStream
+
+    for stream_class in (RowStream, StreamingRowStream):
+        def recording_next_row(self, next_row=stream_class.next_row):
+            row = next_row(self)
+            if getattr(self, "recorded_keys", None) is not None:
+                self.recorded_keys.append([list(item.key) for item in row])
+            return row
+
+        stream_class.next_row = recording_next_row
+    produce_step = DataPipeline._produce_step
+
+    def recording_produce_step(self):
+        if self.stream is not None:
+            self.stream.recorded_keys = []
+        micro_batches, state, decision = produce_step(self)
+        step = _Step(micro_batches)
+        step.keys = self.stream.recorded_keys if self.stream is not None else None
+        return step, state, decision
+
+    DataPipeline._produce_step = recording_produce_step
+
+
 def install(record_path: str) -> None:
     from loongforge.data.pipeline import DataPipeline
 
+    _record_stream_keys()
     next_step = DataPipeline.next_step
 
     def recording_next_step(self):
@@ -26,6 +61,7 @@ def install(record_path: str) -> None:
         record = {
             "step": self.state_dict()["step"],  # the consumed position: steps so far
             "sample_ids": [list(mb["sample_ids"]) for mb in micro_batches],
+            "keys": getattr(micro_batches, "keys", None),
             "plan": None if decision is None else decision.micro_batches,
             "applied": None if decision is None else decision.applied,
         }

@@ -5,56 +5,22 @@ balanced run re-makes the uninterrupted run's plans and hands every rank the sam
 from __future__ import annotations
 
 import json
-import os
-import socket
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from tests.train.conftest import (
-    RUN_TIMEOUT_S,
     SAVE_AT_END,
     assert_close_relative,
     cut_back_copy,
     losses,
+    run_recorded,
     run_train,
-    train_command,
-    train_env,
 )
 
 BALANCE_ON = ("balance.enabled=true", "balance.threshold=0")
 SAVES = ("checkpoint.save_interval=2", SAVE_AT_END)
 NPROC = 2
-
-
-def run_recorded(out_dir: Path, *extra: str, resume: bool = False) -> str:
-    """`run_train` at DP=2, launched as torchrun would (RANK / WORLD_SIZE per process), each rank
-    recording its plans and micro-batch sample ids to out_dir/plans_rank<r>.jsonl
-    (tests.train.plan_recorder)."""
-    command = train_command(out_dir, *extra, resume=resume)
-    assert command[1:3] == ["-m", "loongforge.cli.app"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(NPROC):
-        env = train_env(NPROC, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(NPROC),
-                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        record = out_dir / f"plans_rank{rank}.jsonl"
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.train.plan_recorder", str(record),
-                                       *command[3:]], env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True, cwd=os.getcwd()))
-    try:
-        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, output) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{output[-6000:]}"
-    return outputs[0]  # rank 0 logs
 
 
 def _flat(per_rank: list[list[list[str]]]) -> list[str]:
@@ -72,7 +38,7 @@ def off(tmp_path_factory):
     """DP=2 without balancing (SMALL_MODEL: global batch 4 -> 2 micro-batches per rank), sample
     ids recorded per rank."""
     out = tmp_path_factory.mktemp("balance_off")
-    run_recorded(out)
+    run_recorded(out, nproc=NPROC)
     return out
 
 
@@ -82,7 +48,7 @@ def on(tmp_path_factory):
     samples of varied lengths (text-only and image samples); threshold 0 re-plans every step that
     has anything to gain. Checkpoints at steps 2 and 4, for a resumed copy."""
     out = tmp_path_factory.mktemp("balance_on")
-    (out / "rank0_output.txt").write_text(run_recorded(out, *BALANCE_ON, *SAVES))
+    (out / "rank0_output.txt").write_text(run_recorded(out, *BALANCE_ON, *SAVES, nproc=NPROC))
     return out
 
 
@@ -126,7 +92,7 @@ def test_balanced_run_resumes_with_the_same_plans_and_samples(on, tmp_path):
     for rank, records in enumerate(plan_records(out)):
         (out / f"plans_rank{rank}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records[:2]))
     assert [r["step"] for r in plan_records(out)[0]] == [1, 2]
-    output = run_recorded(out, *BALANCE_ON, *SAVES, resume=True)
+    output = run_recorded(out, *BALANCE_ON, *SAVES, nproc=NPROC, resume=True)
     assert "resumed from" in output and "at step 2" in output, output[-3000:]
     resumed, uninterrupted = plan_records(out), plan_records(on)
     for rank in range(NPROC):
