@@ -129,7 +129,7 @@ def counted_position(stream_state: dict, *, count: Optional[int], first: int) ->
     cursor past it starts the next epoch at ``first``, the stream's first position."""
     state = {**stream_state, "buffer": []}
     if "window_starts" in state:
-        state["window_starts"] = {"0": [0, 0, 1]}
+        state["window_starts"] = {}  # no window start known but the data's own: read forward from there
     if count is not None and int(state["cursor"]) >= count:
         state["epoch"], state["cursor"] = int(state["epoch"]) + 1, first
     return state

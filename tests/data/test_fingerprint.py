@@ -121,7 +121,7 @@ def test_changes_in_words(tmp_path):
 def test_the_recorded_sample_count_in_changed_data():
     streaming = {"epoch": 1, "cursor": 40, "buffer": [[1, 30]], "window_starts": {"2": [0, 900, 33]}}
     assert counted_position(streaming, count=None, first=0) == {
-        "epoch": 1, "cursor": 40, "buffer": [], "window_starts": {"0": [0, 0, 1]}}
+        "epoch": 1, "cursor": 40, "buffer": [], "window_starts": {}}
     indexed = {"epoch": 2, "cursor": 41, "buffer": [[2, 39]]}
     assert counted_position(indexed, count=100, first=1) == {"epoch": 2, "cursor": 41, "buffer": []}
     assert counted_position(indexed, count=40, first=1) == {"epoch": 3, "cursor": 1, "buffer": []}  # data shrank
