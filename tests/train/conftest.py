@@ -14,7 +14,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +22,10 @@ import pytest
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.convert.mcore_io import McoreReader
+from loongforge.cli.app import app
 from loongforge.train.metrics import drop_metrics_after
+from tests.models.helpers import free_port, limit_threads, run_workers
+from tests.train import plan_recorder
 
 # What the training tests train unless they say otherwise: qwen2.5vl-tiny with the small vocabulary.
 PRESET = "qwen2.5vl-tiny-small-vocab"
@@ -94,28 +96,36 @@ def assert_quiet_stderr(stderr: str, what: str) -> None:
 def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, preset: str = PRESET) -> str:
     """`run_train` of ``nproc`` ranks launched as torchrun would (RANK / WORLD_SIZE per process),
     each rank recording per step its plans, micro-batch sample ids and rows' stream positions to
-    out_dir/plans_rank<r>.jsonl (tests.train.plan_recorder). Returns rank 0's output."""
+    out_dir/plans_rank<r>.jsonl (tests.train.plan_recorder). The ranks are forked from the tests'
+    fork server (``run_workers``: torch, megatron-core and the training code imported once per
+    session), each running the command line in-process as under torchrun. Returns rank 0's output."""
     command = train_command(out_dir, *extra, resume=resume, preset=preset)
     assert command[1:3] == ["-m", "loongforge.cli.app"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    procs = []
-    for rank in range(nproc):
-        env = train_env(nproc, {"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
-                                "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-        procs.append(subprocess.Popen([sys.executable, "-m", "tests.train.plan_recorder",
-                                       str(out_dir / f"plans_rank{rank}.jsonl"), *command[3:]], env=env,
-                                      stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=os.getcwd()))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    logs = out_dir.parent / f"{out_dir.name}.logs"
+    logs.mkdir(exist_ok=True)
+    run_workers(_recorded_rank, nproc, (nproc, free_port(), str(out_dir), str(logs), command[3:]), RUN_TIMEOUT_S)
+    return (logs / "rank0.log").read_text()
+
+
+def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, argv: list[str]) -> None:
+    """One rank of ``run_recorded``: the launch environment, output to logs/rank<r>.log, the plan
+    recorder, then ``loongforge`` in this process (it exits with the command's code)."""
+    os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
+                       "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
+    limit_threads()
+    log = open(Path(logs) / f"rank{rank}.log", "w")
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    plan_recorder.install(str(Path(out_dir) / f"plans_rank{rank}.jsonl"))
     try:
-        outputs = [p.communicate(timeout=RUN_TIMEOUT_S)[0] for p in procs]
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for rank, (p, output) in enumerate(zip(procs, outputs)):
-        assert p.returncode == 0, f"rank {rank} failed ({p.returncode}):\n{output[-6000:]}"
-    return outputs[0]
+        app(args=argv, prog_name="loongforge")
+    except SystemExit as stop:
+        if stop.code not in (0, None):  # the test sees the rank's own output, not only its exit code
+            sys.stdout.flush()
+            sys.stderr.flush()
+            output = (Path(logs) / f"rank{rank}.log").read_text()[-6000:]
+            raise RuntimeError(f"rank {rank} exited with {stop.code}:\n{output}") from None
 
 
 def step_metric(out_dir: Path, key: str) -> list:
