@@ -36,6 +36,7 @@ from megatron.core.parallel_state import get_tensor_model_parallel_group
 from loongforge.config.errors import InputError
 from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
 from loongforge.config.schema import RunConfig
+from loongforge.parallel.distributed import all_gather_tensor, reduce_scatter_tensor
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
@@ -190,7 +191,7 @@ class Fp8TensorParallelLinear(torch.autograd.Function):
         if ctx.sequence_parallel:
             gathering.wait()
             grad_x = torch.empty_like(x)  # [s/tp, b, K]
-            reducing = _reduce_scatter_fn()(grad_x, grad_total.view(-1, *x.shape[1:]), group=group, async_op=True)
+            reducing = reduce_scatter_tensor()(grad_x, grad_total.view(-1, *x.shape[1:]), group=group, async_op=True)
         else:
             total, grad_x = x, grad_total.view(x.shape)
             reducing = dist.all_reduce(grad_x, group=group, async_op=True)
@@ -199,20 +200,11 @@ class Fp8TensorParallelLinear(torch.autograd.Function):
         return grad_x, grad_w, None, None, None
 
 
-def _all_gather_fn():
-    # torch 2.13 renamed the tensor collectives; older torch has only the first names
-    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-
-
-def _reduce_scatter_fn():
-    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def _gather_sequence(x: torch.Tensor, group, async_op: bool = False):
     """(x [s/tp, b, K] of every TP rank concatenated along the sequence: [s, b, K], the collective's
     handle when ``async_op``)."""
     total = x.new_empty(x.shape[0] * group.size(), *x.shape[1:])
-    handle = _all_gather_fn()(total, x.contiguous(), group=group, async_op=async_op)
+    handle = all_gather_tensor()(total, x.contiguous(), group=group, async_op=async_op)
     return total, handle
 
 

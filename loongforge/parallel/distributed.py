@@ -59,6 +59,17 @@ class ParallelLayout:
         return self.pp_rank == self.pp_size - 1
 
 
+def all_gather_tensor():
+    """``dist.all_gather_single`` (torch 2.13's name), or ``all_gather_into_tensor`` where torch is
+    older: the old name is deprecated where the new one exists."""
+    return getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def reduce_scatter_tensor():
+    """``dist.reduce_scatter_single`` (torch 2.13's name), or ``reduce_scatter_tensor`` where older."""
+    return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))

@@ -50,6 +50,7 @@ from loongforge.parallel.data_groups import build_data_groups
 from loongforge.parallel.distributed import (
     DistributedEnv,
     ParallelLayout,
+    all_gather_tensor,
     init_distributed,
     init_model_parallel,
     shutdown,
@@ -271,8 +272,7 @@ def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vis
     per_rank = row.view(1, -1)  # [rank, 6 + measures]
     if world > 1:
         gathered = torch.zeros(world * row.numel(), dtype=torch.float64)
-        # torch 2.13 renamed it (and warns on the old name); older torch has the old name only.
-        getattr(dist, "all_gather_single", dist.all_gather_into_tensor)(gathered, row)
+        all_gather_tensor()(gathered, row)
         per_rank = gathered.view(world, -1)
     by_rank = {name: [None if math.isnan(value) else value for value in per_rank[:, 6 + i].tolist()]
                for i, name in enumerate(RANK_MEASURES)}
