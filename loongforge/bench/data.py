@@ -19,7 +19,6 @@ Both readers' first steps are checked to hold the same samples in the same order
 from __future__ import annotations
 
 import json
-import multiprocessing
 import shutil
 import time
 from dataclasses import dataclass
@@ -42,6 +41,7 @@ from loongforge.bench.datasets import (
     coco_chats,
     mathvista_chats,
 )
+from loongforge.bench.processes import run_spawned
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.data.pipeline import DataPipeline
@@ -155,25 +155,10 @@ def _private_bytes() -> int:
     return 0
 
 
-def _spawn(target, argument_lists: list[tuple]) -> list[dict]:
-    """One fresh process per argument tuple (``target(queue, *arguments)``), started together, so
-    each one's peak RSS is its own."""
-    context = multiprocessing.get_context("spawn")
-    queue = context.Queue()
-    processes = [context.Process(target=target, args=(queue, *arguments)) for arguments in argument_lists]
-    for process in processes:
-        process.start()
-    results = [queue.get(timeout=3600) for _ in processes]
-    for process in processes:
-        process.join()
-        if process.exitcode != 0:
-            raise RuntimeError(f"bench data: a measuring process exited with {process.exitcode}")
-    return results
-
-
 def _launch(reader: str, data: Path, cache: Path, preset: str, dp: int, gbs: int) -> list[dict]:
     launched = time.time()
-    results = _spawn(_rank_main, [(reader, str(data), str(cache), preset, r, dp, gbs, launched) for r in range(dp)])
+    results = run_spawned(_rank_main, [(reader, str(data), str(cache), preset, r, dp, gbs, launched) for r in range(dp)],
+                          what="bench data")
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -204,7 +189,7 @@ def run_data_bench(root: Path, work: Path, *, sizes: tuple[int, ...], baseline_m
         _check_same_first_steps([r for r in bench.rows if r.samples == size])
         for reader in ["arrow"] + ["in-memory"] * baseline:
             say(f"{reader} reader alone, {size:,} samples, {_READ_PROBES:,} random reads")
-            (result,) = _spawn(reader_main, [(reader, str(data), str(cache), _READ_PROBES)])
+            (result,) = run_spawned(reader_main, [(reader, str(data), str(cache), _READ_PROBES)], what="bench data")
             bench.reader_rows.append(ReaderRow(reader=reader, samples=size, **result))
         data.unlink()
         shutil.rmtree(cache, ignore_errors=True)

@@ -7,8 +7,13 @@ the shard this TP rank holds is the one training builds (fused QKV, gate+up, exp
 layer kind (``models.fp8.layer_kind``: tower and role, e.g. ``language.fc1``, ``vision.qkv``) at its
 TP size, and each token count, one step is the forward GEMM and both backward GEMMs: bf16
 ``torch.matmul`` against ``models.fp8.Fp8Matmul`` (quantisation included, the cost FP8 really
-pays). The policy keeps, per kind and TP, the smallest token count from which FP8 stayed at least
-``min_speedup`` times faster at every larger measured count (None: it never did).
+pays). With ``linear`` (the default) each kind is also timed as the whole layer training runs
+(``bench.gemm_linear``: megatron's column- or row-parallel linear at its TP size in that many
+processes, its sequence-parallel or tensor-parallel communication and FP8's quantisation
+included); those rows decide the kind's policy, as they are what a run pays, and the GEMM rows
+decide it only where the whole layer could not be timed. The policy keeps, per kind and TP, the
+smallest token count from which FP8 stayed at least ``min_speedup`` times faster at every larger
+measured count (None: it never did), and says which rows decided (``decided_by``).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ from tqdm import tqdm
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutKeys, layout_problems
+from loongforge.bench.gemm_linear import micro_batches_to_time, time_whole_linears, whole_linear
 from loongforge.bench.model_step import time_steps
 from loongforge.config.schema import RunConfig
 from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, device_name, eligible, gemm_tokens, gemm_tp, layer_kind
@@ -112,17 +118,26 @@ class GemmBench:
     preset: str
     device: str
     shapes: list[LinearShape]
-    timings: dict = field(default_factory=dict)  # kind -> [timing dicts]
+    timings: dict = field(default_factory=dict)  # kind -> [timing dicts] of the three GEMMs
+    linear_timings: dict = field(default_factory=dict)  # kind -> [timing dicts] of the whole layer
+    sequence_parallel: dict = field(default_factory=dict)  # kind -> whether its layer splits the sequence
     min_speedup: float = MIN_SPEEDUP
+
+    def deciding_timings(self, kind: str) -> tuple[str, list[dict]]:
+        """("linear" | "gemms", the timings a kind's policy rests on): the whole layer's where measured."""
+        if self.linear_timings.get(kind):
+            return "linear", self.linear_timings[kind]
+        return "gemms", self.timings.get(kind, [])
 
     def policy(self) -> dict:
         layers = {}
         for shape in self.shapes:
-            timings = self.timings.get(shape.kind, [])
+            decided_by, deciding = self.deciding_timings(shape.kind)
             layers[shape.kind] = {str(shape.tp): {
-                "min_tokens": smallest_winning_tokens(timings, self.min_speedup) if eligible_shape(shape) else None,
-                "shape": [shape.out_features, shape.in_features], "run_tokens": shape.run_tokens,
-                "timings": timings}}
+                "min_tokens": smallest_winning_tokens(deciding, self.min_speedup) if eligible_shape(shape) else None,
+                "decided_by": decided_by, "shape": [shape.out_features, shape.in_features],
+                "run_tokens": shape.run_tokens, "sequence_parallel": self.sequence_parallel.get(shape.kind, False),
+                "timings": self.timings.get(shape.kind, []), "linear_timings": self.linear_timings.get(shape.kind, [])}}
         return {"format": POLICY_FORMAT, "version": 1, "preset": self.preset, "device": self.device,
                 "min_speedup": self.min_speedup, "min_tokens_are": MIN_TOKENS_ARE, "layers": layers}
 
@@ -137,21 +152,29 @@ def eligible_shape(shape: LinearShape) -> bool:
     return eligible(torch.empty(shape.out_features, shape.in_features, device="meta"))
 
 
-def at_tensor_parallel(cfg: RunConfig, tp: int) -> RunConfig:
-    """``cfg`` with language TP ``tp`` (vision and expert TP follow it unless the config sets them);
-    a ConfigError when the model's widths do not split ``tp`` ways."""
+def at_tensor_parallel(cfg: RunConfig, tp: int, sequence_parallel: Optional[bool] = None) -> RunConfig:
+    """``cfg`` with language TP ``tp`` (vision and expert TP follow it unless the config sets them) and,
+    when given, ``sequence_parallel`` (off at TP 1, where there is no sequence to split); a ConfigError
+    when the model's widths do not split ``tp`` ways."""
     problems = layout_problems(cfg.model, get_family(cfg.model.family).layout, tp=tp, pp=1, vision_tp=None,
                                keys=LayoutKeys(tensor="--tp"))
     if problems:
         raise ConfigError(problems)
-    return replace(cfg, parallel=replace(cfg.parallel, tensor_model_parallel_size=tp))
+    split = cfg.parallel.sequence_parallel if sequence_parallel is None else sequence_parallel
+    return replace(cfg, parallel=replace(cfg.parallel, tensor_model_parallel_size=tp,
+                                         sequence_parallel=split and tp > 1))
 
 
 def run_gemm_bench(cfg: RunConfig, *, tokens: Optional[Sequence[int]], device: torch.device, steps: int,
-                   warmup: int, log: Callable[[str], None] = lambda message: None) -> GemmBench:
+                   warmup: int, linear: bool = True, micro_batches: Optional[int] = None,
+                   log: Callable[[str], None] = lambda message: None) -> GemmBench:
+    """The GEMM rows of every FP8-eligible layer kind of ``cfg`` and, with ``linear``, the whole
+    layer's (``micro_batches`` per timed step: default ``gemm_linear.micro_batches_to_time``)."""
     shapes = linear_shapes(cfg)
     counts = list(tokens) if tokens else default_token_counts(cfg, shapes)
-    bench = GemmBench(preset=cfg.preset or "custom", device=device_name(device), shapes=shapes)
+    layers = [whole_linear(shape, cfg) for shape in shapes]
+    bench = GemmBench(preset=cfg.preset or "custom", device=device_name(device), shapes=shapes,
+                      sequence_parallel={layer.kind: layer.sequence_parallel for layer in layers})
     measured = [s for s in shapes if eligible_shape(s)]
     for shape in shapes:
         if shape not in measured:
@@ -163,6 +186,11 @@ def run_gemm_bench(cfg: RunConfig, *, tokens: Optional[Sequence[int]], device: t
             for count in counts:
                 bench.timings[shape.kind].append(time_linear(shape, count, device=device, steps=steps, warmup=warmup))
                 bar.update(1)
+    if linear:
+        kinds = {shape.kind for shape in measured}
+        bench.linear_timings = time_whole_linears(
+            [layer for layer in layers if layer.kind in kinds], counts, device=device,
+            micro_batches=micro_batches_to_time(cfg, micro_batches), steps=steps, warmup=warmup, log=log)
     return bench
 
 
@@ -174,10 +202,22 @@ def format_table(bench: GemmBench) -> str:
         for timing in bench.timings.get(shape.kind, []):
             lines.append(f"| {shape.kind} | {shape.tp} | {shape.out_features}x{shape.in_features} | {timing['tokens']} | "
                          f"{timing['bf16_ms']:.3f} | {timing['fp8_ms']:.3f} | {timing['speedup']:.2f}x |")
+    if bench.linear_timings:
+        lines += ["", "The whole linear as training runs it (megatron's column/row-parallel layer: TP communication, "
+                  "quantisation, the weight quantised once per step), per micro-batch:", "",
+                  "| layer kind | TP | SP | tokens | micro-batches | bf16 ms | fp8 ms | speedup | fp8 error |",
+                  "|---|---|---|---|---|---|---|---|---|"]
+        for shape in bench.shapes:
+            for timing in bench.linear_timings.get(shape.kind, []):
+                lines.append(f"| {shape.kind} | {shape.tp} | {'yes' if bench.sequence_parallel.get(shape.kind) else 'no'} | "
+                             f"{timing['tokens']} | {timing['micro_batches']} | {timing['bf16_ms']:.3f} | "
+                             f"{timing['fp8_ms']:.3f} | {timing['speedup']:.2f}x | {timing['relative_error']:.1e} |")
     lines += ["", f"policy (FP8 from the smallest token count where it stays >= {bench.min_speedup:.2f}x faster):"]
     for shape in bench.shapes:
         entry = policy[shape.kind][str(shape.tp)]
-        chosen = "bf16 (never faster)" if entry["min_tokens"] is None else f"fp8 from {entry['min_tokens']} tokens"
+        decided = "the whole linear" if entry["decided_by"] == "linear" else "the GEMMs alone"
+        chosen = ("bf16 (never faster)" if entry["min_tokens"] is None
+                  else f"fp8 from {entry['min_tokens']} tokens") + f", by {decided}"
         in_run = "fp8" if entry["min_tokens"] is not None and shape.run_tokens >= entry["min_tokens"] else "bf16"
         lines.append(f"  {shape.kind} (TP {shape.tp}): {chosen}; this run's {shape.run_tokens} tokens -> {in_run}")
     return "\n".join(lines)
@@ -190,16 +230,21 @@ def plot_speedups(bench: GemmBench, path: Path) -> None:
     import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
 
     figure, axes = plt.subplots(figsize=(8, 5))
-    for shape in bench.shapes:
+    for index, shape in enumerate(bench.shapes):
+        color = f"C{index % 10}"
         timings = bench.timings.get(shape.kind)
         if timings:
-            axes.plot([t["tokens"] for t in timings], [t["speedup"] for t in timings], marker="o",
-                      label=f"{shape.kind} ({shape.out_features}x{shape.in_features}, TP {shape.tp})")
+            axes.plot([t["tokens"] for t in timings], [t["speedup"] for t in timings], marker="o", color=color,
+                      label=f"{shape.kind} ({shape.out_features}x{shape.in_features}, TP {shape.tp}): GEMMs")
+        whole = bench.linear_timings.get(shape.kind)
+        if whole:
+            axes.plot([t["tokens"] for t in whole], [t["speedup"] for t in whole], marker="s", linestyle=":",
+                      color=color, label=f"{shape.kind}: whole linear")
     axes.axhline(bench.min_speedup, color="grey", linestyle="--", label=f"{bench.min_speedup:.2f}x: FP8 chosen above")
     axes.set_xscale("log", base=2)
     axes.set_xlabel("tokens (GEMM rows)")
     axes.set_ylabel("bf16 time / FP8 time")
-    axes.set_title(f"FP8 speedup per layer kind, {bench.device} ({bench.preset})")
+    axes.set_title(f"FP8 speedup per layer kind, {bench.device} ({bench.preset}); dotted: the whole linear")
     axes.legend(fontsize=7)
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -274,6 +274,9 @@ def gemm(
         "--tp", min=1, metavar="N", show_default=False,
         help="Language TP size (vision and expert TP follow unless the preset sets them). Default: the preset's.")]
         = None,
+    sequence_parallel: Annotated[Optional[bool], typer.Option(
+        "--sequence-parallel/--no-sequence-parallel", show_default=False,
+        help="Sequence parallelism of the language layers (with --tp above 1). Default: the preset's.")] = None,
     tokens: Annotated[Optional[str], typer.Option(
         "--tokens", metavar="N,N,...", show_default=False,
         help="GEMM row counts to time. Default: powers of two from 128 to the run's largest.")] = None,
@@ -281,11 +284,20 @@ def gemm(
     warmup_steps: Annotated[int, typer.Option("--warmup-steps", min=0, metavar="N", help="Untimed ones before.")]
         = 5,
     device: Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to time.")] = "auto",
+    linear: Annotated[bool, typer.Option(
+        "--linear/--gemms-only",
+        help="Also time each kind as the whole layer training runs (megatron's linear at its TP size, one process "
+             "per TP rank: communication and quantisation included); those rows decide the policy.")] = True,
+    micro_batches: Annotated[Optional[int], typer.Option(
+        "--micro-batches", min=1, metavar="N", show_default=False,
+        help="Micro-batches per timed step of the whole linear (the weight is quantised once per step). "
+             "Default: the run's, at most 4.")] = None,
     output: Annotated[Path, typer.Option(
         "--output", metavar="POLICY.json", help="The policy file (fp8.policy=...); the plot goes beside it (.png).")]
         = DEFAULT_OUT / "gemm" / "fp8_policy.json",
 ) -> None:
-    """Every linear layer's GEMMs (forward, both backward) in bf16 and FP8: the FP8 policy per layer kind."""
+    """Every linear layer's GEMMs (forward, both backward) and the whole layer in bf16 and FP8: the FP8
+    policy per layer kind."""
     from loongforge.bench.gemm import at_tensor_parallel, format_table, run_gemm_bench, write_results
     from loongforge.config.loader import load_run_config
     from loongforge.parallel.distributed import resolve_device
@@ -295,9 +307,11 @@ def gemm(
             raise UsageError(f"--device {device!r} is not one of auto | cpu | cuda")
         counts = None if tokens is None else _int_list(tokens, "--tokens")
         cfg = load_run_config(preset, overrides=list(overrides or []))
-        if tp is not None:
-            cfg = at_tensor_parallel(cfg, tp)
+        if tp is not None or sequence_parallel is not None:
+            cfg = at_tensor_parallel(cfg, cfg.parallel.tensor_model_parallel_size if tp is None else tp,
+                                     sequence_parallel)
         bench = run_gemm_bench(cfg, tokens=counts, device=resolve_device(device), steps=steps, warmup=warmup_steps,
+                               linear=linear, micro_batches=micro_batches,
                                log=lambda message: typer.echo(message, err=True))
         policy, plot = write_results(bench, output)
         typer.echo(format_table(bench))

@@ -4,7 +4,7 @@ asks before it imports anything heavy, e.g. for a dry run)."""
 from __future__ import annotations
 
 import os
-from typing import Mapping
+from typing import Mapping, MutableMapping
 
 
 def external_launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
@@ -40,3 +40,18 @@ def runs_on_cuda(device_preference: str) -> bool:
     import torch
 
     return torch.cuda.is_available()
+
+
+def order_tensor_parallel_kernels(tensor_parallel: bool, env: MutableMapping[str, str] = os.environ) -> bool:
+    """Set ``CUDA_DEVICE_MAX_CONNECTIONS=1`` for a run with tensor parallelism (any tower TP > 1),
+    unless the launch chose a value; True when set. Must run before CUDA starts in the process.
+
+    megatron-core's TP linears issue a collective and then the GEMM it should overlap, counting on a
+    single hardware work queue to start them in that order; with CUDA's default of 8 queues the GEMM
+    can start first and the communication runs exposed (megatron warns at its first linear). A
+    launch that set its own value keeps it, and megatron's warning then says what it costs.
+    """
+    if not tensor_parallel or "CUDA_DEVICE_MAX_CONNECTIONS" in env:
+        return False
+    env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
+    return True

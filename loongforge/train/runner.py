@@ -26,7 +26,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 
 from loongforge import __version__
 from loongforge.config.errors import InputError
-from loongforge.config.layout import resolve_read
+from loongforge.config.layout import resolve_read, vision_tensor_parallel_size
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import validate
@@ -56,6 +56,7 @@ from loongforge.parallel.distributed import (
     shutdown,
 )
 from loongforge.parallel.encoder_dp import add_encoder_grads, sum_encoder_grads
+from loongforge.parallel.launch_env import order_tensor_parallel_kernels
 from loongforge.parallel.progress import RankProgress
 from loongforge.profile.encoder_clock import EncoderClock, EncoderTime
 from loongforge.profile.memory import peak_memory_mib
@@ -303,6 +304,8 @@ def run_training(cfg: RunConfig, *, resume: bool = False,
     owns_process_group = not dist.is_initialized()
     # Before the process group: a preemption during start-up also waits for the first step end.
     with catch_stop_signals() as stop:
+        order_tensor_parallel_kernels(max(cfg.parallel.tensor_model_parallel_size,
+                                          vision_tensor_parallel_size(cfg.parallel)) > 1)
         env = init_distributed(cfg.training.device, timeout_s=cfg.parallel.collective_timeout_s)
         progress = RankProgress.of_default_group()
         try:

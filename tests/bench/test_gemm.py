@@ -4,10 +4,13 @@ faster, and the command writes a policy ``training.fp8=auto`` reads, with its pl
 
 from __future__ import annotations
 
+import json
+
 import pytest
 from typer.testing import CliRunner
 
-from loongforge.bench.gemm import at_tensor_parallel, linear_shapes, smallest_winning_tokens
+from loongforge.bench.gemm import GemmBench, at_tensor_parallel, linear_shapes, smallest_winning_tokens
+from loongforge.bench.gemm_linear import whole_linear
 from loongforge.cli.app import app
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
@@ -59,12 +62,48 @@ def test_smallest_winning_tokens(speedups, expected):
 
 
 def test_command_writes_a_policy_auto_reads_and_its_plot(tmp_path):
+    """At TP 2 with sequence parallelism: the GEMM rows, and the whole layer (megatron's linear in two
+    processes over gloo, its gather and reduce-scatter around the FP8 GEMMs) deciding each kind's
+    policy, its weight quantised once per step of 2 micro-batches, FP8 really run (its error)."""
     policy = tmp_path / "policy.json"
-    result = CliRunner().invoke(app, ["bench", "gemm", "--preset", "qwen2.5vl-tiny", "--tokens", "16",
-                                      "--steps", "1", "--warmup-steps", "0", "--device", "cpu",
-                                      "--output", str(policy)])
+    result = CliRunner().invoke(app, ["bench", "gemm", "--preset", "qwen2.5vl-tiny", "--tp", "2", "--sequence-parallel",
+                                      "--tokens", "16", "--steps", "1", "--warmup-steps", "1",
+                                      "--micro-batches", "2", "--device", "cpu", "--output", str(policy)])
     assert result.exit_code == 0, result.output
     assert policy.with_suffix(".png").stat().st_size > 0
     loaded = Fp8Policy.load(policy)
-    assert loaded.device == "cpu" and set(loaded.min_tokens) == set(_shapes("qwen2.5vl-tiny", 1))
-    assert "| language.fc1 | 1 |" in result.stdout and f"wrote {policy}" in result.stdout
+    assert loaded.device == "cpu" and set(loaded.min_tokens) == set(_shapes("qwen2.5vl-tiny", 2))
+    assert "| language.fc1 | 2 |" in result.stdout and f"wrote {policy}" in result.stdout
+    assert "| language.fc1 | 2 | yes | 16 | 2 |" in result.stdout and "| vision.fc1 | 2 | no | 16 | 2 |" in result.stdout
+    layers = json.loads(policy.read_text())["layers"]
+    for kind, by_tp in layers.items():
+        entry = by_tp["2"]
+        (whole,) = entry["linear_timings"]
+        print(f"{kind}: whole linear fp8 relative error {whole['relative_error']:.2e}, "
+              f"weight quantisations per step {whole['weight_quantisations_per_step']}")
+        assert entry["decided_by"] == "linear" and entry["sequence_parallel"] == kind.startswith("language.")
+        assert whole["weight_quantisations_per_step"] == 1.0  # once per step, not per micro-batch (2.0)
+        assert 1e-3 < whole["relative_error"] < 0.12  # measured ~0.037: FP8 ran, and ran right
+
+
+def test_whole_linears_are_the_layers_training_builds():
+    cfg = at_tensor_parallel(load_run_config("qwen3vl-30b-a3b"), 2, sequence_parallel=True)
+    layers = {s.kind: whole_linear(s, cfg) for s in linear_shapes(cfg)}
+    assert layers["language.qkv"].column and layers["language.qkv"].sequence_parallel
+    assert not layers["language.proj"].column and layers["language.proj"].sequence_parallel
+    assert layers["language.expert_fc1"].expert and not layers["language.expert_fc1"].sequence_parallel
+    assert not layers["vision.fc1"].sequence_parallel  # the vision tower never splits its sequence
+    assert not any(layer.sequence_parallel for layer in
+                   (whole_linear(s, at_tensor_parallel(cfg, 1)) for s in linear_shapes(at_tensor_parallel(cfg, 1))))
+
+
+def test_the_gemm_rows_decide_only_where_the_whole_linear_was_not_timed():
+    cfg = at_tensor_parallel(load_run_config("qwen2.5vl-tiny"), 1)
+    shapes = [s for s in linear_shapes(cfg) if s.kind in ("language.fc1", "language.fc2")]
+    bench = GemmBench(preset="t", device="cpu", shapes=shapes,
+                      timings={"language.fc1": [{"tokens": 64, "speedup": 1.5}],
+                               "language.fc2": [{"tokens": 64, "speedup": 1.5}]},
+                      linear_timings={"language.fc1": [{"tokens": 64, "speedup": 0.9}]})
+    layers = bench.policy()["layers"]
+    assert layers["language.fc1"]["1"]["decided_by"] == "linear" and layers["language.fc1"]["1"]["min_tokens"] is None
+    assert layers["language.fc2"]["1"]["decided_by"] == "gemms" and layers["language.fc2"]["1"]["min_tokens"] == 64

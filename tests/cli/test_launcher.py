@@ -51,6 +51,17 @@ def test_external_launch_detection():
 
 
 @pytest.mark.timeout(120)
+def test_tensor_parallel_runs_order_their_kernels_on_one_cuda_queue():
+    """megatron's TP linears overlap a collective with the next GEMM only when CUDA starts them in
+    order (one queue); a launch's own choice is kept."""
+    env: dict[str, str] = {}
+    assert launch_env.order_tensor_parallel_kernels(False, env) is False and env == {}
+    assert launch_env.order_tensor_parallel_kernels(True, env) is True
+    assert env == {"CUDA_DEVICE_MAX_CONNECTIONS": "1"}
+    chosen = {"CUDA_DEVICE_MAX_CONNECTIONS": "8"}
+    assert launch_env.order_tensor_parallel_kernels(True, chosen) is False and chosen["CUDA_DEVICE_MAX_CONNECTIONS"] == "8"
+
+
 def test_launch_local_workers_runs_entrypoint_on_every_rank(tmp_path):
     cfg = load_run_config("qwen2.5vl-tiny", world_size=2,
                           overrides=[f"logging.output_dir={tmp_path}"])

@@ -49,6 +49,7 @@ from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     RUN_TIMEOUT_S,
     SAVE_AT_END,
+    assert_quiet_stderr,
     checkpoint_differences,
     final_checkpoint,
     grad_norms,
@@ -138,7 +139,9 @@ def layout_runs(tmp_path_factory):
     def get(layout: str) -> Path:
         if layout not in runs:
             out = tmp_path_factory.mktemp(layout)
-            run_train(out, *_layout_options(layout), nproc=LAYOUTS[layout][0])
+            proc = run_train(out, *_layout_options(layout), nproc=LAYOUTS[layout][0])
+            # megatron's TP linears warned here that CUDA_DEVICE_MAX_CONNECTIONS was not 1
+            assert_quiet_stderr(proc.stderr, layout)
             runs[layout] = out
         return runs[layout]
     return get
