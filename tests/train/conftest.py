@@ -93,22 +93,27 @@ def assert_quiet_stderr(stderr: str, what: str) -> None:
     assert not noisy, f"{what}: stderr holds {noisy}"
 
 
-def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, preset: str = PRESET) -> str:
+def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, preset: str = PRESET,
+                 record_batches: bool = False) -> str:
     """`run_train` of ``nproc`` ranks launched as torchrun would (RANK / WORLD_SIZE per process),
     each rank recording per step its plans, micro-batch sample ids and rows' stream positions to
     out_dir/plans_rank<r>.jsonl (tests.train.plan_recorder). The ranks are forked from the tests'
     fork server (``run_workers``: torch, megatron-core and the training code imported once per
-    session), each running the command line in-process as under torchrun. Returns rank 0's output."""
+    session), each running the command line in-process as under torchrun. With ``record_batches``
+    each rank also saves its micro-batches per step to out_dir/batches_rank<r>/step<N>.pt. Returns
+    rank 0's output."""
     command = train_command(out_dir, *extra, resume=resume, preset=preset)
     assert command[1:3] == ["-m", "loongforge.cli.app"]
     out_dir.mkdir(parents=True, exist_ok=True)
     logs = out_dir.parent / f"{out_dir.name}.logs"
     logs.mkdir(exist_ok=True)
-    run_workers(_recorded_rank, nproc, (nproc, free_port(), str(out_dir), str(logs), command[3:]), RUN_TIMEOUT_S)
+    run_workers(_recorded_rank, nproc, (nproc, free_port(), str(out_dir), str(logs), command[3:], record_batches),
+                RUN_TIMEOUT_S)
     return (logs / "rank0.log").read_text()
 
 
-def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, argv: list[str]) -> None:
+def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, argv: list[str],
+                   record_batches: bool) -> None:
     """One rank of ``run_recorded``: the launch environment, output to logs/rank<r>.log, the plan
     recorder, then ``loongforge`` in this process (it exits with the command's code)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
@@ -117,7 +122,10 @@ def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, ar
     log = open(Path(logs) / f"rank{rank}.log", "w")
     os.dup2(log.fileno(), 1)
     os.dup2(log.fileno(), 2)
-    plan_recorder.install(str(Path(out_dir) / f"plans_rank{rank}.jsonl"))
+    batches = Path(out_dir) / f"batches_rank{rank}"
+    if record_batches:
+        batches.mkdir(exist_ok=True)
+    plan_recorder.install(str(Path(out_dir) / f"plans_rank{rank}.jsonl"), str(batches) if record_batches else None)
     try:
         app(args=argv, prog_name="loongforge")
     except SystemExit as stop:

@@ -49,7 +49,9 @@ def _record_stream_keys() -> None:
     DataPipeline._produce_step = recording_produce_step
 
 
-def install(record_path: str) -> None:
+def install(record_path: str, batches_dir: str | None = None) -> None:
+    """Record every step to ``record_path``; with ``batches_dir``, also the step's micro-batches as the
+    model got them (``step<N>.pt``, N from 1: a reference model can train on exactly those)."""
     from loongforge.data.pipeline import DataPipeline
 
     _record_stream_keys()
@@ -67,6 +69,10 @@ def install(record_path: str) -> None:
         }
         with open(record_path, "a") as f:
             f.write(json.dumps(record) + "\n")
+        if batches_dir is not None:
+            import torch
+
+            torch.save(list(micro_batches), f"{batches_dir}/step{record['step']}.pt")
         return micro_batches
 
     DataPipeline.next_step = recording_next_step
