@@ -1,0 +1,328 @@
+"""LoRA: low-rank adapters on megatron-core's column- and row-parallel linears, PEFT's math and names.
+
+An adapted linear computes ``y = W x + (alpha / r) * B A dropout(x)`` (PEFT's ``LoraLayer`` with its
+default scaling), A initialised as PEFT does (kaiming-uniform, a = sqrt(5)), B zeros, so a new
+adapter changes nothing. The base weights are frozen; only A and B train.
+
+Fused linears. Megatron fuses HF linears that PEFT adapts one by one: ``linear_qkv`` holds q, k, v
+(interleaved per query group), ``linear_fc1`` gate and up (SwiGLU). One PEFT adapter per HF linear
+has its own A, so a fused linear of P parts carries A [P*r, K] (the parts' A stacked) and B [N, r]
+whose rows follow the fused weight's rows: row n of B is row n of its part's B, and it reads only its
+part's r columns of ``A x`` (``LoraAdapter.fused_B`` spreads B into the block matrix [N, P*r]). B's
+rows are fused and split exactly as the weight's rows are, by the family's own HF weight map
+(``ModelFamily.hf_rules``), so q/k/v interleaving, gate/up halves and the vision tower's per-head qkv
+need no code of their own here; ``lora_rules`` turns the weight map into the adapters' map, which
+``hf_weights.hf_to_megatron`` / ``megatron_to_hf`` walk to read or write PEFT's tensors.
+
+Tensor parallelism (the weight's split decides the adapter's):
+- column-parallel (qkv, fc1): A [P*r, K] whole on every rank, B [N/tp, r] split like the weight's
+  rows. ``A x`` is all-gathered along the sequence under sequence parallelism (A then sees this rank's
+  tokens only: its gradient is summed over TP by megatron's ``finalize_model_grads``, as for every
+  parameter marked ``sequence_parallel``), else copied into the TP region (its gradient all-reduced
+  over TP, as B's rows are split).
+- row-parallel (proj, fc2): A [r, K/tp] split by columns like the weight, B [N, r] whole. The r-wide
+  ``A x`` of each rank is a partial sum: it is all-reduced over TP (reduce-scattered along the
+  sequence under sequence parallelism, B then marked ``sequence_parallel``) before B, and the update is
+  added after the base's own output reduction.
+- routed experts' linears (``lora.experts``): each expert whole on a rank (validated), no
+  communication; their parameters keep the experts' ``allreduce=False`` so megatron's DDP reduces
+  them over the expert-data-parallel group.
+
+Names: an adapter is the child ``lora`` of its linear, ``<linear>.lora.A`` and ``<linear>.lora.B``
+(``state_dict_names.LORA_A`` / ``LORA_B``); PEFT's are ``<hf linear>.lora_A.weight`` /
+``lora_B.weight`` (``peft_name``).
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import zlib
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    set_tensor_model_parallel_attributes,
+)
+from megatron.core.tensor_parallel.mappings import (
+    copy_to_tensor_model_parallel_region,
+    gather_from_sequence_parallel_region,
+    reduce_from_tensor_model_parallel_region,
+    reduce_scatter_to_sequence_parallel_region,
+)
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import LoraConfig, ModelConfig
+from loongforge.config.validate import LORA_TE_REFUSAL
+from loongforge.models.hf_rules import FusedExperts, Replicated, Rule, Split, Tensor, Transform
+from loongforge.models.hf_weights import match_rule
+from loongforge.models.layer_kinds import layer_kind
+from loongforge.models.registry import get_family
+from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
+
+_WEIGHT = ".weight"
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapters' weight map: PEFT's tensors <-> ours, derived from the family's weight map
+# ---------------------------------------------------------------------------------------------
+
+
+def peft_name(hf_weight_name: str, matrix: str) -> str:
+    """PEFT's tensor name (Hub style, no ``base_model.model.`` prefix) of the ``matrix`` ("A" or
+    "B") of the adapter on the HF linear whose weight is ``hf_weight_name``."""
+    return f"{hf_weight_name[: -len(_WEIGHT)]}.lora_{matrix}{_WEIGHT}"
+
+
+@dataclass(frozen=True)
+class StackedParts(Transform):
+    """The A of a fused column-parallel linear: the parts' A matrices [r, K] stacked, [P*r, K],
+    whole on every TP rank."""
+
+    parts: int
+
+    def shard(self, hf, rank, size):
+        return torch.cat(list(hf))
+
+    def unshard(self, shards):
+        return list(shards[0].chunk(self.parts))
+
+
+def is_column_rule(rule: Rule) -> bool:
+    """A linear's weight rule splits its rows (column-parallel) unless it splits its columns."""
+    transform = _per_expert(rule.transform)
+    return not (isinstance(transform, Split) and transform.dim == 1)
+
+
+def _per_expert(transform: Transform) -> Transform:
+    return transform.per_expert if isinstance(transform, FusedExperts) else transform
+
+
+def adapter_rules(rule: Rule) -> list[Rule]:
+    """The two rows of the adapters' map for one linear's weight rule: A and B, each with the HF
+    names PEFT gives them and the transform that fuses and splits them as this linear needs."""
+    base = rule.megatron[: -len(_WEIGHT)]
+    hf_a = tuple(peft_name(name, "A") for name in rule.hf)
+    hf_b = tuple(peft_name(name, "B") for name in rule.hf)
+    if is_column_rule(rule):
+        a, b = StackedParts(len(rule.hf)), rule.transform
+    else:
+        a, b = rule.transform, Replicated()
+    return [Rule(hf_a, base + LORA_A, a, rule.group, count=rule.count),
+            Rule(hf_b, base + LORA_B, b, rule.group, count=rule.count)]
+
+
+def lora_rules(model_cfg: ModelConfig) -> list[Rule]:
+    """The adapters' weight map of ``model_cfg``'s family: for every block linear (one with a
+    ``layer_kinds`` kind) PEFT's lora_A / lora_B names <-> our ``lora.A`` / ``lora.B``. Give it to
+    ``hf_weights.hf_to_megatron`` / ``megatron_to_hf`` (``rules=``) to read or write PEFT's tensors.
+    Experts fused into one HF tensor per layer have no PEFT modules and are left out."""
+    rules = []
+    for rule in get_family(model_cfg.family).hf_rules(model_cfg):
+        if rule.megatron.endswith(_WEIGHT) and _kind_of_rule(rule) and not rule.fuses_experts:
+            rules += adapter_rules(rule)
+    return rules
+
+
+def _kind_of_rule(rule: Rule) -> Optional[str]:
+    filled = rule.megatron.replace("{i}", "0").replace("{e}", "0")
+    return layer_kind(filled[: -len(_WEIGHT)])
+
+
+# ---------------------------------------------------------------------------------------------
+# The adapter
+# ---------------------------------------------------------------------------------------------
+
+
+class LoraAdapter(torch.nn.Module):
+    """The low-rank update of one megatron linear (this rank's shard): ``update(x)`` is what is added
+    to the linear's output. ``parallel`` is "column" or "row"; ``row_parts`` [N_local] says which of
+    the P fused parts each output row of a column-parallel linear belongs to (None: one part)."""
+
+    def __init__(self, A: Tensor, B: Tensor, *, parallel: str, scaling: float, dropout: float,
+                 row_parts: Optional[Tensor], tp_group, sequence_parallel: bool, communicates: bool):
+        super().__init__()
+        self.A = torch.nn.Parameter(A)  # column: [P*r, K]; row: [r, K/tp]
+        self.B = torch.nn.Parameter(B)  # column: [N/tp, r]; row: [N, r]
+        self.parallel, self.scaling = parallel, scaling
+        self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
+        self.tp_group, self.sequence_parallel, self.communicates = tp_group, sequence_parallel, communicates
+        parts = 1 if row_parts is None else int(row_parts.max()) + 1
+        # [N_local, P]: 1 where a row belongs to a part; not saved (it follows from the layout).
+        mask = None if parts == 1 else F.one_hot(row_parts, parts).to(B.dtype)
+        self.register_buffer("part_mask", mask, persistent=False)
+
+    def fused_B(self) -> Tensor:
+        """B as the block matrix [N_local, P*r] whose row n holds B's row n in its part's r columns."""
+        if self.part_mask is None:
+            return self.B
+        rows, rank = self.B.shape
+        return (self.part_mask[:, :, None] * self.B[:, None, :]).reshape(rows, -1)  # [N_local, P*r]
+
+    def update(self, x: Tensor) -> Tensor:
+        """column: x [s(/tp), b, K] -> [s, b, N/tp]; row: x [s, b, K/tp] -> [s(/tp), b, N]."""
+        # The dropout draws from the default generator, seeded alike on every rank (train.runner):
+        # without sequence parallelism the TP ranks of a column-parallel linear see the same tokens
+        # and must drop the same inputs, or their ``A x`` would differ.
+        low = F.linear(self.dropout(x), self.A)  # column [s(/tp), b, P*r]; row [s, b, r] (partial sum)
+        if self.communicates:
+            low = self._column_comm(low) if self.parallel == "column" else self._row_comm(low)
+        weight = self.fused_B() if self.parallel == "column" else self.B
+        return F.linear(low, weight) * self.scaling
+
+    def _column_comm(self, low: Tensor) -> Tensor:
+        # B's rows are split: each rank's dL/d(Ax) is a part of the sum, added up in the backward.
+        if self.sequence_parallel:
+            return gather_from_sequence_parallel_region(low, group=self.tp_group)  # [s, b, P*r]
+        return copy_to_tensor_model_parallel_region(low, group=self.tp_group)
+
+    def _row_comm(self, low: Tensor) -> Tensor:
+        # A's columns are split: each rank holds a partial sum of A x over its input channels.
+        if self.sequence_parallel:
+            return reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)  # [s/tp, b, r]
+        return reduce_from_tensor_model_parallel_region(low, group=self.tp_group)  # [s, b, r]
+
+    def extra_repr(self) -> str:
+        return f"{self.parallel}, A={list(self.A.shape)}, B={list(self.B.shape)}, scaling={self.scaling:g}"
+
+
+def _column_impl(original, adapter: LoraAdapter, *args, **kwargs) -> Tensor:
+    """A column-parallel linear's ``_forward_impl`` plus the update: it gets the linear's input after
+    a fused pre-norm and before the sequence-parallel gather, as the base GEMM does."""
+    x = kwargs["input"] if "input" in kwargs else args[0]
+    return original(*args, **kwargs) + adapter.update(x)
+
+
+def _row_forward(original, adapter: LoraAdapter, input_: Tensor):
+    """A row-parallel linear's ``forward`` plus the update, after the base's output reduction."""
+    output, bias = original(input_)
+    return output + adapter.update(input_), bias
+
+
+# ---------------------------------------------------------------------------------------------
+# Attaching adapters to a built model
+# ---------------------------------------------------------------------------------------------
+
+
+def chosen_kinds(lora_cfg: LoraConfig) -> set[str]:
+    """The ``layer_kinds`` kinds ``lora_cfg`` adapts (``language.qkv``, ``language.expert_fc1``...)."""
+    kinds = {f"{tower}.{module}" for tower in lora_cfg.targets for module in lora_cfg.modules}
+    if lora_cfg.experts and "language" in lora_cfg.targets:
+        kinds |= {f"language.expert_{module}" for module in lora_cfg.modules if module in ("fc1", "fc2")}
+    return kinds
+
+
+def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig, *,
+               seed: int) -> dict[str, int]:
+    """Attach an adapter (A from ``seed`` and the layer's name: the same at every TP size, B zeros)
+    to every linear of the kinds ``lora_cfg`` chooses, and freeze every other parameter of
+    ``model`` (one built pipeline stage of any family). Returns the count of adapted linears per kind.
+    A Transformer Engine linear is refused (``model.layer_backend=te``)."""
+    rules = get_family(model_cfg.family).hf_rules(model_cfg)
+    hf_shapes = get_family(model_cfg.family).hf_shapes(model_cfg)
+    kinds, counts = chosen_kinds(lora_cfg), {}
+    for name, module in list(model.named_modules()):
+        kind = layer_kind(name)
+        if kind not in kinds:
+            continue
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            raise InputError(LORA_TE_REFUSAL + f" ({name} is {type(module).__name__})")
+        rule, _, _ = match_rule(rules, name + _WEIGHT)
+        _attach(module, _make_adapter(module, rule, hf_shapes, lora_cfg, _name_seed(seed, name)))
+        counts[kind] = counts.get(kind, 0) + 1
+    freeze_base(model)
+    return dict(sorted(counts.items()))
+
+
+def freeze_base(model: torch.nn.Module) -> None:
+    """Every parameter but the adapters' takes no gradient (and so gets no gradient buffer or
+    optimizer state in megatron's DDP and optimizer, which keep trainable parameters only)."""
+    for name, param in model.named_parameters():
+        param.requires_grad_(is_adapter_key(name))
+
+
+def _name_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % 2**63  # stable across processes
+
+
+def _attach(module: torch.nn.Module, adapter: LoraAdapter) -> None:
+    module.lora = adapter
+    if adapter.parallel == "column":
+        module._forward_impl = functools.partial(_column_impl, module._forward_impl, adapter)
+    else:
+        module.forward = functools.partial(_row_forward, module.forward, adapter)
+
+
+def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, seed: int) -> LoraAdapter:
+    weight, group = module.weight, module.tp_group
+    rank, size = group.rank(), group.size()
+    part_rows = _part_rows(rule, hf_shapes)
+    column = is_column_rule(rule)
+    transform = _per_expert(rule.transform)
+    generator = torch.Generator().manual_seed(seed)
+    r = lora_cfg.rank
+    if column:
+        in_features = weight.shape[1]
+        A = torch.cat([kaiming_uniform_a(r, in_features, generator) for _ in part_rows])  # [P*r, K]
+        row_parts = transform.shard([torch.full((rows, 1), part) for part, rows in enumerate(part_rows)],
+                                    rank, size)[:, 0] if len(part_rows) > 1 else None
+        B = torch.zeros(weight.shape[0], r)  # [N/tp, r]
+    else:
+        A = transform.shard([kaiming_uniform_a(r, weight.shape[1] * size, generator)], rank, size)  # [r, K/tp]
+        row_parts, B = None, torch.zeros(weight.shape[0], r)  # [N, r]
+    explicit = getattr(module, "explicit_expert_comm", False)
+    adapter = LoraAdapter(A.to(weight.device, weight.dtype), B.to(weight.device, weight.dtype),
+                          parallel="column" if column else "row", scaling=lora_cfg.alpha / r,
+                          dropout=lora_cfg.dropout, row_parts=None if row_parts is None else row_parts.to(weight.device),
+                          tp_group=group, sequence_parallel=bool(module.sequence_parallel) and not explicit,
+                          communicates=not explicit and size > 1)
+    _mark_parallel(adapter, weight, size)
+    return adapter
+
+
+def _part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
+    """Output rows of each HF linear a (column-parallel) weight fuses: [q, k, v], [gate, up], [N]."""
+    if isinstance(rule.transform, FusedExperts):
+        rows = rule.transform.expert_shape[0] // rule.transform.parts
+        return [rows] * rule.transform.parts
+    return [hf_shapes[pattern.replace("{i}", "0").replace("{e}", "0")][0] for pattern in rule.hf]
+
+
+def _mark_parallel(adapter: LoraAdapter, weight: Tensor, tp_size: int) -> None:
+    """What megatron reads off parameters: the split one is tensor-parallel (the gradient norm counts
+    every rank's shard, a whole one once); the one that sees sequence-split tokens is
+    ``sequence_parallel`` (its gradient summed over TP); an expert's is not all-reduced by DDP over
+    the whole data-parallel group."""
+    split, whole, split_dim = ((adapter.B, adapter.A, 0) if adapter.parallel == "column"
+                               else (adapter.A, adapter.B, 1))
+    if tp_size > 1 and adapter.communicates:
+        set_tensor_model_parallel_attributes(split, True, split_dim, 1)
+    if adapter.sequence_parallel:
+        whole.sequence_parallel = True
+    if getattr(weight, "allreduce", True) is False:
+        adapter.A.allreduce = adapter.B.allreduce = False
+
+
+def kaiming_uniform_a(rows: int, in_features: int, generator: torch.Generator) -> Tensor:
+    """PEFT's initial lora_A [rows, in_features]: ``kaiming_uniform_(a=sqrt(5))``, i.e. uniform on
+    +-1/sqrt(in_features), drawn in fp32 from ``generator``."""
+    bound = math.sqrt(6.0 / ((1 + 5) * in_features))  # gain sqrt(2 / (1 + a^2)) * sqrt(3 / fan_in)
+    return (torch.rand(rows, in_features, generator=generator) * 2 - 1) * bound
+
+
+def adapters(model: torch.nn.Module) -> dict[str, LoraAdapter]:
+    """Every adapter of ``model`` by its linear's module name."""
+    return {name[: -len(".lora")]: module for name, module in model.named_modules()
+            if isinstance(module, LoraAdapter)}
+
+
+def describe_lora(counts: dict[str, int], model: torch.nn.Module) -> str:
+    """``lora: language.qkv 2, language.fc1 2 ...; 12,288 trainable parameters of 1,234,567``."""
+    params = list(model.parameters())
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    layers = ", ".join(f"{kind} {count}" for kind, count in counts.items())
+    return f"lora: {layers}; {trainable:,} trainable parameters of {sum(p.numel() for p in params):,}"
