@@ -151,27 +151,31 @@ def megatron_to_hf(
     return out
 
 
-def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -> None:
+def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor],
+                       rules: Optional[Sequence[Rule]] = None) -> None:
     """Load an HF state dict into this rank's model of any family (TP ranks and the pipeline
-    layer offset are read from the model's own process groups and layers)."""
+    layer offset are read from the model's own process groups and layers). ``rules``: None loads the
+    base model through the family's weight map (LoRA adapters keep their values: they are not in an
+    HF checkpoint); ``models.lora.lora_rules`` loads PEFT's adapter tensors into the adapters alone."""
     language = model.language_model
     tp_group = language.pg_collection.tp
     vision_group = vision_tp_group(model)
     layers = language.decoder.layers
-    # LoRA adapters (``models.lora``) are not in an HF checkpoint: they keep their initial values.
+    adapters_only = rules is not None
     converted = hf_to_megatron(
         hf_state,
         model.model_cfg,
-        [key for key in model.state_dict() if not is_adapter_key(key)],
+        [key for key in model.state_dict() if is_adapter_key(key) == adapters_only],
         tp_rank=tp_group.rank(),
         tp_size=tp_group.size(),
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
         experts=expert_placement(layers),
+        rules=rules,
     )
     result = model.load_state_dict(converted, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and not is_adapter_key(k)]
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and is_adapter_key(k) == adapters_only]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
 
