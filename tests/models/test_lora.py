@@ -171,14 +171,23 @@ TIMEOUT_S = 240
 
 
 def _tp_worker(rank: int, port: int, workdir: str) -> None:
+    limit_threads()
+    init_megatron(rank, WORLD_SIZE, port, tp=WORLD_SIZE)
+    case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
+    outputs = {sequence_parallel: _tp_logits_and_grads(case, sequence_parallel) for sequence_parallel in (True, False)}
+    if rank == 0:
+        torch.save(outputs, Path(workdir) / "outputs.pt")
+    destroy_megatron()
+
+
+def _tp_logits_and_grads(case: dict, sequence_parallel: bool) -> dict:
+    """The gathered logits [1, s, V] and every rank's adapter gradients (after megatron's finalize)."""
     from loongforge.models.llm.model import build_model
     from loongforge.train.runner import wrap_for_training
     from loongforge.train.step import forward_backward
 
-    limit_threads()
-    init_megatron(rank, WORLD_SIZE, port, tp=WORLD_SIZE)
-    case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
-    parallel_cfg = ParallelConfig(tensor_model_parallel_size=WORLD_SIZE, sequence_parallel=True, world_size=WORLD_SIZE)
+    parallel_cfg = ParallelConfig(tensor_model_parallel_size=WORLD_SIZE, sequence_parallel=sequence_parallel,
+                                  world_size=WORLD_SIZE)
     model, _ = _lora_model(build_model, case["model_cfg"], parallel_cfg, case["hf_state"], case["peft_state"])
     row = case["row"]
     with torch.no_grad():
@@ -191,12 +200,12 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     grads = {name: param.main_grad.clone() for name, param in model.named_parameters() if param.requires_grad}
     gathered = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, grads)
-    if rank == 0:
-        torch.save({"logits": torch.cat(shards, dim=-1), "grads": gathered}, Path(workdir) / "outputs.pt")
-    destroy_megatron()
+    return {"logits": torch.cat(shards, dim=-1), "grads": gathered}
 
 
-def test_tp2_sequence_parallel_logits_and_adapter_grads_match_peft(tmp_path):
+def test_tp2_logits_and_adapter_grads_match_peft(tmp_path):
+    """With and without sequence parallelism: the column-parallel A sees a sequence shard or the
+    whole sequence, the row-parallel ``A x`` is reduce-scattered or all-reduced."""
     model_cfg, hf_model = tiny_llm_cfg(ARCH), build_hf_llm(ARCH)
     hf_state = {key: value.clone() for key, value in hf_model.state_dict().items()}
     peft_model = with_random_adapters(hf_model, LANGUAGE_TARGETS)
@@ -211,13 +220,14 @@ def test_tp2_sequence_parallel_logits_and_adapter_grads_match_peft(tmp_path):
     loss_positions = row["loss_mask"][0].bool()
     loss = F.cross_entropy(reference[0][loss_positions], row["labels"][0][loss_positions])  # mean over loss tokens
     loss.backward()
-    vocab = model_cfg.language.vocab_size
-    logits_error = (outputs["logits"][..., :vocab] - reference.detach()).abs().max().item()
-    ours = megatron_to_hf(outputs["grads"], model_cfg, rules=lora_rules(model_cfg))
     theirs = peft_tensors(peft_model, grads=True)
-    assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * model_cfg.language.num_layers
-    grad_error = max((ours[key] - theirs[key]).abs().max().item() for key in theirs)
     scale = max(grad.abs().max().item() for grad in theirs.values())
-    print(f"LoRA TP2+SP vs PEFT: logits {logits_error:.2e}, adapter grads {grad_error:.2e} (largest {scale:.2e})")
-    assert logits_error <= TOLERANCE
-    assert grad_error <= TOLERANCE
+    for sequence_parallel, output in outputs.items():
+        logits_error = (output["logits"][..., :model_cfg.language.vocab_size] - reference.detach()).abs().max().item()
+        ours = megatron_to_hf(output["grads"], model_cfg, rules=lora_rules(model_cfg))
+        assert ours.keys() == theirs.keys() and len(ours) == 2 * 7 * model_cfg.language.num_layers
+        grad_error = max((ours[key] - theirs[key]).abs().max().item() for key in theirs)
+        print(f"LoRA TP2 (sequence parallel {sequence_parallel}) vs PEFT: logits {logits_error:.2e}, adapter grads "
+              f"{grad_error:.2e} (largest {scale:.2e})")
+        assert logits_error <= TOLERANCE, sequence_parallel
+        assert grad_error <= TOLERANCE, sequence_parallel
