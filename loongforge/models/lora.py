@@ -321,8 +321,8 @@ def adapters(model: torch.nn.Module) -> dict[str, LoraAdapter]:
 
 
 def describe_lora(counts: dict[str, int], model: torch.nn.Module) -> str:
-    """``lora: language.qkv 2, language.fc1 2 ...; 12,288 trainable parameters of 1,234,567``."""
+    """``lora: language.fc1 2, language.qkv 2 ...; 12,288 trainable parameters of 1,234,567 on this rank``."""
     params = list(model.parameters())
     trainable = sum(p.numel() for p in params if p.requires_grad)
     layers = ", ".join(f"{kind} {count}" for kind, count in counts.items())
-    return f"lora: {layers}; {trainable:,} trainable parameters of {sum(p.numel() for p in params):,}"
+    return f"lora: {layers}; {trainable:,} trainable parameters of {sum(p.numel() for p in params):,} on this rank"
