@@ -25,8 +25,8 @@ Tensor parallelism (the weight's split decides the adapter's):
   sequence under sequence parallelism, B then marked ``sequence_parallel``) before B, and the update is
   added after the base's own output reduction.
 - routed experts' linears (``lora.experts``): each expert whole on a rank (validated), no
-  communication; their parameters keep the experts' ``allreduce=False`` so megatron's DDP reduces
-  them over the expert-data-parallel group.
+  communication; their parameters take the expert weights' ``allreduce`` (False under expert
+  parallelism), so megatron's DDP reduces them over the expert-data-parallel group as it does those.
 
 Names: an adapter is the child ``lora`` of its linear, ``<linear>.lora.A`` and ``<linear>.lora.B``
 (``state_dict_names.LORA_A`` / ``LORA_B``); PEFT's are ``<hf linear>.lora_A.weight`` /
@@ -186,6 +186,11 @@ class LoraAdapter(torch.nn.Module):
             return reduce_scatter_to_sequence_parallel_region(low, group=self.tp_group)  # [s/tp, b, r]
         return reduce_from_tensor_model_parallel_region(low, group=self.tp_group)  # [s, b, r]
 
+    def delta_weight(self) -> Tensor:
+        """The update as a change of this rank's weight shard, ``scaling * B A``: column [N/tp, K],
+        row [N, K/tp] (the full delta's shard either way)."""
+        return (self.fused_B() @ self.A) * self.scaling
+
     def extra_repr(self) -> str:
         return f"{self.parallel}, A={list(self.A.shape)}, B={list(self.B.shape)}, scaling={self.scaling:g}"
 
@@ -295,16 +300,15 @@ def _part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
 def _mark_parallel(adapter: LoraAdapter, weight: Tensor, tp_size: int) -> None:
     """What megatron reads off parameters: the split one is tensor-parallel (the gradient norm counts
     every rank's shard, a whole one once); the one that sees sequence-split tokens is
-    ``sequence_parallel`` (its gradient summed over TP); an expert's is not all-reduced by DDP over
-    the whole data-parallel group."""
+    ``sequence_parallel`` (its gradient summed over TP); an expert's is reduced by DDP where the expert's
+    weight is (``allreduce``: False under expert parallelism, over the expert-data-parallel group)."""
     split, whole, split_dim = ((adapter.B, adapter.A, 0) if adapter.parallel == "column"
                                else (adapter.A, adapter.B, 1))
     if tp_size > 1 and adapter.communicates:
         set_tensor_model_parallel_attributes(split, True, split_dim, 1)
     if adapter.sequence_parallel:
         whole.sequence_parallel = True
-    if getattr(weight, "allreduce", True) is False:
-        adapter.A.allreduce = adapter.B.allreduce = False
+    adapter.A.allreduce = adapter.B.allreduce = getattr(weight, "allreduce", True)
 
 
 def kaiming_uniform_a(rows: int, in_features: int, generator: torch.Generator) -> Tensor:
@@ -318,6 +322,16 @@ def adapters(model: torch.nn.Module) -> dict[str, LoraAdapter]:
     """Every adapter of ``model`` by its linear's module name."""
     return {name[: -len(".lora")]: module for name, module in model.named_modules()
             if isinstance(module, LoraAdapter)}
+
+
+@torch.no_grad()
+def merge_adapters(model: torch.nn.Module) -> None:
+    """Fold every adapter into its base weight (``W += scaling * B A``) and zero its B, so the model
+    computes the same with adapters that no longer add anything: a merged model to export."""
+    for name, adapter in adapters(model).items():
+        weight = model.get_submodule(name).weight
+        weight.add_(adapter.delta_weight().to(weight.dtype))
+        adapter.B.zero_()
 
 
 def describe_lora(counts: dict[str, int], model: torch.nn.Module) -> str:

@@ -12,7 +12,7 @@ import torch.nn.functional as F
 
 from loongforge.config.schema import LoraConfig, OptimizerConfig, ParallelConfig
 from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
-from loongforge.models.lora import apply_lora, lora_rules
+from loongforge.models.lora import adapters, apply_lora, lora_rules, merge_adapters
 from loongforge.models.state_dict_names import is_adapter_key
 from tests.models.helpers import (
     build_hf_model,
@@ -160,6 +160,34 @@ def test_only_adapters_train(megatron_world_of_one):
     optimizer.step()
     changed = {name for name, param in model.named_parameters() if not torch.equal(param.detach(), before[name])}
     assert changed == trainable
+
+
+def test_expert_adapters_equal_their_merged_weights(megatron_world_of_one):
+    """``lora.experts``: every routed expert's fc1 / fc2 gets an adapter (transformers' fused experts
+    have no PEFT modules to compare with), which computes what its weight plus ``scaling * B A``
+    computes; expert adapters are reduced by megatron's DDP where the experts' weights are."""
+    from loongforge.models.llm.model import build_model
+
+    model_cfg = tiny_llm_cfg("qwen3_moe")
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True, post_process=True,
+                        device="cpu").eval()
+    counts = apply_lora(model, model_cfg, LoraConfig(rank=RANK, alpha=ALPHA, experts=True), seed=0)
+    experts = model_cfg.language.num_experts * model_cfg.language.num_layers
+    assert counts == {"language.expert_fc1": experts, "language.expert_fc2": experts, "language.proj": 2,
+                      "language.qkv": 2}
+    generator = torch.Generator().manual_seed(4)
+    with torch.no_grad():
+        for name, adapter in adapters(model).items():
+            adapter.B.copy_(0.5 * torch.randn(adapter.B.shape, generator=generator))
+            assert adapter.A.allreduce == adapter.B.allreduce == model.get_submodule(name).weight.allreduce
+    input_ids = torch.randint(0, model_cfg.language.vocab_size, (1, 24), generator=generator)
+    with torch.no_grad():
+        base_free = model(input_ids=input_ids, position_ids=text_positions(24))
+        merge_adapters(model)
+        merged = model(input_ids=input_ids, position_ids=text_positions(24))
+    error = (merged - base_free).abs().max().item()
+    print(f"LoRA experts vs merged weights: {error:.2e}")
+    assert error <= TOLERANCE
 
 
 # ---------------------------------------------------------------------------------------------
