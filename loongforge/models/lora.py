@@ -141,9 +141,10 @@ def _kind_of_rule(rule: Rule) -> Optional[str]:
 class LoraAdapter(torch.nn.Module):
     """The low-rank update of one megatron linear (this rank's shard): ``update(x)`` is what is added
     to the linear's output. ``parallel`` is "column" or "row"; ``row_parts`` [N_local] says which of
-    the P fused parts each output row of a column-parallel linear belongs to (None: one part)."""
+    the ``parts`` fused parts each output row of a column-parallel linear belongs to (None: one part).
+    ``communicates``: TP > 1 and the linear does its own TP communication (an expert's does not)."""
 
-    def __init__(self, A: Tensor, B: Tensor, *, parallel: str, scaling: float, dropout: float,
+    def __init__(self, A: Tensor, B: Tensor, *, parallel: str, scaling: float, dropout: float, parts: int,
                  row_parts: Optional[Tensor], tp_group, sequence_parallel: bool, communicates: bool):
         super().__init__()
         self.A = torch.nn.Parameter(A)  # column: [P*r, K]; row: [r, K/tp]
@@ -151,7 +152,6 @@ class LoraAdapter(torch.nn.Module):
         self.parallel, self.scaling = parallel, scaling
         self.dropout = torch.nn.Dropout(dropout) if dropout else torch.nn.Identity()
         self.tp_group, self.sequence_parallel, self.communicates = tp_group, sequence_parallel, communicates
-        parts = 1 if row_parts is None else int(row_parts.max()) + 1
         # [N_local, P]: 1 where a row belongs to a part; not saved (it follows from the layout).
         mask = None if parts == 1 else F.one_hot(row_parts, parts).to(B.dtype)
         self.register_buffer("part_mask", mask, persistent=False)
@@ -160,8 +160,7 @@ class LoraAdapter(torch.nn.Module):
         """B as the block matrix [N_local, P*r] whose row n holds B's row n in its part's r columns."""
         if self.part_mask is None:
             return self.B
-        rows, rank = self.B.shape
-        return (self.part_mask[:, :, None] * self.B[:, None, :]).reshape(rows, -1)  # [N_local, P*r]
+        return (self.part_mask[:, :, None] * self.B[:, None, :]).reshape(self.B.shape[0], -1)  # [N_local, P*r]
 
     def update(self, x: Tensor) -> Tensor:
         """column: x [s(/tp), b, K] -> [s, b, N/tp]; row: x [s, b, K/tp] -> [s(/tp), b, N]."""
@@ -263,30 +262,36 @@ def _attach(module: torch.nn.Module, adapter: LoraAdapter) -> None:
 
 
 def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, seed: int) -> LoraAdapter:
+    """The adapter of one linear (``rule``: its weight's row of the family's map), this rank's shards."""
     weight, group = module.weight, module.tp_group
-    rank, size = group.rank(), group.size()
-    part_rows = _part_rows(rule, hf_shapes)
-    column = is_column_rule(rule)
-    transform = _per_expert(rule.transform)
-    generator = torch.Generator().manual_seed(seed)
-    r = lora_cfg.rank
-    if column:
-        in_features = weight.shape[1]
-        A = torch.cat([kaiming_uniform_a(r, in_features, generator) for _ in part_rows])  # [P*r, K]
-        row_parts = transform.shard([torch.full((rows, 1), part) for part, rows in enumerate(part_rows)],
-                                    rank, size)[:, 0] if len(part_rows) > 1 else None
-        B = torch.zeros(weight.shape[0], r)  # [N/tp, r]
-    else:
-        A = transform.shard([kaiming_uniform_a(r, weight.shape[1] * size, generator)], rank, size)  # [r, K/tp]
-        row_parts, B = None, torch.zeros(weight.shape[0], r)  # [N, r]
+    column, part_rows = is_column_rule(rule), _part_rows(rule, hf_shapes)
+    A, B, row_parts = _initial_matrices(weight, _per_expert(rule.transform), column, part_rows, lora_cfg.rank,
+                                        group.rank(), group.size(), torch.Generator().manual_seed(seed))
+    # An expert's linear leaves its TP communication to the token dispatcher (explicit_expert_comm).
     explicit = getattr(module, "explicit_expert_comm", False)
     adapter = LoraAdapter(A.to(weight.device, weight.dtype), B.to(weight.device, weight.dtype),
-                          parallel="column" if column else "row", scaling=lora_cfg.alpha / r,
-                          dropout=lora_cfg.dropout, row_parts=None if row_parts is None else row_parts.to(weight.device),
-                          tp_group=group, sequence_parallel=bool(module.sequence_parallel) and not explicit,
-                          communicates=not explicit and size > 1)
-    _mark_parallel(adapter, weight, size)
+                          parallel="column" if column else "row", scaling=lora_cfg.alpha / lora_cfg.rank,
+                          dropout=lora_cfg.dropout, parts=len(part_rows) if column else 1,
+                          row_parts=None if row_parts is None else row_parts.to(weight.device), tp_group=group,
+                          sequence_parallel=bool(module.sequence_parallel) and not explicit,
+                          communicates=not explicit and group.size() > 1)
+    _mark_parallel(adapter, weight, group.size())
     return adapter
+
+
+def _initial_matrices(weight: Tensor, transform: Transform, column: bool, part_rows: list[int], r: int,
+                      rank: int, size: int, generator: torch.Generator):
+    """(A, B, row_parts) of this rank, fp32 on the CPU: A drawn whole (the same at every TP size)
+    and split like the weight's columns where the weight's columns are split, B zeros."""
+    if not column:
+        A = transform.shard([kaiming_uniform_a(r, weight.shape[1] * size, generator)], rank, size)  # [r, K/tp]
+        return A, torch.zeros(weight.shape[0], r), None  # B [N, r]
+    A = torch.cat([kaiming_uniform_a(r, weight.shape[1], generator) for _ in part_rows])  # [P*r, K]
+    row_parts = None
+    if len(part_rows) > 1:  # each output row's part, laid out and split as the weight's rows are
+        parts = [torch.full((rows, 1), part) for part, rows in enumerate(part_rows)]
+        row_parts = transform.shard(parts, rank, size)[:, 0]  # [N/tp]
+    return A, torch.zeros(weight.shape[0], r), row_parts  # B [N/tp, r]
 
 
 def _part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
