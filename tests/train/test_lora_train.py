@@ -1,0 +1,23 @@
+"""``loongforge train ... lora.rank=8``: the run builds adapters on the chosen towers and trains them
+alone, and the same adapters train alike at TP 2 with sequence parallelism as in one process (their
+initial A does not depend on the TP size; their gradients, summed over TP where the tokens are
+split, and their gradient norm, counting each shard once, are the same)."""
+
+from tests.train.conftest import assert_close_relative, grad_norms, losses, run_recorded
+
+LORA = ("lora.rank=8", "lora.targets=[language,vision,projector]", "training.train_steps=3",
+        "optimizer.lr=1e-3")
+LINE = ("lora: language.fc1 2, language.fc2 2, language.proj 2, language.qkv 2, projector.fc1 1, projector.fc2 1, "
+        "vision.fc1 2, vision.fc2 2, vision.proj 2, vision.qkv 2;")
+
+
+def test_lora_trains_alike_at_tp2_with_sequence_parallelism(tmp_path):
+    alone = run_recorded(tmp_path / "tp1", *LORA, nproc=1)
+    split = run_recorded(tmp_path / "tp2", *LORA, "parallel.tensor_model_parallel_size=2",
+                         "parallel.sequence_parallel=true", nproc=2)
+    assert LINE in alone and LINE in split
+    assert "61,440 trainable parameters" in alone  # the adapters alone (the model holds 1.25M)
+    assert_close_relative(losses(tmp_path / "tp2"), losses(tmp_path / "tp1"), 1e-5, "LoRA losses TP2+SP vs TP1")
+    assert_close_relative(grad_norms(tmp_path / "tp2"), grad_norms(tmp_path / "tp1"), 1e-5,
+                          "LoRA grad norms TP2+SP vs TP1")
+    assert losses(tmp_path / "tp1")[-1] < losses(tmp_path / "tp1")[0]
