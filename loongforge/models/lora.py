@@ -25,8 +25,9 @@ Tensor parallelism (the weight's split decides the adapter's):
   sequence under sequence parallelism, B then marked ``sequence_parallel``) before B, and the update is
   added after the base's own output reduction.
 - routed experts' linears (``lora.experts``): each expert whole on a rank (validated), no
-  communication; their parameters take the expert weights' ``allreduce`` (False under expert
-  parallelism), so megatron's DDP reduces them over the expert-data-parallel group as it does those.
+  communication.
+Each adapter's parameters carry the attributes its weight carries (``_mark_parallel``): megatron's
+tensor-parallel ones on the split matrix, the experts' ``allreduce``, the encoder replicas' marks.
 
 Names: an adapter is the child ``lora`` of its linear, ``<linear>.lora.A`` and ``<linear>.lora.B``
 (``state_dict_names.LORA_A`` / ``LORA_B``); PEFT's are ``<hf linear>.lora_A.weight`` /
@@ -43,11 +44,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
-from megatron.core.tensor_parallel.layers import (
-    ColumnParallelLinear,
-    RowParallelLinear,
-    set_tensor_model_parallel_attributes,
-)
+from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.tensor_parallel.mappings import (
     copy_to_tensor_model_parallel_region,
     gather_from_sequence_parallel_region,
@@ -63,6 +60,7 @@ from loongforge.models.hf_weights import match_rule
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
+from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
 
 _WEIGHT = ".weight"
 
@@ -275,7 +273,7 @@ def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, see
                           row_parts=None if row_parts is None else row_parts.to(weight.device), tp_group=group,
                           sequence_parallel=bool(module.sequence_parallel) and not explicit,
                           communicates=not explicit and group.size() > 1)
-    _mark_parallel(adapter, weight, group.size())
+    _mark_parallel(adapter, weight)
     return adapter
 
 
@@ -302,18 +300,31 @@ def _part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
     return [hf_shapes[pattern.replace("{i}", "0").replace("{e}", "0")][0] for pattern in rule.hf]
 
 
-def _mark_parallel(adapter: LoraAdapter, weight: Tensor, tp_size: int) -> None:
-    """What megatron reads off parameters: the split one is tensor-parallel (the gradient norm counts
-    every rank's shard, a whole one once); the one that sees sequence-split tokens is
-    ``sequence_parallel`` (its gradient summed over TP); an expert's is reduced by DDP where the expert's
-    weight is (``allreduce``: False under expert parallelism, over the expert-data-parallel group)."""
-    split, whole, split_dim = ((adapter.B, adapter.A, 0) if adapter.parallel == "column"
-                               else (adapter.A, adapter.B, 1))
-    if tp_size > 1 and adapter.communicates:
-        set_tensor_model_parallel_attributes(split, True, split_dim, 1)
+# What the family and megatron mark on a linear's weight at build time and the adapter must carry too:
+# megatron's DDP reduces a parameter with ``allreduce`` False (an expert's under expert parallelism)
+# over the expert-data-parallel group; the grad norm leaves out ``shared`` ones (an encoder replica
+# on a later pipeline stage); ``parallel.encoder_dp=tp`` sums the gradients of the encoder's marked
+# parameters over the ranks that divided its media.
+_INHERITED = ("allreduce", "shared", ENCODER_DP_GROUP)
+_TP_ATTRIBUTES = ("tensor_model_parallel", "partition_dim", "partition_stride")
+
+
+def _mark_parallel(adapter: LoraAdapter, weight: Tensor) -> None:
+    """The parameter attributes megatron and the families read: the matrix split like the weight
+    (column B, row A) takes the weight's tensor-parallel ones (the grad norm counts a split
+    parameter on every rank and a whole one once; a family clears them on vision replicas), the one
+    that sees sequence-split tokens is ``sequence_parallel`` (its gradient summed over TP by
+    ``finalize_model_grads``), both take ``_INHERITED``."""
+    split, whole = (adapter.B, adapter.A) if adapter.parallel == "column" else (adapter.A, adapter.B)
+    for name in _TP_ATTRIBUTES:
+        if hasattr(weight, name):
+            setattr(split, name, getattr(weight, name))
     if adapter.sequence_parallel:
         whole.sequence_parallel = True
-    adapter.A.allreduce = adapter.B.allreduce = getattr(weight, "allreduce", True)
+    for name in _INHERITED:
+        if hasattr(weight, name):
+            setattr(adapter.A, name, getattr(weight, name))
+            setattr(adapter.B, name, getattr(weight, name))
 
 
 def kaiming_uniform_a(rows: int, in_features: int, generator: torch.Generator) -> Tensor:
