@@ -12,12 +12,16 @@ LINE = ("lora: language.fc1 2, language.fc2 2, language.proj 2, language.qkv 2, 
 
 
 def test_lora_trains_alike_at_tp2_with_sequence_parallelism(tmp_path):
+    """Also with ``parallel.encoder_dp=tp``: the vision adapters' gradients are summed over the TP
+    ranks that divided the images, as the tower's are."""
     alone = run_recorded(tmp_path / "tp1", *LORA, nproc=1)
-    split = run_recorded(tmp_path / "tp2", *LORA, "parallel.tensor_model_parallel_size=2",
-                         "parallel.sequence_parallel=true", nproc=2)
-    assert LINE in alone and LINE in split
+    assert LINE in alone
     assert "61,440 trainable parameters" in alone  # the adapters alone (the model holds 1.25M)
-    assert_close_relative(losses(tmp_path / "tp2"), losses(tmp_path / "tp1"), 1e-5, "LoRA losses TP2+SP vs TP1")
-    assert_close_relative(grad_norms(tmp_path / "tp2"), grad_norms(tmp_path / "tp1"), 1e-5,
-                          "LoRA grad norms TP2+SP vs TP1")
     assert losses(tmp_path / "tp1")[-1] < losses(tmp_path / "tp1")[0]
+    tp2 = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
+    for name, extra in (("tp2", ()), ("tp2_encoder_dp", ("parallel.encoder_dp=tp",
+                                                         "parallel.vision_tensor_model_parallel_size=1"))):
+        assert LINE in run_recorded(tmp_path / name, *LORA, *tp2, *extra, nproc=2)
+        assert_close_relative(losses(tmp_path / name), losses(tmp_path / "tp1"), 1e-5, f"LoRA losses {name} vs TP1")
+        assert_close_relative(grad_norms(tmp_path / name), grad_norms(tmp_path / "tp1"), 1e-5,
+                              f"LoRA grad norms {name} vs TP1")
