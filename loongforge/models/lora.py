@@ -51,6 +51,7 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
@@ -257,6 +258,22 @@ def _attach(module: torch.nn.Module, adapter: LoraAdapter) -> None:
         module._forward_impl = functools.partial(_column_impl, module._forward_impl, adapter)
     else:
         module.forward = functools.partial(_row_forward, module.forward, adapter)
+    if adapter.communicates:
+        module.sharded_state_dict = functools.partial(_sharded_state_dict, module.sharded_state_dict, adapter)
+
+
+def _sharded_state_dict(original, adapter: LoraAdapter, prefix: str = "", sharded_offsets: tuple = (),
+                        metadata: Optional[dict] = None) -> dict:
+    """The linear's checkpoint entries with its adapter's split matrix as a TP-sharded tensor of the
+    whole shape: megatron's linear knows only ``weight`` and ``bias`` and would record any other
+    tensor as replicated (one rank's shard saved as the whole)."""
+    sharded = original(prefix, sharded_offsets, metadata)
+    name, axis = ("lora.B", 0) if adapter.parallel == "column" else ("lora.A", 1)
+    split = adapter.B if adapter.parallel == "column" else adapter.A
+    sharded.update(make_sharded_tensors_for_checkpoint(
+        {name: split}, prefix, {name: axis}, sharded_offsets, tp_group=adapter.tp_group,
+        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+    return sharded
 
 
 def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, seed: int) -> LoraAdapter:

@@ -217,6 +217,7 @@ def _tp_logits_and_grads(case: dict, sequence_parallel: bool) -> dict:
     parallel_cfg = ParallelConfig(tensor_model_parallel_size=WORLD_SIZE, sequence_parallel=sequence_parallel,
                                   world_size=WORLD_SIZE)
     model, _ = _lora_model(build_model, case["model_cfg"], parallel_cfg, case["hf_state"], case["peft_state"])
+    _assert_checkpoint_shapes(model, case["model_cfg"])
     row = case["row"]
     with torch.no_grad():
         logits = model.eval()(input_ids=row["input_ids"], position_ids=row["position_ids"])  # [1, s, V/2]
@@ -229,6 +230,19 @@ def _tp_logits_and_grads(case: dict, sequence_parallel: bool) -> dict:
     gathered = [None] * WORLD_SIZE
     dist.all_gather_object(gathered, grads)
     return {"logits": torch.cat(shards, dim=-1), "grads": gathered}
+
+
+def _assert_checkpoint_shapes(model, model_cfg) -> None:
+    """The checkpoint describes each TP-split adapter matrix by its whole shape, split along the
+    weight's axis (megatron's linear would record one rank's shard as a replicated whole)."""
+    from loongforge.models.decoder.params import head_dim
+
+    lang, layers = model_cfg.language, "language_model.decoder.layers.0."
+    qkv_rows = (lang.num_attention_heads + 2 * lang.num_query_groups) * head_dim(lang)
+    sharded = model.sharded_state_dict()
+    qkv_b, proj_a = sharded[layers + "self_attention.linear_qkv.lora.B"], sharded[layers + "self_attention.linear_proj.lora.A"]
+    assert tuple(qkv_b.global_shape) == (lang.num_layers, qkv_rows, RANK)
+    assert tuple(proj_a.global_shape) == (lang.num_layers, RANK, lang.num_attention_heads * head_dim(lang))
 
 
 def test_tp2_logits_and_adapter_grads_match_peft(tmp_path):
