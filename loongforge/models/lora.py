@@ -51,12 +51,13 @@ from megatron.core.tensor_parallel.mappings import (
     reduce_from_tensor_model_parallel_region,
     reduce_scatter_to_sequence_parallel_region,
 )
+from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
-from loongforge.models.hf_rules import FusedExperts, Replicated, Rule, Split, Tensor, Transform
+from loongforge.models.hf_rules import FusedExperts, GateUp, Replicated, Rule, Split, Tensor, Transform
 from loongforge.models.hf_weights import match_rule
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
@@ -270,9 +271,15 @@ def _sharded_state_dict(original, adapter: LoraAdapter, prefix: str = "", sharde
     sharded = original(prefix, sharded_offsets, metadata)
     name, axis = ("lora.B", 0) if adapter.parallel == "column" else ("lora.A", 1)
     split = adapter.B if adapter.parallel == "column" else adapter.A
-    sharded.update(make_sharded_tensors_for_checkpoint(
+    entry = make_sharded_tensors_for_checkpoint(
         {name: split}, prefix, {name: axis}, sharded_offsets, tp_group=adapter.tp_group,
-        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"]))
+        dp_cp_group=ensure_metadata_has_dp_cp_group(metadata)["dp_cp_group"])[prefix + name]
+    if adapter.gate_up_rows:
+        # Each rank's rows are [its gate shard, its up shard], as the fused weight's: megatron's MLP
+        # saves that weight as two separately sharded halves, so that another TP size reads it.
+        entry = apply_swiglu_sharded_factory(entry, sharded_offsets,
+                                             (metadata or {}).get("singleton_local_shards", False))
+    sharded[prefix + name] = entry
     return sharded
 
 
@@ -291,6 +298,7 @@ def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, see
                           sequence_parallel=bool(module.sequence_parallel) and not explicit,
                           communicates=not explicit and group.size() > 1)
     _mark_parallel(adapter, weight)
+    adapter.gate_up_rows = column and isinstance(_per_expert(rule.transform), GateUp)
     return adapter
 
 
