@@ -38,9 +38,10 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 import zlib
 from dataclasses import dataclass
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -58,7 +59,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
 from loongforge.models.hf_rules import FusedExperts, GateUp, Replicated, Rule, Split, Tensor, Transform
-from loongforge.models.hf_weights import match_rule
+from loongforge.models.hf_weights import expert_placement, match_rule
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
@@ -222,13 +223,15 @@ def chosen_kinds(lora_cfg: LoraConfig) -> set[str]:
 
 def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig, *,
                seed: int) -> dict[str, int]:
-    """Attach an adapter (A from ``seed`` and the layer's name: the same at every TP size, B zeros)
+    """Attach an adapter (A from ``seed`` and the layer's global name: the same at every TP, PP and
+    EP size; B zeros)
     to every linear of the kinds ``lora_cfg`` chooses, and freeze every other parameter of
     ``model`` (one built pipeline stage of any family). Returns the count of adapted linears per kind.
     A Transformer Engine linear is refused (``model.layer_backend=te``)."""
     rules = get_family(model_cfg.family).hf_rules(model_cfg)
     hf_shapes = get_family(model_cfg.family).hf_shapes(model_cfg)
     kinds, counts = chosen_kinds(lora_cfg), {}
+    global_name = _global_names(model)
     for name, module in list(model.named_modules()):
         kind = layer_kind(name)
         if kind not in kinds:
@@ -236,7 +239,7 @@ def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             raise InputError(LORA_TE_REFUSAL + f" ({name} is {type(module).__name__})")
         rule, _, _ = match_rule(rules, name + _WEIGHT)
-        _attach(module, _make_adapter(module, rule, hf_shapes, lora_cfg, _name_seed(seed, name)))
+        _attach(module, _make_adapter(module, rule, hf_shapes, lora_cfg, _name_seed(seed, global_name(name))))
         counts[kind] = counts.get(kind, 0) + 1
     freeze_base(model)
     return dict(sorted(counts.items()))
@@ -247,6 +250,22 @@ def freeze_base(model: torch.nn.Module) -> None:
     optimizer state in megatron's DDP and optimizer, which keep trainable parameters only)."""
     for name, param in model.named_parameters():
         param.requires_grad_(is_adapter_key(name))
+
+
+def _global_names(model: torch.nn.Module) -> Callable[[str], str]:
+    """A module name -> the same name with the decoder layer and expert indices of the whole model
+    (megatron numbers them within the pipeline stage and the expert-parallel rank)."""
+    layers = model.language_model.decoder.layers
+    layer_offset = layers[0].layer_number - 1 if len(layers) else 0
+    experts = expert_placement(layers)
+    expert_offset = experts.offset if experts else 0
+
+    def renumber(name: str) -> str:
+        name = re.sub(r"^language_model\.decoder\.layers\.(\d+)\.",
+                      lambda found: f"language_model.decoder.layers.{int(found[1]) + layer_offset}.", name)
+        return re.sub(r"\.local_experts\.(\d+)\.", lambda found: f".local_experts.{int(found[1]) + expert_offset}.", name)
+
+    return renumber
 
 
 def _name_seed(seed: int, name: str) -> int:

@@ -13,16 +13,20 @@ LINE = ("lora: language.fc1 2, language.fc2 2, language.proj 2, language.qkv 2, 
 
 
 def test_lora_trains_alike_at_tp2_with_sequence_parallelism(tmp_path):
-    """Also with ``parallel.encoder_dp=tp``: the vision adapters' gradients are summed over the TP
-    ranks that divided the images, as the tower's are."""
+    """Also with ``parallel.encoder_dp=tp`` (the vision adapters' gradients are summed over the TP
+    ranks that divided the images, as the tower's are) and at PP 2 (the initial A of a layer follows
+    its global index)."""
     alone = run_recorded(tmp_path / "tp1", *LORA, nproc=1)
     assert LINE in alone
     assert "61,440 trainable parameters" in alone  # the adapters alone (the model holds 1.25M)
     assert losses(tmp_path / "tp1")[-1] < losses(tmp_path / "tp1")[0]
     tp2 = ("parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true")
-    for name, extra in (("tp2", ("checkpoint.save_interval=2",)), ("tp2_encoder_dp", ("parallel.encoder_dp=tp",
-                                                         "parallel.vision_tensor_model_parallel_size=1"))):
-        assert LINE in run_recorded(tmp_path / name, *LORA, *tp2, *extra, nproc=2)
+    layouts = {"tp2": (*tp2, "checkpoint.save_interval=2"),
+               "tp2_encoder_dp": (*tp2, "parallel.encoder_dp=tp", "parallel.vision_tensor_model_parallel_size=1"),
+               "pp2": ("parallel.pipeline_model_parallel_size=2",)}  # each stage numbers its layers from 0
+    for name, extra in layouts.items():
+        output = run_recorded(tmp_path / name, *LORA, *extra, nproc=2)
+        assert "lora: language" in output
         assert_close_relative(losses(tmp_path / name), losses(tmp_path / "tp1"), 1e-5, f"LoRA losses {name} vs TP1")
         assert_close_relative(grad_norms(tmp_path / name), grad_norms(tmp_path / "tp1"), 1e-5,
                               f"LoRA grad norms {name} vs TP1")
