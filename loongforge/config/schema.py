@@ -345,6 +345,26 @@ class Fp8Config:
 
 
 @dataclass
+class LoraConfig:
+    """Low-rank adapters (models.lora): y = W x + (alpha / rank) * B A dropout(x) on the chosen
+    linears, as PEFT computes them; the base weights are frozen and only A and B train."""
+
+    # Rank r of every adapter; 0: no adapters (full training).
+    rank: int = 0
+    # Scale numerator: the update is multiplied by alpha / rank (PEFT's default scaling).
+    alpha: float = 16.0
+    # Dropout on an adapter's input (its own, not the base linear's); 0: none.
+    dropout: float = 0.0
+    # Towers whose linears get adapters: language | vision | projector.
+    targets: list[str] = field(default_factory=lambda: ["language"])
+    # Linears within a block: qkv (attention q/k/v), proj (attention output), fc1 (MLP in; gate and
+    # up with SwiGLU), fc2 (MLP out). PEFT's q_proj,k_proj,v_proj,o_proj,gate_proj,up_proj,down_proj.
+    modules: list[str] = field(default_factory=lambda: ["qkv", "proj", "fc1", "fc2"])
+    # Mixture-of-experts layers: adapters on every expert's fc1/fc2 too (the router is never adapted).
+    experts: bool = False
+
+
+@dataclass
 class RunConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
@@ -356,5 +376,6 @@ class RunConfig:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
+    lora: LoraConfig = field(default_factory=LoraConfig)
     # Name of the preset this config was composed from (informational).
     preset: Optional[str] = None

@@ -577,6 +577,62 @@ def _check_fp8(cfg: RunConfig) -> list[str]:
     return errors
 
 
+# LoRA (models.lora): the towers and the block linears adapters go on.
+LORA_TARGETS = ("language", "vision", "projector")
+LORA_MODULES = ("qkv", "proj", "fc1", "fc2")
+# Adapters wrap megatron-core's own column/row-parallel linears; Transformer Engine's are other
+# classes with their own GEMM path, which loongforge does not adapt.
+LORA_TE_REFUSAL = ("lora.rank > 0 adapts megatron-core's local linears and this run's model.layer_backend "
+                   "is te (Transformer Engine's); set model.layer_backend=flash (or sdpa).")
+
+
+def _check_lora(cfg: RunConfig) -> list[str]:
+    """``lora.*``: a rank of 0 switches LoRA off (the rest is then not checked); the lists name
+    known towers and linears; experts only in a model with experts, each expert whole on a rank."""
+    lora = cfg.lora
+    if lora.rank < 0:
+        return [f"lora.rank={lora.rank} must not be negative (0: no adapters; 8-64 is usual)."]
+    if lora.rank == 0:
+        return []
+    errors = []
+    if not lora.alpha > 0:
+        errors.append(f"lora.alpha={lora.alpha} must be positive (the update is scaled by alpha / rank); "
+                      f"set e.g. lora.alpha={2 * lora.rank}.")
+    if not 0 <= lora.dropout < 1:
+        errors.append(f"lora.dropout={lora.dropout} must be in [0, 1); set e.g. lora.dropout=0.05.")
+    errors += _check_names("lora.targets", lora.targets, LORA_TARGETS)
+    errors += _check_names("lora.modules", lora.modules, LORA_MODULES)
+    if cfg.model.vision is None and set(lora.targets) & {"vision", "projector"}:
+        errors.append(f"lora.targets={lora.targets} names a vision tower or projector, but this model is "
+                      f"text-only (model.vision: null); set lora.targets=[language].")
+    if cfg.model.layer_backend == "te":
+        errors.append(LORA_TE_REFUSAL)
+    if lora.experts:
+        errors += _check_lora_experts(cfg)
+    return errors
+
+
+def _check_names(key: str, values: list[str], allowed: tuple[str, ...]) -> list[str]:
+    unknown = [value for value in values if value not in allowed]
+    if unknown or not values:
+        return [f"{key}={values} must be a non-empty list from {' | '.join(allowed)}; "
+                f"{'remove ' + ', '.join(unknown) if unknown else 'name at least one'}."]
+    return []
+
+
+def _check_lora_experts(cfg: RunConfig) -> list[str]:
+    """An expert's linears take no tensor-parallel communication of their own (the token dispatcher
+    does it), so adapters on them are built only where each expert sits whole on one rank."""
+    if cfg.model.language.num_experts == 0:
+        return [f"lora.experts=true adapts mixture-of-experts layers, but model.language.num_experts=0 "
+                f"(a dense model); set lora.experts=false."]
+    etp = expert_tensor_parallel_size(cfg.parallel)
+    if etp != 1:
+        return [f"lora.experts=true needs each expert whole on a rank, but the expert TP size is {etp}; "
+                f"set parallel.expert_tensor_parallel_size=1 or lora.experts=false."]
+    return []
+
+
 def _check_optimizer(cfg: RunConfig) -> list[str]:
     optimizer = cfg.optimizer
     if optimizer.min_lr > optimizer.lr:
@@ -601,7 +657,8 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
         return errors + range_errors
     errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_vision_shape(cfg)
     errors += _check_parallel_layout(cfg, world, layout)
-    return errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
+    return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
+            + _check_lora(cfg))
 
 
 def validate(cfg: RunConfig, world_size: int | None = None,

@@ -36,6 +36,7 @@ from megatron.core.parallel_state import get_tensor_model_parallel_group
 from loongforge.config.errors import InputError
 from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
 from loongforge.config.schema import RunConfig
+from loongforge.models.layer_kinds import layer_kind
 from loongforge.parallel.distributed import all_gather_tensor, reduce_scatter_tensor
 
 E4M3 = torch.float8_e4m3fn
@@ -276,22 +277,8 @@ def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None, min
 # Which layers: layer kinds, the measured policy, the device
 # ---------------------------------------------------------------------------------------------
 
-# A linear's kind by the last part of its megatron name; experts get their own kinds (their GEMMs
-# see only the tokens routed to one expert). The LM head (``output_layer``) is never FP8.
-_KINDS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
-_TOWERS = {"vision_model": "vision", "projector": "projector", "language_model": "language"}
+# Kinds are ``models.layer_kinds``' (the LM head, ``output_layer``, has none: never FP8).
 POLICY_FORMAT = "loongforge-fp8-policy"
-
-
-def layer_kind(name: str) -> Optional[str]:
-    """``<tower>.<kind>`` of a linear by its module name (``language.qkv``, ``vision.fc2``,
-    ``projector.fc1``, ``language.expert_fc1``); None for a module that is not a FP8 candidate."""
-    parts = name.split(".")
-    tower = _TOWERS.get(parts[0])
-    kind = _KINDS.get(parts[-1])
-    if tower is None or kind is None:
-        return None
-    return f"{tower}.{'expert_' if 'experts' in parts else ''}{kind}"
 
 
 @dataclass(frozen=True)

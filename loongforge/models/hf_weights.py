@@ -20,7 +20,7 @@ import torch
 from loongforge.config.schema import ModelConfig
 from loongforge.models.hf_rules import VISION, Rule, Tensor
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import fused_name
+from loongforge.models.state_dict_names import fused_name, is_adapter_key
 
 
 def _regex(pattern: str) -> re.Pattern:
@@ -39,6 +39,9 @@ def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int], Option
                 layer, expert = indices.get("i"), indices.get("e")
                 return rule, None if layer is None else int(layer), None if expert is None else int(expert)
     raise KeyError(f"no hf_mapping rule for {fused_name(key)!r}")
+
+
+match_rule = _match  # for maps built on the family's (models.lora's adapters)
 
 
 def _fill(pattern: str, index: Optional[int], expert: Optional[int] = None) -> str:
@@ -69,15 +72,18 @@ def hf_to_megatron(
     vision_tp_size: int = 1,
     layer_offset: int = 0,
     experts: Optional[ExpertPlacement] = None,
+    rules: Optional[Sequence[Rule]] = None,
 ) -> dict[str, Tensor]:
     """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
     ``experts``: where this rank's experts sit (``expert_placement``); None: every expert, at TP.
+    ``rules``: the map to walk (default: the family's weight map; ``models.lora.lora_rules``: the
+    adapters').
 
     ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
     """
     family = get_family(model_cfg.family)
     hf_state = family.to_hub_style(hf_state)
-    rules = family.hf_rules(model_cfg)
+    rules = family.hf_rules(model_cfg) if rules is None else rules
     out = {}
     for key in keys:
         if key.endswith("_extra_state"):
@@ -111,19 +117,23 @@ def megatron_to_hf(
     *,
     vision_tp_size: Optional[int] = None,
     layer_offset: int = 0,
+    rules: Optional[Sequence[Rule]] = None,
 ) -> dict[str, Tensor]:
     """Hub-style HF tensors from one pipeline stage's state dicts, one per language TP rank.
 
     Vision tensors are read from the first ``vision_tp_size`` ranks (None: all of them).
     A tied output layer is not written (tied Hub checkpoints have no ``lm_head.weight``).
+    ``rules``: the map to walk (default: the family's weight map, LoRA adapters' keys skipped;
+    ``models.lora.lora_rules``: the adapters' map, which writes PEFT's tensors and skips the rest).
     """
-    rules = get_family(model_cfg.family).hf_rules(model_cfg)
+    adapters_only = rules is not None
+    rules = get_family(model_cfg.family).hf_rules(model_cfg) if rules is None else rules
     vision_tp_size = vision_tp_size or len(shards)
     out = {}
     # (HF key, rule) -> expert -> that expert's tensor on every TP rank, for HF tensors of all experts
     fused: dict[tuple[str, Rule], dict[int, list[Tensor]]] = {}
     for key in shards[0]:
-        if key.endswith("_extra_state"):
+        if key.endswith("_extra_state") or is_adapter_key(key) != adapters_only:
             continue
         rule, local_index, expert = _match(rules, key)
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
@@ -141,26 +151,31 @@ def megatron_to_hf(
     return out
 
 
-def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor]) -> None:
+def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor],
+                       rules: Optional[Sequence[Rule]] = None) -> None:
     """Load an HF state dict into this rank's model of any family (TP ranks and the pipeline
-    layer offset are read from the model's own process groups and layers)."""
+    layer offset are read from the model's own process groups and layers). ``rules``: None loads the
+    base model through the family's weight map (LoRA adapters keep their values: they are not in an
+    HF checkpoint); ``models.lora.lora_rules`` loads PEFT's adapter tensors into the adapters alone."""
     language = model.language_model
     tp_group = language.pg_collection.tp
     vision_group = vision_tp_group(model)
     layers = language.decoder.layers
+    adapters_only = rules is not None
     converted = hf_to_megatron(
         hf_state,
         model.model_cfg,
-        model.state_dict().keys(),
+        [key for key in model.state_dict() if is_adapter_key(key) == adapters_only],
         tp_rank=tp_group.rank(),
         tp_size=tp_group.size(),
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
         experts=expert_placement(layers),
+        rules=rules,
     )
     result = model.load_state_dict(converted, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state") and is_adapter_key(k) == adapters_only]
     if missing or result.unexpected_keys:
         raise RuntimeError(f"load_hf_state_dict: missing {missing}, unexpected {result.unexpected_keys}")
 

@@ -43,3 +43,12 @@ def separate_name(key: str) -> str:
 def has_separate_norms(keys: Iterable[str]) -> bool:
     """Whether a state dict (or checkpoint) names its layer norms the separate way."""
     return any(fused_name(key) != key for key in keys)
+
+
+# A LoRA adapter's matrices (``models.lora``): children of the linear they adapt, ``<linear>.lora.A``.
+LORA_A, LORA_B = ".lora.A", ".lora.B"
+
+
+def is_adapter_key(key: str) -> bool:
+    """Whether a parameter or state-dict key is a LoRA adapter's (not in the base model's HF map)."""
+    return key.endswith((LORA_A, LORA_B))

@@ -43,6 +43,7 @@ from loongforge.models.fp8 import (
     fp8_choice,
 )
 from loongforge.models.layer_backend import passed_over_backends, resolve_layer_backend
+from loongforge.models.lora import apply_lora, describe_lora
 from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
@@ -160,6 +161,8 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
                         init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
                         with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
+    # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
+    model.lora_note = _apply_lora(model, cfg)
     decide, note = fp8_choice(cfg, device, layer_backend)
     # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
     model.fp8_weights = Fp8WeightCache() if decide is not None else None
@@ -184,6 +187,14 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
     ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
     config.no_sync_func = ddp_model.no_sync
     return [ddp_model], config
+
+
+def _apply_lora(model, cfg: RunConfig) -> Optional[str]:
+    """``lora.rank > 0``: adapters on the chosen linears, every base weight frozen; the line saying
+    what trains (None without LoRA)."""
+    if not cfg.lora.rank:
+        return None
+    return describe_lora(apply_lora(model, cfg.model, cfg.lora, seed=cfg.training.seed), model)
 
 
 def _freeze(model, cfg: RunConfig) -> None:
@@ -515,6 +526,8 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
         logger.write(line)
     if run.cfg.training.fp8 != "off":
         logger.write(_unwrap_model(run.model[0]).fp8_note)
+    if _unwrap_model(run.model[0]).lora_note:
+        logger.write(_unwrap_model(run.model[0]).lora_note)
     for reason in restored.skipped:
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
     if restored.path is not None:

@@ -331,3 +331,24 @@ def test_every_unresolvable_reference_is_one_line_with_its_file_and_the_fix(tmp_
         f"(unknown key 'presets'; did you mean 'preset'?)",
         f"{config}:4: checkpoint.dir='${{logging.ouput_dir}}/ckpt': the reference names no key of the config "
         f"(unknown key 'logging.ouput_dir'; did you mean 'logging.output_dir'?)"]
+
+
+def test_lora_settings_are_checked_with_the_fix():
+    assert load_run_config("qwen2.5vl-tiny", overrides=["lora.rank=8"]).lora.targets == ["language"]
+    (negative,) = errors_for("lora.rank=-1")
+    assert negative == "lora.rank=-1 must not be negative (0: no adapters; 8-64 is usual)."
+    (target,) = errors_for("lora.rank=8", "lora.targets=[language,vison]")
+    assert target == ("lora.targets=['language', 'vison'] must be a non-empty list from language | vision | "
+                      "projector; remove vison.")
+    (empty,) = errors_for("lora.rank=8", "lora.modules=[]")
+    assert empty.endswith("must be a non-empty list from qkv | proj | fc1 | fc2; name at least one.")
+    alpha, dropout = errors_for("lora.rank=8", "lora.alpha=0", "lora.dropout=1.5")
+    assert alpha.startswith("lora.alpha=0.0 must be positive") and dropout.startswith("lora.dropout=1.5 must be in")
+    (dense,) = errors_for("lora.rank=8", "lora.experts=true")
+    assert dense.endswith("(a dense model); set lora.experts=false.")
+    (text_only,) = errors_for("lora.rank=8", "lora.targets=[language,vision]", preset="llm-tiny")
+    assert text_only.endswith("is text-only (model.vision: null); set lora.targets=[language].")
+    (te,) = errors_for("lora.rank=8", "model.layer_backend=te")
+    assert te.endswith("set model.layer_backend=flash (or sdpa).")
+    # rank 0 is LoRA off: the other keys are not read, so a leftover value is no error.
+    load_run_config("qwen2.5vl-tiny", overrides=["lora.modules=[]"])
