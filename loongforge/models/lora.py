@@ -61,6 +61,7 @@ from loongforge.config.validate import LORA_TE_REFUSAL
 from loongforge.models.hf_rules import FusedExperts, GateUp, Replicated, Rule, Split, Tensor, Transform
 from loongforge.models.hf_weights import expert_placement, match_rule
 from loongforge.models.layer_kinds import layer_kind
+from loongforge.models.lora_params import chosen_kinds
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
 from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
@@ -211,14 +212,6 @@ def _row_forward(original, adapter: LoraAdapter, input_: Tensor):
 # ---------------------------------------------------------------------------------------------
 # Attaching adapters to a built model
 # ---------------------------------------------------------------------------------------------
-
-
-def chosen_kinds(lora_cfg: LoraConfig) -> set[str]:
-    """The ``layer_kinds`` kinds ``lora_cfg`` adapts (``language.qkv``, ``language.expert_fc1``...)."""
-    kinds = {f"{tower}.{module}" for tower in lora_cfg.targets for module in lora_cfg.modules}
-    if lora_cfg.experts and "language" in lora_cfg.targets:
-        kinds |= {f"language.expert_{module}" for module in lora_cfg.modules if module in ("fc1", "fc2")}
-    return kinds
 
 
 def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig, *,

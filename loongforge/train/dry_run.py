@@ -15,6 +15,7 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage, resolve_read
 from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3
@@ -37,6 +38,8 @@ class ParameterSplit:
     output_head: int  # last stage; 0 when tied and everything is one stage
     experts_per_decoder_layer: int = 0  # routed experts (split over EP x expert TP)
     active: int = 0  # parameters one token runs through
+    vision_model: int = 0  # the vision tower's part of vision_and_projector
+    projector: int = 0  # the projector's part
 
 
 def split_parameters(model: ModelConfig) -> ParameterSplit:
@@ -56,6 +59,8 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
         output_head=head,
         experts_per_decoder_layer=experts,
         active=int(counts["active"]),
+        vision_model=int(counts["vision_model"]),
+        projector=int(counts["projector"]),
     )
 
 
@@ -67,6 +72,10 @@ class StagePlan:
     holds: tuple[str, ...]
     params_per_rank: int
     expert_params_per_rank: int = 0  # part of params_per_rank
+    # Parts of params_per_rank that take no gradient (LoRA's base, a frozen tower): weights only.
+    frozen_params_per_rank: float = 0.0
+    frozen_expert_params_per_rank: float = 0.0
+    adapter_params_per_rank: float = 0.0  # LoRA's, on top of params_per_rank; they train
 
 
 def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) -> list[StagePlan]:
@@ -77,12 +86,19 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
     expert_shards = sizes.expert_parallel * sizes.expert_tensor_parallel
+    adapters = _adapters(cfg, sizes)
+    lora = adapters is not None
+    frozen_encoder = (split.vision_model * (lora or cfg.training.freeze_vision)
+                      + split.projector * (lora or cfg.training.freeze_projector))
     for index, num_layers in enumerate(counts):
         expert_params = num_layers * split.experts_per_decoder_layer / expert_shards
         holds, params = [], num_layers * split.per_decoder_layer / tp + expert_params
+        frozen, adapter_params = 0.0, num_layers * adapters.per_decoder_layer if lora else 0.0
         if cfg.model.vision is not None and (index == 0 or replicas_everywhere):
             holds += ["vision tower + projector" if index == 0 else "vision tower + projector (replica)"]
             params += split.vision_and_projector / vision_tp
+            frozen += frozen_encoder / vision_tp
+            adapter_params += adapters.vision_and_projector if lora else 0.0
         if index == 0:
             holds += ["embeddings"]
             params += split.input_embedding / tp
@@ -91,9 +107,23 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
             head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)
             holds += ["LM head"] if head or not tied else ["LM head (tied)"]
             params += head / tp
-        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params), round(expert_params)))
+        if lora:  # the whole base is frozen
+            frozen = params - expert_params
+        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params), round(expert_params),
+                                frozen_params_per_rank=frozen,
+                                frozen_expert_params_per_rank=expert_params if lora else 0.0,
+                                adapter_params_per_rank=adapter_params))
         first_layer += num_layers
     return stages
+
+
+def _adapters(cfg: RunConfig, sizes: ParallelSizes) -> AdapterParameters | None:
+    """One rank's LoRA adapters (``lora.rank`` > 0), else None."""
+    if not cfg.lora.rank:
+        return None
+    return adapter_parameters(cfg.model, cfg.lora, tensor_parallel=sizes.tensor_parallel,
+                              vision_tensor_parallel=sizes.vision_tensor_parallel,
+                              expert_parallel=sizes.expert_parallel)
 
 
 def training_bytes_per_param(precision: str, optimizer: str, distributed_optimizer: bool,
@@ -133,14 +163,21 @@ class ParallelPlan:
     # (encoder_activation_bytes); None without an online encoder.
     encoder_activations: dict | None = None
     encoder_mode: str = "none"  # the run's: parallel.encoder_dp, "full, recompute" with encoder_full_recompute
+    weight_bytes: float = 2.0  # bytes of one frozen weight (no gradient, no optimizer state)
+    trainable_text: str = ""  # what trains (trainable_parameters_text)
+    # LoRA runs: the same run's memory per rank with every parameter trained (lora.rank=0).
+    full_training_bytes: float | None = None
 
     @property
     def max_params_per_rank(self) -> int:
         return max(stage.params_per_rank for stage in self.stages)
 
     def stage_memory_bytes(self, stage: StagePlan) -> float:
-        dense = stage.params_per_rank - stage.expert_params_per_rank
-        return dense * self.bytes_per_param + stage.expert_params_per_rank * self.expert_bytes_per_param
+        dense = stage.params_per_rank - stage.expert_params_per_rank - stage.frozen_params_per_rank
+        experts = stage.expert_params_per_rank - stage.frozen_expert_params_per_rank
+        frozen = stage.frozen_params_per_rank + stage.frozen_expert_params_per_rank
+        return ((dense + stage.adapter_params_per_rank) * self.bytes_per_param
+                + experts * self.expert_bytes_per_param + frozen * self.weight_bytes)
 
     @property
     def memory_per_rank_bytes(self) -> float:
@@ -177,7 +214,29 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         balancing=balancing_text(cfg, sizes),
         encoder_activations=encoder_activation_bytes(cfg, sizes),
         encoder_mode=_encoder_mode(cfg),
+        weight_bytes=2 if cfg.training.precision == "bf16" else 4,
+        trainable_text=trainable_parameters_text(cfg, split),
+        full_training_bytes=(build_parallel_plan(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)))
+                             .memory_per_rank_bytes if cfg.lora.rank else None),
     )
+
+
+def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
+    """What the run trains: every parameter, all but a frozen tower, or LoRA's adapters alone."""
+    if cfg.lora.rank:
+        lora = cfg.lora
+        total = adapter_parameters(cfg.model, lora, tensor_parallel=1, vision_tensor_parallel=1,
+                                   expert_parallel=1).total
+        experts = " and the routed experts' fc1, fc2" if lora.experts else ""
+        return (f"{human_count(total)} LoRA adapter parameters ({100 * total / split.total:.2f}% of "
+                f"{human_count(split.total)}): rank {lora.rank}, alpha {lora.alpha:g} on "
+                f"{'/'.join(lora.targets)} {', '.join(lora.modules)}{experts}; the base is frozen")
+    frozen = (split.vision_model * cfg.training.freeze_vision + split.projector * cfg.training.freeze_projector)
+    if not frozen:
+        return f"all {human_count(split.total)}"
+    parts = [name for name, on in (("vision tower", cfg.training.freeze_vision),
+                                   ("projector", cfg.training.freeze_projector)) if on]
+    return f"{human_count(split.total - frozen)} of {human_count(split.total)} ({' and '.join(parts)} frozen)"
 
 
 def _encoder_mode(cfg: RunConfig) -> str:
@@ -253,8 +312,11 @@ def _memory_note(plan: ParallelPlan) -> str:
                 + (f" (experts: expert DP{plan.sizes.expert_data_parallel})" if plan.has_experts else "")
                 if plan.distributed_optimizer else "")
     experts = f" (routed experts {plan.expert_bytes_per_param:.2f})" if plan.has_experts else ""
+    frozen = (f"; frozen weights {plan.weight_bytes:g} bytes/param (no grads or optimizer state)"
+              if any(stage.frozen_params_per_rank or stage.frozen_expert_params_per_rank for stage in plan.stages)
+              else "")
     return (f"{plan.precision} weights, fp32 grads{master}, {states}{sharding}; "
-            f"{plan.bytes_per_param:.2f} bytes/param{experts}; activations not included")
+            f"{plan.bytes_per_param:.2f} bytes/param{experts}{frozen}; activations not included")
 
 
 def _encoder_activation_text(plan: ParallelPlan) -> str:
@@ -296,9 +358,12 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
         rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers}) + "
                      f"{' + '.join(stage.holds)}: {human_count(stage.params_per_rank)} "
                      f"params per rank"))
+    rows.append(("trainable", plan.trainable_text))
     rows.append(("DP balancing", plan.balancing))
+    full = ("" if plan.full_training_bytes is None
+            else f"; full fine-tuning at this layout: ~{plan.full_training_bytes / GIB:.1f} GiB")
     rows.append(("memory per rank", f"~{plan.memory_per_rank_bytes / GIB:.1f} GiB for "
-                 f"weights + grads + optimizer state on the busiest stage ({_memory_note(plan)})"))
+                 f"weights + grads + optimizer state on the busiest stage{full} ({_memory_note(plan)})"))
     if plan.encoder_activations is not None:
         rows.append(("encoder activations", _encoder_activation_text(plan)))
     width = max(len(label) for label, _ in rows)

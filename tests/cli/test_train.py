@@ -259,3 +259,34 @@ def test_nproc_per_node_spawns_local_workers(monkeypatch, tmp_path):
     result = invoke("--nproc-per-node", "2", "--output-dir", str(tmp_path))
     assert result.exit_code == 0, result.output
     assert launched["nproc_per_node"] == 2 and launched["cfg"].parallel.world_size == 2
+
+
+def _plan_line(plan: str, label: str) -> str:
+    return next(line for line in plan.splitlines() if line.strip().startswith(label))
+
+
+def test_dry_run_counts_loras_adapters_and_frozen_weights_without_optimizer_state():
+    """qwen2.5vl-7b (TP 2 x DP 4, bf16, distributed optimizer: 2 + 4 + 12 / 4 = 9 bytes per trained
+    parameter, 2 per frozen one). LoRA rank 8 on every language linear has PEFT's count for the
+    Qwen2-7B decoder: 28 layers x 8 x (q 3584+3584, k and v 3584+512, o 3584+3584, gate and up
+    3584+18944, down 18944+3584) = 20,185,088. A frozen vision tower keeps its weights only."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.models.registry import get_family
+
+    def plan(*overrides: str) -> str:
+        return invoke("--preset", "qwen2.5vl-7b", "--dry-run", *overrides).stdout.split("parallel plan\n")[1]
+
+    def gib(line: str) -> float:
+        return float(line.split("~")[1].split(" GiB")[0])
+
+    full, lora, frozen = plan(), plan("lora.rank=8"), plan("training.freeze_vision=true")
+    assert 28 * 8 * (2 * 3584 + 2 * (3584 + 512) + 2 * 3584 + 2 * (3584 + 18944) + 18944 + 3584) == 20_185_088
+    assert "20.19M LoRA adapter parameters (0.24% of 8.29B): rank 8, alpha 16 on language" in _plan_line(lora, "trainable")
+    full_gib, lora_gib = gib(_plan_line(full, "memory per rank")), gib(_plan_line(lora, "memory per rank"))
+    print(f"qwen2.5vl-7b per rank: full {full_gib} GiB, LoRA {lora_gib} GiB")
+    assert f"full fine-tuning at this layout: ~{full_gib:.1f} GiB" in _plan_line(lora, "memory per rank")
+    per_rank = 8_292_166_656 / 2  # one stage, TP 2
+    assert abs(lora_gib - (per_rank * 2 + 20_185_088 / 2 * 9) / 1024**3) < 0.3  # adapters: about half per rank
+    vision = get_family("qwen2_5_vl").count_parameters(load_run_config("qwen2.5vl-7b").model)["vision_model"]
+    assert gib(_plan_line(frozen, "memory per rank")) == pytest.approx(full_gib - vision / 2 * (9 - 2) / 1024**3, abs=0.06)
+    assert "(vision tower frozen)" in _plan_line(frozen, "trainable")
