@@ -411,6 +411,52 @@ def encoder_dp(
             typer.echo(f"wrote {doc} and {plot}")
 
 
+@app.command("lora")
+def lora(
+    overrides: Annotated[Optional[list[str]], typer.Argument(
+        metavar="[KEY=VALUE...]", show_default=False,
+        help="Dotted overrides for both variants (model size, data, steps).")] = None,
+    preset: Annotated[str, typer.Option("--preset", "-p", metavar="NAME", help="The model both variants train.")]
+        = "qwen2.5vl-tiny-small-vocab",
+    rank: Annotated[int, typer.Option("--rank", min=1, metavar="R", help="lora.rank of the LoRA variant.")] = 16,
+    alpha: Annotated[float, typer.Option("--alpha", metavar="A", help="lora.alpha of the LoRA variant.")] = 32.0,
+    targets: Annotated[str, typer.Option("--targets", metavar="language,vision,projector",
+                                         help="lora.targets of the LoRA variant.")] = "language",
+    warmup_steps: Annotated[int, typer.Option(
+        "--warmup-steps", min=0, metavar="N", help="First steps of each run left out of the step time.")] = 1,
+    out: Annotated[Optional[Path], typer.Option("--out", metavar="DIR", help="Where the runs and lora.json go.")] = None,
+    doc: Annotated[Optional[Path], typer.Option(
+        "--doc", metavar="FILE.md", help="Also write the report with the command that made it.")] = None,
+) -> None:
+    """Full fine-tuning against LoRA on the same model, data and steps: trainable parameters,
+    checkpoint size, peak memory per rank and step time, LoRA's as ratios of full's."""
+    import sys
+
+    from loongforge.bench.lora import format_report, run_lora_bench
+    from loongforge.config.loader import load_run_config
+    from loongforge.parallel.launch_env import runs_on_cuda
+
+    with cli_errors():
+        common = list(overrides or [])
+        lora_options = [f"lora.rank={rank}", f"lora.alpha={alpha}", f"lora.targets=[{targets}]"]
+        cfg = load_run_config(preset, overrides=[*common, *lora_options])  # refuses bad keys before any run
+        if warmup_steps >= cfg.training.train_steps:
+            raise UsageError(f"--warmup-steps {warmup_steps} leaves no measured step of training.train_steps="
+                             f"{cfg.training.train_steps}")
+        out = out or DEFAULT_OUT / "lora"
+        out.mkdir(parents=True, exist_ok=True)
+        measures = run_lora_bench(out, preset=preset, common=common, lora=lora_options, warmup_steps=warmup_steps,
+                                  progress=lambda message: typer.echo(f"... {message}", err=True))
+        report = format_report(measures, "cuda" if runs_on_cuda(cfg.training.device) else "cpu")
+        typer.echo(report)
+        typer.echo(f"wrote {out / 'lora.json'}")
+        if doc is not None:
+            command = " ".join(["loongforge", *sys.argv[1:]])
+            doc.parent.mkdir(parents=True, exist_ok=True)
+            doc.write_text(f"# Full fine-tuning vs LoRA, measured in one run\n\n```bash\n{command}\n```\n\n{report}\n")
+            typer.echo(f"wrote {doc}")
+
+
 @app.command("encode")
 def encode(
     data_root: Annotated[Optional[Path], typer.Option(
