@@ -163,6 +163,8 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
     model.lora_note = _apply_lora(model, cfg)
     decide, note = fp8_choice(cfg, device, layer_backend)
+    if decide is not None and cfg.lora.rank:  # models.fp8 runs a frozen weight's GEMMs in bf16 anyway
+        decide, note = None, f"fp8: {cfg.training.fp8}, but LoRA freezes every base weight: bf16 everywhere"
     # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
     model.fp8_weights = Fp8WeightCache() if decide is not None else None
     model.fp8_layers = apply_fp8(model, decide, model.fp8_weights) if decide is not None else {}
