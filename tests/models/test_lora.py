@@ -1,8 +1,9 @@
 """LoRA adapters (``models.lora``) equal transformers + PEFT: the same adapter weights, read through
 ``lora_rules`` from PEFT's tensors, give PEFT's logits at TP 1 (Qwen3 text, Qwen2.5-VL with language,
-vision and projector adapters), and at TP 2 with sequence parallelism the logits and the adapters'
-gradients after megatron's gradient finalize (every adapter, written back to PEFT's names through
-``megatron_to_hf``); only the adapters train."""
+vision and projector adapters), and at TP 2 with and without sequence parallelism the logits and the
+adapters' gradients after megatron's gradient finalize (every adapter, written back to PEFT's names
+through ``megatron_to_hf``); routed experts' adapters equal their merged weights; an HF folder loads
+around new adapters; only the adapters train."""
 
 from pathlib import Path
 
