@@ -583,7 +583,7 @@ LORA_MODULES = ("qkv", "proj", "fc1", "fc2")
 # Adapters wrap megatron-core's own column/row-parallel linears; Transformer Engine's are other
 # classes with their own GEMM path, which loongforge does not adapt.
 LORA_TE_REFUSAL = ("lora.rank > 0 adapts megatron-core's local linears and this run's model.layer_backend "
-                   "is te (Transformer Engine's); set model.layer_backend=flash (or sdpa).")
+                   "is (or resolves to) te, Transformer Engine's; set model.layer_backend=flash (or sdpa).")
 
 
 def _check_lora(cfg: RunConfig) -> list[str]:
@@ -607,6 +607,13 @@ def _check_lora(cfg: RunConfig) -> list[str]:
                       f"text-only (model.vision: null); set lora.targets=[language].")
     if cfg.model.layer_backend == "te":
         errors.append(LORA_TE_REFUSAL)
+    if cfg.checkpoint.save_hf:
+        # The HF export writes the base weights, which LoRA leaves unchanged: the training would be lost.
+        errors.append("checkpoint.save_hf=true writes the base weights, and with lora.rank > 0 those do not train "
+                      "(the adapters are not exported yet); set checkpoint.save_hf=false and keep the checkpoint.")
+    if cfg.data.vision_embeddings is not None and set(lora.targets) & {"vision", "projector"}:
+        errors.append(f"lora.targets={lora.targets} adapts the vision tower or projector, but "
+                      f"data.vision_embeddings runs neither (stored embeddings); set lora.targets=[language].")
     if lora.experts:
         errors += _check_lora_experts(cfg)
     return errors

@@ -33,6 +33,7 @@ from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
 from loongforge.models.hf_weights import expert_placement, vision_tp_group
 from loongforge.models.registry import get_family
+from loongforge.models.state_dict_names import is_adapter_key
 
 
 def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[str, Link]:
@@ -111,7 +112,7 @@ def _fill_from_hub(module: torch.nn.Module, links: dict[str, Link], hub_tensor, 
     ``hub_tensor``: HF key -> tensor; ``shard_of``: link -> (rank, size) of the group sharding it."""
     loaded = 0
     for key, target in module.state_dict(keep_vars=True).items():
-        if key.endswith("_extra_state"):
+        if key.endswith("_extra_state") or is_adapter_key(key):  # LoRA adapters are not in an HF folder
             continue
         link = links.get(key)
         if link is None:

@@ -28,6 +28,12 @@ Tensor parallelism (the weight's split decides the adapter's):
   communication.
 Each adapter's parameters carry the attributes its weight carries (``_mark_parallel``): megatron's
 tensor-parallel ones on the split matrix, the experts' ``allreduce``, the encoder replicas' marks.
+A's initial values are drawn from the training seed and the layer's global name, so they do not
+depend on the TP, PP or EP layout.
+
+Checkpoints: the adapters are parameters of the model, saved and resumed with it; an adapted linear
+describes its split matrix as TP-sharded (fc1's B as two halves, as megatron saves the fused gate/up
+weight) so that a checkpoint reshards to another TP size (``_sharded_state_dict``).
 
 Names: an adapter is the child ``lora`` of its linear, ``<linear>.lora.A`` and ``<linear>.lora.B``
 (``state_dict_names.LORA_A`` / ``LORA_B``); PEFT's are ``<hf linear>.lora_A.weight`` /
@@ -216,11 +222,10 @@ def _row_forward(original, adapter: LoraAdapter, input_: Tensor):
 
 def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraConfig, *,
                seed: int) -> dict[str, int]:
-    """Attach an adapter (A from ``seed`` and the layer's global name: the same at every TP, PP and
-    EP size; B zeros)
-    to every linear of the kinds ``lora_cfg`` chooses, and freeze every other parameter of
-    ``model`` (one built pipeline stage of any family). Returns the count of adapted linears per kind.
-    A Transformer Engine linear is refused (``model.layer_backend=te``)."""
+    """Attach an adapter to every linear of the kinds ``lora_cfg`` chooses (A from ``seed`` and the
+    layer's global name: the same at every TP, PP and EP size; B zeros) and freeze every other
+    parameter of ``model`` (one built pipeline stage of any family). Returns the count of adapted
+    linears per kind. A Transformer Engine linear is refused (``model.layer_backend=te``)."""
     rules = get_family(model_cfg.family).hf_rules(model_cfg)
     hf_shapes = get_family(model_cfg.family).hf_shapes(model_cfg)
     kinds, counts = chosen_kinds(lora_cfg), {}

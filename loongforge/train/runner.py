@@ -29,7 +29,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.layout import resolve_read, vision_tensor_parallel_size
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
-from loongforge.config.validate import validate
+from loongforge.config.validate import LORA_TE_REFUSAL, validate
 from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.arrow_samples import cache_summary
@@ -164,6 +164,8 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
     model.lora_note = _apply_lora(model, cfg)
     decide, note = fp8_choice(cfg, device, layer_backend)
+    if decide is not None and cfg.lora.rank:  # models.fp8 runs a frozen weight's GEMMs in bf16 anyway
+        decide, note = None, f"fp8: {cfg.training.fp8}, but LoRA freezes every base weight: bf16 everywhere"
     # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
     model.fp8_weights = Fp8WeightCache() if decide is not None else None
     model.fp8_layers = apply_fp8(model, decide, model.fp8_weights) if decide is not None else {}
@@ -382,6 +384,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     # An impossible model.layer_backend is a config error before anything is written or built.
     backend = resolve_layer_backend(cfg.model.layer_backend, env.device, _DTYPES[cfg.training.precision])
     check_fp8_backend(cfg.training.fp8, backend)
+    if cfg.lora.rank and backend == "te":  # auto chose Transformer Engine, whose linears LoRA does not wrap
+        raise InputError(LORA_TE_REFUSAL)
     if env.device.type == "cpu":
         mcore_patches.apply_cpu()
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)

@@ -350,5 +350,10 @@ def test_lora_settings_are_checked_with_the_fix():
     assert text_only.endswith("is text-only (model.vision: null); set lora.targets=[language].")
     (te,) = errors_for("lora.rank=8", "model.layer_backend=te")
     assert te.endswith("set model.layer_backend=flash (or sdpa).")
+    stored = errors_for("lora.rank=8", "lora.targets=[language,vision]", "data.vision_embeddings=/nowhere")
+    assert any(message.endswith("data.vision_embeddings runs neither (stored embeddings); set lora.targets=[language].")
+               for message in stored)
+    (export,) = errors_for("lora.rank=8", "checkpoint.save_hf=true")
+    assert export.startswith("checkpoint.save_hf=true writes the base weights")
     # rank 0 is LoRA off: the other keys are not read, so a leftover value is no error.
     load_run_config("qwen2.5vl-tiny", overrides=["lora.modules=[]"])

@@ -1,8 +1,9 @@
 """LoRA adapters (``models.lora``) equal transformers + PEFT: the same adapter weights, read through
 ``lora_rules`` from PEFT's tensors, give PEFT's logits at TP 1 (Qwen3 text, Qwen2.5-VL with language,
-vision and projector adapters), and at TP 2 with sequence parallelism the logits and the adapters'
-gradients after megatron's gradient finalize (every adapter, written back to PEFT's names through
-``megatron_to_hf``); only the adapters train."""
+vision and projector adapters), and at TP 2 with and without sequence parallelism the logits and the
+adapters' gradients after megatron's gradient finalize (every adapter, written back to PEFT's names
+through ``megatron_to_hf``); routed experts' adapters equal their merged weights; an HF folder loads
+around new adapters; only the adapters train."""
 
 from pathlib import Path
 
@@ -130,6 +131,25 @@ def test_vision_language_logits_match_peft(megatron_world_of_one):
         qkv.B.copy_(peft_tensors(peft_model)["model.visual.blocks.0.attn.qkv.lora_B.weight"])
         misordered = model(**our_inputs(sample, positions))
     assert (misordered - reference).abs().max() > 100 * TOLERANCE
+
+
+def test_a_run_starts_from_an_hf_folder_with_new_adapters(megatron_world_of_one, tmp_path):
+    """``checkpoint.load_hf`` fills the base weights of an adapted model (an HF folder has no
+    adapters): with B still zero its logits are transformers' own."""
+    from loongforge.convert.model_io import load_hf_weights
+    from loongforge.models.llm.model import build_model
+
+    model_cfg, hf_model = tiny_llm_cfg(ARCH), build_hf_llm(ARCH)
+    hf_model.save_pretrained(tmp_path)
+    model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                        post_process=True, device="cpu").eval()
+    apply_lora(model, model_cfg, LORA, seed=0)
+    load_hf_weights(model, tmp_path)
+    input_ids = torch.randint(0, model_cfg.language.vocab_size, (1, 16), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        reference = hf_model(input_ids=input_ids).logits
+        logits = model(input_ids=input_ids, position_ids=text_positions(16))[..., :model_cfg.language.vocab_size]
+    assert (logits - reference).abs().max() <= TOLERANCE
 
 
 def test_only_adapters_train(megatron_world_of_one):
