@@ -50,7 +50,8 @@ from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.redeal import DealtPositions, merged_rejects, redeal
 from loongforge.data.samples import Reject, RejectKey
-from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer
+from loongforge.data.record_kinds import reading_for
+from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer, pack_items
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
@@ -66,7 +67,7 @@ def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[
     if data_cfg.source == "files":
         if not data_cfg.paths:
             raise ValueError("data.source=files needs data.paths")
-        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir)
+        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir, reading=reading_for(data_cfg))
     raise ValueError(f"data.source={data_cfg.source!r} is not readable by DataPipeline (synthetic, files)")
 
 
@@ -141,6 +142,7 @@ class RowStream:
         self.dealt = DealtPositions()
         self._orders: dict[int, np.ndarray] = {}
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
+        self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -155,12 +157,15 @@ class RowStream:
         return self.packer.next_row(self._pull)
 
     def _pull(self) -> PackItem[MeasuredSample]:
-        """Next accepted sample; rejects are logged and skipped."""
+        """Next accepted sample (or piece of a long document); rejects are logged and skipped."""
+        if self.pieces:
+            return self.pieces.pop(0)
         while True:
             position = self._next_position()
             measured = self._measure_at(position)
             if isinstance(measured, MeasuredSample):
-                return PackItem(key=position, length=measured.length, payload=measured)
+                first, *self.pieces = pack_items(position, measured, self.packer.seq_len)
+                return first
             self.rejects.record(measured)
             self._check_some_accepted()
 
@@ -210,7 +215,7 @@ class RowStream:
     def state_dict(self) -> dict:
         """``shard`` and ``dealt`` let a resume at another DP size deal the position again."""
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
-                "shard": [self.shard_index, self.shard_count],
+                "pieces": [list(item.key) for item in self.pieces], "shard": [self.shard_index, self.shard_count],
                 "dealt": self.dealt.state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,7 +224,8 @@ class RowStream:
                              "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
-        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at, self.packer.seq_len)
+        self.pieces = measured_buffer(state.get("pieces", []), self._measure_at, self.packer.seq_len)
 
     def redealt(self, states: list[dict]) -> dict:
         """This shard's state continuing the saved ``states`` of all shards of a run at another DP
@@ -334,7 +340,7 @@ class DataPipeline:
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
         if data_cfg.streaming:
             windows = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
-                                       shuffle=data_cfg.shuffle, seed=data_cfg.seed)
+                                       shuffle=data_cfg.shuffle, seed=data_cfg.seed, reading=reading_for(data_cfg))
             return StreamingRowStream(windows, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
                                       rejects=self.rejects, shard=shard)
         samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)

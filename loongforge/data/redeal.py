@@ -36,6 +36,10 @@ def untrained_positions(states: list[dict], epoch_size: int) -> dict[int, list[i
     if epoch_size < 1:
         raise ValueError(f"epoch_size must be >= 1, got {epoch_size}")
     last = max(int(s["epoch"]) for s in states)
+    for state in states:
+        if state.get("pieces") or any(len(key) != 2 for key in state["buffer"]):
+            raise ValueError("a shard stood inside a long document cut into pieces (data.seq_len), part of "
+                             "it trained: its rest cannot be dealt to another shard")
     pieces: dict[int, list[np.ndarray]] = {}
     for state in states:
         index, count = _shard(state)

@@ -21,6 +21,7 @@ from loongforge.config.loader import load_run_config
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
+from loongforge.data.record_kinds import reading_for
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import (
     CONFIG_FILE,
@@ -98,7 +99,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     summary = PackSummary(output=root, stats={}, workers=options.workers)
 
     start = time.perf_counter()
-    samples = ArrowSamples(files, cfg.data.cache_dir)
+    samples = ArrowSamples(files, cfg.data.cache_dir, reading=reading_for(cfg.data))
     context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork

@@ -28,6 +28,11 @@ def scan_record(index: int) -> dict:
         where["record"] = measured.record
     if not isinstance(measured, MeasuredSample):
         return {"i": index, **where, "reason": measured.reason, "detail": measured.detail}
+    seq_len = workers.seq_len()
+    if measured.length > seq_len:  # a long pretraining document: the row streams cut it, a pack does not yet
+        return {"i": index, **where, "reason": "too_long",
+                "detail": f"document of {measured.length} tokens > --seq-len {seq_len}; loongforge pack does not "
+                          "cut documents into pieces: train on data.paths (which does) or raise --seq-len"}
     patches = [t * h * w for t, h, w in measured.image_grids]
     patches += [t * h * w for t, h, w in (plan.grid_thw for plan in measured.video_plans)]
     return {"i": index, "id": measured.sample_id, **where,
