@@ -287,3 +287,28 @@ def test_caption_pairs_and_coco_file_train_on_the_caption_only(tokenizer, tmp_pa
     assert "Describe the image." in tokenizer.decode(measured.input_ids)
     assert Counter(measured.input_ids.tolist())[MODEL.tokens.image_token_id] == measured.image_grids[0][1] * \
         measured.image_grids[0][2] // 4
+
+
+def test_streamed_long_document_is_cut_and_resumes_inside_it(tokenizer, tmp_path):
+    wiki = require(LLAMAFACTORY / "wiki_demo.txt").read_text().splitlines()
+    path = tmp_path / "wiki.txt"
+    path.write_text("\n".join(wiki[:2]) + "\n")
+    cfg = DataConfig(source="files", paths=[str(path)], seq_len=1024, num_workers=0, streaming=True,
+                     shuffle_window=2)
+
+    def pipeline():
+        return DataPipeline(cfg, MODEL, global_batch_size=1, dp_rank=0, dp_size=1, pad_to_multiple=64,
+                            tokenizer=tokenizer, lookahead=2)
+
+    going_on = pipeline()
+    first = [going_on.next_step()[0] for _ in range(3)]
+    doc = first[0]["sample_ids"][0].split("#")[0]  # the window is shuffled: either article first
+    assert [mb["sample_ids"] for mb in first] == [[f"{doc}#{piece}"] for piece in range(3)]
+    assert [mb["sample_lengths"] for mb in first] == [[1024]] * 3
+    state = json.loads(json.dumps(going_on.state_dict()))
+    assert state["stream"]["pieces"], state  # saved inside the cut document
+    resumed = pipeline()
+    resumed.load_state_dict(state)
+    for _ in range(4):
+        a, b = going_on.next_step()[0], resumed.next_step()[0]
+        assert a["sample_ids"] == b["sample_ids"] and torch.equal(a["input_ids"], b["input_ids"])
