@@ -202,3 +202,26 @@ def test_image_cap_below_a_sample_is_a_config_error(pack_inputs, tmp_path):
 
     with pytest.raises(ConfigError, match="--max-images-per-pack 1 is below the 2 images"):
         run_pack(_options(pack_inputs, tmp_path / "out", max_images_per_pack=1))
+
+
+def test_pretraining_documents_and_alpaca_pack(tmp_path):
+    """Documents pack with every token a loss token and <|endoftext|> last; Alpaca records as
+    chats; a document longer than --seq-len is a counted too_long reject that says why (pack does
+    not cut documents; training from data.paths does)."""
+    llamafactory = SHARED_DATA / "llamafactory"
+    (tmp_path / "c4.jsonl").write_text("\n".join((llamafactory / "c4_demo.jsonl").read_text().splitlines()[:10]))
+    (tmp_path / "wiki.txt").write_text("\n".join((llamafactory / "wiki_demo.txt").read_text().splitlines()[:2]))
+    alpaca = json.loads((llamafactory / "alpaca_en_demo.json").read_text())[:10]
+    (tmp_path / "alpaca.json").write_text(json.dumps(alpaca))
+    root = tmp_path / "out"
+    stats = run_pack(_options([tmp_path / "c4.jsonl", tmp_path / "wiki.txt", tmp_path / "alpaca.json"], root)).stats
+    rejects = folder.read_lines(root / folder.REJECTS_FILE)
+    assert {(Path(r["file"]).name, r["reason"]) for r in rejects} == {("wiki.txt", "too_long")}
+    assert all("does not cut documents" in r["detail"] for r in rejects)
+    packed = PackedFolder(root)
+    samples = [s for i in range(len(packed)) for s in packed.pack(i)]
+    documents = [s for s in samples if Path(s.file).name == "c4.jsonl"]
+    chats = [s for s in samples if Path(s.file).name == "alpaca.json"]
+    assert len(documents) == 10 and len(chats) == 10 and stats["samples_packed"] == 20
+    assert all(s.is_answer.all() and s.input_ids[-1] == 151643 for s in documents)
+    assert all(0 < s.is_answer.sum() < s.length for s in chats)
