@@ -157,8 +157,8 @@ class DataConfig:
     # text), so one run mixes chat, Alpaca, caption and pretraining files; "conversation", "text",
     # "alpaca" or "caption" reads every record as that kind. Lines of .txt files are always text.
     record_kind: str = "auto"
-    # The user turn before the image of caption records (e.g. "Describe the image."); null = the
-    # image alone. Loss is on the caption only either way.
+    # Text after the image in the user turn of caption records (e.g. "Describe the image."); null =
+    # the image alone. Loss is on the caption only either way.
     caption_prompt: Optional[str] = None
     shuffle: bool = True
     seed: int = 1234

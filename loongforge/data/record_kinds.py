@@ -15,7 +15,7 @@ conversation. Lines of a ``.txt`` file are always ``text`` records, one document
 - ``alpaca``: ``instruction``, optional ``input`` (appended after a newline when not empty),
   ``output``, optional ``system`` and ``history`` (``[[question, answer], ...]`` before it): a chat,
   trained on its answers like any conversation.
-- ``caption``: ``image`` and ``caption``: a user turn holding the image (after ``data.caption_prompt``
+- ``caption``: ``image`` and ``caption``: a user turn holding the image (then ``data.caption_prompt``
   when set) answered by the caption, trained on the caption.
 
 A COCO captions file (``{"images": [...], "annotations": [...]}``) reads as one caption record per
@@ -129,7 +129,7 @@ def _history(record: dict) -> list[tuple[str, str]]:
 
 
 def caption_turns(record: dict, prompt: Optional[str]) -> tuple[list[Turn], Any]:
-    """(user turn with the image after ``prompt`` if any, assistant turn = the caption), and the
+    """(user turn = the image, then ``prompt`` if any; assistant turn = the caption), and the
     record's image entry (resolved by the caller, like a conversation's)."""
     caption = _string_field(record, "caption")
     image = record.get("image", record.get("images"))
@@ -137,7 +137,7 @@ def caption_turns(record: dict, prompt: Optional[str]) -> tuple[list[Turn], Any]
         image = image[0]
     if image is None or isinstance(image, list):
         raise RecordError("malformed_json", "a caption record needs one 'image'")
-    user = f"{prompt}{IMAGE_PLACEHOLDER}" if prompt else IMAGE_PLACEHOLDER
+    user = f"{IMAGE_PLACEHOLDER}{prompt}" if prompt else IMAGE_PLACEHOLDER  # image first, as Qwen's demos write it
     return [Turn("user", user), Turn("assistant", caption)], image
 
 

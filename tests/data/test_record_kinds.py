@@ -86,7 +86,7 @@ def test_each_kind_parses_and_malformed_records_are_counted_rejects_by_every_rea
     as_text = _all(FileSamples([str(path)], RecordReading(kind="text")))
     assert isinstance(as_text[0], TextSample) and as_text[3].reason == "malformed_json"
     prompted = FileSamples([str(path)], RecordReading(caption_prompt="Describe it. ")).get(2)
-    assert prompted.turns[0] == Turn("user", "Describe it. <image>")
+    assert prompted.turns[0] == Turn("user", "<image>Describe it. ")
 
 
 def test_text_in_json_parquet_and_txt_files(tmp_path):
