@@ -144,9 +144,10 @@ class SampleMeasurer:
         )
 
     def _measure_document(self, sample: TextSample) -> MeasuredSample:
-        """Every token a target: the text (special-token names in it stay plain text, so a scraped
-        page holding "<|endoftext|>" or "<|image_pad|>" neither ends early nor asks for an image)
-        and the end-of-document token the next document's first token must not be predicted from."""
+        """The format's ``text_start`` (if any), the text and the end-of-document token, all loss
+        tokens: the model learns to end documents. Special-token names inside the text stay plain
+        text, so a scraped page holding "<|endoftext|>" or "<|image_pad|>" neither ends early nor
+        asks for an image."""
         text_ids = self.tokenizer(sample.text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
         input_ids = np.asarray([*self.document_start_ids, *text_ids, self.document_end_id], dtype=np.int64)
         return MeasuredSample(sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
