@@ -1,7 +1,7 @@
 """Conversation records through memory-mapped Arrow (Hugging Face ``datasets``): what ``train``,
 ``pack`` and ``encode`` read.
 
-Each JSON / JSONL / parquet file is copied once into an Arrow file in the cache folder
+Each JSON / JSONL / parquet / .txt file is copied once into an Arrow file in the cache folder
 (``data.cache_dir``, default ``<LOONGFORGE_CACHE>/datasets``), named by a hash of the file's
 content, and memory-mapped from there by every process: a rank holds a few offsets, not the
 records, and the page cache holds one copy per node. The first process of a node to need a copy

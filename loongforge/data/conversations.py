@@ -56,8 +56,10 @@ ROLE_ALIASES = {
 }
 _IMAGE_PART_TYPES = {"image", "image_url"}
 _VIDEO_PART_TYPES = {"video", "video_url"}
-DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet", ".txt")
-_PATHS_REMEDY = "pass .json/.jsonl/.parquet/.txt files or folders holding them"
+# What a folder in data.paths contributes. Not .txt: a README or notes beside the data would become
+# training text unnoticed; a .txt corpus is named file by file.
+DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
+_PATHS_REMEDY = "pass .json/.jsonl/.parquet/.txt files, or folders holding .json/.jsonl/.parquet files"
 DEFAULT_READING = RecordReading()
 
 
@@ -412,7 +414,7 @@ def expand_data_paths(paths: list) -> list[str]:
         else:
             raise InputError(f"data.paths entry {entry!r} does not exist; {_PATHS_REMEDY}")
     if not sources:
-        raise InputError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet/.txt files; {_PATHS_REMEDY}")
+        raise InputError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files; {_PATHS_REMEDY}")
     empty = [s for s in sources if Path(s).is_file() and Path(s).stat().st_size == 0]
     if empty:
         raise InputError(f"data.paths file {empty[0]} is empty"

@@ -18,6 +18,7 @@ from typing import Callable, Optional
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
+from loongforge.config.overrides import Override
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
@@ -58,6 +59,8 @@ class PackOptions:
     # tokens at 32K seq_len, before media bytes).
     packs_per_shard: int = 256
     progress: bool = True
+    record_kind: str = "auto"  # data.record_kind: how records become samples (data/record_kinds.py)
+    caption_prompt: Optional[str] = None  # data.caption_prompt
 
 
 @dataclass
@@ -166,7 +169,10 @@ def _check_some_packs(stats: dict, root: Path) -> None:
 
 def _load_config(options: PackOptions):
     # The pack's capacity is the training row length: tokenization rejects longer samples.
-    return load_run_config(options.preset, overrides=[f"data.seq_len={options.seq_len}"])
+    settings = {"seq_len": options.seq_len, "record_kind": options.record_kind, "caption_prompt": options.caption_prompt}
+    return load_run_config(options.preset, overrides=[
+        Override(text=f"data.{key}={value}", path=("data", key), delete=False, value=value)
+        for key, value in settings.items()])
 
 
 def _sizing_dict(cfg) -> dict:
@@ -191,6 +197,9 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) ->
         "video_max_frames": data.video_max_frames,
         "vision_sizing": sizing,
         "tokens": asdict(cfg.model.tokens),
+        # Only where set, so folders packed before these settings existed still resume.
+        **({"record_kind": data.record_kind} if data.record_kind != "auto" else {}),
+        **({"caption_prompt": data.caption_prompt} if data.caption_prompt is not None else {}),
     }
 
 

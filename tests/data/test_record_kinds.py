@@ -98,6 +98,8 @@ def test_text_in_json_parquet_and_txt_files(tmp_path):
     pq.write_table(pa.table({"text": docs}), tmp_path / "b.parquet")
     # .txt: one document per non-empty line (blank lines separate nothing, they are skipped).
     (tmp_path / "c.txt").write_text(f"{docs[0]}\n\n{docs[1]}\r\n{docs[2]}")
+    # A folder gives its JSON and parquet files, not its .txt files (a README would become data).
+    assert {s.file for s in _all(FileSamples([str(tmp_path)]))} == {str(tmp_path / "a.json"), str(tmp_path / "b.parquet")}
     for name, lines in (("a.json", [2, 5, 8]), ("b.parquet", [1, 2, 3]), ("c.txt", [1, 3, 4])):
         files = [str(tmp_path / name)]
         read = _all(FileSamples(files))

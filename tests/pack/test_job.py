@@ -10,7 +10,7 @@ from pathlib import Path
 import pyarrow.parquet as pq
 import pytest
 
-from loongforge.config.errors import InputError
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.data.conversations import FileSamples, read_json_array
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.reader import PackedFolder
@@ -225,3 +225,5 @@ def test_pretraining_documents_and_alpaca_pack(tmp_path):
     assert len(documents) == 10 and len(chats) == 10 and stats["samples_packed"] == 20
     assert all(s.is_answer.all() and s.input_ids[-1] == 151643 for s in documents)
     assert all(0 < s.is_answer.sum() < s.length for s in chats)
+    with pytest.raises(ConfigError, match=r"data.record_kind='pretrain' is not one of auto \| conversation"):
+        run_pack(_options([tmp_path / "c4.jsonl"], tmp_path / "other", record_kind="pretrain"))
