@@ -51,7 +51,7 @@ from loongforge.data.samples import Sample as RecordSample
 if TYPE_CHECKING:
     import datasets
 
-# Where a record starts: (source index, byte offset (JSON lines) or record index (others), line).
+# Where a record starts: (source index, byte offset (JSON lines, .txt) or record index (others), line).
 Location = tuple[int, int, int]
 Sample = Union[RecordSample, Reject]
 _WINDOWS_KEPT = 4  # decoded windows kept in memory: the packer looks back at most a few
