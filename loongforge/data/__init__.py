@@ -1,4 +1,5 @@
-"""Data: conversation, Alpaca, caption and pretraining-text files and synthetic samples -> tokens and pixels -> packed micro-batches.
+"""Data: conversation, Alpaca, caption and pretraining-text files and synthetic samples -> tokens
+and pixels -> packed micro-batches.
 
 Entry points: ``DataPipeline`` (training steps), ``load_tokenizer``, ``ArrowSamples`` /
 ``SyntheticSamples`` (sample sources), ``SampleMeasurer`` (tokens + media sizes of one sample).

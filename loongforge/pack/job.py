@@ -169,7 +169,8 @@ def _check_some_packs(stats: dict, root: Path) -> None:
 
 def _load_config(options: PackOptions):
     # The pack's capacity is the training row length: tokenization rejects longer samples.
-    settings = {"seq_len": options.seq_len, "record_kind": options.record_kind, "caption_prompt": options.caption_prompt}
+    settings = {"seq_len": options.seq_len, "record_kind": options.record_kind,
+                "caption_prompt": options.caption_prompt}
     return load_run_config(options.preset, overrides=[
         Override(text=f"data.{key}={value}", path=("data", key), delete=False, value=value)
         for key, value in settings.items()])

@@ -99,7 +99,8 @@ def test_text_in_json_parquet_and_txt_files(tmp_path):
     # .txt: one document per non-empty line (blank lines separate nothing, they are skipped).
     (tmp_path / "c.txt").write_text(f"{docs[0]}\n\n{docs[1]}\r\n{docs[2]}")
     # A folder gives its JSON and parquet files, not its .txt files (a README would become data).
-    assert {s.file for s in _all(FileSamples([str(tmp_path)]))} == {str(tmp_path / "a.json"), str(tmp_path / "b.parquet")}
+    in_folder = {s.file for s in _all(FileSamples([str(tmp_path)]))}
+    assert in_folder == {str(tmp_path / "a.json"), str(tmp_path / "b.parquet")}
     for name, lines in (("a.json", [2, 5, 8]), ("b.parquet", [1, 2, 3]), ("c.txt", [1, 3, 4])):
         files = [str(tmp_path / name)]
         read = _all(FileSamples(files))
@@ -218,7 +219,8 @@ def test_long_document_is_cut_into_row_sized_pieces_and_resumes_inside_it(tokeni
     for key, expected in zip(sorted(by_doc), whole):
         pieces = sorted(by_doc[key], key=lambda item: item.key[2])
         assert [item.key[2] for item in pieces] == list(range(len(pieces))) and len(pieces) > 1
-        assert np.array_equal(np.concatenate([p.payload.input_ids for p in pieces]), expected.input_ids)  # no token lost or doubled
+        joined = np.concatenate([p.payload.input_ids for p in pieces])
+        assert np.array_equal(joined, expected.input_ids)  # no token lost or doubled
         assert all(p.length == seq_len for p in pieces[:-1])
     # Resuming inside a cut document gives the same rows as going on.
     middle = next(i for i, s in enumerate(states) if s["pieces"] or any(len(k) == 3 for k in s["buffer"]))
