@@ -19,7 +19,7 @@ same samples.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
@@ -340,6 +340,7 @@ class StreamingRowStream:
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
         self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
+        self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
         self._accepted_this_epoch = False
         self._rejected_this_epoch: Counter = Counter()
 
@@ -347,6 +348,8 @@ class StreamingRowStream:
         return self.packer.next_row(self._pull)
 
     def _pull(self) -> PackItem[MeasuredSample]:
+        if not self.pieces:
+            self.pieces = dealt_document_items(self.dealt_pieces, self._measure_at, self.packer.seq_len)
         if self.pieces:
             return self.pieces.pop(0)
         while True:
@@ -386,8 +389,9 @@ class StreamingRowStream:
         keys = self.packer.buffer_keys()
         pieces = [item.key for item in self.pieces]
         seek_to = [self.cursor] + [k[1] for k in keys + pieces] + [p for _, p in self.dealt.first()]
+        seek_to += [position for _, position, _ in self.dealt_pieces]
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
-                "pieces": [list(k) for k in pieces],
+                "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
                 "window_starts": self.source.state_for(seek_to)}
 
@@ -401,6 +405,7 @@ class StreamingRowStream:
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at, self.packer.seq_len)
         self.pieces = measured_buffer(state.get("pieces", []), self._measure_at, self.packer.seq_len)
+        self.dealt_pieces = deque(state.get("dealt_pieces", []))
 
 
     def redealt(self, states: list[dict]) -> dict:
@@ -421,6 +426,20 @@ def pack_items(position: tuple[int, int], measured: MeasuredSample, seq_len: int
     if len(pieces) == 1:
         return [PackItem(key=tuple(position), length=measured.length, payload=measured)]
     return [PackItem(key=(*position, piece.piece), length=piece.length, payload=piece) for piece in pieces]
+
+
+def dealt_document_items(dealt_pieces: deque, measure_at, seq_len: int) -> list[PackItem[MeasuredSample]]:
+    """The untrained pieces of the next part-trained document a re-deal handed this shard
+    (``redeal.untrained_pieces``), taken off ``dealt_pieces``; [] when none is left."""
+    if not dealt_pieces:
+        return []
+    epoch, position, wanted = dealt_pieces.popleft()
+    measured = measure_at((epoch, position))
+    if not isinstance(measured, MeasuredSample):
+        raise RuntimeError(f"document at epoch {epoch} position {position} no longer measures "
+                           f"(data changed since the checkpoint?): {measured}")
+    return [item for item in pack_items((epoch, position), measured, seq_len)
+            if len(item.key) == 3 and item.key[2] in wanted]
 
 
 def measured_buffer(keys: list, measure_at, seq_len: int) -> list[PackItem[MeasuredSample]]:

@@ -316,3 +316,42 @@ def test_streamed_long_document_is_cut_and_resumes_inside_it(tokenizer, tmp_path
     for _ in range(4):
         a, b = going_on.next_step()[0], resumed.next_step()[0]
         assert a["sample_ids"] == b["sample_ids"] and torch.equal(a["input_ids"], b["input_ids"])
+
+
+def test_resume_at_another_dp_size_inside_cut_documents_trains_every_piece_once(tokenizer, tmp_path):
+    wiki = require(LLAMAFACTORY / "wiki_demo.txt").read_text().splitlines()[:4]
+    c4 = require(LLAMAFACTORY / "c4_demo.jsonl").read_text().splitlines()[:8]
+    path = tmp_path / "mixed.jsonl"
+    path.write_text("".join(json.dumps({"text": doc}) + "\n" for doc in wiki) + "\n".join(c4) + "\n")
+    samples, seq_len = ArrowSamples([str(path)], str(tmp_path / "cache")), 1024
+    measurer = _measurer(tokenizer, seq_len=seq_len)
+
+    def shard(index, count):
+        return RowStream(samples, measurer, seq_len=seq_len, lookahead=4, shuffle=True, seed=3,
+                         rejects=RejectLog(None), shard=(index, count))
+
+    def pieces_of(index):
+        length = measurer.measure(samples.get(index)).length
+        return [None] if length <= seq_len else list(range(-(-length // seq_len)))
+
+    order = shard(0, 1).epoch_order(0)
+    expected = Counter((0, position, piece) for position in range(len(samples))
+                       for piece in pieces_of(int(order[position])))
+    trained = Counter()
+
+    def train(stream, rows):
+        for _ in range(rows):
+            for item in stream.next_row():
+                if item.key[0] == 0:
+                    trained[(*item.key, None) if len(item.key) == 2 else tuple(item.key)] += 1
+
+    old = [shard(0, 2), shard(1, 2)]
+    for stream in old:
+        train(stream, 7)
+    states = [json.loads(json.dumps(stream.state_dict())) for stream in old]
+    assert any(s["pieces"] or any(len(k) == 3 for k in s["buffer"]) for s in states)  # inside a document
+    for index in range(3):
+        new = shard(index, 3)
+        new.load_state_dict(new.redealt(states))
+        train(new, 40)
+    assert trained == expected  # every piece of every document of epoch 0 once, none lost or doubled
