@@ -24,7 +24,8 @@ def pack(
         help="Folder to write: shards/, manifest.jsonl, stats.json, rejects.jsonl.")],
     seq_len: Annotated[int, typer.Option(
         "--seq-len", min=1, metavar="N", show_default=False,
-        help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long).")],
+        help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long); "
+             "longer pretraining documents are cut into pieces.")],
     preset: PresetOption = None,
     algorithm: Annotated[str, typer.Option(
         "--algorithm", metavar="bfd|ffd|balanced",
