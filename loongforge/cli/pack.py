@@ -13,7 +13,8 @@ from loongforge.config.presets import DEFAULT_PRESET
 
 InputsArgument = Annotated[list[Path], typer.Argument(
     metavar="INPUT...", show_default=False,
-    help="LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files, or folders of them.")]
+    help="Data files (.json/.jsonl/.parquet records: conversations, Alpaca, image-caption pairs, "
+         "{\"text\"} documents; .txt: one document per line), or folders of .json/.jsonl/.parquet files.")]
 
 
 def pack(
@@ -23,7 +24,8 @@ def pack(
         help="Folder to write: shards/, manifest.jsonl, stats.json, rejects.jsonl.")],
     seq_len: Annotated[int, typer.Option(
         "--seq-len", min=1, metavar="N", show_default=False,
-        help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long).")],
+        help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long); "
+             "longer pretraining documents are cut into pieces.")],
     preset: PresetOption = None,
     algorithm: Annotated[str, typer.Option(
         "--algorithm", metavar="bfd|ffd|balanced",
@@ -40,13 +42,20 @@ def pack(
     packs_per_shard: Annotated[int, typer.Option(
         "--packs-per-shard", min=1, metavar="N", help="Packs per parquet shard (the unit --resume skips).")] = 256,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars per stage.")] = True,
+    record_kind: Annotated[str, typer.Option(
+        "--record-kind", metavar="auto|conversation|text|alpaca|caption",
+        help="data.record_kind: auto recognises each record by its fields.")] = "auto",
+    caption_prompt: Annotated[Optional[str], typer.Option(
+        "--caption-prompt", metavar="TEXT", show_default=False,
+        help="data.caption_prompt: user text after the image of caption records.")] = None,
 ) -> None:
-    """Pack conversation files offline into fixed-capacity packs with per-sample cost metadata."""
+    """Pack data files offline into fixed-capacity packs with per-sample cost metadata."""
     from loongforge.pack.job import PackOptions, run_pack
 
     with cli_errors():
         summary = run_pack(PackOptions(
             inputs=tuple(str(p) for p in inputs), output=output, preset=preset or DEFAULT_PRESET, seq_len=seq_len,
             algorithm=algorithm, workers=workers, max_images_per_pack=max_images_per_pack,
-            group_by_media=group_by_media, resume=resume, packs_per_shard=packs_per_shard, progress=progress))
+            group_by_media=group_by_media, resume=resume, packs_per_shard=packs_per_shard, progress=progress,
+            record_kind=record_kind, caption_prompt=caption_prompt))
         typer.echo(summary.format())

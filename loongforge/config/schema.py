@@ -152,6 +152,14 @@ class DataConfig:
     # The system turn of conversations that have none: null = the model's own template's default
     # (Qwen2.5's "You are a helpful assistant."; none for Qwen3 and Qwen3-VL), "" = none.
     system_prompt: Optional[str] = None
+    # What the records of data.paths are (loongforge/data/record_kinds.py): "auto" recognises each
+    # record by its fields (messages/conversations, then instruction+output, then caption, then
+    # text), so one run mixes chat, Alpaca, caption and pretraining files; "conversation", "text",
+    # "alpaca" or "caption" reads every record as that kind. Lines of .txt files are always text.
+    record_kind: str = "auto"
+    # Text after the image in the user turn of caption records (e.g. "Describe the image."); null =
+    # the image alone. Loss is on the caption only either way.
+    caption_prompt: Optional[str] = None
     shuffle: bool = True
     seed: int = 1234
     num_workers: int = 1

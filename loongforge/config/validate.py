@@ -42,6 +42,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "schedule.decay_style": ("cosine", "constant"),
     "data.source": ("synthetic", "files", "packed"),
     "data.read": ("auto", "global", "sharded"),
+    "data.record_kind": ("auto", "conversation", "text", "alpaca", "caption"),
     "optimizer.name": ("adam", "sgd"),
     "parallel.encoder_dp": ("none", "tp", "full"),
     "model.vision.norm": ("rms", "layer"),

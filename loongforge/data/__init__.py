@@ -1,4 +1,5 @@
-"""Data: conversation files and synthetic samples -> tokens and pixels -> packed micro-batches.
+"""Data: conversation, Alpaca, caption and pretraining-text files and synthetic samples -> tokens
+and pixels -> packed micro-batches.
 
 Entry points: ``DataPipeline`` (training steps), ``load_tokenizer``, ``ArrowSamples`` /
 ``SyntheticSamples`` (sample sources), ``SampleMeasurer`` (tokens + media sizes of one sample).
@@ -16,6 +17,8 @@ _EXPORTS = {
     "SyntheticSamples": "loongforge.data.synthetic",
     "SampleMeasurer": "loongforge.data.measure",
     "ConversationSample": "loongforge.data.samples",
+    "TextSample": "loongforge.data.samples",
+    "RecordReading": "loongforge.data.record_kinds",
     "Reject": "loongforge.data.samples",
     "REJECT_REASONS": "loongforge.data.samples",
     "load_tokenizer": "loongforge.data.tokenizer",

@@ -1,7 +1,7 @@
 """Conversation records through memory-mapped Arrow (Hugging Face ``datasets``): what ``train``,
 ``pack`` and ``encode`` read.
 
-Each JSON / JSONL / parquet file is copied once into an Arrow file in the cache folder
+Each JSON / JSONL / parquet / .txt file is copied once into an Arrow file in the cache folder
 (``data.cache_dir``, default ``<LOONGFORGE_CACHE>/datasets``), named by a hash of the file's
 content, and memory-mapped from there by every process: a rank holds a few offsets, not the
 records, and the page cache holds one copy per node. The first process of a node to need a copy
@@ -37,6 +37,7 @@ from tqdm import tqdm
 from loongforge.config.errors import InputError
 from loongforge.data.cache import cache_root, cache_write_problem, write_cache_file
 from loongforge.data.conversations import (
+    DEFAULT_READING,
     HUB_PREFIX,
     expand_data_paths,
     is_saved_dataset,
@@ -44,17 +45,21 @@ from loongforge.data.conversations import (
     read_data_file,
     read_json_record,
     read_record,
+    reading_of,
     record_ordinals,
+    text_line_record,
 )
 from loongforge.data.fingerprint import Fingerprint, content_fingerprint, head_tail_hash, source_fingerprint
 from loongforge.data.mapped_pages import MappedPages
-from loongforge.data.samples import ConversationSample, Reject
+from loongforge.data.record_kinds import RecordReading
+from loongforge.data.samples import Reject, Sample
 
 if TYPE_CHECKING:
     import datasets
 
 # Bump when what a cache file holds changes, so stale copies are never mapped.
-CACHE_FORMAT = 1
+# 2: a COCO captions .json holds one caption record per annotation (1 read it as one JSON line).
+CACHE_FORMAT = 2
 _RECORDS_SCHEMA = pa.schema([
     ("line", pa.int64()),  # 1-based line the record starts at
     ("ordinal", pa.int64()),  # position in its file when its line holds other records too, else null
@@ -119,6 +124,24 @@ def _jsonl_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
         yield _records_batch(lines, raws, None, None)
 
 
+def _txt_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
+    """A .txt file's documents (one per non-empty line) as ``{"text": ...}`` JSON records, read a
+    line at a time (a pretraining corpus need not fit in memory)."""
+    lines, raws, errors = [], [], []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            bar.update(len(raw))
+            for entry in text_line_record(number, raw):
+                lines.append(entry.line)
+                raws.append(None if entry.error else json.dumps(entry.record, ensure_ascii=False).encode())
+                errors.append(entry.error)
+            if len(raws) == _BATCH_ROWS:
+                yield _records_batch(lines, raws, None, errors)
+                lines, raws, errors = [], [], []
+    if raws:
+        yield _records_batch(lines, raws, None, errors)
+
+
 def _json_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
     """A .json file through the in-memory reader (a JSON list must be parsed as a whole)."""
     located = read_data_file(path)
@@ -172,7 +195,8 @@ def _write_copy(path: Path, target: Path, progress: bool) -> None:
     if path.suffix == ".parquet":
         batches, schema = _parquet_batches, pq.read_schema(path).remove_metadata()
     else:
-        batches, schema = (_jsonl_batches if path.suffix == ".jsonl" else _json_batches), _RECORDS_SCHEMA
+        batches = {".jsonl": _jsonl_batches, ".txt": _txt_batches}.get(path.suffix, _json_batches)
+        schema = _RECORDS_SCHEMA
     fd, tmp = tempfile.mkstemp(dir=target.parent, prefix=_temp_name(target), suffix=".tmp")
     os.close(fd)
     try:
@@ -281,6 +305,7 @@ class _Part:
     media_root: Path
     records: bool  # rows are (line, ordinal, raw, error) records, else plain table rows
     fingerprint: Fingerprint  # what a checkpoint records of the source (loongforge.data.fingerprint)
+    reading: RecordReading = DEFAULT_READING  # how its records become samples (record_kinds)
 
     def __post_init__(self):
         self.pages = MappedPages([entry["filename"] for entry in self.rows.cache_files])
@@ -288,21 +313,22 @@ class _Part:
     def __len__(self) -> int:
         return self.rows.num_rows
 
-    def get(self, row: int) -> Union[ConversationSample, Reject]:
+    def get(self, row: int) -> Union[Sample, Reject]:
         self.pages.read()
         if self.records:
             return self._record(self.rows[row])
         record = self.rows[row].to_pylist()[0]  # arrow format: storage values, images undecoded
-        return parse_record(record, file=self.file, line=row + 1, media_root=self.media_root)
+        return parse_record(record, file=self.file, line=row + 1, media_root=self.media_root, reading=self.reading)
 
-    def _record(self, entry: dict) -> Union[ConversationSample, Reject]:
-        where = {"file": self.file, "line": entry["line"], "media_root": self.media_root, "ordinal": entry["ordinal"]}
+    def _record(self, entry: dict) -> Union[Sample, Reject]:
+        where = {"file": self.file, "line": entry["line"], "media_root": self.media_root, "ordinal": entry["ordinal"],
+                 "reading": self.reading}
         if entry["error"] is not None:
             return read_record(None, entry["error"], **where)
         return read_json_record(entry["raw"], **where)
 
 
-def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
+def _file_part(path: Path, cache: Path, progress: bool, reading: RecordReading) -> _Part:
     import datasets  # lazy: ~0.7 s to import, paid only where data.source=files opens a file
 
     key = content_key(path, cache)
@@ -310,7 +336,7 @@ def _file_part(path: Path, cache: Path, progress: bool) -> _Part:
     rows = datasets.Dataset.from_file(str(copy))
     records = path.suffix != ".parquet"
     return _Part(rows if records else rows.with_format("arrow"), str(path), path.parent, records,
-                 content_fingerprint(str(path), path.stat().st_size, key))
+                 content_fingerprint(str(path), path.stat().st_size, key), reading_of(path, reading))
 
 
 def load_saved_dataset(folder: Path) -> datasets.Dataset:
@@ -320,9 +346,9 @@ def load_saved_dataset(folder: Path) -> datasets.Dataset:
     return datasets.load_from_disk(str(folder))
 
 
-def _saved_part(folder: Path) -> _Part:
+def _saved_part(folder: Path, reading: RecordReading) -> _Part:
     return _Part(load_saved_dataset(folder).with_format("arrow"), str(folder), folder, records=False,
-                 fingerprint=source_fingerprint(str(folder)))
+                 fingerprint=source_fingerprint(str(folder)), reading=reading)
 
 
 def open_hub_dataset(entry: str) -> datasets.Dataset:
@@ -338,27 +364,29 @@ def open_hub_dataset(entry: str) -> datasets.Dataset:
                          f"datasets.load_dataset({name!r}) on a connected machine") from None
 
 
-def _hub_part(entry: str) -> _Part:
+def _hub_part(entry: str, reading: RecordReading) -> _Part:
     return _Part(open_hub_dataset(entry).with_format("arrow"), entry, Path.cwd(), records=False,
-                 fingerprint=source_fingerprint(entry))
+                 fingerprint=source_fingerprint(entry), reading=reading)
 
 
-def _open_source(source: str, cache: Path, progress: bool) -> _Part:
+def _open_source(source: str, cache: Path, progress: bool, reading: RecordReading) -> _Part:
     if source.startswith(HUB_PREFIX):
-        return _hub_part(source)
+        return _hub_part(source, reading)
     path = Path(source)
     if path.is_dir() and is_saved_dataset(path):
-        return _saved_part(path)
-    return _file_part(path, cache, progress)
+        return _saved_part(path, reading)
+    return _file_part(path, cache, progress, reading)
 
 
 class ArrowSamples:
     """All records of ``data.paths`` in a fixed order (sources in order, records in source order),
-    indexable without holding them: ``get`` reads, validates and returns a sample or a Reject."""
+    indexable without holding them: ``get`` reads, validates and returns a sample or a Reject.
+    ``reading``: how records become samples (``data.record_kind``, ``data.caption_prompt``)."""
 
-    def __init__(self, paths: list[str], cache_dir: Optional[str] = None, *, progress: bool = True):
+    def __init__(self, paths: list[str], cache_dir: Optional[str] = None, *, progress: bool = True,
+                 reading: RecordReading = DEFAULT_READING):
         cache = arrow_cache_dir(cache_dir)
-        self._parts = [_open_source(source, cache, progress) for source in expand_data_paths(paths)]
+        self._parts = [_open_source(source, cache, progress, reading) for source in expand_data_paths(paths)]
         self._starts = np.cumsum([0] + [len(part) for part in self._parts]).tolist()  # per part, its first index
 
     def __len__(self) -> int:
@@ -368,7 +396,7 @@ class ArrowSamples:
         """One per source, in order: what a checkpoint records to notice a changed file on resume."""
         return [part.fingerprint for part in self._parts]
 
-    def get(self, index: int) -> Union[ConversationSample, Reject]:
+    def get(self, index: int) -> Union[Sample, Reject]:
         if not 0 <= index < len(self):
             raise IndexError(f"sample {index} of {len(self)}")
         part = bisect.bisect_right(self._starts, index) - 1

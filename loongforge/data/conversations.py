@@ -14,6 +14,10 @@ media paths resolve against the data file's folder. LLaMA-Factory writes them re
 repo root (``data/x.jpg`` for a file living in ``data/``); when the plain join does not exist,
 leading folders of the relative path are dropped one by one until one exists.
 
+Other record kinds (pretraining ``text``, Alpaca, image-caption pairs, COCO captions files, ``.txt``
+files of one document per non-empty line) are recognised by their fields or set by
+``data.record_kind`` (``loongforge.data.record_kinds``); ``parse_record`` reads them all.
+
 ``FileSamples.get(i)`` never raises for bad data: it returns a ``Reject`` instead.
 """
 
@@ -28,7 +32,18 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from loongforge.config.errors import InputError
-from loongforge.data.samples import ConversationSample, Reject
+from loongforge.data.record_kinds import (
+    TEXT_FILE_READING,
+    RecordError,
+    RecordReading,
+    alpaca_turns,
+    caption_turns,
+    coco_caption_records,
+    document_text,
+    is_coco_captions,
+    record_kind,
+)
+from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
 from loongforge.data.vision import path_exists
 
@@ -41,59 +56,73 @@ ROLE_ALIASES = {
 }
 _IMAGE_PART_TYPES = {"image", "image_url"}
 _VIDEO_PART_TYPES = {"video", "video_url"}
+# What a folder in data.paths contributes. Not .txt: a README or notes beside the data would become
+# training text unnoticed; a .txt corpus is named file by file.
 DATA_FILE_SUFFIXES = (".json", ".jsonl", ".parquet")
-_PATHS_REMEDY = "pass .json/.jsonl/.parquet files or folders holding them"
+_PATHS_REMEDY = "pass .json/.jsonl/.parquet/.txt files, or folders holding .json/.jsonl/.parquet files"
+DEFAULT_READING = RecordReading()
 
 
 # ---------------------------------------------------------------- record -> sample
 
 
-class RecordError(Exception):
-    def __init__(self, reason: str, detail: str):
-        super().__init__(detail)
-        self.reason = reason
-        self.detail = detail
-
-
-def parse_record(record: Any, *, file: str, line: int, media_root: Path,
-                 ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
-    """Validate one decoded record; a Reject names the first problem found. ``ordinal``: the
-    record's position in its file, given when its line holds other records too."""
+def parse_record(record: Any, *, file: str, line: int, media_root: Path, ordinal: Optional[int] = None,
+                 reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
+    """Validate one decoded record of the kind ``reading`` gives it (``record_kinds.record_kind``);
+    a Reject names the first problem found. ``ordinal``: the record's position in its file, given
+    when its line holds other records too."""
+    where = {"file": file, "line": line, "record": ordinal}
     try:
-        turns, inline_images, inline_videos = _parse_turns(record)
-        images = _media_list(record, ("images", "image"), inline_images, media_root)
-        videos = _media_list(record, ("videos", "video"), inline_videos, media_root)
+        kind = record_kind(record, reading)
+        if kind == "text":
+            return TextSample(sample_id=f"{file}:{line}", text=document_text(record), **where)
+        turns, images, videos = _kind_turns(record, kind, media_root, reading)
         _check_roles(turns)
         _check_answers(turns)
         _check_media_counts(turns, len(images), len(videos))
     except RecordError as error:
-        return Reject(file=file, line=line, reason=error.reason, detail=error.detail, record=ordinal)
-    return ConversationSample(
-        sample_id=f"{file}:{line}", file=file, line=line, turns=turns, images=images, videos=videos, record=ordinal
-    )
+        return Reject(reason=error.reason, detail=error.detail, **where)
+    return ConversationSample(sample_id=f"{file}:{line}", turns=turns, images=images, videos=videos, **where)
+
+
+def _kind_turns(record: dict, kind: str, media_root: Path, reading: RecordReading) -> tuple[list[Turn], list, list]:
+    """(turns, images, videos) of a conversation, Alpaca or caption record."""
+    if kind == "alpaca":
+        return alpaca_turns(record), [], []
+    if kind == "caption":
+        turns, image = caption_turns(record, reading.caption_prompt)
+        return turns, [_resolve_media(image, media_root)], []
+    turns, inline_images, inline_videos = _parse_turns(record)
+    images = _media_list(record, ("images", "image"), inline_images, media_root)
+    videos = _media_list(record, ("videos", "video"), inline_videos, media_root)
+    return turns, images, videos
 
 
 def read_record(record: Any, error: Optional[str], *, file: str, line: int, media_root: Path,
-                ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
+                ordinal: Optional[int] = None, reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
     """A decoded record, or the reason it could not be decoded (a malformed_json reject)."""
     if error is not None:
         return Reject(file=file, line=line, reason="malformed_json", detail=error, record=ordinal)
-    return parse_record(record, file=file, line=line, media_root=media_root, ordinal=ordinal)
+    return parse_record(record, file=file, line=line, media_root=media_root, ordinal=ordinal, reading=reading)
 
 
-def read_json_record(raw: bytes, *, file: str, line: int, media_root: Path,
-                     ordinal: Optional[int] = None) -> Union[ConversationSample, Reject]:
+def read_json_record(raw: bytes, *, file: str, line: int, media_root: Path, ordinal: Optional[int] = None,
+                     reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
     """One record's JSON text (a JSON line, undecoded until now) as ``read_record`` takes it."""
     try:
         record, error = json.loads(raw), None
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         record, error = None, str(exc)
-    return read_record(record, error, file=file, line=line, media_root=media_root, ordinal=ordinal)
+    return read_record(record, error, file=file, line=line, media_root=media_root, ordinal=ordinal, reading=reading)
 
 
-def _parse_turns(record: Any) -> tuple[list[Turn], list, list]:
-    if not isinstance(record, dict):
-        raise RecordError("malformed_json", f"record is a {type(record).__name__}, not an object")
+def reading_of(path: Path, reading: RecordReading) -> RecordReading:
+    """How the records of data file ``path`` read: a ``.txt`` file's lines are documents whatever
+    ``data.record_kind`` says; every other source follows ``reading``."""
+    return TEXT_FILE_READING if path.suffix == ".txt" else reading
+
+
+def _parse_turns(record: dict) -> tuple[list[Turn], list, list]:
     messages = record.get("conversations", record.get("messages"))
     if not isinstance(messages, list) or not messages:
         raise RecordError("malformed_json", "no non-empty 'conversations' or 'messages' list")
@@ -301,18 +330,52 @@ def read_parquet(path: Path) -> list[_Located]:
     return [_Located(line=row + 1, record=record) for row, record in enumerate(table.to_pylist())]
 
 
+def read_text_documents(path: Path) -> list[_Located]:
+    """A ``.txt`` file: one ``{"text": line}`` record per non-empty line (its line ending dropped)."""
+    located = []
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            located.extend(text_line_record(number, raw))
+    return located
+
+
+def text_line_record(number: int, raw: bytes) -> list[_Located]:
+    """Line ``number`` of a ``.txt`` file as its record (none for a blank line)."""
+    if not raw.strip():
+        return []
+    try:
+        return [_Located(line=number, record={"text": raw.decode("utf-8").rstrip("\r\n")})]
+    except UnicodeDecodeError as error:
+        return [_Located(line=number, error=f"not UTF-8: {error}")]
+
+
 def read_data_file(path: Path) -> list[_Located]:
     if path.suffix == ".parquet":
         return read_parquet(path)
     if path.suffix == ".jsonl":
         return read_jsonl(path)
+    if path.suffix == ".txt":
+        return read_text_documents(path)
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
         return [_Located(line=1, error=f"not UTF-8: {error}")]
-    if text.lstrip().startswith("{"):  # JSON lines saved as .json
-        return read_jsonl(path)
+    if text.lstrip().startswith("{"):  # JSON lines saved as .json, or one object such as COCO's
+        return _coco_records(text, path) or read_jsonl(path)
     return read_json_array(text)
+
+
+def _coco_records(text: str, path: Path) -> Optional[list[_Located]]:
+    """The caption records of a COCO captions file (all on the line its annotations start), or
+    None when ``text`` is not one JSON object of COCO's layout."""
+    try:
+        whole = json.loads(text)
+    except json.JSONDecodeError:  # JSON lines ("Extra data" after the first object)
+        return None
+    if not is_coco_captions(whole):
+        return None
+    line = _LineIndex(text).line_of(text.find('"annotations"'))
+    return [_Located(line=line, record=record) for record in coco_caption_records(whole, path.name)]
 
 
 HUB_PREFIX = "hf:"  # data.paths entry naming a dataset in the local Hugging Face cache
@@ -389,7 +452,8 @@ class FileSamples:
     ``loongforge.data.arrow_samples.ArrowSamples`` (what runs read) reproduces without holding
     the records, and is the baseline of ``loongforge bench data``. Memory grows with the data."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], reading: RecordReading = DEFAULT_READING):
+        self._reading = reading
         self._entries: list[tuple[Path, _Located]] = []
         self._ordinals: list[Optional[int]] = []  # per entry, see record_ordinals
         for source in expand_data_paths(paths):
@@ -403,7 +467,7 @@ class FileSamples:
     def __len__(self) -> int:
         return len(self._entries)
 
-    def get(self, index: int) -> Union[ConversationSample, Reject]:
+    def get(self, index: int) -> Union[Sample, Reject]:
         (path, located), ordinal = self._entries[index], self._ordinals[index]
         return read_record(located.record, located.error, file=str(path), line=located.line, media_root=path.parent,
-                           ordinal=ordinal)
+                           ordinal=ordinal, reading=reading_of(path, self._reading))

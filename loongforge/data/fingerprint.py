@@ -124,10 +124,13 @@ def check_files(recorded: Optional[list[Fingerprint]], current: Optional[list[Fi
 def counted_position(stream_state: dict, *, count: Optional[int], first: int) -> dict:
     """A stream state (``RowStream`` / ``StreamingRowStream``) that continues from its recorded
     sample count in changed data: same epoch and cursor, the byte offsets of window starts dropped
-    (the stream reads forward to the cursor again), the packer's buffered positions dropped (they
-    named samples of the old data). ``count``: samples per epoch, when known (indexed reading); a
-    cursor past it starts the next epoch at ``first``, the stream's first position."""
+    (the stream reads forward to the cursor again), the packer's buffered positions and a cut
+    document's pieces still to come dropped (they named samples of the old data). ``count``: samples
+    per epoch, when known (indexed reading); a cursor past it starts the next epoch at ``first``,
+    the stream's first position."""
     state = {**stream_state, "buffer": []}
+    if state.get("pieces"):
+        state["pieces"] = []
     if "window_starts" in state:
         state["window_starts"] = {}  # no window start known but the data's own: read forward from there
     if count is not None and int(state["cursor"]) >= count:

@@ -4,20 +4,23 @@ measure (every rank, every sample): tokenize the rendered chat, read image sizes
 video sizes/frame counts from containers, and expand each media pad token to its exact count
 (a family with ``ChatFormat.timestamped_video_frames`` gets Qwen3-VL's per-temporal-patch video
 blocks with timestamp text, ``data.video_tokens``).
-This gives the exact LLM length used for packing, without decoding any pixel.
+This gives the exact LLM length used for packing, without decoding any pixel. A pretraining
+document (``TextSample``) is its text's tokens and the format's ``document_end`` token, every one a
+loss token; one longer than ``data.seq_len`` is measured whole and cut into row-sized pieces by
+``document_pieces`` (the row streams do it; nothing else packs such a sample).
 
 materialize (only the rank that trains on the sample): decode media into ``pixel_values``.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Optional, Union
 
 import numpy as np
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.data.samples import ConversationSample, Reject
+from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample
 from loongforge.data.template import expand_media_tokens, render_chat, tokenize_chat
 from loongforge.data.video_tokens import expand_timestamped_videos, timestamped_video_ids
 from loongforge.data.vision import (
@@ -53,6 +56,9 @@ class MeasuredSample:
     videos: list[str] = field(default_factory=list)
     video_plans: list[VideoPlan] = field(default_factory=list)
     record: Optional[int] = None  # as ConversationSample.record
+    # A pretraining document: may be longer than data.seq_len, then cut by ``document_pieces``.
+    document: bool = False
+    piece: Optional[int] = None  # which piece of a cut document (0, 1, ...); None: the whole sample
 
     @property
     def length(self) -> int:
@@ -109,8 +115,11 @@ class SampleMeasurer:
              self.tokens.vision_end_token_id]
         )
         check_token_ids(tokenizer, data_cfg, model_cfg, self.chat)
+        self.document_start_ids, self.document_end_id = document_marker_ids(tokenizer, data_cfg, self.chat)
 
-    def measure(self, sample: ConversationSample) -> Union[MeasuredSample, Reject]:
+    def measure(self, sample: Sample) -> Union[MeasuredSample, Reject]:
+        if isinstance(sample, TextSample):
+            return self._measure_document(sample)
         if self.sizing is None and (sample.images or sample.videos):
             return Reject.of(sample, "media_in_text_model", f"{len(sample.images)} image(s), "
                                                             f"{len(sample.videos)} video(s) for a model without a vision tower")
@@ -134,6 +143,16 @@ class SampleMeasurer:
             videos=list(sample.videos), video_plans=video_plans, record=sample.record,
         )
 
+    def _measure_document(self, sample: TextSample) -> MeasuredSample:
+        """The format's ``text_start`` (if any), the text and the end-of-document token, all loss
+        tokens: the model learns to end documents. Special-token names inside the text stay plain
+        text, so a scraped page holding "<|endoftext|>" or "<|image_pad|>" neither ends early nor
+        asks for an image."""
+        text_ids = self.tokenizer(sample.text, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+        input_ids = np.asarray([*self.document_start_ids, *text_ids, self.document_end_id], dtype=np.int64)
+        return MeasuredSample(sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
+                              is_answer=np.ones(len(input_ids), dtype=bool), record=sample.record, document=True)
+
     def _expand_media(self, input_ids, is_answer, image_grids, video_plans):
         if not image_grids and not video_plans:
             return input_ids, is_answer
@@ -149,6 +168,20 @@ class SampleMeasurer:
             input_ids, is_answer, self.tokens.video_token_id,
             [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],
         )
+
+
+def document_pieces(sample: MeasuredSample, seq_len: int) -> list[MeasuredSample]:
+    """``sample`` as rows can hold it: itself when it fits, else (a document longer than
+    ``seq_len``) consecutive pieces of ``seq_len`` tokens, the last one shorter, each packed as a
+    sample of its own (its own segment: no attention across the cut). Every token is kept once;
+    only the prediction across each cut is lost (a piece's first token has no token before it)."""
+    if sample.length <= seq_len:
+        return [sample]
+    if not sample.document:
+        raise ValueError(f"sample {sample.sample_id} has {sample.length} tokens > seq_len {seq_len}")
+    return [replace(sample, sample_id=f"{sample.sample_id}#{piece}", input_ids=sample.input_ids[start:start + seq_len],
+                    is_answer=sample.is_answer[start:start + seq_len], piece=piece)
+            for piece, start in enumerate(range(0, sample.length, seq_len))]
 
 
 def measure_media(sample: ConversationSample, sizing: VisionSizing,
@@ -235,6 +268,20 @@ def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, cha
         raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {len(tokenizer)} ids but "
                          f"model.language.vocab_size={model_cfg.language.vocab_size}; use the model's "
                          f"own tokenizer or a vocabulary of at least {len(tokenizer)}")
+
+
+def document_marker_ids(tokenizer, data_cfg: DataConfig, chat: ChatFormat) -> tuple[list[int], int]:
+    """(ids opening a document: the format's ``text_start``, e.g. Llama 3's <|begin_of_text|>; the id
+    of its ``document_end``, e.g. Qwen's <|endoftext|>): each must be one token of the tokenizer."""
+    ids = []
+    for marker in (chat.text_start, chat.document_end):
+        pieces = tokenizer(marker, add_special_tokens=False)["input_ids"] if marker else []
+        if marker and len(pieces) != 1:
+            raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has no token {marker}, which the model's "
+                             f"format writes around pretraining documents (it splits into {len(pieces)} "
+                             "tokens); set data.tokenizer to the model's own tokenizer")
+        ids.append(pieces)
+    return ids[0], ids[1][0]
 
 
 def _check_vision_token_ids(tokenizer, model_cfg: ModelConfig) -> None:

@@ -22,7 +22,7 @@ import json
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable, Optional, Union
@@ -50,7 +50,14 @@ from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
 from loongforge.data.redeal import DealtPositions, merged_rejects, redeal
 from loongforge.data.samples import Reject, RejectKey
-from loongforge.data.streaming import StreamingRowStream, StreamingSamples, measured_buffer
+from loongforge.data.record_kinds import reading_for
+from loongforge.data.streaming import (
+    StreamingRowStream,
+    StreamingSamples,
+    dealt_document_items,
+    measured_buffer,
+    pack_items,
+)
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
@@ -66,7 +73,7 @@ def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[
     if data_cfg.source == "files":
         if not data_cfg.paths:
             raise ValueError("data.source=files needs data.paths")
-        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir)
+        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir, reading=reading_for(data_cfg))
     raise ValueError(f"data.source={data_cfg.source!r} is not readable by DataPipeline (synthetic, files)")
 
 
@@ -141,6 +148,8 @@ class RowStream:
         self.dealt = DealtPositions()
         self._orders: dict[int, np.ndarray] = {}
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
+        self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
+        self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         if epoch not in self._orders:
@@ -155,12 +164,17 @@ class RowStream:
         return self.packer.next_row(self._pull)
 
     def _pull(self) -> PackItem[MeasuredSample]:
-        """Next accepted sample; rejects are logged and skipped."""
+        """Next accepted sample (or piece of a long document); rejects are logged and skipped."""
+        if not self.pieces:
+            self.pieces = dealt_document_items(self.dealt_pieces, self._measure_at, self.packer.seq_len)
+        if self.pieces:
+            return self.pieces.pop(0)
         while True:
             position = self._next_position()
             measured = self._measure_at(position)
             if isinstance(measured, MeasuredSample):
-                return PackItem(key=position, length=measured.length, payload=measured)
+                first, *self.pieces = pack_items(position, measured, self.packer.seq_len)
+                return first
             self.rejects.record(measured)
             self._check_some_accepted()
 
@@ -210,7 +224,8 @@ class RowStream:
     def state_dict(self) -> dict:
         """``shard`` and ``dealt`` let a resume at another DP size deal the position again."""
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
-                "shard": [self.shard_index, self.shard_count],
+                "pieces": [list(item.key) for item in self.pieces],
+                "dealt_pieces": [list(d) for d in self.dealt_pieces], "shard": [self.shard_index, self.shard_count],
                 "dealt": self.dealt.state()}
 
     def load_state_dict(self, state: dict) -> None:
@@ -219,7 +234,9 @@ class RowStream:
                              "data.streaming=true")
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
-        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at, self.packer.seq_len)
+        self.pieces = measured_buffer(state.get("pieces", []), self._measure_at, self.packer.seq_len)
+        self.dealt_pieces = deque(state.get("dealt_pieces", []))
 
     def redealt(self, states: list[dict]) -> dict:
         """This shard's state continuing the saved ``states`` of all shards of a run at another DP
@@ -334,7 +351,7 @@ class DataPipeline:
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
         if data_cfg.streaming:
             windows = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
-                                       shuffle=data_cfg.shuffle, seed=data_cfg.seed)
+                                       shuffle=data_cfg.shuffle, seed=data_cfg.seed, reading=reading_for(data_cfg))
             return StreamingRowStream(windows, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
                                       rejects=self.rejects, shard=shard)
         samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
@@ -400,7 +417,7 @@ class DataPipeline:
             state = self._own_share(state, saved_states, checkpoint, saved_dp_size)
         change = check_files(state.get("files"), self.data_files, accept_changed=self.accept_changed_files)
         if change is not None:  # data.accept_changed_files: continue from the recorded sample count
-            if state["stream"].get("dealt"):  # positions dealt at a resize name samples of the old data
+            if state["stream"].get("dealt") or state["stream"].get("dealt_pieces"):  # dealt from the old data
                 raise InputError(f"{change}; {checkpoint} also resumes at another data-parallel size, whose "
                                  "positions are dealt from the old data: resume at the saved data-parallel size "
                                  "to continue on the changed files")

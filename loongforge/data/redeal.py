@@ -14,6 +14,11 @@ shard 1 at (epoch 0, cursor 9), buffer []. Untrained in epoch 0: 2, 4, 6, 8 (sha
 (shard 1), so [2, 4, 6, 8, 9]. At 3 shards: shard 0 reads 2, 8 then epoch 1 from 0; shard 1 reads
 4, 9 then epoch 1 from 1; shard 2 reads 6 then epoch 1 from 2.
 
+A long document cut into pieces (``measure.document_pieces``) is read at one position but trained
+piece by piece: a shard standing inside one holds ``[epoch, position, piece]`` keys (buffered, or
+``pieces`` still to come). Its untrained pieces are dealt as a whole (``dealt_pieces``: ``[epoch,
+position, [piece, ...]]``), so a new shard trains exactly those pieces of it.
+
 Pure: no torch, no I/O (numpy for the position lists). States are the JSON-ready dicts ``RowStream.state_dict`` returns.
 """
 
@@ -43,7 +48,7 @@ def untrained_positions(states: list[dict], epoch_size: int) -> dict[int, list[i
         pieces.setdefault(epoch, []).append(np.arange(cursor, epoch_size, count))  # its regular share left
         for later in range(epoch + 1, last + 1):
             pieces.setdefault(later, []).append(np.arange(index, epoch_size, count))
-        for e, p in state["buffer"]:
+        for e, p in (key for key in state["buffer"] if len(key) == 2):  # pieces: untrained_pieces
             pieces.setdefault(int(e), []).append(np.array([int(p)]))
         for e, dealt in state.get("dealt", []):
             pieces.setdefault(int(e), []).append(np.asarray(dealt, dtype=np.int64))
@@ -59,6 +64,21 @@ def untrained_positions(states: list[dict], epoch_size: int) -> dict[int, list[i
     return remaining
 
 
+def untrained_pieces(states: list[dict]) -> list[list]:
+    """``[epoch, position, [piece, ...]]`` per long document cut into pieces (``[epoch, position,
+    piece]`` keys) that a shard stood inside: the pieces no shard trained (buffered, still to come,
+    or dealt by an earlier re-deal and not read yet), documents in (epoch, position) order. Not a
+    suffix of the pieces in general: the packer may take a short last piece before a full one."""
+    by_document: dict[tuple[int, int], list[int]] = {}
+    for state in states:
+        for key in (*state["buffer"], *state.get("pieces", [])):
+            if len(key) == 3:
+                by_document.setdefault((int(key[0]), int(key[1])), []).append(int(key[2]))
+        for epoch, position, wanted in state.get("dealt_pieces", []):
+            by_document.setdefault((int(epoch), int(position)), []).extend(map(int, wanted))
+    return [[epoch, position, sorted(wanted)] for (epoch, position), wanted in sorted(by_document.items())]
+
+
 def redeal(states: list[dict], count: int, epoch_size: int) -> list[dict]:
     """The ``count`` new shards' stream states (index order) that continue the ``states`` of the
     old shards exactly: see the module docstring."""
@@ -69,11 +89,14 @@ def redeal(states: list[dict], count: int, epoch_size: int) -> list[dict]:
     if indices != [(i, old_count) for i in range(old_count)]:
         raise ValueError(f"the saved positions are of shards {indices}, not one each of 0..{old_count - 1}")
     remaining = untrained_positions(states, epoch_size)
+    documents = untrained_pieces(states)
     next_epoch = max(int(s["epoch"]) for s in states) + 1
     new_states = []
     for k in range(count):
         dealt = [[epoch, positions[k::count]] for epoch, positions in remaining.items() if positions[k::count]]
-        new_states.append({"epoch": next_epoch, "cursor": k, "buffer": [], "shard": [k, count], "dealt": dealt})
+        mine = {"dealt_pieces": documents[k::count]} if documents[k::count] else {}
+        new_states.append({"epoch": next_epoch, "cursor": k, "buffer": [], "shard": [k, count], "dealt": dealt,
+                           **mine})
     return new_states
 
 

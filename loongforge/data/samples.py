@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
-from typing import Optional
+from typing import Optional, Union
 
 from loongforge.data.template import Turn
 from loongforge.data.vision import ImageSource
@@ -74,3 +74,27 @@ class ConversationSample:
     # The record's 0-based ordinal in its file when its line holds other records too (a JSON array
     # written on one line); None when file and line name it alone.
     record: Optional[int] = None
+
+
+@dataclass
+class TextSample:
+    """One pretraining document (``text`` record, or a line of a ``.txt`` file): trained on every
+    token, no chat template; ``file``, ``line``, ``record`` as in ConversationSample."""
+
+    sample_id: str
+    file: str
+    line: int
+    text: str
+    record: Optional[int] = None
+
+    @property
+    def images(self) -> tuple:
+        return ()  # no media: code that walks a sample's media reads text samples unchanged
+
+    @property
+    def videos(self) -> tuple:
+        return ()
+
+
+# What a data source's ``get`` returns when the record is usable.
+Sample = Union[ConversationSample, TextSample]

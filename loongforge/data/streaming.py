@@ -19,7 +19,7 @@ same samples.
 
 from __future__ import annotations
 
-from collections import Counter, OrderedDict
+from collections import Counter, OrderedDict, deque
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Iterator, Optional, Union
 
@@ -29,6 +29,7 @@ import pyarrow.parquet as pq
 from loongforge.config.errors import InputError
 from loongforge.data.arrow_samples import load_saved_dataset, open_hub_dataset
 from loongforge.data.conversations import (
+    DEFAULT_READING,
     HUB_PREFIX,
     expand_data_paths,
     is_saved_dataset,
@@ -36,19 +37,23 @@ from loongforge.data.conversations import (
     read_data_file,
     read_json_record,
     read_record,
+    reading_of,
     record_ordinals,
+    text_line_record,
 )
-from loongforge.data.measure import MeasuredSample
+from loongforge.data.measure import MeasuredSample, document_pieces
 from loongforge.data.packing import PackItem
 from loongforge.data.redeal import DealtPositions, redeal
-from loongforge.data.samples import ConversationSample, Reject
+from loongforge.data.record_kinds import RecordReading
+from loongforge.data.samples import Reject
+from loongforge.data.samples import Sample as RecordSample
 
 if TYPE_CHECKING:
     import datasets
 
-# Where a record starts: (source index, byte offset (JSON lines) or record index (others), line).
+# Where a record starts: (source index, byte offset (JSON lines, .txt) or record index (others), line).
 Location = tuple[int, int, int]
-Sample = Union[ConversationSample, Reject]
+Sample = Union[RecordSample, Reject]
 _WINDOWS_KEPT = 4  # decoded windows kept in memory: the packer looks back at most a few
 
 
@@ -61,7 +66,8 @@ class _Entry:
         self.parse = parse
 
 
-def _jsonl_entries(path: Path, start: Location) -> Iterator[tuple[Location, _Entry]]:
+def _line_entries(path: Path, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
+    """The records of a JSON lines or .txt file (one a non-empty line), from a byte offset."""
     source, offset, line = start
     name, root = str(path), path.parent
     with open(path, "rb") as f:
@@ -69,26 +75,35 @@ def _jsonl_entries(path: Path, start: Location) -> Iterator[tuple[Location, _Ent
         for raw in iter(f.readline, b""):
             here = (source, offset, line)
             offset, line = offset + len(raw), line + 1
-            if raw.strip():
-                yield here, _Entry(lambda raw=raw, line=here[2]: read_json_record(raw, file=name, line=line,
-                                                                                  media_root=root))
+            if not raw.strip():
+                continue
+            if path.suffix == ".txt":
+                yield here, _Entry(lambda raw=raw, line=here[2]: _text_line_sample(raw, line, path, reading))
+            else:
+                yield here, _Entry(lambda raw=raw, line=here[2]: read_json_record(
+                    raw, file=name, line=line, media_root=root, reading=reading))
 
 
-def _json_entries(path: Path, parsed, start: Location) -> Iterator[tuple[Location, _Entry]]:
+def _text_line_sample(raw: bytes, line: int, path: Path, reading: RecordReading) -> Sample:
+    entry = text_line_record(line, raw)[0]
+    return read_record(entry.record, entry.error, file=str(path), line=line, media_root=path.parent, reading=reading)
+
+
+def _json_entries(path: Path, parsed, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
     """A .json file is parsed whole (a JSON list has no record boundaries to seek to)."""
     located, ordinals = parsed
     source, first, _ = start
     for index in range(first, len(located)):
         entry, ordinal = located[index], ordinals[index]
         yield (source, index, entry.line), _Entry(lambda e=entry, o=ordinal: read_record(
-            e.record, e.error, file=str(path), line=e.line, media_root=path.parent, ordinal=o))
+            e.record, e.error, file=str(path), line=e.line, media_root=path.parent, ordinal=o, reading=reading))
 
 
-def _table_entries(rows: Iterator[dict], name: str, media_root: Path, start: Location):
+def _table_entries(rows: Iterator[dict], name: str, media_root: Path, start: Location, reading: RecordReading):
     source, first, _ = start
     for index, record in enumerate(rows, start=first):
-        yield (source, index, index + 1), _Entry(
-            lambda r=record, line=index + 1: parse_record(r, file=name, line=line, media_root=media_root))
+        yield (source, index, index + 1), _Entry(lambda r=record, line=index + 1: parse_record(
+            r, file=name, line=line, media_root=media_root, reading=reading))
 
 
 def _parquet_rows(path: Path, first: int) -> Iterator[dict]:
@@ -140,8 +155,9 @@ class _Sources:
     """The records of ``data.paths``, the entries mixed (``_MixedReader``), readable from any
     MixLocation. Within an entry (a folder's files) records follow the entry's order."""
 
-    def __init__(self, paths: list[str]):
+    def __init__(self, paths: list[str], reading: RecordReading = DEFAULT_READING):
         self.sources = expand_data_paths(paths)
+        self.reading = reading
         self.groups = [group for group in _entry_groups(list(paths)) if len(group)]
         self.weights = _entry_weights(self.sources, self.groups)
         self._group_of = {source: g for g, group in enumerate(self.groups) for source in group}
@@ -161,15 +177,16 @@ class _Sources:
     def _source_entries(self, source: int, start: Location):
         name = self.sources[source]
         path = Path(name)
-        if path.suffix == ".jsonl" and path.is_file():
-            return _jsonl_entries(path, start)
+        reading = reading_of(path, self.reading)
+        if path.suffix in (".jsonl", ".txt") and path.is_file():
+            return _line_entries(path, start, reading)
         if path.suffix == ".parquet" and path.is_file():
-            return _table_entries(_parquet_rows(path, start[1]), name, path.parent, start)
+            return _table_entries(_parquet_rows(path, start[1]), name, path.parent, start, reading)
         opened = self._open(source)
         if isinstance(opened, tuple):  # a parsed .json file, else an opened dataset
-            return _json_entries(path, opened, start)
+            return _json_entries(path, opened, start, reading)
         media_root = path if path.is_dir() else Path.cwd()
-        return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start)
+        return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start, reading)
 
     def _open(self, source: int):
         """Parse a .json file or open a dataset once, not once per window."""
@@ -241,10 +258,11 @@ class StreamingSamples:
     ``W`` = ``window`` records, in its epoch's permutation when shuffling). ``get`` returns None past
     the end of the data."""
 
-    def __init__(self, paths: list[str], *, window: int, shuffle: bool, seed: int):
+    def __init__(self, paths: list[str], *, window: int, shuffle: bool, seed: int,
+                 reading: RecordReading = DEFAULT_READING):
         if window < 1:
             raise ValueError(f"data.shuffle_window must be >= 1, got {window}")
-        self._sources = _Sources(paths)
+        self._sources = _Sources(paths, reading)
         self.window, self.shuffle, self.seed = window, shuffle, seed
         self.starts: dict[int, MixLocation] = {0: self._sources.start()}  # window -> where its first record is
         self.num_windows: Optional[int] = None  # known once the end was read
@@ -321,6 +339,8 @@ class StreamingRowStream:
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
+        self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
+        self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
         self._accepted_this_epoch = False
         self._rejected_this_epoch: Counter = Counter()
 
@@ -328,6 +348,10 @@ class StreamingRowStream:
         return self.packer.next_row(self._pull)
 
     def _pull(self) -> PackItem[MeasuredSample]:
+        if not self.pieces:
+            self.pieces = dealt_document_items(self.dealt_pieces, self._measure_at, self.packer.seq_len)
+        if self.pieces:
+            return self.pieces.pop(0)
         while True:
             dealt = self.dealt.pop()
             position = dealt or (self.epoch, self.cursor)
@@ -340,7 +364,8 @@ class StreamingRowStream:
             measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
             if isinstance(measured, MeasuredSample):
                 self._accepted_this_epoch = True
-                return PackItem(key=position, length=measured.length, payload=measured)
+                first, *self.pieces = pack_items(position, measured, self.packer.seq_len)
+                return first
             self.rejects.record(measured)
             self._rejected_this_epoch[measured.reason] += 1
 
@@ -362,8 +387,11 @@ class StreamingRowStream:
 
     def state_dict(self) -> dict:
         keys = self.packer.buffer_keys()
-        seek_to = [self.cursor] + [p for _, p in keys] + [p for _, p in self.dealt.first()]
+        pieces = [item.key for item in self.pieces]
+        seek_to = [self.cursor] + [k[1] for k in keys + pieces] + [p for _, p in self.dealt.first()]
+        seek_to += [position for _, position, _ in self.dealt_pieces]
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
+                "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
                 "window_starts": self.source.state_for(seek_to)}
 
@@ -375,7 +403,9 @@ class StreamingRowStream:
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
-        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at)
+        self.packer.buffer = measured_buffer(state["buffer"], self._measure_at, self.packer.seq_len)
+        self.pieces = measured_buffer(state.get("pieces", []), self._measure_at, self.packer.seq_len)
+        self.dealt_pieces = deque(state.get("dealt_pieces", []))
 
 
     def redealt(self, states: list[dict]) -> dict:
@@ -388,14 +418,41 @@ class StreamingRowStream:
         return {**dealt, "window_starts": starts}
 
 
-def measured_buffer(positions: list, measure_at) -> list[PackItem[MeasuredSample]]:
-    """The packer buffer a checkpoint names by stream positions, measured again (a stream's
-    ``load_state_dict``); a position that no longer measures means the data changed."""
+def pack_items(position: tuple[int, int], measured: MeasuredSample, seq_len: int) -> list[PackItem[MeasuredSample]]:
+    """The packer items of the sample at stream ``position``: one keyed ``(epoch, position)``, or for
+    a document longer than ``seq_len`` one per piece (``measure.document_pieces``), keyed
+    ``(epoch, position, piece)``."""
+    pieces = document_pieces(measured, seq_len)
+    if len(pieces) == 1:
+        return [PackItem(key=tuple(position), length=measured.length, payload=measured)]
+    return [PackItem(key=(*position, piece.piece), length=piece.length, payload=piece) for piece in pieces]
+
+
+def dealt_document_items(dealt_pieces: deque, measure_at, seq_len: int) -> list[PackItem[MeasuredSample]]:
+    """The untrained pieces of the next part-trained document a re-deal handed this shard
+    (``redeal.untrained_pieces``), taken off ``dealt_pieces``; [] when none is left."""
+    if not dealt_pieces:
+        return []
+    epoch, position, wanted = dealt_pieces.popleft()
+    measured = measure_at((epoch, position))
+    if not isinstance(measured, MeasuredSample):
+        raise RuntimeError(f"document at epoch {epoch} position {position} no longer measures "
+                           f"(data changed since the checkpoint?): {measured}")
+    return [item for item in pack_items((epoch, position), measured, seq_len)
+            if len(item.key) == 3 and item.key[2] in wanted]
+
+
+def measured_buffer(keys: list, measure_at, seq_len: int) -> list[PackItem[MeasuredSample]]:
+    """The packer buffer (or pieces to come) a checkpoint names by stream positions, ``[epoch,
+    position]`` or ``[epoch, position, piece]``, measured again (a stream's ``load_state_dict``); a
+    position that no longer measures means the data changed."""
     buffer = []
-    for epoch, position in positions:
+    for key in keys:
+        epoch, position = key[0], key[1]
         measured = measure_at((epoch, position))
         if not isinstance(measured, MeasuredSample):
             raise RuntimeError(f"buffered sample at epoch {epoch} position {position} no longer measures "
                                f"(data changed since the checkpoint?): {measured}")
-        buffer.append(PackItem(key=(epoch, position), length=measured.length, payload=measured))
+        items = pack_items((epoch, position), measured, seq_len)
+        buffer.append(items[key[2]] if len(key) == 3 else items[0])
     return buffer

@@ -17,6 +17,7 @@ from loongforge.config.schema import DataConfig
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.measure import MeasuredSample, measure_media
 from loongforge.data.packfile.reader import PackedFolder
+from loongforge.data.record_kinds import reading_for
 from loongforge.data.samples import ConversationSample, Reject
 from loongforge.data.vision import ImageSource, MediaError, VideoPlan, VisionSizing
 from loongforge.parallel.media_assign import assign_media
@@ -69,7 +70,7 @@ class EncodePlan:
 
 def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> EncodePlan:
     """The plan of conversation files (the formats ``train`` reads)."""
-    source = ArrowSamples(files, data_cfg.cache_dir)
+    source = ArrowSamples(files, data_cfg.cache_dir, reading=reading_for(data_cfg))
     items, rejects = [], []
     for index in range(len(source)):
         sample = source.get(index)

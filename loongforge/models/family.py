@@ -92,6 +92,9 @@ class ChatFormat:
     # reasoning in THINK_OPEN ... THINK_CLOSE (empty in the conversation's last turn when the data has
     # none); earlier assistant turns are written without theirs.
     thinking: bool = False
+    # Ends each pretraining document (``text`` records: no chat template, loss on every token), the
+    # token base models are trained to write at a document's end. ``text_start`` opens it.
+    document_end: str = "<|endoftext|>"
 
     @property
     def markers(self) -> tuple[str, ...]:

@@ -18,9 +18,11 @@ from typing import Callable, Optional
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
+from loongforge.config.overrides import Override
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
+from loongforge.data.record_kinds import reading_for
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import (
     CONFIG_FILE,
@@ -57,6 +59,8 @@ class PackOptions:
     # tokens at 32K seq_len, before media bytes).
     packs_per_shard: int = 256
     progress: bool = True
+    record_kind: str = "auto"  # data.record_kind: how records become samples (data/record_kinds.py)
+    caption_prompt: Optional[str] = None  # data.caption_prompt
 
 
 @dataclass
@@ -98,7 +102,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     summary = PackSummary(output=root, stats={}, workers=options.workers)
 
     start = time.perf_counter()
-    samples = ArrowSamples(files, cfg.data.cache_dir)
+    samples = ArrowSamples(files, cfg.data.cache_dir, reading=reading_for(cfg.data))
     context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork
@@ -165,7 +169,11 @@ def _check_some_packs(stats: dict, root: Path) -> None:
 
 def _load_config(options: PackOptions):
     # The pack's capacity is the training row length: tokenization rejects longer samples.
-    return load_run_config(options.preset, overrides=[f"data.seq_len={options.seq_len}"])
+    settings = {"seq_len": options.seq_len, "record_kind": options.record_kind,
+                "caption_prompt": options.caption_prompt}
+    return load_run_config(options.preset, overrides=[
+        Override(text=f"data.{key}={value}", path=("data", key), delete=False, value=value)
+        for key, value in settings.items()])
 
 
 def _sizing_dict(cfg) -> dict:
@@ -190,6 +198,9 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) ->
         "video_max_frames": data.video_max_frames,
         "vision_sizing": sizing,
         "tokens": asdict(cfg.model.tokens),
+        # Only where set, so folders packed before these settings existed still resume.
+        **({"record_kind": data.record_kind} if data.record_kind != "auto" else {}),
+        **({"caption_prompt": data.caption_prompt} if data.caption_prompt is not None else {}),
     }
 
 

@@ -7,7 +7,8 @@ Manifest line (the balancer and ``train`` read these names)::
                   "patches": [P per image, then per video], "images": n_img, "videos": n_vid,
                   "loss_tokens": tokens with loss (the LM head runs on these)}]}
 
-``index`` is the sample's position in the inputs (files in order, records in file order). A sample
+``index`` is the sample's position in the inputs (files in order, records in file order); a piece
+of a document longer than the pack (``measure.document_pieces``) also has ``"piece"``. A sample
 whose line holds other samples too (a JSON list on one line) also has ``"record"``, its ordinal in
 its file, in the manifest and in ``rejects.jsonl``.
 Pack ``i`` is row ``i % packs_per_shard`` of shard ``i // packs_per_shard``.
@@ -81,8 +82,9 @@ def _manifest_sample(record: dict) -> dict:
 
 
 def _where(record: dict) -> dict:
-    """file and line, and the record's ordinal in its file where the scan gave one."""
-    return {key: record[key] for key in ("file", "line", "record") if key in record}
+    """file and line, and the record's ordinal in its file and the document's piece where the scan
+    gave them."""
+    return {key: record[key] for key in ("file", "line", "record", "piece") if key in record}
 
 
 def reject_lines(plan: Plan) -> Iterator[dict]:

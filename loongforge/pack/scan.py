@@ -1,4 +1,5 @@
-"""Scan stage: every input sample -> one scan record (measured lengths, or a reject).
+"""Scan stage: every input sample -> one scan record (measured lengths, or a reject); a document
+longer than the pack's capacity -> one record per piece (``measure.document_pieces``, ``"piece"``).
 
 A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos", "loss_tokens"}`` for a usable
 sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
@@ -15,19 +16,28 @@ import math
 from pathlib import Path
 from typing import Callable, Optional
 
-from loongforge.data.measure import MeasuredSample
+from loongforge.data.measure import MeasuredSample, document_pieces
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import read_lines, scan_part, write_lines_atomic
 from loongforge.pack import workers
 
 
-def scan_record(index: int) -> dict:
+def scan_records(index: int) -> list[dict]:
+    """Sample ``index``'s scan record, or one per piece of a document cut to the pack's capacity."""
     measured = workers.measure_index(index)
+    if not isinstance(measured, MeasuredSample):
+        return [scan_record(index, measured)]
+    return [scan_record(index, piece) for piece in document_pieces(measured, workers.seq_len())]
+
+
+def scan_record(index: int, measured) -> dict:
     where = {"file": measured.file, "line": measured.line}
     if measured.record is not None:
         where["record"] = measured.record
     if not isinstance(measured, MeasuredSample):
         return {"i": index, **where, "reason": measured.reason, "detail": measured.detail}
+    if measured.piece is not None:
+        where["piece"] = measured.piece
     patches = [t * h * w for t, h, w in measured.image_grids]
     patches += [t * h * w for t, h, w in (plan.grid_thw for plan in measured.video_plans)]
     return {"i": index, "id": measured.sample_id, **where,
@@ -37,7 +47,7 @@ def scan_record(index: int) -> dict:
 
 def _scan_chunk(task: tuple[int, int, int]) -> tuple[int, list[dict]]:
     chunk, start, stop = task
-    return chunk, [scan_record(i) for i in range(start, stop)]
+    return chunk, [record for i in range(start, stop) for record in scan_records(i)]
 
 
 def num_chunks(num_samples: int) -> int:
@@ -65,6 +75,6 @@ def read_scan(root: Path, num_samples: int) -> list[dict]:
     records: list[dict] = []
     for chunk in range(num_chunks(num_samples)):
         records.extend(read_lines(scan_part(root, chunk)))
-    if [r["i"] for r in records] != list(range(num_samples)):
+    if [r["i"] for r in records if r.get("piece", 0) == 0] != list(range(num_samples)):
         raise RuntimeError(f"scan chunks under {root} do not cover samples 0..{num_samples - 1} exactly once")
     return records

@@ -28,11 +28,13 @@ def compute_stats(plan: Plan, *, seq_len: int, algorithm: str, preset: str, max_
     pack_tokens = np.array([int(lengths[p].sum()) for p in plan.packs], dtype=np.int64)
     costs = quadratic_costs(plan.packs, lengths) if plan.packs else np.zeros(0)
     reasons = Counter(r["reason"] for r in plan.rejected)
-    samples_in = len(plan.accepted) + len(plan.rejected)
+    packed = {r["i"] for r in plan.accepted}  # a document cut into pieces is one sample
+    samples_in = len(packed) + len(plan.rejected)
     return {
         "format": "loongforge-pack/1",
         "samples_in": samples_in,
-        "samples_packed": len(plan.accepted),
+        "samples_packed": len(packed),
+        "documents_cut": len({r["i"] for r in plan.accepted if r.get("piece") is not None}),
         "samples_rejected": len(plan.rejected),
         "packs": len(plan.packs),
         "shards": plan.num_shards,

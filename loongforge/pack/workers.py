@@ -15,6 +15,7 @@ from typing import Any, Callable, Iterable, Iterator, Optional, Union
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.measure import MeasuredSample, SampleMeasurer
+from loongforge.data.record_kinds import reading_for
 from loongforge.data.samples import Reject
 from loongforge.data.tokenizer import load_tokenizer
 
@@ -50,7 +51,8 @@ def install(context: MeasureContext, samples: Optional[ArrowSamples] = None) -> 
 def samples() -> ArrowSamples:
     if "samples" not in _STATE:
         context = _STATE["context"]
-        _STATE["samples"] = ArrowSamples(list(context.inputs), context.data_cfg.cache_dir)
+        _STATE["samples"] = ArrowSamples(list(context.inputs), context.data_cfg.cache_dir,
+                                         reading=reading_for(context.data_cfg))
     return _STATE["samples"]
 
 
@@ -61,6 +63,11 @@ def measurer() -> SampleMeasurer:
         _STATE["measurer"] = SampleMeasurer(_tokenizer(context.data_cfg.tokenizer), context.data_cfg,
                                             context.model_cfg)
     return _STATE["measurer"]
+
+
+def seq_len() -> int:
+    """The pack's row length (``--seq-len``)."""
+    return _STATE["context"].data_cfg.seq_len
 
 
 def measure_index(index: int) -> Union[MeasuredSample, Reject]:

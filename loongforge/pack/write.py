@@ -14,14 +14,14 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from loongforge.config.errors import InputError
-from loongforge.data.measure import MeasuredSample
+from loongforge.data.measure import MeasuredSample, document_pieces
 from loongforge.data.packfile.folder import shard_name, write_atomic
 from loongforge.data.packfile.schema import SCHEMA, encode_pack
 from loongforge.pack import workers
 from loongforge.pack.manifest import Plan
 
-# (shard, folder, [(pack number, [(sample index, scanned tokens), ...]), ...])
-ShardTask = tuple[int, str, list[tuple[int, list[tuple[int, int]]]]]
+# (shard, folder, [(pack number, [(sample index, piece or None, scanned tokens), ...]), ...])
+ShardTask = tuple[int, str, list[tuple[int, list[tuple[int, Optional[int], int]]]]]
 
 
 def shard_tasks(root: Path, plan: Plan) -> list[ShardTask]:
@@ -29,7 +29,8 @@ def shard_tasks(root: Path, plan: Plan) -> list[ShardTask]:
     for shard in range(plan.num_shards):
         if (root / shard_name(shard)).exists():
             continue
-        packs = [(number, [(plan.accepted[k]["i"], plan.accepted[k]["tokens"]) for k in plan.packs[number].tolist()])
+        packs = [(number, [(plan.accepted[k]["i"], plan.accepted[k].get("piece"), plan.accepted[k]["tokens"])
+                           for k in plan.packs[number].tolist()])
                  for number in plan.shard_packs(shard)]
         tasks.append((shard, str(root), packs))
     return tasks
@@ -41,8 +42,10 @@ def write_shard(task: ShardTask) -> tuple[int, int]:
     rows = []
     for number, members in packs:
         samples = []
-        for index, tokens in members:
+        for index, piece, tokens in members:
             measured = workers.measure_index(index)
+            if isinstance(measured, MeasuredSample) and piece is not None:
+                measured = document_pieces(measured, workers.seq_len())[piece]
             if not isinstance(measured, MeasuredSample) or measured.length != tokens:
                 found = measured.length if isinstance(measured, MeasuredSample) else measured.reason
                 raise InputError(f"sample {index} measured {tokens} tokens at scan time but {found} now: "

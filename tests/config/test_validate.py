@@ -87,7 +87,7 @@ def test_multiple_rule_errors_reported_at_once():
 @pytest.mark.parametrize("path, bad", [
     ("model.layer_backend", "flash2"), ("training.precision", "fp16"),
     ("schedule.decay_style", "linear"), ("data.source", "web"), ("optimizer.name", "adamw"),
-    ("training.device", "gpu"),
+    ("training.device", "gpu"), ("data.record_kind", "pretrain"),
 ])
 def test_choices(path, bad):
     (message,) = errors_for(f"{path}={bad}")

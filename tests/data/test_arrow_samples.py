@@ -118,7 +118,8 @@ def test_processes_starting_together_build_one_copy(tmp_path, monkeypatch):
         results = pool.map(_open_in_process, [(str(data), str(tmp_path / "cache"))] * 3)
     assert results == [(50_000, 50_000)] * 3
     assert len(list(builds.iterdir())) == 1
-    left = [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.parent.name == "v1"]
+    copies = f"v{arrow_samples.CACHE_FORMAT}"
+    left = [p.name for p in (tmp_path / "cache").rglob("*") if p.is_file() and p.parent.name == copies]
     assert len([f for f in left if f.endswith(".arrow")]) == 1 and not [f for f in left if f.endswith(".tmp")]
 
 
@@ -257,7 +258,7 @@ def test_two_hosts_with_one_pid_build_one_cache_at_once(tmp_path):
     outcomes = [json.loads((tmp_path / f"{host}.json").read_text()) for host in ("node-a", "node-b")]
     print(f"\n{outcomes}")
     assert outcomes == [{"rows": 8_000, "last": [str(tmp_path / "7999.jpg")]}] * 2
-    left = sorted(p.name for p in (cache / "v1").iterdir())
+    left = sorted(p.name for p in (cache / f"v{arrow_samples.CACHE_FORMAT}").iterdir())
     assert len([name for name in left if name.endswith(".arrow")]) == 1 and not [n for n in left if ".tmp" in n]
     assert _all(ArrowSamples([str(data)], str(cache))) == _all(FileSamples([str(data)]))  # the published copy
 
@@ -291,7 +292,8 @@ def test_a_copy_that_lost_rows_is_not_published(tmp_path, monkeypatch):
     with pytest.raises(RuntimeError, match=r"came out holding (\d+ rows|an unreadable file), not 5000 rows .* "
                                            r"it was not published"):
         ArrowSamples([str(data)], str(tmp_path / "cache"))
-    assert [p.name for p in (tmp_path / "cache" / "v1").iterdir() if not p.name.endswith(".lock")] == []
+    copies = tmp_path / "cache" / f"v{arrow_samples.CACHE_FORMAT}"
+    assert [p.name for p in copies.iterdir() if not p.name.endswith(".lock")] == []
 
 
 def test_a_full_or_read_only_cache_is_one_line(tmp_path, monkeypatch, capsys):
@@ -348,7 +350,7 @@ def test_the_start_up_line_says_where_the_cache_is_and_how_big(tmp_path):
     data = tmp_path / "d.jsonl"
     data.write_text("".join(json.dumps(good_record(f"{i}.jpg")) + "\n" for i in range(1_000)))
     ArrowSamples([str(data)], str(cache))
-    (copy,) = (cache / "v1").glob("*.arrow")
+    (copy,) = (cache / f"v{arrow_samples.CACHE_FORMAT}").glob("*.arrow")
     line = cache_summary(str(cache))
     print(f"\n{line}")
     assert re.fullmatch(rf"cache: {cache}, 1 Arrow copy \({copy.stat().st_size / 1000:.1f} KB\), [\d.]+ [KMGT]?B free",

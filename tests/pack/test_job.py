@@ -7,14 +7,16 @@ import sys
 import textwrap
 from pathlib import Path
 
+import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from loongforge.config.errors import InputError
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.data.conversations import FileSamples, read_json_array
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.reader import PackedFolder
 from loongforge.data.samples import REJECT_REASONS
+from loongforge.data.tokenizer import load_tokenizer
 from loongforge.pack.job import PackOptions, run_pack
 from tests.pack.conftest import BAD_LINES, PRESET, SEQ_LEN, folder_bytes
 from tests.shared_data import REPO_ROOT, SHARED_DATA
@@ -202,3 +204,38 @@ def test_image_cap_below_a_sample_is_a_config_error(pack_inputs, tmp_path):
 
     with pytest.raises(ConfigError, match="--max-images-per-pack 1 is below the 2 images"):
         run_pack(_options(pack_inputs, tmp_path / "out", max_images_per_pack=1))
+
+
+def test_pretraining_documents_and_alpaca_pack(tmp_path):
+    """Documents pack with every token a loss token and <|endoftext|> last; Alpaca records as
+    chats; a document longer than --seq-len is cut into pieces of --seq-len tokens, each a sample
+    of the pack, that put together give the whole document."""
+    llamafactory = SHARED_DATA / "llamafactory"
+    (tmp_path / "c4.jsonl").write_text("\n".join((llamafactory / "c4_demo.jsonl").read_text().splitlines()[:10]))
+    (tmp_path / "wiki.txt").write_text("\n".join((llamafactory / "wiki_demo.txt").read_text().splitlines()[:2]))
+    alpaca = json.loads((llamafactory / "alpaca_en_demo.json").read_text())[:10]
+    (tmp_path / "alpaca.json").write_text(json.dumps(alpaca))
+    root = tmp_path / "out"
+    stats = run_pack(_options([tmp_path / "c4.jsonl", tmp_path / "wiki.txt", tmp_path / "alpaca.json"], root)).stats
+    assert folder.read_lines(root / folder.REJECTS_FILE) == []
+    packed = PackedFolder(root)
+    samples = [s for i in range(len(packed)) for s in packed.pack(i)]
+    documents = [s for s in samples if Path(s.file).name == "c4.jsonl"]
+    chats = [s for s in samples if Path(s.file).name == "alpaca.json"]
+    assert len(documents) == 10 and len(chats) == 10
+    assert stats["samples_packed"] == stats["samples_in"] == 22 and stats["documents_cut"] == 2
+    assert all(s.is_answer.all() and s.input_ids[-1] == 151643 for s in documents)
+    assert all(0 < s.is_answer.sum() < s.length for s in chats)
+    pieces = {}
+    for sample in samples:
+        if Path(sample.file).name == "wiki.txt":
+            pieces.setdefault(sample.line, {})[int(sample.sample_id.split("#")[1])] = sample
+    tokenizer = load_tokenizer("qwen")
+    for line, article in enumerate((tmp_path / "wiki.txt").read_text().splitlines(), start=1):
+        ordered = [pieces[line][k] for k in sorted(pieces[line])]
+        assert len(ordered) > 1 and all(p.length == SEQ_LEN for p in ordered[:-1])
+        joined = np.concatenate([p.input_ids for p in ordered])
+        assert tokenizer.decode(joined[:-1]) == article and joined[-1] == 151643
+        assert all(p.is_answer.all() for p in ordered)
+    with pytest.raises(ConfigError, match=r"data.record_kind='pretrain' is not one of auto \| conversation"):
+        run_pack(_options([tmp_path / "c4.jsonl"], tmp_path / "other", record_kind="pretrain"))

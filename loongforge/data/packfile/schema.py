@@ -75,7 +75,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
     samples = []
     records = row.get("sample_records") or [None] * len(row["sample_ids"])
     for k, sample_id in enumerate(row["sample_ids"]):
-        file, _, line = sample_id.rpartition(":")
+        file, _, line = sample_id.split("#")[0].rpartition(":")  # "#<piece>": a cut document's piece
         samples.append(MeasuredSample(
             sample_id=sample_id, file=file, line=int(line) if line.isdigit() else 0,
             input_ids=np.asarray(row["input_ids"][k], dtype=np.int64),

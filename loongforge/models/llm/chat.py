@@ -116,6 +116,7 @@ LLAMA3 = ChatFormat(
     role_end="<|end_header_id|>\n\n",
     turn_sep="",
     text_start="<|begin_of_text|>",
+    document_end="<|end_of_text|>",
     # Not Llama 3.1's own (its template writes a knowledge-date system turn): the one every family
     # trained with before formats carried their own default.
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
