@@ -67,7 +67,14 @@ from loongforge.config.validate import LORA_TE_REFUSAL
 from loongforge.models.hf_rules import FusedExperts, GateUp, Replicated, Rule, Split, Tensor, Transform
 from loongforge.models.hf_weights import expert_placement, match_rule
 from loongforge.models.layer_kinds import layer_kind
-from loongforge.models.lora_params import chosen_kinds
+from loongforge.models.lora_params import (
+    block_b,
+    chosen_kinds,
+    is_column_rule,
+    part_rows,
+    per_expert_transform,
+    row_parts,
+)
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
 from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
@@ -98,16 +105,6 @@ class StackedParts(Transform):
 
     def unshard(self, shards):
         return list(shards[0].chunk(self.parts))
-
-
-def is_column_rule(rule: Rule) -> bool:
-    """A linear's weight rule splits its rows (column-parallel) unless it splits its columns."""
-    transform = _per_expert(rule.transform)
-    return not (isinstance(transform, Split) and transform.dim == 1)
-
-
-def _per_expert(transform: Transform) -> Transform:
-    return transform.per_expert if isinstance(transform, FusedExperts) else transform
 
 
 def adapter_rules(rule: Rule) -> list[Rule]:
@@ -166,9 +163,7 @@ class LoraAdapter(torch.nn.Module):
 
     def fused_B(self) -> Tensor:
         """B as the block matrix [N_local, P*r] whose row n holds B's row n in its part's r columns."""
-        if self.part_mask is None:
-            return self.B
-        return (self.part_mask[:, :, None] * self.B[:, None, :]).reshape(self.B.shape[0], -1)  # [N_local, P*r]
+        return block_b(self.B, self.part_mask)  # [N_local, P*r]
 
     def update(self, x: Tensor) -> Tensor:
         """column: x [s(/tp), b, K] -> [s, b, N/tp]; row: x [s, b, K/tp] -> [s(/tp), b, N]."""
@@ -303,43 +298,32 @@ def _sharded_state_dict(original, adapter: LoraAdapter, prefix: str = "", sharde
 def _make_adapter(module, rule: Rule, hf_shapes: dict, lora_cfg: LoraConfig, seed: int) -> LoraAdapter:
     """The adapter of one linear (``rule``: its weight's row of the family's map), this rank's shards."""
     weight, group = module.weight, module.tp_group
-    column, part_rows = is_column_rule(rule), _part_rows(rule, hf_shapes)
-    A, B, row_parts = _initial_matrices(weight, _per_expert(rule.transform), column, part_rows, lora_cfg.rank,
-                                        group.rank(), group.size(), torch.Generator().manual_seed(seed))
+    column, rows = is_column_rule(rule), part_rows(rule, hf_shapes)
+    A, B = _initial_matrices(weight, per_expert_transform(rule.transform), column, len(rows), lora_cfg.rank,
+                             group.rank(), group.size(), torch.Generator().manual_seed(seed))
+    parts_of_rows = row_parts(rule, hf_shapes, group.rank(), group.size()) if column else None
     # An expert's linear leaves its TP communication to the token dispatcher (explicit_expert_comm).
     explicit = getattr(module, "explicit_expert_comm", False)
     adapter = LoraAdapter(A.to(weight.device, weight.dtype), B.to(weight.device, weight.dtype),
                           parallel="column" if column else "row", scaling=lora_cfg.alpha / lora_cfg.rank,
-                          dropout=lora_cfg.dropout, parts=len(part_rows) if column else 1,
-                          row_parts=None if row_parts is None else row_parts.to(weight.device), tp_group=group,
+                          dropout=lora_cfg.dropout, parts=len(rows) if column else 1,
+                          row_parts=None if parts_of_rows is None else parts_of_rows.to(weight.device), tp_group=group,
                           sequence_parallel=bool(module.sequence_parallel) and not explicit,
                           communicates=not explicit and group.size() > 1)
     _mark_parallel(adapter, weight)
-    adapter.gate_up_rows = column and isinstance(_per_expert(rule.transform), GateUp)
+    adapter.gate_up_rows = column and isinstance(per_expert_transform(rule.transform), GateUp)
     return adapter
 
 
-def _initial_matrices(weight: Tensor, transform: Transform, column: bool, part_rows: list[int], r: int,
-                      rank: int, size: int, generator: torch.Generator):
-    """(A, B, row_parts) of this rank, fp32 on the CPU: A drawn whole (the same at every TP size)
-    and split like the weight's columns where the weight's columns are split, B zeros."""
+def _initial_matrices(weight: Tensor, transform: Transform, column: bool, parts: int, r: int,
+                      rank: int, size: int, generator: torch.Generator) -> tuple[Tensor, Tensor]:
+    """(A, B) of this rank, fp32 on the CPU: A drawn whole (the same at every TP size) and split like
+    the weight's columns where the weight's columns are split, B zeros."""
     if not column:
         A = transform.shard([kaiming_uniform_a(r, weight.shape[1] * size, generator)], rank, size)  # [r, K/tp]
-        return A, torch.zeros(weight.shape[0], r), None  # B [N, r]
-    A = torch.cat([kaiming_uniform_a(r, weight.shape[1], generator) for _ in part_rows])  # [P*r, K]
-    row_parts = None
-    if len(part_rows) > 1:  # each output row's part, laid out and split as the weight's rows are
-        parts = [torch.full((rows, 1), part) for part, rows in enumerate(part_rows)]
-        row_parts = transform.shard(parts, rank, size)[:, 0]  # [N/tp]
-    return A, torch.zeros(weight.shape[0], r), row_parts  # B [N/tp, r]
-
-
-def _part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
-    """Output rows of each HF linear a (column-parallel) weight fuses: [q, k, v], [gate, up], [N]."""
-    if isinstance(rule.transform, FusedExperts):
-        rows = rule.transform.expert_shape[0] // rule.transform.parts
-        return [rows] * rule.transform.parts
-    return [hf_shapes[pattern.replace("{i}", "0").replace("{e}", "0")][0] for pattern in rule.hf]
+        return A, torch.zeros(weight.shape[0], r)  # B [N, r]
+    A = torch.cat([kaiming_uniform_a(r, weight.shape[1], generator) for _ in range(parts)])  # [P*r, K]
+    return A, torch.zeros(weight.shape[0], r)  # B [N/tp, r]
 
 
 # What the family and megatron mark on a linear's weight at build time and the adapter must carry too:

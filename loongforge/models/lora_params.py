@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from loongforge.config.schema import LoraConfig, ModelConfig
-from loongforge.models.hf_rules import FusedExperts, Rule
+import torch
+
+from loongforge.models.hf_rules import FusedExperts, Rule, Split, Transform
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
 
@@ -26,6 +28,55 @@ def chosen_kinds(lora_cfg: LoraConfig) -> set[str]:
     if lora_cfg.experts and "language" in lora_cfg.targets:
         kinds |= {f"language.expert_{module}" for module in lora_cfg.modules if module in ("fc1", "fc2")}
     return kinds
+
+
+def per_expert_transform(transform: Transform) -> Transform:
+    """How one expert's weight is split (a fused-experts rule's per-expert transform), else ``transform``."""
+    return transform.per_expert if isinstance(transform, FusedExperts) else transform
+
+
+def is_column_rule(rule: Rule) -> bool:
+    """A linear's weight rule splits its rows (column-parallel) unless it splits its columns."""
+    transform = per_expert_transform(rule.transform)
+    return not (isinstance(transform, Split) and transform.dim == 1)
+
+
+def part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
+    """Output rows of each HF linear a (column-parallel) weight fuses: [q, k, v], [gate, up], [N]."""
+    if isinstance(rule.transform, FusedExperts):
+        rows = rule.transform.expert_shape[0] // rule.transform.parts
+        return [rows] * rule.transform.parts
+    return [hf_shapes[_fill(pattern)][0] for pattern in rule.hf]
+
+
+def row_parts(rule: Rule, hf_shapes: dict, rank: int, size: int) -> torch.Tensor | None:
+    """[N / size]: the fused part each output row of TP rank ``rank``'s weight shard belongs to, laid
+    out and split as the weight's rows are (None: a single part). ``size`` 1: the whole weight, as
+    checkpoints store it."""
+    rows = part_rows(rule, hf_shapes)
+    if len(rows) == 1:
+        return None
+    parts = [torch.full((count, 1), part) for part, count in enumerate(rows)]
+    return per_expert_transform(rule.transform).shard(parts, rank, size)[:, 0]
+
+
+def block_b(B: torch.Tensor, part_mask: torch.Tensor | None) -> torch.Tensor:
+    """B [N, r] as the block matrix [N, P*r] whose row n holds B's row n in its part's r columns
+    (``part_mask`` [N, P]: one-hot parts of the rows; None: one part, B itself)."""
+    if part_mask is None:
+        return B
+    return (part_mask[:, :, None] * B[:, None, :]).reshape(B.shape[0], -1)
+
+
+def merged_weight(weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, parts: torch.Tensor | None,
+                  scaling: float) -> torch.Tensor:
+    """``weight + scaling * B A`` in fp32, back in the weight's dtype: weight [N, K], A [P*r, K] (or
+    [r, K]), B [N, r], ``parts`` [N] the fused part of each row (None: one part). A leading expert
+    axis on all three merges expert by expert."""
+    if weight.dim() == 3:
+        return torch.stack([merged_weight(w, a, b, parts, scaling) for w, a, b in zip(weight, A, B)])
+    mask = None if parts is None else torch.nn.functional.one_hot(parts, A.shape[0] // B.shape[1]).float()
+    return (weight.float() + scaling * (block_b(B.float(), mask) @ A.float())).to(weight.dtype)
 
 
 @dataclass(frozen=True)
