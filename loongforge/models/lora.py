@@ -64,7 +64,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
-from loongforge.models.hf_rules import FusedExperts, GateUp, Replicated, Rule, Split, Tensor, Transform
+from loongforge.models.hf_rules import GateUp, Replicated, Rule, Tensor, Transform
 from loongforge.models.hf_weights import expert_placement, match_rule
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.lora_params import (
