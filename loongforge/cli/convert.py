@@ -58,6 +58,9 @@ AtolOption = Annotated[Optional[float], typer.Option(
 JsonOption = Annotated[bool, typer.Option(
     "--json", help="With --roundtrip or --check-logits: print the report as one JSON object.")]
 NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+AdapterOption = Annotated[bool, typer.Option(
+    "--adapter", help="With --to hf, a LoRA run's checkpoint: write its adapters as a PEFT folder "
+                      "(adapter_config.json + adapter_model.safetensors) instead of the merged model.")]
 
 
 class _Interrupted(BaseException):
@@ -110,6 +113,7 @@ def convert(
     atol: AtolOption = None,
     json_output: JsonOption = False,
     no_progress: NoProgressOption = False,
+    adapter: AdapterOption = False,
 ) -> None:
     """Convert checkpoints of any model family between Hugging Face and megatron-core (any TP/PP), streamed."""
     with _exit_cleanly_on_signals(), cli_errors():
@@ -135,9 +139,12 @@ def convert(
             shard_bytes = parse_size(max_shard_size)
         except ValueError as exc:
             raise UsageError(f"--max-shard-size: {exc}") from None
+        if adapter and to != "hf":
+            raise UsageError("--adapter writes a LoRA run's adapters from its checkpoint: use it with --to hf")
+        options = {"adapter": True} if adapter else {}
         report = run_convert(src, dst, to=to, preset=preset, tp=tp, pp=pp, vision_tp=vision_tp, dtype=dtype,
                              max_shard_size=shard_bytes, overwrite=overwrite, verify=verify,
-                             progress=not no_progress)
+                             progress=not no_progress, **options)
         typer.echo(report.summary())
         if report.verify_mismatches:
             raise typer.Exit(FAILURE_EXIT_CODE)

@@ -608,10 +608,6 @@ def _check_lora(cfg: RunConfig) -> list[str]:
                       f"text-only (model.vision: null); set lora.targets=[language].")
     if cfg.model.layer_backend == "te":
         errors.append(LORA_TE_REFUSAL)
-    if cfg.checkpoint.save_hf:
-        # The HF export writes the base weights, which LoRA leaves unchanged: the training would be lost.
-        errors.append("checkpoint.save_hf=true writes the base weights, and with lora.rank > 0 those do not train "
-                      "(the adapters are not exported yet); set checkpoint.save_hf=false and keep the checkpoint.")
     if cfg.data.vision_embeddings is not None and set(lora.targets) & {"vision", "projector"}:
         errors.append(f"lora.targets={lora.targets} adapts the vision tower or projector, but "
                       f"data.vision_embeddings runs neither (stored embeddings); set lora.targets=[language].")

@@ -53,11 +53,19 @@ from loongforge.convert.mcore_io import (
     unstacked,
     write_mcore,
 )
+from loongforge.convert.lora_export import (
+    CheckpointLora,
+    checkpoint_lora,
+    merged_chunk,
+    refuse_unexportable,
+    write_adapter_folder,
+)
 from loongforge.convert.serving import write_serving_files
 from loongforge.models.family import ModelFamily
 from loongforge.models.hf_rules import LANGUAGE, VISION, Rule, Vocab
+from loongforge.models.lora_params import lora_rules
 from loongforge.models.registry import family_of_hf_config, get_family
-from loongforge.models.state_dict_names import fused_name
+from loongforge.models.state_dict_names import fused_name, is_adapter_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
@@ -101,10 +109,11 @@ def model_config_of(hf_config: dict, where: str) -> ModelConfig:
     return family_of_hf_config(hf_config, where).config_from_hf(hf_config, where)
 
 
-def build_links(model_cfg: ModelConfig) -> list[Link]:
-    """Every tensor of the model, vision first, in layer order. A tied model has no output layer."""
+def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> list[Link]:
+    """Every tensor of the model (or of ``rules``, e.g. the LoRA adapters' map), vision first, in
+    layer order. A tied model has no output layer."""
     links = []
-    for rule in family_of(model_cfg).hf_rules(model_cfg):
+    for rule in family_of(model_cfg).hf_rules(model_cfg) if rules is None else rules:
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue  # megatron keeps one embedding; HF's tied checkpoints have no lm_head
         if "{i}" not in rule.megatron:
@@ -474,12 +483,49 @@ def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict
     return resolved
 
 
+@dataclass
+class _BaseWeights:
+    """Where an export reads the base model's tensors: the checkpoint itself, or (a LoRA checkpoint
+    that keeps its adapters only) the base it records, a loongforge checkpoint or an HF folder."""
+
+    chunk: Callable[[Link], torch.Tensor]  # a link's whole megatron tensor, one layer's if stacked
+    dtype: Callable[[Link], torch.dtype]
+    where: str
+
+
+def _base_weights(reader: McoreReader, links: list[Link], shapes: dict, model_cfg: ModelConfig,
+                  lora: Optional[CheckpointLora], vocab_rows: int) -> _BaseWeights:
+    base_in_checkpoint = any(not is_adapter_key(key) and not key.startswith("optimizer.") for key in reader.tensors)
+    if lora is None or base_in_checkpoint or lora.base is None:
+        return _mcore_base(reader, links, shapes, model_cfg)
+    base = Path(lora.base)
+    if is_hf_folder(base):
+        hf = HFCheckpoint(base)
+        return _BaseWeights(lambda link: unstacked(to_megatron(link, [hf.load(k) for k in link.hf_keys], vocab_rows),
+                                                   link.stack),
+                            lambda link: hf.entries[link.hf_keys[0]].dtype, str(base))
+    return _mcore_base(McoreReader(resolve_mcore_checkpoint(base) / MODEL_DIR), links, shapes, model_cfg)
+
+
+def _mcore_base(reader: McoreReader, links: list[Link], shapes: dict, model_cfg: ModelConfig) -> _BaseWeights:
+    keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    return _BaseWeights(lambda link: reader.read(keys[link.mcore_key], link.layer, link.expert),
+                        lambda link: reader.dtype(keys[link.mcore_key]), str(reader.folder))
+
+
+def _link_reader(reader: McoreReader, link: Link) -> Callable[[str], Optional[torch.Tensor]]:
+    """A checkpoint key -> that tensor's slice at ``link``'s layer and expert (None: no such key)."""
+    return lambda key: reader.read(key, link.layer, link.expert) if key in reader.tensors else None
+
+
 def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Optional[str] = None,
                 max_shard_size: int = 5 * 10**9, overwrite: bool = False, verify: bool = False,
                 progress: bool = True, model_cfg: Optional[ModelConfig] = None,
-                data_cfg: Optional[DataConfig] = None, hf_source: Optional[Path] = None) -> ConversionReport:
+                data_cfg: Optional[DataConfig] = None, hf_source: Optional[Path] = None,
+                adapter: bool = False) -> ConversionReport:
     """Hub-style safetensors shards, index, config.json, and the tokenizer, processor and generation
-    files (``serving``) from a megatron checkpoint.
+    files (``serving``) from a megatron checkpoint; a LoRA run's with its adapters merged
+    (``convert.lora_export``), or with ``adapter`` its adapters alone as a PEFT folder.
 
     ``model_cfg`` / ``data_cfg`` / ``hf_source`` (a folder with config.json and tokenizer files) are
     given by ``loongforge train``; otherwise they are found beside the checkpoint (or from ``--preset``).
@@ -495,25 +541,35 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         config_file = hf_source / "config.json"
         hf_config = json.loads(config_file.read_text()) if config_file.is_file() else None
     reader = McoreReader(step_dir / MODEL_DIR)
+    lora = checkpoint_lora(step_dir, reader.tensors, _run_config_near(step_dir))
+    if adapter:
+        return _export_adapters(step_dir, reader, dst, model_cfg, lora, overwrite=overwrite, progress=progress)
     links = build_links(model_cfg)
     hf_shapes = family_of(model_cfg).hf_shapes(model_cfg)
     vocab_rows = vocab_rows_at(model_cfg, 1)
     shapes = megatron_shapes(links, hf_shapes, model_cfg, vocab_rows)
-    keys = resolve_checkpoint_keys(reader, links, shapes, model_cfg.language.vocab_size)
+    base = _base_weights(reader, links, shapes, model_cfg, lora, vocab_rows)
     out_dtype = DTYPES[dtype] if dtype else None
-    planned = [PlannedTensor(k, out_dtype or reader.dtype(keys[link.mcore_key]), hf_shapes[k])
-               for link in links for k in link.hf_keys]
+    planned = [PlannedTensor(k, out_dtype or base.dtype(link), hf_shapes[k]) for link in links for k in link.hf_keys]
     shards = plan_shards(planned, max_shard_size)
     names = shard_names(len(shards))
     file_of = {t.key: (i, name) for i, (shard, name) in enumerate(zip(shards, names)) for t in shard}
 
+    def hf_tensors(link: Link) -> list[torch.Tensor]:
+        chunk = base.chunk(link)
+        if lora is not None:
+            chunk = merged_chunk(link, chunk, _link_reader(reader, link), lora, hf_shapes)
+        return to_hf(link, chunk)
+
     report = ConversionReport("mcore->hf", str(step_dir), str(dst))
+    if lora is not None:
+        report.notes.append(f"LoRA adapters (rank {lora.settings.rank}, alpha {lora.settings.alpha:g}) merged into "
+                            f"the base weights from {base.where}")
     bar = Progress(len(planned), "mcore -> hf", progress)
     with staged_folder(dst, overwrite, report.notes) as tmp:
         writer, current = None, -1
         for link in links:
-            tensors = to_hf(link, reader.read(keys[link.mcore_key], link.layer, link.expert))
-            for key, tensor in zip(link.hf_keys, tensors):
+            for key, tensor in zip(link.hf_keys, hf_tensors(link)):
                 index, name = file_of[key]
                 if index != current:
                     if writer is not None:
@@ -539,7 +595,32 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         report.seconds = bar.close()
         report.tensors, report.bytes = bar.tensors, bar.bytes
         if verify:
-            report.verify_mismatches = _verify_hf(tmp, links, reader, keys, out_dtype, progress)
+            report.verify_mismatches = _verify_hf(tmp, links, hf_tensors, out_dtype, progress)
+    return report
+
+
+def _export_adapters(step_dir: Path, reader: McoreReader, dst: Path, model_cfg: ModelConfig,
+                     lora: Optional[CheckpointLora], *, overwrite: bool, progress: bool) -> ConversionReport:
+    """The checkpoint's adapters as a PEFT folder (``convert.lora_export``)."""
+    if lora is None:
+        raise InputError(f"{step_dir}: holds no LoRA adapters (lora.rank was 0); --adapter exports a LoRA run's "
+                         f"adapters: drop --adapter to export the model")
+    links = build_links(model_cfg, lora_rules(model_cfg))
+    refuse_unexportable(lora, model_cfg, links, step_dir)
+    report = ConversionReport("mcore->peft", str(step_dir), str(dst))
+    present = [link for link in links if link.mcore_key in reader.tensors]
+    bar = Progress(len(present), "mcore -> peft", progress)
+    tensors = {}
+    with staged_folder(dst, overwrite, report.notes) as tmp:
+        for link in present:
+            for key, tensor in zip(link.hf_keys, to_hf(link, reader.read(link.mcore_key, link.layer, link.expert))):
+                tensors[key] = tensor
+                bar.update(tensor.nbytes)
+        write_adapter_folder(tmp, tensors, lora)
+        report.seconds = bar.close()
+        report.tensors, report.bytes = bar.tensors, bar.bytes
+    report.notes.append(f"PEFT adapters for {len({k.rsplit('.lora_', 1)[0] for k in tensors})} linears; load with "
+                        f"peft.PeftModel.from_pretrained(base, {dst})")
     return report
 
 
@@ -547,14 +628,13 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}.get(dtype, "float32")
 
 
-def _verify_hf(folder: Path, links: list[Link], reader: McoreReader, keys: dict[str, str],
+def _verify_hf(folder: Path, links: list[Link], hf_tensors: Callable[[Link], list[torch.Tensor]],
                out_dtype: Optional[torch.dtype], progress: bool) -> list[str]:
     written = HFCheckpoint(folder)
     bar = Progress(len(written.entries), "verify", progress)
     mismatches = []
     for link in links:
-        expected = to_hf(link, reader.read(keys[link.mcore_key], link.layer, link.expert))
-        for key, tensor in zip(link.hf_keys, expected):
+        for key, tensor in zip(link.hf_keys, hf_tensors(link)):
             actual = written.load(key)
             if not torch.equal(actual, tensor.to(out_dtype) if out_dtype else tensor):
                 mismatches.append(key)

@@ -46,7 +46,6 @@ import functools
 import math
 import re
 import zlib
-from dataclasses import dataclass
 from typing import Callable, Optional
 
 import torch
@@ -64,7 +63,7 @@ from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, mak
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
-from loongforge.models.hf_rules import GateUp, Replicated, Rule, Tensor, Transform
+from loongforge.models.hf_rules import GateUp, Rule, Tensor, Transform
 from loongforge.models.hf_weights import expert_placement, match_rule
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.models.lora_params import (
@@ -76,66 +75,10 @@ from loongforge.models.lora_params import (
     row_parts,
 )
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
+from loongforge.models.state_dict_names import is_adapter_key
 from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
 
 _WEIGHT = ".weight"
-
-
-# ---------------------------------------------------------------------------------------------
-# The adapters' weight map: PEFT's tensors <-> ours, derived from the family's weight map
-# ---------------------------------------------------------------------------------------------
-
-
-def peft_name(hf_weight_name: str, matrix: str) -> str:
-    """PEFT's tensor name (Hub style, no ``base_model.model.`` prefix) of the ``matrix`` ("A" or
-    "B") of the adapter on the HF linear whose weight is ``hf_weight_name``."""
-    return f"{hf_weight_name[: -len(_WEIGHT)]}.lora_{matrix}{_WEIGHT}"
-
-
-@dataclass(frozen=True)
-class StackedParts(Transform):
-    """The A of a fused column-parallel linear: the parts' A matrices [r, K] stacked, [P*r, K],
-    whole on every TP rank."""
-
-    parts: int
-
-    def shard(self, hf, rank, size):
-        return torch.cat(list(hf))
-
-    def unshard(self, shards):
-        return list(shards[0].chunk(self.parts))
-
-
-def adapter_rules(rule: Rule) -> list[Rule]:
-    """The two rows of the adapters' map for one linear's weight rule: A and B, each with the HF
-    names PEFT gives them and the transform that fuses and splits them as this linear needs."""
-    base = rule.megatron[: -len(_WEIGHT)]
-    hf_a = tuple(peft_name(name, "A") for name in rule.hf)
-    hf_b = tuple(peft_name(name, "B") for name in rule.hf)
-    if is_column_rule(rule):
-        a, b = StackedParts(len(rule.hf)), rule.transform
-    else:
-        a, b = rule.transform, Replicated()
-    return [Rule(hf_a, base + LORA_A, a, rule.group, count=rule.count),
-            Rule(hf_b, base + LORA_B, b, rule.group, count=rule.count)]
-
-
-def lora_rules(model_cfg: ModelConfig) -> list[Rule]:
-    """The adapters' weight map of ``model_cfg``'s family: for every block linear (one with a
-    ``layer_kinds`` kind) PEFT's lora_A / lora_B names <-> our ``lora.A`` / ``lora.B``. Give it to
-    ``hf_weights.hf_to_megatron`` / ``megatron_to_hf`` (``rules=``) to read or write PEFT's tensors.
-    Experts fused into one HF tensor per layer have no PEFT modules and are left out."""
-    rules = []
-    for rule in get_family(model_cfg.family).hf_rules(model_cfg):
-        if rule.megatron.endswith(_WEIGHT) and _kind_of_rule(rule) and not rule.fuses_experts:
-            rules += adapter_rules(rule)
-    return rules
-
-
-def _kind_of_rule(rule: Rule) -> Optional[str]:
-    filled = rule.megatron.replace("{i}", "0").replace("{e}", "0")
-    return layer_kind(filled[: -len(_WEIGHT)])
 
 
 # ---------------------------------------------------------------------------------------------

@@ -19,10 +19,13 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
+from loongforge.config.loader import load_run_config
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.convert.mcore_io import McoreReader
 from loongforge.cli.app import app
+from loongforge.models.registry import get_family
 from loongforge.train.metrics import drop_metrics_after
 from tests.models.helpers import free_port, limit_threads, run_workers
 from tests.train import plan_recorder
@@ -238,3 +241,23 @@ def assert_trains_alike(run: Path, reference: Path, steps: slice = slice(None), 
     worst = max(weights, key=weights.get)
     print(f"weights: worst relative difference {weights[worst]:.1e} ({worst}; asserted <= {10 * relative:.0e})")
     assert weights[worst] <= 10 * relative, (worst, weights[worst])
+
+
+def random_hf_folder(preset: str, overrides: list[str], folder: Path) -> None:
+    """The preset's architecture as a transformers model with every parameter random, saved."""
+    import transformers
+
+    model_cfg = load_run_config(preset, overrides=overrides).model
+    family = get_family(model_cfg.family)
+    folder.mkdir(parents=True)
+    (folder / "config.json").write_text(json.dumps(family.config_to_hf(model_cfg, "float32")))
+    config = transformers.AutoConfig.from_pretrained(folder)
+    torch.manual_seed(0)
+    model_class = getattr(transformers, family.hf_model_class)
+    model = (model_class.from_config(config) if model_class.__name__.startswith("Auto") else model_class(config)).float()
+    generator = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            noise = torch.randn(param.shape, generator=generator)
+            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
+    model.save_pretrained(folder)

@@ -23,9 +23,8 @@ import pytest
 import torch
 
 from loongforge.config.loader import load_run_config
-from loongforge.models.registry import get_family
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import SMALL_MODEL, grad_norms, losses, run_recorded, step_metric
+from tests.train.conftest import SMALL_MODEL, grad_norms, losses, random_hf_folder, run_recorded, step_metric
 
 STEPS = 5
 # Measured: loss 7.5e-8 / 1.1e-7, gradient norm 2.8e-7 / 7.2e-8 (Qwen2.5-VL / Qwen3), worst step; the
@@ -49,26 +48,6 @@ def _alpaca_conversations(path: Path) -> Path:
                                    {"role": "assistant", "content": r["output"]}]} for r in records]
     path.write_text(json.dumps(conversations))
     return path
-
-
-def _random_hf_folder(preset: str, overrides: list[str], folder: Path) -> None:
-    """The preset's architecture as a transformers model with every parameter random, saved."""
-    import transformers
-
-    model_cfg = load_run_config(preset, overrides=overrides).model
-    family = get_family(model_cfg.family)
-    folder.mkdir(parents=True)
-    (folder / "config.json").write_text(json.dumps(family.config_to_hf(model_cfg, "float32")))
-    config = transformers.AutoConfig.from_pretrained(folder)
-    torch.manual_seed(0)
-    model_class = getattr(transformers, family.hf_model_class)
-    model = (model_class.from_config(config) if model_class.__name__.startswith("Auto") else model_class(config)).float()
-    generator = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
-    model.save_pretrained(folder)
 
 
 def scheduled_lr(step: int) -> float:
@@ -160,7 +139,7 @@ def test_five_steps_equal_transformers_with_adamw(tmp_path, preset):
     data = LLAMAFACTORY / "mllm_demo.json" if vision else _alpaca_conversations(tmp_path / "alpaca.json")
     options = [*SMALL_MODEL, *TRAINING, f"data.paths=[{data}]"]
     folder, run = tmp_path / "hf", tmp_path / "run"
-    _random_hf_folder(preset, options, folder)
+    random_hf_folder(preset, options, folder)
     run_recorded(run, *TRAINING, f"data.paths=[{data}]", f"checkpoint.load_hf={folder}", nproc=1, preset=preset,
                  record_batches=True)
     assert step_metric(run, "lr") == pytest.approx([scheduled_lr(s) for s in range(1, STEPS + 1)], rel=1e-12)
