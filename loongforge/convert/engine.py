@@ -616,7 +616,7 @@ def _export_adapters(step_dir: Path, reader: McoreReader, dst: Path, model_cfg: 
             for key, tensor in zip(link.hf_keys, to_hf(link, reader.read(link.mcore_key, link.layer, link.expert))):
                 tensors[key] = tensor
                 bar.update(tensor.nbytes)
-        write_adapter_folder(tmp, tensors, lora)
+        write_adapter_folder(tmp, tensors, lora, model_cfg)
         report.seconds = bar.close()
         report.tensors, report.bytes = bar.tensors, bar.bytes
     report.notes.append(f"PEFT adapters for {len({k.rsplit('.lora_', 1)[0] for k in tensors})} linears; load with "

@@ -29,6 +29,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.loader import load_resolved_config
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.models.lora_params import is_column_rule, merged_weight, row_parts
+from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
 
 LORA_BASE_FILE = "lora_base.json"
@@ -113,8 +114,40 @@ def adapter_config(lora: CheckpointLora, module_names: list[str]) -> dict:
             "modules_to_save": None, "use_rslora": False, "use_dora": False, "init_lora_weights": True}
 
 
-def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], lora: CheckpointLora) -> None:
-    """``tensors``: PEFT's names without the wrapper prefix -> tensor."""
+def hub_to_module_names(model_cfg: ModelConfig) -> dict[str, str]:
+    """Hub-style tensor name -> the name of that tensor in the transformers model as instantiated
+    (they differ where transformers renamed modules but reads the Hub's names, e.g. Qwen2.5-VL's
+    ``model.layers.*`` lives at ``model.language_model.layers.*``). PEFT finds modules by the
+    instantiated names, so an adapter folder must use them. The model is built on the meta device."""
+    # lazy: only the adapter export instantiates a transformers model
+    import transformers
+
+    family = get_family(model_cfg.family)
+    hf_config = family.config_to_hf(model_cfg, "float32")
+    model_class = getattr(transformers, family.hf_model_class)
+    level = transformers.logging.get_verbosity()
+    # Only names are read: the config's checks of token ids against the vocabulary would only be noise.
+    transformers.logging.set_verbosity_error()
+    try:
+        config = transformers.AutoConfig.for_model(**hf_config)
+        with torch.device("meta"):
+            model = model_class.from_config(config) if model_class.__name__.startswith("Auto") else model_class(config)
+    finally:
+        transformers.logging.set_verbosity(level)
+    return {next(iter(family.to_hub_style({name: None}))): name for name in model.state_dict()}
+
+
+def write_adapter_folder(folder: Path, tensors: dict[str, torch.Tensor], lora: CheckpointLora,
+                         model_cfg: ModelConfig) -> None:
+    """``tensors``: PEFT's names for the Hub-style model, without the wrapper prefix -> tensor; written
+    under the instantiated model's module names."""
+    module_of = hub_to_module_names(model_cfg)
+
+    def instantiated(name: str) -> str:
+        linear, _, matrix = name.rpartition(".lora_")  # "<linear>" and "A.weight"
+        return module_of[linear + _WEIGHT][: -len(_WEIGHT)] + ".lora_" + matrix
+
+    tensors = {instantiated(name): tensor for name, tensor in tensors.items()}
     modules = sorted({name.rsplit(".lora_", 1)[0] for name in tensors})
     save_file({PEFT_PREFIX + name: tensor.contiguous() for name, tensor in tensors.items()},
               str(folder / ADAPTER_WEIGHTS), metadata={"format": "pt"})

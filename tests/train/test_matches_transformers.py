@@ -24,7 +24,16 @@ import torch
 
 from loongforge.config.loader import load_run_config
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import SMALL_MODEL, grad_norms, losses, random_hf_folder, run_recorded, step_metric
+from tests.train.conftest import (
+    SAVE_AT_END,
+    SMALL_MODEL,
+    grad_norms,
+    losses,
+    random_hf_folder,
+    run_recorded,
+    run_train,
+    step_metric,
+)
 
 STEPS = 5
 # Measured: loss 7.5e-8 / 1.1e-7, gradient norm 2.8e-7 / 7.2e-8 (Qwen2.5-VL / Qwen3), worst step; the
@@ -39,6 +48,7 @@ TRAINING = (f"training.train_steps={STEPS}", "training.global_batch_size=2", "tr
             f"optimizer.clip_grad={CLIP}", f"optimizer.adam_beta1={BETAS[0]}", f"optimizer.adam_beta2={BETAS[1]}",
             f"optimizer.adam_eps={EPS}", f"schedule.warmup_steps={WARMUP}", "schedule.decay_style=cosine",
             "data.source=files", "data.read=global")
+LORA = ("lora.rank=4", "lora.alpha=8")
 
 
 def _alpaca_conversations(path: Path) -> Path:
@@ -86,7 +96,8 @@ def _segment_loss_sum(model, ids, labels, mask, pixels, grids, tokens) -> torch.
     kwargs = {}
     if tokens is not None:  # a vision-language model: M-RoPE positions from transformers' get_rope_index
         types = (ids == tokens.image_token_id).long() + 2 * (ids == tokens.video_token_id).long()
-        kwargs["position_ids"], _ = model.model.get_rope_index(ids, types, image_grid_thw=grids, video_grid_thw=None)
+        hf_model = model.get_base_model() if hasattr(model, "get_base_model") else model  # under PEFT's wrapper
+        kwargs["position_ids"], _ = hf_model.model.get_rope_index(ids, types, image_grid_thw=grids, video_grid_thw=None)
         kwargs.update(pixel_values=pixels, image_grid_thw=grids)
     logits = model(input_ids=ids, **kwargs).logits[0]  # [s, V]
     per_token = torch.nn.functional.cross_entropy(logits.float(), labels, reduction="none")
@@ -105,14 +116,22 @@ def _clip_by_global_norm(model, max_norm: float) -> float:
     return norm
 
 
-def _reference(folder: Path, batches_dir: Path, tokens, merge_unit: int) -> tuple[list[float], list[float]]:
-    """(loss, gradient norm before clipping) per step of transformers + torch AdamW."""
+def _reference(folder: Path, batches_dir: Path, tokens, merge_unit: int,
+               adapters: Path | None = None) -> tuple[list[float], list[float]]:
+    """(loss, gradient norm before clipping) per step of transformers + torch AdamW; with ``adapters``
+    (a PEFT folder: the run's initial adapters), transformers + PEFT training those alone."""
     import transformers
 
     model = getattr(transformers, json.loads((folder / "config.json").read_text())["architectures"][0]) \
-        .from_pretrained(folder, dtype=torch.float32).train()
-    decayed = [p for n, p in model.named_parameters() if p.ndim > 1 and not n.endswith(".bias")]
-    kept = [p for n, p in model.named_parameters() if p.ndim <= 1 or n.endswith(".bias")]
+        .from_pretrained(folder, dtype=torch.float32)
+    if adapters is not None:
+        import peft
+
+        model = peft.PeftModel.from_pretrained(model, adapters, is_trainable=True)
+    model.train()
+    trained = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    decayed = [p for n, p in trained if p.ndim > 1 and not n.endswith(".bias")]
+    kept = [p for n, p in trained if p.ndim <= 1 or n.endswith(".bias")]
     optimizer = torch.optim.AdamW([{"params": decayed, "weight_decay": WEIGHT_DECAY},
                                    {"params": kept, "weight_decay": 0.0}], lr=LR, betas=BETAS, eps=EPS)
     step_losses, norms = [], []
@@ -133,25 +152,45 @@ def _reference(folder: Path, batches_dir: Path, tokens, merge_unit: int) -> tupl
     return step_losses, norms
 
 
+def _initial_adapters(run_options: list[str], folder: Path, preset: str) -> Path:
+    """The adapters a LoRA run starts from, as a PEFT folder: one step at learning rate 0 (nothing
+    moves) from the same seed, exported with ``convert --adapter``."""
+    from typer.testing import CliRunner
+
+    from loongforge.cli.app import app
+
+    initial = folder.parent / "initial_run"
+    run_train(initial, *run_options, "training.train_steps=1", "optimizer.lr=0", "optimizer.min_lr=0", SAVE_AT_END,
+              preset=preset)
+    result = CliRunner().invoke(app, ["convert", str(initial / "checkpoints"), str(folder), "--to", "hf", "--adapter",
+                                      "--no-progress"])
+    assert result.exit_code == 0, result.output
+    return folder
+
+
+@pytest.mark.parametrize("lora", [False, True], ids=["full", "lora"])
 @pytest.mark.parametrize("preset", ["qwen2.5vl-tiny-small-vocab", "llm-tiny-small-vocab"])
-def test_five_steps_equal_transformers_with_adamw(tmp_path, preset):
+def test_five_steps_equal_transformers_with_adamw(tmp_path, preset, lora):
+    """Full fine-tuning against transformers; LoRA (rank 4 on the language model) against
+    transformers + PEFT, from the run's own initial adapters."""
     vision = preset.startswith("qwen2.5vl")
     data = LLAMAFACTORY / "mllm_demo.json" if vision else _alpaca_conversations(tmp_path / "alpaca.json")
     options = [*SMALL_MODEL, *TRAINING, f"data.paths=[{data}]"]
     folder, run = tmp_path / "hf", tmp_path / "run"
     random_hf_folder(preset, options, folder)
-    run_recorded(run, *TRAINING, f"data.paths=[{data}]", f"checkpoint.load_hf={folder}", nproc=1, preset=preset,
-                 record_batches=True)
+    run_options = [*TRAINING, f"data.paths=[{data}]", f"checkpoint.load_hf={folder}", *(LORA if lora else ())]
+    adapters = _initial_adapters(run_options, tmp_path / "initial_adapters", preset) if lora else None
+    run_recorded(run, *run_options, nproc=1, preset=preset, record_batches=True)
     assert step_metric(run, "lr") == pytest.approx([scheduled_lr(s) for s in range(1, STEPS + 1)], rel=1e-12)
     model_cfg = load_run_config(preset, overrides=options).model
     tokens = model_cfg.tokens if vision else None
     merge_unit = model_cfg.projector.spatial_merge_size ** 2 if vision else 1
-    want_losses, want_norms = _reference(folder, run / "batches_rank0", tokens, merge_unit)
+    want_losses, want_norms = _reference(folder, run / "batches_rank0", tokens, merge_unit, adapters)
     got_losses, got_norms = losses(run), grad_norms(run)
     worst = {what: max(abs(a - e) / abs(e) for a, e in zip(got, want))
              for what, got, want in (("loss", got_losses, want_losses), ("grad_norm", got_norms, want_norms))}
-    print(f"{preset}: losses {got_losses} vs transformers {want_losses}; grad norms {got_norms} vs {want_norms}; "
-          f"worst relative {worst}")
-    assert min(want_norms) > CLIP  # clipping was active in every step
+    print(f"{preset}{' LoRA' if lora else ''}: losses {got_losses} vs transformers {want_losses}; grad norms "
+          f"{got_norms} vs {want_norms}; worst relative {worst}")
+    assert min(want_norms) > (0.0 if lora else CLIP)  # full: clipping active in every step
     assert got_losses[-1] < got_losses[0]
     assert worst["loss"] <= REL and worst["grad_norm"] <= REL, worst
