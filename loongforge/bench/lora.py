@@ -1,8 +1,9 @@
 """``loongforge bench lora``: full fine-tuning against LoRA on the same model, data and steps, in one run.
 
-Each variant trains in a fresh ``loongforge train`` process (so its peak memory is its own) from the
-same initial weights and the same samples; the LoRA variant adds ``lora.rank`` (and the other
-``lora.*`` settings given). Measured per variant:
+Each variant trains in a fresh ``loongforge train`` process (so its peak memory is its own) on the
+same samples: full fine-tuning first, from the run's initial weights (or the ``checkpoint.load_hf``
+given), then LoRA (``lora.rank`` and the other ``lora.*`` settings given) on the full run's
+checkpoint as its frozen base (``checkpoint.load``): a LoRA run needs a trained base. Measured per variant:
 - trainable parameters (the plan's arithmetic: ``models.lora_params`` for the adapters);
 - the final checkpoint's bytes on disk (a LoRA checkpoint holds what trains: the adapters and their
   optimizer state, and names the base it applies to);
@@ -38,6 +39,7 @@ class VariantMeasure:
     peak_memory_mib: float  # the largest rank's
     step_s: float  # mean over the measured steps
     losses: list
+    checkpoint: str  # the final checkpoint's folder
 
 
 def folder_bytes(folder: Path) -> int:
@@ -73,7 +75,7 @@ def measure_variant(variant: str, run: Path, warmup_steps: int, trainable: int) 
     measured = records[warmup_steps:]
     return VariantMeasure(
         variant=variant, trainable_parameters=trainable,
-        checkpoint_bytes=folder_bytes(Path(summary["checkpoint"])),
+        checkpoint_bytes=folder_bytes(Path(summary["checkpoint"])), checkpoint=summary["checkpoint"],
         peak_memory_mib=max(max(r["peak_memory_mib_by_rank"]) for r in measured),
         step_s=mean(r["step_s"] for r in measured), losses=[r["loss"] for r in records])
 
@@ -83,6 +85,8 @@ def run_lora_bench(out: Path, *, preset: str, common: Sequence[str], lora: Seque
     measures = {}
     for variant in VARIANTS:
         overrides = variant_overrides(variant, common, lora, out)
+        if variant == "lora":
+            overrides.append(f"checkpoint.load={measures['full'].checkpoint}")
         progress(f"training {variant} ({preset})")
         train_variant(preset, overrides)
         measures[variant] = measure_variant(variant, out / variant, warmup_steps,
