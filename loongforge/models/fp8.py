@@ -341,7 +341,8 @@ def apply_fp8(model: torch.nn.Module, min_rows_of: Callable[[str], Optional[int]
         count = counts.setdefault(kind, [0, 0])
         count[1] += 1
         min_rows = min_rows_of(kind)
-        if min_rows is not None and use_fp8(module, cache, min_rows):
+        # A frozen weight's GEMMs stay bf16 (``_fp8_impl``: no weight gradient, nothing to gain).
+        if min_rows is not None and module.weight.requires_grad and use_fp8(module, cache, min_rows):
             count[0] += 1
     return {kind: (on, total) for kind, (on, total) in sorted(counts.items())}
 

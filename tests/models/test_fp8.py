@@ -170,6 +170,18 @@ def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
     assert qkv.weight.grad is not None and torch.isfinite(qkv.weight.grad).all() and qkv.weight.grad.abs().sum() > 0
 
 
+def test_frozen_layers_are_not_counted_as_fp8(megatron_world_of_one):
+    """A frozen weight runs bf16 (``_fp8_impl``), so the start-up line must not count it as FP8
+    (with training.freeze_vision and fp8=on it listed the frozen tower's linears as FP8)."""
+    _, _, model = build_pair("qwen3")
+    frozen = model.language_model.decoder.layers[0]
+    for param in frozen.parameters():
+        param.requires_grad_(False)
+    counts = apply_fp8(model, lambda kind: 0)
+    assert counts == {"language.fc1": (1, 2), "language.fc2": (1, 2), "language.proj": (1, 2), "language.qkv": (1, 2)}
+    assert not getattr(frozen.self_attention.linear_qkv, "fp8", False)
+
+
 def test_a_layer_runs_fp8_from_its_policys_rows_on_counting_each_calls_own(megatron_world_of_one):
     """The policy's threshold is compared with each call's rows (a micro-batch's packed tokens),
     not with an estimate from the preset: 48 tokens under a threshold of 64 run the original GEMMs
