@@ -2,8 +2,9 @@
 
 Each variant trains in a fresh ``loongforge train`` process (so its peak memory is its own) on the
 same samples: full fine-tuning first, from the run's initial weights (or the ``checkpoint.load_hf``
-given), then LoRA (``lora.rank`` and the other ``lora.*`` settings given) on the full run's
-checkpoint as its frozen base (``checkpoint.load``): a LoRA run needs a trained base. Measured per variant:
+given), writing its result as an HF folder (``checkpoint.save_hf``), then LoRA (``lora.rank`` and the
+other ``lora.*`` settings given) on that folder as its frozen base (``checkpoint.load_hf``), as LoRA
+is run on a published model. Measured per variant:
 - trainable parameters (the plan's arithmetic: ``models.lora_params`` for the adapters);
 - the final checkpoint's bytes on disk (a LoRA checkpoint holds what trains: the adapters and their
   optimizer state, and names the base it applies to);
@@ -85,8 +86,10 @@ def run_lora_bench(out: Path, *, preset: str, common: Sequence[str], lora: Seque
     measures = {}
     for variant in VARIANTS:
         overrides = variant_overrides(variant, common, lora, out)
-        if variant == "lora":
-            overrides.append(f"checkpoint.load={measures['full'].checkpoint}")
+        if variant == "full":
+            overrides.append("checkpoint.save_hf=true")
+        else:
+            overrides.append(f"checkpoint.load_hf={out / 'full' / 'hf'}")
         progress(f"training {variant} ({preset})")
         train_variant(preset, overrides)
         measures[variant] = measure_variant(variant, out / variant, warmup_steps,

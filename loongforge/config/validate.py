@@ -608,6 +608,11 @@ def _check_lora(cfg: RunConfig) -> list[str]:
                       f"text-only (model.vision: null); set lora.targets=[language].")
     if cfg.model.layer_backend == "te":
         errors.append(LORA_TE_REFUSAL)
+    if cfg.checkpoint.save_hf and not cfg.checkpoint.load_hf:
+        # The HF export merges the adapters into the base, and a random base is kept in no file.
+        errors.append("checkpoint.save_hf=true with lora.rank > 0 merges the adapters into the base from "
+                      "checkpoint.load_hf, and this run has none (a random base); set checkpoint.load_hf=BASE_HF_FOLDER "
+                      "or checkpoint.save_hf=false.")
     if cfg.data.vision_embeddings is not None and set(lora.targets) & {"vision", "projector"}:
         errors.append(f"lora.targets={lora.targets} adapts the vision tower or projector, but "
                       f"data.vision_embeddings runs neither (stored embeddings); set lora.targets=[language].")

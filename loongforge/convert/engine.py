@@ -55,6 +55,7 @@ from loongforge.convert.mcore_io import (
 )
 from loongforge.convert.lora_export import (
     CheckpointLora,
+    checked_base,
     checkpoint_lora,
     merged_chunk,
     refuse_unexportable,
@@ -496,9 +497,9 @@ class _BaseWeights:
 def _base_weights(reader: McoreReader, links: list[Link], shapes: dict, model_cfg: ModelConfig,
                   lora: Optional[CheckpointLora], vocab_rows: int) -> _BaseWeights:
     base_in_checkpoint = any(not is_adapter_key(key) and not key.startswith("optimizer.") for key in reader.tensors)
-    if lora is None or base_in_checkpoint or lora.base is None:
+    if lora is None or base_in_checkpoint:
         return _mcore_base(reader, links, shapes, model_cfg)
-    base = Path(lora.base)
+    base = checked_base(lora, Path(reader.folder).parent)
     if is_hf_folder(base):
         hf = HFCheckpoint(base)
         return _BaseWeights(lambda link: unstacked(to_megatron(link, [hf.load(k) for k in link.hf_keys], vocab_rows),

@@ -11,8 +11,9 @@ out as the fused weight's), whatever TP / PP / EP trained it, so both exports wo
   Vision-tower and projector adapters are refused there (serving stacks load language adapters only:
   export the merged model), as are adapters of experts the HF model fuses into one tensor (no PEFT
   module to hold them).
-The LoRA settings (rank, alpha, targets) come from the step folder's ``lora_base.json`` or else the
-run's config.yaml beside the checkpoint.
+The LoRA settings (rank, alpha, targets) and the base come from the checkpoint's meta.json
+(``lora_base``: a LoRA checkpoint holds the adapters alone, the merged export reads the base's HF
+folder, checked against the recorded digest) or else the run's config.yaml beside the checkpoint.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ from safetensors.torch import save_file
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_resolved_config
 from loongforge.config.schema import LoraConfig, ModelConfig
+from loongforge.convert.checkpoint_folders import LORA_BASE_KEY, META_FILE, weights_digest
 from loongforge.models.lora_params import is_column_rule, merged_weight, row_parts
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
 
-LORA_BASE_FILE = "lora_base.json"
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved keys: the wrapper's path to the HF model
 _WEIGHT = ".weight"
@@ -44,6 +45,8 @@ class CheckpointLora:
 
     settings: LoraConfig
     base: Optional[str]  # the base's path (an HF folder or a loongforge step folder), where recorded
+    random_base: bool = False  # trained on the seed's random initial weights, kept nowhere
+    digest: Optional[str] = None  # the base's content digest (checkpoint_folders.weights_digest)
 
     @property
     def scaling(self) -> float:
@@ -55,21 +58,38 @@ def has_adapters(checkpoint_keys) -> bool:
 
 
 def checkpoint_lora(step_dir: Path, checkpoint_keys, run_config: Optional[Path]) -> Optional[CheckpointLora]:
-    """The LoRA settings of a checkpoint that holds adapters (None: it holds none)."""
+    """The LoRA settings and base of a checkpoint that holds adapters (None: it holds none): its
+    meta.json's record, else (checkpoints before the record) the run's config.yaml beside it."""
     if not has_adapters(checkpoint_keys):
         return None
-    recorded = step_dir / LORA_BASE_FILE
-    if recorded.is_file():
-        base = json.loads(recorded.read_text())
-        settings = LoraConfig(rank=int(base["rank"]), alpha=float(base["alpha"]), targets=list(base["targets"]),
-                              modules=list(base["modules"]), experts=bool(base.get("experts", False)))
-        return CheckpointLora(settings, base.get("path"))
+    meta = step_dir / META_FILE
+    recorded = json.loads(meta.read_text()).get(LORA_BASE_KEY) if meta.is_file() else None
+    if recorded is not None:
+        settings = LoraConfig(rank=int(recorded["rank"]), alpha=float(recorded["alpha"]),
+                              dropout=float(recorded.get("dropout", 0.0)), targets=list(recorded["targets"]),
+                              modules=list(recorded["modules"]), experts=bool(recorded.get("experts", False)))
+        return CheckpointLora(settings, recorded.get("path"), recorded.get("kind") == "seed", recorded.get("digest"))
     if run_config is None:
-        raise InputError(f"{step_dir}: holds LoRA adapters but neither {LORA_BASE_FILE} nor the run's config.yaml "
-                         f"is beside it (their rank and alpha scale the merge); copy the run's config.yaml next "
+        raise InputError(f"{step_dir}: holds LoRA adapters but no record of their settings (meta.json's "
+                         f"{LORA_BASE_KEY}, or the run's config.yaml beside it); copy the run's config.yaml next "
                          f"to the checkpoints folder")
     cfg = load_resolved_config(run_config)
-    return CheckpointLora(cfg.lora, cfg.checkpoint.load_hf or cfg.checkpoint.load)
+    return CheckpointLora(cfg.lora, cfg.checkpoint.load_hf or cfg.checkpoint.load, False)
+
+
+def checked_base(lora: CheckpointLora, step_dir: Path) -> Path:
+    """The base a checkpoint of adapters alone merges into: its recorded HF folder, with the same
+    content; one line otherwise."""
+    if lora.random_base or lora.base is None:
+        raise InputError(f"{step_dir}: its adapters were trained on a random base (no checkpoint.load_hf), which no "
+                         f"file holds: there is nothing to merge them into; export them with --adapter")
+    base = Path(lora.base)
+    if not base.is_dir():
+        raise InputError(f"{step_dir}: its base {base} is gone; put the base model's HF folder back there")
+    if lora.digest is not None and weights_digest(base) != lora.digest:
+        raise InputError(f"{step_dir}: its base {base} no longer holds the weights the adapters were trained on "
+                         f"(its content changed); put the original base model back there")
+    return base
 
 
 def adapter_key(weight_key: str, matrix: str) -> str:

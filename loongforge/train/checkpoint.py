@@ -35,7 +35,7 @@ from loongforge.convert.checkpoint_folders import (
     checkpoint_candidates,
     step_dir_name,
 )
-from loongforge.models.state_dict_names import separate_name
+from loongforge.models.state_dict_names import is_adapter_key, separate_name
 from loongforge.parallel import mcore_patches
 
 
@@ -108,7 +108,12 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool,
                    saved_keys: Optional[set[str]] = None) -> dict:
     """The model (and optimizer) as dist_checkpointing describes them; ``saved_keys`` (loading): the
     keys of the checkpoint, whose naming the model's entries are fitted to first."""
-    model_sd = {"model": _unwrap(model_chunks[0]).sharded_state_dict()}
+    model = _unwrap(model_chunks[0])
+    model_sd = {"model": model.sharded_state_dict()}
+    if has_adapters(model):
+        # LoRA: the frozen base is not trained state; it is rebuilt from where it came from
+        # (meta.json's ``lora_base``), so a checkpoint holds the adapters and their optimizer state.
+        model_sd["model"] = {name: item for name, item in model_sd["model"].items() if is_adapter_key(name)}
     if saved_keys is not None:
         # Before the optimizer's entries are derived from the model's: they follow the renames.
         model_sd["model"] = fit_to_checkpoint_names(model_sd["model"], saved_keys)
@@ -145,11 +150,19 @@ def fit_to_checkpoint_names(sharded: dict, saved_keys: set[str]) -> dict:
     return fitted
 
 
+def has_adapters(model) -> bool:
+    """A LoRA model: its checkpoints hold the adapters alone."""
+    return any(is_adapter_key(name) for name, _ in model.named_parameters())
+
+
 def _load_weights(model, loaded: dict, path: Path) -> None:
-    """Every parameter and buffer from ``loaded``; ``_extra_state`` entries the checkpoint did not
-    have (see ``fit_to_checkpoint_names``) keep their fresh values."""
+    """Every parameter and buffer from ``loaded`` (a LoRA model's adapters: its base is already in
+    place); ``_extra_state`` entries the checkpoint did not have (see ``fit_to_checkpoint_names``)
+    keep their fresh values."""
     result = model.load_state_dict(loaded, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    adapters_only = has_adapters(model)
+    missing = [k for k in result.missing_keys
+               if not k.endswith("_extra_state") and (is_adapter_key(k) or not adapters_only)]
     if missing or result.unexpected_keys:
         raise InputError(f"{path}: weights do not fit the model: missing {missing[:3]}, "
                          f"unexpected {result.unexpected_keys[:3]}")

@@ -30,7 +30,13 @@ from loongforge.config.layout import resolve_read, vision_tensor_parallel_size
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import LORA_TE_REFUSAL, validate
-from loongforge.convert.checkpoint_folders import latest_checkpoint, step_dir_name
+from loongforge.convert.checkpoint_folders import (
+    LORA_BASE_KEY,
+    META_FILE,
+    latest_checkpoint,
+    step_dir_name,
+    weights_digest,
+)
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.arrow_samples import cache_summary
 from loongforge.data.pipeline import DataPipeline
@@ -376,6 +382,7 @@ class _Run:
     expert_load: Optional[ExpertLoadCounter] = None  # mixture-of-experts models: tokens per expert
     peak_tflops: Optional[float] = None  # per GPU, the MFU denominator (None: unknown device)
     backend_notes: tuple = ()  # layer backends auto passed over although installed (layer_backend)
+    lora_base: Optional[dict] = None  # LoRA: the frozen base and the settings, recorded in checkpoints
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -395,8 +402,9 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None,
                              model_in_use=cfg.balance.enabled or cfg.parallel.encoder_dp != "none")
     model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
-    if cfg.checkpoint.load_hf and not resume and cfg.checkpoint.load is None:
-        load_hf_weights(model[0], cfg.checkpoint.load_hf)  # before the optimizer copies the params
+    # Before the optimizer copies the params. A LoRA checkpoint holds no base: it is read again here.
+    if cfg.checkpoint.load_hf and (cfg.lora.rank or (not resume and cfg.checkpoint.load is None)):
+        load_hf_weights(model[0], cfg.checkpoint.load_hf)
     sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()
@@ -409,7 +417,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
-                encoder_digest=encoder_digest, expert_load=_expert_load_counter(cfg, model, env.device),
+                encoder_digest=encoder_digest, lora_base=lora_base(cfg), expert_load=_expert_load_counter(cfg, model, env.device),
                 peak_tflops=_peak_tflops(cfg, env.device),
                 backend_notes=tuple(passed_over_backends(cfg.model.layer_backend, env.device,
                                                          _DTYPES[cfg.training.precision])))
@@ -485,11 +493,53 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     if resume:  # the newest that loads: damaged newer ones are skipped, and said so in the log
         load_path, state, skipped = load_newest_checkpoint(run.ckpt_root, run.model, run.optimizer, run.scheduler)
     else:
+        if (Path(load_path) / META_FILE).is_file():  # else load_checkpoint says what is missing
+            check_lora_base(Path(load_path), run.lora_base)
         state = load_checkpoint(load_path, run.model, run.optimizer, run.scheduler)
+    check_lora_base(Path(load_path), run.lora_base)
     if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
         _load_data_state(run, Path(load_path), state.data_state)
     run.balancing.load_state_dict(state.extra)
     return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
+
+
+def lora_base(cfg: RunConfig) -> Optional[dict]:
+    """A LoRA run's base (an HF folder and its content digest, or the seed of a random base) and
+    adapter settings, as its checkpoints record them; None without LoRA."""
+    if not cfg.lora.rank:
+        return None
+    lora = cfg.lora
+    settings = {"rank": lora.rank, "alpha": lora.alpha, "dropout": lora.dropout, "targets": list(lora.targets),
+                "modules": list(lora.modules), "experts": lora.experts}
+    if cfg.checkpoint.load_hf:
+        path = str(Path(cfg.checkpoint.load_hf).resolve())
+        return {"kind": "hf", "path": path, "digest": weights_digest(path), **settings}
+    return {"kind": "seed", "seed": cfg.training.seed, **settings}
+
+
+def check_lora_base(path: Path, base: Optional[dict]) -> None:
+    """A checkpoint's base and this run's must be the same weights (one line otherwise, exit 2)."""
+    recorded = json.loads((path / META_FILE).read_text()).get(LORA_BASE_KEY)
+    if base is None and recorded is not None:
+        raise InputError(f"{path}: holds LoRA adapters alone (rank {recorded['rank']}); resume it with the run's lora.* "
+                         f"settings, or export the merged model with loongforge convert {path} DIR --to hf")
+    if base is None:
+        return
+    if recorded is None:
+        raise InputError(f"{path}: holds a whole model, not LoRA adapters; a LoRA run takes its frozen base from "
+                         f"checkpoint.load_hf: convert it (loongforge convert {path} DIR --to hf) and set "
+                         f"checkpoint.load_hf=DIR")
+    same = (recorded["kind"] == base["kind"] and recorded.get("digest") == base.get("digest")
+            and recorded.get("seed") == base.get("seed"))
+    if not same:
+        was = recorded.get("path") or f"the random base of seed {recorded.get('seed')}"
+        now = base.get("path") or f"the random base of seed {base.get('seed')}"
+        raise InputError(f"{path}: its adapters were trained on {was} and this run's base is {now} (other "
+                         f"weights): set checkpoint.load_hf to that base (a copy with the same files will do)")
+    changed = [key for key in ("rank", "alpha", "targets", "modules", "experts") if recorded[key] != base[key]]
+    if changed:
+        raise InputError(f"{path}: was trained with lora.{changed[0]}={recorded[changed[0]]} and this run has "
+                         f"lora.{changed[0]}={base[changed[0]]}; set it back to resume these adapters")
 
 
 def _load_data_state(run: _Run, path: Path, data_state: dict) -> None:
@@ -549,6 +599,8 @@ def _save(run: _Run, step: int, consumed_rows: int) -> str:
     # A run on stored embeddings records the encoder they were checked against: its checkpoints
     # hold no encoder, and a --resume checks the store against this.
     record = {DIGEST_KEY: run.encoder_digest} if run.encoder_digest else {}
+    if run.lora_base is not None:
+        record[LORA_BASE_KEY] = run.lora_base
     return str(save_checkpoint(run.ckpt_root, state, run.model, run.optimizer, run.scheduler, layout=layout_info,
                                record=record))
 

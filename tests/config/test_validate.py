@@ -353,7 +353,10 @@ def test_lora_settings_are_checked_with_the_fix():
     stored = errors_for("lora.rank=8", "lora.targets=[language,vision]", "data.vision_embeddings=/nowhere")
     assert any(message.endswith("data.vision_embeddings runs neither (stored embeddings); set lora.targets=[language].")
                for message in stored)
-    # The HF export merges the adapters (tests/convert/test_lora_export.py).
-    assert load_run_config("qwen2.5vl-tiny", overrides=["lora.rank=8", "checkpoint.save_hf=true"]).checkpoint.save_hf
+    # The HF export merges the adapters into the base (tests/convert/test_lora_export.py): it needs one.
+    assert load_run_config("qwen2.5vl-tiny", overrides=["lora.rank=8", "checkpoint.save_hf=true",
+                                                        "checkpoint.load_hf=/models/base"]).checkpoint.save_hf
+    (random_base,) = errors_for("lora.rank=8", "checkpoint.save_hf=true")
+    assert random_base.endswith("set checkpoint.load_hf=BASE_HF_FOLDER or checkpoint.save_hf=false.")
     # rank 0 is LoRA off: the other keys are not read, so a leftover value is no error.
     load_run_config("qwen2.5vl-tiny", overrides=["lora.modules=[]"])

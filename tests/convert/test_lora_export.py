@@ -5,6 +5,8 @@ refused in one line."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 from safetensors.torch import load_file
@@ -14,7 +16,20 @@ from loongforge.cli.app import app
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig
 from loongforge.convert.lora_export import ADAPTER_WEIGHTS, PEFT_PREFIX, CheckpointLora, refuse_unexportable
-from tests.train.conftest import SAVE_AT_END, SMALL_MODEL, random_hf_folder, run_train
+from loongforge.bench.lora import folder_bytes
+from loongforge.convert.checkpoint_folders import weights_digest
+from loongforge.convert.mcore_io import McoreReader
+from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.train.runner import check_lora_base
+from tests.train.conftest import (
+    SAVE_AT_END,
+    SMALL_MODEL,
+    final_checkpoint,
+    losses,
+    random_hf_folder,
+    resume_from_copy,
+    run_train,
+)
 
 PRESET = "llm-tiny-small-vocab"
 TOLERANCE = 1e-5
@@ -25,10 +40,44 @@ def lora_run(tmp_path_factory):
     """Two steps of LoRA (rank 4, a high rate so B moves far from 0) at TP 2 from a random HF base."""
     root = tmp_path_factory.mktemp("lora_export")
     random_hf_folder(PRESET, list(SMALL_MODEL), root / "base")
-    run_train(root / "run", "lora.rank=4", "optimizer.lr=1e-2", f"checkpoint.load_hf={root / 'base'}",
-              "training.train_steps=2", "training.global_batch_size=2", "parallel.tensor_model_parallel_size=2",
-              SAVE_AT_END, "checkpoint.save_hf=true", nproc=2, preset=PRESET)
+    run_train(root / "run", *RUN, f"checkpoint.load_hf={root / 'base'}", nproc=2, preset=PRESET)
     return root
+
+
+RUN = ("lora.rank=4", "optimizer.lr=1e-2", "training.train_steps=2", "training.global_batch_size=2",
+       "parallel.tensor_model_parallel_size=2", "checkpoint.save_interval=1", SAVE_AT_END, "checkpoint.save_hf=true")
+
+
+def test_a_checkpoint_holds_the_adapters_and_names_its_base(lora_run):
+    """The frozen base is not in the checkpoint (it is read again from checkpoint.load_hf, checked by
+    its digest); the adapters and their Adam moments are, and a resume from step 1 is bit-identical."""
+    step = final_checkpoint(lora_run / "run")
+    tensors = McoreReader(step / "model_optim").tensors
+    model_keys = [key for key in tensors if not key.startswith("optimizer.")]
+    assert model_keys and all(is_adapter_key(key) for key in model_keys)
+    recorded = json.loads((step / "meta.json").read_text())["lora_base"]
+    assert recorded["kind"] == "hf" and recorded["digest"] == weights_digest(lora_run / "base")
+    adapters, whole = folder_bytes(step), folder_bytes(lora_run / "run" / "hf")
+    print(f"LoRA checkpoint {adapters:,} bytes; the model alone in bf16/fp32 as exported: {whole:,} bytes")
+    resume_from_copy(lora_run / "run", lora_run / "resumed", 1, *RUN, f"checkpoint.load_hf={lora_run / 'base'}",
+                     nproc=2, preset=PRESET)
+    assert losses(lora_run / "resumed") == losses(lora_run / "run")
+
+
+def test_a_resume_on_other_base_weights_is_one_line(tmp_path):
+    step = tmp_path / "step_00000002"
+    step.mkdir()
+    base = {"kind": "hf", "path": "/models/base", "digest": "a", "rank": 4, "alpha": 16.0, "dropout": 0.0,
+            "targets": ["language"], "modules": ["qkv"], "experts": False}
+    (step / "meta.json").write_text(json.dumps({"step": 2, "lora_base": base}))
+    with pytest.raises(InputError, match="trained on /models/base and this run's base is /models/other"):
+        check_lora_base(step, {**base, "path": "/models/other", "digest": "b"})
+    check_lora_base(step, {**base, "path": "/copies/base"})  # a moved copy with the same content resumes
+    with pytest.raises(InputError, match="lora.rank=4 and this run has lora.rank=8"):
+        check_lora_base(step, {**base, "rank": 8})
+    (step / "meta.json").write_text(json.dumps({"step": 2}))
+    with pytest.raises(InputError, match="holds a whole model, not LoRA adapters; .* set checkpoint.load_hf=DIR"):
+        check_lora_base(step, base)
 
 
 def _convert(*arguments: str) -> str:
