@@ -33,7 +33,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.config.validate import CHOICES
 from loongforge.train import launch
-from loongforge.train.metrics import METRICS_FILE
+from loongforge.train.metrics import METRICS_FILE, read_metrics
 
 PRESET = "qwen2.5vl-tiny-vit"
 DEFAULT_MODES = ("none", "tp")
@@ -126,11 +126,11 @@ def train_run(layout: str, mode: str, data_file: Path, out_dir: Path, settings: 
     launch.launch_local_workers(cfg, nproc_per_node=tp * pp, resume=False, command_line=list(command_line))
 
 
-def read_metrics(out_dir: Path) -> list[dict]:
+def run_metrics(out_dir: Path) -> list[dict]:
     path = out_dir / METRICS_FILE
     if not path.is_file():
         raise InputError(f"no {path}: run the bench without --report-only first")
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return read_metrics(path)
 
 
 # ------------------------------------------------------------------------------------ figures
@@ -300,7 +300,7 @@ def run_encoder_dp_bench(out: Path, data_root: Path, *, modes: Sequence[str] = D
                 progress(f"training {settings.steps} steps: {layout_label(layout)}, encoder_dp={mode}, "
                          f"run {repeat + 1} of {settings.repeats}")
             train_run(layout, mode, data_file, run_dir, settings, command_line)
-        records.setdefault((layout, mode), []).extend(read_metrics(run_dir))
+        records.setdefault((layout, mode), []).extend(run_metrics(run_dir))
     comparisons = compare([measure_run(layout, mode, lines, settings.warmup_steps)
                            for (layout, mode), lines in records.items()])
     bench = EncoderDpBench(comparisons=comparisons, settings=settings, table=format_table(comparisons))

@@ -28,6 +28,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.models.lora_params import adapter_parameters
 from loongforge.models.registry import get_family
+from loongforge.train.metrics import METRICS_FILE, read_metrics
 
 VARIANTS = ("full", "lora")
 
@@ -71,7 +72,7 @@ def train_variant(preset: str, overrides: Sequence[str]) -> None:
 
 
 def measure_variant(variant: str, run: Path, warmup_steps: int, trainable: int) -> VariantMeasure:
-    records = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    records = read_metrics(run / METRICS_FILE)
     summary = json.loads((run / "summary.json").read_text())
     measured = records[warmup_steps:]
     return VariantMeasure(

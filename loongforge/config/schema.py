@@ -193,6 +193,14 @@ class DataConfig:
     # image/video positions take its stored embeddings (checked at start against this run's
     # encoder weights and processor settings; a sample without them is a `missing_embedding` reject).
     vision_embeddings: Optional[str] = None
+    # Validation sets (training.eval_interval): each entry "name=path" or a path (the set is then
+    # named after the file); entries that share a name form one set. The formats of data.paths.
+    # Every rank reads each set whole (data.read=global), packed and balanced like training data.
+    valid_paths: list[str] = field(default_factory=list)
+    # Hold this share of the training samples out as a validation set named "heldout": the same
+    # samples for the same files and data.seed (never trained on); 0 = none. Indexed data only
+    # (data.source=files or synthetic, not streamed).
+    valid_fraction: float = 0.0
 
 
 @dataclass
@@ -283,6 +291,14 @@ class TrainingConfig:
     # a checkpoint is saved before the run exits with 143, so --resume loses nothing. SIGINT
     # (Ctrl-C) stops at the step end without a new checkpoint. false: stop without saving.
     save_on_signal: bool = True
+    # Validation (data.valid_paths, data.valid_fraction): evaluate every N steps and after the last
+    # step; 0 = after the last step only. An evaluation runs each set's first eval_iters global
+    # batches (the same rows every time, so the curve compares like with like) in eval mode,
+    # without gradients, and leaves the training stream and RNG as they were.
+    eval_interval: int = 0
+    eval_iters: int = 10
+    # Also evaluate before the first step (the starting model's validation loss, logged as step 0).
+    eval_at_start: bool = False
 
 
 @dataclass

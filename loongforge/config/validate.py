@@ -23,6 +23,7 @@ import typing
 from pathlib import Path
 from typing import Any, Callable, Iterator, Optional, Union
 
+from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import (
     DECODER_LAYOUT,
@@ -58,13 +59,13 @@ _AT_LEAST_ONE = (
     "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.world_size", "parallel.collective_timeout_s", "training.train_steps", "training.global_batch_size",
-    "logging.log_interval",
+    "training.eval_iters", "logging.log_interval",
 )
 _AT_LEAST_ZERO = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
     "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
     "data.synthetic_num_samples", "balance.fit_steps", "balance.fit_warmup_steps",
-    "training.manual_gc_interval",
+    "training.manual_gc_interval", "training.eval_interval",
     "balance.refit_interval", "balance.threshold",
 )
 
@@ -520,12 +521,39 @@ def _check_data(cfg: RunConfig) -> list[str]:
         errors.append(f"data.shuffle_window={data.shuffle_window} must be >= 1 (records per shuffled window).")
     if data.vision_embeddings is not None:
         errors += _check_vision_embeddings(cfg)
+    errors += _check_validation(cfg)
     if data.min_pixels > data.max_pixels:
         errors.append(f"data.min_pixels={data.min_pixels} is larger than "
                       f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")
     if data.video_min_pixels > data.video_max_pixels:
         errors.append(f"data.video_min_pixels={data.video_min_pixels} is larger than "
                       f"data.video_max_pixels={data.video_max_pixels}; swap or adjust them.")
+    return errors
+
+
+def _check_validation(cfg: RunConfig) -> list[str]:
+    """Validation sets and their schedule (``train.validation``)."""
+    data, training = cfg.data, cfg.training
+    errors = []
+    if not 0 <= data.valid_fraction < 1:
+        errors.append(f"data.valid_fraction={data.valid_fraction} must be in [0, 1): the share of the training "
+                      f"samples held out (e.g. 0.05), 0 for none.")
+    elif data.valid_fraction and (data.source == "packed" or data.streaming):
+        what = "data.source=packed (rows, not samples)" if data.source == "packed" else "data.streaming=true"
+        errors.append(f"data.valid_fraction holds samples out by their index, which {what} has none of; "
+                      f"name validation files in data.valid_paths instead.")
+    names = [entry.partition("=")[0] for entry in data.valid_paths if "=" in entry]
+    if any(not name.strip() for name in names):
+        errors.append(f"data.valid_paths={list(data.valid_paths)}: an entry \"=path\" has no set name; write "
+                      f"\"name=path\" or the path alone.")
+    if data.valid_fraction and HELD_OUT_SET in named_sets(list(data.valid_paths)):
+        errors.append(f"data.valid_paths names a set \"{HELD_OUT_SET}\", the name of data.valid_fraction's held-out "
+                      f"set; give it another name (name=path).")
+    evaluates = bool(data.valid_paths or data.valid_fraction)
+    if not evaluates and (training.eval_interval or training.eval_at_start):
+        key = "training.eval_interval" if training.eval_interval else "training.eval_at_start"
+        errors.append(f"{key} evaluates validation sets, and there are none: set data.valid_paths=[name=path] "
+                      f"or data.valid_fraction (e.g. 0.05).")
     return errors
 
 

@@ -394,13 +394,14 @@ def _saved_dataset_splits(path: Path) -> Optional[list[str]]:
     return json.loads(listing.read_text(encoding="utf-8")).get("splits", [])
 
 
-def expand_data_paths(paths: list) -> list[str]:
+def expand_data_paths(paths: list, key: str = "data.paths") -> list[str]:
     """The data sources of ``data.paths``, in a stable order: files as given; folders expand to
     their data files, sorted, a ``save_to_disk`` folder among them staying one source; ``hf:NAME``
     entries as given.
 
     The one check that data paths can be read at all (``pack`` and ``train`` both call it before
-    any work starts): a missing entry, an empty file, or nothing to read is an InputError.
+    any work starts): a missing entry, an empty file, or nothing to read is an InputError naming
+    ``key``, the config key the paths came from.
     """
     sources: list[str] = []
     for entry in map(str, paths):  # paths or strings
@@ -412,12 +413,12 @@ def expand_data_paths(paths: list) -> list[str]:
         elif path.is_file():
             sources.append(str(path))
         else:
-            raise InputError(f"data.paths entry {entry!r} does not exist; {_PATHS_REMEDY}")
+            raise InputError(f"{key} entry {entry!r} does not exist; {_PATHS_REMEDY}")
     if not sources:
-        raise InputError(f"data.paths {paths!r} holds no .json/.jsonl/.parquet files; {_PATHS_REMEDY}")
+        raise InputError(f"{key} {paths!r} holds no .json/.jsonl/.parquet files; {_PATHS_REMEDY}")
     empty = [s for s in sources if Path(s).is_file() and Path(s).stat().st_size == 0]
     if empty:
-        raise InputError(f"data.paths file {empty[0]} is empty"
+        raise InputError(f"{key} file {empty[0]} is empty"
                          f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; {_PATHS_REMEDY}")
     return sources
 

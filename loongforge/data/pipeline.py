@@ -60,14 +60,26 @@ from loongforge.data.streaming import (
 )
 from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
+from loongforge.data.validation_data import SampleSubset, split_held_out
 from loongforge.models.registry import get_family
 from loongforge.parallel.data_groups import DataGroups, broadcast_object
 
 STATE_VERSION = 1
 
 
-def build_sample_source(data_cfg: DataConfig, text_only: bool = False) -> Union[ArrowSamples, SyntheticSamples]:
-    """``text_only``: the model has no vision tower (generated samples carry no images)."""
+def build_sample_source(data_cfg: DataConfig, text_only: bool = False, *,
+                        held_out: bool = False) -> Union[ArrowSamples, SyntheticSamples, SampleSubset]:
+    """``text_only``: the model has no vision tower (generated samples carry no images). With
+    ``data.valid_fraction`` the training samples, or with ``held_out`` the validation samples
+    (``data.validation_data``)."""
+    source = _whole_source(data_cfg, text_only)
+    if not data_cfg.valid_fraction:
+        return source
+    training, validation = split_held_out(source, data_cfg.valid_fraction, data_cfg.seed)
+    return validation if held_out else training
+
+
+def _whole_source(data_cfg: DataConfig, text_only: bool) -> Union[ArrowSamples, SyntheticSamples]:
     if data_cfg.source == "synthetic":
         return SyntheticSamples(data_cfg.synthetic_num_samples, data_cfg.seed, text_only=text_only)
     if data_cfg.source == "files":
@@ -258,7 +270,7 @@ class DataPipeline:
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
-                 embeddings: Optional[EmbeddingStore] = None, samples=None):
+                 embeddings: Optional[EmbeddingStore] = None, samples=None, held_out: bool = False):
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -283,6 +295,8 @@ class DataPipeline:
         self.loads_data = self.read == "global" or groups is None or groups.is_leader
         self.stream = None
         if self.loads_data:
+            if held_out:  # data.valid_fraction's validation set, in place of the training samples
+                samples = build_sample_source(data_cfg, text_only=self.sizing is None, held_out=True)
             self.stream = self._build_stream(data_cfg, model_cfg, tokenizer, lookahead, dp_rank, dp_size, samples)
         # What checkpoints record of data.paths, so a resume notices a changed file (data.fingerprint).
         self.data_files = (run_fingerprints(data_cfg.source, list(data_cfg.paths), getattr(self.stream, "source", None))
@@ -290,6 +304,9 @@ class DataPipeline:
         self.accept_changed_files = data_cfg.accept_changed_files
         self.resume_note: Optional[str] = None  # set by a resume that continued in changed data
         self.last_data_wait_s = 0.0
+        # The latest epoch a sample of the latest step's rows was drawn in (None for pack folders
+        # and streamed data, whose positions are not epochs): past 0, a set's samples repeat.
+        self.last_row_epoch: Optional[int] = None
         self.dp_rank = dp_rank
         self._balancer = None
         self.balance_counters = None
@@ -313,6 +330,7 @@ class DataPipeline:
                                             dp_rank=dp_rank, dp_size=dp_size, balancer=self._balancer)
         self._step = 0
         self._consumed_state = self._stream_state()
+        self._start_state = self._consumed_state  # restart(): a validation set's first step again
         self._worker: Optional[_StepWorker] = None
         self._pool = ThreadPoolExecutor(self.num_workers) if self.num_workers > 1 else None
 
@@ -367,11 +385,12 @@ class DataPipeline:
         if self.num_workers >= 1:
             if self._worker is None:
                 self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
-            micro_batches, state, decision = self._worker.get()
+            micro_batches, state, decision, row_epoch = self._worker.get()
         else:
-            micro_batches, state, decision = self._produce_step()
+            micro_batches, state, decision, row_epoch = self._produce_step()
         self.last_data_wait_s = time.perf_counter() - start
         self._consumed_state = state
+        self.last_row_epoch = row_epoch
         if decision is not None:
             self.last_balance = decision
             self.balance_counters.add(decision)
@@ -465,6 +484,12 @@ class DataPipeline:
                              f"resume at data-parallel size {saved_count}") from None
         return {**state, "stream": stream_state, "rejects": merged_rejects([s["rejects"] for s in states])}
 
+    def restart(self) -> None:
+        """Back to the first step: a validation set gives the same rows at every evaluation."""
+        self._stop_worker()
+        self._rewind_to(self._start_state)
+
+
     def reject_counts(self) -> dict[str, int]:
         return self.rejects.counts()
 
@@ -496,12 +521,14 @@ class DataPipeline:
         stream = self.stream.state_dict() if self.stream is not None else None  # replicas: the leader's
         return {"version": STATE_VERSION, "step": self._step, "stream": stream, "read": self.read}
 
-    def _produce_step(self) -> tuple[list[dict], dict, object]:
-        """One step's micro-batches, the stream position after it, and the balance decision."""
+    def _produce_step(self) -> tuple[list[dict], dict, object, Optional[int]]:
+        """One step's micro-batches, the stream position after it, the balance decision, and the
+        latest epoch its rows drew samples from."""
         if self.read == "sharded":
             return self._produce_sharded_step()
         # Global reading: measure + pack the step's global rows, materialize this rank's.
-        rows = [[item.payload for item in self.stream.next_row()] for _ in range(self.global_batch_size)]
+        items = [self.stream.next_row() for _ in range(self.global_batch_size)]
+        rows = [[item.payload for item in row] for row in items]
         self._step += 1
         state = self._stream_state()
         decision = None
@@ -511,14 +538,15 @@ class DataPipeline:
             mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
         else:
             mine = [rows[i] for i in self.my_rows]
-        return self._map(self._collate, mine), state, decision
+        return self._map(self._collate, mine), state, decision, self._latest_epoch(items)
 
-    def _produce_sharded_step(self) -> tuple[list[dict], dict, object]:
+    def _produce_sharded_step(self) -> tuple[list[dict], dict, object, Optional[int]]:
         """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated
         micro-batches to its TP / PP peers."""
         result = None
         if self.loads_data:
-            rows = [[item.payload for item in self.stream.next_row()] for _ in self.my_rows]
+            items = [self.stream.next_row() for _ in self.my_rows]
+            rows = [[item.payload for item in row] for row in items]
             self._step += 1
             state = self._stream_state()
             materialized = self._map(self._materialize, rows)
@@ -526,12 +554,18 @@ class DataPipeline:
             for reject in rejects:  # every rank counts every rank's rejects (rank 0 writes them)
                 self.rejects.record(reject)
             self.rejects.take_new()  # those were just shared
-            result = (self._map(self._collate_materialized, mine), state, decision)
+            result = (self._map(self._collate_materialized, mine), state, decision, self._latest_epoch(items))
         if self.groups is not None and self.groups.replicas is not None:
             result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
             if not self.loads_data:
                 self._step = result[1]["step"]
         return result
+
+    def _latest_epoch(self, rows: list[list[PackItem]]) -> Optional[int]:
+        """The latest epoch a sample of ``rows`` was drawn in (RowStream keys start with it)."""
+        if not isinstance(self.stream, RowStream):
+            return None
+        return max((item.key[0] for row in rows for item in row), default=None)
 
     def _map(self, function, items: list) -> list:
         return list(self._pool.map(function, items)) if self._pool is not None else [function(x) for x in items]

@@ -13,7 +13,9 @@ from tqdm import tqdm
 from loongforge.models.moe_balance import ExpertLoad
 from loongforge.profile.throughput import Throughput
 
-METRICS_FILE = "metrics.jsonl"  # one JSON line per step, in the run folder
+# One JSON line per training step, in the run folder, and one per evaluation of the validation
+# sets ({"step": N, "validation": {set: {"loss", "perplexity", ...}}}, after step N's line).
+METRICS_FILE = "metrics.jsonl"
 
 
 @dataclass
@@ -85,6 +87,20 @@ def _throughput_text(m: StepMetrics) -> str:
     imbalance = m.flops_max_over_mean
     return (f" | {t.tflops_per_gpu:.3g} TFLOP/s/GPU | MFU {mfu} | HFU {hfu} | encoder {t.encoder_share:.0%} of FLOPs"
             + ("" if imbalance is None else f" | FLOPs max/mean {imbalance:.3f}"))
+
+
+def read_metrics(path: Path, *, validation: bool = False) -> list[dict]:
+    """The training steps' records of a ``metrics.jsonl``, or with ``validation`` its evaluations'."""
+    records = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    return [record for record in records if ("validation" in record) == validation]
+
+
+def validation_line(step: int, total_steps: int, results: dict) -> str:
+    """One console line for an evaluation: each set's loss, perplexity and loss tokens."""
+    parts = [f"{name} loss {r.loss:.4f} ppl {r.perplexity:.4g} ({r.loss_tokens:,} tokens)"
+             + (" [the set is smaller than training.eval_iters batches: samples counted again]" if r.wrapped else "")
+             for name, r in results.items()]
+    return f"validation after step {step}/{total_steps} | " + " | ".join(parts)
 
 
 def drop_metrics_after(path: Path, step: int) -> None:
@@ -179,6 +195,19 @@ class RunLogger:
             self._bar.set_postfix(loss=f"{m.loss:.4f}", lr=f"{m.lr:.2e}")
         if m.step % self.log_interval == 0 or m.step == self.total_steps:
             self.write(format_log_line(m, self.total_steps))
+
+    def log_validation(self, step: int, results: dict) -> None:
+        """``results``: {set name: train.validation.ValidationLoss}."""
+        if not self.enabled:
+            return
+        record = {"step": step, "validation": {name: result.as_dict() for name, result in results.items()}}
+        self._metrics_file.write(json.dumps(record) + "\n")
+        self._metrics_file.flush()
+        if self._writer:
+            for name, result in results.items():
+                self._writer.add_scalar(f"validation/{name}/loss", result.loss, step)
+                self._writer.add_scalar(f"validation/{name}/perplexity", result.perplexity, step)
+        self.write(validation_line(step, self.total_steps, results))
 
     def close(self) -> None:
         if not self.enabled:

@@ -15,6 +15,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
+from loongforge.config.data_sets import named_sets
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
 from loongforge.data.conversations import expand_data_paths
@@ -42,6 +43,8 @@ def check_data(cfg: RunConfig) -> None:
     """Data files that cannot be read fail here, not after the model is built."""
     if cfg.data.source == "files":
         expand_data_paths(list(cfg.data.paths))
+    for paths in named_sets(list(cfg.data.valid_paths)).values():
+        expand_data_paths(paths, key="data.valid_paths")
 
 
 def _check_folders(cfg: RunConfig) -> None:

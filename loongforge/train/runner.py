@@ -8,6 +8,7 @@ Order of operations (each step needs the previous one):
 
 from __future__ import annotations
 
+import dataclasses
 import datetime
 import functools
 import json
@@ -25,6 +26,7 @@ import torch.distributed as dist
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from loongforge import __version__
+from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import InputError
 from loongforge.config.layout import resolve_read, vision_tensor_parallel_size
 from loongforge.config.loader import dump_yaml
@@ -92,8 +94,9 @@ from loongforge.train.metrics import (
 from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
-from loongforge.train.step import ManualGC, train_step
+from loongforge.train.step import ManualGC, clear_moe_loss_tracker, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
+from loongforge.train.validation import ValidationLoss, ValidationSets, model_forward
 from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -112,6 +115,9 @@ class TrainingSummary:
     sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
     throughput: list = field(default_factory=list)  # profile.throughput.Throughput per step
     stop_signal: int = 0  # SIGTERM/SIGINT that stopped the run early (0: it ran to its last step)
+    # (step, {set name: ValidationLoss.as_dict()}) per evaluation in this call (training.eval_interval)
+    validation: list = field(default_factory=list)
+    validation_rejects: dict = field(default_factory=dict)  # {set name: {reason: count}}
 
     @property
     def mean_sync_wait_s(self) -> Optional[float]:
@@ -383,6 +389,7 @@ class _Run:
     peak_tflops: Optional[float] = None  # per GPU, the MFU denominator (None: unknown device)
     backend_notes: tuple = ()  # layer backends auto passed over although installed (layer_backend)
     lora_base: Optional[dict] = None  # LoRA: the frozen base and the settings, recorded in checkpoints
+    validation: ValidationSets = field(default_factory=lambda: ValidationSets({}, eval_iters=0))
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -412,13 +419,15 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision])
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
     pipeline = _build_pipeline(cfg, env, layout, balancing, embeddings)
+    validation = ValidationSets(_validation_pipelines(cfg, env, layout, balancing, embeddings),
+                                eval_iters=cfg.training.eval_iters)
     return _Run(cfg=cfg, env=env, layout=layout, model=model, model_config=model_config, optimizer=optimizer,
                 scheduler=scheduler, pipeline=observer.data_source(pipeline),
                 balanced=pipeline if cfg.balance.enabled else None, balancing=balancing, observer=observer,
                 sync_clock=sync_clock, encoder_clock=_encoder_clock(model, env.device),
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
                 encoder_digest=encoder_digest, lora_base=lora_base(cfg), expert_load=_expert_load_counter(cfg, model, env.device),
-                peak_tflops=_peak_tflops(cfg, env.device),
+                peak_tflops=_peak_tflops(cfg, env.device), validation=validation,
                 backend_notes=tuple(passed_over_backends(cfg.model.layer_backend, env.device,
                                                          _DTYPES[cfg.training.precision])))
 
@@ -464,6 +473,25 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings)
 
 
+def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
+                          balancing: RunBalancing, embeddings=None) -> dict[str, DataPipeline]:
+    """One pipeline per validation set (``train.validation``): read whole by every rank, in the
+    order of data.valid_paths, the held-out share (data.valid_fraction) last."""
+    sets = {name: (dataclasses.replace(cfg.data, source="files", paths=paths, valid_fraction=0.0), False)
+            for name, paths in named_sets(list(cfg.data.valid_paths)).items()}
+    if cfg.data.valid_fraction:
+        sets[HELD_OUT_SET] = (cfg.data, True)
+    out_dir = Path(cfg.logging.output_dir)
+    return {name: DataPipeline(dataclasses.replace(data_cfg, read="global", streaming=False, num_workers=0),
+                               cfg.model, global_batch_size=cfg.training.global_batch_size,
+                               dp_rank=layout.dp_rank, dp_size=layout.dp_size,
+                               pad_to_multiple=_pad_multiple(cfg, layout),
+                               rejects_path=out_dir / f"rejects-{name}.jsonl" if env.rank == 0 else None,
+                               balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size, cost_models=balancing,
+                               encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings, held_out=held_out)
+            for name, (data_cfg, held_out) in sets.items()}
+
+
 def _encoder_ranks(cfg: RunConfig, layout: ParallelLayout) -> int:
     """How many ranks share one data-parallel replica's encoder work (``parallel.encoder_dp``)."""
     if cfg.parallel.encoder_dp == "full":
@@ -492,11 +520,11 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     skipped: list[str] = []
     if resume:  # the newest that loads: damaged newer ones are skipped, and said so in the log
         load_path, state, skipped = load_newest_checkpoint(run.ckpt_root, run.model, run.optimizer, run.scheduler)
-    else:
+        check_lora_base(Path(load_path), run.lora_base)
+    else:  # checked first: adapters loaded onto another base would load without complaint
         if (Path(load_path) / META_FILE).is_file():  # else load_checkpoint says what is missing
             check_lora_base(Path(load_path), run.lora_base)
         state = load_checkpoint(load_path, run.model, run.optimizer, run.scheduler)
-    check_lora_base(Path(load_path), run.lora_base)
     if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
         _load_data_state(run, Path(load_path), state.data_state)
     run.balancing.load_state_dict(state.extra)
@@ -564,11 +592,22 @@ def _startup_summary(run: _Run) -> list[str]:
     cache = [cache_summary(cfg.data.cache_dir)] if cfg.data.source == "files" and not cfg.data.streaming else []
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
-            f"data: {cfg.data.source}, {data}", *cache,
+            f"data: {cfg.data.source}, {data}", *cache, *_validation_summary(run),
             f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                     _unwrap_model(run.model[0]).layer_backends.items()),
             *([encoder_note] if encoder_note else [])]
+
+
+def _validation_summary(run: _Run) -> list[str]:
+    """The validation sets and when they are evaluated; nothing without any."""
+    if not run.validation:
+        return []
+    training = run.cfg.training
+    when = (f"every {training.eval_interval} steps and after the last" if training.eval_interval
+            else "after the last step") + (", and before the first" if training.eval_at_start else "")
+    sets = "; ".join(f"{name} ({pipeline.source_text()})" for name, pipeline in run.validation.pipelines.items())
+    return [f"validation: {sets} | the first {training.eval_iters} global batches of each, {when}"]
 
 
 def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
@@ -621,6 +660,8 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
     summary = TrainingSummary(start_step=restored.step, end_step=restored.step, output_dir=str(run.out_dir))
     manual_gc = ManualGC(cfg.training.manual_gc_interval)
     try:
+        if cfg.training.eval_at_start and restored.step == 0:
+            _evaluate(run, logger, summary, 0)
         consumed_rows = _run_steps(run, logger, summary, restored.consumed_rows, manual_gc, stop,
                                    progress or RankProgress(None, env.rank, env.world_size))
         _finish(run, logger, summary, consumed_rows, wall_start)
@@ -679,6 +720,9 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         if totals.sync_wait_s is not None:
             summary.sync_waits.append(totals.sync_wait_s)
         summary.end_step = step
+        if run.validation and (step == cfg.training.train_steps or (
+                cfg.training.eval_interval and step % cfg.training.eval_interval == 0)):
+            _evaluate(run, logger, summary, step)  # before the save: a resume starts after this step
         # Every rank learns at the same step whether any rank was signalled (see train.stop).
         stop_signal = stop.agree() if stop is not None and step < last_step else 0
         if cfg.checkpoint.save_interval and step % cfg.checkpoint.save_interval == 0:
@@ -690,6 +734,20 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             summary.stop_signal = stop_signal
             break
     return consumed_rows
+
+
+def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int) -> None:
+    """Every validation set's loss after ``step`` (``train.validation``), logged; what the
+    evaluation's forwards left in the run's side counters is dropped."""
+    layout = run.layout
+    forward = model_forward(device=run.env.device, seq_length=run.cfg.data.seq_len,
+                            is_loss_rank=layout.is_last_stage and layout.tp_rank == 0)
+    results = run.validation.evaluate(run.model, forward)
+    if run.encoder_clock is not None:
+        run.encoder_clock.take()  # the next training step's encoder time starts from here
+    clear_moe_loss_tracker(run.model)
+    logger.log_validation(step, results)
+    summary.validation.append((step, {name: result.as_dict() for name, result in results.items()}))
 
 
 def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_rows: int, wall_start: float) -> None:
@@ -707,6 +765,8 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
         for line in export.serving_warnings:
             logger.write(line)
     summary.rejects = run.pipeline.reject_counts()
+    summary.validation_rejects = run.validation.reject_counts()
+    run.validation.close()
     if run.balanced is not None:
         summary.balance = run.balanced.balance_counters.as_dict()
     run.pipeline.close()
@@ -730,7 +790,21 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
             + (_balance_text(summary.balance) if summary.balance else "")
             + (f" | mean sync wait {summary.mean_sync_wait_s:.3f}s/step" if summary.sync_waits else "")
             + _throughput_text(summary.throughput_means())
+            + _validation_text(summary)
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
+
+
+def _validation_text(summary: TrainingSummary) -> str:
+    """The latest evaluation of each set, and the validation samples rejected."""
+    if not summary.validation:
+        return ""
+    step, results = summary.validation[-1]
+    losses = ", ".join(f"{name} {result['loss']:.4f}" for name, result in results.items())
+    rejected = {name: sum(counts.values()) for name, counts in summary.validation_rejects.items()
+                if sum(counts.values())}
+    return (f" | validation loss after step {step}: {losses}"
+            + "".join(f" ({name}: {count} samples rejected, see rejects-{name}.jsonl)"
+                      for name, count in rejected.items()))
 
 
 def _throughput_text(means: dict) -> str:

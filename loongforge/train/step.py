@@ -89,15 +89,21 @@ def make_forward_step(device: torch.device) -> Callable:
     return forward_step
 
 
-def _global_loss(reports: list[dict], is_loss_rank: bool) -> tuple[float, int]:
-    """Sum (loss, tokens) over micro-batches and over the ranks that own a copy of the loss."""
+def _global_loss_sum(reports: list[dict], is_loss_rank: bool) -> tuple[float, int]:
+    """(summed token loss, loss tokens) over micro-batches and over the ranks that own a copy of
+    the loss."""
     total = torch.zeros(2, dtype=torch.float64)
     if is_loss_rank:
         for report in reports:
             total += report["lm_loss"].double().cpu()
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.all_reduce(total)
-    loss_sum, tokens = float(total[0]), int(total[1])
+    return float(total[0]), int(total[1])
+
+
+def _global_loss(reports: list[dict], is_loss_rank: bool) -> tuple[float, int]:
+    """The mean loss per loss token over the global batch, and its loss tokens."""
+    loss_sum, tokens = _global_loss_sum(reports, is_loss_rank)
     return loss_sum / max(tokens, 1), tokens
 
 
@@ -145,6 +151,27 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
             micro_batch_size=1,
             forward_only=False,
         )
+
+
+def forward_only(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
+                 is_loss_rank: bool) -> tuple[float, int]:
+    """megatron-core's schedule over this rank's micro-batches without a backward and without
+    autograd (the caller puts the model in eval mode): the global batch's summed token loss and
+    its loss tokens, over all ranks (a collective)."""
+    # lazy: this module imports no megatron-core until a run uses it
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    with torch.no_grad():
+        reports = get_forward_backward_func()(
+            forward_step_func=make_forward_step(device),
+            data_iterator=iter(micro_batches),
+            model=model,
+            num_microbatches=len(micro_batches),
+            seq_length=seq_length,
+            micro_batch_size=1,
+            forward_only=True,
+        )
+    return _global_loss_sum(reports, is_loss_rank)
 
 
 def _has_balance_loss(config) -> bool:
@@ -219,6 +246,17 @@ def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]
     value = float(moe_utils.get_moe_layer_wise_logging_tracker()[name]["values"].sum()) / num_micro_batches
     moe_utils.clear_aux_losses_tracker()
     return value
+
+
+def clear_moe_loss_tracker(model: list) -> None:
+    """Forget what forwards outside a training step (evaluation) left in megatron-core's MoE loss
+    tracker, so the next step logs its own load-balancing loss alone."""
+    if not getattr(_model_config(model), "num_moe_experts", None):
+        return
+    # lazy: this module imports no megatron-core until a run uses it
+    from megatron.core.transformer.moe import moe_utils
+
+    moe_utils.clear_aux_losses_tracker()
 
 
 def _begin_step(model: list, micro_batches: list[dict]) -> int:

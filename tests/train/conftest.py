@@ -26,7 +26,7 @@ from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.convert.mcore_io import McoreReader
 from loongforge.cli.app import app
 from loongforge.models.registry import get_family
-from loongforge.train.metrics import drop_metrics_after
+from loongforge.train.metrics import drop_metrics_after, read_metrics
 from tests.models.helpers import free_port, limit_threads, run_workers
 from tests.train import plan_recorder
 
@@ -140,8 +140,16 @@ def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, ar
 
 
 def step_metric(out_dir: Path, key: str) -> list:
-    records = [json.loads(line) for line in (out_dir / "metrics.jsonl").read_text().splitlines()]
-    return [r[key] for r in records]
+    return [r[key] for r in read_metrics(out_dir / "metrics.jsonl")]
+
+
+def validation_losses(out_dir: Path) -> dict[str, list[tuple[int, float]]]:
+    """{set name: [(step, loss), ...]} from a run's metrics.jsonl."""
+    found: dict = {}
+    for record in read_metrics(out_dir / "metrics.jsonl", validation=True):
+        for name, result in record["validation"].items():
+            found.setdefault(name, []).append((record["step"], result["loss"]))
+    return found
 
 
 def losses(out_dir: Path) -> list[float]:
