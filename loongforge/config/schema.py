@@ -282,6 +282,9 @@ class TrainingConfig:
     # Freeze the patch merger (the projector into the language model) as well: with freeze_vision,
     # the whole encoder is fixed, which is what training on stored embeddings (data.vision_embeddings) is.
     freeze_projector: bool = False
+    # Freeze the language model (embeddings, decoder, LM head): a vision-language model's alignment
+    # stage, which trains the projector (and the tower, unless frozen) through the fixed language model.
+    freeze_language: bool = False
     # Python's garbage collector runs when allocation counts say so, at a different moment on every
     # rank; a pause mid-step makes that rank the straggler everyone waits for. With N > 0 automatic
     # collection is off and every rank collects after every N-th step, all at the same step.

@@ -521,7 +521,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
         errors.append(f"data.shuffle_window={data.shuffle_window} must be >= 1 (records per shuffled window).")
     if data.vision_embeddings is not None:
         errors += _check_vision_embeddings(cfg)
-    errors += _check_validation(cfg)
+    errors += _check_validation(cfg) + _check_frozen_parts(cfg)
     if data.min_pixels > data.max_pixels:
         errors.append(f"data.min_pixels={data.min_pixels} is larger than "
                       f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")
@@ -529,6 +529,22 @@ def _check_data(cfg: RunConfig) -> list[str]:
         errors.append(f"data.video_min_pixels={data.video_min_pixels} is larger than "
                       f"data.video_max_pixels={data.video_max_pixels}; swap or adjust them.")
     return errors
+
+
+def _check_frozen_parts(cfg: RunConfig) -> list[str]:
+    """``training.freeze_language`` leaves the encoder's parts to train: there must be one left, and
+    LoRA (which freezes the whole base already) chooses what trains by ``lora.targets``."""
+    training = cfg.training
+    if not training.freeze_language:
+        return []
+    if cfg.lora.rank:
+        return ["training.freeze_language=true with lora.rank > 0: LoRA freezes the whole base already; choose the "
+                "adapted parts with lora.targets (e.g. [projector]) and set training.freeze_language=false."]
+    if cfg.model.vision is None or (training.freeze_vision and training.freeze_projector):
+        what = ("a text-only model has nothing else" if cfg.model.vision is None
+                else "with training.freeze_vision and freeze_projector nothing is left")
+        return [f"training.freeze_language=true leaves nothing to train ({what}); set it to false."]
+    return []
 
 
 def _check_validation(cfg: RunConfig) -> list[str]:

@@ -83,11 +83,14 @@ class FlopOptions:
     # under a trained tower still passes activation gradients down to it.
     freeze_vision: bool = False
     freeze_projector: bool = False
+    # A frozen language model (training.freeze_language) under a trained encoder part still carries
+    # activation gradients down to it, through every layer and the LM head.
+    freeze_language: bool = False
 
     @classmethod
     def from_training(cls, training: TrainingConfig) -> "FlopOptions":
         return cls(recompute=training.recompute_activations, freeze_vision=training.freeze_vision,
-                   freeze_projector=training.freeze_projector)
+                   freeze_projector=training.freeze_projector, freeze_language=training.freeze_language)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -134,11 +137,17 @@ def projector_passes(options: FlopOptions) -> int:
 
 
 def language_layer_passes(options: FlopOptions) -> int:
-    return layer_passes(trained=True, recompute=options.recompute)
+    if not options.freeze_language:
+        return layer_passes(trained=True, recompute=options.recompute)
+    # Frozen above a trained encoder part (validation refuses a run that trains nothing): no weight
+    # gradients, but the activation gradients pass through, and recompute runs the forward again.
+    return FORWARD + ACTIVATION_GRADIENTS + (FORWARD if options.recompute else 0)
 
 
-# The LM head is never recomputed; its weight (the embedding when tied) is always trained.
-LM_HEAD_PASSES = TRAINED
+def lm_head_passes(options: FlopOptions) -> int:
+    """The LM head is never recomputed; its weight (the embedding when tied) trains with the
+    language model."""
+    return FORWARD + ACTIVATION_GRADIENTS if options.freeze_language else TRAINED
 
 
 # ---------------------------------------------------------------------------------------------
@@ -187,9 +196,9 @@ def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options
     return lang.num_layers * language_layer_passes(options) * decoder_layer_forward_flops(lang, segment_lengths)
 
 
-def lm_head_flops(lang: LanguageConfig, loss_tokens: int) -> int:
+def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:
     """The output layer ``h -> vocab`` on the loss tokens, forward and backward."""
-    return LM_HEAD_PASSES * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
+    return lm_head_passes(options) * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
 
 
 def vision_block_linear_flops(patches: int, width: int, intermediate: int, *, gated: bool) -> int:
@@ -248,4 +257,4 @@ def step_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost], options: F
     loss_tokens = sum(sample.loss_tokens for sample in samples)
     return StepFlops(vision=float(vision), projector=float(projector),
                      language=float(language_flops(lang, segment_lengths, options)),
-                     lm_head=float(lm_head_flops(lang, loss_tokens)))
+                     lm_head=float(lm_head_flops(lang, loss_tokens, options)))

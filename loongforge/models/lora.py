@@ -75,7 +75,7 @@ from loongforge.models.lora_params import (
     row_parts,
 )
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.state_dict_names import LORA_ADAPTED, is_adapter_key
 from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
 
 _WEIGHT = ".weight"
@@ -178,6 +178,7 @@ def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
         _attach(module, _make_adapter(module, rule, hf_shapes, lora_cfg, _name_seed(seed, global_name(name))))
         counts[kind] = counts.get(kind, 0) + 1
     freeze_base(model)
+    setattr(model, LORA_ADAPTED, True)
     return dict(sorted(counts.items()))
 
 

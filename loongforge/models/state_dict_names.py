@@ -49,6 +49,15 @@ def has_separate_norms(keys: Iterable[str]) -> bool:
 LORA_A, LORA_B = ".lora.A", ".lora.B"
 
 
+# Set by apply_lora on the model of every rank, also on a pipeline stage that got no adapter (LoRA on
+# the projector alone): every rank's checkpoint share then holds the adapters alone, none the base.
+LORA_ADAPTED = "lora_adapted"
+
+
+def is_lora_model(model) -> bool:
+    return bool(getattr(model, LORA_ADAPTED, False))
+
+
 def is_adapter_key(key: str) -> bool:
     """Whether a parameter or state-dict key is a LoRA adapter's (not in the base model's HF map)."""
     return key.endswith((LORA_A, LORA_B))

@@ -151,6 +151,22 @@ def _float64_l2_norm(original: Callable) -> Callable:
     return l2_norm
 
 
+def _norm_without_gradients(original: Callable) -> Callable:
+    """``get_grad_norm_fp32`` on a rank that holds no gradient (a pipeline stage with nothing to
+    train: LoRA on the projector alone, training.freeze_language) joins the norm's all-reduce with
+    the float64 zero ``_float64_l2_norm`` gives the other ranks, not megatron-core's float32 zero
+    (clip_grads.py:114), whose size the others' float64 would not match (gloo aborts the job)."""
+
+    @functools.wraps(original)
+    def grad_norm(grads_for_norm, norm_type=2, grad_stats_parallel_group=None):
+        empty = not isinstance(grads_for_norm, torch.Tensor) and not list(grads_for_norm)
+        if empty and float(norm_type) == 2.0:
+            grads_for_norm = [torch.zeros(1)]
+        return original(grads_for_norm, norm_type, grad_stats_parallel_group)
+
+    return grad_norm
+
+
 def _router_gating_without_te(original: Callable) -> Callable:
     """The MoE router's logits (``router_gating_linear``) where Transformer Engine is absent.
 
@@ -283,6 +299,13 @@ CPU_PATCHES: list[Patch] = [
         attribute="l2_norm_impl",
         why="local_multi_tensor_l2_norm's float32 torch.norm drifts 1e-5 with the TP shard size (utils.py:1205)",
         wrap=_float64_l2_norm,
+    ),
+    Patch(
+        name="grad_norm_without_gradients",
+        owner_path="megatron.core.optimizer.optimizer",
+        attribute="get_grad_norm_fp32",
+        why="a rank without gradients all-reduces a float32 zero against the others' float64 norm (clip_grads.py:114)",
+        wrap=_norm_without_gradients,
     ),
     Patch(
         name="clip_grads_grad_type",

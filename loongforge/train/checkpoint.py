@@ -35,7 +35,7 @@ from loongforge.convert.checkpoint_folders import (
     checkpoint_candidates,
     step_dir_name,
 )
-from loongforge.models.state_dict_names import is_adapter_key, separate_name
+from loongforge.models.state_dict_names import is_adapter_key, is_lora_model, separate_name
 from loongforge.parallel import mcore_patches
 
 
@@ -110,20 +110,29 @@ def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool,
     keys of the checkpoint, whose naming the model's entries are fitted to first."""
     model = _unwrap(model_chunks[0])
     model_sd = {"model": model.sharded_state_dict()}
-    if has_adapters(model):
+    if is_lora_model(model):
         # LoRA: the frozen base is not trained state; it is rebuilt from where it came from
         # (meta.json's ``lora_base``), so a checkpoint holds the adapters and their optimizer state.
         model_sd["model"] = {name: item for name, item in model_sd["model"].items() if is_adapter_key(name)}
     if saved_keys is not None:
         # Before the optimizer's entries are derived from the model's: they follow the renames.
         model_sd["model"] = fit_to_checkpoint_names(model_sd["model"], saved_keys)
-    if optimizer is not None:
+    if _holds_state(optimizer, model_chunks):
         # "fully_reshardable": the distributed optimizer's default format (fully_sharded_model_space)
         # cannot be written by megatron-core 0.16.1; this one also reshards across DP sizes.
         model_sd["optimizer"] = optimizer.sharded_state_dict(
             model_sd, is_loading=is_loading,
             metadata={"distrib_optim_sharding_type": "fully_reshardable"})
     return model_sd
+
+
+def _holds_state(optimizer, model_chunks: list) -> bool:
+    """Whether this rank's optimizer has state to save and load: a pipeline stage with nothing to
+    train (LoRA on the projector alone, training.freeze_language) has none, and its optimizer (empty,
+    megatron-core's) describes none consistently with the other stages'. Decided by the stage's
+    parameters, so every data-parallel rank of a stage agrees."""
+    trains = any(param.requires_grad for chunk in model_chunks for param in chunk.parameters())
+    return optimizer is not None and trains
 
 
 def fit_to_checkpoint_names(sharded: dict, saved_keys: set[str]) -> dict:
@@ -150,17 +159,12 @@ def fit_to_checkpoint_names(sharded: dict, saved_keys: set[str]) -> dict:
     return fitted
 
 
-def has_adapters(model) -> bool:
-    """A LoRA model: its checkpoints hold the adapters alone."""
-    return any(is_adapter_key(name) for name, _ in model.named_parameters())
-
-
 def _load_weights(model, loaded: dict, path: Path) -> None:
     """Every parameter and buffer from ``loaded`` (a LoRA model's adapters: its base is already in
     place); ``_extra_state`` entries the checkpoint did not have (see ``fit_to_checkpoint_names``)
     keep their fresh values."""
     result = model.load_state_dict(loaded, strict=False)
-    adapters_only = has_adapters(model)
+    adapters_only = is_lora_model(model)
     missing = [k for k in result.missing_keys
                if not k.endswith("_extra_state") and (is_adapter_key(k) or not adapters_only)]
     if missing or result.unexpected_keys:
@@ -512,7 +516,7 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
         load_model_only(path, model_chunks, optimizer)
         # data_state None: no data position to restore, the run starts at step 0
         return TrainState(step=0, consumed_rows=0, data_state=None, extra={})
-    if optimizer is not None:
+    if _holds_state(optimizer, model_chunks):
         _check_expert_parallel_size(path, meta, model_chunks)
         _init_optimizer_state(optimizer)
     with mcore_patches.scoped(mcore_patches.CHECKPOINT_LOAD_PATCHES):
@@ -520,8 +524,9 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
         loaded = dist_checkpointing.load(
             _sharded_state(model_chunks, optimizer, is_loading=True, saved_keys=saved_keys),
             str(path / "model_optim"))
-        _load_weights(_unwrap(model_chunks[0]), loaded["model"], path)
-        if optimizer is not None and "optimizer" in loaded:
+        # A stage of a LoRA run with no adapter (LoRA on the projector alone) loads nothing.
+        _load_weights(_unwrap(model_chunks[0]), loaded.get("model", {}), path)
+        if _holds_state(optimizer, model_chunks) and "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(optimizer)
     per_rank = torch.load(_rank_file(path), weights_only=False)

@@ -94,9 +94,11 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
         expert_params = num_layers * split.experts_per_decoder_layer / expert_shards
         holds, params = [], num_layers * split.per_decoder_layer / tp + expert_params
         frozen, adapter_params = 0.0, num_layers * adapters.per_decoder_layer if lora else 0.0
+        encoder_params = 0.0
         if cfg.model.vision is not None and (index == 0 or replicas_everywhere):
             holds += ["vision tower + projector" if index == 0 else "vision tower + projector (replica)"]
-            params += split.vision_and_projector / vision_tp
+            encoder_params = split.vision_and_projector / vision_tp
+            params += encoder_params
             frozen += frozen_encoder / vision_tp
             adapter_params += adapters.vision_and_projector if lora else 0.0
         if index == 0:
@@ -107,11 +109,14 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
             head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)
             holds += ["LM head"] if head or not tied else ["LM head (tied)"]
             params += head / tp
+        language_frozen = lora or cfg.training.freeze_language
         if lora:  # the whole base is frozen
             frozen = params - expert_params
+        elif language_frozen:  # everything but the encoder's parts
+            frozen += params - expert_params - encoder_params
         stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params), round(expert_params),
                                 frozen_params_per_rank=frozen,
-                                frozen_expert_params_per_rank=expert_params if lora else 0.0,
+                                frozen_expert_params_per_rank=expert_params if language_frozen else 0.0,
                                 adapter_params_per_rank=adapter_params))
         first_layer += num_layers
     return stages
@@ -231,11 +236,14 @@ def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
         return (f"{human_count(total)} LoRA adapter parameters ({100 * total / split.total:.2f}% of "
                 f"{human_count(split.total)}): rank {lora.rank}, alpha {lora.alpha:g} on "
                 f"{'/'.join(lora.targets)} {', '.join(lora.modules)}{experts}; the base is frozen")
-    frozen = (split.vision_model * cfg.training.freeze_vision + split.projector * cfg.training.freeze_projector)
+    training = cfg.training
+    language = split.total - split.vision_model - split.projector
+    frozen = (split.vision_model * training.freeze_vision + split.projector * training.freeze_projector
+              + language * training.freeze_language)
     if not frozen:
         return f"all {human_count(split.total)}"
-    parts = [name for name, on in (("vision tower", cfg.training.freeze_vision),
-                                   ("projector", cfg.training.freeze_projector)) if on]
+    parts = [name for name, on in (("vision tower", training.freeze_vision), ("projector", training.freeze_projector),
+                                   ("language model", training.freeze_language)) if on]
     return f"{human_count(split.total - frozen)} of {human_count(split.total)} ({' and '.join(parts)} frozen)"
 
 

@@ -212,10 +212,12 @@ def _apply_lora(model, cfg: RunConfig) -> Optional[str]:
 
 
 def _freeze(model, cfg: RunConfig) -> None:
-    """training.freeze_vision / freeze_projector: those towers take no gradient (where built)."""
-    towers = model.towers()
-    frozen = [tower for flag, name in ((cfg.training.freeze_vision, "vision"), (cfg.training.freeze_projector, "projector"))
-              if flag for tower in towers[name]]
+    """training.freeze_vision / freeze_projector / freeze_language: those parts take no gradient
+    (where this rank holds them)."""
+    towers, training = model.towers(), cfg.training
+    flags = ((training.freeze_vision, "vision"), (training.freeze_projector, "projector"),
+             (training.freeze_language, "language"))
+    frozen = [tower for flag, name in flags if flag for tower in towers[name]]
     for tower in frozen:
         for param in tower.parameters():
             param.requires_grad_(False)

@@ -290,3 +290,11 @@ def test_dry_run_counts_loras_adapters_and_frozen_weights_without_optimizer_stat
     vision = get_family("qwen2_5_vl").count_parameters(load_run_config("qwen2.5vl-7b").model)["vision_model"]
     assert gib(_plan_line(frozen, "memory per rank")) == pytest.approx(full_gib - vision / 2 * (9 - 2) / 1024**3, abs=0.06)
     assert "(vision tower frozen)" in _plan_line(frozen, "trainable")
+    # The alignment stage: the language model frozen too, its weights held at 2 bytes a parameter.
+    aligned = plan("training.freeze_vision=true", "training.freeze_language=true")
+    counts = get_family("qwen2_5_vl").count_parameters(load_run_config("qwen2.5vl-7b").model)
+    projector = counts["projector"]
+    assert f"{projector / 1e6:.2f}M of 8.29B (vision tower and language model frozen)" in _plan_line(aligned, "trainable")
+    aligned_gib = gib(_plan_line(aligned, "memory per rank"))
+    print(f"qwen2.5vl-7b per rank, projector alone trained: {aligned_gib} GiB")
+    assert aligned_gib < gib(_plan_line(frozen, "memory per rank")) / 3

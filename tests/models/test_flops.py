@@ -28,7 +28,7 @@ from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.template import Turn
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models import registry
-from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.flops import FlopOptions, StepFlops, step_flops
 from loongforge.models.qwen2_5_vl.flops import window_sizes
 from loongforge.models.qwen2_5_vl.vision import window_partition
 from loongforge.profile.features import sample_costs
@@ -425,3 +425,17 @@ def test_options_follow_the_training_config():
     training = load_run_config("qwen2.5vl-tiny", overrides=["training.freeze_projector=true"]).training
     assert FlopOptions.from_training(training) == FlopOptions(freeze_projector=True)
     assert dataclasses.is_dataclass(FlopOptions) and FlopOptions.__dataclass_params__.frozen
+    training = load_run_config("qwen2.5vl-tiny", overrides=["training.freeze_language=true"]).training
+    assert FlopOptions.from_training(training) == FlopOptions(freeze_language=True)
+
+
+def test_a_frozen_language_model_carries_activation_gradients_alone():
+    """training.freeze_language: each decoder layer and the LM head run forward and pass activation
+    gradients down to the trained projector: 2 forward-equivalents of 3 (3 of 4 under recompute)."""
+    model_cfg = load_run_config("qwen2.5vl-tiny").model
+    samples = [SampleCost(tokens=300, loss_tokens=100)]
+    trained = step_flops(model_cfg, samples, FlopOptions())
+    frozen = step_flops(model_cfg, samples, FlopOptions(freeze_language=True))
+    assert frozen.language * 3 == trained.language * 2 and frozen.lm_head * 3 == trained.lm_head * 2
+    recomputed = step_flops(model_cfg, samples, FlopOptions(freeze_language=True, recompute=True))
+    assert recomputed.language * 4 == step_flops(model_cfg, samples, FlopOptions(recompute=True)).language * 3

@@ -66,8 +66,9 @@ class TextModel(MegatronModule):
         )
 
     def towers(self) -> dict[str, list[torch.nn.Module]]:
-        """No encoder parts: ``training.freeze_vision`` / ``freeze_projector`` freeze nothing."""
-        return {"vision": [], "projector": []}
+        """The parts ``training.freeze_*`` name: no encoder parts, so freeze_vision / freeze_projector
+        freeze nothing."""
+        return {"vision": [], "projector": [], "language": [self.language_model]}
 
     def set_input_tensor(self, input_tensor) -> None:
         self.language_model.set_input_tensor(input_tensor)

@@ -133,9 +133,10 @@ class Qwen2_5_VLModel(MegatronModule):
         )
 
     def towers(self) -> dict[str, list[torch.nn.Module]]:
-        """The encoder's parts this rank holds, by what ``training.freeze_*`` names them."""
+        """The parts this rank holds, by what ``training.freeze_*`` names them."""
         return {"vision": [m for m in (self.vision_model,) if m is not None],
-                "projector": [m for m in (self.projector,) if m is not None]}
+                "projector": [m for m in (self.projector,) if m is not None],
+                "language": [self.language_model]}
 
     # -- pipeline plumbing (megatron schedules and finalize_model_grads call these) -------------
 

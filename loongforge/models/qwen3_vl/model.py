@@ -119,9 +119,10 @@ class Qwen3VLModel(MegatronModule):
             deepstack.install_hooks(self.language_model.decoder.layers, vision.num_deepstack_layers)
 
     def towers(self) -> dict[str, list[torch.nn.Module]]:
-        """The encoder's parts this rank holds, by what ``training.freeze_*`` names them."""
+        """The parts this rank holds, by what ``training.freeze_*`` names them."""
         return {"vision": [m for m in (self.vision_model,) if m is not None],
-                "projector": [m for m in (self.projector, self.deepstack_projectors) if m is not None]}
+                "projector": [m for m in (self.projector, self.deepstack_projectors) if m is not None],
+                "language": [self.language_model]}
 
     def begin_step(self, micro_batches: list[dict]) -> int:
         """Nothing is encoded ahead of the pipeline (no ``encoder_dp=full``): 0 bytes held."""
