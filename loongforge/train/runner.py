@@ -112,6 +112,7 @@ class TrainingSummary:
     sync_waits: list = field(default_factory=list)  # measured imbalance per step (multi-rank runs)
     throughput: list = field(default_factory=list)  # profile.throughput.Throughput per step
     stop_signal: int = 0  # SIGTERM/SIGINT that stopped the run early (0: it ran to its last step)
+    sources: Optional[dict] = None  # weighted data.paths: per source, samples/tokens trained, epochs
 
     @property
     def mean_sync_wait_s(self) -> Optional[float]:
@@ -673,7 +674,8 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
-            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load))
+            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
+            sources=run.pipeline.last_sources))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)
         if totals.sync_wait_s is not None:
@@ -707,6 +709,7 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
         for line in export.serving_warnings:
             logger.write(line)
     summary.rejects = run.pipeline.reject_counts()
+    summary.sources = run.pipeline.last_sources
     if run.balanced is not None:
         summary.balance = run.balanced.balance_counters.as_dict()
     run.pipeline.close()

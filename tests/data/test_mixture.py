@@ -189,3 +189,21 @@ def test_bad_weights_are_one_line_naming_the_entry(two_sources, tmp_path):
     assert parse_entry("me@home.jsonl").path == "me@home.jsonl"  # not a number: part of the path
     assert entry_weights([f"{a}@0.7", f"{b}@0.3"]) == [7, 3]
     assert expand_data_paths([f"{a}@3", f"{b}@1"]) == [a, b]
+
+
+def test_pack_holds_the_mix(two_sources, tmp_path):
+    from loongforge.pack.job import PackOptions, run_pack
+
+    weighted = [f"{two_sources[0]}@3", f"{two_sources[1]}@1"]
+    options = dict(output=tmp_path / "packed", preset="llm-tiny-small-vocab", seq_len=SEQ_LEN, progress=False)
+    stats = run_pack(PackOptions(inputs=tuple(weighted), **options)).stats
+    manifest = [json.loads(line) for line in (tmp_path / "packed" / "manifest.jsonl").read_text().splitlines()]
+    files = Counter(Path(s["file"]).name for pack in manifest for s in pack["samples"])
+    print(f"pack of a 3:1 mixture of 60 + 100 samples: {dict(files)} in {stats['packs']} packs; "
+          f"stats sources {stats['sources']}")
+    assert files == {"a.jsonl": 120, "b.jsonl": 40}  # 160 draws, 3:1
+    assert [stats["sources"][p]["samples"] for p in two_sources] == [120, 40]
+    config = json.loads((tmp_path / "packed" / "pack_config.json").read_text())
+    assert config["mixture"]["weights"] == [3, 1]
+    plain = run_pack(PackOptions(inputs=tuple(two_sources), **{**options, "output": tmp_path / "plain"})).stats
+    assert plain["samples_packed"] == 160 and "sources" not in plain  # no weights: every sample once
