@@ -196,10 +196,12 @@ class RowStream:
 
     def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
         """Per source: samples and tokens trained (``counts``, e.g. summed over shards, else this
-        stream's) and epochs drawn up to this stream's position; None without a mixture."""
+        stream's) and its epochs: the passes over it that the draws up to this stream's position
+        make, less the samples the packer still holds (a shard's draw stands for one per shard)."""
         if self.counts is None:
             return None
-        draws = self.epoch * len(self.source) + self.cursor
+        held = len(self.packer.buffer_keys()) * self.shard_count
+        draws = max(0, self.epoch * len(self.source) + self.cursor - held)
         return counts_report(self.counts.names, counts or self.counts.state(), self.mixture.epochs(draws))
 
     def _pull(self) -> PackItem[MeasuredSample]:
