@@ -201,6 +201,15 @@ def summed_counts(states: list[dict]) -> dict:
     return {key: [sum(values) for values in zip(*(state[key] for state in states))] for key in ("samples", "tokens")}
 
 
+def redealt_counts(states: list[dict], shard_index: int) -> dict:
+    """New shard ``shard_index``'s counts after a re-deal of the saved shard ``states``: shard 0
+    carries on all of theirs, the others start at 0, so the sum over shards goes on unchanged."""
+    counts = summed_counts(states)
+    if shard_index:
+        return {key: [0] * len(values) for key, values in counts.items()}
+    return counts
+
+
 def counts_report(names: list[str], counts: dict, epochs: Optional[list[float]] = None) -> dict:
     """{source: {"samples", "tokens"[, "epochs"]}}: what metrics.jsonl and summary.json show."""
     report = {}

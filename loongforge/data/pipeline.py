@@ -51,6 +51,7 @@ from loongforge.data.mixture import (
     build_mixture,
     counts_report,
     entry_weights,
+    redealt_counts,
     source_names,
     summed_counts,
 )
@@ -302,10 +303,8 @@ class RowStream:
         state = redeal(states, self.shard_count, len(self.source))[self.shard_index]
         if self.mixture is None:
             return state
-        counts = summed_counts([s["sources"] for s in states])
-        if self.shard_index:
-            counts = {key: [0] * len(values) for key, values in counts.items()}
-        return {**state, "mixture": states[0].get("mixture"), "sources": counts}
+        return {**state, "mixture": states[0].get("mixture"),
+                "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
 
 
 class DataPipeline:
@@ -584,7 +583,7 @@ class DataPipeline:
             mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
         else:
             mine = [rows[i] for i in self.my_rows]
-        sources = self.stream.source_report() if isinstance(self.stream, RowStream) else None
+        sources = self.stream.source_report() if isinstance(self.stream, (RowStream, StreamingRowStream)) else None
         return self._map(self._collate, mine), state, decision, sources
 
     def _produce_sharded_step(self) -> tuple[list[dict], dict, object, Optional[dict]]:
@@ -610,7 +609,7 @@ class DataPipeline:
     def _all_shards_sources(self) -> Optional[dict]:
         """The per-source report summed over the data-parallel shards (one gather of a few numbers
         on the exchange group, in step with the other leaders); None without a mixture."""
-        if not isinstance(self.stream, RowStream) or self.stream.counts is None:
+        if not isinstance(self.stream, (RowStream, StreamingRowStream)) or self.stream.counts is None:
             return None
         group = self.groups.exchange if self.groups is not None else None
         return self.stream.source_report(summed_counts(all_gather_objects(self.stream.counts.state(), group)))

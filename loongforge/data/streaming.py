@@ -43,7 +43,7 @@ from loongforge.data.conversations import (
     text_line_record,
 )
 from loongforge.data.measure import MeasuredSample, document_pieces
-from loongforge.data.mixture import entry_path, entry_weights
+from loongforge.data.mixture import SourceCounts, counts_report, entry_weights, redealt_counts, source_names
 from loongforge.data.packing import PackItem
 from loongforge.data.redeal import DealtPositions, redeal
 from loongforge.data.record_kinds import RecordReading
@@ -160,7 +160,7 @@ class _Sources:
             if empty is not None:
                 raise InputError(f"data.paths entry {empty!r} has a weight but nothing to read; "
                                  "drop it or give it data files")
-        self.names = [entry_path(entry) for entry, group in zip(paths, groups) if len(group)]
+        self.names = [name for name, group in zip(source_names(list(paths)), groups) if len(group)]
         self.groups = [group for group in groups if len(group)]
         self.weights = weights or _byte_weights(self.sources, self.groups)
         self._group_of = {source: g for g, group in enumerate(self.groups) for source in group}
@@ -301,6 +301,11 @@ class StreamingSamples:
         return entries[offset].parse() if offset < len(entries) else None
 
     @property
+    def weighted(self) -> bool:
+        """Whether the data.paths entries carry @weights (else they mix by bytes)."""
+        return self._sources.restarts
+
+    @property
     def source_names(self) -> list[str]:
         """The data.paths entries (their paths) whose records the stream mixes, in order."""
         return self._sources.names
@@ -373,6 +378,8 @@ class StreamingRowStream:
 
     def __init__(self, source: StreamingSamples, measurer, *, packer, rejects, shard: tuple[int, int]):
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
+        # With @weights: samples and tokens trained per data.paths entry (loongforge.data.mixture).
+        self.counts = SourceCounts(source.source_names) if source.weighted else None
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
@@ -382,7 +389,20 @@ class StreamingRowStream:
         self._rejected_this_epoch: Counter = Counter()
 
     def next_row(self) -> list[PackItem[MeasuredSample]]:
-        return self.packer.next_row(self._pull)
+        row = self.packer.next_row(self._pull)
+        if self.counts is not None:
+            for item in row:
+                self.counts.add(self.source.source_of(item.key[0], item.key[1]), item.key, item.length)
+        return row
+
+    def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
+        """Per data.paths entry: samples and tokens trained (``counts``, e.g. summed over shards,
+        else this stream's); None without weights. A streamed entry's size is not known before it
+        is read through, so no epochs: an entry that runs out starts again within the stream's
+        epoch (``_MixedReader``)."""
+        if self.counts is None:
+            return None
+        return counts_report(self.counts.names, counts or self.counts.state())
 
     def _pull(self) -> PackItem[MeasuredSample]:
         if not self.pieces:
@@ -430,13 +450,16 @@ class StreamingRowStream:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
                 "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
-                "window_starts": self.source.state_for(seek_to)}
+                "window_starts": self.source.state_for(seek_to),
+                **({"sources": self.counts.state()} if self.counts is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
             raise ValueError("the checkpoint's data position was not saved by a streaming run; "
                              "resume with data.streaming=false")
-        self.source.load_starts(state["window_starts"])
+        self.source.load_starts(state["window_starts"])  # refuses a position saved with other weights
+        if self.counts is not None:
+            self.counts.load(state["sources"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
@@ -452,7 +475,10 @@ class StreamingRowStream:
             self.source.load_starts(state["window_starts"])
         dealt = redeal(states, self.shard_count, self.source.record_count())[self.shard_index]
         starts = {k: v for state in states for k, v in state["window_starts"].items()}
-        return {**dealt, "window_starts": starts}
+        if self.counts is None:
+            return {**dealt, "window_starts": starts}
+        return {**dealt, "window_starts": starts,
+                "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
 
 
 def pack_items(position: tuple[int, int], measured: MeasuredSample, seq_len: int) -> list[PackItem[MeasuredSample]]:

@@ -208,3 +208,29 @@ def test_pack_holds_the_mix(two_sources, tmp_path):
     assert config["mixture"]["weights"] == [3, 1]
     plain = run_pack(PackOptions(inputs=tuple(two_sources), **{**options, "output": tmp_path / "plain"})).stats
     assert plain["samples_packed"] == 160 and "sources" not in plain  # no weights: every sample once
+
+
+def test_streamed_mixture_counts_sources_and_resumes_exactly(tokenizer, two_sources, tmp_path):
+    from loongforge.data.packing import LookaheadPacker
+    from loongforge.data.streaming import StreamingRowStream
+
+    weighted = [f"{two_sources[0]}@3", f"{two_sources[1]}@1"]
+    cfg = DataConfig(source="files", paths=weighted, seq_len=SEQ_LEN, streaming=True)
+
+    def stream():
+        return StreamingRowStream(StreamingSamples(weighted, window=16, shuffle=True, seed=2),
+                                  SampleMeasurer(tokenizer, cfg, MODEL), packer=LookaheadPacker(SEQ_LEN, 8),
+                                  rejects=RejectLog(None), shard=(0, 1))
+
+    first = stream()
+    _trained(first, 100)
+    state = json.loads(json.dumps(first.state_dict()))
+    expected = _trained(first, 150)
+    resumed = stream()
+    resumed.load_state_dict(state)
+    assert _trained(resumed, 150) == expected
+    report = resumed.source_report()
+    print(f"streamed mixture, counts after resuming: {report}")
+    assert report == first.source_report()
+    assert [report[p]["samples"] for p in two_sources] == [sum(p in i for i in expected) + n for p, n in
+                                                           zip(two_sources, state["sources"]["samples"])]
