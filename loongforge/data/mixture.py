@@ -166,6 +166,14 @@ def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) 
                    shuffle=shuffle)
 
 
+def check_same_weights(saved: Optional[list[int]], here: Optional[list[int]]) -> None:
+    """A resume reads the draws a checkpoint's position counts in only with the weights it was
+    saved with (None: none); else one line."""
+    if saved != here:
+        raise InputError(f"the checkpoint's data position was saved with data.paths weights {saved or 'none'}, "
+                         f"this run has {here or 'none'}: resume with the data.paths it was saved with")
+
+
 def source_names(paths: list) -> list[str]:
     """What metrics call each data.paths entry: its path (with its position when a path repeats)."""
     names = [entry_path(entry) for entry in paths]

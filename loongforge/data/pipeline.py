@@ -49,6 +49,7 @@ from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
     build_mixture,
+    check_same_weights,
     counts_report,
     entry_weights,
     redealt_counts,
@@ -283,11 +284,7 @@ class RowStream:
         if "window_starts" in state:
             raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
                              "data.streaming=true")
-        saved = state.get("mixture")
-        here = self.mixture.weights.tolist() if self.mixture is not None else None
-        if saved != here:
-            raise InputError(f"the checkpoint's data position was saved with data.paths weights {saved or 'none'}, "
-                             f"this run has {here or 'none'}: resume with the data.paths it was saved with")
+        check_same_weights(state.get("mixture"), self.mixture.weights.tolist() if self.mixture is not None else None)
         if self.counts is not None:
             self.counts.load(state["sources"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])

@@ -43,7 +43,14 @@ from loongforge.data.conversations import (
     text_line_record,
 )
 from loongforge.data.measure import MeasuredSample, document_pieces
-from loongforge.data.mixture import SourceCounts, counts_report, entry_weights, redealt_counts, source_names
+from loongforge.data.mixture import (
+    SourceCounts,
+    check_same_weights,
+    counts_report,
+    entry_weights,
+    redealt_counts,
+    source_names,
+)
 from loongforge.data.packing import PackItem
 from loongforge.data.redeal import DealtPositions, redeal
 from loongforge.data.record_kinds import RecordReading
@@ -154,6 +161,7 @@ class _Sources:
         # With @weights an entry that runs out starts its next pass (loongforge.data.mixture); the
         # stream's epoch ends once every entry has ended a pass, so no record is left unread.
         self.restarts = weights is not None
+        self.mix_weights = weights  # None: the byte shares below
         groups = entry_groups(list(paths))
         if self.restarts:
             empty = next((entry for entry, group in zip(paths, groups) if not len(group)), None)
@@ -301,9 +309,9 @@ class StreamingSamples:
         return entries[offset].parse() if offset < len(entries) else None
 
     @property
-    def weighted(self) -> bool:
-        """Whether the data.paths entries carry @weights (else they mix by bytes)."""
-        return self._sources.restarts
+    def weights(self) -> Optional[list[int]]:
+        """The data.paths entries' @weights as whole numbers; None when they mix by bytes."""
+        return self._sources.mix_weights
 
     @property
     def source_names(self) -> list[str]:
@@ -379,7 +387,7 @@ class StreamingRowStream:
     def __init__(self, source: StreamingSamples, measurer, *, packer, rejects, shard: tuple[int, int]):
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
         # With @weights: samples and tokens trained per data.paths entry (loongforge.data.mixture).
-        self.counts = SourceCounts(source.source_names) if source.weighted else None
+        self.counts = SourceCounts(source.source_names) if source.weights is not None else None
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
@@ -451,13 +459,14 @@ class StreamingRowStream:
                 "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
                 "window_starts": self.source.state_for(seek_to),
-                **({"sources": self.counts.state()} if self.counts is not None else {})}
+                **({"mixture": self.source.weights, "sources": self.counts.state()} if self.counts is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
             raise ValueError("the checkpoint's data position was not saved by a streaming run; "
                              "resume with data.streaming=false")
-        self.source.load_starts(state["window_starts"])  # refuses a position saved with other weights
+        check_same_weights(state.get("mixture"), self.source.weights)
+        self.source.load_starts(state["window_starts"])
         if self.counts is not None:
             self.counts.load(state["sources"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
@@ -477,7 +486,7 @@ class StreamingRowStream:
         starts = {k: v for state in states for k, v in state["window_starts"].items()}
         if self.counts is None:
             return {**dealt, "window_starts": starts}
-        return {**dealt, "window_starts": starts,
+        return {**dealt, "window_starts": starts, "mixture": self.source.weights,
                 "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
 
 

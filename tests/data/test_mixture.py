@@ -217,8 +217,8 @@ def test_streamed_mixture_counts_sources_and_resumes_exactly(tokenizer, two_sour
     weighted = [f"{two_sources[0]}@3", f"{two_sources[1]}@1"]
     cfg = DataConfig(source="files", paths=weighted, seq_len=SEQ_LEN, streaming=True)
 
-    def stream():
-        return StreamingRowStream(StreamingSamples(weighted, window=16, shuffle=True, seed=2),
+    def stream(paths=weighted):
+        return StreamingRowStream(StreamingSamples(paths, window=16, shuffle=True, seed=2),
                                   SampleMeasurer(tokenizer, cfg, MODEL), packer=LookaheadPacker(SEQ_LEN, 8),
                                   rejects=RejectLog(None), shard=(0, 1))
 
@@ -234,3 +234,5 @@ def test_streamed_mixture_counts_sources_and_resumes_exactly(tokenizer, two_sour
     assert report == first.source_report()
     assert [report[p]["samples"] for p in two_sources] == [sum(p in i for i in expected) + n for p, n in
                                                            zip(two_sources, state["sources"]["samples"])]
+    with pytest.raises(InputError, match=r"saved with data.paths weights \[3, 1\], this run has \[1, 1\]"):
+        stream([f"{two_sources[0]}@1", f"{two_sources[1]}@1"]).load_state_dict(state)
