@@ -136,16 +136,19 @@ class Mixture:
         kth = periods * self.weights[source] + self.before[rest, source]  # the source's k-th draw
         epoch, position = np.divmod(kth, self.sizes[source])
         out = np.empty(count, dtype=np.int64)
-        for s, e in {(int(s), int(e)) for s, e in zip(source, epoch)}:
-            at = (source == s) & (epoch == e)
-            out[at] = self.starts[s] + self._order(s, e)[position[at]]
+        for s in range(len(self.sizes)):
+            drawn = np.flatnonzero(source == s)  # [draws of s]; its epochs never decrease along them
+            runs = np.flatnonzero(np.diff(epoch[drawn])) + 1  # where each of its next epochs begins
+            for run in np.split(drawn, runs):  # one epoch of s at a time: a small source has many
+                if len(run):
+                    out[run] = self.starts[s] + self._order(s, int(epoch[run[0]]))[position[run]]
         return out
 
     def _order(self, source: int, epoch: int) -> np.ndarray:
         return _source_order(int(self.sizes[source]), self.seed, source, epoch, self.shuffle)
 
 
-@lru_cache(maxsize=64)
+@lru_cache(maxsize=16)  # a few epochs of each source at once; a large source's order is 8 bytes a sample
 def _source_order(size: int, seed: int, source: int, epoch: int, shuffle: bool) -> np.ndarray:
     """Source ``source``'s visiting order in its ``epoch``: seeded by (seed, source, epoch)."""
     if not shuffle:
