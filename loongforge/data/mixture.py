@@ -156,15 +156,21 @@ def _source_order(size: int, seed: int, source: int, epoch: int, shuffle: bool) 
     return np.random.default_rng([seed, source, epoch]).permutation(size)
 
 
+def check_none_empty(paths: list, sizes: list[int]) -> None:
+    """A weighted entry with nothing to read would silently lose its share: one line naming it.
+    ``sizes``: per entry, its samples (or data sources) found."""
+    empty = next((entry for entry, size in zip(paths, sizes) if not size), None)
+    if empty is not None:
+        raise InputError(f"data.paths entry {empty!r} has a weight but holds no samples; drop it or give it data")
+
+
 def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) -> Optional[Mixture]:
     """The mixture of ``paths`` whose entries hold the samples ``spans`` (one range of global
     sample indices per entry), or None when no entry has a weight."""
     weights = entry_weights(paths)
     if weights is None:
         return None
-    empty = next((entry for entry, span in zip(paths, spans) if not len(span)), None)
-    if empty is not None:
-        raise InputError(f"data.paths entry {empty!r} has a weight but holds no samples; drop it or give it data")
+    check_none_empty(paths, [len(span) for span in spans])
     return Mixture(weights, [len(span) for span in spans], [span.start for span in spans], seed=seed,
                    shuffle=shuffle)
 

@@ -4,7 +4,9 @@ For inputs too large to copy into the Arrow cache. The stream is the records of 
 same records, lines and rejects as ``ArrowSamples``) with the entries mixed: each next record comes
 from the entry furthest behind its share, shares in proportion to the entries' bytes on disk, so
 ``data.paths=[coco.jsonl, math.jsonl]`` trains both all through the epoch, not all of COCO first
-(within an entry, a folder's files follow one another). The stream is cut into windows of
+(within an entry, a folder's files follow one another). With ``path@weight`` entries
+(``loongforge.data.mixture``) the shares are the weights, an entry that runs out starts again from
+its first record, and the epoch ends once every entry has been read through. The stream is cut into windows of
 ``data.shuffle_window`` records; with ``data.shuffle`` each window is visited in a permutation drawn
 from (data.seed, epoch, window), so memory holds a window, not the data, and any position of the
 stream is found again from where its window starts. Positions are dealt to data-parallel shards
@@ -45,6 +47,7 @@ from loongforge.data.conversations import (
 from loongforge.data.measure import MeasuredSample, document_pieces
 from loongforge.data.mixture import (
     SourceCounts,
+    check_none_empty,
     check_same_weights,
     counts_report,
     entry_weights,
@@ -164,10 +167,7 @@ class _Sources:
         self.mix_weights = weights  # None: the byte shares below
         groups = entry_groups(list(paths))
         if self.restarts:
-            empty = next((entry for entry, group in zip(paths, groups) if not len(group)), None)
-            if empty is not None:
-                raise InputError(f"data.paths entry {empty!r} has a weight but nothing to read; "
-                                 "drop it or give it data files")
+            check_none_empty(list(paths), [len(group) for group in groups])
         self.names = [name for name, group in zip(source_names(list(paths)), groups) if len(group)]
         self.groups = [group for group in groups if len(group)]
         self.weights = weights or _byte_weights(self.sources, self.groups)
@@ -238,7 +238,8 @@ class _Sources:
 class _MixedReader:
     """The records of every data.paths entry, mixed: each next record comes from the entry
     furthest behind its share (``_Sources.weights``) of the records taken so far, ties to the
-    first; a used-up entry drops out. A function of the MixLocation alone, so any window is found
+    first (the rule of ``mixture.draw_pattern``); a used-up entry drops out, or with @weights starts
+    its next pass (``_end_pass``). A function of the MixLocation alone, so any window is found
     again from where it starts. Two equal entries alternate; coco.jsonl at 9x math.jsonl's bytes
     gives 9 COCO records, then a math one, and so on."""
 
