@@ -14,7 +14,8 @@ from loongforge.config.presets import DEFAULT_PRESET
 InputsArgument = Annotated[list[Path], typer.Argument(
     metavar="INPUT...", show_default=False,
     help="LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files or folders of them (what "
-         "`train` reads), or one `loongforge pack` output folder.")]
+         "`train` reads), or one `loongforge pack` output folder. "
+         "Mixture weights (FILE@WEIGHT) are accepted and ignored: every sample is encoded.")]
 
 
 def encode(

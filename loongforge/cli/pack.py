@@ -14,7 +14,8 @@ from loongforge.config.presets import DEFAULT_PRESET
 InputsArgument = Annotated[list[Path], typer.Argument(
     metavar="INPUT...", show_default=False,
     help="Data files (.json/.jsonl/.parquet records: conversations, Alpaca, image-caption pairs, "
-         "{\"text\"} documents; .txt: one document per line), or folders of .json/.jsonl/.parquet files.")]
+         "{\"text\"} documents; .txt: one document per line), or folders of .json/.jsonl/.parquet files. "
+         "FILE@WEIGHT on every input packs a weighted mixture (docs/data.md).")]
 
 
 def pack(

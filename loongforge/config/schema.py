@@ -132,6 +132,10 @@ class ModelConfig:
 class DataConfig:
     # "synthetic" uses the built-in generator; "files" reads `paths`; "packed" reads a `loongforge pack` folder.
     source: str = "synthetic"
+    # Files, folders or hf:NAME datasets. "path@weight" on every entry makes a weighted mixture:
+    # sources drawn in proportion to the weights, exactly over any window, each source with its own
+    # epochs, per-source counts in metrics.jsonl (loongforge/data/mixture.py, docs/data.md). Without
+    # weights one epoch visits every sample once.
     paths: list[str] = field(default_factory=list)
     packed: Optional[str] = None
     # Samples drawn from the synthetic generator (an epoch); ignored for files.
@@ -180,7 +184,8 @@ class DataConfig:
     # copy: memory holds one window of data.shuffle_window records, each window shuffled on its
     # own (data.shuffle); a checkpoint saves the position, so resuming gives the same samples.
     # The data.paths entries are mixed, each in proportion to its bytes on disk (equal shares with a
-    # hub dataset among them), so every stretch of steps sees every entry, not one after another.
+    # hub dataset among them) or to its @weight, so every stretch of steps sees every entry, not one
+    # after another.
     streaming: bool = False
     shuffle_window: int = 4096
     # A checkpoint records each data file's fingerprint (size and content hash), and a resume whose

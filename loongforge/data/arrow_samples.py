@@ -39,6 +39,7 @@ from loongforge.data.cache import cache_root, cache_write_problem, write_cache_f
 from loongforge.data.conversations import (
     DEFAULT_READING,
     HUB_PREFIX,
+    entry_groups,
     expand_data_paths,
     is_saved_dataset,
     parse_record,
@@ -388,6 +389,11 @@ class ArrowSamples:
         cache = arrow_cache_dir(cache_dir)
         self._parts = [_open_source(source, cache, progress, reading) for source in expand_data_paths(paths)]
         self._starts = np.cumsum([0] + [len(part) for part in self._parts]).tolist()  # per part, its first index
+        self._entries = entry_groups(paths)  # per data.paths entry, its parts
+
+    def entry_spans(self) -> list[range]:
+        """Per data.paths entry, the indices of its samples (a weighted mixture draws from them)."""
+        return [range(self._starts[group.start], self._starts[group.stop]) for group in self._entries]
 
     def __len__(self) -> int:
         return self._starts[-1]

@@ -32,6 +32,7 @@ from pathlib import Path
 from typing import Any, Optional, Union
 
 from loongforge.config.errors import InputError
+from loongforge.data.mixture import entry_path, entry_weights
 from loongforge.data.record_kinds import (
     TEXT_FILE_READING,
     RecordError,
@@ -401,10 +402,12 @@ def expand_data_paths(paths: list, key: str = "data.paths") -> list[str]:
 
     The one check that data paths can be read at all (``pack`` and ``train`` both call it before
     any work starts): a missing entry, an empty file, or nothing to read is an InputError naming
-    ``key``, the config key the paths came from.
+    ``key``, the config key the paths came from. Entries may carry a mixture weight (``path@weight``,
+    ``loongforge.data.mixture``): checked here, then the path is read.
     """
+    entry_weights(list(paths))  # a bad or missing weight is one line before anything is read
     sources: list[str] = []
-    for entry in map(str, paths):  # paths or strings
+    for entry in map(entry_path, paths):  # paths or strings
         path = Path(entry)
         if entry.startswith(HUB_PREFIX):
             sources.append(entry)
@@ -421,6 +424,20 @@ def expand_data_paths(paths: list, key: str = "data.paths") -> list[str]:
         raise InputError(f"{key} file {empty[0]} is empty"
                          f"{f' (and {len(empty) - 1} more)' if len(empty) > 1 else ''}; {_PATHS_REMEDY}")
     return sources
+
+
+def entry_groups(paths: list) -> list[range]:
+    """The sources (indices into ``expand_data_paths(paths)``) of each data.paths entry; empty for
+    an entry with nothing to read (the whole list is checked by ``expand_data_paths``)."""
+    groups, first = [], 0
+    for entry in paths:
+        try:
+            count = len(expand_data_paths([entry]))
+        except InputError:
+            count = 0
+        groups.append(range(first, first + count))
+        first += count
+    return groups
 
 
 def _folder_sources(folder: Path, entry: str) -> list[Path]:

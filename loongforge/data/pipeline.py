@@ -10,6 +10,12 @@ The stream runs over epochs forever; epoch ``e`` visits every sample once, in a 
 from (data.seed, e) when data.shuffle. ``state_dict()`` is the exact position after the last step
 returned (epoch, cursor, packing buffer, rejects seen), so a resumed run gets the same rows.
 
+With weighted data.paths entries (``path@weight``, ``loongforge.data.mixture``) the stream is the
+mixture's draw sequence instead, cut into blocks as long as an epoch would be: block ``e`` is
+draws ``e*N .. (e+1)*N - 1`` for ``N`` samples, and each source keeps its own epochs. Positions,
+shards, resume and the re-deal at another DP size work on blocks exactly as on epochs. The samples
+and tokens trained per source are counted (``SourceCounts``) and saved with the position.
+
 With ``balance.enabled`` the step's samples are re-assigned to ranks / micro-batches by
 ``loongforge.balance.apply.StepBalancer`` (metadata mode: every rank plans the same step from the
 measurements it already has, then materialises only its own samples). The cost model used is part
@@ -25,7 +31,7 @@ import time
 from collections import Counter, deque
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Callable, Optional, Union
+from typing import Callable, NamedTuple, Optional, Union
 
 import numpy as np
 
@@ -39,6 +45,17 @@ from loongforge.data.collate import collate_row
 from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.fingerprint import check_files, counted_position, run_fingerprints
+from loongforge.data.mixture import (
+    Mixture,
+    SourceCounts,
+    build_mixture,
+    check_same_weights,
+    counts_report,
+    entry_weights,
+    redealt_counts,
+    source_names,
+    summed_counts,
+)
 from loongforge.data.measure import (
     MaterializedSample,
     MeasuredSample,
@@ -62,7 +79,7 @@ from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.data.validation_data import SampleSubset, split_held_out
 from loongforge.models.registry import get_family
-from loongforge.parallel.data_groups import DataGroups, broadcast_object
+from loongforge.parallel.data_groups import DataGroups, all_gather_objects, broadcast_object
 
 STATE_VERSION = 1
 
@@ -142,8 +159,13 @@ class RowStream:
     """The global stream of packed rows (lists of MeasuredSample), identical on every rank."""
 
     def __init__(self, source, measurer: SampleMeasurer, *, seq_len: int, lookahead: int,
-                 shuffle: bool, seed: int, rejects: RejectLog, shard: tuple[int, int] = (0, 1)):
+                 shuffle: bool, seed: int, rejects: RejectLog, shard: tuple[int, int] = (0, 1),
+                 mixture: Optional[Mixture] = None, names: Optional[list[str]] = None):
+        """``mixture``: weighted data.paths entries, whose draws replace the epochs' orders;
+        ``names`` then names its sources (what the per-source counts are keyed by)."""
         self.source = source
+        self.mixture = mixture
+        self.counts = SourceCounts(names) if mixture is not None else None
         self.measurer = measurer
         self.shuffle = shuffle
         self.seed = seed
@@ -164,16 +186,37 @@ class RowStream:
         self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
 
     def epoch_order(self, epoch: int) -> np.ndarray:
+        """Sample index at each position of ``epoch`` (with a mixture: of its block of draws)."""
         if epoch not in self._orders:
             count = len(self.source)
-            order = np.random.default_rng([self.seed, epoch]).permutation(count) if self.shuffle else np.arange(count)
+            if self.mixture is not None:
+                order = self.mixture.indices(epoch * count, count)
+            elif self.shuffle:
+                order = np.random.default_rng([self.seed, epoch]).permutation(count)
+            else:
+                order = np.arange(count)
             self._orders = {e: o for e, o in self._orders.items() if e >= epoch - 1}  # keep it small
             self._orders[epoch] = order
         return self._orders[epoch]
 
     def next_row(self) -> list[PackItem[MeasuredSample]]:
         """Items keyed by their stream position (epoch, cursor); payloads are the samples."""
-        return self.packer.next_row(self._pull)
+        row = self.packer.next_row(self._pull)
+        if self.counts is not None:
+            sources = self.mixture.sources([key[0] * len(self.source) + key[1] for key in (i.key for i in row)])
+            for item, source in zip(row, sources.tolist()):
+                self.counts.add(source, item.key, item.length)
+        return row
+
+    def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
+        """Per source: samples and tokens trained (``counts``, e.g. summed over shards, else this
+        stream's) and its epochs: the passes over it that the draws up to this stream's position
+        make, less the samples the packer still holds (a shard's draw stands for one per shard)."""
+        if self.counts is None:
+            return None
+        held = len(self.packer.buffer_keys()) * self.shard_count
+        draws = max(0, self.epoch * len(self.source) + self.cursor - held)
+        return counts_report(self.counts.names, counts or self.counts.state(), self.mixture.epochs(draws))
 
     def _pull(self) -> PackItem[MeasuredSample]:
         """Next accepted sample (or piece of a long document); rejects are logged and skipped."""
@@ -202,8 +245,9 @@ class RowStream:
 
     def _reachable_count(self) -> int:
         """How many distinct samples this stream can ever read: all of them when epochs are
-        shuffled (every sample lands in every shard sooner or later), else its fixed share."""
-        if self.shuffle:
+        shuffled (every sample lands in every shard sooner or later) or mixed (sources' epochs
+        drift across blocks), else its fixed share."""
+        if self.shuffle or self.mixture is not None:
             return len(self.source)
         return len(range(self.shard_index, len(self.source), self.shard_count))
 
@@ -235,15 +279,26 @@ class RowStream:
 
     def state_dict(self) -> dict:
         """``shard`` and ``dealt`` let a resume at another DP size deal the position again."""
-        return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
-                "pieces": [list(item.key) for item in self.pieces],
-                "dealt_pieces": [list(d) for d in self.dealt_pieces], "shard": [self.shard_index, self.shard_count],
-                "dealt": self.dealt.state()}
+        state = {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in self.packer.buffer_keys()],
+                 "pieces": [list(item.key) for item in self.pieces],
+                 "dealt_pieces": [list(d) for d in self.dealt_pieces], "shard": [self.shard_index, self.shard_count],
+                 "dealt": self.dealt.state()}
+        return {**state, **self._mixture_state()}
+
+    def _mixture_state(self) -> dict:
+        """What a position in the draw sequence needs besides (epoch, cursor): the weights it was
+        drawn with (a resume with others would read other samples) and the counts so far."""
+        if self.mixture is None:
+            return {}
+        return {"mixture": self.mixture.weights.tolist(), "sources": self.counts.state()}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" in state:
             raise ValueError("the checkpoint's data position was saved by a streaming run; resume with "
                              "data.streaming=true")
+        check_same_weights(state.get("mixture"), self.mixture.weights.tolist() if self.mixture is not None else None)
+        if self.counts is not None:
+            self.counts.load(state["sources"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
         self.packer.buffer = measured_buffer(state["buffer"], self._measure_at, self.packer.seq_len)
@@ -252,8 +307,13 @@ class RowStream:
 
     def redealt(self, states: list[dict]) -> dict:
         """This shard's state continuing the saved ``states`` of all shards of a run at another DP
-        size (``loongforge.data.redeal``)."""
-        return redeal(states, self.shard_count, len(self.source))[self.shard_index]
+        size (``loongforge.data.redeal``). With a mixture, positions are dealt as they are (blocks
+        of draws) and shard 0 carries on the counts of all old shards."""
+        state = redeal(states, self.shard_count, len(self.source))[self.shard_index]
+        if self.mixture is None:
+            return state
+        return {**state, "mixture": states[0].get("mixture"),
+                "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
 
 
 class DataPipeline:
@@ -331,6 +391,9 @@ class DataPipeline:
         self._step = 0
         self._consumed_state = self._stream_state()
         self._start_state = self._consumed_state  # restart(): a validation set's first step again
+        # Weighted data.paths: per source, samples and tokens trained by all ranks up to the
+        # latest consumed step, and its epochs (mixture.counts_report); None otherwise.
+        self.last_sources: Optional[dict] = None
         self._worker: Optional[_StepWorker] = None
         self._pool = ThreadPoolExecutor(self.num_workers) if self.num_workers > 1 else None
 
@@ -373,9 +436,13 @@ class DataPipeline:
             return StreamingRowStream(windows, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
                                       rejects=self.rejects, shard=shard)
         samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
+        mixture = None
+        if data_cfg.source == "files" and entry_weights(list(data_cfg.paths)) is not None:
+            mixture = build_mixture(list(data_cfg.paths), samples.entry_spans(), seed=data_cfg.seed,
+                                    shuffle=data_cfg.shuffle)
         return RowStream(samples, measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
-                         rejects=self.rejects, shard=shard)
+                         rejects=self.rejects, shard=shard, mixture=mixture, names=source_names(data_cfg.paths))
 
     # ------------------------------------------------------------ public API
 
@@ -385,12 +452,14 @@ class DataPipeline:
         if self.num_workers >= 1:
             if self._worker is None:
                 self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
-            micro_batches, state, decision, row_epoch = self._worker.get()
+            produced = self._worker.get()
         else:
-            micro_batches, state, decision, row_epoch = self._produce_step()
+            produced = self._produce_step()
         self.last_data_wait_s = time.perf_counter() - start
-        self._consumed_state = state
-        self.last_row_epoch = row_epoch
+        self._consumed_state = produced.state
+        self.last_row_epoch = produced.row_epoch
+        self.last_sources = produced.sources
+        micro_batches, decision = produced.micro_batches, produced.decision
         if decision is not None:
             self.last_balance = decision
             self.balance_counters.add(decision)
@@ -521,9 +590,9 @@ class DataPipeline:
         stream = self.stream.state_dict() if self.stream is not None else None  # replicas: the leader's
         return {"version": STATE_VERSION, "step": self._step, "stream": stream, "read": self.read}
 
-    def _produce_step(self) -> tuple[list[dict], dict, object, Optional[int]]:
-        """One step's micro-batches, the stream position after it, the balance decision, and the
-        latest epoch its rows drew samples from."""
+    def _produce_step(self) -> "_Produced":
+        """One step's micro-batches, the stream position after it, the balance decision, the latest
+        epoch its rows drew samples from, and the per-source counts of all ranks so far."""
         if self.read == "sharded":
             return self._produce_sharded_step()
         # Global reading: measure + pack the step's global rows, materialize this rank's.
@@ -538,9 +607,10 @@ class DataPipeline:
             mine = [[samples[i] for i in mb] for mb in decision.micro_batches[self.dp_rank]]
         else:
             mine = [rows[i] for i in self.my_rows]
-        return self._map(self._collate, mine), state, decision, self._latest_epoch(items)
+        sources = self.stream.source_report() if isinstance(self.stream, (RowStream, StreamingRowStream)) else None
+        return _Produced(self._map(self._collate, mine), state, decision, self._latest_epoch(items), sources)
 
-    def _produce_sharded_step(self) -> tuple[list[dict], dict, object, Optional[int]]:
+    def _produce_sharded_step(self) -> "_Produced":
         """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated
         micro-batches to its TP / PP peers."""
         result = None
@@ -554,11 +624,12 @@ class DataPipeline:
             for reject in rejects:  # every rank counts every rank's rejects (rank 0 writes them)
                 self.rejects.record(reject)
             self.rejects.take_new()  # those were just shared
-            result = (self._map(self._collate_materialized, mine), state, decision, self._latest_epoch(items))
+            result = _Produced(self._map(self._collate_materialized, mine), state, decision,
+                               self._latest_epoch(items), self._all_shards_sources())
         if self.groups is not None and self.groups.replicas is not None:
             result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
             if not self.loads_data:
-                self._step = result[1]["step"]
+                self._step = result.state["step"]
         return result
 
     def _latest_epoch(self, rows: list[list[PackItem]]) -> Optional[int]:
@@ -566,6 +637,14 @@ class DataPipeline:
         if not isinstance(self.stream, RowStream):
             return None
         return max((item.key[0] for row in rows for item in row), default=None)
+
+    def _all_shards_sources(self) -> Optional[dict]:
+        """The per-source report summed over the data-parallel shards (one gather of a few numbers
+        on the exchange group, in step with the other leaders); None without a mixture."""
+        if not isinstance(self.stream, (RowStream, StreamingRowStream)) or self.stream.counts is None:
+            return None
+        group = self.groups.exchange if self.groups is not None else None
+        return self.stream.source_report(summed_counts(all_gather_objects(self.stream.counts.state(), group)))
 
     def _map(self, function, items: list) -> list:
         return list(self._pool.map(function, items)) if self._pool is not None else [function(x) for x in items]
@@ -586,6 +665,16 @@ class DataPipeline:
 
     def _collate(self, row: list[MeasuredSample]) -> dict:
         return self._collate_materialized(self._materialize(row))
+
+
+class _Produced(NamedTuple):
+    """One step as ``DataPipeline._produce_step`` makes it (in the prefetch thread, or not)."""
+
+    micro_batches: list  # this rank's micro-batch dicts
+    state: dict  # the stream position after the step
+    decision: object  # the balance decision (None without balancing)
+    row_epoch: Optional[int]  # the latest epoch a sample of the step's rows was drawn in
+    sources: Optional[dict]  # weighted data.paths: per-source counts of all ranks so far
 
 
 class _StepWorker:

@@ -4,7 +4,9 @@ For inputs too large to copy into the Arrow cache. The stream is the records of 
 same records, lines and rejects as ``ArrowSamples``) with the entries mixed: each next record comes
 from the entry furthest behind its share, shares in proportion to the entries' bytes on disk, so
 ``data.paths=[coco.jsonl, math.jsonl]`` trains both all through the epoch, not all of COCO first
-(within an entry, a folder's files follow one another). The stream is cut into windows of
+(within an entry, a folder's files follow one another). With ``path@weight`` entries
+(``loongforge.data.mixture``) the shares are the weights, an entry that runs out starts again from
+its first record, and the epoch ends once every entry has been read through. The stream is cut into windows of
 ``data.shuffle_window`` records; with ``data.shuffle`` each window is visited in a permutation drawn
 from (data.seed, epoch, window), so memory holds a window, not the data, and any position of the
 stream is found again from where its window starts. Positions are dealt to data-parallel shards
@@ -31,6 +33,7 @@ from loongforge.data.arrow_samples import load_saved_dataset, open_hub_dataset
 from loongforge.data.conversations import (
     DEFAULT_READING,
     HUB_PREFIX,
+    entry_groups,
     expand_data_paths,
     is_saved_dataset,
     parse_record,
@@ -42,6 +45,15 @@ from loongforge.data.conversations import (
     text_line_record,
 )
 from loongforge.data.measure import MeasuredSample, document_pieces
+from loongforge.data.mixture import (
+    SourceCounts,
+    check_none_empty,
+    check_same_weights,
+    counts_report,
+    entry_weights,
+    redealt_counts,
+    source_names,
+)
 from loongforge.data.packing import PackItem
 from loongforge.data.redeal import DealtPositions, redeal
 from loongforge.data.record_kinds import RecordReading
@@ -58,12 +70,14 @@ _WINDOWS_KEPT = 4  # decoded windows kept in memory: the packer looks back at mo
 
 
 class _Entry:
-    """One record as read, parsed into a sample only when its shard asks for it."""
+    """One record as read, parsed into a sample only when its shard asks for it. ``group``: the
+    data.paths entry it came from (set by the reader that mixes them)."""
 
-    __slots__ = ("parse",)
+    __slots__ = ("parse", "group")
 
     def __init__(self, parse: Callable[[], Sample]):
         self.parse = parse
+        self.group = 0
 
 
 def _line_entries(path: Path, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
@@ -125,27 +139,15 @@ def _dataset_rows(rows: datasets.Dataset, first: int) -> Iterator[dict]:
         yield from table[start:start + 1024].to_pylist()
 
 
-# Where the mixed stream stands: per data.paths entry, how many of its records were taken and where
-# its next record starts (None once it is used up).
-MixLocation = tuple[tuple[int, Optional[Location]], ...]
+# Where the mixed stream stands: per data.paths entry, how many of its records were taken, where
+# its next record starts (None once it is used up) and, with weights, how many passes over it ended.
+MixLocation = tuple[tuple, ...]  # per entry (taken, location) or (taken, location, passes)
 
 
-def _entry_groups(paths: list[str]) -> list[range]:
-    """The sources (indices into ``expand_data_paths(paths)``) of each data.paths entry."""
-    groups, first = [], 0
-    for entry in paths:
-        try:
-            count = len(expand_data_paths([entry]))
-        except InputError:  # an entry with nothing to read: the whole list was checked already
-            count = 0
-        groups.append(range(first, first + count))
-        first += count
-    return groups
-
-
-def _entry_weights(sources: list[str], groups: list[range]) -> list[int]:
-    """Each entry's share of the mix: its bytes on disk when every source is a local file (records
-    are about proportional to them), else equal shares (a hub dataset's size is not at hand)."""
+def _byte_weights(sources: list[str], groups: list[range]) -> list[int]:
+    """Each entry's share of the mix without ``@weight``s: its bytes on disk when every source is a
+    local file (records are about proportional to them), else equal shares (a hub dataset's size
+    is not at hand)."""
     if not all(Path(source).is_file() for source in sources):
         return [1] * len(groups)
     return [max(1, sum(Path(sources[i]).stat().st_size for i in group)) for group in groups]
@@ -158,13 +160,26 @@ class _Sources:
     def __init__(self, paths: list[str], reading: RecordReading = DEFAULT_READING):
         self.sources = expand_data_paths(paths)
         self.reading = reading
-        self.groups = [group for group in _entry_groups(list(paths)) if len(group)]
-        self.weights = _entry_weights(self.sources, self.groups)
+        weights = entry_weights(list(paths))
+        # With @weights an entry that runs out starts its next pass (loongforge.data.mixture); the
+        # stream's epoch ends once every entry has ended a pass, so no record is left unread.
+        self.restarts = weights is not None
+        self.mix_weights = weights  # None: the byte shares below
+        groups = entry_groups(list(paths))
+        if self.restarts:
+            check_none_empty(list(paths), [len(group) for group in groups])
+        self.names = [name for name, group in zip(source_names(list(paths)), groups) if len(group)]
+        self.groups = [group for group in groups if len(group)]
+        self.weights = weights or _byte_weights(self.sources, self.groups)
         self._group_of = {source: g for g, group in enumerate(self.groups) for source in group}
         self._opened: dict[int, object] = {}  # per entry, its latest parsed .json file or opened dataset
 
     def start(self) -> MixLocation:
-        return tuple((0, (group.start, 0, 1)) for group in self.groups)
+        passes = (0,) if self.restarts else ()
+        return tuple((0, self.group_start(g), *passes) for g in range(len(self.groups)))
+
+    def group_start(self, group: int) -> Location:
+        return (self.groups[group].start, 0, 1)
 
     def reader(self, start: MixLocation) -> _MixedReader:
         return _MixedReader(self, start)
@@ -204,7 +219,7 @@ class _Sources:
         return self._opened[source]
 
     def location_json(self, location: MixLocation) -> list:
-        return [[taken, list(at) if at is not None else None] for taken, at in location]
+        return [[taken, list(at) if at is not None else None, *passes] for taken, at, *passes in location]
 
     def location_from_json(self, value: list) -> MixLocation:
         if len(value) == 3 and all(isinstance(v, int) for v in value):  # saved reading entries in turn
@@ -213,21 +228,28 @@ class _Sources:
                                  "one after another (loongforge before issue 30); this one mixes them: resume "
                                  "it with the loongforge that saved it, or start without it")
             return ((0, tuple(value)),)
-        return tuple((int(taken), tuple(at) if at is not None else None) for taken, at in value)
+        if any((len(entry) == 3) != self.restarts for entry in value):
+            raise InputError("the checkpoint's streamed position was saved with other data.paths weights (or "
+                             "none); resume with the data.paths it was saved with")
+        return tuple((int(taken), tuple(at) if at is not None else None, *map(int, passes))
+                     for taken, at, *passes in value)
 
 
 class _MixedReader:
     """The records of every data.paths entry, mixed: each next record comes from the entry
     furthest behind its share (``_Sources.weights``) of the records taken so far, ties to the
-    first; a used-up entry drops out. A function of the MixLocation alone, so any window is found
+    first (the rule of ``mixture.draw_pattern``); a used-up entry drops out, or with @weights starts
+    its next pass (``_end_pass``). A function of the MixLocation alone, so any window is found
     again from where it starts. Two equal entries alternate; coco.jsonl at 9x math.jsonl's bytes
     gives 9 COCO records, then a math one, and so on."""
 
     def __init__(self, sources: _Sources, start: MixLocation):
+        self._sources = sources
         self._weights, self._total_weight = sources.weights, sum(sources.weights)
-        self._taken = [taken for taken, _ in start]
+        self._taken = [taken for taken, *_ in start]
+        self._passes = [passes[0] if passes else 0 for _, _, *passes in start]
         self._iters = [sources.group_entries(g, at) if at is not None else iter(())
-                       for g, (_, at) in enumerate(start)]
+                       for g, (_, at, *_) in enumerate(start)]
         self._next = [next(it, None) for it in self._iters]  # each entry's next (location, entry)
 
     def __iter__(self) -> _MixedReader:
@@ -240,17 +262,31 @@ class _MixedReader:
         count = sum(self._taken) + 1
         g = max(live, key=lambda g: (count * self._weights[g] - self._taken[g] * self._total_weight, -g))
         _, entry = self._next[g]
+        entry.group = g
         self._next[g] = next(self._iters[g], None)
         self._taken[g] += 1
+        if self._next[g] is None and self._sources.restarts:
+            self._end_pass(g)
         return entry
+
+    def _end_pass(self, g: int) -> None:
+        """Entry ``g`` ran out: the stream's epoch ends if every entry has ended a pass (the rest
+        of a repeat pass is not needed), else ``g`` starts again from its first record."""
+        self._passes[g] += 1
+        if min(self._passes) >= 1:
+            self._next = [None] * len(self._next)
+            return
+        self._iters[g] = self._sources.group_entries(g, self._sources.group_start(g))
+        self._next[g] = next(self._iters[g], None)
 
     def has_next(self) -> bool:
         return any(peeked is not None for peeked in self._next)
 
     def location(self) -> MixLocation:
         """Where the next record starts."""
-        return tuple((taken, peeked[0] if peeked is not None else None)
-                     for taken, peeked in zip(self._taken, self._next))
+        passes = [(p,) if self._sources.restarts else () for p in self._passes]
+        return tuple((taken, peeked[0] if peeked is not None else None, *extra)
+                     for taken, peeked, extra in zip(self._taken, self._next, passes))
 
 
 class StreamingSamples:
@@ -272,6 +308,21 @@ class StreamingSamples:
         window, offset = divmod(position, self.window)
         entries = self._entries(epoch, window)
         return entries[offset].parse() if offset < len(entries) else None
+
+    @property
+    def weights(self) -> Optional[list[int]]:
+        """The data.paths entries' @weights as whole numbers; None when they mix by bytes."""
+        return self._sources.mix_weights
+
+    @property
+    def source_names(self) -> list[str]:
+        """The data.paths entries (their paths) whose records the stream mixes, in order."""
+        return self._sources.names
+
+    def source_of(self, epoch: int, position: int) -> int:
+        """Which data.paths entry (index into ``source_names``) the record at a position came from."""
+        window, offset = divmod(position, self.window)
+        return self._entries(epoch, window)[offset].group
 
     def _entries(self, epoch: int, window: int) -> list[_Entry]:
         key = (epoch, window)
@@ -336,6 +387,8 @@ class StreamingRowStream:
 
     def __init__(self, source: StreamingSamples, measurer, *, packer, rejects, shard: tuple[int, int]):
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
+        # With @weights: samples and tokens trained per data.paths entry (loongforge.data.mixture).
+        self.counts = SourceCounts(source.source_names) if source.weights is not None else None
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
@@ -345,7 +398,20 @@ class StreamingRowStream:
         self._rejected_this_epoch: Counter = Counter()
 
     def next_row(self) -> list[PackItem[MeasuredSample]]:
-        return self.packer.next_row(self._pull)
+        row = self.packer.next_row(self._pull)
+        if self.counts is not None:
+            for item in row:
+                self.counts.add(self.source.source_of(item.key[0], item.key[1]), item.key, item.length)
+        return row
+
+    def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
+        """Per data.paths entry: samples and tokens trained (``counts``, e.g. summed over shards,
+        else this stream's); None without weights. A streamed entry's size is not known before it
+        is read through, so no epochs: an entry that runs out starts again within the stream's
+        epoch (``_MixedReader``)."""
+        if self.counts is None:
+            return None
+        return counts_report(self.counts.names, counts or self.counts.state())
 
     def _pull(self) -> PackItem[MeasuredSample]:
         if not self.pieces:
@@ -393,13 +459,17 @@ class StreamingRowStream:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
                 "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
-                "window_starts": self.source.state_for(seek_to)}
+                "window_starts": self.source.state_for(seek_to),
+                **({"mixture": self.source.weights, "sources": self.counts.state()} if self.counts is not None else {})}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
             raise ValueError("the checkpoint's data position was not saved by a streaming run; "
                              "resume with data.streaming=false")
+        check_same_weights(state.get("mixture"), self.source.weights)
         self.source.load_starts(state["window_starts"])
+        if self.counts is not None:
+            self.counts.load(state["sources"])
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
@@ -415,7 +485,10 @@ class StreamingRowStream:
             self.source.load_starts(state["window_starts"])
         dealt = redeal(states, self.shard_count, self.source.record_count())[self.shard_index]
         starts = {k: v for state in states for k, v in state["window_starts"].items()}
-        return {**dealt, "window_starts": starts}
+        if self.counts is None:
+            return {**dealt, "window_starts": starts}
+        return {**dealt, "window_starts": starts, "mixture": self.source.weights,
+                "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
 
 
 def pack_items(position: tuple[int, int], measured: MeasuredSample, seq_len: int) -> list[PackItem[MeasuredSample]]:

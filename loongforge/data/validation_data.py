@@ -43,6 +43,12 @@ class SampleSubset:
     def get(self, index: int):
         return self.source.get(int(self.positions[index]))
 
+    def entry_spans(self) -> list[range]:
+        """Per data.paths entry, the indices (here) of its samples that this subset keeps: a
+        weighted mixture over the training samples draws from each entry's remaining ones."""
+        return [range(int(np.searchsorted(self.positions, span.start)), int(np.searchsorted(self.positions, span.stop)))
+                for span in self.source.entry_spans()]
+
     def fingerprints(self):
         """The whole source's (a checkpoint records the files, not the split)."""
         fingerprints = getattr(self.source, "fingerprints", None)

@@ -6,12 +6,18 @@ accepts a folder only if its config matches, removes partial ``*.tmp`` files, an
 stage skips what is already on disk: scan chunks, the manifest, shards. The plan is recomputed
 from the scan (it is deterministic and takes seconds), so shards written before a kill and
 after it belong to the same plan. ``stats.json`` is written last.
+
+Inputs with mixture weights (``path@weight``, ``loongforge.data.mixture``) are packed in the
+mixture's draw order: one block of as many draws as the inputs hold samples (data.seed,
+data.shuffle of the preset), so a source weighted up appears more than once and one weighted down
+in part; the folder then holds the mix, and ``stats.json`` the samples and tokens of each source.
 """
 
 from __future__ import annotations
 
 import json
 import time
+from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
@@ -22,6 +28,7 @@ from loongforge.config.overrides import Override
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
+from loongforge.data.mixture import Mixture, build_mixture, entry_weights, source_names
 from loongforge.data.record_kinds import reading_for
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import (
@@ -96,13 +103,14 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     cfg = _load_config(options)
     files = [str(p) for p in expand_data_paths(list(options.inputs))]
     sizing = _sizing_dict(cfg)
-    config = _folder_config(options, cfg, files, sizing)
+    config = _folder_config(options, cfg, files, sizing, entry_weights(list(options.inputs)))
     root = Path(options.output)
     _prepare_folder(root, config, options.resume)
     summary = PackSummary(output=root, stats={}, workers=options.workers)
 
     start = time.perf_counter()
-    samples = ArrowSamples(files, cfg.data.cache_dir, reading=reading_for(cfg.data))
+    samples = ArrowSamples(list(options.inputs), cfg.data.cache_dir, reading=reading_for(cfg.data))
+    mixture = build_mixture(list(options.inputs), samples.entry_spans(), seed=cfg.data.seed, shuffle=cfg.data.shuffle)
     context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork
@@ -115,6 +123,9 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     start = time.perf_counter()
     with _bar(options, len(samples), "plan") as bar:
         records = read_scan(root, len(samples))
+        sources = None
+        if mixture is not None:
+            records, sources = _in_mixture_order(records, mixture, source_names(list(options.inputs)))
         plan = make_plan(records, seq_len=options.seq_len, algorithm=options.algorithm,
                          max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
                          packs_per_shard=options.packs_per_shard)
@@ -134,6 +145,8 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     summary.stats = compute_stats(plan, seq_len=options.seq_len, algorithm=options.algorithm, preset=options.preset,
                                   max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
                                   vision_sizing=sizing)
+    if sources is not None:
+        summary.stats["sources"] = sources
     write_atomic(root / STATS_FILE, (json.dumps(summary.stats, indent=2) + "\n").encode())
     _check_some_packs(summary.stats, root)
     return summary
@@ -181,7 +194,26 @@ def _sizing_dict(cfg) -> dict:
     return {} if sizing is None else sizing.geometry()
 
 
-def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) -> dict:
+def _in_mixture_order(records: list[dict], mixture: Mixture, names: list[str]) -> tuple[list[dict], dict]:
+    """The scan records of one block of the mixture's draws, in draw order (a sample drawn twice is
+    there twice), then the rejects once each in input order; and per source the samples and tokens
+    drawn (a document cut into pieces counts once, its pieces' tokens all)."""
+    accepted = defaultdict(list)  # sample index -> its records (one, or one per piece)
+    for record in records:
+        if "reason" not in record:
+            accepted[record["i"]].append(record)
+    draws = int(mixture.sizes.sum())
+    indices, sources = mixture.indices(0, draws).tolist(), mixture.sources(range(draws)).tolist()
+    mixed = [record for index in indices for record in accepted.get(index, ())]
+    counts = {name: {"samples": 0, "tokens": 0} for name in names}
+    for index, source in zip(indices, sources):
+        if index in accepted:
+            counts[names[source]]["samples"] += 1
+            counts[names[source]]["tokens"] += sum(record["tokens"] for record in accepted[index])
+    return mixed + [record for record in records if "reason" in record], counts
+
+
+def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict, weights: Optional[list[int]]) -> dict:
     data = cfg.data
     return {
         "format": FORMAT,
@@ -201,6 +233,8 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict) ->
         # Only where set, so folders packed before these settings existed still resume.
         **({"record_kind": data.record_kind} if data.record_kind != "auto" else {}),
         **({"caption_prompt": data.caption_prompt} if data.caption_prompt is not None else {}),
+        # A mixture decides which samples the packs hold (loongforge.data.mixture).
+        **({"mixture": {"weights": weights, "seed": data.seed, "shuffle": data.shuffle}} if weights else {}),
     }
 
 

@@ -45,6 +45,9 @@ class StepMetrics:
     # Model FLOPs, TFLOP/s per GPU, MFU and HFU of the step (profile.throughput); by_rank["model_tflop"]
     # holds each model replica's share (None on ranks that do not count: one per replica counts).
     throughput: Optional[Throughput] = None
+    # Weighted data.paths (data.mixture): per source, the samples and tokens trained since the run
+    # began (all ranks, cumulative across --resume) and its epochs read; None otherwise.
+    sources: Optional[dict] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -174,6 +177,8 @@ class RunLogger:
                            "balance_max_over_lb_before": m.balance["before"],
                            "balance_max_over_lb": m.balance["after"]})
         record.update({f"{name}_by_rank": values for name, values in m.by_rank.items()})
+        if m.sources is not None:
+            record["sources"] = m.sources
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._writer:

@@ -41,6 +41,7 @@ from loongforge.convert.checkpoint_folders import (
 )
 from loongforge.convert.model_io import export_hf, load_hf_weights
 from loongforge.data.arrow_samples import cache_summary
+from loongforge.data.mixture import entry_path
 from loongforge.data.pipeline import DataPipeline
 from loongforge.models.flops import StepFlops
 from loongforge.models.fp8 import (
@@ -118,6 +119,7 @@ class TrainingSummary:
     # (step, {set name: ValidationLoss.as_dict()}) per evaluation in this call (training.eval_interval)
     validation: list = field(default_factory=list)
     validation_rejects: dict = field(default_factory=dict)  # {set name: {reason: count}}
+    sources: Optional[dict] = None  # weighted data.paths: per source, samples/tokens trained, epochs
 
     @property
     def mean_sync_wait_s(self) -> Optional[float]:
@@ -481,8 +483,8 @@ def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelL
     order of data.valid_paths, the held-out share (data.valid_fraction) last."""
     sets = {name: (dataclasses.replace(cfg.data, source="files", paths=paths, valid_fraction=0.0), False)
             for name, paths in named_sets(list(cfg.data.valid_paths)).items()}
-    if cfg.data.valid_fraction:
-        sets[HELD_OUT_SET] = (cfg.data, True)
+    if cfg.data.valid_fraction:  # every held-out sample once per pass: read without mixture weights
+        sets[HELD_OUT_SET] = (dataclasses.replace(cfg.data, paths=[entry_path(p) for p in cfg.data.paths]), True)
     out_dir = Path(cfg.logging.output_dir)
     return {name: DataPipeline(dataclasses.replace(data_cfg, read="global", streaming=False, num_workers=0),
                                cfg.model, global_batch_size=cfg.training.global_batch_size,
@@ -716,7 +718,8 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             vision_features_bytes=totals.vision_features_bytes if cfg.parallel.encoder_dp == "full" else None,
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
-            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load))
+            by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
+            sources=run.pipeline.last_sources))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)
         if totals.sync_wait_s is not None:
@@ -769,6 +772,7 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
     summary.rejects = run.pipeline.reject_counts()
     summary.validation_rejects = run.validation.reject_counts()
     run.validation.close()
+    summary.sources = run.pipeline.last_sources
     if run.balanced is not None:
         summary.balance = run.balanced.balance_counters.as_dict()
     run.pipeline.close()

@@ -10,7 +10,7 @@ import pytest
 from loongforge.config.data_sets import named_sets
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.pipeline import DataPipeline
-from loongforge.data.validation_data import held_out_count, held_out_positions
+from loongforge.data.validation_data import held_out_count, held_out_positions, split_held_out
 
 MODEL = ModelConfig()
 
@@ -64,3 +64,23 @@ def test_bad_validation_settings_name_the_key(overrides, message):
 
     errors = errors_for(*overrides)
     assert len(errors) == 1 and message in errors[0], errors
+
+
+class _TwoEntries:
+    """A source of 10 samples from two data.paths entries (4 and 6), as ArrowSamples reports them."""
+
+    def __len__(self) -> int:
+        return 10
+
+    def entry_spans(self) -> list[range]:
+        return [range(0, 4), range(4, 10)]
+
+
+def test_a_mixture_draws_each_entry_from_its_training_samples():
+    training, held_out = split_held_out(_TwoEntries(), 0.3, seed=3)
+    kept = training.positions.tolist()
+    spans = training.entry_spans()
+    print(f"held out {held_out.positions.tolist()}, spans {spans}")
+    assert [kept[i] for i in spans[0]] == [p for p in kept if p < 4]
+    assert [kept[i] for i in spans[1]] == [p for p in kept if p >= 4]
+    assert spans[0].stop == spans[1].start and spans[1].stop == len(training) == 7

@@ -41,10 +41,10 @@ def _record_stream_keys() -> None:
     def recording_produce_step(self):
         if self.stream is not None:
             self.stream.recorded_keys = []
-        micro_batches, state, decision, row_epoch = produce_step(self)
-        step = _Step(micro_batches)
+        produced = produce_step(self)
+        step = _Step(produced.micro_batches)
         step.keys = self.stream.recorded_keys if self.stream is not None else None
-        return step, state, decision, row_epoch
+        return produced._replace(micro_batches=step)
 
     DataPipeline._produce_step = recording_produce_step
 
