@@ -317,6 +317,10 @@ class CheckpointConfig:
     save_interval: int = 0
     # Checkpoint folder to start from; --resume sets it to the latest in `dir`.
     load: Optional[str] = None
+    # With `load`: take the checkpoint's weights alone and start a new training stage from step 0,
+    # with a fresh optimizer, LR schedule and data position (resharded to this run's layout), e.g.
+    # SFT after an alignment stage. --resume of this run then continues from its own checkpoints.
+    weights_only: bool = False
     save_at_end: bool = True
     # HF folder (config.json + safetensors) to take the initial weights from, mapped at start-up
     # through the `loongforge convert` table: no separate conversion step. Unused when `load` or

@@ -521,7 +521,7 @@ def _check_data(cfg: RunConfig) -> list[str]:
         errors.append(f"data.shuffle_window={data.shuffle_window} must be >= 1 (records per shuffled window).")
     if data.vision_embeddings is not None:
         errors += _check_vision_embeddings(cfg)
-    errors += _check_validation(cfg) + _check_frozen_parts(cfg)
+    errors += _check_validation(cfg) + _check_frozen_parts(cfg) + _check_weights_only(cfg)
     if data.min_pixels > data.max_pixels:
         errors.append(f"data.min_pixels={data.min_pixels} is larger than "
                       f"data.max_pixels={data.max_pixels}; lower min_pixels or raise max_pixels.")
@@ -544,6 +544,20 @@ def _check_frozen_parts(cfg: RunConfig) -> list[str]:
         what = ("a text-only model has nothing else" if cfg.model.vision is None
                 else "with training.freeze_vision and freeze_projector nothing is left")
         return [f"training.freeze_language=true leaves nothing to train ({what}); set it to false."]
+    return []
+
+
+def _check_weights_only(cfg: RunConfig) -> list[str]:
+    checkpoint = cfg.checkpoint
+    if not checkpoint.weights_only:
+        return []
+    if checkpoint.load is None:
+        return ["checkpoint.weights_only=true starts a new stage from checkpoint.load's weights; set "
+                "checkpoint.load=<the earlier run's step_N folder>."]
+    if cfg.lora.rank:
+        return ["checkpoint.weights_only=true with lora.rank > 0: a LoRA stage takes its frozen base from "
+                "checkpoint.load_hf; export the earlier run (loongforge convert CKPT DIR --to hf) and set "
+                "checkpoint.load_hf=DIR instead of checkpoint.load."]
     return []
 
 

@@ -30,6 +30,7 @@ from loongforge import __version__
 from loongforge.config.errors import InputError
 from loongforge.convert.checkpoint_folders import (
     LATEST_FILE,
+    LORA_BASE_KEY,
     META_FILE,
     MODEL_ONLY_KIND,
     checkpoint_candidates,
@@ -463,7 +464,8 @@ def load_newest_checkpoint(root: str | os.PathLike, model_chunks: list, optimize
 
 
 def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
-    """Weights only, from a checkpoint ``loongforge convert --to mcore`` wrote (meta.json kind "model").
+    """Weights only, from a checkpoint ``loongforge convert --to mcore`` wrote (meta.json kind "model"),
+    or a run's (``checkpoint.weights_only``).
 
     Such a checkpoint has no optimizer, scheduler, RNG or data state, and no megatron ``_extra_state``
     objects (FP8 metadata, empty without Transformer Engine): those keep their freshly built values.
@@ -482,9 +484,26 @@ def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
         loaded = dist_checkpointing.load(sharded, str(path / "model_optim"), validate_access_integrity=False)
     except Exception as exc:  # megatron raises several types; the message names the tensor
         raise InputError(f"{path}: cannot load the model weights: {exc}") from None
+    loaded.pop("optimizer", None)  # a run's checkpoint: its common (unsharded) optimizer entries come along
     _load_weights(model, loaded, path)
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # mixed precision keeps fp32 copies made at construction
+
+
+def load_weights_only(path: str | os.PathLike, model_chunks: list, optimizer) -> int:
+    """``checkpoint.weights_only``: the model weights of a loongforge checkpoint (a run's or
+    ``convert``'s), resharded to this layout, and nothing else; returns the step they were saved at."""
+    path = Path(path)
+    if not (path / META_FILE).is_file():
+        raise InputError(f"{path}: not a complete loongforge checkpoint (no meta.json); pass a step_* folder")
+    meta = json.loads((path / META_FILE).read_text())
+    if meta.get(LORA_BASE_KEY):
+        raise InputError(f"{path}: holds LoRA adapters alone, not the weights of a whole model; export the merged "
+                         f"model (loongforge convert {path} DIR --to hf) and start the stage with "
+                         f"checkpoint.load_hf=DIR")
+    check_checkpoint_files(path)
+    load_model_only(path, model_chunks, optimizer)
+    return int(meta.get("step", 0))
 
 
 def load_checkpoint(path: str | os.PathLike, model_chunks: list, optimizer, scheduler) -> TrainState:

@@ -82,6 +82,7 @@ from loongforge.train.checkpoint import (
     TrainState,
     load_checkpoint,
     load_newest_checkpoint,
+    load_weights_only,
     save_checkpoint,
     saved_data_states,
     saved_dp_size,
@@ -511,6 +512,7 @@ class _Restored:
     step: int = 0
     consumed_rows: int = 0
     skipped: list = field(default_factory=list)  # damaged newer checkpoints (--resume)
+    stage_from_step: Optional[int] = None  # checkpoint.weights_only: the step of the weights started from
 
 
 def _restore(run: _Run, resume: bool) -> _Restored:
@@ -522,6 +524,8 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     if load_path is None:
         return _Restored()
     skipped: list[str] = []
+    if not resume and run.cfg.checkpoint.weights_only:
+        return _start_stage(run, Path(load_path))
     if resume:  # the newest that loads: damaged newer ones are skipped, and said so in the log
         load_path, state, skipped = load_newest_checkpoint(run.ckpt_root, run.model, run.optimizer, run.scheduler)
         check_lora_base(Path(load_path), run.lora_base)
@@ -533,6 +537,13 @@ def _restore(run: _Run, resume: bool) -> _Restored:
         _load_data_state(run, Path(load_path), state.data_state)
     run.balancing.load_state_dict(state.extra)
     return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
+
+
+def _start_stage(run: _Run, path: Path) -> _Restored:
+    """checkpoint.weights_only: the weights of ``path`` and nothing else (no optimizer, schedule,
+    data position, cost model or RNG state): a new training stage from step 0."""
+    step = load_weights_only(path, run.model, run.optimizer)
+    return _Restored(path=path, stage_from_step=step)
 
 
 def lora_base(cfg: RunConfig) -> Optional[dict]:
@@ -627,7 +638,10 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
         logger.write(_unwrap_model(run.model[0]).lora_note)
     for reason in restored.skipped:
         logger.write(f"warning: skipped a damaged checkpoint: {reason}")
-    if restored.path is not None:
+    if restored.stage_from_step is not None:
+        logger.write(f"new stage from the weights of {restored.path} (its step {restored.stage_from_step}); "
+                     f"a fresh optimizer, LR schedule and data position")
+    elif restored.path is not None:
         logger.write(f"resumed from {restored.path} at step {restored.step}")
     if getattr(run.pipeline, "resume_note", None):  # data.accept_changed_files met a changed file
         logger.write(f"warning: {run.pipeline.resume_note}")

@@ -19,6 +19,7 @@ from tests.train.conftest import (
     resume_from_copy,
     run_recorded,
     run_train,
+    step_metric,
     validation_losses,
     worst_relative,
 )
@@ -83,3 +84,20 @@ def test_a_resumed_run_logs_the_same_validation_losses(validated, tmp_path):
     resume_from_copy(validated, tmp_path / "resumed", 2, *VALIDATION)
     assert validation_losses(tmp_path / "resumed") == validation_losses(validated)
     assert losses(tmp_path / "resumed") == losses(validated)
+
+
+def test_a_new_stage_starts_from_the_weights_alone(validated, tmp_path):
+    """checkpoint.weights_only: the step-2 weights at another layout (TP 2) evaluate as they did after
+    step 2, and the stage's first step has a fresh schedule (the warm-up's first LR) and data position."""
+    stage = tmp_path / "stage"
+    output = run_recorded(stage, *VALIDATION, "training.exit_at_step=1", "parallel.tensor_model_parallel_size=2",
+                          f"checkpoint.load={validated / 'checkpoints' / 'step_00000002'}",
+                          "checkpoint.weights_only=true", nproc=2)
+    assert "(its step 2); a fresh optimizer, LR schedule and data position" in output
+    for name, values in validation_losses(stage).items():
+        step, loss = values[0]
+        reference = dict(validation_losses(validated)[name])[2]
+        print(f"stage {name}: step-0 validation {loss} vs {reference} after step 2")
+        assert step == 0 and abs(loss - reference) <= REL * reference
+    first_lr = step_metric(stage, "lr")[0]
+    assert first_lr == step_metric(validated, "lr")[0] != step_metric(validated, "lr")[2]
