@@ -136,21 +136,27 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
     """megatron-core's schedule over this rank's micro-batches: forward, backward, and the gradient
     finalize (all-reduce, division by the global loss-token count); the loss reports it returns.
     Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
-    # lazy: this module imports no megatron-core until a run uses it
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank))
                  if _has_balance_loss(_model_config(model)) else contextlib.nullcontext())
     with weighting:
-        return get_forward_backward_func()(
-            forward_step_func=make_forward_step(device),
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=1,
-            forward_only=False,
-        )
+        return _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=False)
+
+
+def _schedule(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
+              forward_only: bool) -> list[dict]:
+    """megatron-core's pipeline schedule for this layout over the micro-batches (one row each)."""
+    # lazy: this module imports no megatron-core until a run uses it
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+
+    return get_forward_backward_func()(
+        forward_step_func=make_forward_step(device),
+        data_iterator=iter(micro_batches),
+        model=model,
+        num_microbatches=len(micro_batches),
+        seq_length=seq_length,
+        micro_batch_size=1,
+        forward_only=forward_only,
+    )
 
 
 def forward_only(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
@@ -158,19 +164,8 @@ def forward_only(model, micro_batches: list[dict], *, device: torch.device, seq_
     """megatron-core's schedule over this rank's micro-batches without a backward and without
     autograd (the caller puts the model in eval mode): the global batch's summed token loss and
     its loss tokens, over all ranks (a collective)."""
-    # lazy: this module imports no megatron-core until a run uses it
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
     with torch.no_grad():
-        reports = get_forward_backward_func()(
-            forward_step_func=make_forward_step(device),
-            data_iterator=iter(micro_batches),
-            model=model,
-            num_microbatches=len(micro_batches),
-            seq_length=seq_length,
-            micro_batch_size=1,
-            forward_only=True,
-        )
+        reports = _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=True)
     return _global_loss_sum(reports, is_loss_rank)
 
 
