@@ -98,7 +98,7 @@ from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, clear_moe_loss_tracker, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-from loongforge.train.validation import ValidationLoss, ValidationSets, model_forward
+from loongforge.train.validation import ValidationSets, model_forward
 from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
