@@ -98,7 +98,7 @@ from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
 from loongforge.train.step import ManualGC, clear_moe_loss_tracker, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-from loongforge.train.validation import ValidationSets, model_forward
+from loongforge.train.validation import ValidationSets, model_forward, rejects_file
 from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -491,7 +491,7 @@ def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelL
                                cfg.model, global_batch_size=cfg.training.global_batch_size,
                                dp_rank=layout.dp_rank, dp_size=layout.dp_size,
                                pad_to_multiple=_pad_multiple(cfg, layout),
-                               rejects_path=out_dir / f"rejects-{name}.jsonl" if env.rank == 0 else None,
+                               rejects_path=rejects_file(out_dir, name) if env.rank == 0 else None,
                                balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size, cost_models=balancing,
                                encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings, held_out=held_out)
             for name, (data_cfg, held_out) in sets.items()}
@@ -759,6 +759,11 @@ def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int)
     """Every validation set's loss after ``step`` (``train.validation``), logged; what the
     evaluation's forwards left in the run's side counters is dropped."""
     layout = run.layout
+    if not summary.validation and run.env.rank == 0:
+        # Each evaluation meets a set's rejects again; this call lists them once, not once more
+        # after each resume (the counts come from the sets' reject logs, not the files).
+        for name in run.validation.pipelines:
+            rejects_file(run.out_dir, name).unlink(missing_ok=True)
     forward = model_forward(device=run.env.device, seq_length=run.cfg.data.seq_len,
                             is_loss_rank=layout.is_last_stage and layout.tp_rank == 0)
     results = run.validation.evaluate(run.model, forward)
@@ -810,11 +815,11 @@ def _summary_text(summary: TrainingSummary, out_dir: Path) -> str:
             + (_balance_text(summary.balance) if summary.balance else "")
             + (f" | mean sync wait {summary.mean_sync_wait_s:.3f}s/step" if summary.sync_waits else "")
             + _throughput_text(summary.throughput_means())
-            + _validation_text(summary)
+            + _validation_text(summary, out_dir)
             + (f" | checkpoint {summary.checkpoint}" if summary.checkpoint else ""))
 
 
-def _validation_text(summary: TrainingSummary) -> str:
+def _validation_text(summary: TrainingSummary, out_dir: Path) -> str:
     """The latest evaluation of each set, and the validation samples rejected."""
     if not summary.validation:
         return ""
@@ -823,7 +828,7 @@ def _validation_text(summary: TrainingSummary) -> str:
     rejected = {name: sum(counts.values()) for name, counts in summary.validation_rejects.items()
                 if sum(counts.values())}
     return (f" | validation loss after step {step}: {losses}"
-            + "".join(f" ({name}: {count} samples rejected, see rejects-{name}.jsonl)"
+            + "".join(f" ({name}: {count} samples rejected, see {rejects_file(out_dir, name)})"
                       for name, count in rejected.items()))
 
 

@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import math
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator, Optional
 
 import torch
@@ -48,6 +49,11 @@ class ValidationLoss:
     def as_dict(self) -> dict:
         return {"loss": self.loss, "perplexity": self.perplexity, "loss_tokens": self.loss_tokens,
                 "batches": self.batches, "wrapped": self.wrapped}
+
+
+def rejects_file(out_dir: Path, name: str) -> Path:
+    """Where a validation set's skipped samples are listed (rank 0 writes it)."""
+    return Path(out_dir) / f"rejects-{name}.jsonl"
 
 
 # (model chunks, this rank's micro-batches) -> (summed token loss, loss tokens) over all ranks

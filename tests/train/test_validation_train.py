@@ -84,6 +84,9 @@ def test_a_resumed_run_logs_the_same_validation_losses(validated, tmp_path):
     resume_from_copy(validated, tmp_path / "resumed", 2, *VALIDATION)
     assert validation_losses(tmp_path / "resumed") == validation_losses(validated)
     assert losses(tmp_path / "resumed") == losses(validated)
+    # Alpaca answers longer than the 384-token rows: listed once, not again by the resumed run.
+    listed = (validated / "rejects-alpaca.jsonl").read_text().splitlines()
+    assert len(listed) > 0 and (tmp_path / "resumed" / "rejects-alpaca.jsonl").read_text().splitlines() == listed
 
 
 def test_a_new_stage_starts_from_the_weights_alone(validated, tmp_path):
