@@ -733,7 +733,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
-            sources=run.pipeline.last_sources))
+            sources=_sources(run)))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)
         if totals.sync_wait_s is not None:
@@ -753,6 +753,12 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             summary.stop_signal = stop_signal
             break
     return consumed_rows
+
+
+def _sources(run: _Run) -> Optional[dict]:
+    """Weighted data.paths: each source's samples, tokens and epochs so far; None otherwise, and for
+    what an observer reads instead of the pipeline (the profile sweep's rows)."""
+    return run.pipeline.last_sources if isinstance(run.pipeline, DataPipeline) else None
 
 
 def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int) -> None:
@@ -791,7 +797,7 @@ def _finish(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_row
     summary.rejects = run.pipeline.reject_counts()
     summary.validation_rejects = run.validation.reject_counts()
     run.validation.close()
-    summary.sources = run.pipeline.last_sources
+    summary.sources = _sources(run)
     if run.balanced is not None:
         summary.balance = run.balanced.balance_counters.as_dict()
     run.pipeline.close()
