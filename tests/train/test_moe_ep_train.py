@@ -6,7 +6,8 @@ data-parallel ranks (EP 2), over EP 2 x TP 2 (sequence parallel, expert TP 1) an
 (rows padded to the full sequence, padding kept out of the routing statistics) gives the per-step
 losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 3e-7 over 5
 steps, and the same Adam moments and weights (1.5e-6); EP 2 x TP 2 cut back to step 2 and resumed is bit-identical; HF
-weights go into an EP-2 run and come back out of its checkpoint bit-exact."""
+weights go into an EP-2 run and come back out of its checkpoint bit-exact. Each run is validated on the
+Alpaca demo after its last step: every layout gives EP 1's validation loss."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ import pytest
 import torch
 
 from loongforge.convert.engine import mcore_to_hf
+from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     SAVE_AT_END,
     assert_close_relative,
@@ -28,6 +30,7 @@ from tests.train.conftest import (
     resume_from_copy,
     run_train,
     step_metric,
+    validation_losses,
     worst_relative,
 )
 
@@ -39,8 +42,10 @@ STATE_REL = 1.5e-6
 RESUME_STEP = 2
 # 5 steps of 4 rows of 256 tokens; a checkpoint every 2 steps (2, 4) and at the end (5). A balance
 # coefficient large enough that its gradient counts; Adam's epsilon as the other layout tests use.
+# Validated after the last step on real text (validation leaves training as it is: issue 32).
 OPTIONS = ("data.seq_len=256", "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END,
-           "model.language.moe_aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global")
+           "model.language.moe_aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
+           f"data.valid_paths=[alpaca={SHARED_DATA / 'llamafactory' / 'alpaca_en_demo.json'}]", "training.eval_iters=1")
 EP2 = ("parallel.expert_model_parallel_size=2",)
 LAYOUTS = {
     "ep1": ((), 2),
@@ -87,6 +92,10 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
     # Tokens per expert, summed over every rank: the same routing at every layout.
     for key in ("expert_tokens_min", "expert_tokens_max"):
         assert step_metric(run, key) == step_metric(reference, key), key
+    # Validation forward-only with the experts spread as in training: the same loss after step 5.
+    (step, validation), = validation_losses(run)["alpaca"]
+    (_, expected), = validation_losses(reference)["alpaca"]
+    assert step == 5 and abs(validation - expected) <= REL * expected, (validation, expected)
     differences = checkpoint_differences(run, reference)
     experts = {k: v for k, v in differences.items() if ".experts." in k}
     assert any(k.startswith("optimizer.state.exp_avg.") for k in experts), sorted(experts)[:5]
