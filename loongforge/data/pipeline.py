@@ -558,7 +558,6 @@ class DataPipeline:
         self._stop_worker()
         self._rewind_to(self._start_state)
 
-
     def reject_counts(self) -> dict[str, int]:
         return self.rejects.counts()
 

@@ -11,6 +11,7 @@ trained or validated on, never both, never neither.
 from __future__ import annotations
 
 import zlib
+
 import numpy as np
 
 # Mixed into the permutation's seed so the held-out draw is not the epoch-0 shuffle of data.seed.

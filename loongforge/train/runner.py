@@ -96,9 +96,9 @@ from loongforge.train.metrics import (
 from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
-from loongforge.train.step import ManualGC, clear_moe_loss_tracker, train_step
+from loongforge.train.step import ManualGC, clear_moe_loss_tracker, forward_only, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
-from loongforge.train.validation import ValidationSets, model_forward, rejects_file
+from loongforge.train.validation import ValidationSets, rejects_file
 from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
@@ -698,7 +698,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
                manual_gc: ManualGC, stop: Optional[StopRequest], progress: RankProgress) -> int:
     """The steps from ``summary.start_step + 1``, logged into ``summary``; returns the rows consumed."""
     cfg, layout = run.cfg, run.layout
-    is_loss_rank = layout.is_last_stage and layout.tp_rank == 0
+    is_loss_rank = _is_loss_rank(layout)
     step_cpu_clock = cpu_clock()
     last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
     for step in range(summary.start_step + 1, last_step + 1):
@@ -761,6 +761,11 @@ def _sources(run: _Run) -> Optional[dict]:
     return run.pipeline.last_sources if isinstance(run.pipeline, DataPipeline) else None
 
 
+def _is_loss_rank(layout: ParallelLayout) -> bool:
+    """One rank per data-parallel replica reports its loss: the last stage's TP rank 0."""
+    return layout.is_last_stage and layout.tp_rank == 0
+
+
 def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int) -> None:
     """Every validation set's loss after ``step`` (``train.validation``), logged; what the
     evaluation's forwards left in the run's side counters is dropped."""
@@ -770,8 +775,8 @@ def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int)
         # after each resume (the counts come from the sets' reject logs, not the files).
         for name in run.validation.pipelines:
             rejects_file(run.out_dir, name).unlink(missing_ok=True)
-    forward = model_forward(device=run.env.device, seq_length=run.cfg.data.seq_len,
-                            is_loss_rank=layout.is_last_stage and layout.tp_rank == 0)
+    forward = functools.partial(forward_only, device=run.env.device, seq_length=run.cfg.data.seq_len,
+                                is_loss_rank=_is_loss_rank(layout))
     results = run.validation.evaluate(run.model, forward)
     if run.encoder_clock is not None:
         run.encoder_clock.take()  # the next training step's encoder time starts from here

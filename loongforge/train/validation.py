@@ -28,7 +28,6 @@ from typing import Callable, Iterator, Optional
 import torch
 
 from loongforge.data.pipeline import DataPipeline
-from loongforge.train.step import forward_only
 
 
 @dataclass
@@ -56,7 +55,8 @@ def rejects_file(out_dir: Path, name: str) -> Path:
     return Path(out_dir) / f"rejects-{name}.jsonl"
 
 
-# (model chunks, this rank's micro-batches) -> (summed token loss, loss tokens) over all ranks
+# (model chunks, this rank's micro-batches) -> (summed token loss, loss tokens) over all ranks:
+# ``train.step.forward_only`` with the run's device, sequence length and loss rank bound
 ForwardOnly = Callable[[list, list[dict]], tuple[float, int]]
 
 
@@ -91,14 +91,6 @@ class ValidationSets:
     def close(self) -> None:
         for pipeline in self.pipelines.values():
             pipeline.close()
-
-
-def model_forward(*, device: torch.device, seq_length: int, is_loss_rank: bool) -> ForwardOnly:
-    """The run's forward-only step (``train.step.forward_only``) with its fixed arguments bound."""
-    def forward(model: list, micro_batches: list[dict]) -> tuple[float, int]:
-        return forward_only(model, micro_batches, device=device, seq_length=seq_length, is_loss_rank=is_loss_rank)
-
-    return forward
 
 
 @contextlib.contextmanager

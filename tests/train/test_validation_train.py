@@ -101,7 +101,8 @@ def test_a_new_stage_starts_from_the_weights_alone(validated, tmp_path):
     for name, values in validation_losses(stage).items():
         step, loss = values[0]
         reference = dict(validation_losses(validated)[name])[2]
-        print(f"stage {name}: step-0 validation {loss} vs {reference} after step 2")
+        print(f"stage {name}: step-0 validation {loss} vs {reference} after step 2 "
+              f"(relative {abs(loss - reference) / reference:.1e})")
         assert step == 0 and abs(loss - reference) <= REL * reference
     first_lr = step_metric(stage, "lr")[0]
     assert first_lr == step_metric(validated, "lr")[0] != step_metric(validated, "lr")[2]
