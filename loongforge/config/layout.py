@@ -11,6 +11,7 @@ every place derives DP the same way.
 
 from __future__ import annotations
 
+import math
 import operator
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ class ParallelSizes:
     data_parallel: int
     expert_parallel: int = 1
     expert_tensor_parallel: int = 1
+    context_parallel: int = 1
 
     @property
     def expert_data_parallel(self) -> int:
@@ -48,10 +50,11 @@ def expert_tensor_parallel_size(parallel: ParallelConfig) -> int:
 
 
 def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = None) -> ParallelSizes:
-    """TP, PP, vision TP, EP and expert TP from the config; DP = world / (TP x PP), world from the
-    launch."""
+    """TP, PP, CP, vision TP, EP and expert TP from the config; DP = world / (TP x PP x CP), world
+    from the launch."""
     world = parallel.world_size if world_size is None else world_size
-    model_parallel = parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+    model_parallel = (parallel.tensor_model_parallel_size * parallel.pipeline_model_parallel_size
+                      * parallel.context_parallel_size)
     return ParallelSizes(
         world_size=world,
         tensor_parallel=parallel.tensor_model_parallel_size,
@@ -60,7 +63,29 @@ def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = Non
         data_parallel=world // model_parallel,
         expert_parallel=parallel.expert_model_parallel_size,
         expert_tensor_parallel=expert_tensor_parallel_size(parallel),
+        context_parallel=parallel.context_parallel_size,
     )
+
+
+def context_sample_multiple(parallel: ParallelConfig) -> int:
+    """What context parallelism needs a packed sample's length to be a multiple of: 2 x CP (each
+    sample is cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r), 1 without CP."""
+    cp = parallel.context_parallel_size
+    return 2 * cp if cp > 1 else 1
+
+
+def sample_multiple(data: DataConfig, parallel: ParallelConfig) -> int:
+    """Tokens every packed sample is padded to a multiple of: ``data.sample_multiple``, or what CP
+    needs when it is null. The packer counts a sample at its padded length and the collate pads it:
+    one rule for both."""
+    return data.sample_multiple or context_sample_multiple(parallel)
+
+
+def row_multiple(data: DataConfig, parallel: ParallelConfig) -> int:
+    """What a packed row's length must be a multiple of: every sample's padded length, and each CP
+    rank's share split evenly over TP under sequence parallelism."""
+    tp = parallel.tensor_model_parallel_size if parallel.sequence_parallel else 1
+    return math.lcm(sample_multiple(data, parallel), parallel.context_parallel_size * tp)
 
 
 def layers_per_stage(num_layers: int, pipeline_parallel: int) -> list[int]:

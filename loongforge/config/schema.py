@@ -140,8 +140,14 @@ class DataConfig:
     packed: Optional[str] = None
     # Samples drawn from the synthetic generator (an epoch); ignored for files.
     synthetic_num_samples: int = 2000
-    # Tokens per packed row (the language model's sequence length).
+    # Tokens per packed row (the language model's sequence length; the whole row's under context
+    # parallelism, each CP rank holding seq_len / CP of it).
     seq_len: int = 4096
+    # Every sample padded (inside its own segment of the row) to a multiple of this, and packed at
+    # that length; null: what parallel.context_parallel_size needs (2 x CP; 1 without CP). Set, it must
+    # be a multiple of 2 x CP. Fixing it keeps the rows of a run the same at every CP size (a CP 2
+    # run and a CP 1 run with data.sample_multiple=4 train on identical rows).
+    sample_multiple: Optional[int] = None
     # "qwen" (Qwen2/2.5), "qwen3" (Qwen3, Qwen3-VL: Qwen2.5's plus <think> and tool-response tokens)
     # or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
     # package ships (loongforge.data.tokenizer); otherwise a local HF tokenizer directory.
@@ -227,6 +233,19 @@ class ParallelConfig:
     # step (the dry run states both).
     encoder_full_recompute: bool = False
     sequence_parallel: bool = False
+    # Context parallelism (CP): each packed row's tokens split over this many ranks of one data-parallel
+    # replica, every sample cut into 2 x CP chunks and rank r holding chunks r and 2CP-1-r (causal load
+    # balance); samples are padded to a multiple of 2 x CP, which the packer counts. DP = world / (TP x
+    # PP x CP). Weights are not split: gradients are reduced over DP x CP.
+    context_parallel_size: int = 1
+    # How CP attention communicates: "auto" is megatron-core's p2p ring on the te layer backend and the
+    # gathered keys and values (all_gather) on sdpa and flash; te also takes p2p, all_gather, a2a and
+    # a2a+p2p (megatron-core's cp_comm_type); sdpa and flash take all_gather only.
+    context_parallel_comm: str = "auto"
+    # CP > 1: the row's images and videos are dealt among the CP ranks by modelled cost, each encodes
+    # its share and the features are gathered (gradients return to the rank that encoded); off, every
+    # CP rank encodes all of the row's media.
+    encoder_cp: bool = True
     # Mixture-of-experts layers: their experts are split over this many data-parallel ranks (expert
     # parallelism, EP; each holds num_experts / EP, tokens reach them by all-to-all), and each
     # expert's MLP over expert_tensor_parallel_size ranks (null = the language TP size).

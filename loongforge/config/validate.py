@@ -31,6 +31,9 @@ from loongforge.config.layout import (
     divisors,
     expert_tensor_parallel_size,
     layout_problems,
+    context_sample_multiple,
+    row_multiple,
+    sample_multiple,
 )
 from loongforge.config.schema import RunConfig
 
@@ -46,6 +49,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "data.record_kind": ("auto", "conversation", "text", "alpaca", "caption"),
     "optimizer.name": ("adam", "sgd"),
     "parallel.encoder_dp": ("none", "tp", "full"),
+    "parallel.context_parallel_comm": ("auto", "p2p", "all_gather", "a2a", "a2a+p2p"),
     "model.vision.norm": ("rms", "layer"),
 }
 
@@ -58,7 +62,7 @@ _AT_LEAST_ONE = (
     "model.language.num_attention_heads", "model.language.num_query_groups",
     "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
-    "parallel.world_size", "parallel.collective_timeout_s", "training.train_steps", "training.global_batch_size",
+    "parallel.context_parallel_size", "parallel.world_size", "parallel.collective_timeout_s", "training.train_steps", "training.global_batch_size",
     "training.eval_iters", "logging.log_interval",
 )
 _AT_LEAST_ZERO = (
@@ -410,21 +414,44 @@ def _list(numbers: list[int]) -> str:
 
 def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
     parallel, training = cfg.parallel, cfg.training
-    tp, pp = parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size
+    tp, pp, cp = (parallel.tensor_model_parallel_size, parallel.pipeline_model_parallel_size,
+                  parallel.context_parallel_size)
     errors = []
-    if world_size % (tp * pp):
-        errors.append(f"world size {world_size} is not a multiple of TP x PP = {tp} x {pp} = "
-                      f"{tp * pp}; launch a multiple of {tp * pp} processes (--nproc-per-node or "
-                      f"parallel.world_size) or lower the TP/PP sizes.")
+    if world_size % (tp * pp * cp):
+        errors.append(f"world size {world_size} is not a multiple of TP x PP x CP = {tp} x {pp} x {cp} = "
+                      f"{tp * pp * cp}; launch a multiple of {tp * pp * cp} processes (--nproc-per-node or "
+                      f"parallel.world_size) or lower the TP/PP/CP sizes.")
         return errors
-    data_parallel = world_size // (tp * pp)
+    data_parallel = world_size // (tp * pp * cp)
     if training.global_batch_size % data_parallel:
         errors.append(f"training.global_batch_size={training.global_batch_size} is not divisible "
                       f"by the data-parallel size {data_parallel} (world {world_size} / (TP {tp} x "
-                      f"PP {pp})); use a multiple of {data_parallel}.")
+                      f"PP {pp} x CP {cp})); use a multiple of {data_parallel}.")
     if parallel.sequence_parallel and tp == 1:
         errors.append("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size "
                       "> 1; turn it off or raise TP.")
+    return errors + _check_context_parallel(cfg)
+
+
+def _check_context_parallel(cfg: RunConfig) -> list[str]:
+    """CP cuts every sample into 2 x CP chunks: rows must split evenly, and the sdpa / flash
+    attention gathers keys and values (megatron-core's other CP communications are TE's)."""
+    parallel, data = cfg.parallel, cfg.data
+    cp, comm = parallel.context_parallel_size, parallel.context_parallel_comm
+    errors = []
+    needed = context_sample_multiple(parallel)
+    if data.sample_multiple is not None and (data.sample_multiple < 1 or data.sample_multiple % needed):
+        errors.append(f"data.sample_multiple={data.sample_multiple} must be a positive multiple of {needed} "
+                      f"(2 x parallel.context_parallel_size); set it to {needed} or leave it null.")
+        return errors
+    if (cp > 1 or data.sample_multiple) and data.seq_len % row_multiple(data, parallel):
+        errors.append(f"data.seq_len={cfg.data.seq_len} must be a multiple of {row_multiple(data, parallel)} "
+                      f"(samples padded to a multiple of {sample_multiple(data, parallel)}"
+                      f"{', each CP rank share split over TP under sequence parallelism' if cp > 1 and parallel.sequence_parallel else ''}).")
+    if comm not in ("auto", "all_gather") and cfg.model.layer_backend in ("sdpa", "flash"):
+        errors.append(f"parallel.context_parallel_comm={comm} is Transformer Engine's; the "
+                      f"{cfg.model.layer_backend} layer backend gathers keys and values: set it to auto or "
+                      f"all_gather, or model.layer_backend=te.")
     return errors
 
 

@@ -1,6 +1,8 @@
 """One packed row -> one micro-batch dict: the contract with the training loop.
 
-Keys (T = real tokens rounded up to ``pad_to_multiple``; padding is at the end):
+Keys (T = real tokens rounded up to ``pad_to_multiple``; padding is at the end; with
+``sample_multiple`` > 1, context parallelism's 2 x CP, each sample is first padded to a multiple of it
+inside its own segment, and "real tokens" counts that padding too):
 
 ==================== ============================ ==============================================
 input_ids            LongTensor[1, T]             token ids; padding = model.tokens.pad_token_id
@@ -8,7 +10,7 @@ labels               LongTensor[1, T]             labels[t] = input_ids[t+1] of 
                                                   0 at each sample's last token and on padding
 loss_mask            FloatTensor[1, T]            1 where labels[t] is an assistant answer token
                                                   (or its <|im_end|>), else 0
-padding_mask         BoolTensor[1, T]             True on the padding tail (kept out of the
+padding_mask         BoolTensor[1, T]             True on padding, the tail and samples' own (kept out of the
                                                   mixture-of-experts routers' statistics)
 position_ids         LongTensor[3, 1, T]          M-RoPE (temporal, height, width) per sample,
                                                   restarting at 0; padding counts 0, 1, 2, ...
@@ -34,6 +36,7 @@ import numpy as np
 import torch
 
 from loongforge.data.measure import MaterializedSample
+from loongforge.data.packing import padded_length
 from loongforge.models.family import PositionIds
 
 
@@ -42,24 +45,39 @@ def round_up(value: int, multiple: int) -> int:
 
 
 def collate_row(
-    row: list[MaterializedSample], *, pad_to_multiple: int, pad_token_id: int, position_ids: PositionIds
+    row: list[MaterializedSample], *, pad_to_multiple: int, pad_token_id: int, position_ids: PositionIds,
+    sample_multiple: int = 1,
 ) -> dict:
     """``position_ids``: the model family's per-sample rotary positions
-    (``ModelFamily.position_ids(model_cfg)``)."""
+    (``ModelFamily.position_ids(model_cfg)``). ``sample_multiple``: each sample's segment is padded
+    to a multiple of it (the packer counted it so, ``data.packing.padded_length``); its padding
+    continues the sample's positions (the last one + 1, 2, ... on every axis), trains nothing and is
+    attended by nothing of the sample (it comes after it)."""
     if not row:
         raise ValueError("cannot collate an empty row")
-    ids, labels, loss_mask, positions = [], [], [], []
+    ids, labels, loss_mask, positions, padding, real_lengths = [], [], [], [], [], []
     for item in row:
         sample_ids, sample_labels, sample_mask = _shifted_targets(item)
+        real_lengths.append(len(sample_ids))
+        sample_positions = _sample_positions(item, position_ids)  # [3, L]
+        pad = padded_length(len(sample_ids), sample_multiple) - len(sample_ids)
+        if pad:
+            sample_ids = torch.cat([sample_ids, torch.full((pad,), pad_token_id, dtype=torch.long)])
+            sample_labels = torch.cat([sample_labels, torch.zeros(pad, dtype=torch.long)])
+            sample_mask = torch.cat([sample_mask, torch.zeros(pad, dtype=torch.float32)])
+            following = sample_positions[:, -1:] + torch.arange(1, pad + 1)  # [3, pad]
+            sample_positions = torch.cat([sample_positions, following], dim=1)
+        padding.append(torch.arange(len(sample_ids)) >= real_lengths[-1])
         ids.append(sample_ids)
         labels.append(sample_labels)
         loss_mask.append(sample_mask)
-        positions.append(_sample_positions(item, position_ids))
-    lengths = [len(t) for t in ids]
+        positions.append(sample_positions)
+    lengths = [len(t) for t in ids]  # segments: samples with their own padding
     real_len = sum(lengths)
     total_len = round_up(real_len, pad_to_multiple)
     pad_len = total_len - real_len
     if pad_len:
+        padding.append(torch.ones(pad_len, dtype=torch.bool))
         ids.append(torch.full((pad_len,), pad_token_id, dtype=torch.long))
         labels.append(torch.zeros(pad_len, dtype=torch.long))
         loss_mask.append(torch.zeros(pad_len, dtype=torch.float32))
@@ -70,12 +88,12 @@ def collate_row(
         "input_ids": torch.cat(ids)[None],  # [1, T]
         "labels": torch.cat(labels)[None],  # [1, T]
         "loss_mask": loss_mask_t,
-        "padding_mask": (torch.arange(total_len) >= real_len)[None],  # [1, T]
+        "padding_mask": torch.cat(padding)[None],  # [1, T]
         "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),  # [3, 1, T]
         "cu_seqlens": torch.as_tensor(boundaries, dtype=torch.int32),  # [n_segments + 1]
         **_vision_inputs(row),
         "num_loss_tokens": int(loss_mask_t.sum().item()),
-        "sample_lengths": lengths,
+        "sample_lengths": real_lengths,
         "sample_ids": [item.sample.sample_id for item in row],
     }
 

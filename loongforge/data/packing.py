@@ -25,13 +25,26 @@ class PackItem(Generic[Payload]):
     payload: Payload = None
 
 
+def padded_length(length: int, sample_multiple: int) -> int:
+    """Tokens a sample of ``length`` takes in a row whose samples are padded to ``sample_multiple``
+    (2 x CP under context parallelism, ``config.layout.sample_multiple``)."""
+    return -(-length // sample_multiple) * sample_multiple
+
+
 class LookaheadPacker(Generic[Payload]):
-    def __init__(self, seq_len: int, lookahead: int):
-        if seq_len < 1 or lookahead < 1:
-            raise ValueError(f"seq_len and lookahead must be >= 1, got {seq_len}, {lookahead}")
+    def __init__(self, seq_len: int, lookahead: int, sample_multiple: int = 1):
+        """``sample_multiple``: every sample takes its length rounded up to this in the row (the
+        collate pads it so)."""
+        if seq_len < 1 or lookahead < 1 or sample_multiple < 1:
+            raise ValueError(f"seq_len, lookahead and sample_multiple must be >= 1, got {seq_len}, {lookahead}, "
+                             f"{sample_multiple}")
         self.seq_len = seq_len
         self.lookahead = lookahead
+        self.sample_multiple = sample_multiple
         self.buffer: list[PackItem[Payload]] = []
+
+    def footprint(self, item: PackItem) -> int:
+        return padded_length(item.length, self.sample_multiple)
 
     def next_row(self, pull: Callable[[], Optional[PackItem[Payload]]]) -> list[PackItem[Payload]]:
         """The next row; ``pull`` returns the next stream item, or None when the stream ended.
@@ -40,16 +53,16 @@ class LookaheadPacker(Generic[Payload]):
         if not self.buffer:
             return []
         row = [self.buffer.pop(0)]
-        free = self.seq_len - row[0].length
+        free = self.seq_len - self.footprint(row[0])
         # Items taken from the buffer free slots; refilled slots get a chance in the next pass, so
         # rows of many short samples fill up instead of stopping at `lookahead` samples.
         while free > 0:
             self._refill(pull)
             taken = []
             for item in self.buffer:
-                if item.length <= free:
+                if self.footprint(item) <= free:
                     taken.append(item)
-                    free -= item.length
+                    free -= self.footprint(item)
             if not taken:
                 break
             row.extend(taken)
@@ -62,8 +75,8 @@ class LookaheadPacker(Generic[Payload]):
             item = pull()
             if item is None:
                 return
-            if item.length > self.seq_len:
-                raise ValueError(f"item {item.key} has {item.length} tokens > seq_len {self.seq_len}")
+            if self.footprint(item) > self.seq_len:
+                raise ValueError(f"item {item.key} takes {self.footprint(item)} tokens > seq_len {self.seq_len}")
             self.buffer.append(item)
 
     def buffer_keys(self) -> list[Any]:

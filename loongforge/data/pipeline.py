@@ -160,9 +160,10 @@ class RowStream:
 
     def __init__(self, source, measurer: SampleMeasurer, *, seq_len: int, lookahead: int,
                  shuffle: bool, seed: int, rejects: RejectLog, shard: tuple[int, int] = (0, 1),
-                 mixture: Optional[Mixture] = None, names: Optional[list[str]] = None):
+                 mixture: Optional[Mixture] = None, names: Optional[list[str]] = None, sample_multiple: int = 1):
         """``mixture``: weighted data.paths entries, whose draws replace the epochs' orders;
-        ``names`` then names its sources (what the per-source counts are keyed by)."""
+        ``names`` then names its sources (what the per-source counts are keyed by).
+        ``sample_multiple``: samples take their length rounded up to it in a row (context parallelism)."""
         self.source = source
         self.mixture = mixture
         self.counts = SourceCounts(names) if mixture is not None else None
@@ -170,7 +171,7 @@ class RowStream:
         self.shuffle = shuffle
         self.seed = seed
         self.rejects = rejects
-        self.packer: LookaheadPacker[MeasuredSample] = LookaheadPacker(seq_len, lookahead)
+        self.packer: LookaheadPacker[MeasuredSample] = LookaheadPacker(seq_len, lookahead, sample_multiple)
         # Shard (i, n) reads positions i, i+n, i+2n, ... of each epoch's order (data.read=sharded).
         self.shard_index, self.shard_count = shard
         if len(source) <= self.shard_index:
@@ -330,7 +331,10 @@ class DataPipeline:
                  lookahead: int = 32, prefetch_steps: int = 2, tokenizer=None,
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
-                 embeddings: Optional[EmbeddingStore] = None, samples=None, held_out: bool = False):
+                 embeddings: Optional[EmbeddingStore] = None, samples=None, held_out: bool = False,
+                 sample_multiple: int = 1):
+        """``sample_multiple``: each sample padded to a multiple of it inside its own segment of the
+        row, and packed at that length (2 x CP under context parallelism, ``config.layout``)."""
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -341,6 +345,7 @@ class DataPipeline:
         self.my_rows = rank_rows(global_batch_size, dp_rank, dp_size)
         self.global_batch_size = global_batch_size
         self.pad_to_multiple = pad_to_multiple
+        self.sample_multiple = sample_multiple
         self.pad_token_id = model_cfg.tokens.pad_token_id
         self.position_ids = get_family(model_cfg.family).position_ids(model_cfg)
         self.sizing = vision_sizing(data_cfg, model_cfg)
@@ -424,7 +429,7 @@ class DataPipeline:
         the in-memory baseline reader)."""
         if data_cfg.source == "packed":  # rows come ready-packed from a `loongforge pack` folder
             folder = PackedFolder(data_cfg.packed)
-            folder.check_compatible(data_cfg.seq_len, self.sizing)
+            folder.check_compatible(data_cfg.seq_len, self.sizing, self.sample_multiple)
             return PackedRowStream(folder, shuffle=data_cfg.shuffle, seed=data_cfg.seed)
         measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
         if self.embeddings is not None:
@@ -433,7 +438,8 @@ class DataPipeline:
         if data_cfg.streaming:
             windows = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
                                        shuffle=data_cfg.shuffle, seed=data_cfg.seed, reading=reading_for(data_cfg))
-            return StreamingRowStream(windows, measurer, packer=LookaheadPacker(data_cfg.seq_len, lookahead),
+            return StreamingRowStream(windows, measurer,
+                                      packer=LookaheadPacker(data_cfg.seq_len, lookahead, self.sample_multiple),
                                       rejects=self.rejects, shard=shard)
         samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
         mixture = None
@@ -442,7 +448,8 @@ class DataPipeline:
                                     shuffle=data_cfg.shuffle)
         return RowStream(samples, measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
-                         rejects=self.rejects, shard=shard, mixture=mixture, names=source_names(data_cfg.paths))
+                         rejects=self.rejects, shard=shard, mixture=mixture, names=source_names(data_cfg.paths),
+                         sample_multiple=self.sample_multiple)
 
     # ------------------------------------------------------------ public API
 
@@ -660,7 +667,8 @@ class DataPipeline:
 
     def _collate_materialized(self, materialized: list[MaterializedSample]) -> dict:
         return collate_row(materialized, pad_to_multiple=self.pad_to_multiple,
-                           pad_token_id=self.pad_token_id, position_ids=self.position_ids)
+                           pad_token_id=self.pad_token_id, position_ids=self.position_ids,
+                           sample_multiple=self.sample_multiple)
 
     def _collate(self, row: list[MeasuredSample]) -> dict:
         return self._collate_materialized(self._materialize(row))

@@ -13,11 +13,19 @@ packed sequences, so loongforge supplies its own through the layer spec:
 Input/output contract (that of ``DotProductAttention``): q ``[t, np, hd]``, k/v ``[t, ng, hd]`` when
 ``packed_seq_params.qkv_format == "thd"``, else q ``[s, b, np, hd]``, k/v ``[s, b, ng, hd]``; returns
 ``[t, np*hd]`` / ``[s, b, np*hd]``. ``ng`` (key/value groups) divides ``np``: GQA.
+
+Under context parallelism (``parallel.context_parallel_size`` > 1, packed rows only) q, k, v hold this
+CP rank's tokens (chunks r and 2CP-1-r of every sample, ``parallel.context_parallel``) while
+``cu_seqlens`` are the whole row's. Both modules gather the row's keys and values over the CP group
+(all-gather forward, reduce-scatter of their gradients backward) and let each local query chunk attend
+to its sample's keys up to the chunk's end, causal with the diagonal at the bottom right
+(``context_chunks``).
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -28,6 +36,8 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import divide
+
+from loongforge.parallel.context_parallel import gather_row, row_order
 
 
 class _CoreAttentionBase(MegatronModule):
@@ -45,8 +55,10 @@ class _CoreAttentionBase(MegatronModule):
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
         super().__init__(config=config)
-        if config.context_parallel_size != 1:
-            raise ValueError(f"{type(self).__name__} does not support context parallelism")
+        if cp_comm_type not in (None, "all_gather"):
+            raise ValueError(f"{type(self).__name__} gathers keys and values under context parallelism; "
+                             f"cp_comm_type={cp_comm_type!r} is Transformer Engine's (parallel.context_parallel_comm)")
+        self.cp_group = _context_group(config, pg_collection)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
         head_dim = config.kv_channels
@@ -56,6 +68,49 @@ class _CoreAttentionBase(MegatronModule):
     def _is_causal(self, attn_mask_type: Optional[AttnMaskType]) -> bool:
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         return mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+
+def _context_group(config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection]):
+    """The CP group of a CP > 1 model, None at CP 1."""
+    if config.context_parallel_size == 1:
+        return None
+    if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
+        return pg_collection.cp
+    # lazy: megatron's global groups, only where a model was built without a collection
+    from megatron.core import parallel_state
+
+    return parallel_state.get_context_parallel_group()
+
+
+@dataclass(frozen=True)
+class QueryChunk:
+    """One chunk of a sample's queries held by this CP rank, and the keys it sees."""
+
+    query_start: int  # first local row
+    length: int  # rows (queries)
+    key_start: int  # first row position of the sample in the whole row
+    key_length: int  # keys seen: the sample's start up to this chunk's end
+
+
+def context_chunks(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int) -> list[QueryChunk]:
+    """This CP rank's query chunks in local order (per sample: chunk r, then chunk 2CP-1-r). A query
+    at offset i of chunk j attends the keys of row positions [key_start, key_start + j*c + i], that is
+    causal with the diagonal at the bottom right of the (length x key_length) block."""
+    cu = cu_seqlens.detach().to("cpu", torch.long).tolist()
+    chunks, local_start = [], 0
+    for start, end in zip(cu[:-1], cu[1:]):
+        chunk = (end - start) // (2 * cp_size)
+        for offset, index in enumerate((cp_rank, 2 * cp_size - 1 - cp_rank)):
+            if chunk:
+                chunks.append(QueryChunk(local_start + offset * chunk, chunk, start, (index + 1) * chunk))
+        local_start += 2 * chunk
+    return chunks
+
+
+def _gathered_keys_values(key: torch.Tensor, value: torch.Tensor, cu_seqlens: torch.Tensor, group):
+    """This rank's k, v [t/CP, ng, hd] -> the whole row's [t, ng, hd] each (one collective for both)."""
+    row = gather_row(torch.cat([key, value], dim=-1), cu_seqlens, group, row_order(cu_seqlens, group.size()))
+    return row.split([key.shape[-1], value.shape[-1]], dim=-1)
 
 
 def _segment_lengths(packed_seq_params: PackedSeqParams, num_tokens: int) -> list[int]:
@@ -89,6 +144,10 @@ class SDPACoreAttention(_CoreAttentionBase):
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention does not take an attention_bias")
         causal = self._is_causal(attn_mask_type)
+        if self.cp_group is not None:
+            # q [t/CP, np, hd], k/v [t/CP, ng, hd] -> [t/CP, np*hd]
+            out = self._context_parallel(query, key, value, _causal_thd(packed_seq_params, causal))
+            return out.reshape(out.shape[0], -1)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             # q [t, np, hd], k/v [t, ng, hd] -> [t, np*hd]
             lengths = _segment_lengths(packed_seq_params, query.shape[0])
@@ -125,6 +184,24 @@ class SDPACoreAttention(_CoreAttentionBase):
             out[index] = self._sdpa(qs, ks, vs, causal).transpose(1, 2)
         return out
 
+    def _context_parallel(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]; one SDPA call per
+        group of query chunks with the same (queries, keys) shape."""
+        k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
+        out = torch.empty_like(q)
+        by_shape: dict[tuple[int, int], list[QueryChunk]] = {}
+        for chunk in context_chunks(cu_seqlens, self.cp_group.size(), self.cp_group.rank()):
+            by_shape.setdefault((chunk.length, chunk.key_length), []).append(chunk)
+        for (length, key_length), chunks in by_shape.items():
+            q_index = _spans([c.query_start for c in chunks], length, q.device)  # [n, length]
+            k_index = _spans([c.key_start for c in chunks], key_length, q.device)  # [n, key_length]
+            # [n, length | key_length, heads, hd] -> [n, heads, length | key_length, hd]
+            qs = q[q_index].transpose(1, 2)
+            ks, vs = (x[k_index].transpose(1, 2) for x in (k_row, v_row))
+            visible = torch.ones(length, key_length, dtype=torch.bool, device=q.device).tril(key_length - length)
+            out[q_index] = self._sdpa(qs, ks, vs, False, visible).transpose(1, 2)
+        return out
+
     def _sdpa(self, q, k, v, causal: bool, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
         # GQA: each group of np/ng consecutive query heads shares one key/value head. SDPA reads
         # the shared heads in place (enable_gqa) instead of a repeated copy of k and v.
@@ -139,6 +216,18 @@ class SDPACoreAttention(_CoreAttentionBase):
             scale=self.softmax_scale,
             enable_gqa=k.shape[1] != q.shape[1],
         )
+
+
+def _spans(starts: list[int], length: int, device) -> torch.Tensor:
+    """[n, length]: rows start, start+1, ... for each start."""
+    return torch.tensor(starts, device=device)[:, None] + torch.arange(length, device=device)
+
+
+def _causal_thd(packed_seq_params: Optional[PackedSeqParams], causal: bool) -> torch.Tensor:
+    """The whole row's cu_seqlens of a CP model's input, which must be packed and causal."""
+    if packed_seq_params is None or packed_seq_params.qkv_format != "thd" or not causal:
+        raise ValueError("context parallelism runs causal attention over packed (thd) rows only")
+    return packed_seq_params.cu_seqlens_q
 
 
 class FlashCoreAttention(_CoreAttentionBase):
@@ -161,6 +250,10 @@ class FlashCoreAttention(_CoreAttentionBase):
             raise ValueError("FlashCoreAttention takes neither a mask nor a bias")
         causal = self._is_causal(attn_mask_type)
         dropout_p = self.dropout_p if self.training else 0.0
+        if self.cp_group is not None:
+            out = self._context_parallel(flash_attn_varlen_func, query, key, value,
+                                         _causal_thd(packed_seq_params, causal), dropout_p)
+            return out.reshape(out.shape[0], -1)
         if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
             cu_seqlens = packed_seq_params.cu_seqlens_q.to(torch.int32)
             max_seqlen = packed_seq_params.max_seqlen_q
@@ -174,3 +267,21 @@ class FlashCoreAttention(_CoreAttentionBase):
         q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, heads, hd]
         out = flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal)
         return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
+
+    def _context_parallel(self, varlen, q, k, v, cu_seqlens: torch.Tensor, dropout_p: float) -> torch.Tensor:
+        """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]: one varlen call whose
+        query segments are the local chunks and whose key segments are the keys each chunk sees
+        (flash-attn's causal mask has its diagonal at the bottom right when keys outnumber queries)."""
+        k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
+        chunks = context_chunks(cu_seqlens, self.cp_group.size(), self.cp_group.rank())
+        key_rows = torch.cat([torch.arange(c.key_start, c.key_start + c.key_length) for c in chunks]).to(q.device)
+        cu_q = _cumulative([c.length for c in chunks], q.device)
+        cu_k = _cumulative([c.key_length for c in chunks], q.device)
+        return varlen(q, k_row[key_rows], v_row[key_rows], cu_q, cu_k, max(c.length for c in chunks),
+                      max(c.key_length for c in chunks), dropout_p=dropout_p, softmax_scale=self.softmax_scale,
+                      causal=True)  # [t/CP, np, hd]
+
+
+def _cumulative(lengths: list[int], device) -> torch.Tensor:
+    """[n + 1] int32 offsets of consecutive segments of ``lengths``."""
+    return torch.tensor([0, *lengths], dtype=torch.int32, device=device).cumsum(0, dtype=torch.int32)

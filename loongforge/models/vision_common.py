@@ -16,6 +16,8 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 
+from loongforge.parallel.context_parallel import ContextShard
+
 # The 2-D rotary base of the ViT (fixed in Qwen2.5-VL and Qwen3-VL; not the language model's rope_theta).
 VISION_ROPE_THETA = 10000.0
 
@@ -65,13 +67,16 @@ def packed_segments(cu_seqlens: torch.Tensor) -> PackedSeqParams:
 
 
 def vision_pg_collection(
-    tp_group: torch.distributed.ProcessGroup, language_pgs: ProcessGroupCollection
+    tp_group: torch.distributed.ProcessGroup, language_pgs: ProcessGroupCollection,
+    cp_group: Optional[torch.distributed.ProcessGroup] = None,
 ) -> ProcessGroupCollection:
-    """Process groups the ViT layers are built with: their own TP group; the (size-1) CP group and
-    the PP group come from the language model (the ViT is whole on the first pipeline stage)."""
-    if language_pgs.cp.size() != 1:
-        raise ValueError("the vision tower does not support context parallelism")
-    return ProcessGroupCollection(tp=tp_group, cp=language_pgs.cp, pp=language_pgs.pp)
+    """Process groups the ViT layers are built with: their own TP group, a CP group of this rank
+    alone (``cp_group``, default the language's, which must then be of size 1: an image is never split
+    over CP ranks) and the language model's PP group (the ViT is whole on a pipeline stage)."""
+    cp_group = language_pgs.cp if cp_group is None else cp_group
+    if cp_group.size() != 1:
+        raise ValueError("the vision tower is built with a CP group of one rank (BuildContext.encoder_cp)")
+    return ProcessGroupCollection(tp=tp_group, cp=cp_group, pp=language_pgs.pp)
 
 
 def optional_cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -105,3 +110,20 @@ class PatchEmbed(torch.nn.Module):
     def forward(self, pixel_values: torch.Tensor) -> torch.Tensor:
         # [P, C*T*p*p] -> [P, hidden]
         return self.proj(pixel_values.to(self.proj.weight.dtype))
+
+
+def held_features(features: torch.Tensor, token_id: int, context_shard: Optional[ContextShard]) -> torch.Tensor:
+    """[n, ...] the features of the row's ``token_id`` placeholders -> those of the placeholders this
+    rank's tokens hold: all of them, or this CP rank's under context parallelism (local order)."""
+    return features if context_shard is None else context_shard.local_features(features, token_id)
+
+
+def written_over(embeddings: torch.Tensor, features: torch.Tensor,
+                 context_shard: Optional[ContextShard]) -> torch.Tensor:
+    """Under context parallelism: ``embeddings`` plus 0 x the row's features, the same values with
+    the features in the graph, so every CP rank's backward reaches them (and the encoder), also a
+    rank whose tokens hold none of their placeholders: the encoder's gradient collectives and DDP's
+    buckets wait for every rank. Without CP: ``embeddings``."""
+    if context_shard is None:
+        return embeddings
+    return embeddings + features.sum().to(embeddings.dtype) * 0.0

@@ -42,21 +42,22 @@ class DataGroups:
         return dist.get_world_size(self.exchange) if self.exchange is not None else 1
 
 
-def build_data_groups(tp_rank: int, pp_rank: int, dp_rank: int, *,
+def build_data_groups(tp_rank: int, pp_rank: int, dp_rank: int, *, cp_rank: int = 0,
                       timeout: Optional[datetime.timedelta] = None) -> DataGroups:
-    """Create the gloo groups for exchange mode from every rank's (tp, pp, dp) coordinates.
+    """Create the gloo groups for exchange mode from every rank's (tp, pp, dp, cp) coordinates (the
+    CP ranks of a DP rank are its leader's peers, like its TP and PP ranks).
 
     ``timeout`` (``parallel.collective_timeout_s``): how long an exchange waits for a hung rank;
     None keeps torch's default."""
     world = dist.get_world_size()
     coords: list[Any] = [None] * world
-    dist.all_gather_object(coords, (tp_rank, pp_rank, dp_rank))
-    leaders = sorted((c[2], rank) for rank, c in enumerate(coords) if c[0] == 0 and c[1] == 0)
+    dist.all_gather_object(coords, (tp_rank, pp_rank, dp_rank, cp_rank))
+    leaders = sorted((c[2], rank) for rank, c in enumerate(coords) if c[0] == 0 and c[1] == 0 and c[3] == 0)
     me = dist.get_rank()
     exchange_group = dist.new_group([rank for _, rank in leaders], backend="gloo", timeout=timeout)
-    is_leader = tp_rank == 0 and pp_rank == 0
+    is_leader = tp_rank == 0 and pp_rank == 0 and cp_rank == 0
     replicas, replicas_src = None, me
-    if world > len(leaders):  # TP*PP > 1: one replica group per DP rank, all ranks create each
+    if world > len(leaders):  # TP*PP*CP > 1: one replica group per DP rank, all ranks create each
         for dp, leader in leaders:
             members = [leader] + sorted(r for r, c in enumerate(coords) if c[2] == dp and r != leader)
             group = dist.new_group(members, backend="gloo", timeout=timeout)

@@ -41,7 +41,8 @@ class DistributedEnv:
 
 @dataclass(frozen=True)
 class ParallelLayout:
-    """This rank's place in the TP x PP x DP grid (megatron-core's groups hold the communicators)."""
+    """This rank's place in the TP x CP x PP x DP grid (megatron-core's groups hold the
+    communicators). The CP ranks of one data-parallel replica read the same rows."""
 
     tp_size: int
     pp_size: int
@@ -49,6 +50,8 @@ class ParallelLayout:
     tp_rank: int
     pp_rank: int
     dp_rank: int
+    cp_size: int = 1
+    cp_rank: int = 0
 
     @property
     def is_first_stage(self) -> bool:
@@ -149,7 +152,7 @@ def init_distributed(device_preference: str = "auto", timeout_s: int = 600) -> D
 
 
 def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torch.device) -> ParallelLayout:
-    """Create megatron-core's TP/PP/DP groups and seed every RNG so TP ranks agree."""
+    """Create megatron-core's TP/CP/PP/DP groups and seed every RNG so TP ranks agree."""
     # lazy: the launcher (preflight) imports this module without megatron-core
     from megatron.core import parallel_state as mpu
     from megatron.core import tensor_parallel
@@ -158,6 +161,7 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+            context_parallel_size=parallel_cfg.context_parallel_size,
             expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
             # megatron's groups take whole minutes; its default is torch's 30.
@@ -170,6 +174,8 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         tp_rank=mpu.get_tensor_model_parallel_rank(),
         pp_rank=mpu.get_pipeline_model_parallel_rank(),
         dp_rank=mpu.get_data_parallel_rank(),
+        cp_size=mpu.get_context_parallel_world_size(),
+        cp_rank=mpu.get_context_parallel_rank(),
     )
     # One seed on every rank. The initial weights do not come from this stream: the model draws
     # them from keys of (seed, global name), the same at every TP/PP layout (models.initialization).

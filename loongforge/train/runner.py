@@ -23,12 +23,13 @@ from typing import Optional
 
 import torch
 import torch.distributed as dist
+from megatron.core import parallel_state
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 
 from loongforge import __version__
 from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import InputError
-from loongforge.config.layout import resolve_read, vision_tensor_parallel_size
+from loongforge.config.layout import resolve_read, row_multiple, sample_multiple, vision_tensor_parallel_size
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import LORA_TE_REFUSAL, validate
@@ -258,10 +259,11 @@ def _unwrap_model(chunk):
 
 def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
     # Pipeline stages exchange fixed-shape activations, so rows are padded to seq_len there;
-    # otherwise a small multiple keeps TP/sequence-parallel splits even without wasting compute.
+    # otherwise a small multiple keeps TP/sequence-parallel splits even without wasting compute,
+    # and under context parallelism every CP rank's share of the row even (``row_multiple``).
     if layout.pp_size > 1:
         return cfg.data.seq_len
-    return 8 * layout.tp_size
+    return math.lcm(8 * layout.tp_size, row_multiple(cfg.data, cfg.parallel))
 
 
 # What every rank measures each step, logged per rank (``<name>_by_rank`` in metrics.jsonl): its
@@ -395,6 +397,7 @@ class _Run:
     backend_notes: tuple = ()  # layer backends auto passed over although installed (layer_backend)
     lora_base: Optional[dict] = None  # LoRA: the frozen base and the settings, recorded in checkpoints
     validation: ValidationSets = field(default_factory=lambda: ValidationSets({}, eval_iters=0))
+    context_group: Optional[dist.ProcessGroup] = None  # the CP group, None at CP 1
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -433,6 +436,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
                 out_dir=Path(cfg.logging.output_dir), ckpt_root=checkpoint_root(cfg),
                 encoder_digest=encoder_digest, lora_base=lora_base(cfg), expert_load=_expert_load_counter(cfg, model, env.device),
                 peak_tflops=_peak_tflops(cfg, env.device), validation=validation,
+                context_group=parallel_state.get_context_parallel_group() if layout.cp_size > 1 else None,
                 backend_notes=tuple(passed_over_backends(cfg.model.layer_backend, env.device,
                                                          _DTYPES[cfg.training.precision])))
 
@@ -467,7 +471,7 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
     data_groups = None
     if resolve_read(cfg.data, layout.dp_size) == "sharded" and env.world_size > 1:
         data_groups = build_data_groups(
-            layout.tp_rank, layout.pp_rank, layout.dp_rank,
+            layout.tp_rank, layout.pp_rank, layout.dp_rank, cp_rank=layout.cp_rank,
             timeout=datetime.timedelta(seconds=cfg.parallel.collective_timeout_s))
     out_dir = Path(cfg.logging.output_dir)
     return DataPipeline(cfg.data, cfg.model, global_batch_size=cfg.training.global_batch_size,
@@ -475,7 +479,8 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         rejects_path=out_dir / "rejects.jsonl" if env.rank == 0 else None,
                         balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
                         cost_models=balancing, groups=data_groups,
-                        encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings)
+                        encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings,
+                        sample_multiple=sample_multiple(cfg.data, cfg.parallel))
 
 
 def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
@@ -493,7 +498,8 @@ def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelL
                                pad_to_multiple=_pad_multiple(cfg, layout),
                                rejects_path=rejects_file(out_dir, name) if env.rank == 0 else None,
                                balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size, cost_models=balancing,
-                               encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings, held_out=held_out)
+                               encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings, held_out=held_out,
+                               sample_multiple=sample_multiple(cfg.data, cfg.parallel))
             for name, (data_cfg, held_out) in sets.items()}
 
 
@@ -698,7 +704,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
                manual_gc: ManualGC, stop: Optional[StopRequest], progress: RankProgress) -> int:
     """The steps from ``summary.start_step + 1``, logged into ``summary``; returns the rows consumed."""
     cfg, layout = run.cfg, run.layout
-    is_loss_rank = _is_loss_rank(layout)
+    is_loss_rank, counts_replica = _is_loss_rank(layout), _counts_replica(layout)
     step_cpu_clock = cpu_clock()
     last_step = min(cfg.training.train_steps, cfg.training.exit_at_step or cfg.training.train_steps)
     for step in range(summary.start_step + 1, last_step + 1):
@@ -709,7 +715,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         micro_batches = run.observer.begin_step(step, run.balancing.begin_step(step, micro_batches))
         step_cpu_start = step_cpu_clock()
         result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
-                            seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank)
+                            seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank, context_group=run.context_group)
         step_cpu_s = step_cpu_clock() - step_cpu_start
         expert_load = run.expert_load.take() if run.expert_load is not None else None  # collective
         run.balancing.end_step(step, result)
@@ -717,8 +723,8 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         consumed_rows += cfg.training.global_batch_size
         encoder = run.encoder_clock.take() if run.encoder_clock is not None else None
         flops = (steps_flops(micro_batches, cfg), steps_flops(micro_batches, cfg, hardware=True)) \
-            if is_loss_rank else None
-        totals = _step_totals(micro_batches, is_loss_rank, run.sync_clock.take(), result.vision_features_bytes,
+            if counts_replica else None
+        totals = _step_totals(micro_batches, counts_replica, run.sync_clock.take(), result.vision_features_bytes,
                               _rank_measures(encoder, step_cpu_s, run.env.device), flops)
         step_s = result.compute_s + data_wait
         throughput = Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
@@ -762,8 +768,15 @@ def _sources(run: _Run) -> Optional[dict]:
 
 
 def _is_loss_rank(layout: ParallelLayout) -> bool:
-    """One rank per data-parallel replica reports its loss: the last stage's TP rank 0."""
+    """The ranks that report a replica's loss: the last stage's TP rank 0, each CP rank of it (a CP
+    rank's loss is that of its share of the row's tokens)."""
     return layout.is_last_stage and layout.tp_rank == 0
+
+
+def _counts_replica(layout: ParallelLayout) -> bool:
+    """One rank per data-parallel replica counts its rows' tokens and FLOPs: the first CP rank of
+    the loss ranks (every CP rank of a replica holds the same micro-batches)."""
+    return _is_loss_rank(layout) and layout.cp_rank == 0
 
 
 def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int) -> None:
@@ -776,7 +789,7 @@ def _evaluate(run: _Run, logger: RunLogger, summary: TrainingSummary, step: int)
         for name in run.validation.pipelines:
             rejects_file(run.out_dir, name).unlink(missing_ok=True)
     forward = functools.partial(forward_only, device=run.env.device, seq_length=run.cfg.data.seq_len,
-                                is_loss_rank=_is_loss_rank(layout))
+                                is_loss_rank=_is_loss_rank(layout), context_group=run.context_group)
     results = run.validation.evaluate(run.model, forward)
     if run.encoder_clock is not None:
         run.encoder_clock.take()  # the next training step's encoder time starts from here

@@ -20,8 +20,11 @@ import torch
 import torch.distributed as dist
 
 from loongforge.models.moe_balance import aux_loss_weight, weighted_aux_loss
+from loongforge.parallel.context_parallel import ContextShard
 
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
+# Per-token tensors [1, T] that a CP rank cuts to its own tokens; positions and cu_seqlens stay the row's.
+_CONTEXT_SPLIT_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask")
 _TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask", "position_ids", "cu_seqlens", "pixel_values",
                 "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds", "video_embeds")
 
@@ -67,9 +70,17 @@ def _masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
     return loss_sum, num_tokens, {"lm_loss": report}
 
 
-def make_forward_step(device: torch.device) -> Callable:
+def make_forward_step(device: torch.device, context_group: Optional[dist.ProcessGroup] = None) -> Callable:
+    """megatron's forward step over one micro-batch (a packed row). ``context_group``: the CP group
+    of a context-parallel run (None at CP 1); the model then gets this rank's tokens of the row
+    (``parallel.context_parallel``), the whole row's positions and cu_seqlens, and the shard."""
+
     def forward_step(data_iterator, model):
         batch = to_device(next(data_iterator), device)
+        shard = None
+        if context_group is not None:
+            shard = ContextShard.of_row(batch["input_ids"], batch["cu_seqlens"], context_group)
+            batch = {**batch, **{key: shard.take(batch.get(key)) for key in _CONTEXT_SPLIT_KEYS}}
         output = model(
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
@@ -83,6 +94,7 @@ def make_forward_step(device: torch.device) -> Callable:
             video_embeds=batch.get("video_embeds"),
             loss_mask=batch["loss_mask"],
             padding_mask=batch.get("padding_mask"),
+            **({} if shard is None else {"context_shard": shard}),
         )
         return output, partial(_masked_loss_sum, batch["loss_mask"])
 
@@ -132,24 +144,26 @@ class ManualGC:
 
 
 def forward_backward(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
-                     is_loss_rank: bool) -> list[dict]:
+                     is_loss_rank: bool, context_group: Optional[dist.ProcessGroup] = None) -> list[dict]:
     """megatron-core's schedule over this rank's micro-batches: forward, backward, and the gradient
     finalize (all-reduce, division by the global loss-token count); the loss reports it returns.
     Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
-    weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank))
-                 if _has_balance_loss(_model_config(model)) else contextlib.nullcontext())
+    weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank and _first_of_context(
+        context_group))) if _has_balance_loss(_model_config(model)) else contextlib.nullcontext())
     with weighting:
-        return _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=False)
+        return _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=False,
+                         context_group=context_group)
 
 
 def _schedule(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
-              forward_only: bool) -> list[dict]:
-    """megatron-core's pipeline schedule for this layout over the micro-batches (one row each)."""
+              forward_only: bool, context_group: Optional[dist.ProcessGroup] = None) -> list[dict]:
+    """megatron-core's pipeline schedule for this layout over the micro-batches (one row each);
+    ``seq_length`` is the whole row's (megatron divides it by CP for the stages' messages)."""
     # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
     return get_forward_backward_func()(
-        forward_step_func=make_forward_step(device),
+        forward_step_func=make_forward_step(device, context_group),
         data_iterator=iter(micro_batches),
         model=model,
         num_microbatches=len(micro_batches),
@@ -160,18 +174,24 @@ def _schedule(model, micro_batches: list[dict], *, device: torch.device, seq_len
 
 
 def forward_only(model, micro_batches: list[dict], *, device: torch.device, seq_length: int,
-                 is_loss_rank: bool) -> tuple[float, int]:
+                 is_loss_rank: bool, context_group: Optional[dist.ProcessGroup] = None) -> tuple[float, int]:
     """megatron-core's schedule over this rank's micro-batches without a backward and without
     autograd (the caller puts the model in eval mode): the global batch's summed token loss and
     its loss tokens, over all ranks (a collective)."""
     with torch.no_grad():
-        reports = _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=True)
+        reports = _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=True,
+                            context_group=context_group)
     return _global_loss_sum(reports, is_loss_rank)
 
 
 def _has_balance_loss(config) -> bool:
     """A mixture-of-experts model trained with megatron-core's load-balancing loss."""
     return bool(getattr(config, "num_moe_experts", None) and getattr(config, "moe_aux_loss_coeff", 0))
+
+
+def _first_of_context(context_group: Optional[dist.ProcessGroup]) -> bool:
+    """The CP ranks of a replica hold the same micro-batches: the first of them counts them."""
+    return context_group is None or context_group.rank() == 0
 
 
 def _aux_loss_factor(micro_batches: list[dict], is_loss_rank: bool) -> float:
@@ -192,11 +212,13 @@ def _model_config(model: list):
 
 
 def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device: torch.device,
-               seq_length: int, is_loss_rank: bool) -> StepResult:
+               seq_length: int, is_loss_rank: bool,
+               context_group: Optional[dist.ProcessGroup] = None) -> StepResult:
     """Forward+backward over ``micro_batches``, optimizer update, LR step.
 
-    ``is_loss_rank``: true on exactly one rank per data-parallel replica (last pipeline stage, TP rank
-    0), so the logged loss counts each replica once.
+    ``is_loss_rank``: true on the last pipeline stage's TP rank 0 of every data-parallel replica (on
+    each of its CP ranks, which hold a share of the replica's tokens each), so the logged loss counts
+    every token once. ``context_group``: the CP group (None at CP 1).
     """
     for chunk in model:
         chunk.zero_grad_buffer()
@@ -204,7 +226,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     start = time.perf_counter()
     vision_bytes = _begin_step(model, micro_batches)
     reports = forward_backward(model, micro_batches, device=device, seq_length=seq_length,
-                               is_loss_rank=is_loss_rank)
+                               is_loss_rank=is_loss_rank, context_group=context_group)
     update_ok, grad_norm, _ = optimizer.step()
     _weights_changed(model)
     compute_s = time.perf_counter() - start

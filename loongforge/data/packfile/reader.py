@@ -69,11 +69,18 @@ class PackedFolder:
         self._files.move_to_end(shard)
         return self._files[shard]
 
-    def check_compatible(self, seq_len: int, sizing: VisionSizing) -> None:
-        """The packs must fit data.seq_len and were sized with the same image rules as training."""
+    def check_compatible(self, seq_len: int, sizing: VisionSizing, sample_multiple: int = 1) -> None:
+        """The packs must fit data.seq_len and were sized with the same image rules as training;
+        under context parallelism (``sample_multiple`` > 1) they must have been packed counting each
+        sample padded to a multiple of it (``loongforge pack --context-parallel``)."""
         if self.stats["seq_len"] > seq_len:
             raise InputError(f"data.packed={self.root} was packed for seq_len {self.stats['seq_len']} > "
                              f"data.seq_len={seq_len}; set data.seq_len={self.stats['seq_len']} or repack")
+        packed_multiple = self.stats.get("sample_multiple", 1)
+        if packed_multiple % sample_multiple:
+            raise InputError(f"data.packed={self.root} was packed with samples padded to a multiple of "
+                             f"{packed_multiple}, but parallel.context_parallel_size needs {sample_multiple}; "
+                             f"repack with --context-parallel {sample_multiple // 2}")
         expected = {} if sizing is None else sizing.geometry()
         packed = self.stats["vision_sizing"]
         differing = sorted(k for k in expected.keys() | packed.keys() if packed.get(k) != expected.get(k))

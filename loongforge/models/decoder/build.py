@@ -14,6 +14,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.parallel import mcore_patches
+from loongforge.parallel.context_parallel import ContextShard
 
 
 @dataclass(frozen=True)
@@ -23,6 +24,9 @@ class BuildContext:
     init_seed: int
     modules: BlockModules  # what the transformer blocks are built from (``model.layer_backend``)
     pgs: ProcessGroupCollection  # megatron's groups (the language model's)
+    # The CP group the encoders are built with: this rank alone (they never split a row), the
+    # language's own at CP 1.
+    encoder_cp: torch.distributed.ProcessGroup
 
 
 def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_dtype: torch.dtype,
@@ -41,11 +45,22 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     return BuildContext(device=device, on_cpu=on_cpu,
                         init_seed=torch.initial_seed() if init_seed is None else init_seed,
                         modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype)),
-                        pgs=pgs)
+                        pgs=pgs, encoder_cp=_single_rank_group(pgs.cp))
+
+
+def _single_rank_group(cp_group: torch.distributed.ProcessGroup) -> torch.distributed.ProcessGroup:
+    """A group of this rank alone (collective: every rank creates every rank's group); ``cp_group``
+    itself where it already is one. megatron's attention and rotary code split a packed row over
+    whatever CP group a module is built with, and an image is never split."""
+    if cp_group.size() == 1:
+        return cp_group
+    own, _ = torch.distributed.new_subgroups(group_size=1)
+    return own
 
 
 def check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollection) -> None:
-    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp)):
+    for key, group in (("tensor_model_parallel_size", pgs.tp), ("pipeline_model_parallel_size", pgs.pp),
+                       ("context_parallel_size", pgs.cp)):
         expected = getattr(parallel_cfg, key)
         if group is None or group.size() != expected:
             actual = None if group is None else group.size()
@@ -55,14 +70,21 @@ def check_parallel_state(parallel_cfg: ParallelConfig, pgs: ProcessGroupCollecti
             )
 
 
-def check_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params) -> None:
+def check_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq_params,
+                 context_shard: Optional[ContextShard] = None) -> None:
     """input_ids [b, s]; position_ids [3, b, s]; packed (thd) input has b == 1 and cu_seqlens
-    covering every position."""
-    batch, seq_len = input_ids.shape
+    covering every position. Under context parallelism (``context_shard``) input_ids hold this CP
+    rank's s / CP tokens while positions and cu_seqlens are the whole row's s."""
+    batch, local_len = input_ids.shape
+    seq_len = local_len if context_shard is None else context_shard.row_length
+    if context_shard is not None and local_len * context_shard.size != seq_len:
+        raise ValueError(f"input_ids hold {local_len} tokens, not 1/{context_shard.size} of the row's {seq_len}")
     if position_ids.dim() != 3 or position_ids.shape != (3, batch, seq_len):
         raise ValueError(
             f"position_ids must be [3, b, s] = [3, {batch}, {seq_len}], got {list(position_ids.shape)}"
         )
+    if context_shard is not None and packed_seq_params is None:
+        raise ValueError("context parallelism needs packed (thd) rows: packed_seq_params")
     if packed_seq_params is not None:
         if batch != 1:
             raise ValueError(f"packed (thd) input needs batch size 1, got {batch}")

@@ -85,6 +85,9 @@ def language_config(
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         sequence_parallel=parallel_cfg.sequence_parallel,
+        context_parallel_size=parallel_cfg.context_parallel_size,
+        # "auto": megatron's default on te (p2p) and the gathered keys and values on sdpa / flash.
+        cp_comm_type=None if parallel_cfg.context_parallel_comm == "auto" else parallel_cfg.context_parallel_comm,
         cross_entropy_loss_fusion=False,
         **experts(lang, parallel_cfg),
         **recompute(recompute_layers),

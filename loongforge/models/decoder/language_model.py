@@ -30,6 +30,11 @@ class LanguageModel(GPTModel):
         with initialization.seeded(init_seed, "language_model.embedding"):
             super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        if kwargs.get("position_embedding_type") == "mrope":
+            # Packed rows under context parallelism: megatron's thd rotary code (in attention) picks
+            # every sample's chunks of this CP rank from the whole row's angles. M-RoPE's own cut along
+            # the row (the unpacked convention) would hand it the wrong ones, so the angles stay whole.
+            self.rotary_pos_emb.cp_group = None
         if (init_seed is not None and self.post_process and not self.share_embeddings_and_output_weights
                 and initialization.draws_on_cpu(self.config)):
             # GPTModel drew it from the embedding's stream, which only a stage holding the embedding

@@ -43,8 +43,15 @@ from loongforge.models.qwen2_5_vl.process_groups import (
     mark_tp_duplicates,
 )
 from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel
-from loongforge.models.vision_common import optional_cat, scatter_features, vision_pg_collection
+from loongforge.models.vision_common import (
+    held_features,
+    optional_cat,
+    scatter_features,
+    vision_pg_collection,
+    written_over,
+)
 from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
+from loongforge.parallel.context_parallel import ContextShard
 from loongforge.parallel.media_assign import VisionCost
 
 
@@ -61,6 +68,7 @@ class Qwen2_5_VLModel(MegatronModule):
         modules: BlockModules,
         language_pgs: ProcessGroupCollection,
         vision_tp_group: torch.distributed.ProcessGroup,
+        encoder_cp: torch.distributed.ProcessGroup,
         pre_process: bool,
         post_process: bool,
         vp_stage: Optional[int] = None,
@@ -93,7 +101,7 @@ class Qwen2_5_VLModel(MegatronModule):
                     vision_config,
                     model_cfg,
                     vision_layer_spec(modules),
-                    vision_pg_collection(vision_tp_group, language_pgs),
+                    vision_pg_collection(vision_tp_group, language_pgs, encoder_cp),
                 )
             with initialization.seeded(init_seed, "projector"):
                 self.projector = PatchMerger(projector_config, model_cfg, vision_tp_group, modules)
@@ -203,8 +211,13 @@ class Qwen2_5_VLModel(MegatronModule):
         image_embeds: Optional[torch.Tensor] = None,
         video_embeds: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
+        context_shard: Optional[ContextShard] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
+
+        ``context_shard``: under context parallelism the per-token inputs (and the output) are this
+        CP rank's s / CP tokens of the row; positions and cu_seqlens stay the whole row's, and the
+        row's media are encoded whole, each CP rank writing the features of its own placeholders.
 
         ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics.
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
@@ -217,12 +230,12 @@ class Qwen2_5_VLModel(MegatronModule):
         the grids.
         On later pipeline stages the hidden states come from ``set_input_tensor`` instead.
         """
-        check_inputs(input_ids, position_ids, packed_seq_params)
+        check_inputs(input_ids, position_ids, packed_seq_params, context_shard)
         decoder_input = None
         if self.pre_process:
             decoder_input = self.embed(
                 input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                stored=optional_cat(image_embeds, video_embeds),
+                stored=optional_cat(image_embeds, video_embeds), context_shard=context_shard,
             )
         return self.language_model(
             input_ids=input_ids,
@@ -245,13 +258,16 @@ class Qwen2_5_VLModel(MegatronModule):
         pixel_values_videos: Optional[torch.Tensor],
         video_grid_thw: Optional[torch.Tensor],
         stored: Optional[torch.Tensor] = None,
+        context_shard: Optional[ContextShard] = None,
     ) -> torch.Tensor:
         """Text embeddings with image/video features in place of their placeholders: [s, b, h].
-        ``stored`` [P/m^2, h]: the images' then the videos' features, computed offline."""
+        ``stored`` [P/m^2, h]: the images' then the videos' features, computed offline.
+        ``context_shard``: ``input_ids`` are this CP rank's tokens; the features are the row's."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         tokens = self.model_cfg.tokens
-        image_count = self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image")
-        video_count = self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")
+        row_ids = input_ids if context_shard is None else context_shard.row_input_ids
+        image_count = self._placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image")
+        video_count = self._placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video")
         # Images and videos go through the tower together: segments never cross an image, so
         # this equals two separate calls and costs one.
         features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
@@ -259,8 +275,9 @@ class Qwen2_5_VLModel(MegatronModule):
         if features is not None:
             features = features.to(embeddings.dtype)
             image_features, video_features = features.split([image_count, video_count])
-            embeddings = scatter_features(embeddings, input_ids, tokens.image_token_id, image_features)
-            embeddings = scatter_features(embeddings, input_ids, tokens.video_token_id, video_features)
+            for token_id, part in ((tokens.image_token_id, image_features), (tokens.video_token_id, video_features)):
+                embeddings = scatter_features(embeddings, input_ids, token_id, held_features(part, token_id, context_shard))
+            embeddings = written_over(embeddings, features, context_shard)
         elif self.vision_model is not None and self.step_encoding is None:
             # No media in this micro-batch: the encoder still reports a zero gradient to the DDP.
             # (encoder_dp=full reports the encoder's gradients once per step, after the flush.)
@@ -368,6 +385,7 @@ def build_model(
         modules=modules,
         language_pgs=language_pgs,
         vision_tp_group=vision_tp_group,
+        encoder_cp=context.encoder_cp,
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,

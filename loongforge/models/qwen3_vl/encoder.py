@@ -29,10 +29,12 @@ from loongforge.parallel import mcore_patches
 
 def build_towers(vision: Qwen3VisionConfig, vision_config: TransformerConfig, merger_config: TransformerConfig,
                  modules: BlockModules, tp_group, pgs: ProcessGroupCollection,
-                 init_seed: Optional[int]) -> tuple[VisionModel, PatchMerger, MergerList]:
-    """The ViT, its merger and DeepStack's mergers, each drawn from its own seeded stream."""
+                 init_seed: Optional[int], cp_group=None) -> tuple[VisionModel, PatchMerger, MergerList]:
+    """The ViT, its merger and DeepStack's mergers, each drawn from its own seeded stream.
+    ``cp_group``: the CP group of this rank alone the ViT is built with (default ``pgs.cp``)."""
     with initialization.seeded(init_seed, "vision_model"):
-        vision_model = VisionModel(vision_config, vision, vision_layer_spec(modules), vision_pg_collection(tp_group, pgs))
+        vision_model = VisionModel(vision_config, vision, vision_layer_spec(modules),
+                                   vision_pg_collection(tp_group, pgs, cp_group))
     with initialization.seeded(init_seed, "projector"):
         projector = PatchMerger(merger_config, vision, tp_group, modules, postshuffle_norm=False)
     with initialization.seeded(init_seed, "deepstack_projectors"):

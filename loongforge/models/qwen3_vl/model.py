@@ -42,7 +42,8 @@ from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
 from loongforge.models.qwen3_vl.encoder import build_towers, encode_with
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
-from loongforge.models.vision_common import optional_cat, scatter_features
+from loongforge.models.vision_common import held_features, optional_cat, scatter_features, written_over
+from loongforge.parallel.context_parallel import ContextShard
 from loongforge.parallel.encoder_dp import touch_with_zero
 
 
@@ -59,6 +60,7 @@ class Qwen3VLModel(MegatronModule):
         merger_config: TransformerConfig,
         modules: BlockModules,
         language_pgs: ProcessGroupCollection,
+        encoder_cp: torch.distributed.ProcessGroup,
         pre_process: bool,
         post_process: bool,
         vp_stage: Optional[int] = None,
@@ -85,7 +87,8 @@ class Qwen3VLModel(MegatronModule):
         self.deepstack_projectors: Optional[MergerList] = None
         if pre_process and with_encoder:
             self.vision_model, self.projector, self.deepstack_projectors = build_towers(
-                vision, vision_config, merger_config, modules, language_pgs.tp, language_pgs, init_seed)
+                vision, vision_config, merger_config, modules, language_pgs.tp, language_pgs, init_seed,
+                cp_group=encoder_cp)
         if not with_encoder:
             self.layer_backends["vision"] = "none (stored embeddings)"
 
@@ -155,6 +158,7 @@ class Qwen3VLModel(MegatronModule):
         image_embeds: Optional[torch.Tensor] = None,
         video_embeds: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
+        context_shard: Optional[ContextShard] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
         For a model built without the encoder: ``image_embeds`` / ``video_embeds`` [P/m^2, (1 + k) h]
@@ -169,12 +173,17 @@ class Qwen3VLModel(MegatronModule):
         packed_seq_params: thd with b == 1 and cu_seqlens over all b*s tokens; pixel_values
         [P, C*T*p*p] with image_grid_thw [n, 3], likewise videos. On later pipeline stages the
         hidden states come from ``set_input_tensor`` instead.
+
+        ``context_shard``: under context parallelism the per-token inputs (and the output) are this
+        CP rank's s / CP tokens of the row; positions and cu_seqlens stay the whole row's, and each
+        CP rank writes (and DeepStack adds) the features of its own placeholders.
         """
-        check_inputs(input_ids, position_ids, packed_seq_params)
+        check_inputs(input_ids, position_ids, packed_seq_params, context_shard)
         decoder_input, context = None, None
         if self.pre_process:
             decoder_input, context = self.embed(input_ids, pixel_values, image_grid_thw, pixel_values_videos,
-                                                video_grid_thw, stored=optional_cat(image_embeds, video_embeds))
+                                                video_grid_thw, stored=optional_cat(image_embeds, video_embeds),
+                                                context_shard=context_shard)
         return self.language_model(
             input_ids=input_ids,
             position_ids=position_ids,
@@ -197,14 +206,17 @@ class Qwen3VLModel(MegatronModule):
         pixel_values_videos: Optional[torch.Tensor],
         video_grid_thw: Optional[torch.Tensor],
         stored: Optional[torch.Tensor] = None,
+        context_shard: Optional[ContextShard] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(text embeddings with merged features over their placeholders [s, b, h], DeepStack
         context [s, b, k, h] or None without media); both [s/tp, ...] under sequence parallelism.
-        ``stored`` [P/m^2, (1 + k) * h]: the images' then the videos' features, computed offline."""
+        ``stored`` [P/m^2, (1 + k) * h]: the images' then the videos' features, computed offline.
+        ``context_shard``: ``input_ids`` are this CP rank's tokens; the features are the row's."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         tokens = self.model_cfg.tokens
-        counts = [self._placeholder_count(input_ids, tokens.image_token_id, image_grid_thw, "image"),
-                  self._placeholder_count(input_ids, tokens.video_token_id, video_grid_thw, "video")]
+        row_ids = input_ids if context_shard is None else context_shard.row_input_ids
+        counts = [self._placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image"),
+                  self._placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video")]
         pixels = optional_cat(pixel_values, pixel_values_videos)
         context = None
         if self.vision_model is None and pixels is not None:
@@ -221,10 +233,11 @@ class Qwen3VLModel(MegatronModule):
         if stored is not None or pixels is not None:
             token_ids = (tokens.image_token_id, tokens.video_token_id)
             for token_id, part in zip(token_ids, features.to(embeddings.dtype).split(counts)):
-                embeddings = scatter_features(embeddings, input_ids, token_id, part)
+                embeddings = scatter_features(embeddings, input_ids, token_id, held_features(part, token_id, context_shard))
+            embeddings = written_over(embeddings, torch.cat([features, *deepstack_features], dim=-1), context_shard)
             if deepstack_features:
                 parts = [f.to(embeddings.dtype).split(counts) for f in deepstack_features]  # [k][image, video]
-                per_token = [(token_id, [p[kind] for p in parts])
+                per_token = [(token_id, [held_features(p[kind], token_id, context_shard) for p in parts])
                              for kind, token_id in enumerate(token_ids) if counts[kind]]
                 context = deepstack.dense_context(input_ids, per_token, tuple(embeddings.shape))
         elif self.vision_model is not None:
@@ -298,6 +311,7 @@ def build_model(
         merger_config=configs.merger_config(vision, tp, params_dtype, on_cpu),
         modules=modules,
         language_pgs=language_pgs,
+        encoder_cp=context.encoder_cp,
         pre_process=pre_process,
         post_process=post_process,
         vp_stage=vp_stage,

@@ -45,9 +45,9 @@ class InterleavedMRoPE(torch.nn.Module):
     def forward(self, position_ids: torch.Tensor, mrope_section: Optional[list[int]] = None,
                 cp_group: Optional[torch.distributed.ProcessGroup] = None) -> torch.Tensor:
         """position_ids [3, b, s] -> angles [s, b, 1, head_dim]. ``mrope_section`` is fixed at
-        construction (megatron passes its config's; they are the same numbers)."""
-        if cp_group is not None and cp_group.size() > 1:
-            raise ValueError("interleaved M-RoPE does not support context parallelism")
+        construction (megatron passes its config's; they are the same numbers). Under context
+        parallelism the angles are the whole packed row's, whatever ``cp_group``: megatron's thd
+        rotary code picks this CP rank's chunks of every sample from them."""
         angles = position_ids[..., None].float() * self.inv_freq  # [3, b, s, hd/2]
         index = self.axes.view(1, 1, 1, -1).expand(1, *angles.shape[1:])
         chosen = angles.gather(0, index)[0]  # [b, s, hd/2]
