@@ -24,7 +24,7 @@ Which rank owns which medium is ``parallel.media_assign``'s (pure, the same on e
 
 from __future__ import annotations
 
-from typing import Iterable, Sequence
+from typing import Iterable, Optional, Sequence
 
 import torch
 import torch.distributed as dist
@@ -36,20 +36,25 @@ GROUP_ATTR = "encoder_dp_group"
 
 class _GatherFromOwners(torch.autograd.Function):
     """forward: local rows [n_mine, h] -> all rows [N, h], placed at ``positions``.
-    backward: the rows of the incoming gradient this rank owns, in its local order."""
+    backward: the rows of the incoming gradient this rank owns, in its local order, summed over
+    ``gradient_group`` first when one is given (ranks whose gradients of the rows differ)."""
 
     @staticmethod
-    def forward(ctx, local, group, rows_per_rank, positions):
+    def forward(ctx, local, group, rows_per_rank, positions, gradient_group):
         rank = dist.get_rank(group)
         full = _all_gather_rows(local, group, rows_per_rank, positions)
         first = sum(rows_per_rank[:rank])
         ctx.save_for_backward(positions[first: first + rows_per_rank[rank]])
+        ctx.gradient_group = gradient_group
         return full
 
     @staticmethod
     def backward(ctx, grad_full):
         (mine,) = ctx.saved_tensors
-        return grad_full[mine], None, None, None
+        if ctx.gradient_group is not None and ctx.gradient_group.size() > 1:
+            grad_full = grad_full.contiguous().clone()  # [N, h]: every rank's share of each row's gradient
+            dist.all_reduce(grad_full, group=ctx.gradient_group)
+        return grad_full[mine], None, None, None, None
 
 
 def _all_gather_rows(local: torch.Tensor, group: dist.ProcessGroup, rows_per_rank: Sequence[int],
@@ -84,13 +89,16 @@ def gather_rows(local: torch.Tensor, group: dist.ProcessGroup,
 
 
 def gather_from_owners(local: torch.Tensor, group: dist.ProcessGroup,
-                       owner_rows: Sequence[torch.Tensor]) -> torch.Tensor:
+                       owner_rows: Sequence[torch.Tensor],
+                       gradient_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
     """Every rank's rows, in the original order: [N, h].
 
     ``local`` [n_mine, h]: this rank's rows, in the order ``owner_rows[my rank]`` lists them;
     ``owner_rows[r]`` [n_r] int64: the indices (among the N output rows) of the rows rank r holds,
     the same on every rank. A rank owning nothing passes a [0, h] tensor and still takes part:
-    every rank of the group must call this whenever any rank owns a row.
+    every rank of the group must call this whenever any rank owns a row. ``gradient_group``: ranks
+    (within ``group``) that each hold part of the rows' gradient (context parallelism): the backward
+    sums it over them, a collective every one of them must reach.
     """
     rank = dist.get_rank(group)
     if local.shape[0] != len(owner_rows[rank]):
@@ -98,7 +106,7 @@ def gather_from_owners(local: torch.Tensor, group: dist.ProcessGroup,
                          f"{len(owner_rows[rank])}")
     rows_per_rank = [len(rows) for rows in owner_rows]
     positions = torch.cat(list(owner_rows)).to(device=local.device, dtype=torch.long)
-    return _GatherFromOwners.apply(local, group, rows_per_rank, positions)
+    return _GatherFromOwners.apply(local, group, rows_per_rank, positions, gradient_group)
 
 
 def touch_with_zero(tensor: torch.Tensor, params: Iterable[torch.nn.Parameter]) -> torch.Tensor:

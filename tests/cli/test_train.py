@@ -190,7 +190,7 @@ def test_bad_override_syntax_exits_2():
 
 def test_layout_error_exits_2_with_remedy():
     assert_usage_error(invoke("--preset", "qwen2.5vl-7b", "--nproc-per-node", "3", "--dry-run"),
-                       "world size 3 is not a multiple of TP x PP = 2 x 1 = 2")
+                       "world size 3 is not a multiple of TP x PP x CP = 2 x 1 x 1 = 2")
 
 
 def test_a_layout_the_model_family_refuses_exits_2_before_anything_starts(tmp_path):

@@ -173,9 +173,24 @@ def test_world_size_must_be_multiple_of_tp_times_pp():
     messages = errors_for("parallel.tensor_model_parallel_size=4",
                           "parallel.pipeline_model_parallel_size=2", preset="qwen2.5vl-7b",
                           world_size=12)
-    assert messages == ["world size 12 is not a multiple of TP x PP = 4 x 2 = 8; launch a "
+    assert messages == ["world size 12 is not a multiple of TP x PP x CP = 4 x 2 x 1 = 8; launch a "
                         "multiple of 8 processes (--nproc-per-node or parallel.world_size) or "
-                        "lower the TP/PP sizes."]
+                        "lower the TP/PP/CP sizes."]
+
+
+def test_context_parallelism_takes_its_share_of_the_world_and_whole_chunks():
+    messages = errors_for("parallel.context_parallel_size=2", "parallel.tensor_model_parallel_size=2",
+                          world_size=6)
+    assert messages == ["world size 6 is not a multiple of TP x PP x CP = 2 x 1 x 2 = 4; launch a multiple of "
+                        "4 processes (--nproc-per-node or parallel.world_size) or lower the TP/PP/CP sizes."]
+    (message,) = errors_for("parallel.context_parallel_size=2", "data.seq_len=1022", world_size=2)
+    assert message == "data.seq_len=1022 must be a multiple of 4 (samples padded to a multiple of 4)."
+    (message,) = errors_for("parallel.context_parallel_size=2", "data.sample_multiple=6", world_size=2)
+    assert message == ("data.sample_multiple=6 must be a positive multiple of 4 (2 x parallel.context_parallel_size); "
+                       "set it to 4 or leave it null.")
+    (message,) = errors_for("parallel.context_parallel_size=2", "parallel.context_parallel_comm=p2p",
+                            "model.layer_backend=sdpa", world_size=2)
+    assert message.startswith("parallel.context_parallel_comm=p2p is Transformer Engine's; the sdpa layer backend")
 
 
 def test_global_batch_divisible_by_data_parallel():
@@ -245,7 +260,7 @@ def test_world_size_argument_overrides_config_value():
     cfg = load_run_config("qwen2.5vl-tiny")
     assert check_run_config(cfg, world_size=3) == [
         "training.global_batch_size=4 is not divisible by the data-parallel size 3 (world 3 / "
-        "(TP 1 x PP 1)); use a multiple of 3."]
+        "(TP 1 x PP 1 x CP 1)); use a multiple of 3."]
 
 
 def test_data_read_choices_and_packed_sharded():

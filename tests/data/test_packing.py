@@ -51,3 +51,16 @@ def test_packing_imports_without_torch():
 
     code = "import sys, loongforge.data.packing; assert 'torch' not in sys.modules, 'packing pulled in torch'"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_samples_are_packed_at_their_padded_length():
+    """sample_multiple 4 (context parallelism at CP 2): 6 counts as 8, so 6 + 6 + 6 no longer fits 20."""
+    assert pack_lengths([6, 6, 6], seq_len=20, lookahead=4) == [[0, 1, 2]]
+    packer: LookaheadPacker[None] = LookaheadPacker(20, 4, sample_multiple=4)
+    stream = iter(PackItem(key=i, length=6) for i in range(3))
+    rows = []
+    while row := packer.next_row(lambda: next(stream, None)):
+        rows.append([item.key for item in row])
+    assert rows == [[0, 1], [2]]
+    with pytest.raises(ValueError, match="takes 24 tokens > seq_len 20"):
+        LookaheadPacker(20, 4, sample_multiple=8).next_row(lambda: PackItem(key=0, length=17))

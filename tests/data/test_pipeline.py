@@ -185,6 +185,28 @@ def test_rows_padded_to_seq_len_for_pipeline_parallel(tokenizer):
         assert mb["input_ids"].shape == (1, 512) and mb["cu_seqlens"][-1] == 512
 
 
+def test_samples_padded_to_2cp_inside_their_segments_for_context_parallelism(tokenizer):
+    """sample_multiple 4 (CP 2): each segment a multiple of 4; its padding trains nothing, is marked
+    padding and continues the sample's positions; the packer counted the padded lengths."""
+    plain = _pipeline(tokenizer, _synthetic(), gbs=2).next_step()
+    padded = _pipeline(tokenizer, _synthetic(), gbs=2, pad=16, sample_multiple=4).next_step()
+    for mb in padded:
+        segments = (mb["cu_seqlens"][1:] - mb["cu_seqlens"][:-1]).tolist()
+        assert all(length % 4 == 0 for length in segments), segments
+        assert sum(segments) <= 512 and mb["input_ids"].shape[1] == sum(segments)
+        starts = mb["cu_seqlens"][:-1].tolist()
+        for start, real in zip(starts, mb["sample_lengths"]):
+            pad = -real % 4
+            span = slice(start + real, start + real + pad)
+            assert mb["padding_mask"][0, span].all() and not mb["padding_mask"][0, start:start + real].any()
+            assert mb["loss_mask"][0, span].sum() == 0 and (mb["labels"][0, span] == 0).all()
+            last = mb["position_ids"][:, 0, start + real - 1]  # [3]
+            assert torch.equal(mb["position_ids"][:, 0, span], last[:, None] + torch.arange(1, pad + 1))
+    # Same samples, same real tokens and answers: the padding adds none.
+    assert padded[0]["sample_ids"][:2] == plain[0]["sample_ids"][:2]
+    assert padded[0]["num_loss_tokens"] > 0
+
+
 def test_real_demo_conversations_with_images_and_video(tokenizer):
     pytest.importorskip("av")
     paths = [LLAMAFACTORY / "mllm_demo.json", LLAMAFACTORY / "mllm_video_demo.json",

@@ -37,6 +37,18 @@ def _gather_and_backward(owner_rows: list[list[int]]) -> None:
     assert torch.equal(local.grad, weights[mine]), (rank, local.grad)
 
 
+def _gather_with_gradient_group(owner_rows: list[list[int]]) -> None:
+    """CP ranks: each weighs the rows differently (its own tokens' loss); the owner gets the sum."""
+    rank, n = dist.get_rank(), sum(len(rows) for rows in owner_rows)
+    mine = owner_rows[rank]
+    local = _rows(n)[mine].clone().requires_grad_(True)
+    full = gather_from_owners(local, dist.group.WORLD, [torch.tensor(r, dtype=torch.long) for r in owner_rows],
+                              gradient_group=dist.group.WORLD)
+    weights = torch.arange(1, n * WIDTH + 1, dtype=torch.float64).reshape(n, WIDTH)
+    (full * weights * (rank + 1)).sum().backward()
+    assert torch.equal(local.grad, 3 * weights[mine]), (rank, local.grad)
+
+
 def _sum_grads() -> None:
     rank = dist.get_rank()
     tower = torch.nn.Linear(2, 2, bias=True).double()
@@ -58,6 +70,8 @@ def _worker(rank: int, port: int) -> None:
     try:
         _gather_and_backward([[2, 0], [1, 3, 4]])  # uneven, out of order
         _gather_and_backward([[0, 1, 2], []])  # rank 1 owns nothing: zero-size rows, same collective
+        _gather_with_gradient_group([[1], [0, 2]])
+        _gather_with_gradient_group([[], [0, 1]])  # rank 0 owns nothing: still in the gradient's sum
         _sum_grads()
     finally:
         dist.destroy_process_group()

@@ -6,7 +6,6 @@ layer_specs.py  the vision layer spec (the decoder block of ``models.decoder``, 
 configs.py      ModelConfig -> megatron TransformerConfigs
 process_groups.py  the vision tower's own tensor-parallel groups
 encoder.py      the vision encoder alone (loongforge encode)
-encoder_share.py   parallel.encoder_dp=tp: the TP group divides a micro-batch's media
 encoder_full.py    parallel.encoder_dp=full: the TP x PP group divides a whole step's media
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies

@@ -35,7 +35,7 @@ from loongforge.models.moe_balance import routing_padding_mask
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen2_5_vl import configs
 from loongforge.models.qwen2_5_vl.encoder_full import StepEncoding
-from loongforge.models.qwen2_5_vl.encoder_share import SharedEncoding
+from loongforge.models.encoder_share import SharedEncoding, SharingGroups, sharing_groups
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.qwen2_5_vl.layer_specs import vision_layer_spec
 from loongforge.models.qwen2_5_vl.process_groups import (
@@ -109,7 +109,8 @@ class Qwen2_5_VLModel(MegatronModule):
         # language TP group in blocks of vision-TP ranks: block k holds replica k of every shard.
         self._vision_tp = vision_tp_group.size()
         self._vision_replica_block = get_pg_rank(language_pgs.tp) // self._vision_tp
-        # parallel.encoder_dp=tp: the TP group divides each micro-batch's media (build_model).
+        # parallel.encoder_dp=tp / encoder_cp: the TP and/or CP group divides each micro-batch's
+        # media (build_model).
         self.shared_encoding: Optional[SharedEncoding] = None
         # parallel.encoder_dp=full: the model-parallel group divides each step's media (build_model).
         self.step_encoding: Optional[StepEncoding] = None
@@ -396,8 +397,9 @@ def build_model(
     if model.vision_model is not None:
         for tower in (model.vision_model, model.projector):
             mark_tp_duplicates(tower, vision_tp=vision_tp, replica_block=model._vision_replica_block)
-        if parallel_cfg.encoder_dp == "tp" and language_pgs.tp.size() > 1:
-            _share_encoder(model, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
+        sharing = sharing_groups(parallel_cfg, language_pgs)
+        if sharing is not None:
+            _share_encoder(model, sharing, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
                            vision_cost=vision_cost or VisionCost)
         if parallel_cfg.encoder_dp == "full":
             _encode_per_step(model, language_pgs, vision_tp=vision_tp, dtype=params_dtype,
@@ -405,20 +407,22 @@ def build_model(
     return model.to(device)
 
 
-def _share_encoder(model: Qwen2_5_VLModel, tp_group, *, vision_tp: int, dtype: torch.dtype,
-                   vision_cost: Callable[[], VisionCost]) -> None:
-    """``parallel.encoder_dp=tp``: the TP group's ranks each encode a share of the media, and
-    the encoder's gradients are summed over the group (``parallel.encoder_dp``). The grad norm
-    still counts the tower once: after the sum every TP rank holds the same gradient, and
-    ``mark_tp_duplicates`` already counts a vision-TP-1 tower on TP rank 0 only."""
-    if vision_tp != 1:
+def _share_encoder(model: Qwen2_5_VLModel, sharing: SharingGroups, tp_group, *, vision_tp: int,
+                   dtype: torch.dtype, vision_cost: Callable[[], VisionCost]) -> None:
+    """``parallel.encoder_dp=tp`` and/or ``encoder_cp``: the sharing group's ranks each encode a
+    share of the media (``models.encoder_share``). TP sharing sums the encoder's gradients over the
+    TP group (``parallel.encoder_dp``); the grad norm still counts the tower once: after the sum
+    every TP rank holds the same gradient, and ``mark_tp_duplicates`` already counts a vision-TP-1
+    tower on TP rank 0 only. CP sharing needs no more: the data-parallel reduction spans CP."""
+    if sharing.tp_shares and vision_tp != 1:
         raise ValueError(f"parallel.encoder_dp=tp needs vision TP 1 (a whole encoder on every TP "
                          f"rank), got {vision_tp}")
     model.shared_encoding = SharedEncoding(
-        tp_group, merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size,
-        dtype=dtype, vision_cost=vision_cost)
-    for tower in (model.vision_model, model.projector):
-        mark_encoder_replicas(tower.parameters(), tp_group)
+        sharing.group, merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size,
+        dtype=dtype, vision_cost=vision_cost, gradient_group=sharing.gradient_group)
+    if sharing.tp_shares:
+        for tower in (model.vision_model, model.projector):
+            mark_encoder_replicas(tower.parameters(), tp_group)
 
 
 def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vision_tp: int,

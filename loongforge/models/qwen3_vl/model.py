@@ -16,7 +16,7 @@ correspondence), with megatron-core doing tensor and pipeline parallelism:
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from megatron.core import tensor_parallel
@@ -43,7 +43,9 @@ from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
 from loongforge.models.qwen3_vl.encoder import build_towers, encode_with
 from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
 from loongforge.models.vision_common import held_features, optional_cat, scatter_features, written_over
+from loongforge.models.encoder_share import SharedEncoding, sharing_groups
 from loongforge.parallel.context_parallel import ContextShard
+from loongforge.parallel.media_assign import VisionCost
 from loongforge.parallel.encoder_dp import touch_with_zero
 
 
@@ -85,6 +87,8 @@ class Qwen3VLModel(MegatronModule):
         self.vision_model: Optional[VisionModel] = None
         self.projector: Optional[PatchMerger] = None
         self.deepstack_projectors: Optional[MergerList] = None
+        # parallel.encoder_cp: the CP group divides each micro-batch's media (build_model).
+        self.shared_encoding: Optional[SharedEncoding] = None
         if pre_process and with_encoder:
             self.vision_model, self.projector, self.deepstack_projectors = build_towers(
                 vision, vision_config, merger_config, modules, language_pgs.tp, language_pgs, init_seed,
@@ -251,9 +255,21 @@ class Qwen3VLModel(MegatronModule):
         return embeddings, context
 
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
-        """Merged features [P/m^2, h] and the k DeepStack feature sets [P/m^2, h], decoder layer order."""
-        return encode_with(self.vision_model, self.projector, self.deepstack_projectors, self.vision,
-                           pixels, grid_thw)
+        """Merged features [P/m^2, h] and the k DeepStack feature sets [P/m^2, h], decoder layer order;
+        under ``parallel.encoder_cp`` each CP rank encodes a share and all are gathered."""
+        if self.shared_encoding is None:
+            return encode_with(self.vision_model, self.projector, self.deepstack_projectors, self.vision,
+                               pixels, grid_thw)
+        features = self.shared_encoding(self._encode_concatenated, self._trainable_encoder_params(),
+                                        pixels, grid_thw)  # [P/m^2, (1 + k) h]
+        merged, *deepstack_features = features.chunk(1 + self.vision.num_deepstack_layers, dim=-1)
+        return merged, deepstack_features
+
+    def _encode_concatenated(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        """[P/m^2, (1 + k) h]: the merger's features then DeepStack's, per merged token."""
+        merged, deepstack_features = encode_with(self.vision_model, self.projector, self.deepstack_projectors,
+                                                 self.vision, pixels, grid_thw)
+        return torch.cat([merged, *deepstack_features], dim=-1)
 
     def _trainable_encoder_params(self) -> list[torch.nn.Parameter]:
         return [param for tower in (self.vision_model, self.projector, self.deepstack_projectors)
@@ -278,15 +294,16 @@ def build_model(
     recompute_activations: bool = False,
     init_seed: Optional[int] = None,
     vision: Optional[Qwen3VisionConfig] = None,
-    vision_cost=None,
+    vision_cost: Optional[Callable[[], VisionCost]] = None,
     with_encoder: bool = True,
 ) -> Qwen3VLModel:
     """Build this rank's pipeline stage. Needs megatron's parallel state initialised to match
     ``parallel_cfg``. ``recompute_activations``: full activation recompute in both towers.
     ``init_seed``: the seed of the initial weights (default ``torch.initial_seed()``).
     ``vision``: the Qwen3-VL vision facts; default ``Qwen3VisionConfig.from_model_cfg(model_cfg)``
-    (which needs the Qwen3-VL fields of ``model.vision``). ``vision_cost`` (the cost that divides
-    media under ``parallel.encoder_dp``) has nothing to act on: Qwen3-VL runs encoder_dp=none.
+    (which needs the Qwen3-VL fields of ``model.vision``). ``vision_cost``: the current cost
+    coefficients that divide each micro-batch's media over the CP group (``parallel.encoder_cp``);
+    default P^2 + P. (Qwen3-VL runs encoder_dp=none.)
     ``with_encoder=False``: no towers (training on ``loongforge encode``'s stored features, the
     merger's and DeepStack's)."""
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
@@ -318,6 +335,12 @@ def build_model(
         init_seed=init_seed,
         with_encoder=with_encoder,
     )
+    sharing = sharing_groups(parallel_cfg, language_pgs)
+    if sharing is not None and model.vision_model is not None:
+        width = (1 + vision.num_deepstack_layers) * vision.out_hidden_size
+        model.shared_encoding = SharedEncoding(sharing.group, merge_unit=model.merge_unit, width=width,
+                                               dtype=params_dtype, vision_cost=vision_cost or VisionCost,
+                                               gradient_group=sharing.gradient_group)
     return model.to(device)
 
 
