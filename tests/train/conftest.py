@@ -1,7 +1,11 @@
-"""Shared helpers: run `loongforge train` in subprocesses on a very small Qwen2.5-VL and read the results.
+"""Shared helpers: run `loongforge train` in fresh processes on a very small Qwen2.5-VL and read the results.
 
 Training tests run the real command line in fresh processes, so each run initialises its own
-process groups (gloo on 127.0.0.1) and nothing leaks into the pytest process. They train the
+process groups (gloo on 127.0.0.1) and nothing leaks into the pytest process. A run expected to
+succeed forks its ranks from the tests' fork server (torch, megatron-core and the training code
+imported once per session; each rank runs the command line in-process, as under torchrun): a fresh
+interpreter per run spent ~4 s of CPU importing them, more than a tiny run's steps. Runs that test
+the launcher itself, an exit code or a process environment go through a subprocess. They train the
 ``*-small-vocab`` presets (a 4k cut of the real BPE: the full 152k vocabulary would be 95% of every
 step and checkpoint) and save no checkpoint unless they read one (``SAVE_AT_END``); a claim that a
 resumed run equals the uninterrupted one resumes a cut-back copy of a finished run
@@ -74,8 +78,13 @@ def train_env(nproc: int = 1, env_extra: dict | None = None) -> dict:
 
 def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
               expect_ok: bool = True, env_extra: dict | None = None,
-              preset: str = PRESET) -> subprocess.CompletedProcess:
+              preset: str = PRESET, launcher: bool = False) -> subprocess.CompletedProcess:
+    """``loongforge train`` of the small model; stdout / stderr are rank 0's. ``launcher``: through
+    a subprocess and the command's own launcher (``--nproc-per-node``), as also for ``expect_ok=False``
+    and ``env_extra``; otherwise ranks forked from the tests' fork server (the module docstring)."""
     cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset)
+    if expect_ok and env_extra is None and not launcher:
+        return _run_forked(out_dir, cmd, nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=train_env(nproc, env_extra))
     if expect_ok and proc.returncode != 0:
@@ -96,6 +105,20 @@ def assert_quiet_stderr(stderr: str, what: str) -> None:
     assert not noisy, f"{what}: stderr holds {noisy}"
 
 
+def _run_forked(out_dir: Path, command: list[str], nproc: int) -> subprocess.CompletedProcess:
+    """``command`` (a train_command) as ``nproc`` ranks forked from the tests' fork server."""
+    assert command[1:3] == ["-m", "loongforge.cli.app"]
+    argv = command[3:]
+    if "--nproc-per-node" in argv:  # the ranks are launched here, as torchrun would
+        at = argv.index("--nproc-per-node")
+        argv = argv[:at] + argv[at + 2:]
+    logs = out_dir.parent / f"{out_dir.name}.logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    run_workers(_recorded_rank, nproc, (nproc, free_port(), str(out_dir), str(logs), argv, None), RUN_TIMEOUT_S)
+    return subprocess.CompletedProcess(command, 0, stdout=(logs / "rank0.log").read_text(),
+                                       stderr=(logs / "rank0.err").read_text())
+
+
 def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, preset: str = PRESET,
                  record_batches: bool = False) -> str:
     """`run_train` of ``nproc`` ranks launched as torchrun would (RANK / WORLD_SIZE per process),
@@ -112,30 +135,32 @@ def run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False, p
     logs.mkdir(exist_ok=True)
     run_workers(_recorded_rank, nproc, (nproc, free_port(), str(out_dir), str(logs), command[3:], record_batches),
                 RUN_TIMEOUT_S)
-    return (logs / "rank0.log").read_text()
+    return (logs / "rank0.log").read_text() + (logs / "rank0.err").read_text()
 
 
 def _recorded_rank(rank: int, nproc: int, port: int, out_dir: str, logs: str, argv: list[str],
-                   record_batches: bool) -> None:
-    """One rank of ``run_recorded``: the launch environment, output to logs/rank<r>.log, the plan
-    recorder, then ``loongforge`` in this process (it exits with the command's code)."""
+                   record_batches: bool | None) -> None:
+    """One rank of ``run_recorded`` / ``run_train``: the launch environment, stdout to
+    logs/rank<r>.log and stderr to logs/rank<r>.err, the plan recorder (``record_batches`` not None),
+    then ``loongforge`` in this process (it exits with the command's code)."""
     os.environ.update({"RANK": str(rank), "LOCAL_RANK": str(rank), "WORLD_SIZE": str(nproc),
                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"})
     limit_threads()
-    log = open(Path(logs) / f"rank{rank}.log", "w")
-    os.dup2(log.fileno(), 1)
-    os.dup2(log.fileno(), 2)
-    batches = Path(out_dir) / f"batches_rank{rank}"
-    if record_batches:
-        batches.mkdir(exist_ok=True)
-    plan_recorder.install(str(Path(out_dir) / f"plans_rank{rank}.jsonl"), str(batches) if record_batches else None)
+    for stream, suffix in ((1, "log"), (2, "err")):
+        with open(Path(logs) / f"rank{rank}.{suffix}", "w") as log:
+            os.dup2(log.fileno(), stream)  # the descriptor stays open as stdout / stderr
+    if record_batches is not None:
+        batches = Path(out_dir) / f"batches_rank{rank}"
+        if record_batches:
+            batches.mkdir(exist_ok=True)
+        plan_recorder.install(str(Path(out_dir) / f"plans_rank{rank}.jsonl"), str(batches) if record_batches else None)
     try:
         app(args=argv, prog_name="loongforge")
     except SystemExit as stop:
         if stop.code not in (0, None):  # the test sees the rank's own output, not only its exit code
             sys.stdout.flush()
             sys.stderr.flush()
-            output = (Path(logs) / f"rank{rank}.log").read_text()[-6000:]
+            output = "".join((Path(logs) / f"rank{rank}.{suffix}").read_text()[-3000:] for suffix in ("log", "err"))
             raise RuntimeError(f"rank {rank} exited with {stop.code}:\n{output}") from None
 
 
