@@ -173,7 +173,8 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1, seed: int = 1234) -> None:
+def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
+                  seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -181,7 +182,8 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
         "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world_size,
         timeout=timedelta(seconds=120),
     )
-    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp)
+    parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+                                             context_parallel_size=cp)
     # The CPU-safe form (docs/megatron-cpu.md): a plain model_parallel_cuda_manual_seed needs CUDA.
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
