@@ -244,7 +244,8 @@ class ParallelConfig:
     context_parallel_comm: str = "auto"
     # CP > 1: the row's images and videos are dealt among the CP ranks by modelled cost, each encodes
     # its share and the features are gathered (gradients return to the rank that encoded); off, every
-    # CP rank encodes all of the row's media.
+    # CP rank encodes all of the row's media. With encoder_dp=tp the TP x CP ranks divide them; with
+    # encoder_dp=full a step's media stay divided over TP x PP, each CP rank encoding its group's share.
     encoder_cp: bool = True
     # Mixture-of-experts layers: their experts are split over this many data-parallel ranks (expert
     # parallelism, EP; each holds num_experts / EP, tokens reach them by all-to-all), and each

@@ -3,7 +3,7 @@ multiple of 4 in both, ``data.sample_multiple=4``) over 5 steps of the demo imag
 rows of several samples: losses, grad norms and every saved tensor (Adam's moments, the weights) to 1e-5,
 with the vision encoder shared over the CP ranks (``parallel.encoder_cp``, the default) and without it;
 also at CP 2 x TP 2 + SP (the encoder divided over TP x CP), CP 2 x DP 2 with balancing, and CP 2 x PP 2;
-Qwen3-VL (DeepStack features shared) at CP 2; a text LLM at CP 4. A CP 2 checkpoint resumes bit for bit
+Qwen3-VL (DeepStack features shared) at CP 2; Qwen3-MoE at CP 2 x EP 2; a text LLM at CP 4. A CP 2 checkpoint resumes bit for bit
 at CP 2 and alike at CP 1."""
 
 from __future__ import annotations
@@ -102,6 +102,17 @@ def test_qwen3_vl_with_deepstack_features_shared_trains_alike_at_cp2(tmp_path):
     two = _train(tmp_path / "cp2", CP2, nproc=2, preset=preset)
     assert_close_relative(losses(two), losses(one), LOSS_REL, "Qwen3-VL losses, CP 2 vs CP 1")
     assert_close_relative(grad_norms(two), grad_norms(one), NORM_REL, "Qwen3-VL grad norms, CP 2 vs CP 1")
+
+
+def test_moe_with_its_experts_over_the_cp_ranks_trains_alike(tmp_path):
+    # EP 2 over the two CP ranks of one replica: tokens reach experts by all-to-all across CP ranks.
+    options = ("data.seq_len=256", "data.sample_multiple=4", "training.train_steps=3", "training.global_batch_size=2")
+    run_train(tmp_path / "cp1", *options, preset="qwen3-moe-tiny-small-vocab")
+    run_train(tmp_path / "cp2", *options, CP2, "parallel.expert_model_parallel_size=2", nproc=2,
+              preset="qwen3-moe-tiny-small-vocab")
+    assert_close_relative(losses(tmp_path / "cp2"), losses(tmp_path / "cp1"), LOSS_REL, "MoE losses, CP 2 x EP 2 vs CP 1")
+    assert_close_relative(grad_norms(tmp_path / "cp2"), grad_norms(tmp_path / "cp1"), NORM_REL,
+                          "MoE grad norms, CP 2 x EP 2 vs CP 1")
 
 
 def test_text_llm_trains_alike_at_cp4(tmp_path):
