@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import AttnMaskType
@@ -76,10 +77,7 @@ def _context_group(config: TransformerConfig, pg_collection: Optional[ProcessGro
         return None
     if pg_collection is not None and getattr(pg_collection, "cp", None) is not None:
         return pg_collection.cp
-    # lazy: megatron's global groups, only where a model was built without a collection
-    from megatron.core import parallel_state
-
-    return parallel_state.get_context_parallel_group()
+    return parallel_state.get_context_parallel_group()  # a model built without a collection
 
 
 @dataclass(frozen=True)

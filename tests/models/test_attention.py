@@ -59,3 +59,43 @@ def test_cu_seqlens_must_cover_every_token():
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
     with pytest.raises(ValueError, match="covers 3 tokens"):
         _attention(AttnMaskType.causal)(q, k, v, None, packed_seq_params=params)
+
+
+class _Group:
+    """The size and rank a CP group reports (the gathered keys and values are handed in directly)."""
+
+    def __init__(self, size: int, rank: int):
+        self._size, self._rank = size, rank
+
+    def size(self) -> int:
+        return self._size
+
+    def rank(self) -> int:
+        return self._rank
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="flash-attn runs on CUDA only")
+def test_flash_context_parallel_chunks_equal_sdpa_on_the_whole_row(monkeypatch):
+    """Each CP rank's varlen call (query chunks against their samples' key prefixes, bottom-right
+    causal) gives the rows of whole-row SDPA it holds. The keys and values of the row are handed in
+    (the CP gather is tests/parallel/test_context_parallel.py's)."""
+    pytest.importorskip("flash_attn")
+    from loongforge.models import attention
+    from loongforge.parallel.context_parallel import local_token_index
+
+    cu_seqlens = torch.tensor([0, 8, 12, 24], dtype=torch.int32)
+    q = torch.randn(24, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    k, v = (torch.randn(24, GROUPS, HEAD_DIM, dtype=torch.bfloat16, device="cuda") for _ in range(2))
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens.cuda(), cu_seqlens_kv=cu_seqlens.cuda())
+    whole = _attention(AttnMaskType.causal)(q.float(), k.float(), v.float(), None, packed_seq_params=params)
+    monkeypatch.setattr(attention, "_gathered_keys_values", lambda key, value, cu, group: (k, v))
+    for rank in range(2):
+        config = TransformerConfig(num_layers=1, hidden_size=HEADS * HEAD_DIM, num_attention_heads=HEADS,
+                                   num_query_groups=GROUPS, attention_dropout=0.0, context_parallel_size=2)
+        flash = attention.FlashCoreAttention(config, 1, AttnMaskType.causal, "self",
+                                             pg_collection=type("Groups", (), {"cp": _Group(2, rank)})())
+        held = local_token_index(cu_seqlens, 2, rank).cuda()
+        out = flash(q[held], k[held], v[held], None, packed_seq_params=params)  # [12, np*hd]
+        worst = (out.float() - whole[held]).abs().max().item()
+        print(f"CP rank {rank}: flash chunks vs whole-row SDPA {worst:.1e} (bf16)")
+        assert worst < 3e-2
