@@ -24,14 +24,14 @@ from tests.train.conftest import (
 )
 
 # About 3x the worst measured over the tests below (printed with -s): losses 7.5e-8 (the LLM at CP 4),
-# grad norms 8.5e-7 (CP 2 x DP 2; step 1 agrees to 5e-10, fp32 sums in another order grow through
-# Adam's steps), Adam's second moments 2.7e-5 (CP 2 x TP 2). Issue 33 asks 1e-5 of losses and norms.
-LOSS_REL, NORM_REL, CHECKPOINT_REL = 2e-7, 3e-6, 8e-5
+# grad norms 4.4e-7 (Qwen3-VL; fp32 sums in another order grow through Adam's steps), Adam's second
+# moments 1.9e-5 (CP 2 x DP 2). Issue 33 asks 1e-5 of losses and grad norms.
+LOSS_REL, NORM_REL, CHECKPOINT_REL = 2e-7, 1.5e-6, 6e-5
 STEPS = 5
 DEMO = SHARED_DATA / "llamafactory"
 ON_DEMO_MEDIA = (
     "data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]",
-    "data.seq_len=1024", "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    "data.seq_len=512", "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
     "data.sample_multiple=4", f"training.train_steps={STEPS}", "checkpoint.save_interval=3", SAVE_AT_END,
 )
 CP2 = "parallel.context_parallel_size=2"
