@@ -30,7 +30,8 @@ from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.models.fp8 import Fp8WeightCache, use_fp8
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.launch_env import order_tensor_parallel_kernels
-from loongforge.parallel.distributed import free_port, init_distributed, init_model_parallel, shutdown
+from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown
+from loongforge.parallel.launch_env import free_port
 
 # The most micro-batches one timed step holds by default: the weight's quantisation is shared by
 # the step's micro-batches, so fewer than the run has overstates FP8's cost (never its gain).

@@ -51,7 +51,8 @@ from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.family import ChatFormat, ModelFamily
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.registry import get_family
-from loongforge.parallel.distributed import free_port, init_model_parallel, shutdown
+from loongforge.parallel.distributed import init_model_parallel, shutdown
+from loongforge.parallel.launch_env import free_port
 
 DEFAULT_ATOL = 1e-4  # fp32 on both sides: reductions in another order stay far below this
 # The collated batch's media inputs, passed to both models when present.

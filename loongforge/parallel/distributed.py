@@ -13,7 +13,6 @@ from __future__ import annotations
 import datetime
 import math
 import os
-import socket
 import subprocess
 from dataclasses import dataclass
 
@@ -24,7 +23,7 @@ import torch.distributed as dist
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.schema import ParallelConfig
-from loongforge.parallel.launch_env import runs_on_cuda
+from loongforge.parallel.launch_env import free_port, runs_on_cuda
 
 
 @dataclass(frozen=True)
@@ -71,12 +70,6 @@ def all_gather_tensor():
 def reduce_scatter_tensor():
     """``dist.reduce_scatter_single`` (torch 2.13's name), or ``reduce_scatter_tensor`` where older."""
     return getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def _slurm_master_addr() -> str:

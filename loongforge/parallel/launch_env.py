@@ -4,7 +4,16 @@ asks before it imports anything heavy, e.g. for a dry run)."""
 from __future__ import annotations
 
 import os
+import random
+import socket
+from pathlib import Path
 from typing import Mapping, MutableMapping
+
+# Where the kernel hands out ports for bind(0) and outgoing connections; read once per process.
+_EPHEMERAL_RANGE_FILE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+_LINUX_EPHEMERAL_RANGE = (32768, 60999)
+_LOWEST_PORT = 10000
+_PORT_TRIES = 200
 
 
 def external_launch_world_size(env: Mapping[str, str] = os.environ) -> int | None:
@@ -55,3 +64,34 @@ def order_tensor_parallel_kernels(tensor_parallel: bool, env: MutableMapping[str
         return False
     env["CUDA_DEVICE_MAX_CONNECTIONS"] = "1"
     return True
+
+
+def _ephemeral_port_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in _EPHEMERAL_RANGE_FILE.read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return _LINUX_EPHEMERAL_RANGE
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on, chosen below the kernel's ephemeral range.
+
+    Asking the kernel (bind to port 0) returns an ephemeral port and releases it: before the store
+    binds it, any process's outgoing connection (gloo opens one per rank pair) or bind(0) may take
+    it, and the store fails with EADDRINUSE. A port outside that range is only ever taken by a
+    process that names it, so checking it is free here is enough.
+    """
+    low, _ = _ephemeral_port_range()
+    candidates = range(_LOWEST_PORT, max(low, _LOWEST_PORT + _PORT_TRIES))
+    chooser = random.SystemRandom()  # not the seeded global generator: concurrent runs would agree
+    for port in chooser.sample(candidates, _PORT_TRIES):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind((host, port))
+            except OSError:
+                continue
+            return port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:  # all taken: the kernel's pick
+        sock.bind((host, 0))
+        return sock.getsockname()[1]

@@ -35,7 +35,6 @@ import importlib
 import os
 import shutil
 import signal
-import socket
 import tempfile
 import threading
 import uuid
@@ -48,7 +47,7 @@ from loongforge.models.family import LazyFunction
 from loongforge.parallel import fork_server
 from loongforge.parallel.console import filter_known_warnings
 from loongforge.parallel.fork_server import die_with_parent
-from loongforge.parallel.launch_env import needs_local_workers, runs_on_cuda
+from loongforge.parallel.launch_env import free_port, needs_local_workers, runs_on_cuda
 
 # entrypoint(cfg, resume, command_line), run once per worker.
 WorkerEntrypoint = Callable[[RunConfig, bool, list[str]], None]
@@ -100,12 +99,6 @@ def _usage_problem(usage_dir: Path) -> str | None:
     """The first usage message a worker left (lowest rank), or None."""
     messages = sorted(usage_dir.glob("rank_*.txt"), key=lambda p: int(p.stem.split("_")[1]))
     return messages[0].read_text() if messages else None
-
-
-def _free_local_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 # Imported by every training rank while it sets up, lazily (importing the runner stays light for
@@ -162,7 +155,7 @@ def _launch_config(cfg: RunConfig, nproc_per_node: int):
         nproc_per_node=nproc_per_node,
         run_id=f"loongforge-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=f"127.0.0.1:{_free_local_port()}",
+        rdzv_endpoint=f"127.0.0.1:{free_port()}",
         max_restarts=0,
         start_method="forkserver",
         # After a SIGTERM/SIGINT the agent forwards it and waits this long for the workers to finish

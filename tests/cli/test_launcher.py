@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -51,6 +52,26 @@ def test_external_launch_detection():
 
 
 @pytest.mark.timeout(120)
+def test_free_ports_lie_below_the_kernels_ephemeral_range():
+    """A port from bind(0) can be taken by any outgoing connection before the store binds it (CI
+    lost a run to EADDRINUSE that way); one below the range cannot."""
+    low, _ = launch_env._ephemeral_port_range()
+    ports = {launch_env.free_port() for _ in range(20)}
+    print(f"ephemeral range starts at {low}; ports {sorted(ports)[:5]}...")
+    assert all(10000 <= port < low for port in ports)
+    assert len(ports) > 10  # drawn at random: concurrent runs do not agree on one
+
+
+def test_a_free_port_skips_one_that_is_taken(monkeypatch):
+    held_port = launch_env.free_port()
+    spare = next(port for port in iter(launch_env.free_port, None) if port != held_port)
+    monkeypatch.setattr(launch_env.random.SystemRandom, "sample", lambda self, population, k: [held_port, spare])
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", held_port))
+        held.listen()
+        assert launch_env.free_port() == spare
+
+
 def test_tensor_parallel_runs_order_their_kernels_on_one_cuda_queue():
     """megatron's TP linears overlap a collective with the next GEMM only when CUDA starts them in
     order (one queue); a launch's own choice is kept."""

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import time
 from datetime import timedelta
 from multiprocessing import reduction
@@ -18,6 +17,7 @@ import torch.distributed as dist
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
 from loongforge.parallel import fork_server
+from loongforge.parallel.launch_env import free_port  # noqa: F401  (tests import it from here)
 
 # Channels * temporal patch * patch^2: the width of one row of pixel_values.
 PATCH_DIM = 3 * 2 * 14 * 14
@@ -165,12 +165,6 @@ def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
 # ---------------------------------------------------------------------------------------------
 # megatron parallel state over gloo
 # ---------------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1, cp: int = 1,

@@ -10,7 +10,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from loongforge.parallel.distributed import free_port, init_distributed, shutdown
+from loongforge.parallel.distributed import init_distributed, shutdown
+from loongforge.parallel.launch_env import free_port
 from loongforge.parallel.progress import RankProgress
 
 

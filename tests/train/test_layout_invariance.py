@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -45,6 +44,7 @@ import pytest
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_json_array
+from loongforge.parallel.launch_env import free_port
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     RUN_TIMEOUT_S,
@@ -104,9 +104,7 @@ def reference(tmp_path_factory) -> Path:
     records the sample ids of every micro-batch."""
     out = tmp_path_factory.mktemp("invariance_reference")
     command = train_command(out, *INVARIANCE_MODEL)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = train_env(1, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     proc = subprocess.run([sys.executable, "-m", "tests.train.plan_recorder", str(out / "plans.jsonl"),

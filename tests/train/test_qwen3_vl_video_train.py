@@ -7,11 +7,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 
 from loongforge.data.conversations import read_json_array
+from loongforge.parallel.launch_env import free_port
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import RUN_TIMEOUT_S, losses, train_command, train_env
 
@@ -26,9 +26,7 @@ VIDEO_RUN = (
 
 def test_videos_train_with_timestamped_frames(tmp_path):
     command = train_command(tmp_path, *VIDEO_RUN, preset="qwen3vl-tiny")
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = train_env(1, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
                         "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
     proc = subprocess.run([sys.executable, "-m", "tests.train.plan_recorder", str(tmp_path / "plans.jsonl"),
