@@ -21,7 +21,8 @@ from loongforge.config.layout import (
     resolve_read,
     sample_multiple,
 )
-from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
+from loongforge.models.flops import head_dim
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -289,18 +290,23 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
     rank's share of the step (micro-batches / (TP x PP)) plus the step's gathered features and
     their gradient; ``full, recompute``: one micro-batch's plus those features. Under context
     parallelism with ``parallel.encoder_cp`` the CP ranks divide each row's media in ``none`` and
-    ``tp``; ``full`` divides whole steps over TP x PP, the same on every CP rank.
+    ``tp``; ``full`` divides whole steps over TP x PP, the same on every CP rank. With
+    ``training.recompute_activations`` (both towers) a block keeps its input only, h per patch, and
+    one block's values exist at a time in the backward.
     """
     vision = cfg.model.vision
     if vision is None or cfg.data.vision_embeddings is not None:
         return None
-    value_bytes = 4 if cfg.training.precision == "fp32" else 2
+    value_bytes = _value_bytes(cfg)
     merge = cfg.model.projector.spatial_merge_size ** 2
     patches = cfg.data.seq_len * merge  # one micro-batch of image tokens only
 
     def per_patch(tp: int) -> float:
         h, i = vision.hidden_size, vision.intermediate_size
-        return vision.depth * value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+        block = value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+        if cfg.training.recompute_activations:
+            return vision.depth * value_bytes * h + block
+        return vision.depth * block
 
     micro_batches = cfg.training.global_batch_size // sizes.data_parallel
     in_flight = min(sizes.pipeline_parallel, micro_batches)
@@ -311,6 +317,67 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
             "tp": in_flight * patches / (sizes.tensor_parallel * cp_share) * per_patch(1),
             "full": micro_batches * patches / group * per_patch(1) + features,
             "full, recompute": patches * per_patch(1) + features}
+
+
+def _value_bytes(cfg: RunConfig) -> int:
+    return 4 if cfg.training.precision == "fp32" else 2
+
+
+def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, the decoder layers' activations saved for backward at their peak, for a rank's
+    share of a row: seq_len / CP tokens.
+
+    The first stage holds the most: min(PP, micro-batches) micro-batches in flight under 1F1B, each
+    over its num_layers / PP layers. Per token and layer, the values a pre-norm block saves (as
+    ``encoder_activation_bytes`` counts them): 4 h for the two norms' inputs and the linears they
+    feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, q, k, v,
+    the attention output and the MLP's (``_mlp_values_per_token``). With
+    ``training.recompute_activations`` every layer keeps its input only, and one layer's values
+    exist at a time in the backward.
+    """
+    language = cfg.model.language
+    value_bytes = _value_bytes(cfg)
+    tokens = cfg.data.seq_len / sizes.context_parallel
+    micro_batches = cfg.training.global_batch_size // sizes.data_parallel
+    layer_passes = min(sizes.pipeline_parallel, micro_batches) * language.num_layers // sizes.pipeline_parallel
+    tp = sizes.tensor_parallel
+    norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
+    q_width = language.num_attention_heads * head_dim(language)
+    kv_width = language.num_query_groups * head_dim(language)
+    per_layer = value_bytes * (4 * norm_inputs + (2 * q_width + 2 * kv_width) / tp
+                               + _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel))
+    if cfg.training.recompute_activations:
+        return tokens * (layer_passes * value_bytes * norm_inputs + per_layer)
+    return tokens * layer_passes * per_layer
+
+
+def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int) -> float:
+    """A dense MLP's gate, up and product, split over TP; a mixture-of-experts layer's top-k copies of
+    the token routed to the experts, and their gate, up and product split over the expert TP."""
+    if language.num_experts:
+        return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp)
+    return 3 * language.ffn_hidden_size / tp
+
+
+def lm_head_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, the LM head's logits for a rank's share of a row at worst: every token a loss token
+    (the head runs on those only), each a vocabulary / TP row in the run's precision plus the fp32
+    copy megatron-core's cross-entropy computes its softmax in and keeps for backward."""
+    value_bytes = _value_bytes(cfg)
+    tokens = cfg.data.seq_len / sizes.context_parallel
+    vocabulary = cfg.model.language.vocab_size / sizes.tensor_parallel
+    return tokens * vocabulary * (value_bytes + 4 if value_bytes < 4 else 4)
+
+
+def activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, an estimate of a row's activations at their peak: the decoder's plus the larger of
+    the vision encoder's (in the run's ``parallel.encoder_dp`` mode, every token an image token) and
+    the LM head's (every token a loss token). Image tokens take no loss, so a row's mix of the two
+    costs at most the larger; with PP > 1 (the encoder on the first stage, the head on the last) this
+    bounds the busiest stage from above."""
+    encoder = encoder_activation_bytes(cfg, sizes)
+    encoder_bytes = 0.0 if encoder is None else encoder[_encoder_mode(cfg)]
+    return decoder_activation_bytes(cfg, sizes) + max(encoder_bytes, lm_head_activation_bytes(cfg, sizes))
 
 
 def balancing_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
