@@ -426,7 +426,7 @@ def _memory_note(plan: ParallelPlan) -> str:
               if any(stage.frozen_params_per_rank or stage.frozen_expert_params_per_rank for stage in plan.stages)
               else "")
     return (f"{plan.precision} weights, fp32 grads{master}, {states}{sharding}; "
-            f"{plan.bytes_per_param:.2f} bytes/param{experts}{frozen}; activations not included")
+            f"{plan.bytes_per_param:.2f} bytes/param{experts}{frozen}; activations: the context parallel table below")
 
 
 def _encoder_activation_text(plan: ParallelPlan) -> str:
