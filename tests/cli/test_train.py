@@ -318,16 +318,19 @@ def _context_table(stdout: str) -> dict[int, list[str]]:
     return rows
 
 
-def _qwen2_5_vl_7b_memory(cp: int, seq_len: int, world: int = 8) -> tuple[int, float, float]:
+def _qwen2_5_vl_7b_memory(cp: int, seq_len: int, world: int = 8, recompute: bool = False) -> tuple[int, float, float]:
     """qwen2.5vl-7b per rank at CP ``cp``, by the documented formulas (TP 2 + SP, vision TP 2, bf16,
-    Adam on the distributed optimizer, PP 1, encoder_dp none, encoder_cp on): (DP, activations, total)."""
+    Adam on the distributed optimizer, PP 1, encoder_dp none, encoder_cp on): (DP, activations, total).
+    With recompute a layer (block) keeps its input, and one layer's (block's) values live at a time."""
     dp = world // (2 * cp)
     states = QWEN2_5_VL_7B_PARAMS / 2 * (2 + 4 + 12 / (dp * cp))  # master + moments over DP x CP
     tokens = seq_len / cp
     h, q, kv, ffn = 3584, 3584, 4 * 128, 18944
-    decoder = tokens * 28 * 2 * (4 * h / 2 + (2 * q + 2 * kv + 3 * ffn) / 2)
+    layer = 2 * (4 * h / 2 + (2 * q + 2 * kv + 3 * ffn) / 2)  # bytes per token, SP splits the h's
+    decoder = tokens * (28 * 2 * h / 2 + layer if recompute else 28 * layer)
     vision_h, vision_i = 1280, 3420
-    encoder = seq_len * 4 / cp * 32 * 2 * (4 * vision_h + (4 * vision_h + 3 * vision_i) / 2)
+    block = 2 * (4 * vision_h + (4 * vision_h + 3 * vision_i) / 2)
+    encoder = seq_len * 4 / cp * (32 * 2 * vision_h + block if recompute else 32 * block)
     head = tokens * 152064 / 2 * (2 + 4)
     activations = decoder + max(encoder, head)
     return dp, activations, states + activations
@@ -369,7 +372,10 @@ def test_dry_run_fit_seq_len_picks_the_smallest_cp_that_fits_80_gib():
     assert fit[0].startswith("CP16 is the smallest context-parallel size that fits seq_len 131072 in 72.0 GiB "
                              "per rank (~68.0 GiB); it needs 32 processes, the run has 8")
     assert fit[1].strip() == "parallel.context_parallel_size=16 data.seq_len=131072 parallel.world_size=32"
-    assert "training.recompute_activations=true (every layer's forward twice): CP4 fits" in fit[2]
+    _, _, recomputed = _qwen2_5_vl_7b_memory(4, 131072, recompute=True)
+    assert f"training.recompute_activations=true (every layer's forward twice): CP4 fits " \
+           f"(~{recomputed / GIB:.1f} GiB)" in fit[2]
+    assert _qwen2_5_vl_7b_memory(2, 131072, recompute=True)[2] > 0.9 * 80 * GIB  # CP 2 does not
     assert "encoder_cp  CP16: predicted step time per rank" in report and "% less)" in report
 
 
