@@ -11,7 +11,8 @@ full-attention blocks), the linear terms are the matmuls, N and n_img are per-sa
 overheads, and n_loss counts the tokens the loss is computed on: the LM head (vocabulary x hidden
 GEMM, softmax, cross-entropy) runs on those only, so a sample's cost depends on its answer share
 (most of a small model's cost with a 152k vocabulary; ~7% of the matmuls at 7B). Everything is in
-seconds; coefficients are non-negative.
+seconds; coefficients are non-negative. ``context_parallel_row_seconds`` prices one rank's share
+of a row split over context-parallel ranks.
 
 This module is pure Python + numpy: the planner runs in data-loading threads and in simulations.
 """
@@ -28,12 +29,19 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
+from loongforge.parallel.media_assign import VisionCost, assign_media
+
 COST_FORMAT = "loongforge-cost/1"
 
 # Order of the features and coefficients everywhere (profiles, fits, COST.json).
 TERMS = ("sum_L2", "sum_L", "N", "sum_P2", "sum_P", "n_img", "n_loss")
-# The terms that price the vision encoder's work.
+# The terms that price the vision encoder's work; the others price the language model's.
 VISION_TERMS = ("sum_P2", "sum_P", "n_img")
+LANGUAGE_TERMS = tuple(term for term in TERMS if term not in VISION_TERMS)
+# Under context parallelism a rank holds 1/CP of every sample's tokens: chunks r and 2CP-1-r, whose
+# causal attention work adds up to 1/CP of the sample's too (megatron-core's load-balanced layout).
+# N, a per-sample overhead, is paid whole on every rank: each holds a piece of every sample.
+CONTEXT_SPLIT_TERMS = ("sum_L2", "sum_L", "n_loss")
 TERM_DESCRIPTIONS = {
     "sum_L2": "sum over samples of L^2, L = the sample's language-model tokens",
     "sum_L": "sum over samples of L",
@@ -177,9 +185,6 @@ class CostModel:
         return cls.from_dict(data, origin=str(path))
 
 
-VISION_TERMS = ("sum_P2", "sum_P", "n_img")
-
-
 def with_vision_spread(model: CostModel, ranks: int) -> CostModel:
     """``model`` with its vision terms divided by ``ranks``: the per-rank price of a sample when
     ``ranks`` ranks share the encoder work of a data-parallel replica's samples
@@ -191,6 +196,57 @@ def with_vision_spread(model: CostModel, ranks: int) -> CostModel:
         return model
     coefficients = {t: v / ranks if t in VISION_TERMS else v for t, v in model.coefficients.items()}
     return replace(model, coefficients=coefficients)
+
+
+def context_parallel_row_seconds(model: CostModel, row: Sequence[SampleCost], context_parallel: int, *,
+                                 encoder_cp: bool) -> float:
+    """Predicted seconds one CP rank spends on a packed row split over ``context_parallel`` ranks.
+
+    Language: ``CONTEXT_SPLIT_TERMS`` / CP, N whole. Vision: with ``encoder_cp`` the CP ranks divide
+    the row's images and videos, each dealt whole by ``parallel.media_assign`` (longest first onto
+    the least-loaded rank), and the step waits for the slowest rank's share: 1/CP of the row's for
+    equal media, more when one medium dominates; without it every rank encodes all of them.
+    """
+    if context_parallel < 1:
+        raise ValueError(f"context_parallel must be at least 1, got {context_parallel}")
+    features = batch_features(row)  # [7]
+    divisors = np.array([context_parallel if term in CONTEXT_SPLIT_TERMS else 1 for term in TERMS], dtype=np.float64)
+    language = np.array([term in LANGUAGE_TERMS for term in TERMS], dtype=np.float64)
+    media = [patches for sample in row for patches in sample.patches]
+    encoder = _slowest_encoder_seconds(model, media, context_parallel if encoder_cp else 1)
+    return float(features * language / divisors @ model.vector) + encoder + model.micro_batch_overhead_s
+
+
+def _slowest_encoder_seconds(model: CostModel, media: list[int], ranks: int) -> float:
+    """The vision terms of the most loaded of ``ranks`` ranks dividing ``media`` (patches of each)."""
+    coefficients = [model.coefficients[term] for term in VISION_TERMS]
+    if not media or not any(coefficients):  # VisionCost needs a nonzero term
+        return 0.0
+    cost = VisionCost(*coefficients)
+    loads = [0.0] * ranks
+    for patches, owner in zip(media, assign_media(media, ranks, cost)):
+        loads[owner] += cost.of(patches)
+    return max(loads)
+
+
+@dataclass(frozen=True)
+class EncoderCpGain:
+    """One CP rank's predicted seconds on a row with ``parallel.encoder_cp`` on and off."""
+
+    context_parallel: int
+    on_s: float
+    off_s: float
+
+    @property
+    def gain(self) -> float:
+        """Share of the off time that sharing the encoder saves."""
+        return 1.0 - self.on_s / self.off_s if self.off_s > 0 else 0.0
+
+
+def encoder_cp_gain(model: CostModel, row: Sequence[SampleCost], context_parallel: int) -> EncoderCpGain:
+    """What ``parallel.encoder_cp`` buys on ``row`` at CP ``context_parallel`` (``context_parallel_row_seconds``)."""
+    on, off = (context_parallel_row_seconds(model, row, context_parallel, encoder_cp=shared) for shared in (True, False))
+    return EncoderCpGain(context_parallel, on, off)
 
 
 def token_count_model() -> CostModel:

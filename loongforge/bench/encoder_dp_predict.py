@@ -28,7 +28,7 @@ from typing import Optional, Sequence
 
 import numpy as np
 
-from loongforge.balance.cost_model import TERMS, CostModel, SampleCost, default_cost_model
+from loongforge.balance.cost_model import LANGUAGE_TERMS, TERMS, CostModel, SampleCost, default_cost_model
 from loongforge.bench.balance import load_pool
 from loongforge.bench.datasets import (
     COCO_CAPTIONS,
@@ -47,7 +47,6 @@ from loongforge.train.balancing import VISION_TERMS
 
 PRESET = "qwen2.5vl-7b"
 TENSOR_PARALLEL = 4
-LANGUAGE_TERMS = tuple(term for term in TERMS if term not in VISION_TERMS)
 
 
 @dataclass

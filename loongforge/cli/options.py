@@ -39,6 +39,15 @@ DryRunOption = Annotated[bool, typer.Option(
     "--dry-run",
     help="Resolve and validate the config, print it with the parallel plan, then exit.")]
 
+FitSeqLenOption = Annotated[Optional[int], typer.Option(
+    "--fit-seq-len", min=1, metavar="N", show_default=False,
+    help="With --dry-run: plan data.seq_len=N and print the smallest context-parallel size whose memory "
+         "per rank fits the GPU, with the overrides to run it.")]
+
+GpuMemoryOption = Annotated[float, typer.Option(
+    "--gpu-memory-gib", min=1, metavar="GIB",
+    help="With --dry-run: memory of one GPU, of which a plan may fill 90%.")]
+
 NprocPerNodeOption = Annotated[Optional[int], typer.Option(
     "--nproc-per-node", min=1, metavar="N", show_default=False,
     help="Processes to start on this node (torch elastic launcher); ignored under torchrun/SLURM. "

@@ -49,6 +49,10 @@ def pack(
     caption_prompt: Annotated[Optional[str], typer.Option(
         "--caption-prompt", metavar="TEXT", show_default=False,
         help="data.caption_prompt: user text after the image of caption records.")] = None,
+    context_parallel: Annotated[int, typer.Option(
+        "--context-parallel", min=1, metavar="K",
+        help="Pack for parallel.context_parallel_size=K: each sample counted at its length padded to a "
+             "multiple of 2K, as training pads it (--seq-len must be a multiple of 2K).")] = 1,
 ) -> None:
     """Pack data files offline into fixed-capacity packs with per-sample cost metadata."""
     from loongforge.pack.job import PackOptions, run_pack
@@ -58,5 +62,5 @@ def pack(
             inputs=tuple(str(p) for p in inputs), output=output, preset=preset or DEFAULT_PRESET, seq_len=seq_len,
             algorithm=algorithm, workers=workers, max_images_per_pack=max_images_per_pack,
             group_by_media=group_by_media, resume=resume, packs_per_shard=packs_per_shard, progress=progress,
-            record_kind=record_kind, caption_prompt=caption_prompt))
+            record_kind=record_kind, caption_prompt=caption_prompt, context_parallel=context_parallel))
         typer.echo(summary.format())

@@ -34,6 +34,12 @@ class ParallelSizes:
         """Replicas of each expert shard: the ranks its optimizer state can be sharded over."""
         return self.world_size // (self.pipeline_parallel * self.expert_parallel * self.expert_tensor_parallel)
 
+    @property
+    def data_context_parallel(self) -> int:
+        """DP x CP: megatron-core's data-parallel-with-context group. CP ranks hold the same weights, so
+        gradients are reduced, and the distributed optimizer's master weights and moments sharded, over it."""
+        return self.data_parallel * self.context_parallel
+
 
 def vision_tensor_parallel_size(parallel: ParallelConfig) -> int:
     """Vision TP defaults to the language TP (null in the config)."""
@@ -67,18 +73,25 @@ def derive_parallel_sizes(parallel: ParallelConfig, world_size: int | None = Non
     )
 
 
-def context_sample_multiple(parallel: ParallelConfig) -> int:
-    """What context parallelism needs a packed sample's length to be a multiple of: 2 x CP (each
-    sample is cut into 2 x CP equal chunks, rank r holding chunks r and 2CP-1-r), 1 without CP."""
-    cp = parallel.context_parallel_size
-    return 2 * cp if cp > 1 else 1
+def context_sample_multiple(context_parallel: int) -> int:
+    """What context parallelism of ``context_parallel`` ranks needs a packed sample's length to be a
+    multiple of: 2 x CP (each sample is cut into 2 x CP equal chunks, rank r holding chunks r and
+    2CP-1-r), 1 without CP. ``loongforge pack --context-parallel`` pads by the same rule."""
+    return 2 * context_parallel if context_parallel > 1 else 1
+
+
+def encoder_shared_over_context(parallel: ParallelConfig) -> bool:
+    """Whether the CP ranks divide a row's media (``parallel.encoder_cp``): only at CP > 1, and not
+    with ``encoder_dp=full``, which divides whole steps over TP x PP instead (each CP rank then
+    encodes its group's share)."""
+    return parallel.encoder_cp and parallel.context_parallel_size > 1 and parallel.encoder_dp != "full"
 
 
 def sample_multiple(data: DataConfig, parallel: ParallelConfig) -> int:
     """Tokens every packed sample is padded to a multiple of: ``data.sample_multiple``, or what CP
     needs when it is null. The packer counts a sample at its padded length and the collate pads it:
     one rule for both."""
-    return data.sample_multiple or context_sample_multiple(parallel)
+    return data.sample_multiple or context_sample_multiple(parallel.context_parallel_size)
 
 
 def row_multiple(data: DataConfig, parallel: ParallelConfig) -> int:

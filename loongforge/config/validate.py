@@ -439,7 +439,7 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
     parallel, data = cfg.parallel, cfg.data
     cp, comm = parallel.context_parallel_size, parallel.context_parallel_comm
     errors = []
-    needed = context_sample_multiple(parallel)
+    needed = context_sample_multiple(cp)
     if data.sample_multiple is not None and (data.sample_multiple < 1 or data.sample_multiple % needed):
         errors.append(f"data.sample_multiple={data.sample_multiple} must be a positive multiple of {needed} "
                       f"(2 x parallel.context_parallel_size); set it to {needed} or leave it null.")

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Callable, Optional
 
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.layout import context_sample_multiple
 from loongforge.config.loader import load_run_config
 from loongforge.config.overrides import Override
 from loongforge.data.arrow_samples import ArrowSamples
@@ -68,6 +69,13 @@ class PackOptions:
     progress: bool = True
     record_kind: str = "auto"  # data.record_kind: how records become samples (data/record_kinds.py)
     caption_prompt: Optional[str] = None  # data.caption_prompt
+    # The parallel.context_parallel_size the packs are for: each sample counted at its length padded
+    # to a multiple of 2 x CP, as training pads it, so a pack still fits seq_len after padding.
+    context_parallel: int = 1
+
+    @property
+    def sample_multiple(self) -> int:
+        return context_sample_multiple(self.context_parallel)
 
 
 @dataclass
@@ -85,8 +93,9 @@ class PackSummary:
     def format(self) -> str:
         s = self.stats
         rejects = ", ".join(f"{k} {v}" for k, v in s["rejects_by_reason"].items() if v) or "none"
+        padded = f", samples padded to a multiple of {s['sample_multiple']}" if s["sample_multiple"] > 1 else ""
         lines = [f"packed {s['samples_packed']} of {s['samples_in']} samples into {s['packs']} packs "
-                 f"of {s['seq_len']} tokens ({s['algorithm']}): fill ratio {s['fill_ratio']:.4f}",
+                 f"of {s['seq_len']} tokens ({s['algorithm']}{padded}): fill ratio {s['fill_ratio']:.4f}",
                  f"rejected {s['samples_rejected']} ({rejects}); see {self.output / 'rejects.jsonl'}"]
         for stage in ("scan", "plan", "write"):
             if stage in self.seconds:
@@ -128,7 +137,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
             records, sources = _in_mixture_order(records, mixture, source_names(list(options.inputs)))
         plan = make_plan(records, seq_len=options.seq_len, algorithm=options.algorithm,
                          max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
-                         packs_per_shard=options.packs_per_shard)
+                         packs_per_shard=options.packs_per_shard, sample_multiple=options.sample_multiple)
         if not (root / MANIFEST_FILE).exists():
             write_plan(root, plan)
         bar.update(len(samples))
@@ -144,7 +153,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
 
     summary.stats = compute_stats(plan, seq_len=options.seq_len, algorithm=options.algorithm, preset=options.preset,
                                   max_images=options.max_images_per_pack, group_by_media=options.group_by_media,
-                                  vision_sizing=sizing)
+                                  vision_sizing=sizing, sample_multiple=options.sample_multiple)
     if sources is not None:
         summary.stats["sources"] = sources
     write_atomic(root / STATS_FILE, (json.dumps(summary.stats, indent=2) + "\n").encode())
@@ -167,8 +176,23 @@ def _check_options(options: PackOptions) -> None:
         problems.append(f"--max-images-per-pack must be >= 1, got {options.max_images_per_pack}.")
     if options.packs_per_shard < 1:
         problems.append(f"--packs-per-shard must be >= 1, got {options.packs_per_shard}.")
+    problems += _context_parallel_problems(options)
     if problems:
         raise ConfigError(problems)
+
+
+def _context_parallel_problems(options: PackOptions) -> list[str]:
+    # A sample of at most seq_len tokens padded to the multiple stays within seq_len only when the
+    # multiple divides seq_len; training requires it of data.seq_len at that CP too.
+    if options.context_parallel < 1:
+        return [f"--context-parallel must be >= 1, got {options.context_parallel}."]
+    multiple = options.sample_multiple
+    if options.seq_len % multiple == 0:
+        return []
+    below = options.seq_len // multiple * multiple
+    return [f"--seq-len {options.seq_len} must be a multiple of {multiple} (2 x --context-parallel "
+            f"{options.context_parallel}: every sample is padded to a multiple of it); use {below or multiple} "
+            f"or {below + multiple}."]
 
 
 def _check_some_packs(stats: dict, root: Path) -> None:
@@ -235,6 +259,7 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict, we
         **({"caption_prompt": data.caption_prompt} if data.caption_prompt is not None else {}),
         # A mixture decides which samples the packs hold (loongforge.data.mixture).
         **({"mixture": {"weights": weights, "seed": data.seed, "shuffle": data.shuffle}} if weights else {}),
+        **({"sample_multiple": options.sample_multiple} if options.sample_multiple > 1 else {}),
     }
 
 

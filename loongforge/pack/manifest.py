@@ -23,6 +23,7 @@ from typing import Iterator, Optional
 import numpy as np
 
 from loongforge.config.errors import ConfigError
+from loongforge.data.packing import padded_length
 from loongforge.data.packfile.folder import MANIFEST_FILE, REJECTS_FILE, shard_name, write_lines_atomic
 from loongforge.pack.algorithms import plan_packs
 
@@ -52,10 +53,12 @@ def media_kind(record: dict) -> int:
 
 
 def make_plan(records: list[dict], *, seq_len: int, algorithm: str, max_images: Optional[int],
-              group_by_media: bool, packs_per_shard: int) -> Plan:
+              group_by_media: bool, packs_per_shard: int, sample_multiple: int = 1) -> Plan:
+    """``sample_multiple``: each sample takes its length rounded up to a multiple of it in a pack, as
+    training under context parallelism pads it (``--context-parallel``)."""
     accepted = [r for r in records if "reason" not in r]
     rejected = [r for r in records if "reason" in r]
-    lengths = np.array([r["tokens"] for r in accepted], dtype=np.int64)
+    lengths = np.array([padded_length(r["tokens"], sample_multiple) for r in accepted], dtype=np.int64)
     media = np.array([r["images"] + r["videos"] for r in accepted], dtype=np.int64)
     if max_images is not None and len(media) and media.max() > max_images:
         worst = accepted[int(np.argmax(media))]

@@ -23,7 +23,10 @@ def histogram(values: np.ndarray, upper: int, bins: int = HISTOGRAM_BINS) -> dic
 
 
 def compute_stats(plan: Plan, *, seq_len: int, algorithm: str, preset: str, max_images: int | None,
-                  group_by_media: bool, vision_sizing: dict) -> dict:
+                  group_by_media: bool, vision_sizing: dict, sample_multiple: int = 1) -> dict:
+    """Token counts and fill are of the samples' own tokens; ``sample_multiple`` records what each
+    sample was counted at (its length rounded up to a multiple of it), which training checks
+    (``PackedFolder.check_compatible``)."""
     lengths = plan.lengths()
     pack_tokens = np.array([int(lengths[p].sum()) for p in plan.packs], dtype=np.int64)
     costs = quadratic_costs(plan.packs, lengths) if plan.packs else np.zeros(0)
@@ -46,6 +49,7 @@ def compute_stats(plan: Plan, *, seq_len: int, algorithm: str, preset: str, max_
         "preset": preset,
         "max_images_per_pack": max_images,
         "group_by_media": group_by_media,
+        "sample_multiple": sample_multiple,
         "samples_per_pack": _summary(np.array([len(p) for p in plan.packs])),
         "pack_attention_cost_cv": round(float(costs.std() / costs.mean()), 6) if len(costs) else 0.0,
         "length_histogram": histogram(lengths, seq_len),

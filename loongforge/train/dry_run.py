@@ -13,8 +13,16 @@ from __future__ import annotations
 import dataclasses
 from dataclasses import dataclass
 
-from loongforge.config.layout import ParallelSizes, derive_parallel_sizes, layers_per_stage, resolve_read
-from loongforge.config.schema import ModelConfig, RunConfig
+from loongforge.config.layout import (
+    ParallelSizes,
+    derive_parallel_sizes,
+    encoder_shared_over_context,
+    layers_per_stage,
+    resolve_read,
+    sample_multiple,
+)
+from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
+from loongforge.models.flops import head_dim
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -137,7 +145,8 @@ def training_bytes_per_param(precision: str, optimizer: str, distributed_optimiz
 
     Gradients accumulate in fp32 in both precisions; bf16 adds an fp32 master copy of the
     weights; Adam keeps two fp32 moments, plain SGD none. The distributed optimizer shards the
-    master copy and the moments over the data-parallel ranks.
+    master copy and the moments over ``data_parallel`` ranks: DP x CP for the dense part
+    (``ParallelSizes.data_context_parallel``), the expert data-parallel ranks for routed experts.
     """
     weights = 2 if precision == "bf16" else 4
     grads = 4
@@ -172,6 +181,7 @@ class ParallelPlan:
     trainable_text: str = ""  # what trains (trainable_parameters_text)
     # LoRA runs: the same run's memory per rank with every parameter trained (lora.rank=0).
     full_training_bytes: float | None = None
+    context_text: str = ""  # how CP splits a row at this layout (context_parallel_text); "" at CP 1
 
     @property
     def max_params_per_rank(self) -> int:
@@ -208,7 +218,7 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         stages=_stage_plans(cfg, sizes, split),
         bytes_per_param=training_bytes_per_param(
             cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
-            sizes.data_parallel),
+            sizes.data_context_parallel),
         expert_bytes_per_param=training_bytes_per_param(
             cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
             sizes.expert_data_parallel),
@@ -223,7 +233,23 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         trainable_text=trainable_parameters_text(cfg, split),
         full_training_bytes=(build_parallel_plan(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)))
                              .memory_per_rank_bytes if cfg.lora.rank else None),
+        context_text=context_parallel_text(cfg, sizes),
     )
+
+
+def context_parallel_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
+    """How CP splits a row at this layout and who encodes its media; "" at CP 1."""
+    cp = sizes.context_parallel
+    if cp == 1:
+        return ""
+    text = (f"CP{cp}: each {cfg.data.seq_len}-token row split over {cp} ranks, {cfg.data.seq_len // cp} tokens "
+            f"per rank (every sample padded to a multiple of {sample_multiple(cfg.data, cfg.parallel)})")
+    if cfg.model.vision is None or cfg.data.vision_embeddings is not None:
+        return text
+    if encoder_shared_over_context(cfg.parallel):
+        return text + "; the row's images and videos divided over the CP ranks (parallel.encoder_cp)"
+    why = "encoder_dp=full divides steps instead" if cfg.parallel.encoder_cp else "parallel.encoder_cp=false"
+    return text + f"; every CP rank encodes all of the row's images and videos ({why})"
 
 
 def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
@@ -262,27 +288,96 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
     the attention output, the MLP's gate, up and product). ``none`` / ``tp``: the micro-batches a
     first stage holds at once (PP under 1F1B; ``tp`` divides each over the TP group); ``full``: a
     rank's share of the step (micro-batches / (TP x PP)) plus the step's gathered features and
-    their gradient; ``full, recompute``: one micro-batch's plus those features.
+    their gradient; ``full, recompute``: one micro-batch's plus those features. Under context
+    parallelism with ``parallel.encoder_cp`` the CP ranks divide each row's media in ``none`` and
+    ``tp``; ``full`` divides whole steps over TP x PP, the same on every CP rank. With
+    ``training.recompute_activations`` (both towers) a block keeps its input only, h per patch, and
+    one block's values exist at a time in the backward.
     """
     vision = cfg.model.vision
     if vision is None or cfg.data.vision_embeddings is not None:
         return None
-    value_bytes = 4 if cfg.training.precision == "fp32" else 2
+    value_bytes = _value_bytes(cfg)
     merge = cfg.model.projector.spatial_merge_size ** 2
     patches = cfg.data.seq_len * merge  # one micro-batch of image tokens only
 
     def per_patch(tp: int) -> float:
         h, i = vision.hidden_size, vision.intermediate_size
-        return vision.depth * value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+        block = value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+        if cfg.training.recompute_activations:
+            return vision.depth * value_bytes * h + block
+        return vision.depth * block
 
     micro_batches = cfg.training.global_batch_size // sizes.data_parallel
     in_flight = min(sizes.pipeline_parallel, micro_batches)
     group = sizes.tensor_parallel * sizes.pipeline_parallel
+    cp_share = sizes.context_parallel if cfg.parallel.encoder_cp else 1
     features = micro_batches * patches / merge * cfg.model.projector.out_hidden_size * value_bytes * 2
-    return {"none": in_flight * patches * per_patch(sizes.vision_tensor_parallel),
-            "tp": in_flight * patches / sizes.tensor_parallel * per_patch(1),
+    return {"none": in_flight * patches / cp_share * per_patch(sizes.vision_tensor_parallel),
+            "tp": in_flight * patches / (sizes.tensor_parallel * cp_share) * per_patch(1),
             "full": micro_batches * patches / group * per_patch(1) + features,
             "full, recompute": patches * per_patch(1) + features}
+
+
+def _value_bytes(cfg: RunConfig) -> int:
+    return 4 if cfg.training.precision == "fp32" else 2
+
+
+def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, the decoder layers' activations saved for backward at their peak, for a rank's
+    share of a row: seq_len / CP tokens.
+
+    The first stage holds the most: min(PP, micro-batches) micro-batches in flight under 1F1B, each
+    over its num_layers / PP layers. Per token and layer, the values a pre-norm block saves (as
+    ``encoder_activation_bytes`` counts them): 4 h for the two norms' inputs and the linears they
+    feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, q, k, v,
+    the attention output and the MLP's (``_mlp_values_per_token``). With
+    ``training.recompute_activations`` every layer keeps its input only, and one layer's values
+    exist at a time in the backward.
+    """
+    language = cfg.model.language
+    value_bytes = _value_bytes(cfg)
+    tokens = cfg.data.seq_len / sizes.context_parallel
+    micro_batches = cfg.training.global_batch_size // sizes.data_parallel
+    layer_passes = min(sizes.pipeline_parallel, micro_batches) * language.num_layers // sizes.pipeline_parallel
+    tp = sizes.tensor_parallel
+    norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
+    q_width = language.num_attention_heads * head_dim(language)
+    kv_width = language.num_query_groups * head_dim(language)
+    per_layer = value_bytes * (4 * norm_inputs + (2 * q_width + 2 * kv_width) / tp
+                               + _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel))
+    if cfg.training.recompute_activations:
+        return tokens * (layer_passes * value_bytes * norm_inputs + per_layer)
+    return tokens * layer_passes * per_layer
+
+
+def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int) -> float:
+    """A dense MLP's gate, up and product, split over TP; a mixture-of-experts layer's top-k copies of
+    the token routed to the experts, and their gate, up and product split over the expert TP."""
+    if language.num_experts:
+        return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp)
+    return 3 * language.ffn_hidden_size / tp
+
+
+def lm_head_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, the LM head's logits for a rank's share of a row at worst: every token a loss token
+    (the head runs on those only), each a vocabulary / TP row in the run's precision plus the fp32
+    copy megatron-core's cross-entropy computes its softmax in and keeps for backward."""
+    value_bytes = _value_bytes(cfg)
+    tokens = cfg.data.seq_len / sizes.context_parallel
+    vocabulary = cfg.model.language.vocab_size / sizes.tensor_parallel
+    return tokens * vocabulary * (value_bytes + 4 if value_bytes < 4 else 4)
+
+
+def activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+    """Per rank, an estimate of a row's activations at their peak: the decoder's plus the larger of
+    the vision encoder's (in the run's ``parallel.encoder_dp`` mode, every token an image token) and
+    the LM head's (every token a loss token). Image tokens take no loss, so a row's mix of the two
+    costs at most the larger; with PP > 1 (the encoder on the first stage, the head on the last) this
+    bounds the busiest stage from above."""
+    encoder = encoder_activation_bytes(cfg, sizes)
+    encoder_bytes = 0.0 if encoder is None else encoder[_encoder_mode(cfg)]
+    return decoder_activation_bytes(cfg, sizes) + max(encoder_bytes, lm_head_activation_bytes(cfg, sizes))
 
 
 def balancing_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
@@ -310,13 +405,20 @@ def human_count(number: float) -> str:
 
 
 def layout_label(sizes: ParallelSizes) -> str:
-    return f"TP{sizes.tensor_parallel} x PP{sizes.pipeline_parallel} x DP{sizes.data_parallel}"
+    """``TP2 x PP1 x DP4``; with context parallelism ``TP2 x CP2 x PP1 x DP2``."""
+    context = f" x CP{sizes.context_parallel}" if sizes.context_parallel > 1 else ""
+    return f"TP{sizes.tensor_parallel}{context} x PP{sizes.pipeline_parallel} x DP{sizes.data_parallel}"
+
+
+def _optimizer_shards_label(sizes: ParallelSizes) -> str:
+    context = f" x CP{sizes.context_parallel}" if sizes.context_parallel > 1 else ""
+    return f"DP{sizes.data_parallel}{context}"
 
 
 def _memory_note(plan: ParallelPlan) -> str:
     states = "Adam moments" if plan.optimizer == "adam" else "no optimizer state (SGD)"
     master = ", fp32 master weights" if plan.precision == "bf16" else ""
-    sharding = (f", master/moments sharded over DP{plan.sizes.data_parallel}"
+    sharding = (f", master/moments sharded over {_optimizer_shards_label(plan.sizes)}"
                 + (f" (experts: expert DP{plan.sizes.expert_data_parallel})" if plan.has_experts else "")
                 if plan.distributed_optimizer else "")
     experts = f" (routed experts {plan.expert_bytes_per_param:.2f})" if plan.has_experts else ""
@@ -324,7 +426,7 @@ def _memory_note(plan: ParallelPlan) -> str:
               if any(stage.frozen_params_per_rank or stage.frozen_expert_params_per_rank for stage in plan.stages)
               else "")
     return (f"{plan.precision} weights, fp32 grads{master}, {states}{sharding}; "
-            f"{plan.bytes_per_param:.2f} bytes/param{experts}{frozen}; activations not included")
+            f"{plan.bytes_per_param:.2f} bytes/param{experts}{frozen}; activations: the context parallel table below")
 
 
 def _encoder_activation_text(plan: ParallelPlan) -> str:
@@ -343,6 +445,13 @@ def _expert_rows(plan: ParallelPlan) -> list[tuple[str, str]]:
                                 f"every MoE layer's experts, tokens reach them by all-to-all")]
 
 
+def _data_parallel_text(sizes: ParallelSizes) -> str:
+    if sizes.context_parallel == 1:
+        return f"{sizes.data_parallel} = {sizes.world_size} / ({sizes.tensor_parallel} x {sizes.pipeline_parallel})"
+    return (f"{sizes.data_parallel} = {sizes.world_size} / (TP{sizes.tensor_parallel} x PP{sizes.pipeline_parallel} "
+            f"x CP{sizes.context_parallel})")
+
+
 def format_parallel_plan(plan: ParallelPlan) -> str:
     sizes = plan.sizes
     rows = [
@@ -352,8 +461,8 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
             f" (vision encoder: {sizes.vision_tensor_parallel})" if plan.has_vision else "")),
         ("pipeline parallel", str(sizes.pipeline_parallel)),
         *_expert_rows(plan),
-        ("data parallel", f"{sizes.data_parallel} = {sizes.world_size} / "
-                          f"({sizes.tensor_parallel} x {sizes.pipeline_parallel})"),
+        ("data parallel", _data_parallel_text(sizes)),
+        *([("context parallel", plan.context_text)] if plan.context_text else []),
         ("micro-batches", f"{plan.micro_batches_per_rank} per rank per step = global batch "
                           f"{plan.global_batch_size} / DP{sizes.data_parallel}, "
                           f"one {plan.seq_len}-token packed row each"),

@@ -298,3 +298,114 @@ def test_dry_run_counts_loras_adapters_and_frozen_weights_without_optimizer_stat
     aligned_gib = gib(_plan_line(aligned, "memory per rank"))
     print(f"qwen2.5vl-7b per rank, projector alone trained: {aligned_gib} GiB")
     assert aligned_gib < gib(_plan_line(frozen, "memory per rank")) / 3
+
+
+# --------------------------------------------------------------------------- context parallelism
+
+GIB = 1024**3
+QWEN2_5_VL_7B_PARAMS = 8_292_166_656
+
+
+def _context_table(stdout: str) -> dict[int, list[str]]:
+    """The CP table's rows by CP: [layout, tokens/rank, activations GiB, total GiB, fits]."""
+    lines = stdout.split("context parallel at seq_len")[1].splitlines()[2:]
+    rows = {}
+    for line in lines:
+        match = re.match(r"\s+(\d+)  (TP\S+(?: x \S+)*(?:, world \d+)?)\s+(\d+)\s+([\d.]+)\s+([\d.]+)  (.+)$", line)
+        if match is None:
+            break
+        rows[int(match[1])] = [match[2], match[3], match[4], match[5], match[6]]
+    return rows
+
+
+def _qwen2_5_vl_7b_memory(cp: int, seq_len: int, world: int = 8, recompute: bool = False) -> tuple[int, float, float]:
+    """qwen2.5vl-7b per rank at CP ``cp``, by the documented formulas (TP 2 + SP, vision TP 2, bf16,
+    Adam on the distributed optimizer, PP 1, encoder_dp none, encoder_cp on): (DP, activations, total).
+    With recompute a layer (block) keeps its input, and one layer's (block's) values live at a time."""
+    dp = world // (2 * cp)
+    states = QWEN2_5_VL_7B_PARAMS / 2 * (2 + 4 + 12 / (dp * cp))  # master + moments over DP x CP
+    tokens = seq_len / cp
+    h, q, kv, ffn = 3584, 3584, 4 * 128, 18944
+    layer = 2 * (4 * h / 2 + (2 * q + 2 * kv + 3 * ffn) / 2)  # bytes per token, SP splits the h's
+    decoder = tokens * (28 * 2 * h / 2 + layer if recompute else 28 * layer)
+    vision_h, vision_i = 1280, 3420
+    block = 2 * (4 * vision_h + (4 * vision_h + 3 * vision_i) / 2)
+    encoder = seq_len * 4 / cp * (32 * 2 * vision_h + block if recompute else 32 * block)
+    head = tokens * 152064 / 2 * (2 + 4)
+    activations = decoder + max(encoder, head)
+    return dp, activations, states + activations
+
+
+def test_dry_run_context_parallel_table_numbers():
+    """qwen2.5vl-7b at its 16384-token rows, CP 1-16, each number from the formulas by hand; CP 8 and
+    16 need more than the preset's 8 processes (TP 2 x CP 8 = 16)."""
+    result = invoke("--preset", "qwen2.5vl-7b", "--dry-run")
+    assert result.exit_code == 0, result.output
+    table = _context_table(result.stdout)
+    print("\ncontext parallel" + result.stdout.split("\ncontext parallel")[1])
+    assert sorted(table) == [1, 2, 4, 8, 16]
+    for cp, (layout, tokens, activations, total, fits) in table.items():
+        world = max(8, 2 * cp)
+        dp, expected_activations, expected_total = _qwen2_5_vl_7b_memory(cp, 16384, world)
+        context = f" x CP{cp}" if cp > 1 else ""
+        assert layout == f"TP2{context} x PP1 x DP{dp}" + (f", world {world}" if world != 8 else ""), layout
+        assert int(tokens) == 16384 // cp
+        assert float(activations) == round(expected_activations / GIB, 1), cp
+        assert float(total) == round(expected_total / GIB, 1), cp
+        assert fits == ("yes" if expected_total <= 0.9 * 80 * GIB else "no"), (cp, fits)
+    assert [table[cp][4] for cp in (1, 2, 4)] == ["no", "no", "yes"]  # worst-case rows: every token an image token
+
+
+def test_dry_run_fit_seq_len_picks_the_smallest_cp_that_fits_80_gib():
+    """qwen2.5vl-7b at 131072 tokens per row: CP 8 (~113 GiB per rank) does not fit 90% of 80 GiB,
+    CP 16 (~68 GiB) does and needs TP 2 x CP 16 = 32 processes; with recompute CP 4 fits the 8."""
+    result = invoke("--preset", "qwen2.5vl-7b", "--dry-run", "--fit-seq-len", "131072")
+    assert result.exit_code == 0, result.output
+    report = "context parallel" + result.stdout.split("\ncontext parallel")[1]
+    print("\n" + report)
+    table = _context_table(result.stdout)
+    for cp in (8, 16):
+        _, _, total = _qwen2_5_vl_7b_memory(cp, 131072, world=2 * cp)
+        assert float(table[cp][3]) == round(total / GIB, 1)
+    assert table[8][4] == "no" and table[16][4] == "yes"
+    fit = report.split("\nfit: ")[1].splitlines()
+    assert fit[0].startswith("CP16 is the smallest context-parallel size that fits seq_len 131072 in 72.0 GiB "
+                             "per rank (~68.0 GiB); it needs 32 processes, the run has 8")
+    assert fit[1].strip() == "parallel.context_parallel_size=16 data.seq_len=131072 parallel.world_size=32"
+    _, _, recomputed = _qwen2_5_vl_7b_memory(4, 131072, recompute=True)
+    assert f"training.recompute_activations=true (every layer's forward twice): CP4 fits " \
+           f"(~{recomputed / GIB:.1f} GiB)" in fit[2]
+    assert _qwen2_5_vl_7b_memory(2, 131072, recompute=True)[2] > 0.9 * 80 * GIB  # CP 2 does not
+    assert "encoder_cp  CP16: predicted step time per rank" in report and "% less)" in report
+
+
+def test_dry_run_fit_seq_len_without_a_fit_is_one_line_and_needs_dry_run():
+    result = invoke("--preset", "qwen2.5vl-7b", "--dry-run", "--fit-seq-len", "1048576", "--gpu-memory-gib", "24",
+                    "training.recompute_activations=true")
+    assert result.exit_code == 0, result.output
+    fit = [line for line in result.stdout.splitlines() if line.startswith("fit: ")]
+    assert len(fit) == 1 and fit[0].startswith("fit: no CP size up to 16 fits seq_len 1048576 in 21.6 GiB per rank")
+    # 131000 tokens fit at CP 16 but split into 2 x 16 chunks per sample only at a multiple of 32.
+    blocked = invoke("--preset", "qwen2.5vl-7b", "--dry-run", "--fit-seq-len", "131000").stdout
+    assert "fit: CP16 would fit seq_len 131000 in 72.0 GiB per rank (~68.0 GiB), but data.seq_len=131000 must be " \
+           "a multiple of 32" in blocked
+    assert_usage_error(invoke("--preset", "qwen2.5vl-7b", "--fit-seq-len", "131072"),
+                       "--fit-seq-len 131072 plans a layout and starts nothing; add --dry-run")
+
+
+def test_dry_run_at_cp2_states_the_layout_and_shards_the_optimizer_over_dp_x_cp():
+    """CP 2 on the preset's 8 processes: DP 2, and the distributed optimizer shards master weights and
+    moments over DP x CP = 4 ranks, as megatron-core does: 2 + 4 + 12 / 4 = 9 bytes per parameter."""
+    plan = invoke("--preset", "qwen2.5vl-7b", "parallel.context_parallel_size=2", "--dry-run").stdout
+    assert "8 processes = TP2 x CP2 x PP1 x DP2" in plan
+    assert "data parallel        2 = 8 / (TP2 x PP1 x CP2)" in plan
+    assert "each 16384-token row split over 2 ranks, 8192 tokens per rank (every sample padded to a multiple of 4)" in plan
+    memory = _plan_line(plan, "memory per rank")
+    assert "sharded over DP2 x CP2; 9.00 bytes/param" in memory
+    assert f"~{QWEN2_5_VL_7B_PARAMS / 2 * 9 / GIB:.1f} GiB" in memory
+    off = invoke("--preset", "qwen2.5vl-7b", "parallel.context_parallel_size=2", "parallel.encoder_cp=false",
+                 "--dry-run").stdout
+    assert "every CP rank encodes all of the row's images and videos (parallel.encoder_cp=false)" in off
+    # encoder_cp halves the encoder's activations per rank in encoder_dp=none at CP 2.
+    on_none, off_none = (float(re.search(r"none ~([\d.]+) GiB", text)[1]) for text in (plan, off))
+    assert on_none == pytest.approx(off_none / 2, abs=0.1)

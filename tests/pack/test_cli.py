@@ -33,6 +33,15 @@ def test_pack_command_usage_errors_are_one_line(tmp_path):
     assert bad.exit_code == 2 and "--algorithm 'worst' is unknown" in bad.output
 
 
+def test_pack_for_context_parallel_needs_a_seq_len_the_padding_divides(tmp_path):
+    (tmp_path / "a.jsonl").write_text("{}\n")
+    result = runner.invoke(app, ["pack", str(tmp_path / "a.jsonl"), "--output", str(tmp_path / "o"), "--seq-len", "1022",
+                                 "--context-parallel", "2", "--no-progress"])
+    assert result.exit_code == 2 and result.output.count("\n") == 1, result.output
+    assert result.output == ("error: --seq-len 1022 must be a multiple of 4 (2 x --context-parallel 2: every sample is "
+                             "padded to a multiple of it); use 1020 or 1024.\n")
+
+
 def test_bench_has_pack_subcommand():
     result = runner.invoke(app, ["bench", "pack", "--help"])
     assert result.exit_code == 0 and "--plan-samples" in result.output
