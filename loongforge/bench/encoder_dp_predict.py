@@ -1,7 +1,8 @@
 """Predictions of encoder sharing at full scale: ranks that split a row's language model evenly
 either each encode all of its media or divide the media among them. ``parallel.encoder_dp=tp``
-against ``none`` over a TP group (the cost model, real image mixes). One arithmetic
-(``GroupCost``): a rank's time is its language share plus the encoding it does.
+against ``none`` over a TP group (the cost model, real image mixes), and ``parallel.encoder_cp`` on
+against off over a CP group (model FLOPs, a long-video row: ``predict_context_parallel``). Both are
+one arithmetic (``GroupCost``): a rank's time is its language share plus the encoding it does.
 
 One rank of a TP group spends on a micro-batch, as ``balance.cost_model`` splits the time:
 
@@ -20,7 +21,16 @@ all-reduces per block and narrower matmuls, which a FLOP model cannot price).
 
 Data: real image-size mixes, sized with the preset's tokenizer and image rules
 (``bench.datasets``) and packed in file order into ``seq_len`` rows (next fit), so a row holds the
-images that arrive together. Pure arithmetic on sizes: no torch.
+images that arrive together.
+
+Under CP a rank holds 1/CP of the row's tokens (the causal load balance makes the attention even
+too), so its language time is the row's language and LM-head FLOPs / CP; its encoder time is every
+medium's vision and merger FLOPs with encoder_cp off, and with it on the slowest rank's share of
+whole media as ``parallel.media_assign`` deals them (what loongforge trains), or the even 1/CP that
+frame-level sharing reaches (frames of a video are independent in the tower: windows and
+full-attention blocks stay within a frame). Not modelled: the K/V all-gather of CP attention (the
+same in both modes), the features' all-gather and their gradients' sum over CP (encoder_cp only).
+Pure arithmetic on sizes: no torch.
 """
 
 from __future__ import annotations
@@ -44,6 +54,8 @@ from loongforge.bench.datasets import (
     omnibal_sizes,
 )
 from loongforge.config.loader import load_run_config
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import FlopOptions, Grid
 from loongforge.models.registry import get_family
 from loongforge.parallel.media_assign import VisionCost, assign_media
 from loongforge.train.balancing import VISION_TERMS
@@ -230,3 +242,88 @@ def format_predictions(predictions: Sequence[MixPrediction]) -> str:
                     f"{1 / p.step_ratio:.2f}x |")
     return "\n".join(rows)
 
+
+# ------------------------------------------------------------------------------------ CP, long video
+
+CONTEXT_PARALLEL_SIZES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class LongVideoRow:
+    """One packed row of ``tokens``, a video among them as ``clips`` equal clips of its frames."""
+
+    name: str
+    tokens: int = 32768
+    # (t, h, w) patches of the whole video: 64 temporal patches (128 frames at temporal patch 2) of
+    # 448 x 448 pixels (32 x 32 patches of 14): 65,536 patches, 16,384 merged tokens.
+    video_grid: Grid = (64, 32, 32)
+    clips: int = 1
+    loss_tokens: int = 2048  # the answer; the rest of the row is prompt and the video
+
+    def grids(self) -> list[Grid]:
+        t, h, w = self.video_grid
+        if t % self.clips:
+            raise ValueError(f"{self.name}: {t} temporal patches do not split into {self.clips} equal clips")
+        return [(t // self.clips, h, w)] * self.clips
+
+
+# One video is one medium, which loongforge's encoder_cp gives to one rank; as clips it divides.
+LONG_VIDEO_ROWS = (LongVideoRow("one 16k-token video"), LongVideoRow("the same video as 4 clips", clips=4),
+                   LongVideoRow("the same video as 16 clips", clips=16))
+
+
+@dataclass
+class ContextParallelPrediction:
+    row: str
+    context_parallel: int
+    whole_media: GroupCost  # encoder_cp as loongforge trains it: whole media dealt by modelled cost
+    frames: GroupCost  # the encoder's FLOPs divided evenly: frame-level sharing
+
+
+def _medium_flops(model_cfg: ModelConfig, grid: Grid, options: FlopOptions) -> float:
+    """The vision tower's and merger's training FLOPs on one image or video."""
+    t, h, w = grid
+    flops = get_family(model_cfg.family).training_flops(
+        model_cfg, [SampleCost(tokens=0, patches=(t * h * w,), grids=(grid,))], options)
+    return flops.vision + flops.projector
+
+
+def predict_context_parallel(model_cfg: ModelConfig, row: LongVideoRow, context_parallel: int, *,
+                             options: FlopOptions = FlopOptions(),
+                             cost: Optional[VisionCost] = None) -> ContextParallelPrediction:
+    """One rank's training FLOPs on ``row`` at CP ``context_parallel``, encoder_cp off against on.
+    ``cost``: what ``parallel.media_assign`` deals media by (default: the default cost model's)."""
+    grids = row.grids()
+    patches = [t * h * w for t, h, w in grids]
+    whole_row = get_family(model_cfg.family).training_flops(
+        model_cfg, [SampleCost(tokens=row.tokens, patches=tuple(patches), loss_tokens=row.loss_tokens,
+                               grids=tuple(grids))], options)
+    language = (whole_row.language + whole_row.lm_head) / context_parallel
+    media = [_medium_flops(model_cfg, grid, options) for grid in grids]
+    owners = assign_media(patches, context_parallel, cost or vision_cost(default_cost_model()))
+    alone, shared = _encoder_costs(media, owners, context_parallel)
+    return ContextParallelPrediction(row=row.name, context_parallel=context_parallel,
+                                     whole_media=GroupCost(alone, shared, language),
+                                     frames=GroupCost(alone, alone / context_parallel, language))
+
+
+def predict_long_video(preset: str = PRESET, rows: Sequence[LongVideoRow] = LONG_VIDEO_ROWS,
+                       sizes: Sequence[int] = CONTEXT_PARALLEL_SIZES) -> list[ContextParallelPrediction]:
+    """Every row at every CP size, with the preset's model and training options (recompute, frozen parts)."""
+    cfg = load_run_config(preset)
+    options = FlopOptions.from_training(cfg.training)
+    return [predict_context_parallel(cfg.model, row, cp, options=options) for row in rows for cp in sizes]
+
+
+def _gain(value: float) -> str:
+    return f"{100 * value:+.0f}%"
+
+
+def format_context_parallel(predictions: Sequence[ContextParallelPrediction]) -> str:
+    rows = ["| row | CP | encoder share of a rank's time (off) | step time on / off, whole media (loongforge) | "
+            "gain | step time on / off, frame-level | gain |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for p in predictions:
+        whole, frames = p.whole_media, p.frames
+        rows.append(f"| {p.row} | {p.context_parallel} | {100 * whole.encoder_share_alone:.0f}% | "
+                    f"{whole.step_ratio:.3f} | {_gain(whole.gain)} | {frames.step_ratio:.3f} | {_gain(frames.gain)} |")
+    return "\n".join(rows)

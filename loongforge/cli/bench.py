@@ -441,6 +441,57 @@ def encoder_dp(
             typer.echo(f"wrote {doc} and {plot}")
 
 
+@app.command("context-parallel")
+def context_parallel(
+    data_root: GridDataRootOption = None,
+    layouts: Annotated[str, typer.Option(
+        "--layouts", metavar="cp2,cp4", help="Process layouts: cp2 (CP 2, 2 processes), cp4 (CP 4, 4).")]
+        = "cp2,cp4",
+    steps: GridStepsOption = 4,
+    warmup_steps: GridWarmupStepsOption = 1,
+    images_per_sample: GridImagesPerSampleOption = 4,
+    seq_len: GridSeqLenOption = 2304,
+    micro_batches: GridMicroBatchesOption = 1,
+    repeats: GridRepeatsOption = 1,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write context_parallel.md, .json, .png and the runs here. "
+             "Default: outputs/bench/context_parallel/.")] = None,
+    report_only: GridReportOnlyOption = False,
+    doc: Annotated[Optional[Path], typer.Option(
+        "--doc", metavar="FILE.md", show_default=False,
+        help="Also write the benchmark document: these figures beside the FLOP prediction for "
+             "Qwen2.5-VL-7B on a long-video row at CP 2/4/8 and NeMo AutoModel's published gain.")] = None,
+) -> None:
+    """Train the encoder-heavy preset at CP 2 and CP 4 with parallel.encoder_cp off and on: per-rank encoder
+    time, step time, memory; and the predicted 7B gain on a long-video row."""
+    from loongforge.bench.context_parallel import GRID, LAYOUTS, run_context_parallel_bench
+    from loongforge.bench.context_parallel_doc import NEMO_AUTOMODEL_LINE, format_doc
+    from loongforge.bench.encoder_dp_predict import (
+        LONG_VIDEO_ROWS,
+        format_context_parallel,
+        predict_conversations,
+        predict_long_video,
+    )
+    from loongforge.bench.train_grid import DATA_FILE, PRESET
+
+    with cli_errors():
+        settings = _grid_settings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
+                                  seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
+        bench, _, out = _run_grid_bench(run_context_parallel_bench, GRID, "context_parallel", layouts=layouts,
+                                        data_root=data_root, out=out, settings=settings, report_only=report_only)
+        predictions = predict_long_video()
+        typer.echo(format_context_parallel(predictions))
+        typer.echo(f"reference: {NEMO_AUTOMODEL_LINE}")
+        if doc is not None:
+            cpu_predictions = [predict_conversations(out / DATA_FILE, PRESET, group_size=LAYOUTS[name].processes,
+                                                     seq_len=settings.seq_len) for name in LAYOUTS]
+            doc.parent.mkdir(parents=True, exist_ok=True)
+            doc.write_text(format_doc(bench, predictions, LONG_VIDEO_ROWS, cpu_predictions,
+                                      command_line=_typed_command()))
+            typer.echo(f"wrote {doc}")
+
+
 @app.command("lora")
 def lora(
     overrides: Annotated[Optional[list[str]], typer.Argument(
