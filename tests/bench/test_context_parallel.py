@@ -99,6 +99,22 @@ def test_the_command_prints_the_prediction_beside_nemo_and_writes_the_doc(fake_r
     assert "| the same video as 16 clips | 8 | " in text and "NeMo AutoModel PR #2990" in text
 
 
+def test_the_doc_says_where_a_measured_ratio_is_below_the_flop_ratio(fake_runs):
+    from loongforge.bench.context_parallel_doc import format_doc
+    from loongforge.bench.encoder_dp_predict import MixPrediction
+
+    bench = run_context_parallel_bench(fake_runs, None, settings=SETTINGS, report_only=True)
+    flop_ratio = dict(name="chats", samples=8, rows=4, images_per_row=8.0, patches_per_image=936.0, language=1.0)
+    predicted = [MixPrediction(encoder_alone=100.0, encoder_shared=60.0, **flop_ratio),  # CP2: 0.55 measured
+                 MixPrediction(encoder_alone=100.0, encoder_shared=25.0, **flop_ratio)]  # CP4: 0.30 measured
+    text = format_doc(bench, [], [LongVideoRow("video")], predicted, command_line=["loongforge"])
+    assert "At CP2 the measured encoder ratio (0.55) is below the FLOP ratio (0.60)" not in text  # within 10%
+    assert "At CP4" not in text
+    predicted[0].encoder_shared = 80.0
+    text = format_doc(bench, [], [LongVideoRow("video")], predicted, command_line=["loongforge"])
+    assert "At CP2 the measured encoder ratio (0.55) is below the FLOP ratio (0.80)" in text
+
+
 # ------------------------------------------------------------------------------------ prediction
 
 
