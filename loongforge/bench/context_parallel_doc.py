@@ -70,9 +70,10 @@ def _below_prediction(bench: GridBench, cpu_predictions: Sequence[MixPrediction]
         on = bench.comparison(layout, "on")
         if on is not None and on.encoder_ratio < BELOW_PREDICTION * predicted.encoder_ratio:
             notes.append(f"At {LAYOUTS[layout].name} the measured encoder ratio ({on.encoder_ratio:.2f}) is below the "
-                         f"FLOP ratio ({predicted.encoder_ratio:.2f}): a process that encoded fewer photos spent less "
-                         "CPU time per photo here, though a photo's FLOPs are the same in both modes; `off`'s larger "
-                         "resident set (the memory column) is the likely cause, which this bench does not isolate.")
+                         f"FLOP ratio ({predicted.encoder_ratio:.2f}), though a photo's FLOPs are the same in both "
+                         "modes: here a process that encoded more photos, holding more activations (the memory "
+                         "column), spent more CPU seconds on each; this bench does not isolate why (memory traffic, "
+                         "page faults and the other processes on the two cores all count in a process's CPU time).")
     return " ".join(notes)
 
 
