@@ -1,6 +1,6 @@
 """``loongforge bench encode``: what encoding offline costs, and what it saves in training.
 
-All on one set of samples, COCO val2017 photos in caption chats (``bench.encoder_dp.coco_chats``),
+All on one set of samples, COCO val2017 photos in caption chats (``bench.train_grid.coco_chats``),
 with the encoder-heavy ``qwen2.5vl-tiny-vit`` preset, in one run:
 
 1. ``loongforge encode`` at 1 and at 2 processes (fp32), and at 1 process in bf16: media per second
@@ -26,7 +26,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from loongforge.bench.datasets import resolve_data_root
-from loongforge.bench.encoder_dp import REQUIRED, coco_chats, read_metrics
+from loongforge.bench.train_grid import REQUIRED, coco_chats, run_metrics
 from loongforge.data.embedding_store import ENCODER_FILE, RUNS_FILE
 
 PRESET = "qwen2.5vl-tiny-vit"
@@ -140,7 +140,7 @@ def _train(out: Path, data_file: Path, settings: EncodeBenchSettings, name: str,
          "parallel.tensor_model_parallel_size=2", "parallel.vision_tensor_model_parallel_size=1",
          f"logging.output_dir={run_dir}", "logging.progress_bar=false", "logging.tensorboard=false",
          "checkpoint.save_at_end=false", *extra)
-    return measure_train(name, read_metrics(run_dir), settings.warmup_steps)
+    return measure_train(name, run_metrics(run_dir), settings.warmup_steps)
 
 
 def measure_train(name: str, records: list[dict], warmup_steps: int) -> TrainMeasure:

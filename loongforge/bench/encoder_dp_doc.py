@@ -4,86 +4,46 @@ beside the cost model's prediction at Qwen2.5-VL-7B scale. Formatting only: the 
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 import torch
 
 from loongforge.balance.cost_model import QWEN2_5_VL_7B_H100
-from loongforge.bench.encoder_dp import LAYOUTS, PRESET, EncoderDpBench, layout_label
+from loongforge.bench.encoder_dp import GRID, LAYOUTS
 from loongforge.bench.encoder_dp_predict import PRESET as PREDICT_PRESET
 from loongforge.bench.encoder_dp_predict import TENSOR_PARALLEL, MixPrediction, format_predictions
+from loongforge.bench.train_grid import PRESET, GridBench, measured_section
 from loongforge.config.loader import load_run_config
-from loongforge.models.registry import get_family
 
 ACCEPTANCE = 0.6  # issue 14: encoder time per rank, tp / none at TP2
-CPU_TENSOR_PARALLEL = LAYOUTS["tp2"][0]  # the CPU bench's own prediction: its TP2 layout
+CPU_TENSOR_PARALLEL = LAYOUTS["tp2"].processes  # the CPU bench's own prediction: its TP2 layout (PP 1)
 
 
-def _millions(count: int) -> str:
-    return f"{count / 1e6:.1f}M"
-
-
-def _setup(bench: EncoderDpBench) -> str:
-    cfg = load_run_config(PRESET)
-    counts = get_family(cfg.model.family).count_parameters(cfg.model)
-    vision, language, s = cfg.model.vision, cfg.model.language, bench.settings
-    return "\n".join([
-        f"- Preset `{PRESET}`: vision tower {vision.depth} x {vision.hidden_size} "
-        f"({_millions(counts['vision_model'])} parameters) + merger ({_millions(counts['projector'])}) over a "
-        f"{language.num_layers} x {language.hidden_size} language model ({_millions(counts['language_model'])}, "
-        f"{_millions(language.vocab_size * language.hidden_size)} of it the embedding); fp32 on CPU.",
-        f"- Data: the COCO val2017 photos of the shared data folder, {s.images_per_sample} per caption chat, "
-        f"at most {cfg.data.max_pixels:,} pixels each (448 x 448; a 640 x 480 photo becomes 36 x 26 = 936 "
-        f"patches); rows of {s.seq_len} tokens hold two chats, so each micro-batch carries "
-        f"{2 * s.images_per_sample} images; {s.micro_batches} micro-batches per step (DP 1).",
-        f"- {s.steps} steps per run, the first {s.warmup_steps} left out; {s.repeats} run(s) per layout and "
-        "mode, in mirrored order (none, tp, tp, none, ...), figures pooled over them; every run trains the "
-        "same samples. All modes at vision TP 1 (a whole encoder per rank).",
-        f"- Machine: {os.cpu_count()} CPU cores shared with other jobs, one torch thread per process, gloo. "
-        "Encoder and step *CPU* seconds are each process's own work and do not count the other "
-        "processes on the cores; the wall-clock columns do, so they are noisy here. The CPU clock is "
-        "not fully immune either: with many processes on two cores (shared caches, context "
-        "switches) the same work took up to ~30% more CPU seconds in one run than in another "
-        "minutes apart, which is why the runs are mirrored and pooled.",
-    ])
-
-
-def _measured_share(bench: EncoderDpBench, layout: str) -> str:
-    """The encoder's part of the slowest encoder rank's step CPU time with ``none``."""
-    for c in bench.comparisons:
-        if c.run.layout == layout and c.run.mode == "none":
-            rank = max((v, r) for r, v in enumerate(c.run.encoder_cpu_s) if v is not None)[1]
-            return f"{100 * c.run.encoder_cpu_s[rank] / c.run.step_cpu_s[rank]:.0f}%"
-    return "-"
-
-
-def _side_by_side(bench: EncoderDpBench, predictions: Sequence[MixPrediction],
-                  cpu_prediction: MixPrediction) -> str:
+def _side_by_side(bench: GridBench, predictions: Sequence[MixPrediction], cpu_prediction: MixPrediction) -> str:
     rows = ["| where | layout | encoder share of a rank's time (none) | encoder time tp / none | "
             "step time tp / none |", "|---|---|---:|---:|---:|"]
     for c in bench.comparisons:
         if c.run.mode == "tp":
-            rows.append(f"| CPU, `{PRESET}`, measured | {layout_label(c.run.layout)} | "
-                        f"{_measured_share(bench, c.run.layout)} (CPU) | {c.encoder_ratio:.2f} "
+            share = bench.comparison(c.run.layout, "none").run.slowest_encoder_share
+            rows.append(f"| CPU, `{PRESET}`, measured | {GRID.layouts[c.run.layout].label} | "
+                        f"{100 * share:.0f}% (CPU) | {c.encoder_ratio:.2f} "
                         f"| {c.step_ratio:.2f} wall, {c.step_cpu_ratio:.2f} CPU |")
     p = cpu_prediction
-    rows.append(f"| CPU, `{PRESET}`, predicted (FLOPs) | TP{CPU_TENSOR_PARALLEL} | {100 * p.encoder_share_none:.0f}% "
+    rows.append(f"| CPU, `{PRESET}`, predicted (FLOPs) | TP{CPU_TENSOR_PARALLEL} | {100 * p.encoder_share_alone:.0f}% "
                 f"| {p.encoder_ratio:.2f} | {p.step_ratio:.2f} |")
     for p in predictions:
         rows.append(f"| Qwen2.5-VL-7B, {p.name}, predicted | TP{TENSOR_PARALLEL} | "
-                    f"{100 * p.encoder_share_none:.0f}% | {p.encoder_ratio:.2f} | {p.step_ratio:.2f} |")
+                    f"{100 * p.encoder_share_alone:.0f}% | {p.encoder_ratio:.2f} | {p.step_ratio:.2f} |")
     return "\n".join(rows)
 
 
-def _acceptance(bench: EncoderDpBench) -> str:
-    tp2 = [c for c in bench.comparisons if c.run.layout == "tp2" and c.run.mode == "tp"]
-    if not tp2:
+def _acceptance(bench: GridBench) -> str:
+    tp2 = bench.comparison("tp2", "tp")
+    if tp2 is None:
         return "The TP2 layout was not run, so the issue's acceptance figure is not in this report."
-    ratio = tp2[0].encoder_ratio
-    verdict = "meets" if ratio <= ACCEPTANCE else "does NOT meet"
-    return (f"Encoder time per rank at TP2, `tp` / `none`, slowest rank: **{ratio:.2f}** (mean rank "
-            f"{tp2[0].mean_encoder_ratio:.2f}); this {verdict} the issue's bound of {ACCEPTANCE}.")
+    verdict = "meets" if tp2.encoder_ratio <= ACCEPTANCE else "does NOT meet"
+    return (f"Encoder time per rank at TP2, `tp` / `none`, slowest rank: **{tp2.encoder_ratio:.2f}** (mean rank "
+            f"{tp2.mean_encoder_ratio:.2f}); this {verdict} the issue's bound of {ACCEPTANCE}.")
 
 
 def _micro_batches_per_rank() -> int:
@@ -122,7 +82,7 @@ def _assumptions() -> str:
     ])
 
 
-def format_doc(bench: EncoderDpBench, predictions: Sequence[MixPrediction], cpu_prediction: MixPrediction, *,
+def format_doc(bench: GridBench, predictions: Sequence[MixPrediction], cpu_prediction: MixPrediction, *,
                command_line: Sequence[str], plot_name: str = "encoder_dp.png") -> str:
     """The whole document. ``predictions``: the 7B mixes; ``cpu_prediction``: the same arithmetic
     on the bench's own data at its own shapes; ``plot_name``: the bench's plot, copied next to it."""
@@ -144,19 +104,7 @@ def format_doc(bench: EncoderDpBench, predictions: Sequence[MixPrediction], cpu_
         "step's images, over all its micro-batches, are divided among them and encoded once before "
         "the pipeline runs, and the features go to the first stage.",
         "",
-        "## Measured: real training on CPU",
-        "",
-        _setup(bench),
-        "",
-        bench.table,
-        "",
-        "Encoder times are the vision tower + merger forward and backward on each rank "
-        "(`profile.encoder_clock`, logged per step as `encoder_cpu_s_by_rank` / `encoder_s_by_rank` "
-        "in `metrics.jsonl`); `-` is a rank without the encoder (the second pipeline stage). Step "
-        "time is rank 0's `train_step` (wall) and each rank's CPU seconds in it; peak memory is each "
-        "process's resident-set high water (`peak_memory_mib_by_rank`). Ratios are against `none` "
-        "in the same layout; the encoder ratio is the slowest encoder rank's (what the step waits "
-        "for) / its mean over the encoder ranks.",
+        *measured_section(bench, GRID, ["- All modes at vision TP 1 (a whole encoder per rank)."]),
         "",
         _acceptance(bench),
         "",

@@ -1,4 +1,8 @@
-"""The cost model's prediction of ``parallel.encoder_dp=tp`` against ``none`` at full scale.
+"""Predictions of encoder sharing at full scale: ranks that split a row's language model evenly
+either each encode all of its media or divide the media among them. ``parallel.encoder_dp=tp``
+against ``none`` over a TP group (the cost model, real image mixes), and ``parallel.encoder_cp`` on
+against off over a CP group (model FLOPs, a long-video row: ``predict_context_parallel``). Both are
+one arithmetic (``GroupCost``): a rank's time is its language share plus the encoding it does.
 
 One rank of a TP group spends on a micro-batch, as ``balance.cost_model`` splits the time:
 
@@ -17,7 +21,16 @@ all-reduces per block and narrower matmuls, which a FLOP model cannot price).
 
 Data: real image-size mixes, sized with the preset's tokenizer and image rules
 (``bench.datasets``) and packed in file order into ``seq_len`` rows (next fit), so a row holds the
-images that arrive together. Pure arithmetic on sizes: no torch.
+images that arrive together.
+
+Under CP a rank holds 1/CP of the row's tokens (the causal load balance makes the attention even
+too), so its language time is the row's language and LM-head FLOPs / CP; its encoder time is every
+medium's vision and merger FLOPs with encoder_cp off, and with it on the slowest rank's share of
+whole media as ``parallel.media_assign`` deals them (what loongforge trains), or the even 1/CP that
+frame-level sharing reaches (frames of a video are independent in the tower: windows and
+full-attention blocks stay within a frame). Not modelled: the K/V all-gather of CP attention (the
+same in both modes), the features' all-gather and their gradients' sum over CP (encoder_cp only).
+Pure arithmetic on sizes: no torch.
 """
 
 from __future__ import annotations
@@ -41,6 +54,8 @@ from loongforge.bench.datasets import (
     omnibal_sizes,
 )
 from loongforge.config.loader import load_run_config
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import FlopOptions, Grid
 from loongforge.models.registry import get_family
 from loongforge.parallel.media_assign import VisionCost, assign_media
 from loongforge.train.balancing import VISION_TERMS
@@ -81,60 +96,74 @@ def _language_cost(model: CostModel, mix: Mix, row: list[int]) -> float:
     return float(np.dot(features, coefficients))
 
 
-def _encoder_costs(cost: VisionCost, media: list[int], ranks: int) -> tuple[float, float]:
-    """(every medium on one rank, the slowest rank's share when ``ranks`` divide them)."""
-    owners = assign_media(media, ranks, cost)
+def _encoder_costs(media_costs: Sequence[float], owners: Sequence[int], ranks: int) -> tuple[float, float]:
+    """(every medium on one rank, the slowest rank's share when ``ranks`` own them as ``owners`` says)."""
     loads = [0.0] * ranks
-    for patches, owner in zip(media, owners):
-        loads[owner] += cost.of(patches)
-    return sum(cost.of(p) for p in media), max(loads)
+    for cost, owner in zip(media_costs, owners):
+        loads[owner] += cost
+    return float(sum(media_costs)), max(loads)
 
 
 @dataclass
-class MixPrediction:
+class GroupCost:
+    """One rank's cost in a group of ranks that split the language model evenly: ``alone``, each
+    rank encodes every medium; ``shared``, the ranks divide the media (the slowest rank's share).
+    Any unit: only the ratios are reported."""
+
+    encoder_alone: float
+    encoder_shared: float
+    language: float  # the rank's share of the language model (1 / group size of it)
+
+    @property
+    def encoder_share_alone(self) -> float:
+        return self.encoder_alone / (self.encoder_alone + self.language)
+
+    @property
+    def encoder_ratio(self) -> float:
+        return self.encoder_shared / self.encoder_alone
+
+    @property
+    def step_ratio(self) -> float:
+        return (self.encoder_shared + self.language) / (self.encoder_alone + self.language)
+
+    @property
+    def gain(self) -> float:
+        """Tokens per second per rank, shared against alone, less 1 (0.19: +19%)."""
+        return 1 / self.step_ratio - 1
+
+    def to_dict(self) -> dict:
+        return {**asdict(self), "encoder_share_alone": self.encoder_share_alone,
+                "encoder_ratio": self.encoder_ratio, "step_ratio": self.step_ratio, "gain": self.gain}
+
+
+@dataclass
+class MixPrediction(GroupCost):
     """Per-rank cost summed over the mix's rows (a long run of steps), in the cost model's unit
-    (seconds for the default model, FLOPs for ``flops_cost_model``), and the ratios that matter."""
+    (seconds for the default model, FLOPs for ``flops_cost_model``): alone is ``encoder_dp=none``
+    at vision TP 1, shared ``tp``."""
 
     name: str
     samples: int
     rows: int
     images_per_row: float
     patches_per_image: float
-    encoder_none: float  # every image on every rank (vision TP 1)
-    encoder_tp: float  # the slowest rank's share, row by row
-    language: float  # the decoder's share per rank (1 / TP of it)
-
-    @property
-    def encoder_share_none(self) -> float:
-        return self.encoder_none / (self.encoder_none + self.language)
-
-    @property
-    def encoder_ratio(self) -> float:
-        return self.encoder_tp / self.encoder_none
-
-    @property
-    def step_ratio(self) -> float:
-        return (self.encoder_tp + self.language) / (self.encoder_none + self.language)
-
-    def to_dict(self) -> dict:
-        return {**asdict(self), "encoder_share_none": self.encoder_share_none,
-                "encoder_ratio": self.encoder_ratio, "step_ratio": self.step_ratio}
 
 
-def predict_mix(mix: Mix, model: CostModel, *, tensor_parallel: int, seq_len: int) -> MixPrediction:
+def predict_mix(mix: Mix, model: CostModel, *, group_size: int, seq_len: int) -> MixPrediction:
+    """``group_size`` ranks (a TP group with encoder_dp, a CP group with encoder_cp) on every row."""
     cost = vision_cost(model)
     rows = pack_rows(mix.tokens, seq_len)
-    encoder_none = encoder_tp = language = 0.0
+    encoder_alone = encoder_shared = language = 0.0
     images = patches = 0
     for row in rows:
         media = [p for i in row for p in mix.patches[i]]
-        none, tp = _encoder_costs(cost, media, tensor_parallel)
-        encoder_none, encoder_tp = encoder_none + none, encoder_tp + tp
-        language += _language_cost(model, mix, row) / tensor_parallel
+        alone, shared = _encoder_costs([cost.of(p) for p in media], assign_media(media, group_size, cost), group_size)
+        encoder_alone, encoder_shared = encoder_alone + alone, encoder_shared + shared
+        language += _language_cost(model, mix, row) / group_size
         images, patches = images + len(media), patches + sum(media)
     return MixPrediction(name=mix.name, samples=sum(len(row) for row in rows), rows=len(rows),
                          images_per_row=images / max(len(rows), 1), patches_per_image=patches / max(images, 1),
-                         encoder_none=encoder_none, encoder_tp=encoder_tp, language=language)
+                         encoder_alone=encoder_alone, encoder_shared=encoder_shared, language=language)
 
 
 def flops_cost_model(model_cfg) -> CostModel:
@@ -187,19 +216,18 @@ def load_mixes(data_root: Path, preset: str = PRESET) -> list[Mix]:
     return mixes
 
 
-def predict_conversations(path: Path, preset: str, *, tensor_parallel: int, seq_len: int) -> MixPrediction:
+def predict_conversations(path: Path, preset: str, *, group_size: int, seq_len: int) -> MixPrediction:
     """The same arithmetic on a conversation file at a preset's own shapes (``flops_cost_model``)."""
     pool = load_pool([path], preset=preset, seq_len=seq_len)
     mix = Mix(Path(path).name, pool.tokens, pool.patches, [n or 0 for n in pool.loss])
-    return predict_mix(mix, flops_cost_model(load_run_config(preset).model),
-                       tensor_parallel=tensor_parallel, seq_len=seq_len)
+    return predict_mix(mix, flops_cost_model(load_run_config(preset).model), group_size=group_size, seq_len=seq_len)
 
 
 def predict(data_root: Path, *, model: Optional[CostModel] = None, preset: str = PRESET,
             tensor_parallel: int = TENSOR_PARALLEL, seq_len: Optional[int] = None) -> list[MixPrediction]:
     model = model or default_cost_model()
     seq_len = seq_len or load_run_config(preset).data.seq_len
-    return [predict_mix(mix, model, tensor_parallel=tensor_parallel, seq_len=seq_len)
+    return [predict_mix(mix, model, group_size=tensor_parallel, seq_len=seq_len)
             for mix in load_mixes(data_root, preset)]
 
 
@@ -209,6 +237,92 @@ def format_predictions(predictions: Sequence[MixPrediction]) -> str:
             "|---|---:|---:|---:|---:|---:|---:|---:|"]
     for p in predictions:
         rows.append(f"| {p.name} | {p.rows} | {p.images_per_row:.1f} | {p.patches_per_image:,.0f} | "
-                    f"{100 * p.encoder_share_none:.0f}% | {p.encoder_ratio:.3f} | {p.step_ratio:.3f} | "
+                    f"{100 * p.encoder_share_alone:.0f}% | {p.encoder_ratio:.3f} | {p.step_ratio:.3f} | "
                     f"{1 / p.step_ratio:.2f}x |")
+    return "\n".join(rows)
+
+
+# ------------------------------------------------------------------------------------ CP, long video
+
+CONTEXT_PARALLEL_SIZES = (2, 4, 8)
+
+
+@dataclass(frozen=True)
+class LongVideoRow:
+    """One packed row of ``tokens``, a video among them as ``clips`` equal clips of its frames."""
+
+    name: str
+    tokens: int = 32768
+    # (t, h, w) patches of the whole video: 64 temporal patches (128 frames at temporal patch 2) of
+    # 448 x 448 pixels (32 x 32 patches of 14): 65,536 patches, 16,384 merged tokens.
+    video_grid: Grid = (64, 32, 32)
+    clips: int = 1
+    loss_tokens: int = 2048  # the answer; the rest of the row is prompt and the video
+
+    def grids(self) -> list[Grid]:
+        t, h, w = self.video_grid
+        if t % self.clips:
+            raise ValueError(f"{self.name}: {t} temporal patches do not split into {self.clips} equal clips")
+        return [(t // self.clips, h, w)] * self.clips
+
+
+# One video is one medium, which loongforge's encoder_cp gives to one rank; as clips it divides.
+LONG_VIDEO_ROWS = (LongVideoRow("one 16k-token video"), LongVideoRow("the same video as 4 clips", clips=4),
+                   LongVideoRow("the same video as 16 clips", clips=16))
+
+
+@dataclass
+class ContextParallelPrediction:
+    row: str
+    context_parallel: int
+    whole_media: GroupCost  # encoder_cp as loongforge trains it: whole media dealt by modelled cost
+    frames: GroupCost  # the encoder's FLOPs divided evenly: frame-level sharing
+
+
+def _medium_flops(model_cfg: ModelConfig, grid: Grid, options: FlopOptions) -> float:
+    """The vision tower's and merger's training FLOPs on one image or video."""
+    t, h, w = grid
+    flops = get_family(model_cfg.family).training_flops(
+        model_cfg, [SampleCost(tokens=0, patches=(t * h * w,), grids=(grid,))], options)
+    return flops.vision + flops.projector
+
+
+def predict_context_parallel(model_cfg: ModelConfig, row: LongVideoRow, context_parallel: int, *,
+                             options: FlopOptions = FlopOptions(),
+                             cost: Optional[VisionCost] = None) -> ContextParallelPrediction:
+    """One rank's training FLOPs on ``row`` at CP ``context_parallel``, encoder_cp off against on.
+    ``cost``: what ``parallel.media_assign`` deals media by (default: the default cost model's)."""
+    grids = row.grids()
+    patches = [t * h * w for t, h, w in grids]
+    whole_row = get_family(model_cfg.family).training_flops(
+        model_cfg, [SampleCost(tokens=row.tokens, patches=tuple(patches), loss_tokens=row.loss_tokens,
+                               grids=tuple(grids))], options)
+    language = (whole_row.language + whole_row.lm_head) / context_parallel
+    media = [_medium_flops(model_cfg, grid, options) for grid in grids]
+    owners = assign_media(patches, context_parallel, cost or vision_cost(default_cost_model()))
+    alone, shared = _encoder_costs(media, owners, context_parallel)
+    return ContextParallelPrediction(row=row.name, context_parallel=context_parallel,
+                                     whole_media=GroupCost(alone, shared, language),
+                                     frames=GroupCost(alone, alone / context_parallel, language))
+
+
+def predict_long_video(preset: str = PRESET, rows: Sequence[LongVideoRow] = LONG_VIDEO_ROWS,
+                       sizes: Sequence[int] = CONTEXT_PARALLEL_SIZES) -> list[ContextParallelPrediction]:
+    """Every row at every CP size, with the preset's model and training options (recompute, frozen parts)."""
+    cfg = load_run_config(preset)
+    options = FlopOptions.from_training(cfg.training)
+    return [predict_context_parallel(cfg.model, row, cp, options=options) for row in rows for cp in sizes]
+
+
+def _gain(value: float) -> str:
+    return f"{100 * value:+.0f}%"
+
+
+def format_context_parallel(predictions: Sequence[ContextParallelPrediction]) -> str:
+    rows = ["| row | CP | encoder share of a rank's time (off) | step time on / off, whole media (loongforge) | "
+            "gain | step time on / off, frame-level | gain |", "|---|---:|---:|---:|---:|---:|---:|"]
+    for p in predictions:
+        whole, frames = p.whole_media, p.frames
+        rows.append(f"| {p.row} | {p.context_parallel} | {100 * whole.encoder_share_alone:.0f}% | "
+                    f"{whole.step_ratio:.3f} | {_gain(whole.gain)} | {frames.step_ratio:.3f} | {_gain(frames.gain)} |")
     return "\n".join(rows)

@@ -326,38 +326,88 @@ def _name_list(text: str, flag: str, allowed) -> list[str]:
     return names
 
 
+# The options of the benches that train a grid of layouts x modes (bench.train_grid), spelled once.
+GridDataRootOption = Annotated[Optional[Path], typer.Option(
+    "--data-root", metavar="DIR", show_default=False,
+    help="The shared data folder (its coco2017/ photos and captions are trained on). "
+         "Default: $LOONGFORGE_SHARED_DATA.")]
+GridStepsOption = Annotated[int, typer.Option("--steps", min=2, metavar="N", help="Training steps per run.")]
+GridWarmupStepsOption = Annotated[int, typer.Option(
+    "--warmup-steps", min=0, metavar="N", help="First steps of each run left out of the figures.")]
+GridImagesPerSampleOption = Annotated[int, typer.Option(
+    "--images-per-sample", min=1, metavar="N", help="COCO photos per caption chat.")]
+GridSeqLenOption = Annotated[int, typer.Option(
+    "--seq-len", min=64, metavar="N", help="Tokens per row (how many chats, so photos, share one).")]
+GridMicroBatchesOption = Annotated[int, typer.Option(
+    "--micro-batches", min=1, metavar="N", help="Micro-batches (rows) per step.")]
+GridRepeatsOption = Annotated[int, typer.Option(
+    "--repeats", min=1, metavar="N",
+    help="Runs per layout and mode, in mirrored order (baseline, others, then others, baseline) so that "
+         "a machine whose speed drifts favours no mode; figures are means over all of them.")]
+GridReportOnlyOption = Annotated[bool, typer.Option(
+    "--report-only", help="Train nothing: rebuild the report from the runs already in --out.")]
+
+
+def _grid_settings(*, steps: int, warmup_steps: int, images_per_sample: int, seq_len: int, micro_batches: int,
+                   repeats: int):
+    """The grid's BenchSettings; UsageError when the warm-up leaves no step to measure."""
+    from loongforge.bench.train_grid import BenchSettings
+
+    if warmup_steps >= steps:
+        raise UsageError(f"--warmup-steps {warmup_steps} leaves no measured step of --steps {steps}")
+    return BenchSettings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
+                         seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
+
+
+def _run_grid_bench(run, grid, name: str, *, layouts: str, data_root: Optional[Path], out: Optional[Path],
+                    **options):
+    """Check --layouts and the data folder, train (or reread) the grid with ``run`` (a bench's
+    ``run_*_bench``), print its table and one summary line per non-baseline run: (bench, data root,
+    out folder)."""
+    import sys
+
+    from loongforge.bench.datasets import resolve_data_root
+    from loongforge.bench.train_grid import REQUIRED, summary_lines
+
+    layout_list = _name_list(layouts, "--layouts", tuple(grid.layouts))
+    root = resolve_data_root(data_root, REQUIRED)
+    out = out or DEFAULT_OUT / name
+    bench = run(out, root, layouts=layout_list, command_line=sys.argv,
+                progress=lambda message: typer.echo(f"... {message}", err=True), **options)
+    typer.echo(bench.table)
+    for line in summary_lines(bench.comparisons, grid):
+        typer.echo(line)
+    typer.echo(f"wrote {out / (name + '.md')}, {out / (name + '.json')} and {out / (name + '.png')}")
+    return bench, root, out
+
+
+def _typed_command() -> list[str]:
+    """The command as typed, for a document (not the module path python -m saw)."""
+    import sys
+
+    return ["loongforge", *sys.argv[1:]]
+
+
 @app.command("encoder-dp")
 def encoder_dp(
-    data_root: Annotated[Optional[Path], typer.Option(
-        "--data-root", metavar="DIR", show_default=False,
-        help="The shared data folder (its coco2017/ photos and captions are trained on). "
-             "Default: $LOONGFORGE_SHARED_DATA.")] = None,
+    data_root: GridDataRootOption = None,
     modes: Annotated[str, typer.Option(
         "--modes", metavar="none,tp", help="parallel.encoder_dp modes to train; none (the baseline) is always run.")]
         = "none,tp",
     layouts: Annotated[str, typer.Option(
         "--layouts", metavar="tp2,tp2pp2", help="Process layouts: tp2 (2 processes), tp2pp2 (4).")]
         = "tp2,tp2pp2",
-    steps: Annotated[int, typer.Option("--steps", min=2, metavar="N", help="Training steps per run.")] = 4,
-    warmup_steps: Annotated[int, typer.Option(
-        "--warmup-steps", min=0, metavar="N", help="First steps of each run left out of the figures.")] = 1,
-    images_per_sample: Annotated[int, typer.Option(
-        "--images-per-sample", min=1, metavar="N", help="COCO photos per caption chat.")] = 2,
-    seq_len: Annotated[int, typer.Option(
-        "--seq-len", min=64, metavar="N", help="Tokens per micro-batch (how many chats, so images, share one).")]
-        = 1152,
-    micro_batches: Annotated[int, typer.Option(
-        "--micro-batches", min=1, metavar="N", help="Micro-batches per step.")] = 2,
-    repeats: Annotated[int, typer.Option(
-        "--repeats", min=1, metavar="N",
-        help="Runs per layout and mode, in mirrored order (none,tp then tp,none) so that a machine "
-             "whose speed drifts favours neither mode; figures are means over all of them.")] = 1,
+    steps: GridStepsOption = 4,
+    warmup_steps: GridWarmupStepsOption = 1,
+    images_per_sample: GridImagesPerSampleOption = 2,
+    seq_len: GridSeqLenOption = 1152,
+    micro_batches: GridMicroBatchesOption = 2,
+    repeats: GridRepeatsOption = 1,
     out: Annotated[Optional[Path], typer.Option(
         "--out", metavar="DIR", show_default=False,
         help="Write encoder_dp.md, encoder_dp.json, encoder_dp.png and the runs here. "
              "Default: outputs/bench/encoder_dp/.")] = None,
-    report_only: Annotated[bool, typer.Option(
-        "--report-only", help="Train nothing: rebuild the report from the runs already in --out.")] = False,
+    report_only: GridReportOnlyOption = False,
     doc: Annotated[Optional[Path], typer.Option(
         "--doc", metavar="FILE.md", show_default=False,
         help="Also write the benchmark document: these figures beside the cost model's prediction "
@@ -365,50 +415,81 @@ def encoder_dp(
 ) -> None:
     """Train the encoder-heavy preset with each parallel.encoder_dp mode: per-rank encoder time, step time, memory."""
     import shutil
-    import sys
 
-    from loongforge.bench.datasets import resolve_data_root
-    from loongforge.bench.encoder_dp import (
-        DATA_FILE,
-        LAYOUTS,
-        PRESET,
-        REQUIRED,
-        BenchSettings,
-        run_encoder_dp_bench,
-        summary_lines,
-        valid_modes,
-    )
-    from loongforge.bench.encoder_dp_doc import format_doc
+    from loongforge.bench.encoder_dp import GRID, run_encoder_dp_bench, valid_modes
+    from loongforge.bench.encoder_dp_doc import CPU_TENSOR_PARALLEL, format_doc
     from loongforge.bench.encoder_dp_predict import predict, predict_conversations
+    from loongforge.bench.train_grid import DATA_FILE, PRESET
     from loongforge.config.validate import CHOICES
 
     with cli_errors():
-        if warmup_steps >= steps:
-            raise UsageError(f"--warmup-steps {warmup_steps} leaves no measured step of --steps {steps}")
+        settings = _grid_settings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
+                                  seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
         mode_list = valid_modes(_name_list(modes, "--modes", CHOICES["parallel.encoder_dp"]))
-        layout_list = _name_list(layouts, "--layouts", tuple(LAYOUTS))
-        root = resolve_data_root(data_root, REQUIRED)
-        settings = BenchSettings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
-                                 seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
-        out = out or DEFAULT_OUT / "encoder_dp"
-        bench = run_encoder_dp_bench(out, root, modes=mode_list, layouts=layout_list, settings=settings,
-                                     report_only=report_only, command_line=sys.argv,
-                                     progress=lambda message: typer.echo(f"... {message}", err=True))
-        typer.echo(bench.table)
-        for line in summary_lines(bench.comparisons):
-            typer.echo(line)
-        typer.echo(f"wrote {out / 'encoder_dp.md'}, {out / 'encoder_dp.json'} and {out / 'encoder_dp.png'}")
+        bench, root, out = _run_grid_bench(run_encoder_dp_bench, GRID, "encoder_dp", layouts=layouts,
+                                           data_root=data_root, out=out, modes=mode_list, settings=settings,
+                                           report_only=report_only)
         if doc is not None:
             typer.echo("... predicting Qwen2.5-VL-7B at TP 4 on the shared image mixes", err=True)
             doc.parent.mkdir(parents=True, exist_ok=True)
             plot = doc.with_suffix(".png")
             shutil.copyfile(out / "encoder_dp.png", plot)
-            command = ["loongforge", *sys.argv[1:]]  # as typed, not the module path python -m saw
-            cpu_prediction = predict_conversations(out / DATA_FILE, PRESET, tensor_parallel=LAYOUTS["tp2"][0],
+            cpu_prediction = predict_conversations(out / DATA_FILE, PRESET, group_size=CPU_TENSOR_PARALLEL,
                                                    seq_len=settings.seq_len)
-            doc.write_text(format_doc(bench, predict(root), cpu_prediction, command_line=command,
+            doc.write_text(format_doc(bench, predict(root), cpu_prediction, command_line=_typed_command(),
                                       plot_name=plot.name))
             typer.echo(f"wrote {doc} and {plot}")
+
+
+@app.command("context-parallel")
+def context_parallel(
+    data_root: GridDataRootOption = None,
+    layouts: Annotated[str, typer.Option(
+        "--layouts", metavar="cp2,cp4", help="Process layouts: cp2 (CP 2, 2 processes), cp4 (CP 4, 4).")]
+        = "cp2,cp4",
+    steps: GridStepsOption = 4,
+    warmup_steps: GridWarmupStepsOption = 1,
+    images_per_sample: GridImagesPerSampleOption = 4,
+    seq_len: GridSeqLenOption = 2304,
+    micro_batches: GridMicroBatchesOption = 1,
+    repeats: GridRepeatsOption = 1,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write context_parallel.md, .json, .png and the runs here. "
+             "Default: outputs/bench/context_parallel/.")] = None,
+    report_only: GridReportOnlyOption = False,
+    doc: Annotated[Optional[Path], typer.Option(
+        "--doc", metavar="FILE.md", show_default=False,
+        help="Also write the benchmark document: these figures beside the FLOP prediction for "
+             "Qwen2.5-VL-7B on a long-video row at CP 2/4/8 and NeMo AutoModel's published gain.")] = None,
+) -> None:
+    """Train the encoder-heavy preset at CP 2 and CP 4 with parallel.encoder_cp off and on: per-rank encoder
+    time, step time, memory; and the predicted 7B gain on a long-video row."""
+    from loongforge.bench.context_parallel import GRID, LAYOUTS, run_context_parallel_bench
+    from loongforge.bench.context_parallel_doc import NEMO_AUTOMODEL_LINE, format_doc
+    from loongforge.bench.encoder_dp_predict import (
+        LONG_VIDEO_ROWS,
+        format_context_parallel,
+        predict_conversations,
+        predict_long_video,
+    )
+    from loongforge.bench.train_grid import DATA_FILE, PRESET
+
+    with cli_errors():
+        settings = _grid_settings(steps=steps, warmup_steps=warmup_steps, images_per_sample=images_per_sample,
+                                  seq_len=seq_len, micro_batches=micro_batches, repeats=repeats)
+        bench, _, out = _run_grid_bench(run_context_parallel_bench, GRID, "context_parallel", layouts=layouts,
+                                        data_root=data_root, out=out, settings=settings, report_only=report_only)
+        predictions = predict_long_video()
+        typer.echo(format_context_parallel(predictions))
+        typer.echo(f"reference: {NEMO_AUTOMODEL_LINE}")
+        if doc is not None:
+            cpu_predictions = [predict_conversations(out / DATA_FILE, PRESET, group_size=LAYOUTS[name].processes,
+                                                     seq_len=settings.seq_len) for name in LAYOUTS]
+            doc.parent.mkdir(parents=True, exist_ok=True)
+            doc.write_text(format_doc(bench, predictions, LONG_VIDEO_ROWS, cpu_predictions,
+                                      command_line=_typed_command()))
+            typer.echo(f"wrote {doc}")
 
 
 @app.command("lora")
