@@ -29,7 +29,7 @@ from typing import Iterable, Optional, Sequence
 
 import numpy as np
 
-from loongforge.parallel.media_assign import VisionCost, assign_media
+from loongforge.parallel.media_assign import VisionCost, deal, frame_costs
 
 COST_FORMAT = "loongforge-cost/1"
 
@@ -203,9 +203,10 @@ def context_parallel_row_seconds(model: CostModel, row: Sequence[SampleCost], co
     """Predicted seconds one CP rank spends on a packed row split over ``context_parallel`` ranks.
 
     Language: ``CONTEXT_SPLIT_TERMS`` / CP, N whole. Vision: with ``encoder_cp`` the CP ranks divide
-    the row's images and videos, each dealt whole by ``parallel.media_assign`` (longest first onto
-    the least-loaded rank), and the step waits for the slowest rank's share: 1/CP of the row's for
-    equal media, more when one medium dominates; without it every rank encodes all of them.
+    the row's images and video frames as ``parallel.media_assign`` deals them (longest first onto
+    the least-loaded rank; a video's frames where ``grids`` are known, else whole), and the step
+    waits for the slowest rank's share: about 1/CP of the row's, more when one image dominates;
+    without it every rank encodes all of them.
     """
     if context_parallel < 1:
         raise ValueError(f"context_parallel must be at least 1, got {context_parallel}")
@@ -213,19 +214,26 @@ def context_parallel_row_seconds(model: CostModel, row: Sequence[SampleCost], co
     divisors = np.array([context_parallel if term in CONTEXT_SPLIT_TERMS else 1 for term in TERMS], dtype=np.float64)
     language = np.array([term in LANGUAGE_TERMS for term in TERMS], dtype=np.float64)
     media = [patches for sample in row for patches in sample.patches]
-    encoder = _slowest_encoder_seconds(model, media, context_parallel if encoder_cp else 1)
+    frames = [t for sample in row for t in _frames_per_medium(sample)]
+    encoder = _slowest_encoder_seconds(model, media, frames, context_parallel if encoder_cp else 1)
     return float(features * language / divisors @ model.vector) + encoder + model.micro_batch_overhead_s
 
 
-def _slowest_encoder_seconds(model: CostModel, media: list[int], ranks: int) -> float:
-    """The vision terms of the most loaded of ``ranks`` ranks dividing ``media`` (patches of each)."""
+def _frames_per_medium(sample: SampleCost) -> list[int]:
+    """t of each medium where its grid is known, else 1 (dealt whole)."""
+    return [grid[0] for grid in sample.grids] if sample.grids else [1] * len(sample.patches)
+
+
+def _slowest_encoder_seconds(model: CostModel, media: list[int], frames: list[int], ranks: int) -> float:
+    """The vision terms of the most loaded of ``ranks`` ranks dividing the frames of ``media``
+    (patches and frames of each)."""
     coefficients = [model.coefficients[term] for term in VISION_TERMS]
     if not media or not any(coefficients):  # VisionCost needs a nonzero term
         return 0.0
-    cost = VisionCost(*coefficients)
+    costs = frame_costs(media, frames, VisionCost(*coefficients))
     loads = [0.0] * ranks
-    for patches, owner in zip(media, assign_media(media, ranks, cost)):
-        loads[owner] += cost.of(patches)
+    for piece, owner in zip(costs, deal(costs, ranks)):
+        loads[owner] += piece
     return max(loads)
 
 

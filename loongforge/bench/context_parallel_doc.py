@@ -94,9 +94,9 @@ def _assumptions(rows: Sequence[LongVideoRow]) -> str:
         f"merged tokens); {row.loss_tokens:,} loss tokens. The rows below cut the same video into equal clips.",
         "- A rank's time: the row's language and LM-head FLOPs / CP (the causal load balance gives every CP "
         "rank an even share of the attention too), plus its encoder FLOPs: every medium with encoder_cp "
-        "off; with it on, the slowest rank's share of whole images and videos as `parallel.media_assign` "
-        "deals them (what loongforge trains), or an even 1 / CP (frame-level sharing: a video's frames "
-        "are independent in the tower).",
+        "off; with it on, the slowest rank's share of the frames as `parallel.media_assign` deals them "
+        "(what loongforge trains: a video's frames are independent in the tower), beside the share if each "
+        "image and video went whole to one rank.",
         "- Not modelled: the K/V all-gather of CP attention (the same in both modes), the all-gather of "
         "the merged features and the sum of their gradients over CP (encoder_cp only; a few MB per "
         "row), the vision tower's lower efficiency per FLOP on a GPU (narrow matmuls, small windows), "
@@ -107,8 +107,8 @@ def _assumptions(rows: Sequence[LongVideoRow]) -> str:
 def _reference(predictions: Sequence[ContextParallelPrediction], rows: Sequence[LongVideoRow]) -> str:
     """NeMo AutoModel's figure beside this report's CP 2 prediction on the first row, and what differs."""
     cp2 = next((p for p in predictions if p.context_parallel == 2 and p.row == rows[0].name), None)
-    here = (f"{100 * cp2.frames.gain:+.0f}% with an even split, {100 * cp2.whole_media.gain:+.0f}% as loongforge "
-            "shares whole media" if cp2 else "not computed")
+    here = (f"{100 * cp2.frames.gain:+.0f}% as loongforge deals frames ({100 * cp2.whole_media.gain:+.0f}% if "
+            "the video went whole to one rank)" if cp2 else "not computed")
     return (
         f"Reference: **{NEMO_AUTOMODEL_LINE}**, against every CP rank running the whole tower, with lower "
         f"peak memory and a bit-identical step-0 loss. Predicted here for CP 2 on `{rows[0].name}`: {here}. "
@@ -117,10 +117,9 @@ def _reference(predictions: Sequence[ContextParallelPrediction], rows: Sequence[
         "count of Qwen2.5-VL-7B on this row; (2) its tower ran under activation checkpointing (a second "
         "vision forward in the backward, which sharing divides too), while the 7B preset here trains without "
         "recompute; (3) a measured step prices the tower's efficiency per FLOP, lower than the decoder's on "
-        "a GPU, which can make its share of the time larger than its share of the FLOPs; (4) it divides a "
-        "video by frames, while loongforge's encoder_cp deals whole images and videos: a row whose media is "
-        f"one long video gains nothing from encoder_cp (the `{rows[0].name}` rows) until the video arrives "
-        "as clips, and a row of many images divides as the CPU runs above show.")
+        "a GPU, which can make its share of the time larger than its share of the FLOPs. Both divide a video "
+        "by frames; dealing whole media instead, a row whose media is one long video would gain nothing "
+        f"(the `{rows[0].name}` rows' last column) until the video arrived as clips.")
 
 
 def format_doc(bench: GridBench, predictions: Sequence[ContextParallelPrediction], rows: Sequence[LongVideoRow],

@@ -26,9 +26,9 @@ images that arrive together.
 Under CP a rank holds 1/CP of the row's tokens (the causal load balance makes the attention even
 too), so its language time is the row's language and LM-head FLOPs / CP; its encoder time is every
 medium's vision and merger FLOPs with encoder_cp off, and with it on the slowest rank's share of
-whole media as ``parallel.media_assign`` deals them (what loongforge trains), or the even 1/CP that
-frame-level sharing reaches (frames of a video are independent in the tower: windows and
-full-attention blocks stay within a frame). Not modelled: the K/V all-gather of CP attention (the
+the frames as ``parallel.media_assign`` deals them (what loongforge trains: frames of a video are
+independent in the tower, windows and full-attention blocks stay within a frame), beside the share
+if each image and video went whole to one rank. Not modelled: the K/V all-gather of CP attention (the
 same in both modes), the features' all-gather and their gradients' sum over CP (encoder_cp only).
 Pure arithmetic on sizes: no torch.
 """
@@ -57,7 +57,7 @@ from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import FlopOptions, Grid
 from loongforge.models.registry import get_family
-from loongforge.parallel.media_assign import VisionCost, assign_media
+from loongforge.parallel.media_assign import VisionCost, assign_media, deal, frame_costs
 from loongforge.train.balancing import VISION_TERMS
 
 PRESET = "qwen2.5vl-7b"
@@ -266,7 +266,7 @@ class LongVideoRow:
         return [(t // self.clips, h, w)] * self.clips
 
 
-# One video is one medium, which loongforge's encoder_cp gives to one rank; as clips it divides.
+# One video is one medium: dealt whole it lands on one rank, as clips or as frames it divides.
 LONG_VIDEO_ROWS = (LongVideoRow("one 16k-token video"), LongVideoRow("the same video as 4 clips", clips=4),
                    LongVideoRow("the same video as 16 clips", clips=16))
 
@@ -275,8 +275,8 @@ LONG_VIDEO_ROWS = (LongVideoRow("one 16k-token video"), LongVideoRow("the same v
 class ContextParallelPrediction:
     row: str
     context_parallel: int
-    whole_media: GroupCost  # encoder_cp as loongforge trains it: whole media dealt by modelled cost
-    frames: GroupCost  # the encoder's FLOPs divided evenly: frame-level sharing
+    whole_media: GroupCost  # each image and video whole on one rank, dealt by modelled cost
+    frames: GroupCost  # encoder_cp as loongforge trains it: frames dealt by modelled cost
 
 
 def _medium_flops(model_cfg: ModelConfig, grid: Grid, options: FlopOptions) -> float:
@@ -294,16 +294,20 @@ def predict_context_parallel(model_cfg: ModelConfig, row: LongVideoRow, context_
     ``cost``: what ``parallel.media_assign`` deals media by (default: the default cost model's)."""
     grids = row.grids()
     patches = [t * h * w for t, h, w in grids]
+    frames = [t for t, _, _ in grids]
     whole_row = get_family(model_cfg.family).training_flops(
         model_cfg, [SampleCost(tokens=row.tokens, patches=tuple(patches), loss_tokens=row.loss_tokens,
                                grids=tuple(grids))], options)
     language = (whole_row.language + whole_row.lm_head) / context_parallel
+    cost = cost or vision_cost(default_cost_model())
     media = [_medium_flops(model_cfg, grid, options) for grid in grids]
-    owners = assign_media(patches, context_parallel, cost or vision_cost(default_cost_model()))
-    alone, shared = _encoder_costs(media, owners, context_parallel)
+    alone, whole_shared = _encoder_costs(media, assign_media(patches, context_parallel, cost), context_parallel)
+    frame_flops = [flops / t for flops, t in zip(media, frames) for _ in range(t)]
+    frame_owners = deal(frame_costs(patches, frames, cost), context_parallel)
+    _, frames_shared = _encoder_costs(frame_flops, frame_owners, context_parallel)
     return ContextParallelPrediction(row=row.name, context_parallel=context_parallel,
-                                     whole_media=GroupCost(alone, shared, language),
-                                     frames=GroupCost(alone, alone / context_parallel, language))
+                                     whole_media=GroupCost(alone, whole_shared, language),
+                                     frames=GroupCost(alone, frames_shared, language))
 
 
 def predict_long_video(preset: str = PRESET, rows: Sequence[LongVideoRow] = LONG_VIDEO_ROWS,
@@ -319,10 +323,10 @@ def _gain(value: float) -> str:
 
 
 def format_context_parallel(predictions: Sequence[ContextParallelPrediction]) -> str:
-    rows = ["| row | CP | encoder share of a rank's time (off) | step time on / off, whole media (loongforge) | "
-            "gain | step time on / off, frame-level | gain |", "|---|---:|---:|---:|---:|---:|---:|"]
+    rows = ["| row | CP | encoder share of a rank's time (off) | step time on / off, frames dealt (loongforge) | "
+            "gain | step time on / off, whole media dealt | gain |", "|---|---:|---:|---:|---:|---:|---:|"]
     for p in predictions:
         whole, frames = p.whole_media, p.frames
         rows.append(f"| {p.row} | {p.context_parallel} | {100 * whole.encoder_share_alone:.0f}% | "
-                    f"{whole.step_ratio:.3f} | {_gain(whole.gain)} | {frames.step_ratio:.3f} | {_gain(frames.gain)} |")
+                    f"{frames.step_ratio:.3f} | {_gain(frames.gain)} | {whole.step_ratio:.3f} | {_gain(whole.gain)} |")
     return "\n".join(rows)

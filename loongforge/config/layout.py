@@ -15,6 +15,7 @@ import math
 import operator
 from dataclasses import dataclass
 
+from loongforge.config.pipeline_layout import PipelineKeys, pipeline_layout_problems
 from loongforge.config.schema import DataConfig, ModelConfig, ParallelConfig
 
 
@@ -101,11 +102,6 @@ def row_multiple(data: DataConfig, parallel: ParallelConfig) -> int:
     return math.lcm(sample_multiple(data, parallel), parallel.context_parallel_size * tp)
 
 
-def layers_per_stage(num_layers: int, pipeline_parallel: int) -> list[int]:
-    """Language layers held by each pipeline stage (even split; validation requires PP | layers)."""
-    return [num_layers // pipeline_parallel] * pipeline_parallel
-
-
 def divisors(number: int) -> list[int]:
     return [d for d in range(1, number + 1) if number % d == 0]
 
@@ -129,7 +125,6 @@ class LayoutRule:
     """What a model family needs of the parallel layout (its ``ModelFamily.layout``)."""
 
     tensor: tuple[Dim, ...]  # language TP splits each of these
-    pipeline: tuple[Dim, ...]  # PP splits each of these (the decoder layers)
     vision_tensor: tuple[Dim, ...]  # vision TP splits each of these
     # Vision TP groups are cut from the language TP groups, so the vision size divides TP.
     vision_within_tensor: bool = True
@@ -141,15 +136,18 @@ class LayoutRule:
 
 @dataclass(frozen=True)
 class LayoutKeys:
-    """How the three sizes are named in messages: config keys, or a command's flags."""
+    """How the layout settings are named in messages: config keys, or a command's flags."""
 
     tensor: str = "parallel.tensor_model_parallel_size"
     pipeline: str = "parallel.pipeline_model_parallel_size"
     vision_tensor: str = "parallel.vision_tensor_model_parallel_size"
+    virtual: str = "parallel.virtual_pipeline_model_parallel_size"
+    pipeline_layout: str = "parallel.pipeline_layout"
 
 
 # What megatron's layers need of the schema's three sections: TP splits attention heads, KV heads and
-# the MLP; PP splits the decoder layers; vision TP splits the ViT's heads and MLP. A family whose
+# the MLP; vision TP splits the ViT's heads and MLP (the pipeline's split of the decoder layers is
+# ``config.pipeline_layout``'s). A family whose
 # layers need more states its own rule; config loading, which knows no family, checks this one.
 DECODER_LAYOUT = LayoutRule(
     tensor=(Dim("language.num_attention_heads", "heads"),
@@ -157,15 +155,17 @@ DECODER_LAYOUT = LayoutRule(
             Dim("language.ffn_hidden_size", "FFN size"),
             # Experts' MLPs are split by the expert TP size (config.validate's expert layout).
             ),
-    pipeline=(Dim("language.num_layers", "decoder layers"),),
     vision_tensor=(Dim("vision.num_heads", "vision heads"),
                    Dim("vision.intermediate_size", "vision MLP size")),
 )
 
 
 def layout_problems(model_cfg: ModelConfig, rule: LayoutRule, *, tp: int, pp: int,
-                    vision_tp: int | None, keys: LayoutKeys = LayoutKeys()) -> list[str]:
-    """One sentence per way the layout does not fit the model; ``vision_tp=None`` follows TP.
+                    vision_tp: int | None, vp: int | None = None, pipeline_layout: str | None = None,
+                    keys: LayoutKeys = LayoutKeys()) -> list[str]:
+    """One sentence per way the layout does not fit the model; ``vision_tp=None`` follows TP;
+    ``vp`` and ``pipeline_layout`` as ``parallel.virtual_pipeline_model_parallel_size`` and
+    ``parallel.pipeline_layout``.
 
     A vision size inherited from a bad TP would repeat TP's complaint, so it is checked only once
     TP fits (or when it was given explicitly)."""
@@ -177,7 +177,9 @@ def layout_problems(model_cfg: ModelConfig, rule: LayoutRule, *, tp: int, pp: in
     errors = _tensor_problems(model_cfg, rule, tp, keys)
     if not errors or vision_tp is not None:
         errors += _vision_problems(model_cfg, rule, tp, vision_tp, keys)
-    return errors + _pipeline_problems(model_cfg, rule, pp, keys) + _deepstack_problems(model_cfg, pp, keys)
+    pipeline = ParallelConfig(pipeline_model_parallel_size=pp, virtual_pipeline_model_parallel_size=vp,
+                              pipeline_layout=pipeline_layout)
+    return errors + _pipeline_problems(model_cfg, pipeline, keys)
 
 
 def _size(model_cfg: ModelConfig, dim: Dim) -> int:
@@ -226,30 +228,19 @@ def _vision_problems(model_cfg: ModelConfig, rule: LayoutRule, tp: int, vision_t
             for name, size in named.items() if size % vision_tp]
 
 
-def _pipeline_problems(model_cfg: ModelConfig, rule: LayoutRule, pp: int, keys: LayoutKeys) -> list[str]:
-    sizes = [_size(model_cfg, dim) for dim in rule.pipeline]
-    valid = _common_divisors(sizes)
-    return [f"{keys.pipeline}={pp} does not divide {_label(dim)}={size}; set it to one of {valid}."
-            for dim, size in zip(rule.pipeline, sizes) if size % pp]
-
-
-def _deepstack_problems(model_cfg: ModelConfig, pp: int, keys: LayoutKeys) -> list[str]:
-    """DeepStack (``model.vision.deepstack_layers``, k entries) adds vision features after decoder
-    layers 0..k-1; they are the first pipeline stage's, so that stage must hold at least k layers."""
-    wanted = len(model_cfg.vision.deepstack_layers) if model_cfg.vision is not None else 0
+def _pipeline_problems(model_cfg: ModelConfig, pipeline: ParallelConfig, keys: LayoutKeys) -> list[str]:
+    """The pipeline's split of the decoder layers; DeepStack (``model.vision.deepstack_layers``, k
+    entries) adds vision features after decoder layers 0..k-1, which must be on the first stage."""
     layers = model_cfg.language.num_layers
-    if wanted == 0 or layers % pp:  # an uneven split is _pipeline_problems' complaint
-        return []
+    wanted = len(model_cfg.vision.deepstack_layers) if model_cfg.vision is not None else 0
     if layers < wanted:
         return [f"model.vision.deepstack_layers has {wanted} entries, added after the first {wanted} "
                 f"decoder layers, but model.language.num_layers={layers}; use at least {wanted} layers "
                 f"or fewer deepstack_layers."]
-    if layers // pp >= wanted:
-        return []
-    valid = ", ".join(str(d) for d in divisors(layers) if layers // d >= wanted)
-    return [f"{keys.pipeline}={pp} leaves {layers // pp} decoder layers on the first stage, but DeepStack "
-            f"adds vision features after the first {wanted} (model.vision.deepstack_layers), which must "
-            f"all be there; set it to one of {valid}."]
+    return pipeline_layout_problems(
+        layers, pipeline, first_stage_layers=wanted,
+        first_stage_reason="DeepStack (model.vision.deepstack_layers) adds vision features after",
+        keys=PipelineKeys(pipeline=keys.pipeline, virtual=keys.virtual, layout=keys.pipeline_layout))
 
 
 def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:

@@ -218,6 +218,17 @@ class DataConfig:
 class ParallelConfig:
     tensor_model_parallel_size: int = 1
     pipeline_model_parallel_size: int = 1
+    # Interleaved (virtual) pipeline: each pipeline rank holds this many model chunks and megatron-core's
+    # interleaved 1F1B schedule runs them round-robin, dividing the bubble by about this factor for
+    # more point-to-point messages. Needs PP > 1 and the micro-batches a rank runs per step a multiple
+    # of PP. null (or 1): one chunk per rank.
+    virtual_pipeline_model_parallel_size: Optional[int] = None
+    # Which layers each pipeline stage holds, megatron-core's layout string: the PP x VP stages in
+    # schedule order (virtual stage 0 of ranks 0..PP-1, then virtual stage 1, ...) separated by "|";
+    # "E" the embedding with the vision encoder and projector (first stage only), "t" one language
+    # layer ("t*3" three), "L" the LM head and loss (last stage only); e.g. "Et|ttt|ttt|tL" is PP 2 x
+    # VP 2 over 8 layers with one layer beside the encoder. null: layers split evenly.
+    pipeline_layout: Optional[str] = None
     # Tensor parallel size of the vision encoder; null = same as the language model.
     vision_tensor_model_parallel_size: Optional[int] = None
     # How the vision encoder's work is divided beyond its own TP: "none" runs the whole encoder on

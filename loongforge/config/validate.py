@@ -35,6 +35,7 @@ from loongforge.config.layout import (
     row_multiple,
     sample_multiple,
 )
+from loongforge.config.pipeline_layout import virtual_stages
 from loongforge.config.schema import RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
@@ -430,6 +431,12 @@ def _check_world_and_batch(cfg: RunConfig, world_size: int) -> list[str]:
     if parallel.sequence_parallel and tp == 1:
         errors.append("parallel.sequence_parallel=true needs parallel.tensor_model_parallel_size "
                       "> 1; turn it off or raise TP.")
+    micro_batches = training.global_batch_size // data_parallel
+    if virtual_stages(parallel) > 1 and pp > 1 and micro_batches % pp:
+        errors.append(f"the interleaved pipeline runs micro-batches in groups of PP={pp}, but each replica has "
+                      f"{micro_batches} per step (training.global_batch_size={training.global_batch_size} / "
+                      f"DP {data_parallel}); use a global batch size that is a multiple of "
+                      f"{pp * data_parallel} (PP x DP).")
     return errors + _check_context_parallel(cfg)
 
 
@@ -502,7 +509,9 @@ def family_layout_problems(cfg: RunConfig, layout: LayoutRule) -> list[str]:
     parallel = cfg.parallel
     return layout_problems(cfg.model, layout, tp=parallel.tensor_model_parallel_size,
                            pp=parallel.pipeline_model_parallel_size,
-                           vision_tp=parallel.vision_tensor_model_parallel_size) + _check_encoder_dp(cfg, layout)
+                           vision_tp=parallel.vision_tensor_model_parallel_size,
+                           vp=parallel.virtual_pipeline_model_parallel_size,
+                           pipeline_layout=parallel.pipeline_layout) + _check_encoder_dp(cfg, layout)
 
 
 def _check_encoder_dp(cfg: RunConfig, layout: LayoutRule) -> list[str]:

@@ -2,10 +2,14 @@
 group) and ``parallel.encoder_cp`` (the CP group, or TP x CP with both).
 
 Without it every rank of the group (vision TP 1: a whole encoder each) encodes every image and video
-of the micro-batch they share: group-fold redundant work. Here each rank encodes a share chosen by
-modelled cost (``parallel.media_assign``, the same on every rank), the merged features are gathered in
-the original media order (``parallel.encoder_dp.gather_from_owners``), and in backward each feature's
-gradient goes back to the rank that encoded it.
+of the micro-batch they share: group-fold redundant work. Here each rank encodes a share of the
+frames chosen by modelled cost (``parallel.media_assign``, the same on every rank), the merged
+features are gathered in the original order (``parallel.encoder_dp.gather_from_owners``), and in
+backward each feature's gradient goes back to the rank that encoded it.
+
+The unit dealt is a frame (one temporal patch, ``grid_thw``'s t; an image is one frame): the towers
+attend within a frame, so a long video, the reason for CP, is spread over the group instead of
+landing whole on one rank.
 
 Whose gradients those are differs. TP ranks compute the same loss on the same tokens, so each holds
 the whole gradient of every feature: the owner takes its rows, and the caller sums the encoder's
@@ -16,7 +20,7 @@ data-parallel reduction, which runs over DP x CP, sums the parameter gradients.
 
 Media are the micro-batch's images then videos, the order of ``grid_thw`` [n, 3] (t, h, w): medium
 i has ``t*h*w`` consecutive rows of ``pixel_values`` and ``t*h*w / merge_unit`` consecutive rows of
-the merged features.
+the merged features, frame after frame (``h*w`` and ``h*w / merge_unit`` rows each).
 """
 
 from __future__ import annotations
@@ -30,7 +34,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.parallel.encoder_dp import gather_from_owners, touch_with_zero
-from loongforge.parallel.media_assign import VisionCost, assign_media
+from loongforge.parallel.media_assign import VisionCost, deal, frame_costs
 
 # (pixel rows [P, C*T*p*p], grid_thw [n, 3]) -> merged features [P / merge_unit, h]
 Encode = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -79,8 +83,10 @@ class SharedEncoding:
     def __call__(self, encode: Encode, trainable: Iterable[torch.nn.Parameter],
                  pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Merged features of every medium, in order: [P_total / merge_unit, width]."""
-        patches = grid_thw.prod(-1).tolist()
-        owners = assign_media(patches, self.group.size(), self.vision_cost())
+        frames = frame_grids(grid_thw)  # [F, 3]: (1, h, w) per frame
+        patches = frames.prod(-1).tolist()
+        owners = deal(frame_costs(grid_thw.prod(-1).tolist(), grid_thw[:, 0].tolist(), self.vision_cost()),
+                      self.group.size())
         mine = [i for i, owner in enumerate(owners) if owner == dist.get_rank(self.group)]
         merged_starts = [0]
         for count in patches:
@@ -88,7 +94,7 @@ class SharedEncoding:
         owner_rows = [_rows([i for i, o in enumerate(owners) if o == rank], merged_starts)
                       for rank in range(self.group.size())]
         if mine:
-            local = encode(_select_rows(pixels, patches, mine), grid_thw[mine])
+            local = encode(_select_rows(pixels, patches, mine), frames[mine])
         else:
             local = self._nothing(trainable, pixels.device)
         return gather_from_owners(local, self.group, owner_rows, gradient_group=self.gradient_group)
@@ -97,6 +103,12 @@ class SharedEncoding:
         """[0, width]: this rank encodes nothing, yet still reports a (zero) gradient for every
         trainable encoder parameter (``touch_with_zero``)."""
         return touch_with_zero(torch.zeros(0, self.width, dtype=self.dtype, device=device), trainable)
+
+
+def frame_grids(grid_thw: torch.Tensor) -> torch.Tensor:
+    """grid_thw [n, 3] (t, h, w) -> [sum(t), 3]: a (1, h, w) row for every frame, in order."""
+    single = torch.cat([torch.ones_like(grid_thw[:, :1]), grid_thw[:, 1:]], dim=1)
+    return torch.repeat_interleave(single, grid_thw[:, 0], dim=0)
 
 
 def _rows(media: list[int], starts: list[int]) -> torch.Tensor:

@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import expert_tensor_parallel_size
+from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import ParallelConfig
 from loongforge.parallel.launch_env import free_port, runs_on_cuda
 
@@ -154,6 +155,7 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         mpu.initialize_model_parallel(
             tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
             pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=megatron_virtual_stages(parallel_cfg),
             context_parallel_size=parallel_cfg.context_parallel_size,
             expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
             expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),

@@ -1,9 +1,9 @@
-"""Which rank encodes which image or video: longest first onto the least-loaded rank.
+"""Which rank encodes which image, video or video frame: longest first onto the least-loaded rank.
 
-With ``parallel.encoder_dp=tp`` the ranks of a language TP group share one micro-batch, and each
-encodes only some of its images and videos (``parallel.encoder_dp``); with ``full`` the ranks of a
-model-parallel group (TP x PP) divide all media of a step's micro-batches (``assign_step_media``).
-Every rank computes the same
+With ``parallel.encoder_dp=tp`` the ranks of a language TP group share one micro-batch, and with
+``parallel.encoder_cp`` the ranks of a CP group: each encodes some of its images and video frames
+(``frame_costs``, ``deal``); with ``encoder_dp=full`` the ranks of a model-parallel group (TP x PP)
+divide the whole media of a step's micro-batches (``assign_step_media``). Every rank computes the same
 assignment from the same inputs (the media's patch counts and the cost coefficients), so the ranks
 agree without communicating.
 
@@ -40,14 +40,18 @@ class VisionCost:
 
 
 def assign_media(patches: Sequence[int], num_ranks: int, cost: VisionCost = VisionCost()) -> list[int]:
-    """The owning rank (0 .. num_ranks-1) of each medium, given each one's patch count.
+    """The owning rank (0 .. num_ranks-1) of each medium, given each one's patch count."""
+    return deal([cost.of(p) for p in patches], num_ranks)
 
-    Longest-processing-time greedy: media in decreasing cost (ties: lower index first) each go to
+
+def deal(costs: Sequence[float], num_ranks: int) -> list[int]:
+    """The owning rank (0 .. num_ranks-1) of each piece of work, given each one's cost.
+
+    Longest-processing-time greedy: pieces in decreasing cost (ties: lower index first) each go to
     the rank with the least cost so far (ties: lower rank). Deterministic in its inputs.
     """
     if num_ranks < 1:
         raise ValueError(f"num_ranks must be at least 1, got {num_ranks}")
-    costs = [cost.of(p) for p in patches]
     owners = [0] * len(costs)
     loads = [0.0] * num_ranks
     for index in sorted(range(len(costs)), key=lambda i: (-costs[i], i)):
@@ -55,6 +59,20 @@ def assign_media(patches: Sequence[int], num_ranks: int, cost: VisionCost = Visi
         owners[index] = rank
         loads[rank] += costs[index]
     return owners
+
+
+def frame_costs(patches: Sequence[int], frames: Sequence[int], cost: VisionCost = VisionCost()) -> list[float]:
+    """The modelled cost of every frame of every medium, media in order, each medium's frames in
+    order: its cost spread evenly over its ``t`` frames (temporal patches, ``grid_thw``'s t).
+
+    The vision towers attend within a frame (each frame is its own full-attention segment, windows
+    and positions are per frame), so a video's frames can be encoded on different ranks and their
+    features concatenated: one long video no longer lands on one rank. Spreading the medium's cost
+    keeps the total what the cost model says for the medium.
+    """
+    if len(patches) != len(frames):
+        raise ValueError(f"{len(patches)} patch counts for {len(frames)} frame counts")
+    return [cost.of(p) / t for p, t in zip(patches, frames) for _ in range(t)]
 
 
 @dataclass(frozen=True)

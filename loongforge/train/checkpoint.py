@@ -105,19 +105,31 @@ def _unwrap(chunk):
     return getattr(chunk, "module", chunk)
 
 
-def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool,
-                   saved_keys: Optional[set[str]] = None) -> dict:
-    """The model (and optimizer) as dist_checkpointing describes them; ``saved_keys`` (loading): the
-    keys of the checkpoint, whose naming the model's entries are fitted to first."""
-    model = _unwrap(model_chunks[0])
-    model_sd = {"model": model.sharded_state_dict()}
+def _chunk_keys(model_chunks: list) -> list[str]:
+    """The state dict's key of each model chunk: ``model``, or ``model0``, ``model1``, ... for the
+    chunks of an interleaved pipeline (Megatron-LM's names). The tensors inside carry global keys
+    and layer offsets, so a checkpoint does not depend on how the layers were chunked."""
+    return ["model"] if len(model_chunks) == 1 else [f"model{index}" for index in range(len(model_chunks))]
+
+
+def _model_sharded_state(model, saved_keys: Optional[set[str]]) -> dict:
+    """One chunk's sharded entries: LoRA's adapters alone (the frozen base is rebuilt from where it
+    came from, meta.json's ``lora_base``), fitted to the checkpoint's names when loading."""
+    sharded = model.sharded_state_dict()
     if is_lora_model(model):
-        # LoRA: the frozen base is not trained state; it is rebuilt from where it came from
-        # (meta.json's ``lora_base``), so a checkpoint holds the adapters and their optimizer state.
-        model_sd["model"] = {name: item for name, item in model_sd["model"].items() if is_adapter_key(name)}
+        sharded = {name: item for name, item in sharded.items() if is_adapter_key(name)}
     if saved_keys is not None:
         # Before the optimizer's entries are derived from the model's: they follow the renames.
-        model_sd["model"] = fit_to_checkpoint_names(model_sd["model"], saved_keys)
+        sharded = fit_to_checkpoint_names(sharded, saved_keys)
+    return sharded
+
+
+def _sharded_state(model_chunks: list, optimizer, *, is_loading: bool,
+                   saved_keys: Optional[set[str]] = None) -> dict:
+    """The model chunks (and optimizer) as dist_checkpointing describes them; ``saved_keys``
+    (loading): the keys of the checkpoint, whose naming the model's entries are fitted to first."""
+    model_sd = {key: _model_sharded_state(_unwrap(chunk), saved_keys)
+                for key, chunk in zip(_chunk_keys(model_chunks), model_chunks)}
     if _holds_state(optimizer, model_chunks):
         # "fully_reshardable": the distributed optimizer's default format (fully_sharded_model_space)
         # cannot be written by megatron-core 0.16.1; this one also reshards across DP sizes.
@@ -475,17 +487,19 @@ def load_model_only(path: Path, model_chunks: list, optimizer) -> None:
     from megatron.core import dist_checkpointing
     from megatron.core.dist_checkpointing.mapping import ShardedObject
 
-    model = _unwrap(model_chunks[0])
-    sharded = {k: v for k, v in model.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
-    sharded = fit_to_checkpoint_names(sharded, _saved_keys(path / "model_optim"))
-    try:
-        # No access-integrity check: it is a save-time guarantee, and with a vision TP of 1 under a
-        # larger language TP the projector's replicas are all marked main (see the convert docs).
-        loaded = dist_checkpointing.load(sharded, str(path / "model_optim"), validate_access_integrity=False)
-    except Exception as exc:  # megatron raises several types; the message names the tensor
-        raise InputError(f"{path}: cannot load the model weights: {exc}") from None
-    loaded.pop("optimizer", None)  # a run's checkpoint: its common (unsharded) optimizer entries come along
-    _load_weights(model, loaded, path)
+    saved_keys = _saved_keys(path / "model_optim")
+    for chunk in model_chunks:
+        model = _unwrap(chunk)
+        sharded = {k: v for k, v in model.sharded_state_dict().items() if not isinstance(v, ShardedObject)}
+        sharded = fit_to_checkpoint_names(sharded, saved_keys)
+        try:
+            # No access-integrity check: it is a save-time guarantee, and with a vision TP of 1 under a
+            # larger language TP the projector's replicas are all marked main (see the convert docs).
+            loaded = dist_checkpointing.load(sharded, str(path / "model_optim"), validate_access_integrity=False)
+        except Exception as exc:  # megatron raises several types; the message names the tensor
+            raise InputError(f"{path}: cannot load the model weights: {exc}") from None
+        loaded.pop("optimizer", None)  # a run's checkpoint: its common (unsharded) optimizer entries come along
+        _load_weights(model, loaded, path)
     if optimizer is not None and hasattr(optimizer, "reload_model_params"):
         optimizer.reload_model_params()  # mixed precision keeps fp32 copies made at construction
 
@@ -544,7 +558,8 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
             _sharded_state(model_chunks, optimizer, is_loading=True, saved_keys=saved_keys),
             str(path / "model_optim"))
         # A stage of a LoRA run with no adapter (LoRA on the projector alone) loads nothing.
-        _load_weights(_unwrap(model_chunks[0]), loaded.get("model", {}), path)
+        for key, chunk in zip(_chunk_keys(model_chunks), model_chunks):
+            _load_weights(_unwrap(chunk), loaded.get(key, {}), path)
         if _holds_state(optimizer, model_chunks) and "optimizer" in loaded:
             optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(optimizer)

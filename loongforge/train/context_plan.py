@@ -107,7 +107,10 @@ def long_video_row(data: DataConfig, model: ModelConfig) -> list[SampleCost]:
     frame_patches = data.video_max_pixels // vision.patch_size ** 2 // merge_unit * merge_unit
     patches = -(-data.video_max_frames // vision.temporal_patch_size) * frame_patches
     tokens = patches // merge_unit
-    return [SampleCost(tokens, (patches,)) for _ in range(data.seq_len // tokens)]
+    frames = patches // frame_patches
+    # Only t and h * w of the grid are read (encoder_cp deals frames): h = merge keeps h * w exact.
+    grid = (frames, model.projector.spatial_merge_size, frame_patches // model.projector.spatial_merge_size)
+    return [SampleCost(tokens, (patches,), grids=(grid,)) for _ in range(data.seq_len // tokens)]
 
 
 def rank_cost_model(cfg: RunConfig, sizes: ParallelSizes) -> CostModel:

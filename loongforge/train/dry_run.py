@@ -17,10 +17,10 @@ from loongforge.config.layout import (
     ParallelSizes,
     derive_parallel_sizes,
     encoder_shared_over_context,
-    layers_per_stage,
     resolve_read,
     sample_multiple,
 )
+from loongforge.config.pipeline_layout import stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models.flops import head_dim
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
@@ -90,7 +90,8 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     tp, vision_tp = sizes.tensor_parallel, sizes.vision_tensor_parallel
     tied = cfg.model.language.tie_word_embeddings
     stages, first_layer = [], 0
-    counts = layers_per_stage(cfg.model.language.num_layers, sizes.pipeline_parallel)
+    stage_layers = stage_plan(cfg.model.language.num_layers, cfg.parallel)
+    counts = [stage_layers.rank_layers(rank) for rank in range(sizes.pipeline_parallel)]
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
     expert_shards = sizes.expert_parallel * sizes.expert_tensor_parallel

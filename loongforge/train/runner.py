@@ -30,6 +30,7 @@ from loongforge import __version__
 from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import InputError
 from loongforge.config.layout import resolve_read, row_multiple, sample_multiple, vision_tensor_parallel_size
+from loongforge.config.pipeline_layout import virtual_stages
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.config.validate import LORA_TE_REFUSAL, validate
@@ -171,11 +172,22 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
                      balancing: RunBalancing, layer_backend: str):
-    model = get_family(cfg.model.family).build(cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
-                        pre_process=layout.is_first_stage, post_process=layout.is_last_stage,
-                        device=device, recompute_activations=cfg.training.recompute_activations,
-                        init_seed=cfg.training.seed, vision_cost=balancing.vision_cost,
-                        with_encoder=cfg.data.vision_embeddings is None)
+    """This rank's model chunks (one per virtual pipeline stage), wrapped for training."""
+    virtual = virtual_stages(cfg.parallel)
+    chunks = [_build_chunk(cfg, layout, device, balancing, layer_backend, stage, virtual) for stage in range(virtual)]
+    return wrap_for_training(chunks, cfg.parallel)
+
+
+def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, balancing: RunBalancing,
+                 layer_backend: str, stage: int, virtual: int):
+    """Virtual stage ``stage`` of this pipeline rank: the embedding (and encoder) on the first stage
+    of rank 0, the head on the last stage of the last rank."""
+    model = get_family(cfg.model.family).build(
+        cfg.model, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision],
+        pre_process=layout.is_first_stage and stage == 0, post_process=layout.is_last_stage and stage == virtual - 1,
+        vp_stage=stage if virtual > 1 else None, device=device,
+        recompute_activations=cfg.training.recompute_activations, init_seed=cfg.training.seed,
+        vision_cost=balancing.vision_cost, with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
     # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
     model.lora_note = _apply_lora(model, cfg)
@@ -186,25 +198,36 @@ def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.devic
     model.fp8_weights = Fp8WeightCache() if decide is not None else None
     model.fp8_layers = apply_fp8(model, decide, model.fp8_weights) if decide is not None else {}
     model.fp8_note = note + (f": {describe_fp8_layers(model.fp8_layers)}" if model.fp8_layers else "")
-    return wrap_for_training(model, cfg.parallel)
+    return model
 
 
 def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object]:
-    """A built model as the step trains it: megatron's DDP wrapper (fp32 gradient buffers) and the
-    per-token loss normalisation; ([wrapped model], its TransformerConfig)."""
-    config = model.config
-    # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
-    config.calculate_per_token_loss = True
-    unscaled_balance_losses(model)
+    """Built model chunks (or one model) as the step trains them: megatron's DDP wrapper (fp32
+    gradient buffers) around each, and the per-token loss normalisation; (wrapped chunks, the first
+    chunk's TransformerConfig, which the pipeline schedule reads)."""
+    chunks = model if isinstance(model, list) else [model]
+    for chunk in chunks:
+        # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
+        chunk.config.calculate_per_token_loss = True
+        unscaled_balance_losses(chunk)
+    config = chunks[0].config
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
         overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
         use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
     )
-    ddp_model = DistributedDataParallel(config=config, ddp_config=ddp_config, module=model)
-    config.no_sync_func = ddp_model.no_sync
-    return [ddp_model], config
+    # One bucket for each chunk after the first (as Megatron-LM sets it): the interleaved schedule
+    # already overlaps their reduction with the other chunks' compute.
+    wrapped = [DistributedDataParallel(config=chunk.config, ddp_config=ddp_config, module=chunk,
+                                       disable_bucketing=index > 0)
+               for index, chunk in enumerate(chunks)]
+    no_sync = [chunk.no_sync for chunk in wrapped]
+    config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
+    if parallel_cfg.overlap_grad_reduce and len(wrapped) > 1:
+        # The interleaved schedule starts each chunk's reduction when its last backward is done.
+        config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
+    return wrapped, config
 
 
 def _apply_lora(model, cfg: RunConfig) -> Optional[str]:
@@ -419,7 +442,8 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
     # Before the optimizer copies the params. A LoRA checkpoint holds no base: it is read again here.
     if cfg.checkpoint.load_hf and (cfg.lora.rank or (not resume and cfg.checkpoint.load is None)):
-        load_hf_weights(model[0], cfg.checkpoint.load_hf)
+        for chunk in model:
+            load_hf_weights(chunk, cfg.checkpoint.load_hf)
     sync_clock = GradSyncClock(model_config, env.device)  # measured imbalance, every step
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()

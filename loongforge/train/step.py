@@ -162,9 +162,11 @@ def _schedule(model, micro_batches: list[dict], *, device: torch.device, seq_len
     # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.pipeline_parallel import get_forward_backward_func
 
+    # Under the interleaved schedule each model chunk reads the micro-batches through its own iterator.
+    iterators = [iter(micro_batches) for _ in model] if len(model) > 1 else iter(micro_batches)
     return get_forward_backward_func()(
         forward_step_func=make_forward_step(device, context_group),
-        data_iterator=iter(micro_batches),
+        data_iterator=iterators,
         model=model,
         num_microbatches=len(micro_batches),
         seq_length=seq_length,

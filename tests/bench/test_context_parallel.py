@@ -138,18 +138,20 @@ def linear_family(monkeypatch):
     return SimpleNamespace(family="stand-in")
 
 
-def test_one_video_is_one_medium_and_clips_divide(linear_family):
+def test_a_video_divides_by_frames_and_whole_it_would_not(linear_family):
     # A 1,000-token row with 100 loss tokens: language 10,000 + 200 FLOPs; a video of 8 x 4 x 4 = 128 patches.
     video = dict(tokens=1000, video_grid=(8, 4, 4), loss_tokens=100)
     whole = predict_context_parallel(linear_family, LongVideoRow("video", **video), 2)
     assert whole.whole_media.language == 5100.0 and whole.whole_media.encoder_alone == 128.0
     assert whole.whole_media.encoder_shared == 128.0  # one medium: one rank encodes it all
-    assert whole.frames.encoder_shared == 64.0  # frame-level: half each
+    assert whole.frames.encoder_shared == 64.0  # 8 frames of 16 patches: 4 each
     assert whole.frames.step_ratio == pytest.approx((5100 + 64) / (5100 + 128))
     clips = predict_context_parallel(linear_family, LongVideoRow("4 clips", clips=4, **video), 8)
     assert clips.whole_media.language == pytest.approx(10200 / 8)
     assert clips.whole_media.encoder_shared == 32.0  # 4 clips of 32 patches over 8 ranks: one clip each at most
     assert clips.frames.encoder_shared == 16.0
+    uneven = predict_context_parallel(linear_family, LongVideoRow("video", **{**video, "video_grid": (3, 4, 4)}), 2)
+    assert uneven.frames.encoder_shared == 32.0  # 3 frames over 2 ranks: the slowest holds 2 of 16 patches
 
 
 def test_the_long_video_row_is_16k_merged_tokens_and_clips_must_divide_it():
@@ -160,7 +162,7 @@ def test_the_long_video_row_is_16k_merged_tokens_and_clips_must_divide_it():
         LongVideoRow("clips", clips=3).grids()
 
 
-def test_at_7b_one_video_gains_nothing_and_an_even_split_gains_with_cp():
+def test_at_7b_one_video_gains_by_frames_with_cp_and_nothing_whole():
     from loongforge.bench.encoder_dp_predict import predict_long_video
 
     predictions = predict_long_video(rows=[LongVideoRow("one video")], sizes=(2, 8))

@@ -208,9 +208,9 @@ def test_pipeline_must_divide_layers():
 def test_deepstack_layers_must_all_be_on_the_first_pipeline_stage():
     # qwen3vl-tiny: 4 decoder layers, DeepStack into layers 0 and 1.
     (message,) = errors_for("parallel.pipeline_model_parallel_size=4", world_size=4, preset="qwen3vl-tiny")
-    assert message == ("parallel.pipeline_model_parallel_size=4 leaves 1 decoder layers on the first "
-                       "stage, but DeepStack adds vision features after the first 2 "
-                       "(model.vision.deepstack_layers), which must all be there; set it to one of 1, 2.")
+    assert message == ("the first pipeline stage holds 1 language layer, but DeepStack "
+                       "(model.vision.deepstack_layers) adds vision features after the first 2, which must all "
+                       "be there; give it more (parallel.pipeline_layout) or lower the pipeline sizes.")
     load_run_config("qwen3vl-tiny", overrides=["parallel.pipeline_model_parallel_size=2"], world_size=2)
 
 

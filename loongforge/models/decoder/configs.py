@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.layout import expert_tensor_parallel_size
+from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.params import head_dim
 
@@ -84,6 +85,9 @@ def language_config(
         mrope_section=list(lang.mrope_section) or None,
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=megatron_virtual_stages(parallel_cfg),
+        # megatron-core reads the same string (its stages, their layers, the layer offsets).
+        pipeline_model_parallel_layout=parallel_cfg.pipeline_layout,
         sequence_parallel=parallel_cfg.sequence_parallel,
         context_parallel_size=parallel_cfg.context_parallel_size,
         # "auto": megatron's default on te (p2p) and the gathered keys and values on sdpa / flash.

@@ -1,0 +1,99 @@
+"""Interleaved (virtual) pipelines end to end: PP 2 x VP 2 and PP 4 x VP 2 train like one process over
+5 steps of the demo images and videos, 8 micro-batches a step: losses, grad norms and every saved
+tensor; an uneven layout (one language layer beside the encoder) too; Qwen3-VL with its DeepStack
+layers on the first virtual stage; Qwen3-MoE at PP 2 x VP 2 x EP 2. A PP 2 x VP 2 checkpoint resumes
+bit for bit at PP 2 x VP 2, and alike at PP 1 (checkpoints hold global layer indices)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.shared_data import SHARED_DATA
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_close_relative,
+    assert_trains_alike,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+)
+
+LOSS_REL, NORM_REL, CHECKPOINT_REL = 1e-5, 1e-5, 1e-4
+STEPS = 5
+DEMO = SHARED_DATA / "llamafactory"
+# 8 language layers (PP 4 x VP 2 gives each stage one), 8 micro-batches a step.
+ON_DEMO_MEDIA = (
+    "data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]",
+    "data.seq_len=512", "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    "model.language.num_layers=8", "training.global_batch_size=8",
+    f"training.train_steps={STEPS}", "checkpoint.save_interval=3", SAVE_AT_END,
+)
+PP2_VP2 = ("parallel.pipeline_model_parallel_size=2", "parallel.virtual_pipeline_model_parallel_size=2")
+
+
+def _train(out: Path, *extra: str, nproc: int = 1, preset: str = "qwen2.5vl-tiny-small-vocab") -> Path:
+    run_train(out, *ON_DEMO_MEDIA, *extra, nproc=nproc, preset=preset)
+    return out
+
+
+def _assert_alike(run: Path, reference: Path, what: str) -> None:
+    assert_close_relative(losses(run), losses(reference), LOSS_REL, f"losses, {what}")
+    assert_close_relative(grad_norms(run), grad_norms(reference), NORM_REL, f"grad norms, {what}")
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("pp1"))
+
+
+@pytest.fixture(scope="module")
+def pp2_vp2(tmp_path_factory) -> Path:
+    return _train(tmp_path_factory.mktemp("pp2_vp2"), *PP2_VP2, nproc=2)
+
+
+def test_pp2_x_vp2_trains_like_one_process(pp2_vp2, one_process):
+    assert losses(one_process)[-1] < losses(one_process)[0]
+    _assert_alike(pp2_vp2, one_process, "PP 2 x VP 2 vs one process")
+    assert_trains_alike(pp2_vp2, one_process, relative=CHECKPOINT_REL)
+
+
+def test_pp4_x_vp2_trains_like_one_process(tmp_path, one_process):
+    run = _train(tmp_path / "pp4_vp2", "parallel.pipeline_model_parallel_size=4",
+                 "parallel.virtual_pipeline_model_parallel_size=2", nproc=4)
+    _assert_alike(run, one_process, "PP 4 x VP 2 vs one process")
+
+
+def test_an_uneven_layout_trains_like_one_process(tmp_path, one_process):
+    # One language layer beside the encoder and embedding, three on the middle stages, one with the head.
+    run = _train(tmp_path / "uneven", "parallel.pipeline_model_parallel_size=2",
+                 "parallel.pipeline_layout=Et|ttt|ttt|tL", nproc=2)
+    _assert_alike(run, one_process, "PP 2 x VP 2, layout Et|ttt|ttt|tL, vs one process")
+
+
+def test_a_pp2_x_vp2_checkpoint_resumes_bit_for_bit_and_at_pp1(tmp_path, pp2_vp2):
+    resume_from_copy(pp2_vp2, tmp_path / "same", 3, *ON_DEMO_MEDIA, *PP2_VP2, nproc=2)
+    assert losses(tmp_path / "same") == losses(pp2_vp2)
+    assert grad_norms(tmp_path / "same") == grad_norms(pp2_vp2)
+    resume_from_copy(pp2_vp2, tmp_path / "pp1", 3, *ON_DEMO_MEDIA)
+    _assert_alike(tmp_path / "pp1", pp2_vp2, "PP 2 x VP 2 resumed at PP 1")
+
+
+def test_qwen3_vl_keeps_its_deepstack_layers_on_the_first_virtual_stage(tmp_path):
+    preset = "qwen3vl-tiny-small-vocab"
+    one = _train(tmp_path / "pp1", preset=preset)
+    # DeepStack adds vision features after the first layers: the first stage holds enough of them.
+    two = _train(tmp_path / "pp2_vp2", "parallel.pipeline_model_parallel_size=2",
+                 "parallel.pipeline_layout=Ettt|t|tt|ttL", nproc=2, preset=preset)
+    _assert_alike(two, one, "Qwen3-VL PP 2 x VP 2 vs one process")
+
+
+def test_moe_at_pp2_x_vp2_x_ep2_trains_like_one_process(tmp_path):
+    options = ("data.seq_len=256", "model.language.num_layers=4", "training.train_steps=3",
+               "training.global_batch_size=4")
+    run_train(tmp_path / "one", *options, preset="qwen3-moe-tiny-small-vocab")
+    run_train(tmp_path / "pp2_vp2", *options, *PP2_VP2, "parallel.expert_model_parallel_size=2", nproc=4,
+              preset="qwen3-moe-tiny-small-vocab")
+    _assert_alike(tmp_path / "pp2_vp2", tmp_path / "one", "MoE PP 2 x VP 2 x EP 2 vs one process")
