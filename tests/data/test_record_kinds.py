@@ -180,6 +180,7 @@ def _assert_attention_stays_in_segments(cu_seqlens):
     attention = object.__new__(SDPACoreAttention)  # the packed path needs no config beyond these
     torch.nn.Module.__init__(attention)
     attention.softmax_scale, attention.dropout_p, attention.attn_mask_type = 0.125, 0.0, None
+    attention.cp_group = None  # no context parallelism
     tokens = int(cu_seqlens[-1])
     q, k, v = (torch.randn(tokens, 2, 8, generator=torch.Generator().manual_seed(s)) for s in range(3))
     params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens)
