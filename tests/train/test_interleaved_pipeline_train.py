@@ -1,7 +1,7 @@
 """Interleaved (virtual) pipelines end to end: PP 2 x VP 2 and PP 4 x VP 2 train like one process over
 5 steps of the demo images and videos, 8 micro-batches a step: losses, grad norms and every saved
-tensor; an uneven layout (one language layer beside the encoder) too; Qwen3-VL with its DeepStack
-layers on the first virtual stage; Qwen3-MoE at PP 2 x VP 2 x EP 2. A PP 2 x VP 2 checkpoint resumes
+tensor; Qwen3-VL on an uneven layout that keeps its DeepStack layers on the first virtual stage;
+Qwen3-MoE at PP 2 x VP 2 x EP 2. A PP 2 x VP 2 checkpoint resumes
 bit for bit at PP 2 x VP 2, and alike at PP 1 (checkpoints hold global layer indices)."""
 
 from __future__ import annotations
@@ -21,7 +21,10 @@ from tests.train.conftest import (
     run_train,
 )
 
-LOSS_REL, NORM_REL, CHECKPOINT_REL = 1e-5, 1e-5, 1e-4
+# About 3x the worst measured (printed with -s): losses 4.0e-8 (MoE), grad norms 5.2e-8, Adam's moments
+# 1.7e-7 and weights 1.3e-5 (a small qkv bias; assert_trains_alike allows the weights 10x). Issue 34
+# asks 1e-5 of losses and grad norms.
+LOSS_REL, NORM_REL, CHECKPOINT_REL = 1.5e-7, 1.5e-7, 4e-6
 STEPS = 5
 DEMO = SHARED_DATA / "llamafactory"
 # 8 language layers (PP 4 x VP 2 gives each stage one), 8 micro-batches a step.
@@ -64,13 +67,6 @@ def test_pp4_x_vp2_trains_like_one_process(tmp_path, one_process):
     run = _train(tmp_path / "pp4_vp2", "parallel.pipeline_model_parallel_size=4",
                  "parallel.virtual_pipeline_model_parallel_size=2", nproc=4)
     _assert_alike(run, one_process, "PP 4 x VP 2 vs one process")
-
-
-def test_an_uneven_layout_trains_like_one_process(tmp_path, one_process):
-    # One language layer beside the encoder and embedding, three on the middle stages, one with the head.
-    run = _train(tmp_path / "uneven", "parallel.pipeline_model_parallel_size=2",
-                 "parallel.pipeline_layout=Et|ttt|ttt|tL", nproc=2)
-    _assert_alike(run, one_process, "PP 2 x VP 2, layout Et|ttt|ttt|tL, vs one process")
 
 
 def test_a_pp2_x_vp2_checkpoint_resumes_bit_for_bit_and_at_pp1(tmp_path, pp2_vp2):

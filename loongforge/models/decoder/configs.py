@@ -88,6 +88,7 @@ def language_config(
         virtual_pipeline_model_parallel_size=megatron_virtual_stages(parallel_cfg),
         # megatron-core reads the same string (its stages, their layers, the layer offsets).
         pipeline_model_parallel_layout=parallel_cfg.pipeline_layout,
+        **interleaved_messages(parallel_cfg),
         sequence_parallel=parallel_cfg.sequence_parallel,
         context_parallel_size=parallel_cfg.context_parallel_size,
         # "auto": megatron's default on te (p2p) and the gathered keys and values on sdpa / flash.
@@ -97,6 +98,18 @@ def language_config(
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
     )
+
+
+def interleaved_messages(parallel_cfg: ParallelConfig) -> dict:
+    """How the interleaved schedule exchanges activations: one isend / irecv per message, posted
+    early and waited for later (Megatron-LM's setting for virtual stages). Batched, a rank's two
+    messages to the same neighbour (an activation forward, a gradient back: at PP 2 both neighbours
+    are one rank) are paired with the neighbour's receives by posting order alone, and the
+    activation can land in the gradient's buffer; megatron's unbatched path sends the two
+    directions on different groups."""
+    if megatron_virtual_stages(parallel_cfg) is None:
+        return {}
+    return {"batch_p2p_comm": False, "overlap_p2p_comm": True}
 
 
 def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:

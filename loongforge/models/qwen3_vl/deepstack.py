@@ -24,6 +24,7 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
+from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -68,10 +69,20 @@ def install_hooks(layers: torch.nn.ModuleList, num_deepstack: int) -> None:
         layers[index].register_forward_hook(_add_deepstack(index), with_kwargs=True)
 
 
+def _first_stage_layers(config: TransformerConfig, vp_stage: Optional[int]) -> int:
+    """Decoder layers of pipeline rank 0's first (virtual) stage, asked from any rank.
+    ``get_num_layers_to_build`` does not pass ``pp_rank`` on to a layout string, which then
+    answers for the calling rank."""
+    layout = config.pipeline_model_parallel_layout
+    if layout is not None:
+        return layout.get_num_layers_to_build(layer_type=LayerType.decoder, vp_stage=vp_stage, pp_rank=0)
+    return get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=0)
+
+
 def check_pipeline(config: TransformerConfig, num_deepstack: int) -> None:
     """Every rank raises the same error when the first pipeline stage lacks a DeepStack layer."""
     vp_stage: Optional[int] = 0 if config.virtual_pipeline_model_parallel_size else None
-    first_stage = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=0)
+    first_stage = _first_stage_layers(config, vp_stage)
     if first_stage < num_deepstack:
         raise ValueError(
             f"Qwen3-VL adds DeepStack features after decoder layers 0..{num_deepstack - 1} "
