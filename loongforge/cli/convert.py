@@ -30,6 +30,12 @@ TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help=(
     "Language tensor-parallel size to check and pad the vocabulary for; --roundtrip writes its shards, "
     "--check-logits runs the model at it (N gloo processes)."))]
 PpOption = Annotated[int, typer.Option("--pp", min=1, metavar="N", help="Pipeline-parallel size to check.")]
+VpOption = Annotated[Optional[int], typer.Option(
+    "--vp", min=1, metavar="N", show_default=False,
+    help="Virtual pipeline stages per rank to check (parallel.virtual_pipeline_model_parallel_size).")]
+PipelineLayoutOption = Annotated[Optional[str], typer.Option(
+    "--pipeline-layout", metavar="LAYOUT", show_default=False,
+    help="Layers per pipeline stage to check, as parallel.pipeline_layout (e.g. 'Et|ttt|ttt|tL').")]
 VisionTpOption = Annotated[Optional[int], typer.Option(
     "--vision-tp", min=1, metavar="N", show_default=False,
     help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards, --check-logits runs at it.")]
@@ -102,6 +108,8 @@ def convert(
     preset: PresetOption = None,
     tp: TpOption = 1,
     pp: PpOption = 1,
+    vp: VpOption = None,
+    pipeline_layout: PipelineLayoutOption = None,
     vision_tp: VisionTpOption = None,
     dtype: DtypeOption = None,
     max_shard_size: MaxShardOption = "5GB",
@@ -120,13 +128,14 @@ def convert(
         if not check_logits and (image is not None or atol is not None):
             raise UsageError("--image and --atol go with --check-logits")
         if check_logits:
-            if roundtrip or dst is not None or to is not None or dtype is not None or pp != 1:
+            if (roundtrip or dst is not None or to is not None or dtype is not None or pp != 1 or vp is not None
+                    or pipeline_layout is not None):
                 raise UsageError("--check-logits takes SRC only (with --tp, --vision-tp, --image, --atol, --preset); "
-                                 "drop DST, --to, --dtype, --pp and --roundtrip")
+                                 "drop DST, --to, --dtype, --pp, --vp, --pipeline-layout and --roundtrip")
             _check_logits(src, preset, tp, vision_tp, image, atol, json_output, no_progress)
             return
         if roundtrip:
-            _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress)
+            _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress, vp=vp, pipeline_layout=pipeline_layout)
             return
         if dst is None or to is None:
             raise UsageError("convert needs SRC DST --to mcore|hf (or SRC --roundtrip)")
@@ -142,7 +151,8 @@ def convert(
         if adapter and to != "hf":
             raise UsageError("--adapter writes a LoRA run's adapters from its checkpoint: use it with --to hf")
         options = {"adapter": True} if adapter else {}
-        report = run_convert(src, dst, to=to, preset=preset, tp=tp, pp=pp, vision_tp=vision_tp, dtype=dtype,
+        report = run_convert(src, dst, to=to, preset=preset, tp=tp, pp=pp, vision_tp=vision_tp, vp=vp,
+                             pipeline_layout=pipeline_layout, dtype=dtype,
                              max_shard_size=shard_bytes, overwrite=overwrite, verify=verify,
                              progress=not no_progress, **options)
         typer.echo(report.summary())
@@ -150,12 +160,13 @@ def convert(
             raise typer.Exit(FAILURE_EXIT_CODE)
 
 
-def _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress) -> None:
+def _roundtrip(src, dst, to, tp, pp, vision_tp, json_output, no_progress, *, vp, pipeline_layout) -> None:
     if dst is not None or to is not None:
         raise UsageError("--roundtrip takes SRC only (it writes only a temporary copy); drop DST and --to")
     from loongforge.convert.roundtrip import roundtrip
 
-    report = roundtrip(src, tp=tp, pp=pp, vision_tp=vision_tp, progress=not no_progress and not json_output)
+    report = roundtrip(src, tp=tp, pp=pp, vision_tp=vision_tp, vp=vp, pipeline_layout=pipeline_layout,
+                       progress=not no_progress and not json_output)
     typer.echo(json.dumps(report.to_json()) if json_output else report.table())
     if not report.exact:
         raise typer.Exit(FAILURE_EXIT_CODE)

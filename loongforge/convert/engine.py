@@ -324,11 +324,15 @@ def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) ->
     return expected
 
 
-def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[int]) -> None:
+def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[int], *, vp: Optional[int] = None,
+                 pipeline_layout: Optional[str] = None) -> None:
     """The layout a converted checkpoint is meant for must be one the model can be built at: the
-    family's layout rule, the one training's config validation applies, named by this command's flags."""
-    problems = layout_problems(model_cfg, family_of(model_cfg).layout, tp=tp, pp=pp, vision_tp=vision_tp,
-                               keys=LayoutKeys(tensor="--tp", pipeline="--pp", vision_tensor="--vision-tp"))
+    family's layout rule, the one training's config validation applies, named by this command's flags.
+    (The checkpoint itself does not depend on it: tensors hold global layer indices.)"""
+    problems = layout_problems(model_cfg, family_of(model_cfg).layout, tp=tp, pp=pp, vision_tp=vision_tp, vp=vp,
+                               pipeline_layout=pipeline_layout,
+                               keys=LayoutKeys(tensor="--tp", pipeline="--pp", vision_tensor="--vision-tp",
+                                               virtual="--vp", pipeline_layout="--pipeline-layout"))
     if problems:
         raise ConfigError(problems)
 
@@ -339,7 +343,8 @@ def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[i
 
 
 def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int = 1, pp: int = 1,
-                vision_tp: Optional[int] = None, dtype: Optional[str] = None, overwrite: bool = False,
+                vision_tp: Optional[int] = None, vp: Optional[int] = None, pipeline_layout: Optional[str] = None,
+                dtype: Optional[str] = None, overwrite: bool = False,
                 verify: bool = False, progress: bool = True) -> ConversionReport:
     """Write a model-only checkpoint ``loongforge train checkpoint.load=DST`` starts from."""
     checkpoint = HFCheckpoint(src)
@@ -352,7 +357,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
         if differences:
             raise InputError(f"{src / 'config.json'}: does not match preset {preset}: " + "; ".join(differences))
     hf_shapes = check_hf_tensors(checkpoint, model_cfg, f"{src / 'config.json'}")
-    check_layout(model_cfg, tp, pp, vision_tp)
+    check_layout(model_cfg, tp, pp, vision_tp, vp=vp, pipeline_layout=pipeline_layout)
     out_dtype = DTYPES[dtype] if dtype else None
     vocab_rows = vocab_rows_at(model_cfg, tp)
     links = build_links(model_cfg)
@@ -658,7 +663,7 @@ def convert(src: Path, dst: Path, *, to: str, **kwargs) -> ConversionReport:
     if to == "hf":
         if source_is_hf:
             raise InputError(f"{src}: is already an HF checkpoint; use --to mcore")
-        for unused in ("tp", "pp", "vision_tp"):
+        for unused in ("tp", "pp", "vision_tp", "vp", "pipeline_layout"):
             kwargs.pop(unused, None)
         return mcore_to_hf(src, dst, **kwargs)
     raise ConfigError(f"--to={to!r} must be 'mcore' or 'hf'")

@@ -142,8 +142,9 @@ def _compare(key: str, expected: torch.Tensor, actual: torch.Tensor) -> TensorRe
     return TensorResult(key, status, diff)
 
 
-def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] = None,
-              progress: bool = True, work_dir: Optional[Path] = None) -> RoundTripReport:
+def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] = None, vp: Optional[int] = None,
+              pipeline_layout: Optional[str] = None, progress: bool = True,
+              work_dir: Optional[Path] = None) -> RoundTripReport:
     """Write SRC as the ranks of TP ``tp`` (vision TP ``vision_tp``) would to a temporary folder
     under ``work_dir`` (default: the system's), read it back and compare with SRC tensor by tensor.
     ``pp`` is checked against the model; every stage writes its layers one chunk per layer, so the
@@ -151,7 +152,7 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
     checkpoint = HFCheckpoint(Path(src))
     model_cfg = model_config_of(checkpoint.config, str(Path(src) / "config.json"))
     hf_shapes = check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
-    check_layout(model_cfg, tp, pp, vision_tp)
+    check_layout(model_cfg, tp, pp, vision_tp, vp=vp, pipeline_layout=pipeline_layout)
     vision_tp = vision_tp or tp
     vocab_rows = vocab_rows_at(model_cfg, tp)
     # A text-only model has no vision TP to report.

@@ -168,7 +168,7 @@ def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
 
 
 def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int = 1, cp: int = 1,
-                  seed: int = 1234) -> None:
+                  vp: Optional[int] = None, seed: int = 1234) -> None:
     from megatron.core import parallel_state
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
@@ -177,7 +177,7 @@ def init_megatron(rank: int, world_size: int, port: int, *, tp: int = 1, pp: int
         timeout=timedelta(seconds=120),
     )
     parallel_state.initialize_model_parallel(tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
-                                             context_parallel_size=cp)
+                                             virtual_pipeline_model_parallel_size=vp, context_parallel_size=cp)
     # The CPU-safe form (docs/megatron-cpu.md): a plain model_parallel_cuda_manual_seed needs CUDA.
     model_parallel_cuda_manual_seed(seed, inference_rng_tracker=True, force_reset_rng=True)
 
