@@ -35,8 +35,9 @@ class StepMetrics:
     # parallel.encoder_dp=full: the most bytes any rank held for the step's precomputed vision
     # features (pixels it encoded, its features, the gathered features); None otherwise.
     vision_features_bytes: Optional[int] = None
-    # Per-rank measures (runner.RANK_MEASURES: encoder time, step CPU time, peak memory), each a
-    # list in rank order with None where a rank has nothing to measure (no encoder on its stage).
+    # Per-rank measures (runner.RANK_MEASURES: encoder time, step CPU time, peak memory, the pipeline
+    # schedule's wall and CPU time), each a list in rank order with None where a rank has nothing to
+    # measure (no encoder on its stage).
     by_rank: dict = field(default_factory=dict)
     # Mixture-of-experts models: the load-balancing loss (train.step.StepResult) and the tokens
     # each expert received (moe_balance.ExpertLoad); None otherwise.

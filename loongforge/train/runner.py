@@ -98,7 +98,7 @@ from loongforge.train.metrics import (
 from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
 from loongforge.train.preflight import check_data, checkpoint_root
-from loongforge.train.step import ManualGC, clear_moe_loss_tracker, forward_only, train_step
+from loongforge.train.step import ManualGC, StepResult, clear_moe_loss_tracker, forward_only, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
 from loongforge.train.validation import ValidationSets, rejects_file
 from loongforge.train.vision_embeddings import DIGEST_KEY, frozen_encoder_note, open_vision_embeddings
@@ -293,7 +293,7 @@ def _pad_multiple(cfg: RunConfig, layout: ParallelLayout) -> int:
 # vision encoder's forward+backward seconds, wall (device time on CUDA) and CPU (None on a rank
 # without the encoder: a later pipeline stage), its train_step's CPU seconds (its own work, free of
 # waits and of other processes on the cores) and its peak memory so far (``profile.memory``).
-RANK_MEASURES = ("encoder_s", "encoder_cpu_s", "step_cpu_s", "peak_memory_mib")
+RANK_MEASURES = ("encoder_s", "encoder_cpu_s", "step_cpu_s", "peak_memory_mib", "pipeline_s", "pipeline_cpu_s")
 
 
 @dataclass
@@ -307,10 +307,11 @@ class _StepTotals:
     hardware_flops: float  # the model FLOPs and the recomputed forwards, over all replicas
 
 
-def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device) -> list[float]:
+def _rank_measures(encoder: Optional[EncoderTime], step_cpu_s: float, device: torch.device,
+                   result: StepResult) -> list[float]:
     """This rank's RANK_MEASURES, NaN for an encoder it does not hold."""
     encoder_s = (encoder.total_s, encoder.total_cpu_s) if encoder else (math.nan, math.nan)
-    return [*encoder_s, step_cpu_s, peak_memory_mib(device)]
+    return [*encoder_s, step_cpu_s, peak_memory_mib(device), result.pipeline_s, result.pipeline_cpu_s]
 
 
 def _step_totals(micro_batches: list[dict], count_here: bool, sync_s: float, vision_bytes: int,
@@ -749,7 +750,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         flops = (steps_flops(micro_batches, cfg), steps_flops(micro_batches, cfg, hardware=True)) \
             if counts_replica else None
         totals = _step_totals(micro_batches, counts_replica, run.sync_clock.take(), result.vision_features_bytes,
-                              _rank_measures(encoder, step_cpu_s, run.env.device), flops)
+                              _rank_measures(encoder, step_cpu_s, run.env.device, result), flops)
         step_s = result.compute_s + data_wait
         throughput = Throughput(model_flops=totals.model_flops, encoder_flops=totals.encoder_flops, step_s=step_s,
                                 world_size=run.env.world_size, peak_tflops=run.peak_tflops,

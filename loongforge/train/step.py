@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loongforge.models.moe_balance import aux_loss_weight, weighted_aux_loss
 from loongforge.parallel.context_parallel import ContextShard
+from loongforge.profile.timers import cpu_clock
 
 # Keys of a micro-batch dict that are tensors and travel to the compute device.
 # Per-token tensors [1, T] that a CP rank cuts to its own tokens; positions and cu_seqlens stay the row's.
@@ -44,6 +45,11 @@ class StepResult:
     # over the layers, without the coefficient, averaged over micro-batches and data-parallel
     # replicas (``models.moe_balance``); None otherwise.
     load_balancing_loss: Optional[float] = None
+    # This rank's pipeline schedule (forward, backward and the gradient finalize over its
+    # micro-batches): wall seconds and this process's CPU seconds in it. On a CPU run the difference
+    # is the time the rank waited (the pipeline bubble, the gradient all-reduce); ``bench pipeline``.
+    pipeline_s: float = 0.0
+    pipeline_cpu_s: float = 0.0
 
 
 def to_device(micro_batch: dict, device: torch.device) -> dict:
@@ -227,8 +233,11 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     optimizer.zero_grad()
     start = time.perf_counter()
     vision_bytes = _begin_step(model, micro_batches)
+    cpu_seconds = cpu_clock()
+    pipeline_start, pipeline_cpu_start = time.perf_counter(), cpu_seconds()
     reports = forward_backward(model, micro_batches, device=device, seq_length=seq_length,
                                is_loss_rank=is_loss_rank, context_group=context_group)
+    pipeline_s, pipeline_cpu_s = time.perf_counter() - pipeline_start, cpu_seconds() - pipeline_cpu_start
     update_ok, grad_norm, _ = optimizer.step()
     _weights_changed(model)
     compute_s = time.perf_counter() - start
@@ -239,7 +248,8 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     return StepResult(loss=loss, loss_tokens=tokens,
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
                       compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes,
-                      load_balancing_loss=_load_balancing_loss(model, len(micro_batches)))
+                      load_balancing_loss=_load_balancing_loss(model, len(micro_batches)),
+                      pipeline_s=pipeline_s, pipeline_cpu_s=pipeline_cpu_s)
 
 
 def _weights_changed(model: list) -> None:
