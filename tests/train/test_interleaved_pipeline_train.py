@@ -1,7 +1,8 @@
 """Interleaved (virtual) pipelines end to end: PP 2 x VP 2 and PP 4 x VP 2 train like one process over
 5 steps of the demo images and videos, 8 micro-batches a step: losses, grad norms and every saved
 tensor; Qwen3-VL on an uneven layout that keeps its DeepStack layers on the first virtual stage;
-Qwen3-MoE at PP 2 x VP 2 x EP 2. A PP 2 x VP 2 checkpoint resumes
+Qwen3-MoE at PP 2 x VP 2 x EP 2 x DP 2 with the distributed optimizer, overlapped gradient
+reduction and balancing. A PP 2 x VP 2 checkpoint resumes
 bit for bit at PP 2 x VP 2, and alike at PP 1 (checkpoints hold global layer indices)."""
 
 from __future__ import annotations
@@ -86,10 +87,13 @@ def test_qwen3_vl_keeps_its_deepstack_layers_on_the_first_virtual_stage(tmp_path
     _assert_alike(two, one, "Qwen3-VL PP 2 x VP 2 vs one process")
 
 
-def test_moe_at_pp2_x_vp2_x_ep2_trains_like_one_process(tmp_path):
+def test_moe_at_pp2_x_vp2_x_ep2_with_balancing_and_overlapped_reduction_trains_like_one_process(tmp_path):
+    # DP 2 (EP 2 over it): the distributed optimizer, gradient reduction overlapped with the backward
+    # (each chunk's started by the schedule), every step re-planned by the balancer.
     options = ("data.seq_len=256", "model.language.num_layers=4", "training.train_steps=3",
                "training.global_batch_size=4")
     run_train(tmp_path / "one", *options, preset="qwen3-moe-tiny-small-vocab")
-    run_train(tmp_path / "pp2_vp2", *options, *PP2_VP2, "parallel.expert_model_parallel_size=2", nproc=4,
-              preset="qwen3-moe-tiny-small-vocab")
+    run_train(tmp_path / "pp2_vp2", *options, *PP2_VP2, "parallel.expert_model_parallel_size=2",
+              "parallel.use_distributed_optimizer=true", "parallel.overlap_grad_reduce=true",
+              "balance.enabled=true", "balance.threshold=0", nproc=4, preset="qwen3-moe-tiny-small-vocab")
     _assert_alike(tmp_path / "pp2_vp2", tmp_path / "one", "MoE PP 2 x VP 2 x EP 2 vs one process")
