@@ -492,6 +492,49 @@ def context_parallel(
             typer.echo(f"wrote {doc}")
 
 
+@app.command("pipeline")
+def pipeline(
+    schedules: Annotated[str, typer.Option(
+        "--schedules", metavar="pp2,pp2-vp2,pp2-vp4", help="Schedules to train: PP 2, PP 2 x VP 2, PP 2 x VP 4.")]
+        = "pp2,pp2-vp2,pp2-vp4",
+    micro_batches: Annotated[int, typer.Option("--micro-batches", min=2, metavar="M",
+                                               help="Micro-batches per step (a multiple of PP 2).")] = 4,
+    steps: Annotated[int, typer.Option("--steps", min=2, metavar="N", help="Steps per run.")] = 6,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", min=0, metavar="N",
+                                              help="First steps left out of the figures.")] = 2,
+    out: Annotated[Optional[Path], typer.Option(
+        "--out", metavar="DIR", show_default=False,
+        help="Write the runs and pipeline.md here. Default: outputs/bench/pipeline/.")] = None,
+    report_only: Annotated[bool, typer.Option(
+        "--report-only", help="Reread the runs under --out instead of training.")] = False,
+    doc: Annotated[Optional[Path], typer.Option(
+        "--doc", metavar="FILE.md", show_default=False, help="Also write the report there.")] = None,
+) -> None:
+    """Train PP 2 and the interleaved PP 2 x VP schedules on CPU: each rank's waiting time per step (the
+    bubble) beside the bubble the plan predicts."""
+    from loongforge.bench.pipeline import SCHEDULES, PipelineSettings, format_doc, format_table, run_pipeline_bench
+
+    with cli_errors():
+        if micro_batches % 2:
+            raise UsageError(f"--micro-batches {micro_batches}: the interleaved schedule needs a multiple of PP 2")
+        if warmup_steps >= steps:
+            raise UsageError(f"--warmup-steps {warmup_steps} leaves none of --steps {steps} to measure")
+        names = _name_list(schedules, "--schedules", tuple(SCHEDULES))
+        settings = PipelineSettings(micro_batches=micro_batches, steps=steps, warmup_steps=warmup_steps)
+        out = out or DEFAULT_OUT / "pipeline"
+        measures = run_pipeline_bench(out, schedules=names, settings=settings, report_only=report_only,
+                                      command_line=_typed_command(),
+                                      progress=lambda message: typer.echo(f"... {message}", err=True))
+        typer.echo(format_table(measures))
+        text = format_doc(measures, settings, " ".join(_typed_command()))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "pipeline.md").write_text(text)
+        if doc is not None:
+            doc.parent.mkdir(parents=True, exist_ok=True)
+            doc.write_text(text)
+        typer.echo(f"wrote {out / 'pipeline.md'}" + (f" and {doc}" if doc is not None else ""))
+
+
 @app.command("lora")
 def lora(
     overrides: Annotated[Optional[list[str]], typer.Argument(

@@ -39,6 +39,10 @@ DryRunOption = Annotated[bool, typer.Option(
     "--dry-run",
     help="Resolve and validate the config, print it with the parallel plan, then exit.")]
 
+SuggestLayoutOption = Annotated[bool, typer.Option(
+    "--suggest-layout",
+    help="With --dry-run: the pipeline layouts (PP, virtual stages, layers per stage) with the smallest "
+         "predicted step at this world size, and the overrides to run the best.")]
 FitSeqLenOption = Annotated[Optional[int], typer.Option(
     "--fit-seq-len", min=1, metavar="N", show_default=False,
     help="With --dry-run: plan data.seq_len=N and print the smallest context-parallel size whose memory "

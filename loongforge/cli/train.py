@@ -22,6 +22,7 @@ from loongforge.cli.options import (
     PresetOption,
     ResumeOption,
     ShowPresetOption,
+    SuggestLayoutOption,
     VerboseOption,
 )
 from loongforge.config.loader import dump_yaml, load_run_config
@@ -71,21 +72,29 @@ def _prepare_run(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
             typer.echo(f"--overwrite: moved the earlier run {old} to {new}", err=True)
 
 
-def _print_dry_run(cfg: RunConfig, *, fit_seq_len: int | None, gpu_memory_gib: float) -> None:
+def _print_dry_run(cfg: RunConfig, *, fit_seq_len: int | None, gpu_memory_gib: float, suggest_layout: bool) -> None:
     from loongforge.train.context_plan import build_context_plan, format_context_plan
     from loongforge.train.dry_run import build_parallel_plan, format_parallel_plan
+    from loongforge.train.pipeline_plan import pipeline_table, suggest_layouts, suggestion_text
 
     typer.echo("# resolved config")
     typer.echo(dump_yaml(cfg))
     typer.echo(format_parallel_plan(build_parallel_plan(cfg)))
+    if cfg.parallel.pipeline_model_parallel_size > 1:
+        typer.echo(pipeline_table(cfg))
     typer.echo(format_context_plan(build_context_plan(cfg, fit_seq_len=fit_seq_len, gpu_memory_gib=gpu_memory_gib)))
+    if suggest_layout:
+        typer.echo(suggestion_text(cfg, suggest_layouts(cfg, gpu_memory_gib=gpu_memory_gib)))
 
 
-def _check_plan_only_options(dry_run: bool, fit_seq_len: int | None) -> None:
-    # --fit-seq-len chooses a layout to run with; it does not change a run that starts now.
+def _check_plan_only_options(dry_run: bool, fit_seq_len: int | None, suggest_layout: bool) -> None:
+    # --fit-seq-len and --suggest-layout choose a layout to run with; they do not change a run that starts now.
     if fit_seq_len is not None and not dry_run:
         raise UsageError(f"--fit-seq-len {fit_seq_len} plans a layout and starts nothing; add --dry-run, then "
                          f"run with the overrides it prints")
+    if suggest_layout and not dry_run:
+        raise UsageError("--suggest-layout plans a layout and starts nothing; add --dry-run, then run with the "
+                         "overrides it prints")
 
 
 def train(
@@ -97,6 +106,7 @@ def train(
     dry_run: DryRunOption = False,
     fit_seq_len: FitSeqLenOption = None,
     gpu_memory_gib: GpuMemoryOption = 80.0,
+    suggest_layout: SuggestLayoutOption = False,
     nproc_per_node: NprocPerNodeOption = None,
     resume: ResumeOption = False,
     output_dir: OutputDirOption = None,
@@ -111,7 +121,7 @@ def train(
             text = format_presets_table() if list_presets else format_composed_preset(show_preset)
             typer.echo(text)
             return
-        _check_plan_only_options(dry_run, fit_seq_len)
+        _check_plan_only_options(dry_run, fit_seq_len, suggest_layout)
         # No launch information (None): validated at parallel.world_size, as a dry run plans it.
         launch_world_size = launch_env.resolve_world_size(nproc_per_node)
         cfg = load_run_config(
@@ -121,7 +131,7 @@ def train(
             world_size=launch_world_size,
         )
         if dry_run:
-            _print_dry_run(cfg, fit_seq_len=fit_seq_len, gpu_memory_gib=gpu_memory_gib)
+            _print_dry_run(cfg, fit_seq_len=fit_seq_len, gpu_memory_gib=gpu_memory_gib, suggest_layout=suggest_layout)
             return
         if launch_world_size is None:
             _check_single_process_launch(cfg)

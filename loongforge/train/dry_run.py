@@ -75,7 +75,7 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
 @dataclass(frozen=True)
 class StagePlan:
     index: int
-    first_layer: int
+    layer_ranges: tuple[tuple[int, int], ...]  # [first, last] of each chunk's layers (one chunk without VP)
     num_layers: int
     holds: tuple[str, ...]
     params_per_rank: int
@@ -89,7 +89,7 @@ class StagePlan:
 def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) -> list[StagePlan]:
     tp, vision_tp = sizes.tensor_parallel, sizes.vision_tensor_parallel
     tied = cfg.model.language.tie_word_embeddings
-    stages, first_layer = [], 0
+    stages = []
     stage_layers = stage_plan(cfg.model.language.num_layers, cfg.parallel)
     counts = [stage_layers.rank_layers(rank) for rank in range(sizes.pipeline_parallel)]
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
@@ -123,11 +123,12 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
             frozen = params - expert_params
         elif language_frozen:  # everything but the encoder's parts
             frozen += params - expert_params - encoder_params
-        stages.append(StagePlan(index, first_layer, num_layers, tuple(holds), round(params), round(expert_params),
+        ranges = tuple((stage_layers.first_layer(index, chunk), stage_layers.first_layer(index, chunk) + count - 1)
+                       for chunk, count in enumerate(stage_layers.layers[index]) if count)
+        stages.append(StagePlan(index, ranges, num_layers, tuple(holds), round(params), round(expert_params),
                                 frozen_params_per_rank=frozen,
                                 frozen_expert_params_per_rank=expert_params if language_frozen else 0.0,
                                 adapter_params_per_rank=adapter_params))
-        first_layer += num_layers
     return stages
 
 
@@ -329,7 +330,8 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     share of a row: seq_len / CP tokens.
 
     The first stage holds the most: min(PP, micro-batches) micro-batches in flight under 1F1B, each
-    over its num_layers / PP layers. Per token and layer, the values a pre-norm block saves (as
+    over its layers (the most any rank holds); the interleaved schedule's warm-up keeps
+    2 (PP - 1) + (VP - 1) PP + 1 chunks in flight on it, PP + (PP - 1) / VP micro-batches' worth. Per token and layer, the values a pre-norm block saves (as
     ``encoder_activation_bytes`` counts them): 4 h for the two norms' inputs and the linears they
     feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, q, k, v,
     the attention output and the MLP's (``_mlp_values_per_token``). With
@@ -340,7 +342,10 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     value_bytes = _value_bytes(cfg)
     tokens = cfg.data.seq_len / sizes.context_parallel
     micro_batches = cfg.training.global_batch_size // sizes.data_parallel
-    layer_passes = min(sizes.pipeline_parallel, micro_batches) * language.num_layers // sizes.pipeline_parallel
+    stages = stage_plan(language.num_layers, cfg.parallel)
+    pipeline, virtual = sizes.pipeline_parallel, stages.virtual
+    in_flight = pipeline if virtual == 1 else pipeline + (pipeline - 1) / virtual
+    layer_passes = min(in_flight, micro_batches) * max(stages.rank_layers(r) for r in range(pipeline))
     tp = sizes.tensor_parallel
     norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
     q_width = language.num_attention_heads * head_dim(language)
@@ -472,7 +477,8 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
                        + (f", {human_count(plan.split.active)} active per token" if plan.has_experts else "")),
     ]
     for stage in plan.stages:
-        layers = f"layers {stage.first_layer}-{stage.first_layer + stage.num_layers - 1}"
+        layers = "layers " + ", ".join(f"{first}-{last}" if last > first else str(first)
+                                       for first, last in stage.layer_ranges)
         rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers}) + "
                      f"{' + '.join(stage.holds)}: {human_count(stage.params_per_rank)} "
                      f"params per rank"))
