@@ -25,21 +25,21 @@ def test_inputs_are_real_chats_with_real_image_paths(tmp_path):
 
 
 def test_both_readers_start_the_same_first_step(tmp_path):
-    bench = run_data_bench(SHARED_DATA, tmp_path / "work", sizes=(1500,), baseline_max=1500, preset="qwen2.5vl-tiny",
+    bench = run_data_bench(SHARED_DATA, tmp_path / "work", sizes=(500,), baseline_max=500, preset="qwen2.5vl-tiny",
                            dp=2, global_batch_size=4)
     assert [(r.reader, r.cache) for r in bench.rows] == [("arrow", "cold"), ("arrow", "warm"), ("in-memory", "-")]
     assert all(r.peak_rss_bytes > 100 * 2**20 and r.first_step_s > 0 for r in bench.rows)
     assert bench.rows[0].cache_bytes > bench.rows[0].input_bytes // 2 and bench.rows[2].cache_bytes == 0
     assert len(bench.rows[0].first_step_ids) == 2 and all(bench.rows[0].first_step_ids)  # rank 0: 2 of 4 rows
-    assert [(r.reader, r.samples) for r in bench.reader_rows] == [("arrow", 1500), ("in-memory", 1500)]
+    assert [(r.reader, r.samples) for r in bench.reader_rows] == [("arrow", 500), ("in-memory", 500)]
     assert all(r.reads_per_s > 100 and r.peak_rss_bytes > 20 * 2**20 for r in bench.reader_rows)
     assert all(0 < r.private_bytes < r.peak_rss_bytes for r in bench.rows)
     assert not list((tmp_path / "work").iterdir())
-    text = report(bench, "data.png", "loongforge bench data --samples 1500")
-    assert "`loongforge bench data --samples 1500`" in text
-    assert "in-memory / Arrow, peak RSS of the reader alone at 1,500" in text
+    text = report(bench, "data.png", "loongforge bench data --samples 500")
+    assert "`loongforge bench data --samples 500`" in text
+    assert "in-memory / Arrow, peak RSS of the reader alone at 500" in text
     plot(bench, tmp_path / "data.png")
     assert (tmp_path / "data.png").stat().st_size > 10_000
     moved = replace(bench.rows[2], first_step_ids=bench.rows[2].first_step_ids[::-1])
-    with pytest.raises(RuntimeError, match="in-memory reader's first step at 1500 samples holds other samples"):
+    with pytest.raises(RuntimeError, match="in-memory reader's first step at 500 samples holds other samples"):
         _check_same_first_steps([bench.rows[0], moved])
