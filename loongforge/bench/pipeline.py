@@ -21,7 +21,9 @@ from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.train import launch
 from loongforge.train.metrics import METRICS_FILE, read_metrics
-from loongforge.train.pipeline_plan import equal_stage_bubble
+from loongforge.config.pipeline_layout import stage_plan
+from loongforge.config.schema import RunConfig
+from loongforge.train.pipeline_plan import predicted_timing, row_work
 
 PRESET = "llm-tiny-small-vocab"
 PIPELINE = 2
@@ -68,12 +70,18 @@ def run_overrides(virtual: int, out_dir: Path, settings: PipelineSettings) -> li
             "logging.tensorboard=false", "checkpoint.save_at_end=false", "checkpoint.save_interval=0"]
 
 
-def train_schedule(virtual: int, out_dir: Path, settings: PipelineSettings, command_line: Sequence[str]) -> None:
-    cfg = load_run_config(PRESET, world_size=PIPELINE, overrides=run_overrides(virtual, out_dir, settings))
-    launch.launch_local_workers(cfg, nproc_per_node=PIPELINE, resume=False, command_line=list(command_line))
+def schedule_config(virtual: int, out_dir: Path, settings: PipelineSettings) -> RunConfig:
+    return load_run_config(PRESET, world_size=PIPELINE, overrides=run_overrides(virtual, out_dir, settings))
 
 
-def measure_schedule(schedule: str, records: list[dict], settings: PipelineSettings) -> ScheduleMeasure:
+def dry_run_bubble(cfg: RunConfig) -> float:
+    """The bubble ``--dry-run`` predicts for ``cfg`` (``train.pipeline_plan``: its stages' FLOPs)."""
+    stages = stage_plan(cfg.model.language.num_layers, cfg.parallel)
+    return predicted_timing(row_work(cfg).chunks(stages), cfg.training.global_batch_size).bubble
+
+
+def measure_schedule(schedule: str, records: list[dict], settings: PipelineSettings,
+                     predicted_bubble: float) -> ScheduleMeasure:
     measured = [record for record in records if record["step"] > settings.warmup_steps]
     if not measured:
         raise ValueError(f"{schedule}: no step after the {settings.warmup_steps} warm-up steps; raise --steps")
@@ -85,7 +93,7 @@ def measure_schedule(schedule: str, records: list[dict], settings: PipelineSetti
         step_s=mean(record["step_s"] for record in measured),
         pipeline_s=[mean(wall) for wall in walls],
         idle_s=[mean(w - c for w, c in zip(wall, cpu)) for wall, cpu in zip(walls, cpus)],
-        predicted_bubble=equal_stage_bubble(PIPELINE, virtual, settings.micro_batches))
+        predicted_bubble=predicted_bubble)
 
 
 def run_pipeline_bench(out: Path, *, schedules: Sequence[str] = tuple(SCHEDULES),
@@ -99,14 +107,15 @@ def run_pipeline_bench(out: Path, *, schedules: Sequence[str] = tuple(SCHEDULES)
     measures = []
     for name in schedules:
         run_dir = out / name
+        cfg = schedule_config(SCHEDULES[name], run_dir, settings)
         if not report_only:
             if progress:
                 progress(f"training {settings.steps} steps: {name}")
-            train_schedule(SCHEDULES[name], run_dir, settings, command_line)
+            launch.launch_local_workers(cfg, nproc_per_node=PIPELINE, resume=False, command_line=list(command_line))
         path = run_dir / METRICS_FILE
         if not path.is_file():
             raise InputError(f"no {path}: run the bench without --report-only first")
-        measures.append(measure_schedule(name, read_metrics(path), settings))
+        measures.append(measure_schedule(name, read_metrics(path), settings, dry_run_bubble(cfg)))
     return measures
 
 
@@ -136,10 +145,12 @@ def format_doc(measures: Sequence[ScheduleMeasure], settings: PipelineSettings, 
         "gradient finalize), wall seconds and the process's CPU seconds; waiting = wall - CPU. With one "
         "thread per process on a core of its own, that is the time a rank had no work: the bubble (and "
         "the gradient finalize's waits, nothing at DP 1 with untied embeddings).",
-        "- Predicted: the plan's bubble for equal stages, (PP - 1) / (VP x M + PP - 1) of the schedule "
-        "(`train.pipeline_plan.equal_stage_bubble`).", "",
+        "- Predicted: the bubble `loongforge train --dry-run` prints for the same config (`train.pipeline_plan`: "
+        "each stage's training FLOPs per micro-batch, the embedding's and LM head's stages included; for "
+        "equal stages (PP - 1) / (VP x M + PP - 1)).", "",
         format_table(measures), "", *speed, "",
-        "What the prediction leaves out: the first stage's embedding and the last stage's LM head and loss "
-        "(a small vocabulary here), the messages between stages (a copy through gloo, counted as CPU work), "
-        "and Python's per-micro-batch overhead, which the interleaved schedule pays VP times.",
+        "What the prediction leaves out: the messages between stages (a copy through gloo, counted as CPU "
+        "work, VP times as many when interleaved), the time a rank spends outside the layers' FLOPs (Python "
+        "per micro-batch and chunk, the loss), which makes a stage's work less even than its FLOPs, and "
+        "the gradient finalize at the end of the schedule.",
     ]) + "\n"
