@@ -521,10 +521,6 @@ def _check_encoder_dp(cfg: RunConfig, layout: LayoutRule) -> list[str]:
     if parallel.encoder_dp in CHOICES["parallel.encoder_dp"] and parallel.encoder_dp not in layout.encoder_dp_modes:
         return [f"parallel.encoder_dp={parallel.encoder_dp}: model.family={cfg.model.family} implements "
                 f"{' | '.join(layout.encoder_dp_modes)}; set parallel.encoder_dp={layout.encoder_dp_modes[0]}."]
-    if parallel.encoder_dp == "full" and virtual_stages(parallel) > 1:
-        return [f"parallel.encoder_dp=full places an encoder replica on every pipeline stage, one chunk per "
-                f"rank; with parallel.virtual_pipeline_model_parallel_size={virtual_stages(parallel)} set "
-                f"parallel.encoder_dp=tp or none (the encoder stays on the first virtual stage)."]
     if parallel.encoder_full_recompute and parallel.encoder_dp != "full":
         return [f"parallel.encoder_full_recompute=true applies to parallel.encoder_dp=full (it is "
                 f"{parallel.encoder_dp}); set parallel.encoder_dp=full or parallel.encoder_full_recompute=false."]

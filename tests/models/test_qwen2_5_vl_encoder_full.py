@@ -88,7 +88,7 @@ def _shared(micro_batches, group, recompute: bool = False, saved: SavedBytes = N
     rank = dist.get_rank(group)
     tower = _seeded_linear()
     saved = saved or SavedBytes()
-    encoding = StepEncoding(group, grad_source=0, receives=rank == 0, merge_unit=MERGE_UNIT,
+    encoding = StepEncoding(group, role=(rank, 0), receives=rank == 0, merge_unit=MERGE_UNIT,
                             width=WIDTH, dtype=torch.float64, vision_cost=VisionCost, recompute=recompute)
     held = encoding.begin(lambda p, g: saved.encode(tower, p, g), micro_batches, torch.device("cpu"))
     saved_through_the_pipeline = sum(saved.per_call)

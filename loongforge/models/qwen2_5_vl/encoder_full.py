@@ -49,16 +49,19 @@ MicroBatchMedia = tuple[Optional[torch.Tensor], Optional[torch.Tensor]]
 class StepEncoding:
     """One step's encoder work, divided over ``group`` (the model-parallel group).
 
-    ``grad_source``: the global rank whose features' gradient is broadcast (first stage, TP rank 0);
+    ``role``: this rank's (pipeline rank, TP rank); the features' gradient is broadcast from the
+    group's (0, 0), the first stage's TP rank 0 (found at the first ``begin``: a collective at build
+    time could meet a stage's other collectives, such as the tied embedding's, in another order);
     ``receives``: whether this rank's pipeline stage embeds (the first stage);
     ``vision_cost``: called at every step for the current cost coefficients;
     ``recompute``: encode without a graph and again in ``finish`` (the module docstring's memory).
     """
 
-    def __init__(self, group: dist.ProcessGroup, *, grad_source: int, receives: bool, merge_unit: int,
+    def __init__(self, group: dist.ProcessGroup, *, role: tuple[int, int], receives: bool, merge_unit: int,
                  width: int, dtype: torch.dtype, vision_cost: Callable[[], VisionCost], recompute: bool = False):
         self.group = group
-        self.grad_source = grad_source
+        self.role = role
+        self.grad_source: Optional[int] = None
         self.receives = receives
         self.merge_unit = merge_unit
         self.width = width
@@ -75,6 +78,12 @@ class StepEncoding:
         self._features: Optional[torch.Tensor] = None  # [N, width] leaf (first stage only)
         self._next_micro_batch = 0
 
+    def _first_stage_tp_rank_0(self) -> int:
+        """The global rank of role (0, 0) in the group (a collective over it)."""
+        roles = [None] * self.group.size()
+        dist.all_gather_object(roles, self.role, group=self.group)
+        return dist.get_process_group_ranks(self.group)[roles.index((0, 0))]
+
     @property
     def active(self) -> bool:
         """Between ``begin`` and ``finish``: the micro-batches' features come from ``take``."""
@@ -87,6 +96,8 @@ class StepEncoding:
         features, the gathered features)."""
         if self.active:
             raise RuntimeError("StepEncoding.begin called twice without finish")
+        if self.grad_source is None:
+            self.grad_source = self._first_stage_tp_rank_0()
         grids = [grid for _, grid in micro_batches]
         patches = [[] if grid is None else grid.prod(-1).tolist() for grid in grids]
         media = assign_step_media(patches, self.group.size(), merge_unit=self.merge_unit,

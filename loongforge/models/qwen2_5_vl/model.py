@@ -391,7 +391,8 @@ def build_model(
         post_process=post_process,
         vp_stage=vp_stage,
         init_seed=init_seed,
-        encoder_everywhere=parallel_cfg.encoder_dp == "full",
+        # encoder_dp=full: one replica per pipeline rank, on its first chunk (virtual stage 0).
+        encoder_everywhere=parallel_cfg.encoder_dp == "full" and not vp_stage,
         with_encoder=with_encoder,
     )
     if model.vision_model is not None:
@@ -401,7 +402,7 @@ def build_model(
         if sharing is not None:
             _share_encoder(model, sharing, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
                            vision_cost=vision_cost or VisionCost)
-        if parallel_cfg.encoder_dp == "full":
+        if parallel_cfg.encoder_dp == "full":  # this rank's first chunk: its replica
             _encode_per_step(model, language_pgs, vision_tp=vision_tp, dtype=params_dtype,
                              vision_cost=vision_cost or VisionCost, recompute=parallel_cfg.encoder_full_recompute)
     return model.to(device)
@@ -434,12 +435,8 @@ def _encode_per_step(model: Qwen2_5_VLModel, pgs: ProcessGroupCollection, *, vis
     if vision_tp != 1:
         raise ValueError(f"parallel.encoder_dp=full needs vision TP 1 (a whole encoder on every "
                          f"model-parallel rank), got {vision_tp}")
-    # Collective over the whole job (as is building the model): where is (first stage, TP rank 0)?
-    mp_ranks = dist.get_process_group_ranks(pgs.mp)
-    roles = [None] * len(mp_ranks)
-    dist.all_gather_object(roles, (get_pg_rank(pgs.pp), get_pg_rank(pgs.tp)), group=pgs.mp)
     model.step_encoding = StepEncoding(
-        pgs.mp, grad_source=mp_ranks[roles.index((0, 0))], receives=model.pre_process,
+        pgs.mp, role=(get_pg_rank(pgs.pp), get_pg_rank(pgs.tp)), receives=model.pre_process,
         merge_unit=model.merge_unit, width=model.model_cfg.projector.out_hidden_size, dtype=dtype,
         vision_cost=vision_cost, recompute=recompute)
     if model._pp_rank > 0:
