@@ -91,7 +91,8 @@ def test_dry_run_72b_plan_numbers():
     assert "32 processes = TP8 x PP2 x DP2" in plan
     assert "(vision encoder: 8)" in plan
     assert "64 per rank per step" in plan
-    assert "layers 0-39 (40)" in plan and "layers 40-79 (40)" in plan
+    # VP 4: each rank holds every other 10-layer chunk
+    assert "layers 0-9, 20-29, 40-49, 60-69 (40)" in plan and "layers 10-19, 30-39, 50-59, 70-79 (40)" in plan
     assert "73,410,777,344" in plan
     assert "GiB" in plan
 
@@ -116,8 +117,9 @@ def test_dry_run_235b_moe_vl_plan_fits_with_expert_parallelism():
     assert "128 processes = TP4 x PP2 x DP16" in plan
     assert "EP32 x expert TP1 x expert DP2" in plan
     assert "235.67B total (235,670,022,896), 22.77B active per token" in plan
-    assert "layers 0-46 (47)" in plan and "layers 47-93 (47)" in plan
-    assert "~46.8 GiB" in plan  # without EP: ~206 GiB
+    # The preset's layout: VP 4, one layer fewer beside the vision encoder
+    assert "layers 0-10, 23-33, 46-57, 70-81 (46)" in plan and "layers 11-22, 34-45, 58-69, 82-93 (48)" in plan
+    assert "~46.9 GiB" in plan  # without EP: ~206 GiB; 48 layers on the last rank
 
 
 def test_dry_run_states_the_encoders_activations_per_rank_in_every_mode():
