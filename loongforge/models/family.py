@@ -19,11 +19,13 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
+from loongforge.models.vocab import padded_vocab_size
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
     import torch
@@ -120,8 +122,6 @@ class ModelFamily:
     hf_rules: Callable[[ModelConfig], list[Rule]]
     # {HF key: tensor} in any key style the family reads -> the Hub style it writes
     to_hub_style: Callable[[Mapping[str, Any]], dict]
-    # (vocab_size, TP size) -> rows of the embedding and output layer
-    padded_vocab_size: Callable[[int, int], int]
     # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
     # rank's pipeline stage; collective, needs megatron's parallel state
     build: Callable[..., "torch.nn.Module"]
@@ -158,12 +158,23 @@ class ModelFamily:
     # patch geometry, frame sampling) as transformers reads them; {} for a text-only family
     # (``no_processor_files``), which serves with its tokenizer alone.
     hf_processor_files: Callable[[ModelConfig, DataConfig], dict[str, dict]]
+    # (vocab_size, TP size) -> rows of the embedding and output layer (what the decoder is built with)
+    padded_vocab_size: Callable[[int, int], int] = padded_vocab_size
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""
         architectures = hf_config.get("architectures") or []
         return (any(name in self.hf_architectures for name in architectures)
                 or hf_config.get("model_type") in self.hf_model_types)
+
+
+def hf_facts(hf_config: ModuleType) -> dict[str, Any]:
+    """The ``ModelFamily`` fields a family's ``hf_config`` module gives under its conventional names
+    (``NAME``, ``HF_ARCHITECTURES``, ``HF_MODEL_TYPES``, ``model_config_from_hf``,
+    ``hf_config_from_model``, ``expected_hf_shapes``)."""
+    return dict(name=hf_config.NAME, hf_architectures=hf_config.HF_ARCHITECTURES,
+                hf_model_types=hf_config.HF_MODEL_TYPES, config_from_hf=hf_config.model_config_from_hf,
+                config_to_hf=hf_config.hf_config_from_model, hf_shapes=hf_config.expected_hf_shapes)
 
 
 def no_processor_files(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict[str, dict]:

@@ -9,16 +9,12 @@ reasons about them (split axes, vocabulary padding) without knowing any family.
 from __future__ import annotations
 
 import abc
-import math
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-# Megatron pads the vocabulary so the output GEMM splits evenly and stays aligned; 128 keeps Qwen's
-# vocabularies (151936 = 128*1187, 152064 = 128*1188) unpadded at every power-of-two TP size,
-# so checkpoints do not change shape with TP.
-VOCAB_PAD_MULTIPLE = 128
+from loongforge.models.vocab import padded_vocab_size
 
 
 def rename_prefixes(state: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:
@@ -32,12 +28,6 @@ def rename_prefixes(state: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) 
                 break
         renamed[key] = value
     return renamed
-
-
-def padded_vocab_size(vocab_size: int, tensor_parallel_size: int) -> int:
-    """Smallest size >= vocab_size divisible by lcm(VOCAB_PAD_MULTIPLE, TP)."""
-    multiple = math.lcm(VOCAB_PAD_MULTIPLE, tensor_parallel_size)
-    return -(-vocab_size // multiple) * multiple
 
 
 Tensor = torch.Tensor

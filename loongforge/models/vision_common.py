@@ -13,9 +13,17 @@ from typing import Optional
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.transformer.mlp import MLP
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
+from loongforge.models.decoder.layer_specs import projector_mlp_submodules
+from loongforge.models.layer_backend import BlockModules
 from loongforge.parallel.context_parallel import ContextShard
 
 # The 2-D rotary base of the ViT (fixed in Qwen2.5-VL and Qwen3-VL; not the language model's rope_theta).
@@ -127,3 +135,69 @@ def written_over(embeddings: torch.Tensor, features: torch.Tensor,
     if context_shard is None:
         return embeddings
     return embeddings + features.sum().to(embeddings.dtype) * 0.0
+
+
+class PackedTower(MegatronModule):
+    """A ViT's ``depth`` megatron ``TransformerLayer``s over packed (thd) patches, each image or frame
+    its own segment(s); a subclass adds its embeddings and says which segments each layer sees.
+
+    ``self.layers`` is a plain ModuleList (the tower is whole on a pipeline stage, never split by
+    megatron's block), so its sharded state dict asks each layer (``sharded_state_dict``)."""
+
+    def __init__(self, config: TransformerConfig, pg_collection: ProcessGroupCollection):
+        super().__init__(config=config)
+        self.recompute = config.recompute_granularity == "full"
+        self.pg_collection = pg_collection
+        self.tp_group = pg_collection.tp
+
+    def build_layers(self, layer_spec: ModuleSpec, depth: int) -> None:
+        """The ``depth`` layers; a subclass builds its embeddings first (their initial weights come
+        first from the tower's seeded stream)."""
+        self.layers = torch.nn.ModuleList(
+            build_module(layer_spec, config=self.config, layer_number=i + 1, pg_collection=self.pg_collection)
+            for i in range(depth)
+        )
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
+                           metadata: Optional[dict] = None) -> dict:
+        """Per-layer sharded tensors with their true (vision-TP) global shapes: megatron's default
+        would treat a plain ModuleList's tensors as replicated, recording each rank's TP shard as
+        the whole tensor."""
+        sharded = {}
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        for name, child in self.named_children():
+            if name != "layers":
+                # Replicated over the vision TP group: replica ids count its ranks.
+                sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
+                                                          metadata, tp_group=self.tp_group))
+        for index, layer in enumerate(self.layers):
+            sharded.update(layer.sharded_state_dict(f"{prefix}layers.{index}.", sharded_offsets, metadata))
+        return sharded
+
+    def run_layer(self, layer, hidden: torch.Tensor, freqs: torch.Tensor, params: PackedSeqParams) -> torch.Tensor:
+        """hidden [P, 1, h] through one layer (recomputed in the backward under full recompute)."""
+        def run(x):
+            output, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params)
+            return output
+
+        if self.recompute and self.training:
+            return torch.utils.checkpoint.checkpoint(run, hidden, use_reentrant=False)
+        return run(hidden)
+
+
+def merger_mlp(config: TransformerConfig, modules: BlockModules, width: int,
+               tp_group: torch.distributed.ProcessGroup) -> MLP:
+    """A merger's MLP: ``width`` -> ``width`` -> ``config.hidden_size`` (megatron's MLP maps input ->
+    ffn -> hidden), linear 1 column- and linear 2 row-parallel over ``tp_group``: the output is whole
+    on every rank."""
+    return MLP(config=config, submodules=projector_mlp_submodules(modules), input_size=width,
+               ffn_hidden_size=width, tp_group=tp_group)
+
+
+def apply_mlp(mlp: MLP, rows: torch.Tensor) -> torch.Tensor:
+    """rows [n, width] -> [n, out] through a megatron MLP (which takes [s, b, h] and returns its
+    output bias apart when it skips adding it)."""
+    out, bias = mlp(rows[:, None, :])  # [n, 1, out]
+    if bias is not None:
+        out = out + bias
+    return out[:, 0]

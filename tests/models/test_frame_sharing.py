@@ -31,7 +31,7 @@ def _qwen3_vl_encode():
     model = build_qwen3_vl(qwen3_vl_support.tiny_model_cfg(), ParallelConfig(), params_dtype=torch.float32,
                            pre_process=True, post_process=True, device="cpu",
                            vision=qwen3_vl_support.TINY_VISION).eval()
-    return model.vision_model, model._encode_concatenated  # merged and DeepStack features
+    return model.vision_model, model._encoder  # merged and DeepStack features
 
 
 def test_frame_grids_give_every_frame_its_own_row():

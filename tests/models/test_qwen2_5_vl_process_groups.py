@@ -9,7 +9,7 @@ import pytest
 import torch
 from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-from loongforge.models.qwen2_5_vl.process_groups import mark_tp_duplicates
+from loongforge.models.vlm.process_groups import mark_tp_duplicates
 
 
 class _Rank:

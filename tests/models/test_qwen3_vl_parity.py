@@ -158,7 +158,7 @@ def test_deepstack_under_activation_recompute(world):
 def test_first_pipeline_stage_must_hold_every_deepstack_layer(world):
     from megatron.core.transformer.transformer_config import TransformerConfig
 
-    from loongforge.models.qwen3_vl.deepstack import check_pipeline
+    from loongforge.models.vlm.deepstack import check_pipeline
 
     config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4,
                                pipeline_dtype=torch.float32)

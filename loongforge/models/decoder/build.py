@@ -10,8 +10,12 @@ from typing import Optional
 import torch
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.context_parallel import ContextShard
@@ -46,6 +50,38 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
                         init_seed=torch.initial_seed() if init_seed is None else init_seed,
                         modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype)),
                         pgs=pgs, encoder_cp=_single_rank_group(pgs.cp))
+
+
+def build_language_model(model_cfg: ModelConfig, language_config, modules: BlockModules,
+                         pgs: ProcessGroupCollection, *, pre_process: bool, post_process: bool,
+                         vp_stage: Optional[int], init_seed: Optional[int], rope: str,
+                         takes_features: bool) -> LanguageModel:
+    """This stage of the shared decoder (``LanguageModel``), as every family builds it.
+
+    ``rope``: ``"rope"`` (1-D positions) or ``"mrope"`` (three rows of positions, t/h/w).
+    ``takes_features``: the caller writes vision features into the embeddings before the decoder
+    runs, so the embeddings are scattered over sequence parallelism by the caller, not by GPTModel."""
+    lang = model_cfg.language
+    return LanguageModel(
+        config=language_config,
+        transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
+                                                   vp_stage=vp_stage, init_seed=init_seed),
+        vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
+        true_vocab_size=lang.vocab_size,
+        init_seed=init_seed,
+        max_sequence_length=lang.max_position_embeddings,
+        pre_process=pre_process,
+        post_process=post_process,
+        parallel_output=True,
+        share_embeddings_and_output_weights=lang.tie_word_embeddings,
+        position_embedding_type=rope,
+        rotary_base=lang.rope_theta,
+        rope_scaling=lang.rope_scaling_factor is not None,
+        rope_scaling_factor=lang.rope_scaling_factor or 8.0,
+        scatter_embedding_sequence_parallel=not takes_features,
+        pg_collection=pgs,
+        vp_stage=vp_stage,
+    )
 
 
 def _single_rank_group(cp_group: torch.distributed.ProcessGroup) -> torch.distributed.ProcessGroup:

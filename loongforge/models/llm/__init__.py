@@ -12,8 +12,7 @@ chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.family import LazyFunction, ModelFamily, no_processor_files
-from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.family import LazyFunction, ModelFamily, hf_facts, no_processor_files
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
 from loongforge.models.llm.flops import training_flops
@@ -22,15 +21,9 @@ from loongforge.models.llm.params import count_parameters
 from loongforge.models.llm.positions import position_ids_for
 
 FAMILY = ModelFamily(
-    name=hf_config.NAME,
-    hf_architectures=hf_config.HF_ARCHITECTURES,
-    hf_model_types=hf_config.HF_MODEL_TYPES,
-    config_from_hf=hf_config.model_config_from_hf,
-    config_to_hf=hf_config.hf_config_from_model,
-    hf_shapes=hf_config.expected_hf_shapes,
+    **hf_facts(hf_config),
     hf_rules=mapping_rules,
     to_hub_style=to_hub_style,
-    padded_vocab_size=padded_vocab_size,
     build=LazyFunction("loongforge.models.llm.model:build_model"),
     build_encoder=None,
     count_parameters=count_parameters,

@@ -16,15 +16,11 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
-from loongforge.models.decoder.build import build_context, check_inputs
-from loongforge.models.decoder.language_model import LanguageModel
+from loongforge.models.decoder.build import build_context, build_language_model, check_inputs
 from loongforge.models.moe_balance import routing_padding_mask
-from loongforge.models.decoder.layer_specs import language_block_spec
-from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import BlockModules
 from loongforge.parallel.context_parallel import ContextShard
 
@@ -46,25 +42,9 @@ class TextModel(MegatronModule):
         self.share_embeddings_and_output_weights = lang.tie_word_embeddings
         self.layer_backends = {"language": modules.describe()}
         self.model_type = ModelType.encoder_or_decoder
-        self.language_model = LanguageModel(
-            config=language_config,
-            transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
-                                                       vp_stage=vp_stage, init_seed=init_seed),
-            vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
-            true_vocab_size=lang.vocab_size,
-            init_seed=init_seed,
-            max_sequence_length=lang.max_position_embeddings,
-            pre_process=pre_process,
-            post_process=post_process,
-            parallel_output=True,
-            share_embeddings_and_output_weights=lang.tie_word_embeddings,
-            position_embedding_type="rope",
-            rotary_base=lang.rope_theta,
-            rope_scaling=lang.rope_scaling_factor is not None,
-            rope_scaling_factor=lang.rope_scaling_factor or 8.0,
-            pg_collection=pgs,
-            vp_stage=vp_stage,
-        )
+        self.language_model = build_language_model(
+            model_cfg, language_config, modules, pgs, pre_process=pre_process, post_process=post_process,
+            vp_stage=vp_stage, init_seed=init_seed, rope="rope", takes_features=False)
 
     def towers(self) -> dict[str, list[torch.nn.Module]]:
         """The parts ``training.freeze_*`` name: no encoder parts, so freeze_vision / freeze_projector

@@ -14,7 +14,6 @@ from loongforge.config import layout
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.configs import activation, common
 from loongforge.models.decoder.configs import recompute as recompute_settings
-from loongforge.models.hf_rules import padded_vocab_size  # noqa: F401  (model.py sizes its vocabulary with it)
 
 def vision_tensor_parallel_size(parallel_cfg: ParallelConfig) -> int:
     """``parallel.vision_tensor_model_parallel_size`` with ``None`` meaning "same as language".

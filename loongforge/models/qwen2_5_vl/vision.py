@@ -19,28 +19,25 @@ an image boundary.
 
 from __future__ import annotations
 
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, RMSNorm
-from loongforge.models.decoder.layer_specs import projector_mlp_submodules
-from loongforge.models.vision_common import (  # noqa: F401  (vision_pg_collection: encoder.py imports it from here)
+from loongforge.models.vision_common import (
+    PackedTower,
+    apply_mlp,
+    merger_mlp,
     PatchEmbed,
     frame_cu_seqlens,
     packed_segments,
     patch_positions,
     rotary_freqs,
-    vision_pg_collection,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -81,7 +78,7 @@ def window_partition(
 # ---------------------------------------------------------------------------------------------
 
 
-class VisionModel(MegatronModule):
+class VisionModel(PackedTower):
     """The ViT: patches [P, C*T*p*p] + grid_thw -> patch features [P, hidden], input order."""
 
     def __init__(
@@ -91,20 +88,15 @@ class VisionModel(MegatronModule):
         layer_spec: ModuleSpec,
         pg_collection: ProcessGroupCollection,
     ):
-        super().__init__(config=config)
         vis = model_cfg.vision
+        super().__init__(config, pg_collection)
         self.merge = model_cfg.projector.spatial_merge_size
         self.window_units = vis.window_size // self.merge // vis.patch_size
         self.head_dim = vis.hidden_size // vis.num_heads
         self.fullatt_block_indexes = frozenset(vis.fullatt_block_indexes)
-        self.recompute = config.recompute_granularity == "full"
         patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2
-        self.tp_group = pg_collection.tp
         self.patch_embed = PatchEmbed(patch_dim, vis.hidden_size, config.params_dtype)
-        self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
-            for i in range(vis.depth)
-        )
+        self.build_layers(layer_spec, vis.depth)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         order, cu_windows = window_partition(grid_thw, self.merge, self.window_units)
@@ -121,40 +113,10 @@ class VisionModel(MegatronModule):
         hidden = hidden[:, None, :]  # megatron's [s, b, h] with b = 1 (thd packing)
         for index, layer in enumerate(self.layers):
             params = full_params if index in self.fullatt_block_indexes else window_params
-            hidden = self._run_layer(layer, hidden, freqs, params)
+            hidden = self.run_layer(layer, hidden, freqs, params)
         hidden = hidden[:, 0]
         # back to input order: [P/m^2, m^2, h][argsort(order)]
         return hidden.reshape(-1, unit, hidden.shape[-1])[torch.argsort(order)].reshape(hidden.shape)
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
-        """Per-block sharded tensors with their true (vision-TP) global shapes.
-
-        ``self.layers`` is a plain ModuleList, which megatron's default would treat as replicated
-        tensors, recording each rank's TP shard as the whole tensor; ask each block instead.
-        """
-        sharded = {}
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        for name, child in self.named_children():
-            if name != "layers":
-                # Replicated over the vision TP group: replica ids count its ranks.
-                sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
-                                                          metadata, tp_group=self.tp_group))
-        for index, layer in enumerate(self.layers):
-            sharded.update(layer.sharded_state_dict(f"{prefix}layers.{index}.", sharded_offsets,
-                                                    metadata))
-        return sharded
-
-    def _run_layer(self, layer, hidden, freqs, params):
-        def run(x):
-            output, _ = layer(
-                hidden_states=x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params
-            )
-            return output
-
-        if self.recompute and self.training:
-            return torch.utils.checkpoint.checkpoint(run, hidden, use_reentrant=False)
-        return run(hidden)
 
 
 class PatchMerger(MegatronModule):
@@ -175,17 +137,7 @@ class PatchMerger(MegatronModule):
         vision_hidden = model_cfg.vision.hidden_size
         self.merged_width = vision_hidden * model_cfg.projector.spatial_merge_size**2
         self.ln_q = RMSNorm(config, vision_hidden, eps=model_cfg.vision.rms_norm_eps)
-        self.mlp = MLP(
-            config=config,
-            submodules=projector_mlp_submodules(modules),
-            input_size=self.merged_width,
-            ffn_hidden_size=self.merged_width,
-            tp_group=tp_group,
-        )
+        self.mlp = merger_mlp(config, modules, self.merged_width, tp_group)
 
     def forward(self, patch_features: torch.Tensor) -> torch.Tensor:
-        merged = self.ln_q(patch_features).reshape(-1, 1, self.merged_width)  # [P/m^2, 1, m^2 h]
-        out, bias = self.mlp(merged)
-        if bias is not None:
-            out = out + bias
-        return out[:, 0]
+        return apply_mlp(self.mlp, self.ln_q(patch_features).reshape(-1, self.merged_width))  # [P/m^2, out]

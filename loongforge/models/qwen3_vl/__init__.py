@@ -1,28 +1,28 @@
 """Qwen3-VL on megatron-core, dense or with mixture-of-experts decoder layers (Qwen3-VL-MoE:
 megatron-core's MoE layer in every decoder layer, ``model.language.num_experts`` > 0; the towers,
-DeepStack and M-RoPE are the dense model's); ``FAMILY`` is what the rest of loongforge sees of it.
+DeepStack and M-RoPE are the dense model's): its vision part composed with the shared decoder
+(``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
 
-model.py        Qwen3VLModel and build_model (the entry point)
+model.py        build_model (the entry point): the composition with interleaved M-RoPE and DeepStack
+encoder.py      the vision part: ViT + merger + DeepStack's mergers as one ``VisionEncoder``
 vision.py       the ViT tower (learned, resampled position embeddings; 2-D RoPE) and patch mergers
-deepstack.py    DeepStack: vision features added after the first decoder layers (block hooks)
 rotary.py       interleaved M-RoPE for the decoder
 layer_specs.py  the vision layer spec (the shared pre-norm block with LayerNorm pre-norms)
-configs.py      Qwen3VisionConfig (the vision facts) and the towers' megatron TransformerConfigs
+configs.py      the towers' megatron TransformerConfigs
+vision_facts.py Qwen3VisionConfig: the vision facts
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic (total, and active per token)
 flops.py        model FLOPs of a training micro-batch (MFU)
-rope_index.py   M-RoPE position ids per sample (data side)
+rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
-encoder.py      the towers alone (loongforge encode): merged + DeepStack features per token
 """
 
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.chatml import chatml_vision_timestamped
-from loongforge.models.family import LazyFunction, ModelFamily
-from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.flops import training_flops
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
@@ -34,15 +34,9 @@ from loongforge.models.qwen3_vl.rope_index import position_ids_for
 LAYOUT = replace(DECODER_LAYOUT, vision_below_tensor=False, encoder_dp_modes=("none",))
 
 FAMILY = ModelFamily(
-    name=hf_config.NAME,
-    hf_architectures=hf_config.HF_ARCHITECTURES,
-    hf_model_types=hf_config.HF_MODEL_TYPES,
-    config_from_hf=hf_config.model_config_from_hf,
-    config_to_hf=hf_config.hf_config_from_model,
-    hf_shapes=hf_config.expected_hf_shapes,
+    **hf_facts(hf_config),
     hf_rules=mapping_rules,
     to_hub_style=to_hub_style,
-    padded_vocab_size=padded_vocab_size,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.qwen3_vl.encoder:build_encoder"),
     count_parameters=count_parameters,

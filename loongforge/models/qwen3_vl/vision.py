@@ -20,18 +20,17 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.utils.checkpoint
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
-from megatron.core.transformer.spec_utils import ModuleSpec, build_module
+from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
 
-from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 from loongforge.models.layer_backend import BlockModules
 from loongforge.models.qwen3_vl.vision_facts import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
 from loongforge.models.vision_common import (
+    PackedTower,
+    apply_mlp,
+    merger_mlp,
     PatchEmbed,
     frame_cu_seqlens,
     packed_segments,
@@ -77,24 +76,19 @@ def position_embedding_taps(grid_thw: torch.Tensor, side: int, merge: int) -> tu
 # ---------------------------------------------------------------------------------------------
 
 
-class VisionModel(MegatronModule):
+class VisionModel(PackedTower):
     """The ViT: patches [P, C*T*p*p] + grid_thw -> (patch features [P, hidden], the outputs [P, hidden]
     of the ``deepstack_visual_indexes`` blocks in block order)."""
 
     def __init__(self, config: TransformerConfig, vision: Qwen3VisionConfig, layer_spec: ModuleSpec,
                  pg_collection: ProcessGroupCollection):
-        super().__init__(config=config)
+        super().__init__(config, pg_collection)
         self.vision = vision
-        self.recompute = config.recompute_granularity == "full"
-        self.tp_group = pg_collection.tp
         patch_dim = vision.in_channels * vision.temporal_patch_size * vision.patch_size**2
         self.patch_embed = PatchEmbed(patch_dim, vision.hidden_size, config.params_dtype, bias=True)
         self.pos_embed = torch.nn.Embedding(vision.num_position_embeddings, vision.hidden_size,
                                             dtype=config.params_dtype)
-        self.layers = torch.nn.ModuleList(
-            build_module(layer_spec, config=config, layer_number=i + 1, pg_collection=pg_collection)
-            for i in range(vision.depth)
-        )
+        self.build_layers(layer_spec, vision.depth)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> tuple[torch.Tensor, list[torch.Tensor]]:
         vision, merge = self.vision, self.vision.spatial_merge_size
@@ -106,36 +100,10 @@ class VisionModel(MegatronModule):
         hidden = hidden[:, None, :]  # megatron's [s, b, h] with b = 1 (thd packing)
         deepstack = []
         for index, layer in enumerate(self.layers):
-            hidden = self._run_layer(layer, hidden, freqs, frames)
+            hidden = self.run_layer(layer, hidden, freqs, frames)
             if index in vision.deepstack_visual_indexes:
                 deepstack.append(hidden[:, 0])
         return hidden[:, 0], deepstack
-
-    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (),
-                           metadata: Optional[dict] = None) -> dict:
-        """Per-block sharded tensors with their true (vision-TP) global shapes.
-
-        ``self.layers`` is a plain ModuleList, which megatron's default would treat as replicated
-        tensors, recording each rank's TP shard as the whole tensor; ask each block instead.
-        """
-        sharded = {}
-        metadata = ensure_metadata_has_dp_cp_group(metadata)
-        for name, child in self.named_children():
-            if name != "layers":
-                sharded.update(sharded_state_dict_default(child, f"{prefix}{name}.", sharded_offsets,
-                                                          metadata, tp_group=self.tp_group))
-        for index, layer in enumerate(self.layers):
-            sharded.update(layer.sharded_state_dict(f"{prefix}layers.{index}.", sharded_offsets, metadata))
-        return sharded
-
-    def _run_layer(self, layer, hidden, freqs, params):
-        def run(x):
-            output, _ = layer(hidden_states=x, attention_mask=None, rotary_pos_emb=freqs, packed_seq_params=params)
-            return output
-
-        if self.recompute and self.training:
-            return torch.utils.checkpoint.checkpoint(run, hidden, use_reentrant=False)
-        return run(hidden)
 
 
 class PatchMerger(MegatronModule):
@@ -153,23 +121,14 @@ class PatchMerger(MegatronModule):
         self.postshuffle_norm = postshuffle_norm
         norm_width = vision.merged_width if postshuffle_norm else vision.hidden_size
         self.norm = torch.nn.LayerNorm(norm_width, eps=VISION_LAYER_NORM_EPS, dtype=config.params_dtype)
-        self.mlp = MLP(
-            config=config,
-            submodules=projector_mlp_submodules(modules),
-            input_size=self.merged_width,
-            ffn_hidden_size=self.merged_width,
-            tp_group=tp_group,
-        )
+        self.mlp = merger_mlp(config, modules, self.merged_width, tp_group)
 
     def forward(self, patch_features: torch.Tensor) -> torch.Tensor:
         if self.postshuffle_norm:
             merged = self.norm(patch_features.reshape(-1, self.merged_width))
         else:
             merged = self.norm(patch_features).reshape(-1, self.merged_width)
-        out, bias = self.mlp(merged[:, None, :])  # [P/m^2, 1, m^2 h] -> [P/m^2, 1, out]
-        if bias is not None:
-            out = out + bias
-        return out[:, 0]
+        return apply_mlp(self.mlp, merged)  # [P/m^2, out]
 
 
 class MergerList(torch.nn.ModuleList):
