@@ -727,8 +727,8 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
     """An expert's linears take no tensor-parallel communication of their own (the token dispatcher
     does it), so adapters on them are built only where each expert sits whole on one rank."""
     if cfg.model.language.num_experts == 0:
-        return [f"lora.experts=true adapts mixture-of-experts layers, but model.language.num_experts=0 "
-                f"(a dense model); set lora.experts=false."]
+        return ["lora.experts=true adapts mixture-of-experts layers, but model.language.num_experts=0 "
+                "(a dense model); set lora.experts=false."]
     etp = expert_tensor_parallel_size(cfg.parallel)
     if etp != 1:
         return [f"lora.experts=true needs each expert whole on a rank, but the expert TP size is {etp}; "

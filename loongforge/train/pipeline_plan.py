@@ -29,7 +29,7 @@ from typing import Optional
 
 from loongforge.balance.cost_model import SampleCost
 from loongforge.config.layout import derive_parallel_sizes
-from loongforge.config.pipeline_layout import PipelineStages, layout_string, stage_plan, virtual_stages
+from loongforge.config.pipeline_layout import PipelineStages, layout_string, stage_plan
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import check_run_config
 from loongforge.models.flops import FlopOptions, StepFlops

@@ -30,7 +30,7 @@ from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models import registry
 from loongforge.models.flops import FlopOptions, StepFlops, step_flops
 from loongforge.models.qwen2_5_vl.flops import window_sizes
-from loongforge.models.qwen2_5_vl.vision import window_partition
+from loongforge.models.towers.qwen2_5_vit.vision import window_partition
 from loongforge.profile.features import sample_costs
 from loongforge.train.runner import _freeze
 from loongforge.train.step import make_forward_step

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
-from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
 # 3 vision blocks, 3 decoder layers; DeepStack from blocks 0 and 2 into decoder layers 0 and 1.
 TINY_VISION = Qwen3VisionConfig(

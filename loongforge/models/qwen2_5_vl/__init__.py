@@ -1,11 +1,7 @@
-"""Qwen2.5-VL on megatron-core: its vision part composed with the shared decoder (``models.vlm``);
-``FAMILY`` is what the rest of loongforge sees of it.
+"""Qwen2.5-VL on megatron-core: its vision part (``models/towers/qwen2_5_vit/``) composed with the
+shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
 
 model.py        build_model (the entry point): the composition with contiguous M-RoPE
-encoder.py      the vision part: ViT + patch merger as one ``VisionEncoder`` (training and encode)
-vision.py       the ViT tower (window attention, 2-D RoPE) and patch merger
-layer_specs.py  the vision layer spec (the decoder block of ``models.decoder``, bidirectional)
-configs.py      ModelConfig -> the towers' megatron TransformerConfigs
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 params.py       parameter counts by arithmetic
@@ -32,7 +28,7 @@ FAMILY = ModelFamily(
     # Imported at the first build: megatron-core takes seconds, and a parameter count, a dry-run
     # plan or a config.json read should not pay for it.
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
-    build_encoder=LazyFunction("loongforge.models.qwen2_5_vl.encoder:build_encoder"),
+    build_encoder=LazyFunction("loongforge.models.towers.qwen2_5_vit.encoder:build_encoder"),
     count_parameters=count_parameters,
     training_flops=training_flops,
     position_ids=position_ids_for,

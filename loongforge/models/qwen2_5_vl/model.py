@@ -10,7 +10,7 @@ language TP, ``encoder_dp`` none / tp / full, ``encoder_cp``.
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
-from loongforge.models.qwen2_5_vl.encoder import Qwen2_5_VLEncoder
+from loongforge.models.towers.qwen2_5_vit.encoder import Qwen2_5_VLEncoder
 from loongforge.models.vlm.model import VisionLanguageModel, build_vlm
 
 

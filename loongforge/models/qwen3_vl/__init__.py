@@ -1,15 +1,10 @@
 """Qwen3-VL on megatron-core, dense or with mixture-of-experts decoder layers (Qwen3-VL-MoE:
 megatron-core's MoE layer in every decoder layer, ``model.language.num_experts`` > 0; the towers,
-DeepStack and M-RoPE are the dense model's): its vision part composed with the shared decoder
-(``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
+DeepStack and M-RoPE are the dense model's): its vision part (``models/towers/qwen3_vit/``) composed
+with the shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
 
 model.py        build_model (the entry point): the composition with interleaved M-RoPE and DeepStack
-encoder.py      the vision part: ViT + merger + DeepStack's mergers as one ``VisionEncoder``
-vision.py       the ViT tower (learned, resampled position embeddings; 2-D RoPE) and patch mergers
 rotary.py       interleaved M-RoPE for the decoder
-layer_specs.py  the vision layer spec (the shared pre-norm block with LayerNorm pre-norms)
-configs.py      the towers' megatron TransformerConfigs
-vision_facts.py Qwen3VisionConfig: the vision facts
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic (total, and active per token)
@@ -38,7 +33,7 @@ FAMILY = ModelFamily(
     hf_rules=mapping_rules,
     to_hub_style=to_hub_style,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
-    build_encoder=LazyFunction("loongforge.models.qwen3_vl.encoder:build_encoder"),
+    build_encoder=LazyFunction("loongforge.models.towers.qwen3_vit.encoder:build_encoder"),
     count_parameters=count_parameters,
     training_flops=training_flops,
     position_ids=position_ids_for,

@@ -29,7 +29,7 @@ from loongforge.models.flops import (
     vision_block_linear_flops,
     vision_block_passes,
 )
-from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
 
 def blocks_forward_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid]) -> int:

@@ -40,7 +40,7 @@ from loongforge.models.hf_rules import (
     Tensor,
     rename_prefixes,
 )
-from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
 
 def _merger_rules(hf: str, ours: str, count: Optional[int] = None) -> list[Rule]:

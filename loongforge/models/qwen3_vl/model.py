@@ -16,9 +16,9 @@ from typing import Optional
 from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.qwen3_vl.encoder import Qwen3VLEncoder
+from loongforge.models.towers.qwen3_vit.encoder import Qwen3VLEncoder
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
-from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 from loongforge.models.vlm.model import VisionLanguageModel, build_vlm
 
 

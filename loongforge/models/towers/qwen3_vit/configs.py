@@ -10,7 +10,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.models.decoder.configs import activation, common
 from loongforge.models.decoder.configs import recompute as recompute_settings
-from loongforge.models.qwen3_vl.vision_facts import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
 
 
 def vision_config(vision: Qwen3VisionConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool,

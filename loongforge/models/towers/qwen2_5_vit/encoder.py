@@ -14,9 +14,9 @@ import torch
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models import initialization
-from loongforge.models.qwen2_5_vl import configs
-from loongforge.models.qwen2_5_vl.layer_specs import vision_layer_spec
-from loongforge.models.qwen2_5_vl.vision import PatchMerger, VisionModel
+from loongforge.models.towers.qwen2_5_vit import configs
+from loongforge.models.towers.qwen2_5_vit.layer_specs import vision_layer_spec
+from loongforge.models.towers.qwen2_5_vit.vision import PatchMerger, VisionModel
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, build_encoder_alone
 
 

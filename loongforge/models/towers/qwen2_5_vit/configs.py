@@ -1,27 +1,15 @@
-"""Translate loongforge's typed ``ModelConfig`` into megatron-core ``TransformerConfig``s.
-
-Three configs, one per role: ``language_model`` (the Qwen2 decoder), ``vision_model`` (the ViT
-blocks) and ``projector`` (the patch merger MLP). Settings shared by all three (precision, dropout,
-fusions that need CUDA kernels) are in ``_common``.
-"""
+"""megatron-core ``TransformerConfig``s of Qwen2.5-VL's vision part, from ``model.vision`` and
+``model.projector``: the ViT blocks (``vision_config``) and the patch merger's MLP
+(``projector_config``); the language model's is the shared decoder's (``models.decoder.configs``)."""
 
 from __future__ import annotations
 
 import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.config import layout
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.configs import activation, common
 from loongforge.models.decoder.configs import recompute as recompute_settings
-
-def vision_tensor_parallel_size(parallel_cfg: ParallelConfig) -> int:
-    """``parallel.vision_tensor_model_parallel_size`` with ``None`` meaning "same as language".
-
-    Whether the layout fits is the family's layout rule (``config.layout.layout_problems``),
-    checked when the config is validated; ``build_vision_tp_group`` still refuses a size it
-    cannot cut groups for."""
-    return layout.vision_tensor_parallel_size(parallel_cfg)
 
 
 def vision_config(

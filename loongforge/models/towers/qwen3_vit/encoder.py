@@ -15,10 +15,10 @@ import torch
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models import initialization
-from loongforge.models.qwen3_vl import configs
-from loongforge.models.qwen3_vl.layer_specs import vision_layer_spec
-from loongforge.models.qwen3_vl.vision import MergerList, PatchMerger, VisionModel
-from loongforge.models.qwen3_vl.vision_facts import Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit import configs
+from loongforge.models.towers.qwen3_vit.layer_specs import vision_layer_spec
+from loongforge.models.towers.qwen3_vit.vision import MergerList, PatchMerger, VisionModel
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, build_encoder_alone
 
 

@@ -1,0 +1,7 @@
+"""Qwen2.5-VL's vision part: the ViT with window attention and the RMSNorm patch merger.
+
+encoder.py      Qwen2_5_VLEncoder: the part as one ``VisionEncoder`` (training stage and encode alone)
+vision.py       the ViT tower (window attention, 2-D RoPE) and the patch merger
+layer_specs.py  the tower's layer spec (the decoder block of ``models.decoder``, bidirectional)
+configs.py      ModelConfig -> the tower's and the merger's megatron TransformerConfigs
+"""

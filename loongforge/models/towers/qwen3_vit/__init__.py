@@ -1,0 +1,9 @@
+"""Qwen3-VL's vision part: the ViT with learned, resampled position embeddings, its merger and
+DeepStack's mergers (side feature sets for the first decoder layers).
+
+encoder.py       Qwen3VLEncoder: the part as one ``VisionEncoder`` (training stage and encode alone)
+vision.py        the ViT tower and the patch mergers
+layer_specs.py   the tower's layer spec (the shared pre-norm block with LayerNorm pre-norms)
+configs.py       the tower's and the mergers' megatron TransformerConfigs
+vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF vision_config)
+"""
