@@ -18,6 +18,9 @@ from typing import Optional
 class VisionConfig:
     """The ViT encoder (``visual`` in transformers), without the patch merger."""
 
+    # The vision tower part (``models.parts``: a folder under ``models/towers/``); null: the family's
+    # own. A family accepts the tower it is composed of and refuses others in one line.
+    arch: Optional[str] = "qwen2_5_vit"
     depth: int = 32
     hidden_size: int = 1280
     intermediate_size: int = 3420
@@ -49,6 +52,9 @@ class VisionConfig:
 class ProjectorConfig:
     """The patch merger: RMSNorm, then an MLP over each 2x2 group of patch features."""
 
+    # The projector kind its vision tower builds (``models.parts.TowerPart.projectors``); null: the
+    # tower's own.
+    arch: Optional[str] = "patch_merger"
     spatial_merge_size: int = 2
     hidden_act: str = "gelu"
     # Must equal language.hidden_size: the merger writes straight into the text embeddings.

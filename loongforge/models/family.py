@@ -151,8 +151,6 @@ class ModelFamily:
     hf_model_class: str
     # The CPU-sized preset that exercises this family (tests walk every family through it).
     tiny_preset: str
-    # Whether its models see images and videos (a vision tower; ``model.vision`` is set).
-    has_vision: bool
     # (model_cfg, data_cfg) -> the processor files of a served HF folder besides the tokenizer's,
     # file name -> JSON object: the image and video processors at the run's data settings (sizes,
     # patch geometry, frame sampling) as transformers reads them; {} for a text-only family
@@ -160,6 +158,14 @@ class ModelFamily:
     hf_processor_files: Callable[[ModelConfig, DataConfig], dict[str, dict]]
     # (vocab_size, TP size) -> rows of the embedding and output layer (what the decoder is built with)
     padded_vocab_size: Callable[[int, int], int] = padded_vocab_size
+    # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); None: a
+    # text-only family.
+    vision_part: Optional[str] = None
+
+    @property
+    def has_vision(self) -> bool:
+        """Whether its models see images and videos (a vision tower; ``model.vision`` is set)."""
+        return self.vision_part is not None
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""

@@ -30,7 +30,7 @@ recompute, but not asked for by any option).
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
-from typing import Sequence
+from typing import Callable, Sequence
 
 from loongforge.balance.cost_model import SampleCost
 from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig
@@ -258,3 +258,16 @@ def step_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost], options: F
     return StepFlops(vision=float(vision), projector=float(projector),
                      language=float(language_flops(lang, segment_lengths, options)),
                      lm_head=float(lm_head_flops(lang, loss_tokens, options)))
+
+
+# (model_cfg, the micro-batch's media grids, options) -> (vision, projector) FLOPs: a tower part's count.
+EncoderFlops = Callable[[ModelConfig, Sequence[Grid], FlopOptions], tuple[int, int]]
+
+
+def vlm_training_flops(encoder_flops: EncoderFlops, model_cfg: ModelConfig, samples: Sequence[SampleCost],
+                       options: FlopOptions = FlopOptions()) -> StepFlops:
+    """A VLM family's ``training_flops`` (bind ``encoder_flops``, its vision part's count): forward +
+    backward FLOPs of one micro-batch of ``samples`` (packed segments of ``sample.tokens``, images
+    and videos of ``sample.grids``)."""
+    vision, projector = encoder_flops(model_cfg, media_grids(samples), options)
+    return step_flops(model_cfg, samples, options, vision=vision, projector=projector)

@@ -14,6 +14,7 @@ from typing import Any, Mapping
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import family_layout_problems
+from loongforge.models import parts
 from loongforge.models.family import ModelFamily
 
 # family name -> the package whose FAMILY it is
@@ -40,8 +41,11 @@ def get_family(name: str, key: str = "model.family") -> ModelFamily:
 
 def check_family_layout(cfg: RunConfig) -> None:
     """``cfg``'s layout against its family's own rule (config loading checks the decoder rule, which
-    every family starts from); a ConfigError listing each problem."""
-    problems = family_layout_problems(cfg, get_family(cfg.model.family).layout)
+    every family starts from), and its parts (``model.vision.arch``, ``model.projector.arch``)
+    against the family's composition; a ConfigError listing each problem."""
+    family = get_family(cfg.model.family)
+    problems = family_layout_problems(cfg, family.layout)
+    problems += parts.composition_problems(cfg.model, family.name, family.vision_part)
     if problems:
         raise ConfigError(problems)
 

@@ -12,7 +12,8 @@ from loongforge.config.loader import load_run_config
 import torch
 
 from loongforge.models.flops import FlopOptions, decoder_layer_forward_flops
-from loongforge.models.qwen2_5_vl.flops import blocks_forward_flops, training_flops
+from loongforge.models.registry import get_family
+from loongforge.models.towers.qwen2_5_vit.flops import blocks_forward_flops
 from loongforge.profile.features import model_sample_costs
 from loongforge.profile.throughput import Throughput, device_peak_tflops, run_dtype, steps_flops
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, format_log_line
@@ -81,6 +82,7 @@ def test_with_recompute_mfu_counts_the_model_and_hfu_the_recomputed_forwards(tmp
     micro_batches = [_micro_batch(cfg)] * 2
     model, hardware = steps_flops(micro_batches, cfg), steps_flops(micro_batches, cfg, hardware=True)
     samples = model_sample_costs(micro_batches[0], cfg.model)
+    training_flops = get_family("qwen2_5_vl").training_flops
     assert model == training_flops(cfg.model, samples, FlopOptions()) + training_flops(cfg.model, samples, FlopOptions())
     # The FLOP model's recompute: one more forward of every vision block and decoder layer.
     recomputed = 2 * (cfg.model.language.num_layers * decoder_layer_forward_flops(cfg.model.language, [40, 24])

@@ -32,7 +32,6 @@ FAMILY = ModelFamily(
     chat=chat_format,
     layout=DECODER_LAYOUT,
     hf_model_class="AutoModelForCausalLM",
-    has_vision=False,
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
 )

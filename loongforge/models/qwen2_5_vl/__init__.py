@@ -5,21 +5,23 @@ model.py        build_model (the entry point): the composition with contiguous M
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 params.py       parameter counts by arithmetic
-flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML with vision blocks)
 """
 
+import functools
+
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
+from loongforge.models.flops import vlm_training_flops
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
-from loongforge.models.qwen2_5_vl.flops import training_flops
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen2_5_vl.params import count_parameters
 from loongforge.models.qwen2_5_vl.processor import processor_files
 from loongforge.models.qwen2_5_vl.rope_index import position_ids_for
+from loongforge.models.towers.qwen2_5_vit import PART as TOWER
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
@@ -30,14 +32,14 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.towers.qwen2_5_vit.encoder:build_encoder"),
     count_parameters=count_parameters,
-    training_flops=training_flops,
+    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
+    vision_part=TOWER.arch,
     position_ids=position_ids_for,
     chat=chat_format,
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups
     # are cut from the language TP groups (vlm/process_groups.py), which the rule includes.
     layout=DECODER_LAYOUT,
     hf_model_class="Qwen2_5_VLForConditionalGeneration",
-    has_vision=True,
     tiny_preset="qwen2.5vl-tiny",
     hf_processor_files=processor_files,
 )

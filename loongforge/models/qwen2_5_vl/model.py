@@ -1,4 +1,4 @@
-"""Qwen2.5-VL on megatron-core: its vision part (``encoder.Qwen2_5_VLEncoder``: the ViT with window
+"""Qwen2.5-VL on megatron-core: its vision part (``models/towers/qwen2_5_vit``: the ViT with window
 attention and the patch merger) composed with the shared decoder under contiguous M-RoPE
 (``models.vlm``).
 
@@ -10,7 +10,7 @@ language TP, ``encoder_dp`` none / tp / full, ``encoder_cp``.
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
-from loongforge.models.towers.qwen2_5_vit.encoder import Qwen2_5_VLEncoder
+from loongforge.models import parts
 from loongforge.models.vlm.model import VisionLanguageModel, build_vlm
 
 
@@ -19,7 +19,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, **options)
     are that function's (``params_dtype``, ``pre_process``, ``post_process``, ``device``, ...).
     Collective (the vision TP groups): every rank calls it."""
     _check_qwen2_5_vl(model_cfg)
-    return build_vlm(model_cfg, parallel_cfg, Qwen2_5_VLEncoder, side_sets=0,
+    return build_vlm(model_cfg, parallel_cfg, parts.tower("qwen2_5_vit"), side_sets=0,
                      merge_unit=model_cfg.projector.spatial_merge_size**2, **options)
 
 

@@ -8,22 +8,23 @@ rotary.py       interleaved M-RoPE for the decoder
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 params.py       parameter counts by arithmetic (total, and active per token)
-flops.py        model FLOPs of a training micro-batch (MFU)
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
 """
 
+import functools
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
+from loongforge.models.flops import vlm_training_flops
 from loongforge.models.qwen3_vl import hf_config
-from loongforge.models.qwen3_vl.flops import training_flops
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.params import count_parameters
 from loongforge.models.qwen3_vl.processor import processor_files
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
+from loongforge.models.towers.qwen3_vit import PART as TOWER
 
 # The towers run at the language TP size, encoding every micro-batch's media on the first stage.
 LAYOUT = replace(DECODER_LAYOUT, vision_below_tensor=False, encoder_dp_modes=("none",))
@@ -35,11 +36,11 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.towers.qwen3_vit.encoder:build_encoder"),
     count_parameters=count_parameters,
-    training_flops=training_flops,
+    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
+    vision_part=TOWER.arch,
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,
     layout=LAYOUT,
-    has_vision=True,
     tiny_preset="qwen3vl-tiny",
     hf_processor_files=processor_files,
     # Resolves to Qwen3VLForConditionalGeneration or Qwen3VLMoeForConditionalGeneration by model_type.

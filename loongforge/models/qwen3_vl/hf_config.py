@@ -59,6 +59,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
         return ModelConfig(
             family=NAME,
             vision=VisionConfig(
+                arch="qwen3_vit",
                 depth=vision["depth"], hidden_size=vision["hidden_size"],
                 intermediate_size=vision["intermediate_size"], num_heads=vision["num_heads"],
                 in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 16),
@@ -69,7 +70,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 # The processor's normalisation (preprocessor_config.json, not config.json): 0.5 / 0.5.
                 pixel_mean=[0.5, 0.5, 0.5], pixel_std=[0.5, 0.5, 0.5],
             ),
-            projector=ProjectorConfig(spatial_merge_size=vision.get("spatial_merge_size", 2),
+            projector=ProjectorConfig(arch="deepstack_mergers", spatial_merge_size=vision.get("spatial_merge_size", 2),
                                       hidden_act="gelu", out_hidden_size=vision["out_hidden_size"]),
             language=LanguageConfig(
                 num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],

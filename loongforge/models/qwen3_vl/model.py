@@ -1,5 +1,5 @@
 """Qwen3-VL (dense, or Qwen3-VL-MoE with megatron-core's MoE layer in every decoder layer) on
-megatron-core: its vision part (``encoder.Qwen3VLEncoder``: the ViT with learned positions, the
+megatron-core: its vision part (``models/towers/qwen3_vit``: the ViT with learned positions, the
 merger and DeepStack's mergers) composed with the shared decoder (Qwen3 blocks: per-head q/k
 RMSNorm, no qkv bias) under interleaved M-RoPE (``rotary.InterleavedMRoPE``), DeepStack's features
 added after the first decoder layers (``models.vlm``).
@@ -15,9 +15,10 @@ from typing import Optional
 
 from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models import parts
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.towers.qwen3_vit.encoder import Qwen3VLEncoder
 from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
+from loongforge.models.towers.qwen3_vit.encoder import Qwen3VLEncoder
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 from loongforge.models.vlm.model import VisionLanguageModel, build_vlm
 
@@ -39,7 +40,7 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
         raise ValueError(f"parallel.encoder_dp={parallel_cfg.encoder_dp!r} is not supported by Qwen3-VL yet; use none")
     lang = model_cfg.language
     return build_vlm(
-        model_cfg, parallel_cfg, Qwen3VLEncoder, side_sets=vision.num_deepstack_layers,
+        model_cfg, parallel_cfg, parts.tower("qwen3_vit"), side_sets=vision.num_deepstack_layers,
         merge_unit=vision.spatial_merge_size**2, build_encoder=functools.partial(Qwen3VLEncoder.build, vision=vision),
         rotary=lambda: InterleavedMRoPE(head_dim(lang), lang.mrope_section, lang.rope_theta), **options)
 

@@ -49,6 +49,7 @@ from loongforge.models.vision_common import (
     written_over,
 )
 from loongforge.models.vlm import deepstack
+from loongforge.models.parts import TowerPart
 from loongforge.models.vlm.encoder import BuildVisionEncoder, EncoderBuild, VisionEncoder
 from loongforge.models.vlm.process_groups import build_vision_tp_group, mark_tp_duplicates
 from loongforge.parallel.context_parallel import ContextShard
@@ -344,7 +345,7 @@ def _device_of(module: torch.nn.Module) -> torch.device:
 def build_vlm(
     model_cfg: ModelConfig,
     parallel_cfg: ParallelConfig,
-    encoder_type: type[VisionEncoder],
+    tower: TowerPart,
     *,
     side_sets: int,
     merge_unit: int,
@@ -361,8 +362,8 @@ def build_vlm(
     rope: str = "mrope",
     rotary: Optional[Callable[[], torch.nn.Module]] = None,
 ) -> VisionLanguageModel:
-    """This rank's pipeline stage of a VLM whose vision side is an ``encoder_type``, built by
-    ``build_encoder`` (default ``encoder_type.build``); ``side_sets``: its side feature sets, ``merge_unit``: its patches per
+    """This rank's pipeline stage of a VLM whose vision side is ``tower``'s encoder, built by
+    ``build_encoder`` (default the encoder type's ``build``); ``side_sets``: its side feature sets, ``merge_unit``: its patches per
     merged token (both known without building it: stored features have them too). Needs megatron's
     parallel state initialised to match ``parallel_cfg``. Collective (the vision TP groups): every
     rank calls it.
@@ -378,6 +379,7 @@ def build_vlm(
     module where the family's differs from megatron's (``rope``)."""
     context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
     language_pgs = context.pgs
+    encoder_type = tower.encoder_type()
     vision_tp = vision_tensor_parallel_size(parallel_cfg)
     vision_tp_group = build_vision_tp_group(language_pgs.tp, vision_tp)
     language_config = decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype,

@@ -5,3 +5,13 @@ vision.py       the ViT tower (window attention, 2-D RoPE) and the patch merger
 layer_specs.py  the tower's layer spec (the decoder block of ``models.decoder``, bidirectional)
 configs.py      ModelConfig -> the tower's and the merger's megatron TransformerConfigs
 """
+
+from loongforge.models.parts import TowerPart
+from loongforge.models.towers.qwen2_5_vit import flops
+
+PART = TowerPart(
+    arch="qwen2_5_vit",
+    projectors=("patch_merger",),
+    encoder="loongforge.models.towers.qwen2_5_vit.encoder:Qwen2_5_VLEncoder",
+    flops=flops.encoder_flops,
+)

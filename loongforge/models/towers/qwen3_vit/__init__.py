@@ -7,3 +7,13 @@ layer_specs.py   the tower's layer spec (the shared pre-norm block with LayerNor
 configs.py       the tower's and the mergers' megatron TransformerConfigs
 vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF vision_config)
 """
+
+from loongforge.models.parts import TowerPart
+from loongforge.models.towers.qwen3_vit import flops
+
+PART = TowerPart(
+    arch="qwen3_vit",
+    projectors=("deepstack_mergers",),
+    encoder="loongforge.models.towers.qwen3_vit.encoder:Qwen3VLEncoder",
+    flops=flops.encoder_flops,
+)

@@ -1,4 +1,4 @@
-"""Qwen2.5-VL's model FLOPs per training step (``FAMILY.training_flops``; convention in ``models.flops``).
+"""The FLOPs of Qwen2.5-VL's vision part per training micro-batch (convention in ``models.flops``).
 
 What runs (``vision.py``): the patch embedding (a linear over ``C*T*p*p`` pixels), ``depth`` blocks
 of QKV, output projection and a SwiGLU MLP, where attention is bidirectional within each window
@@ -11,19 +11,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from loongforge.balance.cost_model import SampleCost
 from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import (
     FlopOptions,
     Grid,
-    StepFlops,
     attention_flops,
     frame_lengths,
-    media_grids,
     merger_forward_flops,
     patch_embedding_flops,
     projector_passes,
-    step_flops,
     vision_block_linear_flops,
     vision_block_passes,
 )
@@ -72,10 +68,6 @@ def projector_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: Flop
     return projector_passes(options) * merger
 
 
-def training_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost],
-                   options: FlopOptions = FlopOptions()) -> StepFlops:
-    """Forward + backward FLOPs of one micro-batch of ``samples`` (packed segments of
-    ``sample.tokens``, images and videos of ``sample.grids``)."""
-    grids = media_grids(samples)
-    return step_flops(model_cfg, samples, options, vision=vision_flops(model_cfg, grids, options),
-                      projector=projector_flops(model_cfg, grids, options))
+def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
+    """(vision, projector) FLOPs of the micro-batch's media ``grids``: ``flops.EncoderFlops``."""
+    return vision_flops(model_cfg, grids, options), projector_flops(model_cfg, grids, options)

@@ -1,4 +1,4 @@
-"""Qwen3-VL's model FLOPs per training step (``FAMILY.training_flops``; convention in ``models.flops``).
+"""The FLOPs of Qwen3-VL's vision part per training micro-batch (convention in ``models.flops``).
 
 What runs (``vision.py``, ``encoder.py``): the patch embedding (a linear over ``C*T*p*p`` pixels);
 the learned position embeddings resampled to each grid (four table rows per patch blended with
@@ -13,19 +13,15 @@ from __future__ import annotations
 
 from typing import Sequence
 
-from loongforge.balance.cost_model import SampleCost
 from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import (
     FlopOptions,
     Grid,
-    StepFlops,
     attention_flops,
     frame_lengths,
-    media_grids,
     merger_forward_flops,
     patch_embedding_flops,
     projector_passes,
-    step_flops,
     vision_block_linear_flops,
     vision_block_passes,
 )
@@ -54,11 +50,7 @@ def projector_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: F
     return projector_passes(options) * (1 + vision.num_deepstack_layers) * merger
 
 
-def training_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost],
-                   options: FlopOptions = FlopOptions()) -> StepFlops:
-    """Forward + backward FLOPs of one micro-batch of ``samples`` (packed segments of
-    ``sample.tokens``, images and videos of ``sample.grids``)."""
-    grids = media_grids(samples)
+def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
+    """(vision, projector) FLOPs of the micro-batch's media ``grids``: ``flops.EncoderFlops``."""
     vision = Qwen3VisionConfig.from_model_cfg(model_cfg)
-    return step_flops(model_cfg, samples, options, vision=vision_flops(vision, grids, options),
-                      projector=projector_flops(vision, grids, options))
+    return vision_flops(vision, grids, options), projector_flops(vision, grids, options)

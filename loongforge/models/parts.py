@@ -1,0 +1,81 @@
+"""The vision parts a VLM is composed of, by ``model.vision.arch``: each a folder under
+``models/towers/`` exporting ``PART``. Adding a tower is its folder and one line in ``_TOWERS``; a
+family names the tower it composes (``ModelFamily.vision_part``) and the run's ``model.vision.arch``
+/ ``model.projector.arch`` are checked against it (``composition_problems``).
+
+Torch-free: a part's FLOP count and facts are read by plans that build no model; its encoder
+module is named, and imported when built.
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Optional
+
+from loongforge.config.errors import ConfigError
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import EncoderFlops
+
+if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
+    from loongforge.models.vlm.encoder import VisionEncoder
+
+
+@dataclass(frozen=True)
+class TowerPart:
+    """One vision tower with the projectors it is built with."""
+
+    arch: str  # the ``model.vision.arch`` value that names it
+    # ``model.projector.arch`` values this tower's encoder builds (the first is its default)
+    projectors: tuple[str, ...]
+    # "module:Class" of its ``VisionEncoder`` (the tower and projector as one module)
+    encoder: str
+    # (model_cfg, media grids, options) -> (vision, projector) FLOPs of a micro-batch
+    flops: EncoderFlops
+
+    def encoder_type(self) -> type["VisionEncoder"]:
+        module_name, _, class_name = self.encoder.partition(":")
+        return getattr(importlib.import_module(module_name), class_name)
+
+
+# model.vision.arch -> the package whose PART it is
+_TOWERS: dict[str, str] = {
+    "qwen2_5_vit": "loongforge.models.towers.qwen2_5_vit",
+    "qwen3_vit": "loongforge.models.towers.qwen3_vit",
+}
+
+
+def towers() -> list[str]:
+    return sorted(_TOWERS)
+
+
+def tower(arch: str, key: str = "model.vision.arch") -> TowerPart:
+    """The tower ``arch``; a one-line ConfigError naming ``key`` (and the nearest name) if unknown."""
+    if arch not in _TOWERS:
+        close = difflib.get_close_matches(str(arch), towers(), n=1, cutoff=0.5)
+        hint = f" did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{key}='{arch}' is not a vision tower of loongforge ({' | '.join(towers())});{hint} "
+                          f"set {key} to one of those.")
+    return importlib.import_module(_TOWERS[arch]).PART
+
+
+def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower: Optional[str]) -> list[str]:
+    """What is wrong with the run's ``model.vision.arch`` / ``model.projector.arch`` for a family that
+    composes ``family_tower`` (None: a text-only family), one line each; [] when they fit."""
+    vision_arch = model_cfg.vision.arch if model_cfg.vision is not None else None
+    projector_arch = model_cfg.projector.arch if model_cfg.projector is not None else None
+    if family_tower is None:
+        given = [f"model.{key}.arch={value!r}" for key, value in (("vision", vision_arch), ("projector", projector_arch))
+                 if value is not None]
+        return [f"{', '.join(given)}: model.family={family_name} is a text-only family; unset them"] if given else []
+    problems = []
+    if vision_arch is not None and vision_arch != family_tower:
+        tower(vision_arch)  # an unknown name is its own error
+        problems.append(f"model.vision.arch={vision_arch!r}: model.family={family_name} is composed of the "
+                        f"{family_tower!r} tower; set model.vision.arch={family_tower} or leave it null")
+    projectors = tower(family_tower).projectors
+    if projector_arch is not None and projector_arch not in projectors:
+        problems.append(f"model.projector.arch={projector_arch!r}: the {family_tower!r} tower is built with "
+                        f"{' | '.join(projectors)}; set model.projector.arch={projectors[0]} or leave it null")
+    return problems

@@ -1,0 +1,58 @@
+"""The registered vision parts (``models.parts``) and a VLM as their composition: every VLM family
+names a registered tower, the presets state their parts, a run's ``model.vision.arch`` /
+``model.projector.arch`` are checked against the family in one line each, and a family's FLOP count
+is its tower's plus the shared decoder's."""
+
+from __future__ import annotations
+
+import pytest
+from typer.testing import CliRunner
+
+from loongforge.balance.cost_model import SampleCost
+from loongforge.cli.app import app
+from loongforge.config.errors import ConfigError
+from loongforge.config.loader import load_run_config
+from loongforge.models import parts, registry
+from loongforge.models.flops import FlopOptions, step_flops
+from loongforge.models.vlm.encoder import VisionEncoder
+
+
+@pytest.mark.parametrize("name", [name for name in registry.families() if registry.get_family(name).has_vision])
+def test_every_vision_family_is_composed_of_a_registered_tower(name):
+    family = registry.get_family(name)
+    tower = parts.tower(family.vision_part)
+    assert tower.arch == family.vision_part
+    assert issubclass(tower.encoder_type(), VisionEncoder)
+    cfg = load_run_config(family.tiny_preset)
+    assert (cfg.model.vision.arch, cfg.model.projector.arch) == (tower.arch, tower.projectors[0])
+    # The family counts its tower's FLOPs and the shared decoder's, nothing else.
+    samples = [SampleCost(tokens=200, patches=(64, 192), loss_tokens=40, grids=((1, 8, 8), (2, 8, 12)))]
+    vision, projector = tower.flops(cfg.model, [(1, 8, 8), (2, 8, 12)], FlopOptions())
+    assert family.training_flops(cfg.model, samples) == step_flops(cfg.model, samples, FlopOptions(), vision=vision,
+                                                                   projector=projector)
+    assert vision > 0 and projector > 0
+
+
+def test_text_only_families_name_no_tower():
+    assert registry.get_family("llm").vision_part is None
+
+
+@pytest.mark.parametrize("override, message", [
+    ("model.vision.arch=qwen3_vit", "model.vision.arch='qwen3_vit': model.family=qwen2_5_vl is composed of the "
+                                    "'qwen2_5_vit' tower; set model.vision.arch=qwen2_5_vit or leave it null"),
+    ("model.vision.arch=qwen3_vitt", "model.vision.arch='qwen3_vitt' is not a vision tower of loongforge "
+                                     "(qwen2_5_vit | qwen3_vit); did you mean 'qwen3_vit'?"),
+    ("model.projector.arch=deepstack_mergers", "model.projector.arch='deepstack_mergers': the 'qwen2_5_vit' tower "
+                                               "is built with patch_merger; set model.projector.arch=patch_merger"),
+])
+def test_a_part_the_family_is_not_composed_of_is_one_line_and_exit_2(override, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace(")", r"\)").replace("|", r"\|")):
+        registry.check_family_layout(load_run_config("qwen2.5vl-tiny", overrides=[override]))
+    result = CliRunner().invoke(app, ["train", "--preset", "qwen2.5vl-tiny", "--dry-run", override])
+    assert result.exit_code == 2 and message in result.output
+    assert len([line for line in result.output.splitlines() if line.startswith("error:")]) == 1
+
+
+def test_null_parts_mean_the_familys_own():
+    cfg = load_run_config("qwen3vl-tiny", overrides=["model.vision.arch=null", "model.projector.arch=null"])
+    registry.check_family_layout(cfg)
