@@ -12,10 +12,11 @@ from __future__ import annotations
 import difflib
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.schema import ModelConfig
+from loongforge.models.decoder.params import model_parameters
 from loongforge.models.flops import EncoderFlops
 
 if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
@@ -33,6 +34,8 @@ class TowerPart:
     encoder: str
     # (model_cfg, media grids, options) -> (vision, projector) FLOPs of a micro-batch
     flops: EncoderFlops
+    # model_cfg -> (vision, projector) parameter counts
+    parameters: Callable[[ModelConfig], tuple[int, int]]
 
     def encoder_type(self) -> type["VisionEncoder"]:
         module_name, _, class_name = self.encoder.partition(":")
@@ -79,3 +82,10 @@ def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower:
         problems.append(f"model.projector.arch={projector_arch!r}: the {family_tower!r} tower is built with "
                         f"{' | '.join(projectors)}; set model.projector.arch={projectors[0]} or leave it null")
     return problems
+
+
+def composed_parameters(tower_parameters: Callable[[ModelConfig], tuple[int, int]],
+                        model_cfg: ModelConfig) -> dict[str, int]:
+    """A VLM family's ``count_parameters`` (bind its tower's ``parameters``): the tower's and the
+    projector's counts with the shared decoder's (``decoder.params.model_parameters``)."""
+    return model_parameters(model_cfg, *tower_parameters(model_cfg))

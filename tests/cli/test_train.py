@@ -29,8 +29,6 @@ def assert_usage_error(result, *fragments: str) -> list[str]:
 
 
 def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
-    from loongforge.models.qwen2_5_vl.params import count_parameters  # noqa: F401 (needed)
-
     result = invoke("--list-presets")
     assert result.exit_code == 0, result.output
     lines = result.stdout.splitlines()[2:]
@@ -198,9 +196,9 @@ def test_layout_error_exits_2_with_remedy():
 def test_a_layout_the_model_family_refuses_exits_2_before_anything_starts(tmp_path):
     # The dry run says it; so does a real start (checked before any process is launched).
     overrides = ("--preset", "qwen3vl-tiny", "parallel.tensor_model_parallel_size=2",
-                 "parallel.vision_tensor_model_parallel_size=1", "--nproc-per-node", "2")
+                 "parallel.vision_tensor_model_parallel_size=1", "parallel.encoder_dp=full", "--nproc-per-node", "2")
     for mode in (("--dry-run",), ("--output-dir", str(tmp_path / "run"))):
-        assert_usage_error(invoke(*overrides, *mode), "vision tower runs at the language TP size only")
+        assert_usage_error(invoke(*overrides, *mode), "model.family=qwen3_vl implements none | tp")
     assert not (tmp_path / "run").exists()
 
 

@@ -119,11 +119,10 @@ def test_tiny_vit_preset_is_encoder_heavy_at_tp2_with_encoder_dp():
     (embedding included) in parameters, and an image costs the encoder more FLOPs than its
     tokens cost the language model; TP2 with a whole encoder per rank, dividing the images."""
     from loongforge.balance.cost_model import SampleCost
-    from loongforge.models.qwen2_5_vl.params import count_parameters
     from loongforge.models.registry import get_family
 
     cfg = load_run_config("qwen2.5vl-tiny-vit")
-    counts = count_parameters(cfg.model)
+    counts = get_family("qwen2_5_vl").count_parameters(cfg.model)
     assert counts["vision_model"] > counts["language_model"]
     assert (cfg.model.vision.depth, cfg.model.vision.hidden_size) == (6, 512)
     assert cfg.model.language == load_run_config(DEFAULT_PRESET).model.language

@@ -74,10 +74,10 @@ def test_roundtrip_table_and_json(request, source):
 
 
 def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
-    from loongforge.models.qwen2_5_vl import hf_mapping
+    from loongforge.models.hf_rules import GateUp
 
     # A broken transform (gate and up swapped on the way back) must be caught.
-    monkeypatch.setattr(hf_mapping.GateUp, "unshard", lambda self, shards: list(reversed(
+    monkeypatch.setattr(GateUp, "unshard", lambda self, shards: list(reversed(
         [torch.cat(x) for x in zip(*(s.chunk(2, dim=0) for s in shards))])))
     result = invoke(str(hf_hub), "--roundtrip", "--json")
     assert result.exit_code == 1

@@ -3,10 +3,11 @@
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.qwen2_5_vl.params import count_parameters
+from loongforge.models.registry import get_family
 from tests.models.helpers import hf_config, tiny_model_cfg
 
 PUBLISHED_7B = 8_292_166_656
+count_parameters = get_family("qwen2_5_vl").count_parameters
 
 
 def test_7b_count_matches_published():

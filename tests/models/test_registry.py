@@ -88,16 +88,16 @@ def test_unsupported_hf_architecture_names_what_was_found():
 
 
 def test_a_familys_own_layout_rule_is_checked_above_config_loading():
-    # Config loading knows the decoder rule only: Qwen3-VL's towers run at the language TP size and
-    # implement encoder_dp=none, which its family's rule adds.
+    # Config loading knows the decoder rule only: Qwen3-VL implements encoder_dp none and tp, which
+    # its family's rule adds (a vision TP below the language TP it takes from the composition).
     overrides = ["parallel.tensor_model_parallel_size=2", "parallel.vision_tensor_model_parallel_size=1",
-                 "parallel.encoder_dp=tp"]
+                 "parallel.encoder_dp=full"]
     cfg = load_run_config("qwen3vl-tiny", overrides=overrides, world_size=2)
     with pytest.raises(ConfigError) as refused:
         registry.check_family_layout(cfg)
     assert refused.value.messages == [
-        "parallel.vision_tensor_model_parallel_size=1: this model's vision tower runs at the language TP "
-        "size only; leave it unset or set it to 2.",
-        "parallel.encoder_dp=tp: model.family=qwen3_vl implements none; set parallel.encoder_dp=none."]
+        "parallel.encoder_dp=full: model.family=qwen3_vl implements none | tp; set parallel.encoder_dp=none."]
     registry.check_family_layout(load_run_config("qwen2.5vl-tiny", overrides=overrides, world_size=2))
+    registry.check_family_layout(load_run_config("qwen3vl-tiny", overrides=[*overrides[:2], "parallel.encoder_dp=tp"],
+                                                 world_size=2))
     registry.check_family_layout(load_run_config("qwen3vl-tiny", overrides=overrides[:1], world_size=2))

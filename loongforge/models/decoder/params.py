@@ -5,7 +5,7 @@ Counts use the true vocabulary (as published), not megatron's TP padding; tied e
 
 from __future__ import annotations
 
-from loongforge.config.schema import LanguageConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig
 
 
 def head_dim(lang: LanguageConfig) -> int:
@@ -53,3 +53,16 @@ def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     output_layer = 0 if lang.tie_word_embeddings else embedding
     layers = lang.num_layers * language_layer_parameters(lang, active=active)
     return embedding + layers + lang.hidden_size + output_layer
+
+
+def model_parameters(model_cfg: ModelConfig, vision_model: int = 0, projector: int = 0) -> dict[str, int]:
+    """A model's counts, the encoder's given (0 for a text-only model): {"vision_model", "projector",
+    "language_model", "total", "active", "routed_experts"}; ``active`` is what one token runs through
+    (the encoder whole, the router's top-k experts of each MoE layer; every parameter of a dense
+    model); ``routed_experts``: the experts of every MoE layer (0 if dense)."""
+    lang = model_cfg.language
+    encoder = vision_model + projector
+    language_model = language_parameters(lang)
+    return {"vision_model": vision_model, "projector": projector, "language_model": language_model,
+            "total": encoder + language_model, "active": encoder + language_parameters(lang, active=True),
+            "routed_experts": lang.num_layers * expert_parameters(lang)}

@@ -4,7 +4,6 @@ shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongforge sees 
 model.py        build_model (the entry point): the composition with contiguous M-RoPE
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
-params.py       parameter counts by arithmetic
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML with vision blocks)
@@ -15,10 +14,10 @@ import functools
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.flops import vlm_training_flops
+from loongforge.models.parts import composed_parameters
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
-from loongforge.models.qwen2_5_vl.params import count_parameters
 from loongforge.models.qwen2_5_vl.processor import processor_files
 from loongforge.models.qwen2_5_vl.rope_index import position_ids_for
 from loongforge.models.towers.qwen2_5_vit import PART as TOWER
@@ -31,7 +30,7 @@ FAMILY = ModelFamily(
     # plan or a config.json read should not pay for it.
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.towers.qwen2_5_vit.encoder:build_encoder"),
-    count_parameters=count_parameters,
+    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
     position_ids=position_ids_for,

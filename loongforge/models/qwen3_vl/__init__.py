@@ -7,7 +7,6 @@ model.py        build_model (the entry point): the composition with interleaved 
 rotary.py       interleaved M-RoPE for the decoder
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
-params.py       parameter counts by arithmetic (total, and active per token)
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
 """
@@ -19,15 +18,16 @@ from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.flops import vlm_training_flops
+from loongforge.models.parts import composed_parameters
 from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
-from loongforge.models.qwen3_vl.params import count_parameters
 from loongforge.models.qwen3_vl.processor import processor_files
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
 from loongforge.models.towers.qwen3_vit import PART as TOWER
 
-# The towers run at the language TP size, encoding every micro-batch's media on the first stage.
-LAYOUT = replace(DECODER_LAYOUT, vision_below_tensor=False, encoder_dp_modes=("none",))
+# The composition's layouts (``models.vlm``): vision TP below the language TP, the TP group sharing
+# each micro-batch's media (DeepStack's features travel with the merger's); not yet encoder_dp=full.
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none", "tp"))
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
@@ -35,7 +35,7 @@ FAMILY = ModelFamily(
     to_hub_style=to_hub_style,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
     build_encoder=LazyFunction("loongforge.models.towers.qwen3_vit.encoder:build_encoder"),
-    count_parameters=count_parameters,
+    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
     position_ids=position_ids_for,

@@ -5,7 +5,7 @@ RMSNorm, no qkv bias) under interleaved M-RoPE (``rotary.InterleavedMRoPE``), De
 added after the first decoder layers (``models.vlm``).
 
 Mirrors transformers' ``Qwen3VLForConditionalGeneration`` (``hf_mapping.py`` gives the weight
-correspondence). The towers run at the language TP size with ``encoder_dp=none`` (``FAMILY.layout``).
+correspondence). Its layouts are the composition's but ``encoder_dp=full`` (``FAMILY.layout``).
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ from __future__ import annotations
 import functools
 from typing import Optional
 
-from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import parts
 from loongforge.models.decoder.params import head_dim
@@ -32,12 +31,8 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *,
     ``Qwen3VisionConfig.from_model_cfg(model_cfg)`` (which needs the Qwen3-VL fields of ``model.vision``)."""
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
     _check_model(model_cfg, vision)
-    tp = parallel_cfg.tensor_model_parallel_size
-    if vision_tensor_parallel_size(parallel_cfg) != tp:
-        raise ValueError(f"parallel.vision_tensor_model_parallel_size={parallel_cfg.vision_tensor_model_parallel_size}"
-                         f": Qwen3-VL's vision tower runs at the language TP size ({tp}); leave it null")
-    if parallel_cfg.encoder_dp != "none":
-        raise ValueError(f"parallel.encoder_dp={parallel_cfg.encoder_dp!r} is not supported by Qwen3-VL yet; use none")
+    if parallel_cfg.encoder_dp == "full":
+        raise ValueError("parallel.encoder_dp='full' is not supported by Qwen3-VL yet; use none or tp")
     lang = model_cfg.language
     return build_vlm(
         model_cfg, parallel_cfg, parts.tower("qwen3_vit"), side_sets=vision.num_deepstack_layers,

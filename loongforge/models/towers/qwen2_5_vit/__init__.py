@@ -3,15 +3,19 @@
 encoder.py      Qwen2_5_VLEncoder: the part as one ``VisionEncoder`` (training stage and encode alone)
 vision.py       the ViT tower (window attention, 2-D RoPE) and the patch merger
 layer_specs.py  the tower's layer spec (the decoder block of ``models.decoder``, bidirectional)
+params.py       parameter counts by arithmetic
+flops.py        FLOPs of a training micro-batch
+hf_mapping.py   HF weight rows (the family adds the language model's)
 configs.py      ModelConfig -> the tower's and the merger's megatron TransformerConfigs
 """
 
 from loongforge.models.parts import TowerPart
-from loongforge.models.towers.qwen2_5_vit import flops
+from loongforge.models.towers.qwen2_5_vit import flops, params
 
 PART = TowerPart(
     arch="qwen2_5_vit",
     projectors=("patch_merger",),
     encoder="loongforge.models.towers.qwen2_5_vit.encoder:Qwen2_5_VLEncoder",
     flops=flops.encoder_flops,
+    parameters=params.encoder_parameters,
 )

@@ -4,16 +4,20 @@ DeepStack's mergers (side feature sets for the first decoder layers).
 encoder.py       Qwen3VLEncoder: the part as one ``VisionEncoder`` (training stage and encode alone)
 vision.py        the ViT tower and the patch mergers
 layer_specs.py   the tower's layer spec (the shared pre-norm block with LayerNorm pre-norms)
+params.py        parameter counts by arithmetic
+flops.py         FLOPs of a training micro-batch
+hf_mapping.py    HF weight rows (the family adds the language model's)
 configs.py       the tower's and the mergers' megatron TransformerConfigs
 vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF vision_config)
 """
 
 from loongforge.models.parts import TowerPart
-from loongforge.models.towers.qwen3_vit import flops
+from loongforge.models.towers.qwen3_vit import flops, params
 
 PART = TowerPart(
     arch="qwen3_vit",
     projectors=("deepstack_mergers",),
     encoder="loongforge.models.towers.qwen3_vit.encoder:Qwen3VLEncoder",
     flops=flops.encoder_flops,
+    parameters=params.encoder_parameters,
 )

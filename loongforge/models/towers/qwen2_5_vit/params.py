@@ -1,13 +1,8 @@
-"""Parameter counts of Qwen2.5-VL by arithmetic on the config: no tensors are allocated.
-
-Counts use the true vocabulary (as published), not megatron's TP padding. Tied embeddings are
-counted once.
-"""
+"""Parameter counts of Qwen2.5-VL's vision part by arithmetic on the config (no tensors)."""
 
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.params import language_parameters
 from loongforge.models.decoder.params import linear_parameters as _linear
 
 
@@ -20,25 +15,15 @@ def vision_layer_parameters(model_cfg: ModelConfig) -> int:
     return norms + attention + mlp
 
 
-def count_parameters(model_cfg: ModelConfig) -> dict[str, int]:
-    """{"vision_model", "projector", "language_model", "total"} parameter counts."""
-    vis, lang = model_cfg.vision, model_cfg.language
+def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
+    """(the tower's, the merger's) parameter counts: ``parts.TowerPart.parameters``."""
+    vis = model_cfg.vision
     patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2
     vision_model = patch_dim * vis.hidden_size + vis.depth * vision_layer_parameters(model_cfg)
-
     merged = vis.hidden_size * model_cfg.projector.spatial_merge_size**2
     projector = (
         vis.hidden_size  # ln_q
         + _linear(merged, merged, bias=True)
         + _linear(merged, model_cfg.projector.out_hidden_size, bias=True)
     )
-
-    language_model = language_parameters(lang)
-    return {
-        "vision_model": vision_model,
-        "projector": projector,
-        "language_model": language_model,
-        "total": vision_model + projector + language_model,
-        "active": vision_model + projector + language_model,  # dense: every parameter, every token
-        "routed_experts": 0,
-    }
+    return vision_model, projector

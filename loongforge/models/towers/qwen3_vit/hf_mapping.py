@@ -1,0 +1,62 @@
+"""HF weight rows of Qwen3-VL's vision part (the ViT, its merger and DeepStack's mergers), for a
+family's weight map (``models.hf_rules``; the family adds the language model's rows and its key
+styles).
+
+Layouts that are not a plain copy: the ViT's ``qkv`` [3, heads, hd] -> megatron [heads, 3, hd]
+(``FusedHeadQKV``); the patch embedding, HF's Conv3d [hidden, C, T, p, p] as our Linear
+[hidden, C*T*p*p]; the pre-norms (LayerNorm, weight and bias): ``norm1`` in our
+``linear_qkv.layer_norm_{weight,bias}``, ``norm2`` in ``linear_fc1.layer_norm_{weight,bias}``; the
+mergers: ``linear_fc1`` column-parallel (bias split with it), ``linear_fc2`` row-parallel.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+from loongforge.models.hf_rules import VISION, FusedHeadQKV, PatchEmbedding, Replicated, Rule, Split
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
+
+
+def _merger_rules(hf: str, ours: str, count: Optional[int] = None) -> list[Rule]:
+    """One merger's rows; ``count``: how many mergers ``{i}`` in the names runs over."""
+    rep, col, row = Replicated(), Split(0), Split(1)
+    return [
+        Rule((hf + "norm.weight",), ours + "norm.weight", rep, VISION, count=count),
+        Rule((hf + "norm.bias",), ours + "norm.bias", rep, VISION, count=count),
+        Rule((hf + "linear_fc1.weight",), ours + "mlp.linear_fc1.weight", col, VISION, count=count),
+        Rule((hf + "linear_fc1.bias",), ours + "mlp.linear_fc1.bias", col, VISION, count=count),
+        Rule((hf + "linear_fc2.weight",), ours + "mlp.linear_fc2.weight", row, VISION, count=count),
+        Rule((hf + "linear_fc2.bias",), ours + "mlp.linear_fc2.bias", rep, VISION, count=count),
+    ]
+
+
+def tower_rules(vision: Qwen3VisionConfig, hf_prefix: str = "visual.") -> list[Rule]:
+    """The tower's, the merger's and DeepStack's mergers' rows (vision TP), under ``hf_prefix`` in the
+    HF checkpoint (flat style; the family renames them to its checkpoints' nested names)."""
+    conv_shape = (vision.hidden_size, vision.in_channels, vision.temporal_patch_size, vision.patch_size,
+                  vision.patch_size)
+    rep, col, row = Replicated(), Split(0), Split(1)
+    qkv = FusedHeadQKV(vision.num_heads, vision.head_dim)
+    vb, vl = hf_prefix + "blocks.{i}.", "vision_model.layers.{i}."
+    rules = [
+        Rule((hf_prefix + "patch_embed.proj.weight",), "vision_model.patch_embed.proj.weight",
+             PatchEmbedding(conv_shape), VISION),
+        Rule((hf_prefix + "patch_embed.proj.bias",), "vision_model.patch_embed.proj.bias", rep, VISION),
+        Rule((hf_prefix + "pos_embed.weight",), "vision_model.pos_embed.weight", rep, VISION),
+        Rule((vb + "norm1.weight",), vl + "self_attention.linear_qkv.layer_norm_weight", rep, VISION),
+        Rule((vb + "norm1.bias",), vl + "self_attention.linear_qkv.layer_norm_bias", rep, VISION),
+        Rule((vb + "attn.qkv.weight",), vl + "self_attention.linear_qkv.weight", qkv, VISION),
+        Rule((vb + "attn.qkv.bias",), vl + "self_attention.linear_qkv.bias", qkv, VISION),
+        Rule((vb + "attn.proj.weight",), vl + "self_attention.linear_proj.weight", row, VISION),
+        Rule((vb + "attn.proj.bias",), vl + "self_attention.linear_proj.bias", rep, VISION),
+        Rule((vb + "norm2.weight",), vl + "mlp.linear_fc1.layer_norm_weight", rep, VISION),
+        Rule((vb + "norm2.bias",), vl + "mlp.linear_fc1.layer_norm_bias", rep, VISION),
+        Rule((vb + "mlp.linear_fc1.weight",), vl + "mlp.linear_fc1.weight", col, VISION),
+        Rule((vb + "mlp.linear_fc1.bias",), vl + "mlp.linear_fc1.bias", col, VISION),
+        Rule((vb + "mlp.linear_fc2.weight",), vl + "mlp.linear_fc2.weight", row, VISION),
+        Rule((vb + "mlp.linear_fc2.bias",), vl + "mlp.linear_fc2.bias", rep, VISION),
+    ]
+    rules += _merger_rules(hf_prefix + "merger.", "projector.")
+    rules += _merger_rules(hf_prefix + "deepstack_merger_list.{i}.", "deepstack_projectors.{i}.",
+                           count=vision.num_deepstack_layers)
+    return rules
