@@ -42,6 +42,9 @@ class VisionConfig:
     num_position_embeddings: Optional[int] = None
     # Qwen3-VL DeepStack: vision blocks whose merged features are added after decoder layers 0..k-1.
     deepstack_layers: list[int] = field(default_factory=list)
+    # Towers that see fixed-size square inputs (InternViT's 448-pixel tiles): the side in pixels, which
+    # fixes the learned position table; null: any grid (Qwen's towers).
+    image_size: Optional[int] = None
     # The image processor's per-channel normalisation (image_mean / image_std): OpenAI CLIP's for
     # Qwen2.5-VL, 0.5 / 0.5 for Qwen3-VL.
     pixel_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])

@@ -170,6 +170,20 @@ class PatchEmbedding(Transform):
         return [shards[0].reshape(self.conv_shape)]
 
 
+class Reshaped(Transform):
+    """An HF tensor of ``hf_shape`` <-> ours of ``shape``, the same values (replicated): a class token
+    [1, 1, h] kept as [h], a position table [1, n, h] as [n, h]."""
+
+    def __init__(self, hf_shape: tuple[int, ...], shape: tuple[int, ...]):
+        self.hf_shape, self.shape = hf_shape, shape
+
+    def shard(self, hf, rank, size):
+        return hf[0].reshape(self.shape)
+
+    def unshard(self, shards):
+        return [shards[0].reshape(self.hf_shape)]
+
+
 @dataclass(frozen=True)
 class FusedExperts(Transform):
     """Every expert of one layer in one HF tensor [E, out, in] <-> megatron's per-expert tensors

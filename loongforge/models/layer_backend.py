@@ -19,10 +19,12 @@ with one backend loads with another.
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
 
@@ -84,6 +86,29 @@ class RMSNormColumnParallelLinear(ColumnParallelLinear):
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
         return super().forward(rms_norm(input_, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
+
+
+class LayerNormColumnParallelLinear(ColumnParallelLinear):
+    """LayerNorm (weight and bias), then a column-parallel linear; the local twin of TE's
+    ``TELayerNormColumnParallelLinear`` with ``normalization="LayerNorm"``.
+
+    The norm runs on the whole input before the linear's TP copy, whose backward all-reduces the
+    input gradient, so the norm's gradients are whole and equal on every TP rank.
+    """
+
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+        super().__init__(input_size, output_size, config=config, **kwargs)
+        self.norm_eps = config.layernorm_epsilon
+        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        self.layer_norm_bias = torch.nn.Parameter(torch.zeros(input_size, dtype=config.params_dtype))
+        if config.sequence_parallel:
+            self.layer_norm_weight.sequence_parallel = True
+            self.layer_norm_bias.sequence_parallel = True
+
+    def forward(self, input_: torch.Tensor, *args, **kwargs):
+        normed = F.layer_norm(input_, (input_.shape[-1],), self.layer_norm_weight, self.layer_norm_bias,
+                              self.norm_eps)
+        return super().forward(normed, *args, **kwargs)
 
 
 @dataclass(frozen=True)
@@ -190,3 +215,11 @@ def block_modules(backend: str) -> BlockModules:
         return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
                             RowParallelLinear, attention)
     raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")
+
+
+def layer_norm_modules(modules: BlockModules) -> BlockModules:
+    """The run's block modules with a LayerNorm (weight and bias) pre-norm, for towers whose blocks
+    use one (TE's norm-linear already follows the config's ``normalization``)."""
+    if modules.backend == "te":
+        return modules
+    return dataclasses.replace(modules, norm_column_linear=LayerNormColumnParallelLinear)

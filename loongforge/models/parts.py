@@ -44,6 +44,7 @@ class TowerPart:
 
 # model.vision.arch -> the package whose PART it is
 _TOWERS: dict[str, str] = {
+    "intern_vit": "loongforge.models.towers.intern_vit",
     "qwen2_5_vit": "loongforge.models.towers.qwen2_5_vit",
     "qwen3_vit": "loongforge.models.towers.qwen3_vit",
 }

@@ -122,7 +122,7 @@ class VisionLanguageModel(MegatronModule):
 
         self.language_model = build_language_model(
             model_cfg, language_config, context.modules, language_pgs, pre_process=pre_process,
-            post_process=post_process, vp_stage=vp_stage, init_seed=context.init_seed, rope="mrope",
+            post_process=post_process, vp_stage=vp_stage, init_seed=context.init_seed, rope=rope,
             takes_features=True)
         if rotary is not None:
             # GPTModel calls rotary_pos_emb(position_ids, mrope_section, cp_group=...): same call.

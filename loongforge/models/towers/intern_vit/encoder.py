@@ -1,0 +1,51 @@
+"""InternVL's vision part: InternViT and the pixel-shuffle projector as one ``VisionEncoder``."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models import initialization
+from loongforge.models.towers.intern_vit import configs
+from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
+from loongforge.models.towers.intern_vit.vision import PixelShuffleProjector, VisionModel
+from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder
+
+
+def check(model_cfg: ModelConfig) -> None:
+    """The settings InternViT is built from, each a ValueError naming the key."""
+    vis, proj = model_cfg.vision, model_cfg.projector
+    if vis.image_size is None or vis.image_size % vis.patch_size or (vis.image_size // vis.patch_size) % 2:
+        raise ValueError(f"model.vision.image_size={vis.image_size}: InternViT needs the tile side in pixels, "
+                         f"an even number of model.vision.patch_size={vis.patch_size} patches (448 for InternVL3.5)")
+    if vis.norm != "layer":
+        raise ValueError(f"model.vision.norm={vis.norm!r}: this InternViT is built with LayerNorm blocks (layer)")
+    if proj.spatial_merge_size != 2:
+        raise ValueError(f"model.projector.spatial_merge_size={proj.spatial_merge_size}: InternVL's pixel shuffle "
+                         "merges 2 x 2 patches (downsample ratio 0.5); set it to 2")
+
+
+class InternVLEncoder(VisionEncoder):
+    """pixel rows [tiles * side^2, C*p*p] + grids (1, side, side) per tile -> merged features
+    [tiles * side^2 / 4, LM hidden]."""
+
+    def __init__(self, vision_model: VisionModel, projector: PixelShuffleProjector, model_cfg: ModelConfig):
+        super().__init__(merge_unit=4, out_hidden=model_cfg.projector.out_hidden_size)
+        self.vision_model = vision_model
+        self.projector = projector
+
+    @classmethod
+    def build(cls, build: EncoderBuild) -> "InternVLEncoder":
+        model_cfg, tp = build.model_cfg, build.vision_tp
+        check(model_cfg)
+        with initialization.seeded(build.init_seed, "vision_model"):
+            vision_model = VisionModel(
+                configs.vision_config(model_cfg, tp, build.params_dtype, build.on_cpu, recompute=build.recompute),
+                model_cfg, vision_layer_spec(build.modules), build.pgs)
+        with initialization.seeded(build.init_seed, "projector"):
+            projector = PixelShuffleProjector(configs.projector_config(model_cfg, tp, build.params_dtype, build.on_cpu),
+                                              model_cfg, build.tp_group, build.modules)
+        return cls(vision_model, projector, model_cfg)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision_model(pixel_values, grid_thw))
