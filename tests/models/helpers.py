@@ -103,19 +103,22 @@ def make_sample(
     images: tuple[tuple[int, int, int], ...] = (),
     videos: tuple[tuple[int, int, int], ...] = (),
     seed: int = 0,
+    patch_dim: int = PATCH_DIM,
+    text_vocab: int = 150000,
 ) -> Sample:
-    """Text, then each image/video as <vision_start> pad*n <vision_end>, then more text."""
+    """Text (ids below ``text_vocab``), then each image/video as <vision_start> pad*n <vision_end>,
+    then more text; pixel rows of ``patch_dim`` values."""
     g = torch.Generator().manual_seed(seed)
     tok, merge_unit = model_cfg.tokens, model_cfg.projector.spatial_merge_size**2
-    ids, types = [torch.randint(0, 150000, (text_len,), generator=g)], [torch.zeros(text_len, dtype=torch.long)]
+    ids, types = [torch.randint(0, text_vocab, (text_len,), generator=g)], [torch.zeros(text_len, dtype=torch.long)]
     pixels = {"image": [], "video": []}
     for kind, grids, token_id, type_id in (("image", images, tok.image_token_id, 1), ("video", videos, tok.video_token_id, 2)):
         for t, h, w in grids:
             n = t * h * w // merge_unit
             ids += [torch.tensor([tok.vision_start_token_id]), torch.full((n,), token_id), torch.tensor([tok.vision_end_token_id])]
             types += [torch.zeros(1, dtype=torch.long), torch.full((n,), type_id), torch.zeros(1, dtype=torch.long)]
-            pixels[kind].append(torch.randn(t * h * w, PATCH_DIM, generator=g))
-    ids.append(torch.randint(0, 150000, (5,), generator=g))
+            pixels[kind].append(torch.randn(t * h * w, patch_dim, generator=g))
+    ids.append(torch.randint(0, text_vocab, (5,), generator=g))
     types.append(torch.zeros(5, dtype=torch.long))
     grid = lambda gs: torch.tensor(gs, dtype=torch.long) if gs else None  # noqa: E731
     cat = lambda xs: torch.cat(xs) if xs else None  # noqa: E731

@@ -1,6 +1,7 @@
 """``parallel.encoder_dp=tp`` at TP 2 over gloo: the same losses and every gradient as ``none``,
-with each rank encoding only its share of the media, for Qwen2.5-VL and for Qwen3-VL (whose
-DeepStack features travel with the merger's: the composition's sharing, ``models.vlm``).
+with each rank encoding only its share of the media, for Qwen2.5-VL, Qwen3-VL (whose DeepStack
+features travel with the merger's) and InternVL's tower (tiles): the composition's sharing
+(``models.vlm``), whatever the tower.
 
 Two spawned ranks build the model twice from one init seed (``none`` and ``tp``), with and without
 sequence parallelism (Qwen3-VL: with), and run forward + backward on: several images and a video in
@@ -17,6 +18,9 @@ import pytest
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.parallel.encoder_dp import sum_encoder_grads
+from loongforge.models import parts
+from loongforge.models.vlm.model import build_vlm
+from tests.models import test_intern_vit as intern_vit
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.helpers import (
     destroy_megatron,
@@ -70,6 +74,15 @@ def _cases(model_cfg, make_sample=make_sample) -> dict:
     }
 
 
+def _tile_cases(model_cfg) -> dict:
+    """InternViT's media are tiles of one fixed grid: images of 3, 1 + 2 and 1 tiles."""
+    tile = (1, intern_vit.SIDE_PIXELS // intern_vit.PATCH, intern_vit.SIDE_PIXELS // intern_vit.PATCH)
+    sample = lambda seed, tiles: make_sample(model_cfg, seed=seed, images=(tile,) * tiles,  # noqa: E731
+                                             patch_dim=3 * intern_vit.PATCH**2, text_vocab=990)
+    return {"images_and_video": _case(model_cfg, [sample(1, 3)]), "packed": _case(model_cfg, [sample(2, 1), sample(3, 2)]),
+            "one_image": _case(model_cfg, [sample(4, 1)]), "text": _case(model_cfg, [sample(5, 0)])}
+
+
 def _run(model, cases: dict, shared: bool) -> dict:
     """Per case: loss [1, s], every parameter's gradient, and the patches this rank encoded."""
     encoded = []
@@ -92,17 +105,22 @@ def _run(model, cases: dict, shared: bool) -> dict:
 
 # family -> (the sequence-parallel settings it runs, its tiny config, its sample maker)
 FAMILIES = {
-    "qwen2_5_vl": ((False, True), lambda: tiny_model_cfg(tie=False), make_sample),
-    "qwen3_vl": ((True,), lambda: qwen3_vl.tiny_model_cfg(), qwen3_vl.make_sample),
+    "qwen2_5_vl": ((False, True), lambda: tiny_model_cfg(tie=False), _cases),
+    "qwen3_vl": ((True,), qwen3_vl.tiny_model_cfg, lambda cfg: _cases(cfg, qwen3_vl.make_sample)),
+    # InternVL's tower, composed directly (its family is not registered yet), 1-D RoPE.
+    "intern_vit": ((True,), intern_vit.tiny_model_cfg, _tile_cases),
 }
 
 
 def _build(family: str, model_cfg, parallel_cfg):
     from loongforge.models.registry import get_family
 
+    options = dict(params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu", init_seed=7)
+    if family == "intern_vit":
+        return build_vlm(model_cfg, parallel_cfg, parts.tower("intern_vit"), side_sets=0, merge_unit=4, rope="rope",
+                         **options)
     vision = {"vision": qwen3_vl.TINY_VISION} if family == "qwen3_vl" else {}
-    return get_family(family).build(model_cfg, parallel_cfg, params_dtype=torch.float32, pre_process=True,
-                                    post_process=True, device="cpu", init_seed=7, **vision)
+    return get_family(family).build(model_cfg, parallel_cfg, **options, **vision)
 
 
 def _worker(rank: int, port: int, workdir: str, family: str) -> None:
@@ -130,9 +148,9 @@ def _assert_close(actual: torch.Tensor, expected: torch.Tensor, what: str) -> fl
 
 @pytest.mark.parametrize("family", sorted(FAMILIES))
 def test_tp_shares_the_encoder_and_matches_none(tmp_path, family):
-    sequence_parallel_settings, model_cfg, sample_maker = FAMILIES[family]
+    sequence_parallel_settings, model_cfg, cases = FAMILIES[family]
     model_cfg = model_cfg()
-    cases = _cases(model_cfg, sample_maker)
+    cases = cases(model_cfg)
     torch.save(dict(model_cfg=model_cfg, cases=cases), tmp_path / "inputs.pt")
 
     run_workers(_worker, WORLD_SIZE, (free_port(), str(tmp_path), family), TIMEOUT_S)
@@ -156,5 +174,5 @@ def test_tp_shares_the_encoder_and_matches_none(tmp_path, family):
                     worst = max(worst, _assert_close(tp["grads"][param], grad,
                                                      f"{name} grad {param} (sp={sequence_parallel})"))
     print(f"{family}: encoder_dp=tp vs none, worst relative difference of a loss or gradient {worst:.1e}")
-    last = sequence_parallel_settings[-1]
-    assert [ranks[r][last, "tp"]["one_image"]["encoded"] for r in range(WORLD_SIZE)] == [64, 0]
+    last, one_image = sequence_parallel_settings[-1], int(cases["one_image"]["image_grid_thw"].prod())
+    assert [ranks[r][last, "tp"]["one_image"]["encoded"] for r in range(WORLD_SIZE)] == [one_image, 0]
