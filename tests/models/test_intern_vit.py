@@ -1,6 +1,7 @@
 """InternVL's vision part (``models/towers/intern_vit``) composed with the shared decoder (Qwen3 blocks,
 1-D RoPE) by ``vlm.build_vlm``: the logits of a tiny random InternVL equal transformers'
-``InternVLForConditionalGeneration`` at fp32 on a row with three tiles in two images, at TP 1 and at
+``InternVLForConditionalGeneration`` at fp32 on a row holding two real photos of different proportions
+(tiled by ``towers/intern_vit/processor.py`` at the tiny tile size), at TP 1 and at
 TP 2 (vision TP 1 and 2), every parameter randomised (layer scales, class token, positions, norms); the
 weights reach our model through the tower's HF rows and the decoder's; every parameter gets a
 gradient. The tower's parameter count equals transformers'.
@@ -16,6 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
 from loongforge.config.schema import VisionConfig
@@ -23,13 +25,16 @@ from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
 from loongforge.models.hf_weights import hf_to_megatron, vision_tp_group
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
+from loongforge.models.towers.intern_vit.processor import TileSettings, patch_rows, preprocess_tiles, tokens_per_tile
 from loongforge.models.vlm.model import build_vlm
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
+from tests.shared_data import SHARED_DATA
 
 TOLERANCE = 1e-5
 VOCAB, IMAGE_TOKEN = 1000, 999
 SIDE_PIXELS, PATCH = 56, 14  # 4 x 4 patches a tile, 2 x 2 = 4 tokens after the pixel shuffle
-TILES = (1, 2)  # two images: one tile, then two
+# Two COCO photos of different proportions, 640 x 457 and 480 x 640: 2 x 2 tiles and a thumbnail each.
+PHOTOS = [SHARED_DATA / "coco2017" / "val2017" / name for name in ("000000020247.jpg", "000000012280.jpg")]
 
 
 def tiny_model_cfg() -> ModelConfig:
@@ -75,22 +80,21 @@ def hf_model(seed: int = 0):
 
 
 def sample() -> dict:
-    """A row: text, an image of one tile, text, an image of two tiles, text."""
+    """A row: text, a real photo's tiles (our processor at the tiny tile size: the grid and the
+    thumbnail), text, another photo of other proportions, text."""
     g = torch.Generator().manual_seed(1)
-    tokens_per_tile = (SIDE_PIXELS // PATCH // 2) ** 2
+    settings = TileSettings(size=SIDE_PIXELS, max_tiles=4)
+    tiles = [torch.from_numpy(preprocess_tiles(Image.open(path).convert("RGB"), settings)) for path in PHOTOS]
     pieces = []
-    for tiles in TILES:
-        pieces += [torch.randint(0, 990, (5,), generator=g), torch.full((tiles * tokens_per_tile,), IMAGE_TOKEN)]
+    for image_tiles in tiles:
+        count = image_tiles.shape[0] * tokens_per_tile(SIDE_PIXELS, PATCH)
+        pieces += [torch.randint(0, 990, (5,), generator=g), torch.full((count,), IMAGE_TOKEN)]
     input_ids = torch.cat([*pieces, torch.randint(0, 990, (4,), generator=g)])[None]
-    pixels = torch.randn(sum(TILES), 3, SIDE_PIXELS, SIDE_PIXELS, generator=g)
-    return {"input_ids": input_ids, "pixels": pixels}
+    return {"input_ids": input_ids, "pixels": torch.cat(tiles)}
 
 
-def patch_rows(pixels: torch.Tensor) -> torch.Tensor:
-    """[tiles, C, S, S] -> [tiles * (S/p)^2, C*p*p]: row-major patches, each flattened as Conv2d's weight."""
-    tiles, channels, side = pixels.shape[0], pixels.shape[1], pixels.shape[-1] // PATCH
-    grid = pixels.reshape(tiles, channels, side, PATCH, side, PATCH).permute(0, 2, 4, 1, 3, 5)
-    return grid.reshape(tiles * side * side, channels * PATCH * PATCH)
+def pixel_rows(pixels: torch.Tensor) -> torch.Tensor:
+    return torch.from_numpy(patch_rows(pixels.numpy(), PATCH))
 
 
 def rules(model_cfg):
@@ -122,7 +126,7 @@ def our_logits(model, row: dict) -> torch.Tensor:
     side = SIDE_PIXELS // PATCH
     with torch.no_grad():
         logits = model(input_ids=row["input_ids"], position_ids=torch.arange(seq_len).expand(3, 1, seq_len),
-                       pixel_values=patch_rows(row["pixels"]),
+                       pixel_values=pixel_rows(row["pixels"]),
                        image_grid_thw=torch.tensor([[1, side, side]] * tiles))
         logits = gather_from_tensor_model_parallel_region(logits, group=model.language_model.pg_collection.tp)
     return logits[0, :, :VOCAB]
@@ -155,7 +159,7 @@ def test_logits_equal_transformers_at_tp1(megatron_world_of_one, reference):
     row, side = data["row"], SIDE_PIXELS // PATCH
     seq_len = row["input_ids"].shape[1]
     loss = model.train()(input_ids=row["input_ids"], position_ids=torch.arange(seq_len).expand(3, 1, seq_len),
-                         labels=row["input_ids"], pixel_values=patch_rows(row["pixels"]),
+                         labels=row["input_ids"], pixel_values=pixel_rows(row["pixels"]),
                          image_grid_thw=torch.tensor([[1, side, side]] * row["pixels"].shape[0]))
     loss.sum().backward()
     untouched = [name for name, param in model.named_parameters() if param.grad is None or not param.grad.any()]

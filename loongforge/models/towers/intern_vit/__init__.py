@@ -8,6 +8,7 @@ configs.py      ModelConfig -> the tower's and the projector's megatron Transfor
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (the family adds the language model's)
+processor.py    an image -> its tiles (transformers' InternVL processing, bit for bit), tokens per tile
 
 A tile travels as the Qwen towers' media do: pixel rows [patches, C*p*p] (row-major within the
 tile) and a grid (1, side, side) with a 2 x 2 merge, so measuring, packing, ``encoder_dp`` and
