@@ -1,0 +1,23 @@
+"""LLaVA-OneVision's vision part: SigLIP (fixed-size images, learned absolute positions, LayerNorm
+blocks, the last layer's output) and the two-layer MLP projector, one token per patch. Its anyres
+packing (the base image, the crops unpadded to the image's proportions, a newline per row) is the
+family's, on top of these features.
+
+encoder.py      LlavaOnevisionEncoder: the part as one ``VisionEncoder``; ``check`` of its settings
+vision.py       SigLIP and the MLP projector
+configs.py      ModelConfig -> the tower's and the projector's megatron TransformerConfigs
+params.py       parameter counts by arithmetic
+flops.py        FLOPs of a training micro-batch
+hf_mapping.py   HF weight rows (the family adds the language model's)
+"""
+
+from loongforge.models.parts import TowerPart
+from loongforge.models.towers.siglip import flops, params
+
+PART = TowerPart(
+    arch="siglip",
+    projectors=("mlp",),
+    encoder="loongforge.models.towers.siglip.encoder:LlavaOnevisionEncoder",
+    flops=flops.encoder_flops,
+    parameters=params.encoder_parameters,
+)

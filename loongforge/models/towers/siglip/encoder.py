@@ -1,0 +1,55 @@
+"""LLaVA-OneVision's vision part (before its anyres packing): SigLIP and the MLP projector as one
+``VisionEncoder``, one feature row per patch (no merging)."""
+
+from __future__ import annotations
+
+import torch
+from megatron.core.transformer.enums import AttnMaskType
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models import initialization
+from loongforge.models.decoder.layer_specs import transformer_layer_spec
+from loongforge.models.layer_backend import layer_norm_modules
+from loongforge.models.towers.siglip import configs
+from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
+from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder
+
+
+def check(model_cfg: ModelConfig) -> None:
+    """The settings SigLIP is built from, each a ValueError naming the key."""
+    vis = model_cfg.vision
+    if vis.image_size is None or vis.image_size < vis.patch_size:
+        raise ValueError(f"model.vision.image_size={vis.image_size}: SigLIP needs the image side in pixels "
+                         "(384 for LLaVA-OneVision)")
+    if vis.norm != "layer":
+        raise ValueError(f"model.vision.norm={vis.norm!r}: SigLIP's blocks use LayerNorm (layer)")
+    if model_cfg.projector.spatial_merge_size != 1:
+        raise ValueError(f"model.projector.spatial_merge_size={model_cfg.projector.spatial_merge_size}: LLaVA's "
+                         "projector maps every patch to a token; set it to 1")
+
+
+class LlavaOnevisionEncoder(VisionEncoder):
+    """pixel rows [images * side^2, C*p*p] + grids (1, side, side) -> features [images * side^2, LM hidden]."""
+
+    def __init__(self, vision_model: VisionModel, projector: MLPProjector, model_cfg: ModelConfig):
+        super().__init__(merge_unit=1, out_hidden=model_cfg.projector.out_hidden_size)
+        self.vision_model = vision_model
+        self.projector = projector
+
+    @classmethod
+    def build(cls, build: EncoderBuild) -> "LlavaOnevisionEncoder":
+        model_cfg, tp = build.model_cfg, build.vision_tp
+        check(model_cfg)
+        # no_mask: bidirectional inside each image; TE maps it to "padding" for packed input.
+        layer_spec = transformer_layer_spec(layer_norm_modules(build.modules), AttnMaskType.no_mask)
+        with initialization.seeded(build.init_seed, "vision_model"):
+            vision_model = VisionModel(
+                configs.vision_config(model_cfg, tp, build.params_dtype, build.on_cpu, recompute=build.recompute),
+                model_cfg, layer_spec, build.pgs)
+        with initialization.seeded(build.init_seed, "projector"):
+            projector = MLPProjector(configs.projector_config(model_cfg, tp, build.params_dtype, build.on_cpu),
+                                     model_cfg, build.tp_group, build.modules)
+        return cls(vision_model, projector, model_cfg)
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision_model(pixel_values, grid_thw))

@@ -1,0 +1,154 @@
+"""LLaVA-OneVision's vision part (``models/towers/siglip``: SigLIP and the MLP projector) equals
+transformers' (``LlavaOnevisionModel``: the vision tower's last hidden state, then
+``multi_modal_projector``) at fp32 on images whose side leaves pixels past the last whole patch, at
+TP 1 (the encoder alone, as ``loongforge encode`` builds it) and at TP 2 inside the composition (vision
+TP 1 and 2); every parameter randomised and every one trains; the parameter counts equal
+transformers' (its unused post-layernorm apart). The anyres packing on top is the family's (to come).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
+from loongforge.config.schema import VisionConfig
+from loongforge.models import parts
+from loongforge.models.decoder.hf_mapping import language_rules
+from loongforge.models.hf_weights import hf_to_megatron, vision_tp_group
+from loongforge.models.towers.intern_vit.processor import patch_rows
+from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
+from loongforge.models.towers.siglip.hf_mapping import tower_rules
+from loongforge.models.towers.siglip.params import hf_checkpoint_extra
+from loongforge.models.vlm.encoder import build_encoder_alone
+from loongforge.models.vlm.model import build_vlm
+from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
+
+TOLERANCE = 1e-5
+VOCAB = 1000
+SIDE_PIXELS, PATCH = 60, 14  # 4 x 4 whole patches; the last 4 pixels of each side are left out (valid conv)
+IMAGES = 3
+
+
+def tiny_model_cfg() -> ModelConfig:
+    return ModelConfig(
+        family="qwen2_5_vl",  # stands in for the HF key styles until the LLaVA-OneVision family is registered
+        vision=VisionConfig(arch="siglip", depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
+                            patch_size=PATCH, temporal_patch_size=1, image_size=SIDE_PIXELS, window_size=None,
+                            fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer"),
+        projector=ProjectorConfig(arch="mlp", spatial_merge_size=1, hidden_act="gelu", out_hidden_size=64),
+        language=LanguageConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                num_query_groups=2, vocab_size=VOCAB, rope_theta=1e6, mrope_section=[],
+                                add_qkv_bias=True, tie_word_embeddings=False),
+        tokens=TokenIdsConfig(image_token_id=999, video_token_id=998, vision_start_token_id=997,
+                              vision_end_token_id=996, pad_token_id=0),
+        layer_backend="sdpa",
+    )
+
+
+def hf_model(seed: int = 0):
+    """transformers' tiny LLaVA-OneVision with every parameter drawn at random."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    config = LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2,
+                           num_attention_heads=4, intermediate_size=64, image_size=SIDE_PIXELS, patch_size=PATCH,
+                           layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", vision_use_head=False),
+        text_config=dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+        image_token_index=999, vision_feature_layer=-1, vision_feature_select_strategy="full",
+        projector_hidden_act="gelu", multimodal_projector_bias=True)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = LlavaOnevisionForConditionalGeneration(config).eval()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            is_norm_weight = "norm" in name and name.endswith("weight")
+            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn_like(param))
+    return model
+
+
+def rows_and_grids(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, C, S, S] -> pixel rows of the whole patches (row-major) and one (1, side, side) grid each."""
+    side = SIDE_PIXELS // PATCH
+    whole = pixels[..., :side * PATCH, :side * PATCH].contiguous().numpy()
+    return torch.from_numpy(patch_rows(whole, PATCH)), torch.tensor([[1, side, side]] * pixels.shape[0])
+
+
+def load(module, hf_state: dict, model_cfg, *, tp=None, vision=None) -> None:
+    rules = tower_rules(model_cfg) + language_rules(model_cfg.language)
+    converted = hf_to_megatron(hf_state, model_cfg, list(module.state_dict()), rules=rules,
+                               tp_rank=0 if tp is None else tp.rank(), tp_size=1 if tp is None else tp.size(),
+                               vision_tp_rank=0 if vision is None else vision.rank(),
+                               vision_tp_size=1 if vision is None else vision.size())
+    result = module.load_state_dict(converted, strict=False)
+    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
+    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
+
+
+def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    """transformers' features and weights of the tiny model, for the in-process and TP 2 runs."""
+    model = hf_model()
+    pixels = torch.randn(IMAGES, 3, SIDE_PIXELS, SIDE_PIXELS, generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        last = model.model.vision_tower(pixels, output_hidden_states=True).hidden_states[-1]
+        features = model.model.multi_modal_projector(last).reshape(-1, 64)  # [images * patches, LM hidden]
+    path = tmp_path_factory.mktemp("siglip") / "reference.pt"
+    torch.save({"state": model.state_dict(), "pixels": pixels, "features": features}, path)
+    return path
+
+
+def test_the_encoder_alone_equals_transformers_and_every_parameter_trains(megatron_world_of_one, reference):
+    data = torch.load(reference, weights_only=False)
+    model_cfg = tiny_model_cfg()
+    encoder = build_encoder_alone(LlavaOnevisionEncoder.build, model_cfg, params_dtype=torch.float32, device="cpu")
+    load(encoder, data["state"], model_cfg)
+    rows, grids = rows_and_grids(data["pixels"])
+    with torch.no_grad():
+        worst = relative(encoder(rows, grids), data["features"])
+    print(f"SigLIP + projector, TP 1: features vs transformers {worst:.1e}")
+    assert worst <= TOLERANCE
+    encoder.train()(rows, grids).square().sum().backward()
+    untouched = [name for name, param in encoder.named_parameters() if param.grad is None or not param.grad.any()]
+    assert not untouched, untouched
+
+
+def _tp2_worker(rank: int, port: int, path: str) -> None:
+    limit_threads()
+    init_megatron(rank, 2, port, tp=2)
+    data = torch.load(path, weights_only=False)
+    model_cfg = tiny_model_cfg()
+    worst = {}
+    for vision_tp in (1, 2):
+        parallel_cfg = ParallelConfig(tensor_model_parallel_size=2, vision_tensor_model_parallel_size=vision_tp,
+                                      world_size=2)
+        model = build_vlm(model_cfg, parallel_cfg, parts.tower("siglip"), side_sets=0, merge_unit=1, rope="rope",
+                          params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
+                          init_seed=3).eval()
+        load(model, data["state"], model_cfg, tp=model.language_model.pg_collection.tp, vision=vision_tp_group(model))
+        with torch.no_grad():
+            worst[vision_tp] = relative(model._encoder(*rows_and_grids(data["pixels"])), data["features"])
+    torch.save(worst, Path(path).with_name(f"worst_{rank}.pt"))
+    destroy_megatron()
+
+
+def test_the_encoder_in_the_composition_equals_transformers_at_tp2(reference):
+    run_workers(_tp2_worker, 2, (free_port(), str(reference)), timeout_s=300)
+    for rank in range(2):
+        worst = torch.load(reference.with_name(f"worst_{rank}.pt"))
+        print(f"SigLIP + projector, TP 2, rank {rank}: vision TP 1 {worst[1]:.1e}, vision TP 2 {worst[2]:.1e}")
+        assert max(worst.values()) <= TOLERANCE
+
+
+def test_parameter_counts_equal_transformers():
+    model, model_cfg = hf_model(), tiny_model_cfg()
+    vision, projector = parts.tower("siglip").parameters(model_cfg)
+    assert vision + hf_checkpoint_extra(model_cfg) == sum(p.numel() for p in model.model.vision_tower.parameters())
+    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
