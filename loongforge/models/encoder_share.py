@@ -29,7 +29,6 @@ from typing import Callable, Iterable, NamedTuple, Optional
 
 import torch
 import torch.distributed as dist
-
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ParallelConfig

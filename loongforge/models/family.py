@@ -17,11 +17,13 @@ family and checks each field is there and callable where it should be.
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
 
+from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
@@ -181,6 +183,17 @@ def hf_facts(hf_config: ModuleType) -> dict[str, Any]:
     return dict(name=hf_config.NAME, hf_architectures=hf_config.HF_ARCHITECTURES,
                 hf_model_types=hf_config.HF_MODEL_TYPES, config_from_hf=hf_config.model_config_from_hf,
                 config_to_hf=hf_config.hf_config_from_model, hf_shapes=hf_config.expected_hf_shapes)
+
+
+def registered(table: Mapping[str, str], name: str, key: str, describe: Callable[[str], str]) -> ModuleType:
+    """The module ``table`` registers ``name`` under (imported when first asked for); a one-line
+    ConfigError naming ``key``, what it may be (``describe(choices)``) and the nearest name if unknown."""
+    if name not in table:
+        close = difflib.get_close_matches(str(name), sorted(table), n=1, cutoff=0.5)
+        hint = f" did you mean '{close[0]}'?" if close else ""
+        raise ConfigError(f"{key}='{name}' is not {describe(' | '.join(sorted(table)))};{hint} "
+                          f"set {key} to one of those.")
+    return importlib.import_module(table[name])
 
 
 def no_processor_files(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict[str, dict]:

@@ -34,7 +34,10 @@ import torch.distributed as dist
 from megatron.core.parallel_state import get_tensor_model_parallel_group
 
 from loongforge.config.errors import InputError
-from loongforge.config.layout import expert_tensor_parallel_size, vision_tensor_parallel_size
+from loongforge.config.layout import (
+    expert_tensor_parallel_size,
+    vision_tensor_parallel_size,
+)
 from loongforge.config.schema import RunConfig
 from loongforge.models.layer_kinds import layer_kind
 from loongforge.parallel.distributed import all_gather_tensor, reduce_scatter_tensor

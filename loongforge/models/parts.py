@@ -9,14 +9,13 @@ module is named, and imported when built.
 
 from __future__ import annotations
 
-import difflib
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from loongforge.config.errors import ConfigError
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.params import model_parameters
+from loongforge.models.family import registered
 from loongforge.models.flops import EncoderFlops
 
 if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
@@ -57,12 +56,7 @@ def towers() -> list[str]:
 
 def tower(arch: str, key: str = "model.vision.arch") -> TowerPart:
     """The tower ``arch``; a one-line ConfigError naming ``key`` (and the nearest name) if unknown."""
-    if arch not in _TOWERS:
-        close = difflib.get_close_matches(str(arch), towers(), n=1, cutoff=0.5)
-        hint = f" did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"{key}='{arch}' is not a vision tower of loongforge ({' | '.join(towers())});{hint} "
-                          f"set {key} to one of those.")
-    return importlib.import_module(_TOWERS[arch]).PART
+    return registered(_TOWERS, arch, key, lambda choices: f"a vision tower of loongforge ({choices})").PART
 
 
 def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower: Optional[str]) -> list[str]:

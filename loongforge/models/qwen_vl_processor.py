@@ -39,7 +39,9 @@ def image_processor_config(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict
     serialises itself (the PIL backend: the one ``data.vision`` is bit-equal to, and the one
     transformers picks where torchvision is missing)."""
     # lazy: transformers (~1.5 s) only to write processor files
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import (
+        Qwen2VLImageProcessorPil,
+    )
 
     processor = Qwen2VLImageProcessorPil(**_patch_geometry(model_cfg), min_pixels=data_cfg.min_pixels,
                                          max_pixels=data_cfg.max_pixels)

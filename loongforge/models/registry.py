@@ -7,15 +7,13 @@ when first asked for, so that looking one up does not import every model.
 
 from __future__ import annotations
 
-import difflib
-import importlib
 from typing import Any, Mapping
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import family_layout_problems
 from loongforge.models import parts
-from loongforge.models.family import ModelFamily
+from loongforge.models.family import ModelFamily, registered
 
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
@@ -31,12 +29,7 @@ def families() -> list[str]:
 
 def get_family(name: str, key: str = "model.family") -> ModelFamily:
     """The family ``name``; a one-line ConfigError naming ``key`` (and the nearest name) if unknown."""
-    if name not in _FAMILIES:
-        close = difflib.get_close_matches(str(name), families(), n=1, cutoff=0.5)
-        hint = f" did you mean '{close[0]}'?" if close else ""
-        raise ConfigError(f"{key}='{name}' is not one of {' | '.join(families())};{hint} "
-                          f"set {key} to one of those.")
-    return importlib.import_module(_FAMILIES[name]).FAMILY
+    return registered(_FAMILIES, name, key, lambda choices: f"one of {choices}").FAMILY
 
 
 def check_family_layout(cfg: RunConfig) -> None:

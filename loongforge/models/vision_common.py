@@ -20,7 +20,10 @@ from megatron.core.transformer.mlp import MLP
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, sharded_state_dict_default
+from megatron.core.transformer.utils import (
+    ensure_metadata_has_dp_cp_group,
+    sharded_state_dict_default,
+)
 
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
 from loongforge.models.layer_backend import BlockModules
@@ -41,6 +44,20 @@ def patch_positions(grid_thw: torch.Tensor, merge: int) -> torch.Tensor:
         hw = hw.permute(0, 2, 1, 3, 4).reshape(-1, 2)
         positions.append(hw.repeat(t, 1))
     return torch.cat(positions).to(grid_thw.device)
+
+
+def square_side(vision) -> int:
+    """Patches along the side of a fixed-size square input (``model.vision.image_size``)."""
+    return vision.image_size // vision.patch_size
+
+
+def square_media_count(grid_thw: torch.Tensor, side: int, tower: str) -> int:
+    """Media in ``grid_thw`` [n, 3] of a tower that sees fixed-size squares, each of which must be
+    ``(1, side, side)``; a ValueError naming the grids otherwise."""
+    if grid_thw.numel() and not bool((grid_thw == torch.tensor([1, side, side], device=grid_thw.device)).all()):
+        raise ValueError(f"{tower} encodes squares of {side} x {side} patches (grid (1, {side}, {side})), "
+                         f"got grids {grid_thw.tolist()}")
+    return int(grid_thw.shape[0])
 
 
 def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:

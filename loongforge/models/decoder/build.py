@@ -16,7 +16,11 @@ from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
-from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.models.layer_backend import (
+    BlockModules,
+    block_modules,
+    resolve_layer_backend,
+)
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.context_parallel import ContextShard
 

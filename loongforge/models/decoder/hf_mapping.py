@@ -21,7 +21,16 @@ from typing import Any, Mapping
 
 from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.hf_rules import LANGUAGE, FusedExperts, GateUp, GroupedQKV, Replicated, Rule, Split, Vocab
+from loongforge.models.hf_rules import (
+    LANGUAGE,
+    FusedExperts,
+    GateUp,
+    GroupedQKV,
+    Replicated,
+    Rule,
+    Split,
+    Vocab,
+)
 
 
 def language_rules(lang: LanguageConfig, *, fused_experts: bool = False) -> list[Rule]:

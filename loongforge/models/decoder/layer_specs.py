@@ -21,7 +21,10 @@ from megatron.core.transformer.transformer_block import (
     get_num_layers_to_build,
 )
 from megatron.core.transformer.transformer_config import TransformerConfig
-from megatron.core.transformer.transformer_layer import TransformerLayer, TransformerLayerSubmodules
+from megatron.core.transformer.transformer_layer import (
+    TransformerLayer,
+    TransformerLayerSubmodules,
+)
 
 from loongforge.models.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layer_backend import BlockModules, RMSNorm

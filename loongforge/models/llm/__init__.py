@@ -12,7 +12,12 @@ chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.family import LazyFunction, ModelFamily, hf_facts, no_processor_files
+from loongforge.models.family import (
+    LazyFunction,
+    ModelFamily,
+    hf_facts,
+    no_processor_files,
+)
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
 from loongforge.models.llm.flops import training_flops

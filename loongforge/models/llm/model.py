@@ -19,9 +19,13 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
-from loongforge.models.decoder.build import build_context, build_language_model, check_inputs
-from loongforge.models.moe_balance import routing_padding_mask
+from loongforge.models.decoder.build import (
+    build_context,
+    build_language_model,
+    check_inputs,
+)
 from loongforge.models.layer_backend import BlockModules
+from loongforge.models.moe_balance import routing_padding_mask
 from loongforge.parallel.context_parallel import ContextShard
 
 _MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds",

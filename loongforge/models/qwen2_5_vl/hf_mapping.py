@@ -28,8 +28,8 @@ from __future__ import annotations
 from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes
 from loongforge.models.decoder.hf_mapping import language_rules
+from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes
 from loongforge.models.towers.qwen2_5_vit.hf_mapping import tower_rules
 
 # ---------------------------------------------------------------------------------------------

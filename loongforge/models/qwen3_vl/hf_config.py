@@ -15,7 +15,13 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
+from loongforge.config.schema import (
+    LanguageConfig,
+    ModelConfig,
+    ProjectorConfig,
+    TokenIdsConfig,
+    VisionConfig,
+)
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style

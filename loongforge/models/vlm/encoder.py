@@ -22,8 +22,13 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ModelConfig
+from loongforge.models import initialization
 from loongforge.models.decoder.build import single_rank_groups
-from loongforge.models.layer_backend import BlockModules, block_modules, resolve_layer_backend
+from loongforge.models.layer_backend import (
+    BlockModules,
+    block_modules,
+    resolve_layer_backend,
+)
 from loongforge.models.vision_common import vision_pg_collection
 from loongforge.parallel import mcore_patches
 
@@ -73,6 +78,16 @@ class EncoderBuild:
     on_cpu: bool
     recompute: bool
     init_seed: Optional[int]
+
+
+def seeded_parts(init_seed: Optional[int], **makers: Callable[[], torch.nn.Module]) -> dict[str, torch.nn.Module]:
+    """Each part made under the seeded stream of its own name (``models.initialization``), in the
+    order given: the same initial weights at every layout, alone or in a training stage."""
+    made = {}
+    for name, make in makers.items():
+        with initialization.seeded(init_seed, name):
+            made[name] = make()
+    return made
 
 
 # EncoderBuild -> the VisionEncoder (tower, projector, side projectors), each child drawn from the

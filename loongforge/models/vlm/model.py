@@ -36,11 +36,21 @@ from megatron.core.utils import get_pg_rank
 from loongforge.config.layout import vision_tensor_parallel_size
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder import configs as decoder_configs
-from loongforge.models.decoder.build import BuildContext, build_context, build_language_model, check_inputs
-from loongforge.models.decoder.build import placeholder_count
+from loongforge.models.decoder.build import (
+    BuildContext,
+    build_context,
+    build_language_model,
+    check_inputs,
+    placeholder_count,
+)
 from loongforge.models.encoder_full import StepEncoding
-from loongforge.models.encoder_share import SharedEncoding, SharingGroups, sharing_groups
+from loongforge.models.encoder_share import (
+    SharedEncoding,
+    SharingGroups,
+    sharing_groups,
+)
 from loongforge.models.moe_balance import routing_padding_mask
+from loongforge.models.parts import TowerPart
 from loongforge.models.vision_common import (
     held_features,
     optional_cat,
@@ -49,11 +59,21 @@ from loongforge.models.vision_common import (
     written_over,
 )
 from loongforge.models.vlm import deepstack
-from loongforge.models.parts import TowerPart
-from loongforge.models.vlm.encoder import BuildVisionEncoder, EncoderBuild, VisionEncoder
-from loongforge.models.vlm.process_groups import build_vision_tp_group, mark_tp_duplicates
+from loongforge.models.vlm.encoder import (
+    BuildVisionEncoder,
+    EncoderBuild,
+    VisionEncoder,
+)
+from loongforge.models.vlm.process_groups import (
+    build_vision_tp_group,
+    mark_tp_duplicates,
+)
 from loongforge.parallel.context_parallel import ContextShard
-from loongforge.parallel.encoder_dp import mark_encoder_replicas, mark_pipeline_replicas, touch_with_zero
+from loongforge.parallel.encoder_dp import (
+    mark_encoder_replicas,
+    mark_pipeline_replicas,
+    touch_with_zero,
+)
 from loongforge.parallel.media_assign import VisionCost
 
 
@@ -152,7 +172,8 @@ class VisionLanguageModel(MegatronModule):
         sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
         if self._encoder is None:
             return sharded
-        towers = tuple(f"{prefix}{name}." for name in self._encoder_type.vision_parts + self._encoder_type.projector_parts)
+        parts = self._encoder_type.vision_parts + self._encoder_type.projector_parts
+        towers = tuple(f"{prefix}{name}." for name in parts)
         for key, item in sharded.items():
             if not key.startswith(towers):
                 continue
@@ -363,8 +384,9 @@ def build_vlm(
     rotary: Optional[Callable[[], torch.nn.Module]] = None,
 ) -> VisionLanguageModel:
     """This rank's pipeline stage of a VLM whose vision side is ``tower``'s encoder, built by
-    ``build_encoder`` (default the encoder type's ``build``); ``side_sets``: its side feature sets, ``merge_unit``: its patches per
-    merged token (both known without building it: stored features have them too). Needs megatron's
+    ``build_encoder`` (default the encoder type's ``build``); ``side_sets``: its side feature sets,
+    ``merge_unit``: its patches per merged token (both known without building it: stored features
+    have them too). Needs megatron's
     parallel state initialised to match ``parallel_cfg``. Collective (the vision TP groups): every
     rank calls it.
 

@@ -4,7 +4,6 @@ LayerNorm blocks with layer scale) and the pixel-shuffle projector (2 x 2 patche
 encoder.py      InternVLEncoder: the part as one ``VisionEncoder``; ``check`` of its settings
 vision.py       InternViT and the pixel-shuffle projector
 layer_specs.py  the block: the shared pre-norm block with LayerNorm pre-norms and layer scale
-configs.py      ModelConfig -> the tower's and the projector's megatron TransformerConfigs
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (the family adds the language model's)
@@ -18,10 +17,5 @@ tile) and a grid (1, side, side) with a 2 x 2 merge, so measuring, packing, ``en
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.intern_vit import flops, params
 
-PART = TowerPart(
-    arch="intern_vit",
-    projectors=("pixel_shuffle_mlp",),
-    encoder="loongforge.models.towers.intern_vit.encoder:InternVLEncoder",
-    flops=flops.encoder_flops,
-    parameters=params.encoder_parameters,
-)
+PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
+                 params.encoder_parameters)

@@ -5,11 +5,16 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization
-from loongforge.models.towers.intern_vit import configs
 from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
-from loongforge.models.towers.intern_vit.vision import PixelShuffleProjector, VisionModel
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder
+from loongforge.models.towers.intern_vit.vision import (
+    PixelShuffleProjector,
+    VisionModel,
+)
+from loongforge.models.vision_configs import (
+    layer_norm_vit_config,
+    to_language_width_config,
+)
+from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
 
 
 def check(model_cfg: ModelConfig) -> None:
@@ -25,6 +30,10 @@ def check(model_cfg: ModelConfig) -> None:
                          "merges 2 x 2 patches (downsample ratio 0.5); set it to 2")
 
 
+# The projector's LayerNorm: transformers' ``nn.LayerNorm`` default.
+PROJECTOR_NORM_EPS = 1e-5
+
+
 class InternVLEncoder(VisionEncoder):
     """pixel rows [tiles * side^2, C*p*p] + grids (1, side, side) per tile -> merged features
     [tiles * side^2 / 4, LM hidden]."""
@@ -36,16 +45,15 @@ class InternVLEncoder(VisionEncoder):
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "InternVLEncoder":
-        model_cfg, tp = build.model_cfg, build.vision_tp
+        model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
         check(model_cfg)
-        with initialization.seeded(build.init_seed, "vision_model"):
-            vision_model = VisionModel(
-                configs.vision_config(model_cfg, tp, build.params_dtype, build.on_cpu, recompute=build.recompute),
-                model_cfg, vision_layer_spec(build.modules), build.pgs)
-        with initialization.seeded(build.init_seed, "projector"):
-            projector = PixelShuffleProjector(configs.projector_config(model_cfg, tp, build.params_dtype, build.on_cpu),
-                                              model_cfg, build.tp_group, build.modules)
-        return cls(vision_model, projector, model_cfg)
+        vision_config = layer_norm_vit_config(model_cfg, tp, dtype, on_cpu, recompute=build.recompute)
+        projector_config = to_language_width_config(model_cfg, tp, dtype, on_cpu, norm_eps=PROJECTOR_NORM_EPS)
+        layer_spec = vision_layer_spec(build.modules)
+        made = seeded_parts(build.init_seed,
+                            vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
+                            projector=lambda: PixelShuffleProjector(projector_config, model_cfg, build.tp_group, build.modules))
+        return cls(made["vision_model"], made["projector"], model_cfg)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision_model(pixel_values, grid_thw))

@@ -12,7 +12,15 @@ Linear [h, C*p*p]; the class token [1, 1, h] and the position table [1, 1 + n, h
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import VISION, GroupedQKV, PatchEmbedding, Replicated, Reshaped, Rule, Split
+from loongforge.models.hf_rules import (
+    VISION,
+    GroupedQKV,
+    PatchEmbedding,
+    Replicated,
+    Reshaped,
+    Rule,
+    Split,
+)
 
 
 def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",

@@ -13,7 +13,8 @@ def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     side = vis.image_size // vis.patch_size
     embeddings = _linear(vis.in_channels * vis.patch_size**2, h, bias=True) + h + (1 + side * side) * h
     # two LayerNorms (weight and bias), qkv and proj with biases, the MLP with biases, two layer scales
-    block = 4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True) + _linear(h, ffn, True) + _linear(ffn, h, True)
+    block = (4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
+             + _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True))
     block += 2 * h
     merged, out = 4 * h, model_cfg.projector.out_hidden_size
     projector = 2 * merged + _linear(merged, out, bias=True) + _linear(out, out, bias=True)

@@ -23,20 +23,14 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, layer_norm_modules
-from loongforge.models.vision_common import PackedTower, PatchEmbed, apply_mlp, packed_segments
-
-
-def tile_side(model_cfg: ModelConfig) -> int:
-    """Patches along a tile's side."""
-    return model_cfg.vision.image_size // model_cfg.vision.patch_size
-
-
-def tile_count(grid_thw: torch.Tensor, side: int) -> int:
-    """Tiles in ``grid_thw`` [n, 3], each of which must be ``(1, side, side)``."""
-    if grid_thw.numel() and not bool((grid_thw == torch.tensor([1, side, side], device=grid_thw.device)).all()):
-        raise ValueError(f"InternViT encodes tiles of {side} x {side} patches (grid (1, {side}, {side})), "
-                         f"got grids {grid_thw.tolist()}")
-    return int(grid_thw.shape[0])
+from loongforge.models.vision_common import (
+    PackedTower,
+    PatchEmbed,
+    apply_mlp,
+    packed_segments,
+    square_media_count,
+    square_side,
+)
 
 
 class VisionModel(PackedTower):
@@ -47,7 +41,7 @@ class VisionModel(PackedTower):
                  pg_collection: ProcessGroupCollection):
         super().__init__(config, pg_collection)
         vis = model_cfg.vision
-        self.side = tile_side(model_cfg)
+        self.side = square_side(model_cfg.vision)
         hidden = vis.hidden_size
         self.patch_embed = PatchEmbed(vis.in_channels * vis.patch_size**2, hidden, config.params_dtype, bias=True)
         self.cls_token = torch.nn.Parameter(torch.zeros(hidden, dtype=config.params_dtype))
@@ -55,7 +49,7 @@ class VisionModel(PackedTower):
         self.build_layers(layer_spec, vis.depth)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        tiles, patches = tile_count(grid_thw, self.side), self.side**2
+        tiles, patches = square_media_count(grid_thw, self.side, "InternViT"), self.side**2
         hidden = self.patch_embed(pixel_values).view(tiles, patches, -1)  # [tiles, N, h]
         cls = self.cls_token.expand(tiles, 1, -1)
         hidden = torch.cat([cls, hidden], dim=1) + self.pos_embed  # [tiles, 1 + N, h]
@@ -75,7 +69,7 @@ class PixelShuffleProjector(MegatronModule):
     def __init__(self, config: TransformerConfig, model_cfg: ModelConfig, tp_group: torch.distributed.ProcessGroup,
                  modules: BlockModules):
         super().__init__(config=config)
-        self.side = tile_side(model_cfg)
+        self.side = square_side(model_cfg.vision)
         self.merged_width = model_cfg.vision.hidden_size * 4
         submodules = MLPSubmodules(linear_fc1=layer_norm_modules(modules).norm_column_linear,
                                    linear_fc2=modules.row_linear)

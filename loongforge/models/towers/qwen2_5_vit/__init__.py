@@ -12,10 +12,5 @@ configs.py      ModelConfig -> the tower's and the merger's megatron Transformer
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.qwen2_5_vit import flops, params
 
-PART = TowerPart(
-    arch="qwen2_5_vit",
-    projectors=("patch_merger",),
-    encoder="loongforge.models.towers.qwen2_5_vit.encoder:Qwen2_5_VLEncoder",
-    flops=flops.encoder_flops,
-    parameters=params.encoder_parameters,
-)
+PART = TowerPart("qwen2_5_vit", ("patch_merger",), f"{__name__}.encoder:Qwen2_5_VLEncoder", flops.encoder_flops,
+                 params.encoder_parameters)

@@ -1,6 +1,5 @@
 """megatron-core ``TransformerConfig``s of Qwen2.5-VL's vision part, from ``model.vision`` and
-``model.projector``: the ViT blocks (``vision_config``) and the patch merger's MLP
-(``projector_config``); the language model's is the shared decoder's (``models.decoder.configs``)."""
+``model.projector``: the ViT blocks (RMSNorm pre-norms, a SwiGLU MLP) and the patch merger's MLP."""
 
 from __future__ import annotations
 
@@ -8,54 +7,20 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.configs import activation, common
-from loongforge.models.decoder.configs import recompute as recompute_settings
+from loongforge.models.vision_configs import projector_mlp_config, tower_config
 
 
-def vision_config(
-    model_cfg: ModelConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool,
-    recompute: bool = False,
-) -> TransformerConfig:
+def vision_config(model_cfg: ModelConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool,
+                  recompute: bool = False) -> TransformerConfig:
     vis = model_cfg.vision
-    return TransformerConfig(
-        num_layers=vis.depth,
-        hidden_size=vis.hidden_size,
-        ffn_hidden_size=vis.intermediate_size,
-        num_attention_heads=vis.num_heads,
-        num_query_groups=vis.num_heads,
-        kv_channels=vis.hidden_size // vis.num_heads,
-        layernorm_epsilon=vis.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=activation(vis.hidden_act, "model.vision.hidden_act"),
-        add_bias_linear=True,  # qkv, proj and the MLP all carry biases in the ViT
-        # The tower lives whole on the first pipeline stage and never sequence-parallel.
-        tensor_model_parallel_size=vision_tp,
-        pipeline_model_parallel_size=1,
-        sequence_parallel=False,
-        **recompute_settings(recompute),
-        **common(params_dtype, on_cpu),
-    )
+    return tower_config(vis, vision_tp, params_dtype, on_cpu, recompute=recompute, gated=True,
+                        normalization="RMSNorm", eps=vis.rms_norm_eps)
 
 
-def projector_config(
-    model_cfg: ModelConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool
-) -> TransformerConfig:
-    """The merger MLP as a megatron ``MLP``: input 4*vision hidden -> 4*vision hidden -> out_hidden.
-
-    ``hidden_size`` is the MLP's *output* width (megatron's MLP maps input_size -> ffn -> hidden).
-    """
+def projector_config(model_cfg: ModelConfig, vision_tp: int, params_dtype: torch.dtype,
+                     on_cpu: bool) -> TransformerConfig:
+    """The merger MLP: 4 x vision hidden -> 4 x vision hidden -> out_hidden."""
     merged_width = model_cfg.vision.hidden_size * model_cfg.projector.spatial_merge_size**2
-    return TransformerConfig(
-        num_layers=1,
-        hidden_size=model_cfg.projector.out_hidden_size,
-        ffn_hidden_size=merged_width,
-        # Unused by an MLP, but TransformerConfig checks it divides the TP size; the ViT's does.
-        num_attention_heads=model_cfg.vision.num_heads,
-        gated_linear_unit=False,
-        activation_func=activation(model_cfg.projector.hidden_act, "model.projector.hidden_act"),
-        add_bias_linear=True,
-        tensor_model_parallel_size=vision_tp,
-        pipeline_model_parallel_size=1,
-        sequence_parallel=False,
-        **common(params_dtype, on_cpu),
-    )
+    return projector_mlp_config(out_width=model_cfg.projector.out_hidden_size, ffn_width=merged_width,
+                                heads=model_cfg.vision.num_heads, hidden_act=model_cfg.projector.hidden_act,
+                                vision_tp=vision_tp, params_dtype=params_dtype, on_cpu=on_cpu)

@@ -13,11 +13,15 @@ from typing import Optional
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization
 from loongforge.models.towers.qwen2_5_vit import configs
 from loongforge.models.towers.qwen2_5_vit.layer_specs import vision_layer_spec
 from loongforge.models.towers.qwen2_5_vit.vision import PatchMerger, VisionModel
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, build_encoder_alone
+from loongforge.models.vlm.encoder import (
+    EncoderBuild,
+    VisionEncoder,
+    build_encoder_alone,
+    seeded_parts,
+)
 
 
 class Qwen2_5_VLEncoder(VisionEncoder):
@@ -31,15 +35,14 @@ class Qwen2_5_VLEncoder(VisionEncoder):
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "Qwen2_5_VLEncoder":
-        model_cfg, tp = build.model_cfg, build.vision_tp
-        with initialization.seeded(build.init_seed, "vision_model"):
-            vision_model = VisionModel(
-                configs.vision_config(model_cfg, tp, build.params_dtype, build.on_cpu, recompute=build.recompute),
-                model_cfg, vision_layer_spec(build.modules), build.pgs)
-        with initialization.seeded(build.init_seed, "projector"):
-            projector = PatchMerger(configs.projector_config(model_cfg, tp, build.params_dtype, build.on_cpu),
-                                    model_cfg, build.tp_group, build.modules)
-        return cls(vision_model, projector, model_cfg)
+        model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
+        vision_config = configs.vision_config(model_cfg, tp, dtype, on_cpu, recompute=build.recompute)
+        projector_config = configs.projector_config(model_cfg, tp, dtype, on_cpu)
+        layer_spec = vision_layer_spec(build.modules)
+        made = seeded_parts(build.init_seed,
+                            vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
+                            projector=lambda: PatchMerger(projector_config, model_cfg, build.tp_group, build.modules))
+        return cls(made["vision_model"], made["projector"], model_cfg)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision_model(pixel_values, grid_thw))

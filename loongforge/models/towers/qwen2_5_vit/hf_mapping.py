@@ -10,7 +10,15 @@ fused ``layer_norm_weight`` names.
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import VISION, FusedHeadQKV, GateUp, PatchEmbedding, Replicated, Rule, Split
+from loongforge.models.hf_rules import (
+    VISION,
+    FusedHeadQKV,
+    GateUp,
+    PatchEmbedding,
+    Replicated,
+    Rule,
+    Split,
+)
 
 
 def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "visual.") -> list[Rule]:

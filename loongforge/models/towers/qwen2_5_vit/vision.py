@@ -19,7 +19,6 @@ an image boundary.
 
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -31,10 +30,10 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 from loongforge.models.vision_common import (
     PackedTower,
-    apply_mlp,
-    merger_mlp,
     PatchEmbed,
+    apply_mlp,
     frame_cu_seqlens,
+    merger_mlp,
     packed_segments,
     patch_positions,
     rotary_freqs,

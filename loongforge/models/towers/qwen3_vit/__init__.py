@@ -14,10 +14,5 @@ vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF 
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.qwen3_vit import flops, params
 
-PART = TowerPart(
-    arch="qwen3_vit",
-    projectors=("deepstack_mergers",),
-    encoder="loongforge.models.towers.qwen3_vit.encoder:Qwen3VLEncoder",
-    flops=flops.encoder_flops,
-    parameters=params.encoder_parameters,
-)
+PART = TowerPart("qwen3_vit", ("deepstack_mergers",), f"{__name__}.encoder:Qwen3VLEncoder", flops.encoder_flops,
+                 params.encoder_parameters)

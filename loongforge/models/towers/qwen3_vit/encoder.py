@@ -14,12 +14,20 @@ from typing import Optional
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization
 from loongforge.models.towers.qwen3_vit import configs
 from loongforge.models.towers.qwen3_vit.layer_specs import vision_layer_spec
-from loongforge.models.towers.qwen3_vit.vision import MergerList, PatchMerger, VisionModel
+from loongforge.models.towers.qwen3_vit.vision import (
+    MergerList,
+    PatchMerger,
+    VisionModel,
+)
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, build_encoder_alone
+from loongforge.models.vlm.encoder import (
+    EncoderBuild,
+    VisionEncoder,
+    build_encoder_alone,
+    seeded_parts,
+)
 
 
 class Qwen3VLEncoder(VisionEncoder):
@@ -42,17 +50,16 @@ class Qwen3VLEncoder(VisionEncoder):
         """``vision``: the Qwen3-VL vision facts; default ``Qwen3VisionConfig.from_model_cfg``."""
         vision = vision or Qwen3VisionConfig.from_model_cfg(build.model_cfg)
         tp, dtype, on_cpu = build.vision_tp, build.params_dtype, build.on_cpu
+        vision_config = configs.vision_config(vision, tp, dtype, on_cpu, recompute=build.recompute)
         merger_config = configs.merger_config(vision, tp, dtype, on_cpu)
-        with initialization.seeded(build.init_seed, "vision_model"):
-            vision_model = VisionModel(configs.vision_config(vision, tp, dtype, on_cpu, recompute=build.recompute),
-                                       vision, vision_layer_spec(build.modules), build.pgs)
-        with initialization.seeded(build.init_seed, "projector"):
-            projector = PatchMerger(merger_config, vision, build.tp_group, build.modules, postshuffle_norm=False)
-        with initialization.seeded(build.init_seed, "deepstack_projectors"):
-            deepstack_projectors = MergerList(
+        made = seeded_parts(
+            build.init_seed,
+            vision_model=lambda: VisionModel(vision_config, vision, vision_layer_spec(build.modules), build.pgs),
+            projector=lambda: PatchMerger(merger_config, vision, build.tp_group, build.modules, postshuffle_norm=False),
+            deepstack_projectors=lambda: MergerList(
                 PatchMerger(merger_config, vision, build.tp_group, build.modules, postshuffle_norm=True)
-                for _ in vision.deepstack_visual_indexes)
-        return cls(vision, vision_model, projector, deepstack_projectors)
+                for _ in vision.deepstack_visual_indexes))
+        return cls(vision, **made)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         patch_features, block_outputs = self.vision_model(pixel_values, grid_thw)

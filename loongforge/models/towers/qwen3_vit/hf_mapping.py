@@ -13,7 +13,14 @@ from __future__ import annotations
 
 from typing import Optional
 
-from loongforge.models.hf_rules import VISION, FusedHeadQKV, PatchEmbedding, Replicated, Rule, Split
+from loongforge.models.hf_rules import (
+    VISION,
+    FusedHeadQKV,
+    PatchEmbedding,
+    Replicated,
+    Rule,
+    Split,
+)
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
 

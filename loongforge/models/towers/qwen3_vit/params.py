@@ -12,7 +12,8 @@ def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     vis, proj = model_cfg.vision, model_cfg.projector
     h, ffn = vis.hidden_size, vis.intermediate_size
     patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2
-    block = 4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True) + _linear(h, ffn, True) + _linear(ffn, h, True)
+    block = (4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
+             + _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True))
     vision_model = _linear(patch_dim, h, bias=True) + vis.num_position_embeddings * h + vis.depth * block
     merged = h * proj.spatial_merge_size**2
 

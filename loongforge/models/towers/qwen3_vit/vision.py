@@ -26,13 +26,16 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.models.layer_backend import BlockModules
-from loongforge.models.towers.qwen3_vit.vision_facts import VISION_LAYER_NORM_EPS, Qwen3VisionConfig
+from loongforge.models.towers.qwen3_vit.vision_facts import (
+    VISION_LAYER_NORM_EPS,
+    Qwen3VisionConfig,
+)
 from loongforge.models.vision_common import (
     PackedTower,
-    apply_mlp,
-    merger_mlp,
     PatchEmbed,
+    apply_mlp,
     frame_cu_seqlens,
+    merger_mlp,
     packed_segments,
     patch_positions,
     rotary_freqs,

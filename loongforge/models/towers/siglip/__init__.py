@@ -5,7 +5,6 @@ family's, on top of these features.
 
 encoder.py      LlavaOnevisionEncoder: the part as one ``VisionEncoder``; ``check`` of its settings
 vision.py       SigLIP and the MLP projector
-configs.py      ModelConfig -> the tower's and the projector's megatron TransformerConfigs
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (the family adds the language model's)
@@ -14,10 +13,5 @@ hf_mapping.py   HF weight rows (the family adds the language model's)
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.siglip import flops, params
 
-PART = TowerPart(
-    arch="siglip",
-    projectors=("mlp",),
-    encoder="loongforge.models.towers.siglip.encoder:LlavaOnevisionEncoder",
-    flops=flops.encoder_flops,
-    parameters=params.encoder_parameters,
-)
+PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:LlavaOnevisionEncoder", flops.encoder_flops,
+                 params.encoder_parameters)

@@ -7,12 +7,14 @@ import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
 from loongforge.models.layer_backend import layer_norm_modules
-from loongforge.models.towers.siglip import configs
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder
+from loongforge.models.vision_configs import (
+    layer_norm_vit_config,
+    to_language_width_config,
+)
+from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
 
 
 def check(model_cfg: ModelConfig) -> None:
@@ -38,18 +40,16 @@ class LlavaOnevisionEncoder(VisionEncoder):
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "LlavaOnevisionEncoder":
-        model_cfg, tp = build.model_cfg, build.vision_tp
+        model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
         check(model_cfg)
         # no_mask: bidirectional inside each image; TE maps it to "padding" for packed input.
         layer_spec = transformer_layer_spec(layer_norm_modules(build.modules), AttnMaskType.no_mask)
-        with initialization.seeded(build.init_seed, "vision_model"):
-            vision_model = VisionModel(
-                configs.vision_config(model_cfg, tp, build.params_dtype, build.on_cpu, recompute=build.recompute),
-                model_cfg, layer_spec, build.pgs)
-        with initialization.seeded(build.init_seed, "projector"):
-            projector = MLPProjector(configs.projector_config(model_cfg, tp, build.params_dtype, build.on_cpu),
-                                     model_cfg, build.tp_group, build.modules)
-        return cls(vision_model, projector, model_cfg)
+        vision_config = layer_norm_vit_config(model_cfg, tp, dtype, on_cpu, recompute=build.recompute)
+        projector_config = to_language_width_config(model_cfg, tp, dtype, on_cpu)
+        made = seeded_parts(build.init_seed,
+                            vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
+                            projector=lambda: MLPProjector(projector_config, model_cfg, build.tp_group, build.modules))
+        return cls(made["vision_model"], made["projector"], model_cfg)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision_model(pixel_values, grid_thw))

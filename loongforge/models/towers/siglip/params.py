@@ -16,7 +16,8 @@ def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     h, ffn = vis.hidden_size, vis.intermediate_size
     side = vis.image_size // vis.patch_size
     embeddings = _linear(vis.in_channels * vis.patch_size**2, h, bias=True) + side * side * h
-    block = 4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True) + _linear(h, ffn, True) + _linear(ffn, h, True)
+    block = (4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
+             + _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True))
     out = model_cfg.projector.out_hidden_size
     return embeddings + vis.depth * block, _linear(h, out, bias=True) + _linear(out, out, bias=True)
 

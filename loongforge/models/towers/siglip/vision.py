@@ -26,20 +26,9 @@ from loongforge.models.vision_common import (
     PatchEmbed,
     apply_mlp,
     packed_segments,
+    square_media_count,
+    square_side,
 )
-
-
-def image_side(model_cfg: ModelConfig) -> int:
-    """Patches along an image's side."""
-    return model_cfg.vision.image_size // model_cfg.vision.patch_size
-
-
-def image_count(grid_thw: torch.Tensor, side: int) -> int:
-    """Images in ``grid_thw`` [n, 3], each of which must be ``(1, side, side)``."""
-    if grid_thw.numel() and not bool((grid_thw == torch.tensor([1, side, side], device=grid_thw.device)).all()):
-        raise ValueError(f"SigLIP encodes images of {side} x {side} patches (grid (1, {side}, {side})), "
-                         f"got grids {grid_thw.tolist()}")
-    return int(grid_thw.shape[0])
 
 
 class VisionModel(PackedTower):
@@ -49,14 +38,14 @@ class VisionModel(PackedTower):
                  pg_collection: ProcessGroupCollection):
         super().__init__(config, pg_collection)
         vis = model_cfg.vision
-        self.side = image_side(model_cfg)
+        self.side = square_side(model_cfg.vision)
         self.patch_embed = PatchEmbed(vis.in_channels * vis.patch_size**2, vis.hidden_size, config.params_dtype,
                                       bias=True)
         self.pos_embed = torch.nn.Embedding(self.side**2, vis.hidden_size, dtype=config.params_dtype)
         self.build_layers(layer_spec, vis.depth)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        images, patches = image_count(grid_thw, self.side), self.side**2
+        images, patches = square_media_count(grid_thw, self.side, "SigLIP"), self.side**2
         hidden = self.patch_embed(pixel_values).view(images, patches, -1) + self.pos_embed.weight  # [n, N, h]
         segments = packed_segments(torch.arange(images + 1, dtype=torch.int32, device=hidden.device) * patches)
         hidden = hidden.reshape(images * patches, 1, -1)  # megatron's [s, b, h] with b = 1 (thd packing)
