@@ -38,6 +38,8 @@ from typing import Union
 import numpy as np
 from PIL import Image
 
+from loongforge.models.pixels import normalize, resize_bicubic
+
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_VIDEO_FRAMES = 4  # transformers' Qwen2-VL video processor default
@@ -205,18 +207,9 @@ def preprocess_image(image: Image.Image, sizing: VisionSizing) -> tuple[np.ndarr
     return patchify(frames, sizing), (1, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
 
 
-def resize_bicubic(image: Image.Image, height: int, width: int) -> np.ndarray:
-    """uint8 [H, W, 3]; always through PIL.resize, as transformers does even at equal size."""
-    return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
-
-
 def normalize_frame(pixels_uint8: np.ndarray, sizing: VisionSizing) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [H, W, 3]; rescale in float64 then normalise in float32, the
-    exact dtype sequence of transformers' numpy path (so results are bit-equal)."""
-    rescaled = (pixels_uint8.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean = np.asarray(sizing.pixel_mean, dtype=np.float32)
-    std = np.asarray(sizing.pixel_std, dtype=np.float32)
-    return (rescaled - mean) / std
+    """uint8 [H, W, 3] -> float32 [H, W, 3] with the model's mean and std (``models.pixels``)."""
+    return normalize(pixels_uint8, sizing.pixel_mean, sizing.pixel_std)
 
 
 def patchify(frames: np.ndarray, sizing: VisionSizing) -> np.ndarray:

@@ -16,6 +16,8 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image
 
+from loongforge.models.pixels import normalize, resize_bicubic
+
 # InternVL3.5's preprocessor_config.json: ImageNet's mean and std.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
 IMAGENET_STD = (0.229, 0.224, 0.225)
@@ -65,27 +67,20 @@ def tokens_per_tile(image_size: int, patch_size: int) -> int:
     return (image_size // patch_size // 2) ** 2
 
 
-def _resized(image: Image.Image, width: int, height: int) -> np.ndarray:
-    """uint8 [H, W, 3], bicubic (PIL), as transformers resizes a uint8 image."""
-    return np.asarray(image.resize((width, height), resample=Image.Resampling.BICUBIC))
-
-
 def _normalized(pixels: np.ndarray, settings: TileSettings) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [3, H, W]: rescale in float64, normalise in float32."""
-    rescaled = (pixels.astype(np.float64) * (1 / 255)).astype(np.float32)
-    mean, std = np.asarray(settings.mean, dtype=np.float32), np.asarray(settings.std, dtype=np.float32)
-    return ((rescaled - mean) / std).transpose(2, 0, 1)
+    """uint8 [H, W, 3] -> float32 [3, H, W] (``models.pixels.normalize``)."""
+    return normalize(pixels, settings.mean, settings.std).transpose(2, 0, 1)
 
 
 def preprocess_tiles(image: Image.Image, settings: TileSettings) -> np.ndarray:
     """An RGB image -> its tiles, float32 [tiles, 3, size, size], row by row, the thumbnail last."""
     columns, rows = tile_grid(image.width, image.height, settings)
     size = settings.size
-    canvas = _resized(image, size * columns, size * rows)  # [rows * size, columns * size, 3]
+    canvas = resize_bicubic(image, size * rows, size * columns)  # [rows * size, columns * size, 3]
     tiles = [canvas[row * size:(row + 1) * size, column * size:(column + 1) * size]
              for row in range(rows) for column in range(columns)]
     if settings.thumbnail and len(tiles) > 1:
-        tiles.append(_resized(image, size, size))
+        tiles.append(resize_bicubic(image, size, size))
     return np.stack([_normalized(tile, settings) for tile in tiles])
 
 

@@ -8,6 +8,7 @@ vision.py       SigLIP and the MLP projector
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (the family adds the language model's)
+processor.py    anyres: an image -> its base image and crops, and its placeholder tokens
 """
 
 from loongforge.models.parts import TowerPart
