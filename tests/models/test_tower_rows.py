@@ -1,0 +1,42 @@
+"""The HF weight rows of the towers without a registered family yet (InternVL's, LLaVA-OneVision's):
+every tensor of transformers' tiny model's vision side is read by exactly one row (SigLIP's unused
+post-layernorm and LLaVA-OneVision's image_newline, which the packing holds, named as the only ones
+left), and sharding each at TP 2 and back gives the HF tensors bit for bit."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from loongforge.models.hf_weights import _fill
+from tests.models import test_intern_vit, test_siglip
+
+TP = 2
+# tower -> (tiny HF model, our config, its rows, the HF prefixes of its vision side, keys no row reads)
+TOWERS = {
+    "intern_vit": (test_intern_vit.hf_model, test_intern_vit.tiny_model_cfg, test_intern_vit.tower_rules,
+                   ("model.vision_tower.", "model.multi_modal_projector."), set()),
+    "siglip": (test_siglip.hf_model, test_siglip.tiny_model_cfg, test_siglip.tower_rules,
+               ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline"),
+               {"model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias",
+                "model.image_newline"}),
+}
+
+
+@pytest.mark.parametrize("tower", sorted(TOWERS))
+def test_rows_read_every_vision_tensor_and_round_trip_at_tp2(tower):
+    hf_model, model_cfg, tower_rules, prefixes, unread = TOWERS[tower]
+    hf_state, model_cfg = hf_model().state_dict(), model_cfg()
+    read = set()
+    for rule in tower_rules(model_cfg):
+        indices = range(model_cfg.vision.depth) if "{i}" in rule.megatron else [None]
+        for index in indices:
+            names = [_fill(pattern, index) for pattern in rule.hf]
+            tensors = [hf_state[name] for name in names]
+            shards = [rule.transform.shard(tensors, rank, TP) for rank in range(TP)]
+            back = rule.transform.unshard(shards)
+            assert all(torch.equal(a, b) for a, b in zip(back, tensors)), names
+            assert not read & set(names), names
+            read |= set(names)
+    vision_side = {key for key in hf_state if key.startswith(prefixes)}
+    assert vision_side - read == unread
