@@ -196,3 +196,26 @@ def test_parameter_count_equals_transformers():
     vision, projector = parts.tower("intern_vit").parameters(model_cfg)
     assert vision == sum(p.numel() for p in model.model.vision_tower.parameters())
     assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+
+
+def test_internvl3_5_8b_vision_counts_as_transformers_builds_it():
+    """OpenGVLab/InternVL3_5-8B-HF's vision side: InternViT-300M at 448 px into Qwen3-8B's width."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    config = InternVLConfig(
+        vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
+                           image_size=[448, 448], patch_size=[14, 14], attention_bias=True, use_qk_norm=False,
+                           norm_type="layer_norm", use_mean_pooling=True),
+        text_config=dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=1, num_attention_heads=8,
+                         num_key_value_heads=8, head_dim=64, intermediate_size=64, vocab_size=128))
+    with torch.device("meta"):
+        model = InternVLForConditionalGeneration(config)
+    model_cfg = tiny_model_cfg()
+    model_cfg.vision = VisionConfig(arch="intern_vit", depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
+                                    patch_size=14, temporal_patch_size=1, image_size=448, window_size=None,
+                                    fullatt_block_indexes=[], hidden_act="gelu", norm="layer")
+    model_cfg.projector.out_hidden_size = 4096
+    tower, projector = parts.tower("intern_vit").parameters(model_cfg)
+    print(f"InternVL3.5-8B: InternViT {tower:,}, projector {projector:,}")
+    assert tower == sum(p.numel() for p in model.model.vision_tower.parameters())
+    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())

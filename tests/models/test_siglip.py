@@ -152,3 +152,36 @@ def test_parameter_counts_equal_transformers():
     vision, projector = parts.tower("siglip").parameters(model_cfg)
     assert vision + hf_checkpoint_extra(model_cfg) == sum(p.numel() for p in model.model.vision_tower.parameters())
     assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+
+
+# llava-hf/llava-onevision-qwen2-{7b,72b}-ov-hf: SigLIP-so400m at 384 px, its last 26 layers' worth
+# (the published config keeps 26 of so400m's 27), into Qwen2-7B's (3584) or Qwen2-72B's (8192) width.
+PUBLISHED_SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_layers=26, num_attention_heads=16,
+                        image_size=384, patch_size=14)
+
+
+@pytest.mark.parametrize("text_hidden", [3584, 8192], ids=["7b", "72b"])
+def test_published_sizes_count_as_transformers_builds_them(text_hidden):
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    vision = PUBLISHED_SIGLIP
+    config = LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_act="gelu_pytorch_tanh", layer_norm_eps=1e-6,
+                           vision_use_head=False, **vision),
+        text_config=dict(model_type="qwen2", hidden_size=text_hidden, num_hidden_layers=1, num_attention_heads=8,
+                         num_key_value_heads=8, intermediate_size=64, vocab_size=128))
+    with torch.device("meta"):
+        model = LlavaOnevisionForConditionalGeneration(config)
+    model_cfg = tiny_model_cfg()
+    model_cfg.vision = VisionConfig(arch="siglip", depth=vision["num_hidden_layers"], hidden_size=vision["hidden_size"],
+                                    intermediate_size=vision["intermediate_size"],
+                                    num_heads=vision["num_attention_heads"], patch_size=14, temporal_patch_size=1,
+                                    image_size=384, window_size=None, fullatt_block_indexes=[],
+                                    hidden_act="gelu_pytorch_tanh", norm="layer")
+    model_cfg.projector.out_hidden_size = text_hidden
+    tower, projector = parts.tower("siglip").parameters(model_cfg)
+    hf_tower = sum(p.numel() for p in model.model.vision_tower.parameters())
+    print(f"LLaVA-OneVision {text_hidden}: SigLIP {tower:,} (+{hf_checkpoint_extra(model_cfg)} unused post-norm), "
+          f"projector {projector:,}")
+    assert tower + hf_checkpoint_extra(model_cfg) == hf_tower
+    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
