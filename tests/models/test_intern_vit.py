@@ -23,11 +23,11 @@ from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig
 from loongforge.config.schema import VisionConfig
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_weights import hf_to_megatron, vision_tp_group
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
 from loongforge.models.towers.intern_vit.processor import TileSettings, patch_rows, preprocess_tiles, tokens_per_tile
 from loongforge.models.vlm.model import build_vlm
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
+from tests.models.tower_helpers import load_rows, randomised, relative
 from tests.shared_data import SHARED_DATA
 
 TOLERANCE = 1e-5
@@ -71,12 +71,7 @@ def hf_model(seed: int = 0):
         image_token_id=IMAGE_TOKEN, downsample_ratio=0.5, projector_hidden_act="gelu", tie_word_embeddings=False)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = InternVLForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            is_norm_weight = "norm" in name and name.endswith("weight")
-            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn_like(param))
-    return model
+    return randomised(InternVLForConditionalGeneration(config).eval())
 
 
 def sample() -> dict:
@@ -107,16 +102,6 @@ def build(model_cfg, parallel_cfg):
                      init_seed=3, rope="rope").eval()
 
 
-def load(model, hf_state: dict, model_cfg) -> None:
-    tp, vision = model.language_model.pg_collection.tp, vision_tp_group(model)
-    converted = hf_to_megatron(hf_state, model_cfg, [k for k in model.state_dict()], tp_rank=tp.rank(),
-                               tp_size=tp.size(), vision_tp_rank=vision.rank(), vision_tp_size=vision.size(),
-                               rules=rules(model_cfg))
-    result = model.load_state_dict(converted, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
-
-
 def our_logits(model, row: dict) -> torch.Tensor:
     """[s, V] logits, gathered over TP."""
     from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
@@ -130,10 +115,6 @@ def our_logits(model, row: dict) -> torch.Tensor:
                        image_grid_thw=torch.tensor([[1, side, side]] * tiles))
         logits = gather_from_tensor_model_parallel_region(logits, group=model.language_model.pg_collection.tp)
     return logits[0, :, :VOCAB]
-
-
-def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours - reference).abs().max() / reference.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +132,7 @@ def test_logits_equal_transformers_at_tp1(megatron_world_of_one, reference):
     data = torch.load(reference, weights_only=False)
     model_cfg = tiny_model_cfg()
     model = build(model_cfg, ParallelConfig())
-    load(model, data["state"], model_cfg)
+    load_rows(model, data["state"], model_cfg, rules(model_cfg))
     worst = relative(our_logits(model, data["row"]), data["logits"])
     print(f"InternVL tiny, TP 1: logits vs transformers {worst:.1e}")
     assert worst <= TOLERANCE
@@ -176,7 +157,7 @@ def _tp2_worker(rank: int, port: int, path: str) -> None:
         parallel_cfg = ParallelConfig(tensor_model_parallel_size=2, vision_tensor_model_parallel_size=vision_tp,
                                       world_size=2)
         model = build(model_cfg, parallel_cfg)
-        load(model, data["state"], model_cfg)
+        load_rows(model, data["state"], model_cfg, rules(model_cfg))
         worst[vision_tp] = relative(our_logits(model, data["row"]), data["logits"])
     torch.save(worst, Path(path).with_name(f"worst_{rank}.pt"))
     destroy_megatron()

@@ -17,7 +17,6 @@ from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig
 from loongforge.config.schema import VisionConfig
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_weights import hf_to_megatron, vision_tp_group
 from loongforge.models.towers.intern_vit.processor import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
 from loongforge.models.towers.siglip.hf_mapping import tower_rules
@@ -25,6 +24,7 @@ from loongforge.models.towers.siglip.params import hf_checkpoint_extra
 from loongforge.models.vlm.encoder import build_encoder_alone
 from loongforge.models.vlm.model import build_vlm
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
+from tests.models.tower_helpers import load_rows, randomised, relative
 
 TOLERANCE = 1e-5
 VOCAB = 1000
@@ -62,12 +62,11 @@ def hf_model(seed: int = 0):
         projector_hidden_act="gelu", multimodal_projector_bias=True)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    model = LlavaOnevisionForConditionalGeneration(config).eval()
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            is_norm_weight = "norm" in name and name.endswith("weight")
-            param.copy_((1.0 if is_norm_weight else 0.0) + 0.1 * torch.randn_like(param))
-    return model
+    return randomised(LlavaOnevisionForConditionalGeneration(config).eval())
+
+
+def rules(model_cfg):
+    return tower_rules(model_cfg) + language_rules(model_cfg.language)
 
 
 def rows_and_grids(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,21 +74,6 @@ def rows_and_grids(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     side = SIDE_PIXELS // PATCH
     whole = pixels[..., :side * PATCH, :side * PATCH].contiguous().numpy()
     return torch.from_numpy(patch_rows(whole, PATCH)), torch.tensor([[1, side, side]] * pixels.shape[0])
-
-
-def load(module, hf_state: dict, model_cfg, *, tp=None, vision=None) -> None:
-    rules = tower_rules(model_cfg) + language_rules(model_cfg.language)
-    converted = hf_to_megatron(hf_state, model_cfg, list(module.state_dict()), rules=rules,
-                               tp_rank=0 if tp is None else tp.rank(), tp_size=1 if tp is None else tp.size(),
-                               vision_tp_rank=0 if vision is None else vision.rank(),
-                               vision_tp_size=1 if vision is None else vision.size())
-    result = module.load_state_dict(converted, strict=False)
-    missing = [k for k in result.missing_keys if not k.endswith("_extra_state")]
-    assert not missing and not result.unexpected_keys, (missing, result.unexpected_keys)
-
-
-def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
-    return float((ours - reference).abs().max() / reference.abs().max())
 
 
 @pytest.fixture(scope="module")
@@ -109,7 +93,7 @@ def test_the_encoder_alone_equals_transformers_and_every_parameter_trains(megatr
     data = torch.load(reference, weights_only=False)
     model_cfg = tiny_model_cfg()
     encoder = build_encoder_alone(LlavaOnevisionEncoder.build, model_cfg, params_dtype=torch.float32, device="cpu")
-    load(encoder, data["state"], model_cfg)
+    load_rows(encoder, data["state"], model_cfg, rules(model_cfg))
     rows, grids = rows_and_grids(data["pixels"])
     with torch.no_grad():
         worst = relative(encoder(rows, grids), data["features"])
@@ -132,7 +116,7 @@ def _tp2_worker(rank: int, port: int, path: str) -> None:
         model = build_vlm(model_cfg, parallel_cfg, parts.tower("siglip"), side_sets=0, merge_unit=1, rope="rope",
                           params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
                           init_seed=3).eval()
-        load(model, data["state"], model_cfg, tp=model.language_model.pg_collection.tp, vision=vision_tp_group(model))
+        load_rows(model, data["state"], model_cfg, rules(model_cfg))
         with torch.no_grad():
             worst[vision_tp] = relative(model._encoder(*rows_and_grids(data["pixels"])), data["features"])
     torch.save(worst, Path(path).with_name(f"worst_{rank}.pt"))
