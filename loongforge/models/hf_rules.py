@@ -262,3 +262,43 @@ class Rule:
     def fuses_experts(self) -> bool:
         """One HF tensor per layer holds every expert that our ``{e}`` keys hold one by one."""
         return "{e}" in self.megatron and not any("{e}" in pattern for pattern in self.hf)
+
+
+@dataclass(frozen=True)
+class ViTBlockNames:
+    """Where an HF ViT block (LayerNorm pre-norms, separate q/k/v, biased linears, plain MLP) keeps
+    its tensors, relative to the block's prefix."""
+
+    norm1: str
+    q_k_v: str  # holds "{x}" for q, k, v
+    out: str
+    norm2: str
+    fc1: str
+    fc2: str
+
+
+def vit_block_rules(hf_block: str, ours: str, names: ViTBlockNames, heads: int, head_dim: int) -> list[Rule]:
+    """A plain ViT block's rows (vision TP): the pre-norms in the fused ``layer_norm_{weight,bias}`` of
+    the linear after them, q/k/v as one ``linear_qkv`` per head (``GroupedQKV`` with a group per head),
+    the output projection and fc2 row-parallel, fc1 column-parallel. ``hf_block`` / ``ours``: the
+    block's prefixes, with ``{i}`` for the layer."""
+    rep, col, row = Replicated(), Split(0), Split(1)
+    qkv = GroupedQKV(heads, heads, head_dim)
+    attention, mlp = ours + "self_attention.", ours + "mlp."
+
+    def fused_norm(hf: str, linear: str) -> list[Rule]:
+        return [Rule((hf_block + hf + f".{p}",), linear + f".layer_norm_{p}", rep, VISION) for p in ("weight", "bias")]
+
+    def linear(hf: str, megatron: str, weight: Transform, bias: Transform) -> list[Rule]:
+        return [Rule((hf_block + hf + ".weight",), megatron + ".weight", weight, VISION),
+                Rule((hf_block + hf + ".bias",), megatron + ".bias", bias, VISION)]
+
+    return [
+        *fused_norm(names.norm1, attention + "linear_qkv"),
+        *(Rule(tuple(hf_block + names.q_k_v.format(x=x) + f".{p}" for x in "qkv"), attention + f"linear_qkv.{p}",
+               qkv, VISION) for p in ("weight", "bias")),
+        *linear(names.out, attention + "linear_proj", row, rep),
+        *fused_norm(names.norm2, mlp + "linear_fc1"),
+        *linear(names.fc1, mlp + "linear_fc1", col, col),
+        *linear(names.fc2, mlp + "linear_fc2", row, rep),
+    ]

@@ -14,12 +14,13 @@ from __future__ import annotations
 from loongforge.config.schema import ModelConfig
 from loongforge.models.hf_rules import (
     VISION,
-    GroupedQKV,
     PatchEmbedding,
     Replicated,
     Reshaped,
     Rule,
     Split,
+    ViTBlockNames,
+    vit_block_rules,
 )
 
 
@@ -27,35 +28,22 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
                 projector_prefix: str = "model.multi_modal_projector.") -> list[Rule]:
     """InternViT's rows under ``hf_prefix`` and the projector's under ``projector_prefix`` (vision TP)."""
     vis = model_cfg.vision
-    h, heads, side = vis.hidden_size, vis.num_heads, vis.image_size // vis.patch_size
+    h, side = vis.hidden_size, vis.image_size // vis.patch_size
     rep, col, row = Replicated(), Split(0), Split(1)
-    qkv = GroupedQKV(heads, heads, h // heads)
     emb, vb, vl = hf_prefix + "embeddings.", hf_prefix + "encoder.layer.{i}.", "vision_model.layers.{i}."
-    attention, mlp = vl + "self_attention.", vl + "mlp."
-    rules = [
+    names = ViTBlockNames(norm1="layernorm_before", q_k_v="attention.{x}_proj", out="attention.projection_layer",
+                          norm2="layernorm_after", fc1="mlp.fc1", fc2="mlp.fc2")
+    proj = "projector.mlp."
+    return [
         Rule((emb + "cls_token",), "vision_model.cls_token", Reshaped((1, 1, h), (h,)), VISION),
         Rule((emb + "position_embeddings",), "vision_model.pos_embed",
              Reshaped((1, 1 + side * side, h), (1 + side * side, h)), VISION),
         Rule((emb + "patch_embeddings.projection.weight",), "vision_model.patch_embed.proj.weight",
              PatchEmbedding((h, vis.in_channels, vis.patch_size, vis.patch_size)), VISION),
         Rule((emb + "patch_embeddings.projection.bias",), "vision_model.patch_embed.proj.bias", rep, VISION),
-        Rule((vb + "layernorm_before.weight",), attention + "linear_qkv.layer_norm_weight", rep, VISION),
-        Rule((vb + "layernorm_before.bias",), attention + "linear_qkv.layer_norm_bias", rep, VISION),
-        Rule(tuple(vb + f"attention.{x}_proj.weight" for x in "qkv"), attention + "linear_qkv.weight", qkv, VISION),
-        Rule(tuple(vb + f"attention.{x}_proj.bias" for x in "qkv"), attention + "linear_qkv.bias", qkv, VISION),
-        Rule((vb + "attention.projection_layer.weight",), attention + "linear_proj.weight", row, VISION),
-        Rule((vb + "attention.projection_layer.bias",), attention + "linear_proj.bias", rep, VISION),
-        Rule((vb + "lambda_1",), attention + "layer_scale", rep, VISION),
-        Rule((vb + "layernorm_after.weight",), mlp + "linear_fc1.layer_norm_weight", rep, VISION),
-        Rule((vb + "layernorm_after.bias",), mlp + "linear_fc1.layer_norm_bias", rep, VISION),
-        Rule((vb + "mlp.fc1.weight",), mlp + "linear_fc1.weight", col, VISION),
-        Rule((vb + "mlp.fc1.bias",), mlp + "linear_fc1.bias", col, VISION),
-        Rule((vb + "mlp.fc2.weight",), mlp + "linear_fc2.weight", row, VISION),
-        Rule((vb + "mlp.fc2.bias",), mlp + "linear_fc2.bias", rep, VISION),
-        Rule((vb + "lambda_2",), mlp + "layer_scale", rep, VISION),
-    ]
-    proj = "projector.mlp."
-    rules += [
+        *vit_block_rules(vb, vl, names, vis.num_heads, h // vis.num_heads),
+        Rule((vb + "lambda_1",), vl + "self_attention.layer_scale", rep, VISION),
+        Rule((vb + "lambda_2",), vl + "mlp.layer_scale", rep, VISION),
         Rule((projector_prefix + "layer_norm.weight",), proj + "linear_fc1.layer_norm_weight", rep, VISION),
         Rule((projector_prefix + "layer_norm.bias",), proj + "linear_fc1.layer_norm_bias", rep, VISION),
         Rule((projector_prefix + "linear_1.weight",), proj + "linear_fc1.weight", col, VISION),
@@ -63,4 +51,3 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         Rule((projector_prefix + "linear_2.weight",), proj + "linear_fc2.weight", row, VISION),
         Rule((projector_prefix + "linear_2.bias",), proj + "linear_fc2.bias", rep, VISION),
     ]
-    return rules

@@ -13,11 +13,12 @@ from __future__ import annotations
 from loongforge.config.schema import ModelConfig
 from loongforge.models.hf_rules import (
     VISION,
-    GroupedQKV,
     PatchEmbedding,
     Replicated,
     Rule,
     Split,
+    ViTBlockNames,
+    vit_block_rules,
 )
 
 
@@ -25,28 +26,17 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
                 projector_prefix: str = "model.multi_modal_projector.") -> list[Rule]:
     """SigLIP's rows under ``hf_prefix`` and the projector's under ``projector_prefix`` (vision TP)."""
     vis = model_cfg.vision
-    h, heads = vis.hidden_size, vis.num_heads
-    rep, col, row = Replicated(), Split(0), Split(1)
-    qkv = GroupedQKV(heads, heads, h // heads)
-    emb, vb, vl = hf_prefix + "embeddings.", hf_prefix + "encoder.layers.{i}.", "vision_model.layers.{i}."
-    attention, mlp = vl + "self_attention.", vl + "mlp."
+    h, rep, col, row = vis.hidden_size, Replicated(), Split(0), Split(1)
+    emb = hf_prefix + "embeddings."
+    names = ViTBlockNames(norm1="layer_norm1", q_k_v="self_attn.{x}_proj", out="self_attn.out_proj",
+                          norm2="layer_norm2", fc1="mlp.fc1", fc2="mlp.fc2")
     return [
         Rule((emb + "patch_embedding.weight",), "vision_model.patch_embed.proj.weight",
              PatchEmbedding((h, vis.in_channels, vis.patch_size, vis.patch_size)), VISION),
         Rule((emb + "patch_embedding.bias",), "vision_model.patch_embed.proj.bias", rep, VISION),
         Rule((emb + "position_embedding.weight",), "vision_model.pos_embed.weight", rep, VISION),
-        Rule((vb + "layer_norm1.weight",), attention + "linear_qkv.layer_norm_weight", rep, VISION),
-        Rule((vb + "layer_norm1.bias",), attention + "linear_qkv.layer_norm_bias", rep, VISION),
-        Rule(tuple(vb + f"self_attn.{x}_proj.weight" for x in "qkv"), attention + "linear_qkv.weight", qkv, VISION),
-        Rule(tuple(vb + f"self_attn.{x}_proj.bias" for x in "qkv"), attention + "linear_qkv.bias", qkv, VISION),
-        Rule((vb + "self_attn.out_proj.weight",), attention + "linear_proj.weight", row, VISION),
-        Rule((vb + "self_attn.out_proj.bias",), attention + "linear_proj.bias", rep, VISION),
-        Rule((vb + "layer_norm2.weight",), mlp + "linear_fc1.layer_norm_weight", rep, VISION),
-        Rule((vb + "layer_norm2.bias",), mlp + "linear_fc1.layer_norm_bias", rep, VISION),
-        Rule((vb + "mlp.fc1.weight",), mlp + "linear_fc1.weight", col, VISION),
-        Rule((vb + "mlp.fc1.bias",), mlp + "linear_fc1.bias", col, VISION),
-        Rule((vb + "mlp.fc2.weight",), mlp + "linear_fc2.weight", row, VISION),
-        Rule((vb + "mlp.fc2.bias",), mlp + "linear_fc2.bias", rep, VISION),
+        *vit_block_rules(hf_prefix + "encoder.layers.{i}.", "vision_model.layers.{i}.", names, vis.num_heads,
+                         h // vis.num_heads),
         Rule((projector_prefix + "linear_1.weight",), "projector.mlp.linear_fc1.weight", col, VISION),
         Rule((projector_prefix + "linear_1.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
         Rule((projector_prefix + "linear_2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
