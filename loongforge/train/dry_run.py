@@ -22,6 +22,7 @@ from loongforge.config.layout import (
 )
 from loongforge.config.pipeline_layout import stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
+from loongforge.models import parts
 from loongforge.models.flops import head_dim
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
@@ -184,6 +185,7 @@ class ParallelPlan:
     # LoRA runs: the same run's memory per rank with every parameter trained (lora.rank=0).
     full_training_bytes: float | None = None
     context_text: str = ""  # how CP splits a row at this layout (context_parallel_text); "" at CP 1
+    parts_text: str = ""  # what the model is composed of (composition_text); "" for a text-only model
 
     @property
     def max_params_per_rank(self) -> int:
@@ -236,7 +238,20 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         full_training_bytes=(build_parallel_plan(dataclasses.replace(cfg, lora=dataclasses.replace(cfg.lora, rank=0)))
                              .memory_per_rank_bytes if cfg.lora.rank else None),
         context_text=context_parallel_text(cfg, sizes),
+        parts_text=composition_text(cfg, split),
     )
+
+
+def composition_text(cfg: RunConfig, split: ParameterSplit) -> str:
+    """The parts a VLM is composed of (``models.parts``) with their parameters; "" for a text-only model."""
+    family = get_family(cfg.model.family)
+    if not family.has_vision:
+        return ""
+    tower = parts.tower(cfg.model.vision.arch or family.vision_part)
+    projector = cfg.model.projector.arch or tower.projectors[0]
+    language = split.total - split.vision_model - split.projector
+    return (f"vision tower {tower.arch} {human_count(split.vision_model)} + projector {projector} "
+            f"{human_count(split.projector)} + language model {human_count(language)}")
 
 
 def context_parallel_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
@@ -475,6 +490,7 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
         ("tokens per step", f"{plan.global_batch_size * plan.seq_len:,}"),
         ("parameters", f"{human_count(plan.split.total)} total ({plan.split.total:,})"
                        + (f", {human_count(plan.split.active)} active per token" if plan.has_experts else "")),
+        *([("composed of", plan.parts_text)] if plan.parts_text else []),
     ]
     for stage in plan.stages:
         layers = "layers " + ", ".join(f"{first}-{last}" if last > first else str(first)

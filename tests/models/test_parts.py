@@ -15,6 +15,7 @@ from loongforge.config.loader import load_run_config
 from loongforge.models import parts, registry
 from loongforge.models.flops import FlopOptions, step_flops
 from loongforge.models.vlm.encoder import VisionEncoder
+from loongforge.train.dry_run import human_count
 
 
 @pytest.mark.parametrize("name", [name for name in registry.families() if registry.get_family(name).has_vision])
@@ -56,3 +57,16 @@ def test_a_part_the_family_is_not_composed_of_is_one_line_and_exit_2(override, m
 def test_null_parts_mean_the_familys_own():
     cfg = load_run_config("qwen3vl-tiny", overrides=["model.vision.arch=null", "model.projector.arch=null"])
     registry.check_family_layout(cfg)
+
+
+def test_the_dry_run_states_the_composition_with_each_parts_parameters():
+    cfg = load_run_config("qwen2.5vl-7b")
+    vision, projector = parts.tower("qwen2_5_vit").parameters(cfg.model)
+    language = registry.get_family("qwen2_5_vl").count_parameters(cfg.model)["language_model"]
+    result = CliRunner().invoke(app, ["train", "--preset", "qwen2.5vl-7b", "--dry-run"])
+    (line,) = [line for line in result.output.splitlines() if "composed of" in line]
+    print(line.strip(), vision, projector, language)
+    assert line.split("composed of")[1].strip() == (
+        f"vision tower qwen2_5_vit {human_count(vision)} + projector patch_merger {human_count(projector)} "
+        f"+ language model {human_count(language)}")
+    assert "composed of" not in CliRunner().invoke(app, ["train", "--preset", "llm-tiny", "--dry-run"]).output
