@@ -45,6 +45,11 @@ class VisionConfig:
     # Towers that see fixed-size square inputs (InternViT's 448-pixel tiles): the side in pixels, which
     # fixes the learned position table; null: any grid (Qwen's towers).
     image_size: Optional[int] = None
+    # LLaVA-OneVision's anyres: the (height, width) canvases a single image may be tiled into (pixels,
+    # multiples of image_size), and the crops' worth of features past which they are pooled
+    # (``anyres_max_9``); [] : no anyres.
+    anyres_pinpoints: list[list[int]] = field(default_factory=list)
+    anyres_max_crops: int = 9
     # The image processor's per-channel normalisation (image_mean / image_std): OpenAI CLIP's for
     # Qwen2.5-VL, 0.5 / 0.5 for Qwen3-VL.
     pixel_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])

@@ -12,24 +12,46 @@ from pathlib import Path
 
 import pytest
 import torch
+from PIL import Image
 
-from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
-from loongforge.config.schema import VisionConfig
+from loongforge.config.schema import (
+    LanguageConfig,
+    ModelConfig,
+    ParallelConfig,
+    ProjectorConfig,
+    TokenIdsConfig,
+    VisionConfig,
+)
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
 from loongforge.models.towers.intern_vit.processor import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
 from loongforge.models.towers.siglip.hf_mapping import tower_rules
 from loongforge.models.towers.siglip.params import hf_checkpoint_extra
+from loongforge.models.towers.siglip.processor import (
+    AnyresSettings,
+    anyres_crops,
+    anyres_tokens,
+)
 from loongforge.models.vlm.encoder import build_encoder_alone
 from loongforge.models.vlm.model import build_vlm
-from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
+from tests.models.helpers import (
+    destroy_megatron,
+    free_port,
+    init_megatron,
+    limit_threads,
+    run_workers,
+)
 from tests.models.tower_helpers import load_rows, randomised, relative
+from tests.shared_data import SHARED_DATA
 
 TOLERANCE = 1e-5
 VOCAB = 1000
 SIDE_PIXELS, PATCH = 60, 14  # 4 x 4 whole patches; the last 4 pixels of each side are left out (valid conv)
 IMAGES = 3
+# Canvases of up to 3 x 2 squares of 60 px, as the published 384 px ones are of up to 6 x 6.
+PINPOINTS = ((60, 60), (60, 120), (120, 60), (120, 120), (120, 180), (180, 120))
+PHOTO = SHARED_DATA / "coco2017" / "val2017" / "000000020247.jpg"  # 640 x 457: 2 x 3 crops
 
 
 def tiny_model_cfg() -> ModelConfig:
@@ -37,7 +59,8 @@ def tiny_model_cfg() -> ModelConfig:
         family="qwen2_5_vl",  # stands in for the HF key styles until the LLaVA-OneVision family is registered
         vision=VisionConfig(arch="siglip", depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
                             patch_size=PATCH, temporal_patch_size=1, image_size=SIDE_PIXELS, window_size=None,
-                            fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer"),
+                            fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer",
+                            anyres_pinpoints=[list(p) for p in PINPOINTS]),
         projector=ProjectorConfig(arch="mlp", spatial_merge_size=1, hidden_act="gelu", out_hidden_size=64),
         language=LanguageConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                 num_query_groups=2, vocab_size=VOCAB, rope_theta=1e6, mrope_section=[],
@@ -50,15 +73,20 @@ def tiny_model_cfg() -> ModelConfig:
 
 def hf_model(seed: int = 0):
     """transformers' tiny LLaVA-OneVision with every parameter drawn at random."""
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+    )
 
     config = LlavaOnevisionConfig(
         vision_config=dict(model_type="siglip_vision_model", hidden_size=32, num_hidden_layers=2,
                            num_attention_heads=4, intermediate_size=64, image_size=SIDE_PIXELS, patch_size=PATCH,
                            layer_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", vision_use_head=False),
         text_config=dict(model_type="qwen2", vocab_size=VOCAB, hidden_size=64, intermediate_size=128,
-                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2),
+                         num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": 1e6}, tie_word_embeddings=False),
         image_token_index=999, vision_feature_layer=-1, vision_feature_select_strategy="full",
+        image_grid_pinpoints=[list(p) for p in PINPOINTS],
         projector_hidden_act="gelu", multimodal_projector_bias=True)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
@@ -100,7 +128,43 @@ def test_the_encoder_alone_equals_transformers_and_every_parameter_trains(megatr
     print(f"SigLIP + projector, TP 1: features vs transformers {worst:.1e}")
     assert worst <= TOLERANCE
     encoder.train()(rows, grids).square().sum().backward()
+    # Every parameter but the newline, which only packed features use, trains (the full model's test
+    # sees it train).
     untouched = [name for name, param in encoder.named_parameters() if param.grad is None or not param.grad.any()]
+    assert untouched == ["image_newline.weight"], untouched
+
+
+def test_the_composition_with_anyres_packing_equals_transformers_on_a_real_photo(megatron_world_of_one):
+    """A photo through our anyres processing, SigLIP, the projector and the packing into the Qwen2
+    decoder: logits equal ``LlavaOnevisionForConditionalGeneration``'s, and every parameter trains."""
+    model_cfg = tiny_model_cfg()
+    settings = AnyresSettings(size=SIDE_PIXELS, grid_pinpoints=PINPOINTS)
+    image = Image.open(PHOTO).convert("RGB")
+    squares = torch.from_numpy(anyres_crops(image, settings))  # [1 + crops, 3, 60, 60]
+    tokens = anyres_tokens(image.height, image.width, settings, PATCH)
+    generator = torch.Generator().manual_seed(2)
+    input_ids = torch.cat([torch.randint(0, 990, (6,), generator=generator), torch.full((tokens,), 999),
+                           torch.randint(0, 990, (5,), generator=generator)])[None]
+    hf = hf_model()
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids, pixel_values=squares[None], image_sizes=torch.tensor([[image.height, image.width]]),
+                      batch_num_images=torch.tensor([1])).logits[0]
+    model = build_vlm(model_cfg, ParallelConfig(encoder_cp=False), parts.tower("siglip"), side_sets=0, merge_unit=1,
+                      rope="rope", params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
+                      init_seed=3)
+    load_rows(model, hf.state_dict(), model_cfg, rules(model_cfg))
+    rows, _ = rows_and_grids(squares)
+    side, seq_len = SIDE_PIXELS // PATCH, input_ids.shape[1]
+    inputs = dict(input_ids=input_ids, position_ids=torch.arange(seq_len).expand(3, 1, seq_len), pixel_values=rows,
+                  image_grid_thw=torch.tensor([[squares.shape[0], side, side]]),
+                  image_sizes=torch.tensor([[image.height, image.width]]))
+    with torch.no_grad():
+        worst = relative(model.eval()(**inputs)[0, :, :VOCAB], expected)
+    print(f"LLaVA-OneVision tiny, TP 1: {squares.shape[0]} squares, {tokens} image tokens, logits vs transformers "
+          f"{worst:.1e}")
+    assert worst <= TOLERANCE
+    model.train()(**inputs, labels=input_ids).sum().backward()
+    untouched = [name for name, param in model.named_parameters() if param.grad is None or not param.grad.any()]
     assert not untouched, untouched
 
 
@@ -135,7 +199,8 @@ def test_parameter_counts_equal_transformers():
     model, model_cfg = hf_model(), tiny_model_cfg()
     vision, projector = parts.tower("siglip").parameters(model_cfg)
     assert vision + hf_checkpoint_extra(model_cfg) == sum(p.numel() for p in model.model.vision_tower.parameters())
-    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+    assert projector == (sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+                         + model.model.image_newline.numel())
 
 
 # llava-hf/llava-onevision-qwen2-{7b,72b}-ov-hf: SigLIP-so400m at 384 px, its last 26 layers' worth
@@ -146,7 +211,10 @@ PUBLISHED_SIGLIP = dict(hidden_size=1152, intermediate_size=4304, num_hidden_lay
 
 @pytest.mark.parametrize("text_hidden", [3584, 8192], ids=["7b", "72b"])
 def test_published_sizes_count_as_transformers_builds_them(text_hidden):
-    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+    from transformers import (
+        LlavaOnevisionConfig,
+        LlavaOnevisionForConditionalGeneration,
+    )
 
     vision = PUBLISHED_SIGLIP
     config = LlavaOnevisionConfig(
@@ -168,4 +236,5 @@ def test_published_sizes_count_as_transformers_builds_them(text_hidden):
     print(f"LLaVA-OneVision {text_hidden}: SigLIP {tower:,} (+{hf_checkpoint_extra(model_cfg)} unused post-norm), "
           f"projector {projector:,}")
     assert tower + hf_checkpoint_extra(model_cfg) == hf_tower
-    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+    assert projector == (sum(p.numel() for p in model.model.multi_modal_projector.parameters())
+                         + model.model.image_newline.numel())

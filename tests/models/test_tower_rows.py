@@ -1,7 +1,6 @@
 """The HF weight rows of the towers without a registered family yet (InternVL's, LLaVA-OneVision's):
 every tensor of transformers' tiny model's vision side is read by exactly one row (SigLIP's unused
-post-layernorm and LLaVA-OneVision's image_newline, which the packing holds, named as the only ones
-left), and sharding each at TP 2 and back gives the HF tensors bit for bit."""
+post-layernorm named as the only one left), and sharding each at TP 2 and back gives the HF tensors bit for bit."""
 
 from __future__ import annotations
 
@@ -18,8 +17,7 @@ TOWERS = {
                    ("model.vision_tower.", "model.multi_modal_projector."), set()),
     "siglip": (test_siglip.hf_model, test_siglip.tiny_model_cfg, test_siglip.tower_rules,
                ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline"),
-               {"model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias",
-                "model.image_newline"}),
+               {"model.vision_tower.post_layernorm.weight", "model.vision_tower.post_layernorm.bias"}),
 }
 
 

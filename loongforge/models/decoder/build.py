@@ -136,11 +136,13 @@ def check_inputs(input_ids: torch.Tensor, position_ids: torch.Tensor, packed_seq
 
 
 def placeholder_count(input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor], what: str,
-                      merge_unit: int) -> int:
-    """Merged-patch count of the images (or videos) of ``grid_thw``; must equal their placeholder
-    tokens in ``input_ids`` (else a ValueError with both counts)."""
+                      merge_unit: int, num_features: Optional[int] = None) -> int:
+    """Merged-patch count of the images (or videos) of ``grid_thw`` (``num_features``: the encoder's
+    own count, where it packs features otherwise); must equal their placeholder tokens in
+    ``input_ids`` (else a ValueError with both counts)."""
     num_tokens = int((input_ids == token_id).sum())
-    num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // merge_unit
+    if num_features is None:
+        num_features = 0 if grid_thw is None else int(grid_thw.prod(-1).sum()) // merge_unit
     if num_tokens != num_features:
         grids = None if grid_thw is None else grid_thw.tolist()
         raise ValueError(

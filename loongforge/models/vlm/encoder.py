@@ -43,6 +43,17 @@ class VisionEncoder(torch.nn.Module, abc.ABC):
     # Children that ``training.freeze_vision`` / ``freeze_projector`` name, in build order.
     vision_parts: tuple[str, ...] = ("vision_model",)
     projector_parts: tuple[str, ...] = ("projector",)
+    # Whether its features per image follow from more than the grid (LLaVA-OneVision's anyres packing
+    # needs each image's size: forward takes ``image_sizes``); such an encoder runs whole images where
+    # it is, never shared over TP, CP or the model-parallel group.
+    packs_media: bool = False
+
+    @classmethod
+    def feature_rows(cls, model_cfg: ModelConfig, grid_thw: Optional[torch.Tensor],
+                     image_sizes: Optional[torch.Tensor], merge_unit: int) -> Optional[int]:
+        """Feature rows the images of ``grid_thw`` give, where an encoder packs them otherwise than
+        one row per ``merge_unit`` patches; None: that rule."""
+        return None
 
     def __init__(self, *, merge_unit: int, out_hidden: int, side_sets: int = 0):
         super().__init__()

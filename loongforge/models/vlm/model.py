@@ -224,6 +224,7 @@ class VisionLanguageModel(MegatronModule):
         video_embeds: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
         context_shard: Optional[ContextShard] = None,
+        image_sizes: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
 
@@ -242,13 +243,18 @@ class VisionLanguageModel(MegatronModule):
         ``context_shard``: under context parallelism the per-token inputs (and the output) are this
         CP rank's s / CP tokens of the row; positions and cu_seqlens stay the whole row's, and the
         row's media are encoded whole, each CP rank writing the features of its own placeholders.
+
+        ``image_sizes`` [n, 2]: each image's (height, width) in pixels, for an encoder that packs its
+        features by them (``VisionEncoder.packs_media``: LLaVA-OneVision's anyres, whose image grids are
+        (squares, side, side)).
         """
         check_inputs(input_ids, position_ids, packed_seq_params, context_shard)
         decoder_input, context = None, None
         if self.pre_process:
             decoder_input, context = self.embed(
                 input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                stored=optional_cat(image_embeds, video_embeds), context_shard=context_shard)
+                stored=optional_cat(image_embeds, video_embeds), context_shard=context_shard,
+                image_sizes=image_sizes)
         return self.language_model(
             input_ids=input_ids,
             position_ids=position_ids if self.rope == "mrope" else position_ids[0],
@@ -272,6 +278,7 @@ class VisionLanguageModel(MegatronModule):
         video_grid_thw: Optional[torch.Tensor],
         stored: Optional[torch.Tensor] = None,
         context_shard: Optional[ContextShard] = None,
+        image_sizes: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(text embeddings with the merged features over their placeholders [s, b, h], the side
         feature sets as the block's context [s, b, k, h], or None without side sets or media); both
@@ -282,12 +289,17 @@ class VisionLanguageModel(MegatronModule):
         tokens = self.model_cfg.tokens
         token_ids = (tokens.image_token_id, tokens.video_token_id)
         row_ids = input_ids if context_shard is None else context_shard.row_input_ids
-        counts = [self._placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image"),
-                  self._placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video")]
-        # Images and videos go through the tower together: attention never crosses an image or a
-        # frame, so this equals two separate calls and costs one.
-        features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
-                                        optional_cat(image_grid_thw, video_grid_thw), stored)
+        image_rows = self._encoder_type.feature_rows(self.model_cfg, image_grid_thw, image_sizes, self.merge_unit)
+        counts = [placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image", self.merge_unit,
+                                    num_features=image_rows),
+                  placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video", self.merge_unit)]
+        if self._encoder_type.packs_media:
+            features = self._packed_features(pixel_values, image_grid_thw, image_sizes, pixel_values_videos, stored)
+        else:
+            # Images and videos go through the tower together: attention never crosses an image or a
+            # frame, so this equals two separate calls and costs one.
+            features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
+                                            optional_cat(image_grid_thw, video_grid_thw), stored)
         context = None
         if features is not None:
             features = features.to(embeddings.dtype)  # [n, (1 + k) h]
@@ -331,16 +343,25 @@ class VisionLanguageModel(MegatronModule):
             return features if features.shape[0] else None
         return None if pixels is None else self._encode(pixels, grid_thw)
 
+    def _packed_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
+                         image_sizes: Optional[torch.Tensor], video_pixels: Optional[torch.Tensor],
+                         stored: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Features of the micro-batch's images from an encoder that packs them by image size."""
+        if video_pixels is not None or stored is not None or self._encoder is None:
+            raise ValueError("this vision encoder packs images by their sizes: it takes images, encoded here "
+                             "(no videos, no stored features yet)")
+        if pixels is None:
+            return None
+        if image_sizes is None:
+            raise ValueError("this vision encoder packs each image's features by its size: pass image_sizes [n, 2]")
+        return self._encoder(pixels, grid_thw, image_sizes)
+
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Features [P/m^2, width] of every image and video, encoded here or shared out over the
         TP and/or CP group."""
         if self.shared_encoding is None:
             return self._encoder(pixels, grid_thw)
         return self.shared_encoding(self._encoder, self._trainable_encoder_params(), pixels, grid_thw)
-
-    def _placeholder_count(self, input_ids: torch.Tensor, token_id: int, grid_thw: Optional[torch.Tensor],
-                           what: str) -> int:
-        return placeholder_count(input_ids, token_id, grid_thw, what, self.merge_unit)
 
 
 def _with_tp_replica_block(replica_id, block: int, vision_tp: int):
@@ -426,6 +447,9 @@ def build_vlm(
     if encoder is not None:
         mark_tp_duplicates(encoder, vision_tp=vision_tp, replica_block=model._vision_replica_block)
         sharing = sharing_groups(parallel_cfg, language_pgs)
+        if encoder_type.packs_media and (sharing is not None or parallel_cfg.encoder_dp == "full"):
+            raise ValueError(f"{encoder_type.__name__} packs each image's features by its size and is not "
+                             "shared yet: set parallel.encoder_dp=none and parallel.encoder_cp=false")
         if sharing is not None:
             _share_encoder(model, sharing, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
                            vision_cost=vision_cost or VisionCost)

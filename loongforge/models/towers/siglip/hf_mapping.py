@@ -23,8 +23,10 @@ from loongforge.models.hf_rules import (
 
 
 def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
-                projector_prefix: str = "model.multi_modal_projector.") -> list[Rule]:
-    """SigLIP's rows under ``hf_prefix`` and the projector's under ``projector_prefix`` (vision TP)."""
+                projector_prefix: str = "model.multi_modal_projector.",
+                newline: str = "model.image_newline") -> list[Rule]:
+    """SigLIP's rows under ``hf_prefix``, the projector's under ``projector_prefix`` and the packing's
+    newline vector (vision TP)."""
     vis = model_cfg.vision
     h, rep, col, row = vis.hidden_size, Replicated(), Split(0), Split(1)
     emb = hf_prefix + "embeddings."
@@ -41,4 +43,5 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         Rule((projector_prefix + "linear_1.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
         Rule((projector_prefix + "linear_2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule((projector_prefix + "linear_2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
+        Rule((newline,), "image_newline.weight", rep, VISION),
     ]

@@ -11,7 +11,7 @@ from loongforge.models.decoder.params import linear_parameters as _linear
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
-    """(SigLIP's, the projector's) parameter counts as built: ``parts.TowerPart.parameters``."""
+    """(SigLIP's, the projector's and the newline's) parameter counts as built: ``parts.TowerPart.parameters``."""
     vis = model_cfg.vision
     h, ffn = vis.hidden_size, vis.intermediate_size
     side = vis.image_size // vis.patch_size
@@ -19,7 +19,8 @@ def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     block = (4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
              + _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True))
     out = model_cfg.projector.out_hidden_size
-    return embeddings + vis.depth * block, _linear(h, out, bias=True) + _linear(out, out, bias=True)
+    # The projector's two linears and the packing's newline vector.
+    return embeddings + vis.depth * block, _linear(h, out, bias=True) + _linear(out, out, bias=True) + out
 
 
 def hf_checkpoint_extra(model_cfg: ModelConfig) -> int:
