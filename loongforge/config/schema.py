@@ -50,6 +50,10 @@ class VisionConfig:
     # (``anyres_max_9``); [] : no anyres.
     anyres_pinpoints: list[list[int]] = field(default_factory=list)
     anyres_max_crops: int = 9
+    # InternViT-6B's blocks: no q, k, v biases (qkv_bias=false) and an RMSNorm over all heads' queries
+    # and keys (qk_norm=true); the Qwen towers and InternViT-300M have biases and no such norm.
+    qkv_bias: bool = True
+    qk_norm: bool = False
     # The image processor's per-channel normalisation (image_mean / image_std): OpenAI CLIP's for
     # Qwen2.5-VL, 0.5 / 0.5 for Qwen3-VL.
     pixel_mean: list[float] = field(default_factory=lambda: [0.48145466, 0.4578275, 0.40821073])

@@ -30,6 +30,8 @@ def _check_qwen2_5_vl(model_cfg: ModelConfig) -> None:
                "model.vision.window_size=null" if vision.window_size is None else "",
                "model.vision.num_position_embeddings" if vision.num_position_embeddings is not None else "",
                "model.vision.deepstack_layers" if vision.deepstack_layers else "",
+               "model.vision.qk_norm" if vision.qk_norm else "",
+               "model.vision.qkv_bias=false" if not vision.qkv_bias else "",
                "model.language.mrope_interleaved" if lang.mrope_interleaved else ""]
     foreign = [item for item in foreign if item]
     if foreign:

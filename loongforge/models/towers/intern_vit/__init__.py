@@ -1,12 +1,14 @@
 """InternVL's vision part: InternViT (fixed-size tiles, a class token, learned absolute positions,
-LayerNorm blocks with layer scale) and the pixel-shuffle projector (2 x 2 patches -> one token).
+LayerNorm or RMSNorm blocks with layer scale, InternViT-6B's q/k norms) and the pixel-shuffle
+projector (2 x 2 patches -> one token; ``models/projectors/pixel_shuffle_mlp.py``).
 
 encoder.py      InternVLEncoder: the part as one ``VisionEncoder``; ``check`` of its settings
-vision.py       InternViT and the pixel-shuffle projector
-layer_specs.py  the block: the shared pre-norm block with LayerNorm pre-norms and layer scale
-params.py       parameter counts by arithmetic
-flops.py        FLOPs of a training micro-batch
-hf_mapping.py   HF weight rows (the family adds the language model's)
+vision.py       InternViT
+layer_specs.py  the block: the shared pre-norm block with layer scale, LayerNorm/RMSNorm, q/k norms
+params.py       parameter counts by arithmetic (the part's, and any HF InternViTConfig's)
+flops.py        FLOPs of a training micro-batch; of n tiles of any HF InternViTConfig
+hf_mapping.py   HF weight rows (the family adds the language model's); the HF shapes a config implies
+config.py       InternViTConfig: the HF vision_config read and written; InternVL3.5-8B's and -38B's towers
 processor.py    an image -> its tiles (transformers' InternVL processing, bit for bit), tokens per tile
 
 A tile travels as the Qwen towers' media do: pixel rows [patches, C*p*p] (row-major within the

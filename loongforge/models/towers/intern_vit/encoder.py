@@ -5,16 +5,16 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig
+from loongforge.models.projectors.pixel_shuffle_mlp import PixelShuffleProjector
 from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
-from loongforge.models.towers.intern_vit.vision import (
-    PixelShuffleProjector,
-    VisionModel,
-)
-from loongforge.models.vision_configs import (
-    layer_norm_vit_config,
-    to_language_width_config,
-)
+from loongforge.models.towers.intern_vit.vision import VisionModel
+from loongforge.models.vision_common import square_side
+from loongforge.models.vision_configs import to_language_width_config, tower_config
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
+
+
+# model.vision.norm -> megatron's normalization of the blocks' pre-norms.
+NORMALIZATION = {"layer": "LayerNorm", "rms": "RMSNorm"}
 
 
 def check(model_cfg: ModelConfig) -> None:
@@ -23,8 +23,9 @@ def check(model_cfg: ModelConfig) -> None:
     if vis.image_size is None or vis.image_size % vis.patch_size or (vis.image_size // vis.patch_size) % 2:
         raise ValueError(f"model.vision.image_size={vis.image_size}: InternViT needs the tile side in pixels, "
                          f"an even number of model.vision.patch_size={vis.patch_size} patches (448 for InternVL3.5)")
-    if vis.norm != "layer":
-        raise ValueError(f"model.vision.norm={vis.norm!r}: this InternViT is built with LayerNorm blocks (layer)")
+    if vis.norm not in NORMALIZATION:
+        raise ValueError(f"model.vision.norm={vis.norm!r}: InternViT's blocks use LayerNorm (layer, InternViT-300M) "
+                         "or RMSNorm (rms, InternViT-6B)")
     if proj.spatial_merge_size != 2:
         raise ValueError(f"model.projector.spatial_merge_size={proj.spatial_merge_size}: InternVL's pixel shuffle "
                          "merges 2 x 2 patches (downsample ratio 0.5); set it to 2")
@@ -47,12 +48,17 @@ class InternVLEncoder(VisionEncoder):
     def build(cls, build: EncoderBuild) -> "InternVLEncoder":
         model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
         check(model_cfg)
-        vision_config = layer_norm_vit_config(model_cfg, tp, dtype, on_cpu, recompute=build.recompute)
+        vis = model_cfg.vision
+        vision_config = tower_config(vis, tp, dtype, on_cpu, recompute=build.recompute, gated=False,
+                                     normalization=NORMALIZATION[vis.norm], eps=vis.rms_norm_eps)
         projector_config = to_language_width_config(model_cfg, tp, dtype, on_cpu, norm_eps=PROJECTOR_NORM_EPS)
-        layer_spec = vision_layer_spec(build.modules)
-        made = seeded_parts(build.init_seed,
-                            vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
-                            projector=lambda: PixelShuffleProjector(projector_config, model_cfg, build.tp_group, build.modules))
+        layer_spec = vision_layer_spec(build.modules, norm=vis.norm, qkv_bias=vis.qkv_bias,
+                                       qk_norm_tp_group=build.tp_group if vis.qk_norm else None)
+        made = seeded_parts(
+            build.init_seed, vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
+            projector=lambda: PixelShuffleProjector(projector_config, vision_hidden_size=vis.hidden_size,
+                                                    tile_side=square_side(vis), tp_group=build.tp_group,
+                                                    modules=build.modules))
         return cls(made["vision_model"], made["projector"], model_cfg)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,10 @@ What runs (``vision.py``): the patch embedding (a linear over ``C*p*p`` pixels) 
 every tile; ``depth`` blocks of QKV, output projection and a plain GELU MLP over each tile's patches
 and its class token, attending within the tile (layer scale: an elementwise product, not counted);
 then the projector per merged token (2 x 2 patches): ``4w -> out -> out``.
+
+``encoder_flops`` counts a micro-batch's tiles for the part contract (``ModelConfig``);
+``tile_flops`` counts ``num_tiles`` tiles of any published InternViT from its HF ``InternViTConfig``
+(the same convention and numbers).
 """
 
 from __future__ import annotations
@@ -17,10 +21,12 @@ from loongforge.models.flops import (
     attention_flops,
     linear_flops,
     patch_embedding_flops,
+    patch_embedding_passes,
     projector_passes,
     vision_block_linear_flops,
     vision_block_passes,
 )
+from loongforge.models.towers.intern_vit.config import InternViTConfig
 
 
 def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
@@ -39,4 +45,27 @@ def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOp
     vision = embedding + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids)
     merged_tokens = sum(t * h * w for t, h, w in grids) // 4
     projector = linear_flops(merged_tokens, 4 * vis.hidden_size, out) + linear_flops(merged_tokens, out, out)
+    return vision, projector_passes(options) * projector
+
+
+def tile_forward_flops(config: InternViTConfig, num_tiles: int, text_hidden_size: int) -> tuple[int, int, int]:
+    """(patch embedding, blocks, projector) forward FLOPs of ``num_tiles`` tiles: every tile is one
+    attention segment of its patches and its class token."""
+    h, side = config.hidden_size, config.patches_per_side
+    patches, length = num_tiles * side * side, side * side + 1
+    embedding = linear_flops(patches, config.num_channels * config.patch_size**2, h)
+    per_block = (vision_block_linear_flops(num_tiles * length, h, config.intermediate_size, gated=False)
+                 + attention_flops([length] * num_tiles, h))
+    merged_tokens, merged = num_tiles * config.tokens_per_tile, h * config.merge_factor**2
+    projector = linear_flops(merged_tokens, merged, text_hidden_size) + linear_flops(
+        merged_tokens, text_hidden_size, text_hidden_size)
+    return embedding, config.num_hidden_layers * per_block, projector
+
+
+def tile_flops(config: InternViTConfig, num_tiles: int, text_hidden_size: int,
+               options: FlopOptions = FlopOptions()) -> tuple[int, int]:
+    """(vision, projector) training FLOPs of ``num_tiles`` tiles: blocks and projector forward x 3
+    when trained (x 4 under recompute), the patch embedding x 2 (no pixel gradient), per ``models.flops``."""
+    embedding, blocks, projector = tile_forward_flops(config, num_tiles, text_hidden_size)
+    vision = patch_embedding_passes(options) * embedding + vision_block_passes(options) * blocks
     return vision, projector_passes(options) * projector

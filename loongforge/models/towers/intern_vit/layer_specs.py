@@ -1,6 +1,12 @@
-"""InternViT's block: the shared pre-norm block with LayerNorm pre-norms, bidirectional within each
-tile, and layer scale: the attention's and the MLP's outputs are each multiplied by a learned
-per-channel vector (transformers' ``lambda_1`` / ``lambda_2``) before their residual add.
+"""InternViT's block: the shared pre-norm block with LayerNorm (InternViT-300M) or RMSNorm
+(InternViT-6B) pre-norms, bidirectional within each tile, and layer scale: the attention's and the
+MLP's outputs are each multiplied by a learned per-channel vector (transformers' ``lambda_1`` /
+``lambda_2``) before their residual add. InternViT-6B also has q, k without bias and q/k norms.
+
+The q/k norm of InternViT is an RMSNorm over the whole width of q (and of k), all heads at once, not
+per head as megatron's ``q_layernorm`` slot (Qwen3's) assumes; with heads split over TP, each rank
+holds part of that width, so the mean square is summed over the TP group (an all-reduce whose
+backward all-reduces too: every rank's output depends on every rank's heads).
 
 megatron's ``TransformerLayer`` adds a sublayer's (output, bias) to the residual in its
 bias-dropout-add; each sublayer returns both already scaled (a forward hook), so the rest of the
@@ -37,8 +43,75 @@ class LayerScaledTransformerLayer(TransformerLayer):
             sublayer.register_forward_hook(_scaled_output)
 
 
-def vision_layer_spec(modules: BlockModules) -> ModuleSpec:
+class _SumOverGroup(torch.autograd.Function):
+    """All-reduce (sum) whose backward all-reduces too: a sum every rank's output depends on, so each
+    rank's input gradient is the sum of every rank's output gradient. (megatron's
+    ``reduce_from_tensor_model_parallel_region`` passes the gradient through unreduced, right only
+    where the summed output is consumed once, as after a row-parallel linear.)"""
+
+    @staticmethod
+    def forward(ctx, local: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
+        ctx.group = group
+        total = local.clone()
+        torch.distributed.all_reduce(total, group=group)
+        return total
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        grad = grad.clone()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+# transformers' q/k RMSNorm keeps its default eps whatever the config's layer_norm_eps.
+QK_NORM_EPS = 1e-6
+
+
+class WholeWidthRMSNorm(torch.nn.Module):
+    """RMSNorm over all heads of q (or k) [..., heads_local, head_dim], the statistics over the
+    heads of the whole TP group; its weight [heads_local * head_dim] is this rank's heads' part."""
+
+    def __init__(self, hidden_size: int, config, eps: float, *, tp_group: torch.distributed.ProcessGroup):
+        super().__init__()  # hidden_size (one head's width) and eps are megatron's per-head slot's
+        self.tp_group = tp_group
+        self.local_width = config.num_attention_heads // tp_group.size() * config.kv_channels
+        self.full_width = config.num_attention_heads * config.kv_channels
+        self.weight = torch.nn.Parameter(torch.ones(self.local_width, dtype=config.params_dtype))
+
+    def forward(self, heads: torch.Tensor) -> torch.Tensor:
+        shape, dtype = heads.shape, heads.dtype
+        x = heads.reshape(*shape[:-2], self.local_width).float()  # [..., heads_local * head_dim]
+        square_sum = x.pow(2).sum(-1, keepdim=True)
+        if self.tp_group.size() > 1:
+            square_sum = _SumOverGroup.apply(square_sum, self.tp_group)
+        x = x * torch.rsqrt(square_sum / self.full_width + QK_NORM_EPS)
+        return (self.weight * x.to(dtype)).view(shape)
+
+
+def without_bias(linear: type) -> type:
+    """``linear`` built without a bias whatever megatron asks (its qkv bias follows
+    ``add_bias_linear``, which InternViT-6B's output projection and MLP need)."""
+
+    class Unbiased(linear):
+        def __init__(self, *args, bias: bool = False, **kwargs):
+            super().__init__(*args, bias=False, **kwargs)
+
+    Unbiased.__name__ = Unbiased.__qualname__ = f"Unbiased{linear.__name__}"
+    return Unbiased
+
+
+def vision_layer_spec(modules: BlockModules, *, norm: str = "layer", qkv_bias: bool = True,
+                      qk_norm_tp_group: torch.distributed.ProcessGroup | None = None) -> ModuleSpec:
+    """``norm``: "layer" or "rms" pre-norms; ``qkv_bias``: q, k, v biases; ``qk_norm_tp_group``: the
+    vision TP group when the block has InternViT-6B's q/k norms (None: none)."""
+    block_modules = layer_norm_modules(modules) if norm == "layer" else modules
     # no_mask: bidirectional inside each tile; TE maps it to "padding" for packed input.
-    spec = transformer_layer_spec(layer_norm_modules(modules), AttnMaskType.no_mask)
+    spec = transformer_layer_spec(block_modules, AttnMaskType.no_mask)
     spec.module = LayerScaledTransformerLayer
+    attention = spec.submodules.self_attention.submodules
+    if not qkv_bias:
+        attention.linear_qkv = without_bias(attention.linear_qkv)
+    if qk_norm_tp_group is not None:
+        head_norm = ModuleSpec(module=WholeWidthRMSNorm, params={"tp_group": qk_norm_tp_group})
+        attention.q_layernorm = attention.k_layernorm = head_norm
     return spec

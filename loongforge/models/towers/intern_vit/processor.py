@@ -90,3 +90,13 @@ def patch_rows(tiles: np.ndarray, patch_size: int) -> np.ndarray:
     count, channels, side = tiles.shape[0], tiles.shape[1], tiles.shape[-1] // patch_size
     grid = tiles.reshape(count, channels, side, patch_size, side, patch_size).transpose(0, 2, 4, 1, 3, 5)
     return grid.reshape(count * side * side, channels * patch_size * patch_size)
+
+
+# The -HF tokenizer's image tokens; InternVLProcessor writes an image of n tiles as
+# IMAGE_START + IMAGE_CONTEXT x (n x tokens per tile) + IMAGE_END.
+IMAGE_START, IMAGE_CONTEXT, IMAGE_END = "<img>", "<IMG_CONTEXT>", "</img>"
+
+
+def image_placeholder(num_tiles: int, tokens_per_tile: int = 256) -> str:
+    """The text that stands for an image of ``num_tiles`` tiles in the prompt."""
+    return IMAGE_START + IMAGE_CONTEXT * (num_tiles * tokens_per_tile) + IMAGE_END

@@ -86,6 +86,9 @@ class Qwen3VisionConfig:
                              "facts to build_model as vision=Qwen3VisionConfig.from_hf(...))")
         if vis.norm != "layer":
             raise ValueError(f"model.vision.norm={vis.norm!r}: Qwen3-VL's vision blocks use LayerNorm (layer)")
+        if vis.qk_norm or not vis.qkv_bias:
+            raise ValueError("model.vision.qk_norm / qkv_bias: Qwen3-VL's vision blocks have q, k, v biases and no "
+                             "q/k norm; leave them at false / true")
         return cls(
             depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
             num_heads=vis.num_heads, in_channels=vis.in_channels, patch_size=vis.patch_size,

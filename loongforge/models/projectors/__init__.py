@@ -1,0 +1,1 @@
+"""Projectors: vision features -> language-model tokens (one module per kind)."""
