@@ -4,7 +4,7 @@
 (tiled by ``towers/intern_vit/processor.py`` at the tiny tile size), at TP 1 and at
 TP 2 (vision TP 1 and 2), every parameter randomised (layer scales, class token, positions, norms); the
 weights reach our model through the tower's HF rows and the decoder's; every parameter gets a
-gradient. The tower's parameter count equals transformers'.
+gradient. (The tower alone, its config and counts: ``tests/models/towers/test_intern_vit.py``.)
 
 The InternVL family (its config.json, chat, processor) is not registered yet: the composition is
 built directly, with transformers' newer key style read through Qwen2.5-VL's (the language model
@@ -170,33 +170,3 @@ def test_logits_equal_transformers_at_tp2(reference):
         print(f"InternVL tiny, TP 2, rank {rank}: logits vs transformers at vision TP 1 {worst[1]:.1e}, "
               f"vision TP 2 {worst[2]:.1e}")
         assert max(worst.values()) <= TOLERANCE
-
-
-def test_parameter_count_equals_transformers():
-    model, model_cfg = hf_model(), tiny_model_cfg()
-    vision, projector = parts.tower("intern_vit").parameters(model_cfg)
-    assert vision == sum(p.numel() for p in model.model.vision_tower.parameters())
-    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
-
-
-def test_internvl3_5_8b_vision_counts_as_transformers_builds_it():
-    """OpenGVLab/InternVL3_5-8B-HF's vision side: InternViT-300M at 448 px into Qwen3-8B's width."""
-    from transformers import InternVLConfig, InternVLForConditionalGeneration
-
-    config = InternVLConfig(
-        vision_config=dict(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16, intermediate_size=4096,
-                           image_size=[448, 448], patch_size=[14, 14], attention_bias=True, use_qk_norm=False,
-                           norm_type="layer_norm", use_mean_pooling=True),
-        text_config=dict(model_type="qwen3", hidden_size=4096, num_hidden_layers=1, num_attention_heads=8,
-                         num_key_value_heads=8, head_dim=64, intermediate_size=64, vocab_size=128))
-    with torch.device("meta"):
-        model = InternVLForConditionalGeneration(config)
-    model_cfg = tiny_model_cfg()
-    model_cfg.vision = VisionConfig(arch="intern_vit", depth=24, hidden_size=1024, intermediate_size=4096, num_heads=16,
-                                    patch_size=14, temporal_patch_size=1, image_size=448, window_size=None,
-                                    fullatt_block_indexes=[], hidden_act="gelu", norm="layer")
-    model_cfg.projector.out_hidden_size = 4096
-    tower, projector = parts.tower("intern_vit").parameters(model_cfg)
-    print(f"InternVL3.5-8B: InternViT {tower:,}, projector {projector:,}")
-    assert tower == sum(p.numel() for p in model.model.vision_tower.parameters())
-    assert projector == sum(p.numel() for p in model.model.multi_modal_projector.parameters())
