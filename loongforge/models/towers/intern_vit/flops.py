@@ -5,9 +5,8 @@ every tile; ``depth`` blocks of QKV, output projection and a plain GELU MLP over
 and its class token, attending within the tile (layer scale: an elementwise product, not counted);
 then the projector per merged token (2 x 2 patches): ``4w -> out -> out``.
 
-``encoder_flops`` counts a micro-batch's tiles for the part contract (``ModelConfig``);
-``tile_flops`` counts ``num_tiles`` tiles of any published InternViT from its HF ``InternViTConfig``
-(the same convention and numbers).
+``tile_flops`` counts ``num_tiles`` tiles of any published InternViT from its ``InternViTConfig``;
+``encoder_flops`` is the part contract's count of a micro-batch's tiles, through it.
 """
 
 from __future__ import annotations
@@ -20,32 +19,12 @@ from loongforge.models.flops import (
     Grid,
     attention_flops,
     linear_flops,
-    patch_embedding_flops,
     patch_embedding_passes,
     projector_passes,
     vision_block_linear_flops,
     vision_block_passes,
 )
 from loongforge.models.towers.intern_vit.config import InternViTConfig
-
-
-def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
-    """All blocks' forward over every tile (its patches and its class token)."""
-    vis = model_cfg.vision
-    lengths = [h * w + 1 for t, h, w in grids for _ in range(t)]
-    linears = vision_block_linear_flops(sum(lengths), vis.hidden_size, vis.intermediate_size, gated=False)
-    return vis.depth * (linears + attention_flops(lengths, vis.hidden_size))
-
-
-def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
-    """(vision, projector) FLOPs of the micro-batch's tiles ``grids``: ``flops.EncoderFlops``."""
-    vis, out = model_cfg.vision, model_cfg.projector.out_hidden_size
-    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=1,
-                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
-    vision = embedding + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids)
-    merged_tokens = sum(t * h * w for t, h, w in grids) // 4
-    projector = linear_flops(merged_tokens, 4 * vis.hidden_size, out) + linear_flops(merged_tokens, out, out)
-    return vision, projector_passes(options) * projector
 
 
 def tile_forward_flops(config: InternViTConfig, num_tiles: int, text_hidden_size: int) -> tuple[int, int, int]:
@@ -69,3 +48,11 @@ def tile_flops(config: InternViTConfig, num_tiles: int, text_hidden_size: int,
     embedding, blocks, projector = tile_forward_flops(config, num_tiles, text_hidden_size)
     vision = patch_embedding_passes(options) * embedding + vision_block_passes(options) * blocks
     return vision, projector_passes(options) * projector
+
+
+def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
+    """(vision, projector) FLOPs of the micro-batch's tiles ``grids`` (each (1, side, side)):
+    ``flops.EncoderFlops``, the run's tower counted as ``tile_flops`` counts it."""
+    tiles = sum(t for t, _, _ in grids)
+    config = InternViTConfig.from_schema(model_cfg.vision, model_cfg.projector)
+    return tile_flops(config, tiles, model_cfg.projector.out_hidden_size, options)
