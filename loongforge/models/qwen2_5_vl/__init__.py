@@ -29,7 +29,8 @@ FAMILY = ModelFamily(
     # Imported at the first build: megatron-core takes seconds, and a parameter count, a dry-run
     # plan or a config.json read should not pay for it.
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
-    build_encoder=LazyFunction("loongforge.models.towers.qwen2_5_vit.encoder:build_encoder"),
+    # The tower alone (loongforge encode), imported at its first build.
+    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
     count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,

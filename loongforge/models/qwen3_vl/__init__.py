@@ -34,7 +34,8 @@ FAMILY = ModelFamily(
     hf_rules=mapping_rules,
     to_hub_style=to_hub_style,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
-    build_encoder=LazyFunction("loongforge.models.towers.qwen3_vit.encoder:build_encoder"),
+    # The tower alone (loongforge encode), imported at its first build.
+    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
     count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,

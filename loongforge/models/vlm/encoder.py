@@ -22,7 +22,7 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization
+from loongforge.models import initialization, parts
 from loongforge.models.decoder.build import single_rank_groups
 from loongforge.models.layer_backend import (
     BlockModules,
@@ -124,3 +124,9 @@ def build_encoder_alone(build: BuildVisionEncoder, model_cfg: ModelConfig, *, pa
         params_dtype=params_dtype, on_cpu=on_cpu, recompute=False,
         init_seed=torch.initial_seed() if init_seed is None else init_seed))
     return encoder.to(device).eval()
+
+
+def build_part_encoder(tower: str, model_cfg: ModelConfig, **options) -> VisionEncoder:
+    """The whole encoder of the registered tower ``tower`` alone (``build_encoder_alone``'s
+    ``options``): a family's ``build_encoder`` binds its tower."""
+    return build_encoder_alone(parts.tower(tower).encoder_type().build, model_cfg, **options)

@@ -12,7 +12,6 @@ from loongforge.models.vision_common import square_side
 from loongforge.models.vision_configs import to_language_width_config, tower_config
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
 
-
 # model.vision.norm -> megatron's normalization of the blocks' pre-norms.
 NORMALIZATION = {"layer": "LayerNorm", "rms": "RMSNorm"}
 

@@ -1,14 +1,12 @@
 """Qwen2.5-VL's vision part: the ViT and its patch merger as one ``VisionEncoder``.
 
 The composed model (``models.vlm``) adopts its two children under their names (``vision_model``,
-``projector``), and ``loongforge encode`` runs it alone (``build_encoder``): the same state-dict
+``projector``), and ``loongforge encode`` runs it alone (``vlm.encoder.build_part_encoder``): the same state-dict
 keys, checkpoint keys and initial weights for a seed, so stored embeddings are the features training
 computes with the same weights.
 """
 
 from __future__ import annotations
-
-from typing import Optional
 
 import torch
 
@@ -19,7 +17,6 @@ from loongforge.models.towers.qwen2_5_vit.vision import PatchMerger, VisionModel
 from loongforge.models.vlm.encoder import (
     EncoderBuild,
     VisionEncoder,
-    build_encoder_alone,
     seeded_parts,
 )
 
@@ -46,11 +43,3 @@ class Qwen2_5_VLEncoder(VisionEncoder):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         return self.projector(self.vision_model(pixel_values, grid_thw))
-
-
-def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: torch.device | str,
-                  init_seed: Optional[int] = None,
-                  group: Optional[torch.distributed.ProcessGroup] = None) -> Qwen2_5_VLEncoder:
-    """The whole encoder alone (``vlm.encoder.build_encoder_alone``)."""
-    return build_encoder_alone(Qwen2_5_VLEncoder.build, model_cfg, params_dtype=params_dtype, device=device,
-                               init_seed=init_seed, group=group)

@@ -13,7 +13,6 @@ from typing import Optional
 
 import torch
 
-from loongforge.config.schema import ModelConfig
 from loongforge.models.towers.qwen3_vit import configs
 from loongforge.models.towers.qwen3_vit.layer_specs import vision_layer_spec
 from loongforge.models.towers.qwen3_vit.vision import (
@@ -25,7 +24,6 @@ from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 from loongforge.models.vlm.encoder import (
     EncoderBuild,
     VisionEncoder,
-    build_encoder_alone,
     seeded_parts,
 )
 
@@ -68,11 +66,3 @@ class Qwen3VLEncoder(VisionEncoder):
         order = [indexes.index(block) for block in sorted(indexes)]
         deepstack = [self.deepstack_projectors[merger](outputs) for merger, outputs in zip(order, block_outputs)]
         return torch.cat([self.projector(patch_features), *deepstack], dim=-1)
-
-
-def build_encoder(model_cfg: ModelConfig, *, params_dtype: torch.dtype, device: torch.device | str,
-                  init_seed: Optional[int] = None,
-                  group: Optional[torch.distributed.ProcessGroup] = None) -> Qwen3VLEncoder:
-    """The whole encoder alone (``vlm.encoder.build_encoder_alone``)."""
-    return build_encoder_alone(Qwen3VLEncoder.build, model_cfg, params_dtype=params_dtype, device=device,
-                               init_seed=init_seed, group=group)
