@@ -157,19 +157,6 @@ class GateUp(Transform):
         return [torch.cat(gates), torch.cat(ups)]
 
 
-class PatchEmbedding(Transform):
-    """Conv3d weight [hidden, C, T, p, p] <-> Linear weight [hidden, C*T*p*p] (replicated)."""
-
-    def __init__(self, conv_shape: tuple[int, ...]):
-        self.conv_shape = conv_shape
-
-    def shard(self, hf, rank, size):
-        return hf[0].reshape(hf[0].shape[0], -1)
-
-    def unshard(self, shards):
-        return [shards[0].reshape(self.conv_shape)]
-
-
 class Reshaped(Transform):
     """An HF tensor of ``hf_shape`` <-> ours of ``shape``, the same values (replicated): a class token
     [1, 1, h] kept as [h], a position table [1, n, h] as [n, h]."""
@@ -182,6 +169,11 @@ class Reshaped(Transform):
 
     def unshard(self, shards):
         return [shards[0].reshape(self.hf_shape)]
+
+
+def PatchEmbedding(conv_shape: tuple[int, ...]) -> Reshaped:  # noqa: N802  (reads as the transform it is)
+    """A patch embedding's Conv weight [hidden, C, (T,) p, p] <-> our Linear weight [hidden, C*(T*)p*p]."""
+    return Reshaped(conv_shape, (conv_shape[0], -1))
 
 
 @dataclass(frozen=True)
