@@ -170,9 +170,12 @@ class DataConfig:
     # or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
     # package ships (loongforge.data.tokenizer); otherwise a local HF tokenizer directory.
     tokenizer: str = "qwen"
-    # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules.
+    # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules (the Qwen towers).
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280
+    # InternViT's tiling: an image becomes at most this many tiles of model.vision.image_size pixels
+    # (and a thumbnail when it takes more than one): InternVL's processor's max_patches.
+    max_tiles: int = 12
     video_min_pixels: int = 128 * 28 * 28
     video_max_pixels: int = 768 * 28 * 28
     video_fps: float = 2.0

@@ -61,7 +61,7 @@ _AT_LEAST_ONE = (
     "model.projector.spatial_merge_size",
     "model.language.num_layers", "model.language.hidden_size", "model.language.ffn_hidden_size",
     "model.language.num_attention_heads", "model.language.num_query_groups",
-    "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.video_max_frames",
+    "model.language.vocab_size", "data.seq_len", "data.min_pixels", "data.max_tiles", "data.video_max_frames",
     "parallel.tensor_model_parallel_size", "parallel.pipeline_model_parallel_size",
     "parallel.context_parallel_size", "parallel.world_size", "parallel.collective_timeout_s", "training.train_steps", "training.global_batch_size",
     "training.eval_iters", "logging.log_interval",

@@ -29,16 +29,16 @@ from loongforge.data.vision import (
     VideoPlan,
     VisionSizing,
     decode_video_frames,
-    image_grid_thw,
     load_rgb_image,
     num_llm_tokens,
     plan_video,
-    preprocess_image,
     preprocess_video,
     probe_image_size,
     probe_video,
 )
+from loongforge.models import parts
 from loongforge.models.family import ChatFormat
+from loongforge.models.media import ImagePlan
 from loongforge.models.registry import get_family
 
 
@@ -89,6 +89,7 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
     """How images and videos become patches; None for a text-only model (it takes no media)."""
     if model_cfg.vision is None:
         return None
+    family = get_family(model_cfg.family)
     return VisionSizing(
         patch_size=model_cfg.vision.patch_size,
         temporal_patch_size=model_cfg.vision.temporal_patch_size,
@@ -99,7 +100,8 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
         video_max_pixels=data_cfg.video_max_pixels,
         pixel_mean=tuple(model_cfg.vision.pixel_mean),
         pixel_std=tuple(model_cfg.vision.pixel_std),
-        video_rule=get_family(model_cfg.family).chat(model_cfg).video_rule,
+        video_rule=family.chat(model_cfg).video_rule,
+        images=parts.tower(family.vision_part).images(model_cfg, data_cfg),
     )
 
 
@@ -124,12 +126,12 @@ class SampleMeasurer:
             return Reject.of(sample, "media_in_text_model", f"{len(sample.images)} image(s), "
                                                             f"{len(sample.videos)} video(s) for a model without a vision tower")
         try:
-            image_grids, video_plans = measure_media(sample, self.sizing, self.data_cfg)
+            image_plans, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:
             return Reject.of(sample, error.reason, error.detail)
         chat = tokenize_chat(self.tokenizer, render_chat(sample.turns, self.data_cfg.system_prompt, self.chat))
         try:
-            input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_grids, video_plans)
+            input_ids, is_answer = self._expand_media(chat.input_ids, chat.is_answer, image_plans, video_plans)
         except ValueError as error:  # literal <|image_pad|> typed into the text
             return Reject.of(sample, "media_mismatch", str(error))
         # Vision markers are inputs, never targets, even if a placeholder sat in an answer.
@@ -139,7 +141,7 @@ class SampleMeasurer:
                              f"{len(input_ids)} tokens > data.seq_len={self.data_cfg.seq_len}")
         return MeasuredSample(
             sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
-            is_answer=is_answer, images=list(sample.images), image_grids=image_grids,
+            is_answer=is_answer, images=list(sample.images), image_grids=[plan.grid for plan in image_plans],
             videos=list(sample.videos), video_plans=video_plans, record=sample.record,
         )
 
@@ -153,12 +155,12 @@ class SampleMeasurer:
         return MeasuredSample(sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
                               is_answer=np.ones(len(input_ids), dtype=bool), record=sample.record, document=True)
 
-    def _expand_media(self, input_ids, is_answer, image_grids, video_plans):
-        if not image_grids and not video_plans:
+    def _expand_media(self, input_ids, is_answer, image_plans: list[ImagePlan], video_plans):
+        if not image_plans and not video_plans:
             return input_ids, is_answer
         merge = self.sizing.merge_size
         input_ids, is_answer = expand_media_tokens(
-            input_ids, is_answer, self.tokens.image_token_id, [num_llm_tokens(grid, merge) for grid in image_grids]
+            input_ids, is_answer, self.tokens.image_token_id, [plan.tokens for plan in image_plans]
         )
         if self.chat.timestamped_video_frames:
             blocks = [timestamped_video_ids(plan, self.tokenizer, self.tokens, self.sizing.temporal_patch_size, merge)
@@ -185,18 +187,20 @@ def document_pieces(sample: MeasuredSample, seq_len: int) -> list[MeasuredSample
 
 
 def measure_media(sample: ConversationSample, sizing: VisionSizing,
-                  data_cfg: DataConfig) -> tuple[list[tuple[int, int, int]], list[VideoPlan]]:
-    """Each image's patch grid (from its header) and each video's frame plan (from its container),
-    without decoding pixels; MediaError on the first medium that is missing or unreadable."""
-    image_grids = [_image_grid(image, sizing) for image in sample.images]
+                  data_cfg: DataConfig) -> tuple[list[ImagePlan], list[VideoPlan]]:
+    """Each image's plan (grid and tokens, from its header, by the tower's processing) and each
+    video's frame plan (from its container), without decoding pixels; MediaError on the first medium
+    that is missing or unreadable."""
+    image_plans = [image_plan(image, sizing, len(sample.images)) for image in sample.images]
     video_plans = [_video_plan(video, sizing, data_cfg) for video in sample.videos]
-    return image_grids, video_plans
+    return image_plans, video_plans
 
 
-def _image_grid(image: ImageSource, sizing: VisionSizing) -> tuple[int, int, int]:
+def image_plan(image: ImageSource, sizing: VisionSizing, images_in_sample: int = 1) -> ImagePlan:
+    """One image's grid and placeholder tokens from its header (``models.media``); MediaError."""
     width, height = probe_image_size(image)
     try:
-        return image_grid_thw(width, height, sizing)
+        return sizing.images.plan(width, height, images_in_sample)
     except ValueError as error:  # extreme aspect ratio
         raise MediaError("corrupt_image", f"{_name(image)}: {error}") from None
 
@@ -213,7 +217,8 @@ def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSam
     """Decode and patchify this sample's media; a decode failure (file changed or corrupt past
     its header) yields zero pixels of the planned shape and a late reject, never an exception."""
     try:
-        images = [image_pixels(image, grid, sizing) for image, grid in zip(sample.images, sample.image_grids)]
+        count = len(sample.images)
+        images = [image_pixels(image, grid, sizing, count) for image, grid in zip(sample.images, sample.image_grids)]
         videos = [video_pixels(video, plan, sizing) for video, plan in zip(sample.videos, sample.video_plans)]
         return MaterializedSample(sample=sample, image_pixels=images, video_pixels=videos)
     except MediaError as error:
@@ -221,16 +226,17 @@ def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSam
                            f"{error.detail} (found when decoding; sample trained with no loss)")
     return MaterializedSample(
         sample=sample,
-        image_pixels=[_zeros(grid, sizing) for grid in sample.image_grids],
-        video_pixels=[_zeros(plan.grid_thw, sizing) for plan in sample.video_plans],
+        image_pixels=[_zeros(grid, sizing.images.patch_dim) for grid in sample.image_grids],
+        video_pixels=[_zeros(plan.grid_thw, sizing.patch_dim) for plan in sample.video_plans],
         late_reject=reject,
     )
 
 
-def image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
-    """float32 [t*h*w, patch_dim] of one image measured with ``grid``; MediaError if it cannot be
-    decoded or decodes to another size than its header said."""
-    pixels, decoded_grid = preprocess_image(load_rgb_image(image), sizing)
+def image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing,
+                 images_in_sample: int = 1) -> np.ndarray:
+    """float32 [t*h*w, patch_dim] of one image measured with ``grid`` (by the tower's processing);
+    MediaError if it cannot be decoded or decodes to another size than its header said."""
+    pixels, decoded_grid = sizing.images.pixels(load_rgb_image(image), images_in_sample)
     if decoded_grid != grid:  # header and decoded size disagree
         raise MediaError("corrupt_image", f"{_name(image)}: decoded grid {decoded_grid} != header grid {grid}")
     return pixels
@@ -241,9 +247,9 @@ def video_pixels(video: str, plan: VideoPlan, sizing: VisionSizing) -> np.ndarra
     return preprocess_video(decode_video_frames(video, plan.frame_indices), plan, sizing)
 
 
-def _zeros(grid: tuple[int, int, int], sizing: VisionSizing) -> np.ndarray:
+def _zeros(grid: tuple[int, int, int], patch_dim: int) -> np.ndarray:
     grid_t, grid_h, grid_w = grid
-    return np.zeros((grid_t * grid_h * grid_w, sizing.patch_dim), dtype=np.float32)
+    return np.zeros((grid_t * grid_h * grid_w, patch_dim), dtype=np.float32)
 
 
 def _name(image: ImageSource) -> str:

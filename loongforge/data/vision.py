@@ -1,14 +1,8 @@
-"""Qwen2.5-VL pixel preprocessing, with transformers' Qwen2-VL image-processor semantics.
+"""Media on the data side: reading images (header probe, RGB decode) and the Qwen-VL video path.
 
-Image path (bit-equal to ``Qwen2VLImageProcessorPil`` with default arguments):
-RGB (alpha composited on white) -> ``smart_resize`` to multiples of 28 inside
-[min_pixels, max_pixels] -> PIL bicubic resize -> ``x * (1/255)`` in float64, cast to float32 ->
-``(x - CLIP_MEAN) / CLIP_STD`` in float32 -> patchify.
-
-Patchify layout: ``pixel_values[grid_t*grid_h*grid_w, C*temporal_patch*14*14]``; rows are ordered
-(t, h-block, w-block, h-in-block, w-in-block) with 2x2 merge blocks, so every 4 consecutive rows
-are one merged LLM token; each row is (C, temporal, 14, 14) flattened. A still image is repeated
-over the 2 temporal slots.
+Images become patch rows by the run's tower (``VisionSizing.images``, a ``models.media.ImageProcessing``:
+Qwen's smart resize, InternVL's tiles, LLaVA-OneVision's anyres); this module reads them. Videos follow
+Qwen2-VL's processing (``models.smart_resize``: the same resize rule and patch layout as its images).
 
 Video: frames are sampled and sized by the family's rule (``VIDEO_RULES``, named by
 ``ChatFormat.video_rule``), resized per frame with the same PIL bicubic and normalised the same
@@ -31,17 +25,23 @@ from __future__ import annotations
 
 import io
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Union
+from typing import Optional, Union
 
 import numpy as np
 from PIL import Image
 
+from loongforge.models.media import ImageProcessing
 from loongforge.models.pixels import normalize, resize_bicubic
+from loongforge.models.smart_resize import (
+    OPENAI_CLIP_MEAN,
+    OPENAI_CLIP_STD,
+    SmartResizeImages,
+    patchify,
+    smart_resize,
+)
 
-OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
-OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)
 MIN_VIDEO_FRAMES = 4  # transformers' Qwen2-VL video processor default
 
 # A media item: a path, raw encoded bytes, or an already decoded image (synthetic data).
@@ -59,7 +59,8 @@ class MediaError(Exception):
 
 @dataclass(frozen=True)
 class VisionSizing:
-    """Patch geometry and pixel budgets; built by ``data.measure.vision_sizing`` from
+    """How a run's media become patches: the tower's image processing (``images``) and the video
+    path's patch geometry and pixel budgets; built by ``data.measure.vision_sizing`` from
     ModelConfig.vision/projector and DataConfig, whose defaults are the only ones."""
 
     patch_size: int
@@ -74,13 +75,22 @@ class VisionSizing:
     # Per-channel normalisation (the processor's image_mean / image_std).
     pixel_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
     pixel_std: tuple[float, float, float] = OPENAI_CLIP_STD
+    # The tower's image processor (``models.media``); None: Qwen2-VL's at the fields above.
+    images: Optional[ImageProcessing] = None
+
+    def __post_init__(self):
+        if self.images is None:
+            object.__setattr__(self, "images", SmartResizeImages(
+                self.patch_size, self.temporal_patch_size, self.merge_size, self.min_pixels, self.max_pixels,
+                self.pixel_mean, self.pixel_std))
 
     def geometry(self) -> dict:
         """The fields that decide grids and token counts (what a packed folder must agree on)."""
-        geometry = {k: v for k, v in asdict(self).items() if k not in ("pixel_mean", "pixel_std")}
+        skipped = ("pixel_mean", "pixel_std", "images")
+        geometry = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skipped}
         if self.video_rule == "qwen2_vl":  # the only rule before it was recorded: old folders stay readable
             del geometry["video_rule"]
-        return geometry
+        return {**geometry, **self.images.geometry()}
 
     @property
     def factor(self) -> int:
@@ -89,26 +99,6 @@ class VisionSizing:
     @property
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
-
-
-def smart_resize(
-    height: int, width: int, factor: int = 28, min_pixels: int = 56 * 56, max_pixels: int = 28 * 28 * 1280
-) -> tuple[int, int]:
-    """(height, width) rounded to multiples of ``factor`` with area in [min_pixels, max_pixels],
-    keeping the aspect ratio as closely as possible (Qwen2-VL's rule)."""
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
-    resized_h = round(height / factor) * factor
-    resized_w = round(width / factor) * factor
-    if resized_h * resized_w > max_pixels:
-        scale = math.sqrt(height * width / max_pixels)
-        resized_h = max(factor, math.floor(height / scale / factor) * factor)
-        resized_w = max(factor, math.floor(width / scale / factor) * factor)
-    elif resized_h * resized_w < min_pixels:
-        scale = math.sqrt(min_pixels / (height * width))
-        resized_h = math.ceil(height * scale / factor) * factor
-        resized_w = math.ceil(width * scale / factor) * factor
-    return resized_h, resized_w
 
 
 # ---------------------------------------------------------------- images: cheap probe
@@ -162,12 +152,6 @@ def _check_end_marker(source: ImageSource, image_format: str | None) -> None:
         raise MediaError("corrupt_image", f"{_describe(source)}: truncated {image_format} (no end marker)")
 
 
-def image_grid_thw(width: int, height: int, sizing: VisionSizing) -> tuple[int, int, int]:
-    """(grid_t, grid_h, grid_w) in 14-px patches for an image of this size."""
-    resized_h, resized_w = smart_resize(height, width, sizing.factor, sizing.min_pixels, sizing.max_pixels)
-    return 1, resized_h // sizing.patch_size, resized_w // sizing.patch_size
-
-
 def num_llm_tokens(grid_thw: tuple[int, int, int], merge_size: int) -> int:
     """LLM placeholder tokens for one image/video: one per merged merge_size x merge_size group."""
     grid_t, grid_h, grid_w = grid_thw
@@ -198,29 +182,9 @@ def to_rgb(image: Image.Image) -> Image.Image:
     return Image.alpha_composite(white, rgba).convert("RGB")
 
 
-def preprocess_image(image: Image.Image, sizing: VisionSizing) -> tuple[np.ndarray, tuple[int, int, int]]:
-    """RGB PIL image -> (pixel_values float32 [grid_h*grid_w, 3*2*14*14], (1, grid_h, grid_w))."""
-    width, height = image.size
-    resized_h, resized_w = smart_resize(height, width, sizing.factor, sizing.min_pixels, sizing.max_pixels)
-    frame = normalize_frame(resize_bicubic(image, resized_h, resized_w), sizing)  # [H, W, 3]
-    frames = np.repeat(frame[None], sizing.temporal_patch_size, axis=0)  # [tp, H, W, 3]
-    return patchify(frames, sizing), (1, resized_h // sizing.patch_size, resized_w // sizing.patch_size)
-
-
 def normalize_frame(pixels_uint8: np.ndarray, sizing: VisionSizing) -> np.ndarray:
     """uint8 [H, W, 3] -> float32 [H, W, 3] with the model's mean and std (``models.pixels``)."""
     return normalize(pixels_uint8, sizing.pixel_mean, sizing.pixel_std)
-
-
-def patchify(frames: np.ndarray, sizing: VisionSizing) -> np.ndarray:
-    """float32 [T, H, W, 3] (T a multiple of temporal_patch_size) -> [T/tp * H/p * W/p, 3*tp*p*p]."""
-    num_frames, height, width, channels = frames.shape
-    tp, p, m = sizing.temporal_patch_size, sizing.patch_size, sizing.merge_size
-    grid_t, grid_h, grid_w = num_frames // tp, height // p, width // p
-    blocks = frames.reshape(grid_t, tp, grid_h // m, m, p, grid_w // m, m, p, channels)
-    # -> (t, h-block, w-block, h-in-block, w-in-block, C, tp, py, px)
-    blocks = blocks.transpose(0, 2, 5, 3, 6, 8, 1, 4, 7)
-    return np.ascontiguousarray(blocks).reshape(grid_t * grid_h * grid_w, channels * tp * p * p)
 
 
 # ---------------------------------------------------------------- video
@@ -424,4 +388,4 @@ def preprocess_video(frames: list[Image.Image], plan: VideoPlan, sizing: VisionS
     pad = -len(frames) % sizing.temporal_patch_size
     if pad:  # repeat the last frame, as transformers does
         stacked = np.concatenate([stacked, np.repeat(stacked[-1:], pad, axis=0)])
-    return patchify(stacked, sizing)
+    return patchify(stacked, sizing.temporal_patch_size, sizing.patch_size, sizing.merge_size)

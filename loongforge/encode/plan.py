@@ -78,11 +78,12 @@ def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> 
             rejects.append((index, sample))
             continue
         try:
-            image_grids, video_plans = measure_media(sample, sizing, data_cfg)
+            image_plans, video_plans = measure_media(sample, sizing, data_cfg)
         except MediaError as error:
             rejects.append((index, Reject.of(sample, error.reason, error.detail)))
             continue
-        items += _sample_items(sample, image_grids, video_plans, first=len(items), sample_order=index)
+        items += _sample_items(sample, [plan.grid for plan in image_plans], video_plans, first=len(items),
+                               sample_order=index)
     return EncodePlan(items=items, rejects=rejects, samples=len(source))
 
 

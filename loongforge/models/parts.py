@@ -13,10 +13,11 @@ import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
-from loongforge.config.schema import ModelConfig
+from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.decoder.params import model_parameters
 from loongforge.models.family import registered
 from loongforge.models.flops import EncoderFlops
+from loongforge.models.media import ImageProcessing
 
 if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
     from loongforge.models.vlm.encoder import VisionEncoder
@@ -35,6 +36,8 @@ class TowerPart:
     flops: EncoderFlops
     # model_cfg -> (vision, projector) parameter counts
     parameters: Callable[[ModelConfig], tuple[int, int]]
+    # (model_cfg, data_cfg) -> its image processor at the run's settings (``models.media``)
+    images: Callable[[ModelConfig, DataConfig], ImageProcessing]
 
     def encoder_type(self) -> type["VisionEncoder"]:
         module_name, _, class_name = self.encoder.partition(":")

@@ -52,12 +52,13 @@ def square_side(vision) -> int:
 
 
 def square_media_count(grid_thw: torch.Tensor, side: int, tower: str) -> int:
-    """Media in ``grid_thw`` [n, 3] of a tower that sees fixed-size squares, each of which must be
-    ``(1, side, side)``; a ValueError naming the grids otherwise."""
-    if grid_thw.numel() and not bool((grid_thw == torch.tensor([1, side, side], device=grid_thw.device)).all()):
-        raise ValueError(f"{tower} encodes squares of {side} x {side} patches (grid (1, {side}, {side})), "
+    """Squares in ``grid_thw`` [n, 3] of a tower that sees fixed-size squares: each grid is ``(t, side,
+    side)``, t squares (an image's tiles or crops, encoded each on its own); a ValueError naming the
+    grids otherwise."""
+    if grid_thw.numel() and not bool((grid_thw[:, 1:] == side).all() and (grid_thw[:, 0] >= 1).all()):
+        raise ValueError(f"{tower} encodes squares of {side} x {side} patches (grids (t, {side}, {side})), "
                          f"got grids {grid_thw.tolist()}")
-    return int(grid_thw.shape[0])
+    return int(grid_thw[:, 0].sum())
 
 
 def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:

@@ -149,7 +149,7 @@ def test_presets_env_var_points_elsewhere(tmp_path, monkeypatch):
 def test_llama_presets_use_llama3s_tokenizer_and_architecture():
     """The preset overrides the training component's tokenizer: Llama 3's vocabulary, pad token and
     (chosen by the architecture) chat format."""
-    from loongforge.models.llm.hf_config import architecture
+    from loongforge.models.decoder.text_config import architecture
 
     for name in ("llama3.1-8b", "llama-tiny"):
         cfg = load_run_config(name)

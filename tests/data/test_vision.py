@@ -12,19 +12,22 @@ from loongforge.data.measure import vision_sizing
 from loongforge.data.vision import (
     MediaError,
     decode_video_frames,
-    image_grid_thw,
     load_rgb_image,
     plan_video,
-    preprocess_image,
     preprocess_video,
     probe_image_size,
     probe_video,
     sample_frame_indices,
-    smart_resize,
 )
+from loongforge.models.smart_resize import patchify, smart_resize
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, require
 
 SIZING = vision_sizing(DataConfig(), ModelConfig())  # the schema's defaults: Qwen2-VL's processor's
+
+
+def preprocess_image(image, sizing):
+    """(patch rows, grid) by the run's tower (Qwen2-VL's smart resize here)."""
+    return sizing.images.pixels(image)
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +105,7 @@ def test_probe_reads_header_only_and_matches_decoded_grid():
         width, height = probe_image_size(path)
         assert (width, height) == Image.open(path).size
         decoded = preprocess_image(load_rgb_image(path), SIZING)[1]
-        assert image_grid_thw(width, height, SIZING) == decoded
+        assert SIZING.images.plan(width, height).grid == decoded
 
 
 def test_probe_catches_missing_truncated_and_garbage(tmp_path):
@@ -174,11 +177,9 @@ def _transformers_video_patchify():
 def test_video_patchify_matches_transformers_video_processor():
     import torch
 
-    from loongforge.data.vision import patchify
-
     frames = np.random.default_rng(0).standard_normal((4, 56, 84, 3)).astype(np.float32)  # [T, H, W, C]
     videos = torch.from_numpy(frames).permute(0, 3, 1, 2)[None].contiguous()  # [1, T, C, H, W]
     expected, grid_t, grid_h, grid_w = _transformers_video_patchify()(
         None, videos, patch_size=14, merge_size=2, temporal_patch_size=2)
     assert (grid_t, grid_h, grid_w) == (2, 4, 6)
-    assert np.array_equal(patchify(frames, SIZING), expected[0].numpy())
+    assert np.array_equal(patchify(frames, 2, 14, 2), expected[0].numpy())

@@ -21,7 +21,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.data.conversations import read_data_file
 from loongforge.data.embedding_store import EmbeddingRow, EmbeddingStore
 from loongforge.data.measure import MeasuredSample, image_pixels, video_pixels, vision_sizing
-from loongforge.data.vision import image_grid_thw, plan_video, probe_video
+from loongforge.data.vision import plan_video, probe_video
 from loongforge.models.registry import get_family
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.shared_data import SHARED_DATA
@@ -220,7 +220,7 @@ def test_records_sharing_a_line_are_found_apart(tmp_path):
     sizing = vision_sizing(cfg.data, cfg.model)
     found = []
     for photo in photos:
-        grid = image_grid_thw(*Image.open(photo).size, sizing)
+        grid = sizing.images.plan(*Image.open(photo).size).grid
         sample = MeasuredSample(sample_id=f"{data}:1", file=str(data), line=1, input_ids=np.zeros(1, dtype=np.int64),
                                 is_answer=np.zeros(1, dtype=bool), images=[str(photo)], image_grids=[grid])
         assert store.problem(sample) is None

@@ -24,7 +24,8 @@ from loongforge.config.schema import VisionConfig
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
-from loongforge.models.towers.intern_vit.processor import TileSettings, patch_rows, preprocess_tiles, tokens_per_tile
+from loongforge.models.pixels import patch_rows
+from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
 from loongforge.models.vlm.model import build_vlm
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
 from tests.models.tower_helpers import load_rows, randomised, relative

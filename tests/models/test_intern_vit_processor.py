@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.intern_vit.processor import (
     TileSettings,
-    patch_rows,
     preprocess_tiles,
     tile_count,
     tokens_per_tile,

@@ -24,7 +24,7 @@ from loongforge.config.schema import (
 )
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.towers.intern_vit.processor import patch_rows
+from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
 from loongforge.models.towers.siglip.hf_mapping import tower_rules
 from loongforge.models.towers.siglip.params import hf_checkpoint_extra

@@ -29,7 +29,7 @@ from dataclasses import replace
 from loongforge.config.schema import ModelConfig
 from loongforge.models.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
-from loongforge.models.llm.hf_config import architecture
+from loongforge.models.decoder.text_config import architecture
 
 # The Jinja twins below render the same text as ``data.template`` (messages as strings or as HF
 # content parts, of which only text parts exist here). No whitespace control: HF renders with

@@ -1,104 +1,32 @@
-"""Text-only LLMs' HF ``config.json`` both ways: Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and Llama 3.x.
-
-The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
-q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and routed experts (Qwen3-MoE: Qwen3's
-attention, ``num_experts`` > 0); Llama has none (and may scale its RoPE frequencies).
-``architecture`` reads the switches back, so a config written for one is read as it.
+"""Text-only LLMs' HF ``config.json`` both ways: the text backbone's fields (``decoder.text_config``:
+Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and Llama 3.x) at the top level, plus the padding token.
 """
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+from collections.abc import Mapping
+from typing import Any
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
-from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
+from loongforge.config.schema import ModelConfig, TokenIdsConfig
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
+from loongforge.models.decoder.text_config import (
+    HF_ARCHITECTURES,
+    HF_MODEL_TYPES,
+    language_from_hf,
+    language_to_hf,
+)
 
 NAME = "llm"
-# architecture name -> (model_type, add_qkv_bias, qk_norm, experts)
-_ARCHITECTURES = {
-    "Qwen2ForCausalLM": ("qwen2", True, False, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True, False),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True),
-    "LlamaForCausalLM": ("llama", False, False, False),
-}
-HF_ARCHITECTURES = tuple(_ARCHITECTURES)
-HF_MODEL_TYPES = tuple(model_type for model_type, *_ in _ARCHITECTURES.values())
-# Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
-_LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
-
-
-def architecture(lang: LanguageConfig) -> str:
-    """The transformers class whose weights ``lang`` describes."""
-    for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
-        if (lang.add_qkv_bias, lang.qk_norm, lang.num_experts > 0) == (bias, qk_norm, experts):
-            return name
-    raise ValueError("model.language's add_qkv_bias, qk_norm and num_experts describe no transformers "
-                     "text architecture (experts need qk_norm: true and add_qkv_bias: false; qkv "
-                     "biases and qk_norm never go together)")
-
-
-def _architecture_of(cfg: Mapping[str, Any], where: str) -> str:
-    for name in cfg.get("architectures") or []:
-        if name in _ARCHITECTURES:
-            return name
-    for name, (model_type, *_) in _ARCHITECTURES.items():
-        if cfg.get("model_type") == model_type:
-            return name
-    raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
-
-
-def _rope_scaling_factor(cfg: Mapping[str, Any], where: str) -> float | None:
-    scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
-    kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind == "default":
-        return None
-    if kind != "llama3":
-        raise InputError(f"{where}: rope_scaling type {kind!r} is not supported; loongforge reads llama3 scaling")
-    for key, expected in _LLAMA3_SCALING.items():
-        if float(scaling.get(key, expected)) != expected:
-            raise InputError(f"{where}: rope_scaling.{key}={scaling[key]} but loongforge's llama3 scaling "
-                             f"uses {expected}")
-    return float(scaling["factor"])
-
-
-def _rope_theta(cfg: Mapping[str, Any]) -> float:
-    params = cfg.get("rope_parameters") or {}
-    return float(params.get("rope_theta", cfg.get("rope_theta", 10_000.0)))
+__all__ = ["HF_ARCHITECTURES", "HF_MODEL_TYPES", "NAME", "expected_hf_shapes", "hf_config_from_model",
+           "model_config_from_hf"]
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` (no vision tower) from a Qwen2 / Qwen3 / Llama ``config.json``."""
-    name = _architecture_of(cfg, where)
-    _, bias, qk_norm, experts = _ARCHITECTURES[name]
-    for key in ("attention_bias", "mlp_bias"):
-        if cfg.get(key) and not bias:
-            raise InputError(f"{where}: {key}=true is not supported (Llama-style models train here without "
-                             f"attention or MLP biases)")
     try:
-        heads = cfg["num_attention_heads"]
-        channels = cfg.get("head_dim") or cfg["hidden_size"] // heads
-        return ModelConfig(
-            family=NAME,
-            vision=None,
-            projector=None,
-            language=LanguageConfig(
-                num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
-                ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
-                num_query_groups=cfg.get("num_key_value_heads", heads), vocab_size=cfg["vocab_size"],
-                rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg), mrope_section=[],
-                max_position_embeddings=cfg.get("max_position_embeddings", 32_768),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-                add_qkv_bias=bias,
-                # Qwen3 configs always state it (transformers' Qwen3 default is 128, not hidden/heads).
-                head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
-                qk_norm=qk_norm,
-                rope_scaling_factor=_rope_scaling_factor(cfg, where),
-                **(experts_from_hf(cfg, where, model="Qwen3-MoE") if experts else {}),
-            ),
-            tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)),
-        )
+        return ModelConfig(family=NAME, vision=None, projector=None, language=language_from_hf(cfg, where),
+                           tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)))
     except KeyError as exc:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete config.json?") from None
 
@@ -116,33 +44,8 @@ def _pad_token_id(cfg: Mapping[str, Any]) -> int:
 
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A Hub-style ``config.json`` for ``model_cfg``, written when the source carries none."""
-    lang = model_cfg.language
-    name = architecture(lang)
-    config: dict[str, Any] = {
-        "architectures": [name],
-        "model_type": _ARCHITECTURES[name][0],
-        "hidden_size": lang.hidden_size,
-        "intermediate_size": lang.ffn_hidden_size,
-        "num_hidden_layers": lang.num_layers,
-        "num_attention_heads": lang.num_attention_heads,
-        "num_key_value_heads": lang.num_query_groups,
-        "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads,
-        "vocab_size": lang.vocab_size,
-        "rms_norm_eps": lang.rms_norm_eps,
-        "max_position_embeddings": lang.max_position_embeddings,
-        "rope_theta": lang.rope_theta,
-        "hidden_act": "silu",
-        "tie_word_embeddings": lang.tie_word_embeddings,
-        "pad_token_id": model_cfg.tokens.pad_token_id,
-        "torch_dtype": dtype,
-    }
-    if name == "LlamaForCausalLM":
-        config.update(attention_bias=False, mlp_bias=False)
-    if lang.num_experts:
-        config.update(experts_to_hf(lang))
-    if lang.rope_scaling_factor is not None:
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}
-    return config
+    return {**language_to_hf(model_cfg.language), "pad_token_id": model_cfg.tokens.pad_token_id,
+            "torch_dtype": dtype}
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -28,6 +28,7 @@ from PIL import Image
 from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
 from loongforge.models.flops import FlopOptions
 from loongforge.models.hf_weights import hf_to_megatron
+from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.intern_vit import flops, params, processor
 from loongforge.models.towers.intern_vit.config import (
     INTERNVL3_5_8B_TEXT_HIDDEN,
@@ -171,7 +172,7 @@ def load(encoder, hf_state: dict, config: InternViTConfig) -> None:
 
 def our_features(encoder, tiles: torch.Tensor) -> torch.Tensor:
     """[tiles, 256, text] features of the encoder."""
-    rows = torch.from_numpy(processor.patch_rows(tiles.numpy(), TINY.patch_size))
+    rows = torch.from_numpy(patch_rows(tiles.numpy(), TINY.patch_size))
     grids = torch.tensor([[1, TINY.patches_per_side, TINY.patches_per_side]] * tiles.shape[0])
     return encoder(rows, grids).view(tiles.shape[0], TINY.tokens_per_tile, -1)
 

@@ -18,6 +18,7 @@ tile) and a grid (1, side, side) with a 2 x 2 merge, so measuring, packing, ``en
 
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.intern_vit import flops, params
+from loongforge.models.towers.intern_vit.processor import tiled_images
 
 PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
-                 params.encoder_parameters)
+                 params.encoder_parameters, tiled_images)

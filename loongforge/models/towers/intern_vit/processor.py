@@ -16,7 +16,9 @@ from functools import lru_cache
 import numpy as np
 from PIL import Image
 
-from loongforge.models.pixels import normalize, resize_bicubic
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.models.media import Grid, ImagePlan, ImageProcessing
+from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # InternVL3.5's preprocessor_config.json: ImageNet's mean and std.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -84,14 +86,6 @@ def preprocess_tiles(image: Image.Image, settings: TileSettings) -> np.ndarray:
     return np.stack([_normalized(tile, settings) for tile in tiles])
 
 
-def patch_rows(tiles: np.ndarray, patch_size: int) -> np.ndarray:
-    """[tiles, C, S, S] -> [tiles * (S/p)^2, C*p*p]: each tile's patches row-major, each flattened as
-    the patch embedding's Conv2d weight is ([C, p, p]): the tower's pixel rows (grid (1, S/p, S/p))."""
-    count, channels, side = tiles.shape[0], tiles.shape[1], tiles.shape[-1] // patch_size
-    grid = tiles.reshape(count, channels, side, patch_size, side, patch_size).transpose(0, 2, 4, 1, 3, 5)
-    return grid.reshape(count * side * side, channels * patch_size * patch_size)
-
-
 # The -HF tokenizer's image tokens; InternVLProcessor writes an image of n tiles as
 # IMAGE_START + IMAGE_CONTEXT x (n x tokens per tile) + IMAGE_END.
 IMAGE_START, IMAGE_CONTEXT, IMAGE_END = "<img>", "<IMG_CONTEXT>", "</img>"
@@ -100,3 +94,41 @@ IMAGE_START, IMAGE_CONTEXT, IMAGE_END = "<img>", "<IMG_CONTEXT>", "</img>"
 def image_placeholder(num_tiles: int, tokens_per_tile: int = 256) -> str:
     """The text that stands for an image of ``num_tiles`` tiles in the prompt."""
     return IMAGE_START + IMAGE_CONTEXT * (num_tiles * tokens_per_tile) + IMAGE_END
+
+
+@dataclass(frozen=True)
+class TiledImages(ImageProcessing):
+    """InternVL's image processor (``ImageProcessing``): an image is ``t`` tiles (the grid's and the
+    thumbnail), its grid ``(t, side, side)`` in patches, ``t * side^2 / 4`` placeholder tokens."""
+
+    settings: TileSettings
+    patch_size: int
+
+    @property
+    def side(self) -> int:
+        return self.settings.size // self.patch_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size**2
+
+    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+        tiles = tile_count(width, height, self.settings)
+        return ImagePlan(grid=(tiles, self.side, self.side), tokens=tiles * tokens_per_tile(self.settings.size,
+                                                                                              self.patch_size))
+
+    def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
+        tiles = preprocess_tiles(image, self.settings)  # [t, 3, S, S]
+        return patch_rows(tiles, self.patch_size), (tiles.shape[0], self.side, self.side)
+
+    def geometry(self) -> dict:
+        return {"tile_size": self.settings.size, "max_tiles": self.settings.max_tiles}
+
+
+def tiled_images(model_cfg: ModelConfig, data_cfg: DataConfig) -> TiledImages:
+    """The run's InternVL processing: tiles of ``model.vision.image_size`` pixels, at most
+    ``data.max_tiles`` of them, the tower's normalisation (``TowerPart.images``)."""
+    vis = model_cfg.vision
+    settings = TileSettings(size=vis.image_size, max_tiles=data_cfg.max_tiles, mean=tuple(vis.pixel_mean),
+                            std=tuple(vis.pixel_std))
+    return TiledImages(settings, vis.patch_size)

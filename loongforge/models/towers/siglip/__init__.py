@@ -14,6 +14,7 @@ packing.py      anyres: an image's per-square features -> its placeholders' (unp
 
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.siglip import flops, params
+from loongforge.models.towers.siglip.processor import anyres_images
 
 PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:LlavaOnevisionEncoder", flops.encoder_flops,
-                 params.encoder_parameters)
+                 params.encoder_parameters, anyres_images)

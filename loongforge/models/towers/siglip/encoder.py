@@ -12,7 +12,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
 from loongforge.models.layer_backend import layer_norm_modules
 from loongforge.models.towers.siglip.packing import pack_anyres
-from loongforge.models.towers.siglip.processor import AnyresSettings, anyres_tokens
+from loongforge.models.towers.siglip.processor import anyres_settings, anyres_tokens
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
 from loongforge.models.vision_configs import (
     layer_norm_vit_config,
@@ -40,13 +40,6 @@ class ImageNewline(torch.nn.Module):
     def __init__(self, width: int, dtype: torch.dtype):
         super().__init__()
         self.weight = torch.nn.Parameter(torch.zeros(width, dtype=dtype))
-
-
-def anyres_settings(model_cfg: ModelConfig) -> AnyresSettings:
-    """The processor's and the packing's anyres settings from ``model.vision``."""
-    vis = model_cfg.vision
-    return AnyresSettings(size=vis.image_size, grid_pinpoints=tuple(tuple(p) for p in vis.anyres_pinpoints),
-                          max_crops=vis.anyres_max_crops)
 
 
 class LlavaOnevisionEncoder(VisionEncoder):
@@ -97,9 +90,7 @@ class LlavaOnevisionEncoder(VisionEncoder):
         """Without ``image_sizes``: every square's features, unpacked [squares * side^2, LM hidden]
         (``loongforge encode``'s rows); with them, each image's packed features."""
         squares = grid_thw[:, 0]
-        square_grids = grid_thw[:, 1:].repeat_interleave(squares, dim=0)  # (side, side) per square
-        square_grids = torch.cat([torch.ones_like(square_grids[:, :1]), square_grids], dim=1)
-        features = self.projector(self.vision_model(pixel_values, square_grids))  # [squares * side^2, h]
+        features = self.projector(self.vision_model(pixel_values, grid_thw))  # [squares * side^2, h]
         if image_sizes is None:
             return features
         per_square = features.view(int(squares.sum()), -1, features.shape[-1])

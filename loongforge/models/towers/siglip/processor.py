@@ -20,7 +20,9 @@ from dataclasses import dataclass
 import numpy as np
 from PIL import Image
 
-from loongforge.models.pixels import normalize, resize_bicubic
+from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.models.media import Grid, ImagePlan, ImageProcessing
+from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf: SigLIP's normalisation, and the (height, width) canvases
 # of 1 to 6 crops a side at 384 px.
@@ -99,3 +101,49 @@ def anyres_tokens(height: int, width: int, settings: AnyresSettings, patch_size:
     if ratio > 1.1:
         rows, columns = int(rows // ratio), int(columns // ratio)
     return side * side + rows * columns + rows
+
+
+def anyres_settings(model_cfg: ModelConfig) -> AnyresSettings:
+    """The processor's and the packing's anyres settings from ``model.vision``."""
+    vis = model_cfg.vision
+    return AnyresSettings(size=vis.image_size, grid_pinpoints=tuple(tuple(p) for p in vis.anyres_pinpoints),
+                          max_crops=vis.anyres_max_crops, mean=tuple(vis.pixel_mean), std=tuple(vis.pixel_std))
+
+
+@dataclass(frozen=True)
+class AnyresImages(ImageProcessing):
+    """LLaVA-OneVision's image processor (``ImageProcessing``): a sample's only image is its base
+    square and the crops of its canvas, grid ``(1 + crops, side, side)``, ``anyres_tokens`` placeholders;
+    an image sharing its sample is one padded square, ``side^2 + 1`` placeholders (its newline)."""
+
+    settings: AnyresSettings
+    patch_size: int
+
+    @property
+    def side(self) -> int:
+        return self.settings.size // self.patch_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size**2
+
+    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+        if images_in_sample > 1:
+            return ImagePlan(grid=(1, self.side, self.side), tokens=self.side**2 + 1)
+        canvas_height, canvas_width = best_canvas(height, width, self.settings)
+        crops = (canvas_height // self.settings.size) * (canvas_width // self.settings.size)
+        return ImagePlan(grid=(1 + crops, self.side, self.side),
+                         tokens=anyres_tokens(height, width, self.settings, self.patch_size))
+
+    def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
+        squares = anyres_crops(image, self.settings) if images_in_sample == 1 else square_padded(image, self.settings)
+        return patch_rows(squares, self.patch_size), (squares.shape[0], self.side, self.side)
+
+    def geometry(self) -> dict:
+        return {"anyres_size": self.settings.size, "anyres_pinpoints": [list(p) for p in self.settings.grid_pinpoints],
+                "anyres_max_crops": self.settings.max_crops}
+
+
+def anyres_images(model_cfg: ModelConfig, data_cfg: DataConfig) -> AnyresImages:
+    """The run's LLaVA-OneVision processing (``TowerPart.images``)."""
+    return AnyresImages(anyres_settings(model_cfg), model_cfg.vision.patch_size)

@@ -1,0 +1,59 @@
+"""The media interface between the data pipeline and a vision tower: how the tower's processor turns
+one image into patch rows and placeholder tokens.
+
+Every tower part (``models.parts.TowerPart.images``) gives an ``ImageProcessing`` built from the run's
+model and data settings; the data side (``data.measure``) asks it, per image:
+
+- ``plan(width, height, images_in_sample)``, from the header alone (no pixel decoded): the image's
+  grid ``(t, h, w)`` in patches, ``t`` squares of ``h x w`` patches (Qwen's smart-resized image:
+  ``t = 1``; InternVL's tiles and thumbnail; LLaVA-OneVision's base image and anyres crops), and its
+  placeholder tokens in the text;
+- ``pixels(image, images_in_sample)``, after decoding: the patch rows ``[t*h*w, patch_dim]`` in the
+  order the tower reads them, and the grid they make (which must be the planned one).
+
+The grid is what the rest of the pipeline and the model see of an image (packing, balancing's cost,
+``encoder_dp``, ``encoder_cp``, the FLOP count); ``images_in_sample`` is there because some processors
+treat an image differently when it shares its sample with others (LLaVA-OneVision pads it to one
+square instead of tiling it).
+
+Torch-free (numpy and PIL): images are measured before any model exists.
+"""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+
+import numpy as np
+from PIL import Image
+
+Grid = tuple[int, int, int]
+
+
+@dataclass(frozen=True)
+class ImagePlan:
+    grid: Grid  # (t, h, w): t squares of h x w patches, encoded each on its own
+    tokens: int  # placeholder tokens the image takes in the text
+
+
+class ImageProcessing(abc.ABC):
+    """One tower's image processor at a run's settings (a frozen, picklable value)."""
+
+    @property
+    @abc.abstractmethod
+    def patch_dim(self) -> int:
+        """Values in one patch row (``C * [temporal] * p * p``)."""
+
+    @abc.abstractmethod
+    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+        """The grid and placeholder tokens of an image of ``width`` x ``height`` pixels; ValueError for
+        an image the processor cannot take (an extreme aspect ratio)."""
+
+    @abc.abstractmethod
+    def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
+        """An RGB image -> (float32 patch rows [t*h*w, patch_dim], its grid)."""
+
+    def geometry(self) -> dict:
+        """The settings beyond the patch geometry that decide grids and token counts, which a packed
+        folder records and a run must agree on ({}: none)."""
+        return {}
