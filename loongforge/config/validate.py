@@ -335,6 +335,8 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
         if section:
             errors.append(f"model.language.mrope_section={section} is for vision-language models; "
                           f"a text-only model (model.vision: null) uses 1-D RoPE: set it to [].")
+    elif not section:
+        pass  # a VLM with 1-D RoPE (InternVL, LLaVA-OneVision); whether the family's is checks its rule
     elif len(section) != 3:
         errors.append(f"model.language.mrope_section={section} must have 3 entries "
                       f"(temporal, height, width rotary pairs).")

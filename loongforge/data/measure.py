@@ -21,8 +21,8 @@ import numpy as np
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample
-from loongforge.data.template import expand_media_tokens, render_chat, tokenize_chat
-from loongforge.data.video_tokens import expand_timestamped_videos, timestamped_video_ids
+from loongforge.data.template import expand_media_tokens, render_chat, replace_media_tokens, tokenize_chat
+from loongforge.data.video_tokens import timestamped_video_ids
 from loongforge.data.vision import (
     ImageSource,
     MediaError,
@@ -159,17 +159,26 @@ class SampleMeasurer:
         if not image_plans and not video_plans:
             return input_ids, is_answer
         merge = self.sizing.merge_size
-        input_ids, is_answer = expand_media_tokens(
-            input_ids, is_answer, self.tokens.image_token_id, [plan.tokens for plan in image_plans]
-        )
+        input_ids, is_answer = self._expand_images(input_ids, is_answer, image_plans)
         if self.chat.timestamped_video_frames:
             blocks = [timestamped_video_ids(plan, self.tokenizer, self.tokens, self.sizing.temporal_patch_size, merge)
                       for plan in video_plans]
-            return expand_timestamped_videos(input_ids, is_answer, self.tokens.video_token_id, blocks)
+            return replace_media_tokens(input_ids, is_answer, self.tokens.video_token_id, blocks)
         return expand_media_tokens(
             input_ids, is_answer, self.tokens.video_token_id,
             [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],
         )
+
+
+    def _expand_images(self, input_ids, is_answer, image_plans: list[ImagePlan]):
+        """Each image's pad -> its placeholder tokens (wrapped in the vision markers where the
+        format's processor writes them: ``ChatFormat.wraps_images``)."""
+        pad = self.tokens.image_token_id
+        if not self.chat.wraps_images:
+            return expand_media_tokens(input_ids, is_answer, pad, [plan.tokens for plan in image_plans])
+        start, end = self.tokens.vision_start_token_id, self.tokens.vision_end_token_id
+        blocks = [np.asarray([start, *[pad] * plan.tokens, end], dtype=np.int64) for plan in image_plans]
+        return replace_media_tokens(input_ids, is_answer, pad, blocks)
 
 
 def document_pieces(sample: MeasuredSample, seq_len: int) -> list[MeasuredSample]:
@@ -261,7 +270,7 @@ def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, cha
     wrong ids, a text model's padding on a real token, a format's markers be split as plain text,
     an id beyond the embedding fail deep inside a step."""
     if model_cfg.vision is not None:
-        _check_vision_token_ids(tokenizer, model_cfg)
+        _check_vision_token_ids(tokenizer, model_cfg, chat)
     else:
         _check_pad_token_id(tokenizer, model_cfg.tokens.pad_token_id)
         for marker in chat.markers:
@@ -290,17 +299,11 @@ def document_marker_ids(tokenizer, data_cfg: DataConfig, chat: ChatFormat) -> tu
     return ids[0], ids[1][0]
 
 
-def _check_vision_token_ids(tokenizer, model_cfg: ModelConfig) -> None:
-    expected = {
-        "<|image_pad|>": ("model.tokens.image_token_id", model_cfg.tokens.image_token_id),
-        "<|video_pad|>": ("model.tokens.video_token_id", model_cfg.tokens.video_token_id),
-        "<|vision_start|>": ("model.tokens.vision_start_token_id", model_cfg.tokens.vision_start_token_id),
-        "<|vision_end|>": ("model.tokens.vision_end_token_id", model_cfg.tokens.vision_end_token_id),
-    }
-    for token, (key, token_id) in expected.items():
-        actual = tokenizer.convert_tokens_to_ids(token)
+def _check_vision_token_ids(tokenizer, model_cfg: ModelConfig, chat: ChatFormat) -> None:
+    for token, field_name in chat.vision_tokens:
+        token_id, actual = getattr(model_cfg.tokens, field_name), tokenizer.convert_tokens_to_ids(token)
         if actual != token_id:
-            raise ValueError(f"{key}={token_id} but the tokenizer maps {token} to {actual}")
+            raise ValueError(f"model.tokens.{field_name}={token_id} but the tokenizer maps {token} to {actual}")
 
 
 def _check_pad_token_id(tokenizer, pad_token_id: int) -> None:

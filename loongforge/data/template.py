@@ -160,3 +160,20 @@ def expand_media_tokens(
     repeats = np.ones(len(input_ids), dtype=np.int64)
     repeats[positions] = counts
     return np.repeat(input_ids, repeats), np.repeat(is_answer, repeats)
+
+
+def replace_media_tokens(input_ids: np.ndarray, is_answer: np.ndarray, pad_token_id: int,
+                         replacements: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
+    """Replace the i-th ``pad_token_id`` by the ids ``replacements[i]`` (an image's wrapped pads, a
+    video's timestamped blocks); inserted tokens are not answers."""
+    positions = np.flatnonzero(input_ids == pad_token_id)
+    if len(positions) != len(replacements):
+        raise ValueError(f"{len(positions)} pad tokens {pad_token_id} in text but {len(replacements)} media items")
+    ids, answer, start = [], [], 0
+    for position, replacement in zip(positions, replacements):
+        ids += [input_ids[start:position], replacement]
+        answer += [is_answer[start:position], np.zeros(len(replacement), dtype=bool)]
+        start = position + 1
+    ids.append(input_ids[start:])
+    answer.append(is_answer[start:])
+    return np.concatenate(ids).astype(np.int64), np.concatenate(answer)

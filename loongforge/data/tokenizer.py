@@ -77,6 +77,9 @@ QWEN2_SPECIAL_TOKENS = (
 QWEN2_SPECIAL_START_ID = 151643
 # Qwen3 (and Qwen3-VL) add these after Qwen2.5's, ids 151665-151668; none is special.
 QWEN3_EXTRA_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
+# InternVL3.5's -HF tokenizers add these after Qwen3's (ids 151669-151677): the image markers and
+# context token its processor writes, and the grounding tags.
+INTERNVL_EXTRA_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>")
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
 _QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                 "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
@@ -158,6 +161,13 @@ RANKS_TOKENIZERS = {
         cache_name="qwen3", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
         pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True,
         special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS,
+        not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
+        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+    ),
+    "internvl3.5": RanksTokenizer(
+        cache_name="internvl3.5", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True,
+        special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS + INTERNVL_EXTRA_TOKENS,
         not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
         eos_token="<|im_end|>", pad_token="<|endoftext|>",
     ),

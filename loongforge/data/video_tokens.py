@@ -31,19 +31,3 @@ def timestamped_video_ids(plan: VideoPlan, tokenizer, tokens: TokenIdsConfig, te
         ids += tokenizer(f"<{seconds:.1f} seconds>", add_special_tokens=False)["input_ids"]
         ids += frame
     return np.asarray(ids, dtype=np.int64)
-
-
-def expand_timestamped_videos(input_ids: np.ndarray, is_answer: np.ndarray, video_token_id: int,
-                              replacements: list[np.ndarray]) -> tuple[np.ndarray, np.ndarray]:
-    """Replace the i-th ``video_token_id`` by ``replacements[i]``; inserted tokens are not answers."""
-    positions = np.flatnonzero(input_ids == video_token_id)
-    if len(positions) != len(replacements):
-        raise ValueError(f"{len(positions)} video pad tokens {video_token_id} in text but {len(replacements)} videos")
-    ids, answer, start = [], [], 0
-    for position, replacement in zip(positions, replacements):
-        ids += [input_ids[start:position], replacement]
-        answer += [is_answer[start:position], np.zeros(len(replacement), dtype=bool)]
-        start = position + 1
-    ids.append(input_ids[start:])
-    answer.append(is_answer[start:])
-    return np.concatenate(ids).astype(np.int64), np.concatenate(answer)

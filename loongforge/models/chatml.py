@@ -36,7 +36,8 @@ def default_system_jinja(prompt: str | None, turn_start: str = "<|im_start|>", r
 # Jinja rendering of the same format for `tokenizer.apply_chat_template`; messages use HF's
 # content-part form ({"type": "image"} / {"type": "video"} / {"type": "text", "text": ...}).
 # No whitespace control: HF renders with trim_blocks, and no newline here follows a block tag.
-def _chatml_vision_template(video_block: str, system_prompt: str | None) -> str:
+def chatml_vision_template(image_block: str, video_block: str, system_prompt: str | None) -> str:
+    """ChatML's Jinja with these vision blocks (``""``: that medium is not written)."""
     return (
         "{% for message in messages %}"
         + default_system_jinja(system_prompt) +
@@ -46,7 +47,7 @@ def _chatml_vision_template(video_block: str, system_prompt: str | None) -> str:
         "{% else %}"
         "{% for part in message['content'] %}"
         "{% if part['type'] == 'image' or 'image' in part or 'image_url' in part %}"
-        "<|vision_start|><|image_pad|><|vision_end|>"
+        + image_block +
         "{% elif part['type'] == 'video' or 'video' in part %}"
         + video_block +
         "{% elif 'text' in part %}"
@@ -65,7 +66,8 @@ CHATML_VISION = ChatFormat(
     turn_end="<|im_end|>",
     image_block="<|vision_start|><|image_pad|><|vision_end|>",
     video_block="<|vision_start|><|video_pad|><|vision_end|>",
-    jinja_template=_chatml_vision_template("<|vision_start|><|video_pad|><|vision_end|>", QWEN2_SYSTEM_PROMPT),
+    jinja_template=chatml_vision_template("<|vision_start|><|image_pad|><|vision_end|>",
+                                          "<|vision_start|><|video_pad|><|vision_end|>", QWEN2_SYSTEM_PROMPT),
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
 )
 
@@ -75,7 +77,7 @@ CHATML_VISION = ChatFormat(
 CHATML_VISION_TIMESTAMPED = replace(
     CHATML_VISION,
     video_block="<|video_pad|>",
-    jinja_template=_chatml_vision_template("<|video_pad|>", None),
+    jinja_template=chatml_vision_template("<|vision_start|><|image_pad|><|vision_end|>", "<|video_pad|>", None),
     default_system_prompt=None,
     timestamped_video_frames=True,
     video_rule="qwen3_vl",

@@ -99,6 +99,14 @@ class ChatFormat:
     # Ends each pretraining document (``text`` records: no chat template, loss on every token), the
     # token base models are trained to write at a document's end. ``text_start`` opens it.
     document_end: str = "<|endoftext|>"
+    # The tokenizer's vision tokens and the ``model.tokens`` field each must equal (checked before a
+    # run tokenizes anything: a mismatch would put features on the wrong ids).
+    vision_tokens: tuple[tuple[str, str], ...] = (
+        ("<|image_pad|>", "image_token_id"), ("<|video_pad|>", "video_token_id"),
+        ("<|vision_start|>", "vision_start_token_id"), ("<|vision_end|>", "vision_end_token_id"))
+    # True: the processor writes each image as vision_start + its pads + vision_end around the single pad
+    # of ``image_block`` (InternVL: ``<img>`` ... ``</img>``); False: the block's own markers stand.
+    wraps_images: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:
@@ -163,6 +171,9 @@ class ModelFamily:
     # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); None: a
     # text-only family.
     vision_part: Optional[str] = None
+    # The decoder's rotary positions: "mrope" (Qwen-VL's three sections, ``model.language.mrope_section``)
+    # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty).
+    rope: str = "rope"
 
     @property
     def has_vision(self) -> bool:

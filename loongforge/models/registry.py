@@ -17,6 +17,7 @@ from loongforge.models.family import ModelFamily, registered
 
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
+    "internvl": "loongforge.models.internvl",
     "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
     "qwen3_vl": "loongforge.models.qwen3_vl",
@@ -39,8 +40,19 @@ def check_family_layout(cfg: RunConfig) -> None:
     family = get_family(cfg.model.family)
     problems = family_layout_problems(cfg, family.layout)
     problems += parts.composition_problems(cfg.model, family.name, family.vision_part)
+    problems += _rope_problems(cfg, family)
     if problems:
         raise ConfigError(problems)
+
+
+def _rope_problems(cfg: RunConfig, family: ModelFamily) -> list[str]:
+    section = cfg.model.language.mrope_section
+    if family.rope == "mrope" and not section:
+        return [f"model.language.mrope_section=[]: model.family={family.name} uses M-RoPE; give its three "
+                "sections (temporal, height, width rotary pairs)"]
+    if family.rope == "rope" and section:
+        return [f"model.language.mrope_section={section}: model.family={family.name} uses 1-D RoPE; set it to []"]
+    return []
 
 
 def family_of_hf_config(hf_config: Mapping[str, Any], where: str) -> ModelFamily:

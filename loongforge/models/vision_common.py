@@ -22,6 +22,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec, build_module
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.utils import (
     ensure_metadata_has_dp_cp_group,
+    make_sharded_tensors_for_checkpoint,
     sharded_state_dict_default,
 )
 
@@ -181,8 +182,11 @@ class PackedTower(MegatronModule):
         """Per-layer sharded tensors with their true (vision-TP) global shapes: megatron's default
         would treat a plain ModuleList's tensors as replicated, recording each rank's TP shard as
         the whole tensor."""
-        sharded = {}
         metadata = ensure_metadata_has_dp_cp_group(metadata)
+        # The tower's own tensors (InternViT's class token and position table), replicated over its TP group.
+        own = {name: param for name, param in self._parameters.items() if param is not None}
+        sharded = make_sharded_tensors_for_checkpoint(own, prefix, {}, sharded_offsets, tp_group=self.tp_group,
+                                                      dp_cp_group=metadata["dp_cp_group"])
         for name, child in self.named_children():
             if name != "layers":
                 # Replicated over the vision TP group: replica ids count its ranks.

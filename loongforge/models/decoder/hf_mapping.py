@@ -33,14 +33,16 @@ from loongforge.models.hf_rules import (
 )
 
 
-def language_rules(lang: LanguageConfig, *, fused_experts: bool = False) -> list[Rule]:
+def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_prefix: str = "model.") -> list[Rule]:
     """The decoder's rows; ``fused_experts``: the routed experts' HF tensors hold every expert of a
-    layer (Qwen3-VL-MoE), else one tensor per expert (Qwen3-MoE)."""
+    layer (Qwen3-VL-MoE), else one tensor per expert (Qwen3-MoE). ``hf_prefix``: where the HF
+    checkpoint keeps the decoder (``model.``; ``model.language_model.`` in compositions such as
+    InternVL's, whose HF class nests it); ``lm_head`` is always at the top."""
     vocab, rep, row, gate_up = Vocab(lang.vocab_size), Replicated(), Split(1), GateUp()
     qkv = GroupedQKV(lang.num_attention_heads, lang.num_query_groups, head_dim(lang))
-    lb, ll = "model.layers.{i}.", "language_model.decoder.layers.{i}."
+    lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
     rules = [
-        Rule(("model.embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
+        Rule((hf_prefix + "embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
         Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
         Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv, LANGUAGE),
     ]
@@ -66,9 +68,9 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False) -> list
             Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         ]
     return rules + [
-        Rule(("model.norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
+        Rule((hf_prefix + "norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
         Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
-             fallback_hf="model.embed_tokens.weight"),
+             fallback_hf=hf_prefix + "embed_tokens.weight"),
     ]
 
 
@@ -87,15 +89,18 @@ def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
             Rule((lb + "mlp.experts.down_proj",), le + "linear_fc2.weight", down, LANGUAGE)]
 
 
-def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False) -> dict[str, tuple[int, ...]]:
-    """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied)."""
+def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
+                       hf_prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+    """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied);
+    ``hf_prefix`` as ``language_rules``'."""
     d, channels = lang.hidden_size, head_dim(lang)
     q, kv = lang.num_attention_heads * channels, lang.num_query_groups * channels
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (lang.vocab_size, d), "model.norm.weight": (d,)}
+    shapes: dict[str, tuple[int, ...]] = {hf_prefix + "embed_tokens.weight": (lang.vocab_size, d),
+                                          hf_prefix + "norm.weight": (d,)}
     if not lang.tie_word_embeddings:
         shapes["lm_head.weight"] = (lang.vocab_size, d)
     for i in range(lang.num_layers):
-        b = f"model.layers.{i}."
+        b = f"{hf_prefix}layers.{i}."
         shapes.update({
             b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
             b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),

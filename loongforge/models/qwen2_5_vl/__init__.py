@@ -34,6 +34,7 @@ FAMILY = ModelFamily(
     count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
+    rope="mrope",
     position_ids=position_ids_for,
     chat=chat_format,
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups

@@ -39,6 +39,7 @@ FAMILY = ModelFamily(
     count_parameters=functools.partial(composed_parameters, TOWER.parameters),
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
+    rope="mrope",
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,
     layout=LAYOUT,

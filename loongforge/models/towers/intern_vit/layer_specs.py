@@ -16,10 +16,13 @@ whole on every rank).
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_layer import TransformerLayer
+from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
 from loongforge.models.layer_backend import BlockModules, layer_norm_modules
@@ -41,6 +44,19 @@ class LayerScaledTransformerLayer(TransformerLayer):
         for sublayer in (self.self_attention, self.mlp):
             sublayer.layer_scale = torch.nn.Parameter(torch.ones(config.hidden_size, dtype=config.params_dtype))
             sublayer.register_forward_hook(_scaled_output)
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: Optional[dict] = None) -> dict:
+        """megatron's, with each ``layer_scale`` (replicated over the TP group): megatron's MLP lists its
+        linear layers' tensors only, so the MLP's scale would be neither saved nor known to the optimizer's
+        checkpoint."""
+        sharded = super().sharded_state_dict(prefix, sharded_offsets, metadata)
+        metadata = ensure_metadata_has_dp_cp_group(metadata)
+        scales = {f"{name}.layer_scale": sublayer.layer_scale
+                  for name, sublayer in (("self_attention", self.self_attention), ("mlp", self.mlp))
+                  if f"{prefix}{name}.layer_scale" not in sharded}
+        sharded.update(make_sharded_tensors_for_checkpoint(scales, prefix, {}, sharded_offsets, tp_group=self.tp_group,
+                                                           dp_cp_group=metadata["dp_cp_group"]))
+        return sharded
 
 
 class _SumOverGroup(torch.autograd.Function):

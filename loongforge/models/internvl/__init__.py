@@ -1,0 +1,41 @@
+"""InternVL3.5 on megatron-core: its vision part (``models/towers/intern_vit/``: InternViT and the
+pixel-shuffle projector) composed with the shared decoder (Qwen3) under 1-D RoPE; ``FAMILY`` is what
+the rest of loongforge sees of it.
+
+model.py        build_model (the entry point)
+hf_mapping.py   transformers checkpoint <-> this model, per TP rank
+hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
+processor.py    the processor files of an exported HF folder
+chat.py         the chat format (ChatML; an image is <img> + its tiles' <IMG_CONTEXT> + </img>)
+"""
+
+import functools
+
+from loongforge.config.layout import DECODER_LAYOUT
+from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
+from loongforge.models.flops import vlm_training_flops
+from loongforge.models.internvl import hf_config
+from loongforge.models.internvl.chat import chat_format
+from loongforge.models.internvl.hf_mapping import mapping_rules, to_hub_style
+from loongforge.models.internvl.processor import processor_files
+from loongforge.models.parts import composed_parameters
+from loongforge.models.towers.intern_vit import PART as TOWER
+from loongforge.models.vlm.positions import sequential_positions_for
+
+FAMILY = ModelFamily(
+    **hf_facts(hf_config),
+    hf_rules=mapping_rules,
+    to_hub_style=to_hub_style,
+    # Imported at the first build: megatron-core takes seconds.
+    build=LazyFunction("loongforge.models.internvl.model:build_model"),
+    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
+    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
+    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
+    vision_part=TOWER.arch,
+    position_ids=sequential_positions_for,
+    chat=chat_format,
+    layout=DECODER_LAYOUT,
+    hf_model_class="InternVLForConditionalGeneration",
+    tiny_preset="internvl3.5-tiny",
+    hf_processor_files=processor_files,
+)
