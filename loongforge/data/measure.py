@@ -125,6 +125,9 @@ class SampleMeasurer:
         if self.sizing is None and (sample.images or sample.videos):
             return Reject.of(sample, "media_in_text_model", f"{len(sample.images)} image(s), "
                                                             f"{len(sample.videos)} video(s) for a model without a vision tower")
+        if sample.videos and not self.chat.video_block:
+            return Reject.of(sample, "video_in_image_model", f"{len(sample.videos)} video(s) for a model whose "
+                                                             "processor takes images only; give the frames as images")
         try:
             image_plans, video_plans = measure_media(sample, self.sizing, self.data_cfg)
         except MediaError as error:

@@ -77,9 +77,13 @@ QWEN2_SPECIAL_TOKENS = (
 QWEN2_SPECIAL_START_ID = 151643
 # Qwen3 (and Qwen3-VL) add these after Qwen2.5's, ids 151665-151668; none is special.
 QWEN3_EXTRA_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
-# InternVL3.5's -HF tokenizers add these after Qwen3's (ids 151669-151677): the image markers and
-# context token its processor writes, and the grounding tags.
-INTERNVL_EXTRA_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>")
+# InternVL3.5's -HF tokenizers add these after Qwen3's (ids 151669-151678): the image markers and
+# context token its processor writes, the grounding tags and the video token.
+INTERNVL_EXTRA_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>",
+                         "<video>")
+# The tokenizer attributes transformers' InternVLProcessor reads (``extra_special_tokens``).
+INTERNVL_NAMED_TOKENS = (("start_image_token", "<img>"), ("end_image_token", "</img>"),
+                         ("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<video>"))
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
 _QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                 "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
@@ -137,6 +141,9 @@ class RanksTokenizer:
     bos_token: Optional[str] = None
     # Keep only the ranks below this (a cut of the BPE; num_ranks then equals it); None: all of them.
     keep_ranks: Optional[int] = None
+    # (attribute, token): special tokens a processor reads from the tokenizer by name
+    # (transformers' ``extra_special_tokens``: ``tokenizer.<attribute>`` and ``<attribute>_id``).
+    named_tokens: tuple[tuple[str, str], ...] = ()
 
 
 # BPE ranks kept by the small test vocabularies: the 256 bytes and the 3,840 most useful merges,
@@ -169,7 +176,7 @@ RANKS_TOKENIZERS = {
         pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True,
         special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS + INTERNVL_EXTRA_TOKENS,
         not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
-        eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        eos_token="<|im_end|>", pad_token="<|endoftext|>", named_tokens=INTERNVL_NAMED_TOKENS,
     ),
     "llama3": RanksTokenizer(
         cache_name="llama3", ranks_path=llama3_ranks_path, num_ranks=LLAMA3_SPECIAL_START_ID,
@@ -320,6 +327,7 @@ def _wrap_fast(tokenizer_file: str, spec: RanksTokenizer, chat_template: str | N
         clean_up_tokenization_spaces=False,
         model_max_length=int(1e30),  # no length warnings: the pipeline enforces seq_len itself
         split_special_tokens=False,
+        **({"extra_special_tokens": dict(spec.named_tokens)} if spec.named_tokens else {}),
     )
     tokenizer.chat_template = chat_template
     return tokenizer

@@ -32,6 +32,7 @@ from loongforge.data.measure import SampleMeasurer, materialize, vision_sizing
 from loongforge.data.samples import ConversationSample
 from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
 from loongforge.data.tokenizer import load_tokenizer
+from loongforge.models.pixels import patch_rows
 from loongforge.models.registry import families, get_family
 from tests.data.conftest import LLAMAFACTORY, require
 from tests.shared_data import SHARED_DATA
@@ -89,13 +90,17 @@ def load_processor(folder: Path):
         pass
     else:
         return transformers.AutoProcessor.from_pretrained(folder, local_files_only=True)
-    processor_class = getattr(transformers, json.loads((folder / "processor_config.json").read_text())["processor_class"])
+    settings = json.loads((folder / "processor_config.json").read_text())
+    processor_class = getattr(transformers, settings["processor_class"])
+    # The processor's own settings (InternVL's image_seq_length), as from_pretrained passes them.
+    own = {key: value for key, value in settings.items()
+           if key not in ("image_processor", "video_processor", "processor_class")}
     check = ProcessorMixin.check_argument_for_proper_class
     with mock.patch.object(ProcessorMixin, "check_argument_for_proper_class",
                            lambda self, name, arg: None if arg is None else check(self, name, arg)):
         return processor_class(image_processor=transformers.AutoImageProcessor.from_pretrained(folder, local_files_only=True),
                                tokenizer=transformers.AutoTokenizer.from_pretrained(folder, local_files_only=True),
-                               video_processor=None, chat_template=(folder / "chat_template.jinja").read_text())
+                               video_processor=None, chat_template=(folder / "chat_template.jinja").read_text(), **own)
 
 
 def real_conversation(has_vision: bool) -> ConversationSample:
@@ -120,6 +125,17 @@ def loongforge_batch(cfg: RunConfig, sample: ConversationSample) -> tuple[str, d
     return render_chat(sample.turns, cfg.data.system_prompt, chat).text, batch
 
 
+def hf_pixel_rows(cfg: RunConfig, inputs, batch: dict) -> np.ndarray:
+    """transformers' pixel values as the patch rows loongforge trains on, once their grids are checked:
+    Qwen's processor gives rows and ``image_grid_thw``; InternVL's, tiles [n, C, S, S] (the grids' t)."""
+    if "image_grid_thw" in inputs:
+        assert torch.equal(inputs["image_grid_thw"], batch["image_grid_thw"])
+        return inputs["pixel_values"].numpy()
+    tiles = inputs["pixel_values"].numpy()
+    assert tiles.shape[0] == int(batch["image_grid_thw"][:, 0].sum())
+    return patch_rows(tiles, cfg.model.vision.patch_size)
+
+
 def test_the_folder_holds_every_file_a_server_reads(exported):
     names = {path.name for path in exported.folder.iterdir()}
     expected = {"config.json", "model.safetensors", "generation_config.json", "tokenizer.json",
@@ -131,12 +147,18 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
     if exported.has_vision:
         processor = json.loads((exported.folder / "processor_config.json").read_text())
         data, vision = exported.cfg.data, exported.cfg.model.vision
-        image, video = processor["image_processor"], processor["video_processor"]
+        image = processor["image_processor"]
+        assert image["image_mean"] == list(vision.pixel_mean)
+        if vision.arch == "intern_vit":  # tiles of the tower's size, at most data.max_tiles of them
+            assert image["size"] == {"height": vision.image_size, "width": vision.image_size}
+            assert (image["crop_to_patches"], image["max_patches"]) == (True, data.max_tiles)
+            return
+        video = processor["video_processor"]
         assert image["size"] == {"shortest_edge": data.min_pixels, "longest_edge": data.max_pixels}
         assert video["size"] == {"shortest_edge": data.video_min_pixels, "longest_edge": data.video_max_pixels}
         assert image["patch_size"] == video["patch_size"] == vision.patch_size
         assert (video["fps"], video["max_frames"]) == (data.video_fps, data.video_max_frames)
-        assert image["image_mean"] == video["image_mean"] == list(vision.pixel_mean)
+        assert image["image_mean"] == video["image_mean"]
 
 
 def test_transformers_serves_what_loongforge_trains_on(exported):
@@ -148,9 +170,9 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         assert processor.apply_chat_template(messages, tokenize=False) == text
         images = [Image.open(path) for path in sample.images]
         inputs = processor(text=[text], images=images, return_tensors="pt")
-        assert torch.equal(inputs["image_grid_thw"], batch["image_grid_thw"])
-        # Bit-equal, as transformers' PIL image processor and loongforge's are (tests/data/test_vision.py).
-        assert np.abs(inputs["pixel_values"].numpy() - batch["pixel_values"].numpy()).max() == 0.0
+        # Bit-equal, as transformers' PIL image processors and loongforge's are (tests/data/test_vision.py,
+        # tests/models/test_intern_vit_processor.py).
+        assert np.abs(hf_pixel_rows(exported.cfg, inputs, batch) - batch["pixel_values"].numpy()).max() == 0.0
         model = transformers.AutoModelForImageTextToText.from_pretrained(exported.folder, local_files_only=True)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(exported.folder, local_files_only=True)
@@ -158,7 +180,7 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         model = transformers.AutoModelForCausalLM.from_pretrained(exported.folder, local_files_only=True)
     assert torch.equal(inputs["input_ids"], batch["input_ids"])
-    media = (f", grids {batch['image_grid_thw'].tolist()} equal, pixel_values {tuple(batch['pixel_values'].shape)} "
+    media = (f", grids {batch['image_grid_thw'].tolist()} equal, pixel rows {tuple(batch['pixel_values'].shape)} "
              f"bit-equal" if exported.has_vision else "")
     print(f"\n{exported.cfg.preset}: {len(text)}-character conversation, {inputs['input_ids'].shape[1]} token ids "
           f"equal{media}")
@@ -214,7 +236,12 @@ def test_a_tokenizer_of_another_model_is_not_written(tmp_path):
     assert "model.safetensors" in names and not names & {"tokenizer.json", "generation_config.json"}
 
 
-@pytest.mark.parametrize("preset", [get_family(name).tiny_preset for name in families() if get_family(name).has_vision])
+def _takes_videos(name: str) -> bool:
+    family = get_family(name)
+    return bool(family.has_vision and family.chat(load_run_config(family.tiny_preset).model).video_block)
+
+
+@pytest.mark.parametrize("preset", [get_family(name).tiny_preset for name in families() if _takes_videos(name)])
 def test_every_video_setting_is_one_its_processor_reads(preset):
     """transformers' video processors need torchvision (no build for this project's torch), so the
     section is checked against what the class declares it reads: the generic video settings and its

@@ -18,7 +18,7 @@ from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
-           "tiny_preset": str, "hf_model_class": str, "vision_part": (str, type(None))}
+           "tiny_preset": str, "hf_model_class": str, "vision_part": (str, type(None)), "rope": str}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
@@ -40,8 +40,9 @@ def test_every_family_provides_every_field(name):
     chat = family.chat(load_run_config(family.tiny_preset).model)
     assert isinstance(chat, ChatFormat)
     assert chat.turn_start and chat.turn_end and chat.jinja_template
-    # A family that sees images has blocks for images and videos in its chat format.
-    assert bool(chat.image_block) == bool(chat.video_block) == family.has_vision
+    # A family that sees images has a block for images in its chat format (and one for videos where its
+    # processor takes them: InternVL's writes videos as frames of images).
+    assert bool(chat.image_block) == family.has_vision and (family.has_vision or not chat.video_block)
     assert family.has_vision == (load_run_config(family.tiny_preset).model.vision is not None)
     # A family that sees images serves with a processor; a text-only one with its tokenizer alone.
     tiny = load_run_config(family.tiny_preset)
@@ -76,9 +77,10 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of llm | qwen2_5_vl | qwen3_vl; did you mean "
-                       "'qwen2_5_vl'? set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of llm \| qwen2_5_vl \| qwen3_vl; set"):
+    assert message == ("model.family='qwen25_vl' is not one of internvl | llm | qwen2_5_vl | qwen3_vl; did you "
+                       "mean 'qwen2_5_vl'? set model.family to one of those.")
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of internvl \| llm \| qwen2_5_vl \| "
+                                          r"qwen3_vl; set"):
         registry.get_family("gemma")
 
 
