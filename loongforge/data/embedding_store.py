@@ -102,7 +102,7 @@ def processor_settings(data_cfg: DataConfig, model_cfg: ModelConfig) -> dict:
     """Everything that decides the pixels the encoder sees: two runs agreeing on this dict
     preprocess every image and video alike."""
     # Through JSON and back, so a settings dict read from encoder.json compares equal (lists, not tuples).
-    sizing = json.loads(json.dumps(asdict(vision_sizing(data_cfg, model_cfg))))
+    sizing = json.loads(json.dumps(vision_sizing(data_cfg, model_cfg).settings()))
     return {"vision_sizing": sizing,
             "video_fps": data_cfg.video_fps, "video_max_frames": data_cfg.video_max_frames}
 

@@ -85,12 +85,22 @@ class VisionSizing:
                 self.pixel_mean, self.pixel_std))
 
     def geometry(self) -> dict:
-        """The fields that decide grids and token counts (what a packed folder must agree on)."""
-        skipped = ("pixel_mean", "pixel_std", "images")
-        geometry = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in skipped}
+        """The settings that decide grids and token counts (what a packed folder must agree on): the
+        video path's and the tower's image processing's (``ImageProcessing.geometry``; Qwen's gives its
+        pixel budget, min_pixels and max_pixels, so Qwen folders read as before)."""
+        geometry = self._video_settings(skipped=("pixel_mean", "pixel_std"))
         if self.video_rule == "qwen2_vl":  # the only rule before it was recorded: old folders stay readable
             del geometry["video_rule"]
         return {**geometry, **self.images.geometry()}
+
+    def settings(self) -> dict:
+        """Everything that decides the pixels the encoder sees (what an embedding store must agree on):
+        ``geometry`` with the normalisation and the video rule."""
+        return {**self._video_settings(skipped=()), **self.images.geometry()}
+
+    def _video_settings(self, skipped: tuple[str, ...]) -> dict:
+        image_fields = ("images", "min_pixels", "max_pixels")  # the tower's image processing says its own
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in image_fields + skipped}
 
     @property
     def factor(self) -> int:

@@ -92,6 +92,9 @@ class SmartResizeImages(ImageProcessing):
         rows = patchify(frames, self.temporal_patch_size, self.patch_size, self.merge_size)
         return rows, (1, resized_h // self.patch_size, resized_w // self.patch_size)
 
+    def geometry(self) -> dict:
+        return {"min_pixels": self.min_pixels, "max_pixels": self.max_pixels}
+
 
 def smart_resize_images(model_cfg: ModelConfig, data_cfg: DataConfig) -> SmartResizeImages:
     """The run's Qwen-VL image processing: the tower's patch geometry and normalisation, the data's
