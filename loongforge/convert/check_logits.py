@@ -39,6 +39,7 @@ import torch
 import torch.distributed as dist
 
 from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
 from loongforge.config.schema import DataConfig, ModelConfig, ParallelConfig
 from loongforge.convert.engine import check_hf_tensors, check_layout, mcore_to_hf, resolve_mcore_checkpoint
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
@@ -175,7 +176,7 @@ def build_sample(model_cfg: ModelConfig, hf_dir: Path, image: Optional[Path], no
     or the built-in scene). ``notes`` gets a line for each liberty taken with it."""
     family = get_family(model_cfg.family)
     chat_format = family.chat(model_cfg)
-    tokenizer = _tokenizer(hf_dir, chat_format, notes)
+    tokenizer = _tokenizer(hf_dir, family, chat_format, notes)
     data_cfg = DataConfig()
     if family.has_vision:
         measured, description = _measured_vision(model_cfg, tokenizer, data_cfg, image)
@@ -213,15 +214,17 @@ def _measured_vision(model_cfg: ModelConfig, tokenizer, data_cfg: DataConfig,
     return measured, f"chat with one image ({name}, patch grid {list(grid)})"
 
 
-def _tokenizer(hf_dir: Path, chat_format: ChatFormat, notes: list[str]):
-    """SRC's tokenizer when it ships one; else Qwen's, which loongforge builds offline."""
+def _tokenizer(hf_dir: Path, family: ModelFamily, chat_format: ChatFormat, notes: list[str]):
+    """SRC's tokenizer when it ships one; else the family's (its tiny preset's ``data.tokenizer``), which
+    loongforge builds offline."""
     if (hf_dir / "tokenizer.json").is_file() or (hf_dir / "tokenizer.model").is_file():
         try:
             return load_tokenizer(str(hf_dir))
         except (OSError, ValueError) as error:
             raise InputError(f"{hf_dir}: its tokenizer files cannot be loaded ({error})") from None
-    notes.append("no tokenizer in SRC: the sample is tokenized with Qwen2's (loongforge's offline build)")
-    return load_tokenizer("qwen", chat_format.jinja_template)
+    spec = load_run_config(family.tiny_preset).data.tokenizer
+    notes.append(f"no tokenizer in SRC: the sample is tokenized with {spec} (loongforge's offline build)")
+    return load_tokenizer(spec, chat_format.jinja_template)
 
 
 def _fit_vocabulary(measured: MeasuredSample, model_cfg: ModelConfig, family: ModelFamily, notes: list[str]) -> None:
@@ -259,12 +262,7 @@ def reference_logits(hf_dir: Path, family: ModelFamily, model_cfg: ModelConfig, 
     finally:
         if bar_was_on:
             hf_logging.enable_progress_bar()
-    inputs = {key: value for key, value in sample.model_inputs.items() if key != "position_ids"}
-    if family.has_vision:  # what the processor returns beside the ids: each token's modality
-        tokens = model_cfg.tokens
-        ids = sample.input_ids
-        inputs["mm_token_type_ids"] = (ids == tokens.image_token_id).long() + 2 * (ids == tokens.video_token_id).long()
-    logits = model(**inputs).logits[0]
+    logits = model(**family.hf_model_inputs(model_cfg, sample.model_inputs)).logits[0]
     del model
     return logits
 

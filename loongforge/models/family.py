@@ -115,6 +115,11 @@ class ChatFormat:
         return tuple(marker for marker in (self.text_start, self.turn_start, self.turn_end, *tags) if marker)
 
 
+def text_model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
+    """``ModelFamily.hf_model_inputs`` of a text-only family: the token ids."""
+    return {"input_ids": inputs["input_ids"]}
+
+
 @dataclass(frozen=True)
 class ModelFamily:
     """One model family. ``model_cfg`` below is the run's ``ModelConfig`` (``cfg.model``)."""
@@ -171,6 +176,10 @@ class ModelFamily:
     # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); None: a
     # text-only family.
     vision_part: Optional[str] = None
+    # (model_cfg, a collated micro-batch's model inputs: input_ids and the media keys) -> the keyword
+    # inputs of ``hf_model_class``'s forward, the media as its processor gives them (``convert
+    # --check-logits``); default: the ids alone (a text-only family).
+    hf_model_inputs: Callable[[ModelConfig, dict], dict] = text_model_inputs
     # The decoder's rotary positions: "mrope" (Qwen-VL's three sections, ``model.language.mrope_section``)
     # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty).
     rope: str = "rope"

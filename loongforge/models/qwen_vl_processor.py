@@ -34,6 +34,19 @@ def qwen_vl_processor_files(model_cfg: ModelConfig, data_cfg: DataConfig, *, pro
     }}
 
 
+# The media inputs a Qwen-VL model's forward takes as loongforge's batch carries them.
+_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+
+
+def qwen_vl_model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
+    """transformers' Qwen-VL forward inputs (``ModelFamily.hf_model_inputs``): the batch's patch rows and
+    grids as they are, and each token's modality (``mm_token_type_ids``), which the processor returns."""
+    ids, tokens = inputs["input_ids"], model_cfg.tokens
+    media = {key: inputs[key] for key in _MEDIA_KEYS if inputs.get(key) is not None}
+    kinds = (ids == tokens.image_token_id).long() + 2 * (ids == tokens.video_token_id).long()
+    return {"input_ids": ids, **media, "mm_token_type_ids": kinds}
+
+
 def image_processor_config(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict:
     """transformers' Qwen2-VL image processor at the run's image sizes and patch geometry, as it
     serialises itself (the PIL backend: the one ``data.vision`` is bit-equal to, and the one

@@ -79,6 +79,33 @@ def test_qwen3_vl_with_a_photo(tmp_path):
     assert report["argmax_agree"] == report["tokens"]
 
 
+def test_internvl_with_a_photo_at_tp1_and_tp2(tmp_path):
+    """InternVL3.5 (InternViT, pixel shuffle, Qwen3 under 1-D RoPE) on a real photo tiled as training
+    tiles it (56-pixel tiles at the tiny size); transformers gets the tiles its processor returns."""
+    import torch
+    import transformers
+
+    from loongforge.config.loader import load_run_config
+    from loongforge.models.registry import get_family
+    from tests.models.tower_helpers import randomised
+
+    cfg = load_run_config("internvl3.5-tiny", overrides=["model.language.num_layers=2",
+                                                         "model.language.tie_word_embeddings=false"])
+    config = transformers.AutoConfig.for_model(**get_family("internvl").config_to_hf(cfg.model, "float32"))
+    torch.manual_seed(0)
+    randomised(transformers.AutoModelForImageTextToText.from_config(config)).save_pretrained(tmp_path / "hf")
+    for tp in ("1", "2"):
+        result = invoke(str(tmp_path / "hf"), "--check-logits", "--image", str(COCO_PHOTO), "--tp", tp, "--json")
+        assert result.exit_code == 0, result.output
+        report = json.loads(result.stdout)
+        # Relative to the logits' scale (every parameter at 0.1 std: logits up to ~6).
+        relative = report["max_abs_diff"] / report["reference_max_abs_logit"]
+        assert report["passed"] and relative <= TOLERANCE, report
+        assert report["argmax_agree"] == report["tokens"] and "patch grid [13, 4, 4]" in report["sample"]  # 12 tiles + thumbnail
+        print(f"\nInternVL at TP {tp}: max abs diff {report['max_abs_diff']:.1e} ({relative:.1e} of the largest "
+              f"logit) over {report['tokens']} tokens, {report['sample']}")
+
+
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_llm_architectures(llm_folders, arch):
     _passes(invoke(str(llm_folders[arch]), "--check-logits"))

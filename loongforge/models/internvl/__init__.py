@@ -33,6 +33,8 @@ FAMILY = ModelFamily(
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
     position_ids=sequential_positions_for,
+    # The batch's tile patch rows as the tiles [n, C, S, S] its processor returns (torch: imported at the call).
+    hf_model_inputs=LazyFunction("loongforge.models.internvl.hf_inputs:model_inputs"),
     chat=chat_format,
     layout=DECODER_LAYOUT,
     hf_model_class="InternVLForConditionalGeneration",

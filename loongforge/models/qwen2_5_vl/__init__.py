@@ -15,6 +15,7 @@ from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.flops import vlm_training_flops
 from loongforge.models.parts import composed_parameters
+from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
@@ -35,6 +36,7 @@ FAMILY = ModelFamily(
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
     rope="mrope",
+    hf_model_inputs=qwen_vl_model_inputs,
     position_ids=position_ids_for,
     chat=chat_format,
     # Megatron's decoder and ViT layers need nothing beyond the decoder rule; the vision TP groups

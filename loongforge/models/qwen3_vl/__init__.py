@@ -19,6 +19,7 @@ from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.flops import vlm_training_flops
 from loongforge.models.parts import composed_parameters
+from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
 from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.processor import processor_files
@@ -40,6 +41,7 @@ FAMILY = ModelFamily(
     training_flops=functools.partial(vlm_training_flops, TOWER.flops),
     vision_part=TOWER.arch,
     rope="mrope",
+    hf_model_inputs=qwen_vl_model_inputs,
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,
     layout=LAYOUT,
