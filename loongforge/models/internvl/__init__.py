@@ -10,6 +10,7 @@ chat.py         the chat format (ChatML; an image is <img> + its tiles' <IMG_CON
 """
 
 import functools
+from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
@@ -21,6 +22,10 @@ from loongforge.models.internvl.processor import processor_files
 from loongforge.models.parts import composed_parameters
 from loongforge.models.towers.intern_vit import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
+
+# The composition's layouts proven for it: vision TP below the language TP, the TP group sharing each
+# micro-batch's tiles (tests/models/test_encoder_dp.py); encoder_dp=full is not proven for it yet.
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none", "tp"))
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
@@ -36,7 +41,7 @@ FAMILY = ModelFamily(
     # The batch's tile patch rows as the tiles [n, C, S, S] its processor returns (torch: imported at the call).
     hf_model_inputs=LazyFunction("loongforge.models.internvl.hf_inputs:model_inputs"),
     chat=chat_format,
-    layout=DECODER_LAYOUT,
+    layout=LAYOUT,
     hf_model_class="InternVLForConditionalGeneration",
     tiny_preset="internvl3.5-tiny",
     hf_processor_files=processor_files,

@@ -4,8 +4,6 @@ processor returns whole tiles ``pixel_values [n, C, S, S]``, where the batch hol
 
 from __future__ import annotations
 
-import torch
-
 from loongforge.config.schema import ModelConfig
 
 
