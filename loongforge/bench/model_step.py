@@ -168,9 +168,7 @@ def build_inputs(cfg: RunConfig, opts: ModelBenchOptions) -> BenchInputs:
         "image_grid_thw": packed["image_grid_thw"],
     }
     grids = [] if packed["image_grid_thw"] is None else [tuple(g) for g in packed["image_grid_thw"].tolist()]
-    tokens = cfg.model.tokens
-    samples = sample_costs(packed, image_token_id=tokens.image_token_id, video_token_id=tokens.video_token_id,
-                           merge_size=cfg.model.projector.spatial_merge_size)
+    samples = sample_costs(packed)
     return BenchInputs(packed=packed, batch=batch, segment_lengths=list(packed["sample_lengths"]),
                        grids=grids, loss_tokens=packed["num_loss_tokens"], samples=samples)
 

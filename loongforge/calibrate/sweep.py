@@ -194,6 +194,8 @@ class SweepSource:
             "pixel_values": torch.from_numpy(rng.standard_normal(
                 (patches, self.pixel_width), dtype=np.float32)) if grids else None,
             "image_grid_thw": torch.tensor([[1, h, w] for h, w in grids]) if grids else None,
+            "image_samples": [index for index, (_, sample_grids) in enumerate(row) for _ in sample_grids],
+            "video_samples": [],
             "pixel_values_videos": None,
             "video_grid_thw": None,
             "second_per_grid_ts": None,

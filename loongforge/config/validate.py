@@ -194,6 +194,9 @@ def _yaml_text(value: Any) -> str:
 
 
 def _scalar_fits(value: Any, type_: Any) -> bool:
+    if typing.get_origin(type_) is list:  # a list of lists (model.vision.anyres_pinpoints)
+        (item_type,) = typing.get_args(type_)
+        return isinstance(value, list) and all(_scalar_fits(v, item_type) for v in value)
     if type_ is float:
         return isinstance(value, (int, float)) and not isinstance(value, bool)
     if type_ is int:

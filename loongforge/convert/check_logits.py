@@ -57,7 +57,8 @@ from loongforge.parallel.launch_env import free_port
 
 DEFAULT_ATOL = 1e-4  # fp32 on both sides: reductions in another order stay far below this
 # The collated batch's media inputs, passed to both models when present.
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
+MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",
+              "second_per_grid_ts")
 # 140 x 112 px: a 10 x 8 patch grid (20 LLM tokens), and attention windows of 8 x 8 patches that
 # the 10-patch width cuts short, so the window bookkeeping is exercised too.
 BUILTIN_SCENE = Scene(width=140, height=112, background="white",

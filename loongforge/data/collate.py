@@ -18,6 +18,10 @@ cu_seqlens           IntTensor[n_segments + 1]    int32 sample boundaries over T
                                                   tail, if any, is its own last segment
 pixel_values         FloatTensor[P, 1176] | None  all images of the row, in token order
 image_grid_thw       LongTensor[n_img, 3] | None
+image_samples        list[int]                    per image, the index in the row of its sample
+video_samples        list[int]                    likewise per video
+image_sizes          LongTensor[n_img, 2] | None  each image's (height, width) in pixels (a tower that packs
+                                                  an image's features by its size reads them)
 pixel_values_videos  FloatTensor[Pv, 1176] | None
 video_grid_thw       LongTensor[n_vid, 3] | None
 second_per_grid_ts   FloatTensor[n_vid] | None    seconds per temporal patch, per video
@@ -127,6 +131,9 @@ def _vision_inputs(row: list[MaterializedSample]) -> dict:
     return {
         "pixel_values": torch.from_numpy(np.concatenate(image_pixels)) if image_pixels else None,
         "image_grid_thw": torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
+        "image_sizes": _image_sizes(row, len(image_grids)),
+        "image_samples": [index for index, item in enumerate(row) for _ in item.sample.image_grids],
+        "video_samples": [index for index, item in enumerate(row) for _ in item.sample.video_plans],
         "pixel_values_videos": torch.from_numpy(np.concatenate(video_pixels)) if video_pixels else None,
         "video_grid_thw": torch.tensor([p.grid_thw for p in video_plans], dtype=torch.long) if video_plans else None,
         "second_per_grid_ts": (
@@ -135,6 +142,12 @@ def _vision_inputs(row: list[MaterializedSample]) -> dict:
         "image_embeds": _cat([e for item in row for e in item.image_embeds]),
         "video_embeds": _cat([e for item in row for e in item.video_embeds]),
     }
+
+
+def _image_sizes(row: list[MaterializedSample], images: int):
+    sizes = [size for item in row for size in item.sample.image_sizes]
+    # None where a folder packed before sizes were kept lacks some (a tower that needs them says so).
+    return torch.tensor(sizes, dtype=torch.long) if images and len(sizes) == images else None
 
 
 def _cat(tensors: list[torch.Tensor]):

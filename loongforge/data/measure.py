@@ -53,6 +53,9 @@ class MeasuredSample:
     is_answer: np.ndarray  # bool [L], True on assistant answer tokens and their end-of-turn token
     images: list[ImageSource] = field(default_factory=list)
     image_grids: list[tuple[int, int, int]] = field(default_factory=list)
+    # (height, width) of each image in pixels, from its header: a tower that packs an image's features
+    # by its size reads them (LLaVA-OneVision's anyres); [] in folders packed before they were kept.
+    image_sizes: list[tuple[int, int]] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
     video_plans: list[VideoPlan] = field(default_factory=list)
     record: Optional[int] = None  # as ConversationSample.record
@@ -145,6 +148,7 @@ class SampleMeasurer:
         return MeasuredSample(
             sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
             is_answer=is_answer, images=list(sample.images), image_grids=[plan.grid for plan in image_plans],
+            image_sizes=[plan.size for plan in image_plans],
             videos=list(sample.videos), video_plans=video_plans, record=sample.record,
         )
 

@@ -66,14 +66,14 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
 
     emit(chat.text_start)
     if turns and turns[0].role != "system" and system:
-        emit(f"{chat.turn_start}system{chat.role_end}{system}{chat.turn_end}{chat.turn_sep}")
+        emit(f"{chat.turn_start}system{chat.role_end}{turn_content(system, chat)}{chat.turn_end}{chat.turn_sep}")
     for index, turn in enumerate(turns):
         emit(f"{chat.turn_start}{turn.role}{chat.role_end}")
         start = length
         text = turn.text
         if chat.thinking and turn.role == "assistant":
             text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
-        emit(expand_placeholders(text, chat) + chat.turn_end)
+        emit(turn_content(text, chat) + chat.turn_end)
         if turn.role == "assistant":
             spans.append((start, length))
         emit(chat.turn_sep)
@@ -93,6 +93,18 @@ def with_reasoning_block(text: str, *, keep: bool, last: bool) -> str:
         reasoning, answer = reasoning.strip("\n"), answer.lstrip("\n")
         return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
     return answer
+
+
+def turn_content(text: str, chat: ChatFormat) -> str:
+    """A turn's text as the format writes it: media blocks where the placeholders stand, or
+    (``ChatFormat.media_first``) the images' blocks, the videos', then each text piece after a newline."""
+    if not chat.media_first:
+        return expand_placeholders(text, chat)
+    pieces = list(_split_placeholders(text))
+    images = sum(kind == "image" for _, kind in pieces)
+    videos = sum(kind == "video" for _, kind in pieces)
+    texts = "".join("\n" + chunk for chunk, kind in pieces if kind == "text" and chunk)
+    return chat.image_block * images + chat.video_block * videos + texts
 
 
 def expand_placeholders(text: str, chat: ChatFormat) -> str:

@@ -84,6 +84,9 @@ INTERNVL_EXTRA_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>"
 # The tokenizer attributes transformers' InternVLProcessor reads (``extra_special_tokens``).
 INTERNVL_NAMED_TOKENS = (("start_image_token", "<img>"), ("end_image_token", "</img>"),
                          ("context_image_token", "<IMG_CONTEXT>"), ("video_token", "<video>"))
+# LLaVA-OneVision's -hf tokenizers: Qwen2's own three special tokens (Qwen2.5 added the vision ones
+# after them), then LLaVA's image and video tokens (151646, 151647).
+LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
 _QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                 "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
@@ -177,6 +180,12 @@ RANKS_TOKENIZERS = {
         special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS + INTERNVL_EXTRA_TOKENS,
         not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
         eos_token="<|im_end|>", pad_token="<|endoftext|>", named_tokens=INTERNVL_NAMED_TOKENS,
+    ),
+    "llava-onevision": RanksTokenizer(
+        cache_name="llava-onevision", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True, special_tokens=LLAVA_ONEVISION_SPECIAL_TOKENS,
+        not_special=frozenset(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        named_tokens=(("image_token", "<image>"), ("video_token", "<video>")),
     ),
     "llama3": RanksTokenizer(
         cache_name="llama3", ranks_path=llama3_ranks_path, num_ranks=LLAMA3_SPECIAL_START_ID,

@@ -107,6 +107,9 @@ class ChatFormat:
     # True: the processor writes each image as vision_start + its pads + vision_end around the single pad
     # of ``image_block`` (InternVL: ``<img>`` ... ``</img>``); False: the block's own markers stand.
     wraps_images: bool = False
+    # True: a turn is written as its images' blocks, then its videos', then each piece of its text after a
+    # newline, wherever the data placed them (LLaVA-OneVision's template); False: blocks where they stand.
+    media_first: bool = False
 
     @property
     def markers(self) -> tuple[str, ...]:

@@ -34,6 +34,7 @@ Grid = tuple[int, int, int]
 class ImagePlan:
     grid: Grid  # (t, h, w): t squares of h x w patches, encoded each on its own
     tokens: int  # placeholder tokens the image takes in the text
+    size: tuple[int, int] = (0, 0)  # (height, width) of the image in pixels
 
 
 class ImageProcessing(abc.ABC):
@@ -44,10 +45,15 @@ class ImageProcessing(abc.ABC):
     def patch_dim(self) -> int:
         """Values in one patch row (``C * [temporal] * p * p``)."""
 
-    @abc.abstractmethod
     def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
-        """The grid and placeholder tokens of an image of ``width`` x ``height`` pixels; ValueError for
-        an image the processor cannot take (an extreme aspect ratio)."""
+        """The grid, placeholder tokens and size of an image of ``width`` x ``height`` pixels; ValueError
+        for an image the processor cannot take (an extreme aspect ratio)."""
+        grid, tokens = self.grid_and_tokens(width, height, images_in_sample)
+        return ImagePlan(grid=grid, tokens=tokens, size=(height, width))
+
+    @abc.abstractmethod
+    def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
+        """(grid, placeholder tokens) of an image of ``width`` x ``height`` pixels (``plan``'s)."""
 
     @abc.abstractmethod
     def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:

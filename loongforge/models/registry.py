@@ -18,6 +18,7 @@ from loongforge.models.family import ModelFamily, registered
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
     "internvl": "loongforge.models.internvl",
+    "llava_onevision": "loongforge.models.llava_onevision",
     "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
     "qwen3_vl": "loongforge.models.qwen3_vl",

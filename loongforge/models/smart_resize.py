@@ -23,7 +23,7 @@ import numpy as np
 from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.media import Grid, ImagePlan, ImageProcessing
+from loongforge.models.media import Grid, ImageProcessing
 from loongforge.models.pixels import normalize, resize_bicubic
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -80,10 +80,10 @@ class SmartResizeImages(ImageProcessing):
     def _resized(self, width: int, height: int) -> tuple[int, int]:
         return smart_resize(height, width, self.patch_size * self.merge_size, self.min_pixels, self.max_pixels)
 
-    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+    def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
         resized_h, resized_w = self._resized(width, height)
         grid = (1, resized_h // self.patch_size, resized_w // self.patch_size)
-        return ImagePlan(grid=grid, tokens=grid[1] * grid[2] // self.merge_size**2)
+        return grid, grid[1] * grid[2] // self.merge_size**2
 
     def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
         resized_h, resized_w = self._resized(*image.size)

@@ -1,7 +1,8 @@
 """A micro-batch dict (``data.collate`` contract) -> the cost model's per-sample and summed features.
 
-Images and videos are assigned to samples in token order: each one occupies
-``t*h*w / merge^2`` pad tokens inside exactly one sample's span of ``input_ids``.
+Each image and video belongs to the sample the batch says it does (``image_samples`` /
+``video_samples``: a sample's index in the row per medium), whatever its placeholder count (a tower
+such as LLaVA-OneVision's packs an image into fewer tokens than its patches).
 """
 
 from __future__ import annotations
@@ -19,45 +20,28 @@ def _media_grids(grid_thw: torch.Tensor | None) -> list[tuple[int, int, int]]:
     return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
 
 
-def sample_costs(micro_batch: dict, *, image_token_id: int, video_token_id: int,
-                 merge_size: int) -> list[SampleCost]:
+def sample_costs(micro_batch: dict) -> list[SampleCost]:
     """One SampleCost per real sample (padding excluded) with the patches (and grids) of its
     images/videos and its loss tokens."""
     lengths = [int(n) for n in micro_batch["sample_lengths"]]
-    ids = micro_batch["input_ids"].reshape(-1)
     bounds = np.cumsum([0, *lengths])
     loss_mask = micro_batch["loss_mask"].reshape(-1)
     loss = [int(loss_mask[bounds[i]:bounds[i + 1]].sum()) for i in range(len(lengths))]
-    merge = merge_size * merge_size
     grids: list[list[tuple[int, int, int]]] = [[] for _ in lengths]
-    for token_id, grid_thw in ((image_token_id, micro_batch.get("image_grid_thw")),
-                               (video_token_id, micro_batch.get("video_grid_thw"))):
-        media = _media_grids(grid_thw)
-        if not media:
-            continue
-        # Count this media kind's pad tokens per sample, then hand out media in order.
-        starts = np.cumsum([0, *lengths])
-        pads = [int((ids[starts[i]:starts[i + 1]] == token_id).sum()) for i in range(len(lengths))]
-        sample = 0
-        for grid in media:
-            p = grid[0] * grid[1] * grid[2]
-            while sample < len(lengths) and pads[sample] < p // merge:
-                sample += 1
-            if sample == len(lengths):
-                raise ValueError(f"micro-batch has more {token_id} media than pad tokens; "
-                                 f"grids {media}, pads per sample {pads}")
+    for owners, grid_key in (("image_samples", "image_grid_thw"), ("video_samples", "video_grid_thw")):
+        media = _media_grids(micro_batch.get(grid_key))
+        if len(micro_batch.get(owners, [])) != len(media):
+            raise ValueError(f"micro-batch has {len(media)} {grid_key} rows but {owners} names "
+                             f"{len(micro_batch.get(owners, []))} owners")
+        for sample, grid in zip(micro_batch.get(owners, []), media):
             grids[sample].append(grid)
-            pads[sample] -= p // merge
     return [SampleCost(tokens=L, patches=tuple(t * h * w for t, h, w in gs), loss_tokens=n, grids=tuple(gs))
             for L, gs, n in zip(lengths, grids, loss)]
 
 
 def model_sample_costs(micro_batch: dict, model_cfg: ModelConfig) -> list[SampleCost]:
-    """``sample_costs`` with the token ids and merge size of ``model_cfg`` (a text-only model
-    has no media to place)."""
-    merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
-    return sample_costs(micro_batch, image_token_id=model_cfg.tokens.image_token_id,
-                        video_token_id=model_cfg.tokens.video_token_id, merge_size=merge)
+    """``sample_costs`` (the model's settings no longer enter: the batch names each medium's sample)."""
+    return sample_costs(micro_batch)
 
 
 def micro_batch_record(micro_batch: dict, samples: list[SampleCost]) -> dict:

@@ -27,7 +27,8 @@ from loongforge.profile.timers import cpu_clock
 # Per-token tensors [1, T] that a CP rank cuts to its own tokens; positions and cu_seqlens stay the row's.
 _CONTEXT_SPLIT_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask")
 _TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask", "position_ids", "cu_seqlens", "pixel_values",
-                "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds", "video_embeds")
+                "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw", "image_embeds",
+                "video_embeds")
 
 
 @dataclass
@@ -94,6 +95,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
             packed_seq_params=_packed_seq_params(batch["cu_seqlens"]),
             pixel_values=batch.get("pixel_values"),
             image_grid_thw=batch.get("image_grid_thw"),
+            image_sizes=batch.get("image_sizes"),
             pixel_values_videos=batch.get("pixel_values_videos"),
             video_grid_thw=batch.get("video_grid_thw"),
             image_embeds=batch.get("image_embeds"),

@@ -19,9 +19,7 @@ def cfg(request):
 
 
 def _costs(cfg, mb):
-    t = cfg.model.tokens
-    return sample_costs(mb, image_token_id=t.image_token_id, video_token_id=t.video_token_id,
-                        merge_size=cfg.model.projector.spatial_merge_size)
+    return sample_costs(mb)
 
 
 def test_length_grid_spans_short_to_seq_len():

@@ -127,12 +127,17 @@ def loongforge_batch(cfg: RunConfig, sample: ConversationSample) -> tuple[str, d
 
 def hf_pixel_rows(cfg: RunConfig, inputs, batch: dict) -> np.ndarray:
     """transformers' pixel values as the patch rows loongforge trains on, once their grids are checked:
-    Qwen's processor gives rows and ``image_grid_thw``; InternVL's, tiles [n, C, S, S] (the grids' t)."""
+    Qwen's processor gives rows and ``image_grid_thw``; InternVL's, tiles [n, C, S, S] (the grids' t);
+    LLaVA-OneVision's, each image's squares padded to the most any image has, and ``image_sizes``."""
     if "image_grid_thw" in inputs:
         assert torch.equal(inputs["image_grid_thw"], batch["image_grid_thw"])
         return inputs["pixel_values"].numpy()
     tiles = inputs["pixel_values"].numpy()
-    assert tiles.shape[0] == int(batch["image_grid_thw"][:, 0].sum())
+    squares = batch["image_grid_thw"][:, 0].tolist()
+    if tiles.ndim == 5:  # LLaVA-OneVision's: [images, most squares, C, S, S], each image's squares first
+        assert torch.equal(inputs["image_sizes"], batch["image_sizes"])
+        tiles = np.concatenate([image[:count] for image, count in zip(tiles, squares)])
+    assert tiles.shape[0] == sum(squares)
     return patch_rows(tiles, cfg.model.vision.patch_size)
 
 
@@ -153,6 +158,11 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
             assert image["size"] == {"height": vision.image_size, "width": vision.image_size}
             assert (image["crop_to_patches"], image["max_patches"]) == (True, data.max_tiles)
             return
+        if vision.arch == "siglip":  # squares of the tower's size on the run's anyres canvases
+            assert image["size"] == {"height": vision.image_size, "width": vision.image_size}
+            assert image["image_grid_pinpoints"] == [list(p) for p in vision.anyres_pinpoints]
+            assert processor["vision_aspect_ratio"] == f"anyres_max_{vision.anyres_max_crops}"
+            return
         video = processor["video_processor"]
         assert image["size"] == {"shortest_edge": data.min_pixels, "longest_edge": data.max_pixels}
         assert video["size"] == {"shortest_edge": data.video_min_pixels, "longest_edge": data.video_max_pixels}
@@ -169,7 +179,9 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         processor = load_processor(exported.folder)
         assert processor.apply_chat_template(messages, tokenize=False) == text
         images = [Image.open(path) for path in sample.images]
-        inputs = processor(text=[text], images=images, return_tensors="pt")
+        # One text, its images nested under it (a processor that treats a sample of several images otherwise,
+        # LLaVA-OneVision's, counts them per text).
+        inputs = processor(text=[text], images=[images], return_tensors="pt")
         # Bit-equal, as transformers' PIL image processors and loongforge's are (tests/data/test_vision.py,
         # tests/models/test_intern_vit_processor.py).
         assert np.abs(hf_pixel_rows(exported.cfg, inputs, batch) - batch["pixel_values"].numpy()).max() == 0.0

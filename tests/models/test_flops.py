@@ -116,10 +116,7 @@ class RowBuilder:
                            position_ids=self.position_ids)
 
     def samples(self, micro_batch: dict) -> list[SampleCost]:
-        model_cfg = self.cfg.model
-        merge = model_cfg.projector.spatial_merge_size if model_cfg.projector else 1
-        return sample_costs(micro_batch, image_token_id=model_cfg.tokens.image_token_id,
-                            video_token_id=model_cfg.tokens.video_token_id, merge_size=merge)
+        return sample_costs(micro_batch)
 
 
 # ---------------------------------------------------------------------------------------------

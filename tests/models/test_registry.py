@@ -77,10 +77,10 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of internvl | llm | qwen2_5_vl | qwen3_vl; did you "
-                       "mean 'qwen2_5_vl'? set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of internvl \| llm \| qwen2_5_vl \| "
-                                          r"qwen3_vl; set"):
+    assert message == ("model.family='qwen25_vl' is not one of internvl | llava_onevision | llm | qwen2_5_vl | "
+                       "qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of internvl \| llava_onevision \| llm "
+                                          r"\| qwen2_5_vl \| qwen3_vl; set"):
         registry.get_family("gemma")
 
 

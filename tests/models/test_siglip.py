@@ -27,7 +27,6 @@ from loongforge.models.decoder.hf_mapping import language_rules
 from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
 from loongforge.models.towers.siglip.hf_mapping import tower_rules
-from loongforge.models.towers.siglip.params import hf_checkpoint_extra
 from loongforge.models.towers.siglip.processor import (
     AnyresSettings,
     anyres_crops,
@@ -128,10 +127,13 @@ def test_the_encoder_alone_equals_transformers_and_every_parameter_trains(megatr
     print(f"SigLIP + projector, TP 1: features vs transformers {worst:.1e}")
     assert worst <= TOLERANCE
     encoder.train()(rows, grids).square().sum().backward()
-    # Every parameter but the newline, which only packed features use, trains (the full model's test
-    # sees it train).
-    untouched = [name for name, param in encoder.named_parameters() if param.grad is None or not param.grad.any()]
+    # Every trainable parameter but the newline, which only packed features use, trains (the full model's
+    # test sees it train); SigLIP's post-layernorm is carried frozen, never run.
+    untouched = [name for name, param in encoder.named_parameters()
+                 if param.requires_grad and (param.grad is None or not param.grad.any())]
     assert untouched == ["image_newline.weight"], untouched
+    assert [name for name, param in encoder.named_parameters() if not param.requires_grad] == [
+        "vision_model.post_layernorm.weight", "vision_model.post_layernorm.bias"]
 
 
 def test_the_composition_with_anyres_packing_equals_transformers_on_a_real_photo(megatron_world_of_one):
@@ -164,7 +166,8 @@ def test_the_composition_with_anyres_packing_equals_transformers_on_a_real_photo
           f"{worst:.1e}")
     assert worst <= TOLERANCE
     model.train()(**inputs, labels=input_ids).sum().backward()
-    untouched = [name for name, param in model.named_parameters() if param.grad is None or not param.grad.any()]
+    untouched = [name for name, param in model.named_parameters()
+                 if param.requires_grad and (param.grad is None or not param.grad.any())]
     assert not untouched, untouched
 
 
@@ -198,7 +201,7 @@ def test_the_encoder_in_the_composition_equals_transformers_at_tp2(reference):
 def test_parameter_counts_equal_transformers():
     model, model_cfg = hf_model(), tiny_model_cfg()
     vision, projector = parts.tower("siglip").parameters(model_cfg)
-    assert vision + hf_checkpoint_extra(model_cfg) == sum(p.numel() for p in model.model.vision_tower.parameters())
+    assert vision == sum(p.numel() for p in model.model.vision_tower.parameters())
     assert projector == (sum(p.numel() for p in model.model.multi_modal_projector.parameters())
                          + model.model.image_newline.numel())
 
@@ -233,8 +236,7 @@ def test_published_sizes_count_as_transformers_builds_them(text_hidden):
     model_cfg.projector.out_hidden_size = text_hidden
     tower, projector = parts.tower("siglip").parameters(model_cfg)
     hf_tower = sum(p.numel() for p in model.model.vision_tower.parameters())
-    print(f"LLaVA-OneVision {text_hidden}: SigLIP {tower:,} (+{hf_checkpoint_extra(model_cfg)} unused post-norm), "
-          f"projector {projector:,}")
-    assert tower + hf_checkpoint_extra(model_cfg) == hf_tower
+    print(f"LLaVA-OneVision {text_hidden}: SigLIP {tower:,} (its post-norm carried, never run), projector {projector:,}")
+    assert tower == hf_tower
     assert projector == (sum(p.numel() for p in model.model.multi_modal_projector.parameters())
                          + model.model.image_newline.numel())

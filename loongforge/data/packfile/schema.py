@@ -33,6 +33,8 @@ SCHEMA = pa.schema([
     ("is_answer", pa.list_(pa.list_(pa.bool_()))),  # per sample [L]
     ("images", pa.list_(pa.list_(IMAGE))),
     ("image_grid_thw", pa.list_(pa.list_(pa.list_(pa.int32())))),  # per sample, per image [t, h, w]
+    # per sample, per image [height, width] in pixels; shards written before this column read as none
+    ("image_sizes", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ("videos", pa.list_(pa.list_(pa.string()))),
     ("video_plans", pa.list_(pa.list_(VIDEO_PLAN))),
     # per sample its ordinal in its file, null unless its line holds other samples (MeasuredSample.record);
@@ -50,6 +52,7 @@ def encode_pack(pack: int, samples: list[MeasuredSample]) -> dict:
         "is_answer": [s.is_answer.astype(bool) for s in samples],
         "images": [[_image_ref(image) for image in s.images] for s in samples],
         "image_grid_thw": [[list(grid) for grid in s.image_grids] for s in samples],
+        "image_sizes": [[list(size) for size in s.image_sizes] for s in samples],
         "videos": [[os.path.abspath(str(video)) for video in s.videos] for s in samples],
         "video_plans": [[_plan_dict(plan) for plan in s.video_plans] for s in samples],
         "sample_records": [s.record for s in samples],
@@ -74,6 +77,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
     """The pack's samples back from a shard row (``Table.to_pylist()`` element)."""
     samples = []
     records = row.get("sample_records") or [None] * len(row["sample_ids"])
+    sizes = row.get("image_sizes") or [[] for _ in row["sample_ids"]]
     for k, sample_id in enumerate(row["sample_ids"]):
         file, _, line = sample_id.split("#")[0].rpartition(":")  # "#<piece>": a cut document's piece
         samples.append(MeasuredSample(
@@ -82,6 +86,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
             is_answer=np.asarray(row["is_answer"][k], dtype=bool),
             images=[ref["bytes"] if ref["bytes"] is not None else ref["path"] for ref in row["images"][k]],
             image_grids=[tuple(grid) for grid in row["image_grid_thw"][k]],
+            image_sizes=[tuple(size) for size in sizes[k]],
             videos=list(row["videos"][k]),
             video_plans=[VideoPlan(frame_indices=tuple(p["frame_indices"]), resized_height=p["resized_height"],
                                    resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),

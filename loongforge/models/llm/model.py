@@ -28,8 +28,8 @@ from loongforge.models.layer_backend import BlockModules
 from loongforge.models.moe_balance import routing_padding_mask
 from loongforge.parallel.context_parallel import ContextShard
 
-_MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "image_embeds",
-                 "video_embeds")
+_MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",
+                 "image_embeds", "video_embeds")
 
 
 class TextModel(MegatronModule):

@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.media import Grid, ImagePlan, ImageProcessing
+from loongforge.models.media import Grid, ImageProcessing
 from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # InternVL3.5's preprocessor_config.json: ImageNet's mean and std.
@@ -112,10 +112,9 @@ class TiledImages(ImageProcessing):
     def patch_dim(self) -> int:
         return 3 * self.patch_size**2
 
-    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+    def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
         tiles = tile_count(width, height, self.settings)
-        return ImagePlan(grid=(tiles, self.side, self.side), tokens=tiles * tokens_per_tile(self.settings.size,
-                                                                                              self.patch_size))
+        return (tiles, self.side, self.side), tiles * tokens_per_tile(self.settings.size, self.patch_size)
 
     def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
         tiles = preprocess_tiles(image, self.settings)  # [t, 3, S, S]

@@ -44,4 +44,32 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         Rule((projector_prefix + "linear_2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule((projector_prefix + "linear_2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
         Rule((newline,), "image_newline.weight", rep, VISION),
+        # Carried, never run (``vision.py``).
+        Rule((hf_prefix + "post_layernorm.weight",), "vision_model.post_layernorm.weight", rep, VISION),
+        Rule((hf_prefix + "post_layernorm.bias",), "vision_model.post_layernorm.bias", rep, VISION),
     ]
+
+
+def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
+              projector_prefix: str = "model.multi_modal_projector.",
+              newline: str = "model.image_newline") -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of LLaVA-OneVision's SigLIP (without a pooling head), projector and newline, and
+    its shape, as ``model_cfg`` implies them."""
+    vis, out = model_cfg.vision, model_cfg.projector.out_hidden_size
+    h, ffn, side = vis.hidden_size, vis.intermediate_size, vis.image_size // vis.patch_size
+    emb = hf_prefix + "embeddings."
+    shapes = {emb + "patch_embedding.weight": (h, vis.in_channels, vis.patch_size, vis.patch_size),
+              emb + "patch_embedding.bias": (h,), emb + "position_embedding.weight": (side * side, h),
+              hf_prefix + "post_layernorm.weight": (h,), hf_prefix + "post_layernorm.bias": (h,)}
+    for i in range(vis.depth):
+        block = f"{hf_prefix}encoder.layers.{i}."
+        for norm in ("layer_norm1", "layer_norm2"):
+            shapes.update({f"{block}{norm}.weight": (h,), f"{block}{norm}.bias": (h,)})
+        for x in ("q", "k", "v", "out"):
+            shapes.update({f"{block}self_attn.{x}_proj.weight": (h, h), f"{block}self_attn.{x}_proj.bias": (h,)})
+        shapes.update({f"{block}mlp.fc1.weight": (ffn, h), f"{block}mlp.fc1.bias": (ffn,),
+                       f"{block}mlp.fc2.weight": (h, ffn), f"{block}mlp.fc2.bias": (h,)})
+    shapes.update({projector_prefix + "linear_1.weight": (out, h), projector_prefix + "linear_1.bias": (out,),
+                   projector_prefix + "linear_2.weight": (out, out), projector_prefix + "linear_2.bias": (out,),
+                   newline: (out,)})
+    return shapes

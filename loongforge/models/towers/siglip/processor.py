@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.media import Grid, ImagePlan, ImageProcessing
+from loongforge.models.media import Grid, ImageProcessing
 from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf: SigLIP's normalisation, and the (height, width) canvases
@@ -127,13 +127,12 @@ class AnyresImages(ImageProcessing):
     def patch_dim(self) -> int:
         return 3 * self.patch_size**2
 
-    def plan(self, width: int, height: int, images_in_sample: int = 1) -> ImagePlan:
+    def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
         if images_in_sample > 1:
-            return ImagePlan(grid=(1, self.side, self.side), tokens=self.side**2 + 1)
+            return (1, self.side, self.side), self.side**2 + 1
         canvas_height, canvas_width = best_canvas(height, width, self.settings)
         crops = (canvas_height // self.settings.size) * (canvas_width // self.settings.size)
-        return ImagePlan(grid=(1 + crops, self.side, self.side),
-                         tokens=anyres_tokens(height, width, self.settings, self.patch_size))
+        return (1 + crops, self.side, self.side), anyres_tokens(height, width, self.settings, self.patch_size)
 
     def pixels(self, image: Image.Image, images_in_sample: int = 1) -> tuple[np.ndarray, Grid]:
         squares = anyres_crops(image, self.settings) if images_in_sample == 1 else square_padded(image, self.settings)

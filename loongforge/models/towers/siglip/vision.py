@@ -43,6 +43,10 @@ class VisionModel(PackedTower):
                                       bias=True)
         self.pos_embed = torch.nn.Embedding(self.side**2, vis.hidden_size, dtype=config.params_dtype)
         self.build_layers(layer_spec, vis.depth)
+        # SigLIP's final LayerNorm: in every checkpoint, never run by LLaVA-OneVision (it reads the last
+        # layer's output). Carried frozen so that a converted checkpoint exports bit for bit.
+        self.post_layernorm = torch.nn.LayerNorm(vis.hidden_size, eps=vis.rms_norm_eps, dtype=config.params_dtype)
+        self.post_layernorm.requires_grad_(False)
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         images, patches = square_media_count(grid_thw, self.side, "SigLIP"), self.side**2

@@ -1,0 +1,49 @@
+"""LLaVA-OneVision on megatron-core: its vision part (``models/towers/siglip/``: SigLIP, the MLP
+projector, anyres packing) composed with the shared decoder (Qwen2) under 1-D RoPE; ``FAMILY`` is what
+the rest of loongforge sees of it.
+
+model.py        build_model (the entry point)
+hf_mapping.py   transformers checkpoint <-> this model, per TP rank
+hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
+hf_inputs.py    transformers' forward inputs from a batch (convert --check-logits)
+processor.py    the processor files of an exported HF folder
+chat.py         the chat format (ChatML; a turn's images first, then its text)
+"""
+
+import functools
+from dataclasses import replace
+
+from loongforge.config.layout import DECODER_LAYOUT
+from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
+from loongforge.models.flops import vlm_training_flops
+from loongforge.models.llava_onevision import hf_config
+from loongforge.models.llava_onevision.chat import chat_format
+from loongforge.models.llava_onevision.hf_mapping import mapping_rules, to_hub_style
+from loongforge.models.llava_onevision.processor import processor_files
+from loongforge.models.parts import composed_parameters
+from loongforge.models.towers.siglip import PART as TOWER
+from loongforge.models.vlm.positions import sequential_positions_for
+
+# Its encoder packs each image's features by the image's size, so it runs whole images where it is:
+# no encoder_dp sharing (vision TP below the language TP applies).
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",))
+
+FAMILY = ModelFamily(
+    **hf_facts(hf_config),
+    hf_rules=mapping_rules,
+    to_hub_style=to_hub_style,
+    # Imported at the first build: megatron-core takes seconds.
+    build=LazyFunction("loongforge.models.llava_onevision.model:build_model"),
+    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
+    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
+    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
+    vision_part=TOWER.arch,
+    position_ids=sequential_positions_for,
+    # The batch's square patch rows as the padded squares its processor returns (torch: at the call).
+    hf_model_inputs=LazyFunction("loongforge.models.llava_onevision.hf_inputs:model_inputs"),
+    chat=chat_format,
+    layout=LAYOUT,
+    hf_model_class="LlavaOnevisionForConditionalGeneration",
+    tiny_preset="llava-onevision-tiny",
+    hf_processor_files=processor_files,
+)
