@@ -79,9 +79,16 @@ def test_qwen3_vl_with_a_photo(tmp_path):
     assert report["argmax_agree"] == report["tokens"]
 
 
-def test_internvl_with_a_photo_at_tp1_and_tp2(tmp_path):
-    """InternVL3.5 (InternViT, pixel shuffle, Qwen3 under 1-D RoPE) on a real photo tiled as training
-    tiles it (56-pixel tiles at the tiny size); transformers gets the tiles its processor returns."""
+# A real photo tiled or cropped as training does it for each composed family, at its tiny preset's size
+# (full vocabulary, 2 decoder layers): InternVL's 12 tiles and a thumbnail of 56 px, LLaVA-OneVision's base
+# square and its anyres crops of 56 px (packed by the photo's size).
+COMPOSED = {"internvl": "patch grid [13, 4, 4]", "llava_onevision": "patch grid [7, 4, 4]"}
+
+
+@pytest.mark.parametrize("family", sorted(COMPOSED))
+def test_composed_families_with_a_photo_at_tp1_and_tp2(family, tmp_path):
+    """InternVL3.5 (InternViT, pixel shuffle, Qwen3) and LLaVA-OneVision (SigLIP, MLP, anyres packing,
+    Qwen2) under 1-D RoPE; transformers gets the tiles or padded squares its processor returns."""
     import torch
     import transformers
 
@@ -89,9 +96,9 @@ def test_internvl_with_a_photo_at_tp1_and_tp2(tmp_path):
     from loongforge.models.registry import get_family
     from tests.models.tower_helpers import randomised
 
-    cfg = load_run_config("internvl3.5-tiny", overrides=["model.language.num_layers=2",
-                                                         "model.language.tie_word_embeddings=false"])
-    config = transformers.AutoConfig.for_model(**get_family("internvl").config_to_hf(cfg.model, "float32"))
+    cfg = load_run_config(get_family(family).tiny_preset, overrides=["model.language.num_layers=2",
+                                                                     "model.language.tie_word_embeddings=false"])
+    config = transformers.AutoConfig.for_model(**get_family(family).config_to_hf(cfg.model, "float32"))
     torch.manual_seed(0)
     randomised(transformers.AutoModelForImageTextToText.from_config(config)).save_pretrained(tmp_path / "hf")
     for tp in ("1", "2"):
@@ -101,8 +108,8 @@ def test_internvl_with_a_photo_at_tp1_and_tp2(tmp_path):
         # Relative to the logits' scale (every parameter at 0.1 std: logits up to ~6).
         relative = report["max_abs_diff"] / report["reference_max_abs_logit"]
         assert report["passed"] and relative <= TOLERANCE, report
-        assert report["argmax_agree"] == report["tokens"] and "patch grid [13, 4, 4]" in report["sample"]  # 12 tiles + thumbnail
-        print(f"\nInternVL at TP {tp}: max abs diff {report['max_abs_diff']:.1e} ({relative:.1e} of the largest "
+        assert report["argmax_agree"] == report["tokens"] and COMPOSED[family] in report["sample"], report["sample"]
+        print(f"\n{family} at TP {tp}: max abs diff {report['max_abs_diff']:.1e} ({relative:.1e} of the largest "
               f"logit) over {report['tokens']} tokens, {report['sample']}")
 
 

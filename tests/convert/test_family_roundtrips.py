@@ -1,8 +1,9 @@
 """Every model family converts HF -> megatron (TP 2, PP 2) -> HF bit-exact: the text-only LLMs
 (Qwen2, Qwen3, Llama), Qwen3-VL (vision blocks, the merger and DeepStack's mergers), dense and
-MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every expert), and InternVL3.5
+MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every expert), InternVL3.5
 (InternViT's class token, positions and layer scales, the pixel-shuffle projector, Qwen3 under
-``model.language_model.``)."""
+``model.language_model.``) and LLaVA-OneVision (SigLIP with its carried post-layernorm, the projector, the
+newline, Qwen2)."""
 
 from __future__ import annotations
 
@@ -25,8 +26,9 @@ def _save_qwen3_vl(path, experts: bool = False) -> int:
     return len(model.state_dict()) - int(model_cfg.language.tie_word_embeddings)
 
 
-def _save_internvl(path) -> int:
-    """transformers' InternVL at the tiny preset's shapes (4 decoder layers), every parameter random."""
+def _save_composition(family: str, path) -> int:
+    """transformers' model of ``family`` at its tiny preset's shapes (small vocabulary, 4 decoder layers),
+    every parameter random."""
     import torch
     import transformers
 
@@ -34,8 +36,9 @@ def _save_internvl(path) -> int:
     from loongforge.models.registry import get_family
     from tests.models.tower_helpers import randomised
 
-    cfg = load_run_config("internvl3.5-tiny-small-vocab", overrides=["model.language.num_layers=4"])
-    config = transformers.AutoConfig.for_model(**get_family("internvl").config_to_hf(cfg.model, "float32"))
+    preset = f"{get_family(family).tiny_preset}-small-vocab"
+    cfg = load_run_config(preset, overrides=["model.language.num_layers=4"])
+    config = transformers.AutoConfig.for_model(**get_family(family).config_to_hf(cfg.model, "float32"))
     torch.manual_seed(0)
     model = randomised(transformers.AutoModelForImageTextToText.from_config(config))
     model.save_pretrained(path)
@@ -48,13 +51,13 @@ def _save_llm(arch: str, path) -> int:
     return len(model.state_dict()) - int(model.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl"])
+@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_onevision"])
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     src = tmp_path / "hf"
     if family.startswith("qwen3_vl"):
         tensors = _save_qwen3_vl(src, experts=family == "qwen3_vl_moe")
-    elif family == "internvl":
-        tensors = _save_internvl(src)
+    elif family in ("internvl", "llava_onevision"):
+        tensors = _save_composition(family, src)
     else:
         tensors = _save_llm(family, src)
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
