@@ -54,7 +54,8 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 
 
 # Toy sizes for CPU runs: no published checkpoint to match.
-TINY_PRESETS = {DEFAULT_PRESET, "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny", "qwen3vl-moe-tiny"}
+TINY_PRESETS = {DEFAULT_PRESET, "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny", "qwen3vl-moe-tiny",
+                "internvl3.5-tiny", "llava-onevision-tiny"}
 CPU_PRESETS = {"qwen2.5vl-tiny-vit", *TINY_PRESETS, *(f"{name}-small-vocab" for name in TINY_PRESETS)}
 
 
@@ -160,3 +161,27 @@ def test_llama_presets_use_llama3s_tokenizer_and_architecture():
     language = tiny.model.language
     assert (language.num_layers, language.hidden_size, language.rope_scaling_factor) == (4, 128, 8.0)
     assert language.tie_word_embeddings and (tiny.training.device, tiny.data.source) == ("cpu", "synthetic")
+
+
+# The composed families' published sizes: transformers' own class, built on the meta device from the
+# config.json loongforge writes for the preset, counts what loongforge counts.
+COMPOSED_PRESETS = ["internvl3.5-8b", "internvl3.5-38b", "llava-onevision-7b", "llava-onevision-72b"]
+
+
+@pytest.mark.parametrize("name", COMPOSED_PRESETS)
+def test_composed_presets_count_as_transformers_builds_them(name):
+    import torch
+    import transformers
+
+    from loongforge.models.registry import get_family
+
+    cfg = load_run_config(name)
+    family = get_family(cfg.model.family)
+    config = transformers.AutoConfig.for_model(**family.config_to_hf(cfg.model, "bfloat16"))
+    with torch.device("meta"):
+        model = getattr(transformers, family.hf_model_class)(config)
+    counts = family.count_parameters(cfg.model)
+    print(f"\n{name}: transformers {sum(p.numel() for p in model.parameters()):,}, loongforge {counts['total']:,} "
+          f"(vision {counts['vision_model']:,}, projector {counts['projector']:,})")
+    assert counts["total"] == sum(p.numel() for p in model.parameters())
+    assert counts["vision_model"] == sum(p.numel() for p in model.model.vision_tower.parameters())

@@ -129,5 +129,7 @@ def test_unknown_tokenizer_names_the_offline_ones(tmp_path):
 
     from loongforge.data.tokenizer import load_tokenizer
 
-    with pytest.raises(FileNotFoundError, match=r"data.tokenizer='llama' is neither one of qwen \| qwen3 \| llama3 \| qwen-small \| qwen3-small \| llama3-small nor"):
+    with pytest.raises(FileNotFoundError, match=r"data.tokenizer='llama' is neither one of qwen \| qwen3 \| internvl3.5 \| "
+                                                r"llava-onevision \| llama3 \| qwen-small \| qwen3-small \| internvl3.5-small \| "
+                                                r"llava-onevision-small \| llama3-small nor"):
         load_tokenizer("llama")
