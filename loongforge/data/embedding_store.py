@@ -155,9 +155,10 @@ class EmbeddingStore:
                 return f"{kind} {row.media_index}: stored for grid {list(row.grid)}, this run measures {list(grid)}"
         return None
 
-    def materialize(self, sample: MeasuredSample, width: int) -> MaterializedSample:
+    def materialize(self, sample: MeasuredSample, width: int, image_tokens: list[int]) -> MaterializedSample:
         """The sample with its stored features in place of pixels; without them, zero features
-        of the right shape and a ``missing_embedding`` late reject (its row slot trains nothing)."""
+        of the right shape (``image_tokens``: each image's placeholders, ``measure.image_tokens``) and a
+        ``missing_embedding`` late reject (its row slot trains nothing)."""
         problem = self.problem(sample)
         if problem is None:
             images, videos = self.rows(sample)
@@ -168,7 +169,7 @@ class EmbeddingStore:
         zeros = lambda grid: torch.zeros(grid[0] * grid[1] * grid[2] // merge_unit, width)  # noqa: E731
         return MaterializedSample(
             sample=sample, image_pixels=[], video_pixels=[],
-            image_embeds=[zeros(g) for g in sample.image_grids],
+            image_embeds=[torch.zeros(tokens, width) for tokens in image_tokens],
             video_embeds=[zeros(p.grid_thw) for p in sample.video_plans],
             late_reject=Reject.of(sample, "missing_embedding",
                                   f"{problem} (found when loading; sample trained with no loss)"))

@@ -248,6 +248,15 @@ def materialize(sample: MeasuredSample, sizing: VisionSizing) -> MaterializedSam
     )
 
 
+def image_tokens(sample: MeasuredSample, sizing: VisionSizing) -> list[int]:
+    """Each image's placeholder tokens, as measuring counted them (the tower's processing, from the
+    image's size where the sample kept it; a grid's merged patches in folders packed before sizes were)."""
+    if len(sample.image_sizes) == len(sample.images):
+        return [sizing.images.plan(width, height, len(sample.images)).tokens for height, width in sample.image_sizes]
+    merge_unit = sizing.merge_size**2
+    return [t * h * w // merge_unit for t, h, w in sample.image_grids]
+
+
 def image_pixels(image: ImageSource, grid: tuple[int, int, int], sizing: VisionSizing,
                  images_in_sample: int = 1) -> np.ndarray:
     """float32 [t*h*w, patch_dim] of one image measured with ``grid`` (by the tower's processing);

@@ -60,6 +60,7 @@ from loongforge.data.measure import (
     MaterializedSample,
     MeasuredSample,
     SampleMeasurer,
+    image_tokens,
     materialize,
     vision_sizing,
 )
@@ -657,7 +658,8 @@ class DataPipeline:
 
     def _materialize(self, row: list[MeasuredSample]) -> list[MaterializedSample]:
         if self.embeddings is not None:
-            materialized = [self.embeddings.materialize(sample, self.embedding_width) for sample in row]
+            materialized = [self.embeddings.materialize(sample, self.embedding_width, image_tokens(sample, self.sizing))
+                            for sample in row]
         else:
             materialized = [materialize(sample, self.sizing) for sample in row]
         for item in materialized:

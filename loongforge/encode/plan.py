@@ -38,6 +38,10 @@ class MediaItem:
     grid: tuple[int, int, int]
     video_plan: Optional[VideoPlan] = None
     record: Optional[int] = None  # the sample's ConversationSample.record (for its reject)
+    # An image's (height, width) in pixels and the images of its sample: a tower that packs an image's
+    # features by its size, or treats a sample's several images otherwise, reads them.
+    size: tuple[int, int] = (0, 0)
+    images_in_sample: int = 1
 
     @property
     def patches(self) -> int:
@@ -83,7 +87,7 @@ def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> 
             rejects.append((index, Reject.of(sample, error.reason, error.detail)))
             continue
         items += _sample_items(sample, [plan.grid for plan in image_plans], video_plans, first=len(items),
-                               sample_order=index)
+                               sample_order=index, image_sizes=[plan.size for plan in image_plans])
     return EncodePlan(items=items, rejects=rejects, samples=len(source))
 
 
@@ -93,17 +97,19 @@ def plan_packed(folder: PackedFolder) -> EncodePlan:
     for pack in range(len(folder)):
         for sample in folder.pack(pack):
             items += _sample_items(sample, sample.image_grids, sample.video_plans, first=len(items),
-                                   sample_order=samples)
+                                   sample_order=samples, image_sizes=sample.image_sizes)
             samples += 1
     return EncodePlan(items=items, rejects=[], samples=samples)
 
 
 def _sample_items(sample: Union[ConversationSample, MeasuredSample], image_grids: list, video_plans: list,
-                  first: int, sample_order: int) -> list[MediaItem]:
+                  first: int, sample_order: int, image_sizes: list) -> list[MediaItem]:
     common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line, record=sample.record,
                   sample_order=sample_order)
-    items = [MediaItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid), **common)
-             for i, (image, grid) in enumerate(zip(sample.images, image_grids))]
+    sizes = list(image_sizes) or [(0, 0)] * len(image_grids)  # none in folders packed before sizes were kept
+    items = [MediaItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid),
+                       size=tuple(size), images_in_sample=len(sample.images), **common)
+             for i, (image, grid, size) in enumerate(zip(sample.images, image_grids, sizes))]
     items += [MediaItem(order=first + len(items) + i, kind="video", media_index=i, source=video,
                         grid=tuple(plan.grid_thw), video_plan=plan, **common)
               for i, (video, plan) in enumerate(zip(sample.videos, video_plans))]

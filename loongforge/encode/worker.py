@@ -96,7 +96,7 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
             rejects.append({"sample_order": item.sample_order, **reject.to_json()})
     tensors, rows = {}, []
     for batch in _batches(decoded, spec.batch_patches):
-        features = _encode(encoder, batch, device)
+        features = _encode(encoder, batch, device, spec.cfg.model)
         for (item, _), feature in zip(batch, features):
             key = f"{item.kind}:{item.order}"
             tensors[key] = feature.to(DTYPES[spec.dtype]).cpu().contiguous()
@@ -113,7 +113,7 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
 
 def _pixels(item: MediaItem, sizing) -> np.ndarray:
     if item.kind == "image":
-        return image_pixels(item.source, item.grid, sizing)
+        return image_pixels(item.source, item.grid, sizing, item.images_in_sample)
     return video_pixels(item.source, item.video_plan, sizing)
 
 
@@ -129,14 +129,19 @@ def _batches(decoded: list, batch_patches: int) -> list[list]:
     return batches + ([current] if current else [])
 
 
-def _encode(encoder, batch: list, device: torch.device) -> list[torch.Tensor]:
-    """Features [tokens_i, hidden] of each medium of the batch."""
+def _encode(encoder, batch: list, device: torch.device, model_cfg) -> list[torch.Tensor]:
+    """Features [tokens_i, hidden] of each medium of the batch: the placeholders' features, packed by each
+    image's size where the encoder packs them so (LLaVA-OneVision: the newline included)."""
     dtype = next(encoder.parameters()).dtype
     pixels = torch.from_numpy(np.concatenate([p for _, p in batch])).to(device=device, dtype=dtype)  # [P, D]
     grid = torch.tensor([item.grid for item, _ in batch], dtype=torch.long, device=device)  # [n, 3]
-    features = encoder(pixels, grid)  # [P / merge_unit, hidden]
-    merge_unit = encoder.merge_unit
-    return list(features.split([item.patches // merge_unit for item, _ in batch]))
+    if not encoder.packs_media:
+        features = encoder(pixels, grid)  # [P / merge_unit, hidden]
+        return list(features.split([item.patches // encoder.merge_unit for item, _ in batch]))
+    sizes = torch.tensor([item.size for item, _ in batch], dtype=torch.long, device=device)  # [n, 2]
+    rows = [type(encoder).feature_rows(model_cfg, grid[i:i + 1], sizes[i:i + 1], encoder.merge_unit)
+            for i in range(len(batch))]
+    return list(encoder(pixels, grid, sizes).split(rows))  # [tokens, hidden] packed per image
 
 
 def default_threads(world_size: int) -> int:

@@ -2,10 +2,13 @@
 demo photos (one image a sample: its base square and anyres crops, packed by its size; two: a padded
 square each): DP 2 with balancing re-planning every step, and TP 2 x PP 2 (vision TP 2), equal one
 process (losses, grad norms and Adam moments, the newline and the projector included, to 1e-5
-relative)."""
+relative); stored embeddings (``loongforge encode``: each image's packed features) train like the frozen
+online encoder."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,3 +59,25 @@ def test_layout_trains_like_one_process(runs, layout):
     print(f"\n{layout} vs one process: losses {worst_relative(losses(runs[layout]), losses(runs[reference])):.1e}, "
           f"grad norms {worst_relative(grad_norms(runs[layout]), grad_norms(runs[reference])):.1e}, "
           f"Adam moments {moments[worst]:.1e} ({worst})")
+
+
+STORED_RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.seq_len=1024", "training.train_steps=4",
+              "training.global_batch_size=2")
+
+
+def test_stored_embeddings_train_like_the_frozen_encoder(tmp_path):
+    """`loongforge encode` stores each image's packed features (its anyres canvas with the newline, or a
+    padded square's and the newline where a sample holds several images); training on them equals
+    training with SigLIP, the projector and the newline online and frozen (losses and grad norms at 1e-5)."""
+    store = tmp_path / "embeddings"
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(DEMO_IMAGES), "--output",
+                           str(store), "--preset", PRESET, "--dtype", "fp32", "--no-progress"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_train(tmp_path / "online", *STORED_RUN, "training.freeze_vision=true", "training.freeze_projector=true",
+              preset=PRESET)
+    run_train(tmp_path / "stored", *STORED_RUN, f"data.vision_embeddings={store}", preset=PRESET)
+    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), REL)
+    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), REL)
+    print(f"\nstored vs online frozen: losses {worst_relative(losses(tmp_path / 'stored'), losses(tmp_path / 'online')):.1e}, "
+          f"grad norms {worst_relative(grad_norms(tmp_path / 'stored'), grad_norms(tmp_path / 'online')):.1e}")

@@ -346,10 +346,17 @@ class VisionLanguageModel(MegatronModule):
     def _packed_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
                          image_sizes: Optional[torch.Tensor], video_pixels: Optional[torch.Tensor],
                          stored: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Features of the micro-batch's images from an encoder that packs them by image size."""
-        if video_pixels is not None or stored is not None or self._encoder is None:
-            raise ValueError("this vision encoder packs images by their sizes: it takes images, encoded here "
-                             "(no videos, no stored features yet)")
+        """Features of the micro-batch's images from an encoder that packs them by image size: encoded
+        here, or stored already packed (``loongforge encode``) for a model built without the encoder."""
+        if video_pixels is not None:
+            raise ValueError("this vision encoder packs images by their sizes: it takes images, not videos")
+        if self._encoder is None:
+            if pixels is not None:
+                raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
+                                 "pass image_embeds, not pixels")
+            return stored
+        if stored is not None:
+            raise ValueError("image_embeds given to a model that runs its own encoder")
         if pixels is None:
             return None
         if image_sizes is None:
