@@ -546,6 +546,7 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
     else:
         config_file = hf_source / "config.json"
         hf_config = json.loads(config_file.read_text()) if config_file.is_file() else None
+    _check_exportable(model_cfg)
     reader = McoreReader(step_dir / MODEL_DIR)
     lora = checkpoint_lora(step_dir, reader.tensors, _run_config_near(step_dir))
     if adapter:
@@ -603,6 +604,15 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         if verify:
             report.verify_mismatches = _verify_hf(tmp, links, hf_tensors, out_dtype, progress)
     return report
+
+
+def _check_exportable(model_cfg: ModelConfig) -> None:
+    """An HF export needs a transformers class for the model: a composition none describes is refused
+    here, in one line, before anything is read or written."""
+    try:
+        family_of(model_cfg).config_to_hf(model_cfg)
+    except ValueError as error:
+        raise InputError(str(error)) from None
 
 
 def _export_adapters(step_dir: Path, reader: McoreReader, dst: Path, model_cfg: ModelConfig,

@@ -104,7 +104,7 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
         pixel_mean=tuple(model_cfg.vision.pixel_mean),
         pixel_std=tuple(model_cfg.vision.pixel_std),
         video_rule=family.chat(model_cfg).video_rule,
-        images=parts.tower(family.vision_part).images(model_cfg, data_cfg),
+        images=parts.tower(family.tower(model_cfg)).images(model_cfg, data_cfg),
     )
 
 

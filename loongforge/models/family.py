@@ -62,6 +62,9 @@ class LazyFunction:
         return self.resolve()(*args, **kwargs)
 
 
+# ``ModelFamily.vision_part`` of a family composed of whichever tower the run names (``model.vision.arch``).
+ANY_TOWER = "*"
+
 # Qwen3's reasoning tags (``ChatFormat.thinking``); one token each in its tokenizer.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 
@@ -164,9 +167,9 @@ class ModelFamily:
     chat: Callable[[ModelConfig], ChatFormat]
     layout: LayoutRule
     # The transformers class (a name in ``transformers``) that loads this family's HF folders: the
-    # reference ``convert --check-logits`` compares the family's model with. Its forward takes
-    # ``input_ids`` and, in a family with vision, the collated media inputs and ``mm_token_type_ids``.
-    hf_model_class: str
+    # reference ``convert --check-logits`` compares the family's model with (its forward inputs:
+    # ``hf_model_inputs``). None: a composition no transformers class describes (no HF folder).
+    hf_model_class: Optional[str]
     # The CPU-sized preset that exercises this family (tests walk every family through it).
     tiny_preset: str
     # (model_cfg, data_cfg) -> the processor files of a served HF folder besides the tokenizer's,
@@ -176,21 +179,26 @@ class ModelFamily:
     hf_processor_files: Callable[[ModelConfig, DataConfig], dict[str, dict]]
     # (vocab_size, TP size) -> rows of the embedding and output layer (what the decoder is built with)
     padded_vocab_size: Callable[[int, int], int] = padded_vocab_size
-    # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); None: a
-    # text-only family.
+    # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); ANY_TOWER: the
+    # one the run names; None: a text-only family.
     vision_part: Optional[str] = None
     # (model_cfg, a collated micro-batch's model inputs: input_ids and the media keys) -> the keyword
     # inputs of ``hf_model_class``'s forward, the media as its processor gives them (``convert
     # --check-logits``); default: the ids alone (a text-only family).
     hf_model_inputs: Callable[[ModelConfig, dict], dict] = text_model_inputs
     # The decoder's rotary positions: "mrope" (Qwen-VL's three sections, ``model.language.mrope_section``)
-    # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty).
-    rope: str = "rope"
+    # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty); None:
+    # the run's (M-RoPE where it gives ``mrope_section``).
+    rope: Optional[str] = "rope"
 
     @property
     def has_vision(self) -> bool:
         """Whether its models see images and videos (a vision tower; ``model.vision`` is set)."""
         return self.vision_part is not None
+
+    def tower(self, model_cfg: ModelConfig) -> str:
+        """The vision tower a run of this family is built with (``models.parts``)."""
+        return model_cfg.vision.arch if self.vision_part == ANY_TOWER else self.vision_part
 
     def reads_hf_config(self, hf_config: Mapping[str, Any]) -> bool:
         """Whether an HF config.json names this family, by an architecture or by its model_type."""

@@ -38,6 +38,14 @@ class TowerPart:
     parameters: Callable[[ModelConfig], tuple[int, int]]
     # (model_cfg, data_cfg) -> its image processor at the run's settings (``models.media``)
     images: Callable[[ModelConfig, DataConfig], ImageProcessing]
+    # model_cfg -> its HF weight rows ("module:function" imported at the call: the rows need torch)
+    hf_rules: str = ""
+    # Whether its processing takes videos (the Qwen towers'; the others see images only)
+    takes_videos: bool = False
+
+    def rules(self, model_cfg: ModelConfig) -> list:
+        module_name, _, function_name = self.hf_rules.partition(":")
+        return getattr(importlib.import_module(module_name), function_name)(model_cfg)
 
     def encoder_type(self) -> type["VisionEncoder"]:
         module_name, _, class_name = self.encoder.partition(":")
@@ -62,11 +70,18 @@ def tower(arch: str, key: str = "model.vision.arch") -> TowerPart:
     return registered(_TOWERS, arch, key, lambda choices: f"a vision tower of loongforge ({choices})").PART
 
 
-def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower: Optional[str]) -> list[str]:
+def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower: Optional[str],
+                         any_tower: str = "") -> list[str]:
     """What is wrong with the run's ``model.vision.arch`` / ``model.projector.arch`` for a family that
-    composes ``family_tower`` (None: a text-only family), one line each; [] when they fit."""
+    composes ``family_tower`` (None: a text-only family; ``any_tower``: whichever the run names), one line
+    each; [] when they fit."""
     vision_arch = model_cfg.vision.arch if model_cfg.vision is not None else None
     projector_arch = model_cfg.projector.arch if model_cfg.projector is not None else None
+    if family_tower is not None and family_tower == any_tower:
+        if vision_arch is None:
+            return [f"model.vision.arch: model.family={family_name} is composed of the tower the run names; set "
+                    f"model.vision.arch to one of {' | '.join(towers())}"]
+        family_tower = vision_arch
     if family_tower is None:
         given = [f"model.{key}.arch={value!r}" for key, value in (("vision", vision_arch), ("projector", projector_arch))
                  if value is not None]

@@ -13,10 +13,11 @@ from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import family_layout_problems
 from loongforge.models import parts
-from loongforge.models.family import ModelFamily, registered
+from loongforge.models.family import ANY_TOWER, ModelFamily, registered
 
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
+    "composition": "loongforge.models.composition",
     "internvl": "loongforge.models.internvl",
     "llava_onevision": "loongforge.models.llava_onevision",
     "llm": "loongforge.models.llm",
@@ -40,8 +41,11 @@ def check_family_layout(cfg: RunConfig) -> None:
     against the family's composition; a ConfigError listing each problem."""
     family = get_family(cfg.model.family)
     problems = family_layout_problems(cfg, family.layout)
-    problems += parts.composition_problems(cfg.model, family.name, family.vision_part)
+    problems += parts.composition_problems(cfg.model, family.name, family.vision_part, any_tower=ANY_TOWER)
     problems += _rope_problems(cfg, family)
+    if family.hf_model_class is None and cfg.checkpoint.save_hf:
+        problems.append(f"checkpoint.save_hf=true: model.family={family.name} has no transformers class, so no HF "
+                        "export; set checkpoint.save_hf=false (the loongforge checkpoint resumes at any layout)")
     if problems:
         raise ConfigError(problems)
 

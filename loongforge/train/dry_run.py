@@ -247,7 +247,7 @@ def composition_text(cfg: RunConfig, split: ParameterSplit) -> str:
     family = get_family(cfg.model.family)
     if not family.has_vision:
         return ""
-    tower = parts.tower(cfg.model.vision.arch or family.vision_part)
+    tower = parts.tower(cfg.model.vision.arch or family.tower(cfg.model))
     projector = cfg.model.projector.arch or tower.projectors[0]
     language = split.total - split.vision_model - split.projector
     return (f"vision tower {tower.arch} {human_count(split.vision_model)} + projector {projector} "

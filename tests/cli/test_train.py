@@ -37,8 +37,8 @@ def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
         assert name in rows
     # Grouped by family: each family's header, then only its presets.
     families = [line for line in lines if line.startswith("[family")]
-    assert families == ["[family internvl]", "[family llava_onevision]", "[family llm]", "[family qwen2_5_vl]",
-                        "[family qwen3_vl]"]
+    assert families == ["[family composition]", "[family internvl]", "[family llava_onevision]", "[family llm]",
+                        "[family qwen2_5_vl]", "[family qwen3_vl]"]
     llm_block = lines[lines.index("[family llm]") + 1:lines.index("[family qwen2_5_vl]")]
     assert sorted(row.split()[0] for row in llm_block) == [
         "llama-tiny", "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "qwen2.5-7b",

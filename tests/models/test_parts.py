@@ -13,6 +13,7 @@ from loongforge.cli.app import app
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
 from loongforge.models import parts, registry
+from loongforge.models.family import ANY_TOWER
 from loongforge.models.flops import FlopOptions, step_flops
 from loongforge.models.vlm.encoder import VisionEncoder
 from loongforge.train.dry_run import human_count
@@ -21,10 +22,10 @@ from loongforge.train.dry_run import human_count
 @pytest.mark.parametrize("name", [name for name in registry.families() if registry.get_family(name).has_vision])
 def test_every_vision_family_is_composed_of_a_registered_tower(name):
     family = registry.get_family(name)
-    tower = parts.tower(family.vision_part)
-    assert tower.arch == family.vision_part
-    assert issubclass(tower.encoder_type(), VisionEncoder)
     cfg = load_run_config(family.tiny_preset)
+    tower = parts.tower(family.tower(cfg.model))
+    assert tower.arch == (cfg.model.vision.arch if family.vision_part == ANY_TOWER else family.vision_part)
+    assert issubclass(tower.encoder_type(), VisionEncoder)
     assert (cfg.model.vision.arch, cfg.model.projector.arch) == (tower.arch, tower.projectors[0])
     # The family counts its tower's FLOPs and the shared decoder's, nothing else.
     samples = [SampleCost(tokens=200, patches=(64, 192), loss_tokens=40, grids=((1, 8, 8), (2, 8, 12)))]

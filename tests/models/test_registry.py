@@ -18,7 +18,8 @@ from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
-           "tiny_preset": str, "hf_model_class": str, "vision_part": (str, type(None)), "rope": str}
+           "tiny_preset": str, "hf_model_class": str, "vision_part": (str, type(None)), "rope": (str, type(None)),
+           "hf_model_class": (str, type(None))}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
@@ -33,10 +34,11 @@ def test_every_family_provides_every_field(name):
             assert isinstance(value, _VALUES[field.name]), field.name
         elif not (field.name in _OPTIONAL and value is None):
             assert callable(value), f"{name}: ModelFamily.{field.name} is not callable"
-    assert family.hf_architectures and family.hf_model_types
     import transformers
 
-    assert hasattr(transformers, family.hf_model_class), family.hf_model_class
+    # A family reads and writes HF folders of its transformers class; a composition none describes, none.
+    assert bool(family.hf_architectures and family.hf_model_types) == (family.hf_model_class is not None)
+    assert family.hf_model_class is None or hasattr(transformers, family.hf_model_class), family.hf_model_class
     chat = family.chat(load_run_config(family.tiny_preset).model)
     assert isinstance(chat, ChatFormat)
     assert chat.turn_start and chat.turn_end and chat.jinja_template
@@ -44,12 +46,15 @@ def test_every_family_provides_every_field(name):
     # processor takes them: InternVL's writes videos as frames of images).
     assert bool(chat.image_block) == family.has_vision and (family.has_vision or not chat.video_block)
     assert family.has_vision == (load_run_config(family.tiny_preset).model.vision is not None)
-    # A family that sees images serves with a processor; a text-only one with its tokenizer alone.
+    # A family that sees images serves with a processor; a text-only one with its tokenizer alone (a
+    # composition does not serve: it has no HF export).
     tiny = load_run_config(family.tiny_preset)
-    assert bool(family.hf_processor_files(tiny.model, tiny.data)) == family.has_vision
+    serves_images = family.has_vision and family.hf_model_class is not None
+    assert bool(family.hf_processor_files(tiny.model, tiny.data)) == serves_images
 
 
-@pytest.mark.parametrize("name", registry.families())
+@pytest.mark.parametrize("name", [name for name in registry.families()
+                                  if registry.get_family(name).hf_model_class is not None])
 def test_every_family_reads_the_config_it_writes(name):
     family = registry.get_family(name)
     model_cfg = load_run_config(family.tiny_preset).model
@@ -77,10 +82,10 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of internvl | llava_onevision | llm | qwen2_5_vl | "
-                       "qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of internvl \| llava_onevision \| llm "
-                                          r"\| qwen2_5_vl \| qwen3_vl; set"):
+    assert message == ("model.family='qwen25_vl' is not one of composition | internvl | llava_onevision | llm | "
+                       "qwen2_5_vl | qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of composition \| internvl \| "
+                                          r"llava_onevision \| llm \| qwen2_5_vl \| qwen3_vl; set"):
         registry.get_family("gemma")
 
 

@@ -21,4 +21,5 @@ from loongforge.models.towers.intern_vit import flops, params
 from loongforge.models.towers.intern_vit.processor import tiled_images
 
 PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
-                 params.encoder_parameters, tiled_images)
+                 params.encoder_parameters, tiled_images,
+                 hf_rules=f"{__name__}.hf_mapping:tower_rules")

@@ -16,4 +16,5 @@ from loongforge.models.smart_resize import smart_resize_images
 from loongforge.models.towers.qwen3_vit import flops, params
 
 PART = TowerPart("qwen3_vit", ("deepstack_mergers",), f"{__name__}.encoder:Qwen3VLEncoder", flops.encoder_flops,
-                 params.encoder_parameters, smart_resize_images)
+                 params.encoder_parameters, smart_resize_images,
+                 hf_rules=f"{__name__}.hf_mapping:part_rules", takes_videos=True)

@@ -13,6 +13,8 @@ from __future__ import annotations
 
 from typing import Optional
 
+from loongforge.config.schema import ModelConfig
+
 from loongforge.models.hf_rules import (
     VISION,
     FusedHeadQKV,
@@ -67,3 +69,8 @@ def tower_rules(vision: Qwen3VisionConfig, hf_prefix: str = "visual.") -> list[R
     rules += _merger_rules(hf_prefix + "deepstack_merger_list.{i}.", "deepstack_projectors.{i}.",
                            count=vision.num_deepstack_layers)
     return rules
+
+
+def part_rules(model_cfg: ModelConfig) -> list[Rule]:
+    """``tower_rules`` of the run's tower (``parts.TowerPart.hf_rules``)."""
+    return tower_rules(Qwen3VisionConfig.from_model_cfg(model_cfg))

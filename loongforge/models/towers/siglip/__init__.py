@@ -17,4 +17,5 @@ from loongforge.models.towers.siglip import flops, params
 from loongforge.models.towers.siglip.processor import anyres_images
 
 PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:LlavaOnevisionEncoder", flops.encoder_flops,
-                 params.encoder_parameters, anyres_images)
+                 params.encoder_parameters, anyres_images,
+                 hf_rules=f"{__name__}.hf_mapping:tower_rules")

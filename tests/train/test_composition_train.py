@@ -1,0 +1,82 @@
+"""A custom composition (``model.family=composition``: Qwen2.5-VL's ViT and patch merger with a
+Llama-3-shaped decoder under 1-D RoPE; no transformers class describes it) trains 20 steps on the demo
+photos with the loss falling, its checkpoint resumes at another layout (TP 2 from a TP 1 run's step 10)
+like the uninterrupted run, ``loongforge encode`` + training on the stored features equals the frozen
+online encoder, and an HF export is refused in one line naming why."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.convert.helpers import invoke, one_line_error
+from tests.shared_data import SHARED_DATA
+from tests.train.conftest import (
+    assert_close_relative,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+    worst_relative,
+)
+
+PRESET = "composition-tiny-small-vocab"
+REL = 1e-5
+DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024",
+       "training.train_steps=20", "checkpoint.save_interval=10", "optimizer.adam_eps=1e-6")
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("composition") / "run"
+    run_train(out, *RUN, preset=PRESET)
+    return out
+
+
+def test_twenty_steps_on_the_demo_photos_lower_the_loss(run):
+    values = losses(run)
+    assert len(values) == 20
+    first, last = sum(values[:4]) / 4, sum(values[-4:]) / 4
+    print(f"\ncomposition: loss {first:.3f} (first 4 steps) -> {last:.3f} (last 4)")
+    assert last < 0.8 * first
+
+
+def test_its_checkpoint_resumes_at_tp2_like_the_uninterrupted_run(run, tmp_path):
+    resumed = tmp_path / "tp2"
+    resume_from_copy(run, resumed, 10, *RUN, "parallel.tensor_model_parallel_size=2", nproc=2, preset=PRESET)
+    assert_close_relative(losses(resumed)[10:], losses(run)[10:], REL)
+    assert_close_relative(grad_norms(resumed)[10:], grad_norms(run)[10:], REL)
+    print(f"\nresumed at TP 2 from step 10: losses {worst_relative(losses(resumed)[10:], losses(run)[10:]):.1e}, "
+          f"grad norms {worst_relative(grad_norms(resumed)[10:], grad_norms(run)[10:]):.1e}")
+
+
+def test_an_hf_export_is_refused_in_one_line(run, tmp_path):
+    step = sorted((run / "checkpoints").glob("step_*"))[-1]
+    result = invoke(str(step), "--to", "hf", str(tmp_path / "hf"))
+    assert result.exit_code == 2, result.output
+    message = one_line_error(result)
+    assert "no transformers class describes this composition" in message and "qwen2_5_vit + patch_merger" in message
+    assert not (tmp_path / "hf").exists()
+
+
+STORED_RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.seq_len=1024", "training.train_steps=4",
+              "training.global_batch_size=2")
+
+
+def test_stored_embeddings_train_like_the_frozen_encoder(tmp_path):
+    store = tmp_path / "embeddings"
+    # The training runs' image budget (tests/train/conftest.SMALL_MODEL's data.max_pixels).
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(DEMO_IMAGES), "--output",
+                           str(store), "--preset", PRESET, "--dtype", "fp32", "--no-progress",
+                           "--set", "data.max_pixels=12544"],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run_train(tmp_path / "online", *STORED_RUN, "training.freeze_vision=true", "training.freeze_projector=true",
+              preset=PRESET)
+    run_train(tmp_path / "stored", *STORED_RUN, f"data.vision_embeddings={store}", preset=PRESET)
+    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), REL)
+    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), REL)
