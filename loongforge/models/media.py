@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 from PIL import Image
@@ -63,3 +64,20 @@ class ImageProcessing(abc.ABC):
         """The settings beyond the patch geometry that decide grids and token counts, which a packed
         folder records and a run must agree on ({}: none)."""
         return {}
+
+
+class SquareImages(ImageProcessing):
+    """A processing that cuts every image into squares of ``settings.size`` pixels (InternVL's tiles,
+    LLaVA-OneVision's crops): each square ``side x side`` patches of ``patch_size``, RGB. A subclass is a
+    frozen dataclass with ``settings`` and ``patch_size``."""
+
+    settings: Any
+    patch_size: int
+
+    @property
+    def side(self) -> int:
+        return self.settings.size // self.patch_size
+
+    @property
+    def patch_dim(self) -> int:
+        return 3 * self.patch_size**2

@@ -9,14 +9,15 @@ module is named, and imported when built.
 
 from __future__ import annotations
 
+import functools
 import importlib
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.decoder.params import model_parameters
-from loongforge.models.family import registered
-from loongforge.models.flops import EncoderFlops
+from loongforge.models.family import LazyFunction, registered
+from loongforge.models.flops import EncoderFlops, vlm_training_flops
 from loongforge.models.media import ImageProcessing
 
 if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
@@ -96,6 +97,17 @@ def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower:
         problems.append(f"model.projector.arch={projector_arch!r}: the {family_tower!r} tower is built with "
                         f"{' | '.join(projectors)}; set model.projector.arch={projectors[0]} or leave it null")
     return problems
+
+
+def composed_fields(part: TowerPart) -> dict:
+    """The ``ModelFamily`` fields of a VLM family composed of ``part``: its tower, the tower alone for
+    ``loongforge encode`` (imported at its first build: megatron-core takes seconds), and the parameter
+    and FLOP counts as the tower's plus the shared decoder's."""
+    return dict(vision_part=part.arch,
+                build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"),
+                                                part.arch),
+                count_parameters=functools.partial(composed_parameters, part.parameters),
+                training_flops=functools.partial(vlm_training_flops, part.flops))
 
 
 def composed_parameters(tower_parameters: Callable[[ModelConfig], tuple[int, int]],

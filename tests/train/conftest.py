@@ -294,3 +294,52 @@ def random_hf_folder(preset: str, overrides: list[str], folder: Path) -> None:
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + 0.1 * noise if "norm" in name or "ln_q" in name else 0.05 * noise)
     model.save_pretrained(folder)
+
+
+# A family's layout proof: one process, DP 2 with balancing re-planning every step, TP 2 x PP 2.
+LAYOUT_LAUNCHES = (("dp1", (), 1), ("dp2", ("balance.enabled=true", "balance.threshold=0"), 2),
+                   ("tp2-pp2", ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"), 4))
+
+
+def layout_runs(root: Path, preset: str, *options: str) -> dict[str, Path]:
+    """The ``LAYOUT_LAUNCHES`` of ``preset`` with ``options``, by name."""
+    for name, extra, nproc in LAYOUT_LAUNCHES:
+        run_train(root / name, *options, *extra, nproc=nproc, preset=preset)
+    return {name: root / name for name, _, _ in LAYOUT_LAUNCHES}
+
+
+def assert_layout_trains_like_one_process(runs: dict[str, Path], layout: str, relative: float,
+                                          tensors: tuple[str, ...] = ()) -> None:
+    """Losses, grad norms and Adam's moments of ``runs[layout]`` within ``relative`` of one process's, the
+    loss falling; each of ``tensors`` (name pieces) among the moments compared (those parts trained)."""
+    reference = runs["dp1"]
+    assert losses(reference)[-1] < losses(reference)[0]
+    assert_close_relative(losses(runs[layout]), losses(reference), relative)
+    assert_close_relative(grad_norms(runs[layout]), grad_norms(reference), relative)
+    moments = {k: v for k, v in checkpoint_differences(runs[layout], reference).items()
+               if k.startswith("optimizer.state.exp_avg")}
+    for tensor in tensors:
+        assert any(tensor in key for key in moments), tensor
+    worst = max(moments, key=moments.get)
+    assert moments[worst] <= relative, (worst, moments[worst])
+    print(f"\n{layout} vs one process: losses {worst_relative(losses(runs[layout]), losses(reference)):.1e}, "
+          f"grad norms {worst_relative(grad_norms(runs[layout]), grad_norms(reference)):.1e}, "
+          f"Adam moments {moments[worst]:.1e} ({worst})")
+
+
+def assert_stored_embeddings_train_like_the_frozen_encoder(out: Path, preset: str, data: Path, *options: str,
+                                                           relative: float = 1e-5) -> None:
+    """``loongforge encode`` of ``data`` (its ``options`` as ``--set``), then 4 steps on the stored features
+    against 4 steps with the towers online and frozen: losses and grad norms within ``relative``."""
+    store = out / "embeddings"
+    sets = [arg for option in options for arg in ("--set", option)]
+    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(data), "--output", str(store),
+                           "--preset", preset, "--dtype", "fp32", "--no-progress", *sets],
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    run = ("data.source=files", f"data.paths=[{data}]", "training.train_steps=4", "training.global_batch_size=2",
+           *options)
+    run_train(out / "online", *run, "training.freeze_vision=true", "training.freeze_projector=true", preset=preset)
+    run_train(out / "stored", *run, f"data.vision_embeddings={store}", preset=preset)
+    assert_close_relative(losses(out / "stored"), losses(out / "online"), relative)
+    assert_close_relative(grad_norms(out / "stored"), grad_norms(out / "online"), relative)

@@ -6,8 +6,6 @@ online encoder, and an HF export is refused in one line naming why."""
 
 from __future__ import annotations
 
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +14,7 @@ from tests.convert.helpers import invoke, one_line_error
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     assert_close_relative,
+    assert_stored_embeddings_train_like_the_frozen_encoder,
     grad_norms,
     losses,
     resume_from_copy,
@@ -63,20 +62,7 @@ def test_an_hf_export_is_refused_in_one_line(run, tmp_path):
     assert not (tmp_path / "hf").exists()
 
 
-STORED_RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.seq_len=1024", "training.train_steps=4",
-              "training.global_batch_size=2")
-
-
 def test_stored_embeddings_train_like_the_frozen_encoder(tmp_path):
-    store = tmp_path / "embeddings"
     # The training runs' image budget (tests/train/conftest.SMALL_MODEL's data.max_pixels).
-    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(DEMO_IMAGES), "--output",
-                           str(store), "--preset", PRESET, "--dtype", "fp32", "--no-progress",
-                           "--set", "data.max_pixels=12544"],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    run_train(tmp_path / "online", *STORED_RUN, "training.freeze_vision=true", "training.freeze_projector=true",
-              preset=PRESET)
-    run_train(tmp_path / "stored", *STORED_RUN, f"data.vision_embeddings={store}", preset=PRESET)
-    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), REL)
-    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), REL)
+    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, PRESET, DEMO_IMAGES, "data.seq_len=1024",
+                                                           "data.max_pixels=12544")

@@ -6,8 +6,6 @@ DeepStack features) train like the frozen online encoder."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,12 +14,12 @@ from safetensors import safe_open
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     SAVE_AT_END,
-    assert_close_relative,
+    assert_layout_trains_like_one_process,
+    assert_stored_embeddings_train_like_the_frozen_encoder,
     checkpoint_differences,
-    grad_norms,
+    layout_runs,
     losses,
     resume_from_copy,
-    run_train,
 )
 
 PRESET = "qwen3vl-tiny-small-vocab"
@@ -38,27 +36,15 @@ BALANCED = ("balance.enabled=true", "balance.threshold=0")
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qwen3vl")
-    launches = (("dp1", (), 1), ("dp2", BALANCED, 2),
-                ("tp2-pp2", ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"), 4))
-    for name, extra, nproc in launches:
-        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    return {name: root / name for name, _, _ in launches}
+    return layout_runs(tmp_path_factory.mktemp("qwen3vl"), PRESET, *OPTIONS)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
 def test_layout_trains_like_one_process(runs, layout):
-    """DP 2 with balancing re-planning every step; TP 2 x PP 2 (DeepStack on the first stage)."""
-    reference = "dp1"
-    assert losses(runs[reference])[-1] < losses(runs[reference])[0]
-    assert_close_relative(losses(runs[layout]), losses(runs[reference]), REL)
-    assert_close_relative(grad_norms(runs[layout]), grad_norms(runs[reference]), REL)
-    moments = {k: v for k, v in checkpoint_differences(runs[layout], runs[reference]).items()
-               if k.startswith("optimizer.state.exp_avg")}
-    assert any(".deepstack_projectors." in key for key in moments)  # DeepStack's mergers train
-    assert any(".vision_model.pos_embed." in key for key in moments)  # the learned positions train
-    worst = max(moments, key=moments.get)
-    assert moments[worst] <= REL, (worst, moments[worst])
+    """DP 2 with balancing re-planning every step; TP 2 x PP 2 (DeepStack on the first stage): DeepStack's
+    mergers and the learned positions train."""
+    assert_layout_trains_like_one_process(runs, layout, REL, tensors=(".deepstack_projectors.",
+                                                                      ".vision_model.pos_embed."))
 
 
 def test_resume_is_exact(runs, tmp_path):
@@ -70,25 +56,14 @@ def test_resume_is_exact(runs, tmp_path):
 
 DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
 MEDIA = ("data.seq_len=1024", "data.max_pixels=12544")
-STORED_RUN = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", *MEDIA, "training.train_steps=4",
-              "training.global_batch_size=2")
 
 
 def test_stored_embeddings_with_deepstack_train_like_the_frozen_encoder(tmp_path):
     """`loongforge encode` stores per token the merger's features and each DeepStack level's; training
     on them equals training with the towers online and frozen (losses and grad norms at 1e-5)."""
+    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, PRESET, DEMO_IMAGES, *MEDIA)
     store = tmp_path / "embeddings"
-    sets = [arg for setting in MEDIA for arg in ("--set", setting)]
-    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(DEMO_IMAGES), "--output",
-                           str(store), "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets],
-                          capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-3000:]
     row = json.loads((store / "index.jsonl").read_text().splitlines()[0])
     with safe_open(str(store / row["shard"]), framework="pt") as shard:
         width = shard.get_tensor(row["key"]).shape[-1]
     assert width == 128 * 3  # LM hidden x (merger + 2 DeepStack levels)
-    run_train(tmp_path / "online", *STORED_RUN, "training.freeze_vision=true", "training.freeze_projector=true",
-              preset=PRESET)
-    run_train(tmp_path / "stored", *STORED_RUN, f"data.vision_embeddings={store}", preset=PRESET)
-    assert_close_relative(losses(tmp_path / "stored"), losses(tmp_path / "online"), REL)
-    assert_close_relative(grad_norms(tmp_path / "stored"), grad_norms(tmp_path / "online"), REL)

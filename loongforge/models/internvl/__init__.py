@@ -9,17 +9,15 @@ processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML; an image is <img> + its tiles' <IMG_CONTEXT> + </img>)
 """
 
-import functools
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
-from loongforge.models.flops import vlm_training_flops
 from loongforge.models.internvl import hf_config
 from loongforge.models.internvl.chat import chat_format
 from loongforge.models.internvl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.internvl.processor import processor_files
-from loongforge.models.parts import composed_parameters
+from loongforge.models.parts import composed_fields
 from loongforge.models.towers.intern_vit import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
 
@@ -33,10 +31,7 @@ FAMILY = ModelFamily(
     to_hub_style=to_hub_style,
     # Imported at the first build: megatron-core takes seconds.
     build=LazyFunction("loongforge.models.internvl.model:build_model"),
-    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
-    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
-    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
-    vision_part=TOWER.arch,
+    **composed_fields(TOWER),
     position_ids=sequential_positions_for,
     # The batch's tile patch rows as the tiles [n, C, S, S] its processor returns (torch: imported at the call).
     hf_model_inputs=LazyFunction("loongforge.models.internvl.hf_inputs:model_inputs"),

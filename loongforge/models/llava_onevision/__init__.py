@@ -10,17 +10,15 @@ processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML; a turn's images first, then its text)
 """
 
-import functools
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
-from loongforge.models.flops import vlm_training_flops
 from loongforge.models.llava_onevision import hf_config
 from loongforge.models.llava_onevision.chat import chat_format
 from loongforge.models.llava_onevision.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llava_onevision.processor import processor_files
-from loongforge.models.parts import composed_parameters
+from loongforge.models.parts import composed_fields
 from loongforge.models.towers.siglip import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
 
@@ -34,10 +32,7 @@ FAMILY = ModelFamily(
     to_hub_style=to_hub_style,
     # Imported at the first build: megatron-core takes seconds.
     build=LazyFunction("loongforge.models.llava_onevision.model:build_model"),
-    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
-    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
-    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
-    vision_part=TOWER.arch,
+    **composed_fields(TOWER),
     position_ids=sequential_positions_for,
     # The batch's square patch rows as the padded squares its processor returns (torch: at the call).
     hf_model_inputs=LazyFunction("loongforge.models.llava_onevision.hf_inputs:model_inputs"),

@@ -9,12 +9,10 @@ processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML with vision blocks)
 """
 
-import functools
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
-from loongforge.models.flops import vlm_training_flops
-from loongforge.models.parts import composed_parameters
+from loongforge.models.parts import composed_fields
 from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
@@ -30,11 +28,7 @@ FAMILY = ModelFamily(
     # Imported at the first build: megatron-core takes seconds, and a parameter count, a dry-run
     # plan or a config.json read should not pay for it.
     build=LazyFunction("loongforge.models.qwen2_5_vl.model:build_model"),
-    # The tower alone (loongforge encode), imported at its first build.
-    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
-    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
-    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
-    vision_part=TOWER.arch,
+    **composed_fields(TOWER),
     rope="mrope",
     hf_model_inputs=qwen_vl_model_inputs,
     position_ids=position_ids_for,

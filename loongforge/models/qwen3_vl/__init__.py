@@ -11,14 +11,12 @@ rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s
 processor.py    the processor files of an exported HF folder
 """
 
-import functools
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
-from loongforge.models.flops import vlm_training_flops
-from loongforge.models.parts import composed_parameters
+from loongforge.models.parts import composed_fields
 from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
 from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
@@ -35,11 +33,7 @@ FAMILY = ModelFamily(
     hf_rules=mapping_rules,
     to_hub_style=to_hub_style,
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
-    # The tower alone (loongforge encode), imported at its first build.
-    build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"), TOWER.arch),
-    count_parameters=functools.partial(composed_parameters, TOWER.parameters),
-    training_flops=functools.partial(vlm_training_flops, TOWER.flops),
-    vision_part=TOWER.arch,
+    **composed_fields(TOWER),
     rope="mrope",
     hf_model_inputs=qwen_vl_model_inputs,
     position_ids=position_ids_for,

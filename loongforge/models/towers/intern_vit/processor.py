@@ -17,7 +17,7 @@ import numpy as np
 from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.media import Grid, ImageProcessing
+from loongforge.models.media import Grid, SquareImages
 from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # InternVL3.5's preprocessor_config.json: ImageNet's mean and std.
@@ -97,20 +97,12 @@ def image_placeholder(num_tiles: int, tokens_per_tile: int = 256) -> str:
 
 
 @dataclass(frozen=True)
-class TiledImages(ImageProcessing):
+class TiledImages(SquareImages):
     """InternVL's image processor (``ImageProcessing``): an image is ``t`` tiles (the grid's and the
     thumbnail), its grid ``(t, side, side)`` in patches, ``t * side^2 / 4`` placeholder tokens."""
 
     settings: TileSettings
     patch_size: int
-
-    @property
-    def side(self) -> int:
-        return self.settings.size // self.patch_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size**2
 
     def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
         tiles = tile_count(width, height, self.settings)

@@ -21,7 +21,7 @@ import numpy as np
 from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.media import Grid, ImageProcessing
+from loongforge.models.media import Grid, SquareImages
 from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf: SigLIP's normalisation, and the (height, width) canvases
@@ -111,21 +111,13 @@ def anyres_settings(model_cfg: ModelConfig) -> AnyresSettings:
 
 
 @dataclass(frozen=True)
-class AnyresImages(ImageProcessing):
+class AnyresImages(SquareImages):
     """LLaVA-OneVision's image processor (``ImageProcessing``): a sample's only image is its base
     square and the crops of its canvas, grid ``(1 + crops, side, side)``, ``anyres_tokens`` placeholders;
     an image sharing its sample is one padded square, ``side^2 + 1`` placeholders (its newline)."""
 
     settings: AnyresSettings
     patch_size: int
-
-    @property
-    def side(self) -> int:
-        return self.settings.size // self.patch_size
-
-    @property
-    def patch_dim(self) -> int:
-        return 3 * self.patch_size**2
 
     def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
         if images_in_sample > 1:
