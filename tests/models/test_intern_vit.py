@@ -6,9 +6,9 @@ TP 2 (vision TP 1 and 2), every parameter randomised (layer scales, class token,
 weights reach our model through the tower's HF rows and the decoder's; every parameter gets a
 gradient. (The tower alone, its config and counts: ``tests/models/towers/test_intern_vit.py``.)
 
-The InternVL family (its config.json, chat, processor) is not registered yet: the composition is
-built directly, with transformers' newer key style read through Qwen2.5-VL's (the language model
-under ``model.language_model.``, as both write it).
+The composition is built directly and loaded through the InternVL family's rows (transformers 5's key
+style); the family end to end (config.json, chat, processor, convert, training): tests/convert/ and
+tests/train/test_internvl_train.py.
 """
 
 from __future__ import annotations
@@ -22,8 +22,7 @@ from PIL import Image
 from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
 from loongforge.config.schema import VisionConfig
 from loongforge.models import parts
-from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
+from loongforge.models.registry import get_family
 from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
 from loongforge.models.vlm.model import build_vlm
@@ -40,7 +39,7 @@ PHOTOS = [SHARED_DATA / "coco2017" / "val2017" / name for name in ("000000020247
 
 def tiny_model_cfg() -> ModelConfig:
     return ModelConfig(
-        family="qwen2_5_vl",  # stands in for the HF key styles until the InternVL family is registered
+        family="internvl",
         vision=VisionConfig(arch="intern_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
                             in_channels=3, patch_size=PATCH, temporal_patch_size=1, image_size=SIDE_PIXELS,
                             window_size=None, fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu",
@@ -94,7 +93,7 @@ def pixel_rows(pixels: torch.Tensor) -> torch.Tensor:
 
 
 def rules(model_cfg):
-    return tower_rules(model_cfg) + language_rules(model_cfg.language)
+    return get_family("internvl").hf_rules(model_cfg)
 
 
 def build(model_cfg, parallel_cfg):

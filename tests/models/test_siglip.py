@@ -23,10 +23,9 @@ from loongforge.config.schema import (
     VisionConfig,
 )
 from loongforge.models import parts
-from loongforge.models.decoder.hf_mapping import language_rules
+from loongforge.models.registry import get_family
 from loongforge.models.pixels import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
-from loongforge.models.towers.siglip.hf_mapping import tower_rules
 from loongforge.models.towers.siglip.processor import (
     AnyresSettings,
     anyres_crops,
@@ -55,7 +54,7 @@ PHOTO = SHARED_DATA / "coco2017" / "val2017" / "000000020247.jpg"  # 640 x 457: 
 
 def tiny_model_cfg() -> ModelConfig:
     return ModelConfig(
-        family="qwen2_5_vl",  # stands in for the HF key styles until the LLaVA-OneVision family is registered
+        family="llava_onevision",
         vision=VisionConfig(arch="siglip", depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
                             patch_size=PATCH, temporal_patch_size=1, image_size=SIDE_PIXELS, window_size=None,
                             fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer",
@@ -93,7 +92,7 @@ def hf_model(seed: int = 0):
 
 
 def rules(model_cfg):
-    return tower_rules(model_cfg) + language_rules(model_cfg.language)
+    return get_family("llava_onevision").hf_rules(model_cfg)
 
 
 def rows_and_grids(pixels: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

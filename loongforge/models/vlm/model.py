@@ -293,13 +293,8 @@ class VisionLanguageModel(MegatronModule):
         counts = [placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image", self.merge_unit,
                                     num_features=image_rows),
                   placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video", self.merge_unit)]
-        if self._encoder_type.packs_media:
-            features = self._packed_features(pixel_values, image_grid_thw, image_sizes, pixel_values_videos, stored)
-        else:
-            # Images and videos go through the tower together: attention never crosses an image or a
-            # frame, so this equals two separate calls and costs one.
-            features = self._media_features(optional_cat(pixel_values, pixel_values_videos),
-                                            optional_cat(image_grid_thw, video_grid_thw), stored)
+        features = self._features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, image_sizes,
+                                  stored)
         context = None
         if features is not None:
             features = features.to(embeddings.dtype)  # [n, (1 + k) h]
@@ -324,18 +319,29 @@ class VisionLanguageModel(MegatronModule):
                 context = tensor_parallel.scatter_to_sequence_parallel_region(context, group=group)
         return embeddings, context
 
-    def _media_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
-                        stored: Optional[torch.Tensor] = None) -> Optional[torch.Tensor]:
-        """Features [P/m^2, width] of the micro-batch's images and videos; None without any: the
-        stored ones for a model built without the encoder, the step's (encoder_dp=full), or
-        encoded here."""
+    def _features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
+                  video_pixels: Optional[torch.Tensor], video_grid_thw: Optional[torch.Tensor],
+                  image_sizes: Optional[torch.Tensor], stored: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Features [n, width] of the micro-batch's images then videos; None without any: the stored ones
+        for a model built without the encoder, else encoded (packed by image size where the encoder packs
+        them so)."""
         if self._encoder is None:
-            if pixels is not None:
+            if pixels is not None or video_pixels is not None:
                 raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
                                  "pass image_embeds / video_embeds, not pixels")
             return stored
         if stored is not None:
             raise ValueError("image_embeds / video_embeds given to a model that runs its own encoder")
+        if self._encoder_type.packs_media:
+            return self._packed_features(pixels, grid_thw, image_sizes, video_pixels)
+        # Images and videos go through the tower together: attention never crosses an image or a frame,
+        # so this equals two separate calls and costs one.
+        return self._media_features(optional_cat(pixels, video_pixels), optional_cat(grid_thw, video_grid_thw))
+
+    def _media_features(self, pixels: Optional[torch.Tensor],
+                        grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Features [P/m^2, width] of the micro-batch's images and videos: the step's (encoder_dp=full), or
+        encoded here."""
         if self.step_encoding is not None and self.step_encoding.active:
             # encoder_dp=full: every micro-batch, with media or not, takes its turn in the step's
             # features (outside a training step a full replica encodes here, as with none).
@@ -344,19 +350,11 @@ class VisionLanguageModel(MegatronModule):
         return None if pixels is None else self._encode(pixels, grid_thw)
 
     def _packed_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
-                         image_sizes: Optional[torch.Tensor], video_pixels: Optional[torch.Tensor],
-                         stored: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Features of the micro-batch's images from an encoder that packs them by image size: encoded
-        here, or stored already packed (``loongforge encode``) for a model built without the encoder."""
+                         image_sizes: Optional[torch.Tensor],
+                         video_pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+        """Features of the micro-batch's images from an encoder that packs them by image size."""
         if video_pixels is not None:
             raise ValueError("this vision encoder packs images by their sizes: it takes images, not videos")
-        if self._encoder is None:
-            if pixels is not None:
-                raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
-                                 "pass image_embeds, not pixels")
-            return stored
-        if stored is not None:
-            raise ValueError("image_embeds given to a model that runs its own encoder")
         if pixels is None:
             return None
         if image_sizes is None:
