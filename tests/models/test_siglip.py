@@ -30,6 +30,7 @@ from loongforge.models.towers.siglip.processor import (
     AnyresSettings,
     anyres_crops,
     anyres_tokens,
+    square_padded,
 )
 from loongforge.models.vlm.encoder import build_encoder_alone
 from loongforge.models.vlm.model import build_vlm
@@ -239,3 +240,40 @@ def test_published_sizes_count_as_transformers_builds_them(text_hidden):
     assert tower == hf_tower
     assert projector == (sum(p.numel() for p in model.model.multi_modal_projector.parameters())
                          + model.model.image_newline.numel())
+
+
+SECOND_PHOTO = SHARED_DATA / "coco2017" / "val2017" / "000000012280.jpg"  # 480 x 640: portrait, the other's landscape
+
+
+def test_a_multi_image_sample_equals_transformers(megatron_world_of_one):
+    """Two photos of different sizes in one sample: each a square padded in the mean colour (no anyres),
+    its patches and the newline; logits equal ``LlavaOnevisionForConditionalGeneration``'s given the sample's
+    image count (``batch_num_images``)."""
+    model_cfg = tiny_model_cfg()
+    settings = AnyresSettings(size=SIDE_PIXELS, grid_pinpoints=PINPOINTS)
+    images = [Image.open(path).convert("RGB") for path in (PHOTO, SECOND_PHOTO)]
+    squares = torch.cat([torch.from_numpy(square_padded(image, settings)) for image in images])  # [2, 3, 60, 60]
+    side = SIDE_PIXELS // PATCH
+    generator = torch.Generator().manual_seed(4)
+    pieces = []
+    for _ in images:
+        pieces += [torch.randint(0, 990, (4,), generator=generator), torch.full((side * side + 1,), 999)]
+    input_ids = torch.cat([*pieces, torch.randint(0, 990, (3,), generator=generator)])[None]
+    sizes = torch.tensor([[image.height, image.width] for image in images])
+    hf = hf_model()
+    with torch.no_grad():
+        expected = hf(input_ids=input_ids, pixel_values=squares[:, None], image_sizes=sizes,
+                      batch_num_images=torch.tensor([2])).logits[0]
+    model = build_vlm(model_cfg, ParallelConfig(encoder_cp=False), parts.tower("siglip"), side_sets=0, merge_unit=1,
+                      rope="rope", params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
+                      init_seed=3)
+    load_rows(model, hf.state_dict(), model_cfg, rules(model_cfg))
+    rows, grids = rows_and_grids(squares)
+    seq_len = input_ids.shape[1]
+    with torch.no_grad():
+        ours = model.eval()(input_ids=input_ids, position_ids=torch.arange(seq_len).expand(3, 1, seq_len),
+                            pixel_values=rows, image_grid_thw=grids, image_sizes=sizes)[0, :, :VOCAB]
+    worst = relative(ours, expected)
+    print(f"LLaVA-OneVision tiny, a sample of two photos {[image.size for image in images]}: logits vs transformers "
+          f"{worst:.1e}")
+    assert worst <= TOLERANCE
