@@ -250,8 +250,10 @@ def test_a_tokenizer_of_another_model_is_not_written(tmp_path):
 
 
 def _takes_videos(name: str) -> bool:
+    """A family that serves (an HF class) and whose processor takes videos."""
     family = get_family(name)
-    return bool(family.has_vision and family.chat(load_run_config(family.tiny_preset).model).video_block)
+    return bool(family.hf_model_class and family.has_vision
+                and family.chat(load_run_config(family.tiny_preset).model).video_block)
 
 
 @pytest.mark.parametrize("preset", [get_family(name).tiny_preset for name in families() if _takes_videos(name)])
