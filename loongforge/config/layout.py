@@ -132,6 +132,9 @@ class LayoutRule:
     vision_below_tensor: bool = True
     # The ``parallel.encoder_dp`` modes the family implements.
     encoder_dp_modes: tuple[str, ...] = ("none", "tp", "full")
+    # Whether the CP group may share each row's media (``parallel.encoder_cp``); False for an encoder that
+    # packs each image by its size and so runs whole images where it is.
+    encoder_cp: bool = True
 
 
 @dataclass(frozen=True)

@@ -526,6 +526,9 @@ def _check_encoder_dp(cfg: RunConfig, layout: LayoutRule) -> list[str]:
     if parallel.encoder_dp in CHOICES["parallel.encoder_dp"] and parallel.encoder_dp not in layout.encoder_dp_modes:
         return [f"parallel.encoder_dp={parallel.encoder_dp}: model.family={cfg.model.family} implements "
                 f"{' | '.join(layout.encoder_dp_modes)}; set parallel.encoder_dp={layout.encoder_dp_modes[0]}."]
+    if not layout.encoder_cp and parallel.encoder_cp and parallel.context_parallel_size > 1:
+        return [f"parallel.encoder_cp=true: model.family={cfg.model.family}'s encoder packs each image by its "
+                f"size and runs whole images where it is; set parallel.encoder_cp=false."]
     if parallel.encoder_full_recompute and parallel.encoder_dp != "full":
         return [f"parallel.encoder_full_recompute=true applies to parallel.encoder_dp=full (it is "
                 f"{parallel.encoder_dp}); set parallel.encoder_dp=full or parallel.encoder_full_recompute=false."]

@@ -108,3 +108,20 @@ def test_a_familys_own_layout_rule_is_checked_above_config_loading():
     registry.check_family_layout(load_run_config("qwen3vl-tiny", overrides=[*overrides[:2], "parallel.encoder_dp=tp"],
                                                  world_size=2))
     registry.check_family_layout(load_run_config("qwen3vl-tiny", overrides=overrides[:1], world_size=2))
+
+
+def test_a_packing_encoder_refuses_to_be_shared_in_one_line_each():
+    """LLaVA-OneVision's encoder packs each image by its size: encoder_dp tp and, under CP, encoder_cp are
+    refused before anything is built, each in one line naming the fix."""
+    tiny = registry.get_family("llava_onevision").tiny_preset
+    for overrides, expected in (
+            (["parallel.tensor_model_parallel_size=2", "parallel.encoder_dp=tp",
+              "parallel.vision_tensor_model_parallel_size=1"], "set parallel.encoder_dp=none."),
+            (["parallel.context_parallel_size=2"], "set parallel.encoder_cp=false.")):
+        cfg = load_run_config(tiny, overrides=overrides, world_size=2)
+        with pytest.raises(ConfigError) as error:
+            registry.check_family_layout(cfg)
+        (message,) = error.value.messages
+        assert message.endswith(expected), message
+    registry.check_family_layout(load_run_config(tiny, overrides=["parallel.context_parallel_size=2",
+                                                                  "parallel.encoder_cp=false"], world_size=2))

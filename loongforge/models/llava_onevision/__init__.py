@@ -23,8 +23,8 @@ from loongforge.models.towers.siglip import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
 
 # Its encoder packs each image's features by the image's size, so it runs whole images where it is:
-# no encoder_dp sharing (vision TP below the language TP applies).
-LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",))
+# no encoder_dp or encoder_cp sharing (vision TP below the language TP applies).
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",), encoder_cp=False)
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
