@@ -117,7 +117,7 @@ def test_a_packing_encoder_refuses_to_be_shared_in_one_line_each():
     for overrides, expected in (
             (["parallel.tensor_model_parallel_size=2", "parallel.encoder_dp=tp",
               "parallel.vision_tensor_model_parallel_size=1"], "set parallel.encoder_dp=none."),
-            (["parallel.context_parallel_size=2"], "set parallel.encoder_cp=false.")):
+            (["parallel.context_parallel_size=2", "parallel.encoder_cp=true"], "set parallel.encoder_cp=false.")):
         cfg = load_run_config(tiny, overrides=overrides, world_size=2)
         with pytest.raises(ConfigError) as error:
             registry.check_family_layout(cfg)
