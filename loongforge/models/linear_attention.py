@@ -1,0 +1,101 @@
+"""The gated delta rule (Gated DeltaNet's linear attention, Qwen3.5's and Qwen3-Next's) in plain torch, for
+packed rows: every device, no kernel library; the recurrent state restarts at each sample boundary.
+
+Per head, with a state ``S`` [d_k, d_v] that maps keys to values, each token ``t`` of a sample does::
+
+    S <- exp(g_t) * S                               decay
+    S <- S + beta_t * k_t (v_t - S^T k_t)^T          delta rule: move k_t's value towards v_t
+    o_t = S^T q_t                                    read
+
+with ``q``, ``k`` L2-normalised (when asked) and ``q`` scaled by 1 / sqrt(d_k). ``recurrent`` does exactly
+this, token by token (the reference); ``chunked`` computes the same in chunks of ``chunk_size`` tokens: inside
+a chunk the updates are solved at once (a unit lower-triangular system: the delta rule's corrections of
+each token by the earlier ones), across chunks the state carries the decayed sum. Both take rows packed
+with ``cu_seqlens`` and run each sample from a zero state, so no state leaks from one sample into the next.
+
+Shapes: q, k [T, H_k, d_k]; v [T, H_v, d_v]; g, beta [T, H_v] (g a log decay, <= 0); H_v a multiple of H_k
+(each key head serves H_v / H_k consecutive value heads). Output [T, H_v, d_v], computed in fp32 and
+returned in v's dtype.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l2_normalize: bool):
+    """fp32 [H_v, T, d] views of q (normalised, scaled), k (normalised) and v."""
+    groups = v.shape[1] // k.shape[1]
+    q, k = (x.float().repeat_interleave(groups, dim=1) for x in (q, k))  # [T, H_v, d_k]
+    if l2_normalize:
+        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+    q = q * q.shape[-1] ** -0.5
+    return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)  # [H_v, T, d]
+
+
+def _segments(cu_seqlens: torch.Tensor | None, length: int) -> list[tuple[int, int]]:
+    bounds = [0, length] if cu_seqlens is None else cu_seqlens.tolist()
+    return [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
+
+
+def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+              cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True) -> torch.Tensor:
+    """The rule token by token (the reference ``chunked`` is checked against)."""
+    dtype = v.dtype
+    q, k, v = _prepared(q, k, v, l2_normalize)
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
+    out = torch.zeros_like(v)  # [H_v, T, d_v]
+    for start, end in _segments(cu_seqlens, v.shape[1]):
+        state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
+        for t in range(start, end):
+            state = state * g[:, t, None, None].exp()
+            error = v[:, t] - torch.einsum("hkv,hk->hv", state, k[:, t])  # [H_v, d_v]
+            state = state + beta[:, t, None, None] * k[:, t, :, None] * error[:, None, :]
+            out[:, t] = torch.einsum("hkv,hk->hv", state, q[:, t])
+    return out.transpose(0, 1).to(dtype)
+
+
+def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+            cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True, chunk_size: int = 64) -> torch.Tensor:
+    """The rule in chunks of ``chunk_size`` tokens, each sample of the packed row from a zero state."""
+    dtype = v.dtype
+    q, k, v = _prepared(q, k, v, l2_normalize)
+    g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
+    out = torch.zeros_like(v)
+    for start, end in _segments(cu_seqlens, v.shape[1]):
+        state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
+        for first in range(start, end, chunk_size):
+            last = min(first + chunk_size, end)
+            piece = slice(first, last)
+            out[:, piece], state = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state)
+    return out.transpose(0, 1).to(dtype)
+
+
+def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+           state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One chunk of C tokens from ``state`` [H, d_k, d_v]: (outputs [H, C, d_v], the state after it).
+
+    With the chunk's cumulative log decay ``G_i`` (so the decay from token j to token i is exp(G_i - G_j)),
+    token i's correction ``u_i = beta_i (v_i - S~_i^T k_i)`` reads the decayed state
+    ``S~_i = exp(G_i) S_0 + sum_{j<i} exp(G_i - G_j) k_j u_j^T``, so all of them at once solve
+    ``(I + L) u = beta (v - exp(G) k S_0)`` with ``L_ij = beta_i exp(G_i - G_j) k_i.k_j`` for j < i."""
+    length = q.shape[1]
+    decay = g.cumsum(dim=-1)  # [H, C]: G_i
+    relative = decay[:, :, None] - decay[:, None, :]  # [H, C, C]: G_i - G_j
+    below = torch.ones(length, length, dtype=torch.bool, device=q.device).tril(-1)  # j < i
+    upto = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()  # j <= i
+    # exp only where j <= i: above the diagonal G_i - G_j > 0 could overflow.
+    weights = torch.where(upto, relative, torch.full_like(relative, float("-inf"))).exp()  # [H, C, C]
+    keys = k @ k.transpose(1, 2)  # [H, C, C]: k_i . k_j
+    lower = beta[:, :, None] * keys * weights * below  # [H, C, C]: L_ij
+    target = beta[:, :, None] * (v - decay.exp()[:, :, None] * (k @ state))  # [H, C, d_v]
+    identity = torch.eye(length, dtype=q.dtype, device=q.device).expand_as(lower)
+    corrections = torch.linalg.solve_triangular(identity + lower, target, upper=False, unitriangular=True)
+    # o_i = exp(G_i) q_i^T S_0 + sum_{j<=i} exp(G_i - G_j) (q_i . k_j) u_j
+    scores = (q @ k.transpose(1, 2)) * weights * upto  # [H, C, C]
+    out = decay.exp()[:, :, None] * (q @ state) + scores @ corrections
+    # S_C = exp(G_C) S_0 + sum_j exp(G_C - G_j) k_j u_j^T
+    tail = (decay[:, -1:] - decay).exp()  # [H, C]
+    state = decay[:, -1, None, None].exp() * state + (k * tail[:, :, None]).transpose(1, 2) @ corrections
+    return out, state

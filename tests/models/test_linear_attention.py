@@ -1,0 +1,72 @@
+"""The gated delta rule in plain torch (``models.linear_attention``): the chunked form equals the token-by-token
+rule and transformers' own torch references of Qwen3.5's Gated DeltaNet (``torch_recurrent_gated_delta_rule``,
+``torch_chunk_gated_delta_rule``) on each sample; a packed row of three samples gives each sample what it gives
+alone, which fails if the recurrent state crosses a sample boundary (the row run as one sample differs)."""
+
+from __future__ import annotations
+
+import torch
+
+from loongforge.models.linear_attention import chunked, recurrent
+
+TOLERANCE = 1e-5
+LENGTHS = (37, 70, 5)  # a chunk boundary inside the first two samples at chunk size 16, a short last one
+HEADS_K, HEADS_V, DIM_K, DIM_V = 2, 4, 16, 8  # grouped: each key head serves two value heads
+
+
+def inputs(length: int, seed: int) -> tuple[torch.Tensor, ...]:
+    generator = torch.Generator().manual_seed(seed)
+    q, k = (torch.randn(length, HEADS_K, DIM_K, generator=generator) for _ in range(2))
+    v = torch.randn(length, HEADS_V, DIM_V, generator=generator)
+    g = -torch.rand(length, HEADS_V, generator=generator)  # log decays in (-1, 0]
+    beta = torch.rand(length, HEADS_V, generator=generator)
+    return q, k, v, g, beta
+
+
+def relative(ours: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((ours - reference).abs().max() / reference.abs().max())
+
+
+def test_chunked_equals_the_rule_and_transformers_on_each_sample():
+    from transformers.models.qwen3_5.modeling_qwen3_5 import (
+        torch_chunk_gated_delta_rule,
+        torch_recurrent_gated_delta_rule,
+    )
+
+    worst = 0.0
+    for seed, length in enumerate(LENGTHS):
+        q, k, v, g, beta = inputs(length, seed)
+        ours = chunked(q, k, v, g, beta, chunk_size=16)  # [T, H_v, d_v]
+        batched = [x[None] for x in (q, k, v, g, beta)]  # transformers' [1, T, H, d]
+        references = [recurrent(q, k, v, g, beta),
+                      torch_recurrent_gated_delta_rule(*batched, use_qk_l2norm_in_kernel=True)[0][0],
+                      torch_chunk_gated_delta_rule(*batched, use_qk_l2norm_in_kernel=True, chunk_size=16)[0][0]]
+        worst = max(worst, *(relative(ours, reference) for reference in references))
+    print(f"\nchunked vs the rule and transformers' references: {worst:.1e}")
+    assert worst <= TOLERANCE
+
+
+def test_a_packed_row_gives_each_sample_what_it_gives_alone():
+    samples = [inputs(length, seed) for seed, length in enumerate(LENGTHS)]
+    row = [torch.cat(parts) for parts in zip(*samples)]
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    alone = torch.cat([chunked(*sample, chunk_size=16) for sample in samples])
+    packed = chunked(*row, cu_seqlens=cu_seqlens, chunk_size=16)
+    leaked = chunked(*row, chunk_size=16)  # the row as one sample: the state runs on across boundaries
+    worst, crossing = relative(packed, alone), relative(leaked[LENGTHS[0]:], alone[LENGTHS[0]:])
+    print(f"\npacked vs alone: {worst:.1e}; with the state carried across boundaries: {crossing:.1e}")
+    assert worst <= TOLERANCE and crossing > 1e-2
+    assert relative(recurrent(*row, cu_seqlens=cu_seqlens), alone) <= TOLERANCE
+
+
+def test_gradients_of_the_chunked_form_equal_the_rule():
+    q, k, v, g, beta = (x.requires_grad_() for x in inputs(40, 7))
+    grads = []
+    for function in (chunked, recurrent):
+        for x in (q, k, v, g, beta):
+            x.grad = None
+        function(q, k, v, g, beta).square().sum().backward()
+        grads.append([x.grad.clone() for x in (q, k, v, g, beta)])
+    worst = max(relative(a, b) for a, b in zip(*grads))
+    print(f"\ngradients, chunked vs the rule: {worst:.1e}")
+    assert worst <= TOLERANCE
