@@ -16,6 +16,9 @@ with ``cu_seqlens`` and run each sample from a zero state, so no state leaks fro
 Shapes: q, k [T, H_k, d_k]; v [T, H_v, d_v]; g, beta [T, H_v] (g a log decay, <= 0); H_v a multiple of H_k
 (each key head serves H_v / H_k consecutive value heads). Output [T, H_v, d_v], computed in fp32 and
 returned in v's dtype.
+
+Gated DeltaNet runs a short causal convolution over its q, k, v projections first (``causal_conv1d``):
+depthwise, each channel over its last ``K`` tokens, which must not reach into the previous sample either.
 """
 
 from __future__ import annotations
@@ -99,3 +102,15 @@ def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, b
     tail = (decay[:, -1:] - decay).exp()  # [H, C]
     state = decay[:, -1, None, None].exp() * state + (k * tail[:, :, None]).transpose(1, 2) @ corrections
     return out, state
+
+
+def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                  cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
+    """Depthwise causal convolution of a packed row, then SiLU: x [T, C], weight [C, K] (K taps, the last
+    one on the token itself), bias [C] -> [T, C]. Each sample starts from zeros, as if alone."""
+    taps = weight.shape[-1]
+    out = torch.empty_like(x)
+    for start, end in _segments(cu_seqlens, x.shape[0]):
+        sample = F.pad(x[start:end].transpose(0, 1)[None], (taps - 1, 0))  # [1, C, K - 1 + L]
+        out[start:end] = F.conv1d(sample, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1)
+    return F.silu(out)

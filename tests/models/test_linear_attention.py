@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.models.linear_attention import chunked, recurrent
+from loongforge.models.linear_attention import causal_conv1d, chunked, recurrent
 
 TOLERANCE = 1e-5
 LENGTHS = (37, 70, 5)  # a chunk boundary inside the first two samples at chunk size 16, a short last one
@@ -70,3 +70,22 @@ def test_gradients_of_the_chunked_form_equal_the_rule():
     worst = max(relative(a, b) for a, b in zip(*grads))
     print(f"\ngradients, chunked vs the rule: {worst:.1e}")
     assert worst <= TOLERANCE
+
+
+def test_the_convolution_of_a_packed_row_restarts_at_each_sample_like_transformers_layer():
+    """Qwen3.5's Gated DeltaNet convolves its projections with ``nn.Conv1d(padding=K-1)`` cut to the
+    sample's length, then SiLU: each sample of a packed row gets exactly that, nothing of the sample before."""
+    channels, taps = 12, 4
+    torch.manual_seed(0)
+    conv = torch.nn.Conv1d(channels, channels, taps, groups=channels, padding=taps - 1, bias=False)
+    samples = [torch.randn(length, channels) for length in LENGTHS]
+    cu_seqlens = torch.tensor([0, *torch.tensor(LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    with torch.no_grad():
+        alone = torch.cat([torch.nn.functional.silu(conv(s.T[None])[0, :, :len(s)].T) for s in samples])
+        packed = causal_conv1d(torch.cat(samples), conv.weight[:, 0], None, cu_seqlens)
+        leaked = causal_conv1d(torch.cat(samples), conv.weight[:, 0])
+    start = LENGTHS[0]
+    print(f"\nconvolution, packed vs alone: {relative(packed, alone):.1e}; across boundaries: "
+          f"{relative(leaked[start:start + taps], alone[start:start + taps]):.1e}")
+    assert relative(packed, alone) <= TOLERANCE
+    assert relative(leaked[start:start + taps], alone[start:start + taps]) > 1e-2
