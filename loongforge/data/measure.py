@@ -176,7 +176,6 @@ class SampleMeasurer:
             [num_llm_tokens(plan.grid_thw, merge) for plan in video_plans],
         )
 
-
     def _expand_images(self, input_ids, is_answer, image_plans: list[ImagePlan]):
         """Each image's pad -> its placeholder tokens (wrapped in the vision markers where the
         format's processor writes them: ``ChatFormat.wraps_images``)."""

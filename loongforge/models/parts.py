@@ -39,14 +39,10 @@ class TowerPart:
     parameters: Callable[[ModelConfig], tuple[int, int]]
     # (model_cfg, data_cfg) -> its image processor at the run's settings (``models.media``)
     images: Callable[[ModelConfig, DataConfig], ImageProcessing]
-    # model_cfg -> its HF weight rows ("module:function" imported at the call: the rows need torch)
-    hf_rules: str = ""
+    # model_cfg -> its HF weight rows (a ``LazyFunction``: the rows need torch, the registry does not)
+    hf_rules: Callable[[ModelConfig], list]
     # Whether its processing takes videos (the Qwen towers'; the others see images only)
     takes_videos: bool = False
-
-    def rules(self, model_cfg: ModelConfig) -> list:
-        module_name, _, function_name = self.hf_rules.partition(":")
-        return getattr(importlib.import_module(module_name), function_name)(model_cfg)
 
     def encoder_type(self) -> type["VisionEncoder"]:
         module_name, _, class_name = self.encoder.partition(":")

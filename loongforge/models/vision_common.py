@@ -62,6 +62,13 @@ def square_media_count(grid_thw: torch.Tensor, side: int, tower: str) -> int:
     return int(grid_thw[:, 0].sum())
 
 
+def square_pixels(rows: torch.Tensor, patch_size: int, channels: int, side: int) -> torch.Tensor:
+    """Patch rows [n * side^2, C*p*p] (``models.pixels.patch_rows``) back to the squares' whole patches
+    [n, C, side*p, side*p] (what a processor's pixel_values hold, less any pixels past the last whole patch)."""
+    squares = rows.view(-1, side, side, channels, patch_size, patch_size)  # [n, row, column, C, py, px]
+    return squares.permute(0, 3, 1, 4, 2, 5).reshape(-1, channels, side * patch_size, side * patch_size)
+
+
 def frame_cu_seqlens(grid_thw: torch.Tensor) -> torch.Tensor:
     """[num_frames + 1] int32 patch offsets: one full-attention segment per frame."""
     frame_sizes = torch.repeat_interleave(grid_thw[:, 1] * grid_thw[:, 2], grid_thw[:, 0])

@@ -8,7 +8,7 @@ gradient. (The tower alone, its config and counts: ``tests/models/towers/test_in
 
 The composition is built directly and loaded through the InternVL family's rows (transformers 5's key
 style); the family end to end (config.json, chat, processor, convert, training): tests/convert/ and
-tests/train/test_internvl_train.py.
+tests/train/test_composed_families_train.py.
 """
 
 from __future__ import annotations

@@ -136,6 +136,15 @@ def test_the_encoder_alone_equals_transformers_and_every_parameter_trains(megatr
         "vision_model.post_layernorm.weight", "vision_model.post_layernorm.bias"]
 
 
+def loaded_composition(hf, model_cfg: ModelConfig):
+    """Our composition (TP 1) with ``hf``'s weights loaded through the family's rows."""
+    model = build_vlm(model_cfg, ParallelConfig(encoder_cp=False), parts.tower("siglip"), side_sets=0, merge_unit=1,
+                      rope="rope", params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
+                      init_seed=3)
+    load_rows(model, hf.state_dict(), model_cfg, rules(model_cfg))
+    return model
+
+
 def test_the_composition_with_anyres_packing_equals_transformers_on_a_real_photo(megatron_world_of_one):
     """A photo through our anyres processing, SigLIP, the projector and the packing into the Qwen2
     decoder: logits equal ``LlavaOnevisionForConditionalGeneration``'s, and every parameter trains."""
@@ -151,10 +160,7 @@ def test_the_composition_with_anyres_packing_equals_transformers_on_a_real_photo
     with torch.no_grad():
         expected = hf(input_ids=input_ids, pixel_values=squares[None], image_sizes=torch.tensor([[image.height, image.width]]),
                       batch_num_images=torch.tensor([1])).logits[0]
-    model = build_vlm(model_cfg, ParallelConfig(encoder_cp=False), parts.tower("siglip"), side_sets=0, merge_unit=1,
-                      rope="rope", params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
-                      init_seed=3)
-    load_rows(model, hf.state_dict(), model_cfg, rules(model_cfg))
+    model = loaded_composition(hf, model_cfg)
     rows, _ = rows_and_grids(squares)
     side, seq_len = SIDE_PIXELS // PATCH, input_ids.shape[1]
     inputs = dict(input_ids=input_ids, position_ids=torch.arange(seq_len).expand(3, 1, seq_len), pixel_values=rows,
@@ -264,10 +270,7 @@ def test_a_multi_image_sample_equals_transformers(megatron_world_of_one):
     with torch.no_grad():
         expected = hf(input_ids=input_ids, pixel_values=squares[:, None], image_sizes=sizes,
                       batch_num_images=torch.tensor([2])).logits[0]
-    model = build_vlm(model_cfg, ParallelConfig(encoder_cp=False), parts.tower("siglip"), side_sets=0, merge_unit=1,
-                      rope="rope", params_dtype=torch.float32, pre_process=True, post_process=True, device="cpu",
-                      init_seed=3)
-    load_rows(model, hf.state_dict(), model_cfg, rules(model_cfg))
+    model = loaded_composition(hf, model_cfg)
     rows, grids = rows_and_grids(squares)
     seq_len = input_ids.shape[1]
     with torch.no_grad():

@@ -35,7 +35,7 @@ def config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
     """The tower's rows and the decoder's, in their parts' HF names (what LoRA targets by)."""
-    return parts.tower(model_cfg.vision.arch).rules(model_cfg) + language_rules(model_cfg.language)
+    return parts.tower(model_cfg.vision.arch).hf_rules(model_cfg) + language_rules(model_cfg.language)
 
 
 def hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

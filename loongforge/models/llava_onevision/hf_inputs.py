@@ -8,6 +8,7 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig
+from loongforge.models.vision_common import square_pixels, square_side
 
 
 def model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
@@ -15,12 +16,10 @@ def model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
     if rows is None:
         return {"input_ids": inputs["input_ids"]}
     vis = model_cfg.vision
-    patch, size, channels = vis.patch_size, vis.image_size, vis.in_channels
-    side = size // patch
-    squares = rows.view(-1, side, side, channels, patch, patch).permute(0, 3, 1, 4, 2, 5)
-    squares = squares.reshape(-1, channels, side * patch, side * patch)  # [n, C, side*p, side*p]
+    whole = square_side(vis) * vis.patch_size  # pixels of a square's whole patches
+    squares = square_pixels(rows, vis.patch_size, vis.in_channels, square_side(vis))  # [n, C, whole, whole]
     counts = inputs["image_grid_thw"][:, 0].tolist()
-    pixels = torch.zeros(len(counts), max(counts), channels, size, size, dtype=rows.dtype)
+    pixels = torch.zeros(len(counts), max(counts), vis.in_channels, vis.image_size, vis.image_size, dtype=rows.dtype)
     for image, part in enumerate(squares.split(counts)):
-        pixels[image, :part.shape[0], :, :side * patch, :side * patch] = part
+        pixels[image, :part.shape[0], :, :whole, :whole] = part
     return {"input_ids": inputs["input_ids"], "pixel_values": pixels, "image_sizes": inputs["image_sizes"]}

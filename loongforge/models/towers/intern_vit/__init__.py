@@ -16,10 +16,11 @@ tile) and a grid (1, side, side) with a 2 x 2 merge, so measuring, packing, ``en
 ``encoder_cp`` deal tiles as they deal images.
 """
 
+from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.intern_vit import flops, params
 from loongforge.models.towers.intern_vit.processor import tiled_images
 
 PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
                  params.encoder_parameters, tiled_images,
-                 hf_rules=f"{__name__}.hf_mapping:tower_rules")
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"))

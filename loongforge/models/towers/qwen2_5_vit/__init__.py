@@ -9,10 +9,11 @@ hf_mapping.py   HF weight rows (the family adds the language model's)
 configs.py      ModelConfig -> the tower's and the merger's megatron TransformerConfigs
 """
 
+from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
 from loongforge.models.smart_resize import smart_resize_images
 from loongforge.models.towers.qwen2_5_vit import flops, params
 
 PART = TowerPart("qwen2_5_vit", ("patch_merger",), f"{__name__}.encoder:Qwen2_5_VLEncoder", flops.encoder_flops,
                  params.encoder_parameters, smart_resize_images,
-                 hf_rules=f"{__name__}.hf_mapping:tower_rules", takes_videos=True)
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"), takes_videos=True)

@@ -11,10 +11,11 @@ configs.py       the tower's and the mergers' megatron TransformerConfigs
 vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF vision_config)
 """
 
+from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
 from loongforge.models.smart_resize import smart_resize_images
 from loongforge.models.towers.qwen3_vit import flops, params
 
 PART = TowerPart("qwen3_vit", ("deepstack_mergers",), f"{__name__}.encoder:Qwen3VLEncoder", flops.encoder_flops,
                  params.encoder_parameters, smart_resize_images,
-                 hf_rules=f"{__name__}.hf_mapping:part_rules", takes_videos=True)
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:part_rules"), takes_videos=True)

@@ -12,10 +12,11 @@ processor.py    anyres: an image -> its base image and crops, and its placeholde
 packing.py      anyres: an image's per-square features -> its placeholders' (unpadded, newlines)
 """
 
+from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.siglip import flops, params
 from loongforge.models.towers.siglip.processor import anyres_images
 
 PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:LlavaOnevisionEncoder", flops.encoder_flops,
                  params.encoder_parameters, anyres_images,
-                 hf_rules=f"{__name__}.hf_mapping:tower_rules")
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"))

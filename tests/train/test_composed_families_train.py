@@ -1,0 +1,50 @@
+"""InternVL3.5 (InternViT + pixel shuffle + Qwen3) and LLaVA-OneVision (SigLIP + MLP + anyres packing + Qwen2),
+both under 1-D RoPE, train through the same command on the demo photos as their processors cut them (InternVL:
+up to 4 tiles and a thumbnail of 56 px; LLaVA-OneVision: one image a sample its base square and anyres crops,
+packed by its size, two a padded square each): DP 2 with balancing re-planning every step, and TP 2 x PP 2
+(vision TP 2), equal one process (losses, grad norms and Adam moments, each kind of the tower's tensors
+included, to 1e-5 relative); stored embeddings (``loongforge encode``: InternVL's features per tile token,
+LLaVA-OneVision's each image packed with its newline) train like the frozen online encoder."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.shared_data import SHARED_DATA
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_layout_trains_like_one_process,
+    assert_stored_embeddings_train_like_the_frozen_encoder,
+    layout_runs,
+)
+
+REL = 1e-5
+DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+# preset -> the tower tensors (name pieces) whose Adam moments must be among those compared
+FAMILIES = {
+    "internvl3.5-tiny-small-vocab": (".vision_model.cls_token", ".vision_model.pos_embed", ".mlp.layer_scale",
+                                     ".projector."),
+    "llava-onevision-tiny-small-vocab": (".vision_model.pos_embed", ".image_newline", ".projector."),
+}
+# Adam's epsilon at 1e-6 as in tests/train/test_qwen3_vl_train.py (a gradient element zero up to rounding
+# then moves by lr times a sign set by the summation order).
+OPTIONS = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024",
+           "optimizer.adam_eps=1e-6", SAVE_AT_END)
+
+
+@pytest.fixture(scope="module", params=sorted(FAMILIES))
+def runs(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
+    return request.param, layout_runs(tmp_path_factory.mktemp(request.param), request.param, *OPTIONS)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
+def test_layout_trains_like_one_process(runs, layout):
+    preset, family_runs = runs
+    assert_layout_trains_like_one_process(family_runs, layout, REL, tensors=FAMILIES[preset])
+
+
+@pytest.mark.parametrize("preset", sorted(FAMILIES))
+def test_stored_embeddings_train_like_the_frozen_encoder(preset, tmp_path):
+    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, preset, DEMO_IMAGES, "data.seq_len=1024")
