@@ -74,6 +74,21 @@ class ProjectorConfig:
 
 
 @dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet's linear attention (Qwen3.5's ``linear_attention`` layers): per key head a recurrent
+    state [key_head_dim, value_head_dim] instead of a KV cache, after a short causal convolution."""
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32  # a multiple of num_key_heads: each key head serves that many value heads
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4  # taps of the depthwise causal convolution over q, k, v
+
+
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+@dataclass
 class LanguageConfig:
     """The decoder (``language_model`` in transformers): Qwen2, Qwen3 or Llama blocks."""
 
@@ -113,6 +128,18 @@ class LanguageConfig:
     norm_topk_prob: bool = True
     # Weight of the load-balancing loss (transformers' router_aux_loss_coef); 0: none.
     moe_aux_loss_coeff: float = 0.0
+    # Hybrid models (Qwen3.5): each layer's token mixer, "full_attention" or "linear_attention"
+    # (transformers' ``layer_types``); empty: every layer full attention.
+    layer_types: list[str] = field(default_factory=list)
+    # The linear-attention layers' shape; null unless ``layer_types`` names some.
+    linear_attention: Optional[LinearAttentionConfig] = None
+    # Full attention multiplies its output by sigmoid(gate), the gate a second half of each query head's
+    # projection (Qwen3.5).
+    attention_output_gate: bool = False
+    # Share of each head's channels that RoPE rotates (Qwen3.5: 0.25); the rest pass unrotated.
+    partial_rotary_factor: float = 1.0
+    # RMSNorms scale by (1 + weight), the weight starting at zero (Qwen3.5, Gemma).
+    zero_centered_norms: bool = False
 
 
 @dataclass

@@ -36,7 +36,7 @@ from loongforge.config.layout import (
     sample_multiple,
 )
 from loongforge.config.pipeline_layout import virtual_stages
-from loongforge.config.schema import RunConfig
+from loongforge.config.schema import LAYER_TYPES, RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -332,6 +332,11 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
     if language.head_dim is not None and language.head_dim < 1:
         errors.append(f"model.language.head_dim={language.head_dim} must be at least 1 (or null).")
         return errors
+    rotary_channels = int(head_dim * language.partial_rotary_factor)
+    if not 0 < language.partial_rotary_factor <= 1 or rotary_channels % 2:
+        errors.append(f"model.language.partial_rotary_factor={language.partial_rotary_factor} must be in (0, 1] "
+                      f"and rotate an even number of the head's {head_dim} channels.")
+        return errors
     section = language.mrope_section
     if cfg.model.vision is None:
         # A text-only model: 1-D RoPE, positions from the token order.
@@ -343,10 +348,58 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
     elif len(section) != 3:
         errors.append(f"model.language.mrope_section={section} must have 3 entries "
                       f"(temporal, height, width rotary pairs).")
-    elif sum(section) != head_dim // 2 or head_dim % 2:
+    elif sum(section) != rotary_channels // 2:
+        half = ("head_dim/2" if rotary_channels == head_dim
+                else f"the rotary channels / 2 (partial_rotary_factor {language.partial_rotary_factor})")
         errors.append(f"model.language.mrope_section={section} sums to {sum(section)} but must sum "
-                      f"to head_dim/2 = {head_dim // 2} (head_dim {head_dim}); adjust the three "
-                      f"entries.")
+                      f"to {half} = {rotary_channels // 2} (head_dim {head_dim}); adjust the three entries.")
+    return errors
+
+
+# Families whose decoder builds hybrid layers, gated attention, partial rotary and zero-centred norms.
+_FAMILIES_WITH_HYBRID_LAYERS = ("qwen3_5",)
+_HYBRID_DEFAULTS = {"layer_types": [], "linear_attention": None, "attention_output_gate": False,
+                    "partial_rotary_factor": 1.0, "zero_centered_norms": False}
+
+
+def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
+    """``layer_types`` names every layer's token mixer, the linear-attention shape is given exactly when a
+    layer is linear, and only a family that builds them sets Qwen3.5's decoder fields."""
+    language, key = cfg.model.language, "model.language"
+    if cfg.model.family not in _FAMILIES_WITH_HYBRID_LAYERS:
+        return [f"{key}.{name}={getattr(language, name)} but model.family={cfg.model.family} does not build it; "
+                f"remove it (model.family=qwen3_5 does)." for name, default in _HYBRID_DEFAULTS.items()
+                if getattr(language, name) != default]
+    errors = []
+    unknown = sorted(set(language.layer_types) - set(LAYER_TYPES))
+    if unknown:
+        errors.append(f"{key}.layer_types holds {unknown}; each entry must be one of {', '.join(LAYER_TYPES)}.")
+    if language.layer_types and len(language.layer_types) != language.num_layers:
+        errors.append(f"{key}.layer_types has {len(language.layer_types)} entries but {key}.num_layers="
+                      f"{language.num_layers}; give one per layer.")
+    linear = "linear_attention" in language.layer_types
+    if linear and language.linear_attention is None:
+        errors.append(f"{key}.layer_types names linear_attention layers but {key}.linear_attention is null; "
+                      f"give its heads, head sizes and conv_kernel.")
+    if not linear and language.linear_attention is not None:
+        errors.append(f"{key}.linear_attention is set but no entry of {key}.layer_types is linear_attention; "
+                      f"set it to null or name the linear layers.")
+    shape = language.linear_attention
+    if linear and shape is not None:
+        if min(shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
+               shape.conv_kernel) < 1:
+            errors.append(f"{key}.linear_attention={shape}: every size must be at least 1.")
+        elif shape.num_value_heads % shape.num_key_heads:
+            errors.append(f"{key}.linear_attention.num_value_heads={shape.num_value_heads} is not a multiple of "
+                          f"num_key_heads={shape.num_key_heads} (each key head serves whole value heads).")
+        elif shape.num_key_heads % cfg.parallel.tensor_model_parallel_size:
+            errors.append(f"parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size} does not "
+                          f"divide {key}.linear_attention.num_key_heads={shape.num_key_heads} (TP splits the linear "
+                          f"layers by key head); use one of {_list(divisors(shape.num_key_heads))}.")
+    if linear and cfg.parallel.context_parallel_size > 1:
+        errors.append(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: the linear-attention "
+                      f"layers carry a recurrent state along each sample, which context parallelism would cut; "
+                      f"use parallel.context_parallel_size=1 (long rows fit through the state's constant memory).")
     return errors
 
 
@@ -766,7 +819,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
     if range_errors:
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
-    errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_vision_shape(cfg)
+    errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg) + _check_vision_shape(cfg)
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
             + _check_lora(cfg))

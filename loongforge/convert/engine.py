@@ -123,20 +123,31 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
                       for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
         elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
+            if model_cfg.language.layer_types:
+                raise ValueError("a hybrid decoder with routed experts has no checkpoint key layout here yet")
             key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
             if rule.fuses_experts:  # one HF tensor holds a layer's experts: one link per layer
                 links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
-                          for i in range(model_cfg.language.num_layers)]
+                          for i in _language_layers(rule, model_cfg)]
                 continue
             links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
-                      for i in range(model_cfg.language.num_layers)
+                      for i in _language_layers(rule, model_cfg)
                       for e in range(model_cfg.language.num_experts)]
+        elif model_cfg.language.layer_types:
+            # A hybrid decoder's layers differ in tensors, so megatron keeps each layer under keys of its own.
+            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
+                      for i in _language_layers(rule, model_cfg)]
         else:  # language layers: one key, stacked on axis 0 over the global layer index
             key = rule.megatron.replace("layers.{i}.", "layers.")
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
-                      for i in range(model_cfg.language.num_layers)]
+                      for i in _language_layers(rule, model_cfg)]
     order = {VISION: 0, LANGUAGE: 1}
     return sorted(links, key=lambda link: order[link.rule.group])  # stable: table order within
+
+
+def _language_layers(rule: Rule, model_cfg: ModelConfig) -> range | tuple[int, ...]:
+    """The decoder layers a language rule's ``{i}`` runs over."""
+    return range(model_cfg.language.num_layers) if rule.layers is None else rule.layers
 
 
 def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Tensor:

@@ -9,6 +9,7 @@ reasons about them (split axes, vocabulary padding) without knowing any family.
 from __future__ import annotations
 
 import abc
+import dataclasses
 from dataclasses import dataclass
 from typing import Any, Mapping, Optional, Sequence
 
@@ -28,6 +29,16 @@ def rename_prefixes(state: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) 
                 break
         renamed[key] = value
     return renamed
+
+
+def rename_rule(rule: "Rule", pairs: Sequence[tuple[str, str]]) -> "Rule":
+    """``rule`` with its HF patterns (and fallback) renamed by ``rename_prefixes``' rule: rows built in one
+    key style, used in a family's own."""
+    def renamed(key: str) -> str:
+        return next(iter(rename_prefixes({key: None}, pairs)))
+
+    fallback = None if rule.fallback_hf is None else renamed(rule.fallback_hf)
+    return dataclasses.replace(rule, hf=tuple(renamed(pattern) for pattern in rule.hf), fallback_hf=fallback)
 
 
 Tensor = torch.Tensor
@@ -126,6 +137,74 @@ class GroupedQKV(Transform):
         rest = qkv.shape[1:]
         q, k, v = qkv.reshape(g, (r + 2) * d, *rest).split([r * d, d, d], dim=1)
         return [q.reshape(g * r * d, *rest), k.reshape(g * d, *rest), v.reshape(g * d, *rest)]
+
+
+@dataclass(frozen=True)
+class GroupedRows(Transform):
+    """HF tensors cut into row segments <-> megatron's one tensor holding, group by group, each segment's
+    rows of that group: ``[seg_0 of group 0, seg_1 of group 0, ..., seg_0 of group 1, ...]``.
+
+    ``segments`` gives each HF tensor's segments (their row counts, in order); every segment splits into
+    ``groups`` equal blocks. Gated DeltaNet's projections group by key head (q, k of one key head with the
+    value heads it serves), so TP's contiguous split of the megatron tensor gives each rank whole groups
+    and the layout is the same at every TP size (``GroupedQKV`` is the case of one segment per tensor)."""
+
+    groups: int
+    segments: tuple[tuple[int, ...], ...]
+
+    def shard(self, hf, rank, size):
+        return _chunk(self.interleave(hf), size, 0)[rank]
+
+    def unshard(self, shards):
+        return self.deinterleave(torch.cat(list(shards)))
+
+    def _blocks(self) -> list[int]:
+        return [rows // self.groups for sizes in self.segments for rows in sizes]
+
+    def interleave(self, hf: Sequence[Tensor]) -> Tensor:
+        pieces = [piece for tensor, sizes in zip(hf, self.segments) for piece in tensor.split(list(sizes))]
+        rest = hf[0].shape[1:]
+        # each piece [groups * block, ...] -> [groups, block, ...]; concatenated per group
+        grouped = torch.cat([piece.reshape(self.groups, -1, *rest) for piece in pieces], dim=1)
+        return grouped.reshape(-1, *rest)
+
+    def deinterleave(self, rows: Tensor) -> list[Tensor]:
+        rest = rows.shape[1:]
+        pieces = rows.reshape(self.groups, -1, *rest).split(self._blocks(), dim=1)
+        pieces = [piece.reshape(-1, *rest) for piece in pieces]
+        tensors, start = [], 0
+        for sizes in self.segments:
+            tensors.append(torch.cat(pieces[start:start + len(sizes)]))
+            start += len(sizes)
+        return tensors
+
+
+@dataclass(frozen=True)
+class GatedGroupedQKV(Transform):
+    """HF q_proj holding each head's query then its output gate ([heads, 2, head_dim] rows), k_proj, v_proj
+    <-> megatron's gated linear_qkv: per query group its heads' queries, their gates, its key, its value
+    (``attention_output_gate``)."""
+
+    num_heads: int
+    num_groups: int
+    head_dim: int
+
+    def _grouped(self) -> GroupedRows:
+        q, kv = self.num_heads * self.head_dim, self.num_groups * self.head_dim
+        return GroupedRows(self.num_groups, ((q,), (q,), (kv,), (kv,)))
+
+    def shard(self, hf, rank, size):
+        q_and_gate, k, v = hf
+        rest = q_and_gate.shape[1:]
+        query, gate = q_and_gate.reshape(self.num_heads, 2, self.head_dim, *rest).unbind(1)
+        parts = [query.reshape(-1, *rest), gate.reshape(-1, *rest), k, v]
+        return _chunk(self._grouped().interleave(parts), size, 0)[rank]
+
+    def unshard(self, shards):
+        query, gate, k, v = self._grouped().deinterleave(torch.cat(list(shards)))
+        rest = query.shape[1:]
+        per_head = [x.reshape(self.num_heads, 1, self.head_dim, *rest) for x in (query, gate)]
+        return [torch.cat(per_head, dim=1).reshape(-1, *rest), k, v]
 
 
 @dataclass(frozen=True)
@@ -249,6 +328,8 @@ class Rule:
     fallback_hf: Optional[str] = None
     # How many indices ``{i}`` runs over in a vision rule; None: every vision block.
     count: Optional[int] = None
+    # The language layers ``{i}`` runs over (a hybrid decoder's rows of one kind of layer); None: every one.
+    layers: Optional[tuple[int, ...]] = None
 
     @property
     def fuses_experts(self) -> bool:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -29,6 +30,7 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.errors import ConfigError
+from loongforge.models import linear_attention
 from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
 
 LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
@@ -48,23 +50,33 @@ class RMSNorm(torch.nn.Module):
     def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = 1e-6, **unused):
         super().__init__()
         self.eps = eps
-        self.weight = torch.nn.Parameter(torch.ones(hidden_size, dtype=config.params_dtype))
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        self.weight = torch.nn.Parameter(norm_weight(hidden_size, config))
         if config.sequence_parallel:
             self.weight.sequence_parallel = True
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        return rms_norm(hidden_states, self.weight, self.eps)
+        return rms_norm(hidden_states, self.weight, self.eps, self.zero_centered)
 
     def extra_repr(self) -> str:
         return f"{self.weight.shape[0]}, eps={self.eps}"
 
 
-def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen's RMSNorm: the statistics in fp32, the scale in the input's dtype."""
+def rms_norm(hidden_states: torch.Tensor, weight: torch.Tensor, eps: float, zero_centered: bool = False) -> torch.Tensor:
+    """Qwen's RMSNorm: the statistics in fp32, the scale in the input's dtype. ``zero_centered`` (Qwen3.5,
+    Gemma): the scale is (1 + weight), applied in fp32 before the cast back, as transformers computes it."""
     input_dtype = hidden_states.dtype
     x = hidden_states.float()
     x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (x * (1.0 + weight.float())).to(input_dtype)
     return weight * x.to(input_dtype)
+
+
+def norm_weight(channels: int, config: TransformerConfig) -> torch.Tensor:
+    """A norm's initial weight: the identity scale, ones (zeros where the scale is 1 + weight)."""
+    fill = 0.0 if config.layernorm_zero_centered_gamma else 1.0
+    return torch.full((channels,), fill, dtype=config.params_dtype)
 
 
 class RMSNormColumnParallelLinear(ColumnParallelLinear):
@@ -80,12 +92,14 @@ class RMSNormColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
         self.norm_eps = config.layernorm_epsilon
-        self.layer_norm_weight = torch.nn.Parameter(torch.ones(input_size, dtype=config.params_dtype))
+        self.zero_centered = config.layernorm_zero_centered_gamma
+        self.layer_norm_weight = torch.nn.Parameter(norm_weight(input_size, config))
         if config.sequence_parallel:
             self.layer_norm_weight.sequence_parallel = True
 
     def forward(self, input_: torch.Tensor, *args, **kwargs):
-        return super().forward(rms_norm(input_, self.layer_norm_weight, self.norm_eps), *args, **kwargs)
+        normed = rms_norm(input_, self.layer_norm_weight, self.norm_eps, self.zero_centered)
+        return super().forward(normed, *args, **kwargs)
 
 
 class LayerNormColumnParallelLinear(ColumnParallelLinear):
@@ -120,6 +134,8 @@ class BlockModules:
     column_linear: type
     row_linear: type
     core_attention: type
+    # The gated delta rule of linear-attention layers (``models.linear_attention``'s signature).
+    linear_attention: Callable[..., torch.Tensor] = linear_attention.chunked
 
     def describe(self) -> str:
         return f"{self.backend} ({_DESCRIPTIONS[self.backend]})"
@@ -128,7 +144,7 @@ class BlockModules:
 _DESCRIPTIONS = {
     "te": "TE norm-linear, TE linears, TE attention",
     "flash": "local norm-linear and linears, flash-attn varlen attention",
-    "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment",
+    "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment, the torch gated delta rule",
 }
 
 
@@ -209,12 +225,19 @@ def block_modules(backend: str) -> BlockModules:
         )
 
         return BlockModules("te", TELayerNormColumnParallelLinear, TEColumnParallelLinear,
-                            TERowParallelLinear, TEDotProductAttention)
+                            TERowParallelLinear, TEDotProductAttention, _gpu_linear_attention())
     if backend in ("flash", "sdpa"):
         attention = FlashCoreAttention if backend == "flash" else SDPACoreAttention
+        rule = _gpu_linear_attention() if backend == "flash" else linear_attention.chunked
         return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
-                            RowParallelLinear, attention)
+                            RowParallelLinear, attention, rule)
     raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")
+
+
+def _gpu_linear_attention() -> Callable[..., torch.Tensor]:
+    """The GPU backends' gated delta rule: fla's Triton kernel where ``flash-linear-attention`` imports (the
+    ``gpu`` extra), else the plain-torch chunked rule (the same math, slower)."""
+    return linear_attention.fla_chunked if _import_problem("fla") is None else linear_attention.chunked
 
 
 def layer_norm_modules(modules: BlockModules) -> BlockModules:

@@ -32,9 +32,15 @@ def _prepared(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, l2_normalize: b
     groups = v.shape[1] // k.shape[1]
     q, k = (x.float().repeat_interleave(groups, dim=1) for x in (q, k))  # [T, H_v, d_k]
     if l2_normalize:
-        q, k = F.normalize(q, dim=-1, eps=1e-6), F.normalize(k, dim=-1, eps=1e-6)
+        q, k = l2_normalized(q), l2_normalized(k)
     q = q * q.shape[-1] ** -0.5
     return q.transpose(0, 1), k.transpose(0, 1), v.float().transpose(0, 1)  # [H_v, T, d]
+
+
+def l2_normalized(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """x / sqrt(|x|^2 + eps) over the last axis: fla's (and transformers') form, eps inside the root, which
+    differs from clamping the norm where |x| is small (a freshly initialised model's q and k are)."""
+    return x * torch.rsqrt(x.pow(2).sum(-1, keepdim=True) + eps)
 
 
 def _segments(cu_seqlens: torch.Tensor | None, length: int) -> list[tuple[int, int]]:
@@ -114,3 +120,17 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
         sample = F.pad(x[start:end].transpose(0, 1)[None], (taps - 1, 0))  # [1, C, K - 1 + L]
         out[start:end] = F.conv1d(sample, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1)
     return F.silu(out)
+
+
+def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True) -> torch.Tensor:
+    """``chunked`` on fla's Triton kernel (GPU): the same arguments and result. Each key head is repeated
+    over the value heads it serves first, as megatron-core's Gated DeltaNet calls the kernel."""
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: GPU-only, the ``gpu`` extra
+
+    groups = v.shape[1] // k.shape[1]
+    q, k = (x.repeat_interleave(groups, dim=1) for x in (q, k))
+    segments = None if cu_seqlens is None else cu_seqlens.to(torch.long)
+    out, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+                                    cu_seqlens=segments, use_qk_l2norm_in_kernel=l2_normalize)
+    return out[0].to(v.dtype)

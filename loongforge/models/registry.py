@@ -22,6 +22,7 @@ _FAMILIES: dict[str, str] = {
     "llava_onevision": "loongforge.models.llava_onevision",
     "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
+    "qwen3_5": "loongforge.models.qwen3_5",
     "qwen3_vl": "loongforge.models.qwen3_vl",
 }
 

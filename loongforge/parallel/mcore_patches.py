@@ -218,8 +218,23 @@ NO_TE_PATCHES: list[Patch] = [
     ),
 ]
 
+def _eager_output_gate(original: Callable) -> Callable:
+    def apply_output_gate(self, x, gate):  # megatron's math, x * sigmoid(gate) in fp32, without torch.compile
+        return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
+
+    return apply_output_gate
+
+
 CPU_PATCHES: list[Patch] = [
     # Model side.
+    Patch(
+        name="attention_output_gate_compile",
+        owner_path="megatron.core.transformer.attention:Attention",
+        attribute="_apply_output_gate",
+        why="gated attention's output gate is torch.compile'd (attention.py:1217): on the CPU a C++ build per "
+            "process for one multiply",
+        wrap=_eager_output_gate,
+    ),
     Patch(
         name="rope_inv_freq",
         owner_path="megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding",

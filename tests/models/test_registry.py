@@ -83,9 +83,9 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
     assert message == ("model.family='qwen25_vl' is not one of composition | internvl | llava_onevision | llm | "
-                       "qwen2_5_vl | qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
+                       "qwen2_5_vl | qwen3_5 | qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
     with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of composition \| internvl \| "
-                                          r"llava_onevision \| llm \| qwen2_5_vl \| qwen3_vl; set"):
+                                          r"llava_onevision \| llm \| qwen2_5_vl \| qwen3_5 \| qwen3_vl; set"):
         registry.get_family("gemma")
 
 

@@ -64,10 +64,9 @@ def language_config(
     positions are the family's choice (``LanguageModel``'s ``position_embedding_type``); M-RoPE
     sections, when the model has them, must cover every rotary pair."""
     channels = head_dim(lang)
-    if lang.mrope_section and 2 * sum(lang.mrope_section) != channels:
-        raise ValueError(
-            f"model.language.mrope_section={lang.mrope_section} must sum to head_dim/2={channels // 2}"
-        )
+    if lang.mrope_section and 2 * sum(lang.mrope_section) != rotary_channels(lang):
+        raise ValueError(f"model.language.mrope_section={lang.mrope_section} must sum to the rotary "
+                         f"channels / 2 = {rotary_channels(lang) // 2}")
     return TransformerConfig(
         num_layers=lang.num_layers,
         hidden_size=lang.hidden_size,
@@ -94,10 +93,33 @@ def language_config(
         # "auto": megatron's default on te (p2p) and the gathered keys and values on sdpa / flash.
         cp_comm_type=None if parallel_cfg.context_parallel_comm == "auto" else parallel_cfg.context_parallel_comm,
         cross_entropy_loss_fusion=False,
+        attention_output_gate=lang.attention_output_gate,
+        layernorm_zero_centered_gamma=lang.zero_centered_norms,
+        **linear_attention(lang),
         **experts(lang, parallel_cfg),
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
     )
+
+
+def rotary_channels(lang: LanguageConfig) -> int:
+    """Channels of each head that RoPE rotates (the first ones; the rest pass through)."""
+    return int(head_dim(lang) * lang.partial_rotary_factor)
+
+
+def linear_attention(lang: LanguageConfig) -> dict:
+    """Gated DeltaNet's shape, and which layers run it (megatron's 1 = linear, 0 = full attention). A
+    pattern makes megatron save each layer under its own checkpoint keys (the layers differ in tensors)."""
+    if not lang.layer_types:
+        return {}
+    shape = lang.linear_attention
+    pattern = [int(kind == "linear_attention") for kind in lang.layer_types]
+    facts = dict(linear_attention_freq=pattern)
+    if shape is not None:
+        facts.update(linear_conv_kernel_dim=shape.conv_kernel, linear_key_head_dim=shape.key_head_dim,
+                     linear_value_head_dim=shape.value_head_dim, linear_num_key_heads=shape.num_key_heads,
+                     linear_num_value_heads=shape.num_value_heads)
+    return facts
 
 
 def interleaved_messages(parallel_cfg: ParallelConfig) -> dict:

@@ -17,15 +17,18 @@ Experts come in two HF layouts, chosen by the family (``fused_experts``):
 
 from __future__ import annotations
 
-from typing import Any, Mapping
+import dataclasses
+from typing import Any, Mapping, Optional
 
 from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
 from loongforge.models.hf_rules import (
     LANGUAGE,
     FusedExperts,
+    GatedGroupedQKV,
     GateUp,
     GroupedQKV,
+    GroupedRows,
     Replicated,
     Rule,
     Split,
@@ -37,22 +40,16 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     """The decoder's rows; ``fused_experts``: the routed experts' HF tensors hold every expert of a
     layer (Qwen3-VL-MoE), else one tensor per expert (Qwen3-MoE). ``hf_prefix``: where the HF
     checkpoint keeps the decoder (``model.``; ``model.language_model.`` in compositions such as
-    InternVL's, whose HF class nests it); ``lm_head`` is always at the top."""
-    vocab, rep, row, gate_up = Vocab(lang.vocab_size), Replicated(), Split(1), GateUp()
-    qkv = GroupedQKV(lang.num_attention_heads, lang.num_query_groups, head_dim(lang))
+    InternVL's, whose HF class nests it); ``lm_head`` is always at the top. A hybrid decoder
+    (``layer_types``) has attention rows for its full-attention layers and Gated DeltaNet rows for its
+    linear-attention layers (``Rule.layers``)."""
+    vocab, rep, row = Vocab(lang.vocab_size), Replicated(), Split(1)
     lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
-    rules = [
-        Rule((hf_prefix + "embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE),
-        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
-        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv, LANGUAGE),
-    ]
-    if lang.add_qkv_bias:
-        rules.append(Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias",
-                          qkv, LANGUAGE))
-    if lang.qk_norm:
-        rules += [Rule((lb + "self_attn.q_norm.weight",), ll + "self_attention.q_layernorm.weight", rep, LANGUAGE),
-                  Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", rep, LANGUAGE)]
-    rules.append(Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", row, LANGUAGE))
+    full, linear = _layers_of_kind(lang, "full_attention"), _layers_of_kind(lang, "linear_attention")
+    rules = [Rule((hf_prefix + "embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE)]
+    rules += _attention_rules(lang, lb, ll, full)
+    if linear:
+        rules += _linear_attention_rules(lang, lb, ll, linear)
     if lang.num_experts:
         rules += [
             # The MoE layer's norm is its own module (the router and the experts share its output).
@@ -63,7 +60,7 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     else:
         rules += [
             Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
-            Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", gate_up,
+            Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", GateUp(),
                  LANGUAGE),
             Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         ]
@@ -72,6 +69,57 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
         Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
              fallback_hf=hf_prefix + "embed_tokens.weight"),
     ]
+
+
+def _layers_of_kind(lang: LanguageConfig, kind: str) -> Optional[tuple[int, ...]]:
+    """The layers of ``kind`` in a hybrid decoder (``Rule.layers``); None: every layer (not hybrid, and
+    ``kind`` full attention); () where none is of that kind."""
+    if not lang.layer_types:
+        return None if kind == "full_attention" else ()
+    return tuple(i for i, layer_kind in enumerate(lang.layer_types) if layer_kind == kind)
+
+
+def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tuple[int, ...]]) -> list[Rule]:
+    if layers == ():
+        return []
+    rep, channels = Replicated(), head_dim(lang)
+    heads, groups = lang.num_attention_heads, lang.num_query_groups
+    qkv = (GatedGroupedQKV if lang.attention_output_gate else GroupedQKV)(heads, groups, channels)
+    rules = [
+        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
+        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv,
+             LANGUAGE),
+    ]
+    if lang.add_qkv_bias:
+        rules.append(Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias",
+                          qkv, LANGUAGE))
+    if lang.qk_norm:
+        rules += [Rule((lb + "self_attn.q_norm.weight",), ll + "self_attention.q_layernorm.weight", rep, LANGUAGE),
+                  Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", rep, LANGUAGE)]
+    rules.append(Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE))
+    return [dataclasses.replace(rule, layers=layers) for rule in rules]
+
+
+def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...]) -> list[Rule]:
+    """Gated DeltaNet's rows: transformers' separate projections <-> the key-head-grouped ``in_proj`` and
+    ``conv1d`` of ``models.gated_delta_net`` (``GroupedRows``)."""
+    shape = lang.linear_attention
+    q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
+    heads = shape.num_value_heads
+    hb, mb = lb + "linear_attn.", ll + "self_attention."
+    projection = GroupedRows(shape.num_key_heads, ((q_k, q_k, v), (v,), (heads,), (heads,)))
+    rules = [
+        Rule((lb + "input_layernorm.weight",), mb + "in_proj.layer_norm_weight", Replicated(), LANGUAGE),
+        Rule(tuple(hb + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), mb + "in_proj.weight", projection,
+             LANGUAGE),
+        Rule((hb + "conv1d.weight",), mb + "conv1d.weight", GroupedRows(shape.num_key_heads, ((q_k, q_k, v),)),
+             LANGUAGE),
+        Rule((hb + "A_log",), mb + "A_log", Split(0), LANGUAGE),
+        Rule((hb + "dt_bias",), mb + "dt_bias", Split(0), LANGUAGE),
+        Rule((hb + "norm.weight",), mb + "out_norm.weight", Replicated(), LANGUAGE),
+        Rule((hb + "out_proj.weight",), mb + "out_proj.weight", Split(1), LANGUAGE),
+    ]
+    return [dataclasses.replace(rule, layers=layers) for rule in rules]
 
 
 def _expert_rules(lb: str, ll: str) -> list[Rule]:
@@ -101,18 +149,32 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
         shapes["lm_head.weight"] = (lang.vocab_size, d)
     for i in range(lang.num_layers):
         b = f"{hf_prefix}layers.{i}."
+        shapes.update({b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)})
+        shapes.update(_mlp_shapes(lang, b, fused_experts))
+        if lang.layer_types and lang.layer_types[i] == "linear_attention":
+            shapes.update(_linear_attention_shapes(lang, b + "linear_attn."))
+            continue
+        q_out = 2 * q if lang.attention_output_gate else q  # each head's query, then its gate
         shapes.update({
-            b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,),
-            b + "self_attn.q_proj.weight": (q, d), b + "self_attn.k_proj.weight": (kv, d),
+            b + "self_attn.q_proj.weight": (q_out, d), b + "self_attn.k_proj.weight": (kv, d),
             b + "self_attn.v_proj.weight": (kv, d), b + "self_attn.o_proj.weight": (d, q),
         })
-        shapes.update(_mlp_shapes(lang, b, fused_experts))
         if lang.add_qkv_bias:
-            shapes.update({b + "self_attn.q_proj.bias": (q,), b + "self_attn.k_proj.bias": (kv,),
+            shapes.update({b + "self_attn.q_proj.bias": (q_out,), b + "self_attn.k_proj.bias": (kv,),
                            b + "self_attn.v_proj.bias": (kv,)})
         if lang.qk_norm:
             shapes.update({b + "self_attn.q_norm.weight": (channels,), b + "self_attn.k_norm.weight": (channels,)})
     return shapes
+
+
+def _linear_attention_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+    shape, d = lang.linear_attention, lang.hidden_size
+    q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
+    return {b + "in_proj_qkv.weight": (2 * q_k + v, d), b + "in_proj_z.weight": (v, d),
+            b + "in_proj_b.weight": (shape.num_value_heads, d), b + "in_proj_a.weight": (shape.num_value_heads, d),
+            b + "conv1d.weight": (2 * q_k + v, 1, shape.conv_kernel), b + "A_log": (shape.num_value_heads,),
+            b + "dt_bias": (shape.num_value_heads,), b + "norm.weight": (shape.value_head_dim,),
+            b + "out_proj.weight": (d, v)}
 
 
 def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool) -> dict[str, tuple[int, ...]]:

@@ -24,8 +24,10 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import (
     TransformerLayer,
     TransformerLayerSubmodules,
+    get_transformer_layer_offset,
 )
 
+from loongforge.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from loongforge.models.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layer_backend import BlockModules, RMSNorm
 
@@ -83,11 +85,23 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
     )
 
 
+def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False) -> ModuleSpec:
+    """A hybrid model's linear-attention layer: x + GatedDeltaNet(norm(x)), then the MLP as in
+    ``transformer_layer_spec`` (the pre-norm fused into the projection, ``in_proj.layer_norm_weight``)."""
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe)
+    spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
+        in_proj=modules.norm_column_linear, out_proj=modules.row_linear, rule=modules.linear_attention))
+    return spec
+
+
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *,
-                        qk_norm: bool = False, moe: bool = False) -> ModuleSpec:
-    """The decoder layer; with ``init_seed``, each layer's initial weights come from (seed, its
-    global index), whatever the pipeline layout (see ``models.initialization``)."""
-    spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe)
+                        qk_norm: bool = False, moe: bool = False, linear: bool = False) -> ModuleSpec:
+    """The decoder layer (``linear``: a Gated DeltaNet layer); with ``init_seed``, each layer's initial
+    weights come from (seed, its global index), whatever the pipeline layout (see ``models.initialization``)."""
+    if linear:
+        spec = linear_attention_layer_spec(modules, moe=moe)
+    else:
+        spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe)
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
@@ -104,6 +118,8 @@ def language_block_spec(
     and not megatron's global default norm class.
     """
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
-    layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm,
-                                moe=bool(config.num_moe_experts))
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=RMSNorm)
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
+    pattern = config.linear_attention_freq or [0] * config.num_layers  # 1: a linear-attention layer
+    layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=bool(config.num_moe_experts),
+                                  linear=bool(pattern[first + local])) for local in range(num_layers)]
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)

@@ -4,7 +4,6 @@ DeepStack and M-RoPE are the dense model's): its vision part (``models/towers/qw
 with the shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
 
 model.py        build_model (the entry point): the composition with interleaved M-RoPE and DeepStack
-rotary.py       interleaved M-RoPE for the decoder
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_mapping.py   the weight map (rows for ``models.hf_weights``)
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)

@@ -25,6 +25,7 @@ from loongforge.config.schema import (
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
+from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes
 
 NAME = "qwen3_vl"
 _DENSE, _MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
@@ -131,31 +132,6 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hub-style HF tensor name (Qwen3-VL's nested names) -> shape implied by ``model_cfg``."""
-    vis, proj = model_cfg.vision, model_cfg.projector
-    h, ffn = vis.hidden_size, vis.intermediate_size
-    merged, out = h * proj.spatial_merge_size**2, proj.out_hidden_size
-    shapes: dict[str, tuple[int, ...]] = {
-        "visual.patch_embed.proj.weight": (h, vis.in_channels, vis.temporal_patch_size, vis.patch_size, vis.patch_size),
-        "visual.patch_embed.proj.bias": (h,),
-        "visual.pos_embed.weight": (vis.num_position_embeddings, h),
-    }
-    for i in range(vis.depth):
-        b = f"visual.blocks.{i}."
-        shapes.update({
-            b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,), b + "norm2.bias": (h,),
-            b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
-            b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
-            b + "mlp.linear_fc1.weight": (ffn, h), b + "mlp.linear_fc1.bias": (ffn,),
-            b + "mlp.linear_fc2.weight": (h, ffn), b + "mlp.linear_fc2.bias": (h,),
-        })
-    # The final merger normalises each patch (width h); DeepStack's normalise the merged unit.
-    mergers = [("visual.merger.", h)] + [(f"visual.deepstack_merger_list.{i}.", merged)
-                                         for i in range(len(vis.deepstack_layers))]
-    for prefix, norm_width in mergers:
-        shapes.update({
-            prefix + "norm.weight": (norm_width,), prefix + "norm.bias": (norm_width,),
-            prefix + "linear_fc1.weight": (merged, merged), prefix + "linear_fc1.bias": (merged,),
-            prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,),
-        })
+    shapes = tower_hf_shapes(model_cfg)
     shapes.update(language_hf_shapes(model_cfg.language, fused_experts=True))
     return to_hub_style(shapes)

@@ -11,7 +11,7 @@ HF keys come in two styles: Qwen3-VL's own, which its Hub files and transformers
 names of Qwen2.5-VL's era (``visual.*``, ``model.layers.*``, ``model.embed_tokens``), which
 transformers 5 does not load into Qwen3-VL. Both are read (``to_hub_style``); Qwen3-VL's own is the
 style of the rules and the one written. The vision part's rows and the shared decoder's are built flat
-and renamed once (``_nested``).
+and renamed once (``hf_rules.rename_rule``).
 
 A layout that is not a plain copy (the vision part's are in its module): Qwen3-VL-MoE's experts: ``mlp.experts.gate_up_proj`` / ``down_proj`` hold a layer's experts
 [E, ...], each expert a megatron ``local_experts.{e}`` pair (``hf_rules.FusedExperts``; the Hub's
@@ -20,12 +20,11 @@ files have the two trailing axes swapped relative to transformers 5, and both ar
 
 from __future__ import annotations
 
-import dataclasses
 from typing import Mapping, Optional
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes
+from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_rules
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
@@ -36,7 +35,7 @@ def mapping_rules(model_cfg: ModelConfig, vision: Optional[Qwen3VisionConfig] = 
     in Qwen3-VL's nested names. ``vision`` defaults to the facts in ``model_cfg``."""
     vision = vision or Qwen3VisionConfig.from_model_cfg(model_cfg)
     rules = tower_rules(vision) + language_rules(model_cfg.language, fused_experts=True)
-    return [_nested(rule) for rule in rules]
+    return [rename_rule(rule, _FLAT_TO_NESTED) for rule in rules]
 
 
 # Key styles: flat names -> Qwen3-VL's nested ones (the rules' style); nested names stay as they are.
@@ -46,12 +45,3 @@ _FLAT_TO_NESTED = (("model.visual.", "model.visual."), ("model.language_model.",
 
 def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     return rename_prefixes(hf_state, _FLAT_TO_NESTED)
-
-
-def _nested_key(key: str) -> str:
-    return next(iter(rename_prefixes({key: None}, _FLAT_TO_NESTED)))
-
-
-def _nested(rule: Rule) -> Rule:
-    fallback = None if rule.fallback_hf is None else _nested_key(rule.fallback_hf)
-    return dataclasses.replace(rule, hf=tuple(_nested_key(pattern) for pattern in rule.hf), fallback_hf=fallback)

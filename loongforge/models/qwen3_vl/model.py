@@ -1,7 +1,7 @@
 """Qwen3-VL (dense, or Qwen3-VL-MoE with megatron-core's MoE layer in every decoder layer) on
 megatron-core: its vision part (``models/towers/qwen3_vit``: the ViT with learned positions, the
 merger and DeepStack's mergers) composed with the shared decoder (Qwen3 blocks: per-head q/k
-RMSNorm, no qkv bias) under interleaved M-RoPE (``rotary.InterleavedMRoPE``), DeepStack's features
+RMSNorm, no qkv bias) under interleaved M-RoPE (``vlm.interleaved_mrope``), DeepStack's features
 added after the first decoder layers (``models.vlm``).
 
 Mirrors transformers' ``Qwen3VLForConditionalGeneration`` (``hf_mapping.py`` gives the weight
@@ -16,7 +16,7 @@ from typing import Optional
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import parts
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.qwen3_vl.rotary import InterleavedMRoPE
+from loongforge.models.vlm.interleaved_mrope import InterleavedMRoPE
 from loongforge.models.towers.qwen3_vit.encoder import Qwen3VLEncoder
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 from loongforge.models.vlm.model import VisionLanguageModel, build_vlm

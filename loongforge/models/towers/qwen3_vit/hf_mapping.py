@@ -74,3 +74,34 @@ def tower_rules(vision: Qwen3VisionConfig, hf_prefix: str = "visual.") -> list[R
 def part_rules(model_cfg: ModelConfig) -> list[Rule]:
     """``tower_rules`` of the run's tower (``parts.TowerPart.hf_rules``)."""
     return tower_rules(Qwen3VisionConfig.from_model_cfg(model_cfg))
+
+
+def tower_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The tower's and its mergers' HF tensor names (flat ``visual.*``) -> shape implied by ``model_cfg``."""
+    vis, proj = model_cfg.vision, model_cfg.projector
+    h, ffn = vis.hidden_size, vis.intermediate_size
+    merged, out = h * proj.spatial_merge_size**2, proj.out_hidden_size
+    shapes: dict[str, tuple[int, ...]] = {
+        "visual.patch_embed.proj.weight": (h, vis.in_channels, vis.temporal_patch_size, vis.patch_size, vis.patch_size),
+        "visual.patch_embed.proj.bias": (h,),
+        "visual.pos_embed.weight": (vis.num_position_embeddings, h),
+    }
+    for i in range(vis.depth):
+        b = f"visual.blocks.{i}."
+        shapes.update({
+            b + "norm1.weight": (h,), b + "norm1.bias": (h,), b + "norm2.weight": (h,), b + "norm2.bias": (h,),
+            b + "attn.qkv.weight": (3 * h, h), b + "attn.qkv.bias": (3 * h,),
+            b + "attn.proj.weight": (h, h), b + "attn.proj.bias": (h,),
+            b + "mlp.linear_fc1.weight": (ffn, h), b + "mlp.linear_fc1.bias": (ffn,),
+            b + "mlp.linear_fc2.weight": (h, ffn), b + "mlp.linear_fc2.bias": (h,),
+        })
+    # The final merger normalises each patch (width h); DeepStack's normalise the merged unit.
+    mergers = [("visual.merger.", h)] + [(f"visual.deepstack_merger_list.{i}.", merged)
+                                         for i in range(len(vis.deepstack_layers))]
+    for prefix, norm_width in mergers:
+        shapes.update({
+            prefix + "norm.weight": (norm_width,), prefix + "norm.bias": (norm_width,),
+            prefix + "linear_fc1.weight": (merged, merged), prefix + "linear_fc1.bias": (merged,),
+            prefix + "linear_fc2.weight": (out, merged), prefix + "linear_fc2.bias": (out,),
+        })
+    return shapes

@@ -79,8 +79,8 @@ class Qwen3VisionConfig:
         vis, proj = model_cfg.vision, model_cfg.projector
         if vis is None or proj is None:
             raise ValueError("model.vision and model.projector must be set for a Qwen3-VL model")
-        missing = [f"model.vision.{name}" for name in ("num_position_embeddings", "deepstack_layers")
-                   if getattr(vis, name) in (None, [])]
+        # deepstack_layers may be empty: Qwen3.5 composes the tower without DeepStack.
+        missing = [f"model.vision.{name}" for name in ("num_position_embeddings",) if getattr(vis, name) is None]
         if missing:
             raise ValueError(f"{', '.join(missing)} must be set for a Qwen3-VL model (or pass the vision "
                              "facts to build_model as vision=Qwen3VisionConfig.from_hf(...))")

@@ -1,0 +1,146 @@
+"""Qwen3.5's HF ``config.json`` both ways, and the HF tensor shapes a config implies.
+
+transformers nests the hybrid decoder under ``text_config``: ``layer_types`` (each layer
+``linear_attention`` or ``full_attention``; older files give ``full_attention_interval`` instead, every
+n-th layer full), Gated DeltaNet's ``linear_*`` sizes, ``head_dim`` and the rotary settings under
+``rope_parameters`` (``rope_theta``, ``partial_rotary_factor``, the interleaved ``mrope_section``); its
+full-attention layers always gate their output and its RMSNorms are zero-centred (neither is a config
+key). The vision tower under ``vision_config`` is Qwen3-VL's without DeepStack.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Mapping
+
+from loongforge.config.errors import InputError
+from loongforge.config.schema import (
+    LanguageConfig,
+    LinearAttentionConfig,
+    ModelConfig,
+    ProjectorConfig,
+    TokenIdsConfig,
+    VisionConfig,
+)
+from loongforge.models.decoder.hf_mapping import language_hf_shapes
+from loongforge.models.qwen3_5.hf_mapping import to_hub_style, tower_hf_shapes
+
+NAME = "qwen3_5"
+_DENSE = "Qwen3_5ForConditionalGeneration"
+HF_ARCHITECTURES = (_DENSE, "Qwen3_5Model")
+HF_MODEL_TYPES = ("qwen3_5",)
+_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_vision")  # the model, its text_config, its vision_config
+# transformers' defaults when a config names none (Qwen3_5TextConfig, Qwen3_5TextRotaryEmbedding).
+_DEFAULT_MROPE_SECTION = [11, 11, 10]
+_DEFAULT_PARTIAL_ROTARY = 0.25
+_DEFAULT_FULL_ATTENTION_INTERVAL = 4
+_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
+
+
+def _layer_types(text: Mapping[str, Any]) -> list[str]:
+    if text.get("layer_types"):
+        return list(text["layer_types"])
+    interval = text.get("full_attention_interval", _DEFAULT_FULL_ATTENTION_INTERVAL)
+    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
+            for i in range(text["num_hidden_layers"])]
+
+
+def _rope(text: Mapping[str, Any]) -> tuple[float, list[int], float]:
+    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    theta = params.get("rope_theta", text.get("rope_theta", 10_000_000.0))
+    partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY))
+    return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION), float(partial)
+
+
+def _language(text: Mapping[str, Any], tied: bool) -> LanguageConfig:
+    theta, section, partial = _rope(text)
+    layer_types = _layer_types(text)
+    linear = None
+    if "linear_attention" in layer_types:
+        linear = LinearAttentionConfig(
+            num_key_heads=text.get("linear_num_key_heads", 16), num_value_heads=text.get("linear_num_value_heads", 32),
+            key_head_dim=text.get("linear_key_head_dim", 128), value_head_dim=text.get("linear_value_head_dim", 128),
+            conv_kernel=text.get("linear_conv_kernel_dim", 4))
+    heads = text["num_attention_heads"]
+    return LanguageConfig(
+        num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
+        ffn_hidden_size=text["intermediate_size"], num_attention_heads=heads,
+        num_query_groups=text.get("num_key_value_heads", heads), vocab_size=text["vocab_size"],
+        rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta, mrope_section=section,
+        mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
+        tie_word_embeddings=tied, add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 256),
+        layer_types=layer_types, linear_attention=linear, attention_output_gate=True,
+        partial_rotary_factor=partial, zero_centered_norms=True)
+
+
+def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
+    """``ModelConfig`` from a Qwen3.5 ``config.json``."""
+    text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
+    if text.get("attention_bias"):
+        raise InputError(f"{where}: text_config.attention_bias=true: Qwen3.5's attention has no biases")
+    try:
+        defaults = TokenIdsConfig()
+        tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        return ModelConfig(
+            family=NAME,
+            vision=VisionConfig(
+                arch="qwen3_vit",
+                depth=vision["depth"], hidden_size=vision["hidden_size"],
+                intermediate_size=vision["intermediate_size"], num_heads=vision["num_heads"],
+                in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 16),
+                temporal_patch_size=vision.get("temporal_patch_size", 2),
+                hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
+                norm="layer", num_position_embeddings=vision["num_position_embeddings"],
+                deepstack_layers=[], window_size=None, fullatt_block_indexes=[],
+                # The processor's normalisation (preprocessor_config.json, not config.json): 0.5 / 0.5.
+                pixel_mean=[0.5, 0.5, 0.5], pixel_std=[0.5, 0.5, 0.5],
+            ),
+            projector=ProjectorConfig(arch="deepstack_mergers", spatial_merge_size=vision.get("spatial_merge_size", 2),
+                                      hidden_act="gelu", out_hidden_size=vision["out_hidden_size"]),
+            language=_language(text, tied),
+            tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
+        )
+    except KeyError as exc:
+        raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete Qwen3.5 config.json?") from None
+
+
+def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
+    """A transformers-style ``config.json``, written when the source carries none."""
+    vis, lang, proj, tok = model_cfg.vision, model_cfg.language, model_cfg.projector, model_cfg.tokens
+    model_type, text_type, vision_type = _MODEL_TYPES
+    shape = lang.linear_attention or LinearAttentionConfig()
+    return {
+        "architectures": [_DENSE],
+        "model_type": model_type,
+        "tie_word_embeddings": lang.tie_word_embeddings,
+        "dtype": dtype,
+        **{name: getattr(tok, name) for name in _TOKEN_FIELDS},
+        "text_config": {
+            "model_type": text_type, "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
+            "intermediate_size": lang.ffn_hidden_size, "num_hidden_layers": lang.num_layers,
+            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.num_query_groups,
+            "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads, "hidden_act": "silu",
+            "max_position_embeddings": lang.max_position_embeddings, "rms_norm_eps": lang.rms_norm_eps,
+            "attention_bias": False, "tie_word_embeddings": lang.tie_word_embeddings, "dtype": dtype,
+            "layer_types": list(lang.layer_types),
+            "linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
+            "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim,
+            "linear_conv_kernel_dim": shape.conv_kernel,
+            "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
+                                "partial_rotary_factor": lang.partial_rotary_factor,
+                                "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
+        },
+        "vision_config": {
+            "model_type": vision_type, "depth": vis.depth, "hidden_size": vis.hidden_size,
+            "intermediate_size": vis.intermediate_size, "num_heads": vis.num_heads, "in_channels": vis.in_channels,
+            "patch_size": vis.patch_size, "temporal_patch_size": vis.temporal_patch_size,
+            "spatial_merge_size": proj.spatial_merge_size, "out_hidden_size": proj.out_hidden_size,
+            "num_position_embeddings": vis.num_position_embeddings, "hidden_act": vis.hidden_act,
+        },
+    }
+
+
+def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Hub-style HF tensor name (Qwen3.5's nested names) -> shape implied by ``model_cfg``."""
+    shapes = tower_hf_shapes(model_cfg)
+    shapes.update(language_hf_shapes(model_cfg.language, fused_experts=True))
+    return to_hub_style(shapes)

@@ -1,0 +1,40 @@
+"""Weight map between transformers' Qwen3.5 checkpoints and the composed model (``models.vlm``): the
+vision part's rows (``towers/qwen3_vit``, no DeepStack mergers) and the shared decoder's, whose hybrid
+rows give each full-attention layer its gated attention (``hf_rules.GatedGroupedQKV``) and each
+linear-attention layer its Gated DeltaNet (``models.gated_delta_net``'s key-head-grouped projection and
+convolution, ``hf_rules.GroupedRows``).
+
+HF keys: Qwen3.5's nested style (``model.visual.*``, ``model.language_model.*``, ``lm_head``), which its
+Hub files, transformers' state dict and ``save_pretrained`` share; flat names (``visual.*``,
+``model.layers.*``) are read too (``to_hub_style``). The Hub checkpoints' multi-token-prediction head
+(``mtp.*``) has no place in this model and is not read.
+"""
+
+from __future__ import annotations
+
+from typing import Mapping
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.decoder.hf_mapping import language_rules
+from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
+from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes as flat_tower_hf_shapes
+from loongforge.models.towers.qwen3_vit.hf_mapping import tower_rules
+from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
+
+# Key styles: flat names -> Qwen3.5's nested ones (the rules' style); nested names stay as they are.
+_FLAT_TO_NESTED = (("model.visual.", "model.visual."), ("model.language_model.", "model.language_model."),
+                   ("visual.", "model.visual."), ("model.", "model.language_model."))
+
+
+def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
+    rules = tower_rules(Qwen3VisionConfig.from_model_cfg(model_cfg)) + language_rules(model_cfg.language,
+                                                                                     fused_experts=True)
+    return [rename_rule(rule, _FLAT_TO_NESTED) for rule in rules]
+
+
+def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
+    return rename_prefixes(hf_state, _FLAT_TO_NESTED)
+
+
+def tower_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
+    return flat_tower_hf_shapes(model_cfg)
