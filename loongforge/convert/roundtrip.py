@@ -31,7 +31,7 @@ from loongforge.convert.engine import (
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.convert.mcore_io import McoreItem, McoreReader, stacked, write_mcore
 from loongforge.models.hf_rules import (
-    VISION, FusedExperts, FusedHeadQKV, GateUp, GroupedQKV, Split, Transform, Vocab)
+    VISION, FusedExperts, FusedHeadQKV, GatedGroupedQKV, GateUp, GroupedQKV, GroupedRows, Split, Transform, Vocab)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 
@@ -95,7 +95,7 @@ def rank_regions(transform: Transform, local: torch.Tensor, rank: int, size: int
         gate, up = local.chunk(2, dim=0)
         rows = gate.shape[0]
         return [((rank * rows, *zeros[1:]), gate), ((size * rows + rank * rows, *zeros[1:]), up)]
-    if isinstance(transform, (Vocab, GroupedQKV, FusedHeadQKV)):
+    if isinstance(transform, (Vocab, GroupedQKV, GatedGroupedQKV, GroupedRows, FusedHeadQKV)):
         dim = 0
     elif isinstance(transform, Split):
         dim = transform.dim

@@ -3,7 +3,8 @@
 
 A kind is ``<tower>.<linear>``: the tower is the top-level part of a family's model
 (``vision_model``, ``projector``, ``language_model``), the linear the last part of the megatron name
-(``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``); a routed expert's linears get
+(``linear_qkv``, ``linear_proj``, ``linear_fc1``, ``linear_fc2``; a Gated DeltaNet's ``in_proj`` and
+``out_proj`` are ``qkv`` and ``proj``); a routed expert's linears get
 ``expert_`` kinds (``language.expert_fc1``). Everything else (embeddings, the LM head, the router,
 norms) has no kind.
 """
@@ -12,7 +13,10 @@ from __future__ import annotations
 
 from typing import Optional
 
-LINEARS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2"}
+# A Gated DeltaNet layer's token mixer has an input projection (q, k, v, its gates) and an output
+# projection: the same two roles as attention's qkv and proj, so the same kinds adapt them.
+LINEARS = {"linear_qkv": "qkv", "linear_proj": "proj", "linear_fc1": "fc1", "linear_fc2": "fc2",
+           "in_proj": "qkv", "out_proj": "proj"}
 TOWERS = {"vision_model": "vision", "projector": "projector", "language_model": "language"}
 
 

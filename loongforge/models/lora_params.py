@@ -48,7 +48,7 @@ def part_rows(rule: Rule, hf_shapes: dict) -> list[int]:
     if isinstance(rule.transform, FusedExperts):
         rows = rule.transform.expert_shape[0] // rule.transform.parts
         return [rows] * rule.transform.parts
-    return [hf_shapes[_fill(pattern)][0] for pattern in rule.hf]
+    return [hf_shapes[_fill(pattern, rule)][0] for pattern in rule.hf]
 
 
 def row_parts(rule: Rule, hf_shapes: dict, rank: int, size: int) -> torch.Tensor | None:
@@ -84,12 +84,14 @@ def merged_weight(weight: torch.Tensor, A: torch.Tensor, B: torch.Tensor, parts:
 @dataclass(frozen=True)
 class AdapterParameters:
     total: int  # every adapter of the model
-    per_decoder_layer: float  # one rank's share of one language decoder layer's adapters
+    per_decoder_layer: float  # one rank's share of one language decoder layer's adapters (a hybrid's: the mean)
     vision_and_projector: float  # one rank's share of the vision tower's and projector's adapters
 
 
-def _fill(pattern: str) -> str:
-    return pattern.replace("{i}", "0").replace("{e}", "0")
+def _fill(pattern: str, rule: Optional[Rule] = None) -> str:
+    """``pattern`` at its rule's first layer (a hybrid decoder's rows of one kind skip the others) and expert."""
+    layer = 0 if rule is None or rule.layers is None else rule.layers[0]
+    return pattern.replace("{i}", str(layer)).replace("{e}", "0")
 
 
 def _part_shapes(rule: Rule, hf_shapes: dict) -> list[tuple[int, int]]:
@@ -97,7 +99,7 @@ def _part_shapes(rule: Rule, hf_shapes: dict) -> list[tuple[int, int]]:
     if isinstance(rule.transform, FusedExperts):
         rows, columns = rule.transform.expert_shape
         return [(rows // rule.transform.parts, columns)] * rule.transform.parts
-    return [tuple(hf_shapes[_fill(pattern)][:2]) for pattern in rule.hf]
+    return [tuple(hf_shapes[_fill(pattern, rule)][:2]) for pattern in rule.hf]
 
 
 def _adapter_counts(parts: list[tuple[int, int]], column: bool, r: int, split: int) -> tuple[int, float]:
@@ -129,8 +131,9 @@ def adapter_parameters(model_cfg: ModelConfig, lora_cfg: LoraConfig, *, tensor_p
             experts = model_cfg.language.num_experts
             whole, share = whole * experts, share * experts / expert_parallel
         if tower == "language":
-            total += whole * language_layers
-            per_layer += share
+            layers = language_layers if rule.layers is None else len(rule.layers)  # a hybrid's kind of layer
+            total += whole * layers
+            per_layer += share * layers / language_layers
         else:
             blocks = (rule.count or model_cfg.vision.depth) if "{i}" in rule.megatron else 1
             total += whole * blocks
@@ -173,8 +176,8 @@ def adapter_rules(rule: Rule) -> list[Rule]:
         a, b = StackedParts(len(rule.hf)), rule.transform
     else:
         a, b = rule.transform, Replicated()
-    return [Rule(hf_a, base + LORA_A, a, rule.group, count=rule.count),
-            Rule(hf_b, base + LORA_B, b, rule.group, count=rule.count)]
+    return [Rule(hf_a, base + LORA_A, a, rule.group, count=rule.count, layers=rule.layers),
+            Rule(hf_b, base + LORA_B, b, rule.group, count=rule.count, layers=rule.layers)]
 
 
 def lora_rules(model_cfg: ModelConfig) -> list[Rule]:

@@ -3,7 +3,8 @@
 MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every expert), InternVL3.5
 (InternViT's class token, positions and layer scales, the pixel-shuffle projector, Qwen3 under
 ``model.language_model.``) and LLaVA-OneVision (SigLIP with its carried post-layernorm, the projector, the
-newline, Qwen2)."""
+newline, Qwen2) and Qwen3.5 (hybrid: each layer's own checkpoint keys, Gated DeltaNet's key-head-grouped
+projection and convolution, the gated attention's query and gate rows)."""
 
 from __future__ import annotations
 
@@ -51,12 +52,13 @@ def _save_llm(arch: str, path) -> int:
     return len(model.state_dict()) - int(model.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_onevision"])
+@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_onevision",
+                                    "qwen3_5"])
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     src = tmp_path / "hf"
     if family.startswith("qwen3_vl"):
         tensors = _save_qwen3_vl(src, experts=family == "qwen3_vl_moe")
-    elif family in ("internvl", "llava_onevision"):
+    elif family in ("internvl", "llava_onevision", "qwen3_5"):
         tensors = _save_composition(family, src)
     else:
         tensors = _save_llm(family, src)

@@ -1,0 +1,64 @@
+"""Qwen3.5 (hybrid: Gated DeltaNet and gated attention layers) trains through the same command on the demo
+photos: DP 2 with balancing re-planning every step, and TP 2 x PP 2 (vision TP 2; the first stage holds the
+linear-attention layer, the second the full-attention one), equal one process over 5 steps
+(losses, grad norms and Adam moments, Gated DeltaNet's convolution, decays and gated norm among them, to
+1e-5 relative); a run stopped after step 2 and resumed gives the uninterrupted run's steps and final
+checkpoint bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.shared_data import SHARED_DATA
+from loongforge.convert.mcore_io import McoreReader
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_layout_trains_like_one_process,
+    checkpoint_differences,
+    final_checkpoint,
+    layout_runs,
+    losses,
+    resume_from_copy,
+)
+
+PRESET = "qwen3.5-tiny-small-vocab"
+REL = 1e-5
+DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+LINEAR_ATTENTION = (".self_attention.conv1d", ".self_attention.out_norm", ".self_attention.in_proj", ".vision_model.")
+# The decays' gradients sum every token's contribution of both signs to about 1e-6 (Adam's first moment
+# after 5 steps: 8e-7), so the summation order of another layout moves them by ~1e-3 of themselves: they
+# are held to an absolute bound, 3x the measured 6.5e-10, instead.
+DECAYS, DECAY_MOMENT_BOUND = (".self_attention.A_log", ".self_attention.dt_bias"), 2e-9
+# The tests' two-layer model (``SMALL_MODEL``): one Gated DeltaNet layer, then the gated attention one.
+OPTIONS = ("model.language.layer_types=[linear_attention,full_attention]", "data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024",
+           "optimizer.adam_eps=1e-6", "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    return layout_runs(tmp_path_factory.mktemp(PRESET), PRESET, *OPTIONS)
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
+def test_layout_trains_like_one_process(runs, layout):
+    assert_layout_trains_like_one_process(runs, layout, REL, tensors=LINEAR_ATTENTION, elsewhere=DECAYS)
+    readers = [McoreReader(final_checkpoint(runs[name]) / "model_optim") for name in (layout, "dp1")]
+    keys = [key for key in readers[1].tensors if key.startswith("optimizer.state.exp_avg.")
+            and any(piece in key for piece in DECAYS)]
+    assert keys
+    worst = max(float((readers[0].read(key).double() - readers[1].read(key).double()).norm()) for key in keys)
+    print(f"{layout}: the decays' Adam moments within {worst:.1e} (asserted <= {DECAY_MOMENT_BOUND:.0e})")
+    assert worst <= DECAY_MOMENT_BOUND
+
+
+def test_stopped_and_resumed_run_is_bit_identical(runs, tmp_path):
+    reference = runs["dp1"]
+    resumed = tmp_path / "resumed"
+    resume_from_copy(reference, resumed, 2, *OPTIONS, preset=PRESET)
+    assert losses(resumed) == losses(reference)
+    differences = checkpoint_differences(resumed, reference)
+    print(f"\nresumed after step 2 vs uninterrupted: {len(differences)} tensors, largest difference "
+          f"{max(differences.values()):.1e}")
+    assert max(differences.values()) == 0.0
