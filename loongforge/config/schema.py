@@ -128,6 +128,9 @@ class LanguageConfig:
     norm_topk_prob: bool = True
     # Weight of the load-balancing loss (transformers' router_aux_loss_coef); 0: none.
     moe_aux_loss_coeff: float = 0.0
+    # A shared expert beside the routed ones (Qwen3.5-MoE): a SwiGLU MLP of this width every token runs
+    # through, its output scaled by sigmoid of a learned gate per token; null: none.
+    moe_shared_expert_ffn_hidden_size: Optional[int] = None
     # Hybrid models (Qwen3.5): each layer's token mixer, "full_attention" or "linear_attention"
     # (transformers' ``layer_types``); empty: every layer full attention.
     layer_types: list[str] = field(default_factory=list)

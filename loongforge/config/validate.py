@@ -404,7 +404,7 @@ def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
 
 
 # Families whose decoder builds megatron-core's MoE layer when num_experts > 0.
-_FAMILIES_WITH_EXPERTS = ("llm", "qwen3_vl")
+_FAMILIES_WITH_EXPERTS = ("llm", "qwen3_vl", "qwen3_5")
 
 
 def _check_experts(cfg: RunConfig) -> list[str]:
@@ -412,6 +412,10 @@ def _check_experts(cfg: RunConfig) -> list[str]:
     language, key = cfg.model.language, "model.language"
     if language.num_experts < 0:
         return [f"{key}.num_experts={language.num_experts} must not be negative (0: a dense model)."]
+    shared = language.moe_shared_expert_ffn_hidden_size
+    if shared is not None and (language.num_experts == 0 or cfg.model.family != "qwen3_5" or shared < 1):
+        return [f"{key}.moe_shared_expert_ffn_hidden_size={shared}: a shared expert (width >= 1) sits beside routed "
+                f"experts (num_experts > 0) in model.family=qwen3_5; set it to null otherwise."]
     if language.num_experts == 0:
         if language.moe_ffn_hidden_size is not None:
             return [f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} is set but "

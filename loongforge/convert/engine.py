@@ -84,6 +84,8 @@ class Link:
     mcore_key: str  # global dist_checkpointing key
     layer: Optional[int]  # index on the stacked layer axis; None: not stacked
     expert: Optional[int] = None  # index on the expert axis after the layer axis; None: none
+    # A hybrid decoder's layer whose tensors have keys of their own (``layers.<block>.``); None: none.
+    block: Optional[int] = None
 
     @property
     def stack(self) -> tuple[int, ...]:
@@ -122,9 +124,16 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
         elif rule.group == VISION:  # vision blocks are separate keys per block
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
                       for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
+        elif "{e}" in rule.megatron and model_cfg.language.layer_types:
+            # A hybrid decoder's layers are keys of their own; each stacks its experts (axis 0).
+            for i in _language_layers(rule, model_cfg):
+                key = _fill(rule.megatron, i).replace("local_experts.{e}.", "experts.")
+                if rule.fuses_experts:
+                    links.append(Link(rule, tuple(_fill(p, i) for p in rule.hf), key, None, block=i))
+                    continue
+                links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, None, e, block=i)
+                          for e in range(model_cfg.language.num_experts)]
         elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
-            if model_cfg.language.layer_types:
-                raise ValueError("a hybrid decoder with routed experts has no checkpoint key layout here yet")
             key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
             if rule.fuses_experts:  # one HF tensor holds a layer's experts: one link per layer
                 links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
@@ -135,7 +144,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                       for e in range(model_cfg.language.num_experts)]
         elif model_cfg.language.layer_types:
             # A hybrid decoder's layers differ in tensors, so megatron keeps each layer under keys of its own.
-            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
+            links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None, block=i)
                       for i in _language_layers(rule, model_cfg)]
         else:  # language layers: one key, stacked on axis 0 over the global layer index
             key = rule.megatron.replace("layers.{i}.", "layers.")
@@ -179,7 +188,8 @@ def megatron_shapes(links: list[Link], hf_shapes: dict[str, tuple[int, ...]], mo
             continue
         hf = [torch.empty(hf_shapes[k], device="meta") for k in link.hf_keys]
         chunk = to_megatron(link, hf, vocab_rows)
-        leading = (model_cfg.language.num_layers, model_cfg.language.num_experts)[:len(link.stack)]
+        leading = tuple(count for index, count in ((link.layer, model_cfg.language.num_layers),
+                                                   (link.expert, model_cfg.language.num_experts)) if index is not None)
         shapes[link.mcore_key] = (*leading, *chunk.shape[len(link.stack):])
     return shapes
 

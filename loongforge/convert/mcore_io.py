@@ -161,10 +161,9 @@ class McoreReader:
 def stack_index(layer: Optional[int], expert: Optional[int]) -> tuple[int, ...]:
     """Where a chunk sits on the stacked leading axes of its key: () for a whole tensor, (layer,) on
     megatron's layer axis, (layer, expert) on the layer and expert axes of a mixture-of-experts
-    layer's experts (megatron-core's ``SequentialMLP`` stacks its experts after the layer axis)."""
-    if layer is None:
-        return ()
-    return (layer,) if expert is None else (layer, expert)
+    layer's experts (megatron-core's ``SequentialMLP`` stacks its experts after the layer axis), (expert,)
+    for a hybrid decoder's layer, whose keys are its own."""
+    return tuple(index for index in (layer, expert) if index is not None)
 
 
 def stacked(tensor: torch.Tensor, stack: tuple[int, ...]) -> torch.Tensor:

@@ -50,11 +50,13 @@ def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[s
     for link in build_links(untied):
         if link.rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             link = dataclasses.replace(link, hf_keys=(link.rule.fallback_hf,))
-        if link.layer is None:
+        if link.layer is None and link.block is None:
             by_key[link.mcore_key] = link
             continue
-        local = link.layer - layer_offset
-        key = link.mcore_key.replace("layers.", f"layers.{local}.", 1)
+        if link.block is not None:  # a hybrid decoder's layer, keyed by its global index
+            key = link.mcore_key.replace(f"layers.{link.block}.", f"layers.{link.block - layer_offset}.", 1)
+        else:
+            key = link.mcore_key.replace("layers.", f"layers.{link.layer - layer_offset}.", 1)
         if link.rule.fuses_experts:
             for expert in range(expert_offset, model_cfg.language.num_experts):
                 by_key[key.replace(".experts.experts.", f".experts.local_experts.{expert - expert_offset}.", 1)] = (

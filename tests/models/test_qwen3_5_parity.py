@@ -1,4 +1,5 @@
-"""Qwen3.5 (megatron-core, TP 1) equals transformers' Qwen3_5ForConditionalGeneration in fp32, every parameter
+"""Qwen3.5 (megatron-core, TP 1) equals transformers' Qwen3_5ForConditionalGeneration, and with experts
+Qwen3_5MoeForConditionalGeneration (routed experts and a gated shared expert), in fp32, every parameter
 random (the zero-centred norms, Gated DeltaNet's convolution, decays and gated norm included): logits and
 per-token loss on text, one image, two images, a video; a packed (thd) row of three samples gives each
 sample's logits as it gives alone, which fails if a linear-attention layer's convolution or recurrent state
@@ -30,19 +31,21 @@ CASES = {
 }
 
 
-def tiny_model_cfg():
-    model_cfg = load_run_config("qwen3.5-tiny").model
+def tiny_model_cfg(moe: bool = False):
+    """qwen3.5-tiny (or qwen3.5-moe-tiny: 8 routed experts, top-2, and a gated shared expert in every layer)."""
+    model_cfg = load_run_config("qwen3.5-moe-tiny" if moe else "qwen3.5-tiny").model
     model_cfg.layer_backend = "sdpa"
     return model_cfg
 
 
 def build_hf_model(model_cfg, seed: int = 0):
-    """A random fp32 transformers Qwen3.5: every parameter drawn anew, norms around their identity scale."""
-    from transformers import Qwen3_5Config, Qwen3_5ForConditionalGeneration
+    """A random fp32 transformers Qwen3.5 (Qwen3.5-MoE with experts): every parameter drawn anew, norms around
+    their identity scale."""
+    import transformers
 
-    config = Qwen3_5Config(**get_family("qwen3_5").config_to_hf(model_cfg, "float32"))
+    config = transformers.AutoConfig.for_model(**get_family("qwen3_5").config_to_hf(model_cfg, "float32"))
     torch.manual_seed(seed)
-    model = Qwen3_5ForConditionalGeneration(config).float().eval()
+    model = transformers.AutoModelForImageTextToText.from_config(config).float().eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
         for name, param in model.named_parameters():
@@ -67,9 +70,9 @@ def _build(model_cfg, **kwargs):
                        device="cpu", **kwargs)
 
 
-@pytest.fixture(scope="module")
-def pair(world):
-    model_cfg = tiny_model_cfg()
+@pytest.fixture(scope="module", params=["dense", "moe"])
+def pair(world, request):
+    model_cfg = tiny_model_cfg(moe=request.param == "moe")
     hf_model = build_hf_model(model_cfg)
     model = _build(model_cfg).eval()
     load_hf_state_dict(model, hf_model.state_dict())
@@ -87,7 +90,8 @@ def test_logits_and_loss_match_transformers(pair, case):
         logits = model(**inputs)
         loss = model(**inputs, labels=labels)
     diff = relative(logits, reference)
-    print(f"\nqwen3.5 {case}: logits differ by {diff:.1e} of the largest")
+    kind = "moe" if model_cfg.language.num_experts else "dense"
+    print(f"\nqwen3.5 {kind} {case}: logits differ by {diff:.1e} of the largest")
     assert diff <= TOLERANCE
     reference_loss = F.cross_entropy(reference[0], labels[0], reduction="none")
     assert relative(loss[0], reference_loss) <= TOLERANCE

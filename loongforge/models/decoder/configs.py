@@ -145,7 +145,8 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
     Experts are ``SequentialMLP`` (plain linears per expert: no grouped GEMM, which needs CUDA
     kernels), ``num_experts / expert_model_parallel_size`` of them on each rank; tokens reach them
     through the all-to-all dispatcher (on the CPU its CUDA stream is a stand-in:
-    ``parallel.mcore_patches``). No expert bias, no shared experts, no token dropping.
+    ``parallel.mcore_patches``). No expert bias, no token dropping. A shared expert (Qwen3.5-MoE) is
+    megatron's gated ``SharedExpertMLP``: sigmoid(x . gate) times its SwiGLU output, added to the routed.
     """
     if not lang.num_experts:
         return {}
@@ -161,4 +162,6 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
         moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
+        moe_shared_expert_intermediate_size=lang.moe_shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=lang.moe_shared_expert_ffn_hidden_size is not None,
     )

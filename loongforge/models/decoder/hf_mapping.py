@@ -57,6 +57,8 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
             Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE),
         ]
         rules += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
+        if lang.moe_shared_expert_ffn_hidden_size is not None:
+            rules += _shared_expert_rules(lb, ll)
     else:
         rules += [
             Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
@@ -128,6 +130,14 @@ def _expert_rules(lb: str, ll: str) -> list[Rule]:
             Rule((he + "down_proj.weight",), le + "linear_fc2.weight", Split(1), LANGUAGE)]
 
 
+def _shared_expert_rules(lb: str, ll: str) -> list[Rule]:
+    """Qwen3.5-MoE's shared expert (a SwiGLU MLP) and its gate, megatron's ``SharedExpertMLP``."""
+    hs, ms = lb + "mlp.shared_expert.", ll + "mlp.shared_experts."
+    return [Rule((hs + "gate_proj.weight", hs + "up_proj.weight"), ms + "linear_fc1.weight", GateUp(), LANGUAGE),
+            Rule((hs + "down_proj.weight",), ms + "linear_fc2.weight", Split(1), LANGUAGE),
+            Rule((lb + "mlp.shared_expert_gate.weight",), ms + "gate_weight", Replicated(), LANGUAGE)]
+
+
 def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
     experts, d, ffn = lang.num_experts, lang.hidden_size, lang.moe_ffn_hidden_size
     le = ll + "mlp.experts.local_experts.{e}."
@@ -184,6 +194,11 @@ def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool) -> dict[str, 
         return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
                 b + "mlp.down_proj.weight": (d, ffn)}
     ffn, shapes = lang.moe_ffn_hidden_size, {b + "mlp.gate.weight": (lang.num_experts, d)}
+    shared = lang.moe_shared_expert_ffn_hidden_size
+    if shared is not None:
+        shapes.update({b + "mlp.shared_expert.gate_proj.weight": (shared, d),
+                       b + "mlp.shared_expert.up_proj.weight": (shared, d),
+                       b + "mlp.shared_expert.down_proj.weight": (d, shared), b + "mlp.shared_expert_gate.weight": (1, d)})
     if fused_experts:  # transformers 5's layout (``FusedExperts`` reads the Hub's transposed one too)
         return {**shapes, b + "mlp.experts.gate_up_proj": (lang.num_experts, 2 * ffn, d),
                 b + "mlp.experts.down_proj": (lang.num_experts, d, ffn)}

@@ -15,6 +15,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
+from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -38,18 +39,24 @@ def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
     return MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
 
 
-def moe_spec(modules: BlockModules) -> ModuleSpec:
+def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpec:
     """megatron-core's MoE layer: its top-k router, its token dispatcher, ``SequentialMLP`` experts
     (one SwiGLU MLP of plain column/row linears each, drawn from their global expert index:
-    ``SeededSequentialMLP``). The settings (softmax top-k, the dispatcher) are the
-    TransformerConfig's (``configs.experts``)."""
+    ``SeededSequentialMLP``); ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The
+    settings (softmax top-k, the dispatcher, the shared expert's width) are the TransformerConfig's
+    (``configs.experts``)."""
     expert = MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
+    shared = None
+    if shared_expert:
+        # MoELayer passes gate=config.moe_shared_expert_gate (configs.experts sets it).
+        shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
+            linear_fc1=modules.column_linear, linear_fc2=modules.row_linear))
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SeededSequentialMLP, submodules=expert), shared_experts=None))
+        experts=ModuleSpec(module=SeededSequentialMLP, submodules=expert), shared_experts=shared))
 
 
 def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,
-                           qk_norm: bool = False, moe: bool = False) -> ModuleSpec:
+                           qk_norm: bool = False, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each norm inside the next linear.
     ``qk_norm``: RMSNorm over each head's query and key before the rotary embedding (Qwen3).
     ``moe``: the MLP is megatron's MoE layer; the router and every expert read the normed hidden
@@ -58,7 +65,7 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
     row of the weight map)."""
     head_norm = RMSNorm if qk_norm else IdentityOp
     if moe:
-        pre_mlp_norm, mlp = RMSNorm, moe_spec(modules)
+        pre_mlp_norm, mlp = RMSNorm, moe_spec(modules, shared_expert=shared_expert)
     else:
         pre_mlp_norm, mlp = IdentityOp, ModuleSpec(module=MLP, submodules=MLPSubmodules(
             linear_fc1=modules.norm_column_linear, linear_fc2=modules.row_linear))
@@ -85,23 +92,23 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
     )
 
 
-def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False) -> ModuleSpec:
+def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
     """A hybrid model's linear-attention layer: x + GatedDeltaNet(norm(x)), then the MLP as in
     ``transformer_layer_spec`` (the pre-norm fused into the projection, ``in_proj.layer_norm_weight``)."""
-    spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe)
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
     spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=modules.norm_column_linear, out_proj=modules.row_linear, rule=modules.linear_attention))
     return spec
 
 
-def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *,
-                        qk_norm: bool = False, moe: bool = False, linear: bool = False) -> ModuleSpec:
+def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
+                        moe: bool = False, shared_expert: bool = False, linear: bool = False) -> ModuleSpec:
     """The decoder layer (``linear``: a Gated DeltaNet layer); with ``init_seed``, each layer's initial
     weights come from (seed, its global index), whatever the pipeline layout (see ``models.initialization``)."""
     if linear:
-        spec = linear_attention_layer_spec(modules, moe=moe)
+        spec = linear_attention_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     else:
-        spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe)
+        spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe, shared_expert=shared_expert)
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
@@ -120,6 +127,8 @@ def language_block_spec(
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     pattern = config.linear_attention_freq or [0] * config.num_layers  # 1: a linear-attention layer
+    shared_expert = bool(config.moe_shared_expert_intermediate_size)
     layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=bool(config.num_moe_experts),
-                                  linear=bool(pattern[first + local])) for local in range(num_layers)]
+                                  shared_expert=shared_expert, linear=bool(pattern[first + local]))
+              for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)

@@ -41,5 +41,6 @@ FAMILY = ModelFamily(
     # transformers serves Qwen3.5 with Qwen3-VL's processor (its AutoProcessor maps qwen3_5 to it).
     hf_processor_files=functools.partial(qwen_vl_processor_files, processor_class="Qwen3VLProcessor",
                                          video_processor_class="Qwen3VLVideoProcessor"),
-    hf_model_class="Qwen3_5ForConditionalGeneration",
+    # Resolves to Qwen3_5ForConditionalGeneration or Qwen3_5MoeForConditionalGeneration by model_type.
+    hf_model_class="AutoModelForImageTextToText",
 )

@@ -6,6 +6,10 @@ n-th layer full), Gated DeltaNet's ``linear_*`` sizes, ``head_dim`` and the rota
 ``rope_parameters`` (``rope_theta``, ``partial_rotary_factor``, the interleaved ``mrope_section``); its
 full-attention layers always gate their output and its RMSNorms are zero-centred (neither is a config
 key). The vision tower under ``vision_config`` is Qwen3-VL's without DeepStack.
+
+Qwen3.5-MoE (``Qwen3_5MoeForConditionalGeneration``, model_type ``qwen3_5_moe``) routes every layer's MLP
+to experts (``num_experts``, ``num_experts_per_tok``, ``moe_intermediate_size``; the top-k always
+renormalised) beside a gated shared expert (``shared_expert_intermediate_size``).
 """
 
 from __future__ import annotations
@@ -21,14 +25,17 @@ from loongforge.config.schema import (
     TokenIdsConfig,
     VisionConfig,
 )
+from loongforge.models.decoder.hf_config import experts_from_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style, tower_hf_shapes
 
 NAME = "qwen3_5"
-_DENSE = "Qwen3_5ForConditionalGeneration"
-HF_ARCHITECTURES = (_DENSE, "Qwen3_5Model")
-HF_MODEL_TYPES = ("qwen3_5",)
-_MODEL_TYPES = ("qwen3_5", "qwen3_5_text", "qwen3_5_vision")  # the model, its text_config, its vision_config
+_DENSE, _MOE = "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"
+HF_ARCHITECTURES = (_DENSE, "Qwen3_5Model", _MOE, "Qwen3_5MoeModel")
+HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
+# config.json model_type of (the model, its text_config, its vision_config), dense and MoE.
+_MODEL_TYPES = {False: ("qwen3_5", "qwen3_5_text", "qwen3_5_vision"),
+                True: ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_vision")}
 # transformers' defaults when a config names none (Qwen3_5TextConfig, Qwen3_5TextRotaryEmbedding).
 _DEFAULT_MROPE_SECTION = [11, 11, 10]
 _DEFAULT_PARTIAL_ROTARY = 0.25
@@ -51,7 +58,25 @@ def _rope(text: Mapping[str, Any]) -> tuple[float, list[int], float]:
     return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION), float(partial)
 
 
-def _language(text: Mapping[str, Any], tied: bool) -> LanguageConfig:
+def _is_moe(cfg: Mapping[str, Any]) -> bool:
+    return _MOE in (cfg.get("architectures") or []) or cfg.get("model_type") == _MODEL_TYPES[True][0]
+
+
+def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """Every layer's routed experts (transformers' router always renormalises the top-k) and its gated
+    shared expert."""
+    experts = experts_from_hf(text, where, model="Qwen3.5-MoE", key_prefix="text_config.")
+    return {**experts, "norm_topk_prob": True,
+            "moe_shared_expert_ffn_hidden_size": text["shared_expert_intermediate_size"]}
+
+
+def _experts_to_hf(lang: LanguageConfig) -> dict[str, Any]:
+    return dict(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
+                num_experts_per_tok=lang.moe_router_topk, router_aux_loss_coef=lang.moe_aux_loss_coeff,
+                shared_expert_intermediate_size=lang.moe_shared_expert_ffn_hidden_size)
+
+
+def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> LanguageConfig:
     theta, section, partial = _rope(text)
     layer_types = _layer_types(text)
     linear = None
@@ -69,7 +94,7 @@ def _language(text: Mapping[str, Any], tied: bool) -> LanguageConfig:
         mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
         tie_word_embeddings=tied, add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 256),
         layer_types=layer_types, linear_attention=linear, attention_output_gate=True,
-        partial_rotary_factor=partial, zero_centered_norms=True)
+        partial_rotary_factor=partial, zero_centered_norms=True, **experts)
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
@@ -80,6 +105,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     try:
         defaults = TokenIdsConfig()
         tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
+        experts = _experts(text, where) if _is_moe(cfg) else {}
         return ModelConfig(
             family=NAME,
             vision=VisionConfig(
@@ -96,7 +122,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
             ),
             projector=ProjectorConfig(arch="deepstack_mergers", spatial_merge_size=vision.get("spatial_merge_size", 2),
                                       hidden_act="gelu", out_hidden_size=vision["out_hidden_size"]),
-            language=_language(text, tied),
+            language=_language(text, tied, experts),
             tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
         )
     except KeyError as exc:
@@ -106,10 +132,14 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
     vis, lang, proj, tok = model_cfg.vision, model_cfg.language, model_cfg.projector, model_cfg.tokens
-    model_type, text_type, vision_type = _MODEL_TYPES
+    moe = lang.num_experts > 0
+    if moe and (not lang.norm_topk_prob or lang.moe_shared_expert_ffn_hidden_size is None):
+        raise ValueError("a Qwen3.5-MoE config.json renormalises the top-k (norm_topk_prob true) and has a shared "
+                         "expert (model.language.moe_shared_expert_ffn_hidden_size)")
+    model_type, text_type, vision_type = _MODEL_TYPES[moe]
     shape = lang.linear_attention or LinearAttentionConfig()
     return {
-        "architectures": [_DENSE],
+        "architectures": [_MOE if moe else _DENSE],
         "model_type": model_type,
         "tie_word_embeddings": lang.tie_word_embeddings,
         "dtype": dtype,
@@ -128,6 +158,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
             "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
                                 "partial_rotary_factor": lang.partial_rotary_factor,
                                 "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
+            **(_experts_to_hf(lang) if moe else {}),
         },
         "vision_config": {
             "model_type": vision_type, "depth": vis.depth, "hidden_size": vis.hidden_size,
@@ -142,5 +173,6 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """Hub-style HF tensor name (Qwen3.5's nested names) -> shape implied by ``model_cfg``."""
     shapes = tower_hf_shapes(model_cfg)
-    shapes.update(language_hf_shapes(model_cfg.language, fused_experts=True))
+    # The Hub's files hold one tensor per expert (transformers fuses them as it loads).
+    shapes.update(language_hf_shapes(model_cfg.language, fused_experts=False))
     return to_hub_style(shapes)
