@@ -200,6 +200,9 @@ class DataConfig:
     # or "llama3" (Llama 3.x) builds that BPE offline from the ranks an installed
     # package ships (loongforge.data.tokenizer); otherwise a local HF tokenizer directory.
     tokenizer: str = "qwen"
+    # The Hub repository a local tokenizer folder (``tokenizer`` as a path) is downloaded from: the
+    # error for a missing folder names it (Qwen3.5's and DeepSeek's tokenizers ship in no package).
+    tokenizer_repo: Optional[str] = None
     # Image sizing, in pixels, with Qwen2.5-VL's smart-resize rules (the Qwen towers).
     min_pixels: int = 56 * 56
     max_pixels: int = 28 * 28 * 1280

@@ -30,6 +30,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, Optional
 
+from loongforge.config.errors import InputError
 from loongforge.data.cache import cache_root, write_cache_file
 
 if TYPE_CHECKING:
@@ -206,15 +207,27 @@ def load_tokenizer(spec: str, chat_template: str | None = None) -> PreTrainedTok
     ships none, so that ``apply_chat_template`` renders what ``data.template`` renders."""
     if spec in RANKS_TOKENIZERS:
         return _load_ranks_tokenizer(RANKS_TOKENIZERS[spec], chat_template)
-    if not Path(spec).is_dir():
-        raise FileNotFoundError(
-            f"data.tokenizer={spec!r} is neither one of {' | '.join(RANKS_TOKENIZERS)} nor a local "
-            f"tokenizer directory"
-        )
+    check_tokenizer(spec)
     # lazy: transformers (~1.5 s), paid only by a process that tokenizes
     from transformers import AutoTokenizer
 
     return AutoTokenizer.from_pretrained(spec, local_files_only=True)
+
+
+def check_tokenizer(spec: str, repo: str | None = None) -> None:
+    """InputError (one line: the key, what to download) unless ``spec`` names an offline tokenizer or a local
+    HF tokenizer folder (``tokenizer.json`` or ``tokenizer_config.json`` in it); ``repo``: the Hub repository
+    the folder comes from (``data.tokenizer_repo``)."""
+    if spec in RANKS_TOKENIZERS:
+        return
+    folder = Path(spec)
+    if folder.is_dir() and any((folder / name).is_file() for name in ("tokenizer.json", "tokenizer_config.json")):
+        return
+    where = "holds no tokenizer.json" if folder.is_dir() else "is no folder"
+    fetch = (f"download {repo}'s tokenizer files there (huggingface-cli download {repo} --include 'tokenizer*' "
+             f"'vocab.json' 'merges.txt' --local-dir {spec})" if repo else
+             f"use one of {' | '.join(sorted(RANKS_TOKENIZERS))} or a local HF tokenizer folder")
+    raise InputError(f"data.tokenizer={spec!r} {where}: {fetch}")
 
 
 def read_tiktoken_ranks(path: Path, keep_ranks: int | None = None) -> dict[bytes, int]:

@@ -2,7 +2,8 @@
 
 Each check here used to fail late (after the model was built, as a traceback) or not at all:
 
-* the data files exist and hold something (the same rule ``pack`` applies to its inputs);
+* the data files exist and hold something (the same rule ``pack`` applies to its inputs), and a
+  tokenizer folder holds a tokenizer (else one line naming what to download);
 * ``training.device`` exists on this machine;
 * the run folder belongs to one run. A fresh run into a folder that holds another run's
   checkpoints would replace same-numbered ``step_*`` folders, keep the higher ones (which a later
@@ -19,6 +20,7 @@ from loongforge.config.data_sets import named_sets
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
 from loongforge.data.conversations import expand_data_paths
+from loongforge.data.tokenizer import check_tokenizer
 from loongforge.models.registry import check_family_layout
 from loongforge.parallel.distributed import resolve_device
 from loongforge.train.metrics import METRICS_FILE
@@ -41,6 +43,7 @@ def check_can_start(cfg: RunConfig, *, resume: bool, overwrite: bool) -> None:
 
 def check_data(cfg: RunConfig) -> None:
     """Data files that cannot be read fail here, not after the model is built."""
+    check_tokenizer(cfg.data.tokenizer, cfg.data.tokenizer_repo)
     if cfg.data.source == "files":
         expand_data_paths(list(cfg.data.paths))
     for paths in named_sets(list(cfg.data.valid_paths)).values():

@@ -124,12 +124,23 @@ def test_second_load_reads_the_cache(tokenizer, llama_tokenizer, monkeypatch):
     assert not list(tokenizer_module.cache_root().glob("*.tmp"))  # atomic write left no temp file
 
 
-def test_unknown_tokenizer_names_the_offline_ones(tmp_path):
+def test_unknown_tokenizer_names_the_offline_ones_and_what_to_download(tmp_path):
     import pytest
 
-    from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.config.errors import InputError
+    from loongforge.data.tokenizer import check_tokenizer, load_tokenizer
 
-    with pytest.raises(FileNotFoundError, match=r"data.tokenizer='llama' is neither one of qwen \| qwen3 \| internvl3.5 \| "
-                                                r"llava-onevision \| llama3 \| qwen-small \| qwen3-small \| internvl3.5-small \| "
-                                                r"llava-onevision-small \| llama3-small nor"):
+    with pytest.raises(InputError, match=r"^data.tokenizer='llama' is no folder: use one of internvl3.5 \| "
+                                         r"internvl3.5-small \| llama3 \| llama3-small \| llava-onevision \| "
+                                         r"llava-onevision-small \| qwen \| qwen-small \| qwen3 \| qwen3-small or a local HF "
+                                         r"tokenizer folder$"):
         load_tokenizer("llama")
+    folder = tmp_path / "Qwen3.5-9B"
+    with pytest.raises(InputError, match=rf"^data.tokenizer='{folder}' is no folder: download Qwen/Qwen3.5-9B's "
+                                         r"tokenizer files there \(huggingface-cli download Qwen/Qwen3.5-9B "):
+        check_tokenizer(str(folder), "Qwen/Qwen3.5-9B")
+    folder.mkdir()
+    with pytest.raises(InputError, match=r"holds no tokenizer.json: download"):
+        check_tokenizer(str(folder), "Qwen/Qwen3.5-9B")
+    (folder / "tokenizer.json").write_text("{}")
+    check_tokenizer(str(folder), "Qwen/Qwen3.5-9B")

@@ -3,7 +3,7 @@ photos: DP 2 with balancing re-planning every step, and TP 2 x PP 2 (vision TP 2
 linear-attention layer, the second the full-attention one), equal one process over 5 steps
 (losses, grad norms and Adam moments, Gated DeltaNet's convolution, decays and gated norm among them, to
 1e-5 relative); a run stopped after step 2 and resumed gives the uninterrupted run's steps and final
-checkpoint bit for bit."""
+checkpoint bit for bit. Qwen3.5-MoE at expert parallel 2 trains like one process."""
 
 from __future__ import annotations
 
@@ -21,6 +21,7 @@ from tests.train.conftest import (
     layout_runs,
     losses,
     resume_from_copy,
+    run_train,
 )
 
 PRESET = "qwen3.5-tiny-small-vocab"
@@ -51,6 +52,25 @@ def test_layout_trains_like_one_process(runs, layout):
     worst = max(float((readers[0].read(key).double() - readers[1].read(key).double()).norm()) for key in keys)
     print(f"{layout}: the decays' Adam moments within {worst:.1e} (asserted <= {DECAY_MOMENT_BOUND:.0e})")
     assert worst <= DECAY_MOMENT_BOUND
+
+
+MOE_PRESET = "qwen3.5-moe-tiny-small-vocab"
+MOE_OPTIONS = (*OPTIONS[:-3], "training.train_steps=5", SAVE_AT_END)
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp(MOE_PRESET)
+    run_train(root / "dp1", *MOE_OPTIONS, preset=MOE_PRESET)
+    run_train(root / "ep2", *MOE_OPTIONS, "parallel.expert_model_parallel_size=2", nproc=2, preset=MOE_PRESET)
+    return {"dp1": root / "dp1", "ep2": root / "ep2"}
+
+
+def test_moe_at_expert_parallel_2_trains_like_one_process(moe_runs):
+    """Qwen3.5-MoE: each rank holds 4 of the 8 routed experts (the shared expert and its gate on both)."""
+    assert_layout_trains_like_one_process(moe_runs, "ep2", REL, elsewhere=DECAYS,
+                                          tensors=(".mlp.experts.", ".mlp.shared_experts.gate_weight",
+                                                   ".mlp.shared_experts.linear_fc1", ".self_attention.in_proj"))
 
 
 def test_stopped_and_resumed_run_is_bit_identical(runs, tmp_path):
