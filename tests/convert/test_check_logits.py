@@ -81,8 +81,10 @@ def test_qwen3_vl_with_a_photo(tmp_path):
 
 # A real photo tiled or cropped as training does it for each composed family, at its tiny preset's size
 # (full vocabulary, 2 decoder layers): InternVL's 12 tiles and a thumbnail of 56 px, LLaVA-OneVision's base
-# square and its anyres crops of 56 px (packed by the photo's size).
-COMPOSED = {"internvl": "patch grid [13, 4, 4]", "llava_onevision": "patch grid [7, 4, 4]"}
+# square and its anyres crops of 56 px (packed by the photo's size); Qwen3.5's smart-resized patch grid through
+# one Gated DeltaNet layer and one gated attention layer (its layer_types cut to the two layers).
+COMPOSED = {"internvl": "patch grid [13, 4, 4]", "llava_onevision": "patch grid [7, 4, 4]",
+            "qwen3_5": "patch grid [1, 14, 40]"}
 
 
 @pytest.mark.parametrize("family", sorted(COMPOSED))
@@ -96,18 +98,23 @@ def test_composed_families_with_a_photo_at_tp1_and_tp2(family, tmp_path):
     from loongforge.models.registry import get_family
     from tests.models.tower_helpers import randomised
 
+    hybrid = ["model.language.layer_types=[linear_attention,full_attention]"] if family == "qwen3_5" else []
     cfg = load_run_config(get_family(family).tiny_preset, overrides=["model.language.num_layers=2",
-                                                                     "model.language.tie_word_embeddings=false"])
+                                                                     "model.language.tie_word_embeddings=false", *hybrid])
     config = transformers.AutoConfig.for_model(**get_family(family).config_to_hf(cfg.model, "float32"))
     torch.manual_seed(0)
     randomised(transformers.AutoModelForImageTextToText.from_config(config)).save_pretrained(tmp_path / "hf")
+    # Qwen3.5's logits reach ~12 here and its recurrence's fp32 summation order moves them by ~1e-5 of that
+    # (measured 9.7e-6 at TP 1, 9.0e-6 at TP 2): its bounds are 3x that, absolute and relative.
+    atol = ["--atol", "5e-4"] if family == "qwen3_5" else []
+    bound = 3e-5 if family == "qwen3_5" else TOLERANCE
     for tp in ("1", "2"):
-        result = invoke(str(tmp_path / "hf"), "--check-logits", "--image", str(COCO_PHOTO), "--tp", tp, "--json")
+        result = invoke(str(tmp_path / "hf"), "--check-logits", "--image", str(COCO_PHOTO), "--tp", tp, "--json", *atol)
         assert result.exit_code == 0, result.output
         report = json.loads(result.stdout)
         # Relative to the logits' scale (every parameter at 0.1 std: logits up to ~6).
         relative = report["max_abs_diff"] / report["reference_max_abs_logit"]
-        assert report["passed"] and relative <= TOLERANCE, report
+        assert report["passed"] and relative <= bound, report
         assert report["argmax_agree"] == report["tokens"] and COMPOSED[family] in report["sample"], report["sample"]
         print(f"\n{family} at TP {tp}: max abs diff {report['max_abs_diff']:.1e} ({relative:.1e} of the largest "
               f"logit) over {report['tokens']} tokens, {report['sample']}")
