@@ -71,14 +71,16 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     dtype = v.dtype
     q, k, v = _prepared(q, k, v, l2_normalize)
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
-    out = torch.zeros_like(v)
+    # Chunks' outputs are joined once at the end: writing each into a preallocated row would make autograd
+    # carry the whole row's gradient through every chunk's write (quadratic in the row's length).
+    pieces = []
     for start, end in _segments(cu_seqlens, v.shape[1]):
         state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
         for first in range(start, end, chunk_size):
-            last = min(first + chunk_size, end)
-            piece = slice(first, last)
-            out[:, piece], state = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state)
-    return out.transpose(0, 1).to(dtype)
+            piece = slice(first, min(first + chunk_size, end))
+            out, state = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state)
+            pieces.append(out)
+    return torch.cat(pieces, dim=1).transpose(0, 1).to(dtype)
 
 
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -115,11 +117,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Depthwise causal convolution of a packed row, then SiLU: x [T, C], weight [C, K] (K taps, the last
     one on the token itself), bias [C] -> [T, C]. Each sample starts from zeros, as if alone."""
     taps = weight.shape[-1]
-    out = torch.empty_like(x)
+    pieces = []
     for start, end in _segments(cu_seqlens, x.shape[0]):
         sample = F.pad(x[start:end].transpose(0, 1)[None], (taps - 1, 0))  # [1, C, K - 1 + L]
-        out[start:end] = F.conv1d(sample, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1)
-    return F.silu(out)
+        pieces.append(F.conv1d(sample, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1))
+    return F.silu(torch.cat(pieces))
 
 
 def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
