@@ -71,15 +71,19 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     dtype = v.dtype
     q, k, v = _prepared(q, k, v, l2_normalize)
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
-    # Chunks' outputs are joined once at the end: writing each into a preallocated row would make autograd
-    # carry the whole row's gradient through every chunk's write (quadratic in the row's length).
-    pieces = []
-    for start, end in _segments(cu_seqlens, v.shape[1]):
-        state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
-        for first in range(start, end, chunk_size):
-            piece = slice(first, min(first + chunk_size, end))
-            out, state = _chunk(q[:, piece], k[:, piece], v[:, piece], g[:, piece], beta[:, piece], state)
-            pieces.append(out)
+    # The row is cut into its chunks once (``split``) and their outputs joined once (``cat``): slicing each
+    # chunk out, or writing each into a preallocated row, would make autograd build a whole row's gradient
+    # per chunk (quadratic in the row's length).
+    chunks = [(first, min(first + chunk_size, end)) for start, end in _segments(cu_seqlens, v.shape[1])
+              for first in range(start, end, chunk_size)]
+    starts = {start for start, _ in _segments(cu_seqlens, v.shape[1])}
+    sizes = [end - first for first, end in chunks]
+    pieces, state = [], None
+    for (first, _), q_c, k_c, v_c, g_c, beta_c in zip(chunks, *(x.split(sizes, dim=1) for x in (q, k, v, g, beta))):
+        if first in starts:  # a new sample: a zero state
+            state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
+        out, state = _chunk(q_c, k_c, v_c, g_c, beta_c, state)
+        pieces.append(out)
     return torch.cat(pieces, dim=1).transpose(0, 1).to(dtype)
 
 
@@ -117,10 +121,11 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
     """Depthwise causal convolution of a packed row, then SiLU: x [T, C], weight [C, K] (K taps, the last
     one on the token itself), bias [C] -> [T, C]. Each sample starts from zeros, as if alone."""
     taps = weight.shape[-1]
+    sizes = [end - start for start, end in _segments(cu_seqlens, x.shape[0])]
     pieces = []
-    for start, end in _segments(cu_seqlens, x.shape[0]):
-        sample = F.pad(x[start:end].transpose(0, 1)[None], (taps - 1, 0))  # [1, C, K - 1 + L]
-        pieces.append(F.conv1d(sample, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1))
+    for sample in x.split(sizes):  # one split: slicing each sample would cost a whole row's gradient each
+        padded = F.pad(sample.transpose(0, 1)[None], (taps - 1, 0))  # [1, C, K - 1 + L]
+        pieces.append(F.conv1d(padded, weight[:, None], bias, groups=x.shape[1])[0].transpose(0, 1))
     return F.silu(torch.cat(pieces))
 
 
