@@ -19,7 +19,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
-STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8")
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8", "h_hybrid")
 TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "b_parity": "b. the run's process group (an all-reduce of a CPU and a device tensor), logits parity vs "
                       "transformers (fp32)",
@@ -27,7 +27,13 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
           "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
           "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)",
-          "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training"}
+          "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training",
+          "h_hybrid": "h. Qwen3.5: the device's gated delta rule vs the token-by-token rule, train qwen3.5-tiny, "
+                      "bench hybrid"}
+# The device's gated delta rule (fla's Triton kernel on CUDA, whose fp32 dots may run in TF32) against the
+# token-by-token rule in fp32, relative to the largest output / gradient.
+RULE_TOLERANCE = 5e-3
+RULE_LENGTHS = (37, 300, 1000)  # a packed row: a short sample, chunk boundaries inside the others
 PARITY_TOLERANCE = 1e-4
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
@@ -113,6 +119,41 @@ def _collectives(env) -> dict:
         except Exception as exc:  # the check's point: any failure is this step's FAIL line
             results[device] = f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
     return results
+
+
+def cmd_linear_attention(args) -> int:
+    """The rule ``layer_backend.linear_attention_rule`` picks on the device vs ``linear_attention.recurrent``
+    on a packed row of three samples (key heads serving two value heads each): outputs and the q, k, v
+    gradients, relative to the largest of each."""
+    import torch
+
+    from loongforge.models import linear_attention
+    from loongforge.models.layer_backend import linear_attention_rule
+
+    device = torch.device(args.device)
+    rule = linear_attention_rule(device)
+    generator = torch.Generator().manual_seed(0)
+    total = sum(RULE_LENGTHS)
+    q, k = (torch.randn(total, 4, 64, generator=generator) for _ in range(2))
+    v = torch.randn(total, 8, 64, generator=generator)
+    g = -torch.rand(total, 8, generator=generator)
+    beta = torch.rand(total, 8, generator=generator)
+    cu_seqlens = torch.tensor([0, *RULE_LENGTHS]).cumsum(0).to(torch.int32)
+
+    def run(function, where):
+        leaves = [x.detach().clone().to(where).requires_grad_() for x in (q, k, v)]
+        out = function(*leaves, g.to(where), beta.to(where), cu_seqlens.to(where))
+        out.backward(torch.ones_like(out))
+        return [out.detach().cpu().float()] + [x.grad.cpu().float() for x in leaves]
+
+    ours, reference = run(rule, device), run(linear_attention.recurrent, "cpu")
+    diffs = {name: float((a - b).abs().max() / b.abs().max())
+             for name, a, b in zip(("out", "dq", "dk", "dv"), ours, reference)}
+    result = {"device": str(device), "rule": "fla" if rule is linear_attention.fla_chunked else "torch",
+              "lengths": list(RULE_LENGTHS), "tolerance": RULE_TOLERANCE, "relative_diff": diffs}
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
 
 
 def cmd_parity(args) -> int:
@@ -294,8 +335,27 @@ def check_fp8(work: Path, args) -> tuple[bool, dict, str]:
                          f"7B-shaped stack bf16 {_throughput_text(off)}, fp8-auto {_throughput_text(auto)}")
 
 
+def check_hybrid(work: Path, args) -> tuple[bool, dict, str]:
+    rule = json.loads((work / "h_rule.result.json").read_text())
+    records = _read_jsonl(work / "hybrid" / "metrics.jsonl")
+    steps, losses, window, first, last = _loss_trend(records)
+    bench = json.loads((work / "h_bench.result.json").read_text())
+    growth = {variant: entries[-1]["time_ratio"] for variant, entries in bench["growth"].items()}
+    worst = max(rule["relative_diff"].values())
+    figures = {"rule": rule["rule"], "rule_relative_diff": rule["relative_diff"], "steps": len(steps),
+               "loss_first": first, "loss_last": last, "bench_rows": bench["rows"], "bench_time_growth": growth}
+    ok = (rule["rule"] == args.rule and worst <= rule["tolerance"] and steps == list(range(1, args.steps + 1))
+          and all(map(math.isfinite, losses)) and last < args.max_loss_ratio * first)
+    lengths = bench["options"]["seq_lens"]
+    return ok, figures, (f"rule {rule['rule']} (expected {args.rule}) vs token by token: {worst:.1e} of the largest "
+                         f"(<= {rule['tolerance']:.0e}); loss {first:.3f} -> {last:.3f} over {len(steps)} steps; step "
+                         f"time from {lengths[0]} to {lengths[-1]} tokens: "
+                         + ", ".join(f"{variant} x{ratio:.1f}" for variant, ratio in growth.items()))
+
+
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
-          "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe, "g_fp8": check_fp8}
+          "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe, "g_fp8": check_fp8,
+          "h_hybrid": check_hybrid}
 
 
 def cmd_check(args) -> int:
@@ -401,6 +461,9 @@ def main(argv=None) -> int:
     p = sub.add_parser("parity")
     p.add_argument("--device", default="cuda")
     p.add_argument("--output", required=True)
+    p = sub.add_parser("linear-attention")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--output", required=True)
     p = sub.add_parser("check")
     p.add_argument("step", choices=STEPS)
     p.add_argument("--work", required=True)
@@ -414,6 +477,7 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
     p.add_argument("--min-ratio", type=float, default=None, help="g_fp8: fp8-auto / bf16 tokens/s at least")
     p.add_argument("--max-loss-diff", type=float, default=None, help="g_fp8: relative final-loss difference at most")
+    p.add_argument("--rule", default="fla", help="h_hybrid: the gated delta rule the device must pick (fla | torch)")
     p = sub.add_parser("report")
     p.add_argument("--work", required=True)
     p.add_argument("--output", required=True)
@@ -421,7 +485,8 @@ def main(argv=None) -> int:
     p = sub.add_parser("machine")
     p.add_argument("--output", required=True)
     args = parser.parse_args(argv)
-    commands = {"overrides": cmd_overrides, "parity": cmd_parity, "check": cmd_check,
+    commands = {"overrides": cmd_overrides, "parity": cmd_parity, "linear-attention": cmd_linear_attention,
+                "check": cmd_check,
                 "report": cmd_report, "machine": cmd_machine}
     return commands[args.command](args)
 

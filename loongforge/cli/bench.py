@@ -193,6 +193,17 @@ def _image_sizes(text: str) -> tuple:
     return sizes
 
 
+def _show_result(result: dict, text: str, output: Optional[Path], as_json: bool) -> None:
+    """Print a bench's result (its markdown, or one JSON object with --json) and write it to ``output`` (JSON
+    for a .json suffix, the markdown otherwise)."""
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(result, indent=2) + "\n" if output.suffix == ".json" else text)
+    typer.echo(json.dumps(result) if as_json else text)
+    if output is not None and not as_json:
+        typer.echo(f"wrote {output}")
+
+
 @app.command("model")
 def model(
     overrides: Annotated[Optional[list[str]], typer.Argument(
@@ -254,13 +265,45 @@ def model(
         if images is not None:
             opts.image_sizes = _image_sizes(images)
         result = run_model_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
-        text = format_markdown(result)
-        if output is not None:
-            output.parent.mkdir(parents=True, exist_ok=True)
-            output.write_text(json.dumps(result, indent=2) + "\n" if output.suffix == ".json" else text)
-        typer.echo(json.dumps(result) if as_json else text)
-        if output is not None and not as_json:
-            typer.echo(f"wrote {output}")
+        _show_result(result, format_markdown(result), output, as_json)
+
+
+@app.command("hybrid")
+def hybrid(
+    preset: Annotated[str, typer.Option(
+        "--preset", "-p", metavar="NAME", help="A hybrid preset: its widths and its layer pattern.")]
+        = "qwen3.5-tiny-small-vocab",
+    seq_lens: Annotated[str, typer.Option(
+        "--seq-lens", metavar="N,N,...", help="Tokens of the one sample in each row.")] = "2048,8192,32768",
+    layers: Annotated[int, typer.Option("--layers", min=1, metavar="N", help="Decoder layers of both variants.")] = 4,
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps per point.")] = 3,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", min=0, metavar="N", help="Untimed steps first.")] = 1,
+    device: Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")] = "auto",
+    dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Parameter and compute dtype.")] = "fp32",
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="RESULT.json|RESULT.md", show_default=False,
+        help="Also write the result: JSON (.json) or a markdown table (any other suffix).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object only.")] = False,
+) -> None:
+    """Step time and activation memory of a hybrid linear-attention decoder as the sequence grows, beside the
+    same decoder with every layer full attention."""
+    from loongforge.bench.hybrid import HybridBenchOptions, format_markdown, run_hybrid_bench
+
+    with cli_errors():
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {device!r} is not one of auto | cpu | cuda")
+        if dtype not in ("bf16", "fp32"):
+            raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
+        try:
+            lengths = sorted({int(part) for part in seq_lens.split(",") if part.strip()})
+        except ValueError:
+            raise UsageError(f"--seq-lens {seq_lens!r}: give whole token counts separated by commas") from None
+        if not lengths or lengths[0] < 16:
+            raise UsageError(f"--seq-lens {seq_lens!r}: give at least one length of 16 tokens or more")
+        opts = HybridBenchOptions(preset=preset, seq_lens=lengths, layers=layers, steps=steps,
+                                  warmup_steps=warmup_steps, device=device, dtype=dtype)
+        result = run_hybrid_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
+        _show_result(result, format_markdown(result), output, as_json)
 
 
 @app.command("gemm")

@@ -16,6 +16,12 @@ Convention:
   needed: the patch embedding takes none w.r.t. its pixels (x1, its weight gradient), nothing runs
   backward below a frozen tower, and a frozen part above a trained one computes activation gradients
   only (x1); see ``FlopOptions``;
+- a hybrid decoder's linear-attention layers (Gated DeltaNet, ``model.language.layer_types``) are
+  linear in the sample length: their projections, the causal convolution (``2 K`` per channel and
+  token, ``K`` taps) and the chunked gated delta rule, ``gated_delta_rule_flops``: per token and
+  value head ``6 d_k d_v + 2 C (3 d_k + 2 d_v)`` with fla's chunk ``C = 64``, what its kernel
+  multiplies (see there). Full-attention layers keep the ``L^2`` term; with an output gate their
+  q projection is twice as wide (each head's query and gate);
 - full activation recompute runs every transformer layer's forward (vision blocks and decoder layers)
   a second time in the backward; patch embedding, mergers and LM head are not recomputed;
 - the LM head runs on the loss tokens only (``models.decoder.language_model``), over the true
@@ -24,16 +30,20 @@ Convention:
 Not counted: norms, rotary embeddings, softmax, activations, biases, the embedding lookup, Qwen3-VL's
 position-embedding resampling (a gather and a weighted sum), DeepStack's additions, the loss, and
 the score recompute inside flash-style attention backward kernels (hardware work, like activation
-recompute, but not asked for by any option).
+recompute, but not asked for by any option). Of the linear-attention and gated layers likewise: the
+output gates' products, the decays and masks inside a chunk, the triangular solve of each chunk
+(about ``C^2 / 3`` per token and head, under 1% of the rule at Qwen3.5's sizes) and the chunk states
+fla's backward recomputes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from loongforge.balance.cost_model import SampleCost
-from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig
+from loongforge.config.schema import LAYER_TYPES, LanguageConfig, LinearAttentionConfig, ModelConfig, TrainingConfig
 
 Grid = tuple[int, int, int]  # (t, h, w) patches of one image or video
 
@@ -167,11 +177,13 @@ def attention_flops(segment_lengths: Sequence[int], q_width: int) -> int:
 def mlp_forward_flops(lang: LanguageConfig, tokens: int) -> int:
     """One decoder layer's MLP: SwiGLU (gate and up ``h -> ffn``, down ``ffn -> h``), or with
     experts the router (``h -> num_experts``) plus the ``moe_router_topk`` SwiGLU experts each token
-    runs through."""
+    runs through, and the shared expert (Qwen3.5-MoE: SwiGLU and its gate ``h -> 1``) if any."""
     h = lang.hidden_size
     if lang.num_experts:
         router = linear_flops(tokens, h, lang.num_experts)
-        return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size)
+        shared = lang.moe_shared_expert_ffn_hidden_size
+        shared_expert = linear_flops(tokens, h, 3 * shared + 1) if shared else 0
+        return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size) + shared_expert
     return linear_flops(tokens, h, 3 * lang.ffn_hidden_size)
 
 
@@ -182,18 +194,97 @@ def head_dim(lang: LanguageConfig) -> int:
     return lang.head_dim or lang.hidden_size // lang.num_attention_heads
 
 
-def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-    """One decoder layer over packed segments: QKV at the real widths (q: heads * head_dim, k and v:
-    query_groups * head_dim each; Qwen3's head_dim need not be hidden / heads), the output projection
-    ``q_width -> h``, the MLP, and attention within each segment."""
+FULL_ATTENTION, LINEAR_ATTENTION = LAYER_TYPES  # model.language.layer_types
+# Tokens per chunk of the chunked gated delta rule (fla's ``chunk_gated_delta_rule``, and
+# ``models.linear_attention.chunked``'s default): how far the within-chunk products reach.
+DELTA_RULE_CHUNK = 64
+
+
+def decoder_layer_types(lang: LanguageConfig) -> list[str]:
+    """Each decoder layer's token mixer, in order: ``model.language.layer_types``, every layer full
+    attention when it is empty. Its first ``num_layers`` entries: a caller that counts the model without
+    its layers (``num_layers=0``, as the dry run and ``fit-cost`` do) leaves the list as it is."""
+    if not lang.layer_types:
+        return [FULL_ATTENTION] * lang.num_layers
+    if len(lang.layer_types) < lang.num_layers:
+        raise ValueError(f"model.language.layer_types has {len(lang.layer_types)} entries but num_layers="
+                         f"{lang.num_layers}; give one per layer")
+    return list(lang.layer_types[:lang.num_layers])
+
+
+def full_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """QKV at the real widths (q: heads * head_dim, k and v: query_groups * head_dim each; Qwen3's
+    head_dim need not be hidden / heads; with ``attention_output_gate`` q_proj also yields each head's
+    gate, twice q's width), the output projection ``q_width -> h``, and attention within each segment."""
     tokens, h, channels = sum(segment_lengths), lang.hidden_size, head_dim(lang)
     q_width, kv_width = lang.num_attention_heads * channels, lang.num_query_groups * channels
-    projections = linear_flops(tokens, h, q_width + 2 * kv_width) + linear_flops(tokens, q_width, h)
-    return projections + mlp_forward_flops(lang, tokens) + attention_flops(segment_lengths, q_width)
+    q_proj_width = 2 * q_width if lang.attention_output_gate else q_width
+    projections = linear_flops(tokens, h, q_proj_width + 2 * kv_width) + linear_flops(tokens, q_width, h)
+    return projections + attention_flops(segment_lengths, q_width)
+
+
+def causal_conv_flops(tokens: int, shape: LinearAttentionConfig) -> int:
+    """Gated DeltaNet's depthwise causal convolution over q, k, v: ``conv_kernel`` multiply-adds per
+    channel and token."""
+    channels = 2 * shape.num_key_heads * shape.key_head_dim + shape.num_value_heads * shape.value_head_dim
+    return 2 * shape.conv_kernel * channels * tokens
+
+
+def gated_delta_rule_flops(tokens: int, shape: LinearAttentionConfig, chunk: int = DELTA_RULE_CHUNK) -> int:
+    """The chunked gated delta rule over ``tokens`` tokens, as fla's kernel multiplies it; q and k
+    repeated over the value heads they serve, so every term is per value head.
+
+    Per token and value head, ``6 d_k d_v + 2 C (3 d_k + 2 d_v)``:
+
+    - ``3 x 2 d_k d_v`` against the chunk's starting state S [d_k, d_v]: the correction ``w S``
+      (``v_new = u - w S``), the state update ``S <- decay S + K^T v_new`` and the read ``q S``;
+    - ``2 C d_k`` three times and ``2 C d_v`` twice, a row of a C x C product each: ``beta K K^T``,
+      ``w = A beta K``, ``Q K^T``, and ``u = A beta V``, ``(Q K^T) v_new`` (A: the chunk's solved
+      unit-triangular system), over the whole C x C block as the kernel runs it (attention's
+      full-square convention), per real token, so a sample's count is exactly linear in its length.
+
+    The plain-torch ``models.linear_attention.chunked`` solves for ``u`` directly (a triangular solve,
+    not a matmul) instead of the ``w`` and ``u`` products: ``2 C (d_k + d_v)`` fewer multiplications of
+    its own."""
+    dk, dv = shape.key_head_dim, shape.value_head_dim
+    state = 3 * 2 * dk * dv
+    within_chunk = 2 * chunk * (3 * dk + 2 * dv)
+    return tokens * shape.num_value_heads * (state + within_chunk)
+
+
+def linear_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """Gated DeltaNet: the input projection (q, k, v, the output gate z, and b, a per value head), the
+    causal convolution, the gated delta rule and the output projection ``V -> h``. Every term is linear
+    in the tokens: the state restarts at each segment, but no segment costs more per token for its length."""
+    shape, tokens, h = lang.linear_attention, sum(segment_lengths), lang.hidden_size
+    key_width = shape.num_key_heads * shape.key_head_dim
+    value_width = shape.num_value_heads * shape.value_head_dim
+    in_proj_width = 2 * key_width + value_width + value_width + 2 * shape.num_value_heads  # q k v, z, b a
+    projections = linear_flops(tokens, h, in_proj_width) + linear_flops(tokens, value_width, h)
+    return projections + causal_conv_flops(tokens, shape) + gated_delta_rule_flops(tokens, shape)
+
+
+def token_mixer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int], layer_type: str) -> int:
+    if layer_type == FULL_ATTENTION:
+        return full_attention_forward_flops(lang, segment_lengths)
+    if layer_type == LINEAR_ATTENTION:
+        return linear_attention_forward_flops(lang, segment_lengths)
+    raise ValueError(f"model.language.layer_types holds {layer_type!r}; expected {FULL_ATTENTION} or {LINEAR_ATTENTION}")
+
+
+def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int],
+                                layer_type: str = FULL_ATTENTION) -> int:
+    """One decoder layer over packed segments: its token mixer (``layer_type``: full attention with its
+    ``L^2`` term, or linear attention) and the MLP."""
+    return (token_mixer_forward_flops(lang, segment_lengths, layer_type)
+            + mlp_forward_flops(lang, sum(segment_lengths)))
 
 
 def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions) -> int:
-    return lang.num_layers * language_layer_passes(options) * decoder_layer_forward_flops(lang, segment_lengths)
+    """Every decoder layer, each by its type, forward and backward."""
+    per_type = Counter(decoder_layer_types(lang))
+    forward = sum(count * decoder_layer_forward_flops(lang, segment_lengths, kind) for kind, count in per_type.items())
+    return language_layer_passes(options) * forward
 
 
 def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:

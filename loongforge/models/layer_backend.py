@@ -138,13 +138,14 @@ class BlockModules:
     linear_attention: Callable[..., torch.Tensor] = linear_attention.chunked
 
     def describe(self) -> str:
-        return f"{self.backend} ({_DESCRIPTIONS[self.backend]})"
+        rule = "fla" if self.linear_attention is linear_attention.fla_chunked else "torch"
+        return f"{self.backend} ({_DESCRIPTIONS[self.backend]}; gated delta rule: {rule})"
 
 
 _DESCRIPTIONS = {
     "te": "TE norm-linear, TE linears, TE attention",
     "flash": "local norm-linear and linears, flash-attn varlen attention",
-    "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment, the torch gated delta rule",
+    "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment",
 }
 
 
@@ -213,8 +214,9 @@ def resolve_layer_backend(requested: str, device: torch.device | str, dtype: tor
     return requested
 
 
-def block_modules(backend: str) -> BlockModules:
-    """The modules of a resolved backend (see ``resolve_layer_backend``)."""
+def block_modules(backend: str, device: torch.device | str = "cpu") -> BlockModules:
+    """The modules of a resolved backend (see ``resolve_layer_backend``) on ``device``."""
+    rule = linear_attention_rule(device)
     if backend == "te":
         # Imported only here: importing it needs transformer_engine.
         from megatron.core.extensions.transformer_engine import (
@@ -225,19 +227,21 @@ def block_modules(backend: str) -> BlockModules:
         )
 
         return BlockModules("te", TELayerNormColumnParallelLinear, TEColumnParallelLinear,
-                            TERowParallelLinear, TEDotProductAttention, _gpu_linear_attention())
+                            TERowParallelLinear, TEDotProductAttention, rule)
     if backend in ("flash", "sdpa"):
         attention = FlashCoreAttention if backend == "flash" else SDPACoreAttention
-        rule = _gpu_linear_attention() if backend == "flash" else linear_attention.chunked
         return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
                             RowParallelLinear, attention, rule)
     raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")
 
 
-def _gpu_linear_attention() -> Callable[..., torch.Tensor]:
-    """The GPU backends' gated delta rule: fla's Triton kernel where ``flash-linear-attention`` imports (the
-    ``gpu`` extra), else the plain-torch chunked rule (the same math, slower)."""
-    return linear_attention.fla_chunked if _import_problem("fla") is None else linear_attention.chunked
+def linear_attention_rule(device: torch.device | str) -> Callable[..., torch.Tensor]:
+    """The gated delta rule of linear-attention layers on ``device``, whatever the attention backend: fla's
+    Triton kernel on CUDA where ``flash-linear-attention`` imports (the ``gpu`` extra), else the plain-torch
+    chunked rule (the same math; on CUDA slower)."""
+    if torch.device(device).type == "cuda" and _import_problem("fla") is None:
+        return linear_attention.fla_chunked
+    return linear_attention.chunked
 
 
 def layer_norm_modules(modules: BlockModules) -> BlockModules:

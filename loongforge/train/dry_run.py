@@ -3,9 +3,10 @@
 Pure arithmetic over a validated RunConfig: it has to work for a 235B preset on a laptop.
 Parameter counts come from the model family's own arithmetic
 (``ModelFamily.count_parameters``), split into the parts pipeline stages
-hold by counting the model again without its decoder layers. A mixture-of-experts layer's experts
-are split over EP x expert TP ranks (and their optimizer state over the expert data-parallel
-ranks), the rest of the layer over TP.
+hold by counting the model again without its decoder layers, and with one layer of each type (a
+hybrid decoder's full- and linear-attention layers differ; a stage holds the ones its layer range
+names). A mixture-of-experts layer's experts are split over EP x expert TP ranks (and their optimizer
+state over the expert data-parallel ranks), the rest of the layer over TP.
 """
 
 from __future__ import annotations
@@ -20,10 +21,10 @@ from loongforge.config.layout import (
     resolve_read,
     sample_multiple,
 )
-from loongforge.config.pipeline_layout import stage_plan
+from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
-from loongforge.models.flops import head_dim
+from loongforge.models.flops import DELTA_RULE_CHUNK, LINEAR_ATTENTION, decoder_layer_types, head_dim
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -34,21 +35,26 @@ def total_parameters(model: ModelConfig) -> int:
     return int(get_family(model.family).count_parameters(model)["total"])
 
 
-
-
 @dataclass(frozen=True)
 class ParameterSplit:
     """Parameters by where pipeline stages keep them."""
 
     total: int
     vision_and_projector: int  # first stage (all with encoder_dp=full); plus the final norm's weights
-    per_decoder_layer: float  # everything but the routed experts (split over TP)
+    per_decoder_layer: float  # everything but the routed experts (split over TP); a hybrid's mean over its layers
     input_embedding: int  # first stage
     output_head: int  # last stage; 0 when tied and everything is one stage
     experts_per_decoder_layer: int = 0  # routed experts (split over EP x expert TP)
     active: int = 0  # parameters one token runs through
     vision_model: int = 0  # the vision tower's part of vision_and_projector
     projector: int = 0  # the projector's part
+    # One layer of each type ("full_attention", "linear_attention") but its routed experts; a decoder
+    # without ``layer_types`` has full attention only.
+    per_layer_by_type: dict[str, float] = dataclasses.field(default_factory=dict)
+
+    def layers_parameters(self, layer_types: list[str]) -> float:
+        """The layers of ``layer_types`` (one entry per layer) but their routed experts."""
+        return sum(self.per_layer_by_type.get(kind, self.per_decoder_layer) for kind in layer_types)
 
 
 def split_parameters(model: ModelConfig) -> ParameterSplit:
@@ -60,6 +66,8 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
     experts = int(counts["routed_experts"]) // language.num_layers
+    one_of_each = {kind: total_parameters(_with_one_layer(model, kind)) - without_layers - experts
+                   for kind in dict.fromkeys(decoder_layer_types(language))}
     return ParameterSplit(
         total=total,
         vision_and_projector=max(without_layers - embedding - head, 0),
@@ -70,7 +78,21 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
         active=int(counts["active"]),
         vision_model=int(counts["vision_model"]),
         projector=int(counts["projector"]),
+        per_layer_by_type=one_of_each,
     )
+
+
+def _with_one_layer(model: ModelConfig, layer_type: str) -> ModelConfig:
+    """``model`` with a single decoder layer, of ``layer_type``."""
+    language = model.language
+    layer_types = [layer_type] if language.layer_types else []
+    return dataclasses.replace(model, language=dataclasses.replace(language, num_layers=1, layer_types=layer_types))
+
+
+def rank_layer_types(stages: PipelineStages, layer_types: list[str], rank: int) -> list[str]:
+    """The types of the layers pipeline rank ``rank`` holds, over all its virtual stages."""
+    return [layer_types[index] for chunk, count in enumerate(stages.layers[rank])
+            for index in range(stages.first_layer(rank, chunk), stages.first_layer(rank, chunk) + count)]
 
 
 @dataclass(frozen=True)
@@ -93,6 +115,7 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     stages = []
     stage_layers = stage_plan(cfg.model.language.num_layers, cfg.parallel)
     counts = [stage_layers.rank_layers(rank) for rank in range(sizes.pipeline_parallel)]
+    layer_types = decoder_layer_types(cfg.model.language)
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
     expert_shards = sizes.expert_parallel * sizes.expert_tensor_parallel
@@ -102,7 +125,8 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
                       + split.projector * (lora or cfg.training.freeze_projector))
     for index, num_layers in enumerate(counts):
         expert_params = num_layers * split.experts_per_decoder_layer / expert_shards
-        holds, params = [], num_layers * split.per_decoder_layer / tp + expert_params
+        layers_params = split.layers_parameters(rank_layer_types(stage_layers, layer_types, index))
+        holds, params = [], layers_params / tp + expert_params
         frozen, adapter_params = 0.0, num_layers * adapters.per_decoder_layer if lora else 0.0
         encoder_params = 0.0
         if cfg.model.vision is not None and (index == 0 or replicas_everywhere):
@@ -348,10 +372,12 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     over its layers (the most any rank holds); the interleaved schedule's warm-up keeps
     2 (PP - 1) + (VP - 1) PP + 1 chunks in flight on it, PP + (PP - 1) / VP micro-batches' worth. Per token and layer, the values a pre-norm block saves (as
     ``encoder_activation_bytes`` counts them): 4 h for the two norms' inputs and the linears they
-    feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, q, k, v,
-    the attention output and the MLP's (``_mlp_values_per_token``). With
-    ``training.recompute_activations`` every layer keeps its input only, and one layer's values
-    exist at a time in the backward.
+    feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, the token
+    mixer's (``_mixer_values_per_token``: a full-attention layer's q, k, v and attention output, a
+    linear-attention layer's Gated DeltaNet values, none of them growing with the sample's length) and
+    the MLP's (``_mlp_values_per_token``). A hybrid decoder's busiest rank is the one whose layers save
+    the most. With ``training.recompute_activations`` every layer keeps its input only, and one layer's
+    values exist at a time in the backward.
     """
     language = cfg.model.language
     value_bytes = _value_bytes(cfg)
@@ -359,24 +385,55 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     micro_batches = cfg.training.global_batch_size // sizes.data_parallel
     stages = stage_plan(language.num_layers, cfg.parallel)
     pipeline, virtual = sizes.pipeline_parallel, stages.virtual
-    in_flight = pipeline if virtual == 1 else pipeline + (pipeline - 1) / virtual
-    layer_passes = min(in_flight, micro_batches) * max(stages.rank_layers(r) for r in range(pipeline))
+    in_flight = min(pipeline if virtual == 1 else pipeline + (pipeline - 1) / virtual, micro_batches)
     tp = sizes.tensor_parallel
     norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
+    mlp = _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel)
+
+    def per_layer(kind: str) -> float:
+        return value_bytes * (4 * norm_inputs + _mixer_values_per_token(language, kind, tp) + mlp)
+
+    layer_types = decoder_layer_types(language)
+    ranks = [rank_layer_types(stages, layer_types, rank) for rank in range(pipeline)]
+    if cfg.training.recompute_activations:
+        inputs = in_flight * max(len(kinds) for kinds in ranks) * value_bytes * norm_inputs
+        return tokens * (inputs + max(per_layer(kind) for kind in set(layer_types)))
+    return tokens * in_flight * max(sum(per_layer(kind) for kind in kinds) for kinds in ranks)
+
+
+def _mixer_values_per_token(language: LanguageConfig, layer_type: str, tp: int) -> float:
+    """A token mixer's values, split over TP. Full attention: q, k, v and the attention output; with
+    ``attention_output_gate`` also the gate and the gated output (the output projection's input)."""
+    if layer_type == LINEAR_ATTENTION:
+        return _linear_attention_values_per_token(language) / tp
     q_width = language.num_attention_heads * head_dim(language)
     kv_width = language.num_query_groups * head_dim(language)
-    per_layer = value_bytes * (4 * norm_inputs + (2 * q_width + 2 * kv_width) / tp
-                               + _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel))
-    if cfg.training.recompute_activations:
-        return tokens * (layer_passes * value_bytes * norm_inputs + per_layer)
-    return tokens * layer_passes * per_layer
+    gated = 2 * q_width if language.attention_output_gate else 0
+    return (2 * q_width + 2 * kv_width + gated) / tp
+
+
+def _linear_attention_values_per_token(language: LanguageConfig) -> float:
+    """Gated DeltaNet's values per token (K, V: the key and value widths, H the value heads): the input
+    projection's output (q, k, v before the convolution, z, b, a: 2K + 2V + 2H), the convolution's
+    output, g and beta (the rule's inputs fla keeps: 2K + V + 2H), fla's solved chunk matrix (a row of
+    ``DELTA_RULE_CHUNK`` per value head), the rule's output and the gated norm's (the output
+    projection's input: 2V). The recurrent state is recomputed in the backward, not kept."""
+    shape = language.linear_attention
+    key_width = shape.num_key_heads * shape.key_head_dim
+    value_width = shape.num_value_heads * shape.value_head_dim
+    heads, qkv = shape.num_value_heads, 2 * key_width + value_width
+    projection = qkv + value_width + 2 * heads
+    rule_inputs = qkv + 2 * heads + heads * DELTA_RULE_CHUNK
+    return projection + rule_inputs + 2 * value_width
 
 
 def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int) -> float:
     """A dense MLP's gate, up and product, split over TP; a mixture-of-experts layer's top-k copies of
-    the token routed to the experts, and their gate, up and product split over the expert TP."""
+    the token routed to the experts, and their gate, up and product split over the expert TP, plus a
+    shared expert's gate, up and product split over TP."""
     if language.num_experts:
-        return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp)
+        shared = 3 * (language.moe_shared_expert_ffn_hidden_size or 0) / tp
+        return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp) + shared
     return 3 * language.ffn_hidden_size / tp
 
 

@@ -38,7 +38,7 @@ def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
     # Grouped by family: each family's header, then only its presets.
     families = [line for line in lines if line.startswith("[family")]
     assert families == ["[family composition]", "[family internvl]", "[family llava_onevision]", "[family llm]",
-                        "[family qwen2_5_vl]", "[family qwen3_vl]"]
+                        "[family qwen2_5_vl]", "[family qwen3_5]", "[family qwen3_vl]"]
     llm_block = lines[lines.index("[family llm]") + 1:lines.index("[family qwen2_5_vl]")]
     assert sorted(row.split()[0] for row in llm_block) == [
         "llama-tiny", "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "qwen2.5-7b",
@@ -119,6 +119,27 @@ def test_dry_run_235b_moe_vl_plan_fits_with_expert_parallelism():
     # The preset's layout: VP 4, one layer fewer beside the vision encoder
     assert "layers 0-10, 23-33, 46-57, 70-81 (46)" in plan and "layers 11-22, 34-45, 58-69, 82-93 (48)" in plan
     assert "~46.9 GiB" in plan  # without EP: ~206 GiB; 48 layers on the last rank
+
+
+def test_dry_run_397b_hybrid_moe_plan_fits_80gb_gpus():
+    """Qwen3.5-397B-A17B: 60 hybrid layers over PP4, TP2, EP64 (8 of every layer's 512 experts a rank), full
+    recompute; a middle stage's parameters per rank counted here by layer type, and the plan fits at CP 1."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.models.decoder.params import expert_parameters, language_layer_parameters
+
+    out = invoke("--preset", "qwen3.5-397b-a17b", "--dry-run").stdout
+    plan = out.split("parallel plan\n")[1]
+    assert "256 processes = TP2 x PP4 x DP32" in plan and "EP64 x expert TP1 x expert DP1" in plan
+    assert "396.80B total (396,802,360,816)" in plan
+    lang = load_run_config("qwen3.5-397b-a17b").model.language
+    stage = [lang.layer_types[i] for i in range(15, 30)]  # stage 1: 11 linear-attention, 4 full-attention layers
+    experts = expert_parameters(lang)
+    per_rank = sum((language_layer_parameters(lang, layer_type=kind) - experts) / 2 + experts / 64 for kind in stage)
+    assert f"layers 15-29 (15) + : {per_rank / 1e9:.2f}B params per rank" in plan
+    cp1 = next(line for line in out.splitlines() if line.strip().startswith("1  TP2 x PP4 x DP32"))
+    total = float(cp1.split()[-2])
+    print(f"\nqwen3.5-397b-a17b: stage 1 {per_rank / 1e9:.2f}B params per rank; CP 1 plan {total} GiB per rank")
+    assert cp1.split()[-1] == "yes" and total <= 72.0
 
 
 def test_dry_run_states_the_encoders_activations_per_rank_in_every_mode():

@@ -7,20 +7,34 @@ samples goes through the data path (synthetic chats and a real video clip, measu
 collated as training does), and the training step's forward + backward runs under torch's
 ``FlopCounterMode``. The counted FLOPs, split by the model's parts (vision tower, mergers, decoder
 layers, LM head), must equal the analytic count within 2%; ``pytest -s`` prints both.
+
+Gated DeltaNet's rule (Qwen3.5's linear-attention layers) is counted as fla's GPU kernel multiplies it
+(``models.flops.gated_delta_rule_flops``), which no counter sees on CPU: the CPU rule runs unseen and is
+charged that count (``FlaCountedRules``); tests/models/test_hybrid_counts.py checks the count against the
+plain-torch rule's matmuls.
 """
 
 from __future__ import annotations
 
 import ast
 import dataclasses
+import functools
 from pathlib import Path
 
 import pytest
 import torch
-from torch.utils.flop_counter import FlopCounterMode, bmm_flop, sdpa_backward_flop_count, sdpa_flop_count
+from torch.utils._python_dispatch import _disable_current_modes
+from torch.utils.flop_counter import (
+    FlopCounterMode,
+    bmm_flop,
+    conv_flop_count,
+    sdpa_backward_flop_count,
+    sdpa_flop_count,
+)
 
 from loongforge.balance.cost_model import SampleCost
 from loongforge.config.loader import load_run_config
+from loongforge.config.schema import LinearAttentionConfig
 from loongforge.data.collate import collate_row
 from loongforge.data.measure import SampleMeasurer, materialize
 from loongforge.data.samples import ConversationSample
@@ -28,7 +42,8 @@ from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.template import Turn
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models import registry
-from loongforge.models.flops import FlopOptions, StepFlops, step_flops
+from loongforge.models.flops import FlopOptions, StepFlops, gated_delta_rule_flops, step_flops
+from loongforge.models.gated_delta_net import GatedDeltaNet
 from loongforge.models.towers.qwen2_5_vit.flops import window_sizes
 from loongforge.models.towers.qwen2_5_vit.vision import window_partition
 from loongforge.profile.features import sample_costs
@@ -158,7 +173,58 @@ class CpuAttentionFormulas:
     def mapping(self) -> dict:
         aten = torch.ops.aten
         return {aten._scaled_dot_product_flash_attention_for_cpu: self.forward,
-                aten._scaled_dot_product_flash_attention_for_cpu_backward: self.backward}
+                aten._scaled_dot_product_flash_attention_for_cpu_backward: self.backward,
+                aten.convolution_backward: convolution_backward_flops}
+
+
+def convolution_backward_flops(grad_out_shape, x_shape, w_shape, _bias, _stride, _padding, _dilation, transposed,
+                               _output_padding, _groups, output_mask, out_shape=None, **kwargs) -> int:
+    """A convolution's backward: its input gradient and its weight gradient multiply what its forward
+    does, each. torch's formula agrees for an ungrouped convolution but charges a grouped one's weight
+    gradient ``groups`` times over (Gated DeltaNet's depthwise convolution: once per channel)."""
+    forward = conv_flop_count(x_shape, w_shape, grad_out_shape, transposed)
+    return forward * (int(output_mask[0]) + int(output_mask[1]))
+
+
+class FlaCountedRules:
+    """While active, every Gated DeltaNet layer's rule runs unseen by the counter and charges it what
+    fla's kernel multiplies (``gated_delta_rule_flops`` at the layer's shapes): x1 in the forward (again
+    under recompute), x2 in the backward, the convention's. The CPU rule is another algorithm (a
+    triangular solve where fla multiplies), so counting it would check the wrong kernel."""
+
+    def __init__(self, model, counter: "PartFlopCounter"):
+        self.layers = [module for module in model.modules() if isinstance(module, GatedDeltaNet)]
+        self.counter = counter
+
+    def __enter__(self):
+        for layer in self.layers:
+            layer.rule = functools.partial(_FlaCountedRule.apply, layer.rule, self.counter)
+        return self
+
+    def __exit__(self, *exc):
+        for layer in self.layers:
+            layer.rule = layer.rule.args[0]
+
+
+class _FlaCountedRule(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, rule, counter, q, k, v, g, beta, cu_seqlens):
+        shape = LinearAttentionConfig(num_key_heads=q.shape[1], num_value_heads=v.shape[1], key_head_dim=q.shape[-1],
+                                      value_head_dim=v.shape[-1])
+        ctx.flops, ctx.counter = gated_delta_rule_flops(q.shape[0], shape), counter
+        ctx.inputs = [x.detach().requires_grad_(x.requires_grad) for x in (q, k, v, g, beta)]
+        with torch.enable_grad(), _disable_current_modes():
+            ctx.out = rule(*ctx.inputs, cu_seqlens)
+        counter.charge(ctx.flops)
+        return ctx.out.detach()
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        wanted = [x for x in ctx.inputs if x.requires_grad]
+        with _disable_current_modes():
+            grads = iter(torch.autograd.grad(ctx.out, wanted, grad_out, allow_unused=True))
+        ctx.counter.charge(2 * ctx.flops)
+        return (None, None, *[next(grads) if x.requires_grad else None for x in ctx.inputs], None)
 
 
 class PartTracker:
@@ -247,6 +313,11 @@ class PartFlopCounter(FlopCounterMode):
             self.by_part[self.tracker.current()] += flops
         return out
 
+    def charge(self, flops: int, name: str = "gated_delta_rule") -> None:
+        """FLOPs of work that runs unseen (``FlaCountedRules``), to the part running now."""
+        self.flop_counts["Global"][name] += flops
+        self.by_part[self.tracker.current()] += flops
+
 
 def counted_flops(model, micro_batch: dict) -> dict[str, float]:
     """FLOPs FlopCounterMode counts in the training step's forward and backward, by part, and in all."""
@@ -254,7 +325,7 @@ def counted_flops(model, micro_batch: dict) -> dict[str, float]:
     model.zero_grad(set_to_none=True)
     attention, tracker = CpuAttentionFormulas(), PartTracker(model)
     try:
-        with PartFlopCounter(tracker, attention.mapping()) as counter:
+        with PartFlopCounter(tracker, attention.mapping()) as counter, FlaCountedRules(model, counter):
             output, loss_function = forward_step(iter([micro_batch]), model)
             loss_sum, _, _ = loss_function(output)
             loss_sum.backward()
@@ -358,6 +429,8 @@ LANGUAGE_VARIANTS = {
     "head_dim_48": ("llm-tiny-small-vocab", ["model.language.head_dim=48"]),
     "moe": ("qwen3-moe-tiny-small-vocab", []),
     "moe_recompute": ("qwen3-moe-tiny-small-vocab", ["training.recompute_activations=true"]),
+    # Qwen3.5-MoE: hybrid layers, routed experts beside a gated shared expert.
+    "hybrid_moe": ("qwen3.5-moe-tiny-small-vocab", []),
 }
 
 

@@ -129,6 +129,32 @@ def test_fp8_step(gpu_check, tmp_path, fp8_rate, fp8_final, passed):
     assert figures["ratio"] == pytest.approx(fp8_rate / 10_000.0)
 
 
+def _hybrid_outputs(work: Path, rule: str, worst: float, losses: list[float]) -> None:
+    (work / "h_rule.result.json").write_text(json.dumps({"rule": rule, "tolerance": 5e-3, "relative_diff": {
+        "out": worst, "dq": worst / 2, "dk": worst / 3, "dv": worst / 4}}))
+    (work / "hybrid").mkdir(parents=True)
+    (work / "hybrid" / "metrics.jsonl").write_text(
+        "".join(json.dumps({"step": i + 1, "loss": loss}) + "\n" for i, loss in enumerate(losses)))
+    growth = {variant: [{"seq_len": 2048, "time_ratio": 1.0}, {"seq_len": 32768, "time_ratio": ratio}]
+              for variant, ratio in (("hybrid", 20.0), ("all_attention", 90.0), ("all_linear", 16.5))}
+    (work / "h_bench.result.json").write_text(json.dumps({"options": {"seq_lens": [2048, 32768]}, "rows": [],
+                                                          "growth": growth}))
+
+
+@pytest.mark.parametrize("rule, worst, losses, passed", [
+    ("fla", 1e-3, [8.0 - 0.2 * i for i in range(20)], True),
+    ("torch", 1e-7, [8.0 - 0.2 * i for i in range(20)], False),  # fla expected on the GPU: not picked
+    ("fla", 2e-2, [8.0 - 0.2 * i for i in range(20)], False),  # the kernel differs from the rule
+    ("fla", 1e-3, [8.0] * 20, False),  # the loss does not fall
+])
+def test_hybrid_step(gpu_check, tmp_path, capsys, rule, worst, losses, passed):
+    _hybrid_outputs(tmp_path, rule, worst, losses)
+    rc = _check(gpu_check, tmp_path, "h_hybrid", 0, "--steps", "20", "--max-loss-ratio", "0.9", "--rule", "fla")
+    assert rc == (0 if passed else 1)
+    line = capsys.readouterr().out
+    assert f"rule {rule} (expected fla)" in line and "all_linear x16.5" in line
+
+
 def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
     _check(gpu_check, tmp_path, "a_train")
@@ -137,7 +163,7 @@ def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     report = tmp_path / "gpu.md"
     assert gpu_check.main(["report", "--work", str(tmp_path), "--output", str(report)]) == 1
     text = report.read_text()
-    assert "2026-01-01 00:00 UTC: 1/7 steps passed" in text and "Machine: device H200" in text
+    assert "2026-01-01 00:00 UTC: 1/8 steps passed" in text and "Machine: device H200" in text
     assert "| a. train qwen2.5vl-tiny, save, resume | PASS |" in text and "| d. CPU test suite" in text
     assert "```bash\nloongforge train --preset qwen2.5vl-tiny\n```" in text
     assert json.loads((tmp_path / "gpu_results.json").read_text())["steps"][1]["passed"] is False

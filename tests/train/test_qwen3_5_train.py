@@ -3,7 +3,8 @@ photos: DP 2 with balancing re-planning every step, and TP 2 x PP 2 (vision TP 2
 linear-attention layer, the second the full-attention one), equal one process over 5 steps
 (losses, grad norms and Adam moments, Gated DeltaNet's convolution, decays and gated norm among them, to
 1e-5 relative); a run stopped after step 2 and resumed gives the uninterrupted run's steps and final
-checkpoint bit for bit. Qwen3.5-MoE at expert parallel 2 trains like one process."""
+checkpoint bit for bit. Qwen3.5-MoE at expert parallel 2 trains like one process; ``loongforge encode``'s
+stored features train like the frozen online encoder."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from loongforge.convert.mcore_io import McoreReader
 from tests.train.conftest import (
     SAVE_AT_END,
     assert_layout_trains_like_one_process,
+    assert_stored_embeddings_train_like_the_frozen_encoder,
     checkpoint_differences,
     final_checkpoint,
     layout_runs,
@@ -33,8 +35,9 @@ LINEAR_ATTENTION = (".self_attention.conv1d", ".self_attention.out_norm", ".self
 # are held to an absolute bound, 3x the measured 6.5e-10, instead.
 DECAYS, DECAY_MOMENT_BOUND = (".self_attention.A_log", ".self_attention.dt_bias"), 2e-9
 # The tests' two-layer model (``SMALL_MODEL``): one Gated DeltaNet layer, then the gated attention one.
-OPTIONS = ("model.language.layer_types=[linear_attention,full_attention]", "data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024",
-           "optimizer.adam_eps=1e-6", "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END)
+OPTIONS = ("model.language.layer_types=[linear_attention,full_attention]", "data.source=files",
+           f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024", "optimizer.adam_eps=1e-6",
+           "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END)
 
 
 @pytest.fixture(scope="module")
@@ -82,3 +85,10 @@ def test_stopped_and_resumed_run_is_bit_identical(runs, tmp_path):
     print(f"\nresumed after step 2 vs uninterrupted: {len(differences)} tensors, largest difference "
           f"{max(differences.values()):.1e}")
     assert max(differences.values()) == 0.0
+
+
+def test_stored_embeddings_train_like_the_frozen_encoder(tmp_path):
+    """``loongforge encode`` stores Qwen3.5's merged features (no DeepStack sets to keep)."""
+    assert_stored_embeddings_train_like_the_frozen_encoder(
+        tmp_path, PRESET, DEMO_IMAGES, "model.language.layer_types=[linear_attention,full_attention]",
+        "data.seq_len=1024")

@@ -52,7 +52,7 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     check_parallel_state(parallel_cfg, pgs)
     return BuildContext(device=device, on_cpu=on_cpu,
                         init_seed=torch.initial_seed() if init_seed is None else init_seed,
-                        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype)),
+                        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype), device),
                         pgs=pgs, encoder_cp=_single_rank_group(pgs.cp))
 
 

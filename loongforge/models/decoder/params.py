@@ -1,11 +1,17 @@
 """Decoder parameter counts by arithmetic on the config: no tensors are allocated.
 
 Counts use the true vocabulary (as published), not megatron's TP padding; tied embeddings count once.
+A hybrid decoder (Qwen3.5, ``model.language.layer_types``) counts each layer by its token mixer: gated
+full attention or Gated DeltaNet's linear attention; the norms and the MLP (or experts) are the same in
+both.
 """
 
 from __future__ import annotations
 
+from collections import Counter
+
 from loongforge.config.schema import LanguageConfig, ModelConfig
+from loongforge.models.flops import FULL_ATTENTION, LINEAR_ATTENTION, decoder_layer_types
 
 
 def head_dim(lang: LanguageConfig) -> int:
@@ -28,22 +34,70 @@ def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
 
 def mlp_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One layer's SwiGLU MLP; with experts, the router plus every expert (``active``: the router
-    plus the ``moe_router_topk`` experts one token runs through)."""
+    plus the ``moe_router_topk`` experts one token runs through) plus the shared expert, if any."""
     if not lang.num_experts:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
-    return linear_parameters(lang.hidden_size, lang.num_experts, bias=False) + expert_parameters(lang, active=active)
+    router = linear_parameters(lang.hidden_size, lang.num_experts, bias=False)
+    return router + expert_parameters(lang, active=active) + shared_expert_parameters(lang)
 
 
-def language_layer_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
-    """One decoder layer: 2 RMSNorms, GQA attention (optional qkv bias and per-head q/k norms, no
-    o_proj bias), SwiGLU MLP or routed experts (``mlp_parameters``)."""
+def shared_expert_parameters(lang: LanguageConfig) -> int:
+    """Qwen3.5-MoE's shared expert (every token runs through it): a SwiGLU MLP of
+    ``moe_shared_expert_ffn_hidden_size`` and its gate ``h -> 1``; 0 without one."""
+    if not lang.moe_shared_expert_ffn_hidden_size:
+        return 0
+    h = lang.hidden_size
+    return 3 * linear_parameters(h, lang.moe_shared_expert_ffn_hidden_size, bias=False) + linear_parameters(
+        h, 1, bias=False)
+
+
+def full_attention_parameters(lang: LanguageConfig) -> int:
+    """GQA attention: q, k, v (optional biases), o (no bias), optional per-head q/k RMSNorms. With
+    ``attention_output_gate`` q_proj also yields each head's gate: q_proj [2 heads head_dim, h]."""
     h, channels = lang.hidden_size, head_dim(lang)
     q_width, kv_width = lang.num_attention_heads * channels, lang.num_query_groups * channels
-    norms = 2 * h + (2 * channels if lang.qk_norm else 0)
-    q_and_kv = (linear_parameters(h, q_width, lang.add_qkv_bias)
+    q_proj_width = 2 * q_width if lang.attention_output_gate else q_width
+    q_and_kv = (linear_parameters(h, q_proj_width, lang.add_qkv_bias)
                 + 2 * linear_parameters(h, kv_width, lang.add_qkv_bias))
-    attention = q_and_kv + linear_parameters(q_width, h, bias=False)
-    return norms + attention + mlp_parameters(lang, active=active)
+    qk_norms = 2 * channels if lang.qk_norm else 0
+    return q_and_kv + linear_parameters(q_width, h, bias=False) + qk_norms
+
+
+def linear_attention_parameters(lang: LanguageConfig) -> int:
+    """Gated DeltaNet (transformers' ``Qwen3_5GatedDeltaNet``), with K = key heads x key_head_dim and
+    V = value heads x value_head_dim: in_proj_qkv [2K + V, h], in_proj_z [V, h], in_proj_b and
+    in_proj_a [value heads, h], the depthwise conv1d [2K + V, 1, conv_kernel] (no bias), dt_bias and
+    A_log [value heads], the gated RMSNorm [value_head_dim] and out_proj [h, V]; no biases."""
+    shape, h = lang.linear_attention, lang.hidden_size
+    key_width = shape.num_key_heads * shape.key_head_dim
+    value_width = shape.num_value_heads * shape.value_head_dim
+    conv_channels = 2 * key_width + value_width  # q, k, v
+    in_proj = linear_parameters(h, conv_channels + value_width + 2 * shape.num_value_heads, bias=False)
+    per_value_head = 2 * shape.num_value_heads  # dt_bias, A_log
+    return (in_proj + conv_channels * shape.conv_kernel + per_value_head + shape.value_head_dim
+            + linear_parameters(value_width, h, bias=False))
+
+
+def token_mixer_parameters(lang: LanguageConfig, layer_type: str) -> int:
+    if layer_type == FULL_ATTENTION:
+        return full_attention_parameters(lang)
+    if layer_type == LINEAR_ATTENTION:
+        return linear_attention_parameters(lang)
+    raise ValueError(f"model.language.layer_types holds {layer_type!r}; expected {FULL_ATTENTION} or {LINEAR_ATTENTION}")
+
+
+def language_layer_parameters(lang: LanguageConfig, *, active: bool = False,
+                              layer_type: str = FULL_ATTENTION) -> int:
+    """One decoder layer: 2 RMSNorms, its token mixer (``layer_type``: GQA attention or Gated
+    DeltaNet), SwiGLU MLP or routed experts (``mlp_parameters``)."""
+    return 2 * lang.hidden_size + token_mixer_parameters(lang, layer_type) + mlp_parameters(lang, active=active)
+
+
+def decoder_layers_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+    """Every decoder layer, each counted by its type (``flops.decoder_layer_types``)."""
+    counts = Counter(decoder_layer_types(lang))
+    return sum(count * language_layer_parameters(lang, active=active, layer_type=kind)
+               for kind, count in counts.items())
 
 
 def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
@@ -51,7 +105,7 @@ def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     parameters one token runs through (a dense model's are all of them; the embedding counts)."""
     embedding = lang.vocab_size * lang.hidden_size
     output_layer = 0 if lang.tie_word_embeddings else embedding
-    layers = lang.num_layers * language_layer_parameters(lang, active=active)
+    layers = decoder_layers_parameters(lang, active=active)
     return embedding + layers + lang.hidden_size + output_layer
 
 

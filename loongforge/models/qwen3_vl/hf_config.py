@@ -18,13 +18,12 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import (
     LanguageConfig,
     ModelConfig,
-    ProjectorConfig,
     TokenIdsConfig,
-    VisionConfig,
 )
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
+from loongforge.models.towers.qwen3_vit.hf_config import tower_from_hf, tower_to_hf
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes
 
 NAME = "qwen3_vl"
@@ -62,23 +61,12 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
         experts = _experts(text, where) if _is_moe(cfg) else {}
         theta, section = _rope(text)
         heads = text["num_attention_heads"]
+        vision_cfg, projector_cfg = tower_from_hf(vision)
         defaults = TokenIdsConfig()
         return ModelConfig(
             family=NAME,
-            vision=VisionConfig(
-                arch="qwen3_vit",
-                depth=vision["depth"], hidden_size=vision["hidden_size"],
-                intermediate_size=vision["intermediate_size"], num_heads=vision["num_heads"],
-                in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 16),
-                temporal_patch_size=vision.get("temporal_patch_size", 2), hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-                norm="layer", num_position_embeddings=vision["num_position_embeddings"],
-                deepstack_layers=list(vision.get("deepstack_visual_indexes", [])),
-                window_size=None, fullatt_block_indexes=[],  # no window attention
-                # The processor's normalisation (preprocessor_config.json, not config.json): 0.5 / 0.5.
-                pixel_mean=[0.5, 0.5, 0.5], pixel_std=[0.5, 0.5, 0.5],
-            ),
-            projector=ProjectorConfig(arch="deepstack_mergers", spatial_merge_size=vision.get("spatial_merge_size", 2),
-                                      hidden_act="gelu", out_hidden_size=vision["out_hidden_size"]),
+            vision=vision_cfg,
+            projector=projector_cfg,
             language=LanguageConfig(
                 num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
                 ffn_hidden_size=text["intermediate_size"], num_attention_heads=heads,
@@ -96,7 +84,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
 
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
-    vis, lang, proj, tok = model_cfg.vision, model_cfg.language, model_cfg.projector, model_cfg.tokens
+    lang, tok = model_cfg.language, model_cfg.tokens
     moe = lang.num_experts > 0
     if moe and not lang.norm_topk_prob:
         raise ValueError("model.language.norm_topk_prob=false has no Qwen3-VL-MoE config.json: transformers' "
@@ -119,14 +107,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
                                 "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
             **(experts_to_hf(lang) if moe else {}),
         },
-        "vision_config": {
-            "model_type": vision_type, "depth": vis.depth, "hidden_size": vis.hidden_size,
-            "intermediate_size": vis.intermediate_size, "num_heads": vis.num_heads, "in_channels": vis.in_channels,
-            "patch_size": vis.patch_size, "temporal_patch_size": vis.temporal_patch_size,
-            "spatial_merge_size": proj.spatial_merge_size, "out_hidden_size": proj.out_hidden_size,
-            "num_position_embeddings": vis.num_position_embeddings,
-            "deepstack_visual_indexes": list(vis.deepstack_layers), "hidden_act": vis.hidden_act,
-        },
+        "vision_config": tower_to_hf(model_cfg, vision_type),
     }
 
 

@@ -120,7 +120,7 @@ def build_encoder_alone(build: BuildVisionEncoder, model_cfg: ModelConfig, *, pa
     alone = single_rank_groups() if group is None else ProcessGroupCollection(tp=group, cp=group, pp=group)
     encoder = build(EncoderBuild(
         model_cfg=model_cfg, vision_tp=1, tp_group=alone.tp, pgs=vision_pg_collection(alone.tp, alone),
-        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype)),
+        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype), device),
         params_dtype=params_dtype, on_cpu=on_cpu, recompute=False,
         init_seed=torch.initial_seed() if init_seed is None else init_seed))
     return encoder.to(device).eval()
