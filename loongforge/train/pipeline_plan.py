@@ -2,7 +2,8 @@
 layout with the smallest predicted step (``--dry-run --suggest-layout``).
 
 Work: a stage's training FLOPs per micro-batch of one ``data.seq_len`` row, from the family's
-``training_flops``: the language layers' share (the row's decoder FLOPs / num_layers each), the vision
+``training_flops``: the language layers' share (the row's decoder FLOPs / num_layers each; a hybrid decoder's
+layers each their own type's), the vision
 encoder and projector on the first stage (a row whose image tokens fill ``IMAGE_SHARE`` of it, images
 at ``data.max_pixels``), the LM head on the last (every token a loss token: the most it can cost).
 
@@ -48,19 +49,28 @@ def equal_stage_bubble(pipeline: int, virtual: int, micro_batches: int) -> float
 
 @dataclass(frozen=True)
 class StageWork:
-    """Training FLOPs per micro-batch of one row: ``per_layer`` for each language layer, ``encoder``
+    """Training FLOPs per micro-batch of one row: ``per_layer`` for each language layer (``layers``: each
+    layer's own, where they differ: a hybrid decoder's linear- and full-attention layers), ``encoder``
     (vision + projector) on the first stage, ``head`` on the last."""
 
     per_layer: float
     encoder: float
     head: float
+    layers: tuple[float, ...] = ()
 
     def chunks(self, stages: PipelineStages) -> list[list[float]]:
         """FLOPs of every chunk: [PP][VP]."""
         last = (stages.pipeline - 1, stages.virtual - 1)
-        return [[stages.layers[r][v] * self.per_layer + (self.encoder if (r, v) == (0, 0) else 0.0)
+        return [[self._layers(stages, r, v) + (self.encoder if (r, v) == (0, 0) else 0.0)
                  + (self.head if (r, v) == last else 0.0) for v in range(stages.virtual)]
                 for r in range(stages.pipeline)]
+
+    def _layers(self, stages: PipelineStages, rank: int, chunk: int) -> float:
+        count = stages.layers[rank][chunk]
+        if not self.layers:
+            return count * self.per_layer
+        first = stages.first_layer(rank, chunk)
+        return sum(self.layers[first:first + count])
 
 
 @dataclass(frozen=True)
@@ -84,10 +94,23 @@ def row_work(cfg: RunConfig) -> StageWork:
     options = FlopOptions.from_training(cfg.training)
     grids = _row_images(cfg)
     patches = tuple(t * h * w for t, h, w in grids)
-    flops: StepFlops = get_family(model.family).training_flops(
-        model, [SampleCost(tokens=data.seq_len, patches=patches, loss_tokens=data.seq_len, grids=grids)], options)
+    row = [SampleCost(tokens=data.seq_len, patches=patches, loss_tokens=data.seq_len, grids=grids)]
+    family = get_family(model.family)
+    flops: StepFlops = family.training_flops(model, row, options)
     return StageWork(per_layer=flops.language / model.language.num_layers, encoder=flops.vision + flops.projector,
-                     head=flops.lm_head)
+                     head=flops.lm_head, layers=_layer_flops(cfg, row, options))
+
+
+def _layer_flops(cfg: RunConfig, row: list[SampleCost], options: FlopOptions) -> tuple[float, ...]:
+    """Each decoder layer's FLOPs on ``row`` where the layers differ (a hybrid decoder: the family's count of
+    a one-layer model of each type); () where every layer costs the same."""
+    language = cfg.model.language
+    if not language.layer_types:
+        return ()
+    family = get_family(cfg.model.family)
+    per_type = {kind: family.training_flops(dataclasses.replace(cfg.model, language=dataclasses.replace(
+        language, num_layers=1, layer_types=[kind])), row, options).language for kind in set(language.layer_types)}
+    return tuple(per_type[kind] for kind in language.layer_types)
 
 
 def _row_images(cfg: RunConfig) -> tuple[tuple[int, int, int], ...]:

@@ -84,13 +84,14 @@ def test_qwen3_vl_with_a_photo(tmp_path):
 # square and its anyres crops of 56 px (packed by the photo's size); Qwen3.5's smart-resized patch grid through
 # one Gated DeltaNet layer and one gated attention layer (its layer_types cut to the two layers).
 COMPOSED = {"internvl": "patch grid [13, 4, 4]", "llava_onevision": "patch grid [7, 4, 4]",
-            "qwen3_5": "patch grid [1, 14, 40]"}
+            "qwen3_5": "patch grid [1, 14, 40]", "qwen3_5_moe": "patch grid [1, 14, 40]"}
 
 
 @pytest.mark.parametrize("family", sorted(COMPOSED))
 def test_composed_families_with_a_photo_at_tp1_and_tp2(family, tmp_path):
     """InternVL3.5 (InternViT, pixel shuffle, Qwen3) and LLaVA-OneVision (SigLIP, MLP, anyres packing,
-    Qwen2) under 1-D RoPE; transformers gets the tiles or padded squares its processor returns."""
+    Qwen2) under 1-D RoPE; transformers gets the tiles or padded squares its processor returns. Qwen3.5 and
+    Qwen3.5-MoE (a Gated DeltaNet layer and a gated attention layer; the MoE's routed and shared experts)."""
     import torch
     import transformers
 
@@ -98,9 +99,11 @@ def test_composed_families_with_a_photo_at_tp1_and_tp2(family, tmp_path):
     from loongforge.models.registry import get_family
     from tests.models.tower_helpers import randomised
 
-    hybrid = ["model.language.layer_types=[linear_attention,full_attention]"] if family == "qwen3_5" else []
-    cfg = load_run_config(get_family(family).tiny_preset, overrides=["model.language.num_layers=2",
-                                                                     "model.language.tie_word_embeddings=false", *hybrid])
+    hybrid = ["model.language.layer_types=[linear_attention,full_attention]"] if family.startswith("qwen3_5") else []
+    preset = "qwen3.5-moe-tiny" if family == "qwen3_5_moe" else get_family(family).tiny_preset
+    family = family.removesuffix("_moe")
+    cfg = load_run_config(preset, overrides=["model.language.num_layers=2", "model.language.tie_word_embeddings=false",
+                                             *hybrid])
     config = transformers.AutoConfig.for_model(**get_family(family).config_to_hf(cfg.model, "float32"))
     torch.manual_seed(0)
     randomised(transformers.AutoModelForImageTextToText.from_config(config)).save_pretrained(tmp_path / "hf")

@@ -1,11 +1,12 @@
 """Tensor parallel size 2 over gloo (two spawned processes), without and with sequence parallelism, gives
-transformers' Qwen3.5 logits and losses on text, an image, two images, a video and a packed row of three
+transformers' Qwen3.5 (and Qwen3.5-MoE) logits and losses on text, an image, two images, a video and a packed row of three
 samples; each rank holds whole key-head groups of every Gated DeltaNet layer, a distributed checkpoint
 records the TP-independent whole shapes (so it reshards), and both ranks' shards convert back to the
 transformers weights bit for bit."""
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -76,8 +77,10 @@ def _even_length_sample(model_cfg, **layout):
     return sample if sample.input_ids.shape[1] % 2 == 0 else make_sample(model_cfg, text_len=13, **layout)
 
 
-def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path):
-    model_cfg = tiny_model_cfg()
+@pytest.mark.parametrize("kind", ["dense", "moe"])
+def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path, kind):
+    """Qwen3.5-MoE's experts split over TP like the dense MLP (expert TP = TP), its shared expert too."""
+    model_cfg = tiny_model_cfg(moe=kind == "moe")
     hf_model = build_hf_model(model_cfg)
     samples = {name: _even_length_sample(model_cfg, **layout) for name, layout in LAYOUTS.items()}
     references = {name: hf_logits(hf_model, s) for name, s in samples.items()}
@@ -106,7 +109,7 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
 
     results = torch.load(tmp_path / "outputs.pt", weights_only=False)
     assert results["global_shapes"] == SHARDED_SHAPES
-    expected = to_hub_style(hf_model.state_dict())
+    expected = to_hub_style(hf_model.state_dict())  # the MoE's experts one tensor each, as the Hub keeps them
     expected.pop("lm_head.weight")  # tied
     assert results["written"].keys() == expected.keys()
     assert all(torch.equal(results["written"][key], expected[key]) for key in expected)
@@ -120,4 +123,4 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
             assert relative(logits, reference) <= TOLERANCE, (name, sequence_parallel)
             assert (loss[0][~picked] == 0).all(), (name, sequence_parallel)
             assert relative(loss[0][picked], reference_loss) <= TOLERANCE, (name, sequence_parallel)
-    print(f"\nqwen3.5 TP 2 (and + SP) vs transformers: logits within {worst:.1e} of the largest")
+    print(f"\nqwen3.5 {kind} TP 2 (and + SP) vs transformers: logits within {worst:.1e} of the largest")

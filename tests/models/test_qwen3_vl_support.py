@@ -192,8 +192,10 @@ def test_vision_facts_read_from_the_hf_config():
 def test_vision_facts_from_model_cfg_need_the_qwen3_vl_fields():
     model_cfg = tiny_model_cfg()
     assert Qwen3VisionConfig.from_model_cfg(model_cfg) == TINY_VISION
-    model_cfg.vision.num_position_embeddings, model_cfg.vision.deepstack_layers = None, []
-    with pytest.raises(ValueError, match=r"model.vision.num_position_embeddings, model.vision.deepstack_layers must be set"):
+    model_cfg.vision.deepstack_layers = []  # the tower without DeepStack taps (Qwen3.5's)
+    assert Qwen3VisionConfig.from_model_cfg(model_cfg).num_deepstack_layers == 0
+    model_cfg.vision.num_position_embeddings = None
+    with pytest.raises(ValueError, match=r"model.vision.num_position_embeddings must be set"):
         Qwen3VisionConfig.from_model_cfg(model_cfg)
     model_cfg = tiny_model_cfg()
     model_cfg.vision.norm = "rms"

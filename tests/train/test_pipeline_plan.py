@@ -42,6 +42,20 @@ def test_a_heavy_first_stage_is_the_steps_pace_and_the_balanced_split_takes_laye
     assert balanced_stages(8, 2, 1, work, first_stage_min=4).layers == ((4,), (4,))
 
 
+def test_a_hybrid_decoders_stages_count_their_own_layers():
+    """qwen3.5-tiny's layers (3 Gated DeltaNet, then gated attention) at PP 2: the second stage holds the
+    attention layer, whose 1k-token row costs more than a linear layer's; each chunk sums its own layers."""
+    cfg = load_run_config("qwen3.5-tiny", overrides=["data.seq_len=1024"])
+    work = row_work(cfg)
+    linear, full = work.layers[0], work.layers[3]
+    assert work.layers == (linear, linear, linear, full) and full > linear
+    assert work.per_layer == pytest.approx(sum(work.layers) / 4)
+    chunks = work.chunks(PipelineStages(((2,), (2,))))
+    assert chunks[0][0] == pytest.approx(2 * linear + work.encoder)
+    assert chunks[1][0] == pytest.approx(linear + full + work.head)
+    print(f"\nqwen3.5-tiny at 1k tokens: linear layer {linear / 1e9:.3f} GFLOP, attention layer {full / 1e9:.3f}")
+
+
 @pytest.mark.parametrize("preset, overrides, layers", [
     ("qwen2.5vl-tiny", ["parallel.virtual_pipeline_model_parallel_size=2"], ["0", "1", "2", "3"]),
     ("llm-tiny", ["parallel.virtual_pipeline_model_parallel_size=2"], ["0", "1", "2", "3"]),

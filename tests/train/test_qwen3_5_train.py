@@ -90,5 +90,5 @@ def test_stopped_and_resumed_run_is_bit_identical(runs, tmp_path):
 def test_stored_embeddings_train_like_the_frozen_encoder(tmp_path):
     """``loongforge encode`` stores Qwen3.5's merged features (no DeepStack sets to keep)."""
     assert_stored_embeddings_train_like_the_frozen_encoder(
-        tmp_path, PRESET, DEMO_IMAGES, "model.language.layer_types=[linear_attention,full_attention]",
-        "data.seq_len=1024")
+        tmp_path, PRESET, DEMO_IMAGES, "model.language.num_layers=2",
+        "model.language.layer_types=[linear_attention,full_attention]", "data.seq_len=1024", "data.max_pixels=12544")
