@@ -161,26 +161,32 @@ class SDPACoreAttention(_CoreAttentionBase):
         return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
 
     def _packed(self, q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
-        """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd], attending within each segment."""
+        """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd], attending within each segment.
+
+        Segments of one length run as one batch. The row is reordered once (segments grouped by length),
+        cut once and put back once: gathering or writing each group on its own would make autograd build a
+        whole row's gradient per group (quadratic in a row of many samples)."""
         if len(lengths) == 1:  # one sequence: no gather/scatter needed
             return self._sdpa(*(x.transpose(0, 1)[None] for x in (q, k, v)), causal)[0].transpose(0, 1)
         starts = [0]
         for length in lengths[:-1]:
             starts.append(starts[-1] + length)
-        out = torch.empty_like(q)
         by_length: dict[int, list[int]] = {}
         for start, length in zip(starts, lengths):
             if length > 0:
                 by_length.setdefault(length, []).append(start)
-        for length, group_starts in by_length.items():
-            # token index of every segment of this length: [n_seg, length]
-            index = torch.tensor(group_starts, device=q.device)[:, None] + torch.arange(
-                length, device=q.device
-            )
-            # [n_seg, length, heads, hd] -> [n_seg, heads, length, hd]
-            qs, ks, vs = (x[index].transpose(1, 2) for x in (q, k, v))
-            out[index] = self._sdpa(qs, ks, vs, causal).transpose(1, 2)
-        return out
+        # token order with the segments grouped by length: [t]
+        order = torch.cat([(torch.tensor(group_starts, device=q.device)[:, None]
+                            + torch.arange(length, device=q.device)).reshape(-1)
+                           for length, group_starts in by_length.items()])
+        sizes = [length * len(group_starts) for length, group_starts in by_length.items()]
+        outputs = []
+        for (length, group_starts), qs, ks, vs in zip(by_length.items(),
+                                                       *(x.index_select(0, order).split(sizes) for x in (q, k, v))):
+            # [n_seg * length, heads, hd] -> [n_seg, heads, length, hd]
+            qs, ks, vs = (x.reshape(len(group_starts), length, *x.shape[1:]).transpose(1, 2) for x in (qs, ks, vs))
+            outputs.append(self._sdpa(qs, ks, vs, causal).transpose(1, 2).reshape(-1, *q.shape[1:]))
+        return torch.cat(outputs)[torch.argsort(order)]  # back to the row's order
 
     def _context_parallel(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]; one SDPA call per
