@@ -25,8 +25,9 @@ from loongforge.config.schema import (
 )
 from loongforge.models.decoder.hf_config import experts_from_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
-from loongforge.models.qwen3_5.hf_mapping import to_hub_style, tower_hf_shapes
+from loongforge.models.qwen3_5.hf_mapping import to_hub_style
 from loongforge.models.towers.qwen3_vit.hf_config import tower_from_hf, tower_to_hf
+from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes
 
 NAME = "qwen3_5"
 _DENSE, _MOE = "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"

@@ -19,7 +19,6 @@ from typing import Mapping
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
 from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
-from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes as flat_tower_hf_shapes
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_rules
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
@@ -38,6 +37,3 @@ def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     tensor per expert and projection."""
     return hub_experts(rename_prefixes(hf_state, _FLAT_TO_NESTED))
 
-
-def tower_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return flat_tower_hf_shapes(model_cfg)
