@@ -36,4 +36,3 @@ def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
     """Nested names, and transformers 5's fused experts (``experts.gate_up_proj``) split into the Hub's one
     tensor per expert and projection."""
     return hub_experts(rename_prefixes(hf_state, _FLAT_TO_NESTED))
-
