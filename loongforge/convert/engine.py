@@ -339,10 +339,22 @@ def check_hf_tensors(src: HFCheckpoint, model_cfg: ModelConfig, against: str) ->
             raise InputError(f"{entry.file}: tensor {entry.key} has shape {list(entry.shape)} but {against} "
                              f"expects {list(shape)}")
     for key, entry in src.entries.items():
+        if key.startswith(family.hf_unread):
+            continue
         if key not in expected and not (key == "lm_head.weight" and model_cfg.language.tie_word_embeddings):
             raise InputError(f"{entry.file}: unexpected tensor {entry.key}: not part of a {family.name} model with "
                              f"{against}")
     return expected
+
+
+def unread_note(src: HFCheckpoint, model_cfg: ModelConfig) -> list[str]:
+    """One line per prefix of the family's ``hf_unread`` whose tensors ``src`` holds: how many were not read."""
+    notes = []
+    for prefix in family_of(model_cfg).hf_unread:
+        count = sum(key.startswith(prefix) for key in src.entries)
+        if count:
+            notes.append(f"{count} tensors under {prefix} not read (no place for them in this model)")
+    return notes
 
 
 def check_layout(model_cfg: ModelConfig, tp: int, pp: int, vision_tp: Optional[int], *, vp: Optional[int] = None,
@@ -396,6 +408,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     items = [McoreItem(link.mcore_key, global_shapes[link.mcore_key], item_dtype(link), link.layer, produce(link),
                        expert=link.expert) for link in links]
     report = ConversionReport("hf->mcore", str(src), str(dst))
+    report.notes.extend(unread_note(checkpoint, model_cfg))
     bar = Progress(len(items), "hf -> mcore", progress)
     with staged_folder(dst, overwrite, report.notes) as tmp:
         write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))

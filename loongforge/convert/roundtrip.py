@@ -52,6 +52,7 @@ class RoundTripReport:
     tensors: list[TensorResult] = field(default_factory=list)
     missing: list[str] = field(default_factory=list)
     unexpected: list[str] = field(default_factory=list)
+    unread: int = 0  # tensors under the family's ``hf_unread`` prefixes (not part of the model)
 
     @property
     def exact(self) -> bool:
@@ -72,6 +73,8 @@ class RoundTripReport:
         lines += [f"{t.key:<{width}}  {t.status:<9}  {t.max_abs_diff:.3e}" for t in self.tensors]
         lines += [f"{k:<{width}}  {'missing':<9}  -" for k in self.missing]
         lines += [f"{k:<{width}}  {'unexpected':<9}  -" for k in self.unexpected]
+        if self.unread:
+            lines.append(f"{self.unread} tensors of the source not read (the family's unread prefixes)")
         c = self.counts()
         vision = "" if self.vision_tp is None else f", vision_tp={self.vision_tp}"
         lines.append(f"round trip HF -> mcore (tp={self.tp}, pp={self.pp}{vision}) -> HF: "
@@ -177,6 +180,8 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
                 produced.add(key)
             bar.update(chunk.nbytes)
         bar.close()
-    report.missing = sorted(set(checkpoint.entries) - produced)
-    report.unexpected = sorted(produced - set(checkpoint.entries))
+    read = {key for key in checkpoint.entries if not key.startswith(checkpoint.family.hf_unread)}
+    report.unread = len(checkpoint.entries) - len(read)
+    report.missing = sorted(read - produced)
+    report.unexpected = sorted(produced - read)
     return report

@@ -186,6 +186,10 @@ class ModelFamily:
     # inputs of ``hf_model_class``'s forward, the media as its processor gives them (``convert
     # --check-logits``); default: the ids alone (a text-only family).
     hf_model_inputs: Callable[[ModelConfig, dict], dict] = text_model_inputs
+    # Prefixes of HF tensors the family's published checkpoints hold that this model has no place for
+    # (Qwen3.5's multi-token-prediction head, ``mtp.``): not read on import, their count noted, never an
+    # error; transformers' own class skips them too.
+    hf_unread: tuple[str, ...] = ()
     # The decoder's rotary positions: "mrope" (Qwen-VL's three sections, ``model.language.mrope_section``)
     # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty); None:
     # the run's (M-RoPE where it gives ``mrope_section``).

@@ -71,3 +71,31 @@ def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     verdict = result.output.strip().splitlines()[-1]
     assert verdict.startswith("round trip HF -> mcore (tp=2, pp=2")
     assert verdict.endswith(f"{tensors} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT"), verdict
+
+
+def test_qwen3_5s_multi_token_prediction_head_is_noted_not_read(tmp_path):
+    """The Hub's Qwen3.5 checkpoints carry an MTP head (``mtp.*``) the model has no place for (transformers skips
+    it too): conversion notes it and reads the rest; a stray tensor elsewhere is still one line, exit 2."""
+    import torch
+    from safetensors.torch import save_file
+
+    src = tmp_path / "hf"
+    tensors = _save_composition("qwen3_5", src)
+    save_file({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)}, str(src / "mtp.safetensors"))
+    _drop_index(src)
+    result = invoke(str(src), str(tmp_path / "mcore"), "--to", "mcore")
+    assert result.exit_code == 0, result.output
+    assert "2 tensors under mtp. not read" in result.output
+    result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
+    assert result.exit_code == 0 and "2 tensors of the source not read" in result.output, result.output
+    assert result.output.strip().endswith(f"{tensors} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT")
+    save_file({"model.stray.weight": torch.zeros(2)}, str(src / "stray.safetensors"))
+    result = invoke(str(src), str(tmp_path / "mcore2"), "--to", "mcore")
+    assert result.exit_code == 2 and "unexpected tensor model.stray.weight" in result.output, result.output
+
+
+def _drop_index(folder) -> None:
+    """Without the index the files' headers say what each holds (the added files included)."""
+    index = folder / "model.safetensors.index.json"
+    if index.exists():
+        index.unlink()

@@ -43,4 +43,6 @@ FAMILY = ModelFamily(
                                          video_processor_class="Qwen3VLVideoProcessor"),
     # Resolves to Qwen3_5ForConditionalGeneration or Qwen3_5MoeForConditionalGeneration by model_type.
     hf_model_class="AutoModelForImageTextToText",
+    # The Hub checkpoints' multi-token-prediction head (transformers' Qwen3.5 classes skip it as well).
+    hf_unread=("mtp.",),
 )
