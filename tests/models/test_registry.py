@@ -19,7 +19,7 @@ from loongforge.models.qwen2_5_vl.model import build_model
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
            "tiny_preset": str, "hf_model_class": (str, type(None)), "vision_part": (str, type(None)),
-           "rope": (str, type(None))}
+           "rope": (str, type(None)), "hf_unread": tuple}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
