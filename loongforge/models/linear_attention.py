@@ -74,9 +74,10 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     # The row is cut into its chunks once (``split``) and their outputs joined once (``cat``): slicing each
     # chunk out, or writing each into a preallocated row, would make autograd build a whole row's gradient
     # per chunk (quadratic in the row's length).
-    chunks = [(first, min(first + chunk_size, end)) for start, end in _segments(cu_seqlens, v.shape[1])
+    segments = _segments(cu_seqlens, v.shape[1])
+    chunks = [(first, min(first + chunk_size, end)) for start, end in segments
               for first in range(start, end, chunk_size)]
-    starts = {start for start, _ in _segments(cu_seqlens, v.shape[1])}
+    starts = {start for start, _ in segments}
     sizes = [end - first for first, end in chunks]
     pieces, state = [], None
     for (first, _), q_c, k_c, v_c, g_c, beta_c in zip(chunks, *(x.split(sizes, dim=1) for x in (q, k, v, g, beta))):
