@@ -24,7 +24,7 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "b_parity": "b. the run's process group (an all-reduce of a CPU and a device tensor), logits parity vs "
                       "transformers (fp32)",
           "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
-          "d_pytest": "d. CPU test suite (fast part) with the GPU visible",
+          "d_pytest": "d. CPU test suite (fast part) on the GPU machine",
           "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
           "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)",
           "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training",
@@ -242,7 +242,11 @@ def check_pytest(work: Path, args) -> tuple[bool, dict, str]:
     log = (work / "d_pytest.log").read_text(errors="replace")
     summary = [line for line in log.splitlines() if re.search(r"\d+ (passed|failed|error)", line)]
     last = summary[-1].strip("= ") if summary else "no pytest summary line"
-    return args.rc == 0, {"summary": last}, last
+    # One line per failed test from the step's plugin (scripts/gpu_check_failures.py), also when cut off.
+    failed = sorted({line.split(" ", 2)[1] for line in log.splitlines() if line.startswith("FAILED ")})
+    if failed:
+        last += f"; failed: {', '.join(failed[:12])}" + (f" and {len(failed) - 12} more" if len(failed) > 12 else "")
+    return args.rc == 0, {"summary": last, "failed": failed}, last
 
 
 def check_cost(work: Path, args) -> tuple[bool, dict, str]:

@@ -17,7 +17,8 @@
 #   c. `loongforge bench model`: a Qwen2.5-VL-7B-shaped stack (real widths, 4 language layers, the
 #      tower's first 8 blocks) on 8192 packed tokens with real image sizes, bf16 forward+backward:
 #      tokens/s, MFU, and transformers (sdpa) on the same samples;
-#   d. the CPU test suite with the GPU visible, less its slow training files and the video tests;
+#   d. the CPU test suite on the GPU machine (tests/conftest.py hides the GPU from it), less its slow
+#      training files and the video tests;
 #   e. `loongforge profile --sweep` + `loongforge fit-cost` on the stack of c (CUDA-event timing):
 #      held-out median per-micro-batch error of the cost model, target <= 5%;
 #   f. train qwen3-moe-tiny on CUDA in bf16 (megatron-core's MoE layer, all-to-all dispatcher, the
@@ -92,7 +93,7 @@ build_wheels() {
     echo "FAIL: too large to travel" >&2
     return 1
   fi
-  echo "next: the device tool's run with carry [\".gpu_wheels\"], command \"bash scripts/gpu_check.sh\", timeout_s 540"
+  echo "next: the device tool's run with carry [\".gpu_wheels\"], command \"bash scripts/gpu_check.sh\", timeout_s 580"
 }
 
 # -------------------------------------------------------------------------------------------------
@@ -100,7 +101,7 @@ build_wheels() {
 # -------------------------------------------------------------------------------------------------
 
 gpu_settings() {
-  export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-530}"
+  export MODE=gpu DEVICE=cuda BUDGET_S="${GPU_CHECK_BUDGET_S:-565}"
   export TRAIN_PRESET=qwen2.5vl-tiny MOE_PRESET=qwen3-moe-tiny
   export TRAIN_DTYPE=bf16 TRAIN_STEPS=30 TRAIN_EXIT=20 TRAIN_EXTRA="" TRAIN_LOSS_RATIO=0.9
   export BENCH_PRESET=qwen2.5vl-7b BENCH_LAYERS=4 BENCH_BLOCKS=8 BENCH_TOKENS=8192 BENCH_SAMPLES=4
@@ -119,7 +120,8 @@ gpu_settings() {
   export FP8_TP="1 2 4" FP8_STEPS=100 FP8_GEMM_ARGS="--steps 10 --warmup-steps 3" FP8_TARGETS="--min-ratio 1.15 --max-loss-diff 0.01"
   export HYBRID_PRESET=qwen3.5-tiny HYBRID_STEPS=20 HYBRID_EXTRA="" HYBRID_LENGTHS=2048,8192,32768 HYBRID_RULE=fla
   # Run order a b c f h g e d: d (CPU tests) is the least GPU-specific and gets what is left.
-  export LIMIT_A=80 LIMIT_B=40 LIMIT_C=80 LIMIT_D=60 LIMIT_E=90 LIMIT_F=40 LIMIT_G=150 LIMIT_H=60
+  # Measured on the H200 (2026-12-04, docs/benchmarks/gpu.md): fla's Triton autotuning takes ~1 min of h.
+  export LIMIT_A=60 LIMIT_B=35 LIMIT_C=60 LIMIT_D=60 LIMIT_E=70 LIMIT_F=40 LIMIT_G=110 LIMIT_H=140
 }
 
 rehearsal_settings() {
@@ -173,10 +175,12 @@ step_c_bench() {
 }
 
 step_d_pytest() {
-  # The tests pick CPU themselves; CUDA stays visible. Two threads per worker: no oversubscription.
+  # tests/conftest.py hides the GPU (the suite is CPU-only). Two threads per worker: no oversubscription.
   export OMP_NUM_THREADS=2
   # shellcheck disable=SC2086
-  run "$PY" -m pytest -p no:cacheprovider -x $PYTEST_ARGS $PYTEST_PATHS  # addopts has -q
+  # Not -x: a cut-off step still lists every failure so far (the plugin prints each as it happens).
+  export PYTHONPATH="$REPO/scripts${PYTHONPATH:+:$PYTHONPATH}"
+  run "$PY" -m pytest -p no:cacheprovider -p gpu_check_failures --maxfail=20 $PYTEST_ARGS $PYTEST_PATHS  # addopts has -q
 }
 
 step_e_cost() {

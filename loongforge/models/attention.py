@@ -24,12 +24,14 @@ to its sample's keys up to the chunk's end, causal with the diagonal at the bott
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass
 from typing import Optional
 
 import torch
 import torch.nn.functional as F
+from torch.nn.attention import SDPBackend, sdpa_kernel
 from megatron.core import parallel_state
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
@@ -210,16 +212,31 @@ class SDPACoreAttention(_CoreAttentionBase):
         # GQA: each group of np/ng consecutive query heads shares one key/value head. SDPA reads
         # the shared heads in place (enable_gqa) instead of a repeated copy of k and v.
         divide(q.shape[1], k.shape[1])  # raises unless the groups divide the heads
-        return F.scaled_dot_product_attention(
-            q,
-            k,
-            v,
-            attn_mask=mask,
-            dropout_p=self.dropout_p if self.training else 0.0,
-            is_causal=causal,
-            scale=self.softmax_scale,
-            enable_gqa=k.shape[1] != q.shape[1],
-        )
+        backends = sdpa_backends(q.device)
+        with sdpa_kernel(backends) if backends else contextlib.nullcontext():
+            return F.scaled_dot_product_attention(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=self.dropout_p if self.training else 0.0,
+                is_causal=causal,
+                scale=self.softmax_scale,
+                enable_gqa=k.shape[1] != q.shape[1],
+            )
+
+
+# SDPA's kernels on CUDA, in order. Not cuDNN's: torch 2.11 tries it first on Hopper, and it builds an
+# execution plan for every new shape, ~84 ms fwd+bwd on the H200 (flash: 0.5 ms). Packed rows of samples
+# of every length meet new shapes all along a run: qwen2.5vl-tiny's steps took 0.9-14 s with it, 0.35 s
+# without (docs/benchmarks/gpu.md). Efficient attention takes masks but not GQA; math takes anything.
+_CUDA_SDPA_BACKENDS = (SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH)
+
+
+def sdpa_backends(device: torch.device) -> Optional[list]:
+    """The SDPA kernels this module lets torch choose from on ``device``: on CUDA all but cuDNN's; None
+    (torch's own choice) elsewhere."""
+    return list(_CUDA_SDPA_BACKENDS) if device.type == "cuda" else None
 
 
 def _spans(starts: list[int], length: int, device) -> torch.Tensor:

@@ -22,7 +22,7 @@ from __future__ import annotations
 import dataclasses
 import importlib.util
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, Optional
 
 import torch
 import torch.nn.functional as F
@@ -134,12 +134,17 @@ class BlockModules:
     column_linear: type
     row_linear: type
     core_attention: type
-    # The gated delta rule of linear-attention layers (``models.linear_attention``'s signature).
-    linear_attention: Callable[..., torch.Tensor] = linear_attention.chunked
+    # The gated delta rule of linear-attention layers (``models.linear_attention``'s signature); None in
+    # models without such layers, which never import its GPU kernel (fla's import registers a few dozen
+    # custom ops: ~12 s of every process's start on the H200 machine, docs/benchmarks/gpu.md).
+    linear_attention: Optional[Callable[..., torch.Tensor]] = None
 
     def describe(self) -> str:
-        rule = "fla" if self.linear_attention is linear_attention.fla_chunked else "torch"
-        return f"{self.backend} ({_DESCRIPTIONS[self.backend]}; gated delta rule: {rule})"
+        text = _DESCRIPTIONS[self.backend]
+        if self.linear_attention is not None:
+            text += "; gated delta rule: " + ("fla" if self.linear_attention is linear_attention.fla_chunked
+                                              else "torch")
+        return f"{self.backend} ({text})"
 
 
 _DESCRIPTIONS = {
@@ -214,9 +219,11 @@ def resolve_layer_backend(requested: str, device: torch.device | str, dtype: tor
     return requested
 
 
-def block_modules(backend: str, device: torch.device | str = "cpu") -> BlockModules:
-    """The modules of a resolved backend (see ``resolve_layer_backend``) on ``device``."""
-    rule = linear_attention_rule(device)
+def block_modules(backend: str, device: torch.device | str = "cpu", *,
+                  linear_attention_layers: bool = False) -> BlockModules:
+    """The modules of a resolved backend (see ``resolve_layer_backend``) on ``device``; with the gated delta
+    rule for ``device`` where the model has linear-attention layers."""
+    rule = linear_attention_rule(device) if linear_attention_layers else None
     if backend == "te":
         # Imported only here: importing it needs transformer_engine.
         from megatron.core.extensions.transformer_engine import (

@@ -7,10 +7,11 @@ import pytest
 import torch
 from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 from megatron.core.transformer.transformer_config import TransformerConfig
+from torch.nn.attention import SDPBackend
 
 from loongforge.config.errors import ConfigError
 from loongforge.models import layer_backend
-from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
+from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention, sdpa_backends
 from loongforge.models.layer_backend import (
     RMSNorm,
     RMSNormColumnParallelLinear,
@@ -120,3 +121,21 @@ def test_fused_norm_linear_equals_norm_then_linear(megatron_world_of_one):
     out, _ = fused(x)
     expected = torch.nn.functional.linear(norm(x), fused.weight, fused.bias)
     torch.testing.assert_close(out, expected, rtol=0, atol=1e-6)
+
+
+def test_sdpa_on_cuda_never_picks_cudnn():
+    # cuDNN's attention plans every new shape (~84 ms on the H200, flash 0.5 ms): packed rows make new
+    # shapes every step (docs/benchmarks/gpu.md). On the CPU torch chooses as it likes.
+    cuda = sdpa_backends(torch.device("cuda"))
+    print("SDPA kernels allowed on CUDA:", cuda)
+    assert SDPBackend.CUDNN_ATTENTION not in cuda
+    assert cuda[0] == SDPBackend.FLASH_ATTENTION and SDPBackend.MATH in cuda
+    assert sdpa_backends(torch.device("cpu")) is None
+
+
+def test_models_without_linear_attention_never_resolve_its_kernel():
+    # fla's import costs ~12 s of a CUDA process's start; only hybrid models pick a gated delta rule.
+    plain = block_modules("sdpa", CUDA)
+    assert plain.linear_attention is None and "gated delta rule" not in plain.describe()
+    hybrid = block_modules("sdpa", CPU, linear_attention_layers=True)
+    assert hybrid.linear_attention is not None and "gated delta rule: torch" in hybrid.describe()

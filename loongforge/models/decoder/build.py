@@ -52,7 +52,8 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     check_parallel_state(parallel_cfg, pgs)
     return BuildContext(device=device, on_cpu=on_cpu,
                         init_seed=torch.initial_seed() if init_seed is None else init_seed,
-                        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype), device),
+                        modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype), device,
+                                              linear_attention_layers=model_cfg.language.linear_attention is not None),
                         pgs=pgs, encoder_cp=_single_rank_group(pgs.cp))
 
 

@@ -95,6 +95,9 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
 def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
     """A hybrid model's linear-attention layer: x + GatedDeltaNet(norm(x)), then the MLP as in
     ``transformer_layer_spec`` (the pre-norm fused into the projection, ``in_proj.layer_norm_weight``)."""
+    if modules.linear_attention is None:
+        raise ValueError("block modules built without a gated delta rule: "
+                         "block_modules(..., linear_attention_layers=True)")
     spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
     spec.submodules.self_attention = ModuleSpec(module=GatedDeltaNet, submodules=GatedDeltaNetSubmodules(
         in_proj=modules.norm_column_linear, out_proj=modules.row_linear, rule=modules.linear_attention))
