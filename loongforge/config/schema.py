@@ -89,6 +89,37 @@ LAYER_TYPES = ("full_attention", "linear_attention")
 
 
 @dataclass
+class YarnConfig:
+    """YaRN's RoPE extension (DeepSeek-V2/V3, Kimi K2): the rotary frequencies interpolated between
+    ``beta_slow`` and ``beta_fast`` rotations over the original context, cos/sin scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax by mscale(factor,
+    mscale_all_dim)^2, where mscale(s, m) = 0.1 m ln(s) + 1 (transformers' ``rope_type: yarn``)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight): every head's keys and values come up
+    from one shared latent of ``kv_lora_rank`` channels per token; each head's query and key are
+    ``qk_nope_head_dim`` channels without position plus ``qk_rope_head_dim`` rotated ones, the key's
+    rotated part one per token shared by all heads (its own slice of the latent projection)."""
+
+    # Queries through a low-rank latent of this width (with an RMSNorm); null: one full-rank projection
+    # (DeepSeek-V2-Lite).
+    q_lora_rank: Optional[int] = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+
+@dataclass
 class LanguageConfig:
     """The decoder (``language_model`` in transformers): Qwen2, Qwen3 or Llama blocks."""
 
@@ -143,6 +174,31 @@ class LanguageConfig:
     partial_rotary_factor: float = 1.0
     # RMSNorms scale by (1 + weight), the weight starting at zero (Qwen3.5, Gemma).
     zero_centered_norms: bool = False
+    # Multi-latent attention in place of GQA (DeepSeek-V2/V3); null: GQA (num_query_groups, head_dim).
+    multi_latent_attention: Optional[MLAConfig] = None
+    # YaRN RoPE scaling (with multi-latent attention); null: plain RoPE.
+    yarn: Optional[YarnConfig] = None
+    # With experts: the first layers keep the dense SwiGLU MLP of ffn_hidden_size (DeepSeek's
+    # first_k_dense_replace); the rest are sparse.
+    first_dense_layers: int = 0
+    # The router's scores: "softmax" over the experts (Qwen3-MoE, DeepSeek-V2) or a "sigmoid" per expert,
+    # the top-k renormalised (DeepSeek-V3).
+    moe_router_score_function: str = "softmax"
+    # The router's logits in fp32 whatever the training precision (DeepSeek's routers are).
+    moe_router_fp32: bool = False
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores when choosing
+    # experts (never to the weights), moved after every step by this rate toward the layer's mean load
+    # (each expert's bias +rate below the mean, -rate above); 0: no bias.
+    moe_router_bias_update_rate: float = 0.0
+    # Group-limited routing: the experts in this many equal groups, each token choosing among the
+    # moe_router_group_topk groups with the largest sums of their top (topk / group_topk) scores; null: none.
+    moe_router_num_groups: Optional[int] = None
+    moe_router_group_topk: Optional[int] = None
+    # The routing weights times this factor (DeepSeek's routed_scaling_factor).
+    moe_routed_scaling_factor: float = 1.0
+    # The shared expert's output scaled by sigmoid of a learned gate per token (Qwen3.5-MoE); false: added
+    # as it is (DeepSeek's shared experts).
+    moe_shared_expert_gate: bool = True
 
 
 @dataclass

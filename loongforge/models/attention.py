@@ -54,6 +54,8 @@ class _CoreAttentionBase(MegatronModule):
         attention_type: str,
         attention_dropout: Optional[float] = None,
         softmax_scale: Optional[float] = None,
+        k_channels: Optional[int] = None,
+        v_channels: Optional[int] = None,
         cp_comm_type: Optional[str] = None,
         pg_collection: Optional[ProcessGroupCollection] = None,
     ):
@@ -64,7 +66,9 @@ class _CoreAttentionBase(MegatronModule):
         self.cp_group = _context_group(config, pg_collection)
         self.layer_number = layer_number
         self.attn_mask_type = attn_mask_type
-        head_dim = config.kv_channels
+        # Multi-latent attention gives its query/key width (k_channels: rotary channels included) and
+        # value width, which differ; megatron passes its softmax scale too (YaRN's mscale in it).
+        head_dim = k_channels or config.kv_channels
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
@@ -187,14 +191,15 @@ class SDPACoreAttention(_CoreAttentionBase):
                                                        *(x.index_select(0, order).split(sizes) for x in (q, k, v))):
             # [n_seg * length, heads, hd] -> [n_seg, heads, length, hd]
             qs, ks, vs = (x.reshape(len(group_starts), length, *x.shape[1:]).transpose(1, 2) for x in (qs, ks, vs))
-            outputs.append(self._sdpa(qs, ks, vs, causal).transpose(1, 2).reshape(-1, *q.shape[1:]))
+            # [n_seg, heads, length, v_hd] -> [n_seg * length, heads, v_hd] (v_hd: the values' width)
+            outputs.append(self._sdpa(qs, ks, vs, causal).transpose(1, 2).reshape(-1, q.shape[1], v.shape[-1]))
         return torch.cat(outputs)[torch.argsort(order)]  # back to the row's order
 
     def _context_parallel(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]; one SDPA call per
         group of query chunks with the same (queries, keys) shape."""
         k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
-        out = torch.empty_like(q)
+        out = q.new_empty(*q.shape[:-1], v.shape[-1])  # [t/CP, np, v_hd]
         by_shape: dict[tuple[int, int], list[QueryChunk]] = {}
         for chunk in context_chunks(cu_seqlens, self.cp_group.size(), self.cp_group.rank()):
             by_shape.setdefault((chunk.length, chunk.key_length), []).append(chunk)

@@ -208,6 +208,10 @@ def _host_split_sizes(original: Callable) -> Callable:
 
 # Needed wherever Transformer Engine is absent, on any device (``apply_without_te``); part of the
 # CPU group too (TE never runs on the CPU).
+class _AbsentTELinear:
+    """Stands for Transformer Engine's ``TELinear`` where TE is absent: no module is one."""
+
+
 NO_TE_PATCHES: list[Patch] = [
     Patch(
         name="moe_router_gating_linear",
@@ -215,6 +219,14 @@ NO_TE_PATCHES: list[Patch] = [
         attribute="router_gating_linear",
         why="without Transformer Engine the router's linear reads an unbound te_general_gemm (moe_utils.py:1192)",
         wrap=_router_gating_without_te,
+    ),
+    Patch(
+        name="mla_te_linear_stand_in",
+        owner_path="megatron.core.transformer.multi_latent_attention",
+        attribute="TELinear",
+        why="without Transformer Engine megatron's TELinear is a MagicMock, which multi-latent attention's "
+            "isinstance check refuses (multi_latent_attention.py:185)",
+        wrap=lambda original: _AbsentTELinear,
     ),
 ]
 
@@ -246,6 +258,27 @@ CPU_PATCHES: list[Patch] = [
         owner_path="megatron.core.models.common.embeddings.rotary_pos_embedding:MultimodalRotaryEmbedding",
         attribute="__init__",
         why="creates inv_freq on torch.cuda.current_device() at construction (rotary_pos_embedding.py:297)",
+    ),
+    Patch(
+        name="rope_init",
+        owner_path="megatron.core.models.common.embeddings.rotary_pos_embedding:RotaryEmbedding",
+        attribute="__init__",
+        why="multi-latent attention builds its plain RoPE without use_cpu_initialization: inv_freq on "
+            "torch.cuda.current_device() (rotary_pos_embedding.py:86, multi_latent_attention.py:130)",
+    ),
+    Patch(
+        name="yarn_rope_init",
+        owner_path="megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:YarnRotaryEmbedding",
+        attribute="__init__",
+        why="multi-latent attention builds YaRN's frequencies on torch.cuda.current_device() "
+            "(yarn_rotary_pos_embedding.py:76)",
+    ),
+    Patch(
+        name="yarn_rope_inv_freq",
+        owner_path="megatron.core.models.common.embeddings.yarn_rotary_pos_embedding:YarnRotaryEmbedding",
+        attribute="get_emb",
+        why="moves YaRN's frequencies to torch.cuda.current_device() at first forward "
+            "(yarn_rotary_pos_embedding.py:120-126)",
     ),
     Patch(
         name="tied_embedding_sync",

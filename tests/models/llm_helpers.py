@@ -50,6 +50,9 @@ def build_hf_llm(arch: str, seed: int = 0):
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
             param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+        for name, buffer in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: trained state too
+                buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
     return model
 
 
@@ -78,7 +81,27 @@ MOE_ARCHITECTURES = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
 }
 MOE_ARCHITECTURES["qwen3_moe_unnormalised"] = {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False}
-ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES}
+# DeepSeek at toy size: multi-latent attention (V3: low-rank queries; V2-Lite's full-rank ones) with YaRN,
+# the first layer dense, shared experts beside the routed ones. V3: sigmoid router with the expert bias,
+# 8 experts in 4 groups, top-4 within the best 2 groups, scaling 2.5; V2: softmax greedy top-2 of 6, scaling 1.5.
+_MLA = dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=16, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=12, moe_intermediate_size=32, first_k_dense_replace=1, max_position_embeddings=256,
+            rope_interleave=True, attention_bias=False, tie_word_embeddings=False)
+DEEPSEEK_ARCHITECTURES = {
+    "deepseek_v3": dict(_MLA, architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", q_lora_rank=24,
+                        n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True,
+                        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                      "rope_theta": 10_000.0}),
+    "deepseek_v2": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+                        n_routed_experts=6, n_group=1, topk_group=1, topk_method="greedy", num_experts_per_tok=2,
+                        n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False,
+                        rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
+                                      "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
+                                      "rope_theta": 10_000.0}),
+}
+ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
 
 
 def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True, padding: int = 0) -> dict:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_config import MLATransformerConfig, TransformerConfig
 
 from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.pipeline_layout import megatron_virtual_stages
@@ -67,7 +67,8 @@ def language_config(
     if lang.mrope_section and 2 * sum(lang.mrope_section) != rotary_channels(lang):
         raise ValueError(f"model.language.mrope_section={lang.mrope_section} must sum to the rotary "
                          f"channels / 2 = {rotary_channels(lang) // 2}")
-    return TransformerConfig(
+    config_class = MLATransformerConfig if lang.multi_latent_attention else TransformerConfig
+    return config_class(
         num_layers=lang.num_layers,
         hidden_size=lang.hidden_size,
         ffn_hidden_size=lang.ffn_hidden_size,
@@ -96,6 +97,7 @@ def language_config(
         attention_output_gate=lang.attention_output_gate,
         layernorm_zero_centered_gamma=lang.zero_centered_norms,
         **linear_attention(lang),
+        **multi_latent_attention(lang),
         **experts(lang, parallel_cfg),
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
@@ -119,6 +121,28 @@ def linear_attention(lang: LanguageConfig) -> dict:
         facts.update(linear_conv_kernel_dim=shape.conv_kernel, linear_key_head_dim=shape.key_head_dim,
                      linear_value_head_dim=shape.value_head_dim, linear_num_key_heads=shape.num_key_heads,
                      linear_num_value_heads=shape.num_value_heads)
+    return facts
+
+
+def multi_latent_attention(lang: LanguageConfig) -> dict:
+    """megatron's MLA settings (``MLATransformerConfig``): the latent ranks, the head widths and the RoPE
+    (YaRN's or plain) of the decoupled rotary channels, which megatron takes in DeepSeek's interleaved
+    pairs as transformers' ``rope_interleave`` does. None for a GQA decoder."""
+    mla = lang.multi_latent_attention
+    if mla is None:
+        return {}
+    facts = dict(q_lora_rank=mla.q_lora_rank, kv_lora_rank=mla.kv_lora_rank, qk_head_dim=mla.qk_nope_head_dim,
+                 qk_pos_emb_head_dim=mla.qk_rope_head_dim, v_head_dim=mla.v_head_dim, rotary_base=lang.rope_theta,
+                 rope_type="rope" if lang.yarn is None else "yarn")
+    if lang.yarn is not None:
+        facts.update(rotary_scaling_factor=lang.yarn.factor,
+                     original_max_position_embeddings=lang.yarn.original_max_position_embeddings,
+                     beta_fast=lang.yarn.beta_fast, beta_slow=lang.yarn.beta_slow, mscale=lang.yarn.mscale,
+                     mscale_all_dim=lang.yarn.mscale_all_dim)
+    else:
+        # Plain RoPE: megatron's softmax scale takes mscale(rotary_scaling_factor, mscale_all_dim), which
+        # is 1 at mscale_all_dim 0.
+        facts.update(mscale_all_dim=0.0)
     return facts
 
 
@@ -154,8 +178,15 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
         num_moe_experts=lang.num_experts,
         moe_ffn_hidden_size=lang.moe_ffn_hidden_size,
         moe_router_topk=lang.moe_router_topk,
-        moe_router_score_function="softmax",
+        moe_router_score_function=lang.moe_router_score_function,
         moe_router_pre_softmax=not lang.norm_topk_prob,
+        moe_router_dtype="fp32" if lang.moe_router_fp32 else None,
+        moe_router_enable_expert_bias=lang.moe_router_bias_update_rate > 0,
+        moe_router_bias_update_rate=lang.moe_router_bias_update_rate,
+        moe_router_num_groups=lang.moe_router_num_groups,
+        moe_router_group_topk=lang.moe_router_group_topk,
+        moe_router_topk_scaling_factor=lang.moe_routed_scaling_factor if lang.moe_routed_scaling_factor != 1.0 else None,
+        **moe_layer_pattern(lang),
         moe_router_load_balancing_type="aux_loss" if lang.moe_aux_loss_coeff > 0 else "none",
         moe_aux_loss_coeff=lang.moe_aux_loss_coeff,
         moe_grouped_gemm=False,
@@ -163,5 +194,14 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
         moe_shared_expert_intermediate_size=lang.moe_shared_expert_ffn_hidden_size,
-        moe_shared_expert_gate=lang.moe_shared_expert_ffn_hidden_size is not None,
+        moe_shared_expert_gate=lang.moe_shared_expert_ffn_hidden_size is not None and lang.moe_shared_expert_gate,
     )
+
+
+def moe_layer_pattern(lang: LanguageConfig) -> dict:
+    """Which layers are sparse (megatron's ``moe_layer_freq``: 1 MoE, 0 the dense MLP), given only where the
+    first ``first_dense_layers`` are dense: a pattern makes megatron save each layer under its own
+    checkpoint keys (the layers differ in tensors), which a decoder of one kind must not change."""
+    if not lang.first_dense_layers:
+        return {}
+    return dict(moe_layer_freq=[0] * lang.first_dense_layers + [1] * (lang.num_layers - lang.first_dense_layers))

@@ -47,29 +47,67 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
     full, linear = _layers_of_kind(lang, "full_attention"), _layers_of_kind(lang, "linear_attention")
     rules = [Rule((hf_prefix + "embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE)]
-    rules += _attention_rules(lang, lb, ll, full)
+    rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
     if linear:
         rules += _linear_attention_rules(lang, lb, ll, linear)
-    if lang.num_experts:
-        rules += [
+    dense, sparse = _layers_by_mlp(lang)
+    if sparse != ():
+        moe = [
             # The MoE layer's norm is its own module (the router and the experts share its output).
             Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
             Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE),
         ]
-        rules += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
+        if lang.moe_router_bias_update_rate > 0:
+            # DeepSeek-V3's expert bias (fp32, a buffer in both): it moves every step and is trained state.
+            moe.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep, LANGUAGE))
+        moe += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
         if lang.moe_shared_expert_ffn_hidden_size is not None:
-            rules += _shared_expert_rules(lb, ll)
-    else:
-        rules += [
+            moe += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
+        rules += [dataclasses.replace(rule, layers=sparse) for rule in moe]
+    if dense != ():
+        mlp = [
             Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
             Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", GateUp(),
                  LANGUAGE),
             Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         ]
+        rules += [dataclasses.replace(rule, layers=dense) for rule in mlp]
     return rules + [
         Rule((hf_prefix + "norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
         Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
              fallback_hf=hf_prefix + "embed_tokens.weight"),
+    ]
+
+
+def _layers_by_mlp(lang: LanguageConfig) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
+    """(dense-MLP layers, MoE layers) as ``Rule.layers`` (None: every layer; (): none): a model with experts
+    keeps the dense MLP in its first ``first_dense_layers`` (DeepSeek's first_k_dense_replace)."""
+    if not lang.num_experts:
+        return None, ()
+    if not lang.first_dense_layers:
+        return (), None
+    first = lang.first_dense_layers
+    return tuple(range(first)), tuple(range(first, lang.num_layers))
+
+
+def _mla_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
+    """Multi-latent attention (``layer_specs.mla_layer_spec``): the down-projections column-parallel (each
+    rank a slice of the latent's rows, gathered in the forward), the latents' RMSNorms in the
+    up-projections after them, every head's rows [no-position channels, rotary or value channels] as
+    transformers lays them out."""
+    rep, column, hb, mb = Replicated(), Split(0), lb + "self_attn.", ll + "self_attention."
+    rules = [Rule((lb + "input_layernorm.weight",), ll + "input_layernorm.weight", rep, LANGUAGE)]
+    if lang.multi_latent_attention.q_lora_rank is None:
+        rules.append(Rule((hb + "q_proj.weight",), mb + "linear_q_proj.weight", column, LANGUAGE))
+    else:
+        rules += [Rule((hb + "q_a_proj.weight",), mb + "linear_q_down_proj.weight", column, LANGUAGE),
+                  Rule((hb + "q_a_layernorm.weight",), mb + "linear_q_up_proj.layer_norm_weight", rep, LANGUAGE),
+                  Rule((hb + "q_b_proj.weight",), mb + "linear_q_up_proj.weight", column, LANGUAGE)]
+    return rules + [
+        Rule((hb + "kv_a_proj_with_mqa.weight",), mb + "linear_kv_down_proj.weight", column, LANGUAGE),
+        Rule((hb + "kv_a_layernorm.weight",), mb + "linear_kv_up_proj.layer_norm_weight", rep, LANGUAGE),
+        Rule((hb + "kv_b_proj.weight",), mb + "linear_kv_up_proj.weight", column, LANGUAGE),
+        Rule((hb + "o_proj.weight",), mb + "linear_proj.weight", Split(1), LANGUAGE),
     ]
 
 
@@ -130,12 +168,15 @@ def _expert_rules(lb: str, ll: str) -> list[Rule]:
             Rule((he + "down_proj.weight",), le + "linear_fc2.weight", Split(1), LANGUAGE)]
 
 
-def _shared_expert_rules(lb: str, ll: str) -> list[Rule]:
-    """Qwen3.5-MoE's shared expert (a SwiGLU MLP) and its gate, megatron's ``SharedExpertMLP``."""
-    hs, ms = lb + "mlp.shared_expert.", ll + "mlp.shared_experts."
-    return [Rule((hs + "gate_proj.weight", hs + "up_proj.weight"), ms + "linear_fc1.weight", GateUp(), LANGUAGE),
-            Rule((hs + "down_proj.weight",), ms + "linear_fc2.weight", Split(1), LANGUAGE),
-            Rule((lb + "mlp.shared_expert_gate.weight",), ms + "gate_weight", Replicated(), LANGUAGE)]
+def _shared_expert_rules(lb: str, ll: str, *, gated: bool) -> list[Rule]:
+    """The shared expert (a SwiGLU MLP), megatron's ``SharedExpertMLP``: Qwen3.5-MoE's ``shared_expert`` with
+    its gate, or DeepSeek's ``shared_experts`` (ungated; its experts are one MLP of their summed width)."""
+    hs, ms = lb + ("mlp.shared_expert." if gated else "mlp.shared_experts."), ll + "mlp.shared_experts."
+    rules = [Rule((hs + "gate_proj.weight", hs + "up_proj.weight"), ms + "linear_fc1.weight", GateUp(), LANGUAGE),
+             Rule((hs + "down_proj.weight",), ms + "linear_fc2.weight", Split(1), LANGUAGE)]
+    if gated:
+        rules.append(Rule((lb + "mlp.shared_expert_gate.weight",), ms + "gate_weight", Replicated(), LANGUAGE))
+    return rules
 
 
 def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
@@ -157,10 +198,14 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
                                           hf_prefix + "norm.weight": (d,)}
     if not lang.tie_word_embeddings:
         shapes["lm_head.weight"] = (lang.vocab_size, d)
+    dense, _ = _layers_by_mlp(lang)
     for i in range(lang.num_layers):
         b = f"{hf_prefix}layers.{i}."
         shapes.update({b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)})
-        shapes.update(_mlp_shapes(lang, b, fused_experts))
+        shapes.update(_mlp_shapes(lang, b, fused_experts, dense=dense is None or i in dense))
+        if lang.multi_latent_attention:
+            shapes.update(_mla_shapes(lang, b + "self_attn."))
+            continue
         if lang.layer_types and lang.layer_types[i] == "linear_attention":
             shapes.update(_linear_attention_shapes(lang, b + "linear_attn."))
             continue
@@ -187,18 +232,35 @@ def _linear_attention_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[in
             b + "out_proj.weight": (d, v)}
 
 
-def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool) -> dict[str, tuple[int, ...]]:
+def _mla_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+    mla, d, heads = lang.multi_latent_attention, lang.hidden_size, lang.num_attention_heads
+    q_head = mla.qk_nope_head_dim + mla.qk_rope_head_dim
+    shapes = {b + "kv_a_proj_with_mqa.weight": (mla.kv_lora_rank + mla.qk_rope_head_dim, d),
+              b + "kv_a_layernorm.weight": (mla.kv_lora_rank,),
+              b + "kv_b_proj.weight": (heads * (mla.qk_nope_head_dim + mla.v_head_dim), mla.kv_lora_rank),
+              b + "o_proj.weight": (d, heads * mla.v_head_dim)}
+    if mla.q_lora_rank is None:
+        return {**shapes, b + "q_proj.weight": (heads * q_head, d)}
+    return {**shapes, b + "q_a_proj.weight": (mla.q_lora_rank, d), b + "q_a_layernorm.weight": (mla.q_lora_rank,),
+            b + "q_b_proj.weight": (heads * q_head, mla.q_lora_rank)}
+
+
+def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool, dense: bool) -> dict[str, tuple[int, ...]]:
     d = lang.hidden_size
-    if not lang.num_experts:
+    if dense:
         ffn = lang.ffn_hidden_size
         return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
                 b + "mlp.down_proj.weight": (d, ffn)}
     ffn, shapes = lang.moe_ffn_hidden_size, {b + "mlp.gate.weight": (lang.num_experts, d)}
+    if lang.moe_router_bias_update_rate > 0:
+        shapes[b + "mlp.gate.e_score_correction_bias"] = (lang.num_experts,)
     shared = lang.moe_shared_expert_ffn_hidden_size
     if shared is not None:
-        shapes.update({b + "mlp.shared_expert.gate_proj.weight": (shared, d),
-                       b + "mlp.shared_expert.up_proj.weight": (shared, d),
-                       b + "mlp.shared_expert.down_proj.weight": (d, shared), b + "mlp.shared_expert_gate.weight": (1, d)})
+        hs = b + ("mlp.shared_expert." if lang.moe_shared_expert_gate else "mlp.shared_experts.")
+        shapes.update({hs + "gate_proj.weight": (shared, d), hs + "up_proj.weight": (shared, d),
+                       hs + "down_proj.weight": (d, shared)})
+        if lang.moe_shared_expert_gate:
+            shapes[b + "mlp.shared_expert_gate.weight"] = (1, d)
     if fused_experts:  # transformers 5's layout (``FusedExperts`` reads the Hub's transposed one too)
         return {**shapes, b + "mlp.experts.gate_up_proj": (lang.num_experts, 2 * ffn, d),
                 b + "mlp.experts.down_proj": (lang.num_experts, d, ffn)}

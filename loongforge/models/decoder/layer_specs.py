@@ -16,6 +16,7 @@ from megatron.core.transformer.identity_op import IdentityOp
 from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.moe.moe_layer import MoELayer, MoESubmodules
 from megatron.core.transformer.moe.shared_experts import SharedExpertMLP
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention, MLASelfAttentionSubmodules
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import (
     TransformerBlockSubmodules,
@@ -92,6 +93,24 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
     )
 
 
+def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
+    """A multi-latent attention layer (DeepSeek-V2/V3): the input norm a module of its own (both latent
+    projections read it), the latents' RMSNorms fused into the up-projections after them
+    (``linear_q_up_proj`` / ``linear_kv_up_proj`` hold ``layer_norm_weight``, as in megatron's TE spec), the
+    down-projections column-parallel with their outputs gathered (megatron's MLA does); then the MLP as in
+    ``transformer_layer_spec``."""
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
+    spec.submodules.input_layernorm = RMSNorm
+    spec.submodules.self_attention = ModuleSpec(
+        module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
+        submodules=MLASelfAttentionSubmodules(
+            linear_q_proj=modules.column_linear, linear_q_down_proj=modules.column_linear,
+            linear_q_up_proj=modules.norm_column_linear, linear_kv_down_proj=modules.column_linear,
+            linear_kv_up_proj=modules.norm_column_linear, core_attention=modules.core_attention,
+            linear_proj=modules.row_linear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp))
+    return spec
+
+
 def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
     """A hybrid model's linear-attention layer: x + GatedDeltaNet(norm(x)), then the MLP as in
     ``transformer_layer_spec`` (the pre-norm fused into the projection, ``in_proj.layer_norm_weight``)."""
@@ -105,10 +124,14 @@ def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, sha
 
 
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
-                        moe: bool = False, shared_expert: bool = False, linear: bool = False) -> ModuleSpec:
-    """The decoder layer (``linear``: a Gated DeltaNet layer); with ``init_seed``, each layer's initial
-    weights come from (seed, its global index), whatever the pipeline layout (see ``models.initialization``)."""
-    if linear:
+                        moe: bool = False, shared_expert: bool = False, linear: bool = False,
+                        latent: bool = False) -> ModuleSpec:
+    """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention); with
+    ``init_seed``, each layer's initial weights come from (seed, its global index), whatever the pipeline
+    layout (see ``models.initialization``)."""
+    if latent:
+        spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert)
+    elif linear:
         spec = linear_attention_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     else:
         spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe, shared_expert=shared_expert)
@@ -130,8 +153,20 @@ def language_block_spec(
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     pattern = config.linear_attention_freq or [0] * config.num_layers  # 1: a linear-attention layer
+    sparse = _sparse_layers(config)
     shared_expert = bool(config.moe_shared_expert_intermediate_size)
-    layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=bool(config.num_moe_experts),
-                                  shared_expert=shared_expert, linear=bool(pattern[first + local]))
+    layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse[first + local],
+                                  shared_expert=shared_expert and sparse[first + local],
+                                  linear=bool(pattern[first + local]), latent=config.multi_latent_attention)
               for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
+
+
+def _sparse_layers(config: TransformerConfig) -> list[bool]:
+    """Whether each decoder layer is an MoE layer: every one in a model with experts, less the dense first
+    layers of a ``moe_layer_freq`` pattern (``configs.moe_layer_pattern``)."""
+    if not config.num_moe_experts:
+        return [False] * config.num_layers
+    if isinstance(config.moe_layer_freq, list):
+        return [bool(kind) for kind in config.moe_layer_freq]
+    return [True] * config.num_layers

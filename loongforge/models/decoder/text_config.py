@@ -1,5 +1,5 @@
-"""A text backbone's HF ``config.json`` fields, both ways: Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and
-Llama 3.x, as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
+"""A text backbone's HF ``config.json`` fields, both ways: Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
+Llama 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
 (InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
 
 The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
@@ -15,6 +15,12 @@ from typing import Any
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig
+from loongforge.models.decoder.deepseek_config import (
+    DEEPSEEK_ARCHITECTURES,
+    deepseek_architecture,
+    deepseek_from_hf,
+    deepseek_to_hf,
+)
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 
 # architecture name -> (model_type, add_qkv_bias, qk_norm, experts)
@@ -24,14 +30,16 @@ _ARCHITECTURES = {
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True),
     "LlamaForCausalLM": ("llama", False, False, False),
 }
-HF_ARCHITECTURES = tuple(_ARCHITECTURES)
-HF_MODEL_TYPES = tuple(model_type for model_type, *_ in _ARCHITECTURES.values())
+HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
+HF_MODEL_TYPES = (*(model_type for model_type, *_ in _ARCHITECTURES.values()), *DEEPSEEK_ARCHITECTURES.values())
 # Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
 _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def architecture(lang: LanguageConfig) -> str:
     """The transformers class whose weights ``lang`` describes."""
+    if lang.multi_latent_attention is not None:
+        return deepseek_architecture(lang)
     for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
         if (lang.add_qkv_bias, lang.qk_norm, lang.num_experts > 0) == (bias, qk_norm, experts):
             return name
@@ -43,11 +51,12 @@ def architecture(lang: LanguageConfig) -> str:
 def architecture_of(cfg: Mapping[str, Any], where: str) -> str:
     """The architecture a text config.json names (by ``architectures``, else ``model_type``)."""
     for name in cfg.get("architectures") or []:
-        if name in _ARCHITECTURES:
+        if name in HF_ARCHITECTURES:
             return name
-    for name, (model_type, *_) in _ARCHITECTURES.items():
-        if cfg.get("model_type") == model_type:
-            return name
+    model_types = {**{model_type: name for name, (model_type, *_) in _ARCHITECTURES.items()},
+                   **{model_type: name for name, model_type in DEEPSEEK_ARCHITECTURES.items()}}
+    if cfg.get("model_type") in model_types:
+        return model_types[cfg["model_type"]]
     raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
 
 
@@ -74,6 +83,8 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
     """``LanguageConfig`` from a text config (``name``: its architecture when the dict does not say it,
     as a VLM's ``text_config`` may not); KeyError for a missing required key (the caller names the file)."""
     name = name or architecture_of(cfg, where)
+    if name in DEEPSEEK_ARCHITECTURES:
+        return deepseek_from_hf(cfg, where, name)
     _, bias, qk_norm, experts = _ARCHITECTURES[name]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not bias:
@@ -100,6 +111,8 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
 def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     """The text config fields of ``lang`` (with ``architectures`` and ``model_type``)."""
     name = architecture(lang)
+    if name in DEEPSEEK_ARCHITECTURES:
+        return deepseek_to_hf(lang)
     config: dict[str, Any] = {
         "architectures": [name],
         "model_type": _ARCHITECTURES[name][0],
