@@ -209,10 +209,26 @@ def test_moe_router_linear_runs_without_transformer_engine(patched):
     assert inputs.grad is not None and weight.grad is not None
 
 
-def test_without_te_installs_only_the_router_fix():
+def test_without_te_installs_only_the_te_stand_ins():
+    without_te = ["moe_router_gating_linear", "mla_te_linear_stand_in"]
     mcore_patches.revert()
     try:
-        assert mcore_patches.apply_without_te() == ["moe_router_gating_linear"]
-        assert mcore_patches.applied() == ["moe_router_gating_linear"]
+        assert mcore_patches.apply_without_te() == without_te
+        assert mcore_patches.applied() == without_te
+    finally:
+        mcore_patches.revert()
+
+
+def test_multi_latent_attention_checks_its_output_linear_without_te():
+    """megatron's MLA asks isinstance(linear_proj, TELinear); without TE its TELinear is a MagicMock."""
+    from megatron.core.tensor_parallel.layers import RowParallelLinear
+    from megatron.core.transformer import multi_latent_attention
+
+    mcore_patches.revert()
+    try:
+        with pytest.raises(TypeError, match="isinstance"):
+            isinstance(object(), multi_latent_attention.TELinear)
+        mcore_patches.apply_without_te()
+        assert not isinstance(object.__new__(RowParallelLinear), multi_latent_attention.TELinear)
     finally:
         mcore_patches.revert()
