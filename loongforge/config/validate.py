@@ -413,9 +413,9 @@ def _check_experts(cfg: RunConfig) -> list[str]:
     if language.num_experts < 0:
         return [f"{key}.num_experts={language.num_experts} must not be negative (0: a dense model)."]
     shared = language.moe_shared_expert_ffn_hidden_size
-    if shared is not None and (language.num_experts == 0 or cfg.model.family != "qwen3_5" or shared < 1):
+    if shared is not None and (language.num_experts == 0 or cfg.model.family not in ("qwen3_5", "llm") or shared < 1):
         return [f"{key}.moe_shared_expert_ffn_hidden_size={shared}: a shared expert (width >= 1) sits beside routed "
-                f"experts (num_experts > 0) in model.family=qwen3_5; set it to null otherwise."]
+                f"experts (num_experts > 0) in model.family=qwen3_5 or llm; set it to null otherwise."]
     if language.num_experts == 0:
         if language.moe_ffn_hidden_size is not None:
             return [f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} is set but "
@@ -438,6 +438,87 @@ def _check_experts(cfg: RunConfig) -> list[str]:
                       f"{key}.num_experts={language.num_experts}.")
     if language.moe_aux_loss_coeff < 0:
         errors.append(f"{key}.moe_aux_loss_coeff={language.moe_aux_loss_coeff} must not be negative (0: none).")
+    return errors
+
+
+# Families whose decoder builds multi-latent attention and DeepSeek's routing (model.family=llm reads
+# DeepSeek-V2/V3 checkpoints).
+_FAMILIES_WITH_DEEPSEEK_LAYERS = ("llm",)
+_DEEPSEEK_DEFAULTS = {"multi_latent_attention": None, "yarn": None, "first_dense_layers": 0,
+                      "moe_router_score_function": "softmax", "moe_router_fp32": False,
+                      "moe_router_bias_update_rate": 0.0, "moe_router_num_groups": None, "moe_router_group_topk": None,
+                      "moe_routed_scaling_factor": 1.0, "moe_shared_expert_gate": True}
+
+
+def _check_deepseek_layers(cfg: RunConfig) -> list[str]:
+    """Multi-latent attention's and DeepSeekMoE's fields: set only where the family builds them, with
+    shapes TP can split and routing megatron computes as transformers does."""
+    language, key, tp = cfg.model.language, "model.language", cfg.parallel.tensor_model_parallel_size
+    if cfg.model.family not in _FAMILIES_WITH_DEEPSEEK_LAYERS:
+        return [f"{key}.{name}={getattr(language, name)} but model.family={cfg.model.family} does not build it; "
+                f"remove it (model.family=llm does)." for name, default in _DEEPSEEK_DEFAULTS.items()
+                if getattr(language, name) != default]
+    errors = []
+    mla = language.multi_latent_attention
+    if mla is not None:
+        sizes = [mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim]
+        if min(sizes + [mla.q_lora_rank or 1]) < 1:
+            errors.append(f"{key}.multi_latent_attention={mla}: every rank and width must be at least 1.")
+        if mla.qk_rope_head_dim % 2:
+            errors.append(f"{key}.multi_latent_attention.qk_rope_head_dim={mla.qk_rope_head_dim} must be even "
+                          f"(RoPE rotates pairs).")
+        if language.num_attention_heads % tp:
+            errors.append(f"parallel.tensor_model_parallel_size={tp} does not divide {key}.num_attention_heads="
+                          f"{language.num_attention_heads}; use one of {_list(divisors(language.num_attention_heads))}.")
+        latents = {"kv_lora_rank + qk_rope_head_dim": mla.kv_lora_rank + mla.qk_rope_head_dim,
+                   "q_lora_rank": mla.q_lora_rank or 0}
+        for name, width in latents.items():
+            if width % tp:
+                errors.append(f"parallel.tensor_model_parallel_size={tp} does not divide {key}.multi_latent_attention's "
+                              f"{name} = {width} (TP splits the latent projections' rows, then gathers them).")
+        if language.num_query_groups != language.num_attention_heads:
+            errors.append(f"{key}.num_query_groups={language.num_query_groups} must equal num_attention_heads="
+                          f"{language.num_attention_heads} with multi_latent_attention (a key and value per head).")
+        if cfg.parallel.context_parallel_size > 1:
+            errors.append(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: context parallelism "
+                          f"with multi-latent attention is not proven against one process yet; use 1.")
+    elif language.yarn is not None:
+        errors.append(f"{key}.yarn is set but {key}.multi_latent_attention is null: megatron-core applies YaRN "
+                      f"in multi-latent attention only; set yarn: null.")
+    errors += _check_deepseek_routing(language, key)
+    return errors
+
+
+def _check_deepseek_routing(language, key: str) -> list[str]:
+    errors = []
+    if language.moe_router_score_function not in ("softmax", "sigmoid"):
+        errors.append(f"{key}.moe_router_score_function={language.moe_router_score_function!r} must be softmax or "
+                      f"sigmoid.")
+    if language.moe_router_score_function == "sigmoid" and not language.norm_topk_prob and language.moe_router_topk > 1:
+        errors.append(f"{key}.norm_topk_prob=false with the sigmoid router: megatron-core renormalises the top-k "
+                      f"sigmoid scores; set norm_topk_prob: true.")
+    if language.moe_router_bias_update_rate < 0:
+        errors.append(f"{key}.moe_router_bias_update_rate={language.moe_router_bias_update_rate} must not be negative.")
+    if language.moe_router_bias_update_rate > 0 and language.moe_router_score_function != "sigmoid":
+        errors.append(f"{key}.moe_router_bias_update_rate needs moe_router_score_function: sigmoid (megatron-core's "
+                      f"expert bias).")
+    groups, group_topk = language.moe_router_num_groups, language.moe_router_group_topk
+    if (groups is None) != (group_topk is None):
+        errors.append(f"{key}.moe_router_num_groups={groups} and moe_router_group_topk={group_topk}: set both or "
+                      f"neither.")
+    elif groups is not None and language.num_experts:
+        if groups < 1 or language.num_experts % groups or not 1 <= group_topk <= groups:
+            errors.append(f"{key}.moe_router_num_groups={groups} must divide num_experts={language.num_experts} and "
+                          f"moe_router_group_topk={group_topk} lie in 1..{groups}.")
+        elif language.moe_router_topk % group_topk or \
+                language.moe_router_topk // group_topk > language.num_experts // groups:
+            errors.append(f"{key}.moe_router_topk={language.moe_router_topk} must be a multiple of moe_router_group_topk="
+                          f"{group_topk} and take at most a group's {language.num_experts // groups} experts from each "
+                          f"group (groups rank by the sum of their top topk/group_topk scores).")
+    if not 0 <= language.first_dense_layers < language.num_layers or \
+            (language.first_dense_layers and not language.num_experts):
+        errors.append(f"{key}.first_dense_layers={language.first_dense_layers} must lie in 0..num_layers-1 and needs "
+                      f"num_experts > 0 (the layers after it are sparse).")
     return errors
 
 
@@ -823,7 +904,8 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
     if range_errors:
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
-    errors += _check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg) + _check_vision_shape(cfg)
+    errors += (_check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg)
+               + _check_deepseek_layers(cfg) + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
             + _check_lora(cfg))

@@ -89,9 +89,11 @@ class RMSNormColumnParallelLinear(ColumnParallelLinear):
     ``sequence_parallel`` for the TP gradient all-reduce, as TE marks its own.
     """
 
-    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig, **kwargs):
+    def __init__(self, input_size: int, output_size: int, *, config: TransformerConfig,
+                 norm_eps: float | None = None, **kwargs):
         super().__init__(input_size, output_size, config=config, **kwargs)
-        self.norm_eps = config.layernorm_epsilon
+        # A norm of its own epsilon (DeepSeek's latent norms: 1e-6 whatever rms_norm_eps); else the config's.
+        self.norm_eps = config.layernorm_epsilon if norm_eps is None else norm_eps
         self.zero_centered = config.layernorm_zero_centered_gamma
         self.layer_norm_weight = torch.nn.Parameter(norm_weight(input_size, config))
         if config.sequence_parallel:

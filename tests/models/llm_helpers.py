@@ -95,6 +95,7 @@ DEEPSEEK_ARCHITECTURES = {
                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0,
                                       "rope_theta": 10_000.0}),
     "deepseek_v2": dict(_MLA, architectures=["DeepseekV2ForCausalLM"], model_type="deepseek_v2", q_lora_rank=None,
+                        rms_norm_eps=1e-5,  # Moonlight's; the latent norms keep 1e-6 in transformers
                         n_routed_experts=6, n_group=1, topk_group=1, topk_method="greedy", num_experts_per_tok=2,
                         n_shared_experts=2, routed_scaling_factor=1.5, norm_topk_prob=False,
                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,

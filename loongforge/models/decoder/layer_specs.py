@@ -93,6 +93,9 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
     )
 
 
+LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm
+
+
 def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
     """A multi-latent attention layer (DeepSeek-V2/V3): the input norm a module of its own (both latent
     projections read it), the latents' RMSNorms fused into the up-projections after them
@@ -101,12 +104,16 @@ def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: b
     ``transformer_layer_spec``."""
     spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
     spec.submodules.input_layernorm = RMSNorm
+    # transformers' latent RMSNorms keep their class default epsilon (1e-6) whatever rms_norm_eps says
+    # (Moonlight's is 1e-5); Transformer Engine's norm-linear takes the config's.
+    latent = modules.norm_column_linear if modules.backend == "te" else ModuleSpec(
+        module=modules.norm_column_linear, params={"norm_eps": LATENT_NORM_EPS})
     spec.submodules.self_attention = ModuleSpec(
         module=MLASelfAttention, params={"attn_mask_type": AttnMaskType.causal},
         submodules=MLASelfAttentionSubmodules(
             linear_q_proj=modules.column_linear, linear_q_down_proj=modules.column_linear,
-            linear_q_up_proj=modules.norm_column_linear, linear_kv_down_proj=modules.column_linear,
-            linear_kv_up_proj=modules.norm_column_linear, core_attention=modules.core_attention,
+            linear_q_up_proj=latent, linear_kv_down_proj=modules.column_linear,
+            linear_kv_up_proj=latent, core_attention=modules.core_attention,
             linear_proj=modules.row_linear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp))
     return spec
 

@@ -23,6 +23,14 @@ def linear_parameters(fan_in: int, fan_out: int, bias: bool) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
 
 
+def sparse_layers(lang: LanguageConfig) -> list[bool]:
+    """Whether each decoder layer holds experts: every layer of a model with experts but its first
+    ``first_dense_layers`` (DeepSeek's), none of a dense model."""
+    if not lang.num_experts:
+        return [False] * lang.num_layers
+    return [index >= lang.first_dense_layers for index in range(lang.num_layers)]
+
+
 def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One layer's routed experts, router not included (0 in a dense model); ``active``: the
     ``moe_router_topk`` experts one token runs through."""
@@ -32,23 +40,41 @@ def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     return experts * 3 * linear_parameters(lang.hidden_size, lang.moe_ffn_hidden_size, bias=False)
 
 
-def mlp_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
-    """One layer's SwiGLU MLP; with experts, the router plus every expert (``active``: the router
-    plus the ``moe_router_topk`` experts one token runs through) plus the shared expert, if any."""
-    if not lang.num_experts:
+def mlp_parameters(lang: LanguageConfig, *, active: bool = False, sparse: bool = True) -> int:
+    """One layer's SwiGLU MLP; with experts (``sparse``), the router plus every expert (``active``: the
+    router plus the ``moe_router_topk`` experts one token runs through) plus the shared expert, if any.
+    The router's expert bias (DeepSeek-V3) is a buffer, not a parameter, as in transformers."""
+    if not lang.num_experts or not sparse:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
     router = linear_parameters(lang.hidden_size, lang.num_experts, bias=False)
     return router + expert_parameters(lang, active=active) + shared_expert_parameters(lang)
 
 
 def shared_expert_parameters(lang: LanguageConfig) -> int:
-    """Qwen3.5-MoE's shared expert (every token runs through it): a SwiGLU MLP of
-    ``moe_shared_expert_ffn_hidden_size`` and its gate ``h -> 1``; 0 without one."""
+    """The shared expert (every token runs through it): a SwiGLU MLP of ``moe_shared_expert_ffn_hidden_size``
+    and, gated (Qwen3.5-MoE), its gate ``h -> 1``; 0 without one."""
     if not lang.moe_shared_expert_ffn_hidden_size:
         return 0
     h = lang.hidden_size
-    return 3 * linear_parameters(h, lang.moe_shared_expert_ffn_hidden_size, bias=False) + linear_parameters(
-        h, 1, bias=False)
+    gate = linear_parameters(h, 1, bias=False) if lang.moe_shared_expert_gate else 0
+    return 3 * linear_parameters(h, lang.moe_shared_expert_ffn_hidden_size, bias=False) + gate
+
+
+def latent_attention_parameters(lang: LanguageConfig) -> int:
+    """Multi-latent attention (transformers' ``DeepseekV3Attention``): q_a_proj [q_lora, h] with its RMSNorm and
+    q_b_proj [heads (nope + rope), q_lora], or q_proj [heads (nope + rope), h] without a query latent;
+    kv_a_proj_with_mqa [kv_lora + rope, h] with kv_a_layernorm [kv_lora]; kv_b_proj [heads (nope + v), kv_lora];
+    o_proj [h, heads v]; no biases."""
+    mla, h, heads = lang.multi_latent_attention, lang.hidden_size, lang.num_attention_heads
+    q_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+    if mla.q_lora_rank is None:
+        query = linear_parameters(h, q_width, bias=False)
+    else:
+        query = (linear_parameters(h, mla.q_lora_rank, bias=False) + mla.q_lora_rank
+                 + linear_parameters(mla.q_lora_rank, q_width, bias=False))
+    key_value = (linear_parameters(h, mla.kv_lora_rank + mla.qk_rope_head_dim, bias=False) + mla.kv_lora_rank
+                 + linear_parameters(mla.kv_lora_rank, heads * (mla.qk_nope_head_dim + mla.v_head_dim), bias=False))
+    return query + key_value + linear_parameters(heads * mla.v_head_dim, h, bias=False)
 
 
 def full_attention_parameters(lang: LanguageConfig) -> int:
@@ -80,24 +106,25 @@ def linear_attention_parameters(lang: LanguageConfig) -> int:
 
 def token_mixer_parameters(lang: LanguageConfig, layer_type: str) -> int:
     if layer_type == FULL_ATTENTION:
-        return full_attention_parameters(lang)
+        return latent_attention_parameters(lang) if lang.multi_latent_attention else full_attention_parameters(lang)
     if layer_type == LINEAR_ATTENTION:
         return linear_attention_parameters(lang)
     raise ValueError(f"model.language.layer_types holds {layer_type!r}; expected {FULL_ATTENTION} or {LINEAR_ATTENTION}")
 
 
 def language_layer_parameters(lang: LanguageConfig, *, active: bool = False,
-                              layer_type: str = FULL_ATTENTION) -> int:
-    """One decoder layer: 2 RMSNorms, its token mixer (``layer_type``: GQA attention or Gated
-    DeltaNet), SwiGLU MLP or routed experts (``mlp_parameters``)."""
-    return 2 * lang.hidden_size + token_mixer_parameters(lang, layer_type) + mlp_parameters(lang, active=active)
+                              layer_type: str = FULL_ATTENTION, sparse: bool = True) -> int:
+    """One decoder layer: 2 RMSNorms, its token mixer (``layer_type``: GQA or multi-latent attention, or
+    Gated DeltaNet), SwiGLU MLP or (``sparse``) routed experts (``mlp_parameters``)."""
+    return (2 * lang.hidden_size + token_mixer_parameters(lang, layer_type)
+            + mlp_parameters(lang, active=active, sparse=sparse))
 
 
 def decoder_layers_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
-    """Every decoder layer, each counted by its type (``flops.decoder_layer_types``)."""
-    counts = Counter(decoder_layer_types(lang))
-    return sum(count * language_layer_parameters(lang, active=active, layer_type=kind)
-               for kind, count in counts.items())
+    """Every decoder layer, each counted by its type (``flops.decoder_layer_types``) and MLP (dense or sparse)."""
+    counts = Counter(zip(decoder_layer_types(lang), sparse_layers(lang)))
+    return sum(count * language_layer_parameters(lang, active=active, layer_type=kind, sparse=sparse)
+               for (kind, sparse), count in counts.items())
 
 
 def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
@@ -119,4 +146,4 @@ def model_parameters(model_cfg: ModelConfig, vision_model: int = 0, projector: i
     language_model = language_parameters(lang)
     return {"vision_model": vision_model, "projector": projector, "language_model": language_model,
             "total": encoder + language_model, "active": encoder + language_parameters(lang, active=True),
-            "routed_experts": lang.num_layers * expert_parameters(lang)}
+            "routed_experts": sum(sparse_layers(lang)) * expert_parameters(lang)}
