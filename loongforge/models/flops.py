@@ -38,7 +38,6 @@ fla's backward recomputes.
 
 from __future__ import annotations
 
-from collections import Counter
 from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
@@ -174,15 +173,17 @@ def attention_flops(segment_lengths: Sequence[int], q_width: int) -> int:
     return sum(4 * length * length * q_width for length in segment_lengths)
 
 
-def mlp_forward_flops(lang: LanguageConfig, tokens: int) -> int:
+def mlp_forward_flops(lang: LanguageConfig, tokens: int, sparse: bool = True) -> int:
     """One decoder layer's MLP: SwiGLU (gate and up ``h -> ffn``, down ``ffn -> h``), or with
-    experts the router (``h -> num_experts``) plus the ``moe_router_topk`` SwiGLU experts each token
-    runs through, and the shared expert (Qwen3.5-MoE: SwiGLU and its gate ``h -> 1``) if any."""
+    experts (``sparse``: not one of DeepSeek's dense first layers) the router (``h -> num_experts``) plus
+    the ``moe_router_topk`` SwiGLU experts each token runs through, and the shared expert (SwiGLU, gated
+    ``h -> 1`` in Qwen3.5-MoE) if any."""
     h = lang.hidden_size
-    if lang.num_experts:
+    if lang.num_experts and sparse:
         router = linear_flops(tokens, h, lang.num_experts)
         shared = lang.moe_shared_expert_ffn_hidden_size
-        shared_expert = linear_flops(tokens, h, 3 * shared + 1) if shared else 0
+        gate = 1 if lang.moe_shared_expert_gate else 0
+        shared_expert = linear_flops(tokens, h, 3 * shared + gate) if shared else 0
         return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size) + shared_expert
     return linear_flops(tokens, h, 3 * lang.ffn_hidden_size)
 
@@ -212,6 +213,14 @@ def decoder_layer_types(lang: LanguageConfig) -> list[str]:
     return list(lang.layer_types[:lang.num_layers])
 
 
+def sparse_layers(lang: LanguageConfig) -> list[bool]:
+    """Whether each decoder layer holds experts: every layer of a model with experts but its first
+    ``first_dense_layers`` (DeepSeek's), none of a dense model."""
+    if not lang.num_experts:
+        return [False] * lang.num_layers
+    return [index >= lang.first_dense_layers for index in range(lang.num_layers)]
+
+
 def full_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
     """QKV at the real widths (q: heads * head_dim, k and v: query_groups * head_dim each; Qwen3's
     head_dim need not be hidden / heads; with ``attention_output_gate`` q_proj also yields each head's
@@ -221,6 +230,23 @@ def full_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence
     q_proj_width = 2 * q_width if lang.attention_output_gate else q_width
     projections = linear_flops(tokens, h, q_proj_width + 2 * kv_width) + linear_flops(tokens, q_width, h)
     return projections + attention_flops(segment_lengths, q_width)
+
+
+def latent_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """Multi-latent attention as it trains (the latents expanded, not absorbed): the query's down- and
+    up-projections (or its one projection), the keys' and values' down-projection (with the shared rotary
+    key) and up-projection, the output projection ``heads v -> h``, and attention within each segment,
+    ``QK^T`` over the query width (no-position plus rotary channels) and ``AV`` over the value width."""
+    mla, tokens, h, heads = lang.multi_latent_attention, sum(segment_lengths), lang.hidden_size, lang.num_attention_heads
+    q_width, v_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), heads * mla.v_head_dim
+    if mla.q_lora_rank is None:
+        query = linear_flops(tokens, h, q_width)
+    else:
+        query = linear_flops(tokens, h, mla.q_lora_rank) + linear_flops(tokens, mla.q_lora_rank, q_width)
+    key_value = (linear_flops(tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim)
+                 + linear_flops(tokens, mla.kv_lora_rank, heads * mla.qk_nope_head_dim + v_width))
+    attention = sum(2 * length * length * (q_width + v_width) for length in segment_lengths)
+    return query + key_value + linear_flops(tokens, v_width, h) + attention
 
 
 def causal_conv_flops(tokens: int, shape: LinearAttentionConfig) -> int:
@@ -266,6 +292,8 @@ def linear_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequen
 
 def token_mixer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int], layer_type: str) -> int:
     if layer_type == FULL_ATTENTION:
+        if lang.multi_latent_attention is not None:
+            return latent_attention_forward_flops(lang, segment_lengths)
         return full_attention_forward_flops(lang, segment_lengths)
     if layer_type == LINEAR_ATTENTION:
         return linear_attention_forward_flops(lang, segment_lengths)
@@ -273,18 +301,24 @@ def token_mixer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[in
 
 
 def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int],
-                                layer_type: str = FULL_ATTENTION) -> int:
-    """One decoder layer over packed segments: its token mixer (``layer_type``: full attention with its
-    ``L^2`` term, or linear attention) and the MLP."""
+                                layer_type: str = FULL_ATTENTION, sparse: bool = True) -> int:
+    """One decoder layer over packed segments: its token mixer (``layer_type``: full or multi-latent
+    attention with its ``L^2`` term, or linear attention) and the MLP (``sparse``: experts, where the model
+    has them)."""
     return (token_mixer_forward_flops(lang, segment_lengths, layer_type)
-            + mlp_forward_flops(lang, sum(segment_lengths)))
+            + mlp_forward_flops(lang, sum(segment_lengths), sparse=sparse))
+
+
+def decoder_layers_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> list[int]:
+    """Each decoder layer's forward FLOPs, in order (layers of one type and MLP counted once)."""
+    kinds = list(zip(decoder_layer_types(lang), sparse_layers(lang)))
+    per_kind = {kind: decoder_layer_forward_flops(lang, segment_lengths, *kind) for kind in set(kinds)}
+    return [per_kind[kind] for kind in kinds]
 
 
 def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions) -> int:
-    """Every decoder layer, each by its type, forward and backward."""
-    per_type = Counter(decoder_layer_types(lang))
-    forward = sum(count * decoder_layer_forward_flops(lang, segment_lengths, kind) for kind, count in per_type.items())
-    return language_layer_passes(options) * forward
+    """Every decoder layer, each by its type and MLP, forward and backward."""
+    return language_layer_passes(options) * sum(decoder_layers_forward_flops(lang, segment_lengths))
 
 
 def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:

@@ -24,11 +24,24 @@ from loongforge.config.layout import (
 from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
-from loongforge.models.flops import DELTA_RULE_CHUNK, LINEAR_ATTENTION, decoder_layer_types, head_dim
+from loongforge.models.flops import DELTA_RULE_CHUNK, LINEAR_ATTENTION, decoder_layer_types, head_dim, sparse_layers
 from loongforge.models.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3
+# A layer kind is its token mixer (``flops.decoder_layer_types``), with this suffix where a model with
+# experts keeps the dense MLP (DeepSeek's first layers): such a layer holds no experts and a wide MLP.
+DENSE_MLP = "+dense_mlp"
+
+
+def decoder_layer_kinds(language: LanguageConfig) -> list[str]:
+    """Each decoder layer's kind, in order (``DENSE_MLP``)."""
+    return [kind if sparse or not language.num_experts else kind + DENSE_MLP
+            for kind, sparse in zip(decoder_layer_types(language), sparse_layers(language))]
+
+
+def _mixer(kind: str) -> str:
+    return kind.removesuffix(DENSE_MLP)
 
 
 def total_parameters(model: ModelConfig) -> int:
@@ -41,20 +54,24 @@ class ParameterSplit:
 
     total: int
     vision_and_projector: int  # first stage (all with encoder_dp=full); plus the final norm's weights
-    per_decoder_layer: float  # everything but the routed experts (split over TP); a hybrid's mean over its layers
+    per_decoder_layer: float  # everything but the routed experts (split over TP); the mean over the layers
     input_embedding: int  # first stage
     output_head: int  # last stage; 0 when tied and everything is one stage
-    experts_per_decoder_layer: int = 0  # routed experts (split over EP x expert TP)
+    experts_per_decoder_layer: int = 0  # routed experts of a sparse layer (split over EP x expert TP)
     active: int = 0  # parameters one token runs through
     vision_model: int = 0  # the vision tower's part of vision_and_projector
     projector: int = 0  # the projector's part
-    # One layer of each type ("full_attention", "linear_attention") but its routed experts; a decoder
-    # without ``layer_types`` has full attention only.
+    # One layer of each kind (``decoder_layer_kinds``: "full_attention", "linear_attention", either with
+    # DENSE_MLP) but its routed experts; a decoder without ``layer_types`` has full attention only.
     per_layer_by_type: dict[str, float] = dataclasses.field(default_factory=dict)
 
-    def layers_parameters(self, layer_types: list[str]) -> float:
-        """The layers of ``layer_types`` (one entry per layer) but their routed experts."""
-        return sum(self.per_layer_by_type.get(kind, self.per_decoder_layer) for kind in layer_types)
+    def layers_parameters(self, layer_kinds: list[str]) -> float:
+        """The layers of ``layer_kinds`` (one entry per layer) but their routed experts."""
+        return sum(self.per_layer_by_type.get(kind, self.per_decoder_layer) for kind in layer_kinds)
+
+    def experts_of(self, layer_kinds: list[str]) -> int:
+        """The routed experts of the layers of ``layer_kinds`` (none in a dense-MLP layer)."""
+        return self.experts_per_decoder_layer * sum(not kind.endswith(DENSE_MLP) for kind in layer_kinds)
 
 
 def split_parameters(model: ModelConfig) -> ParameterSplit:
@@ -62,16 +79,18 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
     counts = get_family(model.family).count_parameters(model)
     total = int(counts["total"])
     without_layers = total_parameters(
-        dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0)))
+        dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0, first_dense_layers=0)))
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
-    experts = int(counts["routed_experts"]) // language.num_layers
-    one_of_each = {kind: total_parameters(_with_one_layer(model, kind)) - without_layers - experts
-                   for kind in dict.fromkeys(decoder_layer_types(language))}
+    routed = int(counts["routed_experts"])
+    experts = routed // max(sum(sparse_layers(language)), 1)
+    one_of_each = {kind: total_parameters(_with_one_layer(model, kind)) - without_layers
+                   - (0 if kind.endswith(DENSE_MLP) else experts)
+                   for kind in dict.fromkeys(decoder_layer_kinds(language))}
     return ParameterSplit(
         total=total,
         vision_and_projector=max(without_layers - embedding - head, 0),
-        per_decoder_layer=(total - without_layers) / language.num_layers - experts,
+        per_decoder_layer=(total - without_layers - routed) / language.num_layers,
         input_embedding=embedding,
         output_head=head,
         experts_per_decoder_layer=experts,
@@ -82,11 +101,12 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
     )
 
 
-def _with_one_layer(model: ModelConfig, layer_type: str) -> ModelConfig:
-    """``model`` with a single decoder layer, of ``layer_type``."""
+def _with_one_layer(model: ModelConfig, kind: str) -> ModelConfig:
+    """``model`` with a single decoder layer, of ``kind`` (``decoder_layer_kinds``)."""
     language = model.language
-    layer_types = [layer_type] if language.layer_types else []
-    return dataclasses.replace(model, language=dataclasses.replace(language, num_layers=1, layer_types=layer_types))
+    layer_types = [_mixer(kind)] if language.layer_types else []
+    return dataclasses.replace(model, language=dataclasses.replace(
+        language, num_layers=1, layer_types=layer_types, first_dense_layers=int(kind.endswith(DENSE_MLP))))
 
 
 def rank_layer_types(stages: PipelineStages, layer_types: list[str], rank: int) -> list[str]:
@@ -115,7 +135,7 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     stages = []
     stage_layers = stage_plan(cfg.model.language.num_layers, cfg.parallel)
     counts = [stage_layers.rank_layers(rank) for rank in range(sizes.pipeline_parallel)]
-    layer_types = decoder_layer_types(cfg.model.language)
+    layer_kinds = decoder_layer_kinds(cfg.model.language)
     # parallel.encoder_dp=full: every stage holds an encoder replica, not only the first.
     replicas_everywhere = cfg.parallel.encoder_dp == "full"
     expert_shards = sizes.expert_parallel * sizes.expert_tensor_parallel
@@ -124,8 +144,9 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
     frozen_encoder = (split.vision_model * (lora or cfg.training.freeze_vision)
                       + split.projector * (lora or cfg.training.freeze_projector))
     for index, num_layers in enumerate(counts):
-        expert_params = num_layers * split.experts_per_decoder_layer / expert_shards
-        layers_params = split.layers_parameters(rank_layer_types(stage_layers, layer_types, index))
+        kinds = rank_layer_types(stage_layers, layer_kinds, index)
+        expert_params = split.experts_of(kinds) / expert_shards
+        layers_params = split.layers_parameters(kinds)
         holds, params = [], layers_params / tp + expert_params
         frozen, adapter_params = 0.0, num_layers * adapters.per_decoder_layer if lora else 0.0
         encoder_params = 0.0
@@ -388,12 +409,11 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     in_flight = min(pipeline if virtual == 1 else pipeline + (pipeline - 1) / virtual, micro_batches)
     tp = sizes.tensor_parallel
     norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
-    mlp = _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel)
-
     def per_layer(kind: str) -> float:
-        return value_bytes * (4 * norm_inputs + _mixer_values_per_token(language, kind, tp) + mlp)
+        mlp = _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel, dense=kind.endswith(DENSE_MLP))
+        return value_bytes * (4 * norm_inputs + _mixer_values_per_token(language, _mixer(kind), tp) + mlp)
 
-    layer_types = decoder_layer_types(language)
+    layer_types = decoder_layer_kinds(language)
     ranks = [rank_layer_types(stages, layer_types, rank) for rank in range(pipeline)]
     if cfg.training.recompute_activations:
         inputs = in_flight * max(len(kinds) for kinds in ranks) * value_bytes * norm_inputs
@@ -406,10 +426,22 @@ def _mixer_values_per_token(language: LanguageConfig, layer_type: str, tp: int) 
     ``attention_output_gate`` also the gate and the gated output (the output projection's input)."""
     if layer_type == LINEAR_ATTENTION:
         return _linear_attention_values_per_token(language) / tp
+    if language.multi_latent_attention is not None:
+        return _latent_attention_values_per_token(language, tp)
     q_width = language.num_attention_heads * head_dim(language)
     kv_width = language.num_query_groups * head_dim(language)
     gated = 2 * q_width if language.attention_output_gate else 0
     return (2 * q_width + 2 * kv_width + gated) / tp
+
+
+def _latent_attention_values_per_token(language: LanguageConfig, tp: int) -> float:
+    """Multi-latent attention's values: the latents (the query's, the keys' and values' with the shared
+    rotary key; gathered over TP, and their normed copies), then per head the query and key (no-position
+    plus rotary channels), the value and the attention output, split over TP."""
+    mla, heads = language.multi_latent_attention, language.num_attention_heads
+    latents = 2 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) + mla.qk_rope_head_dim
+    qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
+    return latents + heads * (2 * qk + 2 * v) / tp
 
 
 def _linear_attention_values_per_token(language: LanguageConfig) -> float:
@@ -427,11 +459,11 @@ def _linear_attention_values_per_token(language: LanguageConfig) -> float:
     return projection + rule_inputs + 2 * value_width
 
 
-def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int) -> float:
+def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int, dense: bool = False) -> float:
     """A dense MLP's gate, up and product, split over TP; a mixture-of-experts layer's top-k copies of
     the token routed to the experts, and their gate, up and product split over the expert TP, plus a
-    shared expert's gate, up and product split over TP."""
-    if language.num_experts:
+    shared expert's gate, up and product split over TP. ``dense``: a model with experts' dense-MLP layer."""
+    if language.num_experts and not dense:
         shared = 3 * (language.moe_shared_expert_ffn_hidden_size or 0) / tp
         return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp) + shared
     return 3 * language.ffn_hidden_size / tp
@@ -552,9 +584,9 @@ def format_parallel_plan(plan: ParallelPlan) -> str:
     for stage in plan.stages:
         layers = "layers " + ", ".join(f"{first}-{last}" if last > first else str(first)
                                        for first, last in stage.layer_ranges)
-        rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers}) + "
-                     f"{' + '.join(stage.holds)}: {human_count(stage.params_per_rank)} "
-                     f"params per rank"))
+        rows.append((f"stage {stage.index}", f"{layers} ({stage.num_layers})"
+                     + "".join(f" + {part}" for part in stage.holds)
+                     + f": {human_count(stage.params_per_rank)} params per rank"))
     rows.append(("trainable", plan.trainable_text))
     rows.append(("DP balancing", plan.balancing))
     full = ("" if plan.full_training_bytes is None

@@ -33,7 +33,7 @@ from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.pipeline_layout import PipelineStages, layout_string, stage_plan
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import check_run_config
-from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.flops import FULL_ATTENTION, FlopOptions, StepFlops
 from loongforge.models.registry import get_family
 from loongforge.train.context_plan import USABLE_SHARE
 from loongforge.train.dry_run import GIB, activation_bytes, build_parallel_plan
@@ -102,15 +102,24 @@ def row_work(cfg: RunConfig) -> StageWork:
 
 
 def _layer_flops(cfg: RunConfig, row: list[SampleCost], options: FlopOptions) -> tuple[float, ...]:
-    """Each decoder layer's FLOPs on ``row`` where the layers differ (a hybrid decoder: the family's count of
-    a one-layer model of each type); () where every layer costs the same."""
+    """Each decoder layer's FLOPs on ``row`` where the layers differ (a hybrid decoder's types, DeepSeek's
+    dense first layers: the family's count of a one-layer model of each kind); () where every layer costs
+    the same."""
     language = cfg.model.language
-    if not language.layer_types:
+    dense_first = language.first_dense_layers if language.num_experts else 0
+    if not language.layer_types and not dense_first:
         return ()
     family = get_family(cfg.model.family)
-    per_type = {kind: family.training_flops(dataclasses.replace(cfg.model, language=dataclasses.replace(
-        language, num_layers=1, layer_types=[kind])), row, options).language for kind in set(language.layer_types)}
-    return tuple(per_type[kind] for kind in language.layer_types)
+    types = language.layer_types or [FULL_ATTENTION] * language.num_layers
+    kinds = [(kind, index < dense_first) for index, kind in enumerate(types)]
+
+    def one_layer(kind: str, dense: bool) -> float:
+        single = dataclasses.replace(language, num_layers=1, layer_types=[kind] if language.layer_types else [],
+                                     first_dense_layers=int(dense))
+        return family.training_flops(dataclasses.replace(cfg.model, language=single), row, options).language
+
+    per_kind = {kind: one_layer(*kind) for kind in set(kinds)}
+    return tuple(per_kind[kind] for kind in kinds)
 
 
 def _row_images(cfg: RunConfig) -> tuple[tuple[int, int, int], ...]:
@@ -148,7 +157,8 @@ def pipeline_table(cfg: RunConfig) -> str:
     for index, (rank, stage) in enumerate(stages.schedule_order()):
         count, first = stages.layers[rank][stage], stages.first_layer(rank, stage)
         layers = (f"{first}-{first + count - 1} ({count})" if count > 1 else f"{first} (1)") if count else "none"
-        holds = ", ".join(part for part, here in (("vision encoder + projector, embedding", (rank, stage) == (0, 0)),
+        first_parts = "vision encoder + projector, embedding" if cfg.model.vision is not None else "embedding"
+        holds = ", ".join(part for part, here in ((first_parts, (rank, stage) == (0, 0)),
                                                   ("LM head", (rank, stage) == last)) if here)
         lines.append(f"  {index:>5}  {rank:>4}  {layers:<14}  {chunks[rank][stage] / 1e12:>6.2f}   {holds}")
     even = equal_stage_bubble(stages.pipeline, stages.virtual, micro_batches)

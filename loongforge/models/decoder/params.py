@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections import Counter
 
 from loongforge.config.schema import LanguageConfig, ModelConfig
-from loongforge.models.flops import FULL_ATTENTION, LINEAR_ATTENTION, decoder_layer_types
+from loongforge.models.flops import FULL_ATTENTION, LINEAR_ATTENTION, decoder_layer_types, sparse_layers
 
 
 def head_dim(lang: LanguageConfig) -> int:
@@ -21,14 +21,6 @@ def head_dim(lang: LanguageConfig) -> int:
 
 def linear_parameters(fan_in: int, fan_out: int, bias: bool) -> int:
     return fan_in * fan_out + (fan_out if bias else 0)
-
-
-def sparse_layers(lang: LanguageConfig) -> list[bool]:
-    """Whether each decoder layer holds experts: every layer of a model with experts but its first
-    ``first_dense_layers`` (DeepSeek's), none of a dense model."""
-    if not lang.num_experts:
-        return [False] * lang.num_layers
-    return [index >= lang.first_dense_layers for index in range(lang.num_layers)]
 
 
 def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
