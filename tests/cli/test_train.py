@@ -41,7 +41,8 @@ def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
                         "[family qwen2_5_vl]", "[family qwen3_5]", "[family qwen3_vl]"]
     llm_block = lines[lines.index("[family llm]") + 1:lines.index("[family qwen2_5_vl]")]
     assert sorted(row.split()[0] for row in llm_block) == [
-        "llama-tiny", "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "qwen2.5-7b",
+        "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-tiny", "deepseek-v3-tiny-small-vocab", "llama-tiny",
+        "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "moonlight-16b-a3b", "qwen2.5-7b",
         "qwen3-30b-a3b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-moe-tiny-small-vocab"]
     assert "8.19B" in rows["qwen3-8b"] and "8.03B" in rows["llama3.1-8b"] and "8.77B" in rows["qwen3vl-8b"]
     assert "LM 48x2048 MoE 128e top-8" in rows["qwen3-30b-a3b"] and "30.53B" in rows["qwen3-30b-a3b"]
@@ -135,10 +136,43 @@ def test_dry_run_397b_hybrid_moe_plan_fits_80gb_gpus():
     stage = [lang.layer_types[i] for i in range(15, 30)]  # stage 1: 11 linear-attention, 4 full-attention layers
     experts = expert_parameters(lang)
     per_rank = sum((language_layer_parameters(lang, layer_type=kind) - experts) / 2 + experts / 64 for kind in stage)
-    assert f"layers 15-29 (15) + : {per_rank / 1e9:.2f}B params per rank" in plan
+    assert f"layers 15-29 (15): {per_rank / 1e9:.2f}B params per rank" in plan
     cp1 = next(line for line in out.splitlines() if line.strip().startswith("1  TP2 x PP4 x DP32"))
     total = float(cp1.split()[-2])
     print(f"\nqwen3.5-397b-a17b: stage 1 {per_rank / 1e9:.2f}B params per rank; CP 1 plan {total} GiB per rank")
+    assert cp1.split()[-1] == "yes" and total <= 72.0
+
+
+def test_dry_run_deepseek_v3_plan_fits_80gb_gpus():
+    """DeepSeek-V3 (671B): 61 layers over PP 8 (7 | 8 x 6 | 6), EP 64 (4 of every layer's 256 experts a rank),
+    TP 1, full recompute. Each stage's parameters per rank counted here layer by layer (the first 3 layers
+    dense, with no experts), the FLOPs of a dense and a sparse layer, and the plan fits at CP 1."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.models.decoder.params import expert_parameters, language_layer_parameters
+
+    out = invoke("--preset", "deepseek-v3", "--dry-run").stdout
+    plan = out.split("parallel plan\n")[1]
+    assert "512 processes = TP1 x PP8 x DP64" in plan and "EP64 x expert TP1 x expert DP1" in plan
+    assert "671.03B total (671,026,404,352), 37.55B active per token" in plan
+    lang = load_run_config("deepseek-v3").model.language
+    experts = expert_parameters(lang)
+
+    def layer(index: int) -> float:  # this rank's share of decoder layer ``index``
+        sparse = index >= 3
+        return language_layer_parameters(lang, sparse=sparse) - (experts - experts / 64 if sparse else 0)
+
+    embedding = lang.vocab_size * lang.hidden_size
+    bounds = [(0, 7), (7, 15), (15, 23), (23, 31), (31, 39), (39, 47), (47, 55), (55, 61)]
+    stages = [sum(layer(i) for i in range(first, end)) for first, end in bounds]
+    stages[0] += embedding
+    stages[-1] += embedding + lang.hidden_size  # the LM head and the final norm
+    assert f"layers 0-6 (7) + embeddings: {stages[0] / 1e9:.2f}B params per rank" in plan
+    assert f"layers 7-14 (8): {stages[1] / 1e9:.2f}B params per rank" in plan
+    assert f"layers 55-60 (6) + LM head: {stages[-1] / 1e9:.2f}B params per rank" in plan
+    cp1 = next(line for line in out.splitlines() if line.strip().startswith("1  TP1 x PP8 x DP64"))
+    total = float(cp1.split()[-2])
+    print(f"\ndeepseek-v3: stages {[round(x / 1e9, 2) for x in stages]}B params per rank; CP 1 plan {total} GiB "
+          f"per rank")
     assert cp1.split()[-1] == "yes" and total <= 72.0
 
 

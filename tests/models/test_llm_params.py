@@ -7,7 +7,8 @@ import torch
 from loongforge.config.loader import load_run_config
 from loongforge.models.registry import get_family
 
-PRESETS = ("qwen2.5-7b", "qwen3-8b", "llama3.1-8b", "llm-tiny", "llama-tiny")
+PRESETS = ("qwen2.5-7b", "qwen3-8b", "llama3.1-8b", "llm-tiny", "llama-tiny", "deepseek-v3", "moonlight-16b-a3b",
+           "deepseek-v2-lite", "deepseek-v3-tiny")
 
 
 @pytest.mark.parametrize("preset", PRESETS)
@@ -21,7 +22,16 @@ def test_counts_equal_transformers_on_meta_device(preset):
     assert hf_config.architectures == hf_dict["architectures"]
     with torch.device("meta"):
         hf_model = AutoModelForCausalLM.from_config(hf_config)
-    total = family.count_parameters(model_cfg)["total"]
+    counts = family.count_parameters(model_cfg)
+    total = counts["total"]
     assert total == sum(p.numel() for p in hf_model.parameters())
+    lang = model_cfg.language
+    if lang.num_experts:
+        # Active: all but the experts a token does not run through, in every sparse layer transformers builds.
+        per_expert = sum(p.numel() for name, p in hf_model.named_parameters() if ".experts." in name) // (
+            lang.num_experts * (lang.num_layers - lang.first_dense_layers))
+        idle = (lang.num_experts - lang.moe_router_topk) * per_expert * (lang.num_layers - lang.first_dense_layers)
+        print(f"{preset}: total {total:,}, active {counts['active']:,}")
+        assert counts["active"] == total - idle
     if model_cfg.reference_num_params is not None:
         assert total == model_cfg.reference_num_params
