@@ -36,7 +36,7 @@ from loongforge.config.layout import (
     sample_multiple,
 )
 from loongforge.config.pipeline_layout import virtual_stages
-from loongforge.config.schema import LAYER_TYPES, RunConfig
+from loongforge.config.schema import CHAT_FORMATS, LAYER_TYPES, RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -448,6 +448,17 @@ _DEEPSEEK_DEFAULTS = {"multi_latent_attention": None, "yarn": None, "first_dense
                       "moe_router_score_function": "softmax", "moe_router_fp32": False,
                       "moe_router_bias_update_rate": 0.0, "moe_router_num_groups": None, "moe_router_group_topk": None,
                       "moe_routed_scaling_factor": 1.0, "moe_shared_expert_gate": True}
+
+
+def _check_chat_format(cfg: RunConfig) -> list[str]:
+    name = cfg.model.chat_format
+    if name is not None and name not in CHAT_FORMATS:
+        return [f"model.chat_format='{name}' is not one of {' | '.join(CHAT_FORMATS)}; set one of those, or null "
+                f"for the architecture's own."]
+    if name is not None and cfg.model.family != "llm":
+        return [f"model.chat_format={cfg.model.chat_format} but model.family={cfg.model.family} writes its own "
+                f"chat format; set it to null (text-only models, model.family=llm, choose theirs)."]
+    return []
 
 
 def _check_deepseek_layers(cfg: RunConfig) -> list[str]:
@@ -905,7 +916,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
     errors += (_check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg)
-               + _check_deepseek_layers(cfg) + _check_vision_shape(cfg))
+               + _check_deepseek_layers(cfg) + _check_chat_format(cfg) + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
             + _check_lora(cfg))

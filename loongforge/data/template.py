@@ -66,14 +66,14 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
 
     emit(chat.text_start)
     if turns and turns[0].role != "system" and system:
-        emit(f"{chat.turn_start}system{chat.role_end}{turn_content(system, chat)}{chat.turn_end}{chat.turn_sep}")
+        emit(f"{chat.header('system')}{turn_content(system, chat)}{chat.end('system')}{chat.turn_sep}")
     for index, turn in enumerate(turns):
-        emit(f"{chat.turn_start}{turn.role}{chat.role_end}")
+        emit(chat.header(turn.role))
         start = length
         text = turn.text
         if chat.thinking and turn.role == "assistant":
             text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
-        emit(turn_content(text, chat) + chat.turn_end)
+        emit(turn_content(text, chat) + chat.end(turn.role))
         if turn.role == "assistant":
             spans.append((start, length))
         emit(chat.turn_sep)

@@ -113,12 +113,27 @@ class ChatFormat:
     # True: a turn is written as its images' blocks, then its videos', then each piece of its text after a
     # newline, wherever the data placed them (LLaVA-OneVision's template); False: blocks where they stand.
     media_first: bool = False
+    # Formats that mark each role by a token of its own (DeepSeek's ``<｜User｜>``): (role, header) pairs
+    # written in place of ``turn_start + role + role_end``, and (role, end) pairs in place of ``turn_end``
+    # (DeepSeek ends only the assistant's turns).
+    role_headers: tuple[tuple[str, str], ...] = ()
+    role_turn_ends: tuple[tuple[str, str], ...] = ()
+
+    def header(self, role: str) -> str:
+        """What opens a turn of ``role``."""
+        return dict(self.role_headers).get(role, f"{self.turn_start}{role}{self.role_end}")
+
+    def end(self, role: str) -> str:
+        """What closes a turn of ``role``."""
+        return dict(self.role_turn_ends).get(role, self.turn_end)
 
     @property
     def markers(self) -> tuple[str, ...]:
         """The format's own text pieces that must each be one (special) token of the tokenizer."""
         tags = (THINK_OPEN, THINK_CLOSE) if self.thinking else ()
-        return tuple(marker for marker in (self.text_start, self.turn_start, self.turn_end, *tags) if marker)
+        headers = tuple(header for _, header in self.role_headers)
+        return tuple(dict.fromkeys(marker for marker in (self.text_start, self.turn_start, self.turn_end, *headers, *tags)
+                                   if marker))
 
 
 def text_model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:

@@ -10,6 +10,8 @@ Two groups, each applied for a reason the caller states, never process-wide by d
   ``auto`` without CUDA), whether or not a GPU is visible; a CUDA run never calls it and runs
   megatron-core untouched. One CPU patch is numerical, not about devices: the grad norm accumulates
   in float64 (megatron's float32 fallback drifted with the TP shard size, ``_float64_l2_norm``).
+* ``FIX_PATCHES``: megatron-core defects a model meets on any device (the expert bias's count of padded
+  rows, ``_expert_bias_counts``); ``apply_fixes()``, by every model build.
 * ``NO_TE_PATCHES``: megatron-core's MoE router linear assumes Transformer Engine imported
   (``_router_gating_without_te``); part of ``CPU_PATCHES``, and installed alone by
   ``apply_without_te()`` for a CUDA run without TE.
@@ -55,8 +57,8 @@ from typing import Any, Callable, Iterator
 
 import torch
 
-__all__ = ["Patch", "CPU_PATCHES", "NO_TE_PATCHES", "CHECKPOINT_LOAD_PATCHES", "CHECKPOINT_SAVE_PATCHES",
-           "DEVICE_PROXY_MODULES", "apply_cpu", "apply_without_te", "scoped", "revert", "applied",
+__all__ = ["Patch", "CPU_PATCHES", "NO_TE_PATCHES", "FIX_PATCHES", "CHECKPOINT_LOAD_PATCHES",
+           "CHECKPOINT_SAVE_PATCHES", "DEVICE_PROXY_MODULES", "apply_cpu", "apply_without_te", "apply_fixes", "scoped", "revert", "applied",
            "cpu_device_scope", "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
@@ -235,6 +237,99 @@ def _eager_output_gate(original: Callable) -> Callable:
         return (x * torch.sigmoid(gate.contiguous().view(*x.shape).float())).to(x.dtype)
 
     return apply_output_gate
+
+
+def _expert_bias_counts(original: Callable) -> Callable:
+    def apply_expert_bias(self, routing_map, padding_mask=None):
+        """megatron's count of the step's tokens per expert (for the expert bias), the padding mask [T]
+        broadcast over the experts of routing_map [T, E], eagerly."""
+        if self.enable_expert_bias and torch.is_grad_enabled():
+            with torch.no_grad():
+                if padding_mask is not None:
+                    routing_map = routing_map & ~padding_mask.reshape(-1, 1)
+                self.local_tokens_per_expert += routing_map.sum(dim=0)
+
+    return apply_expert_bias
+
+
+class _SumGradOverGroup(torch.autograd.Function):
+    """Identity forward; the backward sums the gradient over ``group``."""
+
+    @staticmethod
+    def forward(ctx, tensor, group):
+        ctx.group = group
+        return tensor.view_as(tensor)
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        torch.distributed.all_reduce(grad, group=ctx.group)
+        return grad, None
+
+
+# Inside multi-latent attention's q/k/v computation at TP > 1 with column-parallel latent projections:
+# [TP group, rotary applications so far] (the query's is the first, the shared key's the second).
+_MLA_ROTARY: list = []
+
+
+def _mla_rotary_scope(original: Callable) -> Callable:
+    def get_query_key_value_tensors(self, *args, **kwargs):
+        from megatron.core.tensor_parallel.layers import ColumnParallelLinear
+
+        group = self.pg_collection.tp
+        sharded = group.size() > 1 and isinstance(self.linear_kv_down_proj, ColumnParallelLinear)
+        if not sharded:
+            return original(self, *args, **kwargs)
+        _MLA_ROTARY.append([group, 0])
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _MLA_ROTARY.pop()
+
+    return get_query_key_value_tensors
+
+
+def _mla_shared_key_grad(original: Callable) -> Callable:
+    def apply_rotary_pos_emb(t, *args, **kwargs):
+        if _MLA_ROTARY:
+            scope = _MLA_ROTARY[-1]
+            scope[1] += 1
+            if scope[1] == 2:  # the shared rotary key, used by every rank's heads
+                t = _SumGradOverGroup.apply(t, scope[0])
+        return original(t, *args, **kwargs)
+
+    return apply_rotary_pos_emb
+
+
+# megatron-core defects a model meets on any device (``apply_fixes``, by every model build).
+FIX_PATCHES: list[Patch] = [
+    Patch(
+        name="mla_rotary_scope",
+        owner_path="megatron.core.transformer.multi_latent_attention:MLASelfAttention",
+        attribute="get_query_key_value_tensors",
+        why="with column-parallel latent projections at TP > 1 (megatron's local spec) the shared rotary key is "
+            "gathered and used by each rank's own heads, but the gather's backward only splits its gradient "
+            "(multi_latent_attention.py:607): each rank's rotary rows of linear_kv_down_proj saw its own heads' "
+            "share; this marks the scope in which _mla_shared_key_grad sums it over TP",
+        wrap=_mla_rotary_scope,
+    ),
+    Patch(
+        name="mla_shared_key_grad",
+        owner_path="megatron.core.transformer.multi_latent_attention",
+        attribute="apply_rotary_pos_emb",
+        why="the shared rotary key's gradient summed over TP before the gather's split (see mla_rotary_scope); "
+            "other callers pass through untouched",
+        wrap=_mla_shared_key_grad,
+    ),
+    Patch(
+        name="expert_bias_padding_mask",
+        owner_path="megatron.core.transformer.moe.router:TopKRouter",
+        attribute="_apply_expert_bias",
+        why="ands routing_map [T, E] with the padding mask [T], which fails to broadcast, under torch.compile "
+            "(moe/router.py:542): every run of the expert bias with padded rows would stop",
+        wrap=_expert_bias_counts,
+    ),
+]
 
 
 CPU_PATCHES: list[Patch] = [
@@ -604,6 +699,11 @@ def apply_cpu() -> list[str]:
             _PROXIED[module_name] = module.torch
             module.torch = _CpuTorch()
     return installed
+
+
+def apply_fixes() -> list[str]:
+    """Install ``FIX_PATCHES`` (any device). Idempotent."""
+    return [patch.name for patch in FIX_PATCHES if _install(patch)]
 
 
 def apply_without_te() -> list[str]:

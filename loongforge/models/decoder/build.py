@@ -44,6 +44,7 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     CUDA-only call sites patched (``parallel.mcore_patches``)."""
     device = torch.device(device)
     on_cpu = device.type == "cpu"
+    mcore_patches.apply_fixes()
     if on_cpu:
         mcore_patches.apply_cpu()
     elif importlib.util.find_spec("transformer_engine") is None:

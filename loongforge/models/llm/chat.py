@@ -12,6 +12,11 @@ last question in a think block, empty when there is none (``data.template.with_r
     <|im_start|>user\nWhat is 2 + 2?<|im_end|>\n
     <|im_start|>assistant\n<think>\n\n</think>\n\n4<|im_end|>\n
 
+DeepSeek-V3 (and, here, every DeepSeek architecture) marks the roles by tokens and ends only the
+assistant's turns, a system prompt bare after the start::
+
+    <｜begin▁of▁sentence｜>You are terse.<｜User｜>What is 2 + 2?<｜Assistant｜>4<｜end▁of▁sentence｜>
+
 Llama 3.x instruct models use header tokens, with nothing between turns::
 
     <|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nYou are a helpful assistant.<|eot_id|>
@@ -26,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loongforge.config.schema import ModelConfig
+from loongforge.config.schema import CHAT_FORMATS, ModelConfig
 from loongforge.models.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
 from loongforge.models.decoder.text_config import architecture
@@ -122,11 +127,43 @@ LLAMA3 = ChatFormat(
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
 )
 
-# transformers architecture -> its instruct models' chat format
-_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
-            "LlamaForCausalLM": LLAMA3}
+# DeepSeek-V3's: the roles as tokens of their own, only the assistant's turns ended, a system prompt as bare
+# text after the start (no default one).
+_DEEPSEEK_BOS, _DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+_DEEPSEEK_HEADERS = {"system": "", "user": "<｜User｜>", "assistant": "<｜Assistant｜>"}
+DEEPSEEK_V3_TEMPLATE = (
+    _DEEPSEEK_BOS
+    + "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}" + _DEEPSEEK_HEADERS["user"] + "{% endif %}"
+    "{% if message['role'] == 'assistant' %}" + _DEEPSEEK_HEADERS["assistant"] + "{% endif %}"
+    + _CONTENT +
+    "{% if message['role'] == 'assistant' %}" + _DEEPSEEK_EOS + "{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + _DEEPSEEK_HEADERS["assistant"] + "{% endif %}"
+)
+DEEPSEEK_V3 = ChatFormat(
+    turn_start="",
+    turn_end=_DEEPSEEK_EOS,
+    image_block="",
+    video_block="",
+    jinja_template=DEEPSEEK_V3_TEMPLATE,
+    role_end="",
+    turn_sep="",
+    text_start=_DEEPSEEK_BOS,
+    document_end=_DEEPSEEK_EOS,
+    role_headers=tuple(_DEEPSEEK_HEADERS.items()),
+    role_turn_ends=(("system", ""), ("user", "")),
+)
+
+# The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.
+FORMATS = dict(zip(CHAT_FORMATS, (CHATML, QWEN3, LLAMA3, DEEPSEEK_V3)))
+_ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
+                         "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
+                         "DeepseekV3ForCausalLM": DEEPSEEK_V3}
 
 
 def chat_format(model_cfg: ModelConfig) -> ChatFormat:
-    """The chat format of the architecture ``model.language`` describes."""
-    return _FORMATS[architecture(model_cfg.language)]
+    """``model.chat_format`` by name, else the chat format of the architecture ``model.language`` describes."""
+    if model_cfg.chat_format is not None:
+        return FORMATS[model_cfg.chat_format]
+    return _ARCHITECTURE_FORMATS[architecture(model_cfg.language)]

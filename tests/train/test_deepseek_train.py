@@ -1,0 +1,101 @@
+"""DeepSeek-V3 through `loongforge train` (deepseek-v3-tiny: multi-latent attention, a dense first layer, then
+8 routed experts in 4 groups with the sigmoid router and its expert bias, one shared expert).
+
+The expert bias is trained state: after every step megatron-core moves each expert's bias by the update
+rate toward the layer's mean load (the step's tokens per expert summed over TP x DP). Expert parallel 2,
+EP 2 x TP 2 (sequence parallel) and pipeline parallel 2 (the dense layer on one stage, the sparse one on
+the other) give one process's losses, grad norms and tokens per expert over 5 steps, and the very same
+expert bias; EP 2 x TP 2 stopped after step 2 and resumed is bit-identical, the bias included."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loongforge.convert.mcore_io import McoreReader
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_close_relative,
+    checkpoint_differences,
+    final_checkpoint,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+    step_metric,
+    worst_relative,
+)
+
+PRESET = "deepseek-v3-tiny-small-vocab"
+REL = 3e-7
+STATE_REL = 1.5e-6
+RESUME_STEP = 2
+# 5 steps of 4 rows of 256 tokens; the tests' 2-layer model: layer 0 dense, layer 1 sparse.
+OPTIONS = ("data.seq_len=256", "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END,
+           "optimizer.adam_eps=1e-6", "data.read=global")
+EP2 = ("parallel.expert_model_parallel_size=2",)
+LAYOUTS = {
+    "ep1": ((), 1),
+    "ep2": (EP2, 2),
+    "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
+                 "parallel.expert_tensor_parallel_size=1"), 4),
+    "pp2": (("parallel.pipeline_model_parallel_size=2",), 2),
+}
+BIAS = "mlp.router.expert_bias"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek")
+    for name, (extra, nproc) in LAYOUTS.items():
+        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    return {name: root / name for name in LAYOUTS}
+
+
+def _expert_bias(run: Path) -> dict[str, list[float]]:
+    reader = McoreReader(final_checkpoint(run) / "model_optim")
+    return {key: reader.read(key).tolist() for key in reader.tensors if key.endswith(BIAS)}
+
+
+def test_the_expert_bias_evolves_and_is_saved(runs):
+    bias = _expert_bias(runs["ep1"])
+    assert len(bias) == 1, sorted(bias)  # one sparse layer
+    (values,) = bias.values()
+    # 5 steps at rate 1e-3: each expert's bias a sum of five +-1e-3 moves (or none on an exactly mean load).
+    print(f"expert bias after 5 steps: {[round(v * 1e3) for v in values]} x 1e-3")
+    assert any(values) and all(abs(v) <= 5e-3 + 1e-9 for v in values)
+
+
+@pytest.mark.parametrize("layout", ["ep2", "ep2-tp2", "pp2"])
+def test_layout_trains_like_one_process(runs, layout):
+    run, reference = runs[layout], runs["ep1"]
+    assert len(losses(reference)) == 5
+    assert_close_relative(losses(run), losses(reference), REL)
+    assert_close_relative(grad_norms(run), grad_norms(reference), REL)
+    for key in ("expert_tokens_min", "expert_tokens_max"):
+        assert step_metric(run, key) == step_metric(reference, key), key
+    assert _expert_bias(run) == _expert_bias(reference)
+    differences = checkpoint_differences(run, reference)
+    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
+    assert any(".self_attention.linear_kv_up_proj." in k for k in moments), sorted(moments)[:5]
+    worst = max(moments, key=moments.get)
+    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
+    worst_weight = max(weights, key=weights.get)
+    print(f"{layout} vs ep1: losses {worst_relative(losses(run), losses(reference)):.1e}, grad norms "
+          f"{worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e}, "
+          f"weights {weights[worst_weight]:.1e} (worst relative difference)")
+    assert moments[worst] <= STATE_REL, (worst, moments[worst])
+    assert weights[worst_weight] <= STATE_REL, (worst_weight, weights[worst_weight])
+
+
+def test_ep2_tp2_resumed_from_step_2_is_bit_identical(runs, tmp_path):
+    uninterrupted = runs["ep2-tp2"]
+    resumed = tmp_path / "resumed"
+    extra, nproc = LAYOUTS["ep2-tp2"]
+    resume_from_copy(uninterrupted, resumed, RESUME_STEP, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    assert losses(resumed) == losses(uninterrupted)
+    assert grad_norms(resumed) == grad_norms(uninterrupted)
+    differences = checkpoint_differences(resumed, uninterrupted)
+    assert any(key.endswith(BIAS) for key in differences)
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
