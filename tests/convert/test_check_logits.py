@@ -12,7 +12,7 @@ import pytest
 from loongforge.convert import check_logits
 from tests.convert.helpers import invoke, one_line_error, save_hf_checkpoint
 from tests.models.helpers import tiny_model_cfg
-from tests.models.llm_helpers import ARCHITECTURES, build_hf_llm
+from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
 from tests.shared_data import SHARED_DATA
 
 TOLERANCE = 1e-5
@@ -126,6 +126,15 @@ def test_composed_families_with_a_photo_at_tp1_and_tp2(family, tmp_path):
 @pytest.mark.parametrize("arch", list(ARCHITECTURES))
 def test_llm_architectures(llm_folders, arch):
     _passes(invoke(str(llm_folders[arch]), "--check-logits"))
+
+
+@pytest.mark.parametrize("arch", list(DEEPSEEK_ARCHITECTURES))
+def test_deepseek_at_tp1_and_tp2(arch, tmp_path):
+    """Multi-latent attention, DeepSeekMoE routing (V3: the expert bias, groups) at TP 1 and TP 2."""
+    build_hf_llm(arch).save_pretrained(tmp_path / arch)
+    for tp in ("1", "2"):
+        diff = _passes(invoke(str(tmp_path / arch), "--check-logits", "--tp", tp))
+        print(f"\n{arch} at TP {tp}: max abs diff {diff:.1e}")
 
 
 def test_a_loongforge_checkpoint_is_checked_through_its_hf_export(llm_folders, tmp_path):

@@ -4,7 +4,8 @@ MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every ex
 (InternViT's class token, positions and layer scales, the pixel-shuffle projector, Qwen3 under
 ``model.language_model.``) and LLaVA-OneVision (SigLIP with its carried post-layernorm, the projector, the
 newline, Qwen2) and Qwen3.5 (hybrid: each layer's own checkpoint keys, Gated DeltaNet's key-head-grouped
-projection and convolution, the gated attention's query and gate rows)."""
+projection and convolution, the gated attention's query and gate rows) and DeepSeek-V3 / V2 (multi-latent
+attention, the dense first layer and the sparse ones under keys of their own, the expert bias)."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ import dataclasses
 import pytest
 
 from tests.convert.helpers import invoke
-from tests.models.llm_helpers import ARCHITECTURES, build_hf_llm
+from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
 
 
 def _save_qwen3_vl(path, experts: bool = False) -> int:
@@ -54,8 +55,17 @@ def _save_llm(arch: str, path) -> int:
     return len(model.state_dict()) - int(model.config.tie_word_embeddings)
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_onevision",
-                                    "qwen3_5", "qwen3_5_moe"])
+def _save_deepseek(arch: str, path) -> int:
+    """DeepSeek at 4 layers (PP 2: the dense first layer and a sparse one on each stage), expert bias random."""
+    from loongforge.models.registry import get_family
+
+    model = build_hf_llm(arch, num_hidden_layers=4)
+    model.save_pretrained(path)
+    return len(get_family("llm").to_hub_style(model.state_dict()))
+
+
+@pytest.mark.parametrize("family", [*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl",
+                                    "llava_onevision", "qwen3_5", "qwen3_5_moe"])
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     src = tmp_path / "hf"
     if family.startswith("qwen3_vl"):
@@ -64,11 +74,14 @@ def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
         tensors = _save_composition(family, src)
     elif family == "qwen3_5_moe":
         tensors = _save_composition("qwen3_5", src, preset="qwen3.5-moe-tiny")
+    elif family in DEEPSEEK_ARCHITECTURES:
+        tensors = _save_deepseek(family, src)
     else:
         tensors = _save_llm(family, src)
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
     assert result.exit_code == 0, result.output
     verdict = result.output.strip().splitlines()[-1]
+    print(f"{family}: {verdict}")
     assert verdict.startswith("round trip HF -> mcore (tp=2, pp=2")
     assert verdict.endswith(f"{tensors} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT"), verdict
 

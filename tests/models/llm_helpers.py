@@ -27,8 +27,8 @@ _SHAPE = dict(vocab_size=300, hidden_size=64, intermediate_size=96, num_hidden_l
               num_key_value_heads=2, rms_norm_eps=1e-6, max_position_embeddings=131072, hidden_act="silu")
 
 
-def tiny_hf_config_dict(arch: str) -> dict:
-    return {**_SHAPE, **ARCHITECTURES_WITH_MOE[arch]}
+def tiny_hf_config_dict(arch: str, **overrides) -> dict:
+    return {**_SHAPE, **ARCHITECTURES_WITH_MOE[arch], **overrides}
 
 
 def tiny_llm_cfg(arch: str) -> ModelConfig:
@@ -36,11 +36,12 @@ def tiny_llm_cfg(arch: str) -> ModelConfig:
     return get_family("llm").config_from_hf(tiny_hf_config_dict(arch), f"{arch}/config.json")
 
 
-def build_hf_llm(arch: str, seed: int = 0):
-    """A random fp32 transformers causal LM; every parameter (norms too) randomised."""
+def build_hf_llm(arch: str, seed: int = 0, **overrides):
+    """A random fp32 transformers causal LM (``overrides``: config.json fields); every parameter (norms too)
+    randomised."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    config = tiny_hf_config_dict(arch)
+    config = tiny_hf_config_dict(arch, **overrides)
     hf_config = AutoConfig.for_model(config["model_type"], **{k: v for k, v in config.items() if k != "model_type"})
     hf_config._attn_implementation = "eager"
     torch.manual_seed(seed)
