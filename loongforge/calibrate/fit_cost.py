@@ -27,6 +27,7 @@ from loongforge.config.validate import build_run_config
 from loongforge.models.flops import (
     FULL_ATTENTION,
     LINEAR_ATTENTION,
+    attention_width,
     decoder_layer_types,
     gated_delta_rule_flops,
 )
@@ -112,7 +113,8 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     """Where causal attention FLOPs equal the linear FLOPs per sample, from the architecture.
 
     ``model``: the profile env's model config (dict). Forward+backward FLOPs of a sample of
-    length L: attention 6*h*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*h*layers*L^2, linear
+    length L: attention 6*w*layers*L^2 / 2 * 2 (QK^T and AV, causal) = 6*w*layers*L^2 (w: the attention
+    width, ``flops.attention_width``: heads x head_dim, which need not be h), linear
     6*params_per_layer*layers*L, where a mixture-of-experts layer counts the parameters one token
     runs through (router and its top-k experts: the family's ``active`` count), plus
     the LM head, which runs on loss tokens only (6*vocab*h*loss_share*L). Returns the crossover
@@ -128,7 +130,7 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     without_layers = replace(model_cfg, language=replace(lang, num_layers=0))
     layer_parameters = count(model_cfg)["active"] - count(without_layers)["active"]
     linear = layer_parameters + linear_attention_token_flops(lang) / 2
-    attention = h * decoder_layer_types(lang).count(FULL_ATTENTION)
+    attention = attention_width(lang) * decoder_layer_types(lang).count(FULL_ATTENTION)
     head = loss_share * lang.vocab_size * h
     if not attention:  # every layer linear: the attention never catches up
         return {"layers_only": math.inf, "with_lm_head": math.inf, "loss_share": loss_share}

@@ -221,6 +221,16 @@ def sparse_layers(lang: LanguageConfig) -> list[bool]:
     return [index >= lang.first_dense_layers for index in range(lang.num_layers)]
 
 
+def attention_width(lang: LanguageConfig) -> float:
+    """The width w of a full-attention layer's ``4 L^2 w`` attention FLOPs (QK^T and AV over a segment of L):
+    the query width (heads x head_dim) for GQA; for multi-latent attention the mean of the query's
+    (no-position plus rotary channels) and the values' widths, as QK^T and AV differ."""
+    mla, heads = lang.multi_latent_attention, lang.num_attention_heads
+    if mla is None:
+        return heads * head_dim(lang)
+    return heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) / 2
+
+
 def full_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
     """QKV at the real widths (q: heads * head_dim, k and v: query_groups * head_dim each; Qwen3's
     head_dim need not be hidden / heads; with ``attention_output_gate`` q_proj also yields each head's

@@ -231,9 +231,11 @@ def test_the_flop_crossover_of_a_hybrid_model_prices_l2_on_its_full_attention_la
     crossover = flops_crossover_length(to_dict(cfg)["model"], loss_share=0.0)
     layers = sum(language_layer_parameters(lang, layer_type=kind) for kind in lang.layer_types)
     rule = lang.layer_types.count(LINEAR) * gated_delta_rule_flops(1, lang.linear_attention)
-    expected = (layers + rule / 2) / (lang.hidden_size * lang.layer_types.count(FULL))
+    # Attention 4 L^2 x (heads x head_dim) per full-attention layer; Qwen3.5's heads are wider than h / heads.
+    width = lang.num_attention_heads * (lang.head_dim or lang.hidden_size // lang.num_attention_heads)
+    expected = (layers + rule / 2) / (width * lang.layer_types.count(FULL))
     print(f"qwen3.5-tiny FLOP crossover {crossover['layers_only']:.1f} tokens (every layer attention: "
-          f"{layers / (lang.hidden_size * lang.num_layers):.1f})")
+          f"{layers / (width * lang.num_layers):.1f})")
     assert crossover["layers_only"] == pytest.approx(expected, rel=1e-12)
 
 
