@@ -199,6 +199,12 @@ class LanguageConfig:
     # The shared expert's output scaled by sigmoid of a learned gate per token (Qwen3.5-MoE); false: added
     # as it is (DeepSeek's shared experts).
     moe_shared_expert_gate: bool = True
+    # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th predicting the
+    # token k+1 ahead from the (k-1)-th's hidden state and the next token's embedding, sharing the embedding
+    # and the output head; 0: none.
+    mtp_num_layers: int = 0
+    # Their loss's weight: the step's objective adds mtp_loss_coeff / mtp_num_layers x their token losses.
+    mtp_loss_coeff: float = 0.1
 
 
 @dataclass

@@ -111,6 +111,23 @@ class Vocab(Transform):
 
 
 @dataclass(frozen=True)
+class Copies(Transform):
+    """One megatron tensor that the HF checkpoint stores ``copies`` times (DeepSeek's multi-token-prediction
+    layer keeps its own copy of the embedding and of the output head): read from the first HF key, written
+    to every one."""
+
+    base: Transform
+    copies: int
+
+    def shard(self, hf, rank, size):
+        return self.base.shard(hf[:1], rank, size)
+
+    def unshard(self, shards):
+        (tensor,) = self.base.unshard(shards)
+        return [tensor] + [tensor.clone() for _ in range(self.copies - 1)]
+
+
+@dataclass(frozen=True)
 class GroupedQKV(Transform):
     """HF q, k, v (weights [out, in] or biases [out]) <-> megatron's per-group interleaved qkv."""
 

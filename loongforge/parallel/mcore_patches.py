@@ -376,6 +376,13 @@ CPU_PATCHES: list[Patch] = [
             "(yarn_rotary_pos_embedding.py:120-126)",
     ),
     Patch(
+        name="mtp_loss_tracker",
+        owner_path="megatron.core.transformer.multi_token_prediction:MTPLossLoggingHelper",
+        attribute="save_loss_to_tracker",
+        why="the multi-token-prediction loss tracker is created on torch.cuda.current_device() "
+            "(multi_token_prediction.py:336)",
+    ),
+    Patch(
         name="tied_embedding_sync",
         owner_path="megatron.core.models.common.language_module.language_module:LanguageModule",
         attribute="setup_embeddings_and_output_layer",

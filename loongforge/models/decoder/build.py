@@ -14,7 +14,7 @@ from megatron.core.utils import get_pg_rank
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.language_model import LanguageModel
-from loongforge.models.decoder.layer_specs import language_block_spec
+from loongforge.models.decoder.layer_specs import language_block_spec, mtp_block_spec
 from loongforge.models.hf_rules import padded_vocab_size
 from loongforge.models.layer_backend import (
     BlockModules,
@@ -68,10 +68,13 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
     ``takes_features``: the caller writes vision features into the embeddings before the decoder
     runs, so the embeddings are scattered over sequence parallelism by the caller, not by GPTModel."""
     lang = model_cfg.language
+    # The multi-token-prediction layers sit after the decoder, on the last stage (with a copy of the embedding).
+    mtp = mtp_block_spec(language_config, modules, init_seed) if lang.mtp_num_layers and post_process else None
     return LanguageModel(
         config=language_config,
         transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
                                                    vp_stage=vp_stage, init_seed=init_seed),
+        mtp_block_spec=mtp,
         vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
         true_vocab_size=lang.vocab_size,
         init_seed=init_seed,

@@ -99,6 +99,7 @@ def language_config(
         **linear_attention(lang),
         **multi_latent_attention(lang),
         **experts(lang, parallel_cfg),
+        **multi_token_prediction(lang),
         **recompute(recompute_layers),
         **common(params_dtype, on_cpu),
     )
@@ -205,3 +206,10 @@ def moe_layer_pattern(lang: LanguageConfig) -> dict:
     if not lang.first_dense_layers:
         return {}
     return dict(moe_layer_freq=[0] * lang.first_dense_layers + [1] * (lang.num_layers - lang.first_dense_layers))
+
+
+def multi_token_prediction(lang: LanguageConfig) -> dict:
+    """megatron's MTP settings: its layers and their loss's scale (divided by the layers there)."""
+    if not lang.mtp_num_layers:
+        return {}
+    return dict(mtp_num_layers=lang.mtp_num_layers, mtp_loss_scaling_factor=lang.mtp_loss_coeff)

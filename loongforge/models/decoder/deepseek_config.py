@@ -55,6 +55,8 @@ def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageC
             qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],
             v_head_dim=cfg["v_head_dim"]),
         yarn=_yarn_from_hf(cfg, where),
+        # DeepSeek-V3's multi-token-prediction layers (its checkpoint's layers after the decoder's).
+        mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) if v3 else 0,
         **(_experts_from_hf(cfg, where, v3) if experts else {}),
     )
 
@@ -123,6 +125,8 @@ def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     }
     if lang.yarn is not None:
         config["rope_scaling"] = {"rope_type": "yarn", **{key: getattr(lang.yarn, key) for key in _YARN_KEYS}}
+    if name == "DeepseekV3ForCausalLM":
+        config["num_nextn_predict_layers"] = lang.mtp_num_layers
     if lang.num_experts:
         shared = lang.moe_shared_expert_ffn_hidden_size or 0
         config.update(

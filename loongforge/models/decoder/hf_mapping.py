@@ -24,6 +24,7 @@ from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
 from loongforge.models.hf_rules import (
     LANGUAGE,
+    Copies,
     FusedExperts,
     GatedGroupedQKV,
     GateUp,
@@ -46,7 +47,10 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     vocab, rep, row = Vocab(lang.vocab_size), Replicated(), Split(1)
     lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
     full, linear = _layers_of_kind(lang, "full_attention"), _layers_of_kind(lang, "linear_attention")
-    rules = [Rule((hf_prefix + "embed_tokens.weight",), "language_model.embedding.word_embeddings.weight", vocab, LANGUAGE)]
+    mtp_layers = [f"{hf_prefix}layers.{lang.num_layers + k}." for k in range(lang.mtp_num_layers)]
+    embedding = (hf_prefix + "embed_tokens.weight", *(layer + "embed_tokens.weight" for layer in mtp_layers))
+    head = ("lm_head.weight", *(layer + "shared_head.head.weight" for layer in mtp_layers))
+    rules = [Rule(embedding, "language_model.embedding.word_embeddings.weight", _copies(vocab, embedding), LANGUAGE)]
     rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
     if linear:
         rules += _linear_attention_rules(lang, lb, ll, linear)
@@ -72,11 +76,49 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
             Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
         ]
         rules += [dataclasses.replace(rule, layers=dense) for rule in mlp]
-    return rules + [
+    return rules + _mtp_rules(lang, hf_prefix) + [
         Rule((hf_prefix + "norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
-        Rule(("lm_head.weight",), "language_model.output_layer.weight", vocab, LANGUAGE,
+        Rule(head, "language_model.output_layer.weight", _copies(vocab, head), LANGUAGE,
              fallback_hf=hf_prefix + "embed_tokens.weight"),
     ]
+
+
+def _copies(transform, keys: tuple[str, ...]):
+    return transform if len(keys) == 1 else Copies(transform, len(keys))
+
+
+def _mtp_rules(lang: LanguageConfig, hf_prefix: str) -> list[Rule]:
+    """DeepSeek-V3's multi-token-prediction layers, as its checkpoint stores them: after the decoder's layers
+    (``layers.{num_layers + k}.``), the norms of the embedding and of the hidden state (``enorm``, ``hnorm``),
+    their projection (``eh_proj`` [h, 2h], embedding columns first), a decoder layer (sparse where the model
+    has experts) and the head's norm (``shared_head.norm``); the embedding's and the head's copies are the
+    model's own (``Copies``)."""
+    rep, rules = Replicated(), []
+    sparse = bool(lang.num_experts)
+    for k in range(lang.mtp_num_layers):
+        hb, mb = f"{hf_prefix}layers.{lang.num_layers + k}.", f"language_model.mtp.layers.{k}."
+        lb, ll = hb, mb + "transformer_layer."
+        rules += [Rule((hb + "enorm.weight",), mb + "enorm.weight", rep, LANGUAGE),
+                  Rule((hb + "hnorm.weight",), mb + "hnorm.weight", rep, LANGUAGE),
+                  Rule((hb + "eh_proj.weight",), mb + "eh_proj.weight", Split(0), LANGUAGE),
+                  Rule((hb + "shared_head.norm.weight",), mb + "final_layernorm.weight", rep, LANGUAGE)]
+        rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, None)
+        if sparse:
+            rules += [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+                      Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE)]
+            if lang.moe_router_bias_update_rate > 0:
+                rules.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep,
+                                  LANGUAGE))
+            rules += _expert_rules(lb, ll)
+            if lang.moe_shared_expert_ffn_hidden_size is not None:
+                rules += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
+        else:
+            rules += [Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep,
+                           LANGUAGE),
+                      Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight",
+                           GateUp(), LANGUAGE),
+                      Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", Split(1), LANGUAGE)]
+    return rules
 
 
 def _layers_by_mlp(lang: LanguageConfig) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
@@ -199,6 +241,14 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
     if not lang.tie_word_embeddings:
         shapes["lm_head.weight"] = (lang.vocab_size, d)
     dense, _ = _layers_by_mlp(lang)
+    for k in range(lang.mtp_num_layers):  # multi-token prediction's layers, after the decoder's
+        b = f"{hf_prefix}layers.{lang.num_layers + k}."
+        shapes.update({b + "enorm.weight": (d,), b + "hnorm.weight": (d,), b + "eh_proj.weight": (d, 2 * d),
+                       b + "shared_head.norm.weight": (d,), b + "embed_tokens.weight": (lang.vocab_size, d),
+                       b + "shared_head.head.weight": (lang.vocab_size, d),
+                       b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)})
+        shapes.update(_mlp_shapes(lang, b, fused_experts, dense=not lang.num_experts))
+        shapes.update(_mla_shapes(lang, b + "self_attn.") if lang.multi_latent_attention else {})
     for i in range(lang.num_layers):
         b = f"{hf_prefix}layers.{i}."
         shapes.update({b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)})

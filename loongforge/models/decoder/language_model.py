@@ -62,8 +62,15 @@ class LanguageModel(GPTModel):
         them changes no gradient and saves most of that work. Returns per-token loss [b, s], zero
         outside the mask.
         """
-        if (not self.post_process or labels is None or loss_mask is None
-                or getattr(self, "mtp_process", False)):
+        mtp = getattr(self, "mtp_process", False)
+        if mtp and labels is None and self.post_process:
+            # Logits alone: the multi-token-prediction layers predict nothing without labels (megatron would
+            # clone the labels they train on); the main head's logits as without them. [s, b, h] -> [b, s, V/tp]
+            weight = self.shared_embedding_or_output_weight() if self.share_embeddings_and_output_weights else None
+            logits, _ = self.output_layer(hidden_states, weight=weight)
+            return logits.transpose(0, 1).contiguous()
+        if not self.post_process or labels is None or loss_mask is None or mtp:
+            # With MTP layers: megatron's own head (every position) and theirs, each loss on the mask.
             return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
                                         loss_mask=loss_mask, **kwargs)
         if self.config.sequence_parallel:

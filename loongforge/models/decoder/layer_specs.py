@@ -169,6 +169,26 @@ def language_block_spec(
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
 
+def mtp_block_spec(config: TransformerConfig, modules: BlockModules, init_seed: int | None = None):
+    """megatron's multi-token-prediction block: per MTP layer RMSNorms on the next token's embedding and on
+    the hidden state, their concatenation projected back to the hidden size (``eh_proj``, column-parallel,
+    gathered), a decoder layer as the model's last (sparse where the model has experts), and a final RMSNorm
+    before the shared output head."""
+    from megatron.core.transformer.multi_token_prediction import (  # lazy: only models with MTP layers
+        MultiTokenPredictionBlockSubmodules,
+        MultiTokenPredictionLayer,
+        MultiTokenPredictionLayerSubmodules,
+    )
+
+    sparse = bool(config.num_moe_experts)
+    layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse,
+                                shared_expert=sparse and bool(config.moe_shared_expert_intermediate_size),
+                                latent=config.multi_latent_attention)
+    mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
+        enorm=RMSNorm, hnorm=RMSNorm, eh_proj=modules.column_linear, transformer_layer=layer, layer_norm=RMSNorm))
+    return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * config.mtp_num_layers)
+
+
 def _sparse_layers(config: TransformerConfig) -> list[bool]:
     """Whether each decoder layer is an MoE layer: every one in a model with experts, less the dense first
     layers of a ``moe_layer_freq`` pattern (``configs.moe_layer_pattern``)."""

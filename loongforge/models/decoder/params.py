@@ -125,7 +125,16 @@ def language_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     embedding = lang.vocab_size * lang.hidden_size
     output_layer = 0 if lang.tie_word_embeddings else embedding
     layers = decoder_layers_parameters(lang, active=active)
-    return embedding + layers + lang.hidden_size + output_layer
+    return embedding + layers + lang.hidden_size + output_layer + lang.mtp_num_layers * mtp_layer_parameters(
+        lang, active=active)
+
+
+def mtp_layer_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+    """One multi-token-prediction layer: the embedding's and the hidden state's RMSNorms, their projection
+    [h, 2h], a decoder layer (sparse where the model has experts) and the head's RMSNorm; the embedding and
+    the head are the model's own."""
+    h = lang.hidden_size
+    return 3 * h + 2 * h * h + language_layer_parameters(lang, active=active)
 
 
 def model_parameters(model_cfg: ModelConfig, vision_model: int = 0, projector: int = 0) -> dict[str, int]:
@@ -138,4 +147,4 @@ def model_parameters(model_cfg: ModelConfig, vision_model: int = 0, projector: i
     language_model = language_parameters(lang)
     return {"vision_model": vision_model, "projector": projector, "language_model": language_model,
             "total": encoder + language_model, "active": encoder + language_parameters(lang, active=True),
-            "routed_experts": sum(sparse_layers(lang)) * expert_parameters(lang)}
+            "routed_experts": (sum(sparse_layers(lang)) + lang.mtp_num_layers) * expert_parameters(lang)}
