@@ -174,7 +174,9 @@ class ExpertLoadCounter:
     """Counts, on every rank, the tokens each router sends to each expert during training forwards,
     and sums them over all ranks once per step (``take``, a collective).
 
-    Each layer lives on one pipeline stage; sequence-parallel TP ranks route disjoint slices of a
+    ``num_layers`` counts every layer a router may sit in (the decoder's, then multi-token prediction's);
+    the dense ones route nothing and are left out of the load. Each layer lives on one pipeline stage;
+    sequence-parallel TP ranks route disjoint slices of a
     row and data-parallel (and expert-parallel) ranks disjoint rows, so the sum over the world
     counts every routed token once. Padding is left out (the router's padding mask). A forward
     without autograd is not counted: with activation recompute the first forward of a layer runs
@@ -207,6 +209,7 @@ class ExpertLoadCounter:
             dist.all_reduce(counts)
         if float(counts.sum()) == 0.0:
             return None
+        counts = counts[counts.sum(dim=1) > 0]  # the sparse layers (DeepSeek's first layers are dense)
         means = counts.mean(dim=1).clamp(min=1e-12)  # [layers]
         return ExpertLoad(tokens_min=int(counts.min()), tokens_max=int(counts.max()),
                           max_over_mean=float((counts.max(dim=1).values / means).max()))

@@ -43,6 +43,8 @@ class StepMetrics:
     # each expert received (moe_balance.ExpertLoad); None otherwise.
     load_balancing_loss: Optional[float] = None
     expert_load: Optional[ExpertLoad] = None
+    # Multi-token prediction: each MTP layer's loss (train.step.StepResult); None without MTP layers.
+    mtp_losses: Optional[list[float]] = None
     # Model FLOPs, TFLOP/s per GPU, MFU and HFU of the step (profile.throughput); by_rank["model_tflop"]
     # holds each model replica's share (None on ranks that do not count: one per replica counts).
     throughput: Optional[Throughput] = None
@@ -80,6 +82,7 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
                f" | balance max/LB {m.balance['before']:.3f}->{m.balance['after']:.3f}"
                f" ({'applied' if m.balance['applied'] else 'skipped'})")
             + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}")
+            + ("" if m.mtp_losses is None else " | mtp loss " + " ".join(f"{v:.4f}" for v in m.mtp_losses))
             + _throughput_text(m))
 
 
@@ -163,6 +166,8 @@ class RunLogger:
             record["vision_features_bytes"] = m.vision_features_bytes
         if m.load_balancing_loss is not None:
             record["load_balancing_loss"] = m.load_balancing_loss
+        if m.mtp_losses is not None:
+            record["mtp_loss"] = m.mtp_losses
         if m.expert_load is not None:
             record.update({"expert_tokens_min": m.expert_load.tokens_min, "expert_tokens_max": m.expert_load.tokens_max,
                            "expert_load_max_over_mean": m.expert_load.max_over_mean})

@@ -478,7 +478,8 @@ def _expert_load_counter(cfg: RunConfig, model: list, device: torch.device) -> O
     language = cfg.model.language
     if not language.num_experts:
         return None
-    return ExpertLoadCounter(model, num_layers=language.num_layers, num_experts=language.num_experts, device=device)
+    return ExpertLoadCounter(model, num_layers=language.num_layers + language.mtp_num_layers,
+                             num_experts=language.num_experts, device=device)
 
 
 def _open_embeddings(cfg: RunConfig, env: DistributedEnv, *, resume: bool):
@@ -764,6 +765,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
+            mtp_losses=result.mtp_losses,
             sources=_sources(run)))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)

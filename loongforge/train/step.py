@@ -46,6 +46,9 @@ class StepResult:
     # over the layers, without the coefficient, averaged over micro-batches and data-parallel
     # replicas (``models.moe_balance``); None otherwise.
     load_balancing_loss: Optional[float] = None
+    # Multi-token prediction: each MTP layer's loss (the mean over its loss tokens, without the coefficient),
+    # averaged over micro-batches and data-parallel replicas; None without MTP layers.
+    mtp_losses: Optional[list[float]] = None
     # This rank's pipeline schedule (forward, backward and the gradient finalize over its
     # micro-batches): wall seconds and this process's CPU seconds in it. On a CPU run the difference
     # is the time the rank waited (the pipeline bubble, the gradient all-reduce); ``bench pipeline``.
@@ -251,6 +254,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
                       compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes,
                       load_balancing_loss=_load_balancing_loss(model, len(micro_batches)),
+                      mtp_losses=_mtp_losses(model, len(micro_batches)),
                       pipeline_s=pipeline_s, pipeline_cpu_s=pipeline_cpu_s)
 
 
@@ -277,6 +281,31 @@ def _load_balancing_loss(model: list, num_micro_batches: int) -> Optional[float]
     value = float(moe_utils.get_moe_layer_wise_logging_tracker()[name]["values"].sum()) / num_micro_batches
     moe_utils.clear_aux_losses_tracker()
     return value
+
+
+def _mtp_losses(model: list, num_micro_batches: int) -> Optional[list[float]]:
+    """The step's multi-token-prediction losses from megatron-core's tracker (on the last pipeline stage;
+    averaged over its data-parallel replicas by megatron's helper, then summed over the pipeline stages, the
+    others contributing zeros: collectives every rank joins), then cleared for the next step."""
+    config = _model_config(model)
+    layers = getattr(config, "mtp_num_layers", None)
+    if not layers:
+        return None
+    # lazy: this module imports no megatron-core until a run uses it
+    from megatron.core import parallel_state
+    from megatron.core.transformer.multi_token_prediction import MTPLossLoggingHelper
+
+    tracker = MTPLossLoggingHelper.tracker
+    if "values" in tracker:
+        MTPLossLoggingHelper.reduce_loss_in_tracker()
+        values = tracker["values"].detach().to("cpu", torch.float64).clone()
+        MTPLossLoggingHelper.clean_loss_in_tracker()
+    else:
+        values = torch.zeros(layers, dtype=torch.float64)
+    pipeline = parallel_state.get_pipeline_model_parallel_group()
+    if dist.get_world_size(pipeline) > 1:
+        dist.all_reduce(values, group=pipeline)
+    return [float(value) / num_micro_batches for value in values]
 
 
 def clear_moe_loss_tracker(model: list) -> None:

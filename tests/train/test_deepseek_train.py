@@ -5,7 +5,9 @@ The expert bias is trained state: after every step megatron-core moves each expe
 rate toward the layer's mean load (the step's tokens per expert summed over TP x DP). Expert parallel 2,
 EP 2 x TP 2 (sequence parallel) and pipeline parallel 2 (the dense layer on one stage, the sparse one on
 the other) give one process's losses, grad norms and tokens per expert over 5 steps, and the very same
-expert bias; EP 2 x TP 2 stopped after step 2 and resumed is bit-identical, the bias included."""
+expert bias; EP 2 x TP 2 stopped after step 2 and resumed is bit-identical, the bias included. With a
+multi-token-prediction layer the step logs its loss, and PP 2 (the MTP layer and a copy of the embedding on
+the last stage) trains like one process."""
 
 from __future__ import annotations
 
@@ -99,3 +101,31 @@ def test_ep2_tp2_resumed_from_step_2_is_bit_identical(runs, tmp_path):
     differences = checkpoint_differences(resumed, uninterrupted)
     assert any(key.endswith(BIAS) for key in differences)
     assert max(differences.values()) == 0.0, max(differences, key=differences.get)
+
+
+MTP = ("model.language.mtp_num_layers=1", "model.language.mtp_loss_coeff=0.3")
+
+
+@pytest.fixture(scope="module")
+def mtp_runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("deepseek-mtp")
+    run_train(root / "pp1", *OPTIONS, *MTP, preset=PRESET)
+    run_train(root / "pp2", *OPTIONS, *MTP, "parallel.pipeline_model_parallel_size=2", nproc=2, preset=PRESET)
+    return {"pp1": root / "pp1", "pp2": root / "pp2"}
+
+
+def test_mtp_loss_is_logged_and_pp2_trains_like_one_process(mtp_runs, runs):
+    run, reference = mtp_runs["pp2"], mtp_runs["pp1"]
+    mtp = step_metric(reference, "mtp_loss")
+    assert len(mtp) == 5 and all(len(values) == 1 for values in mtp)
+    # A fresh model predicts the token two ahead no better than the next one: near ln(vocabulary).
+    assert all(abs(values[0] - losses(reference)[i]) < 1.0 for i, values in enumerate(mtp)), (mtp, losses(reference))
+    # The MTP layer's gradient moves the shared weights: the decoder's losses differ from the run without it.
+    assert losses(reference)[0] == losses(runs["ep1"])[0] and losses(reference)[-1] != losses(runs["ep1"])[-1]
+    assert_close_relative(losses(run), losses(reference), REL)
+    assert_close_relative(grad_norms(run), grad_norms(reference), REL)
+    assert_close_relative([v[0] for v in step_metric(run, "mtp_loss")], [v[0] for v in mtp], REL)
+    # The MTP layer's router counts real tokens only at every layout (PP pads rows to the full sequence).
+    assert _expert_bias(run) == _expert_bias(reference) and len(_expert_bias(run)) == 2
+    print(f"MTP loss per step {[round(v[0], 4) for v in mtp]}; pp2 vs pp1: losses "
+          f"{worst_relative(losses(run), losses(reference)):.1e}")

@@ -30,6 +30,13 @@ class LanguageModel(GPTModel):
         with initialization.seeded(init_seed, "language_model.embedding"):
             super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        # megatron-core 0.16's MTP layers call their decoder layer without the padding mask, so an MoE router
+        # there would count padding in its expert-bias load (and its balance statistics): hand it the mask the
+        # decoder's layers route with.
+        self._routing_padding: Optional[torch.Tensor] = None
+        for layer in (self.mtp.layers if getattr(self, "mtp_process", False) else []):
+            if hasattr(layer.transformer_layer.mlp, "router"):
+                layer.transformer_layer.mlp.register_forward_pre_hook(self._mtp_padding_mask, with_kwargs=True)
         if kwargs.get("position_embedding_type") == "mrope":
             # Packed rows under context parallelism: megatron's thd rotary code (in attention) picks
             # every sample's chunks of this CP rank from the whole row's angles. M-RoPE's own cut along
@@ -43,6 +50,24 @@ class LanguageModel(GPTModel):
                 self.output_layer.weight, (self.vocab_size, self.config.hidden_size),
                 self.config.init_method, seed=init_seed, key="language_model.output_layer",
                 tp_rank=get_pg_rank(self.pg_collection.tp), tp_size=self.pg_collection.tp.size())
+
+    def forward(self, *args, padding_mask: Optional[torch.Tensor] = None, **kwargs):
+        # The mask as the decoder's layers receive it: [b, s], cut along the sequence under sequence
+        # parallelism by GPTModel itself on the first stage (the caller cuts it for later stages).
+        routing = padding_mask
+        if routing is not None and self.pre_process and self.config.sequence_parallel:
+            routing = tensor_parallel.scatter_to_sequence_parallel_region(
+                routing.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
+        self._routing_padding = routing
+        try:
+            return super().forward(*args, padding_mask=padding_mask, **kwargs)
+        finally:
+            self._routing_padding = None
+
+    def _mtp_padding_mask(self, module, args, kwargs):
+        if kwargs.get("padding_mask") is None and self._routing_padding is not None:
+            return args, {**kwargs, "padding_mask": self._routing_padding}
+        return None
 
     def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
         if self.vocab_size > self.true_vocab_size:
