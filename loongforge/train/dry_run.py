@@ -64,6 +64,9 @@ class ParameterSplit:
     # One layer of each kind (``decoder_layer_kinds``: "full_attention", "linear_attention", either with
     # DENSE_MLP) but its routed experts; a decoder without ``layer_types`` has full attention only.
     per_layer_by_type: dict[str, float] = dataclasses.field(default_factory=dict)
+    # The multi-token-prediction layers (last stage) but their routed experts, and their routed experts.
+    mtp: float = 0.0
+    mtp_experts: int = 0
 
     def layers_parameters(self, layer_kinds: list[str]) -> float:
         """The layers of ``layer_kinds`` (one entry per layer) but their routed experts."""
@@ -78,19 +81,21 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
     language = model.language
     counts = get_family(model.family).count_parameters(model)
     total = int(counts["total"])
-    without_layers = total_parameters(
-        dataclasses.replace(model, language=dataclasses.replace(language, num_layers=0, first_dense_layers=0)))
+    without_layers = total_parameters(dataclasses.replace(model, language=dataclasses.replace(
+        language, num_layers=0, first_dense_layers=0, mtp_num_layers=0)))
+    mtp = total - total_parameters(dataclasses.replace(model, language=dataclasses.replace(language, mtp_num_layers=0)))
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
     routed = int(counts["routed_experts"])
-    experts = routed // max(sum(sparse_layers(language)), 1)
+    experts = routed // max(sum(sparse_layers(language)) + language.mtp_num_layers, 1)
+    mtp_experts = experts * language.mtp_num_layers if language.num_experts else 0
     one_of_each = {kind: total_parameters(_with_one_layer(model, kind)) - without_layers
                    - (0 if kind.endswith(DENSE_MLP) else experts)
                    for kind in dict.fromkeys(decoder_layer_kinds(language))}
     return ParameterSplit(
         total=total,
         vision_and_projector=max(without_layers - embedding - head, 0),
-        per_decoder_layer=(total - without_layers - routed) / language.num_layers,
+        per_decoder_layer=(total - mtp - without_layers - routed + mtp_experts) / language.num_layers,
         input_embedding=embedding,
         output_head=head,
         experts_per_decoder_layer=experts,
@@ -98,6 +103,8 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
         vision_model=int(counts["vision_model"]),
         projector=int(counts["projector"]),
         per_layer_by_type=one_of_each,
+        mtp=mtp - mtp_experts,
+        mtp_experts=mtp_experts,
     )
 
 
@@ -106,7 +113,8 @@ def _with_one_layer(model: ModelConfig, kind: str) -> ModelConfig:
     language = model.language
     layer_types = [_mixer(kind)] if language.layer_types else []
     return dataclasses.replace(model, language=dataclasses.replace(
-        language, num_layers=1, layer_types=layer_types, first_dense_layers=int(kind.endswith(DENSE_MLP))))
+        language, num_layers=1, layer_types=layer_types, first_dense_layers=int(kind.endswith(DENSE_MLP)),
+        mtp_num_layers=0))
 
 
 def rank_layer_types(stages: PipelineStages, layer_types: list[str], rank: int) -> list[str]:
@@ -164,6 +172,12 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
             head = split.output_head or (split.input_embedding if len(counts) > 1 and tied else 0)
             holds += ["LM head"] if head or not tied else ["LM head (tied)"]
             params += head / tp
+            if split.mtp:
+                # The multi-token-prediction layers, and their copy of the embedding on a stage of its own.
+                holds += ["MTP layers" + (" + embedding copy" if len(counts) > 1 else "")]
+                mtp_experts = split.mtp_experts / expert_shards
+                expert_params += mtp_experts
+                params += (split.mtp + (split.input_embedding if len(counts) > 1 else 0)) / tp + mtp_experts
         language_frozen = lora or cfg.training.freeze_language
         if lora:  # the whole base is frozen
             frozen = params - expert_params

@@ -5,7 +5,8 @@ MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every ex
 ``model.language_model.``) and LLaVA-OneVision (SigLIP with its carried post-layernorm, the projector, the
 newline, Qwen2) and Qwen3.5 (hybrid: each layer's own checkpoint keys, Gated DeltaNet's key-head-grouped
 projection and convolution, the gated attention's query and gate rows) and DeepSeek-V3 / V2 (multi-latent
-attention, the dense first layer and the sparse ones under keys of their own, the expert bias)."""
+attention, the dense first layer and the sparse ones under keys of their own, the expert bias; V3 with its
+multi-token-prediction layer as DeepSeek publishes it)."""
 
 from __future__ import annotations
 
@@ -64,7 +65,34 @@ def _save_deepseek(arch: str, path) -> int:
     return len(get_family("llm").to_hub_style(model.state_dict()))
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, "qwen3_vl", "qwen3_vl_moe", "internvl",
+def _save_deepseek_with_mtp(path) -> int:
+    """DeepSeek-V3 as its Hub checkpoint stores it: 4 decoder layers, then the multi-token-prediction layer
+    (``num_nextn_predict_layers: 1``) as layer 4 with its norms, projection and copies of the embedding and head."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    from loongforge.models.registry import get_family
+
+    model = build_hf_llm("deepseek_v3", num_hidden_layers=5)  # layer 4: the MTP layer's decoder layer
+    model.save_pretrained(path)
+    config = json.loads((path / "config.json").read_text())
+    config.update(num_hidden_layers=4, num_nextn_predict_layers=1)
+    (path / "config.json").write_text(json.dumps(config))
+    state, h = model.state_dict(), model.config.hidden_size
+    generator = torch.Generator().manual_seed(5)
+    extra = {"model.layers.4.enorm.weight": 1 + 0.1 * torch.randn(h, generator=generator),
+             "model.layers.4.hnorm.weight": 1 + 0.1 * torch.randn(h, generator=generator),
+             "model.layers.4.eh_proj.weight": 0.05 * torch.randn(h, 2 * h, generator=generator),
+             "model.layers.4.shared_head.norm.weight": 1 + 0.1 * torch.randn(h, generator=generator),
+             "model.layers.4.embed_tokens.weight": state["model.embed_tokens.weight"].clone(),
+             "model.layers.4.shared_head.head.weight": state["lm_head.weight"].clone()}
+    save_file(extra, str(path / "model-mtp.safetensors"), metadata={"format": "pt"})
+    return len(get_family("llm").to_hub_style(state)) + len(extra)
+
+
+@pytest.mark.parametrize("family", [*ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, "deepseek_v3_mtp", "qwen3_vl", "qwen3_vl_moe", "internvl",
                                     "llava_onevision", "qwen3_5", "qwen3_5_moe"])
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
     src = tmp_path / "hf"
@@ -76,6 +104,8 @@ def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
         tensors = _save_composition("qwen3_5", src, preset="qwen3.5-moe-tiny")
     elif family in DEEPSEEK_ARCHITECTURES:
         tensors = _save_deepseek(family, src)
+    elif family == "deepseek_v3_mtp":
+        tensors = _save_deepseek_with_mtp(src)
     else:
         tensors = _save_llm(family, src)
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
