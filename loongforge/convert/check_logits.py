@@ -125,7 +125,7 @@ def check_logits(src: Path, *, image: Optional[Path] = None, tp: int = 1, vision
         hf_dir, notes = _hf_folder(src, preset, Path(tmp), say, progress)
         checkpoint = HFCheckpoint(hf_dir)
         family = checkpoint.family
-        model_cfg = family.config_from_hf(checkpoint.config, str(hf_dir / "config.json"))
+        model_cfg = checkpoint.model_config()
         check_hf_tensors(checkpoint, model_cfg, str(hf_dir / "config.json"))
         check_layout(model_cfg, tp, 1, vision_tp)
         if image is not None and not family.has_vision:

@@ -63,7 +63,8 @@ from loongforge.convert.lora_export import (
 )
 from loongforge.convert.serving import write_serving_files
 from loongforge.models.family import ModelFamily
-from loongforge.models.hf_rules import LANGUAGE, VISION, Rule, Vocab
+from loongforge.models.flops import layers_keyed_apart
+from loongforge.models.hf_rules import LANGUAGE, VISION, Copies, Rule, Vocab
 from loongforge.models.lora_params import lora_rules
 from loongforge.models.registry import family_of_hf_config, get_family
 from loongforge.models.state_dict_names import fused_name, is_adapter_key
@@ -115,17 +116,25 @@ def model_config_of(hf_config: dict, where: str) -> ModelConfig:
 def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> list[Link]:
     """Every tensor of the model (or of ``rules``, e.g. the LoRA adapters' map), vision first, in
     layer order. A tied model has no output layer."""
-    links = []
+    links, apart = [], layers_keyed_apart(model_cfg.language)
     for rule in family_of(model_cfg).hf_rules(model_cfg) if rules is None else rules:
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue  # megatron keeps one embedding; HF's tied checkpoints have no lm_head
-        if "{i}" not in rule.megatron:
+        if "{i}" not in rule.megatron and "{e}" in rule.megatron:
+            # A layer outside the decoder's stack (multi-token prediction's): its own keys, experts stacked.
+            key = rule.megatron.replace("local_experts.{e}.", "experts.")
+            if rule.fuses_experts:
+                links.append(Link(rule, rule.hf, key, None))
+                continue
+            links += [Link(rule, tuple(p.replace("{e}", str(e)) for p in rule.hf), key, None, e)
+                      for e in range(model_cfg.language.num_experts)]
+        elif "{i}" not in rule.megatron:
             links.append(Link(rule, rule.hf, rule.megatron, None))
         elif rule.group == VISION:  # vision blocks are separate keys per block
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None)
                       for i in range(model_cfg.vision.depth if rule.count is None else rule.count)]
-        elif "{e}" in rule.megatron and model_cfg.language.layer_types:
-            # A hybrid decoder's layers are keys of their own; each stacks its experts (axis 0).
+        elif "{e}" in rule.megatron and apart:
+            # Layers that differ in tensors are keys of their own; each stacks its experts (axis 0).
             for i in _language_layers(rule, model_cfg):
                 key = _fill(rule.megatron, i).replace("local_experts.{e}.", "experts.")
                 if rule.fuses_experts:
@@ -142,8 +151,9 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
             links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
                       for i in _language_layers(rule, model_cfg)
                       for e in range(model_cfg.language.num_experts)]
-        elif model_cfg.language.layer_types:
-            # A hybrid decoder's layers differ in tensors, so megatron keeps each layer under keys of its own.
+        elif apart:
+            # The layers differ in tensors (hybrid, or dense then sparse), so megatron keeps each under keys of
+            # its own.
             links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), _fill(rule.megatron, i), None, block=i)
                       for i in _language_layers(rule, model_cfg)]
         else:  # language layers: one key, stacked on axis 0 over the global layer index
@@ -159,23 +169,31 @@ def _language_layers(rule: Rule, model_cfg: ModelConfig) -> range | tuple[int, .
     return range(model_cfg.language.num_layers) if rule.layers is None else rule.layers
 
 
+def _vocab(transform) -> Optional[Vocab]:
+    """The vocabulary transform of an embedding or output-layer rule (its copies' too), else None."""
+    transform = transform.base if isinstance(transform, Copies) else transform
+    return transform if isinstance(transform, Vocab) else None
+
+
 def to_megatron(link: Link, hf: list[torch.Tensor], vocab_rows: int) -> torch.Tensor:
     """HF tensor(s) -> the link's global megatron chunk (TP=1 layout, vocabulary padded)."""
-    vocab = link.rule.transform if isinstance(link.rule.transform, Vocab) else None
+    vocab = _vocab(link.rule.transform)
     if vocab is not None and hf[0].shape[0] == vocab.vocab_size == vocab_rows:
         tensor = hf[0]  # no padding needed: spare the transform's copy of the largest tensor
     else:
         tensor = link.rule.transform.shard(hf, 0, 1)
     if vocab is not None and tensor.shape[0] != vocab_rows:
         padding = tensor.new_zeros(vocab_rows - tensor.shape[0], *tensor.shape[1:])
-        tensor = torch.cat([tensor[: link.rule.transform.vocab_size], padding])
+        tensor = torch.cat([tensor[: vocab.vocab_size], padding])
     return stacked(tensor, link.stack)
 
 
 def to_hf(link: Link, chunk: torch.Tensor) -> list[torch.Tensor]:
     """The link's global megatron tensor (one layer's slice if stacked) -> HF tensor(s)."""
-    if isinstance(link.rule.transform, Vocab):  # drop the padding rows without a copy
-        return [chunk[: link.rule.transform.vocab_size]]
+    vocab = _vocab(link.rule.transform)
+    if vocab is not None:  # drop the padding rows without a copy (each HF copy its own tensor)
+        rows = chunk[: vocab.vocab_size]
+        return [rows] + [rows.clone() for _ in link.hf_keys[1:]]
     return link.rule.transform.unshard([chunk])
 
 
@@ -382,7 +400,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     """Write a model-only checkpoint ``loongforge train checkpoint.load=DST`` starts from."""
     checkpoint = HFCheckpoint(src)
     family = checkpoint.family.name
-    model_cfg = checkpoint.family.config_from_hf(checkpoint.config, str(src / "config.json"))
+    model_cfg = checkpoint.model_config()
     if preset:
         preset_cfg = _preset_model(preset)
         check_hf_tensors(checkpoint, preset_cfg, f"preset {preset}")
@@ -413,6 +431,7 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     with staged_folder(dst, overwrite, report.notes) as tmp:
         write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))
         copied = _copy_side_files(checkpoint.side_files(("config.json", *families.HF_SIDE_FILES)), tmp / HF_SUBDIR)
+        _config_as_converted(checkpoint, model_cfg, tmp / HF_SUBDIR / "config.json")
         (tmp / META_FILE).write_text(json.dumps({
             "kind": MODEL_ONLY_KIND, "step": 0, "family": family,
             "layout": {"tp": tp, "pp": pp, "vision_tp": vision_tp or tp},
@@ -464,6 +483,15 @@ def _run_config_near(step_dir: Path) -> Optional[Path]:
     return None
 
 
+def _config_as_converted(checkpoint: HFCheckpoint, model_cfg: ModelConfig, kept: Path) -> None:
+    """The kept config.json describes the model converted: where the folder's tensors held less than its
+    config.json names (``ModelFamily.config_for_tensors``), the family's fields of what was converted over it."""
+    family = checkpoint.family
+    if model_cfg == family.config_from_hf(checkpoint.config, str(kept)):
+        return
+    kept.write_text(json.dumps({**checkpoint.config, **family.config_to_hf(model_cfg)}, indent=2) + "\n")
+
+
 def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConfig, Optional[dict]]:
     """The model config of a megatron checkpoint and the HF config.json it came from, if any."""
     hf_config_file = step_dir / HF_SUBDIR / "config.json"
@@ -513,7 +541,7 @@ def resolve_checkpoint_keys(reader: McoreReader, links: list[Link], shapes: dict
         if actual is None:
             raise InputError(f"{reader.folder}: tensor {link.mcore_key} is missing from the checkpoint")
         found, expected = reader.shape(actual), shapes[link.mcore_key]
-        vocab_ok = isinstance(link.rule.transform, Vocab) and found[1:] == expected[1:] and found[0] >= vocab_size
+        vocab_ok = _vocab(link.rule.transform) is not None and found[1:] == expected[1:] and found[0] >= vocab_size
         if found != expected and not vocab_ok:
             hint = (" (saved with vision TP > 1, which stores only TP rank 0's shard of vision blocks)"
                     if link.rule.group == VISION else "")

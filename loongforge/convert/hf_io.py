@@ -22,6 +22,7 @@ from typing import Iterable
 import torch
 
 from loongforge.config.errors import InputError
+from loongforge.config.schema import ModelConfig
 from loongforge.models.registry import family_of_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
@@ -105,6 +106,11 @@ class HFCheckpoint:
             raise InputError(f"{config_file}: invalid JSON ({exc.msg} at line {exc.lineno})") from None
         self.family = family_of_hf_config(self.config, str(config_file))
         self.entries = self._scan()
+
+    def model_config(self) -> ModelConfig:
+        """The model this folder's config.json and tensors describe (``ModelFamily.config_for_tensors``)."""
+        model_cfg = self.family.config_from_hf(self.config, str(self.root / "config.json"))
+        return self.family.config_for_tensors(model_cfg, self.entries.keys())
 
     def _files(self) -> dict[str, list[str]]:
         """File name -> tensor names it should hold according to the index (None: from headers)."""

@@ -31,7 +31,7 @@ from loongforge.convert.engine import (
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
 from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
 from loongforge.models.hf_rules import VISION
-from loongforge.models.hf_weights import expert_placement, vision_tp_group
+from loongforge.models.hf_weights import expert_layers, expert_placement, vision_tp_group
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import is_adapter_key
 
@@ -50,13 +50,16 @@ def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[s
     for link in build_links(untied):
         if link.rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             link = dataclasses.replace(link, hf_keys=(link.rule.fallback_hf,))
-        if link.layer is None and link.block is None:
+        stacked_experts = link.expert is not None or link.rule.fuses_experts
+        if link.layer is None and link.block is None and not stacked_experts:
             by_key[link.mcore_key] = link
             continue
         if link.block is not None:  # a hybrid decoder's layer, keyed by its global index
             key = link.mcore_key.replace(f"layers.{link.block}.", f"layers.{link.block - layer_offset}.", 1)
-        else:
+        elif link.layer is not None:
             key = link.mcore_key.replace("layers.", f"layers.{link.layer - layer_offset}.", 1)
+        else:  # experts of a layer outside the decoder's stack (multi-token prediction's)
+            key = link.mcore_key
         if link.rule.fuses_experts:
             for expert in range(expert_offset, model_cfg.language.num_experts):
                 by_key[key.replace(".experts.experts.", f".experts.local_experts.{expert - expert_offset}.", 1)] = (
@@ -81,7 +84,7 @@ def load_hf_weights(model: torch.nn.Module, hf_dir: str | Path) -> int:
     tp = language.pg_collection.tp
     vision_tp = vision_tp_group(model)
     layers = language.decoder.layers
-    experts = expert_placement(layers)
+    experts = expert_placement(expert_layers(language))
     links = _stage_links(model.model_cfg, layers[0].layer_number - 1 if len(layers) else 0,
                          expert_offset=0 if experts is None else experts.offset)
 

@@ -26,12 +26,12 @@ from typing import Callable, Optional
 import torch
 
 from loongforge.convert.engine import (
-    Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, model_config_of, to_hf,
+    Link, Progress, build_links, check_hf_tensors, check_layout, megatron_shapes, to_hf,
     vocab_rows_at)
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.convert.mcore_io import McoreItem, McoreReader, stacked, write_mcore
 from loongforge.models.hf_rules import (
-    VISION, FusedExperts, FusedHeadQKV, GatedGroupedQKV, GateUp, GroupedQKV, GroupedRows, Split, Transform, Vocab)
+    VISION, Copies, FusedExperts, FusedHeadQKV, GatedGroupedQKV, GateUp, GroupedQKV, GroupedRows, Split, Transform, Vocab)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"
 
@@ -90,6 +90,8 @@ def rank_regions(transform: Transform, local: torch.Tensor, rank: int, size: int
     """Where TP rank ``rank`` of ``size`` writes its tensor ``local`` in the global (TP=1) tensor,
     as megatron-core's sharded state dict places it. Replicated tensors: rank 0 writes them."""
     zeros = [0] * local.dim()
+    if isinstance(transform, Copies):  # one tensor the HF checkpoint stores several times
+        return rank_regions(transform.base, local, rank, size)
     if isinstance(transform, FusedExperts):  # [E, ...]: each expert's regions, stacked on the expert axis
         per_expert = [rank_regions(transform.per_expert, expert, rank, size) for expert in local]
         return [((0, *offsets), torch.stack([regions[part][1] for regions in per_expert]))
@@ -153,7 +155,7 @@ def roundtrip(src: Path, *, tp: int = 1, pp: int = 1, vision_tp: Optional[int] =
     ``pp`` is checked against the model; every stage writes its layers one chunk per layer, so the
     files do not depend on it."""
     checkpoint = HFCheckpoint(Path(src))
-    model_cfg = model_config_of(checkpoint.config, str(Path(src) / "config.json"))
+    model_cfg = checkpoint.model_config()
     hf_shapes = check_hf_tensors(checkpoint, model_cfg, str(Path(src) / "config.json"))
     check_layout(model_cfg, tp, pp, vision_tp, vp=vp, pipeline_layout=pipeline_layout)
     vision_tp = vision_tp or tp

@@ -21,7 +21,7 @@ import difflib
 import importlib
 from dataclasses import dataclass
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, Callable, Mapping, Optional
+from typing import TYPE_CHECKING, Any, Callable, Collection, Mapping, Optional
 
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutRule
@@ -205,6 +205,10 @@ class ModelFamily:
     # (Qwen3.5's multi-token-prediction head, ``mtp.``): not read on import, their count noted, never an
     # error; transformers' own class skips them too.
     hf_unread: tuple[str, ...] = ()
+    # (model_cfg read from a folder's config.json, the tensor names the folder holds) -> the model the folder's
+    # weights describe: where a config names parts a writer leaves out (transformers writes DeepSeek-V3's
+    # ``num_nextn_predict_layers: 1`` but no multi-token-prediction layer), the parts the tensors hold.
+    config_for_tensors: Callable[[ModelConfig, Collection[str]], ModelConfig] = lambda model_cfg, keys: model_cfg
     # The decoder's rotary positions: "mrope" (Qwen-VL's three sections, ``model.language.mrope_section``)
     # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty); None:
     # the run's (M-RoPE where it gives ``mrope_section``).

@@ -213,6 +213,13 @@ def decoder_layer_types(lang: LanguageConfig) -> list[str]:
     return list(lang.layer_types[:lang.num_layers])
 
 
+def layers_keyed_apart(lang: LanguageConfig) -> bool:
+    """Whether megatron-core saves each decoder layer under checkpoint keys of its own (its non-homogeneous
+    layers) rather than stacked: where the layers differ in tensors, a hybrid decoder's (``layer_types``:
+    ``linear_attention_freq``) or DeepSeek's dense first layers before sparse ones (``moe_layer_freq``)."""
+    return bool(lang.layer_types) or bool(lang.num_experts and lang.first_dense_layers)
+
+
 def sparse_layers(lang: LanguageConfig) -> list[bool]:
     """Whether each decoder layer holds experts: every layer of a model with experts but its first
     ``first_dense_layers`` (DeepSeek's), none of a dense model."""
@@ -326,14 +333,25 @@ def decoder_layers_forward_flops(lang: LanguageConfig, segment_lengths: Sequence
     return [per_kind[kind] for kind in kinds]
 
 
+def mtp_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """One multi-token-prediction layer: the projection of [embedding, hidden] ``2h -> h`` and a decoder layer
+    (sparse where the model has experts); its head is ``lm_head_flops``'."""
+    tokens, h = sum(segment_lengths), lang.hidden_size
+    return linear_flops(tokens, 2 * h, h) + decoder_layer_forward_flops(lang, segment_lengths, FULL_ATTENTION)
+
+
 def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions) -> int:
-    """Every decoder layer, each by its type and MLP, forward and backward."""
-    return language_layer_passes(options) * sum(decoder_layers_forward_flops(lang, segment_lengths))
+    """Every decoder layer, each by its type and MLP, and the multi-token-prediction layers, forward and
+    backward."""
+    mtp = lang.mtp_num_layers * mtp_layer_forward_flops(lang, segment_lengths) if lang.mtp_num_layers else 0
+    return language_layer_passes(options) * (sum(decoder_layers_forward_flops(lang, segment_lengths)) + mtp)
 
 
 def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:
-    """The output layer ``h -> vocab`` on the loss tokens, forward and backward."""
-    return lm_head_passes(options) * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
+    """The output layer ``h -> vocab`` on the loss tokens, forward and backward; once more for each
+    multi-token-prediction layer (the head they share)."""
+    heads = 1 + lang.mtp_num_layers
+    return heads * lm_head_passes(options) * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
 
 
 def vision_block_linear_flops(patches: int, width: int, intermediate: int, *, gated: bool) -> int:

@@ -171,7 +171,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor],
         vision_tp_rank=0 if vision_group is None else vision_group.rank(),
         vision_tp_size=1 if vision_group is None else vision_group.size(),
         layer_offset=layers[0].layer_number - 1 if len(layers) else 0,
-        experts=expert_placement(layers),
+        experts=expert_placement(expert_layers(language)),
         rules=rules,
     )
     result = model.load_state_dict(converted, strict=False)
@@ -189,9 +189,18 @@ class ExpertPlacement:
     tp_size: int
 
 
+def expert_layers(language_model) -> list:
+    """The decoder layers of a language model stage, then its multi-token-prediction layers' (where experts are)."""
+    mtp = [layer.transformer_layer for layer in language_model.mtp.layers] if getattr(
+        language_model, "mtp_process", False) else []
+    return [*language_model.decoder.layers, *mtp]
+
+
 def expert_placement(layers) -> Optional[ExpertPlacement]:
-    """This rank's experts in ``layers`` (a decoder's); None for a dense model or an empty stage."""
-    experts = next((getattr(layer.mlp, "experts", None) for layer in layers), None)
+    """This rank's experts in ``layers`` (a decoder's, and multi-token prediction's decoder layers); None for a
+    dense model or a stage without experts (DeepSeek's first layers are dense: the first sparse layer's)."""
+    experts = next((found for found in (getattr(layer.mlp, "experts", None) for layer in layers)
+                    if found is not None), None)
     if experts is None:
         return None
     return ExpertPlacement(offset=experts.ep_group.rank() * experts.num_local_experts,

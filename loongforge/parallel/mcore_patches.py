@@ -274,6 +274,7 @@ _MLA_ROTARY: list = []
 
 def _mla_rotary_scope(original: Callable) -> Callable:
     def get_query_key_value_tensors(self, *args, **kwargs):
+        # lazy: this module imports no megatron-core at import time (patches wrap modules already imported)
         from megatron.core.tensor_parallel.layers import ColumnParallelLinear
 
         group = self.pg_collection.tp

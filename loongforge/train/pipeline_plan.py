@@ -115,7 +115,7 @@ def _layer_flops(cfg: RunConfig, row: list[SampleCost], options: FlopOptions) ->
 
     def one_layer(kind: str, dense: bool) -> float:
         single = dataclasses.replace(language, num_layers=1, layer_types=[kind] if language.layer_types else [],
-                                     first_dense_layers=int(dense))
+                                     first_dense_layers=int(dense), mtp_num_layers=0)
         return family.training_flops(dataclasses.replace(cfg.model, language=single), row, options).language
 
     per_kind = {kind: one_layer(*kind) for kind in set(kinds)}

@@ -129,3 +129,36 @@ def test_mtp_loss_is_logged_and_pp2_trains_like_one_process(mtp_runs, runs):
     assert _expert_bias(run) == _expert_bias(reference) and len(_expert_bias(run)) == 2
     print(f"MTP loss per step {[round(v[0], 4) for v in mtp]}; pp2 vs pp1: losses "
           f"{worst_relative(losses(run), losses(reference)):.1e}")
+
+
+def _hf_tensors(folder: Path) -> dict:
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors
+
+
+def test_checkpoints_convert_both_ways_as_megatron_saves_them(mtp_runs, tmp_path):
+    """The MTP run's checkpoint (megatron's own keys: the dense first layer and the sparse one each under keys
+    of its own, the MTP layer's) -> HF in DeepSeek's layout; that folder into a run (``checkpoint.load_hf``) and,
+    converted to megatron, into another (``checkpoint.load``), each saved after a step at learning rate 0 and
+    converted back: every tensor equal."""
+    from loongforge.convert.engine import hf_to_mcore, mcore_to_hf
+
+    hf = tmp_path / "hf"
+    mcore_to_hf(final_checkpoint(mtp_runs["pp1"]), hf, progress=False)
+    start = _hf_tensors(hf)
+    assert "model.layers.2.eh_proj.weight" in start and "model.layers.2.mlp.gate.e_score_correction_bias" in start
+    hf_to_mcore(hf, tmp_path / "mcore", progress=False)
+    frozen = ("optimizer.lr=0", "optimizer.min_lr=0", "training.train_steps=1")
+    for name, source in (("load_hf", f"checkpoint.load_hf={hf}"), ("load", f"checkpoint.load={tmp_path / 'mcore'}")):
+        run_train(tmp_path / name, *OPTIONS, *MTP, source, *frozen, preset=PRESET)
+        back = tmp_path / f"{name}-hf"
+        mcore_to_hf(final_checkpoint(tmp_path / name), back, progress=False)
+        end = _hf_tensors(back)
+        assert sorted(end) == sorted(start), name
+        different = [key for key in start if key != "model.layers.1.mlp.gate.e_score_correction_bias"
+                     and key != "model.layers.2.mlp.gate.e_score_correction_bias" and not start[key].equal(end[key])]
+        assert not different, (name, different[:5])

@@ -13,7 +13,8 @@ largest score) only where it is 1.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+import dataclasses
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from loongforge.config.errors import InputError
@@ -139,3 +140,16 @@ def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
             config.update(topk_method="group_limited_greedy" if lang.moe_router_num_groups else "greedy",
                           aux_loss_alpha=lang.moe_aux_loss_coeff)
     return config
+
+
+def mtp_layers_held(model_cfg, keys: Collection[str], hf_prefix: str = "model."):
+    """``model_cfg`` with only the multi-token-prediction layers whose projection ``keys`` hold (DeepSeek's
+    checkpoint holds its MTP layer after the decoder's; transformers' writes ``num_nextn_predict_layers: 1``
+    and none)."""
+    lang = model_cfg.language
+    held = 0
+    while held < lang.mtp_num_layers and f"{hf_prefix}layers.{lang.num_layers + held}.eh_proj.weight" in keys:
+        held += 1
+    if held == lang.mtp_num_layers:
+        return model_cfg
+    return dataclasses.replace(model_cfg, language=dataclasses.replace(lang, mtp_num_layers=held))

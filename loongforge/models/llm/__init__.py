@@ -18,6 +18,7 @@ from loongforge.models.family import (
     hf_facts,
     no_processor_files,
 )
+from loongforge.models.decoder.deepseek_config import mtp_layers_held
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
 from loongforge.models.llm.flops import training_flops
@@ -39,4 +40,5 @@ FAMILY = ModelFamily(
     hf_model_class="AutoModelForCausalLM",
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
+    config_for_tensors=mtp_layers_held,
 )
