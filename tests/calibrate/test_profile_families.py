@@ -35,7 +35,7 @@ def _fit(profile: Path, output: Path) -> CostModel:
     return run_fit_cost([profile], output=output, echo=lambda line: None, warn=lambda line: None)
 
 
-@pytest.mark.parametrize("preset", ["llm-tiny-small-vocab", "qwen3-moe-tiny-small-vocab"])
+@pytest.mark.parametrize("preset", ["llm-tiny-small-vocab", "qwen3-moe-tiny-small-vocab", "deepseek-v3-tiny-small-vocab"])
 def test_a_text_only_llm_profiles_text_rows_and_fits_no_vision_term(tmp_path, preset):
     records = _profile(preset, tmp_path / "PROFILE.jsonl", steps=4)
     assert records[0]["preset"] == preset

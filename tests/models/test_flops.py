@@ -431,6 +431,9 @@ LANGUAGE_VARIANTS = {
     "moe_recompute": ("qwen3-moe-tiny-small-vocab", ["training.recompute_activations=true"]),
     # Qwen3.5-MoE: hybrid layers, routed experts beside a gated shared expert.
     "hybrid_moe": ("qwen3.5-moe-tiny-small-vocab", []),
+    # DeepSeek-V3: multi-latent attention (query and value widths differ), a dense first layer, then sparse
+    # ones with an ungated shared expert.
+    "latent_moe": ("deepseek-v3-tiny-small-vocab", []),
 }
 
 
