@@ -151,6 +151,12 @@ def test_checkpoints_convert_both_ways_as_megatron_saves_them(mtp_runs, tmp_path
     mcore_to_hf(final_checkpoint(mtp_runs["pp1"]), hf, progress=False)
     start = _hf_tensors(hf)
     assert "model.layers.2.eh_proj.weight" in start and "model.layers.2.mlp.gate.e_score_correction_bias" in start
+    # transformers' class, which has no MTP layer, loads the folder: every tensor it has, the MTP layer's left over.
+    from transformers import AutoModelForCausalLM
+
+    _, info = AutoModelForCausalLM.from_pretrained(hf, output_loading_info=True)
+    assert not info["missing_keys"] and info["unexpected_keys"]
+    assert all(key.startswith("model.layers.2.") for key in info["unexpected_keys"]), sorted(info["unexpected_keys"])
     hf_to_mcore(hf, tmp_path / "mcore", progress=False)
     frozen = ("optimizer.lr=0", "optimizer.min_lr=0", "training.train_steps=1")
     for name, source in (("load_hf", f"checkpoint.load_hf={hf}"), ("load", f"checkpoint.load={tmp_path / 'mcore'}")):
