@@ -52,10 +52,12 @@ class LanguageModel(GPTModel):
                 tp_rank=get_pg_rank(self.pg_collection.tp), tp_size=self.pg_collection.tp.size())
 
     def forward(self, *args, padding_mask: Optional[torch.Tensor] = None, **kwargs):
-        # The mask as the decoder's layers receive it: [b, s], cut along the sequence under sequence
-        # parallelism by GPTModel itself on the first stage (the caller cuts it for later stages).
-        routing = padding_mask
-        if routing is not None and self.pre_process and self.config.sequence_parallel:
+        # For the MTP layers' routers: the mask as the decoder's layers receive it, [b, s], cut along the
+        # sequence under sequence parallelism by GPTModel itself where it embeds the ids (the caller cuts it
+        # where it hands in the embeddings, and on later stages).
+        routing = padding_mask if getattr(self, "mtp_process", False) else None
+        if (routing is not None and self.pre_process and self.config.sequence_parallel
+                and kwargs.get("decoder_input") is None):
             routing = tensor_parallel.scatter_to_sequence_parallel_region(
                 routing.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         self._routing_padding = routing
