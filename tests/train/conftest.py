@@ -344,3 +344,13 @@ def assert_stored_embeddings_train_like_the_frozen_encoder(out: Path, preset: st
     run_train(out / "stored", *run, f"data.vision_embeddings={store}", preset=preset)
     assert_close_relative(losses(out / "stored"), losses(out / "online"), relative)
     assert_close_relative(grad_norms(out / "stored"), grad_norms(out / "online"), relative)
+
+
+def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of an HF folder's safetensors files."""
+    from safetensors.torch import load_file
+
+    tensors = {}
+    for shard in sorted(folder.glob("*.safetensors")):
+        tensors.update(load_file(shard))
+    return tensors

@@ -22,6 +22,7 @@ from tests.train.conftest import (
     checkpoint_differences,
     final_checkpoint,
     grad_norms,
+    hf_tensors,
     losses,
     resume_from_copy,
     run_train,
@@ -131,15 +132,6 @@ def test_mtp_loss_is_logged_and_pp2_trains_like_one_process(mtp_runs, runs):
           f"{worst_relative(losses(run), losses(reference)):.1e}")
 
 
-def _hf_tensors(folder: Path) -> dict:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors
-
-
 def test_checkpoints_convert_both_ways_as_megatron_saves_them(mtp_runs, tmp_path):
     """The MTP run's checkpoint (megatron's own keys: the dense first layer and the sparse one each under keys
     of its own, the MTP layer's) -> HF in DeepSeek's layout; that folder into a run (``checkpoint.load_hf``) and,
@@ -149,7 +141,7 @@ def test_checkpoints_convert_both_ways_as_megatron_saves_them(mtp_runs, tmp_path
 
     hf = tmp_path / "hf"
     mcore_to_hf(final_checkpoint(mtp_runs["pp1"]), hf, progress=False)
-    start = _hf_tensors(hf)
+    start = hf_tensors(hf)
     assert "model.layers.2.eh_proj.weight" in start and "model.layers.2.mlp.gate.e_score_correction_bias" in start
     # transformers' class, which has no MTP layer, loads the folder: every tensor it has, the MTP layer's left over.
     from transformers import AutoModelForCausalLM
@@ -163,7 +155,7 @@ def test_checkpoints_convert_both_ways_as_megatron_saves_them(mtp_runs, tmp_path
         run_train(tmp_path / name, *OPTIONS, *MTP, source, *frozen, preset=PRESET)
         back = tmp_path / f"{name}-hf"
         mcore_to_hf(final_checkpoint(tmp_path / name), back, progress=False)
-        end = _hf_tensors(back)
+        end = hf_tensors(back)
         assert sorted(end) == sorted(start), name
         different = [key for key in start if key != "model.layers.1.mlp.gate.e_score_correction_bias"
                      and key != "model.layers.2.mlp.gate.e_score_correction_bias" and not start[key].equal(end[key])]

@@ -26,6 +26,7 @@ from tests.train.conftest import (
     checkpoint_differences,
     final_checkpoint,
     grad_norms,
+    hf_tensors,
     losses,
     resume_from_copy,
     run_train,
@@ -122,29 +123,20 @@ def test_ep2_tp2_resumed_from_step_2_is_bit_identical(runs, tmp_path):
     assert max(differences.values()) == 0.0, max(differences, key=differences.get)
 
 
-def _hf_tensors(folder: Path) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    tensors = {}
-    for shard in sorted(folder.glob("*.safetensors")):
-        tensors.update(load_file(shard))
-    return tensors
-
-
 def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
     """The EP-2 run's checkpoint as HF (one tensor per expert), loaded into a new EP-2 run
     (``checkpoint.load_hf``: each rank its experts), saved after a step at learning rate 0 and
     converted back: every tensor equal."""
     hf = tmp_path / "hf"
     mcore_to_hf(final_checkpoint(runs["ep2"]), hf, progress=False)
-    start = _hf_tensors(hf)
+    start = hf_tensors(hf)
     assert any(".mlp.experts.7." in key for key in start)  # the second EP rank's last expert
     from_hf = tmp_path / "from_hf"
     run_train(from_hf, *OPTIONS, *EP2, f"checkpoint.load_hf={hf}", "optimizer.lr=0", "optimizer.min_lr=0",
               "training.train_steps=1", nproc=2, preset=PRESET)
     back = tmp_path / "back"
     mcore_to_hf(final_checkpoint(from_hf), back, progress=False)
-    end = _hf_tensors(back)
+    end = hf_tensors(back)
     assert sorted(end) == sorted(start)
     different = [key for key in start if not torch.equal(start[key], end[key])]
     assert not different, different[:5]

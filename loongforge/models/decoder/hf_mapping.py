@@ -44,7 +44,7 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     InternVL's, whose HF class nests it); ``lm_head`` is always at the top. A hybrid decoder
     (``layer_types``) has attention rows for its full-attention layers and Gated DeltaNet rows for its
     linear-attention layers (``Rule.layers``)."""
-    vocab, rep, row = Vocab(lang.vocab_size), Replicated(), Split(1)
+    vocab, rep = Vocab(lang.vocab_size), Replicated()
     lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
     full, linear = _layers_of_kind(lang, "full_attention"), _layers_of_kind(lang, "linear_attention")
     mtp_layers = [f"{hf_prefix}layers.{lang.num_layers + k}." for k in range(lang.mtp_num_layers)]
@@ -56,26 +56,9 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
         rules += _linear_attention_rules(lang, lb, ll, linear)
     dense, sparse = _layers_by_mlp(lang)
     if sparse != ():
-        moe = [
-            # The MoE layer's norm is its own module (the router and the experts share its output).
-            Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
-            Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE),
-        ]
-        if lang.moe_router_bias_update_rate > 0:
-            # DeepSeek-V3's expert bias (fp32, a buffer in both): it moves every step and is trained state.
-            moe.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep, LANGUAGE))
-        moe += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
-        if lang.moe_shared_expert_ffn_hidden_size is not None:
-            moe += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
-        rules += [dataclasses.replace(rule, layers=sparse) for rule in moe]
+        rules += [dataclasses.replace(rule, layers=sparse) for rule in _moe_rules(lang, lb, ll, fused_experts)]
     if dense != ():
-        mlp = [
-            Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep, LANGUAGE),
-            Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", GateUp(),
-                 LANGUAGE),
-            Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", row, LANGUAGE),
-        ]
-        rules += [dataclasses.replace(rule, layers=dense) for rule in mlp]
+        rules += [dataclasses.replace(rule, layers=dense) for rule in _dense_mlp_rules(lb, ll)]
     return rules + _mtp_rules(lang, hf_prefix) + [
         Rule((hf_prefix + "norm.weight",), "language_model.decoder.final_layernorm.weight", rep, LANGUAGE),
         Rule(head, "language_model.output_layer.weight", _copies(vocab, head), LANGUAGE,
@@ -103,22 +86,32 @@ def _mtp_rules(lang: LanguageConfig, hf_prefix: str) -> list[Rule]:
                   Rule((hb + "eh_proj.weight",), mb + "eh_proj.weight", Split(0), LANGUAGE),
                   Rule((hb + "shared_head.norm.weight",), mb + "final_layernorm.weight", rep, LANGUAGE)]
         rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, None)
-        if sparse:
-            rules += [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
-                      Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE)]
-            if lang.moe_router_bias_update_rate > 0:
-                rules.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep,
-                                  LANGUAGE))
-            rules += _expert_rules(lb, ll)
-            if lang.moe_shared_expert_ffn_hidden_size is not None:
-                rules += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
-        else:
-            rules += [Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", rep,
-                           LANGUAGE),
-                      Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight",
-                           GateUp(), LANGUAGE),
-                      Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", Split(1), LANGUAGE)]
+        rules += _moe_rules(lang, lb, ll, fused_experts=False) if sparse else _dense_mlp_rules(lb, ll)
     return rules
+
+
+def _moe_rules(lang: LanguageConfig, lb: str, ll: str, fused_experts: bool) -> list[Rule]:
+    """A sparse layer's MLP rows: its norm (a module of its own: the router and the experts share its output),
+    the router (and DeepSeek-V3's expert bias), the routed experts and the shared expert, if any."""
+    rep = Replicated()
+    rules = [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+             Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE)]
+    if lang.moe_router_bias_update_rate > 0:
+        # DeepSeek-V3's expert bias (fp32, a buffer in both): it moves every step and is trained state.
+        rules.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep, LANGUAGE))
+    rules += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
+    if lang.moe_shared_expert_ffn_hidden_size is not None:
+        rules += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
+    return rules
+
+
+def _dense_mlp_rules(lb: str, ll: str) -> list[Rule]:
+    """A dense layer's SwiGLU MLP rows, its pre-norm fused into ``linear_fc1``."""
+    return [Rule((lb + "post_attention_layernorm.weight",), ll + "mlp.linear_fc1.layer_norm_weight", Replicated(),
+                 LANGUAGE),
+            Rule((lb + "mlp.gate_proj.weight", lb + "mlp.up_proj.weight"), ll + "mlp.linear_fc1.weight", GateUp(),
+                 LANGUAGE),
+            Rule((lb + "mlp.down_proj.weight",), ll + "mlp.linear_fc2.weight", Split(1), LANGUAGE)]
 
 
 def _layers_by_mlp(lang: LanguageConfig) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
