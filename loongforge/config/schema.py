@@ -323,6 +323,11 @@ class DataConfig:
     # (same epoch, same number of samples into it) in the changed data; the samples the packer held
     # at the checkpoint are dropped.
     accept_changed_files: bool = False
+    # A checkpoint records data.seed, data.shuffle and data.valid_fraction: its data position indexes
+    # the order they draw, and a resume with others stops (it would train samples twice and others
+    # never). true: where they changed, start the data afresh at epoch 0 in this run's order (the
+    # model, optimizer and schedule continue); a resume in the recorded order continues as usual.
+    accept_new_order: bool = False
     # A `loongforge encode` folder: the vision encoder is neither built nor run, and each sample's
     # image/video positions take its stored embeddings (checked at start against this run's
     # encoder weights and processor settings; a sample without them is a `missing_embedding` reject).

@@ -45,6 +45,7 @@ from loongforge.data.collate import collate_row
 from loongforge.data.embedding_store import EmbeddingStore, StoredMediaMeasurer, stored_feature_width
 from loongforge.data.exchange import SampleExchange
 from loongforge.data.fingerprint import check_files, counted_position, run_fingerprints
+from loongforge.data.order import check_order, data_order
 from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
@@ -368,6 +369,8 @@ class DataPipeline:
         self.data_files = (run_fingerprints(data_cfg.source, list(data_cfg.paths), getattr(self.stream, "source", None))
                            if self.stream is not None else None)
         self.accept_changed_files = data_cfg.accept_changed_files
+        self.order = data_order(data_cfg)  # recorded in checkpoints: a resume in another order stops
+        self.accept_new_order = data_cfg.accept_new_order
         self.resume_note: Optional[str] = None  # set by a resume that continued in changed data
         self.last_data_wait_s = 0.0
         # The latest epoch a sample of the latest step's rows was drawn in (None for pack folders
@@ -493,7 +496,7 @@ class DataPipeline:
     def state_dict(self) -> dict:
         """Position after the last returned step; JSON-serialisable."""
         files = {"files": self.data_files} if self.data_files is not None else {}
-        return {**self._consumed_state, "rejects": self.rejects.state_dict(), **files}
+        return {**self._consumed_state, "rejects": self.rejects.state_dict(), "order": self.order, **files}
 
     def load_state_dict(self, state: dict, *, saved_states: Optional[Callable[[], list[dict]]] = None,
                         checkpoint: str = "the checkpoint", saved_dp_size: Optional[int] = None) -> None:
@@ -509,6 +512,12 @@ class DataPipeline:
             raise InputError(f"{checkpoint} holds the data position of data.read={saved_read}, this run reads "
                              f"data.read={self.read}: set data.read={saved_read} to resume (a sharded position "
                              "resumes at any data-parallel size)")
+        new_order = check_order(state.get("order"), self.order, checkpoint=checkpoint,
+                                accept_new=self.accept_new_order)
+        if new_order is not None:  # data.accept_new_order: keep the rejects seen, start the data afresh
+            self.resume_note = new_order
+            self.rejects.load_state_dict(state["rejects"])
+            return
         if self.read == "sharded" and isinstance(self.stream, (RowStream, StreamingRowStream)):
             state = self._own_share(state, saved_states, checkpoint, saved_dp_size)
         change = check_files(state.get("files"), self.data_files, accept_changed=self.accept_changed_files)

@@ -18,7 +18,7 @@ import pickle
 import random
 import shutil
 import zipfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Optional
 
@@ -38,6 +38,7 @@ from loongforge.convert.checkpoint_folders import (
 )
 from loongforge.models.state_dict_names import is_adapter_key, is_lora_model, separate_name
 from loongforge.parallel import mcore_patches
+from loongforge.train.optim import continue_schedule, group_schedules
 
 
 @dataclass
@@ -46,6 +47,9 @@ class TrainState:
     consumed_rows: int
     data_state: dict
     extra: dict
+    # A resume's LR-schedule settings that differ from the checkpoint's ("key old -> new"): the run
+    # follows its config, and says so (optim.continue_schedule).
+    schedule_changes: list = field(default_factory=list)
 
 
 def _on_cuda(model_chunks: list) -> bool:
@@ -549,6 +553,7 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
         load_model_only(path, model_chunks, optimizer)
         # data_state None: no data position to restore, the run starts at step 0
         return TrainState(step=0, consumed_rows=0, data_state=None, extra={})
+    built_groups = group_schedules(scheduler.optimizer)  # the checkpoint's optimizer state replaces them
     if _holds_state(optimizer, model_chunks):
         _check_expert_parallel_size(path, meta, model_chunks)
         _init_optimizer_state(optimizer)
@@ -564,9 +569,7 @@ def _load_checked(path: Path, model_chunks: list, optimizer, scheduler) -> Train
             optimizer.load_state_dict(loaded["optimizer"])
             _unshare_adam_steps(optimizer)
     per_rank = torch.load(_rank_file(path), weights_only=False)
-    # megatron's scheduler *adds* the saved step count to its current one: start from zero.
-    scheduler.num_steps = 0
-    scheduler.load_state_dict(per_rank["scheduler"])
+    schedule_changes = continue_schedule(scheduler, per_rank["scheduler"], built_groups)
     _set_rng_state(per_rank["rng"], _on_cuda(model_chunks))
     return TrainState(step=per_rank["step"], consumed_rows=per_rank["consumed_rows"],
-                      data_state=per_rank["data_state"], extra=per_rank["extra"])
+                      data_state=per_rank["data_state"], extra=per_rank["extra"], schedule_changes=schedule_changes)

@@ -53,3 +53,43 @@ def build_scheduler(optimizer, optim_cfg: OptimizerConfig, schedule_cfg: Schedul
     # Megatron's schedule gives lr 0 at step 0; advance once so the first update already learns.
     scheduler.step(increment=1)
     return scheduler
+
+
+# The schedule's settings as megatron's scheduler holds (and saves) them, each with the config key
+# that sets it: what a resume compares against the checkpoint's.
+SCHEDULE_SETTINGS = (
+    ("max_lr", "optimizer.lr"),
+    ("min_lr", "optimizer.min_lr"),
+    ("lr_warmup_steps", "schedule.warmup_steps"),
+    ("lr_decay_steps", "training.train_steps"),
+    ("lr_decay_style", "schedule.decay_style"),
+    ("start_wd", "optimizer.weight_decay"),
+)
+
+
+# Each parameter group of megatron's optimizer carries its own peak and minimum LR, which the scheduler
+# reads before its own, and which the optimizer's load_state_dict restores from the checkpoint.
+GROUP_SCHEDULE_KEYS = ("max_lr", "min_lr")
+
+
+def group_schedules(optimizer) -> list[dict]:
+    """Each parameter group's own schedule settings, as this run built them (taken before a
+    checkpoint's optimizer state replaces them)."""
+    return [{key: group[key] for key in GROUP_SCHEDULE_KEYS if key in group} for group in optimizer.param_groups]
+
+
+def continue_schedule(scheduler, saved: dict, groups: list[dict]) -> list[str]:
+    """Continue at the checkpoint's step under *this run's* schedule: the config is the truth.
+
+    megatron's ``load_state_dict`` would instead replace the peak and minimum LR, warm-up and decay
+    steps and weight decay with the checkpoint's, silently (and the optimizer's, each group's peak and
+    minimum LR): a run extended from 6 to 12 steps then trained steps 7-12 at min_lr while its
+    config.yaml said otherwise. ``groups``: ``group_schedules`` of the optimizer as built. Returns
+    "key old -> new" for each setting that differs from the checkpoint's (the resume's report)."""
+    changes = [f"{key} {saved[name]} -> {getattr(scheduler, name)}" for name, key in SCHEDULE_SETTINGS
+               if name in saved and saved[name] != getattr(scheduler, name)]
+    for group, settings in zip(scheduler.optimizer.param_groups, groups):
+        group.update(settings)
+    scheduler.num_steps = 0  # step() adds to it; LR and weight decay are set for the new count
+    scheduler.step(increment=int(saved["num_steps"]))
+    return changes

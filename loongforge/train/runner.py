@@ -545,6 +545,7 @@ class _Restored:
     consumed_rows: int = 0
     skipped: list = field(default_factory=list)  # damaged newer checkpoints (--resume)
     stage_from_step: Optional[int] = None  # checkpoint.weights_only: the step of the weights started from
+    schedule_changes: list = field(default_factory=list)  # LR-schedule settings changed since the checkpoint
 
 
 def _restore(run: _Run, resume: bool) -> _Restored:
@@ -568,7 +569,8 @@ def _restore(run: _Run, resume: bool) -> _Restored:
     if state.data_state is not None:  # None: a model-only checkpoint (loongforge convert)
         _load_data_state(run, Path(load_path), state.data_state)
     run.balancing.load_state_dict(state.extra)
-    return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped)
+    return _Restored(path=load_path, step=state.step, consumed_rows=state.consumed_rows, skipped=skipped,
+                     schedule_changes=state.schedule_changes)
 
 
 def _start_stage(run: _Run, path: Path) -> _Restored:
@@ -675,6 +677,9 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
                      f"a fresh optimizer, LR schedule and data position")
     elif restored.path is not None:
         logger.write(f"resumed from {restored.path} at step {restored.step}")
+    if restored.schedule_changes:  # the config is the truth; the checkpoint's schedule is not kept
+        logger.write(f"LR schedule from this run's config, changed since the checkpoint: "
+                     f"{', '.join(restored.schedule_changes)}")
     if getattr(run.pipeline, "resume_note", None):  # data.accept_changed_files met a changed file
         logger.write(f"warning: {run.pipeline.resume_note}")
     return logger

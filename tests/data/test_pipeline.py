@@ -1,5 +1,6 @@
 """DataPipeline: the micro-batch contract, DP invariance, exact resume, and accounting of samples."""
 
+import dataclasses
 import json
 
 import numpy as np
@@ -290,3 +291,40 @@ def test_unshuffled_shard_with_only_bad_samples_names_its_share(tokenizer):
     stream = _demo_stream(tokenizer, seq_len=16, shard=(0, 2), shuffle=False)
     with pytest.raises(InputError, match=r"all 3 samples of this rank's share .* were rejected \(too_long: 3\)"):
         stream.next_row()
+
+
+@pytest.mark.parametrize("change", [{"seed": 7}, {"shuffle": False}])
+def test_a_position_resumed_in_another_order_is_refused(tokenizer, change):
+    """A saved (epoch, cursor) indexes data.seed's / data.shuffle's permutation: resumed in another,
+    the rest of the epoch is the new order's tail. Counted here on 120 samples: what such a resume
+    would train twice and never; it now stops, naming the key, unless data.accept_new_order=true."""
+    cfg = _synthetic(synthetic_num_samples=120, seed=3, shuffle=True)
+    first = _pipeline(tokenizer, cfg)
+    for _ in range(2):
+        first.next_step()
+    state = json.loads(json.dumps(first.state_dict()))
+    first.close()
+    cursor = state["stream"]["cursor"]
+    other_cfg = _synthetic(**{**dict(synthetic_num_samples=120, seed=3, shuffle=True), **change})
+    other = _pipeline(tokenizer, other_cfg)
+    before, after = first.stream.epoch_order(0)[:cursor], other.stream.epoch_order(0)[cursor:]
+    twice, never = len(set(before) & set(after)), 120 - len(set(before) | set(after))
+    print(f"{change}: resumed at sample {cursor} of 120, the old code would train {twice} samples twice "
+          f"and {never} never in epoch 0")
+    assert twice == never > 0
+    key = f"data.{next(iter(change))}"
+    with pytest.raises(InputError, match=rf"was trained with {key}=\S+ and this run has {key}="):
+        other.load_state_dict(state)
+    # Asked for: the data starts afresh in the new order (the rejects seen are kept).
+    fresh = _pipeline(tokenizer, other_cfg)
+    restarted = _pipeline(tokenizer, dataclasses.replace(other_cfg, accept_new_order=True))
+    restarted.load_state_dict(state)
+    assert restarted.resume_note.startswith("data.accept_new_order=true: the data order changed")
+    _assert_same_batches(restarted.next_step(), fresh.next_step())
+    for pipeline in (other, fresh, restarted):
+        pipeline.close()
+    # The same order resumes as before, with or without data.accept_new_order.
+    same = _pipeline(tokenizer, dataclasses.replace(cfg, accept_new_order=True))
+    same.load_state_dict(state)
+    assert same.resume_note is None and same.state_dict()["stream"]["cursor"] == cursor
+    same.close()

@@ -16,15 +16,21 @@ import math
 import re
 
 import pytest
+import torch
 
+from loongforge.config.loader import load_resolved_config
+from loongforge.convert.checkpoint_folders import step_dir_name
+from loongforge.train.optim import build_scheduler
 from tests.train.conftest import (
     SAVE_AT_END,
     assert_quiet_stderr,
     checkpoint_differences,
+    cut_back_copy,
     grad_norms,
     losses,
     resume_from_copy,
     run_train,
+    step_metric,
 )
 
 
@@ -85,6 +91,64 @@ def test_resume_gives_identical_losses(baseline_run, tmp_path):
     worst = max(checkpoint_differences(resumed, baseline_run).values())
     print(f"resumed at step 2: losses and grad norms equal, final checkpoint max difference {worst}")
     assert worst == 0.0
+
+
+# The baseline's 4 steps resumed at step 4 for 4 more, at twice the peak LR and in another data order.
+EXTENDED = ("checkpoint.save_interval=2", SAVE_AT_END, "training.train_steps=8", "optimizer.lr=2e-3",
+            "data.seed=7", "data.accept_new_order=true")
+
+
+@pytest.fixture(scope="module")
+def extended_resume(baseline_run, tmp_path_factory):
+    out = tmp_path_factory.mktemp("extended") / "run"
+    proc = resume_from_copy(baseline_run, out, 4, *EXTENDED)
+    return out, proc.stdout
+
+
+def _fresh_schedule_lrs(config_path, steps: range) -> list[float]:
+    """The LR a fresh run of ``config_path``'s config trains each of ``steps`` (1-based) at."""
+    cfg = load_resolved_config(config_path)
+    optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.0)
+    scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
+    lrs = {}
+    for step in range(1, max(steps) + 1):
+        lrs[step] = optimizer.param_groups[0]["lr"]  # the step's update runs at it, then the schedule moves
+        scheduler.step(increment=1)
+    return [lrs[step] for step in steps]
+
+
+def test_a_resume_follows_the_schedule_its_config_describes(extended_resume, baseline_run):
+    """Extending a run (6 -> 12 steps, a higher LR) on --resume: megatron's scheduler kept the checkpoint's
+    decay steps and peak LR, so the new steps all ran at min_lr while config.yaml said otherwise."""
+    out, stdout = extended_resume
+    trained = step_metric(out, "lr")[4:]
+    expected = _fresh_schedule_lrs(out / "config.yaml", range(5, 9))
+    old_schedule = _fresh_schedule_lrs(baseline_run / "config.yaml", range(5, 9))
+    print(f"LR at steps 5-8 of a run extended from 4 to 8 steps at lr 2e-3: {[f'{x:.3e}' for x in trained]}; "
+          f"a fresh 8-step run: {[f'{x:.3e}' for x in expected]}; the checkpoint's schedule: "
+          f"{[f'{x:.3e}' for x in old_schedule]}")
+    assert trained == pytest.approx(expected, rel=1e-12) and trained != pytest.approx(old_schedule)
+    assert ("LR schedule from this run's config, changed since the checkpoint: optimizer.lr 0.001 -> 0.002, "
+            "training.train_steps 4 -> 8") in stdout, stdout
+
+
+def test_a_resume_in_a_new_data_order_starts_the_data_afresh_when_asked(extended_resume):
+    out, stdout = extended_resume
+    assert "data.accept_new_order=true: the data order changed since" in stdout
+    assert "(data.seed 1234 -> 7); the data starts afresh at epoch 0" in stdout, stdout
+    rank_state = torch.load(out / "checkpoints" / step_dir_name(6) / "rank_00000.pt", weights_only=False)
+    assert rank_state["data_state"]["order"]["data.seed"] == 7
+
+
+def test_a_resume_in_another_data_order_stops_in_one_line(baseline_run, tmp_path):
+    """The saved position indexes data.seed's permutation: tests/data/test_pipeline.py counts what a
+    resume in another order would train twice and never."""
+    cut_back_copy(baseline_run, tmp_path / "run", 2)
+    proc = run_train(tmp_path / "run", "data.seed=7", resume=True, expect_ok=False)
+    assert proc.returncode == 2, proc.stderr[-2000:]
+    (line,) = [line for line in proc.stderr.splitlines() if "data.seed" in line]
+    assert "was trained with data.seed=1234 and this run has data.seed=7" in line
+    assert "set data.seed=1234 to resume, or data.accept_new_order=true" in line
 
 
 def test_resume_without_checkpoint_is_a_clear_error(tmp_path):
