@@ -44,6 +44,34 @@ def _verbose_override(verbose: bool) -> list[Override]:
     return [Override("--verbose", ("logging", "verbose"), delete=False, value=True)] if verbose else []
 
 
+def _set_keys(overrides: list[str], config: Path | None) -> list[str]:
+    """The dotted keys the user set (command line and --config file leaves), not the preset's."""
+    from loongforge.config.overrides import parse_override
+    from loongforge.config.yaml_io import key_lines
+
+    keys = [parse_override(text).dotted for text in overrides]
+    file_keys = list(key_lines(config)) if config is not None else []
+    return keys + [key for key in file_keys if not any(other.startswith(f"{key}.") for other in file_keys)]
+
+
+def _with_folder_model(cfg: RunConfig, overrides: list[str], config: Path | None, *, dry_run: bool) -> RunConfig:
+    """checkpoint.load_hf: the folder's config.json decides the model (``train.hf_architecture``).
+    A dry run plans a folder not downloaded yet as the preset's model, and says so."""
+    if not cfg.checkpoint.load_hf:
+        return cfg
+    if dry_run and not (Path(cfg.checkpoint.load_hf) / "config.json").is_file():
+        typer.echo(f"note: {cfg.checkpoint.load_hf}/config.json not found: planning preset {cfg.preset}'s model "
+                   f"(a run reads the folder's)", err=True)
+        return cfg
+    from loongforge.train.hf_architecture import model_from_hf_folder
+
+    cfg, changes = model_from_hf_folder(cfg, _set_keys(overrides, config))
+    if changes and _is_first_process():
+        typer.echo(f"model: the architecture of {cfg.checkpoint.load_hf}/config.json, not preset "
+                   f"{cfg.preset}'s: {', '.join(changes)}", err=True)
+    return cfg
+
+
 def _check_single_process_launch(cfg: RunConfig) -> None:
     """A run without a launcher or --nproc-per-node is one process; a larger
     parallel.world_size would silently train with one, so it is refused with the ways to start N."""
@@ -130,6 +158,7 @@ def train(
             overrides=[*(overrides or []), *_output_dir_override(output_dir), *_verbose_override(verbose)],
             world_size=launch_world_size,
         )
+        cfg = _with_folder_model(cfg, list(overrides or []), config, dry_run=dry_run)
         if dry_run:
             _print_dry_run(cfg, fit_seq_len=fit_seq_len, gpu_memory_gib=gpu_memory_gib, suggest_layout=suggest_layout)
             return

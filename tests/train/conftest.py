@@ -20,6 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
+from typing import Sequence
 from pathlib import Path
 
 import pytest
@@ -58,9 +59,10 @@ RUN_TIMEOUT_S = 420
 
 
 def train_command(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
-                  preset: str = PRESET) -> list[str]:
+                  preset: str = PRESET, options: Sequence[str] = SMALL_MODEL) -> list[str]:
+    """``options``: the tests' small-run settings (a run from an HF folder leaves out their model key)."""
     cmd = [sys.executable, "-m", "loongforge.cli.app", "train", "--preset", preset,
-           *SMALL_MODEL, f"logging.output_dir={out_dir}", *extra]
+           *options, f"logging.output_dir={out_dir}", *extra]
     if nproc > 1:
         cmd += ["--nproc-per-node", str(nproc)]
     if resume:
@@ -78,11 +80,12 @@ def train_env(nproc: int = 1, env_extra: dict | None = None) -> dict:
 
 def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
               expect_ok: bool = True, env_extra: dict | None = None,
-              preset: str = PRESET, launcher: bool = False) -> subprocess.CompletedProcess:
+              preset: str = PRESET, launcher: bool = False,
+              options: Sequence[str] = SMALL_MODEL) -> subprocess.CompletedProcess:
     """``loongforge train`` of the small model; stdout / stderr are rank 0's. ``launcher``: through
     a subprocess and the command's own launcher (``--nproc-per-node``), as also for ``expect_ok=False``
     and ``env_extra``; otherwise ranks forked from the tests' fork server (the module docstring)."""
-    cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset)
+    cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset, options=options)
     if expect_ok and env_extra is None and not launcher:
         return _run_forked(out_dir, cmd, nproc)
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
