@@ -55,7 +55,7 @@ def _set_keys(overrides: list[str], config: Path | None) -> list[str]:
 
 
 def _with_folder_model(cfg: RunConfig, overrides: list[str], config: Path | None, *, dry_run: bool) -> RunConfig:
-    """checkpoint.load_hf: the folder's config.json decides the model (``train.hf_architecture``).
+    """checkpoint.load_hf: the folder's config.json decides the model (``convert.hf_architecture``).
     A dry run plans a folder not downloaded yet as the preset's model, and says so."""
     if not cfg.checkpoint.load_hf:
         return cfg
@@ -63,9 +63,9 @@ def _with_folder_model(cfg: RunConfig, overrides: list[str], config: Path | None
         typer.echo(f"note: {cfg.checkpoint.load_hf}/config.json not found: planning preset {cfg.preset}'s model "
                    f"(a run reads the folder's)", err=True)
         return cfg
-    from loongforge.train.hf_architecture import model_from_hf_folder
+    from loongforge.convert.hf_architecture import model_from_hf_folder
 
-    cfg, changes = model_from_hf_folder(cfg, _set_keys(overrides, config))
+    cfg, changes = model_from_hf_folder(cfg, cfg.checkpoint.load_hf, _set_keys(overrides, config))
     if changes and _is_first_process():
         typer.echo(f"model: the architecture of {cfg.checkpoint.load_hf}/config.json, not preset "
                    f"{cfg.preset}'s: {', '.join(changes)}", err=True)

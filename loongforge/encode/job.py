@@ -22,6 +22,8 @@ from safetensors import safe_open
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
+from loongforge.convert.hf_architecture import model_from_hf_folder
+from loongforge.convert.hf_io import is_hf_folder
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.embedding_store import (
     ENCODER_FILE,
@@ -86,10 +88,10 @@ class EncodeSummary:
 
 def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) -> EncodeSummary:
     _check_options(options)
-    cfg = load_run_config(options.preset, overrides=list(options.overrides))
+    cfg = _model_of_weights(load_run_config(options.preset, overrides=list(options.overrides)), options)
     if get_family(cfg.model.family).build_encoder is None:
         raise ConfigError(f"--preset {options.preset}: model family {cfg.model.family} has no vision encoder "
-                          f"that runs on its own; encode runs a qwen2_5_vl preset's encoder (see --list-presets)")
+                          f"that runs on its own; encode runs a vision-language preset's encoder (see --list-presets)")
     plan, inputs = _plan(options, cfg)
     root = Path(options.output)
     job = _job_record(options, cfg, inputs)
@@ -110,6 +112,15 @@ def run_encode(options: EncodeOptions, *, on_shard: Optional[ShardDone] = None) 
 
 
 # ---------------------------------------------------------------- planning and the folder
+
+
+def _model_of_weights(cfg, options: EncodeOptions):
+    """``--hf DIR``: the folder's config.json decides the encoder (``convert.hf_architecture``), as
+    ``train checkpoint.load_hf=DIR`` does; ``--checkpoint`` and initial weights: the preset's."""
+    if not options.weights or not is_hf_folder(Path(options.weights)):
+        return cfg
+    explicit = [text.lstrip("~").split("=", 1)[0] for text in options.overrides]
+    return model_from_hf_folder(cfg, options.weights, explicit, setting="--hf")[0]
 
 
 def _check_options(options: EncodeOptions) -> None:

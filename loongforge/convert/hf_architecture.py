@@ -1,4 +1,4 @@
-"""``checkpoint.load_hf``: the HF folder's ``config.json`` decides the model's architecture.
+"""``checkpoint.load_hf`` (and ``encode --hf``): the HF folder's ``config.json`` decides the model's architecture.
 
 A preset names a model; a folder holds one. A run used to build the preset's model and check only the
 tensor shapes against the folder's, so a Qwen2.5-VL folder of the preset's widths with another
@@ -26,14 +26,16 @@ from loongforge.config.validate import validate_tree
 from loongforge.models.registry import family_of_hf_config, get_family
 
 
-def model_from_hf_folder(cfg: RunConfig, explicit_keys: Iterable[str]) -> tuple[RunConfig, list[str]]:
-    """``cfg`` with the model of ``checkpoint.load_hf``'s ``config.json``, re-validated, and the
+def model_from_hf_folder(cfg: RunConfig, folder: str | Path, explicit_keys: Iterable[str],
+                         *, setting: str = "checkpoint.load_hf") -> tuple[RunConfig, list[str]]:
+    """``cfg`` with the model of ``folder``'s ``config.json``, re-validated, and the
     ``model.* preset -> folder`` changes (for the console). ``explicit_keys``: dotted keys the user
-    set (command line, config file): a ``model.*`` one the folder contradicts is an InputError."""
-    config_file = Path(cfg.checkpoint.load_hf) / "config.json"
+    set (command line, config file): a ``model.*`` one the folder contradicts is an InputError.
+    ``setting``: what named the folder (``checkpoint.load_hf``, ``encode --hf``), for messages."""
+    config_file = Path(folder) / "config.json"
     if not config_file.is_file():
-        raise InputError(f"checkpoint.load_hf={cfg.checkpoint.load_hf}: no config.json there; pass an HF model "
-                         f"folder (config.json + *.safetensors)")
+        raise InputError(f"{setting}={folder}: no config.json there; pass an HF model folder "
+                         f"(config.json + *.safetensors)")
     hf_config = json.loads(config_file.read_text())
     family = get_family(cfg.model.family)
     found = family_of_hf_config(hf_config, str(config_file))
@@ -45,7 +47,7 @@ def model_from_hf_folder(cfg: RunConfig, explicit_keys: Iterable[str]) -> tuple[
     folder_cfg = family.config_from_hf(hf_config, str(config_file))
     unsaid = _fields_hf_cannot_carry(family, cfg.model)
     model = {key: preset_model[key] if key in unsaid else value for key, value in _leaves(folder_cfg, "model").items()}
-    _check_explicit(preset_model, model, explicit_keys, config_file)
+    _check_explicit(preset_model, model, explicit_keys, config_file, setting)
     changes = [f"{key} {preset_model[key]} -> {value}" for key, value in model.items()
                if preset_model.get(key) != value]
     if changes:  # the preset's published count is another model's
@@ -61,12 +63,13 @@ def _fields_hf_cannot_carry(family, model_cfg: ModelConfig) -> set[str]:
     return {key for key, value in _leaves(model_cfg, "model").items() if carried.get(key) != value}
 
 
-def _check_explicit(preset_model: dict, model: dict, explicit_keys: Iterable[str], config_file: Path) -> None:
+def _check_explicit(preset_model: dict, model: dict, explicit_keys: Iterable[str], config_file: Path,
+                    setting: str) -> None:
     for key in explicit_keys:
         for leaf in (k for k in model if k == key or k.startswith(f"{key}.")):
             if model[leaf] != preset_model[leaf]:
                 raise InputError(f"{leaf}={preset_model[leaf]} contradicts {config_file} ({model[leaf]}): with "
-                                 f"checkpoint.load_hf the folder's config.json decides the architecture; drop the "
+                                 f"{setting} the folder's config.json decides the architecture; drop the "
                                  f"setting, or start from a folder of that model")
 
 
