@@ -127,8 +127,8 @@ def cmd_linear_attention(args) -> int:
     gradients, relative to the largest of each."""
     import torch
 
-    from loongforge.models import linear_attention
-    from loongforge.models.layer_backend import linear_attention_rule
+    from loongforge.models.decoder import linear_attention
+    from loongforge.models.layers.layer_backend import linear_attention_rule
 
     device = torch.device(args.device)
     rule = linear_attention_rule(device)

@@ -4,7 +4,7 @@ For each layout (CP 2: 2 processes; CP 4: 4; TP 1, DP 1) and each mode, one ``lo
 of the shared grid (``bench.train_grid``: the encoder-heavy preset on rows of many COCO photos,
 per-rank encoder time, step time and peak memory read from ``metrics.jsonl``). ``off``: every CP rank
 encodes all of the row's photos; ``on``: each encodes a cost-chosen share and the features are
-gathered (``models.encoder_share``). Ratios are against ``off`` in the same layout.
+gathered (``models.vlm.encoder_share``). Ratios are against ``off`` in the same layout.
 """
 
 from __future__ import annotations

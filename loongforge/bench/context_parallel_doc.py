@@ -142,7 +142,7 @@ def format_doc(bench: GridBench, predictions: Sequence[ContextParallelPrediction
         "photo of the row they share. `on` (the default): the CP group divides the row's images and videos "
         "by modelled cost (`parallel.media_assign`), each rank encodes its share, the merged features are "
         "gathered, and each feature's gradient, summed over the CP group, returns to the rank that encoded "
-        "it (`models/encoder_share.py`).",
+        "it (`models/vlm/encoder_share.py`).",
         "",
         *measured_section(bench, GRID, [_setup()]),
         "",

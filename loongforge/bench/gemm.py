@@ -4,9 +4,9 @@ policy ``training.fp8=auto`` reads.
 The layers come from the model family's own weight map (``ModelFamily.hf_rules``): each rule for a
 linear's weight is applied to meta tensors of the HF shapes the config implies (``hf_shapes``), so
 the shard this TP rank holds is the one training builds (fused QKV, gate+up, experts). For each
-layer kind (``models.layer_kinds.layer_kind``: tower and role, e.g. ``language.fc1``, ``vision.qkv``) at its
+layer kind (``models.layers.layer_kinds.layer_kind``: tower and role, e.g. ``language.fc1``, ``vision.qkv``) at its
 TP size, and each token count, one step is the forward GEMM and both backward GEMMs: bf16
-``torch.matmul`` against ``models.fp8.Fp8Matmul`` (quantisation included, the cost FP8 really
+``torch.matmul`` against ``models.layers.fp8.Fp8Matmul`` (quantisation included, the cost FP8 really
 pays). With ``linear`` (the default) each kind is also timed as the whole layer training runs
 (``bench.gemm_linear``: megatron's column- or row-parallel linear at its TP size in that many
 processes, its sequence-parallel or tensor-parallel communication and FP8's quantisation
@@ -32,8 +32,8 @@ from loongforge.config.layout import LayoutKeys, layout_problems
 from loongforge.bench.gemm_linear import micro_batches_to_time, time_whole_linears, whole_linear
 from loongforge.bench.model_step import time_steps
 from loongforge.config.schema import RunConfig
-from loongforge.models.fp8 import POLICY_FORMAT, Fp8Matmul, device_name, eligible, gemm_tokens, gemm_tp
-from loongforge.models.layer_kinds import layer_kind
+from loongforge.models.layers.fp8 import POLICY_FORMAT, Fp8Matmul, device_name, eligible, gemm_tokens, gemm_tp
+from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
 
 MIN_SPEEDUP = 1.05
@@ -41,11 +41,11 @@ MIN_SPEEDUP = 1.05
 
 @dataclass(frozen=True)
 class LinearShape:
-    kind: str  # models.layer_kinds.layer_kind, e.g. "language.fc1"
+    kind: str  # models.layers.layer_kinds.layer_kind, e.g. "language.fc1"
     tp: int  # the TP size sharding it in the run
     out_features: int  # N of this rank's weight shard [N, K]
     in_features: int  # K
-    run_tokens: int  # the rows its GEMMs get in one micro-batch of the run (models.fp8.gemm_tokens)
+    run_tokens: int  # the rows its GEMMs get in one micro-batch of the run (models.layers.fp8.gemm_tokens)
 
 
 def _fill(pattern: str) -> str:

@@ -5,7 +5,7 @@ For each layer kind, megatron-core's own ``ColumnParallelLinear`` (qkv, fc1) or 
 fresh), with sequence parallelism where the run has it (language layers; the vision tower and the
 projector never split the sequence; routed experts communicate in the token dispatcher, not in the
 layer). One optimizer step of ``micro_batches`` forwards and backwards is timed twice: the layer as
-megatron runs it in bf16, and the same layer with ``models.fp8.use_fp8`` (its weight quantised once
+megatron runs it in bf16, and the same layer with ``models.layers.fp8.use_fp8`` (its weight quantised once
 for the step through ``Fp8WeightCache``, the cache dropped at the step's end as training drops it).
 So the FP8 figure pays everything FP8 costs in a run: the sequence gather and the reduce-scatter
 or all-reduce around the GEMMs (the same bytes as bf16's), the activations' and gradients'
@@ -27,7 +27,7 @@ from tqdm import tqdm
 from loongforge.bench.model_step import time_steps
 from loongforge.bench.processes import run_spawned
 from loongforge.config.schema import ParallelConfig, RunConfig
-from loongforge.models.fp8 import Fp8WeightCache, use_fp8
+from loongforge.models.layers.fp8 import Fp8WeightCache, use_fp8
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.launch_env import order_tensor_parallel_kernels
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown

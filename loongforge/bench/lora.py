@@ -5,7 +5,7 @@ same samples: full fine-tuning first, from the run's initial weights (or the ``c
 given), writing its result as an HF folder (``checkpoint.save_hf``), then LoRA (``lora.rank`` and the
 other ``lora.*`` settings given) on that folder as its frozen base (``checkpoint.load_hf``), as LoRA
 is run on a published model. Measured per variant:
-- trainable parameters (the plan's arithmetic: ``models.lora_params`` for the adapters);
+- trainable parameters (the plan's arithmetic: ``models.layers.lora_params`` for the adapters);
 - the final checkpoint's bytes on disk (a LoRA checkpoint holds what trains: the adapters and their
   optimizer state, and names the base it applies to);
 - peak memory per rank (``peak_memory_mib_by_rank``: resident set on CPU, which includes the
@@ -26,7 +26,7 @@ from typing import Callable, Sequence
 
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
-from loongforge.models.lora_params import adapter_parameters
+from loongforge.models.layers.lora_params import adapter_parameters
 from loongforge.models.registry import get_family
 from loongforge.train.metrics import METRICS_FILE, read_metrics
 

@@ -39,7 +39,7 @@ from loongforge.balance.cost_model import SampleCost
 from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
-from loongforge.models.smart_resize import smart_resize
+from loongforge.models.qwen_vl.smart_resize import smart_resize
 from loongforge.models.flops import FlopOptions, StepFlops
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown

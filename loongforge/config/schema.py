@@ -229,7 +229,7 @@ class ModelConfig:
     tokens: TokenIdsConfig = field(default_factory=TokenIdsConfig)
     # Video frames per second of position time; Qwen2.5-VL uses 2 temporal ids per second.
     tokens_per_second: int = 2
-    # What the transformer blocks of both towers are built from (loongforge.models.layer_backend):
+    # What the transformer blocks of both towers are built from (loongforge.models.layers.layer_backend):
     # te (Transformer Engine norm-linear, linears, attention), flash (local linears, flash-attn),
     # sdpa (local linears, torch SDPA; runs anywhere). auto: the first of te, flash, sdpa that can
     # run the device and precision. Checkpoints do not depend on the choice.
@@ -434,7 +434,7 @@ class TrainingConfig:
     seed: int = 1234
     # "bf16" or "fp32"; on GPU the default bf16 is what users run.
     precision: str = "bf16"
-    # FP8 GEMMs in the linear layers (CUDA compute capability 8.9+, bf16 runs; models.fp8): "off";
+    # FP8 GEMMs in the linear layers (CUDA compute capability 8.9+, bf16 runs; models.layers.fp8): "off";
     # "auto": the layer kinds that `loongforge bench gemm` measured at least 5% faster in FP8 at this
     # run's TP sizes and token counts (fp8.policy; without a policy, bf16 everywhere); "on": every
     # eligible linear. The LM head stays bf16.
@@ -541,7 +541,7 @@ class Fp8Config:
 
 @dataclass
 class LoraConfig:
-    """Low-rank adapters (models.lora): y = W x + (alpha / rank) * B A dropout(x) on the chosen
+    """Low-rank adapters (models.layers.lora): y = W x + (alpha / rank) * B A dropout(x) on the chosen
     linears, as PEFT computes them; the base weights are frozen and only A and B train."""
 
     # Rank r of every adapter; 0: no adapters (full training).

@@ -829,7 +829,7 @@ def _check_fp8(cfg: RunConfig) -> list[str]:
     return errors
 
 
-# LoRA (models.lora): the towers and the block linears adapters go on.
+# LoRA (models.layers.lora): the towers and the block linears adapters go on.
 LORA_TARGETS = ("language", "vision", "projector")
 LORA_MODULES = ("qkv", "proj", "fc1", "fc2")
 # Adapters wrap megatron-core's own column/row-parallel linears; Transformer Engine's are other

@@ -65,7 +65,7 @@ from loongforge.convert.serving import write_serving_files
 from loongforge.models.family import ModelFamily
 from loongforge.models.flops import layers_keyed_apart
 from loongforge.models.hf_rules import LANGUAGE, VISION, Copies, Rule, Vocab
-from loongforge.models.lora_params import lora_rules
+from loongforge.models.layers.lora_params import lora_rules
 from loongforge.models.registry import family_of_hf_config, get_family
 from loongforge.models.state_dict_names import fused_name, is_adapter_key
 

@@ -1,6 +1,6 @@
 """Exports of a LoRA run's checkpoint: the merged model and PEFT's adapter folder.
 
-A checkpoint stores each adapter whole (``models.lora``: A and B at their full shapes, B's rows laid
+A checkpoint stores each adapter whole (``models.layers.lora``: A and B at their full shapes, B's rows laid
 out as the fused weight's), whatever TP / PP / EP trained it, so both exports work from any layout:
 - merged (``convert CKPT OUT --to hf``): every adapted weight becomes ``W + (alpha / r) B A`` before
   it is written, in megatron's whole-tensor layout (``lora_params.merged_weight``; a fused weight's
@@ -30,7 +30,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.loader import load_resolved_config
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.convert.checkpoint_folders import LORA_BASE_KEY, META_FILE, weights_digest
-from loongforge.models.lora_params import is_column_rule, merged_weight, row_parts
+from loongforge.models.layers.lora_params import is_column_rule, merged_weight, row_parts
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
 

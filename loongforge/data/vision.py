@@ -2,7 +2,7 @@
 
 Images become patch rows by the run's tower (``VisionSizing.images``, a ``models.media.ImageProcessing``:
 Qwen's smart resize, InternVL's tiles, LLaVA-OneVision's anyres); this module reads them. Videos follow
-Qwen2-VL's processing (``models.smart_resize``: the same resize rule and patch layout as its images).
+Qwen2-VL's processing (``models.qwen_vl.smart_resize``: the same resize rule and patch layout as its images).
 
 Video: frames are sampled and sized by the family's rule (``VIDEO_RULES``, named by
 ``ChatFormat.video_rule``), resized per frame with the same PIL bicubic and normalised the same
@@ -33,8 +33,8 @@ import numpy as np
 from PIL import Image
 
 from loongforge.models.media import ImageProcessing
-from loongforge.models.pixels import normalize, resize_bicubic
-from loongforge.models.smart_resize import (
+from loongforge.models.vlm.pixels import normalize, resize_bicubic
+from loongforge.models.qwen_vl.smart_resize import (
     OPENAI_CLIP_MEAN,
     OPENAI_CLIP_STD,
     SmartResizeImages,
@@ -193,7 +193,7 @@ def to_rgb(image: Image.Image) -> Image.Image:
 
 
 def normalize_frame(pixels_uint8: np.ndarray, sizing: VisionSizing) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [H, W, 3] with the model's mean and std (``models.pixels``)."""
+    """uint8 [H, W, 3] -> float32 [H, W, 3] with the model's mean and std (``models.vlm.pixels``)."""
     return normalize(pixels_uint8, sizing.pixel_mean, sizing.pixel_std)
 
 

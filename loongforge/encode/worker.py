@@ -28,7 +28,7 @@ from loongforge.data.packfile.folder import write_atomic
 from loongforge.data.samples import Reject
 from loongforge.data.vision import MediaError
 from loongforge.encode.plan import EncodePlan, MediaItem
-from loongforge.models.fingerprint import weights_digest
+from loongforge.models.vlm.fingerprint import weights_digest
 from loongforge.parallel.distributed import init_model_parallel, resolve_device
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}

@@ -27,7 +27,7 @@ from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
-from loongforge.models.vocab import padded_vocab_size
+from loongforge.models.decoder.vocab import padded_vocab_size
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
     import torch

@@ -197,7 +197,7 @@ def head_dim(lang: LanguageConfig) -> int:
 
 FULL_ATTENTION, LINEAR_ATTENTION = LAYER_TYPES  # model.language.layer_types
 # Tokens per chunk of the chunked gated delta rule (fla's ``chunk_gated_delta_rule``, and
-# ``models.linear_attention.chunked``'s default): how far the within-chunk products reach.
+# ``models.decoder.linear_attention.chunked``'s default): how far the within-chunk products reach.
 DELTA_RULE_CHUNK = 64
 
 
@@ -286,7 +286,7 @@ def gated_delta_rule_flops(tokens: int, shape: LinearAttentionConfig, chunk: int
       unit-triangular system), over the whole C x C block as the kernel runs it (attention's
       full-square convention), per real token, so a sample's count is exactly linear in its length.
 
-    The plain-torch ``models.linear_attention.chunked`` solves for ``u`` directly (a triangular solve,
+    The plain-torch ``models.decoder.linear_attention.chunked`` solves for ``u`` directly (a triangular solve,
     not a matmul) instead of the ``w`` and ``u`` products: ``2 C (d_k + d_v)`` fewer multiplications of
     its own."""
     dk, dv = shape.key_head_dim, shape.value_head_dim

@@ -15,7 +15,7 @@ from typing import Any, Mapping, Optional, Sequence
 
 import torch
 
-from loongforge.models.vocab import padded_vocab_size
+from loongforge.models.decoder.vocab import padded_vocab_size
 
 
 def rename_prefixes(state: Mapping[str, Any], pairs: Sequence[tuple[str, str]]) -> dict[str, Any]:

@@ -41,7 +41,7 @@ def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int], Option
     raise KeyError(f"no hf_mapping rule for {fused_name(key)!r}")
 
 
-match_rule = _match  # for maps built on the family's (models.lora's adapters)
+match_rule = _match  # for maps built on the family's (models.layers.lora's adapters)
 
 
 def _fill(pattern: str, index: Optional[int], expert: Optional[int] = None) -> str:
@@ -76,7 +76,7 @@ def hf_to_megatron(
 ) -> dict[str, Tensor]:
     """This rank's shards of our ``keys`` (e.g. ``model.state_dict().keys()``) from an HF state dict.
     ``experts``: where this rank's experts sit (``expert_placement``); None: every expert, at TP.
-    ``rules``: the map to walk (default: the family's weight map; ``models.lora_params.lora_rules``: the
+    ``rules``: the map to walk (default: the family's weight map; ``models.layers.lora_params.lora_rules``: the
     adapters').
 
     ``_extra_state`` keys (megatron's per-layer FP8 metadata) carry no weights and are skipped.
@@ -124,7 +124,7 @@ def megatron_to_hf(
     Vision tensors are read from the first ``vision_tp_size`` ranks (None: all of them).
     A tied output layer is not written (tied Hub checkpoints have no ``lm_head.weight``).
     ``rules``: the map to walk (default: the family's weight map, LoRA adapters' keys skipped;
-    ``models.lora_params.lora_rules``: the adapters' map, which writes PEFT's tensors and skips the rest).
+    ``models.layers.lora_params.lora_rules``: the adapters' map, which writes PEFT's tensors and skips the rest).
     """
     adapters_only = rules is not None
     rules = get_family(model_cfg.family).hf_rules(model_cfg) if rules is None else rules
@@ -156,7 +156,7 @@ def load_hf_state_dict(model: torch.nn.Module, hf_state: Mapping[str, Tensor],
     """Load an HF state dict into this rank's model of any family (TP ranks and the pipeline
     layer offset are read from the model's own process groups and layers). ``rules``: None loads the
     base model through the family's weight map (LoRA adapters keep their values: they are not in an
-    HF checkpoint); ``models.lora_params.lora_rules`` loads PEFT's adapter tensors into the adapters alone."""
+    HF checkpoint); ``models.layers.lora_params.lora_rules`` loads PEFT's adapter tensors into the adapters alone."""
     language = model.language_model
     tp_group = language.pg_collection.tp
     vision_group = vision_tp_group(model)

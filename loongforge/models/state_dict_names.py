@@ -45,7 +45,7 @@ def has_separate_norms(keys: Iterable[str]) -> bool:
     return any(fused_name(key) != key for key in keys)
 
 
-# A LoRA adapter's matrices (``models.lora``): children of the linear they adapt, ``<linear>.lora.A``.
+# A LoRA adapter's matrices (``models.layers.lora``): children of the linear they adapt, ``<linear>.lora.A``.
 LORA_A, LORA_B = ".lora.A", ".lora.B"
 
 

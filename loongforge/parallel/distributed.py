@@ -173,7 +173,7 @@ def init_model_parallel(parallel_cfg: ParallelConfig, *, seed: int, device: torc
         cp_rank=mpu.get_context_parallel_rank(),
     )
     # One seed on every rank. The initial weights do not come from this stream: the model draws
-    # them from keys of (seed, global name), the same at every TP/PP layout (models.initialization).
+    # them from keys of (seed, global name), the same at every TP/PP layout (models.layers.initialization).
     seed_everything(seed)
     if device.type == "cuda":
         tensor_parallel.model_parallel_cuda_manual_seed(seed)

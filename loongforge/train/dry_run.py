@@ -25,7 +25,7 @@ from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
 from loongforge.models.flops import DELTA_RULE_CHUNK, LINEAR_ATTENTION, decoder_layer_types, head_dim, sparse_layers
-from loongforge.models.lora_params import AdapterParameters, adapter_parameters
+from loongforge.models.layers.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
 GIB = 1024**3

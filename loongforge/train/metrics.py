@@ -10,7 +10,7 @@ from typing import Optional
 
 from tqdm import tqdm
 
-from loongforge.models.moe_balance import ExpertLoad
+from loongforge.models.decoder.moe_balance import ExpertLoad
 from loongforge.profile.throughput import Throughput
 
 # One JSON line per training step, in the run folder, and one per evaluation of the validation

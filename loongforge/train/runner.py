@@ -46,16 +46,16 @@ from loongforge.data.arrow_samples import cache_summary
 from loongforge.data.mixture import entry_path
 from loongforge.data.pipeline import DataPipeline
 from loongforge.models.flops import StepFlops
-from loongforge.models.fp8 import (
+from loongforge.models.layers.fp8 import (
     Fp8WeightCache,
     apply_fp8,
     check_fp8_backend,
     describe_fp8_layers,
     fp8_choice,
 )
-from loongforge.models.layer_backend import passed_over_backends, resolve_layer_backend
-from loongforge.models.lora import apply_lora, describe_lora
-from loongforge.models.moe_balance import ExpertLoadCounter, unscaled_balance_losses
+from loongforge.models.layers.layer_backend import passed_over_backends, resolve_layer_backend
+from loongforge.models.layers.lora import apply_lora, describe_lora
+from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.data_groups import build_data_groups
@@ -192,7 +192,7 @@ def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, b
     # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
     model.lora_note = _apply_lora(model, cfg)
     decide, note = fp8_choice(cfg, device, layer_backend)
-    if decide is not None and cfg.lora.rank:  # models.fp8 runs a frozen weight's GEMMs in bf16 anyway
+    if decide is not None and cfg.lora.rank:  # models.layers.fp8 runs a frozen weight's GEMMs in bf16 anyway
         decide, note = None, f"fp8: {cfg.training.fp8}, but LoRA freezes every base weight: bf16 everywhere"
     # One E4M3 copy of each FP8 weight per optimizer step (train.step drops them after the update).
     model.fp8_weights = Fp8WeightCache() if decide is not None else None

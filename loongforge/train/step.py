@@ -19,7 +19,7 @@ from typing import Callable, Optional
 import torch
 import torch.distributed as dist
 
-from loongforge.models.moe_balance import aux_loss_weight, weighted_aux_loss
+from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
 from loongforge.parallel.context_parallel import ContextShard
 from loongforge.profile.timers import cpu_clock
 
@@ -44,7 +44,7 @@ class StepResult:
     vision_features_bytes: int = 0
     # Mixture-of-experts models with a load-balancing loss: megatron-core's per-layer losses summed
     # over the layers, without the coefficient, averaged over micro-batches and data-parallel
-    # replicas (``models.moe_balance``); None otherwise.
+    # replicas (``models.decoder.moe_balance``); None otherwise.
     load_balancing_loss: Optional[float] = None
     # Multi-token prediction: each MTP layer's loss (the mean over its loss tokens, without the coefficient),
     # averaged over micro-batches and data-parallel replicas; None without MTP layers.
@@ -259,7 +259,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
 
 
 def _weights_changed(model: list) -> None:
-    """After the update: FP8 layers' weight copies of this step are stale (``models.fp8``)."""
+    """After the update: FP8 layers' weight copies of this step are stale (``models.layers.fp8``)."""
     for chunk in model:
         cache = getattr(getattr(chunk, "module", chunk), "fp8_weights", None)
         if cache is not None:

@@ -27,7 +27,7 @@ from loongforge.config.schema import RunConfig
 from loongforge.convert.checkpoint_folders import META_FILE
 from loongforge.convert.model_io import build_loaded_encoder
 from loongforge.data.embedding_store import EmbeddingStore, processor_settings
-from loongforge.models.fingerprint import weights_digest
+from loongforge.models.vlm.fingerprint import weights_digest
 
 # meta.json key of a checkpoint trained on stored features: the encoder digest it was checked with.
 DIGEST_KEY = "vision_embeddings_encoder_digest"

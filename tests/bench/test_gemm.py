@@ -14,7 +14,7 @@ from loongforge.bench.gemm_linear import whole_linear
 from loongforge.cli.app import app
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
-from loongforge.models.fp8 import Fp8Policy
+from loongforge.models.layers.fp8 import Fp8Policy
 
 
 def _shapes(preset: str, tp: int) -> dict:

@@ -32,7 +32,7 @@ from loongforge.data.measure import SampleMeasurer, materialize, vision_sizing
 from loongforge.data.samples import ConversationSample
 from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
 from loongforge.data.tokenizer import load_tokenizer
-from loongforge.models.pixels import patch_rows
+from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.registry import families, get_family
 from tests.data.conftest import LLAMAFACTORY, require
 from tests.shared_data import SHARED_DATA

@@ -175,7 +175,7 @@ def test_packed_pretraining_row_has_one_segment_per_document(tokenizer, tmp_path
 def _assert_attention_stays_in_segments(cu_seqlens):
     from megatron.core.packed_seq_params import PackedSeqParams
 
-    from loongforge.models.attention import SDPACoreAttention
+    from loongforge.models.layers.attention import SDPACoreAttention
 
     attention = object.__new__(SDPACoreAttention)  # the packed path needs no config beyond these
     torch.nn.Module.__init__(attention)

@@ -19,7 +19,7 @@ from loongforge.data.vision import (
     probe_video,
     sample_frame_indices,
 )
-from loongforge.models.smart_resize import patchify, smart_resize
+from loongforge.models.qwen_vl.smart_resize import patchify, smart_resize
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, require
 
 SIZING = vision_sizing(DataConfig(), ModelConfig())  # the schema's defaults: Qwen2-VL's processor's

@@ -7,7 +7,7 @@ import torch
 
 from loongforge.convert.engine import hf_to_mcore
 from loongforge.convert.model_io import load_encoder_weights
-from loongforge.models.fingerprint import weights_digest
+from loongforge.models.vlm.fingerprint import weights_digest
 from loongforge.models.registry import get_family
 from tests.convert.helpers import save_hf_checkpoint
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, make_sample, tiny_model_cfg

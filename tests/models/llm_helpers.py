@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
-from loongforge.models.moe_balance import layer_statistics
+from loongforge.models.decoder.moe_balance import layer_statistics
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
 from loongforge.models.registry import get_family

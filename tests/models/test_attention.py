@@ -6,7 +6,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.models.attention import SDPACoreAttention
+from loongforge.models.layers.attention import SDPACoreAttention
 
 HEADS, GROUPS, HEAD_DIM = 4, 2, 8
 
@@ -80,7 +80,7 @@ def test_flash_context_parallel_chunks_equal_sdpa_on_the_whole_row(monkeypatch):
     causal) gives the rows of whole-row SDPA it holds. The keys and values of the row are handed in
     (the CP gather is tests/parallel/test_context_parallel.py's)."""
     pytest.importorskip("flash_attn")
-    from loongforge.models import attention
+    from loongforge.models.layers import attention
     from loongforge.parallel.context_parallel import local_token_index
 
     cu_seqlens = torch.tensor([0, 8, 12, 24], dtype=torch.int32)

@@ -13,7 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongforge.models.encoder_full import StepEncoding, _media_groups
+from loongforge.models.vlm.encoder_full import StepEncoding, _media_groups
 from loongforge.parallel.media_assign import VisionCost
 from tests.models.helpers import free_port, limit_threads, run_workers
 

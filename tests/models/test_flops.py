@@ -43,7 +43,7 @@ from loongforge.data.template import Turn
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models import registry
 from loongforge.models.flops import FlopOptions, StepFlops, gated_delta_rule_flops, step_flops
-from loongforge.models.gated_delta_net import GatedDeltaNet
+from loongforge.models.decoder.gated_delta_net import GatedDeltaNet
 from loongforge.models.towers.qwen2_5_vit.flops import window_sizes
 from loongforge.models.towers.qwen2_5_vit.vision import window_partition
 from loongforge.profile.features import sample_costs

@@ -1,4 +1,4 @@
-"""FP8 GEMMs through ``torch._scaled_mm`` (``models.fp8``): each of a linear's three GEMMs equals the
+"""FP8 GEMMs through ``torch._scaled_mm`` (``models.layers.fp8``): each of a linear's three GEMMs equals the
 same product of the quantised-then-dequantised operands (the scales and layouts are right) to fp32
 rounding, and stays within FP8's own error of the full-precision product; a model's chosen layers
 switch to them (the LM head never)."""
@@ -12,8 +12,8 @@ import torch
 
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
-from loongforge.models import fp8
-from loongforge.models.fp8 import (
+from loongforge.models.layers import fp8
+from loongforge.models.layers.fp8 import (
     E4M3,
     E5M2,
     AMAX_FLOOR,
@@ -70,7 +70,7 @@ def test_a_weight_is_quantised_once_per_optimizer_step():
     """Issue 30, 5(e): with an ``Fp8WeightCache`` a weight is quantised at its first GEMM of the step
     and its copy serves the forward and data-gradient GEMMs of every micro-batch (a recomputed
     forward too) until ``weights_changed``; the products are the same as quantising at each GEMM."""
-    import loongforge.models.fp8 as fp8
+    import loongforge.models.layers.fp8 as fp8
 
     generator = torch.Generator().manual_seed(4)
     weight = (0.05 * torch.randn(48, 96, generator=generator)).requires_grad_(True)  # [N, K]
@@ -286,7 +286,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     communication alone), and of real FP8."""
     from pathlib import Path
 
-    import loongforge.models.fp8 as fp8
+    import loongforge.models.layers.fp8 as fp8
     from loongforge.config.schema import ParallelConfig
     from loongforge.models.hf_weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model

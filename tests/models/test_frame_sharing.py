@@ -1,4 +1,4 @@
-"""The rule ``parallel.encoder_cp`` and ``encoder_dp=tp`` rest on (``models.encoder_share``): each
+"""The rule ``parallel.encoder_cp`` and ``encoder_dp=tp`` rest on (``models.vlm.encoder_share``): each
 family's vision tower encodes a video frame by frame, so encoding its frames as separate (1, h, w)
 media, on any ranks, and concatenating the features equals encoding the video whole.
 
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.encoder_share import frame_grids
+from loongforge.models.vlm.encoder_share import frame_grids
 from loongforge.models.qwen2_5_vl.model import build_model as build_qwen2_5_vl
 from loongforge.models.qwen3_vl.model import build_model as build_qwen3_vl
 from tests.models import test_qwen3_vl_support as qwen3_vl_support

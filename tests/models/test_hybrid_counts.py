@@ -17,7 +17,7 @@ from loongforge.calibrate.fit_cost import flops_crossover_length
 from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.loader import load_run_config, to_dict
 from loongforge.config.schema import LanguageConfig, LinearAttentionConfig
-from loongforge.models import linear_attention
+from loongforge.models.decoder import linear_attention
 from loongforge.models.decoder.params import language_layer_parameters, language_parameters
 from loongforge.models.flops import (
     DELTA_RULE_CHUNK,

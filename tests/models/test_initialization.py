@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.initialization import keyed_seed
+from loongforge.models.layers.initialization import keyed_seed
 from loongforge.models.hf_weights import megatron_to_hf
 from tests.models.helpers import free_port, limit_threads, run_workers, tiny_model_cfg
 

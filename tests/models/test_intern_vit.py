@@ -23,7 +23,7 @@ from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig
 from loongforge.config.schema import VisionConfig
 from loongforge.models import parts
 from loongforge.models.registry import get_family
-from loongforge.models.pixels import patch_rows
+from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
 from loongforge.models.vlm.model import build_vlm
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers

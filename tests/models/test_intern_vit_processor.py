@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loongforge.models.pixels import patch_rows
+from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.towers.intern_vit.processor import (
     TileSettings,
     preprocess_tiles,

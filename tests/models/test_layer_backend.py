@@ -10,9 +10,9 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from torch.nn.attention import SDPBackend
 
 from loongforge.config.errors import ConfigError
-from loongforge.models import layer_backend
-from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention, sdpa_backends
-from loongforge.models.layer_backend import (
+from loongforge.models.layers import layer_backend
+from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention, sdpa_backends
+from loongforge.models.layers.layer_backend import (
     RMSNorm,
     RMSNormColumnParallelLinear,
     block_modules,

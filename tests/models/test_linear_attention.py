@@ -1,4 +1,4 @@
-"""The gated delta rule in plain torch (``models.linear_attention``): the chunked form equals the token-by-token
+"""The gated delta rule in plain torch (``models.decoder.linear_attention``): the chunked form equals the token-by-token
 rule and transformers' own torch references of Qwen3.5's Gated DeltaNet (``torch_recurrent_gated_delta_rule``,
 ``torch_chunk_gated_delta_rule``) on each sample; a packed row of three samples gives each sample what it gives
 alone, which fails if the recurrent state crosses a sample boundary (the row run as one sample differs)."""
@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.models.linear_attention import causal_conv1d, chunked, recurrent
+from loongforge.models.decoder.linear_attention import causal_conv1d, chunked, recurrent
 
 TOLERANCE = 1e-5
 LENGTHS = (37, 70, 5)  # a chunk boundary inside the first two samples at chunk size 16, a short last one

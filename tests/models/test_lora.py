@@ -1,4 +1,4 @@
-"""LoRA adapters (``models.lora``) equal transformers + PEFT: the same adapter weights, read through
+"""LoRA adapters (``models.layers.lora``) equal transformers + PEFT: the same adapter weights, read through
 ``lora_rules`` from PEFT's tensors, give PEFT's logits at TP 1 (Qwen3 text, Qwen2.5-VL with language,
 vision and projector adapters), and at TP 2 with and without sequence parallelism the logits and the
 adapters' gradients after megatron's gradient finalize (every adapter, written back to PEFT's names
@@ -13,8 +13,8 @@ import torch.nn.functional as F
 
 from loongforge.config.schema import LoraConfig, OptimizerConfig, ParallelConfig
 from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
-from loongforge.models.lora import adapters, apply_lora, merge_adapters
-from loongforge.models.lora_params import lora_rules
+from loongforge.models.layers.lora import adapters, apply_lora, merge_adapters
+from loongforge.models.layers.lora_params import lora_rules
 from loongforge.models.state_dict_names import is_adapter_key
 from tests.models.helpers import (
     build_hf_model,

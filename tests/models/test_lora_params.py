@@ -1,4 +1,4 @@
-"""``models.lora_params``: the adapter counts ``--dry-run`` plans with equal the adapters ``apply_lora``
+"""``models.layers.lora_params``: the adapter counts ``--dry-run`` plans with equal the adapters ``apply_lora``
 builds (Qwen2.5-VL with all three towers, Qwen3-MoE with its experts), and their per-rank shares split
 as the adapters do."""
 
@@ -7,8 +7,8 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import LoraConfig, ParallelConfig
-from loongforge.models.lora import adapters, apply_lora
-from loongforge.models.lora_params import adapter_parameters
+from loongforge.models.layers.lora import adapters, apply_lora
+from loongforge.models.layers.lora_params import adapter_parameters
 from tests.models.helpers import tiny_model_cfg
 from tests.models.llm_helpers import tiny_llm_cfg
 

@@ -1,13 +1,13 @@
 """The load-balancing loss: ``RouterStatistics`` of loongforge's Qwen3-MoE give transformers'
 ``aux_loss`` (``output_router_logits``) and megatron-core's own per-layer losses, each to 1e-6; the
-two differ (``models.moe_balance`` says how). The training step trains it at its coefficient,
+two differ (``models.decoder.moe_balance`` says how). The training step trains it at its coefficient,
 and counts the tokens each expert receives."""
 
 import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.moe_balance import (
+from loongforge.models.decoder.moe_balance import (
     RouterStatistics,
     layer_statistics,
     megatron_balance_loss,
@@ -102,7 +102,7 @@ def test_expert_load_counts_each_routed_real_token_once(megatron_world_of_one):
     step's training forwards (padding out; a forward without autograd not counted)."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from loongforge.models.moe_balance import ExpertLoadCounter
+    from loongforge.models.decoder.moe_balance import ExpertLoadCounter
     from loongforge.train.runner import wrap_for_training
 
     model_cfg = tiny_llm_cfg(ARCH)

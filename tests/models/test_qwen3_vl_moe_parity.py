@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
+from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
 from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
 from loongforge.models.qwen3_vl.model import build_model

@@ -24,7 +24,7 @@ from loongforge.config.schema import (
 )
 from loongforge.models import parts
 from loongforge.models.registry import get_family
-from loongforge.models.pixels import patch_rows
+from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.towers.siglip.encoder import LlavaOnevisionEncoder
 from loongforge.models.towers.siglip.processor import (
     AnyresSettings,

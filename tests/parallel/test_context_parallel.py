@@ -10,7 +10,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from loongforge.models.attention import SDPACoreAttention, context_chunks
+from loongforge.models.layers.attention import SDPACoreAttention, context_chunks
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.context_parallel import ContextShard, gather_row, local_token_index, row_order
 from tests.models.helpers import free_port, limit_threads, run_workers

@@ -66,7 +66,7 @@ def test_the_step_drops_the_fp8_weight_copies_after_the_update():
     step quantises the updated weights once each."""
     import inspect
 
-    from loongforge.models.fp8 import Fp8WeightCache
+    from loongforge.models.layers.fp8 import Fp8WeightCache
     from loongforge.train import step
 
     weight = torch.ones(16, 16)

@@ -1,4 +1,4 @@
-"""A composition's chat format: ChatML with Qwen's vision blocks (``models.chatml``), no default system
+"""A composition's chat format: ChatML with Qwen's vision blocks (``models.qwen_vl.chatml``), no default system
 turn; a videos block only where the tower's processing takes videos (the Qwen towers). Its tokenizer
 (``data.tokenizer``: Qwen's offline builds, or any HF tokenizer folder) must hold ChatML's markers and the
 vision tokens at ``model.tokens``' ids, which training checks before it starts.
@@ -10,7 +10,7 @@ from dataclasses import replace
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models import parts
-from loongforge.models.chatml import CHATML_VISION, chatml_vision_template
+from loongforge.models.qwen_vl.chatml import CHATML_VISION, chatml_vision_template
 from loongforge.models.family import ChatFormat
 
 _IMAGE_BLOCK = "<|vision_start|><|image_pad|><|vision_end|>"

@@ -177,7 +177,7 @@ def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tu
 
 def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...]) -> list[Rule]:
     """Gated DeltaNet's rows: transformers' separate projections <-> the key-head-grouped ``in_proj`` and
-    ``conv1d`` of ``models.gated_delta_net`` (``GroupedRows``)."""
+    ``conv1d`` of ``models.decoder.gated_delta_net`` (``GroupedRows``)."""
     shape = lang.linear_attention
     q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
     heads = shape.num_value_heads

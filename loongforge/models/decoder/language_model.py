@@ -14,7 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_pg_rank
 
-from loongforge.models import initialization
+from loongforge.models.layers import initialization
 
 
 class LanguageModel(GPTModel):

@@ -1,6 +1,6 @@
 """megatron-core layer specs of the decoder every family builds, and the pre-norm block its towers share.
 
-The modules come from ``loongforge.models.layer_backend`` (Transformer Engine's, or local linears
+The modules come from ``loongforge.models.layers.layer_backend`` (Transformer Engine's, or local linears
 with SDPA / flash-attn); this file only arranges them. Each pre-norm is fused into the linear after
 it (``linear_qkv`` and ``linear_fc1`` hold ``layer_norm_weight``), so the layer's own norm slots are
 identities and the state-dict names do not depend on the backend. Families build their vision
@@ -29,9 +29,9 @@ from megatron.core.transformer.transformer_layer import (
     get_transformer_layer_offset,
 )
 
-from loongforge.models.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
-from loongforge.models.initialization import SeededSequentialMLP, SeededTransformerLayer
-from loongforge.models.layer_backend import BlockModules, RMSNorm
+from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
+from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 
 
 def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
@@ -135,7 +135,7 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
                         latent: bool = False) -> ModuleSpec:
     """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention); with
     ``init_seed``, each layer's initial weights come from (seed, its global index), whatever the pipeline
-    layout (see ``models.initialization``)."""
+    layout (see ``models.layers.initialization``)."""
     if latent:
         spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     elif linear:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.chatml import CHATML_VISION, chatml_vision_template
+from loongforge.models.qwen_vl.chatml import CHATML_VISION, chatml_vision_template
 from loongforge.models.family import ChatFormat
 
 IMAGE_BLOCK = "<IMG_CONTEXT>\n"

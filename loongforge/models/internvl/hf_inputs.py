@@ -1,11 +1,11 @@
 """transformers' InternVL forward inputs from loongforge's batch (``ModelFamily.hf_model_inputs``): its
 processor returns whole tiles ``pixel_values [n, C, S, S]``, where the batch holds their patch rows
-(``models.pixels.patch_rows``)."""
+(``models.vlm.pixels.patch_rows``)."""
 
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.vision_common import square_pixels, square_side
+from loongforge.models.vlm.vision_common import square_pixels, square_side
 
 
 def model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.qwen_vl_processor import PROCESSOR_CONFIG
+from loongforge.models.qwen_vl.processor import PROCESSOR_CONFIG
 from loongforge.models.towers.intern_vit.processor import tokens_per_tile
 
 

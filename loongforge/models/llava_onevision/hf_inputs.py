@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.vision_common import square_pixels, square_side
+from loongforge.models.vlm.vision_common import square_pixels, square_side
 
 
 def model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:

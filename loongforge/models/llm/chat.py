@@ -32,7 +32,7 @@ from __future__ import annotations
 from dataclasses import replace
 
 from loongforge.config.schema import CHAT_FORMATS, ModelConfig
-from loongforge.models.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
+from loongforge.models.qwen_vl.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
 from loongforge.models.decoder.text_config import architecture
 

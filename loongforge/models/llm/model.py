@@ -24,8 +24,8 @@ from loongforge.models.decoder.build import (
     build_language_model,
     check_inputs,
 )
-from loongforge.models.layer_backend import BlockModules
-from loongforge.models.moe_balance import routing_padding_mask
+from loongforge.models.layers.layer_backend import BlockModules
+from loongforge.models.decoder.moe_balance import routing_padding_mask
 from loongforge.parallel.context_parallel import ContextShard
 
 _MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",

@@ -16,8 +16,8 @@ from megatron.core.transformer.mlp import MLP, MLPSubmodules
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.models.layer_backend import BlockModules, layer_norm_modules
-from loongforge.models.vision_common import apply_mlp
+from loongforge.models.layers.layer_backend import BlockModules, layer_norm_modules
+from loongforge.models.vlm.vision_common import apply_mlp
 
 MERGE = 2  # patches merged along each side (downsample ratio 0.5)
 

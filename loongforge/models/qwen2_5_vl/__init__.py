@@ -13,7 +13,7 @@ chat.py         the chat format (ChatML with vision blocks)
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.parts import composed_fields
-from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
+from loongforge.models.qwen_vl.processor import qwen_vl_model_inputs
 from loongforge.models.qwen2_5_vl import hf_config
 from loongforge.models.qwen2_5_vl.chat import chat_format
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style

@@ -12,12 +12,12 @@ import functools
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.chatml import chatml_vision_timestamped
+from loongforge.models.qwen_vl.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.parts import composed_fields
 from loongforge.models.qwen3_5 import hf_config
 from loongforge.models.qwen3_5.hf_mapping import mapping_rules, to_hub_style
-from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs, qwen_vl_processor_files
+from loongforge.models.qwen_vl.processor import qwen_vl_model_inputs, qwen_vl_processor_files
 from loongforge.models.towers.qwen3_vit import PART as TOWER
 from loongforge.models.vlm import mrope_index
 

@@ -1,7 +1,7 @@
 """Weight map between transformers' Qwen3.5 checkpoints and the composed model (``models.vlm``): the
 vision part's rows (``towers/qwen3_vit``, no DeepStack mergers) and the shared decoder's, whose hybrid
 rows give each full-attention layer its gated attention (``hf_rules.GatedGroupedQKV``) and each
-linear-attention layer its Gated DeltaNet (``models.gated_delta_net``'s key-head-grouped projection and
+linear-attention layer its Gated DeltaNet (``models.decoder.gated_delta_net``'s key-head-grouped projection and
 convolution, ``hf_rules.GroupedRows``).
 
 HF keys: Qwen3.5's nested style (``model.visual.*``, ``model.language_model.*``, ``lm_head``), which its

@@ -1,6 +1,6 @@
 """Qwen3.5 on megatron-core: Qwen3-VL's vision part without DeepStack (``models/towers/qwen3_vit``)
 composed with the shared decoder in its hybrid form (``models.vlm``): three of every four layers
-Gated DeltaNet (``models.gated_delta_net``), the fourth gated full attention, every RMSNorm zero-centred,
+Gated DeltaNet (``models.decoder.gated_delta_net``), the fourth gated full attention, every RMSNorm zero-centred,
 interleaved M-RoPE on the first quarter of each head's channels (``partial_rotary_factor``).
 
 Mirrors transformers' ``Qwen3_5ForConditionalGeneration`` (``hf_mapping.py`` gives the weight

@@ -13,10 +13,10 @@ processor.py    the processor files of an exported HF folder
 from dataclasses import replace
 
 from loongforge.config.layout import DECODER_LAYOUT
-from loongforge.models.chatml import chatml_vision_timestamped
+from loongforge.models.qwen_vl.chatml import chatml_vision_timestamped
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
 from loongforge.models.parts import composed_fields
-from loongforge.models.qwen_vl_processor import qwen_vl_model_inputs
+from loongforge.models.qwen_vl.processor import qwen_vl_model_inputs
 from loongforge.models.qwen3_vl import hf_config
 from loongforge.models.qwen3_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen3_vl.processor import processor_files

@@ -5,7 +5,7 @@
 from __future__ import annotations
 
 from loongforge.config.schema import DataConfig, ModelConfig
-from loongforge.models.qwen_vl_processor import qwen_vl_processor_files
+from loongforge.models.qwen_vl.processor import qwen_vl_processor_files
 
 
 def processor_files(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict[str, dict]:

@@ -28,7 +28,7 @@ from megatron.core.transformer.enums import LayerType
 from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.models.vision_common import scatter_features
+from loongforge.models.vlm.vision_common import scatter_features
 
 
 def dense_context(

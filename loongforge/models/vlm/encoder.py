@@ -22,14 +22,15 @@ import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models import initialization, parts
+from loongforge.models import parts
+from loongforge.models.layers import initialization
 from loongforge.models.decoder.build import single_rank_groups
-from loongforge.models.layer_backend import (
+from loongforge.models.layers.layer_backend import (
     BlockModules,
     block_modules,
     resolve_layer_backend,
 )
-from loongforge.models.vision_common import vision_pg_collection
+from loongforge.models.vlm.vision_common import vision_pg_collection
 from loongforge.parallel import mcore_patches
 
 
@@ -69,7 +70,7 @@ class VisionEncoder(torch.nn.Module, abc.ABC):
     @abc.abstractmethod
     def build(cls, build: "EncoderBuild") -> "VisionEncoder":
         """The encoder at ``build``'s layout, each child drawn from its own seeded stream
-        (``models.initialization``), children built in the order of ``vision_parts`` then
+        (``models.layers.initialization``), children built in the order of ``vision_parts`` then
         ``projector_parts`` (the order of their parameters in the model)."""
 
 
@@ -92,7 +93,7 @@ class EncoderBuild:
 
 
 def seeded_parts(init_seed: Optional[int], **makers: Callable[[], torch.nn.Module]) -> dict[str, torch.nn.Module]:
-    """Each part made under the seeded stream of its own name (``models.initialization``), in the
+    """Each part made under the seeded stream of its own name (``models.layers.initialization``), in the
     order given: the same initial weights at every layout, alone or in a training stage."""
     made = {}
     for name, make in makers.items():
@@ -102,7 +103,7 @@ def seeded_parts(init_seed: Optional[int], **makers: Callable[[], torch.nn.Modul
 
 
 # EncoderBuild -> the VisionEncoder (tower, projector, side projectors), each child drawn from the
-# seeded stream of its own name (``models.initialization``).
+# seeded stream of its own name (``models.layers.initialization``).
 BuildVisionEncoder = Callable[[EncoderBuild], VisionEncoder]
 
 

@@ -15,8 +15,8 @@ One pipeline stage holds:
 
 How the encoder's work is divided is the same for every family: each rank encodes its micro-batch's
 media (``encoder_dp=none``), the TP and/or CP group shares each micro-batch's media
-(``encoder_dp=tp``, ``parallel.encoder_cp``: ``models.encoder_share``), or the model-parallel group
-shares each step's (``encoder_dp=full``: ``models.encoder_full``). Which of these a family allows
+(``encoder_dp=tp``, ``parallel.encoder_cp``: ``models.vlm.encoder_share``), or the model-parallel group
+shares each step's (``encoder_dp=full``: ``models.vlm.encoder_full``). Which of these a family allows
 is its layout rule (``ModelFamily.layout``).
 """
 
@@ -43,15 +43,15 @@ from loongforge.models.decoder.build import (
     check_inputs,
     placeholder_count,
 )
-from loongforge.models.encoder_full import StepEncoding
-from loongforge.models.encoder_share import (
+from loongforge.models.vlm.encoder_full import StepEncoding
+from loongforge.models.vlm.encoder_share import (
     SharedEncoding,
     SharingGroups,
     sharing_groups,
 )
-from loongforge.models.moe_balance import routing_padding_mask
+from loongforge.models.decoder.moe_balance import routing_padding_mask
 from loongforge.models.parts import TowerPart
-from loongforge.models.vision_common import (
+from loongforge.models.vlm.vision_common import (
     held_features,
     optional_cat,
     scatter_features,
@@ -419,7 +419,7 @@ def build_vlm(
     ``recompute_activations``: full activation recompute in the encoder and the decoder.
     ``init_seed``: the seed of the initial weights (default: the seed torch's CPU generator was last
     seeded with, ``torch.initial_seed()``); the same seed gives the same full model at every TP, PP
-    and vision-TP layout when weights are initialised on the CPU (``models.initialization``).
+    and vision-TP layout when weights are initialised on the CPU (``models.layers.initialization``).
     ``vision_cost``: the current cost coefficients that divide each micro-batch's (or step's) media
     over the sharing group (the run's cost model); default P^2 + P.
     ``with_encoder=False``: no vision encoder (training on ``loongforge encode``'s stored features,
@@ -467,7 +467,7 @@ def build_vlm(
 def _share_encoder(model: VisionLanguageModel, sharing: SharingGroups, tp_group, *, vision_tp: int,
                    dtype: torch.dtype, vision_cost: Callable[[], VisionCost]) -> None:
     """``parallel.encoder_dp=tp`` and/or ``encoder_cp``: the sharing group's ranks each encode a
-    share of the media (``models.encoder_share``). TP sharing sums the encoder's gradients over the
+    share of the media (``models.vlm.encoder_share``). TP sharing sums the encoder's gradients over the
     TP group (``parallel.encoder_dp``); the grad norm still counts the encoder once: after the sum
     every TP rank holds the same gradient, and ``mark_tp_duplicates`` already counts a vision-TP-1
     encoder on TP rank 0 only. CP sharing needs no more: the data-parallel reduction spans CP."""

@@ -28,7 +28,7 @@ from PIL import Image
 from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
 from loongforge.models.flops import FlopOptions
 from loongforge.models.hf_weights import hf_to_megatron
-from loongforge.models.pixels import patch_rows
+from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.towers.intern_vit import flops, params, processor
 from loongforge.models.towers.intern_vit.config import (
     INTERNVL3_5_8B_TEXT_HIDDEN,
@@ -142,9 +142,9 @@ def build_encoder(config: InternViTConfig):
     from megatron.core import parallel_state
     from megatron.core.process_groups_config import ProcessGroupCollection
 
-    from loongforge.models.layer_backend import block_modules, resolve_layer_backend
+    from loongforge.models.layers.layer_backend import block_modules, resolve_layer_backend
     from loongforge.models.towers.intern_vit.encoder import InternVLEncoder
-    from loongforge.models.vision_common import vision_pg_collection
+    from loongforge.models.vlm.vision_common import vision_pg_collection
     from loongforge.models.vlm.encoder import EncoderBuild
     from loongforge.parallel import mcore_patches
 

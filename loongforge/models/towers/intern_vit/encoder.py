@@ -8,8 +8,8 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.projectors.pixel_shuffle_mlp import PixelShuffleProjector
 from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
 from loongforge.models.towers.intern_vit.vision import VisionModel
-from loongforge.models.vision_common import square_side
-from loongforge.models.vision_configs import to_language_width_config, tower_config
+from loongforge.models.vlm.vision_common import square_side
+from loongforge.models.vlm.vision_configs import to_language_width_config, tower_config
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
 
 # model.vision.norm -> megatron's normalization of the blocks' pre-norms.

@@ -25,7 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
-from loongforge.models.layer_backend import BlockModules, layer_norm_modules
+from loongforge.models.layers.layer_backend import BlockModules, layer_norm_modules
 
 
 def _scaled_output(module: torch.nn.Module, args, output: tuple) -> tuple:

@@ -18,7 +18,7 @@ from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.media import Grid, SquareImages
-from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
+from loongforge.models.vlm.pixels import normalize, patch_rows, resize_bicubic
 
 # InternVL3.5's preprocessor_config.json: ImageNet's mean and std.
 IMAGENET_MEAN = (0.485, 0.456, 0.406)
@@ -70,7 +70,7 @@ def tokens_per_tile(image_size: int, patch_size: int) -> int:
 
 
 def _normalized(pixels: np.ndarray, settings: TileSettings) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [3, H, W] (``models.pixels.normalize``)."""
+    """uint8 [H, W, 3] -> float32 [3, H, W] (``models.vlm.pixels.normalize``)."""
     return normalize(pixels, settings.mean, settings.std).transpose(2, 0, 1)
 
 

@@ -17,7 +17,7 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.vision_common import (
+from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     packed_segments,

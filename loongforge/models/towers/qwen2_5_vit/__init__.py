@@ -11,7 +11,7 @@ configs.py      ModelConfig -> the tower's and the merger's megatron Transformer
 
 from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
-from loongforge.models.smart_resize import smart_resize_images
+from loongforge.models.qwen_vl.smart_resize import smart_resize_images
 from loongforge.models.towers.qwen2_5_vit import flops, params
 
 PART = TowerPart("qwen2_5_vit", ("patch_merger",), f"{__name__}.encoder:Qwen2_5_VLEncoder", flops.encoder_flops,

@@ -7,7 +7,7 @@ import torch
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.vision_configs import projector_mlp_config, tower_config
+from loongforge.models.vlm.vision_configs import projector_mlp_config, tower_config
 
 
 def vision_config(model_cfg: ModelConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool,

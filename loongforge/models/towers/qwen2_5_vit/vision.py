@@ -11,7 +11,7 @@ and the merger MLP. What is Qwen-specific lives in small pure functions:
 - ``frame_cu_seqlens``: full-attention segments; every frame of every image/video is its own.
 
 ``patch_positions``, ``frame_cu_seqlens`` and the 2-D rotary angles are shared with Qwen3-VL
-(``models.vision_common``); ``window_partition`` is Qwen2.5-VL's own.
+(``models.vlm.vision_common``); ``window_partition`` is Qwen2.5-VL's own.
 
 Several images/videos in one call never attend to each other: every segment boundary above is also
 an image boundary.
@@ -27,8 +27,8 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.layer_backend import BlockModules, RMSNorm
-from loongforge.models.vision_common import (
+from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
+from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     apply_mlp,

@@ -13,7 +13,7 @@ vision_facts.py  Qwen3VisionConfig: the vision facts (from ModelConfig or an HF 
 
 from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
-from loongforge.models.smart_resize import smart_resize_images
+from loongforge.models.qwen_vl.smart_resize import smart_resize_images
 from loongforge.models.towers.qwen3_vit import flops, params
 
 PART = TowerPart("qwen3_vit", ("deepstack_mergers",), f"{__name__}.encoder:Qwen3VLEncoder", flops.encoder_flops,

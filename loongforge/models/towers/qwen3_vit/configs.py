@@ -11,7 +11,7 @@ from loongforge.models.towers.qwen3_vit.vision_facts import (
     VISION_LAYER_NORM_EPS,
     Qwen3VisionConfig,
 )
-from loongforge.models.vision_configs import projector_mlp_config, tower_config
+from loongforge.models.vlm.vision_configs import projector_mlp_config, tower_config
 
 
 def vision_config(vision: Qwen3VisionConfig, vision_tp: int, params_dtype: torch.dtype, on_cpu: bool,

@@ -12,7 +12,7 @@ from megatron.core.transformer.enums import AttnMaskType
 from megatron.core.transformer.spec_utils import ModuleSpec
 
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
-from loongforge.models.layer_backend import BlockModules, layer_norm_modules
+from loongforge.models.layers.layer_backend import BlockModules, layer_norm_modules
 
 
 def vision_layer_spec(modules: BlockModules) -> ModuleSpec:

@@ -25,12 +25,12 @@ from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.models.layer_backend import BlockModules
+from loongforge.models.layers.layer_backend import BlockModules
 from loongforge.models.towers.qwen3_vit.vision_facts import (
     VISION_LAYER_NORM_EPS,
     Qwen3VisionConfig,
 )
-from loongforge.models.vision_common import (
+from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     apply_mlp,

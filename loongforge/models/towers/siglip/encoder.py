@@ -10,11 +10,11 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
-from loongforge.models.layer_backend import layer_norm_modules
+from loongforge.models.layers.layer_backend import layer_norm_modules
 from loongforge.models.towers.siglip.packing import pack_anyres
 from loongforge.models.towers.siglip.processor import anyres_settings, anyres_tokens
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
-from loongforge.models.vision_configs import (
+from loongforge.models.vlm.vision_configs import (
     layer_norm_vit_config,
     to_language_width_config,
 )

@@ -22,7 +22,7 @@ from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.media import Grid, SquareImages
-from loongforge.models.pixels import normalize, patch_rows, resize_bicubic
+from loongforge.models.vlm.pixels import normalize, patch_rows, resize_bicubic
 
 # llava-hf/llava-onevision-qwen2-*-ov-hf: SigLIP's normalisation, and the (height, width) canvases
 # of 1 to 6 crops a side at 384 px.
@@ -60,7 +60,7 @@ def fitted_size(height: int, width: int, canvas: tuple[int, int]) -> tuple[int, 
 
 
 def _normalized(pixels: np.ndarray, settings: AnyresSettings) -> np.ndarray:
-    """uint8 [H, W, 3] -> float32 [3, H, W] (``models.pixels.normalize``)."""
+    """uint8 [H, W, 3] -> float32 [3, H, W] (``models.vlm.pixels.normalize``)."""
     return normalize(pixels, settings.mean, settings.std).transpose(2, 0, 1)
 
 

@@ -20,8 +20,8 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
-from loongforge.models.layer_backend import BlockModules
-from loongforge.models.vision_common import (
+from loongforge.models.layers.layer_backend import BlockModules
+from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     apply_mlp,

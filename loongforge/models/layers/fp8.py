@@ -39,7 +39,7 @@ from loongforge.config.layout import (
     vision_tensor_parallel_size,
 )
 from loongforge.config.schema import RunConfig
-from loongforge.models.layer_kinds import layer_kind
+from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.parallel.distributed import all_gather_tensor, reduce_scatter_tensor
 
 E4M3 = torch.float8_e4m3fn
@@ -280,7 +280,7 @@ def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None, min
 # Which layers: layer kinds, the measured policy, the device
 # ---------------------------------------------------------------------------------------------
 
-# Kinds are ``models.layer_kinds``' (the LM head, ``output_layer``, has none: never FP8).
+# Kinds are ``models.layers.layer_kinds``' (the LM head, ``output_layer``, has none: never FP8).
 POLICY_FORMAT = "loongforge-fp8-policy"
 
 

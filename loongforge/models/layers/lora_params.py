@@ -3,7 +3,7 @@ model built): what ``--dry-run`` plans with, and the kinds of linear a ``lora`` 
 
 Counts follow PEFT's modules: one adapter per HF linear, A [r, K] and B [N, r]; a linear megatron fuses
 (q/k/v, gate/up) holds its parts' adapters, so its count is theirs. Per rank the matrices split as
-``models.lora`` splits them: column-parallel (qkv, fc1) A whole and B's rows over TP, row-parallel
+``models.layers.lora`` splits them: column-parallel (qkv, fc1) A whole and B's rows over TP, row-parallel
 (proj, fc2) A's columns over TP and B whole; a routed expert's adapters sit whole with their expert.
 """
 
@@ -16,7 +16,7 @@ import torch
 
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.models.hf_rules import FusedExperts, Replicated, Rule, Split, Transform
-from loongforge.models.layer_kinds import layer_kind
+from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
 from loongforge.models.state_dict_names import LORA_A, LORA_B
 

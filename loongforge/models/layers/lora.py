@@ -68,8 +68,8 @@ from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
 from loongforge.models.hf_rules import GateUp, Rule, Tensor, Transform
 from loongforge.models.hf_weights import expert_placement, match_rule
-from loongforge.models.layer_kinds import layer_kind
-from loongforge.models.lora_params import (
+from loongforge.models.layers.layer_kinds import layer_kind
+from loongforge.models.layers.lora_params import (
     block_b,
     chosen_kinds,
     is_column_rule,

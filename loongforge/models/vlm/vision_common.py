@@ -27,7 +27,7 @@ from megatron.core.transformer.utils import (
 )
 
 from loongforge.models.decoder.layer_specs import projector_mlp_submodules
-from loongforge.models.layer_backend import BlockModules
+from loongforge.models.layers.layer_backend import BlockModules
 from loongforge.parallel.context_parallel import ContextShard
 
 # The 2-D rotary base of the ViT (fixed in Qwen2.5-VL and Qwen3-VL; not the language model's rope_theta).
@@ -63,7 +63,7 @@ def square_media_count(grid_thw: torch.Tensor, side: int, tower: str) -> int:
 
 
 def square_pixels(rows: torch.Tensor, patch_size: int, channels: int, side: int) -> torch.Tensor:
-    """Patch rows [n * side^2, C*p*p] (``models.pixels.patch_rows``) back to the squares' whole patches
+    """Patch rows [n * side^2, C*p*p] (``models.vlm.pixels.patch_rows``) back to the squares' whole patches
     [n, C, side*p, side*p] (what a processor's pixel_values hold, less any pixels past the last whole patch)."""
     squares = rows.view(-1, side, side, channels, patch_size, patch_size)  # [n, row, column, C, py, px]
     return squares.permute(0, 3, 1, 4, 2, 5).reshape(-1, channels, side * patch_size, side * patch_size)

@@ -30,8 +30,8 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.errors import ConfigError
-from loongforge.models import linear_attention
-from loongforge.models.attention import FlashCoreAttention, SDPACoreAttention
+from loongforge.models.decoder import linear_attention
+from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention
 
 LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
@@ -136,7 +136,7 @@ class BlockModules:
     column_linear: type
     row_linear: type
     core_attention: type
-    # The gated delta rule of linear-attention layers (``models.linear_attention``'s signature); None in
+    # The gated delta rule of linear-attention layers (``models.decoder.linear_attention``'s signature); None in
     # models without such layers, which never import its GPU kernel (fla's import registers a few dozen
     # custom ops: ~12 s of every process's start on the H200 machine, docs/benchmarks/gpu.md).
     linear_attention: Optional[Callable[..., torch.Tensor]] = None

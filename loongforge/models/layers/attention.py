@@ -8,7 +8,7 @@ packed sequences, so loongforge supplies its own through the layer spec:
   the CPU path and the numerical reference.
 - ``FlashCoreAttention``: flash-attn's varlen kernel (GPU, imported only when used).
 
-``loongforge.models.layer_backend`` picks one (or Transformer Engine's) from ``model.layer_backend``.
+``loongforge.models.layers.layer_backend`` picks one (or Transformer Engine's) from ``model.layer_backend``.
 
 Input/output contract (that of ``DotProductAttention``): q ``[t, np, hd]``, k/v ``[t, ng, hd]`` when
 ``packed_seq_params.qkv_format == "thd"``, else q ``[s, b, np, hd]``, k/v ``[s, b, ng, hd]``; returns

@@ -24,7 +24,7 @@ from PIL import Image
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.media import Grid, ImageProcessing
-from loongforge.models.pixels import normalize, resize_bicubic
+from loongforge.models.vlm.pixels import normalize, resize_bicubic
 
 OPENAI_CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_CLIP_STD = (0.26862954, 0.26130258, 0.27577711)

@@ -1,5 +1,5 @@
-"""A block linear's kind by its module name: the one naming FP8 (``models.fp8``) and LoRA
-(``models.lora``) choose layers by.
+"""A block linear's kind by its module name: the one naming FP8 (``models.layers.fp8``) and LoRA
+(``models.layers.lora``) choose layers by.
 
 A kind is ``<tower>.<linear>``: the tower is the top-level part of a family's model
 (``vision_model``, ``projector``, ``language_model``), the linear the last part of the megatron name

@@ -3,7 +3,7 @@ megatron-core module in a ``TransformerLayer``'s self-attention slot.
 
 Per token: one projection gives q, k, v (per key head ``d_k``, per value head ``d_v``), an output gate z
 (per value head), and two scalars per value head, b and a; a depthwise causal convolution (K taps, then
-SiLU) runs over q, k, v; the gated delta rule (``models.linear_attention``) reads them with the decay
+SiLU) runs over q, k, v; the gated delta rule (``models.decoder.linear_attention``) reads them with the decay
 ``g = -exp(A_log) * softplus(a + dt_bias)`` and the write strength ``beta = sigmoid(b)``; each value head's
 output is RMS-normalised, multiplied by SiLU(z), and projected back to the hidden size.
 
@@ -42,8 +42,8 @@ from megatron.core.transformer.utils import (
 )
 from megatron.core.utils import divide
 
-from loongforge.models.initialization import draws_on_cpu, seeded_below
-from loongforge.models.linear_attention import causal_conv1d
+from loongforge.models.layers.initialization import draws_on_cpu, seeded_below
+from loongforge.models.decoder.linear_attention import causal_conv1d
 
 # Per-channel TP-sharded tensors of the layer itself (axis 0), for its sharded state dict.
 _SHARDED_OWN = {"A_log": 0, "dt_bias": 0}
