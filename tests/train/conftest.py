@@ -107,6 +107,12 @@ def assert_quiet_stderr(stderr: str, what: str) -> None:
     assert not noisy, f"{what}: stderr holds {noisy}"
 
 
+def ranks_stderr(out_dir: Path) -> str:
+    """Every rank's stderr of a forked ``run_train`` / ``run_recorded`` (its result holds rank 0's)."""
+    logs = out_dir.parent / f"{out_dir.name}.logs"
+    return "".join(path.read_text() for path in sorted(logs.glob("rank*.err")))
+
+
 def _run_forked(out_dir: Path, command: list[str], nproc: int) -> subprocess.CompletedProcess:
     """``command`` (a train_command) as ``nproc`` ranks forked from the tests' fork server."""
     assert command[1:3] == ["-m", "loongforge.cli.app"]
