@@ -1,18 +1,16 @@
 """Measuring processes of the benchmarks: started fresh (``spawn``), so each holds only what its
 measurement needs (its own peak RSS, its own CUDA context), and watched while the parent waits, so
 a process that dies is one error naming its exit code instead of a wait on a queue that never fills.
-Each installs the console's filters before it imports its target's module (which may import
-megatron-core, whose import warns), so its stderr is as quiet as the command's."""
+Each installs the console's filters before it imports its target's module (``console.quiet_process``:
+the module may import megatron-core, whose import warns), so its stderr is as quiet as the command's."""
 
 from __future__ import annotations
 
-import importlib
 import multiprocessing
-import pickle
 import queue as queue_module
 from typing import Callable
 
-from loongforge.parallel.console import filter_known_warnings
+from loongforge.parallel.console import quiet_process
 
 _POLL_S = 2.0
 
@@ -25,10 +23,7 @@ def run_spawned(target: Callable, argument_lists: list[tuple], *, what: str, on_
     processes compute on CUDA (the console then shows megatron's fallback notices)."""
     context = multiprocessing.get_context("spawn")
     results_queue = context.Queue()
-    # The target by name and its arguments as bytes: unpickled with the process, they would import
-    # their modules (megatron-core's among them) before the filters are in place.
-    name = f"{target.__module__}:{target.__qualname__}"
-    processes = [context.Process(target=_run_quietly, args=(name, on_cuda, results_queue, pickle.dumps(arguments)))
+    processes = [quiet_process(context, target, arguments, inherited=(results_queue,), on_cuda=on_cuda)
                  for arguments in argument_lists]
     for process in processes:
         process.start()
@@ -43,12 +38,6 @@ def run_spawned(target: Callable, argument_lists: list[tuple], *, what: str, on_
         if process.exitcode != 0:
             raise RuntimeError(f"{what}: a measuring process exited with {process.exitcode}")
     return results
-
-
-def _run_quietly(target_name: str, on_cuda: bool, results_queue, arguments: bytes) -> None:
-    filter_known_warnings(verbose=False, on_cuda=on_cuda)
-    module_name, _, function_name = target_name.partition(":")
-    getattr(importlib.import_module(module_name), function_name)(results_queue, *pickle.loads(arguments))
 
 
 def _next_result(results_queue, processes: list, what: str):

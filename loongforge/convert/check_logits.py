@@ -53,7 +53,8 @@ from loongforge.models.family import ChatFormat, ModelFamily
 from loongforge.models.hf_weights import load_hf_state_dict
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_model_parallel, shutdown
-from loongforge.parallel.launch_env import free_port
+from loongforge.parallel.console import quiet_process
+from loongforge.parallel.launch_env import free_port, order_tensor_parallel_kernels
 
 DEFAULT_ATOL = 1e-4  # fp32 on both sides: reductions in another order stay far below this
 # The collated batch's media inputs, passed to both models when present.
@@ -324,6 +325,8 @@ def rank_logits(job: _Job, rank: int) -> torch.Tensor:
 
 def _spawned_rank(rank: int, job: _Job) -> None:
     torch.set_num_threads(job.threads)
+    # As a training run at this TP sets it (megatron's TP linears warn without it at their first call).
+    order_tensor_parallel_kernels(job.tp > 1)
     logits = rank_logits(job, rank)
     if rank == 0:
         torch.save(logits, job.out)
@@ -334,7 +337,8 @@ def _spawn(job: _Job) -> None:
     import torch.multiprocessing as mp  # lazy: only a multi-process check spawns
 
     context = mp.get_context("spawn")
-    processes = [context.Process(target=_spawned_rank, args=(rank, job), daemon=True) for rank in range(job.tp)]
+    # The CPU alone computes here (megatron's fallback notices are expected).
+    processes = [quiet_process(context, _spawned_rank, (rank, job), daemon=True) for rank in range(job.tp)]
     for process in processes:
         process.start()
     try:

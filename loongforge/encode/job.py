@@ -44,6 +44,8 @@ from loongforge.data.packfile.reader import PackedFolder
 from loongforge.encode.plan import EncodePlan, plan_files, plan_packed
 from loongforge.encode.worker import DTYPES, ShardDone, WorkerSpec, default_threads, run_rank
 from loongforge.models.registry import get_family
+from loongforge.parallel.console import quiet_process
+from loongforge.parallel.launch_env import runs_on_cuda
 
 
 @dataclass(frozen=True)
@@ -238,7 +240,8 @@ def _run_spawned(spec: WorkerSpec, bar, shard_sizes: dict[Path, int]) -> str:
     """N processes on this node, each writing its shards; the bar follows the shard files."""
     context = mp.get_context("spawn")
     digests = context.Manager().dict()
-    processes = [context.Process(target=_spawned_rank, args=(spec, rank, digests), daemon=True)
+    processes = [quiet_process(context, _spawned_rank, (spec, rank), inherited=(digests,),
+                               on_cuda=runs_on_cuda(spec.device), daemon=True)
                  for rank in range(spec.world_size)]
     for process in processes:
         process.start()
@@ -259,7 +262,7 @@ def _run_spawned(spec: WorkerSpec, bar, shard_sizes: dict[Path, int]) -> str:
     return digests[0]
 
 
-def _spawned_rank(spec: WorkerSpec, rank: int, digests) -> None:
+def _spawned_rank(digests, spec: WorkerSpec, rank: int) -> None:
     digests[rank] = run_rank(spec, rank)
 
 

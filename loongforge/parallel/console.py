@@ -1,5 +1,5 @@
-"""What a training process prints besides loongforge's own lines: known harmless third-party
-warnings are filtered.
+"""What a loongforge process prints besides loongforge's own lines (every command, every rank it
+starts): known harmless third-party warnings are filtered.
 
 Each of these is expected in a supported setup and says nothing the run can act on: megatron-core
 announcing the torch fallbacks it uses when Transformer Engine or Apex are absent, on a CPU run
@@ -7,19 +7,31 @@ announcing the torch fallbacks it uses when Transformer Engine or Apex are absen
 install and show), megatron's deprecation of a default it sets itself, the optimizer's probe of
 `.grad` on its main parameters, torch's deprecation of collectives where megatron calls them (a
 call of ours shows) and of the checkpoint calls megatron makes. With ``logging.verbose=true``
-(``--verbose``) they are shown, once each. Warnings of our own and every other third-party warning
-always pass.
+(``train --verbose``) they are shown, once each. Warnings of our own and every other third-party
+warning always pass.
+
+Every loongforge process installs them before it imports megatron-core: the command's own (the CLI's
+app callback), the workers of a launch (``train.launch``: its fork server's preload and each
+worker), and the fresh processes a command spawns (``quiet_process``: the ranks of ``convert
+--check-logits --tp N``, ``encode --nproc-per-node N``, the benchmarks' measuring processes), whose
+target's module would otherwise warn while a spawned child imports it, before any call of ours. A
+forked process (``pack``'s workers) inherits its parent's.
 """
 
 from __future__ import annotations
 
+import importlib
+import pickle
 import re
 import sys
 import warnings
+from typing import Callable
 
 # (message start, the warning's category, the module that issues it), regexes as the warnings
 # module matches them: the message from its start, the module in full.
 KNOWN_HARMLESS: tuple[tuple[str, type[Warning], str], ...] = (
+    # megatron-core 0.16's TransformerConfig defaults cuda_graph_scope to "full", then warns that "full"
+    # is deprecated as it turns it into the equivalent empty list: once per config built, on every rank.
     (r"full scope is deprecated\. Use empty cuda_graph_scope", UserWarning, r"megatron\..*"),
     # megatron-core 0.16's optimizer probes `.grad` of its fp32 main parameters, views that are not
     # autograd leaves; the gradients it uses are in `main_grad`.
@@ -84,3 +96,24 @@ def _caller_module() -> str:
     while frame is not None and _PASS_THROUGH.match(frame.f_globals.get("__name__", "")):
         frame = frame.f_back
     return "" if frame is None else frame.f_globals.get("__name__", "")
+
+
+def quiet_process(context, target: Callable, arguments: tuple, *, inherited: tuple = (), on_cuda: bool = False,
+                  daemon: bool | None = None):
+    """A process of ``context`` (multiprocessing's spawn context) that installs the filters, then
+    imports ``target``'s module and runs ``target(*inherited, *arguments)`` (a module-level function).
+
+    The target travels by name and ``arguments`` as bytes: unpickled as the process starts, they would
+    import their modules (megatron-core's among them) before the filters are in place. ``inherited``:
+    what only a process start may hand over (a queue, a manager's proxy), passed as it is. ``on_cuda``:
+    the process computes on CUDA (megatron's fallback notices then show).
+    """
+    name = f"{target.__module__}:{target.__qualname__}"
+    return context.Process(target=_run_quietly, args=(name, on_cuda, inherited, pickle.dumps(arguments)),
+                           daemon=daemon)
+
+
+def _run_quietly(target_name: str, on_cuda: bool, inherited: tuple, arguments: bytes) -> None:
+    filter_known_warnings(verbose=False, on_cuda=on_cuda)
+    module_name, _, function_name = target_name.partition(":")
+    getattr(importlib.import_module(module_name), function_name)(*inherited, *pickle.loads(arguments))

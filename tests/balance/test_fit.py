@@ -18,6 +18,7 @@ from loongforge.balance.fit import (
 )
 from loongforge.config.errors import InputError
 from loongforge.profile.profile_file import PROFILE_FORMAT, read_profile
+from tests.console import assert_no_third_party_warning, console_of
 
 # Every term carries a few percent of a typical micro-batch, so each is measurable.
 TRUE = dict(sum_L2=2e-8, sum_L=1e-4, N=5e-2, sum_P2=2e-7, sum_P=1e-4, n_img=5e-2, n_loss=1e-4)
@@ -195,7 +196,7 @@ def _write_profile(path, obs: Observations) -> None:
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
 
 
-def test_fit_cost_command_writes_cost_json_with_accuracy_and_plot(tmp_path):
+def test_fit_cost_command_writes_cost_json_with_accuracy_and_plot(tmp_path, capfd):
     from typer.testing import CliRunner
 
     from loongforge.cli.app import app
@@ -203,8 +204,10 @@ def test_fit_cost_command_writes_cost_json_with_accuracy_and_plot(tmp_path):
     profile = tmp_path / "PROFILE.jsonl"
     _write_profile(profile, synthetic(steps=40))
     out, fig = tmp_path / "COST.json", tmp_path / "fit.png"
-    result = CliRunner().invoke(app, ["fit-cost", str(profile), "--output", str(out), "--plot", str(fig)])
+    result, stderr = console_of(capfd, lambda: CliRunner().invoke(
+        app, ["fit-cost", str(profile), "--output", str(out), "--plot", str(fig)]))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "fit-cost --plot")
     assert "nnls:" in result.output and "smoothmax:" in result.output
     model = CostModel.load(out)
     assert model.source == "fit:nnls"

@@ -15,6 +15,7 @@ from loongforge.cli.app import app
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
 from loongforge.models.layers.fp8 import Fp8Policy
+from tests.console import assert_no_third_party_warning, console_of
 
 
 def _shapes(preset: str, tp: int) -> dict:
@@ -61,15 +62,16 @@ def test_smallest_winning_tokens(speedups, expected):
     assert smallest_winning_tokens(timings, 1.05) == expected
 
 
-def test_command_writes_a_policy_auto_reads_and_its_plot(tmp_path):
+def test_command_writes_a_policy_auto_reads_and_its_plot(tmp_path, capfd):
     """At TP 2 with sequence parallelism: the GEMM rows, and the whole layer (megatron's linear in two
     processes over gloo, its gather and reduce-scatter around the FP8 GEMMs) deciding each kind's
     policy, its weight quantised once per step of 2 micro-batches, FP8 really run (its error)."""
     policy = tmp_path / "policy.json"
-    result = CliRunner().invoke(app, ["bench", "gemm", "--preset", "qwen2.5vl-tiny", "--tp", "2", "--sequence-parallel",
-                                      "--tokens", "16", "--steps", "1", "--warmup-steps", "1",
-                                      "--micro-batches", "2", "--device", "cpu", "--output", str(policy)])
+    result, stderr = console_of(capfd, lambda: CliRunner().invoke(app, [
+        "bench", "gemm", "--preset", "qwen2.5vl-tiny", "--tp", "2", "--sequence-parallel", "--tokens", "16", "--steps",
+        "1", "--warmup-steps", "1", "--micro-batches", "2", "--device", "cpu", "--output", str(policy)]))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "bench gemm --tp 2")  # this process's and its measuring processes'
     assert policy.with_suffix(".png").stat().st_size > 0
     loaded = Fp8Policy.load(policy)
     assert loaded.device == "cpu" and set(loaded.min_tokens) == set(_shapes("qwen2.5vl-tiny", 2))

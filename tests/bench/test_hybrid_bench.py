@@ -11,14 +11,17 @@ from typer.testing import CliRunner
 
 from loongforge.cli.app import app
 from tests.bench.test_model_step import _restore_launch_env_afterwards
+from tests.console import assert_no_third_party_warning, console_of
 
 
-def test_bench_hybrid_on_cpu(tmp_path, monkeypatch):
+def test_bench_hybrid_on_cpu(tmp_path, monkeypatch, capfd):
     _restore_launch_env_afterwards(monkeypatch)
     out = tmp_path / "result.json"
-    result = CliRunner().invoke(app, ["bench", "hybrid", "--seq-lens", "128,512", "--steps", "1", "--warmup-steps",
-                                      "1", "--device", "cpu", "--output", str(out), "--json"])
+    result, stderr = console_of(capfd, lambda: CliRunner().invoke(app, [
+        "bench", "hybrid", "--seq-lens", "128,512", "--steps", "1", "--warmup-steps", "1", "--device", "cpu",
+        "--output", str(out), "--json"]))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "bench hybrid")
     data = json.loads(out.read_text())
     assert data["layer_types"]["hybrid"] == ["linear_attention"] * 3 + ["full_attention"]
     assert data["layer_types"]["all_attention"] == ["full_attention"] * 4

@@ -14,6 +14,7 @@ from loongforge.bench.model_step import ModelBenchOptions, bench_run_config, bui
 from loongforge.cli.app import app
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
 from loongforge.models.registry import get_family
+from tests.console import assert_no_third_party_warning, console_of
 
 
 def _small_model() -> ModelConfig:
@@ -89,14 +90,15 @@ def _restore_launch_env_afterwards(monkeypatch) -> None:
         monkeypatch.delenv(key)
 
 
-def test_bench_model_on_cpu_reports_tokens_per_s_and_mfu(tmp_path, monkeypatch):
+def test_bench_model_on_cpu_reports_tokens_per_s_and_mfu(tmp_path, monkeypatch, capfd):
     _restore_launch_env_afterwards(monkeypatch)
     out = tmp_path / "result.json"
-    result = CliRunner().invoke(app, [
+    result, stderr = console_of(capfd, lambda: CliRunner().invoke(app, [
         "bench", "model", "--preset", "qwen2.5vl-tiny", "--language-layers", "1", "--vision-blocks", "0",
         "--tokens", "256", "--samples", "2", "--steps", "2", "--warmup-steps", "0", "--device", "cpu",
-        "--dtype", "fp32", "--peak-tflops", "0.5", "--output", str(out), "--json"])
+        "--dtype", "fp32", "--peak-tflops", "0.5", "--output", str(out), "--json"]))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "bench model")
     data = json.loads(out.read_text())
     assert [r["name"] for r in data["runs"]] == ["loongforge_packed", "loongforge_batch", "transformers_batch"]
     stack = data["stack"]

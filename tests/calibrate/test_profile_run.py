@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from tests.train.conftest import PRESET, RUN_TIMEOUT_S, SAVE_AT_END, SMALL_MODEL, run_train
+from tests.train.conftest import PRESET, RUN_TIMEOUT_S, SAVE_AT_END, SMALL_MODEL, assert_quiet_stderr, run_train
 
 
 def run_profile(output: Path, *extra: str, nproc: int = 2) -> subprocess.CompletedProcess:
@@ -22,6 +22,7 @@ def run_profile(output: Path, *extra: str, nproc: int = 2) -> subprocess.Complet
     env["OMP_NUM_THREADS"] = "1"
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=env)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
+    assert_quiet_stderr(proc.stderr, f"profile --nproc-per-node {nproc}")  # the launcher's and every rank's
     return proc
 
 

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from loongforge.convert import check_logits
+from tests.console import assert_no_third_party_warning, console_of
 from tests.convert.helpers import invoke, one_line_error, save_hf_checkpoint
 from tests.models.helpers import tiny_model_cfg
 from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
@@ -161,10 +162,11 @@ def test_a_wrong_weight_fails(llm_folders, monkeypatch):
     assert _max_diff(result) > 1e-2
 
 
-def test_tp2_in_two_processes(llm_folders):
+def test_tp2_in_two_processes(llm_folders, capfd):
     """Qwen2 (q/k/v biases, untied): the 300-row vocabulary is padded to 512 and split over 2 ranks."""
-    result = invoke(str(llm_folders["qwen2"]), "--check-logits", "--tp", "2", "--json")
+    result, stderr = console_of(capfd, lambda: invoke(str(llm_folders["qwen2"]), "--check-logits", "--tp", "2", "--json"))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "convert --check-logits --tp 2")  # this process's and both ranks'
     report = json.loads(result.stdout)
     assert report["tp"] == 2 and report["passed"] and report["max_abs_diff"] <= TOLERANCE
 

@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from tests.console import assert_no_third_party_warning, console_of
 from tests.convert.helpers import hub_state, invoke, one_line_error, save_hf_checkpoint
 from tests.models.helpers import tiny_model_cfg
 
@@ -63,10 +64,11 @@ def test_dtype_cast(hf_hub, tmp_path):
 
 
 @pytest.mark.parametrize("source", ["hf_hub", "hf_new"])
-def test_roundtrip_table_and_json(request, source):
+def test_roundtrip_table_and_json(request, source, capfd):
     src = request.getfixturevalue(source)
-    result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2", "--vision-tp", "1")
+    result, stderr = console_of(capfd, lambda: invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2", "--vision-tp", "1"))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, f"convert --roundtrip --tp 2 --pp 2 ({source})")
     assert "EXACT" in result.output.splitlines()[-1] and "0 different" in result.output
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--json")
     report = json.loads(result.output.strip().splitlines()[-1])

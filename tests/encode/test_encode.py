@@ -23,6 +23,7 @@ from loongforge.data.embedding_store import EmbeddingRow, EmbeddingStore
 from loongforge.data.measure import MeasuredSample, image_pixels, video_pixels, vision_sizing
 from loongforge.data.vision import plan_video, probe_video
 from loongforge.models.registry import get_family
+from tests.console import assert_no_third_party_warning
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.shared_data import SHARED_DATA
 
@@ -152,7 +153,8 @@ def test_sigkill_then_resume_holds_exactly_what_an_uninterrupted_run_holds(encod
 
 def test_two_processes_store_what_one_does(encoded, tmp_path):
     out = tmp_path / "two"
-    _ok(_encode(out, "--nproc-per-node", "2"))
+    proc = _ok(_encode(out, "--nproc-per-node", "2"))
+    assert_no_third_party_warning(proc.stderr, "encode --nproc-per-node 2")  # both spawned ranks' stderr
     one, two = _tensors(encoded), _tensors(out)
     assert one.keys() == two.keys()
     for key in one:

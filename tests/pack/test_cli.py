@@ -5,16 +5,19 @@ import json
 from typer.testing import CliRunner
 
 from loongforge.cli.app import app
+from tests.console import assert_no_third_party_warning, console_of
 from tests.pack.conftest import PRESET
 
 runner = CliRunner()
 
 
-def test_pack_command_writes_folder_and_prints_summary(pack_inputs, tmp_path):
+def test_pack_command_writes_folder_and_prints_summary(pack_inputs, tmp_path, capfd):
     out = tmp_path / "out"
-    result = runner.invoke(app, ["pack", *pack_inputs, "--output", str(out), "--preset", PRESET, "--seq-len", "2048",
-                                 "--algorithm", "ffd", "--no-progress"])
+    result, stderr = console_of(capfd, lambda: runner.invoke(app, [
+        "pack", *pack_inputs, "--output", str(out), "--preset", PRESET, "--seq-len", "2048", "--algorithm", "ffd",
+        "--no-progress"]))
     assert result.exit_code == 0, result.output
+    assert_no_third_party_warning(stderr, "pack")
     stats = json.loads((out / "stats.json").read_text())
     assert f"into {stats['packs']} packs" in result.output and "samples/s" in result.output
     assert stats["algorithm"] == "ffd"

@@ -32,6 +32,7 @@ from loongforge.convert.mcore_io import McoreReader
 from loongforge.cli.app import app
 from loongforge.models.registry import get_family
 from loongforge.train.metrics import drop_metrics_after, read_metrics
+from tests.console import assert_no_third_party_warning
 from tests.models.helpers import free_port, limit_threads, run_workers
 from tests.train import plan_recorder
 
@@ -104,8 +105,15 @@ STDERR_NOISE = ("Warning: ", "warnings.warn", "[transformers]", "cost model warn
 
 
 def assert_quiet_stderr(stderr: str, what: str) -> None:
+    assert_no_third_party_warning(stderr, what)  # the check of every subcommand, its count printed
     noisy = [line for line in stderr.splitlines() if any(noise in line for noise in STDERR_NOISE)]
     assert not noisy, f"{what}: stderr holds {noisy}"
+
+
+def ranks_stderr(out_dir: Path) -> str:
+    """Every rank's stderr of a forked ``run_train`` / ``run_recorded`` (its result holds rank 0's)."""
+    logs = out_dir.parent / f"{out_dir.name}.logs"
+    return "".join(path.read_text() for path in sorted(logs.glob("rank*.err")))
 
 
 def _run_forked(out_dir: Path, command: list[str], nproc: int) -> subprocess.CompletedProcess:

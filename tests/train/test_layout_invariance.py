@@ -54,6 +54,7 @@ from tests.train.conftest import (
     final_checkpoint,
     grad_norms,
     losses,
+    ranks_stderr,
     resume_from_copy,
     run_train,
     step_metric,
@@ -137,9 +138,9 @@ def layout_runs(tmp_path_factory):
     def get(layout: str) -> Path:
         if layout not in runs:
             out = tmp_path_factory.mktemp(layout)
-            proc = run_train(out, *_layout_options(layout), nproc=LAYOUTS[layout][0])
+            run_train(out, *_layout_options(layout), nproc=LAYOUTS[layout][0])
             # megatron's TP linears warned here that CUDA_DEVICE_MAX_CONNECTIONS was not 1
-            assert_quiet_stderr(proc.stderr, layout)
+            assert_quiet_stderr(ranks_stderr(out), f"train {layout} (every rank)")
             runs[layout] = out
         return runs[layout]
     return get
