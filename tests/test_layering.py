@@ -144,6 +144,30 @@ def test_no_import_cycle_between_subpackages():
     assert not cycle, "import cycle between subpackages:\n" + "\n".join(arrows)
 
 
+def _module_graph() -> dict[str, dict[str, list[str]]]:
+    """Module -> modules it imports (any import: module top, function, ``TYPE_CHECKING``; a
+    ``from package import module`` counts the module)."""
+    modules = {_module_name(path): path for path in PACKAGE_ROOT.rglob("*.py")}
+    graph: dict[str, dict[str, list[str]]] = defaultdict(lambda: defaultdict(list))
+    for module, path in modules.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            for name in _imported_modules(node, module, path.name == "__init__.py"):
+                targets = [name] + [f"{name}.{alias.name}" for alias in getattr(node, "names", [])
+                                    if isinstance(node, ast.ImportFrom)]
+                for target in targets:
+                    if target in modules and target != module:
+                        graph[module][target].append(f"{path.relative_to(PACKAGE_ROOT)}:{node.lineno}")
+    return graph
+
+
+def test_no_import_cycle_between_modules():
+    """Type-checking imports included: a circle of modules is one module in two files."""
+    graph = _module_graph()
+    cycle = _find_cycle(graph)
+    arrows = [f"{a} -> {b}: {graph[a][b][0]}" for a, b in zip(cycle, cycle[1:])]
+    assert not cycle, "import cycle between modules:\n" + "\n".join(arrows)
+
+
 def test_project_imports_are_at_module_top_outside_cli():
     local = [f"{file}: {name}" for subpackage, file, name, inside in _project_imports()
              if inside and subpackage not in LAZY_IMPORTS_ALLOWED]

@@ -12,16 +12,13 @@ from __future__ import annotations
 import functools
 import importlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, Optional
+from typing import Callable, Optional
 
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.decoder.params import model_parameters
 from loongforge.models.family import LazyFunction, registered
 from loongforge.models.flops import EncoderFlops, vlm_training_flops
 from loongforge.models.media import ImageProcessing
-
-if TYPE_CHECKING:  # the encoder module needs megatron-core; the registry does not
-    from loongforge.models.vlm.encoder import VisionEncoder
 
 
 @dataclass(frozen=True)
@@ -44,7 +41,9 @@ class TowerPart:
     # Whether its processing takes videos (the Qwen towers'; the others see images only)
     takes_videos: bool = False
 
-    def encoder_type(self) -> type["VisionEncoder"]:
+    def encoder_type(self) -> type:
+        """The tower's ``models.vlm.encoder.VisionEncoder`` subclass, imported now (it needs
+        megatron-core; the registry does not, so it names no encoder module at import)."""
         module_name, _, class_name = self.encoder.partition(":")
         return getattr(importlib.import_module(module_name), class_name)
 
