@@ -75,8 +75,8 @@ def test_incompatible_or_unfinished_folders_are_refused(pack_inputs, tmp_path):
     with pytest.raises(InputError, match="other rules"):
         _pipeline(tmp_path / "packed", max_pixels=28 * 28 * 16)
     # A folder of an older format named samples by line: refused in one line, not misread.
-    config = tmp_path / "packed" / folder.CONFIG_FILE
-    config.write_text(json.dumps({**json.loads(config.read_text()), "format": "loongforge-pack/1"}))
+    stats = tmp_path / "packed" / folder.STATS_FILE
+    stats.write_text(json.dumps({**json.loads(stats.read_text()), "format": "loongforge-pack/1"}))
     with pytest.raises(InputError, match=r"written by an older `loongforge pack` \(loongforge-pack/1, not "
                                          r"loongforge-pack/2: samples named by line"):
         _pipeline(tmp_path / "packed")

@@ -17,7 +17,7 @@ import numpy as np
 
 from loongforge.config.errors import InputError
 from loongforge.data.measure import MeasuredSample
-from loongforge.data.packfile.folder import CONFIG_FILE, FORMAT, MANIFEST_FILE, STATS_FILE
+from loongforge.data.packfile.folder import FORMAT, MANIFEST_FILE, STATS_FILE
 from loongforge.data.packfile.schema import decode_pack
 from loongforge.data.packing import PackItem
 from loongforge.data.vision import VisionSizing
@@ -35,7 +35,7 @@ class PackedFolder:
             raise InputError(f"data.packed={self.root}: no {STATS_FILE}, so not a finished `loongforge pack` "
                              f"folder; run (or finish with --resume) `loongforge pack ... --output {self.root}`")
         self.stats = json.loads(stats_path.read_text())
-        written = json.loads((self.root / CONFIG_FILE).read_text()).get("format")
+        written = self.stats.get("format")
         if written != FORMAT:
             raise InputError(f"data.packed={self.root} was written by an older `loongforge pack` ({written}, not "
                              f"{FORMAT}: samples named by line, which records of a JSON array can share); "
