@@ -243,7 +243,7 @@ def _check_media_counts(turns: list[Turn], num_images: int, num_videos: int) -> 
 class _Located:
     """A raw record (or the reason it could not be decoded), the line it starts at and its ordinal:
     its 0-based position in its file, unique there and the same in every reader (``ArrowSamples``,
-    ``StreamingSamples``). In a file of one record a line (JSON lines, ``.txt``) it is the line - 1,
+    ``StreamingSamples``). In a file of one record per line (JSON lines, ``.txt``) it is the line - 1,
     blank lines counted, so that a reader streaming the file knows it without counting records; in
     a JSON list or a COCO captions file, the element's index; in a table, the row."""
 

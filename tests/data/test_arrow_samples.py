@@ -83,8 +83,8 @@ def test_records_sharing_a_line_have_their_own_ids_in_every_reader(tmp_path):
     the same records written as JSON lines have."""
     array, lines = write_shared_image_records(tmp_path)
     coco = tmp_path / "captions.json"
-    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "cat.jpg"}],
-                                "annotations": [{"image_id": 1, "id": i, "caption": f"A cat, {i}."} for i in range(3)]}))
+    captions = [{"image_id": 1, "id": i, "caption": f"A cat, {i}."} for i in range(3)]
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "cat.jpg"}], "annotations": captions}))
     read = {}
     for path in (array, lines, coco):
         memory = FileSamples([str(path)])
