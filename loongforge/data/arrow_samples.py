@@ -10,8 +10,9 @@ the local Hugging Face cache (``hf:NAME``, ``hf:NAME:SPLIT``) is already Arrow a
 
 Samples, their order and their rejects are those of the in-memory reader
 (``loongforge.data.conversations.FileSamples``): JSON lines are stored undecoded and decoded on
-access; JSON arrays are stored element by element with their lines; table rows (parquet, saved and
-cached datasets) come back as plain values (images as ``{"bytes", "path"}``), line = row + 1.
+access; JSON arrays are stored element by element with their lines; each record with its ordinal
+(``conversations._Located``, what names its sample); table rows (parquet, saved and cached
+datasets) come back as plain values (images as ``{"bytes", "path"}``), line = row + 1, ordinal = row.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ from loongforge.data.conversations import (
     read_json_record,
     read_record,
     reading_of,
-    record_ordinals,
     text_line_record,
 )
 from loongforge.data.fingerprint import Fingerprint, content_fingerprint, head_tail_hash, source_fingerprint
@@ -60,10 +60,11 @@ if TYPE_CHECKING:
 
 # Bump when what a cache file holds changes, so stale copies are never mapped.
 # 2: a COCO captions .json holds one caption record per annotation (1 read it as one JSON line).
-CACHE_FORMAT = 2
+# 3: every record holds its ordinal (2 only those sharing a line with others).
+CACHE_FORMAT = 3
 _RECORDS_SCHEMA = pa.schema([
     ("line", pa.int64()),  # 1-based line the record starts at
-    ("ordinal", pa.int64()),  # position in its file when its line holds other records too, else null
+    ("ordinal", pa.int64()),  # its position in its file (conversations._Located.ordinal)
     ("raw", pa.large_binary()),  # the record's JSON text; null when it could not be read
     ("error", pa.string()),  # why it could not be read; null otherwise
 ])
@@ -119,10 +120,15 @@ def _jsonl_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
             lines.append(number)
             raws.append(raw)
             if len(raws) == _BATCH_ROWS:
-                yield _records_batch(lines, raws, None, None)
+                yield _records_batch(lines, _line_ordinals(lines), raws, None)
                 lines, raws = [], []
     if raws:
-        yield _records_batch(lines, raws, None, None)
+        yield _records_batch(lines, _line_ordinals(lines), raws, None)
+
+
+def _line_ordinals(lines: list[int]) -> list[int]:
+    """The ordinals of records one per line (``conversations._Located.ordinal``): line - 1."""
+    return [line - 1 for line in lines]
 
 
 def _txt_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
@@ -137,29 +143,27 @@ def _txt_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
                 raws.append(None if entry.error else json.dumps(entry.record, ensure_ascii=False).encode())
                 errors.append(entry.error)
             if len(raws) == _BATCH_ROWS:
-                yield _records_batch(lines, raws, None, errors)
+                yield _records_batch(lines, _line_ordinals(lines), raws, errors)
                 lines, raws, errors = [], [], []
     if raws:
-        yield _records_batch(lines, raws, None, errors)
+        yield _records_batch(lines, _line_ordinals(lines), raws, errors)
 
 
 def _json_batches(path: Path, bar: tqdm) -> Iterator[pa.RecordBatch]:
     """A .json file through the in-memory reader (a JSON list must be parsed as a whole)."""
     located = read_data_file(path)
-    ordinals = record_ordinals(located)
     bar.update(path.stat().st_size)
     for start in range(0, len(located), _BATCH_ROWS):
         chunk = located[start:start + _BATCH_ROWS]
         raws = [None if e.error is not None else json.dumps(e.record, ensure_ascii=False).encode() for e in chunk]
-        yield _records_batch([e.line for e in chunk], raws, ordinals[start:start + _BATCH_ROWS],
-                             [e.error for e in chunk])
+        yield _records_batch([e.line for e in chunk], [e.ordinal for e in chunk], raws, [e.error for e in chunk])
 
 
-def _records_batch(lines, raws, ordinals, errors) -> pa.RecordBatch:
+def _records_batch(lines, ordinals, raws, errors) -> pa.RecordBatch:
     count = len(lines)
     return pa.record_batch([
         pa.array(lines, pa.int64()),
-        pa.array(ordinals, pa.int64()) if ordinals is not None else pa.nulls(count, pa.int64()),
+        pa.array(ordinals, pa.int64()),
         pa.array(raws, pa.large_binary()),
         pa.array(errors, pa.string()) if errors is not None else pa.nulls(count, pa.string()),
     ], schema=_RECORDS_SCHEMA)
@@ -319,7 +323,8 @@ class _Part:
         if self.records:
             return self._record(self.rows[row])
         record = self.rows[row].to_pylist()[0]  # arrow format: storage values, images undecoded
-        return parse_record(record, file=self.file, line=row + 1, media_root=self.media_root, reading=self.reading)
+        return parse_record(record, file=self.file, line=row + 1, ordinal=row, media_root=self.media_root,
+                            reading=self.reading)
 
     def _record(self, entry: dict) -> Union[Sample, Reject]:
         where = {"file": self.file, "line": entry["line"], "media_root": self.media_root, "ordinal": entry["ordinal"],

@@ -30,7 +30,7 @@ image_embeds         Tensor[P/m^2, H] | None      stored encoder features of the
 video_embeds         Tensor[Pv/m^2, H] | None     likewise for videos
 num_loss_tokens      int                          loss_mask.sum()
 sample_lengths       list[int]                    real tokens per sample (sum = real length)
-sample_ids           list[str]                    "<file>:<line>" or "synthetic:<index>"
+sample_ids           list[str]                    "<file>[<record>]" or "synthetic:<index>"
 ==================== ============================ ==============================================
 """
 

@@ -8,11 +8,12 @@ Accepted layouts (one record per conversation):
   (LLaMA-Factory v1); each media part becomes a placeholder at its position.
 
 Files: JSON (a list, read element by element so each record keeps its line), JSONL, parquet
-(images may be ``{"bytes": ..., "path": ...}`` dicts). Records that share a line (a JSON list
-written on one line) also carry their ordinal in the file, so each stays one sample. Relative
-media paths resolve against the data file's folder. LLaMA-Factory writes them relative to its
-repo root (``data/x.jpg`` for a file living in ``data/``); when the plain join does not exist,
-leading folders of the relative path are dropped one by one until one exists.
+(images may be ``{"bytes": ..., "path": ...}`` dicts). A sample is named by its file and its
+record's ordinal there (``samples.sample_id_of``), never by its line: the records of a JSON list
+written on one line, or of a COCO captions file, all start on one line. Relative media paths
+resolve against the data file's folder. LLaMA-Factory writes them relative to its repo root
+(``data/x.jpg`` for a file living in ``data/``); when the plain join does not exist, leading
+folders of the relative path are dropped one by one until one exists.
 
 Other record kinds (pretraining ``text``, Alpaca, image-caption pairs, COCO captions files, ``.txt``
 files of one document per non-empty line) are recognised by their fields or set by
@@ -26,7 +27,6 @@ from __future__ import annotations
 import bisect
 import json
 import re
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Optional, Union
@@ -44,7 +44,7 @@ from loongforge.data.record_kinds import (
     is_coco_captions,
     record_kind,
 )
-from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample
+from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample, sample_id_of
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
 from loongforge.data.vision import path_exists
 
@@ -67,23 +67,23 @@ DEFAULT_READING = RecordReading()
 # ---------------------------------------------------------------- record -> sample
 
 
-def parse_record(record: Any, *, file: str, line: int, media_root: Path, ordinal: Optional[int] = None,
+def parse_record(record: Any, *, file: str, line: int, ordinal: int, media_root: Path,
                  reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
     """Validate one decoded record of the kind ``reading`` gives it (``record_kinds.record_kind``);
-    a Reject names the first problem found. ``ordinal``: the record's position in its file, given
-    when its line holds other records too."""
+    a Reject names the first problem found. ``line``: where the record starts (for people);
+    ``ordinal``: its position in its file (``_Located.ordinal``), what names it."""
     where = {"file": file, "line": line, "record": ordinal}
     try:
         kind = record_kind(record, reading)
         if kind == "text":
-            return TextSample(sample_id=f"{file}:{line}", text=document_text(record), **where)
+            return TextSample(sample_id=sample_id_of(file, ordinal), text=document_text(record), **where)
         turns, images, videos = _kind_turns(record, kind, media_root, reading)
         _check_roles(turns)
         _check_answers(turns)
         _check_media_counts(turns, len(images), len(videos))
     except RecordError as error:
         return Reject(reason=error.reason, detail=error.detail, **where)
-    return ConversationSample(sample_id=f"{file}:{line}", turns=turns, images=images, videos=videos, **where)
+    return ConversationSample(sample_id=sample_id_of(file, ordinal), turns=turns, images=images, videos=videos, **where)
 
 
 def _kind_turns(record: dict, kind: str, media_root: Path, reading: RecordReading) -> tuple[list[Turn], list, list]:
@@ -99,15 +99,15 @@ def _kind_turns(record: dict, kind: str, media_root: Path, reading: RecordReadin
     return turns, images, videos
 
 
-def read_record(record: Any, error: Optional[str], *, file: str, line: int, media_root: Path,
-                ordinal: Optional[int] = None, reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
+def read_record(record: Any, error: Optional[str], *, file: str, line: int, ordinal: int, media_root: Path,
+                reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
     """A decoded record, or the reason it could not be decoded (a malformed_json reject)."""
     if error is not None:
         return Reject(file=file, line=line, reason="malformed_json", detail=error, record=ordinal)
     return parse_record(record, file=file, line=line, media_root=media_root, ordinal=ordinal, reading=reading)
 
 
-def read_json_record(raw: bytes, *, file: str, line: int, media_root: Path, ordinal: Optional[int] = None,
+def read_json_record(raw: bytes, *, file: str, line: int, ordinal: int, media_root: Path,
                      reading: RecordReading = DEFAULT_READING) -> Union[Sample, Reject]:
     """One record's JSON text (a JSON line, undecoded until now) as ``read_record`` takes it."""
     try:
@@ -241,9 +241,14 @@ def _check_media_counts(turns: list[Turn], num_images: int, num_videos: int) -> 
 
 @dataclass(frozen=True)
 class _Located:
-    """A raw record (or the reason it could not be decoded) and the line it starts at."""
+    """A raw record (or the reason it could not be decoded), the line it starts at and its ordinal:
+    its 0-based position in its file, unique there and the same in every reader (``ArrowSamples``,
+    ``StreamingSamples``). In a file of one record per line (JSON lines, ``.txt``) it is the line - 1,
+    blank lines counted, so that a reader streaming the file knows it without counting records; in
+    a JSON list or a COCO captions file, the element's index; in a table, the row."""
 
     line: int
+    ordinal: int
     record: Any = None
     error: str | None = None
 
@@ -266,7 +271,7 @@ def read_json_array(text: str) -> list[_Located]:
     lines = _LineIndex(text)
     pos = _skip_ws(text, 0)
     if pos >= len(text) or text[pos] != "[":
-        return [_Located(line=lines.line_of(pos), error="file is not a JSON list")]
+        return [_Located(line=lines.line_of(pos), ordinal=0, error="file is not a JSON list")]
     pos = _skip_ws(text, pos + 1)
     element_indent = _indent_at(text, pos)
     located: list[_Located] = []
@@ -276,17 +281,19 @@ def read_json_array(text: str) -> list[_Located]:
         except json.JSONDecodeError as error:
             resume = _resync(text, pos + 1, element_indent)
             note = "" if resume is not None else "; rest of file unreadable"
-            located.append(_Located(line=lines.line_of(pos), error=f"{error.msg} at line {error.lineno}{note}"))
+            located.append(_Located(line=lines.line_of(pos), ordinal=len(located),
+                                    error=f"{error.msg} at line {error.lineno}{note}"))
             if resume is None:
                 break
             pos = resume
             continue
-        located.append(_Located(line=lines.line_of(pos), record=record))
+        located.append(_Located(line=lines.line_of(pos), ordinal=len(located), record=record))
         pos = _skip_ws(text, end)
         if pos < len(text) and text[pos] == ",":
             pos = _skip_ws(text, pos + 1)
         elif pos < len(text) and text[pos] != "]":
-            located.append(_Located(line=lines.line_of(pos), error="expected ',' or ']' after element"))
+            located.append(_Located(line=lines.line_of(pos), ordinal=len(located),
+                                    error="expected ',' or ']' after element"))
             break
     return located
 
@@ -318,9 +325,9 @@ def read_jsonl(path: Path) -> list[_Located]:
             if not raw.strip():
                 continue
             try:
-                located.append(_Located(line=number, record=json.loads(raw)))
+                located.append(_Located(line=number, ordinal=number - 1, record=json.loads(raw)))
             except (json.JSONDecodeError, UnicodeDecodeError) as error:
-                located.append(_Located(line=number, error=str(error)))
+                located.append(_Located(line=number, ordinal=number - 1, error=str(error)))
     return located
 
 
@@ -328,7 +335,7 @@ def read_parquet(path: Path) -> list[_Located]:
     import pyarrow.parquet as pq  # lazy: pyarrow only for .parquet files
 
     table = pq.read_table(path)
-    return [_Located(line=row + 1, record=record) for row, record in enumerate(table.to_pylist())]
+    return [_Located(line=row + 1, ordinal=row, record=record) for row, record in enumerate(table.to_pylist())]
 
 
 def read_text_documents(path: Path) -> list[_Located]:
@@ -341,13 +348,13 @@ def read_text_documents(path: Path) -> list[_Located]:
 
 
 def text_line_record(number: int, raw: bytes) -> list[_Located]:
-    """Line ``number`` of a ``.txt`` file as its record (none for a blank line)."""
+    """Line ``number`` (1-based) of a ``.txt`` file as its record (none for a blank line)."""
     if not raw.strip():
         return []
     try:
-        return [_Located(line=number, record={"text": raw.decode("utf-8").rstrip("\r\n")})]
+        return [_Located(line=number, ordinal=number - 1, record={"text": raw.decode("utf-8").rstrip("\r\n")})]
     except UnicodeDecodeError as error:
-        return [_Located(line=number, error=f"not UTF-8: {error}")]
+        return [_Located(line=number, ordinal=number - 1, error=f"not UTF-8: {error}")]
 
 
 def read_data_file(path: Path) -> list[_Located]:
@@ -360,7 +367,7 @@ def read_data_file(path: Path) -> list[_Located]:
     try:
         text = path.read_text(encoding="utf-8")
     except UnicodeDecodeError as error:
-        return [_Located(line=1, error=f"not UTF-8: {error}")]
+        return [_Located(line=1, ordinal=0, error=f"not UTF-8: {error}")]
     if text.lstrip().startswith("{"):  # JSON lines saved as .json, or one object such as COCO's
         return _coco_records(text, path) or read_jsonl(path)
     return read_json_array(text)
@@ -376,7 +383,8 @@ def _coco_records(text: str, path: Path) -> Optional[list[_Located]]:
     if not is_coco_captions(whole):
         return None
     line = _LineIndex(text).line_of(text.find('"annotations"'))
-    return [_Located(line=line, record=record) for record in coco_caption_records(whole, path.name)]
+    return [_Located(line=line, ordinal=ordinal, record=record)
+            for ordinal, record in enumerate(coco_caption_records(whole, path.name))]
 
 
 HUB_PREFIX = "hf:"  # data.paths entry naming a dataset in the local Hugging Face cache
@@ -454,13 +462,6 @@ def _folder_sources(folder: Path, entry: str) -> list[Path]:
     return sorted(files + saved)
 
 
-def record_ordinals(located: list[_Located]) -> list[Optional[int]]:
-    """Per entry of one file, its position in the file where its line holds other entries too (a
-    JSON array on one line), else None: file and line then name a sample on their own."""
-    per_line = Counter(entry.line for entry in located)
-    return [ordinal if per_line[entry.line] > 1 else None for ordinal, entry in enumerate(located)]
-
-
 class FileSamples:
     """All records of the data files, indexable in a fixed order (files in order, records in
     file order), decoded up front into Python objects (metadata only, no media); ``get`` validates
@@ -473,19 +474,16 @@ class FileSamples:
     def __init__(self, paths: list[str], reading: RecordReading = DEFAULT_READING):
         self._reading = reading
         self._entries: list[tuple[Path, _Located]] = []
-        self._ordinals: list[Optional[int]] = []  # per entry, see record_ordinals
         for source in expand_data_paths(paths):
             path = Path(source)
             if not path.is_file():
                 raise InputError(f"{source}: the in-memory reader takes data files only")
-            located = read_data_file(path)
-            self._entries.extend((path, entry) for entry in located)
-            self._ordinals.extend(record_ordinals(located))
+            self._entries.extend((path, entry) for entry in read_data_file(path))
 
     def __len__(self) -> int:
         return len(self._entries)
 
     def get(self, index: int) -> Union[Sample, Reject]:
-        (path, located), ordinal = self._entries[index], self._ordinals[index]
-        return read_record(located.record, located.error, file=str(path), line=located.line, media_root=path.parent,
-                           ordinal=ordinal, reading=reading_of(path, self._reading))
+        path, located = self._entries[index]
+        return read_record(located.record, located.error, file=str(path), line=located.line, ordinal=located.ordinal,
+                           media_root=path.parent, reading=reading_of(path, self._reading))

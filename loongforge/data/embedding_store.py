@@ -8,16 +8,16 @@
                       media of the shard that could not be decoded. A shard is written whole
                       (tmp + rename) or not at all: it is the unit --resume skips.
     index.jsonl       one row per stored medium, in input order (``EmbeddingRow``)
-    rejects.jsonl     samples whose media could not be read, with file, line (and record, when the
-                      line holds several records) and reason
+    rejects.jsonl     samples whose media could not be read, with file, record, line and reason
     encoder.json      written last (its presence marks a finished folder): the preset, the
                       digest of the encoder + merger weights, the processor settings, counts
     runs.jsonl        one line per `encode` call that wrote here: media encoded, seconds, processes
 
-A medium is found by its sample's file and line (as training names samples), its kind (image or
-video), its index among that sample's media of that kind and its source (the file it is read from,
-or a digest of inline bytes): records sharing a line (a JSON array on one line) stay apart, and
-two that show the same image at the same place have the same features.
+A medium is found by its sample's file and record (its ordinal there, as training names samples:
+``samples.sample_id_of``), its kind (image or video), its index among that sample's media of that
+kind and its source (the file it is read from, or a digest of inline bytes). Not by line: the
+records of a JSON array on one line share it, and the same image beside another may have other
+features than alone (LLaVA-OneVision packs a lone image with its anyres crops).
 """
 
 from __future__ import annotations
@@ -37,7 +37,8 @@ from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.measure import MaterializedSample, MeasuredSample, vision_sizing
 from loongforge.data.samples import Reject
 
-FORMAT = "loongforge-embeddings/1"
+# 2: media keyed by their sample's record, not its line (1; a folder of 1 is refused: encode again).
+FORMAT = "loongforge-embeddings/2"
 JOB_FILE = "encode_job.json"
 ENCODER_FILE = "encoder.json"
 INDEX_FILE = "index.jsonl"
@@ -60,7 +61,8 @@ class EmbeddingRow:
 
     sample_id: str
     file: str  # absolute
-    line: int
+    record: Optional[int]  # the sample's ordinal in its file (ConversationSample.record)
+    line: int  # where the sample starts, for people
     kind: str  # "image" or "video"
     media_index: int  # among the sample's media of this kind
     source: str  # ``media_source_key`` of the image or video
@@ -117,13 +119,17 @@ class EmbeddingStore:
             raise InputError(f"{self.root}: not a finished `loongforge encode` folder (no {ENCODER_FILE}); "
                              f"finish it with `loongforge encode ... --output {self.root} --resume`")
         self.encoder = json.loads(encoder_file.read_text())
-        # Media by (absolute file, line, kind, media index, source): see the module docstring.
+        if self.encoder.get("format") != FORMAT:
+            raise InputError(f"{self.root} was written by an older `loongforge encode` ({self.encoder.get('format')}, "
+                             f"not {FORMAT}: media found by line, which records of a JSON array can share); "
+                             f"encode again with --overwrite")
+        # Media by (absolute file, record, kind, media index, source): see the module docstring.
         self._rows: dict[tuple, EmbeddingRow] = {}
         with open(self.root / INDEX_FILE, encoding="utf-8") as f:
             for line in f:
                 if line.strip():
                     row = EmbeddingRow.from_json(json.loads(line))
-                    self._rows[(row.file, row.line, row.kind, row.media_index, row.source)] = row
+                    self._rows[(row.file, row.record, row.kind, row.media_index, row.source)] = row
         self._open: dict[str, object] = {}
 
     def __len__(self) -> int:
@@ -138,7 +144,7 @@ class EmbeddingStore:
                 key = media_source_key(source)
             except ValueError:
                 return None
-            return self._rows.get((file, int(sample.line), kind, index, key))
+            return self._rows.get((file, sample.record, kind, index, key))
 
         return ([find("image", i, image) for i, image in enumerate(sample.images)],
                 [find("video", i, video) for i, video in enumerate(sample.videos)])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import asdict, dataclass, field
 from typing import Optional, Union
 
@@ -25,12 +26,26 @@ REJECT_REASONS = (
 
 # (file, line, record, reason): one rejected sample, however often it is met.
 RejectKey = tuple[str, int, Optional[int], str]
+# A sample id: "<file>[<ordinal>]", then "#<piece>" for a piece of a cut document (measure.document_pieces).
+_SAMPLE_ID = re.compile(r"(?P<file>.*)\[(?P<record>\d+)\](?:#\d+)?")
+
+
+def sample_id_of(file: str, record: int) -> str:
+    """The id of the record at ordinal ``record`` of ``file`` (``conversations._Located.ordinal``):
+    unique per record, where a line is not (a JSON list on one line, a COCO captions file)."""
+    return f"{file}[{record}]"
+
+
+def sample_file(sample_id: str) -> str:
+    """The file a sample id names; the id itself for ids not made by ``sample_id_of`` (synthetic data)."""
+    match = _SAMPLE_ID.fullmatch(sample_id)
+    return match["file"] if match else sample_id
 
 
 @dataclass(frozen=True)
 class Reject:
-    """A skipped sample: ``line`` is the 1-based line (JSON/JSONL) or row (parquet) it starts at;
-    ``record`` tells apart records that start on one line (see ``ConversationSample.record``)."""
+    """A skipped sample: ``line`` is the 1-based line (JSON/JSONL) or row (parquet) it starts at,
+    for people; ``record`` its ordinal in the file (``ConversationSample.record``), what names it."""
 
     file: str
     line: int
@@ -53,8 +68,8 @@ class Reject:
         return (self.file, self.line, self.record, self.reason)
 
     def to_json(self) -> dict:
-        """``file``, ``line``, ``reason``, ``detail``, and ``record`` only when the line holds
-        several records."""
+        """``file``, ``line``, ``reason``, ``detail``, and ``record`` where the sample has one (a
+        record of a data file)."""
         fields = asdict(self)
         if self.record is None:
             del fields["record"]
@@ -66,14 +81,14 @@ class ConversationSample:
     """One conversation as read, before tokenization. Media are paths (resolved against the
     data file's folder), encoded bytes, or decoded PIL images (synthetic data)."""
 
-    sample_id: str  # "<file>:<line>" or "synthetic:<index>"
+    sample_id: str  # "<file>[<record>]" (``sample_id_of``) or "synthetic:<index>"
     file: str
-    line: int
+    line: int  # where the record starts, for people: records may share one (a JSON array on one line)
     turns: list[Turn]
     images: list[ImageSource] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
-    # The record's 0-based ordinal in its file when its line holds other records too (a JSON array
-    # written on one line); None when file and line name it alone.
+    # The record's 0-based ordinal in its file (``conversations._Located.ordinal``): with ``file``,
+    # what names the sample (its id, its stored embeddings, its reject). None off a data file.
     record: Optional[int] = None
 
 

@@ -41,7 +41,6 @@ from loongforge.data.conversations import (
     read_json_record,
     read_record,
     reading_of,
-    record_ordinals,
     text_line_record,
 )
 from loongforge.data.measure import MeasuredSample, document_pieces
@@ -93,31 +92,32 @@ def _line_entries(path: Path, start: Location, reading: RecordReading) -> Iterat
                 continue
             if path.suffix == ".txt":
                 yield here, _Entry(lambda raw=raw, line=here[2]: _text_line_sample(raw, line, path, reading))
-            else:
+            else:  # a record per line: its ordinal is its line - 1 (conversations._Located)
                 yield here, _Entry(lambda raw=raw, line=here[2]: read_json_record(
-                    raw, file=name, line=line, media_root=root, reading=reading))
+                    raw, file=name, line=line, ordinal=line - 1, media_root=root, reading=reading))
 
 
 def _text_line_sample(raw: bytes, line: int, path: Path, reading: RecordReading) -> Sample:
     entry = text_line_record(line, raw)[0]
-    return read_record(entry.record, entry.error, file=str(path), line=line, media_root=path.parent, reading=reading)
+    return read_record(entry.record, entry.error, file=str(path), line=line, ordinal=entry.ordinal,
+                       media_root=path.parent, reading=reading)
 
 
-def _json_entries(path: Path, parsed, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
+def _json_entries(path: Path, located, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
     """A .json file is parsed whole (a JSON list has no record boundaries to seek to)."""
-    located, ordinals = parsed
     source, first, _ = start
     for index in range(first, len(located)):
-        entry, ordinal = located[index], ordinals[index]
-        yield (source, index, entry.line), _Entry(lambda e=entry, o=ordinal: read_record(
-            e.record, e.error, file=str(path), line=e.line, media_root=path.parent, ordinal=o, reading=reading))
+        entry = located[index]
+        yield (source, index, entry.line), _Entry(lambda e=entry: read_record(
+            e.record, e.error, file=str(path), line=e.line, ordinal=e.ordinal, media_root=path.parent,
+            reading=reading))
 
 
 def _table_entries(rows: Iterator[dict], name: str, media_root: Path, start: Location, reading: RecordReading):
     source, first, _ = start
     for index, record in enumerate(rows, start=first):
-        yield (source, index, index + 1), _Entry(lambda r=record, line=index + 1: parse_record(
-            r, file=name, line=line, media_root=media_root, reading=reading))
+        yield (source, index, index + 1), _Entry(lambda r=record, row=index: parse_record(
+            r, file=name, line=row + 1, ordinal=row, media_root=media_root, reading=reading))
 
 
 def _parquet_rows(path: Path, first: int) -> Iterator[dict]:
@@ -198,7 +198,7 @@ class _Sources:
         if path.suffix == ".parquet" and path.is_file():
             return _table_entries(_parquet_rows(path, start[1]), name, path.parent, start, reading)
         opened = self._open(source)
-        if isinstance(opened, tuple):  # a parsed .json file, else an opened dataset
+        if isinstance(opened, list):  # a parsed .json file, else an opened dataset
             return _json_entries(path, opened, start, reading)
         media_root = path if path.is_dir() else Path.cwd()
         return _table_entries(_dataset_rows(opened, start[1]), name, media_root, start, reading)
@@ -214,8 +214,7 @@ class _Sources:
             elif Path(name).is_dir() and is_saved_dataset(Path(name)):
                 self._opened[source] = load_saved_dataset(Path(name))
             else:
-                located = read_data_file(Path(name))
-                self._opened[source] = (located, record_ordinals(located))
+                self._opened[source] = read_data_file(Path(name))
         return self._opened[source]
 
     def location_json(self, location: MixLocation) -> list:

@@ -28,7 +28,7 @@ class MediaItem:
     """One image or video to encode."""
 
     order: int  # position in the plan (input order)
-    sample_order: int  # the sample's position in the input (records on one line stay apart)
+    sample_order: int  # the sample's position in the input
     sample_id: str
     file: str
     line: int
@@ -37,7 +37,7 @@ class MediaItem:
     source: Union[ImageSource, str]
     grid: tuple[int, int, int]
     video_plan: Optional[VideoPlan] = None
-    record: Optional[int] = None  # the sample's ConversationSample.record (for its reject)
+    record: Optional[int] = None  # the sample's ConversationSample.record: what names it, with file
     # An image's (height, width) in pixels and the images of its sample: a tower that packs an image's
     # features by its size, or treats a sample's several images otherwise, reads them.
     size: tuple[int, int] = (0, 0)

@@ -100,9 +100,9 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
         for (item, _), feature in zip(batch, features):
             key = f"{item.kind}:{item.order}"
             tensors[key] = feature.to(DTYPES[spec.dtype]).cpu().contiguous()
-            rows.append(EmbeddingRow(sample_id=item.sample_id, file=os.path.abspath(item.file), line=item.line,
-                                     kind=item.kind, source=media_source_key(item.source), order=item.order,
-                                     sample_order=item.sample_order,
+            rows.append(EmbeddingRow(sample_id=item.sample_id, file=os.path.abspath(item.file), record=item.record,
+                                     line=item.line, kind=item.kind, source=media_source_key(item.source),
+                                     order=item.order, sample_order=item.sample_order,
                                      media_index=item.media_index, grid=item.grid, tokens=feature.shape[0],
                                      shard=name, key=key).to_json())
     # One metadata key: safetensors writes a header's keys in hash order, and a shard rewritten

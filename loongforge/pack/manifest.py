@@ -3,14 +3,13 @@
 Manifest line (the balancer and ``train`` read these names)::
 
     {"pack": i, "shard": "shards/shard-00000.parquet", "row": r, "tokens": total,
-     "samples": [{"id": "<file>:<line>", "file": ..., "line": ..., "index": n, "tokens": L,
+     "samples": [{"id": "<file>[<record>]", "file": ..., "line": ..., "record": ..., "index": n, "tokens": L,
                   "patches": [P per image, then per video], "images": n_img, "videos": n_vid,
                   "loss_tokens": tokens with loss (the LM head runs on these)}]}
 
-``index`` is the sample's position in the inputs (files in order, records in file order); a piece
-of a document longer than the pack (``measure.document_pieces``) also has ``"piece"``. A sample
-whose line holds other samples too (a JSON list on one line) also has ``"record"``, its ordinal in
-its file, in the manifest and in ``rejects.jsonl``.
+``index`` is the sample's position in the inputs (files in order, records in file order); ``record``
+its ordinal in its file (``samples.sample_id_of``; in ``rejects.jsonl`` too); a piece of a document
+longer than the pack (``measure.document_pieces``) also has ``"piece"``.
 Pack ``i`` is row ``i % packs_per_shard`` of shard ``i // packs_per_shard``.
 """
 

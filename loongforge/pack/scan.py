@@ -1,11 +1,11 @@
 """Scan stage: every input sample -> one scan record (measured lengths, or a reject); a document
 longer than the pack's capacity -> one record per piece (``measure.document_pieces``, ``"piece"``).
 
-A record is ``{"i", "id", "file", "line", "tokens", "patches", "images", "videos", "loss_tokens"}`` for a usable
-sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision patches
-t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "reason",
-"detail"}`` for a rejected one; either also holds ``"record"`` (the sample's ordinal in its file)
-when its line holds several samples (a JSON list on one line). Records are written in chunks of
+A record is ``{"i", "id", "file", "line", "record", "tokens", "patches", "images", "videos", "loss_tokens"}``
+for a usable sample (``tokens``: LLM tokens with media pads expanded, exact; ``patches``: vision
+patches t*h*w before the 2x2 merge, per image then per video) or ``{"i", "file", "line", "record",
+"reason", "detail"}`` for a rejected one (``record``: the sample's ordinal in its file, what names
+it; ``line``: where it starts). Records are written in chunks of
 ``folder.SCAN_CHUNK`` samples, each file complete or absent, so a resumed scan redoes at most the
 chunks in flight.
 """

@@ -9,6 +9,7 @@ from collections import Counter
 
 import numpy as np
 
+from loongforge.data.packfile.folder import FORMAT
 from loongforge.data.samples import REJECT_REASONS
 from loongforge.pack.algorithms import quadratic_costs
 from loongforge.pack.manifest import Plan
@@ -34,7 +35,7 @@ def compute_stats(plan: Plan, *, seq_len: int, algorithm: str, preset: str, max_
     packed = {r["i"] for r in plan.accepted}  # a document cut into pieces is one sample
     samples_in = len(packed) + len(plan.rejected)
     return {
-        "format": "loongforge-pack/1",
+        "format": FORMAT,
         "samples_in": samples_in,
         "samples_packed": len(packed),
         "documents_cut": len({r["i"] for r in plan.accepted if r.get("piece") is not None}),

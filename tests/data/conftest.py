@@ -42,12 +42,30 @@ def llama_tokenizer():
 
 
 def write_conversations(path: Path, count: int) -> Path:
-    """``count`` text conversations of varied lengths, one a line (sample ids ``<path>:<line>``)."""
+    """``count`` text conversations of varied lengths, one a line (sample ids ``<path>[<line - 1>]``)."""
     lines = [json.dumps({"messages": [{"role": "user", "content": f"Question {i}: " + "why " * (i % 9)},
                                       {"role": "assistant", "content": "Because. " * (1 + i % 5)}]})
              for i in range(count)]
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def write_shared_image_records(folder: Path) -> tuple[Path, Path]:
+    """The LLaMA-Factory demo's image conversations and one more showing ``1.jpg`` alone (the demo
+    shows it only beside itself), image paths absolute: as a JSON array on one line (every record
+    on line 1) and as JSON lines. A tower that cuts an image by how many its sample has
+    (LLaVA-OneVision: anyres crops alone, one square beside another) gives ``1.jpg`` other features
+    in the last record than in the first."""
+    demo = require(LLAMAFACTORY / "mllm_demo.json")
+    records = [{**record, "images": [str(demo.parent / image) for image in record["images"]]}
+               for record in json.loads(demo.read_text())]
+    records.append({"messages": [{"role": "user", "content": "<image>Who are they?"},
+                                 {"role": "assistant", "content": "Two footballers celebrating."}],
+                    "images": [str(demo.parent / "mllm_demo_data" / "1.jpg")]})
+    array, lines = folder / "one_line.json", folder / "records.jsonl"
+    array.write_text(json.dumps(records))
+    lines.write_text("".join(json.dumps(record) + "\n" for record in records))
+    return array, lines
 
 
 def good_record(image="img.jpg"):

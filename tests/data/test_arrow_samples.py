@@ -24,7 +24,8 @@ from loongforge.data.arrow_samples import ArrowSamples, cache_summary
 from loongforge.data.cache import cache_write_problem
 from loongforge.data.conversations import FileSamples
 from loongforge.data.samples import ConversationSample, Reject
-from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, good_record, require
+from loongforge.data.streaming import StreamingSamples
+from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, good_record, require, write_shared_image_records
 from tests.shared_data import SHARED_DATA
 
 
@@ -70,7 +71,33 @@ def test_same_samples_order_and_rejects_as_the_in_memory_reader(tmp_path):
     rejects = [s for s in got if isinstance(s, Reject)]
     print(f"\n{len(got)} records in {len(files)} files: {accepted} samples, {len(rejects)} rejects, all equal")
     assert accepted >= 190 and {r.reason for r in rejects} >= {"malformed_json", "bad_roles", "empty_answer"}
-    assert any(r.record is not None for r in rejects)  # the one-line list's bad element keeps its ordinal
+    assert all(r.record is not None for r in rejects)  # every record is named by its ordinal
+    ids = [s.sample_id for s in got if isinstance(s, ConversationSample)]
+    assert len(set(ids)) == len(ids)  # COCO's captions all start on one line, and a one-line list's records
+
+
+def test_records_sharing_a_line_have_their_own_ids_in_every_reader(tmp_path):
+    """Issue 49: a JSON array on one line, or a COCO captions file, starts every record on one line;
+    samples named <file>:<line> all had one id (and one key in a store of embeddings). Named by
+    their ordinal, each has its own, the same in the in-memory, Arrow and streaming readers, as
+    the same records written as JSON lines have."""
+    array, lines = write_shared_image_records(tmp_path)
+    coco = tmp_path / "captions.json"
+    captions = [{"image_id": 1, "id": i, "caption": f"A cat, {i}."} for i in range(3)]
+    coco.write_text(json.dumps({"images": [{"id": 1, "file_name": "cat.jpg"}], "annotations": captions}))
+    read = {}
+    for path in (array, lines, coco):
+        memory = FileSamples([str(path)])
+        arrow = ArrowSamples([str(path)], str(tmp_path / "cache"))
+        streamed = StreamingSamples([str(path)], window=4, shuffle=False, seed=0)
+        ids = [memory.get(i).sample_id for i in range(len(memory))]
+        assert [arrow.get(i).sample_id for i in range(len(arrow))] == ids
+        assert [streamed.get(0, p).sample_id for p in range(len(ids))] == ids
+        read[path] = ids, sorted({memory.get(i).line for i in range(len(memory))})
+    print("\n" + "; ".join(f"{path.name}: {len(set(ids))} distinct ids of {len(ids)} records (lines {lines})"
+                           for path, (ids, lines) in read.items()))
+    for path, (ids, _) in read.items():
+        assert ids == [f"{path}[{record}]" for record in range(len(ids))]  # ordinals: elements, lines - 1
 
 
 def test_copy_is_built_once_per_content_and_rebuilt_when_it_changes(tmp_path):

@@ -34,7 +34,7 @@ def test_every_reject_reason_with_file_and_line(tokenizer, bad_data):
     assert all(r.file == str(bad_data) and r.detail for r in rejects.values())
     accepted = [r for r in results if isinstance(r, MeasuredSample)]
     assert [s.line for s in accepted] == [1, 11]
-    assert accepted[1].sample_id == f"{bad_data}:11"
+    assert accepted[1].sample_id == f"{bad_data}[10]"  # named by its ordinal: line 11 - 1
     assert "nowhere/missing.jpg" in rejects[6].detail and "robot" in rejects[3].detail
 
 

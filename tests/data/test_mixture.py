@@ -15,6 +15,7 @@ from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import SampleMeasurer
 from loongforge.data.mixture import Mixture, build_mixture, entry_weights, parse_entry, source_names
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
+from loongforge.data.samples import sample_file
 from loongforge.data.streaming import StreamingSamples
 from tests.data.conftest import write_conversations
 
@@ -45,7 +46,7 @@ def _trained(stream, count: int) -> list[str]:
 
 
 def _shares(ids: list[str]) -> dict[str, float]:
-    files = Counter(Path(sample_id.rsplit(":", 1)[0]).name for sample_id in ids)
+    files = Counter(Path(sample_file(sample_id)).name for sample_id in ids)
     return {name: n / len(ids) for name, n in sorted(files.items())}
 
 

@@ -140,7 +140,7 @@ def test_every_sample_in_one_row_or_rejected_once(tokenizer, bad_data, tmp_path)
     lines = [json.loads(line) for line in rejects_path.read_text().splitlines()]
     assert sorted((r["line"], r["reason"]) for r in lines) == sorted(EXPECTED_REASONS.items())
     assert all(r["file"] == str(bad_data) and r["detail"] for r in lines)
-    assert all("record" not in r for r in lines)  # one record a line: file and line name it
+    assert all(r["record"] == r["line"] - 1 for r in lines)  # one record a line: its ordinal is its line - 1
     assert sum(pipeline.reject_counts().values()) == len(EXPECTED_REASONS)
     assert len(epoch0_positions) == len(set(epoch0_positions))  # no sample twice in an epoch
     assert len(epoch0_positions) + len(EXPECTED_REASONS) == num_records == 16  # none silently dropped

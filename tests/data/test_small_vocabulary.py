@@ -33,7 +33,7 @@ def _demo_conversations(per_file: int = 200) -> list:
         text = path.read_text(encoding="utf-8")
         records = [json.loads(line) for line in text.splitlines() if line.strip()] if name.endswith(".jsonl") else json.loads(text)
         for line, record in enumerate(records[:per_file], start=1):
-            sample = read_record(record, None, file=str(path), line=line, media_root=path.parent)
+            sample = read_record(record, None, file=str(path), line=line, ordinal=line - 1, media_root=path.parent)
             if isinstance(sample, ConversationSample):
                 samples.append(sample)
     return samples

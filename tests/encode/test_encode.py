@@ -16,6 +16,7 @@ import torch
 from PIL import Image
 from safetensors.torch import load_file
 
+from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ParallelConfig
 from loongforge.data.conversations import read_data_file
@@ -221,14 +222,30 @@ def test_records_sharing_a_line_are_found_apart(tmp_path):
     cfg = load_run_config(PRESET, overrides=list(SETTINGS))
     sizing = vision_sizing(cfg.data, cfg.model)
     found = []
-    for photo in photos:
+    for record, photo in enumerate(photos):
         grid = sizing.images.plan(*Image.open(photo).size).grid
-        sample = MeasuredSample(sample_id=f"{data}:1", file=str(data), line=1, input_ids=np.zeros(1, dtype=np.int64),
-                                is_answer=np.zeros(1, dtype=bool), images=[str(photo)], image_grids=[grid])
+        sample = MeasuredSample(sample_id=f"{data}[{record}]", file=str(data), line=1,
+                                input_ids=np.zeros(1, dtype=np.int64), is_answer=np.zeros(1, dtype=bool),
+                                images=[str(photo)], image_grids=[grid], record=record)
         assert store.problem(sample) is None
         (row,), _ = store.rows(sample)
         found.append(row.order)
     assert found == [0, 1, 2] and len(store) == 3
+
+
+def test_a_store_of_an_older_format_is_refused_in_one_line(encoded, tmp_path):
+    """embeddings/1 found media by their sample's line, which records of a one-line JSON array share:
+    such a store is refused, not misread."""
+    old = tmp_path / "old"
+    old.mkdir()
+    (old / "index.jsonl").write_bytes((encoded / "index.jsonl").read_bytes())
+    encoder = json.loads((encoded / "encoder.json").read_text())
+    (old / "encoder.json").write_text(json.dumps({**encoder, "format": "loongforge-embeddings/1"}))
+    with pytest.raises(InputError) as refused:
+        EmbeddingStore(old)
+    assert str(refused.value) == (f"{old} was written by an older `loongforge encode` (loongforge-embeddings/1, not "
+                                  "loongforge-embeddings/2: media found by line, which records of a JSON array can "
+                                  "share); encode again with --overwrite")
 
 
 def test_a_text_only_preset_is_a_usage_error(tmp_path):

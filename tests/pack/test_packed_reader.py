@@ -74,6 +74,12 @@ def test_incompatible_or_unfinished_folders_are_refused(pack_inputs, tmp_path):
         _pipeline(tmp_path / "packed", seq_len=SEQ_LEN // 2)
     with pytest.raises(InputError, match="other rules"):
         _pipeline(tmp_path / "packed", max_pixels=28 * 28 * 16)
+    # A folder of an older format named samples by line: refused in one line, not misread.
+    stats = tmp_path / "packed" / folder.STATS_FILE
+    stats.write_text(json.dumps({**json.loads(stats.read_text()), "format": "loongforge-pack/1"}))
+    with pytest.raises(InputError, match=r"written by an older `loongforge pack` \(loongforge-pack/1, not "
+                                         r"loongforge-pack/2: samples named by line"):
+        _pipeline(tmp_path / "packed")
     (tmp_path / "packed" / folder.STATS_FILE).unlink()
     with pytest.raises(InputError, match="not a finished"):
         _pipeline(tmp_path / "packed")

@@ -342,7 +342,9 @@ def assert_layout_trains_like_one_process(runs: dict[str, Path], layout: str, re
 def assert_stored_embeddings_train_like_the_frozen_encoder(out: Path, preset: str, data: Path, *options: str,
                                                            relative: float = 1e-5) -> None:
     """``loongforge encode`` of ``data`` (its ``options`` as ``--set``), then 4 steps on the stored features
-    against 4 steps with the towers online and frozen: losses and grad norms within ``relative``."""
+    against 4 steps with the towers online and frozen: the same rejects (a sample whose stored features
+    are missing or of another grid is a ``missing_embedding`` one), losses and grad norms within
+    ``relative``."""
     store = out / "embeddings"
     sets = [arg for option in options for arg in ("--set", option)]
     proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(data), "--output", str(store),
@@ -353,8 +355,17 @@ def assert_stored_embeddings_train_like_the_frozen_encoder(out: Path, preset: st
            *options)
     run_train(out / "online", *run, "training.freeze_vision=true", "training.freeze_projector=true", preset=preset)
     run_train(out / "stored", *run, f"data.vision_embeddings={store}", preset=preset)
+    rejects = {name: _reject_lines(out / name) for name in ("online", "stored")}
+    print(f"\n{preset} on {data.name}: {len(rejects['online'])} samples rejected online, "
+          f"{len(rejects['stored'])} on stored features")
+    assert rejects["stored"] == rejects["online"]
     assert_close_relative(losses(out / "stored"), losses(out / "online"), relative)
     assert_close_relative(grad_norms(out / "stored"), grad_norms(out / "online"), relative)
+
+
+def _reject_lines(run: Path) -> list[str]:
+    path = run / "rejects.jsonl"
+    return path.read_text().splitlines() if path.exists() else []
 
 
 def hf_tensors(folder: Path) -> dict[str, torch.Tensor]:

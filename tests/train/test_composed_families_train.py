@@ -4,7 +4,10 @@ up to 4 tiles and a thumbnail of 56 px; LLaVA-OneVision: one image a sample its 
 packed by its size, two a padded square each): DP 2 with balancing re-planning every step, and TP 2 x PP 2
 (vision TP 2), equal one process (losses, grad norms and Adam moments, each kind of the tower's tensors
 included, to 1e-5 relative); stored embeddings (``loongforge encode``: InternVL's features per tile token,
-LLaVA-OneVision's each image packed with its newline) train like the frozen online encoder."""
+LLaVA-OneVision's each image packed with its newline) train like the frozen online encoder, on a JSON
+array written on one line whose records show one image alone and beside another (issue 49: keyed by line,
+LLaVA-OneVision's 94 features of the lone image were replaced by the 17 of the other record, whose sample
+then trained as a missing_embedding reject)."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.data.conftest import write_shared_image_records
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     SAVE_AT_END,
@@ -47,4 +51,5 @@ def test_layout_trains_like_one_process(runs, layout):
 
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
 def test_stored_embeddings_train_like_the_frozen_encoder(preset, tmp_path):
-    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, preset, DEMO_IMAGES, "data.seq_len=1024")
+    one_line_array, _ = write_shared_image_records(tmp_path)
+    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, preset, one_line_array, "data.seq_len=1024")

@@ -107,5 +107,5 @@ def test_streamed_dp2_resumed_at_dp4_trains_each_sample_once(runs):
     trained = _trained(run)
     assert {step for step, _, _ in trained} == {1, 2, 3, 4}
     data_file = run.parent / "chats.jsonl"
-    _assert_epochs_once(trained, 1, [f"{data_file}:{line}" for line in range(1, STREAMED_SAMPLES + 1)],
+    _assert_epochs_once(trained, 1, [f"{data_file}[{record}]" for record in range(STREAMED_SAMPLES)],
                         "streamed DP 2 -> 4")

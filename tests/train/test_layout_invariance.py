@@ -95,7 +95,7 @@ RESUME_STEP = 2
 
 def _media_by_sample_id() -> dict[str, set[str]]:
     records = read_json_array(MIX.read_text())
-    return {f"{MIX}:{r.line}": {kind for kind in ("images", "videos") if r.record.get(kind)}
+    return {f"{MIX}[{r.ordinal}]": {kind for kind in ("images", "videos") if r.record.get(kind)}
             for r in records}
 
 

@@ -37,7 +37,7 @@ def test_videos_train_with_timestamped_frames(tmp_path):
     assert json.loads((tmp_path / "summary.json").read_text())["rejects"] == {}
     step_losses = losses(tmp_path)
     assert len(step_losses) == 2 and all(math.isfinite(loss) for loss in step_losses), step_losses
-    videos = {f"{MIX}:{r.line}" for r in read_json_array(MIX.read_text()) if r.record.get("videos")}
+    videos = {f"{MIX}[{r.ordinal}]" for r in read_json_array(MIX.read_text()) if r.record.get("videos")}
     trained = {sid for line in (tmp_path / "plans.jsonl").read_text().splitlines()
                for mb in json.loads(line)["sample_ids"] for sid in mb}
     assert trained & videos, "no video sample in the 2 steps"

@@ -7,7 +7,8 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
-FORMAT = "loongforge-pack/1"
+# 2: samples named by their record, not their line (1; a folder of 1 is refused: pack again).
+FORMAT = "loongforge-pack/2"
 CONFIG_FILE = "pack_config.json"  # what produced the folder; --resume refuses a different one
 SCAN_DIR = "scan"
 MANIFEST_FILE = "manifest.jsonl"

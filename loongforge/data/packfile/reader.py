@@ -17,7 +17,7 @@ import numpy as np
 
 from loongforge.config.errors import InputError
 from loongforge.data.measure import MeasuredSample
-from loongforge.data.packfile.folder import MANIFEST_FILE, STATS_FILE
+from loongforge.data.packfile.folder import FORMAT, MANIFEST_FILE, STATS_FILE
 from loongforge.data.packfile.schema import decode_pack
 from loongforge.data.packing import PackItem
 from loongforge.data.vision import VisionSizing
@@ -35,6 +35,11 @@ class PackedFolder:
             raise InputError(f"data.packed={self.root}: no {STATS_FILE}, so not a finished `loongforge pack` "
                              f"folder; run (or finish with --resume) `loongforge pack ... --output {self.root}`")
         self.stats = json.loads(stats_path.read_text())
+        written = self.stats.get("format")
+        if written != FORMAT:
+            raise InputError(f"data.packed={self.root} was written by an older `loongforge pack` ({written}, not "
+                             f"{FORMAT}: samples named by line, which records of a JSON array can share); "
+                             f"pack the inputs again into a new folder")
         self.locations: list[tuple[str, int]] = []
         with open(self.root / MANIFEST_FILE, encoding="utf-8") as f:
             for line in f:

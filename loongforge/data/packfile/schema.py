@@ -15,6 +15,7 @@ import numpy as np
 import pyarrow as pa
 
 from loongforge.data.measure import MeasuredSample
+from loongforge.data.samples import sample_file
 from loongforge.data.vision import VideoPlan
 
 IMAGE = pa.struct([("path", pa.string()), ("bytes", pa.binary())])
@@ -37,9 +38,9 @@ SCHEMA = pa.schema([
     ("image_sizes", pa.list_(pa.list_(pa.list_(pa.int32())))),
     ("videos", pa.list_(pa.list_(pa.string()))),
     ("video_plans", pa.list_(pa.list_(VIDEO_PLAN))),
-    # per sample its ordinal in its file, null unless its line holds other samples (MeasuredSample.record);
-    # shards written before this column read as all null
+    # per sample its ordinal in its file (MeasuredSample.record), what names it
     ("sample_records", pa.list_(pa.int64())),
+    ("sample_lines", pa.list_(pa.int64())),  # per sample the line it starts at, for people
 ])
 
 
@@ -56,6 +57,7 @@ def encode_pack(pack: int, samples: list[MeasuredSample]) -> dict:
         "videos": [[os.path.abspath(str(video)) for video in s.videos] for s in samples],
         "video_plans": [[_plan_dict(plan) for plan in s.video_plans] for s in samples],
         "sample_records": [s.record for s in samples],
+        "sample_lines": [s.line for s in samples],
     }
 
 
@@ -76,12 +78,10 @@ def _plan_dict(plan: VideoPlan) -> dict:
 def decode_pack(row: dict) -> list[MeasuredSample]:
     """The pack's samples back from a shard row (``Table.to_pylist()`` element)."""
     samples = []
-    records = row.get("sample_records") or [None] * len(row["sample_ids"])
     sizes = row.get("image_sizes") or [[] for _ in row["sample_ids"]]
     for k, sample_id in enumerate(row["sample_ids"]):
-        file, _, line = sample_id.split("#")[0].rpartition(":")  # "#<piece>": a cut document's piece
         samples.append(MeasuredSample(
-            sample_id=sample_id, file=file, line=int(line) if line.isdigit() else 0,
+            sample_id=sample_id, file=sample_file(sample_id), line=row["sample_lines"][k],
             input_ids=np.asarray(row["input_ids"][k], dtype=np.int64),
             is_answer=np.asarray(row["is_answer"][k], dtype=bool),
             images=[ref["bytes"] if ref["bytes"] is not None else ref["path"] for ref in row["images"][k]],
@@ -92,6 +92,6 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
                                    resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),
                                    second_per_grid_t=p["second_per_grid_t"], fps=p.get("fps"))
                         for p in row["video_plans"][k]],
-            record=records[k],
+            record=row["sample_records"][k],
         ))
     return samples
