@@ -22,6 +22,7 @@ a weight every entry needs one. Pure: no torch, no I/O.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache, reduce
@@ -141,10 +142,11 @@ class Mixture:
             runs = np.flatnonzero(np.diff(epoch[drawn])) + 1  # where each of its next epochs begins
             for run in np.split(drawn, runs):  # one epoch of s at a time: a small source has many
                 if len(run):
-                    out[run] = self.starts[s] + self._order(s, int(epoch[run[0]]))[position[run]]
+                    out[run] = self.starts[s] + self.order(s, int(epoch[run[0]]))[position[run]]
         return out
 
-    def _order(self, source: int, epoch: int) -> np.ndarray:
+    def order(self, source: int, epoch: int) -> np.ndarray:
+        """Source ``source``'s samples (indices within it) in the order its ``epoch`` visits them."""
         return _source_order(int(self.sizes[source]), self.seed, source, epoch, self.shuffle)
 
 
@@ -162,6 +164,14 @@ def check_none_empty(paths: list, sizes: list[int]) -> None:
     empty = next((entry for entry, size in zip(paths, sizes) if not size), None)
     if empty is not None:
         raise InputError(f"data.paths entry {empty!r} has a weight but holds no samples; drop it or give it data")
+
+
+def all_rejected_error(name: str, reasons: Counter, what: str = "samples") -> InputError:
+    """The one line for a weighted entry none of whose samples can be trained: it would silently
+    give its share to the others. ``reasons``: reject reason -> count."""
+    by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+    return InputError(f"data.paths entry {name!r}: all {sum(reasons.values())} {what} were rejected ({by_reason}); "
+                      "fix them or drop the entry (its weight would go to the other entries)")
 
 
 def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) -> Optional[Mixture]:

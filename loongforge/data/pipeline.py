@@ -52,6 +52,7 @@ from loongforge.data.fingerprint import check_files, counted_position, run_finge
 from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
+    all_rejected_error,
     build_mixture,
     check_same_weights,
     counts_report,
@@ -220,6 +221,22 @@ class RowStream:
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
         self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
         self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
+        if mixture is not None:
+            self._check_sources_usable()
+
+    def _check_sources_usable(self) -> None:
+        """Stop before training on a weighted source whose every sample is rejected (its share would
+        silently go to the others): each source is measured in its first epoch's order until a
+        sample is accepted, one measurement for a usable source, all of them for a rejected one."""
+        for source, name in enumerate(self.counts.names):
+            reasons: Counter = Counter()
+            for index in self.mixture.order(source, 0):
+                measured = self._measure_index(int(self.mixture.starts[source] + index))
+                if isinstance(measured, MeasuredSample):
+                    break
+                reasons[measured.reason] += 1
+            else:
+                raise all_rejected_error(name, reasons)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Sample index at each position of ``epoch`` (with a mixture: of its block of draws)."""
@@ -304,7 +321,9 @@ class RowStream:
 
     def _measure_at(self, position: tuple[int, int]) -> Union[MeasuredSample, Reject]:
         epoch, cursor = position
-        index = int(self.epoch_order(epoch)[cursor])
+        return self._measure_index(int(self.epoch_order(epoch)[cursor]))
+
+    def _measure_index(self, index: int) -> Union[MeasuredSample, Reject]:
         if index in self._rejected:  # measuring is deterministic: a reject stays one
             return self._rejected[index]
         sample = self.source.get(index)

@@ -16,7 +16,7 @@ from loongforge.data.measure import SampleMeasurer
 from loongforge.data.mixture import Mixture, build_mixture, entry_weights, parse_entry, source_names
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.streaming import StreamingSamples
-from tests.data.conftest import write_conversations
+from tests.data.conftest import good_record, write_conversations
 
 MODEL = ModelConfig()
 SEQ_LEN = 256
@@ -236,3 +236,25 @@ def test_streamed_mixture_counts_sources_and_resumes_exactly(tokenizer, two_sour
                                                            zip(two_sources, state["sources"]["samples"])]
     with pytest.raises(InputError, match=r"saved with data.paths weights \[3, 1\], this run has \[1, 1\]"):
         stream([f"{two_sources[0]}@1", f"{two_sources[1]}@1"]).load_state_dict(state)
+
+
+def _images_missing(path: Path, count: int) -> Path:
+    """``count`` one-image conversations whose image files do not exist, and one malformed line."""
+    path.write_text("".join(json.dumps(good_record(f"gone/{i}.jpg")) + "\n" for i in range(count)) + "{oops\n")
+    return path
+
+
+def test_a_source_whose_every_sample_is_rejected_stops_before_training(tokenizer, two_sources, tmp_path):
+    """Issue 49: an entry none of whose samples could be trained gave its share to the others,
+    silently. Now one line names it and its reasons before the first row is packed."""
+    missing = _images_missing(tmp_path / "images_gone.jsonl", 5)
+    with pytest.raises(InputError) as error:
+        _stream(tokenizer, [f"{two_sources[0]}@1", f"{missing}@1"], tmp_path)
+    print(error.value)
+    assert str(error.value) == (f"data.paths entry {str(missing)!r}: all 6 samples were rejected (malformed_json: 1, "
+                                "missing_image: 5); fix them or drop the entry (its weight would go to the other "
+                                "entries)")
+    usable = tmp_path / "one_usable.jsonl"  # one sample of 7 trainable: no error, it trains that one
+    usable.write_text(missing.read_text() + Path(two_sources[1]).read_text().splitlines()[0] + "\n")
+    ids = _trained(_stream(tokenizer, [f"{two_sources[0]}@1", f"{usable}@1"], tmp_path), 40)
+    assert {i for i in ids if "one_usable" in i} == {f"{usable}:7"}

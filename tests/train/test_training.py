@@ -144,6 +144,24 @@ def test_only_rejected_samples_is_a_one_line_error(tmp_path):
     assert "Traceback" not in proc.stderr
 
 
+def test_a_mixture_entry_whose_every_sample_is_rejected_stops_before_step_1(tmp_path):
+    """Issue 49: its weight went to the other entries, silently. Now exit 2, one line naming it."""
+    from tests.shared_data import SHARED_DATA
+
+    demo = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+    gone = tmp_path / "images_gone.jsonl"
+    record = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}]}
+    gone.write_text("".join(json.dumps({**record, "images": [f"gone/{i}.jpg"]}) + "\n" for i in range(4)))
+    proc = run_train(tmp_path / "run", "data.source=files", f"data.paths=[{demo}@1,{gone}@1]",
+                     "training.train_steps=1", f"data.cache_dir={tmp_path / 'cache'}", expect_ok=False)
+    print(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: data.paths entry {str(gone)!r}: all 4 samples were rejected (missing_image: 4); fix them or drop "
+        "the entry (its weight would go to the other entries)")
+    assert "Traceback" not in proc.stderr and "step 1" not in proc.stdout
+
+
 def test_rejects_reported_are_those_of_the_trained_steps_at_every_layout(tmp_path):
     """Issue 49: the summary counted the rejects the prefetching reader had reached (16,858 once,
     20,011 the next time; rejects.jsonl 20,011 both times). It now counts, and rejects.jsonl lists,
