@@ -201,12 +201,15 @@ def source_names(paths: list) -> list[str]:
 
 class SourceCounts:
     """Samples and tokens trained from each source (data.paths entry), from the run's start:
-    counted as rows leave the packer, so samples it still holds are not counted yet."""
+    counted as rows leave the packer, so samples it still holds are not counted yet. With
+    ``rejected`` (a streamed mixture, whose draws have no closed form) also the records rejected,
+    so that samples + rejected are the records drawn (``epochs``)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], *, rejected: bool = False):
         self.names = list(names)
         self.samples = [0] * len(names)
         self.tokens = [0] * len(names)
+        self.rejected = [0] * len(names) if rejected else None
 
     def add(self, source: int, key: tuple, tokens: int) -> None:
         """One packed item: ``key`` its stream position, (epoch, position) or (epoch, position,
@@ -215,17 +218,29 @@ class SourceCounts:
         if len(key) == 2 or key[2] == 0:
             self.samples[source] += 1
 
+    def reject(self, source: int) -> None:
+        self.rejected[source] += 1
+
+    def drawn(self, counts: dict) -> list[int]:
+        """Records drawn from each source: trained or rejected (``counts``: a ``state``, or a sum)."""
+        return [n + r for n, r in zip(counts["samples"], counts["rejected"])]
+
     def state(self) -> dict:
-        return {"samples": list(self.samples), "tokens": list(self.tokens)}
+        rejected = {"rejected": list(self.rejected)} if self.rejected is not None else {}
+        return {"samples": list(self.samples), "tokens": list(self.tokens), **rejected}
 
     def load(self, state: dict) -> None:
         self.samples = [int(n) for n in state["samples"]]
         self.tokens = [int(n) for n in state["tokens"]]
+        if self.rejected is not None:  # a checkpoint from before it was counted: from 0
+            self.rejected = [int(n) for n in state.get("rejected", [0] * len(self.names))]
 
 
 def summed_counts(states: list[dict]) -> dict:
     """One ``SourceCounts.state`` from every data-parallel shard's."""
-    return {key: [sum(values) for values in zip(*(state[key] for state in states))] for key in ("samples", "tokens")}
+    return {key: [sum(values) for values in zip(*(state.get(key, [0] * len(states[0]["samples"]))
+                                                  for state in states))]
+            for key in states[0]}
 
 
 def redealt_counts(states: list[dict], shard_index: int) -> dict:
@@ -242,6 +257,6 @@ def counts_report(names: list[str], counts: dict, epochs: Optional[list[float]] 
     report = {}
     for s, name in enumerate(names):
         report[name] = {"samples": counts["samples"][s], "tokens": counts["tokens"][s]}
-        if epochs is not None:
-            report[name]["epochs"] = round(epochs[s], 4)
+        if epochs is not None:  # None for a streamed source whose size is not known yet
+            report[name]["epochs"] = round(epochs[s], 4) if epochs[s] is not None else None
     return report
