@@ -175,7 +175,7 @@ def test_rejects_reported_are_those_of_the_trained_steps_at_every_layout(tmp_pat
     figures = {}
     for name, nproc, workers in (("1 rank, no prefetch", 1, 0), ("DP 2, prefetching", 2, 1)):
         out = tmp_path / name.replace(" ", "_").replace(",", "")
-        run_train(out, *common, f"data.num_workers={workers}", nproc=nproc)
+        run_train(out, *common, f"data.num_workers={workers}", nproc=nproc, preset="llm-tiny-small-vocab")
         listed = {(r["line"], r["reason"]) for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
         figures[name] = (sum(json.loads((out / "summary.json").read_text())["rejects"].values()), len(listed))
     print(f"rejects after 2 steps (summary.json, rejects.jsonl): {figures}")
