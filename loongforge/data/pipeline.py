@@ -129,11 +129,12 @@ class RejectLog:
 
     def record_all(self, rejects: list[Reject]) -> None:
         with self._lock:
-            new = [r for r in rejects if r.key not in self._seen]
-            new = list({r.key: r for r in new}.values())
-            for reject in new:
-                self._seen.add(reject.key)
-                self._counts[reject.reason] += 1
+            new: list[Reject] = []
+            for reject in rejects:
+                if reject.key not in self._seen:
+                    self._seen.add(reject.key)
+                    self._counts[reject.reason] += 1
+                    new.append(reject)
             if self.path is not None and new:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path, "a", encoding="utf-8") as f:
@@ -162,6 +163,7 @@ class RejectLog:
                 self._keep_listed_seen()
 
     def _keep_listed_seen(self) -> None:
+        """Rewrite the file with its first line for each reject the loaded state has seen."""
         kept: dict[RejectKey, str] = {}
         for line in self.path.read_text(encoding="utf-8").splitlines():
             key = Reject(**json.loads(line)).key
