@@ -22,6 +22,7 @@ a weight every entry needs one. Pure: no torch, no I/O.
 from __future__ import annotations
 
 import math
+from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache, reduce
@@ -141,10 +142,11 @@ class Mixture:
             runs = np.flatnonzero(np.diff(epoch[drawn])) + 1  # where each of its next epochs begins
             for run in np.split(drawn, runs):  # one epoch of s at a time: a small source has many
                 if len(run):
-                    out[run] = self.starts[s] + self._order(s, int(epoch[run[0]]))[position[run]]
+                    out[run] = self.starts[s] + self.order(s, int(epoch[run[0]]))[position[run]]
         return out
 
-    def _order(self, source: int, epoch: int) -> np.ndarray:
+    def order(self, source: int, epoch: int) -> np.ndarray:
+        """Source ``source``'s samples (indices within it) in the order its ``epoch`` visits them."""
         return _source_order(int(self.sizes[source]), self.seed, source, epoch, self.shuffle)
 
 
@@ -162,6 +164,14 @@ def check_none_empty(paths: list, sizes: list[int]) -> None:
     empty = next((entry for entry, size in zip(paths, sizes) if not size), None)
     if empty is not None:
         raise InputError(f"data.paths entry {empty!r} has a weight but holds no samples; drop it or give it data")
+
+
+def all_rejected_error(name: str, reasons: Counter, what: str = "samples") -> InputError:
+    """The one line for a weighted entry none of whose samples can be trained: it would silently
+    give its share to the others. ``reasons``: reject reason -> count."""
+    by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
+    return InputError(f"data.paths entry {name!r}: all {sum(reasons.values())} {what} were rejected ({by_reason}); "
+                      "fix them or drop the entry (its weight would go to the other entries)")
 
 
 def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) -> Optional[Mixture]:
@@ -191,12 +201,15 @@ def source_names(paths: list) -> list[str]:
 
 class SourceCounts:
     """Samples and tokens trained from each source (data.paths entry), from the run's start:
-    counted as rows leave the packer, so samples it still holds are not counted yet."""
+    counted as rows leave the packer, so samples it still holds are not counted yet. With
+    ``rejected`` (a streamed mixture, whose draws have no closed form) also the records rejected,
+    so that samples + rejected are the records drawn (``epochs``)."""
 
-    def __init__(self, names: list[str]):
+    def __init__(self, names: list[str], *, rejected: bool = False):
         self.names = list(names)
         self.samples = [0] * len(names)
         self.tokens = [0] * len(names)
+        self.rejected = [0] * len(names) if rejected else None
 
     def add(self, source: int, key: tuple, tokens: int) -> None:
         """One packed item: ``key`` its stream position, (epoch, position) or (epoch, position,
@@ -205,17 +218,29 @@ class SourceCounts:
         if len(key) == 2 or key[2] == 0:
             self.samples[source] += 1
 
+    def reject(self, source: int) -> None:
+        self.rejected[source] += 1
+
+    def drawn(self, counts: dict) -> list[int]:
+        """Records drawn from each source: trained or rejected (``counts``: a ``state``, or a sum)."""
+        return [n + r for n, r in zip(counts["samples"], counts["rejected"])]
+
     def state(self) -> dict:
-        return {"samples": list(self.samples), "tokens": list(self.tokens)}
+        rejected = {"rejected": list(self.rejected)} if self.rejected is not None else {}
+        return {"samples": list(self.samples), "tokens": list(self.tokens), **rejected}
 
     def load(self, state: dict) -> None:
         self.samples = [int(n) for n in state["samples"]]
         self.tokens = [int(n) for n in state["tokens"]]
+        if self.rejected is not None:  # a checkpoint from before it was counted: from 0
+            self.rejected = [int(n) for n in state.get("rejected", [0] * len(self.names))]
 
 
 def summed_counts(states: list[dict]) -> dict:
     """One ``SourceCounts.state`` from every data-parallel shard's."""
-    return {key: [sum(values) for values in zip(*(state[key] for state in states))] for key in ("samples", "tokens")}
+    return {key: [sum(values) for values in zip(*(state.get(key, [0] * len(states[0]["samples"]))
+                                                  for state in states))]
+            for key in states[0]}
 
 
 def redealt_counts(states: list[dict], shard_index: int) -> dict:
@@ -232,6 +257,6 @@ def counts_report(names: list[str], counts: dict, epochs: Optional[list[float]] 
     report = {}
     for s, name in enumerate(names):
         report[name] = {"samples": counts["samples"][s], "tokens": counts["tokens"][s]}
-        if epochs is not None:
-            report[name]["epochs"] = round(epochs[s], 4)
+        if epochs is not None:  # None for a streamed source whose size is not known yet
+            report[name]["epochs"] = round(epochs[s], 4) if epochs[s] is not None else None
     return report

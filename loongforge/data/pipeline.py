@@ -10,6 +10,10 @@ The stream runs over epochs forever; epoch ``e`` visits every sample once, in a 
 from (data.seed, e) when data.shuffle. ``state_dict()`` is the exact position after the last step
 returned (epoch, cursor, packing buffer, rejects seen), so a resumed run gets the same rows.
 
+The rejects counted (summary, ``rejects.jsonl``, checkpoint) are those met making the steps the run
+consumed, every rank's: a step's count when it is taken, never while a prefetching reader holds it,
+so the figure is the same whatever the prefetch timing and, where the rows are, at every layout.
+
 With weighted data.paths entries (``path@weight``, ``loongforge.data.mixture``) the stream is the
 mixture's draw sequence instead, cut into blocks as long as an epoch would be: block ``e`` is
 draws ``e*N .. (e+1)*N - 1`` for ``N`` samples, and each source keeps its own epochs. Positions,
@@ -49,6 +53,7 @@ from loongforge.data.order import check_order, data_order
 from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
+    all_rejected_error,
     build_mixture,
     check_same_weights,
     counts_report,
@@ -109,38 +114,42 @@ def _whole_source(data_cfg: DataConfig, text_only: bool) -> Union[ArrowSamples, 
 
 
 class RejectLog:
-    """Counts each reject once (by ``Reject.key``: file, line, record, reason) and appends new ones
-    to a JSONL file."""
+    """The rejects of the steps the run consumed: counts each once (by ``Reject.key``: file, line,
+    record, reason) and appends new ones to a JSONL file. Streams record what they meet into a
+    ``MetRejects``; a step's rejects reach this log when the step is consumed (``DataPipeline``), so
+    the count, the file and the checkpointed state agree whatever the prefetch timing."""
 
-    def __init__(self, path: Optional[Path], *, keep_new: bool = False):
+    def __init__(self, path: Optional[Path]):
         self.path = Path(path) if path is not None else None
-        self.keep_new = keep_new  # exchange mode hands new rejects to the other ranks
         self._seen: set[RejectKey] = set()
         self._counts: Counter = Counter()
-        self._new: list[Reject] = []  # recorded since the last take_new() (exchange mode shares them)
         self._lock = threading.Lock()
 
     def record(self, reject: Reject) -> None:
+        self.record_all([reject])
+
+    def record_all(self, rejects: list[Reject]) -> None:
         with self._lock:
-            if reject.key in self._seen:
-                return
-            self._seen.add(reject.key)
-            self._counts[reject.reason] += 1
-            if self.keep_new:
-                self._new.append(reject)
-            if self.path is not None:
+            new: list[Reject] = []
+            for reject in rejects:
+                if reject.key not in self._seen and not self._seen_before_records(reject.key):
+                    self._seen.add(reject.key)
+                    self._counts[reject.reason] += 1
+                    new.append(reject)
+            if self.path is not None and new:
                 self.path.parent.mkdir(parents=True, exist_ok=True)
                 with open(self.path, "a", encoding="utf-8") as f:
-                    f.write(json.dumps(reject.to_json(), ensure_ascii=False) + "\n")
+                    f.writelines(json.dumps(r.to_json(), ensure_ascii=False) + "\n" for r in new)
+
+    def _seen_before_records(self, key: RejectKey) -> bool:
+        """Whether a checkpoint saved before every record had its ordinal holds this reject: it keyed a
+        record alone on its line by (file, line, reason), exact for those records."""
+        file, line, record, reason = key
+        return record is not None and (file, line, None, reason) in self._seen
 
     def counts(self) -> dict[str, int]:
         with self._lock:
             return dict(self._counts)
-
-    def take_new(self) -> list[Reject]:
-        with self._lock:
-            new, self._new = self._new, []
-            return new
 
     def state_dict(self) -> dict:
         """``seen``: [file, line, reason] per reject, with its record appended when it has one
@@ -151,10 +160,44 @@ class RejectLog:
             return {"seen": sorted(seen), "counts": dict(self._counts)}
 
     def load_state_dict(self, state: dict) -> None:
+        """The checkpoint's rejects; the file keeps only those (once each): a run that went on past
+        the checkpoint listed later ones, which the resumed run meets, and lists, again."""
         with self._lock:
             self._seen = {(f, int(line), int(record[0]) if record else None, reason)
                           for f, line, reason, *record in state["seen"]}
             self._counts = Counter(state["counts"])
+            if self.path is not None and self.path.is_file():
+                self._keep_listed_seen()
+
+    def _keep_listed_seen(self) -> None:
+        """Rewrite the file with its first line for each reject the loaded state has seen."""
+        kept: dict[RejectKey, str] = {}
+        for line in self.path.read_text(encoding="utf-8").splitlines():
+            key = Reject(**json.loads(line)).key
+            if key in self._seen:
+                kept.setdefault(key, line)
+        self.path.write_text("".join(line + "\n" for line in kept.values()), encoding="utf-8")
+
+
+class MetRejects:
+    """What a stream met while producing steps not yet handed on: the rejects of one step (each
+    once), taken with the step (``DataPipeline._produce_step``) and counted when it is consumed.
+    ``path``: the reject log's file, which a stream's errors name."""
+
+    def __init__(self, path: Optional[Path] = None):
+        self.path = path
+        self._met: dict[RejectKey, Reject] = {}
+        self._lock = threading.Lock()  # late rejects come from the decoding threads
+
+    def record(self, reject: Reject) -> None:
+        with self._lock:
+            self._met.setdefault(reject.key, reject)
+
+    def take(self) -> list[Reject]:
+        """The rejects met since the last take, in key order (decoding threads finish in any order)."""
+        with self._lock:
+            met, self._met = self._met, {}
+        return sorted(met.values(), key=lambda r: (r.file, r.line, -1 if r.record is None else r.record, r.reason))
 
 
 class RowStream:
@@ -187,6 +230,22 @@ class RowStream:
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
         self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
         self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
+        if mixture is not None:
+            self._check_sources_usable()
+
+    def _check_sources_usable(self) -> None:
+        """Stop before training on a weighted source whose every sample is rejected (its share would
+        silently go to the others): each source is measured in its first epoch's order until a
+        sample is accepted, one measurement for a usable source, all of them for a rejected one."""
+        for source, name in enumerate(self.counts.names):
+            reasons: Counter = Counter()
+            for index in self.mixture.order(source, 0):
+                measured = self._measure_index(int(self.mixture.starts[source] + index))
+                if isinstance(measured, MeasuredSample):
+                    break
+                reasons[measured.reason] += 1
+            else:
+                raise all_rejected_error(name, reasons)
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Sample index at each position of ``epoch`` (with a mixture: of its block of draws)."""
@@ -271,7 +330,9 @@ class RowStream:
 
     def _measure_at(self, position: tuple[int, int]) -> Union[MeasuredSample, Reject]:
         epoch, cursor = position
-        index = int(self.epoch_order(epoch)[cursor])
+        return self._measure_index(int(self.epoch_order(epoch)[cursor]))
+
+    def _measure_index(self, index: int) -> Union[MeasuredSample, Reject]:
         if index in self._rejected:  # measuring is deterministic: a reject stays one
             return self._rejected[index]
         sample = self.source.get(index)
@@ -356,7 +417,8 @@ class DataPipeline:
         self.embedding_width = stored_feature_width(model_cfg)
         self.num_workers = data_cfg.num_workers
         self.prefetch_steps = prefetch_steps
-        self.rejects = RejectLog(rejects_path, keep_new=self.read == "sharded")
+        self.rejects = RejectLog(rejects_path)  # the consumed steps' rejects
+        self._met = MetRejects(self.rejects.path)  # the stream's, until their step is consumed
         self.groups = groups
         # In sharded reading only each DP rank's leader loads; its TP / PP peers get its batches.
         self.loads_data = self.read == "global" or groups is None or groups.is_leader
@@ -444,7 +506,7 @@ class DataPipeline:
                                        shuffle=data_cfg.shuffle, seed=data_cfg.seed, reading=reading_for(data_cfg))
             return StreamingRowStream(windows, measurer,
                                       packer=LookaheadPacker(data_cfg.seq_len, lookahead, self.sample_multiple),
-                                      rejects=self.rejects, shard=shard)
+                                      rejects=self._met, shard=shard)
         samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
         mixture = None
         if data_cfg.source == "files" and entry_weights(list(data_cfg.paths)) is not None:
@@ -452,7 +514,7 @@ class DataPipeline:
                                     shuffle=data_cfg.shuffle)
         return RowStream(samples, measurer, seq_len=data_cfg.seq_len,
                          lookahead=lookahead, shuffle=data_cfg.shuffle, seed=data_cfg.seed,
-                         rejects=self.rejects, shard=shard, mixture=mixture, names=source_names(data_cfg.paths),
+                         rejects=self._met, shard=shard, mixture=mixture, names=source_names(data_cfg.paths),
                          sample_multiple=self.sample_multiple)
 
     # ------------------------------------------------------------ public API
@@ -460,13 +522,18 @@ class DataPipeline:
     def next_step(self) -> list[dict]:
         start = time.perf_counter()
         self._follow_cost_model()
-        if self.num_workers >= 1:
-            if self._worker is None:
-                self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
-            produced = self._worker.get()
-        else:
-            produced = self._produce_step()
+        try:
+            if self.num_workers >= 1:
+                if self._worker is None:
+                    self._worker = _StepWorker(self._produce_step, self.prefetch_steps)
+                produced = self._worker.get()
+            else:
+                produced = self._produce_step()
+        except InputError:  # e.g. every sample rejected: the file the message names lists them
+            self.rejects.record_all(self._met.take())
+            raise
         self.last_data_wait_s = time.perf_counter() - start
+        self.rejects.record_all(produced.rejects)  # counted once consumed, never while prefetched
         self._consumed_state = produced.state
         self.last_row_epoch = produced.row_epoch
         self.last_sources = produced.sources
@@ -592,6 +659,7 @@ class DataPipeline:
 
     def _rewind_to(self, state: dict) -> None:
         # The prefetcher may have packed steps nobody consumed; start again from `state`.
+        self._met.take()  # met making those steps: met again when they are made again
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
         self._step = int(state["step"])
@@ -624,7 +692,8 @@ class DataPipeline:
         else:
             mine = [rows[i] for i in self.my_rows]
         sources = self.stream.source_report() if isinstance(self.stream, (RowStream, StreamingRowStream)) else None
-        return _Produced(self._map(self._collate, mine), state, decision, self._latest_epoch(items), sources)
+        micro_batches = self._map(self._collate, mine)
+        return _Produced(micro_batches, state, decision, self._latest_epoch(items), sources, self._met.take())
 
     def _produce_sharded_step(self) -> "_Produced":
         """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated
@@ -636,12 +705,10 @@ class DataPipeline:
             self._step += 1
             state = self._stream_state()
             materialized = self._map(self._materialize, rows)
-            mine, decision, rejects = self._exchange.run(materialized, self.rejects.take_new())
-            for reject in rejects:  # every rank counts every rank's rejects (rank 0 writes them)
-                self.rejects.record(reject)
-            self.rejects.take_new()  # those were just shared
+            # Every rank counts every rank's rejects of the step (rank 0 writes them).
+            mine, decision, rejects = self._exchange.run(materialized, self._met.take())
             result = _Produced(self._map(self._collate_materialized, mine), state, decision,
-                               self._latest_epoch(items), self._all_shards_sources())
+                               self._latest_epoch(items), self._all_shards_sources(), rejects)
         if self.groups is not None and self.groups.replicas is not None:
             result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
             if not self.loads_data:
@@ -673,7 +740,7 @@ class DataPipeline:
             materialized = [materialize(sample, self.sizing) for sample in row]
         for item in materialized:
             if item.late_reject is not None:
-                self.rejects.record(item.late_reject)
+                self._met.record(item.late_reject)
         return materialized
 
     def _collate_materialized(self, materialized: list[MaterializedSample]) -> dict:
@@ -693,6 +760,7 @@ class _Produced(NamedTuple):
     decision: object  # the balance decision (None without balancing)
     row_epoch: Optional[int]  # the latest epoch a sample of the step's rows was drawn in
     sources: Optional[dict]  # weighted data.paths: per-source counts of all ranks so far
+    rejects: list  # the Rejects met making the step (all ranks' when reading sharded)
 
 
 class _StepWorker:

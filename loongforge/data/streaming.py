@@ -46,6 +46,7 @@ from loongforge.data.conversations import (
 from loongforge.data.measure import MeasuredSample, document_pieces
 from loongforge.data.mixture import (
     SourceCounts,
+    all_rejected_error,
     check_none_empty,
     check_same_weights,
     counts_report,
@@ -70,13 +71,15 @@ _WINDOWS_KEPT = 4  # decoded windows kept in memory: the packer looks back at mo
 
 class _Entry:
     """One record as read, parsed into a sample only when its shard asks for it. ``group``: the
-    data.paths entry it came from (set by the reader that mixes them)."""
+    data.paths entry it came from, ``passes``: the passes over that entry ended before it in its
+    epoch (both set by the reader that mixes them)."""
 
-    __slots__ = ("parse", "group")
+    __slots__ = ("parse", "group", "passes")
 
     def __init__(self, parse: Callable[[], Sample]):
         self.parse = parse
         self.group = 0
+        self.passes = 0
 
 
 def _line_entries(path: Path, start: Location, reading: RecordReading) -> Iterator[tuple[Location, _Entry]]:
@@ -172,6 +175,9 @@ class _Sources:
         self.groups = [group for group in groups if len(group)]
         self.weights = weights or _byte_weights(self.sources, self.groups)
         self._group_of = {source: g for g, group in enumerate(self.groups) for source in group}
+        # With @weights, per entry whose first pass was read through: its records, and the position
+        # (in an epoch's reading order, before window shuffling) of the last one. The same every epoch.
+        self.first_pass: dict[int, tuple[int, int]] = {}
         self._opened: dict[int, object] = {}  # per entry, its latest parsed .json file or opened dataset
 
     def start(self) -> MixLocation:
@@ -261,7 +267,7 @@ class _MixedReader:
         count = sum(self._taken) + 1
         g = max(live, key=lambda g: (count * self._weights[g] - self._taken[g] * self._total_weight, -g))
         _, entry = self._next[g]
-        entry.group = g
+        entry.group, entry.passes = g, self._passes[g]
         self._next[g] = next(self._iters[g], None)
         self._taken[g] += 1
         if self._next[g] is None and self._sources.restarts:
@@ -271,6 +277,8 @@ class _MixedReader:
     def _end_pass(self, g: int) -> None:
         """Entry ``g`` ran out: the stream's epoch ends if every entry has ended a pass (the rest
         of a repeat pass is not needed), else ``g`` starts again from its first record."""
+        if self._passes[g] == 0:
+            self._sources.first_pass.setdefault(g, (self._taken[g], sum(self._taken) - 1))
         self._passes[g] += 1
         if min(self._passes) >= 1:
             self._next = [None] * len(self._next)
@@ -322,6 +330,25 @@ class StreamingSamples:
         """Which data.paths entry (index into ``source_names``) the record at a position came from."""
         window, offset = divmod(position, self.window)
         return self._entries(epoch, window)[offset].group
+
+    def origin(self, epoch: int, position: int) -> Optional[tuple[int, int]]:
+        """(entry, passes over it ended before this record in its epoch) of the record at a
+        position; None past the end."""
+        window, offset = divmod(position, self.window)
+        entries = self._entries(epoch, window)
+        return (entries[offset].group, entries[offset].passes) if offset < len(entries) else None
+
+    @property
+    def first_pass(self) -> dict[int, tuple[int, int]]:
+        """With @weights, per entry read through once so far: (its records, the epoch position of
+        its last one before window shuffling)."""
+        return self._sources.first_pass
+
+    def first_pass_json(self) -> dict:
+        return {str(g): list(value) for g, value in sorted(self._sources.first_pass.items())}
+
+    def load_first_pass(self, value: dict) -> None:
+        self._sources.first_pass.update({int(g): (int(n), int(last)) for g, (n, last) in value.items()})
 
     def _entries(self, epoch: int, window: int) -> list[_Entry]:
         key = (epoch, window)
@@ -386,8 +413,13 @@ class StreamingRowStream:
 
     def __init__(self, source: StreamingSamples, measurer, *, packer, rejects, shard: tuple[int, int]):
         self.source, self.measurer, self.packer, self.rejects = source, measurer, packer, rejects
-        # With @weights: samples and tokens trained per data.paths entry (loongforge.data.mixture).
-        self.counts = SourceCounts(source.source_names) if source.weights is not None else None
+        # With @weights: samples and tokens trained, records rejected, per data.paths entry
+        # (loongforge.data.mixture).
+        self.counts = SourceCounts(source.source_names, rejected=True) if source.weights is not None else None
+        # With @weights: the entries known to hold a usable record (``_check_first_passes``), and
+        # those whose first-pass records this stream accepted.
+        self._usable: set[int] = set()
+        self._accepted_first_pass: set[int] = set()
         self.shard_index, self.shard_count = shard
         self.epoch, self.cursor = 0, self.shard_index
         self.dealt = DealtPositions()  # read first: what a resume at another DP size dealt this shard
@@ -405,12 +437,14 @@ class StreamingRowStream:
 
     def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
         """Per data.paths entry: samples and tokens trained (``counts``, e.g. summed over shards,
-        else this stream's); None without weights. A streamed entry's size is not known before it
-        is read through, so no epochs: an entry that runs out starts again within the stream's
-        epoch (``_MixedReader``)."""
+        else this stream's) and epochs: its records drawn (trained or rejected) over its records,
+        None until it was read through once (its size is not known before); None without weights."""
         if self.counts is None:
             return None
-        return counts_report(self.counts.names, counts or self.counts.state())
+        counts = counts or self.counts.state()
+        sizes = self.source.first_pass
+        epochs = [drawn / sizes[g][0] if g in sizes else None for g, drawn in enumerate(self.counts.drawn(counts))]
+        return counts_report(self.counts.names, counts, epochs)
 
     def _pull(self) -> PackItem[MeasuredSample]:
         if not self.pieces:
@@ -425,16 +459,54 @@ class StreamingRowStream:
                 self._end_epoch()
                 continue
             if dealt is None:
+                self._check_first_passes(position)
                 self.cursor += self.shard_count
             measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
+            group, passes = self.source.origin(*position)
             if isinstance(measured, MeasuredSample):
                 self._accepted_this_epoch = True
+                if position[0] == 0 and passes == 0:
+                    self._accepted_first_pass.add(group)
                 first, *self.pieces = pack_items(position, measured, self.packer.seq_len)
                 return first
             self.rejects.record(measured)
             self._rejected_this_epoch[measured.reason] += 1
+            if self.counts is not None:
+                self.counts.reject(group)
+
+    def _check_first_passes(self, position: tuple[int, int]) -> None:
+        """With @weights, stop as soon as an entry's first pass is known to hold no usable record (its
+        weight would silently go to the others): once this stream reads past the window that holds
+        the entry's last first-pass record (window shuffling moves records within a window only)."""
+        epoch, at = position
+        if self.counts is None or epoch > 0 or len(self._usable) == len(self.counts.names):
+            return
+        for group, (_, last) in sorted(self.source.first_pass.items()):
+            if group not in self._usable and last < at - at % self.source.window:
+                self._check_usable(group, last)
+
+    def _check_usable(self, group: int, last: int) -> None:
+        """Entry ``group`` holds a usable record: this stream accepted one of its first pass, or one of
+        its first pass (other shards' positions too) measures; else the one-line InputError."""
+        if group in self._accepted_first_pass:
+            self._usable.add(group)
+            return
+        reasons: Counter = Counter()
+        for position in range((last // self.source.window + 1) * self.source.window):
+            if self.source.origin(0, position) != (group, 0):
+                continue
+            measured = self._measure_at((0, position))
+            if isinstance(measured, MeasuredSample):
+                self._usable.add(group)
+                return
+            reasons[measured.reason] += 1
+        raise all_rejected_error(self.counts.names[group], reasons, "records")
 
     def _end_epoch(self) -> None:
+        if self.epoch == 0 and self.counts is not None:  # every entry's first pass has been read
+            for group, (_, last) in sorted(self.source.first_pass.items()):
+                if group not in self._usable:
+                    self._check_usable(group, last)
         if not self._accepted_this_epoch:
             by_reason = ", ".join(f"{r}: {n}" for r, n in sorted(self._rejected_this_epoch.items())) or "none read"
             share = f" of data-parallel shard {self.shard_index} of {self.shard_count}" if self.shard_count > 1 else ""
@@ -458,8 +530,15 @@ class StreamingRowStream:
         return {"epoch": self.epoch, "cursor": self.cursor, "buffer": [list(k) for k in keys],
                 "pieces": [list(k) for k in pieces], "dealt_pieces": [list(d) for d in self.dealt_pieces],
                 "shard": [self.shard_index, self.shard_count], "dealt": self.dealt.state(),
-                "window_starts": self.source.state_for(seek_to),
-                **({"mixture": self.source.weights, "sources": self.counts.state()} if self.counts is not None else {})}
+                "window_starts": self.source.state_for(seek_to), **self._mixture_state()}
+
+    def _mixture_state(self) -> dict:
+        """With @weights: the weights, the counts, the entries read through (their sizes) and those
+        known to hold a usable record."""
+        if self.counts is None:
+            return {}
+        return {"mixture": self.source.weights, "sources": self.counts.state(),
+                "first_pass": self.source.first_pass_json(), "usable": sorted(self._usable)}
 
     def load_state_dict(self, state: dict) -> None:
         if "window_starts" not in state:
@@ -469,6 +548,10 @@ class StreamingRowStream:
         self.source.load_starts(state["window_starts"])
         if self.counts is not None:
             self.counts.load(state["sources"])
+            self.source.load_first_pass(state.get("first_pass", {}))
+            # Saved before this was checked: an entry past its first pass trained (issue 49).
+            self._usable = set(state.get("usable", range(len(self.counts.names))))
+            self._accepted_first_pass = set()
         self.epoch, self.cursor = int(state["epoch"]), int(state["cursor"])
         self.dealt = DealtPositions(state.get("dealt"))
         self._accepted_this_epoch = True  # the checkpointed run had accepted samples
@@ -486,8 +569,11 @@ class StreamingRowStream:
         starts = {k: v for state in states for k, v in state["window_starts"].items()}
         if self.counts is None:
             return {**dealt, "window_starts": starts}
+        first_pass = {k: v for state in states for k, v in state.get("first_pass", {}).items()}
+        usable = sorted({g for state in states for g in state.get("usable", range(len(self.counts.names)))})
         return {**dealt, "window_starts": starts, "mixture": self.source.weights,
-                "sources": redealt_counts([s["sources"] for s in states], self.shard_index)}
+                "sources": redealt_counts([s["sources"] for s in states], self.shard_index),
+                "first_pass": first_pass, "usable": usable}
 
 
 def pack_items(position: tuple[int, int], measured: MeasuredSample, seq_len: int) -> list[PackItem[MeasuredSample]]:

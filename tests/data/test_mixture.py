@@ -17,7 +17,7 @@ from loongforge.data.mixture import Mixture, build_mixture, entry_weights, parse
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.samples import sample_file
 from loongforge.data.streaming import StreamingSamples
-from tests.data.conftest import write_conversations
+from tests.data.conftest import good_record, write_conversations
 
 MODEL = ModelConfig()
 SEQ_LEN = 256
@@ -233,7 +233,70 @@ def test_streamed_mixture_counts_sources_and_resumes_exactly(tokenizer, two_sour
     report = resumed.source_report()
     print(f"streamed mixture, counts after resuming: {report}")
     assert report == first.source_report()
+    # Issue 49: each entry's epochs, its records drawn (no rejects here) over its records; None while
+    # its first pass is read (b, 64 of 100 drawn): its size is not known before.
+    assert [report[p]["epochs"] for p in two_sources] == [round(report[two_sources[0]]["samples"] / 60, 4), None]
+    later = stream()
+    later.load_state_dict(json.loads(json.dumps(resumed.state_dict())))
+    _trained(later, 200)
+    later = later.source_report()
+    print(f"streamed mixture, 200 samples later: {later}")
+    assert [later[p]["epochs"] for p in two_sources] == [round(later[p]["samples"] / n, 4)
+                                                         for p, n in zip(two_sources, (60, 100))]
     assert [report[p]["samples"] for p in two_sources] == [sum(p in i for i in expected) + n for p, n in
                                                            zip(two_sources, state["sources"]["samples"])]
     with pytest.raises(InputError, match=r"saved with data.paths weights \[3, 1\], this run has \[1, 1\]"):
         stream([f"{two_sources[0]}@1", f"{two_sources[1]}@1"]).load_state_dict(state)
+
+
+def _images_missing(path: Path, count: int) -> Path:
+    """``count`` one-image conversations whose image files do not exist, and one malformed line."""
+    path.write_text("".join(json.dumps(good_record(f"gone/{i}.jpg")) + "\n" for i in range(count)) + "{oops\n")
+    return path
+
+
+def test_a_source_whose_every_sample_is_rejected_stops_before_training(tokenizer, two_sources, tmp_path):
+    """Issue 49: an entry none of whose samples could be trained gave its share to the others,
+    silently. Now one line names it and its reasons before the first row is packed."""
+    missing = _images_missing(tmp_path / "images_gone.jsonl", 5)
+    with pytest.raises(InputError) as error:
+        _stream(tokenizer, [f"{two_sources[0]}@1", f"{missing}@1"], tmp_path)
+    print(error.value)
+    assert str(error.value) == (f"data.paths entry {str(missing)!r}: all 6 samples were rejected (malformed_json: 1, "
+                                "missing_image: 5); fix them or drop the entry (its weight would go to the other "
+                                "entries)")
+    usable = tmp_path / "one_usable.jsonl"  # one sample of 7 trainable: no error, it trains that one
+    usable.write_text(missing.read_text() + Path(two_sources[1]).read_text().splitlines()[0] + "\n")
+    ids = _trained(_stream(tokenizer, [f"{two_sources[0]}@1", f"{usable}@1"], tmp_path), 40)
+    assert len({i for i in ids if "one_usable" in i}) == 1 and sum("one_usable" in i for i in ids) > 1
+
+
+def _streamed(tokenizer, paths, shard=(0, 1)):
+    from loongforge.data.packing import LookaheadPacker
+    from loongforge.data.streaming import StreamingRowStream
+
+    cfg = DataConfig(source="files", paths=paths, seq_len=SEQ_LEN, streaming=True)
+    return StreamingRowStream(StreamingSamples(paths, window=16, shuffle=True, seed=2),
+                              SampleMeasurer(tokenizer, cfg, MODEL), packer=LookaheadPacker(SEQ_LEN, 8),
+                              rejects=RejectLog(None), shard=shard)
+
+
+@pytest.mark.parametrize("shard", [(0, 1), (1, 2)])
+def test_a_streamed_entry_whose_every_record_is_rejected_stops_once_read_through(tokenizer, two_sources, tmp_path,
+                                                                                shard):
+    """Issue 49, streamed: the entry's 6 records end their first pass in window 0 (of 16 records):
+    the stream stops as it enters window 1, whichever shard's share it reads."""
+    missing = _images_missing(tmp_path / "images_gone.jsonl", 5)
+    stream = _streamed(tokenizer, [f"{two_sources[0]}@1", f"{missing}@1"], shard)
+    with pytest.raises(InputError) as error:
+        _trained(stream, 200)
+    print(f"shard {shard}, stopped at position {stream.cursor}: {error.value}")
+    assert str(error.value) == (f"data.paths entry {str(missing)!r}: all 6 records were rejected (malformed_json: 1, "
+                                "missing_image: 5); fix them or drop the entry (its weight would go to the other "
+                                "entries)")
+    assert stream.epoch == 0 and stream.cursor <= 16 + shard[1]
+    usable = tmp_path / "one_usable.jsonl"  # one record of 7 trainable: no shard stops
+    usable.write_text(missing.read_text() + Path(two_sources[1]).read_text().splitlines()[0] + "\n")
+    stream = _streamed(tokenizer, [f"{two_sources[0]}@1", f"{usable}@1"], shard)
+    _trained(stream, 150)
+    assert stream.epoch >= 1

@@ -12,6 +12,7 @@ from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import SampleMeasurer
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
+from loongforge.data.samples import Reject
 from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
 
@@ -137,6 +138,7 @@ def test_every_sample_in_one_row_or_rejected_once(tokenizer, bad_data, tmp_path)
         row = pipeline.stream.next_row()
         assert sum(item.length for item in row) <= 1024
         epoch0_positions += [item.key[1] for item in row if item.key[0] == 0]
+    pipeline.rejects.record_all(pipeline.stream.rejects.take())  # rows read as next_step consumes them
     lines = [json.loads(line) for line in rejects_path.read_text().splitlines()]
     assert sorted((r["line"], r["reason"]) for r in lines) == sorted(EXPECTED_REASONS.items())
     assert all(r["file"] == str(bad_data) and r["detail"] for r in lines)
@@ -328,3 +330,63 @@ def test_a_position_resumed_in_another_order_is_refused(tokenizer, change):
     same.load_state_dict(state)
     assert same.resume_note is None and same.state_dict()["stream"]["cursor"] == cursor
     same.close()
+
+
+def _every_third_malformed(path, count=150):
+    """``count`` short conversations, every third line malformed JSON: rejects all along the stream."""
+    good = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]})
+    path.write_text("".join(('{"messages": [\n' if line % 3 == 0 else good + "\n") for line in range(1, count + 1)))
+    return path
+
+
+@pytest.mark.parametrize("read", ["global", "sharded"])
+def test_rejects_counted_are_those_of_the_consumed_steps_whatever_the_prefetch_and_layout(tokenizer, tmp_path, read):
+    """Issue 49: the count was what the prefetching reader had reached (16,858 once, 20,011 the
+    next time, 15,408-20,011 across layouts). It is now the rejects met making the steps consumed,
+    rejects.jsonl holds exactly those, and a resume from the state continues the same count."""
+    data = _every_third_malformed(tmp_path / "data.jsonl")
+    cfg = DataConfig(source="files", paths=[str(data)], seq_len=64, shuffle=False, read=read,
+                     cache_dir=str(tmp_path / "cache"))
+    figures = {}
+    for workers, dp_size in ((0, 1), (1, 1), (2, 2)):  # 2 workers: a thread pool decodes too
+        if read == "sharded" and dp_size > 1:  # a lone shard counts only its own share (no exchange group)
+            continue
+        path = tmp_path / f"rejects-{workers}-{dp_size}.jsonl"
+        pipeline = _pipeline(tokenizer, DataConfig(**{**cfg.__dict__, "num_workers": workers}), gbs=2,
+                             dp_size=dp_size, rejects_path=path, lookahead=4, prefetch_steps=3)
+        for step in range(1, 5):
+            pipeline.next_step()
+            if step == 2:
+                at_step_2 = json.loads(json.dumps(pipeline.state_dict()))
+        state = json.loads(json.dumps(pipeline.state_dict()))
+        pipeline.close()  # lets the prefetched steps 5-7 finish: they must not count
+        listed = {(r["line"], r["reason"]) for r in map(json.loads, path.read_text().splitlines())}
+        figures[(workers, dp_size)] = (sum(pipeline.reject_counts().values()), len(listed),
+                                       sum(state["rejects"]["counts"].values()))
+    # Resumed at step 2 in the folder of the run that went on to step 4: the file is cut back to the
+    # checkpoint's rejects, and the resumed run lists the later ones once, as the run did.
+    resumed = _pipeline(tokenizer, DataConfig(**{**cfg.__dict__, "num_workers": 1}), gbs=2, rejects_path=path,
+                        lookahead=4, prefetch_steps=3)
+    resumed.load_state_dict(at_step_2)
+    assert len(path.read_text().splitlines()) == sum(at_step_2["rejects"]["counts"].values()) < figures[(0, 1)][0]
+    for _ in range(2):
+        resumed.next_step()
+    resumed.close()
+    assert len(path.read_text().splitlines()) == sum(resumed.reject_counts().values()) == figures[(0, 1)][0]
+    print(f"data.read={read}: rejects after 4 steps (counted, listed, checkpointed) by (num_workers, DP size): "
+          f"{figures}")
+    assert len(set(figures.values())) == 1 and len(set(figures[(0, 1)])) == 1 and figures[(0, 1)][0] > 0
+
+
+def test_a_reject_of_a_checkpoint_saved_before_record_ordinals_is_not_counted_again(tmp_path):
+    """Checkpoints saved before every record had its ordinal keyed a record alone on its line by
+    (file, line, reason): the same reject met again, now with its ordinal, is the one already counted."""
+    path = tmp_path / "rejects.jsonl"
+    old = Reject(file="a.jsonl", line=3, reason="malformed_json", detail="x")
+    path.write_text(json.dumps(old.to_json()) + "\n")
+    log = RejectLog(path)
+    log.load_state_dict({"seen": [["a.jsonl", 3, "malformed_json"]], "counts": {"malformed_json": 1}})
+    log.record(Reject(file="a.jsonl", line=3, reason="malformed_json", detail="x", record=2))
+    log.record(Reject(file="a.jsonl", line=4, reason="malformed_json", detail="y", record=3))
+    print(f"after resuming an older checkpoint: counted {log.counts()}, listed {len(path.read_text().splitlines())}")
+    assert log.counts() == {"malformed_json": 2} and len(path.read_text().splitlines()) == 2

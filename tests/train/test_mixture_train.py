@@ -42,3 +42,19 @@ def test_mixture_counts_sources_and_resumes_exactly(tmp_path):
     message = [line for line in refused.stderr.splitlines() if "no weight" in line]
     print(f"exit {refused.returncode}: {message}")
     assert refused.returncode == 2 and len(message) == 1 and str(b) in message[0]
+
+
+def test_streamed_mixture_logs_each_sources_epochs(tmp_path):
+    """Issue 49: metrics.jsonl of a streamed weighted run logged samples and tokens, no epochs.
+    Now each entry's epochs (records drawn over its records; null until read through once)."""
+    a = write_conversations(tmp_path / "a.jsonl", 40)
+    b = write_conversations(tmp_path / "b.jsonl", 20)
+    run = tmp_path / "streamed"
+    run_train(run, f"data.paths=[{a}@3,{b}@1]", "data.source=files", "data.streaming=true",
+              "data.shuffle_window=16", "training.train_steps=2", preset=PRESET)
+    counts = _sources(run)
+    print(f"\nstreamed, per-source counts by step: {counts}")
+    last = counts[-1]
+    assert [last[str(p)]["epochs"] for p in (a, b)] == [round(last[str(p)]["samples"] / n, 4)
+                                                         for p, n in ((a, 40), (b, 20))]
+    assert last[str(a)]["epochs"] > 1 and json.loads((run / "summary.json").read_text())["sources"] == last

@@ -206,3 +206,41 @@ def test_only_rejected_samples_is_a_one_line_error(tmp_path):
     assert proc.stderr.strip().splitlines()[-1] == (
         f"error: all 6 samples were rejected (too_long: 6); see {tmp_path / 'rejects.jsonl'}")
     assert "Traceback" not in proc.stderr
+
+
+def test_a_mixture_entry_whose_every_sample_is_rejected_stops_before_step_1(tmp_path):
+    """Issue 49: its weight went to the other entries, silently. Now exit 2, one line naming it."""
+    from tests.shared_data import SHARED_DATA
+
+    demo = SHARED_DATA / "llamafactory" / "mllm_demo.json"
+    gone = tmp_path / "images_gone.jsonl"
+    record = {"messages": [{"role": "user", "content": "<image>What?"}, {"role": "assistant", "content": "A."}]}
+    gone.write_text("".join(json.dumps({**record, "images": [f"gone/{i}.jpg"]}) + "\n" for i in range(4)))
+    proc = run_train(tmp_path / "run", "data.source=files", f"data.paths=[{demo}@1,{gone}@1]",
+                     "training.train_steps=1", f"data.cache_dir={tmp_path / 'cache'}", expect_ok=False)
+    print(proc.stderr.strip().splitlines()[-1])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"error: data.paths entry {str(gone)!r}: all 4 samples were rejected (missing_image: 4); fix them or drop "
+        "the entry (its weight would go to the other entries)")
+    assert "Traceback" not in proc.stderr and "step 1" not in proc.stdout
+
+
+def test_rejects_reported_are_those_of_the_trained_steps_at_every_layout(tmp_path):
+    """Issue 49: the summary counted the rejects the prefetching reader had reached (16,858 once,
+    20,011 the next time; rejects.jsonl 20,011 both times). It now counts, and rejects.jsonl lists,
+    those met making the steps trained: the same without prefetching at one rank as prefetching at
+    DP 2."""
+    good = json.dumps({"messages": [{"role": "user", "content": "Hi?"}, {"role": "assistant", "content": "Hello."}]})
+    data = tmp_path / "every_third_malformed.jsonl"
+    data.write_text("".join(('{"messages": [\n' if line % 3 == 0 else good + "\n") for line in range(1, 301)))
+    common = ("data.source=files", f"data.paths=[{data}]", "data.seq_len=64", "data.shuffle=false",
+              "data.read=global", "training.train_steps=2", f"data.cache_dir={tmp_path / 'cache'}")
+    figures = {}
+    for name, nproc, workers in (("1 rank, no prefetch", 1, 0), ("DP 2, prefetching", 2, 1)):
+        out = tmp_path / name.replace(" ", "_").replace(",", "")
+        run_train(out, *common, f"data.num_workers={workers}", nproc=nproc, preset="llm-tiny-small-vocab")
+        listed = {(r["line"], r["reason"]) for r in map(json.loads, (out / "rejects.jsonl").read_text().splitlines())}
+        figures[name] = (sum(json.loads((out / "summary.json").read_text())["rejects"].values()), len(listed))
+    print(f"rejects after 2 steps (summary.json, rejects.jsonl): {figures}")
+    assert len(set(figures.values())) == 1 and len(set(figures["1 rank, no prefetch"])) == 1
