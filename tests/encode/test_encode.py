@@ -253,7 +253,7 @@ def test_a_text_only_preset_is_a_usage_error(tmp_path):
     assert refused.returncode == 2
     assert refused.stderr.strip().splitlines()[-1] == (
         "error: --preset llm-tiny: model family llm has no vision encoder that runs on its own; encode runs a "
-        "qwen2_5_vl preset's encoder (see --list-presets)")
+        "vision-language preset's encoder (see --list-presets)")
     assert not (tmp_path / "out").exists()
 
 
