@@ -485,11 +485,16 @@ def _run_config_near(step_dir: Path) -> Optional[Path]:
 
 def _config_as_converted(checkpoint: HFCheckpoint, model_cfg: ModelConfig, kept: Path) -> None:
     """The kept config.json describes the model converted: where the folder's tensors held less than its
-    config.json names (``ModelFamily.config_for_tensors``), the family's fields of what was converted over it."""
+    config.json names (``ModelFamily.config_for_tensors``), the fields that say so (DeepSeek-V3's
+    ``num_nextn_predict_layers``) over the folder's own; every other field as the folder wrote it (an
+    export writes this file back, and the family's spelling of the rest may differ from the writer's)."""
     family = checkpoint.family
-    if model_cfg == family.config_from_hf(checkpoint.config, str(kept)):
+    as_read = family.config_from_hf(checkpoint.config, str(kept))
+    if model_cfg == as_read:
         return
-    kept.write_text(json.dumps({**checkpoint.config, **family.config_to_hf(model_cfg)}, indent=2) + "\n")
+    before, after = family.config_to_hf(as_read), family.config_to_hf(model_cfg)
+    changed = {key: value for key, value in after.items() if before.get(key) != value}
+    kept.write_text(json.dumps({**checkpoint.config, **changed}, indent=2) + "\n")
 
 
 def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConfig, Optional[dict]]:
