@@ -234,3 +234,33 @@ def _drop_index(folder) -> None:
     index = folder / "model.safetensors.index.json"
     if index.exists():
         index.unlink()
+
+
+@pytest.mark.parametrize("family", ["internvl", "llava_onevision"])
+def test_transformers_module_names_are_read_and_the_hubs_written(family, tmp_path):
+    """A folder under transformers' module names (its state dict: ``model.language_model.*``, ``lm_head.*``, as
+    folders in the wild hold them) converts as the folder ``save_pretrained`` writes under the Hub's names, and
+    comes back under the Hub's names, bit for bit."""
+    import transformers
+    from safetensors.torch import save_file
+
+    hub, modules = tmp_path / "hub", tmp_path / "modules"
+    tensors = _save_composition(family, hub)
+    state = transformers.AutoModelForImageTextToText.from_pretrained(hub).state_dict()
+    if json.loads((hub / "config.json").read_text())["text_config"].get("tie_word_embeddings"):
+        state.pop("lm_head.weight")
+    modules.mkdir()
+    save_file({key: tensor.contiguous() for key, tensor in state.items()}, str(modules / "model.safetensors"))
+    (modules / "config.json").write_text((hub / "config.json").read_text())
+    assert any(key.startswith("model.language_model.") for key in state)
+    result = invoke(str(modules), "--roundtrip", "--tp", "2", "--pp", "2")
+    assert result.exit_code == 0, result.output
+    assert result.output.strip().endswith(f"{tensors} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT")
+    for args in ((str(modules), str(tmp_path / "mcore"), "--to", "mcore"),
+                 (str(tmp_path / "mcore"), str(tmp_path / "back"), "--to", "hf")):
+        result = invoke(*args)
+        assert result.exit_code == 0, result.output
+    written, saved = _tensors_in(tmp_path / "back"), _tensors_in(hub)
+    print(f"{family}: {len(state)} tensors under module names read; {len(written.keys() ^ saved.keys())} written "
+          f"names unlike save_pretrained's")
+    assert {key: entry[1:] for key, entry in written.items()} == {key: entry[1:] for key, entry in saved.items()}
