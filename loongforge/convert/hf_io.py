@@ -14,6 +14,7 @@ each tensor's bytes are appended as it is produced, so a 5 GB shard never sits i
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -292,9 +293,10 @@ class SafetensorsStreamWriter:
 
 
 def write_index(root: Path, shards: list[list[PlannedTensor]], names: list[str]) -> None:
-    """``model.safetensors.index.json`` (written for a single file too: tools read either)."""
+    """``model.safetensors.index.json``, with the metadata ``save_pretrained`` writes."""
     weight_map = {t.key: name for shard, name in zip(shards, names) for t in shard}
-    total = sum(t.nbytes for shard in shards for t in shard)
+    tensors = [t for shard in shards for t in shard]
+    metadata = {"total_parameters": sum(math.prod(t.shape) for t in tensors), "total_size": sum(t.nbytes for t in tensors)}
     (root / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
 

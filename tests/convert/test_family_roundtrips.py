@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from loongforge.convert.hf_io import INDEX_FILE, read_header
+from loongforge.convert.hf_io import read_header
 from tests.convert.helpers import invoke
 from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
 
@@ -189,10 +189,8 @@ def _folder_differences(read: Path, written: Path) -> list[str]:
         if file.suffix == ".safetensors" or not (written / file.name).exists():
             continue
         if file.suffix == ".json":
-            left, right = json.loads(file.read_text()), json.loads((written / file.name).read_text())
-            if file.name == INDEX_FILE:
-                left, right = left["weight_map"], right["weight_map"]
-            lines += _json_differences(file.name, left, right)
+            lines += _json_differences(file.name, json.loads(file.read_text()),
+                                       json.loads((written / file.name).read_text()))
         elif file.read_bytes() != (written / file.name).read_bytes():
             lines.append(f"{file.name}: different bytes")
     return lines
