@@ -677,9 +677,12 @@ def _source_layout(hf_source: Path) -> Optional[FileLayout]:
     """The files of the HF folder a checkpoint came from: kept beside a converted one (``hf_to_mcore``), or
     those of the folder itself (a run's ``checkpoint.load_hf``)."""
     kept = FileLayout.read(hf_source / LAYOUT_FILE)
-    if kept is None and is_hf_folder(hf_source):
+    if kept is not None or not is_hf_folder(hf_source):
+        return kept
+    try:
         return HFCheckpoint(hf_source).layout()
-    return kept
+    except InputError:  # a folder this export takes only its tokenizer and processor files from
+        return None
 
 
 def _check_exportable(model_cfg: ModelConfig) -> None:
