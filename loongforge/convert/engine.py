@@ -72,7 +72,7 @@ from loongforge.models.registry import family_of_hf_config, get_family
 from loongforge.models.state_dict_names import fused_name, is_adapter_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
+HF_SUBDIR = "hf"  # config.json, tokenizer/processor files and the file layout kept beside a converted megatron checkpoint
 
 
 # ---------------------------------------------------------------------------------------------

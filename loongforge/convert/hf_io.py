@@ -8,7 +8,9 @@ anything is written.
 
 Writing uses the safetensors layout directly (8-byte little-endian header length, JSON header,
 raw little-endian bytes): the header is computed from the planned names, dtypes and shapes, then
-each tensor's bytes are appended as it is produced, so a 5 GB shard never sits in memory.
+each tensor's bytes are appended as it is produced, so a 5 GB shard never sits in memory. Which file
+each tensor goes to is the folder's converted from where it is known (``FileLayout``: HF -> megatron -> HF
+gives back the files read), else shards of a maximum size.
 """
 
 from __future__ import annotations
