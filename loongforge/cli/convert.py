@@ -41,8 +41,9 @@ VisionTpOption = Annotated[Optional[int], typer.Option(
     help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards, --check-logits runs at it.")]
 DtypeOption = Annotated[Optional[str], typer.Option(
     "--dtype", metavar="bf16|fp16|fp32", show_default=False, help="Cast every tensor (default: keep the source's).")]
-MaxShardOption = Annotated[str, typer.Option(
-    "--max-shard-size", metavar="SIZE", help="Largest HF safetensors shard, e.g. 5GB, 500MB.")]
+MaxShardOption = Annotated[Optional[str], typer.Option(
+    "--max-shard-size", metavar="SIZE", show_default=False,
+    help="Largest HF safetensors shard, e.g. 5GB, 500MB (default: the files of the HF folder converted from, else 5GB).")]
 OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
 VerifyOption = Annotated[bool, typer.Option("--verify", help="Re-read DST and compare every tensor with SRC.")]
 RoundtripOption = Annotated[bool, typer.Option(
@@ -112,7 +113,7 @@ def convert(
     pipeline_layout: PipelineLayoutOption = None,
     vision_tp: VisionTpOption = None,
     dtype: DtypeOption = None,
-    max_shard_size: MaxShardOption = "5GB",
+    max_shard_size: MaxShardOption = None,
     overwrite: OverwriteOption = False,
     verify: VerifyOption = False,
     roundtrip: RoundtripOption = False,
@@ -145,7 +146,7 @@ def convert(
         from loongforge.convert.hf_io import parse_size
 
         try:
-            shard_bytes = parse_size(max_shard_size)
+            shard_bytes = None if max_shard_size is None else parse_size(max_shard_size)
         except ValueError as exc:
             raise UsageError(f"--max-shard-size: {exc}") from None
         if adapter and to != "hf":

@@ -35,12 +35,14 @@ from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.convert import families
 from loongforge.convert.checkpoint_folders import META_FILE, MODEL_ONLY_KIND, latest_checkpoint
 from loongforge.convert.hf_io import (
+    DEFAULT_SHARD_BYTES,
+    LAYOUT_FILE,
+    FileLayout,
     HFCheckpoint,
     PlannedTensor,
     SafetensorsStreamWriter,
     is_hf_folder,
-    plan_shards,
-    shard_names,
+    plan_files,
     write_index,
 )
 from loongforge.convert.mcore_io import (
@@ -70,7 +72,7 @@ from loongforge.models.registry import family_of_hf_config, get_family
 from loongforge.models.state_dict_names import fused_name, is_adapter_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
-HF_SUBDIR = "hf"  # config.json and tokenizer/processor files kept beside a converted megatron checkpoint
+HF_SUBDIR = "hf"  # config.json, tokenizer/processor files and the file layout kept beside a converted megatron checkpoint
 
 
 # ---------------------------------------------------------------------------------------------
@@ -431,7 +433,9 @@ def hf_to_mcore(src: Path, dst: Path, *, preset: Optional[str] = None, tp: int =
     with staged_folder(dst, overwrite, report.notes) as tmp:
         write_mcore(tmp / MODEL_DIR, items, lambda item, tensor: bar.update(tensor.nbytes))
         copied = _copy_side_files(checkpoint.side_files(("config.json", *families.HF_SIDE_FILES)), tmp / HF_SUBDIR)
-        _config_as_converted(checkpoint, model_cfg, tmp / HF_SUBDIR / "config.json")
+        # config.json as the folder wrote it (an export writes it back); the layout names the tensors converted,
+        # which is what the checkpoint holds where the config names more (``mcore_model_config``).
+        checkpoint.layout().write(tmp / HF_SUBDIR / LAYOUT_FILE)
         (tmp / META_FILE).write_text(json.dumps({
             "kind": MODEL_ONLY_KIND, "step": 0, "family": family,
             "layout": {"tp": tp, "pp": pp, "vision_tp": vision_tp or tp},
@@ -483,15 +487,6 @@ def _run_config_near(step_dir: Path) -> Optional[Path]:
     return None
 
 
-def _config_as_converted(checkpoint: HFCheckpoint, model_cfg: ModelConfig, kept: Path) -> None:
-    """The kept config.json describes the model converted: where the folder's tensors held less than its
-    config.json names (``ModelFamily.config_for_tensors``), the family's fields of what was converted over it."""
-    family = checkpoint.family
-    if model_cfg == family.config_from_hf(checkpoint.config, str(kept)):
-        return
-    kept.write_text(json.dumps({**checkpoint.config, **family.config_to_hf(model_cfg)}, indent=2) + "\n")
-
-
 def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConfig, Optional[dict]]:
     """The model config of a megatron checkpoint and the HF config.json it came from, if any."""
     hf_config_file = step_dir / HF_SUBDIR / "config.json"
@@ -499,6 +494,9 @@ def mcore_model_config(step_dir: Path, preset: Optional[str]) -> tuple[ModelConf
     found, source = None, None
     if hf_config is not None:
         found, source = model_config_of(hf_config, str(hf_config_file)), str(hf_config_file)
+        layout = FileLayout.read(step_dir / HF_SUBDIR / LAYOUT_FILE)
+        if layout is not None:  # the parts the converted tensors hold (DeepSeek-V3's config names an MTP layer none held)
+            found = family_of(found).config_for_tensors(found, layout.files.keys())
     elif (run_config := _run_config_near(step_dir)) is not None:
         found, source = load_resolved_config(run_config).model, str(run_config)
     if preset:
@@ -587,13 +585,15 @@ def _link_reader(reader: McoreReader, link: Link) -> Callable[[str], Optional[to
 
 
 def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Optional[str] = None,
-                max_shard_size: int = 5 * 10**9, overwrite: bool = False, verify: bool = False,
+                max_shard_size: Optional[int] = None, overwrite: bool = False, verify: bool = False,
                 progress: bool = True, model_cfg: Optional[ModelConfig] = None,
                 data_cfg: Optional[DataConfig] = None, hf_source: Optional[Path] = None,
                 adapter: bool = False) -> ConversionReport:
     """Hub-style safetensors shards, index, config.json, and the tokenizer, processor and generation
     files (``serving``) from a megatron checkpoint; a LoRA run's with its adapters merged
-    (``convert.lora_export``), or with ``adapter`` its adapters alone as a PEFT folder.
+    (``convert.lora_export``), or with ``adapter`` its adapters alone as a PEFT folder. Without
+    ``max_shard_size`` the tensors go to the files (and index, or none) of the HF folder the checkpoint was
+    converted from (``hf_io.FileLayout``), else to shards of 5 GB.
 
     ``model_cfg`` / ``data_cfg`` / ``hf_source`` (a folder with config.json and tokenizer files) are
     given by ``loongforge train``; otherwise they are found beside the checkpoint (or from ``--preset``).
@@ -620,8 +620,10 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
     base = _base_weights(reader, links, shapes, model_cfg, lora, vocab_rows)
     out_dtype = DTYPES[dtype] if dtype else None
     planned = [PlannedTensor(k, out_dtype or base.dtype(link), hf_shapes[k]) for link in links for k in link.hf_keys]
-    shards = plan_shards(planned, max_shard_size)
-    names = shard_names(len(shards))
+    # No size asked for: the files of the HF folder the checkpoint was converted from, where it names them.
+    layout = _source_layout(hf_source) if max_shard_size is None else None
+    plan = plan_files(planned, layout, max_shard_size or DEFAULT_SHARD_BYTES)
+    shards, names = plan.shards, plan.names
     file_of = {t.key: (i, name) for i, (shard, name) in enumerate(zip(shards, names)) for t in shard}
 
     def hf_tensors(link: Link) -> list[torch.Tensor]:
@@ -636,19 +638,22 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
                             f"the base weights from {base.where}")
     bar = Progress(len(planned), "mcore -> hf", progress)
     with staged_folder(dst, overwrite, report.notes) as tmp:
-        writer, current = None, -1
+        # A source's files may interleave in the links' order: each file open until its last tensor is written.
+        writers: dict[int, SafetensorsStreamWriter] = {}
         for link in links:
             for key, tensor in zip(link.hf_keys, hf_tensors(link)):
                 index, name = file_of[key]
-                if index != current:
-                    if writer is not None:
-                        writer.close()
-                    writer, current = SafetensorsStreamWriter(tmp / name, shards[index]), index
+                if index not in writers:
+                    writers[index] = SafetensorsStreamWriter(tmp / name, shards[index])
                 tensor = tensor.to(out_dtype) if out_dtype else tensor
-                writer.write(key, tensor)
+                writers[index].write(key, tensor)
                 bar.update(tensor.nbytes)
-        writer.close()
-        write_index(tmp, shards, names)
+                if writers[index].position == len(shards[index]):
+                    writers.pop(index).close()
+        for writer in writers.values():
+            writer.close()
+        if plan.indexed:
+            write_index(tmp, shards, names)
         config = hf_config or family_of(model_cfg).config_to_hf(model_cfg, _dtype_name(planned[0].dtype))
         if out_dtype is not None:
             config = {**config, "torch_dtype": _dtype_name(out_dtype)}
@@ -666,6 +671,18 @@ def mcore_to_hf(src: Path, dst: Path, *, preset: Optional[str] = None, dtype: Op
         if verify:
             report.verify_mismatches = _verify_hf(tmp, links, hf_tensors, out_dtype, progress)
     return report
+
+
+def _source_layout(hf_source: Path) -> Optional[FileLayout]:
+    """The files of the HF folder a checkpoint came from: kept beside a converted one (``hf_to_mcore``), or
+    those of the folder itself (a run's ``checkpoint.load_hf``)."""
+    kept = FileLayout.read(hf_source / LAYOUT_FILE)
+    if kept is not None or not is_hf_folder(hf_source):
+        return kept
+    try:
+        return HFCheckpoint(hf_source).layout()
+    except InputError:  # a folder this export takes only its tokenizer and processor files from
+        return None
 
 
 def _check_exportable(model_cfg: ModelConfig) -> None:

@@ -8,12 +8,15 @@ anything is written.
 
 Writing uses the safetensors layout directly (8-byte little-endian header length, JSON header,
 raw little-endian bytes): the header is computed from the planned names, dtypes and shapes, then
-each tensor's bytes are appended as it is produced, so a 5 GB shard never sits in memory.
+each tensor's bytes are appended as it is produced, so a 5 GB shard never sits in memory. Which file
+each tensor goes to is the folder's converted from where it is known (``FileLayout``: HF -> megatron -> HF
+gives back the files read), else shards of a maximum size.
 """
 
 from __future__ import annotations
 
 import json
+import math
 import struct
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,6 +30,9 @@ from loongforge.models.registry import family_of_hf_config
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
+# Kept beside a converted checkpoint's config.json: which file of the HF folder held each tensor.
+LAYOUT_FILE = "safetensors_layout.json"
+DEFAULT_SHARD_BYTES = 5 * 10**9
 
 # safetensors dtype names <-> torch dtypes (those a checkpoint of this family can hold).
 _ST_DTYPES = {"F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16, "F64": torch.float64,
@@ -148,6 +154,11 @@ class HFCheckpoint:
                                                data_start + info["data_offsets"][0])
         return entries
 
+    def layout(self) -> "FileLayout":
+        """Which file holds each tensor the family reads (Hub-style names), and whether the folder has an index."""
+        files = {key: entry.file.name for key, entry in self.entries.items() if not key.startswith(self.family.hf_unread)}
+        return FileLayout(files, (self.root / INDEX_FILE).is_file())
+
     def side_files(self, names: Iterable[str]) -> list[Path]:
         return [self.root / n for n in names if (self.root / n).is_file()]
 
@@ -192,6 +203,43 @@ class PlannedTensor:
     @property
     def nbytes(self) -> int:
         return tensor_nbytes(self.shape, self.dtype)
+
+
+@dataclass(frozen=True)
+class FileLayout:
+    """The files of an HF folder an export reproduces: Hub-style tensor name -> the file holding it, and
+    whether the folder has ``INDEX_FILE`` (``save_pretrained`` writes none for a single file)."""
+
+    files: dict[str, str]
+    indexed: bool
+
+    def write(self, file: Path) -> None:
+        file.write_text(json.dumps({"indexed": self.indexed, "files": self.files}, indent=1) + "\n")
+
+    @classmethod
+    def read(cls, file: Path) -> "FileLayout | None":
+        if not file.is_file():
+            return None
+        layout = json.loads(file.read_text())
+        return cls(layout["files"], layout["indexed"])
+
+
+@dataclass(frozen=True)
+class ShardPlan:
+    shards: list[list[PlannedTensor]]
+    names: list[str]
+    indexed: bool  # write ``INDEX_FILE`` beside the shards
+
+
+def plan_files(tensors: list[PlannedTensor], layout: "FileLayout | None", max_shard_bytes: int) -> ShardPlan:
+    """The files of the source folder where ``layout`` places exactly ``tensors`` (HF -> megatron -> HF gives
+    back the files read); otherwise shards of at most ``max_shard_bytes`` and an index."""
+    if layout is None or set(layout.files) != {t.key for t in tensors}:
+        shards = plan_shards(tensors, max_shard_bytes)
+        return ShardPlan(shards, shard_names(len(shards)), True)
+    names = sorted(set(layout.files.values()))
+    shards = [[t for t in tensors if layout.files[t.key] == name] for name in names]
+    return ShardPlan(shards, names, layout.indexed)
 
 
 def plan_shards(tensors: list[PlannedTensor], max_shard_bytes: int) -> list[list[PlannedTensor]]:
@@ -247,9 +295,10 @@ class SafetensorsStreamWriter:
 
 
 def write_index(root: Path, shards: list[list[PlannedTensor]], names: list[str]) -> None:
-    """``model.safetensors.index.json`` (written for a single file too: tools read either)."""
+    """``model.safetensors.index.json``, with the metadata ``save_pretrained`` writes."""
     weight_map = {t.key: name for shard, name in zip(shards, names) for t in shard}
-    total = sum(t.nbytes for shard in shards for t in shard)
+    tensors = [t for shard in shards for t in shard]
+    metadata = {"total_parameters": sum(math.prod(t.shape) for t in tensors), "total_size": sum(t.nbytes for t in tensors)}
     (root / INDEX_FILE).write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
+        {"metadata": metadata, "weight_map": dict(sorted(weight_map.items()))}, indent=2) + "\n")
 

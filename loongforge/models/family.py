@@ -154,9 +154,12 @@ class ModelFamily:
     config_to_hf: Callable[..., dict]
     # ModelConfig -> Hub-style HF tensor name -> shape
     hf_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    # ModelConfig -> the weight map's rows (``loongforge.models.hf_rules``)
+    # ModelConfig -> the weight map's rows (``loongforge.models.hf_rules``), their HF keys in the Hub style
     hf_rules: Callable[[ModelConfig], list[Rule]]
-    # {HF key: tensor} in any key style the family reads -> the Hub style it writes
+    # {HF key: tensor} in any key style the family reads -> the Hub style it writes. The Hub style is the
+    # names the pinned transformers' ``save_pretrained`` writes (its checkpoint conversion mapping writes the
+    # Hub's names back, whatever its modules are called), so that HF -> megatron -> HF gives back the files
+    # read; transformers' module names (its state dict) are among the styles read.
     to_hub_style: Callable[[Mapping[str, Any]], dict]
     # (model_cfg, parallel_cfg, *, params_dtype, pre_process, post_process, device, ...) -> this
     # rank's pipeline stage; collective, needs megatron's parallel state

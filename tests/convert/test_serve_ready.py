@@ -25,6 +25,7 @@ from transformers.processing_utils import ProcessorMixin, VideosKwargs
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import RunConfig
 from loongforge.convert.engine import ConversionReport, hf_to_mcore, mcore_to_hf
+from loongforge.convert.hf_io import read_header
 from loongforge.convert.serving import processor_mismatches
 from loongforge.data.collate import collate_row
 from loongforge.data.conversations import FileSamples
@@ -152,6 +153,11 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
     written = "tokenizer, processor, generation" if exported.has_vision else "tokenizer, generation"
     assert f"{written} files written from the run's settings" in exported.report.notes
     assert not exported.report.serving_warnings
+    # The Hub's tensor names, as transformers' save_pretrained wrote the source (not its module names).
+    source, served = _tensor_headers(exported.folder.parent / "source"), _tensor_headers(exported.folder)
+    print(f"{exported.cfg.model.family}: {len(served)} tensors served, {len(source.items() ^ served.items())} "
+          f"names or dtypes unlike the source's")
+    assert served == source, sorted(source.items() ^ served.items())[:4]
     if exported.has_vision:
         processor = json.loads((exported.folder / "processor_config.json").read_text())
         data, vision = exported.cfg.data, exported.cfg.model.vision
@@ -172,6 +178,12 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
         assert image["patch_size"] == video["patch_size"] == vision.patch_size
         assert (video["fps"], video["max_frames"]) == (data.video_fps, data.video_max_frames)
         assert image["image_mean"] == video["image_mean"]
+
+
+def _tensor_headers(folder: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """Tensor name -> (safetensors dtype, shape) of every safetensors file of ``folder``."""
+    return {key: (info["dtype"], tuple(info["shape"])) for file in folder.glob("*.safetensors")
+            for key, info in read_header(file)[0].items() if key != "__metadata__"}
 
 
 def test_transformers_serves_what_loongforge_trains_on(exported):

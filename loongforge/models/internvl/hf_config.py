@@ -19,7 +19,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import ModelConfig, TokenIdsConfig
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.decoder.text_config import language_from_hf, language_to_hf
-from loongforge.models.internvl.hf_mapping import LANGUAGE_PREFIX
+from loongforge.models.internvl.hf_mapping import LANGUAGE_PREFIX, to_hub_style
 from loongforge.models.towers.intern_vit.config import InternViTConfig
 from loongforge.models.towers.intern_vit.hf_mapping import hf_shapes as tower_hf_shapes
 
@@ -74,7 +74,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name (transformers 5's style) -> shape implied by ``model_cfg``."""
+    """HF tensor name (the Hub's style, ``hf_mapping``) -> shape implied by ``model_cfg``."""
     tower = InternViTConfig.from_schema(model_cfg.vision, model_cfg.projector)
-    return {**tower_hf_shapes(tower, model_cfg.language.hidden_size),
-            **language_hf_shapes(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)}
+    return to_hub_style({**tower_hf_shapes(tower, model_cfg.language.hidden_size),
+                         **language_hf_shapes(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)})

@@ -1,11 +1,13 @@
 """Weight map between transformers' ``InternVLForConditionalGeneration`` checkpoints and the composed
-model: the vision part's rows (``towers/intern_vit/hf_mapping.py``) and the shared decoder's under
-``model.language_model.`` (``decoder.hf_mapping``).
+model: the vision part's rows (``towers/intern_vit/hf_mapping.py``) and the shared decoder's
+(``decoder.hf_mapping``), built under transformers' module names and written under the Hub's.
 
-Key styles: transformers 5 writes ``model.vision_tower.*``, ``model.multi_modal_projector.*``,
-``model.language_model.*`` and ``lm_head.*``, the style written here; the -HF checkpoints on the Hub
-were saved before it as ``vision_tower.*``, ``multi_modal_projector.*``, ``language_model.model.*`` and
-``language_model.lm_head.*``, read through ``to_hub_style``.
+Key styles: the -HF checkpoints on the Hub hold ``vision_tower.*``, ``multi_modal_projector.*``,
+``language_model.model.*`` and ``language_model.lm_head.*``, and transformers 5's ``save_pretrained``
+writes the same names (its checkpoint conversion mapping renames them to its modules on load and back
+on save): the style written here, so that HF -> megatron -> HF gives back the files that were read.
+transformers 5's module names (``model.vision_tower.*``, ``model.multi_modal_projector.*``,
+``model.language_model.*``, ``lm_head.*``: its state dict) are read too, through ``to_hub_style``.
 """
 
 from __future__ import annotations
@@ -14,20 +16,22 @@ from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes
+from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
 
+# Where transformers' module tree puts the decoder (the rows are built there, then renamed).
 LANGUAGE_PREFIX = "model.language_model."
+
+# transformers' module names -> the Hub's; Hub names match no pair and stay as they are.
+_MODULE_TO_HUB = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
+                  ("model.vision_tower.", "vision_tower."), ("model.multi_modal_projector.", "multi_modal_projector."))
 
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
-    return tower_rules(model_cfg) + language_rules(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)
-
-
-_OLD_TO_NEW = (("language_model.model.", LANGUAGE_PREFIX), ("language_model.lm_head.", "lm_head."),
-               ("vision_tower.", "model.vision_tower."), ("multi_modal_projector.", "model.multi_modal_projector."))
+    rules = tower_rules(model_cfg) + language_rules(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)
+    return [rename_rule(rule, _MODULE_TO_HUB) for rule in rules]
 
 
 def to_hub_style(hf_state: Mapping[str, Tensor]) -> dict[str, Tensor]:
-    """Keys of the pre-5 -HF checkpoints renamed to the style written here (others are kept)."""
-    return rename_prefixes(hf_state, _OLD_TO_NEW)
+    """Keys under transformers' module names renamed to the Hub's, the style written here (others kept)."""
+    return rename_prefixes(hf_state, _MODULE_TO_HUB)
