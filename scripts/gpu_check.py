@@ -73,7 +73,7 @@ def _parity_models(device):
     import torch
 
     from loongforge.config.schema import ParallelConfig
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.registry import get_family
     from tests.models.helpers import build_hf_model, tiny_model_cfg
 

@@ -7,7 +7,7 @@ fp32 whatever the checkpoint's dtype:
 - by transformers, through the family's class (``ModelFamily.hf_model_class``, eager attention):
   the reference;
 - by loongforge, as the family's megatron-core model (``ModelFamily.build``) filled through the
-  mapping table (``models.hf_weights.load_hf_state_dict``) at tensor-parallel size ``tp``: in this
+  mapping table (``models.hf.weights.load_hf_state_dict``) at tensor-parallel size ``tp``: in this
   process, a gloo group of one, at TP 1; in ``tp`` spawned gloo processes on 127.0.0.1 otherwise,
   which exit when done.
 
@@ -50,7 +50,7 @@ from loongforge.data.synthetic import Scene, Shape, render_scene
 from loongforge.data.template import IMAGE_PLACEHOLDER, Turn, render_chat, tokenize_chat
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.family import ChatFormat, ModelFamily
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_model_parallel, shutdown
 from loongforge.parallel.console import quiet_process

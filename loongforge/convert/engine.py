@@ -66,10 +66,10 @@ from loongforge.convert.lora_export import (
 from loongforge.convert.serving import write_serving_files
 from loongforge.models.family import ModelFamily
 from loongforge.models.flops import layers_keyed_apart
-from loongforge.models.hf_rules import LANGUAGE, VISION, Copies, Rule, Vocab
+from loongforge.models.hf.rules import LANGUAGE, VISION, Copies, Rule, Vocab
 from loongforge.models.layers.lora_params import lora_rules
 from loongforge.models.registry import family_of_hf_config, get_family
-from loongforge.models.state_dict_names import fused_name, is_adapter_key
+from loongforge.models.hf.state_dict_names import fused_name, is_adapter_key
 
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}
 HF_SUBDIR = "hf"  # config.json, tokenizer/processor files and the file layout kept beside a converted megatron checkpoint

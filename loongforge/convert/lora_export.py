@@ -32,7 +32,7 @@ from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.convert.checkpoint_folders import LORA_BASE_KEY, META_FILE, weights_digest
 from loongforge.models.layers.lora_params import is_column_rule, merged_weight, row_parts
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import LORA_A, LORA_B, is_adapter_key
+from loongforge.models.hf.state_dict_names import LORA_A, LORA_B, is_adapter_key
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 PEFT_PREFIX = "base_model.model."  # PEFT's saved keys: the wrapper's path to the HF model

@@ -30,10 +30,10 @@ from loongforge.convert.engine import (
 )
 from loongforge.convert.hf_io import HFCheckpoint, is_hf_folder
 from loongforge.convert.mcore_io import MODEL_DIR, McoreReader
-from loongforge.models.hf_rules import VISION
-from loongforge.models.hf_weights import expert_layers, expert_placement, vision_tp_group
+from loongforge.models.hf.rules import VISION
+from loongforge.models.hf.weights import expert_layers, expert_placement, vision_tp_group
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.hf.state_dict_names import is_adapter_key
 
 
 def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[str, Link]:

@@ -30,7 +30,7 @@ from loongforge.convert.engine import (
     vocab_rows_at)
 from loongforge.convert.hf_io import HFCheckpoint
 from loongforge.convert.mcore_io import McoreItem, McoreReader, stacked, write_mcore
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     VISION, Copies, FusedExperts, FusedHeadQKV, GatedGroupedQKV, GateUp, GroupedQKV, GroupedRows, Split, Transform, Vocab)
 
 EXACT, CLOSE, DIFFERENT = "exact", "close", "different"

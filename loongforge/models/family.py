@@ -32,7 +32,7 @@ from loongforge.models.decoder.vocab import padded_vocab_size
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
     import torch
 
-    from loongforge.models.hf_rules import Rule
+    from loongforge.models.hf.rules import Rule
 
 # (input_ids [L], image_grid_thw [n, 3] | None, video_grid_thw [m, 3] | None,
 #  second_per_grid_ts [m] | None) -> rotary position ids [3, L] of one sample.
@@ -154,7 +154,7 @@ class ModelFamily:
     config_to_hf: Callable[..., dict]
     # ModelConfig -> Hub-style HF tensor name -> shape
     hf_shapes: Callable[[ModelConfig], dict[str, tuple[int, ...]]]
-    # ModelConfig -> the weight map's rows (``loongforge.models.hf_rules``), their HF keys in the Hub style
+    # ModelConfig -> the weight map's rows (``loongforge.models.hf.rules``), their HF keys in the Hub style
     hf_rules: Callable[[ModelConfig], list[Rule]]
     # {HF key: tensor} in any key style the family reads -> the Hub style it writes. The Hub style is the
     # names the pinned transformers' ``save_pretrained`` writes (its checkpoint conversion mapping writes the

@@ -36,7 +36,7 @@ from loongforge.convert.checkpoint_folders import (
     checkpoint_candidates,
     step_dir_name,
 )
-from loongforge.models.state_dict_names import is_adapter_key, is_lora_model, separate_name
+from loongforge.models.hf.state_dict_names import is_adapter_key, is_lora_model, separate_name
 from loongforge.parallel import mcore_patches
 from loongforge.train.optim import continue_schedule, group_schedules
 

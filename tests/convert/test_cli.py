@@ -76,7 +76,7 @@ def test_roundtrip_table_and_json(request, source, capfd):
 
 
 def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
-    from loongforge.models.hf_rules import GateUp
+    from loongforge.models.hf.rules import GateUp
 
     # A broken transform (gate and up swapped on the way back) must be caught.
     monkeypatch.setattr(GateUp, "unshard", lambda self, shards: list(reversed(
@@ -89,7 +89,7 @@ def test_roundtrip_not_exact_exits_1(hf_hub, monkeypatch):
 
 def test_roundtrip_catches_swapped_tp_shards(hf_hub, monkeypatch, tmp_path):
     from loongforge.convert import roundtrip as roundtrip_module
-    from loongforge.models.hf_rules import Split
+    from loongforge.models.hf.rules import Split
 
     correct = roundtrip_module.rank_regions
 
@@ -189,7 +189,7 @@ def test_reads_separate_norm_names(hf_hub, tmp_path):
     """convert writes the fused norm names (TE's, ``linear_qkv.layer_norm_weight``); a checkpoint
     with separate norm modules (megatron's local spec, loongforge before 0.2) converts the same."""
     from loongforge.convert.mcore_io import McoreItem, McoreReader, write_mcore
-    from loongforge.models.state_dict_names import separate_name
+    from loongforge.models.hf.state_dict_names import separate_name
 
     assert invoke(str(hf_hub), str(tmp_path / "plain"), "--to", "mcore").exit_code == 0
     reader = McoreReader(tmp_path / "plain" / "model_optim")

@@ -19,7 +19,7 @@ from loongforge.convert.lora_export import ADAPTER_WEIGHTS, PEFT_PREFIX, Checkpo
 from loongforge.bench.lora import folder_bytes
 from loongforge.convert.checkpoint_folders import weights_digest
 from loongforge.convert.mcore_io import McoreReader
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.hf.state_dict_names import is_adapter_key
 from loongforge.train.runner import check_lora_base
 from tests.train.conftest import (
     SAVE_AT_END,

@@ -135,7 +135,7 @@ def test_load_hf_fills_each_expert_from_the_fused_tensors(megatron_world_of_one,
     """``checkpoint.load_hf=DIR`` (``model_io.load_hf_weights``): the weights the in-memory map loads,
     from either layout of the expert tensors on disk."""
     from loongforge.convert.model_io import load_hf_weights
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.qwen3_vl.model import build_model
 
     hf_model = _save(tmp_path / "transformers")

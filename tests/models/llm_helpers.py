@@ -6,7 +6,7 @@ import torch
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.moe_balance import layer_statistics
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
 from loongforge.models.registry import get_family
 

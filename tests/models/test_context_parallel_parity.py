@@ -13,7 +13,7 @@ import torch.distributed as dist
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.data.packing import padded_length
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.qwen2_5_vl.model import build_model
 from loongforge.parallel.context_parallel import local_token_index
 from loongforge.train.step import make_forward_step

@@ -9,7 +9,7 @@ from megatron.core.transformer.moe.router import TopKRouter
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
-from loongforge.models.hf_weights import megatron_to_hf
+from loongforge.models.hf.weights import megatron_to_hf
 from loongforge.models.registry import get_family
 from tests.models.llm_helpers import DEEPSEEK_ARCHITECTURES, build_pair, text_positions, tiny_hf_config_dict
 
@@ -144,7 +144,7 @@ def test_yarn_changes_logits(pair):
     import dataclasses
 
     from loongforge.config.schema import ParallelConfig
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
 
     arch, model_cfg, hf_model, model = pair

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from loongforge.config.schema import LoraConfig, ParallelConfig
-from loongforge.models.hf_weights import megatron_to_hf
+from loongforge.models.hf.weights import megatron_to_hf
 from loongforge.models.llm.model import build_model
 from loongforge.models.layers.lora_params import adapter_parameters, lora_rules
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.hf.state_dict_names import is_adapter_key
 from tests.models.llm_helpers import DEEPSEEK_ARCHITECTURES, build_hf_llm, text_positions, tiny_llm_cfg
 from tests.models.test_lora import ALPHA, RANK, _lora_model, peft_tensors, with_random_adapters
 

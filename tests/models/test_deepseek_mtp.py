@@ -16,7 +16,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.llm.model import build_model
 from loongforge.models.registry import get_family
 from tests.models.llm_helpers import build_hf_llm, text_positions, tiny_llm_cfg

@@ -21,7 +21,7 @@ LENGTH = 32
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
 
     limit_threads()

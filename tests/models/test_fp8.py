@@ -288,7 +288,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
 
     import loongforge.models.layers.fp8 as fp8
     from loongforge.config.schema import ParallelConfig
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
     from tests.models.helpers import destroy_megatron, init_megatron, limit_threads
 

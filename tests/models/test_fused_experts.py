@@ -5,7 +5,7 @@ the per-expert Hub layout (Qwen3-MoE's ``GateUp`` / ``Split(1)`` rows) gives."""
 import pytest
 import torch
 
-from loongforge.models.hf_rules import FusedExperts, GateUp, Split
+from loongforge.models.hf.rules import FusedExperts, GateUp, Split
 
 EXPERTS, HIDDEN, FFN = 3, 8, 6
 

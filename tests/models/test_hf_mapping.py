@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import hf_to_megatron, megatron_to_hf
+from loongforge.models.hf.weights import hf_to_megatron, megatron_to_hf
 from loongforge.models.qwen2_5_vl.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.qwen2_5_vl.model import build_model
 from tests.models.helpers import build_hf_model, tiny_model_cfg

@@ -10,7 +10,7 @@ import torch
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.layers.initialization import keyed_seed
-from loongforge.models.hf_weights import megatron_to_hf
+from loongforge.models.hf.weights import megatron_to_hf
 from tests.models.helpers import free_port, limit_threads, run_workers, tiny_model_cfg
 
 WORLD_SIZE = 2

@@ -12,10 +12,10 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from loongforge.config.schema import LoraConfig, OptimizerConfig, ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.layers.lora import adapters, apply_lora, merge_adapters
 from loongforge.models.layers.lora_params import lora_rules
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.hf.state_dict_names import is_adapter_key
 from tests.models.helpers import (
     build_hf_model,
     destroy_megatron,

@@ -13,7 +13,7 @@ from loongforge.models.decoder.moe_balance import (
     megatron_balance_loss,
     transformers_balance_loss,
 )
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.llm.model import build_model
 from tests.models.llm_helpers import (
     answer_masked_row,

@@ -32,7 +32,7 @@ def test_weights_round_trip_through_megatron_bit_exact(pair, tmp_path):
     per expert), which transformers loads back into the very same fused tensors."""
     from transformers import AutoModelForCausalLM
 
-    from loongforge.models.hf_weights import megatron_to_hf
+    from loongforge.models.hf.weights import megatron_to_hf
     from loongforge.models.registry import get_family
 
     arch, model_cfg, hf_model, model = pair

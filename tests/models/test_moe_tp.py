@@ -31,7 +31,7 @@ BALANCE_COEFFICIENT = 0.5
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
 
     limit_threads()
@@ -66,7 +66,7 @@ def _balance_grad(case: dict, sequence_parallel: bool, is_loss_rank: bool) -> to
     """The last router's balance-loss gradient after one training step on ``case``'s row."""
     from megatron.core.transformer.moe.router import TopKRouter
 
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
     from loongforge.train.runner import wrap_for_training
 

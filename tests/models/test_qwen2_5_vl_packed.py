@@ -5,7 +5,7 @@ import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.qwen2_5_vl.model import build_model
 from tests.models.helpers import build_hf_model, hf_position_ids, make_sample, our_inputs, tiny_model_cfg
 

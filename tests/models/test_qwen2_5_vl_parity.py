@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.qwen2_5_vl.model import build_model
 from tests.models.helpers import (
     build_hf_model,

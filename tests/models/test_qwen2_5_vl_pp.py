@@ -27,7 +27,7 @@ WORLD_SIZE = 2
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.qwen2_5_vl.model import build_model
 
     limit_threads()

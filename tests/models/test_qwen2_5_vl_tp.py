@@ -31,7 +31,7 @@ VISION_TP_SIZES = (None, 1)  # None: same as the language model
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict
+    from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.qwen2_5_vl.model import build_model
 
     limit_threads()

@@ -8,9 +8,9 @@ from __future__ import annotations
 import torch
 
 from loongforge.config.schema import LoraConfig, ParallelConfig
-from loongforge.models.hf_weights import megatron_to_hf
+from loongforge.models.hf.weights import megatron_to_hf
 from loongforge.models.layers.lora_params import adapter_parameters, lora_rules
-from loongforge.models.state_dict_names import is_adapter_key
+from loongforge.models.hf.state_dict_names import is_adapter_key
 from tests.models.test_lora import ALPHA, RANK, _lora_model, peft_tensors, with_random_adapters
 from tests.models.test_qwen3_5_parity import build_hf_model, relative, tiny_model_cfg
 from tests.models.test_qwen3_vl_support import hf_position_ids, make_sample, our_inputs

@@ -14,7 +14,7 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style
 from loongforge.models.registry import get_family
 from tests.models.helpers import destroy_megatron, free_port, init_megatron

@@ -11,7 +11,7 @@ import torch
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
-from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
 from loongforge.models.qwen3_vl.model import build_model
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
@@ -130,7 +130,7 @@ def test_weights_round_trip_and_the_hubs_expert_layout_reads_the_same(pair):
 
 def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
     """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``ExpertPlacement``)."""
-    from loongforge.models.hf_weights import ExpertPlacement, hf_to_megatron
+    from loongforge.models.hf.weights import ExpertPlacement, hf_to_megatron
 
     model_cfg, hf_model, model = pair
     full = model.state_dict()

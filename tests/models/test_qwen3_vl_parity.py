@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.qwen3_vl.model import build_model
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.test_qwen3_vl_support import (
@@ -179,7 +179,7 @@ def test_image_token_count_mismatch_is_a_loud_error(pair):
 
 def test_weights_round_trip_to_the_hub_key_style(pair):
     """Every HF tensor is read (both key styles) and written back unchanged, in the Hub's style."""
-    from loongforge.models.hf_weights import megatron_to_hf
+    from loongforge.models.hf.weights import megatron_to_hf
     from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
 
     model_cfg, hf_model, model = pair

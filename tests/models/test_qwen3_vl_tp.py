@@ -43,7 +43,7 @@ SHARDED_SHAPES = {
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+    from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
     from loongforge.models.qwen3_vl.model import build_model
 
     limit_threads()

@@ -13,7 +13,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models import family as family_module
 from loongforge.models import registry
 from loongforge.models.family import ChatFormat, ModelFamily
-from loongforge.models.hf_rules import Rule
+from loongforge.models.hf.rules import Rule
 from loongforge.models.qwen2_5_vl.model import build_model
 
 # Fields that hold data; every other field is a function of the family.

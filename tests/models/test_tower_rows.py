@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.models.hf_weights import _fill
+from loongforge.models.hf.weights import _fill
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules as intern_vit_rules
 from loongforge.models.towers.siglip.hf_mapping import tower_rules as siglip_rules
 from tests.models import test_intern_vit, test_siglip

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.models.hf_weights import hf_to_megatron, vision_tp_group
+from loongforge.models.hf.weights import hf_to_megatron, vision_tp_group
 
 
 def randomised(model: torch.nn.Module) -> torch.nn.Module:

@@ -12,7 +12,7 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.qwen2_5_vl.model import build_model
-from loongforge.models.state_dict_names import separate_name
+from loongforge.models.hf.state_dict_names import separate_name
 from loongforge.train.checkpoint import fit_to_checkpoint_names, load_checkpoint
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, tiny_model_cfg
 

@@ -12,7 +12,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models import parts
 from loongforge.models.decoder.hf_mapping import language_hf_shapes, language_rules
 from loongforge.models.decoder.text_config import architecture
-from loongforge.models.hf_rules import Rule
+from loongforge.models.hf.rules import Rule
 
 
 def _described(model_cfg: ModelConfig) -> str:

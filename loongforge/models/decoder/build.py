@@ -15,7 +15,7 @@ from megatron.core.utils import get_pg_rank
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec, mtp_block_spec
-from loongforge.models.hf_rules import padded_vocab_size
+from loongforge.models.hf.rules import padded_vocab_size
 from loongforge.models.layers.layer_backend import (
     BlockModules,
     block_modules,

@@ -1,4 +1,4 @@
-"""The decoder's rows of a family's HF weight map (``loongforge.models.hf_rules``).
+"""The decoder's rows of a family's HF weight map (``loongforge.models.hf.rules``).
 
 Qwen2, Qwen3 and Llama name their decoder tensors alike in transformers (``model.layers.{i}.*``,
 ``model.embed_tokens``, ``model.norm``, ``lm_head``); a family adds its own rows (vision tower,
@@ -22,7 +22,7 @@ from typing import Any, Mapping, Optional
 
 from loongforge.config.schema import LanguageConfig
 from loongforge.models.decoder.params import head_dim
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     LANGUAGE,
     Copies,
     FusedExperts,

@@ -16,7 +16,7 @@ from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
+from loongforge.models.hf.rules import Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules
 
 # Where transformers' module tree puts the decoder (the rows are built there, then renamed).

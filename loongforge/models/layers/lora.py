@@ -66,8 +66,8 @@ from megatron.core.transformer.utils import (
 from loongforge.config.errors import InputError
 from loongforge.config.schema import LoraConfig, ModelConfig
 from loongforge.config.validate import LORA_TE_REFUSAL
-from loongforge.models.hf_rules import GateUp, Rule, Tensor, Transform
-from loongforge.models.hf_weights import expert_placement, match_rule
+from loongforge.models.hf.rules import GateUp, Rule, Tensor, Transform
+from loongforge.models.hf.weights import expert_placement, match_rule
 from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.models.layers.lora_params import (
     block_b,
@@ -78,7 +78,7 @@ from loongforge.models.layers.lora_params import (
     row_parts,
 )
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import LORA_ADAPTED, is_adapter_key
+from loongforge.models.hf.state_dict_names import LORA_ADAPTED, is_adapter_key
 from loongforge.parallel.encoder_dp import GROUP_ATTR as ENCODER_DP_GROUP
 
 _WEIGHT = ".weight"

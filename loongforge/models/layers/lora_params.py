@@ -15,10 +15,10 @@ from typing import Optional
 import torch
 
 from loongforge.config.schema import LoraConfig, ModelConfig
-from loongforge.models.hf_rules import FusedExperts, Replicated, Rule, Split, Transform
+from loongforge.models.hf.rules import FusedExperts, Replicated, Rule, Split, Transform
 from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import LORA_A, LORA_B
+from loongforge.models.hf.state_dict_names import LORA_A, LORA_B
 
 _WEIGHT = ".weight"
 _COLUMN_LINEARS = ("qkv", "fc1")

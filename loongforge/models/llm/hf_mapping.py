@@ -8,7 +8,7 @@ from typing import Any, Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
-from loongforge.models.hf_rules import Rule, rename_prefixes
+from loongforge.models.hf.rules import Rule, rename_prefixes
 
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:

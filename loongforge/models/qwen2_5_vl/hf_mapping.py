@@ -2,9 +2,9 @@
 
 One declarative table, ``mapping_rules(model_cfg)``: the vision part's rows
 (``towers/qwen2_5_vit/hf_mapping.py``) and the shared decoder's. Each ``Rule`` pairs HF key(s) with
-one of our keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both directions
+one of our keys and a ``Transform`` (``loongforge.models.hf.rules``) that knows both directions
 (full HF tensors -> this TP rank's shard, and all ranks' shards -> full HF tensors);
-``loongforge.models.hf_weights`` walks the table.
+``loongforge.models.hf.weights`` walks the table.
 
 HF keys come in two styles: the Hub's (``visual.*``, ``model.layers.*``, ``model.embed_tokens``,
 ``lm_head``) and newer transformers' (``model.visual.*``, ``model.language_model.*``). Both are
@@ -29,7 +29,7 @@ from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes
+from loongforge.models.hf.rules import Rule, Tensor, rename_prefixes
 from loongforge.models.towers.qwen2_5_vit.hf_mapping import tower_rules
 
 # ---------------------------------------------------------------------------------------------

@@ -5,7 +5,7 @@ is what the rest of loongforge sees of it.
 
 model.py        build_model (the entry point): the composition with interleaved, partial M-RoPE
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
-hf_mapping.py   the weight map (rows for ``models.hf_weights``)
+hf_mapping.py   the weight map (rows for ``models.hf.weights``)
 """
 
 import functools

@@ -18,7 +18,7 @@ from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
+from loongforge.models.hf.rules import Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_rules
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 

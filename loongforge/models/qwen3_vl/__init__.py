@@ -5,7 +5,7 @@ with the shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongfo
 
 model.py        build_model (the entry point): the composition with interleaved M-RoPE and DeepStack
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
-hf_mapping.py   the weight map (rows for ``models.hf_weights``)
+hf_mapping.py   the weight map (rows for ``models.hf.weights``)
 rope_index.py   M-RoPE position ids per sample (data side; ``vlm.mrope_index``'s rule)
 processor.py    the processor files of an exported HF folder
 """

@@ -1,10 +1,10 @@
 """Weight map between transformers' Qwen3-VL checkpoints and the composed model (``models.vlm``).
 
 One declarative table, ``mapping_rules(model_cfg, vision)``: each ``Rule`` pairs HF key(s) with one
-of our keys and a ``Transform`` (``loongforge.models.hf_rules``) that knows both directions. The
+of our keys and a ``Transform`` (``loongforge.models.hf.rules``) that knows both directions. The
 language rows are the shared decoder's (``decoder.hf_mapping.language_rules``: Qwen3 q/k norms, no
 qkv bias), the vision rows the vision part's (``towers/qwen3_vit/hf_mapping.py``).
-``loongforge.models.hf_weights`` walks it.
+``loongforge.models.hf.weights`` walks it.
 
 HF keys come in two styles: Qwen3-VL's own, which its Hub files and transformers 5's state dict and
 ``save_pretrained`` share (``model.visual.*``, ``model.language_model.*``, ``lm_head``), and the flat
@@ -24,7 +24,7 @@ from typing import Mapping, Optional
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf_rules import Rule, Tensor, rename_prefixes, rename_rule
+from loongforge.models.hf.rules import Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_rules
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 

@@ -27,7 +27,7 @@ from PIL import Image
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, TokenIdsConfig
 from loongforge.models.flops import FlopOptions
-from loongforge.models.hf_weights import hf_to_megatron
+from loongforge.models.hf.weights import hf_to_megatron
 from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.towers.intern_vit import flops, params, processor
 from loongforge.models.towers.intern_vit.config import (

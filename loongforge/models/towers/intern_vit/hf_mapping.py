@@ -15,7 +15,7 @@ RMSNorm blocks and q/k norms too).
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     VISION,
     PatchEmbedding,
     Replicated,

@@ -1,5 +1,5 @@
 """HF weight rows of Qwen2.5-VL's vision part (the ViT and the patch merger), for a family's weight
-map (``models.hf_rules``; the family adds the language model's rows and its key styles).
+map (``models.hf.rules``; the family adds the language model's rows and its key styles).
 
 Layouts that are not a plain copy: the ViT's ``qkv`` (HF ``[3, heads, hd]``, megatron
 ``[heads, 3, hd]``); SwiGLU ``linear_fc1`` (each TP rank ``[gate shard, up shard]``); the patch
@@ -10,7 +10,7 @@ fused ``layer_norm_weight`` names.
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     VISION,
     FusedHeadQKV,
     GateUp,

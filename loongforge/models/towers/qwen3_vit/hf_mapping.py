@@ -1,5 +1,5 @@
 """HF weight rows of Qwen3-VL's vision part (the ViT, its merger and DeepStack's mergers), for a
-family's weight map (``models.hf_rules``; the family adds the language model's rows and its key
+family's weight map (``models.hf.rules``; the family adds the language model's rows and its key
 styles).
 
 Layouts that are not a plain copy: the ViT's ``qkv`` [3, heads, hd] -> megatron [heads, 3, hd]
@@ -15,7 +15,7 @@ from typing import Optional
 
 from loongforge.config.schema import ModelConfig
 
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     VISION,
     FusedHeadQKV,
     PatchEmbedding,

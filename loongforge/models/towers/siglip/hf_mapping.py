@@ -11,7 +11,7 @@ the linear after them. SigLIP's ``post_layernorm`` has no row: LLaVA-OneVision n
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import (
+from loongforge.models.hf.rules import (
     VISION,
     PatchEmbedding,
     Replicated,

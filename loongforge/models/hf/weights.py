@@ -1,6 +1,6 @@
 """HF state dicts <-> one rank's megatron state dict, for any family: walks the family's weight map.
 
-The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf_rules``); keys in any
+The map is ``ModelFamily.hf_rules`` (``Rule`` rows, ``loongforge.models.hf.rules``); keys in any
 style the family reads are first renamed to the Hub style (``ModelFamily.to_hub_style``). ``{i}`` in
 a pattern is a layer index; language layers are global in HF and local to the pipeline stage in
 megatron (``layer_offset``). ``{e}`` is an expert index (mixture-of-experts layers): global in HF,
@@ -18,9 +18,9 @@ from typing import Iterable, Mapping, Optional, Sequence
 import torch
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.hf_rules import VISION, Rule, Tensor
+from loongforge.models.hf.rules import VISION, Rule, Tensor
 from loongforge.models.registry import get_family
-from loongforge.models.state_dict_names import fused_name, is_adapter_key
+from loongforge.models.hf.state_dict_names import fused_name, is_adapter_key
 
 
 def _regex(pattern: str) -> re.Pattern:
