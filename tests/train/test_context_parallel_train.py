@@ -101,7 +101,9 @@ def test_qwen3_vl_with_deepstack_features_shared_trains_alike_at_cp2(tmp_path):
     one = _train(tmp_path / "cp1", preset=preset)
     two = _train(tmp_path / "cp2", CP2, nproc=2, preset=preset)
     assert_close_relative(losses(two), losses(one), LOSS_REL, "Qwen3-VL losses, CP 2 vs CP 1")
-    assert_close_relative(grad_norms(two), grad_norms(one), NORM_REL, "Qwen3-VL grad norms, CP 2 vs CP 1")
+    # DeepStack's side features summed over the CP group: 1.1e-6 measured in a fresh venv of 2026-12-07 (the
+    # same at the commit before that session), about 3x it asserted.
+    assert_close_relative(grad_norms(two), grad_norms(one), 3e-6, "Qwen3-VL grad norms, CP 2 vs CP 1")
 
 
 def test_moe_with_its_experts_over_the_cp_ranks_trains_alike(tmp_path):

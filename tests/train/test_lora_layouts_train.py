@@ -37,5 +37,7 @@ def test_lora_on_routed_experts_trains_alike_at_ep2(tmp_path):
     run_train(tmp_path / "ep2", *options, "parallel.expert_model_parallel_size=2", nproc=2, preset=preset)
     assert "language.expert_fc1" in ep1.stdout + ep1.stderr
     assert_close_relative(losses(tmp_path / "ep2"), losses(tmp_path / "ep1"), REL, "LoRA losses, EP 2 vs EP 1")
-    assert_close_relative(grad_norms(tmp_path / "ep2"), grad_norms(tmp_path / "ep1"), REL,
+    # 8.1e-7 measured in a fresh venv of 2026-12-07 (the same at the commit before that session; 7e-9 in
+    # the venv the bound was set in): about 3x it asserted.
+    assert_close_relative(grad_norms(tmp_path / "ep2"), grad_norms(tmp_path / "ep1"), 3e-6,
                           "LoRA grad norms, EP 2 vs EP 1")
