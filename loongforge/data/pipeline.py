@@ -53,8 +53,8 @@ from loongforge.data.order import check_order, data_order
 from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
-    all_rejected_error,
     build_mixture,
+    check_entries_usable,
     check_same_weights,
     counts_report,
     entry_weights,
@@ -230,22 +230,12 @@ class RowStream:
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
         self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
         self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
-        if mixture is not None:
-            self._check_sources_usable()
+        if mixture is not None:  # a weighted entry with nothing usable stops before its share is lost
+            check_entries_usable(mixture, self.counts.names, self._reject_reason)
 
-    def _check_sources_usable(self) -> None:
-        """Stop before training on a weighted source whose every sample is rejected (its share would
-        silently go to the others): each source is measured in its first epoch's order until a
-        sample is accepted, one measurement for a usable source, all of them for a rejected one."""
-        for source, name in enumerate(self.counts.names):
-            reasons: Counter = Counter()
-            for index in self.mixture.order(source, 0):
-                measured = self._measure_index(int(self.mixture.starts[source] + index))
-                if isinstance(measured, MeasuredSample):
-                    break
-                reasons[measured.reason] += 1
-            else:
-                raise all_rejected_error(name, reasons)
+    def _reject_reason(self, index: int) -> Optional[str]:
+        measured = self._measure_index(index)
+        return measured.reason if isinstance(measured, Reject) else None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Sample index at each position of ``epoch`` (with a mixture: of its block of draws)."""
