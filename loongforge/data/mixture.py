@@ -26,7 +26,7 @@ from collections import Counter
 from dataclasses import dataclass
 from fractions import Fraction
 from functools import lru_cache, reduce
-from typing import Optional
+from typing import Callable, Optional
 
 import numpy as np
 
@@ -172,6 +172,22 @@ def all_rejected_error(name: str, reasons: Counter, what: str = "samples") -> In
     by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
     return InputError(f"data.paths entry {name!r}: all {sum(reasons.values())} {what} were rejected ({by_reason}); "
                       "fix them or drop the entry (its weight would go to the other entries)")
+
+
+def check_entries_usable(mixture: Mixture, names: list[str], reject_reason: Callable[[int], Optional[str]]) -> None:
+    """Stop before training or packing on a weighted entry whose every sample is rejected (its share
+    would silently go to the others). ``reject_reason(index)``: why global sample ``index`` is
+    rejected, None when it is usable. Each entry is looked at in its first epoch's order until a
+    sample is usable: one look for a usable entry, all of its samples for a rejected one."""
+    for source, name in enumerate(names):
+        reasons: Counter = Counter()
+        for index in mixture.order(source, 0):
+            reason = reject_reason(int(mixture.starts[source] + index))
+            if reason is None:
+                break
+            reasons[reason] += 1
+        else:
+            raise all_rejected_error(name, reasons)
 
 
 def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) -> Optional[Mixture]:

@@ -12,7 +12,8 @@ returned (epoch, cursor, packing buffer, rejects seen), so a resumed run gets th
 
 The rejects counted (summary, ``rejects.jsonl``, checkpoint) are those met making the steps the run
 consumed, every rank's: a step's count when it is taken, never while a prefetching reader holds it,
-so the figure is the same whatever the prefetch timing and, where the rows are, at every layout.
+so the figure is the same whatever the prefetch timing and, where the rows are, at every layout
+(a rank decodes only its rows: what decoding finds is gathered over the DP group, ``_consumed_rejects``).
 
 With weighted data.paths entries (``path@weight``, ``loongforge.data.mixture``) the stream is the
 mixture's draw sequence instead, cut into blocks as long as an epoch would be: block ``e`` is
@@ -53,8 +54,8 @@ from loongforge.data.order import check_order, data_order
 from loongforge.data.mixture import (
     Mixture,
     SourceCounts,
-    all_rejected_error,
     build_mixture,
+    check_entries_usable,
     check_same_weights,
     counts_report,
     entry_weights,
@@ -197,7 +198,16 @@ class MetRejects:
         """The rejects met since the last take, in key order (decoding threads finish in any order)."""
         with self._lock:
             met, self._met = self._met, {}
-        return sorted(met.values(), key=lambda r: (r.file, r.line, -1 if r.record is None else r.record, r.reason))
+        return in_key_order(met.values())
+
+
+def in_key_order(rejects) -> list[Reject]:
+    """``rejects`` once each (by key), in key order: a step's rejects are listed in the same order
+    whichever thread or rank met them."""
+    unique: dict[RejectKey, Reject] = {}
+    for reject in rejects:
+        unique.setdefault(reject.key, reject)
+    return sorted(unique.values(), key=lambda r: (r.file, r.line, -1 if r.record is None else r.record, r.reason))
 
 
 class RowStream:
@@ -230,22 +240,12 @@ class RowStream:
         self._rejected: dict[int, Reject] = {}  # sample index -> why it was rejected
         self.pieces: list[PackItem[MeasuredSample]] = []  # a long document's pieces still to pull
         self.dealt_pieces: deque = deque()  # [epoch, position, pieces] a re-deal gave this shard
-        if mixture is not None:
-            self._check_sources_usable()
+        if mixture is not None:  # a weighted entry with nothing usable stops before its share is lost
+            check_entries_usable(mixture, self.counts.names, self._reject_reason)
 
-    def _check_sources_usable(self) -> None:
-        """Stop before training on a weighted source whose every sample is rejected (its share would
-        silently go to the others): each source is measured in its first epoch's order until a
-        sample is accepted, one measurement for a usable source, all of them for a rejected one."""
-        for source, name in enumerate(self.counts.names):
-            reasons: Counter = Counter()
-            for index in self.mixture.order(source, 0):
-                measured = self._measure_index(int(self.mixture.starts[source] + index))
-                if isinstance(measured, MeasuredSample):
-                    break
-                reasons[measured.reason] += 1
-            else:
-                raise all_rejected_error(name, reasons)
+    def _reject_reason(self, index: int) -> Optional[str]:
+        measured = self._measure_index(index)
+        return measured.reason if isinstance(measured, Reject) else None
 
     def epoch_order(self, epoch: int) -> np.ndarray:
         """Sample index at each position of ``epoch`` (with a mixture: of its block of draws)."""
@@ -395,9 +395,11 @@ class DataPipeline:
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
                  embeddings: Optional[EmbeddingStore] = None, samples=None, held_out: bool = False,
-                 sample_multiple: int = 1):
+                 sample_multiple: int = 1, dp_group=None):
         """``sample_multiple``: each sample padded to a multiple of it inside its own segment of the
-        row, and packed at that length (2 x CP under context parallelism, ``config.layout``)."""
+        row, and packed at that length (2 x CP under context parallelism, ``config.layout``).
+        ``dp_group``: this rank's data-parallel group (gloo: the ranks at its TP / PP / CP position in
+        every DP rank), over which a step's rejects found decoding are gathered (``_consumed_rejects``)."""
         if pad_to_multiple < 1:
             raise ValueError(f"pad_to_multiple must be >= 1, got {pad_to_multiple}")
         self.read = resolve_read(data_cfg, dp_size)
@@ -419,6 +421,11 @@ class DataPipeline:
         self.prefetch_steps = prefetch_steps
         self.rejects = RejectLog(rejects_path)  # the consumed steps' rejects
         self._met = MetRejects(self.rejects.path)  # the stream's, until their step is consumed
+        self._decoded = MetRejects(self.rejects.path)  # found decoding this rank's rows, likewise
+        # Reading global at DP > 1, each rank decodes only its own rows: the rejects found decoding
+        # them (media corrupt past its header, a missing stored embedding) are gathered over the DP
+        # group when the step is consumed. Without media nothing is found decoding: no collective.
+        self._decoded_group = dp_group if self.read == "global" and dp_size > 1 and self.sizing is not None else None
         self.groups = groups
         # In sharded reading only each DP rank's leader loads; its TP / PP peers get its batches.
         self.loads_data = self.read == "global" or groups is None or groups.is_leader
@@ -533,7 +540,7 @@ class DataPipeline:
             self.rejects.record_all(self._met.take())
             raise
         self.last_data_wait_s = time.perf_counter() - start
-        self.rejects.record_all(produced.rejects)  # counted once consumed, never while prefetched
+        self.rejects.record_all(self._consumed_rejects(produced))  # counted once consumed, never while prefetched
         self._consumed_state = produced.state
         self.last_row_epoch = produced.row_epoch
         self.last_sources = produced.sources
@@ -542,6 +549,19 @@ class DataPipeline:
             self.last_balance = decision
             self.balance_counters.add(decision)
         return micro_batches
+
+    def _consumed_rejects(self, produced: "_Produced") -> list[Reject]:
+        """The step's rejects, every rank's: met measuring its rows (the same on every rank reading
+        global; gathered by the exchange reading sharded) and found decoding them. Reading global at
+        DP > 1 a rank decodes only its own rows, so those are gathered here, on the main thread
+        where every rank of the group takes the step (the loader thread has no group of its own
+        then). TP / PP / CP peers decode their DP rank's rows too and gather them over their own DP
+        group: every rank counts the same rejects, as at DP 1."""
+        decoded = produced.decoded
+        if self._decoded_group is not None:
+            decoded = [reject for rank_decoded in all_gather_objects(decoded, self._decoded_group)
+                       for reject in rank_decoded]
+        return in_key_order([*produced.rejects, *decoded])
 
     def _follow_cost_model(self) -> None:
         """Price the steps from here on with the owner's current model. Steps already prefetched
@@ -660,6 +680,7 @@ class DataPipeline:
     def _rewind_to(self, state: dict) -> None:
         # The prefetcher may have packed steps nobody consumed; start again from `state`.
         self._met.take()  # met making those steps: met again when they are made again
+        self._decoded.take()
         if self.stream is not None:
             self.stream.load_state_dict(state["stream"])
         self._step = int(state["step"])
@@ -693,7 +714,8 @@ class DataPipeline:
             mine = [rows[i] for i in self.my_rows]
         sources = self.stream.source_report() if isinstance(self.stream, (RowStream, StreamingRowStream)) else None
         micro_batches = self._map(self._collate, mine)
-        return _Produced(micro_batches, state, decision, self._latest_epoch(items), sources, self._met.take())
+        return _Produced(micro_batches, state, decision, self._latest_epoch(items), sources, self._met.take(),
+                         self._decoded.take())
 
     def _produce_sharded_step(self) -> "_Produced":
         """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated
@@ -706,9 +728,10 @@ class DataPipeline:
             state = self._stream_state()
             materialized = self._map(self._materialize, rows)
             # Every rank counts every rank's rejects of the step (rank 0 writes them).
-            mine, decision, rejects = self._exchange.run(materialized, self._met.take())
+            met = in_key_order([*self._met.take(), *self._decoded.take()])
+            mine, decision, rejects = self._exchange.run(materialized, met)
             result = _Produced(self._map(self._collate_materialized, mine), state, decision,
-                               self._latest_epoch(items), self._all_shards_sources(), rejects)
+                               self._latest_epoch(items), self._all_shards_sources(), rejects, [])
         if self.groups is not None and self.groups.replicas is not None:
             result = broadcast_object(result, self.groups.replicas_src, self.groups.replicas)
             if not self.loads_data:
@@ -740,7 +763,7 @@ class DataPipeline:
             materialized = [materialize(sample, self.sizing) for sample in row]
         for item in materialized:
             if item.late_reject is not None:
-                self._met.record(item.late_reject)
+                self._decoded.record(item.late_reject)
         return materialized
 
     def _collate_materialized(self, materialized: list[MaterializedSample]) -> dict:
@@ -760,7 +783,8 @@ class _Produced(NamedTuple):
     decision: object  # the balance decision (None without balancing)
     row_epoch: Optional[int]  # the latest epoch a sample of the step's rows was drawn in
     sources: Optional[dict]  # weighted data.paths: per-source counts of all ranks so far
-    rejects: list  # the Rejects met making the step (all ranks' when reading sharded)
+    rejects: list  # the Rejects met making the step (all ranks', found decoding too, when reading sharded)
+    decoded: list  # reading global: the Rejects found decoding this rank's rows (DataPipeline._consumed_rejects)
 
 
 class _StepWorker:

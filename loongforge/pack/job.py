@@ -29,7 +29,7 @@ from loongforge.config.overrides import Override
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.conversations import expand_data_paths
 from loongforge.data.measure import vision_sizing
-from loongforge.data.mixture import Mixture, build_mixture, entry_weights, source_names
+from loongforge.data.mixture import Mixture, build_mixture, check_entries_usable, entry_weights, source_names
 from loongforge.data.record_kinds import reading_for
 from loongforge.data.packfile import folder
 from loongforge.data.packfile.folder import (
@@ -114,7 +114,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     sizing = _sizing_dict(cfg)
     config = _folder_config(options, cfg, files, sizing, entry_weights(list(options.inputs)))
     root = Path(options.output)
-    _prepare_folder(root, config, options.resume)
+    _check_folder(root, config, options.resume)
     summary = PackSummary(output=root, stats={}, workers=options.workers)
 
     start = time.perf_counter()
@@ -123,6 +123,9 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     context = workers.MeasureContext(inputs=tuple(files), data_cfg=cfg.data, model_cfg=cfg.model)
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork
+    if mixture is not None:  # as training does, before the folder is made: an error leaves nothing behind
+        check_entries_usable(mixture, source_names(list(options.inputs)), workers.reject_reason)
+    _prepare_folder(root, config, options.resume)
     with _bar(options, len(samples), "scan") as bar:
         bar.update(len(samples) - _remaining_scan(root, len(samples)))
         summary.samples["scan"] = run_scan(root, len(samples), context, num_workers=options.workers,
@@ -263,8 +266,8 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict, we
     }
 
 
-def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
-    text = json.dumps(config, indent=2) + "\n"
+def _check_folder(root: Path, config: dict, resume: bool) -> None:
+    """Refuse ``--output`` before any work: a file, or a folder that ``resume`` may not continue."""
     if root.exists() and not root.is_dir():
         raise InputError(f"--output {root} is a file, not a folder; choose a folder path to write packs into")
     if root.exists() and any(root.iterdir()):
@@ -272,12 +275,22 @@ def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
             raise InputError(f"output folder {root} is not empty; pass --resume to continue the run that "
                              f"wrote it, or choose a new folder")
         config_path = root / CONFIG_FILE
-        if not config_path.exists() or config_path.read_text() != text:
+        if not config_path.exists() or config_path.read_text() != _config_text(config):
             raise InputError(f"--resume: {root} was written with other inputs or flags (see {config_path}); "
                              f"rerun with the same ones or pack into a new folder")
+
+
+def _prepare_folder(root: Path, config: dict, resume: bool) -> None:
+    """``root`` ready to write into (checked by ``_check_folder``): a resumed folder without its
+    partial files, a new one with ``pack_config.json``."""
+    if root.exists() and any(root.iterdir()):
         remove_partial_files(root)
         return
-    write_atomic(root / CONFIG_FILE, text.encode())
+    write_atomic(root / CONFIG_FILE, _config_text(config).encode())
+
+
+def _config_text(config: dict) -> str:
+    return json.dumps(config, indent=2) + "\n"
 
 
 def _remaining_scan(root: Path, num_samples: int) -> int:

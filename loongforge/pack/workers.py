@@ -76,6 +76,12 @@ def measure_index(index: int) -> Union[MeasuredSample, Reject]:
     return sample if isinstance(sample, Reject) else measurer().measure(sample)
 
 
+def reject_reason(index: int) -> Optional[str]:
+    """Why sample ``index`` of the inputs is rejected; None when it is usable."""
+    measured = measure_index(index)
+    return measured.reason if isinstance(measured, Reject) else None
+
+
 def _init_worker(context: MeasureContext) -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")  # one process per core already
     install(context)

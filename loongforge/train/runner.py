@@ -506,7 +506,7 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
                         cost_models=balancing, groups=data_groups,
                         encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings,
-                        sample_multiple=sample_multiple(cfg.data, cfg.parallel))
+                        sample_multiple=sample_multiple(cfg.data, cfg.parallel), dp_group=_data_parallel_gloo(layout))
 
 
 def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
@@ -525,8 +525,15 @@ def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelL
                                rejects_path=rejects_file(out_dir, name) if env.rank == 0 else None,
                                balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size, cost_models=balancing,
                                encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings, held_out=held_out,
-                               sample_multiple=sample_multiple(cfg.data, cfg.parallel))
+                               sample_multiple=sample_multiple(cfg.data, cfg.parallel),
+                               dp_group=_data_parallel_gloo(layout))
             for name, (data_cfg, held_out) in sets.items()}
+
+
+def _data_parallel_gloo(layout: ParallelLayout):
+    """megatron-core's gloo data-parallel group (None at DP 1): a pipeline reading global gathers the
+    rejects its ranks found decoding over it, on the main thread, in step with the other ranks."""
+    return parallel_state.get_data_parallel_group_gloo() if layout.dp_size > 1 else None
 
 
 def _encoder_ranks(cfg: RunConfig, layout: ParallelLayout) -> int:

@@ -2,10 +2,12 @@
 
 import dataclasses
 import json
+from datetime import timedelta
 
 import numpy as np
 import pytest
 import torch
+import torch.distributed as dist
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import DataConfig, ModelConfig
@@ -15,6 +17,7 @@ from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.samples import Reject
 from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
+from tests.models.helpers import free_port, limit_threads, run_workers
 
 MODEL = ModelConfig()
 TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values", "image_grid_thw",
@@ -239,7 +242,8 @@ def test_real_demo_conversations_with_images_and_video(tokenizer):
     assert any(s.startswith(str(LLAMAFACTORY / "mllm_video_demo.json")) for s in seen)
 
 
-def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer, tmp_path):
+def _png(path, *, corrupt_past_its_header=False):
+    """A 64 x 48 PNG; ``corrupt_past_its_header``: its header reads well, its pixels do not decode."""
     import io
 
     from PIL import Image
@@ -247,9 +251,15 @@ def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer,
     png = io.BytesIO()
     Image.new("RGB", (64, 48), (200, 10, 10)).save(png, format="PNG")
     data = bytearray(png.getvalue())
-    idat = data.index(b"IDAT") + 4
-    data[idat:idat + 8] = b"\x00garbage"  # header and IEND intact; pixel data broken
-    (tmp_path / "broken.png").write_bytes(bytes(data))
+    if corrupt_past_its_header:
+        idat = data.index(b"IDAT") + 4
+        data[idat:idat + 8] = b"\x00garbage"  # header and IEND intact; pixel data broken
+    path.write_bytes(bytes(data))
+    return path
+
+
+def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer, tmp_path):
+    _png(tmp_path / "broken.png", corrupt_past_its_header=True)
     record = {"messages": [{"role": "user", "content": "<image>colour?"}, {"role": "assistant", "content": "Red."}],
               "images": ["broken.png"]}
     (tmp_path / "d.json").write_text(json.dumps([record]))
@@ -390,3 +400,68 @@ def test_a_reject_of_a_checkpoint_saved_before_record_ordinals_is_not_counted_ag
     log.record(Reject(file="a.jsonl", line=4, reason="malformed_json", detail="y", record=3))
     print(f"after resuming an older checkpoint: counted {log.counts()}, listed {len(path.read_text().splitlines())}")
     assert log.counts() == {"malformed_json": 2} and len(path.read_text().splitlines()) == 2
+
+
+def _every_third_corrupt_past_its_header(folder):
+    """48 one-image conversations, every third image's pixels corrupt (a reject found only when the
+    rank that trains it decodes it), and every eighth line malformed (found measuring, by every rank)."""
+    _png(folder / "good.png")
+    _png(folder / "broken.png", corrupt_past_its_header=True)
+    lines = []
+    for line in range(1, 49):
+        image = "broken.png" if line % 3 == 0 else "good.png"
+        record = {"messages": [{"role": "user", "content": f"<image>Colour {line}?"},
+                               {"role": "assistant", "content": "Red. " * (1 + line % 4)}], "images": [image]}
+        lines.append('{"messages": [' if line % 8 == 0 else json.dumps(record))
+    (folder / "data.jsonl").write_text("\n".join(lines) + "\n")
+    return folder / "data.jsonl"
+
+
+def _decoding_rejects(tokenizer, data, rejects_path, *, dp_rank, dp_size, num_workers, dp_group=None):
+    """(counted, checkpointed) rejects after 3 steps of 2 rows, read global."""
+    cfg = DataConfig(source="files", paths=[str(data)], seq_len=256, shuffle=False, read="global",
+                     num_workers=num_workers, max_pixels=50176)
+    pipeline = _pipeline(tokenizer, cfg, gbs=2, dp_rank=dp_rank, dp_size=dp_size, rejects_path=rejects_path,
+                         lookahead=4, dp_group=dp_group, samples=FileSamples(cfg.paths))  # no Arrow copy to make
+    for _ in range(3):
+        pipeline.next_step()
+    pipeline.close()
+    return pipeline.reject_counts(), pipeline.state_dict()["rejects"]["counts"]
+
+
+def _decoding_rejects_rank(rank, data, out, port):
+    """DP rank ``rank`` of 2 over gloo, prefetching; rank 0 writes rejects.jsonl, as in training."""
+    from loongforge.config.schema import ModelConfig
+    from loongforge.data.tokenizer import load_tokenizer
+    from loongforge.models.registry import get_family
+
+    limit_threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
+                            timeout=timedelta(seconds=60))
+    try:
+        tokenizer = load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig()).jinja_template)
+        figures = _decoding_rejects(tokenizer, data, out / "rejects.jsonl" if rank == 0 else None, dp_rank=rank,
+                                    dp_size=2, num_workers=1, dp_group=dist.group.WORLD)
+        (out / f"rank{rank}.json").write_text(json.dumps(figures))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_rejects_found_decoding_are_every_ranks_at_dp_2_reading_global(tokenizer, tmp_path):
+    """Issue 49: under data.read=global each DP rank decodes only the rows it trains, and a sample
+    whose pixels are corrupt past a good header was counted only by that rank: rank 0's summary and
+    rejects.jsonl held its own (6 of the 12 corrupt_image at DP 2 here, 12 at DP 1). Each step's
+    rejects found decoding are now gathered over the data-parallel group when it is consumed."""
+    data = _every_third_corrupt_past_its_header(tmp_path)
+    one = tmp_path / "dp1"
+    one.mkdir()
+    figures = {"DP 1": _decoding_rejects(tokenizer, data, one / "rejects.jsonl", dp_rank=0, dp_size=1, num_workers=0)}
+    two = tmp_path / "dp2"
+    two.mkdir()
+    run_workers(_decoding_rejects_rank, 2, (data, two, free_port()), timeout_s=120)
+    for rank in range(2):
+        figures[f"DP 2 rank {rank}"] = tuple(json.loads((two / f"rank{rank}.json").read_text()))
+    print(f"rejects after 3 steps read global (counted, checkpointed): {figures}")
+    assert figures["DP 1"][0]["corrupt_image"] > 0 and figures["DP 1"][0]["malformed_json"] > 0
+    assert all(figure == figures["DP 1"] for figure in figures.values())
+    assert (two / "rejects.jsonl").read_text() == (one / "rejects.jsonl").read_text()

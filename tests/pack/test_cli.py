@@ -6,6 +6,7 @@ from typer.testing import CliRunner
 
 from loongforge.cli.app import app
 from tests.console import assert_no_third_party_warning, console_of
+from tests.data.conftest import write_conversations
 from tests.pack.conftest import PRESET
 
 runner = CliRunner()
@@ -74,3 +75,21 @@ def test_pack_that_writes_no_packs_fails_with_counts_by_reason(tmp_path):
     assert result.exit_code == 2, result.output
     assert result.output.startswith("error: 0 packs written: 2 of 2 samples rejected (malformed_json 2)"), result.output
     assert (tmp_path / "out" / "rejects.jsonl").is_file()  # kept for a look
+
+
+def test_pack_of_a_mixture_input_whose_every_sample_is_rejected_stops_before_writing(tmp_path):
+    """Issue 49, pack: a weighted input none of whose samples can be packed gave its share to the
+    others (exit 0, a folder without a row of it). Now training's one line, exit 2, and no folder."""
+    good = write_conversations(tmp_path / "good.jsonl", 4)
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text("{oops\n" * 3)
+    out = tmp_path / "out"
+    result = _pack(f"{good}@1", f"{bad}@1", "--output", str(out))  # the module's tokenizer, loaded once
+    stats = json.loads((out / "stats.json").read_text()) if (out / "stats.json").is_file() else None
+    print(f"pack {good.name}@1 {bad.name}@1: exit {result.exit_code}, {result.output.splitlines()[0]!r}, "
+          f"folder left: {sorted(p.name for p in out.iterdir()) if out.exists() else None}, "
+          f"sources: {stats and stats.get('sources')}")
+    assert result.exit_code == 2 and result.output == (
+        f"error: data.paths entry {str(bad)!r}: all 3 samples were rejected (malformed_json: 3); fix them or drop "
+        "the entry (its weight would go to the other entries)\n")
+    assert not out.exists()
