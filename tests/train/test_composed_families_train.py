@@ -1,8 +1,8 @@
 """InternVL3.5 (InternViT + pixel shuffle + Qwen3) and LLaVA-OneVision (SigLIP + MLP + anyres packing + Qwen2),
 both under 1-D RoPE, train through the same command on the demo photos as their processors cut them (InternVL:
 up to 4 tiles and a thumbnail of 56 px; LLaVA-OneVision: one image a sample its base square and anyres crops,
-packed by its size, two a padded square each): DP 2 with balancing re-planning every step, and TP 2 x PP 2
-(vision TP 2), equal one process (losses, grad norms and Adam moments, each kind of the tower's tensors
+packed by its size, two a padded square each): TP 2 x PP 2 (vision TP 2; DP 2 is family-independent:
+``conftest.FAMILY_LAYOUTS``) equals one process (losses, grad norms and Adam moments, each kind of the tower's tensors
 included, to 1e-5 relative); stored embeddings (``loongforge encode``: InternVL's features per tile token,
 LLaVA-OneVision's each image packed with its newline) train like the frozen online encoder, on a JSON
 array written on one line whose records show one image alone and beside another (issue 49: keyed by line,
@@ -19,6 +19,7 @@ from tests.data.conftest import write_shared_image_records
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     SAVE_AT_END,
+    FAMILY_LAYOUTS,
     assert_layout_trains_like_one_process,
     assert_stored_embeddings_train_like_the_frozen_encoder,
     layout_runs,
@@ -40,10 +41,11 @@ OPTIONS = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def runs(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
-    return request.param, layout_runs(tmp_path_factory.mktemp(request.param), request.param, *OPTIONS)
+    return request.param, layout_runs(tmp_path_factory.mktemp(request.param), request.param, *OPTIONS,
+                                      layouts=FAMILY_LAYOUTS)
 
 
-@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
+@pytest.mark.parametrize("layout", ["tp2-pp2"])
 def test_layout_trains_like_one_process(runs, layout):
     preset, family_runs = runs
     assert_layout_trains_like_one_process(family_runs, layout, REL, tensors=FAMILIES[preset])

@@ -83,13 +83,14 @@ def test_the_data_has_micro_batches_without_media():
     assert {(False, False), (True, False), (False, True)} <= kinds
 
 
-# The language attention output's Adam moment: 1.5e-5 measured in a fresh venv of 2026-12-07 (the same at
-# the commit before that session), about 3x it asserted; losses and grad norms keep 1e-5.
-MOMENTS_REL = 5e-5
+# The final checkpoints: the language attention output's Adam moment 1.5e-5 and a bias 1.1e-4 (the weights'
+# bound is 10x the moments') measured in a fresh venv of 2026-12-07 (the same at the commit before that
+# session), about 3x asserted; losses and grad norms keep 1e-5.
+CHECKPOINT_REL = 4e-5
 
 
 def test_full_trains_like_none_with_the_distributed_optimizer_and_overlap(full_run, none_run):
-    assert_trains_alike(full_run, none_run, moments_relative=MOMENTS_REL)
+    assert_trains_alike(full_run, none_run, checkpoint_relative=CHECKPOINT_REL)
     held = step_metric(full_run, "vision_features_bytes")
     assert len(held) == STEPS and all(b > 0 for b in held)
 
@@ -106,7 +107,7 @@ def test_a_full_checkpoint_loads_in_none(tmp_path, full_run, none_run):
     # The same optimizer kind as the checkpoint's; none with overlap would need every encoder
     # parameter to get a gradient in every micro-batch (a separate issue).
     resumed = _resume_from_step_2(full_run, tmp_path / "as_none", "none", *DISTRIBUTED)
-    assert_trains_alike(resumed, none_run, moments_relative=MOMENTS_REL)
+    assert_trains_alike(resumed, none_run, checkpoint_relative=CHECKPOINT_REL)
 
 
 def test_a_none_checkpoint_loads_in_full_with_the_encoder_recomputed(tmp_path, none_run):
