@@ -291,3 +291,137 @@ def test_text_only_model_refuses_media(pair):
     case = pair.case("text", text_len=4)
     with pytest.raises(ValueError, match="a text-only model takes no images or videos"):
         pair.model(**case.ours, pixel_values=torch.zeros(4, 8))
+
+
+# ---------------------------------------------------------------------------------------------------
+# Mixture of experts: megatron-core's MoE layer, transformers' balance loss, the experts' weight layouts
+# ---------------------------------------------------------------------------------------------------
+
+MOE_CASES = ("text", "one_image", "image_and_video")
+AUX_TOLERANCE = 1e-6
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
+def test_decoder_layers_are_megatrons_moe_layers_with_deepstack_hooks(pair):
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+
+    from tests.models.test_qwen3_vl_support import TINY_VISION
+
+    layers = pair.model.language_model.decoder.layers
+    assert all(isinstance(layer.mlp, MoELayer) for layer in layers)
+    assert len(layers[0].mlp.experts.local_experts) == pair.model_cfg.language.num_experts
+    hooked = [bool(layer._forward_hooks) for layer in layers]
+    assert hooked == [index < TINY_VISION.num_deepstack_layers for index in range(len(layers))]
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
+def test_router_statistics_give_transformers_aux_loss(pair):
+    """Every token (text, image and video placeholders alike) goes through every router on both sides;
+    transformers averages the statistics over layers before taking the product. Only the renormalised
+    router: transformers' Qwen3-VL-MoE has no other (the unnormalised one is ``qwen3_moe_unnormalised``'s
+    logits above)."""
+    from loongforge.models.decoder.moe_balance import RouterStatistics, transformers_balance_loss
+
+    for layout in MOE_CASES:
+        case = pair.case(layout)
+        with torch.no_grad():
+            expected = pair.hf_model(**case.theirs, output_router_logits=True).aux_loss
+            with RouterStatistics(pair.model).record() as recorded:
+                pair.model(**case.ours)
+        assert len(recorded.statistics) == pair.model_cfg.language.num_layers
+        diff = abs(float(transformers_balance_loss(recorded.statistics)) - float(expected))
+        print(f"\n{layout}: aux loss {float(expected):.6f}, diff {diff:.3e}")
+        assert diff <= AUX_TOLERANCE, layout
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
+def test_router_statistics_give_megatrons_per_layer_losses(pair):
+    """In training megatron-core adds each layer's own loss (``moe_balance`` says how it differs)."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss
+
+    model = pair.reference.build(pair.model_cfg, ParallelConfig()).train()
+    load_hf_state_dict(model, pair.hf_model.state_dict())
+    case = pair.case("one_image")
+    clear_aux_losses_tracker()
+    with RouterStatistics(model).record() as recorded:
+        model(**case.ours)
+    per_layer = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]  # aux / coeff
+    ours = megatron_balance_loss(recorded.statistics, pair.model_cfg.language.moe_router_topk)
+    assert abs(float(per_layer.sum()) - float(ours)) <= AUX_TOLERANCE
+    clear_aux_losses_tracker()
+
+
+def _hub_layout(hf_state: dict) -> dict:
+    """The Hub's Qwen3-VL-MoE files: fused expert tensors with their two trailing axes swapped."""
+    return {key: value.transpose(1, 2).contiguous() if key.endswith((".experts.gate_up_proj", ".experts.down_proj"))
+            else value for key, value in hf_state.items()}
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
+def test_the_hubs_transposed_expert_layout_reads_the_same(pair):
+    """transformers 5 writes the fused experts [E, 2 x ffn, h]; a state dict in the Hub's transposed layout
+    loads into the same weights (the round trip itself is test_weights_round_trip_to_the_hub_key_style's)."""
+    hf_state = pair.hf_model.state_dict()
+    assert hf_state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    from_hub = pair.reference.build(pair.model_cfg, ParallelConfig()).eval()
+    hub_state = _hub_layout(hf_state)
+    assert hub_state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 2 * 48)
+    load_hf_state_dict(from_hub, hub_state)
+    ours = {k: v for k, v in pair.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    assert all(torch.equal(v, ours[k]) for k, v in from_hub.state_dict().items() if isinstance(v, torch.Tensor))
+
+
+@pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
+def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
+    """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``ExpertPlacement``)."""
+    from loongforge.models.hf_weights import ExpertPlacement, hf_to_megatron
+
+    full = pair.model.state_dict()
+    local = {0: 2, 1: 3}
+    keys = [k for k in full if any(f".local_experts.{e}." in k for e in local)]
+    second_rank = hf_to_megatron(pair.hf_model.state_dict(), pair.model_cfg, keys,
+                                 experts=ExpertPlacement(offset=2, tp_rank=0, tp_size=1))
+    assert len(second_rank) == 2 * 2 * pair.model_cfg.language.num_layers  # fc1 and fc2 of 2 experts a layer
+    for key, tensor in second_rank.items():
+        e = next(e for e in local if f".local_experts.{e}." in key)
+        assert torch.equal(tensor, full[key.replace(f".local_experts.{e}.", f".local_experts.{local[e]}.")]), key
+
+
+@pytest.mark.parametrize("pair", ["qwen3_moe", "qwen3_moe_unnormalised"], indirect=True)
+def test_text_moe_is_megatrons_moe_layer(pair):
+    from megatron.core.transformer.moe.experts import SequentialMLP
+    from megatron.core.transformer.moe.moe_layer import MoELayer
+    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+    for layer in pair.model.language_model.decoder.layers:
+        assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.experts, SequentialMLP)
+        assert isinstance(layer.mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
+        assert layer.mlp.router.topk == pair.model_cfg.language.moe_router_topk == 2
+        assert len(layer.mlp.experts.local_experts) == pair.model_cfg.language.num_experts == 4
+
+
+@pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)
+def test_text_moe_weights_round_trip_through_megatron_bit_exact(pair, tmp_path):
+    """transformers 5's fused experts -> megatron's per-expert linears -> the Hub layout (one tensor per
+    expert), which transformers loads back into the very same fused tensors. The unnormalised router's
+    weights are the same tensors: ``qwen3_moe`` proves it once."""
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from loongforge.models.registry import get_family
+
+    hub = megatron_to_hf([pair.model.state_dict()], pair.model_cfg)
+    assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub and "model.layers.0.mlp.gate.weight" in hub
+    assert {k: tuple(v.shape) for k, v in hub.items()} == get_family("llm").hf_shapes(pair.model_cfg)
+    pair.hf_model.save_pretrained(tmp_path)  # the config; the weights are replaced by ours below
+    for stale in tmp_path.glob("*.safetensors*"):
+        stale.unlink()
+    save_file({k: v.contiguous() for k, v in hub.items()}, str(tmp_path / "model.safetensors"),
+              metadata={"format": "pt"})
+    reloaded = AutoModelForCausalLM.from_pretrained(tmp_path, dtype=torch.float32).state_dict()
+    original = pair.hf_model.state_dict()
+    assert sorted(reloaded) == sorted(original)
+    for key, tensor in original.items():
+        assert torch.equal(reloaded[key], tensor), key
