@@ -364,7 +364,8 @@ def test_the_hubs_transposed_expert_layout_reads_the_same(pair):
     """transformers 5 writes the fused experts [E, 2 x ffn, h]; a state dict in the Hub's transposed layout
     loads into the same weights (the round trip itself is test_weights_round_trip_to_the_hub_key_style's)."""
     hf_state = pair.hf_model.state_dict()
-    assert hf_state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
+    written = megatron_to_hf([pair.model.state_dict()], pair.model_cfg)
+    assert written["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 2 * 48, 64)
     from_hub = pair.reference.build(pair.model_cfg, ParallelConfig()).eval()
     hub_state = _hub_layout(hf_state)
     assert hub_state["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (4, 64, 2 * 48)
