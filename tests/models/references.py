@@ -18,6 +18,13 @@ from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.models.hf_weights import load_hf_state_dict
+from loongforge.models.llm.model import build_model as build_llm
+from loongforge.models.qwen2_5_vl.model import build_model as build_qwen2_5_vl
+from loongforge.models.qwen3_5.hf_mapping import to_hub_style as qwen3_5_hub_style
+from loongforge.models.qwen3_5.model import build_model as build_qwen3_5
+from loongforge.models.qwen3_vl.hf_mapping import to_hub_style as qwen3_vl_hub_style
+from loongforge.models.qwen3_vl.model import build_model as build_qwen3_vl
 from loongforge.models.registry import get_family
 from tests.models import helpers as qwen2_5_vl
 from tests.models import test_qwen3_vl_support as qwen3_vl
@@ -50,6 +57,8 @@ class Reference:
     layouts: dict = dataclasses.field(default_factory=lambda: {"text": {}})
     relative: bool = False
     tolerance: float = 1e-5
+    # transformers' state dict -> the Hub's key style, where our writer (``megatron_to_hf``) writes that style
+    to_hub_style: Optional[Callable[[dict], dict]] = None
 
     @property
     def has_media(self) -> bool:
@@ -62,8 +71,6 @@ class Reference:
 
     def pair(self, parallel_cfg: Optional[ParallelConfig] = None, **options):
         """(ModelConfig, transformers model, ours holding its weights, eval mode); needs megatron's state."""
-        from loongforge.models.hf_weights import load_hf_state_dict
-
         model_cfg = self.model_cfg()
         hf_model = self.hf_model(model_cfg)
         model = self.build(model_cfg, parallel_cfg or ParallelConfig(), **options).eval()
@@ -145,21 +152,15 @@ def qwen3_5_hf_model(model_cfg, seed: int = 0):
 
 
 def _build_qwen2_5_vl(model_cfg, parallel_cfg, **options):
-    from loongforge.models.qwen2_5_vl.model import build_model
-
-    return build_model(model_cfg, parallel_cfg, **build_options(**options))
+    return build_qwen2_5_vl(model_cfg, parallel_cfg, **build_options(**options))
 
 
 def _build_qwen3_vl(model_cfg, parallel_cfg, **options):
-    from loongforge.models.qwen3_vl.model import build_model
-
-    return build_model(model_cfg, parallel_cfg, vision=qwen3_vl.TINY_VISION, **build_options(**options))
+    return build_qwen3_vl(model_cfg, parallel_cfg, vision=qwen3_vl.TINY_VISION, **build_options(**options))
 
 
 def _build_qwen3_5(model_cfg, parallel_cfg, **options):
-    from loongforge.models.qwen3_5.model import build_model
-
-    return build_model(model_cfg, parallel_cfg, **build_options(**options))
+    return build_qwen3_5(model_cfg, parallel_cfg, **build_options(**options))
 
 
 QWEN2_5_VL_LAYOUTS = {
@@ -185,9 +186,7 @@ QWEN3_5_LAYOUTS = {name: layout for name, layout in QWEN3_VL_LAYOUTS.items() if 
 
 
 def _build_llm(model_cfg, parallel_cfg, **options):
-    from loongforge.models.llm.model import build_model
-
-    return build_model(model_cfg, parallel_cfg, **build_options(**options))
+    return build_llm(model_cfg, parallel_cfg, **build_options(**options))
 
 
 def _text_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 40) -> Case:
@@ -211,14 +210,17 @@ REFERENCES = {
                   hf_model=qwen2_5_vl.build_hf_model, build=_build_qwen2_5_vl, sample=_vlm_sample(qwen2_5_vl),
                   layouts=QWEN2_5_VL_LAYOUTS),
         Reference(name="qwen3_vl", model_cfg=qwen3_vl.tiny_model_cfg, hf_model=qwen3_vl.build_hf_model,
-                  build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_VL_LAYOUTS),
+                  build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_VL_LAYOUTS,
+                  to_hub_style=qwen3_vl_hub_style),
         Reference(name="qwen3_vl_moe", model_cfg=lambda: qwen3_vl.tiny_model_cfg(experts=True),
                   hf_model=qwen3_vl.build_hf_model, build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl),
-                  layouts=QWEN3_VL_LAYOUTS),
+                  layouts=QWEN3_VL_LAYOUTS, to_hub_style=qwen3_vl_hub_style),
         Reference(name="qwen3_5", model_cfg=qwen3_5_model_cfg, hf_model=qwen3_5_hf_model, build=_build_qwen3_5,
-                  sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True),
+                  sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True,
+                  to_hub_style=qwen3_5_hub_style),
         Reference(name="qwen3_5_moe", model_cfg=lambda: qwen3_5_model_cfg(moe=True), hf_model=qwen3_5_hf_model,
-                  build=_build_qwen3_5, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True),
+                  build=_build_qwen3_5, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True,
+                  to_hub_style=qwen3_5_hub_style),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }

@@ -12,11 +12,26 @@ import dataclasses
 import pytest
 import torch
 import torch.nn.functional as F
+from megatron.core.pipeline_parallel import get_forward_backward_func
+from megatron.core.transformer.moe.experts import SequentialMLP
+from megatron.core.transformer.moe.moe_layer import MoELayer
+from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+from megatron.core.transformer.transformer_config import TransformerConfig
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
+from loongforge.models.hf_weights import ExpertPlacement, hf_to_megatron, load_hf_state_dict, megatron_to_hf
+from loongforge.models.qwen3_vl.rope_index import position_ids_for
+from loongforge.models.registry import get_family
+from loongforge.models.vlm.deepstack import check_pipeline
+from loongforge.parallel import mcore_patches
+from loongforge.train.step import make_forward_step
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.references import REFERENCES, Case, Reference, packed, reference_logits
+from tests.models.test_qwen3_vl_support import TINY_VISION
 
 VOCAB_ALIGNMENT = 128  # megatron pads the vocabulary to a multiple of this (times TP)
 
@@ -127,8 +142,6 @@ def test_answer_masked_packed_loss_matches_transformers_loss(pair):
     """The training step's loss: two samples and a padding tail packed in one row, the LM head on answer
     tokens only (``loss_mask``), summed and divided by the loss-token count (train.step); against
     transformers' mean loss over labels != -100, per sample, weighted by its token count."""
-    from loongforge.train.step import make_forward_step
-
     reference, model = pair.reference, pair.model
     samples = [pair.case("one_image" if reference.has_media else "text", seed=1, text_len=12),
                pair.case("text", seed=2, text_len=20)]
@@ -200,10 +213,6 @@ def test_gradients_flow_into_both_towers(pair):
 @pytest.mark.parametrize("pair", ["qwen2_5_vl"], indirect=True)
 def test_runs_under_megatron_schedule(pair):
     """megatron's forward/backward schedule finds what it needs on the model (config, model_type)."""
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-
-    from loongforge.parallel import mcore_patches
-
     mcore_patches.apply_cpu()  # the schedule itself has CUDA-only call sites
     model = pair.reference.build(pair.model_cfg, ParallelConfig()).eval()
     load_hf_state_dict(model, pair.hf_model.state_dict())
@@ -229,8 +238,6 @@ def test_runs_under_megatron_schedule(pair):
 def test_deepstack_under_activation_recompute(pair):
     """With full recompute the DeepStack features are an input of each checkpoint: the same loss and the
     same gradients, in the vision tower and the DeepStack mergers too."""
-    from loongforge.models.qwen3_vl.rope_index import position_ids_for
-
     model_cfg, hf_state = pair.model_cfg, pair.hf_model.state_dict()
     case = pair.case("image_and_video")
     ours = case.ours
@@ -255,10 +262,6 @@ def test_deepstack_under_activation_recompute(pair):
 
 
 def test_first_pipeline_stage_must_hold_every_deepstack_layer():
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    from loongforge.models.vlm.deepstack import check_pipeline
-
     config = TransformerConfig(num_layers=4, hidden_size=64, num_attention_heads=4, pipeline_model_parallel_size=4,
                                pipeline_dtype=torch.float32)
     check_pipeline(config, num_deepstack=1)
@@ -266,15 +269,11 @@ def test_first_pipeline_stage_must_hold_every_deepstack_layer():
         check_pipeline(config, num_deepstack=2)
 
 
-@pytest.mark.parametrize("pair", ["qwen3_vl", "qwen3_vl_moe", "qwen3_5", "qwen3_5_moe"], indirect=True)
+@pytest.mark.parametrize("pair", [name for name, r in REFERENCES.items() if r.to_hub_style], indirect=True)
 def test_weights_round_trip_to_the_hub_key_style(pair):
     """Every HF tensor is read (both key styles) and written back unchanged, in the Hub's style."""
-    import importlib
-
-    family = "qwen3_5" if pair.reference.name.startswith("qwen3_5") else "qwen3_vl"
-    to_hub_style = importlib.import_module(f"loongforge.models.{family}.hf_mapping").to_hub_style
     model_cfg, model = pair.model_cfg, pair.model
-    expected = to_hub_style(pair.hf_model.state_dict())
+    expected = pair.reference.to_hub_style(pair.hf_model.state_dict())
     if model_cfg.language.tie_word_embeddings:
         expected.pop("lm_head.weight")
     written = megatron_to_hf([model.state_dict()], model_cfg)
@@ -303,10 +302,6 @@ AUX_TOLERANCE = 1e-6
 
 @pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
 def test_decoder_layers_are_megatrons_moe_layers_with_deepstack_hooks(pair):
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-
-    from tests.models.test_qwen3_vl_support import TINY_VISION
-
     layers = pair.model.language_model.decoder.layers
     assert all(isinstance(layer.mlp, MoELayer) for layer in layers)
     assert len(layers[0].mlp.experts.local_experts) == pair.model_cfg.language.num_experts
@@ -320,8 +315,6 @@ def test_router_statistics_give_transformers_aux_loss(pair):
     transformers averages the statistics over layers before taking the product. Only the renormalised
     router: transformers' Qwen3-VL-MoE has no other (the unnormalised one is ``qwen3_moe_unnormalised``'s
     logits above)."""
-    from loongforge.models.decoder.moe_balance import RouterStatistics, transformers_balance_loss
-
     for layout in MOE_CASES:
         case = pair.case(layout)
         with torch.no_grad():
@@ -337,10 +330,6 @@ def test_router_statistics_give_transformers_aux_loss(pair):
 @pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
 def test_router_statistics_give_megatrons_per_layer_losses(pair):
     """In training megatron-core adds each layer's own loss (``moe_balance`` says how it differs)."""
-    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
-
-    from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss
-
     model = pair.reference.build(pair.model_cfg, ParallelConfig()).train()
     load_hf_state_dict(model, pair.hf_model.state_dict())
     case = pair.case("one_image")
@@ -377,8 +366,6 @@ def test_the_hubs_transposed_expert_layout_reads_the_same(pair):
 @pytest.mark.parametrize("pair", ["qwen3_vl_moe"], indirect=True)
 def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
     """With EP 2, rank 1 holds experts 2 and 3 as its local experts 0 and 1 (``ExpertPlacement``)."""
-    from loongforge.models.hf_weights import ExpertPlacement, hf_to_megatron
-
     full = pair.model.state_dict()
     local = {0: 2, 1: 3}
     keys = [k for k in full if any(f".local_experts.{e}." in k for e in local)]
@@ -392,10 +379,6 @@ def test_an_expert_parallel_rank_takes_its_experts_from_the_fused_tensors(pair):
 
 @pytest.mark.parametrize("pair", ["qwen3_moe", "qwen3_moe_unnormalised"], indirect=True)
 def test_text_moe_is_megatrons_moe_layer(pair):
-    from megatron.core.transformer.moe.experts import SequentialMLP
-    from megatron.core.transformer.moe.moe_layer import MoELayer
-    from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
-
     for layer in pair.model.language_model.decoder.layers:
         assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.experts, SequentialMLP)
         assert isinstance(layer.mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
@@ -408,10 +391,7 @@ def test_text_moe_weights_round_trip_through_megatron_bit_exact(pair, tmp_path):
     """transformers 5's fused experts -> megatron's per-expert linears -> the Hub layout (one tensor per
     expert), which transformers loads back into the very same fused tensors. The unnormalised router's
     weights are the same tensors: ``qwen3_moe`` proves it once."""
-    from safetensors.torch import save_file
-    from transformers import AutoModelForCausalLM
 
-    from loongforge.models.registry import get_family
 
     hub = megatron_to_hf([pair.model.state_dict()], pair.model_cfg)
     assert "model.layers.1.mlp.experts.3.down_proj.weight" in hub and "model.layers.0.mlp.gate.weight" in hub

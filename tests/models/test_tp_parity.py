@@ -20,8 +20,13 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.transformer.moe.router import TopKRouter
 
 from loongforge.config.schema import ParallelConfig
+from loongforge.convert.engine import hf_to_mcore
+from loongforge.models.hf_weights import load_hf_state_dict, megatron_to_hf
+from loongforge.train.checkpoint import load_checkpoint
+from loongforge.train.runner import wrap_for_training
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
 from tests.models.llm_helpers import answer_masked_row, expected_balance_grad, router_grad
 from tests.models.references import REFERENCES, even_length, packed, reference_logits
@@ -153,17 +158,12 @@ def _grad_probe(name, model, hf_model, case, labels, is_first: bool):
 
 def _written(model, model_cfg, name, hf_model, is_first: bool) -> dict:
     """Both ranks' shards back to transformers' tensors, and the whole shapes a checkpoint records."""
-    import importlib
-
-    from loongforge.models.hf_weights import megatron_to_hf
-
     shards = [None] * WORLD_SIZE
     dist.all_gather_object(shards, model.state_dict())
     sharded = model.sharded_state_dict()
     if not is_first:
         return {}
-    family = "qwen3_5" if name.startswith("qwen3_5") else "qwen3_vl"
-    expected = importlib.import_module(f"loongforge.models.{family}.hf_mapping").to_hub_style(hf_model.state_dict())
+    expected = REFERENCES[name].to_hub_style(hf_model.state_dict())
     if model_cfg.language.tie_word_embeddings:
         expected.pop("lm_head.weight")
     written = megatron_to_hf(shards, model_cfg)
@@ -175,11 +175,6 @@ def _written(model, model_cfg, name, hf_model, is_first: bool) -> dict:
 def _balance_grad(reference, model_cfg, hf_model, rank: int):
     """The last router's balance-loss gradient after one training step (TP 2 with SP: megatron-core trains
     MoE at TP > 1 only with it), minus the same from transformers' last router input on one process."""
-    from megatron.core.transformer.moe.router import TopKRouter
-
-    from loongforge.models.hf_weights import load_hf_state_dict
-    from loongforge.train.runner import wrap_for_training
-
     parallel_cfg = ParallelConfig(tensor_model_parallel_size=WORLD_SIZE, world_size=WORLD_SIZE, sequence_parallel=True)
     model = reference.build(model_cfg, parallel_cfg)
     load_hf_state_dict(model, hf_model.state_dict())
@@ -201,9 +196,6 @@ def _balance_grad(reference, model_cfg, hf_model, rank: int):
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
-    from loongforge.models.hf_weights import load_hf_state_dict
-    from loongforge.train.checkpoint import load_checkpoint
-
     limit_threads()
     init_megatron(rank, WORLD_SIZE, port, tp=WORLD_SIZE)
     is_first = rank == 0
@@ -243,8 +235,6 @@ def _worker(rank: int, port: int, workdir: str) -> None:
 
 
 def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path):
-    from loongforge.convert.engine import hf_to_mcore
-
     reference = REFERENCES["qwen3_moe"]
     reference.hf_model(reference.model_cfg()).save_pretrained(tmp_path / "hf")
     hf_to_mcore(tmp_path / "hf", tmp_path / "qwen3_moe", tp=WORLD_SIZE, progress=False)
