@@ -139,7 +139,7 @@ def test_llm_architectures(llm_folders, arch):
 @pytest.mark.parametrize("arch", list(DEEPSEEK_ARCHITECTURES))
 def test_deepseek(arch, tmp_path):
     """Multi-latent attention, DeepSeekMoE routing (V3: the expert bias, groups); at TP 2 in
-    tests/models/test_deepseek_tp.py (CHECKED_AT_TP2)."""
+    tests/models/test_tp_parity.py (CHECKED_AT_TP2)."""
     build_hf_llm(arch).save_pretrained(tmp_path / arch)
     diff = _passes(invoke(str(tmp_path / arch), "--check-logits"))
     print(f"\n{arch} at TP 1: max abs diff {diff:.1e}")

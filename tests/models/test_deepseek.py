@@ -1,7 +1,7 @@
 """DeepSeek-V3 and V2 (multi-latent attention, DeepSeekMoE) in the text-only family: the routing that
 distinguishes them (V3's expert bias and group-limited top-k), the Hub weight layout both ways, and the
 config.json both ways. Logits, packed rows and the answer-masked loss against transformers are
-test_llm_parity.py's; TP 2 with sequence parallelism is test_deepseek_tp.py's."""
+test_parity.py's; TP 2 with and without sequence parallelism is test_tp_parity.py's."""
 
 import pytest
 import torch

@@ -12,10 +12,12 @@ from loongforge.models.hf.weights import megatron_to_hf
 from loongforge.models.layers.lora_params import adapter_parameters, lora_rules
 from loongforge.models.hf.state_dict_names import is_adapter_key
 from tests.models.test_lora import ALPHA, RANK, _lora_model, peft_tensors, with_random_adapters
-from tests.models.test_qwen3_5_parity import build_hf_model, relative, tiny_model_cfg
+from tests.models.references import qwen3_5_hf_model as build_hf_model
+from tests.models.references import qwen3_5_model_cfg as tiny_model_cfg
 from tests.models.test_qwen3_vl_support import hf_position_ids, make_sample, our_inputs
+from tests.models.tower_helpers import relative
 
-TOLERANCE = 1e-5  # of the largest logit, as without adapters (test_qwen3_5_parity)
+TOLERANCE = 1e-5  # of the largest logit, as without adapters (test_parity.py, qwen3_5)
 TARGETS = (r".*language_model\.layers\.\d+\.(self_attn\.(q|k|v|o)_proj|linear_attn\.(in_proj_(qkv|z|b|a)|out_proj)"
            r"|mlp\.(gate|up|down)_proj)")
 

@@ -6,14 +6,14 @@ Named ``test_*`` to live beside the tests it serves; its tests check the vision 
 
 from __future__ import annotations
 
-import dataclasses
-from typing import Optional
-
 import pytest
 import torch
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
+
+# The same sample form, transformers' positions and logits as Qwen2.5-VL's: re-exported for the Qwen3 tests.
+from tests.models.helpers import Sample, hf_logits, hf_position_ids, our_inputs  # noqa: F401
 
 # 3 vision blocks, 3 decoder layers; DeepStack from blocks 0 and 2 into decoder layers 0 and 1.
 TINY_VISION = Qwen3VisionConfig(
@@ -108,16 +108,6 @@ def build_hf_model(model_cfg: ModelConfig, seed: int = 0):
     return model
 
 
-@dataclasses.dataclass
-class Sample:
-    input_ids: torch.Tensor  # [1, s]
-    mm_token_type_ids: torch.Tensor  # [1, s]: 0 text, 1 image, 2 video
-    pixel_values: Optional[torch.Tensor] = None
-    image_grid_thw: Optional[torch.Tensor] = None
-    pixel_values_videos: Optional[torch.Tensor] = None
-    video_grid_thw: Optional[torch.Tensor] = None
-
-
 def make_sample(
     model_cfg: ModelConfig,
     *,
@@ -154,33 +144,6 @@ def make_sample(
         input_ids=torch.cat(ids)[None], mm_token_type_ids=torch.cat(types)[None],
         pixel_values=cat(pixels["image"]), image_grid_thw=grid(images),
         pixel_values_videos=cat(pixels["video"]), video_grid_thw=grid(videos),
-    )
-
-
-def hf_position_ids(hf_model, sample: Sample) -> torch.Tensor:
-    """[3, 1, s] M-RoPE positions from transformers' own get_rope_index."""
-    positions, _ = hf_model.model.get_rope_index(
-        sample.input_ids, sample.mm_token_type_ids,
-        image_grid_thw=sample.image_grid_thw, video_grid_thw=sample.video_grid_thw,
-    )
-    return positions
-
-
-@torch.no_grad()
-def hf_logits(hf_model, sample: Sample) -> torch.Tensor:
-    """[1, s, V] logits of the transformers model."""
-    return hf_model(
-        input_ids=sample.input_ids, position_ids=hf_position_ids(hf_model, sample),
-        pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
-        pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
-    ).logits
-
-
-def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
-    return dict(
-        input_ids=sample.input_ids, position_ids=position_ids,
-        pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
-        pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw,
     )
 
 
