@@ -489,6 +489,10 @@ def main(argv=None) -> int:
     p = sub.add_parser("machine")
     p.add_argument("--output", required=True)
     args = parser.parse_args(argv)
+    # Its steps import megatron-core, whose fallback notices a CPU run hides (they show on CUDA), as train does.
+    from loongforge.parallel.console import filter_known_warnings
+
+    filter_known_warnings(verbose=False, on_cuda=getattr(args, "device", "cpu") == "cuda")
     commands = {"overrides": cmd_overrides, "parity": cmd_parity, "linear-attention": cmd_linear_attention,
                 "check": cmd_check,
                 "report": cmd_report, "machine": cmd_machine}
