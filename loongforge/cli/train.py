@@ -25,7 +25,7 @@ from loongforge.cli.options import (
     SuggestLayoutOption,
     VerboseOption,
 )
-from loongforge.config.loader import dump_yaml, load_run_config
+from loongforge.config.loader import dump_yaml, load_run_config, set_keys
 from loongforge.config.overrides import Override
 from loongforge.config.presets import DEFAULT_PRESET
 from loongforge.parallel import launch_env
@@ -44,16 +44,6 @@ def _verbose_override(verbose: bool) -> list[Override]:
     return [Override("--verbose", ("logging", "verbose"), delete=False, value=True)] if verbose else []
 
 
-def _set_keys(overrides: list[str], config: Path | None) -> list[str]:
-    """The dotted keys the user set (command line and --config file leaves), not the preset's."""
-    from loongforge.config.overrides import parse_override
-    from loongforge.config.yaml_io import key_lines
-
-    keys = [parse_override(text).dotted for text in overrides]
-    file_keys = list(key_lines(config)) if config is not None else []
-    return keys + [key for key in file_keys if not any(other.startswith(f"{key}.") for other in file_keys)]
-
-
 def _with_folder_model(cfg: RunConfig, overrides: list[str], config: Path | None, *, dry_run: bool) -> RunConfig:
     """checkpoint.load_hf: the folder's config.json decides the model (``convert.hf_architecture``).
     A dry run plans a folder not downloaded yet as the preset's model, and says so."""
@@ -65,7 +55,7 @@ def _with_folder_model(cfg: RunConfig, overrides: list[str], config: Path | None
         return cfg
     from loongforge.convert.hf_architecture import model_from_hf_folder
 
-    cfg, changes = model_from_hf_folder(cfg, cfg.checkpoint.load_hf, _set_keys(overrides, config))
+    cfg, changes = model_from_hf_folder(cfg, cfg.checkpoint.load_hf, set_keys(overrides, config))
     if changes and _is_first_process():
         typer.echo(f"model: the architecture of {cfg.checkpoint.load_hf}/config.json, not preset "
                    f"{cfg.preset}'s: {', '.join(changes)}", err=True)

@@ -86,6 +86,14 @@ def _config_file_locator(config_file: Path | None, overrides: Sequence[str | Ove
     return locate
 
 
+def set_keys(overrides: Sequence[str], config_file: Path | None = None) -> list[str]:
+    """The dotted keys the user set, not the preset: each ``key=value`` (or ``~key``) override's and
+    each leaf key of ``config_file``."""
+    file_keys = list(key_lines(Path(config_file))) if config_file is not None else []
+    leaves = [key for key in file_keys if not any(other.startswith(f"{key}.") for other in file_keys)]
+    return [parse_override(text).dotted for text in overrides] + leaves
+
+
 def load_resolved_config(path: Path, world_size: int | None = None) -> RunConfig:
     """Read back a config written by ``dump_yaml`` (e.g. a run folder's ``config.yaml``)."""
     return load_run_config(None, config_file=path, world_size=world_size)

@@ -22,26 +22,27 @@ def data_order(data_cfg: DataConfig) -> dict:
             "data.valid_fraction": data_cfg.valid_fraction}
 
 
-def order_changes(saved: Optional[dict], current: dict) -> list[str]:
-    """``key=old -> new`` per setting that differs; none for a checkpoint that recorded no order
-    (saved before the order was recorded: nothing to compare with)."""
+def changed_keys(saved: Optional[dict], current: dict) -> list[str]:
+    """The order-deciding keys whose value differs from the checkpoint's; none for a checkpoint that
+    recorded no order (saved before the order was recorded: nothing to compare with)."""
     if saved is None:
         return []
-    return [f"{key} {saved[key]} -> {current[key]}" for key in current if key in saved and saved[key] != current[key]]
+    return [key for key in current if key in saved and saved[key] != current[key]]
 
 
 def check_order(saved: Optional[dict], current: dict, *, checkpoint: str, accept_new: bool) -> Optional[str]:
     """None when the checkpoint's data order is this run's; with ``accept_new`` the note to log
     when it is not (the data then starts afresh); an InputError otherwise, naming the first
     changed key, both values and the two ways on."""
-    changes = order_changes(saved, current)
-    if not changes:
+    keys = changed_keys(saved, current)
+    if not keys:
         return None
     if accept_new:
-        return (f"data.accept_new_order=true: the data order changed since {checkpoint} ({', '.join(changes)}); "
+        changes = ", ".join(f"{key} {saved[key]} -> {current[key]}" for key in keys)
+        return (f"data.accept_new_order=true: the data order changed since {checkpoint} ({changes}); "
                 "the data starts afresh at epoch 0 in this run's order (the model, optimizer and schedule "
                 "continue)")
-    key = next(k for k in current if k in saved and saved[k] != current[k])
+    key = keys[0]
     # data.valid_fraction's held-out set is drawn by data.seed: it changes with either
     redrawn = key != "data.shuffle" and (saved.get("data.valid_fraction") or current["data.valid_fraction"])
     held_out = ", and validate on a held-out set drawn anew" if redrawn else ""

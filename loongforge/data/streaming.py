@@ -462,7 +462,8 @@ class StreamingRowStream:
                 self._check_first_passes(position)
                 self.cursor += self.shard_count
             measured = sample if isinstance(sample, Reject) else self.measurer.measure(sample)
-            group, passes = self.source.origin(*position)
+            # With @weights: the entry the record came from, and whether it is of the entry's first pass.
+            group, passes = self.source.origin(*position) if self.counts is not None else (None, None)
             if isinstance(measured, MeasuredSample):
                 self._accepted_this_epoch = True
                 if position[0] == 0 and passes == 0:

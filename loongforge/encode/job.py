@@ -21,7 +21,7 @@ import torch.multiprocessing as mp
 from safetensors import safe_open
 
 from loongforge.config.errors import ConfigError, InputError
-from loongforge.config.loader import load_run_config
+from loongforge.config.loader import load_run_config, set_keys
 from loongforge.convert.hf_architecture import model_from_hf_folder
 from loongforge.convert.hf_io import is_hf_folder
 from loongforge.data.conversations import expand_data_paths
@@ -121,8 +121,7 @@ def _model_of_weights(cfg, options: EncodeOptions):
     ``train checkpoint.load_hf=DIR`` does; ``--checkpoint`` and initial weights: the preset's."""
     if not options.weights or not is_hf_folder(Path(options.weights)):
         return cfg
-    explicit = [text.lstrip("~").split("=", 1)[0] for text in options.overrides]
-    return model_from_hf_folder(cfg, options.weights, explicit, setting="--hf")[0]
+    return model_from_hf_folder(cfg, options.weights, set_keys(options.overrides), setting="--hf")[0]
 
 
 def _check_options(options: EncodeOptions) -> None:
