@@ -186,7 +186,7 @@ def _describe_value(value: Any) -> str:
     return kind if value is None or isinstance(value, dict) else f"{shown} ({kind})"
 
 
-def _yaml_text(value: Any) -> str:
+def yaml_text(value: Any) -> str:
     """How a value is written in YAML (null, true), as users type it."""
     if value is None or isinstance(value, bool):
         return {None: "null", True: "true", False: "false"}[value]
@@ -194,7 +194,7 @@ def _yaml_text(value: Any) -> str:
 
 
 def _scalar_fits(value: Any, type_: Any) -> bool:
-    if typing.get_origin(type_) is list:  # a list of lists (model.vision.anyres_pinpoints)
+    if typing.get_origin(type_) is list:  # a list of lists (canvas sizes, say)
         (item_type,) = typing.get_args(type_)
         return isinstance(value, list) and all(_scalar_fits(v, item_type) for v in value)
     if type_ is float:
@@ -220,7 +220,7 @@ class _Builder:
         self.errors.append(f"{where}: {message}" if where else message)
 
     def type_error(self, path: str, type_: Any, value: Any, default: Any) -> None:
-        default_hint = "" if _is_section(type_) else f"; the default is {_yaml_text(default)}"
+        default_hint = "" if _is_section(type_) else f"; the default is {yaml_text(default)}"
         self.add_error(path, f"{path}: expected {describe_type(type_)}, "
                              f"got {_describe_value(value)}{default_hint}.")
 
@@ -344,7 +344,7 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
             errors.append(f"model.language.mrope_section={section} is for vision-language models; "
                           f"a text-only model (model.vision: null) uses 1-D RoPE: set it to [].")
     elif not section:
-        pass  # a VLM with 1-D RoPE (InternVL, LLaVA-OneVision); whether the family's is checks its rule
+        pass  # a VLM with 1-D RoPE; whether the family's is checks its rule (models.registry)
     elif len(section) != 3:
         errors.append(f"model.language.mrope_section={section} must have 3 entries "
                       f"(temporal, height, width rotary pairs).")
@@ -356,20 +356,48 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
     return errors
 
 
-# Families whose decoder builds hybrid layers, gated attention, partial rotary and zero-centred norms.
-_FAMILIES_WITH_HYBRID_LAYERS = ("qwen3_5",)
-_HYBRID_DEFAULTS = {"layer_types": [], "linear_attention": None, "attention_output_gate": False,
-                    "partial_rotary_factor": 1.0, "zero_centered_norms": False}
+# The model fields of each layer kind or option a family may build (``ModelFamily.features``), keyed by
+# their path under ``model.``, with the value that means "not built": a family that does not build a
+# feature leaves its fields so (``models.registry`` names the key and the families that do build it).
+MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
+    # hybrid layers: linear and full attention by layer, gated attention, partial rotary, (1 + w) norms
+    "hybrid_layers": {"language.layer_types": [], "language.linear_attention": None,
+                      "language.attention_output_gate": False, "language.partial_rotary_factor": 1.0,
+                      "language.zero_centered_norms": False},
+    # routed experts (megatron-core's MoE layer)
+    "experts": {"language.num_experts": 0},
+    # a shared expert beside the routed ones
+    "shared_expert": {"language.moe_shared_expert_ffn_hidden_size": None},
+    # multi-latent attention, YaRN, leading dense layers and the sigmoid / grouped / biased routers
+    "latent_attention": {"language.multi_latent_attention": None, "language.yarn": None,
+                         "language.first_dense_layers": 0, "language.moe_router_score_function": "softmax",
+                         "language.moe_router_fp32": False, "language.moe_router_bias_update_rate": 0.0,
+                         "language.moe_router_num_groups": None, "language.moe_router_group_topk": None,
+                         "language.moe_routed_scaling_factor": 1.0, "language.moe_shared_expert_gate": True},
+    # a chat format chosen by name (a text-only model; a VLM's processor writes its own)
+    "chat_format": {"chat_format": None},
+}
+
+
+def unbuilt_feature_fields(cfg: RunConfig, features: frozenset[str]) -> list[tuple[str, str, Any]]:
+    """(feature, ``model.``-relative key, value) of each field set away from its "not built" value whose
+    feature is not in ``features`` (what the run's family builds)."""
+    found = []
+    for feature, fields in MODEL_FEATURE_FIELDS.items():
+        if feature in features:
+            continue
+        for name, default in fields.items():
+            value = functools.reduce(getattr, name.split("."), cfg.model)
+            if value != default:
+                found.append((feature, name, value))
+    return found
+
 
 
 def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
-    """``layer_types`` names every layer's token mixer, the linear-attention shape is given exactly when a
-    layer is linear, and only a family that builds them sets Qwen3.5's decoder fields."""
+    """``layer_types`` names every layer's token mixer, and the linear-attention shape is given exactly when
+    a layer is linear."""
     language, key = cfg.model.language, "model.language"
-    if cfg.model.family not in _FAMILIES_WITH_HYBRID_LAYERS:
-        return [f"{key}.{name}={getattr(language, name)} but model.family={cfg.model.family} does not build it; "
-                f"remove it (model.family=qwen3_5 does)." for name, default in _HYBRID_DEFAULTS.items()
-                if getattr(language, name) != default]
     errors = []
     unknown = sorted(set(language.layer_types) - set(LAYER_TYPES))
     if unknown:
@@ -403,33 +431,21 @@ def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
     return errors
 
 
-# Families whose decoder builds megatron-core's MoE layer when num_experts > 0.
-_FAMILIES_WITH_EXPERTS = ("llm", "qwen3_vl", "qwen3_5")
-
-
 def _check_experts(cfg: RunConfig) -> list[str]:
     """Mixture-of-experts fields: all-or-nothing, top-k within the experts."""
     language, key = cfg.model.language, "model.language"
     if language.num_experts < 0:
         return [f"{key}.num_experts={language.num_experts} must not be negative (0: a dense model)."]
     shared = language.moe_shared_expert_ffn_hidden_size
-    if shared is not None and (language.num_experts == 0 or cfg.model.family not in ("qwen3_5", "llm") or shared < 1):
+    if shared is not None and (language.num_experts == 0 or shared < 1):
         return [f"{key}.moe_shared_expert_ffn_hidden_size={shared}: a shared expert (width >= 1) sits beside routed "
-                f"experts (num_experts > 0) in model.family=qwen3_5 or llm; set it to null otherwise."]
+                f"experts (num_experts > 0); set it to null otherwise."]
     if language.num_experts == 0:
         if language.moe_ffn_hidden_size is not None:
             return [f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} is set but "
                     f"{key}.num_experts=0 (a dense model); set num_experts or moe_ffn_hidden_size: null."]
         return []
     errors = []
-    if cfg.model.family not in _FAMILIES_WITH_EXPERTS:
-        errors.append(f"{key}.num_experts={language.num_experts} but model.family={cfg.model.family} has no "
-                      f"mixture-of-experts layers yet; use model.family "
-                      f"{' or '.join(_FAMILIES_WITH_EXPERTS)}, or num_experts: 0.")
-    if cfg.model.family == "qwen3_vl" and not language.norm_topk_prob:
-        # Qwen3-VL-MoE's router (transformers') always renormalises: the weights would not export.
-        errors.append(f"{key}.norm_topk_prob=false: Qwen3-VL-MoE always renormalises the top-k routing "
-                      f"probabilities; set norm_topk_prob: true.")
     if language.moe_ffn_hidden_size is None or language.moe_ffn_hidden_size < 1:
         errors.append(f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} must be at least 1 with "
                       f"{key}.num_experts={language.num_experts} (each expert's MLP width).")
@@ -441,34 +457,18 @@ def _check_experts(cfg: RunConfig) -> list[str]:
     return errors
 
 
-# Families whose decoder builds multi-latent attention and DeepSeek's routing (model.family=llm reads
-# DeepSeek-V2/V3 checkpoints).
-_FAMILIES_WITH_DEEPSEEK_LAYERS = ("llm",)
-_DEEPSEEK_DEFAULTS = {"multi_latent_attention": None, "yarn": None, "first_dense_layers": 0,
-                      "moe_router_score_function": "softmax", "moe_router_fp32": False,
-                      "moe_router_bias_update_rate": 0.0, "moe_router_num_groups": None, "moe_router_group_topk": None,
-                      "moe_routed_scaling_factor": 1.0, "moe_shared_expert_gate": True}
-
-
 def _check_chat_format(cfg: RunConfig) -> list[str]:
     name = cfg.model.chat_format
     if name is not None and name not in CHAT_FORMATS:
         return [f"model.chat_format='{name}' is not one of {' | '.join(CHAT_FORMATS)}; set one of those, or null "
                 f"for the architecture's own."]
-    if name is not None and cfg.model.family != "llm":
-        return [f"model.chat_format={cfg.model.chat_format} but model.family={cfg.model.family} writes its own "
-                f"chat format; set it to null (text-only models, model.family=llm, choose theirs)."]
     return []
 
 
-def _check_deepseek_layers(cfg: RunConfig) -> list[str]:
-    """Multi-latent attention's and DeepSeekMoE's fields: set only where the family builds them, with
-    shapes TP can split and routing megatron computes as transformers does."""
+def _check_latent_attention(cfg: RunConfig) -> list[str]:
+    """Multi-latent attention's and its routers' fields: shapes TP can split and routing megatron computes as
+    transformers does."""
     language, key, tp = cfg.model.language, "model.language", cfg.parallel.tensor_model_parallel_size
-    if cfg.model.family not in _FAMILIES_WITH_DEEPSEEK_LAYERS:
-        return [f"{key}.{name}={getattr(language, name)} but model.family={cfg.model.family} does not build it; "
-                f"remove it (model.family=llm does)." for name, default in _DEEPSEEK_DEFAULTS.items()
-                if getattr(language, name) != default]
     errors = []
     mla = language.multi_latent_attention
     if mla is not None:
@@ -496,11 +496,11 @@ def _check_deepseek_layers(cfg: RunConfig) -> list[str]:
     elif language.yarn is not None:
         errors.append(f"{key}.yarn is set but {key}.multi_latent_attention is null: megatron-core applies YaRN "
                       f"in multi-latent attention only; set yarn: null.")
-    errors += _check_deepseek_routing(language, key)
+    errors += _check_router_choices(language, key)
     return errors
 
 
-def _check_deepseek_routing(language, key: str) -> list[str]:
+def _check_router_choices(language, key: str) -> list[str]:
     errors = []
     if language.moe_router_score_function not in ("softmax", "sigmoid"):
         errors.append(f"{key}.moe_router_score_function={language.moe_router_score_function!r} must be softmax or "
@@ -916,7 +916,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
     errors += (_check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg)
-               + _check_deepseek_layers(cfg) + _check_chat_format(cfg) + _check_vision_shape(cfg))
+               + _check_latent_attention(cfg) + _check_chat_format(cfg) + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
             + _check_lora(cfg))

@@ -216,6 +216,14 @@ class ModelFamily:
     # or "rope" (1-D: text, and VLMs that number image tokens as text; ``mrope_section`` empty); None:
     # the run's (M-RoPE where it gives ``mrope_section``).
     rope: Optional[str] = "rope"
+    # The layer kinds and options beyond a dense GQA decoder that its models build: names of
+    # ``config.validate.MODEL_FEATURE_FIELDS`` ("experts", "shared_expert", "hybrid_layers",
+    # "latent_attention", "chat_format"). A run that sets another feature's fields is refused, naming the
+    # key and the families that build it.
+    features: frozenset[str] = frozenset()
+    # ModelConfig -> one-line problems (key, value and fix) of what this family's models cannot be, beyond
+    # the shared checks (a router transformers' class always renormalises, say)
+    config_problems: Callable[[ModelConfig], list[str]] = lambda model_cfg: []
 
     @property
     def has_vision(self) -> bool:

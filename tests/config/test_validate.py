@@ -280,9 +280,7 @@ def test_moe_fields_are_checked_with_the_fix():
     assert dense.startswith("model.language.moe_ffn_hidden_size=64 is set but model.language.num_experts=0")
     (coeff,) = errors_for("model.language.moe_aux_loss_coeff=-1", preset="qwen3-moe-tiny")
     assert "must not be negative" in coeff
-    (family,) = errors_for("model.language.num_experts=4", "model.language.moe_ffn_hidden_size=64",
-                           preset="qwen2.5vl-tiny")
-    assert family.startswith("model.language.num_experts=4 but model.family=qwen2_5_vl has no mixture-of-experts")
+
 
 
 def test_tp_must_divide_the_expert_width():

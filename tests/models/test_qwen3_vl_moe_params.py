@@ -6,7 +6,7 @@ file and the key."""
 import pytest
 import torch
 
-from loongforge.config.errors import InputError
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
 from loongforge.convert import families
 from loongforge.models.registry import family_of_hf_config, get_family
@@ -109,11 +109,13 @@ def test_configs_it_cannot_build_are_refused_naming_file_and_key(fields, message
 
 
 def test_unnormalised_router_is_refused_by_validation_and_export():
-    from loongforge.config.validate import check_run_config
+    from loongforge.models.registry import check_family_layout
 
     cfg = load_run_config("qwen3vl-moe-tiny")
     cfg.model.language.norm_topk_prob = False
+    with pytest.raises(ConfigError) as info:
+        check_family_layout(cfg)
     assert any(e.startswith("model.language.norm_topk_prob=false: Qwen3-VL-MoE always renormalises")
-               for e in check_run_config(cfg))
+               for e in info.value.messages)
     with pytest.raises(ValueError, match="norm_topk_prob=false has no Qwen3-VL-MoE config.json"):
         get_family("qwen3_vl").config_to_hf(cfg.model)

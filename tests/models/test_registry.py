@@ -10,6 +10,7 @@ from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.layout import LayoutRule
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ModelConfig
+from loongforge.config.validate import MODEL_FEATURE_FIELDS
 from loongforge.models import family as family_module
 from loongforge.models import registry
 from loongforge.models.family import ChatFormat, ModelFamily
@@ -19,7 +20,7 @@ from loongforge.models.qwen2_5_vl.model import build_model
 # Fields that hold data; every other field is a function of the family.
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
            "tiny_preset": str, "hf_model_class": (str, type(None)), "vision_part": (str, type(None)),
-           "rope": (str, type(None)), "hf_unread": tuple}
+           "rope": (str, type(None)), "hf_unread": tuple, "features": frozenset}
 # Fields a family may leave None: a text-only family has no vision encoder.
 _OPTIONAL = {"build_encoder"}
 
@@ -34,6 +35,7 @@ def test_every_family_provides_every_field(name):
             assert isinstance(value, _VALUES[field.name]), field.name
         elif not (field.name in _OPTIONAL and value is None):
             assert callable(value), f"{name}: ModelFamily.{field.name} is not callable"
+    assert family.features <= set(MODEL_FEATURE_FIELDS), family.features
     import transformers
 
     # A family reads and writes HF folders of its transformers class; a composition none describes, none.
@@ -125,3 +127,19 @@ def test_a_packing_encoder_refuses_to_be_shared_in_one_line_each():
         assert message.endswith(expected), message
     registry.check_family_layout(load_run_config(tiny, overrides=["parallel.context_parallel_size=2",
                                                                   "parallel.encoder_cp=false"], world_size=2))
+
+
+def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_that_do():
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["model.language.num_experts=4",
+                                                       "model.language.moe_ffn_hidden_size=64"])
+    with pytest.raises(ConfigError) as info:
+        registry.check_family_layout(cfg)
+    (message,) = info.value.messages
+    print(message)
+    assert message == ("model.language.num_experts=4 but model.family=qwen2_5_vl does not build experts "
+                       "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.num_experts=0 "
+                       "or choose such a family.")
+    cfg = load_run_config("qwen3vl-tiny", overrides=["model.chat_format=chatml"])
+    with pytest.raises(ConfigError, match=r"^model.chat_format='chatml' but model.family=qwen3_vl does not build "
+                                          r"chat format \(model.family=llm builds it\)"):
+        registry.check_family_layout(cfg)

@@ -41,4 +41,5 @@ FAMILY = ModelFamily(
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
+    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format"}),
 )

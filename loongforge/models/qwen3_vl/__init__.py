@@ -34,6 +34,8 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen3_vl.model:build_model"),
     **composed_fields(TOWER),
     rope="mrope",
+    features=frozenset({"experts"}),
+    config_problems=hf_config.config_problems,
     hf_model_inputs=qwen_vl_model_inputs,
     position_ids=position_ids_for,
     chat=chatml_vision_timestamped,

@@ -82,6 +82,16 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete Qwen3-VL config.json?") from None
 
 
+def config_problems(model_cfg: ModelConfig) -> list[str]:
+    """``ModelFamily.config_problems``: transformers' Qwen3-VL-MoE router always renormalises the top-k
+    routing probabilities, so a model that does not could not be exported or checked."""
+    language = model_cfg.language
+    if language.num_experts and not language.norm_topk_prob:
+        return ["model.language.norm_topk_prob=false: Qwen3-VL-MoE always renormalises the top-k routing "
+                "probabilities; set norm_topk_prob: true."]
+    return []
+
+
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
     lang, tok = model_cfg.language, model_cfg.tokens
