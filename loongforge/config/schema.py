@@ -123,6 +123,11 @@ class MLAConfig:
 class LanguageConfig:
     """The decoder (``language_model`` in transformers): Qwen2, Qwen3 or Llama blocks."""
 
+    # The transformers text architecture these layers are (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...;
+    # its ``architectures`` entry), stated by a family whose decoder is configurable (it decides the HF
+    # export and the chat format); null: the family's own decoder. Configs saved before it was stated
+    # read it from add_qkv_bias / qk_norm / num_experts / the router.
+    architecture: Optional[str] = None
     num_layers: int = 28
     hidden_size: int = 3584
     ffn_hidden_size: int = 18944

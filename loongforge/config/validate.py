@@ -376,6 +376,8 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
                          "language.moe_routed_scaling_factor": 1.0, "language.moe_shared_expert_gate": True},
     # a chat format chosen by name (a text-only model; a VLM's processor writes its own)
     "chat_format": {"chat_format": None},
+    # a decoder whose transformers architecture the run states (one family's decoder is its own)
+    "text_architecture": {"language.architecture": None},
 }
 
 

@@ -38,6 +38,8 @@ from typing import Sequence
 __all__ = ["start", "ensure", "stop", "pid", "release_alive_pipe", "die_with_parent"]
 
 PREAMBLE = "loongforge.parallel.fork_server_preamble"
+# Imported after the preload: freezes its objects out of the children's garbage collections.
+POSTAMBLE = "loongforge.parallel.fork_server_frozen"
 # The pid of the process that started the server, for the preamble (set only while it starts).
 STARTER_ENV = "LOONGFORGE_FORK_SERVER_STARTER"
 _PR_SET_PDEATHSIG = 1  # from <linux/prctl.h>
@@ -71,7 +73,7 @@ def start(preload: Sequence[str]) -> int:
     forks anything; its pid. Its children get this process's environment of now. Call it from the
     main thread: the server dies with the thread that started it."""
     stop()
-    multiprocessing.get_context("forkserver").set_forkserver_preload([PREAMBLE, *preload])
+    multiprocessing.get_context("forkserver").set_forkserver_preload([PREAMBLE, *preload, POSTAMBLE])
     # The server's preamble ties it to this pid: its own getppid() would already name init if this
     # process died before the preamble ran (a kill -9 while the server starts up, on a loaded node).
     previous = os.environ.get(STARTER_ENV)
@@ -89,7 +91,7 @@ def start(preload: Sequence[str]) -> int:
 def ensure(preload: Sequence[str]) -> int:
     """The running server when it was started with ``preload`` (restarted by CPython if it died),
     else a new one."""
-    if pid() is None or forkserver._forkserver._preload_modules != [PREAMBLE, *preload]:
+    if pid() is None or forkserver._forkserver._preload_modules != [PREAMBLE, *preload, POSTAMBLE]:
         return start(preload)
     forkserver.ensure_running()
     return pid()

@@ -143,3 +143,25 @@ def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_t
     with pytest.raises(ConfigError, match=r"^model.chat_format='chatml' but model.family=qwen3_vl does not build "
                                           r"chat format \(model.family=llm builds it\)"):
         registry.check_family_layout(cfg)
+
+
+def test_the_stated_text_architecture_decides_and_a_contradiction_is_refused():
+    from loongforge.models.decoder.text_config import architecture
+
+    llama = load_run_config("llama-tiny")
+    assert architecture(llama.model.language) == "LlamaForCausalLM"
+    # Stated as Qwen2 with Llama's switches: the layers would not be what the name says.
+    cfg = load_run_config("llama-tiny", overrides=["model.language.architecture=Qwen2ForCausalLM"])
+    with pytest.raises(ConfigError) as info:
+        registry.check_family_layout(cfg)
+    (message,) = info.value.messages
+    print(message)
+    assert message == ("model.language.architecture=Qwen2ForCausalLM but model.language has add_qkv_bias: false; "
+                       "Qwen2ForCausalLM has add_qkv_bias: true, qk_norm: false, num_experts > 0: false, "
+                       "multi_latent_attention set: false.")
+    cfg = load_run_config("llama-tiny", overrides=["model.language.architecture=MistralForCausalLM"])
+    with pytest.raises(ConfigError, match=r"^model.language.architecture=MistralForCausalLM is not one of "):
+        registry.check_family_layout(cfg)
+    # A config saved before the architecture was stated reads it from its switches.
+    llama.model.language.architecture = None
+    assert architecture(llama.model.language) == "LlamaForCausalLM"

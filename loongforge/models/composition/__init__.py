@@ -16,6 +16,7 @@ from loongforge.models.composition import hf
 from loongforge.models.composition.chat import chat_format
 from loongforge.models.composition.counts import count_parameters, positions_for, training_flops
 from loongforge.models.family import ANY_TOWER, LazyFunction, ModelFamily, no_processor_files
+from loongforge.models.decoder.text_config import text_architecture_problems
 
 FAMILY = ModelFamily(
     name="composition",
@@ -38,4 +39,6 @@ FAMILY = ModelFamily(
     hf_model_class=None,
     tiny_preset="composition-tiny",
     hf_processor_files=no_processor_files,
+    features=frozenset({"text_architecture"}),
+    config_problems=text_architecture_problems,
 )

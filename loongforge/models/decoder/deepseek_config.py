@@ -50,7 +50,7 @@ def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageC
         num_attention_heads=heads, num_query_groups=heads, vocab_size=cfg["vocab_size"],
         rms_norm_eps=cfg.get("rms_norm_eps", 1e-6), rope_theta=_rope_theta(cfg), mrope_section=[],
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), add_qkv_bias=False,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)), add_qkv_bias=False, architecture=name,
         multi_latent_attention=MLAConfig(
             q_lora_rank=cfg.get("q_lora_rank"), kv_lora_rank=cfg["kv_lora_rank"],
             qk_nope_head_dim=cfg["qk_nope_head_dim"], qk_rope_head_dim=cfg["qk_rope_head_dim"],

@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig
 from loongforge.models.decoder.deepseek_config import (
     DEEPSEEK_ARCHITECTURES,
     deepseek_architecture,
@@ -37,7 +37,14 @@ _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_ma
 
 
 def architecture(lang: LanguageConfig) -> str:
-    """The transformers class whose weights ``lang`` describes."""
+    """The transformers class whose weights ``lang`` describes: the one it states (``architecture``), else
+    the one its switches describe (a config saved before the architecture was stated)."""
+    if lang.architecture is not None:
+        return lang.architecture
+    return _described_architecture(lang)
+
+
+def _described_architecture(lang: LanguageConfig) -> str:
     if lang.multi_latent_attention is not None:
         return deepseek_architecture(lang)
     for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
@@ -46,6 +53,40 @@ def architecture(lang: LanguageConfig) -> str:
     raise ValueError("model.language's add_qkv_bias, qk_norm and num_experts describe no transformers "
                      "text architecture (experts need qk_norm: true and add_qkv_bias: false; qkv "
                      "biases and qk_norm never go together)")
+
+
+def architecture_problems(lang: LanguageConfig) -> list[str]:
+    """A stated architecture this project does not build, or whose fields the layers contradict: one line
+    naming the key, the contradiction and the fix."""
+    stated, key = lang.architecture, "model.language.architecture"
+    if stated is None:
+        return []
+    if stated not in HF_ARCHITECTURES:
+        return [f"{key}={stated} is not one of {', '.join(HF_ARCHITECTURES)}; state the decoder's transformers "
+                "architecture (its config.json `architectures` entry)."]
+    if stated in DEEPSEEK_ARCHITECTURES:
+        if lang.multi_latent_attention is None:
+            return [f"{key}={stated} needs model.language.multi_latent_attention; give it or state another "
+                    "architecture."]
+        described = deepseek_architecture(lang)
+        if described != stated:
+            return [f"{key}={stated} but model.language.moe_router_score_function="
+                    f"{lang.moe_router_score_function} is {described}'s router; make them agree."]
+        return []
+    _, bias, qk_norm, experts = _ARCHITECTURES[stated]
+    found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "num_experts > 0": lang.num_experts > 0,
+             "multi_latent_attention set": lang.multi_latent_attention is not None}
+    wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "num_experts > 0": experts, "multi_latent_attention set": False}
+    wrong = [f"{name}: {str(found[name]).lower()}" for name in found if found[name] != wanted[name]]
+    if wrong:
+        return [f"{key}={stated} but model.language has {', '.join(wrong)}; {stated} has "
+                + ", ".join(f"{name}: {str(wanted[name]).lower()}" for name in found) + "."]
+    return []
+
+
+def text_architecture_problems(model_cfg: ModelConfig) -> list[str]:
+    """``ModelFamily.config_problems`` of a family whose decoder is a stated text architecture."""
+    return architecture_problems(model_cfg.language)
 
 
 def architecture_of(cfg: Mapping[str, Any], where: str) -> str:
@@ -104,6 +145,7 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
         head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
         qk_norm=qk_norm,
         rope_scaling_factor=_rope_scaling_factor(cfg, where),
+        architecture=name,
         **(experts_from_hf(cfg, where, model="Qwen3-MoE") if experts else {}),
     )
 

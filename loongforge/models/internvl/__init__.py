@@ -20,6 +20,7 @@ from loongforge.models.internvl.processor import processor_files
 from loongforge.models.parts import composed_fields
 from loongforge.models.towers.intern_vit import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
+from loongforge.models.decoder.text_config import text_architecture_problems
 
 # The composition's layouts proven for it: vision TP below the language TP, the TP group sharing each
 # micro-batch's tiles (tests/models/test_encoder_dp.py); encoder_dp=full is not proven for it yet.
@@ -40,4 +41,6 @@ FAMILY = ModelFamily(
     hf_model_class="InternVLForConditionalGeneration",
     tiny_preset="internvl3.5-tiny",
     hf_processor_files=processor_files,
+    features=frozenset({"text_architecture"}),
+    config_problems=text_architecture_problems,
 )

@@ -21,6 +21,7 @@ from loongforge.models.llava_onevision.processor import processor_files
 from loongforge.models.parts import composed_fields
 from loongforge.models.towers.siglip import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
+from loongforge.models.decoder.text_config import text_architecture_problems
 
 # Its encoder packs each image's features by the image's size, so it runs whole images where it is:
 # no encoder_dp or encoder_cp sharing (vision TP below the language TP applies).
@@ -41,4 +42,6 @@ FAMILY = ModelFamily(
     hf_model_class="LlavaOnevisionForConditionalGeneration",
     tiny_preset="llava-onevision-tiny",
     hf_processor_files=processor_files,
+    features=frozenset({"text_architecture"}),
+    config_problems=text_architecture_problems,
 )

@@ -19,6 +19,7 @@ from loongforge.models.family import (
     no_processor_files,
 )
 from loongforge.models.decoder.deepseek_config import mtp_layers_held
+from loongforge.models.decoder.text_config import text_architecture_problems
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format
 from loongforge.models.llm.flops import training_flops
@@ -41,5 +42,6 @@ FAMILY = ModelFamily(
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
-    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format"}),
+    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture"}),
+    config_problems=text_architecture_problems,
 )
