@@ -41,10 +41,10 @@ PRESET = "qwen3-moe-tiny-small-vocab"
 REL = 3e-7
 STATE_REL = 1.5e-6
 RESUME_STEP = 2
-# 5 steps of 4 rows of 256 tokens; a checkpoint every 2 steps (2, 4) and at the end (5). A balance
+# 3 steps of 4 rows of 256 tokens; a checkpoint every 2 steps (2) and at the end (3). A balance
 # coefficient large enough that its gradient counts; Adam's epsilon as the other layout tests use.
 # Validated after the last step on real text (validation leaves training as it is: issue 32).
-OPTIONS = ("data.seq_len=256", "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END,
+OPTIONS = ("data.seq_len=256", "training.train_steps=3", "checkpoint.save_interval=2", SAVE_AT_END,
            "model.language.moe_aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
            f"data.valid_paths=[alpaca={SHARED_DATA / 'llamafactory' / 'alpaca_en_demo.json'}]", "training.eval_iters=1")
 EP2 = ("parallel.expert_model_parallel_size=2",)
@@ -86,17 +86,17 @@ def test_moe_run_learns_and_logs_its_experts(runs):
 @pytest.mark.parametrize("layout", ["ep2", "ep2-tp2", "ep2-pp2"])
 def test_expert_layout_trains_like_one_expert_group(runs, layout):
     run, reference = runs[layout], runs["ep1"]
-    assert len(losses(reference)) == 5
+    assert len(losses(reference)) == 3
     assert_close_relative(losses(run), losses(reference), REL)
     assert_close_relative(grad_norms(run), grad_norms(reference), REL)
     assert_close_relative(step_metric(run, "load_balancing_loss"), step_metric(reference, "load_balancing_loss"), REL)
     # Tokens per expert, summed over every rank: the same routing at every layout.
     for key in ("expert_tokens_min", "expert_tokens_max"):
         assert step_metric(run, key) == step_metric(reference, key), key
-    # Validation forward-only with the experts spread as in training: the same loss after step 5.
+    # Validation forward-only with the experts spread as in training: the same loss after step 3.
     (step, validation), = validation_losses(run)["alpaca"]
     (_, expected), = validation_losses(reference)["alpaca"]
-    assert step == 5 and abs(validation - expected) <= REL * expected, (validation, expected)
+    assert step == 3 and abs(validation - expected) <= REL * expected, (validation, expected)
     differences = checkpoint_differences(run, reference)
     experts = {k: v for k, v in differences.items() if ".experts." in k}
     assert any(k.startswith("optimizer.state.exp_avg.") for k in experts), sorted(experts)[:5]

@@ -1,6 +1,6 @@
 """Qwen3.5 (hybrid: Gated DeltaNet and gated attention layers) trains through the same command on the demo
 photos: TP 2 x PP 2 (vision TP 2; the first stage holds the linear-attention layer, the second the
-full-attention one; DP 2 is family-independent: ``conftest.FAMILY_LAYOUTS``) equals one process over 5 steps
+full-attention one; DP 2 is family-independent: ``conftest.FAMILY_LAYOUTS``) equals one process over 3 steps
 (losses, grad norms and Adam moments, Gated DeltaNet's convolution, decays and gated norm among them, to
 1e-5 relative); a run stopped after step 2 and resumed gives the uninterrupted run's steps and final
 checkpoint bit for bit. Qwen3.5-MoE at expert parallel 2 trains like one process; ``loongforge encode``'s
@@ -38,7 +38,7 @@ DECAYS, DECAY_MOMENT_BOUND = (".self_attention.A_log", ".self_attention.dt_bias"
 # The tests' two-layer model (``SMALL_MODEL``): one Gated DeltaNet layer, then the gated attention one.
 OPTIONS = ("model.language.layer_types=[linear_attention,full_attention]", "data.source=files",
            f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024", "optimizer.adam_eps=1e-6",
-           "training.train_steps=5", "checkpoint.save_interval=2", SAVE_AT_END)
+           "training.train_steps=3", "checkpoint.save_interval=2", SAVE_AT_END)
 
 
 @pytest.fixture(scope="module")
@@ -59,7 +59,7 @@ def test_layout_trains_like_one_process(runs, layout):
 
 
 MOE_PRESET = "qwen3.5-moe-tiny-small-vocab"
-MOE_OPTIONS = (*OPTIONS[:-3], "training.train_steps=5", SAVE_AT_END)
+MOE_OPTIONS = (*OPTIONS[:-3], "training.train_steps=3", SAVE_AT_END)
 
 
 @pytest.fixture(scope="module")
