@@ -6,8 +6,6 @@ DeepStack adds features after both."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,8 @@ from loongforge.balance.cost_model import CostModel
 from loongforge.calibrate.fit_cost import run_fit_cost
 from loongforge.calibrate.sweep import image_grids
 from loongforge.config.loader import load_run_config
-from tests.train.conftest import RUN_TIMEOUT_S, train_env
+from tests.forked_cli import run_cli
+from tests.train.conftest import RUN_TIMEOUT_S
 
 SMALL = ("model.language.num_layers=2", "data.seq_len=512", "training.global_batch_size=4",
          "logging.progress_bar=false", "logging.tensorboard=false")
@@ -24,9 +23,8 @@ VISION_TERMS = ("sum_P2", "sum_P", "n_img")
 
 
 def _profile(preset: str, output: Path, steps: int) -> list[dict]:
-    cmd = [sys.executable, "-m", "loongforge.cli.app", "profile", "--preset", preset, "--sweep",
-           "--steps", str(steps), "--warmup-steps", "1", "--output", str(output), *SMALL]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S, env=train_env())
+    proc = run_cli(["profile", "--preset", preset, "--sweep", "--steps", str(steps), "--warmup-steps", "1",
+                    "--output", str(output), *SMALL], timeout_s=RUN_TIMEOUT_S)
     assert proc.returncode == 0, f"{proc.stdout[-3000:]}\n{proc.stderr[-6000:]}"
     return [json.loads(line) for line in output.read_text().splitlines()]
 

@@ -25,6 +25,7 @@ from loongforge.data.measure import MeasuredSample, image_pixels, video_pixels, 
 from loongforge.data.vision import plan_video, probe_video
 from loongforge.models.registry import get_family
 from tests.console import assert_no_third_party_warning
+from tests.forked_cli import run_cli
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.shared_data import SHARED_DATA
 
@@ -61,9 +62,13 @@ def _command(out: Path, *extra: str, inputs=(MIX,)) -> list[str]:
 
 
 def _encode(out: Path, *extra: str, inputs=(MIX,), script: str | None = None) -> subprocess.CompletedProcess:
+    """One ``loongforge encode``: forked (``tests.forked_cli``), or a fresh interpreter for a ``script``
+    (a process to kill) and for a command that launches its own ranks."""
+    argv = ["encode", *_command(out, *extra, inputs=inputs)]
+    if script is None and "--nproc-per-node" not in extra:
+        return run_cli(argv, timeout_s=TIMEOUT_S)
     prefix = [sys.executable, "-c", script] if script else [sys.executable, "-m", "loongforge.cli.app"]
-    return subprocess.run([*prefix, "encode", *_command(out, *extra, inputs=inputs)],
-                          capture_output=True, text=True, timeout=TIMEOUT_S)
+    return subprocess.run([*prefix, *argv], capture_output=True, text=True, timeout=TIMEOUT_S)
 
 
 def _ok(proc: subprocess.CompletedProcess) -> subprocess.CompletedProcess:

@@ -33,6 +33,7 @@ from loongforge.cli.app import app
 from loongforge.models.registry import get_family
 from loongforge.train.metrics import drop_metrics_after, read_metrics
 from tests.console import assert_no_third_party_warning
+from tests.forked_cli import run_cli
 from tests.models.helpers import free_port, limit_threads, run_workers
 from tests.train import plan_recorder
 
@@ -84,11 +85,15 @@ def run_train(out_dir: Path, *extra: str, nproc: int = 1, resume: bool = False,
               preset: str = PRESET, launcher: bool = False,
               options: Sequence[str] = SMALL_MODEL) -> subprocess.CompletedProcess:
     """``loongforge train`` of the small model; stdout / stderr are rank 0's. ``launcher``: through
-    a subprocess and the command's own launcher (``--nproc-per-node``), as also for ``expect_ok=False``
-    and ``env_extra``; otherwise ranks forked from the tests' fork server (the module docstring)."""
+    a subprocess and the command's own launcher (``--nproc-per-node``), as also for ``env_extra`` and a
+    run of several ranks that may fail; otherwise ranks forked from the tests' fork server (the module
+    docstring), a single process that may fail as ``tests.forked_cli`` runs a command."""
     cmd = train_command(out_dir, *extra, nproc=nproc, resume=resume, preset=preset, options=options)
-    if expect_ok and env_extra is None and not launcher:
-        return _run_forked(out_dir, cmd, nproc)
+    if env_extra is None and not launcher:
+        if expect_ok:
+            return _run_forked(out_dir, cmd, nproc)
+        if nproc == 1:
+            return run_cli(cmd[3:])
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=RUN_TIMEOUT_S,
                           env=train_env(nproc, env_extra))
     if expect_ok and proc.returncode != 0:
@@ -356,9 +361,8 @@ def assert_stored_embeddings_train_like_the_frozen_encoder(out: Path, preset: st
     ``relative``."""
     store = out / "embeddings"
     sets = [arg for option in options for arg in ("--set", option)]
-    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", str(data), "--output", str(store),
-                           "--preset", preset, "--dtype", "fp32", "--no-progress", *sets],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["encode", str(data), "--output", str(store), "--preset", preset, "--dtype", "fp32",
+                    "--no-progress", *sets])
     assert proc.returncode == 0, proc.stderr[-3000:]
     run = ("data.source=files", f"data.paths=[{data}]", "training.train_steps=4", "training.global_batch_size=2",
            *options)

@@ -35,19 +35,14 @@ same samples). One process stopped and resumed is test_training.py.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_json_array
-from loongforge.parallel.launch_env import free_port
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
-    RUN_TIMEOUT_S,
     SAVE_AT_END,
     assert_quiet_stderr,
     checkpoint_differences,
@@ -56,10 +51,9 @@ from tests.train.conftest import (
     losses,
     ranks_stderr,
     resume_from_copy,
+    run_recorded,
     run_train,
     step_metric,
-    train_command,
-    train_env,
 )
 
 MIX = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
@@ -102,22 +96,15 @@ def _media_by_sample_id() -> dict[str, set[str]]:
 @pytest.fixture(scope="session")
 def reference(tmp_path_factory) -> Path:
     """TP 1, PP 1, DP 1: one rank, launched as torchrun would so that tests.train.plan_recorder
-    records the sample ids of every micro-batch."""
+    records the sample ids of every micro-batch (``plans_rank0.jsonl``)."""
     out = tmp_path_factory.mktemp("invariance_reference")
-    command = train_command(out, *INVARIANCE_MODEL)
-    port = free_port()
-    env = train_env(1, {"RANK": "0", "LOCAL_RANK": "0", "WORLD_SIZE": "1",
-                        "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)})
-    proc = subprocess.run([sys.executable, "-m", "tests.train.plan_recorder", str(out / "plans.jsonl"),
-                           *command[3:]], check=False, env=env, capture_output=True, text=True,
-                          timeout=RUN_TIMEOUT_S, cwd=os.getcwd())
-    assert proc.returncode == 0, proc.stderr[-6000:]
+    run_recorded(out, *INVARIANCE_MODEL, nproc=1)
     return out
 
 
 def test_reference_trains_images_and_a_video_every_step_with_clipping_active(reference):
     media = _media_by_sample_id()
-    steps = [json.loads(line) for line in (reference / "plans.jsonl").read_text().splitlines()]
+    steps = [json.loads(line) for line in (reference / "plans_rank0.jsonl").read_text().splitlines()]
     assert len(steps) == 3
     for step in steps:
         kinds = set().union(*(media[sid] for mb in step["sample_ids"] for sid in mb))

@@ -15,6 +15,7 @@ import pytest
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from loongforge.data.conversations import read_data_file
+from tests.forked_cli import run_cli
 from tests.shared_data import SHARED_DATA
 from loongforge.config.loader import load_run_config
 from loongforge.train.vision_embeddings import frozen_encoder_note
@@ -44,11 +45,10 @@ BALANCED = ("balance.enabled=true", "balance.threshold=0")
 
 def _encode(out: Path, *inputs: Path, settings: tuple = MEDIA) -> Path:
     sets = [arg for setting in settings for arg in ("--set", setting)]
-    proc = subprocess.run([sys.executable, "-m", "loongforge.cli.app", "encode", *map(str, inputs), "--output",
-                           str(out), "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets],
-                          capture_output=True, text=True, timeout=300)
+    proc = run_cli(["encode", *inputs, "--output", out, "--preset", PRESET, "--dtype", "fp32", "--no-progress", *sets])
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert_quiet_stderr(proc.stderr, "encode")  # megatron-core's import warnings used to print here
+    # Forked: the imports are the fork server's (a fresh encode's ranks: test_encode.py's two-process run).
+    assert_quiet_stderr(proc.stderr, "encode")
     return out
 
 
