@@ -121,6 +121,10 @@ class ChatFormat:
     role_headers: tuple[tuple[str, str], ...] = ()
     role_turn_ends: tuple[tuple[str, str], ...] = ()
 
+    def __post_init__(self):
+        if self.video_block and self.video_rule is None:
+            raise ValueError("a chat format that writes videos (video_block) needs its processor's video_rule")
+
     def header(self, role: str) -> str:
         """What opens a turn of ``role``."""
         return dict(self.role_headers).get(role, f"{self.turn_start}{role}{self.role_end}")
