@@ -2,9 +2,11 @@
 
 A family is named only in its folder (``loongforge/models/<family>/``), a tower in its own
 (``models/towers/<arch>/``), the Qwen families' shared pieces live in ``models/qwen_vl/``, and
-presets, tests and docs name them freely. Everything in ``config/``, ``data/``, ``train/``,
-``convert/``, ``encode/``, ``profile/`` and ``bench/`` reaches a model through ``models.registry``
-(``model.family``) and ``models.parts`` (``model.vision.arch``), so adding a family touches no feature.
+presets, tests and docs name them freely. Everything outside ``models/`` and ``presets/`` (``config/``,
+``data/``, ``train/``, ``convert/``, ``encode/``, ``profile/``, ``bench/``, ``pack/``, ``calibrate/``,
+``balance/``, ``parallel/``, ``cli/``) reaches a model through ``models.registry`` (``model.family``) and
+``models.parts`` (``model.vision.arch``), so adding a family touches no feature. A preset's name
+(``llm-tiny``, ``qwen2.5vl-tiny``) is not a family's and may be named anywhere.
 
 Checked on the code's tokens (names and string literals, f-strings included); comments and
 docstrings may name a model as an example.
@@ -23,7 +25,8 @@ import loongforge
 from loongforge.models import parts, registry
 
 PACKAGE_ROOT = Path(loongforge.__file__).parent
-MODEL_FREE_PACKAGES = ("config", "data", "train", "convert", "encode", "profile", "bench")
+# Where a model may be named: its own folder and the models package around it, and the presets.
+MODEL_PACKAGES = ("models", "presets")
 # The Qwen-VL families' shared folder: smart-resize, processor files, ChatML, video sampling.
 SHARED_FAMILY_FOLDERS = ("qwen_vl",)
 # transformers' class-name endings of a model's classes beside its ``...For...`` architecture names
@@ -101,23 +104,24 @@ def name_hits(text: str, names: dict[str, str], words: re.Pattern | None = None)
 
 
 def model_name_hits(root: Path = PACKAGE_ROOT) -> list[str]:
-    """``file:line: what: the line`` for every line naming a model in the model-free packages under ``root``."""
+    """``file:line: what: the line`` for every line naming a model outside ``MODEL_PACKAGES`` under ``root``."""
     names = forbidden_names()
     words = _word_pattern(names)
     report = []
-    for package in MODEL_FREE_PACKAGES:
-        for path in sorted((root / package).rglob("*.py")):
-            text = path.read_text()
-            lines = text.splitlines()
-            for line, what in name_hits(text, names, words).items():
-                report.append(f"{path.relative_to(root)}:{line}: {', '.join(what)}: {lines[line - 1].strip()}")
+    for path in sorted(root.rglob("*.py")):
+        if path.relative_to(root).parts[0] in MODEL_PACKAGES:
+            continue
+        text = path.read_text()
+        lines = text.splitlines()
+        for line, what in name_hits(text, names, words).items():
+            report.append(f"{path.relative_to(root)}:{line}: {', '.join(what)}: {lines[line - 1].strip()}")
     return report
 
 
 def test_features_name_no_family_or_tower():
     start = time.perf_counter()
     hits = model_name_hits()
-    print(f"{len(hits)} family/tower names in {', '.join(MODEL_FREE_PACKAGES)} "
+    print(f"{len(hits)} lines naming a family or tower outside {' and '.join(MODEL_PACKAGES)} "
           f"({time.perf_counter() - start:.2f} s)")
     assert not hits, ("a family or tower named outside its folder (reach it through models.registry / "
                       "models.parts, or move the knowledge into the family's folder):\n" + "\n".join(hits))
