@@ -85,7 +85,7 @@ def _assumptions(rows: Sequence[LongVideoRow]) -> str:
     pixels = h * cfg.model.vision.patch_size
     return "\n".join([
         f"- Model: the `{PREDICT_PRESET}` preset's shapes, FLOPs from its family's `training_flops` "
-        "(`models/towers/qwen2_5_vit/flops.py` with the shared decoder's count: windowed and "
+        "(its vision tower's FLOP count with the shared decoder's: windowed and "
         "full-attention vision blocks over each frame, the "
         "merger, the decoder over the packed row with full-square attention, the LM head on the loss "
         f"tokens), training options as the preset sets them (recompute "

@@ -1,13 +1,14 @@
 """``loongforge bench model``: forward + backward throughput and MFU of the model on one device,
-next to transformers' ``Qwen2_5_VLForConditionalGeneration`` on the same tokens and images.
+next to transformers' class of the family (``ModelFamily.hf_model_class``: Qwen2.5-VL's
+``Qwen2_5_VLForConditionalGeneration`` for the default preset) on the same tokens and images.
 
 What is timed, per step: one forward and one backward of one micro-batch (no optimizer, no data
 loading, no gradient sync), after ``warmup_steps`` untimed steps; on CUDA each step sits between
 two CUDA events, on CPU between two ``perf_counter`` reads.
 
 The micro-batch: ``samples`` samples of ``tokens / samples`` tokens each, sample ``i`` holding one
-image of ``image_sizes[i % n]`` pixels (resized by the preset's ``data.min_pixels/max_pixels``
-rules; dropped when it does not fit its sample) between two halves of random text. Every token but
+image of ``image_sizes[i % n]`` pixels (sized by the tower's image processing at the preset's
+``data`` settings, ``TowerPart.images``; dropped when it does not fit its sample) between two halves of random text. Every token but
 each sample's last carries loss, so the LM head runs on the same tokens in every variant. Because
 the samples are of equal length, one packed row (``cu_seqlens``) and a batch of separate sequences
 are the same work without padding:
@@ -15,7 +16,7 @@ are the same work without padding:
 - ``loongforge_packed``: the model as training runs it, one row of ``samples`` packed segments;
 - ``loongforge_batch``: the same model on the batch ``[samples, tokens / samples]``;
 - ``transformers_batch``: transformers (``attn_implementation="sdpa"``, random weights, same
-  shapes and dtype) on that batch; it cannot pack without flash-attn, so it gets the batch form.
+  shapes and dtype; its inputs as the family's ``hf_model_inputs`` gives them) on that batch; it cannot pack without flash-attn, so it gets the batch form.
   Its LM head and loss run on every position (it has no loss-token selection), which equals
   ours here because every position but the last carries loss.
 
@@ -38,9 +39,11 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from loongforge.balance.cost_model import SampleCost
 from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
+from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
-from loongforge.models.qwen_vl.smart_resize import smart_resize
+from loongforge.models import parts
 from loongforge.models.flops import FlopOptions, StepFlops
+from loongforge.models.media import ImageProcessing
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
 from loongforge.profile.features import sample_costs
@@ -107,26 +110,24 @@ def bench_run_config(opts: ModelBenchOptions) -> RunConfig:
     return load_run_config(opts.preset, overrides=bench_overrides(opts, base), world_size=1)
 
 
-def image_grid(width: int, height: int, cfg: RunConfig) -> tuple[int, int]:
-    """(h, w) patches of a ``width x height`` image after the preset's resize rules."""
-    patch, merge = cfg.model.vision.patch_size, cfg.model.projector.spatial_merge_size
-    h, w = smart_resize(height, width, factor=patch * merge, min_pixels=cfg.data.min_pixels,
-                        max_pixels=cfg.data.max_pixels)
-    return h // patch, w // patch
+def image_processing(cfg: RunConfig) -> ImageProcessing:
+    """The run's tower's image processing at the preset's data settings (``TowerPart.images``)."""
+    family = get_family(cfg.model.family)
+    return parts.tower(family.tower(cfg.model)).images(cfg.model, cfg.data)
 
 
 def design_row(cfg: RunConfig, opts: ModelBenchOptions) -> list[tuple[int, list[tuple[int, int]]]]:
     """[(text tokens, [(h, w) image grid]), ...]: ``samples`` samples of equal total length."""
     per_sample = opts.tokens // opts.samples
-    merge = cfg.model.projector.spatial_merge_size
+    images = image_processing(cfg) if opts.image_sizes else None
     row = []
     for i in range(opts.samples):
-        grid = image_grid(*opts.image_sizes[i % len(opts.image_sizes)], cfg) if opts.image_sizes else None
-        image_tokens = 0 if grid is None else grid[0] * grid[1] // (merge * merge) + 2  # + start/end
-        if grid is None or image_tokens + MIN_TEXT_TOKENS > per_sample:
+        plan = images.plan(*opts.image_sizes[i % len(opts.image_sizes)]) if images is not None else None
+        image_tokens = 0 if plan is None else plan.tokens + 2  # + start/end
+        if plan is None or image_tokens + MIN_TEXT_TOKENS > per_sample:
             row.append((per_sample, []))
         else:
-            row.append((per_sample - image_tokens, [grid]))
+            row.append((per_sample - image_tokens, [plan.grid[1:]]))
     return row
 
 
@@ -228,17 +229,22 @@ def loongforge_step(model, inputs: dict, *, packed: bool) -> Callable[[], None]:
     return step
 
 
-def transformers_step(model, batch: dict) -> Callable[[], None]:
-    """One forward + backward of transformers' model; it shifts ``labels`` itself."""
+def transformers_step(model, inputs: dict) -> Callable[[], None]:
+    """One forward + backward of transformers' model on its forward's ``inputs``
+    (``transformers_inputs``); it shifts ``labels`` itself."""
 
     def step() -> None:
         model.zero_grad(set_to_none=True)
-        out = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
-                    pixel_values=batch["pixel_values"], image_grid_thw=batch["image_grid_thw"],
-                    labels=batch["input_ids"])
+        out = model(**inputs, labels=inputs["input_ids"])
         out.loss.backward()
 
     return step
+
+
+def transformers_inputs(cfg: RunConfig, batch: dict) -> dict:
+    """The batch as the family's transformers class takes it (``ModelFamily.hf_model_inputs``), with
+    the same rotary positions as ours."""
+    return {**get_family(cfg.model.family).hf_model_inputs(cfg.model, batch), "position_ids": batch["position_ids"]}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -253,15 +259,26 @@ def build_loongforge_model(cfg: RunConfig, device: torch.device):
 
 
 def build_transformers_model(cfg: RunConfig, device: torch.device):
-    """transformers' Qwen2.5-VL with the same shapes, random weights, SDPA attention."""
-    # lazy: transformers (~1.5 s) only for the transformers baseline
-    from transformers import Qwen2_5_VLConfig, Qwen2_5_VLForConditionalGeneration
+    """The family's transformers class (``ModelFamily.hf_model_class``) with the same shapes, random
+    weights, SDPA attention."""
+    import transformers  # lazy: transformers (~1.5 s) only for the transformers baseline
 
-    hf_cfg = Qwen2_5_VLConfig(**get_family(cfg.model.family).config_to_hf(cfg.model))
+    family = get_family(cfg.model.family)
+    hf_cfg = transformers.AutoConfig.for_model(**family.config_to_hf(cfg.model))
+    model_class = getattr(transformers, family.hf_model_class)
+    # An Auto class builds the config's own class; a model class builds itself.
+    build = model_class.from_config if model_class.__name__.startswith("Auto") else model_class._from_config
     with torch.device(device):  # initialise on the device: seconds instead of minutes at 7B widths
-        model = Qwen2_5_VLForConditionalGeneration._from_config(
-            hf_cfg, attn_implementation="sdpa", dtype=_DTYPES[cfg.training.precision])
+        model = build(hf_cfg, attn_implementation="sdpa", dtype=_DTYPES[cfg.training.precision])
     return model.train()
+
+
+def check_baseline(cfg: RunConfig, opts: ModelBenchOptions) -> None:
+    """A transformers baseline needs a family with a transformers class; an InputError otherwise."""
+    family = get_family(cfg.model.family)
+    if opts.baseline and family.hf_model_class is None:
+        raise InputError(f"{opts.preset}: model.family={family.name} has no transformers class to compare "
+                         "with; run with --no-baseline")
 
 
 def _release(device: torch.device) -> None:
@@ -328,6 +345,7 @@ def run_model_bench(opts: ModelBenchOptions, log: Callable[[str], None] = lambda
     if opts.tokens % opts.samples:
         raise ValueError(f"--tokens {opts.tokens} must be a multiple of --samples {opts.samples}")
     cfg = bench_run_config(opts)
+    check_baseline(cfg, opts)
     device = resolve_device(opts.device)
     env = init_distributed(device.type)
     try:
@@ -362,7 +380,7 @@ def _run(cfg: RunConfig, opts: ModelBenchOptions, device: torch.device, log) -> 
     if opts.baseline:
         log("building the transformers model")
         hf_model = build_transformers_model(cfg, device)
-        runs.append(measure("transformers_batch", transformers_step(hf_model, batch),
+        runs.append(measure("transformers_batch", transformers_step(hf_model, transformers_inputs(cfg, batch)),
                             f"batch [{len(inputs.segment_lengths)}, {inputs.tokens // opts.samples}], "
                             "sdpa, LM head and loss on every position"))
         del hf_model

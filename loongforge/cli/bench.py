@@ -234,7 +234,7 @@ def model(
     dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Parameter and compute dtype.")]
         = "bf16",
     baseline: Annotated[bool, typer.Option(
-        "--baseline/--no-baseline", help="Also time transformers' Qwen2_5_VLForConditionalGeneration (sdpa).")]
+        "--baseline/--no-baseline", help="Also time the family's transformers class (sdpa).")]
         = True,
     batch_variant: Annotated[bool, typer.Option(
         "--batch-variant/--no-batch-variant", help="Also time loongforge on the unpacked batch transformers gets.")]

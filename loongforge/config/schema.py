@@ -5,7 +5,8 @@ dataclasses (see ``loongforge.config.loader``), and every check that spans field
 ``loongforge.config.validate``. Field names mirror transformers' Qwen2.5-VL config where a
 counterpart exists, so checkpoint maps and parity tests stay nearly identity.
 
-Defaults are the published Qwen2.5-VL-7B numbers unless a comment says otherwise.
+Defaults are the published Qwen2.5-VL-7B numbers unless a comment says otherwise; the model family
+and the vision tower have none (presets name them).
 """
 
 from __future__ import annotations
@@ -19,8 +20,9 @@ class VisionConfig:
     """The ViT encoder (``visual`` in transformers), without the patch merger."""
 
     # The vision tower part (``models.parts``: a folder under ``models/towers/``); null: the family's
-    # own. A family accepts the tower it is composed of and refuses others in one line.
-    arch: Optional[str] = "qwen2_5_vit"
+    # own (a composition names one). A family accepts the tower it is composed of and refuses others
+    # in one line. The schema names no tower: presets and HF folders do.
+    arch: Optional[str] = None
     depth: int = 32
     hidden_size: int = 1280
     intermediate_size: int = 3420
@@ -225,8 +227,10 @@ class TokenIdsConfig:
 
 @dataclass
 class ModelConfig:
-    # Registry key selecting the model family implementation (see loongforge.models.registry).
-    family: str = "qwen2_5_vl"
+    # Registry key selecting the model family implementation (see loongforge.models.registry). The schema
+    # names no family: every preset and every written config.yaml does, and a config that names none is
+    # refused in one line listing the families (``models.registry.get_family``).
+    family: str = ""
     # null in a text-only model (a language-model family: no vision tower, no merger).
     vision: Optional[VisionConfig] = field(default_factory=VisionConfig)
     projector: Optional[ProjectorConfig] = field(default_factory=ProjectorConfig)

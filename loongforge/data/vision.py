@@ -1,20 +1,11 @@
-"""Media on the data side: reading images (header probe, RGB decode) and the Qwen-VL video path.
+"""Media on the data side: reading images (header probe, RGB decode) and videos (probe, frame plan, decode).
 
 Images become patch rows by the run's tower (``VisionSizing.images``, a ``models.media.ImageProcessing``:
 Qwen's smart resize, InternVL's tiles, LLaVA-OneVision's anyres); this module reads them. Videos follow
-Qwen2-VL's processing (``models.qwen_vl.smart_resize``: the same resize rule and patch layout as its images).
-
-Video: frames are sampled and sized by the family's rule (``VIDEO_RULES``, named by
-``ChatFormat.video_rule``), resized per frame with the same PIL bicubic and normalised the same
-way; ``second_per_grid_t = temporal_patch / sampled_fps``.
-
-- ``qwen2_vl`` (Qwen2-VL, Qwen2.5-VL): frames at ``video_fps`` (at most ``video_max_frames``, at
-  least 4 when the video has them, an even count); each frame sized by ``smart_resize`` with
-  ``video_min_pixels`` / ``video_max_pixels`` per frame.
-- ``qwen3_vl`` (transformers' Qwen3VLVideoProcessor): ``int(duration * video_fps)`` frames clamped
-  to [4, video_max_frames] and to the frames available, at ``linspace(0, frames - 1, n).round()``;
-  sized by ``smart_resize_video`` with ``video_min_pixels`` / ``video_max_pixels`` bounding the
-  whole clip (frames x height x width); an odd count is padded by repeating the last frame.
+the family's processor (``VisionSizing.video_rule``, a ``models.media.VideoProcessing`` the family's
+``ChatFormat.video_rule`` gives): it picks the frames and their size and lays out the patch rows;
+this module decodes the frames, resizes each with the same PIL bicubic as images and normalises them
+the same way; ``second_per_grid_t = temporal_patch / sampled_fps``.
 
 (transformers' video processors resize with torchvision instead of PIL, so video pixels are
 close to, not bit equal to, their output: at most 3 uint8 levels after resizing, 0.0235 after
@@ -24,25 +15,15 @@ Qwen3-VL's normalisation, on a demo clip; grids and frame indices follow the sam
 from __future__ import annotations
 
 import io
-import math
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional, Union
 
 import numpy as np
 from PIL import Image
 
-from loongforge.models.media import ImageProcessing
+from loongforge.models.media import ImageProcessing, VideoProcessing
 from loongforge.models.vlm.pixels import normalize, resize_bicubic
-from loongforge.models.qwen_vl.smart_resize import (
-    OPENAI_CLIP_MEAN,
-    OPENAI_CLIP_STD,
-    SmartResizeImages,
-    patchify,
-    smart_resize,
-)
-
-MIN_VIDEO_FRAMES = 4  # transformers' Qwen2-VL video processor default
 
 # A media item: a path, raw encoded bytes, or an already decoded image (synthetic data).
 ImageSource = Union[str, Path, bytes, Image.Image]
@@ -70,37 +51,34 @@ class VisionSizing:
     max_pixels: int
     video_min_pixels: int
     video_max_pixels: int
-    # How videos are sampled and sized: a key of VIDEO_RULES (``ChatFormat.video_rule``).
-    video_rule: str = "qwen2_vl"
-    # Per-channel normalisation (the processor's image_mean / image_std).
-    pixel_mean: tuple[float, float, float] = OPENAI_CLIP_MEAN
-    pixel_std: tuple[float, float, float] = OPENAI_CLIP_STD
-    # The tower's image processor (``models.media``); None: Qwen2-VL's at the fields above.
-    images: Optional[ImageProcessing] = None
-
-    def __post_init__(self):
-        if self.images is None:
-            object.__setattr__(self, "images", SmartResizeImages(
-                self.patch_size, self.temporal_patch_size, self.merge_size, self.min_pixels, self.max_pixels,
-                self.pixel_mean, self.pixel_std))
+    # Per-channel normalisation of video frames (the processor's image_mean / image_std).
+    pixel_mean: tuple[float, float, float]
+    pixel_std: tuple[float, float, float]
+    # The tower's image processor (``models.media``).
+    images: ImageProcessing
+    # The family's video processor (``ChatFormat.video_rule``); None: the model takes no videos.
+    video_rule: Optional[VideoProcessing] = None
 
     def geometry(self) -> dict:
         """The settings that decide grids and token counts (what a packed folder must agree on): the
-        video path's and the tower's image processing's (``ImageProcessing.geometry``; Qwen's gives its
-        pixel budget, min_pixels and max_pixels, so Qwen folders read as before)."""
-        geometry = self._video_settings(skipped=("pixel_mean", "pixel_std"))
-        if self.video_rule == "qwen2_vl":  # the only rule before it was recorded: old folders stay readable
-            del geometry["video_rule"]
-        return {**geometry, **self.images.geometry()}
+        video path's patch geometry and pixel budget, the video rule's (``VideoProcessing.geometry``:
+        Qwen2-VL's, the only rule before one was recorded, gives none, so folders packed then read as
+        before) and the tower's image processing's (``ImageProcessing.geometry``; Qwen's gives its
+        pixel budget, min_pixels and max_pixels)."""
+        video = self.video_rule.geometry() if self.video_rule is not None else {}
+        return {**self._video_settings(skipped=("video_rule", "pixel_mean", "pixel_std")), **video,
+                **self.images.geometry()}
 
     def settings(self) -> dict:
         """Everything that decides the pixels the encoder sees (what an embedding store must agree on):
-        ``geometry`` with the normalisation and the video rule."""
+        ``geometry`` with the normalisation and the video rule's name (None: no videos)."""
         return {**self._video_settings(skipped=()), **self.images.geometry()}
 
     def _video_settings(self, skipped: tuple[str, ...]) -> dict:
-        image_fields = ("images", "min_pixels", "max_pixels")  # the tower's image processing says its own
-        return {f.name: getattr(self, f.name) for f in fields(self) if f.name not in image_fields + skipped}
+        settings = {name: getattr(self, name) for name in _SETTINGS_ORDER if name not in skipped}
+        if "video_rule" in settings:
+            settings["video_rule"] = self.video_rule.name if self.video_rule is not None else None
+        return settings
 
     @property
     def factor(self) -> int:
@@ -109,6 +87,12 @@ class VisionSizing:
     @property
     def patch_dim(self) -> int:
         return 3 * self.temporal_patch_size * self.patch_size * self.patch_size
+
+
+# ``settings``' keys in the order it has always written them (encoder.json's ``processor``); the tower's
+# image processing says its own (``ImageProcessing.geometry``).
+_SETTINGS_ORDER = ("patch_size", "temporal_patch_size", "merge_size", "video_min_pixels", "video_max_pixels",
+                   "video_rule", "pixel_mean", "pixel_std")
 
 
 # ---------------------------------------------------------------- images: cheap probe
@@ -264,44 +248,15 @@ def _count_video_packets(container, stream) -> int:
     return sum(1 for packet in container.demux(stream) if packet.size > 0)
 
 
-def sample_frame_indices(
-    num_frames: int, native_fps: float, target_fps: float, max_frames: int, temporal_patch_size: int = 2
-) -> list[int]:
-    """Uniform frame indices: ``duration * target_fps`` frames, clamped to [4, max_frames] and to
-    the frames available, rounded down to a multiple of temporal_patch_size (at least one patch)."""
-    wanted = num_frames / native_fps * target_fps
-    limit = min(max_frames, num_frames) // temporal_patch_size * temporal_patch_size
-    count = min(max(wanted, MIN_VIDEO_FRAMES), limit) // temporal_patch_size * temporal_patch_size
-    count = max(int(count), temporal_patch_size)
-    return [i * num_frames // count for i in range(count)]
-
-
 def plan_video(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
-    """The frames to decode and the size to give them, by the family's rule (``sizing.video_rule``)."""
-    if sizing.video_rule not in VIDEO_RULES:
-        raise ValueError(f"unknown video rule {sizing.video_rule!r}; known: {sorted(VIDEO_RULES)}")
-    return VIDEO_RULES[sizing.video_rule](probe, sizing, target_fps, max_frames)
-
-
-def _plan_qwen2_vl(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
-    indices = sample_frame_indices(probe.num_frames, probe.fps, target_fps, max_frames, sizing.temporal_patch_size)
-    resized_h, resized_w = smart_resize(
-        probe.height, probe.width, sizing.factor, sizing.video_min_pixels, sizing.video_max_pixels
-    )
-    return _video_plan(probe, sizing, indices, resized_h, resized_w)
-
-
-def _plan_qwen3_vl(probe: VideoProbe, sizing: VisionSizing, target_fps: float, max_frames: int) -> VideoPlan:
-    indices = sample_frame_indices_linspace(probe.num_frames, probe.fps, target_fps, max_frames)
-    resized_h, resized_w = smart_resize_video(
-        len(indices), probe.height, probe.width, sizing.temporal_patch_size, sizing.factor,
-        sizing.video_min_pixels, sizing.video_max_pixels,
-    )
-    return _video_plan(probe, sizing, indices, resized_h, resized_w)
-
-
-def _video_plan(probe: VideoProbe, sizing: VisionSizing, indices: list[int], resized_h: int,
-                resized_w: int) -> VideoPlan:
+    """The frames to decode and the size to give them, by the family's rule (``sizing.video_rule``);
+    ValueError for a model that takes no videos or a clip its rule cannot take."""
+    rule = sizing.video_rule
+    if rule is None:
+        raise ValueError("the model's processor takes no videos; give the frames as images")
+    indices = rule.frame_indices(probe.num_frames, probe.fps, target_fps, max_frames, sizing.temporal_patch_size)
+    resized_h, resized_w = rule.frame_size(len(indices), probe.height, probe.width, sizing.temporal_patch_size,
+                                           sizing.factor, sizing.video_min_pixels, sizing.video_max_pixels)
     sampled_fps = len(indices) / (probe.num_frames / probe.fps)
     grid_t = -(-len(indices) // sizing.temporal_patch_size)  # an odd count is padded with the last frame
     return VideoPlan(
@@ -312,43 +267,6 @@ def _video_plan(probe: VideoProbe, sizing: VisionSizing, indices: list[int], res
         second_per_grid_t=sizing.temporal_patch_size / sampled_fps,
         fps=probe.fps,
     )
-
-
-def sample_frame_indices_linspace(num_frames: int, native_fps: float, target_fps: float, max_frames: int) -> list[int]:
-    """Qwen3-VL's sampling: ``int(duration * target_fps)`` frames clamped to [4, max_frames] and
-    to ``num_frames``, spread evenly from the first frame to the last (rounded to the nearest)."""
-    count = int(num_frames / native_fps * target_fps)
-    count = min(max(count, MIN_VIDEO_FRAMES), max_frames, num_frames)
-    return np.linspace(0, num_frames - 1, count).round().astype(int).tolist()
-
-
-def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor: int, factor: int,
-                       min_pixels: int, max_pixels: int) -> tuple[int, int]:
-    """(height, width) for every frame of a clip, multiples of ``factor``, such that the clip's
-    volume (frames rounded to ``temporal_factor``, x height x width) lies in [min_pixels,
-    max_pixels], keeping the aspect ratio as closely as possible (Qwen3-VL's video rule)."""
-    if num_frames < temporal_factor:
-        raise ValueError(f"{num_frames} sampled frame(s) < temporal patch {temporal_factor}")
-    if height < factor or width < factor:  # too small: scale up so that the short side is factor
-        scale = max(factor / height, factor / width)
-        height, width = int(height * scale), int(width * scale)
-    if max(height, width) / min(height, width) > 200:
-        raise ValueError(f"aspect ratio {max(height, width) / min(height, width):.1f} exceeds 200")
-    resized_h = round(height / factor) * factor
-    resized_w = round(width / factor) * factor
-    volume_t = round(num_frames / temporal_factor) * temporal_factor
-    if volume_t * resized_h * resized_w > max_pixels:
-        scale = math.sqrt(num_frames * height * width / max_pixels)
-        resized_h = max(factor, math.floor(height / scale / factor) * factor)
-        resized_w = max(factor, math.floor(width / scale / factor) * factor)
-    elif volume_t * resized_h * resized_w < min_pixels:
-        scale = math.sqrt(min_pixels / (num_frames * height * width))
-        resized_h = math.ceil(height * scale / factor) * factor
-        resized_w = math.ceil(width * scale / factor) * factor
-    return resized_h, resized_w
-
-
-VIDEO_RULES = {"qwen2_vl": _plan_qwen2_vl, "qwen3_vl": _plan_qwen3_vl}
 
 
 def frame_timestamps(plan: VideoPlan, temporal_patch_size: int) -> list[float]:
@@ -398,4 +316,4 @@ def preprocess_video(frames: list[Image.Image], plan: VideoPlan, sizing: VisionS
     pad = -len(frames) % sizing.temporal_patch_size
     if pad:  # repeat the last frame, as transformers does
         stacked = np.concatenate([stacked, np.repeat(stacked[-1:], pad, axis=0)])
-    return patchify(stacked, sizing.temporal_patch_size, sizing.patch_size, sizing.merge_size)
+    return sizing.video_rule.patch_rows(stacked, sizing.temporal_patch_size, sizing.patch_size, sizing.merge_size)

@@ -27,6 +27,7 @@ from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
+from loongforge.models.media import VideoProcessing
 from loongforge.models.decoder.vocab import padded_vocab_size
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
@@ -90,8 +91,9 @@ class ChatFormat:
     # text + vision_start + that patch's pads + vision_end (Qwen3-VL's processor; ``data.video_tokens``).
     # False: the pad inside ``video_block`` becomes one run of the whole video's pads (Qwen2.5-VL).
     timestamped_video_frames: bool = False
-    # The processor's frame sampling and video sizing rule: a key of ``data.vision.VIDEO_RULES``.
-    video_rule: str = "qwen2_vl"
+    # The processor's video rule: frame sampling, sizing and patch rows (``models.media``); None: the
+    # processor takes no videos (``video_block`` is "").
+    video_rule: Optional[VideoProcessing] = None
     # The system turn the model's own template writes when a conversation has none (None: none);
     # ``data.system_prompt`` overrides it.
     default_system_prompt: Optional[str] = None
@@ -118,6 +120,10 @@ class ChatFormat:
     # (DeepSeek ends only the assistant's turns).
     role_headers: tuple[tuple[str, str], ...] = ()
     role_turn_ends: tuple[tuple[str, str], ...] = ()
+
+    def __post_init__(self):
+        if self.video_block and self.video_rule is None:
+            raise ValueError("a chat format that writes videos (video_block) needs its processor's video_rule")
 
     def header(self, role: str) -> str:
         """What opens a turn of ``role``."""
@@ -253,6 +259,8 @@ def hf_facts(hf_config: ModuleType) -> dict[str, Any]:
 def registered(table: Mapping[str, str], name: str, key: str, describe: Callable[[str], str]) -> ModuleType:
     """The module ``table`` registers ``name`` under (imported when first asked for); a one-line
     ConfigError naming ``key``, what it may be (``describe(choices)``) and the nearest name if unknown."""
+    if not name:
+        raise ConfigError(f"{key} is not set; set it to one of {' | '.join(sorted(table))}.")
     if name not in table:
         close = difflib.get_close_matches(str(name), sorted(table), n=1, cutoff=0.5)
         hint = f" did you mean '{close[0]}'?" if close else ""

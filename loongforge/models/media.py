@@ -1,5 +1,6 @@
 """The media interface between the data pipeline and a vision tower: how the tower's processor turns
-one image into patch rows and placeholder tokens.
+one image into patch rows and placeholder tokens (``ImageProcessing``), and how a family's processor samples,
+sizes and patches a video (``VideoProcessing``).
 
 Every tower part (``models.parts.TowerPart.images``) gives an ``ImageProcessing`` built from the run's
 model and data settings; the data side (``data.measure``) asks it, per image:
@@ -81,3 +82,34 @@ class SquareImages(ImageProcessing):
     @property
     def patch_dim(self) -> int:
         return 3 * self.patch_size**2
+
+
+class VideoProcessing(abc.ABC):
+    """A processor's video rule (a family's, ``ChatFormat.video_rule``): which frames of a clip it
+    samples, the size it gives them and the patch rows they make. Stateless: the run's patch geometry
+    and pixel budgets come as arguments (``data.vision.VisionSizing`` holds them). A frozen, picklable
+    value; the data side (``data.vision.plan_video``) asks it per video."""
+
+    # Its name where a packed folder or embedding store records it (``geometry``, ``VisionSizing.settings``).
+    name: str
+
+    @abc.abstractmethod
+    def frame_indices(self, num_frames: int, native_fps: float, target_fps: float, max_frames: int,
+                      temporal_patch_size: int) -> list[int]:
+        """Decode-order indices of the frames sampled from a clip of ``num_frames`` at ``native_fps``."""
+
+    @abc.abstractmethod
+    def frame_size(self, num_sampled: int, height: int, width: int, temporal_patch_size: int, factor: int,
+                   min_pixels: int, max_pixels: int) -> tuple[int, int]:
+        """(height, width) every sampled frame is resized to, multiples of ``factor`` (patch x merge);
+        ValueError for a clip the processor cannot take (an extreme aspect ratio)."""
+
+    @abc.abstractmethod
+    def patch_rows(self, frames: np.ndarray, temporal_patch_size: int, patch_size: int,
+                   merge_size: int) -> np.ndarray:
+        """Normalised frames float32 [T, H, W, 3] (T a multiple of ``temporal_patch_size``) -> patch rows
+        [T/tp * H/p * W/p, 3*tp*p*p] in the order the tower reads them."""
+
+    def geometry(self) -> dict:
+        """What a packed folder records of the rule ({}: the rule folders followed before one was recorded)."""
+        return {"video_rule": self.name}

@@ -65,6 +65,10 @@ def open_vision_embeddings(cfg: RunConfig, *, load_path: Optional[Path], device)
 
 def _check_processor(cfg: RunConfig, store: EmbeddingStore) -> None:
     ours, theirs = processor_settings(cfg.data, cfg.model), store.encoder["processor"]
+    if ours["vision_sizing"].get("video_rule") is None and isinstance(theirs.get("vision_sizing"), dict):
+        # A model that takes no videos: the video rule a store recorded for it (older ones recorded one
+        # for every model) never applied to its features.
+        theirs = {**theirs, "vision_sizing": {**theirs["vision_sizing"], "video_rule": None}}
     if ours != theirs:
         keys = sorted(_differences(ours, theirs))
         raise InputError(f"data.vision_embeddings={store.root} was encoded with other image/video settings "

@@ -86,7 +86,7 @@ def test_7b_preset_is_the_schema_default_model():
 
     cfg = load_run_config("qwen2.5vl-7b")
     assert cfg.model.language == LanguageConfig()
-    assert cfg.model.vision == VisionConfig()
+    assert cfg.model.vision == VisionConfig(arch="qwen2_5_vit")
     assert cfg.model.reference_num_params == 8_292_166_656
 
 

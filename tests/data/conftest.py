@@ -27,7 +27,7 @@ def tokenizer():
     from loongforge.models.registry import get_family
 
     # With the model's chat template, so tests can compare against apply_chat_template.
-    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig()).jinja_template)
+    return load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig(family="qwen2_5_vl")).jinja_template)
 
 
 @pytest.fixture(scope="session")

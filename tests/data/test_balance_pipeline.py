@@ -5,7 +5,7 @@ from loongforge.balance.cost_model import TERMS, CostModel
 from loongforge.config.schema import BalanceConfig, DataConfig, ModelConfig
 from loongforge.data.pipeline import DataPipeline
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(family="qwen2_5_vl")
 
 
 def _data():

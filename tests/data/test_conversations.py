@@ -14,7 +14,7 @@ from tests.data.conftest import COCO_IMAGES, EXPECTED_REASONS, LLAMAFACTORY, goo
 
 def _measure_all(tokenizer, path, seq_len=2048):
     samples = FileSamples([str(path)])
-    measurer = SampleMeasurer(tokenizer, DataConfig(seq_len=seq_len), ModelConfig())
+    measurer = SampleMeasurer(tokenizer, DataConfig(seq_len=seq_len), ModelConfig(family="qwen2_5_vl"))
     results = []
     for i in range(len(samples)):
         sample = samples.get(i)

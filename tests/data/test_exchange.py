@@ -86,7 +86,7 @@ def _worker(rank: int, world: int, port: int, layout: tuple[int, int], source: s
     dp_rank, within = divmod(rank, tp * pp)
     pp_rank, tp_rank = divmod(within, tp)
     tokenizer = load_tokenizer("qwen")
-    model = ModelConfig()
+    model = ModelConfig(family="qwen2_5_vl")
     results = {}
     for name, balance in (("balanced", BalanceConfig(enabled=True, threshold=0.0)), ("plain", None)):
         groups = build_data_groups(tp_rank, pp_rank, dp_rank)  # fresh groups per pipeline
@@ -204,7 +204,7 @@ def test_sharded_reading_splits_the_stream_without_overlap(tokenizer):
                      read="sharded", num_workers=0, shuffle=False)
     seen = Counter()
     for rank in range(3):
-        pipeline = DataPipeline(cfg, ModelConfig(), global_batch_size=3, dp_rank=rank, dp_size=3,
+        pipeline = DataPipeline(cfg, ModelConfig(family="qwen2_5_vl"), global_batch_size=3, dp_rank=rank, dp_size=3,
                                 pad_to_multiple=8, tokenizer=tokenizer, groups=None)
         ids = []
         while len(ids) < 10:

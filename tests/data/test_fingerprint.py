@@ -33,7 +33,7 @@ def _write_inputs(folder) -> list[str]:
 def _pipeline(tokenizer, paths, cache, **overrides):
     cfg = DataConfig(**{"source": "files", "paths": paths, "cache_dir": str(cache), "shuffle_window": 16,
                         "seq_len": 256, "num_workers": 0, "seed": 3, **overrides})
-    return DataPipeline(cfg, ModelConfig(), global_batch_size=4, dp_rank=0, dp_size=1, pad_to_multiple=8,
+    return DataPipeline(cfg, ModelConfig(family="qwen2_5_vl"), global_batch_size=4, dp_rank=0, dp_size=1, pad_to_multiple=8,
                         tokenizer=tokenizer, lookahead=8)
 
 

@@ -19,7 +19,7 @@ from loongforge.data.samples import sample_file
 from loongforge.data.streaming import StreamingSamples
 from tests.data.conftest import good_record, write_conversations
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(family="qwen2_5_vl")
 SEQ_LEN = 256
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import numpy as np
 import pyarrow as pa
 import pytest
@@ -9,6 +11,8 @@ import pytest
 from loongforge.data.measure import MeasuredSample
 from loongforge.data.packfile.schema import SCHEMA, VIDEO_PLAN, decode_pack, encode_pack
 from loongforge.data.vision import VideoPlan, VisionSizing, frame_timestamps
+from loongforge.models.qwen_vl.smart_resize import SmartResizeImages
+from loongforge.models.qwen_vl.video import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 
 PLAN = VideoPlan(frame_indices=(0, 81, 161, 242), resized_height=64, resized_width=96, grid_thw=(2, 4, 6),
                  second_per_grid_t=4.86, fps=25.0)
@@ -50,8 +54,11 @@ def test_timestamps_average_each_temporal_patch():
 def test_geometry_names_the_video_rule_only_when_not_qwen2_vl():
     """Folders packed before the rule was recorded (all Qwen2-VL's) stay readable; a Qwen3-VL run
     asks for its rule, so a folder packed with the other one is refused with a repack message."""
+    images = SmartResizeImages(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=1, max_pixels=2)
     sizing = VisionSizing(patch_size=14, temporal_patch_size=2, merge_size=2, min_pixels=1, max_pixels=2,
-                          video_min_pixels=1, video_max_pixels=2)
-    assert "video_rule" not in sizing.geometry()
-    qwen3 = VisionSizing(**{**sizing.__dict__, "video_rule": "qwen3_vl"})
-    assert qwen3.geometry()["video_rule"] == "qwen3_vl"
+                          video_min_pixels=1, video_max_pixels=2, pixel_mean=images.mean, pixel_std=images.std,
+                          images=images, video_rule=QWEN2_VL_VIDEO)
+    assert "video_rule" not in sizing.geometry() and sizing.settings()["video_rule"] == "qwen2_vl"
+    assert replace(sizing, video_rule=None).geometry() == sizing.geometry()  # a model without videos
+    qwen3 = replace(sizing, video_rule=QWEN3_VL_VIDEO)
+    assert qwen3.geometry()["video_rule"] == qwen3.settings()["video_rule"] == "qwen3_vl"

@@ -19,7 +19,7 @@ from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
 from tests.models.helpers import free_port, limit_threads, run_workers
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(family="qwen2_5_vl")
 TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values", "image_grid_thw",
                "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
@@ -439,7 +439,7 @@ def _decoding_rejects_rank(rank, data, out, port):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=60))
     try:
-        tokenizer = load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig()).jinja_template)
+        tokenizer = load_tokenizer("qwen", get_family("qwen2_5_vl").chat(ModelConfig(family="qwen2_5_vl")).jinja_template)
         figures = _decoding_rejects(tokenizer, data, out / "rejects.jsonl" if rank == 0 else None, dp_rank=rank,
                                     dp_size=2, num_workers=1, dp_group=dist.group.WORLD)
         (out / f"rank{rank}.json").write_text(json.dumps(figures))

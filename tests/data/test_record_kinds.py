@@ -21,7 +21,7 @@ from loongforge.data.streaming import StreamingSamples
 from loongforge.data.template import Turn
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, SHARED_DATA, require
 
-MODEL = ModelConfig()  # Qwen2.5-VL: <|endoftext|> ends documents
+MODEL = ModelConfig(family="qwen2_5_vl")  # Qwen2.5-VL: <|endoftext|> ends documents
 ENDOFTEXT = 151643
 
 

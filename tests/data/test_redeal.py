@@ -131,7 +131,7 @@ def test_merged_rejects_count_each_reject_once():
 
 # ------------------------------------------------------------ DataPipeline.load_state_dict
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(family="qwen2_5_vl")
 
 
 def _sharded(tokenizer, dp_rank, dp_size, **overrides):

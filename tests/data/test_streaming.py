@@ -40,7 +40,7 @@ def _cfg(inputs, **overrides):
 
 
 def _pipeline(tokenizer, cfg, *, dp_rank=0, dp_size=1, gbs=4):
-    return DataPipeline(cfg, ModelConfig(), global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
+    return DataPipeline(cfg, ModelConfig(family="qwen2_5_vl"), global_batch_size=gbs, dp_rank=dp_rank, dp_size=dp_size,
                         pad_to_multiple=8, tokenizer=tokenizer, lookahead=8)
 
 

@@ -25,7 +25,7 @@ DEMO_FILES = [
     LOONGFORGE_VLM / "mllm_demo.json",
 ]
 SYSTEM = "You are a helpful assistant."
-CHAT = get_family("qwen2_5_vl").chat(ModelConfig())
+CHAT = get_family("qwen2_5_vl").chat(ModelConfig(family="qwen2_5_vl"))
 
 
 def _demo_samples():
@@ -54,7 +54,7 @@ def test_template_generation_prompt(tokenizer):
 
 @pytest.fixture(scope="module")
 def measurer(tokenizer):
-    return SampleMeasurer(tokenizer, DataConfig(seq_len=100_000), ModelConfig())
+    return SampleMeasurer(tokenizer, DataConfig(seq_len=100_000), ModelConfig(family="qwen2_5_vl"))
 
 
 def test_labels_only_on_assistant_answers(tokenizer, measurer):

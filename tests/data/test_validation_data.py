@@ -12,7 +12,7 @@ from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.data.pipeline import DataPipeline
 from loongforge.data.validation_data import held_out_count, held_out_positions, split_held_out
 
-MODEL = ModelConfig()
+MODEL = ModelConfig(family="qwen2_5_vl")
 
 
 def test_sets_are_named_by_their_entries_or_files():

@@ -17,12 +17,12 @@ from loongforge.data.vision import (
     preprocess_video,
     probe_image_size,
     probe_video,
-    sample_frame_indices,
 )
 from loongforge.models.qwen_vl.smart_resize import patchify, smart_resize
+from loongforge.models.qwen_vl.video import sample_frame_indices
 from tests.data.conftest import COCO_IMAGES, LLAMAFACTORY, require
 
-SIZING = vision_sizing(DataConfig(), ModelConfig())  # the schema's defaults: Qwen2-VL's processor's
+SIZING = vision_sizing(DataConfig(), ModelConfig(family="qwen2_5_vl"))  # the schema's 7B dims: Qwen2-VL's processor
 
 
 def preprocess_image(image, sizing):

@@ -26,6 +26,7 @@ PATCH_DIM = 3 * 2 * 14 * 14
 def tiny_model_cfg(*, tie: bool = True, num_layers: int = 2) -> ModelConfig:
     """The shipped tiny preset's dims (language depth reduced for speed)."""
     return ModelConfig(
+        family="qwen2_5_vl",
         vision=VisionConfig(
             depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
             temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],

@@ -11,7 +11,7 @@ count_parameters = get_family("qwen2_5_vl").count_parameters
 
 
 def test_7b_count_matches_published():
-    counts = count_parameters(ModelConfig())  # the schema defaults are the 7B dims
+    counts = count_parameters(ModelConfig(family="qwen2_5_vl"))  # the schema defaults are the 7B dims
     assert abs(counts["total"] - PUBLISHED_7B) / PUBLISHED_7B < 1e-3
     assert counts["total"] == counts["vision_model"] + counts["projector"] + counts["language_model"]
 
@@ -19,7 +19,7 @@ def test_7b_count_matches_published():
 def test_7b_count_matches_transformers_on_meta_device():
     from transformers import Qwen2_5_VLForConditionalGeneration
 
-    model_cfg = ModelConfig()
+    model_cfg = ModelConfig(family="qwen2_5_vl")
     with torch.device("meta"):
         hf_model = Qwen2_5_VLForConditionalGeneration(hf_config(model_cfg))
     counts = count_parameters(model_cfg)

@@ -91,6 +91,19 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
         registry.get_family("gemma")
 
 
+def test_a_config_naming_no_family_is_refused_in_one_line():
+    """The schema names no family or tower: a config without model.family (a preset's removed here) is
+    refused naming the key and the choices, before anything is built; the tower is the family's own."""
+    cfg = load_run_config("qwen2.5vl-tiny", overrides=["~model.family", "~model.vision.arch"])
+    assert (cfg.model.family, cfg.model.vision.arch) == ("", None)
+    with pytest.raises(ConfigError) as error:
+        registry.check_family_layout(cfg)
+    (message,) = error.value.messages
+    assert message == ("model.family is not set; set it to one of composition | internvl | llava_onevision | llm | "
+                       "qwen2_5_vl | qwen3_5 | qwen3_vl.")
+    registry.check_family_layout(load_run_config("qwen2.5vl-tiny", overrides=["~model.vision.arch"]))
+
+
 def test_unsupported_hf_architecture_names_what_was_found():
     with pytest.raises(InputError, match=r"x/config.json: unsupported architecture GemmaForCausalLM"):
         registry.family_of_hf_config({"architectures": ["GemmaForCausalLM"]}, "x/config.json")

@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -18,7 +19,9 @@ from loongforge.data.conversations import read_data_file
 from tests.forked_cli import run_cli
 from tests.shared_data import SHARED_DATA
 from loongforge.config.loader import load_run_config
-from loongforge.train.vision_embeddings import frozen_encoder_note
+from loongforge.config.errors import InputError
+from loongforge.data.embedding_store import processor_settings
+from loongforge.train.vision_embeddings import _check_processor, frozen_encoder_note
 from tests.train.conftest import (
     PRESET,
     SAVE_AT_END,
@@ -113,6 +116,25 @@ def test_a_store_from_another_encoder_or_other_settings_is_a_one_line_error(stor
     assert proc.returncode == 2, proc.stderr[-3000:]
     message = proc.stderr.strip().splitlines()[-1]
     assert message.startswith(f"error: data.vision_embeddings={store} ") and expected in message, message
+
+
+@pytest.mark.parametrize("preset, video_rule", [("internvl3.5-tiny", None), ("qwen2.5vl-tiny", "qwen2_vl"),
+                                                ("qwen3vl-tiny", "qwen3_vl")])
+def test_the_recorded_video_rule_is_the_familys_and_a_model_without_videos_reads_older_stores(preset, video_rule):
+    """Stores encoded before the video rule came from the family recorded Qwen2-VL's for every model; a
+    model that takes no videos still reads them (its features never met the rule). No run started."""
+    cfg = load_run_config(preset)
+    ours = processor_settings(cfg.data, cfg.model)
+    assert ours["vision_sizing"]["video_rule"] == video_rule
+    older = {**ours, "vision_sizing": {**ours["vision_sizing"], "video_rule": "qwen2_vl"}}
+    if video_rule in (None, "qwen2_vl"):
+        _check_processor(cfg, SimpleNamespace(root="store", encoder={"processor": older}))
+    else:
+        with pytest.raises(InputError, match=r"\(vision_sizing.video_rule: "):
+            _check_processor(cfg, SimpleNamespace(root="store", encoder={"processor": older}))
+    changed = {**ours, "vision_sizing": {**ours["vision_sizing"], "video_max_pixels": 1}}
+    with pytest.raises(InputError, match=r"\(vision_sizing.video_max_pixels: "):
+        _check_processor(cfg, SimpleNamespace(root="store", encoder={"processor": changed}))
 
 
 def test_packed_data_at_tp2(tmp_path):

@@ -19,5 +19,6 @@ _VIDEO_BLOCK = "<|vision_start|><|video_pad|><|vision_end|>"
 
 def chat_format(model_cfg: ModelConfig) -> ChatFormat:
     videos = _VIDEO_BLOCK if parts.tower(model_cfg.vision.arch).takes_videos else ""
-    return replace(CHATML_VISION, video_block=videos, default_system_prompt=None,
+    return replace(CHATML_VISION, video_block=videos, video_rule=CHATML_VISION.video_rule if videos else None,
+                   default_system_prompt=None,
                    jinja_template=chatml_vision_template(_IMAGE_BLOCK, videos, None))

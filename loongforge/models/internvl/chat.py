@@ -18,6 +18,7 @@ CHAT = replace(
     CHATML_VISION,
     image_block=IMAGE_BLOCK,
     video_block="",
+    video_rule=None,
     jinja_template=chatml_vision_template(IMAGE_BLOCK, "", None),
     default_system_prompt=None,
     vision_tokens=(("<IMG_CONTEXT>", "image_token_id"), ("<img>", "vision_start_token_id"),

@@ -49,7 +49,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
         return ModelConfig(
             family=NAME,
             vision=VisionConfig(
-                depth=vision["depth"], hidden_size=vision["hidden_size"],
+                arch="qwen2_5_vit", depth=vision["depth"], hidden_size=vision["hidden_size"],
                 intermediate_size=vision["intermediate_size"], num_heads=vision["num_heads"],
                 in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
                 patch_size=vision.get("patch_size", vision.get("spatial_patch_size", 14)),

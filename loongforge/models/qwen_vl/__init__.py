@@ -3,5 +3,6 @@ format and processor files, used by those families' folders and the Qwen ViT tow
 
 smart_resize.py    Qwen2-VL's image processing (smart-resize, patches), bit-equal to transformers'
 processor.py       the processor files of a Qwen-VL HF folder, and the inputs transformers' class takes
+video.py           the Qwen2-VL and Qwen3-VL video rules (frame sampling and sizing, ``ChatFormat.video_rule``)
 chatml.py          ChatML with vision blocks
 """

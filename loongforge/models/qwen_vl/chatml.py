@@ -19,6 +19,7 @@ from dataclasses import replace
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.family import ChatFormat
+from loongforge.models.qwen_vl.video import QWEN2_VL_VIDEO, QWEN3_VL_VIDEO
 
 QWEN2_SYSTEM_PROMPT = "You are a helpful assistant."  # Qwen2 / Qwen2.5 (-VL) templates' default
 
@@ -69,6 +70,7 @@ CHATML_VISION = ChatFormat(
     jinja_template=chatml_vision_template("<|vision_start|><|image_pad|><|vision_end|>",
                                           "<|vision_start|><|video_pad|><|vision_end|>", QWEN2_SYSTEM_PROMPT),
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
+    video_rule=QWEN2_VL_VIDEO,
 )
 
 # Qwen3-VL (Instruct): no default system turn; the video pad stands alone and the data side writes
@@ -80,7 +82,7 @@ CHATML_VISION_TIMESTAMPED = replace(
     jinja_template=chatml_vision_template("<|vision_start|><|image_pad|><|vision_end|>", "<|video_pad|>", None),
     default_system_prompt=None,
     timestamped_video_frames=True,
-    video_rule="qwen3_vl",
+    video_rule=QWEN3_VL_VIDEO,
 )
 
 

@@ -19,7 +19,7 @@ import json
 from loongforge.config.schema import DataConfig, ModelConfig
 
 PROCESSOR_CONFIG = "processor_config.json"
-# Frames a video processor samples at least (transformers' default; ``data.vision`` samples the same).
+# Frames a video processor samples at least (transformers' default; ``video.py`` samples the same).
 MIN_VIDEO_FRAMES = 4
 
 

@@ -8,7 +8,7 @@ takes ``h * w / merge^2`` placeholder tokens.
 
 Patch row layout: ``[grid_t*grid_h*grid_w, C*temporal*p*p]``; rows are ordered (t, h-block, w-block,
 h-in-block, w-in-block) with merge x merge blocks, so every merge^2 consecutive rows are one merged
-token; each row is (C, temporal, p, p) flattened. Videos (``data.vision``) use the same resize rule and
+token; each row is (C, temporal, p, p) flattened. Videos (``video.py``) use the same resize rule and
 the same layout.
 
 Torch-free (numpy and PIL).
