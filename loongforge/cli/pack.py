@@ -42,6 +42,10 @@ def pack(
         "--resume", help="Continue an interrupted pack into the same folder, with the same inputs and flags.")] = False,
     packs_per_shard: Annotated[int, typer.Option(
         "--packs-per-shard", min=1, metavar="N", help="Packs per parquet shard (the unit --resume skips).")] = 256,
+    overrides: Annotated[Optional[list[str]], typer.Option(
+        "--set", metavar="KEY=VALUE", show_default=False,
+        help="Config override on top of the preset, as for train (e.g. --set data.max_pixels=1003520, a "
+             "model.vision.* setting); repeatable. Training must use the same.")] = None,
     progress: Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars per stage.")] = True,
     record_kind: Annotated[str, typer.Option(
         "--record-kind", metavar="auto|conversation|text|alpaca|caption",
@@ -62,5 +66,6 @@ def pack(
             inputs=tuple(str(p) for p in inputs), output=output, preset=preset or DEFAULT_PRESET, seq_len=seq_len,
             algorithm=algorithm, workers=workers, max_images_per_pack=max_images_per_pack,
             group_by_media=group_by_media, resume=resume, packs_per_shard=packs_per_shard, progress=progress,
-            record_kind=record_kind, caption_prompt=caption_prompt, context_parallel=context_parallel))
+            record_kind=record_kind, caption_prompt=caption_prompt, context_parallel=context_parallel,
+            overrides=tuple(overrides or ())))
         typer.echo(summary.format())

@@ -14,6 +14,7 @@ import importlib
 from dataclasses import dataclass
 from typing import Callable, Optional
 
+from loongforge.config.errors import ConfigError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.decoder.params import model_parameters
 from loongforge.models.family import LazyFunction, registered
@@ -62,8 +63,24 @@ def towers() -> list[str]:
 
 
 def tower(arch: str, key: str = "model.vision.arch") -> TowerPart:
-    """The tower ``arch``; a one-line ConfigError naming ``key`` (and the nearest name) if unknown."""
+    """The tower ``arch``: a name of ``_TOWERS``, or the import path of a package outside loongforge that
+    exports ``PART`` (``mypackage.my_tower``: a tower of one's own, with no change to loongforge; every rank
+    imports it by that path). A one-line ConfigError naming ``key`` (and the nearest name) if neither."""
+    if arch not in _TOWERS and "." in str(arch):
+        return _tower_outside(arch, key)
     return registered(_TOWERS, arch, key, lambda choices: f"a vision tower of loongforge ({choices})").PART
+
+
+def _tower_outside(path: str, key: str) -> TowerPart:
+    try:
+        module = importlib.import_module(path)
+    except ModuleNotFoundError as missing:
+        raise ConfigError(f"{key}={path}: no module {missing.name!r} to import; give a tower of loongforge "
+                          f"({' | '.join(towers())}) or the import path of a package exporting PART") from None
+    part = getattr(module, "PART", None)
+    if not isinstance(part, TowerPart) or part.arch != path:
+        raise ConfigError(f"{key}={path}: the module exports no PART = TowerPart(arch={path!r}, ...); export one")
+    return part
 
 
 def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower: Optional[str],

@@ -72,6 +72,9 @@ class PackOptions:
     # The parallel.context_parallel_size the packs are for: each sample counted at its length padded
     # to a multiple of 2 x CP, as training pads it, so a pack still fits seq_len after padding.
     context_parallel: int = 1
+    # Config overrides on top of the preset, as for train (``data.max_pixels=...``, ``model.vision.*``): the
+    # settings the packs' token counts and media geometry follow, which training must share.
+    overrides: tuple[str, ...] = ()
 
     @property
     def sample_multiple(self) -> int:
@@ -211,9 +214,9 @@ def _load_config(options: PackOptions):
     # The pack's capacity is the training row length: tokenization rejects longer samples.
     settings = {"seq_len": options.seq_len, "record_kind": options.record_kind,
                 "caption_prompt": options.caption_prompt}
-    return load_run_config(options.preset, overrides=[
+    return load_run_config(options.preset, overrides=[*options.overrides, *(
         Override(text=f"data.{key}={value}", path=("data", key), delete=False, value=value)
-        for key, value in settings.items()])
+        for key, value in settings.items())])
 
 
 def _sizing_dict(cfg) -> dict:
@@ -263,6 +266,7 @@ def _folder_config(options: PackOptions, cfg, files: list[str], sizing: dict, we
         # A mixture decides which samples the packs hold (loongforge.data.mixture).
         **({"mixture": {"weights": weights, "seed": data.seed, "shuffle": data.shuffle}} if weights else {}),
         **({"sample_multiple": options.sample_multiple} if options.sample_multiple > 1 else {}),
+        **({"overrides": list(options.overrides)} if options.overrides else {}),
     }
 
 

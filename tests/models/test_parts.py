@@ -71,3 +71,14 @@ def test_the_dry_run_states_the_composition_with_each_parts_parameters():
         f"vision tower qwen2_5_vit {human_count(vision)} + projector patch_merger {human_count(projector)} "
         f"+ language model {human_count(language)}")
     assert "composed of" not in CliRunner().invoke(app, ["train", "--preset", "llm-tiny", "--dry-run"]).output
+
+
+def test_a_tower_outside_loongforge_is_named_by_its_import_path():
+    part = parts.tower("tests.train.made_up_tower")
+    assert part.arch == "tests.train.made_up_tower" and part.projectors == ("mlp",)
+    with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.no_such_tower: no module 'tests.no_such_tower' "
+                                          r"to import; give a tower of loongforge \(intern_vit \| "):
+        parts.tower("tests.no_such_tower")
+    with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.shared_data: the module exports no PART = "
+                                          r"TowerPart\(arch='tests.shared_data', ...\); export one$"):
+        parts.tower("tests.shared_data")
