@@ -43,7 +43,12 @@ TP_REFERENCES = [name for name in REFERENCES if name not in ("qwen3_moe_unnormal
 TP_LAYOUTS = ("text", "two_images", "video")
 # Layouts: (sequence parallel, vision TP size (None: the language TP), weights from convert's checkpoint).
 LAYOUTS = {"tp": (False, None, False), "tp+sp": (True, None, False)}
-EXTRA_LAYOUTS = {"qwen2_5_vl": {"tp, vision tp 1": (False, 1, False)},
+# Vision TP 1 beside language TP 2: each tower's replicated encoder handing its features to the split
+# decoder (Qwen2.5-VL's windowed ViT; InternViT's tiles; SigLIP's anyres packing, which runs outside the
+# TP-shared encoding).
+VISION_TP_1 = {"tp, vision tp 1": (False, 1, False)}
+VISION_TP_1_REFERENCES = ("qwen2_5_vl", "internvl", "llava_onevision")
+EXTRA_LAYOUTS = {**{name: VISION_TP_1 for name in VISION_TP_1_REFERENCES},
                  "qwen3_moe": {"tp+sp, converted": (True, None, True)}}
 # The gradient checks: (our weight, transformers' weight, how the ranks' parts make the whole, relative).
 GRAD_PROBES = {
@@ -86,7 +91,7 @@ def _cases(reference, model_cfg, hf_model) -> tuple[dict, list]:
     cases = {name: even_length(reference, model_cfg, hf_model, **layout)
              for name, layout in reference.layouts.items() if name in TP_LAYOUTS}
     if reference.has_media:
-        parts = [cases["two_images"], cases["video"], cases["text"]]
+        parts = [cases[name] for name in ("two_images", "video", "text") if name in cases]
     else:
         parts = [reference.sample(model_cfg, hf_model, seed=seed, text_len=length)
                  for seed, length in ((1, 12), (2, 8), (3, 20))]
@@ -223,7 +228,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
                                                             targets["text"][0], is_first)
             if name in SHARDED_SHAPES and layout == "tp":
                 results[name, "written"] = _written(model, model_cfg, name, hf_model, is_first)
-            if name == "qwen2_5_vl":
+            if reference.has_media:
                 vision_layer = model.vision_model.layers[0]
                 results[name, layout, "vision"] = (vision_layer.pg_collection.tp.size(),
                                                    bool(vision_layer.mlp.linear_fc1.weight.tensor_model_parallel))
@@ -262,8 +267,9 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
                     failures.append((name, layout, "grad", diff, parts_differ))
     print()
     assert not failures, failures
-    assert results["qwen2_5_vl", "tp", "vision"] == (2, True)
-    assert results["qwen2_5_vl", "tp, vision tp 1", "vision"] == (1, False)
+    for name in VISION_TP_1_REFERENCES:
+        assert results[name, "tp", "vision"] == (2, True), name
+        assert results[name, "tp, vision tp 1", "vision"] == (1, False), name
     for name in SHARDED_SHAPES:
         assert results[name, "written"]["written"], name
         assert results[name, "written"]["global_shapes"] == SHARDED_SHAPES[name], name
