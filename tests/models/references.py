@@ -1,8 +1,10 @@
 """The registry of tiny transformers references: one builder per family (and per variant where the math
 differs), each giving what a concern module needs: our config, the transformers model with every
 parameter random, our model for a parallel layout, and sample inputs in both forms (ours and
-transformers'), text alone or with media (one image, two images, a video, an image and a video) where the
-family has media.
+transformers'), text alone or with media where the family has media: one image, two images, a video, an
+image and a video (the Qwen-VL families, random pixels); one photo and two photos through the family's own
+processor (InternVL's tiles; LLaVA-OneVision's anyres squares for a sample's only image, a padded square
+each for two).
 
 A family joins every concern (``test_parity.py``: TP 1; ``test_tp_parity.py``: TP 2 with and without
 sequence parallelism) by adding one ``Reference`` to ``REFERENCES``; docs/testing.md says which variant

@@ -4,7 +4,8 @@ references): logits and the per-token loss (whole and loss-masked) on text, two 
 the family has media, and on a packed (thd) row of three samples. Where a weight is split or shared over
 the ranks in a way the logits alone could hide, its gradient after one backward equals transformers'
 (Qwen3's q/k norm: each rank's part sums to it; DeepSeek's latent down-projection: rows split, the rotary
-key's last). Family checks of the same launch: Qwen2.5-VL's vision TP 1 beside language TP 2; Qwen3-VL's
+key's last). Family checks of the same launch: vision TP 1 beside language TP 2 (Qwen2.5-VL, InternVL,
+LLaVA-OneVision: each tower's features handed to the split decoder); Qwen3-VL's
 and Qwen3.5's shards convert back to the transformers weights bit for bit and a distributed checkpoint
 records the whole shapes; Qwen3-MoE loaded from ``loongforge convert``'s TP-2 checkpoint, and its
 balance-loss gradient equals one process's (megatron-core alone would divide it by the TP size:
@@ -38,8 +39,8 @@ BALANCE_COEFFICIENT = 0.5
 # math is TP 1's to prove; the experts split as the normalised one's) and Qwen3-VL-MoE (experts in a
 # vision-language model at TP 2: Qwen3.5-MoE's, which adds a gated shared expert).
 TP_REFERENCES = [name for name in REFERENCES if name not in ("qwen3_moe_unnormalised", "qwen3_vl_moe")]
-# At TP 2 the layouts that split differently: text, images, a video (one image, and an image with a video in
-# one sample, are TP 1's; the packed row holds images and a video in one forward).
+# At TP 2 the layouts that split differently: text, images, a video where the family has one (one image, and
+# an image with a video in one sample, are TP 1's; the packed row holds the images and the video in one forward).
 TP_LAYOUTS = ("text", "two_images", "video")
 # Layouts: (sequence parallel, vision TP size (None: the language TP), weights from convert's checkpoint).
 LAYOUTS = {"tp": (False, None, False), "tp+sp": (True, None, False)}
