@@ -325,7 +325,8 @@ def _composed_case(model_cfg, seed: int, text_len: int, images: list[tuple[torch
         return input_ids, text_positions(input_ids.shape[1]), None
     whole = model_cfg.vision.image_size // PATCH * PATCH  # a valid convolution never reads the pixels past it
     squares = torch.cat([squares for squares, _ in images])[..., :whole, :whole]  # [n, C, whole, whole]
-    return input_ids, text_positions(input_ids.shape[1]), torch.from_numpy(patch_rows(squares.contiguous().numpy(), PATCH))
+    rows = torch.from_numpy(patch_rows(squares.contiguous().numpy(), PATCH))  # [n * side^2, C * p * p]
+    return input_ids, text_positions(input_ids.shape[1]), rows
 
 
 def _internvl_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:

@@ -92,7 +92,7 @@ def test_logits_and_loss_match_transformers(pair):
 
 
 def test_packed_row_gives_each_sample_its_own_logits(pair):
-    """Three samples in one thd row (two media samples, ``Reference.packed_media``, and text where the family has media):
+    """Three samples in one thd row (where the family has media: the two of ``Reference.packed_media``, then text):
     each sample's logits equal transformers' on it alone, the loss-masked loss too; the row run as one
     sample (attention, convolution or recurrent state across the boundaries) does not."""
     reference, model = pair.reference, pair.model

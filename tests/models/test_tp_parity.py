@@ -4,8 +4,8 @@ references): logits and the per-token loss (whole and loss-masked) on text, two 
 the family has media, and on a packed (thd) row of three samples. Where a weight is split or shared over
 the ranks in a way the logits alone could hide, its gradient after one backward equals transformers'
 (Qwen3's q/k norm: each rank's part sums to it; DeepSeek's latent down-projection: rows split, the rotary
-key's last). Family checks of the same launch: vision TP 1 beside language TP 2 (Qwen2.5-VL, InternVL,
-LLaVA-OneVision: each tower's features handed to the split decoder); Qwen3-VL's
+key's last). Family checks of the same launch: every tower's layers split at vision TP 2; Qwen2.5-VL's
+vision TP 1 beside language TP 2; Qwen3-VL's
 and Qwen3.5's shards convert back to the transformers weights bit for bit and a distributed checkpoint
 records the whole shapes; Qwen3-MoE loaded from ``loongforge convert``'s TP-2 checkpoint, and its
 balance-loss gradient equals one process's (megatron-core alone would divide it by the TP size:
@@ -44,12 +44,9 @@ TP_REFERENCES = [name for name in REFERENCES if name not in ("qwen3_moe_unnormal
 TP_LAYOUTS = ("text", "two_images", "video")
 # Layouts: (sequence parallel, vision TP size (None: the language TP), weights from convert's checkpoint).
 LAYOUTS = {"tp": (False, None, False), "tp+sp": (True, None, False)}
-# Vision TP 1 beside language TP 2: each tower's replicated encoder handing its features to the split
-# decoder (Qwen2.5-VL's windowed ViT; InternViT's tiles; SigLIP's anyres packing, which runs outside the
-# TP-shared encoding).
-VISION_TP_1 = {"tp, vision tp 1": (False, 1, False)}
-VISION_TP_1_REFERENCES = ("qwen2_5_vl", "internvl", "llava_onevision")
-EXTRA_LAYOUTS = {**{name: VISION_TP_1 for name in VISION_TP_1_REFERENCES},
+# Vision TP 1 beside language TP 2 (a replicated encoder handing its features to the split decoder: the
+# composition's code, whatever the tower, whose TP 1 forward test_parity proves): Qwen2.5-VL's.
+EXTRA_LAYOUTS = {"qwen2_5_vl": {"tp, vision tp 1": (False, 1, False)},
                  "qwen3_moe": {"tp+sp, converted": (True, None, True)}}
 # The gradient checks: (our weight, transformers' weight, how the ranks' parts make the whole, relative).
 GRAD_PROBES = {
@@ -268,9 +265,10 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
                     failures.append((name, layout, "grad", diff, parts_differ))
     print()
     assert not failures, failures
-    for name in VISION_TP_1_REFERENCES:
-        assert results[name, "tp", "vision"] == (2, True), name
-        assert results[name, "tp, vision tp 1", "vision"] == (1, False), name
+    # Every tower's layers split at vision TP 2.
+    towers = {name: results[name, "tp", "vision"] for name in TP_REFERENCES if REFERENCES[name].has_media}
+    assert set(towers.values()) == {(2, True)}, towers
+    assert results["qwen2_5_vl", "tp, vision tp 1", "vision"] == (1, False)
     for name in SHARDED_SHAPES:
         assert results[name, "written"]["written"], name
         assert results[name, "written"]["global_shapes"] == SHARDED_SHAPES[name], name
