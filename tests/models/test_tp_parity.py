@@ -5,11 +5,10 @@ the family has media, and on a packed (thd) row of three samples. Where a weight
 the ranks in a way the logits alone could hide, its gradient after one backward equals transformers'
 (Qwen3's q/k norm: each rank's part sums to it; DeepSeek's latent down-projection: rows split, the rotary
 key's last). Family checks of the same launch: every tower's layers split at vision TP 2; Qwen2.5-VL's
-vision TP 1 beside language TP 2; Qwen3-VL's
-and Qwen3.5's shards convert back to the transformers weights bit for bit and a distributed checkpoint
-records the whole shapes; Qwen3-MoE loaded from ``loongforge convert``'s TP-2 checkpoint, and its
-balance-loss gradient equals one process's (megatron-core alone would divide it by the TP size:
-``moe_balance``).
+vision TP 1 beside language TP 2; Qwen3-VL's and Qwen3.5's shards convert back to the transformers weights
+bit for bit and a distributed checkpoint records the whole shapes; Qwen3-MoE loaded from ``loongforge
+convert``'s TP-2 checkpoint, and its balance-loss gradient equals one process's (megatron-core alone would
+divide it by the TP size: ``moe_balance``).
 
 The worker builds the references itself (seeded, so both ranks build the same) and returns only the
 measured figures; rank 0 runs transformers."""
