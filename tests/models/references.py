@@ -217,9 +217,9 @@ INTERNVL_TILE, LLAVA_SQUARE, PATCH = 56, 60, 14  # 4 x 4 patches (LLaVA's square
 LLAVA_PINPOINTS = [[60, 60], [60, 120], [120, 60], [120, 120], [120, 180], [180, 120]]
 
 
-def _composed_tokens(image_token: int = COMPOSED_IMAGE_TOKEN) -> TokenIdsConfig:
-    return TokenIdsConfig(image_token_id=image_token, video_token_id=998, vision_start_token_id=997,
-                          vision_end_token_id=996, pad_token_id=0)
+# Neither tiny vocabulary's random text reaches the image token or the unused ids below it.
+COMPOSED_TOKENS = TokenIdsConfig(image_token_id=COMPOSED_IMAGE_TOKEN, video_token_id=998, vision_start_token_id=997,
+                                 vision_end_token_id=996, pad_token_id=0)
 
 
 def internvl_model_cfg() -> ModelConfig:
@@ -236,7 +236,7 @@ def internvl_model_cfg() -> ModelConfig:
                                 num_query_groups=2, head_dim=16, qk_norm=True, add_qkv_bias=False,
                                 vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[],
                                 tie_word_embeddings=False),
-        tokens=_composed_tokens(), layer_backend="sdpa")
+        tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
 
 
 def internvl_hf_model(model_cfg: ModelConfig, seed: int = 0):
@@ -275,7 +275,7 @@ def llava_onevision_model_cfg() -> ModelConfig:
         language=LanguageConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                 num_query_groups=2, vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[],
                                 add_qkv_bias=True, tie_word_embeddings=False),
-        tokens=_composed_tokens(), layer_backend="sdpa")
+        tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
 
 
 def llava_onevision_hf_model(model_cfg: ModelConfig, seed: int = 0):
