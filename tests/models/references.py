@@ -1,8 +1,10 @@
 """The registry of tiny transformers references: one builder per family (and per variant where the math
 differs), each giving what a concern module needs: our config, the transformers model with every
 parameter random, our model for a parallel layout, and sample inputs in both forms (ours and
-transformers'), text alone or with media (one image, two images, a video, an image and a video) where the
-family has media.
+transformers'), text alone or with media where the family has media: one image, two images, a video, an
+image and a video (the Qwen-VL families, random pixels); one photo and two photos through the family's own
+processor (InternVL's tiles; LLaVA-OneVision's anyres squares for a sample's only image, a padded square
+each for two).
 
 A family joins every concern (``test_parity.py``: TP 1; ``test_tp_parity.py``: TP 2 with and without
 sequence parallelism) by adding one ``Reference`` to ``REFERENCES``; docs/testing.md says which variant
@@ -11,14 +13,20 @@ proves a code path that several share."""
 from __future__ import annotations
 
 import dataclasses
+import functools
+from pathlib import Path
 from typing import Callable, Optional
 
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
+from PIL import Image
 
 from loongforge.config.loader import load_run_config
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
+from loongforge.config.schema import VisionConfig
 from loongforge.models.hf.weights import load_hf_state_dict
+from loongforge.models.internvl.model import build_model as build_internvl
+from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
 from loongforge.models.llm.model import build_model as build_llm
 from loongforge.models.qwen2_5_vl.model import build_model as build_qwen2_5_vl
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style as qwen3_5_hub_style
@@ -26,9 +34,14 @@ from loongforge.models.qwen3_5.model import build_model as build_qwen3_5
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style as qwen3_vl_hub_style
 from loongforge.models.qwen3_vl.model import build_model as build_qwen3_vl
 from loongforge.models.registry import get_family
+from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
+from loongforge.models.towers.siglip.processor import anyres_crops, anyres_settings, anyres_tokens, square_padded
+from loongforge.models.vlm.pixels import patch_rows
 from tests.models import helpers as qwen2_5_vl
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.llm_helpers import ARCHITECTURES_WITH_MOE, build_hf_llm, text_positions, tiny_llm_cfg
+from tests.models.tower_helpers import randomised
+from tests.shared_data import SHARED_DATA
 
 @dataclasses.dataclass
 class Case:
@@ -55,6 +68,9 @@ class Reference:
     build: Callable[..., torch.nn.Module]  # (model_cfg, parallel_cfg, **build options) -> ours, fp32 CPU
     sample: Callable[..., Case]  # (model_cfg, hf_model, *, seed, text_len, **layout) -> Case
     layouts: dict = dataclasses.field(default_factory=lambda: {"text": {}})
+    # The media layouts of the packed-row checks' first two samples (the third is text); a text-only
+    # reference packs text alone.
+    packed_media: tuple[str, str] = ("one_image", "video")
     relative: bool = False
     tolerance: float = 1e-5
     # transformers' state dict -> the Hub's key style, where our writer (``megatron_to_hf``) writes that style
@@ -99,7 +115,7 @@ def packed(cases: list[Case]) -> Case:
         packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)),
     )
-    for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw"):
+    for key in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw"):
         present = [case.ours[key] for case in cases if case.ours.get(key) is not None]
         ours[key] = torch.cat(present) if present else None
     return Case(ours=ours, theirs={})
@@ -181,6 +197,189 @@ QWEN3_5_LAYOUTS = {name: layout for name, layout in QWEN3_VL_LAYOUTS.items() if 
 
 
 # ---------------------------------------------------------------------------------------------------
+# InternVL3.5 (InternViT on tiles, Qwen3) and LLaVA-OneVision (SigLIP on anyres squares, Qwen2): 1-D RoPE,
+# real photos through the family's own processor at the tiny tile size. Images only: loongforge trains
+# neither family on videos (InternVL's processor writes a video as frames of images; LLaVA-OneVision's
+# video path is refused, ``llava_onevision/chat.py``).
+# ---------------------------------------------------------------------------------------------------
+
+COMPOSED_VOCAB, COMPOSED_IMAGE_TOKEN = 1000, 999
+# Two COCO photos of different proportions: 640 x 457 (landscape) and 480 x 640 (portrait).
+WIDE_PHOTO, TALL_PHOTO = (SHARED_DATA / "coco2017" / "val2017" / name for name in ("000000020247.jpg",
+                                                                                   "000000012280.jpg"))
+COMPOSED_LAYOUTS = {
+    "text": dict(),
+    "one_image": dict(photos=(WIDE_PHOTO,)),  # LLaVA-OneVision: the sample's only image goes anyres
+    "two_images": dict(photos=(WIDE_PHOTO, TALL_PHOTO)),  # LLaVA-OneVision: one padded square each
+}
+INTERNVL_TILE, LLAVA_SQUARE, PATCH = 56, 60, 14  # 4 x 4 patches (LLaVA's square leaves 4 pixels a side)
+# LLaVA-OneVision's canvases: up to 3 x 2 squares of 60 px, as the published 384 px ones are of up to 6 x 6.
+LLAVA_PINPOINTS = [[60, 60], [60, 120], [120, 60], [120, 120], [120, 180], [180, 120]]
+
+
+# Neither tiny vocabulary's random text reaches the image token or the unused ids below it.
+COMPOSED_TOKENS = TokenIdsConfig(image_token_id=COMPOSED_IMAGE_TOKEN, video_token_id=998, vision_start_token_id=997,
+                                 vision_end_token_id=996, pad_token_id=0)
+
+
+def internvl_model_cfg() -> ModelConfig:
+    """InternViT (2 blocks of width 32, 56-pixel tiles: 4 tokens a tile after the pixel shuffle), Qwen3."""
+    return ModelConfig(
+        family="internvl",
+        vision=VisionConfig(arch="intern_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
+                            in_channels=3, patch_size=PATCH, temporal_patch_size=1, image_size=INTERNVL_TILE,
+                            window_size=None, fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu",
+                            norm="layer"),
+        projector=ProjectorConfig(arch="pixel_shuffle_mlp", spatial_merge_size=2, hidden_act="gelu",
+                                  out_hidden_size=64),
+        language=LanguageConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                num_query_groups=2, head_dim=16, qk_norm=True, add_qkv_bias=False,
+                                vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[],
+                                tie_word_embeddings=False),
+        tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
+
+
+def internvl_hf_model(model_cfg: ModelConfig, seed: int = 0):
+    """transformers' InternVL of ``internvl_model_cfg``, every parameter drawn at random (layer scales,
+    class token, positions and norms included)."""
+    from transformers import InternVLConfig, InternVLForConditionalGeneration
+
+    vis, lang = model_cfg.vision, model_cfg.language
+    config = InternVLConfig(
+        vision_config=dict(hidden_size=vis.hidden_size, num_hidden_layers=vis.depth, num_attention_heads=vis.num_heads,
+                           intermediate_size=vis.intermediate_size, image_size=[vis.image_size] * 2,
+                           patch_size=[vis.patch_size] * 2, attention_bias=True, use_qk_norm=False,
+                           norm_type="layer_norm", layer_norm_eps=1e-6, use_mean_pooling=True, hidden_act="gelu"),
+        text_config=dict(model_type="qwen3", vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
+                         intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
+                         num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
+                         head_dim=lang.head_dim, rms_norm_eps=1e-6,
+                         rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta},
+                         tie_word_embeddings=False),
+        image_token_id=model_cfg.tokens.image_token_id, downsample_ratio=0.5, projector_hidden_act="gelu",
+        tie_word_embeddings=False)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomised(InternVLForConditionalGeneration(config).eval())
+
+
+def llava_onevision_model_cfg() -> ModelConfig:
+    """SigLIP (2 blocks of width 32, 60-pixel squares) with anyres canvases of up to 3 x 2 squares, Qwen2."""
+    return ModelConfig(
+        family="llava_onevision",
+        vision=VisionConfig(arch="siglip", depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
+                            patch_size=PATCH, temporal_patch_size=1, image_size=LLAVA_SQUARE, window_size=None,
+                            fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer",
+                            anyres_pinpoints=LLAVA_PINPOINTS),
+        projector=ProjectorConfig(arch="mlp", spatial_merge_size=1, hidden_act="gelu", out_hidden_size=64),
+        language=LanguageConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                num_query_groups=2, vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[],
+                                add_qkv_bias=True, tie_word_embeddings=False),
+        tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
+
+
+def llava_onevision_hf_model(model_cfg: ModelConfig, seed: int = 0):
+    """transformers' LLaVA-OneVision of ``llava_onevision_model_cfg``, every parameter drawn at random."""
+    from transformers import LlavaOnevisionConfig, LlavaOnevisionForConditionalGeneration
+
+    vis, lang = model_cfg.vision, model_cfg.language
+    config = LlavaOnevisionConfig(
+        vision_config=dict(model_type="siglip_vision_model", hidden_size=vis.hidden_size, num_hidden_layers=vis.depth,
+                           num_attention_heads=vis.num_heads, intermediate_size=vis.intermediate_size,
+                           image_size=vis.image_size, patch_size=vis.patch_size, layer_norm_eps=1e-6,
+                           hidden_act="gelu_pytorch_tanh", vision_use_head=False),
+        text_config=dict(model_type="qwen2", vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
+                         intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
+                         num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
+                         rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta},
+                         tie_word_embeddings=False),
+        image_token_index=model_cfg.tokens.image_token_id, vision_feature_layer=-1,
+        vision_feature_select_strategy="full", image_grid_pinpoints=vis.anyres_pinpoints,
+        projector_hidden_act="gelu", multimodal_projector_bias=True)
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomised(LlavaOnevisionForConditionalGeneration(config).eval())
+
+
+@functools.lru_cache(maxsize=None)
+def _photo(path: Path) -> Image.Image:
+    return Image.open(path).convert("RGB")
+
+
+@functools.lru_cache(maxsize=None)
+def _internvl_tiles(path: Path, size: int) -> torch.Tensor:
+    """The processor's tiles of a photo [tiles, 3, size, size]: the grid row by row, then the thumbnail."""
+    return torch.from_numpy(preprocess_tiles(_photo(path), TileSettings(size=size, max_tiles=4)))
+
+
+def _composed_case(model_cfg, seed: int, text_len: int, images: list[tuple[torch.Tensor, int]]) -> tuple:
+    """(input ids [1, s], positions [3, 1, s], pixel rows of every square's whole patches): ``text_len``
+    tokens, then each image's placeholders (``(squares [n, C, S, S], tokens)``) and 4 more tokens."""
+    generator = torch.Generator().manual_seed(seed)
+    pieces = [torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (text_len,), generator=generator)]
+    for _, tokens in images:
+        pieces += [torch.full((tokens,), model_cfg.tokens.image_token_id),
+                   torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (4,), generator=generator)]
+    input_ids = torch.cat(pieces)[None]
+    if not images:
+        return input_ids, text_positions(input_ids.shape[1]), None
+    whole = model_cfg.vision.image_size // PATCH * PATCH  # a valid convolution never reads the pixels past it
+    squares = torch.cat([squares for squares, _ in images])[..., :whole, :whole]  # [n, C, whole, whole]
+    rows = torch.from_numpy(patch_rows(squares.contiguous().numpy(), PATCH))  # [n * side^2, C * p * p]
+    return input_ids, text_positions(input_ids.shape[1]), rows
+
+
+def _internvl_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:
+    """Each photo as its tiles, one (1, side, side) grid and 4 placeholders a tile."""
+    vis = model_cfg.vision
+    tiles = [_internvl_tiles(path, vis.image_size) for path in photos]
+    per_tile = tokens_per_tile(vis.image_size, vis.patch_size)
+    input_ids, positions, rows = _composed_case(model_cfg, seed, text_len,
+                                                [(t, t.shape[0] * per_tile) for t in tiles])
+    if not tiles:
+        return Case(ours=dict(input_ids=input_ids, position_ids=positions), theirs=dict(input_ids=input_ids))
+    side = vis.image_size // vis.patch_size
+    pixels = torch.cat(tiles)  # [tiles, 3, S, S]
+    grids = torch.tensor([[1, side, side]] * pixels.shape[0])
+    return Case(ours=dict(input_ids=input_ids, position_ids=positions, pixel_values=rows, image_grid_thw=grids),
+                theirs=dict(input_ids=input_ids, pixel_values=pixels))
+
+
+def _llava_onevision_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:
+    """A sample's only photo as its anyres squares (the base image, then the crops); photos sharing a
+    sample one padded square each (``batch_num_images`` tells transformers which)."""
+    settings = anyres_settings(model_cfg)
+    images = [_photo(path) for path in photos]
+    side = model_cfg.vision.image_size // model_cfg.vision.patch_size
+    if len(images) == 1:
+        squares = [torch.from_numpy(anyres_crops(images[0], settings))]  # [1 + crops, 3, S, S]
+        tokens = [anyres_tokens(images[0].height, images[0].width, settings, PATCH)]
+    else:
+        squares = [torch.from_numpy(square_padded(image, settings)) for image in images]  # [1, 3, S, S] each
+        tokens = [side * side + 1] * len(images)  # its patches and a newline
+    input_ids, positions, rows = _composed_case(model_cfg, seed, text_len, list(zip(squares, tokens)))
+    if not images:
+        return Case(ours=dict(input_ids=input_ids, position_ids=positions), theirs=dict(input_ids=input_ids))
+    sizes = torch.tensor([[image.height, image.width] for image in images])
+    grids = torch.tensor([[s.shape[0], side, side] for s in squares])
+    stacked = torch.zeros(len(squares), max(s.shape[0] for s in squares), *squares[0].shape[1:])
+    for index, image_squares in enumerate(squares):
+        stacked[index, :image_squares.shape[0]] = image_squares  # [images, max squares, 3, S, S]
+    return Case(ours=dict(input_ids=input_ids, position_ids=positions, pixel_values=rows, image_grid_thw=grids,
+                          image_sizes=sizes),
+                theirs=dict(input_ids=input_ids, pixel_values=stacked, image_sizes=sizes,
+                            batch_num_images=torch.tensor([len(images)])))
+
+
+def _build_internvl(model_cfg, parallel_cfg, **options):
+    return build_internvl(model_cfg, parallel_cfg, **build_options(**options))
+
+
+def _build_llava_onevision(model_cfg, parallel_cfg, **options):
+    return build_llava_onevision(model_cfg, parallel_cfg, **build_options(**options))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
@@ -221,6 +420,11 @@ REFERENCES = {
         Reference(name="qwen3_5_moe", model_cfg=lambda: qwen3_5_model_cfg(moe=True), hf_model=qwen3_5_hf_model,
                   build=_build_qwen3_5, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True,
                   to_hub_style=qwen3_5_hub_style),
+        Reference(name="internvl", model_cfg=internvl_model_cfg, hf_model=internvl_hf_model, build=_build_internvl,
+                  sample=_internvl_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images")),
+        Reference(name="llava_onevision", model_cfg=llava_onevision_model_cfg, hf_model=llava_onevision_hf_model,
+                  build=_build_llava_onevision, sample=_llava_onevision_sample, layouts=COMPOSED_LAYOUTS,
+                  packed_media=("one_image", "two_images")),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }

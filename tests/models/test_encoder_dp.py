@@ -20,7 +20,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.parallel.encoder_dp import sum_encoder_grads
 from loongforge.models import parts
 from loongforge.models.vlm.model import build_vlm
-from tests.models import test_intern_vit as intern_vit
+from tests.models import references
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.helpers import (
     destroy_megatron,
@@ -76,9 +76,9 @@ def _cases(model_cfg, make_sample=make_sample) -> dict:
 
 def _tile_cases(model_cfg) -> dict:
     """InternViT's media are tiles of one fixed grid: images of 3, 1 + 2 and 1 tiles."""
-    tile = (1, intern_vit.SIDE_PIXELS // intern_vit.PATCH, intern_vit.SIDE_PIXELS // intern_vit.PATCH)
-    sample = lambda seed, tiles: make_sample(model_cfg, seed=seed, images=(tile,) * tiles,  # noqa: E731
-                                             patch_dim=3 * intern_vit.PATCH**2, text_vocab=990)
+    side = references.INTERNVL_TILE // references.PATCH
+    sample = lambda seed, tiles: make_sample(model_cfg, seed=seed, images=((1, side, side),) * tiles,  # noqa: E731
+                                             patch_dim=3 * references.PATCH**2, text_vocab=990)
     return {"images_and_video": _case(model_cfg, [sample(1, 3)]), "packed": _case(model_cfg, [sample(2, 1), sample(3, 2)]),
             "one_image": _case(model_cfg, [sample(4, 1)]), "text": _case(model_cfg, [sample(5, 0)])}
 
@@ -108,7 +108,7 @@ FAMILIES = {
     "qwen2_5_vl": ((False, True), lambda: tiny_model_cfg(tie=False), _cases),
     "qwen3_vl": ((True,), qwen3_vl.tiny_model_cfg, lambda cfg: _cases(cfg, qwen3_vl.make_sample)),
     # InternVL's tower, composed directly (its family is not registered yet), 1-D RoPE.
-    "intern_vit": ((True,), intern_vit.tiny_model_cfg, _tile_cases),
+    "intern_vit": ((True,), references.internvl_model_cfg, _tile_cases),
 }
 
 

@@ -10,14 +10,14 @@ import torch
 from loongforge.models.hf.weights import _fill
 from loongforge.models.towers.intern_vit.hf_mapping import tower_rules as intern_vit_rules
 from loongforge.models.towers.siglip.hf_mapping import tower_rules as siglip_rules
-from tests.models import test_intern_vit, test_siglip
+from tests.models import references
 
 TP = 2
 # tower -> (tiny HF model, our config, its rows, the HF prefixes of its vision side)
 TOWERS = {
-    "intern_vit": (test_intern_vit.hf_model, test_intern_vit.tiny_model_cfg, intern_vit_rules,
+    "intern_vit": (references.internvl_hf_model, references.internvl_model_cfg, intern_vit_rules,
                    ("model.vision_tower.", "model.multi_modal_projector.")),
-    "siglip": (test_siglip.hf_model, test_siglip.tiny_model_cfg, siglip_rules,
+    "siglip": (references.llava_onevision_hf_model, references.llava_onevision_model_cfg, siglip_rules,
                ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")),
 }
 
@@ -25,7 +25,8 @@ TOWERS = {
 @pytest.mark.parametrize("tower", sorted(TOWERS))
 def test_rows_read_every_vision_tensor_and_round_trip_at_tp2(tower):
     hf_model, model_cfg, tower_rules, prefixes = TOWERS[tower]
-    hf_state, model_cfg = hf_model().state_dict(), model_cfg()
+    model_cfg = model_cfg()
+    hf_state = hf_model(model_cfg).state_dict()
     read = set()
     for rule in tower_rules(model_cfg):
         indices = range(model_cfg.vision.depth) if "{i}" in rule.megatron else [None]

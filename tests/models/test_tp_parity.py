@@ -4,11 +4,11 @@ references): logits and the per-token loss (whole and loss-masked) on text, two 
 the family has media, and on a packed (thd) row of three samples. Where a weight is split or shared over
 the ranks in a way the logits alone could hide, its gradient after one backward equals transformers'
 (Qwen3's q/k norm: each rank's part sums to it; DeepSeek's latent down-projection: rows split, the rotary
-key's last). Family checks of the same launch: Qwen2.5-VL's vision TP 1 beside language TP 2; Qwen3-VL's
-and Qwen3.5's shards convert back to the transformers weights bit for bit and a distributed checkpoint
-records the whole shapes; Qwen3-MoE loaded from ``loongforge convert``'s TP-2 checkpoint, and its
-balance-loss gradient equals one process's (megatron-core alone would divide it by the TP size:
-``moe_balance``).
+key's last). Family checks of the same launch: every tower's layers split at vision TP 2; Qwen2.5-VL's
+vision TP 1 beside language TP 2; Qwen3-VL's and Qwen3.5's shards convert back to the transformers weights
+bit for bit and a distributed checkpoint records the whole shapes; Qwen3-MoE loaded from ``loongforge
+convert``'s TP-2 checkpoint, and its balance-loss gradient equals one process's (megatron-core alone would
+divide it by the TP size: ``moe_balance``).
 
 The worker builds the references itself (seeded, so both ranks build the same) and returns only the
 measured figures; rank 0 runs transformers."""
@@ -38,11 +38,13 @@ BALANCE_COEFFICIENT = 0.5
 # math is TP 1's to prove; the experts split as the normalised one's) and Qwen3-VL-MoE (experts in a
 # vision-language model at TP 2: Qwen3.5-MoE's, which adds a gated shared expert).
 TP_REFERENCES = [name for name in REFERENCES if name not in ("qwen3_moe_unnormalised", "qwen3_vl_moe")]
-# At TP 2 the layouts that split differently: text, images, a video (one image, and an image with a video in
-# one sample, are TP 1's; the packed row holds images and a video in one forward).
+# At TP 2 the layouts that split differently: text, images, a video where the family has one (one image, and
+# an image with a video in one sample, are TP 1's; the packed row holds the images and the video in one forward).
 TP_LAYOUTS = ("text", "two_images", "video")
 # Layouts: (sequence parallel, vision TP size (None: the language TP), weights from convert's checkpoint).
 LAYOUTS = {"tp": (False, None, False), "tp+sp": (True, None, False)}
+# Vision TP 1 beside language TP 2 (a replicated encoder handing its features to the split decoder: the
+# composition's code, whatever the tower, whose TP 1 forward test_parity proves): Qwen2.5-VL's.
 EXTRA_LAYOUTS = {"qwen2_5_vl": {"tp, vision tp 1": (False, 1, False)},
                  "qwen3_moe": {"tp+sp, converted": (True, None, True)}}
 # The gradient checks: (our weight, transformers' weight, how the ranks' parts make the whole, relative).
@@ -86,7 +88,7 @@ def _cases(reference, model_cfg, hf_model) -> tuple[dict, list]:
     cases = {name: even_length(reference, model_cfg, hf_model, **layout)
              for name, layout in reference.layouts.items() if name in TP_LAYOUTS}
     if reference.has_media:
-        parts = [cases["two_images"], cases["video"], cases["text"]]
+        parts = [cases[name] for name in ("two_images", "video", "text") if name in cases]
     else:
         parts = [reference.sample(model_cfg, hf_model, seed=seed, text_len=length)
                  for seed, length in ((1, 12), (2, 8), (3, 20))]
@@ -223,7 +225,7 @@ def _worker(rank: int, port: int, workdir: str) -> None:
                                                             targets["text"][0], is_first)
             if name in SHARDED_SHAPES and layout == "tp":
                 results[name, "written"] = _written(model, model_cfg, name, hf_model, is_first)
-            if name == "qwen2_5_vl":
+            if reference.has_media:
                 vision_layer = model.vision_model.layers[0]
                 results[name, layout, "vision"] = (vision_layer.pg_collection.tp.size(),
                                                    bool(vision_layer.mlp.linear_fc1.weight.tensor_model_parallel))
@@ -262,7 +264,9 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
                     failures.append((name, layout, "grad", diff, parts_differ))
     print()
     assert not failures, failures
-    assert results["qwen2_5_vl", "tp", "vision"] == (2, True)
+    # Every tower's layers split at vision TP 2.
+    towers = {name: results[name, "tp", "vision"] for name in TP_REFERENCES if REFERENCES[name].has_media}
+    assert set(towers.values()) == {(2, True)}, towers
     assert results["qwen2_5_vl", "tp, vision tp 1", "vision"] == (1, False)
     for name in SHARDED_SHAPES:
         assert results[name, "written"]["written"], name

@@ -5,9 +5,11 @@
   its placeholder text is InternVLProcessor's (its pixels on real photos:
   ``tests/models/test_intern_vit_processor.py``);
 - InternViT + the pixel-shuffle projector (``towers/intern_vit/vision.py``), loaded through the HF
-  rows, give transformers' ``InternVLModel.get_image_features`` on the processor's tiles of two
-  photos at fp32, every parameter randomised, at vision TP 1 in process and TP 2 over gloo; every
-  parameter (layer scales included) gets a gradient;
+  rows, give transformers' ``InternVLModel.get_image_features`` (and every parameter's gradient) on
+  the processor's 448-pixel tile of a photo at fp32, every parameter randomised, at vision TP 1 in
+  process and TP 2 over gloo; every parameter (layer scales included) gets a gradient (many tiles of
+  photos of other proportions in one row, composed with the decoder: the ``internvl`` reference of
+  ``tests/models/references.py``, at the tiny tile);
 - parameter counts, HF tensor shapes and FLOPs by arithmetic equal transformers' modules on the meta
   device (tiny, InternVL3.5-8B's and -38B's towers) and torch's FLOP counter;
 - the HF rows round-trip (TP 2 shards back to the HF tensors, bit-exact);
@@ -41,10 +43,10 @@ from loongforge.models.towers.intern_vit.hf_mapping import hf_shapes, tower_rule
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, limit_threads, run_workers
 from tests.shared_data import SHARED_DATA as DATA
 
-TALL = DATA / "coco2017/val2017/000000012280.jpg"  # 480 x 640
 WIDE = DATA / "coco2017/val2017/000000020247.jpg"  # 640 x 457
 SMALL_WIDE = DATA / "llamafactory/mllm_demo_data/1.jpg"  # 300 x 168
-# The parity runs keep the tile count small (a tiny tower still attends over 1,025 tokens a tile).
+# The parity runs keep the tile count small (a tiny tower still attends over 1,025 tokens a tile): the
+# wide photo at 2 tiles at most is one tile.
 FEATURE_MAX_TILES = 2
 TINY = InternViTConfig(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                        attention_bias=True)
@@ -53,8 +55,8 @@ TINY_6B = dataclasses.replace(TINY, norm_type="rms_norm", attention_bias=False, 
 VARIANTS = {"300M-like": TINY, "6B-like": TINY_6B}
 TINY_TEXT_HIDDEN = 64
 # Worst relative differences (to the largest reference value; for gradients, per parameter), about
-# 3x the measured: features 7.0e-07 (2.1e-06 absolute), gradients 3.1e-06 (7.1e-08 absolute).
-TOLERANCE = {"features": 2e-6, "gradients": 1e-5}
+# 3x the measured (one tile): features 7.7e-07 (2.0e-06 absolute), gradients 1.7e-06 (4.5e-08 absolute).
+TOLERANCE = {"features": 2e-6, "gradients": 5e-6}
 
 
 def tiny_model_cfg(config: InternViTConfig = TINY) -> ModelConfig:
@@ -109,15 +111,15 @@ def vision_state(model) -> dict:
 
 
 def feature_tiles() -> torch.Tensor:
-    """The processor's tiles of two photos of different sizes: [tiles, 3, 448, 448]."""
+    """The processor's tiles of a photo: [1, 3, 448, 448]."""
     settings = processor.TileSettings(max_tiles=FEATURE_MAX_TILES)
     return torch.cat([torch.from_numpy(processor.preprocess_tiles(Image.open(path).convert("RGB"), settings))
-                      for path in (TALL, WIDE)])
+                      for path in (WIDE,)])
 
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    """transformers' features of the two photos' tiles, the gradients of their mean square and the
+    """transformers' features of the photo's tiles, the gradients of their mean square and the
     weights, each variant, for TP 1 and 2."""
     tiles, variants = feature_tiles(), {}
     for name, config in VARIANTS.items():
@@ -241,7 +243,7 @@ def our_worst(config: InternViTConfig, data: dict) -> dict[str, tuple[float, flo
 def test_features_equal_transformers_at_tp1(megatron_world_of_one, reference, name):
     data = torch.load(reference, weights_only=False)
     for what, (absolute, relative) in our_worst(VARIANTS[name], data).items():
-        print(f"InternViT tiny {name} + projector, {data['tiles'].shape[0]} tiles of two photos, TP 1: {what} "
+        print(f"InternViT tiny {name} + projector, {data['tiles'].shape[0]} tiles of a photo, TP 1: {what} "
               f"max abs {absolute:.1e}, relative {relative:.1e} (asserted {TOLERANCE[what]:.1e})")
         assert relative <= TOLERANCE[what]
 
