@@ -28,7 +28,7 @@ def tiny_model_cfg(*, tie: bool = True, num_layers: int = 2) -> ModelConfig:
     return ModelConfig(
         family="qwen2_5_vl",
         vision=VisionConfig(
-            depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
+            arch="qwen2_5_vit", depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
             temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
         ),
         projector=ProjectorConfig(spatial_merge_size=2, out_hidden_size=128),
