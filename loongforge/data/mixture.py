@@ -166,15 +166,18 @@ def check_none_empty(paths: list, sizes: list[int]) -> None:
         raise InputError(f"data.paths entry {empty!r} has a weight but holds no samples; drop it or give it data")
 
 
-def all_rejected_error(name: str, reasons: Counter, what: str = "samples") -> InputError:
+def all_rejected_error(name: str, reasons: Counter, what: str = "samples",
+                       entry: str = "data.paths entry") -> InputError:
     """The one line for a weighted entry none of whose samples can be trained: it would silently
-    give its share to the others. ``reasons``: reject reason -> count."""
+    give its share to the others. ``reasons``: reject reason -> count; ``entry``: what the user calls the
+    entry (a ``data.paths`` entry in training, an input of ``loongforge pack``)."""
     by_reason = ", ".join(f"{reason}: {n}" for reason, n in sorted(reasons.items()))
-    return InputError(f"data.paths entry {name!r}: all {sum(reasons.values())} {what} were rejected ({by_reason}); "
+    return InputError(f"{entry} {name!r}: all {sum(reasons.values())} {what} were rejected ({by_reason}); "
                       "fix them or drop the entry (its weight would go to the other entries)")
 
 
-def check_entries_usable(mixture: Mixture, names: list[str], reject_reason: Callable[[int], Optional[str]]) -> None:
+def check_entries_usable(mixture: Mixture, names: list[str], reject_reason: Callable[[int], Optional[str]],
+                         entry: str = "data.paths entry") -> None:
     """Stop before training or packing on a weighted entry whose every sample is rejected (its share
     would silently go to the others). ``reject_reason(index)``: why global sample ``index`` is
     rejected, None when it is usable. Each entry is looked at in its first epoch's order until a
@@ -187,7 +190,7 @@ def check_entries_usable(mixture: Mixture, names: list[str], reject_reason: Call
                 break
             reasons[reason] += 1
         else:
-            raise all_rejected_error(name, reasons)
+            raise all_rejected_error(name, reasons, entry=entry)
 
 
 def build_mixture(paths: list, spans: list[range], *, seed: int, shuffle: bool) -> Optional[Mixture]:

@@ -127,7 +127,7 @@ def run_pack(options: PackOptions, *, fault: Optional[FaultHook] = None) -> Pack
     workers.install(context, samples)
     workers.measurer()  # load the tokenizer once, before workers fork
     if mixture is not None:  # as training does, before the folder is made: an error leaves nothing behind
-        check_entries_usable(mixture, source_names(list(options.inputs)), workers.reject_reason)
+        check_entries_usable(mixture, source_names(list(options.inputs)), workers.reject_reason, entry="input")
     _prepare_folder(root, config, options.resume)
     with _bar(options, len(samples), "scan") as bar:
         bar.update(len(samples) - _remaining_scan(root, len(samples)))

@@ -90,6 +90,6 @@ def test_pack_of_a_mixture_input_whose_every_sample_is_rejected_stops_before_wri
           f"folder left: {sorted(p.name for p in out.iterdir()) if out.exists() else None}, "
           f"sources: {stats and stats.get('sources')}")
     assert result.exit_code == 2 and result.output == (
-        f"error: data.paths entry {str(bad)!r}: all 3 samples were rejected (malformed_json: 3); fix them or drop "
+        f"error: input {str(bad)!r}: all 3 samples were rejected (malformed_json: 3); fix them or drop "
         "the entry (its weight would go to the other entries)\n")
     assert not out.exists()
