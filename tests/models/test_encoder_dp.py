@@ -107,7 +107,7 @@ def _run(model, cases: dict, shared: bool) -> dict:
 FAMILIES = {
     "qwen2_5_vl": ((False, True), lambda: tiny_model_cfg(tie=False), _cases),
     "qwen3_vl": ((True,), qwen3_vl.tiny_model_cfg, lambda cfg: _cases(cfg, qwen3_vl.make_sample)),
-    # InternVL's tower, composed directly (its family is not registered yet), 1-D RoPE.
+    # InternVL3.5 (its tiny reference config, tests/models/references.py): tiles, 1-D RoPE.
     "intern_vit": ((True,), references.internvl_model_cfg, _tile_cases),
 }
 
