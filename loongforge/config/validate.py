@@ -277,7 +277,7 @@ def build_run_config(tree: dict[str, Any], locate: Optional[KeyLocator] = None) 
 # Pass 2: rules across fields
 # --------------------------------------------------------------------------------------------
 
-def _get(cfg: RunConfig, dotted: str) -> Any:
+def _get(cfg: Any, dotted: str) -> Any:
     return operator.attrgetter(dotted)(cfg)
 
 
@@ -381,17 +381,17 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
 }
 
 
-def unbuilt_feature_fields(cfg: RunConfig, features: frozenset[str]) -> list[tuple[str, str, Any]]:
-    """(feature, ``model.``-relative key, value) of each field set away from its "not built" value whose
-    feature is not in ``features`` (what the run's family builds)."""
+def unbuilt_feature_fields(cfg: RunConfig, features: frozenset[str]) -> list[tuple[str, str, Any, Any]]:
+    """(feature, ``model.``-relative key, value, "not built" value) of each field set away from its "not
+    built" value whose feature is not in ``features`` (what the run's family builds)."""
     found = []
     for feature, fields in MODEL_FEATURE_FIELDS.items():
         if feature in features:
             continue
         for name, default in fields.items():
-            value = functools.reduce(getattr, name.split("."), cfg.model)
+            value = _get(cfg.model, name)
             if value != default:
-                found.append((feature, name, value))
+                found.append((feature, name, value, default))
     return found
 
 

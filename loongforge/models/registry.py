@@ -11,7 +11,7 @@ from typing import Any, Mapping
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import RunConfig
-from loongforge.config.validate import MODEL_FEATURE_FIELDS, family_layout_problems, unbuilt_feature_fields, yaml_text
+from loongforge.config.validate import family_layout_problems, unbuilt_feature_fields, yaml_text
 from loongforge.models import parts
 from loongforge.models.family import ANY_TOWER, ModelFamily, registered
 
@@ -56,12 +56,12 @@ def feature_problems(cfg: RunConfig, family: ModelFamily) -> list[str]:
     """A field of a layer kind or option the family does not build, set: one line per field, naming the
     families that build it."""
     problems = []
-    for feature, name, value in unbuilt_feature_fields(cfg, family.features):
+    for feature, name, value, default in unbuilt_feature_fields(cfg, family.features):
         builders = [other for other in families() if feature in get_family(other).features]
         where = f"model.family={' or '.join(builders)} builds it" if builders else "no family builds it yet"
-        default = yaml_text(MODEL_FEATURE_FIELDS[feature][name])
         problems.append(f"model.{name}={yaml_text(value)} but model.family={family.name} does not build "
-                        f"{feature.replace('_', ' ')} ({where}); set model.{name}={default} or choose such a family.")
+                        f"{feature.replace('_', ' ')} ({where}); set model.{name}={yaml_text(default)} or choose "
+                        "such a family.")
     return problems
 
 
