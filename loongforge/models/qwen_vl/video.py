@@ -73,8 +73,16 @@ def smart_resize_video(num_frames: int, height: int, width: int, temporal_factor
     return resized_h, resized_w
 
 
+class _QwenVideo(VideoProcessing):
+    """What the Qwen-VL video processors share: frames patchified like the images."""
+
+    def patch_rows(self, frames: np.ndarray, temporal_patch_size: int, patch_size: int,
+                   merge_size: int) -> np.ndarray:
+        return patchify(frames, temporal_patch_size, patch_size, merge_size)
+
+
 @dataclass(frozen=True)
-class Qwen2VLVideo(VideoProcessing):
+class Qwen2VLVideo(_QwenVideo):
     """Qwen2-VL's video processor (Qwen2.5-VL's too): uniform frames, each sized on its own."""
 
     name: str = "qwen2_vl"
@@ -87,16 +95,12 @@ class Qwen2VLVideo(VideoProcessing):
                    min_pixels: int, max_pixels: int) -> tuple[int, int]:
         return smart_resize(height, width, factor, min_pixels, max_pixels)
 
-    def patch_rows(self, frames: np.ndarray, temporal_patch_size: int, patch_size: int,
-                   merge_size: int) -> np.ndarray:
-        return patchify(frames, temporal_patch_size, patch_size, merge_size)
-
     def geometry(self) -> dict:
         return {}  # the only rule before the rule was recorded: folders packed then stay readable
 
 
 @dataclass(frozen=True)
-class Qwen3VLVideo(Qwen2VLVideo):
+class Qwen3VLVideo(_QwenVideo):
     """Qwen3-VL's video processor: frames spread from first to last, the clip sized as a whole."""
 
     name: str = "qwen3_vl"
@@ -108,9 +112,6 @@ class Qwen3VLVideo(Qwen2VLVideo):
     def frame_size(self, num_sampled: int, height: int, width: int, temporal_patch_size: int, factor: int,
                    min_pixels: int, max_pixels: int) -> tuple[int, int]:
         return smart_resize_video(num_sampled, height, width, temporal_patch_size, factor, min_pixels, max_pixels)
-
-    def geometry(self) -> dict:
-        return {"video_rule": self.name}
 
 
 QWEN2_VL_VIDEO = Qwen2VLVideo()
