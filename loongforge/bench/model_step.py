@@ -43,7 +43,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
 from loongforge.models import parts
 from loongforge.models.flops import FlopOptions, StepFlops
-from loongforge.models.media import ImageProcessing
+from loongforge.models.media import ImageProcessing, MediaBatch
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
 from loongforge.profile.features import sample_costs
@@ -113,7 +113,7 @@ def bench_run_config(opts: ModelBenchOptions) -> RunConfig:
 def image_processing(cfg: RunConfig) -> ImageProcessing:
     """The run's tower's image processing at the preset's data settings (``TowerPart.images``)."""
     family = get_family(cfg.model.family)
-    return parts.tower(family.tower(cfg.model)).images(cfg.model, cfg.data)
+    return parts.image_processing(family, cfg.model, cfg.data)
 
 
 def design_row(cfg: RunConfig, opts: ModelBenchOptions) -> list[tuple[int, list[tuple[int, int]]]]:
@@ -165,10 +165,10 @@ def build_inputs(cfg: RunConfig, opts: ModelBenchOptions) -> BenchInputs:
         "labels": packed["labels"].reshape(n, length),
         "loss_mask": packed["loss_mask"].reshape(n, length),
         "position_ids": packed["position_ids"].reshape(3, n, length),  # [3, n, Ls]
-        "pixel_values": packed["pixel_values"],
-        "image_grid_thw": packed["image_grid_thw"],
+        "media": packed["media"],
     }
-    grids = [] if packed["image_grid_thw"] is None else [tuple(g) for g in packed["image_grid_thw"].tolist()]
+    image_grids = packed["media"].grids("image")
+    grids = [] if image_grids is None else [tuple(g) for g in image_grids.tolist()]
     samples = sample_costs(packed)
     return BenchInputs(packed=packed, batch=batch, segment_lengths=list(packed["sample_lengths"]),
                        grids=grids, loss_tokens=packed["num_loss_tokens"], samples=samples)
@@ -202,7 +202,7 @@ def time_steps(step: Callable[[], None], device: torch.device, *, steps: int, wa
 
 
 def _to(inputs: dict, device: torch.device) -> dict:
-    return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in inputs.items()}
+    return {k: v.to(device) if isinstance(v, (torch.Tensor, MediaBatch)) else v for k, v in inputs.items()}
 
 
 def packed_seq_params(cu_seqlens: torch.Tensor):
@@ -221,8 +221,7 @@ def loongforge_step(model, inputs: dict, *, packed: bool) -> Callable[[], None]:
         model.zero_grad(set_to_none=True)
         per_token = model(input_ids=inputs["input_ids"], position_ids=inputs["position_ids"],
                           labels=inputs["labels"], loss_mask=inputs["loss_mask"],
-                          packed_seq_params=params, pixel_values=inputs["pixel_values"],
-                          image_grid_thw=inputs["image_grid_thw"])  # [b, s] fp32
+                          packed_seq_params=params, media=inputs["media"])  # [b, s] fp32
         mask = inputs["loss_mask"]
         ((per_token * mask).sum() / mask.sum()).backward()
 

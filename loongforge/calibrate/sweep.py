@@ -27,6 +27,7 @@ import torch
 
 from loongforge.config.schema import RunConfig
 from loongforge.data.packing import rank_rows
+from loongforge.models.media import MediaBatch, MediaSet
 from loongforge.models.registry import get_family
 
 ROW_DESIGNS = ("single", "packed_equal", "packed_mixed", "image_single", "image_packed")
@@ -191,14 +192,11 @@ class SweepSource:
             "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),
             "cu_seqlens": torch.as_tensor(np.cumsum([0, *lengths, *([pad] if pad else [])]),
                                           dtype=torch.int32),
-            "pixel_values": torch.from_numpy(rng.standard_normal(
-                (patches, self.pixel_width), dtype=np.float32)) if grids else None,
-            "image_grid_thw": torch.tensor([[1, h, w] for h, w in grids]) if grids else None,
-            "image_samples": [index for index, (_, sample_grids) in enumerate(row) for _ in sample_grids],
-            "video_samples": [],
-            "pixel_values_videos": None,
-            "video_grid_thw": None,
-            "second_per_grid_ts": None,
+            "media": MediaBatch(images=MediaSet(
+                grids=torch.tensor([[1, h, w] for h, w in grids]),  # [n, 3]
+                rows=torch.from_numpy(rng.standard_normal((patches, self.pixel_width), dtype=np.float32)),
+                samples=tuple(index for index, (_, sample_grids) in enumerate(row) for _ in sample_grids),
+            ) if grids else None),
             "num_loss_tokens": int(loss_mask.sum()),
             "sample_lengths": lengths,
             "sample_ids": [f"sweep:{row_index}:{i}" for i in range(len(row))],

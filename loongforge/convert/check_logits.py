@@ -57,9 +57,6 @@ from loongforge.parallel.console import quiet_process
 from loongforge.parallel.launch_env import free_port, order_tensor_parallel_kernels
 
 DEFAULT_ATOL = 1e-4  # fp32 on both sides: reductions in another order stay far below this
-# The collated batch's media inputs, passed to both models when present.
-MEDIA_KEYS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",
-              "second_per_grid_ts")
 # 140 x 112 px: a 10 x 8 patch grid (20 LLM tokens), and attention windows of 8 x 8 patches that
 # the 10-patch width cuts short, so the window bookkeeping is exercised too.
 BUILTIN_SCENE = Scene(width=140, height=112, background="white",
@@ -195,8 +192,7 @@ def build_sample(model_cfg: ModelConfig, hf_dir: Path, image: Optional[Path], no
         raise InputError(f"--image {image}: {materialized.late_reject.detail}")
     batch = collate_row([materialized], pad_to_multiple=1, pad_token_id=model_cfg.tokens.pad_token_id,
                         position_ids=family.position_ids(model_cfg))
-    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"],
-              **{key: batch[key] for key in MEDIA_KEYS if batch[key] is not None}}
+    inputs = {"input_ids": batch["input_ids"], "position_ids": batch["position_ids"], "media": batch["media"]}
     return Sample(inputs, description)
 
 

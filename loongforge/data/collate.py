@@ -16,18 +16,14 @@ position_ids         LongTensor[3, 1, T]          M-RoPE (temporal, height, widt
                                                   restarting at 0; padding counts 0, 1, 2, ...
 cu_seqlens           IntTensor[n_segments + 1]    int32 sample boundaries over T; the padding
                                                   tail, if any, is its own last segment
-pixel_values         FloatTensor[P, 1176] | None  all images of the row, in token order
-image_grid_thw       LongTensor[n_img, 3] | None
-image_samples        list[int]                    per image, the index in the row of its sample
-video_samples        list[int]                    likewise per video
-image_sizes          LongTensor[n_img, 2] | None  each image's (height, width) in pixels (a tower that packs
-                                                  an image's features by its size reads them)
-pixel_values_videos  FloatTensor[Pv, 1176] | None
-video_grid_thw       LongTensor[n_vid, 3] | None
-second_per_grid_ts   FloatTensor[n_vid] | None    seconds per temporal patch, per video
-image_embeds         Tensor[P/m^2, H] | None      stored encoder features of the row's images
-                                                  (data.vision_embeddings; then no pixel_values)
-video_embeds         Tensor[Pv/m^2, H] | None     likewise for videos
+media                MediaBatch                   the row's images then videos in token order
+                                                  (``models.media``): per modality a MediaSet of
+                                                  patch rows [P, patch_dim], grids [n, 3], sizes
+                                                  [n, 2] (pixels; None where not kept), the
+                                                  processor's facts by name, each medium's sample
+                                                  index in the row; with data.vision_embeddings
+                                                  stored features instead of rows. Empty (falsy)
+                                                  for a row without media
 num_loss_tokens      int                          loss_mask.sum()
 sample_lengths       list[int]                    real tokens per sample (sum = real length)
 sample_ids           list[str]                    "<file>[<record>]" or "synthetic:<index>"
@@ -42,6 +38,7 @@ import torch
 from loongforge.data.measure import MaterializedSample
 from loongforge.data.packing import padded_length
 from loongforge.models.family import PositionIds
+from loongforge.models.media import SECONDS_PER_GRID_T, MediaBatch, MediaSet
 
 
 def round_up(value: int, multiple: int) -> int:
@@ -95,7 +92,7 @@ def collate_row(
         "padding_mask": torch.cat(padding)[None],  # [1, T]
         "position_ids": torch.cat(positions, dim=1)[:, None, :].contiguous(),  # [3, 1, T]
         "cu_seqlens": torch.as_tensor(boundaries, dtype=torch.int32),  # [n_segments + 1]
-        **_vision_inputs(row),
+        "media": row_media(row),
         "num_loss_tokens": int(loss_mask_t.sum().item()),
         "sample_lengths": real_lengths,
         "sample_ids": [item.sample.sample_id for item in row],
@@ -123,31 +120,49 @@ def _sample_positions(item: MaterializedSample, position_ids: PositionIds) -> to
     )  # [3, L]
 
 
-def _vision_inputs(row: list[MaterializedSample]) -> dict:
-    image_pixels = [p for item in row for p in item.image_pixels]
-    image_grids = [g for item in row for g in item.sample.image_grids]
-    video_pixels = [p for item in row for p in item.video_pixels]
-    video_plans = [plan for item in row for plan in item.sample.video_plans]
-    return {
-        "pixel_values": torch.from_numpy(np.concatenate(image_pixels)) if image_pixels else None,
-        "image_grid_thw": torch.tensor(image_grids, dtype=torch.long) if image_grids else None,
-        "image_sizes": _image_sizes(row, len(image_grids)),
-        "image_samples": [index for index, item in enumerate(row) for _ in item.sample.image_grids],
-        "video_samples": [index for index, item in enumerate(row) for _ in item.sample.video_plans],
-        "pixel_values_videos": torch.from_numpy(np.concatenate(video_pixels)) if video_pixels else None,
-        "video_grid_thw": torch.tensor([p.grid_thw for p in video_plans], dtype=torch.long) if video_plans else None,
-        "second_per_grid_ts": (
-            torch.tensor([p.second_per_grid_t for p in video_plans], dtype=torch.float32) if video_plans else None
-        ),
-        "image_embeds": _cat([e for item in row for e in item.image_embeds]),
-        "video_embeds": _cat([e for item in row for e in item.video_embeds]),
-    }
+def row_media(row: list[MaterializedSample]) -> MediaBatch:
+    """The row's media as one ``MediaBatch`` (empty without any)."""
+    return MediaBatch(images=_images(row), videos=_videos(row))
+
+
+def _images(row: list[MaterializedSample]):
+    grids = [g for item in row for g in item.sample.image_grids]
+    if not grids:
+        return None
+    return MediaSet(
+        grids=torch.tensor(grids, dtype=torch.long),  # [n, 3]
+        rows=_cat([torch.from_numpy(p) for item in row for p in item.image_pixels]),  # [P, patch_dim]
+        features=_cat([e for item in row for e in item.image_embeds]),
+        sizes=_image_sizes(row, len(grids)),
+        facts=_image_facts(row, len(grids)),
+        samples=tuple(index for index, item in enumerate(row) for _ in item.sample.image_grids))
+
+
+def _videos(row: list[MaterializedSample]):
+    plans = [plan for item in row for plan in item.sample.video_plans]
+    if not plans:
+        return None
+    return MediaSet(
+        grids=torch.tensor([p.grid_thw for p in plans], dtype=torch.long),  # [n, 3]
+        rows=_cat([torch.from_numpy(p) for item in row for p in item.video_pixels]),
+        features=_cat([e for item in row for e in item.video_embeds]),
+        facts={SECONDS_PER_GRID_T: torch.tensor([p.second_per_grid_t for p in plans], dtype=torch.float32)},
+        samples=tuple(index for index, item in enumerate(row) for _ in item.sample.video_plans))
 
 
 def _image_sizes(row: list[MaterializedSample], images: int):
     sizes = [size for item in row for size in item.sample.image_sizes]
     # None where a folder packed before sizes were kept lacks some (a tower that needs them says so).
-    return torch.tensor(sizes, dtype=torch.long) if images and len(sizes) == images else None
+    return torch.tensor(sizes, dtype=torch.long) if len(sizes) == images else None  # [n, 2]
+
+
+def _image_facts(row: list[MaterializedSample], images: int) -> dict:
+    """The processor's facts as one tensor per name, [n, ...]; {} unless every image of the row has them
+    (a processor gives the same names for every image; a tower that needs them says so)."""
+    facts = [f for item in row for f in item.sample.image_facts]
+    if len(facts) != images:
+        return {}
+    return {name: torch.tensor([f[name] for f in facts]) for name in facts[0]}
 
 
 def _cat(tensors: list[torch.Tensor]):

@@ -56,6 +56,9 @@ class MeasuredSample:
     # (height, width) of each image in pixels, from its header: a tower that packs an image's features
     # by its size reads them (LLaVA-OneVision's anyres); [] in folders packed before they were kept.
     image_sizes: list[tuple[int, int]] = field(default_factory=list)
+    # Each image's facts from its tower's processor (``ImagePlan.facts``); [] where it gives none, and in
+    # folders packed before they were kept.
+    image_facts: list[dict] = field(default_factory=list)
     videos: list[str] = field(default_factory=list)
     video_plans: list[VideoPlan] = field(default_factory=list)
     record: Optional[int] = None  # as ConversationSample.record
@@ -104,7 +107,7 @@ def vision_sizing(data_cfg: DataConfig, model_cfg: ModelConfig) -> Optional[Visi
         pixel_mean=tuple(model_cfg.vision.pixel_mean),
         pixel_std=tuple(model_cfg.vision.pixel_std),
         video_rule=family.chat(model_cfg).video_rule,
-        images=parts.tower(family.tower(model_cfg)).images(model_cfg, data_cfg),
+        images=parts.image_processing(family, model_cfg, data_cfg),
     )
 
 
@@ -148,7 +151,7 @@ class SampleMeasurer:
         return MeasuredSample(
             sample_id=sample.sample_id, file=sample.file, line=sample.line, input_ids=input_ids,
             is_answer=is_answer, images=list(sample.images), image_grids=[plan.grid for plan in image_plans],
-            image_sizes=[plan.size for plan in image_plans],
+            image_sizes=[plan.size for plan in image_plans], image_facts=_kept_facts(image_plans),
             videos=list(sample.videos), video_plans=video_plans, record=sample.record,
         )
 
@@ -209,6 +212,12 @@ def measure_media(sample: ConversationSample, sizing: VisionSizing,
     image_plans = [image_plan(image, sizing, len(sample.images)) for image in sample.images]
     video_plans = [_video_plan(video, sizing, data_cfg) for video in sample.videos]
     return image_plans, video_plans
+
+
+def _kept_facts(image_plans: list[ImagePlan]) -> list[dict]:
+    """The images' facts to keep with the sample: [] where the processor gives none (the common case)."""
+    facts = [dict(plan.facts) for plan in image_plans]
+    return facts if any(facts) else []
 
 
 def image_plan(image: ImageSource, sizing: VisionSizing, images_in_sample: int = 1) -> ImagePlan:

@@ -10,8 +10,8 @@ killed one did not finish.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Optional, Union
+from dataclasses import dataclass, field
+from typing import Any, Mapping, Optional, Union
 
 from loongforge.config.schema import DataConfig
 from loongforge.data.arrow_samples import ArrowSamples
@@ -24,7 +24,7 @@ from loongforge.parallel.media_assign import assign_media
 
 
 @dataclass(frozen=True)
-class MediaItem:
+class EncodeItem:
     """One image or video to encode."""
 
     order: int  # position in the plan (input order)
@@ -42,6 +42,7 @@ class MediaItem:
     # features by its size, or treats a sample's several images otherwise, reads them.
     size: tuple[int, int] = (0, 0)
     images_in_sample: int = 1
+    facts: Mapping[str, Any] = field(default_factory=dict)  # an image's processor facts (``ImagePlan.facts``)
 
     @property
     def patches(self) -> int:
@@ -51,12 +52,12 @@ class MediaItem:
 
 @dataclass
 class EncodePlan:
-    items: list[MediaItem]
+    items: list[EncodeItem]
     # (sample position, reject): samples unreadable or whose media cannot be read (sizes)
     rejects: list[tuple[int, Reject]]
     samples: int  # samples read, rejected ones included
 
-    def shards(self, rank: int, world_size: int, *, merge_unit: int, shard_tokens: int) -> list[list[MediaItem]]:
+    def shards(self, rank: int, world_size: int, *, merge_unit: int, shard_tokens: int) -> list[list[EncodeItem]]:
         """This rank's shards: its media in input order, each shard closed once it holds at least
         ``shard_tokens`` output rows."""
         owners = assign_media([item.patches for item in self.items], world_size)
@@ -87,7 +88,8 @@ def plan_files(files: list[str], sizing: VisionSizing, data_cfg: DataConfig) -> 
             rejects.append((index, Reject.of(sample, error.reason, error.detail)))
             continue
         items += _sample_items(sample, [plan.grid for plan in image_plans], video_plans, first=len(items),
-                               sample_order=index, image_sizes=[plan.size for plan in image_plans])
+                               sample_order=index, image_sizes=[plan.size for plan in image_plans],
+                               image_facts=[plan.facts for plan in image_plans])
     return EncodePlan(items=items, rejects=rejects, samples=len(source))
 
 
@@ -97,20 +99,22 @@ def plan_packed(folder: PackedFolder) -> EncodePlan:
     for pack in range(len(folder)):
         for sample in folder.pack(pack):
             items += _sample_items(sample, sample.image_grids, sample.video_plans, first=len(items),
-                                   sample_order=samples, image_sizes=sample.image_sizes)
+                                   sample_order=samples, image_sizes=sample.image_sizes,
+                                   image_facts=sample.image_facts)
             samples += 1
     return EncodePlan(items=items, rejects=[], samples=samples)
 
 
 def _sample_items(sample: Union[ConversationSample, MeasuredSample], image_grids: list, video_plans: list,
-                  first: int, sample_order: int, image_sizes: list) -> list[MediaItem]:
+                  first: int, sample_order: int, image_sizes: list, image_facts: list) -> list[EncodeItem]:
     common = dict(sample_id=sample.sample_id, file=sample.file, line=sample.line, record=sample.record,
                   sample_order=sample_order)
     sizes = list(image_sizes) or [(0, 0)] * len(image_grids)  # none in folders packed before sizes were kept
-    items = [MediaItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid),
-                       size=tuple(size), images_in_sample=len(sample.images), **common)
-             for i, (image, grid, size) in enumerate(zip(sample.images, image_grids, sizes))]
-    items += [MediaItem(order=first + len(items) + i, kind="video", media_index=i, source=video,
-                        grid=tuple(plan.grid_thw), video_plan=plan, **common)
+    facts = list(image_facts) or [{}] * len(image_grids)  # none where the processor gives none
+    items = [EncodeItem(order=first + i, kind="image", media_index=i, source=image, grid=tuple(grid),
+                        size=tuple(size), images_in_sample=len(sample.images), facts=dict(item_facts), **common)
+             for i, (image, grid, size, item_facts) in enumerate(zip(sample.images, image_grids, sizes, facts))]
+    items += [EncodeItem(order=first + len(items) + i, kind="video", media_index=i, source=video,
+                         grid=tuple(plan.grid_thw), video_plan=plan, **common)
               for i, (video, plan) in enumerate(zip(sample.videos, video_plans))]
     return items

@@ -27,7 +27,8 @@ from loongforge.data.measure import image_pixels, video_pixels, vision_sizing
 from loongforge.data.packfile.folder import write_atomic
 from loongforge.data.samples import Reject
 from loongforge.data.vision import MediaError
-from loongforge.encode.plan import EncodePlan, MediaItem
+from loongforge.encode.plan import EncodeItem, EncodePlan
+from loongforge.models.media import MediaSet
 from loongforge.models.vlm.fingerprint import weights_digest
 from loongforge.parallel.distributed import init_model_parallel, resolve_device
 
@@ -84,7 +85,7 @@ def _init_world_of_one(spec: WorkerSpec) -> torch.device:
 
 
 @torch.no_grad()
-def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: WorkerSpec,
+def _write_shard(path: Path, name: str, items: list[EncodeItem], encoder, spec: WorkerSpec,
                  device: torch.device) -> None:
     sizing = vision_sizing(spec.cfg.data, spec.cfg.model)
     decoded, rejects = [], []
@@ -111,7 +112,7 @@ def _write_shard(path: Path, name: str, items: list[MediaItem], encoder, spec: W
     write_atomic(path, save(tensors, metadata={SHARD_METADATA_KEY: json.dumps(header)}))
 
 
-def _pixels(item: MediaItem, sizing) -> np.ndarray:
+def _pixels(item: EncodeItem, sizing) -> np.ndarray:
     if item.kind == "image":
         return image_pixels(item.source, item.grid, sizing, item.images_in_sample)
     return video_pixels(item.source, item.video_plan, sizing)
@@ -130,18 +131,34 @@ def _batches(decoded: list, batch_patches: int) -> list[list]:
 
 
 def _encode(encoder, batch: list, device: torch.device, model_cfg) -> list[torch.Tensor]:
-    """Features [tokens_i, hidden] of each medium of the batch: the placeholders' features, packed by each
-    image's size where the encoder packs them so (LLaVA-OneVision: the newline included)."""
+    """Features [tokens_i, hidden] of each medium of the batch: the placeholders' features, as the encoder
+    gives them for a set of images (packed by each image's size where it reads images whole)."""
     dtype = next(encoder.parameters()).dtype
-    pixels = torch.from_numpy(np.concatenate([p for _, p in batch])).to(device=device, dtype=dtype)  # [P, D]
-    grid = torch.tensor([item.grid for item, _ in batch], dtype=torch.long, device=device)  # [n, 3]
-    if not encoder.packs_media:
-        features = encoder(pixels, grid)  # [P / merge_unit, hidden]
+    media = MediaSet(
+        grids=torch.tensor([item.grid for item, _ in batch], dtype=torch.long, device=device),  # [n, 3]
+        rows=torch.from_numpy(np.concatenate([p for _, p in batch])).to(device=device, dtype=dtype),  # [P, D]
+        sizes=torch.tensor([item.size for item, _ in batch], dtype=torch.long, device=device),  # [n, 2]
+        facts=_facts(batch, device))
+    if not encoder.reads_items:
+        features = encoder(media.rows, media.grids)  # [P / merge_unit, hidden]
         return list(features.split([item.patches // encoder.merge_unit for item, _ in batch]))
-    sizes = torch.tensor([item.size for item, _ in batch], dtype=torch.long, device=device)  # [n, 2]
-    rows = [type(encoder).feature_rows(model_cfg, grid[i:i + 1], sizes[i:i + 1], encoder.merge_unit)
-            for i in range(len(batch))]
-    return list(encoder(pixels, grid, sizes).split(rows))  # [tokens, hidden] packed per image
+    rows = [type(encoder).feature_rows(model_cfg, _one(media, i), encoder.merge_unit) for i in range(len(batch))]
+    rows = [item.patches // encoder.merge_unit if count is None else count for count, (item, _) in zip(rows, batch)]
+    return list(encoder.encode_images(media).split(rows))  # [tokens, hidden] per image
+
+
+def _facts(batch: list, device: torch.device) -> dict:
+    """The images' processor facts, one tensor per name ({} where they carry none)."""
+    facts = [item.facts for item, _ in batch]
+    if not all(facts):
+        return {}
+    return {name: torch.tensor([f[name] for f in facts], device=device) for name in facts[0]}
+
+
+def _one(media: MediaSet, index: int) -> MediaSet:
+    """Item ``index`` of ``media`` as a set of one (its grid, size and facts; no rows: counts only)."""
+    return MediaSet(grids=media.grids[index:index + 1], sizes=media.sizes[index:index + 1],
+                    facts={name: value[index:index + 1] for name, value in media.facts.items()})
 
 
 def default_threads(world_size: int) -> int:

@@ -27,7 +27,7 @@ from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutRule
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.flops import StepFlops
-from loongforge.models.media import VideoProcessing
+from loongforge.models.media import ImageProcessing, VideoProcessing
 from loongforge.models.decoder.vocab import padded_vocab_size
 
 if TYPE_CHECKING:  # the contract is read by torch-free code (pack planning, the dry-run plan)
@@ -206,7 +206,10 @@ class ModelFamily:
     # The vision tower it is composed of (a ``model.vision.arch`` of ``models.parts``); ANY_TOWER: the
     # one the run names; None: a text-only family.
     vision_part: Optional[str] = None
-    # (model_cfg, a collated micro-batch's model inputs: input_ids and the media keys) -> the keyword
+    # (model_cfg, data_cfg) -> the VLM's image processor at the run's settings (``models.media``): what
+    # turns an image into patch rows and placeholders; None: its tower's (``models.parts.image_processing``).
+    image_processing: Optional[Callable[[ModelConfig, DataConfig], ImageProcessing]] = None
+    # (model_cfg, a collated micro-batch's model inputs: input_ids and ``media``, a MediaBatch) -> the keyword
     # inputs of ``hf_model_class``'s forward, the media as its processor gives them (``convert
     # --check-logits``); default: the ids alone (a text-only family).
     hf_model_inputs: Callable[[ModelConfig, dict], dict] = text_model_inputs

@@ -17,19 +17,34 @@ The grid is what the rest of the pipeline and the model see of an image (packing
 treat an image differently when it shares its sample with others (LLaVA-OneVision pads it to one
 square instead of tiling it).
 
-Torch-free (numpy and PIL): images are measured before any model exists.
+A processor may also give an image facts of its own (``ImagePlan.facts``, ``ImageProcessing.facts``:
+small numbers by name) that its tower reads; they travel with the image through packing, the packed
+folder, collate and the step to the tower without any other module knowing their names.
+
+The model side of the contract is ``MediaBatch``: a micro-batch's media as typed items (``MediaItem``:
+modality, patch rows, grid, size, facts), held per modality as one ``MediaSet`` of stacked tensors so
+that a tower reads them whole. collate builds it, the step moves it, the model and ``encode`` read it, and
+a family's ``hf_model_inputs`` turns it into its transformers class's arguments.
+
+Torch-free at import (numpy and PIL): images are measured before any model exists; a ``MediaBatch``
+holds tensors that its caller made.
 """
 
 from __future__ import annotations
 
 import abc
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import TYPE_CHECKING, Any, Iterator, Mapping, Optional
 
 import numpy as np
 from PIL import Image
 
+if TYPE_CHECKING:
+    import torch
+
 Grid = tuple[int, int, int]
+# A processor's own facts about one image, by name: numbers or short tuples of numbers (JSON values).
+Facts = Mapping[str, Any]
 
 
 @dataclass(frozen=True)
@@ -37,6 +52,7 @@ class ImagePlan:
     grid: Grid  # (t, h, w): t squares of h x w patches, encoded each on its own
     tokens: int  # placeholder tokens the image takes in the text
     size: tuple[int, int] = (0, 0)  # (height, width) of the image in pixels
+    facts: Facts = field(default_factory=dict)  # the processor's own facts about it (``ImageProcessing.facts``)
 
 
 class ImageProcessing(abc.ABC):
@@ -51,7 +67,13 @@ class ImageProcessing(abc.ABC):
         """The grid, placeholder tokens and size of an image of ``width`` x ``height`` pixels; ValueError
         for an image the processor cannot take (an extreme aspect ratio)."""
         grid, tokens = self.grid_and_tokens(width, height, images_in_sample)
-        return ImagePlan(grid=grid, tokens=tokens, size=(height, width))
+        return ImagePlan(grid=grid, tokens=tokens, size=(height, width),
+                         facts=self.facts(width, height, images_in_sample))
+
+    def facts(self, width: int, height: int, images_in_sample: int) -> Facts:
+        """Facts of its own about an image of ``width`` x ``height`` pixels that its tower reads ({}: none);
+        they reach the tower as ``MediaSet.facts``, one tensor per name."""
+        return {}
 
     @abc.abstractmethod
     def grid_and_tokens(self, width: int, height: int, images_in_sample: int) -> tuple[Grid, int]:
@@ -113,3 +135,101 @@ class VideoProcessing(abc.ABC):
     def geometry(self) -> dict:
         """What a packed folder records of the rule ({}: the rule folders followed before one was recorded)."""
         return {"video_rule": self.name}
+
+
+@dataclass(frozen=True)
+class MediaItem:
+    """One image or video of a micro-batch, as a view into its ``MediaSet``."""
+
+    modality: str  # "image" | "video"
+    rows: Optional["torch.Tensor"]  # [t*h*w, patch_dim] its patch rows; None where features are stored
+    grid: Grid  # (t, h, w) in patches
+    size: Optional[tuple[int, int]]  # (height, width) in pixels; None where not kept
+    facts: Facts  # the processor's own facts about it (``ImagePlan.facts``)
+
+
+@dataclass(frozen=True)
+class MediaSet:
+    """One modality's media in a micro-batch, item after item in the order of their placeholders in the
+    text, stacked: what a tower reads whole."""
+
+    grids: "torch.Tensor"  # [n, 3] long: (t, h, w) in patches per item
+    rows: Optional["torch.Tensor"] = None  # [sum t*h*w, patch_dim] patch rows; None: ``features`` instead
+    # [sum tokens, width]: the encoder's features computed offline (``data.vision_embeddings``)
+    features: Optional["torch.Tensor"] = None
+    sizes: Optional["torch.Tensor"] = None  # [n, 2] long (height, width) in pixels; None where not kept
+    # The processor's own facts, each [n, ...]: its tower reads them (names only it and its processor know).
+    facts: Mapping[str, "torch.Tensor"] = field(default_factory=dict)
+    samples: tuple[int, ...] = ()  # per item, the index in the row of its sample
+
+    def __len__(self) -> int:
+        return len(self.grids)
+
+    @property
+    def patches(self) -> list[int]:
+        """Patch rows per item."""
+        return [t * h * w for t, h, w in self.grids.tolist()]
+
+    def to(self, device, non_blocking: bool = False) -> "MediaSet":
+        """The set on ``device`` (the step's copy to the compute device)."""
+        def moved(tensor):
+            return None if tensor is None else tensor.to(device, non_blocking=non_blocking)
+
+        return replace(self, grids=moved(self.grids), rows=moved(self.rows), features=moved(self.features),
+                       sizes=moved(self.sizes), facts={name: moved(value) for name, value in self.facts.items()})
+
+    def items(self, modality: str) -> Iterator[MediaItem]:
+        """Each item as a view (its rows a slice of ``rows``)."""
+        rows = [None] * len(self) if self.rows is None else self.rows.split(self.patches)
+        sizes = [None] * len(self) if self.sizes is None else [tuple(size) for size in self.sizes.tolist()]
+        for index, (grid, item_rows, size) in enumerate(zip(self.grids.tolist(), rows, sizes)):
+            yield MediaItem(modality=modality, rows=item_rows, grid=tuple(grid), size=size,
+                            facts={name: value[index] for name, value in self.facts.items()})
+
+
+@dataclass(frozen=True)
+class MediaBatch:
+    """A micro-batch's media: its images, then its videos (each None where it has none)."""
+
+    images: Optional[MediaSet] = None
+    videos: Optional[MediaSet] = None
+
+    def __bool__(self) -> bool:
+        return self.images is not None or self.videos is not None
+
+    def to(self, device, non_blocking: bool = False) -> "MediaBatch":
+        return MediaBatch(images=None if self.images is None else self.images.to(device, non_blocking),
+                          videos=None if self.videos is None else self.videos.to(device, non_blocking))
+
+    def items(self) -> Iterator[MediaItem]:
+        """Every item: the images, then the videos."""
+        for modality, media in (("image", self.images), ("video", self.videos)):
+            if media is not None:
+                yield from media.items(modality)
+
+    def grids(self, modality: str) -> Optional["torch.Tensor"]:
+        media = self.images if modality == "image" else self.videos
+        return None if media is None else media.grids
+
+    def rows(self, modality: str) -> Optional["torch.Tensor"]:
+        media = self.images if modality == "image" else self.videos
+        return None if media is None else media.rows
+
+    def features(self, modality: str) -> Optional["torch.Tensor"]:
+        media = self.images if modality == "image" else self.videos
+        return None if media is None else media.features
+
+    @classmethod
+    def of(cls, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,
+           image_embeds=None, video_embeds=None, image_sizes=None, second_per_grid_ts=None) -> "MediaBatch":
+        """A batch from tensors under transformers' processor names (a test's or a benchmark's inputs)."""
+        images = None if image_grid_thw is None else MediaSet(
+            grids=image_grid_thw, rows=pixel_values, features=image_embeds, sizes=image_sizes)
+        videos = None if video_grid_thw is None else MediaSet(
+            grids=video_grid_thw, rows=pixel_values_videos, features=video_embeds,
+            facts={} if second_per_grid_ts is None else {SECONDS_PER_GRID_T: second_per_grid_ts})
+        return cls(images=images, videos=videos)
+
+
+# A video's fact: seconds per temporal patch (``data.vision.VideoPlan.second_per_grid_t``).
+SECONDS_PER_GRID_T = "second_per_grid_t"

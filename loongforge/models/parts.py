@@ -17,7 +17,7 @@ from typing import Callable, Optional
 from loongforge.config.errors import ConfigError
 from loongforge.config.schema import DataConfig, ModelConfig
 from loongforge.models.decoder.params import model_parameters
-from loongforge.models.family import LazyFunction, registered
+from loongforge.models.family import LazyFunction, ModelFamily, registered
 from loongforge.models.flops import EncoderFlops, vlm_training_flops
 from loongforge.models.media import ImageProcessing
 
@@ -45,8 +45,13 @@ class TowerPart:
     def encoder_type(self) -> type:
         """The tower's ``models.vlm.encoder.VisionEncoder`` subclass, imported now (it needs
         megatron-core; the registry does not, so it names no encoder module at import)."""
-        module_name, _, class_name = self.encoder.partition(":")
-        return getattr(importlib.import_module(module_name), class_name)
+        return encoder_type(self.encoder)
+
+
+def encoder_type(encoder: str) -> type:
+    """The ``VisionEncoder`` subclass a "module:Class" path names, imported now."""
+    module_name, _, class_name = encoder.partition(":")
+    return getattr(importlib.import_module(module_name), class_name)
 
 
 # model.vision.arch -> the package whose PART it is
@@ -112,14 +117,21 @@ def composition_problems(model_cfg: ModelConfig, family_name: str, family_tower:
 
 
 def composed_fields(part: TowerPart) -> dict:
-    """The ``ModelFamily`` fields of a VLM family composed of ``part``: its tower, the tower alone for
+    """The ``ModelFamily`` fields of a VLM family composed of ``part``: its tower, its image processing, the
+    encoder alone for
     ``loongforge encode`` (imported at its first build: megatron-core takes seconds), and the parameter
     and FLOP counts as the tower's plus the shared decoder's."""
-    return dict(vision_part=part.arch,
+    return dict(vision_part=part.arch, image_processing=part.images,
                 build_encoder=functools.partial(LazyFunction("loongforge.models.vlm.encoder:build_part_encoder"),
-                                                part.arch),
+                                                part.encoder),
                 count_parameters=functools.partial(composed_parameters, part.parameters),
                 training_flops=functools.partial(vlm_training_flops, part.flops))
+
+
+def image_processing(family: ModelFamily, model_cfg: ModelConfig, data_cfg: DataConfig) -> ImageProcessing:
+    """The image processor of a run of ``family`` at its settings: the family's own, else its tower's."""
+    images = family.image_processing or tower(family.tower(model_cfg)).images
+    return images(model_cfg, data_cfg)
 
 
 def composed_parameters(tower_parameters: Callable[[ModelConfig], tuple[int, int]],

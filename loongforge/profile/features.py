@@ -1,23 +1,21 @@
 """A micro-batch dict (``data.collate`` contract) -> the cost model's per-sample and summed features.
 
-Each image and video belongs to the sample the batch says it does (``image_samples`` /
-``video_samples``: a sample's index in the row per medium), whatever its placeholder count (a tower
+Each image and video belongs to the sample the batch says it does (``MediaSet.samples``: a sample's
+index in the row per medium), whatever its placeholder count (a tower
 such as LLaVA-OneVision's packs an image into fewer tokens than its patches).
 """
 
 from __future__ import annotations
 
 import numpy as np
-import torch
 
 from loongforge.balance.cost_model import TERMS, SampleCost, batch_features
 from loongforge.config.schema import ModelConfig
+from loongforge.models.media import MediaBatch, MediaSet
 
 
-def _media_grids(grid_thw: torch.Tensor | None) -> list[tuple[int, int, int]]:
-    if grid_thw is None:
-        return []
-    return [(int(t), int(h), int(w)) for t, h, w in grid_thw.tolist()]
+def _media_sets(media: MediaBatch | None) -> list[MediaSet]:
+    return [] if media is None else [m for m in (media.images, media.videos) if m is not None]
 
 
 def sample_costs(micro_batch: dict) -> list[SampleCost]:
@@ -28,13 +26,12 @@ def sample_costs(micro_batch: dict) -> list[SampleCost]:
     loss_mask = micro_batch["loss_mask"].reshape(-1)
     loss = [int(loss_mask[bounds[i]:bounds[i + 1]].sum()) for i in range(len(lengths))]
     grids: list[list[tuple[int, int, int]]] = [[] for _ in lengths]
-    for owners, grid_key in (("image_samples", "image_grid_thw"), ("video_samples", "video_grid_thw")):
-        media = _media_grids(micro_batch.get(grid_key))
-        if len(micro_batch.get(owners, [])) != len(media):
-            raise ValueError(f"micro-batch has {len(media)} {grid_key} rows but {owners} names "
-                             f"{len(micro_batch.get(owners, []))} owners")
-        for sample, grid in zip(micro_batch.get(owners, []), media):
-            grids[sample].append(grid)
+    for media in _media_sets(micro_batch.get("media")):
+        if len(media.samples) != len(media):
+            raise ValueError(f"micro-batch has {len(media)} media of a kind but names the samples of "
+                             f"{len(media.samples)}")
+        for sample, grid in zip(media.samples, media.grids.tolist()):
+            grids[sample].append(tuple(grid))
     return [SampleCost(tokens=L, patches=tuple(t * h * w for t, h, w in gs), loss_tokens=n, grids=tuple(gs))
             for L, gs, n in zip(lengths, grids, loss)]
 

@@ -23,12 +23,11 @@ from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_
 from loongforge.parallel.context_parallel import ContextShard
 from loongforge.profile.timers import cpu_clock
 
-# Keys of a micro-batch dict that are tensors and travel to the compute device.
 # Per-token tensors [1, T] that a CP rank cuts to its own tokens; positions and cu_seqlens stay the row's.
 _CONTEXT_SPLIT_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask")
-_TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "padding_mask", "position_ids", "cu_seqlens", "pixel_values",
-                "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw", "image_embeds",
-                "video_embeds")
+# Keys of a micro-batch dict that are tensors and travel to the compute device (``media``, a
+# ``models.media.MediaBatch``, travels whole).
+_TENSOR_KEYS = (*_CONTEXT_SPLIT_KEYS, "position_ids", "cu_seqlens", "media")
 
 
 @dataclass
@@ -96,13 +95,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
             position_ids=batch["position_ids"],
             labels=batch["labels"],
             packed_seq_params=_packed_seq_params(batch["cu_seqlens"]),
-            pixel_values=batch.get("pixel_values"),
-            image_grid_thw=batch.get("image_grid_thw"),
-            image_sizes=batch.get("image_sizes"),
-            pixel_values_videos=batch.get("pixel_values_videos"),
-            video_grid_thw=batch.get("video_grid_thw"),
-            image_embeds=batch.get("image_embeds"),
-            video_embeds=batch.get("video_embeds"),
+            media=batch.get("media"),
             loss_mask=batch["loss_mask"],
             padding_mask=batch.get("padding_mask"),
             **({} if shard is None else {"context_shard": shard}),

@@ -46,10 +46,10 @@ def test_sweep_rows_follow_the_collate_contract_and_cover_the_design(cfg):
         assert int(mb["cu_seqlens"][-1]) == T
         assert sum(mb["sample_lengths"]) <= T
         assert 0 < mb["num_loss_tokens"] < sum(mb["sample_lengths"])
-        if mb["image_grid_thw"] is not None:
+        if mb["media"]:
             with_images += 1
-            patches = int(mb["image_grid_thw"].prod(dim=1).sum())
-            assert mb["pixel_values"].shape == (patches, 1176)
+            patches = int(mb["media"].images.grids.prod(dim=1).sum())
+            assert mb["media"].images.rows.shape == (patches, 1176)
             assert int((mb["input_ids"] == cfg.model.tokens.image_token_id).sum()) == patches // 4
         else:  # no text token is drawn on a vision token's id
             assert not torch.isin(mb["input_ids"], torch.tensor([cfg.model.tokens.image_token_id,

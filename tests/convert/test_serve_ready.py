@@ -133,13 +133,14 @@ def hf_pixel_rows(cfg: RunConfig, inputs, batch: dict) -> np.ndarray:
     """transformers' pixel values as the patch rows loongforge trains on, once their grids are checked:
     Qwen's processor gives rows and ``image_grid_thw``; InternVL's, tiles [n, C, S, S] (the grids' t);
     LLaVA-OneVision's, each image's squares padded to the most any image has, and ``image_sizes``."""
+    images = batch["media"].images
     if "image_grid_thw" in inputs:
-        assert torch.equal(inputs["image_grid_thw"], batch["image_grid_thw"])
+        assert torch.equal(inputs["image_grid_thw"], images.grids)
         return inputs["pixel_values"].numpy()
     tiles = inputs["pixel_values"].numpy()
-    squares = batch["image_grid_thw"][:, 0].tolist()
+    squares = images.grids[:, 0].tolist()
     if tiles.ndim == 5:  # LLaVA-OneVision's: [images, most squares, C, S, S], each image's squares first
-        assert torch.equal(inputs["image_sizes"], batch["image_sizes"])
+        assert torch.equal(inputs["image_sizes"], images.sizes)
         tiles = np.concatenate([image[:count] for image, count in zip(tiles, squares)])
     assert tiles.shape[0] == sum(squares)
     return patch_rows(tiles, cfg.model.vision.patch_size)
@@ -199,7 +200,7 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         inputs = processor(text=[text], images=[images], return_tensors="pt")
         # Bit-equal, as transformers' PIL image processors and loongforge's are (tests/data/test_vision.py,
         # tests/models/test_intern_vit_processor.py).
-        assert np.abs(hf_pixel_rows(exported.cfg, inputs, batch) - batch["pixel_values"].numpy()).max() == 0.0
+        assert np.abs(hf_pixel_rows(exported.cfg, inputs, batch) - batch["media"].images.rows.numpy()).max() == 0.0
         model = transformers.AutoModelForImageTextToText.from_pretrained(exported.folder, local_files_only=True)
     else:
         tokenizer = transformers.AutoTokenizer.from_pretrained(exported.folder, local_files_only=True)
@@ -207,7 +208,8 @@ def test_transformers_serves_what_loongforge_trains_on(exported):
         inputs = tokenizer(text, add_special_tokens=False, return_tensors="pt")
         model = transformers.AutoModelForCausalLM.from_pretrained(exported.folder, local_files_only=True)
     assert torch.equal(inputs["input_ids"], batch["input_ids"])
-    media = (f", grids {batch['image_grid_thw'].tolist()} equal, pixel rows {tuple(batch['pixel_values'].shape)} "
+    images = batch["media"].images
+    media = (f", grids {images.grids.tolist()} equal, pixel rows {tuple(images.rows.shape)} "
              f"bit-equal" if exported.has_vision else "")
     print(f"\n{exported.cfg.preset}: {len(text)}-character conversation, {inputs['input_ids'].shape[1]} token ids "
           f"equal{media}")

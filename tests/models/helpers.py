@@ -13,6 +13,8 @@ from typing import Optional
 
 import pytest
 import torch
+
+from loongforge.models.media import MediaBatch, MediaSet
 import torch.distributed as dist
 
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
@@ -155,15 +157,29 @@ def hf_logits(hf_model, sample: Sample) -> torch.Tensor:
     ).logits
 
 
+def sample_media(sample: Sample) -> MediaBatch:
+    """The sample's images and videos as the model takes them."""
+    return MediaBatch.of(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw,
+                         pixel_values_videos=sample.pixel_values_videos, video_grid_thw=sample.video_grid_thw)
+
+
 def our_inputs(sample: Sample, position_ids: torch.Tensor) -> dict:
-    return dict(
-        input_ids=sample.input_ids,
-        position_ids=position_ids,
-        pixel_values=sample.pixel_values,
-        image_grid_thw=sample.image_grid_thw,
-        pixel_values_videos=sample.pixel_values_videos,
-        video_grid_thw=sample.video_grid_thw,
-    )
+    return dict(input_ids=sample.input_ids, position_ids=position_ids, media=sample_media(sample))
+
+
+def cat_media(batches: list[MediaBatch]) -> MediaBatch:
+    """Several samples' media as one packed row's: each modality's items one after another."""
+    def cat_set(sets):
+        sets = [m for m in sets if m is not None]
+        if not sets:
+            return None
+        def cat(name):
+            parts = [getattr(m, name) for m in sets]
+            return None if any(part is None for part in parts) else torch.cat(parts)
+        facts = {name: torch.cat([m.facts[name] for m in sets]) for name in sets[0].facts}
+        return MediaSet(grids=cat("grids"), rows=cat("rows"), features=cat("features"), sizes=cat("sizes"),
+                        facts=facts)
+    return MediaBatch(images=cat_set([b.images for b in batches]), videos=cat_set([b.videos for b in batches]))
 
 
 # ---------------------------------------------------------------------------------------------

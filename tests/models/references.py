@@ -28,6 +28,7 @@ from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.internvl.model import build_model as build_internvl
 from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
 from loongforge.models.llm.model import build_model as build_llm
+from loongforge.models.media import MediaBatch
 from loongforge.models.qwen2_5_vl.model import build_model as build_qwen2_5_vl
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style as qwen3_5_hub_style
 from loongforge.models.qwen3_5.model import build_model as build_qwen3_5
@@ -35,7 +36,7 @@ from loongforge.models.qwen3_vl.hf_mapping import to_hub_style as qwen3_vl_hub_s
 from loongforge.models.qwen3_vl.model import build_model as build_qwen3_vl
 from loongforge.models.registry import get_family
 from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
-from loongforge.models.towers.siglip.processor import anyres_crops, anyres_settings, anyres_tokens, square_padded
+from loongforge.models.llava_onevision.anyres import anyres_crops, anyres_settings, anyres_tokens, square_padded
 from loongforge.models.vlm.pixels import patch_rows
 from tests.models import helpers as qwen2_5_vl
 from tests.models import test_qwen3_vl_support as qwen3_vl
@@ -115,9 +116,7 @@ def packed(cases: list[Case]) -> Case:
         packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)),
     )
-    for key in ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw"):
-        present = [case.ours[key] for case in cases if case.ours.get(key) is not None]
-        ours[key] = torch.cat(present) if present else None
+    ours["media"] = qwen2_5_vl.cat_media([case.ours["media"] for case in cases if "media" in case.ours])
     return Case(ours=ours, theirs={})
 
 
@@ -136,8 +135,10 @@ def _vlm_sample(support) -> Callable[..., Case]:
     def sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, **layout) -> Case:
         drawn = support.make_sample(model_cfg, seed=seed, text_len=text_len, **layout)
         positions = support.hf_position_ids(hf_model, drawn)
-        ours = support.our_inputs(drawn, positions)
-        return Case(ours=ours, theirs=dict(ours))
+        media = dict(pixel_values=drawn.pixel_values, image_grid_thw=drawn.image_grid_thw,
+                     pixel_values_videos=drawn.pixel_values_videos, video_grid_thw=drawn.video_grid_thw)
+        return Case(ours=support.our_inputs(drawn, positions),
+                    theirs=dict(input_ids=drawn.input_ids, position_ids=positions, **media))
     return sample
 
 
@@ -341,7 +342,8 @@ def _internvl_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, 
     side = vis.image_size // vis.patch_size
     pixels = torch.cat(tiles)  # [tiles, 3, S, S]
     grids = torch.tensor([[1, side, side]] * pixels.shape[0])
-    return Case(ours=dict(input_ids=input_ids, position_ids=positions, pixel_values=rows, image_grid_thw=grids),
+    return Case(ours=dict(input_ids=input_ids, position_ids=positions,
+                          media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids)),
                 theirs=dict(input_ids=input_ids, pixel_values=pixels))
 
 
@@ -365,8 +367,8 @@ def _llava_onevision_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int
     stacked = torch.zeros(len(squares), max(s.shape[0] for s in squares), *squares[0].shape[1:])
     for index, image_squares in enumerate(squares):
         stacked[index, :image_squares.shape[0]] = image_squares  # [images, max squares, 3, S, S]
-    return Case(ours=dict(input_ids=input_ids, position_ids=positions, pixel_values=rows, image_grid_thw=grids,
-                          image_sizes=sizes),
+    return Case(ours=dict(input_ids=input_ids, position_ids=positions,
+                          media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids, image_sizes=sizes)),
                 theirs=dict(input_ids=input_ids, pixel_values=stacked, image_sizes=sizes,
                             batch_num_images=torch.tensor([len(images)])))
 

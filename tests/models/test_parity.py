@@ -25,6 +25,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.models.decoder.moe_balance import RouterStatistics, megatron_balance_loss, transformers_balance_loss
 from loongforge.models.hf.weights import ExpertPlacement, hf_to_megatron, load_hf_state_dict, megatron_to_hf
 from loongforge.models.qwen3_vl.rope_index import position_ids_for
+from loongforge.models.media import MediaBatch
 from loongforge.models.registry import get_family
 from loongforge.models.vlm.deepstack import check_pipeline
 from loongforge.parallel import mcore_patches
@@ -253,8 +254,8 @@ def test_deepstack_under_activation_recompute(pair):
     model_cfg, hf_state = pair.model_cfg, pair.hf_model.state_dict()
     case = pair.case("image_and_video")
     ours = case.ours
-    position_ids = position_ids_for(model_cfg)(ours["input_ids"][0], ours["image_grid_thw"],
-                                               ours["video_grid_thw"])[:, None]
+    position_ids = position_ids_for(model_cfg)(ours["input_ids"][0], ours["media"].grids("image"),
+                                               ours["media"].grids("video"))[:, None]
     inputs = dict(ours, position_ids=position_ids)
     labels = torch.randint(0, model_cfg.language.vocab_size, ours["input_ids"].shape)
     results = []
@@ -301,7 +302,8 @@ def test_weights_round_trip_to_the_hub_key_style(pair):
 def test_text_only_model_refuses_media(pair):
     case = pair.case("text", text_len=4)
     with pytest.raises(ValueError, match="a text-only model takes no images or videos"):
-        pair.model(**case.ours, pixel_values=torch.zeros(4, 8))
+        pair.model(**case.ours, media=MediaBatch.of(pixel_values=torch.zeros(4, 8),
+                                                    image_grid_thw=torch.tensor([[1, 2, 2]])))
 
 
 # ---------------------------------------------------------------------------------------------------

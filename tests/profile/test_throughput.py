@@ -71,7 +71,7 @@ def _micro_batch(cfg) -> dict:
     input_ids = torch.full((1, 64), 7)
     input_ids[0, 4:20] = tokens.image_token_id
     return {"input_ids": input_ids, "sample_lengths": [40, 24], "loss_mask": torch.ones(1, 64),
-            "image_grid_thw": torch.tensor([[1, 8, 8]]), "image_samples": [0]}
+            "media": MediaBatch(images=MediaSet(grids=torch.tensor([[1, 8, 8]]), samples=(0,)))}
 
 
 def test_with_recompute_mfu_counts_the_model_and_hfu_the_recomputed_forwards(tmp_path):

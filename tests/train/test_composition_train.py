@@ -1,6 +1,7 @@
 """A custom composition (``model.family=composition``, a Llama-3-shaped decoder under 1-D RoPE; no
 transformers class describes it) of a vision tower made up in the tests (``tests/train/made_up_tower``:
-two blocks, 16-pixel patches, its own processor, counts and weight rows, named by its import path; no
+two blocks, 16-pixel patches, its own processor with a per-image fact its encoder reads, counts and weight
+rows, named by its import path; no
 change under ``loongforge/`` for it, issue 50) trains 20 steps on the demo photos with the loss falling,
 its checkpoint resumes at another layout (TP 2 from a TP 1 run's step 10) like the uninterrupted run,
 ``loongforge pack`` packs its samples, ``loongforge encode`` + training on the stored features equals the
@@ -12,6 +13,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pyarrow.parquet as pq
 import pytest
 
 from tests.convert.helpers import invoke, one_line_error
@@ -27,6 +29,7 @@ from tests.train.conftest import (
     worst_relative,
 )
 from tests.train.made_up_tower import SETTINGS as MADE_UP_TOWER
+from tests.train.made_up_tower.processing import WIDE
 
 PRESET = "composition-tiny-small-vocab"
 REL = 1e-5
@@ -84,3 +87,9 @@ def test_pack_packs_every_sample_in_the_towers_geometry(tmp_path):
     print(f"\npack: {stats['samples_packed']} of {stats['samples_in']} samples, sizing {sizing}")
     assert (stats["samples_in"], stats["samples_packed"], stats["samples_rejected"]) == (6, 6, 0), stats
     assert (sizing["patch_size"], sizing["merge_size"], sizing["image_size"]) == (16, 1, 64), sizing
+    # The tower's own per-image fact travels in the packed folder (then to the encoder, which reads it).
+    facts = [json.loads(text) for path in sorted((tmp_path / "packed").rglob("*.parquet"))
+             for pack in pq.read_table(path, columns=["image_facts"]).column("image_facts").to_pylist()
+             for sample in pack for text in sample]
+    print(f"pack: the tower's facts of {len(facts)} images: {facts}")
+    assert sorted(fact[WIDE] for fact in facts) == [0] * 2 + [1] * 6 and all(set(fact) == {WIDE} for fact in facts), facts

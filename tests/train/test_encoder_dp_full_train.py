@@ -78,7 +78,7 @@ def test_the_data_has_micro_batches_without_media():
     kinds = set()
     for _ in range(STEPS):
         for mb in pipeline.next_step():
-            kinds.add((mb.get("image_grid_thw") is not None, mb.get("video_grid_thw") is not None))
+            kinds.add((mb["media"].images is not None, mb["media"].videos is not None))
     pipeline.close()
     assert {(False, False), (True, False), (False, True)} <= kinds
 

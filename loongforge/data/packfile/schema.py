@@ -9,6 +9,7 @@ group, so a reader fetches one pack without reading its shard.
 
 from __future__ import annotations
 
+import json
 import os
 
 import numpy as np
@@ -36,6 +37,9 @@ SCHEMA = pa.schema([
     ("image_grid_thw", pa.list_(pa.list_(pa.list_(pa.int32())))),  # per sample, per image [t, h, w]
     # per sample, per image [height, width] in pixels; shards written before this column read as none
     ("image_sizes", pa.list_(pa.list_(pa.list_(pa.int32())))),
+    # per sample, per image its processor's own facts as a JSON object (MeasuredSample.image_facts); per
+    # sample [] where the processor gives none; shards written before this column read as none
+    ("image_facts", pa.list_(pa.list_(pa.string()))),
     ("videos", pa.list_(pa.list_(pa.string()))),
     ("video_plans", pa.list_(pa.list_(VIDEO_PLAN))),
     # per sample its ordinal in its file (MeasuredSample.record), what names it
@@ -54,6 +58,7 @@ def encode_pack(pack: int, samples: list[MeasuredSample]) -> dict:
         "images": [[_image_ref(image) for image in s.images] for s in samples],
         "image_grid_thw": [[list(grid) for grid in s.image_grids] for s in samples],
         "image_sizes": [[list(size) for size in s.image_sizes] for s in samples],
+        "image_facts": [[json.dumps(facts, sort_keys=True) for facts in s.image_facts] for s in samples],
         "videos": [[os.path.abspath(str(video)) for video in s.videos] for s in samples],
         "video_plans": [[_plan_dict(plan) for plan in s.video_plans] for s in samples],
         "sample_records": [s.record for s in samples],
@@ -79,6 +84,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
     """The pack's samples back from a shard row (``Table.to_pylist()`` element)."""
     samples = []
     sizes = row.get("image_sizes") or [[] for _ in row["sample_ids"]]
+    facts = row.get("image_facts") or [[] for _ in row["sample_ids"]]
     for k, sample_id in enumerate(row["sample_ids"]):
         samples.append(MeasuredSample(
             sample_id=sample_id, file=sample_file(sample_id), line=row["sample_lines"][k],
@@ -87,6 +93,7 @@ def decode_pack(row: dict) -> list[MeasuredSample]:
             images=[ref["bytes"] if ref["bytes"] is not None else ref["path"] for ref in row["images"][k]],
             image_grids=[tuple(grid) for grid in row["image_grid_thw"][k]],
             image_sizes=[tuple(size) for size in sizes[k]],
+            image_facts=[json.loads(text) for text in facts[k]],
             videos=list(row["videos"][k]),
             video_plans=[VideoPlan(frame_indices=tuple(p["frame_indices"]), resized_height=p["resized_height"],
                                    resized_width=p["resized_width"], grid_thw=tuple(p["grid_thw"]),

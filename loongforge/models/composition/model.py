@@ -20,4 +20,4 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, **options)
 
 def build_encoder(model_cfg: ModelConfig, **options):
     """The run's tower alone (``build_part_encoder``'s ``options``)."""
-    return build_part_encoder(model_cfg.vision.arch, model_cfg, **options)
+    return build_part_encoder(parts.tower(model_cfg.vision.arch).encoder, model_cfg, **options)

@@ -9,7 +9,7 @@ from loongforge.models.vlm.vision_common import square_pixels, square_side
 
 
 def model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
-    rows = inputs.get("pixel_values")  # [n * side^2, C*p*p]
+    rows = inputs["media"].rows("image")  # [n * side^2, C*p*p]
     if rows is None:
         return {"input_ids": inputs["input_ids"]}
     vis = model_cfg.vision

@@ -1,8 +1,11 @@
-"""LLaVA-OneVision on megatron-core: its vision part (``models/towers/siglip/``: SigLIP, the MLP
-projector, anyres packing) composed with the shared decoder (Qwen2) under 1-D RoPE; ``FAMILY`` is what
+"""LLaVA-OneVision on megatron-core: SigLIP and the MLP projector (``models/towers/siglip/``) with its own
+anyres processing and packing, composed with the shared decoder (Qwen2) under 1-D RoPE; ``FAMILY`` is what
 the rest of loongforge sees of it.
 
-model.py        build_model (the entry point)
+model.py        build_model (the entry point); ``VISION``: its vision part
+encoder.py      SigLIP + projector + the anyres packing with its newline, as one ``VisionEncoder``
+anyres.py       the image processor: an image -> its base image and crops, and its placeholder tokens
+packing.py      an image's per-square features -> its placeholders' (unpadded, newlines)
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 hf_inputs.py    transformers' forward inputs from a batch (convert --check-logits)
@@ -19,11 +22,11 @@ from loongforge.models.llava_onevision.chat import chat_format
 from loongforge.models.llava_onevision.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llava_onevision.processor import processor_files
 from loongforge.models.parts import composed_fields
-from loongforge.models.towers.siglip import PART as TOWER
+from loongforge.models.llava_onevision.vision import VISION
 from loongforge.models.vlm.positions import sequential_positions_for
 from loongforge.models.decoder.text_config import text_architecture_problems
 
-# Its encoder packs each image's features by the image's size, so it runs whole images where it is:
+# Its encoder reads each image whole (it packs an image's features by its size), so it runs them where it is:
 # no encoder_dp or encoder_cp sharing (vision TP below the language TP applies).
 LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",), encoder_cp=False)
 
@@ -33,7 +36,7 @@ FAMILY = ModelFamily(
     to_hub_style=to_hub_style,
     # Imported at the first build: megatron-core takes seconds.
     build=LazyFunction("loongforge.models.llava_onevision.model:build_model"),
-    **composed_fields(TOWER),
+    **composed_fields(VISION),
     position_ids=sequential_positions_for,
     # The batch's square patch rows as the padded squares its processor returns (torch: at the call).
     hf_model_inputs=LazyFunction("loongforge.models.llava_onevision.hf_inputs:model_inputs"),

@@ -24,9 +24,9 @@ from loongforge.config.schema import (
 )
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.decoder.text_config import language_from_hf, language_to_hf
-from loongforge.models.llava_onevision.hf_mapping import LANGUAGE_PREFIX, to_hub_style
+from loongforge.models.llava_onevision.anyres import SIGLIP_MEAN, SIGLIP_STD
+from loongforge.models.llava_onevision.hf_mapping import LANGUAGE_PREFIX, NEWLINE, to_hub_style
 from loongforge.models.towers.siglip.hf_mapping import hf_shapes as tower_hf_shapes
-from loongforge.models.towers.siglip.processor import SIGLIP_MEAN, SIGLIP_STD
 
 NAME = "llava_onevision"
 HF_ARCHITECTURES = ("LlavaOnevisionForConditionalGeneration",)
@@ -107,5 +107,5 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     """HF tensor name (the Hub's style, ``hf_mapping``) -> shape implied by ``model_cfg``."""
-    return to_hub_style({**tower_hf_shapes(model_cfg),
+    return to_hub_style({**tower_hf_shapes(model_cfg), NEWLINE: (model_cfg.projector.out_hidden_size,),
                          **language_hf_shapes(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)})

@@ -1,6 +1,6 @@
 """Weight map between transformers' ``LlavaOnevisionForConditionalGeneration`` checkpoints and the
-composed model: the vision part's rows (``towers/siglip/hf_mapping.py``: SigLIP, the projector, the
-newline) and the shared decoder's (``decoder.hf_mapping``), built under transformers' module names and
+composed model: the vision part's rows (``towers/siglip/hf_mapping.py``: SigLIP, the projector), the
+anyres packing's newline and the shared decoder's (``decoder.hf_mapping``), built under transformers' module names and
 written under the Hub's.
 
 Key styles: the -hf checkpoints on the Hub hold ``vision_tower.*``, ``multi_modal_projector.*``,
@@ -18,11 +18,13 @@ from typing import Mapping
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import language_rules
-from loongforge.models.hf.rules import Rule, Tensor, rename_prefixes, rename_rule
+from loongforge.models.hf.rules import VISION, Replicated, Rule, Tensor, rename_prefixes, rename_rule
 from loongforge.models.towers.siglip.hf_mapping import tower_rules
 
 # Where transformers' module tree puts the decoder (the rows are built there, then renamed).
 LANGUAGE_PREFIX = "model.language_model."
+
+NEWLINE = "model.image_newline"  # the packing's newline vector, in transformers' module names
 
 # transformers' module names -> the Hub's; Hub names match no pair and stay as they are.
 _MODULE_TO_HUB = (("model.language_model.", "language_model.model."), ("lm_head.", "language_model.lm_head."),
@@ -30,8 +32,13 @@ _MODULE_TO_HUB = (("model.language_model.", "language_model.model."), ("lm_head.
                   ("model.image_newline", "image_newline"))
 
 
+def vision_rules(model_cfg: ModelConfig) -> list[Rule]:
+    """The vision part's rows: SigLIP's and the projector's, then the newline (vision TP, replicated)."""
+    return tower_rules(model_cfg) + [Rule((NEWLINE,), "image_newline.weight", Replicated(), VISION)]
+
+
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
-    rules = tower_rules(model_cfg) + language_rules(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)
+    rules = vision_rules(model_cfg) + language_rules(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)
     return [rename_rule(rule, _MODULE_TO_HUB) for rule in rules]
 
 

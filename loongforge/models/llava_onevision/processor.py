@@ -1,6 +1,6 @@
 """LLaVA-OneVision's processor files (``ModelFamily.hf_processor_files``): transformers'
 ``LlavaOnevisionProcessor`` with its image processor at the run's square size, anyres canvases and
-normalisation, as transformers serialises it (the PIL backend, which ``towers/siglip/processor.py`` is
+normalisation, as transformers serialises it (the PIL backend, which ``anyres.py`` is
 bit-equal to), and the processor's own settings (tokens per square, every patch kept, ``anyres_max_N``)."""
 
 from __future__ import annotations

@@ -26,10 +26,9 @@ from loongforge.models.decoder.build import (
 )
 from loongforge.models.layers.layer_backend import BlockModules
 from loongforge.models.decoder.moe_balance import routing_padding_mask
+from loongforge.models.media import MediaBatch
 from loongforge.parallel.context_parallel import ContextShard
 
-_MEDIA_INPUTS = ("pixel_values", "image_grid_thw", "image_sizes", "pixel_values_videos", "video_grid_thw",
-                 "image_embeds", "video_embeds")
 
 
 class TextModel(MegatronModule):
@@ -71,19 +70,16 @@ class TextModel(MegatronModule):
     def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor, labels: Optional[torch.Tensor] = None,
                 packed_seq_params: Optional[PackedSeqParams] = None, loss_mask: Optional[torch.Tensor] = None,
                 padding_mask: Optional[torch.Tensor] = None, context_shard: Optional[ContextShard] = None,
-                **media: Optional[torch.Tensor]) -> torch.Tensor:
+                media: Optional[MediaBatch] = None) -> torch.Tensor:
         """Per-token loss [b, s] fp32 with ``labels`` (the LM head only where ``loss_mask`` counts),
         else logits [b, s, V_padded/tp]. input_ids [b, s]; position_ids [3, b, s] (three equal rows:
         the positions the packed layout implies); packed_seq_params: thd with b == 1;
         ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics.
         ``context_shard``: under context parallelism, the per-token inputs are this CP rank's s / CP
-        tokens of the row (``parallel.context_parallel``); positions and cu_seqlens stay the row's."""
-        given = sorted(name for name, value in media.items() if value is not None)
-        unknown = sorted(set(media) - set(_MEDIA_INPUTS))
-        if unknown:
-            raise TypeError(f"TextModel.forward got unexpected inputs {unknown}")
-        if given:
-            raise ValueError(f"a text-only model takes no images or videos, got {given}")
+        tokens of the row (``parallel.context_parallel``); positions and cu_seqlens stay the row's.
+        ``media``: the batch's (``models.media.MediaBatch``), which must hold none."""
+        if media:
+            raise ValueError(f"a text-only model takes no images or videos, got {sum(1 for _ in media.items())}")
         check_inputs(input_ids, position_ids, packed_seq_params, context_shard)
         padding_mask = routing_padding_mask(padding_mask, self.language_model.config,
                                             scattered_by_gpt_model=self.pre_process)

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 
 from loongforge.config.schema import DataConfig, ModelConfig
+from loongforge.models.media import SECONDS_PER_GRID_T
 
 PROCESSOR_CONFIG = "processor_config.json"
 # Frames a video processor samples at least (transformers' default; ``video.py`` samples the same).
@@ -34,17 +35,19 @@ def qwen_vl_processor_files(model_cfg: ModelConfig, data_cfg: DataConfig, *, pro
     }}
 
 
-# The media inputs a Qwen-VL model's forward takes as loongforge's batch carries them.
-_MEDIA_KEYS = ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
-
-
 def qwen_vl_model_inputs(model_cfg: ModelConfig, inputs: dict) -> dict:
     """transformers' Qwen-VL forward inputs (``ModelFamily.hf_model_inputs``): the batch's patch rows and
-    grids as they are, and each token's modality (``mm_token_type_ids``), which the processor returns."""
-    ids, tokens = inputs["input_ids"], model_cfg.tokens
-    media = {key: inputs[key] for key in _MEDIA_KEYS if inputs.get(key) is not None}
+    grids as they are (``models.media.MediaBatch``), the videos' seconds per temporal patch, and each
+    token's modality (``mm_token_type_ids``), which the processor returns."""
+    ids, tokens, media = inputs["input_ids"], model_cfg.tokens, inputs["media"]
+    given = {}
+    if media.images is not None:
+        given.update(pixel_values=media.images.rows, image_grid_thw=media.images.grids)
+    if media.videos is not None:
+        given.update(pixel_values_videos=media.videos.rows, video_grid_thw=media.videos.grids,
+                     second_per_grid_ts=media.videos.facts[SECONDS_PER_GRID_T])
     kinds = (ids == tokens.image_token_id).long() + 2 * (ids == tokens.video_token_id).long()
-    return {"input_ids": ids, **media, "mm_token_type_ids": kinds}
+    return {"input_ids": ids, **given, "mm_token_type_ids": kinds}
 
 
 def image_processor_config(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict:

@@ -24,6 +24,7 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 from loongforge.config.schema import ModelConfig
 from loongforge.models import parts
 from loongforge.models.layers import initialization
+from loongforge.models.media import MediaSet
 from loongforge.models.decoder.build import single_rank_groups
 from loongforge.models.layers.layer_backend import (
     BlockModules,
@@ -44,17 +45,21 @@ class VisionEncoder(torch.nn.Module, abc.ABC):
     # Children that ``training.freeze_vision`` / ``freeze_projector`` name, in build order.
     vision_parts: tuple[str, ...] = ("vision_model",)
     projector_parts: tuple[str, ...] = ("projector",)
-    # Whether its features per image follow from more than the grid (LLaVA-OneVision's anyres packing
-    # needs each image's size: forward takes ``image_sizes``); such an encoder runs whole images where
-    # it is, never shared over TP, CP or the model-parallel group.
-    packs_media: bool = False
+    # Whether it reads more of an image than its rows and grid (its size, its processor's facts:
+    # ``encode_images`` takes the whole ``MediaSet``); such an encoder runs whole images where it is, never
+    # shared over TP, CP or the model-parallel group (sharing divides rows and grids only).
+    reads_items: bool = False
 
     @classmethod
-    def feature_rows(cls, model_cfg: ModelConfig, grid_thw: Optional[torch.Tensor],
-                     image_sizes: Optional[torch.Tensor], merge_unit: int) -> Optional[int]:
-        """Feature rows the images of ``grid_thw`` give, where an encoder packs them otherwise than
-        one row per ``merge_unit`` patches; None: that rule."""
+    def feature_rows(cls, model_cfg: ModelConfig, images: Optional[MediaSet], merge_unit: int) -> Optional[int]:
+        """Feature rows ``images`` give, where an encoder gives them otherwise than one row per
+        ``merge_unit`` patches; None: that rule."""
         return None
+
+    def encode_images(self, images: MediaSet) -> torch.Tensor:
+        """Features [rows, width] of a set of images (``feature_rows`` of them): the forward of their rows
+        and grids, unless the encoder ``reads_items``."""
+        return self(images.rows, images.grids)
 
     def __init__(self, *, merge_unit: int, out_hidden: int, side_sets: int = 0):
         super().__init__()
@@ -127,7 +132,7 @@ def build_encoder_alone(build: BuildVisionEncoder, model_cfg: ModelConfig, *, pa
     return encoder.to(device).eval()
 
 
-def build_part_encoder(tower: str, model_cfg: ModelConfig, **options) -> VisionEncoder:
-    """The whole encoder of the registered tower ``tower`` alone (``build_encoder_alone``'s
-    ``options``): a family's ``build_encoder`` binds its tower."""
-    return build_encoder_alone(parts.tower(tower).encoder_type().build, model_cfg, **options)
+def build_part_encoder(encoder: str, model_cfg: ModelConfig, **options) -> VisionEncoder:
+    """The whole encoder ``encoder`` ("module:Class", ``TowerPart.encoder``) alone (``build_encoder_alone``'s
+    ``options``): a family's ``build_encoder`` binds its vision part's."""
+    return build_encoder_alone(parts.encoder_type(encoder).build, model_cfg, **options)

@@ -50,6 +50,7 @@ from loongforge.models.vlm.encoder_share import (
     sharing_groups,
 )
 from loongforge.models.decoder.moe_balance import routing_padding_mask
+from loongforge.models.media import MediaBatch
 from loongforge.models.parts import TowerPart
 from loongforge.models.vlm.vision_common import (
     held_features,
@@ -191,8 +192,7 @@ class VisionLanguageModel(MegatronModule):
         group); returns the bytes held for the step. Without ``encoder_dp=full``: nothing, 0."""
         if self.step_encoding is None:
             return 0
-        media = [(optional_cat(mb.get("pixel_values"), mb.get("pixel_values_videos")),
-                  optional_cat(mb.get("image_grid_thw"), mb.get("video_grid_thw"))) for mb in micro_batches]
+        media = [_rows_and_grids(mb.get("media") or MediaBatch()) for mb in micro_batches]
         return self.step_encoding.begin(self._encoder, media, _device_of(self))
 
     def finish_step(self) -> list[tuple[torch.nn.Parameter, torch.Tensor]]:
@@ -215,26 +215,20 @@ class VisionLanguageModel(MegatronModule):
         position_ids: torch.Tensor,
         labels: Optional[torch.Tensor] = None,
         packed_seq_params: Optional[PackedSeqParams] = None,
-        pixel_values: Optional[torch.Tensor] = None,
-        image_grid_thw: Optional[torch.Tensor] = None,
-        pixel_values_videos: Optional[torch.Tensor] = None,
-        video_grid_thw: Optional[torch.Tensor] = None,
+        media: Optional[MediaBatch] = None,
         loss_mask: Optional[torch.Tensor] = None,
-        image_embeds: Optional[torch.Tensor] = None,
-        video_embeds: Optional[torch.Tensor] = None,
         padding_mask: Optional[torch.Tensor] = None,
         context_shard: Optional[ContextShard] = None,
-        image_sizes: Optional[torch.Tensor] = None,
     ) -> torch.Tensor:
         """Per-token loss [b, s] fp32 when ``labels`` is given, else logits [b, s, V_padded/tp].
 
         input_ids [b, s]; position_ids [3, b, s] (M-RoPE t/h/w; a 1-D rope reads the first row);
         labels [b, s] next-token targets, valid ids everywhere (the caller masks); packed_seq_params:
-        thd with b == 1 and cu_seqlens over all b*s tokens; pixel_values [P, C*T*p*p] with
-        image_grid_thw [n, 3], likewise videos; or, for a model built without the encoder,
-        image_embeds [P/m^2, width] (and video_embeds) with the grids, the encoder's features
-        computed offline (``loongforge encode``). On later pipeline stages the hidden states come
-        from ``set_input_tensor`` instead.
+        thd with b == 1 and cu_seqlens over all b*s tokens. ``media`` (``models.media.MediaBatch``): the
+        micro-batch's images and videos in placeholder order, as patch rows [P, C*T*p*p] with their grids
+        [n, 3]; or, for a model built without the encoder, the encoder's features computed offline
+        (``loongforge encode``) with the grids. On later pipeline stages the hidden states come from
+        ``set_input_tensor`` instead.
 
         ``padding_mask`` [b, s] (True on padding) keeps padding out of MoE routing statistics.
         With ``loss_mask`` [b, s] as well, the LM head runs only where the mask is non-zero and the
@@ -243,18 +237,11 @@ class VisionLanguageModel(MegatronModule):
         ``context_shard``: under context parallelism the per-token inputs (and the output) are this
         CP rank's s / CP tokens of the row; positions and cu_seqlens stay the whole row's, and the
         row's media are encoded whole, each CP rank writing the features of its own placeholders.
-
-        ``image_sizes`` [n, 2]: each image's (height, width) in pixels, for an encoder that packs its
-        features by them (``VisionEncoder.packs_media``: LLaVA-OneVision's anyres, whose image grids are
-        (squares, side, side)).
         """
         check_inputs(input_ids, position_ids, packed_seq_params, context_shard)
         decoder_input, context = None, None
         if self.pre_process:
-            decoder_input, context = self.embed(
-                input_ids, pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw,
-                stored=optional_cat(image_embeds, video_embeds), context_shard=context_shard,
-                image_sizes=image_sizes)
+            decoder_input, context = self.embed(input_ids, media or MediaBatch(), context_shard=context_shard)
         return self.language_model(
             input_ids=input_ids,
             position_ids=position_ids if self.rope == "mrope" else position_ids[0],
@@ -272,29 +259,22 @@ class VisionLanguageModel(MegatronModule):
     def embed(
         self,
         input_ids: torch.Tensor,
-        pixel_values: Optional[torch.Tensor],
-        image_grid_thw: Optional[torch.Tensor],
-        pixel_values_videos: Optional[torch.Tensor],
-        video_grid_thw: Optional[torch.Tensor],
-        stored: Optional[torch.Tensor] = None,
+        media: MediaBatch,
         context_shard: Optional[ContextShard] = None,
-        image_sizes: Optional[torch.Tensor] = None,
     ) -> tuple[torch.Tensor, Optional[torch.Tensor]]:
         """(text embeddings with the merged features over their placeholders [s, b, h], the side
         feature sets as the block's context [s, b, k, h], or None without side sets or media); both
-        [s/tp, ...] under sequence parallelism. ``stored`` [P/m^2, width]: the images' then the
-        videos' features, computed offline. ``context_shard``: ``input_ids`` are this CP rank's
+        [s/tp, ...] under sequence parallelism. ``context_shard``: ``input_ids`` are this CP rank's
         tokens; the features are the row's."""
         embeddings = self.language_model.embedding(input_ids=input_ids, position_ids=None)  # [s, b, h]
         tokens = self.model_cfg.tokens
         token_ids = (tokens.image_token_id, tokens.video_token_id)
         row_ids = input_ids if context_shard is None else context_shard.row_input_ids
-        image_rows = self._encoder_type.feature_rows(self.model_cfg, image_grid_thw, image_sizes, self.merge_unit)
-        counts = [placeholder_count(row_ids, tokens.image_token_id, image_grid_thw, "image", self.merge_unit,
+        image_rows = self._encoder_type.feature_rows(self.model_cfg, media.images, self.merge_unit)
+        counts = [placeholder_count(row_ids, tokens.image_token_id, media.grids("image"), "image", self.merge_unit,
                                     num_features=image_rows),
-                  placeholder_count(row_ids, tokens.video_token_id, video_grid_thw, "video", self.merge_unit)]
-        features = self._features(pixel_values, image_grid_thw, pixel_values_videos, video_grid_thw, image_sizes,
-                                  stored)
+                  placeholder_count(row_ids, tokens.video_token_id, media.grids("video"), "video", self.merge_unit)]
+        features = self._features(media)
         context = None
         if features is not None:
             features = features.to(embeddings.dtype)  # [n, (1 + k) h]
@@ -319,24 +299,24 @@ class VisionLanguageModel(MegatronModule):
                 context = tensor_parallel.scatter_to_sequence_parallel_region(context, group=group)
         return embeddings, context
 
-    def _features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
-                  video_pixels: Optional[torch.Tensor], video_grid_thw: Optional[torch.Tensor],
-                  image_sizes: Optional[torch.Tensor], stored: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    def _features(self, media: MediaBatch) -> Optional[torch.Tensor]:
         """Features [n, width] of the micro-batch's images then videos; None without any: the stored ones
-        for a model built without the encoder, else encoded (packed by image size where the encoder packs
-        them so)."""
+        for a model built without the encoder, else encoded (by whole image sets where the encoder reads
+        more of an image than its rows and grid)."""
+        stored = optional_cat(media.features("image"), media.features("video"))
+        pixels, grids = _rows_and_grids(media)
         if self._encoder is None:
-            if pixels is not None or video_pixels is not None:
+            if pixels is not None:
                 raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
-                                 "pass image_embeds / video_embeds, not pixels")
+                                 "give the media's stored features, not pixels")
             return stored
         if stored is not None:
-            raise ValueError("image_embeds / video_embeds given to a model that runs its own encoder")
-        if self._encoder_type.packs_media:
-            return self._packed_features(pixels, grid_thw, image_sizes, video_pixels)
+            raise ValueError("stored image/video features given to a model that runs its own encoder")
+        if self._encoder_type.reads_items:
+            return self._item_features(media)
         # Images and videos go through the tower together: attention never crosses an image or a frame,
         # so this equals two separate calls and costs one.
-        return self._media_features(optional_cat(pixels, video_pixels), optional_cat(grid_thw, video_grid_thw))
+        return self._media_features(pixels, grids)
 
     def _media_features(self, pixels: Optional[torch.Tensor],
                         grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
@@ -349,17 +329,11 @@ class VisionLanguageModel(MegatronModule):
             return features if features.shape[0] else None
         return None if pixels is None else self._encode(pixels, grid_thw)
 
-    def _packed_features(self, pixels: Optional[torch.Tensor], grid_thw: Optional[torch.Tensor],
-                         image_sizes: Optional[torch.Tensor],
-                         video_pixels: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
-        """Features of the micro-batch's images from an encoder that packs them by image size."""
-        if video_pixels is not None:
-            raise ValueError("this vision encoder packs images by their sizes: it takes images, not videos")
-        if pixels is None:
-            return None
-        if image_sizes is None:
-            raise ValueError("this vision encoder packs each image's features by its size: pass image_sizes [n, 2]")
-        return self._encoder(pixels, grid_thw, image_sizes)
+    def _item_features(self, media: MediaBatch) -> Optional[torch.Tensor]:
+        """Features of the micro-batch's images from an encoder that reads whole items."""
+        if media.videos is not None:
+            raise ValueError(f"{self._encoder_type.__name__} reads each image whole: it takes images, not videos")
+        return None if media.images is None else self._encoder.encode_images(media.images)
 
     def _encode(self, pixels: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         """Features [P/m^2, width] of every image and video, encoded here or shared out over the
@@ -383,6 +357,13 @@ def _with_pp_replica(replica_id, pp_rank: int):
     if isinstance(replica_id, tuple):
         return (pp_rank, *replica_id[1:])
     return (pp_rank, replica_id)
+
+
+def _rows_and_grids(media: MediaBatch) -> tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+    """(patch rows [P, D], grids [n, 3]) of the batch's images then videos, as a tower reads them together
+    (None, None without any)."""
+    return (optional_cat(media.rows("image"), media.rows("video")),
+            optional_cat(media.grids("image"), media.grids("video")))
 
 
 def _device_of(module: torch.nn.Module) -> torch.device:
@@ -452,9 +433,9 @@ def build_vlm(
     if encoder is not None:
         mark_tp_duplicates(encoder, vision_tp=vision_tp, replica_block=model._vision_replica_block)
         sharing = sharing_groups(parallel_cfg, language_pgs)
-        if encoder_type.packs_media and (sharing is not None or parallel_cfg.encoder_dp == "full"):
-            raise ValueError(f"{encoder_type.__name__} packs each image's features by its size and is not "
-                             "shared yet: set parallel.encoder_dp=none and parallel.encoder_cp=false")
+        if encoder_type.reads_items and (sharing is not None or parallel_cfg.encoder_dp == "full"):
+            raise ValueError(f"{encoder_type.__name__} reads each image whole (its size or facts) and is not "
+                             "shared: set parallel.encoder_dp=none and parallel.encoder_cp=false")
         if sharing is not None:
             _share_encoder(model, sharing, language_pgs.tp, vision_tp=vision_tp, dtype=params_dtype,
                            vision_cost=vision_cost or VisionCost)

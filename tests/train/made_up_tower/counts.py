@@ -1,6 +1,6 @@
 """The made-up tower's FLOPs per micro-batch and parameter counts, torch-free. Its blocks and projector
-are a SigLIP-like stack (``encoder.py``), so SigLIP's arithmetic counts them; the tower has no newline
-vector, which SigLIP's count includes."""
+are a SigLIP-like stack (``encoder.py``), so SigLIP's arithmetic counts them; its shape rows (two
+vectors of the language model's width) are its own."""
 
 from __future__ import annotations
 
@@ -13,6 +13,6 @@ encoder_flops = flops.encoder_flops
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
-    """(tower, projector) parameters as built."""
-    tower, projector_and_newline = params.encoder_parameters(model_cfg)
-    return tower, projector_and_newline - model_cfg.projector.out_hidden_size
+    """(tower, projector and orientation rows) parameters as built."""
+    tower, projector = params.encoder_parameters(model_cfg)
+    return tower, projector + 2 * model_cfg.projector.out_hidden_size

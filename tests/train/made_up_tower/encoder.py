@@ -1,25 +1,43 @@
 """The made-up tower as one ``VisionEncoder``: pixel rows [images * side^2, 3*p*p] + grids (1, side, side)
--> features [images * side^2, LM hidden], one row per patch; and its weight rows (HF-style names of its
-own: no transformers class describes a composition, the rows give its checkpoint tensors their shapes)."""
+-> features [images * side^2, LM hidden], one row per patch, plus the learned row of each image's
+shape (its processor's ``wide`` fact: the squashing lost the proportions, this gives some back);
+and its weight rows (HF-style names of its own: no transformers class describes a composition, the rows
+give its checkpoint tensors their shapes)."""
 
 from __future__ import annotations
 
+import torch
 from megatron.core.transformer.enums import AttnMaskType
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
+from loongforge.models.media import MediaSet
 from loongforge.models.hf.rules import VISION, PatchEmbedding, Replicated, Rule, Split, ViTBlockNames, vit_block_rules
 from loongforge.models.layers.layer_backend import layer_norm_modules
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
 from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
 from loongforge.models.vlm.vision_configs import layer_norm_vit_config, to_language_width_config
+from tests.train.made_up_tower.processing import WIDE
+
+
+class Orientation(torch.nn.Module):
+    """Two learned rows [2, LM hidden]: an image of other proportions, a wide one."""
+
+    def __init__(self, width: int, dtype: torch.dtype):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.randn(2, width, dtype=dtype) * 0.02)
 
 
 class MadeUpEncoder(VisionEncoder):
-    def __init__(self, vision_model: VisionModel, projector: MLPProjector, model_cfg: ModelConfig):
+    projector_parts = ("projector", "orientation")
+    reads_items = True  # the wide fact
+
+    def __init__(self, vision_model: VisionModel, projector: MLPProjector, orientation: Orientation,
+                 model_cfg: ModelConfig):
         super().__init__(merge_unit=1, out_hidden=model_cfg.projector.out_hidden_size)
         self.vision_model = vision_model
         self.projector = projector
+        self.orientation = orientation
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "MadeUpEncoder":
@@ -32,11 +50,19 @@ class MadeUpEncoder(VisionEncoder):
         projector_config = to_language_width_config(model_cfg, build.vision_tp, build.params_dtype, build.on_cpu)
         made = seeded_parts(build.init_seed,
                             vision_model=lambda: VisionModel(vision_config, model_cfg, layer_spec, build.pgs),
-                            projector=lambda: MLPProjector(projector_config, model_cfg, build.tp_group, build.modules))
-        return cls(made["vision_model"], made["projector"], model_cfg)
+                            projector=lambda: MLPProjector(projector_config, model_cfg, build.tp_group, build.modules),
+                            orientation=lambda: Orientation(model_cfg.projector.out_hidden_size, build.params_dtype))
+        return cls(made["vision_model"], made["projector"], made["orientation"], model_cfg)
 
-    def forward(self, pixel_values, grid_thw, image_sizes=None):
+    def forward(self, pixel_values, grid_thw):
         return self.projector(self.vision_model(pixel_values, grid_thw))  # [images * side^2, LM hidden]
+
+    def encode_images(self, images: MediaSet) -> torch.Tensor:
+        if WIDE not in images.facts:
+            raise ValueError("the made-up tower reads each image's wide fact: the images carry none")
+        features = self(images.rows, images.grids)  # [images * side^2, LM hidden]
+        per_image = self.orientation.weight[images.facts[WIDE].long()]  # [images, LM hidden]
+        return features + per_image.repeat_interleave(torch.tensor(images.patches, device=features.device), dim=0)
 
 
 def tower_rules(model_cfg: ModelConfig) -> list[Rule]:
@@ -57,4 +83,5 @@ def tower_rules(model_cfg: ModelConfig) -> list[Rule]:
         Rule(("made_up.projector.fc1.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
         Rule(("made_up.projector.fc2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule(("made_up.projector.fc2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
+        Rule(("made_up.orientation",), "orientation.weight", rep, VISION),
     ]

@@ -1,7 +1,7 @@
-"""The FLOPs of LLaVA-OneVision's vision part per training micro-batch (convention in ``models.flops``).
+"""The FLOPs of SigLIP and the MLP projector per training micro-batch (convention in ``models.flops``).
 
 What runs (``vision.py``): the patch embedding (a linear over ``C*p*p`` pixels) on every patch of every
-image (the base image and each anyres crop); ``depth`` blocks of QKV, output projection and a plain
+square image (LLaVA-OneVision's: the base image and each anyres crop); ``depth`` blocks of QKV, output projection and a plain
 MLP over each image's patches, attending within the image; then the projector on every patch:
 ``w -> out -> out``.
 """

@@ -1,11 +1,11 @@
-"""HF weight rows of LLaVA-OneVision's vision part (SigLIP and the MLP projector), in the names of
-transformers 5's ``LlavaOnevisionForConditionalGeneration`` state dict (the family adds the language
-model's rows and the key styles of Hub checkpoints).
+"""HF weight rows of SigLIP and the MLP projector, by default in the names of transformers 5's LLaVA-style
+state dicts (``model.vision_tower.*``, ``model.multi_modal_projector.*``; a family adds its own rows and
+the key styles of Hub checkpoints).
 
 Layouts that are not a plain copy: q, k and v are separate in HF and one ``linear_qkv`` per head in
 megatron (``GroupedQKV`` with a group per head); the patch embedding is HF's Conv2d [h, C, p, p] as our
 Linear [h, C*p*p]; ``layer_norm1`` / ``layer_norm2`` live in the fused ``layer_norm_{weight,bias}`` of
-the linear after them. SigLIP's ``post_layernorm`` has no row: LLaVA-OneVision never runs it.
+the linear after them. SigLIP's ``post_layernorm`` is carried, never run (``vision.py``).
 """
 
 from __future__ import annotations
@@ -23,10 +23,8 @@ from loongforge.models.hf.rules import (
 
 
 def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
-                projector_prefix: str = "model.multi_modal_projector.",
-                newline: str = "model.image_newline") -> list[Rule]:
-    """SigLIP's rows under ``hf_prefix``, the projector's under ``projector_prefix`` and the packing's
-    newline vector (vision TP)."""
+                projector_prefix: str = "model.multi_modal_projector.") -> list[Rule]:
+    """SigLIP's rows under ``hf_prefix`` and the projector's under ``projector_prefix`` (vision TP)."""
     vis = model_cfg.vision
     h, rep, col, row = vis.hidden_size, Replicated(), Split(0), Split(1)
     emb = hf_prefix + "embeddings."
@@ -43,7 +41,6 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         Rule((projector_prefix + "linear_1.bias",), "projector.mlp.linear_fc1.bias", col, VISION),
         Rule((projector_prefix + "linear_2.weight",), "projector.mlp.linear_fc2.weight", row, VISION),
         Rule((projector_prefix + "linear_2.bias",), "projector.mlp.linear_fc2.bias", rep, VISION),
-        Rule((newline,), "image_newline.weight", rep, VISION),
         # Carried, never run (``vision.py``).
         Rule((hf_prefix + "post_layernorm.weight",), "vision_model.post_layernorm.weight", rep, VISION),
         Rule((hf_prefix + "post_layernorm.bias",), "vision_model.post_layernorm.bias", rep, VISION),
@@ -51,10 +48,9 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
 
 
 def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
-              projector_prefix: str = "model.multi_modal_projector.",
-              newline: str = "model.image_newline") -> dict[str, tuple[int, ...]]:
-    """Every HF tensor of LLaVA-OneVision's SigLIP (without a pooling head), projector and newline, and
-    its shape, as ``model_cfg`` implies them."""
+              projector_prefix: str = "model.multi_modal_projector.") -> dict[str, tuple[int, ...]]:
+    """Every HF tensor of SigLIP (without a pooling head) and the projector, and its shape, as
+    ``model_cfg`` implies them."""
     vis, out = model_cfg.vision, model_cfg.projector.out_hidden_size
     h, ffn, side = vis.hidden_size, vis.intermediate_size, vis.image_size // vis.patch_size
     emb = hf_prefix + "embeddings."
@@ -70,6 +66,5 @@ def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         shapes.update({f"{block}mlp.fc1.weight": (ffn, h), f"{block}mlp.fc1.bias": (ffn,),
                        f"{block}mlp.fc2.weight": (h, ffn), f"{block}mlp.fc2.bias": (h,)})
     shapes.update({projector_prefix + "linear_1.weight": (out, h), projector_prefix + "linear_1.bias": (out,),
-                   projector_prefix + "linear_2.weight": (out, out), projector_prefix + "linear_2.bias": (out,),
-                   newline: (out,)})
+                   projector_prefix + "linear_2.weight": (out, out), projector_prefix + "linear_2.bias": (out,)})
     return shapes

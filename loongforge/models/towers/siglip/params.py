@@ -1,7 +1,7 @@
-"""Parameter counts of LLaVA-OneVision's vision part by arithmetic on the config (no tensors).
+"""Parameter counts of SigLIP and the MLP projector by arithmetic on the config (no tensors).
 
-SigLIP's post-layernorm, which LLaVA-OneVision never runs, is built (frozen, carried for the checkpoint)
-and counted, as transformers counts it."""
+SigLIP's post-layernorm, which is never run, is built (frozen, carried for the checkpoint) and counted, as
+transformers counts it."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from loongforge.models.decoder.params import linear_parameters as _linear
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
-    """(SigLIP's, the projector's and the newline's) parameter counts as built: ``parts.TowerPart.parameters``."""
+    """(SigLIP's, the projector's) parameter counts as built: ``parts.TowerPart.parameters``."""
     vis = model_cfg.vision
     h, ffn = vis.hidden_size, vis.intermediate_size
     side = vis.image_size // vis.patch_size
@@ -18,5 +18,4 @@ def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     block = (4 * h + _linear(h, 3 * h, bias=True) + _linear(h, h, bias=True)
              + _linear(h, ffn, bias=True) + _linear(ffn, h, bias=True))
     out = model_cfg.projector.out_hidden_size
-    # The projector's two linears and the packing's newline vector.
-    return embeddings + vis.depth * block, _linear(h, out, bias=True) + _linear(out, out, bias=True) + out
+    return embeddings + vis.depth * block, _linear(h, out, bias=True) + _linear(out, out, bias=True)

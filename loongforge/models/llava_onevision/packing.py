@@ -1,10 +1,10 @@
 """LLaVA-OneVision's anyres packing: an image's per-square features (the base image's, then each
 crop's, from the encoder) become the features its placeholder tokens take, in the processor's count
-(``processor.anyres_tokens``): the base image's patches; then the crops' patches laid back out as one
+(``anyres.anyres_tokens``): the base image's patches; then the crops' patches laid back out as one
 canvas, the padding the processor added cut away (unpadded to the image's proportions), shrunk
 bilinearly when it exceeds ``max_crops`` crops' worth, and a learned newline vector after each row.
 An image sharing its sample with others (one square) is its patches and one newline. Equal to
-transformers' ``LlavaOnevisionModel.pack_image_features`` (``tests/models/test_siglip_packing.py``).
+transformers' ``LlavaOnevisionModel.pack_image_features`` (``tests/models/test_anyres_packing.py``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-from loongforge.models.towers.siglip.processor import AnyresSettings, best_canvas
+from loongforge.models.llava_onevision.anyres import AnyresSettings, best_canvas
 
 
 def _unpadded(canvas: torch.Tensor, height: int, width: int) -> torch.Tensor:

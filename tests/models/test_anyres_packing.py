@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.models.towers.siglip.packing import pack_anyres
-from loongforge.models.towers.siglip.processor import AnyresSettings, anyres_tokens, best_canvas
+from loongforge.models.llava_onevision.packing import pack_anyres
+from loongforge.models.llava_onevision.anyres import AnyresSettings, anyres_tokens, best_canvas
 
 SETTINGS = AnyresSettings()
 PATCH, HIDDEN = 14, 8

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from loongforge.models.towers.siglip.processor import AnyresSettings, anyres_crops, anyres_tokens, square_padded
+from loongforge.models.llava_onevision.anyres import AnyresSettings, anyres_crops, anyres_tokens, square_padded
 from tests.shared_data import SHARED_DATA
 
 SETTINGS = AnyresSettings()
