@@ -39,13 +39,11 @@ def _image_pad_runs(input_ids: torch.Tensor, pad_id: int) -> list[int]:
     return runs
 
 
-def _media_chunks(micro_batch: dict, pixels_key: str, grid_key: str) -> list[float]:
+def _media_chunks(media) -> list[float]:
     """Checksum of each image's (or video's) pixel rows, in token order."""
-    grids = micro_batch[grid_key]
-    if grids is None:
+    if media is None:
         return []
-    sizes = [int(t * h * w) for t, h, w in grids.tolist()]
-    return [round(float(c.double().sum()), 3) for c in torch.split(micro_batch[pixels_key], sizes)]
+    return [round(float(c.double().sum()), 3) for c in torch.split(media.rows, media.patches)]
 
 
 def _per_sample(micro_batch: dict, tokens, merge: int) -> list[tuple]:
@@ -54,10 +52,9 @@ def _per_sample(micro_batch: dict, tokens, merge: int) -> list[tuple]:
     ids = micro_batch["input_ids"][0]  # [T]
     cu = micro_batch["cu_seqlens"].tolist()
     out, used = [], {"image": 0, "video": 0}
-    media = {"image": (tokens.image_token_id, micro_batch["image_grid_thw"],
-                       _media_chunks(micro_batch, "pixel_values", "image_grid_thw")),
-             "video": (tokens.video_token_id, micro_batch["video_grid_thw"],
-                       _media_chunks(micro_batch, "pixel_values_videos", "video_grid_thw"))}
+    batch = micro_batch["media"]
+    media = {"image": (tokens.image_token_id, batch.grids("image"), _media_chunks(batch.images)),
+             "video": (tokens.video_token_id, batch.grids("video"), _media_chunks(batch.videos))}
     for k, sample_id in enumerate(micro_batch["sample_ids"]):
         sums = []
         for kind, (pad_id, grids, chunks) in media.items():

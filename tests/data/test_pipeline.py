@@ -15,13 +15,12 @@ from loongforge.data.conversations import FileSamples
 from loongforge.data.measure import SampleMeasurer
 from loongforge.data.pipeline import DataPipeline, RejectLog, RowStream
 from loongforge.data.samples import Reject
+from loongforge.models.media import SECONDS_PER_GRID_T, MediaBatch
 from loongforge.models.qwen2_5_vl.rope_index import get_rope_index
 from tests.data.conftest import EXPECTED_REASONS, LLAMAFACTORY, LOONGFORGE_VLM, require
 from tests.models.helpers import free_port, limit_threads, run_workers
 
 MODEL = ModelConfig(family="qwen2_5_vl")
-TENSOR_KEYS = ("input_ids", "labels", "loss_mask", "position_ids", "cu_seqlens", "pixel_values", "image_grid_thw",
-               "pixel_values_videos", "video_grid_thw", "second_per_grid_ts")
 
 
 def _pipeline(tokenizer, data_cfg, *, gbs=4, dp_rank=0, dp_size=1, pad=16, rejects_path=None, **kwargs):
@@ -41,8 +40,22 @@ def _assert_same_batches(left: list[dict], right: list[dict]):
         for key in a:
             if isinstance(a[key], torch.Tensor):
                 assert a[key].dtype == b[key].dtype and torch.equal(a[key], b[key]), key
+            elif isinstance(a[key], MediaBatch):
+                _assert_same_media(a[key], b[key])
             else:
                 assert a[key] == b[key], key
+
+
+def _assert_same_media(left: MediaBatch, right: MediaBatch):
+    for a, b in ((left.images, right.images), (left.videos, right.videos)):
+        assert (a is None) == (b is None)
+        if a is None:
+            continue
+        for field in ("grids", "rows", "features", "sizes"):
+            x, y = getattr(a, field), getattr(b, field)
+            assert (x is None and y is None) or (x.dtype == y.dtype and torch.equal(x, y)), field
+        assert a.facts.keys() == b.facts.keys() and all(torch.equal(a.facts[k], b.facts[k]) for k in a.facts)
+        assert a.samples == b.samples
 
 
 def test_micro_batch_contract(tokenizer):
@@ -71,15 +84,15 @@ def test_micro_batch_contract(tokenizer):
         assert (labels[real:] == 0).all()
         # targets under the mask are answer tokens: never vision tokens, never the role header
         assert not torch.isin(labels[mask.bool()], torch.tensor([151652, 151653, 151655, 151644])).any()
-        grids = mb["image_grid_thw"]
-        assert mb["pixel_values"].shape == (int(grids.prod(-1).sum()), 1176)
+        grids = mb["media"].images.grids
+        assert mb["media"].images.rows.shape == (int(grids.prod(-1).sum()), 1176)
         assert int((ids == MODEL.tokens.image_token_id).sum()) == int(grids.prod(-1).sum()) // 4
 
 
 def test_position_ids_are_rope_index_per_sample(tokenizer):
     mb = _pipeline(tokenizer, _synthetic()).next_step()[0]
     cu = mb["cu_seqlens"].tolist()
-    grids = iter(mb["image_grid_thw"])
+    grids = iter(mb["media"].images.grids)
     for start, end in zip(cu[:-1], cu[1:len(mb["sample_lengths"]) + 1]):
         ids = mb["input_ids"][0, start:end]
         n_images = int((ids == MODEL.tokens.vision_start_token_id).sum())
@@ -225,16 +238,16 @@ def test_real_demo_conversations_with_images_and_video(tokenizer):
         for mb in pipeline.next_step():
             seen += mb["sample_ids"]
             assert sum(mb["sample_lengths"]) <= 8192
-            if mb["pixel_values_videos"] is not None:
-                grids = mb["video_grid_thw"]
+            if mb["media"].videos is not None:
+                grids = mb["media"].videos.grids
                 videos += len(grids)
-                assert mb["pixel_values_videos"].shape == (int(grids.prod(-1).sum()), 1176)
-                assert mb["second_per_grid_ts"].shape == (len(grids),)
+                assert mb["media"].videos.rows.shape == (int(grids.prod(-1).sum()), 1176)
+                assert mb["media"].videos.facts[SECONDS_PER_GRID_T].shape == (len(grids),)
                 assert int((mb["input_ids"] == 151656).sum()) == int(grids.prod(-1).sum()) // 4
                 assert (grids[:, 0] <= 8).all()  # video_max_frames=16 -> at most 8 temporal patches
-            if mb["pixel_values"] is not None:
-                images += len(mb["image_grid_thw"])
-                assert np.isfinite(mb["pixel_values"].numpy()).all()
+            if mb["media"].images is not None:
+                images += len(mb["media"].images)
+                assert np.isfinite(mb["media"].images.rows.numpy()).all()
         assert len(seen) < 100, "demo samples did not all arrive"
     pipeline.close()
     assert pipeline.reject_counts() == {}
@@ -266,8 +279,9 @@ def test_media_corrupt_past_its_header_trains_nothing_and_is_reported(tokenizer,
     rejects_path = tmp_path / "rejects.jsonl"
     cfg = DataConfig(source="files", paths=[str(tmp_path / "d.json")], seq_len=256, num_workers=0)
     mb = _pipeline(tokenizer, cfg, gbs=1, rejects_path=rejects_path).next_step()[0]
-    assert mb["num_loss_tokens"] == 0 and not mb["pixel_values"].any()
-    assert mb["pixel_values"].shape == (int(mb["image_grid_thw"].prod(-1).sum()), 1176)
+    images = mb["media"].images
+    assert mb["num_loss_tokens"] == 0 and not images.rows.any()
+    assert images.rows.shape == (int(images.grids.prod(-1).sum()), 1176)
     [reject] = [json.loads(line) for line in rejects_path.read_text().splitlines()]
     assert reject["reason"] == "corrupt_image" and reject["line"] == 1 and "decoding" in reject["detail"]
 

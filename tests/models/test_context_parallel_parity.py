@@ -27,6 +27,7 @@ from tests.models.helpers import (
     limit_threads,
     make_sample,
     run_workers,
+    sample_media,
     tiny_model_cfg,
 )
 
@@ -53,12 +54,10 @@ def _packed_row(model_cfg, hf_model) -> tuple[dict, torch.Tensor, torch.Tensor]:
         logits = hf_logits(hf_model, sample)[0]  # [L, V]
         reference.append(torch.cat([logits, torch.full((pad, logits.shape[1]), float("nan"))]))
         lengths.append(length + pad)
-    images, videos = samples[1].pixel_values, samples[1].pixel_values_videos
     batch = {"input_ids": torch.cat(ids, dim=1), "position_ids": torch.cat(positions, dim=2),
              "labels": torch.zeros(1, sum(lengths), dtype=torch.long), "loss_mask": torch.zeros(1, sum(lengths)),
              "cu_seqlens": torch.tensor([0, *lengths]).cumsum(0).to(torch.int32),
-             "pixel_values": images, "image_grid_thw": samples[1].image_grid_thw,
-             "pixel_values_videos": videos, "video_grid_thw": samples[1].video_grid_thw}
+             "media": sample_media(samples[1])}
     return batch, torch.cat(reference), torch.cat(restarted, dim=2)
 
 

@@ -23,12 +23,14 @@ from loongforge.models.vlm.model import build_vlm
 from tests.models import references
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.helpers import (
+    cat_media,
     destroy_megatron,
     free_port,
     init_megatron,
     limit_threads,
     make_sample,
     run_workers,
+    sample_media,
     tiny_model_cfg,
 )
 
@@ -53,8 +55,7 @@ def _case(model_cfg, samples: list) -> dict:
                              generator=torch.Generator().manual_seed(seq_len)),
         packed_seq_params=PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
                                           max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths)),
-        **{key: _optional_cat([getattr(s, key) for s in samples])
-           for key in ("pixel_values", "image_grid_thw", "pixel_values_videos", "video_grid_thw")},
+        media=cat_media([sample_media(s) for s in samples]),
     )
 
 
@@ -159,7 +160,7 @@ def test_tp_shares_the_encoder_and_matches_none(tmp_path, family):
     worst = 0.0
     for sequence_parallel in sequence_parallel_settings:
         for name, inputs in cases.items():
-            grids = _optional_cat([inputs["image_grid_thw"], inputs["video_grid_thw"]])
+            grids = _optional_cat([inputs["media"].grids("image"), inputs["media"].grids("video")])
             total = 0 if grids is None else int(grids.prod(-1).sum())
             # none: every rank encodes every patch; tp: the ranks' shares add up to them.
             encoded = [rank[sequence_parallel, "tp"][name]["encoded"] for rank in ranks]
@@ -174,5 +175,5 @@ def test_tp_shares_the_encoder_and_matches_none(tmp_path, family):
                     worst = max(worst, _assert_close(tp["grads"][param], grad,
                                                      f"{name} grad {param} (sp={sequence_parallel})"))
     print(f"{family}: encoder_dp=tp vs none, worst relative difference of a loss or gradient {worst:.1e}")
-    last, one_image = sequence_parallel_settings[-1], int(cases["one_image"]["image_grid_thw"].prod())
+    last, one_image = sequence_parallel_settings[-1], int(cases["one_image"]["media"].grids("image").prod())
     assert [ranks[r][last, "tp"]["one_image"]["encoded"] for r in range(WORLD_SIZE)] == [one_image, 0]

@@ -12,6 +12,7 @@ import torch
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
 from loongforge.config.schema import ParallelConfig
+from loongforge.models.media import MediaBatch
 from loongforge.models.registry import get_family
 from tests.models.helpers import destroy_megatron, free_port, init_megatron, make_sample, tiny_model_cfg
 
@@ -22,8 +23,7 @@ def _inputs(sample) -> dict:
         input_ids=sample.input_ids,
         position_ids=torch.arange(seq_len).expand(3, 1, seq_len).contiguous(),
         labels=sample.input_ids.roll(-1, dims=1),
-        pixel_values=sample.pixel_values,
-        image_grid_thw=sample.image_grid_thw,
+        media=MediaBatch.of(pixel_values=sample.pixel_values, image_grid_thw=sample.image_grid_thw),
     )
 
 

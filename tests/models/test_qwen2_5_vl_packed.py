@@ -7,14 +7,17 @@ from megatron.core.packed_seq_params import PackedSeqParams
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.qwen2_5_vl.model import build_model
-from tests.models.helpers import build_hf_model, hf_position_ids, make_sample, our_inputs, tiny_model_cfg
+from tests.models.helpers import (
+    build_hf_model,
+    cat_media,
+    hf_position_ids,
+    make_sample,
+    our_inputs,
+    sample_media,
+    tiny_model_cfg,
+)
 
 TOLERANCE = 1e-5
-
-
-def _cat(tensors):
-    present = [t for t in tensors if t is not None]
-    return torch.cat(present) if present else None
 
 
 def _packed_params(lengths: list[int]) -> PackedSeqParams:
@@ -51,8 +54,7 @@ def test_packed_row_equals_samples_alone(model_and_samples):
             input_ids=torch.cat([s.input_ids for s in samples], dim=1),
             position_ids=torch.cat(positions, dim=2),
             packed_seq_params=_packed_params(lengths),
-            pixel_values=_cat([s.pixel_values for s in samples]),
-            image_grid_thw=_cat([s.image_grid_thw for s in samples]),
+            media=cat_media([sample_media(s) for s in samples]),
         )[0]
     for index, (expected, got) in enumerate(zip(alone, packed.split(lengths))):
         assert (got - expected).abs().max() <= TOLERANCE, f"sample {index}"

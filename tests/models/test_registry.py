@@ -22,7 +22,7 @@ _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "lay
            "tiny_preset": str, "hf_model_class": (str, type(None)), "vision_part": (str, type(None)),
            "rope": (str, type(None)), "hf_unread": tuple, "features": frozenset}
 # Fields a family may leave None: a text-only family has no vision encoder.
-_OPTIONAL = {"build_encoder"}
+_OPTIONAL = {"build_encoder", "image_processing"}
 
 
 @pytest.mark.parametrize("name", registry.families())

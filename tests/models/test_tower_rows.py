@@ -18,7 +18,7 @@ TOWERS = {
     "intern_vit": (references.internvl_hf_model, references.internvl_model_cfg, intern_vit_rules,
                    ("model.vision_tower.", "model.multi_modal_projector.")),
     "siglip": (references.llava_onevision_hf_model, references.llava_onevision_model_cfg, siglip_rules,
-               ("model.vision_tower.", "model.multi_modal_projector.", "model.image_newline")),
+               ("model.vision_tower.", "model.multi_modal_projector.")),
 }
 
 

@@ -51,7 +51,7 @@ def test_rows_are_the_packs(pack_inputs, tmp_path):
         expected_ids = np.concatenate([measure_index(s["index"]).input_ids for s in pack["samples"]])
         assert torch.equal(mb["input_ids"][0, :len(expected_ids)], torch.from_numpy(expected_ids))
         image_patches = sum(sum(s["patches"][: s["images"]]) for s in pack["samples"])
-        got = 0 if mb["pixel_values"] is None else mb["pixel_values"].shape[0]
+        got = 0 if mb["media"].images is None else mb["media"].images.rows.shape[0]
         assert got == image_patches
     (again,) = pipeline.next_step()  # the next epoch starts over
     assert again["sample_ids"] == [s["id"] for s in manifest[0]["samples"]]

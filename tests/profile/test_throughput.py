@@ -16,6 +16,7 @@ from loongforge.models.registry import get_family
 from loongforge.models.towers.qwen2_5_vit.flops import blocks_forward_flops
 from loongforge.profile.features import model_sample_costs
 from loongforge.profile.throughput import Throughput, device_peak_tflops, run_dtype, steps_flops
+from loongforge.models.media import MediaBatch, MediaSet
 from loongforge.train.metrics import METRICS_FILE, RunLogger, StepMetrics, format_log_line
 from loongforge.train.runner import TrainingSummary, _throughput_text
 

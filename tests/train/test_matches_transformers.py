@@ -72,8 +72,8 @@ def _segments(batch: dict, image_token_id: int | None, merge_unit: int):
     """Each packed sample of a micro-batch: (token ids [1, s], labels [s], loss mask [s], its images'
     pixels or None, their grids or None)."""
     bounds = batch["cu_seqlens"].tolist()
-    grids = batch.get("image_grid_thw")
-    pixels, image, first_patch = batch.get("pixel_values"), 0, 0
+    grids, pixels = batch["media"].grids("image"), batch["media"].rows("image")
+    image, first_patch = 0, 0
     for start, end in zip(bounds[:-1], bounds[1:]):
         ids = batch["input_ids"][0, start:end]
         if image_token_id is None or grids is None:
