@@ -1,4 +1,5 @@
-"""Parameter counts by arithmetic: the published 7B number, and transformers' own count."""
+"""Parameter counts by arithmetic: the published 7B number, and transformers' own count with tied
+embeddings (every preset against transformers: ``test_counts.py``)."""
 
 import torch
 
@@ -14,18 +15,6 @@ def test_7b_count_matches_published():
     counts = count_parameters(ModelConfig(family="qwen2_5_vl"))  # the schema defaults are the 7B dims
     assert abs(counts["total"] - PUBLISHED_7B) / PUBLISHED_7B < 1e-3
     assert counts["total"] == counts["vision_model"] + counts["projector"] + counts["language_model"]
-
-
-def test_7b_count_matches_transformers_on_meta_device():
-    from transformers import Qwen2_5_VLForConditionalGeneration
-
-    model_cfg = ModelConfig(family="qwen2_5_vl")
-    with torch.device("meta"):
-        hf_model = Qwen2_5_VLForConditionalGeneration(hf_config(model_cfg))
-    counts = count_parameters(model_cfg)
-    assert counts["total"] == sum(p.numel() for p in hf_model.parameters())
-    visual = sum(p.numel() for p in hf_model.model.visual.parameters())
-    assert counts["vision_model"] + counts["projector"] == visual
 
 
 def test_tied_tiny_count_matches_transformers():
