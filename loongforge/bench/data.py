@@ -41,6 +41,7 @@ from loongforge.bench.datasets import (
     coco_chats,
     mathvista_chats,
 )
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.bench.processes import run_spawned
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
@@ -264,12 +265,7 @@ def report(bench: DataBench, plot_name: str, command: str) -> str:
 
 
 def plot(bench: DataBench, path: Path) -> None:
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = subplots(1, 2, figsize=(11, 4.2))
     series = [("in-memory", "-", "in-memory reader"), ("arrow", "cold", "Arrow, cold cache"),
               ("arrow", "warm", "Arrow, warm cache")]
     for reader, cache, label in series:
@@ -285,6 +281,4 @@ def plot(bench: DataBench, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

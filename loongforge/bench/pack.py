@@ -44,6 +44,7 @@ from loongforge.bench.datasets import (
     coco_chats,
     mathvista_chats,
 )
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.data.arrow_samples import ArrowSamples
@@ -227,13 +228,8 @@ def format_speed_tables(bench: PackBench) -> str:
 
 
 def plot(bench: PackBench, path: Path) -> None:
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
     seq_lens = sorted({r["seq_len"] for r in bench.rows})
-    fig, axes = plt.subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))
+    fig, axes = subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))
     width = 0.8 / len(BENCH_ALGORITHMS)
     for ax, seq_len in zip(axes, seq_lens):
         for k, algorithm in enumerate(BENCH_ALGORITHMS):
@@ -254,9 +250,7 @@ def plot(bench: PackBench, path: Path) -> None:
     ax.set_title(f"sample LLM length ({bench.preset})")
     ax.set_xlabel("tokens")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(bench: PackBench, png_name: str) -> str:
