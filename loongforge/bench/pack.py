@@ -31,19 +31,8 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from loongforge.bench.datasets import (
-    ALPACA,
-    ARENA_HARD,
-    COCO_CAPTIONS,
-    COCO_IMAGES,
-    MATHVISTA,
-    Chat,
-    SampleSizer,
-    alpaca_chats,
-    arena_hard_chats,
-    coco_chats,
-    mathvista_chats,
-)
+from loongforge.bench.chat_sets import chat_record, chat_sets
+from loongforge.bench.datasets import COCO_CAPTIONS, COCO_IMAGES, Chat, SampleSizer, coco_chats
 from loongforge.bench.plots import save_figure, subplots
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
@@ -56,8 +45,6 @@ from loongforge.pack.scan import run_scan
 SEQ_LENS = (8192, 32768)
 BENCH_ALGORITHMS = ALGORITHMS + BASELINES
 SETS = ("coco", "mathvista", "arena_hard", "alpaca", "mixed")
-# What the benchmark reads under the data root.
-REQUIRED = (COCO_CAPTIONS, COCO_IMAGES, MATHVISTA, ARENA_HARD, ALPACA)
 
 
 @dataclass
@@ -71,12 +58,6 @@ class PackBench:
 
 
 # ---------------------------------------------------------------- the real sets
-
-
-def load_sets(root: Path) -> dict[str, list[Chat]]:
-    """The real sets (all of ``SETS`` but ``mixed``, which ``mixed_lengths`` makes from them)."""
-    return {"coco": coco_chats(root / COCO_CAPTIONS), "mathvista": mathvista_chats(root / MATHVISTA),
-            "arena_hard": arena_hard_chats(root / ARENA_HARD), "alpaca": alpaca_chats(root / ALPACA)}
 
 
 def mixed_lengths(lengths: dict[str, np.ndarray]) -> np.ndarray:
@@ -138,9 +119,7 @@ def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tu
         with open(data, "w") as f:
             for k in range(num_samples):
                 chat = captions[k % len(captions)]
-                f.write(json.dumps({"messages": [{"role": "user", "content": chat.question},
-                                                 {"role": "assistant", "content": chat.answer}],
-                                    "images": [str(images[k % len(images)])]}) + "\n")
+                f.write(json.dumps(chat_record(chat, [str(images[k % len(images)])])) + "\n")
         cfg = load_run_config(preset, overrides=["data.seq_len=32768"])
         samples = ArrowSamples([str(data)], str(Path(tmp) / "arrow"))
         context = workers.MeasureContext(inputs=(str(data),), data_cfg=cfg.data, model_cfg=cfg.model)
@@ -171,7 +150,7 @@ def run_pack_bench(root: Path, *, preset: str, seq_lens: tuple[int, ...] = SEQ_L
                    on_progress: Optional[Callable[[str], None]] = None) -> PackBench:
     say = on_progress or (lambda message: None)
     say("reading and sizing the sets")
-    chats = load_sets(root)
+    chats = chat_sets(root)  # all of SETS but mixed, which mixed_lengths makes from them
     sizer = SampleSizer(preset)
     lengths = {name: chat_lengths(sizer, chats[name], name) for name in SETS[:-1]}
     lengths["mixed"] = mixed_lengths(lengths)
