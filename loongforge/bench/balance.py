@@ -29,6 +29,7 @@ from loongforge.balance.cost_model import CostModel, default_cost_model
 from loongforge.bench.datasets import SampleSize, SampleSizer, chat_reader, is_omnibal_csv, omnibal_sizes
 from loongforge.bench.plots import save_figure, subplots
 from loongforge.bench.simulate import STRATEGY_NAMES, simulate
+from loongforge.bench.tables import markdown_table
 from loongforge.config.errors import InputError
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.samples import Reject
@@ -169,13 +170,10 @@ def run_balance_bench(paths: Sequence[str | Path], *, preset: str, seq_len: int,
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the rows (also what the terminal shows)."""
-    lines = ["| DP | GA | strategy | max/mean | max/LB | gain vs none | plan ms p50 | plan ms p99 |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['dp']} | {r['ga']} | {r['strategy']} | {r['max_over_mean']:.4f} | "
-                     f"{r['max_over_lb']:.4f} | {100 * r['gain']:+.2f}% | {r['plan_ms_p50']:.1f} | "
-                     f"{r['plan_ms_p99']:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["DP", "GA", "strategy", "max/mean", "max/LB", "gain vs none", "plan ms p50", "plan ms p99"], "rrlrrrrr",
+        ([r["dp"], r["ga"], r["strategy"], f"{r['max_over_mean']:.4f}", f"{r['max_over_lb']:.4f}",
+          f"{100 * r['gain']:+.2f}%", f"{r['plan_ms_p50']:.1f}", f"{r['plan_ms_p99']:.1f}"] for r in rows))
 
 
 def describe_bench(bench: BalanceBench) -> str:
