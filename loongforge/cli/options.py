@@ -8,7 +8,7 @@ and explained the same way everywhere (``--preset`` in ``train`` means what it w
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Any, Optional
 
 import typer
 
@@ -71,3 +71,29 @@ OverwriteOption = Annotated[bool, typer.Option(
     "--overwrite",
     help="Start fresh in a run folder that holds an earlier run: move that run aside to "
          "<folder>.old-<time> first (nothing is deleted).")]
+
+
+def inputs_argument(help: str) -> Any:
+    """``INPUT...``: the data files or folders a command reads (``help``: which it takes)."""
+    return Annotated[list[Path], typer.Argument(metavar="INPUT...", show_default=False, help=help)]
+
+
+def output_folder_option(contents: str) -> Any:
+    """``--output/-o DIR``: the folder a command writes (``contents``: what it puts there)."""
+    return Annotated[Path, typer.Option("--output", "-o", metavar="DIR", show_default=False,
+                                        help=f"Folder to write: {contents}.")]
+
+
+def flag_option(name: str, help: str) -> Any:
+    """A boolean ``--name`` flag."""
+    return Annotated[bool, typer.Option(name, help=help)]
+
+
+def set_option(help: str) -> Any:
+    """``--set KEY=VALUE`` (repeatable): config overrides of a command that takes no positional ones."""
+    return Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", show_default=False, help=help)]
+
+
+def progress_option(help: str) -> Any:
+    """``--progress/--no-progress``: a tqdm bar (``help``: what it counts)."""
+    return Annotated[bool, typer.Option("--progress/--no-progress", help=help)]
