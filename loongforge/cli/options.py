@@ -31,6 +31,12 @@ def flag_option(name: str, help: str) -> Any:
     return Annotated[bool, typer.Option(name, help=help)]
 
 
+def optional_option(kind: Any, name: str, metavar: str, help: str, **limits: Any) -> Any:
+    """A ``--name VALUE`` option that is unset (None, no default shown) unless given; ``limits``: typer's
+    ``min`` / ``max``."""
+    return Annotated[Optional[kind], typer.Option(name, metavar=metavar, show_default=False, help=help, **limits)]
+
+
 def set_option(help: str) -> Any:
     """``--set KEY=VALUE`` (repeatable): config overrides of a command that takes no positional ones."""
     return Annotated[Optional[list[str]], typer.Option("--set", metavar="KEY=VALUE", show_default=False, help=help)]
