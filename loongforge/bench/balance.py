@@ -27,7 +27,9 @@ import numpy as np
 
 from loongforge.balance.cost_model import CostModel, default_cost_model
 from loongforge.bench.datasets import SampleSize, SampleSizer, chat_reader, is_omnibal_csv, omnibal_sizes
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.bench.simulate import STRATEGY_NAMES, simulate
+from loongforge.bench.tables import markdown_table
 from loongforge.config.errors import InputError
 from loongforge.data.arrow_samples import ArrowSamples
 from loongforge.data.samples import Reject
@@ -168,13 +170,10 @@ def run_balance_bench(paths: Sequence[str | Path], *, preset: str, seq_len: int,
 
 def format_table(rows: list[dict]) -> str:
     """Markdown table of the rows (also what the terminal shows)."""
-    lines = ["| DP | GA | strategy | max/mean | max/LB | gain vs none | plan ms p50 | plan ms p99 |",
-             "|---:|---:|---|---:|---:|---:|---:|---:|"]
-    for r in rows:
-        lines.append(f"| {r['dp']} | {r['ga']} | {r['strategy']} | {r['max_over_mean']:.4f} | "
-                     f"{r['max_over_lb']:.4f} | {100 * r['gain']:+.2f}% | {r['plan_ms_p50']:.1f} | "
-                     f"{r['plan_ms_p99']:.1f} |")
-    return "\n".join(lines)
+    return markdown_table(
+        ["DP", "GA", "strategy", "max/mean", "max/LB", "gain vs none", "plan ms p50", "plan ms p99"], "rrlrrrrr",
+        ([r["dp"], r["ga"], r["strategy"], f"{r['max_over_mean']:.4f}", f"{r['max_over_lb']:.4f}",
+          f"{100 * r['gain']:+.2f}%", f"{r['plan_ms_p50']:.1f}", f"{r['plan_ms_p99']:.1f}"] for r in rows))
 
 
 def describe_bench(bench: BalanceBench) -> str:
@@ -204,14 +203,9 @@ def describe_bench(bench: BalanceBench) -> str:
 
 def plot_gain(rows: list[dict], path: Path, title: str = "") -> None:
     """PNG: modelled step-time gain over none vs DP, one line per strategy and GA."""
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
     colors = {"token": "tab:blue", "reference": "tab:orange", "loongforge": "tab:green"}
     styles = ["--", "-", ":", "-."]
-    fig, ax = plt.subplots(figsize=(7, 4.2))
+    fig, ax = subplots(figsize=(7, 4.2))
     for k, m in enumerate(sorted({r["ga"] for r in rows})):
         for name, color in colors.items():
             pts = sorted((r["dp"], 100 * r["gain"]) for r in rows if r["ga"] == m and r["strategy"] == name)
@@ -225,7 +219,5 @@ def plot_gain(rows: list[dict], path: Path, title: str = "") -> None:
     ax.set_title(title or "DP load balancing: gain vs DP")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

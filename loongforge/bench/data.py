@@ -29,25 +29,15 @@ import numpy as np
 from tqdm import tqdm
 
 from loongforge.bench.data_probe import open_reader, peak_rss, reader_main
-from loongforge.bench.datasets import (
-    ALPACA,
-    ARENA_HARD,
-    COCO_CAPTIONS,
-    COCO_IMAGES,
-    MATHVISTA,
-    Chat,
-    alpaca_chats,
-    arena_hard_chats,
-    coco_chats,
-    mathvista_chats,
-)
+from loongforge.bench.chat_sets import chat_record, chat_sets
+from loongforge.bench.datasets import COCO_IMAGES, Chat
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.bench.processes import run_spawned
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.data.pipeline import DataPipeline
 from loongforge.data.tokenizer import load_tokenizer
 
-REQUIRED = (COCO_CAPTIONS, COCO_IMAGES, MATHVISTA, ARENA_HARD, ALPACA)
 READERS = ("in-memory", "arrow")
 _READ_PROBES = 20_000
 
@@ -93,8 +83,7 @@ class DataBench:
 
 def chat_pool(root: Path) -> list[Chat]:
     """The real chats, in a fixed random order."""
-    pool = (coco_chats(root / COCO_CAPTIONS) + mathvista_chats(root / MATHVISTA)
-            + arena_hard_chats(root / ARENA_HARD) + alpaca_chats(root / ALPACA))
+    pool = [chat for chats in chat_sets(root).values() for chat in chats]
     return [pool[i] for i in np.random.default_rng(0).permutation(len(pool))]
 
 
@@ -121,9 +110,7 @@ def write_inputs(path: Path, num_samples: int, root: Path) -> int:
 
 
 def _line_template(chat: Chat) -> tuple[str, int]:
-    record = {"messages": [{"role": "user", "content": chat.question},
-                           {"role": "assistant", "content": chat.answer}], "images": "@IMAGES@"}
-    return json.dumps(record, ensure_ascii=False).replace('"@IMAGES@"', "@IMAGES@") + "\n", len(chat.image_sizes)
+    return json.dumps(chat_record(chat, "@IMAGES@"), ensure_ascii=False).replace('"@IMAGES@"', "@IMAGES@") + "\n", len(chat.image_sizes)
 
 
 # ---------------------------------------------------------------- measuring processes
@@ -264,12 +251,7 @@ def report(bench: DataBench, plot_name: str, command: str) -> str:
 
 
 def plot(bench: DataBench, path: Path) -> None:
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, axes = subplots(1, 2, figsize=(11, 4.2))
     series = [("in-memory", "-", "in-memory reader"), ("arrow", "cold", "Arrow, cold cache"),
               ("arrow", "warm", "Arrow, warm cache")]
     for reader, cache, label in series:
@@ -285,6 +267,4 @@ def plot(bench: DataBench, path: Path) -> None:
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend()
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)

@@ -53,6 +53,7 @@ from loongforge.bench.datasets import (
     mathvista_chats,
     omnibal_sizes,
 )
+from loongforge.bench.tables import markdown_table
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import FlopOptions, Grid
@@ -232,14 +233,11 @@ def predict(data_root: Path, *, model: Optional[CostModel] = None, preset: str =
 
 
 def format_predictions(predictions: Sequence[MixPrediction]) -> str:
-    rows = ["| image mix | rows | images per row | patches per image | encoder share of a rank's time "
-            "(none) | encoder time tp / none (slowest rank) | step time tp / none | step speed-up |",
-            "|---|---:|---:|---:|---:|---:|---:|---:|"]
-    for p in predictions:
-        rows.append(f"| {p.name} | {p.rows} | {p.images_per_row:.1f} | {p.patches_per_image:,.0f} | "
-                    f"{100 * p.encoder_share_alone:.0f}% | {p.encoder_ratio:.3f} | {p.step_ratio:.3f} | "
-                    f"{1 / p.step_ratio:.2f}x |")
-    return "\n".join(rows)
+    header = ["image mix", "rows", "images per row", "patches per image", "encoder share of a rank's time (none)",
+              "encoder time tp / none (slowest rank)", "step time tp / none", "step speed-up"]
+    return markdown_table(header, "lrrrrrrr", (
+        [p.name, p.rows, f"{p.images_per_row:.1f}", f"{p.patches_per_image:,.0f}", f"{100 * p.encoder_share_alone:.0f}%",
+         f"{p.encoder_ratio:.3f}", f"{p.step_ratio:.3f}", f"{1 / p.step_ratio:.2f}x"] for p in predictions))
 
 
 # ------------------------------------------------------------------------------------ CP, long video

@@ -30,6 +30,7 @@ from tqdm import tqdm
 from loongforge.config.errors import ConfigError
 from loongforge.config.layout import LayoutKeys, layout_problems
 from loongforge.bench.gemm_linear import micro_batches_to_time, time_whole_linears, whole_linear
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.bench.model_step import time_steps
 from loongforge.config.schema import RunConfig
 from loongforge.models.layers.fp8 import POLICY_FORMAT, Fp8Matmul, device_name, eligible, gemm_tokens, gemm_tp
@@ -225,12 +226,7 @@ def format_table(bench: GemmBench) -> str:
 
 
 def plot_speedups(bench: GemmBench, path: Path) -> None:
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
-    figure, axes = plt.subplots(figsize=(8, 5))
+    figure, axes = subplots(figsize=(8, 5))
     for index, shape in enumerate(bench.shapes):
         color = f"C{index % 10}"
         timings = bench.timings.get(shape.kind)
@@ -247,9 +243,7 @@ def plot_speedups(bench: GemmBench, path: Path) -> None:
     axes.set_ylabel("bf16 time / FP8 time")
     axes.set_title(f"FP8 speedup per layer kind, {bench.device} ({bench.preset}); dotted: the whole linear")
     axes.legend(fontsize=7)
-    figure.tight_layout()
-    figure.savefig(path, dpi=120)
-    plt.close(figure)
+    save_figure(figure, path, dpi=120)
 
 
 def write_results(bench: GemmBench, output: Path) -> tuple[Path, Path]:

@@ -31,19 +31,9 @@ from typing import Callable, Optional
 
 import numpy as np
 
-from loongforge.bench.datasets import (
-    ALPACA,
-    ARENA_HARD,
-    COCO_CAPTIONS,
-    COCO_IMAGES,
-    MATHVISTA,
-    Chat,
-    SampleSizer,
-    alpaca_chats,
-    arena_hard_chats,
-    coco_chats,
-    mathvista_chats,
-)
+from loongforge.bench.chat_sets import chat_record, chat_sets
+from loongforge.bench.datasets import COCO_CAPTIONS, COCO_IMAGES, Chat, SampleSizer, coco_chats
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.data.arrow_samples import ArrowSamples
@@ -55,8 +45,6 @@ from loongforge.pack.scan import run_scan
 SEQ_LENS = (8192, 32768)
 BENCH_ALGORITHMS = ALGORITHMS + BASELINES
 SETS = ("coco", "mathvista", "arena_hard", "alpaca", "mixed")
-# What the benchmark reads under the data root.
-REQUIRED = (COCO_CAPTIONS, COCO_IMAGES, MATHVISTA, ARENA_HARD, ALPACA)
 
 
 @dataclass
@@ -70,12 +58,6 @@ class PackBench:
 
 
 # ---------------------------------------------------------------- the real sets
-
-
-def load_sets(root: Path) -> dict[str, list[Chat]]:
-    """The real sets (all of ``SETS`` but ``mixed``, which ``mixed_lengths`` makes from them)."""
-    return {"coco": coco_chats(root / COCO_CAPTIONS), "mathvista": mathvista_chats(root / MATHVISTA),
-            "arena_hard": arena_hard_chats(root / ARENA_HARD), "alpaca": alpaca_chats(root / ALPACA)}
 
 
 def mixed_lengths(lengths: dict[str, np.ndarray]) -> np.ndarray:
@@ -137,9 +119,7 @@ def scan_speed_rows(root: Path, preset: str, num_samples: int, worker_counts: tu
         with open(data, "w") as f:
             for k in range(num_samples):
                 chat = captions[k % len(captions)]
-                f.write(json.dumps({"messages": [{"role": "user", "content": chat.question},
-                                                 {"role": "assistant", "content": chat.answer}],
-                                    "images": [str(images[k % len(images)])]}) + "\n")
+                f.write(json.dumps(chat_record(chat, [str(images[k % len(images)])])) + "\n")
         cfg = load_run_config(preset, overrides=["data.seq_len=32768"])
         samples = ArrowSamples([str(data)], str(Path(tmp) / "arrow"))
         context = workers.MeasureContext(inputs=(str(data),), data_cfg=cfg.data, model_cfg=cfg.model)
@@ -170,7 +150,7 @@ def run_pack_bench(root: Path, *, preset: str, seq_lens: tuple[int, ...] = SEQ_L
                    on_progress: Optional[Callable[[str], None]] = None) -> PackBench:
     say = on_progress or (lambda message: None)
     say("reading and sizing the sets")
-    chats = load_sets(root)
+    chats = chat_sets(root)  # all of SETS but mixed, which mixed_lengths makes from them
     sizer = SampleSizer(preset)
     lengths = {name: chat_lengths(sizer, chats[name], name) for name in SETS[:-1]}
     lengths["mixed"] = mixed_lengths(lengths)
@@ -227,13 +207,8 @@ def format_speed_tables(bench: PackBench) -> str:
 
 
 def plot(bench: PackBench, path: Path) -> None:
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
     seq_lens = sorted({r["seq_len"] for r in bench.rows})
-    fig, axes = plt.subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))
+    fig, axes = subplots(1, len(seq_lens) + 1, figsize=(6 * (len(seq_lens) + 1), 4.5))
     width = 0.8 / len(BENCH_ALGORITHMS)
     for ax, seq_len in zip(axes, seq_lens):
         for k, algorithm in enumerate(BENCH_ALGORITHMS):
@@ -254,9 +229,7 @@ def plot(bench: PackBench, path: Path) -> None:
     ax.set_title(f"sample LLM length ({bench.preset})")
     ax.set_xlabel("tokens")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def report(bench: PackBench, png_name: str) -> str:

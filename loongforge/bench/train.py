@@ -31,6 +31,7 @@ import numpy as np
 
 from loongforge.balance.cost_model import CostModel
 from loongforge.balance.fit import record_features
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.config.overrides import Override
@@ -190,12 +191,7 @@ def format_report(result: TrainBenchResult) -> str:
 
 def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: TrainBenchResult) -> None:
     """Per-step compute of every rank, off (left) and on (right): the gap is the wait."""
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
-    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    fig, axes = subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, profile, run in ((axes[0], off_profile, result.off), (axes[1], on_profile, result.on)):
         table = _per_step_rank(profile, lambda r: r["forward_s"] + r["backward_s"])
         steps = sorted(table)
@@ -208,9 +204,7 @@ def plot_runs(path: Path, off_profile: Profile, on_profile: Profile, result: Tra
     axes[1].legend()
     fig.suptitle(f"balance gain (slowest/mean rank compute) measured {100 * result.measured_balance_gain:+.1f}%, "
                  f"predicted {100 * result.predicted_balance_gain:+.1f}%")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 def bench_overrides(*, balanced: bool, cost: Path) -> list:

@@ -30,6 +30,7 @@ from typing import Callable, Mapping, Optional, Sequence
 from tqdm import tqdm
 
 from loongforge.bench.datasets import COCO_CAPTIONS, COCO_IMAGES
+from loongforge.bench.plots import save_figure, subplots
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.models.registry import get_family
@@ -246,12 +247,7 @@ def summary_lines(comparisons: Sequence[Comparison], grid: TrainGrid) -> list[st
 
 def plot(comparisons: Sequence[Comparison], grid: TrainGrid, path: Path) -> None:
     """Per-rank encoder CPU time per step, one group of bars per (layout, mode)."""
-    import matplotlib  # lazy: only plotting needs matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt  # after use("Agg"): pyplot takes its backend on import
-
-    fig, ax = plt.subplots(figsize=(2.2 * len(comparisons) + 2, 4))
+    fig, ax = subplots(figsize=(2.2 * len(comparisons) + 2, 4))
     labelled = set()
     for k, c in enumerate(comparisons):
         ranks = [(rank, v) for rank, v in enumerate(c.run.encoder_cpu_s) if v is not None]  # encoder ranks only
@@ -265,9 +261,7 @@ def plot(comparisons: Sequence[Comparison], grid: TrainGrid, path: Path) -> None
     ax.set_ylabel("encoder forward+backward CPU s per step")
     ax.set_title(f"{PRESET}: encoder time per rank (vs {grid.baseline}, slowest rank)")
     ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path)
 
 
 # ------------------------------------------------------------------------------------ the grid

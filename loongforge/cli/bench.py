@@ -112,7 +112,8 @@ def pack(
 ) -> None:
     """Fill ratio of bfd/ffd/balanced vs first-fit and greedy knapsack on real sets; plan and scan speed."""
     from loongforge.bench.datasets import resolve_data_root
-    from loongforge.bench.pack import REQUIRED, plot, report, run_pack_bench
+    from loongforge.bench.chat_sets import REQUIRED
+    from loongforge.bench.pack import plot, report, run_pack_bench
 
     with cli_errors():
         root = resolve_data_root(data_root, REQUIRED)
@@ -693,7 +694,8 @@ def data(
     import dataclasses
     import sys
 
-    from loongforge.bench.data import REQUIRED, plot, report, run_data_bench
+    from loongforge.bench.chat_sets import REQUIRED
+    from loongforge.bench.data import plot, report, run_data_bench
     from loongforge.bench.datasets import resolve_data_root
 
     with cli_errors():

@@ -12,6 +12,7 @@ from typing import Annotated, Iterator, Optional
 import typer
 
 from loongforge.cli.errors import FAILURE_EXIT_CODE, UsageError, cli_errors
+from loongforge.cli.options import flag_option, optional_option
 
 # Same flag as `train --preset`, but here it only checks: the model is read from SRC itself.
 PresetOption = Annotated[Optional[str], typer.Option(
@@ -24,47 +25,42 @@ SrcArgument = Annotated[Path, typer.Argument(
     help="HF folder (config.json + safetensors) or a loongforge checkpoint (step folder or run checkpoint root).")]
 DstArgument = Annotated[Optional[Path], typer.Argument(
     metavar="DST", show_default=False, help="Output folder (written beside it, renamed at the end).")]
-ToOption = Annotated[Optional[str], typer.Option(
-    "--to", metavar="mcore|hf", show_default=False, help="Target format.")]
+ToOption = optional_option(str, "--to", "mcore|hf", "Target format.")
 TpOption = Annotated[int, typer.Option("--tp", min=1, metavar="N", help=(
     "Language tensor-parallel size to check and pad the vocabulary for; --roundtrip writes its shards, "
     "--check-logits runs the model at it (N gloo processes)."))]
 PpOption = Annotated[int, typer.Option("--pp", min=1, metavar="N", help="Pipeline-parallel size to check.")]
-VpOption = Annotated[Optional[int], typer.Option(
-    "--vp", min=1, metavar="N", show_default=False,
-    help="Virtual pipeline stages per rank to check (parallel.virtual_pipeline_model_parallel_size).")]
-PipelineLayoutOption = Annotated[Optional[str], typer.Option(
-    "--pipeline-layout", metavar="LAYOUT", show_default=False,
-    help="Layers per pipeline stage to check, as parallel.pipeline_layout (e.g. 'Et|ttt|ttt|tL').")]
-VisionTpOption = Annotated[Optional[int], typer.Option(
-    "--vision-tp", min=1, metavar="N", show_default=False,
-    help="Vision tensor-parallel size (default: --tp); --roundtrip writes its shards, --check-logits runs at it.")]
-DtypeOption = Annotated[Optional[str], typer.Option(
-    "--dtype", metavar="bf16|fp16|fp32", show_default=False, help="Cast every tensor (default: keep the source's).")]
-MaxShardOption = Annotated[Optional[str], typer.Option(
-    "--max-shard-size", metavar="SIZE", show_default=False,
-    help="Largest HF safetensors shard, e.g. 5GB, 500MB (default: the files of the HF folder converted from, else 5GB).")]
-OverwriteOption = Annotated[bool, typer.Option("--overwrite", help="Replace DST if it exists.")]
-VerifyOption = Annotated[bool, typer.Option("--verify", help="Re-read DST and compare every tensor with SRC.")]
-RoundtripOption = Annotated[bool, typer.Option(
-    "--roundtrip", help=(
-        "HF -> megatron -> HF through a torch_dist checkpoint written as the --tp/--vision-tp ranks "
-        "write it, in a temporary folder as large as the model (removed afterwards); table per "
-        "tensor, exit 1 unless exact."))]
-CheckLogitsOption = Annotated[bool, typer.Option(
-    "--check-logits", help=(
-        "Run SRC in transformers and in loongforge's own model (fp32, at --tp) on one built-in chat (with an "
-        "image for a vision model) and compare the logits; exit 1 unless the max abs difference <= --atol. "
-        "A loongforge checkpoint is first written as HF to a temporary folder."))]
-ImageOption = Annotated[Optional[Path], typer.Option(
-    "--image", metavar="PATH", show_default=False,
-    help="With --check-logits: this picture instead of the built-in one (sized and patchified as training does).")]
-AtolOption = Annotated[Optional[float], typer.Option(
-    "--atol", min=0.0, metavar="X", show_default=False,
-    help="With --check-logits: the largest logit difference that passes (default: 1e-4, for fp32).")]
-JsonOption = Annotated[bool, typer.Option(
-    "--json", help="With --roundtrip or --check-logits: print the report as one JSON object.")]
-NoProgressOption = Annotated[bool, typer.Option("--no-progress", help="No progress bar.")]
+VpOption = optional_option(
+    int, "--vp", "N", "Virtual pipeline stages per rank to check (parallel.virtual_pipeline_model_parallel_size).",
+    min=1)
+PipelineLayoutOption = optional_option(
+    str, "--pipeline-layout", "LAYOUT",
+    "Layers per pipeline stage to check, as parallel.pipeline_layout (e.g. 'Et|ttt|ttt|tL').")
+VisionTpOption = optional_option(
+    int, "--vision-tp", "N",
+    "Vision tensor-parallel size (default: --tp); --roundtrip writes its shards, --check-logits runs at it.", min=1)
+DtypeOption = optional_option(str, "--dtype", "bf16|fp16|fp32", "Cast every tensor (default: keep the source's).")
+MaxShardOption = optional_option(
+    str, "--max-shard-size", "SIZE",
+    "Largest HF safetensors shard, e.g. 5GB, 500MB (default: the files of the HF folder converted from, else 5GB).")
+OverwriteOption = flag_option("--overwrite", "Replace DST if it exists.")
+VerifyOption = flag_option("--verify", "Re-read DST and compare every tensor with SRC.")
+RoundtripOption = flag_option(
+    "--roundtrip", "HF -> megatron -> HF through a torch_dist checkpoint written as the --tp/--vision-tp ranks "
+    "write it, in a temporary folder as large as the model (removed afterwards); table per tensor, exit 1 unless "
+    "exact.")
+CheckLogitsOption = flag_option(
+    "--check-logits", "Run SRC in transformers and in loongforge's own model (fp32, at --tp) on one built-in chat "
+    "(with an image for a vision model) and compare the logits; exit 1 unless the max abs difference <= --atol. "
+    "A loongforge checkpoint is first written as HF to a temporary folder.")
+ImageOption = optional_option(
+    Path, "--image", "PATH",
+    "With --check-logits: this picture instead of the built-in one (sized and patchified as training does).")
+AtolOption = optional_option(
+    float, "--atol", "X", "With --check-logits: the largest logit difference that passes (default: 1e-4, for fp32).",
+    min=0.0)
+JsonOption = flag_option("--json", "With --roundtrip or --check-logits: print the report as one JSON object.")
+NoProgressOption = flag_option("--no-progress", "No progress bar.")
 AdapterOption = Annotated[bool, typer.Option(
     "--adapter", help="With --to hf, a LoRA run's checkpoint: write its adapters as a PEFT folder "
                       "(adapter_config.json + adapter_model.safetensors) instead of the merged model.")]

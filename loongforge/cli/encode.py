@@ -8,21 +8,24 @@ from typing import Annotated, Optional
 import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
-from loongforge.cli.options import PresetOption
+from loongforge.cli.options import PresetOption, flag_option, inputs_argument, output_folder_option, progress_option, set_option
 from loongforge.config.presets import DEFAULT_PRESET
 
-InputsArgument = Annotated[list[Path], typer.Argument(
-    metavar="INPUT...", show_default=False,
-    help="LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files or folders of them (what "
-         "`train` reads), or one `loongforge pack` output folder. "
-         "Mixture weights (FILE@WEIGHT) are accepted and ignored: every sample is encoded.")]
+InputsArgument = inputs_argument(
+    "LLaVA/ShareGPT-style .json/.jsonl/.parquet conversation files or folders of them (what "
+    "`train` reads), or one `loongforge pack` output folder. "
+    "Mixture weights (FILE@WEIGHT) are accepted and ignored: every sample is encoded.")
+OutputOption = output_folder_option("shards/, index.jsonl, rejects.jsonl, encoder.json")
+ResumeOption = flag_option(
+    "--resume", "Finish an interrupted encode into the same folder, with the same inputs and flags.")
+OverwriteOption = flag_option("--overwrite", "Delete an earlier encode's output in --output first.")
+SetOption = set_option("Config override, as for train (e.g. --set data.max_pixels=1003520); repeatable.")
+ProgressOption = progress_option("A tqdm bar with media/s.")
 
 
 def encode(
     inputs: InputsArgument,
-    output: Annotated[Path, typer.Option(
-        "--output", "-o", metavar="DIR", show_default=False,
-        help="Folder to write: shards/, index.jsonl, rejects.jsonl, encoder.json.")],
+    output: OutputOption,
     preset: PresetOption = None,
     checkpoint: Annotated[Optional[Path], typer.Option(
         "--checkpoint", metavar="CKPT", show_default=False,
@@ -40,18 +43,14 @@ def encode(
              "about 1e-5 relative in the loss; fp32 matches it to about 1e-7.")] = "bf16",
     device: Annotated[str, typer.Option(
         "--device", metavar="auto|cpu|cuda", help="auto: CUDA when available.")] = "auto",
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Finish an interrupted encode into the same folder, with the same inputs and flags.")] = False,
-    overwrite: Annotated[bool, typer.Option(
-        "--overwrite", help="Delete an earlier encode's output in --output first.")] = False,
+    resume: ResumeOption = False,
+    overwrite: OverwriteOption = False,
     shard_tokens: Annotated[int, typer.Option(
         "--shard-tokens", min=1, metavar="N", help="Embedding rows per shard (the unit --resume skips).")] = 65536,
     batch_patches: Annotated[int, typer.Option(
         "--batch-patches", min=1, metavar="N", help="Vision patches per encoder call (memory).")] = 16384,
-    overrides: Annotated[Optional[list[str]], typer.Option(
-        "--set", metavar="KEY=VALUE", show_default=False,
-        help="Config override, as for train (e.g. --set data.max_pixels=1003520); repeatable.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="A tqdm bar with media/s.")] = True,
+    overrides: SetOption = None,
+    progress: ProgressOption = True,
 ) -> None:
     """Run the vision encoder and merger once over every image and video of a dataset, and store the embeddings."""
     from loongforge.encode.job import EncodeOptions, run_encode

@@ -2,27 +2,30 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Annotated, Optional
 
 import typer
 
 from loongforge.cli.errors import cli_errors
-from loongforge.cli.options import PresetOption
+from loongforge.cli.options import PresetOption, flag_option, inputs_argument, output_folder_option, progress_option, set_option
 from loongforge.config.presets import DEFAULT_PRESET
 
-InputsArgument = Annotated[list[Path], typer.Argument(
-    metavar="INPUT...", show_default=False,
-    help="Data files (.json/.jsonl/.parquet records: conversations, Alpaca, image-caption pairs, "
-         "{\"text\"} documents; .txt: one document per line), or folders of .json/.jsonl/.parquet files. "
-         "FILE@WEIGHT on every input packs a weighted mixture (docs/data.md).")]
+InputsArgument = inputs_argument(
+    "Data files (.json/.jsonl/.parquet records: conversations, Alpaca, image-caption pairs, "
+    "{\"text\"} documents; .txt: one document per line), or folders of .json/.jsonl/.parquet files. "
+    "FILE@WEIGHT on every input packs a weighted mixture (docs/data.md).")
+OutputOption = output_folder_option("shards/, manifest.jsonl, stats.json, rejects.jsonl")
+GroupByMediaOption = flag_option("--group-by-media", "Keep text-only, image and video samples in separate packs.")
+ResumeOption = flag_option(
+    "--resume", "Continue an interrupted pack into the same folder, with the same inputs and flags.")
+SetOption = set_option("Config override on top of the preset, as for train (e.g. --set data.max_pixels=1003520, "
+                       "a model.vision.* setting); repeatable. Training must use the same.")
+ProgressOption = progress_option("tqdm bars per stage.")
 
 
 def pack(
     inputs: InputsArgument,
-    output: Annotated[Path, typer.Option(
-        "--output", "-o", metavar="DIR", show_default=False,
-        help="Folder to write: shards/, manifest.jsonl, stats.json, rejects.jsonl.")],
+    output: OutputOption,
     seq_len: Annotated[int, typer.Option(
         "--seq-len", min=1, metavar="N", show_default=False,
         help="Tokens per pack: the training data.seq_len. Longer samples are rejected (too_long); "
@@ -36,17 +39,12 @@ def pack(
     max_images_per_pack: Annotated[Optional[int], typer.Option(
         "--max-images-per-pack", min=1, metavar="N", show_default=False,
         help="At most N images+videos in one pack. Default: no limit.")] = None,
-    group_by_media: Annotated[bool, typer.Option(
-        "--group-by-media", help="Keep text-only, image and video samples in separate packs.")] = False,
-    resume: Annotated[bool, typer.Option(
-        "--resume", help="Continue an interrupted pack into the same folder, with the same inputs and flags.")] = False,
+    group_by_media: GroupByMediaOption = False,
+    resume: ResumeOption = False,
     packs_per_shard: Annotated[int, typer.Option(
         "--packs-per-shard", min=1, metavar="N", help="Packs per parquet shard (the unit --resume skips).")] = 256,
-    overrides: Annotated[Optional[list[str]], typer.Option(
-        "--set", metavar="KEY=VALUE", show_default=False,
-        help="Config override on top of the preset, as for train (e.g. --set data.max_pixels=1003520, a "
-             "model.vision.* setting); repeatable. Training must use the same.")] = None,
-    progress: Annotated[bool, typer.Option("--progress/--no-progress", help="tqdm bars per stage.")] = True,
+    overrides: SetOption = None,
+    progress: ProgressOption = True,
     record_kind: Annotated[str, typer.Option(
         "--record-kind", metavar="auto|conversation|text|alpaca|caption",
         help="data.record_kind: auto recognises each record by its fields.")] = "auto",

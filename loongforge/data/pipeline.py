@@ -79,8 +79,8 @@ from loongforge.data.record_kinds import reading_for
 from loongforge.data.streaming import (
     StreamingRowStream,
     StreamingSamples,
-    dealt_document_items,
     measured_buffer,
+    next_pending_piece,
     pack_items,
 )
 from loongforge.data.synthetic import SyntheticSamples
@@ -282,10 +282,9 @@ class RowStream:
 
     def _pull(self) -> PackItem[MeasuredSample]:
         """Next accepted sample (or piece of a long document); rejects are logged and skipped."""
-        if not self.pieces:
-            self.pieces = dealt_document_items(self.dealt_pieces, self._measure_at, self.packer.seq_len)
-        if self.pieces:
-            return self.pieces.pop(0)
+        piece = next_pending_piece(self.pieces, self.dealt_pieces, self._measure_at, self.packer.seq_len)
+        if piece is not None:
+            return piece
         while True:
             position = self._next_position()
             measured = self._measure_at(position)

@@ -447,10 +447,9 @@ class StreamingRowStream:
         return counts_report(self.counts.names, counts, epochs)
 
     def _pull(self) -> PackItem[MeasuredSample]:
-        if not self.pieces:
-            self.pieces = dealt_document_items(self.dealt_pieces, self._measure_at, self.packer.seq_len)
-        if self.pieces:
-            return self.pieces.pop(0)
+        piece = next_pending_piece(self.pieces, self.dealt_pieces, self._measure_at, self.packer.seq_len)
+        if piece is not None:
+            return piece
         while True:
             dealt = self.dealt.pop()
             position = dealt or (self.epoch, self.cursor)
@@ -599,6 +598,16 @@ def dealt_document_items(dealt_pieces: deque, measure_at, seq_len: int) -> list[
                            f"(data changed since the checkpoint?): {measured}")
     return [item for item in pack_items((epoch, position), measured, seq_len)
             if len(item.key) == 3 and item.key[2] in wanted]
+
+
+def next_pending_piece(pieces: list[PackItem[MeasuredSample]], dealt_pieces: deque, measure_at,
+                       seq_len: int) -> Optional[PackItem[MeasuredSample]]:
+    """A stream's next piece of a long document: off ``pieces`` (the document it is part way through),
+    refilled in place from ``dealt_pieces`` (``dealt_document_items``) when empty; None when neither
+    holds one."""
+    if not pieces:
+        pieces.extend(dealt_document_items(dealt_pieces, measure_at, seq_len))
+    return pieces.pop(0) if pieces else None
 
 
 def measured_buffer(keys: list, measure_at, seq_len: int) -> list[PackItem[MeasuredSample]]:

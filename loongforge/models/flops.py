@@ -373,6 +373,28 @@ def frame_lengths(grids: Sequence[Grid]) -> list[int]:
     return [h * w for t, h, w in grids for _ in range(t)]
 
 
+def frame_attention_flops(grids: Sequence[Grid], q_width: int) -> int:
+    """One vision block's attention within each frame of every medium (no windows)."""
+    return attention_flops(frame_lengths(grids), q_width)
+
+
+def patch_tower_flops(grids: Sequence[Grid], options: FlopOptions, *, in_channels: int, temporal_patch_size: int,
+                      patch_size: int, width: int, blocks_forward: int) -> int:
+    """A patch tower: its patch embedding, and its blocks' forward (``blocks_forward``, all blocks
+    summed) times the passes that train them."""
+    embedding = patch_embedding_flops(grids, in_channels=in_channels, temporal_patch_size=temporal_patch_size,
+                                      patch_size=patch_size, width=width, options=options)
+    return embedding + vision_block_passes(options) * blocks_forward
+
+
+def patch_merger_flops(grids: Sequence[Grid], options: FlopOptions, *, merge: int, width: int,
+                       out_width: int) -> int:
+    """A patch merger over every merged token (``merge x merge`` patches of ``width``), times the
+    passes that train it."""
+    merged_tokens = sum(t * h * w for t, h, w in grids) // (merge * merge)
+    return projector_passes(options) * merger_forward_flops(merged_tokens, width * merge * merge, out_width)
+
+
 # ---------------------------------------------------------------------------------------------
 # Samples -> what the count needs
 # ---------------------------------------------------------------------------------------------

@@ -3,7 +3,8 @@
 import torch
 from transformers.vision_utils import get_vision_cu_seqlens, get_vision_position_ids, get_vision_window_index
 
-from loongforge.models.towers.qwen2_5_vit.vision import frame_cu_seqlens, patch_positions, window_partition
+from loongforge.models.towers.qwen2_5_vit.vision import window_partition
+from loongforge.models.vlm.vision_common import frame_cu_seqlens, patch_positions
 
 GRIDS = torch.tensor([[1, 8, 12], [1, 20, 16], [3, 6, 4], [2, 16, 16], [1, 2, 2]])
 MERGE, WINDOW, PATCH = 2, 112, 14

@@ -72,9 +72,38 @@ class _CoreAttentionBase(MegatronModule):
         self.softmax_scale = softmax_scale if softmax_scale is not None else 1.0 / math.sqrt(head_dim)
         self.dropout_p = config.attention_dropout if attention_dropout is None else attention_dropout
 
+    def forward(
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        attention_mask: Optional[torch.Tensor],
+        attn_mask_type: Optional[AttnMaskType] = None,
+        attention_bias: Optional[torch.Tensor] = None,
+        packed_seq_params: Optional[PackedSeqParams] = None,
+    ) -> torch.Tensor:
+        """The three inputs every backend takes (the module's contract): this CP rank's tokens of packed
+        rows, packed (thd) rows, or [s, b] batches; each backend's kernel calls are its own."""
+        self._check_inputs(attention_mask, attention_bias)
+        causal = self._is_causal(attn_mask_type)
+        if self.cp_group is not None:
+            # q [t/CP, np, hd], k/v [t/CP, ng, hd] -> [t/CP, np*hd]
+            out = self._context_parallel(query, key, value, _causal_thd(packed_seq_params, causal))
+            return out.reshape(out.shape[0], -1)
+        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
+            # q [t, np, hd], k/v [t, ng, hd] -> [t, np*hd]
+            out = self._packed(query, key, value, packed_seq_params, causal)
+            return out.reshape(out.shape[0], -1)
+        # q [s, b, np, hd] -> [s, b, np*hd]
+        out = self._batched(query, key, value, attention_mask, causal)
+        return out.reshape(query.shape[0], query.shape[1], -1)
+
     def _is_causal(self, attn_mask_type: Optional[AttnMaskType]) -> bool:
         mask_type = self.attn_mask_type if attn_mask_type is None else attn_mask_type
         return mask_type in (AttnMaskType.causal, AttnMaskType.padding_causal)
+
+    def _active_dropout(self) -> float:
+        return self.dropout_p if self.training else 0.0
 
 
 def _context_group(config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection]):
@@ -135,38 +164,24 @@ class SDPACoreAttention(_CoreAttentionBase):
     Batching equal-length segments matters for the vision tower, whose windows mostly share a size.
     """
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-    ) -> torch.Tensor:
+    def _check_inputs(self, attention_mask: Optional[torch.Tensor], attention_bias: Optional[torch.Tensor]) -> None:
         if attention_bias is not None:
             raise ValueError("SDPACoreAttention does not take an attention_bias")
-        causal = self._is_causal(attn_mask_type)
-        if self.cp_group is not None:
-            # q [t/CP, np, hd], k/v [t/CP, ng, hd] -> [t/CP, np*hd]
-            out = self._context_parallel(query, key, value, _causal_thd(packed_seq_params, causal))
-            return out.reshape(out.shape[0], -1)
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            # q [t, np, hd], k/v [t, ng, hd] -> [t, np*hd]
-            lengths = _segment_lengths(packed_seq_params, query.shape[0])
-            out = self._packed(query, key, value, lengths, causal)
-            return out.reshape(out.shape[0], -1)
-        # q [s, b, np, hd] -> [b, np, s, hd]
-        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))
+
+    def _packed(self, q, k, v, packed_seq_params: PackedSeqParams, causal: bool) -> torch.Tensor:
+        """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd], attending within each packed segment."""
+        return self._segments(q, k, v, _segment_lengths(packed_seq_params, q.shape[0]), causal)
+
+    def _batched(self, query, key, value, attention_mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """q [s, b, np, hd], k/v [s, b, ng, hd] -> [s, b, np, hd]."""
+        q, k, v = (x.permute(1, 2, 0, 3) for x in (query, key, value))  # [b, np, s, hd]
         mask = None
         if attention_mask is not None:
             # megatron masks are True where attention is *not* allowed; SDPA's are the opposite.
             mask, causal = ~attention_mask, False
-        out = self._sdpa(q, k, v, causal, mask)  # [b, np, s, hd]
-        return out.permute(2, 0, 1, 3).reshape(query.shape[0], query.shape[1], -1)
+        return self._sdpa(q, k, v, causal, mask).permute(2, 0, 1, 3)  # [b, np, s, hd] -> [s, b, np, hd]
 
-    def _packed(self, q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
+    def _segments(self, q, k, v, lengths: list[int], causal: bool) -> torch.Tensor:
         """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd], attending within each segment.
 
         Segments of one length run as one batch. The row is reordered once (segments grouped by length),
@@ -224,7 +239,7 @@ class SDPACoreAttention(_CoreAttentionBase):
                 k,
                 v,
                 attn_mask=mask,
-                dropout_p=self.dropout_p if self.training else 0.0,
+                dropout_p=self._active_dropout(),
                 is_causal=causal,
                 scale=self.softmax_scale,
                 enable_gqa=k.shape[1] != q.shape[1],
@@ -259,53 +274,46 @@ def _causal_thd(packed_seq_params: Optional[PackedSeqParams], causal: bool) -> t
 class FlashCoreAttention(_CoreAttentionBase):
     """flash-attn varlen kernel (GPU only; fp16/bf16). Imported lazily: optional dependency."""
 
-    def forward(
-        self,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        attention_mask: Optional[torch.Tensor],
-        attn_mask_type: Optional[AttnMaskType] = None,
-        attention_bias: Optional[torch.Tensor] = None,
-        packed_seq_params: Optional[PackedSeqParams] = None,
-    ) -> torch.Tensor:
-        # lazy: optional, only for attention_backend=flash
-        from flash_attn import flash_attn_func, flash_attn_varlen_func
-
+    def _check_inputs(self, attention_mask: Optional[torch.Tensor], attention_bias: Optional[torch.Tensor]) -> None:
         if attention_mask is not None or attention_bias is not None:
             raise ValueError("FlashCoreAttention takes neither a mask nor a bias")
-        causal = self._is_causal(attn_mask_type)
-        dropout_p = self.dropout_p if self.training else 0.0
-        if self.cp_group is not None:
-            out = self._context_parallel(flash_attn_varlen_func, query, key, value,
-                                         _causal_thd(packed_seq_params, causal), dropout_p)
-            return out.reshape(out.shape[0], -1)
-        if packed_seq_params is not None and packed_seq_params.qkv_format == "thd":
-            cu_seqlens = packed_seq_params.cu_seqlens_q.to(torch.int32)
-            max_seqlen = packed_seq_params.max_seqlen_q
-            if max_seqlen is None:
-                max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-            out = flash_attn_varlen_func(
-                query, key, value, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
-                dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal,
-            )  # [t, np, hd]
-            return out.reshape(out.shape[0], -1)
-        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, heads, hd]
-        out = flash_attn_func(q, k, v, dropout_p=dropout_p, softmax_scale=self.softmax_scale, causal=causal)
-        return out.transpose(0, 1).reshape(query.shape[0], query.shape[1], -1)
 
-    def _context_parallel(self, varlen, q, k, v, cu_seqlens: torch.Tensor, dropout_p: float) -> torch.Tensor:
+    def _packed(self, q, k, v, packed_seq_params: PackedSeqParams, causal: bool) -> torch.Tensor:
+        """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd]: one varlen call over the row's segments."""
+        from flash_attn import flash_attn_varlen_func  # lazy: optional, only for attention_backend=flash
+
+        cu_seqlens = packed_seq_params.cu_seqlens_q.to(torch.int32)
+        max_seqlen = packed_seq_params.max_seqlen_q
+        if max_seqlen is None:
+            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
+        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+                                      dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
+                                      causal=causal)
+
+    def _batched(self, query, key, value, attention_mask: Optional[torch.Tensor], causal: bool) -> torch.Tensor:
+        """q [s, b, np, hd], k/v [s, b, ng, hd] -> [s, b, np, hd] (no mask: ``_check_inputs``)."""
+        from flash_attn import flash_attn_func  # lazy: optional, only for attention_backend=flash
+
+        q, k, v = (x.transpose(0, 1) for x in (query, key, value))  # [b, s, heads, hd]
+        out = flash_attn_func(q, k, v, dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
+                              causal=causal)
+        return out.transpose(0, 1)
+
+    def _context_parallel(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
         """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]: one varlen call whose
         query segments are the local chunks and whose key segments are the keys each chunk sees
         (flash-attn's causal mask has its diagonal at the bottom right when keys outnumber queries)."""
+        from flash_attn import flash_attn_varlen_func  # lazy: optional, only for attention_backend=flash
+
         k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
         chunks = context_chunks(cu_seqlens, self.cp_group.size(), self.cp_group.rank())
         key_rows = torch.cat([torch.arange(c.key_start, c.key_start + c.key_length) for c in chunks]).to(q.device)
         cu_q = _cumulative([c.length for c in chunks], q.device)
         cu_k = _cumulative([c.key_length for c in chunks], q.device)
-        return varlen(q, k_row[key_rows], v_row[key_rows], cu_q, cu_k, max(c.length for c in chunks),
-                      max(c.key_length for c in chunks), dropout_p=dropout_p, softmax_scale=self.softmax_scale,
-                      causal=True)  # [t/CP, np, hd]
+        return flash_attn_varlen_func(
+            q, k_row[key_rows], v_row[key_rows], cu_q, cu_k, max(c.length for c in chunks),
+            max(c.key_length for c in chunks), dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
+            causal=True)  # [t/CP, np, hd]
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:

@@ -21,26 +21,22 @@ from loongforge.config.schema import (
     LanguageConfig,
     LinearAttentionConfig,
     ModelConfig,
-    TokenIdsConfig,
 )
 from loongforge.models.decoder.hf_config import experts_from_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style
+from loongforge.models.qwen_vl import hf_config as nested
 from loongforge.models.towers.qwen3_vit.hf_config import tower_from_hf, tower_to_hf
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes
 
 NAME = "qwen3_5"
-_DENSE, _MOE = "Qwen3_5ForConditionalGeneration", "Qwen3_5MoeForConditionalGeneration"
-HF_ARCHITECTURES = (_DENSE, "Qwen3_5Model", _MOE, "Qwen3_5MoeModel")
-HF_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
-# config.json model_type of (the model, its text_config, its vision_config), dense and MoE.
-_MODEL_TYPES = {False: ("qwen3_5", "qwen3_5_text", "qwen3_5_vision"),
-                True: ("qwen3_5_moe", "qwen3_5_moe_text", "qwen3_5_moe_vision")}
+_NAMES = nested.HfNames(class_prefix="Qwen3_5", model_type="qwen3_5")
+HF_ARCHITECTURES = _NAMES.architectures  # Qwen3_5[Moe]ForConditionalGeneration, Qwen3_5[Moe]Model
+HF_MODEL_TYPES = (_NAMES.model_types(False)[0], _NAMES.model_types(True)[0])  # qwen3_5, qwen3_5_moe
 # transformers' defaults when a config names none (Qwen3_5TextConfig, Qwen3_5TextRotaryEmbedding).
 _DEFAULT_MROPE_SECTION = [11, 11, 10]
 _DEFAULT_PARTIAL_ROTARY = 0.25
 _DEFAULT_FULL_ATTENTION_INTERVAL = 4
-_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
 
 
 def _layer_types(text: Mapping[str, Any]) -> list[str]:
@@ -52,14 +48,10 @@ def _layer_types(text: Mapping[str, Any]) -> list[str]:
 
 
 def _rope(text: Mapping[str, Any]) -> tuple[float, list[int], float]:
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
+    params = nested.rope_parameters(text)
     theta = params.get("rope_theta", text.get("rope_theta", 10_000_000.0))
     partial = params.get("partial_rotary_factor", text.get("partial_rotary_factor", _DEFAULT_PARTIAL_ROTARY))
     return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION), float(partial)
-
-
-def _is_moe(cfg: Mapping[str, Any]) -> bool:
-    return _MOE in (cfg.get("architectures") or []) or cfg.get("model_type") == _MODEL_TYPES[True][0]
 
 
 def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -85,72 +77,43 @@ def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> L
             num_key_heads=text.get("linear_num_key_heads", 16), num_value_heads=text.get("linear_num_value_heads", 32),
             key_head_dim=text.get("linear_key_head_dim", 128), value_head_dim=text.get("linear_value_head_dim", 128),
             conv_kernel=text.get("linear_conv_kernel_dim", 4))
-    heads = text["num_attention_heads"]
-    return LanguageConfig(
-        num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-        ffn_hidden_size=text["intermediate_size"], num_attention_heads=heads,
-        num_query_groups=text.get("num_key_value_heads", heads), vocab_size=text["vocab_size"],
-        rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta, mrope_section=section,
-        mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
-        tie_word_embeddings=tied, add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 256),
-        layer_types=layer_types, linear_attention=linear, attention_output_gate=True,
-        partial_rotary_factor=partial, zero_centered_norms=True, **experts)
+    return nested.language_from_hf(
+        text, tied=tied, rope=(theta, section), default_head_dim=256, layer_types=layer_types,
+        linear_attention=linear, attention_output_gate=True, partial_rotary_factor=partial,
+        zero_centered_norms=True, **experts)
 
 
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` from a Qwen3.5 ``config.json``."""
-    text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
-    if text.get("attention_bias"):
+    if (cfg.get("text_config") or {}).get("attention_bias"):
         raise InputError(f"{where}: text_config.attention_bias=true: Qwen3.5's attention has no biases")
-    try:
-        defaults = TokenIdsConfig()
-        tied = bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False)))
-        experts = _experts(text, where) if _is_moe(cfg) else {}
-        vision_cfg, projector_cfg = tower_from_hf(vision)
-        return ModelConfig(
-            family=NAME,
-            vision=vision_cfg,
-            projector=projector_cfg,
-            language=_language(text, tied, experts),
-            tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
-        )
-    except KeyError as exc:
-        raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete Qwen3.5 config.json?") from None
+    return nested.model_config_from_hf(
+        cfg, where, family=NAME, model="Qwen3.5", tower=tower_from_hf, language=_language,
+        experts=lambda text: _experts(text, where) if _NAMES.is_moe(cfg) else {})
 
 
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
-    lang, tok = model_cfg.language, model_cfg.tokens
+    lang = model_cfg.language
     moe = lang.num_experts > 0
     if moe and (not lang.norm_topk_prob or lang.moe_shared_expert_ffn_hidden_size is None):
         raise ValueError("a Qwen3.5-MoE config.json renormalises the top-k (norm_topk_prob true) and has a shared "
                          "expert (model.language.moe_shared_expert_ffn_hidden_size)")
-    model_type, text_type, vision_type = _MODEL_TYPES[moe]
+    _, text_type, vision_type = _NAMES.model_types(moe)
     shape = lang.linear_attention or LinearAttentionConfig()
-    return {
-        "architectures": [_MOE if moe else _DENSE],
-        "model_type": model_type,
-        "tie_word_embeddings": lang.tie_word_embeddings,
-        "dtype": dtype,
-        **{name: getattr(tok, name) for name in _TOKEN_FIELDS},
-        "text_config": {
-            "model_type": text_type, "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
-            "intermediate_size": lang.ffn_hidden_size, "num_hidden_layers": lang.num_layers,
-            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.num_query_groups,
-            "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads, "hidden_act": "silu",
-            "max_position_embeddings": lang.max_position_embeddings, "rms_norm_eps": lang.rms_norm_eps,
-            "attention_bias": False, "tie_word_embeddings": lang.tie_word_embeddings, "dtype": dtype,
-            "layer_types": list(lang.layer_types),
-            "linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
-            "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim,
-            "linear_conv_kernel_dim": shape.conv_kernel,
-            "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
-                                "partial_rotary_factor": lang.partial_rotary_factor,
-                                "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
-            **(_experts_to_hf(lang) if moe else {}),
-        },
-        "vision_config": tower_to_hf(model_cfg, vision_type, deepstack=False),
+    text = {
+        **nested.text_config_to_hf(lang, text_type, dtype),
+        "layer_types": list(lang.layer_types),
+        "linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
+        "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim,
+        "linear_conv_kernel_dim": shape.conv_kernel,
+        "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
+                            "partial_rotary_factor": lang.partial_rotary_factor,
+                            "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
+        **(_experts_to_hf(lang) if moe else {}),
     }
+    return nested.nested_hf_config(_NAMES, model_cfg, dtype, text=text,
+                                   vision=tower_to_hf(model_cfg, vision_type, deepstack=False))
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

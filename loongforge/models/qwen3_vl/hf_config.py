@@ -15,36 +15,19 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import (
-    LanguageConfig,
-    ModelConfig,
-    TokenIdsConfig,
-)
+from loongforge.config.schema import LanguageConfig, ModelConfig
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_vl.hf_mapping import to_hub_style
+from loongforge.models.qwen_vl import hf_config as nested
 from loongforge.models.towers.qwen3_vit.hf_config import tower_from_hf, tower_to_hf
 from loongforge.models.towers.qwen3_vit.hf_mapping import tower_hf_shapes
 
 NAME = "qwen3_vl"
-_DENSE, _MOE = "Qwen3VLForConditionalGeneration", "Qwen3VLMoeForConditionalGeneration"
-HF_ARCHITECTURES = (_DENSE, "Qwen3VLModel", _MOE, "Qwen3VLMoeModel")
-HF_MODEL_TYPES = ("qwen3_vl", "qwen3_vl_moe")
-# config.json model_type of (the model, its text_config, its vision_config), dense and MoE.
-_MODEL_TYPES = {False: ("qwen3_vl", "qwen3_vl_text", "qwen3_vl_vision"),
-                True: ("qwen3_vl_moe", "qwen3_vl_moe_text", "qwen3_vl_moe_vision")}
+_NAMES = nested.HfNames(class_prefix="Qwen3VL", model_type="qwen3_vl")
+HF_ARCHITECTURES = _NAMES.architectures  # Qwen3VL[Moe]ForConditionalGeneration, Qwen3VL[Moe]Model
+HF_MODEL_TYPES = (_NAMES.model_types(False)[0], _NAMES.model_types(True)[0])  # qwen3_vl, qwen3_vl_moe
 _DEFAULT_MROPE_SECTION = [24, 20, 20]  # transformers' default when a config names none
-_TOKEN_FIELDS = ("image_token_id", "video_token_id", "vision_start_token_id", "vision_end_token_id")
-
-
-def _rope(text: Mapping[str, Any]) -> tuple[float, list[int]]:
-    params = text.get("rope_parameters") or text.get("rope_scaling") or {}
-    theta = params.get("rope_theta", text.get("rope_theta", 5_000_000.0))
-    return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION)
-
-
-def _is_moe(cfg: Mapping[str, Any]) -> bool:
-    return _MOE in (cfg.get("architectures") or []) or cfg.get("model_type") == _MODEL_TYPES[True][0]
 
 
 def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
@@ -54,32 +37,21 @@ def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
     return experts_from_hf(text, where, model="Qwen3-VL-MoE", key_prefix="text_config.")
 
 
+def _rope(text: Mapping[str, Any]) -> tuple[float, list[int]]:
+    params = nested.rope_parameters(text)
+    theta = params.get("rope_theta", text.get("rope_theta", 5_000_000.0))
+    return float(theta), list(params.get("mrope_section") or _DEFAULT_MROPE_SECTION)
+
+
+def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> LanguageConfig:
+    return nested.language_from_hf(text, tied=tied, rope=_rope(text), default_head_dim=128, **experts)
+
+
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` from a Qwen3-VL or Qwen3-VL-MoE ``config.json``."""
-    text, vision = cfg.get("text_config") or {}, cfg.get("vision_config") or {}
-    try:
-        experts = _experts(text, where) if _is_moe(cfg) else {}
-        theta, section = _rope(text)
-        heads = text["num_attention_heads"]
-        vision_cfg, projector_cfg = tower_from_hf(vision)
-        defaults = TokenIdsConfig()
-        return ModelConfig(
-            family=NAME,
-            vision=vision_cfg,
-            projector=projector_cfg,
-            language=LanguageConfig(
-                num_layers=text["num_hidden_layers"], hidden_size=text["hidden_size"],
-                ffn_hidden_size=text["intermediate_size"], num_attention_heads=heads,
-                num_query_groups=text.get("num_key_value_heads", heads), vocab_size=text["vocab_size"],
-                rms_norm_eps=text.get("rms_norm_eps", 1e-6), rope_theta=theta, mrope_section=section,
-                mrope_interleaved=True, max_position_embeddings=text.get("max_position_embeddings", 262_144),
-                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", text.get("tie_word_embeddings", False))),
-                add_qkv_bias=False, qk_norm=True, head_dim=text.get("head_dim", 128), **experts,
-            ),
-            tokens=TokenIdsConfig(**{name: cfg.get(name, getattr(defaults, name)) for name in _TOKEN_FIELDS}),
-        )
-    except KeyError as exc:
-        raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete Qwen3-VL config.json?") from None
+    return nested.model_config_from_hf(
+        cfg, where, family=NAME, model="Qwen3-VL", tower=tower_from_hf, language=_language,
+        experts=lambda text: _experts(text, where) if _NAMES.is_moe(cfg) else {})
 
 
 def config_problems(model_cfg: ModelConfig) -> list[str]:
@@ -94,31 +66,17 @@ def config_problems(model_cfg: ModelConfig) -> list[str]:
 
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
-    lang, tok = model_cfg.language, model_cfg.tokens
+    lang = model_cfg.language
     moe = lang.num_experts > 0
     if moe and not lang.norm_topk_prob:
         raise ValueError("model.language.norm_topk_prob=false has no Qwen3-VL-MoE config.json: transformers' "
                          "router always renormalises the top-k probabilities")
-    model_type, text_type, vision_type = _MODEL_TYPES[moe]
-    return {
-        "architectures": [_MOE if moe else _DENSE],
-        "model_type": model_type,
-        "tie_word_embeddings": lang.tie_word_embeddings,
-        "dtype": dtype,
-        **{name: getattr(tok, name) for name in _TOKEN_FIELDS},
-        "text_config": {
-            "model_type": text_type, "vocab_size": lang.vocab_size, "hidden_size": lang.hidden_size,
-            "intermediate_size": lang.ffn_hidden_size, "num_hidden_layers": lang.num_layers,
-            "num_attention_heads": lang.num_attention_heads, "num_key_value_heads": lang.num_query_groups,
-            "head_dim": lang.head_dim or lang.hidden_size // lang.num_attention_heads, "hidden_act": "silu",
-            "max_position_embeddings": lang.max_position_embeddings, "rms_norm_eps": lang.rms_norm_eps,
-            "attention_bias": False, "tie_word_embeddings": lang.tie_word_embeddings, "dtype": dtype,
+    _, text_type, vision_type = _NAMES.model_types(moe)
+    text = {**nested.text_config_to_hf(lang, text_type, dtype),
             "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
                                 "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
-            **(experts_to_hf(lang) if moe else {}),
-        },
-        "vision_config": tower_to_hf(model_cfg, vision_type),
-    }
+            **(experts_to_hf(lang) if moe else {})}
+    return nested.nested_hf_config(_NAMES, model_cfg, dtype, text=text, vision=tower_to_hf(model_cfg, vision_type))
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:

@@ -100,6 +100,17 @@ def packed_segments(cu_seqlens: torch.Tensor) -> PackedSeqParams:
     )
 
 
+def patch_rotary_freqs(grid_thw: torch.Tensor, merge: int, head_dim: int) -> torch.Tensor:
+    """[P, head_dim] 2-D rotary angles of every patch of ``grid_thw`` in the processor's (merge-unit
+    major) patch order: the Qwen ViTs' rotary embedding."""
+    return rotary_freqs(patch_positions(grid_thw, merge), head_dim)
+
+
+def frame_segments(grid_thw: torch.Tensor) -> PackedSeqParams:
+    """thd parameters of full attention within each frame of every medium of ``grid_thw``."""
+    return packed_segments(frame_cu_seqlens(grid_thw))
+
+
 def vision_pg_collection(
     tp_group: torch.distributed.ProcessGroup, language_pgs: ProcessGroupCollection,
     cp_group: Optional[torch.distributed.ProcessGroup] = None,

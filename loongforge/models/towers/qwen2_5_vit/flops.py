@@ -16,12 +16,10 @@ from loongforge.models.flops import (
     FlopOptions,
     Grid,
     attention_flops,
-    frame_lengths,
-    merger_forward_flops,
-    patch_embedding_flops,
-    projector_passes,
+    frame_attention_flops,
+    patch_merger_flops,
+    patch_tower_flops,
     vision_block_linear_flops,
-    vision_block_passes,
 )
 
 
@@ -49,23 +47,21 @@ def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
     window_units = vis.window_size // vis.patch_size // merge
     # Vision heads are hidden / num_heads wide: q_width is the tower's width.
     windowed = attention_flops(window_lengths(grids, merge, window_units), vis.hidden_size)
-    full = attention_flops(frame_lengths(grids), vis.hidden_size)
+    full = frame_attention_flops(grids, vis.hidden_size)
     linears = vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=True)
     return vis.depth * linears + full_blocks * full + (vis.depth - full_blocks) * windowed
 
 
 def vision_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
     vis = model_cfg.vision
-    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=vis.temporal_patch_size,
-                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
-    return embedding + vision_block_passes(options) * blocks_forward_flops(model_cfg, grids)
+    return patch_tower_flops(grids, options, in_channels=vis.in_channels, temporal_patch_size=vis.temporal_patch_size,
+                             patch_size=vis.patch_size, width=vis.hidden_size,
+                             blocks_forward=blocks_forward_flops(model_cfg, grids))
 
 
 def projector_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
-    merge, width = model_cfg.projector.spatial_merge_size, model_cfg.vision.hidden_size
-    merged_tokens = sum(t * h * w for t, h, w in grids) // (merge * merge)
-    merger = merger_forward_flops(merged_tokens, width * merge * merge, model_cfg.projector.out_hidden_size)
-    return projector_passes(options) * merger
+    return patch_merger_flops(grids, options, merge=model_cfg.projector.spatial_merge_size,
+                              width=model_cfg.vision.hidden_size, out_width=model_cfg.projector.out_hidden_size)
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

@@ -32,11 +32,10 @@ from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     apply_mlp,
-    frame_cu_seqlens,
+    frame_segments,
     merger_mlp,
     packed_segments,
-    patch_positions,
-    rotary_freqs,
+    patch_rotary_freqs,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -99,7 +98,7 @@ class VisionModel(PackedTower):
 
     def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
         order, cu_windows = window_partition(grid_thw, self.merge, self.window_units)
-        window_params, full_params = packed_segments(cu_windows), packed_segments(frame_cu_seqlens(grid_thw))
+        window_params, full_params = packed_segments(cu_windows), frame_segments(grid_thw)
         unit = self.merge * self.merge
 
         def to_window_order(x: torch.Tensor) -> torch.Tensor:
@@ -107,7 +106,7 @@ class VisionModel(PackedTower):
             return x.reshape(-1, unit, *x.shape[1:])[order].reshape(x.shape)
 
         hidden = to_window_order(self.patch_embed(pixel_values))  # [P, h]
-        freqs = rotary_freqs(patch_positions(grid_thw, self.merge), self.head_dim)
+        freqs = patch_rotary_freqs(grid_thw, self.merge, self.head_dim)
         freqs = to_window_order(freqs)[:, None, None, :]  # [P, 1, 1, hd]
         hidden = hidden[:, None, :]  # megatron's [s, b, h] with b = 1 (thd packing)
         for index, layer in enumerate(self.layers):

@@ -17,13 +17,10 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import (
     FlopOptions,
     Grid,
-    attention_flops,
-    frame_lengths,
-    merger_forward_flops,
-    patch_embedding_flops,
-    projector_passes,
+    frame_attention_flops,
+    patch_merger_flops,
+    patch_tower_flops,
     vision_block_linear_flops,
-    vision_block_passes,
 )
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
@@ -33,21 +30,20 @@ def blocks_forward_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid]) -> in
     num_heads wide: q_width is the tower's width)."""
     patches = sum(t * h * w for t, h, w in grids)
     linears = vision_block_linear_flops(patches, vision.hidden_size, vision.intermediate_size, gated=False)
-    return vision.depth * (linears + attention_flops(frame_lengths(grids), vision.hidden_size))
+    return vision.depth * (linears + frame_attention_flops(grids, vision.hidden_size))
 
 
 def vision_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
-    embedding = patch_embedding_flops(grids, in_channels=vision.in_channels,
-                                      temporal_patch_size=vision.temporal_patch_size, patch_size=vision.patch_size,
-                                      width=vision.hidden_size, options=options)
-    return embedding + vision_block_passes(options) * blocks_forward_flops(vision, grids)
+    return patch_tower_flops(grids, options, in_channels=vision.in_channels,
+                             temporal_patch_size=vision.temporal_patch_size, patch_size=vision.patch_size,
+                             width=vision.hidden_size, blocks_forward=blocks_forward_flops(vision, grids))
 
 
 def projector_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
     """The merger and the DeepStack mergers (``training.freeze_projector`` freezes them all)."""
-    merged_tokens = sum(t * h * w for t, h, w in grids) // vision.spatial_merge_size ** 2
-    merger = merger_forward_flops(merged_tokens, vision.merged_width, vision.out_hidden_size)
-    return projector_passes(options) * (1 + vision.num_deepstack_layers) * merger
+    merger = patch_merger_flops(grids, options, merge=vision.spatial_merge_size, width=vision.hidden_size,
+                                out_width=vision.out_hidden_size)
+    return (1 + vision.num_deepstack_layers) * merger
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

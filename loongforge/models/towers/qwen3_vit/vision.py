@@ -34,11 +34,9 @@ from loongforge.models.vlm.vision_common import (
     PackedTower,
     PatchEmbed,
     apply_mlp,
-    frame_cu_seqlens,
+    frame_segments,
     merger_mlp,
-    packed_segments,
-    patch_positions,
-    rotary_freqs,
+    patch_rotary_freqs,
 )
 
 # ---------------------------------------------------------------------------------------------
@@ -98,8 +96,8 @@ class VisionModel(PackedTower):
         taps, weights = position_embedding_taps(grid_thw, vision.position_grid_side, merge)
         positions = (self.pos_embed(taps) * weights[..., None].to(self.pos_embed.weight.dtype)).sum(1)
         hidden = self.patch_embed(pixel_values) + positions  # [P, h]
-        freqs = rotary_freqs(patch_positions(grid_thw, merge), vision.head_dim)[:, None, None, :]  # [P, 1, 1, hd]
-        frames = packed_segments(frame_cu_seqlens(grid_thw))
+        freqs = patch_rotary_freqs(grid_thw, merge, vision.head_dim)[:, None, None, :]  # [P, 1, 1, hd]
+        frames = frame_segments(grid_thw)
         hidden = hidden[:, None, :]  # megatron's [s, b, h] with b = 1 (thd packing)
         deepstack = []
         for index, layer in enumerate(self.layers):
