@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import math
 import tempfile
-import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -55,6 +54,7 @@ from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_model_parallel, shutdown
 from loongforge.parallel.console import quiet_process
 from loongforge.parallel.launch_env import free_port, order_tensor_parallel_kernels
+from loongforge.parallel.spawned import run_to_the_end
 
 DEFAULT_ATOL = 1e-4  # fp32 on both sides: reductions in another order stay far below this
 # 140 x 112 px: a 10 x 8 patch grid (20 LLM tokens), and attention windows of 8 x 8 patches that
@@ -335,23 +335,7 @@ def _spawn(job: _Job) -> None:
     context = mp.get_context("spawn")
     # The CPU alone computes here (megatron's fallback notices are expected).
     processes = [quiet_process(context, _spawned_rank, (rank, job), daemon=True) for rank in range(job.tp)]
-    for process in processes:
-        process.start()
-    try:
-        while any(process.is_alive() for process in processes):
-            failed = [rank for rank, process in enumerate(processes) if process.exitcode not in (None, 0)]
-            if failed:
-                break
-            time.sleep(0.2)
-        failed = [rank for rank, process in enumerate(processes) if process.exitcode not in (None, 0)]
-        if failed:
-            raise RuntimeError(f"check logits: TP rank {failed[0]} of {job.tp} failed with exit code "
-                               f"{processes[failed[0]].exitcode}; its traceback is above")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
+    run_to_the_end(processes, what=f"check logits: of {job.tp} TP ranks, rank")
 
 
 # ---------------------------------------------------------------------------------------------

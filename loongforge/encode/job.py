@@ -46,6 +46,7 @@ from loongforge.encode.worker import DTYPES, ShardDone, WorkerSpec, default_thre
 from loongforge.models.registry import get_family
 from loongforge.parallel.console import quiet_process
 from loongforge.parallel.launch_env import runs_on_cuda
+from loongforge.parallel.spawned import run_to_the_end
 
 
 @dataclass(frozen=True)
@@ -242,21 +243,7 @@ def _run_spawned(spec: WorkerSpec, bar, shard_sizes: dict[Path, int]) -> str:
     processes = [quiet_process(context, _spawned_rank, (spec, rank), inherited=(digests,),
                                on_cuda=runs_on_cuda(spec.device), daemon=True)
                  for rank in range(spec.world_size)]
-    for process in processes:
-        process.start()
-    try:
-        while any(p.is_alive() for p in processes):
-            time.sleep(0.5)
-            _refresh(bar, shard_sizes)
-            failed = [p for p in processes if p.exitcode not in (None, 0)]
-            if failed:
-                raise RuntimeError(f"encode process {processes.index(failed[0])} failed with exit code "
-                                   f"{failed[0].exitcode}; its traceback is above")
-    finally:
-        for process in processes:
-            if process.is_alive():
-                process.terminate()
-            process.join()
+    run_to_the_end(processes, what="encode process", poll_s=0.5, on_tick=lambda: _refresh(bar, shard_sizes))
     _refresh(bar, shard_sizes)
     return digests[0]
 

@@ -79,6 +79,20 @@ class VisionEncoder(torch.nn.Module, abc.ABC):
         ``projector_parts`` (the order of their parameters in the model)."""
 
 
+class TowerThenProjector(VisionEncoder):
+    """The common vision part: a tower (``vision_model``: rows + grids -> patch features) then a projector to the
+    language model's width (``projector``: merging ``merge_unit`` patches into a token, or one token each)."""
+
+    def __init__(self, vision_model: torch.nn.Module, projector: torch.nn.Module, model_cfg: ModelConfig, *,
+                 merge_unit: int):
+        super().__init__(merge_unit=merge_unit, out_hidden=model_cfg.projector.out_hidden_size)
+        self.vision_model = vision_model
+        self.projector = projector
+
+    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
+        return self.projector(self.vision_model(pixel_values, grid_thw))  # [P / merge_unit, LM hidden]
+
+
 @dataclass(frozen=True)
 class EncoderBuild:
     """What a vision part is built with, at any layout (the same call builds a training stage's

@@ -15,7 +15,7 @@ from loongforge.models.media import MediaSet
 from loongforge.models.hf.rules import VISION, PatchEmbedding, Replicated, Rule, Split, ViTBlockNames, vit_block_rules
 from loongforge.models.layers.layer_backend import layer_norm_modules
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
 from loongforge.models.vlm.vision_configs import layer_norm_vit_config, to_language_width_config
 from tests.train.made_up_tower.processing import WIDE
 
@@ -28,15 +28,13 @@ class Orientation(torch.nn.Module):
         self.weight = torch.nn.Parameter(torch.randn(2, width, dtype=dtype) * 0.02)
 
 
-class MadeUpEncoder(VisionEncoder):
+class MadeUpEncoder(TowerThenProjector):
     projector_parts = ("projector", "orientation")
     reads_items = True  # the wide fact
 
     def __init__(self, vision_model: VisionModel, projector: MLPProjector, orientation: Orientation,
                  model_cfg: ModelConfig):
-        super().__init__(merge_unit=1, out_hidden=model_cfg.projector.out_hidden_size)
-        self.vision_model = vision_model
-        self.projector = projector
+        super().__init__(vision_model, projector, model_cfg, merge_unit=1)
         self.orientation = orientation
 
     @classmethod
@@ -53,9 +51,6 @@ class MadeUpEncoder(VisionEncoder):
                             projector=lambda: MLPProjector(projector_config, model_cfg, build.tp_group, build.modules),
                             orientation=lambda: Orientation(model_cfg.projector.out_hidden_size, build.params_dtype))
         return cls(made["vision_model"], made["projector"], made["orientation"], model_cfg)
-
-    def forward(self, pixel_values, grid_thw):
-        return self.projector(self.vision_model(pixel_values, grid_thw))  # [images * side^2, LM hidden]
 
     def encode_images(self, images: MediaSet) -> torch.Tensor:
         if WIDE not in images.facts:

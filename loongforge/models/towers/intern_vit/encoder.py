@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import torch
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.projectors.pixel_shuffle_mlp import PixelShuffleProjector
@@ -10,7 +9,7 @@ from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
 from loongforge.models.towers.intern_vit.vision import VisionModel
 from loongforge.models.vlm.vision_common import square_side
 from loongforge.models.vlm.vision_configs import to_language_width_config, tower_config
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
 
 # model.vision.norm -> megatron's normalization of the blocks' pre-norms.
 NORMALIZATION = {"layer": "LayerNorm", "rms": "RMSNorm"}
@@ -34,14 +33,9 @@ def check(model_cfg: ModelConfig) -> None:
 PROJECTOR_NORM_EPS = 1e-5
 
 
-class InternVLEncoder(VisionEncoder):
+class InternVLEncoder(TowerThenProjector):
     """pixel rows [tiles * side^2, C*p*p] + grids (1, side, side) per tile -> merged features
     [tiles * side^2 / 4, LM hidden]."""
-
-    def __init__(self, vision_model: VisionModel, projector: PixelShuffleProjector, model_cfg: ModelConfig):
-        super().__init__(merge_unit=4, out_hidden=model_cfg.projector.out_hidden_size)
-        self.vision_model = vision_model
-        self.projector = projector
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "InternVLEncoder":
@@ -58,7 +52,4 @@ class InternVLEncoder(VisionEncoder):
             projector=lambda: PixelShuffleProjector(projector_config, vision_hidden_size=vis.hidden_size,
                                                     tile_side=square_side(vis), tp_group=build.tp_group,
                                                     modules=build.modules))
-        return cls(made["vision_model"], made["projector"], model_cfg)
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.vision_model(pixel_values, grid_thw))
+        return cls(made["vision_model"], made["projector"], model_cfg, merge_unit=4)

@@ -15,7 +15,7 @@ from loongforge.models.vlm.vision_configs import (
     layer_norm_vit_config,
     to_language_width_config,
 )
-from loongforge.models.vlm.encoder import EncoderBuild, VisionEncoder, seeded_parts
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
 
 
 def check(model_cfg: ModelConfig) -> None:
@@ -46,19 +46,14 @@ def build_parts(build: EncoderBuild, **more) -> dict[str, torch.nn.Module]:
                         **more)
 
 
-class SiglipEncoder(VisionEncoder):
+class SiglipEncoder(TowerThenProjector):
     """pixel rows [squares * side^2, C*p*p] + grids (squares, side, side) -> one feature row per patch
     [squares * side^2, LM hidden]."""
 
     def __init__(self, vision_model: VisionModel, projector: MLPProjector, model_cfg: ModelConfig):
-        super().__init__(merge_unit=1, out_hidden=model_cfg.projector.out_hidden_size)
-        self.vision_model = vision_model
-        self.projector = projector
+        super().__init__(vision_model, projector, model_cfg, merge_unit=1)
 
     @classmethod
     def build(cls, build: EncoderBuild) -> "SiglipEncoder":
         made = build_parts(build)
         return cls(made["vision_model"], made["projector"], build.model_cfg)
-
-    def forward(self, pixel_values: torch.Tensor, grid_thw: torch.Tensor) -> torch.Tensor:
-        return self.projector(self.vision_model(pixel_values, grid_thw))  # [squares * side^2, h]
