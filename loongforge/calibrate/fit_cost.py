@@ -24,13 +24,8 @@ from loongforge.balance.fit import (
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import LanguageConfig
 from loongforge.config.validate import build_run_config
-from loongforge.models.flops import (
-    FULL_ATTENTION,
-    LINEAR_ATTENTION,
-    attention_width,
-    decoder_layer_types,
-    gated_delta_rule_flops,
-)
+from loongforge.models.decoder.layer_costs import FULL_ATTENTION, LINEAR_ATTENTION, gated_delta_rule_flops
+from loongforge.models.flops import attention_width, decoder_layer_types
 from loongforge.models.registry import get_family
 from loongforge.profile.profile_file import read_profile
 

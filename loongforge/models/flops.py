@@ -2,7 +2,8 @@
 
 Each family counts its own towers in its folder (``<family>/flops.py``, the family contract's
 ``training_flops``) with the pieces here: the convention, the pass counts the training options imply,
-the decoder layers over packed segments, the LM head, and what vision towers share. Pure arithmetic,
+the decoder layers over packed segments (each layer's token mixer and MLP by its kind,
+``models.decoder.layer_costs``), the LM head, and what vision towers share. Pure arithmetic,
 no torch: the dry-run plan and the benchmarks read it without building a model.
 
 Convention:
@@ -18,7 +19,7 @@ Convention:
   only (x1); see ``FlopOptions``;
 - a hybrid decoder's linear-attention layers (Gated DeltaNet, ``model.language.layer_types``) are
   linear in the sample length: their projections, the causal convolution (``2 K`` per channel and
-  token, ``K`` taps) and the chunked gated delta rule, ``gated_delta_rule_flops``: per token and
+  token, ``K`` taps) and the chunked gated delta rule, ``layer_costs.gated_delta_rule_flops``: per token and
   value head ``6 d_k d_v + 2 C (3 d_k + 2 d_v)`` with fla's chunk ``C = 64``, what its kernel
   multiplies (see there). Full-attention layers keep the ``L^2`` term; with an output gate their
   q projection is twice as wide (each head's query and gate);
@@ -42,7 +43,14 @@ from dataclasses import asdict, dataclass
 from typing import Callable, Sequence
 
 from loongforge.balance.cost_model import SampleCost
-from loongforge.config.schema import LAYER_TYPES, LanguageConfig, LinearAttentionConfig, ModelConfig, TrainingConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig
+from loongforge.models.decoder.layer_costs import (
+    FULL_ATTENTION,
+    attention_flops,
+    linear_flops,
+    mlp,
+    token_mixer,
+)
 
 Grid = tuple[int, int, int]  # (t, h, w) patches of one image or video
 
@@ -160,45 +168,8 @@ def lm_head_passes(options: FlopOptions) -> int:
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward FLOPs of the shared pieces
+# The decoder's layers
 # ---------------------------------------------------------------------------------------------
-
-
-def linear_flops(tokens: int, fan_in: int, fan_out: int) -> int:
-    return 2 * tokens * fan_in * fan_out
-
-
-def attention_flops(segment_lengths: Sequence[int], q_width: int) -> int:
-    """QK^T and AV over each segment's full ``L x L`` square (causal too): ``2 L^2 q_width`` each."""
-    return sum(4 * length * length * q_width for length in segment_lengths)
-
-
-def mlp_forward_flops(lang: LanguageConfig, tokens: int, sparse: bool = True) -> int:
-    """One decoder layer's MLP: SwiGLU (gate and up ``h -> ffn``, down ``ffn -> h``), or with
-    experts (``sparse``: not one of DeepSeek's dense first layers) the router (``h -> num_experts``) plus
-    the ``moe_router_topk`` SwiGLU experts each token runs through, and the shared expert (SwiGLU, gated
-    ``h -> 1`` in Qwen3.5-MoE) if any."""
-    h = lang.hidden_size
-    if lang.num_experts and sparse:
-        router = linear_flops(tokens, h, lang.num_experts)
-        shared = lang.moe_shared_expert_ffn_hidden_size
-        gate = 1 if lang.moe_shared_expert_gate else 0
-        shared_expert = linear_flops(tokens, h, 3 * shared + gate) if shared else 0
-        return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size) + shared_expert
-    return linear_flops(tokens, h, 3 * lang.ffn_hidden_size)
-
-
-def head_dim(lang: LanguageConfig) -> int:
-    """Channels per attention head: ``model.language.head_dim``, else hidden / heads (as the decoder
-    reads it, ``models.decoder.params.head_dim``; a module here outside the family folders imports
-    none of the model folders)."""
-    return lang.head_dim or lang.hidden_size // lang.num_attention_heads
-
-
-FULL_ATTENTION, LINEAR_ATTENTION = LAYER_TYPES  # model.language.layer_types
-# Tokens per chunk of the chunked gated delta rule (fla's ``chunk_gated_delta_rule``, and
-# ``models.decoder.linear_attention.chunked``'s default): how far the within-chunk products reach.
-DELTA_RULE_CHUNK = 64
 
 
 def decoder_layer_types(lang: LanguageConfig) -> list[str]:
@@ -229,92 +200,9 @@ def sparse_layers(lang: LanguageConfig) -> list[bool]:
 
 
 def attention_width(lang: LanguageConfig) -> float:
-    """The width w of a full-attention layer's ``4 L^2 w`` attention FLOPs (QK^T and AV over a segment of L):
-    the query width (heads x head_dim) for GQA; for multi-latent attention the mean of the query's
-    (no-position plus rotary channels) and the values' widths, as QK^T and AV differ."""
-    mla, heads = lang.multi_latent_attention, lang.num_attention_heads
-    if mla is None:
-        return heads * head_dim(lang)
-    return heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim + mla.v_head_dim) / 2
-
-
-def full_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-    """QKV at the real widths (q: heads * head_dim, k and v: query_groups * head_dim each; Qwen3's
-    head_dim need not be hidden / heads; with ``attention_output_gate`` q_proj also yields each head's
-    gate, twice q's width), the output projection ``q_width -> h``, and attention within each segment."""
-    tokens, h, channels = sum(segment_lengths), lang.hidden_size, head_dim(lang)
-    q_width, kv_width = lang.num_attention_heads * channels, lang.num_query_groups * channels
-    q_proj_width = 2 * q_width if lang.attention_output_gate else q_width
-    projections = linear_flops(tokens, h, q_proj_width + 2 * kv_width) + linear_flops(tokens, q_width, h)
-    return projections + attention_flops(segment_lengths, q_width)
-
-
-def latent_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-    """Multi-latent attention as it trains (the latents expanded, not absorbed): the query's down- and
-    up-projections (or its one projection), the keys' and values' down-projection (with the shared rotary
-    key) and up-projection, the output projection ``heads v -> h``, and attention within each segment,
-    ``QK^T`` over the query width (no-position plus rotary channels) and ``AV`` over the value width."""
-    mla, tokens, h, heads = lang.multi_latent_attention, sum(segment_lengths), lang.hidden_size, lang.num_attention_heads
-    q_width, v_width = heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim), heads * mla.v_head_dim
-    if mla.q_lora_rank is None:
-        query = linear_flops(tokens, h, q_width)
-    else:
-        query = linear_flops(tokens, h, mla.q_lora_rank) + linear_flops(tokens, mla.q_lora_rank, q_width)
-    key_value = (linear_flops(tokens, h, mla.kv_lora_rank + mla.qk_rope_head_dim)
-                 + linear_flops(tokens, mla.kv_lora_rank, heads * mla.qk_nope_head_dim + v_width))
-    attention = sum(2 * length * length * (q_width + v_width) for length in segment_lengths)
-    return query + key_value + linear_flops(tokens, v_width, h) + attention
-
-
-def causal_conv_flops(tokens: int, shape: LinearAttentionConfig) -> int:
-    """Gated DeltaNet's depthwise causal convolution over q, k, v: ``conv_kernel`` multiply-adds per
-    channel and token."""
-    channels = 2 * shape.num_key_heads * shape.key_head_dim + shape.num_value_heads * shape.value_head_dim
-    return 2 * shape.conv_kernel * channels * tokens
-
-
-def gated_delta_rule_flops(tokens: int, shape: LinearAttentionConfig, chunk: int = DELTA_RULE_CHUNK) -> int:
-    """The chunked gated delta rule over ``tokens`` tokens, as fla's kernel multiplies it; q and k
-    repeated over the value heads they serve, so every term is per value head.
-
-    Per token and value head, ``6 d_k d_v + 2 C (3 d_k + 2 d_v)``:
-
-    - ``3 x 2 d_k d_v`` against the chunk's starting state S [d_k, d_v]: the correction ``w S``
-      (``v_new = u - w S``), the state update ``S <- decay S + K^T v_new`` and the read ``q S``;
-    - ``2 C d_k`` three times and ``2 C d_v`` twice, a row of a C x C product each: ``beta K K^T``,
-      ``w = A beta K``, ``Q K^T``, and ``u = A beta V``, ``(Q K^T) v_new`` (A: the chunk's solved
-      unit-triangular system), over the whole C x C block as the kernel runs it (attention's
-      full-square convention), per real token, so a sample's count is exactly linear in its length.
-
-    The plain-torch ``models.decoder.linear_attention.chunked`` solves for ``u`` directly (a triangular solve,
-    not a matmul) instead of the ``w`` and ``u`` products: ``2 C (d_k + d_v)`` fewer multiplications of
-    its own."""
-    dk, dv = shape.key_head_dim, shape.value_head_dim
-    state = 3 * 2 * dk * dv
-    within_chunk = 2 * chunk * (3 * dk + 2 * dv)
-    return tokens * shape.num_value_heads * (state + within_chunk)
-
-
-def linear_attention_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-    """Gated DeltaNet: the input projection (q, k, v, the output gate z, and b, a per value head), the
-    causal convolution, the gated delta rule and the output projection ``V -> h``. Every term is linear
-    in the tokens: the state restarts at each segment, but no segment costs more per token for its length."""
-    shape, tokens, h = lang.linear_attention, sum(segment_lengths), lang.hidden_size
-    key_width = shape.num_key_heads * shape.key_head_dim
-    value_width = shape.num_value_heads * shape.value_head_dim
-    in_proj_width = 2 * key_width + value_width + value_width + 2 * shape.num_value_heads  # q k v, z, b a
-    projections = linear_flops(tokens, h, in_proj_width) + linear_flops(tokens, value_width, h)
-    return projections + causal_conv_flops(tokens, shape) + gated_delta_rule_flops(tokens, shape)
-
-
-def token_mixer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int], layer_type: str) -> int:
-    if layer_type == FULL_ATTENTION:
-        if lang.multi_latent_attention is not None:
-            return latent_attention_forward_flops(lang, segment_lengths)
-        return full_attention_forward_flops(lang, segment_lengths)
-    if layer_type == LINEAR_ATTENTION:
-        return linear_attention_forward_flops(lang, segment_lengths)
-    raise ValueError(f"model.language.layer_types holds {layer_type!r}; expected {FULL_ATTENTION} or {LINEAR_ATTENTION}")
+    """The width w of a full-attention layer's ``4 L^2 w`` attention FLOPs (QK^T and AV over a segment of L),
+    its mixer's (``layer_costs``: GQA's query width, multi-latent attention's mean of query and value widths)."""
+    return token_mixer(lang, FULL_ATTENTION).attention_width(lang)
 
 
 def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int],
@@ -322,8 +210,8 @@ def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[
     """One decoder layer over packed segments: its token mixer (``layer_type``: full or multi-latent
     attention with its ``L^2`` term, or linear attention) and the MLP (``sparse``: experts, where the model
     has them)."""
-    return (token_mixer_forward_flops(lang, segment_lengths, layer_type)
-            + mlp_forward_flops(lang, sum(segment_lengths), sparse=sparse))
+    return (token_mixer(lang, layer_type).forward_flops(lang, segment_lengths)
+            + mlp(lang, sparse).forward_flops(lang, sum(segment_lengths)))
 
 
 def decoder_layers_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> list[int]:

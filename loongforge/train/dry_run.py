@@ -24,7 +24,8 @@ from loongforge.config.layout import (
 from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
-from loongforge.models.flops import DELTA_RULE_CHUNK, LINEAR_ATTENTION, decoder_layer_types, head_dim, sparse_layers
+from loongforge.models.decoder.layer_costs import mlp, token_mixer
+from loongforge.models.flops import decoder_layer_types, sparse_layers
 from loongforge.models.layers.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -408,9 +409,9 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     2 (PP - 1) + (VP - 1) PP + 1 chunks in flight on it, PP + (PP - 1) / VP micro-batches' worth. Per token and layer, the values a pre-norm block saves (as
     ``encoder_activation_bytes`` counts them): 4 h for the two norms' inputs and the linears they
     feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, the token
-    mixer's (``_mixer_values_per_token``: a full-attention layer's q, k, v and attention output, a
-    linear-attention layer's Gated DeltaNet values, none of them growing with the sample's length) and
-    the MLP's (``_mlp_values_per_token``). A hybrid decoder's busiest rank is the one whose layers save
+    mixer's and the MLP's, each by its kind (``layer_costs``' ``saved_values_per_token``: a full-attention
+    layer's q, k, v and attention output, a linear-attention layer's Gated DeltaNet values, none of them
+    growing with the sample's length; the MLP's or the routed experts'). A hybrid decoder's busiest rank is the one whose layers save
     the most. With ``training.recompute_activations`` every layer keeps its input only, and one layer's
     values exist at a time in the backward.
     """
@@ -424,8 +425,10 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     tp = sizes.tensor_parallel
     norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
     def per_layer(kind: str) -> float:
-        mlp = _mlp_values_per_token(language, tp, sizes.expert_tensor_parallel, dense=kind.endswith(DENSE_MLP))
-        return value_bytes * (4 * norm_inputs + _mixer_values_per_token(language, _mixer(kind), tp) + mlp)
+        mixer = token_mixer(language, _mixer(kind)).saved_values_per_token(language, tp)
+        values = mlp(language, sparse=not kind.endswith(DENSE_MLP)).saved_values_per_token(
+            language, tp, sizes.expert_tensor_parallel)
+        return value_bytes * (4 * norm_inputs + mixer + values)
 
     layer_types = decoder_layer_kinds(language)
     ranks = [rank_layer_types(stages, layer_types, rank) for rank in range(pipeline)]
@@ -433,54 +436,6 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
         inputs = in_flight * max(len(kinds) for kinds in ranks) * value_bytes * norm_inputs
         return tokens * (inputs + max(per_layer(kind) for kind in set(layer_types)))
     return tokens * in_flight * max(sum(per_layer(kind) for kind in kinds) for kinds in ranks)
-
-
-def _mixer_values_per_token(language: LanguageConfig, layer_type: str, tp: int) -> float:
-    """A token mixer's values, split over TP. Full attention: q, k, v and the attention output; with
-    ``attention_output_gate`` also the gate and the gated output (the output projection's input)."""
-    if layer_type == LINEAR_ATTENTION:
-        return _linear_attention_values_per_token(language) / tp
-    if language.multi_latent_attention is not None:
-        return _latent_attention_values_per_token(language, tp)
-    q_width = language.num_attention_heads * head_dim(language)
-    kv_width = language.num_query_groups * head_dim(language)
-    gated = 2 * q_width if language.attention_output_gate else 0
-    return (2 * q_width + 2 * kv_width + gated) / tp
-
-
-def _latent_attention_values_per_token(language: LanguageConfig, tp: int) -> float:
-    """Multi-latent attention's values: the latents (the query's, the keys' and values' with the shared
-    rotary key; gathered over TP, and their normed copies), then per head the query and key (no-position
-    plus rotary channels), the value and the attention output, split over TP."""
-    mla, heads = language.multi_latent_attention, language.num_attention_heads
-    latents = 2 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) + mla.qk_rope_head_dim
-    qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
-    return latents + heads * (2 * qk + 2 * v) / tp
-
-
-def _linear_attention_values_per_token(language: LanguageConfig) -> float:
-    """Gated DeltaNet's values per token (K, V: the key and value widths, H the value heads): the input
-    projection's output (q, k, v before the convolution, z, b, a: 2K + 2V + 2H), the convolution's
-    output, g and beta (the rule's inputs fla keeps: 2K + V + 2H), fla's solved chunk matrix (a row of
-    ``DELTA_RULE_CHUNK`` per value head), the rule's output and the gated norm's (the output
-    projection's input: 2V). The recurrent state is recomputed in the backward, not kept."""
-    shape = language.linear_attention
-    key_width = shape.num_key_heads * shape.key_head_dim
-    value_width = shape.num_value_heads * shape.value_head_dim
-    heads, qkv = shape.num_value_heads, 2 * key_width + value_width
-    projection = qkv + value_width + 2 * heads
-    rule_inputs = qkv + 2 * heads + heads * DELTA_RULE_CHUNK
-    return projection + rule_inputs + 2 * value_width
-
-
-def _mlp_values_per_token(language: LanguageConfig, tp: int, expert_tp: int, dense: bool = False) -> float:
-    """A dense MLP's gate, up and product, split over TP; a mixture-of-experts layer's top-k copies of
-    the token routed to the experts, and their gate, up and product split over the expert TP, plus a
-    shared expert's gate, up and product split over TP. ``dense``: a model with experts' dense-MLP layer."""
-    if language.num_experts and not dense:
-        shared = 3 * (language.moe_shared_expert_ffn_hidden_size or 0) / tp
-        return language.moe_router_topk * (language.hidden_size + 3 * language.moe_ffn_hidden_size / expert_tp) + shared
-    return 3 * language.ffn_hidden_size / tp
 
 
 def lm_head_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:

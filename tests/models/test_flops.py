@@ -9,7 +9,7 @@ collated as training does), and the training step's forward + backward runs unde
 layers, LM head), must equal the analytic count within 2%; ``pytest -s`` prints both.
 
 Gated DeltaNet's rule (Qwen3.5's linear-attention layers) is counted as fla's GPU kernel multiplies it
-(``models.flops.gated_delta_rule_flops``), which no counter sees on CPU: the CPU rule runs unseen and is
+(``models.decoder.layer_costs.gated_delta_rule_flops``), which no counter sees on CPU: the CPU rule runs unseen and is
 charged that count (``FlaCountedRules``); tests/models/test_hybrid_counts.py checks the count against the
 plain-torch rule's matmuls.
 """
@@ -42,7 +42,8 @@ from loongforge.data.synthetic import SyntheticSamples
 from loongforge.data.template import Turn
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models import registry
-from loongforge.models.flops import FlopOptions, StepFlops, gated_delta_rule_flops, step_flops
+from loongforge.models.decoder.layer_costs import gated_delta_rule_flops
+from loongforge.models.flops import FlopOptions, StepFlops, step_flops
 from loongforge.models.decoder.gated_delta_net import GatedDeltaNet
 from loongforge.models.towers.qwen2_5_vit.flops import window_sizes
 from loongforge.models.towers.qwen2_5_vit.vision import window_partition

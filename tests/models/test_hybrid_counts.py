@@ -19,11 +19,10 @@ from loongforge.config.loader import load_run_config, to_dict
 from loongforge.config.schema import LanguageConfig, LinearAttentionConfig
 from loongforge.models.decoder import linear_attention
 from loongforge.models.decoder.params import language_layer_parameters, language_parameters
+from loongforge.models.decoder.layer_costs import DELTA_RULE_CHUNK, gated_delta_rule_flops
 from loongforge.models.flops import (
-    DELTA_RULE_CHUNK,
     FlopOptions,
     decoder_layer_forward_flops,
-    gated_delta_rule_flops,
     language_flops,
     language_layer_passes,
 )

@@ -256,7 +256,7 @@ def _tp_logits_and_grads(case: dict, sequence_parallel: bool) -> dict:
 def _assert_checkpoint_shapes(model, model_cfg) -> None:
     """The checkpoint describes each TP-split adapter matrix by its whole shape, split along the
     weight's axis (megatron's linear would record one rank's shard as a replicated whole)."""
-    from loongforge.models.decoder.params import head_dim
+    from loongforge.models.decoder.layer_costs import head_dim
 
     lang, layers = model_cfg.language, "language_model.decoder.layers.0."
     qkv_rows = (lang.num_attention_heads + 2 * lang.num_query_groups) * head_dim(lang)

@@ -14,7 +14,7 @@ from megatron.core.transformer.transformer_config import MLATransformerConfig, T
 from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import LanguageConfig, ParallelConfig
-from loongforge.models.decoder.params import head_dim
+from loongforge.models.decoder.layer_costs import head_dim
 
 _ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
 

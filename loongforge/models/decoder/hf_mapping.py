@@ -21,7 +21,7 @@ import dataclasses
 from typing import Any, Mapping, Optional
 
 from loongforge.config.schema import LanguageConfig
-from loongforge.models.decoder.params import head_dim
+from loongforge.models.decoder.layer_costs import head_dim
 from loongforge.models.hf.rules import (
     LANGUAGE,
     Copies,

@@ -15,7 +15,7 @@ from typing import Optional
 
 from loongforge.config.schema import ModelConfig, ParallelConfig
 from loongforge.models import parts
-from loongforge.models.decoder.params import head_dim
+from loongforge.models.decoder.layer_costs import head_dim
 from loongforge.models.vlm.interleaved_mrope import InterleavedMRoPE
 from loongforge.models.towers.qwen3_vit.encoder import Qwen3VLEncoder
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig

@@ -6,7 +6,7 @@ without bias)."""
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.params import linear_parameters as _linear
+from loongforge.models.decoder.layer_costs import linear_parameters as _linear
 from loongforge.models.towers.intern_vit.config import InternViTConfig
 
 

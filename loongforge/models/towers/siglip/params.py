@@ -6,7 +6,7 @@ transformers counts it."""
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.params import linear_parameters as _linear
+from loongforge.models.decoder.layer_costs import linear_parameters as _linear
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
