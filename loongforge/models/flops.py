@@ -242,6 +242,14 @@ def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions =
     return heads * lm_head_passes(options) * linear_flops(loss_tokens, lang.hidden_size, lang.vocab_size)
 
 
+def vision_block_saved_values(width: int, intermediate: int, tp: int, *, gated: bool) -> float:
+    """The values one pre-norm vision block saves for its backward, per patch: 4 w whole (the two norms' inputs
+    and the linears they feed), and split over the vision TP q, k, v and the attention output (4 w) and the
+    MLP's (gated: gate, up and their product, 3 i; plain: the up projection and its activation, 2 i). Not the
+    attention scores (flash-style kernels recompute them). A tower's ``TowerPart.saved_values``."""
+    return 4 * width + (4 * width + (3 if gated else 2) * intermediate) / tp
+
+
 def vision_block_linear_flops(patches: int, width: int, intermediate: int, *, gated: bool) -> int:
     """One vision block's matmuls but attention: QKV (``w -> 3w``), output projection, and the MLP
     (gated: gate and up ``w -> intermediate``, down; plain: up and down)."""

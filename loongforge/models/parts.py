@@ -39,6 +39,9 @@ class TowerPart:
     images: Callable[[ModelConfig, DataConfig], ImageProcessing]
     # model_cfg -> its HF weight rows (a ``LazyFunction``: the rows need torch, the registry does not)
     hf_rules: Callable[[ModelConfig], list]
+    # (model_cfg, vision TP) -> the values one of its blocks saves for the backward per patch (the dry run's
+    # activation estimate; ``models.flops.vision_block_saved_values``)
+    saved_values: Callable[[ModelConfig, int], float]
     # Whether its processing takes videos (the Qwen towers'; the others see images only)
     takes_videos: bool = False
 

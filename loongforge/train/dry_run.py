@@ -360,9 +360,10 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
     running it (``none``, ``tp``, ``full``, ``full, recompute``); None without an online encoder.
 
     An estimate for planning, at the worst case of a micro-batch whose every token is an image
-    token (``seq_len x merge^2`` patches): per patch and block, the values a pre-norm block saves,
-    4 h whole (the norms' and linears' inputs) and 4 h + 3 i split over the encoder's TP (q, k, v,
-    the attention output, the MLP's gate, up and product). ``none`` / ``tp``: the micro-batches a
+    token (``seq_len x merge^2`` patches): per patch and block, the values its blocks save
+    (``TowerPart.saved_values``: 4 h whole, the norms' and linears' inputs, and 4 h + 3 i or 2 i split over
+    the encoder's TP: q, k, v, the attention output, and a gated MLP's gate, up and product or a plain one's
+    up projection and activation). ``none`` / ``tp``: the micro-batches a
     first stage holds at once (PP under 1F1B; ``tp`` divides each over the TP group); ``full``: a
     rank's share of the step (micro-batches / (TP x PP)) plus the step's gathered features and
     their gradient; ``full, recompute``: one micro-batch's plus those features. Under context
@@ -378,11 +379,12 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
     merge = cfg.model.projector.spatial_merge_size ** 2
     patches = cfg.data.seq_len * merge  # one micro-batch of image tokens only
 
+    tower = parts.tower(vision.arch or get_family(cfg.model.family).tower(cfg.model))
+
     def per_patch(tp: int) -> float:
-        h, i = vision.hidden_size, vision.intermediate_size
-        block = value_bytes * (4 * h + (4 * h + 3 * i) / tp)
+        block = value_bytes * tower.saved_values(cfg.model, tp)  # the tower's own (its MLP gated or plain)
         if cfg.training.recompute_activations:
-            return vision.depth * value_bytes * h + block
+            return vision.depth * value_bytes * vision.hidden_size + block
         return vision.depth * block
 
     micro_batches = cfg.training.global_batch_size // sizes.data_parallel

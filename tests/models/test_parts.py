@@ -11,12 +11,13 @@ from typer.testing import CliRunner
 from loongforge.balance.cost_model import SampleCost
 from loongforge.cli.app import app
 from loongforge.config.errors import ConfigError
+from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.loader import load_run_config
 from loongforge.models import parts, registry
 from loongforge.models.family import ANY_TOWER
 from loongforge.models.flops import FlopOptions, step_flops
 from loongforge.models.vlm.encoder import VisionEncoder
-from loongforge.train.dry_run import human_count
+from loongforge.train.dry_run import encoder_activation_bytes, human_count
 
 
 @pytest.mark.parametrize("name", [name for name in registry.families() if registry.get_family(name).has_vision])
@@ -82,3 +83,30 @@ def test_a_tower_outside_loongforge_is_named_by_its_import_path():
     with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.shared_data: the module exports no PART = "
                                           r"TowerPart\(arch='tests.shared_data', ...\); export one$"):
         parts.tower("tests.shared_data")
+
+
+# The tiny preset of each tower, and how many intermediate-width values its MLP saves per patch: Qwen2.5-ViT's
+# SwiGLU keeps gate, up and their product; the plain GELU MLPs of the others keep the up projection and its
+# activation.
+TOWER_PRESETS = {"qwen2_5_vit": ("qwen2.5vl-tiny", 3), "qwen3_vit": ("qwen3vl-tiny", 2),
+                 "intern_vit": ("internvl3.5-tiny", 2), "siglip": ("llava-onevision-tiny", 2)}
+
+
+@pytest.mark.parametrize("tower", sorted(TOWER_PRESETS))
+def test_the_dry_runs_encoder_activations_are_the_towers_own(tower):
+    """The plan's vision activations per rank (``encoder_dp=none``) count what each tower's blocks save:
+    4 h whole and 4 h + m i split over the vision TP per patch and block, m its MLP's (3 gated, 2 plain)."""
+    preset, mlp_values = TOWER_PRESETS[tower]
+    cfg = load_run_config(preset, overrides=["parallel.tensor_model_parallel_size=2", "parallel.world_size=2"])
+    assert parts.tower(registry.get_family(cfg.model.family).tower(cfg.model)).arch == tower
+    sizes = derive_parallel_sizes(cfg.parallel)
+    vis, value_bytes = cfg.model.vision, 4 if cfg.training.precision == "fp32" else 2
+    patches = cfg.data.seq_len * cfg.model.projector.spatial_merge_size ** 2
+    in_flight = min(sizes.pipeline_parallel, cfg.training.global_batch_size // sizes.data_parallel)
+    split = 4 * vis.hidden_size + mlp_values * vis.intermediate_size
+    per_patch = 4 * vis.hidden_size + split / sizes.vision_tensor_parallel
+    expected = in_flight * patches * vis.depth * value_bytes * per_patch
+    planned = encoder_activation_bytes(cfg, sizes)["none"]
+    print(f"\n{tower}: {planned / 2**20:.2f} MiB of vision activations per rank (vision TP "
+          f"{sizes.vision_tensor_parallel})")
+    assert planned == pytest.approx(expected, rel=1e-12)

@@ -10,6 +10,8 @@ from loongforge.models.towers.siglip import flops, params
 # (model_cfg, grids, options) -> (vision, projector) FLOPs: the patch embedding, ``depth`` plain blocks
 # attending within each image, then the two projector linears on every patch.
 encoder_flops = flops.encoder_flops
+# (model_cfg, vision TP) -> values a block saves per patch: SigLIP-like blocks with a plain MLP.
+saved_values = flops.saved_values
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:

@@ -23,4 +23,4 @@ from loongforge.models.towers.intern_vit.processor import tiled_images
 
 PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
                  params.encoder_parameters, tiled_images,
-                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"))
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"), saved_values=flops.saved_values)

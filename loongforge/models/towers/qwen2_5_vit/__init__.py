@@ -16,4 +16,5 @@ from loongforge.models.towers.qwen2_5_vit import flops, params
 
 PART = TowerPart("qwen2_5_vit", ("patch_merger",), f"{__name__}.encoder:Qwen2_5_VLEncoder", flops.encoder_flops,
                  params.encoder_parameters, smart_resize_images,
-                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"), takes_videos=True)
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
+                 saved_values=flops.saved_values, takes_videos=True)

@@ -20,6 +20,7 @@ from loongforge.models.flops import (
     patch_merger_flops,
     patch_tower_flops,
     vision_block_linear_flops,
+    vision_block_saved_values,
 )
 
 
@@ -62,6 +63,12 @@ def vision_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOpt
 def projector_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
     return patch_merger_flops(grids, options, merge=model_cfg.projector.spatial_merge_size,
                               width=model_cfg.vision.hidden_size, out_width=model_cfg.projector.out_hidden_size)
+
+
+def saved_values(model_cfg: ModelConfig, tp: int) -> float:
+    """Values a block saves per patch (``TowerPart.saved_values``): a SwiGLU MLP."""
+    vis = model_cfg.vision
+    return vision_block_saved_values(vis.hidden_size, vis.intermediate_size, tp, gated=True)
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

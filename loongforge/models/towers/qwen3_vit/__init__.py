@@ -18,4 +18,5 @@ from loongforge.models.towers.qwen3_vit import flops, params
 
 PART = TowerPart("qwen3_vit", ("deepstack_mergers",), f"{__name__}.encoder:Qwen3VLEncoder", flops.encoder_flops,
                  params.encoder_parameters, smart_resize_images,
-                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:part_rules"), takes_videos=True)
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:part_rules"),
+                 saved_values=flops.saved_values, takes_videos=True)

@@ -21,6 +21,7 @@ from loongforge.models.flops import (
     patch_merger_flops,
     patch_tower_flops,
     vision_block_linear_flops,
+    vision_block_saved_values,
 )
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
@@ -44,6 +45,12 @@ def projector_flops(vision: Qwen3VisionConfig, grids: Sequence[Grid], options: F
     merger = patch_merger_flops(grids, options, merge=vision.spatial_merge_size, width=vision.hidden_size,
                                 out_width=vision.out_hidden_size)
     return (1 + vision.num_deepstack_layers) * merger
+
+
+def saved_values(model_cfg: ModelConfig, tp: int) -> float:
+    """Values a block saves per patch (``TowerPart.saved_values``): a plain GELU MLP."""
+    vision = Qwen3VisionConfig.from_model_cfg(model_cfg)
+    return vision_block_saved_values(vision.hidden_size, vision.intermediate_size, tp, gated=False)
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

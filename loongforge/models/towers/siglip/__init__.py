@@ -17,4 +17,4 @@ from loongforge.models.towers.siglip.processor import square_images
 
 PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:SiglipEncoder", flops.encoder_flops,
                  params.encoder_parameters, square_images,
-                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"))
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"), saved_values=flops.saved_values)
