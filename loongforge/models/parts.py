@@ -22,6 +22,11 @@ from loongforge.models.flops import EncoderFlops, vlm_training_flops
 from loongforge.models.media import ImageProcessing
 
 
+def no_problems(model_cfg: ModelConfig) -> list[str]:
+    """``TowerPart.config_problems`` of a tower that any settings of its fields build."""
+    return []
+
+
 @dataclass(frozen=True)
 class TowerPart:
     """One vision tower with the projectors it is built with."""
@@ -42,6 +47,9 @@ class TowerPart:
     # (model_cfg, vision TP) -> the values one of its blocks saves for the backward per patch (the dry run's
     # activation estimate; ``models.flops.vision_block_saved_values``)
     saved_values: Callable[[ModelConfig, int], float]
+    # model_cfg -> one-line problems (the key, its value and the fix) of settings it cannot be built with,
+    # checked with the run's config before anything is launched; [] when it builds
+    config_problems: Callable[[ModelConfig], list[str]] = no_problems
     # Whether its processing takes videos (the Qwen towers'; the others see images only)
     takes_videos: bool = False
 

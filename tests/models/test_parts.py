@@ -110,3 +110,19 @@ def test_the_dry_runs_encoder_activations_are_the_towers_own(tower):
     print(f"\n{tower}: {planned / 2**20:.2f} MiB of vision activations per rank (vision TP "
           f"{sizes.vision_tensor_parallel})")
     assert planned == pytest.approx(expected, rel=1e-12)
+
+
+@pytest.mark.parametrize("preset, override, message", [
+    ("llava-onevision-tiny", "model.vision.norm=rms", "model.vision.norm='rms': SigLIP's blocks use LayerNorm; set "
+                                                      "model.vision.norm=layer"),
+    ("internvl3.5-tiny", "model.projector.spatial_merge_size=1", "model.projector.spatial_merge_size=1: InternVL's "
+                                                                 "pixel shuffle merges 2 x 2 patches"),
+])
+def test_a_towers_own_checks_stop_the_run_before_it_starts(preset, override, message):
+    """A tower's settings it cannot be built with (``TowerPart.config_problems``) are one line naming the key and
+    the fix at the dry run, before any rank starts (they were a ValueError at the first rank's build)."""
+    with pytest.raises(ConfigError, match=message):
+        registry.check_family_layout(load_run_config(preset, overrides=[override]))
+    result = CliRunner().invoke(app, ["train", "--preset", preset, "--dry-run", override])
+    print(f"\n{result.output.strip().splitlines()[-1]}")
+    assert result.exit_code == 2 and message in result.output

@@ -111,6 +111,13 @@ class EncoderBuild:
     init_seed: Optional[int]
 
 
+def refuse(problems: list[str]) -> None:
+    """A part's settings problems (``TowerPart.config_problems``) as one ValueError, where a part is built
+    without a run's checks before it (``loongforge encode``, a test)."""
+    if problems:
+        raise ValueError("; ".join(problems))
+
+
 def seeded_parts(init_seed: Optional[int], **makers: Callable[[], torch.nn.Module]) -> dict[str, torch.nn.Module]:
     """Each part made under the seeded stream of its own name (``models.layers.initialization``), in the
     order given: the same initial weights at every layout, alone or in a training stage."""

@@ -2,7 +2,8 @@
 LayerNorm or RMSNorm blocks with layer scale, InternViT-6B's q/k norms) and the pixel-shuffle
 projector (2 x 2 patches -> one token; ``models/projectors/pixel_shuffle_mlp.py``).
 
-encoder.py      InternVLEncoder: the part as one ``VisionEncoder``; ``check`` of its settings
+encoder.py      InternVLEncoder: the part as one ``VisionEncoder``
+checks.py       the settings it is built from, checked before a run (``TowerPart.config_problems``)
 vision.py       InternViT
 layer_specs.py  the block: the shared pre-norm block with layer scale, LayerNorm/RMSNorm, q/k norms
 params.py       parameter counts by arithmetic (the part's, and any HF InternViTConfig's)
@@ -18,9 +19,10 @@ tile) and a grid (1, side, side) with a 2 x 2 merge, so measuring, packing, ``en
 
 from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
-from loongforge.models.towers.intern_vit import flops, params
+from loongforge.models.towers.intern_vit import checks, flops, params
 from loongforge.models.towers.intern_vit.processor import tiled_images
 
 PART = TowerPart("intern_vit", ("pixel_shuffle_mlp",), f"{__name__}.encoder:InternVLEncoder", flops.encoder_flops,
                  params.encoder_parameters, tiled_images,
-                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"), saved_values=flops.saved_values)
+                 hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
+                 saved_values=flops.saved_values, config_problems=checks.problems)

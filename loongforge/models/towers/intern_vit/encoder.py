@@ -5,29 +5,12 @@ from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
 from loongforge.models.projectors.pixel_shuffle_mlp import PixelShuffleProjector
+from loongforge.models.towers.intern_vit.checks import NORMALIZATION, problems
 from loongforge.models.towers.intern_vit.layer_specs import vision_layer_spec
 from loongforge.models.towers.intern_vit.vision import VisionModel
 from loongforge.models.vlm.vision_common import square_side
 from loongforge.models.vlm.vision_configs import to_language_width_config, tower_config
-from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
-
-# model.vision.norm -> megatron's normalization of the blocks' pre-norms.
-NORMALIZATION = {"layer": "LayerNorm", "rms": "RMSNorm"}
-
-
-def check(model_cfg: ModelConfig) -> None:
-    """The settings InternViT is built from, each a ValueError naming the key."""
-    vis, proj = model_cfg.vision, model_cfg.projector
-    if vis.image_size is None or vis.image_size % vis.patch_size or (vis.image_size // vis.patch_size) % 2:
-        raise ValueError(f"model.vision.image_size={vis.image_size}: InternViT needs the tile side in pixels, "
-                         f"an even number of model.vision.patch_size={vis.patch_size} patches (448 for InternVL3.5)")
-    if vis.norm not in NORMALIZATION:
-        raise ValueError(f"model.vision.norm={vis.norm!r}: InternViT's blocks use LayerNorm (layer, InternViT-300M) "
-                         "or RMSNorm (rms, InternViT-6B)")
-    if proj.spatial_merge_size != 2:
-        raise ValueError(f"model.projector.spatial_merge_size={proj.spatial_merge_size}: InternVL's pixel shuffle "
-                         "merges 2 x 2 patches (downsample ratio 0.5); set it to 2")
-
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, refuse, seeded_parts
 
 # The projector's LayerNorm: transformers' ``nn.LayerNorm`` default.
 PROJECTOR_NORM_EPS = 1e-5
@@ -40,7 +23,7 @@ class InternVLEncoder(TowerThenProjector):
     @classmethod
     def build(cls, build: EncoderBuild) -> "InternVLEncoder":
         model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
-        check(model_cfg)
+        refuse(problems(model_cfg))
         vis = model_cfg.vision
         vision_config = tower_config(vis, tp, dtype, on_cpu, recompute=build.recompute, gated=False,
                                      normalization=NORMALIZATION[vis.norm], eps=vis.rms_norm_eps)

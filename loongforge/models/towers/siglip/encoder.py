@@ -1,6 +1,7 @@
 """SigLIP and the MLP projector as one ``VisionEncoder``: one token per patch of each square image. A
 plain backbone: any composition can use it, and a VLM that packs its features further (LLaVA-OneVision's
-anyres with its newline) subclasses it in its own folder."""
+anyres with its newline) subclasses it in its own folder. Its settings are checked by ``checks.problems``
+(before a run, and again here, where a part is built alone)."""
 
 from __future__ import annotations
 
@@ -10,32 +11,20 @@ from megatron.core.transformer.enums import AttnMaskType
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
 from loongforge.models.layers.layer_backend import layer_norm_modules
+from loongforge.models.towers.siglip.checks import problems
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
 from loongforge.models.vlm.vision_configs import (
     layer_norm_vit_config,
     to_language_width_config,
 )
-from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
-
-
-def check(model_cfg: ModelConfig) -> None:
-    """The settings SigLIP is built from, each a ValueError naming the key."""
-    vis = model_cfg.vision
-    if vis.image_size is None or vis.image_size < vis.patch_size:
-        raise ValueError(f"model.vision.image_size={vis.image_size}: SigLIP needs the image side in pixels "
-                         "(384 for so400m-patch14-384)")
-    if vis.norm != "layer":
-        raise ValueError(f"model.vision.norm={vis.norm!r}: SigLIP's blocks use LayerNorm (layer)")
-    if model_cfg.projector.spatial_merge_size != 1:
-        raise ValueError(f"model.projector.spatial_merge_size={model_cfg.projector.spatial_merge_size}: the MLP "
-                         "projector maps every patch to a token; set it to 1")
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, refuse, seeded_parts
 
 
 def build_parts(build: EncoderBuild, **more) -> dict[str, torch.nn.Module]:
     """SigLIP (``vision_model``), the projector and ``more`` parts (name -> maker), each from its seeded
     stream, in that order."""
     model_cfg, tp, dtype, on_cpu = build.model_cfg, build.vision_tp, build.params_dtype, build.on_cpu
-    check(model_cfg)
+    refuse(problems(model_cfg))
     # no_mask: bidirectional inside each image; TE maps it to "padding" for packed input.
     layer_spec = transformer_layer_spec(layer_norm_modules(build.modules), AttnMaskType.no_mask)
     vision_config = layer_norm_vit_config(model_cfg, tp, dtype, on_cpu, recompute=build.recompute)
