@@ -16,11 +16,12 @@ counts.py      FLOPs and parameters, torch-free
 
 from loongforge.models.family import LazyFunction
 from loongforge.models.parts import TowerPart
-from tests.train.made_up_tower.counts import encoder_flops, encoder_parameters, saved_values
+from tests.train.made_up_tower.counts import encoder_flops, encoder_parameters, problems, saved_values
 from tests.train.made_up_tower.processing import square_images
 
 PART = TowerPart(__name__, ("mlp",), f"{__name__}.encoder:MadeUpEncoder", encoder_flops, encoder_parameters,
-                 square_images, hf_rules=LazyFunction(f"{__name__}.encoder:tower_rules"), saved_values=saved_values)
+                 square_images, hf_rules=LazyFunction(f"{__name__}.encoder:tower_rules"), saved_values=saved_values,
+                 config_problems=problems)
 
 # The settings of a run composed of it (on ``composition-tiny-small-vocab``'s decoder): two 64-wide blocks,
 # 16-pixel patches of 64-pixel squares (16 tokens an image), the MLP projector.

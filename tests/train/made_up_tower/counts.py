@@ -1,4 +1,4 @@
-"""The made-up tower's FLOPs per micro-batch and parameter counts, torch-free. Its blocks and projector
+"""The made-up tower's FLOPs per micro-batch, parameter counts, saved values and settings checks, torch-free. Its blocks and projector
 are a SigLIP-like stack (``encoder.py``), so SigLIP's arithmetic counts them; its shape rows (two
 vectors of the language model's width) are its own."""
 
@@ -12,6 +12,14 @@ from loongforge.models.towers.siglip import flops, params
 encoder_flops = flops.encoder_flops
 # (model_cfg, vision TP) -> values a block saves per patch: SigLIP-like blocks with a plain MLP.
 saved_values = flops.saved_values
+
+
+def problems(model_cfg: ModelConfig) -> list[str]:
+    """Settings it cannot be built with (``TowerPart.config_problems``), checked before a run starts."""
+    merge = model_cfg.projector.spatial_merge_size
+    if merge != 1:
+        return [f"model.projector.spatial_merge_size={merge}: the made-up tower maps every patch to a token; set 1"]
+    return []
 
 
 def encoder_parameters(model_cfg: ModelConfig) -> tuple[int, int]:

@@ -15,8 +15,9 @@ from loongforge.models.media import MediaSet
 from loongforge.models.hf.rules import VISION, PatchEmbedding, Replicated, Rule, Split, ViTBlockNames, vit_block_rules
 from loongforge.models.layers.layer_backend import layer_norm_modules
 from loongforge.models.towers.siglip.vision import MLPProjector, VisionModel
-from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, seeded_parts
+from loongforge.models.vlm.encoder import EncoderBuild, TowerThenProjector, refuse, seeded_parts
 from loongforge.models.vlm.vision_configs import layer_norm_vit_config, to_language_width_config
+from tests.train.made_up_tower.counts import problems
 from tests.train.made_up_tower.processing import WIDE
 
 
@@ -40,8 +41,7 @@ class MadeUpEncoder(TowerThenProjector):
     @classmethod
     def build(cls, build: EncoderBuild) -> "MadeUpEncoder":
         model_cfg = build.model_cfg
-        if model_cfg.projector.spatial_merge_size != 1:
-            raise ValueError("model.projector.spatial_merge_size: the made-up tower maps every patch to a token; set 1")
+        refuse(problems(model_cfg))
         layer_spec = transformer_layer_spec(layer_norm_modules(build.modules), AttnMaskType.no_mask)
         vision_config = layer_norm_vit_config(model_cfg, build.vision_tp, build.params_dtype, build.on_cpu,
                                               recompute=build.recompute)
