@@ -1,6 +1,6 @@
-"""The made-up tower's FLOPs per micro-batch, parameter counts, saved values and settings checks, torch-free. Its blocks and projector
-are a SigLIP-like stack (``encoder.py``), so SigLIP's arithmetic counts them; its shape rows (two
-vectors of the language model's width) are its own."""
+"""The made-up tower's FLOPs per micro-batch, parameter counts, saved values and settings checks, torch-free.
+Its blocks and projector are a SigLIP-like stack (``encoder.py``), so SigLIP's arithmetic counts them; its
+shape rows (two vectors of the language model's width) are its own."""
 
 from __future__ import annotations
 
