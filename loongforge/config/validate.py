@@ -548,15 +548,6 @@ def _check_vision_shape(cfg: RunConfig) -> list[str]:
         errors.append(f"model.vision.hidden_size={vision.hidden_size} is not divisible by "
                       f"model.vision.num_heads={vision.num_heads}; head_dim must be a whole "
                       f"number.")
-    bad_blocks = [i for i in vision.fullatt_block_indexes if not 0 <= i < vision.depth]
-    if bad_blocks:
-        errors.append(f"model.vision.fullatt_block_indexes has {bad_blocks} outside the "
-                      f"{vision.depth} vision blocks; use indexes 0..{vision.depth - 1}.")
-    merged_patch_px = vision.patch_size * projector.spatial_merge_size
-    if vision.window_size is not None and (vision.window_size < 1 or vision.window_size % merged_patch_px):
-        errors.append(f"model.vision.window_size={vision.window_size} px must be a multiple of "
-                      f"patch_size x spatial_merge_size = {merged_patch_px} px so windows hold "
-                      f"whole merged tokens.")
     if projector.out_hidden_size != cfg.model.language.hidden_size:
         errors.append(f"model.projector.out_hidden_size={projector.out_hidden_size} must equal "
                       f"model.language.hidden_size={cfg.model.language.hidden_size} (the merger "
