@@ -144,12 +144,14 @@ def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
 
 def test_resuming_at_another_expert_parallel_size_is_refused_in_one_line(runs, tmp_path):
     """megatron-core's optimizer state under EP > 1 is chained per kind of parameter: it does not
-    load at another EP size, so the run stops before training with what to do instead."""
+    load at another EP size, so the run stops before training with what to do instead. The EP-2 run
+    resumed by one process (EP 1): a single forked process, where EP 1's checkpoint resumed at EP 2 took a
+    launcher and two fresh interpreters (13 s) for the same check (saved EP against running EP)."""
     moved = tmp_path / "moved"
-    shutil.copytree(runs["ep1"], moved)
-    proc = run_train(moved, *OPTIONS, *EP2, nproc=2, resume=True, expect_ok=False, preset=PRESET)
-    assert proc.returncode == 2
+    shutil.copytree(runs["ep2"], moved)
+    proc = run_train(moved, *OPTIONS, nproc=1, resume=True, expect_ok=False, preset=PRESET)
+    assert proc.returncode == 2, proc.stderr[-3000:]
     saved = final_checkpoint(moved)
-    assert (f"error: {saved} was saved at parallel.expert_model_parallel_size=1, this run has 2: resume at 1, "
+    assert (f"error: {saved} was saved at parallel.expert_model_parallel_size=2, this run has 1: resume at 2, "
             f"or start a new run from its weights (loongforge convert {saved} HF_DIR --to hf, then "
             f"checkpoint.load_hf=HF_DIR).") in proc.stderr
