@@ -110,7 +110,7 @@ def test_qwen3_vl_with_deepstack_features_shared_trains_alike_at_cp2(tmp_path):
 
 def test_moe_with_its_experts_over_the_cp_ranks_trains_alike(tmp_path):
     # EP 2 over the two CP ranks of one replica: tokens reach experts by all-to-all across CP ranks.
-    options = ("data.seq_len=256", "data.sample_multiple=4", "training.train_steps=3", "training.global_batch_size=2")
+    options = ("data.seq_len=256", "data.sample_multiple=4", f"training.train_steps={STEPS}", "training.global_batch_size=2")
     run_train(tmp_path / "cp1", *options, preset="qwen3-moe-tiny-small-vocab")
     run_train(tmp_path / "cp2", *options, CP2, "parallel.expert_model_parallel_size=2", nproc=2,
               preset="qwen3-moe-tiny-small-vocab")
