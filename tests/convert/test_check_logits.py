@@ -12,7 +12,7 @@ import pytest
 from loongforge.convert import check_logits
 from tests.console import assert_no_third_party_warning, console_of
 from tests.convert.helpers import invoke, one_line_error, save_hf_checkpoint
-from tests.models.helpers import tiny_model_cfg
+from tests.models.helpers import run_workers, tiny_model_cfg
 from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
 from tests.shared_data import SHARED_DATA
 
@@ -94,8 +94,15 @@ COMPOSED = {"internvl": "patch grid [13, 4, 4]", "llava_onevision": "patch grid 
 CHECKED_AT_TP2 = {"llava_onevision"}
 
 
+def _ranks_forked(job) -> None:
+    """``check_logits._spawn`` with the ranks forked from the session's fork server (``run_workers``: torch,
+    megatron-core and the model code imported once) instead of fresh interpreters: the same ranks
+    (``_spawned_rank``), the same job pickled to them. The command's own spawning is test_tp2_in_two_processes'."""
+    run_workers(check_logits._spawned_rank, job.tp, (job,), timeout_s=300)
+
+
 @pytest.mark.parametrize("family", sorted(COMPOSED))
-def test_composed_families_with_a_photo(family, tmp_path):
+def test_composed_families_with_a_photo(family, tmp_path, monkeypatch):
     """InternVL3.5 (InternViT, pixel shuffle, Qwen3) and LLaVA-OneVision (SigLIP, MLP, anyres packing,
     Qwen2; also at TP 2) under 1-D RoPE; transformers gets the tiles or padded squares its processor returns.
     Qwen3.5 and Qwen3.5-MoE (a Gated DeltaNet layer and a gated attention layer; the MoE's routed and shared
@@ -119,6 +126,7 @@ def test_composed_families_with_a_photo(family, tmp_path):
     # (measured 9.7e-6 at TP 1, 9.0e-6 at TP 2): its bounds are 3x that, absolute and relative.
     atol = ["--atol", "5e-4"] if family == "qwen3_5" else []
     bound = 3e-5 if family == "qwen3_5" else TOLERANCE
+    monkeypatch.setattr(check_logits, "_spawn", _ranks_forked)
     for tp in ("1", "2") if family in CHECKED_AT_TP2 else ("1",):
         result = invoke(str(tmp_path / "hf"), "--check-logits", "--image", str(COCO_PHOTO), "--tp", tp, "--json", *atol)
         assert result.exit_code == 0, result.output

@@ -78,9 +78,21 @@ def export(preset: str, root: Path, source_files: dict[str, dict] | None = None)
     return Export(cfg, root / "served", report)
 
 
+@pytest.fixture(scope="module")
+def exports() -> dict[str, Export]:
+    """preset -> its export, made once for the module (a full-vocabulary export takes seconds)."""
+    return {}
+
+
+def export_once(exports: dict[str, Export], preset: str, tmp_path_factory) -> Export:
+    if preset not in exports:
+        exports[preset] = export(preset, tmp_path_factory.mktemp(preset))
+    return exports[preset]
+
+
 @pytest.fixture(scope="module", params=PRESETS)
-def exported(request, tmp_path_factory) -> Export:
-    return export(request.param, tmp_path_factory.mktemp(request.param))
+def exported(request, exports, tmp_path_factory) -> Export:
+    return export_once(exports, request.param, tmp_path_factory)
 
 
 def load_processor(folder: Path):
@@ -252,11 +264,12 @@ def test_processor_files_of_older_hub_folders_are_checked_too(tmp_path):
         f"{tmp_path / 'preprocessor_config.json'}: patch_size is 14, the run's data settings give 16 (copied as it is)"]
 
 
-def test_a_tokenizer_of_another_model_is_not_written(tmp_path):
+def test_a_tokenizer_of_another_model_is_not_written(exports, tmp_path_factory, tmp_path):
     """No run config and no --preset: the default data settings name Qwen's tokenizer, which a
-    Llama checkpoint must not be served with; the weights are exported all the same."""
-    export("llama-tiny", tmp_path)
-    report = mcore_to_hf(tmp_path / "mcore", tmp_path / "guessed", progress=False)
+    Llama checkpoint must not be served with; the weights are exported all the same. The megatron
+    checkpoint is the one the served llama-tiny folder above was exported from."""
+    llama = export_once(exports, "llama-tiny", tmp_path_factory)
+    report = mcore_to_hf(llama.folder.parent / "mcore", tmp_path / "guessed", progress=False)
     assert report.serving_warnings == [
         "tokenizer and generation files not written: data.tokenizer=qwen is not this model's tokenizer "
         "(model.tokens.pad_token_id=128004 but the tokenizer's pad token <|endoftext|> is 151643); set "

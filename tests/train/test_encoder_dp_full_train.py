@@ -1,13 +1,13 @@
 """``parallel.encoder_dp=full`` end to end at TP 2 x PP 2 (4 ranks, vision TP 1) on real multimodal
 data (``../shared/data/loongforge/vlm/mix.json``: text-only, one-image, two-image and video samples):
 the same per-step losses, grad norms, Adam moments (sums of every gradient, language and vision)
-and weights as ``none`` over 3 steps; with the distributed optimizer and overlap_grad_reduce on
-micro-batches without media; with balancing re-planning packed rows; resumed from step 2 bit for
+and weights as ``none`` over 2 steps; with the distributed optimizer and overlap_grad_reduce on
+micro-batches without media; with balancing re-planning packed rows (3 steps); resumed from step 1 bit for
 bit; checkpoints that ``none`` loads and the other way round (there with the encoder recomputed in
 the backward, ``parallel.encoder_full_recompute``); and an HF export of its checkpoint.
 
 Each 4-rank run takes about a minute on 2 cores, so the runs are shared: two module fixtures
-(``none`` and ``full``, checkpoints at steps 2 and 4 and 5) and resumed copies of them.
+(``none`` and ``full``, checkpoints at steps 1 and 2) and resumed copies of them.
 """
 
 from __future__ import annotations
@@ -38,14 +38,17 @@ from tests.train.conftest import (
 )
 
 RELATIVE = 1e-5
-STEPS = 3
+# 2 steps, resumed from step 1; the first already holds micro-batches with images, with videos and with
+# neither (test_the_data_has_micro_batches_without_media).
+STEPS = 2
+RESUME_STEP = 1
 MIX = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
 # seq_len 128: about one sample per row, so some micro-batches hold no image or video at all.
 DATA = ("data.source=files", f"data.paths=[{MIX}]", "data.seq_len=128", "data.video_max_frames=4",
         "data.video_min_pixels=3136", "data.video_max_pixels=12544")
 LAYOUT = ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
           "parallel.vision_tensor_model_parallel_size=1", f"training.train_steps={STEPS}",
-          "checkpoint.save_interval=2", SAVE_AT_END)
+          "checkpoint.save_interval=1", SAVE_AT_END)
 DISTRIBUTED = ("parallel.use_distributed_optimizer=true",)
 OVERLAP = ("parallel.overlap_grad_reduce=true",)
 
@@ -55,9 +58,9 @@ def _train(out: Path, mode: str, *extra: str, resume: bool = False) -> Path:
     return out
 
 
-def _resume_from_step_2(source: Path, out: Path, mode: str, *extra: str) -> Path:
-    """A copy of ``source`` cut back to its step-2 checkpoint, resumed with ``mode``."""
-    resume_from_copy(source, out, 2, *DATA, *LAYOUT, f"parallel.encoder_dp={mode}", *extra, nproc=4)
+def _resume_from_step_1(source: Path, out: Path, mode: str, *extra: str) -> Path:
+    """A copy of ``source`` cut back to its step-1 checkpoint, resumed with ``mode``."""
+    resume_from_copy(source, out, RESUME_STEP, *DATA, *LAYOUT, f"parallel.encoder_dp={mode}", *extra, nproc=4)
     return out
 
 
@@ -95,8 +98,8 @@ def test_full_trains_like_none_with_the_distributed_optimizer_and_overlap(full_r
     assert len(held) == STEPS and all(b > 0 for b in held)
 
 
-def test_full_resumed_at_step_2_is_bit_identical(tmp_path, full_run):
-    resumed = _resume_from_step_2(full_run, tmp_path / "resumed", "full", *DISTRIBUTED, *OVERLAP)
+def test_full_resumed_at_step_1_is_bit_identical(tmp_path, full_run):
+    resumed = _resume_from_step_1(full_run, tmp_path / "resumed", "full", *DISTRIBUTED, *OVERLAP)
     assert losses(resumed) == losses(full_run)
     assert grad_norms(resumed) == grad_norms(full_run)
     differences = checkpoint_differences(resumed, full_run)
@@ -106,14 +109,14 @@ def test_full_resumed_at_step_2_is_bit_identical(tmp_path, full_run):
 def test_a_full_checkpoint_loads_in_none(tmp_path, full_run, none_run):
     # The same optimizer kind as the checkpoint's; none with overlap would need every encoder
     # parameter to get a gradient in every micro-batch (a separate issue).
-    resumed = _resume_from_step_2(full_run, tmp_path / "as_none", "none", *DISTRIBUTED)
+    resumed = _resume_from_step_1(full_run, tmp_path / "as_none", "none", *DISTRIBUTED)
     assert_trains_alike(resumed, none_run, checkpoint_relative=CHECKPOINT_REL)
 
 
 def test_a_none_checkpoint_loads_in_full_with_the_encoder_recomputed(tmp_path, none_run):
     # parallel.encoder_full_recompute: the step's media encoded without a graph, then again in the
     # backward a micro-batch's patches at a time; the same math (the share's memory is the point).
-    resumed = _resume_from_step_2(none_run, tmp_path / "as_full", "full", "parallel.encoder_full_recompute=true")
+    resumed = _resume_from_step_1(none_run, tmp_path / "as_full", "full", "parallel.encoder_full_recompute=true")
     assert_trains_alike(resumed, none_run)
 
 
@@ -151,7 +154,9 @@ def test_full_trains_like_none_with_balancing_on_packed_rows(tmp_path):
     # as far from a none run without balancing).
     # At DP 1 every plan scores max/LB 1 up to rounding, so a step is re-planned only where rounding
     # puts the arrival order above 1 (at least one of the 3 steps in both runs, asserted below).
-    balanced = ("data.seq_len=512", "balance.enabled=true", "balance.threshold=0")
+    # 3 steps: the third is the one re-planned in both runs (measured).
+    balanced = ("data.seq_len=512", "balance.enabled=true", "balance.threshold=0", "training.train_steps=3",
+                "checkpoint.save_interval=3")
     full_run = _train(tmp_path / "full", "full", *balanced,
                       f"balance.cost_model={_cost_file(tmp_path / 'cost.json', 1.0)}")
     none_run = _train(tmp_path / "none", "none", *balanced,

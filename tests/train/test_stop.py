@@ -22,7 +22,9 @@ from loongforge.train.runner import _named_timeout
 from loongforge.train.stop import StopRequest, catch_stop_signals, exit_code
 from tests.train.conftest import PRESET, losses, run_train, train_command, train_env
 
-STEPS = ("training.train_steps=12",)
+# The stop is asked for once 2 steps are logged and lands at step 3 or so: 8 steps leave it room.
+TRAIN_STEPS = 8
+STEPS = (f"training.train_steps={TRAIN_STEPS}",)
 
 
 def start_job(out_dir: Path, *extra: str, preset: str = PRESET) -> tuple[subprocess.Popen, Path]:
@@ -129,7 +131,7 @@ def test_sigterm_stops_every_rank_saves_and_resumes_identically(tmp_path):
     match = re.search(r"stopped at step (\d+); resume with --resume", text)
     assert match, text[-3000:]
     stop_step = int(match.group(1))
-    assert 2 <= stop_step < 12 and took_s < 60
+    assert 2 <= stop_step < TRAIN_STEPS and took_s < 60
     assert (out / "checkpoints" / f"step_{stop_step:08d}" / "meta.json").is_file()
     assert logged_steps(out) == stop_step  # both ranks stopped after the same step
 
