@@ -24,10 +24,11 @@ from tests.train.conftest import (
 )
 
 # About 3x the worst measured (printed with -s; losses 6.0e-8 when the MoE run was 4 layers, 4.1e-8 now),
-# grad norms 1.5e-7 (PP 4 x VP 2, the encoder's work divided over the ranks), Adam's
+# grad norms 3.5e-8 over 2 steps (PP 4 x VP 2, the encoder's work divided over the ranks; 4.0e-7 over the 3 steps
+# the module ran before: a third step's larger norms; 4x here, as the figure varies between machines), Adam's
 # moments 1.7e-7 and weights 1.3e-5 (a small qkv bias; assert_trains_alike allows the weights 10x).
 # Issue 34 asks 1e-5 of losses and grad norms.
-LOSS_REL, NORM_REL, CHECKPOINT_REL = 2e-7, 4.5e-7, 4e-6
+LOSS_REL, NORM_REL, CHECKPOINT_REL = 2e-7, 1.5e-7, 4e-6
 # 2 steps (the second after an update; both hold images and videos), resumed from step 1.
 STEPS = 2
 RESUME_STEP = 1
