@@ -134,7 +134,7 @@ def _images(row: list[MaterializedSample]):
         rows=_cat([torch.from_numpy(p) for item in row for p in item.image_pixels]),  # [P, patch_dim]
         features=_cat([e for item in row for e in item.image_embeds]),
         sizes=_image_sizes(row, len(grids)),
-        facts=_image_facts(row, len(grids)),
+        facts=stacked_facts([f for item in row for f in item.sample.image_facts], len(grids)),
         samples=tuple(index for index, item in enumerate(row) for _ in item.sample.image_grids))
 
 
@@ -156,13 +156,13 @@ def _image_sizes(row: list[MaterializedSample], images: int):
     return torch.tensor(sizes, dtype=torch.long) if len(sizes) == images else None  # [n, 2]
 
 
-def _image_facts(row: list[MaterializedSample], images: int) -> dict:
-    """The processor's facts as one tensor per name, [n, ...]; {} unless every image of the row has them
-    (a processor gives the same names for every image; a tower that needs them says so)."""
-    facts = [f for item in row for f in item.sample.image_facts]
-    if len(facts) != images:
+def stacked_facts(facts: list, images: int, device=None) -> dict:
+    """The images' processor facts (one mapping per image) as one tensor per name, [n, ...]; {} unless every
+    one of the ``images`` has them (a processor gives the same names for every image; a tower that needs them
+    says so)."""
+    if len(facts) != images or not all(facts):
         return {}
-    return {name: torch.tensor([f[name] for f in facts]) for name in facts[0]}
+    return {name: torch.tensor([f[name] for f in facts], device=device) for name in facts[0]}
 
 
 def _cat(tensors: list[torch.Tensor]):

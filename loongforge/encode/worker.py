@@ -22,6 +22,7 @@ from safetensors.torch import save
 
 from loongforge.config.schema import ParallelConfig, RunConfig
 from loongforge.convert.model_io import build_loaded_encoder
+from loongforge.data.collate import stacked_facts
 from loongforge.data.embedding_store import FORMAT, SHARD_METADATA_KEY, EmbeddingRow, media_source_key, shard_name
 from loongforge.data.measure import image_pixels, video_pixels, vision_sizing
 from loongforge.data.packfile.folder import write_atomic
@@ -138,21 +139,13 @@ def _encode(encoder, batch: list, device: torch.device, model_cfg) -> list[torch
         grids=torch.tensor([item.grid for item, _ in batch], dtype=torch.long, device=device),  # [n, 3]
         rows=torch.from_numpy(np.concatenate([p for _, p in batch])).to(device=device, dtype=dtype),  # [P, D]
         sizes=torch.tensor([item.size for item, _ in batch], dtype=torch.long, device=device),  # [n, 2]
-        facts=_facts(batch, device))
+        facts=stacked_facts([item.facts for item, _ in batch], len(batch), device))
     if not encoder.reads_items:
         features = encoder(media.rows, media.grids)  # [P / merge_unit, hidden]
         return list(features.split([item.patches // encoder.merge_unit for item, _ in batch]))
     rows = [type(encoder).feature_rows(model_cfg, _one(media, i), encoder.merge_unit) for i in range(len(batch))]
     rows = [item.patches // encoder.merge_unit if count is None else count for count, (item, _) in zip(rows, batch)]
     return list(encoder.encode_images(media).split(rows))  # [tokens, hidden] per image
-
-
-def _facts(batch: list, device: torch.device) -> dict:
-    """The images' processor facts, one tensor per name ({} where they carry none)."""
-    facts = [item.facts for item, _ in batch]
-    if not all(facts):
-        return {}
-    return {name: torch.tensor([f[name] for f in facts], device=device) for name in facts[0]}
 
 
 def _one(media: MediaSet, index: int) -> MediaSet:

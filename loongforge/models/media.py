@@ -208,16 +208,18 @@ class MediaBatch:
                 yield from media.items(modality)
 
     def grids(self, modality: str) -> Optional["torch.Tensor"]:
-        media = self.images if modality == "image" else self.videos
-        return None if media is None else media.grids
+        return self._field(modality, "grids")
 
     def rows(self, modality: str) -> Optional["torch.Tensor"]:
-        media = self.images if modality == "image" else self.videos
-        return None if media is None else media.rows
+        return self._field(modality, "rows")
 
     def features(self, modality: str) -> Optional["torch.Tensor"]:
+        return self._field(modality, "features")
+
+    def _field(self, modality: str, name: str) -> Optional["torch.Tensor"]:
+        """One field of the ``modality`` ("image" | "video") set; None where the batch holds none of it."""
         media = self.images if modality == "image" else self.videos
-        return None if media is None else media.features
+        return None if media is None else getattr(media, name)
 
     @classmethod
     def of(cls, *, pixel_values=None, image_grid_thw=None, pixel_values_videos=None, video_grid_thw=None,

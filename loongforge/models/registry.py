@@ -45,7 +45,7 @@ def check_family_layout(cfg: RunConfig) -> None:
     composition = parts.composition_problems(cfg.model, family.name, family.vision_part, any_tower=ANY_TOWER)
     problems += composition
     if family.has_vision and not composition:  # the tower's own checks of its settings
-        problems += parts.tower(cfg.model.vision.arch or family.tower(cfg.model)).config_problems(cfg.model)
+        problems += parts.tower(family.tower(cfg.model)).config_problems(cfg.model)
     problems += _rope_problems(cfg, family)
     problems += feature_problems(cfg, family) + family.config_problems(cfg.model)
     if family.hf_model_class is None and cfg.checkpoint.save_hf:

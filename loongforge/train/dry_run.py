@@ -307,7 +307,7 @@ def composition_text(cfg: RunConfig, split: ParameterSplit) -> str:
     family = get_family(cfg.model.family)
     if not family.has_vision:
         return ""
-    tower = parts.tower(cfg.model.vision.arch or family.tower(cfg.model))
+    tower = parts.tower(family.tower(cfg.model))
     projector = cfg.model.projector.arch or tower.projectors[0]
     language = split.total - split.vision_model - split.projector
     return (f"vision tower {tower.arch} {human_count(split.vision_model)} + projector {projector} "
@@ -379,7 +379,7 @@ def encoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> dict[str, 
     merge = cfg.model.projector.spatial_merge_size ** 2
     patches = cfg.data.seq_len * merge  # one micro-batch of image tokens only
 
-    tower = parts.tower(vision.arch or get_family(cfg.model.family).tower(cfg.model))
+    tower = parts.tower(get_family(cfg.model.family).tower(cfg.model))
 
     def per_patch(tp: int) -> float:
         block = value_bytes * tower.saved_values(cfg.model, tp)  # the tower's own (its MLP gated or plain)

@@ -304,9 +304,8 @@ class VisionLanguageModel(MegatronModule):
         for a model built without the encoder, else encoded (by whole image sets where the encoder reads
         more of an image than its rows and grid)."""
         stored = optional_cat(media.features("image"), media.features("video"))
-        pixels, grids = _rows_and_grids(media)
         if self._encoder is None:
-            if pixels is not None:
+            if media.rows("image") is not None or media.rows("video") is not None:
                 raise ValueError("this model was built without the vision encoder (data.vision_embeddings): "
                                  "give the media's stored features, not pixels")
             return stored
@@ -316,7 +315,7 @@ class VisionLanguageModel(MegatronModule):
             return self._item_features(media)
         # Images and videos go through the tower together: attention never crosses an image or a frame,
         # so this equals two separate calls and costs one.
-        return self._media_features(pixels, grids)
+        return self._media_features(*_rows_and_grids(media))
 
     def _media_features(self, pixels: Optional[torch.Tensor],
                         grid_thw: Optional[torch.Tensor]) -> Optional[torch.Tensor]:

@@ -125,8 +125,12 @@ def vision_pg_collection(
 
 
 def optional_cat(*tensors: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """The given tensors one after another (the read-only inputs of a step: a lone one is returned as it is,
+    not copied); None without any."""
     present = [t for t in tensors if t is not None]
-    return torch.cat(present) if present else None
+    if len(present) <= 1:
+        return present[0] if present else None
+    return torch.cat(present)
 
 
 def scatter_features(
