@@ -21,8 +21,8 @@ _COLUMNS = ("preset", "model", "parameters", "default layout", "world", "seq_len
 def _model_label(cfg: RunConfig) -> str:
     language, vision = cfg.model.language, cfg.model.vision
     towers = f"LM {language.num_layers}x{language.hidden_size}"
-    if language.num_experts:
-        towers += f" MoE {language.num_experts}e top-{language.moe_router_topk}"
+    if language.moe:
+        towers += f" MoE {language.moe.num_experts}e top-{language.moe.router_topk}"
     return f"{cfg.model.family}: {towers}" + (f", ViT {vision.depth}x{vision.hidden_size}" if vision else "")
 
 

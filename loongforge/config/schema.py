@@ -14,6 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Optional
 
+from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
+
 
 @dataclass
 class VisionConfig:
@@ -76,59 +78,13 @@ class ProjectorConfig:
 
 
 @dataclass
-class LinearAttentionConfig:
-    """Gated DeltaNet's linear attention (Qwen3.5's ``linear_attention`` layers): per key head a recurrent
-    state [key_head_dim, value_head_dim] instead of a KV cache, after a short causal convolution."""
-
-    num_key_heads: int = 16
-    num_value_heads: int = 32  # a multiple of num_key_heads: each key head serves that many value heads
-    key_head_dim: int = 128
-    value_head_dim: int = 128
-    conv_kernel: int = 4  # taps of the depthwise causal convolution over q, k, v
-
-
-LAYER_TYPES = ("full_attention", "linear_attention")
-
-
-@dataclass
-class YarnConfig:
-    """YaRN's RoPE extension (DeepSeek-V2/V3, Kimi K2): the rotary frequencies interpolated between
-    ``beta_slow`` and ``beta_fast`` rotations over the original context, cos/sin scaled by
-    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax by mscale(factor,
-    mscale_all_dim)^2, where mscale(s, m) = 0.1 m ln(s) + 1 (transformers' ``rope_type: yarn``)."""
-
-    factor: float = 40.0
-    original_max_position_embeddings: int = 4096
-    beta_fast: float = 32.0
-    beta_slow: float = 1.0
-    mscale: float = 1.0
-    mscale_all_dim: float = 1.0
-
-
-@dataclass
-class MLAConfig:
-    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight): every head's keys and values come up
-    from one shared latent of ``kv_lora_rank`` channels per token; each head's query and key are
-    ``qk_nope_head_dim`` channels without position plus ``qk_rope_head_dim`` rotated ones, the key's
-    rotated part one per token shared by all heads (its own slice of the latent projection)."""
-
-    # Queries through a low-rank latent of this width (with an RMSNorm); null: one full-rank projection
-    # (DeepSeek-V2-Lite).
-    q_lora_rank: Optional[int] = 1536
-    kv_lora_rank: int = 512
-    qk_nope_head_dim: int = 128
-    qk_rope_head_dim: int = 64
-    v_head_dim: int = 128
-
-
-@dataclass
 class LanguageConfig:
     """The decoder (``language_model`` in transformers): Qwen2, Qwen3 or Llama blocks."""
 
     # The transformers text architecture these layers are (``Qwen2ForCausalLM``, ``LlamaForCausalLM``, ...;
     # its ``architectures`` entry), stated by a family whose decoder is configurable (it decides the HF
     # export and the chat format); null: the family's own decoder. Configs saved before it was stated
-    # read it from add_qkv_bias / qk_norm / num_experts / the router.
+    # read it from add_qkv_bias / qk_norm / moe / the router.
     architecture: Optional[str] = None
     num_layers: int = 28
     hidden_size: int = 3584
@@ -155,20 +111,9 @@ class LanguageConfig:
     # Llama 3.x RoPE frequency scaling (its factor; low/high frequency factors 1 and 4, original
     # context 8192); null: none.
     rope_scaling_factor: Optional[float] = None
-    # Mixture of experts (Qwen3-MoE), run by megatron-core's MoE layer: routed experts per layer;
-    # 0: a dense model (the SwiGLU MLP of ffn_hidden_size). Every decoder layer is sparse when set.
-    num_experts: int = 0
-    # Channels of each expert's SwiGLU MLP (transformers' moe_intermediate_size); null when dense.
-    moe_ffn_hidden_size: Optional[int] = None
-    # Experts each token is routed to (transformers' num_experts_per_tok).
-    moe_router_topk: int = 2
-    # Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE: true).
-    norm_topk_prob: bool = True
-    # Weight of the load-balancing loss (transformers' router_aux_loss_coef); 0: none.
-    moe_aux_loss_coeff: float = 0.0
-    # A shared expert beside the routed ones (Qwen3.5-MoE): a SwiGLU MLP of this width every token runs
-    # through, its output scaled by sigmoid of a learned gate per token; null: none.
-    moe_shared_expert_ffn_hidden_size: Optional[int] = None
+    # Routed experts in place of the dense MLP (its own section: experts, router, shared expert, leading
+    # dense layers); null: a dense model (the SwiGLU MLP of ffn_hidden_size in every layer).
+    moe: Optional[MoEConfig] = None
     # Hybrid models (Qwen3.5): each layer's token mixer, "full_attention" or "linear_attention"
     # (transformers' ``layer_types``); empty: every layer full attention.
     layer_types: list[str] = field(default_factory=list)
@@ -185,27 +130,6 @@ class LanguageConfig:
     multi_latent_attention: Optional[MLAConfig] = None
     # YaRN RoPE scaling (with multi-latent attention); null: plain RoPE.
     yarn: Optional[YarnConfig] = None
-    # With experts: the first layers keep the dense SwiGLU MLP of ffn_hidden_size (DeepSeek's
-    # first_k_dense_replace); the rest are sparse.
-    first_dense_layers: int = 0
-    # The router's scores: "softmax" over the experts (Qwen3-MoE, DeepSeek-V2) or a "sigmoid" per expert,
-    # the top-k renormalised (DeepSeek-V3).
-    moe_router_score_function: str = "softmax"
-    # The router's logits in fp32 whatever the training precision (DeepSeek's routers are).
-    moe_router_fp32: bool = False
-    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores when choosing
-    # experts (never to the weights), moved after every step by this rate toward the layer's mean load
-    # (each expert's bias +rate below the mean, -rate above); 0: no bias.
-    moe_router_bias_update_rate: float = 0.0
-    # Group-limited routing: the experts in this many equal groups, each token choosing among the
-    # moe_router_group_topk groups with the largest sums of their top (topk / group_topk) scores; null: none.
-    moe_router_num_groups: Optional[int] = None
-    moe_router_group_topk: Optional[int] = None
-    # The routing weights times this factor (DeepSeek's routed_scaling_factor).
-    moe_routed_scaling_factor: float = 1.0
-    # The shared expert's output scaled by sigmoid of a learned gate per token (Qwen3.5-MoE); false: added
-    # as it is (DeepSeek's shared experts).
-    moe_shared_expert_gate: bool = True
     # Multi-token prediction (DeepSeek-V3): this many extra layers after the decoder, the k-th predicting the
     # token k+1 ahead from the (k-1)-th's hidden state and the next token's embedding, sharing the embedding
     # and the output head; 0: none.

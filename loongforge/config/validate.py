@@ -18,6 +18,7 @@ import dataclasses
 import difflib
 import functools
 import operator
+import sys
 import types
 import typing
 from pathlib import Path
@@ -36,7 +37,8 @@ from loongforge.config.layout import (
     sample_multiple,
 )
 from loongforge.config.pipeline_layout import virtual_stages
-from loongforge.config.schema import CHAT_FORMATS, LAYER_TYPES, RunConfig
+from loongforge.config.language_parts import LAYER_TYPES, move_flat_expert_keys
+from loongforge.config.schema import CHAT_FORMATS, RunConfig
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -267,10 +269,22 @@ def build_run_config(tree: dict[str, Any], locate: Optional[KeyLocator] = None) 
     ``locate`` names the file and line a key came from, so a user's YAML mistake points there.
     """
     builder = _Builder(locate)
-    cfg = builder.section(RunConfig, tree, "")
+    cfg = builder.section(RunConfig, _with_moved_keys(tree), "")
     if builder.errors:
         raise ConfigError(builder.errors)
     return cfg
+
+
+def _with_moved_keys(tree: Any) -> Any:
+    """``tree`` with keys an older loongforge wrote at another place moved to today's (a copy; the caller's
+    tree is left as it is), each move told on stderr in one line naming the new key."""
+    language = tree.get("model", {}).get("language") if isinstance(tree, dict) and isinstance(tree.get("model"), dict) else None
+    if not isinstance(language, dict):
+        return tree
+    language = dict(language)
+    for line in move_flat_expert_keys(language):
+        print(line, file=sys.stderr)
+    return {**tree, "model": {**tree["model"], "language": language}}
 
 
 # --------------------------------------------------------------------------------------------
@@ -365,15 +379,15 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
                       "language.attention_output_gate": False, "language.partial_rotary_factor": 1.0,
                       "language.zero_centered_norms": False},
     # routed experts (megatron-core's MoE layer)
-    "experts": {"language.num_experts": 0},
+    "experts": {"language.moe": None},
     # a shared expert beside the routed ones
-    "shared_expert": {"language.moe_shared_expert_ffn_hidden_size": None},
+    "shared_expert": {"language.moe.shared_expert_ffn_hidden_size": None},
     # multi-latent attention, YaRN, leading dense layers and the sigmoid / grouped / biased routers
     "latent_attention": {"language.multi_latent_attention": None, "language.yarn": None,
-                         "language.first_dense_layers": 0, "language.moe_router_score_function": "softmax",
-                         "language.moe_router_fp32": False, "language.moe_router_bias_update_rate": 0.0,
-                         "language.moe_router_num_groups": None, "language.moe_router_group_topk": None,
-                         "language.moe_routed_scaling_factor": 1.0, "language.moe_shared_expert_gate": True},
+                         "language.moe.first_dense_layers": 0, "language.moe.router_score_function": "softmax",
+                         "language.moe.router_fp32": False, "language.moe.router_bias_update_rate": 0.0,
+                         "language.moe.router_num_groups": None, "language.moe.router_group_topk": None,
+                         "language.moe.routed_scaling_factor": 1.0, "language.moe.shared_expert_gate": True},
     # a chat format chosen by name (a text-only model; a VLM's processor writes its own)
     "chat_format": {"chat_format": None},
     # a decoder whose transformers architecture the run states (one family's decoder is its own)
@@ -389,6 +403,9 @@ def unbuilt_feature_fields(cfg: RunConfig, features: frozenset[str]) -> list[tup
         if feature in features:
             continue
         for name, default in fields.items():
+            section = name.rpartition(".")[0]
+            if section and _get(cfg.model, section) is None:
+                continue  # its section is null: nothing of it is built
             value = _get(cfg.model, name)
             if value != default:
                 found.append((feature, name, value, default))
@@ -396,10 +413,11 @@ def unbuilt_feature_fields(cfg: RunConfig, features: frozenset[str]) -> list[tup
 
 
 
-def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
-    """``layer_types`` names every layer's token mixer, and the linear-attention shape is given exactly when
-    a layer is linear."""
+def _check_layer_kinds(cfg: RunConfig) -> list[str]:
+    """``layer_types`` names every layer's token mixer, each kind's section is given exactly when a layer is
+    of that kind, and each given section's own checks (``config.language_parts``)."""
     language, key = cfg.model.language, "model.language"
+    tp, cp = cfg.parallel.tensor_model_parallel_size, cfg.parallel.context_parallel_size
     errors = []
     unknown = sorted(set(language.layer_types) - set(LAYER_TYPES))
     if unknown:
@@ -414,48 +432,17 @@ def _check_hybrid_layers(cfg: RunConfig) -> list[str]:
     if not linear and language.linear_attention is not None:
         errors.append(f"{key}.linear_attention is set but no entry of {key}.layer_types is linear_attention; "
                       f"set it to null or name the linear layers.")
-    shape = language.linear_attention
-    if linear and shape is not None:
-        if min(shape.num_key_heads, shape.num_value_heads, shape.key_head_dim, shape.value_head_dim,
-               shape.conv_kernel) < 1:
-            errors.append(f"{key}.linear_attention={shape}: every size must be at least 1.")
-        elif shape.num_value_heads % shape.num_key_heads:
-            errors.append(f"{key}.linear_attention.num_value_heads={shape.num_value_heads} is not a multiple of "
-                          f"num_key_heads={shape.num_key_heads} (each key head serves whole value heads).")
-        elif shape.num_key_heads % cfg.parallel.tensor_model_parallel_size:
-            errors.append(f"parallel.tensor_model_parallel_size={cfg.parallel.tensor_model_parallel_size} does not "
-                          f"divide {key}.linear_attention.num_key_heads={shape.num_key_heads} (TP splits the linear "
-                          f"layers by key head); use one of {_list(divisors(shape.num_key_heads))}.")
-    if linear and cfg.parallel.context_parallel_size > 1:
-        errors.append(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: the linear-attention "
-                      f"layers carry a recurrent state along each sample, which context parallelism would cut; "
-                      f"use parallel.context_parallel_size=1 (long rows fit through the state's constant memory).")
-    return errors
-
-
-def _check_experts(cfg: RunConfig) -> list[str]:
-    """Mixture-of-experts fields: all-or-nothing, top-k within the experts."""
-    language, key = cfg.model.language, "model.language"
-    if language.num_experts < 0:
-        return [f"{key}.num_experts={language.num_experts} must not be negative (0: a dense model)."]
-    shared = language.moe_shared_expert_ffn_hidden_size
-    if shared is not None and (language.num_experts == 0 or shared < 1):
-        return [f"{key}.moe_shared_expert_ffn_hidden_size={shared}: a shared expert (width >= 1) sits beside routed "
-                f"experts (num_experts > 0); set it to null otherwise."]
-    if language.num_experts == 0:
-        if language.moe_ffn_hidden_size is not None:
-            return [f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} is set but "
-                    f"{key}.num_experts=0 (a dense model); set num_experts or moe_ffn_hidden_size: null."]
-        return []
-    errors = []
-    if language.moe_ffn_hidden_size is None or language.moe_ffn_hidden_size < 1:
-        errors.append(f"{key}.moe_ffn_hidden_size={language.moe_ffn_hidden_size} must be at least 1 with "
-                      f"{key}.num_experts={language.num_experts} (each expert's MLP width).")
-    if not 1 <= language.moe_router_topk <= language.num_experts:
-        errors.append(f"{key}.moe_router_topk={language.moe_router_topk} must be between 1 and "
-                      f"{key}.num_experts={language.num_experts}.")
-    if language.moe_aux_loss_coeff < 0:
-        errors.append(f"{key}.moe_aux_loss_coeff={language.moe_aux_loss_coeff} must not be negative (0: none).")
+    if linear and language.linear_attention is not None:
+        errors += language.linear_attention.problems(tensor_parallel=tp, context_parallel=cp)
+    if language.multi_latent_attention is not None:
+        errors += language.multi_latent_attention.problems(
+            num_attention_heads=language.num_attention_heads, num_query_groups=language.num_query_groups,
+            tensor_parallel=tp, context_parallel=cp)
+    elif language.yarn is not None:
+        errors.append(f"{key}.yarn is set but {key}.multi_latent_attention is null: megatron-core applies YaRN "
+                      f"in multi-latent attention only; set yarn: null.")
+    if language.moe is not None:
+        errors += language.moe.problems(num_layers=language.num_layers)
     return errors
 
 
@@ -465,74 +452,6 @@ def _check_chat_format(cfg: RunConfig) -> list[str]:
         return [f"model.chat_format='{name}' is not one of {' | '.join(CHAT_FORMATS)}; set one of those, or null "
                 f"for the architecture's own."]
     return []
-
-
-def _check_latent_attention(cfg: RunConfig) -> list[str]:
-    """Multi-latent attention's and its routers' fields: shapes TP can split and routing megatron computes as
-    transformers does."""
-    language, key, tp = cfg.model.language, "model.language", cfg.parallel.tensor_model_parallel_size
-    errors = []
-    mla = language.multi_latent_attention
-    if mla is not None:
-        sizes = [mla.kv_lora_rank, mla.qk_nope_head_dim, mla.qk_rope_head_dim, mla.v_head_dim]
-        if min(sizes + [mla.q_lora_rank or 1]) < 1:
-            errors.append(f"{key}.multi_latent_attention={mla}: every rank and width must be at least 1.")
-        if mla.qk_rope_head_dim % 2:
-            errors.append(f"{key}.multi_latent_attention.qk_rope_head_dim={mla.qk_rope_head_dim} must be even "
-                          f"(RoPE rotates pairs).")
-        if language.num_attention_heads % tp:
-            errors.append(f"parallel.tensor_model_parallel_size={tp} does not divide {key}.num_attention_heads="
-                          f"{language.num_attention_heads}; use one of {_list(divisors(language.num_attention_heads))}.")
-        latents = {"kv_lora_rank + qk_rope_head_dim": mla.kv_lora_rank + mla.qk_rope_head_dim,
-                   "q_lora_rank": mla.q_lora_rank or 0}
-        for name, width in latents.items():
-            if width % tp:
-                errors.append(f"parallel.tensor_model_parallel_size={tp} does not divide {key}.multi_latent_attention's "
-                              f"{name} = {width} (TP splits the latent projections' rows, then gathers them).")
-        if language.num_query_groups != language.num_attention_heads:
-            errors.append(f"{key}.num_query_groups={language.num_query_groups} must equal num_attention_heads="
-                          f"{language.num_attention_heads} with multi_latent_attention (a key and value per head).")
-        if cfg.parallel.context_parallel_size > 1:
-            errors.append(f"parallel.context_parallel_size={cfg.parallel.context_parallel_size}: context parallelism "
-                          f"with multi-latent attention is not proven against one process yet; use 1.")
-    elif language.yarn is not None:
-        errors.append(f"{key}.yarn is set but {key}.multi_latent_attention is null: megatron-core applies YaRN "
-                      f"in multi-latent attention only; set yarn: null.")
-    errors += _check_router_choices(language, key)
-    return errors
-
-
-def _check_router_choices(language, key: str) -> list[str]:
-    errors = []
-    if language.moe_router_score_function not in ("softmax", "sigmoid"):
-        errors.append(f"{key}.moe_router_score_function={language.moe_router_score_function!r} must be softmax or "
-                      f"sigmoid.")
-    if language.moe_router_score_function == "sigmoid" and not language.norm_topk_prob and language.moe_router_topk > 1:
-        errors.append(f"{key}.norm_topk_prob=false with the sigmoid router: megatron-core renormalises the top-k "
-                      f"sigmoid scores; set norm_topk_prob: true.")
-    if language.moe_router_bias_update_rate < 0:
-        errors.append(f"{key}.moe_router_bias_update_rate={language.moe_router_bias_update_rate} must not be negative.")
-    if language.moe_router_bias_update_rate > 0 and language.moe_router_score_function != "sigmoid":
-        errors.append(f"{key}.moe_router_bias_update_rate needs moe_router_score_function: sigmoid (megatron-core's "
-                      f"expert bias).")
-    groups, group_topk = language.moe_router_num_groups, language.moe_router_group_topk
-    if (groups is None) != (group_topk is None):
-        errors.append(f"{key}.moe_router_num_groups={groups} and moe_router_group_topk={group_topk}: set both or "
-                      f"neither.")
-    elif groups is not None and language.num_experts:
-        if groups < 1 or language.num_experts % groups or not 1 <= group_topk <= groups:
-            errors.append(f"{key}.moe_router_num_groups={groups} must divide num_experts={language.num_experts} and "
-                          f"moe_router_group_topk={group_topk} lie in 1..{groups}.")
-        elif language.moe_router_topk % group_topk or \
-                language.moe_router_topk // group_topk > language.num_experts // groups:
-            errors.append(f"{key}.moe_router_topk={language.moe_router_topk} must be a multiple of moe_router_group_topk="
-                          f"{group_topk} and take at most a group's {language.num_experts // groups} experts from each "
-                          f"group (groups rank by the sum of their top topk/group_topk scores).")
-    if not 0 <= language.first_dense_layers < language.num_layers or \
-            (language.first_dense_layers and not language.num_experts):
-        errors.append(f"{key}.first_dense_layers={language.first_dense_layers} must lie in 0..num_layers-1 and needs "
-                      f"num_experts > 0 (the layers after it are sparse).")
-    return errors
 
 
 def _check_vision_shape(cfg: RunConfig) -> list[str]:
@@ -624,25 +543,26 @@ def _check_expert_layout(cfg: RunConfig, world_size: int) -> list[str]:
     if ep < 1 or etp < 1:
         return [f"parallel.expert_model_parallel_size={ep} and parallel.expert_tensor_parallel_size={etp} "
                 f"must be at least 1."]
-    if language.num_experts == 0:
+    moe = language.moe
+    if moe is None:
         if ep > 1 or parallel.expert_tensor_parallel_size is not None:
             return [f"parallel.expert_model_parallel_size={ep} / expert_tensor_parallel_size="
-                    f"{parallel.expert_tensor_parallel_size} split experts, but model.language.num_experts=0 "
+                    f"{parallel.expert_tensor_parallel_size} split experts, but model.language.moe is null "
                     f"(a dense model); remove them."]
         return []
     errors = []
     if tp > 1 and not parallel.sequence_parallel:
         # megatron-core's MoE layer raises at the first training forward otherwise.
-        errors.append(f"model.language.num_experts={language.num_experts} with "
+        errors.append(f"model.language.moe.num_experts={moe.num_experts} with "
                       f"parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
                       f"(megatron-core trains MoE layers under TP only with sequence parallelism); set it.")
-    if language.num_experts % ep:
-        errors.append(f"parallel.expert_model_parallel_size={ep} does not divide model.language.num_experts="
-                      f"{language.num_experts}; use one of {_list(divisors(language.num_experts))}.")
-    width = language.moe_ffn_hidden_size
+    if moe.num_experts % ep:
+        errors.append(f"parallel.expert_model_parallel_size={ep} does not divide model.language.moe.num_experts="
+                      f"{moe.num_experts}; use one of {_list(divisors(moe.num_experts))}.")
+    width = moe.ffn_hidden_size
     if width and width % etp:
         errors.append(f"parallel.expert_tensor_parallel_size={etp}{' (TP)' if parallel.expert_tensor_parallel_size is None else ''} "
-                      f"does not divide model.language.moe_ffn_hidden_size={width}; use one of "
+                      f"does not divide model.language.moe.ffn_hidden_size={width}; use one of "
                       f"{_list(divisors(width))}.")
     if world_size % pp == 0 and (world_size // pp) % (etp * ep):
         errors.append(f"world size {world_size} / PP {pp} is not a multiple of expert TP x EP = {etp} x {ep}; "
@@ -876,8 +796,8 @@ def _check_names(key: str, values: list[str], allowed: tuple[str, ...]) -> list[
 def _check_lora_experts(cfg: RunConfig) -> list[str]:
     """An expert's linears take no tensor-parallel communication of their own (the token dispatcher
     does it), so adapters on them are built only where each expert sits whole on one rank."""
-    if cfg.model.language.num_experts == 0:
-        return ["lora.experts=true adapts mixture-of-experts layers, but model.language.num_experts=0 "
+    if cfg.model.language.moe is None:
+        return ["lora.experts=true adapts mixture-of-experts layers, but model.language.moe is null "
                 "(a dense model); set lora.experts=false."]
     etp = expert_tensor_parallel_size(cfg.parallel)
     if etp != 1:
@@ -908,8 +828,8 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
     if range_errors:
         # Zero or negative sizes would make the divisibility checks below divide by zero.
         return errors + range_errors
-    errors += (_check_language_shape(cfg) + _check_experts(cfg) + _check_hybrid_layers(cfg)
-               + _check_latent_attention(cfg) + _check_chat_format(cfg) + _check_vision_shape(cfg))
+    errors += (_check_language_shape(cfg) + _check_layer_kinds(cfg) + _check_chat_format(cfg)
+               + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
             + _check_lora(cfg))

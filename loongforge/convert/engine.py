@@ -129,7 +129,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                 links.append(Link(rule, rule.hf, key, None))
                 continue
             links += [Link(rule, tuple(p.replace("{e}", str(e)) for p in rule.hf), key, None, e)
-                      for e in range(model_cfg.language.num_experts)]
+                      for e in range(model_cfg.language.moe.num_experts)]
         elif "{i}" not in rule.megatron:
             links.append(Link(rule, rule.hf, rule.megatron, None))
         elif rule.group == VISION:  # vision blocks are separate keys per block
@@ -143,7 +143,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                     links.append(Link(rule, tuple(_fill(p, i) for p in rule.hf), key, None, block=i))
                     continue
                 links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, None, e, block=i)
-                          for e in range(model_cfg.language.num_experts)]
+                          for e in range(model_cfg.language.moe.num_experts)]
         elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
             key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
             if rule.fuses_experts:  # one HF tensor holds a layer's experts: one link per layer
@@ -152,7 +152,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                 continue
             links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
                       for i in _language_layers(rule, model_cfg)
-                      for e in range(model_cfg.language.num_experts)]
+                      for e in range(model_cfg.language.moe.num_experts)]
         elif apart:
             # The layers differ in tensors (hybrid, or dense then sparse), so megatron keeps each under keys of
             # its own.
@@ -208,8 +208,8 @@ def megatron_shapes(links: list[Link], hf_shapes: dict[str, tuple[int, ...]], mo
             continue
         hf = [torch.empty(hf_shapes[k], device="meta") for k in link.hf_keys]
         chunk = to_megatron(link, hf, vocab_rows)
-        leading = tuple(count for index, count in ((link.layer, model_cfg.language.num_layers),
-                                                   (link.expert, model_cfg.language.num_experts)) if index is not None)
+        leading = (*((model_cfg.language.num_layers,) if link.layer is not None else ()),
+                   *((model_cfg.language.moe.num_experts,) if link.expert is not None else ()))
         shapes[link.mcore_key] = (*leading, *chunk.shape[len(link.stack):])
     return shapes
 

@@ -61,7 +61,7 @@ def _stage_links(model_cfg, layer_offset: int, expert_offset: int = 0) -> dict[s
         else:  # experts of a layer outside the decoder's stack (multi-token prediction's)
             key = link.mcore_key
         if link.rule.fuses_experts:
-            for expert in range(expert_offset, model_cfg.language.num_experts):
+            for expert in range(expert_offset, model_cfg.language.moe.num_experts):
                 by_key[key.replace(".experts.experts.", f".experts.local_experts.{expert - expert_offset}.", 1)] = (
                     dataclasses.replace(link, expert=expert))
             continue

@@ -39,7 +39,7 @@ fla's backward recomputes.
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 from loongforge.balance.cost_model import SampleCost
@@ -188,15 +188,22 @@ def layers_keyed_apart(lang: LanguageConfig) -> bool:
     """Whether megatron-core saves each decoder layer under checkpoint keys of its own (its non-homogeneous
     layers) rather than stacked: where the layers differ in tensors, a hybrid decoder's (``layer_types``:
     ``linear_attention_freq``) or DeepSeek's dense first layers before sparse ones (``moe_layer_freq``)."""
-    return bool(lang.layer_types) or bool(lang.num_experts and lang.first_dense_layers)
+    return bool(lang.layer_types) or bool(lang.moe and lang.moe.first_dense_layers)
 
 
 def sparse_layers(lang: LanguageConfig) -> list[bool]:
     """Whether each decoder layer holds experts: every layer of a model with experts but its first
-    ``first_dense_layers`` (DeepSeek's), none of a dense model."""
-    if not lang.num_experts:
+    ``moe.first_dense_layers`` (DeepSeek's), none of a dense model."""
+    if not lang.moe:
         return [False] * lang.num_layers
-    return [index >= lang.first_dense_layers for index in range(lang.num_layers)]
+    return [index >= lang.moe.first_dense_layers for index in range(lang.num_layers)]
+
+
+def with_layers(lang: LanguageConfig, num_layers: int, *, first_dense: int = 0, **changes) -> LanguageConfig:
+    """``lang`` cut to ``num_layers`` decoder layers, the first ``first_dense`` of them dense where it has
+    experts (``changes``: other fields to replace), for counting a part of the decoder alone."""
+    moe = replace(lang.moe, first_dense_layers=first_dense) if lang.moe else None
+    return replace(lang, num_layers=num_layers, moe=moe, **changes)
 
 
 def attention_width(lang: LanguageConfig) -> float:

@@ -7,6 +7,8 @@ when first asked for, so that looking one up does not import every model.
 
 from __future__ import annotations
 
+import dataclasses
+
 from typing import Any, Mapping
 
 from loongforge.config.errors import ConfigError, InputError
@@ -62,9 +64,9 @@ def feature_problems(cfg: RunConfig, family: ModelFamily) -> list[str]:
     for feature, name, value, default in unbuilt_feature_fields(cfg, family.features):
         builders = [other for other in families() if feature in get_family(other).features]
         where = f"model.family={' or '.join(builders)} builds it" if builders else "no family builds it yet"
-        problems.append(f"model.{name}={yaml_text(value)} but model.family={family.name} does not build "
-                        f"{feature.replace('_', ' ')} ({where}); set model.{name}={yaml_text(default)} or choose "
-                        "such a family.")
+        given = f"model.{name} is set" if dataclasses.is_dataclass(value) else f"model.{name}={yaml_text(value)}"
+        problems.append(f"{given} but model.family={family.name} does not build {feature.replace('_', ' ')} ({where}); "
+                        f"set model.{name}={yaml_text(default)} or choose such a family.")
     return problems
 
 

@@ -25,7 +25,7 @@ from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
 from loongforge.models.decoder.layer_costs import mlp, token_mixer
-from loongforge.models.flops import decoder_layer_types, sparse_layers
+from loongforge.models.flops import decoder_layer_types, sparse_layers, with_layers
 from loongforge.models.layers.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
 
@@ -37,7 +37,7 @@ DENSE_MLP = "+dense_mlp"
 
 def decoder_layer_kinds(language: LanguageConfig) -> list[str]:
     """Each decoder layer's kind, in order (``DENSE_MLP``)."""
-    return [kind if sparse or not language.num_experts else kind + DENSE_MLP
+    return [kind if sparse or not language.moe else kind + DENSE_MLP
             for kind, sparse in zip(decoder_layer_types(language), sparse_layers(language))]
 
 
@@ -82,14 +82,13 @@ def split_parameters(model: ModelConfig) -> ParameterSplit:
     language = model.language
     counts = get_family(model.family).count_parameters(model)
     total = int(counts["total"])
-    without_layers = total_parameters(dataclasses.replace(model, language=dataclasses.replace(
-        language, num_layers=0, first_dense_layers=0, mtp_num_layers=0)))
+    without_layers = total_parameters(dataclasses.replace(model, language=with_layers(language, 0, mtp_num_layers=0)))
     mtp = total - total_parameters(dataclasses.replace(model, language=dataclasses.replace(language, mtp_num_layers=0)))
     embedding = language.vocab_size * language.hidden_size
     head = 0 if language.tie_word_embeddings else embedding
     routed = int(counts["routed_experts"])
     experts = routed // max(sum(sparse_layers(language)) + language.mtp_num_layers, 1)
-    mtp_experts = experts * language.mtp_num_layers if language.num_experts else 0
+    mtp_experts = experts * language.mtp_num_layers if language.moe else 0
     one_of_each = {kind: total_parameters(_with_one_layer(model, kind)) - without_layers
                    - (0 if kind.endswith(DENSE_MLP) else experts)
                    for kind in dict.fromkeys(decoder_layer_kinds(language))}
@@ -113,9 +112,8 @@ def _with_one_layer(model: ModelConfig, kind: str) -> ModelConfig:
     """``model`` with a single decoder layer, of ``kind`` (``decoder_layer_kinds``)."""
     language = model.language
     layer_types = [_mixer(kind)] if language.layer_types else []
-    return dataclasses.replace(model, language=dataclasses.replace(
-        language, num_layers=1, layer_types=layer_types, first_dense_layers=int(kind.endswith(DENSE_MLP)),
-        mtp_num_layers=0))
+    return dataclasses.replace(model, language=with_layers(
+        language, 1, first_dense=int(kind.endswith(DENSE_MLP)), layer_types=layer_types, mtp_num_layers=0))
 
 
 def rank_layer_types(stages: PipelineStages, layer_types: list[str], rank: int) -> list[str]:

@@ -33,7 +33,7 @@ from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.pipeline_layout import PipelineStages, layout_string, stage_plan
 from loongforge.config.schema import RunConfig
 from loongforge.config.validate import check_run_config
-from loongforge.models.flops import FULL_ATTENTION, FlopOptions, StepFlops
+from loongforge.models.flops import FULL_ATTENTION, FlopOptions, StepFlops, with_layers
 from loongforge.models.registry import get_family
 from loongforge.train.context_plan import USABLE_SHARE
 from loongforge.train.dry_run import GIB, activation_bytes, build_parallel_plan
@@ -106,7 +106,7 @@ def _layer_flops(cfg: RunConfig, row: list[SampleCost], options: FlopOptions) ->
     dense first layers: the family's count of a one-layer model of each kind); () where every layer costs
     the same."""
     language = cfg.model.language
-    dense_first = language.first_dense_layers if language.num_experts else 0
+    dense_first = language.moe.first_dense_layers if language.moe else 0
     if not language.layer_types and not dense_first:
         return ()
     family = get_family(cfg.model.family)
@@ -114,8 +114,8 @@ def _layer_flops(cfg: RunConfig, row: list[SampleCost], options: FlopOptions) ->
     kinds = [(kind, index < dense_first) for index, kind in enumerate(types)]
 
     def one_layer(kind: str, dense: bool) -> float:
-        single = dataclasses.replace(language, num_layers=1, layer_types=[kind] if language.layer_types else [],
-                                     first_dense_layers=int(dense), mtp_num_layers=0)
+        single = with_layers(language, 1, first_dense=int(dense), layer_types=[kind] if language.layer_types else [],
+                             mtp_num_layers=0)
         return family.training_flops(dataclasses.replace(cfg.model, language=single), row, options).language
 
     per_kind = {kind: one_layer(*kind) for kind in set(kinds)}

@@ -476,10 +476,10 @@ def _peak_tflops(cfg: RunConfig, device: torch.device) -> Optional[float]:
 
 def _expert_load_counter(cfg: RunConfig, model: list, device: torch.device) -> Optional[ExpertLoadCounter]:
     language = cfg.model.language
-    if not language.num_experts:
+    if not language.moe:
         return None
     return ExpertLoadCounter(model, num_layers=language.num_layers + language.mtp_num_layers,
-                             num_experts=language.num_experts, device=device)
+                             num_experts=language.moe.num_experts, device=device)
 
 
 def _open_embeddings(cfg: RunConfig, env: DistributedEnv, *, resume: bool):

@@ -272,28 +272,55 @@ def test_data_read_choices_and_packed_sharded():
 
 def test_moe_fields_are_checked_with_the_fix():
     load_run_config("qwen3-moe-tiny")  # valid as shipped
-    (topk,) = errors_for("model.language.moe_router_topk=9", preset="qwen3-moe-tiny")
-    assert topk == ("model.language.moe_router_topk=9 must be between 1 and model.language.num_experts=8.")
-    (width,) = errors_for("model.language.moe_ffn_hidden_size=null", preset="qwen3-moe-tiny")
-    assert width.startswith("model.language.moe_ffn_hidden_size=None must be at least 1 with")
-    (dense,) = errors_for("model.language.num_experts=0", preset="qwen3-moe-tiny")
-    assert dense.startswith("model.language.moe_ffn_hidden_size=64 is set but model.language.num_experts=0")
-    (coeff,) = errors_for("model.language.moe_aux_loss_coeff=-1", preset="qwen3-moe-tiny")
+    (topk,) = errors_for("model.language.moe.router_topk=9", preset="qwen3-moe-tiny")
+    assert topk == ("model.language.moe.router_topk=9 must be between 1 and model.language.moe.num_experts=8.")
+    (width,) = errors_for("model.language.moe.ffn_hidden_size=null", preset="qwen3-moe-tiny")
+    assert width == "model.language.moe.ffn_hidden_size=None must be at least 1 (each expert's MLP width)."
+    (none,) = errors_for("model.language.moe.num_experts=0", preset="qwen3-moe-tiny")
+    assert none == "model.language.moe.num_experts=0 must be at least 1 (a dense model sets model.language.moe: null)."
+    (coeff,) = errors_for("model.language.moe.aux_loss_coeff=-1", preset="qwen3-moe-tiny")
     assert "must not be negative" in coeff
+    (dense,) = errors_for("model.language.moe.first_dense_layers=99", preset="qwen3-moe-tiny")
+    assert dense.startswith("model.language.moe.first_dense_layers=99 must lie in 0..")
+    assert load_run_config("qwen3-moe-tiny", overrides=["model.language.moe=null"]).model.language.moe is None
+
+
+def test_flat_expert_keys_of_older_configs_move_into_the_moe_section_with_one_line_each(tmp_path, capsys):
+    """A config.yaml saved before ``model.language.moe`` (its expert keys flat under model.language) loads as
+    the same model, each moved key told in one line naming its new key; a dense one's num_experts: 0 is
+    ``moe: null``."""
+    shipped = load_run_config("qwen3-moe-tiny")
+    old = tmp_path / "config.yaml"
+    old.write_text("model:\n  language:\n    num_experts: 8\n    moe_ffn_hidden_size: 64\n"
+                   "    moe_router_topk: 2\n    moe_aux_loss_coeff: 0.001\n")
+    moved = load_run_config("qwen3-moe-tiny", config_file=old)
+    assert moved.model.language == shipped.model.language
+    lines = capsys.readouterr().err.splitlines()
+    print(lines)
+    assert lines == ["model.language.num_experts is now model.language.moe.num_experts; read so.",
+                     "model.language.moe_ffn_hidden_size is now model.language.moe.ffn_hidden_size; read so.",
+                     "model.language.moe_router_topk is now model.language.moe.router_topk; read so.",
+                     "model.language.moe_aux_loss_coeff is now model.language.moe.aux_loss_coeff; read so."]
+    dense = load_run_config("qwen3-moe-tiny", overrides=["model.language.num_experts=0",
+                                                         "model.language.moe_router_topk=2"])
+    assert dense.model.language.moe is None
+    assert capsys.readouterr().err.splitlines() == [
+        "model.language.num_experts=0 (with 1 other flat expert keys) is now model.language.moe: null (a dense "
+        "model); read so."]
 
 
 
 def test_tp_must_divide_the_expert_width():
     messages = errors_for("parallel.tensor_model_parallel_size=2", "parallel.world_size=2",
-                          "model.language.moe_ffn_hidden_size=33", preset="qwen3-moe-tiny")
-    assert any("does not divide model.language.moe_ffn_hidden_size=33" in m for m in messages), messages
+                          "model.language.moe.ffn_hidden_size=33", preset="qwen3-moe-tiny")
+    assert any("does not divide model.language.moe.ffn_hidden_size=33" in m for m in messages), messages
     load_run_config("qwen3-moe-tiny", overrides=["parallel.tensor_model_parallel_size=2", "parallel.world_size=2",
                                                  "parallel.sequence_parallel=true"])
 
 
 def test_moe_under_tensor_parallelism_needs_sequence_parallelism():
     (message,) = errors_for("parallel.tensor_model_parallel_size=2", "parallel.world_size=2", preset="qwen3-moe-tiny")
-    assert message == ("model.language.num_experts=8 with parallel.tensor_model_parallel_size=2 needs "
+    assert message == ("model.language.moe.num_experts=8 with parallel.tensor_model_parallel_size=2 needs "
                        "parallel.sequence_parallel=true (megatron-core trains MoE layers under TP only with "
                        "sequence parallelism); set it.")
 

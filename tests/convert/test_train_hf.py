@@ -78,8 +78,8 @@ def test_a_model_setting_that_contradicts_the_folder_stops(tmp_path):
 OTHER_LLMS = {
     "llm-tiny-small-vocab": ["model.language.num_layers=3", "model.language.ffn_hidden_size=256",
                              "model.language.rope_theta=10000.0", "model.language.tie_word_embeddings=false"],
-    "qwen3-moe-tiny-small-vocab": ["model.language.num_layers=3", "model.language.num_experts=4",
-                                   "model.language.moe_ffn_hidden_size=32", "model.language.rope_theta=10000.0",
+    "qwen3-moe-tiny-small-vocab": ["model.language.num_layers=3", "model.language.moe.num_experts=4",
+                                   "model.language.moe.ffn_hidden_size=32", "model.language.rope_theta=10000.0",
                                    "model.language.tie_word_embeddings=false"],
 }
 

@@ -53,7 +53,7 @@ def _idle_expert_parameters(model, model_cfg) -> int:
     sparse layer's experts (transformers names them ``.experts.``, fused or one module each)."""
     lang = model_cfg.language
     experts = sum(p.numel() for name, p in model.named_parameters() if ".experts." in name)
-    return experts * (lang.num_experts - lang.moe_router_topk) // lang.num_experts
+    return experts * (lang.moe.num_experts - lang.moe.router_topk) // lang.moe.num_experts
 
 
 @pytest.mark.parametrize("name", _presets())
@@ -72,7 +72,7 @@ def test_counts_equal_transformers_on_the_meta_device(name):
         tower = getattr(model.model, "vision_tower", None) or model.model.visual
         merger = getattr(tower, "merger", None)  # Qwen's merger sits inside its tower: loongforge's projector
         assert counts["vision_model"] + (counts["projector"] if merger else 0) == _numel(tower)
-    idle = _idle_expert_parameters(model, model_cfg) if model_cfg.language.num_experts else 0
+    idle = _idle_expert_parameters(model, model_cfg) if model_cfg.language.moe else 0
     assert counts["active"] == counts["total"] - idle
     shapes = {key: tuple(value.shape) for key, value in family.to_hub_style(model.state_dict()).items()}
     if model_cfg.language.tie_word_embeddings:

@@ -16,7 +16,7 @@ from torch.utils.flop_counter import FlopCounterMode
 from loongforge.calibrate.fit_cost import flops_crossover_length
 from loongforge.config.layout import derive_parallel_sizes
 from loongforge.config.loader import load_run_config, to_dict
-from loongforge.config.schema import LanguageConfig, LinearAttentionConfig
+from loongforge.config.schema import LanguageConfig, LinearAttentionConfig, MoEConfig
 from loongforge.models.decoder import linear_attention
 from loongforge.models.decoder.params import language_layer_parameters, language_parameters
 from loongforge.models.decoder.layer_costs import DELTA_RULE_CHUNK, gated_delta_rule_flops
@@ -88,8 +88,8 @@ def test_counts_equal_transformers_text_model_on_meta_device(pattern):
 def test_moe_counts_equal_transformers_text_model_with_its_shared_expert():
     from transformers import Qwen3_5MoeTextConfig, Qwen3_5MoeTextModel
 
-    lang = tiny_language(PATTERNS["three_to_one"], num_experts=8, moe_ffn_hidden_size=24, moe_router_topk=2,
-                         moe_shared_expert_ffn_hidden_size=40)
+    lang = tiny_language(PATTERNS["three_to_one"], moe=MoEConfig(num_experts=8, ffn_hidden_size=24, router_topk=2,
+                                                                 shared_expert_ffn_hidden_size=40))
     shape = lang.linear_attention
     config = Qwen3_5MoeTextConfig(
         vocab_size=lang.vocab_size, hidden_size=lang.hidden_size, num_hidden_layers=lang.num_layers,

@@ -193,7 +193,7 @@ def test_expert_adapters_equal_their_merged_weights(megatron_world_of_one):
     model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True, post_process=True,
                         device="cpu").eval()
     counts = apply_lora(model, model_cfg, LoraConfig(rank=RANK, alpha=ALPHA, experts=True), seed=0)
-    experts = model_cfg.language.num_experts * model_cfg.language.num_layers
+    experts = model_cfg.language.moe.num_experts * model_cfg.language.num_layers
     assert counts == {"language.expert_fc1": experts, "language.expert_fc2": experts, "language.proj": 2,
                       "language.qkv": 2}
     generator = torch.Generator().manual_seed(4)

@@ -38,7 +38,7 @@ def _targets(with_mlp: bool) -> str:
 
 
 def _lora_config(model_cfg) -> LoraConfig:
-    if model_cfg.language.num_experts:
+    if model_cfg.language.moe:
         return LoraConfig(rank=RANK, alpha=ALPHA, modules=["qkv", "proj"])
     return LoraConfig(rank=RANK, alpha=ALPHA)
 
@@ -52,7 +52,7 @@ def test_language_adapters_equal_peft(name, megatron_world_of_one):
     case = reference.sample(model_cfg, hf_model, **reference.layouts[layout])
     hf_state = {key: value.clone() for key, value in hf_model.state_dict().items()}
     lora_cfg = _lora_config(model_cfg)
-    peft_model = with_random_adapters(hf_model, _targets(with_mlp=not model_cfg.language.num_experts))
+    peft_model = with_random_adapters(hf_model, _targets(with_mlp=model_cfg.language.moe is None))
     peft_state = peft_tensors(peft_model)
     model = reference.build(model_cfg, ParallelConfig()).eval()
     load_hf_state_dict(model, hf_state)

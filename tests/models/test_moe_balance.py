@@ -64,7 +64,7 @@ def test_statistics_give_megatrons_per_layer_losses(pair):
     with RouterStatistics(model.train()).record() as recorded:
         model(input_ids=_ids(), position_ids=text_positions(40))  # training mode, grad on: aux loss
     per_layer = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]  # aux / coeff
-    ours = megatron_balance_loss(recorded.statistics, lang.moe_router_topk)
+    ours = megatron_balance_loss(recorded.statistics, lang.moe.router_topk)
     assert abs(float(per_layer.sum()) - float(ours)) <= 1e-6
     # Not transformers' value: no 1/k there, and its product is over the layer averages.
     assert abs(float(ours) - float(transformers_balance_loss(recorded.statistics))) > 1e-3
@@ -92,7 +92,7 @@ def test_step_trains_the_balance_loss_at_its_coefficient(megatron_world_of_one, 
     with_balance, inputs = router_grad(chunks, router, micro_batches, coefficient)
     without_balance, _ = router_grad(chunks, router, micro_batches, 0.0)
     real_inputs = [hidden[:length] for hidden, length in zip(inputs, lengths)]  # [T, 1, h] without padding
-    expected = expected_balance_grad(router.weight, real_inputs, model_cfg.language.moe_router_topk, coefficient)
+    expected = expected_balance_grad(router.weight, real_inputs, model_cfg.language.moe.router_topk, coefficient)
     assert float(expected.abs().max()) > 1e-3  # a gradient worth comparing
     assert (with_balance - without_balance - expected).abs().max() <= 1e-6 * max(1.0, float(expected.abs().max()))
 
@@ -111,12 +111,12 @@ def test_expert_load_counts_each_routed_real_token_once(megatron_world_of_one):
                         post_process=True, device="cpu")
     load_hf_state_dict(model, build_hf_llm(ARCH).state_dict())
     chunks, _ = wrap_for_training(model.train(), ParallelConfig())
-    counter = ExpertLoadCounter(chunks, num_layers=lang.num_layers, num_experts=lang.num_experts,
+    counter = ExpertLoadCounter(chunks, num_layers=lang.num_layers, num_experts=lang.moe.num_experts,
                                 device=torch.device("cpu"))
     lengths = (40, 24)
     rows = [answer_masked_row(length, 8, seed, padding=8) for seed, length in enumerate(lengths)]
     routers = [m for m in model.modules() if isinstance(m, TopKRouter)]
-    expected = torch.zeros(lang.num_layers, lang.num_experts)
+    expected = torch.zeros(lang.num_layers, lang.moe.num_experts)
     inputs = {}
     handles = [r.register_forward_hook(lambda m, a, o, i=i: inputs.setdefault(i, []).append(a[0].detach()))
                for i, r in enumerate(routers)]
@@ -126,12 +126,12 @@ def test_expert_load_counts_each_routed_real_token_once(megatron_world_of_one):
     for layer, router in enumerate(routers):
         for hidden, length in zip(inputs[layer], lengths):
             logits = hidden[:length].reshape(length, -1) @ router.weight.detach().t()  # [T, E]
-            fractions, _ = layer_statistics(logits, lang.moe_router_topk)
+            fractions, _ = layer_statistics(logits, lang.moe.router_topk)
             expected[layer] += fractions * length
     with torch.no_grad():
         model(**{k: v for k, v in rows[0].items() if k in ("input_ids", "position_ids", "padding_mask")})
     load = counter.take()
-    assert expected.sum() == sum(lengths) * lang.moe_router_topk * lang.num_layers
+    assert expected.sum() == sum(lengths) * lang.moe.router_topk * lang.num_layers
     assert (load.tokens_min, load.tokens_max) == (int(expected.min()), int(expected.max()))
     assert abs(load.max_over_mean - float((expected.max(dim=1).values / expected.mean(dim=1)).max())) <= 1e-12
     assert counter.take() is None  # zeroed

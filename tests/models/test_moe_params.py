@@ -41,9 +41,9 @@ def test_flops_count_the_routed_experts_only():
     moe = load_run_config("qwen3-moe-tiny").model
     lang = moe.language
     as_dense = dataclasses.replace(moe, language=dataclasses.replace(
-        lang, num_experts=0, moe_ffn_hidden_size=None, ffn_hidden_size=lang.moe_router_topk * lang.moe_ffn_hidden_size))
+        lang, moe=None, ffn_hidden_size=lang.moe.router_topk * lang.moe.ffn_hidden_size))
     training_flops = get_family(moe.family).training_flops
-    router = 2 * lang.hidden_size * lang.num_experts * lang.num_layers * 10
+    router = 2 * lang.hidden_size * lang.moe.num_experts * lang.num_layers * 10
     # Forward + backward: 3 x the forward's router matmuls.
     samples = [SampleCost(tokens=10)]
     assert training_flops(moe, samples).language == training_flops(as_dense, samples).language + 3 * router

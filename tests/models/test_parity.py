@@ -318,7 +318,7 @@ AUX_TOLERANCE = 1e-6
 def test_decoder_layers_are_megatrons_moe_layers_with_deepstack_hooks(pair):
     layers = pair.model.language_model.decoder.layers
     assert all(isinstance(layer.mlp, MoELayer) for layer in layers)
-    assert len(layers[0].mlp.experts.local_experts) == pair.model_cfg.language.num_experts
+    assert len(layers[0].mlp.experts.local_experts) == pair.model_cfg.language.moe.num_experts
     hooked = [bool(layer._forward_hooks) for layer in layers]
     assert hooked == [index < TINY_VISION.num_deepstack_layers for index in range(len(layers))]
 
@@ -351,7 +351,7 @@ def test_router_statistics_give_megatrons_per_layer_losses(pair):
     with RouterStatistics(model).record() as recorded:
         model(**case.ours)
     per_layer = get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"]  # aux / coeff
-    ours = megatron_balance_loss(recorded.statistics, pair.model_cfg.language.moe_router_topk)
+    ours = megatron_balance_loss(recorded.statistics, pair.model_cfg.language.moe.router_topk)
     assert abs(float(per_layer.sum()) - float(ours)) <= AUX_TOLERANCE
     clear_aux_losses_tracker()
 
@@ -396,8 +396,8 @@ def test_text_moe_is_megatrons_moe_layer(pair):
     for layer in pair.model.language_model.decoder.layers:
         assert isinstance(layer.mlp, MoELayer) and isinstance(layer.mlp.experts, SequentialMLP)
         assert isinstance(layer.mlp.token_dispatcher, MoEAlltoAllTokenDispatcher)
-        assert layer.mlp.router.topk == pair.model_cfg.language.moe_router_topk == 2
-        assert len(layer.mlp.experts.local_experts) == pair.model_cfg.language.num_experts == 4
+        assert layer.mlp.router.topk == pair.model_cfg.language.moe.router_topk == 2
+        assert len(layer.mlp.experts.local_experts) == pair.model_cfg.language.moe.num_experts == 4
 
 
 @pytest.mark.parametrize("pair", ["qwen3_moe"], indirect=True)

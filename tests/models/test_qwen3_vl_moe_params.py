@@ -45,7 +45,7 @@ def test_config_json_round_trips_through_transformers():
     assert families.config_differences(model_cfg, again) == []
     # Read by model_type alone too (architectures absent).
     del through_transformers["architectures"]
-    assert family.config_from_hf(through_transformers, "config.json").language.num_experts == 128
+    assert family.config_from_hf(through_transformers, "config.json").language.moe.num_experts == 128
 
 
 def test_dense_config_is_still_written_as_qwen3_vl():
@@ -77,10 +77,10 @@ def test_unnormalised_router_is_refused_by_validation_and_export():
     from loongforge.models.registry import check_family_layout
 
     cfg = load_run_config("qwen3vl-moe-tiny")
-    cfg.model.language.norm_topk_prob = False
+    cfg.model.language.moe.norm_topk_prob = False
     with pytest.raises(ConfigError) as info:
         check_family_layout(cfg)
-    assert any(e.startswith("model.language.norm_topk_prob=false: Qwen3-VL-MoE always renormalises")
+    assert any(e.startswith("model.language.moe.norm_topk_prob=false: Qwen3-VL-MoE always renormalises")
                for e in info.value.messages)
     with pytest.raises(ValueError, match="norm_topk_prob=false has no Qwen3-VL-MoE config.json"):
         get_family("qwen3_vl").config_to_hf(cfg.model)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, MoEConfig, ProjectorConfig, VisionConfig
 from loongforge.models.towers.qwen3_vit.vision_facts import Qwen3VisionConfig
 
 # The same sample form, transformers' positions and logits as Qwen2.5-VL's: re-exported for the Qwen3 tests.
@@ -28,8 +28,7 @@ TIMESTAMP_TOKEN = 27  # stands for the "<1.5 seconds>" text before each video fr
 # Qwen3-VL-MoE at toy size: every decoder layer 4 routed experts of width 48, top-2, renormalised
 # (the only router transformers' Qwen3-VL-MoE has). 48, not 32: each expert's gate_up slice [96, 64]
 # is not square, so reading it in the wrong orientation fails loudly instead of silently.
-TINY_EXPERTS = dict(num_experts=4, moe_ffn_hidden_size=48, moe_router_topk=2, norm_topk_prob=True,
-                    moe_aux_loss_coeff=0.001)
+TINY_EXPERTS = MoEConfig(num_experts=4, ffn_hidden_size=48, router_topk=2, norm_topk_prob=True, aux_loss_coeff=0.001)
 
 
 def tiny_model_cfg(*, tie: bool = False, experts: bool = False) -> ModelConfig:
@@ -48,7 +47,7 @@ def tiny_model_cfg(*, tie: bool = False, experts: bool = False) -> ModelConfig:
             qk_norm=True, add_qkv_bias=False, vocab_size=151936, rope_theta=5e6, mrope_section=[6, 5, 5],
             mrope_interleaved=True,
             tie_word_embeddings=tie,
-            **(TINY_EXPERTS if experts else {}),
+            moe=TINY_EXPERTS if experts else None,
         ),
         layer_backend="sdpa",
     )
@@ -59,13 +58,14 @@ def hf_config(model_cfg: ModelConfig, vision: Qwen3VisionConfig = TINY_VISION):
     from transformers import Qwen3VLConfig, Qwen3VLMoeConfig
 
     lang, tok = model_cfg.language, model_cfg.tokens
-    experts = dict(num_experts=lang.num_experts, num_experts_per_tok=lang.moe_router_topk,
-                   moe_intermediate_size=lang.moe_ffn_hidden_size, router_aux_loss_coef=lang.moe_aux_loss_coeff,
-                   decoder_sparse_step=1, mlp_only_layers=[])
-    config_class = Qwen3VLMoeConfig if lang.num_experts else Qwen3VLConfig
+    moe = lang.moe
+    experts = dict(num_experts=moe.num_experts, num_experts_per_tok=moe.router_topk,
+                   moe_intermediate_size=moe.ffn_hidden_size, router_aux_loss_coef=moe.aux_loss_coeff,
+                   decoder_sparse_step=1, mlp_only_layers=[]) if moe else {}
+    config_class = Qwen3VLMoeConfig if lang.moe else Qwen3VLConfig
     return config_class(
         text_config=dict(
-            **(experts if lang.num_experts else {}),
+            **experts,
             vocab_size=lang.vocab_size, hidden_size=lang.hidden_size, intermediate_size=lang.ffn_hidden_size,
             num_hidden_layers=lang.num_layers, num_attention_heads=lang.num_attention_heads,
             num_key_value_heads=lang.num_query_groups, head_dim=lang.head_dim, rms_norm_eps=lang.rms_norm_eps,
@@ -94,7 +94,7 @@ def build_hf_model(model_cfg: ModelConfig, seed: int = 0):
 
     torch.manual_seed(seed)
     config = hf_config(model_cfg)
-    if model_cfg.language.num_experts:
+    if model_cfg.language.moe:
         config._attn_implementation = "eager"
         model = Qwen3VLMoeForConditionalGeneration(config).float().eval()
     else:

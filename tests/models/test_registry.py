@@ -152,9 +152,9 @@ def _family_problem(preset: str, *overrides: str) -> str:
 
 
 def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_that_do():
-    message = _family_problem("qwen2.5vl-tiny", "model.language.num_experts=4", "model.language.moe_ffn_hidden_size=64")
-    assert message == ("model.language.num_experts=4 but model.family=qwen2_5_vl does not build experts "
-                       "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.num_experts=0 "
+    message = _family_problem("qwen2.5vl-tiny", "model.language.moe.num_experts=4", "model.language.moe.ffn_hidden_size=64")
+    assert message == ("model.language.moe is set but model.family=qwen2_5_vl does not build experts "
+                       "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
                        "or choose such a family.")
     assert _family_problem("qwen3vl-tiny", "model.chat_format=chatml").startswith(
         "model.chat_format='chatml' but model.family=qwen3_vl does not build chat format (model.family=llm builds it)")
@@ -168,7 +168,7 @@ def test_the_stated_text_architecture_decides_and_a_contradiction_is_refused():
     # Stated as Qwen2 with Llama's switches: the layers would not be what the name says.
     message = _family_problem("llama-tiny", "model.language.architecture=Qwen2ForCausalLM")
     assert message == ("model.language.architecture=Qwen2ForCausalLM but model.language has add_qkv_bias: false; "
-                       "Qwen2ForCausalLM has add_qkv_bias: true, qk_norm: false, num_experts > 0: false, "
+                       "Qwen2ForCausalLM has add_qkv_bias: true, qk_norm: false, moe set: false, "
                        "multi_latent_attention set: false.")
     assert _family_problem("llama-tiny", "model.language.architecture=MistralForCausalLM").startswith(
         "model.language.architecture=MistralForCausalLM is not one of ")

@@ -91,7 +91,7 @@ QWEN3_VL = ("model.language.num_layers=9", "training.global_batch_size=4")
 # Qwen3-MoE at 8 layers (one a virtual stage at PP 4 x VP 2). No load-balancing loss: it is computed per
 # micro-batch, so moving samples (the balancer) would change it.
 MOE = ("data.seq_len=256", "model.language.num_layers=8", f"training.train_steps={STEPS}",
-       "training.global_batch_size=4", "model.language.moe_aux_loss_coeff=0")
+       "training.global_batch_size=4", "model.language.moe.aux_loss_coeff=0")
 
 
 @pytest.fixture(scope="module")

@@ -46,7 +46,7 @@ RESUME_STEP = 1
 # coefficient large enough that its gradient counts; Adam's epsilon as the other layout tests use.
 # Validated after the last step on real text (validation leaves training as it is: issue 32).
 OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "checkpoint.save_interval=1", SAVE_AT_END,
-           "model.language.moe_aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
+           "model.language.moe.aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
            f"data.valid_paths=[alpaca={SHARED_DATA / 'llamafactory' / 'alpaca_en_demo.json'}]", "training.eval_iters=1")
 EP2 = ("parallel.expert_model_parallel_size=2",)
 LAYOUTS = {

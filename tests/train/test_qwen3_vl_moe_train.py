@@ -22,7 +22,7 @@ def test_qwen3vl_moe_tiny_trains_two_steps(tmp_path):
     # A fresh model's loss starts near ln(vocabulary size).
     assert abs(losses(tmp_path)[0] - math.log(4224)) < 1.0
     resolved = yaml.safe_load((tmp_path / "config.yaml").read_text())
-    assert resolved["model"]["family"] == "qwen3_vl" and resolved["model"]["language"]["num_experts"] == 8
+    assert resolved["model"]["family"] == "qwen3_vl" and resolved["model"]["language"]["moe"]["num_experts"] == 8
     # megatron's per-layer balance losses summed over the run's 2 layers (the test harness's
     # SMALL_MODEL): each about 1 when balanced (a fresh router), at most num_experts / topk = 4.
     balance = step_metric(tmp_path, "load_balancing_loss")

@@ -173,39 +173,41 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
     ``parallel.mcore_patches``). No expert bias, no token dropping. A shared expert (Qwen3.5-MoE) is
     megatron's gated ``SharedExpertMLP``: sigmoid(x . gate) times its SwiGLU output, added to the routed.
     """
-    if not lang.num_experts:
+    moe = lang.moe
+    if moe is None:
         return {}
     return dict(
-        num_moe_experts=lang.num_experts,
-        moe_ffn_hidden_size=lang.moe_ffn_hidden_size,
-        moe_router_topk=lang.moe_router_topk,
-        moe_router_score_function=lang.moe_router_score_function,
-        moe_router_pre_softmax=not lang.norm_topk_prob,
-        moe_router_dtype="fp32" if lang.moe_router_fp32 else None,
-        moe_router_enable_expert_bias=lang.moe_router_bias_update_rate > 0,
-        moe_router_bias_update_rate=lang.moe_router_bias_update_rate,
-        moe_router_num_groups=lang.moe_router_num_groups,
-        moe_router_group_topk=lang.moe_router_group_topk,
-        moe_router_topk_scaling_factor=lang.moe_routed_scaling_factor if lang.moe_routed_scaling_factor != 1.0 else None,
+        num_moe_experts=moe.num_experts,
+        moe_ffn_hidden_size=moe.ffn_hidden_size,
+        moe_router_topk=moe.router_topk,
+        moe_router_score_function=moe.router_score_function,
+        moe_router_pre_softmax=not moe.norm_topk_prob,
+        moe_router_dtype="fp32" if moe.router_fp32 else None,
+        moe_router_enable_expert_bias=moe.router_bias_update_rate > 0,
+        moe_router_bias_update_rate=moe.router_bias_update_rate,
+        moe_router_num_groups=moe.router_num_groups,
+        moe_router_group_topk=moe.router_group_topk,
+        moe_router_topk_scaling_factor=moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else None,
         **moe_layer_pattern(lang),
-        moe_router_load_balancing_type="aux_loss" if lang.moe_aux_loss_coeff > 0 else "none",
-        moe_aux_loss_coeff=lang.moe_aux_loss_coeff,
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall",
         expert_model_parallel_size=parallel_cfg.expert_model_parallel_size,
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
-        moe_shared_expert_intermediate_size=lang.moe_shared_expert_ffn_hidden_size,
-        moe_shared_expert_gate=lang.moe_shared_expert_ffn_hidden_size is not None and lang.moe_shared_expert_gate,
+        moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
+        moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_gate,
     )
 
 
 def moe_layer_pattern(lang: LanguageConfig) -> dict:
     """Which layers are sparse (megatron's ``moe_layer_freq``: 1 MoE, 0 the dense MLP), given only where the
-    first ``first_dense_layers`` are dense: a pattern makes megatron save each layer under its own
+    first ``moe.first_dense_layers`` are dense: a pattern makes megatron save each layer under its own
     checkpoint keys (the layers differ in tensors), which a decoder of one kind must not change."""
-    if not lang.first_dense_layers:
+    dense = lang.moe.first_dense_layers if lang.moe else 0
+    if not dense:
         return {}
-    return dict(moe_layer_freq=[0] * lang.first_dense_layers + [1] * (lang.num_layers - lang.first_dense_layers))
+    return dict(moe_layer_freq=[0] * dense + [1] * (lang.num_layers - dense))
 
 
 def multi_token_prediction(lang: LanguageConfig) -> dict:

@@ -18,7 +18,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, MLAConfig, YarnConfig
+from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, YarnConfig
 
 DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
 # megatron's expert bias moves by this much per step (DeepSeek-V3's gamma for most of its pre-training).
@@ -28,7 +28,8 @@ _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_s
 
 def deepseek_architecture(lang: LanguageConfig) -> str:
     """V3's sigmoid router or V2's softmax one."""
-    return "DeepseekV3ForCausalLM" if lang.moe_router_score_function == "sigmoid" else "DeepseekV2ForCausalLM"
+    sigmoid = lang.moe is not None and lang.moe.router_score_function == "sigmoid"
+    return "DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"
 
 
 def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageConfig:
@@ -76,17 +77,17 @@ def _experts_from_hf(cfg: Mapping[str, Any], where: str, v3: bool) -> dict[str, 
         raise InputError(f"{where}: norm_topk_prob=true: transformers' DeepSeek-V2 never renormalises the top-k "
                          "weights; set it to false")
     shared = cfg.get("n_shared_experts") or 0
-    return dict(
-        num_experts=cfg["n_routed_experts"], moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-        moe_router_topk=topk, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
-        moe_aux_loss_coeff=0.0 if v3 else float(cfg.get("aux_loss_alpha", 0.001)),
+    return dict(moe=MoEConfig(
+        num_experts=cfg["n_routed_experts"], ffn_hidden_size=cfg["moe_intermediate_size"],
+        router_topk=topk, norm_topk_prob=bool(cfg.get("norm_topk_prob", True)) if v3 else False,
+        aux_loss_coeff=0.0 if v3 else float(cfg.get("aux_loss_alpha", 0.001)),
         first_dense_layers=cfg.get("first_k_dense_replace") or 0,
-        moe_router_score_function="sigmoid" if v3 else "softmax", moe_router_fp32=True,
-        moe_router_bias_update_rate=BIAS_UPDATE_RATE if v3 else 0.0,
-        moe_router_num_groups=groups, moe_router_group_topk=group_topk,
-        moe_routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
-        moe_shared_expert_ffn_hidden_size=shared * cfg["moe_intermediate_size"] if shared else None,
-        moe_shared_expert_gate=False)
+        router_score_function="sigmoid" if v3 else "softmax", router_fp32=True,
+        router_bias_update_rate=BIAS_UPDATE_RATE if v3 else 0.0,
+        router_num_groups=groups, router_group_topk=group_topk,
+        routed_scaling_factor=float(cfg.get("routed_scaling_factor", 1.0)),
+        shared_expert_ffn_hidden_size=shared * cfg["moe_intermediate_size"] if shared else None,
+        shared_expert_gate=False))
 
 
 def _rope_parameters(cfg: Mapping[str, Any]) -> Mapping[str, Any]:
@@ -128,17 +129,17 @@ def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
         config["rope_scaling"] = {"rope_type": "yarn", **{key: getattr(lang.yarn, key) for key in _YARN_KEYS}}
     if name == "DeepseekV3ForCausalLM":
         config["num_nextn_predict_layers"] = lang.mtp_num_layers
-    if lang.num_experts:
-        shared = lang.moe_shared_expert_ffn_hidden_size or 0
+    if lang.moe:
+        shared = lang.moe.shared_expert_ffn_hidden_size or 0
         config.update(
-            n_routed_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
-            num_experts_per_tok=lang.moe_router_topk, norm_topk_prob=lang.norm_topk_prob,
-            first_k_dense_replace=lang.first_dense_layers, routed_scaling_factor=lang.moe_routed_scaling_factor,
-            n_shared_experts=shared // lang.moe_ffn_hidden_size, n_group=lang.moe_router_num_groups or 1,
-            topk_group=lang.moe_router_group_topk or 1)
+            n_routed_experts=lang.moe.num_experts, moe_intermediate_size=lang.moe.ffn_hidden_size,
+            num_experts_per_tok=lang.moe.router_topk, norm_topk_prob=lang.moe.norm_topk_prob,
+            first_k_dense_replace=lang.moe.first_dense_layers, routed_scaling_factor=lang.moe.routed_scaling_factor,
+            n_shared_experts=shared // lang.moe.ffn_hidden_size, n_group=lang.moe.router_num_groups or 1,
+            topk_group=lang.moe.router_group_topk or 1)
         if name == "DeepseekV2ForCausalLM":
-            config.update(topk_method="group_limited_greedy" if lang.moe_router_num_groups else "greedy",
-                          aux_loss_alpha=lang.moe_aux_loss_coeff)
+            config.update(topk_method="group_limited_greedy" if lang.moe.router_num_groups else "greedy",
+                          aux_loss_alpha=lang.moe.aux_loss_coeff)
     return config
 
 

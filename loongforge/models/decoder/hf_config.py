@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig
+from loongforge.config.schema import LanguageConfig, MoEConfig
 
 
 def experts_from_hf(cfg: Mapping[str, Any], where: str, *, model: str, key_prefix: str = "") -> dict[str, Any]:
-    """``LanguageConfig`` expert fields from the decoder's part of a config.json (``cfg``); errors
+    """``LanguageConfig``'s expert section (``moe``) from the decoder's part of a config.json (``cfg``); errors
     name the file (``where``) and the key (``key_prefix``: where ``cfg`` sits in the file)."""
     step, dense = cfg.get("decoder_sparse_step", 1), list(cfg.get("mlp_only_layers") or [])
     if step != 1 or dense:
@@ -26,14 +26,14 @@ def experts_from_hf(cfg: Mapping[str, Any], where: str, *, model: str, key_prefi
     if not isinstance(experts, int) or experts < 1:
         raise InputError(f"{where}: a {model} config needs {key_prefix}num_experts (or "
                          f"{key_prefix}num_local_experts) >= 1, got {experts}")
-    return dict(num_experts=experts, moe_ffn_hidden_size=cfg["moe_intermediate_size"],
-                moe_router_topk=cfg.get("num_experts_per_tok", 8),
-                norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
-                moe_aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001)))
+    return dict(moe=MoEConfig(num_experts=experts, ffn_hidden_size=cfg["moe_intermediate_size"],
+                              router_topk=cfg.get("num_experts_per_tok", 8),
+                              norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+                              aux_loss_coeff=float(cfg.get("router_aux_loss_coef", 0.001))))
 
 
 def experts_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     """The config.json expert fields of ``lang`` (a model with experts): every layer sparse."""
-    return dict(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
-                num_experts_per_tok=lang.moe_router_topk, norm_topk_prob=lang.norm_topk_prob,
-                router_aux_loss_coef=lang.moe_aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])
+    return dict(num_experts=lang.moe.num_experts, moe_intermediate_size=lang.moe.ffn_hidden_size,
+                num_experts_per_tok=lang.moe.router_topk, norm_topk_prob=lang.moe.norm_topk_prob,
+                router_aux_loss_coef=lang.moe.aux_loss_coeff, decoder_sparse_step=1, mlp_only_layers=[])

@@ -4,7 +4,7 @@ Qwen2, Qwen3 and Llama name their decoder tensors alike in transformers (``model
 ``model.embed_tokens``, ``model.norm``, ``lm_head``); a family adds its own rows (vision tower,
 merger) in front of these. Which optional tensors exist follows the config: q/k/v biases
 (``add_qkv_bias``), per-head q/k norms (``qk_norm``), ``lm_head`` (untied embeddings), and routed
-experts in place of the MLP (``num_experts``, Qwen3-MoE).
+experts in place of the MLP (``moe``, Qwen3-MoE).
 
 Experts come in two HF layouts, chosen by the family (``fused_experts``):
 - per expert (Qwen3-MoE's Hub files): one tensor per expert and projection
@@ -77,7 +77,7 @@ def _mtp_rules(lang: LanguageConfig, hf_prefix: str) -> list[Rule]:
     has experts) and the head's norm (``shared_head.norm``); the embedding's and the head's copies are the
     model's own (``Copies``)."""
     rep, rules = Replicated(), []
-    sparse = bool(lang.num_experts)
+    sparse = lang.moe is not None
     for k in range(lang.mtp_num_layers):
         hb, mb = f"{hf_prefix}layers.{lang.num_layers + k}.", f"language_model.mtp.layers.{k}."
         lb, ll = hb, mb + "transformer_layer."
@@ -96,12 +96,12 @@ def _moe_rules(lang: LanguageConfig, lb: str, ll: str, fused_experts: bool) -> l
     rep = Replicated()
     rules = [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
              Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE)]
-    if lang.moe_router_bias_update_rate > 0:
+    if lang.moe.router_bias_update_rate > 0:
         # DeepSeek-V3's expert bias (fp32, a buffer in both): it moves every step and is trained state.
         rules.append(Rule((lb + "mlp.gate.e_score_correction_bias",), ll + "mlp.router.expert_bias", rep, LANGUAGE))
     rules += _fused_expert_rules(lang, lb, ll) if fused_experts else _expert_rules(lb, ll)
-    if lang.moe_shared_expert_ffn_hidden_size is not None:
-        rules += _shared_expert_rules(lb, ll, gated=lang.moe_shared_expert_gate)
+    if lang.moe.shared_expert_ffn_hidden_size is not None:
+        rules += _shared_expert_rules(lb, ll, gated=lang.moe.shared_expert_gate)
     return rules
 
 
@@ -116,12 +116,12 @@ def _dense_mlp_rules(lb: str, ll: str) -> list[Rule]:
 
 def _layers_by_mlp(lang: LanguageConfig) -> tuple[Optional[tuple[int, ...]], Optional[tuple[int, ...]]]:
     """(dense-MLP layers, MoE layers) as ``Rule.layers`` (None: every layer; (): none): a model with experts
-    keeps the dense MLP in its first ``first_dense_layers`` (DeepSeek's first_k_dense_replace)."""
-    if not lang.num_experts:
+    keeps the dense MLP in its first ``moe.first_dense_layers`` (DeepSeek's first_k_dense_replace)."""
+    if lang.moe is None:
         return None, ()
-    if not lang.first_dense_layers:
+    if not lang.moe.first_dense_layers:
         return (), None
-    first = lang.first_dense_layers
+    first = lang.moe.first_dense_layers
     return tuple(range(first)), tuple(range(first, lang.num_layers))
 
 
@@ -215,7 +215,7 @@ def _shared_expert_rules(lb: str, ll: str, *, gated: bool) -> list[Rule]:
 
 
 def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
-    experts, d, ffn = lang.num_experts, lang.hidden_size, lang.moe_ffn_hidden_size
+    experts, d, ffn = lang.moe.num_experts, lang.hidden_size, lang.moe.ffn_hidden_size
     le = ll + "mlp.experts.local_experts.{e}."
     gate_up = FusedExperts(GateUp(), experts, (2 * ffn, d), parts=2)
     down = FusedExperts(Split(1), experts, (d, ffn), parts=1)
@@ -240,7 +240,7 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
                        b + "shared_head.norm.weight": (d,), b + "embed_tokens.weight": (lang.vocab_size, d),
                        b + "shared_head.head.weight": (lang.vocab_size, d),
                        b + "input_layernorm.weight": (d,), b + "post_attention_layernorm.weight": (d,)})
-        shapes.update(_mlp_shapes(lang, b, fused_experts, dense=not lang.num_experts))
+        shapes.update(_mlp_shapes(lang, b, fused_experts, dense=lang.moe is None))
         shapes.update(_mla_shapes(lang, b + "self_attn.") if lang.multi_latent_attention else {})
     for i in range(lang.num_layers):
         b = f"{hf_prefix}layers.{i}."
@@ -294,20 +294,20 @@ def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool, dense: bool) 
         ffn = lang.ffn_hidden_size
         return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
                 b + "mlp.down_proj.weight": (d, ffn)}
-    ffn, shapes = lang.moe_ffn_hidden_size, {b + "mlp.gate.weight": (lang.num_experts, d)}
-    if lang.moe_router_bias_update_rate > 0:
-        shapes[b + "mlp.gate.e_score_correction_bias"] = (lang.num_experts,)
-    shared = lang.moe_shared_expert_ffn_hidden_size
+    ffn, shapes = lang.moe.ffn_hidden_size, {b + "mlp.gate.weight": (lang.moe.num_experts, d)}
+    if lang.moe.router_bias_update_rate > 0:
+        shapes[b + "mlp.gate.e_score_correction_bias"] = (lang.moe.num_experts,)
+    shared = lang.moe.shared_expert_ffn_hidden_size
     if shared is not None:
-        hs = b + ("mlp.shared_expert." if lang.moe_shared_expert_gate else "mlp.shared_experts.")
+        hs = b + ("mlp.shared_expert." if lang.moe.shared_expert_gate else "mlp.shared_experts.")
         shapes.update({hs + "gate_proj.weight": (shared, d), hs + "up_proj.weight": (shared, d),
                        hs + "down_proj.weight": (d, shared)})
-        if lang.moe_shared_expert_gate:
+        if lang.moe.shared_expert_gate:
             shapes[b + "mlp.shared_expert_gate.weight"] = (1, d)
     if fused_experts:  # transformers 5's layout (``FusedExperts`` reads the Hub's transposed one too)
-        return {**shapes, b + "mlp.experts.gate_up_proj": (lang.num_experts, 2 * ffn, d),
-                b + "mlp.experts.down_proj": (lang.num_experts, d, ffn)}
-    for e in range(lang.num_experts):
+        return {**shapes, b + "mlp.experts.gate_up_proj": (lang.moe.num_experts, 2 * ffn, d),
+                b + "mlp.experts.down_proj": (lang.moe.num_experts, d, ffn)}
+    for e in range(lang.moe.num_experts):
         shapes.update({f"{b}mlp.experts.{e}.gate_proj.weight": (ffn, d), f"{b}mlp.experts.{e}.up_proj.weight": (ffn, d),
                        f"{b}mlp.experts.{e}.down_proj.weight": (d, ffn)})
     return shapes

@@ -258,47 +258,51 @@ class DenseMLP:
 
 
 class Experts:
-    """The mixture of experts: the router ``h -> num_experts`` (its expert bias, DeepSeek-V3's, is a buffer,
-    not a parameter, as in transformers), the routed SwiGLU experts of ``moe_ffn_hidden_size`` (a token runs
-    through ``moe_router_topk``), and the shared expert every token runs through, SwiGLU of
-    ``moe_shared_expert_ffn_hidden_size`` (gated ``h -> 1`` in Qwen3.5-MoE), if any."""
+    """The mixture of experts (``model.language.moe``): the router ``h -> num_experts`` (its expert bias,
+    DeepSeek-V3's, is a buffer, not a parameter, as in transformers), the routed SwiGLU experts of
+    ``ffn_hidden_size`` (a token runs through ``router_topk``), and the shared expert every token runs
+    through, SwiGLU of ``shared_expert_ffn_hidden_size`` (gated ``h -> 1`` in Qwen3.5-MoE), if any."""
 
     @staticmethod
     def routed_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
-        """The routed experts (``active``: the ``moe_router_topk`` one token runs through)."""
-        experts = lang.moe_router_topk if active else lang.num_experts
-        return experts * 3 * linear_parameters(lang.hidden_size, lang.moe_ffn_hidden_size, bias=False)
+        """The routed experts (``active``: the ``router_topk`` one token runs through)."""
+        moe = lang.moe
+        experts = moe.router_topk if active else moe.num_experts
+        return experts * 3 * linear_parameters(lang.hidden_size, moe.ffn_hidden_size, bias=False)
 
     @staticmethod
     def shared_parameters(lang: LanguageConfig) -> int:
-        if not lang.moe_shared_expert_ffn_hidden_size:
+        moe = lang.moe
+        if not moe.shared_expert_ffn_hidden_size:
             return 0
         h = lang.hidden_size
-        gate = linear_parameters(h, 1, bias=False) if lang.moe_shared_expert_gate else 0
-        return 3 * linear_parameters(h, lang.moe_shared_expert_ffn_hidden_size, bias=False) + gate
+        gate = linear_parameters(h, 1, bias=False) if moe.shared_expert_gate else 0
+        return 3 * linear_parameters(h, moe.shared_expert_ffn_hidden_size, bias=False) + gate
 
     @classmethod
     def parameters(cls, lang: LanguageConfig, *, active: bool = False) -> int:
-        router = linear_parameters(lang.hidden_size, lang.num_experts, bias=False)
+        router = linear_parameters(lang.hidden_size, lang.moe.num_experts, bias=False)
         return router + cls.routed_parameters(lang, active=active) + cls.shared_parameters(lang)
 
     @staticmethod
     def forward_flops(lang: LanguageConfig, tokens: int) -> int:
-        h, shared = lang.hidden_size, lang.moe_shared_expert_ffn_hidden_size
-        router = linear_flops(tokens, h, lang.num_experts)
-        gate = 1 if lang.moe_shared_expert_gate else 0
+        moe, h = lang.moe, lang.hidden_size
+        shared = moe.shared_expert_ffn_hidden_size
+        router = linear_flops(tokens, h, moe.num_experts)
+        gate = 1 if moe.shared_expert_gate else 0
         shared_expert = linear_flops(tokens, h, 3 * shared + gate) if shared else 0
-        return router + linear_flops(tokens * lang.moe_router_topk, h, 3 * lang.moe_ffn_hidden_size) + shared_expert
+        return router + linear_flops(tokens * moe.router_topk, h, 3 * moe.ffn_hidden_size) + shared_expert
 
     @staticmethod
     def saved_values_per_token(lang: LanguageConfig, tp: int, expert_tp: int) -> float:
         """The top-k copies of the token routed to the experts, and their gate, up and product split over
         the expert TP, plus a shared expert's gate, up and product split over TP."""
-        shared = 3 * (lang.moe_shared_expert_ffn_hidden_size or 0) / tp
-        return lang.moe_router_topk * (lang.hidden_size + 3 * lang.moe_ffn_hidden_size / expert_tp) + shared
+        moe = lang.moe
+        shared = 3 * (moe.shared_expert_ffn_hidden_size or 0) / tp
+        return moe.router_topk * (lang.hidden_size + 3 * moe.ffn_hidden_size / expert_tp) + shared
 
 
 def mlp(lang: LanguageConfig, sparse: bool = True):
     """The MLP kind of a layer: the experts where the decoder has them and the layer is ``sparse`` (not one of
     DeepSeek's dense first layers), else the dense SwiGLU."""
-    return Experts if lang.num_experts and sparse else DenseMLP
+    return Experts if lang.moe and sparse else DenseMLP

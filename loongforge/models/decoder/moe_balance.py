@@ -25,7 +25,7 @@ to the reported loss:
 
 They are not a constant multiple of each other: transformers' form has the cross-layer terms
 f[l, e] * P[m, e], l != m, and no 1/k. They agree only for one layer and k = 1. loongforge trains
-with megatron-core's per-layer loss (``model.language.moe_aux_loss_coeff`` is its coefficient,
+with megatron-core's per-layer loss (``model.language.moe.aux_loss_coeff`` is its coefficient,
 transformers' ``router_aux_loss_coef`` read as is); ``RouterStatistics`` records f and P from a
 forward pass so both values can be computed and compared (tests check each against its library
 to 1e-6).

@@ -17,8 +17,8 @@ from loongforge.models.flops import decoder_layer_types, sparse_layers
 
 def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One layer's routed experts, router not included (0 in a dense model); ``active``: the
-    ``moe_router_topk`` experts one token runs through."""
-    return Experts.routed_parameters(lang, active=active) if lang.num_experts else 0
+    ``moe.router_topk`` experts one token runs through."""
+    return Experts.routed_parameters(lang, active=active) if lang.moe else 0
 
 
 def language_layer_parameters(lang: LanguageConfig, *, active: bool = False,

@@ -4,7 +4,7 @@ Llama 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole
 
 The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and routed experts (Qwen3-MoE: Qwen3's
-attention, ``num_experts`` > 0); Llama has none (and may scale its RoPE frequencies).
+attention, ``moe`` set); Llama has none (and may scale its RoPE frequencies).
 ``architecture`` reads the switches back, so a config written for one is read as it.
 """
 
@@ -48,9 +48,9 @@ def _described_architecture(lang: LanguageConfig) -> str:
     if lang.multi_latent_attention is not None:
         return deepseek_architecture(lang)
     for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
-        if (lang.add_qkv_bias, lang.qk_norm, lang.num_experts > 0) == (bias, qk_norm, experts):
+        if (lang.add_qkv_bias, lang.qk_norm, lang.moe is not None) == (bias, qk_norm, experts):
             return name
-    raise ValueError("model.language's add_qkv_bias, qk_norm and num_experts describe no transformers "
+    raise ValueError("model.language's add_qkv_bias, qk_norm and moe describe no transformers "
                      "text architecture (experts need qk_norm: true and add_qkv_bias: false; qkv "
                      "biases and qk_norm never go together)")
 
@@ -70,13 +70,13 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
                     "architecture."]
         described = deepseek_architecture(lang)
         if described != stated:
-            return [f"{key}={stated} but model.language.moe_router_score_function="
-                    f"{lang.moe_router_score_function} is {described}'s router; make them agree."]
+            return [f"{key}={stated} but model.language.moe.router_score_function="
+                    f"{lang.moe.router_score_function} is {described}'s router; make them agree."]
         return []
     _, bias, qk_norm, experts = _ARCHITECTURES[stated]
-    found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "num_experts > 0": lang.num_experts > 0,
+    found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "moe set": lang.moe is not None,
              "multi_latent_attention set": lang.multi_latent_attention is not None}
-    wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "num_experts > 0": experts, "multi_latent_attention set": False}
+    wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "moe set": experts, "multi_latent_attention set": False}
     wrong = [f"{name}: {str(found[name]).lower()}" for name in found if found[name] != wanted[name]]
     if wrong:
         return [f"{key}={stated} but model.language has {', '.join(wrong)}; {stated} has "
@@ -173,7 +173,7 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     }
     if name == "LlamaForCausalLM":
         config.update(attention_bias=False, mlp_bias=False)
-    if lang.num_experts:
+    if lang.moe:
         config.update(experts_to_hf(lang))
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}

@@ -360,7 +360,7 @@ def gemm_tokens(cfg: RunConfig, kind: str) -> int:
     if tower == "language":
         lang = cfg.model.language
         if name.startswith("expert_"):
-            return max(1, cfg.data.seq_len * lang.moe_router_topk // lang.num_experts)
+            return max(1, cfg.data.seq_len * lang.moe.router_topk // lang.moe.num_experts)
         return cfg.data.seq_len
     vision = cfg.model.vision
     patches = max(1, cfg.data.max_pixels // vision.patch_size ** 2)

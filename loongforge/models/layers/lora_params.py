@@ -128,7 +128,7 @@ def adapter_parameters(model_cfg: ModelConfig, lora_cfg: LoraConfig, *, tensor_p
         whole, share = _adapter_counts(_part_shapes(rule, hf_shapes), linear.removeprefix("expert_") in _COLUMN_LINEARS,
                                        lora_cfg.rank, split)
         if expert:
-            experts = model_cfg.language.num_experts
+            experts = model_cfg.language.moe.num_experts
             whole, share = whole * experts, share * experts / expert_parallel
         if tower == "language":
             layers = language_layers if rule.layers is None else len(rule.layers)  # a hybrid's kind of layer

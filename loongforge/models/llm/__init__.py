@@ -1,6 +1,6 @@
 """Text-only causal LLMs (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.x) on megatron-core; ``FAMILY``
 is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with megatron-core's MoE layer in
-every decoder layer (``model.language.num_experts``; ``models.decoder.layer_specs.moe_spec``).
+every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``).
 
 model.py      TextModel and build_model: the shared decoder with 1-D RoPE
 hf_config.py  HF config.json <-> ModelConfig for the four architectures, and their tensor shapes

@@ -14,6 +14,7 @@ renormalised) beside a gated shared expert (``shared_expert_intermediate_size``)
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
@@ -58,14 +59,14 @@ def _experts(text: Mapping[str, Any], where: str) -> dict[str, Any]:
     """Every layer's routed experts (transformers' router always renormalises the top-k) and its gated
     shared expert."""
     experts = experts_from_hf(text, where, model="Qwen3.5-MoE", key_prefix="text_config.")
-    return {**experts, "norm_topk_prob": True,
-            "moe_shared_expert_ffn_hidden_size": text["shared_expert_intermediate_size"]}
+    return {"moe": dataclasses.replace(experts["moe"], norm_topk_prob=True,
+                                       shared_expert_ffn_hidden_size=text["shared_expert_intermediate_size"])}
 
 
 def _experts_to_hf(lang: LanguageConfig) -> dict[str, Any]:
-    return dict(num_experts=lang.num_experts, moe_intermediate_size=lang.moe_ffn_hidden_size,
-                num_experts_per_tok=lang.moe_router_topk, router_aux_loss_coef=lang.moe_aux_loss_coeff,
-                shared_expert_intermediate_size=lang.moe_shared_expert_ffn_hidden_size)
+    return dict(num_experts=lang.moe.num_experts, moe_intermediate_size=lang.moe.ffn_hidden_size,
+                num_experts_per_tok=lang.moe.router_topk, router_aux_loss_coef=lang.moe.aux_loss_coeff,
+                shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size)
 
 
 def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> LanguageConfig:
@@ -95,10 +96,10 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
     lang = model_cfg.language
-    moe = lang.num_experts > 0
-    if moe and (not lang.norm_topk_prob or lang.moe_shared_expert_ffn_hidden_size is None):
+    moe = lang.moe is not None
+    if moe and (not lang.moe.norm_topk_prob or lang.moe.shared_expert_ffn_hidden_size is None):
         raise ValueError("a Qwen3.5-MoE config.json renormalises the top-k (norm_topk_prob true) and has a shared "
-                         "expert (model.language.moe_shared_expert_ffn_hidden_size)")
+                         "expert (model.language.moe.shared_expert_ffn_hidden_size)")
     _, text_type, vision_type = _NAMES.model_types(moe)
     shape = lang.linear_attention or LinearAttentionConfig()
     text = {

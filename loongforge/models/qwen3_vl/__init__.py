@@ -1,5 +1,5 @@
 """Qwen3-VL on megatron-core, dense or with mixture-of-experts decoder layers (Qwen3-VL-MoE:
-megatron-core's MoE layer in every decoder layer, ``model.language.num_experts`` > 0; the towers,
+megatron-core's MoE layer in every decoder layer, ``model.language.moe`` set; the towers,
 DeepStack and M-RoPE are the dense model's): its vision part (``models/towers/qwen3_vit/``) composed
 with the shared decoder (``models.vlm``); ``FAMILY`` is what the rest of loongforge sees of it.
 

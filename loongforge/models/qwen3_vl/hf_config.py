@@ -58,8 +58,8 @@ def config_problems(model_cfg: ModelConfig) -> list[str]:
     """``ModelFamily.config_problems``: transformers' Qwen3-VL-MoE router always renormalises the top-k
     routing probabilities, so a model that does not could not be exported or checked."""
     language = model_cfg.language
-    if language.num_experts and not language.norm_topk_prob:
-        return ["model.language.norm_topk_prob=false: Qwen3-VL-MoE always renormalises the top-k routing "
+    if language.moe and not language.moe.norm_topk_prob:
+        return ["model.language.moe.norm_topk_prob=false: Qwen3-VL-MoE always renormalises the top-k routing "
                 "probabilities; set norm_topk_prob: true."]
     return []
 
@@ -67,9 +67,9 @@ def config_problems(model_cfg: ModelConfig) -> list[str]:
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A transformers-style ``config.json``, written when the source carries none."""
     lang = model_cfg.language
-    moe = lang.num_experts > 0
-    if moe and not lang.norm_topk_prob:
-        raise ValueError("model.language.norm_topk_prob=false has no Qwen3-VL-MoE config.json: transformers' "
+    moe = lang.moe is not None
+    if moe and not lang.moe.norm_topk_prob:
+        raise ValueError("model.language.moe.norm_topk_prob=false has no Qwen3-VL-MoE config.json: transformers' "
                          "router always renormalises the top-k probabilities")
     _, text_type, vision_type = _NAMES.model_types(moe)
     text = {**nested.text_config_to_hf(lang, text_type, dtype),

@@ -106,8 +106,8 @@ def nested_hf_config(names: HfNames, model_cfg: ModelConfig, dtype: str, *, text
     """The whole ``config.json`` around a family's ``text`` and ``vision`` configs."""
     lang = model_cfg.language
     return {
-        "architectures": [names.architecture(lang.num_experts > 0)],
-        "model_type": names.model_types(lang.num_experts > 0)[0],
+        "architectures": [names.architecture(lang.moe is not None)],
+        "model_type": names.model_types(lang.moe is not None)[0],
         "tie_word_embeddings": lang.tie_word_embeddings,
         "dtype": dtype,
         **{name: getattr(model_cfg.tokens, name) for name in TOKEN_FIELDS},

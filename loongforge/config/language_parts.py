@@ -1,0 +1,237 @@
+"""The decoder's layer kinds as config sections, each with its own checks.
+
+``model.language`` is a stack of decoder layers; what a layer mixes tokens with and what its MLP is
+are kinds, each a section of its own that is null when the run does not build it:
+
+- attention: grouped-query attention (the language fields themselves), ``multi_latent_attention``
+  (DeepSeek's MLA) in its place, ``linear_attention`` (Gated DeltaNet) for the layers
+  ``layer_types`` names so;
+- MLP: the dense SwiGLU of ``ffn_hidden_size``, or ``moe`` (routed experts, a shared expert).
+
+A section checks itself (``problems``: one line per problem naming its key and the fix); the
+parameter, FLOP and activation counts of each kind are ``models.decoder.layer_costs``'.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+LANGUAGE_KEY = "model.language"
+LAYER_TYPES = ("full_attention", "linear_attention")
+
+
+def _divisors_of(number: int) -> str:
+    """The sizes a parallel dimension may take to split ``number`` heads or channels evenly."""
+    return ", ".join(str(d) for d in range(1, number + 1) if number % d == 0)
+
+
+@dataclass
+class LinearAttentionConfig:
+    """Gated DeltaNet's linear attention (Qwen3.5's ``linear_attention`` layers): per key head a recurrent
+    state [key_head_dim, value_head_dim] instead of a KV cache, after a short causal convolution."""
+
+    KEY = f"{LANGUAGE_KEY}.linear_attention"
+
+    num_key_heads: int = 16
+    num_value_heads: int = 32  # a multiple of num_key_heads: each key head serves that many value heads
+    key_head_dim: int = 128
+    value_head_dim: int = 128
+    conv_kernel: int = 4  # taps of the depthwise causal convolution over q, k, v
+
+    def problems(self, *, tensor_parallel: int, context_parallel: int) -> list[str]:
+        if min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel) < 1:
+            return [f"{self.KEY}={self}: every size must be at least 1."]
+        errors = []
+        if self.num_value_heads % self.num_key_heads:
+            errors.append(f"{self.KEY}.num_value_heads={self.num_value_heads} is not a multiple of "
+                          f"num_key_heads={self.num_key_heads} (each key head serves whole value heads).")
+        elif self.num_key_heads % tensor_parallel:
+            errors.append(f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {self.KEY}."
+                          f"num_key_heads={self.num_key_heads} (TP splits the linear layers by key head); use one "
+                          f"of {_divisors_of(self.num_key_heads)}.")
+        if context_parallel > 1:
+            errors.append(f"parallel.context_parallel_size={context_parallel}: the linear-attention layers carry a "
+                          f"recurrent state along each sample, which context parallelism would cut; use "
+                          f"parallel.context_parallel_size=1 (long rows fit through the state's constant memory).")
+        return errors
+
+
+@dataclass
+class YarnConfig:
+    """YaRN's RoPE extension (DeepSeek-V2/V3, Kimi K2): the rotary frequencies interpolated between
+    ``beta_slow`` and ``beta_fast`` rotations over the original context, cos/sin scaled by
+    mscale(factor, mscale) / mscale(factor, mscale_all_dim) and the softmax by mscale(factor,
+    mscale_all_dim)^2, where mscale(s, m) = 0.1 m ln(s) + 1 (transformers' ``rope_type: yarn``)."""
+
+    factor: float = 40.0
+    original_max_position_embeddings: int = 4096
+    beta_fast: float = 32.0
+    beta_slow: float = 1.0
+    mscale: float = 1.0
+    mscale_all_dim: float = 1.0
+
+
+@dataclass
+class MLAConfig:
+    """Multi-latent attention (DeepSeek-V2/V3, Kimi K2, Moonlight): every head's keys and values come up
+    from one shared latent of ``kv_lora_rank`` channels per token; each head's query and key are
+    ``qk_nope_head_dim`` channels without position plus ``qk_rope_head_dim`` rotated ones, the key's
+    rotated part one per token shared by all heads (its own slice of the latent projection)."""
+
+    KEY = f"{LANGUAGE_KEY}.multi_latent_attention"
+
+    # Queries through a low-rank latent of this width (with an RMSNorm); null: one full-rank projection
+    # (DeepSeek-V2-Lite).
+    q_lora_rank: Optional[int] = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+
+    def problems(self, *, num_attention_heads: int, num_query_groups: int, tensor_parallel: int,
+                 context_parallel: int) -> list[str]:
+        errors = []
+        if min(self.kv_lora_rank, self.qk_nope_head_dim, self.qk_rope_head_dim, self.v_head_dim,
+               self.q_lora_rank or 1) < 1:
+            errors.append(f"{self.KEY}={self}: every rank and width must be at least 1.")
+        if self.qk_rope_head_dim % 2:
+            errors.append(f"{self.KEY}.qk_rope_head_dim={self.qk_rope_head_dim} must be even (RoPE rotates pairs).")
+        if num_attention_heads % tensor_parallel:
+            errors.append(f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {LANGUAGE_KEY}."
+                          f"num_attention_heads={num_attention_heads}; use one of "
+                          f"{_divisors_of(num_attention_heads)}.")
+        latents = {"kv_lora_rank + qk_rope_head_dim": self.kv_lora_rank + self.qk_rope_head_dim,
+                   "q_lora_rank": self.q_lora_rank or 0}
+        errors += [f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {self.KEY}'s {name} = "
+                   f"{width} (TP splits the latent projections' rows, then gathers them)."
+                   for name, width in latents.items() if width % tensor_parallel]
+        if num_query_groups != num_attention_heads:
+            errors.append(f"{LANGUAGE_KEY}.num_query_groups={num_query_groups} must equal num_attention_heads="
+                          f"{num_attention_heads} with multi_latent_attention (a key and value per head).")
+        if context_parallel > 1:
+            errors.append(f"parallel.context_parallel_size={context_parallel}: context parallelism with "
+                          f"multi-latent attention is not proven against one process yet; use 1.")
+        return errors
+
+
+@dataclass
+class MoEConfig:
+    """Routed experts in place of the dense MLP (Qwen3-MoE, Qwen3-VL-MoE, Qwen3.5-MoE, DeepSeek-V2/V3),
+    run by megatron-core's MoE layer: a router scores the experts per token, the token runs through the
+    top ``router_topk`` and, if any, a shared expert beside them."""
+
+    KEY = f"{LANGUAGE_KEY}.moe"
+
+    # Routed experts per sparse layer.
+    num_experts: int = 8
+    # Channels of each expert's SwiGLU MLP (transformers' moe_intermediate_size); a run sets it.
+    ffn_hidden_size: Optional[int] = None
+    # Experts each token is routed to (transformers' num_experts_per_tok).
+    router_topk: int = 2
+    # Renormalise the top-k routing probabilities to sum to 1 (Qwen3-MoE: true).
+    norm_topk_prob: bool = True
+    # Weight of the load-balancing loss (transformers' router_aux_loss_coef); 0: none.
+    aux_loss_coeff: float = 0.0
+    # A shared expert beside the routed ones: a SwiGLU MLP of this width every token runs through; null: none.
+    shared_expert_ffn_hidden_size: Optional[int] = None
+    # The shared expert's output scaled by sigmoid of a learned gate per token (Qwen3.5-MoE); false: added
+    # as it is (DeepSeek's shared experts).
+    shared_expert_gate: bool = True
+    # The first layers keep the dense SwiGLU MLP of model.language.ffn_hidden_size (DeepSeek's
+    # first_k_dense_replace); the rest are sparse.
+    first_dense_layers: int = 0
+    # The router's scores: "softmax" over the experts (Qwen3-MoE, DeepSeek-V2) or a "sigmoid" per expert,
+    # the top-k renormalised (DeepSeek-V3).
+    router_score_function: str = "softmax"
+    # The router's logits in fp32 whatever the training precision (DeepSeek's routers are).
+    router_fp32: bool = False
+    # DeepSeek-V3's auxiliary-loss-free balancing: a per-expert bias added to the scores when choosing
+    # experts (never to the weights), moved after every step by this rate toward the layer's mean load
+    # (each expert's bias +rate below the mean, -rate above); 0: no bias.
+    router_bias_update_rate: float = 0.0
+    # Group-limited routing: the experts in this many equal groups, each token choosing among the
+    # router_group_topk groups with the largest sums of their top (topk / group_topk) scores; null: none.
+    router_num_groups: Optional[int] = None
+    router_group_topk: Optional[int] = None
+    # The routing weights times this factor (DeepSeek's routed_scaling_factor).
+    routed_scaling_factor: float = 1.0
+
+    def problems(self, *, num_layers: int) -> list[str]:
+        key = self.KEY
+        if self.num_experts < 1:
+            return [f"{key}.num_experts={self.num_experts} must be at least 1 (a dense model sets {key}: null)."]
+        errors = []
+        if self.ffn_hidden_size is None or self.ffn_hidden_size < 1:
+            errors.append(f"{key}.ffn_hidden_size={self.ffn_hidden_size} must be at least 1 (each expert's MLP width).")
+        shared = self.shared_expert_ffn_hidden_size
+        if shared is not None and shared < 1:
+            errors.append(f"{key}.shared_expert_ffn_hidden_size={shared} must be at least 1 (null: no shared expert).")
+        if not 1 <= self.router_topk <= self.num_experts:
+            errors.append(f"{key}.router_topk={self.router_topk} must be between 1 and {key}.num_experts="
+                          f"{self.num_experts}.")
+        if self.aux_loss_coeff < 0:
+            errors.append(f"{key}.aux_loss_coeff={self.aux_loss_coeff} must not be negative (0: none).")
+        if not 0 <= self.first_dense_layers < num_layers:
+            errors.append(f"{key}.first_dense_layers={self.first_dense_layers} must lie in 0..{num_layers - 1} "
+                          f"(model.language.num_layers - 1: the layers after it are sparse).")
+        return errors + self._router_problems()
+
+    def _router_problems(self) -> list[str]:
+        key, errors = self.KEY, []
+        if self.router_score_function not in ("softmax", "sigmoid"):
+            errors.append(f"{key}.router_score_function={self.router_score_function!r} must be softmax or sigmoid.")
+        if self.router_score_function == "sigmoid" and not self.norm_topk_prob and self.router_topk > 1:
+            errors.append(f"{key}.norm_topk_prob=false with the sigmoid router: megatron-core renormalises the top-k "
+                          f"sigmoid scores; set norm_topk_prob: true.")
+        if self.router_bias_update_rate < 0:
+            errors.append(f"{key}.router_bias_update_rate={self.router_bias_update_rate} must not be negative.")
+        if self.router_bias_update_rate > 0 and self.router_score_function != "sigmoid":
+            errors.append(f"{key}.router_bias_update_rate needs router_score_function: sigmoid (megatron-core's "
+                          f"expert bias).")
+        return errors + self._group_problems()
+
+    def _group_problems(self) -> list[str]:
+        key, groups, group_topk = self.KEY, self.router_num_groups, self.router_group_topk
+        if (groups is None) != (group_topk is None):
+            return [f"{key}.router_num_groups={groups} and router_group_topk={group_topk}: set both or neither."]
+        if groups is None:
+            return []
+        if groups < 1 or self.num_experts % groups or not 1 <= group_topk <= groups:
+            return [f"{key}.router_num_groups={groups} must divide num_experts={self.num_experts} and "
+                    f"router_group_topk={group_topk} lie in 1..{groups}."]
+        if self.router_topk % group_topk or self.router_topk // group_topk > self.num_experts // groups:
+            return [f"{key}.router_topk={self.router_topk} must be a multiple of router_group_topk={group_topk} and "
+                    f"take at most a group's {self.num_experts // groups} experts from each group (groups rank by "
+                    f"the sum of their top topk/group_topk scores)."]
+        return []
+
+
+# Keys of model.language that moved into its moe section: old flat name -> name in the section.
+MOVED_TO_MOE = {
+    "num_experts": "num_experts", "moe_ffn_hidden_size": "ffn_hidden_size", "moe_router_topk": "router_topk",
+    "norm_topk_prob": "norm_topk_prob", "moe_aux_loss_coeff": "aux_loss_coeff",
+    "moe_shared_expert_ffn_hidden_size": "shared_expert_ffn_hidden_size",
+    "moe_shared_expert_gate": "shared_expert_gate", "first_dense_layers": "first_dense_layers",
+    "moe_router_score_function": "router_score_function", "moe_router_fp32": "router_fp32",
+    "moe_router_bias_update_rate": "router_bias_update_rate", "moe_router_num_groups": "router_num_groups",
+    "moe_router_group_topk": "router_group_topk", "moe_routed_scaling_factor": "routed_scaling_factor",
+}
+
+
+def move_flat_expert_keys(language: dict) -> list[str]:
+    """A ``model.language`` tree with the expert keys written flat, as before the ``moe`` section (a saved
+    config.yaml, an old override), changed in place to the section (a flat key wins over the section's, as
+    the later setting); one line per moved key, for the reader. ``num_experts: 0`` was a dense model: the
+    section is null and the other flat keys (at their defaults in a saved config) go with it."""
+    flat = {key: language.pop(key) for key in list(language) if key in MOVED_TO_MOE}
+    if not flat:
+        return []
+    if "num_experts" in flat and not flat["num_experts"]:
+        language["moe"] = None
+        return [f"{LANGUAGE_KEY}.num_experts=0 (with {len(flat) - 1} other flat expert keys) is now "
+                f"{MoEConfig.KEY}: null (a dense model); read so."]
+    section = language.get("moe")
+    language["moe"] = {**(section if isinstance(section, dict) else {}),
+                       **{MOVED_TO_MOE[key]: value for key, value in flat.items()}}
+    return [f"{LANGUAGE_KEY}.{key} is now {MoEConfig.KEY}.{MOVED_TO_MOE[key]}; read so." for key in flat]
