@@ -177,7 +177,7 @@ def flops_cost_model(model_cfg) -> CostModel:
     counts = get_family(model_cfg.family).count_parameters(model_cfg)
     language, vision = model_cfg.language, model_cfg.vision
     head = language.vocab_size * language.hidden_size
-    full_blocks = sum(1 for i in vision.fullatt_block_indexes if 0 <= i < vision.depth)
+    full_blocks = vision.depth if vision.window is None else vision.window.full_attention_blocks(vision.depth)
     merge_unit = model_cfg.projector.spatial_merge_size ** 2
     return CostModel({
         "sum_L2": 3 * 2 * language.hidden_size * language.num_layers,

@@ -99,9 +99,11 @@ def bench_overrides(opts: ModelBenchOptions, base: RunConfig) -> list[str]:
     if opts.language_layers is not None:
         out.append(f"model.language.num_layers={opts.language_layers}")
     if opts.vision_blocks is not None:
-        fullatt = fullatt_within(base.model.vision.fullatt_block_indexes, opts.vision_blocks)
-        out += [f"model.vision.depth={opts.vision_blocks}",
-                f"model.vision.fullatt_block_indexes=[{','.join(map(str, fullatt))}]"]
+        out.append(f"model.vision.depth={opts.vision_blocks}")
+        window = base.model.vision.window
+        if window is not None:
+            fullatt = fullatt_within(window.fullatt_block_indexes, opts.vision_blocks)
+            out.append(f"model.vision.window.fullatt_block_indexes=[{','.join(map(str, fullatt))}]")
     return [*out, *opts.overrides]
 
 
@@ -332,7 +334,7 @@ def describe_stack(cfg: RunConfig, inputs: BenchInputs) -> dict:
     return {"language_layers": lang.num_layers, "hidden_size": lang.hidden_size,
             "ffn_hidden_size": lang.ffn_hidden_size, "vocab_size": lang.vocab_size,
             "vision_blocks": vis.depth, "vision_hidden_size": vis.hidden_size,
-            "fullatt_block_indexes": list(vis.fullatt_block_indexes),
+            "fullatt_block_indexes": list(vis.window.fullatt_block_indexes) if vis.window else [],
             "tokens": inputs.tokens, "samples": len(inputs.segment_lengths),
             "segment_lengths": inputs.segment_lengths, "image_grids_thw": [list(g) for g in inputs.grids],
             "image_tokens": patches // cfg.model.projector.spatial_merge_size ** 2, "patches": patches,

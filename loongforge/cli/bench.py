@@ -209,7 +209,7 @@ def _show_result(result: dict, text: str, output: Optional[Path], as_json: bool)
 def model(
     overrides: Annotated[Optional[list[str]], typer.Argument(
         metavar="[KEY=VALUE...]", show_default=False,
-        help="Dotted overrides applied to the preset before the bench's own (e.g. model.vision.window_size=112).")]
+        help="Dotted overrides applied to the preset before the bench's own (e.g. model.vision.window.size=112).")]
         = None,
     preset: Annotated[str, typer.Option(
         "--preset", "-p", metavar="NAME", help="Preset whose widths, vocabulary and image rules apply.")]

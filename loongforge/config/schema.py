@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
+from loongforge.config.vision_parts import AnyresConfig, WindowAttentionConfig
 
 
 @dataclass
@@ -32,11 +33,10 @@ class VisionConfig:
     in_channels: int = 3
     patch_size: int = 14
     temporal_patch_size: int = 2
-    # Pixel side of one attention window; 112 px = 8x8 patches = 4x4 merged tokens. null: no window
-    # attention (Qwen3-VL: every block sees the whole image).
-    window_size: Optional[int] = 112
-    # Blocks that attend over the whole image instead of inside windows.
-    fullatt_block_indexes: list[int] = field(default_factory=lambda: [7, 15, 23, 31])
+    # Window attention (Qwen2.5-ViT): its window and the blocks that see the whole image; null: every block
+    # sees the whole image (Qwen3-VL, InternViT, SigLIP).
+    window: Optional[WindowAttentionConfig] = field(
+        default_factory=lambda: WindowAttentionConfig(size=112, fullatt_block_indexes=[7, 15, 23, 31]))
     rms_norm_eps: float = 1e-6
     hidden_act: str = "silu"
     # Block norms: rms (Qwen2.5-VL: RMSNorm) or layer (Qwen3-VL: LayerNorm with bias).
@@ -49,11 +49,8 @@ class VisionConfig:
     # Towers that see fixed-size square inputs (InternViT's 448-pixel tiles): the side in pixels, which
     # fixes the learned position table; null: any grid (Qwen's towers).
     image_size: Optional[int] = None
-    # LLaVA-OneVision's anyres: the (height, width) canvases a single image may be tiled into (pixels,
-    # multiples of image_size), and the crops' worth of features past which they are pooled
-    # (``anyres_max_9``); [] : no anyres.
-    anyres_pinpoints: list[list[int]] = field(default_factory=list)
-    anyres_max_crops: int = 9
+    # anyres tiling of a sample's only image (LLaVA-OneVision's processor); null: none.
+    anyres: Optional[AnyresConfig] = None
     # InternViT-6B's blocks: no q, k, v biases (qkv_bias=false) and an RMSNorm over all heads' queries
     # and keys (qk_norm=true); the Qwen towers and InternViT-300M have biases and no such norm.
     qkv_bias: bool = True

@@ -39,6 +39,7 @@ from loongforge.config.layout import (
 from loongforge.config.pipeline_layout import virtual_stages
 from loongforge.config.language_parts import LAYER_TYPES, move_flat_expert_keys
 from loongforge.config.schema import CHAT_FORMATS, RunConfig
+from loongforge.config.vision_parts import move_flat_vision_keys
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
@@ -278,13 +279,19 @@ def build_run_config(tree: dict[str, Any], locate: Optional[KeyLocator] = None) 
 def _with_moved_keys(tree: Any) -> Any:
     """``tree`` with keys an older loongforge wrote at another place moved to today's (a copy; the caller's
     tree is left as it is), each move told on stderr in one line naming the new key."""
-    language = tree.get("model", {}).get("language") if isinstance(tree, dict) and isinstance(tree.get("model"), dict) else None
-    if not isinstance(language, dict):
+    if not isinstance(tree, dict) or not isinstance(tree.get("model"), dict):
         return tree
-    language = dict(language)
-    for line in move_flat_expert_keys(language):
+    model = dict(tree["model"])
+    notes = []
+    if isinstance(model.get("language"), dict):
+        model["language"] = dict(model["language"])
+        notes += move_flat_expert_keys(model["language"])
+    if isinstance(model.get("vision"), dict):
+        model["vision"] = dict(model["vision"])
+        notes += move_flat_vision_keys(model["vision"])
+    for line in notes:
         print(line, file=sys.stderr)
-    return {**tree, "model": {**tree["model"], "language": language}}
+    return {**tree, "model": model}
 
 
 # --------------------------------------------------------------------------------------------
@@ -472,6 +479,11 @@ def _check_vision_shape(cfg: RunConfig) -> list[str]:
                       f"model.language.hidden_size={cfg.model.language.hidden_size} (the merger "
                       f"writes into the text embeddings); set model.projector.out_hidden_size="
                       f"{cfg.model.language.hidden_size}.")
+    if vision.window is not None:
+        errors += vision.window.problems(depth=vision.depth, patch_size=vision.patch_size,
+                                         spatial_merge_size=projector.spatial_merge_size)
+    if vision.anyres is not None:
+        errors += vision.anyres.problems(image_size=vision.image_size)
     return errors
 
 

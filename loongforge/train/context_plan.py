@@ -119,8 +119,7 @@ def rank_cost_model(cfg: RunConfig, sizes: ParallelSizes) -> CostModel:
     (the vision TP; the TP group with ``encoder_dp=tp``)."""
     split, vision = split_parameters(cfg.model), cfg.model.vision
     merge_unit = cfg.model.projector.spatial_merge_size ** 2
-    full_attention = (vision.depth if vision.window_size is None
-                      else sum(0 <= index < vision.depth for index in vision.fullatt_block_indexes))
+    full_attention = vision.depth if vision.window is None else vision.window.full_attention_blocks(vision.depth)
     model = flops_model(hidden=cfg.model.language.hidden_size, layers=cfg.model.language.num_layers,
                         params_language=split.active - split.vision_model - split.projector,
                         vision_hidden=vision.hidden_size, vision_full_attention_layers=full_attention,

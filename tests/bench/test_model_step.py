@@ -12,7 +12,7 @@ from typer.testing import CliRunner
 from loongforge.balance.cost_model import SampleCost
 from loongforge.bench.model_step import ModelBenchOptions, bench_run_config, build_inputs, design_row
 from loongforge.cli.app import app
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig, WindowAttentionConfig
 from loongforge.models.registry import get_family
 from tests.console import assert_no_third_party_warning, console_of
 
@@ -20,7 +20,7 @@ from tests.console import assert_no_third_party_warning, console_of
 def _small_model() -> ModelConfig:
     return ModelConfig(
         vision=VisionConfig(depth=2, hidden_size=4, intermediate_size=8, num_heads=1, patch_size=14,
-                            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1]),
+                            temporal_patch_size=2, window=WindowAttentionConfig(size=112, fullatt_block_indexes=[1])),
         projector=ProjectorConfig(spatial_merge_size=2, out_hidden_size=6),
         language=LanguageConfig(num_layers=1, hidden_size=4, ffn_hidden_size=8, num_attention_heads=2,
                                 num_query_groups=1, vocab_size=10, mrope_section=[1, 0, 0]),

@@ -60,10 +60,10 @@ def test_override_values_parse_as_yaml():
 
 def test_override_nested_lists_whole_and_by_index():
     cfg = load_run_config("qwen2.5vl-tiny", overrides=[
-        "model.language.mrope_section=[4, 4, 8]", "model.vision.fullatt_block_indexes=[0,1]",
+        "model.language.mrope_section=[4, 4, 8]", "model.vision.window.fullatt_block_indexes=[0,1]",
         "data.source=files", "data.paths=[a.jsonl, b.jsonl]", "data.paths.1=c.jsonl"])
     assert cfg.model.language.mrope_section == [4, 4, 8]
-    assert cfg.model.vision.fullatt_block_indexes == [0, 1]
+    assert cfg.model.vision.window.fullatt_block_indexes == [0, 1]
     assert cfg.data.paths == ["a.jsonl", "c.jsonl"]
 
 

@@ -95,8 +95,8 @@ def test_tiny_preset_has_the_agreed_dimensions():
     vision, language = cfg.model.vision, cfg.model.language
     assert (vision.depth, vision.hidden_size) == (2, 64)
     assert (vision.num_heads, vision.intermediate_size) == (4, 128)
-    assert (vision.patch_size, vision.temporal_patch_size, vision.window_size) == (14, 2, 112)
-    assert vision.fullatt_block_indexes == [1]
+    assert (vision.patch_size, vision.temporal_patch_size, vision.window.size) == (14, 2, 112)
+    assert vision.window.fullatt_block_indexes == [1]
     assert cfg.model.projector.spatial_merge_size == 2
     assert cfg.model.projector.out_hidden_size == 128
     assert (language.num_layers, language.hidden_size, language.ffn_hidden_size) == (4, 128, 384)

@@ -285,6 +285,35 @@ def test_moe_fields_are_checked_with_the_fix():
     assert load_run_config("qwen3-moe-tiny", overrides=["model.language.moe=null"]).model.language.moe is None
 
 
+def test_the_vision_sections_check_themselves():
+    (size,) = errors_for("model.vision.window.size=100")
+    assert size == ("model.vision.window.size=100 px must be a multiple of patch_size x spatial_merge_size = 28 px so "
+                    "windows hold whole merged tokens.")
+    (blocks,) = errors_for("model.vision.window.fullatt_block_indexes=[5]")
+    assert blocks.startswith("model.vision.window.fullatt_block_indexes has [5] outside the 2 vision blocks")
+    (pinpoints,) = errors_for("model.vision.anyres.pinpoints=[[56,60]]", preset="llava-onevision-tiny")
+    assert pinpoints == ("model.vision.anyres.pinpoints has [[56, 60]]: each is a (height, width) pair of multiples "
+                         "of model.vision.image_size=56.")
+
+
+def test_flat_vision_keys_of_older_configs_move_into_their_sections_with_one_line_each(tmp_path, capsys):
+    """A config.yaml saved before ``model.vision.window`` / ``anyres`` loads as the same model; a null window_size
+    or empty anyres_pinpoints is a null section."""
+    old = tmp_path / "config.yaml"
+    old.write_text("model:\n  vision:\n    window_size: 112\n    fullatt_block_indexes: [1]\n"
+                   "    anyres_pinpoints: []\n    anyres_max_crops: 9\n")
+    assert load_run_config("qwen2.5vl-tiny", config_file=old).model == load_run_config("qwen2.5vl-tiny").model
+    lines = capsys.readouterr().err.splitlines()
+    print(lines)
+    assert lines[:2] == ["model.vision.window_size is now model.vision.window.size; read so.",
+                         "model.vision.fullatt_block_indexes is now model.vision.window.fullatt_block_indexes; read so."]
+    assert len(lines) == 4
+    old.write_text("model:\n  vision:\n    window_size: null\n    fullatt_block_indexes: []\n"
+                   "    anyres_pinpoints: [[56, 56], [56, 112]]\n    anyres_max_crops: 4\n")
+    llava = load_run_config("llava-onevision-tiny", config_file=old).model.vision
+    assert llava.window is None and llava.anyres.pinpoints == [[56, 56], [56, 112]] and llava.anyres.max_crops == 4
+
+
 def test_flat_expert_keys_of_older_configs_move_into_the_moe_section_with_one_line_each(tmp_path, capsys):
     """A config.yaml saved before ``model.language.moe`` (its expert keys flat under model.language) loads as
     the same model, each moved key told in one line naming its new key; a dense one's num_experts: 0 is

@@ -30,8 +30,8 @@ def hub_style_config(model_cfg: ModelConfig) -> dict:
         "vision_config": {
             "depth": vis.depth, "hidden_size": vis.hidden_size, "intermediate_size": vis.intermediate_size,
             "num_heads": vis.num_heads, "in_chans": vis.in_channels, "patch_size": vis.patch_size,
-            "temporal_patch_size": vis.temporal_patch_size, "window_size": vis.window_size,
-            "fullatt_block_indexes": list(vis.fullatt_block_indexes), "hidden_act": vis.hidden_act,
+            "temporal_patch_size": vis.temporal_patch_size, "window_size": vis.window.size,
+            "fullatt_block_indexes": list(vis.window.fullatt_block_indexes), "hidden_act": vis.hidden_act,
             "spatial_merge_size": model_cfg.projector.spatial_merge_size,
             "out_hidden_size": model_cfg.projector.out_hidden_size, "tokens_per_second": 2,
         },

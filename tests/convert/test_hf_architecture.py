@@ -52,8 +52,8 @@ def test_what_contradicts_the_folder_stops_in_one_line(tmp_path):
 
 
 def test_encode_builds_the_tower_of_its_hf_folder(tmp_path):
-    folder, expected = _folder(tmp_path, "qwen2.5vl-tiny", ["model.vision.window_size=56",
-                                                            "model.vision.fullatt_block_indexes=[0]"])
+    folder, expected = _folder(tmp_path, "qwen2.5vl-tiny", ["model.vision.window.size=56",
+                                                            "model.vision.window.fullatt_block_indexes=[0]"])
     options = EncodeOptions(inputs=(), output=tmp_path / "out", preset="qwen2.5vl-tiny", weights=str(folder))
     cfg = _model_of_weights(load_run_config("qwen2.5vl-tiny"), options)
-    assert cfg.model.vision == expected.vision and cfg.model.vision.window_size == 56
+    assert cfg.model.vision == expected.vision and cfg.model.vision.window.size == 56

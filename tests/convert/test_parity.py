@@ -42,7 +42,7 @@ CASES = {
 def _convert(tmp_path: Path, tie: bool, style: str, tp: int = 1):
     model_cfg = tiny_model_cfg(tie=tie)
     assert model_cfg.language.num_query_groups < model_cfg.language.num_attention_heads
-    assert model_cfg.vision.fullatt_block_indexes == [1] and model_cfg.vision.depth == 2
+    assert model_cfg.vision.window.fullatt_block_indexes == [1] and model_cfg.vision.depth == 2
     hf_model = save_hf_checkpoint(tmp_path / "hf", model_cfg, style=style)
     hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", tp=tp, progress=False)
     return model_cfg, hf_model

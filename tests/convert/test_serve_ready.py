@@ -182,8 +182,8 @@ def test_the_folder_holds_every_file_a_server_reads(exported):
             return
         if vision.arch == "siglip":  # squares of the tower's size on the run's anyres canvases
             assert image["size"] == {"height": vision.image_size, "width": vision.image_size}
-            assert image["image_grid_pinpoints"] == [list(p) for p in vision.anyres_pinpoints]
-            assert processor["vision_aspect_ratio"] == f"anyres_max_{vision.anyres_max_crops}"
+            assert image["image_grid_pinpoints"] == [list(p) for p in vision.anyres.pinpoints]
+            assert processor["vision_aspect_ratio"] == f"anyres_max_{vision.anyres.max_crops}"
             return
         video = processor["video_processor"]
         assert image["size"] == {"shortest_edge": data.min_pixels, "longest_edge": data.max_pixels}

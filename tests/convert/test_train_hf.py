@@ -28,8 +28,8 @@ RUN = [option for option in SMALL_MODEL if not option.startswith("model.")]
 # A Qwen2.5-VL the preset is not: other widths and depths, rope theta, vision window, full-attention
 # block and head tying (the preset: 4 layers of 128 (384), theta 1e6, window 112, block 1, tied).
 OTHER_MODEL = ["model.language.num_layers=3", "model.language.ffn_hidden_size=256", "model.vision.depth=3",
-               "model.vision.intermediate_size=96", "model.language.rope_theta=10000.0", "model.vision.window_size=56",
-               "model.vision.fullatt_block_indexes=[2]", "model.language.tie_word_embeddings=false"]
+               "model.vision.intermediate_size=96", "model.language.rope_theta=10000.0", "model.vision.window.size=56",
+               "model.vision.window.fullatt_block_indexes=[2]", "model.language.tie_word_embeddings=false"]
 
 
 def test_load_hf_save_hf_and_load_converted(tmp_path):
@@ -41,7 +41,7 @@ def test_load_hf_save_hf_and_load_converted(tmp_path):
                      SAVE_AT_END, *FROZEN, options=RUN)
     said = [line for line in proc.stderr.splitlines() if line.startswith("model: the architecture of")]
     print(said[0])
-    assert "model.language.rope_theta 1000000.0 -> 10000.0" in said[0] and "model.vision.window_size 112 -> 56" in said[0]
+    assert "model.language.rope_theta 1000000.0 -> 10000.0" in said[0] and "model.vision.window.size 112 -> 56" in said[0]
     assert load_resolved_config(tmp_path / "run_hf" / "config.yaml").model == model_cfg
     exported, original = hub_state(tmp_path / "run_hf" / "hf"), hub_state(tmp_path / "hf")
     assert exported.keys() == original.keys()

@@ -17,7 +17,7 @@ import torch
 from loongforge.models.media import MediaBatch, MediaSet
 import torch.distributed as dist
 
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig, WindowAttentionConfig
 from loongforge.parallel import fork_server
 from loongforge.parallel.launch_env import free_port  # noqa: F401  (tests import it from here)
 
@@ -31,7 +31,7 @@ def tiny_model_cfg(*, tie: bool = True, num_layers: int = 2) -> ModelConfig:
         family="qwen2_5_vl",
         vision=VisionConfig(
             arch="qwen2_5_vit", depth=2, hidden_size=64, intermediate_size=128, num_heads=4, patch_size=14,
-            temporal_patch_size=2, window_size=112, fullatt_block_indexes=[1],
+            temporal_patch_size=2, window=WindowAttentionConfig(size=112, fullatt_block_indexes=[1]),
         ),
         projector=ProjectorConfig(spatial_merge_size=2, out_hidden_size=128),
         language=LanguageConfig(
@@ -59,8 +59,8 @@ def hf_config(model_cfg: ModelConfig):
         vision_config=dict(
             depth=vis.depth, hidden_size=vis.hidden_size, intermediate_size=vis.intermediate_size,
             num_heads=vis.num_heads, in_channels=vis.in_channels, patch_size=vis.patch_size,
-            temporal_patch_size=vis.temporal_patch_size, window_size=vis.window_size,
-            fullatt_block_indexes=list(vis.fullatt_block_indexes),
+            temporal_patch_size=vis.temporal_patch_size, window_size=vis.window.size,
+            fullatt_block_indexes=list(vis.window.fullatt_block_indexes),
             spatial_merge_size=model_cfg.projector.spatial_merge_size,
             out_hidden_size=model_cfg.projector.out_hidden_size,
             tokens_per_second=model_cfg.tokens_per_second, hidden_act=vis.hidden_act,

@@ -23,7 +23,7 @@ from PIL import Image
 
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
-from loongforge.config.schema import VisionConfig
+from loongforge.config.schema import AnyresConfig, VisionConfig
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.internvl.model import build_model as build_internvl
 from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
@@ -229,7 +229,7 @@ def internvl_model_cfg() -> ModelConfig:
         family="internvl",
         vision=VisionConfig(arch="intern_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=4,
                             in_channels=3, patch_size=PATCH, temporal_patch_size=1, image_size=INTERNVL_TILE,
-                            window_size=None, fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu",
+                            window=None, rms_norm_eps=1e-6, hidden_act="gelu",
                             norm="layer"),
         projector=ProjectorConfig(arch="pixel_shuffle_mlp", spatial_merge_size=2, hidden_act="gelu",
                                   out_hidden_size=64),
@@ -269,9 +269,9 @@ def llava_onevision_model_cfg() -> ModelConfig:
     return ModelConfig(
         family="llava_onevision",
         vision=VisionConfig(arch="siglip", depth=2, hidden_size=32, intermediate_size=64, num_heads=4, in_channels=3,
-                            patch_size=PATCH, temporal_patch_size=1, image_size=LLAVA_SQUARE, window_size=None,
-                            fullatt_block_indexes=[], rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer",
-                            anyres_pinpoints=LLAVA_PINPOINTS),
+                            patch_size=PATCH, temporal_patch_size=1, image_size=LLAVA_SQUARE, window=None,
+                            rms_norm_eps=1e-6, hidden_act="gelu_pytorch_tanh", norm="layer",
+                            anyres=AnyresConfig(pinpoints=LLAVA_PINPOINTS)),
         projector=ProjectorConfig(arch="mlp", spatial_merge_size=1, hidden_act="gelu", out_hidden_size=64),
         language=LanguageConfig(num_layers=1, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                 num_query_groups=2, vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[],
@@ -295,7 +295,7 @@ def llava_onevision_hf_model(model_cfg: ModelConfig, seed: int = 0):
                          rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta},
                          tie_word_embeddings=False),
         image_token_index=model_cfg.tokens.image_token_id, vision_feature_layer=-1,
-        vision_feature_select_strategy="full", image_grid_pinpoints=vis.anyres_pinpoints,
+        vision_feature_select_strategy="full", image_grid_pinpoints=vis.anyres.pinpoints,
         projector_hidden_act="gelu", multimodal_projector_bias=True)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)

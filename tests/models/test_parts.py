@@ -117,8 +117,8 @@ def test_the_dry_runs_encoder_activations_are_the_towers_own(tower):
                                                       "model.vision.norm=layer"),
     ("internvl3.5-tiny", "model.projector.spatial_merge_size=1", "model.projector.spatial_merge_size=1: InternVL's "
                                                                  "pixel shuffle merges 2 x 2 patches"),
-    ("qwen2.5vl-tiny", "model.vision.window_size=100", "model.vision.window_size=100 px must be a multiple of "
-                                                       "patch_size x spatial_merge_size = 28 px"),
+    ("qwen2.5vl-tiny", "model.vision.window=null", "model.vision.window is null: Qwen2.5-ViT attends inside windows"),
+    ("llava-onevision-tiny", "model.vision.anyres=null", "model.vision.anyres is null: LLaVA-OneVision's processor"),
 ])
 def test_a_towers_own_checks_stop_the_run_before_it_starts(preset, override, message):
     """A tower's settings it cannot be built with (``TowerPart.config_problems``) are one line naming the key and

@@ -88,7 +88,7 @@ def test_published_sizes_count_as_transformers_builds_them(text_hidden):
     model_cfg.vision = VisionConfig(arch="siglip", depth=vision["num_hidden_layers"], hidden_size=vision["hidden_size"],
                                     intermediate_size=vision["intermediate_size"],
                                     num_heads=vision["num_attention_heads"], patch_size=14, temporal_patch_size=1,
-                                    image_size=384, window_size=None, fullatt_block_indexes=[],
+                                    image_size=384, window=None,
                                     hidden_act="gelu_pytorch_tanh", norm="layer")
     model_cfg.projector.out_hidden_size = text_hidden
     tower, projector = LLAVA_ONEVISION_VISION.parameters(model_cfg)

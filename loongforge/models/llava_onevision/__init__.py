@@ -22,9 +22,13 @@ from loongforge.models.llava_onevision.chat import chat_format
 from loongforge.models.llava_onevision.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llava_onevision.processor import processor_files
 from loongforge.models.parts import composed_fields
-from loongforge.models.llava_onevision.vision import VISION
+from loongforge.models.llava_onevision.vision import VISION, anyres_problems
 from loongforge.models.vlm.positions import sequential_positions_for
 from loongforge.models.decoder.text_config import text_architecture_problems
+
+def config_problems(model_cfg) -> list[str]:
+    return text_architecture_problems(model_cfg) + anyres_problems(model_cfg)
+
 
 # Its encoder reads each image whole (it packs an image's features by its size), so it runs them where it is:
 # no encoder_dp or encoder_cp sharing (vision TP below the language TP applies).
@@ -46,5 +50,5 @@ FAMILY = ModelFamily(
     tiny_preset="llava-onevision-tiny",
     hf_processor_files=processor_files,
     features=frozenset({"text_architecture"}),
-    config_problems=text_architecture_problems,
+    config_problems=config_problems,
 )

@@ -106,8 +106,8 @@ def anyres_tokens(height: int, width: int, settings: AnyresSettings, patch_size:
 def anyres_settings(model_cfg: ModelConfig) -> AnyresSettings:
     """The processor's and the packing's anyres settings from ``model.vision``."""
     vis = model_cfg.vision
-    return AnyresSettings(size=vis.image_size, grid_pinpoints=tuple(tuple(p) for p in vis.anyres_pinpoints),
-                          max_crops=vis.anyres_max_crops, mean=tuple(vis.pixel_mean), std=tuple(vis.pixel_std))
+    return AnyresSettings(size=vis.image_size, grid_pinpoints=tuple(tuple(p) for p in vis.anyres.pinpoints),
+                          max_crops=vis.anyres.max_crops, mean=tuple(vis.pixel_mean), std=tuple(vis.pixel_std))
 
 
 @dataclass(frozen=True)

@@ -17,6 +17,7 @@ from typing import Any
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import (
+    AnyresConfig,
     ModelConfig,
     ProjectorConfig,
     TokenIdsConfig,
@@ -62,10 +63,10 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
             arch="siglip", depth=vision["num_hidden_layers"], hidden_size=vision["hidden_size"],
             intermediate_size=vision["intermediate_size"], num_heads=vision["num_attention_heads"],
             in_channels=vision.get("num_channels", 3), patch_size=vision["patch_size"], temporal_patch_size=1,
-            image_size=vision["image_size"], window_size=None, fullatt_block_indexes=[],
+            image_size=vision["image_size"], window=None,
             rms_norm_eps=vision.get("layer_norm_eps", 1e-6), hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-            norm="layer", anyres_pinpoints=[list(p) for p in cfg["image_grid_pinpoints"]],
-            anyres_max_crops=_max_crops(cfg.get("vision_aspect_ratio", "anyres_max_9"), where),
+            norm="layer", anyres=AnyresConfig(pinpoints=[list(p) for p in cfg["image_grid_pinpoints"]],
+                                              max_crops=_max_crops(cfg.get("vision_aspect_ratio", "anyres_max_9"), where)),
             pixel_mean=list(SIGLIP_MEAN), pixel_std=list(SIGLIP_STD))
         image, video = cfg.get("image_token_index", 151646), cfg.get("video_token_index", 151647)
     except KeyError as exc:
@@ -89,8 +90,8 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
         "model_type": HF_MODEL_TYPES[0],
         "image_token_index": model_cfg.tokens.image_token_id,
         "video_token_index": model_cfg.tokens.video_token_id,
-        "image_grid_pinpoints": [list(p) for p in vis.anyres_pinpoints],
-        "vision_aspect_ratio": f"anyres_max_{vis.anyres_max_crops}",
+        "image_grid_pinpoints": [list(p) for p in vis.anyres.pinpoints],
+        "vision_aspect_ratio": f"anyres_max_{vis.anyres.max_crops}",
         "projector_hidden_act": model_cfg.projector.hidden_act,
         "image_seq_length": (vis.image_size // vis.patch_size) ** 2,
         **_FIXED,

@@ -19,11 +19,11 @@ def processor_files(model_cfg: ModelConfig, data_cfg: DataConfig) -> dict[str, d
 
     vis = model_cfg.vision
     image = LlavaOnevisionImageProcessorPil(size={"height": vis.image_size, "width": vis.image_size},
-                                            image_grid_pinpoints=[list(p) for p in vis.anyres_pinpoints],
+                                            image_grid_pinpoints=[list(p) for p in vis.anyres.pinpoints],
                                             image_mean=list(vis.pixel_mean), image_std=list(vis.pixel_std))
     return {PROCESSOR_CONFIG: {"image_processor": json.loads(image.to_json_string()),
                                "num_image_tokens": (vis.image_size // vis.patch_size) ** 2,
                                "vision_feature_select_strategy": "full",
-                               "vision_aspect_ratio": f"anyres_max_{vis.anyres_max_crops}",
+                               "vision_aspect_ratio": f"anyres_max_{vis.anyres.max_crops}",
                                "image_token": "<image>", "video_token": "<video>",
                                "processor_class": "LlavaOnevisionProcessor"}}

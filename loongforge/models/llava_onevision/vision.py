@@ -17,5 +17,13 @@ def vision_parameters(model_cfg: ModelConfig) -> tuple[int, int]:
     return vision, projector + model_cfg.projector.out_hidden_size
 
 
+def anyres_problems(model_cfg: ModelConfig) -> list[str]:
+    """The anyres settings the family's processor tiles by must be given."""
+    if model_cfg.vision is not None and model_cfg.vision.anyres is None:
+        return ["model.vision.anyres is null: LLaVA-OneVision's processor tiles a single image by it; give its "
+                "pinpoints (the (height, width) canvases) and max_crops"]
+    return []
+
+
 VISION = replace(SIGLIP, encoder="loongforge.models.llava_onevision.encoder:LlavaOnevisionEncoder",
                  images=anyres_images, parameters=vision_parameters)

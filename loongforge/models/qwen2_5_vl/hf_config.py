@@ -18,6 +18,7 @@ from loongforge.config.schema import (
     ProjectorConfig,
     TokenIdsConfig,
     VisionConfig,
+    WindowAttentionConfig,
 )
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 
@@ -54,8 +55,8 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                 in_channels=vision.get("in_channels", vision.get("in_chans", 3)),
                 patch_size=vision.get("patch_size", vision.get("spatial_patch_size", 14)),
                 temporal_patch_size=vision.get("temporal_patch_size", 2),
-                window_size=vision.get("window_size", 112),
-                fullatt_block_indexes=list(vision.get("fullatt_block_indexes", [])),
+                window=WindowAttentionConfig(size=vision.get("window_size", 112),
+                                             fullatt_block_indexes=list(vision.get("fullatt_block_indexes", []))),
                 rms_norm_eps=vision.get("rms_norm_eps", 1e-6), hidden_act=vision.get("hidden_act", "silu"),
             ),
             projector=ProjectorConfig(
@@ -107,8 +108,8 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
         "vision_config": {
             "depth": vis.depth, "hidden_size": vis.hidden_size, "intermediate_size": vis.intermediate_size,
             "num_heads": vis.num_heads, "in_channels": vis.in_channels, "patch_size": vis.patch_size,
-            "temporal_patch_size": vis.temporal_patch_size, "window_size": vis.window_size,
-            "fullatt_block_indexes": list(vis.fullatt_block_indexes), "hidden_act": vis.hidden_act,
+            "temporal_patch_size": vis.temporal_patch_size, "window_size": vis.window.size,
+            "fullatt_block_indexes": list(vis.window.fullatt_block_indexes), "hidden_act": vis.hidden_act,
             "spatial_merge_size": proj.spatial_merge_size, "out_hidden_size": proj.out_hidden_size,
             "tokens_per_second": model_cfg.tokens_per_second,
         },

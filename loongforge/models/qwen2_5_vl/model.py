@@ -27,7 +27,6 @@ def _check_qwen2_5_vl(model_cfg: ModelConfig) -> None:
     """Settings of other families this model has no part for are errors, not silently ignored."""
     vision, lang = model_cfg.vision, model_cfg.language
     foreign = [f"model.vision.norm={vision.norm}" if vision.norm != "rms" else "",
-               "model.vision.window_size=null" if vision.window_size is None else "",
                "model.vision.num_position_embeddings" if vision.num_position_embeddings is not None else "",
                "model.vision.deepstack_layers" if vision.deepstack_layers else "",
                "model.vision.qk_norm" if vision.qk_norm else "",

@@ -28,7 +28,7 @@ PART = TowerPart(__name__, ("mlp",), f"{__name__}.encoder:MadeUpEncoder", encode
 SETTINGS = (
     f"model.vision.arch={__name__}", "model.vision.depth=2", "model.vision.hidden_size=64",
     "model.vision.intermediate_size=128", "model.vision.num_heads=4", "model.vision.patch_size=16",
-    "model.vision.temporal_patch_size=1", "model.vision.image_size=64", "model.vision.window_size=null",
-    "model.vision.fullatt_block_indexes=[]", "model.vision.hidden_act=gelu_pytorch_tanh", "model.vision.norm=layer",
+    "model.vision.temporal_patch_size=1", "model.vision.image_size=64", "model.vision.window=null",
+    "model.vision.hidden_act=gelu_pytorch_tanh", "model.vision.norm=layer",
     "model.projector.arch=mlp", "model.projector.spatial_merge_size=1", "model.projector.hidden_act=gelu",
 )

@@ -134,7 +134,7 @@ class InternViTConfig:
             arch="intern_vit", depth=self.num_hidden_layers, hidden_size=self.hidden_size,
             intermediate_size=self.intermediate_size, num_heads=self.num_attention_heads,
             in_channels=self.num_channels, patch_size=self.patch_size, temporal_patch_size=1,
-            image_size=self.image_size, window_size=None, fullatt_block_indexes=[],
+            image_size=self.image_size, window=None,
             rms_norm_eps=self.layer_norm_eps, hidden_act=self.hidden_act,
             norm="layer" if self.norm_type == "layer_norm" else "rms", qkv_bias=self.attention_bias,
             qk_norm=self.use_qk_norm,

@@ -7,7 +7,7 @@ params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (the family adds the language model's)
 configs.py      ModelConfig -> the tower's and the merger's megatron TransformerConfigs
-checks.py       its window settings, checked before a run (``TowerPart.config_problems``)
+checks.py       its window attention required, checked before a run (``TowerPart.config_problems``)
 """
 
 from loongforge.models.family import LazyFunction

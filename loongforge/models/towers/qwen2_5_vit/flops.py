@@ -2,7 +2,7 @@
 
 What runs (``vision.py``): the patch embedding (a linear over ``C*T*p*p`` pixels), ``depth`` blocks
 of QKV, output projection and a SwiGLU MLP, where attention is bidirectional within each window
-(``window_size`` pixels square, tiled from the top-left of each frame in merge units, edge windows
+(``model.vision.window.size`` pixels square, tiled from the top-left of each frame in merge units, edge windows
 smaller: ``window_partition``) except in the ``fullatt_block_indexes`` blocks, which attend within
 whole frames; then the merger MLP per merged token, and the shared decoder and LM head.
 """
@@ -44,8 +44,8 @@ def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
     """All vision blocks' forward: matmuls per patch, attention per window or per frame."""
     vis, merge = model_cfg.vision, model_cfg.projector.spatial_merge_size
     patches = sum(t * h * w for t, h, w in grids)
-    full_blocks = sum(1 for index in set(vis.fullatt_block_indexes) if 0 <= index < vis.depth)
-    window_units = vis.window_size // vis.patch_size // merge
+    full_blocks = vis.window.full_attention_blocks(vis.depth)
+    window_units = vis.window.size // vis.patch_size // merge
     # Vision heads are hidden / num_heads wide: q_width is the tower's width.
     windowed = attention_flops(window_lengths(grids, merge, window_units), vis.hidden_size)
     full = frame_attention_flops(grids, vis.hidden_size)

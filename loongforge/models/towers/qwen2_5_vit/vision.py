@@ -89,9 +89,9 @@ class VisionModel(PackedTower):
         vis = model_cfg.vision
         super().__init__(config, pg_collection)
         self.merge = model_cfg.projector.spatial_merge_size
-        self.window_units = vis.window_size // self.merge // vis.patch_size
+        self.window_units = vis.window.size // self.merge // vis.patch_size
         self.head_dim = vis.hidden_size // vis.num_heads
-        self.fullatt_block_indexes = frozenset(vis.fullatt_block_indexes)
+        self.fullatt_block_indexes = frozenset(vis.window.fullatt_block_indexes)
         patch_dim = vis.in_channels * vis.temporal_patch_size * vis.patch_size**2
         self.patch_embed = PatchEmbed(patch_dim, vis.hidden_size, config.params_dtype)
         self.build_layers(layer_spec, vis.depth)

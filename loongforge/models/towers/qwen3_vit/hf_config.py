@@ -18,9 +18,8 @@ def tower_from_hf(vision: Mapping[str, Any]) -> tuple[VisionConfig, ProjectorCon
         in_channels=vision.get("in_channels", 3), patch_size=vision.get("patch_size", 16),
         temporal_patch_size=vision.get("temporal_patch_size", 2),
         hidden_act=vision.get("hidden_act", "gelu_pytorch_tanh"),
-        norm="layer", num_position_embeddings=vision["num_position_embeddings"],
+        norm="layer", window=None, num_position_embeddings=vision["num_position_embeddings"],
         deepstack_layers=list(vision.get("deepstack_visual_indexes", [])),
-        window_size=None, fullatt_block_indexes=[],  # no window attention
         # The processor's normalisation (preprocessor_config.json, not config.json): 0.5 / 0.5.
         pixel_mean=[0.5, 0.5, 0.5], pixel_std=[0.5, 0.5, 0.5],
     ), ProjectorConfig(arch="deepstack_mergers", spatial_merge_size=vision.get("spatial_merge_size", 2),
