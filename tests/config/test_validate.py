@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from loongforge.config.errors import ConfigError
-from loongforge.config.loader import load_run_config
+from loongforge.config.language_parts import MOVED_TO_MOE
+from loongforge.config.loader import load_resolved_config, load_run_config, to_dict
 from loongforge.config.validate import build_run_config, check_run_config
+from loongforge.config.yaml_io import dump_yaml_tree
 
 
 def errors_for(*overrides, preset="qwen2.5vl-tiny", world_size=None):
@@ -429,3 +431,30 @@ def test_lora_settings_are_checked_with_the_fix():
     assert random_base.endswith("set checkpoint.load_hf=BASE_HF_FOLDER or checkpoint.save_hf=false.")
     # rank 0 is LoRA off: the other keys are not read, so a leftover value is no error.
     load_run_config("qwen2.5vl-tiny", overrides=["lora.modules=[]"])
+
+
+def _as_saved_before_the_sections(cfg) -> dict:
+    """``cfg``'s tree as the main of before the moe / window / anyres sections wrote its config.yaml: every key
+    flat, a section that is not built written as its "not built" flat values."""
+    tree = to_dict(cfg)
+    language, vision = tree["model"]["language"], tree["model"]["vision"]
+    moe = language.pop("moe") or {"num_experts": 0, "ffn_hidden_size": None}
+    language.update({old: moe[new] for old, new in MOVED_TO_MOE.items() if new in moe})
+    if vision is not None:
+        window = vision.pop("window") or {"size": None, "fullatt_block_indexes": []}
+        anyres = vision.pop("anyres") or {"pinpoints": [], "max_crops": 9}
+        vision.update(window_size=window["size"], fullatt_block_indexes=window["fullatt_block_indexes"],
+                      anyres_pinpoints=anyres["pinpoints"], anyres_max_crops=anyres["max_crops"])
+    return tree
+
+
+@pytest.mark.parametrize("preset", ["qwen2.5vl-tiny", "qwen3-moe-tiny", "deepseek-v3-tiny", "llava-onevision-tiny",
+                                    "qwen3.5-moe-tiny"])
+def test_a_config_yaml_written_before_the_sections_reads_back_as_the_same_run(preset, tmp_path, capsys):
+    cfg = load_run_config(preset)
+    saved = tmp_path / "config.yaml"
+    saved.write_text(dump_yaml_tree(_as_saved_before_the_sections(cfg)))
+    assert load_resolved_config(saved) == cfg
+    moved = capsys.readouterr().err.splitlines()
+    print(f"{preset}: {len(moved)} lines, e.g. {moved[0]}")
+    assert moved and all("is now model." in line for line in moved)
