@@ -485,7 +485,8 @@ REFERENCES = {
                   to_hub_style=qwen3_vl_hub_style, pp2_layers=4, photo_grid="patch grid [1, 14, 40]"),
         Reference(name="qwen3_vl_moe", model_cfg=lambda: qwen3_vl.tiny_model_cfg(experts=True),
                   hf_model=qwen3_vl.build_hf_model, build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl),
-                  layouts=QWEN3_VL_LAYOUTS, to_hub_style=qwen3_vl_hub_style, pp2_layers=4),
+                  layouts=QWEN3_VL_LAYOUTS, to_hub_style=qwen3_vl_hub_style, pp2_layers=4,
+                  photo_grid="patch grid [1, 14, 40]"),
         # Qwen3.5's logits reach ~12 in --check-logits' preset folder and its recurrence's fp32 summation order moves
         # them by ~1e-5 of that (measured 9.0e-6 of the largest, 1.1e-4 absolute): 3x that, relative and absolute.
         Reference(name="qwen3_5", model_cfg=qwen3_5_model_cfg, hf_model=qwen3_5_hf_model, build=_build_qwen3_5,
@@ -520,15 +521,15 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
         "qwen2_5_vl": ("test_qwen2_5_vl_with_a_photo", "the family's folder in the Hub's key style and flat "
                        "config, in two shards, on the photo and the built-in scene"),
         "qwen2": ("test_tp2_in_two_processes", "the same folder at TP 2 (ChatML's reference)"),
-        "qwen3_moe": ("qwen3", "the text family's folder, Qwen3's chat and the comparison; the experts' math is "
-                      "test_parity's, their Hub tensors read: the round trip and test_parity"),
-        "qwen3_moe_unnormalised": ("qwen3", "as qwen3_moe; its router's math is test_parity's"),
+        "qwen3": ("test_a_loongforge_checkpoint_is_checked_through_its_hf_export", "the same folder converted to "
+                  "megatron, written back as HF and checked"),
+        "qwen3_moe_unnormalised": ("qwen3_moe", "its router's math is test_parity's"),
         "deepseek_v2": ("deepseek_v3", "the text family's folder, DeepSeek's chat and the comparison; V2's attention "
                         "and router math are test_parity's and test_tp_parity's"),
-        "qwen3_vl_moe": ("qwen3_vl", "the family's folder, photo and comparison; the experts' math and their Hub "
-                         "layout are test_parity's"),
-        "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (transformers' Auto class picks the MoE "
-                        "class by model_type); the experts' math and Hub key style are test_parity's"),
+        "qwen3_vl": ("qwen3_vl_moe", "the family's folder, photo and comparison (the MoE's also proves transformers' "
+                     "Auto class resolving the model_type); the dense MLP's math is test_parity's"),
+        "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (the Auto class's resolution of a MoE "
+                        "model_type: qwen3_vl_moe); the experts' math and Hub key style are test_parity's"),
     },
 }
 
