@@ -129,6 +129,7 @@ def test_every_reference_agrees_with_transformers(name, folders, monkeypatch):
 
 
 def test_a_loongforge_checkpoint_is_checked_through_its_hf_export(folders, tmp_path):
+    """Qwen3's folder converted to megatron, written back as HF and checked (qwen3's check: ``PROVEN_BY``)."""
     assert invoke(str(folders("qwen3")), str(tmp_path / "mcore"), "--to", "mcore").exit_code == 0
     result = invoke(str(tmp_path / "mcore"), "--check-logits")
     _passes(result)
@@ -153,7 +154,8 @@ def test_a_wrong_weight_fails(folders, monkeypatch):
 
 
 def test_tp2_in_two_processes(folders, capfd):
-    """Qwen2 (q/k/v biases, untied): the 300-row vocabulary is padded to 512 and split over 2 ranks."""
+    """Qwen2 (q/k/v biases, untied): the 300-row vocabulary is padded to 512 and split over 2 ranks (qwen2's check:
+    ``PROVEN_BY``)."""
     result, stderr = console_of(capfd, lambda: invoke(str(folders("qwen2")), "--check-logits", "--tp", "2", "--json"))
     assert result.exit_code == 0, result.output
     assert_no_third_party_warning(stderr, "convert --check-logits --tp 2")  # this process's and both ranks'
