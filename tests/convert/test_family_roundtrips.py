@@ -1,21 +1,23 @@
-"""Every model family converts HF -> megatron (TP 2, PP 2) -> HF bit-exact: the text-only LLMs
-(Qwen2, Qwen3, Llama), Qwen3-VL (vision blocks, the merger and DeepStack's mergers), dense and
-MoE (Qwen3-VL-MoE: one gate_up_proj and one down_proj per layer holding every expert), InternVL3.5
-(InternViT's class token, positions and layer scales, the pixel-shuffle projector, Qwen3 under
-``model.language_model.``) and LLaVA-OneVision (SigLIP with its carried post-layernorm, the projector, the
-newline, Qwen2) and Qwen3.5 (hybrid: each layer's own checkpoint keys, Gated DeltaNet's key-head-grouped
-projection and convolution, the gated attention's query and gate rows) and DeepSeek-V3 / V2 (multi-latent
-attention, the dense first layer and the sparse ones under keys of their own, the expert bias; V3 with its
-multi-token-prediction layer as DeepSeek publishes it), Qwen3-MoE and Qwen2.5-VL.
+"""The HF round trip concern: every reference of ``tests.models.references.REFERENCES`` (the text architectures, the
+Qwen-VL families dense and MoE, Qwen3.5 dense and MoE, InternVL3.5, LLaVA-OneVision, DeepSeek-V3 / V2) converts HF ->
+megatron (TP 2, PP 2) -> HF bit-exact; a reference that proves no more than another names it in ``PROVEN_BY``. What
+the references bring: Qwen3-VL's vision blocks, merger and DeepStack's mergers, Qwen3-VL-MoE's one gate_up_proj and
+one down_proj per layer holding every expert, InternVL3.5's class token, positions and layer scales, the pixel-shuffle
+projector and Qwen3 under ``model.language_model.``, LLaVA-OneVision's SigLIP with its carried post-layernorm, the
+projector, the newline and Qwen2 (in shards with an index, as the Hub's are), Qwen3.5's hybrid layers (each layer's
+own checkpoint keys, Gated DeltaNet's key-head-grouped projection and convolution, the gated attention's query and
+gate rows), DeepSeek's multi-latent attention, the dense first layer and the sparse ones under keys of their own and
+the expert bias; DeepSeek-V3 also with its multi-token-prediction layer as DeepSeek publishes it
+(``test_deepseek_v3s_multi_token_prediction_layer_round_trips``).
 
-Each family's folder, converted to megatron (TP 2, PP 2) by ``convert --to mcore`` and back by ``convert --to hf``,
-is the folder transformers' ``save_pretrained`` wrote: the same tensor names (the Hub's, which
-``save_pretrained`` writes back from its module names), dtypes, shapes and bytes, in the same files, and the same
-config.json and generation_config.json; the export may add files (an index, the serving files)."""
+Each folder (``Reference.save_hf`` at the small test vocabulary), converted to megatron
+(TP 2, PP 2) by ``convert --to mcore`` and back by ``convert --to hf``, is the folder transformers' ``save_pretrained``
+wrote: the same tensor names (the Hub's, which ``save_pretrained`` writes back from its module names), dtypes, shapes
+and bytes, in the same files, and the same config.json and generation_config.json; the export may add files (an
+index, the serving files)."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 from pathlib import Path
 
@@ -23,64 +25,13 @@ import pytest
 
 from loongforge.convert.hf_io import HFCheckpoint, read_header
 from tests.convert.helpers import invoke
-from tests.models.llm_helpers import ARCHITECTURES, DEEPSEEK_ARCHITECTURES, build_hf_llm
-
-
-def _save_qwen3_vl(path, experts: bool = False) -> int:
-    from tests.models.test_qwen3_vl_support import build_hf_model, tiny_model_cfg
-
-    model_cfg = tiny_model_cfg(experts=experts)
-    # 4 decoder layers: PP 2 leaves both DeepStack layers on the first stage.
-    model_cfg = dataclasses.replace(model_cfg, language=dataclasses.replace(model_cfg.language, num_layers=4))
-    model = build_hf_model(model_cfg)
-    model.save_pretrained(path)
-    return len(model.state_dict()) - int(model_cfg.language.tie_word_embeddings)
-
-
-def _save_composition(family: str, path, preset: str = "", **save_options) -> int:
-    """transformers' model of ``family`` at its tiny preset's (or ``preset``'s) shapes (small vocabulary, 4
-    decoder layers), every parameter random, saved with ``save_options``."""
-    import torch
-    import transformers
-
-    from loongforge.config.loader import load_run_config
-    from loongforge.models.registry import get_family
-    from tests.models.tower_helpers import randomised
-
-    preset = f"{preset or get_family(family).tiny_preset}-small-vocab"
-    cfg = load_run_config(preset, overrides=["model.language.num_layers=4"])
-    config = transformers.AutoConfig.for_model(**get_family(family).config_to_hf(cfg.model, "float32"))
-    torch.manual_seed(0)
-    model = randomised(transformers.AutoModelForImageTextToText.from_config(config))
-    model.save_pretrained(path, **save_options)
-    # transformers 5 saves routed experts as the Hub does (one tensor per expert): count what it wrote.
-    written = get_family(family).to_hub_style(model.state_dict())
-    return len(written) - int(cfg.model.language.tie_word_embeddings)
-
-
-def _save_llm(arch: str, path) -> int:
-    from loongforge.models.registry import get_family
-
-    model = build_hf_llm(arch)
-    model.save_pretrained(path)
-    # transformers 5 saves Qwen3-MoE's routed experts as the Hub does (one tensor per expert): count what it wrote.
-    return len(get_family("llm").to_hub_style(model.state_dict())) - int(model.config.tie_word_embeddings)
-
-
-def _save_deepseek(arch: str, path) -> int:
-    """DeepSeek at 4 layers (PP 2: the dense first layer and a sparse one on each stage), expert bias random."""
-    from loongforge.models.registry import get_family
-
-    model = build_hf_llm(arch, num_hidden_layers=4)
-    model.save_pretrained(path)
-    return len(get_family("llm").to_hub_style(model.state_dict()))
+from tests.models.llm_helpers import build_hf_llm
+from tests.models.references import REFERENCES, assert_proven_once, runs
 
 
 def _save_deepseek_with_mtp(path) -> int:
     """DeepSeek-V3 as its Hub checkpoint stores it: 4 decoder layers, then the multi-token-prediction layer
     (``num_nextn_predict_layers: 1``) as layer 4 with its norms, projection and copies of the embedding and head."""
-    import json
-
     import torch
     from safetensors.torch import save_file
 
@@ -103,29 +54,34 @@ def _save_deepseek_with_mtp(path) -> int:
     return len(get_family("llm").to_hub_style(state)) + len(extra)
 
 
-@pytest.mark.parametrize("family", [*ARCHITECTURES, "qwen3_moe", *DEEPSEEK_ARCHITECTURES, "deepseek_v3_mtp",
-                                    "qwen2_5_vl", "qwen3_vl", "qwen3_vl_moe", "internvl", "llava_onevision",
-                                    "qwen3_5", "qwen3_5_moe"])
+def _save_for_pp2(name: str, path: Path) -> int:
+    """The reference's folder as the round trip converts it (its layers for PP 2, the small test vocabulary: the round
+    trip tokenizes nothing), and the tensors written."""
+    reference = REFERENCES[name]
+    return reference.save_hf(path, num_layers=reference.pp2_layers, small_vocabulary=True, **reference.roundtrip_save)
+
+
+def test_every_reference_round_trips_or_names_its_prover():
+    assert_proven_once("hf_roundtrip", globals())
+
+
+@pytest.mark.parametrize("family", runs("hf_roundtrip"))
 def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
+    _assert_round_trip_exact(family, _save_for_pp2(family, tmp_path / "hf"), tmp_path)
+
+
+def test_deepseek_v3s_multi_token_prediction_layer_round_trips(tmp_path):
+    _assert_round_trip_exact("deepseek_v3_mtp", _save_deepseek_with_mtp(tmp_path / "hf"), tmp_path)
+
+
+def _assert_round_trip_exact(what: str, tensors: int, tmp_path: Path) -> None:
+    """``convert --roundtrip --tp 2 --pp 2`` of ``tmp_path / "hf"`` (holding ``tensors``) is exact, and the folder
+    converted to megatron and back is the folder read."""
     src = tmp_path / "hf"
-    if family.startswith("qwen3_vl"):
-        tensors = _save_qwen3_vl(src, experts=family == "qwen3_vl_moe")
-    elif family == "llava_onevision":  # in shards with an index, as the Hub's are
-        tensors = _save_composition(family, src, max_shard_size="1MB")
-    elif family in ("qwen2_5_vl", "internvl", "qwen3_5"):
-        tensors = _save_composition(family, src)
-    elif family == "qwen3_5_moe":
-        tensors = _save_composition("qwen3_5", src, preset="qwen3.5-moe-tiny")
-    elif family in DEEPSEEK_ARCHITECTURES:
-        tensors = _save_deepseek(family, src)
-    elif family == "deepseek_v3_mtp":
-        tensors = _save_deepseek_with_mtp(src)
-    else:
-        tensors = _save_llm(family, src)
     result = invoke(str(src), "--roundtrip", "--tp", "2", "--pp", "2")
     assert result.exit_code == 0, result.output
     verdict = result.output.strip().splitlines()[-1]
-    print(f"{family}: {verdict}")
+    print(f"{what}: {verdict}")
     assert verdict.startswith("round trip HF -> mcore (tp=2, pp=2")
     assert verdict.endswith(f"{tensors} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT"), verdict
     for args in ((str(src), str(tmp_path / "mcore"), "--to", "mcore", "--tp", "2", "--pp", "2"),
@@ -134,7 +90,7 @@ def test_hf_to_tp2_pp2_to_hf_is_exact(family, tmp_path):
         assert result.exit_code == 0, result.output
     differences = _folder_differences(src, tmp_path / "back")
     added = sorted({p.name for p in (tmp_path / "back").iterdir()} - {p.name for p in src.iterdir()})
-    print(f"{family}: HF -> mcore -> HF ({len(list(src.glob('*.safetensors')))} safetensors files) differs from the "
+    print(f"{what}: HF -> mcore -> HF ({len(list(src.glob('*.safetensors')))} safetensors files) differs from the "
           f"folder read in {differences or 'nothing'}; added {added}")
     assert differences == []
     assert not [name for name in added if "safetensors" in name]  # the serving files only
@@ -203,7 +159,7 @@ def test_qwen3_5s_multi_token_prediction_head_is_noted_not_read(tmp_path):
     from safetensors.torch import save_file
 
     src = tmp_path / "hf"
-    tensors = _save_composition("qwen3_5", src)
+    tensors = _save_for_pp2("qwen3_5", src)
     save_file({"mtp.fc.weight": torch.zeros(4, 4), "mtp.norm.weight": torch.zeros(4)}, str(src / "mtp.safetensors"))
     _drop_index(src)
     result = invoke(str(src), str(tmp_path / "mcore"), "--to", "mcore")
@@ -233,7 +189,7 @@ def test_transformers_module_names_are_read_as_the_hubs(family, tmp_path):
     from safetensors.torch import save_file
 
     hub, modules = tmp_path / "hub", tmp_path / "modules"
-    tensors = _save_composition(family, hub)
+    tensors = _save_for_pp2(family, hub)
     state = transformers.AutoModelForImageTextToText.from_pretrained(hub).state_dict()
     if json.loads((hub / "config.json").read_text())["text_config"].get("tie_word_embeddings"):
         state.pop("lm_head.weight")

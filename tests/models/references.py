@@ -7,8 +7,9 @@ processor (InternVL's tiles; LLaVA-OneVision's anyres squares for a sample's onl
 each for two).
 
 A family joins every concern (``test_parity.py``: TP 1; ``test_tp_parity.py``: TP 2 with and without
-sequence parallelism) by adding one ``Reference`` to ``REFERENCES``; docs/testing.md says which variant
-proves a code path that several share."""
+sequence parallelism; ``test_lora_parity.py``; tests/convert's HF round trip and ``--check-logits``, which write the
+reference as transformers' folder: ``Reference.save_hf``) by adding one ``Reference`` to ``REFERENCES``. Where two
+references prove the same code path in a concern, ``PROVEN_BY`` says which one proves it (docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,24 @@ class Reference:
     tolerance: float = 1e-5
     # transformers' state dict -> the Hub's key style, where our writer (``megatron_to_hf``) writes that style
     to_hub_style: Optional[Callable[[dict], dict]] = None
+    # The command-line concerns (tests/convert) write the reference as transformers' folder (``save_hf``).
+    # ``preset``: the tiny preset whose shapes the folder takes (the family's config.json through transformers'
+    # Auto class, every parameter random) where the reference's own model will not do: ``--check-logits``
+    # tokenizes with the preset's tokenizer, whose vision tokens a media model must hold. None: the reference's own.
+    preset: Optional[str] = None
+    # Decoder layers of the folder the round trip splits over PP 2 (None: its own): both DeepStack layers on the
+    # first stage; DeepSeek's dense first layer and a sparse one on each stage.
+    pp2_layers: Optional[int] = None
+    # ``save_pretrained``'s options for the round trip's folder (LLaVA-OneVision: in shards with an index)
+    roundtrip_save: dict = dataclasses.field(default_factory=dict)
+    # ``--check-logits`` on a photo: the patch grid it reports, the photo sized as training sizes it for the family
+    photo_grid: Optional[str] = None
+    # ``--check-logits``' preset folder has two decoder layers: the overrides that needs (Qwen3.5: one of each kind)
+    two_layer_overrides: tuple[str, ...] = ()
+    # ``--check-logits``: the bound on the largest logit difference (of the largest logit for a preset's folder),
+    # and the command's ``--atol`` where its default (1e-4, absolute) is too tight for the preset's logits
+    check_bound: float = 1e-5
+    check_atol: Optional[float] = None
 
     @property
     def has_media(self) -> bool:
@@ -93,6 +112,51 @@ class Reference:
         model = self.build(model_cfg, parallel_cfg or ParallelConfig(), **options).eval()
         load_hf_state_dict(model, hf_model.state_dict())
         return model_cfg, hf_model, model
+
+    def save_hf(self, path: Path, *, num_layers: Optional[int] = None, small_vocabulary: bool = False,
+                overrides: tuple[str, ...] = (), **save_options) -> int:
+        """transformers' model written by ``save_pretrained(path, **save_options)`` with ``num_layers`` decoder
+        layers (None: the model's own); the number of tensors written (the Hub's names; a tied head is not
+        written). A preset reference: the preset's shapes with the config ``overrides``; otherwise the reference's
+        own model. ``small_vocabulary``: the family's small test vocabulary (its ``-small-vocab`` preset's size and
+        token ids) where the model's own is larger, for a concern that tokenizes nothing."""
+        if self.preset is None:
+            if overrides:
+                raise ValueError(f"{self.name}: the reference's own model takes no preset overrides")
+            model_cfg = _resized(self.model_cfg(), num_layers, small_vocabulary)
+            model = self.hf_model(model_cfg)
+        else:
+            layers = [f"model.language.num_layers={num_layers}"] if num_layers else []
+            model_cfg, model = _preset_hf_model(f"{self.preset}-small-vocab" if small_vocabulary else self.preset,
+                                                [*layers, *overrides])
+        model.save_pretrained(path, **save_options)
+        # transformers 5 saves routed experts as the Hub does (one tensor per expert): count what it wrote.
+        written = get_family(model_cfg.family).to_hub_style(model.state_dict())
+        return len(written) - int(model_cfg.language.tie_word_embeddings)
+
+
+def _resized(model_cfg: ModelConfig, num_layers: Optional[int], small_vocabulary: bool) -> ModelConfig:
+    """``model_cfg`` with ``num_layers`` decoder layers, and the family's small test vocabulary where asked and
+    smaller than its own."""
+    language, tokens = model_cfg.language, model_cfg.tokens
+    if num_layers is not None:
+        language = dataclasses.replace(language, num_layers=num_layers)
+    if small_vocabulary:
+        small = load_run_config(f"{get_family(model_cfg.family).tiny_preset}-small-vocab").model
+        if small.language.vocab_size < language.vocab_size:
+            language, tokens = dataclasses.replace(language, vocab_size=small.language.vocab_size), small.tokens
+    return dataclasses.replace(model_cfg, language=language, tokens=tokens)
+
+
+def _preset_hf_model(preset: str, overrides: list[str]) -> tuple[ModelConfig, torch.nn.Module]:
+    """(the preset's model config, transformers' model of the config.json the family writes of it, every
+    parameter random)."""
+    import transformers
+
+    model_cfg = load_run_config(preset, overrides=overrides).model
+    config = transformers.AutoConfig.for_model(**get_family(model_cfg.family).config_to_hf(model_cfg, "float32"))
+    torch.manual_seed(0)
+    return model_cfg, randomised(transformers.AutoModelForImageTextToText.from_config(config))
 
 
 def build_options(**options) -> dict:
@@ -399,34 +463,86 @@ def _text_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 40) -> C
 
 
 def _llm(arch: str) -> Reference:
-    return Reference(name=arch, model_cfg=lambda: tiny_llm_cfg(arch), hf_model=lambda _cfg: build_hf_llm(arch),
-                     build=_build_llm, sample=_text_sample)
+    # DeepSeek split over PP 2 at 4 layers: the dense first layer and a sparse one on each stage.
+    return Reference(name=arch, model_cfg=lambda: tiny_llm_cfg(arch),
+                     hf_model=lambda cfg: build_hf_llm(arch, num_hidden_layers=cfg.language.num_layers),
+                     build=_build_llm, sample=_text_sample, pp2_layers=4 if arch.startswith("deepseek") else None)
 
 
+# The COCO photo of --check-logits (640 x 229) sized as training sizes it: InternVL's 12 tiles and a thumbnail of
+# 56 px, LLaVA-OneVision's base square and its anyres crops of 56 px (packed by the photo's size), the Qwen-VL
+# towers' smart-resized patch grid.
 REFERENCES = {
     reference.name: reference
     for reference in [
         # Tied embeddings (the preset's); untied ones are Qwen3-VL's, Qwen2's and Llama's.
         Reference(name="qwen2_5_vl", model_cfg=lambda: qwen2_5_vl.tiny_model_cfg(tie=True),
                   hf_model=qwen2_5_vl.build_hf_model, build=_build_qwen2_5_vl, sample=_vlm_sample(qwen2_5_vl),
-                  layouts=QWEN2_5_VL_LAYOUTS),
+                  layouts=QWEN2_5_VL_LAYOUTS, preset="qwen2.5vl-tiny", pp2_layers=4),
+        # 4 decoder layers over PP 2: both DeepStack layers on the first stage.
         Reference(name="qwen3_vl", model_cfg=qwen3_vl.tiny_model_cfg, hf_model=qwen3_vl.build_hf_model,
                   build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_VL_LAYOUTS,
-                  to_hub_style=qwen3_vl_hub_style),
+                  to_hub_style=qwen3_vl_hub_style, pp2_layers=4, photo_grid="patch grid [1, 14, 40]"),
         Reference(name="qwen3_vl_moe", model_cfg=lambda: qwen3_vl.tiny_model_cfg(experts=True),
                   hf_model=qwen3_vl.build_hf_model, build=_build_qwen3_vl, sample=_vlm_sample(qwen3_vl),
-                  layouts=QWEN3_VL_LAYOUTS, to_hub_style=qwen3_vl_hub_style),
+                  layouts=QWEN3_VL_LAYOUTS, to_hub_style=qwen3_vl_hub_style, pp2_layers=4,
+                  photo_grid="patch grid [1, 14, 40]"),
+        # Qwen3.5's logits reach ~12 in --check-logits' preset folder and its recurrence's fp32 summation order moves
+        # them by ~1e-5 of that (measured 9.0e-6 of the largest, 1.1e-4 absolute): 3x that, relative and absolute.
         Reference(name="qwen3_5", model_cfg=qwen3_5_model_cfg, hf_model=qwen3_5_hf_model, build=_build_qwen3_5,
                   sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True,
-                  to_hub_style=qwen3_5_hub_style),
+                  to_hub_style=qwen3_5_hub_style, preset="qwen3.5-tiny", pp2_layers=4,
+                  photo_grid="patch grid [1, 14, 40]",
+                  two_layer_overrides=("model.language.layer_types=[linear_attention,full_attention]",),
+                  check_bound=3e-5, check_atol=5e-4),
         Reference(name="qwen3_5_moe", model_cfg=lambda: qwen3_5_model_cfg(moe=True), hf_model=qwen3_5_hf_model,
                   build=_build_qwen3_5, sample=_vlm_sample(qwen3_vl), layouts=QWEN3_5_LAYOUTS, relative=True,
-                  to_hub_style=qwen3_5_hub_style),
+                  to_hub_style=qwen3_5_hub_style, preset="qwen3.5-moe-tiny", pp2_layers=4),
         Reference(name="internvl", model_cfg=internvl_model_cfg, hf_model=internvl_hf_model, build=_build_internvl,
-                  sample=_internvl_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images")),
+                  sample=_internvl_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
+                  preset="internvl3.5-tiny", pp2_layers=4, photo_grid="patch grid [13, 4, 4]"),
+        # The round trip's folder in shards with an index, as the Hub's are.
         Reference(name="llava_onevision", model_cfg=llava_onevision_model_cfg, hf_model=llava_onevision_hf_model,
                   build=_build_llava_onevision, sample=_llava_onevision_sample, layouts=COMPOSED_LAYOUTS,
-                  packed_media=("one_image", "two_images")),
+                  packed_media=("one_image", "two_images"), preset="llava-onevision-tiny", pp2_layers=4,
+                  roundtrip_save=dict(max_shard_size="1MB"), photo_grid="patch grid [7, 4, 4]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }
+
+# Where two references prove the same code path in a concern, one runs it and the other names its prover here:
+# concern -> reference -> (a reference that runs the concern, or a test of the concern's module; why). The
+# concern's module runs ``runs(concern)`` and asserts the table (``assert_proven_once``).
+PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
+    "hf_roundtrip": {
+        "qwen3_moe_unnormalised": ("qwen3_moe", "its router's weights are the same tensors"),
+    },
+    "check_logits": {
+        "qwen2_5_vl": ("test_qwen2_5_vl_with_a_photo", "the family's folder in the Hub's key style and flat "
+                       "config, in two shards, on the photo and the built-in scene"),
+        "qwen2": ("test_tp2_in_two_processes", "the same folder at TP 2 (ChatML's reference)"),
+        "qwen3": ("test_a_loongforge_checkpoint_is_checked_through_its_hf_export", "the same folder converted to "
+                  "megatron, written back as HF and checked"),
+        "qwen3_moe_unnormalised": ("qwen3_moe", "its router's math is test_parity's"),
+        "deepseek_v2": ("deepseek_v3", "the text family's folder, DeepSeek's chat and the comparison; V2's attention "
+                        "and router math are test_parity's and test_tp_parity's"),
+        "qwen3_vl": ("qwen3_vl_moe", "the family's folder, photo and comparison (the MoE's also proves transformers' "
+                     "Auto class resolving the model_type); the dense MLP's math is test_parity's"),
+        "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (the Auto class's resolution of a MoE "
+                        "model_type: qwen3_vl_moe); the experts' math and Hub key style are test_parity's"),
+    },
+}
+
+
+def runs(concern: str) -> list[str]:
+    """The references ``concern`` runs: every one that names no prover."""
+    return [name for name in REFERENCES if name not in PROVEN_BY[concern]]
+
+
+def assert_proven_once(concern: str, module_tests: dict) -> None:
+    """Every reference runs ``concern`` or names its prover: a reference that runs it, or a test of the concern's
+    module (``module_tests``: its globals)."""
+    for name, (prover, why) in PROVEN_BY[concern].items():
+        assert name in REFERENCES, f"PROVEN_BY[{concern!r}] names {name}, which is no reference"
+        assert prover in runs(concern) or (prover.startswith("test_") and callable(module_tests.get(prover))), (
+            f"{concern}: {name} is proven by {prover} ({why}), which neither runs {concern} nor is a test of its module")
