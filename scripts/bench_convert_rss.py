@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig, WindowAttentionConfig
 from loongforge.convert import families
 from loongforge.convert.hf_io import (
     PlannedTensor,
@@ -37,7 +37,7 @@ from loongforge.convert.hf_io import (
 
 def bench_model(num_layers: int = 12) -> ModelConfig:
     return ModelConfig(
-        vision=VisionConfig(depth=8, fullatt_block_indexes=[3, 7]),
+        vision=VisionConfig(depth=8, window=WindowAttentionConfig(fullatt_block_indexes=[3, 7])),
         projector=ProjectorConfig(out_hidden_size=1536),
         language=LanguageConfig(num_layers=num_layers, hidden_size=1536, ffn_hidden_size=8960, num_attention_heads=12,
                                 num_query_groups=2, vocab_size=151936, tie_word_embeddings=False),
