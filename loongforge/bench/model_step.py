@@ -41,9 +41,8 @@ from loongforge.calibrate.sweep import SweepSource
 from loongforge.config.loader import load_run_config
 from loongforge.config.errors import InputError
 from loongforge.config.schema import RunConfig
-from loongforge.models import parts
 from loongforge.models.flops import FlopOptions, StepFlops
-from loongforge.models.media import ImageProcessing, MediaBatch
+from loongforge.models.media import MediaBatch
 from loongforge.models.registry import get_family
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, resolve_device, shutdown
 from loongforge.profile.features import sample_costs
@@ -112,24 +111,21 @@ def bench_run_config(opts: ModelBenchOptions) -> RunConfig:
     return load_run_config(opts.preset, overrides=bench_overrides(opts, base), world_size=1)
 
 
-def image_processing(cfg: RunConfig) -> ImageProcessing:
-    """The run's tower's image processing at the preset's data settings (``TowerPart.images``)."""
-    family = get_family(cfg.model.family)
-    return parts.image_processing(family, cfg.model, cfg.data)
-
-
-def design_row(cfg: RunConfig, opts: ModelBenchOptions) -> list[tuple[int, list[tuple[int, int]]]]:
-    """[(text tokens, [(h, w) image grid]), ...]: ``samples`` samples of equal total length."""
+def design_row(cfg: RunConfig, opts: ModelBenchOptions, source: SweepSource) -> list[tuple[int, list[tuple[int, int]]]]:
+    """[(text tokens, [(height, width) image size in pixels]), ...]: ``samples`` samples of equal total length,
+    each image as the family's processor plans it (``source``: the sweep's row builder)."""
     per_sample = opts.tokens // opts.samples
-    images = image_processing(cfg) if opts.image_sizes else None
     row = []
     for i in range(opts.samples):
-        plan = images.plan(*opts.image_sizes[i % len(opts.image_sizes)]) if images is not None else None
-        image_tokens = 0 if plan is None else plan.tokens + 2  # + start/end
-        if plan is None or image_tokens + MIN_TEXT_TOKENS > per_sample:
+        if not opts.image_sizes or cfg.model.vision is None:
+            row.append((per_sample, []))
+            continue
+        width, height = opts.image_sizes[i % len(opts.image_sizes)]
+        image_tokens = source.image_tokens((height, width), 1)
+        if image_tokens + MIN_TEXT_TOKENS > per_sample:
             row.append((per_sample, []))
         else:
-            row.append((per_sample - image_tokens, [plan.grid[1:]]))
+            row.append((per_sample - image_tokens, [(height, width)]))
     return row
 
 
@@ -159,7 +155,7 @@ def _loss_on_every_token(micro_batch: dict) -> None:
 def build_inputs(cfg: RunConfig, opts: ModelBenchOptions) -> BenchInputs:
     # The profile sweep's row builder: random ids, M-RoPE positions, random pixels, collate keys.
     source = SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=1)
-    packed = source.micro_batch(0, design_row(cfg, opts))
+    packed = source.micro_batch(0, design_row(cfg, opts, source))
     _loss_on_every_token(packed)
     n, length = opts.samples, packed["input_ids"].shape[1] // opts.samples
     batch = {
@@ -244,8 +240,10 @@ def transformers_step(model, inputs: dict) -> Callable[[], None]:
 
 def transformers_inputs(cfg: RunConfig, batch: dict) -> dict:
     """The batch as the family's transformers class takes it (``ModelFamily.hf_model_inputs``), with
-    the same rotary positions as ours."""
-    return {**get_family(cfg.model.family).hf_model_inputs(cfg.model, batch), "position_ids": batch["position_ids"]}
+    the same rotary positions as ours (a 1-D RoPE family's first row: [n, L])."""
+    family = get_family(cfg.model.family)
+    positions = batch["position_ids"] if family.rope == "mrope" else batch["position_ids"][0]
+    return {**family.hf_model_inputs(cfg.model, batch), "position_ids": positions}
 
 
 # ---------------------------------------------------------------------------------------------

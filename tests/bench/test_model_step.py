@@ -10,7 +10,8 @@ import torch
 from typer.testing import CliRunner
 
 from loongforge.balance.cost_model import SampleCost
-from loongforge.bench.model_step import ModelBenchOptions, bench_run_config, build_inputs, design_row
+from loongforge.bench.model_step import ModelBenchOptions, bench_run_config, build_inputs, design_row, transformers_inputs
+from loongforge.calibrate.sweep import SweepSource
 from loongforge.cli.app import app
 from loongforge.config.schema import LanguageConfig, ModelConfig, ProjectorConfig, VisionConfig, WindowAttentionConfig
 from loongforge.models.registry import get_family
@@ -69,9 +70,27 @@ def test_packed_row_and_batch_hold_the_same_equal_length_samples():
     assert int((packed["input_ids"] == cfg.model.tokens.image_token_id).sum()) == (256 + 240) // 4
 
 
+@pytest.mark.parametrize("preset", ["llava-onevision-tiny", "internvl3.5-tiny"])
+def test_a_composed_familys_row_holds_its_processors_images_and_transformers_gets_1d_positions(preset):
+    """``bench model`` on a family with its own processor and 1-D RoPE: the row's images are the processor's
+    (LLaVA-OneVision's anyres squares with their sizes, InternVL's tiles) and its transformers baseline gets
+    positions [samples, L] (it was given the three M-RoPE rows, and the row builder stopped at its first
+    text token)."""
+    opts = _tiny_options(preset=preset, tokens=2048)
+    cfg = bench_run_config(opts)
+    inputs = build_inputs(cfg, opts)
+    images = inputs.packed["media"].images
+    side = cfg.model.vision.image_size // cfg.model.vision.patch_size
+    print(f"\n{preset}: grids {inputs.grids}, sizes {images.sizes.tolist()}")
+    assert images.sizes.tolist() == [[448, 448], [720, 1280]]
+    assert all((h, w) == (side, side) and t > 1 for t, h, w in inputs.grids)  # whole squares, several each
+    assert transformers_inputs(cfg, inputs.batch)["position_ids"].shape == inputs.batch["input_ids"].shape
+
+
 def test_an_image_larger_than_its_sample_is_left_out():
     opts = _tiny_options(tokens=64, samples=2)
-    assert design_row(bench_run_config(opts), opts) == [(32, []), (32, [])]
+    cfg = bench_run_config(opts)
+    assert design_row(cfg, opts, SweepSource(cfg, dp_rank=0, dp_size=1, pad_to_multiple=1)) == [(32, []), (32, [])]
 
 
 def _samples_of(stack: dict) -> list[SampleCost]:

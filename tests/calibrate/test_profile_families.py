@@ -62,3 +62,20 @@ def test_qwen3_vl_profiles_images_in_its_own_patches(tmp_path):
     assert any(r["features"]["n_img"] == 0 for r in micro_batches)  # text rows too: the text terms fit
     model = _fit(tmp_path / "PROFILE.jsonl", tmp_path / "COST.json")
     assert model.micro_batch_overhead_s + sum(model.coefficients.values()) > 0
+
+
+@pytest.mark.parametrize("preset", ["llava-onevision-tiny-small-vocab", "internvl3.5-tiny-small-vocab"])
+def test_a_composed_family_profiles_the_images_its_processor_plans(tmp_path, preset):
+    """The sweep's designed images go through the family's own processor (LLaVA-OneVision's anyres squares, or a
+    padded square each where two share a sample, with their sizes for the packing; InternVL's tiles, between its
+    ``<img>`` markers) and train: the sweep used to write Qwen's smart-resized grids and stopped these families
+    at its first row."""
+    records = _profile(preset, tmp_path / "PROFILE.jsonl", steps=3)
+    micro_batches = [r for r in records if r["kind"] == "micro_batch"]
+    with_images = [r for r in micro_batches if r["features"]["n_img"] > 0]
+    side = load_run_config(preset).model.vision.image_size // load_run_config(preset).model.vision.patch_size
+    patches = {p for r in with_images for s in r["samples"] for p in s["patches"]}
+    print(f"\n{preset}: {len(with_images)} of {len(micro_batches)} micro-batches with images, patches per image "
+          f"{sorted(patches)}")
+    assert with_images and len(with_images) < len(micro_batches)
+    assert all(p % (side * side) == 0 for p in patches)  # whole squares (tiles, crops) of the tower's side
