@@ -81,9 +81,9 @@ class ChatFormat:
 
     turn_start: str
     turn_end: str
-    image_block: str  # one image in the text, holding a single image pad token ("" : no images)
-    video_block: str
     jinja_template: str  # the same format for ``tokenizer.apply_chat_template``
+    image_block: str = ""  # one image in the text, holding a single image pad token ("": no images)
+    video_block: str = ""  # one video in the text, holding a single video pad token ("": no videos)
     role_end: str = "\n"  # between the role name and the text
     turn_sep: str = "\n"  # after each turn's ``turn_end``
     text_start: str = ""  # before the first turn

@@ -104,8 +104,6 @@ LLAMA3_TEMPLATE = (
 CHATML = ChatFormat(
     turn_start="<|im_start|>",
     turn_end="<|im_end|>",
-    image_block="",
-    video_block="",
     jinja_template=CHATML_TEXT_TEMPLATE,
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
 )
@@ -115,8 +113,6 @@ QWEN3 = replace(CHATML, jinja_template=QWEN3_TEMPLATE, default_system_prompt=Non
 LLAMA3 = ChatFormat(
     turn_start="<|start_header_id|>",
     turn_end="<|eot_id|>",
-    image_block="",
-    video_block="",
     jinja_template=LLAMA3_TEMPLATE,
     role_end="<|end_header_id|>\n\n",
     turn_sep="",
@@ -144,8 +140,6 @@ DEEPSEEK_V3_TEMPLATE = (
 DEEPSEEK_V3 = ChatFormat(
     turn_start="",
     turn_end=_DEEPSEEK_EOS,
-    image_block="",
-    video_block="",
     jinja_template=DEEPSEEK_V3_TEMPLATE,
     role_end="",
     turn_sep="",
