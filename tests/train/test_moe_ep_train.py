@@ -2,12 +2,13 @@
 load-balancing loss on), logging its balance loss and tokens per expert each step.
 
 Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 experts split over two
-data-parallel ranks (EP 2), over EP 2 x TP 2 (sequence parallel, expert TP 1) and over EP 2 x PP 2
-(rows padded to the full sequence, padding kept out of the routing statistics) gives the per-step
-losses, grad norms and load-balancing losses of EP 1 (same data, same initial weights) to 3e-7 over 5
-steps, and the same Adam moments and weights (1.5e-6); EP 2 x TP 2 cut back to step 1 and resumed is bit-identical; HF
-weights go into an EP-2 run and come back out of its checkpoint bit-exact. Each run is validated on the
-Alpaca demo after its last step: every layout gives EP 1's validation loss."""
+data-parallel ranks (EP 2) beside TP 2 (sequence parallel, expert TP 1) and beside PP 2 (rows padded to
+the full sequence, padding kept out of the routing statistics; each stage's two ranks are EP 2 over DP 2,
+as a 2-rank EP 2 job of its own was) gives the per-step losses, grad norms and load-balancing losses of
+EP 1 (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam moments and weights
+(1.5e-6); EP 2 x TP 2 cut back to step 1 and resumed is bit-identical; HF weights go into an EP-2 run
+and come back out of its checkpoint bit-exact. Each run is validated on the Alpaca demo after its last
+step: every layout gives EP 1's validation loss."""
 
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from tests.train.conftest import (
 )
 
 PRESET = "qwen3-moe-tiny-small-vocab"
-# About 3x the worst measured over ep2, ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
+# About 3x the worst measured over ep2 (a job of its own then), ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
 # losses and grad norms 3.5e-8, load-balancing losses 1.2e-7; Adam moments 5.0e-7, weights 3.1e-7.
 REL = 3e-7
 STATE_REL = 1.5e-6
@@ -51,7 +52,6 @@ OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "checkpoint.save
 EP2 = ("parallel.expert_model_parallel_size=2",)
 LAYOUTS = {
     "ep1": ((), 2),
-    "ep2": (EP2, 2),
     "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                  "parallel.expert_tensor_parallel_size=1"), 4),
     # Two pipeline stages of one MoE layer each; rows padded to the full sequence there.
@@ -84,7 +84,7 @@ def test_moe_run_learns_and_logs_its_experts(runs):
     assert f"experts max/mean {load[-1]:.2f}" in (run / "console.txt").read_text()
 
 
-@pytest.mark.parametrize("layout", ["ep2", "ep2-tp2", "ep2-pp2"])
+@pytest.mark.parametrize("layout", ["ep2-tp2", "ep2-pp2"])
 def test_expert_layout_trains_like_one_expert_group(runs, layout):
     run, reference = runs[layout], runs["ep1"]
     assert len(losses(reference)) == STEPS
@@ -125,11 +125,11 @@ def test_ep2_tp2_resumed_from_step_1_is_bit_identical(runs, tmp_path):
 
 
 def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
-    """The EP-2 run's checkpoint as HF (one tensor per expert), loaded into a new EP-2 run
+    """The EP-2 x PP-2 run's checkpoint as HF (one tensor per expert), loaded into a new EP-2 run
     (``checkpoint.load_hf``: each rank its experts), saved after a step at learning rate 0 and
     converted back: every tensor equal."""
     hf = tmp_path / "hf"
-    mcore_to_hf(final_checkpoint(runs["ep2"]), hf, progress=False)
+    mcore_to_hf(final_checkpoint(runs["ep2-pp2"]), hf, progress=False)
     start = hf_tensors(hf)
     assert any(".mlp.experts.7." in key for key in start)  # the second EP rank's last expert
     from_hf = tmp_path / "from_hf"
@@ -145,11 +145,11 @@ def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
 
 def test_resuming_at_another_expert_parallel_size_is_refused_in_one_line(runs, tmp_path):
     """megatron-core's optimizer state under EP > 1 is chained per kind of parameter: it does not
-    load at another EP size, so the run stops before training with what to do instead. The EP-2 run
-    resumed by one process (EP 1): a single forked process, where EP 1's checkpoint resumed at EP 2 took a
+    load at another EP size, so the run stops before training with what to do instead. The EP-2 x TP-2
+    run resumed by one process (EP 1, TP 1: TP alone would reshard): a single forked process, where EP 1's checkpoint resumed at EP 2 took a
     launcher and two fresh interpreters (13 s) for the same check (saved EP against running EP)."""
     moved = tmp_path / "moved"
-    shutil.copytree(runs["ep2"], moved)
+    shutil.copytree(runs["ep2-tp2"], moved)
     proc = run_train(moved, *OPTIONS, nproc=1, resume=True, expect_ok=False, preset=PRESET)
     assert proc.returncode == 2, proc.stderr[-3000:]
     saved = final_checkpoint(moved)
