@@ -142,10 +142,10 @@ def _private_bytes() -> int:
     return 0
 
 
-def _launch(reader: str, data: Path, cache: Path, preset: str, dp: int, gbs: int) -> list[dict]:
+def _launch(reader: str, data: Path, cache: Path, preset: str, dp: int, gbs: int, start_method: str) -> list[dict]:
     launched = time.time()
     results = run_spawned(_rank_main, [(reader, str(data), str(cache), preset, r, dp, gbs, launched) for r in range(dp)],
-                          what="bench data")
+                          what="bench data", start_method=start_method)
     return sorted(results, key=lambda r: r["rank"])
 
 
@@ -153,8 +153,10 @@ def _launch(reader: str, data: Path, cache: Path, preset: str, dp: int, gbs: int
 
 
 def run_data_bench(root: Path, work: Path, *, sizes: tuple[int, ...], baseline_max: int, preset: str, dp: int,
-                   global_batch_size: int, on_progress: Optional[Callable[[str], None]] = None) -> DataBench:
-    """``baseline_max``: the largest size the in-memory reader is run at (it needs RAM ~ the data)."""
+                   global_batch_size: int, on_progress: Optional[Callable[[str], None]] = None,
+                   start_method: str = "spawn") -> DataBench:
+    """``baseline_max``: the largest size the in-memory reader is run at (it needs RAM ~ the data).
+    ``start_method``: how the measuring processes start (``run_spawned``'s test hook)."""
     say = on_progress or (lambda message: None)
     bench = DataBench(preset=preset, dp=dp, global_batch_size=global_batch_size, rows=[], reader_rows=[])
     work.mkdir(parents=True, exist_ok=True)
@@ -165,7 +167,7 @@ def run_data_bench(root: Path, work: Path, *, sizes: tuple[int, ...], baseline_m
         baseline = size <= baseline_max
         for reader, state in [("arrow", "cold"), ("arrow", "warm")] + [("in-memory", "-")] * baseline:
             say(f"{reader} reader{'' if state == '-' else f', {state} cache'}, {size:,} samples, {dp} ranks")
-            results = _launch(reader, data, cache, preset, dp, global_batch_size)
+            results = _launch(reader, data, cache, preset, dp, global_batch_size, start_method)
             bench.rows.append(DataBenchRow(
                 reader=reader, cache=state, samples=size, input_bytes=input_bytes,
                 first_step_s=max(r["first_step_s"] for r in results), open_s=max(r["open_s"] for r in results),
@@ -176,7 +178,8 @@ def run_data_bench(root: Path, work: Path, *, sizes: tuple[int, ...], baseline_m
         _check_same_first_steps([r for r in bench.rows if r.samples == size])
         for reader in ["arrow"] + ["in-memory"] * baseline:
             say(f"{reader} reader alone, {size:,} samples, {_READ_PROBES:,} random reads")
-            (result,) = run_spawned(reader_main, [(reader, str(data), str(cache), _READ_PROBES)], what="bench data")
+            (result,) = run_spawned(reader_main, [(reader, str(data), str(cache), _READ_PROBES)], what="bench data",
+                                    start_method=start_method)
             bench.reader_rows.append(ReaderRow(reader=reader, samples=size, **result))
         data.unlink()
         shutil.rmtree(cache, ignore_errors=True)

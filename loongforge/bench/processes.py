@@ -15,13 +15,16 @@ from loongforge.parallel.console import quiet_process
 _POLL_S = 2.0
 
 
-def run_spawned(target: Callable, argument_lists: list[tuple], *, what: str, on_cuda: bool = False) -> list:
+def run_spawned(target: Callable, argument_lists: list[tuple], *, what: str, on_cuda: bool = False,
+                start_method: str = "spawn") -> list:
     """One fresh process per argument tuple, started together, each running ``target(queue,
     *arguments)`` (a module-level function) and putting exactly one result on the queue; the results
     in the order they came. A process that exits without its result (a crash, a failed collective)
     is a RuntimeError naming ``what`` and its exit code; the others are stopped. ``on_cuda``: the
-    processes compute on CUDA (the console then shows megatron's fallback notices)."""
-    context = multiprocessing.get_context("spawn")
+    processes compute on CUDA (the console then shows megatron's fallback notices). ``start_method``:
+    a test's hook ("forkserver": forked from this process's preloaded fork server, ``parallel.fork_server``,
+    so a test pays no interpreter start per process; their memory figures are then not their own)."""
+    context = multiprocessing.get_context(start_method)
     results_queue = context.Queue()
     processes = [quiet_process(context, target, arguments, inherited=(results_queue,), on_cuda=on_cuda)
                  for arguments in argument_lists]

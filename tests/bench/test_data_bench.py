@@ -1,5 +1,7 @@
 """bench data at a small size: real rank processes for both readers, the same first step from each,
-and a report that names its command and ratios."""
+and a report that names its command and ratios. The processes are forked from the tests' fork server
+(``start_method="forkserver"``): eight spawned interpreters importing torch were most of the test's time;
+``run_spawned``'s spawned processes are tests/bench/test_processes.py's."""
 
 import json
 from dataclasses import replace
@@ -7,6 +9,8 @@ from dataclasses import replace
 import pytest
 
 from loongforge.bench.data import _check_same_first_steps, chat_pool, plot, report, run_data_bench, write_inputs
+from loongforge.parallel import fork_server
+from tests.models.helpers import WORKER_PRELOAD
 from tests.shared_data import SHARED_DATA
 
 
@@ -25,8 +29,9 @@ def test_inputs_are_real_chats_with_real_image_paths(tmp_path):
 
 
 def test_both_readers_start_the_same_first_step(tmp_path):
+    fork_server.ensure(WORKER_PRELOAD)  # the session's, as run_workers starts it
     bench = run_data_bench(SHARED_DATA, tmp_path / "work", sizes=(500,), baseline_max=500, preset="qwen2.5vl-tiny",
-                           dp=2, global_batch_size=4)
+                           dp=2, global_batch_size=4, start_method="forkserver")
     assert [(r.reader, r.cache) for r in bench.rows] == [("arrow", "cold"), ("arrow", "warm"), ("in-memory", "-")]
     assert all(r.peak_rss_bytes > 100 * 2**20 and r.first_step_s > 0 for r in bench.rows)
     assert bench.rows[0].cache_bytes > bench.rows[0].input_bytes // 2 and bench.rows[2].cache_bytes == 0
