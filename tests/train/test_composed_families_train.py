@@ -35,8 +35,9 @@ FAMILIES = {
 }
 # Adam's epsilon at 1e-6 as in tests/train/test_qwen3_vl_train.py (a gradient element zero up to rounding
 # then moves by lr times a sign set by the summation order).
+# 2 steps (the second after an update), as the other layout proofs (docs/testing.md).
 OPTIONS = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024",
-           "optimizer.adam_eps=1e-6", SAVE_AT_END)
+           "optimizer.adam_eps=1e-6", "training.train_steps=2", SAVE_AT_END)
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
