@@ -6,8 +6,10 @@ data-parallel ranks (EP 2) beside TP 2 (sequence parallel, expert TP 1) and besi
 the full sequence, padding kept out of the routing statistics; each stage's two ranks are EP 2 over DP 2,
 as a 2-rank EP 2 job of its own was) gives the per-step losses, grad norms and load-balancing losses of
 EP 1 (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam moments and weights
-(1.5e-6); EP 2 x TP 2 cut back to step 1 and resumed is bit-identical; HF weights go into an EP-2 run
-and come back out of its checkpoint bit-exact. Each run is validated on the Alpaca demo after its last
+(1.5e-6); HF weights go into an EP-2 run and come back out of its checkpoint bit-exact. An EP 2 x TP 2
+checkpoint (expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout
+with the expert bias's state besides: this module's own resume of it was a 4-rank launch for the same
+sharding of the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
 step: every layout gives EP 1's validation loss."""
 
 from __future__ import annotations
@@ -29,7 +31,6 @@ from tests.train.conftest import (
     grad_norms,
     hf_tensors,
     losses,
-    resume_from_copy,
     run_train,
     step_metric,
     validation_losses,
@@ -42,11 +43,10 @@ PRESET = "qwen3-moe-tiny-small-vocab"
 REL = 3e-7
 STATE_REL = 1.5e-6
 STEPS = 2
-RESUME_STEP = 1
-# 2 steps of 4 rows of 256 tokens; a checkpoint every step (1) and at the end (2). A balance
+# 2 steps of 4 rows of 256 tokens; a checkpoint at the end (compared; the refusal resumes it). A balance
 # coefficient large enough that its gradient counts; Adam's epsilon as the other layout tests use.
 # Validated after the last step on real text (validation leaves training as it is: issue 32).
-OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "checkpoint.save_interval=1", SAVE_AT_END,
+OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", SAVE_AT_END,
            "model.language.moe.aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
            f"data.valid_paths=[alpaca={SHARED_DATA / 'llamafactory' / 'alpaca_en_demo.json'}]", "training.eval_iters=1")
 EP2 = ("parallel.expert_model_parallel_size=2",)
@@ -110,18 +110,6 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
           f"{worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e}, "
           f"weights {weights[worst_weight]:.1e} (worst relative difference)")
     assert weights[worst_weight] <= STATE_REL, (worst_weight, weights[worst_weight])
-
-
-def test_ep2_tp2_resumed_from_step_1_is_bit_identical(runs, tmp_path):
-    uninterrupted = runs["ep2-tp2"]
-    resumed = tmp_path / "resumed"
-    extra, nproc = LAYOUTS["ep2-tp2"]
-    resume_from_copy(uninterrupted, resumed, RESUME_STEP, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    assert losses(resumed) == losses(uninterrupted)
-    assert grad_norms(resumed) == grad_norms(uninterrupted)
-    differences = checkpoint_differences(resumed, uninterrupted)
-    assert any(".experts." in key for key in differences)
-    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
 
 
 def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
