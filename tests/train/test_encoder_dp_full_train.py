@@ -150,8 +150,8 @@ def test_full_trains_like_none_with_balancing_on_packed_rows(tmp_path):
     # micro-batches. none is handed that quarter-priced model itself, so both train the very same
     # micro-batches: otherwise the language model's gradients are summed in another order (1e-7
     # relative), which Adam amplifies in biases that start at 0 (beyond the weights' bound, as noted
-    # at seq_len 2048; at 512, measured: the language qkv bias ends 4.5e-5 apart, bound 1e-4, and
-    # as far from a none run without balancing).
+    # at seq_len 2048; at 512, measured: the language qkv bias ends 4.5e-5 apart over the default order's 3
+    # steps, 3.7e-6 over these 2, bound 1e-4, and as far from a none run without balancing).
     # At DP 1 every plan scores max/LB 1 up to rounding, so a step is re-planned only where rounding
     # puts the arrival order above 1 (at least one of the 2 steps in both runs, asserted below).
     # data.seed=2: the first step is the one re-planned in both runs (measured; in the default order it
