@@ -185,6 +185,81 @@ def test_pipelines_resumed_at_another_dp_size_train_the_epoch_once(tokenizer, tm
     assert first_epoch == list(range(40))
 
 
+def _recorded_when_made(pipeline, made: list) -> DataPipeline:
+    """Append, per step the pipeline makes (in its loader thread when it prefetches), the (epoch,
+    sample id) of its rows' samples: the first N entries are the N steps handed out, the rest were
+    made ahead and dropped (a save keeps the position after the last step handed out)."""
+    produce, next_row = pipeline._produce_step, pipeline.stream.next_row
+
+    def recording_next_row():
+        row = next_row()
+        made[-1].extend((item.key[0], item.payload.sample_id) for item in row)
+        return row
+
+    def producing():
+        made.append([])
+        return produce()
+
+    pipeline.stream.next_row, pipeline._produce_step = recording_next_row, producing
+    return pipeline
+
+
+STREAMED_REJECTED = (10, 55, 99)  # malformed lines among the 120 conversations
+
+
+@pytest.mark.parametrize("old, new", [(2, 4), (4, 2)])
+def test_streamed_resize_as_run_trains_the_epoch_once(tokenizer, tmp_path, old, new):
+    # The worry "streamed epochs may double count a few buffered records after a DP resize", as a
+    # user runs it: a loader thread making steps ahead (num_workers=1; the steps made past the save
+    # are dropped), the packer holding up to 32 positions (DataPipeline's lookahead), the save
+    # mid-epoch inside a shuffle window of 16 (at DP 4 the shards stand in epoch 1, epoch 0 records
+    # still buffered), rejects among the records. Conversations only: measuring a text document
+    # (split_special_tokens=True) leaves that switch set on the tokenizer, so the loader threads of
+    # pipelines sharing one tokenizer in one process would race over documents (a rank has its own).
+    path = write_conversations(tmp_path / "chats.jsonl", 120)
+    lines = path.read_text().splitlines()
+    for line in STREAMED_REJECTED:
+        lines[line] = '{"messages": ['
+    path.write_text("\n".join(lines) + "\n")
+    data = {**_streamed(path), "shuffle_window": 16, "num_workers": 1, "seq_len": 256}
+    made_before, made_after = [[] for _ in range(old)], [[] for _ in range(new)]
+    before = [_recorded_when_made(_sharded(tokenizer, r, old, **data), made_before[r]) for r in range(old)]
+    for _ in range(2):
+        for pipeline in before:
+            pipeline.next_step()
+    saved = [json.loads(json.dumps(p.state_dict())) for p in before]
+    for pipeline in before:
+        pipeline.close()  # the loader thread's steps made ahead are dropped
+    positions = [(s["stream"]["epoch"], s["stream"]["cursor"], len(s["stream"]["buffer"])) for s in saved]
+    assert all(len(made) > 2 for made in made_before), "the loader thread made no step ahead"
+    assert all(buffered for _, _, buffered in positions) and any(cursor % 16 for _, cursor, _ in positions)
+    last = max(epoch for epoch, _, _ in positions)  # each shard's epoch, up to this one, to finish
+    after = [_recorded_when_made(_sharded(tokenizer, r, new, **data), made_after[r]) for r in range(new)]
+    for rank, pipeline in enumerate(after):
+        pipeline.load_state_dict(saved[rank % old], saved_states=lambda: saved)
+    steps = 0
+    while any(s["dealt"] or s["epoch"] <= last or any(e <= last for e, *_ in s["buffer"])
+              for s in (p.state_dict()["stream"] for p in after)):
+        for pipeline in after:
+            pipeline.next_step()
+        steps += 1
+    rejects = [p.state_dict()["rejects"] for p in after]
+    for pipeline in after:
+        pipeline.close()
+    trained = [key for made in made_before for step in made[:2] for key in step]
+    trained += [key for made in made_after for step in made[:steps] for key in step]
+    epochs = [sorted(sid for e, sid in trained if e == epoch) for epoch in range(last + 1)]
+    expected = sorted(f"{path}[{i}]" for i in range(120) if i not in STREAMED_REJECTED)
+    union = merged_rejects(rejects)["counts"]
+    print(f"\nstreamed DP {old} -> {new}, loader thread, window 16: saved (epoch, cursor, buffered) {positions}, "
+          f"{sum(len(m) - 2 for m in made_before)} steps made ahead dropped; " + "; ".join(
+              f"epoch {e}: {len(ids)} trained, {len(set(ids))} distinct, {len(expected)} expected"
+              for e, ids in enumerate(epochs)) + f"; rejects {union} (3 expected)")
+    assert epochs == [expected] * (last + 1)
+    assert union == {"malformed_json": len(STREAMED_REJECTED)}
+    assert all(sum(r["counts"].values()) <= len(STREAMED_REJECTED) for r in rejects)
+
+
 def test_a_position_saved_without_shards_resumes_only_at_its_dp_size(tokenizer):
     old = _sharded(tokenizer, 1, 2)
     old.next_step()
