@@ -26,7 +26,7 @@ from typing import Optional
 from tqdm import tqdm
 
 from loongforge.bench.datasets import resolve_data_root
-from loongforge.bench.train_grid import REQUIRED, coco_chats, run_metrics
+from loongforge.bench.train_grid import REQUIRED, BenchSettings, coco_chats, run_metrics
 from loongforge.data.embedding_store import ENCODER_FILE, RUNS_FILE
 
 PRESET = "qwen2.5vl-tiny-vit"
@@ -37,13 +37,10 @@ ENCODES = (("fp32, 1 process", 1, "fp32"), ("fp32, 2 processes", 2, "fp32"), ("b
 
 
 @dataclass(frozen=True)
-class EncodeBenchSettings:
+class EncodeBenchSettings(BenchSettings):
+    """The training grid's row settings, and how many chats to encode and train on."""
+
     samples: int = 32
-    images_per_sample: int = 2
-    seq_len: int = 1152
-    steps: int = 4
-    warmup_steps: int = 1
-    micro_batches: int = 2
 
 
 @dataclass
