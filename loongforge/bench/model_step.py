@@ -115,11 +115,10 @@ def design_row(cfg: RunConfig, opts: ModelBenchOptions, source: SweepSource) -> 
     """[(text tokens, [(height, width) image size in pixels]), ...]: ``samples`` samples of equal total length,
     each image as the family's processor plans it (``source``: the sweep's row builder)."""
     per_sample = opts.tokens // opts.samples
+    if not opts.image_sizes or cfg.model.vision is None:
+        return [(per_sample, [])] * opts.samples
     row = []
     for i in range(opts.samples):
-        if not opts.image_sizes or cfg.model.vision is None:
-            row.append((per_sample, []))
-            continue
         width, height = opts.image_sizes[i % len(opts.image_sizes)]
         image_tokens = source.image_tokens((height, width), 1)
         if image_tokens + MIN_TEXT_TOKENS > per_sample:

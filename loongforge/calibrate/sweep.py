@@ -110,12 +110,12 @@ class SweepDesign:
             count = int(rng.integers(1, 3)) if single else 1
             size = fitting[int(rng.integers(len(fitting)))]
             # A processor may plan an image differently when it shares its sample (LLaVA-OneVision).
-            if count > 1 and count * self.image_tokens(size, count) + MIN_LENGTH > room:
-                count = 1
-            text_room = room - count * self.image_tokens(size, count)
-            text = int(rng.choice([L for L in self.lengths if L <= text_room] or [MIN_LENGTH]))
+            image_tokens = count * self.image_tokens(size, count)
+            if count > 1 and image_tokens + MIN_LENGTH > room:
+                count, image_tokens = 1, self.image_tokens(size, 1)
+            text = int(rng.choice([L for L in self.lengths if L <= room - image_tokens] or [MIN_LENGTH]))
             row.append((text, [size] * count))
-            room -= text + count * self.image_tokens(size, count)
+            room -= text + image_tokens
         if not single and room >= MIN_LENGTH:
             row.append((int(rng.choice([L for L in self.lengths if L <= room])), []))
         return row or [(MIN_LENGTH, [])]

@@ -17,6 +17,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Optional
 
+from loongforge.config.moved_keys import move_into_section
+
 LANGUAGE_KEY = "model.language"
 LAYER_TYPES = ("full_attention", "linear_attention")
 
@@ -221,17 +223,12 @@ MOVED_TO_MOE = {
 
 def move_flat_expert_keys(language: dict) -> list[str]:
     """A ``model.language`` tree with the expert keys written flat, as before the ``moe`` section (a saved
-    config.yaml, an old override), changed in place to the section (a flat key wins over the section's, as
-    the later setting); one line per moved key, for the reader. ``num_experts: 0`` was a dense model: the
-    section is null and the other flat keys (at their defaults in a saved config) go with it."""
-    flat = {key: language.pop(key) for key in list(language) if key in MOVED_TO_MOE}
-    if not flat:
-        return []
-    if "num_experts" in flat and not flat["num_experts"]:
+    config.yaml, an old override), changed in place to the section; one line per moved key, for the reader.
+    ``num_experts: 0`` was a dense model: the section is null and the other flat keys (at their defaults in a
+    saved config) go with it, in one line."""
+    if "num_experts" in language and not language["num_experts"]:
+        others = [language.pop(key) for key in MOVED_TO_MOE if key in language]
         language["moe"] = None
-        return [f"{LANGUAGE_KEY}.num_experts=0 (with {len(flat) - 1} other flat expert keys) is now "
+        return [f"{LANGUAGE_KEY}.num_experts=0 (with {len(others) - 1} other flat expert keys) is now "
                 f"{MoEConfig.KEY}: null (a dense model); read so."]
-    section = language.get("moe")
-    language["moe"] = {**(section if isinstance(section, dict) else {}),
-                       **{MOVED_TO_MOE[key]: value for key, value in flat.items()}}
-    return [f"{LANGUAGE_KEY}.{key} is now {MoEConfig.KEY}.{MOVED_TO_MOE[key]}; read so." for key in flat]
+    return move_into_section(language, LANGUAGE_KEY, MOVED_TO_MOE, "moe", built=lambda flat: True)

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from loongforge.config.moved_keys import move_into_section
+
 VISION_KEY = "model.vision"
 
 
@@ -77,35 +79,16 @@ class AnyresConfig:
         return errors
 
 
+# Keys of model.vision that moved into a section: old flat name -> name in the section.
+MOVED_TO_WINDOW = {"window_size": "size", "fullatt_block_indexes": "fullatt_block_indexes"}
+MOVED_TO_ANYRES = {"anyres_pinpoints": "pinpoints", "anyres_max_crops": "max_crops"}
+
+
 def move_flat_vision_keys(vision: dict) -> list[str]:
     """A ``model.vision`` tree with the window and anyres keys written flat, as before their sections (a saved
     config.yaml, an old override), changed in place to the sections; one line per moved key. A null
     ``window_size`` or an empty ``anyres_pinpoints`` was "not built": that section is null."""
-    notes = []
-    window = {key: vision.pop(key) for key in ("window_size", "fullatt_block_indexes") if key in vision}
-    if window:
-        notes += _moved(window, {"window_size": "size", "fullatt_block_indexes": "fullatt_block_indexes"},
-                        WindowAttentionConfig.KEY)
-        built = window.get("window_size", 112) is not None
-        vision["window"] = ({**_section(vision.get("window")), **_renamed(window, {"window_size": "size"})}
-                            if built else None)
-    anyres = {key: vision.pop(key) for key in ("anyres_pinpoints", "anyres_max_crops") if key in vision}
-    if anyres:
-        notes += _moved(anyres, {"anyres_pinpoints": "pinpoints", "anyres_max_crops": "max_crops"}, AnyresConfig.KEY)
-        built = bool(anyres.get("anyres_pinpoints", True))
-        vision["anyres"] = ({**_section(vision.get("anyres")),
-                             **_renamed(anyres, {"anyres_pinpoints": "pinpoints", "anyres_max_crops": "max_crops"})}
-                            if built else None)
-    return notes
-
-
-def _section(value) -> dict:
-    return value if isinstance(value, dict) else {}
-
-
-def _renamed(flat: dict, names: dict) -> dict:
-    return {names.get(key, key): value for key, value in flat.items()}
-
-
-def _moved(flat: dict, names: dict, section_key: str) -> list[str]:
-    return [f"{VISION_KEY}.{key} is now {section_key}.{names[key]}; read so." for key in flat]
+    return (move_into_section(vision, VISION_KEY, MOVED_TO_WINDOW, "window",
+                              built=lambda flat: flat.get("window_size", 112) is not None)
+            + move_into_section(vision, VISION_KEY, MOVED_TO_ANYRES, "anyres",
+                                built=lambda flat: bool(flat.get("anyres_pinpoints", True))))
