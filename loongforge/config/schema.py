@@ -105,9 +105,12 @@ class LanguageConfig:
     head_dim: Optional[int] = None
     # RMSNorm over each head's query and key before RoPE (Qwen3).
     qk_norm: bool = False
-    # Llama 3.x RoPE frequency scaling (its factor; low/high frequency factors 1 and 4, original
-    # context 8192); null: none.
+    # RoPE scaling's factor (null: none), applied as ``rope_scaling_type`` says: "llama3", Llama 3.x's
+    # frequency scaling (low/high frequency factors 1 and 4, original context 8192), at every length;
+    # "dynamic", NTK-aware base growth past max_position_embeddings only (InternVL2.5's Qwen2.5 decoders
+    # state it): plain RoPE at every length a run trains (data.seq_len <= max_position_embeddings).
     rope_scaling_factor: Optional[float] = None
+    rope_scaling_type: str = "llama3"
     # Routed experts in place of the dense MLP (its own section: experts, router, shared expert, leading
     # dense layers); null: a dense model (the SwiGLU MLP of ffn_hidden_size in every layer).
     moe: Optional[MoEConfig] = None

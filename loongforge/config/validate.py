@@ -55,6 +55,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "parallel.encoder_dp": ("none", "tp", "full"),
     "parallel.context_parallel_comm": ("auto", "p2p", "all_gather", "a2a", "a2a+p2p"),
     "model.vision.norm": ("rms", "layer"),
+    "model.language.rope_scaling_type": ("llama3", "dynamic"),
 }
 
 # Numbers that must be >= 1 (sizes, counts) and >= 0 (rates, intervals).
@@ -358,6 +359,12 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
         errors.append(f"model.language.partial_rotary_factor={language.partial_rotary_factor} must be in (0, 1] "
                       f"and rotate an even number of the head's {head_dim} channels.")
         return errors
+    dynamic_rope = language.rope_scaling_factor is not None and language.rope_scaling_type == "dynamic"
+    if dynamic_rope and cfg.data.seq_len > language.max_position_embeddings:
+        errors.append(f"data.seq_len={cfg.data.seq_len} is past model.language.max_position_embeddings="
+                      f"{language.max_position_embeddings}, where dynamic RoPE scaling would grow the base per "
+                      f"length; loongforge trains plain RoPE up to it: set data.seq_len <= "
+                      f"{language.max_position_embeddings}.")
     section = language.mrope_section
     if cfg.model.vision is None:
         # A text-only model: 1-D RoPE, positions from the token order.

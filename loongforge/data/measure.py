@@ -122,6 +122,7 @@ class SampleMeasurer:
             [self.tokens.image_token_id, self.tokens.video_token_id, self.tokens.vision_start_token_id,
              self.tokens.vision_end_token_id]
         )
+        self.vocab_size = model_cfg.language.vocab_size
         check_token_ids(tokenizer, data_cfg, model_cfg, self.chat)
         self.document_start_ids, self.document_end_id = document_marker_ids(tokenizer, data_cfg, self.chat)
 
@@ -145,6 +146,11 @@ class SampleMeasurer:
             return Reject.of(sample, "media_mismatch", str(error))
         # Vision markers are inputs, never targets, even if a placeholder sat in an answer.
         is_answer &= ~np.isin(input_ids, self.vision_token_ids)
+        if len(input_ids) and input_ids.max() >= self.vocab_size:
+            token_id = int(input_ids.max())
+            return Reject.of(sample, "beyond_vocabulary",
+                             f"{self.tokenizer.convert_ids_to_tokens(token_id)} (id {token_id}) is in the text, but "
+                             f"model.language.vocab_size={self.vocab_size} gives it no embedding row")
         if len(input_ids) > self.data_cfg.seq_len:
             return Reject.of(sample, "too_long",
                              f"{len(input_ids)} tokens > data.seq_len={self.data_cfg.seq_len}")
@@ -303,10 +309,22 @@ def check_token_ids(tokenizer, data_cfg: DataConfig, model_cfg: ModelConfig, cha
                 raise ValueError(f"data.tokenizer={data_cfg.tokenizer} splits {marker}, a marker of the "
                                  f"model's chat format, into {pieces} tokens; set data.tokenizer to the "
                                  f"model's own tokenizer")
-    if len(tokenizer) > model_cfg.language.vocab_size:
-        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} has {len(tokenizer)} ids but "
+    needed = _largest_written_id(tokenizer, chat) + 1
+    if needed > model_cfg.language.vocab_size:
+        raise ValueError(f"data.tokenizer={data_cfg.tokenizer} writes ids up to {needed - 1} but "
                          f"model.language.vocab_size={model_cfg.language.vocab_size}; use the model's "
-                         f"own tokenizer or a vocabulary of at least {len(tokenizer)}")
+                         f"own tokenizer or a vocabulary of at least {needed}")
+
+
+def _largest_written_id(tokenizer, chat: ChatFormat) -> int:
+    """The largest id plain text or the format can write: every token but the special ones the format never
+    writes. Those may lie past the embedding, as InternVL2.5's ``<video>`` (id 151674, its processor's
+    attribute, past the 151,674 rows it has): a text typing one is a sample's reject (``beyond_vocabulary``),
+    not the run's."""
+    written = {*chat.markers, chat.document_end, *(token for token, _ in chat.vision_tokens)}
+    unwritten = {token_id for token_id, added in tokenizer.added_tokens_decoder.items()
+                 if added.special and added.content not in written}
+    return next(token_id for token_id in range(len(tokenizer) - 1, -1, -1) if token_id not in unwritten)
 
 
 def document_marker_ids(tokenizer, data_cfg: DataConfig, chat: ChatFormat) -> tuple[list[int], int]:

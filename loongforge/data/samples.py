@@ -21,6 +21,7 @@ REJECT_REASONS = (
     "missing_embedding",  # data.vision_embeddings holds no stored features for one of its media
     "media_in_text_model",  # an image or video for a model without a vision tower
     "video_in_image_model",  # a video for a model whose processor takes images only (InternVL's frames)
+    "beyond_vocabulary",  # a token of the tokenizer that the model has no embedding row for, typed in the text
 )
 
 

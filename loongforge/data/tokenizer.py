@@ -78,8 +78,9 @@ QWEN2_SPECIAL_TOKENS = (
 QWEN2_SPECIAL_START_ID = 151643
 # Qwen3 (and Qwen3-VL) add these after Qwen2.5's, ids 151665-151668; none is special.
 QWEN3_EXTRA_TOKENS = ("<tool_response>", "</tool_response>", "<think>", "</think>")
-# InternVL3.5's -HF tokenizers add these after Qwen3's (ids 151669-151678): the image markers and
-# context token its processor writes, the grounding tags and the video token.
+# InternVL's -HF tokenizers add these after their language model's (InternVL3.5: after Qwen3's, ids
+# 151669-151678; InternVL2.5: after Qwen2.5's, ids 151665-151674): the image markers and context token its
+# processor writes, the grounding tags and the video token.
 INTERNVL_EXTRA_TOKENS = ("<img>", "</img>", "<IMG_CONTEXT>", "<quad>", "</quad>", "<ref>", "</ref>", "<box>", "</box>",
                          "<video>")
 # The tokenizer attributes transformers' InternVLProcessor reads (``extra_special_tokens``).
@@ -181,6 +182,12 @@ RANKS_TOKENIZERS = {
         special_tokens=QWEN2_SPECIAL_TOKENS + QWEN3_EXTRA_TOKENS + INTERNVL_EXTRA_TOKENS,
         not_special=_QWEN2_NOT_SPECIAL | frozenset(QWEN3_EXTRA_TOKENS),
         eos_token="<|im_end|>", pad_token="<|endoftext|>", named_tokens=INTERNVL_NAMED_TOKENS,
+    ),
+    "internvl2.5": RanksTokenizer(
+        cache_name="internvl2.5", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True, special_tokens=QWEN2_SPECIAL_TOKENS + INTERNVL_EXTRA_TOKENS,
+        not_special=_QWEN2_NOT_SPECIAL, eos_token="<|im_end|>", pad_token="<|endoftext|>",
+        named_tokens=INTERNVL_NAMED_TOKENS,
     ),
     "llava-onevision": RanksTokenizer(
         cache_name="llava-onevision", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,

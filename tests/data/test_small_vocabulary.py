@@ -111,5 +111,5 @@ def test_a_tokenizer_larger_than_the_vocabulary_is_one_clear_error():
 
     cfg = load_run_config("qwen2.5vl-tiny", overrides=["model.language.vocab_size=4224"])
     tokenizer, chat, _ = _preset_tokenizer("qwen2.5vl-tiny")
-    with pytest.raises(ValueError, match=r"data.tokenizer=qwen has 151665 ids but model.language.vocab_size=4224"):
+    with pytest.raises(ValueError, match=r"data.tokenizer=qwen writes ids up to 151664 but model.language.vocab_size=4224"):
         check_token_ids(tokenizer, cfg.data, cfg.model, chat)

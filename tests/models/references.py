@@ -304,9 +304,9 @@ def internvl_model_cfg() -> ModelConfig:
         tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
 
 
-def internvl_hf_model(model_cfg: ModelConfig, seed: int = 0):
+def internvl_hf_model(model_cfg: ModelConfig, seed: int = 0, text_config: Optional[dict] = None):
     """transformers' InternVL of ``internvl_model_cfg``, every parameter drawn at random (layer scales,
-    class token, positions and norms included)."""
+    class token, positions and norms included); ``text_config``: the decoder's, where not Qwen3's."""
     from transformers import InternVLConfig, InternVLForConditionalGeneration
 
     vis, lang = model_cfg.vision, model_cfg.language
@@ -315,17 +315,41 @@ def internvl_hf_model(model_cfg: ModelConfig, seed: int = 0):
                            intermediate_size=vis.intermediate_size, image_size=[vis.image_size] * 2,
                            patch_size=[vis.patch_size] * 2, attention_bias=True, use_qk_norm=False,
                            norm_type="layer_norm", layer_norm_eps=1e-6, use_mean_pooling=True, hidden_act="gelu"),
-        text_config=dict(model_type="qwen3", vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
-                         intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
-                         num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
-                         head_dim=lang.head_dim, rms_norm_eps=1e-6,
-                         rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta},
-                         tie_word_embeddings=False),
+        text_config=text_config or dict(
+            model_type="qwen3", vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
+            intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
+            num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
+            head_dim=lang.head_dim, rms_norm_eps=1e-6, rope_parameters={"rope_type": "default", "rope_theta": lang.rope_theta},
+            tie_word_embeddings=False),
         image_token_id=model_cfg.tokens.image_token_id, downsample_ratio=0.5, projector_hidden_act="gelu",
         tie_word_embeddings=False)
     config._attn_implementation = "eager"
     torch.manual_seed(seed)
     return randomised(InternVLForConditionalGeneration(config).eval())
+
+
+def internvl2_5_model_cfg() -> ModelConfig:
+    """``internvl_model_cfg`` on InternVL2.5's decoder: Qwen2.5 (q/k/v biases, no q/k norm) with the dynamic
+    NTK RoPE scaling its configs state, plain RoPE up to max_position_embeddings."""
+    cfg = internvl_model_cfg()
+    cfg.language = dataclasses.replace(cfg.language, head_dim=None, qk_norm=False, add_qkv_bias=True,
+                                       architecture="Qwen2ForCausalLM", max_position_embeddings=1024,
+                                       rope_scaling_factor=2.0, rope_scaling_type="dynamic")
+    return cfg
+
+
+def internvl2_5_hf_model(model_cfg: ModelConfig, seed: int = 0):
+    """transformers' InternVL of ``internvl2_5_model_cfg`` (a Qwen2 text config with dynamic RoPE), every
+    parameter drawn at random."""
+    lang = model_cfg.language
+    text_config = dict(model_type="qwen2", vocab_size=lang.vocab_size, hidden_size=lang.hidden_size,
+                       intermediate_size=lang.ffn_hidden_size, num_hidden_layers=lang.num_layers,
+                       num_attention_heads=lang.num_attention_heads, num_key_value_heads=lang.num_query_groups,
+                       rms_norm_eps=1e-6, max_position_embeddings=lang.max_position_embeddings,
+                       rope_parameters={"rope_type": "dynamic", "factor": lang.rope_scaling_factor,
+                                        "rope_theta": lang.rope_theta},
+                       tie_word_embeddings=False)
+    return internvl_hf_model(model_cfg, seed, text_config=text_config)
 
 
 def llava_onevision_model_cfg() -> ModelConfig:
@@ -501,6 +525,11 @@ REFERENCES = {
         Reference(name="internvl", model_cfg=internvl_model_cfg, hf_model=internvl_hf_model, build=_build_internvl,
                   sample=_internvl_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
                   preset="internvl3.5-tiny", pp2_layers=4, photo_grid="patch grid [13, 4, 4]"),
+        # InternVL2.5: the same tower on a Qwen2.5 decoder with dynamic RoPE; its own tokenizer and template.
+        Reference(name="internvl2_5", model_cfg=internvl2_5_model_cfg, hf_model=internvl2_5_hf_model,
+                  build=_build_internvl, sample=_internvl_sample, layouts=COMPOSED_LAYOUTS,
+                  packed_media=("one_image", "two_images"), preset="internvl2.5-tiny", pp2_layers=4,
+                  photo_grid="patch grid [13, 4, 4]"),
         # The round trip's folder in shards with an index, as the Hub's are.
         Reference(name="llava_onevision", model_cfg=llava_onevision_model_cfg, hf_model=llava_onevision_hf_model,
                   build=_build_llava_onevision, sample=_llava_onevision_sample, layouts=COMPOSED_LAYOUTS,

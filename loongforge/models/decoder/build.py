@@ -85,7 +85,8 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
         share_embeddings_and_output_weights=lang.tie_word_embeddings,
         position_embedding_type=rope,
         rotary_base=lang.rope_theta,
-        rope_scaling=lang.rope_scaling_factor is not None,
+        # dynamic NTK scaling changes nothing up to max_position_embeddings, the longest row validate allows
+        rope_scaling=lang.rope_scaling_factor is not None and lang.rope_scaling_type == "llama3",
         rope_scaling_factor=lang.rope_scaling_factor or 8.0,
         scatter_embedding_sequence_parallel=not takes_features,
         pg_collection=pgs,

@@ -101,18 +101,20 @@ def architecture_of(cfg: Mapping[str, Any], where: str) -> str:
     raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
 
 
-def _rope_scaling_factor(cfg: Mapping[str, Any], where: str) -> float | None:
+def _rope_scaling(cfg: Mapping[str, Any], where: str) -> dict[str, Any]:
+    """The ``LanguageConfig`` fields of a text config's RoPE scaling (none, llama3 or dynamic NTK)."""
     scaling = cfg.get("rope_scaling") or (cfg.get("rope_parameters") or {})
     kind = scaling.get("rope_type", scaling.get("type", "default"))
     if kind == "default":
-        return None
-    if kind != "llama3":
-        raise InputError(f"{where}: rope_scaling type {kind!r} is not supported; loongforge reads llama3 scaling")
-    for key, expected in _LLAMA3_SCALING.items():
+        return {}
+    if kind not in ("llama3", "dynamic"):
+        raise InputError(f"{where}: rope_scaling type {kind!r} is not supported; loongforge reads llama3 and "
+                         f"dynamic scaling")
+    for key, expected in (_LLAMA3_SCALING.items() if kind == "llama3" else ()):
         if float(scaling.get(key, expected)) != expected:
             raise InputError(f"{where}: rope_scaling.{key}={scaling[key]} but loongforge's llama3 scaling "
                              f"uses {expected}")
-    return float(scaling["factor"])
+    return {"rope_scaling_factor": float(scaling["factor"]), "rope_scaling_type": kind}
 
 
 def _rope_theta(cfg: Mapping[str, Any]) -> float:
@@ -144,7 +146,7 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
         # Qwen3 configs always state it (transformers' Qwen3 default is 128, not hidden/heads).
         head_dim=channels if qk_norm or channels * heads != cfg["hidden_size"] else None,
         qk_norm=qk_norm,
-        rope_scaling_factor=_rope_scaling_factor(cfg, where),
+        **_rope_scaling(cfg, where),
         architecture=name,
         **(experts_from_hf(cfg, where, model="Qwen3-MoE") if experts else {}),
     )
@@ -176,5 +178,6 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     if lang.moe:
         config.update(experts_to_hf(lang))
     if lang.rope_scaling_factor is not None:
-        config["rope_scaling"] = {"rope_type": "llama3", "factor": lang.rope_scaling_factor, **_LLAMA3_SCALING}
+        config["rope_scaling"] = {"rope_type": lang.rope_scaling_type, "factor": lang.rope_scaling_factor,
+                                  **(_LLAMA3_SCALING if lang.rope_scaling_type == "llama3" else {})}
     return config
