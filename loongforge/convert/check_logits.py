@@ -175,7 +175,7 @@ def build_sample(model_cfg: ModelConfig, hf_dir: Path, image: Optional[Path], no
     or the built-in scene). ``notes`` gets a line for each liberty taken with it."""
     family = get_family(model_cfg.family)
     chat_format = family.chat(model_cfg)
-    tokenizer = _tokenizer(hf_dir, family, chat_format, notes)
+    tokenizer = _tokenizer(hf_dir, model_cfg, chat_format, notes)
     data_cfg = DataConfig()
     if family.has_vision:
         measured, description = _measured_vision(model_cfg, tokenizer, data_cfg, image)
@@ -212,15 +212,17 @@ def _measured_vision(model_cfg: ModelConfig, tokenizer, data_cfg: DataConfig,
     return measured, f"chat with one image ({name}, patch grid {list(grid)})"
 
 
-def _tokenizer(hf_dir: Path, family: ModelFamily, chat_format: ChatFormat, notes: list[str]):
-    """SRC's tokenizer when it ships one; else the family's (its tiny preset's ``data.tokenizer``), which
-    loongforge builds offline."""
+def _tokenizer(hf_dir: Path, model_cfg: ModelConfig, chat_format: ChatFormat, notes: list[str]):
+    """SRC's tokenizer when it ships one; else the model's offline build (``ModelFamily.offline_tokenizer``,
+    else the family's tiny preset's ``data.tokenizer``)."""
+    family = get_family(model_cfg.family)
     if (hf_dir / "tokenizer.json").is_file() or (hf_dir / "tokenizer.model").is_file():
         try:
             return load_tokenizer(str(hf_dir))
         except (OSError, ValueError) as error:
             raise InputError(f"{hf_dir}: its tokenizer files cannot be loaded ({error})") from None
-    spec = load_run_config(family.tiny_preset).data.tokenizer
+    spec = (family.offline_tokenizer(model_cfg) if family.offline_tokenizer
+            else load_run_config(family.tiny_preset).data.tokenizer)
     notes.append(f"no tokenizer in SRC: the sample is tokenized with {spec} (loongforge's offline build)")
     return load_tokenizer(spec, chat_format.jinja_template)
 

@@ -233,6 +233,10 @@ class ModelFamily:
     # ModelConfig -> one-line problems (key, value and fix) of what this family's models cannot be, beyond
     # the shared checks (a router transformers' class always renormalises, say)
     config_problems: Callable[[ModelConfig], list[str]] = lambda model_cfg: []
+    # ModelConfig -> the offline tokenizer (a ``data.tokenizer`` name) of that model, what ``convert
+    # --check-logits`` tokenizes with when a folder ships none; None: the tiny preset's. A family whose
+    # versions differ in their tokens says which a config is (InternVL2.5's <IMG_CONTEXT> 151667, 3.5's 151671).
+    offline_tokenizer: Optional[Callable[[ModelConfig], str]] = None
 
     @property
     def has_vision(self) -> bool:

@@ -39,10 +39,10 @@ from tests.data.conftest import LLAMAFACTORY, require
 from tests.shared_data import SHARED_DATA
 
 # Text families are checked at every chat format they have: Qwen3's (llm-tiny) and Llama 3's; and DeepSeek-V3's
-# architecture (with Qwen3's format, as its tiny preset trains).
+# architecture (with Qwen3's format, as its tiny preset trains); InternVL at each version's tokenizer and template.
 # (A composition has no HF export: tests/train/test_composition_train.py.)
 PRESETS = [get_family(name).tiny_preset for name in families() if get_family(name).hf_model_class] + [
-    "llama-tiny", "deepseek-v3-tiny"]
+    "llama-tiny", "deepseek-v3-tiny", "internvl2.5-tiny"]
 
 
 @dataclass

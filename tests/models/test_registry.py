@@ -21,8 +21,8 @@ from loongforge.models.qwen2_5_vl.model import build_model
 _VALUES = {"name": str, "hf_architectures": tuple, "hf_model_types": tuple, "layout": LayoutRule,
            "tiny_preset": str, "hf_model_class": (str, type(None)), "vision_part": (str, type(None)),
            "rope": (str, type(None)), "hf_unread": tuple, "features": frozenset}
-# Fields a family may leave None: a text-only family has no vision encoder.
-_OPTIONAL = {"build_encoder", "image_processing"}
+# Fields a family may leave None: a text-only family has no vision encoder; one version, one tokenizer.
+_OPTIONAL = {"build_encoder", "image_processing", "offline_tokenizer"}
 
 
 @pytest.mark.parametrize("name", registry.families())

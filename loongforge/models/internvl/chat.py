@@ -39,5 +39,15 @@ CHAT_2_5 = replace(CHAT, jinja_template=chatml_vision_template(IMAGE_BLOCK, "", 
                    default_system_prompt=INTERNVL2_5_SYSTEM_PROMPT)
 
 
+def is_internvl2_5(model_cfg: ModelConfig) -> bool:
+    """Whether ``model_cfg`` is of the Qwen2.5-based versions (InternVL2.5, 3.0)."""
+    return model_cfg.language.architecture in QWEN2_DECODERS
+
+
 def chat_format(model_cfg: ModelConfig) -> ChatFormat:
-    return CHAT_2_5 if model_cfg.language.architecture in QWEN2_DECODERS else CHAT
+    return CHAT_2_5 if is_internvl2_5(model_cfg) else CHAT
+
+
+def offline_tokenizer(model_cfg: ModelConfig) -> str:
+    """The version's tokenizer (``data.tokenizer``): its tokens follow its language model's."""
+    return "internvl2.5" if is_internvl2_5(model_cfg) else "internvl3.5"
