@@ -65,14 +65,19 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         length += len(piece)
 
     emit(chat.text_start)
-    if turns and turns[0].role != "system" and system:
-        emit(f"{chat.header('system')}{turn_content(system, chat)}{chat.end('system')}{chat.turn_sep}")
+    if (not turns or turns[0].role != "system") and (system or chat.system_preamble):
+        emit(f"{chat.header('system')}{turn_content(system_text(system or '', chat), chat)}{chat.end('system')}"
+             f"{chat.turn_sep}")
     for index, turn in enumerate(turns):
+        text = turn.text.strip() if chat.strips_turns else turn.text
+        if index == 0 and turn.role == "system":
+            text = system_text(text, chat)
         emit(chat.header(turn.role))
         start = length
-        text = turn.text
         if chat.thinking and turn.role == "assistant":
-            text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
+            every = chat.reasoning_turns != "last"
+            text = with_reasoning_block(text, keep=chat.reasoning_turns == "all" or index > last_user,
+                                        even_empty=every or index == len(turns) - 1, trim=chat.strips_turns)
         emit(turn_content(text, chat) + chat.end(turn.role))
         if turn.role == "assistant":
             spans.append((start, length))
@@ -80,17 +85,26 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
     return RenderedChat(text="".join(pieces), label_spans=spans)
 
 
-def with_reasoning_block(text: str, *, keep: bool, last: bool) -> str:
-    """An assistant turn as Qwen3's thinking template writes it: reasoning (``<think>...</think>``
-    in the data, possibly without the opening tag) split from the answer, then either written back
-    in a normalised block (``keep``, and the data has reasoning or the turn is the ``last``) or
-    dropped."""
+def system_text(text: str, chat: ChatFormat) -> str:
+    """A system turn's text as the format writes it: after the format's ``system_preamble`` and a blank line
+    (the preamble alone when the text is empty)."""
+    text = text.strip() if chat.strips_turns else text
+    if not chat.system_preamble:
+        return text
+    return f"{chat.system_preamble}\n\n{text}" if text else chat.system_preamble
+
+
+def with_reasoning_block(text: str, *, keep: bool, even_empty: bool, trim: bool = False) -> str:
+    """An assistant turn as a thinking template writes it: reasoning (``<think>...</think>`` in the data,
+    possibly without the opening tag) split from the answer, then either written back in a normalised
+    block (``keep``, and the data has reasoning or ``even_empty``) or dropped. ``trim``: the reasoning is
+    stripped of all surrounding whitespace (the template's ``trim``), not only of newlines."""
     reasoning, answer = "", text
     if THINK_CLOSE in text:
         before, answer = text.split(THINK_CLOSE, 1)[0], text.split(THINK_CLOSE)[-1].lstrip("\n")
         reasoning = before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-    if keep and (last or reasoning):
-        reasoning, answer = reasoning.strip("\n"), answer.lstrip("\n")
+    if keep and (even_empty or reasoning):
+        reasoning, answer = (reasoning.strip() if trim else reasoning.strip("\n")), answer.lstrip("\n")
         return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
     return answer
 
