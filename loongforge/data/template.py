@@ -72,6 +72,8 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         text = turn.text.strip() if chat.strips_turns else turn.text
         if index == 0 and turn.role == "system":
             text = system_text(text, chat)
+            if not text and chat.system_preamble is not None:
+                continue  # a template that builds the system turn writes none of nothing
         emit(chat.header(turn.role))
         start = length
         if chat.thinking and turn.role == "assistant":

@@ -108,8 +108,10 @@ class ChatFormat:
     # "all": every one (Qwen3.8, whose template preserves the reasoning of earlier turns by default).
     reasoning_turns: str = "last"
     # Written at the head of the system turn, before the system text after a blank line, in a system
-    # turn of its own where the conversation has none (Qwen3.8's reasoning-effort sentence); "": none.
-    system_preamble: str = ""
+    # turn of its own where the conversation has none (Qwen3.8's reasoning-effort sentence). Set (even to "":
+    # Qwen3.8 at medium effort), the template builds the system turn from the two and writes none when both
+    # are empty; None: the conversation's system turn is written as it is.
+    system_preamble: Optional[str] = None
     # True: each turn's text and reasoning are stripped of surrounding whitespace (the template's ``trim``).
     strips_turns: bool = False
     # Ends each pretraining document (``text`` records: no chat template, loss on every token), the

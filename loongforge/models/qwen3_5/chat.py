@@ -41,14 +41,18 @@ REASONING_EFFORT_SENTENCES = {
 }
 
 
-def thinking_template(image_block: str, video_block: str, *, preamble: str, every_turn: bool) -> str:
-    """The Jinja twin of a thinking format: the system turn after ``preamble``, reasoning blocks after the last
-    user turn (``every_turn``: in every assistant turn), every text trimmed."""
+def thinking_template(image_block: str, video_block: str, *, preamble: str | None, every_turn: bool) -> str:
+    """The Jinja twin of a thinking format: the system turn built from ``preamble`` and its text (None: written as
+    it is), reasoning blocks after the last user turn (``every_turn``: in every assistant turn), every text trimmed."""
     keep = "true" if every_turn else "loop.index0 > ns.last_user"
-    system = ("{% set text = preamble + ('\\n\\n' + text if text else '') %}" if preamble else "")
+    system = "<|im_start|>system\n{{ text }}<|im_end|>\n"
+    if preamble is not None:
+        system = ("{% set text = ((preamble ~ '\\n\\n') if preamble else '') ~ text if text else preamble %}"
+                  "{% if text %}" + system + "{% endif %}")
     return (
         # Qwen3.8's sentence is written while thinking is on (a caller's enable_thinking=False drops it).
-        "{% set preamble = '' if enable_thinking is defined and enable_thinking is false else '" + preamble + "' %}"
+        "{% set preamble = '' if enable_thinking is defined and enable_thinking is false else '" + (preamble or "")
+        + "' %}"
         "{% set ns = namespace(last_user=-1, text='') %}"
         "{% for message in messages %}"
         "{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
@@ -68,7 +72,6 @@ def thinking_template(image_block: str, video_block: str, *, preamble: str, ever
         "{% set text = ns.text | trim %}"
         "{% if loop.first and message['role'] == 'system' %}"
         + system +
-        "<|im_start|>system\n{{ text }}<|im_end|>\n"
         "{% elif message['role'] == 'assistant' %}"
         "{% set answer = text %}{% set reasoning = '' %}"
         "{% if '</think>' in text %}"
@@ -89,7 +92,7 @@ def thinking_template(image_block: str, video_block: str, *, preamble: str, ever
     )
 
 
-def _thinking_format(*, preamble: str = "", every_turn: bool = False) -> ChatFormat:
+def _thinking_format(*, preamble: str | None = None, every_turn: bool = False) -> ChatFormat:
     base = CHATML_VISION_TIMESTAMPED
     return replace(base, thinking=True, strips_turns=True, system_preamble=preamble,
                    reasoning_turns="all" if every_turn else "after_last_user",
