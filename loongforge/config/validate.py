@@ -402,7 +402,7 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
                          "language.moe.router_fp32": False, "language.moe.router_bias_update_rate": 0.0,
                          "language.moe.router_num_groups": None, "language.moe.router_group_topk": None,
                          "language.moe.routed_scaling_factor": 1.0, "language.moe.shared_expert_gate": True},
-    # a chat format chosen by name (a text-only model; a VLM's processor writes its own)
+    # a chat format chosen by name (a text-only model's; a version's template where versions share an architecture)
     "chat_format": {"chat_format": None},
     # a decoder whose transformers architecture the run states (one family's decoder is its own)
     "text_architecture": {"language.architecture": None},

@@ -14,9 +14,10 @@ turn gets ``data.system_prompt``, or when that is unset the model's own default 
 helpful assistant."; none for Qwen3 and Qwen3-VL); ``""`` means no system turn. Qwen3's thinking
 format writes the reasoning of an assistant turn after the last user turn as
 ``<think>\\n{reasoning}\\n</think>\\n\\n`` before its answer (empty in the last turn when the data
-has none) and drops the reasoning of earlier turns, as its template does. Each image is one pad
-token in the text; after tokenization it is expanded to the image's LLM token count (one per merged
-patch group), the processor's rule. Labels: the answer tokens of each assistant turn (with its
+has none) and drops the reasoning of earlier turns, as its template does (Qwen3.5's versions: other
+turns, ``ChatFormat.reasoning_turns``; Qwen3.8's opens the system turn with ``system_preamble``). Each
+image is one pad token in the text; after tokenization it is expanded to the image's LLM token count
+(one per merged patch group), the processor's rule. Labels: the answer tokens of each assistant turn (with its
 reasoning block) and its ``turn_end``; not the role header, not what separates turns.
 """
 
@@ -65,14 +66,21 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         length += len(piece)
 
     emit(chat.text_start)
-    if turns and turns[0].role != "system" and system:
-        emit(f"{chat.header('system')}{turn_content(system, chat)}{chat.end('system')}{chat.turn_sep}")
+    if turns and turns[0].role != "system" and (system or chat.system_preamble):
+        emit(f"{chat.header('system')}{turn_content(system_text(system or '', chat), chat)}{chat.end('system')}"
+             f"{chat.turn_sep}")
     for index, turn in enumerate(turns):
+        text = turn.text.strip() if chat.strips_turns else turn.text
+        if index == 0 and turn.role == "system":
+            text = system_text(text, chat)
+            if not text and chat.system_preamble is not None:
+                continue  # a template that builds the system turn writes none when it has no text
         emit(chat.header(turn.role))
         start = length
-        text = turn.text
         if chat.thinking and turn.role == "assistant":
-            text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
+            text = with_reasoning_block(text, keep=chat.reasoning_turns == "all" or index > last_user,
+                                        even_empty=chat.reasoning_turns != "last" or index == len(turns) - 1,
+                                        trim=chat.strips_turns)
         emit(turn_content(text, chat) + chat.end(turn.role))
         if turn.role == "assistant":
             spans.append((start, length))
@@ -80,17 +88,26 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
     return RenderedChat(text="".join(pieces), label_spans=spans)
 
 
-def with_reasoning_block(text: str, *, keep: bool, last: bool) -> str:
-    """An assistant turn as Qwen3's thinking template writes it: reasoning (``<think>...</think>``
-    in the data, possibly without the opening tag) split from the answer, then either written back
-    in a normalised block (``keep``, and the data has reasoning or the turn is the ``last``) or
-    dropped."""
+def system_text(text: str, chat: ChatFormat) -> str:
+    """A system turn's text as the format writes it (stripped where the format strips turns): after the
+    format's ``system_preamble`` and a blank line, the preamble alone when the text is empty."""
+    text = text.strip() if chat.strips_turns else text
+    if not chat.system_preamble:
+        return text
+    return f"{chat.system_preamble}\n\n{text}" if text else chat.system_preamble
+
+
+def with_reasoning_block(text: str, *, keep: bool, even_empty: bool, trim: bool = False) -> str:
+    """An assistant turn as a thinking template writes it: reasoning (``<think>...</think>`` in the data,
+    possibly without the opening tag) split from the answer, then either written back in a normalised
+    block (``keep``, and the data has reasoning or ``even_empty``) or dropped. ``trim``: the reasoning is
+    stripped of all surrounding whitespace (the template's ``trim``), not only of newlines."""
     reasoning, answer = "", text
     if THINK_CLOSE in text:
         before, answer = text.split(THINK_CLOSE, 1)[0], text.split(THINK_CLOSE)[-1].lstrip("\n")
         reasoning = before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
-    if keep and (last or reasoning):
-        reasoning, answer = reasoning.strip("\n"), answer.lstrip("\n")
+    if keep and (even_empty or reasoning):
+        reasoning, answer = (reasoning.strip() if trim else reasoning.strip("\n")), answer.lstrip("\n")
         return f"{THINK_OPEN}\n{reasoning}\n{THINK_CLOSE}\n\n{answer}"
     return answer
 

@@ -68,6 +68,8 @@ ANY_TOWER = "*"
 
 # Qwen3's reasoning tags (``ChatFormat.thinking``); one token each in its tokenizer.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
+# ``ChatFormat.reasoning_turns``: which assistant turns a thinking format writes its reasoning block in.
+REASONING_TURNS = ("last", "after_last_user", "all")
 
 
 @dataclass(frozen=True)
@@ -101,6 +103,17 @@ class ChatFormat:
     # reasoning in THINK_OPEN ... THINK_CLOSE (empty in the conversation's last turn when the data has
     # none); earlier assistant turns are written without theirs.
     thinking: bool = False
+    # Which assistant turns of a thinking format write the block (``REASONING_TURNS``): "last" as above
+    # (Qwen3); "after_last_user": every one after the last user turn, empty or not (Qwen3.5 / 3.6);
+    # "all": every one (Qwen3.8, whose template preserves the reasoning of earlier turns by default).
+    reasoning_turns: str = "last"
+    # Written at the head of the system turn, before the system text after a blank line, in a system
+    # turn of its own where the conversation has none (Qwen3.8's reasoning-effort sentence). Set (even to "":
+    # Qwen3.8 at medium effort), the template builds the system turn from the two and writes none when both
+    # are empty; None: the conversation's system turn is written as it is.
+    system_preamble: Optional[str] = None
+    # True: each turn's text and reasoning are stripped of surrounding whitespace (the template's ``trim``).
+    strips_turns: bool = False
     # Ends each pretraining document (``text`` records: no chat template, loss on every token), the
     # token base models are trained to write at a document's end. ``text_start`` opens it.
     document_end: str = "<|endoftext|>"
@@ -124,6 +137,8 @@ class ChatFormat:
     def __post_init__(self):
         if self.video_block and self.video_rule is None:
             raise ValueError("a chat format that writes videos (video_block) needs its processor's video_rule")
+        if self.reasoning_turns not in REASONING_TURNS:
+            raise ValueError(f"reasoning_turns={self.reasoning_turns!r} is not one of {', '.join(REASONING_TURNS)}")
 
     def header(self, role: str) -> str:
         """What opens a turn of ``role``."""

@@ -28,9 +28,9 @@ def test_every_reject_reason_with_file_and_line(tokenizer, bad_data):
     assert {line: r.reason for line, r in rejects.items()} == EXPECTED_REASONS
     # missing_embedding needs a store of embeddings: tests/train/test_vision_embeddings.py;
     # media_in_text_model a text-only model: tests/pack/test_job.py; video_in_image_model an image-only
-    # model: tests/data/test_internvl_data.py
+    # model and beyond_vocabulary a tokenizer larger than the embedding: tests/data/test_internvl_data.py
     assert set(EXPECTED_REASONS.values()) == set(REJECT_REASONS) - {"missing_embedding", "media_in_text_model",
-                                                               "video_in_image_model"}
+                                                               "video_in_image_model", "beyond_vocabulary"}
     assert all(r.file == str(bad_data) and r.detail for r in rejects.values())
     accepted = [r for r in results if isinstance(r, MeasuredSample)]
     assert [s.line for s in accepted] == [1, 11]

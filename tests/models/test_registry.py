@@ -157,7 +157,8 @@ def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_t
                        "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
                        "or choose such a family.")
     assert _family_problem("qwen3vl-tiny", "model.chat_format=chatml").startswith(
-        "model.chat_format='chatml' but model.family=qwen3_vl does not build chat format (model.family=llm builds it)")
+        "model.chat_format='chatml' but model.family=qwen3_vl does not build chat format "
+        "(model.family=llm or qwen3_5 builds it)")
 
 
 def test_the_stated_text_architecture_decides_and_a_contradiction_is_refused():

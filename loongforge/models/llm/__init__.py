@@ -12,6 +12,7 @@ chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
+from loongforge.config.schema import ModelConfig
 from loongforge.models.family import (
     LazyFunction,
     ModelFamily,
@@ -21,11 +22,17 @@ from loongforge.models.family import (
 from loongforge.models.decoder.deepseek_config import mtp_layers_held
 from loongforge.models.decoder.text_config import text_architecture_problems
 from loongforge.models.llm import hf_config
-from loongforge.models.llm.chat import chat_format
+from loongforge.models.llm.chat import chat_format, chat_format_problems
 from loongforge.models.llm.flops import training_flops
 from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llm.params import count_parameters
 from loongforge.models.llm.positions import position_ids_for
+
+
+def config_problems(model_cfg: ModelConfig) -> list[str]:
+    """``ModelFamily.config_problems``: the stated architecture's, and a chat format of another family's."""
+    return text_architecture_problems(model_cfg) + chat_format_problems(model_cfg)
+
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
@@ -43,5 +50,5 @@ FAMILY = ModelFamily(
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
     features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture"}),
-    config_problems=text_architecture_problems,
+    config_problems=config_problems,
 )

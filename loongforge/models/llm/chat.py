@@ -31,7 +31,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-from loongforge.config.schema import CHAT_FORMATS, ModelConfig
+from loongforge.config.schema import ModelConfig
 from loongforge.models.qwen_vl.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
 from loongforge.models.decoder.text_config import architecture
@@ -150,10 +150,19 @@ DEEPSEEK_V3 = ChatFormat(
 )
 
 # The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.
-FORMATS = dict(zip(CHAT_FORMATS, (CHATML, QWEN3, LLAMA3, DEEPSEEK_V3)))
+FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3}
 _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
                          "DeepseekV3ForCausalLM": DEEPSEEK_V3}
+
+
+def chat_format_problems(model_cfg: ModelConfig) -> list[str]:
+    """A ``model.chat_format`` that is another family's (``CHAT_FORMATS`` holds every family's names)."""
+    name = model_cfg.chat_format
+    if name is None or name in FORMATS:
+        return []
+    return [f"model.chat_format='{name}' is not a text model's format; set one of {' | '.join(FORMATS)}, or null for "
+            "the architecture's own."]
 
 
 def chat_format(model_cfg: ModelConfig) -> ChatFormat:

@@ -70,6 +70,10 @@ def _experts_to_hf(lang: LanguageConfig) -> dict[str, Any]:
 
 
 def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> LanguageConfig:
+    if experts and "intermediate_size" not in text:
+        # Every layer is sparse, and the Hub's Qwen3.6-35B-A3B config.json names no dense MLP width: the unused
+        # ffn_hidden_size reads as the experts' width.
+        text = {**text, "intermediate_size": experts["moe"].ffn_hidden_size}
     theta, section, partial = _rope(text)
     layer_types = _layer_types(text)
     linear = None

@@ -1,0 +1,440 @@
+"""The chat templates of Qwen3.5's versions (``models/qwen3_5/chat.py``): for each name ``model.chat_format``
+takes, our rendering (``data.template`` with the version's ``ChatFormat``) equals the published template, written
+here as the Hub ships it (facts of the models; never fetched), rendered by transformers' ``apply_chat_template`` on
+the Qwen tokenizer loongforge builds (``data.tokenizer=qwen3``): the text of conversations with images, reasoning,
+a system turn or ``data.system_prompt``, and surrounding whitespace; the token ids and the labels of the data
+path; and the format's own Jinja twin renders the same, generation prompt included. Videos: the family writes a
+bare video pad that the data side expands per frame after its timestamp, as Qwen3-VL's processor expands the
+template's (``tests/data/test_qwen3_video.py``)."""
+
+from __future__ import annotations
+
+import pytest
+
+from loongforge.config.loader import load_run_config
+from loongforge.config.schema import DataConfig
+from loongforge.data.measure import SampleMeasurer
+from loongforge.data.samples import ConversationSample
+from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
+from loongforge.data.tokenizer import load_tokenizer
+from loongforge.models.qwen3_5.chat import FORMATS
+from loongforge.models.qwen_vl.chatml import CHATML_VISION_TIMESTAMPED
+from loongforge.models.registry import get_family
+
+# Qwen/Qwen3.6-27B's and Qwen/Qwen3.6-35B-A3B's chat_template.jinja.
+QWEN3_6 = r"""{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- macro render_content(content, do_vision_count, is_system_content=false) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for item in content %}
+            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain images.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Picture ' ~ image_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'video' in item or item.type == 'video' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain videos.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Video ' ~ video_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- else %}
+                {{- raise_exception('Unexpected item type in content.') }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif content is none or content is undefined %}
+        {{- '' }}
+    {%- else %}
+        {{- raise_exception('Unexpected content type.') }}
+    {%- endif %}
+{%- endmacro %}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\n' }}
+    {{- "# Tools\n\nYou have access to the following functions:\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>" }}
+    {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {%- if content %}
+            {{- '\n\n' + content }}
+        {%- endif %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {{- '<|im_start|>system\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set content = render_content(message.content, false)|trim %}
+        {%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content, true)|trim %}
+    {%- if message.role == "system" %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- set reasoning_content = reasoning_content|trim %}
+        {%- if (preserve_thinking is defined and preserve_thinking is true) or (loop.index0 > ns.last_query_index) %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content + '\n</think>\n\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls and message.tool_calls is iterable and message.tool_calls is not mapping %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if loop.first %}
+                    {%- if content|trim %}
+                        {{- '\n\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- else %}
+                        {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- endif %}
+                {%- else %}
+                    {{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- endif %}
+                {%- if tool_call.arguments is defined %}
+                    {%- for args_name, args_value in tool_call.arguments|items %}
+                        {{- '<parameter=' + args_name + '>\n' }}
+                        {%- set args_value = args_value | string if args_value is string else args_value | tojson | safe %}
+                        {{- args_value }}
+                        {{- '\n</parameter>\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.previtem and loop.previtem.role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if not loop.last and loop.nextitem.role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- elif loop.last %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# Qwen/Qwen3.8-27B's chat_template.jinja: reasoning_effort (xhigh by default) and preserve_thinking (on by default).
+QWEN3_8 = r"""{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- macro render_content(content, do_vision_count, is_system_content=false) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for item in content %}
+            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain images.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Picture ' ~ image_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'video' in item or item.type == 'video' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain videos.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Video ' ~ video_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- else %}
+                {{- raise_exception('Unexpected item type in content.') }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif content is none or content is undefined %}
+        {{- '' }}
+    {%- else %}
+        {{- raise_exception('Unexpected content type.') }}
+    {%- endif %}
+{%- endmacro %}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- set reasoning_instructions = '' %}
+{%- if enable_thinking is undefined or enable_thinking is true %}
+    {%- set resolved_reasoning_effort = reasoning_effort|default('xhigh') %}
+    {%- if resolved_reasoning_effort not in ('xhigh', 'medium', 'low') %}
+        {{- raise_exception('Unexpected reasoning effort ' ~ reasoning_effort ~ '. Supported types are xhigh (default), medium, and low.') }}
+    {%- endif %}
+    {%- if resolved_reasoning_effort == 'xhigh' %}
+        {%- set reasoning_instructions = 'Reasoning effort is set to xhigh. Please think carefully through the task, validate key assumptions, consider plausible alternatives, and prioritize correctness, consistency, and clarity in the final answer.' %}
+    {%- elif resolved_reasoning_effort == 'low' %}
+        {%- set reasoning_instructions = 'Reasoning effort is set to low. Keep your thinking brief and focused, moving directly to the conclusion without unnecessary elaboration.' %}
+    {%- endif %}
+{%- endif %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\n' }}
+    {%- if reasoning_instructions %}
+        {{- reasoning_instructions + '\n\n' }}
+    {%- endif %}
+    {{- "# Tools\n\nYou have access to the following functions:\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>" }}
+    {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {%- if content %}
+            {{- '\n\n' + content }}
+        {%- endif %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {%- if content %}
+            {{- '<|im_start|>system\n' + (reasoning_instructions + '\n\n' if reasoning_instructions else '')  + content + '<|im_end|>\n' }}
+        {%- elif reasoning_instructions %}
+            {{- '<|im_start|>system\n' + reasoning_instructions + '<|im_end|>\n' }}
+        {%- endif %}
+    {%- elif reasoning_instructions %}
+        {{- '<|im_start|>system\n' + reasoning_instructions + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set content = render_content(message.content, false)|trim %}
+        {%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content, true)|trim %}
+    {%- if message.role == "system" %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- endif %}
+        {%- set reasoning_content = reasoning_content|trim %}
+        {%- if preserve_thinking is undefined or preserve_thinking is true or loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content + '\n</think>\n\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls and message.tool_calls is iterable and message.tool_calls is not mapping %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if loop.first %}
+                    {%- if content|trim %}
+                        {{- '\n\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- else %}
+                        {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- endif %}
+                {%- else %}
+                    {{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- endif %}
+                {%- if tool_call.arguments is defined and tool_call.arguments != '' %}
+                    {%- for args_name, args_value in tool_call.arguments|items %}
+                        {{- '<parameter=' + args_name + '>\n' }}
+                        {%- set args_value = args_value | string if args_value is string else args_value | tojson | safe %}
+                        {{- args_value }}
+                        {{- '\n</parameter>\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.previtem and loop.previtem.role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if not loop.last and loop.nextitem.role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- elif loop.last %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}"""
+
+# model.chat_format -> (the published template, its keyword arguments that name the same rendering)
+PUBLISHED = {"qwen3.6": (QWEN3_6, {}), "qwen3.8": (QWEN3_8, {}),
+             "qwen3.8-medium": (QWEN3_8, {"reasoning_effort": "medium"}),
+             "qwen3.8-low": (QWEN3_8, {"reasoning_effort": "low"})}
+
+CONVERSATIONS = [
+    [Turn("user", "<image>Who is he?"), Turn("assistant", "Thomas Muller.")],
+    [Turn("system", "Be brief."), Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd them.\n</think>\n\n4")],
+    [Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd.\n</think>\n\n4"),  # before the last user turn
+     Turn("user", "<image><image>And these?"), Turn("assistant", "Two cats.")],
+    [Turn("user", "Hi"), Turn("assistant", "Hello"), Turn("assistant", "<think>x</think>Bye")],
+    [Turn("user", "  padded question \n"), Turn("assistant", "\n answer with spaces  ")],
+    [Turn("user", "2 + 2?"), Turn("assistant", "Add.</think>4")],  # no opening tag
+    [Turn("system", "  "), Turn("user", "Q"), Turn("assistant", "<think>\n\n</think>\n\nA")],
+]
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return load_tokenizer("qwen3")
+
+
+def _published_messages(turns: list[Turn], system_prompt: str | None, name: str) -> list[dict]:
+    """The conversation as a caller hands it to the published template: ``data.system_prompt`` as a leading system
+    message; for Qwen3.8, whose template reads an assistant's reasoning from ``reasoning_content`` alone, the
+    reasoning before ``</think>`` moved there."""
+    messages = turns_to_hf_messages(turns)
+    if system_prompt and turns[0].role != "system":
+        messages = [{"role": "system", "content": system_prompt}, *messages]
+    if not name.startswith("qwen3.8"):
+        return messages
+    for message in messages:
+        if message["role"] == "assistant":
+            text = "".join(part["text"] for part in message["content"])
+            reasoning = ""
+            if "</think>" in text:
+                reasoning = text.split("</think>")[0].rstrip("\n").split("<think>")[-1].lstrip("\n")
+                text = text.split("</think>")[-1].lstrip("\n")
+            message.update(content=text, reasoning_content=reasoning)
+    return messages
+
+
+@pytest.mark.parametrize("name", FORMATS)
+def test_our_rendering_equals_the_published_template(tokenizer, name):
+    chat, (template, kwargs) = FORMATS[name], PUBLISHED[name]
+    for turns in CONVERSATIONS:
+        for system_prompt in (None, "Answer in English."):
+            ours = render_chat(turns, system_prompt, chat).text
+            published = tokenizer.apply_chat_template(_published_messages(turns, system_prompt, name),
+                                                      chat_template=template, tokenize=False, **kwargs)
+            assert ours == published, (turns, system_prompt)
+            messages = _published_messages(turns, system_prompt, "ours")
+            assert tokenizer.apply_chat_template(messages, chat_template=chat.jinja_template, tokenize=False) == ours
+    user, system = {"role": "user", "content": "Q"}, {"role": "system", "content": "S"}
+    for question in ([user], [system, user]):
+        for thinking in ({}, {"enable_thinking": False}):
+            prompt = tokenizer.apply_chat_template(question, chat_template=template, tokenize=False,
+                                                   add_generation_prompt=True, **kwargs, **thinking)
+            assert tokenizer.apply_chat_template(question, chat_template=chat.jinja_template, tokenize=False,
+                                                 add_generation_prompt=True, **thinking) == prompt
+
+
+@pytest.mark.parametrize("preset", ["qwen3.6-tiny", "qwen3.8-tiny"])
+def test_the_data_path_tokenizes_the_presets_template_and_labels_its_answers(tokenizer, preset):
+    model_cfg = load_run_config(preset).model
+    chat = get_family(model_cfg.family).chat(model_cfg)
+    template, kwargs = PUBLISHED[model_cfg.chat_format]
+    measurer = SampleMeasurer(tokenizer, DataConfig(seq_len=100_000, tokenizer="qwen3"), model_cfg)
+    texts = [turns for turns in CONVERSATIONS if "<image>" not in "".join(turn.text for turn in turns)]
+    for k, turns in enumerate(texts):
+        measured = measurer.measure(ConversationSample(f"t:{k}", "t", k, turns))
+        expected = tokenizer.apply_chat_template(_published_messages(turns, None, model_cfg.chat_format),
+                                                 chat_template=template, tokenize=True, return_dict=False, **kwargs)
+        assert measured.input_ids.tolist() == expected
+    turns = [Turn("user", "Q"), Turn("assistant", "<think>R</think>A"), Turn("user", "Q2"), Turn("assistant", "B")]
+    measured = measurer.measure(ConversationSample("t", "t", 0, turns))
+    answers = tokenizer.decode(measured.input_ids[measured.is_answer])
+    # Qwen3.6 drops the reasoning of an answer before the last question; Qwen3.8 keeps it.
+    first = "<think>\nR\n</think>\n\nA" if model_cfg.chat_format == "qwen3.8" else "A"
+    assert answers == f"{first}<|im_end|><think>\n\n</think>\n\nB<|im_end|>"
+    assert chat is FORMATS[model_cfg.chat_format]
+
+
+def test_the_family_without_a_version_keeps_qwen3_vls_chatml_and_refuses_another_familys_format():
+    family = get_family("qwen3_5")
+    assert family.chat(load_run_config("qwen3.5-tiny").model) is CHATML_VISION_TIMESTAMPED
+    problems = family.config_problems(load_run_config("qwen3.6-tiny", overrides=["model.chat_format=qwen3"]).model)
+    assert problems == ["model.chat_format='qwen3' is not a template of this architecture's versions; set one of "
+                        "qwen3.6 | qwen3.8 | qwen3.8-medium | qwen3.8-low, or null for Qwen3-VL's ChatML."]
