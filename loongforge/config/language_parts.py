@@ -41,7 +41,7 @@ class LinearAttentionConfig:
     value_head_dim: int = 128
     conv_kernel: int = 4  # taps of the depthwise causal convolution over q, k, v
 
-    def problems(self, *, tensor_parallel: int, context_parallel: int) -> list[str]:
+    def problems(self, *, tensor_parallel: int) -> list[str]:
         if min(self.num_key_heads, self.num_value_heads, self.key_head_dim, self.value_head_dim, self.conv_kernel) < 1:
             return [f"{self.KEY}={self}: every size must be at least 1."]
         errors = []
@@ -52,10 +52,6 @@ class LinearAttentionConfig:
             errors.append(f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {self.KEY}."
                           f"num_key_heads={self.num_key_heads} (TP splits the linear layers by key head); use one "
                           f"of {_divisors_of(self.num_key_heads)}.")
-        if context_parallel > 1:
-            errors.append(f"parallel.context_parallel_size={context_parallel}: the linear-attention layers carry a "
-                          f"recurrent state along each sample, which context parallelism would cut; use "
-                          f"parallel.context_parallel_size=1 (long rows fit through the state's constant memory).")
         return errors
 
 

@@ -447,7 +447,7 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
         errors.append(f"{key}.linear_attention is set but no entry of {key}.layer_types is linear_attention; "
                       f"set it to null or name the linear layers.")
     if linear and language.linear_attention is not None:
-        errors += language.linear_attention.problems(tensor_parallel=tp, context_parallel=cp)
+        errors += language.linear_attention.problems(tensor_parallel=tp)
     if language.multi_latent_attention is not None:
         errors += language.multi_latent_attention.problems(
             num_attention_heads=language.num_attention_heads, num_query_groups=language.num_query_groups,

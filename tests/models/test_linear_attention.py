@@ -5,9 +5,19 @@ alone, which fails if the recurrent state crosses a sample boundary (the row run
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from loongforge.models.decoder.linear_attention import causal_conv1d, chunked, recurrent
+from loongforge.models.decoder.linear_attention_cp import (
+    conv_at,
+    in_sample_order,
+    local_chunk_lengths,
+    outputs_from_states,
+    transfer_run,
+)
+from loongforge.parallel.context_parallel import local_token_index
 
 TOLERANCE = 1e-5
 LENGTHS = (37, 70, 5)  # a chunk boundary inside the first two samples at chunk size 16, a short last one
@@ -89,3 +99,53 @@ def test_the_convolution_of_a_packed_row_restarts_at_each_sample_like_transforme
           f"{relative(leaked[start:start + taps], alone[start:start + taps]):.1e}")
     assert relative(packed, alone) <= TOLERANCE
     assert relative(leaked[start:start + taps], alone[start:start + taps]) > 1e-2
+
+
+def _cp_row(seed: int = 0):
+    """A packed row of three samples (lengths multiples of 2 x CP 2, one as short as a chunk a rank), the rule's
+    inputs with gradients: q, k [T, 2, 8], v [T, 4, 6], g, beta [T, 4]."""
+    generator = torch.Generator().manual_seed(seed)
+    lengths = [12, 4, 20]
+    total = sum(lengths)
+    q, k = (torch.randn(total, 2, 8, generator=generator) for _ in range(2))
+    v = torch.randn(total, 4, 6, generator=generator)
+    g = -torch.rand(total, 4, generator=generator)
+    beta = torch.rand(total, 4, generator=generator)
+    cu = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)], cu
+
+
+def test_context_parallel_carries_each_samples_state_across_the_ranks_chunks():
+    """CP 2 in one process (the all-gather is the ranks' chunks concatenated in rank order): every rank's
+    outputs and the inputs' gradients equal the rule on the whole row (chunks of 3 tokens inside 3-, 1- and
+    5-token CP chunks), to float32 rounding."""
+    cp = 2
+    inputs, cu = _cp_row()
+    rule = functools.partial(chunked, chunk_size=3)
+    whole = rule(*inputs, cu)  # [T, H_v, d_v]
+    lengths = local_chunk_lengths(cu, cp)
+    runs, index = [], [local_token_index(cu, cp, rank) for rank in range(cp)]
+    for rank in range(cp):
+        chunk_seqlens = torch.nn.functional.pad(lengths.cumsum(0), (1, 0)).to(torch.int32)
+        runs.append(transfer_run(rule, *(x[index[rank]] for x in inputs), chunk_seqlens))
+    every = in_sample_order(torch.cat([transfers for _, _, transfers in runs]), cp)
+    row = torch.empty_like(whole)
+    for rank, (own, response, _) in enumerate(runs):
+        row = row.index_put((index[rank],), outputs_from_states(own, response, every, rank, lengths))
+    weights = torch.randn(whole.shape, generator=torch.Generator().manual_seed(1))
+    expected = torch.autograd.grad((whole * weights).sum(), inputs)
+    got = torch.autograd.grad((row * weights).sum(), inputs)
+    out_error = float((row - whole).abs().max())
+    grad_error = max(float((a - b).abs().max() / b.abs().max()) for a, b in zip(got, expected))
+    print(f"\nCP 2: outputs within {out_error:.1e}, gradients within {grad_error:.1e} of the largest")
+    assert out_error < 3e-6 and grad_error < 3e-6
+
+
+def test_context_parallel_convolution_reads_the_window_other_ranks_hold():
+    _, cu = _cp_row()
+    generator = torch.Generator().manual_seed(2)
+    x, weight = torch.randn(int(cu[-1]), 5, generator=generator), torch.randn(5, 4, generator=generator)
+    whole = causal_conv1d(x, weight, None, cu)
+    for rank in range(2):
+        index = local_token_index(cu, 2, rank)
+        assert torch.allclose(conv_at(x, index, cu, weight), whole[index], atol=1e-6)

@@ -17,7 +17,8 @@ to it. Under sequence parallelism the projection gathers the sequence first (the
 sample's whole run of tokens) and ``out_proj`` scatters it back.
 
 Packed rows: the convolution and the recurrent state restart at every sample of ``cu_seqlens``, so no
-token sees another sample. The rule runs on the kernel the layer backend chose (``BlockModules.
+token sees another sample. Under context parallelism a rank holds two chunks of each sample and the state is
+carried across the ranks' chunks (``linear_attention_cp``). The rule runs on the kernel the layer backend chose (``BlockModules.
 linear_attention``: fla's Triton kernel on GPU where installed, the plain-torch chunked rule elsewhere).
 """
 
@@ -44,6 +45,7 @@ from megatron.core.utils import divide
 
 from loongforge.models.layers.initialization import draws_on_cpu, seeded_below
 from loongforge.models.decoder.linear_attention import causal_conv1d
+from loongforge.models.decoder.linear_attention_cp import context_parallel_rule, windowed_causal_conv1d
 
 # Per-channel TP-sharded tensors of the layer itself (axis 0), for its sharded state dict.
 _SHARDED_OWN = {"A_log": 0, "dt_bias": 0}
@@ -84,11 +86,11 @@ class GatedDeltaNet(MegatronModule):
                  pg_collection: Optional[ProcessGroupCollection] = None, cp_comm_type: Optional[str] = None,
                  **unused):
         super().__init__(config=config)
-        if config.context_parallel_size > 1:
-            raise ValueError("Gated DeltaNet layers carry a recurrent state along each sample; context "
-                             "parallelism would cut it (config validation refuses parallel.context_parallel_size > 1)")
         self.layer_number = layer_number
-        self.tp_group = (pg_collection or ProcessGroupCollection.use_mpu_process_groups()).tp
+        groups = pg_collection or ProcessGroupCollection.use_mpu_process_groups()
+        self.tp_group = groups.tp
+        # CP > 1: the rank's chunks of each sample, the state carried across ranks (``linear_attention_cp``)
+        self.cp_group = groups.cp if config.context_parallel_size > 1 else None
         tp = self.tp_group.size()
         self.key_heads = divide(config.linear_num_key_heads, tp)  # this rank's key heads (groups)
         self.value_per_key = divide(config.linear_num_value_heads, config.linear_num_key_heads)
@@ -156,12 +158,19 @@ class GatedDeltaNet(MegatronModule):
              cu_seqlens: Optional[torch.Tensor]) -> torch.Tensor:
         """One row: q_k_v [T, G, 2 d_k + r d_v], z [T, G, r d_v], b, a [T, G, r] -> [T, G r d_v]."""
         length, groups = q_k_v.shape[:2]
-        convolved = causal_conv1d(q_k_v.reshape(length, -1), self.conv1d.weight[:, 0], None, cu_seqlens)
+        if self.cp_group is None:
+            convolved = causal_conv1d(q_k_v.reshape(length, -1), self.conv1d.weight[:, 0], None, cu_seqlens)
+        else:
+            convolved = windowed_causal_conv1d(q_k_v.reshape(length, -1), self.conv1d.weight[:, 0], cu_seqlens,
+                                               self.cp_group)
         q, k, v = convolved.reshape(length, groups, -1).split(self.group_rows[:3], dim=-1)
         v = v.reshape(length, groups * self.value_per_key, self.d_v)  # [T, H_v, d_v]
         g = -self.A_log.float().exp() * F.softplus(a.reshape(length, -1).float() + self.dt_bias)  # [T, H_v]
         beta = b.reshape(length, -1).sigmoid()
-        out = self.rule(q, k, v, g, beta, cu_seqlens)  # [T, H_v, d_v]
+        if self.cp_group is None:
+            out = self.rule(q, k, v, g, beta, cu_seqlens)  # [T, H_v, d_v]
+        else:
+            out = context_parallel_rule(self.rule, q, k, v, g, beta, cu_seqlens, self.cp_group)
         gated = self.out_norm(out, z.reshape(length, -1, self.d_v))
         return gated.reshape(length, -1)
 

@@ -11,7 +11,10 @@ with ``q``, ``k`` L2-normalised (when asked) and ``q`` scaled by 1 / sqrt(d_k). 
 this, token by token (the reference); ``chunked`` computes the same in chunks of ``chunk_size`` tokens: inside
 a chunk the updates are solved at once (a unit lower-triangular system: the delta rule's corrections of
 each token by the earlier ones), across chunks the state carries the decayed sum. Both take rows packed
-with ``cu_seqlens`` and run each sample from a zero state, so no state leaks from one sample into the next.
+with ``cu_seqlens`` and run each sample from a zero state, so no state leaks from one sample into the next;
+given ``initial_state`` [n, H_v, d_k, d_v], segment i starts from its state instead, and
+``output_final_state`` also returns each segment's last state (context parallelism carries a sample's state
+across the CP ranks' chunks of it: ``models.decoder.linear_attention_cp``).
 
 Shapes: q, k [T, H_k, d_k]; v [T, H_v, d_v]; g, beta [T, H_v] (g a log decay, <= 0); H_v a multiple of H_k
 (each key head serves H_v / H_k consecutive value heads). Output [T, H_v, d_v], computed in fp32 and
@@ -48,26 +51,41 @@ def _segments(cu_seqlens: torch.Tensor | None, length: int) -> list[tuple[int, i
     return [(start, end) for start, end in zip(bounds[:-1], bounds[1:]) if end > start]
 
 
+def _first_states(initial_state: torch.Tensor | None, count: int, v: torch.Tensor, d_k: int) -> list[torch.Tensor]:
+    """Each segment's starting state [H_v, d_k, d_v] in fp32: ``initial_state``'s, else zeros."""
+    if initial_state is None:
+        return [v.new_zeros(v.shape[0], d_k, v.shape[-1]) for _ in range(count)]
+    if initial_state.shape[0] != count:
+        raise ValueError(f"initial_state holds {initial_state.shape[0]} states for {count} segments")
+    return list(initial_state.float().unbind(0))
+
+
 def recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-              cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True) -> torch.Tensor:
+              cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True,
+              initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """The rule token by token (the reference ``chunked`` is checked against)."""
     dtype = v.dtype
     q, k, v = _prepared(q, k, v, l2_normalize)
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
     out = torch.zeros_like(v)  # [H_v, T, d_v]
-    for start, end in _segments(cu_seqlens, v.shape[1]):
-        state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
-        for t in range(start, end):
+    segments = _segments(cu_seqlens, v.shape[1])
+    finals = []
+    for (start, end), state in zip(segments, _first_states(initial_state, len(segments), v, k.shape[-1])):
+        for t in range(start, end):  # state [H_v, d_k, d_v]
             state = state * g[:, t, None, None].exp()
             error = v[:, t] - torch.einsum("hkv,hk->hv", state, k[:, t])  # [H_v, d_v]
             state = state + beta[:, t, None, None] * k[:, t, :, None] * error[:, None, :]
             out[:, t] = torch.einsum("hkv,hk->hv", state, q[:, t])
-    return out.transpose(0, 1).to(dtype)
+        finals.append(state)
+    out = out.transpose(0, 1).to(dtype)
+    return (out, torch.stack(finals)) if output_final_state else out
 
 
 def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-            cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True, chunk_size: int = 64) -> torch.Tensor:
-    """The rule in chunks of ``chunk_size`` tokens, each sample of the packed row from a zero state."""
+            cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True, chunk_size: int = 64,
+            initial_state: torch.Tensor | None = None, output_final_state: bool = False):
+    """The rule in chunks of ``chunk_size`` tokens, each sample of the packed row from a zero state (or its
+    ``initial_state``); with ``output_final_state``, (output, the segments' last states [n, H_v, d_k, d_v])."""
     dtype = v.dtype
     q, k, v = _prepared(q, k, v, l2_normalize)
     g, beta = g.float().transpose(0, 1), beta.float().transpose(0, 1)  # [H_v, T]
@@ -77,15 +95,20 @@ def chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, 
     segments = _segments(cu_seqlens, v.shape[1])
     chunks = [(first, min(first + chunk_size, end)) for start, end in segments
               for first in range(start, end, chunk_size)]
-    starts = {start for start, _ in segments}
+    first_states = dict(zip((start for start, _ in segments),
+                            _first_states(initial_state, len(segments), v, k.shape[-1])))
     sizes = [end - first for first, end in chunks]
-    pieces, state = [], None
+    pieces, finals, state = [], [], None
     for (first, _), q_c, k_c, v_c, g_c, beta_c in zip(chunks, *(x.split(sizes, dim=1) for x in (q, k, v, g, beta))):
-        if first in starts:  # a new sample: a zero state
-            state = v.new_zeros(v.shape[0], k.shape[-1], v.shape[-1])  # [H_v, d_k, d_v]
+        if first in first_states:  # a new sample: its first state [H_v, d_k, d_v]
+            if state is not None:
+                finals.append(state)
+            state = first_states[first]
         out, state = _chunk(q_c, k_c, v_c, g_c, beta_c, state)
         pieces.append(out)
-    return torch.cat(pieces, dim=1).transpose(0, 1).to(dtype)
+    finals.append(state)
+    out = torch.cat(pieces, dim=1).transpose(0, 1).to(dtype)
+    return (out, torch.stack(finals)) if output_final_state else out
 
 
 def _chunk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
@@ -131,7 +154,8 @@ def causal_conv1d(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | No
 
 
 def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
-                cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True) -> torch.Tensor:
+                cu_seqlens: torch.Tensor | None = None, l2_normalize: bool = True,
+                initial_state: torch.Tensor | None = None, output_final_state: bool = False):
     """``chunked`` on fla's Triton kernel (GPU): the same arguments and result. Each key head is repeated
     over the value heads it serves first, as megatron-core's Gated DeltaNet calls the kernel."""
     from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # lazy: GPU-only, the ``gpu`` extra
@@ -139,6 +163,8 @@ def fla_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tens
     groups = v.shape[1] // k.shape[1]
     q, k = (x.repeat_interleave(groups, dim=1) for x in (q, k))
     segments = None if cu_seqlens is None else cu_seqlens.to(torch.long)
-    out, _ = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
-                                    cu_seqlens=segments, use_qk_l2norm_in_kernel=l2_normalize)
-    return out[0].to(v.dtype)
+    out, final = chunk_gated_delta_rule(q[None], k[None], v[None], g=g[None].float(), beta=beta[None],
+                                        cu_seqlens=segments, use_qk_l2norm_in_kernel=l2_normalize,
+                                        initial_state=initial_state, output_final_state=output_final_state)
+    out = out[0].to(v.dtype)
+    return (out, final) if output_final_state else out
