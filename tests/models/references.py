@@ -456,7 +456,9 @@ OV15_MAX_PIXELS = 28 * 28 * 24
 
 
 def llava_onevision1_5_model_cfg() -> ModelConfig:
-    """RICE-ViT (2 blocks of width 32, 2 heads: 16-wide heads, 4 rotary frequencies a row and a column), Qwen3."""
+    """RICE-ViT (2 blocks of width 32, 2 heads: 16-wide heads, 4 rotary frequencies a row and a column), Qwen3 at
+    Qwen's vocabulary and vision tokens: the reference's own model is the folder ``--check-logits`` tokenizes for
+    (a preset's folder is transformers' model built from scratch, which writes other names than the Hub's)."""
     return ModelConfig(
         family="llava_onevision1_5",
         vision=VisionConfig(arch="rice_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -465,9 +467,9 @@ def llava_onevision1_5_model_cfg() -> ModelConfig:
         projector=ProjectorConfig(arch="patch_merger", spatial_merge_size=2, hidden_act="gelu", out_hidden_size=64),
         language=LanguageConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
                                 num_query_groups=2, head_dim=16, qk_norm=True, add_qkv_bias=False,
-                                vocab_size=COMPOSED_VOCAB, rope_theta=1e6, mrope_section=[], tie_word_embeddings=False,
+                                vocab_size=151936, rope_theta=1e6, mrope_section=[], tie_word_embeddings=False,
                                 architecture="Qwen3ForCausalLM"),
-        tokens=dataclasses.replace(COMPOSED_TOKENS), layer_backend="sdpa")
+        tokens=TokenIdsConfig(), layer_backend="sdpa")
 
 
 def llava_onevision1_5_hf_model(model_cfg: ModelConfig, seed: int = 0):
@@ -580,7 +582,7 @@ REFERENCES = {
         Reference(name="llava_onevision1_5", model_cfg=llava_onevision1_5_model_cfg,
                   hf_model=llava_onevision1_5_hf_model, build=_build_llava_onevision1_5,
                   sample=_llava_onevision1_5_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
-                  preset="llava-onevision1.5-tiny", pp2_layers=4, photo_grid="patch grid [1, 4, 16]"),
+                  pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }
