@@ -457,8 +457,7 @@ OV15_MAX_PIXELS = 28 * 28 * 24
 
 def llava_onevision1_5_model_cfg() -> ModelConfig:
     """RICE-ViT (2 blocks of width 32, 2 heads: 16-wide heads, 4 rotary frequencies a row and a column), Qwen3 at
-    Qwen's vocabulary and vision tokens: the reference's own model is the folder ``--check-logits`` tokenizes for
-    (a preset's folder is transformers' model built from scratch, which writes other names than the Hub's)."""
+    Qwen's vocabulary and vision tokens (the folder ``--check-logits`` tokenizes for is the reference's own)."""
     return ModelConfig(
         family="llava_onevision1_5",
         vision=VisionConfig(arch="rice_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
@@ -474,24 +473,13 @@ def llava_onevision1_5_model_cfg() -> ModelConfig:
 
 def llava_onevision1_5_hf_model(model_cfg: ModelConfig, seed: int = 0):
     """transformers' LLaVA-OneVision-1.5 of ``model_cfg``, every parameter drawn at random (the class token and
-    its rotary angles included), as ``from_pretrained`` gives it from a folder under the Hub's names: its
-    ``save_pretrained`` then writes those names back (one built from scratch writes its language model under
-    ``model.model.*``)."""
-    import tempfile
-
+    its rotary angles included)."""
     import transformers
-    from safetensors.torch import save_file
 
-    family = get_family("llava_onevision1_5")
-    config = transformers.AutoConfig.for_model(**family.config_to_hf(model_cfg, "float32"))
+    config = transformers.AutoConfig.for_model(**get_family("llava_onevision1_5").config_to_hf(model_cfg, "float32"))
+    config._attn_implementation = "eager"
     torch.manual_seed(seed)
-    built = randomised(transformers.LlavaOnevision15ForConditionalGeneration(config))
-    with tempfile.TemporaryDirectory() as folder:
-        built.config.save_pretrained(folder)
-        save_file({key: value.contiguous() for key, value in family.to_hub_style(built.state_dict()).items()},
-                  f"{folder}/model.safetensors", metadata={"format": "pt"})
-        return transformers.LlavaOnevision15ForConditionalGeneration.from_pretrained(
-            folder, attn_implementation="eager").eval()
+    return randomised(transformers.LlavaOnevision15ForConditionalGeneration(config).eval())
 
 
 def _llava_onevision1_5_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:

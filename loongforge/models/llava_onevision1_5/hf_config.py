@@ -17,6 +17,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import ModelConfig, ProjectorConfig, TokenIdsConfig, VisionConfig
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.decoder.text_config import language_from_hf, language_to_hf
+from loongforge.models.llava_onevision1_5.hf_mapping import LANGUAGE_PREFIX
 from loongforge.models.qwen_vl.smart_resize import OPENAI_CLIP_MEAN, OPENAI_CLIP_STD
 from loongforge.models.towers.rice_vit.hf_mapping import hf_shapes as tower_hf_shapes
 from loongforge.models.vlm.vision_common import VISION_ROPE_THETA
@@ -82,5 +83,5 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """HF tensor name (the Hub's style, ``hf_mapping``) -> shape implied by ``model_cfg``."""
-    return {**tower_hf_shapes(model_cfg), **language_hf_shapes(model_cfg.language)}
+    """HF tensor name (the style written, ``hf_mapping``) -> shape implied by ``model_cfg``."""
+    return {**tower_hf_shapes(model_cfg), **language_hf_shapes(model_cfg.language, hf_prefix=LANGUAGE_PREFIX)}

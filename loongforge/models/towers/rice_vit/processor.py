@@ -1,7 +1,7 @@
 """RICE-ViT's image processing: transformers' Qwen2-VL image processor (what LLaVA-OneVision-1.5's
 ``AutoImageProcessor`` is) with one frame per temporal patch, so each patch row is ``C * p * p`` pixels, what
 the tower's Conv2d reads. The shared smart resize (``models/qwen_vl/smart_resize.py``) is bit-equal to it at
-``temporal_patch_size=1`` (``tests/models/test_rice_vit.py``). Torch-free."""
+``temporal_patch_size=1`` (``tests/models/test_llava_onevision1_5.py``). Torch-free."""
 
 from __future__ import annotations
 
