@@ -28,6 +28,7 @@ from loongforge.config.schema import AnyresConfig, DataConfig, VisionConfig
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.internvl.model import build_model as build_internvl
 from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
+from loongforge.models.llava_onevision1_5.hf_mapping import to_hub_style as llava_onevision1_5_hub_style
 from loongforge.models.llava_onevision1_5.model import build_model as build_llava_onevision1_5
 from loongforge.models.llm.model import build_model as build_llm
 from loongforge.models.media import MediaBatch
@@ -570,7 +571,7 @@ REFERENCES = {
         Reference(name="llava_onevision1_5", model_cfg=llava_onevision1_5_model_cfg,
                   hf_model=llava_onevision1_5_hf_model, build=_build_llava_onevision1_5,
                   sample=_llava_onevision1_5_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
-                  pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
+                  to_hub_style=llava_onevision1_5_hub_style, pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }
