@@ -9,6 +9,8 @@ processor.py    the processor files of an exported HF folder
 chat.py         the chat format (ChatML with Qwen's vision blocks, images only)
 """
 
+from dataclasses import replace
+
 from loongforge.config.layout import DECODER_LAYOUT
 from loongforge.models.decoder.text_config import text_architecture_problems
 from loongforge.models.family import LazyFunction, ModelFamily, hf_facts
@@ -21,6 +23,11 @@ from loongforge.models.qwen_vl.processor import qwen_vl_model_inputs
 from loongforge.models.towers.rice_vit import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
 
+# The composition's layouts proven for it: vision TP below the language TP (tests/models/test_tp_parity.py,
+# test_llava_onevision1_5.py); the encoder's sharing over TP (encoder_dp=tp) and the model-parallel group
+# (full) are not proven for it yet.
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",))
+
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
     hf_rules=mapping_rules,
@@ -32,8 +39,7 @@ FAMILY = ModelFamily(
     # Qwen's processor's outputs: patch rows and grids as they are.
     hf_model_inputs=qwen_vl_model_inputs,
     chat=chat_format,
-    # The decoder rule (vision TP below the language TP included); every encoder_dp mode reads rows and grids.
-    layout=DECODER_LAYOUT,
+    layout=LAYOUT,
     hf_model_class="LlavaOnevision15ForConditionalGeneration",
     tiny_preset="llava-onevision1.5-tiny",
     hf_processor_files=processor_files,
