@@ -450,10 +450,11 @@ def _build_llava_onevision(model_cfg, parallel_cfg, **options):
 # ---------------------------------------------------------------------------------------------------
 # LLaVA-OneVision-1.5 (RICE-ViT at native resolution, Qwen3): 1-D RoPE, real photos through its processor
 # (Qwen2-VL's smart resize, one frame a temporal patch) at a tiny pixel budget: 640 x 457 -> 8 x 10 patches
-# (20 tokens), 480 x 640 -> 10 x 8. Images only (``llava_onevision1_5/chat.py``).
+# (20 tokens), 480 x 640 -> 10 x 8; a video of random pixels, every frame a temporal patch.
 # ---------------------------------------------------------------------------------------------------
 
 OV15_MAX_PIXELS = 28 * 28 * 24
+OV15_LAYOUTS = {**COMPOSED_LAYOUTS, "video": dict(videos=((3, 4, 6),))}  # 3 frames, each its own class token
 
 
 def llava_onevision1_5_model_cfg() -> ModelConfig:
@@ -483,24 +484,34 @@ def llava_onevision1_5_hf_model(model_cfg: ModelConfig, seed: int = 0):
     return randomised(transformers.LlavaOnevision15ForConditionalGeneration(config).eval())
 
 
-def _llava_onevision1_5_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:
-    """Each photo smart-resized (``ImageProcessing.pixels``), ``h * w / 4`` placeholders and 4 tokens after it."""
+def _llava_onevision1_5_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=(),
+                               videos=()) -> Case:
+    """Each photo smart-resized (``ImageProcessing.pixels``), then each video (random pixels of its grid: every
+    frame a temporal patch), ``t * h * w / 4`` placeholders and 4 tokens after each."""
     images = get_family(model_cfg.family).image_processing(
         model_cfg, dataclasses.replace(DataConfig(), min_pixels=3136, max_pixels=OV15_MAX_PIXELS))
     generator = torch.Generator().manual_seed(seed)
-    pieces, rows, grids = [torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (text_len,), generator=generator)], [], []
-    for path in photos:
-        pixels, grid = images.pixels(_photo(path))
-        rows.append(torch.from_numpy(pixels))
-        grids.append(grid)
-        pieces += [torch.full((grid[1] * grid[2] // 4,), model_cfg.tokens.image_token_id),
+    pieces = [torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (text_len,), generator=generator)]
+    media = {"image": ([], []), "video": ([], [])}
+    drawn = [("image", *images.pixels(_photo(path))) for path in photos]
+    drawn += [("video", torch.randn(t * h * w, 3 * PATCH**2, generator=generator).numpy(), (t, h, w))
+              for t, h, w in videos]
+    for kind, pixels, grid in drawn:
+        media[kind][0].append(torch.from_numpy(pixels))
+        media[kind][1].append(grid)
+        token = model_cfg.tokens.image_token_id if kind == "image" else model_cfg.tokens.video_token_id
+        pieces += [torch.full((grid[0] * grid[1] * grid[2] // 4,), token),
                    torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (4,), generator=generator)]
     input_ids = torch.cat(pieces)[None]
+    given = {}
+    for kind, (pixels_key, grid_key) in (("image", ("pixel_values", "image_grid_thw")),
+                                         ("video", ("pixel_values_videos", "video_grid_thw"))):
+        if media[kind][0]:
+            given.update({pixels_key: torch.cat(media[kind][0]), grid_key: torch.tensor(media[kind][1])})
     ours = dict(input_ids=input_ids, position_ids=text_positions(input_ids.shape[1]))
-    if not photos:
-        return Case(ours=ours, theirs=dict(input_ids=input_ids))
-    media = dict(pixel_values=torch.cat(rows), image_grid_thw=torch.tensor(grids))
-    return Case(ours=dict(ours, media=MediaBatch.of(**media)), theirs=dict(input_ids=input_ids, **media))
+    if given:
+        ours["media"] = MediaBatch.of(**given)
+    return Case(ours=ours, theirs=dict(input_ids=input_ids, **given))
 
 
 def _build_llava_onevision1_5(model_cfg, parallel_cfg, **options):
@@ -570,7 +581,7 @@ REFERENCES = {
                   roundtrip_save=dict(max_shard_size="1MB"), photo_grid="patch grid [7, 4, 4]"),
         Reference(name="llava_onevision1_5", model_cfg=llava_onevision1_5_model_cfg,
                   hf_model=llava_onevision1_5_hf_model, build=_build_llava_onevision1_5,
-                  sample=_llava_onevision1_5_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
+                  sample=_llava_onevision1_5_sample, layouts=OV15_LAYOUTS, packed_media=("one_image", "video"),
                   to_hub_style=llava_onevision1_5_hub_style, pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]

@@ -6,7 +6,7 @@ model.py        build_model (the entry point)
 hf_mapping.py   transformers checkpoint <-> this model, per TP rank, and the key styles read
 hf_config.py    HF config.json <-> ModelConfig, and the HF tensor shapes a config implies
 processor.py    the processor files of an exported HF folder
-chat.py         the chat format (ChatML with Qwen's vision blocks, images only)
+chat.py         the chat format (Qwen2-VL's: ChatML with vision blocks)
 """
 
 from dataclasses import replace

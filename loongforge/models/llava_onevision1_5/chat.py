@@ -1,19 +1,10 @@
-"""LLaVA-OneVision-1.5's chat format: ChatML with Qwen's vision blocks (its processor is Qwen2-VL's image
-processor with Qwen's tokenizer): an image is ``<|vision_start|><|image_pad|><|vision_end|>``, the pad expanded
-after tokenizing to ``h * w / merge^2`` copies; the default system turn is Qwen2-VL's. Images only: loongforge
-does not train this family on videos yet (no video block, so a video sample is rejected and counted)."""
+"""LLaVA-OneVision-1.5's chat format: Qwen2-VL's (``models.qwen_vl.chatml``; its processor is Qwen2-VL's image
+and video processors with Qwen's tokenizer): ChatML where an image is ``<|vision_start|><|image_pad|><|vision_end|>``
+and a video ``<|vision_start|><|video_pad|><|vision_end|>``, each pad expanded after tokenizing to
+``t * h * w / merge^2`` copies (a video's frames one temporal patch each: RICE-ViT embeds every frame on its own,
+with a class token), and Qwen2-VL's default system turn."""
 
 from __future__ import annotations
 
-from dataclasses import replace
-
-from loongforge.config.schema import ModelConfig
-from loongforge.models.family import ChatFormat
-from loongforge.models.qwen_vl.chatml import CHATML_VISION, QWEN2_SYSTEM_PROMPT, chatml_vision_template
-
-CHAT = replace(CHATML_VISION, video_block="", video_rule=None,
-               jinja_template=chatml_vision_template(CHATML_VISION.image_block, "", QWEN2_SYSTEM_PROMPT))
-
-
-def chat_format(model_cfg: ModelConfig) -> ChatFormat:
-    return CHAT
+from loongforge.models.qwen_vl.chatml import CHATML_VISION as CHAT  # noqa: F401  (the family's one format)
+from loongforge.models.qwen_vl.chatml import chatml_vision as chat_format  # noqa: F401  (ModelFamily.chat)

@@ -9,7 +9,7 @@ vision.py       the tower and the patch merger
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (a family adds the language model's)
-processor.py    its image processing: Qwen2-VL's smart resize with one frame a temporal patch
+processor.py    its image processing: Qwen2-VL's smart resize with one frame a temporal patch (videos: the family's rule)
 """
 
 from loongforge.models.family import LazyFunction
@@ -20,4 +20,4 @@ from loongforge.models.towers.rice_vit.processor import rice_images
 PART = TowerPart("rice_vit", ("patch_merger",), f"{__name__}.encoder:RiceViTEncoder", flops.encoder_flops,
                  params.encoder_parameters, rice_images,
                  hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
-                 saved_values=flops.saved_values, config_problems=checks.problems)
+                 saved_values=flops.saved_values, config_problems=checks.problems, takes_videos=True)
