@@ -96,3 +96,21 @@ def test_every_key_style_reads_as_the_one_written():
     assert {"visual.class_pos_emb", "visual.merger.ln_q.weight", "model.model.layers.0.mlp.up_proj.weight",
             "lm_head.weight"} <= set(written)
     assert len(set(published) - set(written)) == sum(key.startswith("model.model.") for key in written) > 0
+
+
+def test_settings_rice_vit_is_not_built_with_are_one_line_each():
+    from loongforge.config.errors import ConfigError
+    from loongforge.models import registry
+
+    registry.check_family_layout(load_run_config("llava-onevision1.5-tiny"))
+    cfg = load_run_config("llava-onevision1.5-tiny", overrides=[
+        "model.vision.norm=rms", "model.vision.temporal_patch_size=2", "model.vision.hidden_size=72"])
+    try:
+        registry.check_family_layout(cfg)
+    except ConfigError as error:
+        messages = error.messages
+    else:
+        raise AssertionError("RICE-ViT built with RMSNorm, two frames a patch and 72-wide blocks")
+    print("\n" + "\n".join(messages))
+    assert [message.split("=")[0] for message in messages] == [
+        "model.vision.norm", "model.vision.temporal_patch_size", "model.vision.hidden_size"]
