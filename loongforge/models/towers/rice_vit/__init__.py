@@ -9,7 +9,7 @@ vision.py       the tower and the patch merger
 params.py       parameter counts by arithmetic
 flops.py        FLOPs of a training micro-batch
 hf_mapping.py   HF weight rows (a family adds the language model's)
-processor.py    its image processing: Qwen2-VL's smart resize with one frame a temporal patch (videos: the family's rule)
+processor.py    its image processing: Qwen2-VL's smart resize, one frame a temporal patch (videos: the family's)
 """
 
 from loongforge.models.family import LazyFunction
