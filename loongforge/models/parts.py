@@ -70,6 +70,7 @@ _TOWERS: dict[str, str] = {
     "intern_vit": "loongforge.models.towers.intern_vit",
     "qwen2_5_vit": "loongforge.models.towers.qwen2_5_vit",
     "qwen3_vit": "loongforge.models.towers.qwen3_vit",
+    "rice_vit": "loongforge.models.towers.rice_vit",
     "siglip": "loongforge.models.towers.siglip",
 }
 

@@ -22,6 +22,7 @@ _FAMILIES: dict[str, str] = {
     "composition": "loongforge.models.composition",
     "internvl": "loongforge.models.internvl",
     "llava_onevision": "loongforge.models.llava_onevision",
+    "llava_onevision1_5": "loongforge.models.llava_onevision1_5",
     "llm": "loongforge.models.llm",
     "qwen2_5_vl": "loongforge.models.qwen2_5_vl",
     "qwen3_5": "loongforge.models.qwen3_5",

@@ -24,10 +24,12 @@ from PIL import Image
 
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
-from loongforge.config.schema import AnyresConfig, VisionConfig
+from loongforge.config.schema import AnyresConfig, DataConfig, VisionConfig
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.internvl.model import build_model as build_internvl
 from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
+from loongforge.models.llava_onevision1_5.hf_mapping import to_hub_style as llava_onevision1_5_hub_style
+from loongforge.models.llava_onevision1_5.model import build_model as build_llava_onevision1_5
 from loongforge.models.llm.model import build_model as build_llm
 from loongforge.models.media import MediaBatch
 from loongforge.models.qwen2_5_vl.model import build_model as build_qwen2_5_vl
@@ -470,6 +472,77 @@ def _build_llava_onevision(model_cfg, parallel_cfg, **options):
 
 
 # ---------------------------------------------------------------------------------------------------
+# LLaVA-OneVision-1.5 (RICE-ViT at native resolution, Qwen3): 1-D RoPE, real photos through its processor
+# (Qwen2-VL's smart resize, one frame a temporal patch) at a tiny pixel budget: 640 x 457 -> 8 x 10 patches
+# (20 tokens), 480 x 640 -> 10 x 8; a video of random pixels, every frame a temporal patch.
+# ---------------------------------------------------------------------------------------------------
+
+OV15_MAX_PIXELS = 28 * 28 * 24
+OV15_LAYOUTS = {**COMPOSED_LAYOUTS, "video": dict(videos=((3, 4, 6),))}  # 3 frames, each its own class token
+
+
+def llava_onevision1_5_model_cfg() -> ModelConfig:
+    """RICE-ViT (2 blocks of width 32, 2 heads: 16-wide heads, 4 rotary frequencies a row and a column), Qwen3 at
+    Qwen's vocabulary and vision tokens (the folder ``--check-logits`` tokenizes for is the reference's own)."""
+    return ModelConfig(
+        family="llava_onevision1_5",
+        vision=VisionConfig(arch="rice_vit", depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                            in_channels=3, patch_size=PATCH, temporal_patch_size=1, window=None, rms_norm_eps=1e-5,
+                            hidden_act="gelu", norm="layer"),
+        projector=ProjectorConfig(arch="patch_merger", spatial_merge_size=2, hidden_act="gelu", out_hidden_size=64),
+        language=LanguageConfig(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                                num_query_groups=2, head_dim=16, qk_norm=True, add_qkv_bias=False,
+                                vocab_size=151936, rope_theta=1e6, mrope_section=[], tie_word_embeddings=False,
+                                architecture="Qwen3ForCausalLM"),
+        tokens=TokenIdsConfig(), layer_backend="sdpa")
+
+
+def llava_onevision1_5_hf_model(model_cfg: ModelConfig, seed: int = 0):
+    """transformers' LLaVA-OneVision-1.5 of ``model_cfg``, every parameter drawn at random (the class token and
+    its rotary angles included)."""
+    import transformers
+
+    config = transformers.AutoConfig.for_model(**get_family("llava_onevision1_5").config_to_hf(model_cfg, "float32"))
+    config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    return randomised(transformers.LlavaOnevision15ForConditionalGeneration(config).eval())
+
+
+def _llava_onevision1_5_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=(),
+                               videos=()) -> Case:
+    """Each photo smart-resized (``ImageProcessing.pixels``), then each video (random pixels of its grid: every
+    frame a temporal patch), ``t * h * w / 4`` placeholders and 4 tokens after each."""
+    images = get_family(model_cfg.family).image_processing(
+        model_cfg, dataclasses.replace(DataConfig(), min_pixels=3136, max_pixels=OV15_MAX_PIXELS))
+    generator = torch.Generator().manual_seed(seed)
+    pieces = [torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (text_len,), generator=generator)]
+    media = {"image": ([], []), "video": ([], [])}
+    drawn = [("image", *images.pixels(_photo(path))) for path in photos]
+    drawn += [("video", torch.randn(t * h * w, 3 * PATCH**2, generator=generator).numpy(), (t, h, w))
+              for t, h, w in videos]
+    for kind, pixels, grid in drawn:
+        media[kind][0].append(torch.from_numpy(pixels))
+        media[kind][1].append(grid)
+        token = model_cfg.tokens.image_token_id if kind == "image" else model_cfg.tokens.video_token_id
+        pieces += [torch.full((grid[0] * grid[1] * grid[2] // 4,), token),
+                   torch.randint(0, COMPOSED_IMAGE_TOKEN - 10, (4,), generator=generator)]
+    input_ids = torch.cat(pieces)[None]
+    given = {}
+    for kind, (pixels_key, grid_key) in (("image", ("pixel_values", "image_grid_thw")),
+                                         ("video", ("pixel_values_videos", "video_grid_thw"))):
+        if media[kind][0]:
+            given.update({pixels_key: torch.cat(media[kind][0]), grid_key: torch.tensor(media[kind][1])})
+    ours = dict(input_ids=input_ids, position_ids=text_positions(input_ids.shape[1]))
+    if given:
+        ours["media"] = MediaBatch.of(**given)
+    return Case(ours=ours, theirs=dict(input_ids=input_ids, **given))
+
+
+def _build_llava_onevision1_5(model_cfg, parallel_cfg, **options):
+    return build_llava_onevision1_5(model_cfg, parallel_cfg, **build_options(**options))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
@@ -535,6 +608,10 @@ REFERENCES = {
                   build=_build_llava_onevision, sample=_llava_onevision_sample, layouts=COMPOSED_LAYOUTS,
                   packed_media=("one_image", "two_images"), preset="llava-onevision-tiny", pp2_layers=4,
                   roundtrip_save=dict(max_shard_size="1MB"), photo_grid="patch grid [7, 4, 4]"),
+        Reference(name="llava_onevision1_5", model_cfg=llava_onevision1_5_model_cfg,
+                  hf_model=llava_onevision1_5_hf_model, build=_build_llava_onevision1_5,
+                  sample=_llava_onevision1_5_sample, layouts=OV15_LAYOUTS, packed_media=("one_image", "video"),
+                  to_hub_style=llava_onevision1_5_hub_style, pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
     ]
 }

@@ -44,7 +44,7 @@ def test_text_only_families_name_no_tower():
     ("model.vision.arch=qwen3_vit", "model.vision.arch='qwen3_vit': model.family=qwen2_5_vl is composed of the "
                                     "'qwen2_5_vit' tower; set model.vision.arch=qwen2_5_vit or leave it null"),
     ("model.vision.arch=qwen3_vitt", "model.vision.arch='qwen3_vitt' is not a vision tower of loongforge "
-                                     "(intern_vit | qwen2_5_vit | qwen3_vit | siglip); did you mean 'qwen3_vit'?"),
+                                     f"({' | '.join(parts.towers())}); did you mean 'qwen3_vit'?"),
     ("model.projector.arch=deepstack_mergers", "model.projector.arch='deepstack_mergers': the 'qwen2_5_vit' tower "
                                                "is built with patch_merger; set model.projector.arch=patch_merger"),
 ])
