@@ -36,6 +36,7 @@ from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.vlm.pixels import patch_rows
 from loongforge.models.registry import families, get_family
 from tests.data.conftest import LLAMAFACTORY, require
+from tests.models.references import hub_named
 from tests.shared_data import SHARED_DATA
 
 # Text families are checked at every chat format they have: Qwen3's (llm-tiny) and Llama 3's; and DeepSeek-V3's
@@ -64,6 +65,7 @@ def save_random_model(cfg: RunConfig, folder: Path) -> None:
     torch.manual_seed(0)
     auto_class = transformers.AutoModelForImageTextToText if cfg.model.vision else transformers.AutoModelForCausalLM
     auto_class.from_config(hf_config).save_pretrained(folder)
+    hub_named(folder, get_family(cfg.model.family).to_hub_style)
     (folder / "generation_config.json").unlink()
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import json
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -132,9 +133,29 @@ class Reference:
             model_cfg, model = _preset_hf_model(f"{self.preset}-small-vocab" if small_vocabulary else self.preset,
                                                 [*layers, *overrides])
         model.save_pretrained(path, **save_options)
+        hub_named(path, get_family(model_cfg.family).to_hub_style)
         # transformers 5 saves routed experts as the Hub does (one tensor per expert): count what it wrote.
         written = get_family(model_cfg.family).to_hub_style(model.state_dict())
         return len(written) - int(model_cfg.language.tie_word_embeddings)
+
+
+def hub_named(path: Path, to_hub_style: Callable[[dict], dict]) -> None:
+    """The folder's tensors under the Hub's names, as a published folder holds them: transformers writes a model
+    it built (not loaded) under names of its own for some classes (LLaVA-OneVision-1.5's ``model.model.*``)."""
+    from safetensors.torch import load_file, save_file
+
+    names = {}
+    for shard in sorted(path.glob("*.safetensors")):
+        tensors = load_file(shard)
+        renamed = {next(iter(to_hub_style({key: tensor}))): tensor for key, tensor in tensors.items()}
+        if renamed.keys() != tensors.keys():
+            names.update(zip(tensors, renamed))
+            save_file(renamed, shard, metadata={"format": "pt"})
+    index = path / "model.safetensors.index.json"
+    if names and index.is_file():
+        content = json.loads(index.read_text())
+        content["weight_map"] = {names.get(key, key): shard for key, shard in content["weight_map"].items()}
+        index.write_text(json.dumps(content, indent=2))
 
 
 def _resized(model_cfg: ModelConfig, num_layers: Optional[int], small_vocabulary: bool) -> ModelConfig:

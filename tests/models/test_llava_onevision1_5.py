@@ -77,9 +77,9 @@ def test_class_token_rotary_angles_get_transformers_gradient_on_each_rank_at_vis
 
 
 def test_every_key_style_reads_as_the_one_written():
-    """transformers' module names, the published checkpoints' (``model.layers.*``) and what its ``save_pretrained``
-    writes for a model it built (``model.model.*``, the tower's own names) are one set of tensors: each style
-    renamed is the weight map's HF keys, which are the written style's."""
+    """transformers' module names, the published checkpoints' (``model.layers.*``, the style written) and what its
+    ``save_pretrained`` writes for a model it built (``model.model.*``) are one set of tensors: each style renamed
+    is the weight map's HF keys."""
     import transformers
 
     reference = REFERENCES["llava_onevision1_5"]
@@ -89,13 +89,13 @@ def test_every_key_style_reads_as_the_one_written():
         modules = transformers.LlavaOnevision15ForConditionalGeneration(
             transformers.AutoConfig.for_model(**family.config_to_hf(model_cfg, "float32"))).state_dict()
     written = family.to_hub_style(modules)
-    published = {("model." + key[len("model.model."):] if key.startswith("model.model.") else key): value
-                 for key, value in written.items()}
-    assert family.to_hub_style(written).keys() == family.to_hub_style(published).keys() == written.keys()
+    built = {("model.model." + key[len("model."):] if key.startswith("model.") else key): value
+             for key, value in written.items()}
+    assert family.to_hub_style(written).keys() == family.to_hub_style(built).keys() == written.keys()
     assert set(written) == set(family.hf_shapes(model_cfg))
-    assert {"visual.class_pos_emb", "visual.merger.ln_q.weight", "model.model.layers.0.mlp.up_proj.weight",
+    assert {"visual.class_pos_emb", "visual.merger.ln_q.weight", "model.layers.0.mlp.up_proj.weight",
             "lm_head.weight"} <= set(written)
-    assert len(set(published) - set(written)) == sum(key.startswith("model.model.") for key in written) > 0
+    assert len(set(built) - set(written)) == sum(key.startswith("model.") for key in written) > 0
 
 
 def test_settings_rice_vit_is_not_built_with_are_one_line_each():
