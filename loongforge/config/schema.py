@@ -169,13 +169,13 @@ class ModelConfig:
     layer_backend: str = "auto"
     # Published parameter count, checked by tests against the architecture arithmetic.
     reference_num_params: Optional[int] = None
-    # A text-only model's chat format by name (chatml, qwen3, llama3, deepseek_v3); null: the format of
+    # A text-only model's chat format by name (chatml, qwen3, llama3, deepseek_v3, llama2); null: the format of
     # its architecture's instruct models. A model trained from scratch with another family's tokenizer
     # (deepseek-v3-tiny with Qwen's) takes that tokenizer's format.
     chat_format: Optional[str] = None
 
 
-CHAT_FORMATS = ("chatml", "qwen3", "llama3", "deepseek_v3")  # model.chat_format's names (models.llm.chat)
+CHAT_FORMATS = ("chatml", "qwen3", "llama3", "deepseek_v3", "llama2")  # model.chat_format's names (models.llm.chat)
 
 
 @dataclass

@@ -65,12 +65,16 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         length += len(piece)
 
     emit(chat.text_start)
+    previous = ""
     if turns and turns[0].role != "system" and system:
-        emit(f"{chat.header('system')}{turn_content(system, chat)}{chat.end('system')}{chat.turn_sep}")
+        text = system.strip() if chat.strip_text else system
+        emit(f"{chat.header('system')}{turn_content(text, chat)}{chat.end('system')}{chat.turn_sep}")
+        previous = "system"
     for index, turn in enumerate(turns):
-        emit(chat.header(turn.role))
+        emit(chat.header(turn.role, previous))
+        previous = turn.role
         start = length
-        text = turn.text
+        text = turn.text.strip() if chat.strip_text else turn.text
         if chat.thinking and turn.role == "assistant":
             text = with_reasoning_block(text, keep=index > last_user, last=index == len(turns) - 1)
         emit(turn_content(text, chat) + chat.end(turn.role))

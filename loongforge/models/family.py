@@ -120,13 +120,24 @@ class ChatFormat:
     # (DeepSeek ends only the assistant's turns).
     role_headers: tuple[tuple[str, str], ...] = ()
     role_turn_ends: tuple[tuple[str, str], ...] = ()
+    # (previous role, role, header): the header of a turn of ``role`` right after a turn of ``previous role``,
+    # in place of ``header(role)`` (Llama 2 writes its system prompt inside the first user turn's [INST]).
+    headers_after: tuple[tuple[str, str, str], ...] = ()
+    # The format's pieces that are special tokens, where its headers are plain text (Llama 2's ``[INST]``);
+    # empty: ``text_start``, ``turn_start``, ``turn_end`` and ``role_headers`` (see ``markers``).
+    special_tokens: tuple[str, ...] = ()
+    # Each turn's text stripped of surrounding whitespace (Llama 2's template strips every message).
+    strip_text: bool = False
 
     def __post_init__(self):
         if self.video_block and self.video_rule is None:
             raise ValueError("a chat format that writes videos (video_block) needs its processor's video_rule")
 
-    def header(self, role: str) -> str:
-        """What opens a turn of ``role``."""
+    def header(self, role: str, previous: str = "") -> str:
+        """What opens a turn of ``role`` after a turn of ``previous`` ("": the first turn)."""
+        for after, this, header in self.headers_after:
+            if (after, this) == (previous, role):
+                return header
         return dict(self.role_headers).get(role, f"{self.turn_start}{role}{self.role_end}")
 
     def end(self, role: str) -> str:
@@ -136,6 +147,8 @@ class ChatFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         """The format's own text pieces that must each be one (special) token of the tokenizer."""
+        if self.special_tokens:
+            return self.special_tokens
         tags = (THINK_OPEN, THINK_CLOSE) if self.thinking else ()
         headers = tuple(header for _, header in self.role_headers)
         return tuple(dict.fromkeys(marker for marker in (self.text_start, self.turn_start, self.turn_end, *headers, *tags)
