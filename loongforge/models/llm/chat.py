@@ -193,7 +193,8 @@ DEEPSEEK_V3 = ChatFormat(
 
 # The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.
 FORMATS = dict(zip(CHAT_FORMATS, (CHATML, QWEN3, LLAMA3, DEEPSEEK_V3, LLAMA2)))
-_ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3,
+_ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
+                         "Qwen3ForCausalLM": QWEN3,
                          "Qwen3MoeForCausalLM": QWEN3,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
                          "DeepseekV3ForCausalLM": DEEPSEEK_V3}
