@@ -66,16 +66,19 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         length += len(piece)
 
     emit(chat.text_start)
+    previous = ""
     if turns and turns[0].role != "system" and (system or chat.system_preamble):
         emit(f"{chat.header('system')}{turn_content(system_text(system or '', chat), chat)}{chat.end('system')}"
              f"{chat.turn_sep}")
+        previous = "system"
     for index, turn in enumerate(turns):
         text = turn.text.strip() if chat.strips_turns else turn.text
         if index == 0 and turn.role == "system":
             text = system_text(text, chat)
             if not text and chat.system_preamble is not None:
                 continue  # a template that builds the system turn writes none when it has no text
-        emit(chat.header(turn.role))
+        emit(chat.header(turn.role, previous))
+        previous = turn.role
         start = length
         if chat.thinking and turn.role == "assistant":
             text = with_reasoning_block(text, keep=chat.reasoning_turns == "all" or index > last_user,

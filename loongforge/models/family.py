@@ -112,7 +112,8 @@ class ChatFormat:
     # Qwen3.8 at medium effort), the template builds the system turn from the two and writes none when both
     # are empty; None: the conversation's system turn is written as it is.
     system_preamble: Optional[str] = None
-    # True: each turn's text and reasoning are stripped of surrounding whitespace (the template's ``trim``).
+    # True: each turn's text and reasoning are stripped of surrounding whitespace (Qwen3.6's ``trim``; Llama 2's
+    # template strips every message).
     strips_turns: bool = False
     # Ends each pretraining document (``text`` records: no chat template, loss on every token), the
     # token base models are trained to write at a document's end. ``text_start`` opens it.
@@ -133,6 +134,12 @@ class ChatFormat:
     # (DeepSeek ends only the assistant's turns).
     role_headers: tuple[tuple[str, str], ...] = ()
     role_turn_ends: tuple[tuple[str, str], ...] = ()
+    # (previous role, role, header): the header of a turn of ``role`` right after a turn of ``previous role``,
+    # in place of ``header(role)`` (Llama 2 writes its system prompt inside the first user turn's [INST]).
+    headers_after: tuple[tuple[str, str, str], ...] = ()
+    # The format's pieces that are special tokens, where its headers are plain text (Llama 2's ``[INST]``);
+    # empty: ``text_start``, ``turn_start``, ``turn_end`` and ``role_headers`` (see ``markers``).
+    special_tokens: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.video_block and self.video_rule is None:
@@ -140,8 +147,11 @@ class ChatFormat:
         if self.reasoning_turns not in REASONING_TURNS:
             raise ValueError(f"reasoning_turns={self.reasoning_turns!r} is not one of {', '.join(REASONING_TURNS)}")
 
-    def header(self, role: str) -> str:
-        """What opens a turn of ``role``."""
+    def header(self, role: str, previous: str = "") -> str:
+        """What opens a turn of ``role`` after a turn of ``previous`` ("": the first turn)."""
+        for after, this, header in self.headers_after:
+            if (after, this) == (previous, role):
+                return header
         return dict(self.role_headers).get(role, f"{self.turn_start}{role}{self.role_end}")
 
     def end(self, role: str) -> str:
@@ -151,6 +161,8 @@ class ChatFormat:
     @property
     def markers(self) -> tuple[str, ...]:
         """The format's own text pieces that must each be one (special) token of the tokenizer."""
+        if self.special_tokens:
+            return self.special_tokens
         tags = (THINK_OPEN, THINK_CLOSE) if self.thinking else ()
         headers = tuple(header for _, header in self.role_headers)
         return tuple(dict.fromkeys(marker for marker in (self.text_start, self.turn_start, self.turn_end, *headers, *tags)

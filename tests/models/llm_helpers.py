@@ -1,4 +1,5 @@
-"""Tiny random transformers text LLMs (Qwen2, Qwen3, Qwen3-MoE, Llama 3.x) and their loongforge configs."""
+"""Tiny random transformers text LLMs (Qwen2, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 3.x, DeepSeek) and their loongforge
+configs."""
 
 from __future__ import annotations
 
@@ -82,6 +83,14 @@ MOE_ARCHITECTURES = {
                       decoder_sparse_step=1, mlp_only_layers=[]),
 }
 MOE_ARCHITECTURES["qwen3_moe_unnormalised"] = {**MOE_ARCHITECTURES["qwen3_moe"], "norm_topk_prob": False}
+# Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B) at toy size: Qwen2's attention (q/k/v biases) with 3 query heads per KV
+# group, 6 routed experts of width 24, top-3 softmax routing not renormalised (the published configs'), and a
+# shared expert of width 40 whose output a sigmoid gate scales per token.
+MOE_ARCHITECTURES["qwen2_moe"] = dict(
+    architectures=["Qwen2MoeForCausalLM"], model_type="qwen2_moe", num_attention_heads=6, num_key_value_heads=2,
+    hidden_size=48, rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+    moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=False, router_aux_loss_coef=0.001,
+    decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
 # DeepSeek at toy size: multi-latent attention (V3: low-rank queries; V2-Lite's full-rank ones) with YaRN,
 # the first layer dense, shared experts beside the routed ones. V3: sigmoid router with the expert bias,
 # 8 experts in 4 groups, top-4 within the best 2 groups, scaling 2.5; V2: softmax greedy top-2 of 6, scaling 1.5.

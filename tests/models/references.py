@@ -564,7 +564,7 @@ def _build_llava_onevision1_5(model_cfg, parallel_cfg, **options):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), DeepSeek-V3 and V2
+# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -651,6 +651,9 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
         "qwen3": ("test_a_loongforge_checkpoint_is_checked_through_its_hf_export", "the same folder converted to "
                   "megatron, written back as HF and checked"),
         "qwen3_moe_unnormalised": ("qwen3_moe", "its router's math is test_parity's"),
+        "qwen2_moe": ("qwen3_moe", "the text family's folder with routed experts, ChatML's chat (qwen2's) and the "
+                      "comparison; its attention biases, unrenormalised router and gated shared expert are "
+                      "test_parity's and test_tp_parity's"),
         "deepseek_v2": ("deepseek_v3", "the text family's folder, DeepSeek's chat and the comparison; V2's attention "
                         "and router math are test_parity's and test_tp_parity's"),
         "qwen3_vl": ("qwen3_vl_moe", "the family's folder, photo and comparison (the MoE's also proves transformers' "

@@ -7,6 +7,7 @@ around new adapters; only the adapters train."""
 
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
@@ -183,19 +184,22 @@ def test_only_adapters_train(megatron_world_of_one):
     assert changed == trainable
 
 
-def test_expert_adapters_equal_their_merged_weights(megatron_world_of_one):
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe"])
+def test_expert_adapters_equal_their_merged_weights(arch, megatron_world_of_one):
     """``lora.experts``: every routed expert's fc1 / fc2 gets an adapter (transformers' fused experts
     have no PEFT modules to compare with), which computes what its weight plus ``scaling * B A``
-    computes; expert adapters are reduced by megatron's DDP where the experts' weights are."""
+    computes; expert adapters are reduced by megatron's DDP where the experts' weights are. Qwen2-MoE: beside
+    a gated shared expert, whose linears take the dense MLP's adapters."""
     from loongforge.models.llm.model import build_model
 
-    model_cfg = tiny_llm_cfg("qwen3_moe")
+    model_cfg = tiny_llm_cfg(arch)
     model = build_model(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True, post_process=True,
                         device="cpu").eval()
     counts = apply_lora(model, model_cfg, LoraConfig(rank=RANK, alpha=ALPHA, experts=True), seed=0)
     experts = model_cfg.language.moe.num_experts * model_cfg.language.num_layers
+    shared = {"language.fc1": 2, "language.fc2": 2} if model_cfg.language.moe.shared_expert_ffn_hidden_size else {}
     assert counts == {"language.expert_fc1": experts, "language.expert_fc2": experts, "language.proj": 2,
-                      "language.qkv": 2}
+                      "language.qkv": 2, **shared}  # the shared expert's linears: the dense MLP's fc1 / fc2
     generator = torch.Generator().manual_seed(4)
     with torch.no_grad():
         for name, adapter in adapters(model).items():
@@ -207,7 +211,7 @@ def test_expert_adapters_equal_their_merged_weights(megatron_world_of_one):
         merge_adapters(model)
         merged = model(input_ids=input_ids, position_ids=text_positions(24))
     error = (merged - base_free).abs().max().item()
-    print(f"LoRA experts vs merged weights: {error:.2e}")
+    print(f"{arch}: LoRA experts vs merged weights: {error:.2e}")
     assert error <= TOLERANCE
 
 

@@ -1,15 +1,17 @@
-"""A text backbone's HF ``config.json`` fields, both ways: Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Llama 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
+"""A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
+Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
 (InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
 
 The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
 q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and routed experts (Qwen3-MoE: Qwen3's
-attention, ``moe`` set); Llama has none (and may scale its RoPE frequencies).
+attention, ``moe`` set; Qwen2-MoE: Qwen2's attention, ``moe`` set with a gated shared expert); Llama
+has none (and may scale its RoPE frequencies).
 ``architecture`` reads the switches back, so a config written for one is read as it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping
 from typing import Any
 
@@ -28,6 +30,7 @@ _ARCHITECTURES = {
     "Qwen2ForCausalLM": ("qwen2", True, False, False),
     "Qwen3ForCausalLM": ("qwen3", False, True, False),
     "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False, True),
     "LlamaForCausalLM": ("llama", False, False, False),
 }
 HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
@@ -51,7 +54,7 @@ def _described_architecture(lang: LanguageConfig) -> str:
         if (lang.add_qkv_bias, lang.qk_norm, lang.moe is not None) == (bias, qk_norm, experts):
             return name
     raise ValueError("model.language's add_qkv_bias, qk_norm and moe describe no transformers "
-                     "text architecture (experts need qk_norm: true and add_qkv_bias: false; qkv "
+                     "text architecture (experts go with qk_norm (Qwen3-MoE) or qkv biases (Qwen2-MoE); qkv "
                      "biases and qk_norm never go together)")
 
 
@@ -77,6 +80,10 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
     found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "moe set": lang.moe is not None,
              "multi_latent_attention set": lang.multi_latent_attention is not None}
     wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "moe set": experts, "multi_latent_attention set": False}
+    if experts and lang.moe is not None:  # Qwen2-MoE's experts have a gated shared expert, Qwen3-MoE's none
+        shared = "moe.shared_expert_ffn_hidden_size set with moe.shared_expert_gate"
+        found[shared] = lang.moe.shared_expert_ffn_hidden_size is not None and lang.moe.shared_expert_gate
+        wanted[shared] = stated == "Qwen2MoeForCausalLM"
     wrong = [f"{name}: {str(found[name]).lower()}" for name in found if found[name] != wanted[name]]
     if wrong:
         return [f"{key}={stated} but model.language has {', '.join(wrong)}; {stated} has "
@@ -148,8 +155,18 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
         qk_norm=qk_norm,
         **_rope_scaling(cfg, where),
         architecture=name,
-        **(experts_from_hf(cfg, where, model="Qwen3-MoE") if experts else {}),
+        **(_experts_from_hf(cfg, where, name) if experts else {}),
     )
+
+
+def _experts_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> dict[str, Any]:
+    """The expert section; Qwen2-MoE's has a shared expert (its output scaled by a sigmoid gate) beside the
+    routed ones, and leaves the top-k unrenormalised unless its config says otherwise."""
+    if name == "Qwen3MoeForCausalLM":
+        return experts_from_hf(cfg, where, model="Qwen3-MoE")
+    experts = experts_from_hf({"norm_topk_prob": False, **cfg}, where, model="Qwen2-MoE")
+    return {"moe": dataclasses.replace(experts["moe"],
+                                       shared_expert_ffn_hidden_size=cfg["shared_expert_intermediate_size"])}
 
 
 def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
@@ -177,6 +194,8 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
         config.update(attention_bias=False, mlp_bias=False)
     if lang.moe:
         config.update(experts_to_hf(lang))
+    if name == "Qwen2MoeForCausalLM":
+        config.update(shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size, qkv_bias=True)
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": lang.rope_scaling_type, "factor": lang.rope_scaling_factor,
                                   **(_LLAMA3_SCALING if lang.rope_scaling_type == "llama3" else {})}

@@ -1,14 +1,16 @@
-"""Text-only causal LLMs (Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Llama 3.x) on megatron-core; ``FAMILY``
-is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with megatron-core's MoE layer in
-every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``).
+"""Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x,
+DeepSeek-V2 / V3) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
+megatron-core's MoE layer in every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``);
+Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is Qwen2's decoder under its own key layout.
 
 model.py      TextModel and build_model: the shared decoder with 1-D RoPE
-hf_config.py  HF config.json <-> ModelConfig for the four architectures, and their tensor shapes
+hf_config.py  HF config.json <-> ModelConfig for the architectures, and their tensor shapes
 hf_mapping.py the weight map (the decoder's rows)
+qwen1.py      Qwen (1.0)'s config.json and key layout (no transformers class)
 params.py     parameter counts by arithmetic (total, and active per token)
 flops.py      model FLOPs of a training micro-batch (MFU)
 positions.py  per-sample rotary positions
-chat.py       the chat formats (ChatML; Llama 3's), chosen by architecture
+chat.py       the chat formats (ChatML, Qwen3's, Llama 3's, Llama 2's, DeepSeek's), chosen by architecture or name
 """
 
 from loongforge.config.layout import DECODER_LAYOUT
@@ -20,9 +22,9 @@ from loongforge.models.family import (
     no_processor_files,
 )
 from loongforge.models.decoder.deepseek_config import mtp_layers_held
-from loongforge.models.decoder.text_config import text_architecture_problems
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format, chat_format_problems
+from loongforge.models.llm.qwen1 import architecture_problems
 from loongforge.models.llm.flops import training_flops
 from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
 from loongforge.models.llm.params import count_parameters
@@ -30,8 +32,9 @@ from loongforge.models.llm.positions import position_ids_for
 
 
 def config_problems(model_cfg: ModelConfig) -> list[str]:
-    """``ModelFamily.config_problems``: the stated architecture's, and a chat format of another family's."""
-    return text_architecture_problems(model_cfg) + chat_format_problems(model_cfg)
+    """``ModelFamily.config_problems``: the stated architecture's (Qwen 1.0's its own), and a chat format of another
+    family's."""
+    return architecture_problems(model_cfg) + chat_format_problems(model_cfg)
 
 
 FAMILY = ModelFamily(

@@ -23,7 +23,14 @@ Llama 3.x instruct models use header tokens, with nothing between turns::
     <|start_header_id|>user<|end_header_id|>\n\nWhat is 2 + 2?<|eot_id|>
     <|start_header_id|>assistant<|end_header_id|>\n\n4<|eot_id|>
 
-(one line per turn here for reading; the text has no newline after ``<|eot_id|>``). No vision
+(one line per turn here for reading; the text has no newline after ``<|eot_id|>``).
+
+Llama 2 chat models (``model.chat_format: llama2``; the architecture is Llama 3's) put each exchange in
+``[INST]`` ... ``[/INST]``, the system prompt inside the first one, every message stripped::
+
+    <s>[INST] <<SYS>>\nYou are terse.\n<</SYS>>\n\nWhat is 2 + 2? [/INST] 4 </s><s>[INST] And 3 + 3? [/INST] 6 </s>
+
+No vision
 blocks: a sample with an image or a video is a counted reject (the model cannot see it).
 """
 
@@ -123,6 +130,41 @@ LLAMA3 = ChatFormat(
     default_system_prompt=QWEN2_SYSTEM_PROMPT,
 )
 
+# Llama 2's: each exchange opened by <s> and its user text in [INST] ... [/INST], the system prompt inside the
+# first one's [INST] (<<SYS>> ... <</SYS>>), every message stripped, the answer ended by </s>; no default system
+# prompt. [INST] and <<SYS>> are plain text to its SentencePiece tokenizer: only <s> and </s> are its tokens.
+_LLAMA2_HEADERS = {"system": "[INST] <<SYS>>\n", "user": "<s>[INST] ", "assistant": " "}
+LLAMA2_TEMPLATE = (
+    "{% set ns = namespace(text='') %}"
+    "<s>"
+    "{% for message in messages %}"
+    "{% set ns.text = '' %}"
+    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% if message['role'] == 'system' %}" + _LLAMA2_HEADERS["system"] + "{{ ns.text.strip() }}\n<</SYS>>\n\n"
+    "{% elif message['role'] == 'user' %}"
+    "{% if loop.first %}[INST] {% elif loop.previtem['role'] != 'system' %}" + _LLAMA2_HEADERS["user"] + "{% endif %}"
+    "{{ ns.text.strip() }} [/INST]"
+    "{% else %}" + _LLAMA2_HEADERS["assistant"] + "{{ ns.text.strip() }} </s>{% endif %}"
+    "{% endfor %}"
+)
+LLAMA2 = ChatFormat(
+    turn_start="<s>",
+    turn_end="</s>",
+    jinja_template=LLAMA2_TEMPLATE,
+    role_end="",
+    turn_sep="",
+    text_start="<s>",
+    document_end="</s>",
+    role_headers=tuple(_LLAMA2_HEADERS.items()),
+    role_turn_ends=(("system", "\n<</SYS>>\n\n"), ("user", " [/INST]"), ("assistant", " </s>")),
+    headers_after=(("", "user", "[INST] "), ("system", "user", "")),
+    special_tokens=("<s>", "</s>"),
+    strips_turns=True,
+)
+
 # DeepSeek-V3's: the roles as tokens of their own, only the assistant's turns ended, a system prompt as bare
 # text after the start (no default one).
 _DEEPSEEK_BOS, _DEEPSEEK_EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
@@ -150,8 +192,9 @@ DEEPSEEK_V3 = ChatFormat(
 )
 
 # The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.
-FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3}
-_ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
+FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3, "llama2": LLAMA2}
+_ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
+                         "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
                          "DeepseekV3ForCausalLM": DEEPSEEK_V3}
 

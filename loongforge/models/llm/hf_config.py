@@ -1,5 +1,6 @@
 """Text-only LLMs' HF ``config.json`` both ways: the text backbone's fields (``decoder.text_config``:
-Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE and Llama 3.x) at the top level, plus the padding token.
+Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x, DeepSeek; Qwen (1.0)'s own layout:
+``qwen1``) at the top level, plus the padding token.
 """
 
 from __future__ import annotations
@@ -10,14 +11,20 @@ from typing import Any
 from loongforge.config.errors import InputError
 from loongforge.config.schema import ModelConfig, TokenIdsConfig
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
-from loongforge.models.decoder.text_config import (
-    HF_ARCHITECTURES,
-    HF_MODEL_TYPES,
-    language_from_hf,
-    language_to_hf,
+from loongforge.models.decoder import text_config
+from loongforge.models.decoder.text_config import language_from_hf, language_to_hf
+from loongforge.models.llm.qwen1 import (
+    QWEN1_ARCHITECTURE,
+    QWEN1_MODEL_TYPE,
+    is_qwen1_config,
+    qwen1_language_from_hf,
+    qwen1_language_to_hf,
+    qwen1_hf_shapes,
 )
 
 NAME = "llm"
+HF_ARCHITECTURES = (*text_config.HF_ARCHITECTURES, QWEN1_ARCHITECTURE)
+HF_MODEL_TYPES = (*text_config.HF_MODEL_TYPES, QWEN1_MODEL_TYPE)
 __all__ = ["HF_ARCHITECTURES", "HF_MODEL_TYPES", "NAME", "expected_hf_shapes", "hf_config_from_model",
            "model_config_from_hf"]
 
@@ -25,7 +32,8 @@ __all__ = ["HF_ARCHITECTURES", "HF_MODEL_TYPES", "NAME", "expected_hf_shapes", "
 def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
     """``ModelConfig`` (no vision tower) from a Qwen2 / Qwen3 / Llama ``config.json``."""
     try:
-        return ModelConfig(family=NAME, vision=None, projector=None, language=language_from_hf(cfg, where),
+        language = qwen1_language_from_hf(cfg, where) if is_qwen1_config(cfg) else language_from_hf(cfg, where)
+        return ModelConfig(family=NAME, vision=None, projector=None, language=language,
                            tokens=TokenIdsConfig(pad_token_id=_pad_token_id(cfg)))
     except KeyError as exc:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete config.json?") from None
@@ -44,9 +52,12 @@ def _pad_token_id(cfg: Mapping[str, Any]) -> int:
 
 def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dict[str, Any]:
     """A Hub-style ``config.json`` for ``model_cfg``, written when the source carries none."""
-    return {**language_to_hf(model_cfg.language), "pad_token_id": model_cfg.tokens.pad_token_id,
+    lang = model_cfg.language
+    text = qwen1_language_to_hf(lang) if lang.architecture == QWEN1_ARCHITECTURE else language_to_hf(lang)
+    return {**text, "pad_token_id": model_cfg.tokens.pad_token_id,
             "torch_dtype": dtype}
 
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
-    return language_hf_shapes(model_cfg.language)
+    lang = model_cfg.language
+    return qwen1_hf_shapes(lang) if lang.architecture == QWEN1_ARCHITECTURE else language_hf_shapes(lang)

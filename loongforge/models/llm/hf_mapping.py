@@ -1,6 +1,6 @@
-"""Weight map between transformers' Qwen2 / Qwen3 / Qwen3-MoE / Llama checkpoints and ``TextModel``:
-the decoder's rows alone (``models.decoder.hf_mapping``). HF 5's nested key style and its fused
-expert tensors are read too."""
+"""Weight map between transformers' Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Llama / DeepSeek checkpoints and
+``TextModel``: the decoder's rows alone (``models.decoder.hf_mapping``); Qwen (1.0)'s own key layout: ``qwen1``.
+HF 5's nested key style and its fused expert tensors are read too."""
 
 from __future__ import annotations
 
@@ -9,10 +9,15 @@ from typing import Any, Mapping
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
 from loongforge.models.hf.rules import Rule, rename_prefixes
+from loongforge.models.llm.qwen1 import (
+    QWEN1_ARCHITECTURE,
+    qwen1_rules,
+)
 
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
-    return language_rules(model_cfg.language)
+    lang = model_cfg.language
+    return qwen1_rules(lang) if lang.architecture == QWEN1_ARCHITECTURE else language_rules(lang)
 
 
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
