@@ -110,6 +110,8 @@ FAMILIES = {
     "qwen3_vl": ((True,), qwen3_vl.tiny_model_cfg, lambda cfg: _cases(cfg, qwen3_vl.make_sample)),
     # InternVL3.5 (its tiny reference config, tests/models/references.py): tiles, 1-D RoPE.
     "intern_vit": ((True,), references.internvl_model_cfg, _tile_cases),
+    "llava_onevision1_5": ((True,), references.llava_onevision1_5_model_cfg,
+                           lambda cfg: _cases(cfg, lambda *a, **k: make_sample(*a, patch_dim=3 * 14 * 14, **k))),
 }
 
 

@@ -32,6 +32,8 @@ FAMILIES = {
     "internvl3.5-tiny-small-vocab": (".vision_model.cls_token", ".vision_model.pos_embed", ".mlp.layer_scale",
                                      ".projector."),
     "llava-onevision-tiny-small-vocab": (".vision_model.pos_embed", ".image_newline", ".projector."),
+    "llava-onevision1.5-tiny-small-vocab": (".vision_model.class_embedding", ".vision_model.class_rotary",
+                                            ".vision_model.pre_layernorm", ".projector.norm"),
 }
 # Adam's epsilon at 1e-6 as in tests/train/test_qwen3_vl_train.py (a gradient element zero up to rounding
 # then moves by lr times a sign set by the summation order).
@@ -55,4 +57,5 @@ def test_layout_trains_like_one_process(runs, layout):
 @pytest.mark.parametrize("preset", sorted(FAMILIES))
 def test_stored_embeddings_train_like_the_frozen_encoder(preset, tmp_path):
     one_line_array, _ = write_shared_image_records(tmp_path)
-    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, preset, one_line_array, "data.seq_len=1024")
+    assert_stored_embeddings_train_like_the_frozen_encoder(tmp_path, preset, one_line_array, "data.seq_len=1024",
+                                                           "data.max_pixels=12544")

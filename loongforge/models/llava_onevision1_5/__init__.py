@@ -24,9 +24,9 @@ from loongforge.models.towers.rice_vit import PART as TOWER
 from loongforge.models.vlm.positions import sequential_positions_for
 
 # The composition's layouts proven for it: vision TP below the language TP (tests/models/test_tp_parity.py,
-# test_llava_onevision1_5.py); the encoder's sharing over TP (encoder_dp=tp) and the model-parallel group
-# (full) are not proven for it yet.
-LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none",))
+# test_llava_onevision1_5.py), the TP group sharing each micro-batch's images (encoder_dp=tp,
+# tests/models/test_encoder_dp.py); encoder_dp=full is not proven for it yet.
+LAYOUT = replace(DECODER_LAYOUT, encoder_dp_modes=("none", "tp"))
 
 FAMILY = ModelFamily(
     **hf_facts(hf_config),
