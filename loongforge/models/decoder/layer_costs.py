@@ -79,12 +79,13 @@ class GroupedQueryAttention:
         return projections + attention_flops(segment_lengths, q_width)
 
     @classmethod
-    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """q, k, v and the attention output; with the output gate also the gate and the gated output (the
-        output projection's input); split over TP."""
+        output projection's input); under CP the keys and values each local chunk sees (``context_keys``);
+        split over TP."""
         q_width, kv_width, _ = cls.widths(lang)
         gated = 2 * q_width if lang.attention_output_gate else 0
-        return (2 * q_width + 2 * kv_width + gated) / tp
+        return (2 * q_width + 2 * kv_width * (1 + context_keys(cp)) + gated) / tp
 
     @staticmethod
     def attention_width(lang: LanguageConfig) -> float:
@@ -135,14 +136,14 @@ class LatentAttention:
         return query + key_value + linear_flops(tokens, v_width, h) + attention
 
     @staticmethod
-    def saved_values_per_token(lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """The latents (the query's, the keys' and values' with the shared rotary key; gathered over TP, and
-        their normed copies), then per head the query and key, the value and the attention output, split
-        over TP."""
+        their normed copies), then per head the query and key, the value and the attention output (under CP
+        also the keys and values each local chunk sees, ``context_keys``), split over TP."""
         mla, heads = lang.multi_latent_attention, lang.num_attention_heads
         latents = 2 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) + mla.qk_rope_head_dim
         qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
-        return latents + heads * (2 * qk + 2 * v) / tp
+        return latents + heads * (2 * qk + 2 * v + (qk + v) * context_keys(cp)) / tp
 
     @classmethod
     def attention_width(cls, lang: LanguageConfig) -> float:
@@ -214,16 +215,27 @@ class GatedDeltaNet:
         return projections + causal_conv_flops(tokens, shape) + gated_delta_rule_flops(tokens, shape)
 
     @classmethod
-    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """The input projection's output (q, k, v before the convolution, z, b, a: 2K + 2V + 2H), the
         convolution's output, g and beta (the rule's inputs fla keeps: 2K + V + 2H), fla's solved chunk matrix
         (a row of ``DELTA_RULE_CHUNK`` per value head), the rule's output and the gated norm's (the output
-        projection's input: 2V), split over TP. The recurrent state is recomputed in the backward, not kept."""
+        projection's input: 2V), split over TP. The recurrent state is recomputed in the backward, not kept.
+        Under CP (``linear_attention_cp``): each token's window of the convolution's input (K taps, not one)
+        and the rule's d_k widened value columns, in and out."""
+        shape = lang.linear_attention
         key_width, value_width = cls.widths(lang)
-        heads, qkv = lang.linear_attention.num_value_heads, 2 * key_width + value_width
+        heads, qkv = shape.num_value_heads, 2 * key_width + value_width
         projection = qkv + value_width + 2 * heads
         rule_inputs = qkv + 2 * heads + heads * DELTA_RULE_CHUNK
-        return (projection + rule_inputs + 2 * value_width) / tp
+        context = (shape.conv_kernel - 1) * qkv + 2 * heads * shape.key_head_dim if cp > 1 else 0
+        return (projection + rule_inputs + 2 * value_width + context) / tp
+
+
+def context_keys(cp: int) -> float:
+    """Keys (and values) a CP rank's attention keeps per local token: its two chunks of each sample see the keys
+    up to them, (r + 1) + (2 CP - r) chunks of 2 CP, CP + 1/2 times its own tokens (``models.layers.attention``
+    gathers the row and copies each chunk's keys); none at CP 1 beyond its own."""
+    return cp + 0.5 if cp > 1 else 0.0
 
 
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
