@@ -16,7 +16,12 @@ from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.layer_costs import head_dim
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)  # CLIP's GELU approximation (Qwen2-VL's, ERNIE-4.5-VL's ViTs)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "quick_gelu": _quick_gelu}
 
 
 def activation(name: str, key: str):
