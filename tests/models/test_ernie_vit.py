@@ -46,8 +46,20 @@ def our_cfg() -> ModelConfig:
         language=LanguageConfig(hidden_size=48, rms_norm_eps=1e-5))
 
 
+def hub_names(hf_state: dict) -> dict:
+    """transformers' module names of the vision part -> the names ``save_pretrained`` writes."""
+    renames = (("model.vision_tower.", "model.vision_model."), ("_linear.fc1.", "_linear.0."),
+               ("_linear.fc2.", "_linear.2."), ("_linear.ln.", "_linear.3."))
+    out = {}
+    for key, value in hf_state.items():
+        for old, new in renames:
+            key = key.replace(old, new)
+        out[key] = value
+    return out
+
+
 def load_rules(encoder, hf_state: dict, model_cfg: ModelConfig) -> None:
-    state = {}
+    hf_state, state = hub_names(hf_state), {}
     for rule in tower_rules(model_cfg):
         for i in range(DEPTH) if "{i}" in rule.megatron else [None]:
             keys = [key if i is None else key.format(i=i) for key in rule.hf]
@@ -61,8 +73,8 @@ def load_rules(encoder, hf_state: dict, model_cfg: ModelConfig) -> None:
 
 
 def test_the_rows_cover_transformers_vision_tensors():
-    hf_state = {k: tuple(v.shape) for k, v in hf_model().state_dict().items()
-                if k.startswith(("model.vision_tower.", "model.resampler_model."))}
+    hf_state = {k: tuple(v.shape) for k, v in hub_names(hf_model().state_dict()).items()
+                if k.startswith(("model.vision_model.", "model.resampler_model."))}
     assert hf_shapes(our_cfg()) == hf_state
 
 

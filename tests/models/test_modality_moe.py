@@ -96,10 +96,11 @@ def copy_weights(model, hf) -> None:
             state[m + "mlp.linear_fc2.weight"] = hf_state[h + "mlp.down_proj.weight"]
             continue
         state[m + "pre_mlp_layernorm.weight"] = hf_state[h + "post_attention_layernorm.weight"]
+        state[m + "mlp.expert_bias"] = torch.cat([hf_state[h + f"mlp.{kind}.gate.moe_statics.e_score_correction_bias"]
+                                                  for kind in ("text_moe", "vision_moe")])
         for kind in ("text_moe", "vision_moe"):
             hk, mk = h + f"mlp.{kind}.", m + f"mlp.{kind}"
             state[mk + ".router.weight"] = hf_state[hk + "gate.weight"]
-            state[mk + ".router.expert_bias"] = hf_state[hk + "gate.moe_statics.e_score_correction_bias"][0]
             _experts(state, mk, hf_state[hk + "experts.gate_up_proj"], hf_state[hk + "experts.down_proj"])
         hs = h + "mlp.shared_experts."
         state[m + "mlp.shared_experts.linear_fc1.weight"] = GateUp().shard([hf_state[hs + "gate_proj.weight"],
@@ -164,8 +165,7 @@ def test_routing_by_modality_and_bias_matters(megatron_world_of_one):
         text_routed = hidden @ hf.embed_tokens.weight.T
         ours = model(input_ids=ids, position_ids=positions, attention_mask=None)[..., :VOCAB]
         for layer in model.decoder.layers[1:]:  # the routers' fixed bias chooses too
-            for moe in (layer.mlp.text_moe, layer.mlp.vision_moe):
-                moe.router.expert_bias.zero_()
+            layer.mlp.expert_bias.zero_()
         unbiased = model(input_ids=ids, position_ids=positions, attention_mask=None)[..., :VOCAB]
     gap = (ours - text_routed).abs().max().item() / text_routed.abs().max().item()
     bias_gap = (ours - unbiased).abs().max().item() / ours.abs().max().item()

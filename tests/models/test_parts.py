@@ -44,7 +44,7 @@ def test_text_only_families_name_no_tower():
     ("model.vision.arch=qwen3_vit", "model.vision.arch='qwen3_vit': model.family=qwen2_5_vl is composed of the "
                                     "'qwen2_5_vit' tower; set model.vision.arch=qwen2_5_vit or leave it null"),
     ("model.vision.arch=qwen3_vitt", "model.vision.arch='qwen3_vitt' is not a vision tower of loongforge "
-                                     "(intern_vit | qwen2_5_vit | qwen3_vit | siglip); did you mean 'qwen3_vit'?"),
+                                     "(ernie_vit | intern_vit | qwen2_5_vit | qwen3_vit | siglip); did you mean 'qwen3_vit'?"),
     ("model.projector.arch=deepstack_mergers", "model.projector.arch='deepstack_mergers': the 'qwen2_5_vit' tower "
                                                "is built with patch_merger; set model.projector.arch=patch_merger"),
 ])
@@ -78,7 +78,7 @@ def test_a_tower_outside_loongforge_is_named_by_its_import_path():
     part = parts.tower("tests.train.made_up_tower")
     assert part.arch == "tests.train.made_up_tower" and part.projectors == ("mlp",)
     with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.no_such_tower: no module 'tests.no_such_tower' "
-                                          r"to import; give a tower of loongforge \(intern_vit \| "):
+                                          r"to import; give a tower of loongforge \(ernie_vit \| intern_vit \| "):
         parts.tower("tests.no_such_tower")
     with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.shared_data: the module exports no PART = "
                                           r"TowerPart\(arch='tests.shared_data', ...\); export one$"):

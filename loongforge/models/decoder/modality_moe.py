@@ -43,18 +43,27 @@ NORM_MIN = 1e-12
 
 class ScoreBiasRouter(TopKRouter):
     """megatron's top-k router choosing by softmax + a fixed per-expert bias, weighing by the
-    renormalised softmax alone."""
+    renormalised softmax alone. The bias is a row of its ``ModalityMoE``'s ``expert_bias`` (one tensor for
+    both sets, as checkpoints store it), handed over by ``use_bias_row``; zeros until then."""
 
     def __init__(self, config: TransformerConfig, pg_collection: Optional[ProcessGroupCollection] = None):
         super().__init__(config=config, pg_collection=pg_collection)
-        del self.expert_bias  # megatron's (None here): ours is a buffer it never updates
-        self.register_buffer("expert_bias", torch.zeros(config.num_moe_experts, dtype=torch.float32))
+        self.__dict__["_bias_rows"] = None  # not a submodule or buffer: the owner's tensor
+        self._bias_row = 0
+
+    def use_bias_row(self, rows: torch.Tensor, row: int) -> None:
+        self.__dict__["_bias_rows"], self._bias_row = rows, row
+
+    @property
+    def score_bias(self) -> torch.Tensor:
+        rows = self.__dict__["_bias_rows"]
+        return torch.zeros(self.config.num_moe_experts) if rows is None else rows[self._bias_row]
 
     def routing(self, logits: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
         """logits [s, b, E] -> (probs [s*b, E], zero outside each token's k experts; routing map [s*b, E])."""
         logits = logits.view(-1, self.config.num_moe_experts)
         scores = torch.softmax(logits.float(), dim=-1)
-        _, chosen = torch.topk(scores + self.expert_bias.float(), self.topk, dim=-1)
+        _, chosen = torch.topk(scores + self.score_bias.float().to(scores.device), self.topk, dim=-1)
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)
         probs = torch.zeros_like(scores).scatter(1, chosen, weights).type_as(logits)
@@ -99,7 +108,18 @@ class ModalityMoE(MegatronModule):
             with seeded_below("shared_experts"):
                 self.shared_experts = build_module(submodules.shared_experts, config=config, gate=False,
                                                    pg_collection=pg_collection)
+        # Each set's routing bias, [text, vision] x experts (fp32, not trained; ERNIE's e_score_correction_bias).
+        self.register_buffer("expert_bias", torch.zeros(2, config.num_moe_experts, dtype=torch.float32))
+        for row, moe in enumerate((self.text_moe, self.vision_moe)):
+            moe.router.use_bias_row(self.expert_bias, row)
         self.vision_tokens: Optional[torch.Tensor] = None
+
+    def _apply(self, fn, *args, **kwargs):
+        # .to() / .cuda() replace the buffer: hand the routers the new tensor.
+        result = super()._apply(fn, *args, **kwargs)
+        for row, moe in enumerate((self.text_moe, self.vision_moe)):
+            moe.router.use_bias_row(self.expert_bias, row)
+        return result
 
     def set_layer_number(self, layer_number: int) -> None:
         for moe in (self.text_moe, self.vision_moe):

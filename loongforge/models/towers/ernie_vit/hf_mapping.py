@@ -1,6 +1,7 @@
 """HF weight rows of ERNIE-4.5-VL's vision part (the ViT and the resampler), for a family's weight map
-(``models.hf.rules``; the family adds the language model's rows and its key styles). Default prefixes:
-transformers' module names (``model.vision_tower.``, ``model.resampler_model.``).
+(``models.hf.rules``; the family adds the language model's rows and its key styles), in the names
+``save_pretrained`` writes (``model.vision_model.``, ``model.resampler_model.`` with its MLPs' layers numbered
+``0``, ``2``, ``3``: fc1, fc2, the norm).
 
 Layouts that are not a plain copy: the ViT's fused ``qkv`` (HF ``[3, heads, hd]``, megatron ``[heads, 3,
 hd]``); the pre-norms (LayerNorm weight and bias) in our fused ``layer_norm_{weight,bias}`` names. The
@@ -13,7 +14,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.hf.rules import VISION, FusedHeadQKV, Replicated, Rule, Split
 
 
-def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
+def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_model.",
                 resampler_prefix: str = "model.resampler_model.") -> list[Rule]:
     vis = model_cfg.vision
     rep, col, row = Replicated(), Split(0), Split(1)
@@ -32,15 +33,15 @@ def tower_rules(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
         ]
         for stage in ("spatial", "temporal"):
             hs, ms = resampler_prefix + f"{stage}_linear.", f"projector.{stage}_linear."
-            rules += [Rule((hs + f"fc1.{p}",), ms + f"linear_fc1.{p}", col, VISION),
-                      Rule((hs + f"fc2.{p}",), ms + f"linear_fc2.{p}", row if p == "weight" else rep, VISION),
-                      Rule((hs + f"ln.{p}",), f"projector.{stage}_norm.{p}", rep, VISION)]
+            rules += [Rule((hs + f"0.{p}",), ms + f"linear_fc1.{p}", col, VISION),
+                      Rule((hs + f"2.{p}",), ms + f"linear_fc2.{p}", row if p == "weight" else rep, VISION),
+                      Rule((hs + f"3.{p}",), f"projector.{stage}_norm.{p}", rep, VISION)]
         rules.append(Rule((resampler_prefix + f"mlp.{p}",), f"projector.mlp.{p}", rep, VISION))
     rules.append(Rule((resampler_prefix + "after_norm.weight",), "projector.after_norm.weight", rep, VISION))
     return rules
 
 
-def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
+def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_model.",
               resampler_prefix: str = "model.resampler_model.") -> dict[str, tuple[int, ...]]:
     """Every HF tensor of the ViT and the resampler and its shape, as ``model_cfg`` implies them."""
     vis, out = model_cfg.vision, model_cfg.projector.out_hidden_size
@@ -57,8 +58,8 @@ def hf_shapes(model_cfg: ModelConfig, hf_prefix: str = "model.vision_tower.",
                        b + "mlp.fc2.weight": (h, ffn), b + "mlp.fc2.bias": (h,)})
     for stage, fan_in in (("spatial", width), ("temporal", 2 * width)):
         s = f"{resampler_prefix}{stage}_linear."
-        shapes.update({s + "fc1.weight": (width, fan_in), s + "fc1.bias": (width,), s + "fc2.weight": (width, width),
-                       s + "fc2.bias": (width,), s + "ln.weight": (width,), s + "ln.bias": (width,)})
+        shapes.update({s + "0.weight": (width, fan_in), s + "0.bias": (width,), s + "2.weight": (width, width),
+                       s + "2.bias": (width,), s + "3.weight": (width,), s + "3.bias": (width,)})
     shapes.update({resampler_prefix + "mlp.weight": (out, width), resampler_prefix + "mlp.bias": (out,),
                    resampler_prefix + "after_norm.weight": (out,)})
     return shapes

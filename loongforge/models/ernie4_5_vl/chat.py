@@ -1,0 +1,43 @@
+"""ERNIE-4.5-VL's chat format, from the template its published tokenizer_config.json carries: the text opens
+with ``<|begin_of_sentence|>``; a system turn is its text and a newline, a user turn ``User: `` and its text,
+an assistant turn a newline, ``Assistant: ``, its text and ``<|end_of_sentence|>``; an image is
+``<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>`` after a ``Picture n:`` label (the label's number is the
+image's count in the conversation, which the data side's fixed image block cannot write: the block here
+carries the markers alone).
+"""
+
+from __future__ import annotations
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.family import ChatFormat
+
+BEGIN, END = "<|begin_of_sentence|>", "<|end_of_sentence|>"
+IMAGE_BLOCK = "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
+
+TEMPLATE = (
+    "{{- '" + BEGIN + "' -}}"
+    "{%- for message in messages -%}"
+    "{%- if message.role == 'system' -%}{{- message.content -}}{{- '\\n' -}}"
+    "{%- elif message.role == 'user' -%}{{- 'User: ' -}}"
+    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+    "{%- for item in message.content -%}{%- if item.type == 'text' -%}{{- item.text -}}"
+    "{%- elif item.type in ['image', 'image_url'] -%}{{- '" + IMAGE_BLOCK + "' -}}{%- endif -%}{%- endfor -%}"
+    "{%- endif -%}"
+    "{%- elif message.role == 'assistant' -%}{{- '\\nAssistant: ' + message.content + '" + END + "' -}}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '\\nAssistant: ' -}}{%- endif -%}"
+)
+
+CHAT = ChatFormat(
+    turn_start="", turn_end="", jinja_template=TEMPLATE, image_block=IMAGE_BLOCK, role_end="", turn_sep="",
+    text_start=BEGIN, document_end=END,
+    role_headers=(("system", ""), ("user", "User: "), ("assistant", "\nAssistant: ")),
+    role_turn_ends=(("system", "\n"), ("assistant", END)),
+    vision_tokens=(("<|IMAGE_PLACEHOLDER|>", "image_token_id"), ("<|IMAGE_START|>", "vision_start_token_id"),
+                   ("<|IMAGE_END|>", "vision_end_token_id")),
+    wraps_images=False,
+)
+
+
+def chat_format(model_cfg: ModelConfig) -> ChatFormat:
+    return CHAT

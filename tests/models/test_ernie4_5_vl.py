@@ -1,0 +1,91 @@
+"""ERNIE-4.5-VL (``models/ernie4_5_vl``): config.json both ways, the weight map against transformers' tensors,
+and the whole model (tower, resampler, modality-isolated experts, 3-D positions) equal to transformers on
+text, one image and two images of other proportions."""
+
+from __future__ import annotations
+
+import importlib
+
+import pytest
+import torch
+
+from loongforge.config.schema import ParallelConfig
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.media import MediaBatch
+from loongforge.models import registry
+
+from tests.models.helpers import destroy_megatron, free_port, init_megatron
+from tests.models.ernie_helpers import build_hf, sample, tiny_cfg, tiny_hf_config_dict
+
+
+
+@pytest.fixture(scope="module", autouse=True)
+def family_registered():
+    """The family in the registry for this module's tests (it is registered for every concern once its presets,
+    tokenizer and reference are in; until then only here)."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setitem(registry._FAMILIES, "ernie4_5_vl", "loongforge.models.ernie4_5_vl")
+        yield
+
+
+FAMILY = importlib.import_module("loongforge.models.ernie4_5_vl").FAMILY
+
+
+def test_config_json_both_ways():
+    model_cfg = tiny_cfg()
+    lang = model_cfg.language
+    assert (lang.moe.num_experts, lang.moe.ffn_hidden_size, lang.moe.vision_ffn_hidden_size) == (4, 32, 16)
+    assert lang.moe.shared_expert_ffn_hidden_size == 64 and lang.moe.first_dense_layers == 1
+    assert model_cfg.vision.arch == "ernie_vit" and model_cfg.projector.out_hidden_size == 64
+    assert FAMILY.config_from_hf(FAMILY.config_to_hf(model_cfg), "again") == model_cfg
+    from transformers import Ernie4_5_VLMoeConfig
+
+    written = FAMILY.config_to_hf(model_cfg)
+    back = Ernie4_5_VLMoeConfig(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")})
+    assert back.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    assert FAMILY.config_problems(model_cfg) == []
+
+
+def test_hf_shapes_are_transformers_tensors():
+    model_cfg = tiny_cfg()
+    hub = FAMILY.to_hub_style(build_hf(model_cfg).state_dict())
+    hub.pop("lm_head.weight")  # tied: the Hub's files have none
+    assert FAMILY.hf_shapes(model_cfg) == {k: tuple(v.shape) for k, v in hub.items()}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    init_megatron(rank=0, world_size=1, port=free_port())
+    model_cfg = tiny_cfg()
+    hf = build_hf(model_cfg)
+    model = FAMILY.build(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                         post_process=True, device="cpu").eval()
+    load_hf_state_dict(model, hf.state_dict())
+    yield model_cfg, hf, model
+    destroy_megatron()
+
+
+@pytest.mark.parametrize("images", [(), ((1, 4, 6),), ((1, 4, 6), (1, 6, 2))], ids=["text", "one_image", "two_images"])
+def test_logits_equal_transformers(pair, images):
+    model_cfg, hf, model = pair
+    ids, rows, grids, kinds, experts = sample(images)
+    positions = FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None]
+    with torch.no_grad():
+        expected = hf(input_ids=ids, pixel_values=rows, image_grid_thw=grids, mm_token_type_ids=kinds,
+                      moe_mm_token_type_ids=experts).logits
+        hf_positions, _ = hf.model.get_rope_index(ids, kinds, image_grid_thw=grids) if images else (positions, None)
+        media = MediaBatch.of(pixel_values=rows, image_grid_thw=grids)
+        ours = model(input_ids=ids, position_ids=positions, media=media)[..., :300]
+    assert torch.equal(hf_positions, positions)
+    error = ((ours - expected).abs().max() / expected.abs().max()).item()
+    print(f"ERNIE-4.5-VL {len(images)} image(s) vs transformers: {error:.2e} of the largest logit")
+    assert error < 2e-6
+
+
+def test_the_weight_map_writes_back_what_it_read(pair):
+    model_cfg, hf, model = pair
+    hub = FAMILY.to_hub_style(hf.state_dict())
+    hub.pop("lm_head.weight")  # tied: not written
+    written = megatron_to_hf([model.state_dict()], model_cfg)
+    assert set(written) == set(hub)
+    assert all(torch.equal(written[k], hub[k]) for k in hub)
