@@ -74,9 +74,7 @@ class LanguageModel(GPTModel):
                 raise ValueError("modality-isolated experts take the block's context for the tokens' modality; "
                                  "it holds another input (DeepStack's features)")
             input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
-            block_kwargs["context"] = routing_tokens(input_ids, self.routing_token_ids,
-                                                     sequence_parallel=self.config.sequence_parallel,
-                                                     tp_group=self.pg_collection.tp)
+            block_kwargs["context"] = routing_tokens(input_ids, self.routing_token_ids)
             kwargs["extra_block_kwargs"] = block_kwargs
         try:
             return super().forward(*args, padding_mask=padding_mask, **kwargs)

@@ -9,7 +9,7 @@ experts (the vision experts narrower), and one ungated shared expert every token
 
 Which tokens are vision tokens is a per-token fact of the input ids (the placeholders and the markers
 around them, ``LanguageModel(routing_token_ids=...)``). It reaches the layers as the decoder block's
-``context`` ([s, b] bool, cut along the sequence like the hidden states under sequence parallelism):
+``context`` ([s, b] bool, the whole sequence also under sequence parallelism):
 a block input, so it rides megatron's activation checkpoints (a recomputed layer routes the same
 tokens) and every pipeline stage builds its own from the ids. A forward pre-hook on each layer hands
 it to the layer's MLP for the length of the call.
@@ -30,6 +30,7 @@ from typing import Optional
 
 import torch
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel import gather_from_sequence_parallel_region, scatter_to_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.moe.router import TopKRouter
 from megatron.core.transformer.spec_utils import ModuleSpec, build_module
@@ -112,7 +113,8 @@ class ModalityMoE(MegatronModule):
         self.register_buffer("expert_bias", torch.zeros(2, config.num_moe_experts, dtype=torch.float32))
         for row, moe in enumerate((self.text_moe, self.vision_moe)):
             moe.router.use_bias_row(self.expert_bias, row)
-        self.vision_tokens: Optional[torch.Tensor] = None
+        self.vision_tokens: Optional[torch.Tensor] = None  # [s, b]: the TP group's whole sequence
+        self.tp_group = pg_collection.tp
 
     def _apply(self, fn, *args, **kwargs):
         # .to() / .cuda() replace the buffer: hand the routers the new tensor.
@@ -126,27 +128,61 @@ class ModalityMoE(MegatronModule):
             moe.set_layer_number(layer_number)
 
     def forward(self, hidden_states: torch.Tensor, padding_mask: Optional[torch.Tensor] = None):
-        """hidden_states [s, b, h]; padding_mask [b, s] (True: padding) -> (output [s, b, h], None)."""
-        seq_len, batch, hidden = hidden_states.shape
+        """hidden_states [s, b, h] (this rank's s / tp under sequence parallelism); padding_mask [b, s] (True:
+        padding; [b, s / tp] likewise) -> (output like hidden_states, None).
+
+        Under sequence parallelism the modalities split the TP group's whole sequence, not each rank's slice
+        (each slice holds its own count of each): the hidden states are gathered, each modality's tokens
+        padded to a multiple of the TP size and cut evenly over the group as megatron's MoE layer takes them,
+        its outputs gathered and this rank's slice kept."""
+        tp = self.tp_group
+        split = self.config.sequence_parallel and tp.size() > 1
+        whole = gather_from_sequence_parallel_region(hidden_states, group=tp) if split else hidden_states
+        if padding_mask is not None and split:
+            padding_mask = torch.cat(_all_gather(padding_mask.transpose(0, 1).contiguous(), tp)).transpose(0, 1)
+        seq_len, batch, hidden = whole.shape
         if self.vision_tokens is None:
             raise RuntimeError("modality-isolated experts need the tokens' modality: build the language model "
                                "with routing_token_ids (the decoder hands it to every layer)")
         if tuple(self.vision_tokens.shape) != (seq_len, batch):
             raise ValueError(f"the tokens' modality is {list(self.vision_tokens.shape)}, the hidden states "
                              f"[{seq_len}, {batch}, {hidden}]")
-        flat = hidden_states.reshape(-1, hidden)
+        flat = whole.reshape(-1, hidden)
         vision = self.vision_tokens.reshape(-1)
         padding = None if padding_mask is None else padding_mask.transpose(0, 1).reshape(-1)
         output = torch.zeros_like(flat)
         for moe, rows in ((self.text_moe, (~vision).nonzero().squeeze(1)), (self.vision_moe, vision.nonzero().squeeze(1))):
-            # One sequence of this modality's tokens ([n, 1, h]; its padding mask [1, n]).
-            part_padding = None if padding is None else padding[rows].unsqueeze(0)
-            part, _ = moe(flat.index_select(0, rows).unsqueeze(1), padding_mask=part_padding)
-            output = output.index_copy(0, rows, part.reshape(-1, hidden).to(output.dtype))
+            part = self._expert_set(moe, flat.index_select(0, rows), None if padding is None else padding[rows], split)
+            output = output.index_copy(0, rows, part.to(output.dtype))
         output = output.view(seq_len, batch, hidden)
+        if split:
+            output = scatter_to_sequence_parallel_region(output, group=tp)
         if self.shared_experts is not None:
             output = output + self.shared_experts(hidden_states)
         return output, None
+
+    def _expert_set(self, moe, tokens: torch.Tensor, padding: Optional[torch.Tensor], split: bool) -> torch.Tensor:
+        """One modality's tokens [n, h] (their padding [n] or None) through its MoE layer -> [n, h]; ``split``:
+        the TP group's tokens, cut evenly over it (padded with rows the routers count as padding)."""
+        if not split:
+            out, _ = moe(tokens.unsqueeze(1), padding_mask=None if padding is None else padding.unsqueeze(0))
+            return out.reshape(-1, tokens.shape[-1])
+        tp, count = self.tp_group, tokens.shape[0]
+        size = -(-count // tp.size()) * tp.size()
+        filler = size - count
+        tokens = torch.cat([tokens, tokens.new_zeros(filler, tokens.shape[-1])])
+        padding = torch.cat([padding if padding is not None else torch.zeros(count, dtype=torch.bool, device=tokens.device),
+                             torch.ones(filler, dtype=torch.bool, device=tokens.device)])
+        share = size // tp.size()
+        mine = slice(tp.rank() * share, (tp.rank() + 1) * share)
+        out, _ = moe(tokens[mine].unsqueeze(1), padding_mask=padding[mine].unsqueeze(0))
+        return gather_from_sequence_parallel_region(out, tensor_parallel_output_grad=False, group=tp)[:count, 0]
+
+
+def _all_gather(tensor: torch.Tensor, group) -> list[torch.Tensor]:
+    parts = [torch.empty_like(tensor) for _ in range(group.size())]
+    torch.distributed.all_gather(parts, tensor, group=group)
+    return parts
 
 
 def modality_moe_spec(text: ModuleSpec, vision: ModuleSpec, shared: Optional[ModuleSpec],
@@ -163,14 +199,10 @@ def modality_moe_spec(text: ModuleSpec, vision: ModuleSpec, shared: Optional[Mod
                                                 "VISION_FFN_HIDDEN_SIZE": vision_ffn_hidden_size})
 
 
-def routing_tokens(input_ids: torch.Tensor, token_ids: torch.Tensor, *, sequence_parallel: bool,
-                   tp_group: torch.distributed.ProcessGroup) -> torch.Tensor:
-    """[s, b] bool (this rank's s / tp under sequence parallelism): True where ``input_ids`` [b, s] is one of
-    ``token_ids`` (routed to the vision experts)."""
-    vision = torch.isin(input_ids, token_ids.to(input_ids.device)).transpose(0, 1).contiguous()
-    if sequence_parallel and tp_group.size() > 1:
-        vision = vision.chunk(tp_group.size(), dim=0)[tp_group.rank()].contiguous()
-    return vision
+def routing_tokens(input_ids: torch.Tensor, token_ids: torch.Tensor) -> torch.Tensor:
+    """[s, b] bool: True where ``input_ids`` [b, s] is one of ``token_ids`` (routed to the vision experts); the
+    whole sequence also under sequence parallelism (the layers split it by modality over the TP group)."""
+    return torch.isin(input_ids, token_ids.to(input_ids.device)).transpose(0, 1).contiguous()
 
 
 def _hand_modality(module, args, kwargs):
