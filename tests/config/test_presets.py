@@ -56,7 +56,7 @@ def test_resolved_yaml_round_trips(name, tmp_path):
 # Toy sizes for CPU runs: no published checkpoint to match.
 TINY_PRESETS = {DEFAULT_PRESET, "llm-tiny", "llama-tiny", "qwen3vl-tiny", "qwen3-moe-tiny", "qwen3vl-moe-tiny",
                 "internvl3.5-tiny", "llava-onevision-tiny", "composition-tiny", "qwen3.5-tiny", "qwen3.5-moe-tiny",
-                "deepseek-v3-tiny"}
+                "deepseek-v3-tiny", "ernie4.5vl-tiny"}
 CPU_PRESETS = {"qwen2.5vl-tiny-vit", *TINY_PRESETS, *(f"{name}-small-vocab" for name in TINY_PRESETS)}
 
 

@@ -4,31 +4,20 @@ text, one image and two images of other proportions."""
 
 from __future__ import annotations
 
-import importlib
-
 import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
 from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.media import MediaBatch
-from loongforge.models import registry
+from loongforge.models.registry import get_family
 
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.ernie_helpers import build_hf, sample, tiny_cfg, tiny_hf_config_dict
 
 
 
-@pytest.fixture(scope="module", autouse=True)
-def family_registered():
-    """The family in the registry for this module's tests (it is registered for every concern once its presets,
-    tokenizer and reference are in; until then only here)."""
-    with pytest.MonkeyPatch.context() as patch:
-        patch.setitem(registry._FAMILIES, "ernie4_5_vl", "loongforge.models.ernie4_5_vl")
-        yield
-
-
-FAMILY = importlib.import_module("loongforge.models.ernie4_5_vl").FAMILY
+FAMILY = get_family("ernie4_5_vl")
 
 
 def test_config_json_both_ways():

@@ -4,7 +4,6 @@ parallelism: two ranks over gloo equal transformers on a row of text and two ima
 
 from __future__ import annotations
 
-import importlib
 from datetime import timedelta
 
 import torch
@@ -12,7 +11,7 @@ import torch.distributed as dist
 from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
 
 from loongforge.config.schema import ParallelConfig
-from loongforge.models import registry
+from loongforge.models.registry import get_family
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.media import MediaBatch
 
@@ -28,8 +27,7 @@ def _worker(rank: int, port: int, bounds: dict) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     limit_threads()
-    registry._FAMILIES["ernie4_5_vl"] = "loongforge.models.ernie4_5_vl"  # this worker's registry
-    family = importlib.import_module("loongforge.models.ernie4_5_vl").FAMILY
+    family = get_family("ernie4_5_vl")
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
                             timeout=timedelta(seconds=120))
     model_cfg = tiny_cfg()

@@ -84,9 +84,9 @@ def test_unknown_family_names_the_key_and_the_nearest_name():
     with pytest.raises(ConfigError) as error:
         registry.get_family("qwen25_vl")
     (message,) = error.value.messages
-    assert message == ("model.family='qwen25_vl' is not one of composition | internvl | llava_onevision | llm | "
+    assert message == ("model.family='qwen25_vl' is not one of composition | ernie4_5_vl | internvl | llava_onevision | llm | "
                        "qwen2_5_vl | qwen3_5 | qwen3_vl; did you mean 'qwen2_5_vl'? set model.family to one of those.")
-    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of composition \| internvl \| "
+    with pytest.raises(ConfigError, match=r"^model.family='gemma' is not one of composition \| ernie4_5_vl \| internvl \| "
                                           r"llava_onevision \| llm \| qwen2_5_vl \| qwen3_5 \| qwen3_vl; set"):
         registry.get_family("gemma")
 
@@ -99,7 +99,7 @@ def test_a_config_naming_no_family_is_refused_in_one_line():
     with pytest.raises(ConfigError) as error:
         registry.check_family_layout(cfg)
     (message,) = error.value.messages
-    assert message == ("model.family is not set; set it to one of composition | internvl | llava_onevision | llm | "
+    assert message == ("model.family is not set; set it to one of composition | ernie4_5_vl | internvl | llava_onevision | llm | "
                        "qwen2_5_vl | qwen3_5 | qwen3_vl.")
     registry.check_family_layout(load_run_config("qwen2.5vl-tiny", overrides=["~model.vision.arch"]))
 
@@ -154,7 +154,7 @@ def _family_problem(preset: str, *overrides: str) -> str:
 def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_that_do():
     message = _family_problem("qwen2.5vl-tiny", "model.language.moe.num_experts=4", "model.language.moe.ffn_hidden_size=64")
     assert message == ("model.language.moe is set but model.family=qwen2_5_vl does not build experts "
-                       "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
+                       "(model.family=ernie4_5_vl or llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
                        "or choose such a family.")
     assert _family_problem("qwen3vl-tiny", "model.chat_format=chatml").startswith(
         "model.chat_format='chatml' but model.family=qwen3_vl does not build chat format (model.family=llm builds it)")

@@ -249,7 +249,7 @@ class DenseMLP:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
         return linear_flops(tokens, lang.hidden_size, 3 * lang.ffn_hidden_size)
 
     @staticmethod
@@ -286,7 +286,8 @@ class Experts:
         return router + cls.routed_parameters(lang, active=active) + cls.shared_parameters(lang)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Every token alike (``vision_tokens``: of no account here)."""
         moe, h = lang.moe, lang.hidden_size
         shared = moe.shared_expert_ffn_hidden_size
         router = linear_flops(tokens, h, moe.num_experts)
@@ -324,7 +325,17 @@ class ModalityExperts:
         routers = 2 * (linear_parameters(lang.hidden_size, lang.moe.num_experts, bias=False) + lang.moe.num_experts)
         return routers + cls.routed_parameters(lang, active=active) + Experts.shared_parameters(lang)
 
-    forward_flops = Experts.forward_flops
+    @staticmethod
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Each token through its set's router and ``router_topk`` of its set's experts (``vision_tokens`` of
+        the ``tokens`` go to the vision set), and every token through the shared experts."""
+        moe, h = lang.moe, lang.hidden_size
+        shared = moe.shared_expert_ffn_hidden_size
+        return (linear_flops(tokens, h, moe.num_experts)
+                + linear_flops((tokens - vision_tokens) * moe.router_topk, h, 3 * moe.ffn_hidden_size)
+                + linear_flops(vision_tokens * moe.router_topk, h, 3 * moe.vision_ffn_hidden_size)
+                + (linear_flops(tokens, h, 3 * shared) if shared else 0))
+
     saved_values_per_token = Experts.saved_values_per_token
 
 

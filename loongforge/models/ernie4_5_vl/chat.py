@@ -29,10 +29,12 @@ TEMPLATE = (
 )
 
 CHAT = ChatFormat(
-    turn_start="", turn_end="", jinja_template=TEMPLATE, image_block=IMAGE_BLOCK, role_end="", turn_sep="",
+    # Every role the template writes has a header and an end of its own below; a turn of another role would be
+    # written as a user's (the template writes system and user turns alike).
+    turn_start="User: ", turn_end=END, jinja_template=TEMPLATE, image_block=IMAGE_BLOCK, role_end="", turn_sep="",
     text_start=BEGIN, document_end=END,
     role_headers=(("system", ""), ("user", "User: "), ("assistant", "\nAssistant: ")),
-    role_turn_ends=(("system", "\n"), ("assistant", END)),
+    role_turn_ends=(("system", "\n"), ("user", "")),
     vision_tokens=(("<|IMAGE_PLACEHOLDER|>", "image_token_id"), ("<|IMAGE_START|>", "vision_start_token_id"),
                    ("<|IMAGE_END|>", "vision_end_token_id")),
     wraps_images=False,

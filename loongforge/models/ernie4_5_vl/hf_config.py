@@ -71,7 +71,7 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                                   video_token_id=cfg.get("video_token_id", 103367),
                                   vision_start_token_id=cfg.get("image_start_token_id", 101304),
                                   vision_end_token_id=cfg.get("image_end_token_id", 101305),
-                                  pad_token_id=text.get("pad_token_id") or 0),
+                                  pad_token_id=text.get("pad_token_id") or cfg.get("pad_token_id") or 0),
         )
     except KeyError as exc:
         raise InputError(f"{where}: config has no {exc.args[0]!r}; is it a complete ERNIE-4.5-VL config.json?") from None
@@ -92,7 +92,7 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
         "moe_intermediate_size": [moe.ffn_hidden_size, moe.vision_ffn_hidden_size], "moe_k": moe.router_topk,
         "moe_num_experts": moe.num_experts, "moe_num_shared_experts": shared, "moe_norm_min": 1e-12,
         "mlp_layer_types": ["dense"] * moe.first_dense_layers + ["sparse"] * (lang.num_layers - moe.first_dense_layers),
-        "output_router_logits": False, "router_aux_loss_coef": 0.001,
+        "output_router_logits": False, "router_aux_loss_coef": 0.001, "pad_token_id": tok.pad_token_id,
     }
     if lang.head_dim is not None:
         text["head_dim"] = lang.head_dim
