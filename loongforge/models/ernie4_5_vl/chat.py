@@ -14,17 +14,18 @@ from loongforge.models.family import ChatFormat
 BEGIN, END = "<|begin_of_sentence|>", "<|end_of_sentence|>"
 IMAGE_BLOCK = "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
 
+# A message's content: a string, or items (text, and images written as their block).
+_CONTENT = ("{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
+            "{%- for item in message.content -%}{%- if item.type == 'text' -%}{{- item.text -}}"
+            "{%- elif item.type in ['image', 'image_url'] -%}{{- '" + IMAGE_BLOCK + "' -}}{%- endif -%}{%- endfor -%}"
+            "{%- endif -%}")
 TEMPLATE = (
     "{{- '" + BEGIN + "' -}}"
     "{%- for message in messages -%}"
-    "{%- if message.role == 'system' -%}{{- message.content -}}{{- '\\n' -}}"
-    "{%- elif message.role == 'user' -%}{{- 'User: ' -}}"
-    "{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
-    "{%- for item in message.content -%}{%- if item.type == 'text' -%}{{- item.text -}}"
-    "{%- elif item.type in ['image', 'image_url'] -%}{{- '" + IMAGE_BLOCK + "' -}}{%- endif -%}{%- endfor -%}"
-    "{%- endif -%}"
-    "{%- elif message.role == 'assistant' -%}{{- '\\nAssistant: ' + message.content + '" + END + "' -}}"
-    "{%- endif -%}{%- endfor -%}"
+    "{%- if message.role == 'assistant' -%}{{- '\\nAssistant: ' -}}" + _CONTENT + "{{- '" + END + "' -}}"
+    "{%- elif message.role == 'system' -%}" + _CONTENT + "{{- '\\n' -}}"
+    "{%- else -%}{{- 'User: ' -}}" + _CONTENT + "{%- endif -%}"
+    "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '\\nAssistant: ' -}}{%- endif -%}"
 )
 
