@@ -549,7 +549,7 @@ REFERENCES = {
         # 4 decoder layers over PP 2: the dense first layer and a sparse one on each stage.
         Reference(name="ernie4_5_vl", model_cfg=ernie.tiny_cfg, hf_model=ernie.build_hf, build=_build_ernie,
                   sample=_ernie_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
-                  preset="ernie4.5vl-tiny", pp2_layers=4),
+                  preset="ernie4.5vl-tiny", pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
     ]
 }
 
