@@ -4,6 +4,8 @@ text, one image and two images of other proportions."""
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -78,3 +80,29 @@ def test_the_weight_map_writes_back_what_it_read(pair):
     written = megatron_to_hf([model.state_dict()], model_cfg)
     assert set(written) == set(hub)
     assert all(torch.equal(written[k], hub[k]) for k in hub)
+
+
+def test_the_processor_is_bit_equal_to_transformers_on_two_photos():
+    """Two COCO photos of other proportions (640 x 457, 480 x 640) through the family's image processing and
+    transformers' (the PIL backend), at the 28B preset's pixel bounds and at small ones: the same grids and
+    bit-equal patch rows."""
+    from PIL import Image
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil,
+    )
+
+    from loongforge.config.loader import load_run_config
+    from loongforge.models import parts
+    from tests.models.references import TALL_PHOTO, WIDE_PHOTO
+
+    cfg = load_run_config("ernie4.5vl-28b-a3b")
+    for data in (cfg.data, dataclasses.replace(cfg.data, min_pixels=56 * 56, max_pixels=28 * 28 * 16)):
+        ours = parts.image_processing(FAMILY, cfg.model, data)
+        theirs = Ernie4_5_VLMoeImageProcessorPil(size={"shortest_edge": data.min_pixels, "longest_edge": data.max_pixels})
+        for path in (WIDE_PHOTO, TALL_PHOTO):
+            image = Image.open(path).convert("RGB")
+            rows, grid = ours.pixels(image)
+            expected = theirs(images=[image], return_tensors="np")
+            assert list(grid) == expected["image_grid_thw"][0].tolist()
+            assert (rows == expected["pixel_values"]).all(), (path.name, data.max_pixels)
+            print(f"{path.name} at max_pixels {data.max_pixels}: grid {list(grid)}, {rows.shape[0]} rows bit-equal")
