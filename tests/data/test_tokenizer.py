@@ -130,9 +130,9 @@ def test_unknown_tokenizer_names_the_offline_ones_and_what_to_download(tmp_path)
     from loongforge.config.errors import InputError
     from loongforge.data.tokenizer import check_tokenizer, load_tokenizer
 
-    with pytest.raises(InputError, match=r"^data.tokenizer='llama' is no folder: use one of internvl3.5 \| "
-                                         r"internvl3.5-small \| llama3 \| llama3-small \| llava-onevision \| "
-                                         r"llava-onevision-small \| qwen \| qwen-small \| qwen3 \| qwen3-small or a local HF "
+    with pytest.raises(InputError, match=r"^data.tokenizer='llama' is no folder: use one of ernie4.5vl \| "
+                                         r"ernie4.5vl-small \| internvl3.5 \| internvl3.5-small \| llama3 \| llama3-small \| "
+                                         r"llava-onevision \| llava-onevision-small \| qwen \| qwen-small \| qwen3 \| qwen3-small or a local HF "
                                          r"tokenizer folder$"):
         load_tokenizer("llama")
     folder = tmp_path / "Qwen3.5-9B"
