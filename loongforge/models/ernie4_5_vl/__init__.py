@@ -40,8 +40,9 @@ FAMILY = ModelFamily(
     hf_model_inputs=model_inputs,
     position_ids=position_ids_for,
     chat=chat_format,
-    # Each rank encodes its own micro-batch's images (sharing over TP is not proven for the resampler yet).
-    layout=replace(DECODER_LAYOUT, encoder_dp_modes=("none",)),
+    # Each rank encodes its own micro-batch's images (sharing them over TP or CP is not proven for the resampler
+    # yet).
+    layout=replace(DECODER_LAYOUT, encoder_dp_modes=("none",), encoder_cp=False),
     hf_model_class="Ernie4_5_VLMoeForConditionalGeneration",
     tiny_preset="ernie4.5vl-tiny",
     hf_processor_files=processor_files,
