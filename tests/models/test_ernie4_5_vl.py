@@ -106,3 +106,49 @@ def test_the_processor_is_bit_equal_to_transformers_on_two_photos():
             assert list(grid) == expected["image_grid_thw"][0].tolist()
             assert (rows == expected["pixel_values"]).all(), (path.name, data.max_pixels)
             print(f"{path.name} at max_pixels {data.max_pixels}: grid {list(grid)}, {rows.shape[0]} rows bit-equal")
+
+
+def test_adapters_on_both_expert_sets_are_sized_by_their_set(pair):
+    """``lora.experts``: every text and vision expert's fc1 / fc2 gets an adapter of its own set's width (the
+    vision set's narrower), the model's count is the plan's, and the adapted model runs and moves the logits.
+    (transformers keeps each set's experts fused, with no PEFT module per expert: no PEFT reference.)"""
+    from loongforge.config.schema import LoraConfig
+    from loongforge.models.layers.lora import apply_lora
+    from loongforge.models.layers.lora_params import adapter_parameters, merged_weight
+
+    model_cfg, hf, _ = pair
+    model = FAMILY.build(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                         post_process=True, device="cpu").eval()
+    load_hf_state_dict(model, hf.state_dict())
+    ids, rows, grids, _, _ = sample(((1, 4, 6),))
+    inputs = dict(input_ids=ids, position_ids=FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None],
+                  media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids))
+    with torch.no_grad():
+        before = model(**inputs)
+    lora_cfg = LoraConfig(rank=4, experts=True)
+    counts = apply_lora(model, model_cfg, lora_cfg, seed=0)
+    assert counts["language.expert_fc1"] == counts["language.expert_fc2"] == 2 * 2 * 4  # 2 layers x 2 sets x 4
+    mlp = model.language_model.decoder.layers[1].mlp
+    for moe, width in ((mlp.text_moe, 32), (mlp.vision_moe, 16)):
+        fc2 = moe.experts.local_experts[0].linear_fc2
+        assert fc2.lora.A.shape[1] == width, (fc2.lora.A.shape, width)  # row-parallel: A [r, ffn]
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora." in n)
+    assert adapters == adapter_parameters(model_cfg, lora_cfg, tensor_parallel=1, vision_tensor_parallel=1,
+                                          expert_parallel=1).total
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora.B"):
+                param.normal_(0, 0.1)
+        after = model(**inputs)
+        # A vision expert's adapted fc1 (gate and up fused) is its merged weight's linear.
+        fc1 = mlp.vision_moe.experts.local_experts[1].linear_fc1
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+        parts = torch.arange(32) // 16  # the gate's rows, then the up's
+        merged = merged_weight(fc1.weight, fc1.lora.A, fc1.lora.B, parts, fc1.lora.scaling)
+        adapted, _ = fc1(x[:, None])
+        merged_error = (adapted[:, 0] - x @ merged.t()).abs().max().item()
+    assert merged_error < 2e-6, merged_error
+    moved = ((after - before).abs().max() / before.abs().max()).item()
+    print(f"ERNIE-4.5-VL adapters on both expert sets: {counts}, {adapters} parameters; they move the logits "
+          f"{moved:.1e} of the largest; a vision expert's adapted fc1 vs its merged weight {merged_error:.1e}")
+    assert moved > 1e-3
