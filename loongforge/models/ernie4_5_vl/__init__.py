@@ -40,9 +40,9 @@ FAMILY = ModelFamily(
     hf_model_inputs=model_inputs,
     position_ids=position_ids_for,
     chat=chat_format,
-    # Each rank encodes its own micro-batch's images (sharing them over TP or CP is not proven for the resampler
-    # yet).
-    layout=replace(DECODER_LAYOUT, encoder_dp_modes=("none",), encoder_cp=False),
+    # The TP group may share each micro-batch's images (encoder_dp=tp); sharing them over CP, or a step's over the
+    # model-parallel group, is not proven for the resampler yet.
+    layout=replace(DECODER_LAYOUT, encoder_dp_modes=("none", "tp"), encoder_cp=False),
     hf_model_class="Ernie4_5_VLMoeForConditionalGeneration",
     tiny_preset="ernie4.5vl-tiny",
     hf_processor_files=processor_files,
