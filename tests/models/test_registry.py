@@ -155,7 +155,7 @@ def _family_problem(preset: str, *overrides: str) -> str:
 def test_a_layer_kind_the_family_does_not_build_is_refused_naming_the_families_that_do():
     message = _family_problem("qwen2.5vl-tiny", "model.language.moe.num_experts=4", "model.language.moe.ffn_hidden_size=64")
     assert message == ("model.language.moe is set but model.family=qwen2_5_vl does not build experts "
-                       "(model.family=llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
+                       "(model.family=ernie4_5_vl or llm or qwen3_5 or qwen3_vl builds it); set model.language.moe=null "
                        "or choose such a family.")
     assert _family_problem("qwen3vl-tiny", "model.chat_format=chatml").startswith(
         "model.chat_format='chatml' but model.family=qwen3_vl does not build chat format "

@@ -4,8 +4,9 @@ values it saves for the backward per token. A decoder layer is a token mixer and
 - token mixers: GQA attention (``GroupedQueryAttention``: q, k, v, o, optional biases, per-head q/k norms and
   output gate), multi-latent attention (``LatentAttention``, DeepSeek's) and Gated DeltaNet's linear attention
   (``GatedDeltaNet``, Qwen3.5's);
-- MLPs: the dense SwiGLU (``DenseMLP``) and the mixture of experts (``Experts``: the router, the routed experts
-  and a shared expert).
+- MLPs: the dense SwiGLU (``DenseMLP``), the mixture of experts (``Experts``: the router, the routed experts
+  and a shared expert) and modality-isolated experts (``ModalityExperts``: a text set and a vision set, each
+  with its router, beside ungated shared experts; ERNIE-4.5-VL's).
 
 The plans read them through ``token_mixer`` / ``mlp``: parameter counts (``decoder.params``), model FLOPs
 (``models.flops``) and the dry run's activation estimate (``train.dry_run``). A new layer kind is one class
@@ -260,7 +261,7 @@ class DenseMLP:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
         return linear_flops(tokens, lang.hidden_size, 3 * lang.ffn_hidden_size)
 
     @staticmethod
@@ -297,7 +298,8 @@ class Experts:
         return router + cls.routed_parameters(lang, active=active) + cls.shared_parameters(lang)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Every token alike (``vision_tokens``: of no account here)."""
         moe, h = lang.moe, lang.hidden_size
         shared = moe.shared_expert_ffn_hidden_size
         router = linear_flops(tokens, h, moe.num_experts)
@@ -314,7 +316,44 @@ class Experts:
         return moe.router_topk * (lang.hidden_size + 3 * moe.ffn_hidden_size / expert_tp) + shared
 
 
+class ModalityExperts:
+    """Modality-isolated experts (``moe.vision_ffn_hidden_size``, ``decoder.modality_moe``): two routers
+    ``h -> num_experts`` with their fixed biases (2 x num_experts values, parameters in transformers), the text
+    set's ``num_experts`` SwiGLU experts of ``ffn_hidden_size`` and the vision set's of
+    ``vision_ffn_hidden_size``, and the ungated shared experts. A token runs through its set's router and
+    ``router_topk`` of its set's experts; ``active`` counts what a row of both modalities runs through (both
+    routers, the top k of each set). The FLOPs and saved values, which do not know the tokens' modality, take
+    every token as a text token, the costlier (the vision experts are the narrower)."""
+
+    @staticmethod
+    def routed_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+        moe, h = lang.moe, lang.hidden_size
+        experts = moe.router_topk if active else moe.num_experts
+        return experts * 3 * (linear_parameters(h, moe.ffn_hidden_size, bias=False)
+                              + linear_parameters(h, moe.vision_ffn_hidden_size, bias=False))
+
+    @classmethod
+    def parameters(cls, lang: LanguageConfig, *, active: bool = False) -> int:
+        routers = 2 * (linear_parameters(lang.hidden_size, lang.moe.num_experts, bias=False) + lang.moe.num_experts)
+        return routers + cls.routed_parameters(lang, active=active) + Experts.shared_parameters(lang)
+
+    @staticmethod
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Each token through its set's router and ``router_topk`` of its set's experts (``vision_tokens`` of
+        the ``tokens`` go to the vision set), and every token through the shared experts."""
+        moe, h = lang.moe, lang.hidden_size
+        shared = moe.shared_expert_ffn_hidden_size
+        return (linear_flops(tokens, h, moe.num_experts)
+                + linear_flops((tokens - vision_tokens) * moe.router_topk, h, 3 * moe.ffn_hidden_size)
+                + linear_flops(vision_tokens * moe.router_topk, h, 3 * moe.vision_ffn_hidden_size)
+                + (linear_flops(tokens, h, 3 * shared) if shared else 0))
+
+    saved_values_per_token = Experts.saved_values_per_token
+
+
 def mlp(lang: LanguageConfig, sparse: bool = True):
     """The MLP kind of a layer: the experts where the decoder has them and the layer is ``sparse`` (not one of
-    DeepSeek's dense first layers), else the dense SwiGLU."""
-    return Experts if lang.moe and sparse else DenseMLP
+    DeepSeek's dense first layers), modality-isolated where it routes by modality, else the dense SwiGLU."""
+    if not (lang.moe and sparse):
+        return DenseMLP
+    return ModalityExperts if lang.moe.vision_ffn_hidden_size else Experts
