@@ -6,10 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 
+import jinja2
 import pytest
 import torch
 
 from loongforge.config.schema import ParallelConfig
+from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
+from loongforge.models.ernie4_5_vl.chat import CHAT
 from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
 from loongforge.models.media import MediaBatch
 from loongforge.models.registry import get_family
@@ -152,3 +155,16 @@ def test_adapters_on_both_expert_sets_are_sized_by_their_set(pair):
     print(f"ERNIE-4.5-VL adapters on both expert sets: {counts}, {adapters} parameters; they move the logits "
           f"{moved:.1e} of the largest; a vision expert's adapted fc1 vs its merged weight {merged_error:.1e}")
     assert moved > 1e-3
+
+
+def test_each_image_is_labelled_by_its_count_in_the_conversation():
+    """The published template writes ``Picture n:`` before each image, n counting over the whole conversation; the
+    Jinja twin (what a served folder renders) writes the same."""
+    turns = [Turn("user", "<image>What is it?"), Turn("assistant", "A cat."),
+             Turn("user", "And these? <image><image>"), Turn("assistant", "Two dogs.")]
+    text = render_chat(turns, None, CHAT).text
+    print(f"\n{text!r}")
+    assert [text.find(f"Picture {n}:<|IMAGE_START|>") >= 0 for n in (1, 2, 3)] == [True] * 3
+    assert text.index("Picture 1:") < text.index("What is it?") < text.index("Picture 2:") < text.index("Picture 3:")
+    rendered = jinja2.Environment().from_string(CHAT.jinja_template).render(messages=turns_to_hf_messages(turns))
+    assert rendered == text

@@ -1,9 +1,8 @@
 """ERNIE-4.5-VL's chat format, from the template its published tokenizer_config.json carries: the text opens
 with ``<|begin_of_sentence|>``; a system turn is its text and a newline, a user turn ``User: `` and its text,
 an assistant turn a newline, ``Assistant: ``, its text and ``<|end_of_sentence|>``; an image is
-``<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>`` after a ``Picture n:`` label (the label's number is the
-image's count in the conversation, which the data side's fixed image block cannot write: the block here
-carries the markers alone).
+``Picture n:`` (n its count in the conversation: ``ChatFormat.image_label``) then
+``<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>``.
 """
 
 from __future__ import annotations
@@ -17,9 +16,11 @@ IMAGE_BLOCK = "<|IMAGE_START|><|IMAGE_PLACEHOLDER|><|IMAGE_END|>"
 # A message's content: a string, or items (text, and images written as their block).
 _CONTENT = ("{%- if message.content is string -%}{{- message.content -}}{%- else -%}"
             "{%- for item in message.content -%}{%- if item.type == 'text' -%}{{- item.text -}}"
-            "{%- elif item.type in ['image', 'image_url'] -%}{{- '" + IMAGE_BLOCK + "' -}}{%- endif -%}{%- endfor -%}"
+            "{%- elif item.type in ['image', 'image_url'] -%}{%- set images.count = images.count + 1 -%}"
+            "{{- 'Picture ' ~ images.count ~ ':" + IMAGE_BLOCK + "' -}}{%- endif -%}{%- endfor -%}"
             "{%- endif -%}")
 TEMPLATE = (
+    "{%- set images = namespace(count=0) -%}"
     "{{- '" + BEGIN + "' -}}"
     "{%- for message in messages -%}"
     "{%- if message.role == 'assistant' -%}{{- '\\nAssistant: ' -}}" + _CONTENT + "{{- '" + END + "' -}}"
@@ -39,6 +40,7 @@ CHAT = ChatFormat(
     vision_tokens=(("<|IMAGE_PLACEHOLDER|>", "image_token_id"), ("<|IMAGE_START|>", "vision_start_token_id"),
                    ("<|IMAGE_END|>", "vision_end_token_id")),
     wraps_images=False,
+    image_label="Picture {index}:",
 )
 
 
