@@ -193,7 +193,9 @@ DEEPSEEK_V3 = ChatFormat(
 )
 
 # MiniMax-M2's: ]~!b[ once, each turn ]~b] + its role (the assistant's "ai") + a newline, ended by [e~[ and a newline;
-# a system turn always (its template's identity sentence where the conversation has none).
+# a system turn always (its template's identity sentence where the conversation has none). Its template writes an
+# answer's reasoning (a think block) only after the last user turn and only where there is some; here an answer is
+# written as the data gives it.
 MINIMAX_M2_SYSTEM_PROMPT = "You are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax."
 _MINIMAX_HEADERS = {"system": "]~b]system\n", "user": "]~b]user\n", "assistant": "]~b]ai\n"}
 MINIMAX_M2_TEMPLATE = (
@@ -205,7 +207,7 @@ MINIMAX_M2_TEMPLATE = (
     + _CONTENT +
     "[e~[\n"
     "{% endfor %}"
-    "{% if add_generation_prompt %}" + _MINIMAX_HEADERS["assistant"] + "{% endif %}"
+    "{% if add_generation_prompt %}" + _MINIMAX_HEADERS["assistant"] + "<think>\n{% endif %}"  # its thinking opens
 )
 MINIMAX_M2 = ChatFormat(
     turn_start="]~b]",
