@@ -244,7 +244,7 @@ def qk_norm_problems(*, qk_norm: bool, qk_norm_type: str, num_query_groups: int,
     if not qk_norm:
         return [f"{key}=per_layer needs {LANGUAGE_KEY}.qk_norm: true (it says what the q/k norms span)."]
     if num_query_groups % tensor_parallel:
-        return [f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {LANGUAGE_KEY}.num_query_groups="
-                f"{num_query_groups} with {key}=per_layer (the key norm spans the key heads, each on one rank); use one "
-                f"of {_divisors_of(num_query_groups)}."]
+        return [f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {LANGUAGE_KEY}."
+                f"num_query_groups={num_query_groups} with {key}=per_layer (the key norm spans the key heads, each on "
+                f"one rank); use one of {_divisors_of(num_query_groups)}."]
     return []

@@ -118,8 +118,9 @@ DEEPSEEK_ARCHITECTURES = {
 MOE_ARCHITECTURES["minimax_m2"] = dict(
     architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_attention_heads=6, num_key_value_heads=2,
     head_dim=16, rotary_dim=8, intermediate_size=32, num_local_experts=6, num_experts_per_tok=3, rope_theta=5_000_000.0,
-    tie_word_embeddings=False, router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True, use_qk_norm=True,
-    qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1], bos_token_id=1, eos_token_id=2)
+    tie_word_embeddings=False, router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True,
+    use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1], bos_token_id=1,
+    eos_token_id=2)
 ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
 
 

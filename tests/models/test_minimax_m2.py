@@ -138,7 +138,8 @@ def test_q_k_norms_over_all_heads_are_checked():
     assert tp4 == ["parallel.tensor_model_parallel_size=4 does not divide model.language.num_query_groups=2 with "
                    "model.language.qk_norm_type=per_layer (the key norm spans the key heads, each on one rank); use "
                    "one of 1, 2."]
-    assert "model.language.qk_norm_type=per_layer needs model.language.qk_norm: true" in " ".join(problems(qk_norm=False))
+    without_norm = " ".join(problems(qk_norm=False))
+    assert "model.language.qk_norm_type=per_layer needs model.language.qk_norm: true" in without_norm
     assert "model.language.qk_norm_type='per_group' must be one of per_head, per_layer." in problems(
         qk_norm_type="per_group")
 

@@ -1,9 +1,10 @@
 """MiniMax-M2 through `loongforge train` (minimax-m2-tiny: q/k norms over all heads, RoPE on half of each head's
 channels, 8 routed experts with the sigmoid router and its expert bias). TP 2 x PP 2 with sequence parallelism
 (``conftest.FAMILY_LAYOUTS``; megatron trains MoE under TP with SP only): each rank normalises its heads with its
-shard of the q/k norm weights, the statistics summed over TP, one sparse layer a stage; it gives one process's losses, grad norms, tokens per expert, expert bias, Adam moments (the q/k norms'
-included) and weights over 2 steps; that run cut back to step 1 and resumed ends bit-identical (the norms' TP
-shards and the expert bias saved and read back)."""
+shard of the q/k norm weights, the statistics summed over TP, one sparse layer a stage. It gives one process's
+losses, grad norms, tokens per expert, expert bias, Adam moments (the q/k norms' included) and weights over 2
+steps; that run cut back to step 1 and resumed ends bit-identical (the norms' TP shards and the expert bias saved
+and read back)."""
 
 from __future__ import annotations
 

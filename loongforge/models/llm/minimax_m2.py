@@ -15,11 +15,11 @@ Its checkpoints keep Mixtral's key layout for the experts, per layer ``N`` (the 
     model.layers.N.block_sparse_moe.experts.E.w3.weight         mlp.experts.E.up_proj.weight
     model.layers.N.block_sparse_moe.experts.E.w2.weight         mlp.experts.E.down_proj.weight
 
-transformers 5 holds them as ``mlp.gate.weight``, ``mlp.e_score_correction_bias`` and the fused ``mlp.experts.gate_up_proj``
-/ ``down_proj`` in memory and writes the Hub's names. Its config.json states ``router_aux_loss_coef`` for an inference
-class that computes no balance loss unless asked; loongforge balances MiniMax-M2's experts by the expert bias
-(``moe.router_bias_update_rate``) and writes 0. The published checkpoint's multi-token-prediction modules
-(``num_mtp_modules``) are not part of transformers' class and are not read.
+transformers 5 holds them as ``mlp.gate.weight``, ``mlp.e_score_correction_bias`` and the fused
+``mlp.experts.gate_up_proj`` / ``down_proj`` in memory and writes the Hub's names. Its config.json states
+``router_aux_loss_coef`` for an inference class that computes no balance loss unless asked; loongforge balances
+MiniMax-M2's experts by the expert bias (``moe.router_bias_update_rate``) and writes 0. The published checkpoint's
+multi-token-prediction modules (``num_mtp_modules``) are not part of transformers' class and are not read.
 """
 
 from __future__ import annotations
