@@ -192,3 +192,31 @@ def test_expert_parallel_2_equals_transformers(tmp_path):
           "of each layer's 6, 2 layers)")
     assert experts == {6}  # 3 of each layer's 6 experts, 2 layers
     assert max(diffs) <= 2e-6  # measured 5.7e-7
+
+
+def test_the_published_size_plans_to_fit_80gb_gpus():
+    """minimax-m2's dry run: 62 layers over PP 4 (15 | 16 | 16 | 15), EP 64 (4 of every layer's 256 experts a rank),
+    TP 1, full recompute; every stage's parameters per rank, and the plan fits at CP 1."""
+    from typer.testing import CliRunner
+
+    from loongforge.cli.app import app
+
+    out = CliRunner().invoke(app, ["train", "--preset", "minimax-m2", "--dry-run"]).stdout
+    plan = out.split("parallel plan\n")[1]
+    assert "256 processes = TP1 x PP4 x DP64" in plan and "EP64 x expert TP1 x expert DP1" in plan
+    assert "228.69B total (228,689,748,992), 11.03B active per token" in plan
+    lang = load_run_config("minimax-m2").model.language
+    h, channels, experts = lang.hidden_size, lang.head_dim, lang.moe.num_experts
+    heads, groups = lang.num_attention_heads, lang.num_query_groups
+    # q, k, v, o and the q/k norms' weight per channel
+    attention = h * (heads + 2 * groups) * channels + heads * channels * h + (heads + groups) * channels
+    layer = attention + 2 * h + experts * h + 3 * h * lang.moe.ffn_hidden_size * experts // 64  # norms, router
+    embedding = lang.vocab_size * h
+    stages = [15 * layer + embedding, 16 * layer, 16 * layer, 15 * layer + embedding + h]
+    for stage, params in zip(("layers 0-14 (15) + embeddings", "layers 15-30 (16)", "layers 47-61 (15) + LM head"),
+                             (stages[0], stages[1], stages[3])):
+        assert f"{stage}: {params / 1e9:.2f}B params per rank" in plan, stage
+    cp1 = next(line for line in out.splitlines() if line.strip().startswith("1  TP1 x PP4 x DP64"))
+    total = float(cp1.split()[-2])
+    print(f"\nminimax-m2: stages {[round(x / 1e9, 2) for x in stages]}B params per rank; CP 1 plan {total} GiB a rank")
+    assert cp1.split()[-1] == "yes" and total <= 72.0
