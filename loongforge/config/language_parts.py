@@ -251,3 +251,23 @@ def move_flat_expert_keys(language: dict) -> list[str]:
         return [f"{LANGUAGE_KEY}.num_experts=0 (with {len(others) - 1} other flat expert keys) is now "
                 f"{MoEConfig.KEY}: null (a dense model); read so."]
     return move_into_section(language, LANGUAGE_KEY, MOVED_TO_MOE, "moe", built=lambda flat: True)
+
+
+QK_NORM_TYPES = ("per_head", "per_layer")
+
+
+def qk_norm_problems(*, qk_norm: bool, qk_norm_type: str, num_query_groups: int, tensor_parallel: int) -> list[str]:
+    """``model.language.qk_norm_type``: what the q/k norms span. "per_layer" (MiniMax-M2) normalises all heads of q
+    (and of k) together: under TP each rank holds whole key heads and the mean square is summed over the group."""
+    key = f"{LANGUAGE_KEY}.qk_norm_type"
+    if qk_norm_type not in QK_NORM_TYPES:
+        return [f"{key}={qk_norm_type!r} must be one of {', '.join(QK_NORM_TYPES)}."]
+    if qk_norm_type == "per_head":
+        return []
+    if not qk_norm:
+        return [f"{key}=per_layer needs {LANGUAGE_KEY}.qk_norm: true (it says what the q/k norms span)."]
+    if num_query_groups % tensor_parallel:
+        return [f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {LANGUAGE_KEY}."
+                f"num_query_groups={num_query_groups} with {key}=per_layer (the key norm spans the key heads, each on "
+                f"one rank); use one of {_divisors_of(num_query_groups)}."]
+    return []

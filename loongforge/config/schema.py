@@ -105,6 +105,9 @@ class LanguageConfig:
     head_dim: Optional[int] = None
     # RMSNorm over each head's query and key before RoPE (Qwen3).
     qk_norm: bool = False
+    # What the q/k norms span: "per_head" (Qwen3: each head's channels, one weight shared by the heads) or
+    # "per_layer" (MiniMax-M2: all heads of q at once, and of k, a weight per channel).
+    qk_norm_type: str = "per_head"
     # RoPE scaling's factor (null: none), applied as ``rope_scaling_type`` says: "llama3", Llama 3.x's
     # frequency scaling (low/high frequency factors 1 and 4, original context 8192), at every length;
     # "dynamic", NTK-aware base growth past max_position_embeddings only (InternVL2.5's Qwen2.5 decoders

@@ -37,7 +37,7 @@ from loongforge.config.layout import (
     sample_multiple,
 )
 from loongforge.config.pipeline_layout import virtual_stages
-from loongforge.config.language_parts import LAYER_TYPES, move_flat_expert_keys
+from loongforge.config.language_parts import LAYER_TYPES, move_flat_expert_keys, qk_norm_problems
 from loongforge.config.schema import CHAT_FORMATS, RunConfig
 from loongforge.config.vision_parts import move_flat_vision_keys
 
@@ -390,8 +390,11 @@ def _check_language_shape(cfg: RunConfig) -> list[str]:
 MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
     # hybrid layers: linear and full attention by layer, gated attention, partial rotary, (1 + w) norms
     "hybrid_layers": {"language.layer_types": [], "language.linear_attention": None,
-                      "language.attention_output_gate": False, "language.partial_rotary_factor": 1.0,
-                      "language.zero_centered_norms": False},
+                      "language.attention_output_gate": False, "language.zero_centered_norms": False},
+    # RoPE on the first channels of each head only
+    "partial_rotary": {"language.partial_rotary_factor": 1.0},
+    # q/k norms over all heads at once (a weight per channel)
+    "layer_qk_norm": {"language.qk_norm_type": "per_head"},
     # routed experts (megatron-core's MoE layer)
     "experts": {"language.moe": None},
     # a shared expert beside the routed ones
@@ -459,6 +462,8 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
                       f"in multi-latent attention only; set yarn: null.")
     if language.moe is not None:
         errors += language.moe.problems(num_layers=language.num_layers)
+    errors += qk_norm_problems(qk_norm=language.qk_norm, qk_norm_type=language.qk_norm_type,
+                               num_query_groups=language.num_query_groups, tensor_parallel=tp)
     return errors
 
 

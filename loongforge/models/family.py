@@ -256,9 +256,9 @@ class ModelFamily:
     # the run's (M-RoPE where it gives ``mrope_section``).
     rope: Optional[str] = "rope"
     # The layer kinds and options beyond a dense GQA decoder that its models build: names of
-    # ``config.validate.MODEL_FEATURE_FIELDS`` ("experts", "shared_expert", "hybrid_layers",
-    # "latent_attention", "chat_format", "text_architecture"). A run that sets another feature's fields is
-    # refused, naming the key and the families that build it.
+    # ``config.validate.MODEL_FEATURE_FIELDS`` ("experts", "shared_expert", "hybrid_layers", "partial_rotary",
+    # "layer_qk_norm", "latent_attention", "chat_format", "text_architecture"). A run that sets another
+    # feature's fields is refused, naming the key and the families that build it.
     features: frozenset[str] = frozenset()
     # ModelConfig -> one-line problems (key, value and fix) of what this family's models cannot be, beyond
     # the shared checks (a router transformers' class always renormalises, say)

@@ -112,6 +112,15 @@ DEEPSEEK_ARCHITECTURES = {
                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                                       "rope_theta": 10_000.0}),
 }
+# MiniMax-M2 at toy size: 6 query heads over 2 KV groups of width 16 (q is 96 wide beside a 64-wide hidden state), q/k
+# norms over all heads, RoPE on 8 of each head's 16 channels; 6 experts of width 32 in every layer, top-3 by sigmoid
+# scores plus the expert bias, the unbiased scores renormalised.
+MOE_ARCHITECTURES["minimax_m2"] = dict(
+    architectures=["MiniMaxM2ForCausalLM"], model_type="minimax_m2", num_attention_heads=6, num_key_value_heads=2,
+    head_dim=16, rotary_dim=8, intermediate_size=32, num_local_experts=6, num_experts_per_tok=3, rope_theta=5_000_000.0,
+    tie_word_embeddings=False, router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True,
+    use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1], bos_token_id=1,
+    eos_token_id=2)
 ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
 
 

@@ -58,6 +58,10 @@ GRAD_PROBES = {
     **{arch: (lambda m: m.language_model.decoder.layers[0].self_attention.linear_kv_down_proj.weight,
               lambda hf: hf.model.layers[0].self_attn.kv_a_proj_with_mqa.weight, "cat", True)
        for arch in ("deepseek_v3", "deepseek_v2")},
+    # The key norm over all key heads: each rank holds its heads' channels of the weight, its statistics summed
+    # over TP (whose backward sums too): the two parts side by side are transformers' gradient.
+    "minimax_m2": (lambda m: m.language_model.decoder.layers[0].self_attention.k_layernorm.weight,
+                   lambda hf: hf.model.layers[0].self_attn.k_norm.weight, "cat", False),
 }
 # Whole shapes a distributed checkpoint records for column-parallel weights (so it reshards).
 SHARDED_SHAPES = {

@@ -72,9 +72,10 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
     mtp = mtp_block_spec(language_config, modules, init_seed) if lang.mtp_num_layers and post_process else None
     return LanguageModel(
         config=language_config,
-        transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
-                                                   vp_stage=vp_stage, init_seed=init_seed,
-                                                   vision_ffn_hidden_size=lang.moe and lang.moe.vision_ffn_hidden_size),
+        transformer_layer_spec=language_block_spec(
+            language_config, modules, pp_rank=get_pg_rank(pgs.pp), vp_stage=vp_stage, init_seed=init_seed,
+            vision_ffn_hidden_size=lang.moe and lang.moe.vision_ffn_hidden_size,
+            layer_qk_norm_group=pgs.tp if lang.qk_norm and lang.qk_norm_type == "per_layer" else None),
         mtp_block_spec=mtp,
         routing_token_ids=routing_token_ids,
         vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
@@ -87,6 +88,8 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
         share_embeddings_and_output_weights=lang.tie_word_embeddings,
         position_embedding_type=rope,
         rotary_base=lang.rope_theta,
+        # RoPE on the first channels of each head (1-D RoPE; a family's M-RoPE brings its own rotary)
+        rotary_percent=lang.partial_rotary_factor if rope == "rope" else 1.0,
         # dynamic NTK scaling changes nothing up to max_position_embeddings, the longest row validate allows
         rope_scaling=lang.rope_scaling_factor is not None and lang.rope_scaling_type == "llama3",
         rope_scaling_factor=lang.rope_scaling_factor or 8.0,

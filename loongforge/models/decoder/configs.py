@@ -87,8 +87,9 @@ def language_config(
         activation_func=F.silu,
         add_bias_linear=False,
         add_qkv_bias=lang.add_qkv_bias,
-        # megatron sums these norms' gradients over TP (each rank normalises its own heads).
-        qk_layernorm=lang.qk_norm,
+        # megatron sums these norms' gradients over TP (each rank normalises its own heads); norms over all
+        # heads (``qk_norm_type: per_layer``) hold a shard of their weight each, which it must not sum.
+        qk_layernorm=lang.qk_norm and lang.qk_norm_type == "per_head",
         mrope_section=list(lang.mrope_section) or None,
         rotary_interleaved=rotary_interleaved,
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,

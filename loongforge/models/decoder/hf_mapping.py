@@ -191,8 +191,10 @@ def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tu
         rules.append(Rule(tuple(lb + f"self_attn.{p}_proj.bias" for p in "qkv"), ll + "self_attention.linear_qkv.bias",
                           qkv, LANGUAGE))
     if lang.qk_norm:
-        rules += [Rule((lb + "self_attn.q_norm.weight",), ll + "self_attention.q_layernorm.weight", rep, LANGUAGE),
-                  Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", rep, LANGUAGE)]
+        # per head: one weight every rank holds; over all heads (per_layer): a weight per channel, split by head
+        norm = Split(0) if lang.qk_norm_type == "per_layer" else rep
+        rules += [Rule((lb + "self_attn.q_norm.weight",), ll + "self_attention.q_layernorm.weight", norm, LANGUAGE),
+                  Rule((lb + "self_attn.k_norm.weight",), ll + "self_attention.k_layernorm.weight", norm, LANGUAGE)]
     rules.append(Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE))
     return [dataclasses.replace(rule, layers=layers) for rule in rules]
 
@@ -283,7 +285,9 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
             shapes.update({b + "self_attn.q_proj.bias": (q_out,), b + "self_attn.k_proj.bias": (kv,),
                            b + "self_attn.v_proj.bias": (kv,)})
         if lang.qk_norm:
-            shapes.update({b + "self_attn.q_norm.weight": (channels,), b + "self_attn.k_norm.weight": (channels,)})
+            whole = lang.qk_norm_type == "per_layer"
+            shapes.update({b + "self_attn.q_norm.weight": (q if whole else channels,),
+                           b + "self_attn.k_norm.weight": (kv if whole else channels,)})
     return shapes
 
 

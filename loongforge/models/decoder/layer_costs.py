@@ -68,6 +68,8 @@ class GroupedQueryAttention:
         q_and_kv = (linear_parameters(h, q_proj_width, lang.add_qkv_bias)
                     + 2 * linear_parameters(h, kv_width, lang.add_qkv_bias))
         qk_norms = 2 * head_dim(lang) if lang.qk_norm else 0
+        if lang.qk_norm and lang.qk_norm_type == "per_layer":  # a weight per channel of q and of k
+            qk_norms = (lang.num_attention_heads + lang.num_query_groups) * head_dim(lang)
         return q_and_kv + linear_parameters(q_width, h, bias=False) + qk_norms
 
     @classmethod

@@ -33,6 +33,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from loongforge.models.decoder.modality_moe import modality_moe_spec
+from loongforge.models.decoder.layer_qk_norm import LayerQKNorm
 from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 
@@ -141,10 +142,13 @@ def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, sha
 
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
                         moe: bool = False, shared_expert: bool = False, linear: bool = False,
-                        latent: bool = False, vision_ffn_hidden_size: Optional[int] = None) -> ModuleSpec:
+                        latent: bool = False, vision_ffn_hidden_size: Optional[int] = None,
+                        layer_qk_norm_group=None) -> ModuleSpec:
     """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention); with
     ``init_seed``, each layer's initial weights come from (seed, its global index), whatever the pipeline
-    layout (see ``models.layers.initialization``)."""
+    layout (see ``models.layers.initialization``). ``vision_ffn_hidden_size``: a sparse layer holds
+    modality-isolated experts (``decoder.modality_moe``); ``layer_qk_norm_group``: the TP group of q/k norms over
+    all heads (``layer_qk_norm``; None: per head or none)."""
     if latent:
         spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     elif linear:
@@ -152,6 +156,11 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
     else:
         spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe, shared_expert=shared_expert,
                                       vision_ffn_hidden_size=vision_ffn_hidden_size)
+        if layer_qk_norm_group is not None:
+            attention = spec.submodules.self_attention.submodules
+            attention.q_layernorm, attention.k_layernorm = (
+                ModuleSpec(module=LayerQKNorm, params={"heads": heads, "tp_group": layer_qk_norm_group})
+                for heads in ("query", "key"))
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
@@ -160,10 +169,11 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
 
 def language_block_spec(
     config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None,
-    init_seed: int | None = None, vision_ffn_hidden_size: Optional[int] = None,
+    init_seed: int | None = None, vision_ffn_hidden_size: Optional[int] = None, layer_qk_norm_group=None,
 ) -> TransformerBlockSubmodules:
     """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec);
-    ``vision_ffn_hidden_size``: the sparse layers hold modality-isolated experts (``decoder.modality_moe``).
+    ``vision_ffn_hidden_size``: the sparse layers hold modality-isolated experts (``decoder.modality_moe``);
+    ``layer_qk_norm_group`` as ``language_layer_spec``'s.
 
     Given as block submodules rather than a layer spec so that the final norm is our ``RMSNorm``
     and not megatron's global default norm class.
@@ -176,7 +186,8 @@ def language_block_spec(
     layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse[first + local],
                                   shared_expert=shared_expert and sparse[first + local],
                                   linear=bool(pattern[first + local]), latent=config.multi_latent_attention,
-                                  vision_ffn_hidden_size=vision_ffn_hidden_size)
+                                  vision_ffn_hidden_size=vision_ffn_hidden_size,
+                                  layer_qk_norm_group=layer_qk_norm_group)
               for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 

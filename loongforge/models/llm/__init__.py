@@ -24,6 +24,7 @@ from loongforge.models.family import (
 from loongforge.models.decoder.deepseek_config import mtp_layers_held
 from loongforge.models.llm import hf_config
 from loongforge.models.llm.chat import chat_format, chat_format_problems
+from loongforge.models.llm.minimax_m2 import MINIMAX_M2_ARCHITECTURE, minimax_m2_problems
 from loongforge.models.llm.qwen1 import architecture_problems
 from loongforge.models.llm.flops import training_flops
 from loongforge.models.llm.hf_mapping import mapping_rules, to_hub_style
@@ -34,6 +35,8 @@ from loongforge.models.llm.positions import position_ids_for
 def config_problems(model_cfg: ModelConfig) -> list[str]:
     """``ModelFamily.config_problems``: the stated architecture's (Qwen 1.0's its own), and a chat format of another
     family's."""
+    if model_cfg.language.architecture == MINIMAX_M2_ARCHITECTURE:
+        return minimax_m2_problems(model_cfg.language) + chat_format_problems(model_cfg)
     return architecture_problems(model_cfg) + chat_format_problems(model_cfg)
 
 
@@ -52,6 +55,7 @@ FAMILY = ModelFamily(
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
-    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture"}),
+    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture",
+                        "partial_rotary", "layer_qk_norm"}),
     config_problems=config_problems,
 )

@@ -42,6 +42,7 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.qwen_vl.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
 from loongforge.models.decoder.text_config import architecture
+from loongforge.models.llm.minimax_m2 import MINIMAX_M2_ARCHITECTURE
 
 # The Jinja twins below render the same text as ``data.template`` (messages as strings or as HF
 # content parts, of which only text parts exist here). No whitespace control: HF renders with
@@ -191,12 +192,39 @@ DEEPSEEK_V3 = ChatFormat(
     role_turn_ends=(("system", ""), ("user", "")),
 )
 
+# MiniMax-M2's: ]~!b[ once, each turn ]~b] + its role (the assistant's "ai") + a newline, ended by [e~[ and a newline;
+# a system turn always (its template's identity sentence where the conversation has none). Its template writes an
+# answer's reasoning (a think block) only after the last user turn and only where there is some; here an answer is
+# written as the data gives it.
+MINIMAX_M2_SYSTEM_PROMPT = "You are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax."
+_MINIMAX_HEADERS = {"system": "]~b]system\n", "user": "]~b]user\n", "assistant": "]~b]ai\n"}
+MINIMAX_M2_TEMPLATE = (
+    "]~!b["
+    "{% for message in messages %}"
+    + default_system_jinja(MINIMAX_M2_SYSTEM_PROMPT, "]~b]", "\n", "[e~[", "\n") +
+    "{% if message['role'] == 'assistant' %}" + _MINIMAX_HEADERS["assistant"]
+    + "{% else %}]~b]{{ message['role'] }}\n{% endif %}"
+    + _CONTENT +
+    "[e~[\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}" + _MINIMAX_HEADERS["assistant"] + "<think>\n{% endif %}"  # its thinking opens
+)
+MINIMAX_M2 = ChatFormat(
+    turn_start="]~b]",
+    turn_end="[e~[",
+    jinja_template=MINIMAX_M2_TEMPLATE,
+    text_start="]~!b[",
+    document_end="[e~[",
+    role_headers=tuple(_MINIMAX_HEADERS.items()),
+    default_system_prompt=MINIMAX_M2_SYSTEM_PROMPT,
+)
+
 # The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.
 FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3, "llama2": LLAMA2}
 _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
                          "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
-                         "DeepseekV3ForCausalLM": DEEPSEEK_V3}
+                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2}
 
 
 def chat_format_problems(model_cfg: ModelConfig) -> list[str]:

@@ -9,6 +9,7 @@ from typing import Any, Mapping
 from loongforge.config.schema import ModelConfig
 from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
 from loongforge.models.hf.rules import Rule, rename_prefixes
+from loongforge.models.llm.minimax_m2 import MINIMAX_M2_ARCHITECTURE, minimax_m2_hub_style, minimax_m2_rules
 from loongforge.models.llm.qwen1 import (
     QWEN1_ARCHITECTURE,
     qwen1_rules,
@@ -17,10 +18,13 @@ from loongforge.models.llm.qwen1 import (
 
 def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
     lang = model_cfg.language
+    if lang.architecture == MINIMAX_M2_ARCHITECTURE:
+        return minimax_m2_rules(lang)
     return qwen1_rules(lang) if lang.architecture == QWEN1_ARCHITECTURE else language_rules(lang)
 
 
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
     """``model.language_model.*`` (a causal LM saved from inside a VLM wrapper) -> ``model.*``;
-    fused expert tensors (transformers 5's in-memory Qwen3-MoE) -> one per expert."""
-    return hub_experts(rename_prefixes(hf_state, (("model.language_model.", "model."),)))
+    fused expert tensors (transformers 5's in-memory Qwen3-MoE) -> one per expert; transformers 5's in-memory
+    MiniMax-M2 -> its Hub names (``minimax_m2``)."""
+    return hub_experts(minimax_m2_hub_style(rename_prefixes(hf_state, (("model.language_model.", "model."),))))

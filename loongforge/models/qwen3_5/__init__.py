@@ -33,7 +33,7 @@ FAMILY = ModelFamily(
     build=LazyFunction("loongforge.models.qwen3_5.model:build_model"),
     **composed_fields(TOWER),
     rope="mrope",
-    features=frozenset({"hybrid_layers", "experts", "shared_expert", "chat_format"}),
+    features=frozenset({"hybrid_layers", "partial_rotary", "experts", "shared_expert", "chat_format"}),
     hf_model_inputs=qwen_vl_model_inputs,
     # Qwen3-VL's rule: every video frame a run of its own after its timestamp (transformers' get_rope_index).
     position_ids=functools.partial(mrope_index.position_ids_for, frames_as_images=True),

@@ -1,0 +1,222 @@
+"""MiniMax-M2 (``MiniMaxM2ForCausalLM`` in the text family): its published config.json read as the ``minimax-m2``
+preset and written back, its chat format against its published template's text path, its tokenizer folder named
+in one line when missing, and the checks of the q/k norms over all heads (``qk_norm_type: per_layer``). Its
+numerics are the ``minimax_m2`` reference's in every concern module (tests/models/references.py)."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import jinja2
+import pytest
+
+from loongforge.config.errors import InputError
+from loongforge.config.loader import load_run_config
+from loongforge.config.validate import check_run_config
+from loongforge.convert.families import config_differences
+from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
+from loongforge.data.tokenizer import check_tokenizer
+from loongforge.models.registry import get_family
+
+# MiniMaxAI/MiniMax-M2's config.json (its architecture fields; the serving fields and auto_map left out).
+PUBLISHED_CONFIG = {
+    "architectures": ["MiniMaxM2ForCausalLM"], "attn_type_list": [1] * 62, "head_dim": 128, "hidden_act": "silu",
+    "hidden_size": 3072, "intermediate_size": 1536, "max_position_embeddings": 196608, "model_type": "minimax_m2",
+    "mtp_transformer_layers": 1, "num_attention_heads": 48, "num_experts_per_tok": 8, "num_hidden_layers": 62,
+    "num_key_value_heads": 8, "num_local_experts": 256, "num_mtp_modules": 3, "qk_norm_type": "per_layer",
+    "rms_norm_eps": 1e-06, "rope_theta": 5000000, "rotary_dim": 64, "scoring_func": "sigmoid",
+    "shared_intermediate_size": 0, "tie_word_embeddings": False, "use_cache": True, "use_mtp": True,
+    "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064, "torch_dtype": "bfloat16",
+}
+
+# The published chat template's text path (no tools): ]~!b[ and a system turn always (the model's identity where the
+# conversation has none), ]~b]user / ]~b]ai turns each ended by [e~[ and a newline, an answer's reasoning kept (in a
+# think block) only after the last user turn, the generation prompt opening the assistant's thinking.
+PUBLISHED_TEMPLATE = (
+    "{%- set system_message = none -%}{%- set conversation_messages = messages -%}"
+    "{%- if messages and messages[0].role == 'system' -%}{%- set system_message = messages[0] -%}"
+    "{%- set conversation_messages = messages[1:] -%}{%- endif -%}"
+    "{%- set ns = namespace(last_user_index=-1) -%}"
+    "{%- for m in conversation_messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user_index = loop.index0 -%}"
+    "{%- endif -%}{%- endfor -%}"
+    "{{- ']~!b[' ~ ']~b]system' ~ '\\n' }}"
+    "{%- if system_message and system_message.content -%}{{- system_message.content }}"
+    "{%- else -%}{{- 'You are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax.' }}{%- endif -%}"
+    "{{- '[e~[\\n' }}"
+    "{%- for message in conversation_messages -%}"
+    "{%- if message.role == 'assistant' -%}{{- ']~b]ai' ~ '\\n' }}"
+    "{%- set reasoning_content = '' -%}{%- set content = message.content -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning_content = content.split('</think>')[0].strip('\\n').split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].strip('\\n') -%}{%- endif -%}"
+    "{%- if reasoning_content and loop.index0 > ns.last_user_index -%}"
+    "{{- '<think>' ~ '\\n' ~ reasoning_content ~ '\\n' ~ '</think>' ~ '\\n\\n' }}{%- endif -%}"
+    "{%- if content -%}{{- content }}{%- endif -%}{{- '[e~[' ~ '\\n' }}"
+    "{%- elif message.role == 'user' -%}{{- ']~b]user' ~ '\\n' }}{{- message.content }}{{- '[e~[' ~ '\\n' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- ']~b]ai' ~ '\\n' ~ '<think>' ~ '\\n' }}{%- endif -%}"
+)
+CONVERSATIONS = [
+    [Turn("user", "What is 2 + 2?"), Turn("assistant", "4")],
+    [Turn("system", "You are terse."), Turn("user", "Hi"), Turn("assistant", "Hello.\n\nHow can I help?"),
+     Turn("user", "Name a prime."), Turn("assistant", "7")],
+    [Turn("user", "One"), Turn("assistant", "1"), Turn("user", "Two")],
+]
+
+
+def _render(template: str, turns: list[Turn], content_parts: bool = False, prompt: bool = False) -> str:
+    messages = (turns_to_hf_messages(turns) if content_parts else
+                [{"role": turn.role, "content": turn.text} for turn in turns])
+    environment = jinja2.Environment(trim_blocks=True, lstrip_blocks=True)
+    return environment.from_string(template).render(messages=messages, add_generation_prompt=prompt)
+
+
+@pytest.fixture(scope="module")
+def chat():
+    return get_family("llm").chat(load_run_config("minimax-m2").model)
+
+
+def test_rendered_text_equals_the_published_template(chat):
+    for turns in CONVERSATIONS:
+        ours = render_chat(turns, None, chat)
+        assert ours.text == _render(PUBLISHED_TEMPLATE, turns)
+        assert _render(chat.jinja_template, turns, content_parts=True) == ours.text
+        assert (_render(chat.jinja_template, turns, content_parts=True, prompt=True)
+                == _render(PUBLISHED_TEMPLATE, turns, prompt=True))
+    first = render_chat(CONVERSATIONS[0], None, chat)
+    assert first.text == ("]~!b[]~b]system\nYou are a helpful assistant. Your name is MiniMax-M2 and is built by "
+                          "MiniMax.[e~[\n]~b]user\nWhat is 2 + 2?[e~[\n]~b]ai\n4[e~[\n")
+    assert [first.text[a:b] for a, b in first.label_spans] == ["4[e~["]
+
+
+def test_the_published_config_json_is_the_preset_and_is_written_back():
+    family = get_family("llm")
+    preset = load_run_config("minimax-m2").model
+    read = family.config_from_hf(PUBLISHED_CONFIG, "MiniMax-M2/config.json")
+    assert config_differences(preset, read) == []
+    written = family.config_to_hf(read, "bfloat16")
+    unchanged = {key: value for key, value in PUBLISHED_CONFIG.items()
+                 if key not in ("mtp_transformer_layers", "num_mtp_modules", "use_mtp", "use_cache")}
+    assert {key: written[key] for key in unchanged} == unchanged
+    counts = family.count_parameters(preset)
+    print(f"\nminimax-m2: {counts['total']:,} parameters, {counts['active']:,} active")
+    assert (counts["total"], counts["active"]) == (228_689_748_992, 11_030_537_216)
+
+
+def test_a_config_transformers_does_not_build_is_refused_in_one_line():
+    family = get_family("llm")
+    for key, value, named in (("scoring_func", "softmax", "scoring_func='softmax'"),
+                              ("shared_intermediate_size", 1536, "shared_intermediate_size=1536"),
+                              ("attn_type_list", [0] + [1] * 61, "attn_type_list holds [0, 1]")):
+        with pytest.raises(InputError, match=f"^x/config.json: {re.escape(named)}") as error:
+            family.config_from_hf({**PUBLISHED_CONFIG, key: value}, "x/config.json")
+        assert "\n" not in str(error.value)
+
+
+def test_the_preset_names_its_tokenizer_download_in_one_line(tmp_path):
+    data = load_run_config("minimax-m2").data
+    assert (data.tokenizer, data.tokenizer_repo) == ("tokenizers/MiniMax-M2", "MiniMaxAI/MiniMax-M2")
+    with pytest.raises(InputError, match=r"^data.tokenizer='tokenizers/MiniMax-M2' is no folder: download "
+                                         r"MiniMaxAI/MiniMax-M2's tokenizer files there") as error:
+        check_tokenizer(data.tokenizer, data.tokenizer_repo)
+    assert "\n" not in str(error.value)
+
+
+def test_q_k_norms_over_all_heads_are_checked():
+    cfg = load_run_config("minimax-m2-tiny")
+    language = cfg.model.language
+
+    def problems(**changes) -> list[str]:
+        parallel = dataclasses.replace(cfg.parallel, **changes.pop("parallel", {}))
+        return check_run_config(dataclasses.replace(cfg, parallel=parallel,
+                                            model=dataclasses.replace(cfg.model, language=dataclasses.replace(
+                                                language, **changes))))
+
+    assert not [line for line in problems() if "qk_norm" in line]
+    tp4 = [line for line in problems(parallel=dict(tensor_model_parallel_size=4, world_size=4)) if "qk_norm" in line]
+    assert tp4 == ["parallel.tensor_model_parallel_size=4 does not divide model.language.num_query_groups=2 with "
+                   "model.language.qk_norm_type=per_layer (the key norm spans the key heads, each on one rank); use "
+                   "one of 1, 2."]
+    without_norm = " ".join(problems(qk_norm=False))
+    assert "model.language.qk_norm_type=per_layer needs model.language.qk_norm: true" in without_norm
+    assert "model.language.qk_norm_type='per_group' must be one of per_head, per_layer." in problems(
+        qk_norm_type="per_group")
+
+
+EP_WORLD = 2
+
+
+def _ep2_worker(rank: int, port: int, workdir: str) -> None:
+    """Each rank a sample of its own (seed = rank) through MiniMax-M2's experts split over EP 2 (3 of the 6 on each
+    rank, its tokens reaching the others by all-to-all); its logits' difference from transformers' written down."""
+    from datetime import timedelta
+    from pathlib import Path
+
+    import torch
+    import torch.distributed as dist
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    from loongforge.config.schema import ParallelConfig
+    from loongforge.models.hf.weights import load_hf_state_dict
+    from tests.models.helpers import destroy_megatron, limit_threads
+    from tests.models.references import REFERENCES, reference_logits
+
+    limit_threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP_WORLD,
+                            timeout=timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=EP_WORLD)
+    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+    reference = REFERENCES["minimax_m2"]
+    model_cfg = reference.model_cfg()
+    hf_model = reference.hf_model(model_cfg)
+    model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD, world_size=EP_WORLD)).eval()
+    load_hf_state_dict(model, hf_model.state_dict())
+    case = reference.sample(model_cfg, hf_model, seed=rank)
+    with torch.no_grad():
+        ours = model(**case.ours)[..., :model_cfg.language.vocab_size]
+    experts = sum(1 for name, _ in model.named_parameters() if "local_experts" in name and "linear_fc1" in name)
+    diff = float((ours - reference_logits(hf_model, case)).abs().max())
+    (Path(workdir) / f"rank{rank}.txt").write_text(f"{diff} {experts}")
+    destroy_megatron()
+
+
+def test_expert_parallel_2_equals_transformers(tmp_path):
+    from tests.models.helpers import free_port, run_workers
+
+    run_workers(_ep2_worker, EP_WORLD, (free_port(), str(tmp_path)), 300)
+    results = [(tmp_path / f"rank{rank}.txt").read_text().split() for rank in range(EP_WORLD)]
+    diffs, experts = [float(diff) for diff, _ in results], {int(count) for _, count in results}
+    print(f"\nminimax_m2 EP 2: logits within {max(diffs):.1e} of transformers' (each rank holds {experts} experts: 3 "
+          "of each layer's 6, 2 layers)")
+    assert experts == {6}  # 3 of each layer's 6 experts, 2 layers
+    assert max(diffs) <= 2e-6  # measured 5.7e-7
+
+
+def test_the_published_size_plans_to_fit_80gb_gpus():
+    """minimax-m2's dry run: 62 layers over PP 4 (15 | 16 | 16 | 15), EP 64 (4 of every layer's 256 experts a rank),
+    TP 1, full recompute; every stage's parameters per rank, and the plan fits at CP 1."""
+    from typer.testing import CliRunner
+
+    from loongforge.cli.app import app
+
+    out = CliRunner().invoke(app, ["train", "--preset", "minimax-m2", "--dry-run"]).stdout
+    plan = out.split("parallel plan\n")[1]
+    assert "256 processes = TP1 x PP4 x DP64" in plan and "EP64 x expert TP1 x expert DP1" in plan
+    assert "228.69B total (228,689,748,992), 11.03B active per token" in plan
+    lang = load_run_config("minimax-m2").model.language
+    h, channels, experts = lang.hidden_size, lang.head_dim, lang.moe.num_experts
+    heads, groups = lang.num_attention_heads, lang.num_query_groups
+    # q, k, v, o and the q/k norms' weight per channel
+    attention = h * (heads + 2 * groups) * channels + heads * channels * h + (heads + groups) * channels
+    layer = attention + 2 * h + experts * h + 3 * h * lang.moe.ffn_hidden_size * experts // 64  # norms, router
+    embedding = lang.vocab_size * h
+    stages = [15 * layer + embedding, 16 * layer, 16 * layer, 15 * layer + embedding + h]
+    for stage, params in zip(("layers 0-14 (15) + embeddings", "layers 15-30 (16)", "layers 47-61 (15) + LM head"),
+                             (stages[0], stages[1], stages[3])):
+        assert f"{stage}: {params / 1e9:.2f}B params per rank" in plan, stage
+    cp1 = next(line for line in out.splitlines() if line.strip().startswith("1  TP1 x PP4 x DP64"))
+    total = float(cp1.split()[-2])
+    print(f"\nminimax-m2: stages {[round(x / 1e9, 2) for x in stages]}B params per rank; CP 1 plan {total} GiB a rank")
+    assert cp1.split()[-1] == "yes" and total <= 72.0

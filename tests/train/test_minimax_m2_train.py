@@ -1,0 +1,89 @@
+"""MiniMax-M2 through `loongforge train` (minimax-m2-tiny: q/k norms over all heads, RoPE on half of each head's
+channels, 8 routed experts with the sigmoid router and its expert bias). TP 2 x PP 2 with sequence parallelism
+(``conftest.FAMILY_LAYOUTS``; megatron trains MoE under TP with SP only): each rank normalises its heads with its
+shard of the q/k norm weights, the statistics summed over TP, one sparse layer a stage. It gives one process's
+losses, grad norms, tokens per expert, expert bias, Adam moments (the q/k norms' included) and weights over 2
+steps; that run cut back to step 1 and resumed ends bit-identical (the norms' TP shards and the expert bias saved
+and read back)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from loongforge.convert.mcore_io import McoreReader
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_close_relative,
+    checkpoint_differences,
+    final_checkpoint,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+    step_metric,
+    worst_relative,
+)
+
+PRESET = "minimax-m2-tiny-small-vocab"
+# About 3x the measured (printed by `pytest -s`).
+REL = 1e-7  # measured 2.9e-8 (grad norms), 1.9e-8 (losses)
+STATE_REL = 1.5e-6  # measured 6.0e-7 (Adam moments), 4.7e-7 (weights)
+STEPS = 2
+RESUME_STEP = 1
+OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "checkpoint.save_interval=1", SAVE_AT_END,
+           "optimizer.adam_eps=1e-6", "data.read=global")
+LAYOUTS = {"dp1": ((), 1),
+           "tp2-pp2": (("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                        "parallel.sequence_parallel=true"), 4)}
+BIAS = "mlp.router.expert_bias"
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("minimax-m2")
+    for name, (extra, nproc) in LAYOUTS.items():
+        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    return {name: root / name for name in LAYOUTS}
+
+
+def _expert_bias(run: Path) -> dict[str, list[float]]:
+    reader = McoreReader(final_checkpoint(run) / "model_optim")
+    return {key: reader.read(key).tolist() for key in reader.tensors if key.endswith(BIAS)}
+
+
+def test_tp2_pp2_trains_like_one_process(runs):
+    run, reference = runs["tp2-pp2"], runs["dp1"]
+    assert len(losses(reference)) == STEPS and losses(reference)[-1] < losses(reference)[0]
+    assert_close_relative(losses(run), losses(reference), REL)
+    assert_close_relative(grad_norms(run), grad_norms(reference), REL)
+    for key in ("expert_tokens_min", "expert_tokens_max"):
+        assert step_metric(run, key) == step_metric(reference, key), key
+    bias = _expert_bias(reference)
+    (layers,) = bias.values()  # megatron stacks the two layers' biases
+    assert len(layers) == 2 and all(any(values) for values in layers)
+    assert _expert_bias(run) == bias
+    differences = checkpoint_differences(run, reference)
+    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
+    assert any(".q_layernorm." in k for k in moments) and any(".k_layernorm." in k for k in moments)
+    worst = max(moments, key=moments.get)
+    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
+    worst_weight = max(weights, key=weights.get)
+    print(f"\ntp2-pp2 vs one process: losses {worst_relative(losses(run), losses(reference)):.1e}, grad norms "
+          f"{worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e} ({worst}), "
+          f"weights {weights[worst_weight]:.1e} (worst relative difference)")
+    assert moments[worst] <= STATE_REL, (worst, moments[worst])
+    assert weights[worst_weight] <= STATE_REL, (worst_weight, weights[worst_weight])
+
+
+def test_tp2_pp2_resumed_from_step_1_is_bit_identical(runs, tmp_path):
+    uninterrupted = runs["tp2-pp2"]
+    resumed = tmp_path / "resumed"
+    extra, nproc = LAYOUTS["tp2-pp2"]
+    resume_from_copy(uninterrupted, resumed, RESUME_STEP, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    assert losses(resumed) == losses(uninterrupted)
+    assert grad_norms(resumed) == grad_norms(uninterrupted)
+    differences = checkpoint_differences(resumed, uninterrupted)
+    assert any(key.endswith(BIAS) for key in differences) and any(".k_layernorm." in key for key in differences)
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
