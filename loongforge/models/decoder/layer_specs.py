@@ -33,7 +33,7 @@ from megatron.core.transformer.transformer_layer import (
 
 from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from loongforge.models.decoder.modality_moe import modality_moe_spec
-from loongforge.models.decoder.layer_qk_norm import LayerQKNorm
+from loongforge.models.layers.layer_qk_norm import LayerQKNorm
 from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 

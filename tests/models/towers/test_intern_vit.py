@@ -262,17 +262,35 @@ def test_every_parameter_gets_a_gradient(megatron_world_of_one, name):
     assert sum(key.endswith("linear_qkv.bias") for key in keys) == (2 if config.attention_bias else 0)
 
 
+def _qk_norm_shards(config) -> list[tuple[str, bool, tuple[int, ...]]]:
+    """Each q/k norm weight of ``config``'s encoder at this TP layout: (name, split over TP for the grad norm and
+    the optimizer, the shape its checkpoint tensor has across the TP group)."""
+    encoder = build_encoder(config)
+    norms = [(name, module) for name, module in encoder.named_modules() if name.endswith(("q_layernorm", "k_layernorm"))]
+    return [(name, bool(getattr(module.weight, "tensor_model_parallel", False)),
+             tuple(module.sharded_state_dict(f"{name}.")[f"{name}.weight"].global_shape)) for name, module in norms]
+
+
 def _tp2_worker(rank: int, port: int, path: str) -> None:
     limit_threads()
     init_megatron(rank, 2, port, tp=2)
     data = torch.load(path, weights_only=False)
     worst = {name: our_worst(config, data) for name, config in VARIANTS.items()}
     torch.save(worst, Path(path).with_name(f"worst_{rank}.pt"))
+    torch.save(_qk_norm_shards(TINY_6B), Path(path).with_name(f"qk_norms_{rank}.pt"))
     destroy_megatron()
 
 
 def test_features_equal_transformers_at_tp2(reference):
+    """Also: InternViT-6B's q/k norms over all heads, split over TP, count as split (the grad norm sums every
+    rank's part) and checkpoint as one tensor of the whole width, each rank its part."""
     run_workers(_tp2_worker, 2, (free_port(), str(reference)), timeout_s=300)
+    width = TINY_6B.num_attention_heads * (TINY_6B.hidden_size // TINY_6B.num_attention_heads)
+    for rank in range(2):
+        norms = torch.load(reference.with_name(f"qk_norms_{rank}.pt"))
+        print(f"rank {rank}: q/k norms {norms}")
+        assert len(norms) == 2 * TINY_6B.num_hidden_layers
+        assert all(split and shape == (width,) for _, split, shape in norms)
     for rank in range(2):
         for name, worst in torch.load(reference.with_name(f"worst_{rank}.pt")).items():
             for what, (absolute, relative) in worst.items():

@@ -25,6 +25,7 @@ from megatron.core.transformer.transformer_layer import TransformerLayer
 from megatron.core.transformer.utils import ensure_metadata_has_dp_cp_group, make_sharded_tensors_for_checkpoint
 
 from loongforge.models.decoder.layer_specs import transformer_layer_spec
+from loongforge.models.layers.layer_qk_norm import LayerQKNorm
 from loongforge.models.layers.layer_backend import BlockModules, layer_norm_modules
 
 
@@ -59,49 +60,17 @@ class LayerScaledTransformerLayer(TransformerLayer):
         return sharded
 
 
-class _SumOverGroup(torch.autograd.Function):
-    """All-reduce (sum) whose backward all-reduces too: a sum every rank's output depends on, so each
-    rank's input gradient is the sum of every rank's output gradient. (megatron's
-    ``reduce_from_tensor_model_parallel_region`` passes the gradient through unreduced, right only
-    where the summed output is consumed once, as after a row-parallel linear.)"""
-
-    @staticmethod
-    def forward(ctx, local: torch.Tensor, group: torch.distributed.ProcessGroup) -> torch.Tensor:
-        ctx.group = group
-        total = local.clone()
-        torch.distributed.all_reduce(total, group=group)
-        return total
-
-    @staticmethod
-    def backward(ctx, grad: torch.Tensor):
-        grad = grad.clone()
-        torch.distributed.all_reduce(grad, group=ctx.group)
-        return grad, None
-
-
 # transformers' q/k RMSNorm keeps its default eps whatever the config's layer_norm_eps.
 QK_NORM_EPS = 1e-6
 
 
-class WholeWidthRMSNorm(torch.nn.Module):
-    """RMSNorm over all heads of q (or k) [..., heads_local, head_dim], the statistics over the
-    heads of the whole TP group; its weight [heads_local * head_dim] is this rank's heads' part."""
+class WholeWidthRMSNorm(LayerQKNorm):
+    """InternViT-6B's q (or k) RMSNorm over all heads [..., heads_local, head_dim], the statistics over the heads of
+    the whole TP group, its weight this rank's heads' part (sharded on axis 0: ``layers.layer_qk_norm``), at
+    transformers' eps. A ViT's keys have as many heads as its queries."""
 
     def __init__(self, hidden_size: int, config, eps: float, *, tp_group: torch.distributed.ProcessGroup):
-        super().__init__()  # hidden_size (one head's width) and eps are megatron's per-head slot's
-        self.tp_group = tp_group
-        self.local_width = config.num_attention_heads // tp_group.size() * config.kv_channels
-        self.full_width = config.num_attention_heads * config.kv_channels
-        self.weight = torch.nn.Parameter(torch.ones(self.local_width, dtype=config.params_dtype))
-
-    def forward(self, heads: torch.Tensor) -> torch.Tensor:
-        shape, dtype = heads.shape, heads.dtype
-        x = heads.reshape(*shape[:-2], self.local_width).float()  # [..., heads_local * head_dim]
-        square_sum = x.pow(2).sum(-1, keepdim=True)
-        if self.tp_group.size() > 1:
-            square_sum = _SumOverGroup.apply(square_sum, self.tp_group)
-        x = x * torch.rsqrt(square_sum / self.full_width + QK_NORM_EPS)
-        return (self.weight * x.to(dtype)).view(shape)
+        super().__init__(hidden_size, config, QK_NORM_EPS, heads="query", tp_group=tp_group)
 
 
 def without_bias(linear: type) -> type:
