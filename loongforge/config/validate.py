@@ -392,6 +392,8 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
     "hybrid_layers": {"language.layer_types": [], "language.linear_attention": None,
                       "language.attention_output_gate": False, "language.partial_rotary_factor": 1.0,
                       "language.zero_centered_norms": False},
+    # sliding-window layers with sinks among full ones (MiMo-V2-Flash's attention)
+    "sliding_window": {"language.sliding_window": None},
     # routed experts (megatron-core's MoE layer)
     "experts": {"language.moe": None},
     # a shared expert beside the routed ones
@@ -457,6 +459,13 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
                       f"in multi-latent attention only; set yarn: null.")
     if language.moe is not None:
         errors += language.moe.problems(num_layers=language.num_layers)
+    if "sliding_attention" in language.layer_types and language.sliding_window is None:
+        errors.append(f"{key}.layer_types names sliding_attention layers but {key}.sliding_window is null; give "
+                      f"its size, heads and RoPE theta.")
+    if language.sliding_window is not None:
+        errors += language.sliding_window.problems(
+            num_attention_heads=language.num_attention_heads, num_query_groups=language.num_query_groups,
+            tensor_parallel=tp, context_parallel=cp, layer_types=language.layer_types)
     return errors
 
 

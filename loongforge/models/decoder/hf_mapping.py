@@ -33,6 +33,7 @@ from loongforge.models.hf.rules import (
     Replicated,
     Rule,
     Split,
+    Transform,
     Vocab,
 )
 
@@ -51,7 +52,10 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     embedding = (hf_prefix + "embed_tokens.weight", *(layer + "embed_tokens.weight" for layer in mtp_layers))
     head = ("lm_head.weight", *(layer + "shared_head.head.weight" for layer in mtp_layers))
     rules = [Rule(embedding, "language_model.embedding.word_embeddings.weight", _copies(vocab, embedding), LANGUAGE)]
-    rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
+    if lang.sliding_window is not None:
+        rules += _sliding_window_rules(lang, lb, ll)
+    else:
+        rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
     if linear:
         rules += _linear_attention_rules(lang, lb, ll, linear)
     dense, sparse = _layers_by_mlp(lang)
@@ -175,6 +179,59 @@ def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tu
     return [dataclasses.replace(rule, layers=layers) for rule in rules]
 
 
+def _sliding_window_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
+    """MiMo-V2-Flash's attention (``decoder.sliding_attention``), both layer kinds: q/k/v grouped by key/value head
+    (each group's queries, key and value: ``GroupsOfQKV``, which reads a layer's group count from its tensors), the
+    output projection, and in the sliding layers the sink logits (the Hub's ``attention_sink_bias``, transformers'
+    ``sinks``), split over TP with the heads."""
+    window, rep = lang.sliding_window, Replicated()
+    qkv = GroupsOfQKV(lang.num_attention_heads, head_dim(lang), window.v_head_dim)
+    rules = [
+        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
+        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv,
+             LANGUAGE),
+        Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE)]
+    sliding = _layers_of_kind(lang, "sliding_attention")
+    if window.sinks and sliding:
+        rules.append(Rule((lb + "self_attn.attention_sink_bias",), ll + "self_attention.core_attention.sinks",
+                          Split(0), LANGUAGE, layers=sliding))
+    return rules
+
+
+@dataclasses.dataclass(frozen=True)
+class GroupsOfQKV(Transform):
+    """transformers' q_proj [heads d, h], k_proj [groups d, h], v_proj [groups d_v, h] <-> megatron's one
+    projection holding, group by group, the group's queries, key and value (``GroupedRows``), for any number
+    of groups: MiMo-V2-Flash's layer kinds differ in key/value heads, and a layer's count is read from its
+    tensors (k_proj's rows going in; the rows past the queries coming back)."""
+
+    heads: int
+    head_dim: int
+    v_head_dim: int
+
+    def _grouped(self, groups: int) -> GroupedRows:
+        return GroupedRows(groups, ((self.heads * self.head_dim,), (groups * self.head_dim,),
+                                    (groups * self.v_head_dim,)))
+
+    def shard(self, hf, rank, size):
+        return self._grouped(hf[1].shape[0] // self.head_dim).shard(hf, rank, size)
+
+    def unshard(self, shards):
+        rows = sum(shard.shape[0] for shard in shards) - self.heads * self.head_dim
+        return self._grouped(rows // (self.head_dim + self.v_head_dim)).unshard(shards)
+
+
+def _sliding_window_shapes(lang: LanguageConfig, b: str, sliding: bool) -> dict[str, tuple[int, ...]]:
+    window, d, channels = lang.sliding_window, lang.hidden_size, head_dim(lang)
+    groups = window.num_query_groups if sliding else lang.num_query_groups
+    shapes = {b + "q_proj.weight": (lang.num_attention_heads * channels, d), b + "k_proj.weight": (groups * channels, d),
+              b + "v_proj.weight": (groups * window.v_head_dim, d),
+              b + "o_proj.weight": (d, lang.num_attention_heads * window.v_head_dim)}
+    if sliding and window.sinks:
+        shapes[b + "attention_sink_bias"] = (lang.num_attention_heads,)
+    return shapes
+
+
 def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...]) -> list[Rule]:
     """Gated DeltaNet's rows: transformers' separate projections <-> the key-head-grouped ``in_proj`` and
     ``conv1d`` of ``models.decoder.gated_delta_net`` (``GroupedRows``)."""
@@ -248,6 +305,9 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
         shapes.update(_mlp_shapes(lang, b, fused_experts, dense=dense is None or i in dense))
         if lang.multi_latent_attention:
             shapes.update(_mla_shapes(lang, b + "self_attn."))
+            continue
+        if lang.sliding_window is not None:
+            shapes.update(_sliding_window_shapes(lang, b + "self_attn.", lang.layer_types[i] == "sliding_attention"))
             continue
         if lang.layer_types and lang.layer_types[i] == "linear_attention":
             shapes.update(_linear_attention_shapes(lang, b + "linear_attn."))

@@ -52,6 +52,7 @@ FAMILY = ModelFamily(
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
-    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture"}),
+    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture",
+                         "hybrid_layers", "sliding_window"}),
     config_problems=config_problems,
 )

@@ -22,5 +22,10 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
 
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
     """``model.language_model.*`` (a causal LM saved from inside a VLM wrapper) -> ``model.*``;
-    fused expert tensors (transformers 5's in-memory Qwen3-MoE) -> one per expert."""
-    return hub_experts(rename_prefixes(hf_state, (("model.language_model.", "model."),)))
+    fused expert tensors (transformers 5's in-memory Qwen3-MoE) -> one per expert; attention sinks (MiMo-V2-Flash's
+    in-memory ``self_attn.sinks``) -> the Hub's ``self_attn.attention_sink_bias``."""
+    state = hub_experts(rename_prefixes(hf_state, (("model.language_model.", "model."),)))
+    return {key[: -len(_SINKS)] + _HUB_SINKS if key.endswith(_SINKS) else key: value for key, value in state.items()}
+
+
+_SINKS, _HUB_SINKS = ".self_attn.sinks", ".self_attn.attention_sink_bias"
