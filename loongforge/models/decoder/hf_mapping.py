@@ -33,7 +33,6 @@ from loongforge.models.hf.rules import (
     Replicated,
     Rule,
     Split,
-    Transform,
     Vocab,
 )
 
@@ -180,45 +179,28 @@ def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tu
 
 
 def _sliding_window_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
-    """MiMo-V2-Flash's attention (``decoder.sliding_attention``), both layer kinds: q/k/v grouped by key/value head
-    (each group's queries, key and value: ``GroupsOfQKV``, which reads a layer's group count from its tensors), the
-    output projection, and in the sliding layers the sink logits (the Hub's ``attention_sink_bias``, transformers'
-    ``sinks``), split over TP with the heads."""
-    window, rep = lang.sliding_window, Replicated()
-    qkv = GroupsOfQKV(lang.num_attention_heads, head_dim(lang), window.v_head_dim)
-    rules = [
-        Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", rep, LANGUAGE),
-        Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv,
-             LANGUAGE),
-        Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE)]
-    sliding = _layers_of_kind(lang, "sliding_attention")
-    if window.sinks and sliding:
-        rules.append(Rule((lb + "self_attn.attention_sink_bias",), ll + "self_attention.core_attention.sinks",
-                          Split(0), LANGUAGE, layers=sliding))
+    """MiMo-V2-Flash's attention (``decoder.sliding_attention``), per layer kind (its key/value heads): q/k/v grouped
+    by key/value head (``GroupedRows``: each group's queries, key and value), the output projection, and in the
+    sliding layers the sink logits (the Hub's ``attention_sink_bias``, transformers' ``sinks``), split over TP with
+    the heads. The kinds' projections share their names, not their shapes: each rule holds its kind's layers."""
+    window, rules, channels = lang.sliding_window, [], head_dim(lang)
+    for kind, groups in (("full_attention", lang.num_query_groups), ("sliding_attention", window.num_query_groups)):
+        layers = _layers_of_kind(lang, kind)
+        if not layers:
+            continue
+        qkv = GroupedRows(groups, ((lang.num_attention_heads * channels,), (groups * channels,),
+                                   (groups * window.v_head_dim,)))
+        kind_rules = [
+            Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", Replicated(),
+                 LANGUAGE),
+            Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv,
+                 LANGUAGE),
+            Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE)]
+        if kind == "sliding_attention" and window.sinks:
+            kind_rules.append(Rule((lb + "self_attn.attention_sink_bias",), ll + "self_attention.core_attention.sinks",
+                                   Split(0), LANGUAGE))
+        rules += [dataclasses.replace(rule, layers=layers) for rule in kind_rules]
     return rules
-
-
-@dataclasses.dataclass(frozen=True)
-class GroupsOfQKV(Transform):
-    """transformers' q_proj [heads d, h], k_proj [groups d, h], v_proj [groups d_v, h] <-> megatron's one
-    projection holding, group by group, the group's queries, key and value (``GroupedRows``), for any number
-    of groups: MiMo-V2-Flash's layer kinds differ in key/value heads, and a layer's count is read from its
-    tensors (k_proj's rows going in; the rows past the queries coming back)."""
-
-    heads: int
-    head_dim: int
-    v_head_dim: int
-
-    def _grouped(self, groups: int) -> GroupedRows:
-        return GroupedRows(groups, ((self.heads * self.head_dim,), (groups * self.head_dim,),
-                                    (groups * self.v_head_dim,)))
-
-    def shard(self, hf, rank, size):
-        return self._grouped(hf[1].shape[0] // self.head_dim).shard(hf, rank, size)
-
-    def unshard(self, shards):
-        rows = sum(shard.shape[0] for shard in shards) - self.heads * self.head_dim
-        return self._grouped(rows // (self.head_dim + self.v_head_dim)).unshard(shards)
 
 
 def _sliding_window_shapes(lang: LanguageConfig, b: str, sliding: bool) -> dict[str, tuple[int, ...]]:
