@@ -88,12 +88,13 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
         return []
     if stated == MIMO_ARCHITECTURE:
         return mimo_problems(lang)
+    if lang.layer_types or lang.sliding_window is not None:
+        return [f"{key}={stated} has one kind of attention layer; set model.language.layer_types: [] and "
+                f"sliding_window: null, or state an architecture whose layers differ by kind."]
     _, bias, qk_norm, experts = _ARCHITECTURES[stated]
     found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "moe set": lang.moe is not None,
-             "multi_latent_attention set": lang.multi_latent_attention is not None,
-             "layer_types set": bool(lang.layer_types), "sliding_window set": lang.sliding_window is not None}
-    wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "moe set": experts, "multi_latent_attention set": False,
-              "layer_types set": False, "sliding_window set": False}
+             "multi_latent_attention set": lang.multi_latent_attention is not None}
+    wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "moe set": experts, "multi_latent_attention set": False}
     if experts and lang.moe is not None:  # Qwen2-MoE's experts have a gated shared expert, Qwen3-MoE's none
         shared = "moe.shared_expert_ffn_hidden_size set with moe.shared_expert_gate"
         found[shared] = lang.moe.shared_expert_ffn_hidden_size is not None and lang.moe.shared_expert_gate
