@@ -175,14 +175,15 @@ class WindowedFullAttention:
 
     @classmethod
     def seen_keys(cls, lang: LanguageConfig, length: int) -> int:
-        """The keys the attention kernels multiply per query of a ``length``-token segment (the full square,
-        or for the sliding kind a band of the window's width)."""
-        return min(length, lang.sliding_window.size) if cls.sliding else length
+        """The keys the attention kernel multiplies per query of a ``length``-token segment: the full square, as
+        every attention here (the SDPA path masks the window rather than skipping it), and in a sliding layer
+        with sinks the sink's zero key."""
+        return length + int(cls.sliding and lang.sliding_window.sinks)
 
     @classmethod
     def forward_flops(cls, lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
         """The projections, and per segment QK^T over the query width and AV over heads x d_v, each query
-        against ``seen_keys`` keys."""
+        against ``seen_keys`` keys (a kernel that skips what the window hides would do less)."""
         tokens, h = sum(segment_lengths), lang.hidden_size
         q_width, k_width, v_width = cls.widths(lang)
         heads_v = lang.num_attention_heads * lang.sliding_window.v_head_dim
@@ -204,8 +205,7 @@ class WindowedFullAttention:
 
 class SlidingWindowAttention(WindowedFullAttention):
     """MiMo-V2-Flash's sliding-window layers: its full layers' projections with
-    ``sliding_window.num_query_groups`` key/value heads, a learned sink logit per head, and each query
-    against at most ``sliding_window.size`` keys."""
+    ``sliding_window.num_query_groups`` key/value heads and a learned sink logit per head."""
 
     sliding = True
 
