@@ -55,4 +55,7 @@ FAMILY = ModelFamily(
     features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture",
                          "hybrid_layers", "sliding_window"}),
     config_problems=config_problems,
+    # MiMo-V2-Flash's multi-token-prediction layers (the Hub's ``model.mtp.*``): transformers' class has none and
+    # ignores them on loading.
+    hf_unread=("model.mtp.",),
 )
