@@ -1,7 +1,8 @@
 """MiMo-V2-Flash's own paths (the text family, ``model.language.sliding_window``) that the concern tests do not walk:
 its Hub config.json's window (``sliding_window_size``, one less than transformers' ``sliding_window``), its
 multi-token-prediction layers (the Hub's ``model.mtp.*``, which transformers' class has no place for: noted, not
-read), the section's checks (one line each, naming the key), and its tokenizer, which ships in no package (the
+read), the sinks' and sliding layers' gradients against transformers', the section's checks (one line each,
+naming the key), and its tokenizer, which ships in no package (the
 preset names a local folder and a run without it stops in one line naming the download). The model itself is
 the ``mimo_v2_flash`` reference of every concern (``tests/models/references.py``)."""
 
@@ -16,6 +17,7 @@ from loongforge.config.loader import load_run_config
 from loongforge.data.tokenizer import check_tokenizer
 from loongforge.models.registry import get_family
 from tests.convert.helpers import invoke
+from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.llm_helpers import tiny_hf_config_dict
 from tests.models.references import REFERENCES
 
@@ -72,3 +74,30 @@ def test_the_presets_tokenizer_download_is_named_in_one_line():
     message = str(error.value)
     print(message)
     assert "\n" not in message and "XiaomiMiMo/MiMo-V2-Flash" in message
+
+
+def test_the_sinks_and_the_sliding_layers_train_as_transformers_trains_them():
+    """The loss's gradient reaches each sliding layer's sink logits (an additive mask column of SDPA) and its
+    output projection as it reaches transformers' (eager attention, the sink a concatenated logit), on a row 8
+    times the window."""
+    init_megatron(rank=0, world_size=1, port=free_port())
+    try:
+        reference = REFERENCES["mimo_v2_flash"]
+        model_cfg, hf_model, model = reference.pair()
+        case = reference.sample(model_cfg, hf_model, seed=3, text_len=40)
+        labels = torch.roll(case.ours["input_ids"], -1, dims=1)
+        model(**case.ours, labels=labels)[:, :-1].mean().backward()  # [1, s] per token; the last has no next
+        hf_labels = case.theirs["input_ids"]  # transformers shifts them itself: position t predicts t + 1
+        hf_model(**case.theirs, labels=hf_labels).loss.backward()
+        worst = 0.0
+        for layer in (0, 2):  # the sliding layers
+            ours = model.language_model.decoder.layers[layer].self_attention.core_attention.sinks.grad
+            theirs = hf_model.model.layers[layer].self_attn.sinks.grad
+            assert ours is not None and float(theirs.abs().max()) > 1e-4
+            worst = max(worst, float((ours - theirs).abs().max()))
+            ours_o = model.language_model.decoder.layers[layer].self_attention.linear_proj.weight.grad
+            worst = max(worst, float((ours_o - hf_model.model.layers[layer].self_attn.o_proj.weight.grad).abs().max()))
+        print(f"worst gradient difference {worst:.1e}")
+        assert worst < 1e-7  # measured 3.4e-8
+    finally:
+        destroy_megatron()
