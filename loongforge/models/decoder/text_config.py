@@ -1,5 +1,6 @@
 """A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
+Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x, DeepSeek-V2 / V3 (``deepseek_config``) and MiMo-V2-Flash
+(``mimo_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
 (InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
 
 The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:

@@ -1,5 +1,5 @@
 """Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x,
-DeepSeek-V2 / V3) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
+DeepSeek-V2 / V3, MiMo-V2-Flash) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
 megatron-core's MoE layer in every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``);
 Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is Qwen2's decoder under its own key layout.
 
