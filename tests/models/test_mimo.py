@@ -15,6 +15,7 @@ from safetensors.torch import save_file
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
 from loongforge.data.tokenizer import check_tokenizer
+from loongforge.models.hf.weights import hf_to_megatron, megatron_to_hf
 from loongforge.models.registry import get_family
 from tests.convert.helpers import invoke
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
@@ -47,6 +48,21 @@ def test_multi_token_prediction_tensors_are_noted_not_read(tmp_path):
     assert "2 tensors of the source not read (the family's unread prefixes)" in result.output
     assert result.output.strip().splitlines()[-1].endswith(
         f"{written} exact, 0 close, 0 different, 0 missing, 0 unexpected: EXACT")
+
+
+def test_a_pipeline_stage_reads_each_layer_as_its_global_kind():
+    """The two kinds' projections share a name: a stage's layer 0 is read and written by the rule of its global
+    layer's kind (the sliding layer 0 at offset 0, the full layer 1 at offset 1: 4 and 2 key/value heads)."""
+    reference = REFERENCES["mimo_v2_flash"]
+    model_cfg = reference.model_cfg()
+    hub = get_family("llm").to_hub_style(reference.hf_model(model_cfg).state_dict())
+    key = "language_model.decoder.layers.0.self_attention.linear_qkv.weight"
+    for offset, groups in ((0, 4), (1, 2)):
+        ours = hf_to_megatron(hub, model_cfg, [key], layer_offset=offset)
+        assert ours[key].shape[0] == 12 * 24 + groups * (24 + 16)
+        back = megatron_to_hf([ours], model_cfg, layer_offset=offset)
+        assert sorted(back) == [f"model.layers.{offset}.self_attn.{p}_proj.weight" for p in "kqv"]
+        assert all(torch.equal(tensor, hub[name]) for name, tensor in back.items())
 
 
 @pytest.mark.parametrize(("overrides", "expected"), [
