@@ -155,6 +155,11 @@ class MoEConfig:
     router_group_topk: Optional[int] = None
     # The routing weights times this factor (DeepSeek's routed_scaling_factor).
     routed_scaling_factor: float = 1.0
+    # Modality-isolated experts (ERNIE-4.5-VL): a second set of num_experts experts, each this wide, that the
+    # image and video tokens (and their markers) are routed to, by a router of their own; the text tokens keep
+    # the ffn_hidden_size experts. Each set's router chooses by softmax plus a fixed per-expert bias (carried
+    # in checkpoints, not trained) and weighs by the renormalised softmax. null: one set for every token.
+    vision_ffn_hidden_size: Optional[int] = None
 
     def problems(self, *, num_layers: int) -> list[str]:
         key = self.KEY
@@ -174,7 +179,25 @@ class MoEConfig:
         if not 0 <= self.first_dense_layers < num_layers:
             errors.append(f"{key}.first_dense_layers={self.first_dense_layers} must lie in 0..{num_layers - 1} "
                           f"(model.language.num_layers - 1: the layers after it are sparse).")
-        return errors + self._router_problems()
+        return errors + self._router_problems() + self._modality_problems()
+
+    def _modality_problems(self) -> list[str]:
+        key, width = self.KEY, self.vision_ffn_hidden_size
+        if width is None:
+            return []
+        if width < 1:
+            return [f"{key}.vision_ffn_hidden_size={width} must be at least 1 (null: one expert set for every token)."]
+        fixed = {"router_score_function": (self.router_score_function, "softmax"),
+                 "norm_topk_prob": (self.norm_topk_prob, True), "router_bias_update_rate": (self.router_bias_update_rate, 0.0),
+                 "router_num_groups": (self.router_num_groups, None), "routed_scaling_factor": (self.routed_scaling_factor, 1.0),
+                 "shared_expert_gate": (self.shared_expert_gate, False)}
+        errors = [f"{key}.{name}={value!r} with vision_ffn_hidden_size (modality-isolated experts): their routers take the "
+                  f"renormalised softmax and the shared expert is ungated; set {name}: {wanted!r}."
+                  for name, (value, wanted) in fixed.items() if value != wanted]
+        if self.aux_loss_coeff > 0:
+            errors.append(f"{key}.aux_loss_coeff={self.aux_loss_coeff} with vision_ffn_hidden_size: the modality-isolated "
+                          f"routers take no load-balancing loss in loongforge; set aux_loss_coeff: 0.")
+        return errors
 
     def _router_problems(self) -> list[str]:
         key, errors = self.KEY, []

@@ -404,6 +404,8 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
                          "language.moe.router_fp32": False, "language.moe.router_bias_update_rate": 0.0,
                          "language.moe.router_num_groups": None, "language.moe.router_group_topk": None,
                          "language.moe.routed_scaling_factor": 1.0, "language.moe.shared_expert_gate": True},
+    # modality-isolated experts: text and vision tokens routed to expert sets of their own
+    "modality_experts": {"language.moe.vision_ffn_hidden_size": None},
     # a chat format chosen by name (a text-only model's; a version's template where versions share an architecture)
     "chat_format": {"chat_format": None},
     # a decoder whose transformers architecture the run states (one family's decoder is its own)

@@ -128,7 +128,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
             if rule.fuses_experts:
                 links.append(Link(rule, rule.hf, key, None))
                 continue
-            links += [Link(rule, tuple(p.replace("{e}", str(e)) for p in rule.hf), key, None, e)
+            links += [Link(rule, tuple(p.replace("{e}", str(e + rule.expert_offset)) for p in rule.hf), key, None, e)
                       for e in range(model_cfg.language.moe.num_experts)]
         elif "{i}" not in rule.megatron:
             links.append(Link(rule, rule.hf, rule.megatron, None))
@@ -142,7 +142,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                 if rule.fuses_experts:
                     links.append(Link(rule, tuple(_fill(p, i) for p in rule.hf), key, None, block=i))
                     continue
-                links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, None, e, block=i)
+                links += [Link(rule, tuple(_fill(p, i, e + rule.expert_offset) for p in rule.hf), key, None, e, block=i)
                           for e in range(model_cfg.language.moe.num_experts)]
         elif "{e}" in rule.megatron:  # experts: one key, stacked over (global layer, global expert)
             key = rule.megatron.replace("layers.{i}.", "layers.").replace("local_experts.{e}.", "experts.")
@@ -150,7 +150,7 @@ def build_links(model_cfg: ModelConfig, rules: Optional[list[Rule]] = None) -> l
                 links += [Link(rule, tuple(_fill(p, i) for p in rule.hf), key, i)
                           for i in _language_layers(rule, model_cfg)]
                 continue
-            links += [Link(rule, tuple(_fill(p, i, e) for p in rule.hf), key, i, e)
+            links += [Link(rule, tuple(_fill(p, i, e + rule.expert_offset) for p in rule.hf), key, i, e)
                       for i in _language_layers(rule, model_cfg)
                       for e in range(model_cfg.language.moe.num_experts)]
         elif apart:

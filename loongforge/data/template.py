@@ -24,6 +24,7 @@ reasoning block) and its ``turn_end``; not the role header, not what separates t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import numpy as np
 
@@ -66,10 +67,11 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         length += len(piece)
 
     emit(chat.text_start)
+    images = _ImageCount()
     previous = ""
     if turns and turns[0].role != "system" and (system or chat.system_preamble):
-        emit(f"{chat.header('system')}{turn_content(system_text(system or '', chat), chat)}{chat.end('system')}"
-             f"{chat.turn_sep}")
+        emit(f"{chat.header('system')}{turn_content(system_text(system or '', chat), chat, images)}"
+             f"{chat.end('system')}{chat.turn_sep}")
         previous = "system"
     for index, turn in enumerate(turns):
         text = turn.text.strip() if chat.strips_turns else turn.text
@@ -84,7 +86,7 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
             text = with_reasoning_block(text, keep=chat.reasoning_turns == "all" or index > last_user,
                                         even_empty=chat.reasoning_turns != "last" or index == len(turns) - 1,
                                         trim=chat.strips_turns)
-        emit(turn_content(text, chat) + chat.end(turn.role))
+        emit(turn_content(text, chat, images) + chat.end(turn.role))
         if turn.role == "assistant":
             spans.append((start, length))
         emit(chat.turn_sep)
@@ -115,21 +117,31 @@ def with_reasoning_block(text: str, *, keep: bool, even_empty: bool, trim: bool 
     return answer
 
 
-def turn_content(text: str, chat: ChatFormat) -> str:
+class _ImageCount:
+    """The images a conversation's turns have written so far (``ChatFormat.image_label`` numbers them)."""
+
+    def __init__(self) -> None:
+        self.written = 0
+
+    def block(self, chat: ChatFormat) -> str:
+        """The next image's block, after its label where the format writes one."""
+        self.written += 1
+        return chat.image_label.format(index=self.written) + chat.image_block
+
+
+def turn_content(text: str, chat: ChatFormat, images: Optional[_ImageCount] = None) -> str:
     """A turn's text as the format writes it: media blocks where the placeholders stand, or
-    (``ChatFormat.media_first``) the images' blocks, the videos', then each text piece after a newline."""
-    if not chat.media_first:
-        return expand_placeholders(text, chat)
+    (``ChatFormat.media_first``) the images' blocks, the videos', then each text piece after a newline.
+    ``images``: the conversation's count so far, where the format labels each image by its number."""
+    images = images or _ImageCount()
     pieces = list(_split_placeholders(text))
-    images = sum(kind == "image" for _, kind in pieces)
-    videos = sum(kind == "video" for _, kind in pieces)
-    texts = "".join("\n" + chunk for chunk, kind in pieces if kind == "text" and chunk)
-    return chat.image_block * images + chat.video_block * videos + texts
-
-
-def expand_placeholders(text: str, chat: ChatFormat) -> str:
-    """``<image>`` -> one vision block with a single pad token (expanded after tokenizing)."""
-    return text.replace(IMAGE_PLACEHOLDER, chat.image_block).replace(VIDEO_PLACEHOLDER, chat.video_block)
+    if chat.media_first:
+        blocks = [images.block(chat) for _, kind in pieces if kind == "image"]
+        videos = sum(kind == "video" for _, kind in pieces)
+        texts = "".join("\n" + chunk for chunk, kind in pieces if kind == "text" and chunk)
+        return "".join(blocks) + chat.video_block * videos + texts
+    return "".join(chunk if kind == "text" else images.block(chat) if kind == "image" else chat.video_block
+                   for chunk, kind in pieces)
 
 
 def turns_to_hf_messages(turns: list[Turn]) -> list[dict]:

@@ -89,6 +89,15 @@ INTERNVL_NAMED_TOKENS = (("start_image_token", "<img>"), ("end_image_token", "</
 # LLaVA-OneVision's -hf tokenizers: Qwen2's own three special tokens (Qwen2.5 added the vision ones
 # after them), then LLaVA's image and video tokens (151646, 151647).
 LLAVA_ONEVISION_SPECIAL_TOKENS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>", "<image>", "<video>")
+# ERNIE-4.5-VL's special tokens after Qwen's BPE ranks and its <|endoftext|>: the ``ernie4.5vl`` tokenizer of the
+# tiny presets (the real ERNIE tokenizer, a SentencePiece model of 103k pieces, ships in no package), with the
+# names its processor reads (``extra_special_tokens``).
+ERNIE_VL_SPECIAL_TOKENS = ("<|endoftext|>", "<|begin_of_sentence|>", "<|end_of_sentence|>", "<|IMAGE_START|>",
+                           "<|IMAGE_PLACEHOLDER|>", "<|IMAGE_END|>", "<|VIDEO_START|>", "<|VIDEO_PLACEHOLDER|>",
+                           "<|VIDEO_END|>")
+ERNIE_VL_NAMED_TOKENS = (("image_token", "<|IMAGE_PLACEHOLDER|>"), ("image_start_token", "<|IMAGE_START|>"),
+                         ("image_end_token", "<|IMAGE_END|>"), ("video_token", "<|VIDEO_PLACEHOLDER|>"),
+                         ("video_start_token", "<|VIDEO_START|>"), ("video_end_token", "<|VIDEO_END|>"))
 # Qwen2.5 marks these as added-but-not-special (they appear in ordinary tool/code text).
 _QWEN2_NOT_SPECIAL = frozenset({"<tool_call>", "</tool_call>", "<|fim_prefix|>", "<|fim_middle|>",
                                 "<|fim_suffix|>", "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>"})
@@ -194,6 +203,12 @@ RANKS_TOKENIZERS = {
         pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True, special_tokens=LLAVA_ONEVISION_SPECIAL_TOKENS,
         not_special=frozenset(), eos_token="<|im_end|>", pad_token="<|endoftext|>",
         named_tokens=(("image_token", "<image>"), ("video_token", "<video>")),
+    ),
+    "ernie4.5vl": RanksTokenizer(
+        cache_name="ernie4.5vl", ranks_path=qwen_ranks_path, num_ranks=QWEN2_SPECIAL_START_ID,
+        pretokenize_regex=QWEN2_PRETOKENIZE_REGEX, nfc=True, special_tokens=ERNIE_VL_SPECIAL_TOKENS,
+        not_special=frozenset(), eos_token="<|end_of_sentence|>", pad_token="<|endoftext|>",
+        named_tokens=ERNIE_VL_NAMED_TOKENS,
     ),
     "llama3": RanksTokenizer(
         cache_name="llama3", ranks_path=llama3_ranks_path, num_ranks=LLAMA3_SPECIAL_START_ID,

@@ -129,6 +129,9 @@ class ChatFormat:
     # True: a turn is written as its images' blocks, then its videos', then each piece of its text after a
     # newline, wherever the data placed them (LLaVA-OneVision's template); False: blocks where they stand.
     media_first: bool = False
+    # Written before each image's block, ``{index}`` its 1-based count in the conversation (ERNIE-4.5-VL's
+    # ``Picture {index}:``); "": none.
+    image_label: str = ""
     # Formats that mark each role by a token of its own (DeepSeek's ``<｜User｜>``): (role, header) pairs
     # written in place of ``turn_start + role + role_end``, and (role, end) pairs in place of ``turn_end``
     # (DeepSeek ends only the assistant's turns).

@@ -213,18 +213,20 @@ def attention_width(lang: LanguageConfig) -> float:
 
 
 def decoder_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int],
-                                layer_type: str = FULL_ATTENTION, sparse: bool = True) -> int:
+                                layer_type: str = FULL_ATTENTION, sparse: bool = True, vision_tokens: int = 0) -> int:
     """One decoder layer over packed segments: its token mixer (``layer_type``: full or multi-latent
     attention with its ``L^2`` term, or linear attention) and the MLP (``sparse``: experts, where the model
-    has them)."""
+    has them; ``vision_tokens`` of the tokens go to modality-isolated experts' vision set)."""
     return (token_mixer(lang, layer_type).forward_flops(lang, segment_lengths)
-            + mlp(lang, sparse).forward_flops(lang, sum(segment_lengths)))
+            + mlp(lang, sparse).forward_flops(lang, sum(segment_lengths), vision_tokens))
 
 
-def decoder_layers_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> list[int]:
+def decoder_layers_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int],
+                                 vision_tokens: int = 0) -> list[int]:
     """Each decoder layer's forward FLOPs, in order (layers of one type and MLP counted once)."""
     kinds = list(zip(decoder_layer_types(lang), sparse_layers(lang)))
-    per_kind = {kind: decoder_layer_forward_flops(lang, segment_lengths, *kind) for kind in set(kinds)}
+    per_kind = {kind: decoder_layer_forward_flops(lang, segment_lengths, *kind, vision_tokens=vision_tokens)
+                for kind in set(kinds)}
     return [per_kind[kind] for kind in kinds]
 
 
@@ -235,11 +237,13 @@ def mtp_layer_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]
     return linear_flops(tokens, 2 * h, h) + decoder_layer_forward_flops(lang, segment_lengths, FULL_ATTENTION)
 
 
-def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions) -> int:
+def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options: FlopOptions,
+                   vision_tokens: int = 0) -> int:
     """Every decoder layer, each by its type and MLP, and the multi-token-prediction layers, forward and
-    backward."""
+    backward; ``vision_tokens``: the tokens modality-isolated experts route to their vision set."""
     mtp = lang.mtp_num_layers * mtp_layer_forward_flops(lang, segment_lengths) if lang.mtp_num_layers else 0
-    return language_layer_passes(options) * (sum(decoder_layers_forward_flops(lang, segment_lengths)) + mtp)
+    layers = sum(decoder_layers_forward_flops(lang, segment_lengths, vision_tokens))
+    return language_layer_passes(options) * (layers + mtp)
 
 
 def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:
@@ -334,8 +338,18 @@ def step_flops(model_cfg: ModelConfig, samples: Sequence[SampleCost], options: F
     segment_lengths = [sample.tokens for sample in samples]
     loss_tokens = sum(sample.loss_tokens for sample in samples)
     return StepFlops(vision=float(vision), projector=float(projector),
-                     language=float(language_flops(lang, segment_lengths, options)),
+                     language=float(language_flops(lang, segment_lengths, options, vision_routed_tokens(model_cfg, samples))),
                      lm_head=float(lm_head_flops(lang, loss_tokens, options)))
+
+
+def vision_routed_tokens(model_cfg: ModelConfig, samples: Sequence[SampleCost]) -> int:
+    """The tokens a decoder with modality-isolated experts routes to its vision set: each image's placeholders
+    (its merged patches) and the two markers around them; 0 for any other decoder."""
+    moe = model_cfg.language.moe
+    if moe is None or not moe.vision_ffn_hidden_size or model_cfg.projector is None:
+        return 0
+    unit = model_cfg.projector.spatial_merge_size**2
+    return sum(t * h * w // unit + 2 for sample in samples for t, h, w in sample.grids)
 
 
 # (model_cfg, the micro-batch's media grids, options) -> (vision, projector) FLOPs: a tower part's count.

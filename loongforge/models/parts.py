@@ -67,6 +67,7 @@ def encoder_type(encoder: str) -> type:
 
 # model.vision.arch -> the package whose PART it is
 _TOWERS: dict[str, str] = {
+    "ernie_vit": "loongforge.models.towers.ernie_vit",
     "intern_vit": "loongforge.models.towers.intern_vit",
     "qwen2_5_vit": "loongforge.models.towers.qwen2_5_vit",
     "qwen3_vit": "loongforge.models.towers.qwen3_vit",

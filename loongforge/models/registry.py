@@ -20,6 +20,7 @@ from loongforge.models.family import ANY_TOWER, ModelFamily, registered
 # family name -> the package whose FAMILY it is
 _FAMILIES: dict[str, str] = {
     "composition": "loongforge.models.composition",
+    "ernie4_5_vl": "loongforge.models.ernie4_5_vl",
     "internvl": "loongforge.models.internvl",
     "llava_onevision": "loongforge.models.llava_onevision",
     "llava_onevision1_5": "loongforge.models.llava_onevision1_5",

@@ -411,7 +411,8 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     feed (split over TP under sequence parallelism, whole otherwise), and, split over TP, the token
     mixer's and the MLP's, each by its kind (``layer_costs``' ``saved_values_per_token``: a full-attention
     layer's q, k, v and attention output, a linear-attention layer's Gated DeltaNet values, none of them
-    growing with the sample's length; the MLP's or the routed experts'). A hybrid decoder's busiest rank is the one whose layers save
+    growing with the sample's length, and under CP the keys each local chunk sees; the MLP's or the routed
+    experts'). A hybrid decoder's busiest rank is the one whose layers save
     the most. With ``training.recompute_activations`` every layer keeps its input only, and one layer's
     values exist at a time in the backward.
     """
@@ -425,7 +426,8 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     tp = sizes.tensor_parallel
     norm_inputs = language.hidden_size / (tp if cfg.parallel.sequence_parallel else 1)  # one of the four
     def per_layer(kind: str) -> float:
-        mixer = token_mixer(language, _mixer(kind)).saved_values_per_token(language, tp)
+        mixer = token_mixer(language, _mixer(kind)).saved_values_per_token(
+            language, tp, cp=sizes.context_parallel)
         values = mlp(language, sparse=not kind.endswith(DENSE_MLP)).saved_values_per_token(
             language, tp, sizes.expert_tensor_parallel)
         return value_bytes * (4 * norm_inputs + mixer + values)

@@ -8,6 +8,7 @@ import pytest
 from typer.testing import CliRunner
 
 from loongforge.cli.app import app
+from loongforge.config.loader import load_run_config
 from loongforge.config.presets import list_preset_names
 
 runner = CliRunner()
@@ -35,15 +36,15 @@ def test_list_presets_shows_a_row_per_preset_with_size_layout_and_seq_len():
     rows = {line.split()[0]: line for line in lines if line.strip() and not line.startswith("[family")}
     for name in PRESETS:
         assert name in rows
-    # Grouped by family: each family's header, then only its presets.
-    families = [line for line in lines if line.startswith("[family")]
-    assert families == ["[family composition]", "[family internvl]", "[family llava_onevision]", "[family llm]",
-                        "[family qwen2_5_vl]", "[family qwen3_5]", "[family qwen3_vl]"]
-    llm_block = lines[lines.index("[family llm]") + 1:lines.index("[family qwen2_5_vl]")]
-    assert sorted(row.split()[0] for row in llm_block) == [
-        "deepseek-v2-lite", "deepseek-v3", "deepseek-v3-tiny", "deepseek-v3-tiny-small-vocab", "llama-tiny",
-        "llama-tiny-small-vocab", "llama3.1-8b", "llm-tiny", "llm-tiny-small-vocab", "moonlight-16b-a3b", "qwen2.5-7b",
-        "qwen3-30b-a3b", "qwen3-8b", "qwen3-moe-tiny", "qwen3-moe-tiny-small-vocab"]
+    # Grouped by family: each family's header (in name order), then only its presets.
+    families = [line[len("[family "):-1] for line in lines if line.startswith("[family")]
+    assert families == sorted(families) and len(families) == len(set(families)) >= 7
+    family = None
+    for line in lines:
+        if line.startswith("[family"):
+            family = line[len("[family "):-1]
+        elif line.strip() and line.split()[0] in PRESETS:
+            assert load_run_config(line.split()[0]).model.family == family, line
     assert "8.19B" in rows["qwen3-8b"] and "8.03B" in rows["llama3.1-8b"] and "8.77B" in rows["qwen3vl-8b"]
     assert "LM 48x2048 MoE 128e top-8" in rows["qwen3-30b-a3b"] and "30.53B" in rows["qwen3-30b-a3b"]
     assert "8.29B" in rows["qwen2.5vl-7b"] and "TP2 x PP1 x DP4" in rows["qwen2.5vl-7b"]
@@ -382,7 +383,9 @@ def _qwen2_5_vl_7b_memory(cp: int, seq_len: int, world: int = 8, recompute: bool
     states = QWEN2_5_VL_7B_PARAMS / 2 * (2 + 4 + 12 / (dp * cp))  # master + moments over DP x CP
     tokens = seq_len / cp
     h, q, kv, ffn = 3584, 3584, 4 * 128, 18944
-    layer = 2 * (4 * h / 2 + (2 * q + 2 * kv + 3 * ffn) / 2)  # bytes per token, SP splits the h's
+    # Under CP attention also keeps the keys and values its two chunks see: CP + 1/2 times its own.
+    keys_kept = 2 * kv * (1 + (cp + 0.5 if cp > 1 else 0))
+    layer = 2 * (4 * h / 2 + (2 * q + keys_kept + 3 * ffn) / 2)  # bytes per token, SP splits the h's
     decoder = tokens * (28 * 2 * h / 2 + layer if recompute else 28 * layer)
     vision_h, vision_i = 1280, 3420
     block = 2 * (4 * vision_h + (4 * vision_h + 3 * vision_i) / 2)
@@ -413,8 +416,8 @@ def test_dry_run_context_parallel_table_numbers():
 
 
 def test_dry_run_fit_seq_len_picks_the_smallest_cp_that_fits_80_gib():
-    """qwen2.5vl-7b at 131072 tokens per row: CP 8 (~113 GiB per rank) does not fit 90% of 80 GiB,
-    CP 16 (~68 GiB) does and needs TP 2 x CP 16 = 32 processes; with recompute CP 4 fits the 8."""
+    """qwen2.5vl-7b at 131072 tokens per row: CP 8 (~117 GiB per rank) does not fit 90% of 80 GiB,
+    CP 16 (~72 GiB) does and needs TP 2 x CP 16 = 32 processes; with recompute CP 4 fits the 8."""
     result = invoke("--preset", "qwen2.5vl-7b", "--dry-run", "--fit-seq-len", "131072")
     assert result.exit_code == 0, result.output
     report = "context parallel" + result.stdout.split("\ncontext parallel")[1]
@@ -425,8 +428,9 @@ def test_dry_run_fit_seq_len_picks_the_smallest_cp_that_fits_80_gib():
         assert float(table[cp][3]) == round(total / GIB, 1)
     assert table[8][4] == "no" and table[16][4] == "yes"
     fit = report.split("\nfit: ")[1].splitlines()
+    cp16 = _qwen2_5_vl_7b_memory(16, 131072, world=32)[2]
     assert fit[0].startswith("CP16 is the smallest context-parallel size that fits seq_len 131072 in 72.0 GiB "
-                             "per rank (~68.0 GiB); it needs 32 processes, the run has 8")
+                             f"per rank (~{cp16 / GIB:.1f} GiB); it needs 32 processes, the run has 8")
     assert fit[1].strip() == "parallel.context_parallel_size=16 data.seq_len=131072 parallel.world_size=32"
     _, _, recomputed = _qwen2_5_vl_7b_memory(4, 131072, recompute=True)
     assert f"training.recompute_activations=true (every layer's forward twice): CP4 fits " \
@@ -443,7 +447,7 @@ def test_dry_run_fit_seq_len_without_a_fit_is_one_line_and_needs_dry_run():
     assert len(fit) == 1 and fit[0].startswith("fit: no CP size up to 16 fits seq_len 1048576 in 21.6 GiB per rank")
     # 131000 tokens fit at CP 16 but split into 2 x 16 chunks per sample only at a multiple of 32.
     blocked = invoke("--preset", "qwen2.5vl-7b", "--dry-run", "--fit-seq-len", "131000").stdout
-    assert "fit: CP16 would fit seq_len 131000 in 72.0 GiB per rank (~68.0 GiB), but data.seq_len=131000 must be " \
+    assert "fit: CP16 would fit seq_len 131000 in 72.0 GiB per rank (~71.6 GiB), but data.seq_len=131000 must be " \
            "a multiple of 32" in blocked
     assert_usage_error(invoke("--preset", "qwen2.5vl-7b", "--fit-seq-len", "131072"),
                        "--fit-seq-len 131072 plans a layout and starts nothing; add --dry-run")

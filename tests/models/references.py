@@ -19,13 +19,16 @@ import json
 from pathlib import Path
 from typing import Callable, Optional
 
+import numpy as np
 import torch
 from megatron.core.packed_seq_params import PackedSeqParams
 from PIL import Image
 
 from loongforge.config.loader import load_run_config
-from loongforge.config.schema import LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig, TokenIdsConfig
-from loongforge.config.schema import AnyresConfig, DataConfig, VisionConfig
+from loongforge.config.schema import DataConfig, LanguageConfig, ModelConfig, ParallelConfig, ProjectorConfig
+from loongforge.config.schema import TokenIdsConfig
+from loongforge.config.schema import AnyresConfig, VisionConfig
+from loongforge.models import parts
 from loongforge.models.hf.weights import load_hf_state_dict
 from loongforge.models.internvl.model import build_model as build_internvl
 from loongforge.models.llava_onevision.model import build_model as build_llava_onevision
@@ -42,6 +45,7 @@ from loongforge.models.registry import get_family
 from loongforge.models.towers.intern_vit.processor import TileSettings, preprocess_tiles, tokens_per_tile
 from loongforge.models.llava_onevision.anyres import anyres_crops, anyres_settings, anyres_tokens, square_padded
 from loongforge.models.vlm.pixels import patch_rows
+from tests.models import ernie_helpers as ernie
 from tests.models import helpers as qwen2_5_vl
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.llm_helpers import ARCHITECTURES_WITH_MOE, build_hf_llm, text_positions, tiny_llm_cfg
@@ -564,6 +568,41 @@ def _build_llava_onevision1_5(model_cfg, parallel_cfg, **options):
 
 
 # ---------------------------------------------------------------------------------------------------
+# ERNIE-4.5-VL: its ViT and resampler, modality-isolated experts, interleaved-pair 3-D RoPE; real photos
+# smart-resized by the family's processor within small pixel bounds (tests/models/ernie_helpers.py: the model)
+# ---------------------------------------------------------------------------------------------------
+
+ERNIE_PIXELS = DataConfig(min_pixels=56 * 56, max_pixels=28 * 28 * 16)  # up to 16 tokens an image
+
+
+def _ernie_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 12, photos=()) -> Case:
+    """Text, then each photo as its start marker, its placeholders and its end marker, then 4 more tokens."""
+    family, tokens = get_family(model_cfg.family), model_cfg.tokens
+    processing = parts.image_processing(family, model_cfg, ERNIE_PIXELS)
+    pixels = [processing.pixels(_photo(path)) for path in photos]
+    generator = torch.Generator().manual_seed(seed)
+    pieces = [torch.randint(0, ernie.IMAGE_START - 10, (text_len,), generator=generator)]
+    for _, (t, h, w) in pixels:
+        pieces += [torch.tensor([tokens.vision_start_token_id]), torch.full((t * h * w // 4,), tokens.image_token_id),
+                   torch.tensor([tokens.vision_end_token_id]),
+                   torch.randint(0, ernie.IMAGE_START - 10, (4,), generator=generator)]
+    input_ids = torch.cat(pieces)[None]
+    if not pixels:
+        return Case(ours=dict(input_ids=input_ids, position_ids=text_positions(input_ids.shape[1])),
+                    theirs=dict(input_ids=input_ids))
+    rows = torch.from_numpy(np.concatenate([rows for rows, _ in pixels]))
+    grids = torch.tensor([list(grid) for _, grid in pixels])
+    media = MediaBatch.of(pixel_values=rows, image_grid_thw=grids)
+    positions = family.position_ids(model_cfg)(input_ids[0], grids, None, None)[:, None]
+    return Case(ours=dict(input_ids=input_ids, position_ids=positions, media=media),
+                theirs=family.hf_model_inputs(model_cfg, dict(input_ids=input_ids, media=media)))
+
+
+def _build_ernie(model_cfg, parallel_cfg, **options):
+    return get_family(model_cfg.family).build(model_cfg, parallel_cfg, **build_options(**options))
+
+
+# ---------------------------------------------------------------------------------------------------
 # The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
@@ -634,6 +673,10 @@ REFERENCES = {
                   sample=_llava_onevision1_5_sample, layouts=OV15_LAYOUTS, packed_media=("one_image", "video"),
                   to_hub_style=llava_onevision1_5_hub_style, pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
         *[_llm(arch) for arch in ARCHITECTURES_WITH_MOE],
+        # 4 decoder layers over PP 2: the dense first layer and a sparse one on each stage.
+        Reference(name="ernie4_5_vl", model_cfg=ernie.tiny_cfg, hf_model=ernie.build_hf, build=_build_ernie,
+                  sample=_ernie_sample, layouts=COMPOSED_LAYOUTS, packed_media=("one_image", "two_images"),
+                  preset="ernie4.5vl-tiny", pp2_layers=4, photo_grid="patch grid [1, 16, 46]"),
     ]
 }
 

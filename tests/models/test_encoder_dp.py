@@ -1,6 +1,7 @@
 """``parallel.encoder_dp=tp`` at TP 2 over gloo: the same losses and every gradient as ``none``,
 with each rank encoding only its share of the media, for Qwen2.5-VL, Qwen3-VL (whose DeepStack
-features travel with the merger's) and InternVL's tower (tiles): the composition's sharing
+features travel with the merger's), InternVL's tower (tiles) and ERNIE-4.5-VL (its resampler after the
+tower; images alone): the composition's sharing
 (``models.vlm``), whatever the tower.
 
 Two spawned ranks build the model twice from one init seed (``none`` and ``tp``), with and without
@@ -20,6 +21,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.parallel.encoder_dp import sum_encoder_grads
 from loongforge.models import parts
 from loongforge.models.vlm.model import build_vlm
+from tests.models import ernie_helpers as ernie
 from tests.models import references
 from tests.models import test_qwen3_vl_support as qwen3_vl
 from tests.models.helpers import (
@@ -84,6 +86,15 @@ def _tile_cases(model_cfg) -> dict:
             "one_image": _case(model_cfg, [sample(4, 1)]), "text": _case(model_cfg, [sample(5, 0)])}
 
 
+def _ernie_cases(model_cfg) -> dict:
+    """ERNIE-4.5-VL takes images alone (14-pixel patches of one temporal slot), each between its markers."""
+    sample = lambda seed, *images: make_sample(model_cfg, seed=seed, images=images, patch_dim=3 * 14 * 14,  # noqa: E731
+                                               text_vocab=280)
+    return {"images_and_video": _case(model_cfg, [sample(1, (1, 8, 12), (1, 20, 16), (1, 8, 8))]),
+            "packed": _case(model_cfg, [sample(2, (1, 12, 8), (1, 4, 4)), sample(3, (1, 4, 8))]),
+            "one_image": _case(model_cfg, [sample(4, (1, 8, 8))]), "text": _case(model_cfg, [sample(5)])}
+
+
 def _run(model, cases: dict, shared: bool) -> dict:
     """Per case: loss [1, s], every parameter's gradient, and the patches this rank encoded."""
     encoded = []
@@ -112,6 +123,9 @@ FAMILIES = {
     "intern_vit": ((True,), references.internvl_model_cfg, _tile_cases),
     "llava_onevision1_5": ((True,), references.llava_onevision1_5_model_cfg,
                            lambda cfg: _cases(cfg, lambda *a, **k: make_sample(*a, patch_dim=3 * 14 * 14, **k))),
+    # ERNIE-4.5-VL: the resampler after the tower, modality-isolated experts (which train under TP with sequence
+    # parallelism only).
+    "ernie4_5_vl": ((True,), ernie.tiny_cfg, _ernie_cases),
 }
 
 

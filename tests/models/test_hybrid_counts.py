@@ -281,3 +281,20 @@ def test_the_dry_runs_linear_attention_activations_are_its_own():
     longer = dataclasses.replace(hybrid, data=dataclasses.replace(hybrid.data, seq_len=2 * hybrid.data.seq_len))
     assert decoder_activation_bytes(longer, sizes) == pytest.approx(2 * decoder_activation_bytes(hybrid, sizes),
                                                                     rel=1e-12)
+
+
+def test_context_parallel_adds_the_keys_each_chunk_sees_and_the_delta_rules_widened_state():
+    """At CP 2 a rank holds half the tokens; per local token, attention also keeps the keys and values its two
+    chunks see (CP + 1/2 = 2.5 times its own: 2 x 32 x 2.5) and Gated DeltaNet its convolution windows (3 more
+    taps of 2K + V = 80) and the rule's d_k widened columns in and out (2 x 4 heads x 8)."""
+    cp1 = hybrid_run(PATTERNS["three_to_one"])
+    cp2 = hybrid_run(PATTERNS["three_to_one"], context_parallel_size=2, world_size=2)
+    sizes1, sizes2 = derive_parallel_sizes(cp1.parallel), derive_parallel_sizes(cp2.parallel)
+    value_bytes = 4 if cp1.training.precision == "fp32" else 2
+    in_flight = min(sizes1.pipeline_parallel, cp1.training.global_batch_size // sizes1.data_parallel)
+    per_token = {cp: decoder_activation_bytes(run, sizes) / (run.data.seq_len / cp) / value_bytes / in_flight
+                 for cp, run, sizes in ((1, cp1, sizes1), (2, cp2, sizes2))}
+    full_layers, linear_layers = 1, 3
+    added = full_layers * 2 * 32 * 2.5 + linear_layers * (3 * 80 + 2 * 4 * 8)
+    print(f"\nvalues per local token and layer stack: CP 1 {per_token[1]:.0f}, CP 2 {per_token[2]:.0f} (+{added:.0f})")
+    assert per_token[2] - per_token[1] == pytest.approx(added, rel=1e-12)

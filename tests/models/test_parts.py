@@ -78,7 +78,7 @@ def test_a_tower_outside_loongforge_is_named_by_its_import_path():
     part = parts.tower("tests.train.made_up_tower")
     assert part.arch == "tests.train.made_up_tower" and part.projectors == ("mlp",)
     with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.no_such_tower: no module 'tests.no_such_tower' "
-                                          r"to import; give a tower of loongforge \(intern_vit \| "):
+                                          r"to import; give a tower of loongforge \(ernie_vit \| intern_vit \| "):
         parts.tower("tests.no_such_tower")
     with pytest.raises(ConfigError, match=r"^model.vision.arch=tests.shared_data: the module exports no PART = "
                                           r"TowerPart\(arch='tests.shared_data', ...\); export one$"):

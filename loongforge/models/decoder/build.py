@@ -61,7 +61,7 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
 def build_language_model(model_cfg: ModelConfig, language_config, modules: BlockModules,
                          pgs: ProcessGroupCollection, *, pre_process: bool, post_process: bool,
                          vp_stage: Optional[int], init_seed: Optional[int], rope: str,
-                         takes_features: bool) -> LanguageModel:
+                         takes_features: bool, routing_token_ids: tuple[int, ...] = ()) -> LanguageModel:
     """This stage of the shared decoder (``LanguageModel``), as every family builds it.
 
     ``rope``: ``"rope"`` (1-D positions) or ``"mrope"`` (three rows of positions, t/h/w).
@@ -73,8 +73,10 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
     return LanguageModel(
         config=language_config,
         transformer_layer_spec=language_block_spec(language_config, modules, pp_rank=get_pg_rank(pgs.pp),
-                                                   vp_stage=vp_stage, init_seed=init_seed),
+                                                   vp_stage=vp_stage, init_seed=init_seed,
+                                                   vision_ffn_hidden_size=lang.moe and lang.moe.vision_ffn_hidden_size),
         mtp_block_spec=mtp,
+        routing_token_ids=routing_token_ids,
         vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
         true_vocab_size=lang.vocab_size,
         init_seed=init_seed,

@@ -17,7 +17,12 @@ from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.layer_costs import head_dim
 from loongforge.models.decoder.sliding_attention import SlidingWindowTransformerConfig
 
-_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh")}
+def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
+    return x * torch.sigmoid(1.702 * x)  # CLIP's GELU approximation (Qwen2-VL's, ERNIE-4.5-VL's ViTs)
+
+
+_ACTIVATIONS = {"silu": F.silu, "gelu": F.gelu, "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+                "quick_gelu": _quick_gelu}
 
 
 def activation(name: str, key: str):
@@ -59,11 +64,13 @@ def common(params_dtype: torch.dtype, on_cpu: bool) -> dict:
 
 def language_config(
     lang: LanguageConfig, parallel_cfg: ParallelConfig, params_dtype: torch.dtype, on_cpu: bool,
-    recompute_layers: bool = False,
+    recompute_layers: bool = False, rotary_interleaved: bool = False,
 ) -> TransformerConfig:
     """The decoder: SwiGLU MLP, GQA, RMSNorm, optional qkv bias and per-head q/k norm. Rotary
     positions are the family's choice (``LanguageModel``'s ``position_embedding_type``); M-RoPE
-    sections, when the model has them, must cover every rotary pair."""
+    sections, when the model has them, must cover every rotary pair. ``rotary_interleaved``: each head
+    rotates adjacent channel pairs (2j, 2j+1) rather than its two halves (the family's rotary module gives
+    the angles in that layout)."""
     channels = head_dim(lang)
     if lang.mrope_section and 2 * sum(lang.mrope_section) != rotary_channels(lang):
         raise ValueError(f"model.language.mrope_section={lang.mrope_section} must sum to the rotary "
@@ -86,6 +93,7 @@ def language_config(
         # megatron sums these norms' gradients over TP (each rank normalises its own heads).
         qk_layernorm=lang.qk_norm,
         mrope_section=list(lang.mrope_section) or None,
+        rotary_interleaved=rotary_interleaved,
         tensor_model_parallel_size=parallel_cfg.tensor_model_parallel_size,
         pipeline_model_parallel_size=parallel_cfg.pipeline_model_parallel_size,
         virtual_pipeline_model_parallel_size=megatron_virtual_stages(parallel_cfg),

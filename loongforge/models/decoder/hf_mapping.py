@@ -33,6 +33,7 @@ from loongforge.models.hf.rules import (
     Replicated,
     Rule,
     Split,
+    Transposed,
     Vocab,
 )
 
@@ -97,6 +98,8 @@ def _moe_rules(lang: LanguageConfig, lb: str, ll: str, fused_experts: bool) -> l
     """A sparse layer's MLP rows: its norm (a module of its own: the router and the experts share its output),
     the router (and DeepSeek-V3's expert bias), the routed experts and the shared expert, if any."""
     rep = Replicated()
+    if lang.moe.vision_ffn_hidden_size:
+        return _modality_moe_rules(lang, lb, ll)
     rules = [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
              Rule((lb + "mlp.gate.weight",), ll + "mlp.router.weight", rep, LANGUAGE)]
     if lang.moe.router_bias_update_rate > 0:
@@ -106,6 +109,25 @@ def _moe_rules(lang: LanguageConfig, lb: str, ll: str, fused_experts: bool) -> l
     if lang.moe.shared_expert_ffn_hidden_size is not None:
         rules += _shared_expert_rules(lb, ll, gated=lang.moe.shared_expert_gate)
     return rules
+
+
+def _modality_moe_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
+    """A modality-isolated sparse layer (``decoder.modality_moe``) as ERNIE-4.5-VL's checkpoints store it: one
+    expert sequence, the text set's experts then the vision set's (``mlp.experts.{e}``, ``Rule.expert_offset``),
+    each router's weight transposed ([hidden, experts]: ``gate.weight`` the text set's, ``gate.weight_1`` the
+    vision set's), both routers' biases one [2, experts] tensor, and the ungated shared experts."""
+    rep = Replicated()
+    rules = [Rule((lb + "post_attention_layernorm.weight",), ll + "pre_mlp_layernorm.weight", rep, LANGUAGE),
+             Rule((lb + "mlp.gate.weight",), ll + "mlp.text_moe.router.weight", Transposed(), LANGUAGE),
+             Rule((lb + "mlp.gate.weight_1",), ll + "mlp.vision_moe.router.weight", Transposed(), LANGUAGE),
+             Rule((lb + "mlp.moe_statics.e_score_correction_bias",), ll + "mlp.expert_bias", rep, LANGUAGE)]
+    he = lb + "mlp.experts.{e}."
+    for kind, offset in (("text_moe", 0), ("vision_moe", lang.moe.num_experts)):
+        le = f"{ll}mlp.{kind}.experts.local_experts.{{e}}."
+        rules += [Rule((he + "gate_proj.weight", he + "up_proj.weight"), le + "linear_fc1.weight", GateUp(), LANGUAGE,
+                       expert_offset=offset),
+                  Rule((he + "down_proj.weight",), le + "linear_fc2.weight", Split(1), LANGUAGE, expert_offset=offset)]
+    return rules + _shared_expert_rules(lb, ll, gated=False)
 
 
 def _dense_mlp_rules(lb: str, ll: str) -> list[Rule]:
@@ -336,6 +358,8 @@ def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool, dense: bool) 
         ffn = lang.ffn_hidden_size
         return {b + "mlp.gate_proj.weight": (ffn, d), b + "mlp.up_proj.weight": (ffn, d),
                 b + "mlp.down_proj.weight": (d, ffn)}
+    if lang.moe.vision_ffn_hidden_size:
+        return _modality_moe_shapes(lang, b)
     ffn, shapes = lang.moe.ffn_hidden_size, {b + "mlp.gate.weight": (lang.moe.num_experts, d)}
     if lang.moe.router_bias_update_rate > 0:
         shapes[b + "mlp.gate.e_score_correction_bias"] = (lang.moe.num_experts,)
@@ -352,6 +376,21 @@ def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool, dense: bool) 
     for e in range(lang.moe.num_experts):
         shapes.update({f"{b}mlp.experts.{e}.gate_proj.weight": (ffn, d), f"{b}mlp.experts.{e}.up_proj.weight": (ffn, d),
                        f"{b}mlp.experts.{e}.down_proj.weight": (d, ffn)})
+    return shapes
+
+
+def _modality_moe_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+    d, moe = lang.hidden_size, lang.moe
+    shapes = {b + "mlp.gate.weight": (d, moe.num_experts), b + "mlp.gate.weight_1": (d, moe.num_experts),
+              b + "mlp.moe_statics.e_score_correction_bias": (2, moe.num_experts)}
+    for e in range(2 * moe.num_experts):
+        ffn = moe.ffn_hidden_size if e < moe.num_experts else moe.vision_ffn_hidden_size
+        shapes.update({f"{b}mlp.experts.{e}.gate_proj.weight": (ffn, d), f"{b}mlp.experts.{e}.up_proj.weight": (ffn, d),
+                       f"{b}mlp.experts.{e}.down_proj.weight": (d, ffn)})
+    if moe.shared_expert_ffn_hidden_size is not None:
+        shared, hs = moe.shared_expert_ffn_hidden_size, b + "mlp.shared_experts."
+        shapes.update({hs + "gate_proj.weight": (shared, d), hs + "up_proj.weight": (shared, d),
+                       hs + "down_proj.weight": (d, shared)})
     return shapes
 
 

@@ -14,6 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_pg_rank
 
+from loongforge.models.decoder.modality_moe import install_routing_hooks, routing_tokens
 from loongforge.models.layers import initialization
 
 
@@ -24,12 +25,18 @@ class LanguageModel(GPTModel):
     the softmax denominator, so their logits are set to -inf before the cross entropy.
     """
 
-    def __init__(self, *args, true_vocab_size: int, init_seed: Optional[int] = None, **kwargs):
+    def __init__(self, *args, true_vocab_size: int, init_seed: Optional[int] = None,
+                 routing_token_ids: tuple[int, ...] = (), **kwargs):
         # The embedding is GPTModel's first random draw; the decoder layers draw from keys of their
         # own (see the block spec) and leave this stream alone.
         with initialization.seeded(init_seed, "language_model.embedding"):
             super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        # Modality-isolated experts (``decoder.modality_moe``): the ids routed to the vision experts, whose
+        # positions every stage finds in its input ids and hands its layers as the block's context.
+        self.register_buffer("routing_token_ids", torch.tensor(routing_token_ids, dtype=torch.long), persistent=False)
+        if install_routing_hooks(self.decoder.layers if hasattr(self, "decoder") else []) and not routing_token_ids:
+            raise ValueError("modality-isolated experts need routing_token_ids (the ids routed to the vision experts)")
         # megatron-core 0.16's MTP layers call their decoder layer without the padding mask, so an MoE router
         # there would count padding in its expert-bias load (and its balance statistics): hand it the mask the
         # decoder's layers route with.
@@ -61,6 +68,14 @@ class LanguageModel(GPTModel):
             routing = tensor_parallel.scatter_to_sequence_parallel_region(
                 routing.transpose(0, 1).contiguous()).transpose(0, 1).contiguous()
         self._routing_padding = routing
+        if self.routing_token_ids.numel():
+            block_kwargs = dict(kwargs.get("extra_block_kwargs") or {})
+            if block_kwargs.get("context") is not None:
+                raise ValueError("modality-isolated experts take the block's context for the tokens' modality; "
+                                 "it holds another input (DeepStack's features)")
+            input_ids = kwargs["input_ids"] if "input_ids" in kwargs else args[0]
+            block_kwargs["context"] = routing_tokens(input_ids, self.routing_token_ids)
+            kwargs["extra_block_kwargs"] = block_kwargs
         try:
             return super().forward(*args, padding_mask=padding_mask, **kwargs)
         finally:

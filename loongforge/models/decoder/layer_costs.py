@@ -4,8 +4,9 @@ values it saves for the backward per token. A decoder layer is a token mixer and
 - token mixers: GQA attention (``GroupedQueryAttention``: q, k, v, o, optional biases, per-head q/k norms and
   output gate), multi-latent attention (``LatentAttention``, DeepSeek's) and Gated DeltaNet's linear attention
   (``GatedDeltaNet``, Qwen3.5's);
-- MLPs: the dense SwiGLU (``DenseMLP``) and the mixture of experts (``Experts``: the router, the routed experts
-  and a shared expert).
+- MLPs: the dense SwiGLU (``DenseMLP``), the mixture of experts (``Experts``: the router, the routed experts
+  and a shared expert) and modality-isolated experts (``ModalityExperts``: a text set and a vision set, each
+  with its router, beside ungated shared experts; ERNIE-4.5-VL's).
 
 The plans read them through ``token_mixer`` / ``mlp``: parameter counts (``decoder.params``), model FLOPs
 (``models.flops``) and the dry run's activation estimate (``train.dry_run``). A new layer kind is one class
@@ -79,12 +80,13 @@ class GroupedQueryAttention:
         return projections + attention_flops(segment_lengths, q_width)
 
     @classmethod
-    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """q, k, v and the attention output; with the output gate also the gate and the gated output (the
-        output projection's input); split over TP."""
+        output projection's input); under CP the keys and values each local chunk sees (``context_keys``);
+        split over TP."""
         q_width, kv_width, _ = cls.widths(lang)
         gated = 2 * q_width if lang.attention_output_gate else 0
-        return (2 * q_width + 2 * kv_width + gated) / tp
+        return (2 * q_width + 2 * kv_width * (1 + context_keys(cp)) + gated) / tp
 
     @staticmethod
     def attention_width(lang: LanguageConfig) -> float:
@@ -135,14 +137,14 @@ class LatentAttention:
         return query + key_value + linear_flops(tokens, v_width, h) + attention
 
     @staticmethod
-    def saved_values_per_token(lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """The latents (the query's, the keys' and values' with the shared rotary key; gathered over TP, and
-        their normed copies), then per head the query and key, the value and the attention output, split
-        over TP."""
+        their normed copies), then per head the query and key, the value and the attention output (under CP
+        also the keys and values each local chunk sees, ``context_keys``), split over TP."""
         mla, heads = lang.multi_latent_attention, lang.num_attention_heads
         latents = 2 * ((mla.q_lora_rank or 0) + mla.kv_lora_rank) + mla.qk_rope_head_dim
         qk, v = mla.qk_nope_head_dim + mla.qk_rope_head_dim, mla.v_head_dim
-        return latents + heads * (2 * qk + 2 * v) / tp
+        return latents + heads * (2 * qk + 2 * v + (qk + v) * context_keys(cp)) / tp
 
     @classmethod
     def attention_width(cls, lang: LanguageConfig) -> float:
@@ -273,16 +275,27 @@ class GatedDeltaNet:
         return projections + causal_conv_flops(tokens, shape) + gated_delta_rule_flops(tokens, shape)
 
     @classmethod
-    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int, cp: int = 1) -> float:
         """The input projection's output (q, k, v before the convolution, z, b, a: 2K + 2V + 2H), the
         convolution's output, g and beta (the rule's inputs fla keeps: 2K + V + 2H), fla's solved chunk matrix
         (a row of ``DELTA_RULE_CHUNK`` per value head), the rule's output and the gated norm's (the output
-        projection's input: 2V), split over TP. The recurrent state is recomputed in the backward, not kept."""
+        projection's input: 2V), split over TP. The recurrent state is recomputed in the backward, not kept.
+        Under CP (``linear_attention_cp``): each token's window of the convolution's input (K taps, not one)
+        and the rule's d_k widened value columns, in and out."""
+        shape = lang.linear_attention
         key_width, value_width = cls.widths(lang)
-        heads, qkv = lang.linear_attention.num_value_heads, 2 * key_width + value_width
+        heads, qkv = shape.num_value_heads, 2 * key_width + value_width
         projection = qkv + value_width + 2 * heads
         rule_inputs = qkv + 2 * heads + heads * DELTA_RULE_CHUNK
-        return (projection + rule_inputs + 2 * value_width) / tp
+        context = (shape.conv_kernel - 1) * qkv + 2 * heads * shape.key_head_dim if cp > 1 else 0
+        return (projection + rule_inputs + 2 * value_width + context) / tp
+
+
+def context_keys(cp: int) -> float:
+    """Keys (and values) a CP rank's attention keeps per local token: its two chunks of each sample see the keys
+    up to them, (r + 1) + (2 CP - r) chunks of 2 CP, CP + 1/2 times its own tokens (``models.layers.attention``
+    gathers the row and copies each chunk's keys); none at CP 1 beyond its own."""
+    return cp + 0.5 if cp > 1 else 0.0
 
 
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
@@ -309,7 +322,7 @@ class DenseMLP:
         return 3 * linear_parameters(lang.hidden_size, lang.ffn_hidden_size, bias=False)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
         return linear_flops(tokens, lang.hidden_size, 3 * lang.ffn_hidden_size)
 
     @staticmethod
@@ -346,7 +359,8 @@ class Experts:
         return router + cls.routed_parameters(lang, active=active) + cls.shared_parameters(lang)
 
     @staticmethod
-    def forward_flops(lang: LanguageConfig, tokens: int) -> int:
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Every token alike (``vision_tokens``: of no account here)."""
         moe, h = lang.moe, lang.hidden_size
         shared = moe.shared_expert_ffn_hidden_size
         router = linear_flops(tokens, h, moe.num_experts)
@@ -363,7 +377,44 @@ class Experts:
         return moe.router_topk * (lang.hidden_size + 3 * moe.ffn_hidden_size / expert_tp) + shared
 
 
+class ModalityExperts:
+    """Modality-isolated experts (``moe.vision_ffn_hidden_size``, ``decoder.modality_moe``): two routers
+    ``h -> num_experts`` with their fixed biases (2 x num_experts values, parameters in transformers), the text
+    set's ``num_experts`` SwiGLU experts of ``ffn_hidden_size`` and the vision set's of
+    ``vision_ffn_hidden_size``, and the ungated shared experts. A token runs through its set's router and
+    ``router_topk`` of its set's experts; ``active`` counts what a row of both modalities runs through (both
+    routers, the top k of each set). The FLOPs and saved values, which do not know the tokens' modality, take
+    every token as a text token, the costlier (the vision experts are the narrower)."""
+
+    @staticmethod
+    def routed_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
+        moe, h = lang.moe, lang.hidden_size
+        experts = moe.router_topk if active else moe.num_experts
+        return experts * 3 * (linear_parameters(h, moe.ffn_hidden_size, bias=False)
+                              + linear_parameters(h, moe.vision_ffn_hidden_size, bias=False))
+
+    @classmethod
+    def parameters(cls, lang: LanguageConfig, *, active: bool = False) -> int:
+        routers = 2 * (linear_parameters(lang.hidden_size, lang.moe.num_experts, bias=False) + lang.moe.num_experts)
+        return routers + cls.routed_parameters(lang, active=active) + Experts.shared_parameters(lang)
+
+    @staticmethod
+    def forward_flops(lang: LanguageConfig, tokens: int, vision_tokens: int = 0) -> int:
+        """Each token through its set's router and ``router_topk`` of its set's experts (``vision_tokens`` of
+        the ``tokens`` go to the vision set), and every token through the shared experts."""
+        moe, h = lang.moe, lang.hidden_size
+        shared = moe.shared_expert_ffn_hidden_size
+        return (linear_flops(tokens, h, moe.num_experts)
+                + linear_flops((tokens - vision_tokens) * moe.router_topk, h, 3 * moe.ffn_hidden_size)
+                + linear_flops(vision_tokens * moe.router_topk, h, 3 * moe.vision_ffn_hidden_size)
+                + (linear_flops(tokens, h, 3 * shared) if shared else 0))
+
+    saved_values_per_token = Experts.saved_values_per_token
+
+
 def mlp(lang: LanguageConfig, sparse: bool = True):
     """The MLP kind of a layer: the experts where the decoder has them and the layer is ``sparse`` (not one of
-    DeepSeek's dense first layers), else the dense SwiGLU."""
-    return Experts if lang.moe and sparse else DenseMLP
+    DeepSeek's dense first layers), modality-isolated where it routes by modality, else the dense SwiGLU."""
+    if not (lang.moe and sparse):
+        return DenseMLP
+    return ModalityExperts if lang.moe.vision_ffn_hidden_size else Experts

@@ -9,6 +9,8 @@ towers from ``transformer_layer_spec`` with a bidirectional mask.
 
 from __future__ import annotations
 
+from typing import Optional
+
 from megatron.core.fusions.fused_bias_dropout import get_bias_dropout_add
 from megatron.core.transformer.attention import SelfAttention, SelfAttentionSubmodules
 from megatron.core.transformer.enums import AttnMaskType
@@ -30,6 +32,7 @@ from megatron.core.transformer.transformer_layer import (
 )
 
 from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
+from loongforge.models.decoder.modality_moe import modality_moe_spec
 from loongforge.models.decoder.sliding_attention import SlidingWindowAttention, SlidingWindowAttentionSubmodules
 from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
@@ -58,15 +61,21 @@ def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpe
 
 
 def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,
-                           qk_norm: bool = False, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
+                           qk_norm: bool = False, moe: bool = False, shared_expert: bool = False,
+                           vision_ffn_hidden_size: Optional[int] = None) -> ModuleSpec:
     """Pre-norm block: x + attn(norm(x)), then x + mlp(norm(x)); each norm inside the next linear.
     ``qk_norm``: RMSNorm over each head's query and key before the rotary embedding (Qwen3).
     ``moe``: the MLP is megatron's MoE layer; the router and every expert read the normed hidden
     state, so that norm is a module of its own (``pre_mlp_layernorm``: megatron's own MoE specs
     name it so, and ``state_dict_names`` reads it as the fused ``mlp.linear_fc1.layer_norm_weight``
-    row of the weight map)."""
+    row of the weight map). ``vision_ffn_hidden_size``: the sparse MLP holds modality-isolated experts, the
+    vision tokens' this wide (``decoder.modality_moe``)."""
     head_norm = RMSNorm if qk_norm else IdentityOp
-    if moe:
+    if moe and vision_ffn_hidden_size:
+        routed = moe_spec(modules)
+        shared = moe_spec(modules, shared_expert=True).submodules.shared_experts if shared_expert else None
+        pre_mlp_norm, mlp = RMSNorm, modality_moe_spec(routed, routed, shared, vision_ffn_hidden_size)
+    elif moe:
         pre_mlp_norm, mlp = RMSNorm, moe_spec(modules, shared_expert=shared_expert)
     else:
         pre_mlp_norm, mlp = IdentityOp, ModuleSpec(module=MLP, submodules=MLPSubmodules(
@@ -146,7 +155,8 @@ def sliding_window_layer_spec(modules: BlockModules, *, sliding: bool, moe: bool
 
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
                         moe: bool = False, shared_expert: bool = False, linear: bool = False,
-                        latent: bool = False, sliding: bool | None = None) -> ModuleSpec:
+                        latent: bool = False, vision_ffn_hidden_size: Optional[int] = None,
+                        sliding: bool | None = None) -> ModuleSpec:
     """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention; ``sliding``:
     MiMo-V2-Flash's attention, its sliding kind when true, its full kind when false); with ``init_seed``, each
     layer's initial weights come from (seed, its global index), whatever the pipeline layout (see
@@ -158,7 +168,8 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
     elif linear:
         spec = linear_attention_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     else:
-        spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe, shared_expert=shared_expert)
+        spec = transformer_layer_spec(modules, AttnMaskType.causal, qk_norm=qk_norm, moe=moe, shared_expert=shared_expert,
+                                      vision_ffn_hidden_size=vision_ffn_hidden_size)
     if init_seed is not None:
         spec.module = SeededTransformerLayer
         spec.params = {"init_seed": init_seed, "init_key": "language_model.decoder.layers"}
@@ -167,9 +178,10 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
 
 def language_block_spec(
     config: TransformerConfig, modules: BlockModules, *, pp_rank: int, vp_stage: int | None = None,
-    init_seed: int | None = None,
+    init_seed: int | None = None, vision_ffn_hidden_size: Optional[int] = None,
 ) -> TransformerBlockSubmodules:
-    """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec).
+    """This pipeline stage's decoder layers plus the final norm (a ``TransformerBlock`` spec);
+    ``vision_ffn_hidden_size``: the sparse layers hold modality-isolated experts (``decoder.modality_moe``).
 
     Given as block submodules rather than a layer spec so that the final norm is our ``RMSNorm``
     and not megatron's global default norm class.
@@ -183,6 +195,7 @@ def language_block_spec(
     layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse[first + local],
                                   shared_expert=shared_expert and sparse[first + local],
                                   linear=bool(pattern[first + local]), latent=config.multi_latent_attention,
+                                  vision_ffn_hidden_size=vision_ffn_hidden_size,
                                   sliding=None if sliding is None else bool(sliding[first + local]))
               for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)

@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections import Counter
 
 from loongforge.config.schema import LanguageConfig, ModelConfig
-from loongforge.models.decoder.layer_costs import FULL_ATTENTION, Experts, mlp, token_mixer
+from loongforge.models.decoder.layer_costs import FULL_ATTENTION, mlp, token_mixer
 from loongforge.models.flops import decoder_layer_types, sparse_layers
 
 
 def expert_parameters(lang: LanguageConfig, *, active: bool = False) -> int:
     """One layer's routed experts, router not included (0 in a dense model); ``active``: the
     ``moe.router_topk`` experts one token runs through."""
-    return Experts.routed_parameters(lang, active=active) if lang.moe else 0
+    return mlp(lang).routed_parameters(lang, active=active) if lang.moe else 0
 
 
 def language_layer_parameters(lang: LanguageConfig, *, active: bool = False,

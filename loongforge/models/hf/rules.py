@@ -82,6 +82,16 @@ class Replicated(Transform):
         return [shards[0]]
 
 
+class Transposed(Transform):
+    """An HF matrix stored transposed (ERNIE-4.5-VL's routers, [hidden, experts]), the same on every rank."""
+
+    def shard(self, hf, rank, size):
+        return hf[0].t().contiguous()
+
+    def unshard(self, shards):
+        return [shards[0].t().contiguous()]
+
+
 @dataclass(frozen=True)
 class Split(Transform):
     """Column-parallel (dim 0) or row-parallel (dim 1) split into equal contiguous chunks."""
@@ -347,6 +357,9 @@ class Rule:
     count: Optional[int] = None
     # The language layers ``{i}`` runs over (a hybrid decoder's rows of one kind of layer); None: every one.
     layers: Optional[tuple[int, ...]] = None
+    # HF numbers these experts from here (``{e}`` in ``hf`` is ours + this): a checkpoint that lists two expert
+    # sets in one sequence (ERNIE-4.5-VL's vision experts after its text experts).
+    expert_offset: int = 0
 
     @property
     def fuses_experts(self) -> bool:

@@ -96,7 +96,7 @@ def hf_to_megatron(
         rule, local_index, local_expert = _match(rules, key, layer_offset)
         index = _hf_index(rule, local_index, layer_offset)
         expert = None if local_expert is None else local_expert + (experts.offset if experts else 0)
-        sources = [_fill(p, index, expert) for p in rule.hf]
+        sources = [_fill(p, index, None if expert is None else expert + rule.expert_offset) for p in rule.hf]
         if rule.fallback_hf and sources[0] not in hf_state:
             sources = [rule.fallback_hf]
         missing = [s for s in sources if s not in hf_state]
@@ -150,7 +150,7 @@ def megatron_to_hf(
             continue
         tensors = rule.transform.unshard([shard[key] for shard in ranks])
         for pattern, tensor in zip(rule.hf, tensors):
-            out[_fill(pattern, index, expert)] = tensor
+            out[_fill(pattern, index, None if expert is None else expert + rule.expert_offset)] = tensor
     for (hf_key, rule), experts in fused.items():
         (out[hf_key],) = rule.transform.unshard_experts([experts[e] for e in sorted(experts)])
     return out
@@ -204,8 +204,9 @@ def expert_layers(language_model) -> list:
 def expert_placement(layers) -> Optional[ExpertPlacement]:
     """This rank's experts in ``layers`` (a decoder's, and multi-token prediction's decoder layers); None for a
     dense model or a stage without experts (DeepSeek's first layers are dense: the first sparse layer's)."""
-    experts = next((found for found in (getattr(layer.mlp, "experts", None) for layer in layers)
-                    if found is not None), None)
+    # A modality-isolated layer's text and vision sets are placed alike (``decoder.modality_moe``).
+    experts = next((found for found in (getattr(getattr(layer.mlp, "text_moe", layer.mlp), "experts", None)
+                                        for layer in layers) if found is not None), None)
     if experts is None:
         return None
     return ExpertPlacement(offset=experts.ep_group.rank() * experts.num_local_experts,

@@ -89,9 +89,10 @@ class AdapterParameters:
 
 
 def _fill(pattern: str, rule: Optional[Rule] = None) -> str:
-    """``pattern`` at its rule's first layer (a hybrid decoder's rows of one kind skip the others) and expert."""
+    """``pattern`` at its rule's first layer (a hybrid decoder's rows of one kind skip the others) and expert (its
+    set's first: ``Rule.expert_offset``)."""
     layer = 0 if rule is None or rule.layers is None else rule.layers[0]
-    return pattern.replace("{i}", str(layer)).replace("{e}", "0")
+    return pattern.replace("{i}", str(layer)).replace("{e}", str(0 if rule is None else rule.expert_offset))
 
 
 def _part_shapes(rule: Rule, hf_shapes: dict) -> list[tuple[int, int]]:

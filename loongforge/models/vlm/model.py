@@ -99,6 +99,7 @@ class VisionLanguageModel(MegatronModule):
         vp_stage: Optional[int],
         rope: str,
         rotary: Optional[torch.nn.Module] = None,
+        routing_token_ids: tuple[int, ...] = (),
     ):
         """``encoder``: this stage's vision encoder (an ``encoder_type``), None where it holds none (a
         later stage, or a model trained on ``loongforge encode``'s stored features, ``with_encoder``
@@ -144,7 +145,7 @@ class VisionLanguageModel(MegatronModule):
         self.language_model = build_language_model(
             model_cfg, language_config, context.modules, language_pgs, pre_process=pre_process,
             post_process=post_process, vp_stage=vp_stage, init_seed=context.init_seed, rope=rope,
-            takes_features=True)
+            takes_features=True, routing_token_ids=routing_token_ids)
         if rotary is not None:
             # GPTModel calls rotary_pos_emb(position_ids, mrope_section, cp_group=...): same call.
             self.language_model.rotary_pos_emb = rotary
@@ -388,6 +389,8 @@ def build_vlm(
     with_encoder: bool = True,
     rope: str = "mrope",
     rotary: Optional[Callable[[], torch.nn.Module]] = None,
+    rotary_interleaved: bool = False,
+    routing_token_ids: tuple[int, ...] = (),
 ) -> VisionLanguageModel:
     """This rank's pipeline stage of a VLM whose vision side is ``tower``'s encoder, built by
     ``build_encoder`` (default the encoder type's ``build``); ``side_sets``: its side feature sets,
@@ -404,14 +407,17 @@ def build_vlm(
     over the sharing group (the run's cost model); default P^2 + P.
     ``with_encoder=False``: no vision encoder (training on ``loongforge encode``'s stored features,
     passed to forward as ``image_embeds`` / ``video_embeds``). ``rotary``: makes the decoder's rotary
-    module where the family's differs from megatron's (``rope``)."""
+    module where the family's differs from megatron's (``rope``); ``rotary_interleaved``: it gives the
+    angles of adjacent channel pairs. ``routing_token_ids``: the ids a decoder with modality-isolated
+    experts routes to its vision experts (``decoder.modality_moe``)."""
     context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
     language_pgs = context.pgs
     encoder_type = tower.encoder_type()
     vision_tp = vision_tensor_parallel_size(parallel_cfg)
     vision_tp_group = build_vision_tp_group(language_pgs.tp, vision_tp)
     language_config = decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype,
-                                                      context.on_cpu, recompute_layers=recompute_activations)
+                                                      context.on_cpu, recompute_layers=recompute_activations,
+                                                      rotary_interleaved=rotary_interleaved)
     if side_sets:
         deepstack.check_pipeline(language_config, side_sets)
     # encoder_dp=full: one replica per pipeline rank, on its first chunk (virtual stage 0).
@@ -428,7 +434,8 @@ def build_vlm(
         encoder=encoder, encoder_type=encoder_type, with_encoder=with_encoder, side_sets=side_sets,
         merge_unit=merge_unit,
         vision_tp=vision_tp, pre_process=pre_process,
-        post_process=post_process, vp_stage=vp_stage, rope=rope, rotary=None if rotary is None else rotary())
+        post_process=post_process, vp_stage=vp_stage, rope=rope, rotary=None if rotary is None else rotary(),
+        routing_token_ids=routing_token_ids)
     if encoder is not None:
         mark_tp_duplicates(encoder, vision_tp=vision_tp, replica_block=model._vision_replica_block)
         sharing = sharing_groups(parallel_cfg, language_pgs)

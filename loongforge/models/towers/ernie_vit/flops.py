@@ -1,0 +1,47 @@
+"""The FLOPs of ERNIE-4.5-VL's ViT and resampler per training micro-batch (convention in ``models.flops``).
+
+What runs (``vision.py``): the patch embedding (a linear over ``C*p*p`` pixels) on every patch; ``depth``
+blocks of QKV, output projection and a plain MLP, attending within each frame; then the resampler on every
+merge unit (``m^2 h -> m^2 h -> m^2 h``), on every token (``2 m^2 h -> m^2 h -> m^2 h``, then ``m^2 h ->
+out``); an image's tokens are its merge units, a video's half its frames'.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import (
+    FlopOptions,
+    Grid,
+    attention_flops,
+    frame_lengths,
+    linear_flops,
+    patch_embedding_flops,
+    projector_passes,
+    vision_block_linear_flops,
+    vision_block_passes,
+    vision_block_saved_values,
+)
+
+
+def saved_values(model_cfg: ModelConfig, tp: int) -> float:
+    """Values a block saves per patch (``TowerPart.saved_values``): a plain quick-GELU MLP."""
+    vis = model_cfg.vision
+    return vision_block_saved_values(vis.hidden_size, vis.intermediate_size, tp, gated=False)
+
+
+def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
+    """(vision, resampler) FLOPs of the micro-batch's images and videos ``grids``: ``flops.EncoderFlops``."""
+    vis, merge, out = model_cfg.vision, model_cfg.projector.spatial_merge_size, model_cfg.projector.out_hidden_size
+    patches = sum(t * h * w for t, h, w in grids)
+    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=1,
+                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
+    blocks = vis.depth * (vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=False)
+                          + attention_flops(frame_lengths(grids), vis.hidden_size))
+    width = vis.hidden_size * merge**2
+    units = patches // merge**2
+    tokens = sum(h * w // merge**2 * (1 if t == 1 else t // 2) for t, h, w in grids)
+    resampler = (2 * linear_flops(units, width, width) + linear_flops(tokens, 2 * width, width)
+                 + linear_flops(tokens, width, width) + linear_flops(tokens, width, out))
+    return embedding + vision_block_passes(options) * blocks, projector_passes(options) * resampler

@@ -1,0 +1,170 @@
+"""ERNIE-4.5-VL (``models/ernie4_5_vl``): config.json both ways, the weight map against transformers' tensors,
+and the whole model (tower, resampler, modality-isolated experts, 3-D positions) equal to transformers on
+text, one image and two images of other proportions."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jinja2
+import pytest
+import torch
+
+from loongforge.config.schema import ParallelConfig
+from loongforge.data.template import Turn, render_chat, turns_to_hf_messages
+from loongforge.models.ernie4_5_vl.chat import CHAT
+from loongforge.models.hf.weights import load_hf_state_dict, megatron_to_hf
+from loongforge.models.media import MediaBatch
+from loongforge.models.registry import get_family
+
+from tests.models.helpers import destroy_megatron, free_port, init_megatron
+from tests.models.ernie_helpers import build_hf, sample, tiny_cfg, tiny_hf_config_dict
+
+
+
+FAMILY = get_family("ernie4_5_vl")
+
+
+def test_config_json_both_ways():
+    model_cfg = tiny_cfg()
+    lang = model_cfg.language
+    assert (lang.moe.num_experts, lang.moe.ffn_hidden_size, lang.moe.vision_ffn_hidden_size) == (4, 32, 16)
+    assert lang.moe.shared_expert_ffn_hidden_size == 64 and lang.moe.first_dense_layers == 1
+    assert model_cfg.vision.arch == "ernie_vit" and model_cfg.projector.out_hidden_size == 64
+    assert FAMILY.config_from_hf(FAMILY.config_to_hf(model_cfg), "again") == model_cfg
+    from transformers import Ernie4_5_VLMoeConfig
+
+    written = FAMILY.config_to_hf(model_cfg)
+    back = Ernie4_5_VLMoeConfig(**{k: v for k, v in written.items() if k not in ("architectures", "model_type")})
+    assert back.text_config.mlp_layer_types == ["dense", "sparse", "sparse"]
+    assert FAMILY.config_problems(model_cfg) == []
+
+
+def test_hf_shapes_are_transformers_tensors():
+    model_cfg = tiny_cfg()
+    hub = FAMILY.to_hub_style(build_hf(model_cfg).state_dict())
+    hub.pop("lm_head.weight")  # tied: the Hub's files have none
+    assert FAMILY.hf_shapes(model_cfg) == {k: tuple(v.shape) for k, v in hub.items()}
+
+
+@pytest.fixture(scope="module")
+def pair():
+    init_megatron(rank=0, world_size=1, port=free_port())
+    model_cfg = tiny_cfg()
+    hf = build_hf(model_cfg)
+    model = FAMILY.build(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                         post_process=True, device="cpu").eval()
+    load_hf_state_dict(model, hf.state_dict())
+    yield model_cfg, hf, model
+    destroy_megatron()
+
+
+@pytest.mark.parametrize("images", [(), ((1, 4, 6),), ((1, 4, 6), (1, 6, 2))], ids=["text", "one_image", "two_images"])
+def test_logits_equal_transformers(pair, images):
+    model_cfg, hf, model = pair
+    ids, rows, grids, kinds, experts = sample(images)
+    positions = FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None]
+    with torch.no_grad():
+        expected = hf(input_ids=ids, pixel_values=rows, image_grid_thw=grids, mm_token_type_ids=kinds,
+                      moe_mm_token_type_ids=experts).logits
+        hf_positions, _ = hf.model.get_rope_index(ids, kinds, image_grid_thw=grids) if images else (positions, None)
+        media = MediaBatch.of(pixel_values=rows, image_grid_thw=grids)
+        ours = model(input_ids=ids, position_ids=positions, media=media)[..., :300]
+    assert torch.equal(hf_positions, positions)
+    error = ((ours - expected).abs().max() / expected.abs().max()).item()
+    print(f"ERNIE-4.5-VL {len(images)} image(s) vs transformers: {error:.2e} of the largest logit")
+    assert error < 2e-6
+
+
+def test_the_weight_map_writes_back_what_it_read(pair):
+    model_cfg, hf, model = pair
+    hub = FAMILY.to_hub_style(hf.state_dict())
+    hub.pop("lm_head.weight")  # tied: not written
+    written = megatron_to_hf([model.state_dict()], model_cfg)
+    assert set(written) == set(hub)
+    assert all(torch.equal(written[k], hub[k]) for k in hub)
+
+
+def test_the_processor_is_bit_equal_to_transformers_on_two_photos():
+    """Two COCO photos of other proportions (640 x 457, 480 x 640) through the family's image processing and
+    transformers' (the PIL backend), at the 28B preset's pixel bounds and at small ones: the same grids and
+    bit-equal patch rows."""
+    from PIL import Image
+    from transformers.models.ernie4_5_vl_moe.image_processing_pil_ernie4_5_vl_moe import (
+        Ernie4_5_VLMoeImageProcessorPil,
+    )
+
+    from loongforge.config.loader import load_run_config
+    from loongforge.models import parts
+    from tests.models.references import TALL_PHOTO, WIDE_PHOTO
+
+    cfg = load_run_config("ernie4.5vl-28b-a3b")
+    for data in (cfg.data, dataclasses.replace(cfg.data, min_pixels=56 * 56, max_pixels=28 * 28 * 16)):
+        ours = parts.image_processing(FAMILY, cfg.model, data)
+        theirs = Ernie4_5_VLMoeImageProcessorPil(size={"shortest_edge": data.min_pixels, "longest_edge": data.max_pixels})
+        for path in (WIDE_PHOTO, TALL_PHOTO):
+            image = Image.open(path).convert("RGB")
+            rows, grid = ours.pixels(image)
+            expected = theirs(images=[image], return_tensors="np")
+            assert list(grid) == expected["image_grid_thw"][0].tolist()
+            assert (rows == expected["pixel_values"]).all(), (path.name, data.max_pixels)
+            print(f"{path.name} at max_pixels {data.max_pixels}: grid {list(grid)}, {rows.shape[0]} rows bit-equal")
+
+
+def test_adapters_on_both_expert_sets_are_sized_by_their_set(pair):
+    """``lora.experts``: every text and vision expert's fc1 / fc2 gets an adapter of its own set's width (the
+    vision set's narrower), the model's count is the plan's, and the adapted model runs and moves the logits.
+    (transformers keeps each set's experts fused, with no PEFT module per expert: no PEFT reference.)"""
+    from loongforge.config.schema import LoraConfig
+    from loongforge.models.layers.lora import apply_lora
+    from loongforge.models.layers.lora_params import adapter_parameters, merged_weight
+
+    model_cfg, hf, _ = pair
+    model = FAMILY.build(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                         post_process=True, device="cpu").eval()
+    load_hf_state_dict(model, hf.state_dict())
+    ids, rows, grids, _, _ = sample(((1, 4, 6),))
+    inputs = dict(input_ids=ids, position_ids=FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None],
+                  media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids))
+    with torch.no_grad():
+        before = model(**inputs)
+    lora_cfg = LoraConfig(rank=4, experts=True)
+    counts = apply_lora(model, model_cfg, lora_cfg, seed=0)
+    assert counts["language.expert_fc1"] == counts["language.expert_fc2"] == 2 * 2 * 4  # 2 layers x 2 sets x 4
+    mlp = model.language_model.decoder.layers[1].mlp
+    for moe, width in ((mlp.text_moe, 32), (mlp.vision_moe, 16)):
+        fc2 = moe.experts.local_experts[0].linear_fc2
+        assert fc2.lora.A.shape[1] == width, (fc2.lora.A.shape, width)  # row-parallel: A [r, ffn]
+    adapters = sum(p.numel() for n, p in model.named_parameters() if ".lora." in n)
+    assert adapters == adapter_parameters(model_cfg, lora_cfg, tensor_parallel=1, vision_tensor_parallel=1,
+                                          expert_parallel=1).total
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("lora.B"):
+                param.normal_(0, 0.1)
+        after = model(**inputs)
+        # A vision expert's adapted fc1 (gate and up fused) is its merged weight's linear.
+        fc1 = mlp.vision_moe.experts.local_experts[1].linear_fc1
+        x = torch.randn(5, 64, generator=torch.Generator().manual_seed(3))
+        parts = torch.arange(32) // 16  # the gate's rows, then the up's
+        merged = merged_weight(fc1.weight, fc1.lora.A, fc1.lora.B, parts, fc1.lora.scaling)
+        adapted, _ = fc1(x[:, None])
+        merged_error = (adapted[:, 0] - x @ merged.t()).abs().max().item()
+    assert merged_error < 2e-6, merged_error
+    moved = ((after - before).abs().max() / before.abs().max()).item()
+    print(f"ERNIE-4.5-VL adapters on both expert sets: {counts}, {adapters} parameters; they move the logits "
+          f"{moved:.1e} of the largest; a vision expert's adapted fc1 vs its merged weight {merged_error:.1e}")
+    assert moved > 1e-3
+
+
+def test_each_image_is_labelled_by_its_count_in_the_conversation():
+    """The published template writes ``Picture n:`` before each image, n counting over the whole conversation; the
+    Jinja twin (what a served folder renders) writes the same."""
+    turns = [Turn("user", "<image>What is it?"), Turn("assistant", "A cat."),
+             Turn("user", "And these? <image><image>"), Turn("assistant", "Two dogs.")]
+    text = render_chat(turns, None, CHAT).text
+    print(f"\n{text!r}")
+    assert [text.find(f"Picture {n}:<|IMAGE_START|>") >= 0 for n in (1, 2, 3)] == [True] * 3
+    assert text.index("Picture 1:") < text.index("What is it?") < text.index("Picture 2:") < text.index("Picture 3:")
+    rendered = jinja2.Environment().from_string(CHAT.jinja_template).render(messages=turns_to_hf_messages(turns))
+    assert rendered == text
