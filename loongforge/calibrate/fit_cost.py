@@ -24,7 +24,7 @@ from loongforge.balance.fit import (
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.schema import LanguageConfig
 from loongforge.config.validate import build_run_config
-from loongforge.models.decoder.layer_costs import FULL_ATTENTION, LINEAR_ATTENTION, gated_delta_rule_flops
+from loongforge.models.decoder.layer_costs import LINEAR_ATTENTION, gated_delta_rule_flops
 from loongforge.models.flops import attention_width, decoder_layer_types
 from loongforge.models.registry import get_family
 from loongforge.profile.profile_file import read_profile
@@ -114,7 +114,7 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     runs through (router and its top-k experts: the family's ``active`` count), plus
     the LM head, which runs on loss tokens only (6*vocab*h*loss_share*L). Returns the crossover
     without and with the head. A hybrid decoder's linear-attention layers (``layer_types``) have no
-    L^2 term: only its full-attention layers count in ``layers`` of the attention, and the linear
+    L^2 term: only its attention layers (full or sliding-window) count in ``layers`` of the attention, and the linear
     layers' work that is not a parameter's (the gated delta rule; ``linear_attention_token_flops``) joins
     the linear side, as many parameters as it takes FLOPs / 2.
     """
@@ -125,7 +125,8 @@ def flops_crossover_length(model: dict, *, loss_share: float) -> dict:
     without_layers = replace(model_cfg, language=replace(lang, num_layers=0))
     layer_parameters = count(model_cfg)["active"] - count(without_layers)["active"]
     linear = layer_parameters + linear_attention_token_flops(lang) / 2
-    attention = attention_width(lang) * decoder_layer_types(lang).count(FULL_ATTENTION)
+    # every layer but a linear-attention one has the L^2 term (a sliding-window layer's kernel runs the whole square)
+    attention = attention_width(lang) * sum(kind != LINEAR_ATTENTION for kind in decoder_layer_types(lang))
     head = loss_share * lang.vocab_size * h
     if not attention:  # every layer linear: the attention never catches up
         return {"layers_only": math.inf, "with_lm_head": math.inf, "loss_share": loss_share}

@@ -5,7 +5,8 @@ are kinds, each a section of its own that is null when the run does not build it
 
 - attention: grouped-query attention (the language fields themselves), ``multi_latent_attention``
   (DeepSeek's MLA) in its place, ``linear_attention`` (Gated DeltaNet) for the layers
-  ``layer_types`` names so;
+  ``layer_types`` names so; ``sliding_window`` (MiMo-V2-Flash's attention: sliding-window layers with
+  learned sink logits among full ones, values narrower than queries and keys);
 - MLP: the dense SwiGLU of ``ffn_hidden_size``, or ``moe`` (routed experts, a shared expert).
 
 A section checks itself (``problems``: one line per problem naming its key and the fix); the
@@ -20,7 +21,7 @@ from typing import Optional
 from loongforge.config.moved_keys import move_into_section
 
 LANGUAGE_KEY = "model.language"
-LAYER_TYPES = ("full_attention", "linear_attention")
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 
 
 def _divisors_of(number: int) -> str:
@@ -226,6 +227,55 @@ class MoEConfig:
                     f"take at most a group's {self.num_experts // groups} experts from each group (groups rank by "
                     f"the sum of their top topk/group_topk scores)."]
         return []
+
+
+@dataclass
+class SlidingWindowConfig:
+    """MiMo-V2-Flash's attention (transformers' ``MiMoV2FlashAttention``), in every layer: queries and keys of
+    ``model.language.head_dim`` channels, values of ``v_head_dim``, the values times ``value_scale``, the first
+    ``partial_rotary_factor`` of each head rotated. ``model.language.layer_types`` says which layers are
+    ``sliding_attention``: each query sees itself and the ``size - 1`` tokens before it in its own sample,
+    through ``num_query_groups`` key/value heads, under RoPE of ``rope_theta``, and (``sinks``) a learned
+    logit per head joins each softmax's denominator without a value. The ``full_attention`` layers see
+    every earlier token of their sample through ``model.language.num_query_groups`` heads under
+    ``model.language.rope_theta``, without sinks."""
+
+    KEY = f"{LANGUAGE_KEY}.sliding_window"
+
+    # Tokens a sliding layer's query sees, itself included (transformers' sliding_window; the Hub's
+    # config.json states sliding_window_size, one less).
+    size: int = 129
+    # Key/value heads of the sliding layers (MiMo-V2-Flash: twice the full layers').
+    num_query_groups: int = 8
+    rope_theta: float = 10_000.0
+    # A learned logit per query head in every sliding layer's softmax (attention sinks).
+    sinks: bool = True
+    # Channels of each value head (queries and keys have model.language.head_dim).
+    v_head_dim: int = 128
+    # Every layer's values times this (transformers' attention_value_scale).
+    value_scale: float = 1.0
+
+    def problems(self, *, num_attention_heads: int, num_query_groups: int, tensor_parallel: int,
+                 context_parallel: int, layer_types: list) -> list[str]:
+        key, errors = self.KEY, []
+        if min(self.size, self.num_query_groups, self.v_head_dim) < 1:
+            errors.append(f"{key}={self}: size, num_query_groups and v_head_dim must be at least 1.")
+            return errors
+        if "sliding_attention" not in layer_types:
+            errors.append(f"{key} is set but no entry of {LANGUAGE_KEY}.layer_types is sliding_attention; name the "
+                          f"sliding layers or set it to null.")
+        for name, groups in ((f"{key}.num_query_groups", self.num_query_groups),
+                             (f"{LANGUAGE_KEY}.num_query_groups", num_query_groups)):
+            if num_attention_heads % groups:
+                errors.append(f"{name}={groups} does not divide {LANGUAGE_KEY}.num_attention_heads="
+                              f"{num_attention_heads} (each key/value head serves whole query heads).")
+            elif groups % tensor_parallel:
+                errors.append(f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {name}="
+                              f"{groups} (TP splits whole key/value groups); use one of {_divisors_of(groups)}.")
+        if context_parallel > 1:
+            errors.append(f"parallel.context_parallel_size={context_parallel}: context parallelism with {key} is not "
+                          f"proven against one process yet; use 1.")
+        return errors
 
 
 # Keys of model.language that moved into its moe section: old flat name -> name in the section.

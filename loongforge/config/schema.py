@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
+from loongforge.config.language_parts import SlidingWindowConfig
 from loongforge.config.vision_parts import AnyresConfig, WindowAttentionConfig
 
 
@@ -139,6 +140,9 @@ class LanguageConfig:
     mtp_num_layers: int = 0
     # Their loss's weight: the step's objective adds mtp_loss_coeff / mtp_num_layers x their token losses.
     mtp_loss_coeff: float = 0.1
+    # MiMo-V2-Flash's attention (sliding-window layers with sinks, narrower values; ``layer_types`` names the
+    # sliding_attention layers); null: none.
+    sliding_window: Optional[SlidingWindowConfig] = None
 
 
 @dataclass

@@ -395,6 +395,8 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
     "partial_rotary": {"language.partial_rotary_factor": 1.0},
     # q/k norms over all heads at once (a weight per channel)
     "layer_qk_norm": {"language.qk_norm_type": "per_head"},
+    # sliding-window layers with sinks among full ones (MiMo-V2-Flash's attention)
+    "sliding_window": {"language.sliding_window": None},
     # routed experts (megatron-core's MoE layer)
     "experts": {"language.moe": None},
     # a shared expert beside the routed ones
@@ -464,6 +466,13 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
         errors += language.moe.problems(num_layers=language.num_layers)
     errors += qk_norm_problems(qk_norm=language.qk_norm, qk_norm_type=language.qk_norm_type,
                                num_query_groups=language.num_query_groups, tensor_parallel=tp)
+    if "sliding_attention" in language.layer_types and language.sliding_window is None:
+        errors.append(f"{key}.layer_types names sliding_attention layers but {key}.sliding_window is null; give "
+                      f"its size, heads and RoPE theta.")
+    if language.sliding_window is not None:
+        errors += language.sliding_window.problems(
+            num_attention_heads=language.num_attention_heads, num_query_groups=language.num_query_groups,
+            tensor_parallel=tp, context_parallel=cp, layer_types=language.layer_types)
     return errors
 
 

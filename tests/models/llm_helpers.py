@@ -51,7 +51,8 @@ def build_hf_llm(arch: str, seed: int = 0, **overrides):
     with torch.no_grad():
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else 0.05 * noise)
+            # attention sinks (MiMo-V2-Flash's) as logits of the scores' size, so each head's moves its softmax
+            param.copy_(1.0 + 0.1 * noise if "norm" in name else noise if name.endswith(".sinks") else 0.05 * noise)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: trained state too
                 buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
@@ -121,7 +122,26 @@ MOE_ARCHITECTURES["minimax_m2"] = dict(
     tie_word_embeddings=False, router_aux_loss_coef=0.0, scoring_func="sigmoid", use_routing_bias=True,
     use_qk_norm=True, qk_norm_type="per_layer", shared_intermediate_size=0, attn_type_list=[1, 1], bos_token_id=1,
     eos_token_id=2)
-ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES}
+# MiMo-V2-Flash at toy size: 12 query heads over 2 key/value heads in the full layers and 4 (twice, as published) in
+# the sliding ones, each with a sink logit per head and a window of 5 tokens (shorter than the packed samples); q/k
+# head_dim 24, values 16 wide and scaled by 0.707, a third of each head rotated, each kind under its own RoPE theta;
+# the first layer dense, then 6 routed experts in 3 groups, top-4 within the best 2 groups by the sigmoid router
+# with the expert bias, scaled by 1.5. Over PP 2 each stage holds a layer of each kind.
+MIMO_ARCHITECTURES = {
+    "mimo_v2_flash": dict(
+        architectures=["MiMoV2FlashForCausalLM"], model_type="mimo_v2_flash", num_hidden_layers=4, hidden_size=48,
+        num_attention_heads=12, num_key_value_heads=2, head_dim=24, v_head_dim=16, attention_value_scale=0.707,
+        sliding_window=5, tie_word_embeddings=False, attention_bias=False, max_position_embeddings=256,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], rms_norm_eps=1e-5,
+        rope_parameters={"full_attention": {"rope_type": "default", "rope_theta": 5_000_000.0,
+                                            "partial_rotary_factor": 0.334},
+                         "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0,
+                                               "partial_rotary_factor": 0.334}},
+        n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=4, moe_intermediate_size=32,
+        routed_scaling_factor=1.5, norm_topk_prob=True),
+}
+ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES, **MIMO_ARCHITECTURES}
 
 
 def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True, padding: int = 0) -> dict:

@@ -15,6 +15,7 @@ from loongforge.config.layout import expert_tensor_parallel_size
 from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.layer_costs import head_dim
+from loongforge.models.decoder.sliding_attention import SlidingWindowTransformerConfig
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)  # CLIP's GELU approximation (Qwen2-VL's, ERNIE-4.5-VL's ViTs)
@@ -75,6 +76,8 @@ def language_config(
         raise ValueError(f"model.language.mrope_section={lang.mrope_section} must sum to the rotary "
                          f"channels / 2 = {rotary_channels(lang) // 2}")
     config_class = MLATransformerConfig if lang.multi_latent_attention else TransformerConfig
+    if lang.sliding_window is not None:
+        config_class = SlidingWindowTransformerConfig
     return config_class(
         num_layers=lang.num_layers,
         hidden_size=lang.hidden_size,
@@ -107,6 +110,7 @@ def language_config(
         layernorm_zero_centered_gamma=lang.zero_centered_norms,
         **linear_attention(lang),
         **multi_latent_attention(lang),
+        **sliding_window(lang),
         **experts(lang, parallel_cfg),
         **multi_token_prediction(lang),
         **recompute(recompute_layers),
@@ -122,7 +126,7 @@ def rotary_channels(lang: LanguageConfig) -> int:
 def linear_attention(lang: LanguageConfig) -> dict:
     """Gated DeltaNet's shape, and which layers run it (megatron's 1 = linear, 0 = full attention). A
     pattern makes megatron save each layer under its own checkpoint keys (the layers differ in tensors)."""
-    if not lang.layer_types:
+    if "linear_attention" not in lang.layer_types:
         return {}
     shape = lang.linear_attention
     pattern = [int(kind == "linear_attention") for kind in lang.layer_types]
@@ -154,6 +158,22 @@ def multi_latent_attention(lang: LanguageConfig) -> dict:
         # is 1 at mscale_all_dim 0.
         facts.update(mscale_all_dim=0.0)
     return facts
+
+
+def sliding_window(lang: LanguageConfig) -> dict:
+    """MiMo-V2-Flash's attention (``SlidingWindowTransformerConfig``): which layers slide, the window, the
+    sliding layers' key/value heads, sinks and RoPE theta, and what every layer shares (the value width and
+    scale, the rotated share of a head, the full layers' theta). None without ``model.language.sliding_window``."""
+    window = lang.sliding_window
+    if window is None:
+        return {}
+    return dict(sliding_layer_pattern=[int(kind == "sliding_attention") for kind in lang.layer_types],
+                sliding_window_size=window.size, sliding_num_query_groups=window.num_query_groups,
+                sliding_rotary_base=window.rope_theta, sliding_attention_sinks=window.sinks,
+                full_rotary_base=lang.rope_theta, attention_rotary_percent=lang.partial_rotary_factor,
+                attention_v_head_dim=window.v_head_dim, attention_value_scale=window.value_scale,
+                # the two kinds differ in tensors: megatron saves each layer under keys of its own
+                hetereogenous_dist_checkpoint=True)
 
 
 def interleaved_messages(parallel_cfg: ParallelConfig) -> dict:

@@ -52,7 +52,10 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     embedding = (hf_prefix + "embed_tokens.weight", *(layer + "embed_tokens.weight" for layer in mtp_layers))
     head = ("lm_head.weight", *(layer + "shared_head.head.weight" for layer in mtp_layers))
     rules = [Rule(embedding, "language_model.embedding.word_embeddings.weight", _copies(vocab, embedding), LANGUAGE)]
-    rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
+    if lang.sliding_window is not None:
+        rules += _sliding_window_rules(lang, lb, ll)
+    else:
+        rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
     if linear:
         rules += _linear_attention_rules(lang, lb, ll, linear)
     dense, sparse = _layers_by_mlp(lang)
@@ -199,6 +202,42 @@ def _attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: Optional[tu
     return [dataclasses.replace(rule, layers=layers) for rule in rules]
 
 
+def _sliding_window_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
+    """MiMo-V2-Flash's attention (``decoder.sliding_attention``), per layer kind (its key/value heads): q/k/v grouped
+    by key/value head (``GroupedRows``: each group's queries, key and value), the output projection, and in the
+    sliding layers the sink logits (the Hub's ``attention_sink_bias``, transformers' ``sinks``), split over TP with
+    the heads. The kinds' projections share their names, not their shapes: each rule holds its kind's layers."""
+    window, rules, channels = lang.sliding_window, [], head_dim(lang)
+    for kind, groups in (("full_attention", lang.num_query_groups), ("sliding_attention", window.num_query_groups)):
+        layers = _layers_of_kind(lang, kind)
+        if not layers:
+            continue
+        qkv = GroupedRows(groups, ((lang.num_attention_heads * channels,), (groups * channels,),
+                                   (groups * window.v_head_dim,)))
+        kind_rules = [
+            Rule((lb + "input_layernorm.weight",), ll + "self_attention.linear_qkv.layer_norm_weight", Replicated(),
+                 LANGUAGE),
+            Rule(tuple(lb + f"self_attn.{p}_proj.weight" for p in "qkv"), ll + "self_attention.linear_qkv.weight", qkv,
+                 LANGUAGE),
+            Rule((lb + "self_attn.o_proj.weight",), ll + "self_attention.linear_proj.weight", Split(1), LANGUAGE)]
+        if kind == "sliding_attention" and window.sinks:
+            kind_rules.append(Rule((lb + "self_attn.attention_sink_bias",), ll + "self_attention.core_attention.sinks",
+                                   Split(0), LANGUAGE))
+        rules += [dataclasses.replace(rule, layers=layers) for rule in kind_rules]
+    return rules
+
+
+def _sliding_window_shapes(lang: LanguageConfig, b: str, sliding: bool) -> dict[str, tuple[int, ...]]:
+    window, d, channels = lang.sliding_window, lang.hidden_size, head_dim(lang)
+    groups = window.num_query_groups if sliding else lang.num_query_groups
+    shapes = {b + "q_proj.weight": (lang.num_attention_heads * channels, d), b + "k_proj.weight": (groups * channels, d),
+              b + "v_proj.weight": (groups * window.v_head_dim, d),
+              b + "o_proj.weight": (d, lang.num_attention_heads * window.v_head_dim)}
+    if sliding and window.sinks:
+        shapes[b + "attention_sink_bias"] = (lang.num_attention_heads,)
+    return shapes
+
+
 def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...]) -> list[Rule]:
     """Gated DeltaNet's rows: transformers' separate projections <-> the key-head-grouped ``in_proj`` and
     ``conv1d`` of ``models.decoder.gated_delta_net`` (``GroupedRows``)."""
@@ -272,6 +311,9 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
         shapes.update(_mlp_shapes(lang, b, fused_experts, dense=dense is None or i in dense))
         if lang.multi_latent_attention:
             shapes.update(_mla_shapes(lang, b + "self_attn."))
+            continue
+        if lang.sliding_window is not None:
+            shapes.update(_sliding_window_shapes(lang, b + "self_attn.", lang.layer_types[i] == "sliding_attention"))
             continue
         if lang.layer_types and lang.layer_types[i] == "linear_attention":
             shapes.update(_linear_attention_shapes(lang, b + "linear_attn."))

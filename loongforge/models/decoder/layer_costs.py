@@ -21,7 +21,7 @@ from typing import Sequence
 
 from loongforge.config.schema import LAYER_TYPES, LanguageConfig, LinearAttentionConfig
 
-FULL_ATTENTION, LINEAR_ATTENTION = LAYER_TYPES  # model.language.layer_types
+FULL_ATTENTION, LINEAR_ATTENTION, SLIDING_ATTENTION = LAYER_TYPES  # model.language.layer_types
 # Tokens per chunk of the chunked gated delta rule (fla's ``chunk_gated_delta_rule``, and
 # ``models.decoder.linear_attention.chunked``'s default): how far the within-chunk products reach.
 DELTA_RULE_CHUNK = 64
@@ -155,6 +155,65 @@ class LatentAttention:
         return (q_width + v_width) / 2
 
 
+class WindowedFullAttention:
+    """MiMo-V2-Flash's full-attention layers (``model.language.sliding_window`` set): q_proj [heads d, h], k_proj
+    [groups d, h], v_proj [groups d_v, h], o_proj [h, heads d_v] (d: head_dim, d_v: its v_head_dim), no biases;
+    ``groups`` the full layers' key/value heads. ``SlidingWindowAttention`` adds its sliding kind."""
+
+    sliding = False
+
+    @classmethod
+    def widths(cls, lang: LanguageConfig) -> tuple[int, int, int]:
+        """(query width heads x d, key width groups x d, value width groups x d_v)."""
+        window, channels = lang.sliding_window, head_dim(lang)
+        groups = window.num_query_groups if cls.sliding else lang.num_query_groups
+        return lang.num_attention_heads * channels, groups * channels, groups * window.v_head_dim
+
+    @classmethod
+    def parameters(cls, lang: LanguageConfig) -> int:
+        h, heads = lang.hidden_size, lang.num_attention_heads
+        q_width, k_width, v_width = cls.widths(lang)
+        sinks = heads if cls.sliding and lang.sliding_window.sinks else 0
+        return (linear_parameters(h, q_width + k_width + v_width, bias=False)
+                + linear_parameters(heads * lang.sliding_window.v_head_dim, h, bias=False) + sinks)
+
+    @classmethod
+    def seen_keys(cls, lang: LanguageConfig, length: int) -> int:
+        """The keys the attention kernel multiplies per query of a ``length``-token segment: the full square, as
+        every attention here (the SDPA path masks the window rather than skipping it), and in a sliding layer
+        with sinks the sink's zero key."""
+        return length + int(cls.sliding and lang.sliding_window.sinks)
+
+    @classmethod
+    def forward_flops(cls, lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+        """The projections, and per segment QK^T over the query width and AV over heads x d_v, each query
+        against ``seen_keys`` keys (a kernel that skips what the window hides would do less)."""
+        tokens, h = sum(segment_lengths), lang.hidden_size
+        q_width, k_width, v_width = cls.widths(lang)
+        heads_v = lang.num_attention_heads * lang.sliding_window.v_head_dim
+        projections = linear_flops(tokens, h, q_width + k_width + v_width) + linear_flops(tokens, heads_v, h)
+        attention = sum(2 * length * cls.seen_keys(lang, length) * (q_width + heads_v) for length in segment_lengths)
+        return projections + attention
+
+    @classmethod
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
+        """q, k, v (the scaled values too) and the attention output, split over TP."""
+        q_width, k_width, v_width = cls.widths(lang)
+        return (q_width + k_width + 2 * v_width + lang.num_attention_heads * lang.sliding_window.v_head_dim) / tp
+
+    @classmethod
+    def attention_width(cls, lang: LanguageConfig) -> float:
+        """The mean of the query's and the values' widths: QK^T and AV differ."""
+        return (lang.num_attention_heads * (head_dim(lang) + lang.sliding_window.v_head_dim)) / 2
+
+
+class SlidingWindowAttention(WindowedFullAttention):
+    """MiMo-V2-Flash's sliding-window layers: its full layers' projections with
+    ``sliding_window.num_query_groups`` key/value heads and a learned sink logit per head."""
+
+    sliding = True
+
+
 def causal_conv_flops(tokens: int, shape: LinearAttentionConfig) -> int:
     """Gated DeltaNet's depthwise causal convolution over q, k, v: ``conv_kernel`` multiply-adds per
     channel and token."""
@@ -243,6 +302,8 @@ def context_keys(cp: int) -> float:
 
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
     """The token mixer kind of a layer of ``layer_type`` (``model.language.layer_types``) in this decoder."""
+    if lang.sliding_window is not None and layer_type in (FULL_ATTENTION, SLIDING_ATTENTION):
+        return SlidingWindowAttention if layer_type == SLIDING_ATTENTION else WindowedFullAttention
     if layer_type == FULL_ATTENTION:
         return LatentAttention if lang.multi_latent_attention is not None else GroupedQueryAttention
     if layer_type == LINEAR_ATTENTION:

@@ -34,6 +34,7 @@ from megatron.core.transformer.transformer_layer import (
 from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaNetSubmodules
 from loongforge.models.decoder.modality_moe import modality_moe_spec
 from loongforge.models.layers.layer_qk_norm import LayerQKNorm
+from loongforge.models.decoder.sliding_attention import SlidingWindowAttention, SlidingWindowAttentionSubmodules
 from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 
@@ -140,16 +141,32 @@ def linear_attention_layer_spec(modules: BlockModules, *, moe: bool = False, sha
     return spec
 
 
+def sliding_window_layer_spec(modules: BlockModules, *, sliding: bool, moe: bool = False,
+                              shared_expert: bool = False) -> ModuleSpec:
+    """A layer of MiMo-V2-Flash's attention (``sliding``: its sliding-window kind, else its full kind): x +
+    SlidingWindowAttention(norm(x)), the pre-norm fused into ``linear_qkv``; then the MLP as in
+    ``transformer_layer_spec``."""
+    spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
+    spec.submodules.self_attention = ModuleSpec(
+        module=SlidingWindowAttention, params={"sliding": sliding},
+        submodules=SlidingWindowAttentionSubmodules(linear_qkv=modules.norm_column_linear,
+                                                    linear_proj=modules.row_linear))
+    return spec
+
+
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
                         moe: bool = False, shared_expert: bool = False, linear: bool = False,
                         latent: bool = False, vision_ffn_hidden_size: Optional[int] = None,
-                        layer_qk_norm_group=None) -> ModuleSpec:
-    """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention); with
-    ``init_seed``, each layer's initial weights come from (seed, its global index), whatever the pipeline
-    layout (see ``models.layers.initialization``). ``vision_ffn_hidden_size``: a sparse layer holds
-    modality-isolated experts (``decoder.modality_moe``); ``layer_qk_norm_group``: the TP group of q/k norms over
-    all heads (``layer_qk_norm``; None: per head or none)."""
-    if latent:
+                        layer_qk_norm_group=None, sliding: bool | None = None) -> ModuleSpec:
+    """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention; ``sliding``:
+    MiMo-V2-Flash's attention, its sliding kind when true, its full kind when false); with ``init_seed``, each
+    layer's initial weights come from (seed, its global index), whatever the pipeline layout (see
+    ``models.layers.initialization``). ``vision_ffn_hidden_size``: a sparse layer holds modality-isolated experts
+    (``decoder.modality_moe``); ``layer_qk_norm_group``: the TP group of q/k norms over all heads
+    (``layer_qk_norm``; None: per head or none)."""
+    if sliding is not None:
+        spec = sliding_window_layer_spec(modules, sliding=sliding, moe=moe, shared_expert=shared_expert)
+    elif latent:
         spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     elif linear:
         spec = linear_attention_layer_spec(modules, moe=moe, shared_expert=shared_expert)
@@ -181,13 +198,15 @@ def language_block_spec(
     num_layers = get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=pp_rank)
     first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=pp_rank)
     pattern = config.linear_attention_freq or [0] * config.num_layers  # 1: a linear-attention layer
+    sliding = getattr(config, "sliding_layer_pattern", None)  # MiMo-V2-Flash's attention: 1 a sliding layer
     sparse = _sparse_layers(config)
     shared_expert = bool(config.moe_shared_expert_intermediate_size)
     layers = [language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse[first + local],
                                   shared_expert=shared_expert and sparse[first + local],
                                   linear=bool(pattern[first + local]), latent=config.multi_latent_attention,
                                   vision_ffn_hidden_size=vision_ffn_hidden_size,
-                                  layer_qk_norm_group=layer_qk_norm_group)
+                                  layer_qk_norm_group=layer_qk_norm_group,
+                                  sliding=None if sliding is None else bool(sliding[first + local]))
               for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 

@@ -1,5 +1,6 @@
 """A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
+Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x, DeepSeek-V2 / V3 (``deepseek_config``) and MiMo-V2-Flash
+(``mimo_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
 (InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
 
 The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
@@ -24,6 +25,13 @@ from loongforge.models.decoder.deepseek_config import (
     deepseek_to_hf,
 )
 from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
+from loongforge.models.decoder.mimo_config import (
+    MIMO_ARCHITECTURE,
+    MIMO_MODEL_TYPE,
+    mimo_from_hf,
+    mimo_problems,
+    mimo_to_hf,
+)
 
 # architecture name -> (model_type, add_qkv_bias, qk_norm, experts)
 _ARCHITECTURES = {
@@ -33,8 +41,9 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False, True),
     "LlamaForCausalLM": ("llama", False, False, False),
 }
-HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
-HF_MODEL_TYPES = (*(model_type for model_type, *_ in _ARCHITECTURES.values()), *DEEPSEEK_ARCHITECTURES.values())
+HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES, MIMO_ARCHITECTURE)
+HF_MODEL_TYPES = (*(model_type for model_type, *_ in _ARCHITECTURES.values()), *DEEPSEEK_ARCHITECTURES.values(),
+                  MIMO_MODEL_TYPE)
 # Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
 _LLAMA3_SCALING = {"low_freq_factor": 1.0, "high_freq_factor": 4.0, "original_max_position_embeddings": 8192}
 
@@ -48,6 +57,8 @@ def architecture(lang: LanguageConfig) -> str:
 
 
 def _described_architecture(lang: LanguageConfig) -> str:
+    if lang.sliding_window is not None:
+        return MIMO_ARCHITECTURE
     if lang.multi_latent_attention is not None:
         return deepseek_architecture(lang)
     for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
@@ -76,6 +87,11 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
             return [f"{key}={stated} but model.language.moe.router_score_function="
                     f"{lang.moe.router_score_function} is {described}'s router; make them agree."]
         return []
+    if stated == MIMO_ARCHITECTURE:
+        return mimo_problems(lang)
+    if lang.layer_types or lang.sliding_window is not None:
+        return [f"{key}={stated} has one kind of attention layer; set model.language.layer_types: [] and "
+                f"sliding_window: null, or state an architecture whose layers differ by kind."]
     _, bias, qk_norm, experts = _ARCHITECTURES[stated]
     found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "moe set": lang.moe is not None,
              "multi_latent_attention set": lang.multi_latent_attention is not None}
@@ -102,7 +118,8 @@ def architecture_of(cfg: Mapping[str, Any], where: str) -> str:
         if name in HF_ARCHITECTURES:
             return name
     model_types = {**{model_type: name for name, (model_type, *_) in _ARCHITECTURES.items()},
-                   **{model_type: name for name, model_type in DEEPSEEK_ARCHITECTURES.items()}}
+                   **{model_type: name for name, model_type in DEEPSEEK_ARCHITECTURES.items()},
+                   MIMO_MODEL_TYPE: MIMO_ARCHITECTURE}
     if cfg.get("model_type") in model_types:
         return model_types[cfg["model_type"]]
     raise InputError(f"{where}: neither architectures nor model_type names one of {', '.join(HF_ARCHITECTURES)}")
@@ -135,6 +152,8 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
     name = name or architecture_of(cfg, where)
     if name in DEEPSEEK_ARCHITECTURES:
         return deepseek_from_hf(cfg, where, name)
+    if name == MIMO_ARCHITECTURE:
+        return mimo_from_hf(cfg, where)
     _, bias, qk_norm, experts = _ARCHITECTURES[name]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not bias:
@@ -174,6 +193,8 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     name = architecture(lang)
     if name in DEEPSEEK_ARCHITECTURES:
         return deepseek_to_hf(lang)
+    if name == MIMO_ARCHITECTURE:
+        return mimo_to_hf(lang)
     config: dict[str, Any] = {
         "architectures": [name],
         "model_type": _ARCHITECTURES[name][0],

@@ -28,15 +28,20 @@ def _regex(pattern: str) -> re.Pattern:
     return re.compile(escaped + "$")
 
 
-def _match(rules: Sequence[Rule], key: str) -> tuple[Rule, Optional[int], Optional[int]]:
+def _match(rules: Sequence[Rule], key: str, layer_offset: int = 0) -> tuple[Rule, Optional[int], Optional[int]]:
     """The rule for one of our keys, with its layer and expert indices; a key no rule names
-    matches by its fused-norm name (separate-norm, legacy, names match their fused rule)."""
+    matches by its fused-norm name (separate-norm, legacy, names match their fused rule). A language rule of
+    some layers (``Rule.layers``) matches only theirs (``layer_offset``: the stage's first global layer), so
+    two layer kinds whose tensors share a name but not a shape (MiMo-V2-Flash's) each find their own."""
     for candidate in dict.fromkeys((key, fused_name(key))):
         for rule in rules:
             found = _regex(rule.megatron).match(candidate)
             if found:
                 indices = found.groupdict()
                 layer, expert = indices.get("i"), indices.get("e")
+                if (layer is not None and rule.layers is not None and rule.group != VISION
+                        and int(layer) + layer_offset not in rule.layers):
+                    continue
                 return rule, None if layer is None else int(layer), None if expert is None else int(expert)
     raise KeyError(f"no hf_mapping rule for {fused_name(key)!r}")
 
@@ -88,7 +93,7 @@ def hf_to_megatron(
     for key in keys:
         if key.endswith("_extra_state"):
             continue
-        rule, local_index, local_expert = _match(rules, key)
+        rule, local_index, local_expert = _match(rules, key, layer_offset)
         index = _hf_index(rule, local_index, layer_offset)
         expert = None if local_expert is None else local_expert + (experts.offset if experts else 0)
         sources = [_fill(p, index, None if expert is None else expert + rule.expert_offset) for p in rule.hf]
@@ -135,7 +140,7 @@ def megatron_to_hf(
     for key in shards[0]:
         if key.endswith("_extra_state") or is_adapter_key(key) != adapters_only:
             continue
-        rule, local_index, expert = _match(rules, key)
+        rule, local_index, expert = _match(rules, key, layer_offset)
         if rule.fallback_hf and model_cfg.language.tie_word_embeddings:
             continue
         ranks = shards[:vision_tp_size] if rule.group == VISION else shards

@@ -177,7 +177,7 @@ def apply_lora(model: torch.nn.Module, model_cfg: ModelConfig, lora_cfg: LoraCon
             continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             raise InputError(LORA_TE_REFUSAL + f" ({name} is {type(module).__name__})")
-        rule, _, _ = match_rule(rules, name + _WEIGHT)
+        rule, _, _ = match_rule(rules, global_name(name) + _WEIGHT)  # the layer's own kind's rule
         _attach(module, _make_adapter(module, rule, hf_shapes, lora_cfg, _name_seed(seed, global_name(name))))
         counts[kind] = counts.get(kind, 0) + 1
     freeze_base(model)

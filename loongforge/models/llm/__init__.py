@@ -1,5 +1,5 @@
 """Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x,
-DeepSeek-V2 / V3) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
+DeepSeek-V2 / V3, MiMo-V2-Flash) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
 megatron-core's MoE layer in every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``);
 Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is Qwen2's decoder under its own key layout.
 
@@ -56,6 +56,9 @@ FAMILY = ModelFamily(
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
     features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture",
-                        "partial_rotary", "layer_qk_norm"}),
+                        "partial_rotary", "layer_qk_norm", "hybrid_layers", "sliding_window"}),
     config_problems=config_problems,
+    # MiMo-V2-Flash's multi-token-prediction layers (the Hub's ``model.mtp.*``): transformers' class has none and
+    # ignores them on loading.
+    hf_unread=("model.mtp.",),
 )

@@ -224,7 +224,8 @@ FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DE
 _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
                          "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
-                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2}
+                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
+                         "MiMoV2FlashForCausalLM": QWEN3}
 
 
 def chat_format_problems(model_cfg: ModelConfig) -> list[str]:

@@ -26,5 +26,10 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:
     """``model.language_model.*`` (a causal LM saved from inside a VLM wrapper) -> ``model.*``;
     fused expert tensors (transformers 5's in-memory Qwen3-MoE) -> one per expert; transformers 5's in-memory
-    MiniMax-M2 -> its Hub names (``minimax_m2``)."""
-    return hub_experts(minimax_m2_hub_style(rename_prefixes(hf_state, (("model.language_model.", "model."),))))
+    MiniMax-M2 -> its Hub names (``minimax_m2``); attention sinks (MiMo-V2-Flash's in-memory ``self_attn.sinks``)
+    -> the Hub's ``self_attn.attention_sink_bias``."""
+    state = hub_experts(minimax_m2_hub_style(rename_prefixes(hf_state, (("model.language_model.", "model."),))))
+    return {key[: -len(_SINKS)] + _HUB_SINKS if key.endswith(_SINKS) else key: value for key, value in state.items()}
+
+
+_SINKS, _HUB_SINKS = ".self_attn.sinks", ".self_attn.attention_sink_bias"
