@@ -85,6 +85,9 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
         share_embeddings_and_output_weights=lang.tie_word_embeddings,
         position_embedding_type=rope,
         rotary_base=lang.rope_theta,
+        # the share of each head's channels RoPE rotates (Qwen3-Next's 0.25); families that give their own
+        # rotary module (Qwen3.5's interleaved M-RoPE) replace this one
+        rotary_percent=lang.partial_rotary_factor,
         # dynamic NTK scaling changes nothing up to max_position_embeddings, the longest row validate allows
         rope_scaling=lang.rope_scaling_factor is not None and lang.rope_scaling_type == "llama3",
         rope_scaling_factor=lang.rope_scaling_factor or 8.0,

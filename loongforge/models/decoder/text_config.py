@@ -1,11 +1,13 @@
 """A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Qwen1.5-MoE / Qwen2-MoE, Llama 2 / 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config``
-(InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
+Qwen1.5-MoE / Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x and DeepSeek-V2 / V3 (``deepseek_config``), as a text-only LLM's
+whole config.json (``llm``) or a VLM's ``text_config`` (InternVL3.5's Qwen3, LLaVA-OneVision's Qwen2).
 
-The architectures differ, as far as the weights go, in three switches of ``LanguageConfig``:
-q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3) and routed experts (Qwen3-MoE: Qwen3's
-attention, ``moe`` set; Qwen2-MoE: Qwen2's attention, ``moe`` set with a gated shared expert); Llama
-has none (and may scale its RoPE frequencies).
+The architectures differ, as far as the weights go, in four switches of ``LanguageConfig``:
+q/k/v biases (Qwen2), per-head q/k RMSNorm (Qwen3), routed experts (Qwen3-MoE: Qwen3's
+attention, ``moe`` set; Qwen2-MoE: Qwen2's attention, ``moe`` set with a gated shared expert) and hybrid
+layers (Qwen3-Next: Qwen3.5's layer kinds, ``layer_types`` naming Gated DeltaNet and gated full-attention
+layers, zero-centred norms and partial RoPE, with Qwen2-MoE's gated shared expert); Llama has none (and may
+scale its RoPE frequencies).
 ``architecture`` reads the switches back, so a config written for one is read as it.
 """
 
@@ -23,16 +25,27 @@ from loongforge.models.decoder.deepseek_config import (
     deepseek_from_hf,
     deepseek_to_hf,
 )
-from loongforge.models.decoder.hf_config import experts_from_hf, experts_to_hf
+from loongforge.models.decoder.hf_config import (
+    experts_from_hf,
+    experts_to_hf,
+    hybrid_layer_types,
+    hybrid_layers_to_hf,
+    linear_attention_from_hf,
+)
 
-# architecture name -> (model_type, add_qkv_bias, qk_norm, experts)
+# architecture name -> (model_type, add_qkv_bias, qk_norm, experts, hybrid layers)
 _ARCHITECTURES = {
-    "Qwen2ForCausalLM": ("qwen2", True, False, False),
-    "Qwen3ForCausalLM": ("qwen3", False, True, False),
-    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True),
-    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False, True),
-    "LlamaForCausalLM": ("llama", False, False, False),
+    "Qwen2ForCausalLM": ("qwen2", True, False, False, False),
+    "Qwen3ForCausalLM": ("qwen3", False, True, False, False),
+    "Qwen3MoeForCausalLM": ("qwen3_moe", False, True, True, False),
+    "Qwen2MoeForCausalLM": ("qwen2_moe", True, False, True, False),
+    "Qwen3NextForCausalLM": ("qwen3_next", False, True, True, True),
+    "LlamaForCausalLM": ("llama", False, False, False, False),
 }
+# Architectures whose routed experts sit beside a shared expert scaled by a sigmoid gate.
+_GATED_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
+# transformers' Qwen3NextConfig defaults where its config.json names none.
+_HYBRID_HEAD_DIM, _HYBRID_PARTIAL_ROTARY = 256, 0.25
 HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
 HF_MODEL_TYPES = (*(model_type for model_type, *_ in _ARCHITECTURES.values()), *DEEPSEEK_ARCHITECTURES.values())
 # Llama 3.x "llama3" RoPE scaling, as megatron-core applies it (only the factor is configurable).
@@ -50,8 +63,9 @@ def architecture(lang: LanguageConfig) -> str:
 def _described_architecture(lang: LanguageConfig) -> str:
     if lang.multi_latent_attention is not None:
         return deepseek_architecture(lang)
-    for name, (_, bias, qk_norm, experts) in _ARCHITECTURES.items():
-        if (lang.add_qkv_bias, lang.qk_norm, lang.moe is not None) == (bias, qk_norm, experts):
+    for name, (_, bias, qk_norm, experts, hybrid) in _ARCHITECTURES.items():
+        if (lang.add_qkv_bias, lang.qk_norm, lang.moe is not None, bool(lang.layer_types)) == (
+                bias, qk_norm, experts, hybrid):
             return name
     raise ValueError("model.language's add_qkv_bias, qk_norm and moe describe no transformers "
                      "text architecture (experts go with qk_norm (Qwen3-MoE) or qkv biases (Qwen2-MoE); qkv "
@@ -76,19 +90,25 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
             return [f"{key}={stated} but model.language.moe.router_score_function="
                     f"{lang.moe.router_score_function} is {described}'s router; make them agree."]
         return []
-    _, bias, qk_norm, experts = _ARCHITECTURES[stated]
+    _, bias, qk_norm, experts, hybrid = _ARCHITECTURES[stated]
     found = {"add_qkv_bias": lang.add_qkv_bias, "qk_norm": lang.qk_norm, "moe set": lang.moe is not None,
              "multi_latent_attention set": lang.multi_latent_attention is not None}
     wanted = {"add_qkv_bias": bias, "qk_norm": qk_norm, "moe set": experts, "multi_latent_attention set": False}
-    if experts and lang.moe is not None:  # Qwen2-MoE's experts have a gated shared expert, Qwen3-MoE's none
+    hybrid_found = bool(lang.layer_types) and lang.attention_output_gate and lang.zero_centered_norms
+    if hybrid or hybrid_found:  # named where either side has Qwen3-Next's hybrid layers
+        found[_HYBRID], wanted[_HYBRID] = hybrid_found, hybrid
+    if experts and lang.moe is not None:  # Qwen2-MoE's and Qwen3-Next's experts have a gated shared expert
         shared = "moe.shared_expert_ffn_hidden_size set with moe.shared_expert_gate"
         found[shared] = lang.moe.shared_expert_ffn_hidden_size is not None and lang.moe.shared_expert_gate
-        wanted[shared] = stated == "Qwen2MoeForCausalLM"
+        wanted[shared] = stated in _GATED_SHARED_EXPERT
     wrong = [f"{name}: {str(found[name]).lower()}" for name in found if found[name] != wanted[name]]
     if wrong:
         return [f"{key}={stated} but model.language has {', '.join(wrong)}; {stated} has "
                 + ", ".join(f"{name}: {str(wanted[name]).lower()}" for name in found) + "."]
     return []
+
+
+_HYBRID = "layer_types set with attention_output_gate and zero_centered_norms"
 
 
 def text_architecture_problems(model_cfg: ModelConfig) -> list[str]:
@@ -135,13 +155,13 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
     name = name or architecture_of(cfg, where)
     if name in DEEPSEEK_ARCHITECTURES:
         return deepseek_from_hf(cfg, where, name)
-    _, bias, qk_norm, experts = _ARCHITECTURES[name]
+    _, bias, qk_norm, experts, hybrid = _ARCHITECTURES[name]
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key) and not bias:
             raise InputError(f"{where}: {key}=true is not supported (Llama-style models train here without "
                              f"attention or MLP biases)")
     heads = cfg["num_attention_heads"]
-    channels = cfg.get("head_dim") or cfg["hidden_size"] // heads
+    channels = cfg.get("head_dim") or (_HYBRID_HEAD_DIM if hybrid else cfg["hidden_size"] // heads)
     return LanguageConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
@@ -156,6 +176,7 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
         **_rope_scaling(cfg, where),
         architecture=name,
         **(_experts_from_hf(cfg, where, name) if experts else {}),
+        **(_hybrid_from_hf(cfg) if hybrid else {}),
     )
 
 
@@ -164,9 +185,29 @@ def _experts_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> dict[str,
     routed ones, and leaves the top-k unrenormalised unless its config says otherwise."""
     if name == "Qwen3MoeForCausalLM":
         return experts_from_hf(cfg, where, model="Qwen3-MoE")
-    experts = experts_from_hf({"norm_topk_prob": False, **cfg}, where, model="Qwen2-MoE")
-    return {"moe": dataclasses.replace(experts["moe"],
-                                       shared_expert_ffn_hidden_size=cfg["shared_expert_intermediate_size"])}
+    if name == "Qwen3NextForCausalLM":  # renormalises the top-k unless its config says otherwise
+        experts = experts_from_hf(cfg, where, model="Qwen3-Next")
+    else:
+        experts = experts_from_hf({"norm_topk_prob": False, **cfg}, where, model="Qwen2-MoE")
+    shared = cfg["shared_expert_intermediate_size"]
+    if not isinstance(shared, int) or shared < 1:
+        raise InputError(f"{where}: shared_expert_intermediate_size={shared}: loongforge's {name} has a shared "
+                         "expert of width >= 1")
+    return {"moe": dataclasses.replace(experts["moe"], shared_expert_ffn_hidden_size=shared)}
+
+
+def _partial_rotary_factor(cfg: Mapping[str, Any]) -> float:
+    params = cfg.get("rope_parameters") or {}
+    return float(params.get("partial_rotary_factor", cfg.get("partial_rotary_factor", _HYBRID_PARTIAL_ROTARY)))
+
+
+def _hybrid_from_hf(cfg: Mapping[str, Any]) -> dict[str, Any]:
+    """Qwen3-Next's layer kinds (Qwen3.5's): Gated DeltaNet layers between gated full-attention ones, every
+    RMSNorm zero-centred (neither switch is a config key: the class always has them), partial 1-D RoPE."""
+    layer_types = hybrid_layer_types(cfg)
+    linear = linear_attention_from_hf(cfg) if "linear_attention" in layer_types else None
+    return dict(layer_types=layer_types, linear_attention=linear, attention_output_gate=True,
+                zero_centered_norms=True, partial_rotary_factor=_partial_rotary_factor(cfg))
 
 
 def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
@@ -196,6 +237,9 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
         config.update(experts_to_hf(lang))
     if name == "Qwen2MoeForCausalLM":
         config.update(shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size, qkv_bias=True)
+    if name == "Qwen3NextForCausalLM":
+        config.update(shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size, attention_bias=False,
+                      partial_rotary_factor=lang.partial_rotary_factor, **hybrid_layers_to_hf(lang))
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": lang.rope_scaling_type, "factor": lang.rope_scaling_factor,
                                   **(_LLAMA3_SCALING if lang.rope_scaling_type == "llama3" else {})}

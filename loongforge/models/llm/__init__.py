@@ -1,7 +1,9 @@
-"""Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x,
-DeepSeek-V2 / V3) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3 with
-megatron-core's MoE layer in every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``);
-Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is Qwen2's decoder under its own key layout.
+"""Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Llama 2 /
+3.x, DeepSeek-V2 / V3) on megatron-core; ``FAMILY`` is what the rest of loongforge sees of them. Qwen3-MoE is Qwen3
+with megatron-core's MoE layer in every decoder layer (``model.language.moe``; ``models.decoder.layer_specs.moe_spec``);
+Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is Qwen2's decoder under its own key layout;
+Qwen3-Next is the hybrid decoder of Qwen3.5 (Gated DeltaNet and gated attention, ``model.language.layer_types``)
+under 1-D partial RoPE, with Qwen2-MoE's gated shared expert.
 
 model.py      TextModel and build_model: the shared decoder with 1-D RoPE
 hf_config.py  HF config.json <-> ModelConfig for the architectures, and their tensor shapes
@@ -52,6 +54,9 @@ FAMILY = ModelFamily(
     tiny_preset="llm-tiny",
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
-    features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture"}),
+    features=frozenset({"experts", "shared_expert", "latent_attention", "hybrid_layers", "chat_format",
+                        "text_architecture"}),
+    # The Hub's Qwen3-Next checkpoints' multi-token-prediction head (transformers' class skips it as well).
+    hf_unread=("mtp.",),
     config_problems=config_problems,
 )
