@@ -564,7 +564,7 @@ def _build_llava_onevision1_5(model_cfg, parallel_cfg, **options):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, DeepSeek-V3 and V2
+# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, Qwen3-Next, DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -656,6 +656,9 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
                       "test_parity's and test_tp_parity's"),
         "deepseek_v2": ("deepseek_v3", "the text family's folder, DeepSeek's chat and the comparison; V2's attention "
                         "and router math are test_parity's and test_tp_parity's"),
+        "qwen3_next": ("qwen3_moe", "the text family's folder with routed experts and the comparison (measured when "
+                       "run: 1.1e-6); its hybrid layers' math is test_parity's and test_tp_parity's, its key layout "
+                       "the round trip's, its chat format test_qwen3_next's"),
         "qwen3_vl": ("qwen3_vl_moe", "the family's folder, photo and comparison (the MoE's also proves transformers' "
                      "Auto class resolving the model_type); the dense MLP's math is test_parity's"),
         "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (the Auto class's resolution of a MoE "
