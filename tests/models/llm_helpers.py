@@ -37,7 +37,7 @@ def tiny_llm_cfg(arch: str) -> ModelConfig:
     return get_family("llm").config_from_hf(tiny_hf_config_dict(arch), f"{arch}/config.json")
 
 
-_ZERO_CENTRED_NORMS = ("qwen3_next",)
+_ZERO_CENTRED_NORMS = ("qwen3_next", "qwen3_5_moe_text")
 
 
 def build_hf_llm(arch: str, seed: int = 0, **overrides):
@@ -109,6 +109,11 @@ MOE_ARCHITECTURES["qwen3_next"] = dict(
     linear_conv_kernel_dim=4, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
     moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=True, router_aux_loss_coef=0.001,
     decoder_sparse_step=1, mlp_only_layers=[])
+# Qwen3.5-MoE's decoder read as a text model (Qwen3_5MoeForCausalLM: Qwen3.8-2.4T-A95B's class): qwen3_next's shape,
+# Gated DeltaNet's input projection in Qwen3.5's four tensors, the router always renormalising, tied embeddings.
+MOE_ARCHITECTURES["qwen3_5_moe_text"] = {
+    **MOE_ARCHITECTURES["qwen3_next"], "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+    "tie_word_embeddings": True}
 # DeepSeek at toy size: multi-latent attention (V3: low-rank queries; V2-Lite's full-rank ones) with YaRN,
 # the first layer dense, shared experts beside the routed ones. V3: sigmoid router with the expert bias,
 # 8 experts in 4 groups, top-4 within the best 2 groups, scaling 2.5; V2: softmax greedy top-2 of 6, scaling 1.5.

@@ -41,10 +41,15 @@ _ARCHITECTURES = {
     "Qwen2MoeForCausalLM": ("qwen2_moe", True, False, True, False),
     "Qwen3NextForCausalLM": ("qwen3_next", False, True, True, True),
     "LlamaForCausalLM": ("llama", False, False, False, False),
+    # Qwen3.5's decoder without its tower (Qwen3.8-2.4T-A95B's class): Qwen3-Next's layer kinds
+    "Qwen3_5ForCausalLM": ("qwen3_5_text", False, True, False, True),
+    "Qwen3_5MoeForCausalLM": ("qwen3_5_moe_text", False, True, True, True),
 }
 # Architectures whose routed experts sit beside a shared expert scaled by a sigmoid gate.
-_GATED_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM")
-# transformers' Qwen3NextConfig defaults where its config.json names none.
+_GATED_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
+# The hybrid architectures that write their rotary settings under rope_parameters (Qwen3-Next's at the top level).
+_ROPE_PARAMETERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# transformers' Qwen3NextConfig / Qwen3_5TextConfig defaults where a config.json names none.
 _HYBRID_HEAD_DIM, _HYBRID_PARTIAL_ROTARY = 256, 0.25
 HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
 HF_MODEL_TYPES = (*(model_type for model_type, *_ in _ARCHITECTURES.values()), *DEEPSEEK_ARCHITECTURES.values())
@@ -162,6 +167,10 @@ def language_from_hf(cfg: Mapping[str, Any], where: str, name: str | None = None
                              f"attention or MLP biases)")
     heads = cfg["num_attention_heads"]
     channels = cfg.get("head_dim") or (_HYBRID_HEAD_DIM if hybrid else cfg["hidden_size"] // heads)
+    if experts and hybrid and "intermediate_size" not in cfg:
+        # Every layer is sparse, and a Qwen3.5-MoE config.json may name no dense MLP width (Qwen3.6-35B-A3B's): the
+        # unused ffn_hidden_size reads as the experts' width.
+        cfg = {**cfg, "intermediate_size": cfg["moe_intermediate_size"]}
     return LanguageConfig(
         num_layers=cfg["num_hidden_layers"], hidden_size=cfg["hidden_size"],
         ffn_hidden_size=cfg["intermediate_size"], num_attention_heads=heads,
@@ -187,6 +196,9 @@ def _experts_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> dict[str,
         return experts_from_hf(cfg, where, model="Qwen3-MoE")
     if name == "Qwen3NextForCausalLM":  # renormalises the top-k unless its config says otherwise
         experts = experts_from_hf(cfg, where, model="Qwen3-Next")
+    elif name == "Qwen3_5MoeForCausalLM":  # transformers' Qwen3.5-MoE router always renormalises the top-k
+        experts = experts_from_hf(cfg, where, model="Qwen3.5-MoE")
+        experts = {"moe": dataclasses.replace(experts["moe"], norm_topk_prob=True)}
     else:
         experts = experts_from_hf({"norm_topk_prob": False, **cfg}, where, model="Qwen2-MoE")
     shared = cfg["shared_expert_intermediate_size"]
@@ -235,11 +247,16 @@ def language_to_hf(lang: LanguageConfig) -> dict[str, Any]:
         config.update(attention_bias=False, mlp_bias=False)
     if lang.moe:
         config.update(experts_to_hf(lang))
+    if name in _GATED_SHARED_EXPERT:
+        config["shared_expert_intermediate_size"] = lang.moe.shared_expert_ffn_hidden_size
     if name == "Qwen2MoeForCausalLM":
-        config.update(shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size, qkv_bias=True)
-    if name == "Qwen3NextForCausalLM":
-        config.update(shared_expert_intermediate_size=lang.moe.shared_expert_ffn_hidden_size, attention_bias=False,
-                      partial_rotary_factor=lang.partial_rotary_factor, **hybrid_layers_to_hf(lang))
+        config["qkv_bias"] = True
+    if _ARCHITECTURES[name][4]:  # hybrid layers
+        config.update(attention_bias=False, partial_rotary_factor=lang.partial_rotary_factor,
+                      **hybrid_layers_to_hf(lang))
+    if name in _ROPE_PARAMETERS:
+        config["rope_parameters"] = {"rope_type": "default", "rope_theta": lang.rope_theta,
+                                     "partial_rotary_factor": lang.partial_rotary_factor}
     if lang.rope_scaling_factor is not None:
         config["rope_scaling"] = {"rope_type": lang.rope_scaling_type, "factor": lang.rope_scaling_factor,
                                   **(_LLAMA3_SCALING if lang.rope_scaling_type == "llama3" else {})}

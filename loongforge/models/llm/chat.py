@@ -8,7 +8,9 @@ Qwen2 / Qwen2.5 instruct models use ChatML with a default system turn::
 
 Qwen3-Next's instruct models (Qwen3-Next-80B-A3B-Instruct, as Qwen3's 2507 instruct ones) write ChatML with no
 default system turn and no think block: an answer is written as the data gives it. (Qwen3-Next's thinking
-models write Qwen3's blocks below: ``model.chat_format: qwen3``.)
+models write Qwen3's blocks below: ``model.chat_format: qwen3``.) Qwen3.5's decoder read as a text model
+(``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) takes the same text format: the Qwen3.5 family's default, Qwen3-VL's
+ChatML, without vision blocks.
 
 Qwen3 (hybrid thinking) has no default system turn and writes the reasoning of the answer to the
 last question in a think block, empty when there is none (``data.template.with_reasoning_block``)::
@@ -211,7 +213,8 @@ DEEPSEEK_V3 = ChatFormat(
 FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3, "llama2": LLAMA2}
 _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
                          "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
-                         "Qwen3NextForCausalLM": QWEN3_INSTRUCT,
+                         "Qwen3NextForCausalLM": QWEN3_INSTRUCT, "Qwen3_5ForCausalLM": QWEN3_INSTRUCT,
+                         "Qwen3_5MoeForCausalLM": QWEN3_INSTRUCT,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
                          "DeepseekV3ForCausalLM": DEEPSEEK_V3}
 
