@@ -275,3 +275,30 @@ def test_qwen3s_format_renders_the_thinking_template_for_training(tokenizer):
     for turns in CONVERSATIONS:
         published = tokenizer.apply_chat_template(_messages(turns), chat_template=THINKING_TEMPLATE, tokenize=False)
         assert render_chat(turns, None, chat).text == published
+
+
+def test_qwen3_5s_dense_decoder_reads_and_writes_as_a_text_model():
+    """``Qwen3_5ForCausalLM`` (Qwen3.5's decoder without its tower, tied, a dense MLP in every layer): the config.json
+    loongforge writes builds transformers' class on the meta device with the parameters and HF tensor shapes loongforge
+    counts, and reads back as the same model. (Its math is the qwen3_5 reference's decoder and, as a text model,
+    ``qwen3_5_moe_text``'s.)"""
+    import transformers
+
+    published = {"architectures": ["Qwen3_5ForCausalLM"], "model_type": "qwen3_5_text", "hidden_size": 64,
+                 "intermediate_size": 160, "num_hidden_layers": 4, "num_attention_heads": 4, "num_key_value_heads": 2,
+                 "head_dim": 32, "vocab_size": 300, "tie_word_embeddings": True, "full_attention_interval": 2,
+                 "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+                 "linear_value_head_dim": 16, "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                 "partial_rotary_factor": 0.25, "mrope_section": [1, 1, 2], "mrope_interleaved": True}}
+    model_cfg = FAMILY.config_from_hf(published, "config.json")
+    lang = model_cfg.language
+    assert (lang.moe, lang.layer_types, lang.partial_rotary_factor) == (
+        None, ["linear_attention", "full_attention"] * 2, 0.25)
+    written = FAMILY.config_to_hf(model_cfg, "float32")
+    assert config_differences(model_cfg, FAMILY.config_from_hf(written, "config.json")) == []
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**written))
+    assert type(model).__name__ == "Qwen3_5ForCausalLM"
+    assert FAMILY.count_parameters(model_cfg)["total"] == sum(p.numel() for p in model.parameters())
+    shapes = {key: tuple(value.shape) for key, value in model.state_dict().items() if key != "lm_head.weight"}
+    assert FAMILY.hf_shapes(model_cfg) == shapes
