@@ -302,3 +302,20 @@ def test_qwen3_5s_dense_decoder_reads_and_writes_as_a_text_model():
     assert FAMILY.count_parameters(model_cfg)["total"] == sum(p.numel() for p in model.parameters())
     shapes = {key: tuple(value.shape) for key, value in model.state_dict().items() if key != "lm_head.weight"}
     assert FAMILY.hf_shapes(model_cfg) == shapes
+
+
+def test_layers_the_stated_architecture_does_not_have_are_refused_in_one_line():
+    """Qwen3-Next's class always has zero-centred norms and gated attention; Qwen3.5-MoE's router always
+    renormalises."""
+    model_cfg = load_run_config("qwen3-next-tiny", overrides=["model.language.zero_centered_norms=false"]).model
+    (problem,) = FAMILY.config_problems(model_cfg)
+    print(f"\n{problem}")
+    assert problem.startswith("model.language.architecture=Qwen3NextForCausalLM but model.language has layer_types "
+                              "set with attention_output_gate and zero_centered_norms: false;")
+    model_cfg = load_run_config("qwen3-next-tiny", overrides=["model.language.architecture=Qwen3_5MoeForCausalLM",
+                                                              "model.language.moe.norm_topk_prob=false"]).model
+    assert FAMILY.config_problems(model_cfg) == [
+        "model.language.architecture=Qwen3_5MoeForCausalLM but model.language has moe.norm_topk_prob: false; "
+        "Qwen3_5MoeForCausalLM has add_qkv_bias: false, qk_norm: true, moe set: true, "
+        "multi_latent_attention set: false, layer_types set with attention_output_gate and zero_centered_norms: true, moe.shared_expert_ffn_hidden_size "
+        "set with moe.shared_expert_gate: true, moe.norm_topk_prob: true."]

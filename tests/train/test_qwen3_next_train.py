@@ -1,8 +1,8 @@
 """Qwen3-Next (the text family's hybrid decoder: Gated DeltaNet and gated attention layers, routed experts beside a
-gated shared expert) under context parallelism: CP 2 (with expert parallelism 2: each of the two ranks holds 4 of every layer's 8
-experts, the shared expert and its gate on both) and CP 4 train like one process over 2 steps of packed synthetic
-text rows (every sample padded to a multiple of 8, so each splits into 2 x CP chunks): losses and grad norms. The
-recurrent state and the convolution's window pass from rank to rank through Qwen3.5's module
+gated shared expert) under context parallelism: CP 2 (with expert parallelism 2: each of the two ranks holds 4 of
+every layer's 8 experts, the shared expert and its gate on both) and CP 4 train like one process over 2 steps of
+packed synthetic text rows (every sample padded to a multiple of 8, so each splits into 2 x CP chunks): losses and
+grad norms. The recurrent state and the convolution's window pass from rank to rank through Qwen3.5's module
 (``models/decoder/linear_attention_cp.py``); Qwen3-Next adds 1-D partial RoPE over the CP ranks' chunks."""
 
 from __future__ import annotations

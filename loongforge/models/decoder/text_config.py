@@ -49,6 +49,8 @@ _ARCHITECTURES = {
 _GATED_SHARED_EXPERT = ("Qwen2MoeForCausalLM", "Qwen3NextForCausalLM", "Qwen3_5MoeForCausalLM")
 # The hybrid architectures that write their rotary settings under rope_parameters (Qwen3-Next's at the top level).
 _ROPE_PARAMETERS = ("Qwen3_5ForCausalLM", "Qwen3_5MoeForCausalLM")
+# What architecture_problems calls the hybrid switch (Qwen3.5's layer kinds).
+_HYBRID = "layer_types set with attention_output_gate and zero_centered_norms"
 # transformers' Qwen3NextConfig / Qwen3_5TextConfig defaults where a config.json names none.
 _HYBRID_HEAD_DIM, _HYBRID_PARTIAL_ROTARY = 256, 0.25
 HF_ARCHITECTURES = (*_ARCHITECTURES, *DEEPSEEK_ARCHITECTURES)
@@ -106,14 +108,13 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
         shared = "moe.shared_expert_ffn_hidden_size set with moe.shared_expert_gate"
         found[shared] = lang.moe.shared_expert_ffn_hidden_size is not None and lang.moe.shared_expert_gate
         wanted[shared] = stated in _GATED_SHARED_EXPERT
+    if stated == "Qwen3_5MoeForCausalLM" and lang.moe is not None:  # its router always renormalises the top-k
+        found["moe.norm_topk_prob"], wanted["moe.norm_topk_prob"] = lang.moe.norm_topk_prob, True
     wrong = [f"{name}: {str(found[name]).lower()}" for name in found if found[name] != wanted[name]]
     if wrong:
         return [f"{key}={stated} but model.language has {', '.join(wrong)}; {stated} has "
                 + ", ".join(f"{name}: {str(wanted[name]).lower()}" for name in found) + "."]
     return []
-
-
-_HYBRID = "layer_types set with attention_output_gate and zero_centered_norms"
 
 
 def text_architecture_problems(model_cfg: ModelConfig) -> list[str]:
