@@ -469,3 +469,32 @@ def test_dry_run_at_cp2_states_the_layout_and_shards_the_optimizer_over_dp_x_cp(
     # encoder_cp halves the encoder's activations per rank in encoder_dp=none at CP 2.
     on_none, off_none = (float(re.search(r"none ~([\d.]+) GiB", text)[1]) for text in (plan, off))
     assert on_none == pytest.approx(off_none / 2, abs=0.1)
+
+
+def test_dry_run_qwen3_next_80b_fits_80gb_gpus_and_its_128k_rows_at_cp4():
+    """Qwen3-Next-80B-A3B: 48 hybrid layers at TP 2 (SP), EP 32 (16 of every layer's 512 experts a rank), full
+    recompute; this rank's parameters counted here (the non-expert part halved by TP, the experts / 32); its 32k rows
+    fit at CP 1, and 128k-token rows need context parallelism: CP 4."""
+    from loongforge.config.loader import load_run_config
+    from loongforge.models.decoder.params import expert_parameters
+
+    out = invoke("--preset", "qwen3-next-80b-a3b", "--dry-run").stdout
+    plan = out.split("parallel plan\n")[1]
+    assert "64 processes = TP2 x PP1 x DP32" in plan and "EP32 x expert TP1 x expert DP2" in plan
+    assert "79.67B total (79,674,391,296), 3.87B active per token" in plan
+    lang = load_run_config("qwen3-next-80b-a3b").model.language
+    experts = lang.num_layers * expert_parameters(lang)
+    per_rank = (79_674_391_296 - experts) / 2 + experts / 32
+    assert f"layers 0-47 (48) + embeddings + LM head: {per_rank / 1e9:.2f}B params per rank" in plan
+
+    def cp_totals(text: str) -> dict[int, tuple[float, str]]:
+        table = text.split("CP  layout")[1].splitlines()[1:]
+        return {int(line.split()[0]): (float(line.split()[-2]), line.split()[-1]) for line in table
+                if line.strip()[:1].isdigit()}
+
+    at_32k = cp_totals(out)
+    long_rows = cp_totals(invoke("--preset", "qwen3-next-80b-a3b", "--dry-run", "data.seq_len=131072").stdout)
+    print(f"\nqwen3-next-80b-a3b: {per_rank / 1e9:.2f}B params per rank; 32k rows at CP 1 {at_32k[1][0]} GiB; 128k rows "
+          f"{ {cp: total for cp, (total, _) in long_rows.items()} } GiB by CP")
+    assert at_32k[1][1] == "yes" and at_32k[1][0] <= 72.0
+    assert [long_rows[cp][1] for cp in (1, 2, 4)] == ["no", "no", "yes"]

@@ -37,9 +37,13 @@ def tiny_llm_cfg(arch: str) -> ModelConfig:
     return get_family("llm").config_from_hf(tiny_hf_config_dict(arch), f"{arch}/config.json")
 
 
+_ZERO_CENTRED_NORMS = ("qwen3_next", "qwen3_5_moe_text")
+
+
 def build_hf_llm(arch: str, seed: int = 0, **overrides):
     """A random fp32 transformers causal LM (``overrides``: config.json fields); every parameter (norms too)
-    randomised."""
+    randomised, norms around their identity scale (a zero-centred norm's weight around 0: it scales by 1 + weight;
+    Qwen3-Next's gated norm scales by its weight)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     config = tiny_hf_config_dict(arch, **overrides)
@@ -49,10 +53,12 @@ def build_hf_llm(arch: str, seed: int = 0, **overrides):
     model = AutoModelForCausalLM.from_config(hf_config).float().eval()
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
+        zero_centred = config["model_type"] in _ZERO_CENTRED_NORMS
         for name, param in model.named_parameters():
             noise = torch.randn(param.shape, generator=generator)
+            centre = 0.0 if zero_centred and not name.endswith("linear_attn.norm.weight") else 1.0
             # attention sinks (MiMo-V2-Flash's) as logits of the scores' size, so each head's moves its softmax
-            param.copy_(1.0 + 0.1 * noise if "norm" in name else noise if name.endswith(".sinks") else 0.05 * noise)
+            param.copy_(centre + 0.1 * noise if "norm" in name else noise if name.endswith(".sinks") else 0.05 * noise)
         for name, buffer in model.named_buffers():
             if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's expert bias: trained state too
                 buffer.copy_(0.05 * torch.randn(buffer.shape, generator=generator))
@@ -92,6 +98,23 @@ MOE_ARCHITECTURES["qwen2_moe"] = dict(
     hidden_size=48, rope_theta=1_000_000.0, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
     moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=False, router_aux_loss_coef=0.001,
     decoder_sparse_step=1, mlp_only_layers=[], qkv_bias=True)
+# Qwen3-Next at toy size: Qwen3.5's hybrid layers (a Gated DeltaNet layer, then a gated full-attention one, twice:
+# PP 2 puts one of each on each stage) with 2 key heads of 8 channels serving 4 value heads of 12, gated attention
+# of 6 heads of 16 over 2 KV groups with RoPE on its first 4 channels, zero-centred norms; every layer 6 routed
+# experts of width 24, top-3 renormalised (the published router), beside a gated shared expert of width 40.
+MOE_ARCHITECTURES["qwen3_next"] = dict(
+    architectures=["Qwen3NextForCausalLM"], model_type="qwen3_next", num_hidden_layers=4, hidden_size=48,
+    num_attention_heads=6, num_key_value_heads=2, head_dim=16, partial_rotary_factor=0.25, rope_theta=10_000_000.0,
+    layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention"],
+    linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=8, linear_value_head_dim=12,
+    linear_conv_kernel_dim=4, tie_word_embeddings=False, num_experts=6, num_experts_per_tok=3,
+    moe_intermediate_size=24, shared_expert_intermediate_size=40, norm_topk_prob=True, router_aux_loss_coef=0.001,
+    decoder_sparse_step=1, mlp_only_layers=[])
+# Qwen3.5-MoE's decoder read as a text model (Qwen3_5MoeForCausalLM: Qwen3.8-2.4T-A95B's class): qwen3_next's shape,
+# Gated DeltaNet's input projection in Qwen3.5's four tensors, the router always renormalising, tied embeddings.
+MOE_ARCHITECTURES["qwen3_5_moe_text"] = {
+    **MOE_ARCHITECTURES["qwen3_next"], "architectures": ["Qwen3_5MoeForCausalLM"], "model_type": "qwen3_5_moe_text",
+    "tie_word_embeddings": True}
 # DeepSeek at toy size: multi-latent attention (V3: low-rank queries; V2-Lite's full-rank ones) with YaRN,
 # the first layer dense, shared experts beside the routed ones. V3: sigmoid router with the expert bias,
 # 8 experts in 4 groups, top-4 within the best 2 groups, scaling 2.5; V2: softmax greedy top-2 of 6, scaling 1.5.

@@ -603,7 +603,8 @@ def _build_ernie(model_cfg, parallel_cfg, **options):
 
 
 # ---------------------------------------------------------------------------------------------------
-# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, DeepSeek-V3 and V2
+# The text-only family: Qwen2, Qwen3, Llama, Qwen3-MoE (both routers), Qwen2-MoE, Qwen3-Next, Qwen3.5-MoE's decoder,
+# DeepSeek-V3 and V2
 # ---------------------------------------------------------------------------------------------------
 
 
@@ -686,6 +687,9 @@ REFERENCES = {
 PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
     "hf_roundtrip": {
         "qwen3_moe_unnormalised": ("qwen3_moe", "its router's weights are the same tensors"),
+        "qwen3_5_moe_text": ("qwen3_next", "the text family's hybrid folder with experts and a gated shared expert "
+                             "(measured when run: exact); Qwen3.5's four Gated DeltaNet tensors are qwen3_5's rows "
+                             "under the text prefix"),
     },
     "check_logits": {
         "qwen2_5_vl": ("test_qwen2_5_vl_with_a_photo", "the family's folder in the Hub's key style and flat "
@@ -699,6 +703,11 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
                       "test_parity's and test_tp_parity's"),
         "deepseek_v2": ("deepseek_v3", "the text family's folder, DeepSeek's chat and the comparison; V2's attention "
                         "and router math are test_parity's and test_tp_parity's"),
+        "qwen3_next": ("qwen3_moe", "the text family's folder with routed experts and the comparison (measured when "
+                       "run: 1.1e-6); its hybrid layers' math is test_parity's and test_tp_parity's, its key layout "
+                       "the round trip's, its chat format test_qwen3_next's"),
+        "qwen3_5_moe_text": ("qwen3_moe", "the text family's folder with routed experts and the comparison (measured "
+                             "when run: 8.9e-7); its layers' math is test_parity's and test_tp_parity's"),
         "qwen3_vl": ("qwen3_vl_moe", "the family's folder, photo and comparison (the MoE's also proves transformers' "
                      "Auto class resolving the model_type); the dense MLP's math is test_parity's"),
         "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (the Auto class's resolution of a MoE "

@@ -28,7 +28,7 @@ from tests.models.test_lora import ALPHA, RANK, peft_tensors, with_random_adapte
 # The decoder's linears under transformers' names (an LLM's ``model.layers``, a VLM's
 # ``model.language_model.layers``; a vision tower's blocks never match).
 _ATTENTION = (r"self_attn\.(q|k|v|o|q_a|q_b|kv_b)_proj|self_attn\.kv_a_proj_with_mqa"
-              r"|linear_attn\.(in_proj_(qkv|z|b|a)|out_proj)")
+              r"|linear_attn\.(in_proj_(qkvz|qkv|z|ba|b|a)|out_proj)")
 _DENSE_MLP = r"mlp\.(gate|up|down)_proj"
 _LAYERS = r"(.*\.)?(language_model|model)\.layers\.\d+\."
 

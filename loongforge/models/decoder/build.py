@@ -88,7 +88,8 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
         share_embeddings_and_output_weights=lang.tie_word_embeddings,
         position_embedding_type=rope,
         rotary_base=lang.rope_theta,
-        # RoPE on the first channels of each head (1-D RoPE; a family's M-RoPE brings its own rotary)
+        # the share of each head's channels 1-D RoPE rotates (Qwen3-Next's, MiniMax-M2's); a family's M-RoPE brings
+        # its own rotary module (Qwen3.5's interleaved one)
         rotary_percent=lang.partial_rotary_factor if rope == "rope" else 1.0,
         # dynamic NTK scaling changes nothing up to max_position_embeddings, the longest row validate allows
         rope_scaling=lang.rope_scaling_factor is not None and lang.rope_scaling_type == "llama3",

@@ -38,13 +38,15 @@ from loongforge.models.hf.rules import (
 )
 
 
-def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_prefix: str = "model.") -> list[Rule]:
+def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_prefix: str = "model.",
+                   fused_delta_projections: bool = False) -> list[Rule]:
     """The decoder's rows; ``fused_experts``: the routed experts' HF tensors hold every expert of a
     layer (Qwen3-VL-MoE), else one tensor per expert (Qwen3-MoE). ``hf_prefix``: where the HF
     checkpoint keeps the decoder (``model.``; ``model.language_model.`` in compositions such as
     InternVL's, whose HF class nests it); ``lm_head`` is always at the top. A hybrid decoder
     (``layer_types``) has attention rows for its full-attention layers and Gated DeltaNet rows for its
-    linear-attention layers (``Rule.layers``)."""
+    linear-attention layers (``Rule.layers``); ``fused_delta_projections``: Gated DeltaNet's input projection in
+    Qwen3-Next's two tensors (``in_proj_qkvz``, ``in_proj_ba``), else Qwen3.5's four."""
     vocab, rep = Vocab(lang.vocab_size), Replicated()
     lb, ll = hf_prefix + "layers.{i}.", "language_model.decoder.layers.{i}."
     full, linear = _layers_of_kind(lang, "full_attention"), _layers_of_kind(lang, "linear_attention")
@@ -57,7 +59,7 @@ def language_rules(lang: LanguageConfig, *, fused_experts: bool = False, hf_pref
     else:
         rules += _mla_rules(lang, lb, ll) if lang.multi_latent_attention else _attention_rules(lang, lb, ll, full)
     if linear:
-        rules += _linear_attention_rules(lang, lb, ll, linear)
+        rules += _linear_attention_rules(lang, lb, ll, linear, fused_delta_projections)
     dense, sparse = _layers_by_mlp(lang)
     if sparse != ():
         rules += [dataclasses.replace(rule, layers=sparse) for rule in _moe_rules(lang, lb, ll, fused_experts)]
@@ -238,18 +240,30 @@ def _sliding_window_shapes(lang: LanguageConfig, b: str, sliding: bool) -> dict[
     return shapes
 
 
-def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...]) -> list[Rule]:
-    """Gated DeltaNet's rows: transformers' separate projections <-> the key-head-grouped ``in_proj`` and
-    ``conv1d`` of ``models.decoder.gated_delta_net`` (``GroupedRows``)."""
+def _delta_projections(lang: LanguageConfig, fused: bool) -> tuple[tuple[str, ...], GroupedRows]:
+    """transformers' input projections of a Gated DeltaNet layer and how they lay out as the key-head-grouped
+    ``in_proj`` (per key head: its q, k, then its value heads' v, z, b, a). Qwen3.5 keeps q/k/v, z, b and a
+    apart, each in head order (``GroupedRows`` cuts each into the key heads' blocks); Qwen3-Next fuses them into
+    two tensors already grouped by key head ([q, k, v, z] and [b, a] of each), so each is one segment."""
     shape = lang.linear_attention
     q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
     heads = shape.num_value_heads
+    if fused:
+        return ("qkvz", "ba"), GroupedRows(shape.num_key_heads, ((2 * q_k + 2 * v,), (2 * heads,)))
+    return ("qkv", "z", "b", "a"), GroupedRows(shape.num_key_heads, ((q_k, q_k, v), (v,), (heads,), (heads,)))
+
+
+def _linear_attention_rules(lang: LanguageConfig, lb: str, ll: str, layers: tuple[int, ...],
+                            fused: bool = False) -> list[Rule]:
+    """Gated DeltaNet's rows: transformers' projections <-> the key-head-grouped ``in_proj`` and ``conv1d`` of
+    ``models.decoder.gated_delta_net`` (``GroupedRows``); ``fused``: Qwen3-Next's two input projections."""
+    shape = lang.linear_attention
+    q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
     hb, mb = lb + "linear_attn.", ll + "self_attention."
-    projection = GroupedRows(shape.num_key_heads, ((q_k, q_k, v), (v,), (heads,), (heads,)))
+    names, projection = _delta_projections(lang, fused)
     rules = [
         Rule((lb + "input_layernorm.weight",), mb + "in_proj.layer_norm_weight", Replicated(), LANGUAGE),
-        Rule(tuple(hb + f"in_proj_{p}.weight" for p in ("qkv", "z", "b", "a")), mb + "in_proj.weight", projection,
-             LANGUAGE),
+        Rule(tuple(hb + f"in_proj_{p}.weight" for p in names), mb + "in_proj.weight", projection, LANGUAGE),
         Rule((hb + "conv1d.weight",), mb + "conv1d.weight", GroupedRows(shape.num_key_heads, ((q_k, q_k, v),)),
              LANGUAGE),
         Rule((hb + "A_log",), mb + "A_log", Split(0), LANGUAGE),
@@ -286,10 +300,10 @@ def _fused_expert_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
             Rule((lb + "mlp.experts.down_proj",), le + "linear_fc2.weight", down, LANGUAGE)]
 
 
-def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
-                       hf_prefix: str = "model.") -> dict[str, tuple[int, ...]]:
+def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False, hf_prefix: str = "model.",
+                       fused_delta_projections: bool = False) -> dict[str, tuple[int, ...]]:
     """Hub-style decoder tensor name -> shape (no ``lm_head`` when the embeddings are tied);
-    ``hf_prefix`` as ``language_rules``'."""
+    ``hf_prefix`` and ``fused_delta_projections`` as ``language_rules``'."""
     d, channels = lang.hidden_size, head_dim(lang)
     q, kv = lang.num_attention_heads * channels, lang.num_query_groups * channels
     shapes: dict[str, tuple[int, ...]] = {hf_prefix + "embed_tokens.weight": (lang.vocab_size, d),
@@ -316,7 +330,7 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
             shapes.update(_sliding_window_shapes(lang, b + "self_attn.", lang.layer_types[i] == "sliding_attention"))
             continue
         if lang.layer_types and lang.layer_types[i] == "linear_attention":
-            shapes.update(_linear_attention_shapes(lang, b + "linear_attn."))
+            shapes.update(_linear_attention_shapes(lang, b + "linear_attn.", fused_delta_projections))
             continue
         q_out = 2 * q if lang.attention_output_gate else q  # each head's query, then its gate
         shapes.update({
@@ -333,11 +347,12 @@ def language_hf_shapes(lang: LanguageConfig, *, fused_experts: bool = False,
     return shapes
 
 
-def _linear_attention_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
+def _linear_attention_shapes(lang: LanguageConfig, b: str, fused: bool) -> dict[str, tuple[int, ...]]:
     shape, d = lang.linear_attention, lang.hidden_size
     q_k, v = shape.num_key_heads * shape.key_head_dim, shape.num_value_heads * shape.value_head_dim
-    return {b + "in_proj_qkv.weight": (2 * q_k + v, d), b + "in_proj_z.weight": (v, d),
-            b + "in_proj_b.weight": (shape.num_value_heads, d), b + "in_proj_a.weight": (shape.num_value_heads, d),
+    names, projection = _delta_projections(lang, fused)
+    rows = [sum(sizes) for sizes in projection.segments]
+    return {**{f"{b}in_proj_{name}.weight": (count, d) for name, count in zip(names, rows)},
             b + "conv1d.weight": (2 * q_k + v, 1, shape.conv_kernel), b + "A_log": (shape.num_value_heads,),
             b + "dt_bias": (shape.num_value_heads,), b + "norm.weight": (shape.value_head_dim,),
             b + "out_proj.weight": (d, v)}

@@ -6,6 +6,12 @@ Qwen2 / Qwen2.5 instruct models use ChatML with a default system turn::
     <|im_start|>user\nWhat is 2 + 2?<|im_end|>\n
     <|im_start|>assistant\n4<|im_end|>\n
 
+Qwen3-Next's instruct models (Qwen3-Next-80B-A3B-Instruct, as Qwen3's 2507 instruct ones) write ChatML with no
+default system turn and no think block: an answer is written as the data gives it. (Qwen3-Next's thinking
+models write Qwen3's blocks below: ``model.chat_format: qwen3``.) Qwen3.5's decoder read as a text model
+(``Qwen3_5ForCausalLM``, ``Qwen3_5MoeForCausalLM``) takes the same text format: the Qwen3.5 family's default, Qwen3-VL's
+ChatML, without vision blocks.
+
 Qwen3 (hybrid thinking) has no default system turn and writes the reasoning of the answer to the
 last question in a think block, empty when there is none (``data.template.with_reasoning_block``)::
 
@@ -67,6 +73,16 @@ CHATML_TEXT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# Qwen3-Next-Instruct's: ChatML without a default system turn.
+QWEN3_INSTRUCT_TEMPLATE = (
+    "{% for message in messages %}"
+    "<|im_start|>{{ message['role'] }}\n"
+    + _CONTENT +
+    "<|im_end|>\n"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
 # Qwen3: an assistant message after the last user message keeps its reasoning (split at </think>)
 # in a normalised block, the conversation's last one even when empty; earlier ones lose it.
 QWEN3_TEMPLATE = (
@@ -117,6 +133,8 @@ CHATML = ChatFormat(
 )
 
 QWEN3 = replace(CHATML, jinja_template=QWEN3_TEMPLATE, default_system_prompt=None, thinking=True)
+
+QWEN3_INSTRUCT = replace(CHATML, jinja_template=QWEN3_INSTRUCT_TEMPLATE, default_system_prompt=None)
 
 LLAMA3 = ChatFormat(
     turn_start="<|start_header_id|>",
@@ -223,6 +241,8 @@ MINIMAX_M2 = ChatFormat(
 FORMATS = {"chatml": CHATML, "qwen3": QWEN3, "llama3": LLAMA3, "deepseek_v3": DEEPSEEK_V3, "llama2": LLAMA2}
 _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHATML, "QWenLMHeadModel": CHATML,
                          "Qwen3ForCausalLM": QWEN3, "Qwen3MoeForCausalLM": QWEN3,
+                         "Qwen3NextForCausalLM": QWEN3_INSTRUCT, "Qwen3_5ForCausalLM": QWEN3_INSTRUCT,
+                         "Qwen3_5MoeForCausalLM": QWEN3_INSTRUCT,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
                          "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
                          "MiMoV2FlashForCausalLM": QWEN3}

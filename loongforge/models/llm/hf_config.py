@@ -1,5 +1,5 @@
 """Text-only LLMs' HF ``config.json`` both ways: the text backbone's fields (``decoder.text_config``:
-Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Llama 2 / 3.x, DeepSeek; Qwen (1.0)'s own layout:
+Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x, DeepSeek; Qwen (1.0)'s own layout:
 ``qwen1``) at the top level, plus the padding token.
 """
 
@@ -10,9 +10,9 @@ from typing import Any
 
 from loongforge.config.errors import InputError
 from loongforge.config.schema import ModelConfig, TokenIdsConfig
-from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.decoder import text_config
 from loongforge.models.decoder.text_config import language_from_hf, language_to_hf
+from loongforge.models.llm.hf_mapping import decoder_hf_shapes
 from loongforge.models.llm.minimax_m2 import (
     MINIMAX_M2_ARCHITECTURE,
     MINIMAX_M2_MODEL_TYPE,
@@ -76,4 +76,4 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
 
 def expected_hf_shapes(model_cfg: ModelConfig) -> dict[str, tuple[int, ...]]:
     lang = model_cfg.language
-    return (_OWN_READING[lang.architecture][1] if lang.architecture in _OWN_READING else language_hf_shapes)(lang)
+    return (_OWN_READING[lang.architecture][1] if lang.architecture in _OWN_READING else decoder_hf_shapes)(lang)

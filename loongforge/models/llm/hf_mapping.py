@@ -1,13 +1,17 @@
-"""Weight map between transformers' Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Llama / DeepSeek checkpoints and
-``TextModel``: the decoder's rows alone (``models.decoder.hf_mapping``); Qwen (1.0)'s own key layout: ``qwen1``.
-HF 5's nested key style and its fused expert tensors are read too."""
+"""Weight map between transformers' Qwen2 / Qwen3 / Qwen3-MoE / Qwen2-MoE / Qwen3-Next / Llama / DeepSeek checkpoints
+and ``TextModel``: the decoder's rows alone (``models.decoder.hf_mapping``); Qwen (1.0)'s own key layout: ``qwen1``.
+HF 5's nested key style and its fused expert tensors are read too. Qwen3-Next's Gated DeltaNet keeps its input
+projection in two tensors grouped by key head (``in_proj_qkvz``, ``in_proj_ba``; Qwen3.5's keeps four). The Hub's
+Qwen3-Next checkpoints also hold a multi-token-prediction head (``mtp.*``) that transformers' class has no module
+for: it is noted as not read (``ModelFamily.hf_unread``)."""
 
 from __future__ import annotations
 
 from typing import Any, Mapping
 
-from loongforge.config.schema import ModelConfig
-from loongforge.models.decoder.hf_mapping import hub_experts, language_rules
+from loongforge.config.schema import LanguageConfig, ModelConfig
+from loongforge.models.decoder.hf_mapping import hub_experts, language_hf_shapes, language_rules
+from loongforge.models.decoder.text_config import architecture
 from loongforge.models.hf.rules import Rule, rename_prefixes
 from loongforge.models.llm.minimax_m2 import MINIMAX_M2_ARCHITECTURE, minimax_m2_hub_style, minimax_m2_rules
 from loongforge.models.llm.qwen1 import (
@@ -20,7 +24,22 @@ def mapping_rules(model_cfg: ModelConfig) -> list[Rule]:
     lang = model_cfg.language
     if lang.architecture == MINIMAX_M2_ARCHITECTURE:
         return minimax_m2_rules(lang)
-    return qwen1_rules(lang) if lang.architecture == QWEN1_ARCHITECTURE else language_rules(lang)
+    if lang.architecture == QWEN1_ARCHITECTURE:
+        return qwen1_rules(lang)
+    return language_rules(lang, fused_delta_projections=fused_delta_projections(lang))
+
+
+# The architectures whose Gated DeltaNet input projection is two tensors grouped by key head.
+_FUSED_DELTA_PROJECTIONS = ("Qwen3NextForCausalLM",)
+
+
+def fused_delta_projections(lang: LanguageConfig) -> bool:
+    return architecture(lang) in _FUSED_DELTA_PROJECTIONS
+
+
+def decoder_hf_shapes(lang: LanguageConfig) -> dict[str, tuple[int, ...]]:
+    """The decoder's Hub tensor shapes (``language_hf_shapes``) in the architecture's key layout."""
+    return language_hf_shapes(lang, fused_delta_projections=fused_delta_projections(lang))
 
 
 def to_hub_style(hf_state: Mapping[str, Any]) -> dict[str, Any]:

@@ -18,12 +18,13 @@ import dataclasses
 from typing import Any, Mapping
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import (
-    LanguageConfig,
-    LinearAttentionConfig,
-    ModelConfig,
+from loongforge.config.schema import LanguageConfig, ModelConfig
+from loongforge.models.decoder.hf_config import (
+    experts_from_hf,
+    hybrid_layer_types,
+    hybrid_layers_to_hf,
+    linear_attention_from_hf,
 )
-from loongforge.models.decoder.hf_config import experts_from_hf
 from loongforge.models.decoder.hf_mapping import language_hf_shapes
 from loongforge.models.qwen3_5.hf_mapping import to_hub_style
 from loongforge.models.qwen_vl import hf_config as nested
@@ -37,15 +38,6 @@ HF_MODEL_TYPES = (_NAMES.model_types(False)[0], _NAMES.model_types(True)[0])  # 
 # transformers' defaults when a config names none (Qwen3_5TextConfig, Qwen3_5TextRotaryEmbedding).
 _DEFAULT_MROPE_SECTION = [11, 11, 10]
 _DEFAULT_PARTIAL_ROTARY = 0.25
-_DEFAULT_FULL_ATTENTION_INTERVAL = 4
-
-
-def _layer_types(text: Mapping[str, Any]) -> list[str]:
-    if text.get("layer_types"):
-        return list(text["layer_types"])
-    interval = text.get("full_attention_interval", _DEFAULT_FULL_ATTENTION_INTERVAL)
-    return ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
-            for i in range(text["num_hidden_layers"])]
 
 
 def _rope(text: Mapping[str, Any]) -> tuple[float, list[int], float]:
@@ -75,13 +67,8 @@ def _language(text: Mapping[str, Any], tied: bool, experts: dict[str, Any]) -> L
         # ffn_hidden_size reads as the experts' width.
         text = {**text, "intermediate_size": experts["moe"].ffn_hidden_size}
     theta, section, partial = _rope(text)
-    layer_types = _layer_types(text)
-    linear = None
-    if "linear_attention" in layer_types:
-        linear = LinearAttentionConfig(
-            num_key_heads=text.get("linear_num_key_heads", 16), num_value_heads=text.get("linear_num_value_heads", 32),
-            key_head_dim=text.get("linear_key_head_dim", 128), value_head_dim=text.get("linear_value_head_dim", 128),
-            conv_kernel=text.get("linear_conv_kernel_dim", 4))
+    layer_types = hybrid_layer_types(text)
+    linear = linear_attention_from_hf(text) if "linear_attention" in layer_types else None
     return nested.language_from_hf(
         text, tied=tied, rope=(theta, section), default_head_dim=256, layer_types=layer_types,
         linear_attention=linear, attention_output_gate=True, partial_rotary_factor=partial,
@@ -105,13 +92,9 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
         raise ValueError("a Qwen3.5-MoE config.json renormalises the top-k (norm_topk_prob true) and has a shared "
                          "expert (model.language.moe.shared_expert_ffn_hidden_size)")
     _, text_type, vision_type = _NAMES.model_types(moe)
-    shape = lang.linear_attention or LinearAttentionConfig()
     text = {
         **nested.text_config_to_hf(lang, text_type, dtype),
-        "layer_types": list(lang.layer_types),
-        "linear_num_key_heads": shape.num_key_heads, "linear_num_value_heads": shape.num_value_heads,
-        "linear_key_head_dim": shape.key_head_dim, "linear_value_head_dim": shape.value_head_dim,
-        "linear_conv_kernel_dim": shape.conv_kernel,
+        **hybrid_layers_to_hf(lang),
         "rope_parameters": {"rope_type": "default", "rope_theta": lang.rope_theta,
                             "partial_rotary_factor": lang.partial_rotary_factor,
                             "mrope_section": list(lang.mrope_section), "mrope_interleaved": True},
