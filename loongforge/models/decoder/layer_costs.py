@@ -196,8 +196,9 @@ class WindowedFullAttention:
         return projections + attention
 
     @classmethod
-    def saved_values_per_token(cls, lang: LanguageConfig, tp: int) -> float:
-        """q, k, v (the scaled values too) and the attention output, split over TP."""
+    def saved_values_per_token(cls, lang: LanguageConfig, tp: int, cp: int = 1) -> float:
+        """q, k, v (the scaled values too) and the attention output, split over TP (context parallelism is
+        refused for these layers: ``SlidingWindowConfig.problems``, so ``cp`` is 1)."""
         q_width, k_width, v_width = cls.widths(lang)
         return (q_width + k_width + 2 * v_width + lang.num_attention_heads * lang.sliding_window.v_head_dim) / tp
 
