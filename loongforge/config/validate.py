@@ -507,6 +507,12 @@ def _check_vision_shape(cfg: RunConfig) -> list[str]:
                                          spatial_merge_size=projector.spatial_merge_size)
     if vision.anyres is not None:
         errors += vision.anyres.problems(image_size=vision.image_size)
+    vision_tp = cfg.parallel.vision_tensor_model_parallel_size or cfg.parallel.tensor_model_parallel_size
+    language = cfg.model.language
+    if vision.qk_norm and vision_tp > 1 and language.qk_norm and language.qk_norm_type == "per_head":
+        errors.append(f"model.vision.qk_norm=true at vision TP {vision_tp} beside a decoder with per-head q/k norms "
+                      f"(model.language.qk_norm): megatron sums every q/k norm's gradient over TP, which would mix "
+                      f"the tower's TP shards; set parallel.vision_tensor_model_parallel_size=1.")
     return errors
 
 

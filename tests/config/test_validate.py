@@ -458,3 +458,15 @@ def test_a_config_yaml_written_before_the_sections_reads_back_as_the_same_run(pr
     moved = capsys.readouterr().err.splitlines()
     print(f"{preset}: {len(moved)} lines, e.g. {moved[0]}")
     assert moved and all("is now model." in line for line in moved)
+
+
+def test_a_towers_whole_width_q_k_norms_split_over_vision_tp_beside_per_head_ones_are_refused():
+    """megatron sums every q/k norm's gradient over TP when the decoder has per-head ones: a tower's whole-width q/k
+    norms split over vision TP would have their shards mixed; whole on each rank (vision TP 1) they train right
+    (tests/train/test_composed_families_train.py)."""
+    split = ["model.vision.qk_norm=true", "parallel.tensor_model_parallel_size=2", "parallel.world_size=2"]
+    with pytest.raises(ConfigError, match=r"model.vision.qk_norm=true at vision TP 2 beside a decoder with per-head "
+                                          r"q/k norms \(model.language.qk_norm\).*vision_tensor_model_parallel_size=1"):
+        load_run_config("internvl3.5-tiny", overrides=split)
+    whole = load_run_config("internvl3.5-tiny", overrides=[*split, "parallel.vision_tensor_model_parallel_size=1"])
+    assert whole.model.vision.qk_norm and whole.parallel.vision_tensor_model_parallel_size == 1

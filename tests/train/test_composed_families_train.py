@@ -30,7 +30,7 @@ DEMO_IMAGES = SHARED_DATA / "llamafactory" / "mllm_demo.json"
 # preset -> the tower tensors (name pieces) whose Adam moments must be among those compared
 FAMILIES = {
     "internvl3.5-tiny-small-vocab": (".vision_model.cls_token", ".vision_model.pos_embed", ".mlp.layer_scale",
-                                     ".projector."),
+                                     ".projector.", ".self_attention.q_layernorm", ".self_attention.k_layernorm"),
     "llava-onevision-tiny-small-vocab": (".vision_model.pos_embed", ".image_newline", ".projector."),
     "llava-onevision1.5-tiny-small-vocab": (".vision_model.class_embedding", ".vision_model.class_rotary",
                                             ".vision_model.pre_layernorm", ".projector.norm"),
@@ -42,10 +42,18 @@ OPTIONS = ("data.source=files", f"data.paths=[{DEMO_IMAGES}]", "data.read=global
            "optimizer.adam_eps=1e-6", "training.train_steps=2", SAVE_AT_END)
 
 
+# InternVL as its 38B presets lay out InternViT-6B: q/k norms over all heads beside Qwen3's per-head ones, the tower
+# whole on each TP rank (vision TP 1), the TP group sharing the tiles (encoder_dp=tp): megatron's TP sum of every q/k
+# norm's gradient must leave the tower's alone (it doubled them at TP 2).
+LAYOUT_OPTIONS = {"internvl3.5-tiny-small-vocab": (
+    "model.vision.qk_norm=true", "model.vision.norm=rms", "model.vision.qkv_bias=false",
+    "parallel.vision_tensor_model_parallel_size=1", "parallel.encoder_dp=tp")}
+
+
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def runs(request, tmp_path_factory) -> tuple[str, dict[str, Path]]:
     return request.param, layout_runs(tmp_path_factory.mktemp(request.param), request.param, *OPTIONS,
-                                      layouts=FAMILY_LAYOUTS)
+                                      *LAYOUT_OPTIONS.get(request.param, ()), layouts=FAMILY_LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", ["tp2-pp2"])

@@ -67,6 +67,7 @@ from loongforge.models.vlm.encoder import (
 )
 from loongforge.models.vlm.process_groups import (
     build_vision_tp_group,
+    keep_qk_norms_from_tp_sum,
     mark_tp_duplicates,
 )
 from loongforge.parallel.context_parallel import ContextShard
@@ -438,6 +439,7 @@ def build_vlm(
         routing_token_ids=routing_token_ids)
     if encoder is not None:
         mark_tp_duplicates(encoder, vision_tp=vision_tp, replica_block=model._vision_replica_block)
+        keep_qk_norms_from_tp_sum(encoder, vision_tp=vision_tp, decoder_qk_norms=language_config.qk_layernorm)
         sharing = sharing_groups(parallel_cfg, language_pgs)
         if encoder_type.reads_items and (sharing is not None or parallel_cfg.encoder_dp == "full"):
             raise ValueError(f"{encoder_type.__name__} reads each image whole (its size or facts) and is not "

@@ -55,3 +55,18 @@ def mark_tp_duplicates(module: torch.nn.Module, *, vision_tp: int, replica_block
     if vision_tp == 1 or replica_block > 0:
         for param in module.parameters():
             param.tensor_model_parallel = False
+
+
+def keep_qk_norms_from_tp_sum(module: torch.nn.Module, *, vision_tp: int, decoder_qk_norms: bool) -> None:
+    """megatron-core's ``finalize_model_grads`` sums over TP the gradient of every parameter named ``q_layernorm`` or
+    ``k_layernorm`` when the decoder has per-head q/k norms (``qk_layernorm``), the tower's too. A vision-TP-1 tower
+    is replicated over TP: each rank already holds the whole gradient (or its share, which ``parallel.encoder_dp``
+    sums itself), so that sum would multiply its q/k norms' gradients by TP. They are flagged to be averaged over TP
+    instead, which leaves a replica's gradient as it is and a share's mean for ``encoder_dp``'s sum. (A vision-TP
+    > 1 tower with q/k norms beside such a decoder is refused: ``config.validate``.)"""
+    if vision_tp != 1 or not decoder_qk_norms:
+        return
+    for name, param in module.named_parameters():
+        if "q_layernorm" in name or "k_layernorm" in name:
+            param.average_gradients_across_tp_domain = True
+
