@@ -144,56 +144,6 @@ def test_q_k_norms_over_all_heads_are_checked():
         qk_norm_type="per_group")
 
 
-EP_WORLD = 2
-
-
-def _ep2_worker(rank: int, port: int, workdir: str) -> None:
-    """Each rank a sample of its own (seed = rank) through MiniMax-M2's experts split over EP 2 (3 of the 6 on each
-    rank, its tokens reaching the others by all-to-all); its logits' difference from transformers' written down."""
-    from datetime import timedelta
-    from pathlib import Path
-
-    import torch
-    import torch.distributed as dist
-    from megatron.core import parallel_state
-    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
-
-    from loongforge.config.schema import ParallelConfig
-    from loongforge.models.hf.weights import load_hf_state_dict
-    from tests.models.helpers import destroy_megatron, limit_threads
-    from tests.models.references import REFERENCES, reference_logits
-
-    limit_threads()
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP_WORLD,
-                            timeout=timedelta(seconds=120))
-    parallel_state.initialize_model_parallel(expert_model_parallel_size=EP_WORLD)
-    model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
-    reference = REFERENCES["minimax_m2"]
-    model_cfg = reference.model_cfg()
-    hf_model = reference.hf_model(model_cfg)
-    model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD, world_size=EP_WORLD)).eval()
-    load_hf_state_dict(model, hf_model.state_dict())
-    case = reference.sample(model_cfg, hf_model, seed=rank)
-    with torch.no_grad():
-        ours = model(**case.ours)[..., :model_cfg.language.vocab_size]
-    experts = sum(1 for name, _ in model.named_parameters() if "local_experts" in name and "linear_fc1" in name)
-    diff = float((ours - reference_logits(hf_model, case)).abs().max())
-    (Path(workdir) / f"rank{rank}.txt").write_text(f"{diff} {experts}")
-    destroy_megatron()
-
-
-def test_expert_parallel_2_equals_transformers(tmp_path):
-    from tests.models.helpers import free_port, run_workers
-
-    run_workers(_ep2_worker, EP_WORLD, (free_port(), str(tmp_path)), 300)
-    results = [(tmp_path / f"rank{rank}.txt").read_text().split() for rank in range(EP_WORLD)]
-    diffs, experts = [float(diff) for diff, _ in results], {int(count) for _, count in results}
-    print(f"\nminimax_m2 EP 2: logits within {max(diffs):.1e} of transformers' (each rank holds {experts} experts: 3 "
-          "of each layer's 6, 2 layers)")
-    assert experts == {6}  # 3 of each layer's 6 experts, 2 layers
-    assert max(diffs) <= 2e-6  # measured 5.7e-7
-
-
 def test_the_published_size_plans_to_fit_80gb_gpus():
     """minimax-m2's dry run: 62 layers over PP 4 (15 | 16 | 16 | 15), EP 64 (4 of every layer's 256 experts a rank),
     TP 1, full recompute; every stage's parameters per rank, and the plan fits at CP 1."""

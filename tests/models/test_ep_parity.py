@@ -1,0 +1,71 @@
+"""Expert parallelism equal to transformers, every reference with routed experts (``EP_REFERENCES``): ONE launch of
+two ranks that loops over them. Each rank feeds a text sample of its own (seed = its rank) through the model with its
+experts split over EP 2 (half of each layer's on each rank, its tokens reaching the other half by all-to-all), and
+its logits are compared with transformers' on the same sample."""
+
+from __future__ import annotations
+
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from loongforge.config.schema import ParallelConfig
+from loongforge.models.hf.weights import load_hf_state_dict
+from tests.models.helpers import destroy_megatron, free_port, limit_threads, run_workers
+from tests.models.references import REFERENCES, reference_logits
+
+EP_WORLD = 2
+# The references whose experts split over EP (the text family's MoE architectures and the vision MoE families);
+# ERNIE-4.5-VL's two expert sets have their EP 2 proof in tests/models/test_ernie4_5_vl_parallel.py.
+EP_REFERENCES = [name for name, reference in REFERENCES.items()
+                 if reference.model_cfg().language.moe is not None and name != "ernie4_5_vl"]
+TOLERANCE = 1e-5
+
+
+def _worker(rank: int, port: int, workdir: str) -> None:
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
+
+    limit_threads()
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=EP_WORLD,
+                            timeout=timedelta(seconds=120))
+    parallel_state.initialize_model_parallel(expert_model_parallel_size=EP_WORLD)
+    lines = []
+    for name in EP_REFERENCES:
+        model_parallel_cuda_manual_seed(1234, inference_rng_tracker=True, force_reset_rng=True)
+        reference = REFERENCES[name]
+        model_cfg = reference.model_cfg()
+        hf_model = reference.hf_model(model_cfg)
+        model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD,
+                                                          world_size=EP_WORLD)).eval()
+        load_hf_state_dict(model, hf_model.state_dict())
+        case = reference.sample(model_cfg, hf_model, seed=rank)
+        with torch.no_grad():
+            ours = model(**case.ours)[..., :model_cfg.language.vocab_size]
+        expected = reference_logits(hf_model, case)
+        scale = float(expected.abs().max()) if reference.relative else 1.0
+        lines.append(f"{name} {float((ours - expected).abs().max()) / scale}")
+    (Path(workdir) / f"rank{rank}.txt").write_text("\n".join(lines))
+    destroy_megatron()
+
+
+@pytest.fixture(scope="module")
+def differences(tmp_path_factory) -> dict[str, float]:
+    workdir = tmp_path_factory.mktemp("ep2")
+    run_workers(_worker, EP_WORLD, (free_port(), str(workdir)), 600)
+    worst: dict[str, float] = {}
+    for rank in range(EP_WORLD):
+        for line in (workdir / f"rank{rank}.txt").read_text().splitlines():
+            name, value = line.split()
+            worst[name] = max(worst.get(name, 0.0), float(value))
+    return worst
+
+
+@pytest.mark.parametrize("name", EP_REFERENCES)
+def test_expert_parallel_2_equals_transformers(differences, name):
+    bound = REFERENCES[name].tolerance if not REFERENCES[name].relative else 3e-5
+    print(f"\n{name} EP 2: logits within {differences[name]:.1e} of transformers' (asserted {bound:.0e})")
+    assert differences[name] <= bound
