@@ -1,6 +1,6 @@
 """Qwen3.5 (hybrid: Gated DeltaNet and gated attention layers) trains through the same command on the demo
 photos: TP 2 x PP 2 (vision TP 2; the first stage holds the linear-attention layer, the second the
-full-attention one; DP 2 is family-independent: ``conftest.FAMILY_LAYOUTS``) and context parallel 2 (the
+full-attention one; DP 2 is family-independent: ``conftest.FAMILY_LAYOUTS``) and context parallel 2 and 4 (the
 recurrent state carried across the CP ranks' chunks of each sample) equal one process over 2 steps
 (losses, grad norms and Adam moments, Gated DeltaNet's convolution, decays and gated norm among them, to
 1e-5 relative); a run stopped after step 1 and resumed gives the uninterrupted run's steps and final
@@ -39,30 +39,33 @@ LINEAR_ATTENTION = (".self_attention.conv1d", ".self_attention.in_proj", ".visio
 # transfers add products of their own; the rule's gradients at CP 2 equal the whole row's to 2.4e-7 of the
 # largest in tests/models/test_linear_attention.py).
 DECAYS = (".self_attention.A_log", ".self_attention.dt_bias")
-DECAY_MOMENT_BOUND = {"tp2-pp2": 1.9e-9, "cp2": 8.1e-9}
+DECAY_MOMENT_BOUND = {"tp2-pp2": 1.9e-9, "cp2": 8.1e-9, "cp4": 8.1e-9}
 # The gated norm's weight sums every head's and token's gradient; another layout's summation order moves its
 # second moment by up to 1.2e-5 of itself (CP 2; TP 2 x PP 2: 1.1e-5): 3x that, its own relative bound.
 OUT_NORM, OUT_NORM_BOUND = ".self_attention.out_norm", 3.6e-5
 # The tests' two-layer model (``SMALL_MODEL``): one Gated DeltaNet layer, then the gated attention one.
-# Every sample padded to a multiple of 4 in every layout, so that CP 2 trains the rows one process does.
 OPTIONS = ("model.language.layer_types=[linear_attention,full_attention]", "data.source=files",
-           f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024", "data.sample_multiple=4",
-           "optimizer.adam_eps=1e-6",
+           f"data.paths=[{DEMO_IMAGES}]", "data.read=global", "data.seq_len=1024", "optimizer.adam_eps=1e-6",
            "training.train_steps=2", "checkpoint.save_interval=1", SAVE_AT_END)
+# Every sample padded to a multiple of 8, so that CP 2 and CP 4 train the rows their one-process reference does.
+CP_OPTIONS = (*OPTIONS, "data.sample_multiple=8")
 
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     root = tmp_path_factory.mktemp(PRESET)
     runs = layout_runs(root, PRESET, *OPTIONS, layouts=FAMILY_LAYOUTS)
-    # Context parallel 2: each rank holds two chunks of every sample; the Gated DeltaNet state is carried
+    # Context parallel 2 and 4: each rank holds two chunks of every sample; the Gated DeltaNet state is carried
     # across the ranks' chunks, the convolution reads the window another rank holds.
-    run_train(root / "cp2", *OPTIONS, "parallel.context_parallel_size=2", nproc=2, preset=PRESET)
-    return {**runs, "cp2": root / "cp2"}
+    run_train(root / "cp-dp1", *CP_OPTIONS, preset=PRESET)
+    for cp in (2, 4):
+        run_train(root / f"cp{cp}", *CP_OPTIONS, f"parallel.context_parallel_size={cp}", nproc=cp, preset=PRESET)
+    return {**runs, "cp-dp1": root / "cp-dp1", "cp2": root / "cp2", "cp4": root / "cp4"}
 
 
-@pytest.mark.parametrize("layout", ["tp2-pp2", "cp2"])
+@pytest.mark.parametrize("layout", ["tp2-pp2", "cp2", "cp4"])
 def test_layout_trains_like_one_process(runs, layout):
+    runs = {layout: runs[layout], "dp1": runs["cp-dp1" if layout.startswith("cp") else "dp1"]}
     assert_layout_trains_like_one_process(runs, layout, REL, tensors=LINEAR_ATTENTION, elsewhere=(*DECAYS, OUT_NORM))
     norm_moments = {key: value for key, value in checkpoint_differences(runs[layout], runs["dp1"]).items()
                     if key.startswith("optimizer.state.exp_avg") and OUT_NORM in key}
