@@ -146,15 +146,17 @@ class Reference:
 def hub_named(path: Path, to_hub_style: Callable[[dict], dict]) -> None:
     """The folder's tensors under the Hub's names, as a published folder holds them: transformers writes a model
     it built (not loaded) under names of its own for some classes (LLaVA-OneVision-1.5's ``model.model.*``)."""
+    from safetensors import safe_open
     from safetensors.torch import load_file, save_file
 
     names = {}
     for shard in sorted(path.glob("*.safetensors")):
-        tensors = load_file(shard)
-        renamed = {next(iter(to_hub_style({key: tensor}))): tensor for key, tensor in tensors.items()}
-        if renamed.keys() != tensors.keys():
-            names.update(zip(tensors, renamed))
-            save_file(renamed, shard, metadata={"format": "pt"})
+        with safe_open(shard, framework="pt") as opened:  # the names alone: most folders need no renaming
+            keys = list(opened.keys())
+        hub = {key: next(iter(to_hub_style({key: None}))) for key in keys}
+        if any(key != name for key, name in hub.items()):
+            names.update(hub)
+            save_file({hub[key]: tensor for key, tensor in load_file(shard).items()}, shard, metadata={"format": "pt"})
     index = path / "model.safetensors.index.json"
     if names and index.is_file():
         content = json.loads(index.read_text())
