@@ -333,6 +333,24 @@ def layout_runs(root: Path, preset: str, *options: str,
     return {name: root / name for name, _, _ in LAYOUT_LAUNCHES if name in layouts}
 
 
+def assert_state_alike(run: Path, reference: Path, bound: float, label: str, moment_pieces: tuple[str, ...]) -> None:
+    """Adam's moments and the weights of ``run``'s final checkpoint within ``bound`` (relative) of ``reference``'s, each
+    of ``moment_pieces`` (name pieces) among the moments compared; prints the worst of each, and of the losses and
+    grad norms."""
+    differences = checkpoint_differences(run, reference)
+    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
+    for piece in moment_pieces:
+        assert any(piece in k for k in moments), (piece, sorted(moments)[:5])
+    worst = max(moments, key=moments.get)
+    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
+    worst_weight = max(weights, key=weights.get)
+    print(f"\n{label} vs one process: losses {worst_relative(losses(run), losses(reference)):.1e}, grad norms "
+          f"{worst_relative(grad_norms(run), grad_norms(reference)):.1e}, moments {moments[worst]:.1e} ({worst}), "
+          f"weights {weights[worst_weight]:.1e} (worst relative difference)")
+    assert moments[worst] <= bound, (worst, moments[worst])
+    assert weights[worst_weight] <= bound, (worst_weight, weights[worst_weight])
+
+
 def assert_layout_trains_like_one_process(runs: dict[str, Path], layout: str, relative: float,
                                           tensors: tuple[str, ...] = (), elsewhere: tuple[str, ...] = ()) -> None:
     """Losses, grad norms and Adam's moments of ``runs[layout]`` within ``relative`` of one process's, the
