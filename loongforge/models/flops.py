@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from typing import Callable, Sequence
 
 from loongforge.balance.cost_model import SampleCost
-from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig
+from loongforge.config.schema import LanguageConfig, ModelConfig, TrainingConfig, VisionConfig
 from loongforge.models.decoder.layer_costs import (
     FULL_ATTENTION,
     attention_flops,
@@ -292,6 +292,16 @@ def patch_tower_flops(grids: Sequence[Grid], options: FlopOptions, *, in_channel
     embedding = patch_embedding_flops(grids, in_channels=in_channels, temporal_patch_size=temporal_patch_size,
                                       patch_size=patch_size, width=width, options=options)
     return embedding + vision_block_passes(options) * blocks_forward
+
+
+def plain_frame_tower_flops(vis: VisionConfig, grids: Sequence[Grid], options: FlopOptions) -> int:
+    """A patch tower of ``vis.depth`` blocks with a plain (ungated) MLP, each frame one attention segment,
+    one frame a temporal patch (SigLIP, ERNIE's ViT): ``patch_tower_flops`` of its blocks."""
+    patches = sum(t * h * w for t, h, w in grids)
+    blocks = vis.depth * (vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=False)
+                          + frame_attention_flops(grids, vis.hidden_size))
+    return patch_tower_flops(grids, options, in_channels=vis.in_channels, temporal_patch_size=1,
+                             patch_size=vis.patch_size, width=vis.hidden_size, blocks_forward=blocks)
 
 
 def patch_merger_flops(grids: Sequence[Grid], options: FlopOptions, *, merge: int, width: int,

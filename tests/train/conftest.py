@@ -33,6 +33,7 @@ from loongforge.cli.app import app
 from loongforge.models.registry import get_family
 from loongforge.train.metrics import drop_metrics_after, read_metrics
 from tests.console import assert_no_third_party_warning
+from tests.shared_data import SHARED_DATA
 from tests.forked_cli import run_cli
 from tests.models.helpers import free_port, limit_threads, run_workers
 from tests.train import plan_recorder
@@ -56,6 +57,12 @@ SMALL_MODEL = [
     "checkpoint.save_at_end=false",  # 4 of 5 runs never read one; those that do add SAVE_AT_END
 ]
 SAVE_AT_END = "checkpoint.save_at_end=true"
+
+# Small videos: 4 frames in a 12544-pixel clip budget (2 temporal patches of 2 tokens each).
+SMALL_VIDEOS = ("data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544")
+# LLaMA-Factory's demo conversations: photos, then videos.
+DEMO = SHARED_DATA / "llamafactory"
+DEMO_MEDIA_FILES = ("data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]")
 
 RUN_TIMEOUT_S = 420
 

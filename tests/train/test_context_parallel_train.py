@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
+    DEMO_MEDIA_FILES,
     SAVE_AT_END,
+    SMALL_VIDEOS,
     assert_close_relative,
     assert_trains_alike,
     grad_norms,
@@ -30,10 +31,8 @@ LOSS_REL, NORM_REL, CHECKPOINT_REL = 3e-7, 1e-6, 6e-5
 # 2 steps (the second after an update; both hold images and videos), resumed from step 1.
 STEPS = 2
 RESUME_STEP = 1
-DEMO = SHARED_DATA / "llamafactory"
 ON_DEMO_MEDIA = (
-    "data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]",
-    "data.seq_len=512", "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    *DEMO_MEDIA_FILES, "data.seq_len=512", *SMALL_VIDEOS,
     "data.sample_multiple=4", f"training.train_steps={STEPS}", "checkpoint.save_interval=1", SAVE_AT_END,
 )
 CP2 = "parallel.context_parallel_size=2"

@@ -27,6 +27,7 @@ from tests.train.conftest import (
     PRESET,
     SAVE_AT_END,
     SMALL_MODEL,
+    SMALL_VIDEOS,
     assert_trains_alike,
     checkpoint_differences,
     final_checkpoint,
@@ -44,8 +45,7 @@ STEPS = 2
 RESUME_STEP = 1
 MIX = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
 # seq_len 128: about one sample per row, so some micro-batches hold no image or video at all.
-DATA = ("data.source=files", f"data.paths=[{MIX}]", "data.seq_len=128", "data.video_max_frames=4",
-        "data.video_min_pixels=3136", "data.video_max_pixels=12544")
+DATA = ("data.source=files", f"data.paths=[{MIX}]", "data.seq_len=128", *SMALL_VIDEOS)
 LAYOUT = ("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
           "parallel.vision_tensor_model_parallel_size=1", f"training.train_steps={STEPS}",
           "checkpoint.save_interval=1", SAVE_AT_END)

@@ -14,9 +14,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
+    DEMO_MEDIA_FILES,
     SAVE_AT_END,
+    SMALL_VIDEOS,
     assert_trains_alike,
     checkpoint_differences,
     grad_norms,
@@ -29,14 +30,11 @@ RELATIVE = 1e-5
 # 2 steps (the second after an update; both hold images and videos), resumed from step 1.
 STEPS = 2
 RESUME_STEP = 1
-DEMO = SHARED_DATA / "llamafactory"
 # Threshold 0: every step is re-planned and samples move between the two DP ranks.
 # seq_len 512: rows of five to seven samples, images and videos among them (at 256 the language
 # qkv bias, which starts at 0, ends 8.8e-5 apart against the 1e-4 bound; at 512, 6.6e-5).
 TP2_DP2_ON_DEMO_MEDIA = (
-    "data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]",
-    "data.seq_len=512", "data.video_max_frames=4", "data.video_min_pixels=3136",
-    "data.video_max_pixels=12544", f"training.train_steps={STEPS}",
+    *DEMO_MEDIA_FILES, "data.seq_len=512", *SMALL_VIDEOS, f"training.train_steps={STEPS}",
     "parallel.tensor_model_parallel_size=2", "parallel.vision_tensor_model_parallel_size=1",
     "balance.enabled=true", "balance.threshold=0", "checkpoint.save_interval=1", SAVE_AT_END,
 )

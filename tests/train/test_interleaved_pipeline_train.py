@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
-from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
+    DEMO_MEDIA_FILES,
     SAVE_AT_END,
+    SMALL_VIDEOS,
     assert_close_relative,
     assert_trains_alike,
     grad_norms,
@@ -32,11 +33,9 @@ LOSS_REL, NORM_REL, CHECKPOINT_REL = 2e-7, 1.5e-7, 4e-6
 # 2 steps (the second after an update; both hold images and videos), resumed from step 1.
 STEPS = 2
 RESUME_STEP = 1
-DEMO = SHARED_DATA / "llamafactory"
 # 8 language layers (PP 4 x VP 2 gives each stage one), 8 micro-batches a step.
 ON_DEMO_MEDIA = (
-    "data.source=files", f"data.paths=[{DEMO / 'mllm_demo.json'},{DEMO / 'mllm_video_demo.json'}]",
-    "data.seq_len=512", "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    *DEMO_MEDIA_FILES, "data.seq_len=512", *SMALL_VIDEOS,
     "model.language.num_layers=8", "training.global_batch_size=8",
     f"training.train_steps={STEPS}", "checkpoint.save_interval=1", SAVE_AT_END,
 )

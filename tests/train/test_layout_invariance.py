@@ -47,6 +47,7 @@ from loongforge.data.conversations import read_json_array
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import (
     SAVE_AT_END,
+    SMALL_VIDEOS,
     assert_quiet_stderr,
     checkpoint_differences,
     final_checkpoint,
@@ -65,7 +66,7 @@ REL = 1e-5
 
 INVARIANCE_MODEL = (
     "data.source=files", f"data.paths=[{MIX}]", "data.read=global",
-    "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    *SMALL_VIDEOS,
     "model.language.num_attention_heads=8", "model.language.num_query_groups=4",
     "model.language.mrope_section=[2,3,3]",
     "training.train_steps=2",

@@ -9,13 +9,13 @@ import math
 
 from loongforge.data.conversations import read_json_array
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import losses, run_recorded
+from tests.train.conftest import SMALL_VIDEOS, losses, run_recorded
 
 MIX = SHARED_DATA / "loongforge" / "vlm" / "mix.json"
 # Small videos (4 frames in a 12544-pixel clip budget: 2 temporal patches of 2 tokens each).
 VIDEO_RUN = (
     "data.source=files", f"data.paths=[{MIX}]", "data.read=global",
-    "data.video_max_frames=4", "data.video_min_pixels=3136", "data.video_max_pixels=12544",
+    *SMALL_VIDEOS,
     "training.train_steps=2", "checkpoint.save_at_end=false",
 )
 

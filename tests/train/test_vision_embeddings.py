@@ -25,6 +25,7 @@ from loongforge.train.vision_embeddings import _check_processor, frozen_encoder_
 from tests.train.conftest import (
     PRESET,
     SAVE_AT_END,
+    SMALL_VIDEOS,
     assert_close_relative,
     assert_quiet_stderr,
     grad_norms,
@@ -38,8 +39,7 @@ DEMO = SHARED_DATA / "llamafactory"
 FILES = (DEMO / "mllm_demo.json", DEMO / "mllm_video_demo.json")
 # What encode and train must agree on (conftest's SMALL_MODEL sets data.max_pixels=12544).
 # seq_len 256: rows of two or three samples.
-MEDIA = ("data.seq_len=256", "data.max_pixels=12544", "data.video_max_frames=4", "data.video_min_pixels=3136",
-         "data.video_max_pixels=12544")
+MEDIA = ("data.seq_len=256", "data.max_pixels=12544", *SMALL_VIDEOS)
 RUN = ("data.source=files", f"data.paths=[{FILES[0]},{FILES[1]}]", *MEDIA, f"training.train_steps={STEPS}",
        "training.global_batch_size=2")
 FROZEN = ("training.freeze_vision=true", "training.freeze_projector=true")

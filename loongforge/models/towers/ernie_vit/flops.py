@@ -14,13 +14,9 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import (
     FlopOptions,
     Grid,
-    attention_flops,
-    frame_lengths,
     linear_flops,
-    patch_embedding_flops,
+    plain_frame_tower_flops,
     projector_passes,
-    vision_block_linear_flops,
-    vision_block_passes,
     vision_block_saved_values,
 )
 
@@ -34,14 +30,11 @@ def saved_values(model_cfg: ModelConfig, tp: int) -> float:
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
     """(vision, resampler) FLOPs of the micro-batch's images and videos ``grids``: ``flops.EncoderFlops``."""
     vis, merge, out = model_cfg.vision, model_cfg.projector.spatial_merge_size, model_cfg.projector.out_hidden_size
+    vision = plain_frame_tower_flops(vis, grids, options)
     patches = sum(t * h * w for t, h, w in grids)
-    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=1,
-                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
-    blocks = vis.depth * (vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=False)
-                          + attention_flops(frame_lengths(grids), vis.hidden_size))
     width = vis.hidden_size * merge**2
     units = patches // merge**2
     tokens = sum(h * w // merge**2 * (1 if t == 1 else t // 2) for t, h, w in grids)
     resampler = (2 * linear_flops(units, width, width) + linear_flops(tokens, 2 * width, width)
                  + linear_flops(tokens, width, width) + linear_flops(tokens, width, out))
-    return embedding + vision_block_passes(options) * blocks, projector_passes(options) * resampler
+    return vision, projector_passes(options) * resampler

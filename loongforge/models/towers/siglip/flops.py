@@ -14,13 +14,9 @@ from loongforge.config.schema import ModelConfig
 from loongforge.models.flops import (
     FlopOptions,
     Grid,
-    attention_flops,
-    frame_lengths,
     linear_flops,
-    patch_embedding_flops,
+    plain_frame_tower_flops,
     projector_passes,
-    vision_block_linear_flops,
-    vision_block_passes,
     vision_block_saved_values,
 )
 
@@ -34,10 +30,7 @@ def saved_values(model_cfg: ModelConfig, tp: int) -> float:
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:
     """(vision, projector) FLOPs of the micro-batch's images ``grids``: ``flops.EncoderFlops``."""
     vis, out = model_cfg.vision, model_cfg.projector.out_hidden_size
+    vision = plain_frame_tower_flops(vis, grids, options)
     patches = sum(t * h * w for t, h, w in grids)
-    embedding = patch_embedding_flops(grids, in_channels=vis.in_channels, temporal_patch_size=1,
-                                      patch_size=vis.patch_size, width=vis.hidden_size, options=options)
-    blocks = vis.depth * (vision_block_linear_flops(patches, vis.hidden_size, vis.intermediate_size, gated=False)
-                          + attention_flops(frame_lengths(grids), vis.hidden_size))
     projector = linear_flops(patches, vis.hidden_size, out) + linear_flops(patches, out, out)
-    return embedding + vision_block_passes(options) * blocks, projector_passes(options) * projector
+    return vision, projector_passes(options) * projector
