@@ -20,7 +20,7 @@ import re
 import shutil
 import subprocess
 import sys
-from typing import Sequence
+from typing import Mapping, Sequence
 from pathlib import Path
 
 import pytest
@@ -331,13 +331,26 @@ LAYOUT_LAUNCHES = (("dp1", (), 1), ("dp2", ("balance.enabled=true", "balance.thr
 FAMILY_LAYOUTS = ("dp1", "tp2-pp2")
 
 
+def launch_runs(root: Path, preset: str, *options: str,
+                launches: Mapping[str, tuple[tuple[str, ...], int]]) -> dict[str, Path]:
+    """``preset`` trained with ``options`` once per launch (name: its own options, its process count), each
+    run in ``root / name``; the runs by name."""
+    for name, (extra, nproc) in launches.items():
+        run_train(root / name, *options, *extra, nproc=nproc, preset=preset)
+    return {name: root / name for name in launches}
+
+
 def layout_runs(root: Path, preset: str, *options: str,
                 layouts: tuple[str, ...] = tuple(name for name, _, _ in LAYOUT_LAUNCHES)) -> dict[str, Path]:
     """The ``LAYOUT_LAUNCHES`` named in ``layouts`` of ``preset`` with ``options``, by name."""
-    for name, extra, nproc in LAYOUT_LAUNCHES:
-        if name in layouts:
-            run_train(root / name, *options, *extra, nproc=nproc, preset=preset)
-    return {name: root / name for name, _, _ in LAYOUT_LAUNCHES if name in layouts}
+    launches = {name: (extra, nproc) for name, extra, nproc in LAYOUT_LAUNCHES if name in layouts}
+    return launch_runs(root, preset, *options, launches=launches)
+
+
+def expert_bias(run: Path, suffix: str = "mlp.router.expert_bias") -> dict[str, list[float]]:
+    """The routers' expert biases (sigmoid routing's load-balancing bias) in ``run``'s final checkpoint, by key."""
+    reader = McoreReader(final_checkpoint(run) / "model_optim")
+    return {key: reader.read(key).tolist() for key in reader.tensors if key.endswith(suffix)}
 
 
 def assert_state_alike(run: Path, reference: Path, bound: float, label: str, moment_pieces: tuple[str, ...]) -> None:

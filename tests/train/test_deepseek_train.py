@@ -15,15 +15,16 @@ from pathlib import Path
 
 import pytest
 
-from loongforge.convert.mcore_io import McoreReader
 from tests.train.conftest import (
     SAVE_AT_END,
     assert_close_relative,
     assert_state_alike,
     checkpoint_differences,
+    expert_bias,
     final_checkpoint,
     grad_norms,
     hf_tensors,
+    launch_runs,
     losses,
     resume_from_copy,
     run_train,
@@ -51,19 +52,11 @@ BIAS = "mlp.router.expert_bias"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("deepseek")
-    for name, (extra, nproc) in LAYOUTS.items():
-        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    return {name: root / name for name in LAYOUTS}
-
-
-def _expert_bias(run: Path) -> dict[str, list[float]]:
-    reader = McoreReader(final_checkpoint(run) / "model_optim")
-    return {key: reader.read(key).tolist() for key in reader.tensors if key.endswith(BIAS)}
+    return launch_runs(tmp_path_factory.mktemp("deepseek"), PRESET, *OPTIONS, launches=LAYOUTS)
 
 
 def test_the_expert_bias_evolves_and_is_saved(runs):
-    bias = _expert_bias(runs["ep1"])
+    bias = expert_bias(runs["ep1"])
     assert len(bias) == 1, sorted(bias)  # one sparse layer
     (values,) = bias.values()
     # 2 steps at rate 1e-3: each expert's bias a sum of two +-1e-3 moves (or none on an exactly mean load).
@@ -83,7 +76,7 @@ def _assert_trains_like(run: Path, reference: Path, layout: str) -> None:
     assert_close_relative(grad_norms(run), grad_norms(reference), REL)
     for key in ("expert_tokens_min", "expert_tokens_max"):
         assert step_metric(run, key) == step_metric(reference, key), key
-    assert _expert_bias(run) == _expert_bias(reference)
+    assert expert_bias(run) == expert_bias(reference)
     assert_state_alike(run, reference, STATE_REL, layout, (".self_attention.linear_kv_up_proj.",))
 
 
@@ -123,7 +116,7 @@ def test_mtp_loss_is_logged_and_pp2_trains_like_one_process(mtp_runs, runs):
     _assert_trains_like(run, reference, "pp2 (MTP)")
     assert_close_relative([v[0] for v in step_metric(run, "mtp_loss")], [v[0] for v in mtp], REL)
     # The MTP layer's router counts real tokens only at every layout (PP pads rows to the full sequence).
-    assert len(_expert_bias(run)) == 2
+    assert len(expert_bias(run)) == 2
     print(f"MTP loss per step {[round(v[0], 4) for v in mtp]}; pp2 vs pp1: losses "
           f"{worst_relative(losses(run), losses(reference)):.1e}")
 

@@ -12,17 +12,16 @@ from pathlib import Path
 
 import pytest
 
-from loongforge.convert.mcore_io import McoreReader
 from tests.train.conftest import (
     SAVE_AT_END,
     assert_close_relative,
     assert_state_alike,
     checkpoint_differences,
-    final_checkpoint,
+    expert_bias,
     grad_norms,
+    launch_runs,
     losses,
     resume_from_copy,
-    run_train,
     step_metric,
 )
 
@@ -42,15 +41,7 @@ BIAS = "mlp.router.expert_bias"
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("minimax-m2")
-    for name, (extra, nproc) in LAYOUTS.items():
-        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    return {name: root / name for name in LAYOUTS}
-
-
-def _expert_bias(run: Path) -> dict[str, list[float]]:
-    reader = McoreReader(final_checkpoint(run) / "model_optim")
-    return {key: reader.read(key).tolist() for key in reader.tensors if key.endswith(BIAS)}
+    return launch_runs(tmp_path_factory.mktemp("minimax-m2"), PRESET, *OPTIONS, launches=LAYOUTS)
 
 
 def test_tp2_pp2_trains_like_one_process(runs):
@@ -60,10 +51,10 @@ def test_tp2_pp2_trains_like_one_process(runs):
     assert_close_relative(grad_norms(run), grad_norms(reference), REL)
     for key in ("expert_tokens_min", "expert_tokens_max"):
         assert step_metric(run, key) == step_metric(reference, key), key
-    bias = _expert_bias(reference)
+    bias = expert_bias(reference)
     (layers,) = bias.values()  # megatron stacks the two layers' biases
     assert len(layers) == 2 and all(any(values) for values in layers)
-    assert _expert_bias(run) == bias
+    assert expert_bias(run) == bias
     assert_state_alike(run, reference, STATE_REL, "tp2-pp2", (".q_layernorm.", ".k_layernorm."))
 
 
