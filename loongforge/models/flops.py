@@ -261,6 +261,13 @@ def vision_block_saved_values(width: int, intermediate: int, tp: int, *, gated: 
     return 4 * width + (4 * width + (3 if gated else 2) * intermediate) / tp
 
 
+def plain_block_saved_values(model_cfg: ModelConfig, tp: int) -> float:
+    """``vision_block_saved_values`` of a tower whose blocks have a plain (ungated) MLP at ``model.vision``'s
+    widths, whatever its activation (SigLIP's tanh-GELU, RICE-ViT's GELU, ERNIE's quick-GELU)."""
+    vis = model_cfg.vision
+    return vision_block_saved_values(vis.hidden_size, vis.intermediate_size, tp, gated=False)
+
+
 def vision_block_linear_flops(patches: int, width: int, intermediate: int, *, gated: bool) -> int:
     """One vision block's matmuls but attention: QKV (``w -> 3w``), output projection, and the MLP
     (gated: gate and up ``w -> intermediate``, down; plain: up and down)."""

@@ -5,13 +5,14 @@ shape rows (two vectors of the language model's width) are its own."""
 from __future__ import annotations
 
 from loongforge.config.schema import ModelConfig
+from loongforge.models.flops import plain_block_saved_values
 from loongforge.models.towers.siglip import flops, params
 
 # (model_cfg, grids, options) -> (vision, projector) FLOPs: the patch embedding, ``depth`` plain blocks
 # attending within each image, then the two projector linears on every patch.
 encoder_flops = flops.encoder_flops
 # (model_cfg, vision TP) -> values a block saves per patch: SigLIP-like blocks with a plain MLP.
-saved_values = flops.saved_values
+saved_values = plain_block_saved_values
 
 
 def problems(model_cfg: ModelConfig) -> list[str]:

@@ -11,6 +11,7 @@ hf_mapping.py   HF weight rows (a family adds the language model's)
 """
 
 from loongforge.models.family import LazyFunction
+from loongforge.models.flops import plain_block_saved_values
 from loongforge.models.parts import TowerPart
 from loongforge.models.qwen_vl.smart_resize import smart_resize_images
 from loongforge.models.towers.ernie_vit import checks, flops, params
@@ -18,4 +19,4 @@ from loongforge.models.towers.ernie_vit import checks, flops, params
 PART = TowerPart("ernie_vit", ("resampler",), f"{__name__}.encoder:ErnieVisionEncoder", flops.encoder_flops,
                  params.encoder_parameters, smart_resize_images,
                  hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
-                 saved_values=flops.saved_values, config_problems=checks.problems)
+                 saved_values=plain_block_saved_values, config_problems=checks.problems)

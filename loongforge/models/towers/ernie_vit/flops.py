@@ -17,14 +17,7 @@ from loongforge.models.flops import (
     linear_flops,
     plain_frame_tower_flops,
     projector_passes,
-    vision_block_saved_values,
 )
-
-
-def saved_values(model_cfg: ModelConfig, tp: int) -> float:
-    """Values a block saves per patch (``TowerPart.saved_values``): a plain quick-GELU MLP."""
-    vis = model_cfg.vision
-    return vision_block_saved_values(vis.hidden_size, vis.intermediate_size, tp, gated=False)
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

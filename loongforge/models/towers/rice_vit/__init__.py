@@ -13,6 +13,7 @@ processor.py    its image processing: Qwen2-VL's smart resize, one frame a tempo
 """
 
 from loongforge.models.family import LazyFunction
+from loongforge.models.flops import plain_block_saved_values
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.rice_vit import checks, flops, params
 from loongforge.models.towers.rice_vit.processor import rice_images
@@ -20,4 +21,4 @@ from loongforge.models.towers.rice_vit.processor import rice_images
 PART = TowerPart("rice_vit", ("patch_merger",), f"{__name__}.encoder:RiceViTEncoder", flops.encoder_flops,
                  params.encoder_parameters, rice_images,
                  hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
-                 saved_values=flops.saved_values, config_problems=checks.problems, takes_videos=True)
+                 saved_values=plain_block_saved_values, config_problems=checks.problems, takes_videos=True)

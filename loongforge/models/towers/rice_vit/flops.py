@@ -18,7 +18,6 @@ from loongforge.models.flops import (
     patch_merger_flops,
     patch_tower_flops,
     vision_block_linear_flops,
-    vision_block_saved_values,
 )
 
 
@@ -28,12 +27,6 @@ def blocks_forward_flops(model_cfg: ModelConfig, grids: Sequence[Grid]) -> int:
     frames = [length + 1 for length in frame_lengths(grids)]
     linears = vision_block_linear_flops(sum(frames), vis.hidden_size, vis.intermediate_size, gated=False)
     return vis.depth * (linears + attention_flops(frames, vis.hidden_size))
-
-
-def saved_values(model_cfg: ModelConfig, tp: int) -> float:
-    """Values a block saves per patch (``TowerPart.saved_values``): a plain GELU MLP."""
-    vis = model_cfg.vision
-    return vision_block_saved_values(vis.hidden_size, vis.intermediate_size, tp, gated=False)
 
 
 def encoder_flops(model_cfg: ModelConfig, grids: Sequence[Grid], options: FlopOptions) -> tuple[int, int]:

@@ -12,6 +12,7 @@ hf_mapping.py   HF weight rows (a family adds the language model's)
 """
 
 from loongforge.models.family import LazyFunction
+from loongforge.models.flops import plain_block_saved_values
 from loongforge.models.parts import TowerPart
 from loongforge.models.towers.siglip import checks, flops, params
 from loongforge.models.towers.siglip.processor import square_images
@@ -19,4 +20,4 @@ from loongforge.models.towers.siglip.processor import square_images
 PART = TowerPart("siglip", ("mlp",), f"{__name__}.encoder:SiglipEncoder", flops.encoder_flops,
                  params.encoder_parameters, square_images,
                  hf_rules=LazyFunction(f"{__name__}.hf_mapping:tower_rules"),
-                 saved_values=flops.saved_values, config_problems=checks.problems)
+                 saved_values=plain_block_saved_values, config_problems=checks.problems)
