@@ -179,15 +179,15 @@ class ModelConfig:
     # A text-only model's chat format by name (chatml, qwen3, llama3, deepseek_v3, llama2); null: the format of
     # its architecture's instruct models. A model trained from scratch with another family's tokenizer
     # (deepseek-v3-tiny with Qwen's) takes that tokenizer's format. A family whose versions share one
-    # architecture but not one template names the version's (qwen3.6, qwen3.8[-medium|-low]); each family
-    # refuses the names that are not its own.
+    # architecture but not one template names the version's (qwen3.5[-nothink], qwen3.6,
+    # qwen3.8[-medium|-low]); each family refuses the names that are not its own.
     chat_format: Optional[str] = None
 
 
 # model.chat_format's names: the text family's (models.llm.chat), then the template versions of one
 # vision-language architecture (a family's own chat module).
-CHAT_FORMATS = ("chatml", "qwen3", "llama3", "deepseek_v3", "llama2", "qwen3.6", "qwen3.8", "qwen3.8-medium",
-                "qwen3.8-low")
+CHAT_FORMATS = ("chatml", "qwen3", "llama3", "deepseek_v3", "llama2", "qwen3.5", "qwen3.5-nothink", "qwen3.6",
+                "qwen3.8", "qwen3.8-medium", "qwen3.8-low")
 
 
 @dataclass

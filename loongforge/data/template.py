@@ -83,9 +83,10 @@ def render_chat(turns: list[Turn], system_prompt: str | None, chat: ChatFormat) 
         previous = turn.role
         start = length
         if chat.thinking and turn.role == "assistant":
-            text = with_reasoning_block(text, keep=chat.reasoning_turns == "all" or index > last_user,
-                                        even_empty=chat.reasoning_turns != "last" or index == len(turns) - 1,
-                                        trim=chat.strips_turns)
+            mode = chat.reasoning_turns
+            even_empty = mode in ("after_last_user", "all") or (mode == "last" and index == len(turns) - 1)
+            text = with_reasoning_block(text, keep=mode == "all" or index > last_user, even_empty=even_empty,
+                                        trim=chat.strips_turns, strip_answer=mode == "some_after_last_user")
         emit(turn_content(text, chat, images) + chat.end(turn.role))
         if turn.role == "assistant":
             spans.append((start, length))
@@ -102,14 +103,17 @@ def system_text(text: str, chat: ChatFormat) -> str:
     return f"{chat.system_preamble}\n\n{text}" if text else chat.system_preamble
 
 
-def with_reasoning_block(text: str, *, keep: bool, even_empty: bool, trim: bool = False) -> str:
+def with_reasoning_block(text: str, *, keep: bool, even_empty: bool, trim: bool = False,
+                         strip_answer: bool = False) -> str:
     """An assistant turn as a thinking template writes it: reasoning (``<think>...</think>`` in the data,
     possibly without the opening tag) split from the answer, then either written back in a normalised
     block (``keep``, and the data has reasoning or ``even_empty``) or dropped. ``trim``: the reasoning is
-    stripped of all surrounding whitespace (the template's ``trim``), not only of newlines."""
+    stripped of all surrounding whitespace (the template's ``trim``), not only of newlines. ``strip_answer``:
+    an answer split from its reasoning loses its trailing newlines too (MiniMax-M2's ``strip('\\n')``)."""
     reasoning, answer = "", text
     if THINK_CLOSE in text:
-        before, answer = text.split(THINK_CLOSE, 1)[0], text.split(THINK_CLOSE)[-1].lstrip("\n")
+        before, answer = text.split(THINK_CLOSE, 1)[0], text.split(THINK_CLOSE)[-1]
+        answer = answer.strip("\n") if strip_answer else answer.lstrip("\n")
         reasoning = before.rstrip("\n").split(THINK_OPEN)[-1].lstrip("\n")
     if keep and (even_empty or reasoning):
         reasoning, answer = (reasoning.strip() if trim else reasoning.strip("\n")), answer.lstrip("\n")

@@ -69,7 +69,7 @@ ANY_TOWER = "*"
 # Qwen3's reasoning tags (``ChatFormat.thinking``); one token each in its tokenizer.
 THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
 # ``ChatFormat.reasoning_turns``: which assistant turns a thinking format writes its reasoning block in.
-REASONING_TURNS = ("last", "after_last_user", "all")
+REASONING_TURNS = ("last", "after_last_user", "all", "some_after_last_user")
 
 
 @dataclass(frozen=True)
@@ -105,7 +105,9 @@ class ChatFormat:
     thinking: bool = False
     # Which assistant turns of a thinking format write the block (``REASONING_TURNS``): "last" as above
     # (Qwen3); "after_last_user": every one after the last user turn, empty or not (Qwen3.5 / 3.6);
-    # "all": every one (Qwen3.8, whose template preserves the reasoning of earlier turns by default).
+    # "all": every one (Qwen3.8, whose template preserves the reasoning of earlier turns by default);
+    # "some_after_last_user": those after the last user turn that have reasoning, none written empty, an answer
+    # split from its reasoning stripped of newlines at both ends (MiniMax-M2).
     reasoning_turns: str = "last"
     # Written at the head of the system turn, before the system text after a blank line, in a system
     # turn of its own where the conversation has none (Qwen3.8's reasoning-effort sentence). Set (even to "":

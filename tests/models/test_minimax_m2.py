@@ -30,38 +30,216 @@ PUBLISHED_CONFIG = {
     "use_qk_norm": True, "use_routing_bias": True, "vocab_size": 200064, "torch_dtype": "bfloat16",
 }
 
-# The published chat template's text path (no tools): ]~!b[ and a system turn always (the model's identity where the
+# MiniMaxAI/MiniMax-M2's chat_template.jinja as llama.cpp keeps it (ggml-org/llama.cpp,
+# models/templates/unsloth-MiniMax-M2.jinja, Unsloth's copy): ]~!b[ and a system turn always (model_identity where the
 # conversation has none), ]~b]user / ]~b]ai turns each ended by [e~[ and a newline, an answer's reasoning kept (in a
-# think block) only after the last user turn, the generation prompt opening the assistant's thinking.
-PUBLISHED_TEMPLATE = (
-    "{%- set system_message = none -%}{%- set conversation_messages = messages -%}"
-    "{%- if messages and messages[0].role == 'system' -%}{%- set system_message = messages[0] -%}"
-    "{%- set conversation_messages = messages[1:] -%}{%- endif -%}"
-    "{%- set ns = namespace(last_user_index=-1) -%}"
-    "{%- for m in conversation_messages -%}{%- if m.role == 'user' -%}{%- set ns.last_user_index = loop.index0 -%}"
-    "{%- endif -%}{%- endfor -%}"
-    "{{- ']~!b[' ~ ']~b]system' ~ '\\n' }}"
-    "{%- if system_message and system_message.content -%}{{- system_message.content }}"
-    "{%- else -%}{{- 'You are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax.' }}{%- endif -%}"
-    "{{- '[e~[\\n' }}"
-    "{%- for message in conversation_messages -%}"
-    "{%- if message.role == 'assistant' -%}{{- ']~b]ai' ~ '\\n' }}"
-    "{%- set reasoning_content = '' -%}{%- set content = message.content -%}"
-    "{%- if '</think>' in content -%}"
-    "{%- set reasoning_content = content.split('</think>')[0].strip('\\n').split('<think>')[-1].strip('\\n') -%}"
-    "{%- set content = content.split('</think>')[-1].strip('\\n') -%}{%- endif -%}"
-    "{%- if reasoning_content and loop.index0 > ns.last_user_index -%}"
-    "{{- '<think>' ~ '\\n' ~ reasoning_content ~ '\\n' ~ '</think>' ~ '\\n\\n' }}{%- endif -%}"
-    "{%- if content -%}{{- content }}{%- endif -%}{{- '[e~[' ~ '\\n' }}"
-    "{%- elif message.role == 'user' -%}{{- ']~b]user' ~ '\\n' }}{{- message.content }}{{- '[e~[' ~ '\\n' }}"
-    "{%- endif -%}{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- ']~b]ai' ~ '\\n' ~ '<think>' ~ '\\n' }}{%- endif -%}"
+# think block) only after the last user turn and only where there is some, the generation prompt opening the
+# assistant's thinking.
+LLAMA_CPP_TEMPLATE = r"""{# Unsloth & community template fixes #}
+{# ----------‑‑‑ special token variables ‑‑‑---------- #}
+{%- set toolcall_begin_token   = '<minimax:tool_call>'         -%}
+{%- set toolcall_end_token     = '</minimax:tool_call>'        -%}
+{#- Tool Rendering Functions ============================================== -#}
+{%- macro render_tool_namespace(namespace_name, tool_list) -%}
+{%- for tool in tool_list -%}
+<tool>{{ tool.function | tojson | string }}</tool>
+{% endfor -%}
+{%- endmacro -%}
+{%- macro visible_text(content) -%}
+    {%- if content is string -%}
+        {{ content }}
+    {%- elif content is iterable and content is not mapping -%}
+        {%- for item in content -%}
+            {%- if item is mapping and item.type == 'text' -%}
+                {{- item.text }}
+            {%- elif item is string -%}
+                {{- item }}
+            {%- endif -%}
+        {%- endfor -%}
+    {%- else -%}
+        {{- content }}
+    {%- endif -%}
+{%- endmacro -%}
+{#- System Message Construction ============================================ -#}
+{%- macro build_system_message(system_message) -%}
+    {%- if system_message and system_message.content -%}
+        {{- visible_text(system_message.content) }}
+    {%- else -%}
+        {%- if model_identity is not defined -%}
+            {%- set model_identity = "You are a helpful assistant." -%}
+        {%- endif -%}
+        {{- model_identity }}
+    {%- endif -%}
+    
+    {#- Handle current_date -#}
+    {%- if system_message and system_message.current_date -%}
+        {{- '\n' ~ 'Current date: ' + system_message.current_date }}
+    {%- endif -%}
+    {#- Handle current_location -#}
+    {%- if system_message and system_message.current_location -%}
+        {{- '\n' ~ 'Current location: ' + system_message.current_location }}
+    {%- endif -%}
+{%- endmacro -%}
+{#- Main Template Logic ================================================= -#}
+{#- Extract system message (only first message if it's system) -#}
+{%- set system_message = none -%}
+{%- set conversation_messages = messages -%}
+{%- if messages and messages[0].role == "system" -%}
+    {%- set system_message = messages[0] -%}
+    {%- set conversation_messages = messages[1:] -%}
+{%- endif -%}
+{#- Get the last user message turn, for interleved thinking -#}
+{%- set ns = namespace(last_user_index=-1) %}
+{% for m in conversation_messages %}
+    {%- if m.role == 'user' %}
+        {% set ns.last_user_index = loop.index0 -%}
+    {%- endif %}
+{%- endfor %}
+{#- Render system message -#}
+{{- ']~!b[' ~ ']~b]system' ~ '\n' }}
+{{- build_system_message(system_message) }}
+{#- Render tools if available -#}
+{%- if tools -%}
+    {{- '\n\n' ~ '# Tools' ~ '\n' ~ 'You may call one or more tools to assist with the user query.\nHere are the tools available in JSONSchema format:' ~ '\n' }}
+    {{- '\n' ~ '<tools>' ~ '\n' }}
+    {{- render_tool_namespace("functions", tools) }}
+    {{- '</tools>' ~ '\n\n' }}
+{{- 'When making tool calls, use XML format to invoke tools and pass parameters:' ~ '\n' }}
+{{- '\n' ~ toolcall_begin_token }}
+<invoke name="tool-name-1">
+<parameter name="param-key-1">param-value-1</parameter>
+<parameter name="param-key-2">param-value-2</parameter>
+...
+</invoke>
+{{- '\n' ~ toolcall_end_token }}
+{%- endif -%}
+{{- '[e~[\n' }}
+
+{#- Render messages -#}
+{%- set last_tool_call = namespace(name=none) -%}
+{%- for message in conversation_messages -%}
+    {%- if message.role == 'assistant' -%}
+        {#- Only render reasoning_content if no user message follows -#}
+        {{- ']~b]ai' ~ '\n' }}
+
+        {%- set reasoning_content = '' %}
+        {%- set content = visible_text(message.content) %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {# Unsloth template fixes - must change to for loop since llama.cpp will error out if not #}
+                {%- set parts = content.split('</think>') %}
+                {%- for part in parts %}
+                    {%- if loop.index0 == 0 -%}
+                        {%- set reasoning_content = part.strip('\n') %}
+                        {%- set reasoning_content = (reasoning_content.split('<think>')|last) %}
+                        {%- set reasoning_content = reasoning_content.strip('\n') -%}
+                    {%- else -%}
+                        {%- set content = part.strip('\n') %}
+                    {%- endif %}
+                {%- endfor %}
+            {%- endif %}
+        {%- endif %}
+        {%- if reasoning_content and loop.index0 > ns.last_user_index -%}
+            {{- '<think>' ~ '\n' ~ reasoning_content ~ '\n' ~ '</think>' ~ '\n\n' }}
+        {%- endif -%}
+        {%- if content -%}
+            {{- content }}
+        {%- endif -%}
+        {%- if message.tool_calls -%}
+            {{- '\n' ~ toolcall_begin_token ~ '\n' }}
+
+            {%- for tool_call in message.tool_calls -%}
+                {%- if tool_call.function %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {{- '<invoke name="' + tool_call.name + '">\n' }}
+                {%- if tool_call.arguments is defined and tool_call.arguments is mapping -%}
+                {% set _args = tool_call.arguments %}
+                {%- for k, v in _args|items %}
+                {{- '<parameter name="' + k + '">' }}
+                {{- v | tojson | string if v is not string else v }}
+                {{- '</parameter>' }}
+                {% endfor %}{%- endif -%}
+                {{- '</invoke>' ~ '\n' }}
+            {%- endfor -%}
+            
+            {{- toolcall_end_token}}
+            {# Fix by ochafik - https://github.com/ochafik/minja/pull/7#issuecomment-3478459580 #}
+            {%- set last_tool_call.name = message.tool_calls[-1].function.name -%}
+        {%- else -%}
+            {%- set last_tool_call.name = none -%}
+        {%- endif -%}
+        {{- '[e~[' ~ '\n' }}
+        
+    {%- elif message.role == 'tool' -%}
+    {%- if last_tool_call.name is none -%}
+        {{- raise_exception("Message has tool role, but there was no previous assistant message with a tool call!") }}
+    {%- endif -%}
+    {%- if loop.first or (conversation_messages[loop.index0 - 1].role != 'tool') -%}
+        {{- ']~b]tool' }}
+    {%- endif -%}
+    {%- if message.content is string -%}
+        {{- '\n<response>' }}
+        {{- message.content }}
+        {{- '</response>' }}
+    {%- else -%}
+        {%- for tr in message.content -%}
+            {{- '\n<response>' }}
+            {{- tr.output if tr.output is defined else (tr.text if tr.type == 'text' and tr.text is defined else tr) }}
+            {{- '\n</response>' }}
+        {%- endfor -%}
+    {%- endif -%}
+    {%- if loop.last or (conversation_messages[loop.index0 + 1].role != 'tool') -%}
+        {{- '[e~[\n' -}}
+    {%- endif -%}
+        
+    {%- elif message.role == 'user' -%}
+        {{- ']~b]user' ~ '\n' }}
+        {{- visible_text(message.content) }}
+        {{- '[e~[' ~ '\n' }}
+    {%- endif -%}
+{%- endfor -%}
+
+{#- Generation prompt -#}
+{%- if add_generation_prompt -%}
+{{- ']~b]ai' ~ '\n' ~ '<think>' ~ '\n' }}
+{%- endif -%}
+{# Copyright 2025-present Unsloth. Apache 2.0 License. #}
+"""
+# Unsloth's one fix on the text path splits the answer at </think> in a loop, for llama.cpp's engine; under Jinja2
+# (HF's apply_chat_template) a loop's sets do not leave it, so the copy would never split. The published template is
+# the copy with the split the fix replaced put back (as MiniMax-M2.7's keeps it).
+_LOOP_SPLIT = (
+    "                {# Unsloth template fixes - must change to for loop since llama.cpp will error out if not #}\n"
+    "                {%- set parts = content.split('</think>') %}\n"
+    "                {%- for part in parts %}\n"
+    "                    {%- if loop.index0 == 0 -%}\n"
+    "                        {%- set reasoning_content = part.strip('\\n') %}\n"
+    "                        {%- set reasoning_content = (reasoning_content.split('<think>')|last) %}\n"
+    "                        {%- set reasoning_content = reasoning_content.strip('\\n') -%}\n"
+    "                    {%- else -%}\n"
+    "                        {%- set content = part.strip('\\n') %}\n"
+    "                    {%- endif %}\n"
+    "                {%- endfor %}\n"
 )
+_SPLIT = (
+    "                {%- set reasoning_content = content.split('</think>')[0].strip('\\n').split('<think>')[-1]"
+    ".strip('\\n') %}\n"
+    "                {%- set content = content.split('</think>')[-1].strip('\\n') %}\n"
+)
+assert LLAMA_CPP_TEMPLATE.count(_LOOP_SPLIT) == 1
+PUBLISHED_TEMPLATE = LLAMA_CPP_TEMPLATE.replace(_LOOP_SPLIT, _SPLIT)
 CONVERSATIONS = [
     [Turn("user", "What is 2 + 2?"), Turn("assistant", "4")],
     [Turn("system", "You are terse."), Turn("user", "Hi"), Turn("assistant", "Hello.\n\nHow can I help?"),
      Turn("user", "Name a prime."), Turn("assistant", "7")],
     [Turn("user", "One"), Turn("assistant", "1"), Turn("user", "Two")],
+    # Reasoning before the last user turn is dropped, after it kept; an empty block is not written.
+    [Turn("user", "2 + 2?"), Turn("assistant", "<think>\nAdd.\n</think>\n\n4\n"), Turn("user", "3 + 3?"),
+     Turn("assistant", "<think>Add again.</think>6\n\n"), Turn("assistant", "Add.</think>\nDone")],
+    [Turn("user", "Q"), Turn("assistant", "<think>\n\n</think>\n\nA")],
 ]
 
 
@@ -85,8 +263,14 @@ def test_rendered_text_equals_the_published_template(chat):
         assert (_render(chat.jinja_template, turns, content_parts=True, prompt=True)
                 == _render(PUBLISHED_TEMPLATE, turns, prompt=True))
     first = render_chat(CONVERSATIONS[0], None, chat)
-    assert first.text == ("]~!b[]~b]system\nYou are a helpful assistant. Your name is MiniMax-M2 and is built by "
-                          "MiniMax.[e~[\n]~b]user\nWhat is 2 + 2?[e~[\n]~b]ai\n4[e~[\n")
+    assert first.text == ("]~!b[]~b]system\nYou are a helpful assistant.[e~[\n]~b]user\nWhat is 2 + 2?[e~[\n"
+                          "]~b]ai\n4[e~[\n")
+    thought = render_chat(CONVERSATIONS[3], None, chat)
+    assert thought.text.endswith("]~b]ai\n4[e~[\n]~b]user\n3 + 3?[e~[\n]~b]ai\n<think>\nAdd again.\n</think>\n\n6[e~[\n"
+                                 "]~b]ai\n<think>\nAdd.\n</think>\n\nDone[e~[\n")
+    # The loss is on every answer as written, its think block included.
+    assert [thought.text[a:b] for a, b in thought.label_spans] == [
+        "4[e~[", "<think>\nAdd again.\n</think>\n\n6[e~[", "<think>\nAdd.\n</think>\n\nDone[e~["]
     assert [first.text[a:b] for a, b in first.label_spans] == ["4[e~["]
 
 

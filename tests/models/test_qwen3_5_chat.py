@@ -21,6 +21,177 @@ from loongforge.models.qwen3_5.chat import FORMATS
 from loongforge.models.qwen_vl.chatml import CHATML_VISION_TIMESTAMPED
 from loongforge.models.registry import get_family
 
+# Qwen3.5's chat_template.jinja as Qwen3.5-4B and larger ship it (huggingface/trl,
+# trl/chat_templates/qwen3_5_think.jinja, kept there byte for byte to recognise the model): Qwen3.6's below without
+# preserve_thinking.
+QWEN3_5 = r"""{%- set image_count = namespace(value=0) %}
+{%- set video_count = namespace(value=0) %}
+{%- macro render_content(content, do_vision_count, is_system_content=false) %}
+    {%- if content is string %}
+        {{- content }}
+    {%- elif content is iterable and content is not mapping %}
+        {%- for item in content %}
+            {%- if 'image' in item or 'image_url' in item or item.type == 'image' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain images.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set image_count.value = image_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Picture ' ~ image_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|image_pad|><|vision_end|>' }}
+            {%- elif 'video' in item or item.type == 'video' %}
+                {%- if is_system_content %}
+                    {{- raise_exception('System message cannot contain videos.') }}
+                {%- endif %}
+                {%- if do_vision_count %}
+                    {%- set video_count.value = video_count.value + 1 %}
+                {%- endif %}
+                {%- if add_vision_id %}
+                    {{- 'Video ' ~ video_count.value ~ ': ' }}
+                {%- endif %}
+                {{- '<|vision_start|><|video_pad|><|vision_end|>' }}
+            {%- elif 'text' in item %}
+                {{- item.text }}
+            {%- else %}
+                {{- raise_exception('Unexpected item type in content.') }}
+            {%- endif %}
+        {%- endfor %}
+    {%- elif content is none or content is undefined %}
+        {{- '' }}
+    {%- else %}
+        {{- raise_exception('Unexpected content type.') }}
+    {%- endif %}
+{%- endmacro %}
+{%- if not messages %}
+    {{- raise_exception('No messages provided.') }}
+{%- endif %}
+{%- if tools and tools is iterable and tools is not mapping %}
+    {{- '<|im_start|>system\n' }}
+    {{- "# Tools\n\nYou have access to the following functions:\n\n<tools>" }}
+    {%- for tool in tools %}
+        {{- "\n" }}
+        {{- tool | tojson }}
+    {%- endfor %}
+    {{- "\n</tools>" }}
+    {{- '\n\nIf you choose to call a function ONLY reply in the following format with NO suffix:\n\n<tool_call>\n<function=example_function_name>\n<parameter=example_parameter_1>\nvalue_1\n</parameter>\n<parameter=example_parameter_2>\nThis is the value for the second parameter\nthat can span\nmultiple lines\n</parameter>\n</function>\n</tool_call>\n\n<IMPORTANT>\nReminder:\n- Function calls MUST follow the specified format: an inner <function=...></function> block must be nested within <tool_call></tool_call> XML tags\n- Required parameters MUST be specified\n- You may provide optional reasoning for your function call in natural language BEFORE the function call, but NOT after\n- If there is no function call available, answer the question like normal with your current knowledge and do not tell the user about function calls\n</IMPORTANT>' }}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {%- if content %}
+            {{- '\n\n' + content }}
+        {%- endif %}
+    {%- endif %}
+    {{- '<|im_end|>\n' }}
+{%- else %}
+    {%- if messages[0].role == 'system' %}
+        {%- set content = render_content(messages[0].content, false, true)|trim %}
+        {{- '<|im_start|>system\n' + content + '<|im_end|>\n' }}
+    {%- endif %}
+{%- endif %}
+{%- set ns = namespace(multi_step_tool=true, last_query_index=messages|length - 1) %}
+{%- for message in messages[::-1] %}
+    {%- set index = (messages|length - 1) - loop.index0 %}
+    {%- if ns.multi_step_tool and message.role == "user" %}
+        {%- set content = render_content(message.content, false)|trim %}
+        {%- if not(content.startswith('<tool_response>') and content.endswith('</tool_response>')) %}
+            {%- set ns.multi_step_tool = false %}
+            {%- set ns.last_query_index = index %}
+        {%- endif %}
+    {%- endif %}
+{%- endfor %}
+{%- if ns.multi_step_tool %}
+    {{- raise_exception('No user query found in messages.') }}
+{%- endif %}
+{%- for message in messages %}
+    {%- set content = render_content(message.content, true)|trim %}
+    {%- if message.role == "system" %}
+        {%- if not loop.first %}
+            {{- raise_exception('System message must be at the beginning.') }}
+        {%- endif %}
+    {%- elif message.role == "user" %}
+        {{- '<|im_start|>' + message.role + '\n' + content + '<|im_end|>' + '\n' }}
+    {%- elif message.role == "assistant" %}
+        {%- set reasoning_content = '' %}
+        {%- if message.reasoning_content is string %}
+            {%- set reasoning_content = message.reasoning_content %}
+        {%- else %}
+            {%- if '</think>' in content %}
+                {%- set reasoning_content = content.split('</think>')[0].rstrip('\n').split('<think>')[-1].lstrip('\n') %}
+                {%- set content = content.split('</think>')[-1].lstrip('\n') %}
+            {%- endif %}
+        {%- endif %}
+        {%- set reasoning_content = reasoning_content|trim %}
+        {%- if loop.index0 > ns.last_query_index %}
+            {{- '<|im_start|>' + message.role + '\n<think>\n' + reasoning_content + '\n</think>\n\n' + content }}
+        {%- else %}
+            {{- '<|im_start|>' + message.role + '\n' + content }}
+        {%- endif %}
+        {%- if message.tool_calls and message.tool_calls is iterable and message.tool_calls is not mapping %}
+            {%- for tool_call in message.tool_calls %}
+                {%- if tool_call.function is defined %}
+                    {%- set tool_call = tool_call.function %}
+                {%- endif %}
+                {%- if loop.first %}
+                    {%- if content|trim %}
+                        {{- '\n\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- else %}
+                        {{- '<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                    {%- endif %}
+                {%- else %}
+                    {{- '\n<tool_call>\n<function=' + tool_call.name + '>\n' }}
+                {%- endif %}
+                {%- if tool_call.arguments is defined %}
+                    {%- for args_name, args_value in tool_call.arguments|items %}
+                        {{- '<parameter=' + args_name + '>\n' }}
+                        {%- set args_value = args_value | tojson | safe if args_value is mapping or (args_value is sequence and args_value is not string) else args_value | string %}
+                        {{- args_value }}
+                        {{- '\n</parameter>\n' }}
+                    {%- endfor %}
+                {%- endif %}
+                {{- '</function>\n</tool_call>' }}
+            {%- endfor %}
+        {%- endif %}
+        {{- '<|im_end|>\n' }}
+    {%- elif message.role == "tool" %}
+        {%- if loop.previtem and loop.previtem.role != "tool" %}
+            {{- '<|im_start|>user' }}
+        {%- endif %}
+        {{- '\n<tool_response>\n' }}
+        {{- content }}
+        {{- '\n</tool_response>' }}
+        {%- if not loop.last and loop.nextitem.role != "tool" %}
+            {{- '<|im_end|>\n' }}
+        {%- elif loop.last %}
+            {{- '<|im_end|>\n' }}
+        {%- endif %}
+    {%- else %}
+        {{- raise_exception('Unexpected message role.') }}
+    {%- endif %}
+{%- endfor %}
+{%- if add_generation_prompt %}
+    {{- '<|im_start|>assistant\n' }}
+    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}
+{%- endif %}"""
+# As Qwen3.5-2B and smaller ship it (trl/chat_templates/qwen3_5_nothink.jinja): only the generation prompt's default
+# differs, the empty block unless a caller sets enable_thinking=True.
+_THINK_PROMPT = r"""    {%- if enable_thinking is defined and enable_thinking is false %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- else %}
+        {{- '<think>\n' }}
+    {%- endif %}"""
+QWEN3_5_NOTHINK = QWEN3_5.replace(_THINK_PROMPT, r"""    {%- if enable_thinking is defined and enable_thinking is true %}
+        {{- '<think>\n' }}
+    {%- else %}
+        {{- '<think>\n\n</think>\n\n' }}
+    {%- endif %}""")
+assert QWEN3_5_NOTHINK != QWEN3_5
+
 # Qwen/Qwen3.6-27B's and Qwen/Qwen3.6-35B-A3B's chat_template.jinja.
 QWEN3_6 = r"""{%- set image_count = namespace(value=0) %}
 {%- set video_count = namespace(value=0) %}
@@ -350,7 +521,8 @@ QWEN3_8 = r"""{%- set image_count = namespace(value=0) %}
 {%- endif %}"""
 
 # model.chat_format -> (the published template, its keyword arguments that name the same rendering)
-PUBLISHED = {"qwen3.6": (QWEN3_6, {}), "qwen3.8": (QWEN3_8, {}),
+PUBLISHED = {"qwen3.5": (QWEN3_5, {}), "qwen3.5-nothink": (QWEN3_5_NOTHINK, {}), "qwen3.6": (QWEN3_6, {}),
+             "qwen3.8": (QWEN3_8, {}),
              "qwen3.8-medium": (QWEN3_8, {"reasoning_effort": "medium"}),
              "qwen3.8-low": (QWEN3_8, {"reasoning_effort": "low"})}
 
@@ -404,7 +576,7 @@ def test_our_rendering_equals_the_published_template(tokenizer, name):
             assert tokenizer.apply_chat_template(messages, chat_template=chat.jinja_template, tokenize=False) == ours
     user, system = {"role": "user", "content": "Q"}, {"role": "system", "content": "S"}
     for question in ([user], [system, user]):
-        for thinking in ({}, {"enable_thinking": False}):
+        for thinking in ({}, {"enable_thinking": False}, {"enable_thinking": True}):
             prompt = tokenizer.apply_chat_template(question, chat_template=template, tokenize=False,
                                                    add_generation_prompt=True, **kwargs, **thinking)
             assert tokenizer.apply_chat_template(question, chat_template=chat.jinja_template, tokenize=False,
@@ -435,6 +607,11 @@ def test_the_data_path_tokenizes_the_presets_template_and_labels_its_answers(tok
 def test_the_family_without_a_version_keeps_qwen3_vls_chatml_and_refuses_another_familys_format():
     family = get_family("qwen3_5")
     assert family.chat(load_run_config("qwen3.5-tiny").model) is CHATML_VISION_TIMESTAMPED
+    # The published presets render their checkpoints' own templates (2B and smaller: thinking off by default).
+    for preset, name in (("qwen3.5-0.8b", "qwen3.5-nothink"), ("qwen3.5-9b", "qwen3.5"), ("qwen3.5-27b", "qwen3.5"),
+                         ("qwen3.5-35b-a3b", "qwen3.5"), ("qwen3.5-397b-a17b", "qwen3.5"), ("qwen3.6-27b", "qwen3.6")):
+        assert family.chat(load_run_config(preset).model) is FORMATS[name], preset
     problems = family.config_problems(load_run_config("qwen3.6-tiny", overrides=["model.chat_format=qwen3"]).model)
     assert problems == ["model.chat_format='qwen3' is not a template of this architecture's versions; set one of "
-                        "qwen3.6 | qwen3.8 | qwen3.8-medium | qwen3.8-low, or null for Qwen3-VL's ChatML."]
+                        "qwen3.5 | qwen3.5-nothink | qwen3.6 | qwen3.8 | qwen3.8-medium | qwen3.8-low, or null for "
+                        "Qwen3-VL's ChatML."]

@@ -211,18 +211,34 @@ DEEPSEEK_V3 = ChatFormat(
 )
 
 # MiniMax-M2's: ]~!b[ once, each turn ]~b] + its role (the assistant's "ai") + a newline, ended by [e~[ and a newline;
-# a system turn always (its template's identity sentence where the conversation has none). Its template writes an
-# answer's reasoning (a think block) only after the last user turn and only where there is some; here an answer is
-# written as the data gives it.
-MINIMAX_M2_SYSTEM_PROMPT = "You are a helpful assistant. Your name is MiniMax-M2 and is built by MiniMax."
+# a system turn always (its template's model_identity where the conversation has none: MiniMax-M2's is the bare
+# sentence, M2.1's and later name the model). An answer after the last user turn keeps its reasoning (split at
+# </think>) in a think block where it has some; earlier answers lose theirs; an answer split from its reasoning is
+# stripped of newlines at both ends.
+MINIMAX_M2_SYSTEM_PROMPT = "You are a helpful assistant."
 _MINIMAX_HEADERS = {"system": "]~b]system\n", "user": "]~b]user\n", "assistant": "]~b]ai\n"}
 MINIMAX_M2_TEMPLATE = (
+    "{% set ns = namespace(last_user=-1, text='') %}"
+    "{% for message in messages %}"
+    "{% if message['role'] == 'user' %}{% set ns.last_user = loop.index0 %}{% endif %}"
+    "{% endfor %}"
     "]~!b["
     "{% for message in messages %}"
     + default_system_jinja(MINIMAX_M2_SYSTEM_PROMPT, "]~b]", "\n", "[e~[", "\n") +
     "{% if message['role'] == 'assistant' %}" + _MINIMAX_HEADERS["assistant"]
-    + "{% else %}]~b]{{ message['role'] }}\n{% endif %}"
-    + _CONTENT +
+    + "{% set ns.text = '' %}"
+    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
+    "{% endfor %}{% endif %}"
+    "{% set answer = ns.text %}{% set reasoning = '' %}"
+    "{% if '</think>' in ns.text %}"
+    "{% set answer = ns.text.split('</think>')[-1].strip('\\n') %}"
+    "{% set reasoning = ns.text.split('</think>')[0].strip('\\n').split('<think>')[-1].strip('\\n') %}"
+    "{% endif %}"
+    "{% if reasoning and loop.index0 > ns.last_user %}<think>\n{{ reasoning }}\n</think>\n\n{% endif %}"
+    "{{ answer }}"
+    "{% else %}]~b]{{ message['role'] }}\n" + _CONTENT + "{% endif %}"
     "[e~[\n"
     "{% endfor %}"
     "{% if add_generation_prompt %}" + _MINIMAX_HEADERS["assistant"] + "<think>\n{% endif %}"  # its thinking opens
@@ -235,6 +251,8 @@ MINIMAX_M2 = ChatFormat(
     document_end="[e~[",
     role_headers=tuple(_MINIMAX_HEADERS.items()),
     default_system_prompt=MINIMAX_M2_SYSTEM_PROMPT,
+    thinking=True,
+    reasoning_turns="some_after_last_user",
 )
 
 # The formats by name (``model.chat_format``), and each transformers architecture's instruct models' own.

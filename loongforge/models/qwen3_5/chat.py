@@ -4,12 +4,17 @@ Qwen3.6 and Qwen3.8 are Qwen3.5's architecture (the same config.json fields) wit
 the template is a fact of the version the run names, not of the architecture:
 
 - null: Qwen3-VL's ChatML (``qwen_vl.chatml``), the family's format before its versions had theirs;
-- ``qwen3.6``: thinking: every assistant turn after the last user turn writes its reasoning in a block, empty
-  when the data has none; earlier turns drop theirs (the template's ``preserve_thinking`` is off unless a
-  caller sets it); every turn's text trimmed::
+- ``qwen3.5``: Qwen3.5's own (Qwen3.5-4B and larger), thinking: every assistant turn after the last user turn
+  writes its reasoning in a block, empty when the data has none; earlier turns drop theirs; every turn's text
+  trimmed::
 
     <|im_start|>user\\n<|vision_start|><|image_pad|><|vision_end|>Who is he?<|im_end|>\\n
     <|im_start|>assistant\\n<think>\\n\\n</think>\\n\\nThomas Muller.<|im_end|>\\n
+
+- ``qwen3.5-nothink``: the template Qwen3.5-2B and smaller ship: the same text; only its generation prompt
+  differs, writing the empty block unless a caller sets ``enable_thinking=True``;
+- ``qwen3.6``: Qwen3.5's text (its template adds ``preserve_thinking``, off unless a caller sets it, and
+  stringifies tool-call arguments its own way, neither of which a training conversation here reaches);
 
 - ``qwen3.8``: as Qwen3.6's, but every assistant turn keeps its block (``preserve_thinking`` on by default), and
   with thinking on the system turn opens with the ``reasoning_effort`` sentence (the default effort, xhigh; a
@@ -41,10 +46,15 @@ REASONING_EFFORT_SENTENCES = {
 }
 
 
-def thinking_template(image_block: str, video_block: str, *, preamble: str | None, every_turn: bool) -> str:
+def thinking_template(image_block: str, video_block: str, *, preamble: str | None, every_turn: bool,
+                      thinks_by_default: bool = True) -> str:
     """The Jinja twin of a thinking format: the system turn built from ``preamble`` and its text (None: written as
-    it is), reasoning blocks after the last user turn (``every_turn``: in every assistant turn), every text trimmed."""
+    it is), reasoning blocks after the last user turn (``every_turn``: in every assistant turn), every text trimmed;
+    the generation prompt opens a think block unless ``enable_thinking`` is false (``thinks_by_default`` False:
+    only where it is true; otherwise the block is written empty)."""
     keep = "true" if every_turn else "loop.index0 > ns.last_user"
+    thinks = ("not (enable_thinking is defined and enable_thinking is false)" if thinks_by_default
+              else "enable_thinking is defined and enable_thinking is true")
     system = "<|im_start|>system\n{{ text }}<|im_end|>\n"
     if preamble is not None:
         system = ("{% set text = ((preamble ~ '\\n\\n') if preamble else '') ~ text if text else preamble %}"
@@ -86,26 +96,29 @@ def thinking_template(image_block: str, video_block: str, *, preamble: str | Non
         "{% endif %}"
         "{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n"
-        "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n"
-        "{% else %}<think>\n{% endif %}"
+        "{% if " + thinks + " %}<think>\n{% else %}<think>\n\n</think>\n\n{% endif %}"
         "{% endif %}"
     )
 
 
-def _thinking_format(*, preamble: str | None = None, every_turn: bool = False) -> ChatFormat:
+def _thinking_format(*, preamble: str | None = None, every_turn: bool = False,
+                     thinks_by_default: bool = True) -> ChatFormat:
     base = CHATML_VISION_TIMESTAMPED
     return replace(base, thinking=True, strips_turns=True, system_preamble=preamble,
                    reasoning_turns="all" if every_turn else "after_last_user",
                    jinja_template=thinking_template(base.image_block, base.video_block, preamble=preamble,
-                                                    every_turn=every_turn))
+                                                    every_turn=every_turn, thinks_by_default=thinks_by_default))
 
 
-QWEN3_6 = _thinking_format()
+QWEN3_5 = _thinking_format()
+QWEN3_5_NOTHINK = _thinking_format(thinks_by_default=False)
+QWEN3_6 = QWEN3_5  # the same text (module docstring)
 QWEN3_8 = {effort: _thinking_format(preamble=sentence, every_turn=True)
            for effort, sentence in REASONING_EFFORT_SENTENCES.items()}
 
 # model.chat_format -> the format (null: Qwen3-VL's ChatML).
-FORMATS = {"qwen3.6": QWEN3_6, "qwen3.8": QWEN3_8["xhigh"], "qwen3.8-medium": QWEN3_8["medium"],
+FORMATS = {"qwen3.5": QWEN3_5, "qwen3.5-nothink": QWEN3_5_NOTHINK, "qwen3.6": QWEN3_6, "qwen3.8": QWEN3_8["xhigh"],
+           "qwen3.8-medium": QWEN3_8["medium"],
            "qwen3.8-low": QWEN3_8["low"]}
 
 
