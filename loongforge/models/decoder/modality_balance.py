@@ -23,19 +23,20 @@ f needs the counts of every layer, also those of later pipeline stages. Per micr
   rows (the TP group where the modalities are split over it, the CP group) and chains them along the
   pipeline on a process group of their own: stage s receives stage s-1's sums (sent at the end of its forward
   of the same micro-batch, before megatron sent its activations), adds its own and sends them to s+1; the
-  last stage holds them all, keeps the gradient coefficient E f / (L T) for the micro-batch's backward, logs
-  aux in megatron-core's MoE loss tracker and sends the coefficient back to s-1 on a second group.
-- backward: a hook on the block's output gradient (the first thing a stage's backward computes) takes the
-  micro-batch's coefficient (the last stage's own; another stage receives it from s+1 and passes it to s-1)
-  before any router's node runs. Under 1F1B micro-batches run in order both ways, so first-in first-out.
-  Interleaved pipelines are refused (``config.validate``).
+  last stage holds them all, computes the gradient coefficient E f / (L T), logs aux in megatron-core's MoE
+  loss tracker and sends the coefficient back to s-1 on a second group.
+- backward: a hook on the block's output gradient (the first thing a stage's backward computes) sets the
+  micro-batch's coefficient before any router's node runs: the last stage's own (kept by the hook), another
+  stage's received from s+1 and passed on to s-1. Under 1F1B micro-batches run in order both ways, so the
+  messages arrive in the order they are awaited. Interleaved pipelines are refused (``config.validate``): a
+  rank's model chunks would chain through one another.
 
 Evaluation (``model.eval()`` without autograd) counts, attaches and sends nothing.
 """
 
 from __future__ import annotations
 
-from collections import deque
+from functools import partial
 from typing import Optional
 
 import torch
@@ -125,7 +126,6 @@ class ModalityBalance:
         self._tracker_layers, self._average_group = tracker_layers, average_group
         # [counts E, probability sums E, real tokens 1] (float64: exact counts) while a training forward is open
         self._sums: Optional[torch.Tensor] = None
-        self._kept: deque[torch.Tensor] = deque()  # last stage: coefficients of forwards whose backward is ahead
         self._current: Optional[torch.Tensor] = None  # [E]: the coefficient of the micro-batch in backward
 
     def coefficient(self) -> torch.Tensor:
@@ -166,7 +166,7 @@ class ModalityBalance:
         for group in self._sum_groups:
             dist.all_reduce(sums, group=group)
         hidden = output[0] if isinstance(output, tuple) else output
-        learns = hidden.requires_grad
+        coefficient = None
         if self._chain is not None:
             sums = self._chain.gather(sums)
         if sums is None:  # an earlier stage: its tracker entry (zero) joins the step's sum over the stages
@@ -175,10 +175,8 @@ class ModalityBalance:
             coefficient = self._finish(sums)
             if self._chain is not None:
                 self._chain.send_back(coefficient)
-            if learns:
-                self._kept.append(coefficient)
-        if learns:
-            hidden.register_hook(self._backward_begins)
+        if hidden.requires_grad:
+            hidden.register_hook(partial(self._backward_begins, coefficient))
 
     def _finish(self, sums: torch.Tensor) -> torch.Tensor:
         """The coefficient E f / (L T) [E] from the sums; aux into megatron-core's tracker."""
@@ -194,11 +192,12 @@ class ModalityBalance:
         moe_utils.save_to_aux_losses_tracker(TRACKER_NAME, aux.float(), self._tracker_layers, self._tracker_layers,
                                              avg_group=self._average_group)
 
-    def _backward_begins(self, grad: torch.Tensor) -> None:
-        if self._chain is None or self._chain.is_last:
-            self._current = self._kept.popleft()
-        else:
-            self._current = self._chain.receive_back(torch.empty(self.num_experts, device=grad.device))
+    def _backward_begins(self, coefficient: Optional[torch.Tensor], grad: torch.Tensor) -> None:
+        """The stage's backward of a micro-batch begins (its output's gradient): the last stage's own
+        coefficient, or the one the next stage sends (passed on to the previous)."""
+        if coefficient is None:
+            coefficient = self._chain.receive_back(torch.empty(self.num_experts, device=grad.device))
+        self._current = coefficient
 
 
 def _pipeline_groups(pipeline: dist.ProcessGroup) -> tuple[dist.ProcessGroup, dist.ProcessGroup]:
