@@ -227,6 +227,10 @@ def test_the_balance_loss_is_transformers_over_all_sparse_layers(pair):
     aux, objective = router_grads.aux, router_grads.objective
     without = router_grads(0.0)
     clear_aux_losses_tracker()
+    with torch.no_grad():  # evaluation: nothing counted or logged
+        model.eval()(input_ids=ids, position_ids=FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None],
+                     media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids), padding_mask=~attention.bool())
+    assert float(get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].abs().sum()) == 0.0
     hf_layers = hf.model.language_model.layers
     theirs = {f"{i}.{kind}": getattr(hf_layers[i].mlp, f"{kind}_moe").gate.weight.grad for i in (1, 2)
               for kind in ("text", "vision")}
