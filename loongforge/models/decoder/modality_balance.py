@@ -85,10 +85,6 @@ class _PipelineChain:
         self.forward_group, self.backward_group = forward_group, backward_group
         self._sending: list[tuple[dist.Work, torch.Tensor]] = []  # kept alive until delivered
 
-    @property
-    def is_last(self) -> bool:
-        return self.next is None
-
     def _send(self, tensor: torch.Tensor, dst: int, group: dist.ProcessGroup) -> None:
         self._sending = [(work, t) for work, t in self._sending if not work.is_completed()]
         self._sending.append((dist.isend(tensor, dst, group=group), tensor))
