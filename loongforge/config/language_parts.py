@@ -194,9 +194,6 @@ class MoEConfig:
         errors = [f"{key}.{name}={value!r} with vision_ffn_hidden_size (modality-isolated experts): their routers take the "
                   f"renormalised softmax and the shared expert is ungated; set {name}: {wanted!r}."
                   for name, (value, wanted) in fixed.items() if value != wanted]
-        if self.aux_loss_coeff > 0:
-            errors.append(f"{key}.aux_loss_coeff={self.aux_loss_coeff} with vision_ffn_hidden_size: the modality-isolated "
-                          f"routers take no load-balancing loss in loongforge; set aux_loss_coeff: 0.")
         return errors
 
     def _router_problems(self) -> list[str]:

@@ -597,6 +597,12 @@ def _check_expert_layout(cfg: RunConfig, world_size: int) -> list[str]:
         errors.append(f"model.language.moe.num_experts={moe.num_experts} with "
                       f"parallel.tensor_model_parallel_size={tp} needs parallel.sequence_parallel=true "
                       f"(megatron-core trains MoE layers under TP only with sequence parallelism); set it.")
+    if moe.vision_ffn_hidden_size and moe.aux_loss_coeff > 0 and virtual_stages(parallel) > 1:
+        # Their loss chains the routers' counts along the stages in 1F1B order (models.decoder.modality_balance).
+        errors.append(f"model.language.moe.aux_loss_coeff={moe.aux_loss_coeff} with vision_ffn_hidden_size (modality-"
+                      f"isolated experts) trains under plain 1F1B pipelines only, not interleaved ones; unset "
+                      f"parallel.virtual_pipeline_model_parallel_size / pipeline_layout's virtual stages, or set "
+                      f"aux_loss_coeff: 0.")
     if moe.num_experts % ep:
         errors.append(f"parallel.expert_model_parallel_size={ep} does not divide model.language.moe.num_experts="
                       f"{moe.num_experts}; use one of {_list(divisors(moe.num_experts))}.")

@@ -287,6 +287,20 @@ def test_moe_fields_are_checked_with_the_fix():
     assert load_run_config("qwen3-moe-tiny", overrides=["model.language.moe=null"]).model.language.moe is None
 
 
+def test_modality_isolated_experts_take_their_balance_loss_under_plain_pipelines_only():
+    """ERNIE-4.5-VL's balance loss chains the routers' counts along a 1F1B pipeline (models.decoder.modality_balance):
+    its coefficient loads at TP 2 x PP 2 and is refused with virtual stages, one line naming both keys."""
+    layout = ["model.language.moe.aux_loss_coeff=0.01", "model.language.num_layers=4",
+              "parallel.pipeline_model_parallel_size=2"]
+    cfg = load_run_config("ernie4.5vl-tiny", overrides=[*layout, "parallel.tensor_model_parallel_size=2",
+                                                        "parallel.sequence_parallel=true"], world_size=4)
+    assert cfg.model.language.moe.aux_loss_coeff == 0.01
+    (virtual,) = errors_for(*layout, "parallel.virtual_pipeline_model_parallel_size=2", preset="ernie4.5vl-tiny",
+                            world_size=2)
+    assert virtual.startswith("model.language.moe.aux_loss_coeff=0.01 with vision_ffn_hidden_size")
+    assert "parallel.virtual_pipeline_model_parallel_size" in virtual and "aux_loss_coeff: 0" in virtual
+
+
 def test_the_vision_sections_check_themselves():
     (size,) = errors_for("model.vision.window.size=100")
     assert size == ("model.vision.window.size=100 px must be a multiple of patch_size x spatial_merge_size = 28 px so "

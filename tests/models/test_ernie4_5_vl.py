@@ -168,3 +168,81 @@ def test_each_image_is_labelled_by_its_count_in_the_conversation():
     assert text.index("Picture 1:") < text.index("What is it?") < text.index("Picture 2:") < text.index("Picture 3:")
     rendered = jinja2.Environment().from_string(CHAT.jinja_template).render(messages=turns_to_hf_messages(turns))
     assert rendered == text
+
+
+def test_the_balance_loss_is_transformers_over_all_sparse_layers(pair):
+    """With ``aux_loss_coeff``: the objective (cross entropy + coeff x aux) and both routers' weight gradients of
+    every sparse layer equal transformers' (``output_router_logits``, ``labels``, ``router_aux_loss_coef``) on a
+    row with an image and padding (``attention_mask``: out of the statistics), and aux its ``aux_loss``. aux is
+    one product over the layers' summed statistics (``models.decoder.modality_balance``), far from megatron-core's
+    per-layer sum, and it moves the routers' gradients far beyond the error."""
+    from megatron.core.transformer.moe.moe_utils import clear_aux_losses_tracker, get_moe_layer_wise_logging_tracker
+
+    from loongforge.models.decoder.moe_balance import megatron_balance_loss, transformers_balance_loss
+
+    coeff, padding = 0.5, 5
+    overrides = dict(output_router_logits=True, router_aux_loss_coef=coeff)
+    model_cfg = tiny_cfg(**overrides)
+    assert model_cfg.language.moe.aux_loss_coeff == coeff
+    hf = build_hf(model_cfg, **overrides).train()
+    model = FAMILY.build(model_cfg, ParallelConfig(), params_dtype=torch.float32, pre_process=True,
+                         post_process=True, device="cpu").train()
+    load_hf_state_dict(model, hf.state_dict())
+    ids, rows, grids, kinds, experts = sample(((1, 4, 6),))
+    real = ids.shape[1]
+    pad = lambda t: torch.cat([t, torch.zeros(1, padding, dtype=t.dtype)], dim=1)  # noqa: E731
+    ids, kinds, experts = pad(ids), pad(kinds), pad(experts)
+    attention = (torch.arange(real + padding) < real).long()[None]
+    labels = torch.where(attention.bool(), ids, -100)
+    expected = hf(input_ids=ids, attention_mask=attention, labels=labels, pixel_values=rows, image_grid_thw=grids,
+                  mm_token_type_ids=kinds, moe_mm_token_type_ids=experts)
+    expected.loss.backward()
+    # Each layer's statistics over the real tokens, from transformers' router logits.
+    statistics = []
+    for logits in expected.router_logits:
+        probs = torch.softmax(logits[:real].float(), dim=-1)
+        counts = torch.zeros(4).scatter_add_(0, probs.topk(2).indices.reshape(-1), torch.ones(2 * real))
+        statistics.append((counts / real, probs.mean(dim=0)))
+
+    def router_grads(coefficient: float) -> dict[str, torch.Tensor]:
+        model.zero_grad()
+        clear_aux_losses_tracker()
+        for layer in model.language_model.decoder.layers[1:]:
+            for moe in (layer.mlp.text_moe, layer.mlp.vision_moe):
+                moe.router.config.moe_aux_loss_coeff = coefficient
+        loss_mask = torch.zeros(1, real + padding)
+        loss_mask[0, :real - 1] = 1.0
+        per_token = model(input_ids=ids, position_ids=FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None],
+                          labels=torch.roll(ids, -1, dims=1), media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids),
+                          loss_mask=loss_mask, padding_mask=~attention.bool())
+        cross_entropy = (per_token * loss_mask).sum() / loss_mask.sum()
+        cross_entropy.backward()
+        router_grads.aux = float(get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].sum())
+        router_grads.objective = float(cross_entropy) + coefficient * router_grads.aux
+        return {f"{i}.{kind}": getattr(layer.mlp, f"{kind}_moe").router.weight.grad.clone()
+                for i, layer in enumerate(model.language_model.decoder.layers) if i
+                for kind in ("text", "vision")}
+
+    ours = router_grads(coeff)
+    aux, objective = router_grads.aux, router_grads.objective
+    without = router_grads(0.0)
+    clear_aux_losses_tracker()
+    with torch.no_grad():  # evaluation: nothing counted or logged
+        model.eval()(input_ids=ids, position_ids=FAMILY.position_ids(model_cfg)(ids[0], grids, None, None)[:, None],
+                     media=MediaBatch.of(pixel_values=rows, image_grid_thw=grids), padding_mask=~attention.bool())
+    assert float(get_moe_layer_wise_logging_tracker()["load_balancing_loss"]["values"].abs().sum()) == 0.0
+    hf_layers = hf.model.language_model.layers
+    theirs = {f"{i}.{kind}": getattr(hf_layers[i].mlp, f"{kind}_moe").gate.weight.grad for i in (1, 2)
+              for kind in ("text", "vision")}
+    scale = max(t.abs().max() for t in theirs.values())
+    grad_error = max((ours[k] - theirs[k]).abs().max() for k in theirs) / scale
+    moved = max((without[k] - theirs[k]).abs().max() for k in theirs) / scale
+    aux_error, loss_error = abs(aux - float(expected.aux_loss)), abs(objective - float(expected.loss))
+    per_layer_gap = abs(float(megatron_balance_loss(statistics, 2)) - aux)
+    print(f"ERNIE-4.5-VL balance loss vs transformers (coeff {coeff}, {padding} padding tokens): aux {aux:.6f} "
+          f"({aux_error:.1e}), objective {loss_error:.1e}, router grads {grad_error:.1e} of the largest (the aux term "
+          f"moves them {moved:.1e}); megatron's per-layer sum would differ by {per_layer_gap:.2e}")
+    assert abs(float(transformers_balance_loss(statistics)) - float(expected.aux_loss)) < 1e-6
+    assert aux_error < 3e-6 and loss_error < 3e-6
+    assert grad_error < 3e-6 and moved > 1e-3
+    assert per_layer_gap > 1e-2

@@ -218,7 +218,8 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
         moe_router_group_topk=moe.router_group_topk,
         moe_router_topk_scaling_factor=moe.routed_scaling_factor if moe.routed_scaling_factor != 1.0 else None,
         **moe_layer_pattern(lang),
-        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 else "none",
+        # Modality-isolated routers train transformers' loss over all sparse layers instead (``modality_balance``).
+        moe_router_load_balancing_type="aux_loss" if moe.aux_loss_coeff > 0 and not moe.vision_ffn_hidden_size else "none",
         moe_aux_loss_coeff=moe.aux_loss_coeff,
         moe_grouped_gemm=False,
         moe_token_dispatcher_type="alltoall",

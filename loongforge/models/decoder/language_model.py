@@ -14,6 +14,7 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_pg_rank
 
+from loongforge.models.decoder.modality_balance import install_balance
 from loongforge.models.decoder.modality_moe import install_routing_hooks, routing_tokens
 from loongforge.models.layers import initialization
 
@@ -37,6 +38,10 @@ class LanguageModel(GPTModel):
         self.register_buffer("routing_token_ids", torch.tensor(routing_token_ids, dtype=torch.long), persistent=False)
         if install_routing_hooks(self.decoder.layers if hasattr(self, "decoder") else []) and not routing_token_ids:
             raise ValueError("modality-isolated experts need routing_token_ids (the ids routed to the vision experts)")
+        if routing_token_ids and hasattr(self, "decoder"):
+            # Their load-balancing loss is transformers' over all sparse layers, not megatron-core's per layer
+            # (on every stage of a modality-isolated model, also one without sparse layers: it relays the sums).
+            install_balance(self.decoder, self.config, self.pg_collection)
         # megatron-core 0.16's MTP layers call their decoder layer without the padding mask, so an MoE router
         # there would count padding in its expert-bias load (and its balance statistics): hand it the mask the
         # decoder's layers route with.

@@ -51,6 +51,8 @@ class ScoreBiasRouter(TopKRouter):
         super().__init__(config=config, pg_collection=pg_collection)
         self.__dict__["_bias_rows"] = None  # not a submodule or buffer: the owner's tensor
         self._bias_row = 0
+        # transformers' load-balancing loss over every sparse layer (``modality_balance``), when trained with one.
+        self.balance = None
 
     def use_bias_row(self, rows: torch.Tensor, row: int) -> None:
         self.__dict__["_bias_rows"], self._bias_row = rows, row
@@ -64,6 +66,9 @@ class ScoreBiasRouter(TopKRouter):
         """logits [s, b, E] -> (probs [s*b, E], zero outside each token's k experts; routing map [s*b, E])."""
         logits = logits.view(-1, self.config.num_moe_experts)
         scores = torch.softmax(logits.float(), dim=-1)
+        if self.balance is not None:
+            scores = self.balance.observe(scores, padding_mask, topk=self.topk, training=self.training,
+                                          scale=self.config.moe_aux_loss_coeff)
         _, chosen = torch.topk(scores + self.score_bias.float().to(scores.device), self.topk, dim=-1)
         weights = scores.gather(1, chosen)
         weights = weights / weights.sum(dim=-1, keepdim=True).clamp(min=NORM_MIN)

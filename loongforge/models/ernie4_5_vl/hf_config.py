@@ -46,7 +46,9 @@ def model_config_from_hf(cfg: Mapping[str, Any], where: str) -> ModelConfig:
                         shared_expert_ffn_hidden_size=shared * text_ffn if shared else None, shared_expert_gate=False,
                         first_dense_layers=_dense_layers(text.get("mlp_layer_types") or ["dense"] + ["sparse"] * (layers - 1),
                                                          where),
-                        vision_ffn_hidden_size=vision_ffn)
+                        vision_ffn_hidden_size=vision_ffn,
+                        # transformers trains with it only where output_router_logits is on
+                        aux_loss_coeff=float(text.get("router_aux_loss_coef", 0.001)) if text.get("output_router_logits") else 0.0)
         merge = vision.get("spatial_merge_size", 2)
         return ModelConfig(
             family=NAME,
@@ -92,7 +94,8 @@ def hf_config_from_model(model_cfg: ModelConfig, dtype: str = "bfloat16") -> dic
         "moe_intermediate_size": [moe.ffn_hidden_size, moe.vision_ffn_hidden_size], "moe_k": moe.router_topk,
         "moe_num_experts": moe.num_experts, "moe_num_shared_experts": shared, "moe_norm_min": 1e-12,
         "mlp_layer_types": ["dense"] * moe.first_dense_layers + ["sparse"] * (lang.num_layers - moe.first_dense_layers),
-        "output_router_logits": False, "router_aux_loss_coef": 0.001, "pad_token_id": tok.pad_token_id,
+        "output_router_logits": moe.aux_loss_coeff > 0, "router_aux_loss_coef": moe.aux_loss_coeff or 0.001,
+        "pad_token_id": tok.pad_token_id,
     }
     if lang.head_dim is not None:
         text["head_dim"] = lang.head_dim
