@@ -138,7 +138,7 @@ def run_moe_bench(shape: MoeShape, *, device: str, dtype: str, steps: int, warmu
 
 
 def format_markdown(result: dict, command: str) -> str:
-    s = MoeShape(**result["shape"])
+    s, env = MoeShape(**result["shape"]), result["environment"]
     return "\n".join([
         "# Grouped-GEMM experts vs SequentialMLP", "",
         f"`{command}`", "",
@@ -149,4 +149,5 @@ def format_markdown(result: dict, command: str) -> str:
         f"| sequential (megatron SequentialMLP) | {result['sequential_ms']:.2f} | 1.00x |",
         f"| grouped (GroupedExperts) | {result['grouped_ms']:.2f} | {result['speedup']:.2f}x |", "",
         f"Of the grouped step, stacking the expert weights (the copy made per forward): {result['stack_ms']:.2f} ms. "
-        f"Outputs within {result['output_relative_diff']:.1e} of the largest.", ""])
+        f"Outputs within {result['output_relative_diff']:.1e} of the largest.", "",
+        f"torch {env.get('torch')}, megatron-core {env.get('megatron.core')}, {env.get('platform')}.", ""])
