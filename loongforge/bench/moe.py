@@ -5,8 +5,9 @@ shapes given: Qwen3-30B-A3B's by default on CUDA (128 experts, top-8, hidden 204
 bf16), a quarter of its widths on the CPU (128 experts, top-8, hidden 512, FFN 192, 1024 tokens, fp32), so the
 per-expert loop keeps its length. The tokens are routed by random scores (top-k of a softmax), sorted by expert
 as megatron's dispatcher sorts them; one timed step is the experts' forward and backward (every weight's
-gradient). Also timed: stacking the expert weights, the copy ``GroupedExperts`` makes per forward, and the
-largest difference between the two modules' outputs, relative to the largest output.
+gradient). Also timed: stacking the expert weights, the copy ``GroupedExperts`` makes per forward on CUDA for
+the grouped kernel (none on the CPU, whose loop reads each weight in place); and the largest difference
+between the two modules' outputs, relative to the largest output.
 """
 
 from __future__ import annotations
@@ -70,18 +71,22 @@ def routed_rows(shape: MoeShape, device: torch.device, dtype: torch.dtype, seed:
     return rows.to(device, dtype), tokens_per_expert, probs.flatten()[order].to(device, torch.float32)
 
 
-def _median_ms(step: Callable[[], None], steps: int, warmup: int, device: torch.device) -> float:
-    times = []
+def _median_ms(steps_by_name: dict[str, Callable[[], None]], steps: int, warmup: int,
+               device: torch.device) -> dict[str, float]:
+    """The median milliseconds of each step, the steps taking turns (a machine's drift, another process's load,
+    reaches every module alike)."""
+    times: dict[str, list[float]] = {name: [] for name in steps_by_name}
     for index in range(warmup + steps):
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        start = time.perf_counter()
-        step()
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if index >= warmup:
-            times.append(1000 * (time.perf_counter() - start))
-    return sorted(times)[len(times) // 2]
+        for name, step in steps_by_name.items():
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            start = time.perf_counter()
+            step()
+            if device.type == "cuda":
+                torch.cuda.synchronize()
+            if index >= warmup:
+                times[name].append(1000 * (time.perf_counter() - start))
+    return {name: sorted(values)[len(values) // 2] for name, values in times.items()}
 
 
 def time_experts(shape: MoeShape, *, device: torch.device, dtype: torch.dtype, steps: int, warmup: int,
@@ -113,14 +118,12 @@ def time_experts(shape: MoeShape, *, device: torch.device, dtype: torch.dtype, s
         for name in ("linear_fc1", "linear_fc2"):
             torch.stack([getattr(expert, name).weight.detach() for expert in grouped.local_experts])
 
-    timed = {}
-    for name, module in (("sequential", sequential), ("grouped", grouped)):
-        timed[name] = _median_ms(step(name, module), steps, warmup, device)
-        log(f"{name}: {timed[name]:.2f} ms per forward+backward")
+    timed = _median_ms({"sequential": step("sequential", sequential), "grouped": step("grouped", grouped),
+                        "stack": stack}, steps, warmup, device)
+    log(f"sequential {timed['sequential']:.2f} ms, grouped {timed['grouped']:.2f} ms per forward+backward")
     reference = outputs["sequential"].float()
     return {"sequential_ms": timed["sequential"], "grouped_ms": timed["grouped"],
-            "speedup": timed["sequential"] / timed["grouped"],
-            "stack_ms": _median_ms(stack, steps, warmup, device),
+            "speedup": timed["sequential"] / timed["grouped"], "stack_ms": timed["stack"],
             "output_relative_diff": float((outputs["grouped"].float() - reference).abs().max() / reference.abs().max())}
 
 
@@ -144,10 +147,11 @@ def format_markdown(result: dict, command: str) -> str:
         f"`{command}`", "",
         f"One MoE layer's experts: {s.experts} experts, top-{s.topk}, hidden {s.hidden}, expert FFN {s.ffn} (SwiGLU), "
         f"{s.tokens} tokens ({s.tokens * s.topk} expert rows, random routing), {result['dtype']} on {result['device']}; "
-        f"forward + backward, median of {result['steps']} steps after {result['warmup_steps']}.", "",
+        f"forward + backward, median of {result['steps']} steps after {result['warmup_steps']}, the two taking turns.", "",
         "| experts | ms per step | speed |", "|---|---|---|",
         f"| sequential (megatron SequentialMLP) | {result['sequential_ms']:.2f} | 1.00x |",
         f"| grouped (GroupedExperts) | {result['grouped_ms']:.2f} | {result['speedup']:.2f}x |", "",
-        f"Of the grouped step, stacking the expert weights (the copy made per forward): {result['stack_ms']:.2f} ms. "
+        f"Stacking the expert weights, the copy the grouped step makes per forward on CUDA (none on the CPU): "
+        f"{result['stack_ms']:.2f} ms. "
         f"Outputs within {result['output_relative_diff']:.1e} of the largest.", "",
         f"torch {env.get('torch')}, megatron-core {env.get('megatron.core')}, {env.get('platform')}.", ""])

@@ -163,7 +163,7 @@ class MoEConfig:
     vision_ffn_hidden_size: Optional[int] = None
     # How the routed experts compute (checkpoints are the same either way): "grouped", one grouped GEMM per
     # projection (torch._grouped_mm on CUDA, bf16); "sequential", megatron's SequentialMLP, one MLP call per
-    # expert; "auto", grouped on CUDA at bf16 (measured faster: docs/benchmarks/moe.md), else sequential.
+    # expert; "auto", grouped on CUDA at bf16, else sequential (the CPU's reference; docs/benchmarks/moe.md).
     experts: str = "auto"
 
     def problems(self, *, num_layers: int) -> list[str]:

@@ -17,8 +17,8 @@ make, so CPU results are the reference math (``grouped_linear``).
 
 Checkpoints are ``SequentialMLP``'s: the module IS a ``SeededSequentialMLP`` (the experts' linears and
 weights, their names, ``sharded_state_dict``, the seeded initialisation, the local experts under EP), with only
-``forward`` replaced; the weights are stacked per forward ([E, N, K], a copy of the expert weights, measured
-by ``loongforge bench moe``), and their gradients flow back to each expert's own weight. Conversion, resume and
+``forward`` replaced; on CUDA the weights are stacked per forward ([E, N, K], a copy of the expert weights,
+timed by ``loongforge bench moe``), and their gradients flow back to each expert's own weight. Conversion, resume and
 the HF mapping see no difference.
 
 A linear carrying a per-linear patch that the grouped GEMM would bypass (a LoRA adapter, FP8 GEMMs:
@@ -29,21 +29,26 @@ the decoder's config sets ``add_bias_linear=False``); a config with them is refu
 
 from __future__ import annotations
 
+from typing import Sequence
+
 import torch
 
 from loongforge.models.layers.initialization import SeededSequentialMLP
 
 
-def grouped_linear(rows: torch.Tensor, weight: torch.Tensor, tokens_per_expert: torch.Tensor) -> torch.Tensor:
-    """Each expert's rows times its weight transposed: ``rows`` [T, K] sorted by expert, ``weight`` [E, N, K],
-    ``tokens_per_expert`` [E] (summing to T) -> [T, N]. One ``torch._grouped_mm`` on CUDA; a loop of the plain
-    ``x @ w.t()`` megatron's linears compute elsewhere (the reference math)."""
+def grouped_linear(rows: torch.Tensor, weights: Sequence[torch.Tensor], tokens_per_expert: torch.Tensor) -> torch.Tensor:
+    """Each expert's rows times its weight transposed: ``rows`` [T, K] sorted by expert, ``weights`` E tensors
+    [N, K], ``tokens_per_expert`` [E] (summing to T) -> [T, N]. On CUDA one ``torch._grouped_mm`` over the
+    weights stacked to [E, N, K] (the kernel takes one tensor; the copy is what ``bench moe`` reports as
+    stacking); elsewhere a loop of the plain ``x @ w.t()`` megatron's linears compute (the reference math, no
+    copy)."""
     if rows.is_cuda:
         # offs[e]: the end row of expert e; int32, on the rows' device (the dispatcher counts on the host).
         offsets = torch.cumsum(tokens_per_expert.to(device=rows.device), 0).to(torch.int32)  # [E]
-        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)  # [T, N]
+        stacked = torch.stack(list(weights))  # [E, N, K]
+        return torch._grouped_mm(rows, stacked.transpose(1, 2), offs=offsets)  # [T, N]
     chunks = rows.split(tokens_per_expert.tolist())
-    return torch.cat([chunk @ expert_weight.t() for chunk, expert_weight in zip(chunks, weight)])  # [T, N]
+    return torch.cat([chunk @ weight.t() for chunk, weight in zip(chunks, weights)])  # [T, N]
 
 
 class GroupedExperts(SeededSequentialMLP):
@@ -66,8 +71,8 @@ class GroupedExperts(SeededSequentialMLP):
         if self.config.moe_apply_probs_on_input:  # top-1 routing: the weight scales the input instead
             hidden, probs = (probs.unsqueeze(-1) * hidden).to(hidden.dtype), torch.ones_like(probs)
         rows = hidden.reshape(-1, hidden.shape[-1])  # [T, H]
-        fc1 = torch.stack([expert.linear_fc1.weight for expert in self.local_experts])  # [E, N1, H]
-        fc2 = torch.stack([expert.linear_fc2.weight for expert in self.local_experts])  # [E, H, F]
+        fc1 = [expert.linear_fc1.weight for expert in self.local_experts]  # E x [N1, H]
+        fc2 = [expert.linear_fc2.weight for expert in self.local_experts]  # E x [H, F]
         intermediate = grouped_linear(rows, fc1, tokens_per_expert)  # [T, N1]
         intermediate = self._activation(intermediate)  # [T, F]
         scaled = (intermediate * probs.reshape(-1, 1)).to(intermediate.dtype)  # [T, F]

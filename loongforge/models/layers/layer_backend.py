@@ -17,8 +17,9 @@
 - ``grouped``: ``GroupedExperts``, one grouped GEMM per projection (``torch._grouped_mm`` on CUDA, bf16 only;
   elsewhere a loop over the experts with the same math);
 - ``sequential``: megatron-core's ``SequentialMLP`` (seeded per expert), one MLP call per expert;
-- ``auto``: ``grouped`` on CUDA at bf16, where its kernel runs and pays; else ``sequential`` (on the CPU the
-  grouped function is the same loop, measured no faster by ``loongforge bench moe``).
+- ``auto``: ``grouped`` on CUDA at bf16, where its kernel runs; else ``sequential``: on the CPU megatron's own
+  module stays the reference every other proof runs against (the grouped loop measured 1.3x faster there too,
+  ``loongforge bench moe``, docs/benchmarks/moe.md; pick it with ``grouped``).
 
 Both hold the same parameters under the same names, so a checkpoint written with one loads with the other.
 
