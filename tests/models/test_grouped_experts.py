@@ -137,6 +137,4 @@ def test_the_experts_setting_resolves_per_device_and_refuses_in_one_line():
                                           r"set training.precision=bf16 or use sequential$"):
         resolve_experts("grouped", "cuda", torch.float32)
     with pytest.raises(ConfigError, match=r"model.language.moe.experts='fast' is not one of auto, grouped, sequential"):
-        resolve_experts("fast", "cpu", torch.float32)
-    moe = dataclasses.replace(tiny_llm_cfg("qwen3_moe").language.moe, experts="fast")
-    assert "model.language.moe.experts='fast' must be one of auto, grouped, sequential." in moe.problems(num_layers=2)
+        resolve_experts("fast", "cpu", torch.float32)  # the config's own check: tests/config/test_validate.py

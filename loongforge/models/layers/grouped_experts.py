@@ -24,7 +24,9 @@ the HF mapping see no difference.
 A linear carrying a per-linear patch that the grouped GEMM would bypass (a LoRA adapter, FP8 GEMMs:
 ``models.layers.lora`` and ``models.layers.fp8`` install them on each expert linear) makes the layer run
 ``SequentialMLP``'s forward, whose linears run the patches. Expert linears hold no biases (no family has them:
-the decoder's config sets ``add_bias_linear=False``); a config with them is refused when the layer is built.
+the decoder's config sets ``add_bias_linear=False``); a config with them is refused when the layer is built. On
+CUDA the kernel reads bf16 rows aligned to 16 bytes: widths a multiple of 8 (every family's are); it raises its
+own error otherwise.
 """
 
 from __future__ import annotations
