@@ -49,8 +49,8 @@ def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpe
     """megatron-core's MoE layer: its top-k router, its token dispatcher (the one sort into expert order), the
     experts of ``modules.experts`` (one SwiGLU MLP of plain column/row linears each, drawn from their global
     expert index: run one by one, ``SeededSequentialMLP``, or by grouped GEMMs, ``GroupedExperts``);
-    ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The settings (softmax top-k, the dispatcher, the shared expert's width) are the TransformerConfig's
-    (``configs.experts``)."""
+    ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The settings (softmax top-k, the
+    dispatcher, the shared expert's width) are the TransformerConfig's (``configs.experts``)."""
     expert = MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
     shared = None
     if shared_expert:
