@@ -46,7 +46,7 @@ def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
 
 
 def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpec:
-    """megatron-core's MoE layer: its top-k router, its token dispatcher (the one sort into expert order), the
+    """megatron-core's MoE layer: its top-k router, its token dispatcher (the one sort into expert order, and back), the
     experts of ``modules.experts`` (one SwiGLU MLP of plain column/row linears each, drawn from their global
     expert index: run one by one, ``SeededSequentialMLP``, or by grouped GEMMs, ``GroupedExperts``);
     ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The settings (softmax top-k, the

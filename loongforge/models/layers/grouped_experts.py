@@ -1,6 +1,7 @@
 """Grouped-GEMM experts: every local expert's projection in one grouped matrix multiply.
 
-megatron-core's MoE layer sorts the tokens into expert order once (its token dispatcher's ``permute``), hands
+megatron-core's MoE layer sorts the tokens into expert order once (its token dispatcher's ``permute``: one
+``masked_select`` of token indices over the expert-major routing map, a counting sort with no loop), hands
 the experts the sorted rows with each expert's row count and each row's routing weight, and adds the rows back
 to their tokens after (``unpermute``). ``SequentialMLP`` then runs one MLP per expert in a Python loop: on a
 GPU 3 GEMMs and a few elementwise kernels per expert, 128 experts a layer in Qwen3-30B-A3B. ``GroupedExperts``
