@@ -26,7 +26,7 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "c_bench": "c. bench model: forward+backward tokens/s, MFU, vs transformers",
           "d_pytest": "d. CPU test suite (fast part) on the GPU machine",
           "e_cost": "e. profile --sweep + fit-cost (CUDA-event timing)",
-          "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher)",
+          "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher), bench moe: grouped vs sequential experts",
           "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training",
           "h_hybrid": "h. Qwen3.5: the device's gated delta rule vs the token-by-token rule, train qwen3.5-tiny, "
                       "bench hybrid"}
@@ -35,6 +35,9 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
 RULE_TOLERANCE = 5e-3
 RULE_LENGTHS = (37, 300, 1000)  # a packed row: a short sample, chunk boundaries inside the others
 PARITY_TOLERANCE = 1e-4
+# Grouped vs sequential experts' outputs relative to the largest (bf16 on CUDA: the two sum in different
+# orders, each output rounded to bf16's 8 bits, 3.9e-3 apart at most per rounding).
+MOE_OUTPUT_TOLERANCE = 2e-2
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
                 "two_images": {"images": ((1, 8, 12), (1, 20, 16))}, "video": {"videos": ((2, 8, 8),)}}
@@ -279,10 +282,34 @@ def check_moe(work: Path, args) -> tuple[bool, dict, str]:
     measured = [v for v in balance + load if v is not None]
     ok = (steps == list(range(1, args.steps + 1)) and all(map(math.isfinite, losses + measured))
           and len(measured) == 2 * len(records) and last < args.max_loss_ratio * first)
-    return ok, figures, (f"steps 1-{steps[-1] if steps else 0} ({len(steps)} logged), loss {first:.3f} "
-                         f"(first {window}) -> {last:.3f} (last {window}), must fall below "
-                         f"{args.max_loss_ratio:.2f}x; balance loss {figures['load_balancing_loss_last']}, "
-                         f"experts max/mean {figures['expert_load_max_over_mean_last']}")
+    experts_ok, experts_text = _moe_experts(work, args, figures)
+    return ok and experts_ok, figures, (
+        f"steps 1-{steps[-1] if steps else 0} ({len(steps)} logged), loss {first:.3f} "
+        f"(first {window}) -> {last:.3f} (last {window}), must fall below "
+        f"{args.max_loss_ratio:.2f}x; balance loss {figures['load_balancing_loss_last']}, "
+        f"experts max/mean {figures['expert_load_max_over_mean_last']}; {experts_text}")
+
+
+def _moe_experts(work: Path, args, figures: dict) -> tuple[bool, str]:
+    """The run's experts (its ``layers:`` line) and ``bench moe``'s grouped vs sequential figures, into
+    ``figures``: (passed, the summary's words)."""
+    log = (work / "f_moe.log").read_text(errors="replace") if (work / "f_moe.log").exists() else ""
+    bench = json.loads((work / "f_bench.result.json").read_text())
+    trained = f"experts: {args.experts}" in log
+    figures.update({"experts_trained": args.experts if trained else None, "bench_shape": bench["shape"],
+                    "sequential_ms": bench["sequential_ms"], "grouped_ms": bench["grouped_ms"],
+                    "grouped_speedup": bench["speedup"], "stack_ms": bench["stack_ms"],
+                    "output_relative_diff": bench["output_relative_diff"]})
+    ok = trained and bench["output_relative_diff"] <= MOE_OUTPUT_TOLERANCE
+    target = "target not enforced in the rehearsal"
+    if args.min_speedup is not None:
+        ok, target = ok and bench["speedup"] >= args.min_speedup, f"target >= {args.min_speedup:.1f}x"
+    shape = bench["shape"]
+    return ok, (f"trained with {args.experts} experts{'' if trained else ' NOT seen in the log'}; bench moe "
+                f"({shape['experts']} experts top-{shape['topk']}, hidden {shape['hidden']}, FFN {shape['ffn']}, "
+                f"{bench['dtype']}): grouped {bench['grouped_ms']:.2f} ms vs sequential {bench['sequential_ms']:.2f} ms "
+                f"= {bench['speedup']:.2f}x ({target}; weight stacking {bench['stack_ms']:.2f} ms), outputs within "
+                f"{bench['output_relative_diff']:.1e} (<= {MOE_OUTPUT_TOLERANCE:.0e})")
 
 
 def _fp8_run(work: Path, mode: str, steps: int) -> dict:
@@ -479,6 +506,8 @@ def main(argv=None) -> int:
     p.add_argument("--max-loss-ratio", type=float, default=0.9, help="a_train, f_moe: last/first loss below this")
     p.add_argument("--require-baseline", action="store_true", help="c_bench: transformers must have run")
     p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
+    p.add_argument("--experts", default="grouped", help="f_moe: the experts the run's layers line must name")
+    p.add_argument("--min-speedup", type=float, default=None, help="f_moe: grouped / sequential experts at least")
     p.add_argument("--min-ratio", type=float, default=None, help="g_fp8: fp8-auto / bf16 tokens/s at least")
     p.add_argument("--max-loss-diff", type=float, default=None, help="g_fp8: relative final-loss difference at most")
     p.add_argument("--rule", default="fla", help="h_hybrid: the gated delta rule the device must pick (fla | torch)")

@@ -22,8 +22,11 @@
 #   e. `loongforge profile --sweep` + `loongforge fit-cost` on the stack of c (CUDA-event timing):
 #      held-out median per-micro-batch error of the cost model, target <= 5%;
 #   f. train qwen3-moe-tiny on CUDA in bf16 (megatron-core's MoE layer, all-to-all dispatcher, the
-#      router without Transformer Engine): every step logged, the loss falls, balance loss and
-#      tokens per expert logged. Run before d, whose time is the least GPU-specific;
+#      router without Transformer Engine, grouped-GEMM experts: model.language.moe.experts=auto picks
+#      them on CUDA): every step logged, the loss falls, balance loss and tokens per expert logged; then
+#      `loongforge bench moe` at Qwen3-30B-A3B's layer shapes (128 experts, top-8, hidden 2048, expert
+#      FFN 768, bf16): grouped vs sequential experts, target >= 1.8x. Run before d, whose time is the
+#      least GPU-specific;
 #   h. Qwen3.5 (hybrid linear attention): the device's gated delta rule (fla's Triton kernel on CUDA) vs
 #      the token-by-token rule on a packed row, values and gradients; qwen3.5-tiny trained in bf16, the
 #      loss falls; `loongforge bench hybrid` at 2k/8k/32k tokens beside all attention and all linear.
@@ -117,11 +120,13 @@ gpu_settings() {
   export PYTEST_PATHS="tests"
   export PROFILE_STEPS=24 PROFILE_WARMUP=2 PROFILE_BATCH=4 COST_TARGET=5
   export MOE_STEPS=20 MOE_EXTRA="" MOE_LOSS_RATIO=0.95
+  # The bench's defaults on CUDA are Qwen3-30B-A3B's layer shapes in bf16 (issue 54's target: >= 1.8x).
+  export MOE_BENCH_ARGS="--steps 5 --warmup-steps 2" MOE_TARGETS="--experts grouped --min-speedup 1.8"
   export FP8_TP="1 2 4" FP8_STEPS=100 FP8_GEMM_ARGS="--steps 10 --warmup-steps 3" FP8_TARGETS="--min-ratio 1.15 --max-loss-diff 0.01"
   export HYBRID_PRESET=qwen3.5-tiny HYBRID_STEPS=20 HYBRID_EXTRA="" HYBRID_LENGTHS=2048,8192,32768 HYBRID_RULE=fla
   # Run order a b c f h g e d: d (CPU tests) is the least GPU-specific and gets what is left.
   # Measured on the H200 (2026-12-04, docs/benchmarks/gpu.md): fla's Triton autotuning takes ~1 min of h.
-  export LIMIT_A=60 LIMIT_B=35 LIMIT_C=60 LIMIT_D=60 LIMIT_E=70 LIMIT_F=40 LIMIT_G=110 LIMIT_H=140
+  export LIMIT_A=60 LIMIT_B=35 LIMIT_C=60 LIMIT_D=60 LIMIT_E=70 LIMIT_F=60 LIMIT_G=110 LIMIT_H=140
 }
 
 rehearsal_settings() {
@@ -134,7 +139,8 @@ rehearsal_settings() {
   export BENCH_STEPS=2 BENCH_WARMUP=1 BENCH_DTYPE=fp32
   export PYTEST_ARGS="" PYTEST_PATHS="tests/scripts/test_gpu_check.py"
   export PROFILE_STEPS=6 PROFILE_WARMUP=1 PROFILE_BATCH=4 COST_TARGET=""
-  export MOE_STEPS=4 MOE_LOSS_RATIO=1.0
+  export MOE_STEPS=4 MOE_LOSS_RATIO=1.0 MOE_TARGETS="--experts sequential"
+  export MOE_BENCH_ARGS="--experts 8 --topk 2 --hidden 64 --ffn 32 --tokens 128 --steps 1 --warmup-steps 0"
   export FP8_TP="1" FP8_STEPS=3 FP8_GEMM_ARGS="--tokens 16 --steps 1 --warmup-steps 0" FP8_TARGETS=""
   export MOE_EXTRA="model.language.num_layers=2 data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
   export HYBRID_PRESET=qwen3.5-tiny-small-vocab HYBRID_STEPS=4 HYBRID_LENGTHS=128,256 HYBRID_RULE=torch
@@ -203,7 +209,9 @@ step_f_moe() {
   # shellcheck disable=SC2086
   run loongforge train --preset "$MOE_PRESET" training.device="$DEVICE" training.precision="$TRAIN_DTYPE" \
     training.train_steps="$MOE_STEPS" -o "$WORK/moe" logging.log_interval=1 logging.progress_bar=false \
-    logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA
+    logging.tensorboard=false checkpoint.save_at_end=false $MOE_EXTRA || return 1
+  # shellcheck disable=SC2086
+  run loongforge bench moe --device "$DEVICE" $MOE_BENCH_ARGS --output "$WORK/f_bench.result.json"
 }
 
 step_h_hybrid() {
@@ -251,7 +259,7 @@ check_args() {  # per-step options of `gpu_check.py check`
     a_train) echo "--steps $TRAIN_STEPS --exit-at $TRAIN_EXIT --max-loss-ratio $TRAIN_LOSS_RATIO" ;;
     c_bench) echo "--require-baseline" ;;
     e_cost) [ -n "$COST_TARGET" ] && echo "--target $COST_TARGET" ;;
-    f_moe) echo "--steps $MOE_STEPS --max-loss-ratio $MOE_LOSS_RATIO" ;;
+    f_moe) echo "--steps $MOE_STEPS --max-loss-ratio $MOE_LOSS_RATIO $MOE_TARGETS" ;;
     g_fp8) echo "--steps $FP8_STEPS $FP8_TARGETS" ;;
     h_hybrid) echo "--steps $HYBRID_STEPS --max-loss-ratio $TRAIN_LOSS_RATIO --rule $HYBRID_RULE" ;;
   esac
@@ -303,7 +311,7 @@ install_wheels() {
 copy_to_out() {  # the device tool brings back at most 8 files from $OUT
   [ -n "${OUT:-}" ] && [ -d "$OUT" ] || return 0
   cp "$REPORT" "$OUT/gpu.md"
-  # machine.json is inside gpu_results.json; h's bench takes its place among the 8 files.
+  # machine.json and f_moe's bench are inside gpu_results.json; h's bench takes its place among the 8 files.
   for f in gpu_results.json c_bench.result.json e_cost.json h_bench.result.json fp8/policy_tp1.json fp8/policy_tp1.png; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
   done

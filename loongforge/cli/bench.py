@@ -205,6 +205,58 @@ def _show_result(result: dict, text: str, output: Optional[Path], as_json: bool)
         typer.echo(f"wrote {output}")
 
 
+@app.command("moe")
+def moe(
+    experts: Annotated[Optional[int], typer.Option(
+        "--experts", min=1, metavar="N", show_default=False, help="Experts of the layer. Default: 128.")] = None,
+    topk: Annotated[Optional[int], typer.Option(
+        "--topk", min=1, metavar="K", show_default=False, help="Experts per token. Default: 8.")] = None,
+    hidden: Annotated[Optional[int], typer.Option(
+        "--hidden", min=1, metavar="H", show_default=False,
+        help="Hidden size. Default: 2048 on CUDA (Qwen3-30B-A3B), 512 on the CPU.")] = None,
+    ffn: Annotated[Optional[int], typer.Option(
+        "--ffn", min=1, metavar="F", show_default=False,
+        help="Each expert's FFN width. Default: 768 on CUDA (Qwen3-30B-A3B), 192 on the CPU.")] = None,
+    tokens: Annotated[Optional[int], typer.Option(
+        "--tokens", min=1, metavar="T", show_default=False,
+        help="Tokens into the layer (T x topk expert rows). Default: 8192 on CUDA, 1024 on the CPU.")] = None,
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps per module.")] = 5,
+    warmup_steps: Annotated[int, typer.Option("--warmup-steps", min=0, metavar="N", help="Untimed steps first.")] = 2,
+    device: Annotated[str, typer.Option("--device", metavar="auto|cpu|cuda", help="Where to run.")] = "auto",
+    dtype: Annotated[Optional[str], typer.Option(
+        "--dtype", metavar="bf16|fp32", show_default=False,
+        help="Weights and activations. Default: bf16 on CUDA (torch._grouped_mm's), fp32 on the CPU.")] = None,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="RESULT.json|RESULT.md", show_default=False,
+        help="Also write the result: JSON (.json) or markdown with the command (any other suffix).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object only.")] = False,
+) -> None:
+    """Grouped-GEMM experts (model.language.moe.experts=grouped) against megatron's SequentialMLP: one MoE
+    layer's experts, forward + backward, at Qwen3-30B-A3B's shapes on CUDA and a quarter of its widths on the CPU."""
+    import dataclasses
+    import sys
+
+    from loongforge.bench.moe import CPU_SHAPE, QWEN3_30B_A3B, format_markdown, run_moe_bench
+    from loongforge.parallel.distributed import resolve_device
+
+    with cli_errors():
+        if device not in ("auto", "cpu", "cuda"):
+            raise UsageError(f"--device {device!r} is not one of auto | cpu | cuda")
+        on_cuda = resolve_device(device).type == "cuda"
+        dtype = dtype or ("bf16" if on_cuda else "fp32")
+        if dtype not in ("bf16", "fp32"):
+            raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
+        given = {"experts": experts, "topk": topk, "hidden": hidden, "ffn": ffn, "tokens": tokens}
+        shape = dataclasses.replace(QWEN3_30B_A3B if on_cuda else CPU_SHAPE,
+                                    **{k: v for k, v in given.items() if v is not None})
+        if shape.topk > shape.experts:
+            raise UsageError(f"--topk {shape.topk} is more than --experts {shape.experts}")
+        result = run_moe_bench(shape, device="cuda" if on_cuda else "cpu", dtype=dtype, steps=steps,
+                               warmup=warmup_steps, log=lambda message: typer.echo(f"... {message}", err=True))
+        result["command"] = " ".join(["loongforge", *sys.argv[1:]])
+        _show_result(result, format_markdown(result, result["command"]), output, as_json)
+
+
 @app.command("model")
 def model(
     overrides: Annotated[Optional[list[str]], typer.Argument(

@@ -21,6 +21,7 @@ from typing import Optional
 from loongforge.config.moved_keys import move_into_section
 
 LANGUAGE_KEY = "model.language"
+EXPERT_KINDS = ("auto", "grouped", "sequential")  # model.language.moe.experts
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
 
 
@@ -160,12 +161,18 @@ class MoEConfig:
     # the ffn_hidden_size experts. Each set's router chooses by softmax plus a fixed per-expert bias (carried
     # in checkpoints, not trained) and weighs by the renormalised softmax. null: one set for every token.
     vision_ffn_hidden_size: Optional[int] = None
+    # How the routed experts compute (checkpoints are the same either way): "grouped", one grouped GEMM per
+    # projection (torch._grouped_mm on CUDA, bf16); "sequential", megatron's SequentialMLP, one MLP call per
+    # expert; "auto", grouped on CUDA at bf16, else sequential (the CPU's reference; docs/benchmarks/moe.md).
+    experts: str = "auto"
 
     def problems(self, *, num_layers: int) -> list[str]:
         key = self.KEY
         if self.num_experts < 1:
             return [f"{key}.num_experts={self.num_experts} must be at least 1 (a dense model sets {key}: null)."]
         errors = []
+        if self.experts not in EXPERT_KINDS:
+            errors.append(f"{key}.experts={self.experts!r} must be one of {', '.join(EXPERT_KINDS)}.")
         if self.ffn_hidden_size is None or self.ffn_hidden_size < 1:
             errors.append(f"{key}.ffn_hidden_size={self.ffn_hidden_size} must be at least 1 (each expert's MLP width).")
         shared = self.shared_expert_ffn_hidden_size

@@ -284,6 +284,8 @@ def test_moe_fields_are_checked_with_the_fix():
     assert "must not be negative" in coeff
     (dense,) = errors_for("model.language.moe.first_dense_layers=99", preset="qwen3-moe-tiny")
     assert dense.startswith("model.language.moe.first_dense_layers=99 must lie in 0..")
+    (experts,) = errors_for("model.language.moe.experts=fast", preset="qwen3-moe-tiny")
+    assert experts == "model.language.moe.experts='fast' must be one of auto, grouped, sequential."
     assert load_run_config("qwen3-moe-tiny", overrides=["model.language.moe=null"]).model.language.moe is None
 
 

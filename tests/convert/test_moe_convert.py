@@ -1,7 +1,10 @@
 """Qwen3-MoE through ``loongforge convert``: the HF folder transformers 5 saves (one tensor per expert
 and projection) -> a megatron checkpoint (experts stacked on (layer, expert) axes, as megatron-core's
 ``SequentialMLP`` shards them) -> HF again, bit-exact; the megatron checkpoint loads into the model,
-which then gives transformers' logits (through ``--check-logits`` too: test_check_logits[qwen3_moe])."""
+which then gives transformers' logits (through ``--check-logits`` too: test_check_logits[qwen3_moe]), with
+grouped-GEMM experts here (``model.language.moe.experts=grouped``: the same checkpoint names as SequentialMLP's,
+which ``--check-logits`` builds on the CPU); a grouped run's checkpoint back to HF bit-exact:
+tests/train/test_moe_ep_train.py."""
 
 from __future__ import annotations
 
@@ -12,6 +15,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.convert.engine import hf_to_mcore, mcore_to_hf
 from tests.convert.helpers import invoke
 from tests.models.llm_helpers import build_hf_llm, text_positions, tiny_llm_cfg
+from tests.models.test_grouped_experts import with_experts
 
 ARCH = "qwen3_moe"
 # 2 layers x 4 experts x 3 projections, 2 x (q, k, v, o, q_norm, k_norm, 2 norms, router), the
@@ -45,8 +49,9 @@ def test_converted_checkpoint_loads_into_the_model_and_back(megatron_world_of_on
 
     hf_model = _save(tmp_path / "hf")
     hf_to_mcore(tmp_path / "hf", tmp_path / "mcore", progress=False)
-    model = build_model(tiny_llm_cfg(ARCH), ParallelConfig(), params_dtype=torch.float32, pre_process=True,
-                        post_process=True, device="cpu").eval()
+    model = build_model(with_experts(tiny_llm_cfg(ARCH), "grouped"), ParallelConfig(), params_dtype=torch.float32,
+                        pre_process=True, post_process=True, device="cpu").eval()
+    assert "experts: grouped" in model.layer_backends["language"]
     load_checkpoint(tmp_path / "mcore", [model], optimizer=None, scheduler=None)
     input_ids = torch.randint(0, 300, (1, 32), generator=torch.Generator().manual_seed(0))
     with torch.no_grad():

@@ -1,7 +1,9 @@
 """Expert parallelism equal to transformers, every reference with routed experts (``EP_REFERENCES``): ONE launch of
 two ranks that loops over them. Each rank feeds a text sample of its own (seed = its rank) through the model with its
 experts split over EP 2 (half of each layer's on each rank, its tokens reaching the other half by all-to-all), and
-its logits are compared with transformers' on the same sample."""
+its logits are compared with transformers' on the same sample. The same launch then builds Qwen2-MoE (3 of its 6
+experts on each rank, a gated shared expert) with grouped and with sequential experts (``GROUPED_REFERENCE``) and
+compares their logits and every gradient."""
 
 from __future__ import annotations
 
@@ -16,6 +18,7 @@ from loongforge.config.schema import ParallelConfig
 from loongforge.models.hf.weights import load_hf_state_dict
 from tests.models.helpers import destroy_megatron, free_port, limit_threads, run_workers
 from tests.models.references import REFERENCES, reference_logits
+from tests.models.test_grouped_experts import BOUND, gradients, with_experts, worst_difference
 
 EP_WORLD = 2
 # The references whose experts split over EP (the text family's MoE architectures and the vision MoE families);
@@ -23,6 +26,7 @@ EP_WORLD = 2
 EP_REFERENCES = [name for name, reference in REFERENCES.items()
                  if reference.model_cfg().language.moe is not None and name != "ernie4_5_vl"]
 TOLERANCE = 1e-5
+GROUPED_REFERENCE = "qwen2_moe"
 
 
 def _worker(rank: int, port: int, workdir: str) -> None:
@@ -48,8 +52,29 @@ def _worker(rank: int, port: int, workdir: str) -> None:
         expected = reference_logits(hf_model, case)
         scale = float(expected.abs().max()) if reference.relative else 1.0
         lines.append(f"{name} {float((ours - expected).abs().max()) / scale}")
+    lines += _grouped_against_sequential(rank)
     (Path(workdir) / f"rank{rank}.txt").write_text("\n".join(lines))
     destroy_megatron()
+
+
+def _grouped_against_sequential(rank: int) -> list[str]:
+    """Lines ``grouped_logits`` / ``grouped_gradients``: the largest differences of this rank's logits and
+    gradients (its experts', the replicated rest's) between grouped and sequential experts at EP 2."""
+    reference = REFERENCES[GROUPED_REFERENCE]
+    hf_model = reference.hf_model(reference.model_cfg())
+    logits, grads = {}, {}
+    for experts in ("sequential", "grouped"):
+        model_cfg = with_experts(reference.model_cfg(), experts)
+        model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD, world_size=EP_WORLD))
+        load_hf_state_dict(model, hf_model.state_dict())
+        case = reference.sample(model_cfg, hf_model, seed=rank)
+        logits[experts] = model(**case.ours)  # [1, s, V]
+        weights = torch.randn(logits[experts].shape, generator=torch.Generator().manual_seed(rank))
+        (logits[experts] * weights).sum().backward()
+        grads[experts] = gradients(model)
+    assert any(".local_experts." in name for name in grads["grouped"])
+    return [f"grouped_logits {float((logits['grouped'] - logits['sequential']).abs().max())}",
+            f"grouped_gradients {worst_difference(grads['grouped'], grads['sequential'])}"]
 
 
 @pytest.fixture(scope="module")
@@ -69,3 +94,9 @@ def test_expert_parallel_2_equals_transformers(differences, name):
     bound = REFERENCES[name].tolerance if not REFERENCES[name].relative else 3e-5
     print(f"\n{name} EP 2: logits within {differences[name]:.1e} of transformers' (asserted {bound:.0e})")
     assert differences[name] <= bound
+
+
+def test_grouped_experts_equal_sequential_at_expert_parallel_2(differences):
+    print(f"\n{GROUPED_REFERENCE} EP 2, grouped vs sequential experts: logits {differences['grouped_logits']:.1e}, "
+          f"every gradient {differences['grouped_gradients']:.1e} (asserted {BOUND:.0e})")
+    assert differences["grouped_logits"] <= BOUND and differences["grouped_gradients"] <= BOUND

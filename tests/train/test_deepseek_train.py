@@ -7,7 +7,9 @@ EP 2 x TP 2 (sequence parallel) and pipeline parallel 2 (the dense layer on one 
 the other) give one process's losses, grad norms and tokens per expert over 2 steps, and the very same
 expert bias; EP 2 x TP 2 stopped after step 1 and resumed is bit-identical, the bias included. With a
 multi-token-prediction layer the step logs its loss, and PP 2 (the MTP layer and a copy of the embedding on
-the last stage) trains like one process. PP 2 is proven with the MTP layer (one launch for both claims)."""
+the last stage) trains like one process. PP 2 is proven with the MTP layer (one launch for both claims). EP 2 x
+TP 2 computes its experts with grouped GEMMs (``model.language.moe.experts=grouped``; the others with megatron's
+SequentialMLP), so its equality with one process and its bit-identical resume hold for grouped experts too."""
 
 from __future__ import annotations
 
@@ -45,7 +47,7 @@ LAYOUTS = {
     "ep1": ((), 1),
     "ep2": (EP2, 2),
     "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                 "parallel.expert_tensor_parallel_size=1"), 4),
+                 "parallel.expert_tensor_parallel_size=1", "model.language.moe.experts=grouped"), 4),
 }
 BIAS = "mlp.router.expert_bias"
 

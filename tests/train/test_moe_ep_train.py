@@ -10,7 +10,10 @@ EP 1 (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam m
 checkpoint (expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout
 with the expert bias's state besides: this module's own resume of it was a 4-rank launch for the same
 sharding of the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
-step: every layout gives EP 1's validation loss."""
+step: every layout gives EP 1's validation loss. The EP 2 x TP 2 run and the HF run compute with grouped-GEMM
+experts (``model.language.moe.experts=grouped``; EP 1 with megatron's SequentialMLP, the CPU's default): the
+same losses, moments and weights under the same checkpoint names, and HF weights through the grouped run come
+back bit-exact."""
 
 from __future__ import annotations
 
@@ -39,7 +42,8 @@ from tests.train.conftest import (
 
 PRESET = "qwen3-moe-tiny-small-vocab"
 # About 3x the worst measured over ep2 (a job of its own then), ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
-# losses and grad norms 3.5e-8, load-balancing losses 1.2e-7; Adam moments 5.0e-7, weights 3.1e-7.
+# losses and grad norms 3.5e-8, load-balancing losses 1.2e-7; Adam moments 5.1e-7, weights 3.7e-7 (ep2-tp2 with grouped
+# experts, 2026-12-08).
 REL = 3e-7
 STATE_REL = 1.5e-6
 STEPS = 2
@@ -50,10 +54,11 @@ OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", SAVE_AT_END,
            "model.language.moe.aux_loss_coeff=0.01", "optimizer.adam_eps=1e-6", "data.read=global",
            f"data.valid_paths=[alpaca={SHARED_DATA / 'llamafactory' / 'alpaca_en_demo.json'}]", "training.eval_iters=1")
 EP2 = ("parallel.expert_model_parallel_size=2",)
+GROUPED = "model.language.moe.experts=grouped"  # one grouped GEMM per projection (models.layers.grouped_experts)
 LAYOUTS = {
     "ep1": ((), 2),
     "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
-                 "parallel.expert_tensor_parallel_size=1"), 4),
+                 "parallel.expert_tensor_parallel_size=1", GROUPED), 4),
     # Two pipeline stages of one MoE layer each; rows padded to the full sequence there.
     "ep2-pp2": ((*EP2, "parallel.pipeline_model_parallel_size=2"), 4),
 }
@@ -88,6 +93,8 @@ def test_moe_run_learns_and_logs_its_experts(runs):
 def test_expert_layout_trains_like_one_expert_group(runs, layout):
     run, reference = runs[layout], runs["ep1"]
     assert len(losses(reference)) == STEPS
+    experts = "grouped" if GROUPED in LAYOUTS[layout][0] else "sequential"
+    assert f"experts: {experts})" in (run / "console.txt").read_text()
     assert_close_relative(losses(run), losses(reference), REL)
     assert_close_relative(grad_norms(run), grad_norms(reference), REL)
     assert_close_relative(step_metric(run, "load_balancing_loss"), step_metric(reference, "load_balancing_loss"), REL)
@@ -113,16 +120,16 @@ def test_expert_layout_trains_like_one_expert_group(runs, layout):
 
 
 def test_hf_weights_through_an_ep2_run_come_back_bit_exact(runs, tmp_path):
-    """The EP-2 x PP-2 run's checkpoint as HF (one tensor per expert), loaded into a new EP-2 run
-    (``checkpoint.load_hf``: each rank its experts), saved after a step at learning rate 0 and
+    """The EP-2 x PP-2 run's checkpoint as HF (one tensor per expert), loaded into a new EP-2 run of grouped
+    experts (``checkpoint.load_hf``: each rank its experts), saved after a step at learning rate 0 and
     converted back: every tensor equal."""
     hf = tmp_path / "hf"
     mcore_to_hf(final_checkpoint(runs["ep2-pp2"]), hf, progress=False)
     start = hf_tensors(hf)
     assert any(".mlp.experts.7." in key for key in start)  # the second EP rank's last expert
     from_hf = tmp_path / "from_hf"
-    run_train(from_hf, *OPTIONS, *EP2, f"checkpoint.load_hf={hf}", "optimizer.lr=0", "optimizer.min_lr=0",
-              "training.train_steps=1", nproc=2, preset=PRESET)
+    run_train(from_hf, *OPTIONS, *EP2, GROUPED, f"checkpoint.load_hf={hf}", "optimizer.lr=0",
+              "optimizer.min_lr=0", "training.train_steps=1", nproc=2, preset=PRESET)
     back = tmp_path / "back"
     mcore_to_hf(final_checkpoint(from_hf), back, progress=False)
     end = hf_tensors(back)

@@ -19,6 +19,7 @@ from loongforge.models.hf.rules import padded_vocab_size
 from loongforge.models.layers.layer_backend import (
     BlockModules,
     block_modules,
+    resolve_experts,
     resolve_layer_backend,
 )
 from loongforge.parallel import mcore_patches
@@ -54,8 +55,15 @@ def build_context(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, param
     return BuildContext(device=device, on_cpu=on_cpu,
                         init_seed=torch.initial_seed() if init_seed is None else init_seed,
                         modules=block_modules(resolve_layer_backend(model_cfg.layer_backend, device, params_dtype), device,
-                                              linear_attention_layers=model_cfg.language.linear_attention is not None),
+                                              linear_attention_layers=model_cfg.language.linear_attention is not None,
+                                              experts=_experts(model_cfg, device, params_dtype)),
                         pgs=pgs, encoder_cp=_single_rank_group(pgs.cp))
+
+
+def _experts(model_cfg: ModelConfig, device: torch.device, params_dtype: torch.dtype) -> Optional[str]:
+    """The routed experts' module (``model.language.moe.experts`` resolved); None without experts."""
+    moe = model_cfg.language.moe
+    return None if moe is None else resolve_experts(moe.experts, device, params_dtype)
 
 
 def build_language_model(model_cfg: ModelConfig, language_config, modules: BlockModules,

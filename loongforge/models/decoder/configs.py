@@ -196,8 +196,10 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
     softmaxes over those k alone, which is the renormalised top-k of the full softmax
     (exp(l_i) / sum_k exp(l_k) either way); with ``moe_router_pre_softmax`` it softmaxes over all
     experts first and keeps the k probabilities as they are (``norm_topk_prob: false``).
-    Experts are ``SequentialMLP`` (plain linears per expert: no grouped GEMM, which needs CUDA
-    kernels), ``num_experts / expert_model_parallel_size`` of them on each rank; tokens reach them
+    Experts hold plain linears per expert (megatron's ``SequentialMLP`` layout, whichever module
+    ``model.language.moe.experts`` picks to compute them: ``layer_backend.resolve_experts``; megatron's own
+    ``moe_grouped_gemm`` stays off, its kernels are Transformer Engine's or grouped_gemm's),
+    ``num_experts / expert_model_parallel_size`` of them on each rank; tokens reach them
     through the all-to-all dispatcher (on the CPU its CUDA stream is a stand-in:
     ``parallel.mcore_patches``). No expert bias, no token dropping. A shared expert (Qwen3.5-MoE) is
     megatron's gated ``SharedExpertMLP``: sigmoid(x . gate) times its SwiGLU output, added to the routed.

@@ -35,7 +35,7 @@ from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaN
 from loongforge.models.decoder.modality_moe import modality_moe_spec
 from loongforge.models.layers.layer_qk_norm import LayerQKNorm
 from loongforge.models.decoder.sliding_attention import SlidingWindowAttention, SlidingWindowAttentionSubmodules
-from loongforge.models.layers.initialization import SeededSequentialMLP, SeededTransformerLayer
+from loongforge.models.layers.initialization import SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 
 
@@ -46,11 +46,11 @@ def projector_mlp_submodules(modules: BlockModules) -> MLPSubmodules:
 
 
 def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpec:
-    """megatron-core's MoE layer: its top-k router, its token dispatcher, ``SequentialMLP`` experts
-    (one SwiGLU MLP of plain column/row linears each, drawn from their global expert index:
-    ``SeededSequentialMLP``); ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The
-    settings (softmax top-k, the dispatcher, the shared expert's width) are the TransformerConfig's
-    (``configs.experts``)."""
+    """megatron-core's MoE layer: its top-k router, its token dispatcher (the one sort into expert order, and back), the
+    experts of ``modules.experts`` (one SwiGLU MLP of plain column/row linears each, drawn from their global
+    expert index: run one by one, ``SeededSequentialMLP``, or by grouped GEMMs, ``GroupedExperts``);
+    ``shared_expert``: megatron's gated ``SharedExpertMLP`` beside them. The settings (softmax top-k, the
+    dispatcher, the shared expert's width) are the TransformerConfig's (``configs.experts``)."""
     expert = MLPSubmodules(linear_fc1=modules.column_linear, linear_fc2=modules.row_linear)
     shared = None
     if shared_expert:
@@ -58,7 +58,7 @@ def moe_spec(modules: BlockModules, *, shared_expert: bool = False) -> ModuleSpe
         shared = ModuleSpec(module=SharedExpertMLP, submodules=MLPSubmodules(
             linear_fc1=modules.column_linear, linear_fc2=modules.row_linear))
     return ModuleSpec(module=MoELayer, submodules=MoESubmodules(
-        experts=ModuleSpec(module=SeededSequentialMLP, submodules=expert), shared_experts=shared))
+        experts=ModuleSpec(module=modules.experts_module, submodules=expert), shared_experts=shared))
 
 
 def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, *,

@@ -12,6 +12,17 @@
 - ``auto``: ``te`` where it can run, else ``flash`` where it can, else ``sdpa``. Never a kernel that
   cannot run the device and dtype.
 
+``model.language.moe.experts`` selects the routed experts' module the same way (``resolve_experts``):
+
+- ``grouped``: ``GroupedExperts``, one grouped GEMM per projection (``torch._grouped_mm`` on CUDA, bf16 only;
+  elsewhere a loop over the experts with the same math);
+- ``sequential``: megatron-core's ``SequentialMLP`` (seeded per expert), one MLP call per expert;
+- ``auto``: ``grouped`` on CUDA at bf16, where its kernel runs; else ``sequential``: on the CPU megatron's own
+  module stays the reference every other proof runs against (the grouped loop measured 1.3x faster there too,
+  ``loongforge bench moe``, docs/benchmarks/moe.md; pick it with ``grouped``).
+
+Both hold the same parameters under the same names, so a checkpoint written with one loads with the other.
+
 Every backend names its weights the same way (``state_dict_names``): the local blocks fuse their
 pre-norms into the following linear too (``RMSNormColumnParallelLinear``), so a checkpoint written
 with one backend loads with another.
@@ -30,13 +41,18 @@ from megatron.core.tensor_parallel.layers import ColumnParallelLinear, RowParall
 from megatron.core.transformer.transformer_config import TransformerConfig
 
 from loongforge.config.errors import ConfigError
+from loongforge.config.language_parts import EXPERT_KINDS
 from loongforge.models.decoder import linear_attention
 from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention
+from loongforge.models.layers.grouped_experts import GroupedExperts
+from loongforge.models.layers.initialization import SeededSequentialMLP
 
 LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
 _FLASH_DTYPES = (torch.float16, torch.bfloat16)
 _PACKAGES = {"te": "transformer_engine", "flash": "flash_attn"}
 _AUTO_ORDER = ("te", "flash", "sdpa")  # what auto takes: the first that can run
+_EXPERT_MODULES = {"grouped": GroupedExperts, "sequential": SeededSequentialMLP}
+_EXPERTS_KEY = "model.language.moe.experts"
 
 
 class RMSNorm(torch.nn.Module):
@@ -140,9 +156,18 @@ class BlockModules:
     # models without such layers, which never import its GPU kernel (fla's import registers a few dozen
     # custom ops: ~12 s of every process's start on the H200 machine, docs/benchmarks/gpu.md).
     linear_attention: Optional[Callable[..., torch.Tensor]] = None
+    # The routed experts (``resolve_experts``): "grouped" or "sequential"; None in a model without experts.
+    experts: Optional[str] = None
+
+    @property
+    def experts_module(self) -> type:
+        """The routed experts' module class (megatron's MoE layer builds it with its experts' arguments)."""
+        return _EXPERT_MODULES[self.experts or "sequential"]
 
     def describe(self) -> str:
         text = _DESCRIPTIONS[self.backend]
+        if self.experts is not None:
+            text += f"; experts: {self.experts}"
         if self.linear_attention is not None:
             text += "; gated delta rule: " + ("fla" if self.linear_attention is linear_attention.fla_chunked
                                               else "torch")
@@ -221,10 +246,25 @@ def resolve_layer_backend(requested: str, device: torch.device | str, dtype: tor
     return requested
 
 
+def resolve_experts(requested: str, device: torch.device | str, dtype: torch.dtype) -> str:
+    """``model.language.moe.experts`` -> ``grouped`` or ``sequential`` for this device and dtype (see the
+    module docstring); an explicit ``grouped`` that cannot run is a ConfigError naming the key."""
+    if requested not in EXPERT_KINDS:
+        raise ConfigError(f"{_EXPERTS_KEY}={requested!r} is not one of {', '.join(EXPERT_KINDS)}")
+    on_cuda = torch.device(device).type == "cuda"
+    if requested == "auto":
+        return "grouped" if on_cuda and dtype == torch.bfloat16 else "sequential"
+    if requested == "grouped" and on_cuda and dtype != torch.bfloat16:
+        raise ConfigError(f"{_EXPERTS_KEY}=grouped on CUDA needs bf16 weights (torch._grouped_mm), not "
+                          f"{str(dtype).removeprefix('torch.')}; set training.precision=bf16 or use sequential")
+    return requested
+
+
 def block_modules(backend: str, device: torch.device | str = "cpu", *,
-                  linear_attention_layers: bool = False) -> BlockModules:
+                  linear_attention_layers: bool = False, experts: Optional[str] = None) -> BlockModules:
     """The modules of a resolved backend (see ``resolve_layer_backend``) on ``device``; with the gated delta
-    rule for ``device`` where the model has linear-attention layers."""
+    rule for ``device`` where the model has linear-attention layers; ``experts``: the resolved routed experts
+    (``resolve_experts``; None: a model without experts)."""
     rule = linear_attention_rule(device) if linear_attention_layers else None
     if backend == "te":
         # Imported only here: importing it needs transformer_engine.
@@ -236,11 +276,11 @@ def block_modules(backend: str, device: torch.device | str = "cpu", *,
         )
 
         return BlockModules("te", TELayerNormColumnParallelLinear, TEColumnParallelLinear,
-                            TERowParallelLinear, TEDotProductAttention, rule)
+                            TERowParallelLinear, TEDotProductAttention, rule, experts)
     if backend in ("flash", "sdpa"):
         attention = FlashCoreAttention if backend == "flash" else SDPACoreAttention
         return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
-                            RowParallelLinear, attention, rule)
+                            RowParallelLinear, attention, rule, experts)
     raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")
 
 
