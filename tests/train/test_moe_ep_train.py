@@ -6,12 +6,13 @@ data-parallel ranks (EP 2) beside TP 2 (sequence parallel, expert TP 1) and besi
 the full sequence, padding kept out of the routing statistics; each stage's two ranks are EP 2 over DP 2,
 as a 2-rank EP 2 job of its own was) gives the per-step losses, grad norms and load-balancing losses of
 one process (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam moments and weights
-(1.5e-6). Each of those layouts is DP 2, so the balance loss's weight over the data-parallel ranks (a mean over
-the global batch's micro-batches, ``models/decoder/moe_balance.py``) is proven against DP 1 on the way; HF weights go into an EP-2 run and come back out of its checkpoint bit-exact. An EP 2 x TP 2
-checkpoint (expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout
-with the expert bias's state besides: this module's own resume of it was a 4-rank launch for the same
-sharding of the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
-step: every layout gives EP 1's validation loss."""
+(1.5e-6). Each of those layouts is DP 2, so the balance loss's weight over the data-parallel ranks (a mean
+over the global batch's micro-batches, ``models/decoder/moe_balance.py``) is proven against DP 1 on the way.
+HF weights go into an EP-2 run and come back out of its checkpoint bit-exact. An EP 2 x TP 2 checkpoint
+(expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout with the
+expert bias's state besides: this module's own resume of it was a 4-rank launch for the same sharding of
+the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
+step: every layout gives one process's validation loss."""
 
 from __future__ import annotations
 

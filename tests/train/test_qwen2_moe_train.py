@@ -6,9 +6,9 @@ norms, tokens per expert, Adam's moments (the shared expert's gate and MLP, the 
 weights. The TP 2 x PP 2 run cut back to step 1 and resumed ends bit-identical.
 
 No load-balancing loss: megatron-core computes it per micro-batch (a row), and the balancer packs the step's samples
-into other rows, so balanced DP 2 trains another objective (with the preset's 0.001: the balance loss 2.1e-4 and the
-router's Adam moments 9.7e-4 from one process's; plain DP 2 gives the balance loss exactly, every moment within 2.4e-7). The loss's weighting at
-TP / PP / EP is the family-independent router's: tests/train/test_moe_ep_train.py."""
+into rows of its own, so balanced DP 2 trains another objective (with the preset's 0.001: the balance loss 2.1e-4 and
+the router's Adam moments 9.7e-4 from one process's; plain DP 2 gives the balance loss exactly, every moment within
+2.4e-7). The loss's weight at DP / TP / PP / EP is the family-independent router's: tests/train/test_moe_ep_train.py."""
 
 from __future__ import annotations
 
