@@ -5,15 +5,17 @@ Expert parallelism trains like one expert group: qwen3-moe-tiny with its 8 exper
 data-parallel ranks (EP 2) beside TP 2 (sequence parallel, expert TP 1) and beside PP 2 (rows padded to
 the full sequence, padding kept out of the routing statistics; each stage's two ranks are EP 2 over DP 2,
 as a 2-rank EP 2 job of its own was) gives the per-step losses, grad norms and load-balancing losses of
-EP 1 (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam moments and weights
-(1.5e-6); HF weights go into an EP-2 run and come back out of its checkpoint bit-exact. An EP 2 x TP 2
-checkpoint (expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout
-with the expert bias's state besides: this module's own resume of it was a 4-rank launch for the same
-sharding of the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
-step: every layout gives EP 1's validation loss. The EP 2 x TP 2 run and the HF run compute with grouped-GEMM
-experts (``model.language.moe.experts=grouped``; EP 1 with megatron's SequentialMLP, the CPU's default): the
-same losses, moments and weights under the same checkpoint names, and HF weights through the grouped run come
-back bit-exact."""
+one process (same data, same initial weights) to 3e-7 over 2 steps, and the same Adam moments and weights
+(1.5e-6). Each of those layouts is DP 2, so the balance loss's weight over the data-parallel ranks (a mean
+over the global batch's micro-batches, ``models/decoder/moe_balance.py``) is proven against DP 1 on the way.
+HF weights go into an EP-2 run and come back out of its checkpoint bit-exact. An EP 2 x TP 2 checkpoint
+(expert TP 1, sequence parallel) resumes bit for bit in test_deepseek_train.py, the same layout with the
+expert bias's state besides: this module's own resume of it was a 4-rank launch for the same sharding of
+the experts' chained optimizers. Each run is validated on the Alpaca demo after its last
+step: every layout gives one process's validation loss. The EP 2 x TP 2 run and the HF run compute with
+grouped-GEMM experts (``model.language.moe.experts=grouped``; one process with megatron's SequentialMLP, the
+CPU's default): the same losses, moments and weights under the same checkpoint names, and HF weights through
+the grouped run come back bit-exact."""
 
 from __future__ import annotations
 
@@ -41,8 +43,8 @@ from tests.train.conftest import (
 )
 
 PRESET = "qwen3-moe-tiny-small-vocab"
-# About 3x the worst measured over ep2 (a job of its own then), ep2-tp2 and ep2-pp2 (printed by `pytest -s -k expert_layout`):
-# losses and grad norms 3.5e-8, load-balancing losses 1.2e-7; Adam moments 5.1e-7, weights 3.7e-7 (ep2-tp2 with grouped
+# About 3x the worst measured over ep2-tp2 and ep2-pp2 against one process (printed by `pytest -s -k expert_layout`):
+# losses 0, grad norms 8.7e-9, load-balancing losses 0; Adam moments 5.1e-7, weights 3.7e-7 (ep2-tp2 with grouped
 # experts, 2026-12-08).
 REL = 3e-7
 STATE_REL = 1.5e-6
@@ -56,7 +58,8 @@ OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", SAVE_AT_END,
 EP2 = ("parallel.expert_model_parallel_size=2",)
 GROUPED = "model.language.moe.experts=grouped"  # one grouped GEMM per projection (models.layers.grouped_experts)
 LAYOUTS = {
-    "ep1": ((), 2),
+    # One process: the EP layouts below are DP 2 (their balance loss weighed over two ranks' micro-batches).
+    "ep1": ((), 1),
     "ep2-tp2": ((*EP2, "parallel.tensor_model_parallel_size=2", "parallel.sequence_parallel=true",
                  "parallel.expert_tensor_parallel_size=1", GROUPED), 4),
     # Two pipeline stages of one MoE layer each; rows padded to the full sequence there.

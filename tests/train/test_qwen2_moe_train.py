@@ -1,0 +1,84 @@
+"""Qwen2-MoE through `loongforge train` (qwen2-moe-tiny: Qwen2's attention with q/k/v biases, 8 routed experts with
+softmax top-2 left unrenormalised, beside a shared expert whose output a sigmoid gate scales). DP 2 with balancing
+re-planning every step and TP 2 x PP 2 (sequence parallel: the shared expert's fc1 / fc2 split over TP, its gate
+replicated and fed the sequence shard; one sparse layer a stage) train like one process over 2 steps: losses, grad
+norms, tokens per expert, Adam's moments (the shared expert's gate and MLP, the experts, the attention biases) and
+weights. The TP 2 x PP 2 run cut back to step 1 and resumed ends bit-identical.
+
+No load-balancing loss: megatron-core computes it per micro-batch (a row), and the balancer packs the step's samples
+into rows of its own, so balanced DP 2 trains another objective (with the preset's 0.001: the balance loss 2.1e-4 and
+the router's Adam moments 9.7e-4 from one process's; plain DP 2 gives the balance loss exactly, every moment within
+2.4e-7). The loss's weight at DP / TP / PP / EP is the family-independent router's: tests/train/test_moe_ep_train.py."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_close_relative,
+    assert_state_alike,
+    checkpoint_differences,
+    grad_norms,
+    losses,
+    resume_from_copy,
+    run_train,
+    step_metric,
+)
+
+PRESET = "qwen2-moe-tiny-small-vocab"
+# About 3x the worst measured (printed by `pytest -s`): losses 6.7e-8 (DP 2), grad norms 9.1e-9 (TP 2 x PP 2); Adam's
+# moments 3.7e-7, the weights 3.4e-6 (TP 2 x PP 2: the q/k/v biases, which start at 0).
+REL = 2e-7
+STATE_REL = 1e-5
+STEPS = 2
+RESUME_STEP = 1
+OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "optimizer.adam_eps=1e-6", "data.read=global",
+           "model.language.moe.aux_loss_coeff=0", SAVE_AT_END)
+# The resumed run's checkpoint at step 1.
+SAVES_STEP_1 = "checkpoint.save_interval=1"
+LAYOUTS = {"dp1": ((), 1),
+           "dp2": (("balance.enabled=true", "balance.threshold=0"), 2),
+           # megatron-core trains MoE layers under TP only with sequence parallelism
+           "tp2-pp2": (("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                        "parallel.sequence_parallel=true", SAVES_STEP_1), 4)}
+# Trained parts compared among Adam's moments: the shared expert's sigmoid gate and its MLP, the routed experts,
+# the attention's q/k/v biases.
+PIECES = (".mlp.shared_experts.gate_weight", ".mlp.shared_experts.linear_fc1", ".mlp.experts.",
+          ".self_attention.linear_qkv.bias")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("qwen2-moe")
+    for name, (extra, nproc) in LAYOUTS.items():
+        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    return {name: root / name for name in LAYOUTS}
+
+
+@pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
+def test_layout_trains_like_one_process(runs, layout):
+    run, reference = runs[layout], runs["dp1"]
+    assert len(losses(reference)) == STEPS and losses(reference)[-1] < losses(reference)[0]
+    assert_close_relative(losses(run), losses(reference), REL, "losses")
+    assert_close_relative(grad_norms(run), grad_norms(reference), REL, "grad norms")
+    for key in ("expert_tokens_min", "expert_tokens_max"):
+        assert step_metric(run, key) == step_metric(reference, key), key
+    assert_state_alike(run, reference, STATE_REL, layout, PIECES)
+    if layout == "dp2":  # the balancer really moved samples
+        assert json.loads((run / "summary.json").read_text())["balance"]["applied_steps"] > 0
+
+
+def test_tp2_pp2_resumed_from_step_1_is_bit_identical(runs, tmp_path):
+    uninterrupted = runs["tp2-pp2"]
+    resumed = tmp_path / "resumed"
+    extra, nproc = LAYOUTS["tp2-pp2"]
+    resume_from_copy(uninterrupted, resumed, RESUME_STEP, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
+    assert losses(resumed) == losses(uninterrupted)
+    assert grad_norms(resumed) == grad_norms(uninterrupted)
+    differences = checkpoint_differences(resumed, uninterrupted)
+    assert any(".mlp.shared_experts.gate_weight" in key for key in differences)
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
