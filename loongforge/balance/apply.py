@@ -16,6 +16,11 @@ For one step (``rows``: the step's packed rows in arrival order, ``dp * micro_ba
    (``plan_step``) and polish the arrival assignment (``refine_assignment``), and use the better of
    the two when it beats the arrival, every micro-batch holding at least one sample.
 
+With ``whole_rows`` (a model whose objective holds a statistic of each row: an MoE's load-balancing loss)
+the rows are the units: step 3 deals whole rows to (rank, micro-batch) slots instead (``_row_plan``), so every
+micro-batch trains one of the step's rows as it arrived and balancing changes which rank trains it, never
+which samples share it.
+
 The result is a pure function of the rows and the cost model's coefficients: identical on every rank.
 """
 
@@ -83,11 +88,32 @@ def _fill_empty(lists: list[list[list[int]]], costs: np.ndarray) -> Optional[lis
     return out
 
 
+def _row_plan(row_of: np.ndarray, costs: np.ndarray, *, dp_size: int, micro_batches: int) -> list[list[list[int]]]:
+    """Whole rows dealt to (rank, micro-batch) slots, one row each: the rows by cost, dearest first, dp_size at a
+    time into one micro-batch slot (rows of like cost run side by side, as a pipeline's synchronised slots want),
+    each of them to the rank with the least load so far (ties: the lower rank). ``row_of`` [samples]: each
+    sample's row; ``costs`` [samples]. -> ``BalanceDecision.micro_batches``."""
+    num_rows = dp_size * micro_batches
+    row_costs = np.bincount(row_of, weights=costs, minlength=num_rows)  # [rows]
+    dearest_first = sorted(range(num_rows), key=lambda row: (-row_costs[row], row))
+    loads = np.zeros(dp_size)
+    lists: list[list[list[int]]] = [[[] for _ in range(micro_batches)] for _ in range(dp_size)]
+    for slot in range(micro_batches):
+        free = list(range(dp_size))
+        for row in dearest_first[slot * dp_size:(slot + 1) * dp_size]:
+            rank = min(free, key=lambda r: (loads[r], r))
+            free.remove(rank)
+            loads[rank] += row_costs[row]
+            lists[rank][slot] = [int(i) for i in np.flatnonzero(row_of == row)]
+    return lists
+
+
 class StepBalancer:
     """Decides, per step, which rank trains which samples; see the module docstring."""
 
     def __init__(self, *, dp_size: int, micro_batches: int, seq_len: int, threshold: float,
-                 objective: str = "sum", cost_model: Optional[CostModel] = None):
+                 objective: str = "sum", cost_model: Optional[CostModel] = None, whole_rows: bool = False):
+        self.whole_rows = whole_rows
         self.dp_size = dp_size
         self.num_micro_batches = micro_batches
         self.seq_len = seq_len
@@ -113,6 +139,10 @@ class StepBalancer:
 
         if before - 1.0 < self.threshold:
             return keep("below threshold")
+        if self.whole_rows:
+            lists = _row_plan(row_of, costs, dp_size=dp, micro_batches=m)
+            after = self._score(lists, costs, tokens)
+            return BalanceDecision(lists, True, before, after) if after < before else keep("no gain")
         candidates = []
         try:
             candidates.append(plan_step(costs, tokens, dp_size=dp, micro_batches=m, seq_len=self.seq_len,

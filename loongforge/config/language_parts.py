@@ -166,6 +166,12 @@ class MoEConfig:
     # expert; "auto", grouped on CUDA at bf16, else sequential (the CPU's reference; docs/benchmarks/moe.md).
     experts: str = "auto"
 
+    @property
+    def loss_per_row(self) -> bool:
+        """The training objective holds a statistic of each micro-batch's rows (the load-balancing loss is
+        computed over a micro-batch's tokens), so which samples share a row is part of the math."""
+        return self.aux_loss_coeff > 0
+
     def problems(self, *, num_layers: int) -> list[str]:
         key = self.KEY
         if self.num_experts < 1:

@@ -452,7 +452,8 @@ class DataPipeline:
             # Pipeline parallelism synchronises every micro-batch slot, not just the step.
             self._balancer = StepBalancer(
                 dp_size=dp_size, micro_batches=global_batch_size // dp_size, seq_len=data_cfg.seq_len,
-                threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum")
+                threshold=balance_cfg.threshold, objective="slots" if pipeline_parallel > 1 else "sum",
+                whole_rows=bool(model_cfg.language.moe and model_cfg.language.moe.loss_per_row))
             self.balance_counters = BalanceCounters()
         # The run's cost-model owner (train.balancing.RunBalancing): read, never pushed to, so every
         # rank switches models at the same consumed step. None: token counts throughout.

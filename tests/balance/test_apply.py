@@ -120,3 +120,24 @@ def test_balancer_uses_the_polished_arrival_when_it_beats_a_fresh_plan():
     # docs/benchmarks/train_balance.md: the polished arrival order "reach[es] 1.002 on that step".
     assert decision.applied and decision.before > 1.08 and decision.after <= 1.002
     _check_partition(decision, rows, dp=2, m=2, seq_len=4096)
+
+
+def test_whole_rows_are_dealt_and_never_repacked():
+    """A model with a statistic of each row (an MoE's load-balancing loss) keeps the step's rows as they arrived:
+    each micro-batch one whole row, the ranks balanced by which rows they take."""
+    rows = _rows([[90], [30, 20], [80, 10], [40]])  # arrival: rank 0 rows 0 and 1 (140), rank 1 rows 2 and 3 (130)
+    skewed = _rows([[90], [80, 10], [30, 20], [40]])  # rank 0 takes the two dearest rows (180), rank 1 90
+    balancer = _balancer(whole_rows=True)
+    decision = balancer.decide(skewed)
+    _check_partition(decision, skewed, dp=2, m=2, seq_len=100)
+    samples_of_row = [[0], [1, 2], [3, 4], [5]]
+    trained = sorted(mb for rank in decision.micro_batches for mb in rank)
+    assert trained == samples_of_row  # every row whole, none merged or split
+    lengths = [s.length for row in skewed for s in row]
+    loads = [sum(lengths[i] for mb in rank for i in mb) for rank in decision.micro_batches]
+    print(f"\nwhole rows: max/LB {decision.before:.3f} -> {decision.after:.3f}, rank loads {loads}")
+    assert decision.applied and sorted(loads) == [130, 140] and decision.after < decision.before
+    # Repacking samples would balance these better; whole rows forbid it.
+    assert _balancer().decide(skewed).micro_batches != decision.micro_batches
+    # Already balanced by whole rows: kept as it arrived.
+    assert not balancer.decide(rows).applied

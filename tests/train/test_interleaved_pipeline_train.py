@@ -87,8 +87,8 @@ def test_a_pp2_x_vp2_checkpoint_resumes_bit_for_bit_and_at_pp1(tmp_path, pp2_vp2
 # Qwen3-VL at 9 layers and 4 micro-batches, 2 steps (the suite's budget): DeepStack adds vision features
 # after the first two layers, so every layout keeps both on the first virtual stage.
 QWEN3_VL = ("model.language.num_layers=9", "training.global_batch_size=4")
-# Qwen3-MoE at 8 layers (one a virtual stage at PP 4 x VP 2). No load-balancing loss: it is computed per
-# micro-batch, so moving samples (the balancer) would change it.
+# Qwen3-MoE at 8 layers (one a virtual stage at PP 4 x VP 2). No load-balancing loss here: its weight over layouts
+# is test_moe_ep_train.py's, and a balanced run with it deals rows whole (test_qwen2_moe_train.py).
 MOE = ("data.seq_len=256", "model.language.num_layers=8", f"training.train_steps={STEPS}",
        "training.global_batch_size=4", "model.language.moe.aux_loss_coeff=0")
 

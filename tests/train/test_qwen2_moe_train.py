@@ -5,10 +5,9 @@ replicated and fed the sequence shard; one sparse layer a stage) train like one 
 norms, tokens per expert, Adam's moments (the shared expert's gate and MLP, the experts, the attention biases) and
 weights. The TP 2 x PP 2 run cut back to step 1 and resumed ends bit-identical.
 
-No load-balancing loss: megatron-core computes it per micro-batch (a row), and the balancer packs the step's samples
-into rows of its own, so balanced DP 2 trains another objective (with the preset's 0.001: the balance loss 2.1e-4 and
-the router's Adam moments 9.7e-4 from one process's; plain DP 2 gives the balance loss exactly, every moment within
-2.4e-7). The loss's weight at DP / TP / PP / EP is the family-independent router's: tests/train/test_moe_ep_train.py."""
+With the preset's load-balancing loss (0.001): megatron-core computes it per micro-batch (a row), so balancing deals
+the step's rows whole (``balance.apply``, ``whole_rows``) and DP 2 trains one process's objective. Repacking the
+samples instead trained another (the balance loss 2.1e-4 and the router's Adam moments 9.7e-4 from one process's)."""
 
 from __future__ import annotations
 
@@ -23,9 +22,9 @@ from tests.train.conftest import (
     assert_state_alike,
     checkpoint_differences,
     grad_norms,
+    launch_runs,
     losses,
     resume_from_copy,
-    run_train,
     step_metric,
 )
 
@@ -37,7 +36,7 @@ STATE_REL = 1e-5
 STEPS = 2
 RESUME_STEP = 1
 OPTIONS = ("data.seq_len=256", f"training.train_steps={STEPS}", "optimizer.adam_eps=1e-6", "data.read=global",
-           "model.language.moe.aux_loss_coeff=0", SAVE_AT_END)
+           SAVE_AT_END)
 # The resumed run's checkpoint at step 1.
 SAVES_STEP_1 = "checkpoint.save_interval=1"
 LAYOUTS = {"dp1": ((), 1),
@@ -53,10 +52,7 @@ PIECES = (".mlp.shared_experts.gate_weight", ".mlp.shared_experts.linear_fc1", "
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("qwen2-moe")
-    for name, (extra, nproc) in LAYOUTS.items():
-        run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)
-    return {name: root / name for name in LAYOUTS}
+    return launch_runs(tmp_path_factory.mktemp("qwen2-moe"), PRESET, *OPTIONS, launches=LAYOUTS)
 
 
 @pytest.mark.parametrize("layout", ["dp2", "tp2-pp2"])
@@ -67,6 +63,9 @@ def test_layout_trains_like_one_process(runs, layout):
     assert_close_relative(grad_norms(run), grad_norms(reference), REL, "grad norms")
     for key in ("expert_tokens_min", "expert_tokens_max"):
         assert step_metric(run, key) == step_metric(reference, key), key
+    balance = step_metric(run, "load_balancing_loss")
+    assert len(balance) == STEPS and all(balance)
+    assert_close_relative(balance, step_metric(reference, "load_balancing_loss"), REL, "balance losses")
     assert_state_alike(run, reference, STATE_REL, layout, PIECES)
     if layout == "dp2":  # the balancer really moved samples
         assert json.loads((run / "summary.json").read_text())["balance"]["applied_steps"] > 0

@@ -39,8 +39,9 @@ over every micro-batch of the global batch (all data-parallel ranks), each aux_m
 tokens of its row (padding is masked out of the router statistics: rows are padded differently at
 each TP / PP layout). One micro-batch on one rank trains on ``CE + coeff * aux`` as transformers
 does, and the objective does not depend on how rows are spread over ranks. It does depend on which
-samples share a row: data-parallel balancing (``balance.enabled``), which packs a step's samples
-into rows of its own, trains another (equally valid) objective than the same run unbalanced. megatron-core's own
+samples share a row, so data-parallel balancing (``balance.enabled``) deals such a model's rows whole
+(``MoEConfig.loss_per_row``, ``balance.apply``) instead of packing the step's samples into rows of its own,
+which trained another objective (Qwen2-MoE: the router's Adam moments 9.7e-4 from one process's). megatron-core's own
 weighting under ``calculate_per_token_loss`` (the loongforge step) cannot give this: its routers
 weigh each TP rank's share of the loss by that rank's token count, then ``finalize_model_grads``
 divides by the loss tokens. So the routers attach their loss unscaled (megatron's other mode) and
