@@ -387,6 +387,12 @@ class TrainingConfig:
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     recompute_activations: bool = False
+    # The LM head and its cross-entropy run this many loss tokens at a time (models.decoder.chunked_loss):
+    # one chunk's fp32 logits exist at a time instead of the row's (at a 152k vocabulary, 9.9 GB for 16k
+    # tokens), for the head's GEMM once more in the backward; the same loss and gradients. 0: the whole
+    # row's logits at once (megatron-core's head). The default measured no slower on CPU
+    # (docs/benchmarks/chunked_loss.md).
+    loss_chunk_tokens: int = 1024
     freeze_vision: bool = False
     # Freeze the patch merger (the projector into the language model) as well: with freeze_vision,
     # the whole encoder is fixed, which is what training on stored embeddings (data.vision_embeddings) is.
