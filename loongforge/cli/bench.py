@@ -307,6 +307,39 @@ def hybrid(
         _show_result(result, format_markdown(result), output, as_json)
 
 
+@app.command("loss")
+def loss(
+    tokens: Annotated[int, typer.Option("--tokens", min=1, metavar="N", help="Loss tokens of the row.")] = 4096,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", min=2, metavar="V", help="The head's rows.")] = 152064,
+    hidden_size: Annotated[int, typer.Option(
+        "--hidden-size", min=1, metavar="H", help="The head's width (the GEMMs' time and the weight's gradient).")]
+        = 128,
+    chunk_tokens: Annotated[Optional[int], typer.Option(
+        "--chunk-tokens", min=1, metavar="N", show_default=False,
+        help="Tokens per chunk. Default: training.loss_chunk_tokens's default.")] = None,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Hidden states and weight.")] = "fp32",
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps (median).")] = 2,
+    threads: Annotated[int, typer.Option("--threads", min=1, metavar="N", help="torch's CPU threads.")] = 1,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="RESULT.json|RESULT.md", show_default=False,
+        help="Also write the result: JSON (.json) or a markdown table (any other suffix).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object only.")] = False,
+) -> None:
+    """Peak memory and time of the LM head's loss step on CPU, whole logits vs chunked
+    (training.loss_chunk_tokens), each in a fresh process."""
+    from loongforge.bench.loss import LossBenchOptions, format_markdown, run_loss_bench
+
+    with cli_errors():
+        if dtype not in ("bf16", "fp32"):
+            raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
+        opts = LossBenchOptions(tokens=tokens, vocab_size=vocab_size, hidden_size=hidden_size, dtype=dtype,
+                                steps=steps, threads=threads)
+        if chunk_tokens is not None:
+            opts.chunk_tokens = chunk_tokens
+        result = run_loss_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
+        _show_result(result, format_markdown(result), output, as_json)
+
+
 @app.command("gemm")
 def gemm(
     overrides: Annotated[Optional[list[str]], typer.Argument(
