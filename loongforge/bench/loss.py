@@ -27,7 +27,7 @@ from typing import Callable
 import torch
 
 from loongforge.bench.processes import run_spawned
-from loongforge.config.schema import ParallelConfig, TrainingConfig
+from loongforge.config.schema import SUGGESTED_LOSS_CHUNK_TOKENS, ParallelConfig
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown
 from loongforge.train.runner import library_versions
 
@@ -42,20 +42,22 @@ class LossBenchOptions:
     vocab_size: int = 152064  # Qwen2's padded vocabulary
     # The head's width: the logits' size does not depend on it, the GEMMs' time and the weight's gradient do.
     hidden_size: int = 128
-    chunk_tokens: int = TrainingConfig.loss_chunk_tokens
+    chunk_tokens: int = SUGGESTED_LOSS_CHUNK_TOKENS
     dtype: str = "fp32"
     steps: int = 2
     threads: int = 1
     seed: int = 0
 
 
-def run_loss_bench(opts: LossBenchOptions, log: Callable[[str], None] = lambda _: None) -> dict:
+def run_loss_bench(opts: LossBenchOptions, log: Callable[[str], None] = lambda _: None, *,
+                   start_method: str = "spawn") -> dict:
     """Both paths, one fresh process each (one after the other: neither's time shares the cores); the result
-    dict ``format_markdown`` renders."""
+    dict ``format_markdown`` renders. ``start_method``: ``run_spawned``'s test hook."""
     rows = []
     for path in PATHS:
         log(f"{path} logits: {opts.tokens:,} tokens x {opts.vocab_size:,} vocabulary")
-        rows.extend(run_spawned(measure_main, [(path, dataclasses.asdict(opts))], what=f"bench loss ({path})"))
+        rows.extend(run_spawned(measure_main, [(path, dataclasses.asdict(opts))], what=f"bench loss ({path})",
+                                start_method=start_method))
     logits_bytes = opts.tokens * opts.vocab_size * 4
     peaks = {row["path"]: row["peak_bytes"] for row in rows}
     cpu_seconds = {row["path"]: row["step_cpu_s"] for row in rows}

@@ -10,6 +10,7 @@ import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
 from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetOption
+from loongforge.config.schema import SUGGESTED_LOSS_CHUNK_TOKENS
 
 # The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
 BALANCE_PRESET = "qwen2.5vl-7b"
@@ -314,9 +315,9 @@ def loss(
     hidden_size: Annotated[int, typer.Option(
         "--hidden-size", min=1, metavar="H", help="The head's width (the GEMMs' time and the weight's gradient).")]
         = 128,
-    chunk_tokens: Annotated[Optional[int], typer.Option(
-        "--chunk-tokens", min=1, metavar="N", show_default=False,
-        help="Tokens per chunk. Default: training.loss_chunk_tokens's default.")] = None,
+    chunk_tokens: Annotated[int, typer.Option(
+        "--chunk-tokens", min=1, metavar="N", help="Tokens per chunk (the dry run suggests the default).")]
+        = SUGGESTED_LOSS_CHUNK_TOKENS,
     dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Hidden states and weight.")] = "fp32",
     steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps (median).")] = 2,
     threads: Annotated[int, typer.Option("--threads", min=1, metavar="N", help="torch's CPU threads.")] = 1,
@@ -332,10 +333,8 @@ def loss(
     with cli_errors():
         if dtype not in ("bf16", "fp32"):
             raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
-        opts = LossBenchOptions(tokens=tokens, vocab_size=vocab_size, hidden_size=hidden_size, dtype=dtype,
-                                steps=steps, threads=threads)
-        if chunk_tokens is not None:
-            opts.chunk_tokens = chunk_tokens
+        opts = LossBenchOptions(tokens=tokens, vocab_size=vocab_size, hidden_size=hidden_size,
+                                chunk_tokens=chunk_tokens, dtype=dtype, steps=steps, threads=threads)
         result = run_loss_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
         _show_result(result, format_markdown(result), output, as_json)
 
