@@ -25,9 +25,11 @@ from dataclasses import dataclass
 from typing import Callable
 
 import torch
+from megatron.core import tensor_parallel
 
 from loongforge.bench.processes import run_spawned
 from loongforge.config.schema import SUGGESTED_LOSS_CHUNK_TOKENS, ParallelConfig
+from loongforge.models.decoder.chunked_loss import chunked_cross_entropy
 from loongforge.parallel.distributed import init_distributed, init_model_parallel, shutdown
 from loongforge.train.runner import library_versions
 
@@ -80,11 +82,6 @@ def measure_main(queue, path: str, options: dict) -> None:
 
 
 def _measure(path: str, opts: LossBenchOptions) -> dict:
-    # lazy: megatron-core and the model code only in the measuring process
-    from megatron.core import tensor_parallel
-
-    from loongforge.models.decoder.chunked_loss import chunked_cross_entropy
-
     dtype = _DTYPES[opts.dtype]
     generator = torch.Generator().manual_seed(opts.seed)
     # logits of a trained model's size (std about 1)
