@@ -395,7 +395,7 @@ class TrainingConfig:
     # The LM head and its cross-entropy run this many loss tokens at a time (models.decoder.chunked_loss):
     # one chunk's fp32 logits exist at a time instead of the row's (at a 152k vocabulary, 9.9 GB for 16k
     # tokens), for the head's GEMM once more in the backward; the same loss and gradients. 0: the whole
-    # row's logits at once (megatron-core's head), the default: chunked, the head's step measured 1.18x the
+    # row's logits at once (megatron-core's head), the default: chunked, the head's step measured 1.2-1.5x the
     # CPU time (docs/benchmarks/chunked_loss.md). SUGGESTED_LOSS_CHUNK_TOKENS where the logits do not fit.
     loss_chunk_tokens: int = 0
     freeze_vision: bool = False
