@@ -1,4 +1,4 @@
-"""bench loss at a small size (1,024 tokens x 32k vocabulary, chunks of 64): both paths give the same loss, and
+"""bench loss at a small size (512 tokens x 32k vocabulary, chunks of 32): both paths give the same loss, and
 the chunked step's peak resident set above its inputs is well below the whole fp32 logits (a quarter, the
 issue's bound at 4,096 x 152k, which docs/benchmarks/chunked_loss.md measures). The processes are forked
 from the tests' fork server, as test_data_bench's."""
@@ -10,7 +10,7 @@ from tests.models.helpers import WORKER_PRELOAD
 
 def test_the_chunked_loss_step_holds_a_fraction_of_the_logits():
     fork_server.ensure(WORKER_PRELOAD)
-    opts = LossBenchOptions(tokens=1024, vocab_size=32768, hidden_size=64, chunk_tokens=64, steps=1)
+    opts = LossBenchOptions(tokens=512, vocab_size=32768, hidden_size=32, chunk_tokens=32, steps=1)
     result = run_loss_bench(opts, start_method="forkserver")
     print("\n" + format_markdown(result))
     whole, chunked = result["rows"]
