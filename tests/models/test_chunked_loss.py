@@ -124,3 +124,19 @@ def test_multi_token_prediction_trains_alike_with_the_loss_in_chunks(megatron_wo
     print(f"\nDeepSeek-V3 with an MTP layer: loss and gradients within {difference:.1e}; MTP loss {chunked:.6f}, "
           f"{abs(chunked - whole):.1e} from the whole logits'")
     assert difference <= TOLERANCE and abs(chunked - whole) <= TOLERANCE
+
+
+def test_a_frozen_head_passes_the_hidden_gradient_alone():
+    """training.freeze_language: the head's weight takes no gradient; the hidden states' is unchanged."""
+    generator = torch.Generator().manual_seed(4)
+    hidden = (0.5 * torch.randn(20, 8, generator=generator)).requires_grad_()
+    weight = 0.5 * torch.randn(30, 8, generator=generator)
+    labels = torch.randint(0, 30, (20,), generator=generator)
+    grads = []
+    for trained in (True, False):
+        head = weight.clone().requires_grad_(trained)
+        chunked_cross_entropy(hidden, head, labels, chunk_tokens=6, true_vocab_size=30).sum().backward()
+        grads.append(hidden.grad)
+        hidden.grad = None
+        assert (head.grad is not None) == trained
+    assert torch.equal(*grads)

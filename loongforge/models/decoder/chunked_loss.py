@@ -67,23 +67,25 @@ class _ChunkedCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_loss):
         hidden, weight, labels, log_sum_exp = ctx.saved_tensors
         shard = _Shard(weight, ctx.true_vocab_size, ctx.tp_group)
-        grad_hidden = torch.empty_like(hidden)  # [n, h]: this rank's vocabulary share
+        wants_hidden, wants_weight = ctx.needs_input_grad[:2]  # a frozen head (training.freeze_language) takes none
+        grad_hidden = torch.empty_like(hidden) if wants_hidden else None  # [n, h]: this rank's vocabulary share
         # The head's gradient summed over the chunks in fp32; with a bf16 weight each chunk's product is
         # rounded once, as megatron's single GEMM rounds its whole sum once.
-        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)  # [V/tp, h]
+        grad_weight = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if wants_weight else None
         for start in range(0, hidden.shape[0], ctx.chunk_tokens):
             rows = slice(start, start + ctx.chunk_tokens)
             # d loss / d logits = (softmax - one-hot(target)) x the token's incoming gradient
             grad_logits = shard.logits(hidden[rows]).sub_(log_sum_exp[rows, None]).exp_()  # [c, V/tp] fp32
             shard.subtract_at_targets(grad_logits, labels[rows])
             grad_logits = grad_logits.mul_(grad_loss[rows, None].float()).to(hidden.dtype)
-            torch.mm(grad_logits, weight, out=grad_hidden[rows])
-            if grad_weight.dtype == grad_logits.dtype:
+            if wants_hidden:
+                torch.mm(grad_logits, weight, out=grad_hidden[rows])
+            if wants_weight and grad_weight.dtype == grad_logits.dtype:
                 grad_weight.addmm_(grad_logits.t(), hidden[rows])
-            else:
+            elif wants_weight:
                 grad_weight.add_(grad_logits.t() @ hidden[rows])
             del grad_logits
-        return grad_hidden, grad_weight.to(weight.dtype), None, None, None, None
+        return grad_hidden, None if grad_weight is None else grad_weight.to(weight.dtype), None, None, None, None
 
 
 class _Shard:
