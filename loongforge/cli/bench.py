@@ -10,6 +10,7 @@ import typer
 
 from loongforge.cli.errors import UsageError, cli_errors
 from loongforge.cli.options import ConfigFileOption, NprocPerNodeOption, PresetOption
+from loongforge.config.schema import SUGGESTED_LOSS_CHUNK_TOKENS
 
 # The default cost model describes Qwen2.5-VL-7B; its preset gives the matching seq_len and image rules.
 BALANCE_PRESET = "qwen2.5vl-7b"
@@ -356,6 +357,37 @@ def hybrid(
         opts = HybridBenchOptions(preset=preset, seq_lens=lengths, layers=layers, steps=steps,
                                   warmup_steps=warmup_steps, device=device, dtype=dtype)
         result = run_hybrid_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
+        _show_result(result, format_markdown(result), output, as_json)
+
+
+@app.command("loss")
+def loss(
+    tokens: Annotated[int, typer.Option("--tokens", min=1, metavar="N", help="Loss tokens of the row.")] = 4096,
+    vocab_size: Annotated[int, typer.Option("--vocab-size", min=2, metavar="V", help="The head's rows.")] = 152064,
+    hidden_size: Annotated[int, typer.Option(
+        "--hidden-size", min=1, metavar="H", help="The head's width (the GEMMs' time and the weight's gradient).")]
+        = 128,
+    chunk_tokens: Annotated[int, typer.Option(
+        "--chunk-tokens", min=1, metavar="N", help="Tokens per chunk (the dry run suggests the default).")]
+        = SUGGESTED_LOSS_CHUNK_TOKENS,
+    dtype: Annotated[str, typer.Option("--dtype", metavar="bf16|fp32", help="Hidden states and weight.")] = "fp32",
+    steps: Annotated[int, typer.Option("--steps", min=1, metavar="N", help="Timed steps (median).")] = 2,
+    threads: Annotated[int, typer.Option("--threads", min=1, metavar="N", help="torch's CPU threads.")] = 1,
+    output: Annotated[Optional[Path], typer.Option(
+        "--output", metavar="RESULT.json|RESULT.md", show_default=False,
+        help="Also write the result: JSON (.json) or a markdown table (any other suffix).")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the result as one JSON object only.")] = False,
+) -> None:
+    """Peak memory and time of the LM head's loss step on CPU, whole logits vs chunked
+    (training.loss_chunk_tokens), each in a fresh process."""
+    from loongforge.bench.loss import LossBenchOptions, format_markdown, run_loss_bench
+
+    with cli_errors():
+        if dtype not in ("bf16", "fp32"):
+            raise UsageError(f"--dtype {dtype!r} is not one of bf16 | fp32")
+        opts = LossBenchOptions(tokens=tokens, vocab_size=vocab_size, hidden_size=hidden_size,
+                                chunk_tokens=chunk_tokens, dtype=dtype, steps=steps, threads=threads)
+        result = run_loss_bench(opts, log=lambda message: typer.echo(f"... {message}", err=True))
         _show_result(result, format_markdown(result), output, as_json)
 
 

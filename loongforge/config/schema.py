@@ -366,6 +366,11 @@ class ScheduleConfig:
     decay_style: str = "cosine"
 
 
+# The chunk the dry run and `loongforge bench loss` name (training.loss_chunk_tokens): at 4,096 tokens x 152k
+# its step peaks at 0.16 of the row's fp32 logits, and a GEMM of 512 rows still runs at speed.
+SUGGESTED_LOSS_CHUNK_TOKENS = 512
+
+
 @dataclass
 class TrainingConfig:
     train_steps: int = 1000
@@ -387,6 +392,12 @@ class TrainingConfig:
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     recompute_activations: bool = False
+    # The LM head and its cross-entropy run this many loss tokens at a time (models.decoder.chunked_loss):
+    # one chunk's fp32 logits exist at a time instead of the row's (at a 152k vocabulary, 9.9 GB for 16k
+    # tokens), for the head's GEMM once more in the backward; the same loss and gradients. 0: the whole
+    # row's logits at once (megatron-core's head), the default: chunked, the head's step measured 1.2-1.5x the
+    # CPU time (docs/benchmarks/chunked_loss.md). SUGGESTED_LOSS_CHUNK_TOKENS where the logits do not fit.
+    loss_chunk_tokens: int = 0
     freeze_vision: bool = False
     # Freeze the patch merger (the projector into the language model) as well: with freeze_vision,
     # the whole encoder is fixed, which is what training on stored embeddings (data.vision_embeddings) is.

@@ -74,7 +74,7 @@ _AT_LEAST_ZERO = (
     "optimizer.lr", "optimizer.min_lr", "optimizer.weight_decay", "optimizer.clip_grad",
     "schedule.warmup_steps", "checkpoint.save_interval", "data.num_workers",
     "data.synthetic_num_samples", "balance.fit_steps", "balance.fit_warmup_steps",
-    "training.manual_gc_interval", "training.eval_interval",
+    "training.manual_gc_interval", "training.eval_interval", "training.loss_chunk_tokens",
     "balance.refit_interval", "balance.threshold",
 )
 

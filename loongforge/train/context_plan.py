@@ -25,9 +25,16 @@ from loongforge.balance.cost_model import (
     with_vision_spread,
 )
 from loongforge.config.layout import ParallelSizes, derive_parallel_sizes
-from loongforge.config.schema import DataConfig, ModelConfig, RunConfig
+from loongforge.config.schema import SUGGESTED_LOSS_CHUNK_TOKENS, DataConfig, ModelConfig, RunConfig
 from loongforge.config.validate import check_run_config
-from loongforge.train.dry_run import GIB, activation_bytes, build_parallel_plan, layout_label, split_parameters
+from loongforge.train.dry_run import (
+    GIB,
+    activation_bytes,
+    build_parallel_plan,
+    layout_label,
+    lm_head_activation_bytes,
+    split_parameters,
+)
 
 CONTEXT_PARALLEL_SIZES = (1, 2, 4, 8, 16)
 # The full-size presets are sized for 80 GB GPUs (H100, A100 80GB); --gpu-memory-gib for others.
@@ -250,11 +257,26 @@ def _fit_lines(plan: ContextPlan) -> list[str]:
     return lines
 
 
+def _chunked_head_text(option: ContextOption) -> str:
+    """What ``training.loss_chunk_tokens`` saves at the run's CP: the chunk's logits against the row's."""
+    whole = lm_head_activation_bytes(option.cfg, option.sizes, whole=True)
+    chunk_tokens = option.cfg.training.loss_chunk_tokens
+    if not chunk_tokens:
+        chunked_cfg = dataclasses.replace(option.cfg, training=dataclasses.replace(
+            option.cfg.training, loss_chunk_tokens=SUGGESTED_LOSS_CHUNK_TOKENS))
+        chunked = lm_head_activation_bytes(chunked_cfg, option.sizes)
+        return (f": the whole row's logits, {whole / GIB:.2f} GiB; training.loss_chunk_tokens="
+                f"{SUGGESTED_LOSS_CHUNK_TOKENS} would hold {chunked / GIB:.2f} GiB")
+    chunked = lm_head_activation_bytes(option.cfg, option.sizes)
+    return (f"; {chunk_tokens} tokens' logits at a time, training.loss_chunk_tokens: {chunked / GIB:.2f} GiB "
+            f"where the whole row's are {whole / GIB:.2f} GiB")
+
+
 def format_context_plan(plan: ContextPlan) -> str:
     """The CP table, the encoder_cp line and (``--fit-seq-len``) the choice with its overrides."""
     run = plan.run_option
     recompute = "with" if run.cfg.training.recompute_activations else "without"
-    head = "the LM head's (every token a loss token)"
+    head = f"the LM head's (every token a loss token{_chunked_head_text(run)})"
     extra = (head if run.cfg.model.vision is None or run.cfg.data.vision_embeddings is not None else
              f"the larger of the vision encoder's (every token an image token, parallel.encoder_dp="
              f"{run.cfg.parallel.encoder_dp}) and {head}")

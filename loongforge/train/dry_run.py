@@ -440,14 +440,23 @@ def decoder_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
     return tokens * in_flight * max(sum(per_layer(kind) for kind in kinds) for kinds in ranks)
 
 
-def lm_head_activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:
+def lm_head_activation_bytes(cfg: RunConfig, sizes: ParallelSizes, *, whole: bool = False) -> float:
     """Per rank, the LM head's logits for a rank's share of a row at worst: every token a loss token
-    (the head runs on those only), each a vocabulary / TP row in the run's precision plus the fp32
-    copy megatron-core's cross-entropy computes its softmax in and keeps for backward."""
+    (the head runs on those only), each a vocabulary / TP row.
+
+    Whole (``training.loss_chunk_tokens=0``, or ``whole``): megatron-core's cross-entropy keeps an fp32
+    copy for backward of every head's (the decoder's and each multi-token-prediction layer's, which run on
+    every position), and the GEMM writes the last head's in the run's precision beside it. Chunked: one
+    chunk of ``training.loss_chunk_tokens`` tokens at a time, its fp32 logits and the GEMM's copy, whatever
+    the heads (``models.decoder.chunked_loss`` keeps one float a token for backward)."""
     value_bytes = _value_bytes(cfg)
     tokens = cfg.data.seq_len / sizes.context_parallel
     vocabulary = cfg.model.language.vocab_size / sizes.tensor_parallel
-    return tokens * vocabulary * (value_bytes + 4 if value_bytes < 4 else 4)
+    gemm_copy = value_bytes if value_bytes < 4 else 0  # a bf16 GEMM's output beside its fp32 cast
+    chunk_tokens = cfg.training.loss_chunk_tokens
+    if chunk_tokens and not whole:
+        return min(tokens, chunk_tokens) * vocabulary * (4 + gemm_copy)
+    return tokens * vocabulary * (4 * (1 + cfg.model.language.mtp_num_layers) + gemm_copy)
 
 
 def activation_bytes(cfg: RunConfig, sizes: ParallelSizes) -> float:

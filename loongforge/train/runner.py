@@ -187,7 +187,7 @@ def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, b
         pre_process=layout.is_first_stage and stage == 0, post_process=layout.is_last_stage and stage == virtual - 1,
         vp_stage=stage if virtual > 1 else None, device=device,
         recompute_activations=cfg.training.recompute_activations, init_seed=cfg.training.seed,
-        vision_cost=balancing.vision_cost, with_encoder=cfg.data.vision_embeddings is None)
+        loss_chunk_tokens=cfg.training.loss_chunk_tokens, vision_cost=balancing.vision_cost, with_encoder=cfg.data.vision_embeddings is None)
     _freeze(model, cfg)
     # Adapters before DDP: its gradient buffers and the optimizer then hold the adapters alone.
     model.lora_note = _apply_lora(model, cfg)

@@ -8,7 +8,8 @@ key's last). Family checks of the same launch: every tower's layers split at vis
 vision TP 1 beside language TP 2; Qwen3-VL's and Qwen3.5's shards convert back to the transformers weights
 bit for bit and a distributed checkpoint records the whole shapes; Qwen3-MoE loaded from ``loongforge
 convert``'s TP-2 checkpoint, and its balance-loss gradient equals one process's (megatron-core alone would
-divide it by the TP size: ``moe_balance``).
+divide it by the TP size: ``moe_balance``). The chunked LM head and cross-entropy (``training.loss_chunk_tokens``)
+equal the whole logits' at TP 2, with and without sequence parallelism: loss and every gradient.
 
 The worker builds the references itself (seeded, so both ranks build the same) and returns only the
 measured figures; rank 0 runs transformers."""
@@ -63,6 +64,9 @@ GRAD_PROBES = {
     "minimax_m2": (lambda m: m.language_model.decoder.layers[0].self_attention.k_layernorm.weight,
                    lambda hf: hf.model.layers[0].self_attn.k_norm.weight, "cat", False),
 }
+# The chunked loss against the whole logits at TP 2 (the vocabulary split, its padding on rank 1 alone): Qwen2's
+# untied head (the tied one's split is the same rows of the embedding), 4 tokens a chunk.
+CHUNKED_REFERENCE, CHUNK_TOKENS = "qwen2", 4
 # Whole shapes a distributed checkpoint records for column-parallel weights (so it reshards).
 SHARDED_SHAPES = {
     "qwen3_vl": {
@@ -201,6 +205,31 @@ def _balance_grad(reference, model_cfg, hf_model, rank: int):
     return float((with_balance - without_balance - expected).abs().max() / expected.abs().max())
 
 
+def _chunked_loss_difference(reference, model_cfg, parallel_cfg, hf_model, case) -> float:
+    """The largest difference over the ranks of the loss (loss-masked and every position) and of every
+    parameter's gradient of the step's objective (the mean over loss tokens), chunked vs the whole logits."""
+    generator = torch.Generator().manual_seed(3)
+    labels = torch.randint(0, model_cfg.language.vocab_size, case.ours["input_ids"].shape, generator=generator)
+    loss_mask = (torch.rand(labels.shape, generator=generator) < 0.6).float()
+    runs = []
+    for chunk_tokens in (0, CHUNK_TOKENS):
+        model = reference.build(model_cfg, parallel_cfg, loss_chunk_tokens=chunk_tokens).train()
+        load_hf_state_dict(model, hf_model.state_dict())
+        losses = []
+        for mask in (loss_mask, None):
+            loss = model(**case.ours, labels=labels, loss_mask=mask)  # [1, s]
+            weights = torch.ones_like(loss) if mask is None else mask
+            ((loss * weights).sum() / weights.sum()).backward()
+            losses.append(loss.detach())
+        runs.append((losses, {name: p.grad for name, p in model.named_parameters() if p.grad is not None}))
+    (losses, grads), (chunked_losses, chunked_grads) = runs
+    assert grads.keys() == chunked_grads.keys() and grads
+    difference = torch.tensor(max([float((a - b).abs().max()) for a, b in zip(losses, chunked_losses)]
+                                  + [float((grads[name] - chunked_grads[name]).abs().max()) for name in grads]))
+    dist.all_reduce(difference, op=dist.ReduceOp.MAX)
+    return float(difference)
+
+
 def _worker(rank: int, port: int, workdir: str) -> None:
     limit_threads()
     init_megatron(rank, WORLD_SIZE, port, tp=WORLD_SIZE)
@@ -227,6 +256,9 @@ def _worker(rank: int, port: int, workdir: str) -> None:
             if name in GRAD_PROBES and not converted:
                 results[name, layout, "grad"] = _grad_probe(name, model, hf_model, cases["text"],
                                                             targets["text"][0], is_first)
+            if name == CHUNKED_REFERENCE:
+                results[name, layout, "chunked"] = _chunked_loss_difference(reference, model_cfg, parallel_cfg,
+                                                                            hf_model, cases["text"])
             if name in SHARDED_SHAPES and layout == "tp":
                 results[name, "written"] = _written(model, model_cfg, name, hf_model, is_first)
             if reference.has_media:
@@ -275,6 +307,11 @@ def test_tp2_with_and_without_sequence_parallelism_matches_transformers(tmp_path
     for name in SHARDED_SHAPES:
         assert results[name, "written"]["written"], name
         assert results[name, "written"]["global_shapes"] == SHARDED_SHAPES[name], name
+    for layout in LAYOUTS:
+        chunked = results[CHUNKED_REFERENCE, layout, "chunked"]
+        print(f"{CHUNKED_REFERENCE} TP 2 {layout}: the loss in chunks of {CHUNK_TOKENS} tokens vs the whole logits, "
+              f"loss and every gradient within {chunked:.1e}")
+        assert chunked <= 1e-6
     print(f"qwen3_moe balance-loss gradient at TP 2 + SP vs one process: {results['qwen3_moe', 'balance']:.1e} "
           "of the largest")
     assert results["qwen3_moe", "balance"] <= 1e-5

@@ -1,5 +1,6 @@
 """The text-only family trains through the same command: DP 2 with balancing re-planning every step
-equals one process (losses, grad norms and Adam moments to 1e-5 relative), TP 2 x PP 2 too, and a
+equals one process (losses, grad norms and Adam moments to 1e-5 relative), TP 2 x PP 2 too (its LM head and
+loss in chunks of 16 tokens, ``training.loss_chunk_tokens``, against the one process's whole logits), and a
 copy of the DP 2 run cut back to step 1 and resumed ends bit-identical to the uninterrupted run. 2 steps
 (the second after an update), resumed from step 1, as the other layout proofs (docs/testing.md)."""
 
@@ -38,7 +39,8 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     launches = {
         "dp1": ((), 1),
         "dp2": (BALANCED, 2),
-        "tp2-pp2": (("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2"), 4),
+        "tp2-pp2": (("parallel.tensor_model_parallel_size=2", "parallel.pipeline_model_parallel_size=2",
+                     "training.loss_chunk_tokens=16"), 4),
     }
     for name, (extra, nproc) in launches.items():
         run_train(root / name, *OPTIONS, *extra, nproc=nproc, preset=PRESET)

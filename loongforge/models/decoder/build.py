@@ -12,7 +12,7 @@ from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.utils import get_pg_rank
 
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 from loongforge.models.decoder.language_model import LanguageModel
 from loongforge.models.decoder.layer_specs import language_block_spec, mtp_block_spec
 from loongforge.models.hf.rules import padded_vocab_size
@@ -69,12 +69,14 @@ def _experts(model_cfg: ModelConfig, device: torch.device, params_dtype: torch.d
 def build_language_model(model_cfg: ModelConfig, language_config, modules: BlockModules,
                          pgs: ProcessGroupCollection, *, pre_process: bool, post_process: bool,
                          vp_stage: Optional[int], init_seed: Optional[int], rope: str,
-                         takes_features: bool, routing_token_ids: tuple[int, ...] = ()) -> LanguageModel:
+                         takes_features: bool, routing_token_ids: tuple[int, ...] = (),
+                         loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens) -> LanguageModel:
     """This stage of the shared decoder (``LanguageModel``), as every family builds it.
 
     ``rope``: ``"rope"`` (1-D positions) or ``"mrope"`` (three rows of positions, t/h/w).
     ``takes_features``: the caller writes vision features into the embeddings before the decoder
-    runs, so the embeddings are scattered over sequence parallelism by the caller, not by GPTModel."""
+    runs, so the embeddings are scattered over sequence parallelism by the caller, not by GPTModel.
+    ``loss_chunk_tokens``: the LM head's loss tokens at a time (``training.loss_chunk_tokens``; 0: all)."""
     lang = model_cfg.language
     # The multi-token-prediction layers sit after the decoder, on the last stage (with a copy of the embedding).
     mtp = mtp_block_spec(language_config, modules, init_seed) if lang.mtp_num_layers and post_process else None
@@ -86,6 +88,7 @@ def build_language_model(model_cfg: ModelConfig, language_config, modules: Block
             layer_qk_norm_group=pgs.tp if lang.qk_norm and lang.qk_norm_type == "per_layer" else None),
         mtp_block_spec=mtp,
         routing_token_ids=routing_token_ids,
+        loss_chunk_tokens=loss_chunk_tokens,
         vocab_size=padded_vocab_size(lang.vocab_size, pgs.tp.size()),
         true_vocab_size=lang.vocab_size,
         init_seed=init_seed,

@@ -1,12 +1,16 @@
 """The language model every family builds: megatron-core's ``GPTModel`` with loongforge's head.
 
-Two changes to ``GPTModel``, both family-independent: vocabulary-padding logits never enter the
-softmax, and with a ``loss_mask`` the LM head runs only on the positions whose loss counts.
+Three changes to ``GPTModel``, all family-independent: vocabulary-padding logits never enter the
+softmax; with a ``loss_mask`` the LM head runs only on the positions whose loss counts; and with
+``loss_chunk_tokens`` the head and its cross-entropy run a chunk of tokens at a time
+(``decoder.chunked_loss``), the multi-token-prediction heads' too, so a row's logits are never whole.
 Initial weights are keyed by (seed, name) so that every TP/PP layout starts from one model.
 """
 
 from __future__ import annotations
 
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Optional
 
 import torch
@@ -14,6 +18,8 @@ from megatron.core import tensor_parallel
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.utils import get_pg_rank
 
+from loongforge.config.schema import TrainingConfig
+from loongforge.models.decoder.chunked_loss import chunked_cross_entropy
 from loongforge.models.decoder.modality_balance import install_balance
 from loongforge.models.decoder.modality_moe import install_routing_hooks, routing_tokens
 from loongforge.models.layers import initialization
@@ -27,12 +33,16 @@ class LanguageModel(GPTModel):
     """
 
     def __init__(self, *args, true_vocab_size: int, init_seed: Optional[int] = None,
-                 routing_token_ids: tuple[int, ...] = (), **kwargs):
+                 routing_token_ids: tuple[int, ...] = (),
+                 loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens, **kwargs):
         # The embedding is GPTModel's first random draw; the decoder layers draw from keys of their
         # own (see the block spec) and leave this stream alone.
         with initialization.seeded(init_seed, "language_model.embedding"):
             super().__init__(*args, **kwargs)
         self.true_vocab_size = true_vocab_size
+        if loss_chunk_tokens < 0:
+            raise ValueError(f"training.loss_chunk_tokens must be >= 0 (0: the whole logits), got {loss_chunk_tokens}")
+        self.loss_chunk_tokens = loss_chunk_tokens
         # Modality-isolated experts (``decoder.modality_moe``): the ids routed to the vision experts, whose
         # positions every stage finds in its input ids and hands its layers as the block's context.
         self.register_buffer("routing_token_ids", torch.tensor(routing_token_ids, dtype=torch.long), persistent=False)
@@ -91,7 +101,11 @@ class LanguageModel(GPTModel):
             return args, {**kwargs, "padding_mask": self._routing_padding}
         return None
 
-    def compute_language_model_loss(self, labels: torch.Tensor, logits: torch.Tensor) -> torch.Tensor:
+    def compute_language_model_loss(self, labels: torch.Tensor, logits) -> torch.Tensor:
+        """Per-token loss [b, s] of labels [b, s]; ``logits`` [s, b, V/tp], or under ``_deferred_head``
+        the head's input (``HeadInput``), whose loss is computed chunk by chunk."""
+        if isinstance(logits, HeadInput):
+            return self._chunked_loss(labels, logits)
         if self.vocab_size > self.true_vocab_size:
             # logits [s, b, V/tp]: this rank holds vocab ids [rank*V/tp, (rank+1)*V/tp)
             shard = logits.shape[-1]
@@ -107,7 +121,8 @@ class LanguageModel(GPTModel):
         In VLM fine-tuning most positions (system prompt, question, image tokens, padding) carry no
         loss, and the head over a 152k vocabulary is the largest matmul of a small model: skipping
         them changes no gradient and saves most of that work. Returns per-token loss [b, s], zero
-        outside the mask.
+        outside the mask. With ``loss_chunk_tokens`` the loss of every head (the MTP layers' too) is
+        computed that many tokens at a time.
         """
         mtp = getattr(self, "mtp_process", False)
         if mtp and labels is None and self.post_process:
@@ -118,8 +133,10 @@ class LanguageModel(GPTModel):
             return logits.transpose(0, 1).contiguous()
         if not self.post_process or labels is None or loss_mask is None or mtp:
             # With MTP layers: megatron's own head (every position) and theirs, each loss on the mask.
-            return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
-                                        loss_mask=loss_mask, **kwargs)
+            chunked = self.post_process and labels is not None and self.loss_chunk_tokens
+            with self._deferred_head() if chunked else nullcontext():
+                return super()._postprocess(hidden_states, input_ids, position_ids, labels, *args,
+                                            loss_mask=loss_mask, **kwargs)
         if self.config.sequence_parallel:
             # [s/tp, b, h] -> [s, b, h]: every TP rank needs the full sequence to pick positions.
             # The head's input copy all-reduces its gradient, so each rank already holds the full
@@ -130,16 +147,63 @@ class LanguageModel(GPTModel):
         # Positions in [s, b] order, the layout of hidden_states.
         picked = loss_mask.transpose(0, 1).reshape(-1).nonzero(as_tuple=True)[0]  # [n]
         picked_hidden = hidden_states.reshape(seq_len * batch, 1, -1)[picked]  # [n, 1, h]
+        picked_labels = labels.transpose(0, 1).reshape(-1)[picked].unsqueeze(0)  # [1, n]
         output_weight = self.shared_embedding_or_output_weight() if (
             self.share_embeddings_and_output_weights) else None
-        sequence_parallel = self.output_layer.sequence_parallel
-        self.output_layer.sequence_parallel = False  # already gathered above
-        try:
-            logits, _ = self.output_layer(picked_hidden, weight=output_weight)  # [n, 1, V/tp]
-        finally:
-            self.output_layer.sequence_parallel = sequence_parallel
-        picked_labels = labels.transpose(0, 1).reshape(-1)[picked].unsqueeze(0)  # [1, n]
-        picked_loss = self.compute_language_model_loss(picked_labels, logits)  # [1, n]
+        if self.loss_chunk_tokens:
+            head = HeadInput(picked_hidden, self.output_layer.weight if output_weight is None else output_weight,
+                             sequence_parallel=False)  # already gathered above
+            picked_loss = self._chunked_loss(picked_labels, head)  # [1, n]
+        else:
+            sequence_parallel = self.output_layer.sequence_parallel
+            self.output_layer.sequence_parallel = False  # already gathered above
+            try:
+                logits, _ = self.output_layer(picked_hidden, weight=output_weight)  # [n, 1, V/tp]
+            finally:
+                self.output_layer.sequence_parallel = sequence_parallel
+            picked_loss = self.compute_language_model_loss(picked_labels, logits)  # [1, n]
         loss = torch.zeros(seq_len * batch, dtype=picked_loss.dtype, device=picked_loss.device)
         loss = loss.index_put((picked,), picked_loss.reshape(-1))
         return loss.reshape(seq_len, batch).transpose(0, 1).contiguous()  # [b, s]
+
+    @contextmanager
+    def _deferred_head(self):
+        """megatron's ``_postprocess`` with the output layer handing its input to
+        ``compute_language_model_loss`` (a ``HeadInput``) in place of the logits: every head it runs
+        (the main one, each MTP layer's) becomes a chunked loss, and its MTP bookkeeping stays megatron's."""
+        layer = self.output_layer
+
+        def defer(input_, weight=None, runtime_gather_output=None):
+            return HeadInput(input_, layer.weight if weight is None else weight, layer.sequence_parallel), None
+
+        layer.forward = defer
+        try:
+            yield
+        finally:
+            del layer.forward
+
+    def _chunked_loss(self, labels: torch.Tensor, head: "HeadInput") -> torch.Tensor:
+        """Per-token loss [b, s] of labels [b, s] (``decoder.chunked_loss``), the head's input entering
+        the TP region as ``ColumnParallelLinear``'s does: gathered along the sequence under sequence
+        parallelism (the backward reduce-scatters the ranks' vocabulary shares of its gradient), else
+        copied (the backward all-reduces them)."""
+        tp = self.pg_collection.tp
+        if head.sequence_parallel:
+            hidden = tensor_parallel.gather_from_sequence_parallel_region(head.hidden, group=tp)  # [s, b, h]
+        else:
+            hidden = tensor_parallel.copy_to_tensor_model_parallel_region(head.hidden, group=tp)  # [s, b, h]
+        seq_len, batch, width = hidden.shape
+        loss = chunked_cross_entropy(
+            hidden.reshape(seq_len * batch, width), head.weight, labels.transpose(0, 1).reshape(-1),
+            chunk_tokens=self.loss_chunk_tokens, true_vocab_size=self.true_vocab_size, tp_group=tp)  # [s * b]
+        return loss.reshape(seq_len, batch).transpose(0, 1).contiguous()
+
+
+@dataclass(frozen=True)
+class HeadInput:
+    """What the output layer would project: hidden [s, b, h] (cut along s over TP where
+    ``sequence_parallel``) and this TP rank's head weight [V/tp, h]."""
+
+    hidden: torch.Tensor
+    weight: torch.Tensor
+    sequence_parallel: bool

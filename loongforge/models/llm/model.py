@@ -17,7 +17,7 @@ from megatron.core.transformer.enums import ModelType
 from megatron.core.transformer.module import MegatronModule
 from megatron.core.transformer.transformer_config import TransformerConfig
 
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import (
     build_context,
@@ -36,7 +36,8 @@ class TextModel(MegatronModule):
 
     def __init__(self, *, model_cfg: ModelConfig, language_config: TransformerConfig, modules: BlockModules,
                  pgs: ProcessGroupCollection, pre_process: bool, post_process: bool,
-                 vp_stage: Optional[int] = None, init_seed: Optional[int] = None):
+                 vp_stage: Optional[int] = None, init_seed: Optional[int] = None,
+                 loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens):
         super().__init__(config=language_config)
         lang = model_cfg.language
         self.model_cfg = model_cfg
@@ -47,7 +48,8 @@ class TextModel(MegatronModule):
         self.model_type = ModelType.encoder_or_decoder
         self.language_model = build_language_model(
             model_cfg, language_config, modules, pgs, pre_process=pre_process, post_process=post_process,
-            vp_stage=vp_stage, init_seed=init_seed, rope="rope", takes_features=False)
+            vp_stage=vp_stage, init_seed=init_seed, rope="rope", takes_features=False,
+            loss_chunk_tokens=loss_chunk_tokens)
 
     def towers(self) -> dict[str, list[torch.nn.Module]]:
         """The parts ``training.freeze_*`` name: no encoder parts, so freeze_vision / freeze_projector
@@ -91,7 +93,8 @@ class TextModel(MegatronModule):
 def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_dtype: torch.dtype,
                 pre_process: bool, post_process: bool, device: torch.device | str,
                 vp_stage: Optional[int] = None, recompute_activations: bool = False,
-                init_seed: Optional[int] = None, vision_cost=None, with_encoder: bool = True) -> TextModel:
+                init_seed: Optional[int] = None, vision_cost=None, with_encoder: bool = True,
+                loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens) -> TextModel:
     """This rank's pipeline stage; needs megatron's parallel state initialised to ``parallel_cfg``.
     ``vision_cost`` and ``with_encoder`` are part of the family contract's build call and have
     nothing to act on in a text-only model."""
@@ -101,5 +104,5 @@ def build_model(model_cfg: ModelConfig, parallel_cfg: ParallelConfig, *, params_
         language_config=decoder_configs.language_config(model_cfg.language, parallel_cfg, params_dtype,
                                                         context.on_cpu, recompute_layers=recompute_activations),
         modules=context.modules, pgs=context.pgs, pre_process=pre_process, post_process=post_process,
-        vp_stage=vp_stage, init_seed=context.init_seed)
+        vp_stage=vp_stage, init_seed=context.init_seed, loss_chunk_tokens=loss_chunk_tokens)
     return model.to(context.device)

@@ -34,7 +34,7 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.utils import get_pg_rank
 
 from loongforge.config.layout import vision_tensor_parallel_size
-from loongforge.config.schema import ModelConfig, ParallelConfig
+from loongforge.config.schema import ModelConfig, ParallelConfig, TrainingConfig
 from loongforge.models.decoder import configs as decoder_configs
 from loongforge.models.decoder.build import (
     BuildContext,
@@ -101,6 +101,7 @@ class VisionLanguageModel(MegatronModule):
         rope: str,
         rotary: Optional[torch.nn.Module] = None,
         routing_token_ids: tuple[int, ...] = (),
+        loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens,
     ):
         """``encoder``: this stage's vision encoder (an ``encoder_type``), None where it holds none (a
         later stage, or a model trained on ``loongforge encode``'s stored features, ``with_encoder``
@@ -146,7 +147,7 @@ class VisionLanguageModel(MegatronModule):
         self.language_model = build_language_model(
             model_cfg, language_config, context.modules, language_pgs, pre_process=pre_process,
             post_process=post_process, vp_stage=vp_stage, init_seed=context.init_seed, rope=rope,
-            takes_features=True, routing_token_ids=routing_token_ids)
+            takes_features=True, routing_token_ids=routing_token_ids, loss_chunk_tokens=loss_chunk_tokens)
         if rotary is not None:
             # GPTModel calls rotary_pos_emb(position_ids, mrope_section, cp_group=...): same call.
             self.language_model.rotary_pos_emb = rotary
@@ -392,6 +393,7 @@ def build_vlm(
     rotary: Optional[Callable[[], torch.nn.Module]] = None,
     rotary_interleaved: bool = False,
     routing_token_ids: tuple[int, ...] = (),
+    loss_chunk_tokens: int = TrainingConfig.loss_chunk_tokens,
 ) -> VisionLanguageModel:
     """This rank's pipeline stage of a VLM whose vision side is ``tower``'s encoder, built by
     ``build_encoder`` (default the encoder type's ``build``); ``side_sets``: its side feature sets,
@@ -410,7 +412,8 @@ def build_vlm(
     passed to forward as ``image_embeds`` / ``video_embeds``). ``rotary``: makes the decoder's rotary
     module where the family's differs from megatron's (``rope``); ``rotary_interleaved``: it gives the
     angles of adjacent channel pairs. ``routing_token_ids``: the ids a decoder with modality-isolated
-    experts routes to its vision experts (``decoder.modality_moe``)."""
+    experts routes to its vision experts (``decoder.modality_moe``). ``loss_chunk_tokens``: the LM head's loss tokens at a time
+    (``training.loss_chunk_tokens``; 0: the whole logits)."""
     context = build_context(model_cfg, parallel_cfg, params_dtype=params_dtype, device=device, init_seed=init_seed)
     language_pgs = context.pgs
     encoder_type = tower.encoder_type()
@@ -436,7 +439,7 @@ def build_vlm(
         merge_unit=merge_unit,
         vision_tp=vision_tp, pre_process=pre_process,
         post_process=post_process, vp_stage=vp_stage, rope=rope, rotary=None if rotary is None else rotary(),
-        routing_token_ids=routing_token_ids)
+        routing_token_ids=routing_token_ids, loss_chunk_tokens=loss_chunk_tokens)
     if encoder is not None:
         mark_tp_duplicates(encoder, vision_tp=vision_tp, replica_block=model._vision_replica_block)
         keep_qk_norms_from_tp_sum(encoder, vision_tp=vision_tp, decoder_qk_norms=language_config.qk_layernorm)
