@@ -135,6 +135,17 @@ DEEPSEEK_ARCHITECTURES = {
                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                                       "rope_theta": 10_000.0}),
+    # V3.2: V3's model with DeepSeek Sparse Attention, each query attending to its 8 best-scoring earlier tokens
+    # (fewer than the test prompts', so the indexer decides the output) by an indexer of 4 heads of 16 channels
+    # (few heads: keys no head scores above zero tie at 0, so the top-k cut meets ties); YaRN's mscale apart from
+    # mscale_all_dim, so its cos/sin factor reaches the indexer's RoPE too.
+    "deepseek_v32": dict(_MLA, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=24,
+                         n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8, index_n_heads=4,
+                         index_head_dim=16,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                       "rope_theta": 10_000.0}),
 }
 # MiniMax-M2 at toy size: 6 query heads over 2 KV groups of width 16 (q is 96 wide beside a 64-wide hidden state), q/k
 # norms over all heads, RoPE on 8 of each head's 16 channels; 6 experts of width 32 in every layer, top-3 by sigmoid

@@ -1,6 +1,7 @@
-"""DeepSeek-V2 / V3 ``config.json`` fields (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config``), both
-ways: multi-latent attention, YaRN, DeepSeekMoE routing (shared plus routed experts, the first layers
-dense).
+"""DeepSeek-V2 / V3 / V3.2 ``config.json`` fields (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config`` /
+``DeepseekV32Config``), both ways: multi-latent attention, YaRN, DeepSeekMoE routing (shared plus routed experts,
+the first layers dense); V3.2 is V3 with DeepSeek Sparse Attention's indexer (``index_topk``, ``index_n_heads``,
+``index_head_dim``: ``model.language.sparse_attention``).
 
 The two routers as transformers computes them: V3 takes a sigmoid per expert, adds the expert bias
 (``e_score_correction_bias``) only to choose, limits the choice to the ``topk_group`` groups with the
@@ -18,23 +19,28 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, YarnConfig
+from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, SparseAttentionConfig, YarnConfig
 
-DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                          "DeepseekV32ForCausalLM": "deepseek_v32"}
+# The architectures of V3's router and multi-token prediction (V3.2 is V3's model with sparse attention).
+_V3_ROUTER = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
 # megatron's expert bias moves by this much per step (DeepSeek-V3's gamma for most of its pre-training).
 BIAS_UPDATE_RATE = 1e-3
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def deepseek_architecture(lang: LanguageConfig) -> str:
-    """V3's sigmoid router or V2's softmax one."""
+    """V3.2 with sparse attention, else V3's sigmoid router or V2's softmax one."""
+    if lang.sparse_attention is not None:
+        return "DeepseekV32ForCausalLM"
     sigmoid = lang.moe is not None and lang.moe.router_score_function == "sigmoid"
     return "DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"
 
 
 def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageConfig:
-    """``LanguageConfig`` of a DeepSeek-V2/V3 config.json; KeyError for a missing required key."""
-    v3 = name == "DeepseekV3ForCausalLM"
+    """``LanguageConfig`` of a DeepSeek-V2/V3/V3.2 config.json; KeyError for a missing required key."""
+    v3 = name in _V3_ROUTER
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise InputError(f"{where}: {key}=true is not supported (DeepSeek models have no linear biases)")
@@ -59,6 +65,9 @@ def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageC
         yarn=_yarn_from_hf(cfg, where),
         # DeepSeek-V3's multi-token-prediction layers (its checkpoint's layers after the decoder's).
         mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) if v3 else 0,
+        sparse_attention=SparseAttentionConfig(
+            index_topk=cfg["index_topk"], index_n_heads=cfg["index_n_heads"], index_head_dim=cfg["index_head_dim"])
+        if name == "DeepseekV32ForCausalLM" else None,
         **(_experts_from_hf(cfg, where, v3) if experts else {}),
     )
 
@@ -112,7 +121,7 @@ def _yarn_from_hf(cfg: Mapping[str, Any], where: str) -> YarnConfig | None:
 
 
 def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
-    """The config.json of a DeepSeek-V2/V3 ``lang``."""
+    """The config.json of a DeepSeek-V2/V3/V3.2 ``lang``."""
     name, mla = deepseek_architecture(lang), lang.multi_latent_attention
     config: dict[str, Any] = {
         "architectures": [name], "model_type": DEEPSEEK_ARCHITECTURES[name],
@@ -127,8 +136,12 @@ def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     }
     if lang.yarn is not None:
         config["rope_scaling"] = {"rope_type": "yarn", **{key: getattr(lang.yarn, key) for key in _YARN_KEYS}}
-    if name == "DeepseekV3ForCausalLM":
+    if name in _V3_ROUTER:
         config["num_nextn_predict_layers"] = lang.mtp_num_layers
+    if lang.sparse_attention is not None:
+        sparse = lang.sparse_attention
+        config.update(index_topk=sparse.index_topk, index_n_heads=sparse.index_n_heads,
+                      index_head_dim=sparse.index_head_dim)
     if lang.moe:
         shared = lang.moe.shared_expert_ffn_hidden_size or 0
         config.update(

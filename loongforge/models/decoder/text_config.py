@@ -1,5 +1,5 @@
 """A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Qwen1.5-MoE / Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x, DeepSeek-V2 / V3 (``deepseek_config``) and MiMo-V2-Flash
+Qwen1.5-MoE / Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x, DeepSeek-V2 / V3 / V3.2 (``deepseek_config``) and MiMo-V2-Flash
 (``mimo_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config`` (InternVL3.5's Qwen3,
 LLaVA-OneVision's Qwen2).
 
@@ -104,6 +104,10 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
             return [f"{key}={stated} needs model.language.multi_latent_attention; give it or state another "
                     "architecture."]
         described = deepseek_architecture(lang)
+        if "DeepseekV32ForCausalLM" in (stated, described) and described != stated:
+            wanted = "set" if stated == "DeepseekV32ForCausalLM" else "null"
+            return [f"{key}={stated} needs model.language.sparse_attention {wanted} (DeepSeek-V3.2's indexer is what "
+                    "sets it apart); make them agree."]
         if described != stated:
             return [f"{key}={stated} but model.language.moe.router_score_function="
                     f"{lang.moe.router_score_function} is {described}'s router; make them agree."]

@@ -244,7 +244,8 @@ _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHAT
                          "Qwen3NextForCausalLM": QWEN3_INSTRUCT, "Qwen3_5ForCausalLM": QWEN3_INSTRUCT,
                          "Qwen3_5MoeForCausalLM": QWEN3_INSTRUCT,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
-                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
+                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, "DeepseekV32ForCausalLM": DEEPSEEK_V3,
+                         MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
                          "MiMoV2FlashForCausalLM": QWEN3}
 
 
