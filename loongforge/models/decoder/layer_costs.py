@@ -169,17 +169,18 @@ class SparseLatentAttention(LatentAttention):
                    + linear_parameters(h, dim, bias=False) + 2 * dim + linear_parameters(h, heads, bias=False))
         return super().parameters(lang) + indexer
 
-    @classmethod
-    def forward_flops(cls, lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-        """As the CPU path runs it (``decoder.sparse_attention``: masked dense): multi-latent attention over each
-        segment's square, and the indexer's projections (its queries from the query latent, its key and head
-        weights from the hidden state) and its scores, per head a q.k over the square and their weighted sum."""
+    @staticmethod
+    def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+        """The indexer's forward: its projections (its queries from the query latent, its key and head weights from
+        the hidden state) and its scores, per head a q.k over each segment's square and their weighted sum. It runs
+        without a backward (nothing trains it yet), so it is not in ``forward_flops``, whose work the backward
+        doubles: ``untrained_forward_flops``. Multi-latent attention itself is ``LatentAttention``'s: the CPU path
+        masks the square rather than skipping what the top-k leaves out."""
         sparse, tokens, h = lang.sparse_attention, sum(segment_lengths), lang.hidden_size
         heads, dim = sparse.index_n_heads, sparse.index_head_dim
         projections = (linear_flops(tokens, lang.multi_latent_attention.q_lora_rank, heads * dim)
                        + linear_flops(tokens, h, dim + heads))
-        scores = sum(2 * length * length * heads * (dim + 1) for length in segment_lengths)
-        return super().forward_flops(lang, segment_lengths) + projections + scores
+        return projections + sum(2 * length * length * heads * (dim + 1) for length in segment_lengths)
 
 
 class WindowedFullAttention:
@@ -326,6 +327,12 @@ def context_keys(cp: int) -> float:
     up to them, (r + 1) + (2 CP - r) chunks of 2 CP, CP + 1/2 times its own tokens (``models.layers.attention``
     gathers the row and copies each chunk's keys); none at CP 1 beyond its own."""
     return cp + 0.5 if cp > 1 else 0.0
+
+
+def untrained_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """What one full-attention layer's forward runs that no backward follows (sparse attention's indexer); 0 in a
+    decoder without it."""
+    return SparseLatentAttention.indexer_flops(lang, segment_lengths) if lang.sparse_attention is not None else 0
 
 
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
