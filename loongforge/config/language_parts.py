@@ -282,7 +282,7 @@ class SlidingWindowConfig:
 
 @dataclass
 class SparseAttentionConfig:
-    """DeepSeek Sparse Attention (DeepSeek-V3.2's DSA), on multi-latent attention with a query latent: in every
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's DSA; GLM-5's), on multi-latent attention with a query latent: in every
     layer a lightning indexer of ``index_n_heads`` heads of ``index_head_dim`` channels scores each earlier
     token of the query's sample (ReLU of q.k, weighted per head, summed over the heads), and the query attends
     to its ``index_topk`` best-scoring tokens only (all of them while it has no more). The math, and where it
@@ -295,6 +295,9 @@ class SparseAttentionConfig:
     index_n_heads: int = 64
     # Channels of each indexer head; its first multi_latent_attention.qk_rope_head_dim are rotated.
     index_head_dim: int = 128
+    # The indexer rotates its channels in interleaved pairs (GLM-5); false: channel i with i + half (DeepSeek-V3.2,
+    # whose multi-latent attention rotates pairs all the same).
+    rope_interleaved: bool = False
 
     def problems(self, *, multi_latent_attention: Optional[MLAConfig], context_parallel: int) -> list[str]:
         key = self.KEY

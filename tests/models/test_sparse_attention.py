@@ -12,7 +12,7 @@ import torch
 from loongforge.config.errors import ConfigError
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import MLAConfig, SparseAttentionConfig
-from loongforge.models.decoder.sparse_attention import LightningIndexer
+from loongforge.models.decoder.sparse_attention import LightningIndexer, rotate_halves, rotate_pairs
 from loongforge.models.registry import check_family_layout
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.references import REFERENCES, reference_logits
@@ -21,12 +21,17 @@ REFERENCE = REFERENCES["deepseek_v32"]
 
 
 @pytest.fixture(scope="module")
-def pair():
-    """The reference's models (built once for the module) and its text sample."""
+def world():
     init_megatron(rank=0, world_size=1, port=free_port())
-    model_cfg, hf_model, model = REFERENCE.pair()
-    yield model_cfg, hf_model, model, REFERENCE.sample(model_cfg, hf_model)
+    yield
     destroy_megatron()
+
+
+@pytest.fixture(scope="module")
+def pair(world):
+    """The reference's models (built once for the module) and its text sample."""
+    model_cfg, hf_model, model = REFERENCE.pair()
+    return model_cfg, hf_model, model, REFERENCE.sample(model_cfg, hf_model)
 
 
 def _indexers(model) -> list[LightningIndexer]:
@@ -111,3 +116,20 @@ def test_the_section_checks_itself(override, expected):
 def test_context_parallel_is_refused_until_proven():
     problems = SparseAttentionConfig().problems(multi_latent_attention=MLAConfig(), context_parallel=2)
     assert len(problems) == 1 and "parallel.context_parallel_size=2" in problems[0]
+
+
+def test_glm5s_indexer_rotates_pairs(world, monkeypatch):
+    """GLM-5 (``glm_moe_dsa``, whose logits are test_parity's) with DeepSeek-V3.2's halves in its indexer's RoPE chooses
+    other keys: the layout is in force."""
+    reference = REFERENCES["glm_moe_dsa"]
+    model_cfg, hf_model, model = reference.pair()
+    case = reference.sample(model_cfg, hf_model)
+    assert model_cfg.language.sparse_attention.rope_interleaved
+    for indexer in _indexers(model):
+        assert indexer.rotate is rotate_pairs
+        monkeypatch.setattr(indexer, "rotate", rotate_halves)
+    with torch.no_grad():
+        halves = model(**case.ours)[..., :model_cfg.language.vocab_size]
+    gap = float((halves - reference_logits(hf_model, case)).abs().max())
+    print(f"\nglm_moe_dsa: the indexer's RoPE in halves vs transformers' pairs: {gap:.2f}")
+    assert gap > 1e-2

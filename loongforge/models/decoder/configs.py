@@ -171,7 +171,7 @@ def sparse_attention(lang: LanguageConfig) -> dict:
     if sparse is None:
         return {}
     return dict(index_topk=sparse.index_topk, index_n_heads=sparse.index_n_heads,
-                index_head_dim=sparse.index_head_dim)
+                index_head_dim=sparse.index_head_dim, index_rope_interleaved=sparse.rope_interleaved)
 
 
 def sliding_window(lang: LanguageConfig) -> dict:

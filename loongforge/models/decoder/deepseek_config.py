@@ -1,7 +1,9 @@
 """DeepSeek-V2 / V3 / V3.2 ``config.json`` fields (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config`` /
 ``DeepseekV32Config``), both ways: multi-latent attention, YaRN, DeepSeekMoE routing (shared plus routed experts,
 the first layers dense); V3.2 is V3 with DeepSeek Sparse Attention's indexer (``index_topk``, ``index_n_heads``,
-``index_head_dim``: ``model.language.sparse_attention``).
+``index_head_dim``: ``model.language.sparse_attention``). GLM-5 (transformers' ``GlmMoeDsaConfig``, a
+``DeepseekV32Config``) is V3.2's model whose indexer rotates interleaved pairs (``sparse_attention.rope_interleaved``);
+its layers that reuse another's top-k (``indexer_types`` "shared") are refused.
 
 The two routers as transformers computes them: V3 takes a sigmoid per expert, adds the expert bias
 (``e_score_correction_bias``) only to choose, limits the choice to the ``topk_group`` groups with the
@@ -22,18 +24,21 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, SparseAttentionConfig, YarnConfig
 
 DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
-                          "DeepseekV32ForCausalLM": "deepseek_v32"}
-# The architectures of V3's router and multi-token prediction (V3.2 is V3's model with sparse attention).
-_V3_ROUTER = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM")
+                          "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+# The architectures of V3's router and multi-token prediction (V3.2 is V3's model with sparse attention, GLM-5 V3.2's).
+_V3_ROUTER = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# The sparse-attention architectures, by whether their indexer rotates interleaved pairs.
+SPARSE_ARCHITECTURES = {False: "DeepseekV32ForCausalLM", True: "GlmMoeDsaForCausalLM"}
 # megatron's expert bias moves by this much per step (DeepSeek-V3's gamma for most of its pre-training).
 BIAS_UPDATE_RATE = 1e-3
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def deepseek_architecture(lang: LanguageConfig) -> str:
-    """V3.2 with sparse attention, else V3's sigmoid router or V2's softmax one."""
+    """V3.2 (or GLM-5, its indexer rotating pairs) with sparse attention, else V3's sigmoid router or V2's softmax
+    one."""
     if lang.sparse_attention is not None:
-        return "DeepseekV32ForCausalLM"
+        return SPARSE_ARCHITECTURES[lang.sparse_attention.rope_interleaved]
     sigmoid = lang.moe is not None and lang.moe.router_score_function == "sigmoid"
     return "DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"
 
@@ -65,11 +70,21 @@ def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageC
         yarn=_yarn_from_hf(cfg, where),
         # DeepSeek-V3's multi-token-prediction layers (its checkpoint's layers after the decoder's).
         mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) if v3 else 0,
-        sparse_attention=SparseAttentionConfig(
-            index_topk=cfg["index_topk"], index_n_heads=cfg["index_n_heads"], index_head_dim=cfg["index_head_dim"])
-        if name == "DeepseekV32ForCausalLM" else None,
+        sparse_attention=_sparse_attention_from_hf(cfg, where, name) if name in SPARSE_ARCHITECTURES.values() else None,
         **(_experts_from_hf(cfg, where, v3) if experts else {}),
     )
+
+
+def _sparse_attention_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> SparseAttentionConfig:
+    """The indexer's settings; GLM-5's layers must each run their own (transformers' ``indexer_types`` all "full",
+    as its ``index_topk_freq`` 1 and ``index_topk_pattern`` of F alone give)."""
+    pattern = cfg.get("indexer_types") or cfg.get("index_topk_pattern") or ""
+    if "shared" in pattern or "S" in pattern or int(cfg.get("index_topk_freq") or 1) > 1:
+        raise InputError(f"{where}: layers that reuse another layer's top-k (indexer_types 'shared', "
+                         "index_topk_freq > 1) are not built by loongforge; every layer runs its own indexer")
+    return SparseAttentionConfig(index_topk=cfg["index_topk"], index_n_heads=cfg["index_n_heads"],
+                                 index_head_dim=cfg["index_head_dim"],
+                                 rope_interleaved=name == SPARSE_ARCHITECTURES[True])
 
 
 def _experts_from_hf(cfg: Mapping[str, Any], where: str, v3: bool) -> dict[str, Any]:

@@ -47,8 +47,11 @@ traffic, 64 GB at 128k), while the indexer's weights are small (DeepSeek-V3.2: 1
 Every TP rank computes the same scores and the same choice from the same inputs: under sequence parallelism the
 inputs are gathered along the sequence first (without autograd: they are detached).
 
-GLM-5 (transformers' ``glm_moe_dsa``) differs in two ways, not built here yet: its indexer rotates interleaved
-pairs, and layers marked "shared" reuse the top-k of the last "full" layer instead of running an indexer.
+GLM-5 (transformers' ``glm_moe_dsa``) differs in two ways: its indexer rotates interleaved pairs (``rope_interleaved``:
+``rotate_pairs``, transformers' ``apply_rotary_pos_emb_interleave``, whose output holds the rotated even channels,
+then the odd ones, for q and k alike), and its config may mark layers "shared", which reuse the top-k of the last
+"full" layer instead of running an indexer (transformers' ``indexer_types``; not built here: such a config is refused,
+and the published one, ``index_topk_freq`` 1, has none).
 The published kernels differ from transformers (and this module) in the indexer's precision only: they rotate q
 and k by a Hadamard transform (orthogonal, so every q.k is unchanged) and score in FP8.
 """
@@ -79,12 +82,22 @@ class SparseAttentionTransformerConfig(MLATransformerConfig):
     index_topk: int = 2048
     index_n_heads: int = 64
     index_head_dim: int = 128
+    index_rope_interleaved: bool = False
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on x [..., R] with channel i paired with i + R/2 (transformers' ``rotate_half``); cos/sin broadcast."""
+    """RoPE on x [..., R] with channel i paired with i + R/2 (transformers' ``rotate_half``); cos/sin [..., R] (the
+    frequencies twice) broadcast."""
     first, second = x.chunk(2, dim=-1)
     return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., R] with channels (2i, 2i+1) a pair, written back as [rotated evens, rotated odds] (transformers'
+    ``apply_rotary_pos_emb_interleave``: q and k alike, so every q.k is that of the interleaved layout)."""
+    cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
 class LightningIndexer(MegatronModule):
@@ -95,6 +108,7 @@ class LightningIndexer(MegatronModule):
         super().__init__(config=config)
         heads, dim, dtype = config.index_n_heads, config.index_head_dim, config.params_dtype
         self.heads, self.dim, self.topk, self.rotary = heads, dim, config.index_topk, config.qk_pos_emb_head_dim
+        self.rotate = rotate_pairs if config.index_rope_interleaved else rotate_halves
         self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, heads * dim, bias=False, dtype=dtype)
         self.linear_wk = torch.nn.Linear(config.hidden_size, dim, bias=False, dtype=dtype)
         self.k_norm = torch.nn.LayerNorm(dim, eps=KEY_NORM_EPS, dtype=dtype)
@@ -114,8 +128,8 @@ class LightningIndexer(MegatronModule):
         k = self.k_norm(self.linear_wk(x)).view(1, length, 1, self.dim)  # [1, L, 1, D]
         k_rot, k_pass = k.split([self.rotary, self.dim - self.rotary], dim=-1)
         cos, sin = cos[None, :, None], sin[None, :, None]  # [1, L, 1, R]
-        q = torch.cat([rotate_halves(q_rot, cos, sin), q_pass], dim=-1)
-        k = torch.cat([rotate_halves(k_rot, cos, sin), k_pass], dim=-1).squeeze(2)  # [1, L, D]
+        q = torch.cat([self.rotate(q_rot, cos, sin), q_pass], dim=-1)
+        k = torch.cat([self.rotate(k_rot, cos, sin), k_pass], dim=-1).squeeze(2)  # [1, L, D]
         per_head = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.dim**-0.5
         per_head = F.relu(per_head)  # [1, L, H, L]
         weights = self.linear_weights_proj(x).float().view(1, length, self.heads) * self.heads**-0.5  # [1, L, H]
