@@ -129,14 +129,16 @@ def stage_plan(num_layers: int, parallel: ParallelConfig) -> PipelineStages:
     return PipelineStages(tuple(tuple(stages[v * pp + r].count(LAYER) for v in range(vp)) for r in range(pp)))
 
 
-def layout_string(plan: PipelineStages) -> str:
-    """The layout string of a plan (embedding first, head last), for ``parallel.pipeline_layout``."""
+def layout_string(plan: PipelineStages, mtp_layers: int = 0) -> str:
+    """The layout string of a plan (embedding first, ``mtp_layers`` multi-token-prediction layers and the head last),
+    for ``parallel.pipeline_layout``."""
     order = plan.schedule_order()
     stages = []
     for index, (rank, stage) in enumerate(order):
         count = plan.layers[rank][stage]
         text = LAYER if count == 1 else (f"{LAYER}*{count}" if count else "")
-        stages.append((EMBEDDING if index == 0 else "") + text + (HEAD if index == len(order) - 1 else ""))
+        last = index == len(order) - 1
+        stages.append((EMBEDDING if index == 0 else "") + text + (MTP_LAYER * mtp_layers + HEAD if last else ""))
     return "|".join(stages)
 
 

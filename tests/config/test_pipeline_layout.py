@@ -46,6 +46,7 @@ def test_a_layout_places_layers_per_stage_and_implies_the_virtual_size():
     assert plan.first_layer(1, 1) == 7
     assert parse_stages(layout_string(plan)) == parse_stages("Et|ttt|ttt|tL")
     assert layout_string(PipelineStages(((2,), (2,)))) == "Et*2|t*2L"
+    assert layout_string(PipelineStages(((2,), (2,))), mtp_layers=1) == "Et*2|t*2mL"
 
 
 @pytest.mark.parametrize("parallel, message", [
