@@ -1,20 +1,21 @@
 """DeepSeek Sparse Attention (``models.decoder.sparse_attention``) beyond the concern tests (logits, packed rows, TP 2,
-LoRA, EP and the HF round trip are the ``deepseek_v32`` reference's there): the top-k cut meets tied scores in the
-reference and still breaks them as transformers does; the choice decides the output; every query keeps
-min(index_topk, its earlier tokens) keys; the indexer trains nothing and passes no gradient back; the config
-section's checks."""
+LoRA, EP and the HF round trip are the ``deepseek_v32`` and ``glm_moe_dsa`` references' there): the top-k cut meets
+tied scores in the reference and still breaks them as transformers does; the choice decides the output; every query
+keeps min(index_topk, its earlier tokens) keys; the indexer trains nothing and passes no gradient back; GLM-5's
+indexer rotates pairs; the config section's checks, and GLM-5's shared-top-k layers refused."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from loongforge.config.errors import ConfigError
+from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
 from loongforge.config.schema import MLAConfig, SparseAttentionConfig
 from loongforge.models.decoder.sparse_attention import LightningIndexer, rotate_halves, rotate_pairs
-from loongforge.models.registry import check_family_layout
+from loongforge.models.registry import check_family_layout, get_family
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
+from tests.models.llm_helpers import tiny_hf_config_dict
 from tests.models.references import REFERENCES, reference_logits
 
 REFERENCE = REFERENCES["deepseek_v32"]
@@ -106,6 +107,8 @@ def test_the_indexer_is_frozen_and_passes_no_gradient(pair):
     ("model.language.multi_latent_attention.q_lora_rank=null", "q_lora_rank is not"),
     ("model.language.sparse_attention.index_topk=0", "must be at least 1"),
     ("model.language.sparse_attention=null", "needs model.language.sparse_attention set"),
+    ("model.language.sparse_attention.rope_interleaved=true", "DeepseekV32ForCausalLM needs "
+     "model.language.sparse_attention set with rope_interleaved: false"),
 ])
 def test_the_section_checks_itself(override, expected):
     """Loading checks the section; the family checks the architecture it states (``check_family_layout``)."""
@@ -133,3 +136,15 @@ def test_glm5s_indexer_rotates_pairs(world, monkeypatch):
     gap = float((halves - reference_logits(hf_model, case)).abs().max())
     print(f"\nglm_moe_dsa: the indexer's RoPE in halves vs transformers' pairs: {gap:.2f}")
     assert gap > 1e-2
+
+
+def test_glm5_layers_sharing_a_top_k_are_refused():
+    """transformers' GLM-5 may let a layer reuse the last full layer's top-k (``indexer_types`` "shared"); loongforge
+    builds an indexer in every layer, so such a config.json is refused, and an all-"full" one read."""
+    family = get_family("llm")
+    for shared in (dict(index_topk_freq=2), dict(indexer_types=["full", "shared", "full"]),
+                   dict(index_topk_pattern="FSF")):
+        with pytest.raises(InputError, match="reuse another layer's top-k"):
+            family.config_from_hf(tiny_hf_config_dict("glm_moe_dsa", **shared), "glm/config.json")
+    read = family.config_from_hf(tiny_hf_config_dict("glm_moe_dsa", indexer_types=["full"] * 3), "glm/config.json")
+    assert read.language.sparse_attention.rope_interleaved
