@@ -6,7 +6,9 @@ are kinds, each a section of its own that is null when the run does not build it
 - attention: grouped-query attention (the language fields themselves), ``multi_latent_attention``
   (DeepSeek's MLA) in its place, ``linear_attention`` (Gated DeltaNet) for the layers
   ``layer_types`` names so; ``sliding_window`` (MiMo-V2-Flash's attention: sliding-window layers with
-  learned sink logits among full ones, values narrower than queries and keys);
+  learned sink logits among full ones, values narrower than queries and keys); ``sparse_attention``
+  (DeepSeek Sparse Attention: a lightning indexer picks each query's top-k keys, multi-latent attention
+  attends to those alone);
 - MLP: the dense SwiGLU of ``ffn_hidden_size``, or ``moe`` (routed experts, a shared expert).
 
 A section checks itself (``problems``: one line per problem naming its key and the fix); the
@@ -282,6 +284,43 @@ class SlidingWindowConfig:
             elif groups % tensor_parallel:
                 errors.append(f"parallel.tensor_model_parallel_size={tensor_parallel} does not divide {name}="
                               f"{groups} (TP splits whole key/value groups); use one of {_divisors_of(groups)}.")
+        if context_parallel > 1:
+            errors.append(f"parallel.context_parallel_size={context_parallel}: context parallelism with {key} is not "
+                          f"proven against one process yet; use 1.")
+        return errors
+
+
+@dataclass
+class SparseAttentionConfig:
+    """DeepSeek Sparse Attention (DeepSeek-V3.2's DSA; GLM-5's), on multi-latent attention with a query latent: in every
+    layer a lightning indexer of ``index_n_heads`` heads of ``index_head_dim`` channels scores each earlier
+    token of the query's sample (ReLU of q.k, weighted per head, summed over the heads), and the query attends
+    to its ``index_topk`` best-scoring tokens only (all of them while it has no more). The math, and where it
+    differs from the published kernels: ``models.decoder.sparse_attention``."""
+
+    KEY = f"{LANGUAGE_KEY}.sparse_attention"
+
+    # Tokens each query attends to (transformers' index_topk).
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    # Channels of each indexer head; its first multi_latent_attention.qk_rope_head_dim are rotated.
+    index_head_dim: int = 128
+    # The indexer rotates its channels in interleaved pairs (GLM-5); false: channel i with i + half (DeepSeek-V3.2,
+    # whose multi-latent attention rotates pairs all the same).
+    rope_interleaved: bool = False
+
+    def problems(self, *, multi_latent_attention: Optional[MLAConfig], context_parallel: int) -> list[str]:
+        key = self.KEY
+        if min(self.index_topk, self.index_n_heads, self.index_head_dim) < 1:
+            return [f"{key}={self}: index_topk, index_n_heads and index_head_dim must be at least 1."]
+        if multi_latent_attention is None or multi_latent_attention.q_lora_rank is None:
+            return [f"{key} is set but {MLAConfig.KEY}.q_lora_rank is not: the indexer's queries come up from the "
+                    f"query latent; give multi_latent_attention with a q_lora_rank, or set {key}: null."]
+        errors = []
+        rotary = multi_latent_attention.qk_rope_head_dim
+        if self.index_head_dim < rotary:
+            errors.append(f"{key}.index_head_dim={self.index_head_dim} is below {MLAConfig.KEY}.qk_rope_head_dim="
+                          f"{rotary} (the indexer rotates that many of each head's channels); raise it.")
         if context_parallel > 1:
             errors.append(f"parallel.context_parallel_size={context_parallel}: context parallelism with {key} is not "
                           f"proven against one process yet; use 1.")

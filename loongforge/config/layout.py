@@ -243,7 +243,8 @@ def _pipeline_problems(model_cfg: ModelConfig, pipeline: ParallelConfig, keys: L
     return pipeline_layout_problems(
         layers, pipeline, first_stage_layers=wanted,
         first_stage_reason="DeepStack (model.vision.deepstack_layers) adds vision features after",
-        keys=PipelineKeys(pipeline=keys.pipeline, virtual=keys.virtual, layout=keys.pipeline_layout))
+        keys=PipelineKeys(pipeline=keys.pipeline, virtual=keys.virtual, layout=keys.pipeline_layout),
+        mtp_layers=model_cfg.language.mtp_num_layers)
 
 
 def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:

@@ -7,7 +7,8 @@ layers ``first_layer(r, v) ..``. Even stages give every stage num_layers / (PP x
 
 ``parallel.pipeline_layout`` is megatron-core's layout string (``pipeline_model_parallel_layout``),
 which the model builder hands to megatron unchanged: stages separated by ``|``; in a stage ``E`` is
-the embedding (here with the vision encoder and projector), ``t`` one language layer, ``L`` the LM
+the embedding (here with the vision encoder and projector), ``t`` one language layer, ``m`` one
+multi-token-prediction layer (``model.language.mtp_num_layers``, all in the last stage, before ``L``), ``L`` the LM
 head and loss; ``x*n`` repeats a symbol, ``(...)*n`` a group (which may hold ``|``); commas are
 cosmetic. For example ``Et|t*3|t*3|tL``, or ``E|(tt|)*3tL``.
 
@@ -19,8 +20,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from loongforge.config.schema import ParallelConfig
 
-EMBEDDING, LAYER, HEAD = "E", "t", "L"
-_SYMBOLS = {EMBEDDING, LAYER, HEAD}
+EMBEDDING, LAYER, MTP_LAYER, HEAD = "E", "t", "m", "L"
+_SYMBOLS = {EMBEDDING, LAYER, MTP_LAYER, HEAD}
 
 
 class LayoutSyntaxError(ValueError):
@@ -50,7 +51,7 @@ def parse_stages(text: str) -> list[str]:
     for stage in stages:
         unknown = sorted(set(stage) - _SYMBOLS)
         if unknown:
-            raise LayoutSyntaxError(f"unknown symbol {unknown[0]!r} in stage {stage!r} (use E, t, L, "
+            raise LayoutSyntaxError(f"unknown symbol {unknown[0]!r} in stage {stage!r} (use E, t, m, L, "
                                     f"x*n, (...)*n and |)")
     return stages
 
@@ -128,14 +129,16 @@ def stage_plan(num_layers: int, parallel: ParallelConfig) -> PipelineStages:
     return PipelineStages(tuple(tuple(stages[v * pp + r].count(LAYER) for v in range(vp)) for r in range(pp)))
 
 
-def layout_string(plan: PipelineStages) -> str:
-    """The layout string of a plan (embedding first, head last), for ``parallel.pipeline_layout``."""
+def layout_string(plan: PipelineStages, mtp_layers: int = 0) -> str:
+    """The layout string of a plan (embedding first, ``mtp_layers`` multi-token-prediction layers and the head last),
+    for ``parallel.pipeline_layout``."""
     order = plan.schedule_order()
     stages = []
     for index, (rank, stage) in enumerate(order):
         count = plan.layers[rank][stage]
         text = LAYER if count == 1 else (f"{LAYER}*{count}" if count else "")
-        stages.append((EMBEDDING if index == 0 else "") + text + (HEAD if index == len(order) - 1 else ""))
+        last = index == len(order) - 1
+        stages.append((EMBEDDING if index == 0 else "") + text + (MTP_LAYER * mtp_layers + HEAD if last else ""))
     return "|".join(stages)
 
 
@@ -149,8 +152,10 @@ class PipelineKeys:
 
 
 def pipeline_layout_problems(num_layers: int, parallel: ParallelConfig, *, first_stage_layers: int = 0,
-                             first_stage_reason: str = "", keys: PipelineKeys = PipelineKeys()) -> list[str]:
-    """One sentence per way the pipeline split does not fit ``num_layers`` language layers.
+                             first_stage_reason: str = "", keys: PipelineKeys = PipelineKeys(),
+                             mtp_layers: int = 0) -> list[str]:
+    """One sentence per way the pipeline split does not fit ``num_layers`` language layers (and ``mtp_layers``
+    multi-token-prediction layers, which a layout places as ``m``).
 
     ``first_stage_layers``: layers the first stage must hold (Qwen3-VL's DeepStack adds vision
     features after the first k layers), ``first_stage_reason`` what needs them ("X needs" the first k)."""
@@ -166,7 +171,7 @@ def pipeline_layout_problems(num_layers: int, parallel: ParallelConfig, *, first
     if parallel.pipeline_layout is None:
         errors += _even_problems(num_layers, pp, virtual_stages(parallel), keys)
     else:
-        errors += _layout_problems(num_layers, parallel, keys)
+        errors += _layout_problems(num_layers, parallel, keys, mtp_layers)
     if errors or not first_stage_layers:
         return errors
     held = stage_plan(num_layers, parallel).layers[0][0]
@@ -190,7 +195,7 @@ def _even_problems(num_layers: int, pp: int, vp: int, keys: PipelineKeys) -> lis
             f"the layers with {keys.layout}."]
 
 
-def _layout_problems(num_layers: int, parallel: ParallelConfig, keys: PipelineKeys) -> list[str]:
+def _layout_problems(num_layers: int, parallel: ParallelConfig, keys: PipelineKeys, mtp_layers: int) -> list[str]:
     pp, text = parallel.pipeline_model_parallel_size, parallel.pipeline_layout
     key = f"{keys.layout}={text!r}"
     try:
@@ -215,4 +220,9 @@ def _layout_problems(num_layers: int, parallel: ParallelConfig, keys: PipelineKe
         errors.append(f"{key}: E must open the first stage ({stages[0]!r}).")
     if HEAD in stages[-1] and not stages[-1].endswith(HEAD):
         errors.append(f"{key}: L must close the last stage ({stages[-1]!r}).")
+    placed = stages[-1].count(MTP_LAYER)
+    if placed != sum(stage.count(MTP_LAYER) for stage in stages) or placed != mtp_layers or (
+            placed and not stages[-1].endswith(MTP_LAYER * placed + HEAD)):
+        errors.append(f"{key}: model.language.mtp_num_layers={mtp_layers} multi-token-prediction layers go in the "
+                      f"last stage as m, just before L (megatron runs them after the decoder); place {mtp_layers}.")
     return errors

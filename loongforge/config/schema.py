@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Optional
 
 from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
-from loongforge.config.language_parts import SlidingWindowConfig
+from loongforge.config.language_parts import SlidingWindowConfig, SparseAttentionConfig
 from loongforge.config.vision_parts import AnyresConfig, WindowAttentionConfig
 
 
@@ -143,6 +143,9 @@ class LanguageConfig:
     # MiMo-V2-Flash's attention (sliding-window layers with sinks, narrower values; ``layer_types`` names the
     # sliding_attention layers); null: none.
     sliding_window: Optional[SlidingWindowConfig] = None
+    # DeepSeek Sparse Attention on the multi-latent attention (DeepSeek-V3.2): a lightning indexer chooses the
+    # keys each query attends to; null: every earlier key of the sample.
+    sparse_attention: Optional[SparseAttentionConfig] = None
 
 
 @dataclass

@@ -397,6 +397,8 @@ MODEL_FEATURE_FIELDS: dict[str, dict[str, Any]] = {
     "layer_qk_norm": {"language.qk_norm_type": "per_head"},
     # sliding-window layers with sinks among full ones (MiMo-V2-Flash's attention)
     "sliding_window": {"language.sliding_window": None},
+    # a lightning indexer choosing each query's top-k keys for multi-latent attention (DeepSeek Sparse Attention)
+    "sparse_attention": {"language.sparse_attention": None},
     # routed experts (megatron-core's MoE layer)
     "experts": {"language.moe": None},
     # a shared expert beside the routed ones
@@ -462,6 +464,9 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
     elif language.yarn is not None:
         errors.append(f"{key}.yarn is set but {key}.multi_latent_attention is null: megatron-core applies YaRN "
                       f"in multi-latent attention only; set yarn: null.")
+    if language.sparse_attention is not None:
+        errors += language.sparse_attention.problems(multi_latent_attention=language.multi_latent_attention,
+                                                     context_parallel=cp)
     if language.moe is not None:
         errors += language.moe.problems(num_layers=language.num_layers)
     errors += qk_norm_problems(qk_norm=language.qk_norm, qk_norm_type=language.qk_norm_type,

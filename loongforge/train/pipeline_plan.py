@@ -231,7 +231,7 @@ def _layouts(layers: int, pipeline: int, virtual: int, work: StageWork, cfg: Run
     if pipeline == 1:
         return out
     uneven = balanced_stages(layers, pipeline, virtual, work, first_stage_min=_first_stage_min(cfg))
-    text = layout_string(uneven)
+    text = layout_string(uneven, cfg.model.language.mtp_num_layers)
     if layers % stages or uneven != stage_plan(layers, dataclasses.replace(
             cfg.parallel, pipeline_model_parallel_size=pipeline, pipeline_layout=None,
             virtual_pipeline_model_parallel_size=virtual if virtual > 1 else None)):

@@ -23,10 +23,7 @@ def test_layout_strings_parse_as_megatron_core_parses_them(text):
     theirs = PipelineParallelLayerLayout.parse_str_to_list(text)
     symbols = {"embedding": "E", "decoder": "t", "loss": "L", "mtp": "m"}
     expected = ["".join(symbols[layer.name] for layer in stage) for stage in theirs]
-    ours = parse_stages(text.replace("m", "")) if "m" in text else parse_stages(text)
-    if "m" in text:  # multi-token prediction is not a layer loongforge builds
-        expected = [stage.replace("m", "") for stage in expected]
-    assert ours == expected
+    assert parse_stages(text) == expected
 
 
 def _parallel(pp=1, vp=None, layout=None) -> ParallelConfig:
@@ -49,6 +46,7 @@ def test_a_layout_places_layers_per_stage_and_implies_the_virtual_size():
     assert plan.first_layer(1, 1) == 7
     assert parse_stages(layout_string(plan)) == parse_stages("Et|ttt|ttt|tL")
     assert layout_string(PipelineStages(((2,), (2,)))) == "Et*2|t*2L"
+    assert layout_string(PipelineStages(((2,), (2,))), mtp_layers=1) == "Et*2|t*2mL"
 
 
 @pytest.mark.parametrize("parallel, message", [
@@ -67,6 +65,16 @@ def test_each_wrong_split_is_named(parallel, message):
     problems = pipeline_layout_problems(6, parallel)
     print(problems)
     assert any(message in problem for problem in problems)
+
+
+def test_multi_token_prediction_layers_close_the_last_stage():
+    """megatron runs the MTP layers after the decoder, on the head's stage: m, as many as the model has, before L."""
+    assert not pipeline_layout_problems(6, _parallel(pp=2, layout="Ettt|tttmL"), mtp_layers=1)
+    for layout, mtp_layers in (("Ettt|tttL", 1), ("Ettt|tttmL", 0), ("Ettm|ttttL", 1), ("Ettt|tttmmL", 1)):
+        problems = pipeline_layout_problems(6, _parallel(pp=2, layout=layout), mtp_layers=mtp_layers)
+        assert problems == [f"parallel.pipeline_layout='{layout}': model.language.mtp_num_layers={mtp_layers} "
+                            f"multi-token-prediction layers go in the last stage as m, just before L (megatron runs "
+                            f"them after the decoder); place {mtp_layers}."], layout
 
 
 def test_deepstack_layers_must_stay_on_the_first_stage():

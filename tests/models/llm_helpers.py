@@ -135,6 +135,25 @@ DEEPSEEK_ARCHITECTURES = {
                         rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 32,
                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 0.707, "mscale_all_dim": 0.707,
                                       "rope_theta": 10_000.0}),
+    # V3.2: V3's model with DeepSeek Sparse Attention, each query attending to its 8 best-scoring earlier tokens
+    # (fewer than the test prompts', so the indexer decides the output) by an indexer of 4 heads of 16 channels
+    # (few heads: keys no head scores above zero tie at 0, so the top-k cut meets ties); YaRN's mscale apart from
+    # mscale_all_dim, so its cos/sin factor reaches the indexer's RoPE too.
+    "deepseek_v32": dict(_MLA, architectures=["DeepseekV32ForCausalLM"], model_type="deepseek_v32", q_lora_rank=24,
+                         n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=4, n_shared_experts=1,
+                         routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8, index_n_heads=4,
+                         index_head_dim=16,
+                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64,
+                                       "beta_fast": 32.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 0.8,
+                                       "rope_theta": 10_000.0}),
+}
+# GLM-5 at toy size: V3.2's model whose indexer rotates interleaved pairs; no expert groups (n_group 1), top-2 of 8,
+# plain RoPE, rms_norm_eps 1e-5 (its latent norms keep 1e-6).
+GLM_ARCHITECTURES = {
+    "glm_moe_dsa": dict(_MLA, architectures=["GlmMoeDsaForCausalLM"], model_type="glm_moe_dsa", q_lora_rank=24,
+                        n_routed_experts=8, n_group=1, topk_group=1, num_experts_per_tok=2, n_shared_experts=1,
+                        routed_scaling_factor=2.5, norm_topk_prob=True, index_topk=8, index_n_heads=4,
+                        index_head_dim=16, rms_norm_eps=1e-5, rope_theta=10_000.0),
 }
 # MiniMax-M2 at toy size: 6 query heads over 2 KV groups of width 16 (q is 96 wide beside a 64-wide hidden state), q/k
 # norms over all heads, RoPE on 8 of each head's 16 channels; 6 experts of width 32 in every layer, top-3 by sigmoid
@@ -164,7 +183,8 @@ MIMO_ARCHITECTURES = {
         n_routed_experts=6, n_group=3, topk_group=2, num_experts_per_tok=4, moe_intermediate_size=32,
         routed_scaling_factor=1.5, norm_topk_prob=True),
 }
-ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES, **MIMO_ARCHITECTURES}
+ARCHITECTURES_WITH_MOE = {**ARCHITECTURES, **MOE_ARCHITECTURES, **DEEPSEEK_ARCHITECTURES, **GLM_ARCHITECTURES,
+                          **MIMO_ARCHITECTURES}
 
 
 def answer_masked_row(length: int, loss_tokens: int, seed: int, packed: bool = True, padding: int = 0) -> dict:

@@ -623,10 +623,11 @@ def _text_sample(model_cfg, hf_model, *, seed: int = 0, text_len: int = 40) -> C
 
 
 def _llm(arch: str) -> Reference:
-    # DeepSeek split over PP 2 at 4 layers: the dense first layer and a sparse one on each stage.
+    # DeepSeek (and GLM-5) split over PP 2 at 4 layers: the dense first layer and a sparse one on each stage.
     return Reference(name=arch, model_cfg=lambda: tiny_llm_cfg(arch),
                      hf_model=lambda cfg: build_hf_llm(arch, num_hidden_layers=cfg.language.num_layers),
-                     build=_build_llm, sample=_text_sample, pp2_layers=4 if arch.startswith("deepseek") else None)
+                     build=_build_llm, sample=_text_sample,
+                     pp2_layers=4 if arch.startswith(("deepseek", "glm")) else None)
 
 
 # The COCO photo of --check-logits (640 x 229) sized as training sizes it: InternVL's 12 tiles and a thumbnail of
@@ -692,6 +693,8 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
         "qwen3_5_moe_text": ("qwen3_next", "the text family's hybrid folder with experts and a gated shared expert "
                              "(measured when run: exact); Qwen3.5's four Gated DeltaNet tensors are qwen3_5's rows "
                              "under the text prefix"),
+        "glm_moe_dsa": ("deepseek_v32", "GLM-5's tensors are V3.2's rows (one weight map; the indexer's RoPE layout is "
+                        "no tensor); convert itself refuses GLM-5 until its chat format is built"),
     },
     "check_logits": {
         "qwen2_5_vl": ("test_qwen2_5_vl_with_a_photo", "the family's folder in the Hub's key style and flat "
@@ -714,6 +717,9 @@ PROVEN_BY: dict[str, dict[str, tuple[str, str]]] = {
                      "Auto class resolving the model_type); the dense MLP's math is test_parity's"),
         "qwen3_5_moe": ("qwen3_5", "the family's folder, photo and comparison (the Auto class's resolution of a MoE "
                         "model_type: qwen3_vl_moe); the experts' math and Hub key style are test_parity's"),
+        "glm_moe_dsa": ("deepseek_v32", "the sparse-attention folder through the command; GLM-5's interleaved indexer "
+                        "RoPE is test_parity's and test_tp_parity's, and the command refuses GLM-5 until its chat "
+                        "format is built"),
     },
 }
 

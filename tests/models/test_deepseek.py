@@ -58,7 +58,7 @@ def test_layers_are_dense_then_moe_with_shared_experts(pair):
         assert isinstance(layer.mlp, MoELayer) and layer.mlp.shared_experts is not None, arch
         assert not layer.mlp.shared_experts.use_shared_expert_gate, arch  # DeepSeek's are ungated
     sparse = layers[1].mlp.router
-    assert (sparse.expert_bias is not None) == (arch == "deepseek_v3"), arch
+    assert (sparse.expert_bias is not None) == (arch != "deepseek_v2"), arch  # V3's router (V3.2's too)
     # transformers' latent norms keep eps 1e-6 whatever rms_norm_eps is (V2 here: 1e-5, as Moonlight's).
     assert layers[0].self_attention.linear_kv_up_proj.norm_eps == 1e-6, arch
     assert layers[0].input_layernorm.eps == model_cfg.language.rms_norm_eps, arch

@@ -16,6 +16,7 @@ from loongforge.config.pipeline_layout import megatron_virtual_stages
 from loongforge.config.schema import LanguageConfig, ParallelConfig
 from loongforge.models.decoder.layer_costs import head_dim
 from loongforge.models.decoder.sliding_attention import SlidingWindowTransformerConfig
+from loongforge.models.decoder.sparse_attention import SparseAttentionTransformerConfig
 
 def _quick_gelu(x: torch.Tensor) -> torch.Tensor:
     return x * torch.sigmoid(1.702 * x)  # CLIP's GELU approximation (Qwen2-VL's, ERNIE-4.5-VL's ViTs)
@@ -78,6 +79,8 @@ def language_config(
     config_class = MLATransformerConfig if lang.multi_latent_attention else TransformerConfig
     if lang.sliding_window is not None:
         config_class = SlidingWindowTransformerConfig
+    if lang.sparse_attention is not None:
+        config_class = SparseAttentionTransformerConfig
     return config_class(
         num_layers=lang.num_layers,
         hidden_size=lang.hidden_size,
@@ -110,6 +113,7 @@ def language_config(
         layernorm_zero_centered_gamma=lang.zero_centered_norms,
         **linear_attention(lang),
         **multi_latent_attention(lang),
+        **sparse_attention(lang),
         **sliding_window(lang),
         **experts(lang, parallel_cfg),
         **multi_token_prediction(lang),
@@ -158,6 +162,16 @@ def multi_latent_attention(lang: LanguageConfig) -> dict:
         # is 1 at mscale_all_dim 0.
         facts.update(mscale_all_dim=0.0)
     return facts
+
+
+def sparse_attention(lang: LanguageConfig) -> dict:
+    """DeepSeek Sparse Attention's indexer (``SparseAttentionTransformerConfig``); None without
+    ``model.language.sparse_attention``."""
+    sparse = lang.sparse_attention
+    if sparse is None:
+        return {}
+    return dict(index_topk=sparse.index_topk, index_n_heads=sparse.index_n_heads,
+                index_head_dim=sparse.index_head_dim, index_rope_interleaved=sparse.rope_interleaved)
 
 
 def sliding_window(lang: LanguageConfig) -> dict:

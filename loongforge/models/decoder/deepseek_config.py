@@ -1,6 +1,9 @@
-"""DeepSeek-V2 / V3 ``config.json`` fields (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config``), both
-ways: multi-latent attention, YaRN, DeepSeekMoE routing (shared plus routed experts, the first layers
-dense).
+"""DeepSeek-V2 / V3 / V3.2 ``config.json`` fields (transformers' ``DeepseekV2Config`` / ``DeepseekV3Config`` /
+``DeepseekV32Config``), both ways: multi-latent attention, YaRN, DeepSeekMoE routing (shared plus routed experts,
+the first layers dense); V3.2 is V3 with DeepSeek Sparse Attention's indexer (``index_topk``, ``index_n_heads``,
+``index_head_dim``: ``model.language.sparse_attention``). GLM-5 (transformers' ``GlmMoeDsaConfig``, a
+``DeepseekV32Config``) is V3.2's model whose indexer rotates interleaved pairs (``sparse_attention.rope_interleaved``);
+its layers that reuse another's top-k (``indexer_types`` "shared") are refused.
 
 The two routers as transformers computes them: V3 takes a sigmoid per expert, adds the expert bias
 (``e_score_correction_bias``) only to choose, limits the choice to the ``topk_group`` groups with the
@@ -18,23 +21,31 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from loongforge.config.errors import InputError
-from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, YarnConfig
+from loongforge.config.schema import LanguageConfig, MLAConfig, MoEConfig, SparseAttentionConfig, YarnConfig
 
-DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3"}
+DEEPSEEK_ARCHITECTURES = {"DeepseekV2ForCausalLM": "deepseek_v2", "DeepseekV3ForCausalLM": "deepseek_v3",
+                          "DeepseekV32ForCausalLM": "deepseek_v32", "GlmMoeDsaForCausalLM": "glm_moe_dsa"}
+# The architectures of V3's router and multi-token prediction (V3.2 is V3's model with sparse attention, GLM-5 V3.2's).
+_V3_ROUTER = ("DeepseekV3ForCausalLM", "DeepseekV32ForCausalLM", "GlmMoeDsaForCausalLM")
+# The sparse-attention architectures, by whether their indexer rotates interleaved pairs.
+SPARSE_ARCHITECTURES = {False: "DeepseekV32ForCausalLM", True: "GlmMoeDsaForCausalLM"}
 # megatron's expert bias moves by this much per step (DeepSeek-V3's gamma for most of its pre-training).
 BIAS_UPDATE_RATE = 1e-3
 _YARN_KEYS = ("factor", "original_max_position_embeddings", "beta_fast", "beta_slow", "mscale", "mscale_all_dim")
 
 
 def deepseek_architecture(lang: LanguageConfig) -> str:
-    """V3's sigmoid router or V2's softmax one."""
+    """V3.2 (or GLM-5, its indexer rotating pairs) with sparse attention, else V3's sigmoid router or V2's softmax
+    one."""
+    if lang.sparse_attention is not None:
+        return SPARSE_ARCHITECTURES[lang.sparse_attention.rope_interleaved]
     sigmoid = lang.moe is not None and lang.moe.router_score_function == "sigmoid"
     return "DeepseekV3ForCausalLM" if sigmoid else "DeepseekV2ForCausalLM"
 
 
 def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageConfig:
-    """``LanguageConfig`` of a DeepSeek-V2/V3 config.json; KeyError for a missing required key."""
-    v3 = name == "DeepseekV3ForCausalLM"
+    """``LanguageConfig`` of a DeepSeek-V2/V3/V3.2 config.json; KeyError for a missing required key."""
+    v3 = name in _V3_ROUTER
     for key in ("attention_bias", "mlp_bias"):
         if cfg.get(key):
             raise InputError(f"{where}: {key}=true is not supported (DeepSeek models have no linear biases)")
@@ -59,8 +70,21 @@ def deepseek_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> LanguageC
         yarn=_yarn_from_hf(cfg, where),
         # DeepSeek-V3's multi-token-prediction layers (its checkpoint's layers after the decoder's).
         mtp_num_layers=int(cfg.get("num_nextn_predict_layers") or 0) if v3 else 0,
+        sparse_attention=_sparse_attention_from_hf(cfg, where, name) if name in SPARSE_ARCHITECTURES.values() else None,
         **(_experts_from_hf(cfg, where, v3) if experts else {}),
     )
+
+
+def _sparse_attention_from_hf(cfg: Mapping[str, Any], where: str, name: str) -> SparseAttentionConfig:
+    """The indexer's settings; GLM-5's layers must each run their own (transformers' ``indexer_types`` all "full",
+    as its ``index_topk_freq`` 1 and ``index_topk_pattern`` of F alone give)."""
+    pattern = cfg.get("indexer_types") or cfg.get("index_topk_pattern") or ""
+    if "shared" in pattern or "S" in pattern or int(cfg.get("index_topk_freq") or 1) > 1:
+        raise InputError(f"{where}: layers that reuse another layer's top-k (indexer_types 'shared', "
+                         "index_topk_freq > 1) are not built by loongforge; every layer runs its own indexer")
+    return SparseAttentionConfig(index_topk=cfg["index_topk"], index_n_heads=cfg["index_n_heads"],
+                                 index_head_dim=cfg["index_head_dim"],
+                                 rope_interleaved=name == SPARSE_ARCHITECTURES[True])
 
 
 def _experts_from_hf(cfg: Mapping[str, Any], where: str, v3: bool) -> dict[str, Any]:
@@ -112,7 +136,7 @@ def _yarn_from_hf(cfg: Mapping[str, Any], where: str) -> YarnConfig | None:
 
 
 def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
-    """The config.json of a DeepSeek-V2/V3 ``lang``."""
+    """The config.json of a DeepSeek-V2/V3/V3.2 ``lang``."""
     name, mla = deepseek_architecture(lang), lang.multi_latent_attention
     config: dict[str, Any] = {
         "architectures": [name], "model_type": DEEPSEEK_ARCHITECTURES[name],
@@ -127,8 +151,12 @@ def deepseek_to_hf(lang: LanguageConfig) -> dict[str, Any]:
     }
     if lang.yarn is not None:
         config["rope_scaling"] = {"rope_type": "yarn", **{key: getattr(lang.yarn, key) for key in _YARN_KEYS}}
-    if name == "DeepseekV3ForCausalLM":
+    if name in _V3_ROUTER:
         config["num_nextn_predict_layers"] = lang.mtp_num_layers
+    if lang.sparse_attention is not None:
+        sparse = lang.sparse_attention
+        config.update(index_topk=sparse.index_topk, index_n_heads=sparse.index_n_heads,
+                      index_head_dim=sparse.index_head_dim)
     if lang.moe:
         shared = lang.moe.shared_expert_ffn_hidden_size or 0
         config.update(

@@ -162,15 +162,27 @@ def _mla_rules(lang: LanguageConfig, lb: str, ll: str) -> list[Rule]:
     if lang.multi_latent_attention.q_lora_rank is None:
         rules.append(Rule((hb + "q_proj.weight",), mb + "linear_q_proj.weight", column, LANGUAGE))
     else:
+        # Under sparse attention the indexer reads the normed latent too: its norm is a module of its own.
+        q_norm = "q_layernorm.weight" if lang.sparse_attention else "linear_q_up_proj.layer_norm_weight"
         rules += [Rule((hb + "q_a_proj.weight",), mb + "linear_q_down_proj.weight", column, LANGUAGE),
-                  Rule((hb + "q_a_layernorm.weight",), mb + "linear_q_up_proj.layer_norm_weight", rep, LANGUAGE),
+                  Rule((hb + "q_a_layernorm.weight",), mb + q_norm, rep, LANGUAGE),
                   Rule((hb + "q_b_proj.weight",), mb + "linear_q_up_proj.weight", column, LANGUAGE)]
+    if lang.sparse_attention:
+        rules += _indexer_rules(hb + "indexer.", mb + "indexer.")
     return rules + [
         Rule((hb + "kv_a_proj_with_mqa.weight",), mb + "linear_kv_down_proj.weight", column, LANGUAGE),
         Rule((hb + "kv_a_layernorm.weight",), mb + "linear_kv_up_proj.layer_norm_weight", rep, LANGUAGE),
         Rule((hb + "kv_b_proj.weight",), mb + "linear_kv_up_proj.weight", column, LANGUAGE),
         Rule((hb + "o_proj.weight",), mb + "linear_proj.weight", Split(1), LANGUAGE),
     ]
+
+
+def _indexer_rules(hb: str, mb: str) -> list[Rule]:
+    """DeepSeek Sparse Attention's lightning indexer (``decoder.sparse_attention``), whole on every TP rank."""
+    rep = Replicated()
+    return [Rule((hb + name,), mb + ours, rep, LANGUAGE) for name, ours in (
+        ("wq_b.weight", "linear_wq_b.weight"), ("wk.weight", "linear_wk.weight"), ("k_norm.weight", "k_norm.weight"),
+        ("k_norm.bias", "k_norm.bias"), ("weights_proj.weight", "linear_weights_proj.weight"))]
 
 
 def _layers_of_kind(lang: LanguageConfig, kind: str) -> Optional[tuple[int, ...]]:
@@ -367,8 +379,15 @@ def _mla_shapes(lang: LanguageConfig, b: str) -> dict[str, tuple[int, ...]]:
               b + "o_proj.weight": (d, heads * mla.v_head_dim)}
     if mla.q_lora_rank is None:
         return {**shapes, b + "q_proj.weight": (heads * q_head, d)}
-    return {**shapes, b + "q_a_proj.weight": (mla.q_lora_rank, d), b + "q_a_layernorm.weight": (mla.q_lora_rank,),
-            b + "q_b_proj.weight": (heads * q_head, mla.q_lora_rank)}
+    shapes.update({b + "q_a_proj.weight": (mla.q_lora_rank, d), b + "q_a_layernorm.weight": (mla.q_lora_rank,),
+                   b + "q_b_proj.weight": (heads * q_head, mla.q_lora_rank)})
+    sparse = lang.sparse_attention
+    if sparse is not None:
+        index_heads, dim, ib = sparse.index_n_heads, sparse.index_head_dim, b + "indexer."
+        shapes.update({ib + "wq_b.weight": (index_heads * dim, mla.q_lora_rank), ib + "wk.weight": (dim, d),
+                       ib + "k_norm.weight": (dim,), ib + "k_norm.bias": (dim,),
+                       ib + "weights_proj.weight": (index_heads, d)})
+    return shapes
 
 
 def _mlp_shapes(lang: LanguageConfig, b: str, fused_experts: bool, dense: bool) -> dict[str, tuple[int, ...]]:

@@ -2,7 +2,8 @@
 values it saves for the backward per token. A decoder layer is a token mixer and an MLP:
 
 - token mixers: GQA attention (``GroupedQueryAttention``: q, k, v, o, optional biases, per-head q/k norms and
-  output gate), multi-latent attention (``LatentAttention``, DeepSeek's) and Gated DeltaNet's linear attention
+  output gate), multi-latent attention (``LatentAttention``, DeepSeek's; ``SparseLatentAttention`` with
+  DeepSeek-V3.2's indexer) and Gated DeltaNet's linear attention
   (``GatedDeltaNet``, Qwen3.5's);
 - MLPs: the dense SwiGLU (``DenseMLP``), the mixture of experts (``Experts``: the router, the routed experts
   and a shared expert) and modality-isolated experts (``ModalityExperts``: a text set and a vision set, each
@@ -155,6 +156,33 @@ class LatentAttention:
         return (q_width + v_width) / 2
 
 
+class SparseLatentAttention(LatentAttention):
+    """DeepSeek Sparse Attention (transformers' ``DeepseekV32Attention``): multi-latent attention with the lightning
+    indexer's ``wq_b`` [H D, q_lora], ``wk`` [D, h], ``k_norm`` (a LayerNorm: weight and bias [D]) and
+    ``weights_proj`` [H, h] (H = index_n_heads, D = index_head_dim), no biases in the linears."""
+
+    @classmethod
+    def parameters(cls, lang: LanguageConfig) -> int:
+        sparse, h = lang.sparse_attention, lang.hidden_size
+        heads, dim = sparse.index_n_heads, sparse.index_head_dim
+        indexer = (linear_parameters(lang.multi_latent_attention.q_lora_rank, heads * dim, bias=False)
+                   + linear_parameters(h, dim, bias=False) + 2 * dim + linear_parameters(h, heads, bias=False))
+        return super().parameters(lang) + indexer
+
+    @staticmethod
+    def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+        """The indexer's forward: its projections (its queries from the query latent, its key and head weights from
+        the hidden state) and its scores, per head a q.k over each segment's square and their weighted sum. It runs
+        without a backward (nothing trains it yet), so it is not in ``forward_flops``, whose work the backward
+        doubles: ``untrained_forward_flops``. Multi-latent attention itself is ``LatentAttention``'s: the CPU path
+        masks the square rather than skipping what the top-k leaves out."""
+        sparse, tokens, h = lang.sparse_attention, sum(segment_lengths), lang.hidden_size
+        heads, dim = sparse.index_n_heads, sparse.index_head_dim
+        projections = (linear_flops(tokens, lang.multi_latent_attention.q_lora_rank, heads * dim)
+                       + linear_flops(tokens, h, dim + heads))
+        return projections + sum(2 * length * length * heads * (dim + 1) for length in segment_lengths)
+
+
 class WindowedFullAttention:
     """MiMo-V2-Flash's full-attention layers (``model.language.sliding_window`` set): q_proj [heads d, h], k_proj
     [groups d, h], v_proj [groups d_v, h], o_proj [h, heads d_v] (d: head_dim, d_v: its v_head_dim), no biases;
@@ -301,10 +329,18 @@ def context_keys(cp: int) -> float:
     return cp + 0.5 if cp > 1 else 0.0
 
 
+def untrained_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
+    """What one full-attention layer's forward runs that no backward follows (sparse attention's indexer); 0 in a
+    decoder without it."""
+    return SparseLatentAttention.indexer_flops(lang, segment_lengths) if lang.sparse_attention is not None else 0
+
+
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
     """The token mixer kind of a layer of ``layer_type`` (``model.language.layer_types``) in this decoder."""
     if lang.sliding_window is not None and layer_type in (FULL_ATTENTION, SLIDING_ATTENTION):
         return SlidingWindowAttention if layer_type == SLIDING_ATTENTION else WindowedFullAttention
+    if layer_type == FULL_ATTENTION and lang.sparse_attention is not None:
+        return SparseLatentAttention
     if layer_type == FULL_ATTENTION:
         return LatentAttention if lang.multi_latent_attention is not None else GroupedQueryAttention
     if layer_type == LINEAR_ATTENTION:

@@ -35,6 +35,11 @@ from loongforge.models.decoder.gated_delta_net import GatedDeltaNet, GatedDeltaN
 from loongforge.models.decoder.modality_moe import modality_moe_spec
 from loongforge.models.layers.layer_qk_norm import LayerQKNorm
 from loongforge.models.decoder.sliding_attention import SlidingWindowAttention, SlidingWindowAttentionSubmodules
+from loongforge.models.decoder.sparse_attention import (
+    SparseAttentionTransformerConfig,
+    SparseCoreAttention,
+    SparseLatentAttention,
+)
 from loongforge.models.layers.initialization import SeededTransformerLayer
 from loongforge.models.layers.layer_backend import BlockModules, RMSNorm
 
@@ -107,12 +112,23 @@ def transformer_layer_spec(modules: BlockModules, attn_mask_type: AttnMaskType, 
 LATENT_NORM_EPS = 1e-6  # DeepSeek's q_a_layernorm / kv_a_layernorm
 
 
-def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False) -> ModuleSpec:
+class LatentNorm(RMSNorm):
+    """The query latent's RMSNorm as a module of its own (sparse attention's indexer reads its output as MLA's
+    up-projection does), at DeepSeek's epsilon whatever megatron passes (its ``q_layernorm`` slot gives
+    rms_norm_eps)."""
+
+    def __init__(self, config: TransformerConfig, hidden_size: int, eps: float = LATENT_NORM_EPS, **unused):
+        super().__init__(config, hidden_size, LATENT_NORM_EPS)
+
+
+def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: bool = False,
+                   sparse: bool = False) -> ModuleSpec:
     """A multi-latent attention layer (DeepSeek-V2/V3): the input norm a module of its own (both latent
     projections read it), the latents' RMSNorms fused into the up-projections after them
     (``linear_q_up_proj`` / ``linear_kv_up_proj`` hold ``layer_norm_weight``, as in megatron's TE spec), the
     down-projections column-parallel with their outputs gathered (megatron's MLA does); then the MLP as in
-    ``transformer_layer_spec``."""
+    ``transformer_layer_spec``. ``sparse``: DeepSeek Sparse Attention (``decoder.sparse_attention``), whose indexer
+    reads the normed query latent too, so that norm is a module of its own (``q_layernorm``)."""
     spec = transformer_layer_spec(modules, AttnMaskType.causal, moe=moe, shared_expert=shared_expert)
     spec.submodules.input_layernorm = RMSNorm
     # transformers' latent RMSNorms keep their class default epsilon (1e-6) whatever rms_norm_eps says
@@ -126,6 +142,11 @@ def mla_layer_spec(modules: BlockModules, *, moe: bool = False, shared_expert: b
             linear_q_up_proj=latent, linear_kv_down_proj=modules.column_linear,
             linear_kv_up_proj=latent, core_attention=modules.core_attention,
             linear_proj=modules.row_linear, q_layernorm=IdentityOp, kv_layernorm=IdentityOp))
+    if sparse:
+        attention = spec.submodules.self_attention
+        attention.module = SparseLatentAttention
+        attention.submodules.linear_q_up_proj, attention.submodules.q_layernorm = modules.column_linear, LatentNorm
+        attention.submodules.core_attention = SparseCoreAttention
     return spec
 
 
@@ -157,9 +178,10 @@ def sliding_window_layer_spec(modules: BlockModules, *, sliding: bool, moe: bool
 def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, qk_norm: bool = False,
                         moe: bool = False, shared_expert: bool = False, linear: bool = False,
                         latent: bool = False, vision_ffn_hidden_size: Optional[int] = None,
-                        layer_qk_norm_group=None, sliding: bool | None = None) -> ModuleSpec:
+                        layer_qk_norm_group=None, sliding: bool | None = None, sparse: bool = False) -> ModuleSpec:
     """The decoder layer (``linear``: a Gated DeltaNet layer; ``latent``: multi-latent attention; ``sliding``:
-    MiMo-V2-Flash's attention, its sliding kind when true, its full kind when false); with ``init_seed``, each
+    MiMo-V2-Flash's attention, its sliding kind when true, its full kind when false; ``sparse``: multi-latent
+    attention under DeepSeek Sparse Attention's indexer); with ``init_seed``, each
     layer's initial weights come from (seed, its global index), whatever the pipeline layout (see
     ``models.layers.initialization``). ``vision_ffn_hidden_size``: a sparse layer holds modality-isolated experts
     (``decoder.modality_moe``); ``layer_qk_norm_group``: the TP group of q/k norms over all heads
@@ -167,7 +189,7 @@ def language_layer_spec(modules: BlockModules, init_seed: int | None = None, *, 
     if sliding is not None:
         spec = sliding_window_layer_spec(modules, sliding=sliding, moe=moe, shared_expert=shared_expert)
     elif latent:
-        spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert)
+        spec = mla_layer_spec(modules, moe=moe, shared_expert=shared_expert, sparse=sparse)
     elif linear:
         spec = linear_attention_layer_spec(modules, moe=moe, shared_expert=shared_expert)
     else:
@@ -206,7 +228,8 @@ def language_block_spec(
                                   linear=bool(pattern[first + local]), latent=config.multi_latent_attention,
                                   vision_ffn_hidden_size=vision_ffn_hidden_size,
                                   layer_qk_norm_group=layer_qk_norm_group,
-                                  sliding=None if sliding is None else bool(sliding[first + local]))
+                                  sliding=None if sliding is None else bool(sliding[first + local]),
+                                  sparse=_sparse_attention(config))
               for local in range(num_layers)]
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=RMSNorm)
 
@@ -225,10 +248,15 @@ def mtp_block_spec(config: TransformerConfig, modules: BlockModules, init_seed: 
     sparse = bool(config.num_moe_experts)
     layer = language_layer_spec(modules, init_seed, qk_norm=config.qk_layernorm, moe=sparse,
                                 shared_expert=sparse and bool(config.moe_shared_expert_intermediate_size),
-                                latent=config.multi_latent_attention)
+                                latent=config.multi_latent_attention, sparse=_sparse_attention(config))
     mtp_layer = ModuleSpec(module=MultiTokenPredictionLayer, submodules=MultiTokenPredictionLayerSubmodules(
         enorm=RMSNorm, hnorm=RMSNorm, eh_proj=modules.column_linear, transformer_layer=layer, layer_norm=RMSNorm))
     return MultiTokenPredictionBlockSubmodules(layer_specs=[mtp_layer] * config.mtp_num_layers)
+
+
+def _sparse_attention(config: TransformerConfig) -> bool:
+    """Whether the layers' multi-latent attention runs under DeepSeek Sparse Attention's indexer."""
+    return isinstance(config, SparseAttentionTransformerConfig)
 
 
 def _sparse_layers(config: TransformerConfig) -> list[bool]:

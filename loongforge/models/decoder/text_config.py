@@ -1,5 +1,5 @@
 """A text backbone's HF ``config.json`` fields, both ways: Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE,
-Qwen1.5-MoE / Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x, DeepSeek-V2 / V3 (``deepseek_config``) and MiMo-V2-Flash
+Qwen1.5-MoE / Qwen2-MoE, Qwen3-Next, Llama 2 / 3.x, DeepSeek-V2 / V3 / V3.2 and GLM-5 (``deepseek_config``) and MiMo-V2-Flash
 (``mimo_config``), as a text-only LLM's whole config.json (``llm``) or a VLM's ``text_config`` (InternVL3.5's Qwen3,
 LLaVA-OneVision's Qwen2).
 
@@ -22,6 +22,7 @@ from loongforge.config.errors import InputError
 from loongforge.config.schema import LanguageConfig, ModelConfig
 from loongforge.models.decoder.deepseek_config import (
     DEEPSEEK_ARCHITECTURES,
+    SPARSE_ARCHITECTURES,
     deepseek_architecture,
     deepseek_from_hf,
     deepseek_to_hf,
@@ -104,6 +105,15 @@ def architecture_problems(lang: LanguageConfig) -> list[str]:
             return [f"{key}={stated} needs model.language.multi_latent_attention; give it or state another "
                     "architecture."]
         described = deepseek_architecture(lang)
+        sparse = set(SPARSE_ARCHITECTURES.values())
+        if sparse & {stated, described} and described != stated:
+            if stated not in sparse:
+                wanted = "null"
+            else:
+                interleaved = stated == SPARSE_ARCHITECTURES[True]
+                wanted = f"set with rope_interleaved: {str(interleaved).lower()}"
+            return [f"{key}={stated} needs model.language.sparse_attention {wanted} (the indexer is what sets the "
+                    "sparse architectures apart); make them agree."]
         if described != stated:
             return [f"{key}={stated} but model.language.moe.router_score_function="
                     f"{lang.moe.router_score_function} is {described}'s router; make them agree."]

@@ -1,5 +1,5 @@
 """Text-only causal LLMs (Qwen (1.0) / Qwen1.5 / Qwen2 / Qwen2.5, Qwen3, Qwen3-MoE, Qwen2-MoE, Qwen3-Next, Llama 2 /
-3.x, DeepSeek-V2 / V3, MiniMax-M2, MiMo-V2-Flash) on megatron-core; ``FAMILY`` is what the rest of loongforge sees
+3.x, DeepSeek-V2 / V3 / V3.2, MiniMax-M2, MiMo-V2-Flash) on megatron-core; ``FAMILY`` is what the rest of loongforge sees
 of them. Qwen3-MoE is Qwen3 with megatron-core's MoE layer in every decoder layer (``model.language.moe``;
 ``models.decoder.layer_specs.moe_spec``); Qwen2-MoE is Qwen2 with it and a gated shared expert; Qwen (1.0) is
 Qwen2's decoder under its own key layout; Qwen3-Next is the hybrid decoder of Qwen3.5 (Gated DeltaNet and gated
@@ -58,7 +58,7 @@ FAMILY = ModelFamily(
     hf_processor_files=no_processor_files,
     config_for_tensors=mtp_layers_held,
     features=frozenset({"experts", "shared_expert", "latent_attention", "chat_format", "text_architecture",
-                        "partial_rotary", "layer_qk_norm", "hybrid_layers", "sliding_window"}),
+                        "partial_rotary", "layer_qk_norm", "hybrid_layers", "sliding_window", "sparse_attention"}),
     config_problems=config_problems,
     # The multi-token-prediction heads of the Hub's MiMo-V2-Flash (``model.mtp.*``) and Qwen3-Next (``mtp.*``)
     # checkpoints: transformers' classes have none and ignore them on loading.

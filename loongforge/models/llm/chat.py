@@ -44,6 +44,7 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from loongforge.config.errors import ConfigError
 from loongforge.config.schema import ModelConfig
 from loongforge.models.qwen_vl.chatml import QWEN2_SYSTEM_PROMPT, default_system_jinja
 from loongforge.models.family import ChatFormat
@@ -262,7 +263,8 @@ _ARCHITECTURE_FORMATS = {"Qwen2ForCausalLM": CHATML, "Qwen2MoeForCausalLM": CHAT
                          "Qwen3NextForCausalLM": QWEN3_INSTRUCT, "Qwen3_5ForCausalLM": QWEN3_INSTRUCT,
                          "Qwen3_5MoeForCausalLM": QWEN3_INSTRUCT,
                          "LlamaForCausalLM": LLAMA3, "DeepseekV2ForCausalLM": DEEPSEEK_V3,
-                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
+                         "DeepseekV3ForCausalLM": DEEPSEEK_V3, "DeepseekV32ForCausalLM": DEEPSEEK_V3,
+                         MINIMAX_M2_ARCHITECTURE: MINIMAX_M2,
                          "MiMoV2FlashForCausalLM": QWEN3}
 
 
@@ -279,4 +281,8 @@ def chat_format(model_cfg: ModelConfig) -> ChatFormat:
     """``model.chat_format`` by name, else the chat format of the architecture ``model.language`` describes."""
     if model_cfg.chat_format is not None:
         return FORMATS[model_cfg.chat_format]
-    return _ARCHITECTURE_FORMATS[architecture(model_cfg.language)]
+    own = architecture(model_cfg.language)
+    if own not in _ARCHITECTURE_FORMATS:  # GLM-5's template is not checked against its tokenizer yet
+        raise ConfigError([f"model.chat_format=null but {own}'s own chat format is not built in loongforge yet; "
+                           f"set the format of the run's tokenizer ({' | '.join(FORMATS)})."])
+    return _ARCHITECTURE_FORMATS[own]

@@ -1,0 +1,211 @@
+"""DeepSeek Sparse Attention (``model.language.sparse_attention``): multi-latent attention whose queries each attend
+to the ``index_topk`` keys a lightning indexer scores best, as transformers' ``DeepseekV32Attention`` /
+``DeepseekV32Indexer`` compute it (fp32 scores, no Hadamard rotation, no FP8).
+
+The indexer, per layer (x: the layer's normed input [L, h]; q_r: the query latent after its RMSNorm,
+``q_a_layernorm(q_a_proj(x))`` [L, q_lora_rank], the same tensor MLA's query up-projection reads)::
+
+    q[t, j]  = wq_b(q_r[t])[j]                      j < H heads of D = index_head_dim channels
+    k[s]     = LayerNorm(wk(x[s]))                  one key per token, shared by the heads; LayerNorm with
+                                                    weight and bias, eps 1e-6 (transformers' ``k_norm``)
+    q, k     : RoPE on the FIRST R = qk_rope_head_dim channels of each head and of k, the rest pass;
+               DeepSeek-V3.2 rotates halves (``rotate_half``, non-interleaved), unlike its MLA, which
+               rotates interleaved pairs. The angles are MLA's (same table, YaRN's frequencies and its
+               cos/sin factor mscale(f, mscale) / mscale(f, mscale_all_dim) included).
+    w[t, j]  = weights_proj(x[t])[j] * H^-1/2      a signed weight per head and query
+    I[t, s]  = sum_j w[t, j] * ReLU(D^-1/2 q[t, j] . k[s])
+    I[t, s]  = -inf for s > t (and for s outside t's sample: see packing)
+    S(t)     = topk(I[t, :], min(index_topk, L)) (torch.topk over the sample's row)
+
+MLA then runs as DeepSeek-V3's with the mask "s in S(t) and s <= t": a selected key beyond the causal limit (a
+query with fewer than index_topk earlier tokens takes every one of them and some masked ones) stays masked, so
+that query attends to all its earlier tokens. No gradient flows through the choice (top-k is a selection); the
+indexer reads x and q_r detached, so nothing reaches the main model through it, and it is built frozen: it
+trains only by its KL loss toward the main attention (issue 53's stages, a later part), which this module's
+``scores`` are shaped for.
+
+Ties at the cut. transformers takes ``torch.topk`` over the sample's scores [L] per query (its mask adds
+finfo.min, which absorbs every score: the masked entries tie). The choice among tied scores at the cut (the
+ReLU makes exact zeros common: a key no head scores above zero has I = 0) is whatever torch's CPU kernel
+(``nth_element`` / ``partial_sort`` over the values alone) makes of that row; it depends only on the order
+pattern of the row (which entries are larger, which equal), so this module calls the same ``topk`` on a row of
+the same length and order pattern: the sample's own [L, L] block, computed with transformers' operations and
+shapes (the masked entries -inf, equal among themselves as finfo.min's are). Ties then break as transformers'
+do; a packed sample is scored on its own block, so packing changes nothing either.
+
+Where it runs (the CPU reference path): masked dense, one sample at a time: the [L, L] index scores and a
+boolean [L, L] mask into torch SDPA over the sample's keys. Memory is O(L^2) per sample, which a CPU row of a
+few thousand tokens affords; a gather of the k selected keys per query would hold [L, k, heads, 192] instead,
+larger than the mask for every L a CPU trains. The CUDA path (chunks of queries, no [L, L]) is a later part.
+
+Packing. A packed row's samples (``cu_seqlens``) are scored and attended one by one: a query selects only
+tokens of its own sample, at the positions its sample gives them (RoPE restarts per sample, as MLA's).
+
+Tensor parallelism: the indexer is replicated (whole on every TP rank), not split by heads. The top-k needs the
+score summed over ALL indexer heads; split heads would need an all-reduce of the [L, L] scores per layer (L^2
+traffic, 64 GB at 128k), while the indexer's weights are small (DeepSeek-V3.2: 13.5M a layer beside MLA's 187M).
+Every TP rank computes the same scores and the same choice from the same inputs: under sequence parallelism the
+inputs are gathered along the sequence first (without autograd: they are detached).
+
+GLM-5 (transformers' ``glm_moe_dsa``) differs in two ways: its indexer rotates interleaved pairs (``rope_interleaved``:
+``rotate_pairs``, transformers' ``apply_rotary_pos_emb_interleave``, whose output holds the rotated even channels,
+then the odd ones, for q and k alike), and its config may mark layers "shared", which reuse the top-k of the last
+"full" layer instead of running an indexer (transformers' ``indexer_types``; not built here: such a config is refused,
+and the published one, ``index_topk_freq`` 1, has none).
+The published kernels differ from transformers (and this module) in the indexer's precision only: they rotate q
+and k by a Hadamard transform (orthogonal, so every q.k is unchanged) and score in FP8.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from megatron.core.packed_seq_params import PackedSeqParams
+from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
+from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.multi_latent_attention import MLASelfAttention
+from megatron.core.transformer.transformer_config import MLATransformerConfig
+
+from loongforge.models.layers.attention import SDPACoreAttention
+
+KEY_NORM_EPS = 1e-6  # transformers' indexer k_norm (a LayerNorm), whatever rms_norm_eps says
+
+
+@dataclass
+class SparseAttentionTransformerConfig(MLATransformerConfig):
+    """megatron's MLA settings plus the indexer's (``configs.sparse_attention``)."""
+
+    index_topk: int = 2048
+    index_n_heads: int = 64
+    index_head_dim: int = 128
+    index_rope_interleaved: bool = False
+
+
+def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., R] with channel i paired with i + R/2 (transformers' ``rotate_half``); cos/sin [..., R] (the
+    frequencies twice) broadcast."""
+    first, second = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-second, first), dim=-1) * sin
+
+
+def rotate_pairs(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on x [..., R] with channels (2i, 2i+1) a pair, written back as [rotated evens, rotated odds] (transformers'
+    ``apply_rotary_pos_emb_interleave``: q and k alike, so every q.k is that of the interleaved layout)."""
+    cos, sin = cos[..., : cos.shape[-1] // 2], sin[..., : sin.shape[-1] // 2]
+    even, odd = x[..., 0::2], x[..., 1::2]
+    return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
+
+
+class LightningIndexer(MegatronModule):
+    """The indexer's weights (transformers' names: ``wq_b``, ``wk``, ``k_norm``, ``weights_proj``), whole on every TP
+    rank; ``select`` gives one sample's top-k keys per query."""
+
+    def __init__(self, config: SparseAttentionTransformerConfig):
+        super().__init__(config=config)
+        heads, dim, dtype = config.index_n_heads, config.index_head_dim, config.params_dtype
+        self.heads, self.dim, self.topk, self.rotary = heads, dim, config.index_topk, config.qk_pos_emb_head_dim
+        self.rotate = rotate_pairs if config.index_rope_interleaved else rotate_halves
+        self.linear_wq_b = torch.nn.Linear(config.q_lora_rank, heads * dim, bias=False, dtype=dtype)
+        self.linear_wk = torch.nn.Linear(config.hidden_size, dim, bias=False, dtype=dtype)
+        self.k_norm = torch.nn.LayerNorm(dim, eps=KEY_NORM_EPS, dtype=dtype)
+        self.linear_weights_proj = torch.nn.Linear(config.hidden_size, heads, bias=False, dtype=dtype)
+        if config.perform_initialization:  # as megatron's router: replicated, drawn from the default generator
+            for linear in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
+                config.init_method(linear.weight)
+        # Nothing trains it yet: top-k passes no gradient, and its KL loss is a later part.
+        self.requires_grad_(False)
+
+    def scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One sample's index scores [L, L] (-inf above the diagonal), from x [L, h], q_latent [L, q_lora_rank]
+        and the rotary cos/sin [L, R], by transformers' operations at its shapes (batch 1)."""
+        length = x.shape[0]
+        q = self.linear_wq_b(q_latent).view(1, length, self.heads, self.dim)  # [1, L, H, D]
+        q_rot, q_pass = q.split([self.rotary, self.dim - self.rotary], dim=-1)
+        k = self.k_norm(self.linear_wk(x)).view(1, length, 1, self.dim)  # [1, L, 1, D]
+        k_rot, k_pass = k.split([self.rotary, self.dim - self.rotary], dim=-1)
+        cos, sin = cos[None, :, None], sin[None, :, None]  # [1, L, 1, R]
+        q = torch.cat([self.rotate(q_rot, cos, sin), q_pass], dim=-1)
+        k = torch.cat([self.rotate(k_rot, cos, sin), k_pass], dim=-1).squeeze(2)  # [1, L, D]
+        per_head = torch.matmul(q.float(), k.transpose(-1, -2).float().unsqueeze(1)) * self.dim**-0.5
+        per_head = F.relu(per_head)  # [1, L, H, L]
+        weights = self.linear_weights_proj(x).float().view(1, length, self.heads) * self.heads**-0.5  # [1, L, H]
+        scores = torch.matmul(weights.unsqueeze(-2), per_head).squeeze(-2)[0]  # [L, L]
+        future = torch.ones(length, length, dtype=torch.bool, device=x.device).triu(1)
+        return scores.masked_fill(future, float("-inf"))
+
+    def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """One sample's attention mask [L, L], True where query t attends key s: s among t's top-k and s <= t."""
+        scores = self.scores(x.detach(), q_latent.detach(), cos, sin)
+        chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [L, k]
+        keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
+        return keep & torch.isfinite(scores)
+
+
+class SparseCoreAttention(SDPACoreAttention):
+    """SDPA over one sample's keys under the indexer's mask."""
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+        """q, k [L, np, d], v [L, np, d_v], keep [L, L] -> [L, np, d_v]."""
+        q, k, v = (x.transpose(0, 1)[None] for x in (q, k, v))  # [1, np, L, d]
+        return self._sdpa(q, k, v, False, keep)[0].transpose(0, 1)
+
+
+class SparseLatentAttention(MLASelfAttention):
+    """Multi-latent attention with the lightning indexer: [s(/tp), b, h] -> ([s(/tp), b, h], bias). megatron's MLA
+    projects q, k, v and applies its RoPE; this module chooses the keys and attends sample by sample (the
+    training path: no KV cache)."""
+
+    def __init__(self, config: SparseAttentionTransformerConfig, submodules, layer_number: int, attn_mask_type,
+                 cp_comm_type: Optional[str] = None, pg_collection: Optional[ProcessGroupCollection] = None):
+        super().__init__(config, submodules, layer_number, attn_mask_type, cp_comm_type=cp_comm_type,
+                         pg_collection=pg_collection)
+        self.indexer = LightningIndexer(config)
+
+    def forward(self, hidden_states: torch.Tensor, attention_mask=None, *,
+                packed_seq_params: Optional[PackedSeqParams] = None, **unused):
+        query, key, value, q_latent, _ = self.get_query_key_value_tensors(
+            hidden_states, packed_seq_params=packed_seq_params)
+        packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
+        x = hidden_states
+        if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:  # the indexer reads every token
+            x = gather_from_sequence_parallel_region(x.detach(), group=self.pg_collection.tp)
+            q_latent = gather_from_sequence_parallel_region(q_latent.detach(), group=self.pg_collection.tp)
+        if packed:  # [t, np, d] and [t, 1, h], [t, q_lora_rank]: one sample per segment of cu_seqlens
+            spans = _spans(packed_seq_params.cu_seqlens_q)
+            out = self._attend_samples(query, key, value, x[:, 0], q_latent, spans)
+            return self.linear_proj(out.reshape(out.shape[0], 1, -1))
+        # [s, b, ...]: each batch row one sample of s tokens
+        rows = [self._attend_samples(query[:, b], key[:, b], value[:, b], x[:, b], q_latent[:, b],
+                                     [(0, query.shape[0])]) for b in range(query.shape[1])]
+        out = torch.stack(rows, dim=1)  # [s, b, np, d_v]
+        return self.linear_proj(out.reshape(out.shape[0], out.shape[1], -1))
+
+    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]]) -> torch.Tensor:
+        """q, k [t, np, d], v [t, np, d_v], x [t, h], q_latent [t, q_lora_rank] -> [t, np, d_v], each (start, length)
+        span of ``spans`` a sample of its own."""
+        cos, sin = self._rotary_table(max(length for _, length in spans), x.dtype)
+        outputs = []
+        for start, length in spans:
+            rows = slice(start, start + length)
+            keep = self.indexer.select(x[rows], q_latent[rows], cos[:length], sin[:length])
+            outputs.append(self.core_attention.attend(query[rows], key[rows], value[rows], keep))
+        return torch.cat(outputs)
+
+    def _rotary_table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin [length, R] of positions 0.. as MLA's rotary module gives them (YaRN's factor folded in)."""
+        if self.config.rope_type == "rope":
+            angles, mscale = self.rotary_pos_emb(length, packed_seq=True), 1.0
+        else:
+            angles, mscale = self.rotary_pos_emb(length, packed_seq=True)
+        angles = angles.reshape(length, -1)  # [L, R]: the frequencies twice, halves layout
+        return (torch.cos(angles) * mscale).to(dtype), (torch.sin(angles) * mscale).to(dtype)
+
+
+def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
+    """(start, length) of each non-empty segment of a packed row."""
+    cu = cu_seqlens.tolist()
+    return [(start, end - start) for start, end in zip(cu[:-1], cu[1:]) if end > start]
