@@ -253,3 +253,35 @@ def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
     if data_cfg.read != "auto":
         return data_cfg.read
     return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """What megatron-core's DDP wrapper and optimizer are built with (``data_parallel_settings``)."""
+
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+
+    def describe(self) -> str:
+        """The run log's and the dry run's words for them."""
+        words = [name for name, on in (("distributed optimizer", self.distributed_optimizer),
+                                       ("overlapped grad reduce", self.overlap_grad_reduce),
+                                       ("overlapped param gather", self.overlap_param_gather)) if on]
+        return ", ".join(words) if words else "plain (all-reduce, after the backward)"
+
+
+def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int) -> DataParallelSettings:
+    """``parallel.use_distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather``
+    with null resolved: on where gradients are reduced over ``data_context_parallel`` (DP x CP) > 1
+    ranks, off at 1, where no state is replicated and no reduction runs. A set value wins; the param
+    gather overlaps only the distributed optimizer's all-gather, so it is off without it."""
+    replicated = data_context_parallel > 1
+
+    def chosen(value: bool | None) -> bool:
+        return replicated if value is None else value
+
+    distributed = chosen(parallel.use_distributed_optimizer)
+    return DataParallelSettings(distributed_optimizer=distributed,
+                                overlap_grad_reduce=chosen(parallel.overlap_grad_reduce),
+                                overlap_param_gather=distributed and chosen(parallel.overlap_param_gather))

@@ -848,11 +848,16 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
 
 
 def _check_optimizer(cfg: RunConfig) -> list[str]:
-    optimizer = cfg.optimizer
+    optimizer, parallel = cfg.optimizer, cfg.parallel
+    errors = []
     if optimizer.min_lr > optimizer.lr:
-        return [f"optimizer.min_lr={optimizer.min_lr} is above optimizer.lr={optimizer.lr}; "
-                f"the schedule decays from lr to min_lr, so set min_lr <= lr."]
-    return []
+        errors.append(f"optimizer.min_lr={optimizer.min_lr} is above optimizer.lr={optimizer.lr}; "
+                      f"the schedule decays from lr to min_lr, so set min_lr <= lr.")
+    if parallel.overlap_param_gather and parallel.use_distributed_optimizer is False:
+        errors.append("parallel.overlap_param_gather=true overlaps the distributed optimizer's all-gather of "
+                      "the updated weights, but parallel.use_distributed_optimizer=false; leave "
+                      "overlap_param_gather unset (null) or turn the distributed optimizer on.")
+    return errors
 
 
 def check_run_config(cfg: RunConfig, world_size: int | None = None,

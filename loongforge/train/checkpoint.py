@@ -226,6 +226,16 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+def _gather_updated_weights(model_chunks: list) -> None:
+    """With ``parallel.overlap_param_gather`` each rank updates only its shard of the weights, and
+    a bucket's updated weights are all-gathered just before the next forward first uses them:
+    until then the model holds the previous step's, which a checkpoint must not save. Gather all
+    now (the next step gathers again, as always)."""
+    for chunk in model_chunks:
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -320,6 +330,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
         (tmp_dir / "model_optim").mkdir(parents=True)
     _barrier()
     error, disk_full = None, None
+    _gather_updated_weights(model_chunks)
     try:
         _write_shards(tmp_dir, state, model_chunks, optimizer, scheduler, rank)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below

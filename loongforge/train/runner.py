@@ -29,7 +29,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from loongforge import __version__
 from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import InputError
-from loongforge.config.layout import resolve_read, row_multiple, sample_multiple, vision_tensor_parallel_size
+from loongforge.config.layout import (
+    DataParallelSettings,
+    data_parallel_settings,
+    resolve_read,
+    row_multiple,
+    sample_multiple,
+    vision_tensor_parallel_size,
+)
 from loongforge.config.pipeline_layout import virtual_stages
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
@@ -212,10 +219,14 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
         unscaled_balance_losses(chunk)
     config = chunks[0].config
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
+    settings = data_parallel_settings(
+        parallel_cfg, parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+    # train.optim builds the optimizer from this config (megatron's optimizer must match its DDP's).
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
-        use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        use_distributed_optimizer=settings.distributed_optimizer,
+        overlap_param_gather=settings.overlap_param_gather,
     )
     # One bucket for each chunk after the first (as Megatron-LM sets it): the interleaved schedule
     # already overlaps their reduction with the other chunks' compute.
@@ -224,7 +235,7 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
                for index, chunk in enumerate(chunks)]
     no_sync = [chunk.no_sync for chunk in wrapped]
     config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
-    if parallel_cfg.overlap_grad_reduce and len(wrapped) > 1:
+    if settings.overlap_grad_reduce and len(wrapped) > 1:
         # The interleaved schedule starts each chunk's reduction when its last backward is done.
         config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
     return wrapped, config
@@ -449,7 +460,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()
     observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision])
+    optimizer = build_optimizer(model, cfg.optimizer, params_dtype=_DTYPES[cfg.training.precision])
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
     pipeline = _build_pipeline(cfg, env, layout, balancing, embeddings)
     validation = ValidationSets(_validation_pipelines(cfg, env, layout, balancing, embeddings),
@@ -649,10 +660,16 @@ def _startup_summary(run: _Run) -> list[str]:
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
             f"data: {cfg.data.source}, {data}", *cache, *_validation_summary(run),
-            f"balance: {balancing}",
+            f"balance: {balancing}", f"data parallel: {_data_parallel_text(run.model[0].ddp_config)}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                     _unwrap_model(run.model[0]).layer_backends.items()),
             *([encoder_note] if encoder_note else [])]
+
+
+def _data_parallel_text(ddp_config) -> str:
+    """What megatron's DDP wrapper was built with (``parallel.use_distributed_optimizer`` & co.)."""
+    return DataParallelSettings(ddp_config.use_distributed_optimizer, ddp_config.overlap_grad_reduce,
+                                ddp_config.overlap_param_gather).describe()
 
 
 def _validation_summary(run: _Run) -> list[str]:
