@@ -171,8 +171,9 @@ class ModelConfig:
     tokens_per_second: int = 2
     # What the transformer blocks of both towers are built from (loongforge.models.layers.layer_backend):
     # te (Transformer Engine norm-linear, linears, attention), flash (local linears, flash-attn),
-    # sdpa (local linears, torch SDPA; runs anywhere). auto: the first of te, flash, sdpa that can
-    # run the device and precision. Checkpoints do not depend on the choice.
+    # varlen (local linears, torch's varlen attention: torch >= 2.10, CUDA, bf16/fp16), sdpa (local
+    # linears, torch SDPA; runs anywhere). auto: the first of te, flash, varlen, sdpa that can run the
+    # device and precision. Checkpoints do not depend on the choice.
     layer_backend: str = "auto"
     # Published parameter count, checked by tests against the architecture arithmetic.
     reference_num_params: Optional[int] = None
@@ -324,7 +325,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     # How CP attention communicates: "auto" is megatron-core's p2p ring on the te layer backend and the
     # gathered keys and values (all_gather) on sdpa and flash; te also takes p2p, all_gather, a2a and
-    # a2a+p2p (megatron-core's cp_comm_type); sdpa and flash take all_gather only.
+    # a2a+p2p (megatron-core's cp_comm_type); sdpa, flash and varlen take all_gather only.
     context_parallel_comm: str = "auto"
     # CP > 1: the row's images and videos are dealt among the CP ranks by modelled cost, each encodes
     # its share and the features are gathered (gradients return to the rank that encoded); off, every

@@ -43,7 +43,7 @@ from loongforge.config.vision_parts import move_flat_vision_keys
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.layer_backend": ("auto", "te", "flash", "sdpa"),
+    "model.layer_backend": ("auto", "te", "flash", "varlen", "sdpa"),
     "training.precision": ("bf16", "fp32"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.fp8": ("off", "auto", "on"),
@@ -562,7 +562,7 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
         errors.append(f"data.seq_len={cfg.data.seq_len} must be a multiple of {row_multiple(data, parallel)} "
                       f"(samples padded to a multiple of {sample_multiple(data, parallel)}"
                       f"{', each CP rank share split over TP under sequence parallelism' if cp > 1 and parallel.sequence_parallel else ''}).")
-    if comm not in ("auto", "all_gather") and cfg.model.layer_backend in ("sdpa", "flash"):
+    if comm not in ("auto", "all_gather") and cfg.model.layer_backend in ("sdpa", "flash", "varlen"):
         errors.append(f"parallel.context_parallel_comm={comm} is Transformer Engine's; the "
                       f"{cfg.model.layer_backend} layer backend gathers keys and values: set it to auto or "
                       f"all_gather, or model.layer_backend=te.")
