@@ -271,17 +271,26 @@ class DataParallelSettings:
         return ", ".join(words) if words else "plain (all-reduce, after the backward)"
 
 
-def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int) -> DataParallelSettings:
+def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int,
+                           saved_distributed_optimizer: bool | None = None) -> DataParallelSettings:
     """``parallel.use_distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather``
     with null resolved: on where gradients are reduced over ``data_context_parallel`` (DP x CP) > 1
     ranks, off at 1, where no state is replicated and no reduction runs. A set value wins; the param
-    gather overlaps only the distributed optimizer's all-gather, so it is off without it."""
+    gather overlaps only the distributed optimizer's all-gather, so it is off without it.
+
+    ``saved_distributed_optimizer``: whether the checkpoint a run resumes holds the distributed
+    optimizer's state (None: no checkpoint, or one without optimizer state). A null setting then
+    follows the checkpoint, at any DP size: megatron-core loads each optimizer's state only into its
+    own kind (``train.checkpoint.check_optimizer_kind`` refuses a set value that differs)."""
     replicated = data_context_parallel > 1
 
     def chosen(value: bool | None) -> bool:
         return replicated if value is None else value
 
-    distributed = chosen(parallel.use_distributed_optimizer)
+    distributed = parallel.use_distributed_optimizer
+    if distributed is None and saved_distributed_optimizer is not None:
+        distributed = saved_distributed_optimizer
+    distributed = chosen(distributed)
     return DataParallelSettings(distributed_optimizer=distributed,
                                 overlap_grad_reduce=chosen(parallel.overlap_grad_reduce),
                                 overlap_param_gather=distributed and chosen(parallel.overlap_param_gather))

@@ -88,7 +88,9 @@ from loongforge.profile.throughput import (
 from loongforge.profile.timers import GradSyncClock, cpu_clock
 from loongforge.train.balancing import RunBalancing
 from loongforge.train.checkpoint import (
+    DISTRIBUTED_OPTIMIZER_KEY,
     TrainState,
+    check_optimizer_kind,
     load_checkpoint,
     load_newest_checkpoint,
     load_weights_only,
@@ -178,11 +180,23 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
-                     balancing: RunBalancing, layer_backend: str):
+                     balancing: RunBalancing, layer_backend: str, *, resume: bool):
     """This rank's model chunks (one per virtual pipeline stage), wrapped for training."""
     virtual = virtual_stages(cfg.parallel)
     chunks = [_build_chunk(cfg, layout, device, balancing, layer_backend, stage, virtual) for stage in range(virtual)]
-    return wrap_for_training(chunks, cfg.parallel)
+    return wrap_for_training(chunks, cfg.parallel, saved_distributed_optimizer=_loaded_optimizer_kind(cfg, resume))
+
+
+def _loaded_optimizer_kind(cfg: RunConfig, resume: bool) -> Optional[bool]:
+    """Whether the checkpoint this run will load holds the distributed optimizer's state (None: none
+    to load): ``--resume``'s newest, or ``checkpoint.load`` unless only its weights are taken."""
+    if resume:
+        path = latest_checkpoint(checkpoint_root(cfg))
+    else:
+        path = None if cfg.checkpoint.weights_only else cfg.checkpoint.load
+    if path is None:
+        return None
+    return check_optimizer_kind(Path(path), cfg.parallel.use_distributed_optimizer)
 
 
 def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, balancing: RunBalancing,
@@ -208,10 +222,12 @@ def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, b
     return model
 
 
-def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object]:
+def wrap_for_training(model, parallel_cfg: ParallelConfig, *,
+                      saved_distributed_optimizer: Optional[bool] = None) -> tuple[list, object]:
     """Built model chunks (or one model) as the step trains them: megatron's DDP wrapper (fp32
     gradient buffers) around each, and the per-token loss normalisation; (wrapped chunks, the first
-    chunk's TransformerConfig, which the pipeline schedule reads)."""
+    chunk's TransformerConfig, which the pipeline schedule reads). ``saved_distributed_optimizer``:
+    the kind of optimizer state of the checkpoint the run will load (``data_parallel_settings``)."""
     chunks = model if isinstance(model, list) else [model]
     for chunk in chunks:
         # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
@@ -220,7 +236,8 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
     config = chunks[0].config
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
     settings = data_parallel_settings(
-        parallel_cfg, parallel_state.get_data_parallel_world_size(with_context_parallel=True))
+        parallel_cfg, parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        saved_distributed_optimizer)
     # train.optim builds the optimizer from this config (megatron's optimizer must match its DDP's).
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
@@ -451,7 +468,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     # A profile run measures with its own timers, so the online fit does not record there.
     balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None,
                              model_in_use=cfg.balance.enabled or cfg.parallel.encoder_dp != "none")
-    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
+    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend, resume=resume)
     # Before the optimizer copies the params. A LoRA checkpoint holds no base: it is read again here.
     if cfg.checkpoint.load_hf and (cfg.lora.rank or (not resume and cfg.checkpoint.load is None)):
         for chunk in model:
@@ -660,16 +677,21 @@ def _startup_summary(run: _Run) -> list[str]:
     return [f"run: preset {cfg.preset or '(none)'} | {processes}, TP{layout.tp_size} x PP{layout.pp_size} x "
             f"DP{layout.dp_size} on {run.env.device.type} | output {run.out_dir}",
             f"data: {cfg.data.source}, {data}", *cache, *_validation_summary(run),
-            f"balance: {balancing}", f"data parallel: {_data_parallel_text(run.model[0].ddp_config)}",
+            f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                     _unwrap_model(run.model[0]).layer_backends.items()),
+            *_data_parallel_lines(run),
             *([encoder_note] if encoder_note else [])]
 
 
-def _data_parallel_text(ddp_config) -> str:
-    """What megatron's DDP wrapper was built with (``parallel.use_distributed_optimizer`` & co.)."""
-    return DataParallelSettings(ddp_config.use_distributed_optimizer, ddp_config.overlap_grad_reduce,
-                                ddp_config.overlap_param_gather).describe()
+def _data_parallel_lines(run: _Run) -> list[str]:
+    """What megatron's DDP wrapper was built with (``parallel.use_distributed_optimizer`` & co.), where
+    gradients have replicas (DP x CP > 1) or a lever is on anyway; nothing at one replica."""
+    ddp = run.model[0].ddp_config
+    settings = DataParallelSettings(ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather)
+    if run.layout.dp_size * run.layout.cp_size == 1 and settings == DataParallelSettings(False, False, False):
+        return []
+    return [f"data parallel: {settings.describe()}"]
 
 
 def _validation_summary(run: _Run) -> list[str]:
@@ -713,7 +735,8 @@ def _save(run: _Run, step: int, consumed_rows: int) -> str:
     state = TrainState(step=step, consumed_rows=consumed_rows, data_state=run.pipeline.state_dict(),
                        extra=run.balancing.state_dict())
     layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size,
-                   "ep": run.cfg.parallel.expert_model_parallel_size}
+                   "ep": run.cfg.parallel.expert_model_parallel_size,
+                   DISTRIBUTED_OPTIMIZER_KEY: run.model[0].ddp_config.use_distributed_optimizer}
     # A run on stored embeddings records the encoder they were checked against: its checkpoints
     # hold no encoder, and a --resume checks the store against this.
     record = {DIGEST_KEY: run.encoder_digest} if run.encoder_digest else {}
