@@ -274,9 +274,10 @@ class DataParallelSettings:
 def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int,
                            saved_distributed_optimizer: bool | None = None) -> DataParallelSettings:
     """``parallel.use_distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather``
-    with null resolved: on where gradients are reduced over ``data_context_parallel`` (DP x CP) > 1
-    ranks, off at 1, where no state is replicated and no reduction runs. A set value wins; the param
-    gather overlaps only the distributed optimizer's all-gather, so it is off without it.
+    with null resolved: the first two on where gradients are reduced over ``data_context_parallel``
+    (DP x CP) > 1 ranks, off at 1, where no state is replicated and no reduction runs; the param gather
+    only where set (below). A set value wins; the param gather overlaps only the distributed
+    optimizer's all-gather, so it is off without it.
 
     ``saved_distributed_optimizer``: whether the checkpoint a run resumes holds the distributed
     optimizer's state (None: no checkpoint, or one without optimizer state). A null setting then
@@ -291,6 +292,9 @@ def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int,
     if distributed is None and saved_distributed_optimizer is not None:
         distributed = saved_distributed_optimizer
     distributed = chosen(distributed)
+    # The param gather stays opt-in: megatron-core waits for a bucket's weights in the forward pre-hook
+    # of the module that owns them, so a weight read outside its own module's forward (LoRA adapters
+    # before their fix, a parent reading a child's parameter) would be the previous step's.
     return DataParallelSettings(distributed_optimizer=distributed,
                                 overlap_grad_reduce=chosen(parallel.overlap_grad_reduce),
-                                overlap_param_gather=distributed and chosen(parallel.overlap_param_gather))
+                                overlap_param_gather=distributed and bool(parallel.overlap_param_gather))

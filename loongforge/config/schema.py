@@ -337,16 +337,18 @@ class ParallelConfig:
     # expert's MLP over expert_tensor_parallel_size ranks (null = the language TP size).
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
-    # Data parallelism's three levers, each null = auto: on wherever gradients are reduced over more
-    # than one rank (DP x CP > 1), off at DP x CP 1 where there is nothing to shard or overlap; true or
-    # false as set wins (config.layout.data_parallel_settings decides, the run log and the dry run say).
+    # Data parallelism's levers (config.layout.data_parallel_settings decides; the run log and the dry
+    # run say; docs/data_parallel.md). null = auto: on wherever gradients are reduced over more than one
+    # rank (DP x CP > 1), off at DP x CP 1 where there is nothing to shard or overlap; a resume keeps the
+    # checkpoint's kind of optimizer state. true or false as set wins.
     # use_distributed_optimizer: fp32 master weights and Adam moments sharded over DP x CP (megatron-core's
     # distributed optimizer); checkpoints save them resharded, so a run resumes at another DP size.
     use_distributed_optimizer: Optional[bool] = None
     # Each gradient bucket's reduction starts in the backward as soon as its last gradient is ready.
     overlap_grad_reduce: Optional[bool] = None
-    # Distributed optimizer only: each bucket's updated weights are all-gathered during the next
-    # forward, just before the first layer that uses them, instead of all at once after the update.
+    # Distributed optimizer only, opt-in (null = off): each bucket's updated weights are all-gathered
+    # during the next forward, in the forward pre-hook of the modules that own them, instead of all at
+    # once after the update. Right only where every weight is read inside its own module's forward.
     overlap_param_gather: Optional[bool] = None
     # Launch size used by --dry-run and for deriving DP before processes exist.
     world_size: int = 1
