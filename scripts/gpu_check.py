@@ -4,6 +4,7 @@ with its figures and writes ``<work>/<step>.status.json`` for the report.
 
   python scripts/gpu_check.py overrides --preset P --tokens N ...   # the bench's overrides, one a line
   python scripts/gpu_check.py parity --device cuda --output R.json  # step b
+  python scripts/gpu_check.py varlen --device cuda --output R.json  # step i
   python scripts/gpu_check.py check STEP --work DIR --rc RC --seconds S [step options]
   python scripts/gpu_check.py report --work DIR --output gpu.md [--mode gpu|cpu-rehearsal]
 """
@@ -19,7 +20,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
-STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8", "h_hybrid")
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8", "h_hybrid", "i_varlen")
 TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "b_parity": "b. the run's process group (an all-reduce of a CPU and a device tensor), logits parity vs "
                       "transformers (fp32)",
@@ -29,7 +30,8 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "f_moe": "f. train qwen3-moe-tiny (MoE layer, all-to-all dispatcher), bench moe: grouped vs sequential experts",
           "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training",
           "h_hybrid": "h. Qwen3.5: the device's gated delta rule vs the token-by-token rule, train qwen3.5-tiny, "
-                      "bench hybrid"}
+                      "bench hybrid",
+          "i_varlen": "i. packed attention: torch's varlen kernel vs SDPA per segment (forward+backward)"}
 # The device's gated delta rule (fla's Triton kernel on CUDA, whose fp32 dots may run in TF32) against the
 # token-by-token rule in fp32, relative to the largest output / gradient.
 RULE_TOLERANCE = 5e-3
@@ -38,6 +40,11 @@ PARITY_TOLERANCE = 1e-4
 # Grouped vs sequential experts' outputs relative to the largest (bf16 on CUDA: the two sum in different
 # orders, each output rounded to bf16's 8 bits, 3.9e-3 apart at most per rounding).
 MOE_OUTPUT_TOLERANCE = 2e-2
+# Step i: one packed row of attention, Qwen2.5-7B's shape (28 query heads, 4 KV groups, head dim 128) on the
+# GPU, a toy one in the rehearsal; sample lengths as a packed row mixes them (the last fills the row).
+VARLEN_SHAPES = {"cuda": (8192, 28, 4, 128), "cpu": (512, 4, 2, 32)}  # (tokens, heads, groups, head dim)
+VARLEN_LENGTHS = (37, 300, 1000, 2048, 513, 64, 1500, 900, 128)
+VARLEN_TOLERANCE = 2e-2  # bf16 kernels vs fp32 SDPA, relative to the largest output / gradient
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
                 "two_images": {"images": ((1, 8, 12), (1, 20, 16))}, "video": {"videos": ((2, 8, 8),)}}
@@ -154,6 +161,86 @@ def cmd_linear_attention(args) -> int:
              for name, a, b in zip(("out", "dq", "dk", "dv"), ours, reference)}
     result = {"device": str(device), "rule": "fla" if rule is linear_attention.fla_chunked else "torch",
               "lengths": list(RULE_LENGTHS), "tolerance": RULE_TOLERANCE, "relative_diff": diffs}
+    Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
+    print(json.dumps(result))
+    return 0
+
+
+def _varlen_row(tokens: int) -> list[int]:
+    """Sample lengths of one packed row of ``tokens``: VARLEN_LENGTHS cut to fit, the last filling it."""
+    lengths, used = [], 0
+    for length in VARLEN_LENGTHS:
+        if used + length >= tokens:
+            break
+        lengths.append(length)
+        used += length
+    return lengths + [tokens - used]
+
+
+def cmd_varlen(args) -> int:
+    """Step i: the varlen layer backend's attention (torch's varlen kernel, bf16) against SDPA per segment
+    on one packed row, forward and backward: outputs and q, k, v gradients relative to fp32 SDPA's
+    largest, and the milliseconds of each in the row's dtype. Where varlen cannot run (the CPU
+    rehearsal) SDPA's time alone, with the reason."""
+    import time
+
+    import torch
+    from megatron.core.packed_seq_params import PackedSeqParams
+    from megatron.core.transformer.enums import AttnMaskType
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    from loongforge.models.layers import attention
+    from loongforge.models.layers.layer_backend import resolve_layer_backend
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    tokens, heads, groups, head_dim = VARLEN_SHAPES[device.type]
+    lengths = _varlen_row(tokens)
+    config = TransformerConfig(num_layers=1, hidden_size=heads * head_dim, num_attention_heads=heads,
+                               num_query_groups=groups, attention_dropout=0.0)
+    cu_seqlens = torch.tensor([0, *lengths]).cumsum(0).to(torch.int32).to(device)
+    params = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu_seqlens, cu_seqlens_kv=cu_seqlens,
+                             max_seqlen_q=max(lengths), max_seqlen_kv=max(lengths))
+    generator = torch.Generator().manual_seed(0)
+    inputs = [torch.randn(tokens, n, head_dim, generator=generator) for n in (heads, groups, groups)]
+    grad = torch.randn(tokens, heads * head_dim, generator=generator)
+
+    def run(module, as_dtype):
+        leaves = [x.to(device, as_dtype).requires_grad_() for x in inputs]
+        out = module(*leaves, None, packed_seq_params=params)
+        out.backward(grad.to(device, as_dtype))
+        return [out.detach().float().cpu()] + [x.grad.float().cpu() for x in leaves]
+
+    def milliseconds(module) -> float:
+        for _ in range(args.warmup_steps):
+            run(module, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            run(module, dtype)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        return 1e3 * (time.perf_counter() - start) / args.steps
+
+    sdpa = attention.SDPACoreAttention(config, 1, AttnMaskType.causal, "self")
+    result = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tokens": tokens,
+              "segments": len(lengths), "heads": heads, "groups": groups, "head_dim": head_dim,
+              "tolerance": VARLEN_TOLERANCE, "sdpa_ms": milliseconds(sdpa)}
+    backend = resolve_layer_backend("auto", device, dtype)
+    result["auto_backend"] = backend
+    try:
+        resolve_layer_backend("varlen", device, dtype)
+    except Exception as exc:  # noqa: BLE001 - why varlen cannot run here is the figure
+        result["varlen"] = f"not run: {exc}"
+    else:
+        varlen = attention.VarlenCoreAttention(config, 1, AttnMaskType.causal, "self")
+        reference = run(sdpa, torch.float32)
+        ours = run(varlen, dtype)
+        result["relative_diff"] = {name: float((a - b).abs().max() / b.abs().max())
+                                   for name, a, b in zip(("out", "dq", "dk", "dv"), ours, reference)}
+        result["varlen_ms"] = milliseconds(varlen)
+        result["speedup"] = result["sdpa_ms"] / result["varlen_ms"]
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
     return 0
@@ -384,9 +471,26 @@ def check_hybrid(work: Path, args) -> tuple[bool, dict, str]:
                          + ", ".join(f"{variant} x{ratio:.1f}" for variant, ratio in growth.items()))
 
 
+def check_varlen(work: Path, args) -> tuple[bool, dict, str]:
+    result = json.loads((work / "i_varlen.result.json").read_text())
+    row = (f"{result['tokens']} tokens in {result['segments']} samples, {result['heads']} heads / "
+           f"{result['groups']} groups x {result['head_dim']}, {result['dtype']}")
+    if "relative_diff" not in result:  # varlen cannot run here: the step passes only where none was expected
+        ok = args.kernel == "sdpa" and result["auto_backend"] != "varlen"
+        return ok, result, (f"SDPA per segment {result['sdpa_ms']:.1f} ms fwd+bwd ({row}); varlen {result['varlen']} "
+                            f"(expected {args.kernel})")
+    worst = max(result["relative_diff"].values())
+    ok = args.kernel == "varlen" and worst <= result["tolerance"]
+    if args.min_ratio is not None:
+        ok = ok and result["speedup"] >= args.min_ratio
+    return ok, result, (f"varlen {result['varlen_ms']:.2f} ms vs SDPA per segment {result['sdpa_ms']:.2f} ms fwd+bwd "
+                        f"(x{result['speedup']:.2f}; {row}); largest difference {worst:.1e} of the largest "
+                        f"(<= {result['tolerance']:.0e}); auto picks {result['auto_backend']}")
+
+
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
           "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe, "g_fp8": check_fp8,
-          "h_hybrid": check_hybrid}
+          "h_hybrid": check_hybrid, "i_varlen": check_varlen}
 
 
 def cmd_check(args) -> int:
@@ -495,6 +599,11 @@ def main(argv=None) -> int:
     p = sub.add_parser("linear-attention")
     p.add_argument("--device", default="cuda")
     p.add_argument("--output", required=True)
+    p = sub.add_parser("varlen")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--output", required=True)
+    p.add_argument("--steps", type=int, default=10)
+    p.add_argument("--warmup-steps", type=int, default=3)
     p = sub.add_parser("check")
     p.add_argument("step", choices=STEPS)
     p.add_argument("--work", required=True)
@@ -508,9 +617,11 @@ def main(argv=None) -> int:
     p.add_argument("--target", type=float, default=None, help="e_cost: median error limit, %%")
     p.add_argument("--experts", default="grouped", help="f_moe: the experts the run's layers line must name")
     p.add_argument("--min-speedup", type=float, default=None, help="f_moe: grouped / sequential experts at least")
-    p.add_argument("--min-ratio", type=float, default=None, help="g_fp8: fp8-auto / bf16 tokens/s at least")
+    p.add_argument("--min-ratio", type=float, default=None,
+                   help="g_fp8: fp8-auto / bf16 tokens/s at least; i_varlen: varlen / SDPA speed at least")
     p.add_argument("--max-loss-diff", type=float, default=None, help="g_fp8: relative final-loss difference at most")
     p.add_argument("--rule", default="fla", help="h_hybrid: the gated delta rule the device must pick (fla | torch)")
+    p.add_argument("--kernel", default="varlen", help="i_varlen: the packed-attention kernel expected (varlen | sdpa)")
     p = sub.add_parser("report")
     p.add_argument("--work", required=True)
     p.add_argument("--output", required=True)
@@ -523,6 +634,7 @@ def main(argv=None) -> int:
 
     filter_known_warnings(verbose=False, on_cuda=getattr(args, "device", "cpu") == "cuda")
     commands = {"overrides": cmd_overrides, "parity": cmd_parity, "linear-attention": cmd_linear_attention,
+                "varlen": cmd_varlen,
                 "check": cmd_check,
                 "report": cmd_report, "machine": cmd_machine}
     return commands[args.command](args)

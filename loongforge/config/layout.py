@@ -254,3 +254,48 @@ def resolve_read(data_cfg: DataConfig, dp_size: int) -> str:
     if data_cfg.read != "auto":
         return data_cfg.read
     return "sharded" if data_cfg.source == "files" and dp_size > 1 else "global"
+
+
+@dataclass(frozen=True)
+class DataParallelSettings:
+    """What megatron-core's DDP wrapper and optimizer are built with (``data_parallel_settings``)."""
+
+    distributed_optimizer: bool
+    overlap_grad_reduce: bool
+    overlap_param_gather: bool
+
+    def describe(self) -> str:
+        """The run log's and the dry run's words for them."""
+        words = [name for name, on in (("distributed optimizer", self.distributed_optimizer),
+                                       ("overlapped grad reduce", self.overlap_grad_reduce),
+                                       ("overlapped param gather", self.overlap_param_gather)) if on]
+        return ", ".join(words) if words else "plain (all-reduce, after the backward)"
+
+
+def data_parallel_settings(parallel: ParallelConfig, data_context_parallel: int,
+                           saved_distributed_optimizer: bool | None = None) -> DataParallelSettings:
+    """``parallel.use_distributed_optimizer``, ``overlap_grad_reduce`` and ``overlap_param_gather``
+    with null resolved: the first two on where gradients are reduced over ``data_context_parallel``
+    (DP x CP) > 1 ranks, off at 1, where no state is replicated and no reduction runs; the param gather
+    only where set (below). A set value wins; the param gather overlaps only the distributed
+    optimizer's all-gather, so it is off without it.
+
+    ``saved_distributed_optimizer``: whether the checkpoint a run resumes holds the distributed
+    optimizer's state (None: no checkpoint, or one without optimizer state). A null setting then
+    follows the checkpoint, at any DP size: megatron-core loads each optimizer's state only into its
+    own kind (``train.checkpoint.check_optimizer_kind`` refuses a set value that differs)."""
+    replicated = data_context_parallel > 1
+
+    def chosen(value: bool | None) -> bool:
+        return replicated if value is None else value
+
+    distributed = parallel.use_distributed_optimizer
+    if distributed is None and saved_distributed_optimizer is not None:
+        distributed = saved_distributed_optimizer
+    distributed = chosen(distributed)
+    # The param gather stays opt-in: megatron-core waits for a bucket's weights in the forward pre-hook
+    # of the module that owns them, so a weight read outside its own module's forward (LoRA adapters
+    # before their fix, a parent reading a child's parameter) would be the previous step's.
+    return DataParallelSettings(distributed_optimizer=distributed,
+                                overlap_grad_reduce=chosen(parallel.overlap_grad_reduce),
+                                overlap_param_gather=distributed and bool(parallel.overlap_param_gather))

@@ -174,8 +174,9 @@ class ModelConfig:
     tokens_per_second: int = 2
     # What the transformer blocks of both towers are built from (loongforge.models.layers.layer_backend):
     # te (Transformer Engine norm-linear, linears, attention), flash (local linears, flash-attn),
-    # sdpa (local linears, torch SDPA; runs anywhere). auto: the first of te, flash, sdpa that can
-    # run the device and precision. Checkpoints do not depend on the choice.
+    # varlen (local linears, torch's varlen attention: torch >= 2.10, CUDA, bf16/fp16), sdpa (local
+    # linears, torch SDPA; runs anywhere). auto: the first of te, flash, varlen, sdpa that can run the
+    # device and precision. Checkpoints do not depend on the choice.
     layer_backend: str = "auto"
     # Published parameter count, checked by tests against the architecture arithmetic.
     reference_num_params: Optional[int] = None
@@ -327,7 +328,7 @@ class ParallelConfig:
     context_parallel_size: int = 1
     # How CP attention communicates: "auto" is megatron-core's p2p ring on the te layer backend and the
     # gathered keys and values (all_gather) on sdpa and flash; te also takes p2p, all_gather, a2a and
-    # a2a+p2p (megatron-core's cp_comm_type); sdpa and flash take all_gather only.
+    # a2a+p2p (megatron-core's cp_comm_type); sdpa, flash and varlen take all_gather only.
     context_parallel_comm: str = "auto"
     # CP > 1: the row's images and videos are dealt among the CP ranks by modelled cost, each encodes
     # its share and the features are gathered (gradients return to the rank that encoded); off, every
@@ -339,9 +340,19 @@ class ParallelConfig:
     # expert's MLP over expert_tensor_parallel_size ranks (null = the language TP size).
     expert_model_parallel_size: int = 1
     expert_tensor_parallel_size: Optional[int] = None
-    # Shard optimizer state over data-parallel ranks (megatron-core distributed optimizer).
-    use_distributed_optimizer: bool = False
-    overlap_grad_reduce: bool = False
+    # Data parallelism's levers (config.layout.data_parallel_settings decides; the run log and the dry
+    # run say; docs/data_parallel.md). null = auto: on wherever gradients are reduced over more than one
+    # rank (DP x CP > 1), off at DP x CP 1 where there is nothing to shard or overlap; a resume keeps the
+    # checkpoint's kind of optimizer state. true or false as set wins.
+    # use_distributed_optimizer: fp32 master weights and Adam moments sharded over DP x CP (megatron-core's
+    # distributed optimizer); checkpoints save them resharded, so a run resumes at another DP size.
+    use_distributed_optimizer: Optional[bool] = None
+    # Each gradient bucket's reduction starts in the backward as soon as its last gradient is ready.
+    overlap_grad_reduce: Optional[bool] = None
+    # Distributed optimizer only, opt-in (null = off): each bucket's updated weights are all-gathered
+    # during the next forward, in the forward pre-hook of the modules that own them, instead of all at
+    # once after the update. Right only where every weight is read inside its own module's forward.
+    overlap_param_gather: Optional[bool] = None
     # Launch size used by --dry-run and for deriving DP before processes exist.
     world_size: int = 1
     # Seconds a collective (and a stop-save after SIGTERM) may wait for the slowest rank before the

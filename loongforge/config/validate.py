@@ -43,7 +43,7 @@ from loongforge.config.vision_parts import move_flat_vision_keys
 
 # String fields restricted to a few values, keyed by dotted path.
 CHOICES: dict[str, tuple[str, ...]] = {
-    "model.layer_backend": ("auto", "te", "flash", "sdpa"),
+    "model.layer_backend": ("auto", "te", "flash", "varlen", "sdpa"),
     "training.precision": ("bf16", "fp32"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.fp8": ("off", "auto", "on"),
@@ -567,7 +567,7 @@ def _check_context_parallel(cfg: RunConfig) -> list[str]:
         errors.append(f"data.seq_len={cfg.data.seq_len} must be a multiple of {row_multiple(data, parallel)} "
                       f"(samples padded to a multiple of {sample_multiple(data, parallel)}"
                       f"{', each CP rank share split over TP under sequence parallelism' if cp > 1 and parallel.sequence_parallel else ''}).")
-    if comm not in ("auto", "all_gather") and cfg.model.layer_backend in ("sdpa", "flash"):
+    if comm not in ("auto", "all_gather") and cfg.model.layer_backend in ("sdpa", "flash", "varlen"):
         errors.append(f"parallel.context_parallel_comm={comm} is Transformer Engine's; the "
                       f"{cfg.model.layer_backend} layer backend gathers keys and values: set it to auto or "
                       f"all_gather, or model.layer_backend=te.")
@@ -859,11 +859,16 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
 
 
 def _check_optimizer(cfg: RunConfig) -> list[str]:
-    optimizer = cfg.optimizer
+    optimizer, parallel = cfg.optimizer, cfg.parallel
+    errors = []
     if optimizer.min_lr > optimizer.lr:
-        return [f"optimizer.min_lr={optimizer.min_lr} is above optimizer.lr={optimizer.lr}; "
-                f"the schedule decays from lr to min_lr, so set min_lr <= lr."]
-    return []
+        errors.append(f"optimizer.min_lr={optimizer.min_lr} is above optimizer.lr={optimizer.lr}; "
+                      f"the schedule decays from lr to min_lr, so set min_lr <= lr.")
+    if parallel.overlap_param_gather and parallel.use_distributed_optimizer is False:
+        errors.append("parallel.overlap_param_gather=true overlaps the distributed optimizer's all-gather of "
+                      "the updated weights, but parallel.use_distributed_optimizer=false; leave "
+                      "overlap_param_gather unset (null) or turn the distributed optimizer on.")
+    return errors
 
 
 def check_run_config(cfg: RunConfig, world_size: int | None = None,

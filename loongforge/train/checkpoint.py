@@ -226,6 +226,56 @@ def _unshare_adam_steps(optimizer) -> None:
                 state["step"] = state["step"].clone()
 
 
+# meta.json's "layout" entry saying whether the optimizer state is the distributed optimizer's.
+DISTRIBUTED_OPTIMIZER_KEY = "distributed_optimizer"
+# The distributed optimizer saves its fp32 main parameters under this prefix (the plain one does not):
+# how a checkpoint written before meta.json recorded the kind is told.
+_DISTRIBUTED_STATE_PREFIX = "optimizer.state.param."
+
+
+def saved_distributed_optimizer(path: Path) -> Optional[bool]:
+    """Whether checkpoint ``path`` holds the distributed optimizer's state (True) or the plain
+    optimizer's (False); None for one without optimizer state (``convert``'s, or a stage that
+    trains nothing) or without meta.json (``load_checkpoint`` says what is missing)."""
+    try:
+        meta = json.loads((path / META_FILE).read_text())
+        recorded = meta.get("layout", {}).get(DISTRIBUTED_OPTIMIZER_KEY)
+        saved_keys = _saved_keys(path / "model_optim") if recorded is None and meta.get("kind") != MODEL_ONLY_KIND else set()
+    except Exception:  # noqa: BLE001 - missing or damaged: the load says what (or skips it on --resume)
+        return None
+    if meta.get("kind") == MODEL_ONLY_KIND:
+        return None
+    if recorded is not None:
+        return bool(recorded)
+    optimizer_keys = [key for key in saved_keys if key.startswith("optimizer.")]
+    if not optimizer_keys:
+        return None
+    return any(key.startswith(_DISTRIBUTED_STATE_PREFIX) for key in optimizer_keys)
+
+
+def check_optimizer_kind(path: Path, setting: Optional[bool]) -> Optional[bool]:
+    """The kind of optimizer state in checkpoint ``path`` (``saved_distributed_optimizer``), after
+    checking that ``parallel.use_distributed_optimizer`` (``setting``; null follows the checkpoint)
+    can load it: megatron-core reads each kind's state into its own kind only."""
+    saved = saved_distributed_optimizer(path)
+    if saved is None or setting is None or setting == saved:
+        return saved
+    raise InputError(f"{path}: its optimizer state is the {'distributed' if saved else 'plain'} optimizer's, which "
+                     f"parallel.use_distributed_optimizer={str(setting).lower()} cannot load (megatron-core has no "
+                     f"conversion between the two); leave it unset (null: the checkpoint's kind, at any DP size), or "
+                     f"start a new stage from its weights (checkpoint.load={path} checkpoint.weights_only=true)")
+
+
+def _gather_updated_weights(model_chunks: list) -> None:
+    """With ``parallel.overlap_param_gather`` each rank updates only its shard of the weights, and
+    a bucket's updated weights are all-gathered just before the next forward first uses them:
+    until then the model holds the previous step's, which a checkpoint must not save. Gather all
+    now (the next step gathers again, as always)."""
+    for chunk in model_chunks:
+        if getattr(getattr(chunk, "ddp_config", None), "overlap_param_gather", False):
+            chunk.start_param_sync(force_sync=True)
+
+
 def _barrier() -> None:
     if dist.is_initialized():
         dist.barrier()
@@ -320,6 +370,7 @@ def save_checkpoint(root: str | os.PathLike, state: TrainState, model_chunks: li
         (tmp_dir / "model_optim").mkdir(parents=True)
     _barrier()
     error, disk_full = None, None
+    _gather_updated_weights(model_chunks)
     try:
         _write_shards(tmp_dir, state, model_chunks, optimizer, scheduler, rank)
     except Exception as exc:  # noqa: BLE001 - every rank must reach the gather below

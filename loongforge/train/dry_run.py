@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 from loongforge.config.layout import (
     ParallelSizes,
+    data_parallel_settings,
     derive_parallel_sizes,
     encoder_shared_over_context,
     resolve_read,
@@ -271,6 +272,8 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
     check_family_layout(cfg)
     sizes = derive_parallel_sizes(cfg.parallel)
     split = split_parameters(cfg.model)
+    # The run's choice (null = on at DP x CP > 1), as train.runner.wrap_for_training makes it.
+    distributed = data_parallel_settings(cfg.parallel, sizes.data_context_parallel).distributed_optimizer
     return ParallelPlan(
         sizes=sizes,
         global_batch_size=cfg.training.global_batch_size,
@@ -279,14 +282,14 @@ def build_parallel_plan(cfg: RunConfig) -> ParallelPlan:
         split=split,
         stages=_stage_plans(cfg, sizes, split),
         bytes_per_param=training_bytes_per_param(
-            cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
+            cfg.training.precision, cfg.optimizer.name, distributed,
             sizes.data_context_parallel),
         expert_bytes_per_param=training_bytes_per_param(
-            cfg.training.precision, cfg.optimizer.name, cfg.parallel.use_distributed_optimizer,
+            cfg.training.precision, cfg.optimizer.name, distributed,
             sizes.expert_data_parallel),
         precision=cfg.training.precision,
         optimizer=cfg.optimizer.name,
-        distributed_optimizer=cfg.parallel.use_distributed_optimizer,
+        distributed_optimizer=distributed,
         has_vision=cfg.model.vision is not None,
         balancing=balancing_text(cfg, sizes),
         encoder_activations=encoder_activation_bytes(cfg, sizes),

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from loongforge.config.schema import OptimizerConfig, ParallelConfig, ScheduleConfig
+from loongforge.config.schema import OptimizerConfig, ScheduleConfig
 
 
-def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, parallel_cfg: ParallelConfig,
-                    *, params_dtype: torch.dtype):
-    """Adam (or SGD) with fp32 main params; the distributed optimizer shards its state over DP."""
+def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, *, params_dtype: torch.dtype):
+    """Adam (or SGD) with fp32 main params over megatron DDP-wrapped ``model_chunks``; the
+    distributed optimizer (sharding its state over DP x CP) and the overlapped param gather as the
+    wrapper was built with them (``train.runner.wrap_for_training``: megatron needs both alike)."""
+    ddp_config = model_chunks[0].ddp_config
     # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.optimizer import OptimizerConfig as McoreOptimizerConfig
     from megatron.core.optimizer import get_megatron_optimizer
@@ -25,7 +27,8 @@ def build_optimizer(model_chunks: list, optim_cfg: OptimizerConfig, parallel_cfg
         clip_grad=optim_cfg.clip_grad,
         bf16=params_dtype == torch.bfloat16,
         params_dtype=params_dtype,
-        use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
+        use_distributed_optimizer=ddp_config.use_distributed_optimizer,
+        overlap_param_gather=ddp_config.overlap_param_gather,
     )
     return get_megatron_optimizer(mcore_cfg, model_chunks)
 

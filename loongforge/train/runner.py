@@ -29,7 +29,14 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from loongforge import __version__
 from loongforge.config.data_sets import HELD_OUT_SET, named_sets
 from loongforge.config.errors import InputError
-from loongforge.config.layout import resolve_read, row_multiple, sample_multiple, vision_tensor_parallel_size
+from loongforge.config.layout import (
+    DataParallelSettings,
+    data_parallel_settings,
+    resolve_read,
+    row_multiple,
+    sample_multiple,
+    vision_tensor_parallel_size,
+)
 from loongforge.config.pipeline_layout import virtual_stages
 from loongforge.config.loader import dump_yaml
 from loongforge.config.schema import ParallelConfig, RunConfig
@@ -81,7 +88,9 @@ from loongforge.profile.throughput import (
 from loongforge.profile.timers import GradSyncClock, cpu_clock
 from loongforge.train.balancing import RunBalancing
 from loongforge.train.checkpoint import (
+    DISTRIBUTED_OPTIMIZER_KEY,
     TrainState,
+    check_optimizer_kind,
     load_checkpoint,
     load_newest_checkpoint,
     load_weights_only,
@@ -171,11 +180,23 @@ def _write_run_files(out_dir: Path, cfg: RunConfig, command_line: list[str], env
 
 
 def _build_ddp_model(cfg: RunConfig, layout: ParallelLayout, device: torch.device,
-                     balancing: RunBalancing, layer_backend: str):
+                     balancing: RunBalancing, layer_backend: str, *, resume: bool):
     """This rank's model chunks (one per virtual pipeline stage), wrapped for training."""
     virtual = virtual_stages(cfg.parallel)
     chunks = [_build_chunk(cfg, layout, device, balancing, layer_backend, stage, virtual) for stage in range(virtual)]
-    return wrap_for_training(chunks, cfg.parallel)
+    return wrap_for_training(chunks, cfg.parallel, saved_distributed_optimizer=_loaded_optimizer_kind(cfg, resume))
+
+
+def _loaded_optimizer_kind(cfg: RunConfig, resume: bool) -> Optional[bool]:
+    """Whether the checkpoint this run will load holds the distributed optimizer's state (None: none
+    to load): ``--resume``'s newest, or ``checkpoint.load`` unless only its weights are taken."""
+    if resume:
+        path = latest_checkpoint(checkpoint_root(cfg))
+    else:
+        path = None if cfg.checkpoint.weights_only else cfg.checkpoint.load
+    if path is None:
+        return None
+    return check_optimizer_kind(Path(path), cfg.parallel.use_distributed_optimizer)
 
 
 def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, balancing: RunBalancing,
@@ -201,10 +222,12 @@ def _build_chunk(cfg: RunConfig, layout: ParallelLayout, device: torch.device, b
     return model
 
 
-def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object]:
+def wrap_for_training(model, parallel_cfg: ParallelConfig, *,
+                      saved_distributed_optimizer: Optional[bool] = None) -> tuple[list, object]:
     """Built model chunks (or one model) as the step trains them: megatron's DDP wrapper (fp32
     gradient buffers) around each, and the per-token loss normalisation; (wrapped chunks, the first
-    chunk's TransformerConfig, which the pipeline schedule reads)."""
+    chunk's TransformerConfig, which the pipeline schedule reads). ``saved_distributed_optimizer``:
+    the kind of optimizer state of the checkpoint the run will load (``data_parallel_settings``)."""
     chunks = model if isinstance(model, list) else [model]
     for chunk in chunks:
         # Per-token loss: gradients are divided by the global loss-token count in finalize_model_grads.
@@ -212,10 +235,15 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
         unscaled_balance_losses(chunk)
     config = chunks[0].config
     config.finalize_model_grads_func = functools.partial(_finalize_grads, finalize_model_grads)
+    settings = data_parallel_settings(
+        parallel_cfg, parallel_state.get_data_parallel_world_size(with_context_parallel=True),
+        saved_distributed_optimizer)
+    # train.optim builds the optimizer from this config (megatron's optimizer must match its DDP's).
     ddp_config = DistributedDataParallelConfig(
         grad_reduce_in_fp32=True,
-        overlap_grad_reduce=parallel_cfg.overlap_grad_reduce,
-        use_distributed_optimizer=parallel_cfg.use_distributed_optimizer,
+        overlap_grad_reduce=settings.overlap_grad_reduce,
+        use_distributed_optimizer=settings.distributed_optimizer,
+        overlap_param_gather=settings.overlap_param_gather,
     )
     # One bucket for each chunk after the first (as Megatron-LM sets it): the interleaved schedule
     # already overlaps their reduction with the other chunks' compute.
@@ -224,7 +252,7 @@ def wrap_for_training(model, parallel_cfg: ParallelConfig) -> tuple[list, object
                for index, chunk in enumerate(chunks)]
     no_sync = [chunk.no_sync for chunk in wrapped]
     config.no_sync_func = no_sync[0] if len(wrapped) == 1 else no_sync
-    if parallel_cfg.overlap_grad_reduce and len(wrapped) > 1:
+    if settings.overlap_grad_reduce and len(wrapped) > 1:
         # The interleaved schedule starts each chunk's reduction when its last backward is done.
         config.grad_sync_func = [chunk.start_grad_sync for chunk in wrapped]
     return wrapped, config
@@ -440,7 +468,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     # A profile run measures with its own timers, so the online fit does not record there.
     balancing = RunBalancing(cfg.balance, fit_online=observer is None, prices_vision=embeddings is None,
                              model_in_use=cfg.balance.enabled or cfg.parallel.encoder_dp != "none")
-    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend)
+    model, model_config = _build_ddp_model(cfg, layout, env.device, balancing, backend, resume=resume)
     # Before the optimizer copies the params. A LoRA checkpoint holds no base: it is read again here.
     if cfg.checkpoint.load_hf and (cfg.lora.rank or (not resume and cfg.checkpoint.load is None)):
         for chunk in model:
@@ -449,7 +477,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
     balancing.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
     observer = observer or TrainingObserver()
     observer.attach(model_config, cfg=cfg, env=env, layout=layout, grad_sync=sync_clock)
-    optimizer = build_optimizer(model, cfg.optimizer, cfg.parallel, params_dtype=_DTYPES[cfg.training.precision])
+    optimizer = build_optimizer(model, cfg.optimizer, params_dtype=_DTYPES[cfg.training.precision])
     scheduler = build_scheduler(optimizer, cfg.optimizer, cfg.schedule, train_steps=cfg.training.train_steps)
     pipeline = _build_pipeline(cfg, env, layout, balancing, embeddings)
     validation = ValidationSets(_validation_pipelines(cfg, env, layout, balancing, embeddings),
@@ -652,7 +680,18 @@ def _startup_summary(run: _Run) -> list[str]:
             f"balance: {balancing}",
             "layers: " + " | ".join(f"{tower} {backend}" for tower, backend in
                                     _unwrap_model(run.model[0]).layer_backends.items()),
+            *_data_parallel_lines(run),
             *([encoder_note] if encoder_note else [])]
+
+
+def _data_parallel_lines(run: _Run) -> list[str]:
+    """What megatron's DDP wrapper was built with (``parallel.use_distributed_optimizer`` & co.), where
+    gradients have replicas (DP x CP > 1) or a lever is on anyway; nothing at one replica."""
+    ddp = run.model[0].ddp_config
+    settings = DataParallelSettings(ddp.use_distributed_optimizer, ddp.overlap_grad_reduce, ddp.overlap_param_gather)
+    if run.layout.dp_size * run.layout.cp_size == 1 and settings == DataParallelSettings(False, False, False):
+        return []
+    return [f"data parallel: {settings.describe()}"]
 
 
 def _validation_summary(run: _Run) -> list[str]:
@@ -696,7 +735,8 @@ def _save(run: _Run, step: int, consumed_rows: int) -> str:
     state = TrainState(step=step, consumed_rows=consumed_rows, data_state=run.pipeline.state_dict(),
                        extra=run.balancing.state_dict())
     layout_info = {"tp": run.layout.tp_size, "pp": run.layout.pp_size, "dp": run.layout.dp_size,
-                   "ep": run.cfg.parallel.expert_model_parallel_size}
+                   "ep": run.cfg.parallel.expert_model_parallel_size,
+                   DISTRIBUTED_OPTIMIZER_KEY: run.model[0].ddp_config.use_distributed_optimizer}
     # A run on stored embeddings records the encoder they were checked against: its checkpoints
     # hold no encoder, and a --resume checks the store against this.
     record = {DIGEST_KEY: run.encoder_digest} if run.encoder_digest else {}

@@ -461,7 +461,10 @@ def test_dry_run_at_cp2_states_the_layout_and_shards_the_optimizer_over_dp_x_cp(
     assert "data parallel        2 = 8 / (TP2 x PP1 x CP2)" in plan
     assert "each 16384-token row split over 2 ranks, 8192 tokens per rank (every sample padded to a multiple of 4)" in plan
     memory = _plan_line(plan, "memory per rank")
-    assert "sharded over DP2 x CP2; 9.00 bytes/param" in memory
+    assert "sharded over DP2 x CP2; 9.00 bytes/param" in memory  # the default at DP x CP > 1 (no setting)
+    plain = invoke("--preset", "qwen2.5vl-7b", "parallel.context_parallel_size=2",
+                   "parallel.use_distributed_optimizer=false", "--dry-run").stdout
+    assert "Adam moments; 18.00 bytes/param" in _plan_line(plain, "memory per rank")  # 2 + 4 + 12 whole
     assert f"~{QWEN2_5_VL_7B_PARAMS / 2 * 9 / GIB:.1f} GiB" in memory
     off = invoke("--preset", "qwen2.5vl-7b", "parallel.context_parallel_size=2", "parallel.encoder_cp=false",
                  "--dry-run").stdout

@@ -486,3 +486,28 @@ def test_a_towers_whole_width_q_k_norms_split_over_vision_tp_beside_per_head_one
         load_run_config("internvl3.5-tiny", overrides=split)
     whole = load_run_config("internvl3.5-tiny", overrides=[*split, "parallel.vision_tensor_model_parallel_size=1"])
     assert whole.model.vision.qk_norm and whole.parallel.vision_tensor_model_parallel_size == 1
+
+
+def test_data_parallel_levers_are_on_at_dp_above_one_unless_set():
+    """null = on wherever gradients are reduced over more than one rank (DP x CP > 1); a set value
+    wins; the param gather is opt-in, and overlaps the distributed optimizer's all-gather only."""
+    from loongforge.config.layout import DataParallelSettings, data_parallel_settings
+
+    default = load_run_config("qwen2.5vl-tiny").parallel
+    assert (default.use_distributed_optimizer, default.overlap_grad_reduce, default.overlap_param_gather) == (
+        None, None, None)
+    off = DataParallelSettings(False, False, False)
+    assert data_parallel_settings(default, 1) == off
+    assert data_parallel_settings(default, 2) == DataParallelSettings(True, True, False)
+    gather = load_run_config("qwen2.5vl-tiny", overrides=["parallel.overlap_param_gather=true"]).parallel
+    assert data_parallel_settings(gather, 2) == DataParallelSettings(True, True, True)
+    assert data_parallel_settings(gather, 1) == DataParallelSettings(False, False, False)  # nothing to gather
+    set_off = load_run_config("qwen2.5vl-tiny", overrides=["parallel.use_distributed_optimizer=false"]).parallel
+    assert data_parallel_settings(set_off, 4) == DataParallelSettings(False, True, False)
+    set_on = load_run_config("qwen2.5vl-tiny", overrides=["parallel.use_distributed_optimizer=true",
+                                                          "parallel.overlap_grad_reduce=false"]).parallel
+    assert data_parallel_settings(set_on, 1) == DataParallelSettings(True, False, False)
+    assert DataParallelSettings(True, True, True).describe() == (
+        "distributed optimizer, overlapped grad reduce, overlapped param gather")
+    (message,) = errors_for("parallel.use_distributed_optimizer=false", "parallel.overlap_param_gather=true")
+    assert message.startswith("parallel.overlap_param_gather=true overlaps the distributed optimizer's all-gather")

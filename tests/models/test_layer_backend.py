@@ -11,7 +11,12 @@ from torch.nn.attention import SDPBackend
 
 from loongforge.config.errors import ConfigError
 from loongforge.models.layers import layer_backend
-from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention, sdpa_backends
+from loongforge.models.layers.attention import (
+    FlashCoreAttention,
+    SDPACoreAttention,
+    VarlenCoreAttention,
+    sdpa_backends,
+)
 from loongforge.models.layers.layer_backend import (
     RMSNorm,
     RMSNormColumnParallelLinear,
@@ -21,6 +26,7 @@ from loongforge.models.layers.layer_backend import (
 )
 
 CUDA, CPU = torch.device("cuda"), torch.device("cpu")
+VARLEN = "torch.nn.attention.varlen"  # torch >= 2.10
 
 
 @pytest.fixture
@@ -39,6 +45,11 @@ def installed(monkeypatch):
     (("flash_attn",), CUDA, torch.bfloat16, "flash"),
     (("flash_attn",), CUDA, torch.float32, "sdpa"),  # flash-attn cannot run fp32
     ((), CUDA, torch.bfloat16, "sdpa"),
+    # torch's varlen kernel where flash-attn does not import; fp32 or CPU: SDPA per segment
+    (("flash_attn", VARLEN), CUDA, torch.bfloat16, "flash"),
+    ((VARLEN,), CUDA, torch.bfloat16, "varlen"),
+    ((VARLEN,), CUDA, torch.float32, "sdpa"),
+    ((VARLEN,), CPU, torch.bfloat16, "sdpa"),
 ])
 def test_auto_picks_the_first_backend_that_can_run(installed, packages, device, dtype, expected):
     installed(*packages)
@@ -51,6 +62,8 @@ def test_auto_picks_the_first_backend_that_can_run(installed, packages, device, 
     ("te", (), CUDA, torch.bfloat16, "needs the transformer_engine package"),
     ("flash", (), CUDA, torch.bfloat16, "needs the flash_attn package"),
     ("flash", ("flash_attn",), CUDA, torch.float32, "needs fp16 or bf16 weights, not float32"),
+    ("varlen", (), CUDA, torch.bfloat16, r"needs the torch.nn.attention.varlen package \(torch >= 2.10\)"),
+    ("varlen", (VARLEN,), CUDA, torch.float32, "needs fp16 or bf16 weights, not float32"),
 ])
 def test_an_impossible_explicit_choice_names_the_key(installed, requested, packages, device, dtype, reason):
     installed(*packages)
@@ -92,12 +105,13 @@ def test_auto_says_nothing_of_packages_that_are_not_installed(installed):
 
 
 def test_unknown_backend_names_the_key():
-    with pytest.raises(ConfigError, match=r"model.layer_backend='xformers' is not one of auto, te, flash, sdpa"):
+    with pytest.raises(ConfigError, match=r"model.layer_backend='xformers' is not one of auto, te, flash, varlen, sdpa"):
         resolve_layer_backend("xformers", CPU, torch.float32)
 
 
 def test_local_backends_share_the_fused_norm_layout():
-    for name, attention in (("sdpa", SDPACoreAttention), ("flash", FlashCoreAttention)):
+    for name, attention in (("sdpa", SDPACoreAttention), ("flash", FlashCoreAttention),
+                            ("varlen", VarlenCoreAttention)):
         modules = block_modules(name)
         assert modules.core_attention is attention
         assert modules.norm_column_linear is RMSNormColumnParallelLinear

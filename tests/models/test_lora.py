@@ -170,8 +170,7 @@ def test_only_adapters_train(megatron_world_of_one):
     assert trainable and trainable == {name for name, _ in model.named_parameters() if is_adapter_key(name)}
     before = {name: param.detach().clone() for name, param in model.named_parameters()}
     chunks, _ = wrap_for_training(model, ParallelConfig())
-    optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-2, weight_decay=0.0), ParallelConfig(),
-                                params_dtype=torch.float32)
+    optimizer = build_optimizer(chunks, OptimizerConfig(lr=1e-2, weight_decay=0.0), params_dtype=torch.float32)
     adapter_numel = sum(model.get_parameter(name).numel() for name in trainable)
     assert sum(buffer.numel_unpadded for buffer in chunks[0].buffers) == adapter_numel
     optimized = [p for group in optimizer.param_groups for p in group["params"]]

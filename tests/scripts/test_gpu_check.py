@@ -173,6 +173,30 @@ def test_hybrid_step(gpu_check, tmp_path, capsys, rule, worst, losses, passed):
     assert f"rule {rule} (expected fla)" in line and "all_linear x16.5" in line
 
 
+VARLEN_ROW = {"tokens": 8192, "segments": 9, "heads": 28, "groups": 4, "head_dim": 128, "dtype": "bfloat16",
+              "tolerance": 2e-2, "sdpa_ms": 9.0, "auto_backend": "varlen"}
+
+
+@pytest.mark.parametrize("ran, worst, speedup, kernel, passed", [
+    (True, 4e-3, 3.0, "varlen", True),
+    (True, 5e-2, 3.0, "varlen", False),  # the kernel differs from SDPA beyond bf16 rounding
+    (True, 4e-3, 0.9, "varlen", False),  # slower than SDPA per segment (--min-ratio 1)
+    (False, None, None, "varlen", False),  # varlen expected on the GPU: it did not run
+    (False, None, None, "sdpa", True),  # the rehearsal: SDPA alone, as expected
+])
+def test_varlen_step(gpu_check, tmp_path, capsys, ran, worst, speedup, kernel, passed):
+    result = dict(VARLEN_ROW)
+    if ran:
+        result.update(relative_diff={"out": worst, "dq": worst / 2}, varlen_ms=9.0 / speedup, speedup=speedup)
+    else:
+        result.update(auto_backend="sdpa", varlen="not run: model.layer_backend='varlen' needs a CUDA device")
+    (tmp_path / "i_varlen.result.json").write_text(json.dumps(result))
+    rc = _check(gpu_check, tmp_path, "i_varlen", 0, "--kernel", kernel, "--min-ratio", "1")
+    assert rc == (0 if passed else 1)
+    line = capsys.readouterr().out
+    assert "8192 tokens in 9 samples, 28 heads / 4 groups x 128, bfloat16" in line
+
+
 def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
     _check(gpu_check, tmp_path, "a_train")
@@ -181,7 +205,7 @@ def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     report = tmp_path / "gpu.md"
     assert gpu_check.main(["report", "--work", str(tmp_path), "--output", str(report)]) == 1
     text = report.read_text()
-    assert "2026-01-01 00:00 UTC: 1/8 steps passed" in text and "Machine: device H200" in text
+    assert f"2026-01-01 00:00 UTC: 1/{len(gpu_check.STEPS)} steps passed" in text and "Machine: device H200" in text
     assert "| a. train qwen2.5vl-tiny, save, resume | PASS |" in text and "| d. CPU test suite" in text
     assert "```bash\nloongforge train --preset qwen2.5vl-tiny\n```" in text
     assert json.loads((tmp_path / "gpu_results.json").read_text())["steps"][1]["passed"] is False

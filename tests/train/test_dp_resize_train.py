@@ -2,7 +2,15 @@
 the epoch exactly once across the restarts (issue 30). Indexed: DP 2 for steps 1-2, a cut-back copy
 resumed at DP 4 for steps 3-4, a cut-back copy of that resumed at DP 2 for steps 5-8. Streamed
 (data.streaming=true): DP 2 for steps 1-2, resumed at DP 4 for steps 3-4. Each rank records the
-sample ids and stream positions of what it trained (tests.train.plan_recorder)."""
+sample ids and stream positions of what it trained (tests.train.plan_recorder).
+
+The indexed runs train with what DP > 1 gets by default (issue 54): the distributed optimizer (Adam's
+moments and the fp32 weights sharded over the DP ranks, saved resharded) with overlapped grad reduce,
+and the opt-in overlapped param gather besides. The same DP 2 -> 4 chain with all three off (the plain
+optimizer, whose state every rank holds whole) trains the same steps 1-4 to fp32 rounding: so the
+default changes no math, the sharded state saved at DP 2 is restored at DP 4 exactly where it belongs
+(a misplaced moment would change the updates of steps 3 and 4), and a save under the param gather holds
+the updated weights (without train.checkpoint's gather they differed by 4.6e-3)."""
 
 from __future__ import annotations
 
@@ -15,18 +23,31 @@ import torch
 
 from loongforge.convert.checkpoint_folders import step_dir_name
 from tests.data.conftest import write_conversations
-from tests.train.conftest import SAVE_AT_END, cut_back_copy, run_recorded
+from tests.train.conftest import (
+    SAVE_AT_END,
+    assert_close_relative,
+    checkpoint_differences,
+    cut_back_copy,
+    grad_norms,
+    losses,
+    run_recorded,
+)
 
 PRESET = "llm-tiny-small-vocab"  # text only: the data path is the VLM's, the steps are cheaper
 SAMPLES = 60
 STREAMED_SAMPLES = 120  # shorter samples than the synthetic ones: about twice as many a step
 # Read sharded and unprefetched (the recorder's positions are those of the rows made).
 OPTIONS = ("data.read=sharded", "data.num_workers=0", "checkpoint.save_interval=2", SAVE_AT_END)
-INDEXED = (f"data.synthetic_num_samples={SAMPLES}",)
+INDEXED = (f"data.synthetic_num_samples={SAMPLES}", "parallel.overlap_param_gather=true")
+# The distributed optimizer and the overlapped reduce left to their default; the param gather opted in.
+PLAIN_INDEXED = (INDEXED[0], "parallel.use_distributed_optimizer=false", "parallel.overlap_grad_reduce=false")
+DEFAULT_DP = "data parallel: distributed optimizer, overlapped grad reduce, overlapped param gather"
 
 
 def _run_recorded(out_dir: Path, *extra: str, nproc: int, resume: bool = False) -> str:
-    return run_recorded(out_dir, *OPTIONS, *extra, nproc=nproc, resume=resume, preset=PRESET)
+    output = run_recorded(out_dir, *OPTIONS, *extra, nproc=nproc, resume=resume, preset=PRESET)
+    (out_dir / "console.txt").write_text(output)
+    return output
 
 
 def _resumed_copy(run: Path, out: Path, step: int, *extra: str, nproc: int) -> Path:
@@ -60,10 +81,12 @@ def runs(tmp_path_factory) -> dict[str, Path]:
     _run_recorded(root / "dp2", *INDEXED, "training.train_steps=2", nproc=2)
     _resumed_copy(root / "dp2", root / "dp2-4", 2, *INDEXED, "training.train_steps=4", nproc=4)
     _resumed_copy(root / "dp2-4", root / "dp2-4-2", 4, *INDEXED, "training.train_steps=8", nproc=2)
+    _run_recorded(root / "plain-dp2", *PLAIN_INDEXED, "training.train_steps=2", nproc=2)
+    _resumed_copy(root / "plain-dp2", root / "plain-dp2-4", 2, *PLAIN_INDEXED, "training.train_steps=4", nproc=4)
     streamed = _streamed(write_conversations(root / "chats.jsonl", STREAMED_SAMPLES))
     _run_recorded(root / "streamed-dp2", *streamed, "training.train_steps=2", nproc=2)
     _resumed_copy(root / "streamed-dp2", root / "streamed-dp2-4", 2, *streamed, "training.train_steps=4", nproc=4)
-    return {name: root / name for name in ("dp2-4", "dp2-4-2", "streamed-dp2-4")}
+    return {name: root / name for name in ("dp2-4", "dp2-4-2", "streamed-dp2-4", "plain-dp2-4")}
 
 
 def _assert_epochs_once(trained: list[tuple[int, str, int]], complete: int, every: list[str], what: str) -> None:
@@ -109,3 +132,22 @@ def test_streamed_dp2_resumed_at_dp4_trains_each_sample_once(runs):
     data_file = run.parent / "chats.jsonl"
     _assert_epochs_once(trained, 1, [f"{data_file}[{record}]" for record in range(STREAMED_SAMPLES)],
                         "streamed DP 2 -> 4")
+
+
+def test_the_distributed_optimizer_is_the_default_and_trains_and_resumes_like_the_plain_one(runs):
+    """DP 2 -> 4 with the defaults (distributed optimizer, overlapped reduce) and the overlapped gather against
+    the same chain with all three off: losses and grad norms of steps 1-4 within 1e-6 relative, and the step-4
+    checkpoint's weights and Adam moments alike."""
+    sharded, plain = runs["dp2-4"], runs["plain-dp2-4"]
+    assert DEFAULT_DP in (sharded / "console.txt").read_text()
+    assert "data parallel: plain (all-reduce, after the backward)" in (plain / "console.txt").read_text()
+    assert len(losses(sharded)) == 4
+    assert_close_relative(losses(sharded), losses(plain), 1e-6, "losses, distributed optimizer vs plain")
+    assert_close_relative(grad_norms(sharded), grad_norms(plain), 1e-6, "grad norms, distributed optimizer vs plain")
+    differences = checkpoint_differences(sharded, plain)
+    moments = {k: v for k, v in differences.items() if k.startswith("optimizer.state.exp_avg")}
+    weights = {k: v for k, v in differences.items() if not k.startswith("optimizer.")}
+    worst_moment, worst_weight = max(moments, key=moments.get), max(weights, key=weights.get)
+    print(f"step 4 after DP 2 -> 4: Adam moments {moments[worst_moment]:.1e} ({worst_moment}), weights "
+          f"{weights[worst_weight]:.1e} ({worst_weight}); worst relative difference, asserted <= 1e-5")
+    assert moments[worst_moment] <= 1e-5 and weights[worst_weight] <= 1e-5

@@ -6,7 +6,8 @@ relative (fp32) for 2 steps:
 
     job                                 ranks  covers
     tp2-dp2-sp-distributed-opt-balanced   4    TP 2, DP 2, sequence parallel, distributed optimizer
-                                               (overlapped grad reduce), balancing on (plans applied)
+                                               (overlapped grad reduce and param gather), balancing on
+                                               (plans applied)
     tp4-vision-tp2-sp-recompute           4    TP 4, vision TP 2 below language TP 4, sequence parallel,
                                                activation recompute
     pp2-tp2                               4    PP 2, TP 2 without sequence parallelism
@@ -78,6 +79,7 @@ LAYOUTS = {
                                                 "parallel.sequence_parallel=true",
                                                 "parallel.use_distributed_optimizer=true",
                                                 "parallel.overlap_grad_reduce=true",
+                                                "parallel.overlap_param_gather=true",
                                                 "balance.enabled=true", "balance.threshold=0")),
     "tp4-vision-tp2-sp-recompute": (4, ("parallel.tensor_model_parallel_size=4",
                                         "parallel.vision_tensor_model_parallel_size=2",

@@ -7,6 +7,9 @@ packed sequences, so loongforge supplies its own through the layer spec:
 - ``SDPACoreAttention``: torch ``scaled_dot_product_attention`` per packed segment. Runs anywhere;
   the CPU path and the numerical reference.
 - ``FlashCoreAttention``: flash-attn's varlen kernel (GPU, imported only when used).
+- ``VarlenCoreAttention``: torch's own varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10,
+  CUDA): one call over a packed row, for GPUs without flash-attn. Its arguments (``VarlenArguments``)
+  come from the same function on every path, so a CPU test can check the mask they describe.
 
 ``loongforge.models.layers.layer_backend`` picks one (or Transformer Engine's) from ``model.layer_backend``.
 
@@ -282,11 +285,8 @@ class FlashCoreAttention(_CoreAttentionBase):
         """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd]: one varlen call over the row's segments."""
         from flash_attn import flash_attn_varlen_func  # lazy: optional, only for attention_backend=flash
 
-        cu_seqlens = packed_seq_params.cu_seqlens_q.to(torch.int32)
-        max_seqlen = packed_seq_params.max_seqlen_q
-        if max_seqlen is None:
-            max_seqlen = int((cu_seqlens[1:] - cu_seqlens[:-1]).max())
-        return flash_attn_varlen_func(q, k, v, cu_seqlens, cu_seqlens, max_seqlen, max_seqlen,
+        arguments = packed_varlen_arguments(packed_seq_params)
+        return flash_attn_varlen_func(q, k, v, arguments.cu_q, arguments.cu_k, arguments.max_q, arguments.max_k,
                                       dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
                                       causal=causal)
 
@@ -306,14 +306,75 @@ class FlashCoreAttention(_CoreAttentionBase):
         from flash_attn import flash_attn_varlen_func  # lazy: optional, only for attention_backend=flash
 
         k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
-        chunks = context_chunks(cu_seqlens, self.cp_group.size(), self.cp_group.rank())
-        key_rows = torch.cat([torch.arange(c.key_start, c.key_start + c.key_length) for c in chunks]).to(q.device)
-        cu_q = _cumulative([c.length for c in chunks], q.device)
-        cu_k = _cumulative([c.key_length for c in chunks], q.device)
+        arguments = context_varlen_arguments(cu_seqlens, self.cp_group.size(), self.cp_group.rank(), q.device)
         return flash_attn_varlen_func(
-            q, k_row[key_rows], v_row[key_rows], cu_q, cu_k, max(c.length for c in chunks),
-            max(c.key_length for c in chunks), dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
+            q, k_row[arguments.key_rows], v_row[arguments.key_rows], arguments.cu_q, arguments.cu_k,
+            arguments.max_q, arguments.max_k, dropout_p=self._active_dropout(), softmax_scale=self.softmax_scale,
             causal=True)  # [t/CP, np, hd]
+
+
+@dataclass(frozen=True)
+class VarlenArguments:
+    """What a varlen kernel takes besides q, k, v: query segment i (rows ``cu_q[i]:cu_q[i+1]`` of q)
+    attends key segment i (rows ``cu_k[i]:cu_k[i+1]`` of the keys given), causal with the diagonal at
+    the bottom right (the last query sees the last key). ``key_rows``: the row positions of the keys
+    to give, in order (None: k and v as they are)."""
+
+    cu_q: torch.Tensor  # [n + 1] int32
+    cu_k: torch.Tensor  # [n + 1] int32
+    max_q: int
+    max_k: int
+    key_rows: Optional[torch.Tensor] = None  # [sum of key lengths] long
+
+
+def packed_varlen_arguments(packed_seq_params: PackedSeqParams) -> VarlenArguments:
+    """A packed row (no CP): each segment (sample with its own padding; the row's padding tail is a
+    segment of its own) attends itself, in one call: cu_seqlens as they are, no grouping by length.
+    The longest segment as ``train.step`` gave it (read from the device only where it did not: a sync)."""
+    cu = packed_seq_params.cu_seqlens_q.to(torch.int32)  # [n_segments + 1]
+    longest = packed_seq_params.max_seqlen_q
+    if longest is None:
+        longest = int((cu[1:] - cu[:-1]).max())
+    return VarlenArguments(cu, cu, longest, longest)
+
+
+def context_varlen_arguments(cu_seqlens: torch.Tensor, cp_size: int, cp_rank: int, device) -> VarlenArguments:
+    """This CP rank's query chunks (``context_chunks``) as query segments, and as key segments the
+    gathered row's keys each chunk sees: its sample's start up to the chunk's end."""
+    chunks = context_chunks(cu_seqlens, cp_size, cp_rank)
+    key_rows = torch.cat([torch.arange(c.key_start, c.key_start + c.key_length) for c in chunks]).to(device)
+    return VarlenArguments(_cumulative([c.length for c in chunks], device),
+                           _cumulative([c.key_length for c in chunks], device),
+                           max(c.length for c in chunks), max(c.key_length for c in chunks), key_rows)
+
+
+class VarlenCoreAttention(SDPACoreAttention):
+    """torch's varlen attention (``torch.nn.attention.varlen.varlen_attn``, torch >= 2.10; CUDA,
+    fp16/bf16): packed rows in one call, CP shards in one call. Batched [s, b] inputs (with masks) stay
+    SDPA's."""
+
+    def _packed(self, q, k, v, packed_seq_params: PackedSeqParams, causal: bool) -> torch.Tensor:
+        """q [t, np, hd], k/v [t, ng, hd] -> [t, np, hd]: one call over the row's segments (cu_seqlens
+        unchecked, as flash-attn's: reading them back would stop the GPU at every layer)."""
+        return self._varlen(q, k, v, packed_varlen_arguments(packed_seq_params), causal)
+
+    def _context_parallel(self, q, k, v, cu_seqlens: torch.Tensor) -> torch.Tensor:
+        """q [t/CP, np, hd], k/v [t/CP, ng, hd] of this CP rank -> [t/CP, np, hd]."""
+        k_row, v_row = _gathered_keys_values(k, v, cu_seqlens, self.cp_group)  # [t, ng, hd] each
+        arguments = context_varlen_arguments(cu_seqlens, self.cp_group.size(), self.cp_group.rank(), q.device)
+        return self._varlen(q, k_row[arguments.key_rows], v_row[arguments.key_rows], arguments, True)
+
+    def _varlen(self, q, k, v, arguments: VarlenArguments, causal: bool) -> torch.Tensor:
+        if self._active_dropout():
+            raise ValueError("torch's varlen attention has no dropout; set the attention dropout to 0 or use "
+                             "model.layer_backend=sdpa")
+        # lazy: torch >= 2.10 only (the project supports 2.6); layer_backend picks varlen where it imports
+        from torch.nn.attention.varlen import varlen_attn
+
+        divide(q.shape[1], k.shape[1])  # raises unless the groups divide the heads
+        return varlen_attn(q, k, v, arguments.cu_q, arguments.cu_k, arguments.max_q, arguments.max_k,
+                           scale=self.softmax_scale, window_size=(-1, 0) if causal else (-1, -1),
+                           enable_gqa=k.shape[1] != q.shape[1])  # [t, np, v_hd]
 
 
 def _cumulative(lengths: list[int], device) -> torch.Tensor:

@@ -7,9 +7,11 @@
   attention. CUDA and ``transformer_engine`` only.
 - ``flash``: megatron-core's local (plain torch) linears with flash-attn's varlen kernel per packed
   segment. CUDA, ``flash_attn`` and fp16/bf16 only (its kernels take no fp32).
+- ``varlen``: local linears with torch's own varlen kernel (``torch.nn.attention.varlen``, torch >= 2.10),
+  one call per packed row. CUDA and fp16/bf16 only: the fast path where flash-attn does not install.
 - ``sdpa``: local linears with torch SDPA per packed segment. Runs anywhere; the CPU path and the
   numerical reference.
-- ``auto``: ``te`` where it can run, else ``flash`` where it can, else ``sdpa``. Never a kernel that
+- ``auto``: ``te`` where it can run, else ``flash``, else ``varlen``, else ``sdpa``. Never a kernel that
   cannot run the device and dtype.
 
 ``model.language.moe.experts`` selects the routed experts' module the same way (``resolve_experts``):
@@ -43,14 +45,18 @@ from megatron.core.transformer.transformer_config import TransformerConfig
 from loongforge.config.errors import ConfigError
 from loongforge.config.language_parts import EXPERT_KINDS
 from loongforge.models.decoder import linear_attention
-from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention
+from loongforge.models.layers.attention import FlashCoreAttention, SDPACoreAttention, VarlenCoreAttention
 from loongforge.models.layers.grouped_experts import GroupedExperts
 from loongforge.models.layers.initialization import SeededSequentialMLP
 
-LAYER_BACKENDS = ("auto", "te", "flash", "sdpa")
-_FLASH_DTYPES = (torch.float16, torch.bfloat16)
-_PACKAGES = {"te": "transformer_engine", "flash": "flash_attn"}
-_AUTO_ORDER = ("te", "flash", "sdpa")  # what auto takes: the first that can run
+LAYER_BACKENDS = ("auto", "te", "flash", "varlen", "sdpa")
+_FLASH_DTYPES = (torch.float16, torch.bfloat16)  # flash-attn's kernels and torch's varlen (flash inside)
+_PACKAGES = {"te": "transformer_engine", "flash": "flash_attn", "varlen": "torch.nn.attention.varlen"}
+# How to get each package where it is missing.
+_REMEDIES = {"te": "pip install 'loongforge[gpu]'", "flash": "pip install 'loongforge[gpu]'",
+             "varlen": "torch >= 2.10"}
+_AUTO_ORDER = ("te", "flash", "varlen", "sdpa")  # what auto takes: the first that can run
+_ATTENTION = {"flash": FlashCoreAttention, "varlen": VarlenCoreAttention, "sdpa": SDPACoreAttention}
 _EXPERT_MODULES = {"grouped": GroupedExperts, "sequential": SeededSequentialMLP}
 _EXPERTS_KEY = "model.language.moe.experts"
 
@@ -177,6 +183,7 @@ class BlockModules:
 _DESCRIPTIONS = {
     "te": "TE norm-linear, TE linears, TE attention",
     "flash": "local norm-linear and linears, flash-attn varlen attention",
+    "varlen": "local norm-linear and linears, torch varlen attention per packed row",
     "sdpa": "local norm-linear and linears, torch SDPA attention per packed segment",
 }
 
@@ -205,12 +212,12 @@ def _unusable_reason(backend: str, device: torch.device, dtype: torch.dtype) -> 
     package = _PACKAGES[backend]
     problem = _import_problem(package)
     if problem == "not installed":
-        return f"needs the {package} package (pip install 'loongforge[gpu]')"
+        return f"needs the {package} package ({_REMEDIES[backend]})"
     if problem is not None:
         return f"needs the {package} package, which is {problem}"
-    if backend == "flash" and dtype not in _FLASH_DTYPES:
+    if backend in ("flash", "varlen") and dtype not in _FLASH_DTYPES:
         return (f"needs fp16 or bf16 weights, not {str(dtype).removeprefix('torch.')} "
-                "(flash-attn kernels have no fp32; set training.precision=bf16)")
+                "(flash attention kernels have no fp32; set training.precision=bf16)")
     return None
 
 
@@ -277,10 +284,9 @@ def block_modules(backend: str, device: torch.device | str = "cpu", *,
 
         return BlockModules("te", TELayerNormColumnParallelLinear, TEColumnParallelLinear,
                             TERowParallelLinear, TEDotProductAttention, rule, experts)
-    if backend in ("flash", "sdpa"):
-        attention = FlashCoreAttention if backend == "flash" else SDPACoreAttention
+    if backend in _ATTENTION:
         return BlockModules(backend, RMSNormColumnParallelLinear, ColumnParallelLinear,
-                            RowParallelLinear, attention, rule, experts)
+                            RowParallelLinear, _ATTENTION[backend], rule, experts)
     raise ValueError(f"unresolved layer backend {backend!r}; call resolve_layer_backend first")
 
 

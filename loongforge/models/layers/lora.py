@@ -90,8 +90,9 @@ _WEIGHT = ".weight"
 
 
 class LoraAdapter(torch.nn.Module):
-    """The low-rank update of one megatron linear (this rank's shard): ``update(x)`` is what is added
-    to the linear's output. ``parallel`` is "column" or "row"; ``row_parts`` [N_local] says which of
+    """The low-rank update of one megatron linear (this rank's shard): ``adapter(x)`` is what is added
+    to the linear's output (called as a module, so that hooks on it run: megatron's overlapped param
+    gather waits for a bucket's weights in the forward pre-hook of the module that owns them). ``parallel`` is "column" or "row"; ``row_parts`` [N_local] says which of
     the ``parts`` fused parts each output row of a column-parallel linear belongs to (None: one part).
     ``communicates``: TP > 1 and the linear does its own TP communication (an expert's does not)."""
 
@@ -111,7 +112,7 @@ class LoraAdapter(torch.nn.Module):
         """B as the block matrix [N_local, P*r] whose row n holds B's row n in its part's r columns."""
         return block_b(self.B, self.part_mask)  # [N_local, P*r]
 
-    def update(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor) -> Tensor:
         """column: x [s(/tp), b, K] -> [s, b, N/tp]; row: x [s, b, K/tp] -> [s(/tp), b, N]."""
         # The dropout draws from the default generator, seeded alike on every rank (train.runner):
         # without sequence parallelism the TP ranks of a column-parallel linear see the same tokens
@@ -147,13 +148,13 @@ def _column_impl(original, adapter: LoraAdapter, *args, **kwargs) -> Tensor:
     """A column-parallel linear's ``_forward_impl`` plus the update: it gets the linear's input after
     a fused pre-norm and before the sequence-parallel gather, as the base GEMM does."""
     x = kwargs["input"] if "input" in kwargs else args[0]
-    return original(*args, **kwargs) + adapter.update(x)
+    return original(*args, **kwargs) + adapter(x)
 
 
 def _row_forward(original, adapter: LoraAdapter, input_: Tensor):
     """A row-parallel linear's ``forward`` plus the update, after the base's output reduction."""
     output, bias = original(input_)
-    return output + adapter.update(input_), bias
+    return output + adapter(input_), bias
 
 
 # ---------------------------------------------------------------------------------------------
