@@ -16,6 +16,7 @@ from typing import Optional
 
 from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
 from loongforge.config.language_parts import SlidingWindowConfig
+from loongforge.config.preference import PreferenceConfig
 from loongforge.config.vision_parts import AnyresConfig, WindowAttentionConfig
 
 
@@ -517,5 +518,8 @@ class RunConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Preference training (DPO, IPO, hinge, SimPO, ORPO on chosen/rejected pairs; config.preference);
+    # null: SFT.
+    preference: Optional[PreferenceConfig] = None
     # Name of the preset this config was composed from (informational).
     preset: Optional[str] = None

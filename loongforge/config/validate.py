@@ -847,6 +847,18 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
     return []
 
 
+def _check_preference(cfg: RunConfig) -> list[str]:
+    """``preference.*`` (``config.preference``): the section's own checks, and pairs to read."""
+    preference = cfg.preference
+    if preference is None:
+        return []
+    errors = preference.problems()
+    if cfg.data.source != "files":
+        errors.append(f"preference.loss={preference.loss} trains on chosen/rejected pairs read from data.paths, and "
+                      f"data.source={cfg.data.source} has none; set data.source=files and data.paths=[pairs.json].")
+    return errors
+
+
 def _check_optimizer(cfg: RunConfig) -> list[str]:
     optimizer = cfg.optimizer
     if optimizer.min_lr > optimizer.lr:
@@ -873,7 +885,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
                + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
-            + _check_lora(cfg))
+            + _check_lora(cfg) + _check_preference(cfg))
 
 
 def validate(cfg: RunConfig, world_size: int | None = None,

@@ -470,3 +470,28 @@ def test_a_towers_whole_width_q_k_norms_split_over_vision_tp_beside_per_head_one
         load_run_config("internvl3.5-tiny", overrides=split)
     whole = load_run_config("internvl3.5-tiny", overrides=[*split, "parallel.vision_tensor_model_parallel_size=1"])
     assert whole.model.vision.qk_norm and whole.parallel.vision_tensor_model_parallel_size == 1
+
+
+def test_preference_section_switches_on_with_one_key_and_checks_each_key_with_the_fix():
+    files = ("data.source=files", "data.paths=[pairs.json]")
+    assert load_run_config("llm-tiny").preference is None  # null: SFT
+    dpo = load_run_config("llm-tiny", overrides=[*files, "preference.loss=sigmoid"]).preference
+    assert (dpo.loss, dpo.beta, dpo.reference, dpo.rpo_alpha, dpo.label_smoothing) == ("sigmoid", 0.1, None, 0.0, 0.0)
+    (name,) = errors_for(*files, "preference.loss=simpoo", preset="llm-tiny")
+    assert name == ("preference.loss='simpoo' is not one of sigmoid | ipo | hinge | simpo | orpo; did you mean "
+                    "'simpo'? set preference.loss to one of those (sigmoid is DPO).")
+    beta, smoothing, alpha = errors_for(*files, "preference.beta=0", "preference.label_smoothing=0.5",
+                                        "preference.rpo_alpha=-1", preset="llm-tiny")
+    assert beta.startswith("preference.beta=0.0 must be positive") and alpha.startswith("preference.rpo_alpha=-1.0")
+    assert smoothing.startswith("preference.label_smoothing=0.5 must be in [0, 0.5)")
+    smoothed, orpo_alpha, reference = errors_for(*files, "preference.loss=orpo", "preference.label_smoothing=0.1",
+                                                 "preference.rpo_alpha=1", "preference.reference=/ref",
+                                                 preset="llm-tiny")
+    assert smoothed.endswith("applies to sigmoid and simpo only, and preference.loss=orpo; set "
+                             "preference.label_smoothing=0.")
+    assert orpo_alpha.endswith("ORPO adds the chosen NLL at weight 1 itself; set preference.rpo_alpha=0.")
+    assert reference.endswith("which is reference-free; set preference.reference=null.")
+    (gamma,) = errors_for(*files, "preference.loss=simpo", "preference.simpo_gamma=-1", preset="llm-tiny")
+    assert gamma.startswith("preference.simpo_gamma=-1.0 must not be negative")
+    (synthetic,) = errors_for("preference.loss=sigmoid", preset="llm-tiny")
+    assert synthetic.endswith("data.source=synthetic has none; set data.source=files and data.paths=[pairs.json].")
