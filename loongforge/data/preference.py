@@ -31,7 +31,7 @@ from typing import Hashable, Union
 import numpy as np
 
 from loongforge.data.measure import MeasuredSample, SampleMeasurer
-from loongforge.data.packing import PackItem, padded_length
+from loongforge.data.packing import LookaheadPacker, PackItem, padded_length
 from loongforge.data.samples import PreferenceSample, Reject
 
 PAIR_SIDES = ("chosen", "rejected")
@@ -93,9 +93,31 @@ def measure_pair(measurer: SampleMeasurer, pair: PreferenceSample) -> Union[Meas
     return measured_pair
 
 
+class PairMeasurer:
+    """``SampleMeasurer``'s place in a row stream of pairs: ``measure`` gives a MeasuredPair or a Reject."""
+
+    def __init__(self, measurer: SampleMeasurer):
+        self.measurer = measurer
+        self.data_cfg = measurer.data_cfg
+
+    def measure(self, pair: PreferenceSample) -> Union[MeasuredPair, Reject]:
+        return measure_pair(self.measurer, pair)
+
+
 def pair_pack_item(key: Hashable, pair: MeasuredPair, sample_multiple: int = 1) -> PackItem[MeasuredPair]:
     """The pair as one packing unit: its two padded sides' tokens, never split."""
     return PackItem(key=key, length=pair.footprint(sample_multiple), payload=pair)
+
+
+def pack_pairs(items: list[PackItem[MeasuredPair]], seq_len: int) -> list[list[MeasuredPair]]:
+    """A step's pairs packed into rows of ``seq_len`` tokens, first fit in their order (the packer's, with
+    every pair in view): every pair of the step in exactly one row, whole."""
+    packer: LookaheadPacker[MeasuredPair] = LookaheadPacker(seq_len, lookahead=max(len(items), 1))
+    stream = iter(items)
+    rows = []
+    while row := packer.next_row(lambda: next(stream, None)):
+        rows.append([item.payload for item in row])
+    return rows
 
 
 def row_pair_segments(pairs: list[MeasuredPair]) -> list[MeasuredSample]:

@@ -58,8 +58,11 @@ class RecordReading:
             raise ValueError(f"record kind {self.kind!r} is not one of {', '.join(RECORD_KINDS)}")
 
 
-def reading_for(data_cfg) -> RecordReading:
-    """The RecordReading a run's ``DataConfig`` asks for."""
+def reading_for(data_cfg, *, pairs: bool = False) -> RecordReading:
+    """The RecordReading a run's ``DataConfig`` asks for; ``pairs``: preference training's (every record
+    a chosen/rejected pair)."""
+    if pairs:
+        return PREFERENCE_READING
     return RecordReading(kind=data_cfg.record_kind, caption_prompt=data_cfg.caption_prompt)
 
 

@@ -495,3 +495,12 @@ def test_preference_section_switches_on_with_one_key_and_checks_each_key_with_th
     assert gamma.startswith("preference.simpo_gamma=-1.0 must not be negative")
     (synthetic,) = errors_for("preference.loss=sigmoid", preset="llm-tiny")
     assert synthetic.endswith("data.source=synthetic has none; set data.source=files and data.paths=[pairs.json].")
+
+
+def test_preference_refuses_what_it_does_not_train_with_yet_naming_the_setting():
+    files = ("data.source=files", "data.paths=[pairs.json]", "preference.loss=sigmoid")
+    lora, vision = errors_for(*files, "lora.rank=8")
+    assert vision.endswith("does not train with a vision tower yet; choose a text model's preset (model.vision: null).")
+    assert lora == "preference.loss=sigmoid does not train with lora.rank > 0 yet; set lora.rank=0."
+    (world,) = errors_for(*files, world_size=2, preset="llm-tiny")
+    assert world.endswith("trains at one process, and this launch has 2; launch one process (parallel.world_size=1).")
