@@ -88,10 +88,19 @@ def step_counts(micro_batches: list[dict], settings: PreferenceConfig) -> StepCo
     return StepCounts(pairs=sum(batch["num_pairs"] for batch in micro_batches), nll_tokens=tokens)
 
 
-def _model_inputs(batch: dict) -> dict:
+def _model_inputs(batch: dict, head_mask: torch.Tensor) -> dict:
+    """The model's keyword arguments; ``head_mask`` [1, T]: where it runs the LM head (the tokens whose
+    log-probs are read; elsewhere the per-token loss is 0)."""
     return dict(input_ids=batch["input_ids"], position_ids=batch["position_ids"], labels=batch["labels"],
                 packed_seq_params=packed_seq_params(batch["cu_seqlens"]), media=batch.get("media"),
-                loss_mask=batch["loss_mask"], padding_mask=batch.get("padding_mask"))
+                loss_mask=head_mask, padding_mask=batch.get("padding_mask"))
+
+
+def head_mask(batch: dict, settings: PreferenceConfig) -> torch.Tensor:
+    """float [1, T]: the completions, and for orpo also the chosen sides' prompts (its NLL's tokens)."""
+    if settings.loss == "orpo":
+        return torch.maximum(batch["loss_mask"], sequence_mask(batch))
+    return batch["loss_mask"]
 
 
 def make_preference_forward_step(device: torch.device, reference: Optional[list], settings: PreferenceConfig,
@@ -101,11 +110,11 @@ def make_preference_forward_step(device: torch.device, reference: Optional[list]
 
     def forward_step(data_iterator, model):
         batch = to_device(next(data_iterator), device)
-        output = model(**_model_inputs(batch))  # [1, T] per-token -log p
+        output = model(**_model_inputs(batch, head_mask(batch, settings)))  # [1, T] per-token -log p
         reference_logps = None
         if reference is not None:
             with torch.no_grad():
-                reference_logps = -reference[0](**_model_inputs(batch)).detach()
+                reference_logps = -reference[0](**_model_inputs(batch, batch["loss_mask"])).detach()
         return output, partial(_preference_loss, batch, reference_logps, settings, counts)
 
     return forward_step
