@@ -375,7 +375,8 @@ class TrainingConfig:
     exit_at_step: Optional[int] = None
     # Packed rows (of data.seq_len tokens each) per optimizer step over all data-parallel ranks.
     # One micro-batch is one packed row, as packed (THD) training runs; micro-batches per rank per
-    # step = global_batch_size / DP.
+    # step = global_batch_size / DP. Preference training (``preference``): chosen/rejected pairs per
+    # step, packed whole into as many rows as they take.
     global_batch_size: int = 8
     seed: int = 1234
     # "bf16" or "fp32"; on GPU the default bf16 is what users run.

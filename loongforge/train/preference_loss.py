@@ -215,3 +215,40 @@ def preference_loss(logps: PairLogps, settings: PreferenceConfig, *, nll: Option
     return PreferenceLoss(loss=loss, per_pair=per_pair, metric_sums=metric_sums, num_pairs=logps.num_pairs,
                           nll_sum=None if nll_sum is None else nll_sum.detach(),
                           nll_tokens=None if nll_tokens is None else nll_tokens)
+
+
+# ------------------------------------------------------------------------ KTO (unpaired)
+
+
+@dataclass
+class KtoTerms:
+    """KTO's loss over a batch of unpaired examples (TRL's ``KTOTrainer``, loss_type "kto"), and its metrics."""
+
+    loss: torch.Tensor  # scalar: the mean over the examples of the weighted per-example losses
+    kl: torch.Tensor  # scalar: the batch's KL estimate, detached, clamped at 0
+    metrics: dict[str, float]
+
+
+def kto_loss(logps: torch.Tensor, ref_logps: torch.Tensor, desirable: torch.Tensor, kl_logps: torch.Tensor,
+             ref_kl_logps: torch.Tensor, *, beta: float, desirable_weight: float = 1.0,
+             undesirable_weight: float = 1.0) -> KtoTerms:
+    """Eq. (7) of the KTO paper as TRL writes it. ``logps`` / ``ref_logps`` [N]: each example's summed
+    completion log-probs under the policy and the reference; ``desirable`` bool [N] (``kto_tag``);
+    ``kl_logps`` / ``ref_kl_logps`` [N]: the same for mismatched prompt/completion pairs, whose mean
+    difference (no gradient, at least 0) is the reference point z0. Desirable examples lose
+    1 - sigma(beta (logratio - z0)), undesirable ones 1 - sigma(beta (z0 - logratio)), weighted."""
+    kl = (kl_logps - ref_kl_logps).mean().detach().clamp(min=0)
+    logratios = logps - ref_logps  # [N]
+    chosen, rejected = logratios[desirable], logratios[~desirable]
+    losses = torch.cat([desirable_weight * (1 - torch.sigmoid(beta * (chosen - kl))),
+                        undesirable_weight * (1 - torch.sigmoid(beta * (kl - rejected)))])
+    metrics = {"kl": float(kl)}
+    if len(chosen):
+        metrics.update({"rewards/chosen": float(beta * chosen.detach().sum()) / len(chosen),
+                        "logps/chosen": float(logps[desirable].detach().sum()) / len(chosen)})
+    if len(rejected):
+        metrics.update({"rewards/rejected": float(beta * rejected.detach().sum()) / len(rejected),
+                        "logps/rejected": float(logps[~desirable].detach().sum()) / len(rejected)})
+    if len(chosen) and len(rejected):
+        metrics["rewards/margins"] = metrics["rewards/chosen"] - metrics["rewards/rejected"]
+    return KtoTerms(loss=losses.mean(), kl=kl, metrics=metrics)

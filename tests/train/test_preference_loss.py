@@ -18,9 +18,10 @@ import torch
 from trl.experimental.cpo import CPOTrainer
 from trl.experimental.orpo import ORPOTrainer
 from trl.trainer.dpo_trainer import DPOTrainer
+from trl.trainer.kto_trainer import KTOTrainer
 
 from loongforge.config.preference import PreferenceConfig
-from loongforge.train.preference_loss import NllTerm, PairLogps, preference_loss
+from loongforge.train.preference_loss import NllTerm, PairLogps, kto_loss, preference_loss
 
 PAIRS, LENGTH = 6, 24
 TOLERANCE = 1e-6
@@ -202,3 +203,35 @@ def test_step_denominators_make_micro_batch_losses_add_up_to_the_step_loss():
         shares += float(preference_loss(logps, settings, nll=nll, step_pairs=PAIRS,
                                         step_nll_tokens=float(counts[:PAIRS].sum())).loss)
     assert abs(shares - whole) < 1e-12
+
+
+@pytest.mark.parametrize("weights", [(1.0, 1.0), (1.0, 1.33)])
+def test_kto_equals_kto_trainer(weights):
+    """KTO on unpaired examples (5 desirable, 4 undesirable) with the mismatched pairs' KL estimate:
+    KTOTrainer._compute_loss on a stand-in trainer and model, its weights applied."""
+    generator = torch.Generator().manual_seed(19)
+    count, length = 9, 20
+    mask = torch.zeros(count, length, dtype=torch.long)
+    mask[:, 6:6 + 10] = 1
+    per_token = -torch.rand(count, length - 1, generator=generator, dtype=torch.float64) * 2 * mask[:, 1:]
+    ref = per_token.sum(1) + torch.linspace(-3, 3, count, dtype=torch.float64)
+    kl_logps = -torch.rand(count, generator=generator, dtype=torch.float64) * 20
+    ref_kl_logps = kl_logps - 0.5 + torch.rand(count, generator=generator, dtype=torch.float64)
+    labels = torch.tensor([1, 0, 1, 1, 0, 1, 0, 0, 1], dtype=torch.bool)
+    outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
+                              mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token).bool())
+    trainer = SimpleNamespace(
+        model=SimpleNamespace(training=True), accelerator=_Identity(), aux_loss_enabled=False,
+        _compute_kl_logps=lambda model, batch: kl_logps, precompute_ref_logps=True, calculate_KL=True,
+        loss_type="kto", beta=0.4, desirable_weight=weights[0], undesirable_weight=weights[1],
+        _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)
+    batch = {"input_ids": torch.zeros_like(mask), "attention_mask": torch.ones_like(mask), "completion_mask": mask,
+             "label": labels, "ref_logps": ref, "ref_KL_logps": ref_kl_logps}
+    theirs = float(KTOTrainer._compute_loss(trainer, lambda **_: outputs, batch, False))
+    ours = kto_loss(per_token.sum(1), ref, labels, kl_logps, ref_kl_logps, beta=0.4, desirable_weight=weights[0],
+                    undesirable_weight=weights[1])
+    gaps = [abs(float(ours.loss) - theirs)] + [abs(ours.metrics[name] - trainer._metrics["train"][name][0])
+                                               for name in ("kl", *METRICS) if name != "rewards/accuracies"]
+    print(f"kto weights {weights}: loss {float(ours.loss):.6f} (TRL {theirs:.6f}), kl {ours.metrics['kl']:.4f}, "
+          f"largest gap {max(gaps):.1e}")
+    assert max(gaps) <= TOLERANCE and ours.metrics["kl"] > 0
