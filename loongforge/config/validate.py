@@ -848,8 +848,8 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
 
 
 # What preference training runs with so far: one process of a text model, reading data.paths whole.
-# The layouts, LoRA's reference (the base with adapters off), streaming, balancing, validation sets and
-# vision-language pairs are issue 55's next parts; each is refused here naming the setting that runs.
+# The layouts, LoRA's reference (the base with adapters off), streaming, balancing, validation sets,
+# vision-language pairs and MoE / MTP models are issue 55's next parts; each is refused here naming the setting that runs.
 _PREFERENCE_SETTINGS = (
     (lambda cfg: cfg.lora.rank == 0, "lora.rank > 0", "set lora.rank=0"),
     (lambda cfg: not cfg.data.streaming, "data.streaming=true", "set data.streaming=false"),
@@ -857,6 +857,10 @@ _PREFERENCE_SETTINGS = (
     (lambda cfg: not cfg.data.valid_paths and not cfg.data.valid_fraction, "validation sets",
      "set data.valid_paths=[] and data.valid_fraction=0"),
     (lambda cfg: cfg.model.vision is None, "a vision tower", "choose a text model's preset (model.vision: null)"),
+    # The router's balance loss and MTP's losses are weighted by the SFT step's token counts (train.step).
+    (lambda cfg: cfg.model.language.moe is None, "mixture-of-experts layers",
+     "choose a dense model's preset (model.language.moe: null)"),
+    (lambda cfg: cfg.model.language.mtp_num_layers == 0, "multi-token prediction", "set model.language.mtp_num_layers=0"),
 )
 
 

@@ -502,5 +502,8 @@ def test_preference_refuses_what_it_does_not_train_with_yet_naming_the_setting()
     lora, vision = errors_for(*files, "lora.rank=8")
     assert vision.endswith("does not train with a vision tower yet; choose a text model's preset (model.vision: null).")
     assert lora == "preference.loss=sigmoid does not train with lora.rank > 0 yet; set lora.rank=0."
+    (moe,) = errors_for(*files, preset="qwen3-moe-tiny")
+    assert moe.endswith("does not train with mixture-of-experts layers yet; choose a dense model's preset "
+                        "(model.language.moe: null).")
     (world,) = errors_for(*files, world_size=2, preset="llm-tiny")
     assert world.endswith("trains at one process, and this launch has 2; launch one process (parallel.world_size=1).")
