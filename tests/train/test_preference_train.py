@@ -6,7 +6,8 @@ The reference computation is independent of loongforge's model and data code: TR
 loaded from the same HF folders give the per-token log-probs, and TRL's own loss code
 (``DPOTrainer._compute_loss``, ``ORPOTrainer.odds_ratio_loss``) turns them into the loss and metrics.
 The policy differs from the reference (a perturbed copy), so the rewards are not zero; the step's four
-pairs fill two packed rows, so the loss is normalised over micro-batches as it must be.
+pairs fill two packed rows, so the step's gradient (its norm, against transformers' autograd through TRL's
+loss) shows the loss normalised over micro-batches as it must be.
 """
 
 from __future__ import annotations
@@ -86,12 +87,20 @@ def _trl_inputs(pairs: Path) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     return ids, attention, completion
 
 
-def _token_logps(folder: Path, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
-    """float64 [2P, L-1]: log p of each next token under the transformers model of ``folder``."""
-    model = transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
-    with torch.no_grad():
-        logits = model(input_ids=ids, attention_mask=attention).logits.double()  # [2P, L, V]
+def _token_logps(model, ids: torch.Tensor, attention: torch.Tensor) -> torch.Tensor:
+    """float64 [2P, L-1]: log p of each next token under the transformers ``model``."""
+    logits = model(input_ids=ids, attention_mask=attention).logits.double()  # [2P, L, V]
     return torch.log_softmax(logits[:, :-1], -1).gather(-1, ids[:, 1:, None])[..., 0]
+
+
+def _hf_model(folder: Path):
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+
+
+def _grad_norm(model) -> float:
+    """The gradient's global 2-norm over every parameter (what the run logs before clipping)."""
+    return float(torch.linalg.vector_norm(torch.stack([p.grad.double().norm() for p in model.parameters()
+                                                        if p.grad is not None])))
 
 
 class _Identity:
@@ -105,7 +114,7 @@ class _Identity:
 
 
 def _trl_dpo(loss_type: str, rpo_alpha: float, policy: torch.Tensor, reference: torch.Tensor,
-             completion: torch.Tensor) -> dict:
+             completion: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """DPOTrainer._compute_loss on the transformers models' log-probs (a stand-in trainer and model); with
     ``rpo_alpha`` TRL's RPO: loss_type [loss_type, "sft"], loss_weights [1, rpo_alpha]."""
     mask = completion[:, 1:].double()
@@ -123,10 +132,10 @@ def _trl_dpo(loss_type: str, rpo_alpha: float, policy: torch.Tensor, reference: 
     inputs = {"input_ids": torch.zeros_like(completion), "attention_mask": torch.ones_like(completion),
               "completion_mask": completion, "ref_chosen_logps": ref[:pairs], "ref_rejected_logps": ref[pairs:]}
     loss = DPOTrainer._compute_loss(trainer, lambda **_: outputs, inputs, False)
-    return {"loss": float(loss), **{name: trainer._metrics["train"][name][0] for name in METRICS}}
+    return {"loss": float(loss), **{name: trainer._metrics["train"][name][0] for name in METRICS}}, loss
 
 
-def _trl_orpo(policy: torch.Tensor, attention: torch.Tensor, completion: torch.Tensor) -> dict:
+def _trl_orpo(policy: torch.Tensor, attention: torch.Tensor, completion: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """ORPOTrainer's loss: the chosen sequences' NLL (prompt and answer) minus odds_ratio_loss's mean."""
     mask = completion[:, 1:].double()
     sums, tokens = (policy * mask).sum(1), mask.sum(1)
@@ -137,12 +146,13 @@ def _trl_orpo(policy: torch.Tensor, attention: torch.Tensor, completion: torch.T
                                                                                  averages[pairs:])
     sequence = attention[:pairs, 1:].double()  # every predicted token of the chosen sequences
     nll = -(policy[:pairs] * sequence).sum() / sequence.sum()
-    return {"loss": float(nll - losses.mean()), "rewards/chosen": float(chosen_rewards.mean()),
+    loss = nll - losses.mean()
+    return {"loss": float(loss), "rewards/chosen": float(chosen_rewards.mean()),
             "rewards/rejected": float(rejected_rewards.mean()),
             "rewards/accuracies": float((chosen_rewards > rejected_rewards).float().mean()),
             "rewards/margins": float((chosen_rewards - rejected_rewards).mean()),
             "logps/chosen": float(sums[:pairs].mean()), "logps/rejected": float(sums[pairs:].mean()),
-            "nll_loss": float(nll)}
+            "nll_loss": float(nll)}, loss
 
 
 @pytest.mark.parametrize("loss, rpo_alpha", [("sigmoid", 0.5), ("orpo", 0.0)])
@@ -160,15 +170,21 @@ def test_step_one_equals_transformers_and_trl(tmp_path, folders, loss, rpo_alpha
               f"preference.rpo_alpha={rpo_alpha}", *reference_option, preset=PRESET, options=())
     row = json.loads((tmp_path / "metrics.jsonl").read_text().splitlines()[0])
     ids, attention, completion = _trl_inputs(pairs)
-    policy_logps = _token_logps(policy, ids, attention)
+    model = _hf_model(policy)
+    policy_logps = _token_logps(model, ids, attention)
     if loss == "orpo":
-        expected = _trl_orpo(policy_logps, attention, completion)
+        expected, loss_tensor = _trl_orpo(policy_logps, attention, completion)
     else:
-        expected = _trl_dpo(loss, rpo_alpha, policy_logps, _token_logps(reference, ids, attention), completion)
-    gaps = {name: abs(row[name] - value) for name, value in expected.items()}
+        with torch.no_grad():
+            reference_logps = _token_logps(_hf_model(reference), ids, attention)
+        expected, loss_tensor = _trl_dpo(loss, rpo_alpha, policy_logps, reference_logps, completion)
+    loss_tensor.backward()  # the step's gradient: its norm checks the normalisation over the two rows
+    expected["grad_norm"] = _grad_norm(model)
+    gaps = {name: abs(row[name] - value) / (1 if name != "grad_norm" else value) for name, value in expected.items()}
     print(f"{loss}: step 1 loss {row['loss']:.6f} (TRL {expected['loss']:.6f}), rewards/chosen "
-          f"{row['rewards/chosen']:.5f}, rewards/margins {row['rewards/margins']:.5f}; largest gap "
-          f"{max(gaps.values()):.1e} ({max(gaps, key=gaps.get)})")
+          f"{row['rewards/chosen']:.5f}, rewards/margins {row['rewards/margins']:.5f}, grad_norm {row['grad_norm']:.5f} "
+          f"(transformers {expected['grad_norm']:.5f}); largest gap {max(gaps.values()):.1e} "
+          f"({max(gaps, key=gaps.get)}; grad_norm's relative)")
     assert max(gaps.values()) <= TOLERANCE
     assert not math.isclose(row["loss"], math.log(2), abs_tol=1e-3)  # the reference is not the policy
     assert "nll_loss" in row and row["rewards/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)
