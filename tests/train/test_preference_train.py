@@ -188,3 +188,18 @@ def test_step_one_equals_transformers_and_trl(tmp_path, folders, loss, rpo_alpha
     assert max(gaps.values()) <= TOLERANCE
     assert not math.isclose(row["loss"], math.log(2), abs_tol=1e-3)  # the reference is not the policy
     assert "nll_loss" in row and row["rewards/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)
+
+
+def test_default_reference_is_the_starting_weights(tmp_path, folders):
+    """No preference.reference: the reference is a frozen copy of the starting weights (checkpoint.load_hf), so
+    step 1's DPO loss is exactly ln 2 with zero rewards, and the policy has moved from it by step 2."""
+    policy, _, pairs = folders
+    run_train(tmp_path, *MODEL, "data.seq_len=384", "training.global_batch_size=2", "training.train_steps=2",
+              "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_at_end=false",
+              "data.source=files", f"data.paths=[{pairs}]", "data.shuffle=false", f"checkpoint.load_hf={policy}",
+              "preference.loss=sigmoid", preset=PRESET, options=())
+    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:2])
+    print(f"default reference: step 1 loss {first['loss']!r} (ln 2 = {math.log(2)!r}), step 2 loss {second['loss']:.6f}, "
+          f"rewards/margins {second['rewards/margins']:.5f}")
+    assert abs(first["loss"] - math.log(2)) < 1e-12 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0
+    assert first["rewards/accuracies"] == 0.0 and second["rewards/chosen"] != 0.0
