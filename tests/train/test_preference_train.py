@@ -30,7 +30,7 @@ from loongforge.config.loader import load_run_config
 from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
 from tests.shared_data import SHARED_DATA
-from tests.train.conftest import random_hf_folder, run_train
+from tests.train.conftest import random_hf_folder, resume_from_copy, run_train
 
 PRESET = "llm-tiny"
 MODEL = ("model.language.num_layers=2",)
@@ -190,16 +190,23 @@ def test_step_one_equals_transformers_and_trl(tmp_path, folders, loss, rpo_alpha
     assert "nll_loss" in row and row["rewards/accuracies"] in (0.0, 0.25, 0.5, 0.75, 1.0)
 
 
-def test_default_reference_is_the_starting_weights(tmp_path, folders):
+def test_default_reference_is_the_starting_weights_and_a_resume_is_exact(tmp_path, folders):
     """No preference.reference: the reference is a frozen copy of the starting weights (checkpoint.load_hf), so
-    step 1's DPO loss is exactly ln 2 with zero rewards, and the policy has moved from it by step 2."""
+    step 1's DPO loss is exactly ln 2 with zero rewards. Resumed after step 1, the run reads its reference
+    from checkpoint.load_hf again and its data position from the checkpoint: step 2 is the same."""
     policy, _, pairs = folders
-    run_train(tmp_path, *MODEL, "data.seq_len=384", "training.global_batch_size=2", "training.train_steps=2",
-              "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_at_end=false",
-              "data.source=files", f"data.paths=[{pairs}]", "data.shuffle=false", f"checkpoint.load_hf={policy}",
-              "preference.loss=sigmoid", preset=PRESET, options=())
-    first, second = (json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()[:2])
-    print(f"default reference: step 1 loss {first['loss']!r} (ln 2 = {math.log(2)!r}), step 2 loss {second['loss']:.6f}, "
-          f"rewards/margins {second['rewards/margins']:.5f}")
+    options = (*MODEL, "data.seq_len=384", "training.global_batch_size=2", "training.train_steps=2",
+               "logging.progress_bar=false", "logging.tensorboard=false", "checkpoint.save_at_end=false",
+               "checkpoint.save_interval=1", "data.source=files", f"data.paths=[{pairs}]", "data.shuffle=false",
+               f"checkpoint.load_hf={policy}", "preference.loss=sigmoid")
+    run = tmp_path / "run"
+    run_train(run, *options, preset=PRESET, options=())
+    first, second = (json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()[:2])
+    resume_from_copy(run, tmp_path / "resumed", 1, *options, preset=PRESET, options=())
+    resumed = json.loads((tmp_path / "resumed" / "metrics.jsonl").read_text().splitlines()[1])
+    print(f"default reference: step 1 loss {first['loss']!r} (ln 2 = {math.log(2)!r}); step 2 loss {second['loss']:.8f}, "
+          f"resumed {resumed['loss']:.8f}")
     assert abs(first["loss"] - math.log(2)) < 1e-12 and first["rewards/chosen"] == first["rewards/rejected"] == 0.0
     assert first["rewards/accuracies"] == 0.0 and second["rewards/chosen"] != 0.0
+    assert all(resumed[name] == pytest.approx(second[name], rel=1e-9, abs=1e-12)
+               for name in ("loss", "grad_norm", *METRICS))
