@@ -94,7 +94,7 @@ def _token_logps(model, ids: torch.Tensor, attention: torch.Tensor) -> torch.Ten
 
 
 def _hf_model(folder: Path):
-    return transformers.AutoModelForCausalLM.from_pretrained(folder, torch_dtype=torch.float32).eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
 
 
 def _grad_norm(model) -> float:
