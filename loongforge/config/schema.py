@@ -16,6 +16,7 @@ from typing import Optional
 
 from loongforge.config.language_parts import LAYER_TYPES, LinearAttentionConfig, MLAConfig, MoEConfig, YarnConfig
 from loongforge.config.language_parts import SlidingWindowConfig, SparseAttentionConfig
+from loongforge.config.preference import PreferenceConfig
 from loongforge.config.vision_parts import AnyresConfig, WindowAttentionConfig
 
 
@@ -393,7 +394,8 @@ class TrainingConfig:
     exit_at_step: Optional[int] = None
     # Packed rows (of data.seq_len tokens each) per optimizer step over all data-parallel ranks.
     # One micro-batch is one packed row, as packed (THD) training runs; micro-batches per rank per
-    # step = global_batch_size / DP.
+    # step = global_batch_size / DP. Preference training (``preference``): chosen/rejected pairs per
+    # step, packed whole into as many rows as they take.
     global_batch_size: int = 8
     seed: int = 1234
     # "bf16" or "fp32"; on GPU the default bf16 is what users run.
@@ -542,5 +544,8 @@ class RunConfig:
     balance: BalanceConfig = field(default_factory=BalanceConfig)
     fp8: Fp8Config = field(default_factory=Fp8Config)
     lora: LoraConfig = field(default_factory=LoraConfig)
+    # Preference training (DPO, IPO, hinge, SimPO, ORPO on chosen/rejected pairs; config.preference);
+    # null: SFT.
+    preference: Optional[PreferenceConfig] = None
     # Name of the preset this config was composed from (informational).
     preset: Optional[str] = None

@@ -858,6 +858,41 @@ def _check_lora_experts(cfg: RunConfig) -> list[str]:
     return []
 
 
+# What preference training runs with so far: one process of a text model, reading data.paths whole.
+# The layouts, LoRA's reference (the base with adapters off), streaming, balancing, validation sets,
+# vision-language pairs and MoE / MTP models are issue 55's next parts; each is refused here naming the setting that runs.
+_PREFERENCE_SETTINGS = (
+    (lambda cfg: cfg.lora.rank == 0, "lora.rank > 0", "set lora.rank=0"),
+    (lambda cfg: not cfg.data.streaming, "data.streaming=true", "set data.streaming=false"),
+    (lambda cfg: not cfg.balance.enabled, "balance.enabled=true", "set balance.enabled=false"),
+    (lambda cfg: not cfg.data.valid_paths and not cfg.data.valid_fraction, "validation sets",
+     "set data.valid_paths=[] and data.valid_fraction=0"),
+    (lambda cfg: cfg.model.vision is None, "a vision tower", "choose a text model's preset (model.vision: null)"),
+    # The router's balance loss and MTP's losses are weighted by the SFT step's token counts (train.step).
+    (lambda cfg: cfg.model.language.moe is None, "mixture-of-experts layers",
+     "choose a dense model's preset (model.language.moe: null)"),
+    (lambda cfg: cfg.model.language.mtp_num_layers == 0, "multi-token prediction", "set model.language.mtp_num_layers=0"),
+)
+
+
+def _check_preference(cfg: RunConfig, world_size: int) -> list[str]:
+    """``preference.*`` (``config.preference``): the section's own checks, pairs to read, and the
+    settings preference training runs with (``_PREFERENCE_SETTINGS``)."""
+    preference = cfg.preference
+    if preference is None:
+        return []
+    errors = preference.problems()
+    if cfg.data.source != "files":
+        errors.append(f"preference.loss={preference.loss} trains on chosen/rejected pairs read from data.paths, and "
+                      f"data.source={cfg.data.source} has none; set data.source=files and data.paths=[pairs.json].")
+    if world_size != 1:
+        errors.append(f"preference.loss={preference.loss} trains at one process, and this launch has {world_size}; "
+                      f"launch one process (parallel.world_size=1).")
+    errors += [f"preference.loss={preference.loss} does not train with {what} yet; {fix}."
+               for holds, what, fix in _PREFERENCE_SETTINGS if not holds(cfg)]
+    return errors
+
+
 def _check_optimizer(cfg: RunConfig) -> list[str]:
     optimizer, parallel = cfg.optimizer, cfg.parallel
     errors = []
@@ -889,7 +924,7 @@ def check_run_config(cfg: RunConfig, world_size: int | None = None,
                + _check_vision_shape(cfg))
     errors += _check_parallel_layout(cfg, world, layout)
     return (errors + _check_data(cfg) + _check_optimizer(cfg) + _check_balance(cfg) + _check_fp8(cfg)
-            + _check_lora(cfg))
+            + _check_lora(cfg) + _check_preference(cfg, world))
 
 
 def validate(cfg: RunConfig, world_size: int | None = None,

@@ -17,7 +17,9 @@ folders of the relative path are dropped one by one until one exists.
 
 Other record kinds (pretraining ``text``, Alpaca, image-caption pairs, COCO captions files, ``.txt``
 files of one document per non-empty line) are recognised by their fields or set by
-``data.record_kind`` (``loongforge.data.record_kinds``); ``parse_record`` reads them all.
+``data.record_kind`` (``loongforge.data.record_kinds``); ``parse_record`` reads them all. A run with
+``preference.loss`` set reads every record as a chosen/rejected pair (``preference_fields``,
+``loongforge.data.preference``).
 
 ``FileSamples.get(i)`` never raises for bad data: it returns a ``Reject`` instead.
 """
@@ -44,7 +46,7 @@ from loongforge.data.record_kinds import (
     is_coco_captions,
     record_kind,
 )
-from loongforge.data.samples import ConversationSample, Reject, Sample, TextSample, sample_id_of
+from loongforge.data.samples import ConversationSample, PreferenceSample, Reject, Sample, TextSample, sample_id_of
 from loongforge.data.template import IMAGE_PLACEHOLDER, VIDEO_PLACEHOLDER, Turn
 from loongforge.data.vision import path_exists
 
@@ -77,6 +79,9 @@ def parse_record(record: Any, *, file: str, line: int, ordinal: int, media_root:
         kind = record_kind(record, reading)
         if kind == "text":
             return TextSample(sample_id=sample_id_of(file, ordinal), text=document_text(record), **where)
+        if kind == "preference":
+            return PreferenceSample(sample_id=sample_id_of(file, ordinal), **preference_fields(record, media_root),
+                                    **where)
         turns, images, videos = _kind_turns(record, kind, media_root, reading)
         _check_roles(turns)
         _check_answers(turns)
@@ -84,6 +89,54 @@ def parse_record(record: Any, *, file: str, line: int, ordinal: int, media_root:
     except RecordError as error:
         return Reject(reason=error.reason, detail=error.detail, **where)
     return ConversationSample(sample_id=sample_id_of(file, ordinal), turns=turns, images=images, videos=videos, **where)
+
+
+def preference_fields(record: dict, media_root: Path) -> dict:
+    """``PreferenceSample``'s prompt, answers and media from a LLaMA-Factory ranking record
+    (``conversations``/``messages`` + ``chosen`` + ``rejected``) or a ``prompt``/``chosen``/``rejected``
+    one (``data.preference``); each side checked as a conversation. RecordError on the first problem."""
+    if "chosen" not in record or "rejected" not in record:
+        fields = ", ".join(sorted(map(str, record))[:6]) or "none"
+        raise RecordError("malformed_json", f"a preference pair needs 'chosen' and 'rejected'; it has: {fields}")
+    if "prompt" in record and not ("conversations" in record or "messages" in record):
+        prompt = record["prompt"]
+        if isinstance(prompt, str):
+            turns, inline_images, inline_videos = [Turn("user", prompt)], [], []
+        else:
+            turns, inline_images, inline_videos = _parse_turns({"messages": prompt})
+    else:
+        turns, inline_images, inline_videos = _parse_turns(record)
+    system = record.get("system")
+    if isinstance(system, str) and system and turns[0].role != "system":
+        turns = [Turn("system", system), *turns]
+    answers = {side: _answer_text(record[side], side) for side in ("chosen", "rejected")}
+    images = _media_list(record, ("images", "image"), inline_images, media_root)
+    videos = _media_list(record, ("videos", "video"), inline_videos, media_root)
+    for answer in answers.values():
+        side = [*turns, Turn("assistant", answer)]
+        _check_roles(side)
+        _check_answers(side)
+        _check_media_counts(side, len(images), len(videos))
+    return {"prompt": turns, **answers, "images": images, "videos": videos}
+
+
+def _answer_text(value: Any, side: str) -> str:
+    """One side's answer: a string, one assistant message, or a list of exactly one."""
+    if isinstance(value, list):
+        if len(value) != 1:
+            raise RecordError("malformed_json", f"'{side}' holds {len(value)} messages, not one assistant answer")
+        value = value[0]
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, dict):
+        raise RecordError("malformed_json", f"'{side}' is {type(value).__name__}, not a message or a string")
+    raw_role = value.get("from", value.get("role", "assistant"))
+    if ROLE_ALIASES.get(raw_role) != "assistant":
+        raise RecordError("bad_roles", f"'{side}' is a {raw_role!r} message, not the assistant's")
+    text = _content_text(value.get("value", value.get("content")), 0, [], [])
+    if IMAGE_PLACEHOLDER in text or VIDEO_PLACEHOLDER in text:
+        raise RecordError("media_mismatch", f"'{side}' holds an image or video; media go in the prompt")
+    return text
 
 
 def _kind_turns(record: dict, kind: str, media_root: Path, reading: RecordReading) -> tuple[list[Turn], list, list]:

@@ -73,6 +73,7 @@ from loongforge.data.measure import (
 )
 from loongforge.data.packfile.reader import PackedFolder, PackedRowStream
 from loongforge.data.packing import LookaheadPacker, PackItem, rank_rows
+from loongforge.data.preference import MeasuredPair, PairMeasurer, pack_pairs, pair_pack_item, row_pair_segments
 from loongforge.data.redeal import DealtPositions, merged_rejects, redeal
 from loongforge.data.samples import Reject, RejectKey
 from loongforge.data.record_kinds import reading_for
@@ -92,25 +93,25 @@ from loongforge.parallel.data_groups import DataGroups, all_gather_objects, broa
 STATE_VERSION = 1
 
 
-def build_sample_source(data_cfg: DataConfig, text_only: bool = False, *,
-                        held_out: bool = False) -> Union[ArrowSamples, SyntheticSamples, SampleSubset]:
+def build_sample_source(data_cfg: DataConfig, text_only: bool = False, *, held_out: bool = False,
+                        pairs: bool = False) -> Union[ArrowSamples, SyntheticSamples, SampleSubset]:
     """``text_only``: the model has no vision tower (generated samples carry no images). With
     ``data.valid_fraction`` the training samples, or with ``held_out`` the validation samples
-    (``data.validation_data``)."""
-    source = _whole_source(data_cfg, text_only)
+    (``data.validation_data``). ``pairs``: every record a preference pair (``data.preference``)."""
+    source = _whole_source(data_cfg, text_only, pairs)
     if not data_cfg.valid_fraction:
         return source
     training, validation = split_held_out(source, data_cfg.valid_fraction, data_cfg.seed)
     return validation if held_out else training
 
 
-def _whole_source(data_cfg: DataConfig, text_only: bool) -> Union[ArrowSamples, SyntheticSamples]:
+def _whole_source(data_cfg: DataConfig, text_only: bool, pairs: bool) -> Union[ArrowSamples, SyntheticSamples]:
     if data_cfg.source == "synthetic":
         return SyntheticSamples(data_cfg.synthetic_num_samples, data_cfg.seed, text_only=text_only)
     if data_cfg.source == "files":
         if not data_cfg.paths:
             raise ValueError("data.source=files needs data.paths")
-        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir, reading=reading_for(data_cfg))
+        return ArrowSamples(list(data_cfg.paths), data_cfg.cache_dir, reading=reading_for(data_cfg, pairs=pairs))
     raise ValueError(f"data.source={data_cfg.source!r} is not readable by DataPipeline (synthetic, files)")
 
 
@@ -270,6 +271,11 @@ class RowStream:
                 self.counts.add(source, item.key, item.length)
         return row
 
+    def next_pairs(self, count: int) -> list[PackItem[MeasuredPair]]:
+        """The next ``count`` pairs of a stream of pairs (preference training's step: a number of pairs,
+        packed into rows by ``preference.pack_pairs``); the packer's buffer is not used."""
+        return [self._pull() for _ in range(count)]
+
     def source_report(self, counts: Optional[dict] = None) -> Optional[dict]:
         """Per source: samples and tokens trained (``counts``, e.g. summed over shards, else this
         stream's) and its epochs: the passes over it that the draws up to this stream's position
@@ -288,6 +294,8 @@ class RowStream:
         while True:
             position = self._next_position()
             measured = self._measure_at(position)
+            if isinstance(measured, MeasuredPair):  # a pair is one unit, never cut
+                return pair_pack_item(tuple(position), measured, self.packer.sample_multiple)
             if isinstance(measured, MeasuredSample):
                 first, *self.pieces = pack_items(position, measured, self.packer.seq_len)
                 return first
@@ -394,9 +402,11 @@ class DataPipeline:
                  balance_cfg=None, pipeline_parallel: int = 1, cost_models=None,
                  groups: Optional[DataGroups] = None, encoder_ranks: int = 1,
                  embeddings: Optional[EmbeddingStore] = None, samples=None, held_out: bool = False,
-                 sample_multiple: int = 1, dp_group=None):
+                 sample_multiple: int = 1, dp_group=None, pairs: bool = False):
         """``sample_multiple``: each sample padded to a multiple of it inside its own segment of the
         row, and packed at that length (2 x CP under context parallelism, ``config.layout``).
+        ``pairs``: preference training: every record a pair (``data.preference``), a step
+        ``global_batch_size`` pairs packed into as many rows as they take, one process.
         ``dp_group``: this rank's data-parallel group (gloo: the ranks at its TP / PP / CP position in
         every DP rank), over which a step's rejects found decoding are gathered (``_consumed_rejects``)."""
         if pad_to_multiple < 1:
@@ -406,6 +416,7 @@ class DataPipeline:
         if self.read == "sharded" and groups is None and dp_size > 1 and balancing:
             raise ValueError("balancing with data.read=sharded at DP > 1 needs the data-exchange groups "
                              "(loongforge.parallel.data_groups.build_data_groups)")
+        self.pairs = pairs
         self.my_rows = rank_rows(global_batch_size, dp_rank, dp_size)
         self.global_batch_size = global_batch_size
         self.pad_to_multiple = pad_to_multiple
@@ -507,6 +518,8 @@ class DataPipeline:
         measurer = SampleMeasurer(tokenizer or load_tokenizer(data_cfg.tokenizer), data_cfg, model_cfg)
         if self.embeddings is not None:
             measurer = StoredMediaMeasurer(measurer, self.embeddings)
+        if self.pairs:
+            measurer = PairMeasurer(measurer)
         shard = (dp_rank, dp_size) if self.read == "sharded" else (0, 1)
         if data_cfg.streaming:
             windows = StreamingSamples(list(data_cfg.paths), window=data_cfg.shuffle_window,
@@ -514,7 +527,8 @@ class DataPipeline:
             return StreamingRowStream(windows, measurer,
                                       packer=LookaheadPacker(data_cfg.seq_len, lookahead, self.sample_multiple),
                                       rejects=self._met, shard=shard)
-        samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None)
+        samples = samples if samples is not None else build_sample_source(data_cfg, text_only=self.sizing is None,
+                                                                           pairs=self.pairs)
         mixture = None
         if data_cfg.source == "files" and entry_weights(list(data_cfg.paths)) is not None:
             mixture = build_mixture(list(data_cfg.paths), samples.entry_spans(), seed=data_cfg.seed,
@@ -700,6 +714,8 @@ class DataPipeline:
         epoch its rows drew samples from, and the per-source counts of all ranks so far."""
         if self.read == "sharded":
             return self._produce_sharded_step()
+        if self.pairs:
+            return self._produce_pairs_step()
         # Global reading: measure + pack the step's global rows, materialize this rank's.
         items = [self.stream.next_row() for _ in range(self.global_batch_size)]
         rows = [[item.payload for item in row] for row in items]
@@ -716,6 +732,20 @@ class DataPipeline:
         micro_batches = self._map(self._collate, mine)
         return _Produced(micro_batches, state, decision, self._latest_epoch(items), sources, self._met.take(),
                          self._decoded.take())
+
+    def _produce_pairs_step(self) -> "_Produced":
+        """Preference training: the step's ``global_batch_size`` pairs, packed into rows whole, each row a
+        micro-batch of whole pairs (one process: every row is this rank's)."""
+        items = self.stream.next_pairs(self.global_batch_size)
+        self._step += 1
+        state = self._stream_state()
+        micro_batches = self._map(self._collate_pairs, pack_pairs(items, self.stream.packer.seq_len))
+        return _Produced(micro_batches, state, None, self._latest_epoch([items]), None, self._met.take(),
+                         self._decoded.take())
+
+    def _collate_pairs(self, pairs: list[MeasuredPair]) -> dict:
+        """A row of whole pairs: segment 2i pair i's chosen side, 2i + 1 its rejected one; ``num_pairs``."""
+        return {**self._collate(row_pair_segments(pairs)), "num_pairs": len(pairs)}
 
     def _produce_sharded_step(self) -> "_Produced":
         """Sharded reading: the leader reads its share's rows, exchanges, and hands the collated

@@ -30,7 +30,10 @@ from typing import Any, Optional
 
 from loongforge.data.template import IMAGE_PLACEHOLDER, Turn
 
-RECORD_KINDS = ("auto", "conversation", "text", "alpaca", "caption")
+# "preference": every record is a chosen/rejected pair (``conversations.preference_sample``); what a run
+# with ``preference.loss`` set reads, never recognised by "auto" (a pair's prompt alone is a conversation
+# that ends with a user turn).
+RECORD_KINDS = ("auto", "conversation", "text", "alpaca", "caption", "preference")
 
 
 class RecordError(Exception):
@@ -55,12 +58,16 @@ class RecordReading:
             raise ValueError(f"record kind {self.kind!r} is not one of {', '.join(RECORD_KINDS)}")
 
 
-def reading_for(data_cfg) -> RecordReading:
-    """The RecordReading a run's ``DataConfig`` asks for."""
+def reading_for(data_cfg, *, pairs: bool = False) -> RecordReading:
+    """The RecordReading a run's ``DataConfig`` asks for; ``pairs``: preference training's (every record
+    a chosen/rejected pair)."""
+    if pairs:
+        return PREFERENCE_READING
     return RecordReading(kind=data_cfg.record_kind, caption_prompt=data_cfg.caption_prompt)
 
 
 TEXT_FILE_READING = RecordReading(kind="text")  # how lines of a .txt file read, whatever data.record_kind says
+PREFERENCE_READING = RecordReading(kind="preference")
 
 
 def record_kind(record: Any, reading: RecordReading) -> str:

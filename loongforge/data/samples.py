@@ -113,5 +113,30 @@ class TextSample:
         return ()
 
 
+@dataclass
+class PreferenceSample:
+    """One preference pair as read (``data.preference``): the shared prompt turns, each side's answer
+    text and the prompt's media; ``sample_id``, ``file``, ``line``, ``record`` as in ConversationSample
+    (the pair's, shared by both sides: a pair is one unit)."""
+
+    sample_id: str
+    file: str
+    line: int
+    prompt: list[Turn]
+    chosen: str
+    rejected: str
+    images: list[ImageSource] = field(default_factory=list)
+    videos: list[str] = field(default_factory=list)
+    record: Optional[int] = None
+
+    def side(self, which: str) -> ConversationSample:
+        """Side ``which`` ("chosen" or "rejected") as a conversation: the prompt, then its answer as the
+        last assistant turn."""
+        answer = {"chosen": self.chosen, "rejected": self.rejected}[which]
+        return ConversationSample(sample_id=self.sample_id, file=self.file, line=self.line,
+                                  turns=[*self.prompt, Turn("assistant", answer)], images=list(self.images),
+                                  videos=list(self.videos), record=self.record)
+
+
 # What a data source's ``get`` returns when the record is usable.
-Sample = Union[ConversationSample, TextSample]
+Sample = Union[ConversationSample, TextSample, PreferenceSample]

@@ -51,6 +51,9 @@ class StepMetrics:
     # Weighted data.paths (data.mixture): per source, the samples and tokens trained since the run
     # began (all ranks, cumulative across --resume) and its epochs read; None otherwise.
     sources: Optional[dict] = None
+    # Preference training: TRL's metrics of the step by their names ("rewards/chosen", "logps/rejected",
+    # "nll_loss", ..., train.preference_step.step_metrics), each a mean over the step's pairs; None for SFT.
+    preference: Optional[dict] = None
 
     @property
     def tokens_per_s(self) -> float:
@@ -83,6 +86,8 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
                f" ({'applied' if m.balance['applied'] else 'skipped'})")
             + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}")
             + ("" if m.mtp_losses is None else " | mtp loss " + " ".join(f"{v:.4f}" for v in m.mtp_losses))
+            + ("" if m.preference is None else f" | reward accuracy {m.preference['rewards/accuracies']:.2f} | "
+               f"margin {m.preference['rewards/margins']:.4f}")
             + _throughput_text(m))
 
 
@@ -185,6 +190,8 @@ class RunLogger:
         record.update({f"{name}_by_rank": values for name, values in m.by_rank.items()})
         if m.sources is not None:
             record["sources"] = m.sources
+        if m.preference is not None:
+            record.update({name: value for name, value in m.preference.items() if name != "loss"})
         self._metrics_file.write(json.dumps(record) + "\n")
         self._metrics_file.flush()
         if self._writer:

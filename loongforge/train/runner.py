@@ -106,7 +106,9 @@ from loongforge.train.metrics import (
 )
 from loongforge.train.observer import TrainingObserver
 from loongforge.train.optim import build_optimizer, build_scheduler
+from loongforge.train.preference_step import preference_train_step
 from loongforge.train.preflight import check_data, checkpoint_root
+from loongforge.train.reference import build_reference
 from loongforge.train.step import ManualGC, StepResult, clear_moe_loss_tracker, forward_only, train_step
 from loongforge.train.stop import StopRequest, catch_stop_signals, signal_name
 from loongforge.train.validation import ValidationSets, rejects_file
@@ -450,6 +452,8 @@ class _Run:
     lora_base: Optional[dict] = None  # LoRA: the frozen base and the settings, recorded in checkpoints
     validation: ValidationSets = field(default_factory=lambda: ValidationSets({}, eval_iters=0))
     context_group: Optional[dist.ProcessGroup] = None  # the CP group, None at CP 1
+    # Preference training's frozen reference model (train.reference); None for SFT and reference-free losses.
+    reference: Optional[list] = None
 
 
 def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingObserver], *, resume: bool) -> _Run:
@@ -534,7 +538,8 @@ def _build_pipeline(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
                         balance_cfg=cfg.balance, pipeline_parallel=layout.pp_size,
                         cost_models=balancing, groups=data_groups,
                         encoder_ranks=_encoder_ranks(cfg, layout), embeddings=embeddings,
-                        sample_multiple=sample_multiple(cfg.data, cfg.parallel), dp_group=_data_parallel_gloo(layout))
+                        sample_multiple=sample_multiple(cfg.data, cfg.parallel), dp_group=_data_parallel_gloo(layout),
+                        pairs=cfg.preference is not None)
 
 
 def _validation_pipelines(cfg: RunConfig, env: DistributedEnv, layout: ParallelLayout,
@@ -752,6 +757,7 @@ def _train(cfg: RunConfig, env: DistributedEnv, *, resume: bool, command_line: O
            progress: Optional[RankProgress] = None) -> TrainingSummary:
     run = _build_run(cfg, env, observer, resume=resume)
     restored = _restore(run, resume)
+    run.reference = build_reference(cfg, env.device, run.model, fresh_start=restored.step == 0)
     # Only now, with the config valid and the checkpoint loaded, does the run folder change: a
     # failed --resume leaves config.yaml (which `convert` reads) and metrics.jsonl as they were.
     if env.rank == 0:
@@ -792,8 +798,15 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
         data_wait = time.perf_counter() - fetch_start
         micro_batches = run.observer.begin_step(step, run.balancing.begin_step(step, micro_batches))
         step_cpu_start = step_cpu_clock()
-        result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
-                            seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank, context_group=run.context_group)
+        preference = None
+        if cfg.preference is not None:
+            result, preference = preference_train_step(
+                run.model, run.reference, run.optimizer, run.scheduler, micro_batches, settings=cfg.preference,
+                device=run.env.device, seq_length=cfg.data.seq_len)
+        else:
+            result = train_step(run.model, run.optimizer, run.scheduler, micro_batches, device=run.env.device,
+                                seq_length=cfg.data.seq_len, is_loss_rank=is_loss_rank,
+                                context_group=run.context_group)
         step_cpu_s = step_cpu_clock() - step_cpu_start
         expert_load = run.expert_load.take() if run.expert_load is not None else None  # collective
         run.balancing.end_step(step, result)
@@ -818,7 +831,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
             mtp_losses=result.mtp_losses,
-            sources=_sources(run)))
+            sources=_sources(run), preference=preference))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)
         if totals.sync_wait_s is not None:

@@ -60,7 +60,7 @@ def to_device(micro_batch: dict, device: torch.device) -> dict:
             for k, v in micro_batch.items()}
 
 
-def _packed_seq_params(cu_seqlens: torch.Tensor):
+def packed_seq_params(cu_seqlens: torch.Tensor):
     # lazy: this module imports no megatron-core until a run uses it
     from megatron.core.packed_seq_params import PackedSeqParams
 
@@ -94,7 +94,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             labels=batch["labels"],
-            packed_seq_params=_packed_seq_params(batch["cu_seqlens"]),
+            packed_seq_params=packed_seq_params(batch["cu_seqlens"]),
             media=batch.get("media"),
             loss_mask=batch["loss_mask"],
             padding_mask=batch.get("padding_mask"),
@@ -237,7 +237,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
                                is_loss_rank=is_loss_rank, context_group=context_group)
     pipeline_s, pipeline_cpu_s = time.perf_counter() - pipeline_start, cpu_seconds() - pipeline_cpu_start
     update_ok, grad_norm, _ = optimizer.step()
-    _weights_changed(model)
+    weights_changed(model)
     compute_s = time.perf_counter() - start
     lr = optimizer.param_groups[0]["lr"]
     if update_ok:
@@ -251,7 +251,7 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
                       pipeline_s=pipeline_s, pipeline_cpu_s=pipeline_cpu_s)
 
 
-def _weights_changed(model: list) -> None:
+def weights_changed(model: list) -> None:
     """After the update: FP8 layers' weight copies of this step are stale (``models.layers.fp8``)."""
     for chunk in model:
         cache = getattr(getattr(chunk, "module", chunk), "fp8_weights", None)

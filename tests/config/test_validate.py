@@ -511,3 +511,40 @@ def test_data_parallel_levers_are_on_at_dp_above_one_unless_set():
         "distributed optimizer, overlapped grad reduce, overlapped param gather")
     (message,) = errors_for("parallel.use_distributed_optimizer=false", "parallel.overlap_param_gather=true")
     assert message.startswith("parallel.overlap_param_gather=true overlaps the distributed optimizer's all-gather")
+
+
+def test_preference_section_switches_on_with_one_key_and_checks_each_key_with_the_fix():
+    files = ("data.source=files", "data.paths=[pairs.json]")
+    assert load_run_config("llm-tiny").preference is None  # null: SFT
+    dpo = load_run_config("llm-tiny", overrides=[*files, "preference.loss=sigmoid"]).preference
+    assert (dpo.loss, dpo.beta, dpo.reference, dpo.rpo_alpha, dpo.label_smoothing) == ("sigmoid", 0.1, None, 0.0, 0.0)
+    (name,) = errors_for(*files, "preference.loss=simpoo", preset="llm-tiny")
+    assert name == ("preference.loss='simpoo' is not one of sigmoid | ipo | hinge | simpo | orpo; did you mean "
+                    "'simpo'? set preference.loss to one of those (sigmoid is DPO).")
+    beta, smoothing, alpha = errors_for(*files, "preference.beta=0", "preference.label_smoothing=0.5",
+                                        "preference.rpo_alpha=-1", preset="llm-tiny")
+    assert beta.startswith("preference.beta=0.0 must be positive") and alpha.startswith("preference.rpo_alpha=-1.0")
+    assert smoothing.startswith("preference.label_smoothing=0.5 must be in [0, 0.5)")
+    smoothed, orpo_alpha, reference = errors_for(*files, "preference.loss=orpo", "preference.label_smoothing=0.1",
+                                                 "preference.rpo_alpha=1", "preference.reference=/ref",
+                                                 preset="llm-tiny")
+    assert smoothed.endswith("applies to sigmoid and simpo only, and preference.loss=orpo; set "
+                             "preference.label_smoothing=0.")
+    assert orpo_alpha.endswith("ORPO adds the chosen NLL at weight 1 itself; set preference.rpo_alpha=0.")
+    assert reference.endswith("which is reference-free; set preference.reference=null.")
+    (gamma,) = errors_for(*files, "preference.loss=simpo", "preference.simpo_gamma=-1", preset="llm-tiny")
+    assert gamma.startswith("preference.simpo_gamma=-1.0 must not be negative")
+    (synthetic,) = errors_for("preference.loss=sigmoid", preset="llm-tiny")
+    assert synthetic.endswith("data.source=synthetic has none; set data.source=files and data.paths=[pairs.json].")
+
+
+def test_preference_refuses_what_it_does_not_train_with_yet_naming_the_setting():
+    files = ("data.source=files", "data.paths=[pairs.json]", "preference.loss=sigmoid")
+    lora, vision = errors_for(*files, "lora.rank=8")
+    assert vision.endswith("does not train with a vision tower yet; choose a text model's preset (model.vision: null).")
+    assert lora == "preference.loss=sigmoid does not train with lora.rank > 0 yet; set lora.rank=0."
+    (moe,) = errors_for(*files, preset="qwen3-moe-tiny")
+    assert moe.endswith("does not train with mixture-of-experts layers yet; choose a dense model's preset "
+                        "(model.language.moe: null).")
+    (world,) = errors_for(*files, world_size=2, preset="llm-tiny")
+    assert world.endswith("trains at one process, and this launch has 2; launch one process (parallel.world_size=1).")

@@ -61,7 +61,7 @@ def test_grad_sync_clock_times_the_wrapped_finalize_and_resets():
 
 
 def test_the_step_drops_the_fp8_weight_copies_after_the_update():
-    """Issue 30, 5(e): ``train_step`` calls ``_weights_changed`` right after ``optimizer.step``: every
+    """Issue 30, 5(e): ``train_step`` calls ``weights_changed`` right after ``optimizer.step``: every
     chunk's ``Fp8WeightCache`` (inside megatron's DDP wrapper or not) forgets its copies, so the next
     step quantises the updated weights once each."""
     import inspect
@@ -77,10 +77,10 @@ def test_the_step_drops_the_fp8_weight_copies_after_the_update():
     assert [cache.quantisations for cache in caches] == [1, 1]
     model = [SimpleNamespace(module=SimpleNamespace(fp8_weights=caches[0])), SimpleNamespace(fp8_weights=caches[1]),
              SimpleNamespace(module=SimpleNamespace())]  # a chunk without FP8 layers
-    step._weights_changed(model)
+    step.weights_changed(model)
     for cache in caches:
         cache.get(weight)
     assert [cache.quantisations for cache in caches] == [2, 2]
     source = inspect.getsource(step.train_step)
-    assert source.index("_weights_changed(model)") == source.index("optimizer.step()") + len(
+    assert source.index("weights_changed(model)") == source.index("optimizer.step()") + len(
         "optimizer.step()\n    ")
