@@ -494,8 +494,13 @@ class BalanceConfig:
 
 @dataclass
 class Fp8Config:
-    # The policy file `loongforge bench gemm` writes, read with training.fp8=auto.
+    # The policy file `loongforge bench gemm` writes, read with training.fp8=auto (it names each layer
+    # kind's recipe).
     policy: Optional[str] = None
+    # The FP8 GEMMs of training.fp8=on: "tensorwise" or "rowwise" (torchao's float8 training, the `fp8`
+    # extra), "scaled_mm" (loongforge's own torch._scaled_mm GEMMs), "auto": tensorwise where torchao
+    # imports, else scaled_mm.
+    recipe: str = "auto"
 
 
 @dataclass

@@ -19,6 +19,7 @@ from loongforge.models.layers.fp8 import (
     AMAX_FLOOR,
     Fp8Matmul,
     Fp8WeightCache,
+    SCALED_MM,
     Fp8Policy,
     apply_fp8,
     check_fp8_backend,
@@ -159,7 +160,7 @@ def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
     for module, original in zip(linears, originals):
         module._forward_impl = original
 
-    counts = apply_fp8(model, lambda kind: 0 if kind.endswith(("qkv", "proj", "fc1", "fc2")) else None)
+    counts = apply_fp8(model, lambda kind: (0, SCALED_MM) if kind.endswith(("qkv", "proj", "fc1", "fc2")) else None)
     assert counts == {"language.fc1": (2, 2), "language.fc2": (2, 2), "language.proj": (2, 2), "language.qkv": (2, 2)}
     assert not getattr(model.language_model.output_layer, "fp8", False)
     logits = model(input_ids=input_ids, position_ids=positions)
@@ -177,7 +178,7 @@ def test_frozen_layers_are_not_counted_as_fp8(megatron_world_of_one):
     frozen = model.language_model.decoder.layers[0]
     for param in frozen.parameters():
         param.requires_grad_(False)
-    counts = apply_fp8(model, lambda kind: 0)
+    counts = apply_fp8(model, lambda kind: (0, SCALED_MM))
     assert counts == {"language.fc1": (1, 2), "language.fc2": (1, 2), "language.proj": (1, 2), "language.qkv": (1, 2)}
     assert not getattr(frozen.self_attention.linear_qkv, "fp8", False)
 
@@ -191,7 +192,7 @@ def test_a_layer_runs_fp8_from_its_policys_rows_on_counting_each_calls_own(megat
     short, long = (torch.randint(0, 300, (1, tokens), generator=generator) for tokens in (48, 80))
     with torch.no_grad():
         plain = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
-    counts = apply_fp8(model, lambda kind: 64)
+    counts = apply_fp8(model, lambda kind: (64, SCALED_MM))
     assert counts["language.qkv"] == (2, 2)
     with torch.no_grad():
         fp8_run = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
@@ -257,7 +258,7 @@ def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
         return {k: None if v is None else (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
 
     before = described()
-    apply_fp8(model, lambda kind: 0)
+    apply_fp8(model, lambda kind: (0, SCALED_MM))
     assert described() == before
 
 
@@ -303,7 +304,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
                                 post_process=True, device="cpu")
             load_hf_state_dict(model, case["hf_state"])
             if variant != "plain":
-                apply_fp8(model, lambda kind: 0)
+                apply_fp8(model, lambda kind: (0, SCALED_MM))
             gemms = {name: getattr(fp8, name) for name in EXACT_GEMMS}
             if variant == "fp8_path_exact_gemm":
                 for name, exact in EXACT_GEMMS.items():
@@ -374,7 +375,7 @@ def test_a_policy_measured_on_another_device_is_refused(tmp_path, monkeypatch):
     at_tp1 = load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto", f"fp8.policy={policy}",
                                                         "parallel.tensor_model_parallel_size=1",
                                                         "parallel.sequence_parallel=false"])
-    assert fp8_choice(at_tp1, torch.device("cuda"), "flash")[0]("language.fc1") == 2048
+    assert fp8_choice(at_tp1, torch.device("cuda"), "flash")[0]("language.fc1") == (2048, SCALED_MM)  # no recipe: scaled_mm
     monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(InputError) as refused:
         fp8_choice(cfg, torch.device("cuda"), "flash")
