@@ -16,6 +16,7 @@ import pytest
 import torch
 from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear
+from torchao.float8.float8_linear import Float8Linear  # the test extra installs loongforge[fp8]
 
 from loongforge.bench.gemm import choose_recipe, torchao_recipes_to_time
 from loongforge.config.errors import InputError
@@ -24,7 +25,6 @@ from loongforge.models.layers import fp8
 from loongforge.models.layers.fp8 import RECIPES, SCALED_MM, fp8_choice, use_fp8
 from loongforge.models.layers.fp8_torchao import TORCHAO_RECIPES, operand_scales, recipe_config
 
-Float8Linear = pytest.importorskip("torchao.float8.float8_linear").Float8Linear
 
 # The formats' largest finite values from their definitions: E4M3 (no infinities, one NaN pattern)
 # 1.75 * 2^8; E5M2 (IEEE-like) 1.75 * 2^15.

@@ -23,6 +23,8 @@ and the data gradient's collective does not overlap the weight-gradient GEMM.
 from __future__ import annotations
 
 import functools
+import importlib.util
+from types import SimpleNamespace
 from typing import Optional
 
 import torch
@@ -31,20 +33,26 @@ from megatron.core.tensor_parallel.mappings import (
     gather_from_sequence_parallel_region,
 )
 
-try:  # the optional ``fp8`` extra: absent, the recipes are not offered (``torchao_available``)
-    from torchao.float8 import Float8LinearConfig
-    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
-    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
-    from torchao.float8.float8_utils import tensor_to_scale
-except ImportError:
-    Float8LinearConfig = None
-
 TORCHAO_RECIPES = ("tensorwise", "rowwise")
 _ALIGN = 16  # torch._scaled_mm's dimension multiple on CUDA (the token dimension is the weight gradient's K)
 
 
 def torchao_available() -> bool:
-    return Float8LinearConfig is not None
+    """Whether the optional ``fp8`` extra (torchao) is installed; found, not imported."""
+    return importlib.util.find_spec("torchao") is not None
+
+
+@functools.lru_cache(maxsize=None)
+def _torchao() -> SimpleNamespace:
+    # lazy: importing torchao takes seconds and logs its kernels' loading; only a run or bench that
+    # uses a torchao recipe pays it, not every command that imports the FP8 policy
+    from torchao.float8 import Float8LinearConfig
+    from torchao.float8.float8_linear import Float8Linear, matmul_with_hp_or_float8_args
+    from torchao.float8.float8_scaling_utils import get_maybe_axiswise_dim
+    from torchao.float8.float8_utils import tensor_to_scale
+    return SimpleNamespace(Float8LinearConfig=Float8LinearConfig, Float8Linear=Float8Linear,
+                           matmul=matmul_with_hp_or_float8_args, get_maybe_axiswise_dim=get_maybe_axiswise_dim,
+                           tensor_to_scale=tensor_to_scale)
 
 
 @functools.lru_cache(maxsize=None)
@@ -52,14 +60,15 @@ def recipe_config(recipe: str):
     """torchao's ``Float8LinearConfig`` of a recipe name (``TORCHAO_RECIPES``)."""
     if recipe not in TORCHAO_RECIPES:
         raise ValueError(f"unknown torchao float8 recipe {recipe!r}; one of {TORCHAO_RECIPES}")
-    return Float8LinearConfig.from_recipe_name(recipe)
+    return _torchao().Float8LinearConfig.from_recipe_name(recipe)
 
 
 @functools.lru_cache(maxsize=None)
 def _mm_config(recipe: str):
     # Float8Linear builds the per-GEMM settings (fast accumulation in the forward only) from the
     # config; a meta-device one is read for them rather than restating torchao's rule here.
-    return Float8Linear(_ALIGN, _ALIGN, bias=False, config=recipe_config(recipe), device="meta").linear_mm_config
+    return _torchao().Float8Linear(_ALIGN, _ALIGN, bias=False, config=recipe_config(recipe),
+                                   device="meta").linear_mm_config
 
 
 def operand_scales(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> tuple[torch.Tensor, torch.Tensor]:
@@ -67,12 +76,12 @@ def operand_scales(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> tuple[
     -> [1, 1] per tensor or [M, 1] per token row; weight [N, K] (this rank's shard) -> [1, 1] or
     [N, 1] per output row. The same calls, arguments and axes as ``matmul_with_hp_or_float8_args``'s
     forward (weight passed transposed, scaled along its dim 0)."""
-    config = recipe_config(recipe)
+    config, ao = recipe_config(recipe), _torchao()
     scales = []
     for tensor, cast, dim in ((x, config.cast_config_input, -1), (weight.t(), config.cast_config_weight, 0)):
-        scales.append(tensor_to_scale(tensor, cast.target_dtype, scaling_granularity=cast.scaling_granularity,
-                                      axiswise_dim=get_maybe_axiswise_dim(dim, cast.scaling_granularity),
-                                      round_scales_to_power_of_2=config.round_scales_to_power_of_2))
+        scales.append(ao.tensor_to_scale(tensor, cast.target_dtype, scaling_granularity=cast.scaling_granularity,
+                                         axiswise_dim=ao.get_maybe_axiswise_dim(dim, cast.scaling_granularity),
+                                         round_scales_to_power_of_2=config.round_scales_to_power_of_2))
     x_scale, weight_t_scale = scales
     return x_scale.reshape(-1, 1), weight_t_scale.reshape(-1, 1)
 
@@ -84,7 +93,7 @@ def _float8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.
     padded = -(-rows // _ALIGN) * _ALIGN
     if padded != rows:
         x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-    output = matmul_with_hp_or_float8_args.apply(x, weight.t(), _mm_config(recipe), recipe_config(recipe))
+    output = _torchao().matmul.apply(x, weight.t(), _mm_config(recipe), recipe_config(recipe))
     return output[:rows]
 
 
