@@ -284,10 +284,11 @@ EXACT_GEMMS = {"forward_gemm": lambda x, w, cache: x @ w.t(),
 def _tp_worker(rank: int, port: int, workdir: str) -> None:
     """TP 2 with and without sequence parallelism: loss, gradients and the bytes saved for backward
     of the unchanged model, of the FP8 path with exact GEMMs in place of the FP8 ones (its
-    communication alone), and of real FP8."""
+    communication alone), and of real FP8; the same for torchao's tensorwise recipe."""
     from pathlib import Path
 
     import loongforge.models.layers.fp8 as fp8
+    import loongforge.models.layers.fp8_torchao as fp8_torchao
     from loongforge.config.schema import ParallelConfig
     from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
@@ -298,17 +299,20 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
     results = {}
     for sequence_parallel in (False, True):
-        for variant in ("plain", "fp8_path_exact_gemm", "fp8"):
+        for variant in ("plain", "fp8_path_exact_gemm", "fp8", "torchao_path_exact_gemm", "torchao"):
             parallel_cfg = ParallelConfig(tensor_model_parallel_size=2, world_size=2, sequence_parallel=sequence_parallel)
             model = build_model(case["model_cfg"], parallel_cfg, params_dtype=torch.float32, pre_process=True,
                                 post_process=True, device="cpu")
             load_hf_state_dict(model, case["hf_state"])
             if variant != "plain":
-                apply_fp8(model, lambda kind: (0, SCALED_MM))
+                apply_fp8(model, lambda kind: (0, "tensorwise" if variant.startswith("torchao") else SCALED_MM))
             gemms = {name: getattr(fp8, name) for name in EXACT_GEMMS}
+            float8_matmul = fp8_torchao.float8_matmul
             if variant == "fp8_path_exact_gemm":
                 for name, exact in EXACT_GEMMS.items():
                     setattr(fp8, name, exact)
+            if variant == "torchao_path_exact_gemm":
+                fp8_torchao.float8_matmul = lambda x, weight, recipe: x @ weight.t()
             try:
                 loss, saved = _saved_bytes(lambda: model(input_ids=case["input_ids"], position_ids=text_positions(32),
                                                          labels=case["labels"]))
@@ -316,6 +320,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
             finally:
                 for name, gemm in gemms.items():
                     setattr(fp8, name, gemm)
+                fp8_torchao.float8_matmul = float8_matmul
             results[(sequence_parallel, variant)] = {
                 "loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                 "saved_bytes": saved}
@@ -348,6 +353,14 @@ def test_tp2_fp8_path_communicates_and_saves_like_megatron(tmp_path):
         for name, grad in plain["grads"].items():
             assert _relative(path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
         assert 1e-4 < _relative(real["loss"], plain["loss"]) <= 0.1  # real FP8 ran, within its error
+        # torchao's recipe: megatron's own mappings around its matmul, the same losses and gradients
+        ao_path, ao = results[(sequence_parallel, "torchao_path_exact_gemm")], results[(sequence_parallel, "torchao")]
+        print(f"  torchao tensorwise: loss {_relative(ao['loss'], plain['loss']):.1e} from bf16's, bytes saved "
+              f"for backward {ao['saved_bytes']} (megatron {plain['saved_bytes']})")
+        assert _relative(ao_path["loss"], plain["loss"]) <= 1e-6, sequence_parallel
+        for name, grad in plain["grads"].items():
+            assert _relative(ao_path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
+        assert 1e-4 < _relative(ao["loss"], plain["loss"]) <= 0.1
         assert all(torch.isfinite(g).all() for g in real["grads"].values())
 
 

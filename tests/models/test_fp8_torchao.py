@@ -18,12 +18,13 @@ from megatron.core.model_parallel_config import ModelParallelConfig
 from megatron.core.tensor_parallel import ColumnParallelLinear
 from torchao.float8.float8_linear import Float8Linear  # the test extra installs loongforge[fp8]
 
-from loongforge.bench.gemm import choose_recipe, torchao_recipes_to_time
+from loongforge.bench.gemm import LinearShape, choose_recipe, time_linear, torchao_recipes_to_time
+from loongforge.bench.gemm_linear import WholeLinear, time_layer
 from loongforge.config.errors import InputError
 from loongforge.config.loader import load_run_config
 from loongforge.models.layers import fp8
 from loongforge.models.layers.fp8 import RECIPES, SCALED_MM, fp8_choice, use_fp8
-from loongforge.models.layers.fp8_torchao import TORCHAO_RECIPES, operand_scales, recipe_config
+from loongforge.models.layers.fp8_torchao import TORCHAO_RECIPES, operand_scales, recipe_config, recipe_matmul
 
 
 # The formats' largest finite values from their definitions: E4M3 (no infinities, one NaN pattern)
@@ -197,3 +198,36 @@ def test_a_megatron_linear_routes_through_torchaos_float8_function(megatron_worl
     assert torch.equal(out, expected) and torch.equal(xs[0].grad, xs[1].grad)
     assert torch.equal(layer.weight.grad if layer.weight.grad is not None else layer.weight.main_grad,
                        reference.weight.grad)
+
+
+def test_the_gpu_timing_paths_carry_each_recipe(megatron_world_of_one):
+    """Plumbing only (what ``bench gemm`` runs where the device has FP8 GEMMs, asked here on the CPU,
+    whose emulated figures mean nothing): the GEMM rows and the whole megatron linear each carry a
+    time per torchao recipe, and the whole linear its error, so the policy can choose among them."""
+    shape = LinearShape("language.fc1", 1, 32, 16, 16)
+    gemms = time_linear(shape, 16, device=torch.device("cpu"), steps=1, warmup=0, recipes=TORCHAO_RECIPES)
+    layer = WholeLinear("language.fc1", 1, 32, 16, column=True, sequence_parallel=False, expert=False)
+    whole = time_layer(layer, 16, device=torch.device("cpu"), micro_batches=1, steps=1, warmup=0,
+                       recipes=TORCHAO_RECIPES)
+    print({k: v for k, v in whole.items() if k.endswith("_error")})
+    for recipe in TORCHAO_RECIPES:
+        assert gemms[f"{recipe}_ms"] > 0 and whole[f"{recipe}_ms"] > 0
+        assert 1e-3 < whole[f"{recipe}_error"] < 0.12  # FP8 ran (not bf16), and ran right
+    assert choose_recipe([whole], 1.05)[0] in (*RECIPES, None)
+
+
+@pytest.mark.parametrize("recipe", TORCHAO_RECIPES)
+def test_the_compiled_matmul_traces_as_one_graph(recipe):
+    """What CUDA compiles (``recipe_matmul(recipe, compiled=True)``): dynamo captures the padding, the
+    casts and torchao's autograd function in one graph with no break (a break would leave the casts
+    eager, unfused, and FP8 slower than bf16), and the traced function (aot_eager: no kernels built)
+    gives the eager output bitwise."""
+    run = recipe_matmul(recipe, compiled=False)
+    x = torch.randn(40, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(0))  # 40: padded to 48
+    weight = torch.randn(48, 64, dtype=torch.bfloat16, generator=torch.Generator().manual_seed(1))
+    explained = torch._dynamo.explain(run)(x, weight)
+    torch._dynamo.reset()
+    print(f"{recipe}: {explained.graph_count} graph(s), {explained.graph_break_count} break(s)")
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0)
+    assert torch.equal(torch.compile(run, backend="aot_eager")(x, weight), run(x, weight))
+    torch._dynamo.reset()

@@ -86,27 +86,29 @@ def operand_scales(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> tuple[
     return x_scale.reshape(-1, 1), weight_t_scale.reshape(-1, 1)
 
 
-def _float8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """y [M, N] = x [M, K] W^T in torchao float8 (its three GEMMs), M padded to the GEMM's multiple
-    with zero rows (they change neither products nor any scale of a real row)."""
-    rows = x.shape[0]
-    padded = -(-rows // _ALIGN) * _ALIGN
-    if padded != rows:
-        x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
-    output = _torchao().matmul.apply(x, weight.t(), _mm_config(recipe), recipe_config(recipe))
-    return output[:rows]
-
-
 @functools.lru_cache(maxsize=None)
-def _compiled_float8_matmul():
-    return torch.compile(_float8_matmul)  # built at the first CUDA call: importing dynamo costs seconds
+def recipe_matmul(recipe: str, compiled: bool):
+    """y [M, N] = f(x [M, K], W [N, K]) = x W^T in ``recipe``'s float8 (torchao's three GEMMs), M padded
+    to the GEMM's multiple with zero rows (they change neither products nor any scale of a real row);
+    ``compiled``: through ``torch.compile``, built once per recipe (the torchao objects are closed
+    over, so the compiled graph holds the whole cast-and-GEMM with no break)."""
+    matmul, mm_config, config = _torchao().matmul, _mm_config(recipe), recipe_config(recipe)
+
+    def run(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        rows = x.shape[0]
+        padded = -(-rows // _ALIGN) * _ALIGN
+        if padded != rows:
+            x = torch.nn.functional.pad(x, (0, 0, 0, padded - rows))
+        return matmul.apply(x, weight.t(), mm_config, config)[:rows]
+
+    return torch.compile(run) if compiled else run
 
 
 def float8_matmul(x: torch.Tensor, weight: torch.Tensor, recipe: str) -> torch.Tensor:
-    """``_float8_matmul``, compiled on CUDA as training runs it; no tokens is an empty product."""
+    """``recipe_matmul``, compiled on CUDA as training runs it; no tokens is an empty product."""
     if x.shape[0] == 0:
         return x @ weight.t()
-    return (_compiled_float8_matmul() if x.is_cuda else _float8_matmul)(x, weight, recipe)
+    return recipe_matmul(recipe, x.is_cuda)(x, weight)
 
 
 def torchao_linear_forward(input: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], recipe: str,
