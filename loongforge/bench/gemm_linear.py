@@ -76,8 +76,10 @@ def rows_for(layer: WholeLinear, tokens: int) -> int:
 
 def time_whole_linears(layers: Sequence[WholeLinear], counts: Sequence[int], *, device: torch.device,
                        micro_batches: int, steps: int, warmup: int,
-                       log: Callable[[str], None] = lambda message: None) -> dict[str, list[dict]]:
-    """kind -> one timing per token count: the whole layer per micro-batch in bf16 and FP8. Layers
+                       log: Callable[[str], None] = lambda message: None,
+                       recipes: Sequence[str] = ()) -> dict[str, list[dict]]:
+    """kind -> one timing per token count: the whole layer per micro-batch in bf16, FP8 (scaled_mm)
+    and each of torchao's ``recipes``. Layers
     of each TP size run in a world of that many processes; on CUDA a TP size above the visible GPUs
     is left out with a line (the kind's policy then rests on its GEMM rows)."""
     timings: dict[str, list[dict]] = {}
@@ -89,14 +91,14 @@ def time_whole_linears(layers: Sequence[WholeLinear], counts: Sequence[int], *, 
             continue
         port = free_port()
         results = run_spawned(_linear_rank, [(rank, tp, port, device.type, group, list(counts), micro_batches,
-                                              steps, warmup) for rank in range(tp)], what="bench gemm (whole linear)",
+                                              steps, warmup, tuple(recipes)) for rank in range(tp)], what="bench gemm (whole linear)",
                               on_cuda=device.type == "cuda")
         timings.update(next(result for result in results if result is not None))
     return timings
 
 
 def _linear_rank(results_queue, rank: int, tp: int, port: int, device_type: str, layers: list[WholeLinear],
-                 counts: list[int], micro_batches: int, steps: int, warmup: int) -> None:
+                 counts: list[int], micro_batches: int, steps: int, warmup: int, recipes: tuple = ()) -> None:
     """One TP rank: every layer of ``layers`` at every token count; rank 0 puts the timings, the
     others None."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(tp), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
@@ -115,7 +117,7 @@ def _linear_rank(results_queue, rank: int, tp: int, port: int, device_type: str,
                 timings[layer.kind] = []
                 for tokens in counts:
                     timings[layer.kind].append(time_layer(layer, tokens, device=env.device, micro_batches=micro_batches,
-                                                          steps=steps, warmup=warmup))
+                                                          steps=steps, warmup=warmup, recipes=recipes))
                     bar.update(1)
         results_queue.put(timings if rank == 0 else None)
     finally:
@@ -154,9 +156,10 @@ def layer_tensors(layer: WholeLinear, tokens: int, device: torch.device) -> tupl
 
 
 def time_layer(layer: WholeLinear, tokens: int, *, device: torch.device, micro_batches: int, steps: int,
-               warmup: int) -> dict:
+               warmup: int, recipes: Sequence[str] = ()) -> dict:
     """One token count: milliseconds per micro-batch of the bf16 layer and of its FP8 twin (same
-    weights), FP8's relative error on the output, and the FP8 weight quantisations per step."""
+    weights), FP8's relative error on the output, the FP8 weight quantisations per step, and each of
+    torchao's ``recipes``' twin (``<recipe>_ms``, ``<recipe>_error``)."""
     x, grad_out = layer_tensors(layer, tokens, device)
     bf16, fp8 = build_layer(layer, device), build_layer(layer, device)
     cache = Fp8WeightCache()
@@ -179,10 +182,22 @@ def time_layer(layer: WholeLinear, tokens: int, *, device: torch.device, micro_b
         reference, quantised = bf16(x)[0].float(), fp8(x)[0].float()
     cache.weights_changed()
     bf16_ms, fp8_ms = (1e3 * seconds / micro_batches for seconds in (bf16_s, fp8_s))
-    return {"tokens": rows_for(layer, tokens), "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "speedup": bf16_ms / fp8_ms,
-            "relative_error": float((quantised - reference).norm() / reference.norm().clamp(min=1e-30)),
-            "weight_quantisations_per_step": (cache.quantisations - 1) / timed_steps,
-            "micro_batches": micro_batches}
+    timing = {"tokens": rows_for(layer, tokens), "bf16_ms": bf16_ms, "fp8_ms": fp8_ms, "speedup": bf16_ms / fp8_ms,
+              "relative_error": _relative(quantised, reference),
+              "weight_quantisations_per_step": (cache.quantisations - 1) / timed_steps,
+              "micro_batches": micro_batches}
+    for recipe in recipes:
+        twin = build_layer(layer, device)
+        use_fp8(twin, recipe=recipe)
+        seconds = statistics.mean(time_steps(step(twin), device, steps=steps, warmup_steps=warmup))
+        with torch.no_grad():
+            timing[f"{recipe}_error"] = _relative(twin(x)[0].float(), reference)
+        timing[f"{recipe}_ms"] = 1e3 * seconds / micro_batches
+    return timing
+
+
+def _relative(actual: torch.Tensor, reference: torch.Tensor) -> float:
+    return float((actual - reference).norm() / reference.norm().clamp(min=1e-30))
 
 
 def micro_batches_to_time(cfg: RunConfig, requested: Optional[int]) -> int:

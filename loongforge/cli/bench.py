@@ -424,8 +424,9 @@ def gemm(
         "--output", metavar="POLICY.json", help="The policy file (fp8.policy=...); the plot goes beside it (.png).")]
         = DEFAULT_OUT / "gemm" / "fp8_policy.json",
 ) -> None:
-    """Every linear layer's GEMMs (forward, both backward) and the whole layer in bf16 and FP8: the FP8
-    policy per layer kind."""
+    """Every linear layer's GEMMs (forward, both backward) and the whole layer in bf16 and FP8 (loongforge's
+    scaled_mm GEMMs and, on a GPU with FP8 GEMMs, torchao's tensorwise and rowwise float8, compiled): the
+    FP8 policy per layer kind, its recipe and the token count from which it pays."""
     from loongforge.bench.gemm import at_tensor_parallel, format_table, run_gemm_bench, write_results
     from loongforge.config.loader import load_run_config
     from loongforge.parallel.distributed import resolve_device

@@ -402,8 +402,8 @@ class TrainingConfig:
     precision: str = "bf16"
     # FP8 GEMMs in the linear layers (CUDA compute capability 8.9+, bf16 runs; models.layers.fp8): "off";
     # "auto": the layer kinds that `loongforge bench gemm` measured at least 5% faster in FP8 at this
-    # run's TP sizes and token counts (fp8.policy; without a policy, bf16 everywhere); "on": every
-    # eligible linear. The LM head stays bf16.
+    # run's TP sizes and token counts, each in the recipe measured fastest (fp8.policy; without a
+    # policy, bf16 everywhere); "on": every eligible linear in fp8.recipe. The LM head stays bf16.
     fp8: str = "off"
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
@@ -507,8 +507,13 @@ class BalanceConfig:
 
 @dataclass
 class Fp8Config:
-    # The policy file `loongforge bench gemm` writes, read with training.fp8=auto.
+    # The policy file `loongforge bench gemm` writes, read with training.fp8=auto (it names each layer
+    # kind's recipe).
     policy: Optional[str] = None
+    # The FP8 GEMMs of training.fp8=on: "tensorwise" or "rowwise" (torchao's float8 training, the `fp8`
+    # extra), "scaled_mm" (loongforge's own torch._scaled_mm GEMMs), "auto": tensorwise where torchao
+    # imports, else scaled_mm.
+    recipe: str = "auto"
 
 
 @dataclass

@@ -103,9 +103,10 @@ def test_the_gemm_rows_decide_only_where_the_whole_linear_was_not_timed():
     cfg = at_tensor_parallel(load_run_config("qwen2.5vl-tiny"), 1)
     shapes = [s for s in linear_shapes(cfg) if s.kind in ("language.fc1", "language.fc2")]
     bench = GemmBench(preset="t", device="cpu", shapes=shapes,
-                      timings={"language.fc1": [{"tokens": 64, "speedup": 1.5}],
-                               "language.fc2": [{"tokens": 64, "speedup": 1.5}]},
-                      linear_timings={"language.fc1": [{"tokens": 64, "speedup": 0.9}]})
+                      timings={"language.fc1": [{"tokens": 64, "bf16_ms": 1.5, "fp8_ms": 1.0}],
+                               "language.fc2": [{"tokens": 64, "bf16_ms": 1.5, "fp8_ms": 1.0}]},
+                      linear_timings={"language.fc1": [{"tokens": 64, "bf16_ms": 0.9, "fp8_ms": 1.0}]})
     layers = bench.policy()["layers"]
     assert layers["language.fc1"]["1"]["decided_by"] == "linear" and layers["language.fc1"]["1"]["min_tokens"] is None
     assert layers["language.fc2"]["1"]["decided_by"] == "gemms" and layers["language.fc2"]["1"]["min_tokens"] == 64
+    assert layers["language.fc2"]["1"]["recipe"] == "scaled_mm" and layers["language.fc1"]["1"]["recipe"] is None

@@ -19,6 +19,7 @@ from loongforge.models.layers.fp8 import (
     AMAX_FLOOR,
     Fp8Matmul,
     Fp8WeightCache,
+    SCALED_MM,
     Fp8Policy,
     apply_fp8,
     check_fp8_backend,
@@ -159,7 +160,7 @@ def test_fp8_layers_of_a_model_run_their_gemms_in_fp8(megatron_world_of_one):
     for module, original in zip(linears, originals):
         module._forward_impl = original
 
-    counts = apply_fp8(model, lambda kind: 0 if kind.endswith(("qkv", "proj", "fc1", "fc2")) else None)
+    counts = apply_fp8(model, lambda kind: (0, SCALED_MM) if kind.endswith(("qkv", "proj", "fc1", "fc2")) else None)
     assert counts == {"language.fc1": (2, 2), "language.fc2": (2, 2), "language.proj": (2, 2), "language.qkv": (2, 2)}
     assert not getattr(model.language_model.output_layer, "fp8", False)
     logits = model(input_ids=input_ids, position_ids=positions)
@@ -177,7 +178,7 @@ def test_frozen_layers_are_not_counted_as_fp8(megatron_world_of_one):
     frozen = model.language_model.decoder.layers[0]
     for param in frozen.parameters():
         param.requires_grad_(False)
-    counts = apply_fp8(model, lambda kind: 0)
+    counts = apply_fp8(model, lambda kind: (0, SCALED_MM))
     assert counts == {"language.fc1": (1, 2), "language.fc2": (1, 2), "language.proj": (1, 2), "language.qkv": (1, 2)}
     assert not getattr(frozen.self_attention.linear_qkv, "fp8", False)
 
@@ -191,7 +192,7 @@ def test_a_layer_runs_fp8_from_its_policys_rows_on_counting_each_calls_own(megat
     short, long = (torch.randint(0, 300, (1, tokens), generator=generator) for tokens in (48, 80))
     with torch.no_grad():
         plain = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
-    counts = apply_fp8(model, lambda kind: 64)
+    counts = apply_fp8(model, lambda kind: (64, SCALED_MM))
     assert counts["language.qkv"] == (2, 2)
     with torch.no_grad():
         fp8_run = {len(ids[0]): model(input_ids=ids, position_ids=text_positions(ids.shape[1])) for ids in (short, long)}
@@ -257,7 +258,7 @@ def test_state_dict_is_unchanged_by_fp8(megatron_world_of_one):
         return {k: None if v is None else (v.dtype, tuple(v.shape)) for k, v in model.state_dict().items()}
 
     before = described()
-    apply_fp8(model, lambda kind: 0)
+    apply_fp8(model, lambda kind: (0, SCALED_MM))
     assert described() == before
 
 
@@ -283,10 +284,11 @@ EXACT_GEMMS = {"forward_gemm": lambda x, w, cache: x @ w.t(),
 def _tp_worker(rank: int, port: int, workdir: str) -> None:
     """TP 2 with and without sequence parallelism: loss, gradients and the bytes saved for backward
     of the unchanged model, of the FP8 path with exact GEMMs in place of the FP8 ones (its
-    communication alone), and of real FP8."""
+    communication alone), and of real FP8; the same for torchao's tensorwise recipe."""
     from pathlib import Path
 
     import loongforge.models.layers.fp8 as fp8
+    import loongforge.models.layers.fp8_torchao as fp8_torchao
     from loongforge.config.schema import ParallelConfig
     from loongforge.models.hf.weights import load_hf_state_dict
     from loongforge.models.llm.model import build_model
@@ -297,17 +299,20 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
     case = torch.load(Path(workdir) / "inputs.pt", weights_only=False)
     results = {}
     for sequence_parallel in (False, True):
-        for variant in ("plain", "fp8_path_exact_gemm", "fp8"):
+        for variant in ("plain", "fp8_path_exact_gemm", "fp8", "torchao_path_exact_gemm", "torchao"):
             parallel_cfg = ParallelConfig(tensor_model_parallel_size=2, world_size=2, sequence_parallel=sequence_parallel)
             model = build_model(case["model_cfg"], parallel_cfg, params_dtype=torch.float32, pre_process=True,
                                 post_process=True, device="cpu")
             load_hf_state_dict(model, case["hf_state"])
             if variant != "plain":
-                apply_fp8(model, lambda kind: 0)
+                apply_fp8(model, lambda kind: (0, "tensorwise" if variant.startswith("torchao") else SCALED_MM))
             gemms = {name: getattr(fp8, name) for name in EXACT_GEMMS}
+            float8_matmul = fp8_torchao.float8_matmul
             if variant == "fp8_path_exact_gemm":
                 for name, exact in EXACT_GEMMS.items():
                     setattr(fp8, name, exact)
+            if variant == "torchao_path_exact_gemm":
+                fp8_torchao.float8_matmul = lambda x, weight, recipe: x @ weight.t()
             try:
                 loss, saved = _saved_bytes(lambda: model(input_ids=case["input_ids"], position_ids=text_positions(32),
                                                          labels=case["labels"]))
@@ -315,6 +320,7 @@ def _tp_worker(rank: int, port: int, workdir: str) -> None:
             finally:
                 for name, gemm in gemms.items():
                     setattr(fp8, name, gemm)
+                fp8_torchao.float8_matmul = float8_matmul
             results[(sequence_parallel, variant)] = {
                 "loss": loss.detach(), "grads": {n: p.grad.clone() for n, p in model.named_parameters()},
                 "saved_bytes": saved}
@@ -347,6 +353,14 @@ def test_tp2_fp8_path_communicates_and_saves_like_megatron(tmp_path):
         for name, grad in plain["grads"].items():
             assert _relative(path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
         assert 1e-4 < _relative(real["loss"], plain["loss"]) <= 0.1  # real FP8 ran, within its error
+        # torchao's recipe: megatron's own mappings around its matmul, the same losses and gradients
+        ao_path, ao = results[(sequence_parallel, "torchao_path_exact_gemm")], results[(sequence_parallel, "torchao")]
+        print(f"  torchao tensorwise: loss {_relative(ao['loss'], plain['loss']):.1e} from bf16's, bytes saved "
+              f"for backward {ao['saved_bytes']} (megatron {plain['saved_bytes']})")
+        assert _relative(ao_path["loss"], plain["loss"]) <= 1e-6, sequence_parallel
+        for name, grad in plain["grads"].items():
+            assert _relative(ao_path["grads"][name], grad) <= 1e-5, (sequence_parallel, name)
+        assert 1e-4 < _relative(ao["loss"], plain["loss"]) <= 0.1
         assert all(torch.isfinite(g).all() for g in real["grads"].values())
 
 
@@ -374,7 +388,7 @@ def test_a_policy_measured_on_another_device_is_refused(tmp_path, monkeypatch):
     at_tp1 = load_run_config("qwen2.5vl-7b", overrides=["training.fp8=auto", f"fp8.policy={policy}",
                                                         "parallel.tensor_model_parallel_size=1",
                                                         "parallel.sequence_parallel=false"])
-    assert fp8_choice(at_tp1, torch.device("cuda"), "flash")[0]("language.fc1") == 2048
+    assert fp8_choice(at_tp1, torch.device("cuda"), "flash")[0]("language.fc1") == (2048, SCALED_MM)  # no recipe: scaled_mm
     monkeypatch.setattr(fp8, "device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     with pytest.raises(InputError) as refused:
         fp8_choice(cfg, torch.device("cuda"), "flash")

@@ -121,9 +121,10 @@ def test_moe_step_times_grouped_experts(gpu_check, tmp_path, speedup, experts, p
     assert figures["grouped_speedup"] == speedup
 
 
-def _fp8_outputs(work: Path, bf16_rate: float, fp8_rate: float, fp8_final: float) -> None:
+def _fp8_outputs(work: Path, bf16_rate: float, fp8_rate: float, fp8_final: float, fc1_tokens=2048) -> None:
     (work / "fp8").mkdir(parents=True)
-    policy = {"layers": {"language.fc1": {"1": {"min_tokens": 2048}}, "vision.qkv": {"1": {"min_tokens": None}}}}
+    policy = {"layers": {"language.fc1": {"1": {"min_tokens": fc1_tokens, "recipe": "rowwise"}},
+                         "vision.qkv": {"1": {"min_tokens": None, "recipe": None}}}, "torchao_unmeasured": None}
     (work / "fp8" / "policy_tp1.json").write_text(json.dumps(policy))
     for mode, rate, final in (("off", bf16_rate, 2.0), ("auto", fp8_rate, fp8_final)):
         (work / "fp8" / f"train_{mode}").mkdir()
@@ -133,17 +134,19 @@ def _fp8_outputs(work: Path, bf16_rate: float, fp8_rate: float, fp8_final: float
     (work / "g_fp8.log").write_text("fp8: auto, per layer kind from policy_tp1.json (measured on H200): language.fc1 4/4\n")
 
 
-@pytest.mark.parametrize("fp8_rate, fp8_final, passed", [
-    (12_000.0, 2.01, True),  # 1.2x, 0.5% loss difference
-    (10_500.0, 2.01, False),  # 1.05x: below the 1.15x target
-    (12_000.0, 2.1, False),  # 5% loss difference
+@pytest.mark.parametrize("fp8_rate, fp8_final, fc1_tokens, passed", [
+    (12_000.0, 2.01, 2048, True),  # 1.2x, 0.5% loss difference
+    (10_500.0, 2.01, 2048, False),  # 1.05x: below the 1.15x target
+    (12_000.0, 2.1, 2048, False),  # 5% loss difference
+    (10_000.0, 2.0, None, True),  # the policy measured bf16 faster everywhere and says so: auto is bf16
 ])
-def test_fp8_step(gpu_check, tmp_path, fp8_rate, fp8_final, passed):
-    _fp8_outputs(tmp_path, 10_000.0, fp8_rate, fp8_final)
+def test_fp8_step(gpu_check, tmp_path, fp8_rate, fp8_final, fc1_tokens, passed):
+    _fp8_outputs(tmp_path, 10_000.0, fp8_rate, fp8_final, fc1_tokens)
     rc = _check(gpu_check, tmp_path, "g_fp8", 0, "--steps", "100", "--min-ratio", "1.15", "--max-loss-diff", "0.01")
     assert rc == (0 if passed else 1)
     figures = json.loads((tmp_path / "g_fp8.status.json").read_text())["figures"]
-    assert figures["fp8_kinds_by_tp"] == {"1": ["language.fc1"]}
+    assert figures["fp8_kinds_by_tp"] == {"1": ["language.fc1 (rowwise)"] if fc1_tokens else []}
+    assert figures["policy_bf16_everywhere"] == (fc1_tokens is None)
     assert figures["ratio"] == pytest.approx(fp8_rate / 10_000.0)
 
 

@@ -19,13 +19,17 @@ row-parallel linears: the same tensor-parallel communication on the same schedul
 (``Fp8TensorParallelLinear``: under sequence parallelism the local input shard is saved and gathered
 again in the backward; the data gradient's reduce-scatter or all-reduce overlaps the weight-gradient
 GEMM), the FP8 GEMMs in between. ``use_fp8`` installs it on chosen layers of a built model.
+
+That is the ``scaled_mm`` recipe. The others are torchao's float8 training (``tensorwise``,
+``rowwise``: ``models.layers.fp8_torchao``), chosen per layer kind by the measured policy
+(``fp8.policy``) or for every layer by ``fp8.recipe``.
 """
 
 from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Optional
 
@@ -39,12 +43,15 @@ from loongforge.config.layout import (
     vision_tensor_parallel_size,
 )
 from loongforge.config.schema import RunConfig
+from loongforge.models.layers.fp8_torchao import TORCHAO_RECIPES, torchao_available, torchao_linear_forward
 from loongforge.models.layers.layer_kinds import layer_kind
 from loongforge.parallel.distributed import all_gather_tensor, reduce_scatter_tensor
 
 E4M3 = torch.float8_e4m3fn
 E5M2 = torch.float8_e5m2
 _ALIGN = 16  # _scaled_mm's dimension multiple on CUDA
+SCALED_MM = "scaled_mm"  # this module's FP8 GEMMs; torchao's recipes are the others
+RECIPES = (*TORCHAO_RECIPES, SCALED_MM)
 
 
 def _fp8_max(dtype: torch.dtype) -> float:
@@ -240,8 +247,9 @@ _IMPL_ARGUMENTS = ("input", "weight", "bias", "gradient_accumulation_fusion", "a
                    "sequence_parallel", "grad_output_buffer", "wgrad_deferral_limit", "tp_group")
 
 
-def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], min_rows: int, *args, **kwargs) -> torch.Tensor:
-    """A linear's ``_forward_impl`` with FP8 GEMMs from ``min_rows`` rows of a GEMM call on (the
+def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], min_rows: int, recipe: str,
+              *args, **kwargs) -> torch.Tensor:
+    """A linear's ``_forward_impl`` with ``recipe``'s FP8 GEMMs from ``min_rows`` rows of a GEMM call on (the
     rows this call really has: a micro-batch's packed tokens after the sequence-parallel gather, the
     tokens routed to one expert); a frozen weight (no weight gradient, nothing to gain), a deferred
     weight gradient and a call with fewer rows run the original."""
@@ -251,6 +259,11 @@ def _fp8_impl(original: Callable, cache: Optional[Fp8WeightCache], min_rows: int
     sequence_parallel, tp_group = bound.get("sequence_parallel", False), bound.get("tp_group")
     if min_rows and _gemm_rows(bound["input"], sequence_parallel, tp_group) < min_rows:
         return original(*args, **kwargs)  # bf16 measured faster at this size
+    if recipe != SCALED_MM:
+        group = tp_group if tp_group is not None else get_tensor_model_parallel_group()
+        return torchao_linear_forward(bound["input"], bound["weight"], bound.get("bias"), recipe,
+                                      allreduce_dgrad=bound.get("allreduce_dgrad", False),
+                                      sequence_parallel=sequence_parallel, tp_group=group)
     return fp8_linear_forward(bound["input"], bound["weight"], bound.get("bias"),
                               allreduce_dgrad=bound.get("allreduce_dgrad", False),
                               sequence_parallel=sequence_parallel, tp_group=tp_group, cache=cache)
@@ -264,15 +277,18 @@ def _gemm_rows(input: torch.Tensor, sequence_parallel: bool, tp_group) -> int:
     return rows
 
 
-def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None, min_rows: int = 0) -> bool:
-    """Run this megatron column/row-parallel linear's GEMMs in FP8 from now on, in every call with
-    at least ``min_rows`` rows (0: every call), its weight's E4M3 copy kept in ``cache`` for the step
-    (None: quantised at each GEMM); False (and nothing changed) when its weight shard is not
-    ``eligible``."""
+def use_fp8(module: torch.nn.Module, cache: Optional[Fp8WeightCache] = None, min_rows: int = 0,
+            recipe: str = SCALED_MM) -> bool:
+    """Run this megatron column/row-parallel linear's GEMMs in FP8 (``recipe``) from now on, in every
+    call with at least ``min_rows`` rows (0: every call), its weight's E4M3 copy kept in ``cache`` for
+    the step (None: quantised at each GEMM; torchao's recipes cast the weight at each GEMM, fused by
+    the compile); False (and nothing changed) when its weight shard is not ``eligible``."""
+    if recipe not in RECIPES:
+        raise ValueError(f"unknown FP8 recipe {recipe!r}; one of {RECIPES}")
     if not eligible(module.weight):
         return False
-    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl, cache, min_rows)
-    module.fp8 = True
+    module._forward_impl = functools.partial(_fp8_impl, module._forward_impl, cache, min_rows, recipe)
+    module.fp8 = recipe
     return True
 
 
@@ -286,13 +302,18 @@ POLICY_FORMAT = "loongforge-fp8-policy"
 
 @dataclass(frozen=True)
 class Fp8Policy:
-    """What ``loongforge bench gemm`` measured: per layer kind and TP size, the smallest token count
-    at which FP8 was at least ``min_speedup`` times faster than bf16 (None: at no measured count)."""
+    """What ``loongforge bench gemm`` measured: per layer kind and TP size, the FP8 recipe chosen and
+    the smallest token count at which it was at least ``min_speedup`` times faster than bf16 (None:
+    no recipe was, at any measured count)."""
 
     min_tokens: dict  # kind -> {tp size (int) -> smallest token count or None}
     min_speedup: float
     device: str
     source: str = "policy"
+    recipes: dict = field(default_factory=dict)  # kind -> {tp size -> recipe}; absent: SCALED_MM
+
+    def recipe(self, kind: str, tp: int) -> str:
+        return self.recipes.get(kind, {}).get(tp, SCALED_MM)
 
     def min_rows(self, kind: str, tp: int) -> Optional[int]:
         """The fewest rows of a GEMM call at which a layer of ``kind`` at TP ``tp`` runs FP8; None:
@@ -318,8 +339,14 @@ class Fp8Policy:
             min_tokens = {kind: {int(tp): (None if entry["min_tokens"] is None else int(entry["min_tokens"]))
                                  for tp, entry in by_tp.items()}
                           for kind, by_tp in data["layers"].items()}
+            # Policies written before the recipes were measured chose the scaled_mm GEMMs (null: bf16).
+            recipes = {kind: {int(tp): str(entry.get("recipe") or SCALED_MM) for tp, entry in by_tp.items()}
+                       for kind, by_tp in data["layers"].items()}
+            unknown = sorted({r for by_tp in recipes.values() for r in by_tp.values()} - set(RECIPES))
+            if unknown:
+                raise ValueError(f"recipe {unknown[0]!r} is not one of {RECIPES}")
             return cls(min_tokens=min_tokens, min_speedup=float(data["min_speedup"]), device=str(data["device"]),
-                       source=str(path))
+                       source=str(path), recipes=recipes)
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
             raise InputError(f"{path}: FP8 policy entry missing or malformed ({exc!r}); regenerate it with "
                              f"loongforge bench gemm") from exc
@@ -330,11 +357,11 @@ def fp8_gemms_available(device: torch.device) -> bool:
     return device.type == "cuda" and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def apply_fp8(model: torch.nn.Module, min_rows_of: Callable[[str], Optional[int]],
+def apply_fp8(model: torch.nn.Module, choice_of: Callable[[str], Optional[tuple[int, str]]],
               cache: Optional[Fp8WeightCache] = None) -> dict[str, tuple[int, int]]:
-    """Switch the linears of every kind ``min_rows_of`` gives a row count (None: bf16) to FP8 GEMMs
-    from that many rows of a call on (0: always), their weights' E4M3 copies kept in ``cache``;
-    returns, per kind found, (layers now FP8, layers of that kind) (a shard with widths off the
+    """Switch the linears of every kind ``choice_of`` gives (a row count, a recipe) (None: bf16) to
+    that recipe's FP8 GEMMs from that many rows of a call on (0: always), their weights' E4M3 copies
+    kept in ``cache``; returns, per kind found, (layers now FP8, layers of that kind) (a shard with widths off the
     GEMM's multiple stays)."""
     counts: dict[str, list[int]] = {}
     for name, module in model.named_modules():
@@ -343,9 +370,9 @@ def apply_fp8(model: torch.nn.Module, min_rows_of: Callable[[str], Optional[int]
             continue
         count = counts.setdefault(kind, [0, 0])
         count[1] += 1
-        min_rows = min_rows_of(kind)
+        choice = choice_of(kind)
         # A frozen weight's GEMMs stay bf16 (``_fp8_impl``: no weight gradient, nothing to gain).
-        if min_rows is not None and module.weight.requires_grad and use_fp8(module, cache, min_rows):
+        if choice is not None and module.weight.requires_grad and use_fp8(module, cache, *choice):
             count[0] += 1
     return {kind: (on, total) for kind, (on, total) in sorted(counts.items())}
 
@@ -382,9 +409,9 @@ def device_name(device: torch.device) -> str:
 
 
 def fp8_choice(cfg: RunConfig, device: torch.device,
-               layer_backend: str) -> tuple[Optional[Callable[[str], Optional[int]]], str]:
-    """(per layer kind, the fewest rows of a GEMM call at which its layers run FP8, None for never,
-    0 for always; or None for no FP8 at all; the line saying so) for ``training.fp8`` on ``device``,
+               layer_backend: str) -> tuple[Optional[Callable[[str], Optional[tuple[int, str]]]], str]:
+    """(per layer kind, the fewest rows of a GEMM call at which its layers run FP8 (0 for always)
+    and the recipe, or None for never; or None for no FP8 at all; the line saying so) for ``training.fp8`` on ``device``,
     whose linears the resolved ``layer_backend`` builds. A policy's thresholds are compared with
     each call's real rows (``_fp8_impl``), not with an estimate of the run's shapes."""
     mode = cfg.training.fp8
@@ -400,7 +427,8 @@ def fp8_choice(cfg: RunConfig, device: torch.device,
                              f"run's device is {device}: set training.fp8=off (or auto, which falls back to bf16).")
         return None, f"fp8: auto, but {device} has no FP8 GEMMs (CUDA compute capability 8.9+): bf16 everywhere"
     if mode == "on":
-        return (lambda kind: 0), "fp8: on (every eligible linear but the LM head)"
+        recipe = on_recipe(cfg.fp8.recipe)
+        return (lambda kind: (0, recipe)), f"fp8: on, {recipe} (every eligible linear but the LM head)"
     if cfg.fp8.policy is None:
         return None, "fp8: auto without fp8.policy: bf16 everywhere (measure a policy with loongforge bench gemm)"
     policy = Fp8Policy.load(cfg.fp8.policy)
@@ -408,9 +436,29 @@ def fp8_choice(cfg: RunConfig, device: torch.device,
     if policy.device != here:  # where FP8 pays is a property of the device's GEMMs
         raise InputError(f"fp8.policy={cfg.fp8.policy} was measured on {policy.device} and this run's device is "
                          f"{here}: measure a policy here with loongforge bench gemm (or set training.fp8=off).")
-    return (lambda kind: policy.min_rows(kind, gemm_tp(cfg, kind))), \
-        (f"fp8: auto, per layer kind from {policy.source} (measured on {policy.device}), each GEMM call "
-         f"by its own rows")
+    missing = sorted({recipe for by_tp in policy.recipes.values() for recipe in by_tp.values()} & set(TORCHAO_RECIPES))
+    if missing and not torchao_available():
+        raise InputError(f"fp8.policy={cfg.fp8.policy} chose torchao's {missing[0]} float8 and torchao does not import "
+                         f"here: pip install 'loongforge[fp8]' (or set training.fp8=off).")
+
+    def choice(kind: str) -> Optional[tuple[int, str]]:
+        tp = gemm_tp(cfg, kind)
+        min_rows = policy.min_rows(kind, tp)
+        return None if min_rows is None else (min_rows, policy.recipe(kind, tp))
+
+    return choice, (f"fp8: auto, per layer kind and recipe from {policy.source} (measured on {policy.device}), "
+                    f"each GEMM call by its own rows")
+
+
+def on_recipe(setting: str) -> str:
+    """The recipe of ``training.fp8=on`` for ``fp8.recipe``: ``auto`` is torchao's tensorwise where
+    torchao imports (the recipe torchtitan trains with), else this module's scaled_mm GEMMs."""
+    if setting == "auto":
+        return TORCHAO_RECIPES[0] if torchao_available() else SCALED_MM
+    if setting in TORCHAO_RECIPES and not torchao_available():
+        raise InputError(f"fp8.recipe={setting} is torchao's float8 and torchao does not import here: pip install "
+                         f"'loongforge[fp8]' or set fp8.recipe=scaled_mm (or auto).")
+    return setting
 
 
 def check_fp8_backend(mode: str, layer_backend: str) -> None:
