@@ -24,7 +24,7 @@ from loongforge.config.layout import (
 from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
-from loongforge.models.decoder.layer_costs import mlp, token_mixer
+from loongforge.models.decoder.layer_costs import LatentAttention, SparseLatentAttention, mlp, token_mixer
 from loongforge.models.flops import decoder_layer_types, sparse_layers, with_layers
 from loongforge.models.layers.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
@@ -328,7 +328,8 @@ def context_parallel_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
 
 
 def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
-    """What the run trains: every parameter, all but a frozen tower, or LoRA's adapters alone."""
+    """What the run trains: every parameter, all but a frozen tower, LoRA's adapters alone, or sparse attention's
+    indexers alone (its dense warm-up)."""
     if cfg.lora.rank:
         lora = cfg.lora
         total = adapter_parameters(cfg.model, lora, tensor_parallel=1, vision_tensor_parallel=1,
@@ -337,7 +338,12 @@ def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
         return (f"{human_count(total)} LoRA adapter parameters ({100 * total / split.total:.2f}% of "
                 f"{human_count(split.total)}): rank {lora.rank}, alpha {lora.alpha:g} on "
                 f"{'/'.join(lora.targets)} {', '.join(lora.modules)}{experts}; the base is frozen")
-    training = cfg.training
+    training, sparse = cfg.training, cfg.model.language.sparse_attention
+    if sparse is not None and sparse.stage == "dense_warmup":
+        lang = cfg.model.language
+        indexers = ((SparseLatentAttention.parameters(lang) - LatentAttention.parameters(lang))
+                    * (lang.num_layers + lang.mtp_num_layers))
+        return f"{human_count(indexers)} of {human_count(split.total)} (sparse_attention.stage=dense_warmup: the indexers)"
     language = split.total - split.vision_model - split.projector
     frozen = (split.vision_model * training.freeze_vision + split.projector * training.freeze_projector
               + language * training.freeze_language)

@@ -30,8 +30,9 @@ the main attention over the keys M(t) query t attends to::
     KL(t)    = sum_{s in M(t)} p[t, s] * (log p[t, s] - log softmax_s(I[t, s], s in M(t)))
     loss     = mean over the micro-batch's queries of KL(t) (each sample of a packed row on its own block)
 
-- ``dense_warmup``: M(t) = every s <= t (the attention runs dense), every parameter but the indexers' is frozen
-  (``freeze_for_stage``, from the runner's freezing); the share of p that S(t) keeps is measured too.
+- ``dense_warmup``: M(t) = every s <= t (the attention runs dense), every parameter but the indexers' is frozen,
+  the routers' expert bias too (``freeze_for_stage``, from the runner's freezing); the share of p that S(t) keeps
+  is measured too.
 - ``sparse`` (the published models' stage, and a converted checkpoint's default): M(t) = S(t) (and s <= t), everything
   trains, the main model by the LM loss (the indexer's inputs and the target are detached), the indexer by the KL.
 
@@ -300,14 +301,19 @@ def sparse_attention_layers(modules: Sequence[torch.nn.Module]) -> list[SparseLa
 
 
 def freeze_for_stage(model: torch.nn.Module) -> bool:
-    """``stage=dense_warmup``: every parameter of ``model`` but its indexers' takes no gradient; True where done
-    (False: not a warm-up, nothing changed)."""
+    """``stage=dense_warmup``: every parameter of ``model`` but its indexers' takes no gradient, and the routers'
+    expert bias (trained state megatron-core moves after each step by ``moe_router_bias_update_rate`` toward an even
+    load) stays put: the rate is 0 for the run. True where done (False: not a warm-up, nothing changed)."""
     layers = sparse_attention_layers([model])
     if not layers or not layers[0].config.dense_warmup:
         return False
     model.requires_grad_(False)
     for layer in layers:
         layer.indexer.requires_grad_(True)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "moe_router_bias_update_rate", None):
+            config.moe_router_bias_update_rate = 0.0
     return True
 
 
