@@ -177,9 +177,13 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
                 mtp_experts = split.mtp_experts / expert_shards
                 expert_params += mtp_experts
                 params += (split.mtp + (split.input_embedding if len(counts) > 1 else 0)) / tp + mtp_experts
-        language_frozen = lora or cfg.training.freeze_language
+        warmup = _dense_warmup_indexers(cfg.model.language)
+        language_frozen = lora or cfg.training.freeze_language or warmup is not None
         if lora:  # the whole base is frozen
             frozen = params - expert_params
+        elif warmup is not None:  # sparse attention's dense warm-up: everything but the indexers (replicated on TP)
+            mtp_layers = cfg.model.language.mtp_num_layers if split.mtp and index == len(counts) - 1 else 0
+            frozen = params - expert_params - warmup * (num_layers + mtp_layers)
         elif language_frozen:  # everything but the encoder's parts
             frozen += params - expert_params - encoder_params
         ranges = tuple((stage_layers.first_layer(index, chunk), stage_layers.first_layer(index, chunk) + count - 1)
@@ -189,6 +193,13 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
                                 frozen_expert_params_per_rank=expert_params if language_frozen else 0.0,
                                 adapter_params_per_rank=adapter_params))
     return stages
+
+
+def _dense_warmup_indexers(lang: LanguageConfig) -> float | None:
+    """Parameters of one layer's indexer where sparse attention's dense warm-up trains them alone, else None."""
+    if lang.sparse_attention is None or lang.sparse_attention.stage != "dense_warmup":
+        return None
+    return SparseLatentAttention.parameters(lang) - LatentAttention.parameters(lang)
 
 
 def _adapters(cfg: RunConfig, sizes: ParallelSizes) -> AdapterParameters | None:
@@ -338,11 +349,10 @@ def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
         return (f"{human_count(total)} LoRA adapter parameters ({100 * total / split.total:.2f}% of "
                 f"{human_count(split.total)}): rank {lora.rank}, alpha {lora.alpha:g} on "
                 f"{'/'.join(lora.targets)} {', '.join(lora.modules)}{experts}; the base is frozen")
-    training, sparse = cfg.training, cfg.model.language.sparse_attention
-    if sparse is not None and sparse.stage == "dense_warmup":
-        lang = cfg.model.language
-        indexers = ((SparseLatentAttention.parameters(lang) - LatentAttention.parameters(lang))
-                    * (lang.num_layers + lang.mtp_num_layers))
+    training, lang = cfg.training, cfg.model.language
+    warmup = _dense_warmup_indexers(lang)
+    if warmup is not None:
+        indexers = warmup * (lang.num_layers + lang.mtp_num_layers)
         return f"{human_count(indexers)} of {human_count(split.total)} (sparse_attention.stage=dense_warmup: the indexers)"
     language = split.total - split.vision_model - split.projector
     frozen = (split.vision_model * training.freeze_vision + split.projector * training.freeze_projector

@@ -87,7 +87,7 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
                f" ({'applied' if m.balance['applied'] else 'skipped'})")
             + ("" if m.expert_load is None else f" | experts max/mean {m.expert_load.max_over_mean:.2f}")
             + ("" if m.mtp_losses is None else " | mtp loss " + " ".join(f"{v:.4f}" for v in m.mtp_losses))
-            + ("" if m.indexer_loss is None else f" | indexer loss {m.indexer_loss:.4f}")
+            + ("" if m.indexer_loss is None else f" | indexer loss {m.indexer_loss:.4g}")
             + ("" if m.indexer_topk_mass is None else f" | top-k mass {m.indexer_topk_mass:.1%}")
             + _throughput_text(m))
 

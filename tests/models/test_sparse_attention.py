@@ -30,6 +30,7 @@ from loongforge.models.decoder.sparse_attention import (
 )
 from loongforge.models.llm.model import build_model as build_llm
 from loongforge.models.registry import check_family_layout, get_family
+from loongforge.train.dry_run import build_parallel_plan, format_parallel_plan
 from tests.models.helpers import destroy_megatron, free_port, init_megatron
 from tests.models.llm_helpers import text_positions, tiny_hf_config_dict
 from tests.models.references import REFERENCES, build_options, reference_logits
@@ -317,3 +318,17 @@ def test_a_packed_rows_kl_is_its_samples(world):
     expected = (40 * alone[0] + 24 * alone[1]) / 64
     print(f"\npacked row's KL {row:.6e}, its samples' {expected:.6e} ({alone[0]:.3e}, {alone[1]:.3e})")
     assert abs(row - expected) <= 1e-6 * expected
+
+
+def test_the_dry_run_counts_what_a_warmup_trains():
+    """deepseek-v3.2's plan: a warm-up trains its 62 indexers (61 layers and the MTP layer, 13.96M each) and holds
+    no gradient or optimizer state for the rest."""
+    plans = {stage: format_parallel_plan(build_parallel_plan(load_run_config(
+        "deepseek-v3.2", overrides=[f"model.language.sparse_attention.stage={stage}"]))) for stage in ("sparse", "dense_warmup")}
+    lines = {stage: {line.split()[0]: line for line in plan.splitlines() if line.strip().startswith(("trainable", "memory"))}
+             for stage, plan in plans.items()}
+    memory = {stage: float(found["memory"].split("~")[1].split(" GiB")[0]) for stage, found in lines.items()}
+    print(f"\n{lines['dense_warmup']['trainable'].strip()}; per rank ~{memory['dense_warmup']} GiB (sparse: "
+          f"~{memory['sparse']} GiB)")
+    assert "865.48M of 683.50B (sparse_attention.stage=dense_warmup: the indexers)" in lines["dense_warmup"]["trainable"]
+    assert "all 683.50B" in lines["sparse"]["trainable"] and memory["dense_warmup"] < memory["sparse"] / 3
