@@ -21,6 +21,7 @@ import torch.distributed as dist
 
 from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
 from loongforge.models.decoder.sparse_attention import take_indexer_statistics, weighted_indexer_loss
+from loongforge.models.layers.attention import PaddedRowParams
 from loongforge.parallel.context_parallel import ContextShard
 from loongforge.profile.timers import cpu_clock
 
@@ -66,14 +67,16 @@ def to_device(micro_batch: dict, device: torch.device) -> dict:
             for k, v in micro_batch.items()}
 
 
-def _packed_seq_params(cu_seqlens: torch.Tensor):
-    # lazy: this module imports no megatron-core until a run uses it
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+def _packed_seq_params(cu_seqlens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> PaddedRowParams:
+    """The row's thd parameters; ``padding_mask`` [1, T] (True on padding) names the padding tail, the last segment
+    when it is all padding."""
     cu = cu_seqlens.to(torch.int32)  # [n_segments + 1]
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    lengths = cu[1:] - cu[:-1]  # [n_segments]
+    max_len = int(lengths.max())
+    tail = int(lengths[-1])
+    padded = padding_mask is not None and tail > 0 and bool(padding_mask[0, -tail:].all())
+    return PaddedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                           max_seqlen_kv=max_len, padding_tokens=tail if padded else 0)
 
 
 def _masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -92,6 +95,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
 
     def forward_step(data_iterator, model):
         batch = to_device(next(data_iterator), device)
+        packed = _packed_seq_params(batch["cu_seqlens"], batch.get("padding_mask"))  # the whole row's
         shard = None
         if context_group is not None:
             shard = ContextShard.of_row(batch["input_ids"], batch["cu_seqlens"], context_group)
@@ -100,7 +104,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             labels=batch["labels"],
-            packed_seq_params=_packed_seq_params(batch["cu_seqlens"]),
+            packed_seq_params=packed,
             media=batch.get("media"),
             loss_mask=batch["loss_mask"],
             padding_mask=batch.get("padding_mask"),

@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from megatron.core.packed_seq_params import PackedSeqParams
 
 from loongforge.config.errors import ConfigError, InputError
 from loongforge.config.loader import load_run_config
@@ -28,6 +27,7 @@ from loongforge.models.decoder.sparse_attention import (
     take_indexer_statistics,
     weighted_indexer_loss,
 )
+from loongforge.models.layers.attention import PaddedRowParams
 from loongforge.models.llm.model import build_model as build_llm
 from loongforge.models.registry import check_family_layout, get_family
 from loongforge.train.dry_run import build_parallel_plan, format_parallel_plan
@@ -300,8 +300,8 @@ def test_sparse_training_keeps_the_lm_loss_off_the_indexer(world):
 
 
 def test_a_packed_rows_kl_is_its_samples(world):
-    """Two samples (40 and 24 tokens) packed in one row: the row's KL (mean over its queries) is the token-weighted
-    mean of each sample's alone, per layer."""
+    """Two samples (40 and 24 tokens) packed in one row with an 8-token padding tail: the row's KL (mean over its
+    queries) is the token-weighted mean of each sample's alone, per layer; the tail counts nowhere."""
     model = _stage_model("sparse")
     first, second = _tokens(40, seed=1), _tokens(24, seed=2)
     alone = []
@@ -309,11 +309,12 @@ def test_a_packed_rows_kl_is_its_samples(world):
         for sample in (first, second):
             _lm_loss(model, sample)
             alone.append(_mean_statistics(model)[0])
-        cu = torch.tensor([0, 40, 64], dtype=torch.int32)
-        packing = PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40,
-                                  max_seqlen_kv=40)
-        positions = torch.cat([torch.arange(40), torch.arange(24)]).expand(3, 1, 64)
-        _lm_loss(model, torch.cat([first, second], dim=1), position_ids=positions, packed_seq_params=packing)
+        cu = torch.tensor([0, 40, 64, 72], dtype=torch.int32)
+        packing = PaddedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=40,
+                                  max_seqlen_kv=40, padding_tokens=8)
+        positions = torch.cat([torch.arange(40), torch.arange(24), torch.arange(8)]).expand(3, 1, 72)
+        row = torch.cat([first, second, torch.zeros(1, 8, dtype=torch.long)], dim=1)
+        _lm_loss(model, row, position_ids=positions, packed_seq_params=packing)
     row = _mean_statistics(model)[0]
     expected = (40 * alone[0] + 24 * alone[1]) / 64
     print(f"\npacked row's KL {row:.6e}, its samples' {expected:.6e} ({alone[0]:.3e}, {alone[1]:.3e})")

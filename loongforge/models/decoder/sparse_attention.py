@@ -40,8 +40,9 @@ Each layer's loss rides on its attention output as megatron's MoE balance loss d
 gradient injected in the backward, nothing added to the forward) at ``index_loss_coeff`` (the section's
 ``indexer_loss_coeff``), which the training step scales as ``moe_balance`` scales the balance loss's
 (``weighted_indexer_loss``), so the objective is LM mean + coeff * sum over layers of the mean over the step's
-micro-batches of each one's loss, however rows are spread over micro-batches and DP ranks. The padding tail of a
-packed row is a segment of its own and its queries count like the others (the attention sees no padding mask).
+micro-batches of each one's loss, however rows are spread over micro-batches and DP ranks. A packed row's padding
+tail (a segment of its own, named by the step's ``PaddedRowParams``) is attended but left out of the loss, as the LM
+loss's mask leaves it out: rows padded differently (TP pads to multiples of 8 TP) train the same indexer loss.
 
 Ties at the cut. transformers takes ``torch.topk`` over the sample's scores [L] per query (its mask adds
 finfo.min, which absorbs every score: the masked entries tie). The choice among tied scores at the cut (the
@@ -232,32 +233,34 @@ class SparseLatentAttention(MLASelfAttention):
         learn = self.training and torch.is_grad_enabled()
         if packed:  # [t, np, d] and [t, 1, h], [t, q_lora_rank]: one sample per segment of cu_seqlens
             spans = _spans(packed_seq_params.cu_seqlens_q)
-            out, losses = self._attend_samples(query, key, value, x[:, 0], q_latent, spans, learn)
+            # The padding tail (``PaddedRowParams``) is attended as a segment but left out of the indexer's loss.
+            samples = len(spans) - int(0 < getattr(packed_seq_params, "padding_tokens", 0) == spans[-1][1])
+            out, losses = self._attend_samples(query, key, value, x[:, 0], q_latent, spans, samples if learn else 0)
         else:  # [s, b, ...]: each batch row one sample of s tokens
             rows = [self._attend_samples(query[:, b], key[:, b], value[:, b], x[:, b], q_latent[:, b],
-                                         [(0, query.shape[0])], learn) for b in range(query.shape[1])]
+                                         [(0, query.shape[0])], int(learn)) for b in range(query.shape[1])]
             out = torch.stack([row for row, _ in rows], dim=1)  # [s, b, np, d_v]
             losses = [loss for _, row_losses in rows for loss in row_losses]
-        if learn:
+        if losses:
             out = self._attach_indexer_loss(out, losses)
         # [t, np, d_v] -> [t, 1, np * d_v]; [s, b, np, d_v] -> [s, b, np * d_v]
         return self.linear_proj(out.reshape(out.shape[0], 1 if packed else out.shape[1], -1))
 
-    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]], learn: bool
+    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]], learn: int
                         ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """q, k [t, np, d], v [t, np, d_v], x [t, h], q_latent [t, q_lora_rank] (detached) -> [t, np, d_v], each
-        (start, length) span of ``spans`` a sample of its own; with ``learn`` also each sample's (KL [L], top-k
-        kept mass [L]) per query (module docstring)."""
+        (start, length) span of ``spans`` a sample of its own; also the (KL [L], top-k kept mass [L]) per query of
+        the first ``learn`` spans (module docstring)."""
         cos, sin = self._rotary_table(max(length for _, length in spans), x.dtype)
         outputs, losses = [], []
-        for start, length in spans:
-            rows = slice(start, start + length)
-            with torch.set_grad_enabled(learn):  # the indexer's graph only when its loss trains it
+        for index, (start, length) in enumerate(spans):
+            rows, learning = slice(start, start + length), index < learn
+            with torch.set_grad_enabled(learning):  # the indexer's graph only when its loss trains it
                 scores = self.indexer.scores(x[rows], q_latent[rows], cos[:length], sin[:length])  # [L, L]
             chosen = self.indexer.keep(scores.detach())
             attended = torch.isfinite(scores.detach()) if self.config.dense_warmup else chosen
             outputs.append(self.core_attention.attend(query[rows], key[rows], value[rows], attended))
-            if learn:
+            if learning:
                 target = attention_target(query[rows], key[rows], self._softmax_scale(query), attended,
                                           self.pg_collection.tp)
                 losses.append((indexer_kl(scores, target, attended), (target * chosen).sum(dim=-1)))
