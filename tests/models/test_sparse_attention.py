@@ -177,12 +177,12 @@ def test_glm5_layers_sharing_a_top_k_are_refused():
 STAGE_LENGTH, STAGE_TOPK = 64, 8
 
 
-def _stage_model(stage: str):
+def _stage_model(stage: str, **options):
     cfg = load_run_config("deepseek-v3.2-tiny-small-vocab", overrides=[
         f"data.seq_len={STAGE_LENGTH}", f"model.language.sparse_attention.index_topk={STAGE_TOPK}",
         f"model.language.sparse_attention.stage={stage}"])
     torch.manual_seed(0)
-    return build_llm(cfg.model, cfg.parallel, **build_options(init_seed=0)).train()
+    return build_llm(cfg.model, cfg.parallel, **build_options(init_seed=0, **options)).train()
 
 
 def _tokens(length: int, seed: int = 0) -> torch.Tensor:
@@ -273,6 +273,23 @@ def test_dense_warmup_trains_the_indexers_alone(world):
                if name in frozen)
     assert len(lm_losses) == 1
     assert curve[-1] < curve[0] / 5 and masses[-1] > masses[0]
+
+
+def test_dense_warmup_trains_under_activation_recompute(world):
+    """Recompute reruns a layer in the backward only if its input wants a gradient, and a warm-up freezes the
+    embedding under layer 0: the indexers' gradients with recompute equal those without (none reached them before
+    the warm-up made the embedding's output want one)."""
+    gradients = []
+    for recompute in (False, True):
+        model = _stage_model("dense_warmup", recompute_activations=recompute)
+        freeze_for_stage(model)
+        _lm_loss(model, _tokens(STAGE_LENGTH)).backward()
+        take_indexer_statistics([model])
+        gradients.append({name: p.grad for name, p in model.named_parameters() if ".indexer." in name})
+    assert all(grad is not None for grad in gradients[1].values())
+    gap = max(float((gradients[1][name] - grad).abs().max()) for name, grad in gradients[0].items())
+    print(f"\nwarm-up indexer gradients, recompute vs not: {gap:.1e}")
+    assert gap <= 1e-9
 
 
 def test_sparse_training_keeps_the_lm_loss_off_the_indexer(world):

@@ -85,6 +85,7 @@ from typing import Iterator, Optional, Sequence
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
@@ -246,15 +247,15 @@ class SparseLatentAttention(MLASelfAttention):
         # [t, np, d_v] -> [t, 1, np * d_v]; [s, b, np, d_v] -> [s, b, np * d_v]
         return self.linear_proj(out.reshape(out.shape[0], 1 if packed else out.shape[1], -1))
 
-    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]], learn: int
+    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]], learned_spans: int
                         ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
         """q, k [t, np, d], v [t, np, d_v], x [t, h], q_latent [t, q_lora_rank] (detached) -> [t, np, d_v], each
         (start, length) span of ``spans`` a sample of its own; also the (KL [L], top-k kept mass [L]) per query of
-        the first ``learn`` spans (module docstring)."""
+        the first ``learned_spans`` spans (module docstring)."""
         cos, sin = self._rotary_table(max(length for _, length in spans), x.dtype)
         outputs, losses = [], []
         for index, (start, length) in enumerate(spans):
-            rows, learning = slice(start, start + length), index < learn
+            rows, learning = slice(start, start + length), index < learned_spans
             with torch.set_grad_enabled(learning):  # the indexer's graph only when its loss trains it
                 scores = self.indexer.scores(x[rows], q_latent[rows], cos[:length], sin[:length])  # [L, L]
             chosen = self.indexer.keep(scores.detach())
@@ -306,7 +307,9 @@ def sparse_attention_layers(modules: Sequence[torch.nn.Module]) -> list[SparseLa
 def freeze_for_stage(model: torch.nn.Module) -> bool:
     """``stage=dense_warmup``: every parameter of ``model`` but its indexers' takes no gradient, and the routers'
     expert bias (trained state megatron-core moves after each step by ``moe_router_bias_update_rate`` toward an even
-    load) stays put: the rate is 0 for the run. True where done (False: not a warm-up, nothing changed)."""
+    load) stays put: the rate is 0 for the run. The token embedding's output asks for a gradient all the same:
+    activation recompute reruns a layer in the backward only if its input wants one, and the indexer loss rides on
+    that backward. True where done (False: not a warm-up, nothing changed)."""
     layers = sparse_attention_layers([model])
     if not layers or not layers[0].config.dense_warmup:
         return False
@@ -314,10 +317,18 @@ def freeze_for_stage(model: torch.nn.Module) -> bool:
     for layer in layers:
         layer.indexer.requires_grad_(True)
     for module in model.modules():
+        if isinstance(module, LanguageModelEmbedding):
+            module.register_forward_hook(_wants_gradient)
+    for module in model.modules():
         config = getattr(module, "config", None)
         if getattr(config, "moe_router_bias_update_rate", None):
             config.moe_router_bias_update_rate = 0.0
     return True
+
+
+def _wants_gradient(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output [s, b, h], a leaf, made to want a gradient (``freeze_for_stage``)."""
+    return output if output.requires_grad or not torch.is_grad_enabled() else output.requires_grad_(True)
 
 
 @contextmanager
