@@ -25,6 +25,7 @@ from loongforge.config.moved_keys import move_into_section
 LANGUAGE_KEY = "model.language"
 EXPERT_KINDS = ("auto", "grouped", "sequential")  # model.language.moe.experts
 LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention")
+SPARSE_ATTENTION_STAGES = ("dense_warmup", "sparse")  # model.language.sparse_attention.stage
 
 
 def _divisors_of(number: int) -> str:
@@ -308,11 +309,28 @@ class SparseAttentionConfig:
     # The indexer rotates its channels in interleaved pairs (GLM-5); false: channel i with i + half (DeepSeek-V3.2,
     # whose multi-latent attention rotates pairs all the same).
     rope_interleaved: bool = False
+    # The training stage (DeepSeek-V3.2's two): "dense_warmup" freezes every parameter but the indexers', attends
+    # to every earlier key and trains the indexer toward the main attention; "sparse" (the published models') trains
+    # everything on the top-k, the indexer by its loss alone. models.decoder.sparse_attention; docs/stages.md.
+    stage: str = "sparse"
+    # Weight of the indexer's KL loss (each layer's, summed over layers) in the objective, beside the LM loss's
+    # mean over tokens; 0 leaves the indexer untrained (and dense_warmup is then refused: nothing would learn).
+    indexer_loss_coeff: float = 1.0
 
-    def problems(self, *, multi_latent_attention: Optional[MLAConfig], context_parallel: int) -> list[str]:
+    def problems(self, *, multi_latent_attention: Optional[MLAConfig], context_parallel: int,
+                 lora_rank: int = 0) -> list[str]:
         key = self.KEY
         if min(self.index_topk, self.index_n_heads, self.index_head_dim) < 1:
             return [f"{key}={self}: index_topk, index_n_heads and index_head_dim must be at least 1."]
+        if self.stage not in SPARSE_ATTENTION_STAGES:
+            return [f"{key}.stage={self.stage!r} must be one of {', '.join(SPARSE_ATTENTION_STAGES)}."]
+        if not self.indexer_loss_coeff >= 0:
+            return [f"{key}.indexer_loss_coeff={self.indexer_loss_coeff} must not be negative."]
+        if self.stage == "dense_warmup" and (self.indexer_loss_coeff == 0 or lora_rank):
+            why = ("indexer_loss_coeff=0 gives the indexer no loss" if self.indexer_loss_coeff == 0
+                   else f"lora.rank={lora_rank} freezes every base weight, the indexers' included")
+            return [f"{key}.stage=dense_warmup trains the indexers alone, but {why}: nothing would learn; "
+                    f"raise indexer_loss_coeff / set lora.rank=0, or use stage=sparse."]
         if multi_latent_attention is None or multi_latent_attention.q_lora_rank is None:
             return [f"{key} is set but {MLAConfig.KEY}.q_lora_rank is not: the indexer's queries come up from the "
                     f"query latent; give multi_latent_attention with a q_lora_rank, or set {key}: null."]

@@ -467,7 +467,7 @@ def _check_layer_kinds(cfg: RunConfig) -> list[str]:
                       f"in multi-latent attention only; set yarn: null.")
     if language.sparse_attention is not None:
         errors += language.sparse_attention.problems(multi_latent_attention=language.multi_latent_attention,
-                                                     context_parallel=cp)
+                                                     context_parallel=cp, lora_rank=cfg.lora.rank)
     if language.moe is not None:
         errors += language.moe.problems(num_layers=language.num_layers)
     errors += qk_norm_problems(qk_norm=language.qk_norm, qk_norm_type=language.qk_norm_type,

@@ -25,7 +25,7 @@ from loongforge.config.layout import (
 from loongforge.config.pipeline_layout import PipelineStages, stage_plan
 from loongforge.config.schema import LanguageConfig, ModelConfig, RunConfig
 from loongforge.models import parts
-from loongforge.models.decoder.layer_costs import mlp, token_mixer
+from loongforge.models.decoder.layer_costs import LatentAttention, SparseLatentAttention, mlp, token_mixer
 from loongforge.models.flops import decoder_layer_types, sparse_layers, with_layers
 from loongforge.models.layers.lora_params import AdapterParameters, adapter_parameters
 from loongforge.models.registry import check_family_layout, get_family
@@ -178,9 +178,13 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
                 mtp_experts = split.mtp_experts / expert_shards
                 expert_params += mtp_experts
                 params += (split.mtp + (split.input_embedding if len(counts) > 1 else 0)) / tp + mtp_experts
-        language_frozen = lora or cfg.training.freeze_language
+        warmup = _dense_warmup_indexers(cfg.model.language)
+        language_frozen = lora or cfg.training.freeze_language or warmup is not None
         if lora:  # the whole base is frozen
             frozen = params - expert_params
+        elif warmup is not None:  # sparse attention's dense warm-up: everything but the indexers (replicated on TP)
+            mtp_layers = cfg.model.language.mtp_num_layers if split.mtp and index == len(counts) - 1 else 0
+            frozen = params - expert_params - warmup * (num_layers + mtp_layers)
         elif language_frozen:  # everything but the encoder's parts
             frozen += params - expert_params - encoder_params
         ranges = tuple((stage_layers.first_layer(index, chunk), stage_layers.first_layer(index, chunk) + count - 1)
@@ -190,6 +194,13 @@ def _stage_plans(cfg: RunConfig, sizes: ParallelSizes, split: ParameterSplit) ->
                                 frozen_expert_params_per_rank=expert_params if language_frozen else 0.0,
                                 adapter_params_per_rank=adapter_params))
     return stages
+
+
+def _dense_warmup_indexers(lang: LanguageConfig) -> float | None:
+    """Parameters of one layer's indexer where sparse attention's dense warm-up trains them alone, else None."""
+    if lang.sparse_attention is None or lang.sparse_attention.stage != "dense_warmup":
+        return None
+    return SparseLatentAttention.parameters(lang) - LatentAttention.parameters(lang)
 
 
 def _adapters(cfg: RunConfig, sizes: ParallelSizes) -> AdapterParameters | None:
@@ -331,7 +342,8 @@ def context_parallel_text(cfg: RunConfig, sizes: ParallelSizes) -> str:
 
 
 def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
-    """What the run trains: every parameter, all but a frozen tower, or LoRA's adapters alone."""
+    """What the run trains: every parameter, all but a frozen tower, LoRA's adapters alone, or sparse attention's
+    indexers alone (its dense warm-up)."""
     if cfg.lora.rank:
         lora = cfg.lora
         total = adapter_parameters(cfg.model, lora, tensor_parallel=1, vision_tensor_parallel=1,
@@ -340,7 +352,11 @@ def trainable_parameters_text(cfg: RunConfig, split: ParameterSplit) -> str:
         return (f"{human_count(total)} LoRA adapter parameters ({100 * total / split.total:.2f}% of "
                 f"{human_count(split.total)}): rank {lora.rank}, alpha {lora.alpha:g} on "
                 f"{'/'.join(lora.targets)} {', '.join(lora.modules)}{experts}; the base is frozen")
-    training = cfg.training
+    training, lang = cfg.training, cfg.model.language
+    warmup = _dense_warmup_indexers(lang)
+    if warmup is not None:
+        indexers = warmup * (lang.num_layers + lang.mtp_num_layers)
+        return f"{human_count(indexers)} of {human_count(split.total)} (sparse_attention.stage=dense_warmup: the indexers)"
     language = split.total - split.vision_model - split.projector
     frozen = (split.vision_model * training.freeze_vision + split.projector * training.freeze_projector
               + language * training.freeze_language)

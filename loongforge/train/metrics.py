@@ -45,6 +45,10 @@ class StepMetrics:
     expert_load: Optional[ExpertLoad] = None
     # Multi-token prediction: each MTP layer's loss (train.step.StepResult); None without MTP layers.
     mtp_losses: Optional[list[float]] = None
+    # DeepSeek Sparse Attention: the indexer's KL loss and, in dense_warmup, the attention mass its top-k keeps
+    # (train.step.StepResult); None otherwise.
+    indexer_loss: Optional[float] = None
+    indexer_topk_mass: Optional[float] = None
     # Model FLOPs, TFLOP/s per GPU, MFU and HFU of the step (profile.throughput); by_rank["model_tflop"]
     # holds each model replica's share (None on ranks that do not count: one per replica counts).
     throughput: Optional[Throughput] = None
@@ -88,6 +92,8 @@ def format_log_line(m: StepMetrics, total_steps: int) -> str:
             + ("" if m.mtp_losses is None else " | mtp loss " + " ".join(f"{v:.4f}" for v in m.mtp_losses))
             + ("" if m.preference is None else f" | reward accuracy {m.preference['rewards/accuracies']:.2f} | "
                f"margin {m.preference['rewards/margins']:.4f}")
+            + ("" if m.indexer_loss is None else f" | indexer loss {m.indexer_loss:.4g}")
+            + ("" if m.indexer_topk_mass is None else f" | top-k mass {m.indexer_topk_mass:.1%}")
             + _throughput_text(m))
 
 
@@ -173,6 +179,10 @@ class RunLogger:
             record["load_balancing_loss"] = m.load_balancing_loss
         if m.mtp_losses is not None:
             record["mtp_loss"] = m.mtp_losses
+        if m.indexer_loss is not None:
+            record["indexer_loss"] = m.indexer_loss
+        if m.indexer_topk_mass is not None:
+            record["indexer_topk_mass"] = m.indexer_topk_mass
         if m.expert_load is not None:
             record.update({"expert_tokens_min": m.expert_load.tokens_min, "expert_tokens_max": m.expert_load.tokens_max,
                            "expert_load_max_over_mean": m.expert_load.max_over_mean})

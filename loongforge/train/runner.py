@@ -63,6 +63,7 @@ from loongforge.models.layers.fp8 import (
 from loongforge.models.layers.layer_backend import passed_over_backends, resolve_layer_backend
 from loongforge.models.layers.lora import apply_lora, describe_lora
 from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
+from loongforge.models.decoder.sparse_attention import freeze_for_stage
 from loongforge.models.registry import get_family
 from loongforge.parallel import mcore_patches
 from loongforge.parallel.data_groups import build_data_groups
@@ -270,7 +271,8 @@ def _apply_lora(model, cfg: RunConfig) -> Optional[str]:
 
 def _freeze(model, cfg: RunConfig) -> None:
     """training.freeze_vision / freeze_projector / freeze_language: those parts take no gradient
-    (where this rank holds them)."""
+    (where this rank holds them); model.language.sparse_attention.stage=dense_warmup: nothing but the indexers
+    takes one."""
     towers, training = model.towers(), cfg.training
     flags = ((training.freeze_vision, "vision"), (training.freeze_projector, "projector"),
              (training.freeze_language, "language"))
@@ -278,6 +280,7 @@ def _freeze(model, cfg: RunConfig) -> None:
     for tower in frozen:
         for param in tower.parameters():
             param.requires_grad_(False)
+    freeze_for_stage(model)  # sparse attention's dense_warmup: the indexers alone train
 
 
 def _finalize_grads(finalize_model_grads, model: list, *args, **kwargs) -> None:
@@ -830,7 +833,7 @@ def _run_steps(run: _Run, logger: RunLogger, summary: TrainingSummary, consumed_
             balance=None if decision is None else {"applied": decision.applied, "before": decision.before,
                                                    "after": decision.after},
             by_rank=totals.by_rank, load_balancing_loss=result.load_balancing_loss, expert_load=expert_load,
-            mtp_losses=result.mtp_losses,
+            mtp_losses=result.mtp_losses, indexer_loss=result.indexer_loss, indexer_topk_mass=result.indexer_topk_mass,
             sources=_sources(run), preference=preference))
         summary.losses.append((step, result.loss))
         summary.throughput.append(throughput)

@@ -20,6 +20,8 @@ import torch
 import torch.distributed as dist
 
 from loongforge.models.decoder.moe_balance import aux_loss_weight, weighted_aux_loss
+from loongforge.models.decoder.sparse_attention import take_indexer_statistics, weighted_indexer_loss
+from loongforge.models.layers.attention import PaddedRowParams
 from loongforge.parallel.context_parallel import ContextShard
 from loongforge.profile.timers import cpu_clock
 
@@ -48,6 +50,11 @@ class StepResult:
     # Multi-token prediction: each MTP layer's loss (the mean over its loss tokens, without the coefficient),
     # averaged over micro-batches and data-parallel replicas; None without MTP layers.
     mtp_losses: Optional[list[float]] = None
+    # DeepSeek Sparse Attention: the indexer's KL loss (without the coefficient), the mean over its layers and the
+    # step's micro-batches (all data-parallel replicas'), and in dense_warmup the share of the main attention's mass
+    # its top-k keeps, averaged likewise (``models.decoder.sparse_attention``); None otherwise.
+    indexer_loss: Optional[float] = None
+    indexer_topk_mass: Optional[float] = None
     # This rank's pipeline schedule (forward, backward and the gradient finalize over its
     # micro-batches): wall seconds and this process's CPU seconds in it. On a CPU run the difference
     # is the time the rank waited (the pipeline bubble, the gradient all-reduce); ``bench pipeline``.
@@ -60,14 +67,16 @@ def to_device(micro_batch: dict, device: torch.device) -> dict:
             for k, v in micro_batch.items()}
 
 
-def packed_seq_params(cu_seqlens: torch.Tensor):
-    # lazy: this module imports no megatron-core until a run uses it
-    from megatron.core.packed_seq_params import PackedSeqParams
-
+def packed_seq_params(cu_seqlens: torch.Tensor, padding_mask: Optional[torch.Tensor] = None) -> PaddedRowParams:
+    """The row's thd parameters; ``padding_mask`` [1, T] (True on padding) names the padding tail, the last segment
+    when it is all padding."""
     cu = cu_seqlens.to(torch.int32)  # [n_segments + 1]
-    max_len = int((cu[1:] - cu[:-1]).max())
-    return PackedSeqParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu,
-                           max_seqlen_q=max_len, max_seqlen_kv=max_len)
+    lengths = cu[1:] - cu[:-1]  # [n_segments]
+    max_len = int(lengths.max())
+    tail = int(lengths[-1])
+    padded = padding_mask is not None and tail > 0 and bool(padding_mask[0, -tail:].all())
+    return PaddedRowParams(qkv_format="thd", cu_seqlens_q=cu, cu_seqlens_kv=cu, max_seqlen_q=max_len,
+                           max_seqlen_kv=max_len, padding_tokens=tail if padded else 0)
 
 
 def _masked_loss_sum(loss_mask: torch.Tensor, per_token_loss: torch.Tensor):
@@ -86,6 +95,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
 
     def forward_step(data_iterator, model):
         batch = to_device(next(data_iterator), device)
+        packed = packed_seq_params(batch["cu_seqlens"], batch.get("padding_mask"))  # the whole row's
         shard = None
         if context_group is not None:
             shard = ContextShard.of_row(batch["input_ids"], batch["cu_seqlens"], context_group)
@@ -94,7 +104,7 @@ def make_forward_step(device: torch.device, context_group: Optional[dist.Process
             input_ids=batch["input_ids"],
             position_ids=batch["position_ids"],
             labels=batch["labels"],
-            packed_seq_params=packed_seq_params(batch["cu_seqlens"]),
+            packed_seq_params=packed,
             media=batch.get("media"),
             loss_mask=batch["loss_mask"],
             padding_mask=batch.get("padding_mask"),
@@ -151,10 +161,17 @@ def forward_backward(model, micro_batches: list[dict], *, device: torch.device, 
                      is_loss_rank: bool, context_group: Optional[dist.ProcessGroup] = None) -> list[dict]:
     """megatron-core's schedule over this rank's micro-batches: forward, backward, and the gradient
     finalize (all-reduce, division by the global loss-token count); the loss reports it returns.
-    Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents."""
-    weighting = (weighted_aux_loss(model, _aux_loss_factor(micro_batches, is_loss_rank and _first_of_context(
-        context_group))) if _has_balance_loss(_model_config(model)) else contextlib.nullcontext())
-    with weighting:
+    Mixture-of-experts models train their balance loss at the weight ``moe_balance`` documents, sparse attention
+    its indexer loss at the same."""
+    config = _model_config(model)
+    balance, indexer = _has_balance_loss(config), _has_indexer_loss(config)
+    with contextlib.ExitStack() as weighting:
+        if balance or indexer:
+            factor = _aux_loss_factor(micro_batches, is_loss_rank and _first_of_context(context_group))
+            if balance:
+                weighting.enter_context(weighted_aux_loss(model, factor))
+            if indexer:
+                weighting.enter_context(weighted_indexer_loss(model, factor))
         return _schedule(model, micro_batches, device=device, seq_length=seq_length, forward_only=False,
                          context_group=context_group)
 
@@ -193,6 +210,11 @@ def forward_only(model, micro_batches: list[dict], *, device: torch.device, seq_
 def _has_balance_loss(config) -> bool:
     """A mixture-of-experts model trained with megatron-core's load-balancing loss."""
     return bool(getattr(config, "num_moe_experts", None) and getattr(config, "moe_aux_loss_coeff", 0))
+
+
+def _has_indexer_loss(config) -> bool:
+    """A DeepSeek Sparse Attention model (``models.decoder.sparse_attention``)."""
+    return getattr(config, "index_stage", None) is not None
 
 
 def _first_of_context(context_group: Optional[dist.ProcessGroup]) -> bool:
@@ -243,11 +265,13 @@ def train_step(model, optimizer, scheduler, micro_batches: list[dict], *, device
     if update_ok:
         scheduler.step(increment=1)
     loss, tokens = _global_loss(reports, is_loss_rank)
+    indexer_loss, indexer_mass = _indexer_losses(model)
     return StepResult(loss=loss, loss_tokens=tokens,
                       grad_norm=None if grad_norm is None else float(grad_norm), lr=lr,
                       compute_s=compute_s, skipped=not update_ok, vision_features_bytes=vision_bytes,
                       load_balancing_loss=_load_balancing_loss(model, len(micro_batches)),
                       mtp_losses=_mtp_losses(model, len(micro_batches)),
+                      indexer_loss=indexer_loss, indexer_topk_mass=indexer_mass,
                       pipeline_s=pipeline_s, pipeline_cpu_s=pipeline_cpu_s)
 
 
@@ -299,6 +323,22 @@ def _mtp_losses(model: list, num_micro_batches: int) -> Optional[list[float]]:
     if dist.get_world_size(pipeline) > 1:
         dist.all_reduce(values, group=pipeline)
     return [float(value) / num_micro_batches for value in values]
+
+
+def _indexer_losses(model: list) -> tuple[Optional[float], Optional[float]]:
+    """The step's (indexer loss, top-k kept mass in dense_warmup) over every rank (a collective every rank joins):
+    the layers' sums over pipeline stages, TP and CP ranks repeating the same values, which the ratio to the
+    (layer, micro-batch) count cancels; (None, None) without sparse attention."""
+    config = _model_config(model)
+    if not _has_indexer_loss(config):
+        return None, None
+    totals = take_indexer_statistics(model)  # float64 [KL, kept mass, (layer, micro-batch) pairs]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.all_reduce(totals)
+    if totals[2] == 0:
+        return None, None
+    kl, mass = (float(value) for value in totals[:2] / totals[2])
+    return kl, mass if config.dense_warmup else None
 
 
 def clear_moe_loss_tracker(model: list) -> None:

@@ -171,7 +171,8 @@ def sparse_attention(lang: LanguageConfig) -> dict:
     if sparse is None:
         return {}
     return dict(index_topk=sparse.index_topk, index_n_heads=sparse.index_n_heads,
-                index_head_dim=sparse.index_head_dim, index_rope_interleaved=sparse.rope_interleaved)
+                index_head_dim=sparse.index_head_dim, index_rope_interleaved=sparse.rope_interleaved,
+                index_stage=sparse.stage, index_loss_coeff=sparse.indexer_loss_coeff)
 
 
 def sliding_window(lang: LanguageConfig) -> dict:

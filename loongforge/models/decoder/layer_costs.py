@@ -172,9 +172,10 @@ class SparseLatentAttention(LatentAttention):
     @staticmethod
     def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
         """The indexer's forward: its projections (its queries from the query latent, its key and head weights from
-        the hidden state) and its scores, per head a q.k over each segment's square and their weighted sum. It runs
-        without a backward (nothing trains it yet), so it is not in ``forward_flops``, whose work the backward
-        doubles: ``untrained_forward_flops``. Multi-latent attention itself is ``LatentAttention``'s: the CPU path
+        the hidden state) and its scores, per head a q.k over each segment's square and their weighted sum. Counted
+        forward only (``untrained_forward_flops``, not in ``forward_flops``, whose work the backward doubles): the
+        backward of its KL loss (``decoder.sparse_attention``'s training stages) and that loss's target (the main
+        attention's probabilities again) are not counted yet. Multi-latent attention itself is ``LatentAttention``'s: the CPU path
         masks the square rather than skipping what the top-k leaves out."""
         sparse, tokens, h = lang.sparse_attention, sum(segment_lengths), lang.hidden_size
         heads, dim = sparse.index_n_heads, sparse.index_head_dim

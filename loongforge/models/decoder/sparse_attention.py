@@ -19,10 +19,30 @@ The indexer, per layer (x: the layer's normed input [L, h]; q_r: the query laten
 
 MLA then runs as DeepSeek-V3's with the mask "s in S(t) and s <= t": a selected key beyond the causal limit (a
 query with fewer than index_topk earlier tokens takes every one of them and some masked ones) stays masked, so
-that query attends to all its earlier tokens. No gradient flows through the choice (top-k is a selection); the
-indexer reads x and q_r detached, so nothing reaches the main model through it, and it is built frozen: it
-trains only by its KL loss toward the main attention (issue 53's stages, a later part), which this module's
-``scores`` are shaped for.
+that query attends to all its earlier tokens. No gradient flows through the choice (top-k is a selection), and
+the indexer reads x and q_r detached: the LM loss never reaches the indexer, nor the indexer the main model.
+
+Training (``stage``, DeepSeek-V3.2's paper, section 2.1). The indexer learns by its own loss alone, a KL toward
+the main attention over the keys M(t) query t attends to::
+
+    p[t, s]  = sum over every head n (all TP ranks') of softmax_s(scale * q_n[t] . k_n[s], s in M(t)), then
+               divided by its sum over s (L1-normalised per query); computed from q, k detached
+    KL(t)    = sum_{s in M(t)} p[t, s] * (log p[t, s] - log softmax_s(I[t, s], s in M(t)))
+    loss     = mean over the micro-batch's queries of KL(t) (each sample of a packed row on its own block)
+
+- ``dense_warmup``: M(t) = every s <= t (the attention runs dense), every parameter but the indexers' is frozen,
+  the routers' expert bias too (``freeze_for_stage``, from the runner's freezing); the share of p that S(t) keeps
+  is measured too.
+- ``sparse`` (the published models' stage, and a converted checkpoint's default): M(t) = S(t) (and s <= t), everything
+  trains, the main model by the LM loss (the indexer's inputs and the target are detached), the indexer by the KL.
+
+Each layer's loss rides on its attention output as megatron's MoE balance loss does (``MoEAuxLossAutoScaler``: a
+gradient injected in the backward, nothing added to the forward) at ``index_loss_coeff`` (the section's
+``indexer_loss_coeff``), which the training step scales as ``moe_balance`` scales the balance loss's
+(``weighted_indexer_loss``), so the objective is LM mean + coeff * sum over layers of the mean over the step's
+micro-batches of each one's loss, however rows are spread over micro-batches and DP ranks. A packed row's padding
+tail (a segment of its own, named by the step's ``PaddedRowParams``) is attended but left out of the loss, as the LM
+loss's mask leaves it out: rows padded differently (TP pads to multiples of 8 TP) train the same indexer loss.
 
 Ties at the cut. transformers takes ``torch.topk`` over the sample's scores [L] per query (its mask adds
 finfo.min, which absorbs every score: the masked entries tie). The choice among tied scores at the cut (the
@@ -58,15 +78,19 @@ and k by a Hadamard transform (orthogonal, so every q.k is unchanged) and score 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Optional
+from typing import Iterator, Optional, Sequence
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
+from megatron.core.models.common.embeddings.language_model_embedding import LanguageModelEmbedding
 from megatron.core.packed_seq_params import PackedSeqParams
 from megatron.core.process_groups_config import ProcessGroupCollection
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region
 from megatron.core.transformer.module import MegatronModule
+from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
@@ -83,6 +107,12 @@ class SparseAttentionTransformerConfig(MLATransformerConfig):
     index_n_heads: int = 64
     index_head_dim: int = 128
     index_rope_interleaved: bool = False
+    index_stage: str = "sparse"  # "dense_warmup" | "sparse" (the section's ``stage``)
+    index_loss_coeff: float = 1.0  # the section's ``indexer_loss_coeff``; the step scales it (module docstring)
+
+    @property
+    def dense_warmup(self) -> bool:
+        return self.index_stage == "dense_warmup"
 
 
 def rotate_halves(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -116,8 +146,6 @@ class LightningIndexer(MegatronModule):
         if config.perform_initialization:  # as megatron's router: replicated, drawn from the default generator
             for linear in (self.linear_wq_b, self.linear_wk, self.linear_weights_proj):
                 config.init_method(linear.weight)
-        # Nothing trains it yet: top-k passes no gradient, and its KL loss is a later part.
-        self.requires_grad_(False)
 
     def scores(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One sample's index scores [L, L] (-inf above the diagonal), from x [L, h], q_latent [L, q_lora_rank]
@@ -139,10 +167,34 @@ class LightningIndexer(MegatronModule):
 
     def select(self, x: torch.Tensor, q_latent: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """One sample's attention mask [L, L], True where query t attends key s: s among t's top-k and s <= t."""
-        scores = self.scores(x.detach(), q_latent.detach(), cos, sin)
+        return self.keep(self.scores(x.detach(), q_latent.detach(), cos, sin).detach())
+
+    def keep(self, scores: torch.Tensor) -> torch.Tensor:
+        """The mask [L, L] of one sample's index scores [L, L] (-inf above the diagonal): s among t's top-k, s <= t."""
         chosen = scores.topk(min(self.topk, scores.shape[-1]), dim=-1).indices  # [L, k]
         keep = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, chosen, True)
         return keep & torch.isfinite(scores)
+
+
+def attention_target(query: torch.Tensor, key: torch.Tensor, scale: float, mask: torch.Tensor,
+                     tp_group: Optional[dist.ProcessGroup] = None) -> torch.Tensor:
+    """The indexer's target p [L, L] (module docstring) from one sample's query, key [L, np, d] (this rank's heads,
+    detached here) and the attended mask [L, L]: softmax per head over the mask, summed over all heads (over the TP
+    group's too), L1-normalised per query. fp32."""
+    q, k = query.detach().float().transpose(0, 1), key.detach().float().transpose(0, 1)  # [np, L, d]
+    logits = torch.matmul(q, k.transpose(-1, -2)) * scale  # [np, L, L]
+    probs = torch.softmax(logits.masked_fill(~mask, float("-inf")), dim=-1).sum(0)  # [L, L]
+    if tp_group is not None and tp_group.size() > 1:  # each rank holds np / tp heads
+        dist.all_reduce(probs, group=tp_group)
+    return probs / probs.sum(dim=-1, keepdim=True)
+
+
+def indexer_kl(scores: torch.Tensor, target: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """KL(p[t] || softmax(I[t] over the mask)) per query [L] from one sample's index scores [L, L] (the gradient's
+    only way in), the target p [L, L] (zero off the mask) and the mask [L, L]."""
+    log_q = torch.log_softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1)  # [L, L]
+    counted = mask & (target > 0)  # 0 * log 0 = 0; where() also keeps the -inf off the mask out of the gradient
+    return torch.where(counted, target * (target.log() - log_q), 0.0).sum(dim=-1)
 
 
 class SparseCoreAttention(SDPACoreAttention):
@@ -165,35 +217,71 @@ class SparseLatentAttention(MLASelfAttention):
                          pg_collection=pg_collection)
         self.indexer = LightningIndexer(config)
 
+        # This rank's training statistics since the step took them (``take_indexer_statistics``): float64
+        # [KL summed over micro-batches, top-k kept mass summed likewise (dense_warmup), micro-batches].
+        self.indexer_statistics: Optional[torch.Tensor] = None
+
     def forward(self, hidden_states: torch.Tensor, attention_mask=None, *,
                 packed_seq_params: Optional[PackedSeqParams] = None, **unused):
         query, key, value, q_latent, _ = self.get_query_key_value_tensors(
             hidden_states, packed_seq_params=packed_seq_params)
         packed = packed_seq_params is not None and packed_seq_params.qkv_format == "thd"
-        x = hidden_states
+        # The indexer reads detached inputs: the LM loss never reaches it, nor its KL the main model.
+        x, q_latent = hidden_states.detach(), q_latent.detach()
         if self.config.sequence_parallel and self.pg_collection.tp.size() > 1:  # the indexer reads every token
-            x = gather_from_sequence_parallel_region(x.detach(), group=self.pg_collection.tp)
-            q_latent = gather_from_sequence_parallel_region(q_latent.detach(), group=self.pg_collection.tp)
+            x = gather_from_sequence_parallel_region(x, group=self.pg_collection.tp)
+            q_latent = gather_from_sequence_parallel_region(q_latent, group=self.pg_collection.tp)
+        learn = self.training and torch.is_grad_enabled()
         if packed:  # [t, np, d] and [t, 1, h], [t, q_lora_rank]: one sample per segment of cu_seqlens
             spans = _spans(packed_seq_params.cu_seqlens_q)
-            out = self._attend_samples(query, key, value, x[:, 0], q_latent, spans)
-            return self.linear_proj(out.reshape(out.shape[0], 1, -1))
-        # [s, b, ...]: each batch row one sample of s tokens
-        rows = [self._attend_samples(query[:, b], key[:, b], value[:, b], x[:, b], q_latent[:, b],
-                                     [(0, query.shape[0])]) for b in range(query.shape[1])]
-        out = torch.stack(rows, dim=1)  # [s, b, np, d_v]
-        return self.linear_proj(out.reshape(out.shape[0], out.shape[1], -1))
+            # The padding tail (``PaddedRowParams``) is attended as a segment but left out of the indexer's loss.
+            samples = len(spans) - int(0 < getattr(packed_seq_params, "padding_tokens", 0) == spans[-1][1])
+            out, losses = self._attend_samples(query, key, value, x[:, 0], q_latent, spans, samples if learn else 0)
+        else:  # [s, b, ...]: each batch row one sample of s tokens
+            rows = [self._attend_samples(query[:, b], key[:, b], value[:, b], x[:, b], q_latent[:, b],
+                                         [(0, query.shape[0])], int(learn)) for b in range(query.shape[1])]
+            out = torch.stack([row for row, _ in rows], dim=1)  # [s, b, np, d_v]
+            losses = [loss for _, row_losses in rows for loss in row_losses]
+        if losses:
+            out = self._attach_indexer_loss(out, losses)
+        # [t, np, d_v] -> [t, 1, np * d_v]; [s, b, np, d_v] -> [s, b, np * d_v]
+        return self.linear_proj(out.reshape(out.shape[0], 1 if packed else out.shape[1], -1))
 
-    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]]) -> torch.Tensor:
-        """q, k [t, np, d], v [t, np, d_v], x [t, h], q_latent [t, q_lora_rank] -> [t, np, d_v], each (start, length)
-        span of ``spans`` a sample of its own."""
+    def _attend_samples(self, query, key, value, x, q_latent, spans: list[tuple[int, int]], learned_spans: int
+                        ) -> tuple[torch.Tensor, list[tuple[torch.Tensor, torch.Tensor]]]:
+        """q, k [t, np, d], v [t, np, d_v], x [t, h], q_latent [t, q_lora_rank] (detached) -> [t, np, d_v], each
+        (start, length) span of ``spans`` a sample of its own; also the (KL [L], top-k kept mass [L]) per query of
+        the first ``learned_spans`` spans (module docstring)."""
         cos, sin = self._rotary_table(max(length for _, length in spans), x.dtype)
-        outputs = []
-        for start, length in spans:
-            rows = slice(start, start + length)
-            keep = self.indexer.select(x[rows], q_latent[rows], cos[:length], sin[:length])
-            outputs.append(self.core_attention.attend(query[rows], key[rows], value[rows], keep))
-        return torch.cat(outputs)
+        outputs, losses = [], []
+        for index, (start, length) in enumerate(spans):
+            rows, learning = slice(start, start + length), index < learned_spans
+            with torch.set_grad_enabled(learning):  # the indexer's graph only when its loss trains it
+                scores = self.indexer.scores(x[rows], q_latent[rows], cos[:length], sin[:length])  # [L, L]
+            chosen = self.indexer.keep(scores.detach())
+            attended = torch.isfinite(scores.detach()) if self.config.dense_warmup else chosen
+            outputs.append(self.core_attention.attend(query[rows], key[rows], value[rows], attended))
+            if learning:
+                target = attention_target(query[rows], key[rows], self._softmax_scale(query), attended,
+                                          self.pg_collection.tp)
+                losses.append((indexer_kl(scores, target, attended), (target * chosen).sum(dim=-1)))
+        return torch.cat(outputs), losses
+
+    def _attach_indexer_loss(self, out: torch.Tensor, losses: list[tuple[torch.Tensor, torch.Tensor]]
+                             ) -> torch.Tensor:
+        """The micro-batch's indexer loss (mean KL over its queries) injected into the backward through ``out``,
+        at the coefficient the step set; the statistics recorded."""
+        kl = torch.cat([loss for loss, _ in losses]).mean()
+        mass = torch.cat([kept for _, kept in losses]).mean()
+        record = torch.stack([kl.detach().double(), mass.double(), torch.ones((), dtype=torch.float64,
+                                                                                device=mass.device)])
+        self.indexer_statistics = record if self.indexer_statistics is None else self.indexer_statistics + record
+        return MoEAuxLossAutoScaler.apply(out, kl * self.config.index_loss_coeff)
+
+    def _softmax_scale(self, query: torch.Tensor) -> float:
+        """MLA's softmax scale (YaRN's mscale in it), as the core attention applies it."""
+        scale = self.core_attention.softmax_scale
+        return query.shape[-1] ** -0.5 if scale is None else scale
 
     def _rotary_table(self, length: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos, sin [length, R] of positions 0.. as MLA's rotary module gives them (YaRN's factor folded in)."""
@@ -209,3 +297,62 @@ def _spans(cu_seqlens: torch.Tensor) -> list[tuple[int, int]]:
     """(start, length) of each non-empty segment of a packed row."""
     cu = cu_seqlens.tolist()
     return [(start, end - start) for start, end in zip(cu[:-1], cu[1:]) if end > start]
+
+
+def sparse_attention_layers(modules: Sequence[torch.nn.Module]) -> list[SparseLatentAttention]:
+    """Every DeepSeek Sparse Attention layer inside ``modules`` (model chunks, possibly DDP-wrapped)."""
+    return [m for module in modules for m in module.modules() if isinstance(m, SparseLatentAttention)]
+
+
+def freeze_for_stage(model: torch.nn.Module) -> bool:
+    """``stage=dense_warmup``: every parameter of ``model`` but its indexers' takes no gradient, and the routers'
+    expert bias (trained state megatron-core moves after each step by ``moe_router_bias_update_rate`` toward an even
+    load) stays put: the rate is 0 for the run. The token embedding's output asks for a gradient all the same:
+    activation recompute reruns a layer in the backward only if its input wants one, and the indexer loss rides on
+    that backward. True where done (False: not a warm-up, nothing changed)."""
+    layers = sparse_attention_layers([model])
+    if not layers or not layers[0].config.dense_warmup:
+        return False
+    model.requires_grad_(False)
+    for layer in layers:
+        layer.indexer.requires_grad_(True)
+    for module in model.modules():
+        if isinstance(module, LanguageModelEmbedding):
+            module.register_forward_hook(_wants_gradient)
+    for module in model.modules():
+        config = getattr(module, "config", None)
+        if getattr(config, "moe_router_bias_update_rate", None):
+            config.moe_router_bias_update_rate = 0.0
+    return True
+
+
+def _wants_gradient(module: torch.nn.Module, inputs, output: torch.Tensor) -> torch.Tensor:
+    """The frozen embedding's output [s, b, h], a leaf, made to want a gradient (``freeze_for_stage``)."""
+    return output if output.requires_grad or not torch.is_grad_enabled() else output.requires_grad_(True)
+
+
+@contextmanager
+def weighted_indexer_loss(model_chunks: Sequence[torch.nn.Module], factor: float) -> Iterator[None]:
+    """The indexer loss's coefficient times ``factor`` (``moe_balance.aux_loss_weight``'s, for the same objective)
+    for one step's forward and backward, then restored."""
+    configs = {id(layer.config): layer.config for layer in sparse_attention_layers(model_chunks)}
+    saved = {key: config.index_loss_coeff for key, config in configs.items()}
+    for config in configs.values():
+        config.index_loss_coeff = config.index_loss_coeff * factor
+    try:
+        yield
+    finally:
+        for key, config in configs.items():
+            config.index_loss_coeff = saved[key]
+
+
+def take_indexer_statistics(model_chunks: Sequence[torch.nn.Module]) -> torch.Tensor:
+    """This rank's float64 [KL, top-k kept mass, (layer, micro-batch) pairs] summed over its sparse layers and the
+    micro-batches they trained on since the last call (zeros for none), then forgotten. Mean over layers and
+    micro-batches: the first two over the third."""
+    total = torch.zeros(3, dtype=torch.float64)
+    for layer in sparse_attention_layers(model_chunks):
+        if layer.indexer_statistics is not None:
+            total += layer.indexer_statistics.cpu()
+            layer.indexer_statistics = None
+    return total

@@ -118,6 +118,15 @@ def _context_group(config: TransformerConfig, pg_collection: Optional[ProcessGro
     return parallel_state.get_context_parallel_group()  # a model built without a collection
 
 
+@dataclass
+class PaddedRowParams(PackedSeqParams):
+    """megatron's packed-row parameters (thd) plus the row's padding tail: the tokens at its end, a segment of
+    their own (``data.collate``), that belong to no sample. Attention treats the tail as any segment; a loss
+    computed inside a layer (sparse attention's indexer KL) leaves it out, as the LM loss's mask does."""
+
+    padding_tokens: int = 0
+
+
 @dataclass(frozen=True)
 class QueryChunk:
     """One chunk of a sample's queries held by this CP rank, and the keys it sees."""
