@@ -260,6 +260,22 @@ def resume_from_copy(run: Path, out: Path, step: int, *extra: str, nproc: int = 
     return proc
 
 
+def assert_resumes_identically(uninterrupted: Path, resumed: Path, step: int, *extra: str,
+                               pieces: tuple[str, ...] = (), **kwargs) -> None:
+    """A cut-back copy of ``uninterrupted`` resumed from ``step`` (``resume_from_copy``; ``extra`` and ``kwargs`` its
+    options) ends bit-identical: losses, grad norms and every checkpoint tensor, each of ``pieces`` (name pieces)
+    among them."""
+    resume_from_copy(uninterrupted, resumed, step, *extra, **kwargs)
+    assert losses(resumed) == losses(uninterrupted)
+    assert grad_norms(resumed) == grad_norms(uninterrupted)
+    differences = checkpoint_differences(resumed, uninterrupted)
+    for piece in pieces:
+        assert any(piece in key for key in differences), piece
+    print(f"\nresumed after step {step} vs uninterrupted: {len(differences)} tensors, largest difference "
+          f"{max(differences.values()):.1e}")
+    assert max(differences.values()) == 0.0, max(differences, key=differences.get)
+
+
 def final_checkpoint(run: Path) -> Path:
     return sorted(p for p in (run / "checkpoints").iterdir() if p.name.startswith("step_"))[-1]
 

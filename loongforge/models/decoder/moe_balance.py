@@ -152,15 +152,23 @@ def weighted_aux_loss(model_chunks: Sequence[torch.nn.Module], factor: float) ->
     """megatron-core's routers read ``config.moe_aux_loss_coeff`` at every forward (and log the
     loss divided by it, so logged values stay coefficient-free): scale it by ``factor`` for the
     duration of one step's forward and backward, then restore it."""
-    configs = {id(router.config): router.config for router in routers_of(model_chunks)}
-    saved = {key: config.moe_aux_loss_coeff for key, config in configs.items()}
-    for config in configs.values():
-        config.moe_aux_loss_coeff = config.moe_aux_loss_coeff * factor
+    with scaled_coefficient([router.config for router in routers_of(model_chunks)], "moe_aux_loss_coeff", factor):
+        yield
+
+
+@contextmanager
+def scaled_coefficient(configs: Sequence[object], name: str, factor: float) -> Iterator[None]:
+    """Each distinct config's loss coefficient ``name`` times ``factor`` until the block ends, then restored (a
+    coefficient read at every forward: one step's weight of an auxiliary loss)."""
+    distinct = {id(config): config for config in configs}
+    saved = {key: getattr(config, name) for key, config in distinct.items()}
+    for config in distinct.values():
+        setattr(config, name, getattr(config, name) * factor)
     try:
         yield
     finally:
-        for key, config in configs.items():
-            config.moe_aux_loss_coeff = saved[key]
+        for key, config in distinct.items():
+            setattr(config, name, saved[key])
 
 
 @dataclass(frozen=True)

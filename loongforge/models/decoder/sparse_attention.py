@@ -94,6 +94,7 @@ from megatron.core.transformer.moe.moe_utils import MoEAuxLossAutoScaler
 from megatron.core.transformer.multi_latent_attention import MLASelfAttention
 from megatron.core.transformer.transformer_config import MLATransformerConfig
 
+from loongforge.models.decoder.moe_balance import scaled_coefficient
 from loongforge.models.layers.attention import SDPACoreAttention
 
 KEY_NORM_EPS = 1e-6  # transformers' indexer k_norm (a LayerNorm), whatever rms_norm_eps says
@@ -335,15 +336,9 @@ def _wants_gradient(module: torch.nn.Module, inputs, output: torch.Tensor) -> to
 def weighted_indexer_loss(model_chunks: Sequence[torch.nn.Module], factor: float) -> Iterator[None]:
     """The indexer loss's coefficient times ``factor`` (``moe_balance.aux_loss_weight``'s, for the same objective)
     for one step's forward and backward, then restored."""
-    configs = {id(layer.config): layer.config for layer in sparse_attention_layers(model_chunks)}
-    saved = {key: config.index_loss_coeff for key, config in configs.items()}
-    for config in configs.values():
-        config.index_loss_coeff = config.index_loss_coeff * factor
-    try:
+    with scaled_coefficient([layer.config for layer in sparse_attention_layers(model_chunks)], "index_loss_coeff",
+                            factor):
         yield
-    finally:
-        for key, config in configs.items():
-            config.index_loss_coeff = saved[key]
 
 
 def take_indexer_statistics(model_chunks: Sequence[torch.nn.Module]) -> torch.Tensor:
