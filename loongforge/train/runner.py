@@ -61,7 +61,7 @@ from loongforge.models.layers.fp8 import (
     fp8_choice,
 )
 from loongforge.models.layers import compiled
-from loongforge.models.layers.compiled import compile_parts
+from loongforge.models.layers.compiled import compile_note, compile_parts
 from loongforge.models.layers.layer_backend import passed_over_backends, resolve_layer_backend
 from loongforge.models.layers.lora import apply_lora, describe_lora
 from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
@@ -720,6 +720,7 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
                        progress_bar=cfg.logging.progress_bar)
     for line in (*_startup_summary(run), *run.backend_notes):
         logger.write(line)
+    logger.write(compile_note(cfg.training.compile, run.env.device))
     if run.cfg.training.fp8 != "off":
         logger.write(_unwrap_model(run.model[0]).fp8_note)
     if _unwrap_model(run.model[0]).lora_note:

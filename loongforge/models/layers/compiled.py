@@ -53,6 +53,12 @@ def compile_parts(mode: str, device: torch.device) -> tuple[str, ...]:
     return ()
 
 
+def compile_note(mode: str, device: torch.device) -> str:
+    """The run log's line: what ``training.compile`` compiles on ``device``."""
+    parts = compile_parts(mode, device)
+    return f"compile: {mode}: " + (f"torch.compile of {', '.join(parts)}" if parts else "eager")
+
+
 def _compiled(options: dict) -> Callable[[Callable], Callable]:
     return lambda original: lazy_compile(original, **options)
 
