@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = ["Patch", "CPU_PATCHES", "NO_TE_PATCHES", "FIX_PATCHES", "CHECKPOINT_LOAD_PATCHES",
-           "CHECKPOINT_SAVE_PATCHES", "DEVICE_PROXY_MODULES", "apply", "apply_cpu", "apply_without_te", "apply_fixes", "scoped", "revert", "applied",
+           "CHECKPOINT_SAVE_PATCHES", "DEVICE_PROXY_MODULES", "apply", "remove", "apply_cpu", "apply_without_te", "apply_fixes", "scoped", "revert", "applied",
            "cpu_device_scope", "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
@@ -716,6 +716,14 @@ def apply(patches: list[Patch]) -> list[str]:
     """Install ``patches`` for the rest of the process (``models.layers.compiled``); returns the names this call
     installed. Idempotent; ``revert()`` undoes them."""
     return [patch.name for patch in patches if _install(patch)]
+
+
+def remove(patches: list[Patch]) -> list[str]:
+    """Uninstall those of ``patches`` that are installed; returns their names."""
+    removed = [patch.name for patch in patches if patch.name in _APPLIED]
+    for name in reversed(removed):
+        _uninstall(name)
+    return removed
 
 
 def apply_fixes() -> list[str]:

@@ -9,12 +9,15 @@ import pytest
 import torch
 
 from loongforge.bench.compile_parts import CASES, line, measure
+from loongforge.models.layers import compiled, layer_backend
 from loongforge.models.layers.compiled import PARTS, compile_parts
+from loongforge.parallel import mcore_patches
 
 BOUND = 1e-6
 # A weight's gradient sums over the tokens, which inductor's fp32 reduction orders otherwise: measured 1.4e-6 of
 # the largest (the norm's weight at 1,024 tokens; eager 1.2e-7).
 SUMMED_BOUND = 5e-6
+EAGER_RMS_NORM = layer_backend.rms_norm
 SHAPES = (64, 1024)  # tokens: a short and a long packed row (dynamic shapes: one graph for both)
 
 
@@ -30,3 +33,14 @@ def test_compiled_part_equals_eager_forward_and_gradient(part):
     print("\n" + "\n".join(line(result) for result in results))
     print(f"{part}: asserted {BOUND:.0e}, summed weight gradients {SUMMED_BOUND:.0e}")
     assert all(r["worst"] <= BOUND and r["worst_summed"] <= SUMMED_BOUND for r in results)
+
+
+def test_apply_installs_exactly_the_parts_asked_for():
+    try:
+        assert compiled.apply(("norm", "rope")) == ["compile_rms_norm", "compile_rope"]
+        assert layer_backend.rms_norm is not EAGER_RMS_NORM
+        assert compiled.apply(("rope",)) == [] and layer_backend.rms_norm is EAGER_RMS_NORM
+        assert "compile_rope" in mcore_patches.applied()
+    finally:
+        compiled.apply(())
+    assert not [name for name in mcore_patches.applied() if name.startswith("compile_")]

@@ -115,6 +115,9 @@ def patches(parts: Iterable[str]) -> list[mcore_patches.Patch]:
 
 
 def apply(parts: Iterable[str]) -> list[str]:
-    """Install the parts' patches before the model is built (the SwiGLU part acts at construction). Idempotent;
-    ``mcore_patches.revert()`` undoes it."""
+    """Compile exactly ``parts`` from here on: their patches installed, the other parts' removed (a second run in
+    the same process, a test's, must not keep the first one's choice). Before the model is built: the SwiGLU part
+    acts at construction. Returns the names this call installed."""
+    parts = tuple(parts)
+    mcore_patches.remove(patches(part for part in PARTS if part not in parts))
     return mcore_patches.apply(patches(parts))
