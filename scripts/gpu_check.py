@@ -5,6 +5,7 @@ with its figures and writes ``<work>/<step>.status.json`` for the report.
   python scripts/gpu_check.py overrides --preset P --tokens N ...   # the bench's overrides, one a line
   python scripts/gpu_check.py parity --device cuda --output R.json  # step b
   python scripts/gpu_check.py varlen --device cuda --output R.json  # step i
+  python scripts/gpu_check.py compile --device cuda --output R.json  # step j
   python scripts/gpu_check.py check STEP --work DIR --rc RC --seconds S [step options]
   python scripts/gpu_check.py report --work DIR --output gpu.md [--mode gpu|cpu-rehearsal]
 """
@@ -20,7 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 # Step names in run order; the shell script uses the same names for its logs.
-STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8", "h_hybrid", "i_varlen")
+STEPS = ("a_train", "b_parity", "c_bench", "d_pytest", "e_cost", "f_moe", "g_fp8", "h_hybrid", "i_varlen", "j_compile")
 TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "b_parity": "b. the run's process group (an all-reduce of a CPU and a device tensor), logits parity vs "
                       "transformers (fp32)",
@@ -31,7 +32,9 @@ TITLES = {"a_train": "a. train qwen2.5vl-tiny, save, resume",
           "g_fp8": "g. FP8: bench gemm policies, bf16 vs fp8-auto training",
           "h_hybrid": "h. Qwen3.5: the device's gated delta rule vs the token-by-token rule, train qwen3.5-tiny, "
                       "bench hybrid",
-          "i_varlen": "i. packed attention: torch's varlen kernel vs SDPA per segment (forward+backward)"}
+          "i_varlen": "i. packed attention: torch's varlen kernel vs SDPA per segment (forward+backward)",
+          "j_compile": "j. training.compile: each compiled part (norm, rope, SwiGLU, MoE permute) vs eager "
+                        "(forward+backward)"}
 # The device's gated delta rule (fla's Triton kernel on CUDA, whose fp32 dots may run in TF32) against the
 # token-by-token rule in fp32, relative to the largest output / gradient.
 RULE_TOLERANCE = 5e-3
@@ -45,6 +48,11 @@ MOE_OUTPUT_TOLERANCE = 2e-2
 VARLEN_SHAPES = {"cuda": (8192, 28, 4, 128), "cpu": (512, 4, 2, 32)}  # (tokens, heads, groups, head dim)
 VARLEN_LENGTHS = (37, 300, 1000, 2048, 513, 64, 1500, 900, 128)
 VARLEN_TOLERANCE = 2e-2  # bf16 kernels vs fp32 SDPA, relative to the largest output / gradient
+# Step j: row lengths (tokens) the compiled parts are timed at; Qwen2.5-7B's block shapes on the GPU
+# (bench.compile_parts.GPU_SHAPE), toy ones in the rehearsal. Compiled vs eager, each against eager in fp64:
+# bf16 rounding on the GPU, fp32's on the CPU.
+COMPILE_TOKENS = {"cuda": (1024, 8192), "cpu": (64,)}
+COMPILE_TOLERANCE = {"cuda": 2e-2, "cpu": 5e-6}
 # Layouts of the parity samples: (t, h, w) patch grids of images and videos.
 PARITY_CASES = {"text": {}, "image": {"images": ((1, 8, 12),)},
                 "two_images": {"images": ((1, 8, 12), (1, 20, 16))}, "video": {"videos": ((2, 8, 8),)}}
@@ -243,6 +251,29 @@ def cmd_varlen(args) -> int:
         result["speedup"] = result["sdpa_ms"] / result["varlen_ms"]
     Path(args.output).write_text(json.dumps(result, indent=2) + "\n")
     print(json.dumps(result))
+    return 0
+
+
+def cmd_compile(args) -> int:
+    """Step j: each part of ``training.compile`` (``bench.compile_parts``) compiled against eager at the row
+    lengths of ``COMPILE_TOKENS``: milliseconds of forward + backward, the first call's seconds (compiling), and
+    both against eager in float64. The parts whose compiled time beats eager at the longest row are what the
+    measured default should compile."""
+    import torch
+
+    from loongforge.bench import compile_parts
+    from loongforge.models.layers.compiled import compile_parts as auto_parts
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    shape = compile_parts.GPU_SHAPE if device.type == "cuda" else compile_parts.Shape()
+    results = [compile_parts.measure(part, tokens, shape, device, dtype, repeats=args.steps)
+               for part in args.parts.split(",") for tokens in COMPILE_TOKENS[device.type]]
+    for result in results:
+        print(compile_parts.line(result), flush=True)
+    record = {"device": str(device), "dtype": str(dtype).removeprefix("torch."), "tolerance":
+              COMPILE_TOLERANCE[device.type], "auto": list(auto_parts("auto", device)), "results": results}
+    Path(args.output).write_text(json.dumps(record, indent=2) + "\n")
     return 0
 
 
@@ -499,9 +530,28 @@ def check_varlen(work: Path, args) -> tuple[bool, dict, str]:
                         f"(<= {result['tolerance']:.0e}); auto picks {result['auto_backend']}")
 
 
+def check_compile(work: Path, args) -> tuple[bool, dict, str]:
+    record = json.loads((work / "j_compile.result.json").read_text())
+    results, tolerance = record["results"], record["tolerance"]
+    longest = {}
+    for result in results:  # each part's figures at its longest row
+        if result["tokens"] >= longest.get(result["part"], {}).get("tokens", 0):
+            longest[result["part"]] = result
+    speedups = {part: r["eager_ms"] / r["compiled_ms"] for part, r in longest.items()}
+    worst = max(max(r["worst"], r["worst_summed"]) for r in results)
+    figures = {"tolerance": tolerance, "worst": worst, "speedup_at_longest_row": speedups,
+               "faster_compiled": sorted(part for part, x in speedups.items() if x >= 1.0), "auto": record["auto"],
+               "first_call_s": {r["part"]: r["first_call_s"] for r in results}}
+    ok = bool(results) and worst <= tolerance
+    return ok, figures, (f"compiled / eager speed at {max(r['tokens'] for r in results)} tokens ({record['dtype']}): "
+                         + ", ".join(f"{part} x{x:.2f}" for part, x in speedups.items())
+                         + f"; largest difference {worst:.1e} (<= {tolerance:.0e}) against eager in fp64; auto "
+                           f"compiles {', '.join(record['auto']) or 'nothing'} here")
+
+
 CHECKS = {"a_train": check_train, "b_parity": check_parity, "c_bench": check_bench,
           "d_pytest": check_pytest, "e_cost": check_cost, "f_moe": check_moe, "g_fp8": check_fp8,
-          "h_hybrid": check_hybrid, "i_varlen": check_varlen}
+          "h_hybrid": check_hybrid, "i_varlen": check_varlen, "j_compile": check_compile}
 
 
 def cmd_check(args) -> int:
@@ -615,6 +665,11 @@ def main(argv=None) -> int:
     p.add_argument("--output", required=True)
     p.add_argument("--steps", type=int, default=10)
     p.add_argument("--warmup-steps", type=int, default=3)
+    p = sub.add_parser("compile")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--output", required=True)
+    p.add_argument("--steps", type=int, default=20)
+    p.add_argument("--parts", default="norm,rope,swiglu,grouped_swiglu,permute")
     p = sub.add_parser("check")
     p.add_argument("step", choices=STEPS)
     p.add_argument("--work", required=True)
@@ -645,7 +700,7 @@ def main(argv=None) -> int:
 
     filter_known_warnings(verbose=False, on_cuda=getattr(args, "device", "cpu") == "cuda")
     commands = {"overrides": cmd_overrides, "parity": cmd_parity, "linear-attention": cmd_linear_attention,
-                "varlen": cmd_varlen,
+                "varlen": cmd_varlen, "compile": cmd_compile,
                 "check": cmd_check,
                 "report": cmd_report, "machine": cmd_machine}
     return commands[args.command](args)

@@ -41,6 +41,10 @@
 #      not import) vs SDPA per segment on one 8192-token row of Qwen2.5-7B's attention shape, forward and
 #      backward: the largest difference (<= 2e-2 of the largest, bf16 vs fp32) and both times. In the
 #      rehearsal SDPA alone (varlen has no CPU kernel).
+#   j. training.compile: each compiled part (RMSNorm, RoPE, SwiGLU, the grouped experts' SwiGLU, the MoE
+#      permute) vs eager at Qwen2.5-7B's block shapes, rows of 1024 and 8192 tokens, bf16, forward and
+#      backward: each speed-up (what training.compile=auto should compile on CUDA) and the largest
+#      difference against eager in fp64 (<= 2e-2). In the rehearsal the two SwiGLUs at toy size.
 # Each step prints PASS/FAIL with its figures; the report goes to docs/benchmarks/gpu.md (GPU run)
 # or a temporary folder (rehearsal), and with $OUT set (the device tool) the results are copied
 # there too. Exit code: 0 when every step passed.
@@ -134,8 +138,9 @@ gpu_settings() {
   export HYBRID_PRESET=qwen3.5-tiny HYBRID_STEPS=20 HYBRID_EXTRA="" HYBRID_LENGTHS=2048,8192,32768 HYBRID_RULE=fla
   # Run order a b i c f h g e d: d (CPU tests) is the least GPU-specific and gets what is left.
   # Measured on the H200 (2026-12-04, docs/benchmarks/gpu.md): fla's Triton autotuning takes ~1 min of h.
-  export LIMIT_A=60 LIMIT_B=35 LIMIT_C=60 LIMIT_D=60 LIMIT_E=70 LIMIT_F=60 LIMIT_G=110 LIMIT_H=140 LIMIT_I=30
+  export LIMIT_A=60 LIMIT_B=35 LIMIT_C=60 LIMIT_D=60 LIMIT_E=70 LIMIT_F=60 LIMIT_G=110 LIMIT_H=140 LIMIT_I=30 LIMIT_J=60
   export VARLEN_KERNEL=varlen VARLEN_STEPS=10
+  export COMPILE_PARTS=norm,rope,swiglu,grouped_swiglu,permute COMPILE_STEPS=20
 }
 
 rehearsal_settings() {
@@ -154,8 +159,10 @@ rehearsal_settings() {
   export MOE_EXTRA="model.language.num_layers=2 data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
   export HYBRID_PRESET=qwen3.5-tiny-small-vocab HYBRID_STEPS=4 HYBRID_LENGTHS=128,256 HYBRID_RULE=torch
   export HYBRID_EXTRA="model.language.num_layers=2 model.language.layer_types=[linear_attention,full_attention] data.seq_len=256 training.global_batch_size=2 schedule.warmup_steps=1"
-  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90 LIMIT_G=180 LIMIT_H=120 LIMIT_I=60
+  export LIMIT_A=120 LIMIT_B=60 LIMIT_C=60 LIMIT_D=60 LIMIT_E=120 LIMIT_F=90 LIMIT_G=180 LIMIT_H=120 LIMIT_I=60 LIMIT_J=60
   export VARLEN_KERNEL=sdpa VARLEN_STEPS=2  # torch's varlen kernel has no CPU implementation
+  # The parts megatron's and loongforge's SwiGLU: inductor's C++ build on the CPU costs 2-45 s a part cold.
+  export COMPILE_PARTS=swiglu,grouped_swiglu COMPILE_STEPS=2
   export LANES=2
 }
 
@@ -239,6 +246,11 @@ step_h_hybrid() {
 step_i_varlen() {
   run "$PY" "$REPO/scripts/gpu_check.py" varlen --device "$DEVICE" --steps "$VARLEN_STEPS" \
     --output "$WORK/i_varlen.result.json"
+}
+
+step_j_compile() {
+  run "$PY" "$REPO/scripts/gpu_check.py" compile --device "$DEVICE" --steps "$COMPILE_STEPS" \
+    --parts "$COMPILE_PARTS" --output "$WORK/j_compile.result.json"
 }
 
 step_g_fp8() {
@@ -331,7 +343,7 @@ copy_to_out() {  # the device tool brings back at most 8 files from $OUT
   for f in gpu_results.json c_bench.result.json e_cost.json h_bench.result.json fp8/policy_tp1.json fp8/policy_tp1.png; do
     [ -f "$WORK/$f" ] && cp "$WORK/$f" "$OUT/"
   done
-  for s in a_train b_parity c_bench d_pytest e_cost f_moe g_fp8 h_hybrid i_varlen; do
+  for s in a_train b_parity c_bench d_pytest e_cost f_moe g_fp8 h_hybrid i_varlen j_compile; do
     [ -f "$WORK/$s.log" ] && { echo "===== $s"; tail -n 150 "$WORK/$s.log"; }
   done > "$OUT/logs.txt"
 }
@@ -351,12 +363,12 @@ main() {
     # two CPU cores run two steps in about the time of the longer lane); each lane's lines print whole.
     run_lane g_fp8 a_train c_bench d_pytest > "$WORK/lane1.out" 2>&1 &
     local lane1=$!
-    run_lane h_hybrid e_cost b_parity f_moe i_varlen > "$WORK/lane2.out" 2>&1
+    run_lane h_hybrid e_cost b_parity f_moe i_varlen j_compile > "$WORK/lane2.out" 2>&1
     wait "$lane1"
     cat "$WORK/lane1.out" "$WORK/lane2.out"
     [ -e "$WORK/lane.failed" ] && FAILED=1
   else
-    run_lane a_train b_parity i_varlen c_bench f_moe h_hybrid g_fp8 e_cost d_pytest
+    run_lane a_train b_parity i_varlen j_compile c_bench f_moe h_hybrid g_fp8 e_cost d_pytest
   fi
   "$PY" "$REPO/scripts/gpu_check.py" report --work "$WORK" --output "$REPORT" --mode "$MODE" || FAILED=1
   copy_to_out

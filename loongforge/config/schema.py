@@ -354,6 +354,11 @@ class ParallelConfig:
     # during the next forward, in the forward pre-hook of the modules that own them, instead of all at
     # once after the update. Right only where every weight is read inside its own module's forward.
     overlap_param_gather: Optional[bool] = None
+    # MoE with a shared expert at EP > 1: the shared expert computes on a side stream while the routed
+    # tokens' all-to-all dispatch and combine run (megatron-core's moe_shared_expert_overlap; same sums,
+    # so losses are unchanged: tests/models/test_ep_parity.py). On wherever it applies (a shared expert,
+    # EP > 1, one router over all tokens, no clamped GLU); false keeps the shared expert after the combine.
+    moe_shared_expert_overlap: bool = True
     # Launch size used by --dry-run and for deriving DP before processes exist.
     world_size: int = 1
     # Seconds a collective (and a stop-save after SIGTERM) may wait for the slowest rank before the
@@ -405,6 +410,10 @@ class TrainingConfig:
     # run's TP sizes and token counts, each in the recipe measured fastest (fp8.policy; without a
     # policy, bf16 everywhere); "on": every eligible linear in fp8.recipe. The LM head stays bf16.
     fp8: str = "off"
+    # torch.compile of the blocks' small elementwise functions (RMSNorm, RoPE, SwiGLU, the MoE permute;
+    # models.layers.compiled): "on", "off", or "auto": on with CUDA, off on the CPU, where compiling costs
+    # ~10-30 CPU-s per function per process and runs no faster (docs/benchmarks/compile.md).
+    compile: str = "auto"
     # "auto" picks cuda when available, else cpu.
     device: str = "auto"
     recompute_activations: bool = False

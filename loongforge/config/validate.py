@@ -47,6 +47,7 @@ CHOICES: dict[str, tuple[str, ...]] = {
     "training.precision": ("bf16", "fp32"),
     "training.device": ("auto", "cpu", "cuda"),
     "training.fp8": ("off", "auto", "on"),
+    "training.compile": ("auto", "on", "off"),
     "fp8.recipe": ("auto", "tensorwise", "rowwise", "scaled_mm"),
     "schedule.decay_style": ("cosine", "constant"),
     "data.source": ("synthetic", "files", "packed"),

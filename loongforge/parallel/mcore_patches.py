@@ -58,7 +58,7 @@ from typing import Any, Callable, Iterator
 import torch
 
 __all__ = ["Patch", "CPU_PATCHES", "NO_TE_PATCHES", "FIX_PATCHES", "CHECKPOINT_LOAD_PATCHES",
-           "CHECKPOINT_SAVE_PATCHES", "DEVICE_PROXY_MODULES", "apply_cpu", "apply_without_te", "apply_fixes", "scoped", "revert", "applied",
+           "CHECKPOINT_SAVE_PATCHES", "DEVICE_PROXY_MODULES", "apply", "remove", "apply_cpu", "apply_without_te", "apply_fixes", "scoped", "revert", "applied",
            "cpu_device_scope", "run_in_cpu_device_scope"]
 
 # CPU tensors reported under their CUDA type names, for megatron's ``param.type() == ...`` checks.
@@ -487,6 +487,9 @@ DEVICE_PROXY_MODULES: list[str] = [
     # The all-to-all MoE dispatcher's device-to-host side stream, made at construction (:445) and
     # entered, waited on and synchronised at every dispatch (:871-900).
     "megatron.core.transformer.moe.token_dispatcher",
+    # The shared expert's side stream under moe_shared_expert_overlap (EP > 1), made at construction (:123) and
+    # entered and waited on by each overlapped piece the dispatcher calls (:162-277).
+    "megatron.core.transformer.moe.shared_experts",
 ]
 
 _TENSOR_FACTORIES = ("zeros", "ones", "empty", "full", "tensor", "arange", "zeros_like", "ones_like",
@@ -707,6 +710,20 @@ def apply_cpu() -> list[str]:
             _PROXIED[module_name] = module.torch
             module.torch = _CpuTorch()
     return installed
+
+
+def apply(patches: list[Patch]) -> list[str]:
+    """Install ``patches`` for the rest of the process (``models.layers.compiled``); returns the names this call
+    installed. Idempotent; ``revert()`` undoes them."""
+    return [patch.name for patch in patches if _install(patch)]
+
+
+def remove(patches: list[Patch]) -> list[str]:
+    """Uninstall those of ``patches`` that are installed; returns their names."""
+    removed = [patch.name for patch in patches if patch.name in _APPLIED]
+    for name in reversed(removed):
+        _uninstall(name)
+    return removed
 
 
 def apply_fixes() -> list[str]:

@@ -60,6 +60,8 @@ from loongforge.models.layers.fp8 import (
     describe_fp8_layers,
     fp8_choice,
 )
+from loongforge.models.layers import compiled
+from loongforge.models.layers.compiled import compile_note, compile_parts
 from loongforge.models.layers.layer_backend import passed_over_backends, resolve_layer_backend
 from loongforge.models.layers.lora import apply_lora, describe_lora
 from loongforge.models.decoder.moe_balance import ExpertLoadCounter, unscaled_balance_losses
@@ -469,6 +471,7 @@ def _build_run(cfg: RunConfig, env: DistributedEnv, observer: Optional[TrainingO
         raise InputError(LORA_TE_REFUSAL)
     if env.device.type == "cpu":
         mcore_patches.apply_cpu()
+    compiled.apply(compile_parts(cfg.training.compile, env.device))  # before the build: the SwiGLU part acts there
     layout = init_model_parallel(cfg.parallel, seed=cfg.training.seed, device=env.device)
     embeddings, encoder_digest = _open_embeddings(cfg, env, resume=resume)
     torch.manual_seed(cfg.training.seed)
@@ -720,6 +723,7 @@ def _open_logger(run: _Run, restored: _Restored) -> RunLogger:
                        progress_bar=cfg.logging.progress_bar)
     for line in (*_startup_summary(run), *run.backend_notes):
         logger.write(line)
+    logger.write(compile_note(cfg.training.compile, run.env.device))
     if run.cfg.training.fp8 != "off":
         logger.write(_unwrap_model(run.model[0]).fp8_note)
     if _unwrap_model(run.model[0]).lora_note:

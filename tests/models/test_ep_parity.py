@@ -3,7 +3,8 @@ two ranks that loops over them. Each rank feeds a text sample of its own (seed =
 experts split over EP 2 (half of each layer's on each rank, its tokens reaching the other half by all-to-all), and
 its logits are compared with transformers' on the same sample. The same launch then builds Qwen2-MoE (3 of its 6
 experts on each rank, a gated shared expert) with grouped and with sequential experts (``GROUPED_REFERENCE``) and
-compares their logits and every gradient."""
+compares their logits and every gradient, and once more with its shared expert not overlapped with the all-to-all
+(``parallel.moe_shared_expert_overlap: false``; on by default at EP > 1) to prove the overlap changes no number."""
 
 from __future__ import annotations
 
@@ -59,13 +60,18 @@ def _worker(rank: int, port: int, workdir: str) -> None:
 
 def _grouped_against_sequential(rank: int) -> list[str]:
     """Lines ``grouped_logits`` / ``grouped_gradients``: the largest differences of this rank's logits and
-    gradients (its experts', the replicated rest's) between grouped and sequential experts at EP 2."""
+    gradients (its experts', the replicated rest's) between grouped and sequential experts at EP 2; lines
+    ``overlap_logits`` / ``overlap_gradients``: the same between sequential experts with the shared expert overlapped
+    with the dispatch (the default) and without."""
     reference = REFERENCES[GROUPED_REFERENCE]
     hf_model = reference.hf_model(reference.model_cfg())
-    logits, grads = {}, {}
-    for experts in ("sequential", "grouped"):
-        model_cfg = with_experts(reference.model_cfg(), experts)
-        model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD, world_size=EP_WORLD))
+    logits, grads, overlapped = {}, {}, {}
+    for experts, overlap in (("sequential", True), ("grouped", True), ("no_overlap", False)):
+        model_cfg = with_experts(reference.model_cfg(), "sequential" if experts == "no_overlap" else experts)
+        model = reference.build(model_cfg, ParallelConfig(expert_model_parallel_size=EP_WORLD, world_size=EP_WORLD,
+                                                          moe_shared_expert_overlap=overlap))
+        overlapped[experts] = {module.shared_expert_overlap for module in model.modules()
+                               if hasattr(module, "shared_expert_overlap")}
         load_hf_state_dict(model, hf_model.state_dict())
         case = reference.sample(model_cfg, hf_model, seed=rank)
         logits[experts] = model(**case.ours)  # [1, s, V]
@@ -73,8 +79,19 @@ def _grouped_against_sequential(rank: int) -> list[str]:
         (logits[experts] * weights).sum().backward()
         grads[experts] = gradients(model)
     assert any(".local_experts." in name for name in grads["grouped"])
+    assert overlapped == {"sequential": {True}, "grouped": {True}, "no_overlap": {False}}, overlapped
     return [f"grouped_logits {float((logits['grouped'] - logits['sequential']).abs().max())}",
-            f"grouped_gradients {worst_difference(grads['grouped'], grads['sequential'])}"]
+            f"grouped_gradients {worst_difference(grads['grouped'], grads['sequential'])}",
+            f"overlap_logits {float((logits['sequential'] - logits['no_overlap']).abs().max())}",
+            f"overlap_gradients {worst_relative_difference(grads['sequential'], grads['no_overlap'])}"]
+
+
+def worst_relative_difference(ours: dict[str, torch.Tensor], reference: dict[str, torch.Tensor]) -> float:
+    """The largest gradient difference, each over its tensor's largest magnitude: the overlapped backward sums
+    the shared and routed branches' input gradients in another order (megatron sets its autograd sequence numbers),
+    fp32 rounding of gradients up to ~100 (a qkv weight's, 1.5e-5 apart)."""
+    assert sorted(ours) == sorted(reference)
+    return max(float((ours[k] - reference[k]).abs().max() / reference[k].abs().max().clamp(min=1.0)) for k in reference)
 
 
 @pytest.fixture(scope="module")
@@ -100,3 +117,10 @@ def test_grouped_experts_equal_sequential_at_expert_parallel_2(differences):
     print(f"\n{GROUPED_REFERENCE} EP 2, grouped vs sequential experts: logits {differences['grouped_logits']:.1e}, "
           f"every gradient {differences['grouped_gradients']:.1e} (asserted {BOUND:.0e})")
     assert differences["grouped_logits"] <= BOUND and differences["grouped_gradients"] <= BOUND
+
+
+def test_shared_expert_overlap_equals_no_overlap_at_expert_parallel_2(differences):
+    print(f"\n{GROUPED_REFERENCE} EP 2, shared expert overlapped with the all-to-all vs after it: logits "
+          f"{differences['overlap_logits']:.1e}, every gradient {differences['overlap_gradients']:.1e} of its "
+          f"largest (asserted {BOUND:.0e})")
+    assert differences["overlap_logits"] <= BOUND and differences["overlap_gradients"] <= BOUND

@@ -200,6 +200,23 @@ def test_varlen_step(gpu_check, tmp_path, capsys, ran, worst, speedup, kernel, p
     assert "8192 tokens in 9 samples, 28 heads / 4 groups x 128, bfloat16" in line
 
 
+def _compile_result(part: str, tokens: int, eager_ms: float, compiled_ms: float, worst: float) -> dict:
+    return {"part": part, "tokens": tokens, "dtype": "bfloat16", "first_call_s": 3.0, "worst": worst,
+            "eager_worst": 4e-3, "worst_summed": 0.0, "eager_ms": eager_ms, "compiled_ms": compiled_ms}
+
+
+@pytest.mark.parametrize("worst, passed", [(8e-3, True), (5e-2, False)])  # bf16 rounding; beyond it
+def test_compile_step_names_the_parts_that_pay(gpu_check, tmp_path, capsys, worst, passed):
+    results = [_compile_result("norm", 1024, 1.0, 0.8, 1e-3), _compile_result("norm", 8192, 8.0, 4.0, worst),
+               _compile_result("permute", 8192, 2.0, 2.5, 1e-3)]
+    (tmp_path / "j_compile.result.json").write_text(json.dumps(
+        {"device": "cuda", "dtype": "bfloat16", "tolerance": 2e-2, "auto": ["norm", "permute"], "results": results}))
+    assert _check(gpu_check, tmp_path, "j_compile", 0) == (0 if passed else 1)
+    assert "at 8192 tokens (bfloat16): norm x2.00, permute x0.80" in capsys.readouterr().out
+    figures = json.loads((tmp_path / "j_compile.status.json").read_text())["figures"]
+    assert figures["faster_compiled"] == ["norm"]
+
+
 def test_report_lists_every_step_with_its_commands(gpu_check, tmp_path):
     _train_outputs(tmp_path, [12.0 - 0.3 * i for i in range(30)])
     _check(gpu_check, tmp_path, "a_train")

@@ -244,7 +244,20 @@ def experts(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> dict:
         expert_tensor_parallel_size=expert_tensor_parallel_size(parallel_cfg),
         moe_shared_expert_intermediate_size=moe.shared_expert_ffn_hidden_size,
         moe_shared_expert_gate=moe.shared_expert_ffn_hidden_size is not None and moe.shared_expert_gate,
+        moe_shared_expert_overlap=shared_expert_overlap(lang, parallel_cfg),
     )
+
+
+def shared_expert_overlap(lang: LanguageConfig, parallel_cfg: ParallelConfig) -> bool:
+    """Whether the shared expert runs beside the routed tokens' all-to-all (``parallel.moe_shared_expert_overlap``).
+
+    Only where there is an all-to-all to hide it behind (EP > 1) and megatron's overlapped path computes what its
+    plain one does: that path runs ``SharedExpertMLP``'s pieces from inside the token dispatcher, so the
+    modality-split MoE (``modality_moe``, which calls its shared expert itself) keeps the plain path.
+    """
+    moe = lang.moe
+    return (parallel_cfg.moe_shared_expert_overlap and moe.shared_expert_ffn_hidden_size is not None
+            and parallel_cfg.expert_model_parallel_size > 1 and not moe.vision_ffn_hidden_size)
 
 
 def moe_layer_pattern(lang: LanguageConfig) -> dict:

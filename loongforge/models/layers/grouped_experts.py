@@ -35,6 +35,7 @@ from __future__ import annotations
 from typing import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from loongforge.models.layers.initialization import SeededSequentialMLP
 
@@ -52,6 +53,12 @@ def grouped_linear(rows: torch.Tensor, weights: Sequence[torch.Tensor], tokens_p
         return torch._grouped_mm(rows, stacked.transpose(1, 2), offs=offsets)  # [T, N]
     chunks = rows.split(tokens_per_expert.tolist())
     return torch.cat([chunk @ weight.t() for chunk, weight in zip(chunks, weights)])  # [T, N]
+
+
+def swiglu(intermediate: torch.Tensor) -> torch.Tensor:
+    """silu(gate) * up of the [gate, up] halves (``training.compile``'s ``swiglu`` part compiles it)."""
+    gate, up = torch.chunk(intermediate, 2, dim=-1)  # [T, F] each
+    return F.silu(gate) * up  # [T, F]
 
 
 class GroupedExperts(SeededSequentialMLP):
@@ -88,6 +95,9 @@ class GroupedExperts(SeededSequentialMLP):
         config = self.config
         if not config.gated_linear_unit:
             return config.activation_func(intermediate)
+        if config.activation_func is F.silu and config.activation_func_clamp_value is None \
+                and config.glu_linear_offset == 0.0:
+            return swiglu(intermediate)
         gate, up = torch.chunk(intermediate, 2, dim=-1)  # [T, F] each
         if (clamp := config.activation_func_clamp_value) is not None:
             gate, up = gate.clamp(min=None, max=clamp), up.clamp(min=-clamp, max=clamp)
