@@ -50,7 +50,7 @@ from loongforge.models.decoder.layer_costs import (
     linear_flops,
     mlp,
     token_mixer,
-    untrained_forward_flops,
+    indexer_flops,
 )
 
 Grid = tuple[int, int, int]  # (t, h, w) patches of one image or video
@@ -244,9 +244,12 @@ def language_flops(lang: LanguageConfig, segment_lengths: Sequence[int], options
     backward; ``vision_tokens``: the tokens modality-isolated experts route to their vision set."""
     mtp = lang.mtp_num_layers * mtp_layer_forward_flops(lang, segment_lengths) if lang.mtp_num_layers else 0
     layers = sum(decoder_layers_forward_flops(lang, segment_lengths, vision_tokens))
-    # What runs forward only (sparse attention's indexer): once, and again where recompute reruns the layer.
-    untrained = (lang.num_layers + lang.mtp_num_layers) * untrained_forward_flops(lang, segment_lengths)
-    return language_layer_passes(options) * (layers + mtp) + (FORWARD + (FORWARD if options.recompute else 0)) * untrained
+    # Sparse attention's indexer and its loss: the forward once, and again where recompute reruns the layer; the
+    # backward (its own loss's) once.
+    indexer_forward, indexer_backward = indexer_flops(lang, segment_lengths)
+    indexer = (lang.num_layers + lang.mtp_num_layers) * (
+        (FORWARD + (FORWARD if options.recompute else 0)) * indexer_forward + indexer_backward)
+    return language_layer_passes(options) * (layers + mtp) + indexer
 
 
 def lm_head_flops(lang: LanguageConfig, loss_tokens: int, options: FlopOptions = FlopOptions()) -> int:

@@ -435,7 +435,7 @@ LANGUAGE_VARIANTS = {
     # DeepSeek-V3: multi-latent attention (query and value widths differ), a dense first layer, then sparse
     # ones with an ungated shared expert.
     "latent_moe": ("deepseek-v3-tiny-small-vocab", []),
-    # DeepSeek-V3.2: DeepSeek-V3's under sparse attention, whose indexer the FLOP model counts forward only.
+    # DeepSeek-V3.2: DeepSeek-V3's under sparse attention, the indexer and its KL loss counted beside the layer passes.
     "sparse_latent_moe": ("deepseek-v3.2-tiny-small-vocab", []),
     # MiMo-V2-Flash: full and sliding-window layers (sinks, more key/value heads, values narrower than keys), a
     # dense first layer, then routed experts without a shared expert.

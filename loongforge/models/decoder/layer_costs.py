@@ -170,18 +170,25 @@ class SparseLatentAttention(LatentAttention):
         return super().parameters(lang) + indexer
 
     @staticmethod
-    def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-        """The indexer's forward: its projections (its queries from the query latent, its key and head weights from
-        the hidden state) and its scores, per head a q.k over each segment's square and their weighted sum. Counted
-        forward only (``untrained_forward_flops``, not in ``forward_flops``, whose work the backward doubles): the
-        backward of its KL loss (``decoder.sparse_attention``'s training stages) and that loss's target (the main
-        attention's probabilities again) are not counted yet. Multi-latent attention itself is ``LatentAttention``'s: the CPU path
-        masks the square rather than skipping what the top-k leaves out."""
+    def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> tuple[int, int]:
+        """(forward, backward) FLOPs of the indexer and its KL loss in one layer. Forward: its projections (its
+        queries from the query latent, its key and head weights from the hidden state), its scores (per head a q.k
+        over each segment's square and their weighted sum) and, with the KL loss on, the loss's target (the main
+        attention's q.k again over each square, from detached inputs). Backward (the KL loss's alone: the indexer's
+        inputs are detached): the projections' weight gradients (once their forward) and the scores' (twice).
+        Multi-latent attention itself is ``LatentAttention``'s: the CPU path masks the square rather than skipping
+        what the top-k leaves out."""
         sparse, tokens, h = lang.sparse_attention, sum(segment_lengths), lang.hidden_size
         heads, dim = sparse.index_n_heads, sparse.index_head_dim
         projections = (linear_flops(tokens, lang.multi_latent_attention.q_lora_rank, heads * dim)
                        + linear_flops(tokens, h, dim + heads))
-        return projections + sum(2 * length * length * heads * (dim + 1) for length in segment_lengths)
+        scores = sum(2 * length * length * heads * (dim + 1) for length in segment_lengths)
+        if sparse.indexer_loss_coeff <= 0:
+            return projections + scores, 0
+        mla = lang.multi_latent_attention
+        target = sum(2 * length * length * lang.num_attention_heads * (mla.qk_nope_head_dim + mla.qk_rope_head_dim)
+                     for length in segment_lengths)
+        return projections + scores + target, projections + 2 * scores
 
 
 class WindowedFullAttention:
@@ -330,10 +337,10 @@ def context_keys(cp: int) -> float:
     return cp + 0.5 if cp > 1 else 0.0
 
 
-def untrained_forward_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> int:
-    """What one full-attention layer's forward runs that no backward follows (sparse attention's indexer); 0 in a
-    decoder without it."""
-    return SparseLatentAttention.indexer_flops(lang, segment_lengths) if lang.sparse_attention is not None else 0
+def indexer_flops(lang: LanguageConfig, segment_lengths: Sequence[int]) -> tuple[int, int]:
+    """(forward, backward) of what one full-attention layer runs beside the passes ``forward_flops`` counts (sparse
+    attention's indexer and its loss: ``SparseLatentAttention.indexer_flops``); (0, 0) in a decoder without it."""
+    return SparseLatentAttention.indexer_flops(lang, segment_lengths) if lang.sparse_attention is not None else (0, 0)
 
 
 def token_mixer(lang: LanguageConfig, layer_type: str = FULL_ATTENTION):
