@@ -29,7 +29,9 @@ METRICS = ("rewards/chosen", "rewards/rejected", "rewards/accuracies", "rewards/
            "logps/rejected")
 
 
-class _Identity:
+class OneProcessAccelerator:
+    """What TRL's trainers ask of their ``accelerator``, for one process (test_preference_train.py uses it too)."""
+
     device = torch.device("cpu")
 
     @staticmethod
@@ -78,7 +80,7 @@ def _trl_dpo(per_token, mask, ref, *, loss_types, loss_weights, beta):
                               mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token).bool())
     model = SimpleNamespace(training=True)
     trainer = SimpleNamespace(
-        model=model, accelerator=_Identity(), aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
+        model=model, accelerator=OneProcessAccelerator(), aux_loss_enabled=False, ld_alpha=None, precompute_ref_logps=True,
         f_divergence_type="reverse_kl", loss_types=loss_types, loss_weights=loss_weights, beta=beta,
         label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)}, _total_train_tokens=0,
         _tp_size=1, args=SimpleNamespace(gradient_checkpointing_kwargs=None))
@@ -127,7 +129,7 @@ def test_label_smoothing_is_the_conservative_sigmoid_of_cpo_trainer():
     settings = PreferenceConfig(loss="sigmoid", beta=0.3, label_smoothing=0.2)
     sums = per_token.sum(1)
     chosen_logratios, rejected_logratios = sums[:PAIRS] - ref[:PAIRS], sums[PAIRS:] - ref[PAIRS:]
-    trainer = SimpleNamespace(alpha=0.0, beta=0.3, label_smoothing=0.2, loss_type="sigmoid", accelerator=_Identity())
+    trainer = SimpleNamespace(alpha=0.0, beta=0.3, label_smoothing=0.2, loss_type="sigmoid", accelerator=OneProcessAccelerator())
     losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trainer, chosen_logratios, rejected_logratios)
     theirs = (float(losses.mean()), _pair_metrics(chosen_rewards, rejected_rewards, sums[:PAIRS], sums[PAIRS:]))
     _assert_close(_ours(per_token, mask, ref, settings), theirs, "sigmoid label_smoothing=0.2")
@@ -144,7 +146,7 @@ def test_simpo_equals_cpo_trainer(label_smoothing, rpo_alpha):
     sums, counts = per_token.sum(1), mask.sum(1)
     averages = sums / counts
     trainer = SimpleNamespace(alpha=0.0, beta=2.0, label_smoothing=label_smoothing, loss_type="simpo",
-                              simpo_gamma=0.8, accelerator=_Identity())
+                              simpo_gamma=0.8, accelerator=OneProcessAccelerator())
     losses, chosen_rewards, rejected_rewards = CPOTrainer.cpo_loss(trainer, averages[:PAIRS], averages[PAIRS:])
     nll = -sums[:PAIRS].sum() / counts[:PAIRS].sum()  # CPO's CrossEntropyLoss over the chosen answers' tokens
     theirs = (float(losses.mean() + rpo_alpha * nll),
@@ -159,7 +161,7 @@ def test_orpo_equals_orpo_trainer():
     settings = PreferenceConfig(loss="orpo", beta=0.25)
     sums, counts = per_token.sum(1), mask.sum(1)
     averages = sums / counts
-    trainer = SimpleNamespace(beta=0.25, accelerator=_Identity())
+    trainer = SimpleNamespace(beta=0.25, accelerator=OneProcessAccelerator())
     losses, chosen_rewards, rejected_rewards, _, _ = ORPOTrainer.odds_ratio_loss(trainer, averages[:PAIRS],
                                                                                  averages[PAIRS:])
     # The chosen sequences' NLL (prompt and answer): any token mean; here 40 tokens summing to 52.
@@ -221,7 +223,7 @@ def test_kto_equals_kto_trainer(weights):
     outputs = SimpleNamespace(log_probs=per_token, entropy=torch.zeros_like(per_token),
                               mean_logits=torch.zeros_like(per_token), is_top1=torch.zeros_like(per_token).bool())
     trainer = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_Identity(), aux_loss_enabled=False,
+        model=SimpleNamespace(training=True), accelerator=OneProcessAccelerator(), aux_loss_enabled=False,
         _compute_kl_logps=lambda model, batch: kl_logps, precompute_ref_logps=True, calculate_KL=True,
         loss_type="kto", beta=0.4, desirable_weight=weights[0], undesirable_weight=weights[1],
         _metrics={"train": defaultdict(list)}, _total_train_tokens=0, _tp_size=1)

@@ -31,6 +31,7 @@ from loongforge.data.tokenizer import load_tokenizer
 from loongforge.models.registry import get_family
 from tests.shared_data import SHARED_DATA
 from tests.train.conftest import random_hf_folder, resume_from_copy, run_train
+from tests.train.test_preference_loss import OneProcessAccelerator
 
 PRESET = "llm-tiny"
 MODEL = ("model.language.num_layers=2",)
@@ -103,16 +104,6 @@ def _grad_norm(model) -> float:
                                                         if p.grad is not None])))
 
 
-class _Identity:
-    device = torch.device("cpu")
-
-    @staticmethod
-    def gather(value):
-        return value
-
-    gather_for_metrics = gather
-
-
 def _trl_dpo(loss_type: str, rpo_alpha: float, policy: torch.Tensor, reference: torch.Tensor,
              completion: torch.Tensor) -> tuple[dict, torch.Tensor]:
     """DPOTrainer._compute_loss on the transformers models' log-probs (a stand-in trainer and model); with
@@ -124,7 +115,7 @@ def _trl_dpo(loss_type: str, rpo_alpha: float, policy: torch.Tensor, reference: 
     ref = (reference * mask).sum(1)
     pairs = len(ref) // 2
     trainer = SimpleNamespace(
-        model=SimpleNamespace(training=True), accelerator=_Identity(), aux_loss_enabled=False, ld_alpha=None,
+        model=SimpleNamespace(training=True), accelerator=OneProcessAccelerator(), aux_loss_enabled=False, ld_alpha=None,
         precompute_ref_logps=True, f_divergence_type="reverse_kl", loss_types=[loss_type, "sft"],
         loss_weights=[1.0, rpo_alpha],
         beta=BETA, label_smoothing=0.0, use_weighting=False, _metrics={"train": defaultdict(list)},
@@ -141,7 +132,7 @@ def _trl_orpo(policy: torch.Tensor, attention: torch.Tensor, completion: torch.T
     sums, tokens = (policy * mask).sum(1), mask.sum(1)
     pairs = len(sums) // 2
     averages = sums / tokens
-    trainer = SimpleNamespace(beta=BETA, accelerator=_Identity())
+    trainer = SimpleNamespace(beta=BETA, accelerator=OneProcessAccelerator())
     losses, chosen_rewards, rejected_rewards, _, _ = ORPOTrainer.odds_ratio_loss(trainer, averages[:pairs],
                                                                                  averages[pairs:])
     sequence = attention[:pairs, 1:].double()  # every predicted token of the chosen sequences
