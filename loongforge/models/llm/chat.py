@@ -74,6 +74,28 @@ CHATML_TEXT_TEMPLATE = (
     "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
 )
 
+# A message's text into ns.text: its content string, or its text parts joined (Jinja's set inside a loop needs ns).
+_MESSAGE_TEXT = (
+    "{% set ns.text = '' %}"
+    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
+    "{% else %}{% for part in message['content'] %}"
+    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
+    "{% endfor %}{% endif %}"
+)
+
+
+def _split_reasoning(*, strip_answer: bool) -> str:
+    """ns.text split at </think> into ``answer`` and ``reasoning`` (its <think> dropped): Qwen3's template strips
+    the newlines next to the split only (the answer's leading, the reasoning's both ends); with ``strip_answer``
+    (MiniMax-M2's) both pieces lose them at both ends."""
+    outer, inner, answer = ("strip", "strip", "strip") if strip_answer else ("rstrip", "lstrip", "lstrip")
+    return ("{% set answer = ns.text %}{% set reasoning = '' %}"
+            "{% if '</think>' in ns.text %}"
+            f"{{% set answer = ns.text.split('</think>')[-1].{answer}('\\n') %}}"
+            f"{{% set reasoning = ns.text.split('</think>')[0].{outer}('\\n').split('<think>')[-1].{inner}('\\n') %}}"
+            "{% endif %}")
+
+
 # Qwen3-Next-Instruct's: ChatML without a default system turn.
 QWEN3_INSTRUCT_TEMPLATE = (
     "{% for message in messages %}"
@@ -94,16 +116,7 @@ QWEN3_TEMPLATE = (
     "{% for message in messages %}"
     "<|im_start|>{{ message['role'] }}\n"
     "{% if message['role'] == 'assistant' %}"
-    "{% set ns.text = '' %}"
-    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% set answer = ns.text %}{% set reasoning = '' %}"
-    "{% if '</think>' in ns.text %}"
-    "{% set answer = ns.text.split('</think>')[-1].lstrip('\\n') %}"
-    "{% set reasoning = ns.text.split('</think>')[0].rstrip('\\n').split('<think>')[-1].lstrip('\\n') %}"
-    "{% endif %}"
+    + _MESSAGE_TEXT + _split_reasoning(strip_answer=False) +
     "{% if loop.index0 > ns.last_user and (loop.last or reasoning) %}"
     "<think>\n{{ reasoning.strip('\\n') }}\n</think>\n\n{{ answer.lstrip('\\n') }}"
     "{% else %}{{ answer }}{% endif %}"
@@ -158,11 +171,7 @@ LLAMA2_TEMPLATE = (
     "{% set ns = namespace(text='') %}"
     "<s>"
     "{% for message in messages %}"
-    "{% set ns.text = '' %}"
-    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
-    "{% endfor %}{% endif %}"
+    + _MESSAGE_TEXT +
     "{% if message['role'] == 'system' %}" + _LLAMA2_HEADERS["system"] + "{{ ns.text.strip() }}\n<</SYS>>\n\n"
     "{% elif message['role'] == 'user' %}"
     "{% if loop.first %}[INST] {% elif loop.previtem['role'] != 'system' %}" + _LLAMA2_HEADERS["user"] + "{% endif %}"
@@ -227,16 +236,7 @@ MINIMAX_M2_TEMPLATE = (
     "{% for message in messages %}"
     + default_system_jinja(MINIMAX_M2_SYSTEM_PROMPT, "]~b]", "\n", "[e~[", "\n") +
     "{% if message['role'] == 'assistant' %}" + _MINIMAX_HEADERS["assistant"]
-    + "{% set ns.text = '' %}"
-    "{% if message['content'] is string %}{% set ns.text = message['content'] %}"
-    "{% else %}{% for part in message['content'] %}"
-    "{% if 'text' in part %}{% set ns.text = ns.text + part['text'] %}{% endif %}"
-    "{% endfor %}{% endif %}"
-    "{% set answer = ns.text %}{% set reasoning = '' %}"
-    "{% if '</think>' in ns.text %}"
-    "{% set answer = ns.text.split('</think>')[-1].strip('\\n') %}"
-    "{% set reasoning = ns.text.split('</think>')[0].strip('\\n').split('<think>')[-1].strip('\\n') %}"
-    "{% endif %}"
+    + _MESSAGE_TEXT + _split_reasoning(strip_answer=True) +
     "{% if reasoning and loop.index0 > ns.last_user %}<think>\n{{ reasoning }}\n</think>\n\n{% endif %}"
     "{{ answer }}"
     "{% else %}]~b]{{ message['role'] }}\n" + _CONTENT + "{% endif %}"
